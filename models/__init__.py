@@ -1,0 +1,1 @@
+"""The MoE decoder model, recipes, multi-token prediction and HF checkpoint interop."""

@@ -1,0 +1,1 @@
+"""Mixture-of-experts: router, load balancing, grouped experts, shared experts, the MoE layer."""

@@ -1,0 +1,23 @@
+"""The rank grid (ParallelDims) and the autograd collectives every other package uses."""
+
+from parallel.comm import (
+    PendingAllToAll,
+    all_gather_sequence,
+    all_to_all,
+    all_to_all_async,
+    copy_to_region,
+    gather_along_dim,
+    reduce_from_region,
+    reduce_scatter_sequence,
+    scatter_along_dim,
+)
+from parallel.dims import ParallelConfig, ParallelDims, ParallelSizes
+from parallel.groups import Group, group_rank, group_ranks, group_size
+from parallel.init import default_device, init_distributed
+
+__all__ = [
+    "Group", "ParallelConfig", "ParallelDims", "ParallelSizes", "PendingAllToAll",
+    "all_gather_sequence", "all_to_all", "all_to_all_async", "copy_to_region", "default_device",
+    "gather_along_dim", "group_rank", "group_ranks", "group_size", "init_distributed",
+    "reduce_from_region", "reduce_scatter_sequence", "scatter_along_dim",
+]

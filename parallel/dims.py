@@ -1,0 +1,229 @@
+"""The rank grid: dense layout tp-cp-dp-pp and expert layout etp-ep-edp-pp over the same ranks.
+
+Ranks are numbered with TP innermost and PP outermost::
+
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))        # dense / attention
+    rank = etp_rank + etp * (ep_rank + ep * (edp_rank + edp * pp_rank))    # experts ("folding")
+
+Both layouts cut the world into the same ``pp`` blocks of consecutive ranks, so pipeline
+groups agree; inside a block, attention and experts may be split completely differently
+(e.g. attention TP4/CP2 while experts use ETP1/EP8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from parallel.groups import Group
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Requested sizes. ``dp=None`` means "whatever is left": world / (tp * cp * pp)."""
+
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int | None = None
+    ep: int = 1
+    etp: int = 1
+
+    def resolve(self, world_size: int) -> ParallelSizes:
+        """Infer dp and edp for ``world_size`` and check that every size divides cleanly."""
+        for name in ("tp", "cp", "pp", "ep", "etp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.dp is not None and (not isinstance(self.dp, int) or self.dp < 1):
+            raise ValueError(f"dp={self.dp!r} must be a positive integer (or None to infer it)")
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size} must be a positive integer")
+        tp, cp, pp, ep, etp = self.tp, self.cp, self.pp, self.ep, self.etp
+        model = tp * cp * pp
+        if world_size % model != 0:
+            raise ValueError(
+                f"world_size={world_size} is not divisible by tp*cp*pp={tp}*{cp}*{pp}={model}"
+            )
+        dp = world_size // model if self.dp is None else self.dp
+        if tp * cp * dp * pp != world_size:
+            raise ValueError(
+                f"tp*cp*dp*pp={tp}*{cp}*{dp}*{pp}={tp * cp * dp * pp} does not equal "
+                f"world_size={world_size}; use dp={world_size // model} or leave dp unset"
+            )
+        per_stage = tp * cp * dp
+        if per_stage % (etp * ep) != 0:
+            raise ValueError(
+                f"etp*ep={etp}*{ep}={etp * ep} does not divide tp*cp*dp={tp}*{cp}*{dp}={per_stage} "
+                f"(the ranks of one pipeline stage); valid etp*ep are the divisors of {per_stage}"
+            )
+        return ParallelSizes(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp,
+                             edp=per_stage // (etp * ep), world_size=world_size)
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    """Fully resolved, validated sizes (dp and edp filled in)."""
+
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+    ep: int
+    etp: int
+    edp: int
+    world_size: int
+
+    def dense_coords(self, rank: int) -> dict[str, int]:
+        """{tp, cp, dp, pp} coordinates of ``rank`` in the dense layout."""
+        return _coords(rank, (("tp", self.tp), ("cp", self.cp), ("dp", self.dp), ("pp", self.pp)))
+
+    def expert_coords(self, rank: int) -> dict[str, int]:
+        """{etp, ep, edp, pp} coordinates of ``rank`` in the expert layout."""
+        return _coords(rank, (("etp", self.etp), ("ep", self.ep), ("edp", self.edp), ("pp", self.pp)))
+
+
+def _coords(rank: int, dims: tuple[tuple[str, int], ...]) -> dict[str, int]:
+    out = {}
+    for name, size in dims:  # innermost first
+        out[name] = rank % size
+        rank //= size
+    return out
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """This rank's place in the grid and the process groups of every dimension.
+
+    A group is ``None`` when the process runs alone without torch.distributed (world 1);
+    every collective in ``parallel.comm`` treats ``None`` (and any group of size 1) as a no-op.
+
+    Dense groups ``tp cp dp pp``; expert groups ``ep etp edp``; derived groups ``tp_cp``
+    (router statistics), ``dp_cp`` (dense gradient reduction), ``tp_cp_dp`` (global balancing
+    counts, expert-bias update) and ``etp_ep`` (the token dispatcher's group).
+    """
+
+    sizes: ParallelSizes
+    rank: int = 0
+    device_type: str = "cpu"
+    dense_mesh: DeviceMesh | None = field(default=None, repr=False)
+    expert_mesh: DeviceMesh | None = field(default=None, repr=False)
+    tp_group: Group = field(default=None, repr=False)
+    cp_group: Group = field(default=None, repr=False)
+    dp_group: Group = field(default=None, repr=False)
+    pp_group: Group = field(default=None, repr=False)
+    ep_group: Group = field(default=None, repr=False)
+    etp_group: Group = field(default=None, repr=False)
+    edp_group: Group = field(default=None, repr=False)
+    tp_cp_group: Group = field(default=None, repr=False)
+    dp_cp_group: Group = field(default=None, repr=False)
+    tp_cp_dp_group: Group = field(default=None, repr=False)
+    etp_ep_group: Group = field(default=None, repr=False)
+
+    @classmethod
+    def single(cls, device_type: str = "cpu") -> ParallelDims:
+        """World 1 without torch.distributed: every group is None."""
+        return cls(sizes=ParallelConfig().resolve(1), device_type=device_type)
+
+    @classmethod
+    def build(cls, config: ParallelConfig = ParallelConfig(), device_type: str = "cpu") -> ParallelDims:
+        """Create the grid over the initialised default process group (world 1 without one).
+
+        Collective: every rank calls it, in the same order relative to other group creation.
+        """
+        if not dist.is_initialized():
+            return cls(sizes=config.resolve(1), device_type=device_type)
+        s = config.resolve(dist.get_world_size())
+        dense = init_device_mesh(device_type, (s.pp, s.dp, s.cp, s.tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
+        expert = init_device_mesh(device_type, (s.pp, s.edp, s.ep, s.etp), mesh_dim_names=("pp", "edp", "ep", "etp"))
+        return cls(
+            sizes=s, rank=dist.get_rank(), device_type=device_type, dense_mesh=dense, expert_mesh=expert,
+            tp_group=dense["tp"].get_group(),
+            cp_group=dense["cp"].get_group(),
+            dp_group=dense["dp"].get_group(),
+            pp_group=dense["pp"].get_group(),
+            ep_group=expert["ep"].get_group(),
+            etp_group=expert["etp"].get_group(),
+            edp_group=expert["edp"].get_group(),
+            tp_cp_group=dense["cp", "tp"]._flatten("tp_cp").get_group(),
+            dp_cp_group=dense["dp", "cp"]._flatten("dp_cp").get_group(),
+            tp_cp_dp_group=dense["dp", "cp", "tp"]._flatten("tp_cp_dp").get_group(),
+            etp_ep_group=expert["ep", "etp"]._flatten("etp_ep").get_group(),
+        )
+
+    # -- sizes -----------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.sizes.world_size
+
+    @property
+    def tp(self) -> int:
+        return self.sizes.tp
+
+    @property
+    def cp(self) -> int:
+        return self.sizes.cp
+
+    @property
+    def dp(self) -> int:
+        return self.sizes.dp
+
+    @property
+    def pp(self) -> int:
+        return self.sizes.pp
+
+    @property
+    def ep(self) -> int:
+        return self.sizes.ep
+
+    @property
+    def etp(self) -> int:
+        return self.sizes.etp
+
+    @property
+    def edp(self) -> int:
+        return self.sizes.edp
+
+    # -- this rank's coordinates ---------------------------------------------------------------
+    @property
+    def tp_rank(self) -> int:
+        return self.sizes.dense_coords(self.rank)["tp"]
+
+    @property
+    def cp_rank(self) -> int:
+        return self.sizes.dense_coords(self.rank)["cp"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.sizes.dense_coords(self.rank)["dp"]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.sizes.dense_coords(self.rank)["pp"]
+
+    @property
+    def ep_rank(self) -> int:
+        return self.sizes.expert_coords(self.rank)["ep"]
+
+    @property
+    def etp_rank(self) -> int:
+        return self.sizes.expert_coords(self.rank)["etp"]
+
+    @property
+    def edp_rank(self) -> int:
+        return self.sizes.expert_coords(self.rank)["edp"]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def describe(self) -> str:
+        s = self.sizes
+        return (f"world={s.world_size} dense tp{s.tp}/cp{s.cp}/dp{s.dp}/pp{s.pp} "
+                f"experts etp{s.etp}/ep{s.ep}/edp{s.edp}/pp{s.pp}")

@@ -1,0 +1,1 @@
+"""Pipeline parallelism: stage splitting, point-to-point, schedules and their executor."""

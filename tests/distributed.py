@@ -1,0 +1,96 @@
+"""Run a function on N CPU ranks with gloo, the way every multi-rank test in moefold does.
+
+``run_distributed(fn, world_size, *args)`` forks ``world_size`` processes, joins them into one
+gloo world through a TCPStore the parent holds (so the port cannot be taken in between),
+calls ``fn(*args)`` on each rank and returns the per-rank results in rank order. A rank
+that raises fails the test with that rank's traceback; ranks that do not finish within
+``timeout`` are killed and the test fails naming them. It never hangs.
+
+Fork (not spawn) keeps start-up cheap and lets tests pass local functions: the parent
+must not have initialised torch.distributed itself.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class RankFailure(RuntimeError):
+    """A rank raised; the message carries its traceback."""
+
+
+def _worker(fn: Callable, rank: int, world_size: int, port: int, timeout: float,
+            results: mp.Queue, args: tuple, kwargs: dict) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                              timeout=timedelta(seconds=timeout))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout))
+        value = fn(*args, **kwargs)
+        results.put((rank, True, pickle.dumps(value)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
+                    **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return results by rank."""
+    if dist.is_initialized():
+        raise RuntimeError("run_distributed must be called from a process without a process group")
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
+                          timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    ctx = mp.get_context("fork")
+    results: mp.Queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(fn, rank, world_size, store.port, timeout, results, args, kwargs))
+             for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    done: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(done) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(done))
+                raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s "
+                                   "(a hang: a collective some rank never reached?)")
+            try:
+                rank, ok, payload = results.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in done]
+                if dead:
+                    time.sleep(0.5)  # its report may still be in the pipe
+                    if results.empty():
+                        raise RankFailure(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} "
+                                          "without reporting a result") from None
+                continue
+            if not ok:
+                raise RankFailure(f"rank {rank} of {world_size} failed:\n{payload}")
+            done[rank] = pickle.loads(payload)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.join(timeout=0.1 if len(done) < world_size else 5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        del store
+    return [done[r] for r in range(world_size)]

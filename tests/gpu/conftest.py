@@ -1,0 +1,13 @@
+"""Tests in tests/gpu/ need CUDA (and the optional GPU backends); they skip cleanly without."""
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
+            item.add_marker(skip)

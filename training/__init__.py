@@ -1,0 +1,1 @@
+"""Training: CLI, trainer loop, optimizer, checkpointing, data and metrics."""

@@ -1,0 +1,34 @@
+"""The ``moefold`` command. Each subcommand lives in its own module, imported only when used.
+
+A subcommand module exposes ``add_arguments(parser)`` and ``main(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help). Later subcommands register here.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "env": ("training.env_report", "print torch, devices, world size and the optional backends"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moefold", description="Mixture-of-experts training system.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        cmd.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(cmd)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(importlib.import_module(args._module).main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
