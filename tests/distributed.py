@@ -1,7 +1,8 @@
 """Run a function on N CPU ranks with gloo, the way every multi-rank test in moefold does.
 
 ``run_distributed(fn, world_size, *args)`` forks ``world_size`` processes, joins them into one
-gloo world through a TCPStore the parent holds (so the port cannot be taken in between),
+gloo world through a FileStore in a fresh temporary directory (no port to race for, and no
+store server thread in the parent that a fork could copy mid-lock),
 calls ``fn(*args)`` on each rank and returns the per-rank results in rank order. A rank
 that raises fails the test with that rank's traceback; ranks that do not finish within
 ``timeout`` are killed and the test fails naming them. It never hangs.
@@ -16,6 +17,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -30,14 +32,12 @@ class RankFailure(RuntimeError):
     """A rank raised; the message carries its traceback."""
 
 
-def _worker(fn: Callable, rank: int, world_size: int, port: int, timeout: float,
+def _worker(fn: Callable, rank: int, world_size: int, store_path: str, timeout: float,
             results: mp.Queue, args: tuple, kwargs: dict) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)  # the ranks share the machine's cores
     try:
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
-                              timeout=timedelta(seconds=timeout))
+        store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
         value = fn(*args, **kwargs)
@@ -54,12 +54,12 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return results by rank."""
     if dist.is_initialized():
         raise RuntimeError("run_distributed must be called from a process without a process group")
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
-                          timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    tmpdir = tempfile.TemporaryDirectory(prefix="moefold-dist-")
+    store_path = os.path.join(tmpdir.name, "store")
     ctx = mp.get_context("fork")
     results: mp.Queue = ctx.Queue()
     procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(fn, rank, world_size, store.port, timeout, results, args, kwargs))
+                         args=(fn, rank, world_size, store_path, timeout, results, args, kwargs))
              for rank in range(world_size)]
     for p in procs:
         p.start()
@@ -92,5 +92,5 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             if p.is_alive():
                 p.kill()
                 p.join()
-        del store
+        tmpdir.cleanup()
     return [done[r] for r in range(world_size)]
