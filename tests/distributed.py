@@ -34,7 +34,10 @@ class RankFailure(RuntimeError):
 
 def _worker(fn: Callable, rank: int, world_size: int, store_path: str, timeout: float,
             results: mp.Queue, args: tuple, kwargs: dict) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    # Lazy gloo connections: eagerly connecting the full mesh of every subgroup at once, 8
+    # ranks on 2 cores, fails now and then with "connectFullMesh ... closed by peer".
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      TORCH_GLOO_LAZY_INIT="1")
     torch.set_num_threads(1)  # the ranks share the machine's cores
     try:
         store = dist.FileStore(store_path, world_size)
