@@ -1,0 +1,119 @@
+"""How a parameter is cut across ranks, gathering it back, and layout-independent init.
+
+A sharded parameter carries ``param.moefold_shards``: a tuple of ``Shard(dim, num, index,
+group)``, one per dimension it is split along (e.g. expert weights [e, F/etp, H]: dim 0 over
+ep, dim 1 over etp). Everything that needs the full tensor (tests, checkpoints, HF export)
+reads that instead of knowing each layer.
+
+Initialisation is independent of the layout: ``init_parameters(module, seed)`` draws every
+parameter's *full* tensor from a generator seeded by (seed, parameter name), then keeps this
+rank's slice. The same seed gives the same full weights at tp 1 and tp 8.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from parallel.comm import _all_gather
+from parallel.groups import Group, group_rank, group_size
+
+# init function: fills a full-size tensor in place from the generator it is given
+InitFn = Callable[[Tensor, torch.Generator], None]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank holds chunk ``index`` of ``num`` equal chunks of ``dim``; ``group`` holds the rest."""
+
+    dim: int
+    num: int
+    index: int
+    group: Group
+
+    @classmethod
+    def over(cls, group: Group, dim: int) -> Shard:
+        return cls(dim=dim, num=group_size(group), index=group_rank(group), group=group)
+
+
+def mark_sharded(param: Tensor, *shards: Shard) -> Tensor:
+    """Record how ``param`` is split (shards of size 1 are dropped). Returns ``param``."""
+    param.moefold_shards = tuple(s for s in shards if s.num > 1)
+    return param
+
+
+def shards_of(param: Tensor) -> tuple[Shard, ...]:
+    return getattr(param, "moefold_shards", ())
+
+
+def full_shape(param: Tensor) -> tuple[int, ...]:
+    """Shape of the unsharded tensor."""
+    shape = list(param.shape)
+    for s in shards_of(param):
+        shape[s.dim] *= s.num
+    return tuple(shape)
+
+
+def local_slice(full: Tensor, shards: tuple[Shard, ...]) -> Tensor:
+    """This rank's part of ``full`` (a view)."""
+    for s in shards:
+        full = full.chunk(s.num, dim=s.dim)[s.index]
+    return full
+
+
+def gather_full(tensor: Tensor, shards: tuple[Shard, ...]) -> Tensor:
+    """All-gather ``tensor`` (a shard, or its gradient) back to full shape. No autograd.
+
+    Collective over each shard's group: every member must call it.
+    """
+    out = tensor.detach()
+    for s in reversed(shards):
+        out = _all_gather(out, s.group, s.dim)
+    return out.contiguous()
+
+
+def set_init(param: Tensor, init_fn: InitFn) -> Tensor:
+    """Attach the function that fills ``param``'s full tensor at ``init_parameters`` time."""
+    param.moefold_init = init_fn
+    return param
+
+
+def normal_init(std: float) -> InitFn:
+    def init(t: Tensor, gen: torch.Generator) -> None:
+        t.normal_(0.0, std, generator=gen)
+
+    return init
+
+
+def init_parameters(module: nn.Module, seed: int) -> None:
+    """Fill every parameter that has an init function, independently of the layout.
+
+    Each parameter's full tensor is drawn on the CPU in fp32 from a generator seeded by
+    (seed, name), so results can be compared across layouts; then this rank's slice is copied
+    in. Parameters without an init function keep their (deterministic) constructor values.
+    Meta-device parameters are skipped.
+    """
+    for name, param in module.named_parameters():
+        init_fn = getattr(param, "moefold_init", None)
+        if init_fn is None or param.is_meta:
+            continue
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+        full = torch.empty(full_shape(param), dtype=torch.float32)
+        init_fn(full, gen)
+        with torch.no_grad():
+            param.copy_(local_slice(full, shards_of(param)))
+
+
+def mark_sequence_parallel(param: Tensor) -> Tensor:
+    """Flag a parameter replicated across TP whose gradient is partial under sequence parallelism
+    (norm weights, router): its gradient must be all-reduced over the tp group."""
+    param.moefold_sequence_parallel = True
+    return param
+
+
+def is_sequence_parallel(param: Tensor) -> bool:
+    return getattr(param, "moefold_sequence_parallel", False)

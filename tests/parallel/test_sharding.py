@@ -1,0 +1,51 @@
+"""Sharding metadata: gather back to full, and init identical across layouts."""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel import Shard, full_shape, gather_full, init_parameters, mark_sharded, normal_init, set_init
+from tests.distributed import run_distributed
+
+
+def _module(group_a, group_b) -> nn.Module:
+    m = nn.Module()
+    shape = [4, 6, 5]
+    a, b = Shard.over(group_a, 0), Shard.over(group_b, 1)
+    shape[0] //= a.num
+    shape[1] //= b.num
+    m.w = nn.Parameter(torch.empty(shape))
+    mark_sharded(m.w, a, b)
+    set_init(m.w, normal_init(0.02))
+    m.norm = nn.Parameter(torch.ones(5))
+    return m
+
+
+def _gathered_after_init() -> torch.Tensor:
+    world = dist.group.WORLD
+    pairs = dist.new_group([0, 1]), dist.new_group([2, 3])
+    inner = pairs[dist.get_rank() // 2]
+    outer = [dist.new_group([0, 2]), dist.new_group([1, 3])][dist.get_rank() % 2]
+    out = []
+    for a, b in ((world, None), (outer, inner), (None, inner)):
+        m = _module(a, b)
+        init_parameters(m, seed=7)
+        assert full_shape(m.w) == (4, 6, 5)
+        out.append(gather_full(m.w, m.w.moefold_shards))
+    return torch.stack(out)
+
+
+def test_init_and_gather_are_layout_independent():
+    reference = _module(None, None)
+    init_parameters(reference, seed=7)
+    assert torch.equal(reference.norm, torch.ones(5))  # no init fn: constructor value kept
+    for per_rank in run_distributed(_gathered_after_init, 4):
+        for gathered in per_rank:
+            torch.testing.assert_close(gathered, reference.w.detach(), rtol=0, atol=0)
+
+
+def test_different_seeds_and_names_differ():
+    a, b = _module(None, None), _module(None, None)
+    init_parameters(a, seed=1)
+    init_parameters(b, seed=2)
+    assert not torch.equal(a.w, b.w)
