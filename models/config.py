@@ -1,0 +1,124 @@
+"""The architecture of one decoder model: a flat, typed description close to HF configs.
+
+Component configs (attention, router, MoE) are derived from it by the model builder, so a
+recipe is one readable function returning a ``ModelConfig``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN RoPE scaling as DeepSeek-V3 uses it (HF ``rope_scaling`` / ``rope_parameters``)."""
+
+    factor: float = 40.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+
+
+@dataclass(frozen=True)
+class MLADims:
+    """Multi-latent attention sizes (DeepSeek-V2/V3)."""
+
+    q_lora_rank: int | None = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_interleave: bool = True
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only (MoE) transformer. Field names follow HF where they exist.
+
+    Layer ``i`` is an MoE layer when ``num_experts > 0``, ``i >= first_k_dense_replace`` and
+    ``moe_layer_pattern[i]`` (derived from ``moe_layer_freq``) is 1.
+    """
+
+    name: str
+    family: Literal["deepseek_v3", "qwen3_moe", "mixtral"]
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int | None = None          # kv heads (GQA); None = num_attention_heads
+    head_dim: int | None = None                  # None = hidden / heads
+    attention: Literal["gqa", "mla"] = "gqa"
+    mla: MLADims | None = None
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    attention_bias: bool = False
+    rope_theta: float = 10000.0
+    yarn: YarnScaling | None = None
+    max_position_embeddings: int = 4096
+    norm_eps: float = 1e-6
+    ffn_hidden_size: int = 0                     # dense MLP layers
+    tie_word_embeddings: bool = False
+    # mixture of experts
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_topk: int = 2
+    moe_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    moe_pre_softmax: bool = False                # softmax over all experts before top-k
+    moe_norm_topk_prob: bool = True
+    moe_topk_scaling_factor: float = 1.0
+    moe_num_groups: int | None = None
+    moe_group_topk: int | None = None
+    moe_expert_bias: bool = False                # aux-loss-free balancing bias (DeepSeek-V3)
+    moe_shared_expert_ffn_size: int = 0          # 0 = no shared experts
+    moe_shared_expert_gate: bool = False
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int | tuple[int, ...] = 1
+    moe_aux_loss_coeff: float = 0.0
+    moe_load_balancing_type: str = "aux_loss"
+    # multi-token prediction
+    mtp_num_layers: int = 0
+    mtp_loss_scaling_factor: float = 0.1
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        groups = self.kv_heads
+        if self.num_attention_heads % groups != 0:
+            raise ValueError(f"num_query_groups={groups} does not divide "
+                             f"num_attention_heads={self.num_attention_heads}")
+        if self.attention == "mla" and self.mla is None:
+            raise ValueError("attention='mla' needs mla=MLADims(...)")
+        if self.num_experts > 0:
+            if not 1 <= self.moe_topk <= self.num_experts:
+                raise ValueError(f"moe_topk={self.moe_topk} must be in [1, num_experts={self.num_experts}]")
+            if self.moe_ffn_hidden_size <= 0:
+                raise ValueError(f"moe_ffn_hidden_size={self.moe_ffn_hidden_size} must be positive with experts")
+        if isinstance(self.moe_layer_freq, tuple) and len(self.moe_layer_freq) != self.num_layers:
+            raise ValueError(f"moe_layer_freq pattern has {len(self.moe_layer_freq)} entries, "
+                             f"num_layers={self.num_layers}")
+        if self.num_experts > 0 and self.first_k_dense_replace > 0 and self.ffn_hidden_size <= 0:
+            raise ValueError("first_k_dense_replace > 0 needs ffn_hidden_size for the dense layers")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def attention_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def is_moe_layer(self, index: int) -> bool:
+        if self.num_experts == 0 or index < self.first_k_dense_replace:
+            return False
+        if isinstance(self.moe_layer_freq, tuple):
+            return bool(self.moe_layer_freq[index])
+        return index % self.moe_layer_freq == 0
+
+    def with_(self, **changes) -> ModelConfig:
+        """A copy with some fields changed (recipes derive tiny/proxy versions this way)."""
+        return replace(self, **changes)

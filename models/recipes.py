@@ -1,0 +1,127 @@
+"""Recipes: functions returning the published architectures, plus CPU-sized and proxy versions.
+
+``*_tiny`` trains in minutes on a CPU (hidden 64, a few layers, 4-8 experts) while keeping
+every architectural feature of its family; ``*_proxy`` keeps the true hidden and expert sizes
+with few layers and fewer experts, for single-GPU benchmarking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from models.config import MLADims, ModelConfig, YarnScaling
+
+
+# ----------------------------------------------------------------------------- DeepSeek-V3
+def deepseek_v3() -> ModelConfig:
+    """DeepSeek-V3 (671B total, 37B active): MLA, sigmoid group-limited routing, MTP."""
+    return ModelConfig(
+        name="deepseek_v3", family="deepseek_v3",
+        vocab_size=129280, hidden_size=7168, num_layers=61, num_attention_heads=128,
+        attention="mla", mla=MLADims(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                                     qk_rope_head_dim=64, v_head_dim=128, rope_interleave=True),
+        rope_theta=10000.0, max_position_embeddings=163840,
+        yarn=YarnScaling(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
+                         mscale=1.0, mscale_all_dim=1.0),
+        norm_eps=1e-6, ffn_hidden_size=18432,
+        num_experts=256, moe_ffn_hidden_size=2048, moe_topk=8, moe_score_function="sigmoid",
+        moe_norm_topk_prob=True, moe_topk_scaling_factor=2.5, moe_num_groups=8, moe_group_topk=4,
+        moe_expert_bias=True, moe_shared_expert_ffn_size=2048, first_k_dense_replace=3,
+        moe_aux_loss_coeff=1e-4, moe_load_balancing_type="seq_aux_loss",
+        mtp_num_layers=1, mtp_loss_scaling_factor=0.1,
+    )
+
+
+def deepseek_v3_tiny() -> ModelConfig:
+    return deepseek_v3().with_(
+        name="deepseek_v3_tiny", vocab_size=512, hidden_size=64, num_layers=3, num_attention_heads=4,
+        mla=MLADims(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8),
+        max_position_embeddings=1024,
+        yarn=YarnScaling(factor=4.0, original_max_position_embeddings=64),
+        ffn_hidden_size=128, num_experts=8, moe_ffn_hidden_size=32, moe_topk=2, moe_num_groups=4,
+        moe_group_topk=2, moe_shared_expert_ffn_size=32, first_k_dense_replace=1,
+    )
+
+
+def deepseek_v3_proxy() -> ModelConfig:
+    return deepseek_v3().with_(name="deepseek_v3_proxy", num_layers=4, first_k_dense_replace=1,
+                               num_experts=16, mtp_num_layers=1)
+
+
+# ----------------------------------------------------------------------------- Qwen3-MoE
+def qwen3_moe_30b_a3b() -> ModelConfig:
+    """Qwen3-30B-A3B: GQA with qk-norm, 128 experts top-8, global-batch aux loss."""
+    return ModelConfig(
+        name="qwen3_moe_30b_a3b", family="qwen3_moe",
+        vocab_size=151936, hidden_size=2048, num_layers=48, num_attention_heads=32, num_query_groups=4,
+        head_dim=128, qk_norm=True, rope_theta=1_000_000.0, max_position_embeddings=40960, norm_eps=1e-6,
+        num_experts=128, moe_ffn_hidden_size=768, moe_topk=8, moe_score_function="softmax",
+        moe_pre_softmax=True, moe_norm_topk_prob=True,
+        moe_aux_loss_coeff=1e-3, moe_load_balancing_type="global_aux_loss",
+    )
+
+
+def qwen3_moe_235b_a22b() -> ModelConfig:
+    return qwen3_moe_30b_a3b().with_(
+        name="qwen3_moe_235b_a22b", hidden_size=4096, num_layers=94, num_attention_heads=64,
+        moe_ffn_hidden_size=1536,
+    )
+
+
+def qwen3_moe_tiny() -> ModelConfig:
+    return qwen3_moe_30b_a3b().with_(
+        name="qwen3_moe_tiny", vocab_size=512, hidden_size=64, num_layers=2, num_attention_heads=4,
+        num_query_groups=2, head_dim=16, max_position_embeddings=1024, num_experts=8,
+        moe_ffn_hidden_size=32, moe_topk=2,
+    )
+
+
+def qwen3_moe_proxy() -> ModelConfig:
+    return qwen3_moe_30b_a3b().with_(name="qwen3_moe_proxy", num_layers=4, num_experts=16)
+
+
+# ----------------------------------------------------------------------------- Mixtral
+def mixtral_8x7b() -> ModelConfig:
+    """Mixtral 8x7B: GQA, 8 experts top-2 with softmax over the top-2, rope theta 1e6."""
+    return ModelConfig(
+        name="mixtral_8x7b", family="mixtral",
+        vocab_size=32000, hidden_size=4096, num_layers=32, num_attention_heads=32, num_query_groups=8,
+        rope_theta=1_000_000.0, max_position_embeddings=32768, norm_eps=1e-5,
+        num_experts=8, moe_ffn_hidden_size=14336, moe_topk=2, moe_score_function="softmax",
+        moe_norm_topk_prob=True, moe_aux_loss_coeff=1e-2, moe_load_balancing_type="aux_loss",
+    )
+
+
+def mixtral_8x22b() -> ModelConfig:
+    return mixtral_8x7b().with_(
+        name="mixtral_8x22b", vocab_size=32768, hidden_size=6144, num_layers=56, num_attention_heads=48,
+        moe_ffn_hidden_size=16384, max_position_embeddings=65536,
+    )
+
+
+def mixtral_tiny() -> ModelConfig:
+    return mixtral_8x7b().with_(
+        name="mixtral_tiny", vocab_size=512, hidden_size=64, num_layers=2, num_attention_heads=4,
+        num_query_groups=2, max_position_embeddings=1024, sliding_window=16, num_experts=4,
+        moe_ffn_hidden_size=128,
+    )
+
+
+def mixtral_proxy() -> ModelConfig:
+    return mixtral_8x7b().with_(name="mixtral_proxy", num_layers=2)
+
+
+RECIPES: dict[str, Callable[[], ModelConfig]] = {
+    fn.__name__: fn for fn in (
+        deepseek_v3, deepseek_v3_tiny, deepseek_v3_proxy,
+        qwen3_moe_30b_a3b, qwen3_moe_235b_a22b, qwen3_moe_tiny, qwen3_moe_proxy,
+        mixtral_8x7b, mixtral_8x22b, mixtral_tiny, mixtral_proxy,
+    )
+}
+
+
+def get_recipe(name: str) -> ModelConfig:
+    """The config of recipe ``name``; unknown names fail listing the valid ones."""
+    if name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r}; valid recipes: {', '.join(sorted(RECIPES))}")
+    return RECIPES[name]()
