@@ -1,0 +1,90 @@
+"""Cross-entropy over vocab-parallel logits, without ever gathering the full vocabulary (Megatron-style).
+
+Each tp rank holds logits for its vocabulary slice ``[r * V/tp, (r + 1) * V/tp)``. Per token,
+three scalars cross ranks (all-reduces over the tp group, in fp32): the max logit, the
+target's logit (only its owner contributes) and the sum of exponentials. The backward needs
+no communication: ``softmax - one_hot(target)`` restricted to the local slice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from parallel.groups import Group, group_rank, group_size
+
+
+def _all_reduce_(x: Tensor, group: Group, op: dist.ReduceOp) -> None:
+    if group_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Forward: per-token ``logsumexp(logits) - logits[target]`` over the vocab split across ``group``.
+    Backward: ``(softmax - one_hot(target)) * grad`` on the local slice, in the logits' dtype."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, labels: Tensor, group: Group) -> Tensor:
+        v_local = logits.shape[-1]
+        start = group_rank(group) * v_local
+        logits32 = logits.float()
+        max_logit = logits32.max(dim=-1).values
+        _all_reduce_(max_logit, group, dist.ReduceOp.MAX)
+        shifted = logits32 - max_logit.unsqueeze(-1)
+
+        outside = (labels < start) | (labels >= start + v_local)
+        local_labels = (labels - start).masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        _all_reduce_(target_logit, group, dist.ReduceOp.SUM)
+
+        exp = shifted.exp_()  # reuses the buffer: shifted is not needed any more
+        sum_exp = exp.sum(dim=-1)
+        _all_reduce_(sum_exp, group, dist.ReduceOp.SUM)
+        loss = sum_exp.log() - target_logit
+
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_labels, outside)
+        ctx.logits_dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor):
+        softmax, local_labels, outside = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(-1, local_labels.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None
+
+
+def vocab_parallel_cross_entropy(logits: Tensor, labels: Tensor, tp_group: Group, loss_mask: Tensor | None = None,
+                                 ignore_index: int = -100) -> Tensor:
+    """Per-token cross-entropy ``[...]`` in fp32 from this rank's logits ``[..., V/tp]``.
+
+    ``labels [...]`` are global vocabulary ids, identical on every tp rank (usually ``[S, B]``).
+    Tokens whose label is ``ignore_index`` get loss 0 and no gradient; the loss is multiplied by
+    ``loss_mask`` (0/1 or weights) when given.
+    Collective over ``tp_group`` (three fp32 all-reduces of size ``labels.numel()``).
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"vocab_parallel_cross_entropy: logits {tuple(logits.shape)} must be labels "
+                         f"{tuple(labels.shape)} + [V/tp]")
+    if loss_mask is not None and loss_mask.shape != labels.shape:
+        raise ValueError(f"vocab_parallel_cross_entropy: loss_mask {tuple(loss_mask.shape)} must have the labels' "
+                         f"shape {tuple(labels.shape)}")
+    ignored = labels == ignore_index
+    loss = _VocabParallelCrossEntropy.apply(logits, labels.masked_fill(ignored, 0), tp_group)
+    loss = loss.masked_fill(ignored, 0.0)
+    return loss if loss_mask is None else loss * loss_mask.to(loss.dtype)
+
+
+def masked_mean(loss: Tensor, mask: Tensor | None) -> Tensor:
+    """Mean of ``loss`` over the positions where ``mask`` is non-zero (0 when none is); plain mean without a mask.
+
+    Local to this rank: a mean over data/context-parallel ranks must sum ``(loss * mask).sum()`` and
+    ``mask.sum()`` across them first.
+    """
+    if mask is None:
+        return loss.mean()
+    mask = mask.to(loss.dtype)
+    return (loss * mask).sum() / mask.sum().clamp(min=1.0)

@@ -1,0 +1,81 @@
+"""The dense feed-forward block: SwiGLU (or GELU), column-parallel in, row-parallel out.
+
+Parameter names follow HF (``gate_proj``, ``up_proj``, ``down_proj``; GELU has no gate), each a
+separate weight so checkpoints map one to one. Crosses ranks: one sequence all-gather (SP) or
+region entry shared by gate and up, and one reduce-scatter (SP) or all-reduce after down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dense.linear import ColumnParallelLinear, RowParallelLinear
+from parallel.comm import all_gather_sequence, copy_to_region
+from parallel.groups import Group, group_size
+
+MLP_ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
+
+
+@dataclass(frozen=True)
+class MLPConfig:
+    """``activation``: "swiglu" (``down(silu(gate(x)) * up(x))``, HF LlamaMLP), "gelu" or "gelu_tanh"
+    (``down(gelu(up(x)))``, exact or tanh-approximated). ``bias``: biases on every projection."""
+
+    hidden_size: int
+    ffn_hidden_size: int
+    activation: str = "swiglu"
+    bias: bool = False
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "ffn_hidden_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"MLPConfig.{name}={value!r} must be a positive integer")
+        if self.activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"MLPConfig.activation={self.activation!r} is not one of {MLP_ACTIVATIONS}")
+        if not self.init_std > 0:
+            raise ValueError(f"MLPConfig.init_std={self.init_std!r} must be > 0")
+
+    def check_parallel(self, tp: int) -> None:
+        if self.ffn_hidden_size % tp != 0:
+            raise ValueError(f"MLPConfig: ffn_hidden_size={self.ffn_hidden_size} is not divisible by tp={tp}")
+
+
+class DenseMLP(nn.Module):
+    """forward(x [S, B, H], or with ``sequence_parallel`` [S/tp, B, H]) -> same shape.
+
+    Local weights: gate/up ``[F/tp, H]`` (Shard dim 0), down ``[H, F/tp]`` (Shard dim 1).
+    """
+
+    def __init__(self, config: MLPConfig, tp_group: Group = None, *, sequence_parallel: bool = False,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        config.check_parallel(group_size(tp_group))
+        self.config, self.tp_group, self.sequence_parallel = config, tp_group, sequence_parallel
+        c = config
+        kw = {"bias": c.bias, "init_std": c.init_std, "dtype": dtype, "device": device}
+        if c.activation == "swiglu":
+            self.gate_proj = ColumnParallelLinear(c.hidden_size, c.ffn_hidden_size, tp_group, **kw)
+        else:
+            self.gate_proj = None
+        self.up_proj = ColumnParallelLinear(c.hidden_size, c.ffn_hidden_size, tp_group, **kw)
+        self.down_proj = RowParallelLinear(c.ffn_hidden_size, c.hidden_size, tp_group,
+                                           sequence_parallel=sequence_parallel, **kw)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # one all-gather (SP) / region entry feeds both gate and up
+        x = all_gather_sequence(x, self.tp_group, 0) if self.sequence_parallel else copy_to_region(x, self.tp_group)
+        up = self.up_proj.forward_local(x)
+        if self.gate_proj is not None:
+            h = F.silu(self.gate_proj.forward_local(x)) * up
+        else:
+            h = F.gelu(up, approximate="tanh" if self.config.activation == "gelu_tanh" else "none")
+        return self.down_proj(h)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.config.activation}, tp={group_size(self.tp_group)}, sp={self.sequence_parallel}"
