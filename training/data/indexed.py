@@ -1,0 +1,180 @@
+"""The indexed token format: ``PREFIX.bin`` (the tokens) and ``PREFIX.idx`` (header + document offsets).
+
+``.bin``: every document's token ids, EOS included, back to back, little-endian ``uint16`` when the
+vocabulary has fewer than 65536 ids, else ``uint32``. Nothing else.
+
+``.idx`` (little-endian)::
+
+    offset  size  field
+    0       8     magic      b"MOEFIDX\\0"
+    8       8     version    uint64, currently 1
+    16      8     dtype code uint8 (1 = uint16, 2 = uint32) + 7 bytes padding
+    24      8     num_docs   uint64
+    32      8     num_tokens uint64
+    40      8     vocab_size uint64 (the tokenizer's, so a reader can size its embedding)
+    48      8*(num_docs+1)   doc_offsets int64: document d is tokens[doc_offsets[d]:doc_offsets[d+1]]
+
+Both files are read through ``numpy.memmap``; a reader never loads the tokens into memory. A writer
+writes to temporary names and renames, so a reader never sees a half-written pair.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+MAGIC = b"MOEFIDX\0"
+VERSION = 1
+_HEADER = struct.Struct("<8sQB7xQQQ")
+HEADER_BYTES = _HEADER.size  # 48
+DTYPES: dict[int, type[np.unsignedinteger]] = {1: np.uint16, 2: np.uint32}
+
+
+def token_dtype(vocab_size: int) -> type[np.unsignedinteger]:
+    """uint16 when every id fits (vocab_size < 65536), else uint32."""
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size={vocab_size} must be positive")
+    return np.uint16 if vocab_size < 65536 else np.uint32
+
+
+def bin_path(prefix: str | os.PathLike) -> Path:
+    return Path(f"{os.fspath(prefix)}.bin")
+
+
+def idx_path(prefix: str | os.PathLike) -> Path:
+    return Path(f"{os.fspath(prefix)}.idx")
+
+
+class IndexedDatasetWriter:
+    """Appends documents (1-D integer arrays) and writes the ``.idx`` on ``finalize()``.
+
+    Use as a context manager; leaving it by an exception removes the temporary files.
+    """
+
+    def __init__(self, prefix: str | os.PathLike, vocab_size: int) -> None:
+        self.prefix = os.fspath(prefix)
+        self.vocab_size = int(vocab_size)
+        self.dtype = token_dtype(self.vocab_size)
+        self._tmp_bin = Path(f"{self.prefix}.bin.tmp{os.getpid()}")
+        self._tmp_idx = Path(f"{self.prefix}.idx.tmp{os.getpid()}")
+        self._tmp_bin.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self._tmp_bin, "wb")  # noqa: SIM115 - closed in finalize()/abort()
+        self._lengths: list[int] = []
+
+    def add_document(self, tokens: np.ndarray | list[int]) -> None:
+        arr = np.asarray(tokens)
+        if arr.ndim != 1:
+            raise ValueError(f"a document must be a 1-D array of token ids, got shape {arr.shape}")
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= self.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got [{arr.min()}, {arr.max()}]")
+        self._file.write(arr.astype(self.dtype, copy=False).tobytes())
+        self._lengths.append(int(arr.size))
+
+    @property
+    def num_docs(self) -> int:
+        return len(self._lengths)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self._lengths)
+
+    def finalize(self) -> None:
+        self._file.close()
+        offsets = np.zeros(len(self._lengths) + 1, dtype=np.int64)
+        np.cumsum(np.asarray(self._lengths, dtype=np.int64), out=offsets[1:])
+        code = next(c for c, d in DTYPES.items() if d is self.dtype)
+        with open(self._tmp_idx, "wb") as f:
+            f.write(_HEADER.pack(MAGIC, VERSION, code, len(self._lengths), int(offsets[-1]), self.vocab_size))
+            f.write(offsets.astype("<i8").tobytes())
+        # .bin first: a reader that finds the .idx finds a complete .bin next to it.
+        os.replace(self._tmp_bin, bin_path(self.prefix))
+        os.replace(self._tmp_idx, idx_path(self.prefix))
+
+    def abort(self) -> None:
+        self._file.close()
+        for p in (self._tmp_bin, self._tmp_idx):
+            p.unlink(missing_ok=True)
+
+    def __enter__(self) -> IndexedDatasetWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.finalize()
+        else:
+            self.abort()
+
+
+class IndexedDataset:
+    """Read-only view of ``PREFIX.bin``/``PREFIX.idx``, validated on open.
+
+    ``tokens``: memmap [num_tokens] (uint16/uint32); ``doc_offsets``: memmap [num_docs + 1] int64.
+    Raises ``ValueError`` naming the file for a wrong magic/version/dtype, a truncated ``.idx`` or a
+    ``.bin`` whose size does not match the index; ``FileNotFoundError`` when either file is missing.
+    """
+
+    def __init__(self, prefix: str | os.PathLike) -> None:
+        self.prefix = os.fspath(prefix)
+        ipath, bpath = idx_path(prefix), bin_path(prefix)
+        for p in (ipath, bpath):
+            if not p.is_file():
+                raise FileNotFoundError(f"{p}: no such file (expected the pair {bpath.name}/{ipath.name} "
+                                        "written by `moefold prepare-data`)")
+        size = ipath.stat().st_size
+        if size < HEADER_BYTES:
+            raise ValueError(f"{ipath}: {size} bytes is shorter than the {HEADER_BYTES}-byte header (truncated?)")
+        with open(ipath, "rb") as f:
+            magic, version, code, num_docs, num_tokens, vocab_size = _HEADER.unpack(f.read(HEADER_BYTES))
+        if magic != MAGIC:
+            raise ValueError(f"{ipath}: not a moefold index file (magic {magic!r}, expected {MAGIC!r})")
+        if version != VERSION:
+            raise ValueError(f"{ipath}: index format version {version} is not supported (this moefold reads "
+                             f"version {VERSION}); re-run `moefold prepare-data`")
+        if code not in DTYPES:
+            raise ValueError(f"{ipath}: unknown dtype code {code} (valid: {sorted(DTYPES)})")
+        expected_idx = HEADER_BYTES + 8 * (num_docs + 1)
+        if size != expected_idx:
+            raise ValueError(f"{ipath}: {size} bytes, but a header with num_docs={num_docs} needs "
+                             f"{expected_idx} bytes (truncated or corrupt)")
+        self.dtype = DTYPES[code]
+        self.vocab_size = int(vocab_size)
+        itemsize = np.dtype(self.dtype).itemsize
+        bsize = bpath.stat().st_size
+        if bsize != num_tokens * itemsize:
+            raise ValueError(f"{bpath}: {bsize} bytes, but {ipath.name} says {num_tokens} tokens x {itemsize} "
+                             f"bytes = {num_tokens * itemsize} bytes (truncated or from another run)")
+        self.doc_offsets = np.memmap(ipath, dtype="<i8", mode="r", offset=HEADER_BYTES, shape=(num_docs + 1,))
+        if self.doc_offsets[0] != 0 or self.doc_offsets[-1] != num_tokens:
+            raise ValueError(f"{ipath}: document offsets run from {self.doc_offsets[0]} to "
+                             f"{self.doc_offsets[-1]}, expected 0 to num_tokens={num_tokens} (corrupt)")
+        # np.memmap cannot map an empty file; an empty corpus is refused later by the datasets.
+        self.tokens = (np.memmap(bpath, dtype=self.dtype, mode="r", shape=(num_tokens,)) if num_tokens
+                       else np.zeros(0, dtype=self.dtype))
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.doc_offsets) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def doc_lengths(self) -> np.ndarray:
+        """int64 [num_docs]."""
+        return np.diff(np.asarray(self.doc_offsets))
+
+    def document(self, d: int) -> np.ndarray:
+        """Token ids of document ``d`` (EOS included), a memmap slice."""
+        if not 0 <= d < self.num_docs:
+            raise IndexError(f"document {d} out of range [0, {self.num_docs})")
+        return self.tokens[self.doc_offsets[d]:self.doc_offsets[d + 1]]
+
+    def __len__(self) -> int:
+        return self.num_docs
+
+    def __repr__(self) -> str:
+        return (f"IndexedDataset({self.prefix!r}, docs={self.num_docs}, tokens={self.num_tokens}, "
+                f"vocab={self.vocab_size}, dtype={np.dtype(self.dtype).name})")

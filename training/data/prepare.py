@@ -1,0 +1,228 @@
+"""``moefold prepare-data``: text / JSONL files -> ``PREFIX.bin`` + ``PREFIX.idx`` + ``PREFIX.tokenizer.json``.
+
+Inputs are files or directories (searched recursively for ``--glob`` patterns, sorted, so the output
+is deterministic). A ``.jsonl`` file holds one document per line (the ``--json-key`` field, default
+``text``); any other file is one document. Empty documents are skipped; every document gets the EOS
+separator appended. Tokenisation runs in ``--workers`` processes (documents stay in input order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from training.data.indexed import IndexedDatasetWriter
+from training.data.tokenizer import eos_id, load_tokenizer, tokenizer_path, train_bpe
+
+DEFAULT_GLOBS = ("*.txt", "*.jsonl", "*.md")
+JSONL_SUFFIXES = (".jsonl",)
+_CHUNK_DOCS = 64
+
+
+@dataclass(frozen=True)
+class PrepareStats:
+    prefix: str
+    num_docs: int
+    num_tokens: int
+    vocab_size: int
+    tokenizer: str
+
+
+def expand_inputs(inputs: Sequence[str | os.PathLike], globs: Sequence[str] = DEFAULT_GLOBS) -> list[Path]:
+    """Files as given; directories expanded recursively to their files matching ``globs``, sorted."""
+    files: list[Path] = []
+    for item in inputs:
+        p = Path(item)
+        if p.is_dir():
+            found = {f for g in globs for f in p.rglob(g) if f.is_file()}
+            files.extend(sorted(found, key=lambda f: f.relative_to(p).as_posix()))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise FileNotFoundError(f"input {p}: no such file or directory")
+    return files
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc})") from exc
+
+
+def _jsonl_documents(path: Path, json_key: str) -> Iterator[str]:
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 ({exc})") from exc
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object per line, got {type(record).__name__}")
+            if json_key not in record:
+                raise ValueError(f"{path}:{lineno}: no {json_key!r} field (fields present: "
+                                 f"{sorted(record)}); choose the field with --json-key")
+            text = record[json_key]
+            if not isinstance(text, str):
+                raise ValueError(f"{path}:{lineno}: field {json_key!r} is a {type(text).__name__}, expected a string")
+            yield text
+
+
+def iter_documents(files: Iterable[Path], json_key: str = "text") -> Iterator[str]:
+    """Every non-empty document of ``files`` in order (see the module docstring for the formats)."""
+    for path in files:
+        if path.suffix in JSONL_SUFFIXES:
+            yield from (t for t in _jsonl_documents(path, json_key) if t)
+        else:
+            text = _read_text(path)
+            if text:
+                yield text
+
+
+def _chunks(docs: Iterable[str], size: int) -> Iterator[list[str]]:
+    chunk: list[str] = []
+    for d in docs:
+        chunk.append(d)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+# Set once per worker process by the Pool initializer (the tokenizer is not picklable per task).
+_WORKER: dict = {}
+
+
+def _init_worker(tokenizer_json: str, eos: int) -> None:
+    from tokenizers import Tokenizer
+
+    _WORKER["tok"] = Tokenizer.from_str(tokenizer_json)
+    _WORKER["eos"] = eos
+
+
+def _encode_chunk(chunk: list[str]) -> list[np.ndarray]:
+    return _encode_with(_WORKER["tok"], _WORKER["eos"], chunk)
+
+
+def _encode_with(tok, eos: int, chunk: list[str]) -> list[np.ndarray]:
+    out = []
+    for enc in tok.encode_batch(chunk, add_special_tokens=False):
+        ids = np.empty(len(enc.ids) + 1, dtype=np.int64)
+        ids[:-1] = enc.ids
+        ids[-1] = eos
+        out.append(ids)
+    return out
+
+
+def _encoded(tok, docs: Iterable[str], workers: int) -> Iterator[list[np.ndarray]]:
+    eos = eos_id(tok)
+    if workers <= 1:
+        for chunk in _chunks(docs, _CHUNK_DOCS):
+            yield _encode_with(tok, eos, chunk)
+        return
+    import multiprocessing as mp
+
+    # The parent may have used the tokenizer's thread pool (training); children must not use theirs
+    # after fork. Setting the variable also silences the library's fork warning.
+    old = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+        with mp.get_context(method).Pool(workers, _init_worker, (tok.to_str(), eos)) as pool:
+            yield from pool.imap(_encode_chunk, _chunks(docs, _CHUNK_DOCS))
+    finally:
+        if old is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = old
+
+
+def prepare(inputs: Sequence[str | os.PathLike], output_prefix: str | os.PathLike, *,
+            vocab_size: int | None = None, tokenizer: str | os.PathLike | None = None, json_key: str = "text",
+            workers: int = 1, globs: Sequence[str] = DEFAULT_GLOBS, progress: bool = True,
+            files: Sequence[Path] | None = None) -> PrepareStats:
+    """Tokenise ``inputs`` into ``output_prefix``.{bin,idx} and save the tokenizer next to them.
+
+    Exactly one of ``vocab_size`` (train a byte-level BPE on the inputs) and ``tokenizer`` (a
+    ``tokenizer.json``) is given. ``files``, when given, replaces the expansion of ``inputs``.
+    Raises ValueError for an empty corpus or malformed input, naming the file (and line for JSONL).
+    """
+    if (vocab_size is None) == (tokenizer is None):
+        raise ValueError("give exactly one of --vocab-size (train a BPE) and --tokenizer (load tokenizer.json)")
+    if workers < 1:
+        raise ValueError(f"workers={workers} must be >= 1")
+    files = list(files) if files is not None else expand_inputs(inputs, globs)
+    where = ", ".join(str(i) for i in inputs) or "(no inputs)"
+    if not files:
+        raise ValueError(f"empty corpus: no input files found in {where} (directories are searched for {list(globs)})")
+    num_docs = None
+    if tokenizer is not None:
+        tok = load_tokenizer(tokenizer)
+    else:
+        counter = [0]
+
+        def counted() -> Iterator[str]:
+            for d in iter_documents(files, json_key):
+                counter[0] += 1
+                yield d
+
+        tok = train_bpe(counted(), vocab_size)
+        num_docs = counter[0]
+        if num_docs == 0:
+            raise ValueError(f"empty corpus: the {len(files)} input file(s) in {where} hold no non-empty document")
+    from tqdm import tqdm
+
+    prefix = os.fspath(output_prefix)
+    vocab = tok.get_vocab_size()
+    with IndexedDatasetWriter(prefix, vocab) as writer:
+        bar = tqdm(total=num_docs, unit="doc", desc=f"tokenising -> {Path(prefix).name}", disable=not progress)
+        with bar:
+            for encoded in _encoded(tok, iter_documents(files, json_key), workers):
+                for ids in encoded:
+                    writer.add_document(ids)
+                bar.update(len(encoded))
+        if writer.num_docs == 0:
+            raise ValueError(f"empty corpus: the {len(files)} input file(s) in {where} hold no non-empty document")
+        stats = PrepareStats(prefix, writer.num_docs, writer.num_tokens, vocab, str(tokenizer_path(prefix)))
+        tok.save(str(tokenizer_path(prefix)))  # before the .idx appears: a present .idx means a complete set
+    return stats
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                        help="text / .jsonl files or directories (searched recursively for --glob)")
+    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx, PREFIX.tokenizer.json")
+    tok = parser.add_mutually_exclusive_group(required=True)
+    tok.add_argument("--vocab-size", type=int, help="train a byte-level BPE of this size on the inputs")
+    tok.add_argument("--tokenizer", help="use this HF tokenizer.json (must contain <|endoftext|>)")
+    parser.add_argument("--json-key", default="text", help="JSONL field holding the text (default: text)")
+    parser.add_argument("--glob", nargs="+", default=list(DEFAULT_GLOBS), help="file patterns inside directories")
+    parser.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)),
+                        help="tokenising processes (default: min(8, cpus))")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        stats = prepare(args.input, args.output_prefix, vocab_size=args.vocab_size, tokenizer=args.tokenizer,
+                        json_key=args.json_key, workers=args.workers, globs=args.glob,
+                        progress=not args.no_progress)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"moefold prepare-data: error: {exc}")
+        return 2
+    print(f"wrote {stats.prefix}.bin/.idx: {stats.num_docs} documents, {stats.num_tokens} tokens, "
+          f"vocab {stats.vocab_size}, tokenizer {stats.tokenizer}")
+    return 0
