@@ -42,16 +42,17 @@ class TransformerBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, norm_eps, **kw)
         self.mlp = ffn
 
-    def _body(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Any]:
+    def _body(self, x: Tensor, position_ids: Tensor, **ffn_kwargs: Any) -> tuple[Tensor, Any]:
         x = x + self.self_attn(self.input_layernorm(x), position_ids)
-        out = self.mlp(self.post_attention_layernorm(x))
+        out = self.mlp(self.post_attention_layernorm(x), **ffn_kwargs)
         out, extra = out if isinstance(out, tuple) else (out, None)
         return x + out, extra
 
-    def forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Any]:
+    def forward(self, x: Tensor, position_ids: Tensor, **ffn_kwargs: Any) -> tuple[Tensor, Any]:
+        """``ffn_kwargs`` go to the FFN (e.g. the MoE layer's ``global_state``)."""
         if x.shape[-1] != self.hidden:
             raise ValueError(f"TransformerBlock(hidden={self.hidden}) got x of shape {tuple(x.shape)}")
-        return checkpointed(self._body, x, position_ids, enabled=self.recompute == "full")
+        return checkpointed(self._body, x, position_ids, enabled=self.recompute == "full", **ffn_kwargs)
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, sp={self.sequence_parallel}, recompute={self.recompute}"

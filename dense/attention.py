@@ -1,0 +1,104 @@
+"""GQA causal self-attention (Qwen3-MoE, Mixtral) with tensor, sequence and context parallelism.
+
+Parameters map 1:1 onto HF's ``q_proj/k_proj/v_proj/o_proj`` (+ ``q_norm/k_norm``), each
+weight ``[out, in]`` like ``nn.Linear``:
+
+- ``q_proj`` column-parallel: the local weight holds whole heads ``[h/tp * d, H]``.
+- ``k_proj``/``v_proj`` column-parallel when ``kv_heads % tp == 0``; with fewer kv heads than
+  tp (Megatron-style replication) each rank keeps the *full* ``[kv_heads * d, H]`` weight and uses
+  the rows of kv head ``tp_rank // (tp / kv_heads)``. The weight enters through
+  ``copy_to_region``, so its gradient is all-reduced over tp in backward and is complete and
+  identical on every tp rank (it needs no further reduction).
+- ``q_norm``/``k_norm`` (qk-norm) are replicated; each rank normalises only its own heads, so
+  their weights also enter through ``copy_to_region``: complete gradients on every rank.
+- ``o_proj`` row-parallel (reduce-scatter to the sequence shard under SP, else all-reduce).
+
+The block input (the sequence shard under SP) is all-gathered once for q, k and v together.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from dense.attention_config import AttentionConfig
+from dense.core_attention import CoreAttention
+from dense.linear import ColumnParallelLinear, RowParallelLinear
+from dense.norm import RMSNorm
+from dense.rope import RotaryEmbedding, apply_rotary
+from parallel.comm import all_gather_sequence, copy_to_region
+from parallel.groups import Group, group_rank, group_size
+
+
+class GQAAttention(nn.Module):
+    """forward(x ``[S/tp, B, H]`` with SP else ``[S, B, H]``, position_ids ``[S]``) -> same shape as x.
+
+    ``S`` is this rank's sequence (its CP part: ``position_ids`` are the true global positions,
+    int64). Crosses ranks: tp (input all-gather / output reduce-scatter under SP, else the
+    column/row region all-reduces) and cp (K/V exchange, see ``dense.context_parallel``).
+    """
+
+    def __init__(self, config: AttentionConfig, tp_group: Group = None, cp_group: Group = None, *,
+                 sequence_parallel: bool = False, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        tp, cp = group_size(tp_group), group_size(cp_group)
+        config.check_parallel(tp, cp)
+        self.config, self.tp_group, self.sequence_parallel = config, tp_group, sequence_parallel
+        c, d, g = config, config.head_dim_resolved, config.kv_heads
+        self.head_dim = d
+        self.local_heads = c.num_heads // tp
+        self.kv_replicated = g % tp != 0
+        self.local_kv_heads = 1 if self.kv_replicated else g // tp
+        # replicated kv: the one kv head whose query group contains this rank's query heads
+        self.kv_head_index = group_rank(tp_group) // (tp // g) if self.kv_replicated else 0
+        kw = {"bias": c.bias, "init_std": c.init_std, "dtype": dtype, "device": device}
+        self.q_proj = ColumnParallelLinear(c.hidden_size, c.num_heads * d, tp_group, **kw)
+        kv_group = None if self.kv_replicated else tp_group
+        self.k_proj = ColumnParallelLinear(c.hidden_size, g * d, kv_group, **kw)
+        self.v_proj = ColumnParallelLinear(c.hidden_size, g * d, kv_group, **kw)
+        self.o_proj = RowParallelLinear(c.num_heads * d, c.hidden_size, tp_group, sequence_parallel=sequence_parallel,
+                                        **kw)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(d, c.norm_eps, dtype=dtype, device=device)
+            self.k_norm = RMSNorm(d, c.norm_eps, dtype=dtype, device=device)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary = RotaryEmbedding(d, c.rope_theta, c.yarn)
+        self.core = CoreAttention(d ** -0.5, sliding_window=c.sliding_window, cp_group=cp_group,
+                                  cp_comm=c.cp_comm, recompute=c.recompute == "selective")
+
+    def _project_kv(self, proj: ColumnParallelLinear, x: Tensor) -> Tensor:
+        if not self.kv_replicated:
+            return proj.forward_local(x)
+        rows = slice(self.kv_head_index * self.head_dim, (self.kv_head_index + 1) * self.head_dim)
+        w = copy_to_region(proj.weight, self.tp_group)[rows]
+        b = None if proj.bias is None else copy_to_region(proj.bias, self.tp_group)[rows]
+        return F.linear(x, w, b)
+
+    def _head_norm(self, norm: RMSNorm, x: Tensor) -> Tensor:
+        return functional_call(norm, {"weight": copy_to_region(norm.weight, self.tp_group)}, (x,))
+
+    def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
+        # one all-gather (SP) or one region entry for q, k and v together; see ColumnParallelLinear
+        x = all_gather_sequence(x, self.tp_group, 0) if self.sequence_parallel else copy_to_region(x, self.tp_group)
+        S, B = x.shape[:2]
+        if position_ids.shape != (S,):
+            raise ValueError(f"GQAAttention: position_ids {tuple(position_ids.shape)} must be [{S}] "
+                             "(one global position per token of this rank's sequence, before the SP split)")
+        q = self.q_proj.forward_local(x).view(S, B, self.local_heads, self.head_dim)
+        k = self._project_kv(self.k_proj, x).view(S, B, self.local_kv_heads, self.head_dim)
+        v = self._project_kv(self.v_proj, x).view(S, B, self.local_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
+        cos, sin = self.rotary(position_ids)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o_proj(self.core(q, k, v, position_ids))
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.local_heads}/{self.config.num_heads}, kv_heads={self.local_kv_heads}/"
+                f"{self.config.kv_heads}{' (replicated)' if self.kv_replicated else ''}, head_dim={self.head_dim}, "
+                f"qk_norm={self.config.qk_norm}, sliding_window={self.config.sliding_window}, "
+                f"sp={self.sequence_parallel}")

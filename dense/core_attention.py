@@ -1,0 +1,67 @@
+"""Core attention: softmax(q k^T * scale + causal/window mask) v, for GQA and MLA alike.
+
+Without context parallelism this is one ``torch.nn.functional.scaled_dot_product_attention``
+call (``is_causal`` when there is no sliding window, so fused kernels can be picked; an
+explicit position mask otherwise). With CP it delegates to ``dense.context_parallel`` in the
+configured exchange mode. Selective recomputation checkpoints exactly this module
+(``torch.utils.checkpoint``, non-reentrant): the S x S scores are recomputed in backward
+instead of being stored.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from dense.context_parallel import CP_COMM_MODES, context_parallel_attention, position_mask, sdpa
+from dense.recompute import checkpointed
+from parallel.groups import Group, group_size
+
+
+def local_attention(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, *, scale: float,
+                    sliding_window: int | None = None) -> Tensor:
+    """Causal attention over this rank's (whole) sequence. q ``[B, h, S, d]``, k ``[B, g, S, d]``,
+    v ``[B, g, S, dv]`` with ``h % g == 0``; returns ``[B, h, S, dv]``. Nothing crosses ranks."""
+    mask = None if sliding_window is None else position_mask(position_ids, position_ids, sliding_window)
+    return sdpa(q, k, v, scale=scale, attn_mask=mask)
+
+
+class CoreAttention(nn.Module):
+    """The attention product for one layer's local heads; no parameters.
+
+    forward(q ``[S, B, h, d]``, k ``[S, B, g, d]``, v ``[S, B, g, dv]``, position_ids ``[S]``)
+    -> ``[S, B, h*dv]``. ``S`` is this rank's sequence (the CP part under context parallelism,
+    ``position_ids`` its true global positions). ``h`` must be a multiple of ``g`` (GQA).
+    Crosses ranks only under CP (see ``dense.context_parallel``).
+    """
+
+    def __init__(self, scale: float, *, sliding_window: int | None = None, cp_group: Group = None,
+                 cp_comm: str = "p2p", recompute: bool = False) -> None:
+        super().__init__()
+        if cp_comm not in CP_COMM_MODES:
+            raise ValueError(f"cp_comm={cp_comm!r} is not one of {CP_COMM_MODES}")
+        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+            raise ValueError(f"sliding_window={sliding_window!r} must be a positive integer or None")
+        self.scale, self.sliding_window = float(scale), sliding_window
+        self.cp_group, self.cp_comm, self.recompute = cp_group, cp_comm, recompute
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor) -> Tensor:
+        S, B, h = q.shape[:3]
+        if k.shape[0] != S or v.shape[0] != S or position_ids.shape != (S,):
+            raise ValueError(f"CoreAttention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} and "
+                             f"position_ids {tuple(position_ids.shape)} must share the sequence length {S}")
+        if h % k.shape[2] != 0:
+            raise ValueError(f"CoreAttention: {h} query heads are not a multiple of {k.shape[2]} kv heads")
+        # [S, B, heads, d] -> [B, heads, S, d] (SDPA layout)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        out = checkpointed(self._attend, q, k, v, position_ids, enabled=self.recompute)
+        return out.permute(2, 0, 1, 3).reshape(S, B, -1)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor) -> Tensor:
+        if group_size(self.cp_group) == 1:
+            return local_attention(q, k, v, position_ids, scale=self.scale, sliding_window=self.sliding_window)
+        return context_parallel_attention(q, k, v, position_ids, self.cp_group, mode=self.cp_comm,
+                                          scale=self.scale, sliding_window=self.sliding_window)
+
+    def extra_repr(self) -> str:
+        return (f"scale={self.scale:.4g}, sliding_window={self.sliding_window}, cp={group_size(self.cp_group)}, "
+                f"cp_comm={self.cp_comm}, recompute={self.recompute}")
