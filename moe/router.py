@@ -1,0 +1,202 @@
+"""The top-k router of one MoE layer: this rank's tokens -> Routing, balance losses, statistics.
+
+    router = Router(config, hidden_size, RouterGroups.from_dims(dims))
+    out = router(x_TH)                        # x_TH: this rank's tokens (the SP shard when tp > 1)
+    loss = lm_loss + out.aux_loss             # one backward trains through the balance losses
+    ... dispatch with out.routing ...
+
+What crosses ranks (all plain all-reduces, none on the autograd path):
+  aux_loss: selection counts [E] over tp x cp; seq_aux_loss: per-sequence counts over tp x cp;
+  global_aux_loss: counts [E] over tp x cp x dp; statistics only when ``reduce_stats=True``.
+The differentiable part is local, so the router weight's gradient is a partial sum over tp x cp:
+the weight is marked sequence-parallel (summed over tp) and cp sums like every dense weight.
+See moe.balance_losses for the exact loss convention and formulas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from moe.balance_losses import (
+    GlobalLoadState,
+    all_reduce_sum,
+    batch_first_seq_ids,
+    global_aux_loss,
+    seq_aux_loss,
+    switch_aux_loss,
+    z_loss,
+)
+from moe.capacity import capacity_keep_mask, expert_capacity
+from moe.router_config import RouterConfig
+from moe.router_stats import RouterStats, compute_router_stats, router_entropy_sum
+from moe.routing import Routing
+from moe.scoring import count_per_expert, gating_logits, route_scores, router_dtype, scores_for_aux_loss
+from parallel.groups import Group, group_size
+from parallel.sharding import mark_sequence_parallel, normal_init, set_init
+
+if TYPE_CHECKING:
+    from parallel.dims import ParallelDims
+
+
+@dataclass(frozen=True)
+class RouterGroups:
+    """Process groups the router's statistics need (None = alone).
+
+    tp_cp:    ranks holding pieces of the same sequences (per-micro-batch statistics and losses)
+    tp_cp_dp: every rank that sees different tokens of the step (global counts, expert bias)
+    """
+
+    tp_cp: Group = None
+    tp_cp_dp: Group = None
+
+    @classmethod
+    def from_dims(cls, dims: ParallelDims) -> RouterGroups:
+        """From a parallel.ParallelDims."""
+        return cls(tp_cp=dims.tp_cp_group, tp_cp_dp=dims.tp_cp_dp_group)
+
+
+@dataclass(frozen=True)
+class RouterOutput:
+    """One router call.
+
+    routing:      what the dispatcher consumes (probs [T, K] fp32 with zeros for dropped copies)
+    aux_loss:     fp32 scalar on the graph: sum of coefficient * loss share over the enabled
+                  balance losses and the z-loss (zero tensor when none is enabled)
+    losses:       {name: detached, unweighted share}; sum over tp x cp for the micro-batch value
+    stats:        RouterStats
+    load_E:       int64 [E] this rank's copies that selected each expert, before capacity (sum it
+                  over the step's micro-batches and pass it to update_expert_bias)
+    global_state: GlobalLoadState to pass into the next micro-batch (None without global_aux_loss)
+    logits_TE:    router logits (router dtype; for parity tests and logging)
+    """
+
+    routing: Routing
+    aux_loss: Tensor
+    losses: dict[str, Tensor]
+    stats: RouterStats
+    load_E: Tensor
+    global_state: GlobalLoadState | None = None
+    logits_TE: Tensor | None = None
+
+
+class Router(nn.Module):
+    """Gating weight [E, H] (fp32, replicated over tp/cp) and, with expert bias, the buffer
+    ``expert_bias`` [E] fp32 (model state, used for selection only; see moe.expert_bias)."""
+
+    def __init__(self, config: RouterConfig, hidden_size: int, groups: RouterGroups = RouterGroups()) -> None:
+        super().__init__()
+        if not isinstance(hidden_size, int) or hidden_size < 1:
+            raise ValueError(f"Router: hidden_size={hidden_size!r} must be a positive integer")
+        self.config = config
+        self.hidden_size = hidden_size
+        self.groups = groups
+        weight = torch.empty(config.num_experts, hidden_size, dtype=torch.float32)
+        weight.normal_(0.0, config.init_std, generator=torch.Generator().manual_seed(0))
+        self.weight = nn.Parameter(weight)
+        mark_sequence_parallel(self.weight)
+        set_init(self.weight, normal_init(config.init_std))
+        if config.enable_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+        else:
+            self.expert_bias = None
+
+    def forward(self, x_TH: Tensor, *, seq_ids_T: Tensor | None = None, num_seqs: int | None = None,
+                global_state: GlobalLoadState | None = None, generator: torch.Generator | None = None,
+                reduce_stats: bool = False) -> RouterOutput:
+        """Route this rank's tokens.
+
+        x_TH:         [T, H] any float dtype; the gating GEMM runs in the router dtype (fp32/fp64)
+        seq_ids_T, num_seqs: for seq_aux_loss: the sequence (0..num_seqs-1 within this dp rank's
+                      micro-batch, same numbering on all tp/cp ranks) of each token; with only
+                      ``num_seqs`` the tokens are taken as batch-first ``[num_seqs, T/num_seqs]``
+        global_state: for global_aux_loss: the state returned by the previous micro-batch of this
+                      step for this layer (None on the first)
+        generator:    RNG of the training-only input jitter (None: torch's default generator;
+                      each rank then draws from its own default stream)
+        reduce_stats: sum the statistics over the balancing group (tp x cp x dp with
+                      global_aux_loss or expert bias, else tp x cp); a collective: logging steps
+        """
+        cfg = self.config
+        if x_TH.dim() != 2 or x_TH.shape[1] != self.hidden_size:
+            raise ValueError(f"Router: x_TH has shape {tuple(x_TH.shape)}, expected [T, {self.hidden_size}]")
+        T, E, K = x_TH.shape[0], cfg.num_experts, cfg.topk
+        dtype = router_dtype(cfg)
+        x = x_TH.to(dtype)
+        if self.training and cfg.input_jitter_eps is not None:
+            # multiplicative uniform noise on the router input only (Switch Transformer, Megatron)
+            eps = cfg.input_jitter_eps
+            x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps, generator=generator)
+        logits_TE = gating_logits(x, self.weight, dtype)
+        bias_E = self.expert_bias.to(torch.float32) if self.expert_bias is not None else None
+        scores_TE, ids_TK, probs_TK = route_scores(logits_TE, cfg, bias_E)
+        load_E = count_per_expert(ids_TK, E)
+
+        keep_TK, capacity, kept_E = None, None, load_E
+        if cfg.expert_capacity_factor is not None:
+            capacity = expert_capacity(T, K, E, cfg.expert_capacity_factor)
+            keep_TK = capacity_keep_mask(probs_TK, ids_TK, E, capacity, cfg.token_drop_policy)
+            probs_TK = probs_TK * keep_TK
+            kept_E = count_per_expert(ids_TK, E, keep_TK)
+        routing = Routing(probs_TK=probs_TK.to(torch.float32), expert_ids_TK=ids_TK, tokens_per_expert_E=kept_E,
+                          keep_TK=keep_TK, capacity=capacity, pad_to_capacity=cfg.pad_expert_input_to_capacity)
+
+        aux_probs_TE = scores_for_aux_loss(scores_TE, cfg.score_function)
+        aux_loss, losses, global_state = self._losses(logits_TE, aux_probs_TE, ids_TK, load_E, seq_ids_T,
+                                                      num_seqs, global_state)
+        uses_global = "global_aux_loss" in cfg.loss_coeffs() or cfg.enable_expert_bias
+        stats = compute_router_stats(load_E, kept_E, router_entropy_sum(aux_probs_TE), T, bias_E,
+                                     group=self.groups.tp_cp_dp if uses_global else self.groups.tp_cp,
+                                     reduce=reduce_stats)
+        return RouterOutput(routing=routing, aux_loss=aux_loss, losses=losses, stats=stats, load_E=load_E,
+                            global_state=global_state, logits_TE=logits_TE)
+
+    def _losses(self, logits_TE: Tensor, aux_probs_TE: Tensor, ids_TK: Tensor, load_E: Tensor,
+                seq_ids_T: Tensor | None, num_seqs: int | None, global_state: GlobalLoadState | None,
+                ) -> tuple[Tensor, dict[str, Tensor], GlobalLoadState | None]:
+        cfg, groups = self.config, self.groups
+        T, K = ids_TK.shape
+        # SP and CP shards hold equal token counts; max(.., 1): an empty shard's share is 0, not NaN
+        tokens_tp_cp = max(T * group_size(groups.tp_cp), 1)
+        shares: dict[str, tuple[float, Tensor]] = {}
+        coeffs = cfg.loss_coeffs()
+        if "aux_loss" in coeffs:
+            counts_E = _all_reduce_counts(load_E, groups.tp_cp)
+            shares["aux_loss"] = coeffs["aux_loss"], switch_aux_loss(aux_probs_TE, counts_E, tokens_tp_cp, K)
+        if "seq_aux_loss" in coeffs:
+            seq_ids_T, num_seqs = _resolve_sequences(seq_ids_T, num_seqs, T, logits_TE.device)
+            shares["seq_aux_loss"] = coeffs["seq_aux_loss"], seq_aux_loss(aux_probs_TE, ids_TK, seq_ids_T,
+                                                                          num_seqs, groups.tp_cp)
+        new_state = None
+        if "global_aux_loss" in coeffs:
+            loss, new_state = global_aux_loss(aux_probs_TE, load_E, global_state, tokens_tp_cp, K, groups.tp_cp_dp)
+            shares["global_aux_loss"] = coeffs["global_aux_loss"], loss
+        if cfg.z_loss_coeff:
+            shares["z_loss"] = cfg.z_loss_coeff, z_loss(logits_TE, tokens_tp_cp)
+        total = torch.zeros((), dtype=torch.float32, device=logits_TE.device)
+        for coeff, value in shares.values():
+            total = total + coeff * value.to(torch.float32)
+        losses = {name: value.detach().to(torch.float32) for name, (_, value) in shares.items()}
+        return total, losses, new_state
+
+
+def _all_reduce_counts(counts_E: Tensor, group: Group) -> Tensor:
+    return all_reduce_sum(counts_E.to(torch.int64), group)
+
+
+def _resolve_sequences(seq_ids_T: Tensor | None, num_seqs: int | None, num_tokens: int,
+                       device: torch.device) -> tuple[Tensor, int]:
+    if num_seqs is None or (not isinstance(num_seqs, int)) or num_seqs < 1:
+        raise ValueError(f"Router: seq_aux_loss needs num_seqs (a positive int, the sequences in this rank's "
+                         f"micro-batch), got {num_seqs!r}")
+    if seq_ids_T is None:
+        if num_tokens % num_seqs:
+            raise ValueError(f"Router: {num_tokens} tokens are not divisible by num_seqs={num_seqs}; pass seq_ids_T "
+                             "for a non batch-first layout")
+        return batch_first_seq_ids(num_seqs, num_tokens // num_seqs, device), num_seqs
+    if seq_ids_T.shape != (num_tokens,):
+        raise ValueError(f"Router: seq_ids_T has shape {tuple(seq_ids_T.shape)}, expected [{num_tokens}]")
+    return seq_ids_T, num_seqs

@@ -1,0 +1,113 @@
+"""Router scores and top-k selection (plain, group-limited, biased, forced-uniform).
+
+All functions are pure and local to this rank's tokens: nothing here crosses ranks.
+
+One path covers every score function. ``scores_TE`` is the distribution over all experts
+(softmax of the logits, or the sigmoid of the logits); selection ranks ``scores_TE + bias``
+(optionally group-limited); the combine weights are the *unbiased* scores of the selected
+experts, renormalised over the k when ``norm_topk_prob`` and multiplied by the scaling factor.
+Post-top-k softmax (Mixtral: softmax over the k selected logits) is exactly this path with
+renormalisation, because softmax is monotonic and softmax(l_sel) = p_sel / sum(p_sel).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from moe.router_config import RouterConfig
+
+_NORM_EPS = 1e-20  # as DeepSeek-V3 / HF / Megatron: guards a sum of k sigmoids underflowing to 0
+
+
+def router_dtype(config: RouterConfig) -> torch.dtype:
+    return torch.float64 if config.router_dtype == "fp64" else torch.float32
+
+
+def gating_logits(x_TH: Tensor, weight_EH: Tensor, dtype: torch.dtype) -> Tensor:
+    """logits [T, E] = x @ W^T computed in ``dtype`` (fp32/fp64) whatever the model dtype."""
+    return torch.nn.functional.linear(x_TH.to(dtype), weight_EH.to(dtype))
+
+
+def score_all(logits_TE: Tensor, score_function: str) -> Tensor:
+    """Scores over all experts [T, E]: softmax (sums to 1) or element-wise sigmoid."""
+    if score_function == "softmax":
+        return torch.softmax(logits_TE, dim=-1)
+    if score_function == "sigmoid":
+        return torch.sigmoid(logits_TE)
+    raise ValueError(f"score_function={score_function!r}; valid: softmax, sigmoid")
+
+
+def scores_for_aux_loss(scores_TE: Tensor, score_function: str) -> Tensor:
+    """Per-token distribution over experts used by the balance losses (rows sum to 1).
+
+    Softmax scores already sum to 1; sigmoid scores are normalised (DeepSeek-V3's s'_{i,t}).
+    """
+    if score_function == "sigmoid":
+        return scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + _NORM_EPS)
+    return scores_TE
+
+
+def group_limited_mask(sel_TE: Tensor, num_groups: int, group_topk: int, group_score_topk: int) -> Tensor:
+    """[T, E] bool: experts in each token's ``group_topk`` best groups.
+
+    Experts are split into ``num_groups`` contiguous groups; a group's score is the sum of its
+    ``group_score_topk`` highest selection scores (DeepSeek-V3 / HF DeepseekV3TopkRouter).
+    """
+    T, E = sel_TE.shape
+    grouped = sel_TE.view(T, num_groups, E // num_groups)
+    group_scores_TG = grouped.topk(group_score_topk, dim=-1).values.sum(dim=-1)
+    group_idx = group_scores_TG.topk(group_topk, dim=-1, sorted=False).indices
+    group_mask_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, group_idx, True)
+    return group_mask_TG.unsqueeze(-1).expand(T, num_groups, E // num_groups).reshape(T, E)
+
+
+def select_topk(scores_TE: Tensor, config: RouterConfig, expert_bias_E: Tensor | None = None) -> Tensor:
+    """Expert ids [T, K] (int64): top-k of ``scores + bias`` (group-limited if configured)."""
+    sel = scores_TE.detach()
+    if expert_bias_E is not None:
+        sel = sel + expert_bias_E.to(sel.dtype)
+    if config.num_groups is not None:
+        mask = group_limited_mask(sel, config.num_groups, config.group_topk, config.resolved_group_score_topk)
+        sel = sel.masked_fill(~mask, float("-inf"))
+    return sel.topk(config.topk, dim=-1).indices
+
+
+def forced_uniform_ids(num_tokens: int, topk: int, num_experts: int, device: torch.device) -> Tensor:
+    """Round-robin expert ids [T, K]: token t gets experts (t*K + j) mod E, j < K.
+
+    Each expert receives floor or ceil of T*K/E copies, and a token's K experts are distinct
+    (K consecutive residues, K <= E). Deterministic, unlike Megatron's random logits.
+    """
+    t = torch.arange(num_tokens, device=device).unsqueeze(1)
+    j = torch.arange(topk, device=device).unsqueeze(0)
+    return (t * topk + j) % num_experts
+
+
+def combine_weights(scores_TE: Tensor, expert_ids_TK: Tensor, config: RouterConfig) -> Tensor:
+    """Combine weights [T, K] from the unbiased scores of the selected experts (differentiable)."""
+    probs_TK = scores_TE.gather(1, expert_ids_TK)
+    if config.resolved_norm_topk_prob:
+        probs_TK = probs_TK / (probs_TK.sum(dim=-1, keepdim=True) + _NORM_EPS)
+    if config.topk_scaling_factor is not None:
+        probs_TK = probs_TK * config.topk_scaling_factor
+    return probs_TK
+
+
+def route_scores(logits_TE: Tensor, config: RouterConfig, expert_bias_E: Tensor | None = None,
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+    """From logits [T, E] to (scores_TE, expert_ids_TK, probs_TK) before any capacity drop."""
+    scores_TE = score_all(logits_TE, config.score_function)
+    if config.force_load_balancing:
+        ids_TK = forced_uniform_ids(logits_TE.shape[0], config.topk, config.num_experts, logits_TE.device)
+    else:
+        ids_TK = select_topk(scores_TE, config, expert_bias_E)
+    return scores_TE, ids_TK, combine_weights(scores_TE, ids_TK, config)
+
+
+def count_per_expert(expert_ids_TK: Tensor, num_experts: int, keep_TK: Tensor | None = None) -> Tensor:
+    """int64 [E]: copies routed to each expert (only kept copies when ``keep_TK`` is given)."""
+    ids = expert_ids_TK.reshape(-1)
+    # scatter_add rather than bincount: bincount reads max(ids) back to the host on GPUs
+    ones = torch.ones_like(ids) if keep_TK is None else keep_TK.reshape(-1).long()
+    return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, ones)
