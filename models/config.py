@@ -71,6 +71,7 @@ class ModelConfig:
     moe_topk_scaling_factor: float = 1.0
     moe_num_groups: int | None = None
     moe_group_topk: int | None = None
+    moe_group_score_topk: int | None = None      # experts summed per group score; None = topk // group_topk
     moe_expert_bias: bool = False                # aux-loss-free balancing bias (DeepSeek-V3)
     moe_shared_expert_ffn_size: int = 0          # 0 = no shared experts
     moe_shared_expert_gate: bool = False
@@ -101,8 +102,19 @@ class ModelConfig:
         if isinstance(self.moe_layer_freq, tuple) and len(self.moe_layer_freq) != self.num_layers:
             raise ValueError(f"moe_layer_freq pattern has {len(self.moe_layer_freq)} entries, "
                              f"num_layers={self.num_layers}")
-        if self.num_experts > 0 and self.first_k_dense_replace > 0 and self.ffn_hidden_size <= 0:
-            raise ValueError("first_k_dense_replace > 0 needs ffn_hidden_size for the dense layers")
+        if isinstance(self.moe_layer_freq, int) and self.moe_layer_freq < 1:
+            raise ValueError(f"moe_layer_freq={self.moe_layer_freq} must be >= 1 (or a 0/1 pattern per layer)")
+        if not 0 <= self.first_k_dense_replace <= self.num_layers:
+            raise ValueError(f"first_k_dense_replace={self.first_k_dense_replace} must be in [0, "
+                             f"num_layers={self.num_layers}]")
+        dense = [i for i in range(self.num_layers) if not self.is_moe_layer(i)]
+        if dense and self.ffn_hidden_size <= 0:
+            raise ValueError(f"layers {dense[:8]}{'...' if len(dense) > 8 else ''} are dense and need "
+                             f"ffn_hidden_size > 0, got {self.ffn_hidden_size}")
+        if self.mtp_num_layers < 0:
+            raise ValueError(f"mtp_num_layers={self.mtp_num_layers} must be >= 0")
+        if self.mtp_num_layers > 0 and not self.mtp_loss_scaling_factor >= 0:
+            raise ValueError(f"mtp_loss_scaling_factor={self.mtp_loss_scaling_factor} must be >= 0")
 
     @property
     def kv_heads(self) -> int:

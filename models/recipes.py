@@ -26,6 +26,7 @@ def deepseek_v3() -> ModelConfig:
         norm_eps=1e-6, ffn_hidden_size=18432,
         num_experts=256, moe_ffn_hidden_size=2048, moe_topk=8, moe_score_function="sigmoid",
         moe_norm_topk_prob=True, moe_topk_scaling_factor=2.5, moe_num_groups=8, moe_group_topk=4,
+        moe_group_score_topk=2,
         moe_expert_bias=True, moe_shared_expert_ffn_size=2048, first_k_dense_replace=3,
         moe_aux_loss_coeff=1e-4, moe_load_balancing_type="seq_aux_loss",
         mtp_num_layers=1, mtp_loss_scaling_factor=0.1,
@@ -88,7 +89,7 @@ def mixtral_8x7b() -> ModelConfig:
         vocab_size=32000, hidden_size=4096, num_layers=32, num_attention_heads=32, num_query_groups=8,
         rope_theta=1_000_000.0, max_position_embeddings=32768, norm_eps=1e-5,
         num_experts=8, moe_ffn_hidden_size=14336, moe_topk=2, moe_score_function="softmax",
-        moe_norm_topk_prob=True, moe_aux_loss_coeff=1e-2, moe_load_balancing_type="aux_loss",
+        moe_norm_topk_prob=True, moe_aux_loss_coeff=0.02, moe_load_balancing_type="aux_loss",
     )
 
 

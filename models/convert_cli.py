@@ -1,0 +1,75 @@
+"""``moefold convert``: HF checkpoint <-> moefold checkpoint (full tensors, moefold naming).
+
+    moefold convert HF_DIR OUT_DIR                        # HF -> moefold (auto-detected from config.json)
+    moefold convert MOEFOLD_DIR OUT_DIR                   # moefold -> HF (sharded safetensors + index + config.json)
+    moefold convert HF_DIR OUT_DIR --to hf --expert-format fused   # HF -> HF, re-sharded / fused experts
+    moefold convert --recipe mixtral_tiny --seed 0 OUT_DIR --to hf # a freshly initialised recipe
+
+Runs in one process (world 1); a checkpoint of any parallel layout can be loaded from the output
+(``models.checkpoint.load_checkpoint`` / ``models.hf.importer.import_hf``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from models.recipes import RECIPES
+
+_UNITS = {"KB": 2**10, "MB": 2**20, "GB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    for unit, factor in _UNITS.items():
+        if text.upper().endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    return int(text)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", nargs="?", help="HF or moefold checkpoint directory (omit with --recipe)")
+    parser.add_argument("output", help="output directory")
+    parser.add_argument("--recipe", choices=sorted(RECIPES), help="convert a freshly initialised recipe instead")
+    parser.add_argument("--seed", type=int, default=0, help="init seed with --recipe")
+    parser.add_argument("--to", choices=("moefold", "hf"), default=None,
+                        help="output format (default: the other one; hf for --recipe)")
+    parser.add_argument("--expert-format", choices=("per_expert", "fused"), default="per_expert",
+                        help="HF routed-expert naming: per expert (what save_pretrained writes) or fused")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 5GB, 500MB")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                        help="dtype of the written tensors (routers/expert bias stay fp32)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from models.checkpoint import is_moefold_checkpoint, load_checkpoint, save_checkpoint
+    from models.decoder import MoEDecoder
+    from models.hf.exporter import export_hf
+    from models.hf.importer import import_hf
+    from models.options import ModelOptions
+    from models.recipes import get_recipe
+
+    options = ModelOptions(dtype=args.dtype)
+    if args.recipe:
+        if args.source:
+            raise SystemExit("give either a source directory or --recipe, not both")
+        model = MoEDecoder(get_recipe(args.recipe), options=options)
+        model.init_weights(args.seed)
+        kind = "recipe"
+    elif args.source is None:
+        raise SystemExit("a source directory (or --recipe) is required")
+    elif is_moefold_checkpoint(args.source):
+        model, kind = load_checkpoint(args.source, options=options), "moefold"
+    elif (Path(args.source) / "config.json").is_file():
+        model, kind = import_hf(args.source, options=options), "hf"
+    else:
+        raise SystemExit(f"{args.source}: neither a moefold checkpoint (moefold_config.json) nor an HF one "
+                         "(config.json)")
+    to = args.to or ("moefold" if kind == "hf" else "hf")
+    size = parse_size(args.max_shard_size)
+    if to == "hf":
+        export_hf(model, args.output, expert_format=args.expert_format, max_shard_bytes=size)
+    else:
+        save_checkpoint(model, args.output, max_shard_bytes=size)
+    n = sum(p.numel() for p in model.parameters())
+    print(f"wrote {to} checkpoint of {model.config.name} ({n / 1e6:.1f}M parameters) from {kind} to {args.output}")
+    return 0

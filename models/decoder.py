@@ -1,0 +1,257 @@
+"""The MoE decoder: embedding -> blocks -> final norm -> output head -> vocab-parallel loss (+ MTP).
+
+    model = MoEDecoder(config, dims, ModelOptions())
+    model.init_weights(seed)                            # layout-independent
+    out = model(input_ids_BS, labels_BS, loss_mask_BS)  # ModelOutput
+    out.loss.backward()
+
+Layers live in ``model.layers`` (an ``nn.ModuleDict`` keyed ``str(global layer index)``), so a
+pipeline stage built with ``layer_ids=range(a, b)`` has the same parameter names as the whole
+model. The pieces are exposed for pipelining: ``embed`` -> ``run_layers`` -> ``head_loss``.
+
+Inputs are batch-first ``[B, S]``; activations are sequence-first ``[S, B, H]`` (the SP shard
+``[S/tp, B, H]`` when tp > 1 with sequence parallelism). Under context parallelism every input is
+this rank's CP slice (``dense.context_parallel.split_for_context_parallel`` along S) and
+``position_ids [S_local]`` its true global positions.
+
+Loss convention (the one the MoE losses use, see ``moe.balance_losses``): ``ModelOutput.loss`` is
+this rank's *share* of the micro-batch loss. The LM (and MTP) share is ``sum(token losses on this
+CP rank) / (loss tokens of the micro-batch over the cp group)``, identical on every tp rank; MoE
+aux-loss shares add up over tp x cp. With gradients summed over cp (and sequence-parallel ones
+over tp) and averaged over dp and micro-batches, a parallel step equals the world-1 step on the
+same global batch whose loss is the mean over micro-batches of each micro-batch's token mean.
+``lm_loss_sum``/``num_tokens`` allow other normalisations (e.g. per global token count).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from dense.context_parallel import context_parallel_positions, gather_from_context_parallel
+from dense.cross_entropy import vocab_parallel_cross_entropy
+from dense.embedding import OutputHead, VocabParallelEmbedding
+from dense.norm import RMSNorm
+from models.config import ModelConfig
+from models.layer_factory import build_block, check_layout
+from models.mtp import MTPModule, shift_left
+from models.options import ModelOptions
+from moe.balance_losses import GlobalLoadState
+from moe.layer import MoEOutputInfo
+from parallel.comm import gather_along_dim
+from parallel.dims import ParallelDims
+from parallel.groups import group_size
+from parallel.sharding import init_parameters
+
+IGNORE_INDEX = -100  # labels with this value carry no loss (HF / torch convention)
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    """One micro-batch through the model (see the module docstring for the loss convention).
+
+    loss:        scalar on the graph, this rank's share: lm + MoE aux (+ mtp_scaling * mtp)
+    lm_loss:     detached token-mean LM loss of the micro-batch (reduced over cp)
+    lm_loss_sum: detached sum of this rank's masked token losses; num_tokens: its loss tokens (fp32)
+    aux_loss:    detached sum of this rank's MoE aux-loss shares (already weighted by their coefficients)
+    mtp_loss:    detached mean over MTP depths of their token-mean losses (unweighted); None without MTP
+    losses:      logging values: "lm", "mtp", "mtp_<k>", "moe/<loss name>" (unweighted, summed over layers)
+    moe:         per-layer MoEOutputInfo keyed by global layer index (MTP depth k: num_layers + k - 1):
+                 router stats, load_E for the expert-bias update, global_state for the next micro-batch
+    """
+
+    loss: Tensor
+    lm_loss: Tensor
+    lm_loss_sum: Tensor
+    num_tokens: Tensor
+    aux_loss: Tensor
+    mtp_loss: Tensor | None = None
+    losses: dict[str, Tensor] = field(default_factory=dict)
+    moe: dict[int, MoEOutputInfo] = field(default_factory=dict)
+
+    @property
+    def global_states(self) -> dict[int, GlobalLoadState]:
+        """What to pass as ``global_states`` with the next micro-batch of the same step."""
+        return {i: info.global_state for i, info in self.moe.items() if info.global_state is not None}
+
+
+class MoEDecoder(nn.Module):
+    """The decoder over ``dims``. ``layer_ids``/``with_embedding``/``with_head`` build one pipeline
+    stage (MTP modules go with the head). Parameters go to the current default device; build under
+    ``with torch.device("meta"):`` for accounting without memory."""
+
+    def __init__(self, config: ModelConfig, dims: ParallelDims | None = None, options: ModelOptions | None = None,
+                 *, layer_ids: Iterable[int] | None = None, with_embedding: bool = True,
+                 with_head: bool = True) -> None:
+        super().__init__()
+        dims = dims or ParallelDims.single()
+        options = options or ModelOptions()
+        check_layout(config, dims, options)
+        self.config, self.dims, self.options = config, dims, options
+        self.sequence_parallel = options.sequence_parallel and dims.tp > 1
+        ids = list(range(config.num_layers)) if layer_ids is None else sorted(layer_ids)
+        bad = [i for i in ids if not 0 <= i < config.num_layers]
+        if bad:
+            raise ValueError(f"layer_ids {bad} are outside [0, num_layers={config.num_layers})")
+        kw = {"sequence_parallel": self.sequence_parallel, "dtype": options.torch_dtype}
+        tied = config.tie_word_embeddings
+        self.embed_tokens = None
+        if with_embedding or (with_head and (tied or config.mtp_num_layers)):
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dims.tp_group,
+                                                       init_std=options.init_std, **kw)
+        self.layers = nn.ModuleDict({str(i): build_block(config, i, dims, options) for i in ids})
+        self.norm = self.output_head = None
+        self.mtp = nn.ModuleList()
+        if with_head:
+            self.norm = RMSNorm(config.hidden_size, config.norm_eps, **kw)
+            self.output_head = OutputHead(config.hidden_size, config.vocab_size, dims.tp_group,
+                                          tied_to=self.embed_tokens if tied else None, init_std=options.init_std,
+                                          **kw)
+            self.mtp = nn.ModuleList(MTPModule(config, config.num_layers + k, dims, options)
+                                     for k in range(config.mtp_num_layers))
+
+    def init_weights(self, seed: int) -> None:
+        """Layout-independent init of every weight (``parallel.sharding.init_parameters``)."""
+        init_parameters(self, seed)
+
+    # ------------------------------------------------------------------------------------ pieces
+    def position_ids(self, seq_local: int, device: torch.device) -> Tensor:
+        """Default positions of this rank's tokens: 0..S-1, or its CP chunks' global positions."""
+        cp = self.dims.cp
+        return context_parallel_positions(seq_local * cp, self.dims.cp_rank, cp, device=device)
+
+    def embed(self, input_ids_BS: Tensor) -> Tensor:
+        """ids ``[B, S]`` -> hidden ``[S, B, H]`` (``[S/tp, B, H]`` under SP). Collective over tp."""
+        if self.embed_tokens is None:
+            raise ValueError("this stage has no embedding (with_embedding=False)")
+        if input_ids_BS.dim() != 2:
+            raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids_BS.shape)}")
+        S = input_ids_BS.shape[1]
+        if self.sequence_parallel and S % self.dims.tp:
+            raise ValueError(f"sequence length {S} (this rank's) is not divisible by tp={self.dims.tp} "
+                             "(sequence parallelism)")
+        return self.embed_tokens(input_ids_BS.t().contiguous())
+
+    def run_layers(self, hidden: Tensor, position_ids: Tensor, layer_ids: Iterable[int] | None = None,
+                   global_states: dict[int, GlobalLoadState] | None = None,
+                   ) -> tuple[Tensor, dict[int, MoEOutputInfo]]:
+        """Blocks ``layer_ids`` (default: all of this stage's, in order) -> (hidden, {layer: MoEOutputInfo})."""
+        infos: dict[int, MoEOutputInfo] = {}
+        ids = [int(k) for k in self.layers] if layer_ids is None else list(layer_ids)
+        for i in ids:
+            hidden, extra = self.layers[str(i)](hidden, position_ids, **self._ffn_kwargs(i, global_states))
+            if extra is not None:
+                infos[i] = extra
+        return hidden, infos
+
+    def head_logits(self, hidden: Tensor) -> Tensor:
+        """Final norm and output head: hidden -> logits ``[S, B, V/tp]`` (sequence gathered under SP)."""
+        return self.output_head(self.norm(hidden))
+
+    def head_loss(self, hidden: Tensor, labels_BS: Tensor, loss_mask_BS: Tensor | None = None,
+                  input_ids_BS: Tensor | None = None, position_ids: Tensor | None = None,
+                  global_states: dict[int, GlobalLoadState] | None = None,
+                  ) -> tuple[Tensor, dict[str, Tensor], dict[int, MoEOutputInfo]]:
+        """Last-stage part: (loss share on the graph: lm + weighted MTP, logging values, MTP layers' MoE infos).
+
+        ``input_ids_BS``/``position_ids`` are needed only with MTP. Collective over tp and cp.
+        """
+        if self.output_head is None:
+            raise ValueError("this stage has no output head (with_head=False)")
+        labels = labels_BS.t()
+        mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask_BS is None else loss_mask_BS.t().float()
+        mask = mask * (labels != IGNORE_INDEX)  # ignored labels count as masked tokens
+        lm_share, lm_stats = self._token_loss(self.head_logits(hidden), labels, mask)
+        logs = {"lm": lm_stats[0] / lm_stats[1].clamp(min=1.0), "lm_loss_sum": lm_stats[2],
+                "num_tokens": lm_stats[3]}
+        loss, infos = lm_share, {}
+        if len(self.mtp):
+            if input_ids_BS is None or position_ids is None:
+                raise ValueError("MTP needs input_ids_BS and position_ids in head_loss")
+            mtp_share, mtp_logs, infos = self._mtp_loss(hidden, input_ids_BS.t(), labels, mask, position_ids,
+                                                        global_states)
+            loss = loss + self.config.mtp_loss_scaling_factor * mtp_share
+            logs.update(mtp_logs)
+        return loss, logs, infos
+
+    # ------------------------------------------------------------------------------------ whole model
+    def forward(self, input_ids: Tensor, labels: Tensor, loss_mask: Tensor | None = None,
+                position_ids: Tensor | None = None, global_states: dict[int, GlobalLoadState] | None = None,
+                ) -> ModelOutput:
+        """input_ids/labels/loss_mask ``[B, S]`` (this rank's CP slice; labels may hold -100 = ignored),
+        position_ids ``[S]`` (default: this rank's global positions). Needs the whole model."""
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
+        if loss_mask is not None and loss_mask.shape != input_ids.shape:
+            raise ValueError(f"loss_mask {tuple(loss_mask.shape)} must have the shape of input_ids "
+                             f"{tuple(input_ids.shape)}")
+        if position_ids is None:
+            position_ids = self.position_ids(input_ids.shape[1], input_ids.device)
+        hidden, infos = self.run_layers(self.embed(input_ids), position_ids, global_states=global_states)
+        head_loss, logs, mtp_infos = self.head_loss(hidden, labels, loss_mask, input_ids, position_ids, global_states)
+        infos.update(mtp_infos)
+        aux = torch.zeros((), dtype=torch.float32, device=input_ids.device)
+        losses = {"lm": logs["lm"]}
+        for info in infos.values():
+            aux = aux + info.aux_loss
+            for name, value in info.losses.items():
+                key = f"moe/{name}"
+                losses[key] = losses.get(key, 0.0) + value
+        losses.update({k: v for k, v in logs.items() if k.startswith("mtp")})
+        return ModelOutput(loss=head_loss + aux, lm_loss=logs["lm"], lm_loss_sum=logs["lm_loss_sum"],
+                           num_tokens=logs["num_tokens"], aux_loss=aux.detach(), mtp_loss=logs.get("mtp"),
+                           losses=losses, moe=infos)
+
+    @torch.no_grad()
+    def logits(self, input_ids: Tensor, position_ids: Tensor | None = None, gather_sequence: bool = True) -> Tensor:
+        """Full-vocabulary logits ``[B, S, V]`` fp32 (for parity tests and evaluation).
+
+        Gathered over tp (vocab) and, with ``gather_sequence``, over cp (the whole sequence in order).
+        """
+        if position_ids is None:
+            position_ids = self.position_ids(input_ids.shape[1], input_ids.device)
+        hidden, _ = self.run_layers(self.embed(input_ids), position_ids)
+        logits = gather_along_dim(self.head_logits(hidden).float(), self.dims.tp_group, dim=-1)
+        if gather_sequence:
+            logits = gather_from_context_parallel(logits, self.dims.cp_group, 0)
+        return logits.transpose(0, 1).contiguous()
+
+    # ------------------------------------------------------------------------------------ internals
+    def _ffn_kwargs(self, index: int, global_states: dict[int, GlobalLoadState] | None) -> dict:
+        if global_states is None or "global_aux_loss" not in self.config.moe_load_balancing_type:
+            return {}
+        return {"global_state": global_states.get(index)}
+
+    def _token_loss(self, logits: Tensor, labels: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """(share on the graph, detached [cp-summed loss, cp-summed tokens, local loss, local tokens])."""
+        token_loss = vocab_parallel_cross_entropy(logits, labels, self.dims.tp_group, loss_mask=mask)
+        local = torch.stack([token_loss.sum().detach(), mask.sum()]).float()
+        total = local.clone()
+        if group_size(self.dims.cp_group) > 1:
+            dist.all_reduce(total, group=self.dims.cp_group)
+        share = token_loss.sum() / total[1].clamp(min=1.0)
+        return share, torch.cat([total, local])
+
+    def _mtp_loss(self, hidden: Tensor, ids_SB: Tensor, labels_SB: Tensor, mask_SB: Tensor, position_ids: Tensor,
+                  global_states: dict[int, GlobalLoadState] | None,
+                  ) -> tuple[Tensor, dict[str, Tensor], dict[int, MoEOutputInfo]]:
+        cp_group, cp_rank = self.dims.cp_group, self.dims.cp_rank
+        shares, logs, infos = [], {}, {}
+        ids, labels, mask = ids_SB, labels_SB, mask_SB
+        for k, module in enumerate(self.mtp, start=1):
+            ids = shift_left(ids, 1, 0, cp_group, cp_rank)
+            labels = shift_left(labels, 1, 0, cp_group, cp_rank)
+            mask = shift_left(mask, 1, 0.0, cp_group, cp_rank)
+            embedded = self.embed_tokens(ids.contiguous())
+            hidden, extra = module(hidden, embedded, position_ids, **self._ffn_kwargs(module.index, global_states))
+            if extra is not None:
+                infos[module.index] = extra
+            share, stats = self._token_loss(self.output_head(module.final_layernorm(hidden)), labels, mask)
+            shares.append(share)
+            logs[f"mtp_{k}"] = stats[0] / stats[1].clamp(min=1.0)
+        logs["mtp"] = torch.stack([logs[f"mtp_{k}"] for k in range(1, len(self.mtp) + 1)]).mean()
+        return torch.stack(shares).mean(), logs, infos

@@ -1,0 +1,180 @@
+"""HF ``config.json`` <-> ``ModelConfig`` for DeepSeek-V3, Qwen3-MoE and Mixtral (no transformers needed).
+
+Reads both the transformers-5 layout (``rope_parameters``) and the older one (``rope_theta`` +
+``rope_scaling``). Unknown architectures and unsupported features fail naming the value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from models.config import MLADims, ModelConfig, YarnScaling
+
+ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3", "Qwen3MoeForCausalLM": "qwen3_moe",
+                 "MixtralForCausalLM": "mixtral"}
+MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
+FAMILY_ARCH = {v: k for k, v in ARCHITECTURES.items()}
+
+
+def family_of(hf: dict[str, Any]) -> str:
+    """The moefold family of an HF config dict, from ``architectures`` or ``model_type``."""
+    for arch in hf.get("architectures") or ():
+        if arch in ARCHITECTURES:
+            return ARCHITECTURES[arch]
+    if hf.get("model_type") in MODEL_TYPES:
+        return MODEL_TYPES[hf["model_type"]]
+    raise ValueError(f"unknown architecture: architectures={hf.get('architectures')}, model_type="
+                     f"{hf.get('model_type')!r}; supported: {', '.join(ARCHITECTURES)}")
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, YarnScaling | None]:
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope = {**scaling, **params}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in (None, "default"):
+        return theta, None
+    if kind != "yarn":
+        raise ValueError(f"rope_type={kind!r} is not supported (supported: default, yarn)")
+    return theta, YarnScaling(factor=float(rope["factor"]),
+                              original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+                              beta_fast=float(rope.get("beta_fast", 32.0)),
+                              beta_slow=float(rope.get("beta_slow", 1.0)), mscale=float(rope.get("mscale", 1.0)),
+                              mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)))
+
+
+def _pattern(num_layers: int, moe: list[bool]) -> int | tuple[int, ...]:
+    return 1 if all(moe) else tuple(int(m) for m in moe)
+
+
+def from_hf_config(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
+    """``ModelConfig`` from a parsed HF ``config.json``."""
+    family = family_of(hf)
+    theta, yarn = _rope(hf)
+    L = int(hf["num_hidden_layers"])
+    common = dict(name=name or hf.get("_name_or_path") or family, family=family, vocab_size=int(hf["vocab_size"]),
+                  hidden_size=int(hf["hidden_size"]), num_layers=L, num_attention_heads=int(hf["num_attention_heads"]),
+                  rope_theta=theta, yarn=yarn, max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+                  norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_word_embeddings=bool(hf.get("tie_word_embeddings",
+                                                                                              False)),
+                  attention_bias=bool(hf.get("attention_bias", False)))
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported (moefold experts are SwiGLU: 'silu')")
+    if family == "deepseek_v3":
+        if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise ValueError(f"DeepSeek-V3 with scoring_func={hf.get('scoring_func')!r}, topk_method="
+                             f"{hf.get('topk_method')!r} is not supported (sigmoid / noaux_tc)")
+        E, first_k, freq = int(hf["n_routed_experts"]), int(hf.get("first_k_dense_replace", 0)), \
+            int(hf.get("moe_layer_freq", 1))
+        moe_ffn = int(hf["moe_intermediate_size"])
+        q_lora = hf.get("q_lora_rank")
+        return ModelConfig(
+            **common, num_query_groups=None, attention="mla",
+            mla=MLADims(q_lora_rank=None if q_lora is None else int(q_lora), kv_lora_rank=int(hf["kv_lora_rank"]),
+                        qk_nope_head_dim=int(hf["qk_nope_head_dim"]), qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
+                        v_head_dim=int(hf["v_head_dim"]), rope_interleave=bool(hf.get("rope_interleave", True))),
+            ffn_hidden_size=int(hf["intermediate_size"]), num_experts=E, moe_ffn_hidden_size=moe_ffn,
+            moe_topk=int(hf["num_experts_per_tok"]), moe_score_function="sigmoid",
+            moe_norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            moe_topk_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            moe_num_groups=hf.get("n_group"), moe_group_topk=hf.get("topk_group"),
+            moe_group_score_topk=2 if hf.get("n_group") else None, moe_expert_bias=True,
+            moe_shared_expert_ffn_size=moe_ffn * int(hf.get("n_shared_experts") or 0), first_k_dense_replace=first_k,
+            moe_layer_freq=_pattern(L, [i >= first_k and i % freq == 0 for i in range(L)]) if freq != 1 else 1,
+            moe_aux_loss_coeff=float(hf.get("aux_loss_alpha", 1e-4)), moe_load_balancing_type="seq_aux_loss",
+            mtp_num_layers=int(hf.get("num_nextn_predict_layers", 0)))
+    if family == "qwen3_moe":
+        if hf.get("use_sliding_window"):
+            raise ValueError("Qwen3-MoE with use_sliding_window=True is not supported")
+        E = int(hf.get("num_experts", hf.get("num_local_experts", 0)))
+        step, only = int(hf.get("decoder_sparse_step", 1)), set(hf.get("mlp_only_layers") or ())
+        norm = bool(hf.get("norm_topk_prob", False))
+        return ModelConfig(
+            **common, num_query_groups=int(hf.get("num_key_value_heads", hf["num_attention_heads"])),
+            head_dim=hf.get("head_dim"), qk_norm=True, ffn_hidden_size=int(hf.get("intermediate_size", 0)),
+            num_experts=E, moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
+            moe_topk=int(hf["num_experts_per_tok"]),
+            moe_score_function="softmax", moe_pre_softmax=True, moe_norm_topk_prob=norm,
+            moe_layer_freq=_pattern(L, [i not in only and (i + 1) % step == 0 for i in range(L)]),
+            moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 1e-3)), moe_load_balancing_type="global_aux_loss")
+    return ModelConfig(  # mixtral
+        **common, num_query_groups=int(hf.get("num_key_value_heads", hf["num_attention_heads"])),
+        head_dim=hf.get("head_dim"), sliding_window=hf.get("sliding_window"),
+        num_experts=int(hf["num_local_experts"]), moe_ffn_hidden_size=int(hf["intermediate_size"]),
+        moe_topk=int(hf["num_experts_per_tok"]), moe_score_function="softmax",
+        moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.02)), moe_load_balancing_type="aux_loss")
+
+
+def _rope_out(c: ModelConfig) -> dict[str, Any]:
+    if c.yarn is None:
+        return {"rope_type": "default", "rope_theta": c.rope_theta}
+    y = c.yarn
+    return {"rope_type": "yarn", "rope_theta": c.rope_theta, "factor": y.factor,
+            "original_max_position_embeddings": y.original_max_position_embeddings, "beta_fast": y.beta_fast,
+            "beta_slow": y.beta_slow, "mscale": y.mscale, "mscale_all_dim": y.mscale_all_dim}
+
+
+def _check_exportable(c: ModelConfig) -> None:
+    """Raise unless the HF class of ``c.family`` computes exactly what ``c`` describes."""
+    need = {  # field: value the HF implementation hard-codes
+        "deepseek_v3": {"attention": "mla", "moe_score_function": "sigmoid", "moe_expert_bias": True,
+                        "qk_norm": False, "sliding_window": None, "moe_shared_expert_gate": False},
+        "qwen3_moe": {"attention": "gqa", "moe_score_function": "softmax", "moe_pre_softmax": True, "qk_norm": True,
+                      "moe_expert_bias": False, "moe_shared_expert_ffn_size": 0, "moe_topk_scaling_factor": 1.0,
+                      "moe_num_groups": None, "sliding_window": None},
+        "mixtral": {"attention": "gqa", "moe_score_function": "softmax", "qk_norm": False, "moe_expert_bias": False,
+                    "moe_shared_expert_ffn_size": 0, "moe_topk_scaling_factor": 1.0, "moe_num_groups": None,
+                    "attention_bias": False},
+    }[c.family]
+    bad = {k: getattr(c, k) for k, v in need.items() if getattr(c, k) != v}
+    # HF ranks groups by the sum of their top 2 scores
+    group_score = (c.moe_group_score_topk or c.moe_topk // c.moe_group_topk) if c.moe_num_groups else 2
+    if c.family == "deepseek_v3" and group_score != 2:
+        bad["moe_group_score_topk"] = c.moe_group_score_topk
+    if bad:
+        raise ValueError(f"{c.name}: cannot be expressed as an HF {FAMILY_ARCH[c.family]} config: {bad} "
+                         f"(HF needs {({k: need.get(k, 2) for k in bad})})")
+
+
+def to_hf_config(c: ModelConfig) -> dict[str, Any]:
+    """An HF ``config.json`` dict for ``c`` (fails for features the HF class cannot express)."""
+    _check_exportable(c)
+    out: dict[str, Any] = {
+        "architectures": [FAMILY_ARCH[c.family]], "model_type": c.family, "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size, "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_attention_heads,
+        "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": c.norm_eps,
+        "tie_word_embeddings": c.tie_word_embeddings, "hidden_act": "silu", "rope_parameters": _rope_out(c),
+        "num_experts_per_tok": c.moe_topk, "dtype": "float32",
+    }
+    moe = [c.is_moe_layer(i) for i in range(c.num_layers)]
+    if c.family == "deepseek_v3":
+        m = c.mla
+        first_k = c.first_k_dense_replace
+        if moe != [i >= first_k for i in range(c.num_layers)]:
+            raise ValueError("DeepSeek-V3 export needs every layer from first_k_dense_replace on to be MoE")
+        if c.moe_shared_expert_ffn_size % c.moe_ffn_hidden_size:
+            raise ValueError(f"moe_shared_expert_ffn_size={c.moe_shared_expert_ffn_size} is not a multiple of "
+                             f"moe_ffn_hidden_size={c.moe_ffn_hidden_size} (HF n_shared_experts)")
+        out.update(num_key_value_heads=c.num_attention_heads, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+                   qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
+                   head_dim=m.qk_rope_head_dim, rope_interleave=m.rope_interleave, attention_bias=c.attention_bias,
+                   intermediate_size=c.ffn_hidden_size, moe_intermediate_size=c.moe_ffn_hidden_size,
+                   n_routed_experts=c.num_experts,
+                   n_shared_experts=c.moe_shared_expert_ffn_size // c.moe_ffn_hidden_size,
+                   routed_scaling_factor=c.moe_topk_scaling_factor, n_group=c.moe_num_groups,
+                   topk_group=c.moe_group_topk, norm_topk_prob=c.moe_norm_topk_prob, first_k_dense_replace=first_k,
+                   num_nextn_predict_layers=c.mtp_num_layers, aux_loss_alpha=c.moe_aux_loss_coeff)
+    elif c.family == "qwen3_moe":
+        only = [i for i in range(c.num_layers) if not moe[i]]
+        out.update(num_key_value_heads=c.kv_heads, head_dim=c.attention_head_dim, attention_bias=c.attention_bias,
+                   intermediate_size=c.ffn_hidden_size, moe_intermediate_size=c.moe_ffn_hidden_size,
+                   num_experts=c.num_experts, norm_topk_prob=c.moe_norm_topk_prob, decoder_sparse_step=1,
+                   mlp_only_layers=only, router_aux_loss_coef=c.moe_aux_loss_coeff, use_sliding_window=False)
+    else:
+        if not all(moe):
+            raise ValueError("Mixtral export needs every layer to be MoE")
+        out.update(num_key_value_heads=c.kv_heads, head_dim=c.head_dim, intermediate_size=c.moe_ffn_hidden_size,
+                   num_local_experts=c.num_experts, sliding_window=c.sliding_window,
+                   router_aux_loss_coef=c.moe_aux_loss_coeff)
+    return out

@@ -1,0 +1,88 @@
+"""Export a moefold model of any layout to an HF checkpoint directory (sharded safetensors + index + config.json).
+
+    export_hf(model, "out_dir")                          # collective: every rank of the model calls it
+
+Every tensor is gathered to full shape (``parallel.sharding.gather_full``: all-gathers over each
+shard group) and written by ``writer_rank`` only, shard file by shard file, so the writer holds at
+most one output shard (plus the embedding/head when DeepSeek MTP copies are written). Routed
+experts are written per expert (the naming ``save_pretrained`` writes, which transformers loads
+into its fused layout) or fused (``expert_format="fused"``). Pipeline stages are not gathered
+here: export from a layout with pp = 1, or have each stage export and merge the indexes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from models.config import ModelConfig
+from models.decoder import MoEDecoder
+from models.hf.config_map import to_hf_config
+from models.hf.mapping import EXPERT_FORMATS, expert_names, hf_names
+from models.tensor_io import ShardedWriter, dtype_name
+from parallel.sharding import gather_full, shards_of
+
+
+def hf_tensors(name: str, full: Tensor, config: ModelConfig, expert_format: str = "per_expert",
+               ) -> Iterator[tuple[str, Tensor]]:
+    """The HF tensors of one full moefold tensor."""
+    ex = expert_names(name, config)
+    if ex is None:
+        yield hf_names(name, config, expert_format)[0], full
+        return
+    w13 = name.endswith("w13")
+    if expert_format == "fused":
+        E = full.shape[0]
+        yield ex.fused("w13" if w13 else "w2"), full.reshape(E, -1, full.shape[-1]) if w13 else full
+        return
+    prefix = ex.per_expert_prefixes[0]
+    for e in range(full.shape[0]):
+        if w13:
+            yield ex.per_expert(prefix, e, "gate"), full[e, 0]
+            yield ex.per_expert(prefix, e, "up"), full[e, 1]
+        else:
+            yield ex.per_expert(prefix, e, "down"), full[e]
+
+
+def export_hf(model: MoEDecoder, out_dir: str | os.PathLike, expert_format: str = "per_expert",
+              max_shard_bytes: int = 5 * 2**30, writer_rank: int = 0) -> None:
+    """Write ``model`` as an HF checkpoint directory. Collective over every group the parameters are
+    sharded on (call it on every rank of the model)."""
+    if expert_format not in EXPERT_FORMATS:
+        raise ValueError(f"expert_format={expert_format!r}; valid: {', '.join(EXPERT_FORMATS)}")
+    if model.dims.pp > 1:
+        raise ValueError(f"export_hf gathers within one pipeline stage; the model has pp={model.dims.pp}")
+    config = model.config
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    writer = ShardedWriter(out_dir, max_shard_bytes) if rank == writer_rank else None
+    shared: dict[str, Tensor] = {}
+    dtype = None
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        full = gather_full(tensor, shards_of(tensor))
+        if writer is None:
+            continue
+        if name in ("embed_tokens.weight", "output_head.proj.weight") and config.mtp_num_layers:
+            shared[name] = full
+        if dtype is None and torch.is_floating_point(full) and full.dim() > 1:
+            dtype = full.dtype
+        for hf_name, value in hf_tensors(name, full, config, expert_format):
+            writer.add(hf_name, value)
+    if writer is not None:
+        # DeepSeek checkpoints carry each MTP layer's copy of the shared embedding and head
+        head = shared.get("output_head.proj.weight", shared.get("embed_tokens.weight"))
+        for k in range(config.mtp_num_layers):
+            j = config.num_layers + k
+            writer.add(f"model.layers.{j}.embed_tokens.weight", shared["embed_tokens.weight"])
+            writer.add(f"model.layers.{j}.shared_head.head.weight", head)
+        writer.finish()
+        hf_config = to_hf_config(config)
+        hf_config["dtype"] = dtype_name(dtype or torch.float32)
+        (Path(out_dir) / "config.json").write_text(json.dumps(hf_config, indent=2))
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,124 @@
+"""ModelConfig -> component configs and modules: the one place the flat config is translated.
+
+``attention_config``/``router_config``/``moe_config``/``mlp_config`` derive the typed component
+configs; ``build_block(config, index, dims, options)`` builds transformer block ``index`` (GQA or
+MLA attention; dense MLP or MoE FFN as ``config.is_moe_layer(index)`` says).
+"""
+
+from __future__ import annotations
+
+from dense.attention import GQAAttention
+from dense.attention_config import AttentionConfig, MLAConfig
+from dense.block import TransformerBlock
+from dense.mla import MLAttention
+from dense.mlp import DenseMLP, MLPConfig
+from dense.rope import YarnConfig
+from models.config import ModelConfig
+from models.options import ModelOptions
+from moe.config import MoEConfig
+from moe.layer import MoELayer
+from moe.router_config import RouterConfig
+from parallel.dims import ParallelDims
+
+
+def yarn_config(config: ModelConfig) -> YarnConfig | None:
+    y = config.yarn
+    if y is None:
+        return None
+    return YarnConfig(factor=y.factor, original_max_position_embeddings=y.original_max_position_embeddings,
+                      beta_fast=y.beta_fast, beta_slow=y.beta_slow, mscale=y.mscale, mscale_all_dim=y.mscale_all_dim)
+
+
+def attention_config(config: ModelConfig, options: ModelOptions) -> AttentionConfig | MLAConfig:
+    c, o = config, options
+    common = {"hidden_size": c.hidden_size, "num_heads": c.num_attention_heads, "norm_eps": c.norm_eps,
+              "bias": c.attention_bias, "rope_theta": c.rope_theta, "yarn": yarn_config(c), "cp_comm": o.cp_comm,
+              "recompute": o.recompute, "init_std": o.init_std}
+    if c.attention == "mla":
+        m = c.mla
+        return MLAConfig(kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
+                         qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, q_lora_rank=m.q_lora_rank,
+                         rope_interleave=m.rope_interleave, **common)
+    return AttentionConfig(num_query_groups=c.num_query_groups, head_dim=c.head_dim, qk_norm=c.qk_norm,
+                           sliding_window=c.sliding_window, **common)
+
+
+def router_config(config: ModelConfig, options: ModelOptions) -> RouterConfig:
+    """The router of every MoE layer. HF semantics per family:
+
+    - Mixtral: softmax over the top-k logits (= softmax over all, renormalised over the k).
+    - Qwen3-MoE: softmax over all experts (``pre_softmax``), renormalised iff ``norm_topk_prob``.
+    - DeepSeek-V3: sigmoid, group-limited (group score = sum of the top 2), expert bias for selection,
+      renormalised and scaled by ``routed_scaling_factor``.
+    """
+    c = config
+    pre = c.moe_pre_softmax and c.moe_score_function == "softmax"
+    norm = c.moe_norm_topk_prob
+    if c.moe_score_function == "softmax" and not pre:
+        norm = None  # post-top-k softmax is normalised by definition
+    return RouterConfig(
+        num_experts=c.num_experts, topk=c.moe_topk, score_function=c.moe_score_function, pre_softmax=pre,
+        norm_topk_prob=norm,
+        topk_scaling_factor=c.moe_topk_scaling_factor if c.moe_topk_scaling_factor != 1.0 else None,
+        num_groups=c.moe_num_groups, group_topk=c.moe_group_topk, group_score_topk=c.moe_group_score_topk,
+        load_balancing_type=c.moe_load_balancing_type, aux_loss_coeff=c.moe_aux_loss_coeff,
+        enable_expert_bias=c.moe_expert_bias, init_std=options.init_std)
+
+
+def moe_config(config: ModelConfig, options: ModelOptions, dims: ParallelDims) -> MoEConfig:
+    return MoEConfig(num_experts=config.num_experts, moe_ffn_hidden_size=config.moe_ffn_hidden_size,
+                     router=router_config(config, options), shared_expert_ffn_size=config.moe_shared_expert_ffn_size,
+                     shared_expert_gate=config.moe_shared_expert_gate,
+                     dispatcher=options.resolved_dispatcher(dims.ep, dims.etp), gemm_backend=options.gemm_backend,
+                     init_std=options.init_std)
+
+
+def mlp_config(config: ModelConfig, options: ModelOptions) -> MLPConfig:
+    return MLPConfig(hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size,
+                     init_std=options.init_std)
+
+
+def check_layout(config: ModelConfig, dims: ParallelDims, options: ModelOptions) -> None:
+    """Fail early, naming the numbers, when ``config`` cannot be split over ``dims``."""
+    attention_config(config, options).check_parallel(dims.tp, dims.cp)
+    if config.vocab_size % dims.tp:
+        raise ValueError(f"vocab_size={config.vocab_size} is not divisible by tp={dims.tp}")
+    if any(not config.is_moe_layer(i) for i in range(config.num_layers)):
+        mlp_config(config, options).check_parallel(dims.tp)
+    if config.num_experts:
+        moe_config(config, options, dims).check_layout(tp=dims.tp, ep=dims.ep, etp=dims.etp)
+
+
+def build_attention(config: ModelConfig, dims: ParallelDims, options: ModelOptions, **kw):
+    att = attention_config(config, options)
+    cls = MLAttention if isinstance(att, MLAConfig) else GQAAttention
+    return cls(att, dims.tp_group, dims.cp_group, sequence_parallel=_sp(options, dims), **kw)
+
+
+def build_ffn(config: ModelConfig, moe: bool, dims: ParallelDims, options: ModelOptions, **kw):
+    if moe:
+        return MoELayer(moe_config(config, options, dims), config.hidden_size, dims,
+                        sequence_parallel=_sp(options, dims), **kw)
+    return DenseMLP(mlp_config(config, options), dims.tp_group, sequence_parallel=_sp(options, dims), **kw)
+
+
+def is_moe_block(config: ModelConfig, index: int) -> bool:
+    """Block ``index`` has an MoE FFN. Indices >= num_layers are MTP blocks: MoE whenever the model
+    has experts (DeepSeek-V3's MTP layer is an MoE layer)."""
+    if index >= config.num_layers:
+        return config.num_experts > 0
+    return config.is_moe_layer(index)
+
+
+def build_block(config: ModelConfig, index: int, dims: ParallelDims, options: ModelOptions) -> TransformerBlock:
+    """Transformer block ``index`` (0-based global layer index; MTP blocks continue after the
+    main layers) for this rank's layout. Parameters go to the current default device
+    (``with torch.device("meta"): ...`` builds without memory)."""
+    kw = {"dtype": options.torch_dtype}
+    return TransformerBlock(config.hidden_size, build_attention(config, dims, options, **kw),
+                            build_ffn(config, is_moe_block(config, index), dims, options, **kw), config.norm_eps,
+                            sequence_parallel=_sp(options, dims), recompute=options.recompute, **kw)
+
+
+def _sp(options: ModelOptions, dims: ParallelDims) -> bool:
+    return options.sequence_parallel and dims.tp > 1

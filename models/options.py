@@ -1,0 +1,64 @@
+"""Run-time choices of how a model is computed (not what it computes): ``ModelOptions``.
+
+The architecture is ``ModelConfig``; the layout is ``ParallelDims``; everything else that a run may
+change without changing the model's mathematics lives here, so the same checkpoint can be trained
+with a different dispatcher, recompute mode or CP exchange.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dense.context_parallel import CP_COMM_MODES
+from dense.recompute import RECOMPUTE_MODES
+from moe.config import DISPATCHERS
+from moe.gemm import GEMM_BACKENDS
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """How the decoder runs.
+
+    sequence_parallel: shard activations along the sequence between TP regions (only matters at tp > 1)
+    cp_comm:           context-parallel K/V exchange, one of ``CP_COMM_MODES``
+    recompute:         "none" | "selective" (core attention) | "full" (whole blocks)
+    dispatcher:        token dispatcher kind; "auto" = "local" when ep*etp == 1, else "alltoall"
+    gemm_backend:      routed-expert GEMM backend (``moe.gemm.GEMM_BACKENDS``)
+    dtype:             parameter dtype, "fp32" | "bf16" | "fp16" (routers and expert bias stay fp32)
+    init_std:          std of the normal init of every weight matrix
+    """
+
+    sequence_parallel: bool = True
+    cp_comm: str = "p2p"
+    recompute: str = "none"
+    dispatcher: str = "auto"
+    gemm_backend: str = "grouped_mm"
+    dtype: str = "fp32"
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.cp_comm not in CP_COMM_MODES:
+            raise ValueError(f"ModelOptions.cp_comm={self.cp_comm!r} is not one of {CP_COMM_MODES}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"ModelOptions.recompute={self.recompute!r} is not one of {RECOMPUTE_MODES}")
+        if self.dispatcher != "auto" and self.dispatcher not in DISPATCHERS:
+            raise ValueError(f"ModelOptions.dispatcher={self.dispatcher!r}; valid: auto, {', '.join(DISPATCHERS)}")
+        if self.gemm_backend not in GEMM_BACKENDS:
+            raise ValueError(f"ModelOptions.gemm_backend={self.gemm_backend!r}; valid: {', '.join(GEMM_BACKENDS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"ModelOptions.dtype={self.dtype!r}; valid: {', '.join(DTYPES)}")
+        if not self.init_std > 0:
+            raise ValueError(f"ModelOptions.init_std={self.init_std!r} must be > 0")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def resolved_dispatcher(self, ep: int, etp: int) -> str:
+        if self.dispatcher != "auto":
+            return self.dispatcher
+        return "local" if ep * etp == 1 else "alltoall"

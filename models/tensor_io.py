@@ -1,0 +1,135 @@
+"""Reading slices of, and writing, (sharded) safetensors checkpoint directories.
+
+A directory holds either ``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` files listed
+by ``model.safetensors.index.json`` (``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``),
+the layout HF ``save_pretrained`` writes. ``TensorReader.read(name, box)`` reads only the requested
+slice (``safe_open(...).get_slice``), so each rank of a parallel layout reads what it holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class TensorReader:
+    """Lazy access to the tensors of a checkpoint directory (or one ``.safetensors`` file). Use as a
+    context manager, or call ``close()``."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        path = Path(path)
+        if path.is_file():
+            files = {path.name: path}
+            root = path.parent
+        else:
+            root = path
+            files = {}
+        self.root = root
+        self._stack = ExitStack()
+        self._handles: dict[str, object] = {}
+        if files:
+            self.weight_map = self._names_of(path)
+        elif (root / INDEX).is_file():
+            index = json.loads((root / INDEX).read_text())
+            self.weight_map = dict(index["weight_map"])
+        elif (root / SINGLE).is_file():
+            self.weight_map = self._names_of(root / SINGLE)
+        else:
+            raise ValueError(f"{root}: no {INDEX} and no {SINGLE} (not a safetensors checkpoint directory)")
+
+    def _names_of(self, file: Path) -> dict[str, str]:
+        return dict.fromkeys(self._open(file.name, file).keys(), file.name)
+
+    def _open(self, fname: str, file: Path | None = None):
+        if fname not in self._handles:
+            file = file or self.root / fname
+            if not file.is_file():
+                raise ValueError(f"checkpoint file {file} (listed in {INDEX}) does not exist")
+            self._handles[fname] = self._stack.enter_context(safe_open(str(file), framework="pt"))
+        return self._handles[fname]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def names(self) -> list[str]:
+        return list(self.weight_map)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._open(self.weight_map[name]).get_slice(name).get_shape())
+
+    def read(self, name: str, box: tuple[slice, ...] | None = None) -> Tensor:
+        """Tensor ``name``, or only ``box`` (one slice per leading dim) of it."""
+        if name not in self.weight_map:
+            raise KeyError(name)
+        sl = self._open(self.weight_map[name]).get_slice(name)
+        return sl[:] if box is None else sl[box]
+
+    def close(self) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+    def __enter__(self) -> TensorReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ShardedWriter:
+    """Writes tensors into ``model-XXXXX-of-YYYYY.safetensors`` files of at most ``max_shard_bytes``
+    (a single ``model.safetensors`` when everything fits) and the index. Only call ``add`` on the rank
+    that writes."""
+
+    def __init__(self, out_dir: str | os.PathLike, max_shard_bytes: int = 5 * 2**30) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.max_shard_bytes = max_shard_bytes
+        self._current: dict[str, Tensor] = {}
+        self._current_bytes = 0
+        self._files: list[list[str]] = []
+        self.total_size = 0
+
+    def add(self, name: str, tensor: Tensor) -> None:
+        if any(name in f for f in self._files) or name in self._current:
+            raise ValueError(f"tensor {name!r} written twice")
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._current and self._current_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._current[name] = tensor.detach().to("cpu").contiguous().clone()
+        self._current_bytes += nbytes
+        self.total_size += nbytes
+
+    def _flush(self) -> None:
+        idx = len(self._files)
+        save_file(self._current, str(self.out_dir / f"_part{idx}.safetensors"), metadata={"format": "pt"})
+        self._files.append(list(self._current))
+        self._current, self._current_bytes = {}, 0
+
+    def finish(self) -> None:
+        if self._current or not self._files:
+            self._flush()
+        n = len(self._files)
+        if n == 1:
+            os.replace(self.out_dir / "_part0.safetensors", self.out_dir / SINGLE)
+            return
+        weight_map = {}
+        for i, names in enumerate(self._files):
+            fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(self.out_dir / f"_part{i}.safetensors", self.out_dir / fname)
+            weight_map.update(dict.fromkeys(names, fname))
+        (self.out_dir / INDEX).write_text(json.dumps({"metadata": {"total_size": self.total_size},
+                                                      "weight_map": weight_map}, indent=2))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, str(dtype))

@@ -1,0 +1,80 @@
+"""Tiny random HF models of the three families, built from config objects (nothing is downloaded).
+
+Every parameter is perturbed (norm weights around 1, biases such as DeepSeek's
+``e_score_correction_bias`` random) so that a mis-mapped tensor changes the logits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral")
+VOCAB = 96
+
+
+def hf_model(family: str, seed: int = 0):
+    """(HF model in eval mode, fp32) for ``family``."""
+    from transformers import (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
+
+    torch.manual_seed(seed)
+    if family == "deepseek_v3":
+        cfg = DeepseekV3Config(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+            num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+            q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+            max_position_embeddings=64, num_nextn_predict_layers=0,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "mscale": 1.0, "mscale_all_dim": 1.0})
+        model = DeepseekV3ForCausalLM(cfg)
+    elif family == "qwen3_moe":
+        cfg = Qwen3MoeConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+            norm_topk_prob=True, mlp_only_layers=[1], rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+        model = Qwen3MoeForCausalLM(cfg)
+    elif family == "mixtral":
+        cfg = MixtralConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+        model = MixtralForCausalLM(cfg)
+    else:
+        raise ValueError(family)
+    model.config._attn_implementation = "sdpa"
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("gate.weight"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.08 * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn(b.shape, generator=gen))
+    return model.eval().float()
+
+
+def save_hf(family: str, path, seed: int = 0, **save_kw):
+    model = hf_model(family, seed)
+    model.save_pretrained(path, **save_kw)
+    return model
+
+
+def hf_logits(model, ids_BS: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids_BS).logits.float()
+
+
+def tokens(batch: int = 2, seq: int = 16, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))

@@ -1,0 +1,56 @@
+"""``moefold convert`` (HF <-> moefold checkpoint) and ``moefold inspect``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from models.checkpoint import config_from_dict, config_to_dict, load_checkpoint
+from models.recipes import RECIPES, get_recipe
+from models.tensor_io import TensorReader
+from tests.models.hf_tiny import hf_logits, save_hf, tokens
+from training.cli import main as cli
+
+pytest.importorskip("transformers")
+
+
+def test_convert_hf_moefold_hf_roundtrip(tmp_path, capsys):
+    hf = save_hf("deepseek_v3", tmp_path / "hf")
+    assert cli(["convert", str(tmp_path / "hf"), str(tmp_path / "mf"), "--max-shard-size", "64KB"]) == 0
+    assert (tmp_path / "mf" / "moefold_config.json").is_file()
+    assert (tmp_path / "mf" / "model.safetensors.index.json").is_file()  # sharded
+    with TensorReader(tmp_path / "mf") as r:  # moefold naming, full tensors
+        assert r.shape("layers.1.mlp.experts.w13") == (8, 2, 16, 32)
+        assert "layers.1.mlp.router.expert_bias" in r
+    ids = tokens()
+    torch.testing.assert_close(load_checkpoint(tmp_path / "mf").logits(ids), hf_logits(hf, ids), atol=1e-4, rtol=0)
+    assert cli(["convert", str(tmp_path / "mf"), str(tmp_path / "back")]) == 0
+    with TensorReader(tmp_path / "hf") as a, TensorReader(tmp_path / "back") as b:
+        assert sorted(a.names()) == sorted(b.names())
+        assert all(torch.equal(a.read(n), b.read(n)) for n in a.names())
+    assert "wrote hf checkpoint" in capsys.readouterr().out
+
+
+def test_convert_recipe_and_bad_source(tmp_path):
+    assert cli(["convert", "--recipe", "qwen3_moe_tiny", "--seed", "1", str(tmp_path / "q")]) == 0
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3MoeForCausalLM"] and cfg["num_experts"] == 8
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="neither a moefold checkpoint"):
+        cli(["convert", str(tmp_path / "empty"), str(tmp_path / "x")])
+
+
+def test_inspect(capsys):
+    assert cli(["inspect", "--recipe", "mixtral_8x7b"]) == 0
+    out = capsys.readouterr().out
+    assert "total 46.703B" in out and "active per token 12.880B" in out and "x32" in out
+
+
+def test_config_json_roundtrip():
+    for name in RECIPES:
+        config = get_recipe(name)
+        assert config_from_dict(json.loads(json.dumps(config_to_dict(config)))) == config
+    with pytest.raises(ValueError, match=r"unknown ModelConfig fields \['bogus'\]"):
+        config_from_dict({**config_to_dict(get_recipe("mixtral_tiny")), "bogus": 1})
