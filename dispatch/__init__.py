@@ -1,1 +1,25 @@
 """Moving token copies to the ranks holding their experts and back: permutation, allgather, all-to-all, DeepEP."""
+
+from dispatch.allgather import AllGatherDispatcher, AllGatherHandle
+from dispatch.alltoall import AllToAllDispatcher, AllToAllHandle, LocalDispatcher
+from dispatch.base import Dispatched, DispatchHandle, PendingDispatch, PhaseTimer, TokenDispatcher
+from dispatch.factory import DISPATCHER_KINDS, build_dispatcher
+from dispatch.permutation import (
+    RowMap,
+    build_row_map,
+    chunk_sort_index,
+    group_counts,
+    mask_groups,
+    permute,
+    permute_probs,
+    sort_chunks,
+    unpermute,
+)
+
+__all__ = [
+    "TokenDispatcher", "Dispatched", "DispatchHandle", "PendingDispatch", "PhaseTimer",
+    "LocalDispatcher", "AllToAllDispatcher", "AllToAllHandle", "AllGatherDispatcher", "AllGatherHandle",
+    "build_dispatcher", "DISPATCHER_KINDS",
+    "RowMap", "mask_groups", "group_counts", "build_row_map", "permute", "unpermute", "permute_probs",
+    "chunk_sort_index", "sort_chunks",
+]

@@ -1,0 +1,121 @@
+"""The dispatcher interface: ``dispatch(x, routing) -> Dispatched`` and ``combine(rows, handle) -> y``.
+
+Every dispatcher moves each kept copy of this rank's T tokens to the rank(s) holding its expert
+(expert ``g`` lives on ep rank ``g // e_local``; with etp > 1 every rank of the etp group gets the
+same rows) and brings the expert outputs back. Dispatchers are stateless between steps:
+everything ``combine`` needs travels in the frozen handle.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from moe.routing import Routing
+from parallel.groups import Group, group_rank, group_size
+
+# A bench-only hook: ``timer(phase)`` returns a context manager timing that phase.
+PhaseTimer = Callable[[str], AbstractContextManager]
+
+
+@dataclass(frozen=True)
+class DispatchHandle:
+    """What ``combine`` needs to undo one ``dispatch``; subclasses add their dispatcher's fields.
+
+    num_tokens: T of the dispatching rank; num_rows: N rows handed to the experts.
+    """
+
+    num_tokens: int
+    num_rows: int
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    """The experts' input on this rank.
+
+    tokens_NH:           [N, H] rows grouped by local expert (expert-major), padding rows zero
+    probs_N:             [N] fp32 routing prob of each row (0 for padding), autograd-connected
+    tokens_per_expert_e: [e_local] int64 rows per local expert (padding included), on x's device
+    handle:              consumed by ``combine``
+    """
+
+    tokens_NH: Tensor
+    probs_N: Tensor
+    tokens_per_expert_e: Tensor
+    handle: DispatchHandle
+
+
+class PendingDispatch:
+    """A dispatch whose communication may still be in flight; ``wait()`` returns the ``Dispatched``.
+
+    Work run between ``dispatch_start`` and ``wait`` (shared experts) overlaps the exchange.
+    """
+
+    def __init__(self, finish: Callable[[], Dispatched]):
+        self._finish: Callable[[], Dispatched] | None = finish
+        self._result: Dispatched | None = None
+
+    def wait(self) -> Dispatched:
+        if self._finish is not None:
+            self._result, self._finish = self._finish(), None
+        assert self._result is not None
+        return self._result
+
+
+class TokenDispatcher(ABC):
+    """Base class: expert placement over ``ep_group`` and input checks shared by all dispatchers."""
+
+    name = "base"
+
+    def __init__(self, num_experts: int, ep_group: Group = None, etp_group: Group = None,
+                 timer: PhaseTimer | None = None):
+        if not isinstance(num_experts, int) or num_experts < 1:
+            raise ValueError(f"num_experts={num_experts!r} must be a positive integer")
+        self.num_experts = num_experts
+        self.ep_group, self.etp_group = ep_group, etp_group
+        self.ep, self.etp = group_size(ep_group), group_size(etp_group)
+        if num_experts % self.ep != 0:
+            raise ValueError(f"num_experts={num_experts} is not divisible by ep={self.ep}; "
+                             f"use a multiple of {self.ep} experts or an ep that divides {num_experts}")
+        self.ep_rank, self.etp_rank = group_rank(ep_group), group_rank(etp_group)
+        self.num_local_experts = num_experts // self.ep
+        self.local_expert_offset = self.ep_rank * self.num_local_experts
+        self._timer = timer
+
+    def _phase(self, name: str) -> AbstractContextManager:
+        return nullcontext() if self._timer is None else self._timer(name)
+
+    def _check(self, x_TH: Tensor, routing: Routing) -> None:
+        if x_TH.dim() != 2:
+            raise ValueError(f"{self.name} dispatch: x must be [T, H], got shape {tuple(x_TH.shape)}")
+        if routing.num_experts != self.num_experts:
+            raise ValueError(f"{self.name} dispatch: routing has {routing.num_experts} experts, "
+                             f"dispatcher was built for num_experts={self.num_experts}")
+        if routing.num_tokens != x_TH.shape[0] or tuple(routing.expert_ids_TK.shape) != tuple(routing.probs_TK.shape):
+            raise ValueError(f"{self.name} dispatch: x has {x_TH.shape[0]} tokens, probs_TK "
+                             f"{tuple(routing.probs_TK.shape)}, expert_ids_TK {tuple(routing.expert_ids_TK.shape)}")
+        if routing.pad_to_capacity and (routing.capacity is None or routing.capacity < 0):
+            raise ValueError(f"{self.name} dispatch: pad_to_capacity needs a capacity >= 0, got {routing.capacity}")
+
+    @abstractmethod
+    def dispatch_start(self, x_TH: Tensor, routing: Routing) -> PendingDispatch:
+        """Start moving the kept copies of x's tokens to their experts (see ``Dispatched``)."""
+
+    def dispatch(self, x_TH: Tensor, routing: Routing) -> Dispatched:
+        """``dispatch_start(x, routing).wait()``."""
+        return self.dispatch_start(x_TH, routing).wait()
+
+    @abstractmethod
+    def combine(self, expert_out_NH: Tensor, handle: DispatchHandle) -> Tensor:
+        """[N, H] expert outputs (already times probs; partial sums over etp) -> y [T, H]."""
+
+    def _check_combine(self, expert_out_NH: Tensor, handle: DispatchHandle, handle_type: type) -> None:
+        if not isinstance(handle, handle_type):
+            raise TypeError(f"{self.name} combine: expected a {handle_type.__name__}, got {type(handle).__name__}")
+        if expert_out_NH.dim() != 2 or expert_out_NH.shape[0] != handle.num_rows:
+            raise ValueError(f"{self.name} combine: expert output has shape {tuple(expert_out_NH.shape)}, "
+                             f"expected [{handle.num_rows}, H] (the dispatched rows)")

@@ -1,0 +1,44 @@
+"""``build_dispatcher(kind, num_experts, dims)``: the one place a dispatcher kind is chosen by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dispatch.allgather import AllGatherDispatcher
+from dispatch.alltoall import AllToAllDispatcher, LocalDispatcher
+from dispatch.base import PhaseTimer, TokenDispatcher
+from parallel.dims import ParallelDims
+from parallel.groups import Group, group_size
+
+DISPATCHER_KINDS = ("local", "allgather", "alltoall", "flex")
+
+
+def build_dispatcher(kind: str, num_experts: int, dims: ParallelDims | None = None, *,
+                     ep_group: Group = None, etp_group: Group = None, etp_ep_group: Group = None,
+                     timer: PhaseTimer | None = None, **backend_options: Any) -> TokenDispatcher:
+    """Create the dispatcher ``kind`` (one of ``DISPATCHER_KINDS``) for ``num_experts`` experts.
+
+    Groups come from ``dims`` (its ep, etp and etp_ep groups) or are passed explicitly; with
+    neither, the dispatcher runs alone (ep = etp = 1). ``backend_options`` go to the alltoall
+    dispatcher (``max_chunked_experts``) or the flex (DeepEP) one (``num_nvl_bytes``, ...).
+    """
+    if dims is not None:
+        ep_group, etp_group, etp_ep_group = dims.ep_group, dims.etp_group, dims.etp_ep_group
+    if kind not in DISPATCHER_KINDS:
+        raise ValueError(f"unknown dispatcher kind {kind!r}; valid kinds are {', '.join(DISPATCHER_KINDS)}")
+    if backend_options and kind not in ("alltoall", "flex"):
+        raise ValueError(f"options {sorted(backend_options)} are only understood by the alltoall and flex "
+                         f"dispatchers, not {kind!r}")
+    if kind == "local":
+        for name, group in (("ep", ep_group), ("etp", etp_group)):
+            if group_size(group) != 1:
+                raise ValueError(f"the local dispatcher needs {name}=1, got {name}={group_size(group)}; "
+                                 "use 'alltoall' or 'allgather'")
+        return LocalDispatcher(num_experts, timer=timer)
+    if kind == "allgather":
+        return AllGatherDispatcher(num_experts, ep_group, etp_group, etp_ep_group, timer=timer)
+    if kind == "alltoall":
+        return AllToAllDispatcher(num_experts, ep_group, etp_group, timer=timer, **backend_options)
+    from dispatch.deepep import FlexDispatcher  # lazy: imports deep_ep only when asked for
+
+    return FlexDispatcher(num_experts, ep_group, etp_group, timer=timer, **backend_options)

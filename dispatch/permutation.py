@@ -1,0 +1,214 @@
+"""Index-based permutation of token copies into expert-major rows and back.
+
+A rank holds T tokens, each routed to K experts: T*K *copies*, addressed by their flat slot
+``t * K + k``. Dispatch lays the copies it keeps out as N rows grouped by a key (the expert,
+or (expert, source rank)), stably, so the order is deterministic: inside a group, rows keep
+their slot order. Everything here is gathers (``index_select``) and unique-index copies, so
+the results are bitwise reproducible on every device; no dense [T, E] tensor is built.
+
+``RowMap`` records where each row came from; ``permute`` / ``unpermute`` are an adjoint pair
+(each one's backward is the other), and ``sort_chunks`` regroups a buffer of [A x B] chunks
+into [B x A] order (received [source rank x local expert] -> [local expert x source rank]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class RowMap:
+    """Where each of the N dispatched rows comes from.
+
+    token_of_row_N: [N] int64 source token in [0, T); T for a padding row
+    slot_of_row_N:  [N] int64 flat copy slot t*K+k in [0, T*K); T*K for a padding row
+    counts_G:       [G] int64 rows per group (padding included), on the tokens' device
+    padded:         rows may be padding (each group padded to exactly ``capacity`` rows)
+    """
+
+    token_of_row_N: Tensor
+    slot_of_row_N: Tensor
+    counts_G: Tensor
+    num_tokens: int
+    topk: int
+    padded: bool
+
+    @property
+    def num_rows(self) -> int:
+        return self.slot_of_row_N.shape[0]
+
+
+def mask_groups(group_TK: Tensor, num_groups: int, keep_TK: Tensor | None = None) -> Tensor:
+    """Flatten [T, K] group ids to [T*K]; copies that are not dispatched get the sentinel ``num_groups``.
+
+    A copy is not dispatched when ``keep_TK`` is False or its group lies outside [0, num_groups)
+    (e.g. an expert held by another rank after subtracting the local offset).
+    """
+    key = group_TK.reshape(-1).long()
+    invalid = (key < 0) | (key >= num_groups)
+    if keep_TK is not None:
+        invalid = invalid | ~keep_TK.reshape(-1).bool()
+    return key.masked_fill(invalid, num_groups)
+
+
+def group_counts(key_N: Tensor, num_groups: int) -> Tensor:
+    """[G] int64 number of dispatched copies per group (sentinel copies excluded), on device."""
+    return torch.bincount(key_N, minlength=num_groups + 1)[:num_groups]
+
+
+def build_row_map(key: Tensor, num_tokens: int, topk: int, num_groups: int, *,
+                  capacity: int | None = None, num_rows: int | None = None) -> RowMap:
+    """Sort the copies of ``key`` ([T*K] from ``mask_groups``) into group-major rows.
+
+    Without ``capacity``: one row per dispatched copy, N = ``num_rows`` (the host-side count of
+    dispatched copies; computed with one device->host sync when not given).
+    With ``capacity``: every group is exactly ``capacity`` rows (N = G * capacity); missing rows
+    are padding, and copies beyond a group's capacity are not dispatched (a correct router has
+    already dropped them through its keep mask).
+    """
+    T, K, G = num_tokens, topk, num_groups
+    if key.shape[0] != T * K:
+        raise ValueError(f"key has {key.shape[0]} copies, expected num_tokens*topk={T}*{K}")
+    order = torch.argsort(key, stable=True)
+    if capacity is None:
+        counts = group_counts(key, G)
+        if num_rows is None:
+            num_rows = int(counts.sum().item())
+        slot = order[:num_rows]
+        return RowMap(slot // K, slot, counts, T, K, padded=False)
+    if capacity < 0:
+        raise ValueError(f"capacity={capacity} must be >= 0")
+    counts_all = torch.bincount(key, minlength=G + 1)
+    starts = torch.cumsum(counts_all, 0) - counts_all
+    sorted_key = key.index_select(0, order)
+    pos = torch.arange(T * K, device=key.device) - starts.index_select(0, sorted_key)
+    ok = (sorted_key < G) & (pos < capacity)
+    n = G * capacity
+    row = torch.where(ok, sorted_key * capacity + pos, n)  # row n is a sink for undispatched copies
+    slot = torch.full((n + 1,), T * K, dtype=torch.long, device=key.device).scatter_(0, row, order)[:n]
+    counts = torch.full((G,), capacity, dtype=torch.long, device=key.device)
+    return RowMap(slot // K, slot, counts, T, K, padded=True)
+
+
+# --------------------------------------------------------------------------------------------
+# the adjoint pair
+# --------------------------------------------------------------------------------------------
+def _gather_rows(x_TH: Tensor, token_N: Tensor, padded: bool) -> Tensor:
+    if padded:  # padding rows point at token T: an appended zero row
+        x_TH = torch.cat([x_TH, x_TH.new_zeros((1, *x_TH.shape[1:]))])
+    return x_TH.index_select(0, token_N)
+
+
+def _sum_copies(rows_NH: Tensor, slot_N: Tensor, num_tokens: int, topk: int, padded: bool) -> Tensor:
+    """y[t] = sum_k rows[row of slot (t, k)], a slot without a row adding zero. Deterministic.
+
+    Inverts the map (each real row owns a distinct slot; padding rows all hit the sink slot T*K,
+    which is dropped) and lets ``embedding_bag`` gather-and-sum each token's K rows in one pass
+    (no scatter-add, no [T*K, H] intermediate).
+    """
+    T, K, N = num_tokens, topk, rows_NH.shape[0]
+    rest = rows_NH.shape[1:]
+    if T * K == 0 or N == 0:
+        return rows_NH.new_zeros((T, *rest))
+    rows_2d = rows_NH.reshape(N, -1)
+    arange_N = torch.arange(N, device=slot_N.device)
+    if not padded and N == T * K:  # every slot has a row
+        row_of_slot = torch.empty_like(slot_N).scatter_(0, slot_N, arange_N)
+        y = F.embedding_bag(row_of_slot.view(T, K), rows_2d, mode="sum")
+    else:
+        row_of_slot = torch.full((T * K + 1,), N, dtype=torch.long, device=slot_N.device)
+        row_of_slot = row_of_slot.scatter_(0, slot_N, arange_N)[:T * K]
+        valid = row_of_slot < N
+        y = F.embedding_bag(row_of_slot.masked_fill(~valid, 0).view(T, K), rows_2d, mode="sum",
+                            per_sample_weights=valid.view(T, K).to(rows_2d.dtype))
+    return y.view(T, *rest)
+
+
+class _Permute(torch.autograd.Function):
+    """Forward: rows = x[token_of_row]. Backward: sum each token's copies of the row gradients."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, token_N: Tensor, slot_N: Tensor, topk: int, padded: bool) -> Tensor:
+        ctx.save_for_backward(slot_N)
+        ctx.num_tokens, ctx.topk, ctx.padded = x.shape[0], topk, padded
+        return _gather_rows(x, token_N, padded)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (slot_N,) = ctx.saved_tensors
+        return _sum_copies(grad.contiguous(), slot_N, ctx.num_tokens, ctx.topk, ctx.padded), None, None, None, None
+
+
+class _Unpermute(torch.autograd.Function):
+    """Forward: y[t] = sum over t's dispatched copies of their rows. Backward: gather rows."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, token_N: Tensor, slot_N: Tensor, num_tokens: int, topk: int,
+                padded: bool) -> Tensor:
+        ctx.save_for_backward(token_N)
+        ctx.padded = padded
+        return _sum_copies(rows.contiguous(), slot_N, num_tokens, topk, padded)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (token_N,) = ctx.saved_tensors
+        return _gather_rows(grad.contiguous(), token_N, ctx.padded), None, None, None, None, None
+
+
+def permute(x_TH: Tensor, row_map: RowMap) -> Tensor:
+    """[T, H] tokens -> [N, H] expert-major rows (zero rows for padding). Local, no communication."""
+    if x_TH.shape[0] != row_map.num_tokens:
+        raise ValueError(f"permute: x has {x_TH.shape[0]} tokens but the row map was built for {row_map.num_tokens}")
+    return _Permute.apply(x_TH, row_map.token_of_row_N, row_map.slot_of_row_N, row_map.topk, row_map.padded)
+
+
+def unpermute(rows_NH: Tensor, row_map: RowMap) -> Tensor:
+    """[N, H] rows -> [T, H], summing each token's K copies (copies not dispatched add zero)."""
+    if rows_NH.shape[0] != row_map.num_rows:
+        raise ValueError(f"unpermute: got {rows_NH.shape[0]} rows but the row map has {row_map.num_rows}")
+    return _Unpermute.apply(rows_NH, row_map.token_of_row_N, row_map.slot_of_row_N, row_map.num_tokens,
+                            row_map.topk, row_map.padded)
+
+
+def permute_probs(probs_TK: Tensor, row_map: RowMap) -> Tensor:
+    """[T, K] routing probs -> [N] prob of each row (0 for padding rows), autograd-connected."""
+    flat = probs_TK.reshape(-1)
+    if row_map.padded:
+        flat = torch.cat([flat, flat.new_zeros(1)])
+    return flat.index_select(0, row_map.slot_of_row_N)
+
+
+# --------------------------------------------------------------------------------------------
+# chunk regrouping
+# --------------------------------------------------------------------------------------------
+def chunk_sort_index(counts_AB: Tensor, num_rows: int) -> Tensor:
+    """[num_rows] gather index taking rows stored as [A x B] chunks to [B x A] chunk order.
+
+    ``counts_AB[a, b]`` is the size of chunk (a, b); ``num_rows`` its (host-known) total, so no
+    device->host sync is needed.
+    """
+    A, B = counts_AB.shape
+    counts_AB = counts_AB.long()
+    flat = counts_AB.reshape(-1)
+    starts_old = (torch.cumsum(flat, 0) - flat).view(A, B).t().reshape(-1)
+    counts_BA = counts_AB.t().reshape(-1)
+    starts_new = torch.cumsum(counts_BA, 0) - counts_BA
+    offset = torch.repeat_interleave(starts_old - starts_new, counts_BA, output_size=num_rows)
+    return torch.arange(num_rows, device=counts_AB.device) + offset
+
+
+def sort_chunks(x_NH: Tensor, counts_AB: Tensor) -> Tensor:
+    """Regroup rows stored as [A x B] chunks (chunk sizes ``counts_AB`` [A, B]) into [B x A] order.
+
+    The inverse is ``sort_chunks(y, counts_AB.t())``. Empty chunks, and N = 0, are fine.
+    Autograd: the backward is the inverse regrouping.
+    """
+    if counts_AB.dim() != 2:
+        raise ValueError(f"sort_chunks: counts must be [A, B], got shape {tuple(counts_AB.shape)}")
+    if counts_AB.shape[0] == 1 or counts_AB.shape[1] == 1:
+        return x_NH
+    return x_NH.index_select(0, chunk_sort_index(counts_AB.to(x_NH.device), x_NH.shape[0]))

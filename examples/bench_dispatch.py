@@ -1,0 +1,19 @@
+"""Dispatcher benchmark: a thin script over ``moefold bench-dispatch`` (dispatch/bench.py).
+
+    python examples/bench_dispatch.py --dispatcher alltoall --ep 4 --num-tokens 4096 --hidden 512 \
+        --num-experts 16 --topk 2
+    torchrun --nproc-per-node 8 examples/bench_dispatch.py --ep 8 --dtype bf16   # GPUs, NCCL
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dispatch import bench
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=bench.__doc__.splitlines()[0])
+    bench.add_arguments(parser)
+    sys.exit(bench.main(parser.parse_args()))

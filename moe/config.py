@@ -1,0 +1,82 @@
+"""MoEConfig: what one MoE layer computes and with which backends (layout comes from ParallelDims)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from moe.experts import ACTIVATIONS
+from moe.gemm import GEMM_BACKENDS
+
+if TYPE_CHECKING:
+    from moe.router_config import RouterConfig
+
+DISPATCHERS: tuple[str, ...] = ("local", "allgather", "alltoall", "flex")
+
+
+def _positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"MoEConfig: {name}={value!r} must be a positive integer")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """One MoE layer. Top-k, scoring, capacity and balancing live in ``router`` (RouterConfig).
+
+    ``shared_expert_ffn_size`` is the FFN size of the *combined* shared experts (DeepSeek's
+    ``n_shared_experts * moe_intermediate_size``, Qwen2-MoE's ``shared_expert_intermediate_size``,
+    Megatron's ``moe_shared_expert_intermediate_size``); 0 means no shared experts.
+    """
+
+    num_experts: int
+    moe_ffn_hidden_size: int                      # per routed expert (Megatron --moe-ffn-hidden-size)
+    router: RouterConfig
+    shared_expert_ffn_size: int = 0
+    shared_expert_gate: bool = False              # Qwen2-MoE: y_shared *= sigmoid(x @ w_gate)
+    activation: str = "swiglu"                    # "swiglu" (gated SiLU) | "gelu"
+    dispatcher: str = "alltoall"                  # "local" | "allgather" | "alltoall" | "flex" (DeepEP)
+    gemm_backend: str = "grouped_mm"              # see moe.gemm.GEMM_BACKENDS
+    init_std: float = 0.02
+    output_init_std: float | None = None          # w2 / shared down projection; None = init_std
+
+    def __post_init__(self) -> None:
+        _positive("num_experts", self.num_experts)
+        _positive("moe_ffn_hidden_size", self.moe_ffn_hidden_size)
+        if not isinstance(self.shared_expert_ffn_size, int) or self.shared_expert_ffn_size < 0:
+            raise ValueError(f"MoEConfig: shared_expert_ffn_size={self.shared_expert_ffn_size!r} must be an "
+                             "integer >= 0 (0 = no shared experts)")
+        if self.shared_expert_gate and self.shared_expert_ffn_size == 0:
+            raise ValueError("MoEConfig: shared_expert_gate=True needs shared experts (shared_expert_ffn_size > 0)")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"MoEConfig: activation={self.activation!r}; valid: {', '.join(ACTIVATIONS)}")
+        if self.dispatcher not in DISPATCHERS:
+            raise ValueError(f"MoEConfig: dispatcher={self.dispatcher!r}; valid: {', '.join(DISPATCHERS)}")
+        if self.gemm_backend not in GEMM_BACKENDS:
+            raise ValueError(f"MoEConfig: gemm_backend={self.gemm_backend!r}; valid: {', '.join(GEMM_BACKENDS)}")
+        if not self.init_std > 0 or (self.output_init_std is not None and not self.output_init_std > 0):
+            raise ValueError(f"MoEConfig: init_std={self.init_std} and output_init_std={self.output_init_std} "
+                             "must be > 0")
+        router_experts = getattr(self.router, "num_experts", self.num_experts)
+        if router_experts != self.num_experts:
+            raise ValueError(f"MoEConfig: num_experts={self.num_experts} but router.num_experts={router_experts}")
+        topk = getattr(self.router, "topk", 1)
+        if topk > self.num_experts:
+            raise ValueError(f"MoEConfig: router topk={topk} exceeds num_experts={self.num_experts}")
+
+    @property
+    def has_shared_experts(self) -> bool:
+        return self.shared_expert_ffn_size > 0
+
+    def check_layout(self, *, tp: int, ep: int, etp: int) -> None:
+        """Layout-dependent checks, naming the numbers (called when the layer is built)."""
+        if self.num_experts % ep:
+            raise ValueError(f"MoEConfig: num_experts={self.num_experts} is not divisible by ep={ep}")
+        if self.moe_ffn_hidden_size % etp:
+            raise ValueError(f"MoEConfig: moe_ffn_hidden_size={self.moe_ffn_hidden_size} is not divisible "
+                             f"by etp={etp}")
+        if self.shared_expert_ffn_size % tp:
+            raise ValueError(f"MoEConfig: shared_expert_ffn_size={self.shared_expert_ffn_size} is not "
+                             f"divisible by tp={tp} (shared experts are tensor-parallel like the dense MLP)")
+        if self.dispatcher == "local" and ep * etp > 1:
+            raise ValueError(f"MoEConfig: dispatcher='local' needs ep*etp=1, got ep={ep} etp={etp}; "
+                             "use 'allgather' or 'alltoall'")

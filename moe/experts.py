@@ -1,0 +1,122 @@
+"""This rank's routed experts as stacked weights, computed with one grouped GEMM per projection.
+
+Weights (``nn.Linear`` ``[out, in]`` layout per expert, so HF checkpoints map without transposes):
+
+- ``w13 [e, G, F/etp, H]``: the input projections. SwiGLU (``G = 2``): ``w13[:, 0]`` is the gate
+  projection (Megatron/Mixtral ``w1``, HF ``gate_proj``) and ``w13[:, 1]`` the up projection
+  (``w3``, HF ``up_proj``); HF's fused ``gate_up_proj [E, 2F, H]`` is ``w13.flatten(1, 2)``.
+  GELU (``G = 1``): ``w13[:, 0]`` is the only input projection (HF ``fc1``/``w1``).
+  Both halves live in one tensor so that one grouped GEMM computes them.
+- ``w2 [e, H, F/etp]``: the down projection (``w2``, HF ``down_proj``).
+
+Sharding: the expert dim over ``ep`` (rank ``ep_rank`` holds experts ``[ep_rank*e, (ep_rank+1)*e)``),
+the FFN dim ``F`` over ``etp`` (each etp rank holds a slice of every expert's hidden units, so its
+output is a *partial sum* over etp that the dispatcher's combine reduces). Initialisation draws
+the full ``[E, G, F, H]`` / ``[E, H, F]`` tensors, so it is identical at every layout.
+Expert parameters are flagged ``moefold_expert = True``: their gradients are reduced over the
+expert-data-parallel group (edp), not dp.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moe.gemm import GEMM_BACKENDS, check_gemm_backend, grouped_gemm
+from parallel.groups import Group, group_rank, group_size
+from parallel.sharding import Shard, mark_sharded, normal_init, set_init
+
+Activation = Literal["swiglu", "gelu"]
+ACTIVATIONS: tuple[str, ...] = ("swiglu", "gelu")
+
+
+def mark_expert(param: Tensor) -> Tensor:
+    """Flag a parameter whose gradient is reduced over the expert-data-parallel group."""
+    param.moefold_expert = True
+    return param
+
+
+def is_expert(param: Tensor) -> bool:
+    return getattr(param, "moefold_expert", False)
+
+
+class GroupedExperts(nn.Module):
+    """The ``e = num_experts / ep`` local experts of one MoE layer.
+
+    forward(tokens_NH, probs_N, tokens_per_expert_e) -> out_NH: rows expert-major (the first
+    ``tokens_per_expert_e[0]`` rows go to local expert 0, ...), ``out = probs * FFN_i(tokens)``,
+    a partial sum over etp (no communication here: the dispatcher reduces it in combine).
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *,
+                 ep_group: Group = None, etp_group: Group = None, activation: str = "swiglu",
+                 gemm_backend: str = "grouped_mm", init_std: float = 0.02, output_init_std: float | None = None,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        ep, etp = group_size(ep_group), group_size(etp_group)
+        for name, value in (("num_experts", num_experts), ("hidden_size", hidden_size),
+                            ("ffn_hidden_size", ffn_hidden_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GroupedExperts: {name}={value!r} must be a positive integer")
+        if num_experts % ep:
+            raise ValueError(f"GroupedExperts: num_experts={num_experts} is not divisible by ep={ep}")
+        if ffn_hidden_size % etp:
+            raise ValueError(f"GroupedExperts: ffn_hidden_size={ffn_hidden_size} is not divisible by etp={etp}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"GroupedExperts: activation={activation!r}; valid: {', '.join(ACTIVATIONS)}")
+        if gemm_backend not in GEMM_BACKENDS:
+            raise ValueError(f"GroupedExperts: gemm_backend={gemm_backend!r}; valid: {', '.join(GEMM_BACKENDS)}")
+        check_gemm_backend(gemm_backend)
+        self.num_experts, self.hidden_size, self.ffn_hidden_size = num_experts, hidden_size, ffn_hidden_size
+        self.num_local_experts = num_experts // ep
+        self.local_expert_offset = group_rank(ep_group) * self.num_local_experts
+        self.activation, self.gemm_backend = activation, gemm_backend
+        self.ep_group, self.etp_group = ep_group, etp_group
+        e, f, gates = self.num_local_experts, ffn_hidden_size // etp, 2 if activation == "swiglu" else 1
+        kw = {"dtype": dtype, "device": device}
+        self.w13 = nn.Parameter(torch.empty(e, gates, f, hidden_size, **kw))
+        self.w2 = nn.Parameter(torch.empty(e, hidden_size, f, **kw))
+        mark_sharded(self.w13, Shard.over(ep_group, 0), Shard.over(etp_group, 2))
+        mark_sharded(self.w2, Shard.over(ep_group, 0), Shard.over(etp_group, 2))
+        out_std = init_std if output_init_std is None else output_init_std
+        for p, std in ((self.w13, init_std), (self.w2, out_std)):
+            mark_expert(p)
+            set_init(p, normal_init(std))
+            with torch.no_grad():  # usable before init_parameters, which redraws layout-independently
+                p.normal_(0.0, std)
+
+    def forward(self, tokens_NH: Tensor, probs_N: Tensor, tokens_per_expert_e: Tensor) -> Tensor:
+        e, gates, f, H = self.w13.shape
+        # [e, G, f, H] -> [e, G*f, H]: gate and up projections in a single grouped GEMM.
+        h_NGf = grouped_gemm(tokens_NH, self.w13.reshape(e, gates * f, H), tokens_per_expert_e,
+                             self.gemm_backend, trans_w=True)
+        if self.activation == "swiglu":
+            gate_Nf, up_Nf = h_NGf.split(f, dim=1)
+            h_Nf = F.silu(gate_Nf) * up_Nf
+        else:
+            h_Nf = F.gelu(h_NGf)
+        # The down projection is linear, so the probs can scale its input [N, f] or its output
+        # [N, H]: do it on the narrower one (a memory-bound pass forward and two backward).
+        probs_N1 = probs_N.to(h_Nf.dtype).unsqueeze(-1)
+        if f <= H:
+            return grouped_gemm(h_Nf * probs_N1, self.w2, tokens_per_expert_e, self.gemm_backend, trans_w=True)
+        return grouped_gemm(h_Nf, self.w2, tokens_per_expert_e, self.gemm_backend, trans_w=True) * probs_N1
+
+    def flops(self, num_rows: int) -> int:
+        """Forward FLOPs of ``num_rows`` routed rows through this rank's shard."""
+        _, gates, f, H = self.w13.shape
+        return 2 * num_rows * H * f * (gates + 1)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts} (local {self.num_local_experts} from {self.local_expert_offset}), "
+                f"hidden={self.hidden_size}, ffn={self.ffn_hidden_size} (etp {group_size(self.etp_group)}), "
+                f"activation={self.activation}, gemm={self.gemm_backend}")
+
+
+def default_output_init_std(init_std: float, num_layers: int) -> float:
+    """Megatron's scaled init for output projections: ``std / sqrt(2 * num_layers)``."""
+    return init_std / math.sqrt(2.0 * num_layers)

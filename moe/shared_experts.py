@@ -1,0 +1,53 @@
+"""Shared experts: a SwiGLU MLP every token goes through, optionally scaled by a sigmoid gate.
+
+``y_shared = MLP(x)`` (DeepSeek) or ``sigmoid(x @ w_gate^T) * MLP(x)`` (Qwen2-MoE
+``shared_expert_gate``). Under attention tensor parallelism it is split exactly like the dense
+MLP (column-parallel gate/up, row-parallel down, over ``tp_group``), which is both correct and
+the cheapest choice: with sequence parallelism its input is the ``[S/tp, B, H]`` shard and its
+output comes back as that shard. The MoE layer runs it while the token dispatch is in flight.
+
+Weights (HF names): ``gate_proj`` and ``up_proj`` column-parallel ``[Fs/tp, H]`` (two layers, not
+one fused ``[2Fs/tp, H]``, so that each tp shard holds matching gate and up rows and HF weights
+load unchanged), ``down_proj`` row-parallel ``[H, Fs/tp]``; ``gate [1, H]`` replicated (its
+gradient is partial under SP, hence ``mark_sequence_parallel``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dense.linear import ColumnParallelLinear, RowParallelLinear
+from parallel.groups import Group
+from parallel.sharding import mark_sequence_parallel, normal_init, set_init
+
+
+class SharedExperts(nn.Module):
+    """forward(x [S, B, H]) -> [S, B, H], same sharding as the input (SP shard or replicated over tp)."""
+
+    def __init__(self, hidden_size: int, ffn_size: int, *, tp_group: Group = None, sequence_parallel: bool = False,
+                 gate: bool = False, init_std: float = 0.02, output_init_std: float | None = None,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        kw = {"tp_group": tp_group, "sequence_parallel": sequence_parallel, "dtype": dtype, "device": device}
+        self.gate_proj = ColumnParallelLinear(hidden_size, ffn_size, init_std=init_std, **kw)
+        self.up_proj = ColumnParallelLinear(hidden_size, ffn_size, init_std=init_std, **kw)
+        self.down_proj = RowParallelLinear(ffn_size, hidden_size, init_std=output_init_std or init_std, **kw)
+        if gate:
+            self.gate = nn.Parameter(torch.empty(1, hidden_size, dtype=dtype, device=device))
+            set_init(self.gate, normal_init(init_std))
+            with torch.no_grad():
+                self.gate.normal_(0.0, init_std)
+            if sequence_parallel:
+                mark_sequence_parallel(self.gate)
+        else:
+            self.register_parameter("gate", None)
+
+    def forward(self, x_SBH: Tensor) -> Tensor:
+        # Both column-parallel layers gather the sequence; a fused [2F] layer would gather once,
+        # but two keep the weights in HF's shape (and the all-gather is cheap next to the GEMMs).
+        y = self.down_proj(F.silu(self.gate_proj(x_SBH)) * self.up_proj(x_SBH))
+        if self.gate is not None:
+            y = torch.sigmoid(F.linear(x_SBH, self.gate)) * y
+        return y

@@ -1,0 +1,177 @@
+"""The MoE layer at every layout equals the world-1 layer: outputs and every parameter gradient.
+
+One 8-rank world checks dispatcher {allgather, alltoall} x ep {1, 2, 4} x etp {1, 2} for several
+routing scenarios (random, all tokens to one expert, experts and whole ep ranks with no tokens,
+top-k = E) in dropless, capacity and padded-capacity modes, plus attention tp 2 with SP. One
+4-rank world checks folding (attention tp2 with experts etp1/ep4 and etp2/ep1) with and without SP.
+
+Reference: each dp rank's micro-batch [S, b, H] through the layer at world 1 (capacity is per
+rank, so capacity cases use tp = 1 where a rank's tokens are exactly one reference call);
+loss = sum(y * g) + aux_loss; gradients summed over micro-batches. Parallel gradients are
+reduced the way the trainer does (expert params over edp, others over dp, sequence-parallel
+ones also over tp) and gathered to full shape.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moe.config import MoEConfig
+from moe.experts import is_expert
+from moe.layer import MoELayer
+from moe.router_config import RouterConfig
+from parallel.dims import ParallelConfig, ParallelDims
+from parallel.sharding import gather_full, init_parameters, is_sequence_parallel, shards_of
+from tests.distributed import run_distributed
+
+H, FFN, SHARED, S, B = 16, 8, 8, 4, 8   # B = dp * b: every dp rank gets B / dp sequences
+SCENARIOS = {  # name: (num_experts, topk, router weight edit)
+    "random": (8, 2, None),
+    "one_expert": (8, 1, ("on", [5])),            # every token to expert 5 only
+    "half_off": (8, 2, ("off", [4, 5, 6, 7])),    # experts (and ep ranks) with no tokens
+    "topk_all": (4, 4, None),
+    "empty_rank": (8, 2, None),                   # dp rank 1 sends no tokens at all (tp = 1 only)
+}
+EMPTY_DP_RANK = 1
+MODES = {"dropless": {}, "capacity": {"expert_capacity_factor": 1.0},
+         "padded": {"expert_capacity_factor": 1.0, "pad_expert_input_to_capacity": True}}
+
+
+def _config(scenario: str, mode: str, dispatcher: str) -> MoEConfig:
+    E, k, _ = SCENARIOS[scenario]
+    # Large init so that outputs are O(1) and atol 1e-5 is tight.
+    # (the router's losses divide by the token count, so the empty-rank case runs without them)
+    losses = {"load_balancing_type": "none"} if scenario == "empty_rank" else {"aux_loss_coeff": 0.01,
+                                                                             "z_loss_coeff": 1e-3}
+    router = RouterConfig(num_experts=E, topk=k, init_std=0.3, **losses, **MODES[mode])
+    return MoEConfig(num_experts=E, moe_ffn_hidden_size=FFN, router=router, shared_expert_ffn_size=SHARED,
+                     shared_expert_gate=True, dispatcher=dispatcher, init_std=0.4)
+
+
+def _build(cfg: MoEConfig, scenario: str, dims: ParallelDims, sp: bool) -> MoELayer:
+    layer = MoELayer(cfg, H, dims, sequence_parallel=sp)
+    init_parameters(layer, seed=11)
+    edit = SCENARIOS[scenario][2]
+    if edit is not None:  # every input has x[..., 0] = 3, so this shifts these experts' logits by +-12
+        with torch.no_grad():
+            layer.router.weight[edit[1], 0] += 4.0 if edit[0] == "on" else -4.0
+    return layer
+
+
+def _micro_batch(scenario: str, dp: int, dp_rank: int):
+    """(x, grad of y) of one dp rank: [S, B / dp, H] (empty for EMPTY_DP_RANK in 'empty_rank')."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(S, B, H, generator=g)
+    x[..., 0] = 3.0
+    x, gy = x.chunk(dp, dim=1)[dp_rank], torch.randn(S, B, H, generator=g).chunk(dp, dim=1)[dp_rank]
+    if scenario == "empty_rank" and dp_rank == EMPTY_DP_RANK:
+        x, gy = x[:0], gy[:0]
+    return x.clone(), gy
+
+
+def _reference(cfg, scenario, dp):
+    """World-1 outputs per dp micro-batch and the summed gradients."""
+    layer = _build(cfg, scenario, ParallelDims.single(), sp=False)
+    outs = []
+    for d in range(dp):
+        xd, gd = _micro_batch(scenario, dp, d)
+        xd.requires_grad_()
+        y, info = layer(xd)
+        ((y * gd).sum() + info.aux_loss).backward()
+        outs.append((y.detach(), xd.grad))
+    return outs, {n: p.grad for n, p in layer.named_parameters()}
+
+
+def _check_layout(cfg, scenario, dims, sp, ref_cache, label):
+    key = (cfg, scenario, dims.dp)
+    if key not in ref_cache:
+        ref_cache[key] = _reference(cfg, scenario, dims.dp)
+    ref_out, ref_grads = ref_cache[key]
+    xd, gd = _micro_batch(scenario, dims.dp, dims.dp_rank)
+    expect, expect_dx = ref_out[dims.dp_rank]
+    if sp and dims.tp > 1:  # this rank's sequence shard
+        xd, gd, expect, expect_dx = (t.chunk(dims.tp, dim=0)[dims.tp_rank] for t in (xd, gd, expect, expect_dx))
+    layer = _build(cfg, scenario, dims, sp)
+    xd.requires_grad_()
+    y, info = layer(xd)
+    torch.testing.assert_close(y.detach(), expect, atol=1e-5, rtol=1e-5, msg=lambda m: f"{label} output: {m}")
+    # Without SP, y and the loss are replicated over tp, as in the dense stack (no rescaling).
+    ((y * gd).sum() + info.aux_loss).backward()
+    torch.testing.assert_close(xd.grad, expect_dx, atol=1e-5, rtol=1e-5, msg=lambda m: f"{label} input grad: {m}")
+    for name, p in layer.named_parameters():
+        grad = p.grad.clone()
+        if is_expert(p):
+            dist.all_reduce(grad, group=dims.edp_group)
+        else:
+            dist.all_reduce(grad, group=dims.dp_group)
+            if is_sequence_parallel(p):  # replicated over tp, each tp rank saw its own tokens
+                dist.all_reduce(grad, group=dims.tp_group)
+        full = gather_full(grad, shards_of(p))
+        torch.testing.assert_close(full, ref_grads[name], atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"{label} grad {name}: {m}")
+
+
+def _world8():
+    torch.manual_seed(0)
+    ref_cache, checked = {}, 0
+    for ep, etp in ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2)):
+        dims = ParallelDims.build(ParallelConfig(ep=ep, etp=etp))
+        for dispatcher in ("allgather", "alltoall"):
+            cases = [(s, "dropless") for s in SCENARIOS] + [
+                ("random", "capacity"), ("one_expert", "capacity"), ("random", "padded"), ("empty_rank", "capacity")]
+            for scenario, mode in cases:
+                cfg = _config(scenario, mode, dispatcher)
+                _check_layout(cfg, scenario, dims, True, ref_cache, f"{dispatcher} ep{ep} etp{etp} {scenario} {mode}")
+                checked += 1
+    # attention tp2 (SP) with experts folded over the same 8 ranks
+    for ep, etp in ((4, 1), (2, 2)):
+        dims = ParallelDims.build(ParallelConfig(tp=2, ep=ep, etp=etp))
+        for scenario in ("random", "half_off"):
+            cfg = _config(scenario, "dropless", "alltoall")
+            _check_layout(cfg, scenario, dims, True, ref_cache, f"tp2 sp ep{ep} etp{etp} {scenario}")
+            checked += 1
+    return checked
+
+
+def _world4_folding():
+    ref_cache, checked = {}, 0
+    for ep, etp in ((4, 1), (1, 2)):
+        dims = ParallelDims.build(ParallelConfig(tp=2, ep=ep, etp=etp))
+        for sp in (True, False):
+            for dispatcher in ("allgather", "alltoall"):
+                cfg = _config("random", "dropless", dispatcher)
+                _check_layout(cfg, "random", dims, sp, ref_cache, f"fold tp2 sp={sp} ep{ep} etp{etp} {dispatcher}")
+                checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("world, fn", [(8, _world8), (4, _world4_folding)], ids=["world8", "world4_folding"])
+def test_layouts_equal_world1(world, fn):
+    checked = run_distributed(fn, world, timeout=400)
+    assert checked[0] > 0 and len(set(checked)) == 1
+
+
+def test_world1_shapes_and_info():
+    cfg = _config("random", "dropless", "alltoall")
+    layer = _build(cfg, "random", ParallelDims.single(), sp=False)
+    x, _ = _micro_batch("random", 1, 0)
+    y, info = layer(x)
+    assert y.shape == x.shape and info.aux_loss.requires_grad and info.aux_loss.dim() == 0
+    assert set(info.losses) == {"aux_loss", "z_loss"} and info.load_E.sum() == S * B * 2
+
+
+def test_config_errors_name_numbers():
+    router = RouterConfig(num_experts=6, topk=2)
+    cfg = MoEConfig(num_experts=6, moe_ffn_hidden_size=FFN, router=router)
+    with pytest.raises(ValueError, match="num_experts=6 is not divisible by ep=4"):
+        cfg.check_layout(tp=1, ep=4, etp=1)
+    with pytest.raises(ValueError, match="moe_ffn_hidden_size=8 is not divisible by etp=3"):
+        cfg.check_layout(tp=1, ep=1, etp=3)
+    with pytest.raises(ValueError, match=r"router\.num_experts=6"):
+        MoEConfig(num_experts=8, moe_ffn_hidden_size=FFN, router=router)
+    with pytest.raises(ValueError, match="dispatcher='nccl'"):
+        MoEConfig(num_experts=6, moe_ffn_hidden_size=FFN, router=router, dispatcher="nccl")
+    with pytest.raises(ValueError, match="shared_expert_gate"):
+        MoEConfig(num_experts=6, moe_ffn_hidden_size=FFN, router=router, shared_expert_gate=True)

@@ -1,0 +1,82 @@
+"""Checkpoints: exact resume, resume at another layout, half-written directories, incompatible models."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from parallel.dims import ParallelConfig, ParallelDims
+from tests.distributed import run_distributed
+from tests.training.trainer_common import run, tiny_config
+from training.checkpoint import complete_checkpoints
+
+TOL = 1e-4  # across layouts (fp32); the same layout must be bit-identical
+
+
+def _reference(tmp_path: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
+    losses, params, _ = run(tiny_config())
+    return losses, params
+
+
+def test_resume_is_bit_identical_and_half_written_dirs_are_ignored(tmp_path):
+    ref_losses, ref_params = _reference(tmp_path)
+    save = str(tmp_path / "ckpt")
+    first, _, _ = run(tiny_config(save=save), stop_at=3)
+    assert first == ref_losses[:3]
+    assert [d.name for d in complete_checkpoints(save)] == ["iter_0000003"]
+    # a crash while writing step 4's checkpoint, and a directory without its meta.json
+    (Path(save) / ".tmp-iter_0000004").mkdir()
+    (Path(save) / ".tmp-iter_0000004" / "__0_0.distcp").write_bytes(b"partial")
+    (Path(save) / "iter_0000005").mkdir()
+    messages: list[str] = []
+    rest, params, trainer = run(tiny_config(), load=save, log=messages.append)
+    assert trainer.iteration == 5 and trainer.consumed_samples == 5 * 4
+    assert rest == ref_losses[3:], (rest, ref_losses)          # bit-identical
+    for k, v in ref_params.items():
+        assert torch.equal(params[k], v), k
+    text = "\n".join(messages)
+    assert "ignoring half-written checkpoint" in text and ".tmp-iter_0000004" in text, text
+    assert "ignoring incomplete checkpoint" in text and "iter_0000005" in text, text
+    assert "resumed from" in text and "iter_0000003" in text, text
+
+
+def _save_tp2ep2_resume_ep4(save: str) -> list[float]:
+    pc = ParallelConfig(tp=2, ep=2)
+    run(tiny_config(pc, save=save), ParallelDims.build(pc), stop_at=3)
+    pc = ParallelConfig(ep=4)
+    losses, _, _ = run(tiny_config(pc), ParallelDims.build(pc), load=save)
+    return losses
+
+
+def test_resume_at_other_layouts(tmp_path):
+    ref_losses, ref_params = _reference(tmp_path)
+    save = str(tmp_path / "ckpt")
+    ep4 = run_distributed(_save_tp2ep2_resume_ep4, 4, save, timeout=300)[0]
+    world1, params, _ = run(tiny_config(), load=save)   # the tp2 x ep2 checkpoint at world 1
+    for name, losses in (("ep4", ep4), ("world 1", world1)):
+        assert len(losses) == 2
+        diff = max(abs(a - b) for a, b in zip(losses, ref_losses[3:]))
+        assert diff <= TOL, (name, losses, ref_losses[3:])
+    for k, v in ref_params.items():
+        assert (params[k] - v).abs().max().item() <= TOL, k
+
+
+def test_incompatible_model_names_the_tensor(tmp_path):
+    save = str(tmp_path / "ckpt")
+    run(tiny_config(save=save), stop_at=1)
+    config = tiny_config()
+    wider = config.model.with_(moe_ffn_hidden_size=2 * config.model.moe_ffn_hidden_size)
+    import dataclasses
+
+    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.1\.mlp\.experts\.\w+' has shape \([\d, ]+\) "
+                                         r"but this model expects"):
+        run(dataclasses.replace(config, model=wider), load=save)
+
+
+def test_keep_last_and_atomic_names(tmp_path):
+    save = tmp_path / "ckpt"
+    run(tiny_config(save=str(save), save_interval=1, keep_last=2), stop_at=3)
+    assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000003"]

@@ -1,0 +1,77 @@
+"""Trainer behaviour: determinism, non-finite steps, the ``moefold train`` command and its flag checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.training.trainer_common import run, tiny_config
+from training.cli import main as cli_main
+from training.flops import train_flops_per_token
+from training.trainer import NonFiniteError
+
+
+def test_same_seed_same_losses_bit_identical():
+    a, pa, _ = run(tiny_config(steps=2))
+    b, pb, _ = run(tiny_config(steps=2))
+    assert a == b and all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+def test_nan_loss_skips_the_step_and_stops_after_n_in_a_row():
+    messages: list[str] = []
+    nan_at_step_1 = lambda step, micro, loss: loss * float("nan") if step == 1 and micro == 0 else loss
+    _, p1, t1 = run(tiny_config(steps=1))
+    _, p2, t2 = run(tiny_config(steps=2), hook=nan_at_step_1, log=messages.append)
+    assert t2.optimizer.step_count == 1 and t2.iteration == 2
+    for k in p1:   # the skipped step changed nothing (weights, expert biases)
+        assert torch.equal(p1[k], p2[k]), k
+    for k, v in t1.model.state_dict().items():
+        assert torch.equal(v, t2.model.state_dict()[k]), k
+    assert any("non-finite loss" in m and "skipping the optimizer step" in m for m in messages), messages
+    always_nan = lambda step, micro, loss: loss * float("nan")
+    with pytest.raises(NonFiniteError, match="2 steps in a row had a non-finite loss"):
+        run(tiny_config(steps=4, max_skipped_steps=2), hook=always_nan)
+
+
+def test_invalid_flags_fail_before_any_rank_starts(capsys):
+    base = ["train", "--recipe", "qwen3_moe_tiny", "--nproc", "4"]
+    assert cli_main([*base, "--tensor-model-parallel-size", "3"]) == 2
+    assert "world_size=4 is not divisible by tp*cp*pp=3" in capsys.readouterr().err
+    assert cli_main([*base, "--micro-batch-size", "4", "--global-batch-size", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "--global-batch-size=8" in err and "--micro-batch-size=4" in err
+    assert cli_main([*base, "--expert-model-parallel-size", "3"]) == 2
+    assert "etp*ep=1*3=3 does not divide" in capsys.readouterr().err
+    assert cli_main([*base, "--tensor-model-parallel-size", "4", "--num-experts", "6"]) == 2
+    assert "--tensor-model-parallel-size=4" in capsys.readouterr().err
+
+
+def test_moefold_train_two_ranks_end_to_end(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    run_dir, save = tmp_path / "run", tmp_path / "ckpt"
+    args = ["train", "--recipe", "qwen3_moe_tiny", "--nproc", "2", "--expert-model-parallel-size", "2",
+            "--train-iters", "3", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+            "--lr-warmup-iters", "1", "--run-dir", str(run_dir), "--save", str(save), "--device", "cpu"]
+    assert cli_main(args) == 0
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["tflops_per_s"] > 0 and r["moe"]["worst_layer"] is not None for r in steps)
+    assert (save / "iter_0000003" / "meta.json").is_file()
+    pngs = list((run_dir / "balance_report").glob("*.png"))
+    assert pngs and all(p.stat().st_size > 0 for p in pngs)
+    # resume from it for one more step at world 1
+    assert cli_main([*args[:3], *args[7:], "--train-iters", "4", "--load", str(save)]) == 0
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps if r["kind"] == "step"][-1] == 4
+
+
+def test_flops_count_only_active_experts():
+    c = tiny_config().model
+    base = train_flops_per_token(c, 32)
+    more_experts = train_flops_per_token(c.with_(num_experts=16), 32)
+    more_topk = train_flops_per_token(c.with_(moe_topk=4), 32)
+    assert base < more_topk and more_experts - base < (more_topk - base) / 10   # only the router grows with E
+    assert train_flops_per_token(c, 64) > base                                  # attention grows with S

@@ -1,0 +1,129 @@
+"""Typed run configuration: ``TrainConfig`` (optimisation, batch, data, checkpoints, logging) and
+``RunConfig`` (model + layout + run-time options + training), serialisable to JSON for checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from models.config import MLADims, ModelConfig, YarnScaling
+from models.options import ModelOptions
+from parallel.dims import ParallelConfig, ParallelSizes
+from training.lr_schedule import DECAY_STYLES, WSD_STYLES, LRSchedule
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How to train. Batch sizes are in samples of ``seq_length`` tokens; ``global_batch_size`` =
+    ``micro_batch_size * dp * num_micro_batches`` (checked against the layout by ``RunConfig.resolve``)."""
+
+    # defaults: the README's first command (a *_tiny recipe on the built-in corpus, a few CPU minutes)
+    micro_batch_size: int = 4
+    global_batch_size: int = 16
+    seq_length: int = 256
+    train_iters: int = 300
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    lr_warmup_iters: int = 20
+    lr_decay_style: str = "cosine"
+    lr_decay_iters: int | None = None          # None: train_iters
+    lr_wsd_decay_iters: int = 0
+    lr_wsd_decay_style: str = "linear"
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0                     # 0: no clipping
+    seed: int = 1234
+    bf16: bool = False                         # bf16 parameters/activations with fp32 master weights
+    max_skipped_steps: int = 5                 # stop after this many non-finite steps in a row
+    bucket_numel: int = 2**22
+    overlap_grad_reduce: bool = True
+    # data
+    data_path: tuple[str, ...] = ()            # Megatron style: PREFIX or W1 PREFIX1 W2 PREFIX2 ...; () = built-in
+    vocab_size: int | None = None              # built-in corpus vocabulary (None: the model's)
+    data_cache_dir: str | None = None
+    # output
+    run_dir: str = "runs/moefold"
+    log_interval: int = 1
+    save: str | None = None
+    save_interval: int = 0                     # 0: only at the end when save is set
+    keep_last: int = 2
+    load: str | None = None
+    balance_report: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_size", "global_batch_size", "seq_length", "train_iters", "log_interval",
+                     "max_skipped_steps", "bucket_numel", "keep_last"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a positive integer")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(f"--global-batch-size={self.global_batch_size} is not a multiple of "
+                             f"--micro-batch-size={self.micro_batch_size}")
+        if self.lr_decay_style not in DECAY_STYLES:
+            raise ValueError(f"--lr-decay-style={self.lr_decay_style!r}; valid: {', '.join(DECAY_STYLES)}")
+        if self.lr_wsd_decay_style not in WSD_STYLES:
+            raise ValueError(f"--lr-wsd-decay-style={self.lr_wsd_decay_style!r}; valid: {', '.join(WSD_STYLES)}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"need 0 <= --min-lr={self.min_lr} <= --lr={self.lr}")
+        if self.clip_grad < 0 or self.weight_decay < 0 or self.save_interval < 0:
+            raise ValueError(f"--clip-grad={self.clip_grad}, --weight-decay={self.weight_decay} and "
+                             f"--save-interval={self.save_interval} must be >= 0")
+        self.lr_schedule()  # validates warmup/decay lengths
+
+    def lr_schedule(self) -> LRSchedule:
+        return LRSchedule(lr=self.lr, min_lr=self.min_lr, warmup_iters=self.lr_warmup_iters,
+                          decay_iters=self.lr_decay_iters or self.train_iters, style=self.lr_decay_style,
+                          wsd_decay_iters=self.lr_wsd_decay_iters, wsd_decay_style=self.lr_wsd_decay_style)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a run needs: the model, its layout, how it is computed, how it is trained."""
+
+    model: ModelConfig
+    parallel: ParallelConfig = ParallelConfig()
+    options: ModelOptions = ModelOptions()
+    train: TrainConfig = field(default_factory=TrainConfig)
+    recipe: str | None = None
+
+    def resolve(self, world_size: int) -> tuple[ParallelSizes, int]:
+        """(layout sizes, micro-batches per step) for ``world_size``; raises ValueError naming the flags."""
+        s = self.parallel.resolve(world_size)
+        t = self.train
+        per_step = t.micro_batch_size * s.dp
+        if t.global_batch_size % per_step:
+            raise ValueError(f"--global-batch-size={t.global_batch_size} is not a multiple of --micro-batch-size="
+                             f"{t.micro_batch_size} x data-parallel size {s.dp} (world {world_size} / "
+                             f"(tp {s.tp} x cp {s.cp} x pp {s.pp}))")
+        if t.seq_length % (2 * s.cp) and s.cp > 1:
+            raise ValueError(f"--seq-length={t.seq_length} must be divisible by 2 x --context-parallel-size={s.cp}")
+        if self.options.sequence_parallel and s.tp > 1 and (t.seq_length // s.cp) % s.tp:
+            raise ValueError(f"--seq-length={t.seq_length} / cp {s.cp} must be divisible by "
+                             f"--tensor-model-parallel-size={s.tp} with --sequence-parallel")
+        if t.seq_length > self.model.max_position_embeddings:
+            raise ValueError(f"--seq-length={t.seq_length} exceeds the model's max_position_embeddings="
+                             f"{self.model.max_position_embeddings}")
+        return s, t.global_batch_size // per_step
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunConfig:
+        m = dict(d["model"])
+        if m.get("mla"):
+            m["mla"] = MLADims(**m["mla"])
+        if m.get("yarn"):
+            m["yarn"] = YarnScaling(**m["yarn"])
+        if isinstance(m.get("moe_layer_freq"), list):
+            m["moe_layer_freq"] = tuple(m["moe_layer_freq"])
+        t = dict(d["train"])
+        t["data_path"] = tuple(t.get("data_path") or ())
+        return cls(model=ModelConfig(**m), parallel=ParallelConfig(**d["parallel"]),
+                   options=ModelOptions(**d["options"]), train=TrainConfig(**t), recipe=d.get("recipe"))

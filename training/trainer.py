@@ -1,0 +1,266 @@
+"""The training loop: micro-batches -> gradient accumulation -> reduced gradients -> clipped ZeRO-1 AdamW step
+-> expert-bias update -> metrics -> checkpoints.
+
+One step (``Trainer.train_step``) on every rank::
+
+    for each of the step's num_micro micro-batches [mb, S+1] (this dp rank's, see training.data.sampler):
+        inputs/labels = batch[:, :-1] / batch[:, 1:], cut to this rank's CP slice
+        out = model(...);  (out.loss / num_micro).backward()      # loss share, see models.decoder
+    GradSync.finish()        # sum over dp x cp / tp x cp x dp / edp, / dp: the world-1 gradient
+    norm = global grad norm; non-finite loss or norm -> skip (count; stop after max_skipped_steps in a row)
+    DistributedAdamW.step(lr(step), clip)   ;  expert biases += f(global tokens per expert)
+
+What crosses ranks per step: the gradient all-reduces, one world all-reduce of the logged losses
+(+ a non-finite flag), one of the grad norm, the ZeRO all-gathers, and one all-reduce over
+tp x cp x dp of the per-layer expert loads (expert-bias update and load metrics).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from dense.context_parallel import split_for_context_parallel
+from models.decoder import MoEDecoder
+from moe.expert_bias import update_expert_bias
+from moe.router import Router
+from parallel.dims import ParallelDims
+from training.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from training.config import RunConfig
+from training.grad_sync import GradSync
+from training.optimizer import DistributedAdamW
+
+
+class NonFiniteError(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient norm."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step, global values (identical on every rank).
+
+    loss_lm / loss_aux / loss_mtp: means over the step's micro-batches and dp ranks (aux: weighted
+    shares summed over tp x cp; mtp: unweighted, None without MTP)
+    tokens_per_expert: float64 [moe layers, E] selections of the step over all ranks (None without MoE)
+    dropped: float64 [moe layers] dropped copies over all ranks
+    """
+
+    step: int
+    loss_lm: float
+    loss_aux: float
+    loss_mtp: float | None
+    grad_norm: float
+    lr: float
+    skipped: bool
+    tokens: int
+    tokens_per_expert: Tensor | None
+    dropped: Tensor | None
+
+
+def moe_routers(model: MoEDecoder) -> dict[int, Router]:
+    """{global layer index: router} of this stage's MoE layers (MTP depth k: num_layers + k - 1)."""
+    out: dict[int, Router] = {}
+    blocks = [(int(i), b) for i, b in model.layers.items()] + [(m.index, m.block) for m in model.mtp]
+    for i, block in blocks:
+        for mod in block.modules():
+            if isinstance(mod, Router):
+                out[i] = mod
+    return out
+
+
+class Trainer:
+    """Builds the model, gradient sync and optimizer for ``config`` over ``dims`` and runs steps.
+
+    ``microbatches(step)`` data are int64 ``[micro_batch_size, seq_length + 1]`` tensors of this dp rank.
+    ``loss_hook(step, micro, loss)`` (tests) may replace a micro-batch's loss before backward.
+    """
+
+    def __init__(self, config: RunConfig, dims: ParallelDims, *, device: torch.device | str = "cpu",
+                 log: Callable[[str], None] = print) -> None:
+        _, self.num_micro = config.resolve(dims.world_size)
+        if dims.pp > 1:
+            raise NotImplementedError("pipeline parallelism (pp > 1) is not wired into the trainer yet")
+        self.config, self.dims, self.device = config, dims, torch.device(device)
+        self.log = log if dims.rank == 0 else (lambda _msg: None)
+        t = config.train
+        options = config.options
+        if t.bf16 and options.dtype != "bf16":
+            options = dataclasses.replace(options, dtype="bf16")
+        torch.manual_seed(t.seed)
+        with self.device:
+            self.model = MoEDecoder(config.model, dims, options)
+        self.model.init_weights(t.seed)
+        self.routers = moe_routers(self.model)
+        self.moe_layers = sorted(self.routers)
+        self.sync = GradSync(self.model.named_parameters(), dims, bucket_numel=t.bucket_numel,
+                             overlap=t.overlap_grad_reduce)
+        self.optimizer = DistributedAdamW(self.sync, dims, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                                          weight_decay=t.weight_decay)
+        self.schedule = t.lr_schedule()
+        self.iteration = 0            # completed steps
+        self.consumed_samples = 0     # global samples consumed
+        self.skipped_in_a_row = 0
+        self.loss_hook: Callable[[int, int, Tensor], Tensor] | None = None
+
+    # ------------------------------------------------------------------------------- one step
+    def _split(self, batch: Tensor) -> tuple[Tensor, Tensor]:
+        batch = batch.to(self.device)
+        ids, labels = batch[:, :-1], batch[:, 1:]
+        if self.dims.cp > 1:
+            ids = split_for_context_parallel(ids, self.dims.cp_rank, self.dims.cp, seq_dim=1)
+            labels = split_for_context_parallel(labels, self.dims.cp_rank, self.dims.cp, seq_dim=1)
+        return ids.contiguous(), labels.contiguous()
+
+    def train_step(self, microbatches: list[Tensor]) -> StepResult:
+        """Forward/backward over this rank's ``num_micro`` micro-batches and one optimizer step. Collective."""
+        if len(microbatches) != self.num_micro:
+            raise ValueError(f"train_step got {len(microbatches)} micro-batches, expected {self.num_micro}")
+        dims, step = self.dims, self.iteration
+        self.model.train()
+        self.sync.zero()
+        n_moe, E = len(self.moe_layers), self.config.model.num_experts
+        loads = torch.zeros(n_moe, E + 1, dtype=torch.float64)
+        logged = torch.zeros(4, dtype=torch.float64)   # lm, aux, mtp, non-finite count
+        states = None
+        for m, batch in enumerate(microbatches):
+            ids, labels = self._split(batch)
+            self.sync.begin_micro(last=m == self.num_micro - 1)
+            out = self.model(ids, labels, global_states=states)
+            states = out.global_states or None
+            loss = out.loss
+            if self.loss_hook is not None:
+                loss = self.loss_hook(step, m, loss)
+            (loss / self.num_micro).backward()
+            tpcp = dims.tp * dims.cp
+            logged += torch.tensor([float(out.lm_loss) / tpcp, float(out.aux_loss),
+                                    float(out.mtp_loss) / tpcp if out.mtp_loss is not None else 0.0,
+                                    0.0 if math.isfinite(float(loss.detach())) else 1.0], dtype=torch.float64)
+            for j, layer in enumerate(self.moe_layers):
+                info = out.moe[layer]
+                load = info.load_E.detach().to("cpu", torch.float64)
+                loads[j, :E] += load
+                if info.stats is not None:
+                    loads[j, E] += float(info.stats.dropped_fraction) * float(load.sum())
+        self.sync.finish()
+        if dims.world_size > 1:
+            dist.all_reduce(logged)
+            if n_moe:
+                dist.all_reduce(loads, group=dims.tp_cp_dp_group)
+        logged[:3] /= self.num_micro * dims.dp
+        grad_norm = float(self.optimizer.grad_norm())
+        lr = self.schedule(step)
+        skipped = logged[3] > 0 or not math.isfinite(grad_norm)
+        if skipped:
+            self.skipped_in_a_row += 1
+            self.log(f"step {step + 1}: non-finite {'loss' if logged[3] > 0 else 'gradient norm'} "
+                     f"(grad norm {grad_norm}); skipping the optimizer step "
+                     f"({self.skipped_in_a_row} in a row, limit {self.config.train.max_skipped_steps})")
+            if self.skipped_in_a_row >= self.config.train.max_skipped_steps:
+                raise NonFiniteError(f"{self.skipped_in_a_row} steps in a row had a non-finite loss or gradient "
+                                     f"norm (limit max_skipped_steps={self.config.train.max_skipped_steps}); "
+                                     "stopping. Lower --lr, enable --clip-grad, or check the data.")
+        else:
+            self.skipped_in_a_row = 0
+            clip = self.config.train.clip_grad
+            coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
+            self.optimizer.step(lr, coef)
+            for j, layer in enumerate(self.moe_layers):
+                router = self.routers[layer]
+                if getattr(router, "expert_bias", None) is not None:
+                    update_expert_bias(router, loads[j, :E].to(torch.float32), group=None)
+        self.iteration += 1
+        t = self.config.train
+        self.consumed_samples += t.global_batch_size
+        return StepResult(step=self.iteration, loss_lm=float(logged[0]), loss_aux=float(logged[1]),
+                          loss_mtp=float(logged[2]) if self.config.model.mtp_num_layers else None,
+                          grad_norm=grad_norm, lr=lr, skipped=bool(skipped),
+                          tokens=t.global_batch_size * t.seq_length,
+                          tokens_per_expert=loads[:, :E] if n_moe else None, dropped=loads[:, E] if n_moe else None)
+
+    # ------------------------------------------------------------------------------- checkpoints
+    def save(self, root: str | Path) -> Path:
+        meta = {"consumed_samples": self.consumed_samples, "optimizer_steps": self.optimizer.step_count,
+                "skipped_in_a_row": self.skipped_in_a_row, "config": self.config.to_dict()}
+        return save_checkpoint(root, self.iteration, self.model, self.dims, self.optimizer.param_states(), meta,
+                               keep_last=self.config.train.keep_last, log=self.log)
+
+    def load(self, path: str | Path) -> bool:
+        """Resume from ``path`` (a checkpoint, or the latest complete one under it). False if none exists."""
+        ckpt = find_checkpoint(path, self.log if self.dims.rank == 0 else lambda _m: None)
+        if ckpt is None:
+            self.log(f"no complete checkpoint under {path}; starting from scratch")
+            return False
+        states = self.optimizer.param_states()
+        meta = load_checkpoint(ckpt, self.model, self.dims, states, log=self.log)
+        self.optimizer.load_param_states(states, meta["optimizer_steps"])
+        self.optimizer.copy_master_to_params()
+        self.iteration = int(meta["iteration"])
+        self.consumed_samples = int(meta["consumed_samples"])
+        self.skipped_in_a_row = int(meta.get("skipped_in_a_row", 0))
+        self.log(f"resumed from {ckpt} at iteration {self.iteration} (consumed_samples {self.consumed_samples})")
+        return True
+
+    # ------------------------------------------------------------------------------- the loop
+    def microbatch_iter(self, dataset) -> Iterator[Tensor]:
+        from training.data import MicroBatchLoader
+
+        loader = MicroBatchLoader(dataset, self.config.train.micro_batch_size, self.dims.dp_rank, self.dims.dp,
+                                  consumed_samples=self.consumed_samples)
+        return iter(loader)
+
+    def fit(self, dataset, logger=None, on_step: Callable[[StepResult], None] | None = None,
+            stop_at: int | None = None) -> list[StepResult]:
+        """Train from ``self.iteration`` to ``train_iters`` (or ``stop_at``) on ``dataset`` (samples of
+        seq_length + 1 ids); logs through ``logger`` (a MetricsLogger, rank 0), saves every ``save_interval``
+        and at the end."""
+        t = self.config.train
+        last = t.train_iters if stop_at is None else min(stop_at, t.train_iters)
+        batches = self.microbatch_iter(dataset)
+        results: list[StepResult] = []
+        acc_tokens, acc_loads, acc_dropped, routed = 0, None, None, None
+        while self.iteration < last:
+            r = self.train_step([next(batches) for _ in range(self.num_micro)])
+            results.append(r)
+            if on_step is not None:
+                on_step(r)
+            acc_tokens += r.tokens
+            if r.tokens_per_expert is not None:
+                acc_loads = r.tokens_per_expert if acc_loads is None else acc_loads + r.tokens_per_expert
+                acc_dropped = r.dropped if acc_dropped is None else acc_dropped + r.dropped
+            if logger is not None:
+                logger.advance()
+                if r.step % t.log_interval == 0 or r.step == last:
+                    if acc_loads is not None:
+                        routed = acc_loads.sum(dim=1).clamp(min=1)
+                    logger.log(r.step, loss_lm=r.loss_lm, loss_aux=r.loss_aux if self.moe_layers else None,
+                               loss_mtp=r.loss_mtp, grad_norm=r.grad_norm, lr=r.lr, tokens=acc_tokens,
+                               tokens_per_expert=acc_loads.round().long().tolist() if acc_loads is not None else None,
+                               dropped_fraction=(acc_dropped / routed).tolist() if acc_loads is not None else None,
+                               moe_layers=self.moe_layers if acc_loads is not None else None, skipped=r.skipped)
+            if r.step % t.log_interval == 0:
+                acc_tokens, acc_loads, acc_dropped = 0, None, None
+            if t.save and t.save_interval and r.step % t.save_interval == 0 and r.step < last:
+                self.save(t.save)
+        if t.save:
+            self.save(t.save)
+        return results
+
+
+def optimizer_memory_bytes(optimizer: DistributedAdamW) -> int:
+    """This rank's optimizer state in bytes (falls ~1/dp with ZeRO-1)."""
+    return optimizer.state_bytes()
+
+
+def named_full_params(model: nn.Module) -> dict[str, Tensor]:
+    """Every parameter gathered to full shape (fp32, detached). Collective over each shard's group."""
+    from parallel.sharding import gather_full, shards_of
+
+    return {n: gather_full(p, shards_of(p)).float() for n, p in model.named_parameters()}
