@@ -4,14 +4,15 @@ A schedule is built in two steps:
 
 1. the *compute order* of each rank (which forward/backward runs next), as in the literature and
    in Megatron-LM (warm-up forwards, steady 1F1B, cool-down backwards);
-2. the *communication placement*, derived from that order: the order is timed with unit
-   forward/backward times, every send is placed right after the compute that produces it, and the
+2. the *communication placement*, derived from that order: the order is timed (forward 1,
+   backward ``backward_ratio``, default 2), every send is placed right after the compute that produces it, and the
    matching receive in the receiver's batch at that same moment (after its last compute that ends
    no later). Both ends of every message therefore sit at the same instant of one consistent
-   timeline, and each rank's batches are in time order, so even when every batch blocks until its
-   peers post their half (NCCL's rendezvous semantics) no wait cycle, hence no deadlock, can
-   form, whatever the real compute times. For 1F1B this reproduces Megatron's
-   ``send_forward_recv_backward`` / ``send_backward_recv_forward`` pairs.
+   timeline and each rank's batches are in time order, so every wait (a compute on its input, a
+   batch on the peer's half or on the rank's previous batch) points to a strictly earlier
+   instant: no wait cycle, hence no deadlock, can form, even under NCCL's rendezvous semantics
+   with one in-order communication stream and whatever the real compute times. For 1F1B this
+   reproduces Megatron's ``send_forward_recv_backward`` / ``send_backward_recv_forward`` pairs.
 
 ``pipeline.simulator.simulate`` checks and times the result; ``pipeline.executor`` runs it.
 """
@@ -124,9 +125,16 @@ def timed_compute_orders(orders: list[list[Action]], pp: int, vpp: int,
     return times
 
 
-def place_communication(orders: list[list[Action]], pp: int, vpp: int) -> tuple[tuple[Action, ...], ...]:
-    """Insert SEND/RECV actions into compute orders (see the module docstring for the rule)."""
-    times = timed_compute_orders(orders, pp, vpp)
+def place_communication(orders: list[list[Action]], pp: int, vpp: int,
+                        backward_ratio: float = 2.0) -> tuple[tuple[Action, ...], ...]:
+    """Insert SEND/RECV actions into compute orders (see the module docstring for the rule).
+
+    The orders are timed with forward 1 and backward ``backward_ratio`` (typical: 2). Any positive
+    ratio gives a deadlock-free placement; one close to the real ratio needs the fewest waits.
+    """
+    if not backward_ratio > 0:
+        raise ValueError(f"backward_ratio={backward_ratio!r} must be positive")
+    times = timed_compute_orders(orders, pp, vpp, 1.0, backward_ratio)
     ends = [[end for _, end in rank] for rank in times]  # ascending per rank
     last_mc = pp * vpp - 1
     # after[r][i]: comm actions posted after rank r's i-th compute (i = -1: before the first).
@@ -161,17 +169,21 @@ def message_key(action: Action, pp_rank: int, pp: int) -> tuple:
     return (msg.src, msg.kind, msg.microbatch, msg.src_model_chunk)
 
 
-def build_schedule(name: str, pp: int, num_microbatches: int, vpp: int = 1, forward_only: bool = False) -> Schedule:
+def build_schedule(name: str, pp: int, num_microbatches: int, vpp: int = 1, forward_only: bool = False,
+                   backward_ratio: float = 2.0) -> Schedule:
     """The full action lists of schedule ``name`` ('gpipe', '1f1b', 'interleaved') for every rank.
 
     ``forward_only`` (evaluation) keeps the schedule's forwards, in order, and their sends/receives.
+    ``backward_ratio``: backward/forward time assumed to place the communication. Executed with
+    lazy waits (as ``pipeline.executor`` does), the interleaved schedule then keeps the textbook
+    bubble both for equal times and for backward = 2 x forward.
     """
     check_schedule_config(name, pp, vpp, num_microbatches)
     orders = [compute_order(name, pp, vpp, num_microbatches, r) for r in range(pp)]
     if forward_only:
         orders = [[a for a in order if a.kind == "F"] for order in orders]
     return Schedule(name=name, pp=pp, vpp=vpp, num_microbatches=num_microbatches,
-                    actions=place_communication(orders, pp, vpp), forward_only=forward_only)
+                    actions=place_communication(orders, pp, vpp, backward_ratio), forward_only=forward_only)
 
 
 def expected_bubble_fraction(name: str, pp: int, num_microbatches: int, vpp: int = 1) -> float:

@@ -1,6 +1,8 @@
 """``moefold env`` runs on a machine without a GPU and reports the optional backends."""
 
-from training.cli import main
+import pytest
+
+from training.cli import SUBCOMMANDS, main
 from training.env_report import backend_status
 
 
@@ -15,3 +17,11 @@ def test_env_prints_torch_and_backends(capsys):
 def test_missing_backend_says_what_to_install():
     assert backend_status("deep_ep").startswith(("available", "not installed (pip install deep-ep)"))
     assert backend_status("surely_not_a_module_xyz") == "not installed (pip install surely_not_a_module_xyz)"
+
+
+@pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
+def test_every_subcommand_builds_its_parser(name, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([name, "--help"])
+    assert exit_.value.code == 0
+    assert "usage: moefold " + name in capsys.readouterr().out

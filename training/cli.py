@@ -18,22 +18,27 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "balance-report": ("training.balance_report", "plot and summarise expert load balance from a run's metrics"),
     "inspect": ("models.inspect_cli", "print a model's total/active parameters with a per-layer breakdown"),
     "convert": ("models.convert_cli", "convert checkpoints: HF <-> moefold (or HF -> HF re-sharded/fused)"),
-    "train": ("training.train_cli", "pretrain an MoE recipe (Megatron-LM flag names; --nproc N local ranks or torchrun)"),
+    "train": ("training.train_cli", "pretrain an MoE recipe (Megatron-LM flags; --nproc N local ranks or torchrun)"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``command``'s module is imported (for its arguments), so one slow or
+    GPU-only subcommand never slows down or breaks another."""
     parser = argparse.ArgumentParser(prog="moefold", description="Mixture-of-experts training system.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
         cmd = sub.add_parser(name, help=help_text, description=help_text)
         cmd.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(cmd)
+        if name == command:
+            importlib.import_module(module).add_arguments(cmd)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
     return int(importlib.import_module(args._module).main(args) or 0)
 
 

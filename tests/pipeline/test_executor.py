@@ -65,6 +65,7 @@ def _p2p_checks(group) -> dict:
     h_send = send_forward(mine, group)
     h_recv.wait()
     h_send.wait()
+    h_recv.wait()  # idempotent (a second gloo wait on a receive would hang)
     # Both directions at once in one batch (the NCCL-deadlock-prone pattern).
     from_next, from_prev = torch.empty(4), torch.empty(4)
     batch_send_recv([(torch.full((4,), 10.0 + rank), next_rank(group)), (torch.full((4,), 20.0 + rank),

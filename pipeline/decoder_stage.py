@@ -1,0 +1,116 @@
+"""The MoE decoder as a :class:`pipeline.executor.PipelineStage`.
+
+    layout = StageLayout(config.num_layers, pp, vpp, first, last)
+    model = build_stage_model(config, dims, options, layout)        # this rank's chunks, unsplit names
+    model.init_weights(seed)
+    stage = DecoderStage(model, layout, dims.pp_rank)                 # one per step
+    result = run_schedule(stage, schedule, microbatches, stage.loss_fn, dims.pp_group,
+                          stage.activation_spec(micro_batch_size, seq_len))
+
+A micro-batch is a dict: ``input_ids`` and ``labels`` ``[B, S]`` (this rank's CP slice), optional
+``loss_mask`` and ``position_ids``. Every stage reads ``input_ids`` for its sequence length (and
+MTP), so give each rank the micro-batch's data (or at least tensors of the right shape).
+
+What crosses stages is the hidden state ``[S/tp, B, H]`` (the sequence-parallel shard). MoE aux
+losses of the layers of a chunk are that chunk's *extra loss*: they reach the gradients on their
+own stage. The model's last chunk returns the loss share itself (LM + weighted MTP), and the MTP
+layers' MoE aux losses as its extra loss; ``loss_fn`` is the identity.
+
+Tied embeddings / MTP: the last stage holds its own copy of ``embed_tokens`` (same name as on the
+first stage); the trainer must sum that parameter's gradient over the first and last stage
+(Megatron's embedding group), as for any parameter present on several stages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from models.config import ModelConfig
+from models.decoder import MoEDecoder
+from models.options import ModelOptions
+from moe.layer import MoEOutputInfo
+from parallel.dims import ParallelDims
+from pipeline.p2p import TensorSpec
+from pipeline.stages import StageLayout
+
+
+def build_stage_model(config: ModelConfig, dims: ParallelDims, options: ModelOptions,
+                      layout: StageLayout) -> MoEDecoder:
+    """This pipeline rank's part of the decoder: the layers of all its chunks, the embedding on
+    the first stage, norm/head/MTP on the last; parameter names are the unsplit model's."""
+    if layout.num_layers != config.num_layers or layout.pp != dims.pp:
+        raise ValueError(f"layout (num_layers={layout.num_layers}, pp={layout.pp}) does not match the model "
+                         f"(num_layers={config.num_layers}) and grid (pp={dims.pp})")
+    chunks = layout.rank_chunks(dims.pp_rank)
+    return MoEDecoder(config, dims, options, layer_ids=layout.rank_layers(dims.pp_rank),
+                      with_embedding=any(c.has_embedding for c in chunks), with_head=any(c.has_head for c in chunks))
+
+
+class DecoderStage:
+    """Runs one chunk of a stage model per ``forward_step``; create one per training step.
+
+    It threads each MoE layer's ``global_state`` (global aux loss) through the micro-batches in the
+    order this stage runs them and keeps every layer's ``MoEOutputInfo`` in ``moe_infos``
+    ``{(microbatch, layer): info}`` for the expert-bias update and the metrics of the step.
+    """
+
+    def __init__(self, model: MoEDecoder, layout: StageLayout, pp_rank: int) -> None:
+        self.model = model
+        self.chunks = layout.rank_chunks(pp_rank)
+        self.moe_infos: dict[tuple[int, int], MoEOutputInfo] = {}
+        self._global_states: dict[int, Any] = {}
+
+    def activation_spec(self, micro_batch_size: int, seq_len: int, device: torch.device | str = "cpu") -> TensorSpec:
+        """Shape of the hidden state between stages for ``[B, S]`` micro-batches (S: this rank's CP slice)."""
+        s = seq_len // self.model.dims.tp if self.model.sequence_parallel else seq_len
+        return TensorSpec((s, micro_batch_size, self.model.config.hidden_size), self.model.options.torch_dtype,
+                          device)
+
+    @staticmethod
+    def loss_fn(output: Tensor, microbatch: dict) -> Tensor:
+        """The last chunk already returns the loss share."""
+        del microbatch
+        return output
+
+    def forward_step(self, chunk: int, hidden: Tensor | None, microbatch: dict) -> tuple[Tensor, Tensor | None]:
+        spec = self.chunks[chunk]
+        model = self.model
+        ids = microbatch["input_ids"]
+        index = microbatch["index"]
+        position_ids = microbatch.get("position_ids")
+        if position_ids is None:
+            position_ids = model.position_ids(ids.shape[1], ids.device)
+        if spec.has_embedding:
+            hidden = model.embed(ids)
+        hidden, infos = model.run_layers(hidden, position_ids, spec.layers, self._global_states or None)
+        if spec.has_head:
+            hidden, _, mtp_infos = model.head_loss(hidden, microbatch["labels"], microbatch.get("loss_mask"), ids,
+                                                   position_ids, self._global_states or None)
+            infos.update(mtp_infos)
+        extra = None
+        for layer, info in infos.items():
+            extra = info.aux_loss if extra is None else extra + info.aux_loss
+            self.moe_infos[(index, layer)] = info
+            if info.global_state is not None:
+                self._global_states[layer] = info.global_state
+        return hidden, extra
+
+
+def decoder_microbatches(input_ids: Tensor, labels: Tensor, loss_mask: Tensor | None,
+                         num_microbatches: int) -> list[dict]:
+    """Split a ``[m*B, S]`` batch into ``num_microbatches`` micro-batch dicts (with their index)."""
+    if input_ids.shape[0] % num_microbatches:
+        raise ValueError(f"batch of {input_ids.shape[0]} sequences is not divisible by "
+                         f"num_microbatches={num_microbatches}")
+    b = input_ids.shape[0] // num_microbatches
+    out = []
+    for i in range(num_microbatches):
+        rows = slice(i * b, (i + 1) * b)
+        mb = {"index": i, "input_ids": input_ids[rows], "labels": labels[rows]}
+        if loss_mask is not None:
+            mb["loss_mask"] = loss_mask[rows]
+        out.append(mb)
+    return out
