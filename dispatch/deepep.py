@@ -47,12 +47,17 @@ class _DeepEPDispatch(torch.autograd.Function):
         recv_x, recv_idx, recv_w, recv_per_expert, handle, _ = buffer.dispatch(
             x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
             num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=weights_TK)
-        ctx.buffer, ctx.handle = buffer, handle
+        ctx.buffer, ctx.handle, ctx.device = buffer, handle, x.device
+        ctx.recv_shape, ctx.recv_w_shape = tuple(recv_x.shape), tuple(recv_w.shape)
         ctx.mark_non_differentiable(recv_idx)
         return recv_x, recv_idx, recv_w, handle, list(recv_per_expert)
 
     @staticmethod
-    def backward(ctx, grad_x: Tensor, _grad_idx: Any, grad_w: Tensor, *_unused: Any):
+    def backward(ctx, grad_x: Tensor | None, _grad_idx: Any, grad_w: Tensor | None, *_unused: Any):
+        if grad_x is None:
+            grad_x = torch.zeros(ctx.recv_shape, dtype=torch.bfloat16, device=ctx.device)
+        if grad_w is None:
+            grad_w = torch.zeros(ctx.recv_w_shape, dtype=torch.float32, device=ctx.device)
         grad_in, grad_w_in, _ = ctx.buffer.combine(grad_x.contiguous(), ctx.handle,
                                                    topk_weights=grad_w.float().contiguous())
         return grad_in, grad_w_in, None, None, None

@@ -7,8 +7,9 @@ from training.cli import build_parser
 
 
 def _args(**overrides) -> argparse.Namespace:
-    args = build_parser().parse_args(["bench-dispatch", "--num-tokens", "64", "--hidden", "16", "--num-experts",
-                                      "4", "--topk", "2", "--iters", "2", "--warmup", "1"])
+    argv = ["bench-dispatch", "--num-tokens", "64", "--hidden", "16", "--num-experts", "4", "--topk", "2",
+            "--iters", "2", "--warmup", "1"]
+    args = build_parser("bench-dispatch").parse_args(argv)
     for k, v in overrides.items():
         setattr(args, k, v)
     return args

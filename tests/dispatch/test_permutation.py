@@ -154,3 +154,13 @@ def test_unpermute_sums_copies_in_every_map_kind(dtype, variant):
     want = x.float() * kept.sum(1, keepdim=True)
     torch.testing.assert_close(unpermute(permute(x, rm), rm).float(), want, atol=3e-2 if dtype != torch.float32
                                else 1e-6, rtol=1e-2)
+
+
+def test_dispatch_is_deterministic():
+    E = 8
+    x, ids, probs = make_case("topk_all", [33], E)
+    routing = make_routing(probs, ids, E, "drop", capacity=5)
+    a, b = LocalDispatcher(E).dispatch(x, routing), LocalDispatcher(E).dispatch(x, routing)
+    assert torch.equal(a.tokens_NH, b.tokens_NH) and torch.equal(a.probs_N, b.probs_N)
+    assert torch.equal(LocalDispatcher(E).combine(a.tokens_NH, a.handle), LocalDispatcher(E).combine(b.tokens_NH,
+                                                                                                     b.handle))

@@ -1,0 +1,51 @@
+"""Pretrain a tiny MoE on the built-in corpus from Python, at world 1 or as N local ranks, or under torchrun.
+
+    python examples/pretrain_moe.py                                   # world 1, CPU, a few minutes
+    python examples/pretrain_moe.py --nproc 4 --ep 2 --tp 2           # 4 local gloo ranks: tp2 x ep2
+    torchrun --nproc-per-node 8 examples/pretrain_moe.py --ep 8       # the launcher's ranks (one node)
+    sbatch examples/slurm.sh                                          # several nodes (torchrun per node)
+
+It builds the same ``RunConfig`` as ``moefold train`` and hands it to ``training.launch.run_ranks``,
+which picks torchrun's world when launched by it and spawns ``--nproc`` ranks otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from models.recipes import get_recipe
+from parallel.dims import ParallelConfig
+from training.config import RunConfig, TrainConfig
+from training.launch import launcher_world_size, run_ranks
+from training.train_cli import train_worker, validate
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", default="qwen3_moe_tiny")
+    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--etp", type=int, default=1)
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--run-dir", default="runs/pretrain_moe")
+    p.add_argument("--save", default="runs/pretrain_moe/checkpoints")
+    args = p.parse_args()
+    train = dataclasses.replace(TrainConfig(), train_iters=args.iters, run_dir=args.run_dir, save=args.save,
+                                save_interval=100, load=args.save)   # resumes if a checkpoint exists
+    config = RunConfig(model=get_recipe(args.recipe), train=train, recipe=args.recipe,
+                       parallel=ParallelConfig(tp=args.tp, cp=args.cp, ep=args.ep, etp=args.etp))
+    validate(config, launcher_world_size() or args.nproc)   # fails here, before any rank starts
+    run_ranks(train_worker, args.nproc, "auto", args=(json.dumps(config.to_dict()),))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
