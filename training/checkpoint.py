@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,9 @@ def save_checkpoint(root: str | os.PathLike, iteration: int, model: nn.Module, d
         (tmp / "rng").mkdir(parents=True)
     _barrier(dims)
     state, _ = build_state(model, dims, optim_states)
-    dcp.save(state, checkpoint_id=str(tmp), no_dist=_no_dist(dims))
+    with warnings.catch_warnings():  # world 1 without a process group is intended, not a mistake
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=_no_dist(dims))
     torch.save({"torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
                tmp / "rng" / f"rank{dims.rank:05d}.pt")
@@ -197,7 +200,9 @@ def load_checkpoint(ckpt: str | os.PathLike, model: nn.Module, dims: ParallelDim
     missing = check_compatible(ckpt, state)
     if missing:
         raise ValueError(f"checkpoint {ckpt} has no optimizer state for {sorted(missing)[:3]}...")
-    dcp.load(state, checkpoint_id=str(ckpt), no_dist=_no_dist(dims))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(ckpt), no_dist=_no_dist(dims))
     commit()
     rng = Path(ckpt) / "rng" / f"rank{dims.rank:05d}.pt"
     if meta.get("layout") == dims.describe() and rng.is_file():

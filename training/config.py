@@ -21,9 +21,9 @@ class TrainConfig:
 
     # defaults: the README's first command (a *_tiny recipe on the built-in corpus, a few CPU minutes)
     micro_batch_size: int = 4
-    global_batch_size: int = 16
+    global_batch_size: int = 8
     seq_length: int = 256
-    train_iters: int = 300
+    train_iters: int = 250
     lr: float = 3e-3
     min_lr: float = 3e-4
     lr_warmup_iters: int = 20
@@ -40,6 +40,8 @@ class TrainConfig:
     bf16: bool = False                         # bf16 parameters/activations with fp32 master weights
     max_skipped_steps: int = 5                 # stop after this many non-finite steps in a row
     bucket_numel: int = 2**22
+    pipeline_schedule: str = "1f1b"            # gpipe | 1f1b | interleaved (pp > 1; interleaved for vpp > 1)
+    num_layers_per_virtual_pipeline_stage: int | None = None
     overlap_grad_reduce: bool = True
     # data
     data_path: tuple[str, ...] = ()            # Megatron style: PREFIX or W1 PREFIX1 W2 PREFIX2 ...; () = built-in
@@ -47,7 +49,7 @@ class TrainConfig:
     data_cache_dir: str | None = None
     # output
     run_dir: str = "runs/moefold"
-    log_interval: int = 1
+    log_interval: int = 10
     save: str | None = None
     save_interval: int = 0                     # 0: only at the end when save is set
     keep_last: int = 2
@@ -72,6 +74,10 @@ class TrainConfig:
             raise ValueError(f"--clip-grad={self.clip_grad}, --weight-decay={self.weight_decay} and "
                              f"--save-interval={self.save_interval} must be >= 0")
         self.lr_schedule()  # validates warmup/decay lengths
+        from pipeline.schedules import SCHEDULES
+
+        if self.pipeline_schedule not in SCHEDULES:
+            raise ValueError(f"--pipeline-schedule={self.pipeline_schedule!r}; valid: {', '.join(SCHEDULES)}")
 
     def lr_schedule(self) -> LRSchedule:
         return LRSchedule(lr=self.lr, min_lr=self.min_lr, warmup_iters=self.lr_warmup_iters,
@@ -85,7 +91,7 @@ class RunConfig:
 
     model: ModelConfig
     parallel: ParallelConfig = ParallelConfig()
-    options: ModelOptions = ModelOptions()
+    options: ModelOptions = field(default_factory=ModelOptions)
     train: TrainConfig = field(default_factory=TrainConfig)
     recipe: str | None = None
 
@@ -106,7 +112,20 @@ class RunConfig:
         if t.seq_length > self.model.max_position_embeddings:
             raise ValueError(f"--seq-length={t.seq_length} exceeds the model's max_position_embeddings="
                              f"{self.model.max_position_embeddings}")
-        return s, t.global_batch_size // per_step
+        num_micro = t.global_batch_size // per_step
+        if s.pp > 1:
+            from pipeline.schedules import check_schedule_config
+            from pipeline.stages import StageLayout, vpp_from_layers_per_virtual_stage
+
+            vpp = vpp_from_layers_per_virtual_stage(self.model.num_layers, s.pp,
+                                                    t.num_layers_per_virtual_pipeline_stage)
+            StageLayout(self.model.num_layers, s.pp, vpp)
+            check_schedule_config(self.schedule_name(vpp), s.pp, vpp, num_micro)
+        return s, num_micro
+
+    def schedule_name(self, vpp: int) -> str:
+        """The pipeline schedule to run: interleaved whenever there are virtual stages."""
+        return "interleaved" if vpp > 1 else self.train.pipeline_schedule
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -92,11 +92,13 @@ class GradSync:
 
     Usage per optimizer step::
 
-        sync.zero()
+        sync.start_step(num_micro)   # zero the buffers; each bucket expects num_micro reports per parameter
         for m in range(num_micro):
-            sync.begin_micro(last=m == num_micro - 1)
-            loss_m.backward()
-        sync.finish()            # main_grad now holds the step's gradient on every rank of the group
+            loss_m.backward()        # (or a pipeline schedule's backwards, in any order)
+        sync.finish()                # main_grad now holds the step's gradient on every rank of the group
+
+    A bucket launches its all-reduce when its parameters have reported ``num_micro`` times in total
+    each (the last backward that touches them), whatever the micro-batch order.
 
     Collective: ``finish()`` (and the hooks on the last micro-batch) all-reduce over each kind's group.
     """
@@ -117,7 +119,7 @@ class GradSync:
             items = list(reversed(by_kind[kind]))
             if items:
                 self.groups.append(self._layout(kind, items, bucket_numel))
-        self._last = False
+        self._armed = False
         self._handles = []
         for g in self.groups:
             for i, p in enumerate(g.params):
@@ -150,7 +152,7 @@ class GradSync:
         def hook(p: Tensor) -> None:
             p.main_grad.add_(p.grad.view(p.main_grad.shape))
             p.grad = None
-            if self._last and self.overlap:
+            if self._armed:
                 b = g.buckets[g.bucket_of[i]]
                 b.pending -= 1
                 if b.pending == 0:
@@ -165,20 +167,15 @@ class GradSync:
         else:
             b.work = True
 
-    def zero(self) -> None:
-        """Clear the gradient buffers (start of a step)."""
+    def start_step(self, num_micro: int) -> None:
+        """Clear the gradient buffers and arm the buckets for a step of ``num_micro`` backwards."""
         for g in self.groups:
             g.grad.zero_()
             for p in g.params:
                 p.grad = None
-
-    def begin_micro(self, last: bool) -> None:
-        """Announce the next micro-batch's backward; ``last`` arms the bucket reductions."""
-        self._last = last
-        if last:
-            for g in self.groups:
-                for b in g.buckets:
-                    b.pending, b.work = b.num_params, None
+            for b in g.buckets:
+                b.pending, b.work = b.num_params * num_micro, None
+        self._armed = self.overlap
 
     def finish(self) -> None:
         """Reduce every bucket not yet launched (unused parameters never report), wait, scale by 1/dp."""
@@ -193,7 +190,12 @@ class GradSync:
                 b.work = None
             if self.scale != 1.0:
                 g.grad.mul_(self.scale)
-        self._last = False
+        self._armed = False
+
+    @property
+    def launched_early(self) -> int:
+        """Buckets whose reduction started during backward in the current step (before ``finish``)."""
+        return sum(b.work is not None for g in self.groups for b in g.buckets)
 
     def remove_hooks(self) -> None:
         for h in self._handles:

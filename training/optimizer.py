@@ -52,7 +52,8 @@ def replicas(param: Tensor, group_numel: int, dims: ParallelDims) -> int:
     if per_stage % split:
         raise ValueError(f"parameter of shape {tuple(param.shape)}: group size x shards = {split} does not "
                          f"divide the {per_stage} ranks of a stage")
-    return per_stage // split
+    # a copy held by two pipeline stages (the embedding with tied weights or MTP) counts half on each
+    return per_stage // split * getattr(param, "moefold_pipeline_copies", 1)
 
 
 @dataclass

@@ -50,7 +50,9 @@ def train(config: RunConfig, device: torch.device | str = "cpu") -> list[StepRes
     t = config.train
     dims = ParallelDims.build(config.parallel, device_type=torch.device(device).type)
     is_log = dims.rank == 0
-    say = print if is_log else (lambda *_a, **_k: None)
+    from tqdm import tqdm
+
+    say = tqdm.write if is_log else (lambda *_a, **_k: None)  # keeps the progress bar intact
     say(f"moefold train: recipe {config.recipe} ({config.model.name}), {dims.describe()}, device {device}")
     start = time.perf_counter()
     dataset = build_dataset(config, dims)

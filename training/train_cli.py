@@ -14,7 +14,6 @@ import argparse
 import dataclasses
 import json
 import sys
-from pathlib import Path
 
 import torch
 
@@ -40,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--expert-tensor-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-schedule", dest="pipeline_schedule", default=_T.pipeline_schedule,
+                   choices=("gpipe", "1f1b", "interleaved"), help="pp > 1 (interleaved is implied by virtual stages)")
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
                    help="shard activations along the sequence between TP regions (default on; tp > 1 only)")
     g.add_argument("--cp-comm-type", default=ModelOptions.cp_comm, help="context-parallel K/V exchange")
@@ -100,8 +101,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                               pp=args.pipeline_model_parallel_size, ep=args.expert_model_parallel_size,
                               etp=args.expert_tensor_parallel_size)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    train = {k: v for k, v in vars(args).items() if k in fields and k not in ("run_dir", "save", "load", "bf16",
-                                                                              "data_path", "vocab_size", "data_cache_dir")}
+    explicit = ("run_dir", "save", "load", "bf16", "data_path", "vocab_size", "data_cache_dir")
+    train = {k: v for k, v in vars(args).items() if k in fields and k not in explicit}
     train = TrainConfig(**train, bf16=args.bf16, run_dir=args.run_dir, save=args.save, load=args.load,
                         data_path=tuple(args.data_path), vocab_size=args.vocab_size,
                         data_cache_dir=args.data_cache_dir, overlap_grad_reduce=not args.no_overlap_grad_reduce,
@@ -114,9 +115,16 @@ def validate(config: RunConfig, world_size: int) -> None:
     from models.layer_factory import check_layout
     from parallel.dims import ParallelDims
 
-    sizes, _ = config.resolve(world_size)
-    if sizes.pp > 1:
-        raise ValueError(f"--pipeline-model-parallel-size={sizes.pp}: the trainer runs pp=1 only for now")
+    try:
+        sizes, _ = config.resolve(world_size)
+    except ValueError as exc:
+        if config.parallel.pp > 1 and ("schedule" in str(exc) or "num_layers" in str(exc)):
+            raise ValueError(f"{exc} (--pipeline-model-parallel-size={config.parallel.pp}, "
+                             f"--num-layers-per-virtual-pipeline-stage="
+                             f"{config.train.num_layers_per_virtual_pipeline_stage}, --global-batch-size="
+                             f"{config.train.global_batch_size}, --micro-batch-size="
+                             f"{config.train.micro_batch_size})") from exc
+        raise
     try:
         check_layout(config.model, ParallelDims(sizes=sizes), config.options)
     except ValueError as exc:

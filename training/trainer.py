@@ -6,20 +6,21 @@ One step (``Trainer.train_step``) on every rank::
     for each of the step's num_micro micro-batches [mb, S+1] (this dp rank's, see training.data.sampler):
         inputs/labels = batch[:, :-1] / batch[:, 1:], cut to this rank's CP slice
         out = model(...);  (out.loss / num_micro).backward()      # loss share, see models.decoder
+        (pp > 1: the same through pipeline.run_schedule and training.pipeline_step)
     GradSync.finish()        # sum over dp x cp / tp x cp x dp / edp, / dp: the world-1 gradient
     norm = global grad norm; non-finite loss or norm -> skip (count; stop after max_skipped_steps in a row)
     DistributedAdamW.step(lr(step), clip)   ;  expert biases += f(global tokens per expert)
 
-What crosses ranks per step: the gradient all-reduces, one world all-reduce of the logged losses
-(+ a non-finite flag), one of the grad norm, the ZeRO all-gathers, and one all-reduce over
-tp x cp x dp of the per-layer expert loads (expert-bias update and load metrics).
+What crosses ranks per step: the gradient all-reduces (overlapped with backward), the embedding
+gradient between first and last stage (pp > 1 with MTP/tied embeddings), one world all-reduce of
+the logged losses (+ a non-finite flag), one of the grad norm, the ZeRO all-gathers, and one world
+all-reduce of the per-layer expert loads (expert-bias update and load metrics).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,13 +31,17 @@ from torch import Tensor, nn
 
 from dense.context_parallel import split_for_context_parallel
 from models.decoder import MoEDecoder
+from models.layer_factory import is_moe_block
 from moe.expert_bias import update_expert_bias
 from moe.router import Router
 from parallel.dims import ParallelDims
+from pipeline import StageLayout, TensorSpec, build_schedule, run_schedule, vpp_from_layers_per_virtual_stage
+from pipeline.decoder_stage import build_stage_model
 from training.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from training.config import RunConfig
 from training.grad_sync import GradSync
 from training.optimizer import DistributedAdamW
+from training.pipeline_step import DecoderPipelineStage, embedding_group
 
 
 class NonFiniteError(RuntimeError):
@@ -86,8 +91,6 @@ class Trainer:
     def __init__(self, config: RunConfig, dims: ParallelDims, *, device: torch.device | str = "cpu",
                  log: Callable[[str], None] = print) -> None:
         _, self.num_micro = config.resolve(dims.world_size)
-        if dims.pp > 1:
-            raise NotImplementedError("pipeline parallelism (pp > 1) is not wired into the trainer yet")
         self.config, self.dims, self.device = config, dims, torch.device(device)
         self.log = log if dims.rank == 0 else (lambda _msg: None)
         t = config.train
@@ -95,11 +98,23 @@ class Trainer:
         if t.bf16 and options.dtype != "bf16":
             options = dataclasses.replace(options, dtype="bf16")
         torch.manual_seed(t.seed)
+        self.layout = self.pipeline = None
+        self.embed_group = None
         with self.device:
-            self.model = MoEDecoder(config.model, dims, options)
+            if dims.pp > 1:
+                vpp = vpp_from_layers_per_virtual_stage(config.model.num_layers, dims.pp,
+                                                        t.num_layers_per_virtual_pipeline_stage)
+                self.layout = StageLayout(config.model.num_layers, dims.pp, vpp)
+                self.pipeline = build_schedule(config.schedule_name(vpp), dims.pp, self.num_micro, vpp)
+                self.model = build_stage_model(config.model, dims, options, self.layout)
+            else:
+                self.model = MoEDecoder(config.model, dims, options)
         self.model.init_weights(t.seed)
+        self.embed_group = embedding_group(self.model, dims)
         self.routers = moe_routers(self.model)
-        self.moe_layers = sorted(self.routers)
+        # every MoE layer of the model (all stages) in logging order; this stage fills its own rows
+        m = config.model
+        self.moe_layers = [i for i in range(m.num_layers + m.mtp_num_layers) if m.num_experts and is_moe_block(m, i)]
         self.sync = GradSync(self.model.named_parameters(), dims, bucket_numel=t.bucket_numel,
                              overlap=t.overlap_grad_reduce)
         self.optimizer = DistributedAdamW(self.sync, dims, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
@@ -119,42 +134,81 @@ class Trainer:
             labels = split_for_context_parallel(labels, self.dims.cp_rank, self.dims.cp, seq_dim=1)
         return ids.contiguous(), labels.contiguous()
 
+    def _forward_backward(self, microbatches: list[Tensor], loads: Tensor, logged: Tensor) -> None:
+        """pp = 1: every micro-batch through the whole model. Fills ``loads`` [moe layers, E + 1] (selections,
+        dropped copies) and ``logged`` (lm / (tp cp), aux share, mtp / (tp cp), non-finite count), local sums."""
+        E, tpcp = self.config.model.num_experts, self.dims.tp * self.dims.cp
+        states = None
+        for m, batch in enumerate(microbatches):
+            ids, labels = self._split(batch)
+            out = self.model(ids, labels, global_states=states)
+            states = out.global_states or None
+            loss = out.loss
+            if self.loss_hook is not None:
+                loss = self.loss_hook(self.iteration, m, loss)
+            (loss / self.num_micro).backward()
+            # accumulated on the device: one host sync per step (after the all-reduce), not per micro-batch
+            zero = torch.zeros((), device=logged.device)
+            logged += torch.stack([out.lm_loss.detach().to(zero) / tpcp, out.aux_loss.detach().to(zero),
+                                   out.mtp_loss.detach().to(zero) / tpcp if out.mtp_loss is not None else zero,
+                                   (~torch.isfinite(loss.detach())).to(zero)]).to(logged.dtype)
+            self._add_loads(loads, {i: [info] for i, info in out.moe.items()}, E)
+
+    def _pipeline_forward_backward(self, microbatches: list[Tensor], loads: Tensor, logged: Tensor) -> None:
+        """pp > 1: the pipeline schedule over this rank's chunks (same outputs as ``_forward_backward``)."""
+        dims, cfg = self.dims, self.config
+        mbs = []
+        for batch in microbatches:
+            ids, labels = self._split(batch)
+            mbs.append((ids, labels, self.model.position_ids(ids.shape[1], ids.device)))
+        ids = mbs[0][0]
+        S = ids.shape[1] // dims.tp if self.model.sequence_parallel else ids.shape[1]
+        spec = TensorSpec((S, ids.shape[0], cfg.model.hidden_size), self.model.options.torch_dtype, self.device)
+        stage = DecoderPipelineStage(self.model, self.layout, dims.pp_rank)
+        run_schedule(stage, self.pipeline, mbs, stage.loss_fn, dims.pp_group, spec)
+        tpcp = dims.tp * dims.cp
+        lm = float(sum(stage.lm)) if stage.lm else 0.0
+        mtp = float(sum(stage.mtp)) if stage.mtp else 0.0
+        finite = math.isfinite(lm) and math.isfinite(mtp) and math.isfinite(float(stage.aux))
+        logged += torch.tensor([lm / tpcp, float(stage.aux), mtp / tpcp, 0.0 if finite else 1.0],
+                               dtype=logged.dtype, device=logged.device)
+        self._add_loads(loads, stage.infos, cfg.model.num_experts)
+
+    def _add_loads(self, loads: Tensor, infos: dict, E: int) -> None:
+        for i, per_micro in infos.items():
+            j = self.moe_layers.index(i)
+            for info in per_micro:
+                load = info.load_E.detach().to(loads)
+                loads[j, :E] += load
+                if info.stats is not None:
+                    loads[j, E] += info.stats.dropped_fraction.to(loads) * load.sum()
+
     def train_step(self, microbatches: list[Tensor]) -> StepResult:
         """Forward/backward over this rank's ``num_micro`` micro-batches and one optimizer step. Collective."""
         if len(microbatches) != self.num_micro:
             raise ValueError(f"train_step got {len(microbatches)} micro-batches, expected {self.num_micro}")
         dims, step = self.dims, self.iteration
         self.model.train()
-        self.sync.zero()
+        self.sync.start_step(self.num_micro)
         n_moe, E = len(self.moe_layers), self.config.model.num_experts
-        loads = torch.zeros(n_moe, E + 1, dtype=torch.float64)
-        logged = torch.zeros(4, dtype=torch.float64)   # lm, aux, mtp, non-finite count
-        states = None
-        for m, batch in enumerate(microbatches):
-            ids, labels = self._split(batch)
-            self.sync.begin_micro(last=m == self.num_micro - 1)
-            out = self.model(ids, labels, global_states=states)
-            states = out.global_states or None
-            loss = out.loss
-            if self.loss_hook is not None:
-                loss = self.loss_hook(step, m, loss)
-            (loss / self.num_micro).backward()
-            tpcp = dims.tp * dims.cp
-            logged += torch.tensor([float(out.lm_loss) / tpcp, float(out.aux_loss),
-                                    float(out.mtp_loss) / tpcp if out.mtp_loss is not None else 0.0,
-                                    0.0 if math.isfinite(float(loss.detach())) else 1.0], dtype=torch.float64)
-            for j, layer in enumerate(self.moe_layers):
-                info = out.moe[layer]
-                load = info.load_E.detach().to("cpu", torch.float64)
-                loads[j, :E] += load
-                if info.stats is not None:
-                    loads[j, E] += float(info.stats.dropped_fraction) * float(load.sum())
+        # float64 sums of counts stay exact; lm, aux, mtp, non-finite count
+        loads = torch.zeros(n_moe, E + 1, dtype=torch.float64, device=self.device)
+        logged = torch.zeros(4, dtype=torch.float64, device=self.device)
+        if self.pipeline is None:
+            self._forward_backward(microbatches, loads, logged)
+        else:
+            self._pipeline_forward_backward(microbatches, loads, logged)
+        self.overlapped_buckets = self.sync.launched_early
         self.sync.finish()
+        if self.embed_group is not None:   # the embedding's two pipeline copies get the summed gradient
+            for p in self.model.embed_tokens.parameters():
+                dist.all_reduce(p.main_grad, group=self.embed_group)
         if dims.world_size > 1:
             dist.all_reduce(logged)
-            if n_moe:
-                dist.all_reduce(loads, group=dims.tp_cp_dp_group)
+            if n_moe:   # over the world: other pipeline stages add zeros to the rows they do not own
+                dist.all_reduce(loads)
         logged[:3] /= self.num_micro * dims.dp
+        logged = logged.tolist()
         grad_norm = float(self.optimizer.grad_norm())
         lr = self.schedule(step)
         skipped = logged[3] > 0 or not math.isfinite(grad_norm)
@@ -173,8 +227,8 @@ class Trainer:
             coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
             self.optimizer.step(lr, coef)
             for j, layer in enumerate(self.moe_layers):
-                router = self.routers[layer]
-                if getattr(router, "expert_bias", None) is not None:
+                router = self.routers.get(layer)
+                if router is not None and getattr(router, "expert_bias", None) is not None:
                     update_expert_bias(router, loads[j, :E].to(torch.float32), group=None)
         self.iteration += 1
         t = self.config.train
@@ -183,7 +237,8 @@ class Trainer:
                           loss_mtp=float(logged[2]) if self.config.model.mtp_num_layers else None,
                           grad_norm=grad_norm, lr=lr, skipped=bool(skipped),
                           tokens=t.global_batch_size * t.seq_length,
-                          tokens_per_expert=loads[:, :E] if n_moe else None, dropped=loads[:, E] if n_moe else None)
+                          tokens_per_expert=loads[:, :E].cpu() if n_moe else None,
+                          dropped=loads[:, E].cpu() if n_moe else None)
 
     # ------------------------------------------------------------------------------- checkpoints
     def save(self, root: str | Path) -> Path:
@@ -240,8 +295,11 @@ class Trainer:
                 if r.step % t.log_interval == 0 or r.step == last:
                     if acc_loads is not None:
                         routed = acc_loads.sum(dim=1).clamp(min=1)
+                    # loss_mtp weighted as in the objective, so the logged "loss" is what is minimised
+                    mtp = None if r.loss_mtp is None else r.loss_mtp * self.config.model.mtp_loss_scaling_factor
                     logger.log(r.step, loss_lm=r.loss_lm, loss_aux=r.loss_aux if self.moe_layers else None,
-                               loss_mtp=r.loss_mtp, grad_norm=r.grad_norm, lr=r.lr, tokens=acc_tokens,
+                               loss_mtp=mtp, extra={"loss_mtp_unweighted": r.loss_mtp} if mtp is not None else None,
+                               grad_norm=r.grad_norm, lr=r.lr, tokens=acc_tokens,
                                tokens_per_expert=acc_loads.round().long().tolist() if acc_loads is not None else None,
                                dropped_fraction=(acc_dropped / routed).tolist() if acc_loads is not None else None,
                                moe_layers=self.moe_layers if acc_loads is not None else None, skipped=r.skipped)

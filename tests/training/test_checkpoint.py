@@ -1,4 +1,5 @@
-"""Checkpoints: exact resume, resume at another layout, half-written directories, incompatible models."""
+"""Checkpoints: exact resume, resume at other layouts (tp2 x ep2 -> ep4, pp2 x ep2, world 1; pp2 x tp2 -> world 1),
+half-written directories, incompatible models, keep-last-N."""
 
 from __future__ import annotations
 
@@ -43,25 +44,30 @@ def test_resume_is_bit_identical_and_half_written_dirs_are_ignored(tmp_path):
     assert "resumed from" in text and "iter_0000003" in text, text
 
 
-def _save_tp2ep2_resume_ep4(save: str) -> list[float]:
+def _cross_layout(save_a: str, save_b: str) -> dict[str, list[float]]:
+    out = {}
     pc = ParallelConfig(tp=2, ep=2)
-    run(tiny_config(pc, save=save), ParallelDims.build(pc), stop_at=3)
-    pc = ParallelConfig(ep=4)
-    losses, _, _ = run(tiny_config(pc), ParallelDims.build(pc), load=save)
-    return losses
+    run(tiny_config(pc, save=save_a), ParallelDims.build(pc), stop_at=3)
+    for name, pc in (("ep4", ParallelConfig(ep=4)), ("pp2xep2", ParallelConfig(pp=2, ep=2))):
+        out[name] = run(tiny_config(pc), ParallelDims.build(pc), load=save_a)[0]
+    pc = ParallelConfig(pp=2, tp=2)   # a pipeline checkpoint (the embedding lives on both stages with MTP)
+    run(tiny_config(pc, save=save_b), ParallelDims.build(pc), stop_at=3)
+    return out
 
 
 def test_resume_at_other_layouts(tmp_path):
     ref_losses, ref_params = _reference(tmp_path)
-    save = str(tmp_path / "ckpt")
-    ep4 = run_distributed(_save_tp2ep2_resume_ep4, 4, save, timeout=300)[0]
-    world1, params, _ = run(tiny_config(), load=save)   # the tp2 x ep2 checkpoint at world 1
-    for name, losses in (("ep4", ep4), ("world 1", world1)):
+    save_a, save_b = str(tmp_path / "tp2ep2"), str(tmp_path / "pp2tp2")
+    results = run_distributed(_cross_layout, 4, save_a, save_b, timeout=300)[0]
+    results["world 1 from tp2 x ep2"], params_a, _ = run(tiny_config(), load=save_a)
+    results["world 1 from pp2 x tp2"], params_b, _ = run(tiny_config(), load=save_b)
+    for name, losses in results.items():
         assert len(losses) == 2
         diff = max(abs(a - b) for a, b in zip(losses, ref_losses[3:]))
         assert diff <= TOL, (name, losses, ref_losses[3:])
-    for k, v in ref_params.items():
-        assert (params[k] - v).abs().max().item() <= TOL, k
+    for params in (params_a, params_b):
+        for k, v in ref_params.items():
+            assert (params[k] - v).abs().max().item() <= TOL, k
 
 
 def test_incompatible_model_names_the_tensor(tmp_path):

@@ -27,6 +27,7 @@ def test_nan_loss_skips_the_step_and_stops_after_n_in_a_row():
     assert t2.optimizer.step_count == 1 and t2.iteration == 2
     for k in p1:   # the skipped step changed nothing (weights, expert biases)
         assert torch.equal(p1[k], p2[k]), k
+    assert any(k.endswith("expert_bias") and v.abs().sum() > 0 for k, v in p1.items())  # step 1 did update it
     for k, v in t1.model.state_dict().items():
         assert torch.equal(v, t2.model.state_dict()[k]), k
     assert any("non-finite loss" in m and "skipping the optimizer step" in m for m in messages), messages
@@ -35,8 +36,11 @@ def test_nan_loss_skips_the_step_and_stops_after_n_in_a_row():
         run(tiny_config(steps=4, max_skipped_steps=2), hook=always_nan)
 
 
-def test_invalid_flags_fail_before_any_rank_starts(capsys):
-    base = ["train", "--recipe", "qwen3_moe_tiny", "--nproc", "4"]
+def test_invalid_flags_fail_before_any_rank_starts(capsys, tmp_path):
+    # small enough to finish quickly should a check ever let it through
+    base = ["train", "--recipe", "qwen3_moe_tiny", "--nproc", "4", "--train-iters", "1", "--seq-length", "32",
+            "--micro-batch-size", "1", "--global-batch-size", "4", "--run-dir", str(tmp_path), "--device", "cpu",
+            "--no-balance-report"]
     assert cli_main([*base, "--tensor-model-parallel-size", "3"]) == 2
     assert "world_size=4 is not divisible by tp*cp*pp=3" in capsys.readouterr().err
     assert cli_main([*base, "--micro-batch-size", "4", "--global-batch-size", "8"]) == 2
@@ -44,8 +48,11 @@ def test_invalid_flags_fail_before_any_rank_starts(capsys):
     assert "--global-batch-size=8" in err and "--micro-batch-size=4" in err
     assert cli_main([*base, "--expert-model-parallel-size", "3"]) == 2
     assert "etp*ep=1*3=3 does not divide" in capsys.readouterr().err
-    assert cli_main([*base, "--tensor-model-parallel-size", "4", "--num-experts", "6"]) == 2
-    assert "--tensor-model-parallel-size=4" in capsys.readouterr().err
+    assert cli_main([*base, "--tensor-model-parallel-size", "4", "--vocab-size", "510"]) == 2
+    err = capsys.readouterr().err
+    assert "vocab_size=510 is not divisible by tp=4" in err and "--tensor-model-parallel-size=4" in err
+    assert cli_main([*base, "--context-parallel-size", "2", "--seq-length", "30"]) == 2
+    assert "--seq-length=30 must be divisible by 2 x --context-parallel-size=2" in capsys.readouterr().err
 
 
 def test_moefold_train_two_ranks_end_to_end(tmp_path, monkeypatch):
@@ -53,7 +60,8 @@ def test_moefold_train_two_ranks_end_to_end(tmp_path, monkeypatch):
     run_dir, save = tmp_path / "run", tmp_path / "ckpt"
     args = ["train", "--recipe", "qwen3_moe_tiny", "--nproc", "2", "--expert-model-parallel-size", "2",
             "--train-iters", "3", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
-            "--lr-warmup-iters", "1", "--run-dir", str(run_dir), "--save", str(save), "--device", "cpu"]
+            "--lr-warmup-iters", "1", "--log-interval", "1", "--run-dir", str(run_dir), "--save", str(save),
+            "--device", "cpu"]
     assert cli_main(args) == 0
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in steps if r["kind"] == "step"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from models.recipes import get_recipe
 from models.options import ModelOptions
+from models.recipes import get_recipe
 from parallel.dims import ParallelConfig, ParallelDims
 from training.config import RunConfig, TrainConfig
 from training.trainer import Trainer, named_full_params
@@ -37,11 +37,13 @@ def run(config: RunConfig, dims: ParallelDims | None = None, data: np.ndarray | 
         load: str | None = None, hook=None, stop_at: int | None = None, log=None,
         ) -> tuple[list[float], dict[str, torch.Tensor], Trainer]:
     """Train ``config`` (optionally resuming from ``load``, stopping after ``stop_at`` steps); returns
-    (lm losses of the steps run, full params, trainer)."""
+    (lm losses of the steps run, full params and ``buffer:``-prefixed buffers such as expert biases, trainer)."""
     dims = dims or ParallelDims.single()
     trainer = Trainer(config, dims, log=log or (lambda _m: None))
     if load:
         trainer.load(load)
     trainer.loss_hook = hook
     results = trainer.fit(tiny_data() if data is None else data, stop_at=stop_at)
-    return [r.loss_lm for r in results], named_full_params(trainer.model), trainer
+    params = named_full_params(trainer.model)
+    params.update({f"buffer:{k}": v.float() for k, v in trainer.model.state_dict().items() if k not in params})
+    return [r.loss_lm for r in results], params, trainer
