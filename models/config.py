@@ -79,6 +79,15 @@ class ModelConfig:
     moe_layer_freq: int | tuple[int, ...] = 1
     moe_aux_loss_coeff: float = 0.0
     moe_load_balancing_type: str = "aux_loss"
+    # router training choices (Megatron flag names in moe/router_config.py)
+    moe_z_loss_coeff: float | None = None
+    moe_input_jitter_eps: float | None = None
+    moe_router_dtype: str = "fp32"
+    moe_bias_update_rate: float = 1e-3
+    moe_expert_capacity_factor: float | None = None
+    moe_token_drop_policy: str = "probs"
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_router_force_load_balancing: bool = False
     # multi-token prediction
     mtp_num_layers: int = 0
     mtp_loss_scaling_factor: float = 0.1

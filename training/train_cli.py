@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 import torch
@@ -79,7 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                                "`moefold prepare-data`); default: built-in corpus")
     d.add_argument("--data-cache-dir", default=None)
     d.add_argument("--run-dir", default=_T.run_dir, help=f"metrics, logs and reports (default {_T.run_dir})")
-    d.add_argument("--save", default=None, help="checkpoint directory")
+    d.add_argument("--save", default=None, help="checkpoint directory (default RUN_DIR/checkpoints)")
+    d.add_argument("--no-save", action="store_true", help="write no checkpoint")
     d.add_argument("--load", default=None, help="resume from the latest complete checkpoint in this directory")
     d.add_argument("--no-balance-report", action="store_true", help="skip the load-balance PNGs at the end")
 
@@ -103,7 +105,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     explicit = ("run_dir", "save", "load", "bf16", "data_path", "vocab_size", "data_cache_dir")
     train = {k: v for k, v in vars(args).items() if k in fields and k not in explicit}
-    train = TrainConfig(**train, bf16=args.bf16, run_dir=args.run_dir, save=args.save, load=args.load,
+    save = None if args.no_save else (args.save or os.path.join(args.run_dir, "checkpoints"))
+    train = TrainConfig(**train, bf16=args.bf16, run_dir=args.run_dir, save=save, load=args.load,
                         data_path=tuple(args.data_path), vocab_size=args.vocab_size,
                         data_cache_dir=args.data_cache_dir, overlap_grad_reduce=not args.no_overlap_grad_reduce,
                         balance_report=not args.no_balance_report)
