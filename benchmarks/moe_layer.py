@@ -12,8 +12,10 @@ and their achieved GFLOP/s counting only the expert GEMMs (3 projections x (fwd 
 2*N*H*F, N = T*k). The ceiling is measured in the same run: plain dense matmuls doing exactly
 that work as if every routed copy went to one expert ([N, H] x [H, 2F], [N, F] x [F, H] and their
 four backward products). The ratio layer/ceiling is the figure of merit (target >= 0.6).
-Routing is near-uniform (random router weights, dropless). Prints the load average: the
-machine may be shared.
+Routing is near-uniform (random router weights, dropless). Prints the load average (the
+machine may be shared) and any MALLOC_* / LD_PRELOAD allocator settings: with glibc's defaults
+every freed buffer over 32 MB goes back to the OS and the next one is page-faulted in again,
+which on CPU costs as much as a good part of the GEMMs (see RESULTS_moe_layer.md).
 """
 
 from __future__ import annotations
@@ -121,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     T, H = a.tokens, a.hidden
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cpus, "
           f"load average at start {os.getloadavg()[0]:.1f}, clock: {'process CPU' if a.cpu_time else 'wall'}")
-    print(f"# T={T} H={H}; GFLOP/s count expert GEMMs only; ratio = layer / dense ceiling")
+    malloc = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "LD_PRELOAD"}
+    print(f"# T={T} H={H}; GFLOP/s count expert GEMMs only; ratio = layer / dense ceiling; "
+          f"allocator settings: {malloc or 'glibc defaults'}")
     print(f"{'dtype':5} {'E':>3} {'k':>2} {'F':>5} {'backend':10} {'layer ms':>9} {'GF/s':>7} {'experts ms':>10} "
           f"{'GF/s':>7} {'ceiling GF/s':>12} {'layer/ceil':>10} {'experts/ceil':>12}")
     for dname in a.dtypes.split(","):

@@ -5,6 +5,10 @@ T in the group, together with their routing; permute the copies whose expert is 
 unpermute into [W * T_max, H] partial outputs (only local experts' copies, partial FFN sums under
 etp) and reduce-scatter them back, which adds up every expert's and every etp shard's part.
 
+With ``pad_to_capacity`` every (local expert, source rank) chunk is padded to the largest capacity
+in the group (capacity is per rank and grows with its T; it travels with the token counts, so
+uneven T, even T = 0, costs nothing extra).
+
 Simple and static-shaped (good for small ep or when most tokens are wanted by every rank);
 it moves W times the tokens, so large ep wants the all-to-all dispatcher instead.
 """
@@ -71,9 +75,12 @@ class AllGatherDispatcher(TokenDispatcher):
             if routing.keep_TK is not None:
                 ids = ids.masked_fill(~routing.keep_TK.bool(), -1)
             counts_E = group_counts(mask_groups(ids, E), E)
-            header = torch.cat([counts_E, counts_E.new_tensor([T])])
+            # T and the capacity ride along: capacity is per rank (it grows with T), and in padded
+            # mode every rank must pad every source's chunks to the same size
+            cap = int(routing.capacity) if routing.pad_to_capacity else 0
+            header = torch.cat([counts_E, counts_E.new_tensor([T, cap])])
         with self._phase("communicate"):
-            all_header = gather_counts(header, self.group)  # [W, E + 1]
+            all_header = gather_counts(header, self.group)  # [W, E + 2]
             host = all_header.tolist()  # the dispatch's one device->host sync
             max_tokens = max(h[E] for h in host)
             xg = all_gather_sequence(_pad_rows(x_TH, max_tokens), self.group, 0)
@@ -82,7 +89,10 @@ class AllGatherDispatcher(TokenDispatcher):
         with self._phase("permute"):
             local_ids = ids_g - self.local_expert_offset
             if routing.pad_to_capacity:
-                cap = int(routing.capacity)
+                # Ranks with fewer tokens have a smaller capacity (a rank with none has 0): pad every
+                # (expert, source) chunk to the group's largest, which all ranks agree on. Each source
+                # kept at most its own capacity per expert, so nothing more is dropped here.
+                cap = max(h[E + 1] for h in host)
                 # group = (local expert, source rank): each source's chunk is padded separately
                 src = torch.arange(W * max_tokens, device=ids_g.device).div(max_tokens, rounding_mode="floor")
                 in_range = (local_ids >= 0) & (local_ids < e)

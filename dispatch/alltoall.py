@@ -13,7 +13,13 @@ Combine runs the mirror image: unsort, reduce-scatter over etp (sums the experts
 FFN outputs), reverse all-to-all, unpermute (sum of each token's K copies).
 
 With ``pad_to_capacity`` every expert's chunk from every rank is exactly ``capacity`` rows, so
-all sizes are static and nothing is exchanged or synchronised besides the tokens.
+all sizes are static and nothing is exchanged or synchronised besides the tokens. That needs the
+same capacity on every rank of the etp x ep group, i.e. (capacity being per rank,
+ceil(T*K/E*factor)) the same token count T on each, as in Megatron. It is not checked: checking
+would cost the very collective and host sync that padded mode exists to avoid, and a mismatch
+breaks the exchange itself (gloo aborts the process on mismatched split sizes). With uneven token
+counts (e.g. a rank with none) use the allgather dispatcher, which pads to the group's largest
+capacity, or the unpadded capacity mode.
 """
 
 from __future__ import annotations

@@ -7,7 +7,10 @@ rank routes ``--num-tokens`` random tokens (uniform or Zipf-skewed expert popula
   synchronises the device, on separate iterations so the end-to-end figure is not disturbed);
 * end to end: dispatch + combine, median over ``--iters`` after ``--warmup``;
 * raw: ``all_to_all_single`` there and back with exactly the split sizes the dispatch used
-  (the bytes a perfect dispatcher would move), measured in the same run;
+  (the bytes a perfect dispatcher would move), measured in the same run the same way (after a
+  barrier, receive buffers allocated inside the timed region as the dispatcher's are);
+* local: the dispatcher's permute + unpermute of the same rows alone (what it does besides
+  communicating), so that the ratio can be split into local work and exchange overhead;
 * bytes that left each rank (dispatch + combine), achieved GB/s, dispatcher / raw ratio.
 
 Times are the slowest rank's median. Nothing is asserted: this prints.
@@ -106,6 +109,7 @@ def _median_max(values: list[float], device: torch.device) -> float:
 
 def _rank_main(args: argparse.Namespace) -> None:
     from dispatch import build_dispatcher
+    from dispatch.permutation import permute, unpermute
     from parallel import ParallelConfig, ParallelDims
     from parallel.init import default_device
 
@@ -142,8 +146,11 @@ def _rank_main(args: argparse.Namespace) -> None:
         progress("phases", i + 1, args.warmup + args.iters)
     phase_ms = {p: 1e3 * timer.seconds[p] / args.iters for p in PHASES}
 
-    # end to end, and the raw exchange with the same split sizes
-    e2e, raw, handle = [], [], None
+    # end to end, the raw exchange with the same split sizes, and the dispatcher's local work alone.
+    # Like with like: each timed region starts right after a barrier, and both the dispatcher and
+    # the raw exchange allocate their receive buffers inside it (the raw one sends from a buffer
+    # that is ready, as the dispatcher's permute output is).
+    e2e, raw, local, handle = [], [], [], None
     for i in range(args.warmup + args.iters):
         routing = _route(x, w_gate, skew, K)
         sync()
@@ -152,24 +159,36 @@ def _rank_main(args: argparse.Namespace) -> None:
         out = plain.dispatch(x, routing)
         sync()
         t1 = time.perf_counter()
-        # the experts' work is not the dispatcher's (untimed): rows pass through, scaled by their prob
+        # the experts' work is not the dispatcher's (untimed): rows pass through, scaled by their prob;
+        # the barrier keeps that untimed work's rank skew out of the combine's exchange
         expert_out = out.tokens_NH * out.probs_N.unsqueeze(1).to(dtype)
         sync()
+        barrier()
         t1b = time.perf_counter()
         y = plain.combine(expert_out, out.handle)
         sync()
         seconds = (t1 - t0) + (time.perf_counter() - t1b)
         handle = out.handle
         send, recv = _splits(handle, dims, T * K)
-        buf = torch.empty(sum(send), H, dtype=dtype, device=device)
-        back = torch.empty(sum(recv), H, dtype=dtype, device=device)
+        buf = torch.randn(sum(send), H, generator=gen).to(device, dtype)
+        sync()
         barrier()
         t2 = time.perf_counter()
         if dims.ep_group is not None and dims.ep > 1:
+            back = torch.empty(sum(recv), H, dtype=dtype, device=device)
             dist.all_to_all_single(back, buf, recv, send, group=dims.ep_group)
-            dist.all_to_all_single(buf, back, send, recv, group=dims.ep_group)
+            home = torch.empty(sum(send), H, dtype=dtype, device=device)
+            dist.all_to_all_single(home, back, send, recv, group=dims.ep_group)
         sync()
         t3 = time.perf_counter()
+        row_map = getattr(handle, "row_map", None)
+        if row_map is not None and row_map.num_tokens == T:  # permute + unpermute of the same rows, no communication
+            # (alltoall/local; the allgather and flex maps index gathered / received tokens instead)
+            barrier()
+            t4 = time.perf_counter()
+            unpermute(permute(x, row_map), row_map)
+            sync()
+            local.append(time.perf_counter() - t4)
         if i >= args.warmup:
             e2e.append(seconds)
             raw.append(t3 - t2)
@@ -183,6 +202,7 @@ def _rank_main(args: argparse.Namespace) -> None:
         dist.all_reduce(moved_t)
     moved_avg = float(moved_t.item()) / max(1, dims.world_size)
     t_e2e, t_raw = _median_max(e2e, device), _median_max(raw, device)
+    t_local = _median_max(local[args.warmup:], device) if len(local) > args.warmup else None
     phase_max = {p: _median_max([v], device) for p, v in phase_ms.items()}
     if rank0:
         print(f"dispatcher={args.dispatcher} ranks={dims.world_size} ep={args.ep} etp={args.etp} T={T} H={H} "
@@ -195,6 +215,9 @@ def _rank_main(args: argparse.Namespace) -> None:
         if dims.ep > 1:
             print(f"raw all_to_all_single x2, same splits: {1e3 * t_raw:.2f} ms  {moved_avg / t_raw / 1e9:.3f} GB/s")
             print(f"ratio dispatcher / raw: {t_e2e / t_raw:.2f}x")
+            if t_local is not None:
+                print(f"local permute+unpermute alone: {1e3 * t_local:.2f} ms; (raw + local) / raw: "
+                      f"{(t_raw + t_local) / t_raw:.2f}x (the floor for a dispatcher that does not overlap them)")
         else:
             print("raw all_to_all_single: ep=1, nothing to exchange")
 

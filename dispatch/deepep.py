@@ -122,8 +122,17 @@ class FlexDispatcher(TokenDispatcher):
             R, K = recv_idx.shape
             key = mask_groups(recv_idx, e)
             if routing.pad_to_capacity:
-                # each source rank sent at most `capacity` copies per expert
-                row_map = build_row_map(key, R, K, e, capacity=int(routing.capacity) * self.ep)
+                # each source rank sent at most its own capacity per expert; with this rank's as the
+                # bound, a source with more tokens (a larger capacity) could overflow the padded
+                # chunk and lose copies silently. The received counts are on the host already.
+                rows_per_expert = int(routing.capacity) * self.ep
+                if max(per_expert, default=0) > rows_per_expert:
+                    raise ValueError(
+                        f"flex dispatch with pad_expert_input_to_capacity: a local expert received "
+                        f"{max(per_expert)} copies, more than capacity {routing.capacity} x ep {self.ep} = "
+                        f"{rows_per_expert} (this rank has T={x_TH.shape[0]} tokens): padded mode needs the "
+                        f"same token count on every ep rank; use dropless or unpadded capacity mode")
+                row_map = build_row_map(key, R, K, e, capacity=rows_per_expert)
             else:
                 row_map = build_row_map(key, R, K, e, num_rows=sum(per_expert))
             tokens = permute(recv_x, row_map)

@@ -24,7 +24,7 @@ def test_bench_single_process(capsys):
 def test_bench_spawns_ranks(capfd):
     assert bench.main(_args(ep=2, skew="zipf", dtype="bf16")) == 0
     out = capfd.readouterr().out
-    assert "ratio dispatcher / raw" in out and "GB/s" in out
+    assert "ratio dispatcher / raw" in out and "GB/s" in out and "local permute+unpermute alone" in out
 
 
 def test_bench_rejects_bad_flags():
