@@ -15,7 +15,7 @@ four backward products). The ratio layer/ceiling is the figure of merit (target 
 Routing is near-uniform (random router weights, dropless). Prints the load average (the
 machine may be shared) and any MALLOC_* / LD_PRELOAD allocator settings: with glibc's defaults
 every freed buffer over 32 MB goes back to the OS and the next one is page-faulted in again,
-which on CPU costs as much as a good part of the GEMMs (see RESULTS_moe_layer.md).
+which on CPU costs as much as a good part of the GEMMs (see RESULTS.md).
 """
 
 from __future__ import annotations
