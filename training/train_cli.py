@@ -27,6 +27,25 @@ from training.lr_schedule import DECAY_STYLES, WSD_STYLES
 
 _T = TrainConfig()
 
+# Router flags (Megatron-LM names) -> the ModelConfig field they override; unset keeps the recipe's.
+ROUTER_FLAGS: tuple[tuple[str, str, type], ...] = (
+    ("--moe-router-score-function", "moe_score_function", str),
+    ("--moe-router-pre-softmax", "moe_pre_softmax", bool),
+    ("--moe-router-topk-scaling-factor", "moe_topk_scaling_factor", float),
+    ("--moe-router-num-groups", "moe_num_groups", int),
+    ("--moe-router-group-topk", "moe_group_topk", int),
+    ("--moe-router-load-balancing-type", "moe_load_balancing_type", str),
+    ("--moe-z-loss-coeff", "moe_z_loss_coeff", float),
+    ("--moe-input-jitter-eps", "moe_input_jitter_eps", float),
+    ("--moe-router-dtype", "moe_router_dtype", str),
+    ("--moe-router-enable-expert-bias", "moe_expert_bias", bool),
+    ("--moe-router-bias-update-rate", "moe_bias_update_rate", float),
+    ("--moe-expert-capacity-factor", "moe_expert_capacity_factor", float),
+    ("--moe-token-drop-policy", "moe_token_drop_policy", str),
+    ("--moe-pad-expert-input-to-capacity", "moe_pad_expert_input_to_capacity", bool),
+    ("--moe-router-force-load-balancing", "moe_router_force_load_balancing", bool),
+)
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipe", required=True, choices=sorted(RECIPES), metavar="NAME",
@@ -36,7 +55,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="pp > 1: virtual stages of M layers per rank (interleaved 1F1B schedule)")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="pp > 1: layers on the first stage (it also holds the embedding); default: even split")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="pp > 1: layers on the last stage (it also holds the head, loss and MTP); default: even split")
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--expert-tensor-parallel-size", type=int, default=1)
@@ -50,6 +74,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--num-experts", type=int)
     m.add_argument("--moe-router-topk", type=int)
     m.add_argument("--moe-aux-loss-coeff", type=float)
+    for flag, _, typ in ROUTER_FLAGS:
+        if typ is bool:
+            m.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            m.add_argument(flag, type=typ)
+    m.add_argument("--init-method-std", type=float, default=ModelOptions.init_std)
     m.add_argument("--moe-token-dispatcher-type", default="auto",
                    help="auto | local | allgather | alltoall | flex (DeepEP)")
     m.add_argument("--moe-grouped-gemm-backend", default=ModelOptions.gemm_backend)
@@ -88,17 +118,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """The RunConfig the flags describe (ValueError naming the flag on a bad value)."""
-    if args.num_layers_per_virtual_pipeline_stage is not None and args.pipeline_model_parallel_size == 1:
-        raise ValueError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+    for flag in ("num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
+                 "decoder_last_pipeline_num_layers"):
+        if getattr(args, flag) is not None and args.pipeline_model_parallel_size == 1:
+            raise ValueError(f"--{flag.replace('_', '-')} needs --pipeline-model-parallel-size > 1")
     model = get_recipe(args.recipe)
     changes = {k: v for k, v in (("num_layers", args.num_layers), ("num_experts", args.num_experts),
                                  ("moe_topk", args.moe_router_topk), ("moe_aux_loss_coeff", args.moe_aux_loss_coeff),
                                  ("vocab_size", args.vocab_size)) if v is not None}
+    for flag, field, _ in ROUTER_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            changes[field] = value
     if changes:
         model = model.with_(**changes)
     options = ModelOptions(sequence_parallel=args.sequence_parallel, cp_comm=args.cp_comm_type,
                            recompute=args.recompute_granularity, dispatcher=args.moe_token_dispatcher_type,
-                           gemm_backend=args.moe_grouped_gemm_backend, dtype="bf16" if args.bf16 else "fp32")
+                           gemm_backend=args.moe_grouped_gemm_backend, dtype="bf16" if args.bf16 else "fp32",
+                           init_std=args.init_method_std)
     parallel = ParallelConfig(tp=args.tensor_model_parallel_size, cp=args.context_parallel_size,
                               pp=args.pipeline_model_parallel_size, ep=args.expert_model_parallel_size,
                               etp=args.expert_tensor_parallel_size)
@@ -121,12 +158,15 @@ def validate(config: RunConfig, world_size: int) -> None:
     try:
         sizes, _ = config.resolve(world_size)
     except ValueError as exc:
-        if config.parallel.pp > 1 and ("schedule" in str(exc) or "num_layers" in str(exc)):
-            raise ValueError(f"{exc} (--pipeline-model-parallel-size={config.parallel.pp}, "
-                             f"--num-layers-per-virtual-pipeline-stage="
-                             f"{config.train.num_layers_per_virtual_pipeline_stage}, --global-batch-size="
-                             f"{config.train.global_batch_size}, --micro-batch-size="
-                             f"{config.train.micro_batch_size})") from exc
+        t = config.train
+        if config.parallel.pp > 1 and any(word in str(exc) for word in ("schedule", "num_layers", "pipeline")):
+            uneven = "".join(f", --decoder-{k}-pipeline-num-layers={v}" for k, v in
+                             (("first", t.decoder_first_pipeline_num_layers),
+                              ("last", t.decoder_last_pipeline_num_layers)) if v is not None)
+            raise ValueError(f"{exc} (--num-layers={config.model.num_layers}, --pipeline-model-parallel-size="
+                             f"{config.parallel.pp}, --num-layers-per-virtual-pipeline-stage="
+                             f"{t.num_layers_per_virtual_pipeline_stage}{uneven}, --global-batch-size="
+                             f"{t.global_batch_size}, --micro-batch-size={t.micro_batch_size})") from exc
         raise
     try:
         check_layout(config.model, ParallelDims(sizes=sizes), config.options)
