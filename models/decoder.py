@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ from dense.cross_entropy import vocab_parallel_cross_entropy
 from dense.embedding import OutputHead, VocabParallelEmbedding
 from dense.norm import RMSNorm
 from models.config import ModelConfig
-from models.layer_factory import build_block, check_layout
+from models.layer_factory import build_block, check_layout, is_moe_block
 from models.mtp import MTPModule, shift_left
 from models.options import ModelOptions
 from moe.balance_losses import GlobalLoadState
@@ -48,6 +49,21 @@ from parallel.groups import group_size
 from parallel.sharding import init_parameters
 
 IGNORE_INDEX = -100  # labels with this value carry no loss (HF / torch convention)
+
+
+class _TokenLoss(NamedTuple):
+    """One cross-entropy over a micro-batch's tokens (all fp32 scalars).
+
+    share:        on the graph: this rank's loss sum / the micro-batch's loss tokens over cp
+    mean:         detached token mean over the cp group (the same on every rank)
+    local_sum:    detached sum of this rank's masked token losses
+    local_tokens: this rank's loss tokens
+    """
+
+    share: Tensor
+    mean: Tensor
+    local_sum: Tensor
+    local_tokens: Tensor
 
 
 @dataclass(frozen=True)
@@ -165,9 +181,9 @@ class MoEDecoder(nn.Module):
         labels = labels_BS.t()
         mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask_BS is None else loss_mask_BS.t().float()
         mask = mask * (labels != IGNORE_INDEX)  # ignored labels count as masked tokens
-        lm_share, lm_stats = self._token_loss(self.head_logits(hidden), labels, mask)
-        logs = {"lm": lm_stats[0] / lm_stats[1].clamp(min=1.0), "lm_loss_sum": lm_stats[2],
-                "num_tokens": lm_stats[3]}
+        lm = self._token_loss(self.head_logits(hidden), labels, mask)
+        logs = {"lm": lm.mean, "lm_loss_sum": lm.local_sum, "num_tokens": lm.local_tokens}
+        lm_share = lm.share
         loss, infos = lm_share, {}
         if len(self.mtp):
             if input_ids_BS is None or position_ids is None:
@@ -222,19 +238,22 @@ class MoEDecoder(nn.Module):
 
     # ------------------------------------------------------------------------------------ internals
     def _ffn_kwargs(self, index: int, global_states: dict[int, GlobalLoadState] | None) -> dict:
-        if global_states is None or "global_aux_loss" not in self.config.moe_load_balancing_type:
+        if (global_states is None or "global_aux_loss" not in self.config.moe_load_balancing_type
+                or not is_moe_block(self.config, index)):   # dense FFNs take no load state
             return {}
         return {"global_state": global_states.get(index)}
 
-    def _token_loss(self, logits: Tensor, labels: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-        """(share on the graph, detached [cp-summed loss, cp-summed tokens, local loss, local tokens])."""
+    def _token_loss(self, logits: Tensor, labels: Tensor, mask: Tensor) -> _TokenLoss:
+        """Masked cross-entropy of this rank's tokens. Collective over tp (the loss) and cp (one
+        all-reduce of [loss sum, token count]: the share's denominator is the micro-batch's tokens)."""
         token_loss = vocab_parallel_cross_entropy(logits, labels, self.dims.tp_group, loss_mask=mask)
         local = torch.stack([token_loss.sum().detach(), mask.sum()]).float()
         total = local.clone()
         if group_size(self.dims.cp_group) > 1:
             dist.all_reduce(total, group=self.dims.cp_group)
-        share = token_loss.sum() / total[1].clamp(min=1.0)
-        return share, torch.cat([total, local])
+        tokens = total[1].clamp(min=1.0)
+        return _TokenLoss(share=token_loss.sum() / tokens, mean=total[0] / tokens, local_sum=local[0],
+                          local_tokens=local[1])
 
     def _mtp_loss(self, hidden: Tensor, ids_SB: Tensor, labels_SB: Tensor, mask_SB: Tensor, position_ids: Tensor,
                   global_states: dict[int, GlobalLoadState] | None,
@@ -250,8 +269,8 @@ class MoEDecoder(nn.Module):
             hidden, extra = module(hidden, embedded, position_ids, **self._ffn_kwargs(module.index, global_states))
             if extra is not None:
                 infos[module.index] = extra
-            share, stats = self._token_loss(self.output_head(module.final_layernorm(hidden)), labels, mask)
-            shares.append(share)
-            logs[f"mtp_{k}"] = stats[0] / stats[1].clamp(min=1.0)
+            depth = self._token_loss(self.output_head(module.final_layernorm(hidden)), labels, mask)
+            shares.append(depth.share)
+            logs[f"mtp_{k}"] = depth.mean
         logs["mtp"] = torch.stack([logs[f"mtp_{k}"] for k in range(1, len(self.mtp) + 1)]).mean()
         return torch.stack(shares).mean(), logs, infos

@@ -1,7 +1,7 @@
 """Pipeline parallelism: stage splitting, point-to-point, schedules and their executor."""
 
 from pipeline.actions import Action, ActionKind, Message
-from pipeline.decoder_stage import DecoderStage, build_stage_model, decoder_microbatches
+from pipeline.decoder_stage import DecoderStage, build_stage_model, decoder_microbatches, embedding_group
 from pipeline.executor import PipelineResult, PipelineStage, SequentialStage, reduce_step_losses, run_schedule
 from pipeline.p2p import (
     P2PHandle,
@@ -23,5 +23,5 @@ __all__ = [
     "Action", "ActionKind", "Message", "SCHEDULES", "Schedule", "build_schedule", "expected_bubble_fraction",
     "DeadlockError", "ScheduleError", "SimResult", "simulate", "validate", "render_text", "plot_png",
     "PipelineStage", "PipelineResult", "SequentialStage", "run_schedule", "reduce_step_losses",
-    "DecoderStage", "build_stage_model", "decoder_microbatches",
+    "DecoderStage", "build_stage_model", "decoder_microbatches", "embedding_group",
 ]

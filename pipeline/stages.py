@@ -145,7 +145,8 @@ class StageLayout:
         for r in range(self.pp):
             parts = []
             for s in self.rank_chunks(r):
-                layers = f"layers {s.layers.start}-{s.layers.stop - 1}" if s.layers else "no layers"
+                layers = ("no layers" if not s.layers else f"layer {s.layers.start}" if len(s.layers) == 1
+                          else f"layers {s.layers.start}-{s.layers.stop - 1}")
                 extra = (" +embedding" if s.has_embedding else "") + (" +norm/head/loss/MTP" if s.has_head else "")
                 parts.append(f"chunk {s.chunk}: {layers}{extra}")
             lines.append(f"pp rank {r}: " + "; ".join(parts))

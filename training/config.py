@@ -6,12 +6,15 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from models.config import MLADims, ModelConfig, YarnScaling
 from models.options import ModelOptions
 from parallel.dims import ParallelConfig, ParallelSizes
 from training.lr_schedule import DECAY_STYLES, WSD_STYLES, LRSchedule
+
+if TYPE_CHECKING:
+    from pipeline.stages import StageLayout
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,8 @@ class TrainConfig:
     bucket_numel: int = 2**22
     pipeline_schedule: str = "1f1b"            # gpipe | 1f1b | interleaved (pp > 1; interleaved for vpp > 1)
     num_layers_per_virtual_pipeline_stage: int | None = None
+    decoder_first_pipeline_num_layers: int | None = None   # pp > 1: layers on the first stage (None: even split)
+    decoder_last_pipeline_num_layers: int | None = None    # pp > 1: layers on the last stage (None: even split)
     overlap_grad_reduce: bool = True
     # data
     data_path: tuple[str, ...] = ()            # Megatron style: PREFIX or W1 PREFIX1 W2 PREFIX2 ...; () = built-in
@@ -115,16 +120,32 @@ class RunConfig:
         num_micro = t.global_batch_size // per_step
         if s.pp > 1:
             from pipeline.schedules import check_schedule_config
-            from pipeline.stages import StageLayout, vpp_from_layers_per_virtual_stage
 
-            vpp = vpp_from_layers_per_virtual_stage(self.model.num_layers, s.pp,
-                                                    t.num_layers_per_virtual_pipeline_stage)
-            StageLayout(self.model.num_layers, s.pp, vpp)
+            vpp = self.pipeline_layout(s.pp).vpp
             check_schedule_config(self.schedule_name(vpp), s.pp, vpp, num_micro)
         return s, num_micro
 
+    def pipeline_layout(self, pp: int) -> StageLayout:
+        """The split of the decoder's layers over ``pp`` stages (x virtual stages) that the flags describe;
+        ValueError naming the flags for an impossible one."""
+        from pipeline.stages import StageLayout, vpp_from_layers_per_virtual_stage
+
+        t = self.train
+        first, last = t.decoder_first_pipeline_num_layers, t.decoder_last_pipeline_num_layers
+        if (first is not None or last is not None) and t.num_layers_per_virtual_pipeline_stage is not None:
+            raise ValueError(f"--num-layers-per-virtual-pipeline-stage={t.num_layers_per_virtual_pipeline_stage} "
+                             "cannot be combined with --decoder-first/last-pipeline-num-layers (uneven stages); "
+                             "drop one of them")
+        vpp = vpp_from_layers_per_virtual_stage(self.model.num_layers, pp, t.num_layers_per_virtual_pipeline_stage)
+        if vpp > 1 and t.pipeline_schedule == "gpipe":
+            raise ValueError(f"--pipeline-schedule=gpipe runs one chunk per rank, but "
+                             f"--num-layers-per-virtual-pipeline-stage={t.num_layers_per_virtual_pipeline_stage} "
+                             f"gives {vpp} virtual stages per rank (interleaved 1F1B schedule); drop one of them")
+        return StageLayout(self.model.num_layers, pp, vpp, first, last)
+
     def schedule_name(self, vpp: int) -> str:
-        """The pipeline schedule to run: interleaved whenever there are virtual stages."""
+        """The pipeline schedule to run: interleaved whenever there are virtual stages (Megatron: 1F1B by
+        default, interleaved 1F1B with virtual stages; GPipe on request)."""
         return "interleaved" if vpp > 1 else self.train.pipeline_schedule
 
     def to_dict(self) -> dict[str, Any]:

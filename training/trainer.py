@@ -6,7 +6,7 @@ One step (``Trainer.train_step``) on every rank::
     for each of the step's num_micro micro-batches [mb, S+1] (this dp rank's, see training.data.sampler):
         inputs/labels = batch[:, :-1] / batch[:, 1:], cut to this rank's CP slice
         out = model(...);  (out.loss / num_micro).backward()      # loss share, see models.decoder
-        (pp > 1: the same through pipeline.run_schedule and training.pipeline_step)
+        (pp > 1: the same through pipeline.run_schedule and pipeline.DecoderStage)
     GradSync.finish()        # sum over dp x cp / tp x cp x dp / edp, / dp: the world-1 gradient
     norm = global grad norm; non-finite loss or norm -> skip (count; stop after max_skipped_steps in a row)
     DistributedAdamW.step(lr(step), clip)   ;  expert biases += f(global tokens per expert)
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,15 +33,15 @@ from dense.context_parallel import split_for_context_parallel
 from models.decoder import MoEDecoder
 from models.layer_factory import is_moe_block
 from moe.expert_bias import update_expert_bias
+from moe.layer import MoEOutputInfo
 from moe.router import Router
 from parallel.dims import ParallelDims
-from pipeline import StageLayout, TensorSpec, build_schedule, run_schedule, vpp_from_layers_per_virtual_stage
-from pipeline.decoder_stage import build_stage_model
+from pipeline import build_schedule, expected_bubble_fraction, run_schedule
+from pipeline.decoder_stage import DecoderStage, build_stage_model, embedding_group
 from training.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from training.config import RunConfig
 from training.grad_sync import GradSync
 from training.optimizer import DistributedAdamW
-from training.pipeline_step import DecoderPipelineStage, embedding_group
 
 
 class NonFiniteError(RuntimeError):
@@ -102,10 +102,13 @@ class Trainer:
         self.embed_group = None
         with self.device:
             if dims.pp > 1:
-                vpp = vpp_from_layers_per_virtual_stage(config.model.num_layers, dims.pp,
-                                                        t.num_layers_per_virtual_pipeline_stage)
-                self.layout = StageLayout(config.model.num_layers, dims.pp, vpp)
+                self.layout = config.pipeline_layout(dims.pp)
+                vpp = self.layout.vpp
                 self.pipeline = build_schedule(config.schedule_name(vpp), dims.pp, self.num_micro, vpp)
+                bubble = expected_bubble_fraction(self.pipeline.name, dims.pp, self.num_micro, vpp)
+                self.log(f"pipeline: {self.pipeline.name} schedule, pp {dims.pp} x vpp {vpp}, {self.num_micro} "
+                         f"micro-batches per step (bubble {bubble:.1%} with equal stage times)\n"
+                         f"{self.layout.describe()}")
                 self.model = build_stage_model(config.model, dims, options, self.layout)
             else:
                 self.model = MoEDecoder(config.model, dims, options)
@@ -152,36 +155,47 @@ class Trainer:
             logged += torch.stack([out.lm_loss.detach().to(zero) / tpcp, out.aux_loss.detach().to(zero),
                                    out.mtp_loss.detach().to(zero) / tpcp if out.mtp_loss is not None else zero,
                                    (~torch.isfinite(loss.detach())).to(zero)]).to(logged.dtype)
-            self._add_loads(loads, {i: [info] for i, info in out.moe.items()}, E)
+            self._add_loads(loads, out.moe.items(), E)
 
     def _pipeline_forward_backward(self, microbatches: list[Tensor], loads: Tensor, logged: Tensor) -> None:
-        """pp > 1: the pipeline schedule over this rank's chunks (same outputs as ``_forward_backward``)."""
-        dims, cfg = self.dims, self.config
+        """pp > 1: the pipeline schedule over this rank's chunks (same outputs as ``_forward_backward``; each
+        stage adds what it holds: the last stage the lm/mtp losses, every stage its own layers' aux losses and
+        loads, so the world all-reduce of ``train_step`` sums them across stages)."""
+        dims = self.dims
         mbs = []
-        for batch in microbatches:
+        for m, batch in enumerate(microbatches):
             ids, labels = self._split(batch)
-            mbs.append((ids, labels, self.model.position_ids(ids.shape[1], ids.device)))
-        ids = mbs[0][0]
-        S = ids.shape[1] // dims.tp if self.model.sequence_parallel else ids.shape[1]
-        spec = TensorSpec((S, ids.shape[0], cfg.model.hidden_size), self.model.options.torch_dtype, self.device)
-        stage = DecoderPipelineStage(self.model, self.layout, dims.pp_rank)
-        run_schedule(stage, self.pipeline, mbs, stage.loss_fn, dims.pp_group, spec)
+            mbs.append({"index": m, "input_ids": ids, "labels": labels})
+        stage = DecoderStage(self.model, self.layout, dims.pp_rank)
+        loss_fn = stage.loss_fn
+        if self.loss_hook is not None:
+            hook, step = self.loss_hook, self.iteration
+            loss_fn = lambda out, mb: hook(step, mb["index"], stage.loss_fn(out, mb))
+        spec = stage.activation_spec(ids.shape[0], ids.shape[1], self.device)
+        result = run_schedule(stage, self.pipeline, mbs, loss_fn, dims.pp_group, spec)
         tpcp = dims.tp * dims.cp
-        lm = float(sum(stage.lm)) if stage.lm else 0.0
-        mtp = float(sum(stage.mtp)) if stage.mtp else 0.0
-        finite = math.isfinite(lm) and math.isfinite(mtp) and math.isfinite(float(stage.aux))
-        logged += torch.tensor([lm / tpcp, float(stage.aux), mtp / tpcp, 0.0 if finite else 1.0],
-                               dtype=logged.dtype, device=logged.device)
-        self._add_loads(loads, stage.infos, cfg.model.num_experts)
+        zero = torch.zeros((), dtype=logged.dtype, device=logged.device)
 
-    def _add_loads(self, loads: Tensor, infos: dict, E: int) -> None:
-        for i, per_micro in infos.items():
+        def total(values) -> Tensor:
+            values = list(values)
+            return torch.stack(values).to(zero).sum() if values else zero
+
+        aux = stage.aux_loss_sum()
+        checked = [*result.losses, *([] if result.extra_loss is None else [result.extra_loss])]
+        nonfinite = total((~torch.isfinite(v)).to(zero) for v in checked)
+        logged += torch.stack([total(stage.lm_losses.values()) / tpcp, zero if aux is None else aux.to(zero),
+                               total(stage.mtp_losses.values()) / tpcp, nonfinite])
+        self._add_loads(loads, ((layer, info) for (_, layer), info in stage.moe_infos.items()),
+                        self.config.model.num_experts)
+
+    def _add_loads(self, loads: Tensor, infos: Iterable[tuple[int, MoEOutputInfo]], E: int) -> None:
+        """Adds (layer, info) pairs' selections and dropped copies to their rows of ``loads``."""
+        for i, info in infos:
             j = self.moe_layers.index(i)
-            for info in per_micro:
-                load = info.load_E.detach().to(loads)
-                loads[j, :E] += load
-                if info.stats is not None:
-                    loads[j, E] += info.stats.dropped_fraction.to(loads) * load.sum()
+            load = info.load_E.detach().to(loads)
+            loads[j, :E] += load
+            if info.stats is not None:
+                loads[j, E] += info.stats.dropped_fraction.to(loads) * load.sum()
 
     def train_step(self, microbatches: list[Tensor]) -> StepResult:
         """Forward/backward over this rank's ``num_micro`` micro-batches and one optimizer step. Collective."""

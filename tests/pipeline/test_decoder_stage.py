@@ -48,13 +48,16 @@ def _batch(dp_rank: int):
 def _reference(dp: int):
     model = MoEDecoder(_config(), ParallelDims.single())
     model.init_weights(7)
-    losses = []
+    losses, lm, mtp, moe_layers = [], [], [], []
     for dp_rank in range(dp):
         for mb in decoder_microbatches(*_batch(dp_rank), M):
             out = model(mb["input_ids"], mb["labels"], mb["loss_mask"])
             (out.loss / (M * dp)).backward()
             losses.append((out.loss - out.aux_loss).detach())
-    return losses, {n: p.grad.clone() for n, p in model.named_parameters()}
+            lm.append(out.lm_loss)
+            mtp.append(out.mtp_loss)
+            moe_layers = sorted(out.moe)
+    return losses, {n: p.grad.clone() for n, p in model.named_parameters()}, lm, mtp, moe_layers
 
 
 def _reduced_full_grads(model, dims: ParallelDims) -> dict[str, torch.Tensor]:
@@ -87,7 +90,8 @@ def _world() -> dict:
         result = run_schedule(stage, build_schedule(name, dims.pp, M, vpp), microbatches, stage.loss_fn,
                               dims.pp_group, stage.activation_spec(B, S))
         out[key] = {"pp": dims.pp_rank, "dp": dims.dp_rank, "tp": dims.tp_rank, "losses": result.losses,
-                    "grads": _reduced_full_grads(model, dims), "dp_size": dims.dp}
+                    "grads": _reduced_full_grads(model, dims), "dp_size": dims.dp,
+                    "lm": stage.lm_losses, "mtp": stage.mtp_losses, "moe_infos": sorted(stage.moe_infos)}
     return out
 
 
@@ -100,7 +104,7 @@ def world() -> list[dict]:
 def test_pipelined_decoder_equals_world1(world, key):
     ranks = [res[key] for res in world]
     dp = ranks[0]["dp_size"]
-    ref_losses, ref_grads = _reference(dp)
+    ref_losses, ref_grads, ref_lm, ref_mtp, moe_layers = _reference(dp)
     grads: dict[str, torch.Tensor] = {}
     for pp_rank in range(2):  # one rank per stage (tp/dp peers hold the same reduced full gradients)
         r = next(r for r in ranks if r["pp"] == pp_rank)
@@ -113,5 +117,12 @@ def test_pipelined_decoder_equals_world1(world, key):
         if r["pp"] == 1:
             expected = torch.stack(ref_losses[r["dp"] * M:(r["dp"] + 1) * M])
             torch.testing.assert_close(torch.stack(r["losses"]), expected, atol=1e-5, rtol=1e-5)
+            # the values kept for the trainer's metrics: per micro-batch LM and MTP losses
+            for name, ref in (("lm", ref_lm), ("mtp", ref_mtp)):
+                got = torch.stack([r[name][i] for i in range(M)])
+                torch.testing.assert_close(got, torch.stack(ref[r["dp"] * M:(r["dp"] + 1) * M]), atol=1e-5, rtol=1e-5)
         else:
-            assert r["losses"] == []
+            assert r["losses"] == [] and r["lm"] == {} and r["mtp"] == {}
+    # every (micro-batch, MoE layer) info, each on the stage that holds the layer
+    infos = sorted({key for r in ranks for key in r["moe_infos"]})
+    assert infos == [(i, layer) for i in range(M) for layer in moe_layers]

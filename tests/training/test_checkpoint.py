@@ -1,5 +1,5 @@
-"""Checkpoints: exact resume, resume at other layouts (tp2 x ep2 -> ep4, pp2 x ep2, world 1; pp2 x tp2 -> world 1),
-half-written directories, incompatible models, keep-last-N."""
+"""Checkpoints: exact resume, resume at other layouts (tp2 x ep2 -> ep4, pp2 x ep2, world 1; pp2 x tp2 -> world 1;
+world 1 -> pp2 x dp2), half-written directories, incompatible models, keep-last-N."""
 
 from __future__ import annotations
 
@@ -44,8 +44,10 @@ def test_resume_is_bit_identical_and_half_written_dirs_are_ignored(tmp_path):
     assert "resumed from" in text and "iter_0000003" in text, text
 
 
-def _cross_layout(save_a: str, save_b: str) -> dict[str, list[float]]:
+def _cross_layout(save_a: str, save_b: str, save_w1: str) -> dict[str, list[float]]:
     out = {}
+    pc = ParallelConfig(pp=2)   # a world-1 checkpoint split over two pipeline stages
+    out["pp2.dp2 from world 1"] = run(tiny_config(pc), ParallelDims.build(pc), load=save_w1)[0]
     pc = ParallelConfig(tp=2, ep=2)
     run(tiny_config(pc, save=save_a), ParallelDims.build(pc), stop_at=3)
     for name, pc in (("ep4", ParallelConfig(ep=4)), ("pp2xep2", ParallelConfig(pp=2, ep=2))):
@@ -57,8 +59,9 @@ def _cross_layout(save_a: str, save_b: str) -> dict[str, list[float]]:
 
 def test_resume_at_other_layouts(tmp_path):
     ref_losses, ref_params = _reference(tmp_path)
-    save_a, save_b = str(tmp_path / "tp2ep2"), str(tmp_path / "pp2tp2")
-    results = run_distributed(_cross_layout, 4, save_a, save_b, timeout=300)[0]
+    save_a, save_b, save_w1 = str(tmp_path / "tp2ep2"), str(tmp_path / "pp2tp2"), str(tmp_path / "world1")
+    run(tiny_config(save=save_w1), stop_at=3)
+    results = run_distributed(_cross_layout, 4, save_a, save_b, save_w1, timeout=300)[0]
     results["world 1 from tp2 x ep2"], params_a, _ = run(tiny_config(), load=save_a)
     results["world 1 from pp2 x tp2"], params_b, _ = run(tiny_config(), load=save_b)
     for name, losses in results.items():

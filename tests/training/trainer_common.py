@@ -9,18 +9,22 @@ from models.options import ModelOptions
 from models.recipes import get_recipe
 from parallel.dims import ParallelConfig, ParallelDims
 from training.config import RunConfig, TrainConfig
+from training.metrics import MetricsLogger
 from training.trainer import Trainer, named_full_params
 
 SEQ = 32
 RECIPE = "deepseek_v3_tiny"   # MLA, MTP, expert bias, shared experts, seq aux loss: the most features
 
 
-def tiny_config(parallel: ParallelConfig = ParallelConfig(), steps: int = 5, **train) -> RunConfig:
-    model = get_recipe(RECIPE).with_(num_layers=2, vocab_size=256)
+def tiny_config(parallel: ParallelConfig = ParallelConfig(), steps: int = 5, recipe: str = RECIPE,
+                model: dict | None = None, **train) -> RunConfig:
+    """``recipe`` with 2 layers and a 256-token vocabulary (then ``model`` overrides), trained ``steps`` steps."""
+    model_config = get_recipe(recipe).with_(**{"num_layers": 2, "vocab_size": 256, **(model or {})})
     t = dict(micro_batch_size=1, global_batch_size=4, seq_length=SEQ, train_iters=steps, lr=3e-3, min_lr=3e-4,
              lr_warmup_iters=1, weight_decay=0.1, clip_grad=1.0, seed=7, log_interval=1, bucket_numel=4096)
     t.update(train)
-    return RunConfig(model=model, parallel=parallel, options=ModelOptions(), train=TrainConfig(**t), recipe=RECIPE)
+    return RunConfig(model=model_config, parallel=parallel, options=ModelOptions(), train=TrainConfig(**t),
+                     recipe=recipe)
 
 
 def tiny_data(num_samples: int = 64, vocab: int = 256) -> np.ndarray:
@@ -34,16 +38,25 @@ def tiny_data(num_samples: int = 64, vocab: int = 256) -> np.ndarray:
 
 
 def run(config: RunConfig, dims: ParallelDims | None = None, data: np.ndarray | None = None,
-        load: str | None = None, hook=None, stop_at: int | None = None, log=None,
+        load: str | None = None, hook=None, stop_at: int | None = None, log=None, run_dir: str | None = None,
         ) -> tuple[list[float], dict[str, torch.Tensor], Trainer]:
     """Train ``config`` (optionally resuming from ``load``, stopping after ``stop_at`` steps); returns
-    (lm losses of the steps run, full params and ``buffer:``-prefixed buffers such as expert biases, trainer)."""
+    (lm losses of the steps run, full params and ``buffer:``-prefixed buffers such as expert biases, trainer).
+    With ``run_dir``, rank 0 writes the metrics JSONL there (``training.metrics.read_metrics`` reads it)."""
     dims = dims or ParallelDims.single()
     trainer = Trainer(config, dims, log=log or (lambda _m: None))
     if load:
         trainer.load(load)
     trainer.loss_hook = hook
-    results = trainer.fit(tiny_data() if data is None else data, stop_at=stop_at)
+    logger = None
+    if run_dir is not None and dims.rank == 0:
+        logger = MetricsLogger(run_dir, total_steps=config.train.train_iters, tensorboard=False, progress=False,
+                               print_fn=lambda _line: None)
+    try:
+        results = trainer.fit(tiny_data() if data is None else data, logger=logger, stop_at=stop_at)
+    finally:
+        if logger is not None:
+            logger.close()
     params = named_full_params(trainer.model)
     params.update({f"buffer:{k}": v.float() for k, v in trainer.model.state_dict().items() if k not in params})
     return [r.loss_lm for r in results], params, trainer
