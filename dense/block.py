@@ -35,6 +35,7 @@ class TransformerBlock(nn.Module):
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         self.recompute = check_recompute(recompute, "TransformerBlock recompute")
+        self._checkpoint_block = recompute == "full"  # "selective" is the attention module's business
         self.hidden, self.sequence_parallel = hidden, sequence_parallel
         kw = {"sequence_parallel": sequence_parallel, "dtype": dtype, "device": device}
         self.input_layernorm = RMSNorm(hidden, norm_eps, **kw)
@@ -52,7 +53,7 @@ class TransformerBlock(nn.Module):
         """``ffn_kwargs`` go to the FFN (e.g. the MoE layer's ``global_state``)."""
         if x.shape[-1] != self.hidden:
             raise ValueError(f"TransformerBlock(hidden={self.hidden}) got x of shape {tuple(x.shape)}")
-        return checkpointed(self._body, x, position_ids, enabled=self.recompute == "full", **ffn_kwargs)
+        return checkpointed(self._body, x, position_ids, enabled=self._checkpoint_block, **ffn_kwargs)
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, sp={self.sequence_parallel}, recompute={self.recompute}"

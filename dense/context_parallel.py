@@ -267,16 +267,17 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, cp_group: Gro
     return _RingAttention.apply(q, k, v, q_pos, all_pos, cp_group, scale, sliding_window)
 
 
+CP_ATTENTION = {"p2p": ring_attention, "all_gather": all_gather_attention}  # cp_comm -> implementation
+
+
 def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, cp_group: Group, *, mode: str,
                                scale: float, sliding_window: int | None = None) -> Tensor:
     """Causal attention across the cp group in exchange mode ``mode`` (``CP_COMM_MODES``).
 
     q ``[B, h, Sq, d]``, k ``[B, g, Sk, d]``, v ``[B, g, Sk, dv]``, q_pos ``[Sq]`` -> ``[B, h, Sq, dv]``.
     A group of size 1 attends locally (position mask, no communication)."""
-    if mode not in CP_COMM_MODES:
+    if mode not in CP_ATTENTION:
         raise ValueError(f"cp_comm={mode!r} is not one of {CP_COMM_MODES}")
     if group_size(cp_group) == 1:
         return sdpa(q, k, v, scale=scale, attn_mask=position_mask(q_pos, q_pos, sliding_window))
-    if mode == "p2p":
-        return ring_attention(q, k, v, q_pos, cp_group, scale=scale, sliding_window=sliding_window)
-    return all_gather_attention(q, k, v, q_pos, cp_group, scale=scale, sliding_window=sliding_window)
+    return CP_ATTENTION[mode](q, k, v, q_pos, cp_group, scale=scale, sliding_window=sliding_window)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from dense.context_parallel import CP_COMM_MODES, context_parallel_attention, position_mask, sdpa
+from dense.context_parallel import CP_ATTENTION, CP_COMM_MODES, position_mask, sdpa
 from dense.recompute import checkpointed
 from parallel.groups import Group, group_size
 
@@ -43,6 +43,8 @@ class CoreAttention(nn.Module):
             raise ValueError(f"sliding_window={sliding_window!r} must be a positive integer or None")
         self.scale, self.sliding_window = float(scale), sliding_window
         self.cp_group, self.cp_comm, self.recompute = cp_group, cp_comm, recompute
+        # the exchange is chosen once here, not by comparing strings in every forward
+        self._cp_attention = CP_ATTENTION[cp_comm] if group_size(cp_group) > 1 else None
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor) -> Tensor:
         S, B, h = q.shape[:3]
@@ -57,10 +59,10 @@ class CoreAttention(nn.Module):
         return out.permute(2, 0, 1, 3).reshape(S, B, -1)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor) -> Tensor:
-        if group_size(self.cp_group) == 1:
+        if self._cp_attention is None:
             return local_attention(q, k, v, position_ids, scale=self.scale, sliding_window=self.sliding_window)
-        return context_parallel_attention(q, k, v, position_ids, self.cp_group, mode=self.cp_comm,
-                                          scale=self.scale, sliding_window=self.sliding_window)
+        return self._cp_attention(q, k, v, position_ids, self.cp_group, scale=self.scale,
+                                  sliding_window=self.sliding_window)
 
     def extra_repr(self) -> str:
         return (f"scale={self.scale:.4g}, sliding_window={self.sliding_window}, cp={group_size(self.cp_group)}, "

@@ -102,7 +102,8 @@ class OutputHead(nn.Module):
                 raise ValueError(f"OutputHead(hidden={hidden}, vocab_size={vocab_size}) cannot be tied to an embedding "
                                  f"with vocab_size={tied_to.vocab_size}, hidden={tied_to.hidden}")
             if group_size(tied_to.tp_group) != group_size(tp_group):
-                raise ValueError("OutputHead and its tied embedding must use the same tp group")
+                raise ValueError(f"OutputHead (tp={group_size(tp_group)}) and its tied embedding "
+                                 f"(tp={group_size(tied_to.tp_group)}) must use the same tp group")
             self._tied = (tied_to,)
             self.proj = None
         else:

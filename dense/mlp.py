@@ -66,6 +66,7 @@ class DenseMLP(nn.Module):
         self.up_proj = ColumnParallelLinear(c.hidden_size, c.ffn_hidden_size, tp_group, **kw)
         self.down_proj = RowParallelLinear(c.ffn_hidden_size, c.hidden_size, tp_group,
                                            sequence_parallel=sequence_parallel, **kw)
+        self._gelu_approximate = "tanh" if c.activation == "gelu_tanh" else "none"  # F.gelu's argument
 
     def forward(self, x: Tensor) -> Tensor:
         # one all-gather (SP) / region entry feeds both gate and up
@@ -74,7 +75,7 @@ class DenseMLP(nn.Module):
         if self.gate_proj is not None:
             h = F.silu(self.gate_proj.forward_local(x)) * up
         else:
-            h = F.gelu(up, approximate="tanh" if self.config.activation == "gelu_tanh" else "none")
+            h = F.gelu(up, approximate=self._gelu_approximate)
         return self.down_proj(h)
 
     def extra_repr(self) -> str:

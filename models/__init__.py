@@ -1,20 +1,28 @@
 """The MoE decoder model, recipes, multi-token prediction and HF checkpoint interop."""
 
 from models.checkpoint import load_checkpoint, save_checkpoint
-from models.config import MLADims, ModelConfig, YarnScaling
+from models.config import ATTENTION_KINDS, FAMILIES, MLADims, ModelConfig, YarnScaling
 from models.decoder import IGNORE_INDEX, ModelOutput, MoEDecoder
 from models.hf.exporter import export_hf
 from models.hf.importer import import_hf, load_hf_weights
-from models.layer_factory import attention_config, build_block, check_layout, moe_config, router_config
+from models.layer_factory import (
+    attention_config,
+    build_block,
+    check_layout,
+    is_moe_block,
+    mlp_config,
+    moe_config,
+    router_config,
+)
 from models.mtp import MTPModule
 from models.options import ModelOptions
 from models.params import ParamReport, count_parameters, format_report
 from models.recipes import RECIPES, get_recipe
 
 __all__ = [
-    "ModelConfig", "MLADims", "YarnScaling", "ModelOptions", "RECIPES", "get_recipe",
+    "ModelConfig", "MLADims", "YarnScaling", "FAMILIES", "ATTENTION_KINDS", "ModelOptions", "RECIPES", "get_recipe",
     "MoEDecoder", "ModelOutput", "MTPModule", "IGNORE_INDEX",
-    "attention_config", "router_config", "moe_config", "build_block", "check_layout",
+    "attention_config", "router_config", "moe_config", "mlp_config", "build_block", "check_layout", "is_moe_block",
     "ParamReport", "count_parameters", "format_report",
     "import_hf", "load_hf_weights", "export_hf", "save_checkpoint", "load_checkpoint",
 ]

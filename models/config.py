@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+FAMILIES: tuple[str, ...] = ("deepseek_v3", "qwen3_moe", "mixtral")
+ATTENTION_KINDS: tuple[str, ...] = ("gqa", "mla")
+MOE_SCORE_FUNCTIONS: tuple[str, ...] = ("softmax", "sigmoid")
+
 
 @dataclass(frozen=True)
 class YarnScaling:
@@ -97,6 +101,12 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        # Literal hints are not checked at run time, and a wrong value would otherwise silently build
+        # the other kind (e.g. any attention that is not "mla" becomes GQA)
+        for name, valid in (("family", FAMILIES), ("attention", ATTENTION_KINDS),
+                            ("moe_score_function", MOE_SCORE_FUNCTIONS)):
+            if getattr(self, name) not in valid:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {valid}")
         groups = self.kv_heads
         if self.num_attention_heads % groups != 0:
             raise ValueError(f"num_query_groups={groups} does not divide "

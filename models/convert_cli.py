@@ -20,10 +20,20 @@ _UNITS = {"KB": 2**10, "MB": 2**20, "GB": 2**30}
 
 
 def parse_size(text: str) -> int:
-    for unit, factor in _UNITS.items():
+    """'5GB' / '500MB' / '64KB' / '1000' (bytes) -> bytes."""
+    number, factor = text, 1
+    for unit, unit_bytes in _UNITS.items():
         if text.upper().endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
+            number, factor = text[: -len(unit)], unit_bytes
+            break
+    try:
+        size = int(float(number) * factor)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"--max-shard-size {text!r} is not a positive size; use e.g. 5GB, 500MB, "
+                                         "64KB or a number of bytes")
+    return size
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output format (default: the other one; hf for --recipe)")
     parser.add_argument("--expert-format", choices=("per_expert", "fused"), default="per_expert",
                         help="HF routed-expert naming: per expert (what save_pretrained writes) or fused")
-    parser.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 5GB, 500MB")
+    parser.add_argument("--max-shard-size", type=parse_size, default="5GB", help="largest output file, e.g. 5GB, 500MB")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                         help="dtype of the written tensors (routers/expert bias stay fp32)")
 
@@ -65,7 +75,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"{args.source}: neither a moefold checkpoint (moefold_config.json) nor an HF one "
                          "(config.json)")
     to = args.to or ("moefold" if kind == "hf" else "hf")
-    size = parse_size(args.max_shard_size)
+    size = args.max_shard_size  # bytes (parse_size)
     if to == "hf":
         export_hf(model, args.output, expert_format=args.expert_format, max_shard_bytes=size)
     else:

@@ -7,6 +7,8 @@ MLA attention; dense MLP or MoE FFN as ``config.is_moe_layer(index)`` says).
 
 from __future__ import annotations
 
+from typing import Any
+
 from dense.attention import GQAAttention
 from dense.attention_config import AttentionConfig, MLAConfig
 from dense.block import TransformerBlock
@@ -93,13 +95,17 @@ def check_layout(config: ModelConfig, dims: ParallelDims, options: ModelOptions)
         moe_config(config, options, dims).check_layout(tp=dims.tp, ep=dims.ep, etp=dims.etp)
 
 
-def build_attention(config: ModelConfig, dims: ParallelDims, options: ModelOptions, **kw):
+def build_attention(config: ModelConfig, dims: ParallelDims, options: ModelOptions,
+                    **kw: Any) -> GQAAttention | MLAttention:
+    """The attention module ``config`` asks for (``kw``: dtype/device)."""
     att = attention_config(config, options)
     cls = MLAttention if isinstance(att, MLAConfig) else GQAAttention
     return cls(att, dims.tp_group, dims.cp_group, sequence_parallel=_sp(options, dims), **kw)
 
 
-def build_ffn(config: ModelConfig, moe: bool, dims: ParallelDims, options: ModelOptions, **kw):
+def build_ffn(config: ModelConfig, moe: bool, dims: ParallelDims, options: ModelOptions,
+              **kw: Any) -> MoELayer | DenseMLP:
+    """The MoE layer or the dense MLP (``kw``: dtype/device)."""
     if moe:
         return MoELayer(moe_config(config, options, dims), config.hidden_size, dims,
                         sequence_parallel=_sp(options, dims), **kw)

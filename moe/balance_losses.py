@@ -32,19 +32,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from parallel.groups import Group, group_size
-
-
-def all_reduce_sum(x: Tensor, group: Group) -> Tensor:
-    """Sum of ``x`` over ``group`` (no autograd; a copy). Identity on a group of size 1."""
-    if group_size(group) == 1:
-        return x
-    out = x.detach().clone()
-    dist.all_reduce(out, group=group)
-    return out
+from parallel.comm import all_reduce_sum
+from parallel.groups import Group
 
 
 @dataclass(frozen=True)

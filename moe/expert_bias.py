@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from moe.balance_losses import all_reduce_sum
+from parallel.comm import all_reduce_sum
 from parallel.groups import Group
 
 

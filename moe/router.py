@@ -23,7 +23,6 @@ from torch import Tensor, nn
 
 from moe.balance_losses import (
     GlobalLoadState,
-    all_reduce_sum,
     batch_first_seq_ids,
     global_aux_loss,
     seq_aux_loss,
@@ -35,6 +34,7 @@ from moe.router_config import RouterConfig
 from moe.router_stats import RouterStats, compute_router_stats, router_entropy_sum
 from moe.routing import Routing
 from moe.scoring import count_per_expert, gating_logits, route_scores, router_dtype, scores_for_aux_loss
+from parallel.comm import all_reduce_sum
 from parallel.groups import Group, group_size
 from parallel.sharding import mark_sequence_parallel, normal_init, set_init
 
@@ -85,7 +85,10 @@ class RouterOutput:
 
 class Router(nn.Module):
     """Gating weight [E, H] (fp32, replicated over tp/cp) and, with expert bias, the buffer
-    ``expert_bias`` [E] fp32 (model state, used for selection only; see moe.expert_bias)."""
+    ``expert_bias`` [E] fp32 (model state, used for selection only; see moe.expert_bias).
+
+    ``stats_group``: the group ``reduce_stats=True`` sums the statistics over (tp x cp x dp with the
+    global loss or expert bias, else tp x cp)."""
 
     def __init__(self, config: RouterConfig, hidden_size: int, groups: RouterGroups = RouterGroups()) -> None:
         super().__init__()
@@ -94,8 +97,18 @@ class Router(nn.Module):
         self.config = config
         self.hidden_size = hidden_size
         self.groups = groups
+        self._loss_coeffs = config.loss_coeffs()
+        # the statistics describe the group the balancing acts over: the whole step's tokens when the
+        # global loss or the expert bias balance them, else the micro-batch (tp x cp)
+        balances_globally = "global_aux_loss" in self._loss_coeffs or config.enable_expert_bias
+        self.stats_group = groups.tp_cp_dp if balances_globally else groups.tp_cp
         weight = torch.empty(config.num_experts, hidden_size, dtype=torch.float32)
-        weight.normal_(0.0, config.init_std, generator=torch.Generator().manual_seed(0))
+        if not weight.is_meta:
+            # The weight is replicated: its constructor value must be the same on every rank and
+            # device, so draw it from a seeded CPU generator (a CPU generator cannot fill a CUDA
+            # tensor) and copy it in. init_parameters() overwrites it layout-independently.
+            cpu_draw = torch.empty(weight.shape, dtype=torch.float32, device="cpu")
+            weight.copy_(cpu_draw.normal_(0.0, config.init_std, generator=torch.Generator().manual_seed(0)))
         self.weight = nn.Parameter(weight)
         mark_sequence_parallel(self.weight)
         set_init(self.weight, normal_init(config.init_std))
@@ -147,10 +160,8 @@ class Router(nn.Module):
         aux_probs_TE = scores_for_aux_loss(scores_TE, cfg.score_function)
         aux_loss, losses, global_state = self._losses(logits_TE, aux_probs_TE, ids_TK, load_E, seq_ids_T,
                                                       num_seqs, global_state)
-        uses_global = "global_aux_loss" in cfg.loss_coeffs() or cfg.enable_expert_bias
         stats = compute_router_stats(load_E, kept_E, router_entropy_sum(aux_probs_TE), T, bias_E,
-                                     group=self.groups.tp_cp_dp if uses_global else self.groups.tp_cp,
-                                     reduce=reduce_stats)
+                                     group=self.stats_group, reduce=reduce_stats)
         return RouterOutput(routing=routing, aux_loss=aux_loss, losses=losses, stats=stats, load_E=load_E,
                             global_state=global_state, logits_TE=logits_TE)
 
@@ -162,7 +173,7 @@ class Router(nn.Module):
         # SP and CP shards hold equal token counts; max(.., 1): an empty shard's share is 0, not NaN
         tokens_tp_cp = max(T * group_size(groups.tp_cp), 1)
         shares: dict[str, tuple[float, Tensor]] = {}
-        coeffs = cfg.loss_coeffs()
+        coeffs = self._loss_coeffs
         if "aux_loss" in coeffs:
             counts_E = _all_reduce_counts(load_E, groups.tp_cp)
             shares["aux_loss"] = coeffs["aux_loss"], switch_aux_loss(aux_probs_TE, counts_E, tokens_tp_cp, K)

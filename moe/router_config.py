@@ -101,7 +101,9 @@ class RouterConfig:
         _positive_int("num_groups", self.num_groups)
         _positive_int("group_topk", self.group_topk)
         if self.num_experts % self.num_groups:
-            raise _err(f"num_groups={self.num_groups} does not divide num_experts={self.num_experts}")
+            divisors = [d for d in range(1, self.num_experts + 1) if self.num_experts % d == 0]
+            raise _err(f"num_groups={self.num_groups} does not divide num_experts={self.num_experts}; "
+                       f"valid: {', '.join(map(str, divisors))}")
         if self.group_topk > self.num_groups:
             raise _err(f"group_topk={self.group_topk} exceeds num_groups={self.num_groups}; "
                        f"valid: 1..{self.num_groups}")

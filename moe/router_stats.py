@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from moe.balance_losses import all_reduce_sum
+from parallel.comm import all_reduce_sum
 from parallel.groups import Group
 
 

@@ -3,6 +3,7 @@
 from parallel.comm import (
     PendingAllToAll,
     all_gather_sequence,
+    all_reduce_sum,
     all_to_all,
     all_to_all_async,
     copy_to_region,
@@ -30,7 +31,7 @@ from parallel.sharding import (
 
 __all__ = [
     "Group", "ParallelConfig", "ParallelDims", "ParallelSizes", "PendingAllToAll",
-    "all_gather_sequence", "all_to_all", "all_to_all_async", "copy_to_region", "default_device",
+    "all_gather_sequence", "all_reduce_sum", "all_to_all", "all_to_all_async", "copy_to_region", "default_device",
     "gather_along_dim", "group_rank", "group_ranks", "group_size", "init_distributed",
     "reduce_from_region", "reduce_scatter_sequence", "scatter_along_dim",
     "Shard", "full_shape", "gather_full", "init_parameters", "is_sequence_parallel", "local_slice",

@@ -1,4 +1,5 @@
-"""Collectives with autograd (Megatron's f/g pairs), each a no-op on a group of size 1.
+"""Collectives with autograd (Megatron's f/g pairs), each a no-op on a group of size 1, and
+``all_reduce_sum``, the one plain (no-autograd) reduction for counts and statistics.
 
 Every function here takes its group explicitly. Tensors crossing ranks must have the same
 shape on every rank except for the split dimension of the uneven all-to-all.
@@ -49,12 +50,14 @@ def _split(x: Tensor, group: Group, dim: int) -> Tensor:
     return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
 
 
-def _all_reduce(x: Tensor, group: Group) -> Tensor:
+def all_reduce_sum(x: Tensor, group: Group) -> Tensor:
+    """Sum of ``x`` over ``group`` as a new tensor, outside autograd (``x`` itself when the group has
+    size 1). For statistics and counts; differentiable sums use ``reduce_from_region``."""
     if group_size(group) == 1:
         return x
-    x = x.contiguous().clone()
-    dist.all_reduce(x, group=group)
-    return x
+    out = x.detach().contiguous().clone()
+    dist.all_reduce(out, group=group)
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -70,7 +73,7 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _all_reduce(grad, ctx.group), None
+        return all_reduce_sum(grad, ctx.group), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
@@ -78,7 +81,7 @@ class _ReduceFromRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, group: Group) -> Tensor:
-        return _all_reduce(x, group)
+        return all_reduce_sum(x, group)
 
     @staticmethod
     def backward(ctx, grad: Tensor):

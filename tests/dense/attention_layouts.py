@@ -9,7 +9,8 @@ over tp, then every grad summed over cp since each CP rank sees part of the sequ
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,15 @@ STANDARD_LAYOUTS = (
 
 # make(layout, tp_group, cp_group) -> module
 MakeModule = Callable[[Layout, Group, Group], nn.Module]
+
+
+def attention_maker(cls: type[nn.Module], config: Any) -> MakeModule:
+    """``make`` for an attention class taking ``(config, tp_group, cp_group, sequence_parallel=)``: the
+    layout's CP exchange and recompute mode go into (a copy of) ``config``."""
+    def make(layout: Layout, tp_group: Group, cp_group: Group) -> nn.Module:
+        c = replace(config, cp_comm=layout.cp_comm, recompute=layout.recompute)
+        return cls(c, tp_group, cp_group, sequence_parallel=layout.sp)
+    return make
 
 
 def init_all(module: nn.Module, seed: int) -> None:

@@ -11,7 +11,13 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_qwen3
 from dense.attention import GQAAttention
 from dense.attention_config import AttentionConfig
 from parallel.dims import ParallelConfig, ParallelDims
-from tests.dense.attention_layouts import STANDARD_LAYOUTS, Layout, check_layouts, init_all
+from tests.dense.attention_layouts import (
+    STANDARD_LAYOUTS,
+    Layout,
+    attention_maker,
+    check_layouts,
+    init_all,
+)
 from tests.distributed import run_distributed
 
 # Qwen3-style: 8 heads over 2 kv heads (split at tp 2, replicated at tp 4), qk-norm, bias
@@ -21,20 +27,15 @@ QWEN = AttentionConfig(hidden_size=32, num_heads=8, num_query_groups=2, head_dim
 MIXTRAL = AttentionConfig(hidden_size=32, num_heads=4, num_query_groups=4, sliding_window=5, rope_theta=1000.0)
 
 
-def _maker(cfg: AttentionConfig):
-    def make(layout: Layout, tp_group, cp_group):
-        c = replace(cfg, cp_comm=layout.cp_comm, recompute=layout.recompute)
-        return GQAAttention(c, tp_group, cp_group, sequence_parallel=layout.sp)
-    return make
-
-
 def _layouts_rank():
     cache: dict = {}
     attention_layouts = tuple(lay for lay in STANDARD_LAYOUTS if lay.recompute != "full")
-    done = check_layouts(_maker(QWEN), attention_layouts, seq=16, batch=2, hidden=32, seed=1, dims_cache=cache)
+    done = check_layouts(attention_maker(GQAAttention, QWEN), attention_layouts,
+                         seq=16, batch=2, hidden=32, seed=1, dims_cache=cache)
     window = (Layout(tp=4, sp=True), Layout(cp=4, cp_comm="p2p"), Layout(cp=4, cp_comm="all_gather"),
               Layout(tp=2, cp=2, sp=True, cp_comm="p2p", recompute="selective"))
-    done += check_layouts(_maker(MIXTRAL), window, seq=16, batch=2, hidden=32, seed=2, dims_cache=cache)
+    done += check_layouts(attention_maker(GQAAttention, MIXTRAL), window,
+                          seq=16, batch=2, hidden=32, seed=2, dims_cache=cache)
     # a layout the config cannot take fails at construction, naming the numbers
     dims = cache[(4, 1)]
     with pytest.raises(ValueError, match="num_heads=6 is not divisible by tp=4"):

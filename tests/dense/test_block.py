@@ -1,13 +1,11 @@
 """A full transformer block (pre-norm attention + dense SwiGLU MLP) equals world 1 in every layout."""
 
-from dataclasses import replace
-
 from dense.attention import GQAAttention
 from dense.attention_config import AttentionConfig, MLAConfig
 from dense.block import TransformerBlock
 from dense.mla import MLAttention
 from dense.mlp import DenseMLP, MLPConfig
-from tests.dense.attention_layouts import STANDARD_LAYOUTS, Layout, check_layouts
+from tests.dense.attention_layouts import STANDARD_LAYOUTS, Layout, attention_maker, check_layouts
 from tests.distributed import run_distributed
 
 GQA = AttentionConfig(hidden_size=32, num_heads=4, num_query_groups=2, qk_norm=True, sliding_window=6,
@@ -18,10 +16,10 @@ MLP = MLPConfig(hidden_size=32, ffn_hidden_size=64)
 
 
 def _maker(attn_cfg):
+    make_attention = attention_maker(GQAAttention if isinstance(attn_cfg, AttentionConfig) else MLAttention, attn_cfg)
+
     def make(layout: Layout, tp_group, cp_group):
-        c = replace(attn_cfg, cp_comm=layout.cp_comm, recompute=layout.recompute)
-        cls = GQAAttention if isinstance(c, AttentionConfig) else MLAttention
-        attention = cls(c, tp_group, cp_group, sequence_parallel=layout.sp)
+        attention = make_attention(layout, tp_group, cp_group)
         mlp = DenseMLP(MLP, tp_group, sequence_parallel=layout.sp)
         return TransformerBlock(32, attention, mlp, 1e-6, sequence_parallel=layout.sp, recompute=layout.recompute)
     return make

@@ -8,7 +8,7 @@ from torch import nn
 from dense.cross_entropy import masked_mean, vocab_parallel_cross_entropy
 from dense.embedding import OutputHead, VocabParallelEmbedding, pad_vocab_size
 from dense.norm import RMSNorm
-from parallel.comm import _all_gather
+from parallel.comm import gather_along_dim
 from parallel.dims import ParallelConfig, ParallelDims
 from parallel.groups import Group, group_rank, group_size
 from parallel.sharding import init_parameters
@@ -42,7 +42,7 @@ def _ce_parallel(tp_group: Group):
     per_token = vocab_parallel_cross_entropy(local, labels, tp_group, loss_mask=mask)
     assert per_token.dtype == torch.float32 and per_token.shape == (S, B)
     masked_mean(per_token, mask).backward()
-    return per_token.detach(), _all_gather(local.grad, tp_group, -1)
+    return per_token.detach(), gather_along_dim(local.grad, tp_group, -1)
 
 
 class _TinyLM(nn.Module):

@@ -11,7 +11,13 @@ from dense.attention_config import MLAConfig
 from dense.mla import MLAttention
 from dense.rope import YarnConfig
 from parallel.sharding import is_sequence_parallel, shards_of
-from tests.dense.attention_layouts import STANDARD_LAYOUTS, Layout, check_layouts, init_all
+from tests.dense.attention_layouts import (
+    STANDARD_LAYOUTS,
+    Layout,
+    attention_maker,
+    check_layouts,
+    init_all,
+)
 from tests.distributed import run_distributed
 
 YARN = dict(factor=4.0, original_max_position_embeddings=8, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)
@@ -24,20 +30,15 @@ MLA_PLAIN = MLAConfig(hidden_size=32, num_heads=4, kv_lora_rank=16, qk_nope_head
                       v_head_dim=8, rope_interleave=False, rope_theta=1000.0)
 
 
-def _maker(cfg: MLAConfig):
-    def make(layout: Layout, tp_group, cp_group):
-        c = replace(cfg, cp_comm=layout.cp_comm, recompute=layout.recompute)
-        return MLAttention(c, tp_group, cp_group, sequence_parallel=layout.sp)
-    return make
-
-
 def _layouts_rank():
     cache: dict = {}
     layouts = tuple(lay for lay in STANDARD_LAYOUTS if lay.recompute != "full")
-    done = check_layouts(_maker(MLA_Q_LORA), layouts, seq=16, batch=2, hidden=32, seed=4, dims_cache=cache)
+    done = check_layouts(attention_maker(MLAttention, MLA_Q_LORA), layouts,
+                         seq=16, batch=2, hidden=32, seed=4, dims_cache=cache)
     plain = (Layout(tp=4, sp=True), Layout(tp=2), Layout(tp=2, cp=2, sp=True, cp_comm="all_gather"),
              Layout(cp=4, cp_comm="p2p", recompute="selective"))
-    done += check_layouts(_maker(MLA_PLAIN), plain, seq=16, batch=2, hidden=32, seed=5, dims_cache=cache)
+    done += check_layouts(attention_maker(MLAttention, MLA_PLAIN), plain,
+                          seq=16, batch=2, hidden=32, seed=5, dims_cache=cache)
     # replicated down-projections are flagged under SP only; up-projections are split by heads
     sp = MLAttention(MLA_Q_LORA, cache[(4, 1)].tp_group, sequence_parallel=True)
     assert all(is_sequence_parallel(p) for n, p in sp.named_parameters() if "_a_" in n)

@@ -137,3 +137,17 @@ def test_bad_configs():
     block = TransformerBlock(H, _StandInAttention(None, False), DenseMLP(MLPConfig(H, F)))
     y, extra = block(torch.randn(S, B, H), torch.arange(S))
     assert y.shape == (S, B, H) and extra is None
+
+
+@pytest.mark.parametrize("activation, approximate", [("gelu", "none"), ("gelu_tanh", "tanh")])
+def test_gelu_variants_match_formula(activation, approximate):
+    mlp = DenseMLP(MLPConfig(H, F, activation=activation, init_std=0.5))  # pre-activations of O(1)
+    assert mlp.gate_proj is None
+    x = torch.randn(S, B, H)
+    expected = mlp.down_proj.weight @ torch.nn.functional.gelu(mlp.up_proj.weight @ x.unsqueeze(-1),
+                                                               approximate=approximate)
+    torch.testing.assert_close(mlp(x), expected.squeeze(-1), atol=1e-5, rtol=1e-5)
+    other = "tanh" if approximate == "none" else "none"  # the two variants differ far beyond that here
+    with_other = mlp.down_proj.weight @ torch.nn.functional.gelu(mlp.up_proj.weight @ x.unsqueeze(-1),
+                                                                 approximate=other)
+    assert (mlp(x) - with_other.squeeze(-1)).abs().max() > 1e-4

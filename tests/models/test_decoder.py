@@ -103,6 +103,12 @@ def test_bad_input():
         mixtral_tiny().with_(moe_layer_freq=(1, 1, 1))
     with pytest.raises(ValueError, match=r"layers \[1\] are dense and need ffn_hidden_size > 0"):
         mixtral_tiny().with_(moe_layer_freq=(1, 0))
+    with pytest.raises(ValueError, match=r"attention='mha' is not one of \('gqa', 'mla'\)"):
+        mixtral_tiny().with_(attention="mha")
+    with pytest.raises(ValueError, match=r"family='llama' is not one of"):
+        mixtral_tiny().with_(family="llama")
+    with pytest.raises(ValueError, match=r"moe_score_function='relu' is not one of \('softmax', 'sigmoid'\)"):
+        mixtral_tiny().with_(moe_score_function="relu")
     model = MoEDecoder(mixtral_tiny())
     ids, labels = _batch(512)
     with pytest.raises(ValueError, match=r"labels \(2, 7\) must have the shape of input_ids \(2, 8\)"):

@@ -17,7 +17,7 @@ from tests.models.hf_tiny import FAMILIES, hf_logits, hf_model, save_hf, tokens
 
 transformers = pytest.importorskip("transformers")
 
-TOL = 1e-4
+TOL = 1e-5  # the issue asks for <= 1e-4; fp32 differences here are ~5e-7
 
 
 def _tensors(path) -> dict[str, torch.Tensor]:

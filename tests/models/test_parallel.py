@@ -1,7 +1,7 @@
 """The decoder at parallel layouts equals world 1, in ONE 4-rank world.
 
 - HF checkpoints of all three families imported at tp2 x ep2 (SP, dp2 / edp2), and DeepSeek-V3 also at
-  tp2 x cp2 x ep2 and Qwen3-MoE at tp2 x ep2 without SP: full logits equal HF's (|diff| <= 1e-4).
+  tp2 x cp2 x ep2 and Qwen3-MoE at tp2 x ep2 without SP: full logits equal HF's (|diff| <= 1e-5).
 - Export from tp2 x ep2: bit-exact with the source checkpoint; a moefold checkpoint loads at
   tp2 x cp2 x ep2 (same logits) and saves back bit-exact.
 - Training loss and every parameter's gradient (DeepSeek-V3 tiny recipe with 2 MTP depths, all MoE
@@ -30,7 +30,7 @@ from parallel.sharding import gather_full, is_sequence_parallel, shards_of
 from tests.distributed import run_distributed
 from tests.models.hf_tiny import FAMILIES, hf_logits, save_hf, tokens
 
-TOL = 1e-4
+TOL = 1e-5  # the issue asks for <= 1e-4; fp32 differences here are ~1e-6
 
 
 def _reduced_full_grads(model: MoEDecoder, dims: ParallelDims) -> dict[str, torch.Tensor]:
@@ -122,13 +122,19 @@ def _rank(dirs: dict[str, str], refs: dict[str, torch.Tensor], ids: torch.Tensor
         total = total + lm
         if dims.cp > 1:
             dist.all_reduce(total, group=dims.cp_group)
-        torch.testing.assert_close(total, ref_losses[dims.dp_rank], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(total, ref_losses[dims.dp_rank], atol=1e-6, rtol=1e-6)
         # world 1 averages the gradients of the micro-batches the dp ranks ran
         ref_grads = {n: sum(mb_grads[r][n] for r in range(dims.dp)) / dims.dp for n in mb_grads[0]}
         assert sorted(grads) == sorted(ref_grads)
         for name, g in grads.items():
             torch.testing.assert_close(g, ref_grads[name], atol=1e-5, rtol=1e-4,
                                        msg=lambda m, n=name: f"{label} {n}: {m}")
+            # some gradients are ~1e-5 in all (MTP norms), where atol 1e-5 alone could not fail: each
+            # parameter's largest error must also be tiny against its own largest gradient
+            scale = ref_grads[name].abs().max().item()
+            assert scale > 0, f"{label} {name}: zero reference gradient"
+            err = (g - ref_grads[name]).abs().max().item()
+            assert err <= 1e-5 * scale, f"{label} {name}: max |diff| {err:.3g} vs gradient scale {scale:.3g}"
         report[f"grads {label}"] = max((grads[n] - ref_grads[n]).abs().max().item() for n in grads)
     return report
 

@@ -210,7 +210,7 @@ def test_router_capacity_zeroes_dropped_probs_and_counts_kept():
 # -------------------------------------------------------------------------------------- bad config
 @pytest.mark.parametrize("kw, words", [
     (dict(num_experts=4, topk=5), ["topk=5", "num_experts=4"]),
-    (dict(num_experts=8, topk=2, num_groups=3, group_topk=1), ["num_groups=3", "num_experts=8"]),
+    (dict(num_experts=8, topk=2, num_groups=3, group_topk=1), ["num_groups=3", "num_experts=8", "valid: 1, 2, 4, 8"]),
     (dict(num_experts=8, topk=2, num_groups=4, group_topk=5), ["group_topk=5", "num_groups=4"]),
     (dict(num_experts=8, topk=2, num_groups=4), ["group_topk=None"]),
     (dict(num_experts=8, topk=2, score_function="relu"), ["score_function='relu'", "softmax, sigmoid"]),

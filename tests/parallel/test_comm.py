@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from parallel import (
     all_gather_sequence,
+    all_reduce_sum,
     all_to_all,
     all_to_all_async,
     copy_to_region,
@@ -40,6 +41,12 @@ def _check_all(split_matrix: list[list[int]]) -> None:
     y, gx = _grad(lambda x: copy_to_region(x, group), _t(0, 3, 4), _t(100 + r, 3, 4))
     torch.testing.assert_close(y, _t(0, 3, 4), rtol=0, atol=0)
     torch.testing.assert_close(gx, sum(_t(100 + i, 3, 4) for i in ranks))
+
+    # plain sum for statistics: a new tensor outside autograd, the input untouched
+    x = _t(60 + r, 3, 4).requires_grad_(True)
+    y = all_reduce_sum(x, group)
+    torch.testing.assert_close(y, sum(_t(60 + i, 3, 4) for i in ranks))
+    assert not y.requires_grad and torch.equal(x.detach(), _t(60 + r, 3, 4))
 
     # reduce-from-region: sum forward, identity backward
     y, gx = _grad(lambda x: reduce_from_region(x, group), _t(10 + r, 3, 4), _t(200 + r, 3, 4))
@@ -103,6 +110,7 @@ def test_size_one_group_is_a_no_op():
                all_gather_sequence, reduce_scatter_sequence):
         assert fn(x, None) is x
     assert all_to_all(x, [4], [4], None) is x
+    assert all_reduce_sum(x, None) is x
     assert all_to_all_async(x, [4], [4], None).wait() is x
 
 

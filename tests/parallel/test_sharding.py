@@ -49,3 +49,16 @@ def test_different_seeds_and_names_differ():
     init_parameters(a, seed=1)
     init_parameters(b, seed=2)
     assert not torch.equal(a.w, b.w)
+    # same seed and shape, different names: different draws (each name seeds its own generator)
+    m = nn.Module()
+    m.first, m.second = nn.Parameter(torch.empty(4, 5)), nn.Parameter(torch.empty(4, 5))
+    for p in (m.first, m.second):
+        set_init(p, normal_init(0.02))
+    init_parameters(m, seed=1)
+    assert not torch.equal(m.first, m.second)
+    # and the same name draws the same values in another module
+    n = nn.Module()
+    n.first = nn.Parameter(torch.empty(4, 5))
+    set_init(n.first, normal_init(0.02))
+    init_parameters(n, seed=1)
+    assert torch.equal(n.first, m.first)
