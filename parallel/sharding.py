@@ -5,9 +5,10 @@ group)``, one per dimension it is split along (e.g. expert weights [e, F/etp, H]
 ep, dim 1 over etp). Everything that needs the full tensor (tests, checkpoints, HF export)
 reads that instead of knowing each layer.
 
-Initialisation is independent of the layout: ``init_parameters(module, seed)`` draws every
-parameter's *full* tensor from a generator seeded by (seed, parameter name), then keeps this
-rank's slice. The same seed gives the same full weights at tp 1 and tp 8.
+Initialisation is independent of the layout: ``init_parameters(module, seed)`` draws each row
+of a parameter's full tensor from a generator seeded by (seed, parameter name, row) and keeps
+this rank's slice, drawing only the rows it holds. The same seed gives the same full weights
+at tp 1 and tp 8.
 """
 
 from __future__ import annotations
@@ -92,20 +93,33 @@ def normal_init(std: float) -> InitFn:
 def init_parameters(module: nn.Module, seed: int) -> None:
     """Fill every parameter that has an init function, independently of the layout.
 
-    Each parameter's full tensor is drawn on the CPU in fp32 from a generator seeded by
-    (seed, name), so results can be compared across layouts; then this rank's slice is copied
-    in. Parameters without an init function keep their (deterministic) constructor values.
-    Meta-device parameters are skipped.
+    Row ``i`` (index along dim 0 of the *full* tensor) of each parameter is drawn on the CPU in
+    fp32 from a generator seeded by (seed, name, i), so the same full weights come out at every
+    layout, yet each rank draws only the rows it holds: a rank holding 16 of 256 experts, or
+    1/tp of the vocabulary, never materialises the full tensor. Shards along other dims are cut
+    from those rows. Init functions must therefore fill elements i.i.d. (as ``normal_init``).
+    Parameters without an init function keep their (deterministic) constructor values;
+    meta-device parameters are skipped.
     """
     for name, param in module.named_parameters():
         init_fn = getattr(param, "moefold_init", None)
         if init_fn is None or param.is_meta:
             continue
-        gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-        full = torch.empty(full_shape(param), dtype=torch.float32)
-        init_fn(full, gen)
+        shards = shards_of(param)
+        shape = full_shape(param)
+        start, rows = 0, shape[0]
+        for s in shards:  # local_slice applies shards in order: nested dim-0 chunks are sub-ranges
+            if s.dim == 0:
+                rows //= s.num
+                start += s.index * rows
+        base = (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
+        gen = torch.Generator()
+        block = torch.empty((rows, *shape[1:]), dtype=torch.float32)
+        for i in range(rows):
+            gen.manual_seed((base + (start + i) * 0x9E3779B97F4A7C15) % 2**63)
+            init_fn(block[i], gen)
         with torch.no_grad():
-            param.copy_(local_slice(full, shards_of(param)))
+            param.copy_(local_slice(block, tuple(s for s in shards if s.dim != 0)))
 
 
 def mark_sequence_parallel(param: Tensor) -> Tensor:

@@ -62,3 +62,22 @@ def test_different_seeds_and_names_differ():
     set_init(n.first, normal_init(0.02))
     init_parameters(n, seed=1)
     assert torch.equal(n.first, m.first)
+
+
+def test_a_rank_draws_only_the_rows_it_holds():
+    calls = []
+
+    def counting_init(t: torch.Tensor, gen: torch.Generator) -> None:
+        calls.append(tuple(t.shape))
+        t.normal_(0.0, 1.0, generator=gen)
+
+    full = nn.Module()
+    full.w = set_init(nn.Parameter(torch.empty(8, 6)), counting_init)
+    init_parameters(full, seed=3)
+    shard = nn.Module()  # rows 4-5 of 8 (dim 0 split in 4), columns 3-5 (dim 1 split in 2)
+    shard.w = set_init(nn.Parameter(torch.empty(2, 3)), counting_init)
+    mark_sharded(shard.w, Shard(dim=0, num=4, index=2, group=None), Shard(dim=1, num=2, index=1, group=None))
+    calls.clear()
+    init_parameters(shard, seed=3)
+    assert calls == [(6,), (6,)]  # two rows drawn, never the full [8, 6]
+    torch.testing.assert_close(shard.w.detach(), full.w.detach()[4:6, 3:6], rtol=0, atol=0)
