@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from models.decoder import MoEDecoder
 from models.options import ModelOptions
 from models.recipes import deepseek_v3_tiny
-from moe.experts import is_expert
 from parallel.dims import ParallelConfig, ParallelDims
-from parallel.groups import group_size
-from parallel.sharding import gather_full, is_sequence_parallel, shards_of
 from pipeline.decoder_stage import DecoderStage, build_stage_model, decoder_microbatches
 from pipeline.executor import run_schedule
 from pipeline.schedules import build_schedule
 from pipeline.stages import StageLayout
 from tests.distributed import run_distributed
+from tests.grads import reduced_full_grads
 
 M, B, S = 2, 2, 16
 LAYOUTS = {  # name -> (ParallelConfig kwargs, schedule, vpp)
@@ -60,19 +57,6 @@ def _reference(dp: int):
     return losses, {n: p.grad.clone() for n, p in model.named_parameters()}, lm, mtp, moe_layers
 
 
-def _reduced_full_grads(model, dims: ParallelDims) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, p in model.named_parameters():
-        g = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-        if is_sequence_parallel(p) and dims.tp > 1:
-            dist.all_reduce(g, group=dims.tp_group)
-        group = dims.edp_group if is_expert(p) else dims.dp_cp_group
-        if group_size(group) > 1:
-            dist.all_reduce(g, group=group)
-        out[name] = gather_full(g / dims.dp, shards_of(p))
-    return out
-
-
 def _world() -> dict:
     out = {}
     grids: dict[tuple, ParallelDims] = {}
@@ -90,7 +74,7 @@ def _world() -> dict:
         result = run_schedule(stage, build_schedule(name, dims.pp, M, vpp), microbatches, stage.loss_fn,
                               dims.pp_group, stage.activation_spec(B, S))
         out[key] = {"pp": dims.pp_rank, "dp": dims.dp_rank, "tp": dims.tp_rank, "losses": result.losses,
-                    "grads": _reduced_full_grads(model, dims), "dp_size": dims.dp,
+                    "grads": reduced_full_grads(model, dims), "dp_size": dims.dp,
                     "lm": stage.lm_losses, "mtp": stage.mtp_losses, "moe_infos": sorted(stage.moe_infos)}
     return out
 
