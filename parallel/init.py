@@ -37,6 +37,10 @@ def init_distributed(config: ParallelConfig = ParallelConfig(), timeout_s: float
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if backend == "gloo":
+            # Connect each gloo group on first use: connecting the full mesh of every subgroup
+            # at start-up fails now and then ("connectFullMesh ... closed by peer") on busy hosts.
+            os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
     return ParallelDims.build(config, device_type=device.type)
