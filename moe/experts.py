@@ -75,8 +75,9 @@ class GroupedExperts(nn.Module):
         self.num_local_experts = num_experts // ep
         self.local_expert_offset = group_rank(ep_group) * self.num_local_experts
         self.activation, self.gemm_backend = activation, gemm_backend
+        self.gated = activation == "swiglu"  # decided once here, so forward does not compare strings
         self.ep_group, self.etp_group = ep_group, etp_group
-        e, f, gates = self.num_local_experts, ffn_hidden_size // etp, 2 if activation == "swiglu" else 1
+        e, f, gates = self.num_local_experts, ffn_hidden_size // etp, 2 if self.gated else 1
         kw = {"dtype": dtype, "device": device}
         self.w13 = nn.Parameter(torch.empty(e, gates, f, hidden_size, **kw))
         self.w2 = nn.Parameter(torch.empty(e, hidden_size, f, **kw))
@@ -94,7 +95,7 @@ class GroupedExperts(nn.Module):
         # [e, G, f, H] -> [e, G*f, H]: gate and up projections in a single grouped GEMM.
         h_NGf = grouped_gemm(tokens_NH, self.w13.reshape(e, gates * f, H), tokens_per_expert_e,
                              self.gemm_backend, trans_w=True)
-        if self.activation == "swiglu":
+        if self.gated:
             gate_Nf, up_Nf = h_NGf.split(f, dim=1)
             h_Nf = F.silu(gate_Nf) * up_Nf
         else:

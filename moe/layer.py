@@ -64,6 +64,8 @@ class MoELayer(nn.Module):
         self.config, self.hidden_size = config, hidden_size
         self.tp_group = dims.tp_group
         self.tp, self.sequence_parallel = dims.tp, sequence_parallel and dims.tp > 1
+        # the per-sequence balancing loss needs each token's sequence id (fixed by the config)
+        self.needs_seq_ids = "seq_aux_loss" in config.router.loss_coeffs()
 
         # The router marks its weight sequence-parallel itself: every tp rank routes distinct tokens.
         self.router = Router(config.router, hidden_size, RouterGroups.from_dims(dims))
@@ -96,7 +98,7 @@ class MoELayer(nn.Module):
                                  f"over tp={self.tp} and must be divisible by it")
             x_TH = scatter_along_dim(x_TH, self.tp_group, dim=0)
         router_kw = {}
-        if "seq_aux_loss" in self.config.router.loss_coeffs():
+        if self.needs_seq_ids:
             # sequence-first [S, B] tokens: token t belongs to sequence t % B (also in every SP shard)
             seq_ids_T = torch.arange(S * B, device=x_SBH.device) % B
             if split_tokens:

@@ -77,8 +77,14 @@ class DecoderStage:
         self.mtp_losses: dict[int, Tensor] = {}
         self._global_states: dict[int, GlobalLoadState] = {}
 
-    def activation_spec(self, micro_batch_size: int, seq_len: int, device: torch.device | str = "cpu") -> TensorSpec:
-        """Shape of the hidden state between stages for ``[B, S]`` micro-batches (S: this rank's CP slice)."""
+    def activation_spec(self, micro_batch_size: int, seq_len: int,
+                        device: torch.device | str | None = None) -> TensorSpec:
+        """Shape of the hidden state between stages for ``[B, S]`` micro-batches (S: this rank's CP slice).
+
+        ``device`` defaults to the model's: receive buffers must live where NCCL can write them.
+        """
+        if device is None:
+            device = next(self.model.parameters()).device
         s = seq_len // self.model.dims.tp if self.model.sequence_parallel else seq_len
         return TensorSpec((s, micro_batch_size, self.model.config.hidden_size), self.model.options.torch_dtype,
                           device)

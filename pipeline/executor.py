@@ -181,6 +181,8 @@ def reduce_step_losses(result: PipelineResult, pp_group: Group, device: torch.de
 
     Collective over ``pp_group`` (one 2-element all-reduce): the loss lives on the last stage,
     each stage contributes its own extra losses. For logging only; gradients never need it.
+    Pass the model's ``device`` on GPUs: NCCL reduces device tensors only, and a middle stage has
+    no tensor here to infer it from.
     """
     values = torch.zeros(2, dtype=torch.float32, device=device)
     if result.losses:

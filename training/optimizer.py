@@ -158,7 +158,9 @@ class DistributedAdamW:
         if n == 1:
             return shard
         out = torch.empty(s.group.numel, dtype=shard.dtype, device=shard.device)
-        dist.all_gather(list(out.chunk(n)), shard.contiguous(), group=s.group.group)
+        # equal contiguous shards: one all-gather straight into the flat buffer, no list of per-rank outputs
+        # (all_gather_single is all_gather_into_tensor's newer name; the old one warns on recent torch)
+        getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, shard.contiguous(), group=s.group.group)
         return out
 
     # -- layout-independent state: per parameter, the local (TP/EP-sharded) shape --------------
