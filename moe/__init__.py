@@ -8,7 +8,8 @@ from moe.balance_losses import GlobalLoadState
 from moe.capacity import expert_capacity
 from moe.config import MoEConfig
 from moe.expert_bias import bias_update, update_expert_bias
-from moe.experts import GroupedExperts
+from moe.experts import ACTIVATIONS, GroupedExperts, default_output_init_std, is_expert, mark_expert
+from moe.gemm import GEMM_BACKENDS, check_gemm_backend, grouped_gemm
 from moe.router import Router, RouterGroups, RouterOutput
 from moe.router_config import DROP_POLICIES, LOAD_BALANCING_TYPES, ROUTER_DTYPES, SCORE_FUNCTIONS, RouterConfig
 from moe.router_stats import RouterStats
@@ -38,4 +39,6 @@ __all__ = [
     "SCORE_FUNCTIONS", "LOAD_BALANCING_TYPES", "DROP_POLICIES", "ROUTER_DTYPES",
     # experts and the layer
     "MoEConfig", "GroupedExperts", "SharedExperts", "MoELayer", "MoEOutputInfo",
+    "ACTIVATIONS", "mark_expert", "is_expert", "default_output_init_std",
+    "GEMM_BACKENDS", "grouped_gemm", "check_gemm_backend",
 ]

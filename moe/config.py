@@ -11,6 +11,7 @@ from moe.gemm import GEMM_BACKENDS
 if TYPE_CHECKING:
     from moe.router_config import RouterConfig
 
+# must equal dispatch.DISPATCHER_KINDS (not imported: dispatch imports moe.routing; a test checks it)
 DISPATCHERS: tuple[str, ...] = ("local", "allgather", "alltoall", "flex")
 
 

@@ -11,8 +11,9 @@ Weights (``nn.Linear`` ``[out, in]`` layout per expert, so HF checkpoints map wi
 
 Sharding: the expert dim over ``ep`` (rank ``ep_rank`` holds experts ``[ep_rank*e, (ep_rank+1)*e)``),
 the FFN dim ``F`` over ``etp`` (each etp rank holds a slice of every expert's hidden units, so its
-output is a *partial sum* over etp that the dispatcher's combine reduces). Initialisation draws
-the full ``[E, G, F, H]`` / ``[E, H, F]`` tensors, so it is identical at every layout.
+output is a *partial sum* over etp that the dispatcher's combine reduces). Initialisation
+(``parallel.sharding.init_parameters``) gives every row of the full ``[E, G, F, H]`` / ``[E, H, F]``
+tensors its own seed and draws only this rank's, so the full weights are identical at every layout.
 Expert parameters are flagged ``moefold_expert = True``: their gradients are reduced over the
 expert-data-parallel group (edp), not dp.
 """
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe.gemm import GEMM_BACKENDS, check_gemm_backend, grouped_gemm
+from moe.gemm import GEMM_BACKENDS, check_gemm_backend, flops_per_token, grouped_gemm
 from parallel.groups import Group, group_rank, group_size
 from parallel.sharding import Shard, mark_sharded, normal_init, set_init
 
@@ -109,8 +110,8 @@ class GroupedExperts(nn.Module):
 
     def flops(self, num_rows: int) -> int:
         """Forward FLOPs of ``num_rows`` routed rows through this rank's shard."""
-        _, gates, f, H = self.w13.shape
-        return 2 * num_rows * H * f * (gates + 1)
+        _, _, f, H = self.w13.shape
+        return num_rows * flops_per_token(H, f, self.gated)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts} (local {self.num_local_experts} from {self.local_expert_offset}), "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -17,8 +18,11 @@ from training.config import RunConfig
 from training.flops import train_flops_per_token
 from training.trainer import StepResult, Trainer
 
+if TYPE_CHECKING:
+    from training.data.sampler import Samples
 
-def build_dataset(config: RunConfig, dims: ParallelDims):
+
+def build_dataset(config: RunConfig, dims: ParallelDims) -> Samples:
     """The training samples (seq_length + 1 ids each) for the whole run: the ``--data-path`` blend, or the
     built-in corpus. Rank 0 prepares/caches first; the others then read the caches."""
     from training.data import build_blended, builtin_corpus, parse_data_path
@@ -26,7 +30,7 @@ def build_dataset(config: RunConfig, dims: ParallelDims):
     t = config.train
     num_samples = t.train_iters * t.global_batch_size
 
-    def build():
+    def build() -> Samples:
         if t.data_path:
             prefixes, weights = parse_data_path(list(t.data_path))
         else:

@@ -24,6 +24,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,10 @@ from training.checkpoint import find_checkpoint, load_checkpoint, save_checkpoin
 from training.config import RunConfig
 from training.grad_sync import GradSync
 from training.optimizer import DistributedAdamW
+
+if TYPE_CHECKING:
+    from training.data.sampler import Samples
+    from training.metrics import MetricsLogger
 
 
 class NonFiniteError(RuntimeError):
@@ -176,7 +181,7 @@ class Trainer:
         tpcp = dims.tp * dims.cp
         zero = torch.zeros((), dtype=logged.dtype, device=logged.device)
 
-        def total(values) -> Tensor:
+        def total(values: Iterable[Tensor]) -> Tensor:
             values = list(values)
             return torch.stack(values).to(zero).sum() if values else zero
 
@@ -222,8 +227,8 @@ class Trainer:
             if n_moe:   # over the world: other pipeline stages add zeros to the rows they do not own
                 dist.all_reduce(loads)
         logged[:3] /= self.num_micro * dims.dp
-        logged = logged.tolist()
-        grad_norm = float(self.optimizer.grad_norm())
+        # the step's one device->host copy: the logged values and the norm that decides skip/clip
+        *logged, grad_norm = torch.cat([logged, self.optimizer.grad_norm().to(logged).reshape(1)]).tolist()
         lr = self.schedule(step)
         skipped = logged[3] > 0 or not math.isfinite(grad_norm)
         if skipped:
@@ -278,15 +283,15 @@ class Trainer:
         return True
 
     # ------------------------------------------------------------------------------- the loop
-    def microbatch_iter(self, dataset) -> Iterator[Tensor]:
+    def microbatch_iter(self, dataset: Samples) -> Iterator[Tensor]:
         from training.data import MicroBatchLoader
 
         loader = MicroBatchLoader(dataset, self.config.train.micro_batch_size, self.dims.dp_rank, self.dims.dp,
                                   consumed_samples=self.consumed_samples)
         return iter(loader)
 
-    def fit(self, dataset, logger=None, on_step: Callable[[StepResult], None] | None = None,
-            stop_at: int | None = None) -> list[StepResult]:
+    def fit(self, dataset: Samples, logger: MetricsLogger | None = None,
+            on_step: Callable[[StepResult], None] | None = None, stop_at: int | None = None) -> list[StepResult]:
         """Train from ``self.iteration`` to ``train_iters`` (or ``stop_at``) on ``dataset`` (samples of
         seq_length + 1 ids); logs through ``logger`` (a MetricsLogger, rank 0), saves every ``save_interval``
         and at the end."""

@@ -166,6 +166,14 @@ def test_world1_shapes_and_info():
     assert set(info.losses) == {"aux_loss", "z_loss"} and info.load_E.sum() == S * B * 2
 
 
+def test_config_dispatchers_are_the_factory_kinds():
+    # two lists (moe.config cannot import dispatch: dispatch imports moe.routing), kept equal here
+    from dispatch import DISPATCHER_KINDS
+    from moe.config import DISPATCHERS
+
+    assert DISPATCHERS == DISPATCHER_KINDS
+
+
 def test_config_errors_name_numbers():
     router = RouterConfig(num_experts=6, topk=2)
     cfg = MoEConfig(num_experts=6, moe_ffn_hidden_size=FFN, router=router)

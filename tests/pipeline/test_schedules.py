@@ -33,6 +33,7 @@ def test_grid_valid_deadlock_free_and_textbook_bubble(semantics, wait):
         validate(schedule)
         result = simulate(schedule, 1 / v, 1 / v, semantics=semantics, wait=wait)  # chunk time 1/v
         expected = expected_bubble_fraction(name, pp, m, v)
+        assert expected == (pp - 1) / (v * m + pp - 1)  # the formula itself (v = 1 except interleaved)
         assert result.bubble_fraction == pytest.approx(expected, abs=1e-9), (name, pp, v, m)
         assert all(b == pytest.approx(expected, abs=1e-9) for b in result.bubble_per_rank), (name, pp, v, m)
         simulate(_schedule(name, pp, m, v, True), semantics=semantics, wait=wait)

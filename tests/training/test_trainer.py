@@ -83,3 +83,11 @@ def test_flops_count_only_active_experts():
     more_topk = train_flops_per_token(c.with_(moe_topk=4), 32)
     assert base < more_topk and more_experts - base < (more_topk - base) / 10   # only the router grows with E
     assert train_flops_per_token(c, 64) > base                                  # attention grows with S
+
+
+def test_public_names_resolve():
+    import training
+
+    for name in training.__all__:
+        assert getattr(training, name) is not None, name
+    assert training.Trainer.__module__ == "training.trainer"

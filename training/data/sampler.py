@@ -10,9 +10,18 @@ therefore the same set of samples at every dp size, and the position is one numb
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
+
+
+class Samples(Protocol):
+    """Indexable training samples of ``seq_len + 1`` token ids each (a ``GPTDataset``, a
+    ``BlendedDataset`` or a ``[num_samples, seq_len + 1]`` array)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
 
 
 class MicroBatchSampler:
@@ -67,7 +76,7 @@ class MicroBatchLoader:
     Nothing crosses ranks: every rank computes its own indices from the shared ``consumed_samples``.
     """
 
-    def __init__(self, dataset, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
+    def __init__(self, dataset: Samples, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
                  consumed_samples: int = 0, as_numpy: bool = False) -> None:
         self.dataset = dataset
         self.sampler = MicroBatchSampler(len(dataset), micro_batch_size, dp_rank, dp_size, consumed_samples)
