@@ -123,3 +123,24 @@ def test_resolve_infers_dp_and_edp():
     assert (s.dp, s.edp) == (4, 4)
     s = ParallelConfig(tp=4, pp=2, ep=2, etp=2).resolve(16)
     assert (s.dp, s.edp) == (2, 2)
+
+
+def _init_under_launcher() -> tuple[int, int, str]:
+    from parallel import init_distributed
+
+    dims = init_distributed(ParallelConfig(tp=2, ep=2))
+    return dims.tp, dims.dp, dims.device_type
+
+
+def test_init_distributed_joins_the_launched_world():
+    assert run_distributed(_init_under_launcher, 4) == [(2, 2, "cpu")] * 4
+
+
+def test_init_distributed_alone_is_world_one(monkeypatch):
+    from parallel import init_distributed
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    dims = init_distributed(ParallelConfig())
+    assert dims.world_size == 1 and dims.tp_group is None
+    with pytest.raises(ValueError, match="world_size=1 is not divisible by tp\\*cp\\*pp=2\\*1\\*1=2"):
+        init_distributed(ParallelConfig(tp=2))
