@@ -21,8 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from models.recipes import get_recipe
 from parallel.dims import ParallelConfig
+from parallel.init import launched_by_torchrun, launched_world_size
 from training.config import RunConfig, TrainConfig
-from training.launch import launcher_world_size, run_ranks
+from training.launch import run_ranks
 from training.train_cli import train_worker, validate
 
 
@@ -42,7 +43,8 @@ def main() -> int:
                                 save_interval=100, load=args.save)   # resumes if a checkpoint exists
     config = RunConfig(model=get_recipe(args.recipe), train=train, recipe=args.recipe,
                        parallel=ParallelConfig(tp=args.tp, cp=args.cp, ep=args.ep, etp=args.etp))
-    validate(config, launcher_world_size() or args.nproc)   # fails here, before any rank starts
+    # fails here, before any rank starts
+    validate(config, launched_world_size() if launched_by_torchrun() else args.nproc)
     run_ranks(train_worker, args.nproc, "auto", args=(json.dumps(config.to_dict()),))
     return 0
 

@@ -18,9 +18,14 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def launched_by_torchrun() -> bool:
+    """True under torchrun (or any launcher that sets RANK, WORLD_SIZE and MASTER_ADDR)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
 def launched_world_size() -> int:
-    """WORLD_SIZE set by torchrun (or 1 when not launched)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    """The launcher's WORLD_SIZE, or 1 when not launched."""
+    return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
 
 
 def init_distributed(config: ParallelConfig = ParallelConfig(), timeout_s: float = 600.0) -> ParallelDims:

@@ -19,13 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def launched_by_torchrun() -> bool:
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
-
-
-def launcher_world_size() -> int | None:
-    return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else None
+from parallel.init import launched_by_torchrun
 
 
 def pick_device(device: str, local_rank: int) -> torch.device:

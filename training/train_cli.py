@@ -21,8 +21,9 @@ import torch
 from models.options import ModelOptions
 from models.recipes import RECIPES, get_recipe
 from parallel.dims import ParallelConfig
+from parallel.init import launched_by_torchrun, launched_world_size
 from training.config import RunConfig, TrainConfig
-from training.launch import launched_by_torchrun, launcher_world_size, run_ranks
+from training.launch import run_ranks
 from training.lr_schedule import DECAY_STYLES, WSD_STYLES
 
 _T = TrainConfig()
@@ -179,7 +180,7 @@ def validate(config: RunConfig, world_size: int) -> None:
 def main(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
-        world = launcher_world_size() or args.nproc
+        world = launched_world_size() if launched_by_torchrun() else args.nproc
         if args.nproc < 1:
             raise ValueError(f"--nproc={args.nproc} must be >= 1")
         validate(config, world)
