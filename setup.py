@@ -1,6 +1,18 @@
+"""moefold installs as one package, `moefold`, whose subpackages are this repository's folders.
+
+The repository keeps the layout its users chose (`parallel/ dense/ moe/ ...` at the top); the
+`package_dir` mapping below installs `parallel/` as `moefold.parallel`, `dense/` as
+`moefold.dense`, and so on. `moefold` itself is a PEP 420 namespace package (no `__init__.py`),
+so site-packages gains exactly one top-level name. The version is
+`importlib.metadata.version("moefold")` (printed by `moefold env`).
+"""
+
 from setuptools import find_packages, setup
 
-PACKAGES = ["parallel", "dense", "moe", "dispatch", "pipeline", "models", "training"]
+FOLDERS = ["parallel", "dense", "moe", "dispatch", "pipeline", "models", "training"]
+
+# every package inside those folders: models/hf is installed as moefold.models.hf
+_FOUND = find_packages(include=[f"{f}*" for f in FOLDERS])
 
 setup(
     name="moefold",
@@ -8,7 +20,8 @@ setup(
     description="Mixture-of-experts training with tensor, sequence, context, pipeline, data, "
                 "expert and expert-tensor parallelism, testable on a CPU laptop.",
     python_requires=">=3.10",
-    packages=find_packages(include=[f"{p}*" for p in PACKAGES]),
+    packages=[f"moefold.{p}" for p in _FOUND],
+    package_dir={f"moefold.{p}": p.replace(".", "/") for p in _FOUND},
     install_requires=[
         "torch>=2.10",  # first release with torch.nn.functional.grouped_mm
         "numpy",
@@ -22,5 +35,5 @@ setup(
         "test": ["pytest", "pytest-timeout", "ruff", "transformers", "tensorboard"],
         "gpu": ["transformer-engine[pytorch]", "grouped-gemm", "deep-ep"],
     },
-    entry_points={"console_scripts": ["moefold=training.cli:main"]},
+    entry_points={"console_scripts": ["moefold=moefold.training.cli:main"]},
 )

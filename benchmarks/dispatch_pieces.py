@@ -1,6 +1,6 @@
 """Split the all-to-all dispatcher's dispatch + combine into its pieces, on 4 spawned gloo ranks.
 
-    python benchmarks/dispatch_pieces.py --iters 20
+    python -m benchmarks.dispatch_pieces --iters 20     # from the repository root (it uses tests.distributed)
 
 Every variant runs after a barrier, interleaved with the others in the same world (so load
 drift hits all alike); the slowest rank's time per iteration is kept and the median printed:
@@ -21,14 +21,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.distributed import run_distributed
 
@@ -37,13 +33,13 @@ T, H, E, K, EP = 4096, 512, 16, 2, 4
 
 def _rank(iters: int) -> dict[str, float]:
     torch.set_num_threads(1)
-    from dispatch import build_dispatcher
-    from dispatch.alltoall import gather_counts
-    from dispatch.bench import _route
-    from dispatch.exchange import chunked_all_to_all, chunked_all_to_all_async
-    from dispatch.permutation import build_row_map, mask_groups, permute, permute_probs, sort_chunks, unpermute
-    from parallel import ParallelConfig, ParallelDims
-    from parallel.comm import all_to_all
+    from moefold.dispatch import build_dispatcher
+    from moefold.dispatch.alltoall import gather_counts
+    from moefold.dispatch.bench import _route
+    from moefold.dispatch.exchange import chunked_all_to_all, chunked_all_to_all_async
+    from moefold.dispatch.permutation import build_row_map, mask_groups, permute, permute_probs, sort_chunks, unpermute
+    from moefold.parallel import ParallelConfig, ParallelDims
+    from moefold.parallel.comm import all_to_all
 
     dims = ParallelDims.build(ParallelConfig(ep=EP))
     g = dims.ep_group

@@ -23,20 +23,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from moe.config import MoEConfig
-from moe.layer import MoELayer
-from moe.router_config import RouterConfig
-from parallel.dims import ParallelDims
-from parallel.sharding import init_parameters
+from moefold.moe.config import MoEConfig
+from moefold.moe.layer import MoELayer
+from moefold.moe.router_config import RouterConfig
+from moefold.parallel.dims import ParallelDims
+from moefold.parallel.sharding import init_parameters
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CPU_CLOCK = False  # --cpu-time

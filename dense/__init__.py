@@ -1,9 +1,9 @@
 """The dense transformer stack: TP/SP linear layers, embeddings and loss, norms, RoPE, attention, CP, MLP."""
 
-from dense.attention import GQAAttention
-from dense.attention_config import AttentionConfig, MLAConfig
-from dense.block import TransformerBlock
-from dense.context_parallel import (
+from moefold.dense.attention import GQAAttention
+from moefold.dense.attention_config import AttentionConfig, MLAConfig
+from moefold.dense.block import TransformerBlock
+from moefold.dense.context_parallel import (
     CP_COMM_MODES,
     check_context_parallel_seq_length,
     context_parallel_attention,
@@ -12,15 +12,15 @@ from dense.context_parallel import (
     position_mask,
     split_for_context_parallel,
 )
-from dense.core_attention import CoreAttention, local_attention
-from dense.cross_entropy import masked_mean, vocab_parallel_cross_entropy
-from dense.embedding import OutputHead, VocabParallelEmbedding, check_vocab, pad_vocab_size
-from dense.linear import ColumnParallelLinear, RowParallelLinear
-from dense.mla import MLAttention
-from dense.mlp import MLP_ACTIVATIONS, DenseMLP, MLPConfig
-from dense.norm import RMSNorm
-from dense.recompute import RECOMPUTE_MODES, check_recompute, checkpointed
-from dense.rope import (
+from moefold.dense.core_attention import CoreAttention, local_attention
+from moefold.dense.cross_entropy import masked_mean, vocab_parallel_cross_entropy
+from moefold.dense.embedding import OutputHead, VocabParallelEmbedding, check_vocab, pad_vocab_size
+from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
+from moefold.dense.mla import MLAttention
+from moefold.dense.mlp import MLP_ACTIVATIONS, DenseMLP, MLPConfig
+from moefold.dense.norm import RMSNorm
+from moefold.dense.recompute import RECOMPUTE_MODES, check_recompute, checkpointed
+from moefold.dense.rope import (
     RotaryEmbedding,
     YarnConfig,
     apply_rotary,

@@ -23,13 +23,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from dense.attention_config import AttentionConfig
-from dense.core_attention import CoreAttention
-from dense.linear import ColumnParallelLinear, RowParallelLinear
-from dense.norm import RMSNorm
-from dense.rope import RotaryEmbedding, apply_rotary
-from parallel.comm import all_gather_sequence, copy_to_region
-from parallel.groups import Group, group_rank, group_size
+from moefold.dense.attention_config import AttentionConfig
+from moefold.dense.core_attention import CoreAttention
+from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
+from moefold.dense.norm import RMSNorm
+from moefold.dense.rope import RotaryEmbedding, apply_rotary
+from moefold.parallel.comm import all_gather_sequence, copy_to_region
+from moefold.parallel.groups import Group, group_rank, group_size
 
 
 class GQAAttention(nn.Module):

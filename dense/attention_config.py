@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dense.context_parallel import CP_COMM_MODES, check_context_parallel_seq_length
-from dense.recompute import check_recompute
-from dense.rope import YarnConfig
+from moefold.dense.context_parallel import CP_COMM_MODES, check_context_parallel_seq_length
+from moefold.dense.recompute import check_recompute
+from moefold.dense.rope import YarnConfig
 
 
 def _positive_int(cls: str, name: str, value: object) -> None:

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dense.norm import RMSNorm
-from dense.recompute import check_recompute, checkpointed
+from moefold.dense.norm import RMSNorm
+from moefold.dense.recompute import check_recompute, checkpointed
 
 
 class TransformerBlock(nn.Module):

@@ -32,8 +32,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from parallel.comm import all_gather_sequence, gather_along_dim
-from parallel.groups import Group, group_rank, group_ranks, group_size
+from moefold.parallel.comm import all_gather_sequence, gather_along_dim
+from moefold.parallel.groups import Group, group_rank, group_ranks, group_size
 
 CP_COMM_MODES = ("p2p", "all_gather")
 

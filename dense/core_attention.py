@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from dense.context_parallel import CP_ATTENTION, CP_COMM_MODES, position_mask, sdpa
-from dense.recompute import checkpointed
-from parallel.groups import Group, group_size
+from moefold.dense.context_parallel import CP_ATTENTION, CP_COMM_MODES, position_mask, sdpa
+from moefold.dense.recompute import checkpointed
+from moefold.parallel.groups import Group, group_size
 
 
 def local_attention(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, *, scale: float,

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from parallel.groups import Group, group_rank, group_size
+from moefold.parallel.groups import Group, group_rank, group_size
 
 
 def _all_reduce_(x: Tensor, group: Group, op: dist.ReduceOp) -> None:

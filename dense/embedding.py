@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dense.linear import ColumnParallelLinear
-from parallel.comm import all_gather_sequence, copy_to_region, reduce_from_region, reduce_scatter_sequence
-from parallel.groups import Group, group_rank, group_size
-from parallel.sharding import Shard, mark_sharded, normal_init, set_init
+from moefold.dense.linear import ColumnParallelLinear
+from moefold.parallel.comm import all_gather_sequence, copy_to_region, reduce_from_region, reduce_scatter_sequence
+from moefold.parallel.groups import Group, group_rank, group_size
+from moefold.parallel.sharding import Shard, mark_sharded, normal_init, set_init
 
 
 def check_vocab(vocab_size: int, tp: int) -> None:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from parallel.comm import (
+from moefold.parallel.comm import (
     all_gather_sequence,
     copy_to_region,
     gather_along_dim,
@@ -25,8 +25,8 @@ from parallel.comm import (
     reduce_scatter_sequence,
     scatter_along_dim,
 )
-from parallel.groups import Group, group_size
-from parallel.sharding import Shard, mark_sequence_parallel, mark_sharded, normal_init, set_init
+from moefold.parallel.groups import Group, group_size
+from moefold.parallel.sharding import Shard, mark_sequence_parallel, mark_sharded, normal_init, set_init
 
 
 def _check_divisible(name: str, value: int, tp: int, layer: str) -> None:

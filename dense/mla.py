@@ -20,14 +20,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dense.attention_config import MLAConfig
-from dense.core_attention import CoreAttention
-from dense.linear import ColumnParallelLinear, RowParallelLinear
-from dense.norm import RMSNorm
-from dense.rope import RotaryEmbedding, apply_rotary, yarn_softmax_mscale
-from parallel.comm import all_gather_sequence, copy_to_region
-from parallel.groups import Group, group_size
-from parallel.sharding import mark_sequence_parallel
+from moefold.dense.attention_config import MLAConfig
+from moefold.dense.core_attention import CoreAttention
+from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
+from moefold.dense.norm import RMSNorm
+from moefold.dense.rope import RotaryEmbedding, apply_rotary, yarn_softmax_mscale
+from moefold.parallel.comm import all_gather_sequence, copy_to_region
+from moefold.parallel.groups import Group, group_size
+from moefold.parallel.sharding import mark_sequence_parallel
 
 
 class MLAttention(nn.Module):

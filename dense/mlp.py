@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dense.linear import ColumnParallelLinear, RowParallelLinear
-from parallel.comm import all_gather_sequence, copy_to_region
-from parallel.groups import Group, group_size
+from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
+from moefold.parallel.comm import all_gather_sequence, copy_to_region
+from moefold.parallel.groups import Group, group_size
 
 MLP_ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
 

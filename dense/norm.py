@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from parallel.sharding import mark_sequence_parallel
+from moefold.parallel.sharding import mark_sequence_parallel
 
 
 class RMSNorm(nn.Module):

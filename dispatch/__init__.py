@@ -1,10 +1,10 @@
 """Moving token copies to the ranks holding their experts and back: permutation, allgather, all-to-all, DeepEP."""
 
-from dispatch.allgather import AllGatherDispatcher, AllGatherHandle
-from dispatch.alltoall import AllToAllDispatcher, AllToAllHandle, LocalDispatcher
-from dispatch.base import Dispatched, DispatchHandle, PendingDispatch, PhaseTimer, TokenDispatcher
-from dispatch.factory import DISPATCHER_KINDS, build_dispatcher
-from dispatch.permutation import (
+from moefold.dispatch.allgather import AllGatherDispatcher, AllGatherHandle
+from moefold.dispatch.alltoall import AllToAllDispatcher, AllToAllHandle, LocalDispatcher
+from moefold.dispatch.base import Dispatched, DispatchHandle, PendingDispatch, PhaseTimer, TokenDispatcher
+from moefold.dispatch.factory import DISPATCHER_KINDS, build_dispatcher
+from moefold.dispatch.permutation import (
     RowMap,
     build_row_map,
     chunk_sort_index,

@@ -20,12 +20,20 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dispatch.alltoall import gather_counts
-from dispatch.base import Dispatched, DispatchHandle, PendingDispatch, PhaseTimer, TokenDispatcher
-from dispatch.permutation import RowMap, build_row_map, group_counts, mask_groups, permute, permute_probs, unpermute
-from moe.routing import Routing
-from parallel.comm import all_gather_sequence, reduce_scatter_sequence
-from parallel.groups import Group, group_size
+from moefold.dispatch.alltoall import gather_counts
+from moefold.dispatch.base import Dispatched, DispatchHandle, PendingDispatch, PhaseTimer, TokenDispatcher
+from moefold.dispatch.permutation import (
+    RowMap,
+    build_row_map,
+    group_counts,
+    mask_groups,
+    permute,
+    permute_probs,
+    unpermute,
+)
+from moefold.moe.routing import Routing
+from moefold.parallel.comm import all_gather_sequence, reduce_scatter_sequence
+from moefold.parallel.groups import Group, group_size
 
 
 def _pad_rows(x: Tensor, rows: int, value: float = 0) -> Tensor:

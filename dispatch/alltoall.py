@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dispatch.base import Dispatched, DispatchHandle, PendingDispatch, PhaseTimer, TokenDispatcher
-from dispatch.exchange import chunked_all_to_all, chunked_all_to_all_async
-from dispatch.permutation import (
+from moefold.dispatch.base import Dispatched, DispatchHandle, PendingDispatch, PhaseTimer, TokenDispatcher
+from moefold.dispatch.exchange import chunked_all_to_all, chunked_all_to_all_async
+from moefold.dispatch.permutation import (
     RowMap,
     build_row_map,
     group_counts,
@@ -42,9 +42,9 @@ from dispatch.permutation import (
     sort_chunks,
     unpermute,
 )
-from moe.routing import Routing
-from parallel.comm import all_gather_sequence, all_to_all, all_to_all_async, reduce_scatter_sequence
-from parallel.groups import Group, group_size
+from moefold.moe.routing import Routing
+from moefold.parallel.comm import all_gather_sequence, all_to_all, all_to_all_async, reduce_scatter_sequence
+from moefold.parallel.groups import Group, group_size
 
 
 def gather_counts(counts: Tensor, group: Group, async_op: bool = False) -> Tensor | tuple[Tensor, dist.Work | None]:

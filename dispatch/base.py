@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from moe.routing import Routing
-from parallel.groups import Group, group_rank, group_size
+from moefold.moe.routing import Routing
+from moefold.parallel.groups import Group, group_rank, group_size
 
 # A bench-only hook: ``timer(phase)`` returns a context manager timing that phase.
 PhaseTimer = Callable[[str], AbstractContextManager]

@@ -93,7 +93,7 @@ class PhaseTimes:
 
 
 def _route(x, w_gate, bias, topk):
-    from moe.routing import Routing
+    from moefold.moe.routing import Routing
 
     logits = (x.float() @ w_gate) + bias
     probs, ids = torch.softmax(logits, -1).topk(topk, -1)
@@ -108,10 +108,10 @@ def _median_max(values: list[float], device: torch.device) -> float:
 
 
 def _rank_main(args: argparse.Namespace) -> None:
-    from dispatch import build_dispatcher
-    from dispatch.permutation import permute, unpermute
-    from parallel import ParallelConfig, ParallelDims
-    from parallel.init import default_device
+    from moefold.dispatch import build_dispatcher
+    from moefold.dispatch.permutation import permute, unpermute
+    from moefold.parallel import ParallelConfig, ParallelDims
+    from moefold.parallel.init import default_device
 
     device = default_device()
     dims = ParallelDims.build(ParallelConfig(ep=args.ep, etp=args.etp), device_type=device.type)
@@ -254,8 +254,8 @@ def _spawned(rank: int, world: int, store_path: str, args: argparse.Namespace, r
 def main(args: argparse.Namespace) -> int:
     _validate(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
-        from parallel import ParallelConfig
-        from parallel.init import init_distributed
+        from moefold.parallel import ParallelConfig
+        from moefold.parallel.init import init_distributed
 
         init_distributed(ParallelConfig(ep=args.ep, etp=args.etp))
         _rank_main(args)

@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dispatch.base import Dispatched, DispatchHandle, PendingDispatch, PhaseTimer, TokenDispatcher
-from dispatch.permutation import RowMap, build_row_map, mask_groups, permute, permute_probs, unpermute
-from moe.routing import Routing
-from parallel.groups import Group
+from moefold.dispatch.base import Dispatched, DispatchHandle, PendingDispatch, PhaseTimer, TokenDispatcher
+from moefold.dispatch.permutation import RowMap, build_row_map, mask_groups, permute, permute_probs, unpermute
+from moefold.moe.routing import Routing
+from moefold.parallel.groups import Group
 
 INSTALL_HINT = ("the flex dispatcher needs DeepEP: `pip install deep-ep` (built from "
                 "https://github.com/deepseek-ai/DeepEP; it needs CUDA GPUs and NVSHMEM)")

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from parallel.groups import Group
+from moefold.parallel.groups import Group
 
 
 def _launch(out: Tensor, x: Tensor, out_splits: list[list[int]], in_splits: list[list[int]],

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from dispatch.allgather import AllGatherDispatcher
-from dispatch.alltoall import AllToAllDispatcher, LocalDispatcher
-from dispatch.base import PhaseTimer, TokenDispatcher
-from parallel.dims import ParallelDims
-from parallel.groups import Group, group_size
+from moefold.dispatch.allgather import AllGatherDispatcher
+from moefold.dispatch.alltoall import AllToAllDispatcher, LocalDispatcher
+from moefold.dispatch.base import PhaseTimer, TokenDispatcher
+from moefold.parallel.dims import ParallelDims
+from moefold.parallel.groups import Group, group_size
 
 DISPATCHER_KINDS = ("local", "allgather", "alltoall", "flex")
 
@@ -39,6 +39,6 @@ def build_dispatcher(kind: str, num_experts: int, dims: ParallelDims | None = No
         return AllGatherDispatcher(num_experts, ep_group, etp_group, etp_ep_group, timer=timer)
     if kind == "alltoall":
         return AllToAllDispatcher(num_experts, ep_group, etp_group, timer=timer, **backend_options)
-    from dispatch.deepep import FlexDispatcher  # lazy: imports deep_ep only when asked for
+    from moefold.dispatch.deepep import FlexDispatcher  # lazy: imports deep_ep only when asked for
 
     return FlexDispatcher(num_experts, ep_group, etp_group, timer=timer, **backend_options)

@@ -6,12 +6,9 @@
 """
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from dispatch import bench
+from moefold.dispatch import bench
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=bench.__doc__.splitlines()[0])

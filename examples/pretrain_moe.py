@@ -15,16 +15,13 @@ import argparse
 import dataclasses
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from models.recipes import get_recipe
-from parallel.dims import ParallelConfig
-from parallel.init import launched_by_torchrun, launched_world_size
-from training.config import RunConfig, TrainConfig
-from training.launch import run_ranks
-from training.train_cli import train_worker, validate
+from moefold.models.recipes import get_recipe
+from moefold.parallel.dims import ParallelConfig
+from moefold.parallel.init import launched_by_torchrun, launched_world_size
+from moefold.training.config import RunConfig, TrainConfig
+from moefold.training.launch import run_ranks
+from moefold.training.train_cli import train_worker, validate
 
 
 def main() -> int:

@@ -20,7 +20,7 @@ RUN=${RUN:-runs/deepseek_v3_proxy}
 srun torchrun \
     --nnodes "$SLURM_NNODES" --nproc-per-node 8 \
     --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" \
-    -m training.cli train \
+    -m moefold.training.cli train \
     --recipe deepseek_v3_proxy \
     --tensor-model-parallel-size 2 --sequence-parallel \
     --expert-model-parallel-size 8 --expert-tensor-parallel-size 1 \

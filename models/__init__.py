@@ -1,11 +1,11 @@
 """The MoE decoder model, recipes, multi-token prediction and HF checkpoint interop."""
 
-from models.checkpoint import load_checkpoint, save_checkpoint
-from models.config import ATTENTION_KINDS, FAMILIES, MLADims, ModelConfig, YarnScaling
-from models.decoder import IGNORE_INDEX, ModelOutput, MoEDecoder
-from models.hf.exporter import export_hf
-from models.hf.importer import import_hf, load_hf_weights
-from models.layer_factory import (
+from moefold.models.checkpoint import load_checkpoint, save_checkpoint
+from moefold.models.config import ATTENTION_KINDS, FAMILIES, MLADims, ModelConfig, YarnScaling
+from moefold.models.decoder import IGNORE_INDEX, ModelOutput, MoEDecoder
+from moefold.models.hf.exporter import export_hf
+from moefold.models.hf.importer import import_hf, load_hf_weights
+from moefold.models.layer_factory import (
     attention_config,
     build_block,
     check_layout,
@@ -14,10 +14,10 @@ from models.layer_factory import (
     moe_config,
     router_config,
 )
-from models.mtp import MTPModule
-from models.options import ModelOptions
-from models.params import ParamReport, count_parameters, format_report
-from models.recipes import RECIPES, get_recipe
+from moefold.models.mtp import MTPModule
+from moefold.models.options import ModelOptions
+from moefold.models.params import ParamReport, count_parameters, format_report
+from moefold.models.recipes import RECIPES, get_recipe
 
 __all__ = [
     "ModelConfig", "MLADims", "YarnScaling", "FAMILIES", "ATTENTION_KINDS", "ModelOptions", "RECIPES", "get_recipe",

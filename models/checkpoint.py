@@ -18,13 +18,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from models.config import MLADims, ModelConfig, YarnScaling
-from models.decoder import MoEDecoder
-from models.hf.importer import local_box
-from models.options import ModelOptions
-from models.tensor_io import ShardedWriter, TensorReader
-from parallel.dims import ParallelDims
-from parallel.sharding import full_shape, gather_full, shards_of
+from moefold.models.config import MLADims, ModelConfig, YarnScaling
+from moefold.models.decoder import MoEDecoder
+from moefold.models.hf.importer import local_box
+from moefold.models.options import ModelOptions
+from moefold.models.tensor_io import ShardedWriter, TensorReader
+from moefold.parallel.dims import ParallelDims
+from moefold.parallel.sharding import full_shape, gather_full, shards_of
 
 CONFIG_FILE = "moefold_config.json"
 FORMAT_VERSION = 1

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from models.recipes import RECIPES
+from moefold.models.recipes import RECIPES
 
 _UNITS = {"KB": 2**10, "MB": 2**20, "GB": 2**30}
 
@@ -51,12 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from models.checkpoint import is_moefold_checkpoint, load_checkpoint, save_checkpoint
-    from models.decoder import MoEDecoder
-    from models.hf.exporter import export_hf
-    from models.hf.importer import import_hf
-    from models.options import ModelOptions
-    from models.recipes import get_recipe
+    from moefold.models.checkpoint import is_moefold_checkpoint, load_checkpoint, save_checkpoint
+    from moefold.models.decoder import MoEDecoder
+    from moefold.models.hf.exporter import export_hf
+    from moefold.models.hf.importer import import_hf
+    from moefold.models.options import ModelOptions
+    from moefold.models.recipes import get_recipe
 
     options = ModelOptions(dtype=args.dtype)
     if args.recipe:

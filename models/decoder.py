@@ -33,20 +33,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dense.context_parallel import context_parallel_positions, gather_from_context_parallel
-from dense.cross_entropy import vocab_parallel_cross_entropy
-from dense.embedding import OutputHead, VocabParallelEmbedding
-from dense.norm import RMSNorm
-from models.config import ModelConfig
-from models.layer_factory import build_block, check_layout, is_moe_block
-from models.mtp import MTPModule, shift_left
-from models.options import ModelOptions
-from moe.balance_losses import GlobalLoadState
-from moe.layer import MoEOutputInfo
-from parallel.comm import gather_along_dim
-from parallel.dims import ParallelDims
-from parallel.groups import group_size
-from parallel.sharding import init_parameters
+from moefold.dense.context_parallel import context_parallel_positions, gather_from_context_parallel
+from moefold.dense.cross_entropy import vocab_parallel_cross_entropy
+from moefold.dense.embedding import OutputHead, VocabParallelEmbedding
+from moefold.dense.norm import RMSNorm
+from moefold.models.config import ModelConfig
+from moefold.models.layer_factory import build_block, check_layout, is_moe_block
+from moefold.models.mtp import MTPModule, shift_left
+from moefold.models.options import ModelOptions
+from moefold.moe.balance_losses import GlobalLoadState
+from moefold.moe.layer import MoEOutputInfo
+from moefold.parallel.comm import gather_along_dim
+from moefold.parallel.dims import ParallelDims
+from moefold.parallel.groups import group_size
+from moefold.parallel.sharding import init_parameters
 
 IGNORE_INDEX = -100  # labels with this value carry no loss (HF / torch convention)
 

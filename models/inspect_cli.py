@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from models.recipes import RECIPES, get_recipe
+from moefold.models.recipes import RECIPES, get_recipe
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from models.params import count_parameters, fmt_count, format_report
+    from moefold.models.params import count_parameters, fmt_count, format_report
 
     if args.list:
         print(f"{'recipe':<22}{'total':>12}{'active':>12}")
@@ -34,12 +34,12 @@ def main(args: argparse.Namespace) -> int:
     if args.recipe:
         config = get_recipe(args.recipe)
     elif args.hf:
-        from models.hf.config_map import from_hf_config
-        from models.hf.importer import read_hf_config
+        from moefold.models.hf.config_map import from_hf_config
+        from moefold.models.hf.importer import read_hf_config
 
         config = from_hf_config(read_hf_config(args.hf), name=args.hf)
     else:
-        from models.checkpoint import load_config
+        from moefold.models.checkpoint import load_config
 
         config = load_config(args.checkpoint)
     if args.config:

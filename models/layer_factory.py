@@ -9,18 +9,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from dense.attention import GQAAttention
-from dense.attention_config import AttentionConfig, MLAConfig
-from dense.block import TransformerBlock
-from dense.mla import MLAttention
-from dense.mlp import DenseMLP, MLPConfig
-from dense.rope import YarnConfig
-from models.config import ModelConfig
-from models.options import ModelOptions
-from moe.config import MoEConfig
-from moe.layer import MoELayer
-from moe.router_config import RouterConfig
-from parallel.dims import ParallelDims
+from moefold.dense.attention import GQAAttention
+from moefold.dense.attention_config import AttentionConfig, MLAConfig
+from moefold.dense.block import TransformerBlock
+from moefold.dense.mla import MLAttention
+from moefold.dense.mlp import DenseMLP, MLPConfig
+from moefold.dense.rope import YarnConfig
+from moefold.models.config import ModelConfig
+from moefold.models.options import ModelOptions
+from moefold.moe.config import MoEConfig
+from moefold.moe.layer import MoELayer
+from moefold.moe.router_config import RouterConfig
+from moefold.parallel.dims import ParallelDims
 
 
 def yarn_config(config: ModelConfig) -> YarnConfig | None:

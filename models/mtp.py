@@ -25,16 +25,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dense.block import TransformerBlock
-from dense.context_parallel import gather_from_context_parallel, split_for_context_parallel
-from dense.linear import ColumnParallelLinear
-from dense.norm import RMSNorm
-from models.config import ModelConfig
-from models.layer_factory import build_block
-from models.options import ModelOptions
-from parallel.dims import ParallelDims
-from parallel.groups import Group, group_size
-from parallel.sharding import mark_sequence_parallel
+from moefold.dense.block import TransformerBlock
+from moefold.dense.context_parallel import gather_from_context_parallel, split_for_context_parallel
+from moefold.dense.linear import ColumnParallelLinear
+from moefold.dense.norm import RMSNorm
+from moefold.models.config import ModelConfig
+from moefold.models.layer_factory import build_block
+from moefold.models.options import ModelOptions
+from moefold.parallel.dims import ParallelDims
+from moefold.parallel.groups import Group, group_size
+from moefold.parallel.sharding import mark_sequence_parallel
 
 
 def shift_left(x_SB: Tensor, k: int, fill: int | float, cp_group: Group, cp_rank: int) -> Tensor:

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dense.context_parallel import CP_COMM_MODES
-from dense.recompute import RECOMPUTE_MODES
-from moe.config import DISPATCHERS
-from moe.gemm import GEMM_BACKENDS
+from moefold.dense.context_parallel import CP_COMM_MODES
+from moefold.dense.recompute import RECOMPUTE_MODES
+from moefold.moe.config import DISPATCHERS
+from moefold.moe.gemm import GEMM_BACKENDS
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

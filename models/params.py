@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from models.config import ModelConfig
-from models.options import ModelOptions
-from parallel.dims import ParallelDims
+from moefold.models.config import ModelConfig
+from moefold.models.options import ModelOptions
+from moefold.parallel.dims import ParallelDims
 
 CATEGORIES = ("attention", "norms", "mlp", "router", "shared_experts", "routed_experts", "mtp_proj")
 
@@ -82,7 +82,7 @@ def _category(rest: str) -> str:
 
 def count_parameters(config: ModelConfig, options: ModelOptions | None = None) -> ParamReport:
     """Build ``config`` at world 1 on the meta device (no memory) and count its parameters."""
-    from models.decoder import MoEDecoder  # decoder imports the MoE stack; keep this module light
+    from moefold.models.decoder import MoEDecoder  # decoder imports the MoE stack; keep this module light
 
     with torch.device("meta"):
         model = MoEDecoder(config, ParallelDims.single(), options or ModelOptions())

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from models.config import MLADims, ModelConfig, YarnScaling
+from moefold.models.config import MLADims, ModelConfig, YarnScaling
 
 
 # ----------------------------------------------------------------------------- DeepSeek-V3

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from parallel.comm import all_reduce_sum
-from parallel.groups import Group
+from moefold.parallel.comm import all_reduce_sum
+from moefold.parallel.groups import Group
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from moe.experts import ACTIVATIONS
-from moe.gemm import GEMM_BACKENDS
+from moefold.moe.experts import ACTIVATIONS
+from moefold.moe.gemm import GEMM_BACKENDS
 
 if TYPE_CHECKING:
-    from moe.router_config import RouterConfig
+    from moefold.moe.router_config import RouterConfig
 
 # must equal dispatch.DISPATCHER_KINDS (not imported: dispatch imports moe.routing; a test checks it)
 DISPATCHERS: tuple[str, ...] = ("local", "allgather", "alltoall", "flex")

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from parallel.comm import all_reduce_sum
-from parallel.groups import Group
+from moefold.parallel.comm import all_reduce_sum
+from moefold.parallel.groups import Group
 
 
 def bias_update(tokens_per_expert_E: Tensor, rate: float, center: bool = False) -> Tensor:

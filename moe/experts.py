@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe.gemm import GEMM_BACKENDS, check_gemm_backend, flops_per_token, grouped_gemm
-from parallel.groups import Group, group_rank, group_size
-from parallel.sharding import Shard, mark_sharded, normal_init, set_init
+from moefold.moe.gemm import GEMM_BACKENDS, check_gemm_backend, flops_per_token, grouped_gemm
+from moefold.parallel.groups import Group, group_rank, group_size
+from moefold.parallel.sharding import Shard, mark_sharded, normal_init, set_init
 
 Activation = Literal["swiglu", "gelu"]
 ACTIVATIONS: tuple[str, ...] = ("swiglu", "gelu")

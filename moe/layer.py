@@ -22,16 +22,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from dispatch import build_dispatcher
-from moe.balance_losses import GlobalLoadState
-from moe.config import MoEConfig
-from moe.experts import GroupedExperts
-from moe.router import Router, RouterGroups
-from moe.router_stats import RouterStats
-from moe.shared_experts import SharedExperts
-from parallel.comm import gather_along_dim, scatter_along_dim
-from parallel.dims import ParallelDims
-from parallel.groups import group_rank
+from moefold.dispatch import build_dispatcher
+from moefold.moe.balance_losses import GlobalLoadState
+from moefold.moe.config import MoEConfig
+from moefold.moe.experts import GroupedExperts
+from moefold.moe.router import Router, RouterGroups
+from moefold.moe.router_stats import RouterStats
+from moefold.moe.shared_experts import SharedExperts
+from moefold.parallel.comm import gather_along_dim, scatter_along_dim
+from moefold.parallel.dims import ParallelDims
+from moefold.parallel.groups import group_rank
 
 
 @dataclass(frozen=True)

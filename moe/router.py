@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from moe.balance_losses import (
+from moefold.moe.balance_losses import (
     GlobalLoadState,
     batch_first_seq_ids,
     global_aux_loss,
@@ -29,17 +29,17 @@ from moe.balance_losses import (
     switch_aux_loss,
     z_loss,
 )
-from moe.capacity import capacity_keep_mask, expert_capacity
-from moe.router_config import RouterConfig
-from moe.router_stats import RouterStats, compute_router_stats, router_entropy_sum
-from moe.routing import Routing
-from moe.scoring import count_per_expert, gating_logits, route_scores, router_dtype, scores_for_aux_loss
-from parallel.comm import all_reduce_sum
-from parallel.groups import Group, group_size
-from parallel.sharding import mark_sequence_parallel, normal_init, set_init
+from moefold.moe.capacity import capacity_keep_mask, expert_capacity
+from moefold.moe.router_config import RouterConfig
+from moefold.moe.router_stats import RouterStats, compute_router_stats, router_entropy_sum
+from moefold.moe.routing import Routing
+from moefold.moe.scoring import count_per_expert, gating_logits, route_scores, router_dtype, scores_for_aux_loss
+from moefold.parallel.comm import all_reduce_sum
+from moefold.parallel.groups import Group, group_size
+from moefold.parallel.sharding import mark_sequence_parallel, normal_init, set_init
 
 if TYPE_CHECKING:
-    from parallel.dims import ParallelDims
+    from moefold.parallel.dims import ParallelDims
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moe.router_config import RouterConfig
+from moefold.moe.router_config import RouterConfig
 
 _NORM_EPS = 1e-20  # as DeepSeek-V3 / HF / Megatron: guards a sum of k sigmoids underflowing to 0
 

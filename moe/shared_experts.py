@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dense.linear import ColumnParallelLinear, RowParallelLinear
-from parallel.groups import Group
-from parallel.sharding import mark_sequence_parallel, normal_init, set_init
+from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
+from moefold.parallel.groups import Group
+from moefold.parallel.sharding import mark_sequence_parallel, normal_init, set_init
 
 
 class SharedExperts(nn.Module):

@@ -1,6 +1,6 @@
 """The rank grid (ParallelDims) and the autograd collectives every other package uses."""
 
-from parallel.comm import (
+from moefold.parallel.comm import (
     PendingAllToAll,
     all_gather_sequence,
     all_reduce_sum,
@@ -12,10 +12,10 @@ from parallel.comm import (
     reduce_scatter_sequence,
     scatter_along_dim,
 )
-from parallel.dims import ParallelConfig, ParallelDims, ParallelSizes
-from parallel.groups import Group, group_rank, group_ranks, group_size
-from parallel.init import default_device, init_distributed
-from parallel.sharding import (
+from moefold.parallel.dims import ParallelConfig, ParallelDims, ParallelSizes
+from moefold.parallel.groups import Group, group_rank, group_ranks, group_size
+from moefold.parallel.init import default_device, init_distributed
+from moefold.parallel.sharding import (
     Shard,
     full_shape,
     gather_full,

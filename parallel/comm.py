@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from parallel.groups import Group, group_rank, group_size
+from moefold.parallel.groups import Group, group_rank, group_size
 
 
 # --------------------------------------------------------------------------------------------

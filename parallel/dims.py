@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from parallel.groups import Group
+from moefold.parallel.groups import Group
 
 
 @dataclass(frozen=True)

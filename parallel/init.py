@@ -8,7 +8,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from parallel.dims import ParallelConfig, ParallelDims
+from moefold.parallel.dims import ParallelConfig, ParallelDims
 
 
 def default_device() -> torch.device:

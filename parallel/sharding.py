@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from parallel.comm import _all_gather
-from parallel.groups import Group, group_rank, group_size
+from moefold.parallel.comm import _all_gather
+from moefold.parallel.groups import Group, group_rank, group_size
 
 # init function: fills a full-size tensor in place from the generator it is given
 InitFn = Callable[[Tensor, torch.Generator], None]

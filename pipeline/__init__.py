@@ -1,9 +1,9 @@
 """Pipeline parallelism: stage splitting, point-to-point, schedules and their executor."""
 
-from pipeline.actions import Action, ActionKind, Message
-from pipeline.decoder_stage import DecoderStage, build_stage_model, decoder_microbatches, embedding_group
-from pipeline.executor import PipelineResult, PipelineStage, SequentialStage, reduce_step_losses, run_schedule
-from pipeline.p2p import (
+from moefold.pipeline.actions import Action, ActionKind, Message
+from moefold.pipeline.decoder_stage import DecoderStage, build_stage_model, decoder_microbatches, embedding_group
+from moefold.pipeline.executor import PipelineResult, PipelineStage, SequentialStage, reduce_step_losses, run_schedule
+from moefold.pipeline.p2p import (
     P2PHandle,
     TensorSpec,
     batch_send_recv,
@@ -12,10 +12,10 @@ from pipeline.p2p import (
     send_backward,
     send_forward,
 )
-from pipeline.schedules import SCHEDULES, Schedule, build_schedule, expected_bubble_fraction
-from pipeline.simulator import DeadlockError, ScheduleError, SimResult, simulate, validate
-from pipeline.stages import ChunkSpec, StageLayout, vpp_from_layers_per_virtual_stage
-from pipeline.timeline import plot_png, render_text
+from moefold.pipeline.schedules import SCHEDULES, Schedule, build_schedule, expected_bubble_fraction
+from moefold.pipeline.simulator import DeadlockError, ScheduleError, SimResult, simulate, validate
+from moefold.pipeline.stages import ChunkSpec, StageLayout, vpp_from_layers_per_virtual_stage
+from moefold.pipeline.timeline import plot_png, render_text
 
 __all__ = [
     "ChunkSpec", "StageLayout", "vpp_from_layers_per_virtual_stage",

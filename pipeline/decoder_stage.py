@@ -34,15 +34,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from models.config import ModelConfig
-from models.decoder import MoEDecoder
-from models.options import ModelOptions
-from moe.balance_losses import GlobalLoadState
-from moe.layer import MoEOutputInfo
-from parallel.dims import ParallelDims
-from parallel.groups import Group
-from pipeline.p2p import TensorSpec
-from pipeline.stages import StageLayout
+from moefold.models.config import ModelConfig
+from moefold.models.decoder import MoEDecoder
+from moefold.models.options import ModelOptions
+from moefold.moe.balance_losses import GlobalLoadState
+from moefold.moe.layer import MoEOutputInfo
+from moefold.parallel.dims import ParallelDims
+from moefold.parallel.groups import Group
+from moefold.pipeline.p2p import TensorSpec
+from moefold.pipeline.stages import StageLayout
 
 
 def build_stage_model(config: ModelConfig, dims: ParallelDims, options: ModelOptions,

@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from parallel.groups import Group, group_rank, group_size
-from pipeline.actions import Action, model_chunk, peer_of, split_batches
-from pipeline.p2p import P2PHandle, TensorSpec, batch_send_recv
-from pipeline.schedules import Schedule
+from moefold.parallel.groups import Group, group_rank, group_size
+from moefold.pipeline.actions import Action, model_chunk, peer_of, split_batches
+from moefold.pipeline.p2p import P2PHandle, TensorSpec, batch_send_recv
+from moefold.pipeline.schedules import Schedule
 
 StageOutput = Tensor | tuple[Tensor, Tensor | None]
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from pipeline.schedules import SCHEDULES, build_schedule, expected_bubble_fraction
-from pipeline.simulator import simulate
-from pipeline.stages import StageLayout
-from pipeline.timeline import plot_png, render_text
+from moefold.pipeline.schedules import SCHEDULES, build_schedule, expected_bubble_fraction
+from moefold.pipeline.simulator import simulate
+from moefold.pipeline.stages import StageLayout
+from moefold.pipeline.timeline import plot_png, render_text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

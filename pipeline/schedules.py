@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from pipeline.actions import Action, message_of, model_chunk, rank_and_chunk
+from moefold.pipeline.actions import Action, message_of, model_chunk, rank_and_chunk
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 

@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from pipeline.actions import Action, Message, message_of, model_chunk, split_batches
-from pipeline.schedules import Schedule
+from moefold.pipeline.actions import Action, Message, message_of, model_chunk, split_batches
+from moefold.pipeline.schedules import Schedule
 
 
 class ScheduleError(ValueError):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from pipeline.schedules import Schedule
-from pipeline.simulator import SimResult
+from moefold.pipeline.schedules import Schedule
+from moefold.pipeline.simulator import SimResult
 
 CHUNK_LETTERS = "abcdefghijklmnopqrstuvwxyz"
 

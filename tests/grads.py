@@ -6,10 +6,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe.experts import is_expert
-from parallel.dims import ParallelDims
-from parallel.groups import group_size
-from parallel.sharding import gather_full, is_sequence_parallel, shards_of
+from moefold.moe.experts import is_expert
+from moefold.parallel.dims import ParallelDims
+from moefold.parallel.groups import group_size
+from moefold.parallel.sharding import gather_full, is_sequence_parallel, shards_of
 
 
 def reduced_full_grads(model: nn.Module, dims: ParallelDims) -> dict[str, torch.Tensor]:

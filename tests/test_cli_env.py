@@ -2,8 +2,8 @@
 
 import pytest
 
-from training.cli import SUBCOMMANDS, main
-from training.env_report import backend_status
+from moefold.training.cli import SUBCOMMANDS, main
+from moefold.training.env_report import backend_status
 
 
 def test_env_prints_torch_and_backends(capsys):

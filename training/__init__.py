@@ -1,6 +1,6 @@
 """Training: CLI, trainer loop, optimizer, checkpointing, data and metrics.
 
-The public names below load on first use: ``moefold <subcommand>`` imports ``training.cli`` (hence
+The public names below load on first use: ``moefold <subcommand>`` imports ``moefold.training.cli`` (hence
 this package) and should not pay for the model, pipeline and DCP imports of the trainer.
 """
 
@@ -10,36 +10,37 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from training.checkpoint import complete_checkpoints, find_checkpoint, load_checkpoint, save_checkpoint
-    from training.config import RunConfig, TrainConfig
-    from training.flops import forward_flops_per_token, train_flops_per_token
-    from training.grad_sync import GradSync, reduction_kind
-    from training.launch import run_ranks
-    from training.lr_schedule import LRSchedule
-    from training.metrics import MetricsLogger, read_metrics
-    from training.optimizer import DistributedAdamW, decays
-    from training.run import train
-    from training.trainer import NonFiniteError, StepResult, Trainer, named_full_params
+    from moefold.training.checkpoint import complete_checkpoints, find_checkpoint, load_checkpoint, save_checkpoint
+    from moefold.training.config import RunConfig, TrainConfig
+    from moefold.training.flops import forward_flops_per_token, train_flops_per_token
+    from moefold.training.grad_sync import GradSync, reduction_kind
+    from moefold.training.launch import run_ranks
+    from moefold.training.lr_schedule import LRSchedule
+    from moefold.training.metrics import MetricsLogger, read_metrics
+    from moefold.training.optimizer import DistributedAdamW, decays
+    from moefold.training.run import train
+    from moefold.training.trainer import NonFiniteError, StepResult, Trainer, named_full_params
 
 _LAZY = {
-    "RunConfig": "training.config", "TrainConfig": "training.config",
-    "Trainer": "training.trainer", "StepResult": "training.trainer", "NonFiniteError": "training.trainer",
-    "named_full_params": "training.trainer",
-    "GradSync": "training.grad_sync", "reduction_kind": "training.grad_sync",
-    "DistributedAdamW": "training.optimizer", "decays": "training.optimizer",
-    "LRSchedule": "training.lr_schedule",
-    "save_checkpoint": "training.checkpoint", "load_checkpoint": "training.checkpoint",
-    "find_checkpoint": "training.checkpoint", "complete_checkpoints": "training.checkpoint",
-    "MetricsLogger": "training.metrics", "read_metrics": "training.metrics",
-    "forward_flops_per_token": "training.flops", "train_flops_per_token": "training.flops",
-    "run_ranks": "training.launch", "train": "training.run",
+    "RunConfig": "moefold.training.config", "TrainConfig": "moefold.training.config",
+    "Trainer": "moefold.training.trainer", "StepResult": "moefold.training.trainer",
+    "NonFiniteError": "moefold.training.trainer",
+    "named_full_params": "moefold.training.trainer",
+    "GradSync": "moefold.training.grad_sync", "reduction_kind": "moefold.training.grad_sync",
+    "DistributedAdamW": "moefold.training.optimizer", "decays": "moefold.training.optimizer",
+    "LRSchedule": "moefold.training.lr_schedule",
+    "save_checkpoint": "moefold.training.checkpoint", "load_checkpoint": "moefold.training.checkpoint",
+    "find_checkpoint": "moefold.training.checkpoint", "complete_checkpoints": "moefold.training.checkpoint",
+    "MetricsLogger": "moefold.training.metrics", "read_metrics": "moefold.training.metrics",
+    "forward_flops_per_token": "moefold.training.flops", "train_flops_per_token": "moefold.training.flops",
+    "run_ranks": "moefold.training.launch", "train": "moefold.training.run",
 }
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'training' has no attribute {name!r}")
+    raise AttributeError(f"module 'moefold.training' has no attribute {name!r}")
 
 
 __all__ = [

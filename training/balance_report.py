@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from training.metrics import METRICS_FILE, read_metrics
+from moefold.training.metrics import METRICS_FILE, read_metrics
 
 LAYERS_PER_PAGE = 16
 

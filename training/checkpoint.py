@@ -31,9 +31,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 
-from parallel.dims import ParallelDims
-from parallel.groups import group_ranks
-from parallel.sharding import full_shape, shards_of
+from moefold.parallel.dims import ParallelDims
+from moefold.parallel.groups import group_ranks
+from moefold.parallel.sharding import full_shape, shards_of
 
 PREFIX = "iter_"
 TMP_PREFIX = ".tmp-"

@@ -11,14 +11,17 @@ import sys
 
 # name -> (module, one-line help). Later subcommands register here.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "env": ("training.env_report", "print torch, devices, world size and the optional backends"),
-    "bench-dispatch": ("dispatch.bench", "time a token dispatcher's dispatch+combine against a raw all-to-all"),
-    "schedule": ("pipeline.schedule_cli", "print a pipeline schedule's timeline and bubble fraction (--plot PNG)"),
-    "prepare-data": ("training.data.prepare", "tokenise text/JSONL files into an indexed .bin/.idx corpus"),
-    "balance-report": ("training.balance_report", "plot and summarise expert load balance from a run's metrics"),
-    "inspect": ("models.inspect_cli", "print a model's total/active parameters with a per-layer breakdown"),
-    "convert": ("models.convert_cli", "convert checkpoints: HF <-> moefold (or HF -> HF re-sharded/fused)"),
-    "train": ("training.train_cli", "pretrain an MoE recipe (Megatron-LM flags; --nproc N local ranks or torchrun)"),
+    "env": ("moefold.training.env_report", "print torch, devices, world size and the optional backends"),
+    "bench-dispatch": ("moefold.dispatch.bench", "time a token dispatcher's dispatch+combine against a raw all-to-all"),
+    "schedule": ("moefold.pipeline.schedule_cli",
+                 "print a pipeline schedule's timeline and bubble fraction (--plot PNG)"),
+    "prepare-data": ("moefold.training.data.prepare", "tokenise text/JSONL files into an indexed .bin/.idx corpus"),
+    "balance-report": ("moefold.training.balance_report",
+                       "plot and summarise expert load balance from a run's metrics"),
+    "inspect": ("moefold.models.inspect_cli", "print a model's total/active parameters with a per-layer breakdown"),
+    "convert": ("moefold.models.convert_cli", "convert checkpoints: HF <-> moefold (or HF -> HF re-sharded/fused)"),
+    "train": ("moefold.training.train_cli",
+              "pretrain an MoE recipe (Megatron-LM flags; --nproc N local ranks or torchrun)"),
 }
 
 

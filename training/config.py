@@ -8,13 +8,13 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from models.config import MLADims, ModelConfig, YarnScaling
-from models.options import ModelOptions
-from parallel.dims import ParallelConfig, ParallelSizes
-from training.lr_schedule import DECAY_STYLES, WSD_STYLES, LRSchedule
+from moefold.models.config import MLADims, ModelConfig, YarnScaling
+from moefold.models.options import ModelOptions
+from moefold.parallel.dims import ParallelConfig, ParallelSizes
+from moefold.training.lr_schedule import DECAY_STYLES, WSD_STYLES, LRSchedule
 
 if TYPE_CHECKING:
-    from pipeline.stages import StageLayout
+    from moefold.pipeline.stages import StageLayout
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class TrainConfig:
             raise ValueError(f"--clip-grad={self.clip_grad}, --weight-decay={self.weight_decay} and "
                              f"--save-interval={self.save_interval} must be >= 0")
         self.lr_schedule()  # validates warmup/decay lengths
-        from pipeline.schedules import SCHEDULES
+        from moefold.pipeline.schedules import SCHEDULES
 
         if self.pipeline_schedule not in SCHEDULES:
             raise ValueError(f"--pipeline-schedule={self.pipeline_schedule!r}; valid: {', '.join(SCHEDULES)}")
@@ -119,7 +119,7 @@ class RunConfig:
                              f"{self.model.max_position_embeddings}")
         num_micro = t.global_batch_size // per_step
         if s.pp > 1:
-            from pipeline.schedules import check_schedule_config
+            from moefold.pipeline.schedules import check_schedule_config
 
             vpp = self.pipeline_layout(s.pp).vpp
             check_schedule_config(self.schedule_name(vpp), s.pp, vpp, num_micro)
@@ -128,7 +128,7 @@ class RunConfig:
     def pipeline_layout(self, pp: int) -> StageLayout:
         """The split of the decoder's layers over ``pp`` stages (x virtual stages) that the flags describe;
         ValueError naming the flags for an impossible one."""
-        from pipeline.stages import StageLayout, vpp_from_layers_per_virtual_stage
+        from moefold.pipeline.stages import StageLayout, vpp_from_layers_per_virtual_stage
 
         t = self.train
         first, last = t.decoder_first_pipeline_num_layers, t.decoder_last_pipeline_num_layers

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import importlib.util
 import os
 import platform
@@ -58,6 +59,7 @@ def gpu_report() -> list[str]:
 def report() -> list[str]:
     cuda = f"available, {torch.cuda.device_count()} device(s)" if torch.cuda.is_available() else "not available"
     lines = [
+        f"moefold: {importlib.metadata.version('moefold')}",
         f"python: {platform.python_version()} ({platform.machine()})",
         f"torch: {torch.__version__}",
         f"cuda: {cuda}",

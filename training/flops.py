@@ -9,7 +9,7 @@ shared experts, the output head and the multi-token-prediction modules.
 
 from __future__ import annotations
 
-from models.config import ModelConfig
+from moefold.models.config import ModelConfig
 
 
 def _attention_macs(c: ModelConfig, seq_len: int) -> float:

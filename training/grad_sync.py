@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from parallel.dims import ParallelDims
-from parallel.groups import Group, group_size
-from parallel.sharding import is_sequence_parallel
+from moefold.parallel.dims import ParallelDims
+from moefold.parallel.groups import Group, group_size
+from moefold.parallel.sharding import is_sequence_parallel
 
 KINDS = ("dense", "sp", "expert")
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from parallel.init import launched_by_torchrun
+from moefold.parallel.init import launched_by_torchrun
 
 
 def pick_device(device: str, local_rank: int) -> torch.device:

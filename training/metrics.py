@@ -220,7 +220,7 @@ class MetricsLogger:
         return rec
 
     def _memory(self) -> dict[str, float]:
-        from training.metrics_hw import memory_stats
+        from moefold.training.metrics_hw import memory_stats
 
         return memory_stats(self.device)
 

@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from parallel.dims import ParallelDims
-from parallel.groups import group_rank
-from parallel.sharding import shards_of
-from training.grad_sync import FlatGroup, GradSync
+from moefold.parallel.dims import ParallelDims
+from moefold.parallel.groups import group_rank
+from moefold.parallel.sharding import shards_of
+from moefold.training.grad_sync import FlatGroup, GradSync
 
 NO_DECAY_MARKERS = ("norm", "bias", "expert_bias")
 

@@ -13,19 +13,19 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from parallel.dims import ParallelDims
-from training.config import RunConfig
-from training.flops import train_flops_per_token
-from training.trainer import StepResult, Trainer
+from moefold.parallel.dims import ParallelDims
+from moefold.training.config import RunConfig
+from moefold.training.flops import train_flops_per_token
+from moefold.training.trainer import StepResult, Trainer
 
 if TYPE_CHECKING:
-    from training.data.sampler import Samples
+    from moefold.training.data.sampler import Samples
 
 
 def build_dataset(config: RunConfig, dims: ParallelDims) -> Samples:
     """The training samples (seq_length + 1 ids each) for the whole run: the ``--data-path`` blend, or the
     built-in corpus. Rank 0 prepares/caches first; the others then read the caches."""
-    from training.data import build_blended, builtin_corpus, parse_data_path
+    from moefold.training.data import build_blended, builtin_corpus, parse_data_path
 
     t = config.train
     num_samples = t.train_iters * t.global_batch_size
@@ -68,8 +68,8 @@ def train(config: RunConfig, device: torch.device | str = "cpu") -> list[StepRes
         trainer.load(t.load)
     logger = None
     if is_log:
-        from training.metrics import MetricsLogger
-        from training.metrics_hw import peak_flops
+        from moefold.training.metrics import MetricsLogger
+        from moefold.training.metrics_hw import peak_flops
 
         dtype = torch.bfloat16 if t.bf16 else torch.float32
         logger = MetricsLogger(t.run_dir, total_steps=t.train_iters, start_step=trainer.iteration,
@@ -86,7 +86,7 @@ def train(config: RunConfig, device: torch.device | str = "cpu") -> list[StepRes
             say(f"done: {len(results)} steps in {time.perf_counter() - start:.1f}s, lm loss "
                 f"{results[0].loss_lm:.4f} -> {results[-1].loss_lm:.4f}")
         if t.balance_report and trainer.moe_layers:
-            from training.balance_report import report
+            from moefold.training.balance_report import report
 
             paths = report(t.run_dir)
             say(f"load-balance report: {', '.join(str(p) for p in paths)}")

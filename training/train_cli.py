@@ -18,13 +18,13 @@ import sys
 
 import torch
 
-from models.options import ModelOptions
-from models.recipes import RECIPES, get_recipe
-from parallel.dims import ParallelConfig
-from parallel.init import launched_by_torchrun, launched_world_size
-from training.config import RunConfig, TrainConfig
-from training.launch import run_ranks
-from training.lr_schedule import DECAY_STYLES, WSD_STYLES
+from moefold.models.options import ModelOptions
+from moefold.models.recipes import RECIPES, get_recipe
+from moefold.parallel.dims import ParallelConfig
+from moefold.parallel.init import launched_by_torchrun, launched_world_size
+from moefold.training.config import RunConfig, TrainConfig
+from moefold.training.launch import run_ranks
+from moefold.training.lr_schedule import DECAY_STYLES, WSD_STYLES
 
 _T = TrainConfig()
 
@@ -153,8 +153,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 def validate(config: RunConfig, world_size: int) -> None:
     """Everything checkable without starting ranks: layout sizes, batch arithmetic, model divisibility."""
-    from models.layer_factory import check_layout
-    from parallel.dims import ParallelDims
+    from moefold.models.layer_factory import check_layout
+    from moefold.parallel.dims import ParallelDims
 
     try:
         sizes, _ = config.resolve(world_size)
@@ -196,12 +196,12 @@ def main(args: argparse.Namespace) -> int:
 
 def train_worker(device: torch.device, config_json: str) -> None:
     """One rank of ``moefold train`` (module-level: spawned processes import it)."""
-    from training.run import train
+    from moefold.training.run import train
 
     train(RunConfig.from_dict(json.loads(config_json)), device)
 
 
 if __name__ == "__main__":
-    from training.cli import main as cli_main
+    from moefold.training.cli import main as cli_main
 
     sys.exit(cli_main(["train", *sys.argv[1:]]))

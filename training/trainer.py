@@ -30,23 +30,23 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dense.context_parallel import split_for_context_parallel
-from models.decoder import MoEDecoder
-from models.layer_factory import is_moe_block
-from moe.expert_bias import update_expert_bias
-from moe.layer import MoEOutputInfo
-from moe.router import Router
-from parallel.dims import ParallelDims
-from pipeline import build_schedule, expected_bubble_fraction, run_schedule
-from pipeline.decoder_stage import DecoderStage, build_stage_model, embedding_group
-from training.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
-from training.config import RunConfig
-from training.grad_sync import GradSync
-from training.optimizer import DistributedAdamW
+from moefold.dense.context_parallel import split_for_context_parallel
+from moefold.models.decoder import MoEDecoder
+from moefold.models.layer_factory import is_moe_block
+from moefold.moe.expert_bias import update_expert_bias
+from moefold.moe.layer import MoEOutputInfo
+from moefold.moe.router import Router
+from moefold.parallel.dims import ParallelDims
+from moefold.pipeline import build_schedule, expected_bubble_fraction, run_schedule
+from moefold.pipeline.decoder_stage import DecoderStage, build_stage_model, embedding_group
+from moefold.training.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from moefold.training.config import RunConfig
+from moefold.training.grad_sync import GradSync
+from moefold.training.optimizer import DistributedAdamW
 
 if TYPE_CHECKING:
-    from training.data.sampler import Samples
-    from training.metrics import MetricsLogger
+    from moefold.training.data.sampler import Samples
+    from moefold.training.metrics import MetricsLogger
 
 
 class NonFiniteError(RuntimeError):
@@ -284,7 +284,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------- the loop
     def microbatch_iter(self, dataset: Samples) -> Iterator[Tensor]:
-        from training.data import MicroBatchLoader
+        from moefold.training.data import MicroBatchLoader
 
         loader = MicroBatchLoader(dataset, self.config.train.micro_batch_size, self.dims.dp_rank, self.dims.dp,
                                   consumed_samples=self.consumed_samples)
@@ -338,6 +338,6 @@ def optimizer_memory_bytes(optimizer: DistributedAdamW) -> int:
 
 def named_full_params(model: nn.Module) -> dict[str, Tensor]:
     """Every parameter gathered to full shape (fp32, detached). Collective over each shard's group."""
-    from parallel.sharding import gather_full, shards_of
+    from moefold.parallel.sharding import gather_full, shards_of
 
     return {n: gather_full(p, shards_of(p)).float() for n, p in model.named_parameters()}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.config import MLADims, ModelConfig, YarnScaling
+from moefold.models.config import MLADims, ModelConfig, YarnScaling
 
 ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3", "Qwen3MoeForCausalLM": "qwen3_moe",
                  "MixtralForCausalLM": "mixtral"}

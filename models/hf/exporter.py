@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from models.config import ModelConfig
-from models.decoder import MoEDecoder
-from models.hf.config_map import to_hf_config
-from models.hf.mapping import EXPERT_FORMATS, expert_names, hf_names
-from models.tensor_io import ShardedWriter, dtype_name
-from parallel.sharding import gather_full, shards_of
+from moefold.models.config import ModelConfig
+from moefold.models.decoder import MoEDecoder
+from moefold.models.hf.config_map import to_hf_config
+from moefold.models.hf.mapping import EXPERT_FORMATS, expert_names, hf_names
+from moefold.models.tensor_io import ShardedWriter, dtype_name
+from moefold.parallel.sharding import gather_full, shards_of
 
 
 def hf_tensors(name: str, full: Tensor, config: ModelConfig, expert_format: str = "per_expert",

@@ -22,14 +22,14 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from models.config import ModelConfig
-from models.decoder import MoEDecoder
-from models.hf.config_map import from_hf_config
-from models.hf.mapping import ExpertNames, expert_names, hf_names, ignored_hf_names, is_ignorable
-from models.options import ModelOptions
-from models.tensor_io import TensorReader
-from parallel.dims import ParallelDims
-from parallel.sharding import Shard, full_shape, shards_of
+from moefold.models.config import ModelConfig
+from moefold.models.decoder import MoEDecoder
+from moefold.models.hf.config_map import from_hf_config
+from moefold.models.hf.mapping import ExpertNames, expert_names, hf_names, ignored_hf_names, is_ignorable
+from moefold.models.options import ModelOptions
+from moefold.models.tensor_io import TensorReader
+from moefold.parallel.dims import ParallelDims
+from moefold.parallel.sharding import Shard, full_shape, shards_of
 
 
 def local_box(shape: tuple[int, ...], shards: tuple[Shard, ...]) -> tuple[slice, ...]:

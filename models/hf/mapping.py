@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from models.config import ModelConfig
+from moefold.models.config import ModelConfig
 
 EXPERT_FORMATS = ("per_expert", "fused")
 

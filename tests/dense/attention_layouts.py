@@ -16,10 +16,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dense.context_parallel import context_parallel_positions, gather_from_context_parallel, split_for_context_parallel
-from parallel.dims import ParallelConfig, ParallelDims
-from parallel.groups import Group, group_size
-from parallel.sharding import init_parameters, set_init
+from moefold.dense.context_parallel import (
+    context_parallel_positions,
+    gather_from_context_parallel,
+    split_for_context_parallel,
+)
+from moefold.parallel.dims import ParallelConfig, ParallelDims
+from moefold.parallel.groups import Group, group_size
+from moefold.parallel.sharding import init_parameters, set_init
 from tests.dense.parity import assert_all_close, full_grads, seq_gather, seq_shard
 
 

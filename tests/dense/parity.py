@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from parallel.groups import Group, group_rank, group_size
-from parallel.sharding import gather_full, is_sequence_parallel, shards_of
+from moefold.parallel.groups import Group, group_rank, group_size
+from moefold.parallel.sharding import gather_full, is_sequence_parallel, shards_of
 
 
 def full_params(module: nn.Module) -> dict[str, Tensor]:

@@ -8,9 +8,9 @@ from transformers import MixtralConfig, Qwen3MoeConfig
 from transformers.models.mixtral import modeling_mixtral as hf_mixtral
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_qwen3
 
-from dense.attention import GQAAttention
-from dense.attention_config import AttentionConfig
-from parallel.dims import ParallelConfig, ParallelDims
+from moefold.dense.attention import GQAAttention
+from moefold.dense.attention_config import AttentionConfig
+from moefold.parallel.dims import ParallelConfig, ParallelDims
 from tests.dense.attention_layouts import (
     STANDARD_LAYOUTS,
     Layout,

@@ -1,10 +1,10 @@
 """A full transformer block (pre-norm attention + dense SwiGLU MLP) equals world 1 in every layout."""
 
-from dense.attention import GQAAttention
-from dense.attention_config import AttentionConfig, MLAConfig
-from dense.block import TransformerBlock
-from dense.mla import MLAttention
-from dense.mlp import DenseMLP, MLPConfig
+from moefold.dense.attention import GQAAttention
+from moefold.dense.attention_config import AttentionConfig, MLAConfig
+from moefold.dense.block import TransformerBlock
+from moefold.dense.mla import MLAttention
+from moefold.dense.mlp import DenseMLP, MLPConfig
 from tests.dense.attention_layouts import STANDARD_LAYOUTS, Layout, attention_maker, check_layouts
 from tests.distributed import run_distributed
 

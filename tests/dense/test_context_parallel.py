@@ -3,15 +3,15 @@
 import pytest
 import torch
 
-from dense.context_parallel import (
+from moefold.dense.context_parallel import (
     context_parallel_attention,
     context_parallel_positions,
     gather_from_context_parallel,
     position_mask,
     split_for_context_parallel,
 )
-from dense.core_attention import local_attention
-from parallel.dims import ParallelConfig, ParallelDims
+from moefold.dense.core_attention import local_attention
+from moefold.parallel.dims import ParallelConfig, ParallelDims
 from tests.distributed import run_distributed
 
 

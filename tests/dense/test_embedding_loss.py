@@ -5,13 +5,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dense.cross_entropy import masked_mean, vocab_parallel_cross_entropy
-from dense.embedding import OutputHead, VocabParallelEmbedding, pad_vocab_size
-from dense.norm import RMSNorm
-from parallel.comm import gather_along_dim
-from parallel.dims import ParallelConfig, ParallelDims
-from parallel.groups import Group, group_rank, group_size
-from parallel.sharding import init_parameters
+from moefold.dense.cross_entropy import masked_mean, vocab_parallel_cross_entropy
+from moefold.dense.embedding import OutputHead, VocabParallelEmbedding, pad_vocab_size
+from moefold.dense.norm import RMSNorm
+from moefold.parallel.comm import gather_along_dim
+from moefold.parallel.dims import ParallelConfig, ParallelDims
+from moefold.parallel.groups import Group, group_rank, group_size
+from moefold.parallel.sharding import init_parameters
 from tests.dense.parity import assert_all_close, full_grads, full_params
 from tests.distributed import run_distributed
 

@@ -4,10 +4,10 @@ import pytest
 import torch
 from torch import nn
 
-from dense.linear import ColumnParallelLinear, RowParallelLinear
-from parallel.dims import ParallelConfig, ParallelDims
-from parallel.groups import Group
-from parallel.sharding import init_parameters
+from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
+from moefold.parallel.dims import ParallelConfig, ParallelDims
+from moefold.parallel.groups import Group
+from moefold.parallel.sharding import init_parameters
 from tests.dense.parity import assert_all_close, full_grads, full_params, seq_gather, seq_shard
 from tests.distributed import run_distributed
 

@@ -7,10 +7,10 @@ import torch
 from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_ds
 
-from dense.attention_config import MLAConfig
-from dense.mla import MLAttention
-from dense.rope import YarnConfig
-from parallel.sharding import is_sequence_parallel, shards_of
+from moefold.dense.attention_config import MLAConfig
+from moefold.dense.mla import MLAttention
+from moefold.dense.rope import YarnConfig
+from moefold.parallel.sharding import is_sequence_parallel, shards_of
 from tests.dense.attention_layouts import (
     STANDARD_LAYOUTS,
     Layout,

@@ -7,13 +7,13 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3 import modeling_qwen3 as hf_qwen3
 
-from dense.block import TransformerBlock
-from dense.linear import ColumnParallelLinear, RowParallelLinear
-from dense.mlp import DenseMLP, MLPConfig
-from dense.recompute import check_recompute
-from parallel.dims import ParallelConfig, ParallelDims
-from parallel.groups import Group
-from parallel.sharding import init_parameters, set_init
+from moefold.dense.block import TransformerBlock
+from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
+from moefold.dense.mlp import DenseMLP, MLPConfig
+from moefold.dense.recompute import check_recompute
+from moefold.parallel.dims import ParallelConfig, ParallelDims
+from moefold.parallel.groups import Group
+from moefold.parallel.sharding import init_parameters, set_init
 from tests.dense.parity import assert_all_close, full_grads, full_params, seq_gather, seq_shard
 from tests.distributed import run_distributed
 

@@ -6,9 +6,9 @@ from transformers import DeepseekV3Config, Qwen3Config
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_ds
 from transformers.models.qwen3 import modeling_qwen3 as hf_qwen3
 
-from dense.norm import RMSNorm
-from dense.rope import RotaryEmbedding, YarnConfig, apply_rotary, yarn_softmax_mscale
-from parallel.sharding import is_sequence_parallel
+from moefold.dense.norm import RMSNorm
+from moefold.dense.rope import RotaryEmbedding, YarnConfig, apply_rotary, yarn_softmax_mscale
+from moefold.parallel.sharding import is_sequence_parallel
 
 YARN_CASES = [
     dict(factor=40.0, original_max_position_embeddings=64, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),

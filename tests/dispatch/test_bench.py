@@ -2,8 +2,8 @@
 
 import argparse
 
-from dispatch import bench
-from training.cli import build_parser
+from moefold.dispatch import bench
+from moefold.training.cli import build_parser
 
 
 def _args(**overrides) -> argparse.Namespace:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dispatch import (
+from moefold.dispatch import (
     LocalDispatcher,
     build_dispatcher,
     build_row_map,

@@ -9,8 +9,8 @@ combine must add the etp partial sums.
 
 import torch
 
-from dispatch import build_dispatcher
-from parallel import ParallelConfig, ParallelDims
+from moefold.dispatch import build_dispatcher
+from moefold.parallel import ParallelConfig, ParallelDims
 from tests.dispatch.common import expert_weights, make_case, make_routing, reference, run_experts
 from tests.distributed import run_distributed
 

@@ -17,8 +17,8 @@ E = 8
 def _compare(mode: str):
     import torch.distributed as dist
 
-    from dispatch import AllToAllDispatcher
-    from dispatch.deepep import FlexDispatcher
+    from moefold.dispatch import AllToAllDispatcher
+    from moefold.dispatch.deepep import FlexDispatcher
 
     rank = dist.get_rank()
     torch.cuda.set_device(rank)

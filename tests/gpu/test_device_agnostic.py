@@ -12,13 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe.config import MoEConfig
-from moe.layer import MoELayer
-from moe.router_config import RouterConfig
-from parallel.dims import ParallelDims
-from parallel.sharding import init_parameters
+from moefold.moe.config import MoEConfig
+from moefold.moe.layer import MoELayer
+from moefold.moe.router_config import RouterConfig
+from moefold.parallel.dims import ParallelDims
+from moefold.parallel.sharding import init_parameters
+from moefold.training.trainer import Trainer
 from tests.training.trainer_common import tiny_config, tiny_data
-from training.trainer import Trainer
 
 H = 32
 

@@ -6,8 +6,8 @@ Skipped without CUDA (tests/gpu/conftest.py); a backend whose package is missing
 import pytest
 import torch
 
-from moe.experts import GroupedExperts
-from moe.gemm import check_gemm_backend, grouped_gemm
+from moefold.moe.experts import GroupedExperts
+from moefold.moe.gemm import check_gemm_backend, grouped_gemm
 
 
 def _require(backend: str) -> None:

@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 
-from models.checkpoint import config_from_dict, config_to_dict, load_checkpoint
-from models.convert_cli import parse_size
-from models.recipes import RECIPES, get_recipe
-from models.tensor_io import TensorReader
+from moefold.models.checkpoint import config_from_dict, config_to_dict, load_checkpoint
+from moefold.models.convert_cli import parse_size
+from moefold.models.recipes import RECIPES, get_recipe
+from moefold.models.tensor_io import TensorReader
+from moefold.training.cli import main as cli
 from tests.models.hf_tiny import hf_logits, save_hf, tokens
-from training.cli import main as cli
 
 pytest.importorskip("transformers")
 

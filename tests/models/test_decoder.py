@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dense.mlp import DenseMLP
-from models.decoder import MoEDecoder
-from models.options import ModelOptions
-from models.recipes import deepseek_v3_tiny, mixtral_tiny, qwen3_moe_tiny
-from moe.layer import MoELayer
+from moefold.dense.mlp import DenseMLP
+from moefold.models.decoder import MoEDecoder
+from moefold.models.options import ModelOptions
+from moefold.models.recipes import deepseek_v3_tiny, mixtral_tiny, qwen3_moe_tiny
+from moefold.moe.layer import MoELayer
 
 
 def _batch(vocab: int, B: int = 2, S: int = 8, seed: int = 0):
@@ -86,7 +86,7 @@ def test_ignore_index_counts_as_masked():
 
 
 def test_layout_errors_name_the_numbers():
-    from parallel.dims import ParallelConfig, ParallelDims
+    from moefold.parallel.dims import ParallelConfig, ParallelDims
 
     dims = ParallelDims(sizes=ParallelConfig(tp=8).resolve(8))  # sizes only: the checks run before any group
     with pytest.raises(ValueError, match="num_heads=4 is not divisible by tp=8"):

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from models.hf.exporter import export_hf
-from models.hf.importer import import_hf, load_config
-from models.tensor_io import TensorReader
+from moefold.models.hf.exporter import export_hf
+from moefold.models.hf.importer import import_hf, load_config
+from moefold.models.tensor_io import TensorReader
 from tests.models.hf_tiny import FAMILIES, hf_logits, hf_model, save_hf, tokens
 
 transformers = pytest.importorskip("transformers")
@@ -69,8 +69,8 @@ def test_fused_expert_naming(tmp_path):
 def test_config_mapping():
     from transformers import DeepseekV3Config, Qwen3MoeConfig
 
-    from models.hf.config_map import from_hf_config, to_hf_config
-    from models.recipes import deepseek_v3, mixtral_8x7b, qwen3_moe_30b_a3b
+    from moefold.models.hf.config_map import from_hf_config, to_hf_config
+    from moefold.models.recipes import deepseek_v3, mixtral_8x7b, qwen3_moe_30b_a3b
 
     for recipe in (deepseek_v3(), qwen3_moe_30b_a3b(), mixtral_8x7b()):
         back = from_hf_config(to_hf_config(recipe), name=recipe.name)
@@ -114,8 +114,8 @@ def test_bad_input(tmp_path):
 
 def test_mtp_weights_roundtrip(tmp_path):
     """DeepSeek MTP modules map to model.layers.{L+k}.* (enorm/hnorm/eh_proj/shared_head + block) and back."""
-    from models.decoder import MoEDecoder
-    from models.recipes import deepseek_v3_tiny
+    from moefold.models.decoder import MoEDecoder
+    from moefold.models.recipes import deepseek_v3_tiny
 
     cfg = deepseek_v3_tiny().with_(num_layers=2, mtp_num_layers=2)
     model = MoEDecoder(cfg)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from models.decoder import MoEDecoder
-from models.recipes import deepseek_v3_tiny
+from moefold.models.decoder import MoEDecoder
+from moefold.models.recipes import deepseek_v3_tiny
 
 
 def _direct_loss(model: MoEDecoder, ids, labels, mask):

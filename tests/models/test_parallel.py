@@ -15,15 +15,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dense.context_parallel import split_for_context_parallel
-from models.checkpoint import load_checkpoint, save_checkpoint
-from models.decoder import MoEDecoder
-from models.hf.exporter import export_hf
-from models.hf.importer import import_hf
-from models.options import ModelOptions
-from models.recipes import deepseek_v3_tiny
-from models.tensor_io import TensorReader
-from parallel.dims import ParallelConfig, ParallelDims
+from moefold.dense.context_parallel import split_for_context_parallel
+from moefold.models.checkpoint import load_checkpoint, save_checkpoint
+from moefold.models.decoder import MoEDecoder
+from moefold.models.hf.exporter import export_hf
+from moefold.models.hf.importer import import_hf
+from moefold.models.options import ModelOptions
+from moefold.models.recipes import deepseek_v3_tiny
+from moefold.models.tensor_io import TensorReader
+from moefold.parallel.dims import ParallelConfig, ParallelDims
 from tests.distributed import run_distributed
 from tests.grads import reduced_full_grads
 from tests.models.hf_tiny import FAMILIES, hf_logits, save_hf, tokens

@@ -16,8 +16,8 @@ import math
 import pytest
 import torch
 
-from models.params import count_parameters, format_report
-from models.recipes import RECIPES, get_recipe
+from moefold.models.params import count_parameters, format_report
+from moefold.models.recipes import RECIPES, get_recipe
 
 PUBLISHED = {  # recipe: (total, active) in billions, as printed by the model authors
     "deepseek_v3": ("671", "37"),

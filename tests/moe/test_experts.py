@@ -5,9 +5,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moe.experts import GroupedExperts
-from parallel.dims import ParallelConfig, ParallelDims
-from parallel.sharding import gather_full, init_parameters, shards_of
+from moefold.moe.experts import GroupedExperts
+from moefold.parallel.dims import ParallelConfig, ParallelDims
+from moefold.parallel.sharding import gather_full, init_parameters, shards_of
 from tests.distributed import run_distributed
 
 E, H, FFN = 4, 16, 24

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moe.gemm import GEMM_BACKENDS, check_gemm_backend, grouped_gemm
+from moefold.moe.gemm import GEMM_BACKENDS, check_gemm_backend, grouped_gemm
 
 COUNTS = {
     "mixed": [3, 0, 5, 8],

@@ -18,12 +18,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe.config import MoEConfig
-from moe.experts import is_expert
-from moe.layer import MoELayer
-from moe.router_config import RouterConfig
-from parallel.dims import ParallelConfig, ParallelDims
-from parallel.sharding import gather_full, init_parameters, is_sequence_parallel, shards_of
+from moefold.moe.config import MoEConfig
+from moefold.moe.experts import is_expert
+from moefold.moe.layer import MoELayer
+from moefold.moe.router_config import RouterConfig
+from moefold.parallel.dims import ParallelConfig, ParallelDims
+from moefold.parallel.sharding import gather_full, init_parameters, is_sequence_parallel, shards_of
 from tests.distributed import run_distributed
 
 H, FFN, SHARED, S, B = 16, 8, 8, 4, 8   # B = dp * b: every dp rank gets B / dp sequences
@@ -109,7 +109,11 @@ def _check_layout(cfg, scenario, dims, sp, ref_cache, label):
             if is_sequence_parallel(p):  # replicated over tp, each tp rank saw its own tokens
                 dist.all_reduce(grad, group=dims.tp_group)
         full = gather_full(grad, shards_of(p))
-        torch.testing.assert_close(full, ref_grads[name], atol=1e-5, rtol=1e-5,
+        # A gradient summed over dp micro-batches whose terms are much larger than the sum (router
+        # weights in capacity mode: terms of +-20 summing to 0.13) carries fp32 rounding of the terms'
+        # size whatever the summation order, so the absolute tolerance scales with the largest entry.
+        atol = max(1e-5, 2e-6 * ref_grads[name].abs().max().item())
+        torch.testing.assert_close(full, ref_grads[name], atol=atol, rtol=1e-5,
                                    msg=lambda m: f"{label} grad {name}: {m}")
 
 
@@ -168,8 +172,8 @@ def test_world1_shapes_and_info():
 
 def test_config_dispatchers_are_the_factory_kinds():
     # two lists (moe.config cannot import dispatch: dispatch imports moe.routing), kept equal here
-    from dispatch import DISPATCHER_KINDS
-    from moe.config import DISPATCHERS
+    from moefold.dispatch import DISPATCHER_KINDS
+    from moefold.moe.config import DISPATCHERS
 
     assert DISPATCHERS == DISPATCHER_KINDS
 

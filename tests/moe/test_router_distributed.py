@@ -11,11 +11,11 @@ shard each; the global-batch loss over the M micro-batches holding every dp shar
 import torch
 import torch.distributed as dist
 
-from moe.expert_bias import update_expert_bias
-from moe.router import Router, RouterGroups
-from moe.router_config import RouterConfig
-from parallel.dims import ParallelConfig, ParallelDims
-from parallel.sharding import init_parameters
+from moefold.moe.expert_bias import update_expert_bias
+from moefold.moe.router import Router, RouterGroups
+from moefold.moe.router_config import RouterConfig
+from moefold.parallel.dims import ParallelConfig, ParallelDims
+from moefold.parallel.sharding import init_parameters
 from tests.distributed import run_distributed
 
 E, K, H = 8, 2, 16

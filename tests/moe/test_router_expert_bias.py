@@ -4,9 +4,9 @@ test_router_distributed.py."""
 import pytest
 import torch
 
-from moe.expert_bias import bias_update, update_expert_bias
-from moe.router import Router
-from moe.router_config import RouterConfig
+from moefold.moe.expert_bias import bias_update, update_expert_bias
+from moefold.moe.router import Router
+from moefold.moe.router_config import RouterConfig
 
 
 def test_bias_update_worked_example():

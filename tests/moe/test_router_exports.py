@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-import moe
-from moe.router import Router
-from moe.router_config import RouterConfig
+from moefold import moe
+from moefold.moe.router import Router
+from moefold.moe.router_config import RouterConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,7 +23,7 @@ def test_public_names_resolve():
 def test_fresh_process_import_orders():
     code = ("import dispatch, moe, models\n"
             "from moe import MoELayer, MoEOutputInfo, Router, Routing\n"
-            "assert MoELayer.__module__ == 'moe.layer' and Routing.__module__ == 'moe.routing'\n")
+            "assert MoELayer.__module__ == 'moefold.moe.layer' and Routing.__module__ == 'moefold.moe.routing'\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
 

@@ -13,8 +13,8 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkR
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter  # noqa: E402
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter  # noqa: E402
 
-from moe.router import Router  # noqa: E402
-from moe.router_config import RouterConfig  # noqa: E402
+from moefold.moe.router import Router  # noqa: E402
+from moefold.moe.router_config import RouterConfig  # noqa: E402
 
 H, T = 32, 64
 

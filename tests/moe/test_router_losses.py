@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from moe.balance_losses import batch_first_seq_ids
-from moe.router import Router
-from moe.router_config import RouterConfig
+from moefold.moe.balance_losses import batch_first_seq_ids
+from moefold.moe.router import Router
+from moefold.moe.router_config import RouterConfig
 
 E, K, H = 8, 2, 16
 

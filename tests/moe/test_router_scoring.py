@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from moe.capacity import capacity_keep_mask, expert_capacity
-from moe.router import Router
-from moe.router_config import RouterConfig
-from moe.scoring import group_limited_mask, route_scores
+from moefold.moe.capacity import capacity_keep_mask, expert_capacity
+from moefold.moe.router import Router
+from moefold.moe.router_config import RouterConfig
+from moefold.moe.scoring import group_limited_mask, route_scores
 
 
 def logit(p):

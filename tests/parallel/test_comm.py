@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel import (
+from moefold.parallel import (
     all_gather_sequence,
     all_reduce_sum,
     all_to_all,

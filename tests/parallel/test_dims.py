@@ -2,7 +2,7 @@
 
 import pytest
 
-from parallel import ParallelConfig, ParallelDims, group_ranks
+from moefold.parallel import ParallelConfig, ParallelDims, group_ranks
 from tests.distributed import run_distributed
 
 GROUPS = ("tp", "cp", "dp", "pp", "ep", "etp", "edp", "tp_cp", "dp_cp", "tp_cp_dp", "etp_ep")
@@ -126,7 +126,7 @@ def test_resolve_infers_dp_and_edp():
 
 
 def _init_under_launcher() -> tuple[int, int, str]:
-    from parallel import init_distributed
+    from moefold.parallel import init_distributed
 
     dims = init_distributed(ParallelConfig(tp=2, ep=2))
     return dims.tp, dims.dp, dims.device_type
@@ -137,7 +137,7 @@ def test_init_distributed_joins_the_launched_world():
 
 
 def test_init_distributed_alone_is_world_one(monkeypatch):
-    from parallel import init_distributed
+    from moefold.parallel import init_distributed
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     dims = init_distributed(ParallelConfig())

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel import Shard, full_shape, gather_full, init_parameters, mark_sharded, normal_init, set_init
+from moefold.parallel import Shard, full_shape, gather_full, init_parameters, mark_sharded, normal_init, set_init
 from tests.distributed import run_distributed
 
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.decoder import MoEDecoder
-from models.options import ModelOptions
-from models.recipes import deepseek_v3_tiny
-from parallel.dims import ParallelConfig, ParallelDims
-from pipeline.decoder_stage import DecoderStage, build_stage_model, decoder_microbatches
-from pipeline.executor import run_schedule
-from pipeline.schedules import build_schedule
-from pipeline.stages import StageLayout
+from moefold.models.decoder import MoEDecoder
+from moefold.models.options import ModelOptions
+from moefold.models.recipes import deepseek_v3_tiny
+from moefold.parallel.dims import ParallelConfig, ParallelDims
+from moefold.pipeline.decoder_stage import DecoderStage, build_stage_model, decoder_microbatches
+from moefold.pipeline.executor import run_schedule
+from moefold.pipeline.schedules import build_schedule
+from moefold.pipeline.stages import StageLayout
 from tests.distributed import run_distributed
 from tests.grads import reduced_full_grads
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel import ParallelConfig, ParallelDims
-from parallel.groups import group_rank
-from pipeline.executor import SequentialStage, reduce_step_losses, run_schedule
-from pipeline.p2p import TensorSpec, batch_send_recv, next_rank, prev_rank, recv_forward, send_forward
-from pipeline.schedules import build_schedule
-from pipeline.stages import StageLayout
+from moefold.parallel import ParallelConfig, ParallelDims
+from moefold.parallel.groups import group_rank
+from moefold.pipeline.executor import SequentialStage, reduce_step_losses, run_schedule
+from moefold.pipeline.p2p import TensorSpec, batch_send_recv, next_rank, prev_rank, recv_forward, send_forward
+from moefold.pipeline.schedules import build_schedule
+from moefold.pipeline.stages import StageLayout
 from tests.distributed import run_distributed
 from tests.pipeline import toy
 

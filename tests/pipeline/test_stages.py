@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pipeline.stages import StageLayout, vpp_from_layers_per_virtual_stage
+from moefold.pipeline.stages import StageLayout, vpp_from_layers_per_virtual_stage
 from tests.pipeline import toy
 
 

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from parallel import init_parameters, normal_init, set_init
-from pipeline.stages import StageLayout
+from moefold.parallel import init_parameters, normal_init, set_init
+from moefold.pipeline.stages import StageLayout
 
 NUM_LAYERS, HIDDEN, IN, OUT, ROWS = 8, 16, 8, 4, 3
 AUX_LAYERS = (3, 5)

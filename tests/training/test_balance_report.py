@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from training import balance_report
-from training.balance_report import LoadHistory, load_history, plot_heatmaps, plot_over_steps, summarize
-from training.cli import main as cli_main
-from training.metrics import MetricsLogger
+from moefold.training import balance_report
+from moefold.training.balance_report import LoadHistory, load_history, plot_heatmaps, plot_over_steps, summarize
+from moefold.training.cli import main as cli_main
+from moefold.training.metrics import MetricsLogger
 
 
 def _synthetic_run(run_dir, steps=30, layers=(1, 2, 3), experts=8):

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallel.dims import ParallelConfig, ParallelDims
+from moefold.parallel.dims import ParallelConfig, ParallelDims
+from moefold.training.checkpoint import complete_checkpoints
 from tests.distributed import run_distributed
 from tests.training.trainer_common import run, tiny_config
-from training.checkpoint import complete_checkpoints
 
 TOL = 1e-4  # across layouts (fp32); the same layout must be bit-identical
 

@@ -4,7 +4,7 @@ import sysconfig
 
 import numpy as np
 
-from training.data import IndexedDataset, builtin_corpus, load_tokenizer, stdlib_files, tokenizer_path
+from moefold.training.data import IndexedDataset, builtin_corpus, load_tokenizer, stdlib_files, tokenizer_path
 
 
 def test_builtin_corpus_small_cap(tmp_path):

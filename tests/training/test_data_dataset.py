@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from training.data import (
+from moefold.training.data import (
     BlendedDataset,
     GPTDataset,
     IndexedDatasetWriter,

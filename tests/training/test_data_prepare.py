@@ -6,8 +6,8 @@ import struct
 import numpy as np
 import pytest
 
-from training.cli import main as cli_main
-from training.data import (
+from moefold.training.cli import main as cli_main
+from moefold.training.data import (
     EOS_TOKEN,
     GPTDataset,
     IndexedDataset,
@@ -17,7 +17,7 @@ from training.data import (
     token_dtype,
     tokenizer_path,
 )
-from training.data.indexed import HEADER_BYTES, idx_path
+from moefold.training.data.indexed import HEADER_BYTES, idx_path
 
 DOCS = [
     "def f(x):\n    return x * 2\n",

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from training.metrics import MetricsLogger, format_line, load_balance, read_metrics
-from training.metrics_hw import measure_matmul_peak, memory_stats, mfu, peak_flops, table_peak_flops
+from moefold.training.metrics import MetricsLogger, format_line, load_balance, read_metrics
+from moefold.training.metrics_hw import measure_matmul_peak, memory_stats, mfu, peak_flops, table_peak_flops
 
 
 def test_logger_writes_jsonl_and_one_line(tmp_path):

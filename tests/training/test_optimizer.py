@@ -8,15 +8,15 @@ import zlib
 import pytest
 import torch
 
-from models.decoder import MoEDecoder
-from models.recipes import get_recipe
-from parallel.dims import ParallelConfig, ParallelDims
-from parallel.sharding import full_shape, local_slice, shards_of
+from moefold.models.decoder import MoEDecoder
+from moefold.models.recipes import get_recipe
+from moefold.parallel.dims import ParallelConfig, ParallelDims
+from moefold.parallel.sharding import full_shape, local_slice, shards_of
+from moefold.training.grad_sync import GradSync
+from moefold.training.lr_schedule import LRSchedule
+from moefold.training.optimizer import DistributedAdamW, decays
+from moefold.training.trainer import named_full_params
 from tests.distributed import run_distributed
-from training.grad_sync import GradSync
-from training.lr_schedule import LRSchedule
-from training.optimizer import DistributedAdamW, decays
-from training.trainer import named_full_params
 
 TOL = 1e-6
 

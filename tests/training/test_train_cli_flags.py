@@ -4,9 +4,9 @@ import argparse
 
 import pytest
 
-from models.layer_factory import router_config
-from models.options import ModelOptions
-from training.train_cli import ROUTER_FLAGS, add_arguments, config_from_args
+from moefold.models.layer_factory import router_config
+from moefold.models.options import ModelOptions
+from moefold.training.train_cli import ROUTER_FLAGS, add_arguments, config_from_args
 
 
 def _config(*flags: str):

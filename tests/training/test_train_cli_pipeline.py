@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from moefold.training.cli import build_parser
+from moefold.training.cli import main as cli_main
+from moefold.training.data.indexed import IndexedDatasetWriter
+from moefold.training.metrics import METRICS_FILE, read_metrics
+from moefold.training.train_cli import config_from_args
 from tests.training.trainer_common import tiny_data
-from training.cli import build_parser
-from training.cli import main as cli_main
-from training.data.indexed import IndexedDatasetWriter
-from training.metrics import METRICS_FILE, read_metrics
-from training.train_cli import config_from_args
 
 TOL = 1e-4   # pp2 vs world 1, fp32
 BASE = ["train", "--recipe", "deepseek_v3_tiny", "--num-layers", "4", "--seq-length", "32", "--micro-batch-size", "1",
@@ -80,7 +80,7 @@ def test_bad_pipeline_flags_fail_before_any_rank_starts(capsys, monkeypatch, tmp
     def no_ranks(*_a, **_k):
         raise AssertionError("a rank was started")
 
-    monkeypatch.setattr("training.train_cli.run_ranks", no_ranks)
+    monkeypatch.setattr("moefold.training.train_cli.run_ranks", no_ranks)
     args = [*BASE, "--nproc", "2", "--pipeline-model-parallel-size", "2", "--train-iters", "1",
             "--run-dir", str(tmp_path), "--no-save", *extra]
     assert cli_main(args) == 2
@@ -91,6 +91,6 @@ def test_bad_pipeline_flags_fail_before_any_rank_starts(capsys, monkeypatch, tmp
 @pytest.mark.parametrize("flag", ["--num-layers-per-virtual-pipeline-stage", "--decoder-first-pipeline-num-layers",
                                   "--decoder-last-pipeline-num-layers"])
 def test_pipeline_split_flags_need_pp(capsys, monkeypatch, tmp_path, flag):
-    monkeypatch.setattr("training.train_cli.run_ranks", lambda *_a, **_k: pytest.fail("a rank was started"))
+    monkeypatch.setattr("moefold.training.train_cli.run_ranks", lambda *_a, **_k: pytest.fail("a rank was started"))
     assert cli_main([*BASE, "--nproc", "2", "--run-dir", str(tmp_path), "--no-save", flag, "1"]) == 2
     assert f"{flag} needs --pipeline-model-parallel-size > 1" in capsys.readouterr().err

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
+from moefold.training.cli import main as cli_main
+from moefold.training.flops import train_flops_per_token
+from moefold.training.trainer import NonFiniteError
 from tests.training.trainer_common import run, tiny_config
-from training.cli import main as cli_main
-from training.flops import train_flops_per_token
-from training.trainer import NonFiniteError
 
 
 def test_same_seed_same_losses_bit_identical():
@@ -86,8 +86,8 @@ def test_flops_count_only_active_experts():
 
 
 def test_public_names_resolve():
-    import training
+    from moefold import training
 
     for name in training.__all__:
         assert getattr(training, name) is not None, name
-    assert training.Trainer.__module__ == "training.trainer"
+    assert training.Trainer.__module__ == "moefold.training.trainer"

@@ -23,10 +23,10 @@ import math
 import pytest
 import torch
 
-from parallel.dims import ParallelConfig, ParallelDims
+from moefold.parallel.dims import ParallelConfig, ParallelDims
+from moefold.training.metrics import METRICS_FILE, read_metrics
 from tests.distributed import run_distributed
 from tests.training.trainer_common import run, tiny_config
-from training.metrics import METRICS_FILE, read_metrics
 
 TOL = 1e-4  # absolute, on losses and on every final weight (fp32)
 AUX_RTOL = 1e-4  # the aux losses are small (coefficient 1e-4 for DeepSeek): relative

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from models.options import ModelOptions
-from models.recipes import get_recipe
-from parallel.dims import ParallelConfig, ParallelDims
-from training.config import RunConfig, TrainConfig
-from training.metrics import MetricsLogger
-from training.trainer import Trainer, named_full_params
+from moefold.models.options import ModelOptions
+from moefold.models.recipes import get_recipe
+from moefold.parallel.dims import ParallelConfig, ParallelDims
+from moefold.training.config import RunConfig, TrainConfig
+from moefold.training.metrics import MetricsLogger
+from moefold.training.trainer import Trainer, named_full_params
 
 SEQ = 32
 RECIPE = "deepseek_v3_tiny"   # MLA, MTP, expert bias, shared experts, seq aux loss: the most features

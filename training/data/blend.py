@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from training.data.gpt_dataset import GPTDataset
+from moefold.training.data.gpt_dataset import GPTDataset
 
 
 def normalise_weights(weights: Sequence[float]) -> np.ndarray:

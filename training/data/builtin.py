@@ -20,8 +20,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from training.data.indexed import idx_path
-from training.data.prepare import prepare
+from moefold.training.data.indexed import idx_path
+from moefold.training.data.prepare import prepare
 
 DEFAULT_VOCAB = 4096
 DEFAULT_MAX_BYTES = 4 * 2**20

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from training.data.indexed import IndexedDataset, idx_path
+from moefold.training.data.indexed import IndexedDataset, idx_path
 
 _INDEX_FORMAT = 1
 

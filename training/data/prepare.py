@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from training.data.indexed import IndexedDatasetWriter
-from training.data.tokenizer import eos_id, load_tokenizer, tokenizer_path, train_bpe
+from moefold.training.data.indexed import IndexedDatasetWriter
+from moefold.training.data.tokenizer import eos_id, load_tokenizer, tokenizer_path, train_bpe
 
 DEFAULT_GLOBS = ("*.txt", "*.jsonl", "*.md")
 JSONL_SUFFIXES = (".jsonl",)
