@@ -2,10 +2,14 @@
 positions, hidden blocks skipped); ring / all-gather attention, fused and math, equal to full attention and
 to each other, with the fused kernel called once per scheduled block."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from moefold.dense.attention import GQAAttention
+from moefold.dense.attention_config import AttentionConfig, MLAConfig
 from moefold.dense.context_parallel import (
     context_parallel_attention,
     context_parallel_positions,
@@ -15,7 +19,9 @@ from moefold.dense.context_parallel import (
 )
 from moefold.dense.core_attention import local_attention
 from moefold.dense.cp_fused import all_gather_calls, ring_step_calls
+from moefold.dense.mla import MLAttention
 from moefold.parallel.dims import ParallelConfig, ParallelDims
+from tests.dense.attention_layouts import Layout, attention_maker, compare_implementations, math_cp_maker
 from tests.distributed import run_distributed
 
 aten = torch.ops.aten
@@ -142,7 +148,28 @@ def _run(local, pos, group, mode, window, grad_out, fused):
     return [out.detach()] + [t.grad for t in local]
 
 
+# layer level: GQA with a window that crosses chunks at cp 4 (chunk 2), MLA with v narrower than q/k
+GQA_WINDOW = AttentionConfig(hidden_size=32, num_heads=4, num_query_groups=2, qk_norm=True, sliding_window=5,
+                             rope_theta=1000.0)
+MLA = MLAConfig(hidden_size=32, num_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                rope_theta=1000.0)
+CP_LAYOUTS = (Layout(cp=2, cp_comm="p2p"), Layout(cp=2, cp_comm="all_gather"), Layout(cp=4, cp_comm="p2p"),
+              Layout(cp=4, cp_comm="all_gather"), Layout(tp=2, cp=2, sp=True, cp_comm="p2p", recompute="selective"))
+
+
+def _layers_fused_equal_math() -> list[str]:
+    cache: dict = {}
+    done = []
+    for cls, config in ((GQAAttention, GQA_WINDOW), (GQAAttention, replace(GQA_WINDOW, sliding_window=None)),
+                        (MLAttention, MLA)):
+        make = attention_maker(cls, config)
+        done += compare_implementations(make, math_cp_maker(make), CP_LAYOUTS, seq=16, batch=2, hidden=32, seed=3,
+                                        dims_cache=cache)
+    return done
+
+
 def _rank():
+    layers = _layers_fused_equal_math()
     gen = torch.Generator().manual_seed(0)
     B, S = 2, 24
     checked = 0
@@ -190,8 +217,12 @@ def _rank():
                 assert out.dtype == torch.bfloat16
                 torch.testing.assert_close(gather_from_context_parallel(out, dims.cp_group, 2).float(), ref.detach(),
                                            atol=3e-2, rtol=0)
-    return checked
+    return checked, layers
 
 
 def test_fused_and_math_equal_each_other_and_full_attention():
-    assert run_distributed(_rank, 4)[0] == 2 * len(SHAPES) * 4 * 2
+    """Function level (every value and gradient, fused vs math vs world 1, kernel calls counted) and layer
+    level (GQA with and without a window, MLA: output, input and parameter gradients, fused vs math)."""
+    checked, layers = run_distributed(_rank, 4)[0]
+    assert checked == 2 * len(SHAPES) * 4 * 2
+    assert len(layers) == 3 * len(CP_LAYOUTS)
