@@ -102,12 +102,23 @@ def _run(module: nn.Module, x: Tensor, grad_out: Tensor, pos: Tensor) -> tuple[T
     return y.detach(), x.grad
 
 
+def _inputs(seq: int, batch: int, hidden: int, seed: int) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(seq, batch, hidden, generator=gen), torch.randn(seq, batch, hidden, generator=gen)
+
+
+def _dims(layout: Layout, cache: dict) -> ParallelDims:
+    """The layout's rank grid, built once per (tp, cp) in ``cache`` (building one is a collective)."""
+    key = (layout.tp, layout.cp)
+    if key not in cache:
+        cache[key] = ParallelDims.build(ParallelConfig(tp=layout.tp, cp=layout.cp))
+    return cache[key]
+
+
 def check_layouts(make: MakeModule, layouts: tuple[Layout, ...], *, seq: int, batch: int, hidden: int,
                   seed: int = 0, atol: float = 1e-5, dims_cache: dict | None = None) -> list[str]:
     """Compare every layout against world 1; returns the layouts checked (for the test's report)."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(seq, batch, hidden, generator=gen)
-    grad_out = torch.randn(seq, batch, hidden, generator=gen)
+    x, grad_out = _inputs(seq, batch, hidden, seed)
     ref = make(Layout(), None, None)
     init_all(ref, seed)
     ref_y, ref_dx = _run(ref, x, grad_out, torch.arange(seq))
@@ -115,10 +126,7 @@ def check_layouts(make: MakeModule, layouts: tuple[Layout, ...], *, seq: int, ba
     dims_cache = {} if dims_cache is None else dims_cache
     done = []
     for layout in layouts:
-        key = (layout.tp, layout.cp)
-        if key not in dims_cache:
-            dims_cache[key] = ParallelDims.build(ParallelConfig(tp=layout.tp, cp=layout.cp))
-        dims = dims_cache[key]
+        dims = _dims(layout, dims_cache)
         module = make(layout, dims.tp_group, dims.cp_group)
         init_all(module, seed)
         pos = context_parallel_positions(seq, dims.cp_rank, layout.cp)
@@ -140,16 +148,11 @@ def compare_implementations(make_a: MakeModule, make_b: MakeModule, layouts: tup
                             dims_cache: dict | None = None) -> list[str]:
     """Two builds of each layout, same weights and inputs: this rank's output, input gradient and every
     parameter gradient must agree (no gathering: both run the same layout)."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(seq, batch, hidden, generator=gen)
-    grad_out = torch.randn(seq, batch, hidden, generator=gen)
+    x, grad_out = _inputs(seq, batch, hidden, seed)
     dims_cache = {} if dims_cache is None else dims_cache
     done = []
     for layout in layouts:
-        key = (layout.tp, layout.cp)
-        if key not in dims_cache:
-            dims_cache[key] = ParallelDims.build(ParallelConfig(tp=layout.tp, cp=layout.cp))
-        dims = dims_cache[key]
+        dims = _dims(layout, dims_cache)
         pos = context_parallel_positions(seq, dims.cp_rank, layout.cp)
         results = []
         for make in (make_a, make_b):
