@@ -6,7 +6,8 @@
 For each exchange mode and implementation it starts a fresh world of ``--cp`` gloo ranks (spawned
 processes, one torch thread each), builds this rank's q, k, v (``[B, heads, S/cp, dim]``) and the
 output gradient, and times ``context_parallel_attention`` forward + backward (median over
-``--iters`` after one warm-up; the slowest rank, each timed region starting at a barrier).
+``--iters`` after one warm-up; the slowest rank, each timed region starting at a barrier; wall-clock,
+or each rank's process CPU time with ``--cpu-time`` on a loaded machine).
 
 Peak memory: the process's resident-set high-water mark (Linux ``VmHWM``), reset to the current
 RSS after the warm-up step (``/proc/self/clear_refs`` <- 5; the warm-up faults in code pages and
@@ -77,15 +78,16 @@ def _rank(rank: int, world: int, store_path: str, args: dict, fused: bool, mode:
                                              sliding_window=window, fused=fused)
             out.backward(grad_out)
 
+        clock = time.process_time if args["cpu_time"] else time.perf_counter
         step()  # warm-up: faults in the kernels' code pages and the process group's buffers
         rss_before = _status_kb("VmRSS")
         reset = _reset_peak()
         times = []
         for _ in range(args["iters"]):
             dist.barrier(dims.cp_group)
-            t0 = time.perf_counter()
+            t0 = clock()
             step()
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
         peak = _status_kb("VmHWM")
         results.put((rank, statistics.median(times), (peak - rss_before) / 1024, peak / 1024, reset))
     finally:
@@ -123,12 +125,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=None, help="sliding window (default: plain causal)")
     p.add_argument("--modes", default="p2p,all_gather")
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time with each rank's process CPU time instead of wall-clock (a shared, loaded machine; "
+                        "leaves out time spent waiting for the other rank)")
     a = p.parse_args(argv)
     args = {"seq": a.seq, "cp": a.cp, "batch": a.batch, "heads": a.heads, "kv_heads": a.kv_heads,
             "head_dim": a.head_dim, "v_dim": a.v_dim or a.head_dim, "dtype": a.dtype, "window": a.window,
-            "iters": a.iters}
+            "iters": a.iters, "cpu_time": a.cpu_time}
     print(f"# torch {torch.__version__}, cpu capability {torch.backends.cpu.get_cpu_capability()}, "
-          f"{os.cpu_count()} cpus, {a.cp} gloo ranks x 1 torch thread, load average at start {os.getloadavg()[0]:.1f}")
+          f"{os.cpu_count()} cpus, {a.cp} gloo ranks x 1 torch thread, load average at start {os.getloadavg()[0]:.1f}, "
+          f"clock: {'process CPU' if a.cpu_time else 'wall'}")
     print(f"# S={a.seq} cp={a.cp} B={a.batch} heads={a.heads}/{a.kv_heads} head_dim={a.head_dim}/{args['v_dim']} "
           f"dtype={a.dtype} window={a.window}; fwd+bwd median of {a.iters} (slowest rank); peak memory = RSS "
           "high-water mark over the inputs (max over ranks)")
