@@ -264,4 +264,3 @@ def merge_block(out: Tensor, lse: Tensor, rows: slice, block_out: Tensor, block_
     acc_out.mul_(torch.exp(acc_lse - new_lse).unsqueeze(-1))
     acc_out.add_(block_out.float() * torch.exp(block_lse - new_lse).unsqueeze(-1))
     acc_lse.copy_(new_lse)
-

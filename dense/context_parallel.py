@@ -25,6 +25,10 @@ implementation (``CP_ATTENTION_MATH``: ``ring_attention_math``, ``all_gather_att
 the test reference: position masks from the true global positions and plain torch math, every
 block computed; the p2p one builds one fp32 ``[B, h, S/cp, S/cp]`` block of scores per step, the
 all_gather one passes a boolean ``[S/cp, S]`` mask to SDPA.
+
+Tensors here are in SDPA layout ``[B, heads, S, dim]``; K/V may have fewer heads than Q (GQA:
+``heads_q % heads_kv == 0``, kv head j serving q heads ``j*rep .. (j+1)*rep-1``, as HF's
+``repeat_kv``).
 """
 
 from __future__ import annotations
