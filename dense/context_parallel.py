@@ -248,6 +248,8 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, c
     or (``fused=False``) the math reference.
 
     q ``[B, h, Sq, d]``, k ``[B, g, Sk, d]``, v ``[B, g, Sk, dv]``, q_pos ``[Sq]`` -> ``[B, h, Sq, dv]``.
+    The fused path takes visibility from the load-balanced layout, so ``q_pos`` must be this rank's
+    ``context_parallel_positions``; the math path masks by ``q_pos`` itself.
     A group of size 1 attends locally (position mask, no communication)."""
     impl = cp_attention_impl(mode, fused=fused)
     if group_size(cp_group) == 1:
