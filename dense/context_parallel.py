@@ -2,23 +2,29 @@
 
 Load-balanced split: the sequence is cut into ``2*cp`` equal chunks and CP rank ``r`` keeps
 chunks ``r`` and ``2*cp-1-r``, so under a causal mask every rank does the same amount of work.
-A rank therefore holds non-contiguous tokens; every attention mask here is built from the
-tokens' true global positions (``position_ids``), never from local indices, which also makes
-sliding windows work unchanged.
+A rank therefore holds non-contiguous tokens. Which keys a query sees follows from the tokens'
+true global positions (``position_ids``, from ``context_parallel_positions``), never from local
+indices: the math reference builds masks from them, the fused path derives the same visibility
+from the chunk layout (rank, cp, chunk length, window) on the host.
 
-Two exchange modes (``cp_comm``):
+Two exchange modes (``cp_comm``), each in two implementations with the same contract:
 
-- ``all_gather``: K/V of every CP rank all-gathered along the sequence (backward: the K/V
-  gradients reduce-scattered back), then this rank's queries attend to all keys through SDPA
-  with a position mask. Simple, one collective, O(S) K/V memory per rank.
 - ``p2p``: a ring. K/V blocks travel around the cp group with isend/irecv (one
   ``batch_isend_irecv`` per step, launched before the current block is computed so the
   transfer overlaps the math); each block's partial attention (output and log-sum-exp) is
-  merged with a log-sum-exp rescale. One autograd function with a flash-style backward: only
-  q, k, v, the output and the lse are saved; in backward the K/V blocks go around the ring
-  again, each with its gradient accumulator, which a final shift returns to the block's owner.
-  Blocks are computed in plain torch math (fp32 statistics), device-agnostic; O(S/cp) memory
-  per rank plus one block of scores at a time.
+  merged with a log-sum-exp rescale. Backward: only q, k, v, the output and the lse are saved;
+  the K/V blocks go around the ring again, each with its gradient accumulator, which a final
+  shift returns to the block's owner. O(S/cp) memory per rank.
+- ``all_gather``: K/V of every CP rank all-gathered along the sequence (backward: the K/V
+  gradients reduce-scattered back). Simple, one collective, O(S) K/V memory per rank.
+
+The default, fused implementation (``dense.cp_fused``, table ``CP_ATTENTION``) runs a flash kernel
+per visible block (``dense.attention_kernels``), skips the blocks the causal mask or the window
+hides entirely, and needs a mask only for blocks that cross a sliding-window boundary. The math
+implementation (``CP_ATTENTION_MATH``: ``ring_attention_math``, ``all_gather_attention_math``) is
+the test reference: position masks from the true global positions and plain torch math, every
+block computed; the p2p one builds one fp32 ``[B, h, S/cp, S/cp]`` block of scores per step, the
+all_gather one passes a boolean ``[S/cp, S]`` mask to SDPA.
 
 Tensors here are in SDPA layout ``[B, heads, S, dim]``; K/V may have fewer heads than Q (GQA:
 ``heads_q % heads_kv == 0``, kv head j serving q heads ``j*rep .. (j+1)*rep-1``, as HF's
@@ -32,8 +38,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from moefold.dense.attention_kernels import expand_heads, fold_heads
+from moefold.dense.cp_exchange import PendingShift, rank_order_to_global, ring_shift
+from moefold.dense.cp_fused import fused_all_gather_attention, fused_ring_attention
 from moefold.parallel.comm import all_gather_sequence, gather_along_dim
-from moefold.parallel.groups import Group, group_rank, group_ranks, group_size
+from moefold.parallel.groups import Group, group_rank, group_size
 
 CP_COMM_MODES = ("p2p", "all_gather")
 
@@ -77,12 +86,7 @@ def gather_from_context_parallel(x: Tensor, cp_group: Group, seq_dim: int = 0) -
     cp = group_size(cp_group)
     if cp == 1:
         return x
-    gathered = gather_along_dim(x, cp_group, dim=seq_dim)  # rank order: [c0, c_{2cp-1}, c1, c_{2cp-2}, ...]
-    parts = gathered.chunk(2 * cp, dim=seq_dim)
-    order = [0] * (2 * cp)
-    for r in range(cp):
-        order[r], order[2 * cp - 1 - r] = parts[2 * r], parts[2 * r + 1]
-    return torch.cat(order, dim=seq_dim)
+    return rank_order_to_global(gather_along_dim(x, cp_group, dim=seq_dim), cp, seq_dim)
 
 
 # --------------------------------------------------------------------------------------------
@@ -121,11 +125,11 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, *, scale: float, attn_mask: Tensor | N
 
 
 # --------------------------------------------------------------------------------------------
-# all_gather mode
+# the math reference: all_gather mode
 # --------------------------------------------------------------------------------------------
-def all_gather_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, cp_group: Group, *, scale: float,
-                         sliding_window: int | None = None) -> Tensor:
-    """Attention of local queries against the K/V of the whole cp group.
+def all_gather_attention_math(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, cp_group: Group, *, scale: float,
+                              sliding_window: int | None = None) -> Tensor:
+    """Attention of local queries against the K/V of the whole cp group, SDPA with a boolean position mask.
 
     q ``[B, h, Sq, d]``, k ``[B, g, Sk, d]``, v ``[B, g, Sk, dv]`` (this rank's tokens), q_pos
     ``[Sq]`` global positions (the keys' too: self-attention). Returns ``[B, h, Sq, dv]``.
@@ -138,50 +142,8 @@ def all_gather_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, cp_grou
 
 
 # --------------------------------------------------------------------------------------------
-# p2p (ring) mode
+# the math reference: p2p (ring) mode
 # --------------------------------------------------------------------------------------------
-class _PendingShift:
-    """Receive buffers of a ring step in flight; ``wait()`` before reading them."""
-
-    def __init__(self) -> None:
-        self.works: list = []
-        self.sent: list[Tensor] = []  # the send buffers, kept alive until the transfer is done
-
-    def wait(self) -> None:
-        for w in self.works:
-            w.wait()
-        self.works, self.sent = [], []
-
-
-def _ring_shift(tensors: tuple[Tensor, ...], group: Group, pending: _PendingShift,
-                first_tag: int = 0) -> list[Tensor]:
-    """Send each tensor to the next rank of ``group`` and receive the previous rank's.
-    Returns the receive buffers; ``pending`` gets the works.
-    Tensors get tags ``first_tag, first_tag + 1, ..``: exchanges in flight together need distinct tags."""
-    ranks, me, n = group_ranks(group), group_rank(group), group_size(group)
-    dst, src = ranks[(me + 1) % n], ranks[(me - 1) % n]
-    ops, outs = [], []
-    for tag, t in enumerate(tensors, start=first_tag):
-        t = t.contiguous()
-        pending.sent.append(t)
-        out = torch.empty_like(t)
-        # distinct tags: with cp=2 both messages go to the same peer
-        ops.append(dist.P2POp(dist.isend, t, dst, group, tag))
-        ops.append(dist.P2POp(dist.irecv, out, src, group, tag))
-        outs.append(out)
-    pending.works = dist.batch_isend_irecv(ops)
-    return outs
-
-
-def _expand_heads(t: Tensor, rep: int) -> Tensor:
-    return t if rep == 1 else t.repeat_interleave(rep, dim=1)
-
-
-def _fold_heads(t: Tensor, rep: int) -> Tensor:
-    """Sum a gradient over the query heads that share one kv head: [B, g*rep, ..] -> [B, g, ..]."""
-    return t if rep == 1 else t.unflatten(1, (-1, rep)).sum(2)
-
-
 def _scores(q: Tensor, k: Tensor, mask: Tensor, scale: float) -> Tensor:
     """fp32 scores; masked entries get the most negative finite float rather than -inf, so a row
     with no visible key in this block stays finite (its weight in the merge is exactly 0)."""
@@ -189,7 +151,7 @@ def _scores(q: Tensor, k: Tensor, mask: Tensor, scale: float) -> Tensor:
     return scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
 
 
-class _RingAttention(torch.autograd.Function):
+class _RingAttentionMath(torch.autograd.Function):
     """Ring attention with a hand-written backward (flash-attention style: only q, k, v, the output
     and the log-sum-exp are kept; the probabilities are recomputed block by block).
 
@@ -207,12 +169,12 @@ class _RingAttention(torch.autograd.Function):
         out = lse = None
         kv = [k, v]
         for step in range(n):
-            pending = _PendingShift()
-            nxt = _ring_shift(tuple(kv), group, pending) if step + 1 < n else None
+            pending = PendingShift()
+            nxt = ring_shift(tuple(kv), group, pending) if step + 1 < n else None
             mask = position_mask(q_pos, all_pos[(me - step) % n], sliding_window)
-            scores = _scores(q, _expand_heads(kv[0], rep), mask, scale)
+            scores = _scores(q, expand_heads(kv[0], rep), mask, scale)
             lse_s = torch.logsumexp(scores, dim=-1)
-            out_s = torch.matmul(torch.exp(scores - lse_s.unsqueeze(-1)), _expand_heads(kv[1], rep).float())
+            out_s = torch.matmul(torch.exp(scores - lse_s.unsqueeze(-1)), expand_heads(kv[1], rep).float())
             if out is None:
                 out, lse = out_s, lse_s
             else:
@@ -236,27 +198,27 @@ class _RingAttention(torch.autograd.Function):
         kv = [k, v]
         dkv = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
         for step in range(n):
-            kv_pending = _PendingShift()
-            nxt = _ring_shift(tuple(kv), group, kv_pending) if step + 1 < n else None
-            k_blk, v_blk = _expand_heads(kv[0], rep).float(), _expand_heads(kv[1], rep).float()
+            kv_pending = PendingShift()
+            nxt = ring_shift(tuple(kv), group, kv_pending) if step + 1 < n else None
+            k_blk, v_blk = expand_heads(kv[0], rep).float(), expand_heads(kv[1], rep).float()
             mask = position_mask(q_pos, all_pos[(me - step) % n], ctx.sliding_window)
             probs = torch.exp(_scores(q, k_blk, mask, scale) - lse.unsqueeze(-1))  # masked -> exactly 0
             dscores = probs * (torch.matmul(grad_out, v_blk.transpose(-1, -2)) - delta) * scale
             dq += torch.matmul(dscores, k_blk)
-            dkv[0] = dkv[0] + _fold_heads(torch.matmul(dscores.transpose(-1, -2), q.float()), rep)
-            dkv[1] = dkv[1] + _fold_heads(torch.matmul(probs.transpose(-1, -2), grad_out), rep)
+            dkv[0] = dkv[0] + fold_heads(torch.matmul(dscores.transpose(-1, -2), q.float()), rep)
+            dkv[1] = dkv[1] + fold_heads(torch.matmul(probs.transpose(-1, -2), grad_out), rep)
             # the accumulator follows its block to the next rank; after the last step, to its owner
-            acc_pending = _PendingShift()
-            dkv = _ring_shift(tuple(dkv), group, acc_pending, first_tag=2)
+            acc_pending = PendingShift()
+            dkv = ring_shift(tuple(dkv), group, acc_pending, first_tag=2)
             acc_pending.wait()
             kv_pending.wait()
             kv = nxt
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, cp_group: Group, *, scale: float,
-                   sliding_window: int | None = None) -> Tensor:
-    """Ring (p2p) context-parallel attention; shapes as ``all_gather_attention``.
+def ring_attention_math(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, cp_group: Group, *, scale: float,
+                        sliding_window: int | None = None) -> Tensor:
+    """Ring (p2p) context-parallel attention in plain math; shapes as ``all_gather_attention_math``.
 
     Memory per rank: q, k, v, the fp32 output and lse, plus one S_local x S_local block of
     scores at a time (no attention matrix is stored for backward). Crosses ranks: K/V blocks
@@ -264,20 +226,32 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, cp_group: Gro
     the positions (one small all-gather).
     """
     all_pos = _all_gather_positions(q_pos, cp_group)
-    return _RingAttention.apply(q, k, v, q_pos, all_pos, cp_group, scale, sliding_window)
+    return _RingAttentionMath.apply(q, k, v, q_pos, all_pos, cp_group, scale, sliding_window)
 
 
-CP_ATTENTION = {"p2p": ring_attention, "all_gather": all_gather_attention}  # cp_comm -> implementation
+# cp_comm -> implementation, chosen once (CoreAttention's constructor), never per forward
+CP_ATTENTION = {"p2p": fused_ring_attention, "all_gather": fused_all_gather_attention}
+CP_ATTENTION_MATH = {"p2p": ring_attention_math, "all_gather": all_gather_attention_math}
+
+
+def cp_attention_impl(mode: str, *, fused: bool = True):
+    """The CP attention function for exchange mode ``mode`` (``CP_COMM_MODES``): fused (default) or the
+    math reference. All take ``(q, k, v, q_pos, cp_group, *, scale, sliding_window)``."""
+    if mode not in CP_ATTENTION:
+        raise ValueError(f"cp_comm={mode!r} is not one of {CP_COMM_MODES}")
+    return (CP_ATTENTION if fused else CP_ATTENTION_MATH)[mode]
 
 
 def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, cp_group: Group, *, mode: str,
-                               scale: float, sliding_window: int | None = None) -> Tensor:
-    """Causal attention across the cp group in exchange mode ``mode`` (``CP_COMM_MODES``).
+                               scale: float, sliding_window: int | None = None, fused: bool = True) -> Tensor:
+    """Causal attention across the cp group in exchange mode ``mode`` (``CP_COMM_MODES``), fused kernels
+    or (``fused=False``) the math reference.
 
     q ``[B, h, Sq, d]``, k ``[B, g, Sk, d]``, v ``[B, g, Sk, dv]``, q_pos ``[Sq]`` -> ``[B, h, Sq, dv]``.
+    The fused path takes visibility from the load-balanced layout, so ``q_pos`` must be this rank's
+    ``context_parallel_positions``; the math path masks by ``q_pos`` itself.
     A group of size 1 attends locally (position mask, no communication)."""
-    if mode not in CP_ATTENTION:
-        raise ValueError(f"cp_comm={mode!r} is not one of {CP_COMM_MODES}")
+    impl = cp_attention_impl(mode, fused=fused)
     if group_size(cp_group) == 1:
         return sdpa(q, k, v, scale=scale, attn_mask=position_mask(q_pos, q_pos, sliding_window))
-    return CP_ATTENTION[mode](q, k, v, q_pos, cp_group, scale=scale, sliding_window=sliding_window)
+    return impl(q, k, v, q_pos, cp_group, scale=scale, sliding_window=sliding_window)

@@ -3,7 +3,8 @@
 Without context parallelism this is one ``torch.nn.functional.scaled_dot_product_attention``
 call (``is_causal`` when there is no sliding window, so fused kernels can be picked; an
 explicit position mask otherwise). With CP it delegates to ``dense.context_parallel`` in the
-configured exchange mode. Selective recomputation checkpoints exactly this module
+configured exchange mode: fused kernels per block (default) or, with ``fused=False``, the math
+reference the tests compare them with. Selective recomputation checkpoints exactly this module
 (``torch.utils.checkpoint``, non-reentrant): the S x S scores are recomputed in backward
 instead of being stored.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from moefold.dense.context_parallel import CP_ATTENTION, CP_COMM_MODES, position_mask, sdpa
+from moefold.dense.context_parallel import CP_COMM_MODES, cp_attention_impl, position_mask, sdpa
 from moefold.dense.recompute import checkpointed
 from moefold.parallel.groups import Group, group_size
 
@@ -35,16 +36,16 @@ class CoreAttention(nn.Module):
     """
 
     def __init__(self, scale: float, *, sliding_window: int | None = None, cp_group: Group = None,
-                 cp_comm: str = "p2p", recompute: bool = False) -> None:
+                 cp_comm: str = "p2p", recompute: bool = False, fused: bool = True) -> None:
         super().__init__()
         if cp_comm not in CP_COMM_MODES:
             raise ValueError(f"cp_comm={cp_comm!r} is not one of {CP_COMM_MODES}")
         if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
             raise ValueError(f"sliding_window={sliding_window!r} must be a positive integer or None")
         self.scale, self.sliding_window = float(scale), sliding_window
-        self.cp_group, self.cp_comm, self.recompute = cp_group, cp_comm, recompute
-        # the exchange is chosen once here, not by comparing strings in every forward
-        self._cp_attention = CP_ATTENTION[cp_comm] if group_size(cp_group) > 1 else None
+        self.cp_group, self.cp_comm, self.recompute, self.fused = cp_group, cp_comm, recompute, fused
+        # the exchange and its implementation are chosen once here, not by comparing strings in every forward
+        self._cp_attention = cp_attention_impl(cp_comm, fused=fused) if group_size(cp_group) > 1 else None
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor) -> Tensor:
         S, B, h = q.shape[:3]
@@ -66,4 +67,4 @@ class CoreAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"scale={self.scale:.4g}, sliding_window={self.sliding_window}, cp={group_size(self.cp_group)}, "
-                f"cp_comm={self.cp_comm}, recompute={self.recompute}")
+                f"cp_comm={self.cp_comm}, fused={self.fused}, recompute={self.recompute}")

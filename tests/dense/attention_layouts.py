@@ -4,6 +4,8 @@ Inside a ``run_distributed`` rank: build the world-1 reference, then every layou
 CP exchange mode, recompute) over the same world; each must reproduce the reference output,
 input gradient and every parameter's gradient gathered to full shape (SP-flagged grads summed
 over tp, then every grad summed over cp since each CP rank sees part of the sequence).
+``compare_implementations`` compares two builds of the same layout rank by rank (e.g. the fused
+CP attention against the math reference, ``math_cp_maker``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from moefold.dense.context_parallel import (
     gather_from_context_parallel,
     split_for_context_parallel,
 )
+from moefold.dense.core_attention import CoreAttention
 from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.parallel.groups import Group, group_size
 from moefold.parallel.sharding import init_parameters, set_init
@@ -62,6 +65,17 @@ def attention_maker(cls: type[nn.Module], config: Any) -> MakeModule:
     return make
 
 
+def math_cp_maker(make: MakeModule) -> MakeModule:
+    """``make`` whose module's core attention runs the math CP reference instead of the fused kernels."""
+    def make_math(layout: Layout, tp_group: Group, cp_group: Group) -> nn.Module:
+        module = make(layout, tp_group, cp_group)
+        core = module.core
+        module.core = CoreAttention(core.scale, sliding_window=core.sliding_window, cp_group=core.cp_group,
+                                    cp_comm=core.cp_comm, recompute=core.recompute, fused=False)
+        return module
+    return make_math
+
+
 def init_all(module: nn.Module, seed: int) -> None:
     """Layout-independent init of every parameter, biases and norm weights too (random around 1
     rather than their constant defaults, so a mis-sharded bias or norm weight shows)."""
@@ -88,12 +102,23 @@ def _run(module: nn.Module, x: Tensor, grad_out: Tensor, pos: Tensor) -> tuple[T
     return y.detach(), x.grad
 
 
+def _inputs(seq: int, batch: int, hidden: int, seed: int) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(seq, batch, hidden, generator=gen), torch.randn(seq, batch, hidden, generator=gen)
+
+
+def _dims(layout: Layout, cache: dict) -> ParallelDims:
+    """The layout's rank grid, built once per (tp, cp) in ``cache`` (building one is a collective)."""
+    key = (layout.tp, layout.cp)
+    if key not in cache:
+        cache[key] = ParallelDims.build(ParallelConfig(tp=layout.tp, cp=layout.cp))
+    return cache[key]
+
+
 def check_layouts(make: MakeModule, layouts: tuple[Layout, ...], *, seq: int, batch: int, hidden: int,
                   seed: int = 0, atol: float = 1e-5, dims_cache: dict | None = None) -> list[str]:
     """Compare every layout against world 1; returns the layouts checked (for the test's report)."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(seq, batch, hidden, generator=gen)
-    grad_out = torch.randn(seq, batch, hidden, generator=gen)
+    x, grad_out = _inputs(seq, batch, hidden, seed)
     ref = make(Layout(), None, None)
     init_all(ref, seed)
     ref_y, ref_dx = _run(ref, x, grad_out, torch.arange(seq))
@@ -101,10 +126,7 @@ def check_layouts(make: MakeModule, layouts: tuple[Layout, ...], *, seq: int, ba
     dims_cache = {} if dims_cache is None else dims_cache
     done = []
     for layout in layouts:
-        key = (layout.tp, layout.cp)
-        if key not in dims_cache:
-            dims_cache[key] = ParallelDims.build(ParallelConfig(tp=layout.tp, cp=layout.cp))
-        dims = dims_cache[key]
+        dims = _dims(layout, dims_cache)
         module = make(layout, dims.tp_group, dims.cp_group)
         init_all(module, seed)
         pos = context_parallel_positions(seq, dims.cp_rank, layout.cp)
@@ -117,5 +139,29 @@ def check_layouts(make: MakeModule, layouts: tuple[Layout, ...], *, seq: int, ba
         assert_all_close({"out": _full(y, dims, layout), "dx": _full(dx, dims, layout)},
                          {"out": ref_y, "dx": ref_dx}, what, atol=atol)
         assert_all_close(grads, ref_grads, what + " grad", atol=atol)
+        done.append(str(layout))
+    return done
+
+
+def compare_implementations(make_a: MakeModule, make_b: MakeModule, layouts: tuple[Layout, ...], *, seq: int,
+                            batch: int, hidden: int, seed: int = 0, atol: float = 1e-5,
+                            dims_cache: dict | None = None) -> list[str]:
+    """Two builds of each layout, same weights and inputs: this rank's output, input gradient and every
+    parameter gradient must agree (no gathering: both run the same layout)."""
+    x, grad_out = _inputs(seq, batch, hidden, seed)
+    dims_cache = {} if dims_cache is None else dims_cache
+    done = []
+    for layout in layouts:
+        dims = _dims(layout, dims_cache)
+        pos = context_parallel_positions(seq, dims.cp_rank, layout.cp)
+        results = []
+        for make in (make_a, make_b):
+            module = make(layout, dims.tp_group, dims.cp_group)
+            init_all(module, seed)
+            y, dx = _run(module, _local(x, dims, layout), _local(grad_out, dims, layout), pos)
+            results.append(({"out": y, "dx": dx}, {n: p.grad for n, p in module.named_parameters()}))
+        what = f"{type(module).__name__} [{layout}]"
+        assert_all_close(results[0][0], results[1][0], what, atol=atol)
+        assert_all_close(results[0][1], results[1][1], what + " grad", atol=atol)
         done.append(str(layout))
     return done
