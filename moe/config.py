@@ -66,7 +66,7 @@ class MoEConfig:
                              f"{self.gemm_backend!r}")
         if not isinstance(self.deepep_num_sms, int) or self.deepep_num_sms < 2 or self.deepep_num_sms % 2:
             raise ValueError(f"MoEConfig: deepep_num_sms={self.deepep_num_sms!r} must be an even integer >= 2 "
-                             "(DeepEP runs two SMs per channel)")
+                             "(--moe-deepep-num-sms; DeepEP runs two SMs per channel)")
         router_experts = getattr(self.router, "num_experts", self.num_experts)
         if router_experts != self.num_experts:
             raise ValueError(f"MoEConfig: num_experts={self.num_experts} but router.num_experts={router_experts}")
