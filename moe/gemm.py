@@ -11,10 +11,13 @@ gradients, so gradient hooks fire as on every other step.
 Backends (``GEMM_BACKENDS``):
 
 - ``grouped_mm``   ``torch.nn.functional.grouped_mm`` (default). One call, offsets are the int32
-                   cumsum of the counts and stay on the device (no host sync). Its kernels need
-                   row strides that are multiples of 16 bytes: K and M are zero-padded to the next
-                   multiple when they are not (a copy; choose aligned sizes to avoid it). Zero-size
-                   groups are fine. On CPU (torch 2.13) fp32, bf16 and fp16 all work.
+                   cumsum of the counts on the device. On CUDA its grouped kernel (CUTLASS) runs
+                   bf16 on sm90/sm100 GPUs (H100/H200/B200) without a host sync; other dtypes and
+                   GPUs take torch's fallback, a loop over groups that copies the offsets to the
+                   host (one sync per call: three per GEMM forward + backward). Row strides must be
+                   multiples of 16 bytes: K and M are zero-padded to the next multiple when they
+                   are not (a copy; choose aligned sizes to avoid it). Zero-size groups are fine.
+                   On CPU (torch 2.13) fp32, bf16 and fp16 all work.
 - ``loop``         one ``mm`` per expert; the reference the tests compare against.
 - ``grouped_gemm`` ``grouped_gemm.ops.gmm`` (``pip install grouped-gemm``; CUDA, bf16 only: checked
                    when the experts are built). It takes int64 batch sizes on the host.

@@ -11,8 +11,11 @@ only when it needs a value the device computes: a scalar read (``.item()``, ``in
 blocking host->device copy of Python data (``torch.tensor(data, device=x.device)``,
 ``x.new_tensor(data)``: PyTorch synchronises the stream after such a copy), or an operator whose
 output *size* depends on the data (``nonzero``, ``masked_select``, ``unique``, boolean-mask
-indexing, ``repeat_interleave`` without ``output_size``) or whose CUDA kernel reads a value
-back itself (``bincount`` reads min/max, ``histc`` with ``min == max`` reads the range).
+indexing, ``repeat_interleave`` without ``output_size``) or whose CUDA implementation reads a
+value back itself (``bincount`` reads min/max, ``histc`` with ``min == max`` reads the range,
+``torch._grouped_mm`` outside bf16 falls back to a loop that copies the offsets to the host:
+its CUTLASS kernel is bf16-only, on sm90/sm100 GPUs; older GPUs fall back in bf16 too, which
+this model of a Hopper-class GPU does not count).
 
 ``HostSyncCounter`` is a ``TorchDispatchMode`` that counts those aten operators, plus wrappers
 of the Python-level reads (``tolist``/``cpu``/``numpy``/``to``/``tensor``/``new_tensor``) that
@@ -156,6 +159,8 @@ class HostSyncCounter(TorchDispatchMode):
         if packet in ("index_put", "index_put_", "_index_put_impl_") and _has_bool_index(
                 args[1] if len(args) > 1 else kwargs.get("indices")):
             return "index_put with a boolean mask"
+        if func is aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+            return "grouped_mm outside bf16 (torch's fallback reads the offsets on the host)"
         if func is aten.histc.default:
             lo = args[2] if len(args) > 2 else kwargs.get("min", 0)
             hi = args[3] if len(args) > 3 else kwargs.get("max", 0)

@@ -3,7 +3,8 @@
 ``moefold.training.host_sync.HostSyncCounter`` counts the aten operators and Python-level reads
 that make the host wait for a GPU (scalar reads, device->host copies, host->device copies of
 Python data, data-dependent output sizes, bincount). Budgets, per MoE layer, router + dispatch +
-grouped experts + combine + shared experts, forward and backward together:
+grouped experts (grouped_mm, bf16: its grouped kernel's dtype on CUDA) + combine + shared experts,
+forward and backward together:
 
     local dispatcher      0 (dropless and padded), 1 in unpadded capacity mode (the kept count)
     alltoall dropless     1 (the split sizes of the exchange)     alltoall padded     0
@@ -14,6 +15,8 @@ A training step's count is printed and bounded in test_training_step_host_syncs.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -34,12 +37,13 @@ def _router(mode: str) -> RouterConfig:
     return RouterConfig(num_experts=E, topk=2, aux_loss_coeff=0.01, z_loss_coeff=1e-3, **capacity)
 
 
-def _layer_syncs(dispatcher: str, mode: str, dims: ParallelDims, backend: str = "grouped_mm") -> HostSyncCounter:
+def _layer_syncs(dispatcher: str, mode: str, dims: ParallelDims, backend: str = "grouped_mm",
+                 dtype: torch.dtype = torch.bfloat16) -> HostSyncCounter:
     cfg = MoEConfig(num_experts=E, moe_ffn_hidden_size=F, router=_router(mode), shared_expert_ffn_size=F,
                     dispatcher=dispatcher, gemm_backend=backend)
-    layer = MoELayer(cfg, H, dims, sequence_parallel=False)
+    layer = MoELayer(cfg, H, dims, sequence_parallel=False, dtype=dtype)
     init_parameters(layer, seed=0)
-    x = torch.randn(6, 2, H, generator=torch.Generator().manual_seed(dims.rank)).requires_grad_()
+    x = torch.randn(6, 2, H, generator=torch.Generator().manual_seed(dims.rank)).to(dtype).requires_grad_()
     with HostSyncCounter() as syncs:
         y, info = layer(x)
         (y.square().sum() + info.aux_loss).backward()
@@ -55,6 +59,10 @@ def test_local_dispatcher_host_syncs():
     # a backend that takes host counts reads them once when the dispatcher has none on the host
     syncs = _layer_syncs("local", "dropless", dims, backend="loop")
     assert syncs.total == 1, syncs.report()
+    # fp32: torch's grouped_mm has no fp32 grouped kernel on CUDA; its fallback reads the offsets
+    # on the host in each of the 2 GEMMs' 3 calls (forward, grad input, grad weight)
+    syncs = _layer_syncs("local", "dropless", dims, dtype=torch.float32)
+    assert syncs.total == 6 and set(syncs.counts) == {next(iter(syncs.counts))}, syncs.report()
 
 
 def _multi_rank(layouts: list[tuple[int, int]]) -> list[str]:
@@ -102,12 +110,18 @@ def test_counter_sees_what_synchronises():
         torch.zeros(8, dtype=torch.long).scatter_add_(0, x, torch.ones_like(x))
         x.argsort(stable=True)
         torch.histc(x.float(), bins=4, min=0, max=8)
+        w = torch.randn(2, 16, 8, dtype=torch.bfloat16)
+        torch.nn.functional.grouped_mm(torch.randn(6, 16, dtype=torch.bfloat16), w,
+                                       offs=torch.tensor([2, 6], dtype=torch.int32))
     assert syncs.total == 0, syncs.report()
+    with HostSyncCounter() as syncs:  # fp32: torch's fallback
+        torch.nn.functional.grouped_mm(torch.randn(6, 16), w.float(), offs=torch.tensor([2, 6], dtype=torch.int32))
+    assert syncs.total == 1, syncs.report()
     assert x.to.__self__ is x  # the wrappers are gone after the block
 
 
 def test_training_step_host_syncs():
-    """A whole optimizer step (4 micro-batches through DeepSeek-V3-tiny: MLA, MoE with the local
+    """A whole bf16 optimizer step (4 micro-batches through DeepSeek-V3-tiny: MLA, MoE with the local
     dispatcher, shared experts, MTP, expert bias): printed, and bounded by the trainer's own reads
     (one copy of the logged values and grad norm, two of the per-layer expert loads).
 
@@ -117,11 +131,14 @@ def test_training_step_host_syncs():
     from moefold.training.trainer import Trainer
     from tests.training.trainer_common import tiny_config, tiny_data
 
-    trainer = Trainer(tiny_config(steps=3), ParallelDims.single(), log=lambda _m: None)
+    config = tiny_config(steps=3, bf16=True)  # bf16 (--bf16): the grouped GEMM kernel's dtype on CUDA
+    config = dataclasses.replace(config, options=dataclasses.replace(config.options, dtype="bf16"))
+    trainer = Trainer(config, ParallelDims.single(), log=lambda _m: None)
     data = tiny_data()
     trainer.fit(data, stop_at=1)  # first step: lazy initialisation outside the count
     with HostSyncCounter() as syncs:
         trainer.fit(data, stop_at=3)
     per_step = syncs.total / 2
-    print(f"host syncs per training step (deepseek_v3_tiny, 4 micro-batches, world 1): {per_step}\n{syncs.report()}")
+    print(f"host syncs per training step (deepseek_v3_tiny bf16, 4 micro-batches, world 1): {per_step}\n"
+          f"{syncs.report()}")
     assert per_step <= 3, f"{per_step} host syncs per step, bound 3:\n{syncs.report()}"
