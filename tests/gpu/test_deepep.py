@@ -16,7 +16,7 @@ import torch
 from tests.dispatch.common import H, expert_weights, make_case, make_routing, run_experts
 from tests.distributed import run_distributed
 
-deep_ep = pytest.importorskip("deep_ep", reason="the flex dispatcher needs DeepEP (pip install deep-ep)")
+deep_ep = pytest.importorskip("deep_ep", reason="the flex dispatcher needs DeepEP v1.2.1 (README: On GPUs)")
 EP = 2
 E = 8
 
