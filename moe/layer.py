@@ -1,11 +1,12 @@
-"""The MoE layer: router -> dispatch (shared experts overlap it) -> experts -> combine (+ shared).
+"""The MoE layer: router -> dispatch (shared experts meanwhile) -> experts -> combine (+ shared).
 
 The shared experts run between ``dispatch_start`` and ``wait``: they overlap the token exchange
 where the dispatcher leaves it in flight (alltoall's asynchronous all-to-all, flex's DeepEP
 kernel on its communication stream), not allgather's gathers, which finish inside dispatch_start.
-Host synchronisations per layer (forward + backward, grouped_mm experts): local 0 (dropless or
-padded), alltoall 1 (dropless; 0 padded), allgather 1, flex 0 of moefold's own plus the one
-DeepEP's dispatch makes for its received counts (tests/dispatch/test_host_sync.py).
+Host synchronisations per layer (forward + backward, bf16 grouped_mm experts): local 0 (dropless
+or padded; 1 in unpadded capacity mode), alltoall 1 (dropless or unpadded capacity; 0 padded),
+allgather 1, flex 0 of moefold's own plus the one DeepEP's dispatch makes for its received counts
+(tests/dispatch/test_host_sync.py, tests/dispatch/test_flex.py).
 
 Drops into the transformer block's FFN slot: ``forward(x [S, B, H]) -> (y [S, B, H], MoEOutputInfo)``.
 
