@@ -251,7 +251,7 @@ class Check:
         run_dir = Path(tempfile.mkdtemp(prefix="moefold-gpu-check-"))
         cmd = [self.python, "-m", "moefold.training.cli", "train", "--recipe", "qwen3_moe_proxy", "--device", "cuda",
                "--bf16", "--train-iters", "8", "--log-interval", "1", "--micro-batch-size", "1",
-               "--global-batch-size", "8", "--seq-length", "4096", "--vocab-size", "32768", "--lr-warmup-iters", "2",
+               "--global-batch-size", "8", "--seq-length", "4096", "--vocab-size", "16384", "--lr-warmup-iters", "2",
                "--no-save", "--no-balance-report", "--run-dir", str(run_dir)]
         step = self.cmd_step("proxy training", cmd, 180, reserve=60)
         records = []
