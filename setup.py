@@ -33,7 +33,9 @@ setup(
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "ruff", "transformers", "tensorboard"],
-        "gpu": ["transformer-engine[pytorch]", "grouped-gemm", "deep-ep"],
+        # built against the installed torch: pip install --no-build-isolation -e ".[gpu]". DeepEP is not on
+        # PyPI under its authors' name: it is built from source (README, "On GPUs").
+        "gpu": ["transformer-engine[pytorch]", "grouped-gemm"],
     },
     entry_points={"console_scripts": ["moefold=moefold.training.cli:main"]},
 )

@@ -10,7 +10,9 @@ in the group (capacity is per rank and grows with its T; it travels with the tok
 uneven T, even T = 0, costs nothing extra).
 
 Simple and static-shaped (good for small ep or when most tokens are wanted by every rank);
-it moves W times the tokens, so large ep wants the all-to-all dispatcher instead.
+it moves W times the tokens, so large ep wants the all-to-all dispatcher instead. One host
+synchronisation per MoE layer (the gathered header: counts, T and capacity of every rank), in
+every mode; the gathers finish inside ``dispatch_start``, so nothing overlaps them.
 """
 
 from __future__ import annotations
@@ -86,10 +88,11 @@ class AllGatherDispatcher(TokenDispatcher):
             # T and the capacity ride along: capacity is per rank (it grows with T), and in padded
             # mode every rank must pad every source's chunks to the same size
             cap = int(routing.capacity) if routing.pad_to_capacity else 0
-            header = torch.cat([counts_E, counts_E.new_tensor([T, cap])])
+            # filled on the device: new_tensor([T, cap]) would be a blocking host->device copy
+            header = torch.cat([counts_E, counts_E.new_full((1,), T), counts_E.new_full((1,), cap)])
         with self._phase("communicate"):
             all_header = gather_counts(header, self.group)  # [W, E + 2]
-            host = all_header.tolist()  # the dispatch's one device->host sync
+            host = all_header.tolist()  # the dispatch's one host synchronisation
             max_tokens = max(h[E] for h in host)
             xg = all_gather_sequence(_pad_rows(x_TH, max_tokens), self.group, 0)
             probs_g = all_gather_sequence(_pad_rows(routing.probs_TK.float(), max_tokens), self.group, 0)
@@ -107,14 +110,16 @@ class AllGatherDispatcher(TokenDispatcher):
                 key_TK = torch.where(in_range, local_ids * W + src.unsqueeze(1), -1)
                 row_map = build_row_map(mask_groups(key_TK, e * W), W * max_tokens, K, e * W, capacity=cap)
                 per_expert = torch.full((e,), W * cap, dtype=torch.long, device=x_TH.device)
+                per_expert_host = (W * cap,) * e
             else:
                 num_rows = sum(sum(h[local]) for h in host)
                 row_map = build_row_map(mask_groups(local_ids, e), W * max_tokens, K, e, num_rows=num_rows)
                 per_expert = all_header[:, local].sum(0)
+                per_expert_host = tuple(sum(h[g] for h in host) for g in range(local.start, local.stop))
             tokens = permute(xg, row_map)
             probs_N = permute_probs(probs_g, row_map)
         handle = AllGatherHandle(num_tokens=T, num_rows=tokens.shape[0], row_map=row_map, max_tokens=max_tokens)
-        result = Dispatched(tokens, probs_N, per_expert, handle)
+        result = Dispatched(tokens, probs_N, per_expert, handle, per_expert_host)
         return PendingDispatch(lambda: result)
 
     def combine(self, expert_out_NH: Tensor, handle: DispatchHandle) -> Tensor:

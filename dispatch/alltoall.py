@@ -4,13 +4,19 @@ Dispatch on rank (etp t, ep r):
 
 1. permute:     this rank's kept copies -> rows sorted by global expert (hence by destination ep rank)
 2. counts:      all-gather the [E] per-expert counts over ep then etp -> [etp, ep, E] (two tiny
-                collectives, then the one device->host copy of the dispatch: split sizes need it)
+                collectives, then the dispatch's one host synchronisation: ``.tolist()`` of those
+                counts, because the exchange needs its split sizes on the host)
 3. all-to-all:  uneven, over ep (asynchronous: ``dispatch_start`` returns while it is in flight)
 4. etp gather:  every etp rank receives every other's rows -> [etp src, ep src, e_local] chunks
 5. sort:        regroup chunks to [e_local, etp src, ep src] (expert-major)
 
 Combine runs the mirror image: unsort, reduce-scatter over etp (sums the experts' partial
 FFN outputs), reverse all-to-all, unpermute (sum of each token's K copies).
+
+Host synchronisations per MoE layer (forward and backward together, proved by
+tests/dispatch/test_host_sync.py): dropless or unpadded capacity mode exactly one (the split
+sizes; the backward reuses them from the handle); padded mode none; the local dispatcher none
+when dropless (N = T*K is known) or padded, one in unpadded capacity mode (the kept count).
 
 With ``pad_to_capacity`` every expert's chunk from every rank is exactly ``capacity`` rows, so
 all sizes are static and nothing is exchanged or synchronised besides the tokens. That needs the
@@ -140,6 +146,7 @@ class AllToAllDispatcher(TokenDispatcher):
         local = slice(self.local_expert_offset, self.local_expert_offset + e)
         with self._phase("permute"):
             key = mask_groups(routing.expert_ids_TK, E, routing.keep_TK)
+            counts_E = None
             if routing.pad_to_capacity:
                 cap = int(routing.capacity)
                 mine = [cap] * E
@@ -164,7 +171,7 @@ class AllToAllDispatcher(TokenDispatcher):
                     if work is not None:
                         work.wait()
                     all_counts = gather_counts(all_counts, self.etp_group)
-                    host = all_counts.tolist()  # the dispatch's one device->host sync
+                    host = all_counts.tolist()  # the dispatch's one host synchronisation
                     mine = host[self.etp_rank][self.ep_rank]
                     recv = [[row[local] for row in per_etp] for per_etp in host]
                     chunk_counts = all_counts[:, :, local].reshape(etp * ep, e)
@@ -184,10 +191,15 @@ class AllToAllDispatcher(TokenDispatcher):
                 chunk_send = tuple(tuple(mine[d * e + j] for d in range(ep)) for j in range(e))
                 chunk_recv = tuple(tuple(recv[0][s][j] for s in range(ep)) for j in range(e))
                 pending_rows = chunked_all_to_all_async(rows, chunk_recv, chunk_send, self.ep_group)
-                # probs are tiny: one exchange in [destination x expert] order, regrouped on both sides
-                dev = probs.device
-                probs = sort_chunks(probs, torch.tensor(chunk_send, dtype=torch.long, device=dev))
-                probs_recv_counts = torch.tensor(recv[0], dtype=torch.long, device=dev)  # [source, expert]
+                # probs are tiny: one exchange in [destination x expert] order, regrouped on both sides.
+                # The chunk sizes come from device tensors: one built from the host lists would be a
+                # blocking host->device copy (a stream synchronisation on CUDA).
+                if counts_E is None:  # padded: every chunk is `capacity` rows
+                    send_counts_je = torch.full((e, ep), int(routing.capacity), dtype=torch.long, device=x_TH.device)
+                else:
+                    send_counts_je = counts_E.view(ep, e).t()  # [local expert, destination]
+                probs = sort_chunks(probs, send_counts_je)
+                probs_recv_counts = chunk_counts.view(etp, ep, e)[0]  # [source, expert]
                 pending_probs = all_to_all_async(probs, list(recv_splits), list(send), self.ep_group)
             else:
                 pending_rows = all_to_all_async(rows, list(recv_splits), list(send), self.ep_group)
@@ -205,10 +217,12 @@ class AllToAllDispatcher(TokenDispatcher):
                     got_rows = sort_chunks(got_rows, chunk_counts)
                     got_probs = sort_chunks(got_probs, chunk_counts)
                 per_expert = chunk_counts.sum(0)
+                per_expert_host = None if recv is None else tuple(
+                    sum(recv[t][src][j] for t in range(etp) for src in range(ep)) for j in range(e))
             handle = AllToAllHandle(num_tokens=T, num_rows=got_rows.shape[0], row_map=row_map, send_splits=send,
                                     recv_splits=recv_splits, etp_sizes=etp_sizes, chunk_counts=chunk_counts,
                                     chunk_send=chunk_send, chunk_recv=chunk_recv)
-            return Dispatched(got_rows, got_probs, per_expert, handle)
+            return Dispatched(got_rows, got_probs, per_expert, handle, per_expert_host)
 
         return PendingDispatch(finish)
 
@@ -232,7 +246,9 @@ class AllToAllDispatcher(TokenDispatcher):
 class LocalDispatcher(AllToAllDispatcher):
     """ep = etp = 1: permute into expert-major rows and back, no communication.
 
-    Dropless it never synchronises with the host (N = T*K is known).
+    Dropless or padded it never synchronises with the host (N = T*K, or E * capacity, is known);
+    unpadded capacity mode reads the kept count once. Its ``tokens_per_expert_host`` is then None
+    when dropless: the counts stay on the device (a backend that needs them on the host reads them).
     """
 
     name = "local"

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 from torch import Tensor
 
@@ -37,30 +38,46 @@ class DispatchHandle:
 class Dispatched:
     """The experts' input on this rank.
 
-    tokens_NH:           [N, H] rows grouped by local expert (expert-major), padding rows zero
-    probs_N:             [N] fp32 routing prob of each row (0 for padding), autograd-connected
-    tokens_per_expert_e: [e_local] int64 rows per local expert (padding included), on x's device
-    handle:              consumed by ``combine``
+    tokens_NH:              [N, H] rows grouped by local expert (expert-major), padding rows zero
+    probs_N:                [N] fp32 routing prob of each row (0 for padding), autograd-connected
+    tokens_per_expert_e:    [e_local] int64 rows per local expert (padding included), on x's device
+    handle:                 consumed by ``combine``
+    tokens_per_expert_host: the same counts as host ints when the dispatcher already has them
+                            (it synchronised for its split sizes, or they are static), else None;
+                            GEMM backends that take host split sizes use them instead of a sync
     """
 
     tokens_NH: Tensor
     probs_N: Tensor
     tokens_per_expert_e: Tensor
     handle: DispatchHandle
+    tokens_per_expert_host: tuple[int, ...] | None = None
 
 
 class PendingDispatch:
     """A dispatch whose communication may still be in flight; ``wait()`` returns the ``Dispatched``.
 
-    Work run between ``dispatch_start`` and ``wait`` (shared experts) overlaps the exchange.
+    ``finish`` runs once, at the first ``wait()``: it waits for the exchange (an async collective's
+    work, or DeepEP's CUDA event) and does the local work that needs the received rows. Work the
+    caller runs between ``dispatch_start`` and ``wait`` (the shared experts) overlaps the exchange
+    only as far as the dispatcher left it in flight: alltoall's token exchange and flex's DeepEP
+    kernel are; allgather's gathers have finished when ``dispatch_start`` returns.
+
+    ``event``: an object with ``current_stream_wait()`` (DeepEP's ``EventOverlap``) that the
+    compute stream must wait on before ``finish`` reads the received rows; the first ``wait()``
+    waits on it once and drops it (``event`` is None afterwards).
     """
 
-    def __init__(self, finish: Callable[[], Dispatched]):
+    def __init__(self, finish: Callable[[], Dispatched], event: Any = None):
         self._finish: Callable[[], Dispatched] | None = finish
         self._result: Dispatched | None = None
+        self.event = event
 
     def wait(self) -> Dispatched:
         if self._finish is not None:
+            if self.event is not None:
+                self.event.current_stream_wait()
+                self.event = None
             self._result, self._finish = self._finish(), None
         assert self._result is not None
         return self._result

@@ -93,11 +93,12 @@ class PhaseTimes:
 
 
 def _route(x, w_gate, bias, topk):
+    from moefold.dispatch.permutation import count_keys
     from moefold.moe.routing import Routing
 
     logits = (x.float() @ w_gate) + bias
     probs, ids = torch.softmax(logits, -1).topk(topk, -1)
-    return Routing(probs, ids, torch.bincount(ids.reshape(-1), minlength=w_gate.shape[1]))
+    return Routing(probs, ids, count_keys(ids.reshape(-1), w_gate.shape[1]))
 
 
 def _median_max(values: list[float], device: torch.device) -> float:

@@ -1,15 +1,46 @@
-"""The flex dispatcher: DeepEP's fused NVLink/RDMA all-to-all kernels (``deep_ep.Buffer``) over ep.
+"""The flex dispatcher: DeepEP's fused NVLink/RDMA all-to-all kernels over the etp x ep group.
 
-DeepEP moves each *token* once per destination rank (not once per copy) and returns, per received
-token, its top-k expert ids translated to local ids (-1 where the expert lives elsewhere). We then
-permute locally into expert-major rows, exactly like the other dispatchers, so the experts see the
-same ``Dispatched`` contract. Autograd: dispatch's backward is DeepEP's combine of the gradients
-(with the top-k weight gradients reduced alongside) and combine's backward is a cached-layout
-dispatch, as in DeepEP's own training examples.
+API: ``deep_ep.Buffer`` as in DeepEP v1.2.1 (its "normal" high-throughput kernels; DeepEP 2.x keeps
+the same class as its legacy ``deep_ep.Buffer``), used the way DeepEP's README and Megatron-Core's
+``fused_a2a`` use it:
+
+- **one buffer per process and communication group**, shared by every MoE layer
+  (``DeepEPBuffers``: a small cache keyed by group, not a buffer per layer), sized from DeepEP's
+  own hints: ``Buffer.get_dispatch_config(n)`` / ``get_combine_config(n)`` and each config's
+  ``get_nvl_buffer_size_hint`` / ``get_rdma_buffer_size_hint`` for the model's hidden size
+  (bytes per bf16 token) and the group's n ranks. DeepEP puts up to 8 ranks in one NVLink domain;
+  for a larger group (one spanning nodes) the RDMA hint is non-zero and allocated. Created at
+  the first dispatch (a collective over the group), re-created only if a later call needs more.
+- ``Buffer.set_num_sms(--moe-deepep-num-sms)``: the SMs DeepEP's kernels take (even; default
+  20, Megatron's default).
+- **asynchronous dispatch**: ``get_dispatch_layout`` and ``dispatch`` run with
+  ``previous_event`` (an event captured on the compute stream, so DeepEP's communication stream
+  starts after the tokens are ready), ``async_finish=True`` and ``allocate_on_comm_stream=True``;
+  ``dispatch_start`` returns while the tokens travel, and ``PendingDispatch.wait()`` makes the
+  compute stream wait on DeepEP's event before permuting the received rows. The MoE layer runs
+  the shared experts in between. Combine and both backward passes wait on their event at once
+  (nothing is ready to overlap them there).
+- host synchronisation: DeepEP's non-cached dispatch makes the CPU wait for the received
+  counts (``num_recv_tokens_per_expert_list`` is a host list; DeepEP documents this); moefold
+  adds none (the local permutation uses those host counts).
+
+DeepEP moves each *token* once per destination rank (not once per copy) and returns, per
+received token, its top-k expert ids translated to local ids (-1 where the expert lives
+elsewhere) and the matching weights (0 there). We then permute locally into expert-major rows,
+like the other dispatchers, so the experts see the same ``Dispatched`` contract. Autograd:
+dispatch's backward is DeepEP's combine of the gradients (the top-k weight gradients reduced
+alongside) and combine's backward is a cached-layout dispatch, as in DeepEP's README.
+
+Expert tensor parallelism (etp > 1) works as with the alltoall dispatcher, the way Megatron's
+flex dispatcher does it over its tp x ep group: the group is etp x ep (``etp_ep_group``, rank
+``ep_rank * etp + etp_rank``) and expert g becomes etp *virtual experts*, one on each etp rank of
+the ep rank holding g; a token's k experts become k * etp virtual ones, so every etp rank receives
+the rows of its experts, and DeepEP's combine adds the etp partial sums while it brings them home.
 
 ``deep_ep`` is imported lazily: choosing ``flex`` without it fails at construction. It needs
-NVIDIA GPUs, NVSHMEM for inter-node runs, and bf16 tokens. Expert tensor parallelism (etp > 1)
-is not supported here; use the alltoall dispatcher for etp > 1.
+NVIDIA GPUs with NVLink (and NVSHMEM for groups spanning nodes), bf16 tokens with a hidden size
+that is a multiple of 8, and an etp x ep group of 2, 4 or 8 ranks, or a multiple of 8 DeepEP
+has a config for (the kernels are built for those); other sizes are refused at construction.
 """
 
 from __future__ import annotations
@@ -24,10 +55,13 @@ from torch import Tensor
 from moefold.dispatch.base import Dispatched, DispatchHandle, PendingDispatch, PhaseTimer, TokenDispatcher
 from moefold.dispatch.permutation import RowMap, build_row_map, mask_groups, permute, permute_probs, unpermute
 from moefold.moe.routing import Routing
-from moefold.parallel.groups import Group
+from moefold.parallel.groups import Group, group_rank, group_size
 
-INSTALL_HINT = ("the flex dispatcher needs DeepEP: `pip install deep-ep` (built from "
-                "https://github.com/deepseek-ai/DeepEP; it needs CUDA GPUs and NVSHMEM)")
+DEEPEP_VERSION = "v1.2.1"
+INSTALL_HINT = (f"the flex dispatcher needs DeepEP {DEEPEP_VERSION} (not on PyPI): build it from "
+                f"https://github.com/deepseek-ai/DeepEP at tag {DEEPEP_VERSION} with `python setup.py install` "
+                f"(NVSHMEM_DIR=... for groups spanning nodes); it needs CUDA GPUs with NVLink")
+DEFAULT_NUM_SMS = 20
 
 
 def import_deep_ep() -> Any:
@@ -38,19 +72,68 @@ def import_deep_ep() -> Any:
         raise ImportError(INSTALL_HINT) from exc
 
 
+def buffer_sizes(buffer_cls: Any, num_ranks: int, hidden_bytes: int) -> tuple[int, int]:
+    """(num_nvl_bytes, num_rdma_bytes) for ``num_ranks`` ranks moving ``hidden_bytes`` per token.
+
+    The larger of DeepEP's hints for its recommended dispatch and combine configs (its README's
+    ``get_buffer``); the RDMA hint is 0 while the group fits one NVLink domain (<= 8 ranks).
+    """
+    nvl = rdma = 0
+    for config in (buffer_cls.get_dispatch_config(num_ranks), buffer_cls.get_combine_config(num_ranks)):
+        nvl = max(nvl, config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
+        rdma = max(rdma, config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks))
+    return nvl, rdma
+
+
+class DeepEPBuffers:
+    """DeepEP communication buffers of this process: one per group, shared by all MoE layers.
+
+    ``BUFFERS`` below is the process-wide instance every flex dispatcher uses unless given its
+    own (tests do). ``created`` counts the buffers made, for tests and logs.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[Any, Any] = {}
+        self._num_sms: int | None = None
+        self.created = 0
+
+    def get(self, deep_ep: Any, group: Any, hidden_bytes: int, num_sms: int) -> Any:
+        """The buffer for ``group``, large enough for ``hidden_bytes`` per token (collective on creation)."""
+        if self._num_sms not in (None, num_sms):
+            raise ValueError(f"DeepEP's SM count is one per process (Buffer.set_num_sms): already {self._num_sms}, "
+                             f"asked for {num_sms}; use one --moe-deepep-num-sms for every layer")
+        if self._num_sms is None:
+            deep_ep.Buffer.set_num_sms(num_sms)
+            self._num_sms = num_sms
+        nvl, rdma = buffer_sizes(deep_ep.Buffer, group.size(), hidden_bytes)
+        buffer = self._buffers.get(group)
+        if buffer is None or buffer.num_nvl_bytes < nvl or buffer.num_rdma_bytes < rdma:
+            buffer = deep_ep.Buffer(group, num_nvl_bytes=nvl, num_rdma_bytes=rdma)
+            self._buffers[group] = buffer
+            self.created += 1
+        return buffer
+
+
+BUFFERS = DeepEPBuffers()
+
+
 class _DeepEPDispatch(torch.autograd.Function):
-    """Forward: ``buffer.dispatch`` of tokens + top-k weights. Backward: ``buffer.combine`` of both grads."""
+    """Forward: layout + ``buffer.dispatch`` of tokens and top-k weights, left in flight (the caller
+    waits on the returned event). Backward: ``buffer.combine`` of both gradients."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weights_TK: Tensor, topk_idx: Tensor, buffer: Any, num_experts: int):
-        per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
-        recv_x, recv_idx, recv_w, recv_per_expert, handle, _ = buffer.dispatch(
+        previous = buffer.capture()  # DeepEP's stream starts after the work queued on ours
+        per_rank, per_rdma_rank, per_expert, in_rank, layout_event = buffer.get_dispatch_layout(
+            topk_idx, num_experts, previous_event=previous, async_finish=True, allocate_on_comm_stream=True)
+        recv_x, recv_idx, recv_w, recv_per_expert, handle, event = buffer.dispatch(
             x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=weights_TK)
-        ctx.buffer, ctx.handle, ctx.device = buffer, handle, x.device
-        ctx.recv_shape, ctx.recv_w_shape = tuple(recv_x.shape), tuple(recv_w.shape)
+            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=weights_TK,
+            previous_event=layout_event, async_finish=True, allocate_on_comm_stream=True)
+        ctx.buffer, ctx.handle = buffer, handle
+        ctx.recv_shape, ctx.recv_w_shape, ctx.device = tuple(recv_x.shape), tuple(recv_w.shape), x.device
         ctx.mark_non_differentiable(recv_idx)
-        return recv_x, recv_idx, recv_w, handle, list(recv_per_expert)
+        return recv_x, recv_idx, recv_w, handle, list(recv_per_expert), event
 
     @staticmethod
     def backward(ctx, grad_x: Tensor | None, _grad_idx: Any, grad_w: Tensor | None, *_unused: Any):
@@ -58,8 +141,10 @@ class _DeepEPDispatch(torch.autograd.Function):
             grad_x = torch.zeros(ctx.recv_shape, dtype=torch.bfloat16, device=ctx.device)
         if grad_w is None:
             grad_w = torch.zeros(ctx.recv_w_shape, dtype=torch.float32, device=ctx.device)
-        grad_in, grad_w_in, _ = ctx.buffer.combine(grad_x.contiguous(), ctx.handle,
-                                                   topk_weights=grad_w.float().contiguous())
+        grad_in, grad_w_in, event = ctx.buffer.combine(
+            grad_x.contiguous(), ctx.handle, topk_weights=grad_w.float().contiguous(),
+            previous_event=ctx.buffer.capture(), async_finish=True, allocate_on_comm_stream=True)
+        event.current_stream_wait()
         return grad_in, grad_w_in, None, None, None
 
 
@@ -69,78 +154,127 @@ class _DeepEPCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_recv: Tensor, buffer: Any, handle: Any) -> Tensor:
         ctx.buffer, ctx.handle = buffer, handle
-        y, _, _ = buffer.combine(y_recv.contiguous(), handle)
+        y, _, event = buffer.combine(y_recv.contiguous(), handle, previous_event=buffer.capture(),
+                                     async_finish=True, allocate_on_comm_stream=True)
+        event.current_stream_wait()
         return y
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        grad_recv, _, _, _, _, _ = ctx.buffer.dispatch(grad.contiguous(), handle=ctx.handle)
+        grad_recv, _, _, _, _, event = ctx.buffer.dispatch(
+            grad.contiguous(), handle=ctx.handle, previous_event=ctx.buffer.capture(), async_finish=True,
+            allocate_on_comm_stream=True)
+        event.current_stream_wait()
         return grad_recv, None, None
 
 
 @dataclass(frozen=True)
 class FlexHandle(DispatchHandle):
-    """row_map: the local permutation of received tokens; deep_ep_handle: DeepEP's layout for combine."""
+    """row_map: the local permutation of received tokens; deep_ep_handle: DeepEP's layout for combine;
+    buffer: the DeepEP buffer the dispatch used (combine must use the same one)."""
 
     row_map: RowMap
     deep_ep_handle: Any
+    buffer: Any
 
 
 class FlexDispatcher(TokenDispatcher):
-    """DeepEP-backed dispatcher over ``ep_group`` (NVLink intra-node, RDMA inter-node).
+    """DeepEP-backed dispatcher over the etp x ep group (NVLink intra-node, RDMA inter-node).
 
-    ``num_nvl_bytes`` / ``num_rdma_bytes`` size DeepEP's communication buffers (allocated once,
-    collectively, at construction); ``num_rdma_bytes`` must be > 0 when ep spans nodes.
+    ``etp_ep_group``: the etp x ep ranks, rank ``ep_rank * etp + etp_rank`` (``ParallelDims.etp_ep_group``);
+    may be None when etp or ep is 1 (then it is the other group). ``num_sms``: DeepEP's SM count.
+    ``buffers``: where the DeepEP buffer comes from (default: the process-wide ``BUFFERS``).
     """
 
     name = "flex"
 
     def __init__(self, num_experts: int, ep_group: Group = None, etp_group: Group = None,
-                 timer: PhaseTimer | None = None, num_nvl_bytes: int = 1 << 30, num_rdma_bytes: int = 0):
+                 etp_ep_group: Group = None, timer: PhaseTimer | None = None, *, num_sms: int = DEFAULT_NUM_SMS,
+                 buffers: DeepEPBuffers | None = None):
         deep_ep = import_deep_ep()
         super().__init__(num_experts, ep_group, etp_group, timer)
-        if not torch.cuda.is_available():
-            raise RuntimeError("the flex (DeepEP) dispatcher needs CUDA GPUs; use 'alltoall' on CPU")
-        if self.etp != 1:
-            raise ValueError(f"the flex dispatcher supports etp=1 only, got etp={self.etp}; use 'alltoall'")
-        if ep_group is None:
-            raise ValueError("the flex dispatcher needs an initialised ep process group (NCCL)")
-        self.buffer = deep_ep.Buffer(ep_group, num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes)
+        n = self.ep * self.etp
+        if n == 1:
+            raise ValueError("the flex dispatcher needs an etp x ep group of >= 2 ranks (DeepEP has no single-rank "
+                             "kernels), got ep=1 etp=1; use 'local'")
+        if etp_ep_group is None:
+            if self.ep > 1 and self.etp > 1:
+                raise ValueError(f"the flex dispatcher with ep={self.ep} and etp={self.etp} needs the etp_ep_group")
+            etp_ep_group = ep_group if self.ep > 1 else etp_group
+        if group_size(etp_ep_group) != n or group_rank(etp_ep_group) != self.ep_rank * self.etp + self.etp_rank:
+            raise ValueError(f"the flex dispatcher's etp_ep_group must hold the ep*etp={n} ranks ordered ep-major "
+                             f"(rank ep_rank*etp + etp_rank, as ParallelDims.etp_ep_group); got a group of "
+                             f"{group_size(etp_ep_group)} where this rank is {group_rank(etp_ep_group)}, expected "
+                             f"{self.ep_rank * self.etp + self.etp_rank}")
+        if not isinstance(num_sms, int) or num_sms < 2 or num_sms % 2:
+            raise ValueError(f"--moe-deepep-num-sms={num_sms!r} must be an even integer >= 2")
+        try:
+            deep_ep.Buffer.get_dispatch_config(n)
+        except AssertionError as exc:
+            raise ValueError(f"DeepEP {DEEPEP_VERSION} has no kernel config for an etp*ep={self.etp}*{self.ep}={n} "
+                             f"rank group (2, 4 or 8 ranks in a node, or a multiple of 8 across nodes); "
+                             f"use the alltoall dispatcher") from exc
+        self._deep_ep, self.group, self.num_sms = deep_ep, etp_ep_group, num_sms
+        self.buffers = BUFFERS if buffers is None else buffers
+        self.num_virtual_experts = num_experts * self.etp
+
+    def _virtual(self, ids_TK: Tensor, probs_TK: Tensor) -> tuple[Tensor, Tensor]:
+        """etp > 1: expert g on ep rank r -> virtual experts (r*etp + t)*e + g%e for t < etp: [T, K*etp]."""
+        e, etp = self.num_local_experts, self.etp
+        T, K = ids_TK.shape
+        t = torch.arange(etp, device=ids_TK.device)
+        v = (ids_TK.div(e, rounding_mode="floor").unsqueeze(-1) * etp + t) * e + (ids_TK % e).unsqueeze(-1)
+        v = torch.where(ids_TK.unsqueeze(-1) < 0, -1, v)
+        return v.reshape(T, K * etp), probs_TK.unsqueeze(-1).expand(T, K, etp).reshape(T, K * etp)
 
     def dispatch_start(self, x_TH: Tensor, routing: Routing) -> PendingDispatch:
         self._check(x_TH, routing)
         if x_TH.dtype != torch.bfloat16:
-            raise ValueError(f"the flex dispatcher moves bf16 tokens, got x of dtype {x_TH.dtype}")
+            raise ValueError(f"the flex dispatcher moves bf16 tokens (DeepEP), got x of dtype {x_TH.dtype}")
+        H = x_TH.shape[1]
+        if H % 8:
+            raise ValueError(f"the flex dispatcher needs a hidden size that is a multiple of 8 (DeepEP copies "
+                             f"16-byte words), got {H}")
         e = self.num_local_experts
         topk_idx = routing.expert_ids_TK.long()
         if routing.keep_TK is not None:  # DeepEP skips -1 entries: dropped copies are never sent
             topk_idx = topk_idx.masked_fill(~routing.keep_TK.bool(), -1)
+        probs_TK = routing.probs_TK.float()
+        if self.etp > 1:
+            topk_idx, probs_TK = self._virtual(topk_idx, probs_TK)
+        buffer = self.buffers.get(self._deep_ep, self.group, H * x_TH.element_size(), self.num_sms)
         with self._phase("communicate"):
-            recv_x, recv_idx, recv_w, ep_handle, per_expert = _DeepEPDispatch.apply(
-                x_TH, routing.probs_TK.float().contiguous(), topk_idx.contiguous(), self.buffer, self.num_experts)
-        with self._phase("permute"):
-            R, K = recv_idx.shape
-            key = mask_groups(recv_idx, e)
-            if routing.pad_to_capacity:
-                # each source rank sent at most its own capacity per expert; with this rank's as the
-                # bound, a source with more tokens (a larger capacity) could overflow the padded
-                # chunk and lose copies silently. The received counts are on the host already.
-                rows_per_expert = int(routing.capacity) * self.ep
-                if max(per_expert, default=0) > rows_per_expert:
-                    raise ValueError(
-                        f"flex dispatch with pad_expert_input_to_capacity: a local expert received "
-                        f"{max(per_expert)} copies, more than capacity {routing.capacity} x ep {self.ep} = "
-                        f"{rows_per_expert} (this rank has T={x_TH.shape[0]} tokens): padded mode needs the "
-                        f"same token count on every ep rank; use dropless or unpadded capacity mode")
-                row_map = build_row_map(key, R, K, e, capacity=rows_per_expert)
-            else:
-                row_map = build_row_map(key, R, K, e, num_rows=sum(per_expert))
-            tokens = permute(recv_x, row_map)
-            probs_N = permute_probs(recv_w, row_map)
-        handle = FlexHandle(num_tokens=x_TH.shape[0], num_rows=tokens.shape[0], row_map=row_map,
-                            deep_ep_handle=ep_handle)
-        result = Dispatched(tokens, probs_N, row_map.counts_G, handle)
-        return PendingDispatch(lambda: result)
+            recv_x, recv_idx, recv_w, ep_handle, per_expert, event = _DeepEPDispatch.apply(
+                x_TH.contiguous(), probs_TK.contiguous(), topk_idx.contiguous(), buffer, self.num_virtual_experts)
+        T = x_TH.shape[0]
+
+        def finish() -> Dispatched:  # runs after PendingDispatch.wait() made our stream wait on `event`
+            with self._phase("permute"):
+                R, Kv = recv_idx.shape
+                key = mask_groups(recv_idx, e)
+                if routing.pad_to_capacity:
+                    # each of the etp*ep source ranks sent at most its own capacity per expert; with this
+                    # rank's as the bound, a source with more tokens (a larger capacity) could overflow the
+                    # padded chunk. The received counts are on the host already.
+                    rows_per_expert = int(routing.capacity) * self.ep * self.etp
+                    if max(per_expert, default=0) > rows_per_expert:
+                        raise ValueError(
+                            f"flex dispatch with pad_expert_input_to_capacity: a local expert received "
+                            f"{max(per_expert)} copies, more than capacity {routing.capacity} x ep*etp "
+                            f"{self.ep * self.etp} = {rows_per_expert} (this rank has T={T} tokens): padded mode "
+                            f"needs the same token count on every rank; use dropless or unpadded capacity mode")
+                    row_map = build_row_map(key, R, Kv, e, capacity=rows_per_expert)
+                    counts_host = (rows_per_expert,) * e
+                else:
+                    row_map = build_row_map(key, R, Kv, e, num_rows=sum(per_expert))
+                    counts_host = tuple(per_expert)
+                tokens = permute(recv_x, row_map)
+                probs_N = permute_probs(recv_w, row_map)
+            handle = FlexHandle(num_tokens=T, num_rows=tokens.shape[0], row_map=row_map, deep_ep_handle=ep_handle,
+                                buffer=buffer)
+            return Dispatched(tokens, probs_N, row_map.counts_G, handle, counts_host)
+
+        return PendingDispatch(finish, event)
 
     def combine(self, expert_out_NH: Tensor, handle: DispatchHandle) -> Tensor:
         self._check_combine(expert_out_NH, handle, FlexHandle)
@@ -148,4 +282,4 @@ class FlexDispatcher(TokenDispatcher):
         with self._phase("unpermute"):
             y_recv = unpermute(expert_out_NH, handle.row_map)
         with self._phase("communicate"):
-            return _DeepEPCombine.apply(y_recv, self.buffer, handle.deep_ep_handle)
+            return _DeepEPCombine.apply(y_recv.to(torch.bfloat16), handle.buffer, handle.deep_ep_handle)

@@ -20,7 +20,7 @@ def build_dispatcher(kind: str, num_experts: int, dims: ParallelDims | None = No
 
     Groups come from ``dims`` (its ep, etp and etp_ep groups) or are passed explicitly; with
     neither, the dispatcher runs alone (ep = etp = 1). ``backend_options`` go to the alltoall
-    dispatcher (``max_chunked_experts``) or the flex (DeepEP) one (``num_nvl_bytes``, ...).
+    dispatcher (``max_chunked_experts``) or the flex (DeepEP) one (``num_sms``, ``buffers``).
     """
     if dims is not None:
         ep_group, etp_group, etp_ep_group = dims.ep_group, dims.etp_group, dims.etp_ep_group
@@ -41,4 +41,4 @@ def build_dispatcher(kind: str, num_experts: int, dims: ParallelDims | None = No
         return AllToAllDispatcher(num_experts, ep_group, etp_group, timer=timer, **backend_options)
     from moefold.dispatch.deepep import FlexDispatcher  # lazy: imports deep_ep only when asked for
 
-    return FlexDispatcher(num_experts, ep_group, etp_group, timer=timer, **backend_options)
+    return FlexDispatcher(num_experts, ep_group, etp_group, etp_ep_group, timer=timer, **backend_options)

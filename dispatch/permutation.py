@@ -6,6 +6,11 @@ or (expert, source rank)), stably, so the order is deterministic: inside a group
 their slot order. Everything here is gathers (``index_select``) and unique-index copies, so
 the results are bitwise reproducible on every device; no dense [T, E] tensor is built.
 
+Host synchronisation: none, except ``build_row_map`` without a capacity and without
+``num_rows`` (one scalar read of the row count). Counts use ``scatter_add_`` (``torch.bincount``
+reads its input's min and max back to the host on CUDA); ``sort_chunks`` passes the host-known
+row count as ``repeat_interleave``'s ``output_size``. Proved by tests/dispatch/test_host_sync.py.
+
 ``RowMap`` records where each row came from; ``permute`` / ``unpermute`` are an adjoint pair
 (each one's backward is the other), and ``sort_chunks`` regroups a buffer of [A x B] chunks
 into [B x A] order (received [source rank x local expert] -> [local expert x source rank]).
@@ -55,9 +60,18 @@ def mask_groups(group_TK: Tensor, num_groups: int, keep_TK: Tensor | None = None
     return key.masked_fill(invalid, num_groups)
 
 
+def count_keys(key_N: Tensor, num_keys: int) -> Tensor:
+    """[num_keys] int64 occurrences of each value in ``key_N`` (values in [0, num_keys)), on device.
+
+    ``scatter_add_`` rather than ``torch.bincount``: bincount reads min/max back to the host on CUDA.
+    """
+    counts = torch.zeros(num_keys, dtype=torch.int64, device=key_N.device)
+    return counts.scatter_add_(0, key_N.long(), torch.ones_like(key_N, dtype=torch.int64))
+
+
 def group_counts(key_N: Tensor, num_groups: int) -> Tensor:
-    """[G] int64 number of dispatched copies per group (sentinel copies excluded), on device."""
-    return torch.bincount(key_N, minlength=num_groups + 1)[:num_groups]
+    """[G] int64 number of dispatched copies per group (sentinel copies excluded), on device, no sync."""
+    return count_keys(key_N, num_groups + 1)[:num_groups]
 
 
 def build_row_map(key: Tensor, num_tokens: int, topk: int, num_groups: int, *,
@@ -82,7 +96,7 @@ def build_row_map(key: Tensor, num_tokens: int, topk: int, num_groups: int, *,
         return RowMap(slot // K, slot, counts, T, K, padded=False)
     if capacity < 0:
         raise ValueError(f"capacity={capacity} must be >= 0")
-    counts_all = torch.bincount(key, minlength=G + 1)
+    counts_all = count_keys(key, G + 1)
     starts = torch.cumsum(counts_all, 0) - counts_all
     sorted_key = key.index_select(0, order)
     pos = torch.arange(T * K, device=key.device) - starts.index_select(0, sorted_key)

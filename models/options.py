@@ -7,7 +7,7 @@ with a different dispatcher, recompute mode or CP exchange.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,6 +15,7 @@ from moefold.dense.context_parallel import CP_COMM_MODES
 from moefold.dense.recompute import RECOMPUTE_MODES
 from moefold.moe.config import DISPATCHERS
 from moefold.moe.gemm import GEMM_BACKENDS
+from moefold.parallel.fp8 import FP8Config
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -30,6 +31,8 @@ class ModelOptions:
     gemm_backend:      routed-expert GEMM backend (``moe.gemm.GEMM_BACKENDS``)
     dtype:             parameter dtype, "fp32" | "bf16" | "fp16" (routers and expert bias stay fp32)
     init_std:          std of the normal init of every weight matrix
+    fp8:               FP8 settings (``parallel.fp8.FP8Config``; --fp8-format / --fp8-recipe)
+    moe_deepep_num_sms: SMs DeepEP's kernels take with the flex dispatcher (--moe-deepep-num-sms)
     """
 
     sequence_parallel: bool = True
@@ -39,8 +42,12 @@ class ModelOptions:
     gemm_backend: str = "grouped_mm"
     dtype: str = "fp32"
     init_std: float = 0.02
+    fp8: FP8Config = field(default_factory=FP8Config)
+    moe_deepep_num_sms: int = 20
 
     def __post_init__(self) -> None:
+        if isinstance(self.fp8, dict):  # from a saved RunConfig (JSON)
+            object.__setattr__(self, "fp8", FP8Config(**self.fp8))
         if self.cp_comm not in CP_COMM_MODES:
             raise ValueError(f"ModelOptions.cp_comm={self.cp_comm!r} is not one of {CP_COMM_MODES}")
         if self.recompute not in RECOMPUTE_MODES:

@@ -16,20 +16,38 @@ output is a *partial sum* over etp that the dispatcher's combine reduces). Initi
 tensors its own seed and draws only this rank's, so the full weights are identical at every layout.
 Expert parameters are flagged ``moefold_expert = True``: their gradients are reduced over the
 expert-data-parallel group (edp), not dp.
+
+GEMM backends (``moe.gemm``): every backend computes on these two stacked parameters. With
+``te`` the experts own two persistent Transformer Engine ``GroupedLinear`` modules (built once,
+no weights of their own: ``moe.te_gemm``) that run on views of ``w13``/``w2``, so parameter
+names, checkpoints and HF import/export are the same for every backend; ``fp8`` (an enabled
+``FP8Config``) runs those two GEMMs in FP8 under TE's autocast.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moefold.moe.gemm import GEMM_BACKENDS, check_gemm_backend, flops_per_token, grouped_gemm
+from moefold.moe.gemm import (
+    GEMM_BACKENDS,
+    check_gemm_backend,
+    flops_per_token,
+    grouped_gemm,
+    needs_host_counts,
+    no_rows,
+)
+from moefold.parallel.fp8 import FP8Config
 from moefold.parallel.groups import Group, group_rank, group_size
 from moefold.parallel.sharding import Shard, mark_sharded, normal_init, set_init
+
+if TYPE_CHECKING:
+    from moefold.moe.te_gemm import TEExpertGemms
 
 Activation = Literal["swiglu", "gelu"]
 ACTIVATIONS: tuple[str, ...] = ("swiglu", "gelu")
@@ -48,14 +66,18 @@ def is_expert(param: Tensor) -> bool:
 class GroupedExperts(nn.Module):
     """The ``e = num_experts / ep`` local experts of one MoE layer.
 
-    forward(tokens_NH, probs_N, tokens_per_expert_e) -> out_NH: rows expert-major (the first
-    ``tokens_per_expert_e[0]`` rows go to local expert 0, ...), ``out = probs * FFN_i(tokens)``,
-    a partial sum over etp (no communication here: the dispatcher reduces it in combine).
+    forward(tokens_NH, probs_N, tokens_per_expert_e, tokens_per_expert_host=None) -> out_NH: rows
+    expert-major (the first ``tokens_per_expert_e[0]`` rows go to local expert 0, ...),
+    ``out = probs * FFN_i(tokens)``, a partial sum over etp (no communication here: the dispatcher
+    reduces it in combine). ``tokens_per_expert_host``: the counts as host ints when the dispatcher
+    has them; backends that need host counts (``te``, ``grouped_gemm``, ``loop``) otherwise read
+    them from the device (one host synchronisation).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *,
                  ep_group: Group = None, etp_group: Group = None, activation: str = "swiglu",
                  gemm_backend: str = "grouped_mm", init_std: float = 0.02, output_init_std: float | None = None,
+                 fp8: FP8Config | None = None,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
         super().__init__()
         ep, etp = group_size(ep_group), group_size(etp_group)
@@ -71,7 +93,13 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"GroupedExperts: activation={activation!r}; valid: {', '.join(ACTIVATIONS)}")
         if gemm_backend not in GEMM_BACKENDS:
             raise ValueError(f"GroupedExperts: gemm_backend={gemm_backend!r}; valid: {', '.join(GEMM_BACKENDS)}")
-        check_gemm_backend(gemm_backend)
+        check_gemm_backend(gemm_backend, dtype)
+        fp8 = fp8 if fp8 is not None and fp8.enabled else None
+        if fp8 is not None:
+            if gemm_backend != "te":
+                raise ValueError(f"GroupedExperts: FP8 ({fp8.describe()}) runs through Transformer Engine: "
+                                 f"use gemm_backend 'te' (--moe-grouped-gemm-backend te), not {gemm_backend!r}")
+            fp8.check_available()
         self.num_experts, self.hidden_size, self.ffn_hidden_size = num_experts, hidden_size, ffn_hidden_size
         self.num_local_experts = num_experts // ep
         self.local_expert_offset = group_rank(ep_group) * self.num_local_experts
@@ -90,23 +118,45 @@ class GroupedExperts(nn.Module):
             set_init(p, normal_init(std))
             with torch.no_grad():  # usable before init_parameters, which redraws layout-independently
                 p.normal_(0.0, std)
+        self.fp8 = fp8
+        self._host_counts = needs_host_counts(gemm_backend)  # decided once
+        # TE's modules hold per-module state (FP8 scales): built once, kept out of the module tree
+        # (a tuple is not registered), so parameters and state_dict stay w13 / w2
+        self._te: tuple[TEExpertGemms, ...] = ()
+        if gemm_backend == "te":
+            from moefold.moe.te_gemm import TEExpertGemms  # lazy: imports transformer_engine
 
-    def forward(self, tokens_NH: Tensor, probs_N: Tensor, tokens_per_expert_e: Tensor) -> Tensor:
-        e, gates, f, H = self.w13.shape
-        # [e, G, f, H] -> [e, G*f, H]: gate and up projections in a single grouped GEMM.
-        h_NGf = grouped_gemm(tokens_NH, self.w13.reshape(e, gates * f, H), tokens_per_expert_e,
-                             self.gemm_backend, trans_w=True)
+            self._te = (TEExpertGemms(e, hidden_size, gates * f, f, dtype, fp8),)
+
+    def _activate(self, h_NGf: Tensor) -> Tensor:
+        """[N, G*f] input projections -> [N, f] hidden units (SwiGLU on gate/up halves, or GELU)."""
         if self.gated:
-            gate_Nf, up_Nf = h_NGf.split(f, dim=1)
-            h_Nf = F.silu(gate_Nf) * up_Nf
-        else:
-            h_Nf = F.gelu(h_NGf)
+            gate_Nf, up_Nf = h_NGf.chunk(2, dim=1)
+            return F.silu(gate_Nf) * up_Nf
+        return F.gelu(h_NGf)
+
+    def forward(self, tokens_NH: Tensor, probs_N: Tensor, tokens_per_expert_e: Tensor,
+                tokens_per_expert_host: Sequence[int] | None = None) -> Tensor:
+        e, gates, f, H = self.w13.shape
+        counts_host = tokens_per_expert_host
+        if self._host_counts and counts_host is None:
+            counts_host = tokens_per_expert_e.tolist()  # the backend takes host counts: one sync
+        # [e, G, f, H] -> [e, G*f, H]: gate and up projections in a single grouped GEMM.
+        w13 = self.w13.reshape(e, gates * f, H)
+        probs_N1 = probs_N.to(tokens_NH.dtype).unsqueeze(-1)
+        if self._te:
+            if tokens_NH.shape[0] == 0:
+                return no_rows(self._activate(no_rows(tokens_NH, w13, True)), self.w2, True)
+            return self._te[0](tokens_NH, w13, self.w2, counts_host, self._activate) * probs_N1
+        h_Nf = self._activate(grouped_gemm(tokens_NH, w13, tokens_per_expert_e, self.gemm_backend, trans_w=True,
+                                           counts_host=counts_host))
         # The down projection is linear, so the probs can scale its input [N, f] or its output
         # [N, H]: do it on the narrower one (a memory-bound pass forward and two backward).
-        probs_N1 = probs_N.to(h_Nf.dtype).unsqueeze(-1)
         if f <= H:
-            return grouped_gemm(h_Nf * probs_N1, self.w2, tokens_per_expert_e, self.gemm_backend, trans_w=True)
-        return grouped_gemm(h_Nf, self.w2, tokens_per_expert_e, self.gemm_backend, trans_w=True) * probs_N1
+            return grouped_gemm(h_Nf * probs_N1, self.w2, tokens_per_expert_e, self.gemm_backend, trans_w=True,
+                                counts_host=counts_host)
+        return grouped_gemm(h_Nf, self.w2, tokens_per_expert_e, self.gemm_backend, trans_w=True,
+                            counts_host=counts_host) * probs_N1
 
     def flops(self, num_rows: int) -> int:
         """Forward FLOPs of ``num_rows`` routed rows through this rank's shard."""
@@ -116,7 +166,8 @@ class GroupedExperts(nn.Module):
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts} (local {self.num_local_experts} from {self.local_expert_offset}), "
                 f"hidden={self.hidden_size}, ffn={self.ffn_hidden_size} (etp {group_size(self.etp_group)}), "
-                f"activation={self.activation}, gemm={self.gemm_backend}")
+                f"activation={self.activation}, gemm={self.gemm_backend}"
+                + (f", {self.fp8.describe()}" if self.fp8 is not None else ""))
 
 
 def default_output_init_std(init_std: float, num_layers: int) -> float:

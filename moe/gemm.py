@@ -4,26 +4,37 @@
 ``out[rows_i] = x[rows_i] @ w[i]`` (``w`` is ``[e, K, M]``) or, with ``trans_w=True``,
 ``x[rows_i] @ w[i].T`` (``w`` is ``[e, M, K]``, the ``nn.Linear`` ``[out, in]`` layout experts
 store). Rows are expert-major: the first ``tokens_per_expert_e[0]`` rows belong to expert 0, etc.
-Every backend is differentiable with respect to ``x`` and ``w``.
+Every backend is differentiable with respect to ``x`` and ``w``. With no rows at all (N = 0: a
+rank or micro-batch whose experts got no tokens) no kernel runs and ``x`` and ``w`` get zero
+gradients, so gradient hooks fire as on every other step.
 
 Backends (``GEMM_BACKENDS``):
 
 - ``grouped_mm``   ``torch.nn.functional.grouped_mm`` (default). One call, offsets are the int32
-                   cumsum of the counts and stay on the device (no host sync). Its kernels need
-                   row strides that are multiples of 16 bytes: K and M are zero-padded to the next
-                   multiple when they are not (a copy; choose aligned sizes to avoid it). Zero-size
-                   groups and N = 0 are fine. On CPU (torch 2.13) fp32, bf16 and fp16 all work.
-- ``loop``         one ``mm`` per expert; the reference the tests compare against (host sync on
-                   the counts).
-- ``grouped_gemm`` ``grouped_gemm.ops.gmm`` (``pip install grouped-gemm``; CUDA only; counts are
-                   moved to the host, as the library requires int64 CPU batch sizes).
+                   cumsum of the counts on the device. On CUDA its grouped kernel (CUTLASS) runs
+                   bf16 on sm90/sm100 GPUs (H100/H200/B200) without a host sync; other dtypes and
+                   GPUs take torch's fallback, a loop over groups that copies the offsets to the
+                   host (one sync per call: three per GEMM forward + backward). Row strides must be
+                   multiples of 16 bytes: K and M are zero-padded to the next multiple when they
+                   are not (a copy; choose aligned sizes to avoid it). Zero-size groups are fine.
+                   On CPU (torch 2.13) fp32, bf16 and fp16 all work.
+- ``loop``         one ``mm`` per expert; the reference the tests compare against.
+- ``grouped_gemm`` ``grouped_gemm.ops.gmm`` (``pip install grouped-gemm``; CUDA, bf16 only: checked
+                   when the experts are built). It takes int64 batch sizes on the host.
 - ``te``           Transformer Engine ``GroupedLinear`` (``pip install transformer-engine[pytorch]``;
-                   CUDA only) run functionally on our stacked weight, ``m_splits`` from the host.
+                   CUDA), host ``m_splits``. It keeps per-module state (FP8 scaling), so it runs
+                   through ``moe.te_gemm.TEGroupedLinear`` objects that ``GroupedExperts`` owns, not
+                   through this function.
+
+Host counts: ``loop``, ``grouped_gemm`` and ``te`` take the counts on the host; pass them as
+``counts_host`` when the dispatcher already has them (``Dispatched.tokens_per_expert_host``),
+else they are read from the device (one host synchronisation).
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -33,20 +44,30 @@ from torch import Tensor
 GemmBackend = Literal["grouped_mm", "loop", "grouped_gemm", "te"]
 GEMM_BACKENDS: tuple[str, ...] = ("grouped_mm", "loop", "grouped_gemm", "te")
 
-_INSTALL = {"grouped_gemm": "pip install grouped-gemm",
-            "te": "pip install transformer-engine[pytorch]"}
+_INSTALL = {"grouped_gemm": "pip install --no-build-isolation grouped-gemm (builds with nvcc)",
+            "te": "pip install --no-build-isolation transformer-engine[pytorch]"}
 _MODULE = {"grouped_gemm": "grouped_gemm.ops", "te": "transformer_engine.pytorch"}
 
 
-def check_gemm_backend(backend: str) -> None:
-    """Fail now (ValueError / ImportError naming what to install) if ``backend`` cannot run here."""
+def check_gemm_backend(backend: str, dtype: torch.dtype | None = None) -> None:
+    """Fail now (ValueError / ImportError naming what to use or install) if ``backend`` cannot run here.
+
+    ``dtype``: the experts' parameter dtype (None: torch's default dtype), checked against what the
+    backend's kernels accept.
+    """
     if backend not in GEMM_BACKENDS:
         raise ValueError(f"gemm backend {backend!r} is unknown; valid backends: {', '.join(GEMM_BACKENDS)}")
+    dtype = torch.get_default_dtype() if dtype is None else dtype
+    if backend == "grouped_gemm" and dtype != torch.bfloat16:
+        raise ValueError(f"gemm backend 'grouped_gemm' (grouped_gemm.ops.gmm) runs bf16 only, but the experts are "
+                         f"{dtype}: train in bf16 (--bf16), or use backend 'grouped_mm' (fp32/bf16/fp16), "
+                         f"'te' or 'loop'")
     if backend in _MODULE:
-        _import_backend(backend)
+        import_backend(backend)
 
 
-def _import_backend(backend: str):
+def import_backend(backend: str):
+    """The backend's Python module, or ImportError naming the package to install."""
     try:
         return importlib.import_module(_MODULE[backend])
     except ImportError as err:
@@ -54,12 +75,17 @@ def _import_backend(backend: str):
                           f"which is not installed: {_INSTALL[backend]} (or use backend 'grouped_mm')") from err
 
 
+def needs_host_counts(backend: str) -> bool:
+    """The backend takes its group sizes as host integers."""
+    return backend in ("loop", "grouped_gemm", "te")
+
+
 def grouped_gemm(x_NK: Tensor, w: Tensor, tokens_per_expert_e: Tensor, backend: str = "grouped_mm", *,
-                 trans_w: bool = False) -> Tensor:
+                 trans_w: bool = False, counts_host: Sequence[int] | None = None) -> Tensor:
     """Per-expert ``x @ w[i]`` (``w [e, K, M]``) or ``x @ w[i].T`` (``trans_w``, ``w [e, M, K]``) -> ``[N, M]``.
 
-    ``tokens_per_expert_e``: ``[e]`` integer counts (any device) summing to ``N``. Local only:
-    nothing crosses ranks.
+    ``tokens_per_expert_e``: ``[e]`` integer counts (any device) summing to ``N``; ``counts_host``:
+    the same counts as host ints, if known. Local only: nothing crosses ranks.
     """
     if x_NK.dim() != 2 or w.dim() != 3:
         raise ValueError(f"grouped_gemm expects x [N, K] and w [e, ., .], got {tuple(x_NK.shape)} and {tuple(w.shape)}")
@@ -72,24 +98,39 @@ def grouped_gemm(x_NK: Tensor, w: Tensor, tokens_per_expert_e: Tensor, backend: 
                          f"expected ({w.shape[0]},) (one count per expert in w)")
     if x_NK.dtype != w.dtype:
         raise ValueError(f"grouped_gemm: x is {x_NK.dtype} but w is {w.dtype}")
+    if backend not in GEMM_BACKENDS:
+        raise ValueError(f"gemm backend {backend!r} is unknown; valid backends: {', '.join(GEMM_BACKENDS)}")
+    if backend == "te":
+        raise ValueError("gemm backend 'te' keeps per-module state: use moe.te_gemm.TEGroupedLinear "
+                         "(GroupedExperts does), not the stateless grouped_gemm()")
+    if x_NK.shape[0] == 0:
+        return no_rows(x_NK, w, trans_w)
     if backend == "grouped_mm":
         return _grouped_mm(x_NK, w, tokens_per_expert_e, trans_w)
+    counts = list(counts_host) if counts_host is not None else tokens_per_expert_e.tolist()
     if backend == "loop":
-        return _loop(x_NK, w, tokens_per_expert_e, trans_w)
-    if backend == "grouped_gemm":
-        gg = _import_backend(backend)
-        # gmm wants int64 batch sizes on the host and [e, K, M] (or trans_b with [e, M, K]) weights.
-        return gg.gmm(x_NK, w, tokens_per_expert_e.to("cpu", torch.int64), trans_b=trans_w)
-    if backend == "te":
-        return _te(x_NK, w, tokens_per_expert_e, trans_w)
-    raise ValueError(f"gemm backend {backend!r} is unknown; valid backends: {', '.join(GEMM_BACKENDS)}")
+        return _loop(x_NK, w, counts, trans_w)
+    gg = import_backend(backend)
+    # gmm checks for contiguous bf16 operands, int64 batch sizes on the host and w [e, K, M]
+    # (or [e, M, K] with trans_b)
+    batch_sizes = torch.tensor(counts, dtype=torch.int64, device="cpu")
+    return gg.gmm(x_NK.contiguous(), w.contiguous(), batch_sizes, trans_b=trans_w)
+
+
+def no_rows(x_NK: Tensor, w: Tensor, trans_w: bool) -> Tensor:
+    """The [0, M] output for N = 0 rows without a grouped kernel (some assert that a group has rows).
+
+    An empty product with one expert's weight: autograd then gives ``x`` its [0, K] gradient and
+    ``w`` an all-zero one (not None), so per-parameter gradient hooks still fire.
+    """
+    return x_NK @ (w[0].T if trans_w else w[0])
 
 
 # --------------------------------------------------------------------------------------------
-def _loop(x_NK: Tensor, w: Tensor, counts_e: Tensor, trans_w: bool) -> Tensor:
+def _loop(x_NK: Tensor, w: Tensor, counts: list[int], trans_w: bool) -> Tensor:
     # unbind (not w[i]): its backward stacks the e gradients once instead of adding e zero-filled
     # [e, ...] tensors. Empty groups stay in, so w and x get (zero) gradients even with no rows.
-    rows = x_NK.split(counts_e.tolist())
+    rows = x_NK.split(counts)
     return torch.cat([xi @ (wi.T if trans_w else wi) for xi, wi in zip(rows, w.unbind(0))])
 
 
@@ -118,20 +159,10 @@ def _grouped_mm(x_NK: Tensor, w: Tensor, counts_e: Tensor, trans_w: bool) -> Ten
     return out[:, :M] if out.shape[1] != M else out
 
 
-def _te(x_NK: Tensor, w: Tensor, counts_e: Tensor, trans_w: bool) -> Tensor:
-    te = _import_backend("te")
-    w_eMK = w if trans_w else w.transpose(1, 2)
-    e, M, K = w_eMK.shape
-    # GroupedLinear owns per-expert parameters weight0..weight{e-1} ([out, in]); run it with ours
-    # substituted so autograd reaches the stacked tensor. Built on the meta device: no storage.
-    layer = te.GroupedLinear(e, K, M, bias=False, params_dtype=w.dtype, device="meta")
-    params = {f"weight{i}": w_eMK[i] for i in range(e)}
-    return torch.func.functional_call(layer, params, (x_NK, counts_e.tolist()))
-
-
 def flops_per_token(hidden: int, ffn: int, gated: bool) -> int:
     """Forward FLOPs of one expert MLP per routed token copy (2 per multiply-add)."""
     return 2 * hidden * ffn * (3 if gated else 2)
 
 
-__all__ = ["GEMM_BACKENDS", "GemmBackend", "check_gemm_backend", "flops_per_token", "grouped_gemm"]
+__all__ = ["GEMM_BACKENDS", "GemmBackend", "check_gemm_backend", "flops_per_token", "grouped_gemm", "import_backend",
+           "needs_host_counts", "no_rows"]

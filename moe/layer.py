@@ -1,4 +1,12 @@
-"""The MoE layer: router -> dispatch (shared experts overlap it) -> experts -> combine (+ shared).
+"""The MoE layer: router -> dispatch (shared experts meanwhile) -> experts -> combine (+ shared).
+
+The shared experts run between ``dispatch_start`` and ``wait``: they overlap the token exchange
+where the dispatcher leaves it in flight (alltoall's asynchronous all-to-all, flex's DeepEP
+kernel on its communication stream), not allgather's gathers, which finish inside dispatch_start.
+Host synchronisations per layer (forward + backward, bf16 grouped_mm experts): local 0 (dropless
+or padded; 1 in unpadded capacity mode), alltoall 1 (dropless or unpadded capacity; 0 padded),
+allgather 1, flex 0 of moefold's own plus the one DeepEP's dispatch makes for its received counts
+(tests/dispatch/test_host_sync.py, tests/dispatch/test_flex.py).
 
 Drops into the transformer block's FFN slot: ``forward(x [S, B, H]) -> (y [S, B, H], MoEOutputInfo)``.
 
@@ -69,11 +77,13 @@ class MoELayer(nn.Module):
 
         # The router marks its weight sequence-parallel itself: every tp rank routes distinct tokens.
         self.router = Router(config.router, hidden_size, RouterGroups.from_dims(dims))
-        self.dispatcher = build_dispatcher(config.dispatcher, config.num_experts, dims)
+        options = {"num_sms": config.deepep_num_sms} if config.dispatcher == "flex" else {}
+        self.dispatcher = build_dispatcher(config.dispatcher, config.num_experts, dims, **options)
         self.experts = GroupedExperts(
             config.num_experts, hidden_size, config.moe_ffn_hidden_size, ep_group=dims.ep_group,
             etp_group=dims.etp_group, activation=config.activation, gemm_backend=config.gemm_backend,
-            init_std=config.init_std, output_init_std=config.output_init_std, dtype=dtype, device=device)
+            init_std=config.init_std, output_init_std=config.output_init_std, fp8=config.fp8, dtype=dtype,
+            device=device)
         self.shared_experts = None
         if config.has_shared_experts:
             self.shared_experts = SharedExperts(
@@ -109,11 +119,13 @@ class MoELayer(nn.Module):
         routed = self.router(x_TH, global_state=global_state, generator=generator, **router_kw)
         # 2. start moving token copies to their experts ...
         pending = self.dispatcher.dispatch_start(x_TH, routed.routing)
-        # 3. ... and compute the shared experts while they travel
+        # 3. ... and compute the shared experts while they travel (alltoall, flex: the exchange is in
+        # flight until wait(); allgather has finished its gathers already)
         shared_SBH = self.shared_experts(x_SBH) if self.shared_experts is not None else None
         dispatched = pending.wait()
         # 4. routed experts (rows already scaled by their probs; partial sums over etp)
-        expert_out_NH = self.experts(dispatched.tokens_NH, dispatched.probs_N, dispatched.tokens_per_expert_e)
+        expert_out_NH = self.experts(dispatched.tokens_NH, dispatched.probs_N, dispatched.tokens_per_expert_e,
+                                     dispatched.tokens_per_expert_host)
         # 5. bring the outputs home, reduce over etp and add up each token's k copies
         y_TH = self.dispatcher.combine(expert_out_NH, dispatched.handle)
 

@@ -11,11 +11,11 @@ import platform
 
 import torch
 
-# Optional GPU backends: import name -> pip package that provides it.
+# Optional GPU backends: import name -> how to install it (README, "On GPUs").
 OPTIONAL_BACKENDS = {
-    "transformer_engine": "transformer-engine[pytorch]",
-    "deep_ep": "deep-ep",
-    "grouped_gemm": "grouped-gemm",
+    "transformer_engine": "pip install --no-build-isolation transformer-engine[pytorch]",
+    "deep_ep": "build DeepEP v1.2.1 from source: README, On GPUs",
+    "grouped_gemm": "pip install --no-build-isolation grouped-gemm",
 }
 
 
@@ -24,9 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def backend_status(module: str) -> str:
-    """'available (version)' or 'not installed (pip install X)' or 'broken: <error>'."""
+    """'available (version)' or 'not installed (how to install)' or 'broken: <error>'."""
     if importlib.util.find_spec(module) is None:
-        return f"not installed (pip install {OPTIONAL_BACKENDS.get(module, module)})"
+        return f"not installed ({OPTIONAL_BACKENDS.get(module, 'pip install ' + module)})"
     try:
         mod = importlib.import_module(module)
     except Exception as exc:

@@ -21,6 +21,7 @@ import torch
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import RECIPES, get_recipe
 from moefold.parallel.dims import ParallelConfig
+from moefold.parallel.fp8 import add_fp8_arguments, fp8_config_from_args
 from moefold.parallel.init import launched_by_torchrun, launched_world_size
 from moefold.training.config import RunConfig, TrainConfig
 from moefold.training.launch import run_ranks
@@ -84,6 +85,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--moe-token-dispatcher-type", default="auto",
                    help="auto | local | allgather | alltoall | flex (DeepEP)")
     m.add_argument("--moe-grouped-gemm-backend", default=ModelOptions.gemm_backend)
+    gpu = p.add_argument_group("GPU backends (issue 14): DeepEP, Transformer Engine FP8")
+    gpu.add_argument("--moe-deepep-num-sms", type=int, default=ModelOptions.moe_deepep_num_sms,
+                     help="SMs DeepEP's kernels take (flex dispatcher; even)")
+    add_fp8_arguments(gpu)
     m.add_argument("--recompute-granularity", default="none", choices=("none", "selective", "full"))
     m.add_argument("--vocab-size", type=int, help="vocabulary of the built-in corpus (and the model); default: "
                                                    "the recipe's")
@@ -136,7 +141,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     options = ModelOptions(sequence_parallel=args.sequence_parallel, cp_comm=args.cp_comm_type,
                            recompute=args.recompute_granularity, dispatcher=args.moe_token_dispatcher_type,
                            gemm_backend=args.moe_grouped_gemm_backend, dtype="bf16" if args.bf16 else "fp32",
-                           init_std=args.init_method_std)
+                           init_std=args.init_method_std, fp8=fp8_config_from_args(args),
+                           moe_deepep_num_sms=args.moe_deepep_num_sms)
     parallel = ParallelConfig(tp=args.tensor_model_parallel_size, cp=args.context_parallel_size,
                               pp=args.pipeline_model_parallel_size, ep=args.expert_model_parallel_size,
                               etp=args.expert_tensor_parallel_size)
@@ -175,6 +181,22 @@ def validate(config: RunConfig, world_size: int) -> None:
         raise ValueError(f"{exc} (--tensor-model-parallel-size={sizes.tp}, --context-parallel-size={sizes.cp}, "
                          f"--expert-model-parallel-size={sizes.ep}, --expert-tensor-parallel-size={sizes.etp})"
                          ) from exc
+    check_backends(config, sizes.ep, sizes.etp)
+
+
+def check_backends(config: RunConfig, ep: int, etp: int) -> None:
+    """The optional GPU backends the flags choose are installed and can run here (ImportError /
+    ValueError / RuntimeError naming what to install or use instead), before any rank starts."""
+    from moefold.moe.gemm import check_gemm_backend
+
+    o = config.options
+    if config.model.num_experts:
+        check_gemm_backend(o.gemm_backend, o.torch_dtype)
+        if o.resolved_dispatcher(ep, etp) == "flex":
+            from moefold.dispatch.deepep import import_deep_ep
+
+            import_deep_ep()
+    o.fp8.check_available()
 
 
 def main(args: argparse.Namespace) -> int:
@@ -184,7 +206,7 @@ def main(args: argparse.Namespace) -> int:
         if args.nproc < 1:
             raise ValueError(f"--nproc={args.nproc} must be >= 1")
         validate(config, world)
-    except ValueError as exc:
+    except (ValueError, ImportError, RuntimeError) as exc:
         print(f"moefold train: error: {exc}", file=sys.stderr)
         return 2
     if launched_by_torchrun() and args.nproc > 1:

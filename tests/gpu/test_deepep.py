@@ -1,6 +1,13 @@
-"""The flex (DeepEP) dispatcher equals the alltoall dispatcher on GPUs (values and gradients, bf16).
+"""The flex (DeepEP) dispatcher with the real ``deep_ep`` (DeepEP v1.2.1's Buffer API).
 
-Needs >= 2 CUDA GPUs with NVLink and ``deep_ep`` installed; skipped otherwise.
+- one GPU: DeepEP's own buffer-size hints, as moefold sizes its one buffer per group, and the
+  refusal of a one-rank group (DeepEP's kernels are built for 2, 4, 8 or multiples of 8 ranks);
+- >= 2 GPUs with NVLink: flex equals the alltoall dispatcher (values and gradients, bf16), with
+  the buffer shared by two dispatchers (layers).
+
+Skipped without ``deep_ep`` (not on PyPI: built from source, see README "On GPUs"). Run it in a
+pytest process of its own (the GPU check does): its ranks are forked, which needs a parent that
+has not initialised CUDA.
 """
 
 import pytest
@@ -9,7 +16,7 @@ import torch
 from tests.dispatch.common import H, expert_weights, make_case, make_routing, run_experts
 from tests.distributed import run_distributed
 
-deep_ep = pytest.importorskip("deep_ep", reason="the flex dispatcher needs DeepEP (pip install deep-ep)")
+deep_ep = pytest.importorskip("deep_ep", reason="the flex dispatcher needs DeepEP v1.2.1 (README: On GPUs)")
 EP = 2
 E = 8
 
@@ -18,7 +25,7 @@ def _compare(mode: str):
     import torch.distributed as dist
 
     from moefold.dispatch import AllToAllDispatcher
-    from moefold.dispatch.deepep import FlexDispatcher
+    from moefold.dispatch.deepep import DeepEPBuffers, FlexDispatcher
 
     rank = dist.get_rank()
     torch.cuda.set_device(rank)
@@ -31,7 +38,9 @@ def _compare(mode: str):
     w1, w2 = (w.to(dev) for w in expert_weights(E))
     base = make_routing(probs_all[sl], ids_all[sl], E, mode, capacity=8)
     results = {}
-    for name, d in (("alltoall", AllToAllDispatcher(E, group)), ("flex", FlexDispatcher(E, group))):
+    buffers = DeepEPBuffers()
+    flex = [FlexDispatcher(E, group, buffers=buffers) for _ in range(2)]
+    for name, d in (("alltoall", AllToAllDispatcher(E, group)), ("flex", flex[0]), ("flex2", flex[1])):
         x = x_all[sl].to(dev, torch.bfloat16).requires_grad_()
         p = base.probs_TK.to(dev).requires_grad_()
         routing = type(base)(p, base.expert_ids_TK.to(dev), base.tokens_per_expert_E.to(dev),
@@ -43,12 +52,28 @@ def _compare(mode: str):
                       .to(torch.bfloat16), out.handle)
         y.float().square().sum().backward()
         results[name] = (y.float().cpu(), x.grad.float().cpu(), p.grad.cpu())
-    errors = []
-    for i, what in enumerate(("y", "grad x", "grad probs")):
-        a, b = results["alltoall"][i], results["flex"][i]
-        if not torch.allclose(a, b, atol=3e-2, rtol=3e-2):
-            errors.append(f"{mode} {what}: max err {(a - b).abs().max()}")
+    errors = [] if buffers.created == 1 else [f"{buffers.created} DeepEP buffers for two layers, expected 1"]
+    for other in ("flex", "flex2"):
+        for i, what in enumerate(("y", "grad x", "grad probs")):
+            a, b = results["alltoall"][i], results[other][i]
+            if not torch.allclose(a, b, atol=3e-2, rtol=3e-2):
+                errors.append(f"{other} {mode} {what}: max err {(a - b).abs().max()}")
     return errors
+
+
+def test_buffer_hints_from_the_real_library():
+    from moefold.dispatch.deepep import buffer_sizes
+
+    for n in (2, 4, 8):
+        nvl, rdma = buffer_sizes(deep_ep.Buffer, n, 7168 * 2)
+        assert nvl > 0 and rdma == 0, (n, nvl, rdma)  # one NVLink domain: no RDMA buffer
+
+
+def test_one_rank_is_refused():
+    from moefold.dispatch import build_dispatcher
+
+    with pytest.raises(ValueError, match="use 'local'"):
+        build_dispatcher("flex", E)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < EP, reason=f"needs {EP} GPUs")

@@ -1,6 +1,9 @@
-"""GPU grouped-GEMM backends (grouped_mm in bf16, grouped_gemm.ops.gmm, Transformer Engine) vs the loop.
+"""GPU grouped-GEMM backends against the per-expert loop, values and gradients in bf16 (CUDA).
 
-Skipped without CUDA (tests/gpu/conftest.py); a backend whose package is missing is skipped here.
+grouped_mm and grouped_gemm.ops.gmm through ``grouped_gemm``; Transformer Engine through the
+persistent ``TEGroupedLinear`` and ``GroupedExperts`` (also in FP8, against bf16 within FP8's
+error). Skipped without CUDA (tests/gpu/conftest.py); a backend whose package is missing is
+skipped here.
 """
 
 import pytest
@@ -8,18 +11,33 @@ import torch
 
 from moefold.moe.experts import GroupedExperts
 from moefold.moe.gemm import check_gemm_backend, grouped_gemm
+from moefold.parallel.fp8 import FP8Config
+
+COUNTS = {"mixed": [64, 0, 128, 40], "one": [0, 0, 0, 256], "empty": [0, 0, 0, 0]}
 
 
 def _require(backend: str) -> None:
     try:
-        check_gemm_backend(backend)
+        check_gemm_backend(backend, torch.bfloat16)
     except ImportError as err:
         pytest.skip(str(err))
 
 
+def _gemm(backend: str, x: torch.Tensor, w: torch.Tensor, counts: list[int], trans_w: bool) -> torch.Tensor:
+    if backend != "te":
+        return grouped_gemm(x, w, torch.tensor(counts, device=x.device), backend, trans_w=trans_w)
+    from moefold.moe.gemm import no_rows
+    from moefold.moe.te_gemm import TEGroupedLinear
+
+    w_eMK = w if trans_w else w.transpose(1, 2)
+    if x.shape[0] == 0:  # as GroupedExperts does: no kernel without rows
+        return no_rows(x, w_eMK, True)
+    return TEGroupedLinear(w.shape[0], x.shape[1], w_eMK.shape[1], w.dtype)(x, w_eMK, counts)
+
+
 @pytest.mark.parametrize("backend", ["grouped_mm", "grouped_gemm", "te"])
 @pytest.mark.parametrize("trans_w", [False, True])
-@pytest.mark.parametrize("counts", [[64, 0, 128, 40], [0, 0, 0, 256], [0, 0, 0, 0]], ids=["mixed", "one", "empty"])
+@pytest.mark.parametrize("counts", list(COUNTS.values()), ids=list(COUNTS))
 def test_backend_matches_loop_cuda(backend, trans_w, counts):
     _require(backend)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -28,14 +46,15 @@ def test_backend_matches_loop_cuda(backend, trans_w, counts):
     x = torch.randn(N, K, device="cuda", generator=gen).to(dtype)
     w = torch.randn(len(counts), *((M, K) if trans_w else (K, M)), device="cuda", generator=gen).to(dtype)
     g = torch.randn(N, M, device="cuda", generator=gen).to(dtype)
-    c = torch.tensor(counts, device="cuda")
     results = []
     for b in ("loop", backend):
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y = grouped_gemm(xi, wi, c, b, trans_w=trans_w)
-        results.append((y, *torch.autograd.grad(y, (xi, wi), g, allow_unused=True)))
+        y = grouped_gemm(xi, wi, torch.tensor(counts, device="cuda"), "loop", trans_w=trans_w) if b == "loop" \
+            else _gemm(b, xi, wi, counts, trans_w)
+        gx, gw = torch.autograd.grad(y, (xi, wi), g)
+        assert gw is not None, "zero rows must still give w a (zero) gradient"
+        results.append((y, gx, gw))
     for name, ref, out in zip(("out", "grad_x", "grad_w"), *results):
-        out = torch.zeros_like(ref) if out is None else out
         torch.testing.assert_close(out.float(), ref.float(), atol=5e-2, rtol=2e-2, msg=name)
 
 
@@ -50,12 +69,44 @@ def test_experts_backend_cuda(backend):
     mod = GroupedExperts(4, 64, 128, gemm_backend=backend, dtype=torch.bfloat16, device="cuda")
     mod.load_state_dict(ref.state_dict())
     g = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16)
-    results = []
-    for m in (ref, mod):
-        xi = x.clone().requires_grad_()
-        y = m(xi, probs, counts)
-        results.append((y, *torch.autograd.grad(y, (xi, m.w13, m.w2), g)))
-    for name, want, got in zip(("out", "grad_x", "grad_w13", "grad_w2"), *results):
-        # bf16 with a different summation order: tolerance relative to the tensor's scale
-        scale = want.float().abs().max().item()
-        torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * scale, rtol=2e-2, msg=name)
+    for _ in range(2):  # the TE modules are reused, not rebuilt
+        results = []
+        for m in (ref, mod):
+            xi = x.clone().requires_grad_()
+            y = m(xi, probs, counts, tuple(counts.tolist()))
+            results.append((y, *torch.autograd.grad(y, (xi, m.w13, m.w2), g)))
+        for name, want, got in zip(("out", "grad_x", "grad_w13", "grad_w2"), *results):
+            # bf16 with a different summation order: tolerance relative to the tensor's scale
+            scale = want.float().abs().max().item()
+            torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * scale, rtol=2e-2, msg=name)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_te_experts_fp8_cuda(recipe):
+    """FP8 (hybrid) expert GEMMs against bf16: relative error within FP8's (e4m3 has 3 mantissa bits:
+    about 6% per element; a GEMM's output averages it down). Rows per expert not multiples of 16."""
+    _require("te")
+    try:
+        FP8Config("hybrid", recipe).check_available()
+    except RuntimeError as err:
+        pytest.skip(str(err))
+    torch.manual_seed(0)
+    counts = [40, 0, 100, 17]
+    x = torch.randn(sum(counts), 256, device="cuda", dtype=torch.bfloat16)
+    probs = torch.rand(x.shape[0], device="cuda")
+    ref = GroupedExperts(4, 256, 512, gemm_backend="te", dtype=torch.bfloat16, device="cuda")
+    fp8 = GroupedExperts(4, 256, 512, gemm_backend="te", fp8=FP8Config("hybrid", recipe), dtype=torch.bfloat16,
+                         device="cuda")
+    fp8.load_state_dict(ref.state_dict())
+    g = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16)
+    for step in range(3):  # delayed scaling needs a step of amax history
+        results = []
+        for m in (ref, fp8):
+            xi = x.clone().requires_grad_()
+            y = m(xi, probs, torch.tensor(counts, device="cuda"), counts)
+            results.append((y, *torch.autograd.grad(y, (xi, m.w13, m.w2), g)))
+        if step == 0:
+            continue
+        for name, want, got in zip(("out", "grad_x", "grad_w13", "grad_w2"), *results):
+            rel = (got.float() - want.float()).norm() / want.float().norm()
+            assert rel < 0.1, f"{recipe} step {step} {name}: relative error {rel:.3f}"

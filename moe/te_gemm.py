@@ -1,0 +1,93 @@
+"""Transformer Engine's ``GroupedLinear`` as a persistent module over moefold's stacked expert weights.
+
+``GroupedExperts`` keeps its weights as two stacked parameters (``w13 [e, G, F, H]``, ``w2 [e, H,
+F]``) because checkpoints, resharding, HF import/export, initialisation and gradient reduction
+all address them by those names and shard metadata. TE's ``GroupedLinear`` instead registers one
+parameter per GEMM (``weight0 .. weight{e-1}``, each ``[out, in]``). ``TEGroupedLinear`` bridges
+the two without copying:
+
+- one ``te.GroupedLinear`` per projection is built once, on the meta device (it allocates no
+  weights), and kept for the life of the experts: its FP8 state (scales, amax history) persists
+  from step to step as TE intends;
+- each call runs it with ``torch.func.functional_call``, substituting ``w[i]`` (views of the
+  stacked parameter) for ``weight{i}``, so TE's weight gradients flow back into the stacked
+  parameter's ``.grad`` through autograd and moefold's parameter names never change (no
+  state-dict adapter is needed);
+- ``m_splits`` is a host list, as TE's GroupedLinear requires;
+- with FP8 (``parallel.fp8.FP8Config``) TE's autocast is entered around the two GEMMs and the
+  rows are padded to FP8's per-group alignment (``TEExpertGemms``).
+
+Gradient accumulation: TE computes each weight gradient in the activation dtype and returns it;
+autograd stacks them into ``w.grad`` and the trainer's hook adds that into the fp32
+``param.main_grad`` (the same path as every other parameter). TE's own
+``fuse_wgrad_accumulation=True`` (the wgrad GEMM accumulating straight into ``main_grad``) is
+not used: TE would need a ``main_grad`` on each per-expert view plus Megatron's
+``grad_added_to_main_grad`` protocol in the optimizer's hook (TE then returns a dummy gradient
+that the hook must skip), which the stacked layout and moefold's optimizer do not implement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from moefold.moe.gemm import import_backend
+from moefold.parallel.fp8 import FP8Config, te_autocast
+
+
+class TEGroupedLinear:
+    """``y[rows_i] = x[rows_i] @ w[i].T`` for ``w [e, M, K]`` through one persistent ``te.GroupedLinear``.
+
+    Not an ``nn.Module`` on purpose: it owns no parameters (TE's are meta placeholders) and must
+    stay out of ``named_parameters``/``state_dict``; the stacked weight is passed to each call.
+    """
+
+    def __init__(self, num_gemms: int, in_features: int, out_features: int, dtype: torch.dtype | None = None) -> None:
+        te = import_backend("te")
+        self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
+        self.module = te.GroupedLinear(num_gemms, in_features, out_features, bias=False,
+                                       params_dtype=dtype or torch.get_default_dtype(), device="meta")
+
+    def __call__(self, x_NK: Tensor, w_eMK: Tensor, m_splits: list[int]) -> Tensor:
+        if tuple(w_eMK.shape) != (self.num_gemms, self.out_features, self.in_features):
+            raise ValueError(f"TEGroupedLinear built for [{self.num_gemms}, {self.out_features}, "
+                             f"{self.in_features}] weights, got {tuple(w_eMK.shape)}")
+        params: dict[str, Any] = {f"weight{i}": w_eMK[i] for i in range(self.num_gemms)}
+        return torch.func.functional_call(self.module, params, (x_NK, m_splits))
+
+
+class TEExpertGemms:
+    """The two projections of the grouped expert MLP through TE, with FP8 when ``fp8`` is enabled.
+
+    ``__call__(x_NH, w13_eGH, w2_eHF, m_splits, activation) -> [N, H]``: ``w13_eGH`` is the
+    input projection ``[e, G*F, H]``, ``activation`` maps its ``[*, G*F]`` output to ``[*, F]``.
+    With FP8, TE's autocast is entered once around both GEMMs (each TE module runs once inside
+    it), and the rows are padded once, before the first GEMM, to the recipe's per-group alignment
+    (``te.Fp8Padding``: zero rows, which stay zero through the bias-free MLP) and unpadded after
+    the second.
+    """
+
+    def __init__(self, num_gemms: int, hidden: int, gated_ffn: int, ffn: int, dtype: torch.dtype | None = None,
+                 fp8: FP8Config | None = None) -> None:
+        te = import_backend("te")
+        self.fc1 = TEGroupedLinear(num_gemms, hidden, gated_ffn, dtype)
+        self.fc2 = TEGroupedLinear(num_gemms, ffn, hidden, dtype)
+        self.fp8 = fp8 if fp8 is not None and fp8.enabled else None
+        self.pad = te.Fp8Padding(num_gemms) if self.fp8 else None
+        self.unpad = te.Fp8Unpadding(num_gemms) if self.fp8 else None
+
+    def __call__(self, x_NH: Tensor, w13_eGH: Tensor, w2_eHF: Tensor, m_splits: Sequence[int],
+                 activation: Callable[[Tensor], Tensor]) -> Tensor:
+        splits = [int(m) for m in m_splits]
+        with te_autocast(self.fp8):
+            if self.pad is None:
+                return self.fc2(activation(self.fc1(x_NH, w13_eGH, splits)), w2_eHF, splits)
+            x_pad, padded = self.pad(x_NH, splits)
+            y_pad = self.fc2(activation(self.fc1(x_pad, w13_eGH, padded)), w2_eHF, padded)
+            return self.unpad(y_pad, splits)
+
+
+__all__ = ["TEExpertGemms", "TEGroupedLinear"]

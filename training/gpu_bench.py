@@ -1,0 +1,233 @@
+"""GPU measurements for the GPU check (``moefold.training.gpu_check``), one subcommand per run.
+
+    python -m moefold.training.gpu_bench moe-layer [--tokens 8192 ...]   # MoE layer vs dense ceiling
+    python -m moefold.training.gpu_bench syncs                           # host syncs, CUDA vs the CPU model
+
+``moe-layer``: one MoE layer (router, local permutation, grouped experts, unpermutation) forward +
+backward in bf16, per GEMM backend that imports here, timed with CUDA events (median of
+``--iters`` after ``--warmup``), against the dense ceiling measured in the same run: six plain
+bf16 matmuls doing the expert GEMMs' work as if every routed copy went to one expert
+([N, H] x [H, 2F], [N, F] x [F, H] and their four backward products, N = tokens x top-k). The
+figure of merit is layer TFLOP/s / dense TFLOP/s, counting the expert GEMMs only.
+
+``syncs``: host synchronisations per MoE layer (forward + backward) and per training step,
+counted by CUDA itself (``torch.cuda.set_sync_debug_mode("warn")``) next to moefold's CPU model
+(``training.host_sync.HostSyncCounter``) on the same runs.
+
+Every line printed is a result; the GPU check copies them into its report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from moefold.moe.config import MoEConfig
+from moefold.moe.gemm import check_gemm_backend
+from moefold.moe.layer import MoELayer
+from moefold.moe.router_config import RouterConfig
+from moefold.parallel.dims import ParallelDims
+from moefold.parallel.fp8 import FP8Config
+from moefold.parallel.sharding import init_parameters
+from moefold.training.host_sync import HostSyncCounter
+
+
+def cuda_time(fn: Callable[[], None], iters: int, warmup: int) -> float:
+    """Median seconds per call, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def dense_ceiling(N: int, H: int, F: int, iters: int, warmup: int) -> float:
+    """Seconds for the six bf16 matmuls of one gated MLP over N rows, forward + backward."""
+    kw = {"device": "cuda", "dtype": torch.bfloat16}
+    x, gy = torch.randn(N, H, **kw), torch.randn(N, H, **kw)
+    w13, w2 = torch.randn(H, 2 * F, **kw), torch.randn(F, H, **kw)
+    h, dh = torch.randn(N, F, **kw), torch.randn(N, 2 * F, **kw)
+
+    def step() -> None:
+        x @ w13
+        h @ w2
+        gy @ w2.T
+        h.T @ gy
+        dh @ w13.T
+        x.T @ dh
+
+    return cuda_time(step, iters, warmup)
+
+
+def _moe_layer(E: int, k: int, F: int, H: int, backend: str, fp8: FP8Config | None = None) -> MoELayer:
+    router = RouterConfig(num_experts=E, topk=k, load_balancing_type="none")
+    cfg = MoEConfig(num_experts=E, moe_ffn_hidden_size=F, router=router, dispatcher="local", gemm_backend=backend,
+                    fp8=fp8)
+    layer = MoELayer(cfg, H, ParallelDims.single("cuda"), sequence_parallel=False, dtype=torch.bfloat16,
+                     device="cuda")
+    init_parameters(layer, seed=0)
+    return layer
+
+
+def bench_moe_layer(args: argparse.Namespace) -> int:
+    T, iters, warmup = args.tokens, args.iters, args.warmup
+    props = torch.cuda.get_device_properties(0)
+    print(f"device: {props.name} (sm{props.major}{props.minor}), torch {torch.__version__}, CUDA {torch.version.cuda}")
+    n = 8192
+    print(f"bf16 matmul {n}^3: {2 * n ** 3 / _matmul_seconds(n) / 1e12:.0f} TFLOP/s")
+    print("| config | backend | layer ms | expert-GEMM TFLOP/s | dense ceiling TFLOP/s | layer / dense |")
+    print("|---|---|---|---|---|---|")
+    for spec in args.configs.split(";"):
+        E, k, F, H = (int(v) for v in spec.split(","))
+        N = T * k
+        flops = 3 * 2 * N * H * F * 3  # three projections, forward + two backward GEMMs each
+        dense = flops / dense_ceiling(N, H, F, iters, warmup)
+        backends = args.backends.split(",")
+        variants: list[tuple[str, FP8Config | None]] = [(b, None) for b in backends]
+        if "te" in backends:
+            variants.append(("te", FP8Config("hybrid", "delayed")))
+        for backend, fp8 in variants:
+            label = backend + (" fp8 hybrid delayed" if fp8 else "")
+            try:
+                check_gemm_backend(backend, torch.bfloat16)
+                if fp8 is not None:
+                    fp8.check_available()
+                layer = _moe_layer(E, k, F, H, backend, fp8)
+            except (ImportError, RuntimeError, ValueError) as err:
+                print(f"| E{E} k{k} F{F} H{H} T{T} | {label} | skipped: {str(err).splitlines()[0][:120]} | | | |")
+                continue
+            try:
+                seconds = cuda_time(_layer_step(layer, T, H), iters, warmup)
+            except Exception as err:  # a backend that imports but fails here is a result, not a crash
+                print(f"| E{E} k{k} F{F} H{H} T{T} | {label} | failed: {type(err).__name__}: {str(err)[:120]} | | | |")
+                continue
+            rate = flops / seconds
+            print(f"| E{E} k{k} F{F} H{H} T{T} | {label} | {seconds * 1e3:.2f} | {rate / 1e12:.0f} | "
+                  f"{dense / 1e12:.0f} | {rate / dense:.2f} |")
+            del layer
+            torch.cuda.empty_cache()
+    return 0
+
+
+def _matmul_seconds(n: int) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return cuda_time(lambda: a @ b, 10, 3)
+
+
+def _layer_step(layer: MoELayer, T: int, H: int) -> Callable[[], None]:
+    """Forward + backward of ``layer`` on fixed random [T, 1, H] bf16 tokens, as a trainer runs it."""
+    x = torch.randn(T, 1, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(T, 1, H, device="cuda", dtype=torch.bfloat16)
+
+    def step() -> None:
+        layer.zero_grad(set_to_none=True)
+        y, _ = layer(x)
+        y.backward(gy)
+
+    return step
+
+
+def _loss_step(layer: MoELayer, x: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        y, info = layer(x)
+        (y.float().square().sum() + info.aux_loss).backward()
+
+    return step
+
+
+def _sync_count(fn: Callable[[], None]) -> tuple[int, int, str]:
+    """(CUDA's count in warn mode, HostSyncCounter's count, its report) for one run of ``fn`` each."""
+    fn()  # warm-up: lazy initialisation is not per step
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    cuda = sum("synchroniz" in str(w.message) for w in caught)
+    with HostSyncCounter() as counter:
+        fn()
+    torch.cuda.synchronize()
+    return cuda, counter.total, counter.report().replace("\n", "; ")
+
+
+def bench_syncs(args: argparse.Namespace) -> int:
+    print("| what | CUDA sync debug mode | CPU model (HostSyncCounter) | where (model) |")
+    print("|---|---|---|---|")
+    H = 256
+    for mode, dtype, backend in (("dropless", torch.bfloat16, "grouped_mm"), ("padded", torch.bfloat16, "grouped_mm"),
+                                 ("drop", torch.bfloat16, "grouped_mm"), ("dropless", torch.float32, "grouped_mm"),
+                                 ("dropless", torch.bfloat16, "loop")):
+        capacity = {} if mode == "dropless" else {"expert_capacity_factor": 1.0,
+                                                  "pad_expert_input_to_capacity": mode == "padded"}
+        router = RouterConfig(num_experts=16, topk=2, aux_loss_coeff=0.01, **capacity)
+        cfg = MoEConfig(num_experts=16, moe_ffn_hidden_size=256, router=router, shared_expert_ffn_size=256,
+                        dispatcher="local", gemm_backend=backend)
+        layer = MoELayer(cfg, H, ParallelDims.single("cuda"), sequence_parallel=False, dtype=dtype, device="cuda")
+        x = torch.randn(512, 2, H, device="cuda", dtype=dtype, requires_grad=True)
+        cuda, model, where = _sync_count(_loss_step(layer, x))
+        name = f"MoE layer fwd+bwd, local {mode}, {str(dtype).split('.')[1]}, {backend}"
+        print(f"| {name} | {cuda} | {model} | {where} |")
+    cuda, model, where = _sync_count(_training_step("cuda"))
+    print(f"| training step (qwen3_moe_tiny bf16, 4 micro-batches) | {cuda} | {model} | {where} |")
+    return 0
+
+
+def _training_step(device: str) -> Callable[[], None]:
+    """One optimizer step of a tiny bf16 Qwen3-MoE per call (random tokens)."""
+    import numpy as np
+
+    from moefold.models.options import ModelOptions
+    from moefold.models.recipes import get_recipe
+    from moefold.training.config import RunConfig, TrainConfig
+    from moefold.training.trainer import Trainer
+
+    model = get_recipe("qwen3_moe_tiny").with_(vocab_size=256)
+    train = TrainConfig(micro_batch_size=1, global_batch_size=4, seq_length=64, train_iters=1000, bf16=True,
+                        log_interval=1000, save=None)
+    config = RunConfig(model=model, options=ModelOptions(dtype="bf16"), train=train, recipe="qwen3_moe_tiny")
+    trainer = Trainer(config, ParallelDims.single(torch.device(device).type), device=device, log=lambda _m: None)
+    data = np.random.default_rng(0).integers(0, 256, size=(4096, 65), dtype=np.int64)
+
+    def step() -> None:
+        trainer.fit(data, stop_at=trainer.iteration + 1)
+
+    return step
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moefold.training.gpu_bench", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    m = sub.add_parser("moe-layer", help="MoE layer bf16 per GEMM backend vs the dense ceiling")
+    m.add_argument("--tokens", type=int, default=8192)
+    m.add_argument("--configs", default="128,8,768,2048;16,8,2048,7168",
+                   help="E,k,F,H;... (default: a Qwen3-30B-A3B layer; a DeepSeek-V3-sized layer with 16 experts)")
+    m.add_argument("--backends", default="grouped_mm,grouped_gemm,te,loop")
+    m.add_argument("--iters", type=int, default=5)
+    m.add_argument("--warmup", type=int, default=2)
+    sub.add_parser("syncs", help="host syncs per MoE layer and per training step: CUDA vs the CPU model")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device", file=sys.stderr)
+        return 2
+    return bench_moe_layer(args) if args.what == "moe-layer" else bench_syncs(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
