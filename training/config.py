@@ -95,6 +95,9 @@ class TrainConfig:
             raise ValueError(f"--eval-interval={self.eval_interval!r} must be a positive integer")
         if not isinstance(self.eval_iters, int) or self.eval_iters < 1:
             raise ValueError(f"--eval-iters={self.eval_iters!r} must be a positive integer")
+        if self.eval_interval is not None and not self.has_validation:
+            raise ValueError(f"--eval-interval={self.eval_interval} needs validation data: --split (e.g. 969,30,1) "
+                             "or --valid-data-path")
         if self.split is not None and self.valid_data_path:
             raise ValueError("give either --split (validation documents cut from --data-path) or --valid-data-path, "
                              "not both")

@@ -57,6 +57,30 @@ def build_dataset(config: RunConfig, dims: ParallelDims, part: str = "train") ->
     return ds if ds is not None else build()
 
 
+def save_run_assets(config: RunConfig) -> None:
+    """``SAVE/hf_assets``: the tokenizer and generation config that the run's exports (``moefold convert``) and
+    ``moefold generate`` use: those of ``--load-hf``, else the training data's tokenizer (its document
+    separator as the end-of-sequence token)."""
+    import json
+
+    from moefold.models.hf.assets import RUN_ASSETS_DIR, copy_assets
+    from moefold.training.data import builtin_corpus, eos_id, load_tokenizer, parse_data_path, tokenizer_path
+
+    t = config.train
+    dst = Path(t.save) / RUN_ASSETS_DIR
+    if t.load_hf:
+        copy_assets(t.load_hf, dst)
+        return
+    prefix = parse_data_path(list(t.data_path))[0][0] if t.data_path else \
+        builtin_corpus(t.vocab_size or config.model.vocab_size, cache_dir=t.data_cache_dir, progress=False)
+    if not tokenizer_path(prefix).is_file():
+        return
+    tok = load_tokenizer(tokenizer_path(prefix))
+    dst.mkdir(parents=True, exist_ok=True)
+    tok.save(str(dst / "tokenizer.json"))
+    (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id(tok)}, indent=2))
+
+
 def train(config: RunConfig, device: torch.device | str = "cpu") -> list[StepResult]:
     """Train ``config`` on this rank; returns the step results (identical on every rank)."""
     t = config.train
@@ -70,10 +94,8 @@ def train(config: RunConfig, device: torch.device | str = "cpu") -> list[StepRes
     start = time.perf_counter()
     dataset = build_dataset(config, dims)
     valid = build_dataset(config, dims, part="valid") if t.has_validation else None
-    if t.load_hf and t.save and is_log:   # the tokenizer and generation config travel with the run's exports
-        from moefold.models.hf.assets import RUN_ASSETS_DIR, copy_assets
-
-        copy_assets(t.load_hf, Path(t.save) / RUN_ASSETS_DIR)
+    if t.save and is_log:
+        save_run_assets(config)
     trainer = Trainer(config, dims, device=device, log=say)
     n_params = sum(p.numel() for p in trainer.model.parameters())
     say(f"model: {n_params / 1e6:.2f}M parameters on rank 0, {trainer.num_micro} micro-batches per step, "
@@ -97,6 +119,8 @@ def train(config: RunConfig, device: torch.device | str = "cpu") -> list[StepRes
         from moefold.training.evaluate import Evaluator
 
         evaluator = Evaluator(trainer, valid, logger)
+        if trainer.iteration == 0:   # where the run starts from: the baseline of a continued pretraining
+            evaluator()
     try:
         results = trainer.fit(dataset, logger, evaluator=evaluator)
     finally:
@@ -107,8 +131,9 @@ def train(config: RunConfig, device: torch.device | str = "cpu") -> list[StepRes
             say(f"done: {len(results)} steps in {time.perf_counter() - start:.1f}s, lm loss "
                 f"{results[0].loss_lm:.4f} -> {results[-1].loss_lm:.4f}")
         if evaluator is not None and evaluator.results:
-            v = evaluator.results[-1]
-            say(f"validation at step {v.step}: lm loss {v.loss_lm:.4f}, perplexity {v.ppl:.3f} ({v.tokens} tokens)")
+            first, v = evaluator.results[0], evaluator.results[-1]
+            say(f"validation: lm loss {first.loss_lm:.4f} (step {first.step}) -> {v.loss_lm:.4f} (step {v.step}), "
+                f"perplexity {first.ppl:.3f} -> {v.ppl:.3f} ({v.tokens} tokens)")
         if t.balance_report and trainer.moe_layers:
             from moefold.training.balance_report import report
 

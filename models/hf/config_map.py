@@ -236,6 +236,10 @@ def _respell(own: dict[str, Any], original: dict[str, Any], c: ModelConfig) -> d
         params = own.pop("rope_parameters")
         own["rope_theta"] = params.pop("rope_theta")
         own["rope_scaling"] = None if params["rope_type"] == "default" else params
+    if c.family == "deepseek_v3" and c.mtp_num_layers == 0 and original.get("num_nextn_predict_layers"):
+        # announced but absent (what save_pretrained writes): the export holds no MTP tensors either, and a
+        # reader drops the announcement again (importer.load_config)
+        own.pop("num_nextn_predict_layers")
     if c.family == "qwen3_moe" and c.num_experts and not is_dense_hf(original):
         keys = [k for k in ("num_experts", "num_local_experts") if k in original] or ["num_experts"]
         count = own.pop("num_experts")

@@ -148,6 +148,13 @@ def test_train_load_hf_export_round_trip(world, family):
         assert (out_dir / name).read_bytes() == (root / family / name).read_bytes(), name
 
 
+def test_inspect_a_training_checkpoint(world, capsys):
+    root = world[0]
+    assert cli(["inspect", "--checkpoint", str(root / "qwen3_moe" / "ckpt"), "--no-layers"]) == 0
+    out = capsys.readouterr().out
+    assert "training checkpoint" in out and "iter_0000003" in out and "total 0.045M" in out
+
+
 @pytest.mark.parametrize("name", ["mixtral_pp2xep2", "deepseek_v3_tp2"])
 def test_export_from_other_layouts(world, name):
     root = world[0]
@@ -166,7 +173,7 @@ def test_upcycled_step0_loss_equals_dense(world):
 
 
 def test_validation_equal_across_layouts(world):
-    _, hf, _, _, eval_configs, out, _ = world
+    root, hf, _, _, eval_configs, out, _ = world
     config = eval_configs["valid tp2"]
     config = RunConfig(model=config.model, parallel=ParallelConfig(), options=config.options, train=config.train)
     trainer = Trainer(config, ParallelDims.single(), log=lambda _m: None)
@@ -176,6 +183,9 @@ def test_validation_equal_across_layouts(world):
     assert world1 == pytest.approx(hf_lm_loss(hf["qwen3_moe"], samples), abs=TOL, rel=0)
     for layout in ("tp2", "ep2", "pp2"):
         assert out[f"valid {layout}"] == pytest.approx(world1, abs=TOL, rel=0), layout
+    # the tp2 x ep2 training run validated the same samples before its first step
+    first = read_metrics(root / "qwen3_moe" / "run" / METRICS_FILE, kind="valid")[0]
+    assert first["step"] == 0 and first["loss_lm"] == pytest.approx(world1, abs=TOL, rel=0)
 
 
 def test_metrics_have_validation_and_per_layer_router_metrics(world):
@@ -183,7 +193,7 @@ def test_metrics_have_validation_and_per_layer_router_metrics(world):
     for family, losses in (("qwen3_moe", ("global_aux_loss",)), ("deepseek_v3", ("seq_aux_loss",))):
         run_dir = root / family / "run"
         valid = read_metrics(run_dir / METRICS_FILE, kind="valid")
-        assert [r["step"] for r in valid] == [2, 3]
+        assert [r["step"] for r in valid] == [0, 2, 3]   # the starting weights, every 2 steps, the end
         assert all(r["ppl"] == pytest.approx(math.exp(r["loss_lm"])) for r in valid)
         for rec in read_metrics(run_dir / METRICS_FILE):
             moe = rec["moe"]

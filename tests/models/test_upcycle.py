@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from moefold.models.hf.exporter import export_hf
 from moefold.models.hf.importer import import_hf
 from moefold.models.hf.mapping import expert_names
 from moefold.models.upcycle import upcycled_config
@@ -57,6 +58,23 @@ def test_upcycled_logits_equal_the_dense_model(kind, experts, topk, moe_ffn, gra
         torch.testing.assert_close(w13[e, 0], gate[s * 48 // granularity:(s + 1) * 48 // granularity], atol=0,
                                    rtol=0)
     assert expert_names("layers.1.mlp.experts.w13", model.config) is not None
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "mistral"])
+def test_dense_models_import_and_export(kind, tmp_path):
+    """The dense relatives are read as their family without experts, and written back as themselves."""
+    dense = hf_dense_model(kind)
+    dense.save_pretrained(tmp_path / "dense")
+    ids = tokens(batch=2, seq=16, seed=8)
+    model = import_hf(tmp_path / "dense")
+    assert model.config.num_experts == 0 and model.config.family == {"qwen3": "qwen3_moe", "mistral": "mixtral"}[kind]
+    torch.testing.assert_close(model.logits(ids), hf_logits(dense, ids), atol=TOL, rtol=0)
+    export_hf(model, tmp_path / "out")
+    original = json.loads((tmp_path / "dense" / "config.json").read_text())
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == original
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(back) is type(dense)
+    torch.testing.assert_close(hf_logits(back, ids), hf_logits(dense, ids), atol=TOL, rtol=0)
 
 
 def test_upcycle_a_moefold_dense_training_run(tmp_path):

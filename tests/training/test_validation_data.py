@@ -58,6 +58,8 @@ def test_split_errors(tmp_path):
     with pytest.raises(ValueError, match=r"either --split .* or --valid-data-path"):
         TrainConfig(split="98,2", valid_data_path=("x",))
     with pytest.raises(ValueError, match="--eval-interval=0"):
-        TrainConfig(eval_interval=0)
+        TrainConfig(eval_interval=0, split="9,1")
+    with pytest.raises(ValueError, match="--eval-interval=5 needs validation data"):
+        TrainConfig(eval_interval=5)
     with pytest.raises(ValueError, match="--split"):
         TrainConfig(split="x")
