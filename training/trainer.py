@@ -262,13 +262,13 @@ class Trainer:
         self.iteration += 1
         t = self.config.train
         self.consumed_samples += t.global_batch_size
+        loads = loads.cpu() if n_moe else None   # one copy for the expert counts and router sums
         return StepResult(step=self.iteration, loss_lm=float(logged[0]), loss_aux=float(logged[1]),
                           loss_mtp=float(logged[2]) if self.config.model.mtp_num_layers else None,
                           grad_norm=grad_norm, lr=lr, skipped=bool(skipped),
                           tokens=t.global_batch_size * t.seq_length,
-                          tokens_per_expert=loads[:, :E].cpu() if n_moe else None,
-                          dropped=loads[:, E].cpu() if n_moe else None,
-                          router=per_step_router(loads[:, E + 1:], self.num_micro * dims.dp).cpu() if n_moe else None)
+                          tokens_per_expert=loads[:, :E] if n_moe else None, dropped=loads[:, E] if n_moe else None,
+                          router=per_step_router(loads[:, E + 1:], self.num_micro * dims.dp) if n_moe else None)
 
     # ------------------------------------------------------------------------------- checkpoints
     def save(self, root: str | Path) -> Path:
