@@ -5,8 +5,8 @@
         --temperature 0.8 --top-p 0.95 --seed 0                                       # top-p sampling
     moefold generate --checkpoint runs/x/checkpoints/iter_0000300 --prompt-ids 1 15 27
 
-One process (world 1), a KV cache (``models.generate``). The tokenizer is the model's: ``tokenizer.json``
-of the HF directory, of the training run's ``hf_assets`` (``train --load-hf``) or ``--tokenizer FILE``;
+One process (world 1, the GPU when there is one), a KV cache (``models.generate``). The tokenizer is the
+model's: ``tokenizer.json`` of the HF directory, of the training run's ``hf_assets`` or ``--tokenizer FILE``;
 generation stops at the ``eos_token_id`` of ``generation_config.json`` (else ``config.json``) unless
 ``--ignore-eos``. Errors are one line (``--debug``: traceback).
 """
@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", metavar="FILE", help="a tokenizer.json (default: the model's)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help="auto: the GPU when CUDA is available")
     add_debug_argument(parser)
 
 
@@ -62,7 +64,10 @@ def main(args: argparse.Namespace) -> int:
     if args.hf and not (Path(args.hf) / "config.json").is_file():
         raise ValueError(f"--hf {args.hf}: no config.json (not an HF model directory; use --checkpoint for "
                          "moefold and training checkpoints)")
-    model, assets = load_model(path, options=ModelOptions(sequence_parallel=False, dtype=args.dtype))
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: CUDA is not available on this machine")
+    model, assets = load_model(path, options=ModelOptions(sequence_parallel=False, dtype=args.dtype), device=device)
     tokenizer = None
     if args.prompt:
         tok_file = Path(args.tokenizer) if args.tokenizer else assets / "tokenizer.json" if assets else None

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from moefold.models.config import ModelConfig
 from moefold.models.decoder import MoEDecoder
-from moefold.models.hf.importer import _read_plain, local_box
+from moefold.models.hf.importer import local_box, read_plain
 from moefold.models.hf.mapping import hf_names
 from moefold.models.tensor_io import DictReader, TensorReader
 from moefold.parallel.sharding import full_shape, shards_of
@@ -104,7 +104,7 @@ class _DenseTensors:
 
     def read(self, name: str, shape: tuple[int, ...], box: tuple[slice, ...]) -> Tensor:
         candidates = hf_names(name, self.config) if self.hf else [name]
-        return _read_plain(self.reader, name, candidates, shape, box)[0]
+        return read_plain(self.reader, name, candidates, shape, box)[0]
 
 
 _EXPERTS = re.compile(r"(.*)\.mlp\.experts\.(w13|w2)$")

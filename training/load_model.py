@@ -78,20 +78,21 @@ def _rebuild(model: MoEDecoder, dims: ParallelDims, options: ModelOptions) -> Mo
     return out
 
 
-def load_model(path: str | os.PathLike, dims: ParallelDims | None = None,
-               options: ModelOptions | None = None) -> tuple[MoEDecoder, Path | None]:
-    """(model, assets directory) of any checkpoint directory (see the module docstring)."""
+def load_model(path: str | os.PathLike, dims: ParallelDims | None = None, options: ModelOptions | None = None,
+               device: torch.device | str = "cpu") -> tuple[MoEDecoder, Path | None]:
+    """(model on ``device``, assets directory) of any checkpoint directory (see the module docstring)."""
     from moefold.models.pretrained import load_pretrained_weights, pretrained_config, pretrained_kind
 
     ckpt = find_training_checkpoint(path)
-    if ckpt is not None:
-        return load_training_checkpoint(ckpt, dims, options), training_assets(ckpt, training_run_config(ckpt))
-    try:
-        pretrained_kind(path)
-    except ValueError:
-        raise ValueError(f"{path}: not a checkpoint moefold reads (an HF directory with config.json, a moefold "
-                         "checkpoint with moefold_config.json, or a training checkpoint iter_N / its --save "
-                         "directory)") from None
-    model = MoEDecoder(pretrained_config(path), dims, options)
+    with torch.device(device):   # parameters are created there; slices are read straight into them
+        if ckpt is not None:
+            return load_training_checkpoint(ckpt, dims, options), training_assets(ckpt, training_run_config(ckpt))
+        try:
+            pretrained_kind(path)
+        except ValueError:
+            raise ValueError(f"{path}: not a checkpoint moefold reads (an HF directory with config.json, a moefold "
+                             "checkpoint with moefold_config.json, or a training checkpoint iter_N / its --save "
+                             "directory)") from None
+        model = MoEDecoder(pretrained_config(path), dims, options)
     load_pretrained_weights(model, path)
     return model, Path(path) if present_assets(path) else None
