@@ -96,8 +96,9 @@ def next_token(logits_BV: Tensor, temperature: float = 0.0, top_k: int = 0, top_
         drop = probs.cumsum(dim=-1) - probs >= top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs.cpu() if generator is not None and generator.device.type == "cpu" else probs, 1,
-                             generator=generator).squeeze(-1).to(logits_BV.device)
+    if generator is not None:   # draw where the generator lives (the same tokens on every device)
+        probs = probs.to(generator.device)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits_BV.device)
 
 
 @torch.no_grad()
