@@ -3,6 +3,7 @@
 from moefold.models.checkpoint import load_checkpoint, save_checkpoint
 from moefold.models.config import ATTENTION_KINDS, FAMILIES, MLADims, ModelConfig, YarnScaling
 from moefold.models.decoder import IGNORE_INDEX, ModelOutput, MoEDecoder
+from moefold.models.generate import generate
 from moefold.models.hf.exporter import export_hf
 from moefold.models.hf.importer import import_hf, load_hf_weights
 from moefold.models.layer_factory import (
@@ -17,7 +18,9 @@ from moefold.models.layer_factory import (
 from moefold.models.mtp import MTPModule
 from moefold.models.options import ModelOptions
 from moefold.models.params import ParamReport, count_parameters, format_report
+from moefold.models.pretrained import load_pretrained_weights, pretrained_config
 from moefold.models.recipes import RECIPES, get_recipe
+from moefold.models.upcycle import load_upcycled_weights, upcycled_config
 
 __all__ = [
     "ModelConfig", "MLADims", "YarnScaling", "FAMILIES", "ATTENTION_KINDS", "ModelOptions", "RECIPES", "get_recipe",
@@ -25,4 +28,5 @@ __all__ = [
     "attention_config", "router_config", "moe_config", "mlp_config", "build_block", "check_layout", "is_moe_block",
     "ParamReport", "count_parameters", "format_report",
     "import_hf", "load_hf_weights", "export_hf", "save_checkpoint", "load_checkpoint",
+    "pretrained_config", "load_pretrained_weights", "upcycled_config", "load_upcycled_weights", "generate",
 ]

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from moefold.models.config import MLADims, ModelConfig, YarnScaling
 from moefold.models.decoder import MoEDecoder
+from moefold.models.hf.assets import copy_assets
 from moefold.models.hf.importer import local_box
 from moefold.models.options import ModelOptions
 from moefold.models.tensor_io import ShardedWriter, TensorReader
@@ -68,8 +69,9 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
 
 
 def save_checkpoint(model: MoEDecoder, out_dir: str | os.PathLike, max_shard_bytes: int = 5 * 2**30,
-                    writer_rank: int = 0) -> None:
-    """Write ``model``'s full tensors. Collective over the parameters' shard groups (every rank calls)."""
+                    writer_rank: int = 0, assets_from: str | os.PathLike | None = None) -> None:
+    """Write ``model``'s full tensors. Collective over the parameters' shard groups (every rank calls).
+    ``assets_from``: a directory whose generation config and tokenizer files are copied along."""
     if model.dims.pp > 1:
         raise ValueError(f"save_checkpoint gathers within one pipeline stage; the model has pp={model.dims.pp}")
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -82,6 +84,8 @@ def save_checkpoint(model: MoEDecoder, out_dir: str | os.PathLike, max_shard_byt
         writer.finish()
         (Path(out_dir) / CONFIG_FILE).write_text(json.dumps(
             {"format": "moefold", "version": FORMAT_VERSION, "model": config_to_dict(model.config)}, indent=2))
+        if assets_from is not None:
+            copy_assets(assets_from, out_dir)
     if dist.is_initialized():
         dist.barrier()
 

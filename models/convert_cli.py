@@ -1,19 +1,24 @@
-"""``moefold convert``: HF checkpoint <-> moefold checkpoint (full tensors, moefold naming).
+"""``moefold convert``: HF checkpoint <-> moefold checkpoint, and training checkpoints -> either.
 
     moefold convert HF_DIR OUT_DIR                        # HF -> moefold (auto-detected from config.json)
     moefold convert MOEFOLD_DIR OUT_DIR                   # moefold -> HF (sharded safetensors + index + config.json)
+    moefold convert RUN/checkpoints/iter_0000300 OUT_DIR  # a training checkpoint (any layout) -> HF
+    moefold convert RUN/checkpoints OUT_DIR --to hf       # the latest complete one under a --save directory
     moefold convert HF_DIR OUT_DIR --to hf --expert-format fused   # HF -> HF, re-sharded / fused experts
     moefold convert --recipe mixtral_tiny --seed 0 OUT_DIR --to hf # a freshly initialised recipe
 
 Runs in one process (world 1); a checkpoint of any parallel layout can be loaded from the output
-(``models.checkpoint.load_checkpoint`` / ``models.hf.importer.import_hf``).
+(``models.checkpoint.load_checkpoint`` / ``models.hf.importer.import_hf``). The HF ``config.json``
+keeps every field of the one the model was imported from (also through ``train --load-hf``), and the
+generation config and tokenizer files are copied along. Errors are one line (``--debug``: traceback).
 """
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
+from moefold.models.cli_errors import add_debug_argument, one_line_errors
+from moefold.models.hf.assets import present_assets
 from moefold.models.recipes import RECIPES
 
 _UNITS = {"KB": 2**10, "MB": 2**20, "GB": 2**30}
@@ -37,49 +42,52 @@ def parse_size(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("source", nargs="?", help="HF or moefold checkpoint directory (omit with --recipe)")
+    parser.add_argument("source", nargs="?", help="HF, moefold or training checkpoint directory (omit with --recipe)")
     parser.add_argument("output", help="output directory")
     parser.add_argument("--recipe", choices=sorted(RECIPES), help="convert a freshly initialised recipe instead")
     parser.add_argument("--seed", type=int, default=0, help="init seed with --recipe")
     parser.add_argument("--to", choices=("moefold", "hf"), default=None,
-                        help="output format (default: the other one; hf for --recipe)")
+                        help="output format (default: moefold for an HF source, else hf)")
     parser.add_argument("--expert-format", choices=("per_expert", "fused"), default="per_expert",
                         help="HF routed-expert naming: per expert (what save_pretrained writes) or fused")
     parser.add_argument("--max-shard-size", type=parse_size, default="5GB", help="largest output file, e.g. 5GB, 500MB")
-    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
-                        help="dtype of the written tensors (routers/expert bias stay fp32)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                        help="dtype of the written tensors (routers/expert bias stay fp32; default: fp32, or the "
+                             "training run's)")
+    add_debug_argument(parser)
 
 
+@one_line_errors("convert")
 def main(args: argparse.Namespace) -> int:
-    from moefold.models.checkpoint import is_moefold_checkpoint, load_checkpoint, save_checkpoint
+    from moefold.models.checkpoint import save_checkpoint
     from moefold.models.decoder import MoEDecoder
     from moefold.models.hf.exporter import export_hf
-    from moefold.models.hf.importer import import_hf
     from moefold.models.options import ModelOptions
     from moefold.models.recipes import get_recipe
 
-    options = ModelOptions(dtype=args.dtype)
+    options = None if args.dtype is None else ModelOptions(dtype=args.dtype)
+    assets = None
     if args.recipe:
         if args.source:
-            raise SystemExit("give either a source directory or --recipe, not both")
+            raise ValueError("give either a source directory or --recipe, not both")
         model = MoEDecoder(get_recipe(args.recipe), options=options)
         model.init_weights(args.seed)
         kind = "recipe"
     elif args.source is None:
-        raise SystemExit("a source directory (or --recipe) is required")
-    elif is_moefold_checkpoint(args.source):
-        model, kind = load_checkpoint(args.source, options=options), "moefold"
-    elif (Path(args.source) / "config.json").is_file():
-        model, kind = import_hf(args.source, options=options), "hf"
+        raise ValueError("a source directory (or --recipe) is required")
     else:
-        raise SystemExit(f"{args.source}: neither a moefold checkpoint (moefold_config.json) nor an HF one "
-                         "(config.json)")
+        from moefold.models.pretrained import pretrained_kind
+        from moefold.training.load_model import find_training_checkpoint, load_model
+
+        model, assets = load_model(args.source, options=options)   # one-line error for what it cannot read
+        kind = "training checkpoint" if find_training_checkpoint(args.source) else pretrained_kind(args.source)
     to = args.to or ("moefold" if kind == "hf" else "hf")
     size = args.max_shard_size  # bytes (parse_size)
     if to == "hf":
-        export_hf(model, args.output, expert_format=args.expert_format, max_shard_bytes=size)
+        export_hf(model, args.output, expert_format=args.expert_format, max_shard_bytes=size, assets_from=assets)
     else:
-        save_checkpoint(model, args.output, max_shard_bytes=size)
+        save_checkpoint(model, args.output, max_shard_bytes=size, assets_from=assets)
     n = sum(p.numel() for p in model.parameters())
-    print(f"wrote {to} checkpoint of {model.config.name} ({n / 1e6:.1f}M parameters) from {kind} to {args.output}")
+    print(f"wrote {to} checkpoint of {model.config.name} ({n / 1e6:.1f}M parameters) from {kind} to {args.output}"
+          + (f" (with {', '.join(present_assets(args.output))})" if present_assets(args.output) else ""))
     return 0

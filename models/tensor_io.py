@@ -67,6 +67,10 @@ class TensorReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._open(self.weight_map[name]).get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """The stored dtype of ``name`` as safetensors names it ("F32", "BF16", ...)."""
+        return str(self._open(self.weight_map[name]).get_slice(name).get_dtype())
+
     def read(self, name: str, box: tuple[slice, ...] | None = None) -> Tensor:
         """Tensor ``name``, or only ``box`` (one slice per leading dim) of it."""
         if name not in self.weight_map:
@@ -79,6 +83,36 @@ class TensorReader:
         self._handles.clear()
 
     def __enter__(self) -> TensorReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class DictReader:
+    """``TensorReader``'s interface over tensors already in memory (e.g. a model loaded from a training
+    checkpoint), so code that reads slices by name works on both."""
+
+    def __init__(self, tensors: dict[str, Tensor], root: str = "<memory>") -> None:
+        self.weight_map, self.root = dict(tensors), root
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def names(self) -> list[str]:
+        return list(self.weight_map)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.weight_map[name].shape)
+
+    def read(self, name: str, box: tuple[slice, ...] | None = None) -> Tensor:
+        t = self.weight_map[name]
+        return t if box is None else t[box]
+
+    def close(self) -> None:
+        self.weight_map = {}
+
+    def __enter__(self) -> DictReader:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from moefold.training.checkpoint import complete_checkpoints, find_checkpoint, load_checkpoint, save_checkpoint
     from moefold.training.config import RunConfig, TrainConfig
+    from moefold.training.evaluate import EvalResult, Evaluator, evaluate
     from moefold.training.flops import forward_flops_per_token, train_flops_per_token
     from moefold.training.grad_sync import GradSync, reduction_kind
     from moefold.training.launch import run_ranks
+    from moefold.training.load_model import load_model, load_training_checkpoint
     from moefold.training.lr_schedule import LRSchedule
     from moefold.training.metrics import MetricsLogger, read_metrics
     from moefold.training.optimizer import DistributedAdamW, decays
@@ -34,6 +36,9 @@ _LAZY = {
     "MetricsLogger": "moefold.training.metrics", "read_metrics": "moefold.training.metrics",
     "forward_flops_per_token": "moefold.training.flops", "train_flops_per_token": "moefold.training.flops",
     "run_ranks": "moefold.training.launch", "train": "moefold.training.run",
+    "evaluate": "moefold.training.evaluate", "Evaluator": "moefold.training.evaluate",
+    "EvalResult": "moefold.training.evaluate",
+    "load_model": "moefold.training.load_model", "load_training_checkpoint": "moefold.training.load_model",
 }
 
 
@@ -48,4 +53,5 @@ __all__ = [
     "GradSync", "reduction_kind", "DistributedAdamW", "decays", "LRSchedule",
     "save_checkpoint", "load_checkpoint", "find_checkpoint", "complete_checkpoints",
     "MetricsLogger", "read_metrics", "forward_flops_per_token", "train_flops_per_token", "run_ranks", "train",
+    "evaluate", "Evaluator", "EvalResult", "load_model", "load_training_checkpoint",
 ]

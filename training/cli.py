@@ -19,9 +19,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "balance-report": ("moefold.training.balance_report",
                        "plot and summarise expert load balance from a run's metrics"),
     "inspect": ("moefold.models.inspect_cli", "print a model's total/active parameters with a per-layer breakdown"),
-    "convert": ("moefold.models.convert_cli", "convert checkpoints: HF <-> moefold (or HF -> HF re-sharded/fused)"),
+    "convert": ("moefold.models.convert_cli",
+                "convert checkpoints: HF <-> moefold, training checkpoint (any layout) -> HF / moefold"),
+    "upcycle": ("moefold.models.upcycle_cli", "turn a dense checkpoint into an MoE with the same step-0 logits"),
+    "generate": ("moefold.models.generate_cli", "generate text from a checkpoint (greedy / top-p, KV cache)"),
     "train": ("moefold.training.train_cli",
-              "pretrain an MoE recipe (Megatron-LM flags; --nproc N local ranks or torchrun)"),
+              "train a recipe, a model defined by flags, or from an HF directory (--load-hf); Megatron-LM "
+              "flags, --nproc N local ranks or torchrun"),
 }
 
 

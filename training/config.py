@@ -60,6 +60,18 @@ class TrainConfig:
     keep_last: int = 2
     load: str | None = None
     balance_report: bool = True
+    # starting weights (train --load-hf): the architecture and weights of an HF (or moefold) directory
+    load_hf: str | None = None
+    moe_use_upcycling: bool = False            # load_hf holds a dense model: start from its upcycled MoE
+    # validation (training.evaluate): with --split or --valid-data-path
+    eval_interval: int | None = None           # every N steps (None: only at the end of the run)
+    eval_iters: int = 10                       # global batches per evaluation
+    split: str | None = None                   # Megatron's "969,30,1": train/valid/test shares of each corpus
+    valid_data_path: tuple[str, ...] = ()      # a separate validation corpus: PREFIX or W1 PREFIX1 W2 PREFIX2 ...
+    # Weights & Biases (optional dependency; WANDB_MODE=offline works without network)
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "global_batch_size", "seq_length", "train_iters", "log_interval",
@@ -79,10 +91,31 @@ class TrainConfig:
             raise ValueError(f"--clip-grad={self.clip_grad}, --weight-decay={self.weight_decay} and "
                              f"--save-interval={self.save_interval} must be >= 0")
         self.lr_schedule()  # validates warmup/decay lengths
+        if self.eval_interval is not None and (not isinstance(self.eval_interval, int) or self.eval_interval < 1):
+            raise ValueError(f"--eval-interval={self.eval_interval!r} must be a positive integer")
+        if not isinstance(self.eval_iters, int) or self.eval_iters < 1:
+            raise ValueError(f"--eval-iters={self.eval_iters!r} must be a positive integer")
+        if self.eval_interval is not None and not self.has_validation:
+            raise ValueError(f"--eval-interval={self.eval_interval} needs validation data: --split (e.g. 969,30,1) "
+                             "or --valid-data-path")
+        if self.split is not None and self.valid_data_path:
+            raise ValueError("give either --split (validation documents cut from --data-path) or --valid-data-path, "
+                             "not both")
+        if self.split is not None:
+            from moefold.training.validation_data import parse_split
+
+            parse_split(self.split)
+        if self.moe_use_upcycling and not self.load_hf:
+            raise ValueError("--moe-use-upcycling needs --load-hf DIR (the dense checkpoint to upcycle)")
         from moefold.pipeline.schedules import SCHEDULES
 
         if self.pipeline_schedule not in SCHEDULES:
             raise ValueError(f"--pipeline-schedule={self.pipeline_schedule!r}; valid: {', '.join(SCHEDULES)}")
+
+    @property
+    def has_validation(self) -> bool:
+        """Validation data is configured (``--split`` or ``--valid-data-path``)."""
+        return self.split is not None or bool(self.valid_data_path)
 
     def lr_schedule(self) -> LRSchedule:
         return LRSchedule(lr=self.lr, min_lr=self.min_lr, warmup_iters=self.lr_warmup_iters,
@@ -165,5 +198,6 @@ class RunConfig:
             m["moe_layer_freq"] = tuple(m["moe_layer_freq"])
         t = dict(d["train"])
         t["data_path"] = tuple(t.get("data_path") or ())
+        t["valid_data_path"] = tuple(t.get("valid_data_path") or ())
         return cls(model=ModelConfig(**m), parallel=ParallelConfig(**d["parallel"]),
                    options=ModelOptions(**d["options"]), train=TrainConfig(**t), recipe=d.get("recipe"))

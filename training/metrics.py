@@ -27,8 +27,18 @@ A step record per logging step (``null``: not measured, or not finite)::
         "dropped_fraction": [float, ...],  # [moe layer]: dropped copies / routed copies (capacity)
         "max_over_mean": [float|null, ...],  # [moe layer]: max / mean of tokens_per_expert
         "worst_layer": int|null,     # layer number with the largest max_over_mean
+        "router": {                  # per layer, means over the steps since the previous record
+            "<loss name>": [float, ...],  # each enabled router loss, unweighted (aux_loss, seq_aux_loss,
+                                     #   global_aux_loss, z_loss): the micro-batch value, as in loss_aux
+            "entropy": [float, ...], # mean router entropy per token, nats (ln E = uniform)
+        },                           # (absent when the caller gives none)
      },
      "extra": {...}}                 # anything else the caller passed
+
+A validation record per evaluation (``--eval-interval``, and at the end of a run)::
+
+    {"kind": "valid", "schema": 1, "step": int, "time": <unix s>, "loss_lm": float, "ppl": float|null,
+     "tokens": int}                  # tokens evaluated
 
 Readers take the last record of each step (a resumed run may log a step twice).
 """
@@ -46,6 +56,48 @@ from typing import Any
 
 SCHEMA = 1
 METRICS_FILE = "metrics.jsonl"
+# per MoE layer, what a training step sums over ranks besides the expert loads: the router losses' shares,
+# the summed router entropy of the tokens and their number (training.trainer fills, router_layer_metrics reads)
+ROUTER_LOSSES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "z_loss")
+ROUTER_SUMS = len(ROUTER_LOSSES) + 2
+
+
+def router_sums(info: Any, topk: int) -> Any:
+    """This rank's ``[ROUTER_SUMS]`` contribution of one MoE layer call (an ``MoEOutputInfo``): its loss
+    shares (they add up over tp x cp to the micro-batch value), its tokens' summed entropy and its tokens."""
+    import torch
+
+    load = info.load_E.detach().float()
+    tokens = load.sum() / topk   # every token selects exactly topk experts (before capacity)
+    zero = torch.zeros((), device=load.device)
+    entropy = info.stats.entropy.detach().float() * tokens if info.stats is not None else zero
+    losses = [info.losses[n].detach().float().reshape(()) if n in info.losses else zero for n in ROUTER_LOSSES]
+    return torch.stack([*losses, entropy, tokens])
+
+
+def per_step_router(sums: Any, micro_batches: int) -> Any:
+    """Summed ``[layers, ROUTER_SUMS]`` of one step over all ranks -> losses as means over the step's
+    ``micro_batches`` (num_micro x dp); entropy and token sums unchanged."""
+    out = sums.clone()
+    out[:, :len(ROUTER_LOSSES)] /= micro_batches
+    return out
+
+
+def router_layer_metrics(acc: Any, steps: int, model_config: Any) -> dict[str, list[float | None]]:
+    """Per-layer means over ``steps`` accumulated ``per_step_router`` rows: every router loss ``model_config``
+    enables and the mean token entropy."""
+    from moefold.models.layer_factory import router_config
+    from moefold.models.options import ModelOptions
+
+    router = router_config(model_config, ModelOptions())
+    enabled = set(router.loss_coeffs()) | ({"z_loss"} if router.z_loss_coeff else set())
+    out: dict[str, list[float | None]] = {}
+    for k, name in enumerate(ROUTER_LOSSES):
+        if name in enabled:
+            out[name] = [float(v) / max(steps, 1) for v in acc[:, k].tolist()]
+    entropy, tokens = acc[:, len(ROUTER_LOSSES)].tolist(), acc[:, len(ROUTER_LOSSES) + 1].tolist()
+    out["entropy"] = [e / n if n > 0 else None for e, n in zip(entropy, tokens)]
+    return out
 
 
 def _finite(x: float | None) -> float | None:
@@ -135,6 +187,13 @@ def format_line(rec: Mapping[str, Any], total_steps: int | None = None) -> str:
     return " | ".join(parts)
 
 
+def format_validation_line(rec: Mapping[str, Any], total_steps: int | None = None) -> str:
+    """The printed line of a validation record."""
+    step = f"{rec['step']}/{total_steps}" if total_steps else str(rec["step"])
+    ppl = "n/a" if rec.get("ppl") is None else f"{rec['ppl']:.3f}"
+    return f"validation step {step} | lm loss {rec['loss_lm']:.4f} | ppl {ppl} | {rec['tokens']} tokens"
+
+
 class MetricsLogger:
     """Writes ``RUN_DIR/metrics.jsonl`` (see the module docstring), prints one line per ``log()``, adds
     TensorBoard scalars under ``RUN_DIR/tensorboard`` and drives a tqdm progress bar (``advance()``).
@@ -145,12 +204,15 @@ class MetricsLogger:
         tensorboard: "auto" (when ``torch.utils.tensorboard`` imports), True (required) or False.
         device: where memory is measured (CUDA: torch's max allocated + NVML; always host RSS).
         print_fn: where lines go (default: ``tqdm.write`` so the progress bar stays intact).
+        wandb: ``{"project": ..., "name": ..., "dir": ...}`` to also log every scalar to Weights & Biases
+            (the optional ``wandb`` package, imported only then; ``WANDB_MODE=offline`` needs no network).
     """
 
     def __init__(self, run_dir: str | os.PathLike, *, total_steps: int | None = None, start_step: int = 0,
                  flops_per_token: float | None = None, peak_flops_per_s: float | None = None,
                  device: Any = "cpu", tensorboard: bool | str = "auto", progress: bool = True,
-                 print_fn: Callable[[str], None] | None = None, config: Mapping[str, Any] | None = None) -> None:
+                 print_fn: Callable[[str], None] | None = None, config: Mapping[str, Any] | None = None,
+                 wandb: Mapping[str, Any] | None = None) -> None:
         if tensorboard not in (True, False, "auto"):
             raise ValueError(f"tensorboard={tensorboard!r}: valid values are True, False, 'auto'")
         self.run_dir = Path(run_dir)
@@ -160,6 +222,7 @@ class MetricsLogger:
         self.device = device
         self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
         self._writer = self._open_tensorboard(tensorboard)
+        self._wandb = self._open_wandb(wandb, config)
         from tqdm import tqdm
 
         self._bar = tqdm(total=total_steps, initial=start_step, unit="step", desc="train", dynamic_ncols=True,
@@ -182,6 +245,16 @@ class MetricsLogger:
             return None
         return SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
 
+    def _open_wandb(self, settings: Mapping[str, Any] | None, config: Mapping[str, Any] | None):
+        if not settings:
+            return None
+        try:
+            import wandb
+        except ImportError as exc:
+            raise ImportError(f"--wandb-project needs the wandb package (pip install wandb): {exc}") from exc
+        return wandb.init(project=settings["project"], name=settings.get("name"),
+                          dir=str(settings.get("dir") or self.run_dir), config=dict(config) if config else None)
+
     def _write(self, rec: Mapping[str, Any]) -> None:
         self._file.write(json.dumps(rec, allow_nan=False) + "\n")
         self._file.flush()
@@ -191,11 +264,13 @@ class MetricsLogger:
             tokens: int = 0, interval_s: float | None = None,
             tokens_per_expert: Sequence[Sequence[int]] | None = None,
             dropped_fraction: Sequence[float] | None = None, moe_layers: Sequence[int] | None = None,
-            skipped: bool = False, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+            skipped: bool = False, extra: Mapping[str, Any] | None = None,
+            router: Mapping[str, Sequence[float | None]] | None = None) -> dict[str, Any]:
         """Record one logging step; returns the record. ``interval_s`` defaults to the wall time since the
         previous ``log()`` (or construction); ``tokens`` and ``tokens_per_expert`` cover that interval.
         Values may be Python numbers or 0-d tensors; ``tokens_per_expert`` nested lists or a [layers, experts]
-        tensor (already summed over the ranks that route)."""
+        tensor (already summed over the ranks that route); ``router`` per-layer router metrics
+        (``router_layer_metrics``), in the order of ``moe_layers``."""
         now = time.perf_counter()
         interval = float(interval_s) if interval_s is not None else now - self._last_time
         self._last_time = now
@@ -211,13 +286,29 @@ class MetricsLogger:
             "tflops_per_s": tflops,
             "mfu": tflops * 1e12 / self.peak_flops_per_s if tflops and self.peak_flops_per_s else None,
             "memory": self._memory(), "skipped": bool(skipped),
-            "moe": self._moe(tokens_per_expert, dropped_fraction, moe_layers), "extra": _json_safe(dict(extra or {})),
+            "moe": self._moe(tokens_per_expert, dropped_fraction, moe_layers, router),
+            "extra": _json_safe(dict(extra or {})),
         }
         self._write(rec)
         self._print(format_line(rec, self.total_steps))
-        if self._writer is not None:
-            self._tensorboard(rec)
+        self._scalars_out(rec["step"], self._scalars(rec))
         return rec
+
+    def log_validation(self, step: int, *, loss_lm: float, ppl: float | None, tokens: int) -> dict[str, Any]:
+        """Record one evaluation (``training.evaluate``): JSONL, a printed line, TensorBoard/W&B ``valid/*``."""
+        rec = {"kind": "valid", "schema": SCHEMA, "step": int(step), "time": time.time(), "loss_lm": _finite(loss_lm),
+               "ppl": _finite(ppl), "tokens": int(tokens)}
+        self._write(rec)
+        self._print(format_validation_line(rec, self.total_steps))
+        self._scalars_out(rec["step"], {f"valid/{k}": rec[k] for k in ("loss_lm", "ppl") if rec[k] is not None})
+        return rec
+
+    def _scalars_out(self, step: int, scalars: Mapping[str, float]) -> None:
+        if self._writer is not None:
+            for key, value in scalars.items():
+                self._writer.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(dict(scalars), step=step)
 
     def _memory(self) -> dict[str, float]:
         from moefold.training.metrics_hw import memory_stats
@@ -225,7 +316,7 @@ class MetricsLogger:
         return memory_stats(self.device)
 
     @staticmethod
-    def _moe(tokens_per_expert, dropped_fraction, moe_layers) -> dict[str, Any] | None:
+    def _moe(tokens_per_expert, dropped_fraction, moe_layers, router=None) -> dict[str, Any] | None:
         if tokens_per_expert is None:
             return None
         counts = [[int(c) for c in layer] for layer in tokens_per_expert]
@@ -236,25 +327,39 @@ class MetricsLogger:
                              f"moe_layers {len(layers)}; give one entry per MoE layer")
         balance = load_balance(counts)
         scored = [(b, layer) for b, layer in zip(balance, layers) if b is not None]
-        return {"layers": layers, "tokens_per_expert": counts, "dropped_fraction": dropped,
-                "max_over_mean": balance, "worst_layer": max(scored)[1] if scored else None}
+        if router is not None:
+            router = {name: [_finite(v) for v in values] for name, values in router.items()}
+            bad = {name: len(values) for name, values in router.items() if len(values) != len(layers)}
+            if bad:
+                raise ValueError(f"router metrics {bad} do not have one entry per MoE layer ({len(layers)})")
+        out = {"layers": layers, "tokens_per_expert": counts, "dropped_fraction": dropped,
+               "max_over_mean": balance, "worst_layer": max(scored)[1] if scored else None}
+        if router is not None:
+            out["router"] = router
+        return out
 
-    def _tensorboard(self, rec: Mapping[str, Any]) -> None:
-        step = rec["step"]
+    @staticmethod
+    def _scalars(rec: Mapping[str, Any]) -> dict[str, float]:
+        """The TensorBoard / W&B scalars of a step record: losses, perf, memory, and per MoE layer its load
+        balance, dropped fraction, router losses and entropy (``moe_<metric>/layerNN``)."""
+        out: dict[str, float] = {}
         for key in ("loss", "loss_lm", "loss_aux", "loss_z", "loss_mtp", "grad_norm", "lr", "tokens_per_s",
                     "tflops_per_s", "mfu"):
             if rec.get(key) is not None:
                 group = "loss" if key.startswith("loss") else "perf" if key in ("tokens_per_s", "tflops_per_s",
                                                                                   "mfu") else "train"
-                self._writer.add_scalar(f"{group}/{key}", rec[key], step)
+                out[f"{group}/{key}"] = rec[key]
         for key, value in rec["memory"].items():
-            self._writer.add_scalar(f"memory/{key}", value, step)
+            out[f"memory/{key}"] = value
         moe = rec.get("moe")
         if moe:
-            for layer, b, d in zip(moe["layers"], moe["max_over_mean"], moe["dropped_fraction"]):
-                if b is not None:
-                    self._writer.add_scalar(f"moe_max_over_mean/layer{layer:02d}", b, step)
-                self._writer.add_scalar(f"moe_dropped_fraction/layer{layer:02d}", d, step)
+            per_layer = {"max_over_mean": moe["max_over_mean"], "dropped_fraction": moe["dropped_fraction"],
+                         **(moe.get("router") or {})}
+            for metric, values in per_layer.items():
+                for layer, value in zip(moe["layers"], values):
+                    if value is not None:
+                        out[f"moe_{metric}/layer{layer:02d}"] = value
+        return out
 
     def advance(self, steps: int = 1) -> None:
         """Move the progress bar (call once per optimizer step)."""
@@ -264,6 +369,8 @@ class MetricsLogger:
         self._bar.close()
         if self._writer is not None:
             self._writer.close()
+        if self._wandb is not None:
+            self._wandb.finish()
         self._file.close()
 
     def __enter__(self) -> MetricsLogger:

@@ -22,21 +22,29 @@ if TYPE_CHECKING:
     from moefold.training.data.sampler import Samples
 
 
-def build_dataset(config: RunConfig, dims: ParallelDims) -> Samples:
+def build_dataset(config: RunConfig, dims: ParallelDims, part: str = "train") -> Samples:
     """The training samples (seq_length + 1 ids each) for the whole run: the ``--data-path`` blend, or the
-    built-in corpus. Rank 0 prepares/caches first; the others then read the caches."""
+    built-in corpus; ``part="valid"``: the validation samples (``--valid-data-path``, or the ``--split``
+    validation documents of the same corpora). Rank 0 prepares/caches first; the others then read the caches."""
     from moefold.training.data import build_blended, builtin_corpus, parse_data_path
+    from moefold.training.validation_data import split_cache_dir, split_corpora
 
     t = config.train
-    num_samples = t.train_iters * t.global_batch_size
+    num_samples = (t.train_iters if part == "train" else t.eval_iters) * t.global_batch_size
 
     def build() -> Samples:
-        if t.data_path:
+        if part == "valid" and t.valid_data_path:
+            prefixes, weights = parse_data_path(list(t.valid_data_path))
+        elif t.data_path:
             prefixes, weights = parse_data_path(list(t.data_path))
         else:
             prefixes, weights = [builtin_corpus(t.vocab_size or config.model.vocab_size, cache_dir=t.data_cache_dir,
                                                 progress=dims.rank == 0)], None
-        ds = build_blended(prefixes, weights, t.seq_length, num_samples, seed=t.seed)
+        cache_dir = None
+        if t.split is not None:   # training and validation read disjoint document ranges of each corpus
+            cache_dir = split_cache_dir(prefixes, t.split, part)
+            prefixes = split_corpora(prefixes, t.split, part)
+        ds = build_blended(prefixes, weights, t.seq_length, num_samples, seed=t.seed, cache_dir=cache_dir)
         if ds.vocab_size > config.model.vocab_size:
             raise ValueError(f"the data's vocabulary ({ds.vocab_size}) exceeds the model's vocab_size="
                              f"{config.model.vocab_size}; pass --vocab-size {ds.vocab_size} or a matching tokenizer")
@@ -49,6 +57,30 @@ def build_dataset(config: RunConfig, dims: ParallelDims) -> Samples:
     return ds if ds is not None else build()
 
 
+def save_run_assets(config: RunConfig) -> None:
+    """``SAVE/hf_assets``: the tokenizer and generation config that the run's exports (``moefold convert``) and
+    ``moefold generate`` use: those of ``--load-hf``, else the training data's tokenizer (its document
+    separator as the end-of-sequence token)."""
+    import json
+
+    from moefold.models.hf.assets import RUN_ASSETS_DIR, copy_assets
+    from moefold.training.data import builtin_corpus, eos_id, load_tokenizer, parse_data_path, tokenizer_path
+
+    t = config.train
+    dst = Path(t.save) / RUN_ASSETS_DIR
+    if t.load_hf:
+        copy_assets(t.load_hf, dst)
+        return
+    prefix = parse_data_path(list(t.data_path))[0][0] if t.data_path else \
+        builtin_corpus(t.vocab_size or config.model.vocab_size, cache_dir=t.data_cache_dir, progress=False)
+    if not tokenizer_path(prefix).is_file():
+        return
+    tok = load_tokenizer(tokenizer_path(prefix))
+    dst.mkdir(parents=True, exist_ok=True)
+    tok.save(str(dst / "tokenizer.json"))
+    (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id(tok)}, indent=2))
+
+
 def train(config: RunConfig, device: torch.device | str = "cpu") -> list[StepResult]:
     """Train ``config`` on this rank; returns the step results (identical on every rank)."""
     t = config.train
@@ -57,9 +89,13 @@ def train(config: RunConfig, device: torch.device | str = "cpu") -> list[StepRes
     from tqdm import tqdm
 
     say = tqdm.write if is_log else (lambda *_a, **_k: None)  # keeps the progress bar intact
-    say(f"moefold train: recipe {config.recipe} ({config.model.name}), {dims.describe()}, device {device}")
+    source = f"recipe {config.recipe}" if config.recipe else f"--load-hf {t.load_hf}" if t.load_hf else "model flags"
+    say(f"moefold train: {source} ({config.model.name}), {dims.describe()}, device {device}")
     start = time.perf_counter()
     dataset = build_dataset(config, dims)
+    valid = build_dataset(config, dims, part="valid") if t.has_validation else None
+    if t.save and is_log:
+        save_run_assets(config)
     trainer = Trainer(config, dims, device=device, log=say)
     n_params = sum(p.numel() for p in trainer.model.parameters())
     say(f"model: {n_params / 1e6:.2f}M parameters on rank 0, {trainer.num_micro} micro-batches per step, "
@@ -75,9 +111,18 @@ def train(config: RunConfig, device: torch.device | str = "cpu") -> list[StepRes
         logger = MetricsLogger(t.run_dir, total_steps=t.train_iters, start_step=trainer.iteration,
                                flops_per_token=train_flops_per_token(config.model, t.seq_length),
                                peak_flops_per_s=peak_flops(device, dtype) * dims.world_size, device=device,
-                               config=config.to_dict())
+                               config=config.to_dict(),
+                               wandb={"project": t.wandb_project, "name": t.wandb_exp_name, "dir": t.wandb_save_dir}
+                               if t.wandb_project else None)
+    evaluator = None
+    if valid is not None:
+        from moefold.training.evaluate import Evaluator
+
+        evaluator = Evaluator(trainer, valid, logger)
+        if trainer.iteration == 0:   # where the run starts from: the baseline of a continued pretraining
+            evaluator()
     try:
-        results = trainer.fit(dataset, logger)
+        results = trainer.fit(dataset, logger, evaluator=evaluator)
     finally:
         if logger is not None:
             logger.close()
@@ -85,6 +130,10 @@ def train(config: RunConfig, device: torch.device | str = "cpu") -> list[StepRes
         if results:
             say(f"done: {len(results)} steps in {time.perf_counter() - start:.1f}s, lm loss "
                 f"{results[0].loss_lm:.4f} -> {results[-1].loss_lm:.4f}")
+        if evaluator is not None and evaluator.results:
+            first, v = evaluator.results[0], evaluator.results[-1]
+            say(f"validation: lm loss {first.loss_lm:.4f} (step {first.step}) -> {v.loss_lm:.4f} (step {v.step}), "
+                f"perplexity {first.ppl:.3f} -> {v.ppl:.3f} ({v.tokens} tokens)")
         if t.balance_report and trainer.moe_layers:
             from moefold.training.balance_report import report
 

@@ -2,6 +2,9 @@
 
     moefold train --recipe qwen3_moe_tiny                          # built-in corpus, CPU, world 1
     moefold train --recipe qwen3_moe_tiny --nproc 4 --expert-model-parallel-size 2
+    moefold train --recipe qwen3_moe_tiny --hidden-size 256 --num-experts 16   # model flags (training.model_flags)
+    moefold train --load-hf Qwen3-30B-A3B --data-path corpus/x ...  # continued pretraining from an HF directory
+    moefold train --load-hf Qwen3-8B --moe-use-upcycling --num-experts 8 --moe-router-topk 2 --data-path ...
     torchrun --nnodes 2 --nproc-per-node 8 -m training.cli train --recipe ... (multi-node)
 
 The flags are validated against the layout (``RunConfig.resolve(world)``) in the parent process
@@ -18,6 +21,7 @@ import sys
 
 import torch
 
+from moefold.models.config import ModelConfig
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import RECIPES, get_recipe
 from moefold.parallel.dims import ParallelConfig
@@ -26,6 +30,7 @@ from moefold.parallel.init import launched_by_torchrun, launched_world_size
 from moefold.training.config import RunConfig, TrainConfig
 from moefold.training.launch import run_ranks
 from moefold.training.lr_schedule import DECAY_STYLES, WSD_STYLES
+from moefold.training.model_flags import UPCYCLING_FLAGS, add_model_arguments, apply_model_flags, given_model_flags
 
 _T = TrainConfig()
 
@@ -47,11 +52,14 @@ ROUTER_FLAGS: tuple[tuple[str, str, type], ...] = (
     ("--moe-pad-expert-input-to-capacity", "moe_pad_expert_input_to_capacity", bool),
     ("--moe-router-force-load-balancing", "moe_router_force_load_balancing", bool),
 )
+# router flags that change what the model computes (not only how it is trained): refused with --load-hf
+ARCH_ROUTER_FIELDS = frozenset({"moe_score_function", "moe_pre_softmax", "moe_topk_scaling_factor", "moe_num_groups",
+                                "moe_group_topk", "moe_expert_bias"})
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--recipe", required=True, choices=sorted(RECIPES), metavar="NAME",
-                   help=f"model recipe: {', '.join(sorted(RECIPES))}")
+    p.add_argument("--recipe", choices=sorted(RECIPES), metavar="NAME",
+                   help=f"model recipe (the base the model flags change): {', '.join(sorted(RECIPES))}")
     p.add_argument("--nproc", type=int, default=1, help="local ranks to spawn when not under torchrun (default 1)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     g = p.add_argument_group("parallelism")
@@ -71,10 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
                    help="shard activations along the sequence between TP regions (default on; tp > 1 only)")
     g.add_argument("--cp-comm-type", default=ModelOptions.cp_comm, help="context-parallel K/V exchange")
-    m = p.add_argument_group("model (overrides of the recipe)")
-    m.add_argument("--num-layers", type=int)
-    m.add_argument("--num-experts", type=int)
-    m.add_argument("--moe-router-topk", type=int)
+    add_model_arguments(p)
+    add_pretrained_arguments(p)
+    m = p.add_argument_group("router and run-time choices (overrides of the recipe / --load-hf model)")
     m.add_argument("--moe-aux-loss-coeff", type=float)
     for flag, _, typ in ROUTER_FLAGS:
         if typ is bool:
@@ -120,6 +127,70 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--no-save", action="store_true", help="write no checkpoint")
     d.add_argument("--load", default=None, help="resume from the latest complete checkpoint in this directory")
     d.add_argument("--no-balance-report", action="store_true", help="skip the load-balance PNGs at the end")
+    add_validation_arguments(p)
+
+
+def add_pretrained_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("starting weights")
+    g.add_argument("--load-hf", metavar="DIR", default=None,
+                   help="start from an HF model directory (or a moefold checkpoint): its config.json is the model, "
+                        "its weights the starting point (each rank reads its slices); instead of --recipe")
+    g.add_argument("--moe-use-upcycling", action="store_true",
+                   help="--load-hf holds a dense model (Qwen3, Mistral, a moefold dense checkpoint): start from its "
+                        "MoE upcycling with --num-experts / --moe-router-topk [/ --moe-ffn-hidden-size: granular]")
+
+
+def add_validation_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("validation and logging")
+    g.add_argument("--eval-interval", type=int, default=_T.eval_interval,
+                   help="validate every N steps (default: only at the end; needs --split or --valid-data-path)")
+    g.add_argument("--eval-iters", type=int, default=_T.eval_iters, help=f"global batches per validation "
+                                                                         f"(default {_T.eval_iters})")
+    g.add_argument("--split", default=None, help="train,valid,test shares of the documents of each --data-path "
+                                                 "corpus, e.g. 969,30,1 (Megatron)")
+    g.add_argument("--valid-data-path", nargs="+", default=[], help="a separate validation corpus: PREFIX or "
+                                                                   "W1 PREFIX1 W2 PREFIX2 ...")
+    g.add_argument("--wandb-project", default=None, help="also log to Weights & Biases (pip install wandb; "
+                                                         "WANDB_MODE=offline works without network)")
+    g.add_argument("--wandb-exp-name", default=None, help="W&B run name")
+    g.add_argument("--wandb-save-dir", default=None, help="W&B directory (default: the run directory)")
+
+
+def model_from_args(args: argparse.Namespace) -> ModelConfig:
+    """The architecture: ``--recipe`` changed by the model flags, or ``--load-hf``'s (upcycled with
+    ``--moe-use-upcycling``). ValueError naming the flags for a combination that cannot be."""
+    given = given_model_flags(args)
+    arch_router = [f for f, field, _ in ROUTER_FLAGS if field in ARCH_ROUTER_FIELDS
+                   and getattr(args, f[2:].replace("-", "_")) is not None]
+    if args.load_hf is None:
+        if args.moe_use_upcycling:
+            raise ValueError("--moe-use-upcycling needs --load-hf DIR (the dense checkpoint to upcycle)")
+        if args.recipe is None:
+            raise ValueError("give --recipe NAME (the model the model flags change) or --load-hf DIR")
+        model = apply_model_flags(get_recipe(args.recipe), args)
+        return model.with_(vocab_size=args.vocab_size) if args.vocab_size is not None else model
+    if args.recipe is not None:
+        raise ValueError(f"--recipe {args.recipe} and --load-hf {args.load_hf}: give one (the model comes from "
+                         "--load-hf's config.json)")
+    from moefold.models.pretrained import pretrained_config
+
+    allowed = UPCYCLING_FLAGS if args.moe_use_upcycling else ()
+    refused = [f for f in given if f not in allowed] + arch_router + (["--vocab-size"] if args.vocab_size else [])
+    if refused:
+        raise ValueError(f"{' '.join(refused)} cannot be combined with --load-hf: the architecture is "
+                         f"{args.load_hf}'s config.json (flags may change training-side settings: parallelism, "
+                         "recompute, dispatcher, balancing coefficients)"
+                         + (f"; --moe-use-upcycling takes {' '.join(UPCYCLING_FLAGS)}" if args.moe_use_upcycling
+                            else ""))
+    model = pretrained_config(args.load_hf)
+    if args.moe_use_upcycling:
+        from moefold.models.upcycle import upcycled_config
+
+        if args.num_experts is None:
+            raise ValueError("--moe-use-upcycling needs --num-experts (the experts each MLP becomes)")
+        model = upcycled_config(model, args.num_experts, args.moe_router_topk or 2, args.moe_ffn_hidden_size,
+                                args.moe_layer_freq or 1)
+    return model
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -128,10 +199,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                  "decoder_last_pipeline_num_layers"):
         if getattr(args, flag) is not None and args.pipeline_model_parallel_size == 1:
             raise ValueError(f"--{flag.replace('_', '-')} needs --pipeline-model-parallel-size > 1")
-    model = get_recipe(args.recipe)
-    changes = {k: v for k, v in (("num_layers", args.num_layers), ("num_experts", args.num_experts),
-                                 ("moe_topk", args.moe_router_topk), ("moe_aux_loss_coeff", args.moe_aux_loss_coeff),
-                                 ("vocab_size", args.vocab_size)) if v is not None}
+    model = model_from_args(args)
+    changes = {"moe_aux_loss_coeff": args.moe_aux_loss_coeff} if args.moe_aux_loss_coeff is not None else {}
     for flag, field, _ in ROUTER_FLAGS:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
@@ -147,13 +216,13 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                               pp=args.pipeline_model_parallel_size, ep=args.expert_model_parallel_size,
                               etp=args.expert_tensor_parallel_size)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    explicit = ("run_dir", "save", "load", "bf16", "data_path", "vocab_size", "data_cache_dir")
+    explicit = ("run_dir", "save", "load", "bf16", "data_path", "vocab_size", "data_cache_dir", "valid_data_path")
     train = {k: v for k, v in vars(args).items() if k in fields and k not in explicit}
     save = None if args.no_save else (args.save or os.path.join(args.run_dir, "checkpoints"))
     train = TrainConfig(**train, bf16=args.bf16, run_dir=args.run_dir, save=save, load=args.load,
                         data_path=tuple(args.data_path), vocab_size=args.vocab_size,
                         data_cache_dir=args.data_cache_dir, overlap_grad_reduce=not args.no_overlap_grad_reduce,
-                        balance_report=not args.no_balance_report)
+                        balance_report=not args.no_balance_report, valid_data_path=tuple(args.valid_data_path))
     return RunConfig(model=model, parallel=parallel, options=options, train=train, recipe=args.recipe)
 
 
@@ -182,6 +251,7 @@ def validate(config: RunConfig, world_size: int) -> None:
                          f"--expert-model-parallel-size={sizes.ep}, --expert-tensor-parallel-size={sizes.etp})"
                          ) from exc
     check_backends(config, sizes.ep, sizes.etp)
+    check_data_matches_model(config)
 
 
 def check_backends(config: RunConfig, ep: int, etp: int) -> None:
@@ -199,6 +269,58 @@ def check_backends(config: RunConfig, ep: int, etp: int) -> None:
     o.fp8.check_available()
 
 
+def check_data_matches_model(config: RunConfig) -> None:
+    """The corpora's vocabulary fits the model and, with --load-hf, they were tokenised with its tokenizer."""
+    from pathlib import Path
+
+    from moefold.training.data import parse_data_path
+    from moefold.training.data.indexed import IndexedDataset
+    from moefold.training.data.tokenizer import tokenizer_path
+
+    t, vocab = config.train, config.model.vocab_size
+    if t.load_hf and not t.data_path:
+        raise ValueError(f"--load-hf needs --data-path: a corpus prepared with the model's tokenizer (moefold "
+                         f"prepare-data --tokenizer {Path(t.load_hf) / 'tokenizer.json'} ...)")
+    model_tok = Path(t.load_hf) / "tokenizer.json" if t.load_hf else None
+    for flag, items in (("--data-path", t.data_path), ("--valid-data-path", t.valid_data_path)):
+        if not items:
+            continue
+        for prefix in parse_data_path(list(items))[0]:
+            try:
+                data_vocab = IndexedDataset(prefix).vocab_size
+            except FileNotFoundError as exc:
+                raise ValueError(f"{flag} {prefix}: {exc}") from None
+            if data_vocab > vocab:
+                raise ValueError(f"{flag} {prefix} was tokenised with a vocabulary of {data_vocab} ids but the model "
+                                 f"has vocab_size={vocab}: prepare it with the model's tokenizer"
+                                 + (f" (moefold prepare-data --tokenizer {model_tok})" if model_tok else ""))
+            data_tok = tokenizer_path(prefix)
+            if model_tok is not None and model_tok.is_file() and data_tok.is_file() \
+                    and not same_tokenizer(model_tok, data_tok):
+                raise ValueError(f"{flag} {prefix} was tokenised with {data_tok}, not with the model's {model_tok}: "
+                                 f"prepare it with moefold prepare-data --tokenizer {model_tok}")
+
+
+def same_tokenizer(a, b) -> bool:
+    """Two tokenizer.json files define the same tokenizer (compared in the library's canonical form)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(a)).to_str() == Tokenizer.from_file(str(b)).to_str()
+
+
+def describe_parameters(model: ModelConfig) -> str:
+    """The start-up line: total and active parameters of the model the flags describe (built on meta)."""
+    from moefold.models.params import count_parameters, fmt_count
+
+    r = count_parameters(model)
+    mtp = f" (+{fmt_count(r.mtp_total)} MTP)" if r.mtp else ""
+    return (f"model: {model.name} ({model.family}): {fmt_count(r.total)} parameters{mtp}, {fmt_count(r.active)} "
+            f"active per token, {model.num_layers} layers, {model.num_experts} experts top-{model.moe_topk}"
+            if model.num_experts else
+            f"model: {model.name} ({model.family}, dense): {fmt_count(r.total)} parameters{mtp}, "
+            f"{model.num_layers} layers")
+
+
 def main(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
@@ -209,6 +331,8 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, ImportError, RuntimeError) as exc:
         print(f"moefold train: error: {exc}", file=sys.stderr)
         return 2
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(describe_parameters(config.model), flush=True)
     if launched_by_torchrun() and args.nproc > 1:
         print(f"moefold train: launched by torchrun (world {world}); ignoring --nproc {args.nproc}", file=sys.stderr)
     run_ranks(train_worker, 1 if launched_by_torchrun() else args.nproc, args.device,

@@ -42,10 +42,12 @@ from moefold.pipeline.decoder_stage import DecoderStage, build_stage_model, embe
 from moefold.training.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from moefold.training.config import RunConfig
 from moefold.training.grad_sync import GradSync
+from moefold.training.metrics import ROUTER_SUMS, per_step_router, router_layer_metrics, router_sums
 from moefold.training.optimizer import DistributedAdamW
 
 if TYPE_CHECKING:
     from moefold.training.data.sampler import Samples
+    from moefold.training.evaluate import Evaluator
     from moefold.training.metrics import MetricsLogger
 
 
@@ -61,6 +63,8 @@ class StepResult:
     shares summed over tp x cp; mtp: unweighted, None without MTP)
     tokens_per_expert: float64 [moe layers, E] selections of the step over all ranks (None without MoE)
     dropped: float64 [moe layers] dropped copies over all ranks
+    router: float64 [moe layers, ROUTER_SUMS] per-layer router losses (means over the step's micro-batches and dp)
+            and entropy / token sums over all ranks (``training.metrics.router_layer_metrics``; None without MoE)
     """
 
     step: int
@@ -73,6 +77,7 @@ class StepResult:
     tokens: int
     tokens_per_expert: Tensor | None
     dropped: Tensor | None
+    router: Tensor | None = None
 
 
 def moe_routers(model: MoEDecoder) -> dict[int, Router]:
@@ -118,6 +123,10 @@ class Trainer:
             else:
                 self.model = MoEDecoder(config.model, dims, options)
         self.model.init_weights(t.seed)
+        if t.load_hf and not (t.load and find_checkpoint(t.load, log=lambda _m: None)):  # a resume overwrites them
+            from moefold.models.pretrained import load_pretrained_weights
+
+            load_pretrained_weights(self.model, t.load_hf, upcycle=t.moe_use_upcycling)  # this rank's slices
         self.embed_group = embedding_group(self.model, dims)
         self.routers = moe_routers(self.model)
         # every MoE layer of the model (all stages) in logging order; this stage fills its own rows
@@ -194,13 +203,14 @@ class Trainer:
                         self.config.model.num_experts)
 
     def _add_loads(self, loads: Tensor, infos: Iterable[tuple[int, MoEOutputInfo]], E: int) -> None:
-        """Adds (layer, info) pairs' selections and dropped copies to their rows of ``loads``."""
+        """Adds (layer, info) pairs' selections, dropped copies and router sums to their rows of ``loads``."""
         for i, info in infos:
             j = self.moe_layers.index(i)
             load = info.load_E.detach().to(loads)
             loads[j, :E] += load
             if info.stats is not None:
                 loads[j, E] += info.stats.dropped_fraction.to(loads) * load.sum()
+            loads[j, E + 1:] += router_sums(info, self.config.model.moe_topk).to(loads)
 
     def train_step(self, microbatches: list[Tensor]) -> StepResult:
         """Forward/backward over this rank's ``num_micro`` micro-batches and one optimizer step. Collective."""
@@ -211,7 +221,7 @@ class Trainer:
         self.sync.start_step(self.num_micro)
         n_moe, E = len(self.moe_layers), self.config.model.num_experts
         # float64 sums of counts stay exact; lm, aux, mtp, non-finite count
-        loads = torch.zeros(n_moe, E + 1, dtype=torch.float64, device=self.device)
+        loads = torch.zeros(n_moe, E + 1 + ROUTER_SUMS, dtype=torch.float64, device=self.device)
         logged = torch.zeros(4, dtype=torch.float64, device=self.device)
         if self.pipeline is None:
             self._forward_backward(microbatches, loads, logged)
@@ -252,12 +262,13 @@ class Trainer:
         self.iteration += 1
         t = self.config.train
         self.consumed_samples += t.global_batch_size
+        loads = loads.cpu() if n_moe else None   # one copy for the expert counts and router sums
         return StepResult(step=self.iteration, loss_lm=float(logged[0]), loss_aux=float(logged[1]),
                           loss_mtp=float(logged[2]) if self.config.model.mtp_num_layers else None,
                           grad_norm=grad_norm, lr=lr, skipped=bool(skipped),
                           tokens=t.global_batch_size * t.seq_length,
-                          tokens_per_expert=loads[:, :E].cpu() if n_moe else None,
-                          dropped=loads[:, E].cpu() if n_moe else None)
+                          tokens_per_expert=loads[:, :E] if n_moe else None, dropped=loads[:, E] if n_moe else None,
+                          router=per_step_router(loads[:, E + 1:], self.num_micro * dims.dp) if n_moe else None)
 
     # ------------------------------------------------------------------------------- checkpoints
     def save(self, root: str | Path) -> Path:
@@ -291,15 +302,16 @@ class Trainer:
         return iter(loader)
 
     def fit(self, dataset: Samples, logger: MetricsLogger | None = None,
-            on_step: Callable[[StepResult], None] | None = None, stop_at: int | None = None) -> list[StepResult]:
+            on_step: Callable[[StepResult], None] | None = None, stop_at: int | None = None,
+            evaluator: Evaluator | None = None) -> list[StepResult]:
         """Train from ``self.iteration`` to ``train_iters`` (or ``stop_at``) on ``dataset`` (samples of
-        seq_length + 1 ids); logs through ``logger`` (a MetricsLogger, rank 0), saves every ``save_interval``
-        and at the end."""
+        seq_length + 1 ids); logs through ``logger`` (a MetricsLogger, rank 0), validates when ``evaluator``
+        says so (every rank), saves every ``save_interval`` and at the end."""
         t = self.config.train
         last = t.train_iters if stop_at is None else min(stop_at, t.train_iters)
         batches = self.microbatch_iter(dataset)
         results: list[StepResult] = []
-        acc_tokens, acc_loads, acc_dropped, routed = 0, None, None, None
+        acc_tokens, acc_loads, acc_dropped, routed, acc_router, acc_steps = 0, None, None, None, None, 0
         while self.iteration < last:
             r = self.train_step([next(batches) for _ in range(self.num_micro)])
             results.append(r)
@@ -309,6 +321,7 @@ class Trainer:
             if r.tokens_per_expert is not None:
                 acc_loads = r.tokens_per_expert if acc_loads is None else acc_loads + r.tokens_per_expert
                 acc_dropped = r.dropped if acc_dropped is None else acc_dropped + r.dropped
+                acc_router, acc_steps = r.router if acc_router is None else acc_router + r.router, acc_steps + 1
             if logger is not None:
                 logger.advance()
                 if r.step % t.log_interval == 0 or r.step == last:
@@ -321,9 +334,13 @@ class Trainer:
                                grad_norm=r.grad_norm, lr=r.lr, tokens=acc_tokens,
                                tokens_per_expert=acc_loads.round().long().tolist() if acc_loads is not None else None,
                                dropped_fraction=(acc_dropped / routed).tolist() if acc_loads is not None else None,
-                               moe_layers=self.moe_layers if acc_loads is not None else None, skipped=r.skipped)
+                               moe_layers=self.moe_layers if acc_loads is not None else None, skipped=r.skipped,
+                               router=router_layer_metrics(acc_router, acc_steps, self.config.model)
+                               if acc_router is not None else None)
             if r.step % t.log_interval == 0:
-                acc_tokens, acc_loads, acc_dropped = 0, None, None
+                acc_tokens, acc_loads, acc_dropped, acc_router, acc_steps = 0, None, None, None, 0
+            if evaluator is not None and evaluator.due(r.step, last):
+                evaluator()
             if t.save and t.save_interval and r.step % t.save_interval == 0 and r.step < last:
                 self.save(t.save)
         if t.save:

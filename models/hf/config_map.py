@@ -1,7 +1,16 @@
-"""HF ``config.json`` <-> ``ModelConfig`` for DeepSeek-V3, Qwen3-MoE and Mixtral (no transformers needed).
+"""HF ``config.json`` <-> ``ModelConfig`` for DeepSeek-V3, Qwen3-MoE and Mixtral (no transformers needed),
+and their dense relatives Qwen3 and Mistral (read as the family with ``num_experts=0``: what upcycling
+starts from).
 
 Reads both the transformers-5 layout (``rope_parameters``) and the older one (``rope_theta`` +
 ``rope_scaling``). Unknown architectures and unsupported features fail naming the value.
+
+Round trip: ``from_hf_config`` keeps the dict it read in ``ModelConfig.extra["hf_config"]``, and
+``to_hf_config`` starts from it, so every field moefold does not model (``bos/eos/pad_token_id``,
+``initializer_range``, ``use_cache``, ``transformers_version``, ...) is written back unchanged, and a
+field whose meaning did not change keeps its original spelling (Qwen3's ``num_experts`` or
+``num_local_experts``, ``rope_parameters`` or ``rope_theta`` + ``rope_scaling``, ``dtype`` or
+``torch_dtype``, ``decoder_sparse_step``).
 """
 
 from __future__ import annotations
@@ -11,9 +20,22 @@ from typing import Any
 from moefold.models.config import MLADims, ModelConfig, YarnScaling
 
 ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3", "Qwen3MoeForCausalLM": "qwen3_moe",
-                 "MixtralForCausalLM": "mixtral"}
-MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
-FAMILY_ARCH = {v: k for k, v in ARCHITECTURES.items()}
+                 "MixtralForCausalLM": "mixtral", "Qwen3ForCausalLM": "qwen3_moe", "MistralForCausalLM": "mixtral"}
+MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "qwen3": "qwen3_moe",
+               "mistral": "mixtral"}
+FAMILY_ARCH = {"deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+               "mixtral": "MixtralForCausalLM"}
+# the dense model of a family (no experts): what upcycling turns into the family's MoE
+DENSE_ARCH = {"qwen3_moe": ("Qwen3ForCausalLM", "qwen3"), "mixtral": ("MistralForCausalLM", "mistral")}
+DENSE_MODEL_TYPES = {"qwen3", "mistral"}
+
+
+def is_dense_hf(hf: dict[str, Any]) -> bool:
+    """The HF config describes a dense model (Qwen3, Mistral): no experts anywhere."""
+    archs = [a for a in hf.get("architectures") or () if a in ARCHITECTURES]
+    if archs:
+        return archs[0] in {a for a, _ in DENSE_ARCH.values()}
+    return hf.get("model_type") in DENSE_MODEL_TYPES
 
 
 def family_of(hf: dict[str, Any]) -> str:
@@ -49,7 +71,7 @@ def _pattern(num_layers: int, moe: list[bool]) -> int | tuple[int, ...]:
 
 
 def from_hf_config(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
-    """``ModelConfig`` from a parsed HF ``config.json``."""
+    """``ModelConfig`` from a parsed HF ``config.json`` (kept in ``extra["hf_config"]`` for the export)."""
     family = family_of(hf)
     theta, yarn = _rope(hf)
     L = int(hf["num_hidden_layers"])
@@ -58,7 +80,7 @@ def from_hf_config(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
                   rope_theta=theta, yarn=yarn, max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
                   norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_word_embeddings=bool(hf.get("tie_word_embeddings",
                                                                                               False)),
-                  attention_bias=bool(hf.get("attention_bias", False)))
+                  attention_bias=bool(hf.get("attention_bias", False)), extra={"hf_config": dict(hf)})
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported (moefold experts are SwiGLU: 'silu')")
     if family == "deepseek_v3":
@@ -84,25 +106,28 @@ def from_hf_config(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
             moe_layer_freq=_pattern(L, [i >= first_k and i % freq == 0 for i in range(L)]) if freq != 1 else 1,
             moe_aux_loss_coeff=float(hf.get("aux_loss_alpha", 1e-4)), moe_load_balancing_type="seq_aux_loss",
             mtp_num_layers=int(hf.get("num_nextn_predict_layers", 0)))
+    gqa = dict(num_query_groups=int(hf.get("num_key_value_heads", hf["num_attention_heads"])),
+               head_dim=hf.get("head_dim"))
+    dense = is_dense_hf(hf)
     if family == "qwen3_moe":
         if hf.get("use_sliding_window"):
-            raise ValueError("Qwen3-MoE with use_sliding_window=True is not supported")
-        E = int(hf.get("num_experts", hf.get("num_local_experts", 0)))
-        step, only = int(hf.get("decoder_sparse_step", 1)), set(hf.get("mlp_only_layers") or ())
-        norm = bool(hf.get("norm_topk_prob", False))
+            raise ValueError("Qwen3 with use_sliding_window=True is not supported")
+        # a dense Qwen3 keeps Qwen3-MoE's router semantics for upcycling (softmax over all experts, renormalised)
+        moe = dict(num_experts=0, moe_ffn_hidden_size=0, moe_norm_topk_prob=True) if dense else dict(
+            num_experts=int(hf.get("num_experts", hf.get("num_local_experts", 0))),
+            moe_ffn_hidden_size=int(hf["moe_intermediate_size"]), moe_topk=int(hf["num_experts_per_tok"]),
+            moe_norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            moe_layer_freq=_pattern(L, [i not in set(hf.get("mlp_only_layers") or ())
+                                        and (i + 1) % int(hf.get("decoder_sparse_step", 1)) == 0 for i in range(L)]))
         return ModelConfig(
-            **common, num_query_groups=int(hf.get("num_key_value_heads", hf["num_attention_heads"])),
-            head_dim=hf.get("head_dim"), qk_norm=True, ffn_hidden_size=int(hf.get("intermediate_size", 0)),
-            num_experts=E, moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
-            moe_topk=int(hf["num_experts_per_tok"]),
-            moe_score_function="softmax", moe_pre_softmax=True, moe_norm_topk_prob=norm,
-            moe_layer_freq=_pattern(L, [i not in only and (i + 1) % step == 0 for i in range(L)]),
+            **common, **gqa, **moe, qk_norm=True, ffn_hidden_size=int(hf.get("intermediate_size", 0)),
+            moe_score_function="softmax", moe_pre_softmax=True,
             moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 1e-3)), moe_load_balancing_type="global_aux_loss")
-    return ModelConfig(  # mixtral
-        **common, num_query_groups=int(hf.get("num_key_value_heads", hf["num_attention_heads"])),
-        head_dim=hf.get("head_dim"), sliding_window=hf.get("sliding_window"),
+    moe = dict(num_experts=0, ffn_hidden_size=int(hf["intermediate_size"])) if dense else dict(
         num_experts=int(hf["num_local_experts"]), moe_ffn_hidden_size=int(hf["intermediate_size"]),
-        moe_topk=int(hf["num_experts_per_tok"]), moe_score_function="softmax",
+        moe_topk=int(hf["num_experts_per_tok"]), moe_input_jitter_eps=float(hf.get("router_jitter_noise") or 0) or None)
+    return ModelConfig(  # mixtral / mistral
+        **common, **gqa, **moe, sliding_window=hf.get("sliding_window"), moe_score_function="softmax",
         moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.02)), moe_load_balancing_type="aux_loss")
 
 
@@ -127,32 +152,47 @@ def _check_exportable(c: ModelConfig) -> None:
                     "moe_shared_expert_ffn_size": 0, "moe_topk_scaling_factor": 1.0, "moe_num_groups": None,
                     "attention_bias": False},
     }[c.family]
+    if c.num_experts == 0:  # the dense relative: router choices are irrelevant
+        need = {k: v for k, v in need.items() if not k.startswith("moe_")}
     bad = {k: getattr(c, k) for k, v in need.items() if getattr(c, k) != v}
     # HF ranks groups by the sum of their top 2 scores
     group_score = (c.moe_group_score_topk or c.moe_topk // c.moe_group_topk) if c.moe_num_groups else 2
     if c.family == "deepseek_v3" and group_score != 2:
         bad["moe_group_score_topk"] = c.moe_group_score_topk
     if bad:
-        raise ValueError(f"{c.name}: cannot be expressed as an HF {FAMILY_ARCH[c.family]} config: {bad} "
+        raise ValueError(f"{c.name}: cannot be expressed as an HF {_architecture(c)} config: {bad} "
                          f"(HF needs {({k: need.get(k, 2) for k in bad})})")
 
 
-def to_hf_config(c: ModelConfig) -> dict[str, Any]:
-    """An HF ``config.json`` dict for ``c`` (fails for features the HF class cannot express)."""
+def _architecture(c: ModelConfig) -> str:
+    if c.num_experts == 0:
+        if c.family not in DENSE_ARCH:
+            raise ValueError(f"{c.name}: a {c.family} model without experts has no HF architecture "
+                             f"(dense export exists for {', '.join(DENSE_ARCH)})")
+        return DENSE_ARCH[c.family][0]
+    return FAMILY_ARCH[c.family]
+
+
+def _own_fields(c: ModelConfig, dtype: str) -> dict[str, Any]:
+    """The HF fields moefold's config determines, in transformers' current spelling."""
     _check_exportable(c)
+    arch = _architecture(c)
     out: dict[str, Any] = {
-        "architectures": [FAMILY_ARCH[c.family]], "model_type": c.family, "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size, "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_attention_heads,
-        "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": c.norm_eps,
-        "tie_word_embeddings": c.tie_word_embeddings, "hidden_act": "silu", "rope_parameters": _rope_out(c),
-        "num_experts_per_tok": c.moe_topk, "dtype": "float32",
+        "architectures": [arch], "model_type": DENSE_ARCH[c.family][1] if c.num_experts == 0 else c.family,
+        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_attention_heads, "max_position_embeddings": c.max_position_embeddings,
+        "rms_norm_eps": c.norm_eps, "tie_word_embeddings": c.tie_word_embeddings, "hidden_act": "silu",
+        "rope_parameters": _rope_out(c), "dtype": dtype,
     }
+    if c.num_experts:
+        out["num_experts_per_tok"] = c.moe_topk
     moe = [c.is_moe_layer(i) for i in range(c.num_layers)]
     if c.family == "deepseek_v3":
         m = c.mla
-        first_k = c.first_k_dense_replace
+        first_k = moe.index(True) if any(moe) else c.num_layers   # HF: dense layers first, then MoE ones
         if moe != [i >= first_k for i in range(c.num_layers)]:
-            raise ValueError("DeepSeek-V3 export needs every layer from first_k_dense_replace on to be MoE")
+            raise ValueError(f"DeepSeek-V3 export needs k dense layers followed by MoE layers (HF "
+                             f"first_k_dense_replace); the MoE layers are {[i for i, m in enumerate(moe) if m]}")
         if c.moe_shared_expert_ffn_size % c.moe_ffn_hidden_size:
             raise ValueError(f"moe_shared_expert_ffn_size={c.moe_shared_expert_ffn_size} is not a multiple of "
                              f"moe_ffn_hidden_size={c.moe_ffn_hidden_size} (HF n_shared_experts)")
@@ -166,15 +206,59 @@ def to_hf_config(c: ModelConfig) -> dict[str, Any]:
                    topk_group=c.moe_group_topk, norm_topk_prob=c.moe_norm_topk_prob, first_k_dense_replace=first_k,
                    num_nextn_predict_layers=c.mtp_num_layers, aux_loss_alpha=c.moe_aux_loss_coeff)
     elif c.family == "qwen3_moe":
-        only = [i for i in range(c.num_layers) if not moe[i]]
         out.update(num_key_value_heads=c.kv_heads, head_dim=c.attention_head_dim, attention_bias=c.attention_bias,
-                   intermediate_size=c.ffn_hidden_size, moe_intermediate_size=c.moe_ffn_hidden_size,
-                   num_experts=c.num_experts, norm_topk_prob=c.moe_norm_topk_prob, decoder_sparse_step=1,
-                   mlp_only_layers=only, router_aux_loss_coef=c.moe_aux_loss_coeff, use_sliding_window=False)
-    else:
+                   intermediate_size=c.ffn_hidden_size, use_sliding_window=False)
+        if c.num_experts:
+            out.update(moe_intermediate_size=c.moe_ffn_hidden_size, num_experts=c.num_experts,
+                       norm_topk_prob=c.moe_norm_topk_prob, decoder_sparse_step=1,
+                       mlp_only_layers=[i for i in range(c.num_layers) if not moe[i]],
+                       router_aux_loss_coef=c.moe_aux_loss_coeff)
+    elif c.num_experts:
         if not all(moe):
             raise ValueError("Mixtral export needs every layer to be MoE")
         out.update(num_key_value_heads=c.kv_heads, head_dim=c.head_dim, intermediate_size=c.moe_ffn_hidden_size,
                    num_local_experts=c.num_experts, sliding_window=c.sliding_window,
-                   router_aux_loss_coef=c.moe_aux_loss_coeff)
+                   router_aux_loss_coef=c.moe_aux_loss_coeff, router_jitter_noise=c.moe_input_jitter_eps or 0.0)
+    else:
+        out.update(num_key_value_heads=c.kv_heads, head_dim=c.head_dim, intermediate_size=c.ffn_hidden_size,
+                   sliding_window=c.sliding_window)
     return out
+
+
+def _respell(own: dict[str, Any], original: dict[str, Any], c: ModelConfig) -> dict[str, Any]:
+    """``own`` rewritten in the spelling ``original`` used wherever the meaning is unchanged."""
+    own = dict(own)
+    if "torch_dtype" in original and "dtype" not in original:
+        own["torch_dtype"] = own.pop("dtype")
+    if _rope(original) == (c.rope_theta, c.yarn):   # same rotary embedding: keep its keys as they were
+        del own["rope_parameters"]
+    elif "rope_parameters" not in original:          # older layout: rope_theta + rope_scaling
+        params = own.pop("rope_parameters")
+        own["rope_theta"] = params.pop("rope_theta")
+        own["rope_scaling"] = None if params["rope_type"] == "default" else params
+    if c.family == "deepseek_v3" and c.mtp_num_layers == 0 and original.get("num_nextn_predict_layers"):
+        # announced but absent (what save_pretrained writes): the export holds no MTP tensors either, and a
+        # reader drops the announcement again (importer.load_config)
+        own.pop("num_nextn_predict_layers")
+    if c.family == "qwen3_moe" and c.num_experts and not is_dense_hf(original):
+        keys = [k for k in ("num_experts", "num_local_experts") if k in original] or ["num_experts"]
+        count = own.pop("num_experts")
+        own.update(dict.fromkeys(keys, count))
+        if from_hf_config(original).moe_layer_freq == c.moe_layer_freq:
+            # the same MoE layers, e.g. decoder_sparse_step=2 rather than an explicit mlp_only_layers list
+            for k in ("decoder_sparse_step", "mlp_only_layers"):
+                own.pop(k)
+    return own
+
+
+def to_hf_config(c: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
+    """An HF ``config.json`` dict for ``c`` (fails for features the HF class cannot express).
+
+    Starts from the config ``c`` was imported from (``c.extra["hf_config"]``), when there is one, so
+    fields moefold does not model survive; the fields it does model are overwritten with ``c``'s values.
+    """
+    own = _own_fields(c, dtype)
+    original = c.extra.get("hf_config") if c.extra else None
+    if not original:
+        return own
+    return {**original, **_respell(own, original, c)}

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from moefold.models.config import ModelConfig
 from moefold.models.decoder import MoEDecoder
+from moefold.models.hf.assets import copy_assets
 from moefold.models.hf.config_map import to_hf_config
 from moefold.models.hf.mapping import EXPERT_FORMATS, expert_names, hf_names
 from moefold.models.tensor_io import ShardedWriter, dtype_name
@@ -51,9 +52,13 @@ def hf_tensors(name: str, full: Tensor, config: ModelConfig, expert_format: str 
 
 
 def export_hf(model: MoEDecoder, out_dir: str | os.PathLike, expert_format: str = "per_expert",
-              max_shard_bytes: int = 5 * 2**30, writer_rank: int = 0) -> None:
+              max_shard_bytes: int = 5 * 2**30, writer_rank: int = 0,
+              assets_from: str | os.PathLike | None = None) -> None:
     """Write ``model`` as an HF checkpoint directory. Collective over every group the parameters are
-    sharded on (call it on every rank of the model)."""
+    sharded on (call it on every rank of the model).
+
+    ``config.json`` keeps every field of the config the model was imported from (``models.hf.config_map``);
+    ``assets_from``: a directory whose ``generation_config.json`` and tokenizer files are copied along."""
     if expert_format not in EXPERT_FORMATS:
         raise ValueError(f"expert_format={expert_format!r}; valid: {', '.join(EXPERT_FORMATS)}")
     if model.dims.pp > 1:
@@ -81,8 +86,9 @@ def export_hf(model: MoEDecoder, out_dir: str | os.PathLike, expert_format: str 
             writer.add(f"model.layers.{j}.embed_tokens.weight", shared["embed_tokens.weight"])
             writer.add(f"model.layers.{j}.shared_head.head.weight", head)
         writer.finish()
-        hf_config = to_hf_config(config)
-        hf_config["dtype"] = dtype_name(dtype or torch.float32)
+        hf_config = to_hf_config(config, dtype=dtype_name(dtype or torch.float32))
         (Path(out_dir) / "config.json").write_text(json.dumps(hf_config, indent=2))
+        if assets_from is not None:
+            copy_assets(assets_from, out_dir)
     if dist.is_initialized():
         dist.barrier()

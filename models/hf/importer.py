@@ -81,7 +81,9 @@ def _shape_error(name: str, hf_name: str, got: tuple, want: tuple) -> ValueError
     return ValueError(f"tensor {hf_name!r} (for {name!r}) has shape {list(got)}, expected {list(want)}")
 
 
-def _read_plain(reader: TensorReader, name: str, candidates: list[str], shape: tuple, box: tuple) -> tuple[Tensor, str]:
+def read_plain(reader: TensorReader, name: str, candidates: list[str], shape: tuple, box: tuple) -> tuple[Tensor, str]:
+    """``box`` of the first of the HF tensors ``candidates`` the reader holds, checked to have the full ``shape``
+    of the moefold tensor ``name``; (slice, the HF name read)."""
     for hf_name in candidates:
         if hf_name in reader:
             got = reader.shape(hf_name)
@@ -144,7 +146,7 @@ def load_weights(model: MoEDecoder, reader: TensorReader, strict: bool = True) -
             value, names = _read_experts(reader, name, ex, shape, box)
             used.update(names)
         else:
-            value, hf_name = _read_plain(reader, name, hf_names(name, config), shape, box)
+            value, hf_name = read_plain(reader, name, hf_names(name, config), shape, box)
             used.add(hf_name)
         _assign(tensor, value, name)
     if strict and _holds_whole_model(model):

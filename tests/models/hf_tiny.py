@@ -78,3 +78,48 @@ def hf_logits(model, ids_BS: torch.Tensor) -> torch.Tensor:
 
 def tokens(batch: int = 2, seq: int = 16, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+DENSE_FAMILIES = ("qwen3", "mistral")
+
+
+def hf_dense_model(kind: str, seed: int = 0):
+    """A tiny random dense HF model (Qwen3 or Mistral, fp32, eval): what upcycling starts from."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    if kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+    elif kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=8))
+    else:
+        raise ValueError(kind)
+    model.config._attn_implementation = "sdpa"
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen) if p.dim() == 1 else
+                    0.08 * torch.randn(p.shape, generator=gen))
+    return model.eval().float()
+
+
+def save_tokenizer(path, vocab: int = VOCAB, separator: str = "<|endoftext|>") -> None:
+    """A word-level tokenizer of ``vocab`` ids (id 0 the separator) saved as ``path/tokenizer.json``:
+    every id decodes to a word, so generated ids read back as text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = {separator: 0, **{f"w{i}": i for i in range(1, vocab)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token=separator))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.save(str(path / "tokenizer.json"))
+
+
+def hf_lm_loss(model, samples: torch.Tensor) -> float:
+    """HF's mean next-token loss over ``samples [N, S+1]`` (inputs ``[:, :-1]``, labels ``[:, 1:]``)."""
+    import torch.nn.functional as F
+
+    logits = hf_logits(model, samples[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), samples[:, 1:].reshape(-1)).item()

@@ -35,13 +35,26 @@ def test_convert_hf_moefold_hf_roundtrip(tmp_path, capsys):
     assert "wrote hf checkpoint" in capsys.readouterr().out
 
 
-def test_convert_recipe_and_bad_source(tmp_path):
+def test_convert_recipe_and_bad_source(tmp_path, capsys):
     assert cli(["convert", "--recipe", "qwen3_moe_tiny", "--seed", "1", str(tmp_path / "q")]) == 0
     cfg = json.loads((tmp_path / "q" / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3MoeForCausalLM"] and cfg["num_experts"] == 8
     (tmp_path / "empty").mkdir()
-    with pytest.raises(SystemExit, match="neither a moefold checkpoint"):
-        cli(["convert", str(tmp_path / "empty"), str(tmp_path / "x")])
+    capsys.readouterr()
+    # errors are one line; --debug shows the traceback
+    for source, message in [(tmp_path / "empty", "not a checkpoint moefold reads"),
+                            (tmp_path / "missing", "not a checkpoint moefold reads")]:
+        assert cli(["convert", str(source), str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("moefold convert: error:") and message in err and err.count("\n") == 1, err
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text(json.dumps({**cfg, "vocab_size": 1000}))
+    (tmp_path / "q" / "model.safetensors").rename(tmp_path / "broken" / "model.safetensors")
+    assert cli(["convert", str(tmp_path / "broken"), str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "model.embed_tokens.weight" in err and "expected [1000, 64]" in err and err.count("\n") == 1, err
+    with pytest.raises(ValueError, match="expected \\[1000, 64\\]"):
+        cli(["convert", str(tmp_path / "broken"), str(tmp_path / "x"), "--debug"])
 
 
 def test_max_shard_size_parsing():
@@ -52,10 +65,31 @@ def test_max_shard_size_parsing():
             parse_size(bad)
 
 
-def test_inspect(capsys):
+def test_inspect(capsys, tmp_path):
     assert cli(["inspect", "--recipe", "mixtral_8x7b"]) == 0
     out = capsys.readouterr().out
     assert "total 46.703B" in out and "active per token 12.880B" in out and "x32" in out
+    # an HF DeepSeek-V3 directory: the config announces an MTP layer, save_pretrained wrote no MTP tensors
+    from transformers import DeepseekV3ForCausalLM
+
+    model = save_hf("deepseek_v3", tmp_path / "ds")
+    model.config.num_nextn_predict_layers = 1
+    model.config.save_pretrained(tmp_path / "ds")
+    capsys.readouterr()
+    assert cli(["inspect", "--hf", str(tmp_path / "ds")]) == 0
+    out = capsys.readouterr().out
+    assert "MTP modules:" not in out and "announces 1 MTP layer(s)" in out and "no MTP modules" in out
+    assert "tensors in 1 safetensors file(s)" in out and "dtype F32" in out and "generation_config.json" in out
+    assert DeepseekV3ForCausalLM.config_class.from_pretrained(tmp_path / "ds").num_nextn_predict_layers == 1
+    # config.json only: what it announces
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text((tmp_path / "ds" / "config.json").read_text())
+    assert cli(["inspect", "--hf", str(tmp_path / "cfg")]) == 0
+    out = capsys.readouterr().out
+    assert "MTP modules:" in out and "config.json only, no weights" in out
+    assert cli(["inspect", "--hf", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moefold inspect: error:") and "no config.json" in err and err.count("\n") == 1
 
 
 def test_config_json_roundtrip():

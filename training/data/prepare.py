@@ -207,7 +207,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx, PREFIX.tokenizer.json")
     tok = parser.add_mutually_exclusive_group(required=True)
     tok.add_argument("--vocab-size", type=int, help="train a byte-level BPE of this size on the inputs")
-    tok.add_argument("--tokenizer", help="use this HF tokenizer.json (must contain <|endoftext|>)")
+    tok.add_argument("--tokenizer", help="use this HF tokenizer.json, e.g. a model's own (the document separator "
+                                         "is its <|endoftext|>, </s> or other end-of-text token)")
     parser.add_argument("--json-key", default="text", help="JSONL field holding the text (default: text)")
     parser.add_argument("--glob", nargs="+", default=list(DEFAULT_GLOBS), help="file patterns inside directories")
     parser.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)),

@@ -17,6 +17,10 @@ if TYPE_CHECKING:
 
 EOS_TOKEN = "<|endoftext|>"
 MIN_VOCAB = 257  # 256 byte symbols + EOS
+# The document separator of a tokenizer: the first of these it defines (moefold's own BPE and Qwen:
+# <|endoftext|>; Mistral/Mixtral/Llama-2: </s>; DeepSeek-V3; Llama-3; Gemma), so a model's shipped
+# tokenizer.json works as it is with ``prepare-data --tokenizer``.
+SEPARATOR_TOKENS = (EOS_TOKEN, "</s>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "<|end_of_text|>", "<eos>")
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
@@ -49,17 +53,19 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         tok = Tokenizer.from_file(str(path))
     except Exception as exc:
         raise ValueError(f"{path}: not a HF tokenizers tokenizer.json ({exc})") from exc
-    if tok.token_to_id(EOS_TOKEN) is None:
-        raise ValueError(f"{path}: tokenizer has no {EOS_TOKEN!r} token, which prepare-data appends to every "
-                         "document as the separator")
+    if not any(tok.token_to_id(t) is not None for t in SEPARATOR_TOKENS):
+        raise ValueError(f"{path}: tokenizer has no document separator token (one of {list(SEPARATOR_TOKENS)}), "
+                         "which prepare-data appends to every document")
     return tok
 
 
 def eos_id(tok: Tokenizer) -> int:
-    eid = tok.token_to_id(EOS_TOKEN)
-    if eid is None:
-        raise ValueError(f"tokenizer has no {EOS_TOKEN!r} token")
-    return int(eid)
+    """The id of the tokenizer's document separator (the first of ``SEPARATOR_TOKENS`` it defines)."""
+    for token in SEPARATOR_TOKENS:
+        eid = tok.token_to_id(token)
+        if eid is not None:
+            return int(eid)
+    raise ValueError(f"tokenizer has no document separator token (one of {list(SEPARATOR_TOKENS)})")
 
 
 def tokenizer_path(prefix: str | os.PathLike) -> Path:
