@@ -39,10 +39,12 @@ from moefold.moe.router import Router
 from moefold.parallel.dims import ParallelDims
 from moefold.pipeline import build_schedule, expected_bubble_fraction, run_schedule
 from moefold.pipeline.decoder_stage import DecoderStage, build_stage_model, embedding_group
-from moefold.training.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from moefold.training.checkpoint import find_checkpoint, load_checkpoint, read_meta, save_checkpoint
+from moefold.training.checkpoint_files import CheckpointSaveError
 from moefold.training.config import RunConfig
 from moefold.training.grad_sync import GradSync
 from moefold.training.optimizer import DistributedAdamW
+from moefold.training.resume import check_resume
 
 if TYPE_CHECKING:
     from moefold.training.data.sampler import Samples
@@ -267,17 +269,19 @@ class Trainer:
                                keep_last=self.config.train.keep_last, log=self.log)
 
     def load(self, path: str | Path) -> bool:
-        """Resume from ``path`` (a checkpoint, or the latest complete one under it). False if none exists."""
-        ckpt = find_checkpoint(path, self.log if self.dims.rank == 0 else lambda _m: None)
+        """Resume from ``path`` (a checkpoint, or the newest intact one under it, see ``find_checkpoint``).
+        False if none exists."""
+        ckpt = find_checkpoint(path, self.dims, self.log)
         if ckpt is None:
-            self.log(f"no complete checkpoint under {path}; starting from scratch")
+            self.log(f"no checkpoint under {path}; starting from scratch")
             return False
+        restart_data = check_resume(read_meta(ckpt), self.config, str(ckpt), self.log)
         states = self.optimizer.param_states()
         meta = load_checkpoint(ckpt, self.model, self.dims, states, log=self.log)
         self.optimizer.load_param_states(states, meta["optimizer_steps"])
         self.optimizer.copy_master_to_params()
         self.iteration = int(meta["iteration"])
-        self.consumed_samples = int(meta["consumed_samples"])
+        self.consumed_samples = 0 if restart_data else int(meta["consumed_samples"])
         self.skipped_in_a_row = int(meta.get("skipped_in_a_row", 0))
         self.log(f"resumed from {ckpt} at iteration {self.iteration} (consumed_samples {self.consumed_samples})")
         return True
@@ -325,7 +329,10 @@ class Trainer:
             if r.step % t.log_interval == 0:
                 acc_tokens, acc_loads, acc_dropped = 0, None, None
             if t.save and t.save_interval and r.step % t.save_interval == 0 and r.step < last:
-                self.save(t.save)
+                try:
+                    self.save(t.save)
+                except CheckpointSaveError as exc:   # state intact: the next save tries again; the last must succeed
+                    self.log(f"{exc}; training continues, the next save tries again")
         if t.save:
             self.save(t.save)
         return results
