@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from moefold.parallel.dims import ParallelDims
 from moefold.parallel.groups import group_ranks
@@ -55,6 +56,7 @@ from moefold.training.checkpoint_files import (
     write_atomic,
     write_manifest,
 )
+from moefold.training.errors import one_line
 
 __all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint", "complete_checkpoints", "read_meta",
            "check_compatible", "build_state", "CheckpointError", "CheckpointSaveError", "PREFIX", "TMP_PREFIX", "META"]
@@ -155,7 +157,7 @@ class _Save:
         if fn is not None:
             try:
                 fn()
-            except Exception as exc:  # any failure of a save is reported, cleaned up and agreed on
+            except (Exception, CheckpointException) as exc:  # any failure of a save: reported, cleaned up, agreed on
                 error = self.describe(exc)
         self.agree(error)
 
@@ -169,11 +171,11 @@ class _Save:
                                   f"{self.tmp}")
 
     def describe(self, exc: BaseException) -> str:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        first = one_line(exc)
         if disk_full(exc, self.root):
             return (f"the disk is full ({first}; {fmt_bytes(free_bytes(self.root))} free on {self.root}, the "
                     f"checkpoint needs about {fmt_bytes(self.need)})")
-        return f"{type(exc).__name__}: {first}"
+        return first
 
     def prepare(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)

@@ -40,7 +40,13 @@ class JobFailed(RuntimeError):
 
 def one_line(exc: BaseException) -> str:
     """The first line of ``exc``'s message; prefixed by its type unless it is a ValueError or a moefold error
-    (whose messages are written to be read alone)."""
+    (whose messages are written to be read alone). torch.distributed.checkpoint's CheckpointException (which
+    wraps each failing rank's exception) gives the first wrapped one."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, wrapped = min(failures.items(), key=lambda kv: kv[0])
+        if isinstance(wrapped, tuple) and wrapped and isinstance(wrapped[0], BaseException):
+            return f"{one_line(wrapped[0])} (in torch.distributed.checkpoint on rank {rank})"
     lines = str(exc).strip().splitlines()
     text = lines[0].strip() if lines else ""
     if not text:

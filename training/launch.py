@@ -173,7 +173,9 @@ def run_ranks(fn: Callable[..., Any], nproc: int, device: str = "auto", timeout_
             dev = pick_device(device, int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
             fn(dev, *args, heartbeat=None)
-        except Exception as exc:   # each rank reports its own (torchrun names the first one to fail)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:   # each rank reports its own (torchrun names the first one to fail)
             failure = failure_of(exc, rank)
             raise JobFailed(failure, append_error_log(run_dir, [failure], name=f"error.rank{rank}.log")) from exc
         finally:
@@ -183,7 +185,9 @@ def run_ranks(fn: Callable[..., Any], nproc: int, device: str = "auto", timeout_
     if nproc <= 1:
         try:
             fn(pick_device(device, 0), *args, heartbeat=None)
-        except Exception as exc:
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:   # e.g. torch.distributed.checkpoint's CheckpointException
             failure = failure_of(exc, None)
             raise JobFailed(failure, append_error_log(run_dir, [failure])) from exc
         return

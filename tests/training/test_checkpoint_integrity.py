@@ -20,6 +20,8 @@ from moefold.training.checkpoint_files import MANIFEST, checkpoint_dirs, find_ch
 from moefold.training.trainer import Trainer
 from tests.training.trainer_common import run, tiny_config, tiny_data
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
@@ -133,18 +135,24 @@ def test_resuming_before_a_damaged_checkpoint_rewrites_it(saved, tmp_path):
 
 
 def _disk_full_during(monkeypatch, failing_steps: set[int]) -> list[int]:
-    """dcp.save writes part of a shard and then fails with ENOSPC at the listed iterations."""
-    real, calls = checkpoint_module.dcp.save, []
+    """At the listed iterations DCP's file writer writes part of a tensor and then fails with ENOSPC (which DCP
+    reports as its CheckpointException, a BaseException)."""
+    import torch.distributed.checkpoint.filesystem as dcp_files
+
+    real_save, real_write, calls = checkpoint_module.dcp.save, dcp_files._write_item, []
 
     def save(state, checkpoint_id, **kwargs):
-        iteration = int(Path(checkpoint_id).name.rsplit("_", 1)[1])
-        calls.append(iteration)
-        if iteration in failing_steps:
-            (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"\0" * 1000)
+        calls.append(int(Path(checkpoint_id).name.rsplit("_", 1)[1]))
+        return real_save(state, checkpoint_id=checkpoint_id, **kwargs)
+
+    def write_item(transforms, stream, *args, **kwargs):
+        if calls[-1] in failing_steps:
+            stream.write(b"\0" * 1000)
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(state, checkpoint_id=checkpoint_id, **kwargs)
+        return real_write(transforms, stream, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint_module.dcp, "save", save)
+    monkeypatch.setattr(dcp_files, "_write_item", write_item)
     return calls
 
 
@@ -157,7 +165,8 @@ def test_a_full_disk_during_a_save_is_named_cleaned_up_and_training_continues(mo
     assert calls == [1, 2, 3] and losses == ref
     assert all(torch.equal(params[k], v) for k, v in ref_params.items())
     text = "\n".join(messages)
-    assert "saving checkpoint iter_0000002 failed: the disk is full ([Errno 28] No space left on device" in text, text
+    assert ("saving checkpoint iter_0000002 failed: the disk is full (OSError: [Errno 28] No space left on device (in "
+            "torch.distributed.checkpoint on rank 0)") in text, text
     assert "removed the partial" in text and "training continues, the next save tries again" in text, text
     assert sorted(p.name for p in save.iterdir()) == ["iter_0000001", "iter_0000003"]   # no .tmp- left behind
     # the last save must succeed: a run whose final checkpoint fails ends with the error
