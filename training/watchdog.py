@@ -26,18 +26,19 @@ STARTUP_GRACE_S = 120.0   # a rank's first beat comes after its interpreter has 
 
 
 class Heartbeat:
-    """Rank side. ``beat(step)`` records the last completed step; a daemon thread writes ``"<step> <pid>"``
-    to ``path`` every ``interval`` seconds (the file's mtime is the heartbeat)."""
+    """Rank side. ``beat(step)`` records the last completed step (written at once, by the thread); a daemon
+    thread writes ``"<step> <pid>"`` to ``path`` every ``interval`` seconds (the file's mtime is the heartbeat)."""
 
     def __init__(self, path: str | os.PathLike, interval: float) -> None:
         self.path, self.interval, self.step = Path(path), interval, 0
-        self._stop = threading.Event()
+        self._stop, self._wake = threading.Event(), threading.Event()
         self._write()
         self._thread = threading.Thread(target=self._run, name="moefold-heartbeat", daemon=True)
         self._thread.start()
 
     def beat(self, step: int) -> None:
         self.step = step
+        self._wake.set()
 
     def _write(self) -> None:
         tmp = self.path.with_name(self.path.name + ".tmp")
@@ -48,11 +49,14 @@ class Heartbeat:
             pass
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while not self._stop.is_set():
+            self._wake.wait(self.interval)
+            self._wake.clear()
             self._write()
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=self.interval + 1)
 
 
