@@ -11,13 +11,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from moefold.training.checkpoint import complete_checkpoints, find_checkpoint, load_checkpoint, save_checkpoint
+    from moefold.training.checkpoint_files import CheckpointError, CheckpointSaveError
     from moefold.training.config import RunConfig, TrainConfig
+    from moefold.training.errors import JobFailed
     from moefold.training.flops import forward_flops_per_token, train_flops_per_token
     from moefold.training.grad_sync import GradSync, reduction_kind
     from moefold.training.launch import run_ranks
     from moefold.training.lr_schedule import LRSchedule
     from moefold.training.metrics import MetricsLogger, read_metrics
     from moefold.training.optimizer import DistributedAdamW, decays
+    from moefold.training.preflight import preflight
     from moefold.training.run import train
     from moefold.training.trainer import NonFiniteError, StepResult, Trainer, named_full_params
 
@@ -34,6 +37,8 @@ _LAZY = {
     "MetricsLogger": "moefold.training.metrics", "read_metrics": "moefold.training.metrics",
     "forward_flops_per_token": "moefold.training.flops", "train_flops_per_token": "moefold.training.flops",
     "run_ranks": "moefold.training.launch", "train": "moefold.training.run",
+    "CheckpointError": "moefold.training.checkpoint_files", "CheckpointSaveError": "moefold.training.checkpoint_files",
+    "JobFailed": "moefold.training.errors", "preflight": "moefold.training.preflight",
 }
 
 
@@ -48,4 +53,5 @@ __all__ = [
     "GradSync", "reduction_kind", "DistributedAdamW", "decays", "LRSchedule",
     "save_checkpoint", "load_checkpoint", "find_checkpoint", "complete_checkpoints",
     "MetricsLogger", "read_metrics", "forward_flops_per_token", "train_flops_per_token", "run_ranks", "train",
+    "CheckpointError", "CheckpointSaveError", "JobFailed", "preflight",
 ]

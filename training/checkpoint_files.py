@@ -265,7 +265,9 @@ def find_checkpoint(path: str | os.PathLike, dims: ParallelDims | None = None,
     ``path`` holds no checkpoint at all; CheckpointError when it holds only damaged ones (a run never
     silently starts from scratch). Collective (every rank verifies a share of the files)."""
     path = Path(path)
-    if is_checkpoint_dir(path):
+    # rank 0's view of the directory, so that every rank verifies the same candidates (one collective each)
+    explicit, names = broadcast(dims, (is_checkpoint_dir(path), [d.name for d in checkpoint_dirs(path)]))
+    if explicit:
         problems = verify_checkpoint(path, dims)
         if problems:
             raise CheckpointError(f"checkpoint {path} is damaged: {'; '.join(problems[:3])}; pass its parent "
@@ -276,7 +278,7 @@ def find_checkpoint(path: str | os.PathLike, dims: ParallelDims | None = None,
             if d.name.startswith(TMP_PREFIX):
                 log(f"ignoring half-written checkpoint {d} (a save that did not finish)")
     damaged = []
-    for ckpt in reversed(checkpoint_dirs(path)):
+    for ckpt in (path / name for name in reversed(names)):
         problems = verify_checkpoint(ckpt, dims)
         if not problems:
             if damaged:

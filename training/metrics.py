@@ -193,8 +193,8 @@ class MetricsLogger:
                          disable=not progress, file=sys.stderr)
         self._print = print_fn or (self._bar.write if progress else print)
         if dropped:
-            self._print(f"{self.path}: dropped {dropped} records after step {start_step} (logged by the run "
-                        "this one resumes, after its last checkpoint)")
+            self._print(f"{self.path}: dropped {dropped} records after step {start_step} (from an earlier run in "
+                        "this directory, past the checkpoint this run starts from)")
         self._last_time = time.perf_counter()
         self._write({"kind": "run", "schema": SCHEMA, "time": time.time(), "start_step": start_step,
                      "total_steps": total_steps, "flops_per_token": flops_per_token,
