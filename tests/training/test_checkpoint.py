@@ -15,6 +15,8 @@ from moefold.training.checkpoint import complete_checkpoints
 from tests.distributed import run_distributed
 from tests.training.trainer_common import run, tiny_config
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TOL = 1e-4  # across layouts (fp32); the same layout must be bit-identical
 
 

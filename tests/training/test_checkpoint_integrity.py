@@ -15,8 +15,13 @@ import torch
 
 from moefold.parallel.dims import ParallelDims
 from moefold.training import checkpoint as checkpoint_module
-from moefold.training.checkpoint import CheckpointError, CheckpointSaveError
-from moefold.training.checkpoint_files import MANIFEST, checkpoint_dirs, find_checkpoint
+from moefold.training.checkpoint_files import (
+    MANIFEST,
+    CheckpointError,
+    CheckpointSaveError,
+    checkpoint_dirs,
+    find_checkpoint,
+)
 from moefold.training.trainer import Trainer
 from tests.training.trainer_common import run, tiny_config, tiny_data
 
