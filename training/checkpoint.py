@@ -19,7 +19,6 @@ Keys: ``model.<param or buffer name>``, ``optim.<param name>.{exp_avg,exp_avg_sq
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -143,6 +142,10 @@ def _save_rng(path: Path) -> None:
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}, path)
 
 
+class _NoRoom(OSError):
+    """The free space, checked before writing, is less than the checkpoint needs."""
+
+
 class _Save:
     """One save's phases. Each phase runs on every rank, and the ranks agree on its outcome (one gather of
     the errors) before the next starts; a failure anywhere removes the temporary directory and raises
@@ -167,11 +170,13 @@ class _Save:
             return
         if self.dims.rank == 0:
             shutil.rmtree(self.tmp, ignore_errors=True)
-        raise CheckpointSaveError(f"saving checkpoint {self.final.name} failed: {errors[0]}; removed the partial "
-                                  f"{self.tmp}")
+        raise CheckpointSaveError(f"saving checkpoint {self.final.name} failed: {errors[0]}; no partial checkpoint "
+                                  f"is left in {self.root}")
 
     def describe(self, exc: BaseException) -> str:
         first = one_line(exc)
+        if isinstance(exc, _NoRoom):
+            return first
         if disk_full(exc, self.root):
             return (f"the disk is full ({first}; {fmt_bytes(free_bytes(self.root))} free on {self.root}, the "
                     f"checkpoint needs about {fmt_bytes(self.need)})")
@@ -182,8 +187,8 @@ class _Save:
         remove_leftovers(self.root)
         free = free_bytes(self.root)
         if free < self.need:
-            raise OSError(errno.ENOSPC, f"not enough free space: {fmt_bytes(free)} free on {self.root}, the "
-                                        f"checkpoint needs about {fmt_bytes(self.need)}")
+            raise _NoRoom(f"not enough free space: {fmt_bytes(free)} free on {self.root}, the checkpoint needs "
+                          f"about {fmt_bytes(self.need)}")
         (self.tmp / "rng").mkdir(parents=True)
 
 
