@@ -216,8 +216,9 @@ def main(args: argparse.Namespace) -> int:
                   timeout_s=60 * args.distributed_timeout_minutes, args=(json.dumps(config.to_dict()),),
                   run_dir=config.train.run_dir, heartbeat_timeout_s=args.heartbeat_timeout)
     except JobFailed as exc:
-        where = f" (full traceback{'s' if world > 1 else ''}: {exc.log})" if exc.log else ""
-        cut = "\n" if world > 1 and not launched_by_torchrun() else ""   # rank 0's progress bar may end mid-line
+        spawned = world > 1 and not launched_by_torchrun()   # the log holds every rank's traceback
+        where = f" (full traceback{'s' if spawned else ''}: {exc.log})" if exc.log else ""
+        cut = "\n" if spawned else ""   # rank 0's progress bar may end mid-line
         print(f"{cut}moefold train: {exc}{where}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
