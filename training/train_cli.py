@@ -123,13 +123,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--reset-data-position", action="store_true",
                    help="allow resuming with another --data-path, --seq-length or --seed: the data position restarts "
                         "at the first sample of the new order")
+    d.add_argument("--no-balance-report", action="store_true", help="skip the load-balance PNGs at the end")
     r = p.add_argument_group("failures")
     r.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="a collective that waits longer fails (default 10)")
     r.add_argument("--heartbeat-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="--nproc: end the job, naming the rank, when a rank shows no sign of life for this long "
                         "(default 300)")
-    d.add_argument("--no-balance-report", action="store_true", help="skip the load-balance PNGs at the end")
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -205,7 +205,8 @@ def main(args: argparse.Namespace) -> int:
             if not 0 < getattr(args, flag) < float("inf"):
                 raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be a positive number")
         validate(config, world)
-        preflight(config)
+        first = not launched_by_torchrun() or os.environ.get("RANK", "0") == "0"   # torchrun: every rank checks
+        preflight(config, say=print if first else lambda _line: None)
     except ValueError as exc:
         print(f"moefold train: error: {exc}", file=sys.stderr)
         return 2
