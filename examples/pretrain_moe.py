@@ -20,7 +20,9 @@ from moefold.models.recipes import get_recipe
 from moefold.parallel.dims import ParallelConfig
 from moefold.parallel.init import launched_by_torchrun, launched_world_size
 from moefold.training.config import RunConfig, TrainConfig
+from moefold.training.errors import JobFailed
 from moefold.training.launch import run_ranks
+from moefold.training.preflight import preflight
 from moefold.training.train_cli import train_worker, validate
 
 
@@ -42,7 +44,12 @@ def main() -> int:
                        parallel=ParallelConfig(tp=args.tp, cp=args.cp, ep=args.ep, etp=args.etp))
     # fails here, before any rank starts
     validate(config, launched_world_size() if launched_by_torchrun() else args.nproc)
-    run_ranks(train_worker, args.nproc, "auto", args=(json.dumps(config.to_dict()),))
+    preflight(config)
+    try:
+        run_ranks(train_worker, args.nproc, "auto", args=(json.dumps(config.to_dict()),), run_dir=args.run_dir)
+    except JobFailed as exc:   # one line; the tracebacks are in RUN_DIR/error.log
+        print(f"pretrain_moe: {exc} (tracebacks: {exc.log})", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from moefold.training.checkpoint import complete_checkpoints, find_checkpoint, load_checkpoint, save_checkpoint
+    from moefold.training.checkpoint_files import CheckpointError, CheckpointSaveError
     from moefold.training.config import RunConfig, TrainConfig
+    from moefold.training.errors import JobFailed
     from moefold.training.evaluate import EvalResult, Evaluator, evaluate
     from moefold.training.flops import forward_flops_per_token, train_flops_per_token
     from moefold.training.grad_sync import GradSync, reduction_kind
@@ -20,6 +22,7 @@ if TYPE_CHECKING:
     from moefold.training.lr_schedule import LRSchedule
     from moefold.training.metrics import MetricsLogger, read_metrics
     from moefold.training.optimizer import DistributedAdamW, decays
+    from moefold.training.preflight import preflight
     from moefold.training.run import train
     from moefold.training.trainer import NonFiniteError, StepResult, Trainer, named_full_params
 
@@ -39,6 +42,8 @@ _LAZY = {
     "evaluate": "moefold.training.evaluate", "Evaluator": "moefold.training.evaluate",
     "EvalResult": "moefold.training.evaluate",
     "load_model": "moefold.training.load_model", "load_training_checkpoint": "moefold.training.load_model",
+    "CheckpointError": "moefold.training.checkpoint_files", "CheckpointSaveError": "moefold.training.checkpoint_files",
+    "JobFailed": "moefold.training.errors", "preflight": "moefold.training.preflight",
 }
 
 
@@ -54,4 +59,5 @@ __all__ = [
     "save_checkpoint", "load_checkpoint", "find_checkpoint", "complete_checkpoints",
     "MetricsLogger", "read_metrics", "forward_flops_per_token", "train_flops_per_token", "run_ranks", "train",
     "evaluate", "Evaluator", "EvalResult", "load_model", "load_training_checkpoint",
+    "CheckpointError", "CheckpointSaveError", "JobFailed", "preflight",
 ]

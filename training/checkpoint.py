@@ -1,11 +1,12 @@
 """Reshardable checkpoints with ``torch.distributed.checkpoint`` (DCP): save at one layout, load at another.
 
-Layout of a save directory::
+Layout of a save directory (``training.checkpoint_files``: manifest, fallback, keep-last)::
 
     SAVE/iter_0000100/            a complete checkpoint (renamed into place after everything is written)
         .metadata, __*.distcp     DCP: model, optimizer (per parameter), expert biases
         meta.json                 iteration, consumed_samples, optimizer step, layout, the RunConfig
         rng/rank00000.pt          this rank's torch RNG state (restored only at the same layout)
+        manifest.json             every other file's size and crc32, written last: loads verify it
     SAVE/.tmp-iter_0000200/       being written (or left by a crash): ignored on load
 
 Every sharded tensor is described as a ``DTensor`` over this pipeline stage's sub-mesh of
@@ -30,14 +31,34 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from moefold.parallel.dims import ParallelDims
 from moefold.parallel.groups import group_ranks
 from moefold.parallel.sharding import full_shape, shards_of
+from moefold.training.checkpoint_files import (
+    META,
+    PREFIX,
+    TMP_PREFIX,
+    CheckpointError,
+    CheckpointSaveError,
+    complete_checkpoints,
+    disk_full,
+    find_checkpoint,
+    fmt_bytes,
+    free_bytes,
+    fsync_dir,
+    gather,
+    prune,
+    remove_leftovers,
+    retire,
+    write_atomic,
+    write_manifest,
+)
+from moefold.training.errors import one_line
 
-PREFIX = "iter_"
-TMP_PREFIX = ".tmp-"
-META = "meta.json"
+__all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint", "complete_checkpoints", "read_meta",
+           "check_compatible", "build_state", "CheckpointError", "CheckpointSaveError", "PREFIX", "TMP_PREFIX", "META"]
 
 
 def _barrier(dims: ParallelDims) -> None:
@@ -107,64 +128,111 @@ def build_state(model: nn.Module, dims: ParallelDims, optim_states: dict[str, di
     return state, commit
 
 
+def _state_bytes(state: dict[str, Any], dims: ParallelDims) -> int:
+    """About how many bytes ``state`` takes in a checkpoint: every tensor at its full size, once per pipeline
+    stage (the ranks of one stage hold the same keys). Collective."""
+    from torch.distributed.tensor import DTensor
+
+    stage = sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, (Tensor, DTensor)))
+    return int(sum(gather(dims, stage)) * dims.pp // dims.world_size)
+
+
+def _save_rng(path: Path) -> None:
+    torch.save({"torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}, path)
+
+
+class _NoRoom(OSError):
+    """The free space, checked before writing, is less than the checkpoint needs."""
+
+
+class _Save:
+    """One save's phases. Each phase runs on every rank, and the ranks agree on its outcome (one gather of
+    the errors) before the next starts; a failure anywhere removes the temporary directory and raises
+    ``CheckpointSaveError`` on every rank, saying in words what went wrong (a full disk by name)."""
+
+    def __init__(self, root: Path, final: Path, dims: ParallelDims, need: int) -> None:
+        self.root, self.final, self.dims, self.need = root, final, dims, need
+        self.tmp = root / f"{TMP_PREFIX}{final.name}"
+
+    def phase(self, fn: Callable[[], Any] | None) -> None:
+        error = None
+        if fn is not None:
+            try:
+                fn()
+            except (Exception, CheckpointException) as exc:  # any failure of a save: reported, cleaned up, agreed on
+                error = self.describe(exc)
+        self.agree(error)
+
+    def agree(self, error: str | None) -> None:
+        errors = [e for e in gather(self.dims, error) if e]
+        if not errors:
+            return
+        if self.dims.rank == 0:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        raise CheckpointSaveError(f"saving checkpoint {self.final.name} failed: {errors[0]}; no partial checkpoint "
+                                  f"is left in {self.root}")
+
+    def describe(self, exc: BaseException) -> str:
+        first = one_line(exc)
+        if isinstance(exc, _NoRoom):
+            return first
+        if disk_full(exc, self.root):
+            return (f"the disk is full ({first}; {fmt_bytes(free_bytes(self.root))} free on {self.root}, the "
+                    f"checkpoint needs about {fmt_bytes(self.need)})")
+        return first
+
+    def prepare(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(self.root)
+        free = free_bytes(self.root)
+        if free < self.need:
+            raise _NoRoom(f"not enough free space: {fmt_bytes(free)} free on {self.root}, the checkpoint needs "
+                          f"about {fmt_bytes(self.need)}")
+        (self.tmp / "rng").mkdir(parents=True)
+
+
 def save_checkpoint(root: str | os.PathLike, iteration: int, model: nn.Module, dims: ParallelDims,
                     optim_states: dict[str, dict[str, Tensor]] | None, meta: dict[str, Any],
                     keep_last: int = 2, log: Callable[[str], None] = print) -> Path:
-    """Write ``root/iter_<iteration>`` atomically (temporary directory, then rename). Collective."""
+    """Write ``root/iter_<iteration>`` atomically: a temporary directory, its manifest last, then the rename;
+    then retire all but the newest ``keep_last``. Collective. A failure (a full disk, an unwritable
+    directory) removes the temporary directory and raises ``CheckpointSaveError`` on every rank, leaving
+    the model and optimizer untouched."""
     root = Path(root)
     final = root / f"{PREFIX}{iteration:07d}"
-    tmp = root / f"{TMP_PREFIX}{final.name}"
-    if dims.rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "rng").mkdir(parents=True)
-    _barrier(dims)
     state, _ = build_state(model, dims, optim_states)
-    with warnings.catch_warnings():  # world 1 without a process group is intended, not a mistake
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=_no_dist(dims))
-    torch.save({"torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-               tmp / "rng" / f"rank{dims.rank:05d}.pt")
-    _barrier(dims)
-    if dims.rank == 0:
-        (tmp / META).write_text(json.dumps(dict(meta, iteration=iteration, world_size=dims.world_size,
-                                                layout=dims.describe()), indent=1, sort_keys=True))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for old in complete_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-        log(f"saved checkpoint {final}")
-    _barrier(dims)
+    save = _Save(root, final, dims, _state_bytes(state, dims))
+    rank0 = dims.rank == 0
+    save.phase(save.prepare if rank0 else None)
+
+    def write() -> None:
+        with warnings.catch_warnings():  # world 1 without a process group is intended, not a mistake
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(state, checkpoint_id=str(save.tmp), no_dist=_no_dist(dims))
+        _save_rng(save.tmp / "rng" / f"rank{dims.rank:05d}.pt")
+
+    save.phase(write)
+    save.phase((lambda: write_atomic(save.tmp / META, json.dumps(
+        dict(meta, iteration=iteration, world_size=dims.world_size, layout=dims.describe()), indent=1,
+        sort_keys=True))) if rank0 else None)
+    size, error = write_manifest(save.tmp, dims)
+    save.agree(error)
+
+    def publish() -> None:
+        if final.exists():   # an older run's checkpoint of this iteration: out of the name space first
+            retire(final)
+        os.replace(save.tmp, final)
+        fsync_dir(root)
+
+    save.phase(publish if rank0 else None)
+    if rank0:
+        try:
+            retired = [d.name for d in prune(root, iteration, keep_last)]
+        except OSError as exc:   # the new checkpoint is in place; an old one that stays is no reason to stop
+            retired = [f"(keep-last failed: {exc})"]
+        log(f"saved checkpoint {final} ({fmt_bytes(size)})" + (f"; removed {', '.join(retired)}" if retired else ""))
     return final
-
-
-def complete_checkpoints(root: str | os.PathLike, log: Callable[[str], None] | None = None) -> list[Path]:
-    """Complete checkpoint directories under ``root``, oldest first; incomplete ones are reported via ``log``."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    out = []
-    for d in sorted(root.iterdir()):
-        if d.name.startswith(TMP_PREFIX):
-            if log:
-                log(f"ignoring half-written checkpoint {d} (a save that did not finish)")
-        elif d.name.startswith(PREFIX) and d.is_dir():
-            if (d / META).is_file() and (d / ".metadata").is_file():
-                out.append(d)
-            elif log:
-                log(f"ignoring incomplete checkpoint {d} (no {META} or .metadata)")
-    return sorted(out, key=lambda d: int(d.name[len(PREFIX):]))
-
-
-def find_checkpoint(path: str | os.PathLike, log: Callable[[str], None] = print) -> Path | None:
-    """``path`` itself when it is a complete checkpoint, else the latest complete one under it (None if none)."""
-    path = Path(path)
-    if (path / META).is_file() and (path / ".metadata").is_file():
-        return path
-    found = complete_checkpoints(path, log)
-    return found[-1] if found else None
 
 
 def read_meta(ckpt: str | os.PathLike) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +60,7 @@ class TrainConfig:
     save_interval: int = 0                     # 0: only at the end when save is set
     keep_last: int = 2
     load: str | None = None
+    reset_data_position: bool = False          # resume with another data order (data, seq_length, seed) from its start
     balance_report: bool = True
     # starting weights (train --load-hf): the architecture and weights of an HF (or moefold) directory
     load_hf: str | None = None
@@ -78,6 +80,15 @@ class TrainConfig:
                      "max_skipped_steps", "bucket_numel", "keep_last"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a positive integer")
+        for name in ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"--{name.replace('_', '-')}={value!r} must be a finite number >= 0")
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1 and self.adam_eps > 0):
+            raise ValueError(f"need 0 <= --adam-beta1={self.adam_beta1}, --adam-beta2={self.adam_beta2} < 1 and "
+                             f"--adam-eps={self.adam_eps} > 0")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"--seed={self.seed!r} must be a non-negative integer")
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(f"--global-batch-size={self.global_batch_size} is not a multiple of "
                              f"--micro-batch-size={self.micro_batch_size}")

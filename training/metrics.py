@@ -40,7 +40,8 @@ A validation record per evaluation (``--eval-interval``, and at the end of a run
     {"kind": "valid", "schema": 1, "step": int, "time": <unix s>, "loss_lm": float, "ppl": float|null,
      "tokens": int}                  # tokens evaluated
 
-Readers take the last record of each step (a resumed run may log a step twice).
+A logger that opens at ``start_step`` (a resumed run) first drops the step records after ``start_step``
+(logged by the run it resumes after that run's last checkpoint), so every step has one record.
 """
 
 from __future__ import annotations
@@ -154,6 +155,31 @@ def read_metrics(path: str | os.PathLike, kind: str = "step") -> list[dict[str, 
     return [by_step[s] for s in sorted(by_step)] if kind == "step" else others
 
 
+def drop_steps_after(path: str | os.PathLike, step: int) -> int:
+    """Rewrite the metrics JSONL ``path`` without its step records after ``step`` (atomically); returns how many
+    were dropped. Lines that are not JSON (a last line cut short by a crash) go too."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                dropped += bool(line.strip())
+                continue
+            if rec.get("kind") == "step" and int(rec["step"]) > step:
+                dropped += 1
+            else:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    if dropped:
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+    return dropped
+
+
 def format_line(rec: Mapping[str, Any], total_steps: int | None = None) -> str:
     """The one printed line of a step record."""
     def num(x: float | None, fmt: str) -> str:
@@ -220,20 +246,24 @@ class MetricsLogger:
         self.path = self.run_dir / METRICS_FILE
         self.total_steps, self.flops_per_token, self.peak_flops_per_s = total_steps, flops_per_token, peak_flops_per_s
         self.device = device
+        dropped = drop_steps_after(self.path, start_step)
         self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
-        self._writer = self._open_tensorboard(tensorboard)
+        self._writer = self._open_tensorboard(tensorboard, start_step)
         self._wandb = self._open_wandb(wandb, config)
         from tqdm import tqdm
 
         self._bar = tqdm(total=total_steps, initial=start_step, unit="step", desc="train", dynamic_ncols=True,
                          disable=not progress, file=sys.stderr)
         self._print = print_fn or (self._bar.write if progress else print)
+        if dropped:
+            self._print(f"{self.path}: dropped {dropped} records after step {start_step} (from an earlier run in "
+                        "this directory, past the checkpoint this run starts from)")
         self._last_time = time.perf_counter()
         self._write({"kind": "run", "schema": SCHEMA, "time": time.time(), "start_step": start_step,
                      "total_steps": total_steps, "flops_per_token": flops_per_token,
                      "peak_flops_per_s": peak_flops_per_s, "config": dict(config) if config else None})
 
-    def _open_tensorboard(self, mode: bool | str):
+    def _open_tensorboard(self, mode: bool | str, start_step: int):
         if mode is False:
             return None
         try:
@@ -243,7 +273,8 @@ class MetricsLogger:
                 raise ImportError(f"TensorBoard logging needs the tensorboard package (pip install tensorboard): "
                                   f"{exc}") from exc
             return None
-        return SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        # purge_step: TensorBoard hides the earlier run's events from the resumed step on (no duplicate points)
+        return SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=start_step + 1)
 
     def _open_wandb(self, settings: Mapping[str, Any] | None, config: Mapping[str, Any] | None):
         if not settings:

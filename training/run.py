@@ -20,6 +20,7 @@ from moefold.training.trainer import StepResult, Trainer
 
 if TYPE_CHECKING:
     from moefold.training.data.sampler import Samples
+    from moefold.training.watchdog import Heartbeat
 
 
 def build_dataset(config: RunConfig, dims: ParallelDims, part: str = "train") -> Samples:
@@ -81,8 +82,10 @@ def save_run_assets(config: RunConfig) -> None:
     (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id(tok)}, indent=2))
 
 
-def train(config: RunConfig, device: torch.device | str = "cpu") -> list[StepResult]:
-    """Train ``config`` on this rank; returns the step results (identical on every rank)."""
+def train(config: RunConfig, device: torch.device | str = "cpu", heartbeat: Heartbeat | None = None,
+          ) -> list[StepResult]:
+    """Train ``config`` on this rank; returns the step results (identical on every rank). ``heartbeat`` (from
+    the launcher) learns each completed step."""
     t = config.train
     dims = ParallelDims.build(config.parallel, device_type=torch.device(device).type)
     is_log = dims.rank == 0
@@ -102,6 +105,10 @@ def train(config: RunConfig, device: torch.device | str = "cpu") -> list[StepRes
         f"optimizer state {trainer.optimizer.state_bytes() / 2**20:.1f} MiB on rank 0 (ZeRO-1)")
     if t.load:
         trainer.load(t.load)
+    on_step = None
+    if heartbeat is not None:
+        heartbeat.beat(trainer.iteration)
+        on_step = lambda r: heartbeat.beat(r.step)
     logger = None
     if is_log:
         from moefold.training.metrics import MetricsLogger
@@ -122,7 +129,7 @@ def train(config: RunConfig, device: torch.device | str = "cpu") -> list[StepRes
         if trainer.iteration == 0:   # where the run starts from: the baseline of a continued pretraining
             evaluator()
     try:
-        results = trainer.fit(dataset, logger, evaluator=evaluator)
+        results = trainer.fit(dataset, logger, on_step=on_step, evaluator=evaluator)
     finally:
         if logger is not None:
             logger.close()

@@ -7,8 +7,10 @@
     moefold train --load-hf Qwen3-8B --moe-use-upcycling --num-experts 8 --moe-router-topk 2 --data-path ...
     torchrun --nnodes 2 --nproc-per-node 8 -m training.cli train --recipe ... (multi-node)
 
-The flags are validated against the layout (``RunConfig.resolve(world)``) in the parent process
-before any rank starts; an impossible combination fails naming the flags.
+The flags are validated against the layout (``RunConfig.resolve(world)``) and the file system
+(``training.preflight``: save/run directories, free space, --load, data files) in the parent process
+before any rank starts; an impossible combination fails naming the flags. A failure inside a rank ends
+the run with one ``rank R: <message>`` line and the tracebacks in ``RUN_DIR/error.log``.
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ from moefold.parallel.dims import ParallelConfig
 from moefold.parallel.fp8 import add_fp8_arguments, fp8_config_from_args
 from moefold.parallel.init import launched_by_torchrun, launched_world_size
 from moefold.training.config import RunConfig, TrainConfig
+from moefold.training.errors import JobFailed
 from moefold.training.launch import run_ranks
 from moefold.training.lr_schedule import DECAY_STYLES, WSD_STYLES
 from moefold.training.model_flags import UPCYCLING_FLAGS, add_model_arguments, apply_model_flags, given_model_flags
+from moefold.training.preflight import preflight
+from moefold.training.watchdog import Heartbeat
 
 _T = TrainConfig()
 
@@ -125,8 +130,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--run-dir", default=_T.run_dir, help=f"metrics, logs and reports (default {_T.run_dir})")
     d.add_argument("--save", default=None, help="checkpoint directory (default RUN_DIR/checkpoints)")
     d.add_argument("--no-save", action="store_true", help="write no checkpoint")
-    d.add_argument("--load", default=None, help="resume from the latest complete checkpoint in this directory")
+    d.add_argument("--load", default=None, help="resume from the newest intact checkpoint in this directory (or "
+                                                  "this checkpoint); must exist unless it is also --save")
+    d.add_argument("--reset-data-position", action="store_true",
+                   help="allow resuming with another --data-path, --seq-length or --seed: the data position restarts "
+                        "at the first sample of the new order")
     d.add_argument("--no-balance-report", action="store_true", help="skip the load-balance PNGs at the end")
+    r = p.add_argument_group("failures")
+    r.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="a collective that waits longer fails (default 10)")
+    r.add_argument("--heartbeat-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="--nproc: end the job, naming the rank, when a rank shows no sign of life for this long "
+                        "(default 300)")
     add_validation_arguments(p)
 
 
@@ -216,10 +231,12 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                               pp=args.pipeline_model_parallel_size, ep=args.expert_model_parallel_size,
                               etp=args.expert_tensor_parallel_size)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    explicit = ("run_dir", "save", "load", "bf16", "data_path", "vocab_size", "data_cache_dir", "valid_data_path")
+    explicit = ("run_dir", "save", "load", "bf16", "data_path", "vocab_size", "data_cache_dir", "valid_data_path",
+                "reset_data_position")
     train = {k: v for k, v in vars(args).items() if k in fields and k not in explicit}
     save = None if args.no_save else (args.save or os.path.join(args.run_dir, "checkpoints"))
     train = TrainConfig(**train, bf16=args.bf16, run_dir=args.run_dir, save=save, load=args.load,
+                        reset_data_position=args.reset_data_position,
                         data_path=tuple(args.data_path), vocab_size=args.vocab_size,
                         data_cache_dir=args.data_cache_dir, overlap_grad_reduce=not args.no_overlap_grad_reduce,
                         balance_report=not args.no_balance_report, valid_data_path=tuple(args.valid_data_path))
@@ -251,7 +268,6 @@ def validate(config: RunConfig, world_size: int) -> None:
                          f"--expert-model-parallel-size={sizes.ep}, --expert-tensor-parallel-size={sizes.etp})"
                          ) from exc
     check_backends(config, sizes.ep, sizes.etp)
-    check_data_matches_model(config)
 
 
 def check_backends(config: RunConfig, ep: int, etp: int) -> None:
@@ -269,45 +285,6 @@ def check_backends(config: RunConfig, ep: int, etp: int) -> None:
     o.fp8.check_available()
 
 
-def check_data_matches_model(config: RunConfig) -> None:
-    """The corpora's vocabulary fits the model and, with --load-hf, they were tokenised with its tokenizer."""
-    from pathlib import Path
-
-    from moefold.training.data import parse_data_path
-    from moefold.training.data.indexed import IndexedDataset
-    from moefold.training.data.tokenizer import tokenizer_path
-
-    t, vocab = config.train, config.model.vocab_size
-    if t.load_hf and not t.data_path:
-        raise ValueError(f"--load-hf needs --data-path: a corpus prepared with the model's tokenizer (moefold "
-                         f"prepare-data --tokenizer {Path(t.load_hf) / 'tokenizer.json'} ...)")
-    model_tok = Path(t.load_hf) / "tokenizer.json" if t.load_hf else None
-    for flag, items in (("--data-path", t.data_path), ("--valid-data-path", t.valid_data_path)):
-        if not items:
-            continue
-        for prefix in parse_data_path(list(items))[0]:
-            try:
-                data_vocab = IndexedDataset(prefix).vocab_size
-            except FileNotFoundError as exc:
-                raise ValueError(f"{flag} {prefix}: {exc}") from None
-            if data_vocab > vocab:
-                raise ValueError(f"{flag} {prefix} was tokenised with a vocabulary of {data_vocab} ids but the model "
-                                 f"has vocab_size={vocab}: prepare it with the model's tokenizer"
-                                 + (f" (moefold prepare-data --tokenizer {model_tok})" if model_tok else ""))
-            data_tok = tokenizer_path(prefix)
-            if model_tok is not None and model_tok.is_file() and data_tok.is_file() \
-                    and not same_tokenizer(model_tok, data_tok):
-                raise ValueError(f"{flag} {prefix} was tokenised with {data_tok}, not with the model's {model_tok}: "
-                                 f"prepare it with moefold prepare-data --tokenizer {model_tok}")
-
-
-def same_tokenizer(a, b) -> bool:
-    """Two tokenizer.json files define the same tokenizer (compared in the library's canonical form)."""
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(a)).to_str() == Tokenizer.from_file(str(b)).to_str()
-
-
 def describe_parameters(model: ModelConfig) -> str:
     """The start-up line: total and active parameters of the model the flags describe (built on meta)."""
     from moefold.models.params import count_parameters, fmt_count
@@ -322,12 +299,19 @@ def describe_parameters(model: ModelConfig) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    """Validate the flags, run the pre-flight checks, start the ranks. Exit codes: 0 done, 1 the run failed
+    (one line on stderr, tracebacks in RUN_DIR/error.log), 2 a flag or pre-flight check failed, 130 Ctrl-C."""
     try:
         config = config_from_args(args)
         world = launched_world_size() if launched_by_torchrun() else args.nproc
         if args.nproc < 1:
             raise ValueError(f"--nproc={args.nproc} must be >= 1")
+        for flag in ("distributed_timeout_minutes", "heartbeat_timeout"):
+            if not 0 < getattr(args, flag) < float("inf"):
+                raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be a positive number")
         validate(config, world)
+        first = not launched_by_torchrun() or os.environ.get("RANK", "0") == "0"   # torchrun: every rank checks
+        preflight(config, say=print if first else lambda _line: None)
     except (ValueError, ImportError, RuntimeError) as exc:
         print(f"moefold train: error: {exc}", file=sys.stderr)
         return 2
@@ -335,16 +319,27 @@ def main(args: argparse.Namespace) -> int:
         print(describe_parameters(config.model), flush=True)
     if launched_by_torchrun() and args.nproc > 1:
         print(f"moefold train: launched by torchrun (world {world}); ignoring --nproc {args.nproc}", file=sys.stderr)
-    run_ranks(train_worker, 1 if launched_by_torchrun() else args.nproc, args.device,
-              args=(json.dumps(config.to_dict()),))
+    try:
+        run_ranks(train_worker, 1 if launched_by_torchrun() else args.nproc, args.device,
+                  timeout_s=60 * args.distributed_timeout_minutes, args=(json.dumps(config.to_dict()),),
+                  run_dir=config.train.run_dir, heartbeat_timeout_s=args.heartbeat_timeout)
+    except JobFailed as exc:
+        spawned = world > 1 and not launched_by_torchrun()   # the log holds every rank's traceback
+        where = f" (full traceback{'s' if spawned else ''}: {exc.log})" if exc.log else ""
+        cut = "\n" if spawned else ""   # rank 0's progress bar may end mid-line
+        print(f"{cut}moefold train: {exc}{where}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("moefold train: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 
-def train_worker(device: torch.device, config_json: str) -> None:
+def train_worker(device: torch.device, config_json: str, heartbeat: Heartbeat | None = None) -> None:
     """One rank of ``moefold train`` (module-level: spawned processes import it)."""
     from moefold.training.run import train
 
-    train(RunConfig.from_dict(json.loads(config_json)), device)
+    train(RunConfig.from_dict(json.loads(config_json)), device, heartbeat=heartbeat)
 
 
 if __name__ == "__main__":

@@ -39,11 +39,13 @@ from moefold.moe.router import Router
 from moefold.parallel.dims import ParallelDims
 from moefold.pipeline import build_schedule, expected_bubble_fraction, run_schedule
 from moefold.pipeline.decoder_stage import DecoderStage, build_stage_model, embedding_group
-from moefold.training.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from moefold.training.checkpoint import find_checkpoint, load_checkpoint, read_meta, save_checkpoint
+from moefold.training.checkpoint_files import CheckpointSaveError, checkpoint_dirs, is_checkpoint_dir
 from moefold.training.config import RunConfig
 from moefold.training.grad_sync import GradSync
 from moefold.training.metrics import ROUTER_SUMS, per_step_router, router_layer_metrics, router_sums
 from moefold.training.optimizer import DistributedAdamW
+from moefold.training.resume import check_resume
 
 if TYPE_CHECKING:
     from moefold.training.data.sampler import Samples
@@ -123,7 +125,9 @@ class Trainer:
             else:
                 self.model = MoEDecoder(config.model, dims, options)
         self.model.init_weights(t.seed)
-        if t.load_hf and not (t.load and find_checkpoint(t.load, log=lambda _m: None)):  # a resume overwrites them
+        # a resume overwrites the HF weights (whether the checkpoints are intact is Trainer.load's to find out)
+        resuming = t.load is not None and (is_checkpoint_dir(Path(t.load)) or bool(checkpoint_dirs(t.load)))
+        if t.load_hf and not resuming:
             from moefold.models.pretrained import load_pretrained_weights
 
             load_pretrained_weights(self.model, t.load_hf, upcycle=t.moe_use_upcycling)  # this rank's slices
@@ -278,17 +282,19 @@ class Trainer:
                                keep_last=self.config.train.keep_last, log=self.log)
 
     def load(self, path: str | Path) -> bool:
-        """Resume from ``path`` (a checkpoint, or the latest complete one under it). False if none exists."""
-        ckpt = find_checkpoint(path, self.log if self.dims.rank == 0 else lambda _m: None)
+        """Resume from ``path`` (a checkpoint, or the newest intact one under it, see ``find_checkpoint``).
+        False if none exists."""
+        ckpt = find_checkpoint(path, self.dims, self.log)
         if ckpt is None:
-            self.log(f"no complete checkpoint under {path}; starting from scratch")
+            self.log(f"no checkpoint under {path}; starting from scratch")
             return False
+        restart_data = check_resume(read_meta(ckpt), self.config, str(ckpt), self.log)
         states = self.optimizer.param_states()
         meta = load_checkpoint(ckpt, self.model, self.dims, states, log=self.log)
         self.optimizer.load_param_states(states, meta["optimizer_steps"])
         self.optimizer.copy_master_to_params()
         self.iteration = int(meta["iteration"])
-        self.consumed_samples = int(meta["consumed_samples"])
+        self.consumed_samples = 0 if restart_data else int(meta["consumed_samples"])
         self.skipped_in_a_row = int(meta.get("skipped_in_a_row", 0))
         self.log(f"resumed from {ckpt} at iteration {self.iteration} (consumed_samples {self.consumed_samples})")
         return True
@@ -342,7 +348,10 @@ class Trainer:
             if evaluator is not None and evaluator.due(r.step, last):
                 evaluator()
             if t.save and t.save_interval and r.step % t.save_interval == 0 and r.step < last:
-                self.save(t.save)
+                try:
+                    self.save(t.save)
+                except CheckpointSaveError as exc:   # state intact: the next save tries again; the last must succeed
+                    self.log(f"{exc}; training continues, the next save tries again")
         if t.save:
             self.save(t.save)
         return results

@@ -1,5 +1,6 @@
 """Checkpoints: exact resume, resume at other layouts (tp2 x ep2 -> ep4, pp2 x ep2, world 1; pp2 x tp2 -> world 1;
-world 1 -> pp2 x dp2), half-written directories, incompatible models, keep-last-N."""
+world 1 -> pp2 x dp2), half-written directories, incompatible models, keep-last-N. Damaged checkpoints and failing
+saves: tests/training/test_checkpoint_integrity.py."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.training.checkpoint import complete_checkpoints
 from tests.distributed import run_distributed
 from tests.training.trainer_common import run, tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 TOL = 1e-4  # across layouts (fp32); the same layout must be bit-identical
 
@@ -28,7 +31,7 @@ def test_resume_is_bit_identical_and_half_written_dirs_are_ignored(tmp_path):
     first, _, _ = run(tiny_config(save=save), stop_at=3)
     assert first == ref_losses[:3]
     assert [d.name for d in complete_checkpoints(save)] == ["iter_0000003"]
-    # a crash while writing step 4's checkpoint, and a directory without its meta.json
+    # a crash while writing step 4's checkpoint, and an empty directory named like a checkpoint
     (Path(save) / ".tmp-iter_0000004").mkdir()
     (Path(save) / ".tmp-iter_0000004" / "__0_0.distcp").write_bytes(b"partial")
     (Path(save) / "iter_0000005").mkdir()
@@ -40,7 +43,7 @@ def test_resume_is_bit_identical_and_half_written_dirs_are_ignored(tmp_path):
         assert torch.equal(params[k], v), k
     text = "\n".join(messages)
     assert "ignoring half-written checkpoint" in text and ".tmp-iter_0000004" in text, text
-    assert "ignoring incomplete checkpoint" in text and "iter_0000005" in text, text
+    assert "iter_0000005 is damaged: no manifest.json" in text, text
     assert "resumed from" in text and "iter_0000003" in text, text
 
 

@@ -31,17 +31,16 @@ def test_samples_cover_stream_without_shuffle(tmp_path):
     assert len(ds) == 6  # (25 - 1) // 4
     for i in range(len(ds)):
         np.testing.assert_array_equal(ds[i], np.arange(4 * i, 4 * i + 5))
-    # More samples than one epoch: the stream repeats.
+    # More samples than one epoch: the next epoch starts the stream again (the 25th token closes no sample).
     ds = GPTDataset(prefix, seq_len=4, num_samples=10, shuffle=False, cache_dir=tmp_path / "cache")
-    stream = np.concatenate([np.arange(25)] * 2)
     for i in range(10):
-        np.testing.assert_array_equal(ds[i], stream[4 * i:4 * i + 5])
+        np.testing.assert_array_equal(ds[i], np.arange(4 * (i % 6), 4 * (i % 6) + 5))
 
 
 def test_shuffle_is_deterministic_and_cached(tmp_path):
     prefix = _corpus(tmp_path / "c", list(range(1, 40)))
-    a = GPTDataset(prefix, seq_len=8, num_samples=150, seed=3)
-    assert not a.cache_hit and len(list((tmp_path / "c.cache").glob("*.npy"))) == 3
+    a = GPTDataset(prefix, seq_len=8, num_samples=150, seed=3)   # 780 tokens: 97 samples per epoch, 2 epochs
+    assert not a.cache_hit and len(list((tmp_path / "c.cache").glob("*.npy"))) == 2 * 2
     b = GPTDataset(prefix, seq_len=8, num_samples=150, seed=3)
     assert b.cache_hit
     c = GPTDataset(prefix, seq_len=8, num_samples=150, seed=4)
@@ -54,6 +53,47 @@ def test_shuffle_is_deterministic_and_cached(tmp_path):
     assert sorted(map(tuple, sa)) == sorted(map(tuple, sb))
     with pytest.raises(IndexError, match=r"sample 150 out of range \[0, 150\)"):
         a[150]
+
+
+def test_data_order_does_not_depend_on_the_run_length(tmp_path):
+    """Sample i is the same for every num_samples (a longer run continues a shorter one); each epoch is a
+    different shuffle; the order depends on the seed and seq_len."""
+    prefix = _corpus(tmp_path / "c", [13, 29, 7, 51, 3, 17] * 5)   # 600 tokens: 74 samples of 8 per epoch
+    short = GPTDataset(prefix, seq_len=8, num_samples=40, seed=3)
+    long = GPTDataset(prefix, seq_len=8, num_samples=400, seed=3)
+    samples = np.stack([long[i] for i in range(400)])
+    np.testing.assert_array_equal(np.stack([short[i] for i in range(40)]), samples[:40])
+    assert len(short.epochs) == 1 and len(long.epochs) == 6
+    epoch0, epoch1 = samples[:74], samples[74:148]
+    assert not np.array_equal(epoch0, epoch1)            # reshuffled: documents and samples
+    assert sorted(map(tuple, epoch0)) != sorted(map(tuple, epoch1))
+    assert not np.array_equal(GPTDataset(prefix, 8, 40, seed=4)[0], short[0])
+    # a cached epoch is reused by a run of another length
+    assert GPTDataset(prefix, seq_len=8, num_samples=100, seed=3).cache_hit
+
+    a, b = _corpus(tmp_path / "a", [50] * 10, start=0), _corpus(tmp_path / "b", [50] * 10, start=500)
+    blended = [build_blended([a, b], [0.3, 0.7], seq_len=9, num_samples=n, seed=1) for n in (30, 300)]
+    np.testing.assert_array_equal(np.stack([blended[0][i] for i in range(30)]),
+                                  np.stack([blended[1][i] for i in range(30)]))
+    rng = np.random.default_rng(0)
+    for _ in range(50):   # blend order: a longer blend begins with a shorter one, for any weights
+        w = rng.random(rng.integers(2, 12)) ** 3 + 1e-3
+        full = blend_indices(w, 3000)
+        for n in rng.integers(1, 3000, size=5):
+            np.testing.assert_array_equal(blend_indices(w, int(n))[0], full[0][:n])
+            np.testing.assert_array_equal(blend_indices(w, int(n))[1], full[1][:n])
+
+
+def test_token_outside_the_vocabulary_names_the_file(tmp_path):
+    prefix = _corpus(tmp_path / "c", [40], vocab=1000)
+    idx = tmp_path / "c.idx"
+    raw = bytearray(idx.read_bytes())
+    raw[40:48] = (16).to_bytes(8, "little")   # the header now says vocab 16, the tokens run to 39
+    idx.write_bytes(bytes(raw))
+    ds = GPTDataset(prefix, seq_len=4, shuffle=False)
+    np.testing.assert_array_equal(ds[0], np.arange(5))
+    with pytest.raises(ValueError, match=r"c\.bin: token id 2\d in sample 5 is outside the vocabulary of 16"):
+        ds[5]
 
 
 def test_blend_proportions_exact(tmp_path):

@@ -154,10 +154,12 @@ def test_jsonl_errors_name_file_and_line(tmp_path, capsys):
         prepare([tmp_path / "latin.txt"], tmp_path / "o", vocab_size=300, progress=False)
     with pytest.raises(FileNotFoundError, match=r"input .*missing\.txt: no such file"):
         prepare([tmp_path / "missing.txt"], tmp_path / "o", vocab_size=300, progress=False)
-    # The CLI turns these into one error line and exit status 2.
+    # The CLI turns these into one error line on stderr and exit status 2.
     rc = cli_main(["prepare-data", "--input", str(tmp_path / "missing.txt"), "--output-prefix", str(tmp_path / "o"),
                    "--vocab-size", "300", "--no-progress"])
-    assert rc == 2 and "missing.txt: no such file" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("moefold prepare-data: error: input ") and "missing.txt: no such file" in err
 
 
 def test_bad_tokenizer_and_vocab(tmp_path):

@@ -38,11 +38,16 @@ def test_logger_writes_jsonl_and_one_line(tmp_path):
     assert raw[2]["loss_lm"] is None and raw[2]["skipped"] is True and raw[2]["moe"] is None
     assert raw[2]["extra"] == {"lr_scale": 0.5, "bad": [None]}
 
-    # A resumed run appends; readers keep the last record of a repeated step.
+    # A run resumed at step 10 (the step 20 record came after that checkpoint, and a crash cut a line short):
+    # the records after step 10 go, so every step has one record.
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "step", "step": 2')
     with MetricsLogger(tmp_path, start_step=10, progress=False, tensorboard=False, print_fn=lines.append) as logger:
         logger.log(20, loss_lm=4.0, tokens=10)
-    steps = read_metrics(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in steps] == [10, 20] and steps[1]["loss_lm"] == 4.0
+    raw = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r.get("step")) for r in raw] == [("run", None), ("step", 10), ("run", None), ("step", 20)]
+    assert raw[3]["loss_lm"] == 4.0 and "dropped 2 records after step 10" in lines[2], lines
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [10, 20]
     with pytest.raises(ValueError, match="tokens_per_expert has 2 layers, dropped_fraction 1"):
         MetricsLogger._moe([[1], [2]], [0.0], None)
 

@@ -2,7 +2,7 @@
 
 from moefold.training.data.blend import BlendedDataset, blend_indices, build_blended, parse_data_path
 from moefold.training.data.builtin import builtin_corpus, stdlib_files
-from moefold.training.data.gpt_dataset import GPTDataset, build_indices
+from moefold.training.data.gpt_dataset import GPTDataset, build_epoch
 from moefold.training.data.indexed import IndexedDataset, IndexedDatasetWriter, token_dtype
 from moefold.training.data.prepare import PrepareStats, expand_inputs, iter_documents, prepare
 from moefold.training.data.sampler import MicroBatchLoader, MicroBatchSampler, Samples
@@ -12,7 +12,7 @@ __all__ = [
     "IndexedDataset", "IndexedDatasetWriter", "token_dtype",
     "prepare", "PrepareStats", "expand_inputs", "iter_documents",
     "EOS_TOKEN", "eos_id", "load_tokenizer", "tokenizer_path", "train_bpe",
-    "GPTDataset", "build_indices",
+    "GPTDataset", "build_epoch",
     "BlendedDataset", "blend_indices", "build_blended", "parse_data_path",
     "MicroBatchSampler", "MicroBatchLoader", "Samples",
     "builtin_corpus", "stdlib_files",

@@ -3,7 +3,8 @@
 Dataset ``d`` with normalised weight ``w_d`` contributes its ``k``-th sample at "time"
 ``(k + 0.5) / w_d``; the blend takes the first ``num_samples`` events in time order (ties by dataset
 index). Every prefix of the blend therefore holds round(n * w_d) samples of dataset ``d`` to within
-one sample per dataset, and the order depends only on the weights, never on a random state.
+one sample per dataset, and the order depends only on the weights, never on a random state or on
+``num_samples``: the blend of a longer run begins with the blend of a shorter one.
 """
 
 from __future__ import annotations
@@ -30,8 +31,11 @@ def blend_indices(weights: Sequence[float], num_samples: int) -> tuple[np.ndarra
     ``dataset_sample_index[i]`` of dataset ``dataset_index[i]``."""
     w = normalise_weights(weights)
     times, owners = [], []
+    # The n-th event has time < n + D/2 (each dataset has at least t*w_d - 1/2 events before time t), so
+    # these counts hold every event up to it: the first n events are those of the infinite sequence, and
+    # a longer run's blend starts with a shorter run's.
     for d, wd in enumerate(w):
-        k = np.arange(int(np.ceil(num_samples * wd)) + 2, dtype=np.float64)
+        k = np.arange(int(np.ceil((num_samples + len(w) / 2) * wd)) + 2, dtype=np.float64)
         times.append((k + 0.5) / wd)
         owners.append(np.full(len(k), d, dtype=np.int64))
     t, o = np.concatenate(times), np.concatenate(owners)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,8 +222,8 @@ def main(args: argparse.Namespace) -> int:
         stats = prepare(args.input, args.output_prefix, vocab_size=args.vocab_size, tokenizer=args.tokenizer,
                         json_key=args.json_key, workers=args.workers, globs=args.glob,
                         progress=not args.no_progress)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"moefold prepare-data: error: {exc}")
+    except (ValueError, OSError) as exc:   # messages name the file (and line); the traceback adds nothing
+        print(f"moefold prepare-data: error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {stats.prefix}.bin/.idx: {stats.num_docs} documents, {stats.num_tokens} tokens, "
           f"vocab {stats.vocab_size}, tokenizer {stats.tokenizer}")
