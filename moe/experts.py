@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moefold.dense.recompute import CheckpointWithoutOutput
 from moefold.moe.gemm import GEMM_BACKENDS, check_gemm_backend, flops_per_token, grouped_gemm
 from moefold.parallel.groups import Group, group_rank, group_size
 from moefold.parallel.sharding import Shard, mark_sharded, normal_init, set_init
@@ -78,6 +79,7 @@ class GroupedExperts(nn.Module):
         self.activation, self.gemm_backend = activation, gemm_backend
         self.gated = activation == "swiglu"  # decided once here, so forward does not compare strings
         self.ep_group, self.etp_group = ep_group, etp_group
+        self.recompute_activation = False   # selective recompute ``moe_act`` (``dense.recompute``), set by the model
         e, f, gates = self.num_local_experts, ffn_hidden_size // etp, 2 if self.gated else 1
         kw = {"dtype": dtype, "device": device}
         self.w13 = nn.Parameter(torch.empty(e, gates, f, hidden_size, **kw))
@@ -96,17 +98,24 @@ class GroupedExperts(nn.Module):
         # [e, G, f, H] -> [e, G*f, H]: gate and up projections in a single grouped GEMM.
         h_NGf = grouped_gemm(tokens_NH, self.w13.reshape(e, gates * f, H), tokens_per_expert_e,
                              self.gemm_backend, trans_w=True)
+        # The down projection is linear, so the probs can scale its input [N, f] or its output
+        # [N, H]: do it on the narrower one (a memory-bound pass forward and two backward).
+        scale_input = f <= H
+        recompute = CheckpointWithoutOutput() if self.recompute_activation else None
+        act = (self._activation(h_NGf, probs_N, scale_input) if recompute is None
+               else recompute.checkpoint(self._activation, h_NGf, probs_N, scale_input))
+        out_NH = grouped_gemm(act, self.w2, tokens_per_expert_e, self.gemm_backend, trans_w=True)
+        if recompute is not None:   # moe_act: the activation is freed once w2 saved it, recomputed before its backward
+            recompute.discard_output_and_register_recompute(out_NH)
+        return out_NH if scale_input else out_NH * probs_N.to(act.dtype).unsqueeze(-1)
+
+    def _activation(self, h_NGf: Tensor, probs_N: Tensor, scale_input: bool) -> Tensor:
         if self.gated:
-            gate_Nf, up_Nf = h_NGf.split(f, dim=1)
+            gate_Nf, up_Nf = h_NGf.split(h_NGf.shape[1] // 2, dim=1)
             h_Nf = F.silu(gate_Nf) * up_Nf
         else:
             h_Nf = F.gelu(h_NGf)
-        # The down projection is linear, so the probs can scale its input [N, f] or its output
-        # [N, H]: do it on the narrower one (a memory-bound pass forward and two backward).
-        probs_N1 = probs_N.to(h_Nf.dtype).unsqueeze(-1)
-        if f <= H:
-            return grouped_gemm(h_Nf * probs_N1, self.w2, tokens_per_expert_e, self.gemm_backend, trans_w=True)
-        return grouped_gemm(h_Nf, self.w2, tokens_per_expert_e, self.gemm_backend, trans_w=True) * probs_N1
+        return h_Nf * probs_N.to(h_Nf.dtype).unsqueeze(-1) if scale_input else h_Nf
 
     def flops(self, num_rows: int) -> int:
         """Forward FLOPs of ``num_rows`` routed rows through this rank's shard."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from moefold.dense.recompute import checkpointed
 from moefold.dispatch import build_dispatcher
 from moefold.moe.balance_losses import GlobalLoadState
 from moefold.moe.config import MoEConfig
@@ -75,6 +76,7 @@ class MoELayer(nn.Module):
             etp_group=dims.etp_group, activation=config.activation, gemm_backend=config.gemm_backend,
             init_std=config.init_std, output_init_std=config.output_init_std, dtype=dtype, device=device)
         self.shared_experts = None
+        self.recompute_shared_experts = False   # selective recompute (``dense.recompute``), set by the model
         if config.has_shared_experts:
             self.shared_experts = SharedExperts(
                 hidden_size, config.shared_expert_ffn_size, tp_group=dims.tp_group,
@@ -110,7 +112,9 @@ class MoELayer(nn.Module):
         # 2. start moving token copies to their experts ...
         pending = self.dispatcher.dispatch_start(x_TH, routed.routing)
         # 3. ... and compute the shared experts while they travel
-        shared_SBH = self.shared_experts(x_SBH) if self.shared_experts is not None else None
+        shared_SBH = None
+        if self.shared_experts is not None:
+            shared_SBH = checkpointed(self.shared_experts, x_SBH, enabled=self.recompute_shared_experts)
         dispatched = pending.wait()
         # 4. routed experts (rows already scaled by their probs; partial sums over etp)
         expert_out_NH = self.experts(dispatched.tokens_NH, dispatched.probs_N, dispatched.tokens_per_expert_e)

@@ -11,9 +11,11 @@ Layout of a save directory::
 Every sharded tensor is described as a ``DTensor`` over this pipeline stage's sub-mesh of
 ``dims.dense_mesh`` (dp, cp, tp) or ``dims.expert_mesh`` (edp, ep, etp), built from the parameter's
 ``moefold_shards``; unsharded tensors are plain (replicated: DCP keeps one copy). Optimizer state is
-saved per parameter in the parameter's own shape and placement (the ZeRO-1 shards are gathered
-over their group first, ``DistributedAdamW.param_states``), so DCP can reshard all of it.
-Keys: ``model.<param or buffer name>``, ``optim.<param name>.{exp_avg,exp_avg_sq,master}``.
+saved by each rank for the part it owns only, as boxes of each parameter's full tensor
+(``training.shard_checkpoint.ShardPieces``, ``DistributedAdamW.checkpoint_state``), so DCP can
+reshard all of it and no rank gathers a state it does not own.
+Keys: ``model.<param or buffer name>``, ``optim.<param name>.{exp_avg,exp_avg_sq}`` and, for
+parameters with a separate fp32 master copy (bf16 models), ``optim.<param name>.master``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from torch import Tensor, nn
 from moefold.parallel.dims import ParallelDims
 from moefold.parallel.groups import group_ranks
 from moefold.parallel.sharding import full_shape, shards_of
+from moefold.training.shard_checkpoint import ShardLoadPlanner, ShardPieces, ShardSavePlanner
 
 PREFIX = "iter_"
 TMP_PREFIX = ".tmp-"
@@ -80,10 +83,10 @@ class _Placer:
                          f"of the dense (dp, cp, tp) or expert (edp, ep, etp) mesh: {shards}")
 
 
-def build_state(model: nn.Module, dims: ParallelDims, optim_states: dict[str, dict[str, Tensor]] | None,
-                ) -> tuple[dict[str, Tensor], Callable[[], None]]:
+def build_state(model: nn.Module, dims: ParallelDims, optim_state: dict[str, ShardPieces] | None,
+                ) -> tuple[dict[str, Tensor | ShardPieces], Callable[[], None]]:
     """(DCP state dict, ``commit``): after a ``dcp.load`` into the state dict, ``commit()`` copies the
-    loaded values back into the model (and into ``optim_states``' tensors)."""
+    loaded values back into the model (``optim_state``'s pieces are views: they are loaded in place)."""
     place = _Placer(dims)
     params = dict(model.named_parameters())
     state: dict[str, Tensor] = {}
@@ -96,9 +99,7 @@ def build_state(model: nn.Module, dims: ParallelDims, optim_states: dict[str, di
 
     for name, t in model.state_dict().items():
         add(f"model.{name}", t, params.get(name, t), t)
-    for name, d in (optim_states or {}).items():
-        for k, v in d.items():
-            add(f"optim.{name}.{k}", v, params[name], v)
+    state.update(optim_state or {})
 
     def commit() -> None:
         with torch.no_grad():
@@ -108,7 +109,7 @@ def build_state(model: nn.Module, dims: ParallelDims, optim_states: dict[str, di
 
 
 def save_checkpoint(root: str | os.PathLike, iteration: int, model: nn.Module, dims: ParallelDims,
-                    optim_states: dict[str, dict[str, Tensor]] | None, meta: dict[str, Any],
+                    optim_state: dict[str, ShardPieces] | None, meta: dict[str, Any],
                     keep_last: int = 2, log: Callable[[str], None] = print) -> Path:
     """Write ``root/iter_<iteration>`` atomically (temporary directory, then rename). Collective."""
     root = Path(root)
@@ -119,10 +120,10 @@ def save_checkpoint(root: str | os.PathLike, iteration: int, model: nn.Module, d
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
     _barrier(dims)
-    state, _ = build_state(model, dims, optim_states)
+    state, _ = build_state(model, dims, optim_state)
     with warnings.catch_warnings():  # world 1 without a process group is intended, not a mistake
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=_no_dist(dims))
+        dcp.save(state, checkpoint_id=str(tmp), planner=ShardSavePlanner(), no_dist=_no_dist(dims))
     torch.save({"torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
                tmp / "rng" / f"rank{dims.rank:05d}.pt")
@@ -191,18 +192,18 @@ def check_compatible(ckpt: str | os.PathLike, state: dict[str, Tensor], optional
 
 
 def load_checkpoint(ckpt: str | os.PathLike, model: nn.Module, dims: ParallelDims,
-                    optim_states: dict[str, dict[str, Tensor]] | None, log: Callable[[str], None] = print,
+                    optim_state: dict[str, ShardPieces] | None, log: Callable[[str], None] = print,
                     ) -> dict[str, Any]:
-    """Load ``ckpt`` into ``model`` and ``optim_states`` (in place) at this layout; returns its meta.
+    """Load ``ckpt`` into ``model`` and ``optim_state`` (in place) at this layout; returns its meta.
     RNG states are restored only when the world size and layout match. Collective."""
     meta = read_meta(ckpt)
-    state, commit = build_state(model, dims, optim_states)
+    state, commit = build_state(model, dims, optim_state)
     missing = check_compatible(ckpt, state)
     if missing:
         raise ValueError(f"checkpoint {ckpt} has no optimizer state for {sorted(missing)[:3]}...")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(ckpt), no_dist=_no_dist(dims))
+        dcp.load(state, checkpoint_id=str(ckpt), planner=ShardLoadPlanner(), no_dist=_no_dist(dims))
     commit()
     rng = Path(ckpt) / "rng" / f"rank{dims.rank:05d}.pt"
     if meta.get("layout") == dims.describe() and rng.is_file():

@@ -43,6 +43,7 @@ from moefold.training.checkpoint import find_checkpoint, load_checkpoint, save_c
 from moefold.training.config import RunConfig
 from moefold.training.grad_sync import GradSync
 from moefold.training.optimizer import DistributedAdamW
+from moefold.training.shard_checkpoint import load_pieces, saved_keys
 
 if TYPE_CHECKING:
     from moefold.training.data.sampler import Samples
@@ -123,10 +124,13 @@ class Trainer:
         # every MoE layer of the model (all stages) in logging order; this stage fills its own rows
         m = config.model
         self.moe_layers = [i for i in range(m.num_layers + m.mtp_num_layers) if m.num_experts and is_moe_block(m, i)]
+        precision = t.optimizer_precision()
         self.sync = GradSync(self.model.named_parameters(), dims, bucket_numel=t.bucket_numel,
-                             overlap=t.overlap_grad_reduce)
+                             overlap=t.overlap_grad_reduce, grad_dtype=precision.dtype("main_grads"),
+                             copies_group=self.embed_group)
         self.optimizer = DistributedAdamW(self.sync, dims, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                                          weight_decay=t.weight_decay)
+                                          weight_decay=t.weight_decay, precision=precision, model=self.model,
+                                          overlap_param_gather=t.overlap_param_gather)
         self.schedule = t.lr_schedule()
         self.iteration = 0            # completed steps
         self.consumed_samples = 0     # global samples consumed
@@ -218,10 +222,7 @@ class Trainer:
         else:
             self._pipeline_forward_backward(microbatches, loads, logged)
         self.overlapped_buckets = self.sync.launched_early
-        self.sync.finish()
-        if self.embed_group is not None:   # the embedding's two pipeline copies get the summed gradient
-            for p in self.model.embed_tokens.parameters():
-                dist.all_reduce(p.main_grad, group=self.embed_group)
+        self.sync.finish()   # (the embedding's two pipeline copies get the summed gradient there)
         if dims.world_size > 1:
             dist.all_reduce(logged)
             if n_moe:   # over the world: other pipeline stages add zeros to the rows they do not own
@@ -261,21 +262,27 @@ class Trainer:
 
     # ------------------------------------------------------------------------------- checkpoints
     def save(self, root: str | Path) -> Path:
+        self.optimizer.finish_param_sync()
         meta = {"consumed_samples": self.consumed_samples, "optimizer_steps": self.optimizer.step_count,
                 "skipped_in_a_row": self.skipped_in_a_row, "config": self.config.to_dict()}
-        return save_checkpoint(root, self.iteration, self.model, self.dims, self.optimizer.param_states(), meta,
+        return save_checkpoint(root, self.iteration, self.model, self.dims, self.optimizer.checkpoint_state(), meta,
                                keep_last=self.config.train.keep_last, log=self.log)
 
     def load(self, path: str | Path) -> bool:
-        """Resume from ``path`` (a checkpoint, or the latest complete one under it). False if none exists."""
+        """Resume from ``path`` (a checkpoint, or the latest complete one under it). False if none exists.
+
+        Each rank reads only its own optimizer shard (``training.shard_checkpoint``), at any layout."""
         ckpt = find_checkpoint(path, self.log if self.dims.rank == 0 else lambda _m: None)
         if ckpt is None:
             self.log(f"no complete checkpoint under {path}; starting from scratch")
             return False
-        states = self.optimizer.param_states()
-        meta = load_checkpoint(ckpt, self.model, self.dims, states, log=self.log)
-        self.optimizer.load_param_states(states, meta["optimizer_steps"])
-        self.optimizer.copy_master_to_params()
+        self.optimizer.finish_param_sync()
+        keys = saved_keys(ckpt)
+        meta = load_checkpoint(ckpt, self.model, self.dims, self.optimizer.checkpoint_state(keys), log=self.log)
+        fallback = self.optimizer.master_fallback(keys)
+        if fallback or self.dims.world_size > 1:   # collective: every rank joins, even with nothing to read
+            load_pieces(ckpt, fallback, no_dist=self.dims.world_size == 1 and not dist.is_initialized())
+        self.optimizer.loaded(meta["optimizer_steps"])
         self.iteration = int(meta["iteration"])
         self.consumed_samples = int(meta["consumed_samples"])
         self.skipped_in_a_row = int(meta.get("skipped_in_a_row", 0))
@@ -328,12 +335,8 @@ class Trainer:
                 self.save(t.save)
         if t.save:
             self.save(t.save)
+        self.optimizer.finish_param_sync()
         return results
-
-
-def optimizer_memory_bytes(optimizer: DistributedAdamW) -> int:
-    """This rank's optimizer state in bytes (falls ~1/dp with ZeRO-1)."""
-    return optimizer.state_bytes()
 
 
 def named_full_params(model: nn.Module) -> dict[str, Tensor]:
