@@ -84,28 +84,15 @@ class _Placer:
 
 
 def build_state(model: nn.Module, dims: ParallelDims, optim_state: dict[str, ShardPieces] | None,
-                ) -> tuple[dict[str, Tensor | ShardPieces], Callable[[], None]]:
-    """(DCP state dict, ``commit``): after a ``dcp.load`` into the state dict, ``commit()`` copies the
-    loaded values back into the model (``optim_state``'s pieces are views: they are loaded in place)."""
+                ) -> dict[str, Tensor | ShardPieces]:
+    """The DCP state dict: the model's own tensors (wrapped, not copied: a ``dcp.load`` writes into the
+    model in place, a ``dcp.save`` copies one tensor at a time) and ``optim_state``'s pieces (views)."""
     place = _Placer(dims)
     params = dict(model.named_parameters())
-    state: dict[str, Tensor] = {}
-    targets: list[tuple[Tensor, Tensor]] = []
-
-    def add(key: str, t: Tensor, like: Tensor, target: Tensor) -> None:
-        local = t.detach().clone()
-        state[key] = place(local, like)
-        targets.append((target, local))
-
-    for name, t in model.state_dict().items():
-        add(f"model.{name}", t, params.get(name, t), t)
+    state: dict[str, Tensor | ShardPieces] = {f"model.{name}": place(t.detach(), params.get(name, t))
+                                              for name, t in model.state_dict().items()}
     state.update(optim_state or {})
-
-    def commit() -> None:
-        with torch.no_grad():
-            for target, local in targets:
-                target.copy_(local)
-    return state, commit
+    return state
 
 
 def save_checkpoint(root: str | os.PathLike, iteration: int, model: nn.Module, dims: ParallelDims,
@@ -120,7 +107,7 @@ def save_checkpoint(root: str | os.PathLike, iteration: int, model: nn.Module, d
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
     _barrier(dims)
-    state, _ = build_state(model, dims, optim_state)
+    state = build_state(model, dims, optim_state)
     with warnings.catch_warnings():  # world 1 without a process group is intended, not a mistake
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, checkpoint_id=str(tmp), planner=ShardSavePlanner(), no_dist=_no_dist(dims))
@@ -197,14 +184,13 @@ def load_checkpoint(ckpt: str | os.PathLike, model: nn.Module, dims: ParallelDim
     """Load ``ckpt`` into ``model`` and ``optim_state`` (in place) at this layout; returns its meta.
     RNG states are restored only when the world size and layout match. Collective."""
     meta = read_meta(ckpt)
-    state, commit = build_state(model, dims, optim_state)
+    state = build_state(model, dims, optim_state)
     missing = check_compatible(ckpt, state)
     if missing:
         raise ValueError(f"checkpoint {ckpt} has no optimizer state for {sorted(missing)[:3]}...")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(ckpt), planner=ShardLoadPlanner(), no_dist=_no_dist(dims))
-    commit()
     rng = Path(ckpt) / "rng" / f"rank{dims.rank:05d}.pt"
     if meta.get("layout") == dims.describe() and rng.is_file():
         saved = torch.load(rng, weights_only=False)

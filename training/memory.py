@@ -76,13 +76,14 @@ def describe_static(sync: Any, optimizer: Any, param_dtype: str, precision: Opti
 # ----------------------------------------------------------------------------------------- measured
 class TensorMemoryTracker(TorchDispatchMode):
     """Live and peak bytes of the tensor storages on ``device_type`` that operators create while active
-    (storages that existed before are not counted, even when written in place). See the module docstring."""
+    (storages that existed before are not counted, even when written in place); ``largest``: the largest of
+    those storages. See the module docstring."""
 
     def __init__(self, device_type: str = "cpu") -> None:
         super().__init__()
         self.device_type = device_type
         self.live: dict[int, int] = {}
-        self.current = self.peak = 0
+        self.current = self.peak = self.largest = 0
         self._resize = None
 
     def __enter__(self) -> TensorMemoryTracker:
@@ -124,6 +125,7 @@ class TensorMemoryTracker(TorchDispatchMode):
             self.current += n - self.live[key]
             self.live[key] = n
             self.peak = max(self.peak, self.current)
+            self.largest = max(self.largest, n)
 
     def _freed(self, key: int) -> None:
         self.current -= self.live.pop(key, 0)

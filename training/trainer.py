@@ -103,6 +103,7 @@ class Trainer:
         options = config.options
         if t.bf16 and options.dtype != "bf16":
             options = dataclasses.replace(options, dtype="bf16")
+        self.param_dtype = options.dtype
         torch.manual_seed(t.seed)
         self.layout = self.pipeline = None
         self.embed_group = None
@@ -340,7 +341,8 @@ class Trainer:
 
 
 def named_full_params(model: nn.Module) -> dict[str, Tensor]:
-    """Every parameter gathered to full shape (fp32, detached). Collective over each shard's group."""
+    """Every parameter gathered to full shape (fp32 copies: later steps do not change them). Collective over
+    each shard's group."""
     from moefold.parallel.sharding import gather_full, shards_of
 
-    return {n: gather_full(p, shards_of(p)).float() for n, p in model.named_parameters()}
+    return {n: gather_full(p, shards_of(p)).to(torch.float32, copy=True) for n, p in model.named_parameters()}
