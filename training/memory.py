@@ -50,10 +50,15 @@ def static_bytes(sync: Any, optimizer: Any) -> dict[str, int]:
 def bytes_per_parameter(param_dtype: str, precision: OptimizerPrecision, shards: int) -> float:
     """Bytes one parameter costs a rank: its value, its main grad, and 1/``shards`` of its optimizer state
     (fp32 master only when the parameter is not fp32 itself, exp_avg, exp_avg_sq)."""
+    value, grad, state = _parts(param_dtype, precision)
+    return value + grad + state / shards
+
+
+def _parts(param_dtype: str, precision: OptimizerPrecision) -> tuple[int, int, int]:
     state = DTYPE_BYTES[precision.exp_avg_dtype] + DTYPE_BYTES[precision.exp_avg_sq_dtype]
     if param_dtype != precision.main_params_dtype:
         state += DTYPE_BYTES[precision.main_params_dtype]
-    return DTYPE_BYTES[param_dtype] + DTYPE_BYTES[precision.main_grads_dtype] + state / shards
+    return DTYPE_BYTES[param_dtype], DTYPE_BYTES[precision.main_grads_dtype], state
 
 
 def describe_static(sync: Any, optimizer: Any, param_dtype: str, precision: OptimizerPrecision) -> str:
@@ -61,16 +66,17 @@ def describe_static(sync: Any, optimizer: Any, param_dtype: str, precision: Opti
     b = static_bytes(sync, optimizer)
     mib = lambda n: f"{n / 2**20:.1f} MiB"
     states = ", ".join(f"{k} {mib(b[k])}" for k in ("master", "exp_avg", "exp_avg_sq") if b[k])
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
     per_group = {}
     for g in sync.groups:
-        dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[g.param_data.dtype]
-        key = f"{g.kind}{' (' + dtype + ')' if dtype != param_dtype else ''} over {g.size}"
-        per_group[key] = bytes_per_parameter(dtype, precision, g.size)
-    per_param = "; ".join(f"{k}: {v:g}" for k, v in per_group.items())
-    return (f"memory on this rank: params {mib(b['params'])}, main grads {mib(b['grads'])}, optimizer "
-            f"{mib(b['optimizer'])} ({states}); bytes per parameter ({param_dtype} params, "
-            f"{precision.main_grads_dtype} main grads, {precision.exp_avg_dtype}/{precision.exp_avg_sq_dtype} "
-            f"moments, sharded over each reduction group) {per_param}")
+        dtype = names[g.param_data.dtype]
+        value, grad, state = _parts(dtype, precision)
+        label = g.kind if dtype == param_dtype else f"{g.kind} ({dtype})"
+        per_group[label] = f"{bytes_per_parameter(dtype, precision, g.size):g} = {value} + {grad} + {state}/{g.size}"
+    return (f"memory: params {mib(b['params'])}, main grads {mib(b['grads'])}, optimizer {mib(b['optimizer'])} "
+            f"({states}); bytes per parameter ({param_dtype} params, {precision.main_grads_dtype} main grads, "
+            f"{precision.exp_avg_dtype}/{precision.exp_avg_sq_dtype} moments; value + grad + states/shards): "
+            + ", ".join(f"{k} {v}" for k, v in per_group.items()))
 
 
 # ----------------------------------------------------------------------------------------- measured

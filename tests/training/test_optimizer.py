@@ -9,6 +9,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moefold.models.decoder import MoEDecoder
 from moefold.models.recipes import get_recipe
@@ -125,7 +126,7 @@ def test_world_1_takes_no_copy_and_precision_accounting():
     assert all(s.separate_master == (s.param.dtype == torch.bfloat16) for s in bf16.optimizer.slices)
     assert any(s.separate_master for s in bf16.optimizer.slices)
     line = describe_static(bf16.sync, bf16.optimizer, "bf16", bf16.config.train.optimizer_precision())
-    assert "bytes per parameter" in line and "dense over 1: 18" in line, line
+    assert "bytes per parameter" in line and "dense 18 = 2 + 4 + 12/1" in line, line
     p = OptimizerPrecision()
     assert bytes_per_parameter("bf16", p, 1) == 2 + 4 + 12 and bytes_per_parameter("bf16", p, 4) == 2 + 4 + 3
     assert bytes_per_parameter("fp32", p, 8) == 4 + 4 + 1
@@ -135,3 +136,25 @@ def test_world_1_takes_no_copy_and_precision_accounting():
         OptimizerPrecision(exp_avg_dtype="fp16")
     with pytest.raises(ValueError, match="--main-params-dtype='bf16'; valid: fp32"):
         tiny_config(main_params_dtype="bf16")
+
+
+class _OpNames(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def test_norm_and_step_never_read_a_device_value_on_the_host():
+    """The step's one host read is the trainer's (the norm, with the logged losses); the norm and the AdamW step
+    themselves call none of the aten ops that synchronise with a CUDA device."""
+    _, _, trainer = run(tiny_config(steps=1, bf16=True, exp_avg_dtype="bf16"))   # widening and casting paths too
+    with _OpNames() as ops:
+        norm = trainer.optimizer.grad_norm()
+        trainer.optimizer.step(1e-3, 0.5)
+    syncing = {"aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.is_nonzero", "aten.equal"}
+    assert ops.names and not syncing & set(ops.names), sorted(syncing & set(ops.names))
+    assert norm.dim() == 0 and torch.isfinite(norm)
