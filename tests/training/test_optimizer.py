@@ -111,7 +111,8 @@ def test_world_1_takes_no_copy_and_precision_accounting():
     """World 1, fp32: the parameters live in the flat buffer, AdamW updates them there (its parameters are views
     of the same memory), gradients accumulate straight into the main-grad buffer, nothing is gathered. bf16
     parameters get a separate fp32 master. Bytes per parameter follow Megatron's table."""
-    _, _, trainer = run(tiny_config(steps=1))
+    small = dict(steps=1, recipe="qwen3_moe_tiny", micro_batch_size=4, global_batch_size=4)
+    _, _, trainer = run(tiny_config(**small))
     opt, sync = trainer.optimizer, trainer.sync
     assert not opt.param_sync.groups
     for s in opt.slices:
@@ -122,7 +123,7 @@ def test_world_1_takes_no_copy_and_precision_accounting():
         for p in g.params:
             assert p.grad is p.main_grad and g.param_data.data_ptr() <= p.data_ptr() < g.param_data.data_ptr() + \
                 g.param_data.nbytes
-    _, _, bf16 = run(tiny_config(steps=1, bf16=True))
+    _, _, bf16 = run(tiny_config(**small, bf16=True))
     assert all(s.separate_master == (s.param.dtype == torch.bfloat16) for s in bf16.optimizer.slices)
     assert any(s.separate_master for s in bf16.optimizer.slices)
     line = describe_static(bf16.sync, bf16.optimizer, "bf16", bf16.config.train.optimizer_precision())
@@ -151,7 +152,8 @@ class _OpNames(TorchDispatchMode):
 def test_norm_and_step_never_read_a_device_value_on_the_host():
     """The step's one host read is the trainer's (the norm, with the logged losses); the norm and the AdamW step
     themselves call none of the aten ops that synchronise with a CUDA device."""
-    _, _, trainer = run(tiny_config(steps=1, bf16=True, exp_avg_dtype="bf16"))   # widening and casting paths too
+    _, _, trainer = run(tiny_config(steps=1, recipe="qwen3_moe_tiny", micro_batch_size=4, global_batch_size=4,
+                                    bf16=True, exp_avg_dtype="bf16"))   # the widening and casting paths too
     with _OpNames() as ops:
         norm = trainer.optimizer.grad_norm()
         trainer.optimizer.step(1e-3, 0.5)

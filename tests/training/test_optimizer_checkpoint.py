@@ -98,16 +98,17 @@ def test_sharded_save_load_and_resume_across_layouts(tmp_path):
 
 def test_resume_with_another_precision_keeps_the_master_values(tmp_path):
     bf16_dir, fp32_dir = str(tmp_path / "bf16"), str(tmp_path / "fp32")
-    _, _, bf16 = run(tiny_config(steps=2, bf16=True, save=bf16_dir))
+    small = dict(steps=2, recipe="qwen3_moe_tiny", micro_batch_size=4, global_batch_size=4)
+    _, _, bf16 = run(tiny_config(**small, bf16=True, save=bf16_dir))
     masters = {p.name: p.of(s.master).clone() for s in bf16.optimizer.slices for p in s.pieces if s.separate_master}
-    fp32 = Trainer(tiny_config(steps=2), ParallelDims.single(), log=lambda _m: None)
+    fp32 = Trainer(tiny_config(**small), ParallelDims.single(), log=lambda _m: None)
     fp32.load(bf16_dir)
     got = {p.name: p.of(s.master) for s in fp32.optimizer.slices for p in s.pieces}
     assert masters and all(torch.equal(got[n], v) for n, v in masters.items())
 
-    _, _, fp32_run = run(tiny_config(steps=2, save=fp32_dir))
+    _, _, fp32_run = run(tiny_config(**small, save=fp32_dir))
     values = {p.name: p.of(s.master).clone() for s in fp32_run.optimizer.slices for p in s.pieces}
-    bf16 = Trainer(tiny_config(steps=2, bf16=True), ParallelDims.single(), log=lambda _m: None)
+    bf16 = Trainer(tiny_config(**small, bf16=True), ParallelDims.single(), log=lambda _m: None)
     bf16.load(fp32_dir)
     for s in bf16.optimizer.slices:
         for p in s.pieces:

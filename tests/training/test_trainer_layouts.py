@@ -69,7 +69,7 @@ RUNS = {  # name -> (layout, tiny_config kwargs); compared with world 1 of the s
     "qwen3.pp2xtp2.interleaved": (ParallelConfig(pp=2, tp=2), QWEN_DEEP),
     "qwen3-dense0.pp2.dp2": (ParallelConfig(pp=2), QWEN_DENSE0),
 }
-# The same layouts with a broken dp average (grad_sync.gradient_average): the comparison must see them.
+# The same layouts with a broken dp average (grad_sync.gradient_average), one step: the comparison must see them.
 MUTANTS = {"dp4.average_x2": ("dp4", 2.0), "dp4.no_average": ("dp4", None),
            "pp2xep2.dp2.gpipe.average_x2": ("pp2xep2.dp2.gpipe", 2.0)}
 # The global aux loss averages the load over the micro-batches seen so far in the step, all dp ranks together:
@@ -123,10 +123,10 @@ def _run_observed(config, dims=None, **kw) -> dict:
     return {**record, "losses": losses, "params": params, "trainer": trainer}
 
 
-def _layout_run(name: str, pc: ParallelConfig, kwargs: dict, run_root: str) -> dict:
+def _layout_run(name: str, pc: ParallelConfig, kwargs: dict, run_root: str, stop_at: int | None = None) -> dict:
     dims = ParallelDims.build(pc)
-    run_dir = f"{run_root}/{name}" if pc.pp > 1 else None
-    r = _run_observed(tiny_config(pc, steps=STEPS, **kwargs), dims, run_dir=run_dir)
+    run_dir = f"{run_root}/{name}" if pc.pp > 1 and stop_at is None else None
+    r = _run_observed(tiny_config(pc, steps=STEPS, **kwargs), dims, run_dir=run_dir, stop_at=stop_at)
     trainer = r.pop("trainer")
     opt = trainer.optimizer
     return {**r, "state_bytes": opt.state_bytes(), "owned": sum(p.hi - p.lo for s in opt.slices for p in s.pieces),
@@ -142,7 +142,7 @@ def _world(run_root: str) -> dict:
     for name, (base, factor) in MUTANTS.items():
         grad_sync.gradient_average = (lambda d, f=factor: f * original(d)) if factor else (lambda d: 1.0)
         try:
-            out[name] = _layout_run(name, *RUNS[base], run_root)
+            out[name] = _layout_run(name, *RUNS[base], run_root, stop_at=1)
         finally:
             grad_sync.gradient_average = original
     # NaN in the loss of micro-batch 0 of step 2 (made on the last stage only): every stage skips that step
@@ -184,7 +184,7 @@ def _merged(ranks: list[dict], name: str, key: str) -> dict:
 
 def _merged_grads(ranks: list[dict], name: str) -> list[dict[str, torch.Tensor]]:
     steps = []
-    for s in range(STEPS):
+    for s in range(len(ranks[0][name]["grads"])):
         grads = {}
         for r in ranks:
             grads.update(r[name]["grads"][s])
