@@ -3,18 +3,19 @@
 ``training.buffers`` cuts each reduction group's flat buffers into buckets and gives rank r of the
 group chunk r of every bucket; ``GradSync`` reduce-scatters the gradients into those chunks. Per
 bucket, this rank holds a *slice*: the chunk's master values (the parameters' own buffer when they
-already have the master dtype; an fp32 copy for bf16 parameters), Adam's two moments, and one
-``torch.optim.AdamW`` (``fused``, else ``foreach``) whose parameters are flat views of the chunk,
-one per parameter piece, in two param groups: with and without weight decay (``decays``). A step
-clips (one in-place multiply of the chunk), runs AdamW, casts fp32 masters back into bf16
-parameters, and ``ParamSync`` all-gathers the buckets. Optimizer memory per rank is therefore
+already have the master dtype; an fp32 copy for bf16 parameters) and Adam's two moments. One
+``torch.optim.AdamW`` (``fused``, else ``foreach``) updates them: its parameters are flat views of
+the chunks, one per parameter piece, in two param groups, with and without weight decay
+(``decays``). A step clips (one in-place multiply per chunk), runs AdamW, casts fp32 masters back
+into bf16 parameters, and ``ParamSync`` all-gathers the buckets. Optimizer memory per rank is therefore
 ``1/n`` of the unpartitioned one (``state_bytes()``); world 1 and groups of one rank take no
 collective and, with fp32 parameters, no copy: AdamW updates the parameters in place.
 
 Precision (``OptimizerPrecision``, Megatron's flag names): main grads fp32 or bf16, master params
 fp32, ``exp_avg`` / ``exp_avg_sq`` fp32 or bf16. ``torch.optim.AdamW`` needs its state in the dtype
-of its parameters, so bf16 moments (and bf16 grads) are widened to fp32 one bucket slice at a time
-for the update and the moments narrowed back: the fp32 copies live only while their slice steps.
+of its parameters, so bf16 moments (and bf16 grads) are widened to fp32 for the update and the
+moments narrowed back, one bucket at a time (one AdamW per bucket then): the fp32 copies live
+only while their bucket steps.
 
 Gradient norm: every element is counted once across the world (``grad_norm``): ``_foreach_norm``
 over this rank's pieces, each squared norm weighted by 1 / the number of ranks that hold the same
@@ -87,11 +88,10 @@ def _adamw(groups: list[dict], betas: tuple[float, float], eps: float) -> torch.
 
 
 class _Slice:
-    """This rank's chunk of one bucket: master values, moments, gradient views and the AdamW over them."""
+    """This rank's chunk of one bucket: master values, moments and gradient views, stepped by an ``_Update``."""
 
     def __init__(self, g: FlatGroup, b: Bucket, dims: ParallelDims, precision: OptimizerPrecision,
-                 betas: tuple[float, float], eps: float, weight_decay: float,
-                 decay_fn: Callable[[str, Tensor], bool]) -> None:
+                 weight_decay: float, decay_fn: Callable[[str, Tensor], bool]) -> None:
         lo, hi = g.owned(b)
         self.param, self.grad = g.param_data[lo:hi], g.grad_data[lo:hi]
         master_dtype = precision.dtype("main_params")
@@ -106,21 +106,22 @@ class _Slice:
                               1.0 / replicas(g.params[i], g.size, dims))
                        for i, a, z in g.pieces(b)]
         self.masters = [p.of(self.master) for p in self.pieces]
-        groups = [{"params": [m for p, m in zip(self.pieces, self.masters) if p.decays == d],
-                   "weight_decay": weight_decay if d else 0.0} for d in (True, False)]
-        self.opt = _adamw([grp for grp in groups if grp["params"]], betas, eps) if self.pieces else None
-        fused = self.opt is not None and self.opt.defaults["fused"]
+        self.opt: torch.optim.AdamW | None = None
+        self._wide: tuple[Tensor, Tensor] | None = None
+
+    def attach(self, opt: torch.optim.AdamW) -> None:
+        """Give ``opt`` (whose params include ``self.masters``) its state: the state torch would create lazily,
+        made now so that it exists (and is checkpointable) before the first step, in this slice's buffers."""
+        self.opt = opt
+        fused = opt.defaults["fused"]
         for p, m in zip(self.pieces, self.masters):
-            # the state torch would create lazily, made now so that it exists (and is checkpointable) before
-            # the first step and lives in this slice's contiguous moment buffers
             step = torch.zeros((), dtype=torch.float32, device=m.device if fused else "cpu")
-            self.opt.state[m] = {"step": step, "exp_avg": p.of(self.exp_avg), "exp_avg_sq": p.of(self.exp_avg_sq)}
+            opt.state[m] = {"step": step, "exp_avg": p.of(self.exp_avg), "exp_avg_sq": p.of(self.exp_avg_sq)}
             if not self.widen_grad:
                 m.grad = p.of(self.grad)
 
-    def step(self, lr: float, clip_coef: float) -> None:
-        if self.opt is None:
-            return
+    def before_step(self, clip_coef: float) -> None:
+        """Clip; give AdamW fp32 views of bf16 gradients / moments (for this slice only, while it steps)."""
         if clip_coef != 1.0:
             self.grad.mul_(clip_coef)
         if self.widen_grad:
@@ -128,15 +129,16 @@ class _Slice:
             for p, m in zip(self.pieces, self.masters):
                 m.grad = p.of(grad)
         if self.widen_moments:
-            exp_avg, exp_avg_sq = self.exp_avg.to(self.master.dtype), self.exp_avg_sq.to(self.master.dtype)
-            self._point_states(exp_avg, exp_avg_sq)
-        for group in self.opt.param_groups:
-            group["lr"] = lr
-        self.opt.step()
-        if self.widen_moments:
-            self.exp_avg.copy_(exp_avg)
-            self.exp_avg_sq.copy_(exp_avg_sq)
+            self._wide = (self.exp_avg.to(self.master.dtype), self.exp_avg_sq.to(self.master.dtype))
+            self._point_states(*self._wide)
+
+    def after_step(self) -> None:
+        """Narrow the moments back, drop widened gradients, cast the master into the parameters."""
+        if self._wide is not None:
+            self.exp_avg.copy_(self._wide[0])
+            self.exp_avg_sq.copy_(self._wide[1])
             self._point_states(self.exp_avg, self.exp_avg_sq)
+            self._wide = None
         if self.widen_grad:
             for m in self.masters:
                 m.grad = None
@@ -157,6 +159,30 @@ class _Slice:
         if self.separate_master:
             out["master"] = self.master
         return out
+
+
+class _Update:
+    """One ``torch.optim.AdamW`` over the pieces of ``slices`` (a decay and a no-decay param group)."""
+
+    def __init__(self, slices: list[_Slice], betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+        self.slices = [s for s in slices if s.pieces]
+        pairs = [(p, m) for s in self.slices for p, m in zip(s.pieces, s.masters)]
+        groups = [{"params": [m for p, m in pairs if p.decays == d], "weight_decay": weight_decay if d else 0.0}
+                  for d in (True, False)]
+        self.opt = _adamw([grp for grp in groups if grp["params"]], betas, eps) if pairs else None
+        for s in self.slices:
+            s.attach(self.opt)
+
+    def step(self, lr: float, clip_coef: float) -> None:
+        if self.opt is None:
+            return
+        for s in self.slices:
+            s.before_step(clip_coef)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.opt.step()
+        for s in self.slices:
+            s.after_step()
 
 
 class DistributedAdamW:
@@ -184,8 +210,12 @@ class DistributedAdamW:
                              f"{precision.main_grads_dtype!r}")
         self.sync, self.dims, self.precision = sync, dims, precision
         self.step_count = 0
-        self.slices = [_Slice(g, b, dims, precision, betas, eps, weight_decay, decay_fn)
-                       for g in sync.groups for b in g.buckets]
+        self.slices = [_Slice(g, b, dims, precision, weight_decay, decay_fn) for g in sync.groups for b in g.buckets]
+        # one AdamW for everything; bucket by bucket where bf16 states or gradients are widened to fp32 for the
+        # update, so that the fp32 copies exist for one bucket at a time
+        widening = any(s.widen_grad or s.widen_moments for s in self.slices)
+        self.updates = [_Update(part, betas, eps, weight_decay)
+                        for part in ([[s] for s in self.slices] if widening else [self.slices])]
         self.param_sync = ParamSync(sync.groups, model, overlap=overlap_param_gather)
         pieces = [(s, p) for s in self.slices for p in s.pieces]
         self._norm_grads = [p.of(s.grad) for s, p in pieces]
@@ -211,8 +241,8 @@ class DistributedAdamW:
         parameters receive the new values (now, or during the next forward with overlap)."""
         self.param_sync.wait_all()   # a gather still in flight must not race the update of its bucket
         self.step_count += 1
-        for s in self.slices:
-            s.step(lr, clip_coef)
+        for update in self.updates:
+            update.step(lr, clip_coef)
         self.param_sync.launch()
 
     def finish_param_sync(self) -> None:
@@ -267,7 +297,7 @@ class DistributedAdamW:
         make the parameters the (cast) masters and gather them. Collective."""
         self.step_count = int(step_count)
         for s in self.slices:
-            if s.opt is not None:
+            if s.pieces:
                 s.set_step(self.step_count)
             if s.separate_master:
                 s.param.copy_(s.master)
