@@ -1,5 +1,5 @@
-"""The training loop: micro-batches -> gradient accumulation -> reduced gradients -> clipped ZeRO-1 AdamW step
--> expert-bias update -> metrics -> checkpoints.
+"""The training loop: micro-batches -> gradient accumulation -> reduce-scattered gradients -> clipped
+distributed AdamW step -> parameter all-gather -> expert-bias update -> metrics -> checkpoints.
 
 One step (``Trainer.train_step``) on every rank::
 
@@ -7,14 +7,16 @@ One step (``Trainer.train_step``) on every rank::
         inputs/labels = batch[:, :-1] / batch[:, 1:], cut to this rank's CP slice
         out = model(...);  (out.loss / num_micro).backward()      # loss share, see models.decoder
         (pp > 1: the same through pipeline.run_schedule and pipeline.DecoderStage)
-    GradSync.finish()        # sum over dp x cp / tp x cp x dp / edp, / dp: the world-1 gradient
+    GradSync.finish()        # this rank's shard of the sum over dp x cp / tp x cp x dp / edp, / dp:
+                             # the world-1 gradient
     norm = global grad norm; non-finite loss or norm -> skip (count; stop after max_skipped_steps in a row)
     DistributedAdamW.step(lr(step), clip)   ;  expert biases += f(global tokens per expert)
 
-What crosses ranks per step: the gradient all-reduces (overlapped with backward), the embedding
-gradient between first and last stage (pp > 1 with MTP/tied embeddings), one world all-reduce of
-the logged losses (+ a non-finite flag), one of the grad norm, the ZeRO all-gathers, and one world
-all-reduce of the per-layer expert loads (expert-bias update and load metrics).
+What crosses ranks per step: the gradient reduce-scatters (overlapped with backward), the embedding
+gradient shard between first and last stage (pp > 1 with MTP/tied embeddings), one world all-reduce of
+the logged losses (+ a non-finite flag), one of the grad norm, the parameter all-gathers (overlapped
+with the next forward under --overlap-param-gather), and one world all-reduce of the per-layer expert
+loads (expert-bias update and load metrics).
 """
 
 from __future__ import annotations
