@@ -4,6 +4,7 @@ copies nothing; bytes per parameter; LR schedules."""
 
 from __future__ import annotations
 
+import json
 import zlib
 
 import numpy as np
@@ -160,3 +161,26 @@ def test_norm_and_step_never_read_a_device_value_on_the_host():
     syncing = {"aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.is_nonzero", "aten.equal"}
     assert ops.names and not syncing & set(ops.names), sorted(syncing & set(ops.names))
     assert norm.dim() == 0 and torch.isfinite(norm)
+
+
+def test_optimizer_and_recompute_flags_reach_the_run_config():
+    import argparse
+
+    from moefold.training.config import RunConfig
+    from moefold.training.train_cli import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--recipe", "qwen3_moe_tiny", "--main-grads-dtype", "bf16", "--exp-avg-dtype", "bf16",
+                              "--exp-avg-sq-dtype", "bf16", "--main-params-dtype", "fp32", "--overlap-param-gather",
+                              "--recompute-granularity", "selective", "--recompute-modules", "moe_act", "layernorm",
+                              "--recompute-method", "block", "--recompute-num-layers", "2"])
+    config = config_from_args(args)
+    t, o = config.train, config.options
+    assert (t.main_grads_dtype, t.exp_avg_dtype, t.exp_avg_sq_dtype, t.overlap_param_gather) == ("bf16", "bf16",
+                                                                                                "bf16", True)
+    assert (o.recompute, o.recompute_modules, o.recompute_method, o.recompute_num_layers) == (
+        "selective", ("moe_act", "layernorm"), "block", 2)
+    assert RunConfig.from_dict(json.loads(config.to_json())) == config   # checkpoint meta round trip
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--recipe", "qwen3_moe_tiny", "--recompute-modules", "attention"])
