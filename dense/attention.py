@@ -27,6 +27,7 @@ from moefold.dense.attention_config import AttentionConfig
 from moefold.dense.core_attention import CoreAttention
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
 from moefold.dense.norm import RMSNorm
+from moefold.dense.recompute import checkpointed
 from moefold.dense.rope import RotaryEmbedding, apply_rotary
 from moefold.parallel.comm import all_gather_sequence, copy_to_region
 from moefold.parallel.groups import Group, group_rank, group_size
@@ -67,8 +68,9 @@ class GQAAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.rotary = RotaryEmbedding(d, c.rope_theta, c.yarn)
-        self.core = CoreAttention(d ** -0.5, sliding_window=c.sliding_window, cp_group=cp_group,
-                                  cp_comm=c.cp_comm, recompute=c.recompute == "selective")
+        self.core = CoreAttention(d ** -0.5, sliding_window=c.sliding_window, cp_group=cp_group, cp_comm=c.cp_comm)
+        # selective recompute of core attention (``dense.recompute``); the model may reconfigure it
+        self.recompute_core_attn = c.recompute == "selective"
 
     def _project_kv(self, proj: ColumnParallelLinear, x: Tensor) -> Tensor:
         if not self.kv_replicated:
@@ -95,10 +97,10 @@ class GQAAttention(nn.Module):
             q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
         cos, sin = self.rotary(position_ids)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.o_proj(self.core(q, k, v, position_ids))
+        return self.o_proj(checkpointed(self.core, q, k, v, position_ids, enabled=self.recompute_core_attn))
 
     def extra_repr(self) -> str:
         return (f"heads={self.local_heads}/{self.config.num_heads}, kv_heads={self.local_kv_heads}/"
                 f"{self.config.kv_heads}{' (replicated)' if self.kv_replicated else ''}, head_dim={self.head_dim}, "
                 f"qk_norm={self.config.qk_norm}, sliding_window={self.config.sliding_window}, "
-                f"sp={self.sequence_parallel}")
+                f"sp={self.sequence_parallel}{', recompute core_attn' if self.recompute_core_attn else ''}")

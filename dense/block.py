@@ -10,13 +10,14 @@ reduce-scatter the sequence themselves.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from moefold.dense.norm import RMSNorm
-from moefold.dense.recompute import check_recompute, checkpointed
+from moefold.dense.recompute import CheckpointWithoutOutput, check_recompute, checkpointed
 
 
 class TransformerBlock(nn.Module):
@@ -25,9 +26,11 @@ class TransformerBlock(nn.Module):
     ``attention(x, position_ids) -> x``. ``ffn(x)`` returns a Tensor or ``(Tensor, extra)`` (the
     MoE layer's losses/statistics); ``extra`` is returned as is, None for a plain FFN.
 
-    ``recompute``: "full" checkpoints the whole block (non-reentrant ``torch.utils.checkpoint``);
-    "selective" is done inside the attention module (its config's ``recompute``); "none" keeps
-    everything. The FFN must be free of forward side effects for "full" (it runs twice).
+    ``recompute``: "full" checkpoints the whole block (non-reentrant ``torch.utils.checkpoint``;
+    ``checkpoint_block``, which a decoder that groups layers itself turns off); "selective" is
+    configured per module (``dense.recompute``): this block's own parts are ``recompute_layernorm``
+    (both norms, output discarded) and ``recompute_ffn`` (the FFN checkpointed: Megatron's ``mlp``
+    or ``moe``). The FFN must be free of forward side effects when recomputed (it runs twice).
     """
 
     def __init__(self, hidden: int, attention: nn.Module, ffn: nn.Module, norm_eps: float = 1e-6, *,
@@ -35,7 +38,9 @@ class TransformerBlock(nn.Module):
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         self.recompute = check_recompute(recompute, "TransformerBlock recompute")
-        self._checkpoint_block = recompute == "full"  # "selective" is the attention module's business
+        self.checkpoint_block = recompute == "full"
+        self.recompute_layernorm = False
+        self.recompute_ffn = False
         self.hidden, self.sequence_parallel = hidden, sequence_parallel
         kw = {"sequence_parallel": sequence_parallel, "dtype": dtype, "device": device}
         self.input_layernorm = RMSNorm(hidden, norm_eps, **kw)
@@ -43,9 +48,22 @@ class TransformerBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, norm_eps, **kw)
         self.mlp = ffn
 
+    def _after_norm(self, norm: RMSNorm, x: Tensor, consumer: Callable[[Tensor], Any]) -> Any:
+        """``consumer(norm(x))``; with ``recompute_layernorm`` the norm's output is freed once the consumer
+        has saved it and recomputed before the consumer's backward."""
+        if not self.recompute_layernorm:
+            return consumer(norm(x))
+        ckpt = CheckpointWithoutOutput()
+        out = consumer(ckpt.checkpoint(norm, x))
+        ckpt.discard_output_and_register_recompute(out[0] if isinstance(out, tuple) else out)
+        return out
+
+    def _ffn(self, h: Tensor, **ffn_kwargs: Any) -> Any:
+        return checkpointed(self.mlp, h, enabled=self.recompute_ffn, **ffn_kwargs)
+
     def _body(self, x: Tensor, position_ids: Tensor, **ffn_kwargs: Any) -> tuple[Tensor, Any]:
-        x = x + self.self_attn(self.input_layernorm(x), position_ids)
-        out = self.mlp(self.post_attention_layernorm(x), **ffn_kwargs)
+        x = x + self._after_norm(self.input_layernorm, x, lambda h: self.self_attn(h, position_ids))
+        out = self._after_norm(self.post_attention_layernorm, x, lambda h: self._ffn(h, **ffn_kwargs))
         out, extra = out if isinstance(out, tuple) else (out, None)
         return x + out, extra
 
@@ -53,7 +71,9 @@ class TransformerBlock(nn.Module):
         """``ffn_kwargs`` go to the FFN (e.g. the MoE layer's ``global_state``)."""
         if x.shape[-1] != self.hidden:
             raise ValueError(f"TransformerBlock(hidden={self.hidden}) got x of shape {tuple(x.shape)}")
-        return checkpointed(self._body, x, position_ids, enabled=self._checkpoint_block, **ffn_kwargs)
+        return checkpointed(self._body, x, position_ids, enabled=self.checkpoint_block, **ffn_kwargs)
 
     def extra_repr(self) -> str:
-        return f"hidden={self.hidden}, sp={self.sequence_parallel}, recompute={self.recompute}"
+        parts = [f"hidden={self.hidden}", f"sp={self.sequence_parallel}", f"recompute={self.recompute}"]
+        parts += [name for name, on in (("layernorm", self.recompute_layernorm), ("ffn", self.recompute_ffn)) if on]
+        return ", ".join(parts)

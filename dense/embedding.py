@@ -114,6 +114,11 @@ class OutputHead(nn.Module):
     def tied(self) -> bool:
         return bool(self._tied)
 
+    @property
+    def tied_to(self) -> VocabParallelEmbedding | None:
+        """The embedding whose weight a tied head reads (outside this module's tree), else None."""
+        return self._tied[0] if self._tied else None
+
     def forward(self, x: Tensor) -> Tensor:
         if self.proj is not None:
             return self.proj(x)

@@ -24,6 +24,7 @@ from moefold.dense.attention_config import MLAConfig
 from moefold.dense.core_attention import CoreAttention
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
 from moefold.dense.norm import RMSNorm
+from moefold.dense.recompute import CheckpointWithoutOutput, checkpointed
 from moefold.dense.rope import RotaryEmbedding, apply_rotary, yarn_softmax_mscale
 from moefold.parallel.comm import all_gather_sequence, copy_to_region
 from moefold.parallel.groups import Group, group_size
@@ -66,7 +67,11 @@ class MLAttention(nn.Module):
                                         sequence_parallel=sp, **kw)
         self.rotary = RotaryEmbedding(c.qk_rope_head_dim, c.rope_theta, c.yarn)
         scale = c.qk_head_dim ** -0.5 * yarn_softmax_mscale(c.yarn)
-        self.core = CoreAttention(scale, cp_group=cp_group, cp_comm=c.cp_comm, recompute=c.recompute == "selective")
+        self.core = CoreAttention(scale, cp_group=cp_group, cp_comm=c.cp_comm)
+        # selective recompute (``dense.recompute``): core attention, and the up-projections with RoPE
+        # (output discarded); the model may reconfigure both
+        self.recompute_core_attn = c.recompute == "selective"
+        self.recompute_up_proj = False
 
     def _replicated(self, in_features: int, out_features: int, kw: dict) -> ColumnParallelLinear:
         """A TP-replicated down-projection (HF ``attention_bias`` applies)."""
@@ -77,29 +82,42 @@ class MLAttention(nn.Module):
         return layer
 
     def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
-        c, h = self.config, self.local_heads
-        q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        S, B = q.shape[:2]
-        if position_ids.shape != (S,):
-            raise ValueError(f"MLAttention: position_ids {tuple(position_ids.shape)} must be [{S}] "
-                             "(one global position per token of this rank's sequence, before the SP split)")
-        q_nope, q_rot = q.view(S, B, h, c.qk_head_dim).split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-
+        c = self.config
+        q_in = x if self.q_proj is not None else self.q_a_layernorm(self.q_a_proj(x))
         kv_latent, k_rot = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(kv_latent)).view(S, B, h, c.qk_nope_head_dim + c.v_head_dim)
-        k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+        kv_in = self.kv_a_layernorm(kv_latent)
         # the shared rope key feeds every rank's heads: its gradient is partial per rank
         if self.sequence_parallel:
             k_rot = all_gather_sequence(k_rot, self.tp_group, 0)
         else:
             k_rot = copy_to_region(k_rot, self.tp_group)
-
+        S = k_rot.shape[0]
+        if position_ids.shape != (S,):
+            raise ValueError(f"MLAttention: position_ids {tuple(position_ids.shape)} must be [{S}] "
+                             "(one global position per token of this rank's sequence, before the SP split)")
         cos, sin = self.rotary(position_ids)
+        up = CheckpointWithoutOutput() if self.recompute_up_proj else None
+        q, k, v = (self._up_project(q_in, kv_in, k_rot, cos, sin) if up is None
+                   else up.checkpoint(self._up_project, q_in, kv_in, k_rot, cos, sin))
+        out = checkpointed(self.core, q, k, v, position_ids, enabled=self.recompute_core_attn)
+        if up is not None:   # q, k, v are freed once core attention saved them, recomputed before its backward
+            up.discard_output_and_register_recompute(out)
+        return self.o_proj(out)
+
+    def _up_project(self, q_in: Tensor, kv_in: Tensor, k_rot: Tensor, cos: Tensor, sin: Tensor,
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Latents -> per-head q, k, v with RoPE applied (Megatron's ``mla_up_proj`` region)."""
+        c, h = self.config, self.local_heads
+        q = self.q_proj(q_in) if self.q_proj is not None else self.q_b_proj(q_in)
+        S, B = q.shape[:2]
+        q_nope, q_rot = q.view(S, B, h, c.qk_head_dim).split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(kv_in).view(S, B, h, c.qk_nope_head_dim + c.v_head_dim)
+        k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         q_rot = apply_rotary(q_rot, cos, sin, interleaved=c.rope_interleave)
         k_rot = apply_rotary(k_rot.view(S, B, 1, c.qk_rope_head_dim), cos, sin, interleaved=c.rope_interleave)
         q = torch.cat([q_nope, q_rot], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(S, B, h, c.qk_rope_head_dim)], dim=-1)
-        return self.o_proj(self.core(q, k, v.contiguous(), position_ids))
+        return q, k, v.contiguous()
 
     def extra_repr(self) -> str:
         return (f"heads={self.local_heads}/{self.config.num_heads}, q_lora_rank={self.config.q_lora_rank}, "

@@ -37,10 +37,12 @@ from moefold.dense.context_parallel import context_parallel_positions, gather_fr
 from moefold.dense.cross_entropy import vocab_parallel_cross_entropy
 from moefold.dense.embedding import OutputHead, VocabParallelEmbedding
 from moefold.dense.norm import RMSNorm
+from moefold.dense.recompute import checkpointed
 from moefold.models.config import ModelConfig
 from moefold.models.layer_factory import build_block, check_layout, is_moe_block
 from moefold.models.mtp import MTPModule, shift_left
 from moefold.models.options import ModelOptions
+from moefold.models.recompute import apply_recompute, full_recompute_groups
 from moefold.moe.balance_losses import GlobalLoadState
 from moefold.moe.layer import MoEOutputInfo
 from moefold.parallel.comm import gather_along_dim
@@ -129,6 +131,7 @@ class MoEDecoder(nn.Module):
                                           **kw)
             self.mtp = nn.ModuleList(MTPModule(config, config.num_layers + k, dims, options)
                                      for k in range(config.mtp_num_layers))
+        apply_recompute(self, self.layers, options)
 
     def init_weights(self, seed: int) -> None:
         """Layout-independent init of every weight (``parallel.sharding.init_parameters``)."""
@@ -155,10 +158,22 @@ class MoEDecoder(nn.Module):
     def run_layers(self, hidden: Tensor, position_ids: Tensor, layer_ids: Iterable[int] | None = None,
                    global_states: dict[int, GlobalLoadState] | None = None,
                    ) -> tuple[Tensor, dict[int, MoEOutputInfo]]:
-        """Blocks ``layer_ids`` (default: all of this stage's, in order) -> (hidden, {layer: MoEOutputInfo})."""
+        """Blocks ``layer_ids`` (default: all of this stage's, in order) -> (hidden, {layer: MoEOutputInfo}).
+
+        Under full recompute the layers run in the groups of ``models.recompute.full_recompute_groups``
+        (one checkpoint per group)."""
         infos: dict[int, MoEOutputInfo] = {}
         ids = [int(k) for k in self.layers] if layer_ids is None else list(layer_ids)
-        for i in ids:
+        for group, recompute in full_recompute_groups(ids, self.options):
+            hidden, group_infos = checkpointed(self._run_group, hidden, position_ids, group, global_states,
+                                               enabled=recompute)
+            infos.update(group_infos)
+        return hidden, infos
+
+    def _run_group(self, hidden: Tensor, position_ids: Tensor, layer_ids: list[int],
+                   global_states: dict[int, GlobalLoadState] | None) -> tuple[Tensor, dict[int, MoEOutputInfo]]:
+        infos = {}
+        for i in layer_ids:
             hidden, extra = self.layers[str(i)](hidden, position_ids, **self._ffn_kwargs(i, global_states))
             if extra is not None:
                 infos[i] = extra

@@ -12,7 +12,12 @@ from dataclasses import dataclass, field
 import torch
 
 from moefold.dense.context_parallel import CP_COMM_MODES
-from moefold.dense.recompute import RECOMPUTE_MODES
+from moefold.dense.recompute import (
+    DEFAULT_RECOMPUTE_MODULES,
+    RECOMPUTE_METHODS,
+    RECOMPUTE_MODES,
+    check_recompute_modules,
+)
 from moefold.moe.config import DISPATCHERS
 from moefold.moe.gemm import GEMM_BACKENDS
 from moefold.parallel.fp8 import FP8Config
@@ -26,7 +31,11 @@ class ModelOptions:
 
     sequence_parallel: shard activations along the sequence between TP regions (only matters at tp > 1)
     cp_comm:           context-parallel K/V exchange, one of ``CP_COMM_MODES``
-    recompute:         "none" | "selective" (core attention) | "full" (whole blocks)
+    recompute:         Megatron's --recompute-granularity: "none" | "selective" | "full" (see ``dense.recompute``)
+    recompute_modules: selective: the modules to recompute (``dense.recompute.RECOMPUTE_MODULES``)
+    recompute_method:  full: "uniform" (groups of ``recompute_num_layers`` layers) | "block" (the first
+                       ``recompute_num_layers`` layers of each pipeline chunk)
+    recompute_num_layers: full: the N of ``recompute_method``
     dispatcher:        token dispatcher kind; "auto" = "local" when ep*etp == 1, else "alltoall"
     gemm_backend:      routed-expert GEMM backend (``moe.gemm.GEMM_BACKENDS``)
     dtype:             parameter dtype, "fp32" | "bf16" | "fp16" (routers and expert bias stay fp32)
@@ -38,6 +47,9 @@ class ModelOptions:
     sequence_parallel: bool = True
     cp_comm: str = "p2p"
     recompute: str = "none"
+    recompute_modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
     dispatcher: str = "auto"
     gemm_backend: str = "grouped_mm"
     dtype: str = "fp32"
@@ -52,6 +64,13 @@ class ModelOptions:
             raise ValueError(f"ModelOptions.cp_comm={self.cp_comm!r} is not one of {CP_COMM_MODES}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"ModelOptions.recompute={self.recompute!r} is not one of {RECOMPUTE_MODES}")
+        # a list after a JSON round trip (checkpoint meta): store the tuple the dataclass promises
+        object.__setattr__(self, "recompute_modules", check_recompute_modules(self.recompute_modules))
+        if self.recompute_method not in RECOMPUTE_METHODS:
+            raise ValueError(f"--recompute-method={self.recompute_method!r}; valid: {', '.join(RECOMPUTE_METHODS)}")
+        if (not isinstance(self.recompute_num_layers, int) or isinstance(self.recompute_num_layers, bool)
+                or self.recompute_num_layers < 1):
+            raise ValueError(f"--recompute-num-layers={self.recompute_num_layers!r} must be a positive integer")
         if self.dispatcher != "auto" and self.dispatcher not in DISPATCHERS:
             raise ValueError(f"ModelOptions.dispatcher={self.dispatcher!r}; valid: auto, {', '.join(DISPATCHERS)}")
         if self.gemm_backend not in GEMM_BACKENDS:

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moefold.dense.recompute import CheckpointWithoutOutput
 from moefold.moe.gemm import (
     GEMM_BACKENDS,
     check_gemm_backend,
@@ -106,6 +107,7 @@ class GroupedExperts(nn.Module):
         self.activation, self.gemm_backend = activation, gemm_backend
         self.gated = activation == "swiglu"  # decided once here, so forward does not compare strings
         self.ep_group, self.etp_group = ep_group, etp_group
+        self.recompute_activation = False   # selective recompute ``moe_act`` (``dense.recompute``), set by the model
         e, f, gates = self.num_local_experts, ffn_hidden_size // etp, 2 if self.gated else 1
         kw = {"dtype": dtype, "device": device}
         self.w13 = nn.Parameter(torch.empty(e, gates, f, hidden_size, **kw))
@@ -128,12 +130,15 @@ class GroupedExperts(nn.Module):
 
             self._te = (TEExpertGemms(e, hidden_size, gates * f, f, dtype, fp8),)
 
-    def _activate(self, h_NGf: Tensor) -> Tensor:
-        """[N, G*f] input projections -> [N, f] hidden units (SwiGLU on gate/up halves, or GELU)."""
+    def _activate(self, h_NGf: Tensor, probs_N: Tensor | None = None, scale_input: bool = False) -> Tensor:
+        """[N, G*f] input projections -> [N, f] hidden units (SwiGLU on gate/up halves, or GELU), times the
+        rows' probs when ``scale_input``."""
         if self.gated:
             gate_Nf, up_Nf = h_NGf.chunk(2, dim=1)
-            return F.silu(gate_Nf) * up_Nf
-        return F.gelu(h_NGf)
+            h_Nf = F.silu(gate_Nf) * up_Nf
+        else:
+            h_Nf = F.gelu(h_NGf)
+        return h_Nf * probs_N.to(h_Nf.dtype).unsqueeze(-1) if scale_input else h_Nf
 
     def forward(self, tokens_NH: Tensor, probs_N: Tensor, tokens_per_expert_e: Tensor,
                 tokens_per_expert_host: Sequence[int] | None = None) -> Tensor:
@@ -143,20 +148,24 @@ class GroupedExperts(nn.Module):
             counts_host = tokens_per_expert_e.tolist()  # the backend takes host counts: one sync
         # [e, G, f, H] -> [e, G*f, H]: gate and up projections in a single grouped GEMM.
         w13 = self.w13.reshape(e, gates * f, H)
-        probs_N1 = probs_N.to(tokens_NH.dtype).unsqueeze(-1)
         if self._te:
+            probs_N1 = probs_N.to(tokens_NH.dtype).unsqueeze(-1)
             if tokens_NH.shape[0] == 0:
                 return no_rows(self._activate(no_rows(tokens_NH, w13, True)), self.w2, True)
             return self._te[0](tokens_NH, w13, self.w2, counts_host, self._activate) * probs_N1
-        h_Nf = self._activate(grouped_gemm(tokens_NH, w13, tokens_per_expert_e, self.gemm_backend, trans_w=True,
-                                           counts_host=counts_host))
+        h_NGf = grouped_gemm(tokens_NH, w13, tokens_per_expert_e, self.gemm_backend, trans_w=True,
+                             counts_host=counts_host)
         # The down projection is linear, so the probs can scale its input [N, f] or its output
         # [N, H]: do it on the narrower one (a memory-bound pass forward and two backward).
-        if f <= H:
-            return grouped_gemm(h_Nf * probs_N1, self.w2, tokens_per_expert_e, self.gemm_backend, trans_w=True,
-                                counts_host=counts_host)
-        return grouped_gemm(h_Nf, self.w2, tokens_per_expert_e, self.gemm_backend, trans_w=True,
-                            counts_host=counts_host) * probs_N1
+        scale_input = f <= H
+        recompute = CheckpointWithoutOutput() if self.recompute_activation else None
+        act = (self._activate(h_NGf, probs_N, scale_input) if recompute is None
+               else recompute.checkpoint(self._activate, h_NGf, probs_N, scale_input))
+        out_NH = grouped_gemm(act, self.w2, tokens_per_expert_e, self.gemm_backend, trans_w=True,
+                              counts_host=counts_host)
+        if recompute is not None:   # moe_act: the activation is freed once w2 saved it, recomputed before its backward
+            recompute.discard_output_and_register_recompute(out_NH)
+        return out_NH if scale_input else out_NH * probs_N.to(out_NH.dtype).unsqueeze(-1)
 
     def flops(self, num_rows: int) -> int:
         """Forward FLOPs of ``num_rows`` routed rows through this rank's shard."""

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from moefold.dense.recompute import checkpointed
 from moefold.dispatch import build_dispatcher
 from moefold.moe.balance_losses import GlobalLoadState
 from moefold.moe.config import MoEConfig
@@ -85,6 +86,7 @@ class MoELayer(nn.Module):
             init_std=config.init_std, output_init_std=config.output_init_std, fp8=config.fp8, dtype=dtype,
             device=device)
         self.shared_experts = None
+        self.recompute_shared_experts = False   # selective recompute (``dense.recompute``), set by the model
         if config.has_shared_experts:
             self.shared_experts = SharedExperts(
                 hidden_size, config.shared_expert_ffn_size, tp_group=dims.tp_group,
@@ -121,7 +123,9 @@ class MoELayer(nn.Module):
         pending = self.dispatcher.dispatch_start(x_TH, routed.routing)
         # 3. ... and compute the shared experts while they travel (alltoall, flex: the exchange is in
         # flight until wait(); allgather has finished its gathers already)
-        shared_SBH = self.shared_experts(x_SBH) if self.shared_experts is not None else None
+        shared_SBH = None
+        if self.shared_experts is not None:
+            shared_SBH = checkpointed(self.shared_experts, x_SBH, enabled=self.recompute_shared_experts)
         dispatched = pending.wait()
         # 4. routed experts (rows already scaled by their probs; partial sums over etp)
         expert_out_NH = self.experts(dispatched.tokens_NH, dispatched.probs_N, dispatched.tokens_per_expert_e,

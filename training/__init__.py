@@ -10,18 +10,20 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from moefold.training.buffers import reduction_kind
     from moefold.training.checkpoint import complete_checkpoints, find_checkpoint, load_checkpoint, save_checkpoint
     from moefold.training.checkpoint_files import CheckpointError, CheckpointSaveError
     from moefold.training.config import RunConfig, TrainConfig
     from moefold.training.errors import JobFailed
     from moefold.training.evaluate import EvalResult, Evaluator, evaluate
     from moefold.training.flops import forward_flops_per_token, train_flops_per_token
-    from moefold.training.grad_sync import GradSync, reduction_kind
+    from moefold.training.grad_sync import GradSync
     from moefold.training.launch import run_ranks
     from moefold.training.load_model import load_model, load_training_checkpoint
     from moefold.training.lr_schedule import LRSchedule
     from moefold.training.metrics import MetricsLogger, read_metrics
     from moefold.training.optimizer import DistributedAdamW, decays
+    from moefold.training.precision import OptimizerPrecision
     from moefold.training.preflight import preflight
     from moefold.training.run import train
     from moefold.training.trainer import NonFiniteError, StepResult, Trainer, named_full_params
@@ -31,7 +33,8 @@ _LAZY = {
     "Trainer": "moefold.training.trainer", "StepResult": "moefold.training.trainer",
     "NonFiniteError": "moefold.training.trainer",
     "named_full_params": "moefold.training.trainer",
-    "GradSync": "moefold.training.grad_sync", "reduction_kind": "moefold.training.grad_sync",
+    "GradSync": "moefold.training.grad_sync", "reduction_kind": "moefold.training.buffers",
+    "OptimizerPrecision": "moefold.training.precision",
     "DistributedAdamW": "moefold.training.optimizer", "decays": "moefold.training.optimizer",
     "LRSchedule": "moefold.training.lr_schedule",
     "save_checkpoint": "moefold.training.checkpoint", "load_checkpoint": "moefold.training.checkpoint",
@@ -55,7 +58,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "RunConfig", "TrainConfig", "Trainer", "StepResult", "NonFiniteError", "named_full_params",
-    "GradSync", "reduction_kind", "DistributedAdamW", "decays", "LRSchedule",
+    "GradSync", "reduction_kind", "DistributedAdamW", "OptimizerPrecision", "decays", "LRSchedule",
     "save_checkpoint", "load_checkpoint", "find_checkpoint", "complete_checkpoints",
     "MetricsLogger", "read_metrics", "forward_flops_per_token", "train_flops_per_token", "run_ranks", "train",
     "evaluate", "Evaluator", "EvalResult", "load_model", "load_training_checkpoint",

@@ -12,14 +12,17 @@ Layout of a save directory (``training.checkpoint_files``: manifest, fallback, k
 Every sharded tensor is described as a ``DTensor`` over this pipeline stage's sub-mesh of
 ``dims.dense_mesh`` (dp, cp, tp) or ``dims.expert_mesh`` (edp, ep, etp), built from the parameter's
 ``moefold_shards``; unsharded tensors are plain (replicated: DCP keeps one copy). Optimizer state is
-saved per parameter in the parameter's own shape and placement (the ZeRO-1 shards are gathered
-over their group first, ``DistributedAdamW.param_states``), so DCP can reshard all of it.
-Keys: ``model.<param or buffer name>``, ``optim.<param name>.{exp_avg,exp_avg_sq,master}``.
+saved by each rank for the part it owns only, as boxes of each parameter's full tensor
+(``training.shard_checkpoint.ShardPieces``, ``DistributedAdamW.checkpoint_state``), so DCP can
+reshard all of it and no rank gathers a state it does not own.
+Keys: ``model.<param or buffer name>``, ``optim.<param name>.{exp_avg,exp_avg_sq}`` and, for
+parameters with a separate fp32 master copy (bf16 models), ``optim.<param name>.master``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import warnings
@@ -56,6 +59,7 @@ from moefold.training.checkpoint_files import (
     write_manifest,
 )
 from moefold.training.errors import one_line
+from moefold.training.shard_checkpoint import ShardLoadPlanner, ShardPieces, ShardSavePlanner
 
 __all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint", "complete_checkpoints", "read_meta",
            "check_compatible", "build_state", "CheckpointError", "CheckpointSaveError", "PREFIX", "TMP_PREFIX", "META"]
@@ -101,31 +105,16 @@ class _Placer:
                          f"of the dense (dp, cp, tp) or expert (edp, ep, etp) mesh: {shards}")
 
 
-def build_state(model: nn.Module, dims: ParallelDims, optim_states: dict[str, dict[str, Tensor]] | None,
-                ) -> tuple[dict[str, Tensor], Callable[[], None]]:
-    """(DCP state dict, ``commit``): after a ``dcp.load`` into the state dict, ``commit()`` copies the
-    loaded values back into the model (and into ``optim_states``' tensors)."""
+def build_state(model: nn.Module, dims: ParallelDims, optim_state: dict[str, ShardPieces] | None,
+                ) -> dict[str, Tensor | ShardPieces]:
+    """The DCP state dict: the model's own tensors (wrapped, not copied: a ``dcp.load`` writes into the
+    model in place, a ``dcp.save`` copies one tensor at a time) and ``optim_state``'s pieces (views)."""
     place = _Placer(dims)
     params = dict(model.named_parameters())
-    state: dict[str, Tensor] = {}
-    targets: list[tuple[Tensor, Tensor]] = []
-
-    def add(key: str, t: Tensor, like: Tensor, target: Tensor) -> None:
-        local = t.detach().clone()
-        state[key] = place(local, like)
-        targets.append((target, local))
-
-    for name, t in model.state_dict().items():
-        add(f"model.{name}", t, params.get(name, t), t)
-    for name, d in (optim_states or {}).items():
-        for k, v in d.items():
-            add(f"optim.{name}.{k}", v, params[name], v)
-
-    def commit() -> None:
-        with torch.no_grad():
-            for target, local in targets:
-                target.copy_(local)
-    return state, commit
+    state: dict[str, Tensor | ShardPieces] = {f"model.{name}": place(t.detach(), params.get(name, t))
+                                              for name, t in model.state_dict().items()}
+    state.update(optim_state or {})
+    return state
 
 
 def _state_bytes(state: dict[str, Any], dims: ParallelDims) -> int:
@@ -133,7 +122,12 @@ def _state_bytes(state: dict[str, Any], dims: ParallelDims) -> int:
     stage (the ranks of one stage hold the same keys). Collective."""
     from torch.distributed.tensor import DTensor
 
-    stage = sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, (Tensor, DTensor)))
+    def full_bytes(v: Any) -> int:
+        if isinstance(v, ShardPieces):   # a piece of an optimizer state: the full tensor's size, once
+            return math.prod(v.global_size) * (v.boxes[0][2].element_size() if v.boxes else 4)
+        return v.numel() * v.element_size() if isinstance(v, (Tensor, DTensor)) else 0
+
+    stage = sum(full_bytes(v) for v in state.values())
     return int(sum(gather(dims, stage)) * dims.pp // dims.world_size)
 
 
@@ -193,7 +187,7 @@ class _Save:
 
 
 def save_checkpoint(root: str | os.PathLike, iteration: int, model: nn.Module, dims: ParallelDims,
-                    optim_states: dict[str, dict[str, Tensor]] | None, meta: dict[str, Any],
+                    optim_state: dict[str, ShardPieces] | None, meta: dict[str, Any],
                     keep_last: int = 2, log: Callable[[str], None] = print) -> Path:
     """Write ``root/iter_<iteration>`` atomically: a temporary directory, its manifest last, then the rename;
     then retire all but the newest ``keep_last``. Collective. A failure (a full disk, an unwritable
@@ -201,7 +195,7 @@ def save_checkpoint(root: str | os.PathLike, iteration: int, model: nn.Module, d
     the model and optimizer untouched."""
     root = Path(root)
     final = root / f"{PREFIX}{iteration:07d}"
-    state, _ = build_state(model, dims, optim_states)
+    state = build_state(model, dims, optim_state)
     save = _Save(root, final, dims, _state_bytes(state, dims))
     rank0 = dims.rank == 0
     save.phase(save.prepare if rank0 else None)
@@ -209,7 +203,7 @@ def save_checkpoint(root: str | os.PathLike, iteration: int, model: nn.Module, d
     def write() -> None:
         with warnings.catch_warnings():  # world 1 without a process group is intended, not a mistake
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(state, checkpoint_id=str(save.tmp), no_dist=_no_dist(dims))
+            dcp.save(state, checkpoint_id=str(save.tmp), planner=ShardSavePlanner(), no_dist=_no_dist(dims))
         _save_rng(save.tmp / "rng" / f"rank{dims.rank:05d}.pt")
 
     save.phase(write)
@@ -259,19 +253,18 @@ def check_compatible(ckpt: str | os.PathLike, state: dict[str, Tensor], optional
 
 
 def load_checkpoint(ckpt: str | os.PathLike, model: nn.Module, dims: ParallelDims,
-                    optim_states: dict[str, dict[str, Tensor]] | None, log: Callable[[str], None] = print,
+                    optim_state: dict[str, ShardPieces] | None, log: Callable[[str], None] = print,
                     ) -> dict[str, Any]:
-    """Load ``ckpt`` into ``model`` and ``optim_states`` (in place) at this layout; returns its meta.
+    """Load ``ckpt`` into ``model`` and ``optim_state`` (in place) at this layout; returns its meta.
     RNG states are restored only when the world size and layout match. Collective."""
     meta = read_meta(ckpt)
-    state, commit = build_state(model, dims, optim_states)
+    state = build_state(model, dims, optim_state)
     missing = check_compatible(ckpt, state)
     if missing:
         raise ValueError(f"checkpoint {ckpt} has no optimizer state for {sorted(missing)[:3]}...")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(ckpt), no_dist=_no_dist(dims))
-    commit()
+        dcp.load(state, checkpoint_id=str(ckpt), planner=ShardLoadPlanner(), no_dist=_no_dist(dims))
     rng = Path(ckpt) / "rng" / f"rank{dims.rank:05d}.pt"
     if meta.get("layout") == dims.describe() and rng.is_file():
         saved = torch.load(rng, weights_only=False)

@@ -13,6 +13,7 @@ from moefold.models.config import MLADims, ModelConfig, YarnScaling
 from moefold.models.options import ModelOptions
 from moefold.parallel.dims import ParallelConfig, ParallelSizes
 from moefold.training.lr_schedule import DECAY_STYLES, WSD_STYLES, LRSchedule
+from moefold.training.precision import OptimizerPrecision
 
 if TYPE_CHECKING:
     from moefold.pipeline.stages import StageLayout
@@ -49,6 +50,12 @@ class TrainConfig:
     decoder_first_pipeline_num_layers: int | None = None   # pp > 1: layers on the first stage (None: even split)
     decoder_last_pipeline_num_layers: int | None = None    # pp > 1: layers on the last stage (None: even split)
     overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = False         # the parameter all-gather waits in the next forward, per module
+    # optimizer precision (Megatron's names; training.precision.OptimizerPrecision)
+    main_grads_dtype: str = "fp32"
+    main_params_dtype: str = "fp32"
+    exp_avg_dtype: str = "fp32"
+    exp_avg_sq_dtype: str = "fp32"
     # data
     data_path: tuple[str, ...] = ()            # Megatron style: PREFIX or W1 PREFIX1 W2 PREFIX2 ...; () = built-in
     vocab_size: int | None = None              # built-in corpus vocabulary (None: the model's)
@@ -118,6 +125,7 @@ class TrainConfig:
             parse_split(self.split)
         if self.moe_use_upcycling and not self.load_hf:
             raise ValueError("--moe-use-upcycling needs --load-hf DIR (the dense checkpoint to upcycle)")
+        self.optimizer_precision()  # validates the dtypes
         from moefold.pipeline.schedules import SCHEDULES
 
         if self.pipeline_schedule not in SCHEDULES:
@@ -127,6 +135,10 @@ class TrainConfig:
     def has_validation(self) -> bool:
         """Validation data is configured (``--split`` or ``--valid-data-path``)."""
         return self.split is not None or bool(self.valid_data_path)
+
+    def optimizer_precision(self) -> OptimizerPrecision:
+        return OptimizerPrecision(main_grads_dtype=self.main_grads_dtype, main_params_dtype=self.main_params_dtype,
+                                  exp_avg_dtype=self.exp_avg_dtype, exp_avg_sq_dtype=self.exp_avg_sq_dtype)
 
     def lr_schedule(self) -> LRSchedule:
         return LRSchedule(lr=self.lr, min_lr=self.min_lr, warmup_iters=self.lr_warmup_iters,

@@ -1,201 +1,153 @@
-"""Gradient accumulation in fp32 and bucketed, backward-overlapped reduction over the right groups.
+"""Gradient accumulation into flat main-grad buffers and bucketed, backward-overlapped reduce-scatter.
 
-Every trainable parameter belongs to one *reduction kind*:
+The buffers and who owns which shard: ``training.buffers``. The gradient of the *step* is the sum over
+each kind's group divided by ``dp`` (``gradient_average``): the trainer averages micro-batch losses over
+dp ranks and micro-batches, and the model's losses are shares that sum over tp x cp (see
+``moe.balance_losses``), so any layout yields the world-1 gradient.
 
-- ``expert``  (``param.moefold_expert``): summed over ``edp`` (the other expert replicas);
-- ``sp``      (``parallel.sharding.is_sequence_parallel``): replicated over tp but with a partial
-              gradient under sequence parallelism, summed over ``tp x cp x dp``;
-- ``dense``   (everything else): summed over ``dp x cp``.
-
-The gradient of the *step* is then the sum over those ranks divided by ``dp`` (the trainer averages
-micro-batch losses over dp ranks and micro-batches; the model's losses are shares that sum over
-tp x cp, see ``moe.balance_losses``), so any layout yields the world-1 gradient.
-
-Each kind keeps one flat fp32 buffer (``param.main_grad`` is a view into it), padded to a multiple
-of the group size so ZeRO-1 can cut it into equal shards (``training.optimizer``). A post-accumulate
-hook adds each fresh ``param.grad`` into ``main_grad`` (fp32 accumulation also for bf16 models) and
-frees it. On the step's last micro-batch a bucket (a contiguous range of the buffer, filled in
-backward order) launches its async all-reduce as soon as all its parameters have reported, so
-communication overlaps the rest of the backward; ``finish()`` waits for every bucket and scales.
+Accumulation: when a parameter has the main-grad dtype, ``param.grad`` *is* its ``main_grad`` view, so
+autograd accumulates into the buffer in place (no copy, no per-parameter allocation); otherwise (a bf16
+parameter with fp32 main grads) a post-accumulate hook adds the fresh ``param.grad`` into ``main_grad``
+and frees it. On the step's last micro-batch a bucket launches its async reduce-scatter as soon as all
+its parameters have reported, so communication overlaps the rest of the backward. ``finish()`` waits,
+scales this rank's chunks by ``1/dp`` and sums the chunks of pipeline-shared parameters over their
+stages. Afterwards only this rank's chunk of each bucket holds the reduced gradient (the rest of the
+buffer is stale): that is what the optimizer reads. ``gathered_grads()`` reassembles the reduced
+gradients of every parameter (tests, diagnostics).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from moefold.parallel.dims import ParallelDims
-from moefold.parallel.groups import Group, group_size
-from moefold.parallel.sharding import is_sequence_parallel
+from moefold.parallel.groups import Group
+from moefold.training.buffers import Bucket, FlatGroup, build_flat_groups
 
-KINDS = ("dense", "sp", "expert")
-
-
-def reduction_kind(param: Tensor) -> str:
-    """Which group reduces ``param``'s gradient: "expert", "sp" or "dense"."""
-    if getattr(param, "moefold_expert", False):
-        return "expert"
-    if is_sequence_parallel(param):
-        return "sp"
-    return "dense"
+# all_gather_single / reduce_scatter_single are the newer names; the old ones warn on recent torch
+all_gather_into = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_into = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
-def kind_group(kind: str, dims: ParallelDims) -> Group:
-    """The process group that sums gradients of ``kind``."""
-    if kind == "expert":
-        return dims.edp_group
-    if kind == "sp":
-        return dims.tp_cp_dp_group
-    if kind == "dense":
-        return dims.dp_cp_group
-    raise ValueError(f"unknown reduction kind {kind!r}; valid: {KINDS}")
-
-
-@dataclass
-class _Bucket:
-    start: int
-    end: int
-    num_params: int
-    pending: int = 0
-    work: object | None = None
-
-
-@dataclass
-class FlatGroup:
-    """The parameters of one reduction kind laid out in one flat fp32 buffer.
-
-    ``offsets[i]`` is where ``params[i]`` starts; ``numel`` the padded length (a multiple of the group
-    size); ``grad`` the buffer (fp32 [numel]).
-    """
-
-    kind: str
-    group: Group
-    names: list[str]
-    params: list[nn.Parameter]
-    offsets: list[int]
-    numel: int
-    grad: Tensor
-    buckets: list[_Bucket] = field(default_factory=list)
-    bucket_of: list[int] = field(default_factory=list)
-
-    @property
-    def group_size(self) -> int:
-        return group_size(self.group)
+def gradient_average(dims: ParallelDims) -> float:
+    """The factor that turns the summed gradients into the step's gradient: 1 / dp."""
+    return 1.0 / dims.dp
 
 
 class GradSync:
-    """Owns the fp32 gradient buffers of ``named_params`` and reduces them (see the module docstring).
+    """Owns the flat buffers of ``named_params`` and reduces their gradients (see the module docstring).
 
     Usage per optimizer step::
 
         sync.start_step(num_micro)   # zero the buffers; each bucket expects num_micro reports per parameter
         for m in range(num_micro):
             loss_m.backward()        # (or a pipeline schedule's backwards, in any order)
-        sync.finish()                # main_grad now holds the step's gradient on every rank of the group
+        sync.finish()                # this rank's chunk of each bucket holds the step's gradient
 
-    A bucket launches its all-reduce when its parameters have reported ``num_micro`` times in total
-    each (the last backward that touches them), whatever the micro-batch order.
-
-    Collective: ``finish()`` (and the hooks on the last micro-batch) all-reduce over each kind's group.
+    Collective: the reduce-scatters over each kind's group (from the hooks of the last micro-batch and in
+    ``finish()``), the all-reduce of pipeline-shared chunks over ``copies_group``, ``gathered_grads()``.
     """
 
-    def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], dims: ParallelDims,
-                 bucket_numel: int = 2**22, overlap: bool = True) -> None:
-        if bucket_numel < 1:
-            raise ValueError(f"bucket_numel={bucket_numel} must be >= 1")
-        self.dims, self.overlap = dims, overlap
-        self.scale = 1.0 / dims.dp
-        by_kind: dict[str, list[tuple[str, nn.Parameter]]] = {k: [] for k in KINDS}
-        for name, p in named_params:
-            if p.requires_grad:
-                by_kind[reduction_kind(p)].append((name, p))
-        self.groups: list[FlatGroup] = []
-        for kind in KINDS:
-            # reversed registration order ~ the order in which backward produces the gradients
-            items = list(reversed(by_kind[kind]))
-            if items:
-                self.groups.append(self._layout(kind, items, bucket_numel))
+    def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], dims: ParallelDims, *,
+                 bucket_numel: int = 2**22, overlap: bool = True, grad_dtype: torch.dtype = torch.float32,
+                 copies_group: Group = None) -> None:
+        self.dims, self.overlap, self.grad_dtype = dims, overlap, grad_dtype
+        self.average = gradient_average(dims)
+        self.groups: list[FlatGroup] = build_flat_groups(named_params, dims, bucket_numel=bucket_numel,
+                                                         grad_dtype=grad_dtype, copies_group=copies_group)
         self._armed = False
         self._handles = []
         for g in self.groups:
             for i, p in enumerate(g.params):
                 self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(g, i)))
+        self._bind_grads()
 
-    def _layout(self, kind: str, items: list[tuple[str, nn.Parameter]], bucket_numel: int) -> FlatGroup:
-        group = kind_group(kind, self.dims)
-        n = group_size(group)
-        offsets, total = [], 0
-        for _, p in items:
-            offsets.append(total)
-            total += p.numel()
-        padded = -(-max(total, 1) // n) * n
-        device = items[0][1].device
-        grad = torch.zeros(padded, dtype=torch.float32, device=device)
-        g = FlatGroup(kind=kind, group=group, names=[nm for nm, _ in items], params=[p for _, p in items],
-                      offsets=offsets, numel=padded, grad=grad)
-        start, count = 0, 0
-        for i, (_, p) in enumerate(items):
-            p.main_grad = grad[offsets[i]:offsets[i] + p.numel()].view(p.shape)
-            g.bucket_of.append(len(g.buckets))
-            count += 1
-            end = offsets[i] + p.numel()
-            if end - start >= bucket_numel or i == len(items) - 1:
-                g.buckets.append(_Bucket(start, padded if i == len(items) - 1 else end, count))
-                start, count = end, 0
-        return g
+    def _bind_grads(self) -> None:
+        """``param.grad = param.main_grad`` where the dtypes agree: autograd then accumulates in place."""
+        for g in self.groups:
+            for p in g.params:
+                p.grad = p.main_grad if p.dtype == self.grad_dtype else None
 
     def _make_hook(self, g: FlatGroup, i: int):
+        bucket = g.buckets[g.bucket_of[i]]
+
         def hook(p: Tensor) -> None:
-            p.main_grad.add_(p.grad.view(p.main_grad.shape))
-            p.grad = None
+            if p.grad is not p.main_grad:   # a separate gradient (other dtype, or .grad was reset)
+                p.main_grad.add_(p.grad)
+                p.grad = p.main_grad if p.dtype == self.grad_dtype else None
             if self._armed:
-                b = g.buckets[g.bucket_of[i]]
-                b.pending -= 1
-                if b.pending == 0:
-                    self._launch(g, b)
+                bucket.pending -= 1
+                if bucket.pending == 0:
+                    self._launch(g, bucket)
         return hook
 
-    def _launch(self, g: FlatGroup, b: _Bucket) -> None:
-        if b.work is not None:
+    def _launch(self, g: FlatGroup, b: Bucket) -> None:
+        if b.grad_work is not None:
             return
-        if g.group_size > 1:
-            b.work = dist.all_reduce(g.grad[b.start:b.end], group=g.group, async_op=True)
+        if g.size > 1:
+            lo, hi = g.owned(b)
+            # in place: rank r's chunk of the bucket receives the sum of every rank's chunk r
+            b.grad_work = reduce_scatter_into(g.grad_data[lo:hi], g.grad_data[b.start:b.end], group=g.group,
+                                              async_op=True)
         else:
-            b.work = True
+            b.grad_work = True
 
     def start_step(self, num_micro: int) -> None:
         """Clear the gradient buffers and arm the buckets for a step of ``num_micro`` backwards."""
         for g in self.groups:
-            g.grad.zero_()
-            for p in g.params:
-                p.grad = None
+            g.grad_data.zero_()
             for b in g.buckets:
-                b.pending, b.work = b.num_params * num_micro, None
+                b.pending, b.grad_work = len(b.params) * num_micro, None
+        self._bind_grads()
         self._armed = self.overlap
 
     def finish(self) -> None:
-        """Reduce every bucket not yet launched (unused parameters never report), wait, scale by 1/dp."""
+        """Reduce every bucket not yet launched (unused parameters never report), wait, scale this rank's
+        chunks by 1/dp and sum pipeline-shared chunks over their stages."""
         for g in self.groups:
             for b in g.buckets:
-                if b.work is None:
+                if b.grad_work is None:
                     self._launch(g, b)
         for g in self.groups:
             for b in g.buckets:
-                if b.work is not True and b.work is not None:
-                    b.work.wait()
-                b.work = None
-            if self.scale != 1.0:
-                g.grad.mul_(self.scale)
+                if b.grad_work is not True:
+                    b.grad_work.wait()
+                b.grad_work = None
+                lo, hi = g.owned(b)
+                if self.average != 1.0:
+                    g.grad_data[lo:hi].mul_(self.average)
+                if g.copies_group is not None:
+                    dist.all_reduce(g.grad_data[lo:hi], group=g.copies_group)
         self._armed = False
 
     @property
     def launched_early(self) -> int:
         """Buckets whose reduction started during backward in the current step (before ``finish``)."""
-        return sum(b.work is not None for g in self.groups for b in g.buckets)
+        return sum(b.grad_work is not None for g in self.groups for b in g.buckets)
+
+    def owned_grads(self) -> list[Tensor]:
+        """This rank's chunk of every bucket's gradient (views)."""
+        return [g.grad_data[slice(*g.owned(b))] for g in self.groups for b in g.buckets]
+
+    @torch.no_grad()
+    def gathered_grads(self) -> dict[str, Tensor]:
+        """{name: the reduced gradient in the parameter's local shape} after ``finish()``: every rank's chunks
+        all-gathered over each group (copies). Collective over every group."""
+        out = {}
+        for g in self.groups:
+            for b in g.buckets:
+                full = g.grad_data[b.start:b.end].clone()
+                if g.size > 1:
+                    lo, hi = g.owned(b)
+                    all_gather_into(full, g.grad_data[lo:hi].contiguous(), group=g.group)
+                for i in b.params:
+                    p, off = g.params[i], g.offsets[i] - b.start
+                    out[g.names[i]] = full[off:off + p.numel()].view(p.shape).clone()
+        return out
 
     def remove_hooks(self) -> None:
         for h in self._handles:

@@ -18,7 +18,10 @@ A step record per logging step (``null``: not measured, or not finite)::
      "grad_norm": float|null, "lr": float|null,
      "tokens": int,                  # tokens trained since the previous step record (all ranks)
      "tokens_per_s": float|null, "tflops_per_s": float|null, "mfu": float|null,
-     "memory": {"rss_gib": f, "max_allocated_gib": f, "device_used_gib": f, "device_total_gib": f},
+     "memory": {"rss_gib": f,        # host process now
+                "max_allocated_gib": f, "device_used_gib": f, "device_total_gib": f,   # CUDA: peak since
+                "peak_rss_gib": f},     #   the previous record; CPU: peak resident set since then (Linux
+                                        #   VmHWM, reset per record; elsewhere since the process started)
      "skipped": bool,                # the optimizer step was skipped (non-finite loss/grad norm)
      "moe": null | {
         "layers": [int, ...],        # model layer number of each MoE layer, in the order below
@@ -201,6 +204,8 @@ def format_line(rec: Mapping[str, Any], total_steps: int | None = None) -> str:
         dev = (f", dev {mem['device_used_gib']:.1f}/{mem['device_total_gib']:.0f} GiB"
                if "device_used_gib" in mem else "")
         parts.append(f"mem {mem['max_allocated_gib']:.2f} GiB max alloc{dev}")
+    elif "peak_rss_gib" in mem:
+        parts.append(f"peak rss {mem['peak_rss_gib']:.2f} GiB")
     elif "rss_gib" in mem:
         parts.append(f"rss {mem['rss_gib']:.2f} GiB")
     moe = rec.get("moe")

@@ -121,16 +121,23 @@ def nvml_device_memory(index: int) -> tuple[int, int] | None:
 
 
 def memory_stats(device: torch.device | str = "cpu") -> dict[str, float]:
-    """GiB figures for the metrics line. CUDA: ``max_allocated_gib`` (torch's peak since the last
-    reset) and ``device_used_gib``/``device_total_gib`` (NVML); always ``rss_gib`` (host process)."""
+    """GiB figures for the metrics line, peaks over the interval since the previous call
+    (``training.memory.interval_peak``). CUDA: ``max_allocated_gib`` (torch's peak allocation) and
+    ``device_used_gib``/``device_total_gib`` (NVML); CPU: ``peak_rss_gib`` (the process's peak resident
+    set); always ``rss_gib`` (host process now)."""
+    from moefold.training.memory import interval_peak
+
     dev = torch.device(device)
     out: dict[str, float] = {"rss_gib": rss_bytes() / 2**30}
+    peak, _method = interval_peak(dev)
     if dev.type == "cuda":
-        out["max_allocated_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
+        out["max_allocated_gib"] = peak / 2**30
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         # NVML numbers devices physically; CUDA_VISIBLE_DEVICES renumbers them for torch.
         to_nvml = getattr(torch.cuda, "_get_nvml_device_index", None)
         nv = nvml_device_memory(to_nvml(index) if to_nvml is not None else index)
         if nv is not None:
             out["device_used_gib"], out["device_total_gib"] = nv[0] / 2**30, nv[1] / 2**30
+    else:
+        out["peak_rss_gib"] = peak / 2**30
     return out

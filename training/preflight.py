@@ -22,18 +22,18 @@ from pathlib import Path
 from moefold.training.checkpoint_files import checkpoint_dirs, fmt_bytes, free_bytes, is_checkpoint_dir
 from moefold.training.config import RunConfig
 
-OPTIMIZER_BYTES_PER_PARAM = 12   # fp32 master, exp_avg, exp_avg_sq
-
 
 def estimate_checkpoint_bytes(config: RunConfig) -> int:
     """Bytes of one checkpoint: the model's state dict (parameters in the run's dtype, buffers) plus the
-    optimizer's three fp32 tensors per parameter. Builds the model on the meta device (no memory)."""
+    optimizer's state per parameter (exp_avg, exp_avg_sq, and the fp32 master of a bf16 model, in the dtypes
+    of ``--exp-avg-dtype`` etc.). Builds the model on the meta device (no memory)."""
     import dataclasses
 
     import torch
 
     from moefold.models.decoder import MoEDecoder
     from moefold.parallel.dims import ParallelDims
+    from moefold.training.memory import state_parts
 
     options = config.options
     if config.train.bf16 and options.dtype != "bf16":
@@ -41,7 +41,8 @@ def estimate_checkpoint_bytes(config: RunConfig) -> int:
     with torch.device("meta"):
         model = MoEDecoder(config.model, ParallelDims.single(), options)
     state = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    return state + OPTIMIZER_BYTES_PER_PARAM * sum(p.numel() for p in model.parameters())
+    _, _, optimizer_bytes = state_parts(options.dtype, config.train.optimizer_precision())
+    return state + optimizer_bytes * sum(p.numel() for p in model.parameters())
 
 
 def _writable_dir(path: str, flag: str) -> None:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from moefold.parallel.dims import ParallelDims
 from moefold.training.config import RunConfig
 from moefold.training.flops import train_flops_per_token
+from moefold.training.memory import describe_static
 from moefold.training.trainer import StepResult, Trainer
 
 if TYPE_CHECKING:
@@ -101,8 +102,8 @@ def train(config: RunConfig, device: torch.device | str = "cpu", heartbeat: Hear
         save_run_assets(config)
     trainer = Trainer(config, dims, device=device, log=say)
     n_params = sum(p.numel() for p in trainer.model.parameters())
-    say(f"model: {n_params / 1e6:.2f}M parameters on rank 0, {trainer.num_micro} micro-batches per step, "
-        f"optimizer state {trainer.optimizer.state_bytes() / 2**20:.1f} MiB on rank 0 (ZeRO-1)")
+    say(f"model: {n_params / 1e6:.2f}M parameters on rank 0, {trainer.num_micro} micro-batches per step")
+    say(f"rank 0 {describe_static(trainer.sync, trainer.optimizer, trainer.param_dtype, t.optimizer_precision())}")
     if t.load:
         trainer.load(t.load)
     on_step = None

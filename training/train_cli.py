@@ -23,6 +23,7 @@ import sys
 
 import torch
 
+from moefold.dense.recompute import DEFAULT_RECOMPUTE_MODULES, RECOMPUTE_METHODS, RECOMPUTE_MODES, RECOMPUTE_MODULES
 from moefold.models.config import ModelConfig
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import RECIPES, get_recipe
@@ -34,6 +35,7 @@ from moefold.training.errors import JobFailed
 from moefold.training.launch import run_ranks
 from moefold.training.lr_schedule import DECAY_STYLES, WSD_STYLES
 from moefold.training.model_flags import UPCYCLING_FLAGS, add_model_arguments, apply_model_flags, given_model_flags
+from moefold.training.precision import DTYPES
 from moefold.training.preflight import preflight
 from moefold.training.watchdog import Heartbeat
 
@@ -97,11 +99,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--moe-token-dispatcher-type", default="auto",
                    help="auto | local | allgather | alltoall | flex (DeepEP)")
     m.add_argument("--moe-grouped-gemm-backend", default=ModelOptions.gemm_backend)
+    m.add_argument("--recompute-granularity", default="none", choices=RECOMPUTE_MODES,
+                   help="activation recomputation: selective (--recompute-modules) or full (whole layers)")
+    m.add_argument("--recompute-modules", nargs="+", default=list(DEFAULT_RECOMPUTE_MODULES), choices=RECOMPUTE_MODULES,
+                   metavar="MODULE", help=f"selective: any of {', '.join(RECOMPUTE_MODULES)} (default core_attn)")
+    m.add_argument("--recompute-method", default=ModelOptions.recompute_method, choices=RECOMPUTE_METHODS,
+                   help="full: uniform (groups of N layers) or block (the first N layers of each pipeline chunk)")
+    m.add_argument("--recompute-num-layers", type=int, default=ModelOptions.recompute_num_layers,
+                   help="full: the N of --recompute-method (default 1)")
     gpu = p.add_argument_group("GPU backends (issue 14): DeepEP, Transformer Engine FP8")
     gpu.add_argument("--moe-deepep-num-sms", type=int, default=ModelOptions.moe_deepep_num_sms,
                      help="SMs DeepEP's kernels take (flex dispatcher; even)")
     add_fp8_arguments(gpu)
-    m.add_argument("--recompute-granularity", default="none", choices=("none", "selective", "full"))
     m.add_argument("--vocab-size", type=int, help="vocabulary of the built-in corpus (and the model); default: "
                                                    "the recipe's")
     t = p.add_argument_group("training")
@@ -123,6 +132,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    choices=WSD_STYLES)
     t.add_argument("--bf16", action="store_true", help="bf16 parameters and compute, fp32 master weights")
     t.add_argument("--no-overlap-grad-reduce", action="store_true")
+    t.add_argument("--overlap-param-gather", action="store_true",
+                   help="all-gather updated parameters during the next forward (each module waits for its own)")
+    for flag, field in (("--main-grads-dtype", "main_grads_dtype"), ("--exp-avg-dtype", "exp_avg_dtype"),
+                        ("--exp-avg-sq-dtype", "exp_avg_sq_dtype")):
+        t.add_argument(flag, dest=field, default=getattr(_T, field), choices=tuple(DTYPES),
+                       help=f"optimizer precision (default {getattr(_T, field)})")
+    t.add_argument("--main-params-dtype", dest="main_params_dtype", default=_T.main_params_dtype, choices=("fp32",),
+                   help="the master copy of bf16 parameters (fp32)")
     d = p.add_argument_group("data and output")
     d.add_argument("--data-path", nargs="+", default=[], help="PREFIX or W1 PREFIX1 W2 PREFIX2 ... (prepared with "
                                                                "`moefold prepare-data`); default: built-in corpus")
@@ -223,7 +240,9 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     if changes:
         model = model.with_(**changes)
     options = ModelOptions(sequence_parallel=args.sequence_parallel, cp_comm=args.cp_comm_type,
-                           recompute=args.recompute_granularity, dispatcher=args.moe_token_dispatcher_type,
+                           recompute=args.recompute_granularity, recompute_modules=tuple(args.recompute_modules),
+                           recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
+                           dispatcher=args.moe_token_dispatcher_type,
                            gemm_backend=args.moe_grouped_gemm_backend, dtype="bf16" if args.bf16 else "fp32",
                            init_std=args.init_method_std, fp8=fp8_config_from_args(args),
                            moe_deepep_num_sms=args.moe_deepep_num_sms)

@@ -1,5 +1,5 @@
-"""The training loop: micro-batches -> gradient accumulation -> reduced gradients -> clipped ZeRO-1 AdamW step
--> expert-bias update -> metrics -> checkpoints.
+"""The training loop: micro-batches -> gradient accumulation -> reduce-scattered gradients -> clipped
+distributed AdamW step -> parameter all-gather -> expert-bias update -> metrics -> checkpoints.
 
 One step (``Trainer.train_step``) on every rank::
 
@@ -7,14 +7,16 @@ One step (``Trainer.train_step``) on every rank::
         inputs/labels = batch[:, :-1] / batch[:, 1:], cut to this rank's CP slice
         out = model(...);  (out.loss / num_micro).backward()      # loss share, see models.decoder
         (pp > 1: the same through pipeline.run_schedule and pipeline.DecoderStage)
-    GradSync.finish()        # sum over dp x cp / tp x cp x dp / edp, / dp: the world-1 gradient
+    GradSync.finish()        # this rank's shard of the sum over dp x cp / tp x cp x dp / edp, / dp:
+                             # the world-1 gradient
     norm = global grad norm; non-finite loss or norm -> skip (count; stop after max_skipped_steps in a row)
     DistributedAdamW.step(lr(step), clip)   ;  expert biases += f(global tokens per expert)
 
-What crosses ranks per step: the gradient all-reduces (overlapped with backward), the embedding
-gradient between first and last stage (pp > 1 with MTP/tied embeddings), one world all-reduce of
-the logged losses (+ a non-finite flag), one of the grad norm, the ZeRO all-gathers, and one world
-all-reduce of the per-layer expert loads (expert-bias update and load metrics).
+What crosses ranks per step: the gradient reduce-scatters (overlapped with backward), the embedding
+gradient shard between first and last stage (pp > 1 with MTP/tied embeddings), one world all-reduce of
+the logged losses (+ a non-finite flag), one of the grad norm, the parameter all-gathers (overlapped
+with the next forward under --overlap-param-gather), and one world all-reduce of the per-layer expert
+loads (expert-bias update and load metrics).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from moefold.training.grad_sync import GradSync
 from moefold.training.metrics import ROUTER_SUMS, per_step_router, router_layer_metrics, router_sums
 from moefold.training.optimizer import DistributedAdamW
 from moefold.training.resume import check_resume
+from moefold.training.shard_checkpoint import load_pieces, saved_keys
 
 if TYPE_CHECKING:
     from moefold.training.data.sampler import Samples
@@ -109,6 +112,7 @@ class Trainer:
         options = config.options
         if t.bf16 and options.dtype != "bf16":
             options = dataclasses.replace(options, dtype="bf16")
+        self.param_dtype = options.dtype
         torch.manual_seed(t.seed)
         self.layout = self.pipeline = None
         self.embed_group = None
@@ -136,10 +140,13 @@ class Trainer:
         # every MoE layer of the model (all stages) in logging order; this stage fills its own rows
         m = config.model
         self.moe_layers = [i for i in range(m.num_layers + m.mtp_num_layers) if m.num_experts and is_moe_block(m, i)]
+        precision = t.optimizer_precision()
         self.sync = GradSync(self.model.named_parameters(), dims, bucket_numel=t.bucket_numel,
-                             overlap=t.overlap_grad_reduce)
+                             overlap=t.overlap_grad_reduce, grad_dtype=precision.dtype("main_grads"),
+                             copies_group=self.embed_group)
         self.optimizer = DistributedAdamW(self.sync, dims, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                                          weight_decay=t.weight_decay)
+                                          weight_decay=t.weight_decay, precision=precision, model=self.model,
+                                          overlap_param_gather=t.overlap_param_gather)
         self.schedule = t.lr_schedule()
         self.iteration = 0            # completed steps
         self.consumed_samples = 0     # global samples consumed
@@ -232,10 +239,7 @@ class Trainer:
         else:
             self._pipeline_forward_backward(microbatches, loads, logged)
         self.overlapped_buckets = self.sync.launched_early
-        self.sync.finish()
-        if self.embed_group is not None:   # the embedding's two pipeline copies get the summed gradient
-            for p in self.model.embed_tokens.parameters():
-                dist.all_reduce(p.main_grad, group=self.embed_group)
+        self.sync.finish()   # (the embedding's two pipeline copies get the summed gradient there)
         if dims.world_size > 1:
             dist.all_reduce(logged)
             if n_moe:   # over the world: other pipeline stages add zeros to the rows they do not own
@@ -276,23 +280,28 @@ class Trainer:
 
     # ------------------------------------------------------------------------------- checkpoints
     def save(self, root: str | Path) -> Path:
+        self.optimizer.finish_param_sync()
         meta = {"consumed_samples": self.consumed_samples, "optimizer_steps": self.optimizer.step_count,
                 "skipped_in_a_row": self.skipped_in_a_row, "config": self.config.to_dict()}
-        return save_checkpoint(root, self.iteration, self.model, self.dims, self.optimizer.param_states(), meta,
+        return save_checkpoint(root, self.iteration, self.model, self.dims, self.optimizer.checkpoint_state(), meta,
                                keep_last=self.config.train.keep_last, log=self.log)
 
     def load(self, path: str | Path) -> bool:
         """Resume from ``path`` (a checkpoint, or the newest intact one under it, see ``find_checkpoint``).
-        False if none exists."""
+        False if none exists. Each rank reads only its own optimizer shard (``training.shard_checkpoint``),
+        at any layout."""
         ckpt = find_checkpoint(path, self.dims, self.log)
         if ckpt is None:
             self.log(f"no checkpoint under {path}; starting from scratch")
             return False
         restart_data = check_resume(read_meta(ckpt), self.config, str(ckpt), self.log)
-        states = self.optimizer.param_states()
-        meta = load_checkpoint(ckpt, self.model, self.dims, states, log=self.log)
-        self.optimizer.load_param_states(states, meta["optimizer_steps"])
-        self.optimizer.copy_master_to_params()
+        self.optimizer.finish_param_sync()
+        keys = saved_keys(ckpt)
+        meta = load_checkpoint(ckpt, self.model, self.dims, self.optimizer.checkpoint_state(keys), log=self.log)
+        fallback = self.optimizer.master_fallback(keys)
+        if fallback or self.dims.world_size > 1:   # collective: every rank joins, even with nothing to read
+            load_pieces(ckpt, fallback, no_dist=self.dims.world_size == 1 and not dist.is_initialized())
+        self.optimizer.loaded(meta["optimizer_steps"])
         self.iteration = int(meta["iteration"])
         self.consumed_samples = 0 if restart_data else int(meta["consumed_samples"])
         self.skipped_in_a_row = int(meta.get("skipped_in_a_row", 0))
@@ -354,16 +363,13 @@ class Trainer:
                     self.log(f"{exc}; training continues, the next save tries again")
         if t.save:
             self.save(t.save)
+        self.optimizer.finish_param_sync()
         return results
 
 
-def optimizer_memory_bytes(optimizer: DistributedAdamW) -> int:
-    """This rank's optimizer state in bytes (falls ~1/dp with ZeRO-1)."""
-    return optimizer.state_bytes()
-
-
 def named_full_params(model: nn.Module) -> dict[str, Tensor]:
-    """Every parameter gathered to full shape (fp32, detached). Collective over each shard's group."""
+    """Every parameter gathered to full shape (fp32 copies: later steps do not change them). Collective over
+    each shard's group."""
     from moefold.parallel.sharding import gather_full, shards_of
 
-    return {n: gather_full(p, shards_of(p)).float() for n, p in model.named_parameters()}
+    return {n: gather_full(p, shards_of(p)).to(torch.float32, copy=True) for n, p in model.named_parameters()}

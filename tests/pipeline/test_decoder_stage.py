@@ -1,9 +1,10 @@
 """The MoE decoder pipelined (pp2 x tp2, pp2 x ep2 x dp2; 1F1B, interleaved, GPipe) equals world 1.
 
 DeepSeek-V3 tiny recipe (MLA, dense first layer, MoE with aux loss, 1 MTP depth) in ONE 4-rank
-world. Gradients are reduced the way the trainer does (sequence-parallel over tp, dense over
-dp x cp, experts over edp, divided by dp); a parameter on two stages (the embedding, which the
-last stage holds for MTP) has its gradients summed over them.
+world. Gradients are reduced by the trainer's ``GradSync`` (sequence-parallel over tp x cp x dp,
+dense over dp x cp, experts over edp, divided by dp) and gathered to full shape; a parameter on
+two stages (the embedding, which the last stage holds for MTP) has its gradients summed over them
+here.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from moefold.models.decoder import MoEDecoder
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import deepseek_v3_tiny
 from moefold.parallel.dims import ParallelConfig, ParallelDims
+from moefold.parallel.sharding import gather_full, shards_of
 from moefold.pipeline.decoder_stage import DecoderStage, build_stage_model, decoder_microbatches
 from moefold.pipeline.executor import run_schedule
 from moefold.pipeline.schedules import build_schedule
 from moefold.pipeline.stages import StageLayout
+from moefold.training.grad_sync import GradSync
 from tests.distributed import run_distributed
-from tests.grads import reduced_full_grads
 
 M, B, S = 2, 2, 16
 LAYOUTS = {  # name -> (ParallelConfig kwargs, schedule, vpp)
@@ -71,10 +73,15 @@ def _world() -> dict:
         model.init_weights(7)
         stage = DecoderStage(model, layout, dims.pp_rank)
         microbatches = decoder_microbatches(*_batch(dims.dp_rank), M)
+        sync = GradSync(model.named_parameters(), dims)
+        sync.start_step(M)
         result = run_schedule(stage, build_schedule(name, dims.pp, M, vpp), microbatches, stage.loss_fn,
                               dims.pp_group, stage.activation_spec(B, S))
+        sync.finish()
+        params = dict(model.named_parameters())
+        grads = {n: gather_full(g, shards_of(params[n])) for n, g in sync.gathered_grads().items()}
         out[key] = {"pp": dims.pp_rank, "dp": dims.dp_rank, "tp": dims.tp_rank, "losses": result.losses,
-                    "grads": reduced_full_grads(model, dims), "dp_size": dims.dp,
+                    "grads": grads, "dp_size": dims.dp,
                     "lm": stage.lm_losses, "mtp": stage.mtp_losses, "moe_infos": sorted(stage.moe_infos)}
     return out
 

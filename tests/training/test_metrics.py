@@ -81,4 +81,5 @@ def test_peak_flops_and_mfu():
         mfu(1.0, 1.0, 0)
     assert load_balance([[2, 2], [0, 0], [3, 1]]) == [1.0, None, 1.5]
     mem = memory_stats("cpu")
-    assert set(mem) == {"rss_gib"} and 0 < mem["rss_gib"] < 1024 and math.isfinite(mem["rss_gib"])
+    assert set(mem) == {"rss_gib", "peak_rss_gib"} and 0 < mem["rss_gib"] < 1024 and math.isfinite(mem["rss_gib"])
+    assert mem["peak_rss_gib"] > 0

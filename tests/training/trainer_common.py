@@ -39,14 +39,17 @@ def tiny_data(num_samples: int = 64, vocab: int = 256) -> np.ndarray:
 
 def run(config: RunConfig, dims: ParallelDims | None = None, data: np.ndarray | None = None,
         load: str | None = None, hook=None, stop_at: int | None = None, log=None, run_dir: str | None = None,
-        ) -> tuple[list[float], dict[str, torch.Tensor], Trainer]:
+        setup=None) -> tuple[list[float], dict[str, torch.Tensor], Trainer]:
     """Train ``config`` (optionally resuming from ``load``, stopping after ``stop_at`` steps); returns
     (lm losses of the steps run, full params and ``buffer:``-prefixed buffers such as expert biases, trainer).
-    With ``run_dir``, rank 0 writes the metrics JSONL there (``training.metrics.read_metrics`` reads it)."""
+    With ``run_dir``, rank 0 writes the metrics JSONL there (``training.metrics.read_metrics`` reads it).
+    ``setup(trainer)`` runs before training (e.g. to observe the trainer's steps)."""
     dims = dims or ParallelDims.single()
     trainer = Trainer(config, dims, log=log or (lambda _m: None))
     if load:
         trainer.load(load)
+    if setup is not None:
+        setup(trainer)
     trainer.loss_hook = hook
     logger = None
     if run_dir is not None and dims.rank == 0:

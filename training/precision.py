@@ -1,0 +1,32 @@
+"""The dtypes of the optimizer's tensors, with Megatron's flag names (a leaf module: the CLI validates with it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class OptimizerPrecision:
+    """Dtypes of the optimizer's tensors (Megatron: ``--main-grads-dtype``, ``--main-params-dtype``,
+    ``--exp-avg-dtype``, ``--exp-avg-sq-dtype``). ``main_params_dtype`` is the master copy kept for
+    parameters of another dtype (bf16 models); fp32 parameters are their own master."""
+
+    main_grads_dtype: str = "fp32"
+    main_params_dtype: str = "fp32"
+    exp_avg_dtype: str = "fp32"
+    exp_avg_sq_dtype: str = "fp32"
+
+    def __post_init__(self) -> None:
+        for name in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)!r}; valid: {', '.join(DTYPES)}")
+        if self.main_params_dtype != "fp32":
+            raise ValueError(f"--main-params-dtype={self.main_params_dtype!r}; valid: fp32 (the master copy of "
+                             "bf16 parameters)")
+
+    def dtype(self, name: str) -> torch.dtype:
+        return DTYPES[getattr(self, f"{name}_dtype")]
