@@ -20,20 +20,23 @@ expert-data-parallel group (edp), not dp.
 GEMM backends (``moe.gemm``): every backend computes on these two stacked parameters. With
 ``te`` the experts own two persistent Transformer Engine ``GroupedLinear`` modules (built once,
 no weights of their own: ``moe.te_gemm``) that run on views of ``w13``/``w2``, so parameter
-names, checkpoints and HF import/export are the same for every backend; ``fp8`` (an enabled
-``FP8Config``) runs those two GEMMs in FP8 under TE's autocast.
+names, checkpoints and HF import/export are the same for every backend. ``fp8`` (an enabled
+``FP8Config``) runs the two GEMMs in FP8: under TE's autocast (``--fp8-backend te``, gemm backend
+``te``), or through ``moe.fp8_gemm.Float8GroupedGemm`` (``--fp8-backend torchao``, gemm backend
+``grouped_mm`` or ``loop``), chosen here once.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moefold.moe.fp8_gemm import Float8GroupedGemm, check_fp8_gemm_backend
 from moefold.moe.gemm import (
     GEMM_BACKENDS,
     check_gemm_backend,
@@ -95,10 +98,8 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"GroupedExperts: gemm_backend={gemm_backend!r}; valid: {', '.join(GEMM_BACKENDS)}")
         check_gemm_backend(gemm_backend, dtype)
         fp8 = fp8 if fp8 is not None and fp8.enabled else None
+        check_fp8_gemm_backend(fp8, gemm_backend)
         if fp8 is not None:
-            if gemm_backend != "te":
-                raise ValueError(f"GroupedExperts: FP8 ({fp8.describe()}) runs through Transformer Engine: "
-                                 f"use gemm_backend 'te' (--moe-grouped-gemm-backend te), not {gemm_backend!r}")
             fp8.check_available()
         self.num_experts, self.hidden_size, self.ffn_hidden_size = num_experts, hidden_size, ffn_hidden_size
         self.num_local_experts = num_experts // ep
@@ -120,6 +121,13 @@ class GroupedExperts(nn.Module):
                 p.normal_(0.0, std)
         self.fp8 = fp8
         self._host_counts = needs_host_counts(gemm_backend)  # decided once
+        # the two projections' GEMMs (grouped_gemm's signature), decided once
+        self._gemm13: Callable[..., Tensor] = grouped_gemm
+        self._gemm2: Callable[..., Tensor] = grouped_gemm
+        if fp8 is not None and fp8.backend == "torchao":  # etp splits w13's rows (M) and w2's columns (K)
+            grouped = gemm_backend == "grouped_mm"
+            self._gemm13 = Float8GroupedGemm(fp8, grouped=grouped, m_group=etp_group)
+            self._gemm2 = Float8GroupedGemm(fp8, grouped=grouped, k_group=etp_group)
         # TE's modules hold per-module state (FP8 scales): built once, kept out of the module tree
         # (a tuple is not registered), so parameters and state_dict stay w13 / w2
         self._te: tuple[TEExpertGemms, ...] = ()
@@ -148,15 +156,15 @@ class GroupedExperts(nn.Module):
             if tokens_NH.shape[0] == 0:
                 return no_rows(self._activate(no_rows(tokens_NH, w13, True)), self.w2, True)
             return self._te[0](tokens_NH, w13, self.w2, counts_host, self._activate) * probs_N1
-        h_Nf = self._activate(grouped_gemm(tokens_NH, w13, tokens_per_expert_e, self.gemm_backend, trans_w=True,
-                                           counts_host=counts_host))
+        h_Nf = self._activate(self._gemm13(tokens_NH, w13, tokens_per_expert_e, self.gemm_backend, trans_w=True,
+                                            counts_host=counts_host))
         # The down projection is linear, so the probs can scale its input [N, f] or its output
         # [N, H]: do it on the narrower one (a memory-bound pass forward and two backward).
         if f <= H:
-            return grouped_gemm(h_Nf * probs_N1, self.w2, tokens_per_expert_e, self.gemm_backend, trans_w=True,
-                                counts_host=counts_host)
-        return grouped_gemm(h_Nf, self.w2, tokens_per_expert_e, self.gemm_backend, trans_w=True,
-                            counts_host=counts_host) * probs_N1
+            return self._gemm2(h_Nf * probs_N1, self.w2, tokens_per_expert_e, self.gemm_backend, trans_w=True,
+                               counts_host=counts_host)
+        return self._gemm2(h_Nf, self.w2, tokens_per_expert_e, self.gemm_backend, trans_w=True,
+                           counts_host=counts_host) * probs_N1
 
     def flops(self, num_rows: int) -> int:
         """Forward FLOPs of ``num_rows`` routed rows through this rank's shard."""
