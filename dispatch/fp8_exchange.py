@@ -55,7 +55,8 @@ def quantize_rows(x_NH: Tensor) -> tuple[Tensor, Tensor]:
 
 def dequantize_rows(data: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     N, H = data.shape
-    return (data.float().view(N, scale.shape[1], -1) * scale[..., None]).view(N, H).to(dtype)
+    nb = scale.shape[1]
+    return (data.float().view(N, nb, H // nb) * scale[..., None]).view(N, H).to(dtype)
 
 
 def pack(data: Tensor, scale: Tensor) -> Tensor:
