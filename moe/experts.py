@@ -80,7 +80,7 @@ class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *,
                  ep_group: Group = None, etp_group: Group = None, activation: str = "swiglu",
                  gemm_backend: str = "grouped_mm", init_std: float = 0.02, output_init_std: float | None = None,
-                 fp8: FP8Config | None = None,
+                 fp8: FP8Config | None = None, fp8_token_group: Group = None,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
         super().__init__()
         ep, etp = group_size(ep_group), group_size(etp_group)
@@ -126,8 +126,9 @@ class GroupedExperts(nn.Module):
         self._gemm2: Callable[..., Tensor] = grouped_gemm
         if fp8 is not None and fp8.backend == "torchao":  # etp splits w13's rows (M) and w2's columns (K)
             grouped = gemm_backend == "grouped_mm"
-            self._gemm13 = Float8GroupedGemm(fp8, grouped=grouped, m_group=etp_group)
-            self._gemm2 = Float8GroupedGemm(fp8, grouped=grouped, k_group=etp_group)
+            tokens = fp8_token_group  # ParallelDims.expert_token_group: see moe.fp8_gemm
+            self._gemm13 = Float8GroupedGemm(fp8, grouped=grouped, m_group=etp_group, token_group=tokens)
+            self._gemm2 = Float8GroupedGemm(fp8, grouped=grouped, k_group=etp_group, token_group=tokens)
         # TE's modules hold per-module state (FP8 scales): built once, kept out of the module tree
         # (a tuple is not registered), so parameters and state_dict stay w13 / w2
         self._te: tuple[TEExpertGemms, ...] = ()

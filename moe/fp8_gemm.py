@@ -12,10 +12,16 @@ with each operand cast by torchao's recipe (``parallel.fp8_cast``; the gradient 
   dy (over M), per row of w[i] (over K) and per column (over M, for dx), and for dw per (expert,
   channel) over that expert's rows.
 
-The scales are per expert, never per tensor: an expert's quantisation does not depend on which other
-experts share its rank, so every ep layout casts exactly as world 1 does. Dims split over etp (the
-FFN rows of w13 and dy of the first GEMM, the FFN columns of w2 and x of the second) reduce their
-amax over the etp group, so etp layouts cast as world 1 too.
+Scales and layouts. Scales are per expert, never per tensor, so an expert's cast does not depend on
+which other experts share its rank. Dims split over etp (the FFN rows of w13 and dy of the first GEMM,
+the FFN columns of w2 and x of the second) reduce their amax over the etp group. Scales over an
+expert's token rows (tensorwise x and dy, dw's per-channel scales) reduce over ``token_group``
+(``ParallelDims.expert_token_group``): the ranks holding the same experts that split one micro-batch's
+tokens, e.g. the tp ranks at tp2 x ep1 where each runs all experts on its sequence shard. So an
+expert's scales cover every row of the micro-batch routed to it, whatever the layout. (Expert
+parallelism does put rows of several data-parallel ranks' micro-batches into one expert instance, by
+design: those share its scales, which per-row scales and world 1 with one micro-batch per dp rank
+would not; tests/models/test_fp8_parallel.py gives its dp ranks the same micro-batch.)
 
 Two kernels consume the same cast operands (one set of scale tensors, built once):
 
@@ -29,9 +35,13 @@ Two kernels consume the same cast operands (one set of scale tensors, built once
   (CPU, older GPUs, the ``loop`` backend). It takes the counts on the host (the dispatcher's, else one
   read).
 
-Both write bf16 (torch's row-wise and grouped FP8 kernels write nothing else) and cast to the
-operand dtype, so on CPU the per-expert path computes exactly what the grouped kernel computes from
-the same operands (tests/moe/test_fp8_gemm.py emulates ``_scaled_grouped_mm`` on them bit for bit).
+Outputs: the per-expert path writes the operand dtype (tensorwise scales go to the kernel as scalars;
+row-wise ones make torch's CUDA kernel write bf16); the grouped kernel writes bf16 only, cast to the
+operand dtype. With bf16 activations (FP8 training's usual setting) the two paths are bit for bit the
+same computation from the same operands; with fp32 the grouped kernel's results are the per-expert
+ones rounded to bf16 (tests/moe/test_fp8_gemm.py emulates ``_scaled_grouped_mm`` on CPU to check
+both). Keeping fp32 where the kernel allows matters under expert-tensor parallelism: a K-split GEMM's
+partial sums rounded to bf16 before their reduction would make etp layouts differ from world 1.
 """
 
 from __future__ import annotations
@@ -88,8 +98,8 @@ class _Float8GroupedMM(torch.autograd.Function):
         gid = _group_ids(counts_e, x.shape[0])
         ops = _Operands(*gemm.cast_rows(x, gemm.recipe.input, gid, w.shape[0], gemm.k_group),
                         *gemm.cast_weight(w, contract=2))
-        y, ctx.counts_host = gemm.rows_gemm(ops, counts_e, counts_host)
-        return y.to(x.dtype)
+        y, ctx.counts_host = gemm.rows_gemm(ops, counts_e, counts_host, x.dtype)
+        return y
 
     @staticmethod
     def backward(ctx, dy: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:
@@ -102,8 +112,7 @@ class _Float8GroupedMM(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             ops = _Operands(*gemm.cast_rows(dy, r.grad_output, gid, e, gemm.m_group), *gemm.cast_weight(w, contract=1))
-            dx, counts_host = gemm.rows_gemm(ops, counts_e, counts_host)
-            dx = dx.to(x.dtype)
+            dx, counts_host = gemm.rows_gemm(ops, counts_e, counts_host, x.dtype)
         if ctx.needs_input_grad[1]:
             counts_host = counts_host if counts_host is not None else counts_e.tolist()
             q_dy, s_dy = gemm.cast_per_expert_columns(dy, r.grad_output, gid, e, gemm.m_group)
@@ -113,7 +122,8 @@ class _Float8GroupedMM(torch.autograd.Function):
             for i, m in enumerate(counts_host):
                 if m:
                     rows = slice(start, start + m)
-                    dw[i] = scaled_mm(q_dy[rows].t(), s_dy[i], q_x[rows], s_x[i], torch.bfloat16).to(w.dtype)
+                    s_a, s_b = (s_dy[i], s_x[i]) if gemm.rowwise else (s_dy[i, 0], s_x[i, 0])
+                    dw[i] = scaled_mm(q_dy[rows].t(), s_a, q_x[rows], s_b, w.dtype)
                 start += m
         return dx, dw, None, None, None
 
@@ -136,14 +146,15 @@ class Float8GroupedGemm:
     """``grouped_gemm``'s signature in FP8: ``(x [N, K], w [e, M, K], tokens_per_expert_e, backend=None, *,
     trans_w=True, counts_host=None) -> [N, M]`` (``w`` in the experts' ``[out, in]`` layout).
 
-    ``k_group`` / ``m_group``: the group the K / M dim is split over (etp), or None.
+    ``k_group`` / ``m_group``: the group the K / M dim is split over (etp), or None; ``token_group``:
+    the group an expert's rows are split over (module docstring), or None.
     ``grouped``: use ``torch._scaled_grouped_mm`` where the device supports it (else per expert).
     """
 
     def __init__(self, config: FP8Config, *, grouped: bool = True, k_group: Group = None,
-                 m_group: Group = None) -> None:
+                 m_group: Group = None, token_group: Group = None) -> None:
         self.config, self.recipe = config, Float8Recipe.from_config(config)
-        self.grouped, self.k_group, self.m_group = grouped, k_group, m_group
+        self.grouped, self.k_group, self.m_group, self.token_group = grouped, k_group, m_group, token_group
 
     def __call__(self, x_NK: Tensor, w: Tensor, tokens_per_expert_e: Tensor, backend: str | None = None, *,
                  trans_w: bool = True, counts_host: Sequence[int] | None = None) -> Tensor:
@@ -164,7 +175,7 @@ class Float8GroupedGemm:
         if cast.rowwise:
             a = amax(t, (1,), (contract_group,))
         else:
-            a = _per_expert_amax(t, gid, e, False, (contract_group,))[gid].unsqueeze(1)
+            a = _per_expert_amax(t, gid, e, False, (contract_group, self.token_group))[gid].unsqueeze(1)
         q, inv = to_float8(t.contiguous(), a, cast.dtype, self.recipe.pow2_scales)
         return q, inv.squeeze(1)
 
@@ -187,30 +198,36 @@ class Float8GroupedGemm:
         """``t [N, C]`` for dw, contracted over each expert's rows: per (expert, column) or per expert
         -> (data [N, C], scales [e, C])."""
         if cast.rowwise:
-            a_eC = _per_expert_amax(t, gid, e, True, ())
+            a_eC = _per_expert_amax(t, gid, e, True, (self.token_group,))
         else:
-            a_eC = _per_expert_amax(t, gid, e, False, (column_group,))[:, None].expand(-1, t.shape[1])
+            a_eC = _per_expert_amax(t, gid, e, False, (column_group, self.token_group))[:, None].expand(-1, t.shape[1])
         q, _ = to_float8(t, a_eC[gid], cast.dtype, self.recipe.pow2_scales)
         return q, amax_to_scale(a_eC, cast.dtype, self.recipe.pow2_scales).reciprocal()
 
     # -- kernels ------------------------------------------------------------------------------
-    def rows_gemm(self, ops: _Operands, counts_e: Tensor, counts_host: list[int] | None
+    @property
+    def rowwise(self) -> bool:
+        return self.recipe.input.rowwise
+
+    def rows_gemm(self, ops: _Operands, counts_e: Tensor, counts_host: list[int] | None, out_dtype: torch.dtype
                   ) -> tuple[Tensor, list[int] | None]:
-        """``out[rows_i] = (a[rows_i] * sa) @ (b[i] * sb[i])`` in bf16 -> (out [N, M'], host counts if read)."""
+        """``out[rows_i] = (a[rows_i] * sa) @ (b[i] * sb[i])`` -> (out [N, M'], host counts if read)."""
         K, M = ops.b.shape[1], ops.b.shape[2]
         if (self.grouped and ops.a.dtype == ops.b.dtype == E4M3 and _scaled_grouped_mm is not None
                 and grouped_kernel_supported(ops.a, K, M)):
             offs = torch.cumsum(counts_e, 0, dtype=torch.int32)
             out = _scaled_grouped_mm(ops.a, ops.b, ops.sa, ops.sb, offs=offs, out_dtype=torch.bfloat16,
                                      use_fast_accum=self.recipe.fast_accum_forward)
-            return out, counts_host
+            return out.to(out_dtype), counts_host
         counts_host = counts_host if counts_host is not None else counts_e.tolist()
-        out = ops.a.new_empty((ops.a.shape[0], M), dtype=torch.bfloat16)
+        out = ops.a.new_empty((ops.a.shape[0], M), dtype=out_dtype)
         start = 0
         for i, m in enumerate(counts_host):
             if m:
                 rows = slice(start, start + m)
-                out[rows] = scaled_mm(ops.a[rows], ops.sa[rows], ops.b[i], ops.sb[i], torch.bfloat16)
+                # tensorwise: one scale per expert, passed as scalars (torch's tensor-wise kernel)
+                s_a, s_b = (ops.sa[rows], ops.sb[i]) if self.rowwise else (ops.sa[start], ops.sb[i, 0])
+                out[rows] = scaled_mm(ops.a[rows], s_a, ops.b[i], s_b, out_dtype)
             start += m
         return out, counts_host
 

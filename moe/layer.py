@@ -83,8 +83,8 @@ class MoELayer(nn.Module):
         self.experts = GroupedExperts(
             config.num_experts, hidden_size, config.moe_ffn_hidden_size, ep_group=dims.ep_group,
             etp_group=dims.etp_group, activation=config.activation, gemm_backend=config.gemm_backend,
-            init_std=config.init_std, output_init_std=config.output_init_std, fp8=config.fp8, dtype=dtype,
-            device=device)
+            init_std=config.init_std, output_init_std=config.output_init_std, fp8=config.fp8,
+            fp8_token_group=dims.expert_token_group, dtype=dtype, device=device)
         self.shared_experts = None
         if config.has_shared_experts:
             self.shared_experts = SharedExperts(

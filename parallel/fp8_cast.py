@@ -18,9 +18,10 @@ output) of torchao's recipe (``Float8LinearConfig.from_recipe_name``), with the 
 ``--fp8-format`` asks for (hybrid: e5m2, e4m3: e4m3).
 
 ``scaled_mm`` is ``torch._scaled_mm`` (on CPU torch dequantises and runs an fp32 GEMM: FP8 is emulated
-there, bit for bit the quantise-dequantise reference). On CUDA it adds what the FP8 kernels need:
-row-major / column-major operands, K and N zero-padded to multiples of 16, and a bf16 output for
-row-wise scales (torch's row-wise kernel writes bf16 only), cast back to the caller's dtype.
+there, bit for bit the quantise-dequantise reference). It writes the caller's dtype; on CUDA it adds
+what the FP8 kernels need: row-major / column-major operands, K and N zero-padded to multiples of 16,
+and, with row-wise scales, a bf16 output cast to the caller's dtype (torch's row-wise kernel writes
+bf16 only: an fp32 model's row-wise GEMM outputs are bf16-rounded on CUDA, not on CPU).
 """
 
 from __future__ import annotations
@@ -151,11 +152,10 @@ def scaled_mm(a: Tensor, inv_a: Tensor, b: Tensor, inv_b: Tensor, out_dtype: tor
     """``(a * inv_a) @ (b * inv_b)`` for float8 ``a [M, K]``, ``b [K, N]`` through ``torch._scaled_mm``.
 
     ``inv_a``/``inv_b``: 0-d (tensorwise) or ``[M, 1]`` / ``[1, N]`` (row-wise) fp32 inverse scales.
-    The result is ``out_dtype``; with row-wise scales torch's CUDA kernel writes bf16 only, so there
-    the GEMM writes bf16 on every device (CPU included, to keep its numerics the GPU's).
+    The result is ``out_dtype`` (computed as bf16 for row-wise scales on CUDA, the kernel's only output).
     """
     rowwise = inv_a.dim() > 0
-    mm_dtype = torch.bfloat16 if rowwise else out_dtype
+    mm_dtype = torch.bfloat16 if rowwise and a.device.type != "cpu" else out_dtype
     N = b.shape[1]
     if a.device.type != "cpu":
         # torch's CUDA FP8 kernels: K and N multiples of 16 (zero padding is exact), a row-major, b column-major

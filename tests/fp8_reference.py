@@ -54,8 +54,42 @@ def gemm_bound(a: Tensor, da: Tensor, b: Tensor, db: Tensor, y_hat: Tensor, out_
     return A @ db + da @ b.abs() + accumulate + OUT_ROUNDOFF[out_dtype] * y_hat.float().abs()
 
 
+def fp32_gemm_bound(qa: Tensor, qb: Tensor, y: Tensor) -> Tensor:
+    """Elementwise bound of the difference between two fp32 GEMMs of the same operands that sum in
+    different orders (torch's CPU FP8 GEMM against ``qa @ qb``): accumulation and output rounding."""
+    return qa.shape[1] * 2.0 ** -23 * (qa.abs() @ qb.abs()) + 2.0 ** -23 * y.abs()
+
+
+class GemmRecorder:
+    """Records the operands of every ``scaled_mm`` call of the given modules (installed with ``monkeypatch``),
+    as dequantised fp32 matrices ``(a * inv_a, b * inv_b)``, and still runs the GEMM."""
+
+    def __init__(self, monkeypatch, *modules) -> None:
+        from moefold.parallel.fp8_cast import scaled_mm
+
+        self.calls: list[tuple[Tensor, Tensor]] = []
+
+        def record(a, inv_a, b, inv_b, out_dtype, fast_accum=False):
+            ia = inv_a.reshape(-1, 1) if inv_a.dim() else inv_a
+            ib = inv_b.reshape(1, -1) if inv_b.dim() else inv_b
+            self.calls.append((a.float() * ia, b.float() * ib))
+            return scaled_mm(a, inv_a, b, inv_b, out_dtype, fast_accum)
+
+        for module in modules:
+            monkeypatch.setattr(module, "scaled_mm", record)
+
+
+def check_gemm(call: tuple[Tensor, Tensor], qa: Tensor, qb: Tensor, got: Tensor) -> None:
+    """The GEMM consumed exactly the reference's casts (bit for bit) and computed their product (to fp32
+    summation order)."""
+    assert torch.equal(call[0], qa) and torch.equal(call[1], qb), "the GEMM's operands are not the reference casts"
+    want = qa @ qb
+    assert ((got.float() - want).abs() <= fp32_gemm_bound(qa, qb, want)).all()
+
+
 def rel_err(x: Tensor, ref: Tensor) -> float:
     return ((x.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-__all__ = ["E4M3", "E5M2", "cast_bound", "gemm_bound", "ref_cast", "rel_err"]
+__all__ = ["E4M3", "E5M2", "GemmRecorder", "cast_bound", "check_gemm", "fp32_gemm_bound", "gemm_bound", "ref_cast",
+           "rel_err"]
