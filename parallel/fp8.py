@@ -119,20 +119,28 @@ class FP8Config:
             return
 
 
+_TORCHAO: list[Any] = []  # the imported torchao.float8, once imported
+
+
 def import_torchao() -> Any:
     """``torchao.float8`` (ImportError naming the install command when torchao is missing).
+
+    Cheap after the first call (the module is cached); every FP8 cast calls it.
 
     torchao's package import tries to load its compiled CUDA extensions and logs a warning for each
     one that does not match the installed torch (and torch logs a deprecation for an enum torchao
     registers); moefold uses none of those (only the pure-Python float8 recipes and scaling
     functions), so warnings are silenced for the import.
     """
+    if _TORCHAO:
+        return _TORCHAO[0]
     logs = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [log.level for log in logs]
     for log in logs:
         log.setLevel(logging.ERROR)
     try:
-        return importlib.import_module("torchao.float8")
+        _TORCHAO.append(importlib.import_module("torchao.float8"))
+        return _TORCHAO[0]
     except ImportError as err:
         raise ImportError(f"--fp8-backend torchao needs the torchao package, which is not installed: "
                           f"{TORCHAO_INSTALL}") from err

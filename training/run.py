@@ -64,6 +64,10 @@ def train(config: RunConfig, device: torch.device | str = "cpu") -> list[StepRes
     n_params = sum(p.numel() for p in trainer.model.parameters())
     say(f"model: {n_params / 1e6:.2f}M parameters on rank 0, {trainer.num_micro} micro-batches per step, "
         f"optimizer state {trainer.optimizer.state_bytes() / 2**20:.1f} MiB on rank 0 (ZeRO-1)")
+    from moefold.training.fp8_report import fp8_summary, fp8_tag
+
+    if config.options.fp8.enabled or config.options.fp8.dispatch:
+        say(fp8_summary(trainer.model, config.options.fp8))
     if t.load:
         trainer.load(t.load)
     logger = None
@@ -75,7 +79,7 @@ def train(config: RunConfig, device: torch.device | str = "cpu") -> list[StepRes
         logger = MetricsLogger(t.run_dir, total_steps=t.train_iters, start_step=trainer.iteration,
                                flops_per_token=train_flops_per_token(config.model, t.seq_length),
                                peak_flops_per_s=peak_flops(device, dtype) * dims.world_size, device=device,
-                               config=config.to_dict())
+                               config=config.to_dict(), fp8=fp8_tag(trainer.model, config.options.fp8))
     try:
         results = trainer.fit(dataset, logger)
     finally:
