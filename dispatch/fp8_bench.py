@@ -1,31 +1,25 @@
 """``moefold bench-dispatch --fp8``: the FP8 dispatch's bytes and time against the plain one, same run.
 
 Called by ``dispatch.bench`` on every rank after its own measurements: times dispatch + combine of an
-FP8 dispatcher (``--moe-fp8-dispatch``) on fresh routings the same way (after a barrier, median over
-``--iters``, slowest rank), and counts the bytes each rank sends to the others: FP8 rows
-(``H`` e4m3 bytes + 4 per 128-channel scale) going out, ``--dtype`` rows coming back.
+FP8 dispatcher (``--moe-fp8-dispatch``) on fresh routings the way the bench times the plain one (after
+a barrier, untimed expert work between, median over ``--iters``, slowest rank), and counts the bytes
+each rank sends to the others: FP8 rows (``H`` e4m3 bytes + 4 per 128-channel scale) going out,
+``--dtype`` rows coming back.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+from moefold.dispatch.bench import _median_max
 from moefold.dispatch.fp8_exchange import row_bytes
 from moefold.moe.routing import Routing
 from moefold.parallel.dims import ParallelDims
-
-
-def _slowest(seconds: list[float], device: torch.device) -> float:
-    t = torch.tensor([statistics.median(seconds)], dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def _mean_over_ranks(value: float, device: torch.device) -> float:
@@ -66,7 +60,7 @@ def report_fp8(args: argparse.Namespace, dims: ParallelDims, x: torch.Tensor, ro
         if i >= args.warmup:
             seconds.append((t1 - t0) + (time.perf_counter() - t2))
         rows = rows_to_others(out.handle)
-    t_fp8 = _slowest(seconds, device)
+    t_fp8 = _median_max(seconds, device)
     hp_row = H * x.element_size()
     plain_bytes = _mean_over_ranks(2 * rows * hp_row, device)
     fp8_bytes = _mean_over_ranks(rows * (row_bytes(H) + hp_row), device)

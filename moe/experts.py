@@ -75,6 +75,9 @@ class GroupedExperts(nn.Module):
     reduces it in combine). ``tokens_per_expert_host``: the counts as host ints when the dispatcher
     has them; backends that need host counts (``te``, ``grouped_gemm``, ``loop``) otherwise read
     them from the device (one host synchronisation).
+
+    ``fp8_token_group``: with ``--fp8-backend torchao``, the ranks that hold these experts and split one
+    micro-batch's tokens (``ParallelDims.expert_token_group``); FP8 scales over token rows reduce over it.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *,

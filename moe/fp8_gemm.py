@@ -54,7 +54,7 @@ from torch import Tensor
 from moefold.moe.gemm import no_rows
 from moefold.parallel.fp8 import FP8Config
 from moefold.parallel.fp8_cast import E4M3, Float8Recipe, amax, amax_to_scale, reduce_max, scaled_mm, to_float8
-from moefold.parallel.groups import Group
+from moefold.parallel.groups import Group, group_size
 
 FP8_GEMM_BACKENDS: dict[str, tuple[str, ...]] = {"torchao": ("grouped_mm", "loop"), "te": ("te",)}
 
@@ -164,8 +164,8 @@ class Float8GroupedGemm:
         if x_NK.dim() != 2 or w.dim() != 3 or w.shape[2] != x_NK.shape[1]:
             raise ValueError(f"Float8GroupedGemm expects x [N, K] and w [e, M, K], got {tuple(x_NK.shape)} and "
                              f"{tuple(w.shape)}")
-        if x_NK.shape[0] == 0:
-            return no_rows(x_NK, w, True)
+        if x_NK.shape[0] == 0 and group_size(self.token_group) == 1:
+            return no_rows(x_NK, w, True)  # (with a token group, the casts' all-reduces must still run)
         host = None if counts_host is None else [int(c) for c in counts_host]
         return _Float8GroupedMM.apply(x_NK, w, tokens_per_expert_e, host, self)
 
@@ -214,7 +214,7 @@ class Float8GroupedGemm:
         """``out[rows_i] = (a[rows_i] * sa) @ (b[i] * sb[i])`` -> (out [N, M'], host counts if read)."""
         K, M = ops.b.shape[1], ops.b.shape[2]
         if (self.grouped and ops.a.dtype == ops.b.dtype == E4M3 and _scaled_grouped_mm is not None
-                and grouped_kernel_supported(ops.a, K, M)):
+                and ops.a.shape[0] > 0 and grouped_kernel_supported(ops.a, K, M)):
             offs = torch.cumsum(counts_e, 0, dtype=torch.int32)
             out = _scaled_grouped_mm(ops.a, ops.b, ops.sa, ops.sb, offs=offs, out_dtype=torch.bfloat16,
                                      use_fast_accum=self.recipe.fast_accum_forward)

@@ -102,8 +102,10 @@ def test_fp8_dispatch_round_trip_on_4_ranks():
 
 
 def test_bench_dispatch_fp8(capfd):
+    """In process (one rank, the local dispatcher: FP8 casts every row there too); the multi-rank path is the
+    same code after the plain dispatcher's measurements (tests/dispatch/test_bench.py spawns ranks)."""
     argv = ["bench-dispatch", "--num-tokens", "64", "--hidden", "256", "--num-experts", "4", "--topk", "2",
-            "--iters", "2", "--warmup", "1", "--ep", "2", "--dtype", "bf16", "--fp8"]
+            "--iters", "2", "--warmup", "1", "--ep", "1", "--dispatcher", "local", "--dtype", "bf16", "--fp8"]
     args: argparse.Namespace = build_parser("bench-dispatch").parse_args(argv)
     assert bench.main(args) == 0
     out = capfd.readouterr().out
