@@ -9,9 +9,15 @@ forward, all-reduce backward) and the row-parallel output is all-reduced.
 
 Weights are marked with their shards (``parallel.sharding``) and carry an init function, so
 ``init_parameters(module, seed)`` gives the same full weight at every tp.
+
+The local GEMM is ``layer.local_gemm(x, weight, bias)``: ``F.linear``, or an FP8 GEMM that
+``dense.fp8_linear.convert_linears_to_fp8`` installs once after the model is built (the weight and
+its dtype stay as they are).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +33,9 @@ from moefold.parallel.comm import (
 )
 from moefold.parallel.groups import Group, group_size
 from moefold.parallel.sharding import Shard, mark_sequence_parallel, mark_sharded, normal_init, set_init
+
+# (x [..., in], weight [out, in], bias [out] | None) -> [..., out]
+LocalGemm = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
 
 
 def _check_divisible(name: str, value: int, tp: int, layer: str) -> None:
@@ -66,6 +75,7 @@ class ColumnParallelLinear(nn.Module):
             mark_sharded(self.bias, Shard.over(tp_group, 0))
         else:
             self.register_parameter("bias", None)
+        self.local_gemm: LocalGemm = F.linear
 
     def forward(self, x: Tensor) -> Tensor:
         # SP: the GEMM needs the whole sequence; its backward reduce-scatters the input gradient.
@@ -79,11 +89,12 @@ class ColumnParallelLinear(nn.Module):
     def forward_local(self, x: Tensor) -> Tensor:
         """The local GEMM only, ``[..., in] -> [..., out/tp]``, for callers that entered the TP region
         themselves (one all-gather / ``copy_to_region`` shared by several column-parallel layers)."""
-        return F.linear(x, self.weight, self.bias)
+        return self.local_gemm(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, tp={group_size(self.tp_group)}, "
-                f"bias={self.bias is not None}, sp={self.sequence_parallel}, gather_output={self.gather_output}")
+                f"bias={self.bias is not None}, sp={self.sequence_parallel}, gather_output={self.gather_output}"
+                + _gemm_repr(self.local_gemm))
 
 
 class RowParallelLinear(nn.Module):
@@ -122,11 +133,12 @@ class RowParallelLinear(nn.Module):
                 mark_sequence_parallel(self.bias)
         else:
             self.register_parameter("bias", None)
+        self.local_gemm: LocalGemm = F.linear
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
             x = scatter_along_dim(x, self.tp_group, dim=-1)
-        y = F.linear(x, self.weight)
+        y = self.local_gemm(x, self.weight, None)
         if self.sequence_parallel:
             y = reduce_scatter_sequence(y, self.tp_group, dim=0)
         else:
@@ -138,4 +150,8 @@ class RowParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, tp={group_size(self.tp_group)}, "
                 f"bias={self.bias is not None}, sp={self.sequence_parallel}, "
-                f"input_is_parallel={self.input_is_parallel}")
+                f"input_is_parallel={self.input_is_parallel}" + _gemm_repr(self.local_gemm))
+
+
+def _gemm_repr(gemm: LocalGemm) -> str:
+    return "" if gemm is F.linear else f", gemm={gemm.describe() if hasattr(gemm, 'describe') else gemm}"

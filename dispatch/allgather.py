@@ -24,6 +24,7 @@ from torch import Tensor
 
 from moefold.dispatch.alltoall import gather_counts
 from moefold.dispatch.base import Dispatched, DispatchHandle, PendingDispatch, PhaseTimer, TokenDispatcher
+from moefold.dispatch.fp8_exchange import fp8_all_gather
 from moefold.dispatch.permutation import (
     RowMap,
     build_row_map,
@@ -58,13 +59,15 @@ class AllGatherDispatcher(TokenDispatcher):
     ``ep_group`` places the experts (ep rank r holds experts r*e .. r*e+e-1); ``etp_ep_group`` must
     contain exactly the ranks of this rank's ep and etp groups (``ParallelDims.etp_ep_group``).
     When ep or etp is 1 it may be None and is taken to be the other group.
+    ``fp8``: the tokens are gathered as e4m3 with their scales (``dispatch.fp8_exchange``).
     """
 
     name = "allgather"
 
     def __init__(self, num_experts: int, ep_group: Group = None, etp_group: Group = None,
-                 etp_ep_group: Group = None, timer: PhaseTimer | None = None):
+                 etp_ep_group: Group = None, timer: PhaseTimer | None = None, fp8: bool = False):
         super().__init__(num_experts, ep_group, etp_group, timer)
+        self._gather_rows = fp8_all_gather if fp8 else all_gather_sequence
         if etp_ep_group is None:
             if self.ep > 1 and self.etp > 1:
                 raise ValueError(f"allgather dispatcher with ep={self.ep} and etp={self.etp} needs the etp_ep_group")
@@ -94,7 +97,7 @@ class AllGatherDispatcher(TokenDispatcher):
             all_header = gather_counts(header, self.group)  # [W, E + 2]
             host = all_header.tolist()  # the dispatch's one host synchronisation
             max_tokens = max(h[E] for h in host)
-            xg = all_gather_sequence(_pad_rows(x_TH, max_tokens), self.group, 0)
+            xg = self._gather_rows(_pad_rows(x_TH, max_tokens), self.group, 0)
             probs_g = all_gather_sequence(_pad_rows(routing.probs_TK.float(), max_tokens), self.group, 0)
             ids_g = gather_counts(_pad_rows(ids, max_tokens, -1), self.group).view(W * max_tokens, K)
         with self._phase("permute"):

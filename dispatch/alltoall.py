@@ -38,6 +38,7 @@ from torch import Tensor
 
 from moefold.dispatch.base import Dispatched, DispatchHandle, PendingDispatch, PhaseTimer, TokenDispatcher
 from moefold.dispatch.exchange import chunked_all_to_all, chunked_all_to_all_async
+from moefold.dispatch.fp8_exchange import fp8_all_to_all_async, fp8_chunked_all_to_all_async
 from moefold.dispatch.permutation import (
     RowMap,
     build_row_map,
@@ -121,13 +122,16 @@ class AllToAllDispatcher(TokenDispatcher):
     With etp = 1 and at most ``max_chunked_experts`` local experts, the exchange is one
     all-to-all per local expert landing rows directly in expert-major order (``dispatch.exchange``),
     which saves the two sort copies; beyond that, one all-to-all plus ``sort_chunks``.
+    ``fp8``: the token rows travel as e4m3 with their scales (``dispatch.fp8_exchange``).
     """
 
     name = "alltoall"
 
     def __init__(self, num_experts: int, ep_group: Group = None, etp_group: Group = None,
-                 timer: PhaseTimer | None = None, max_chunked_experts: int = 8):
+                 timer: PhaseTimer | None = None, max_chunked_experts: int = 8, fp8: bool = False):
         super().__init__(num_experts, ep_group, etp_group, timer)
+        self._send_rows, self._send_rows_chunked = ((fp8_all_to_all_async, fp8_chunked_all_to_all_async) if fp8
+                                                    else (all_to_all_async, chunked_all_to_all_async))
         if max_chunked_experts < 0:
             raise ValueError(f"max_chunked_experts={max_chunked_experts} must be >= 0 (0 disables chunking)")
         e = self.num_local_experts
@@ -190,7 +194,7 @@ class AllToAllDispatcher(TokenDispatcher):
             if self.chunked:
                 chunk_send = tuple(tuple(mine[d * e + j] for d in range(ep)) for j in range(e))
                 chunk_recv = tuple(tuple(recv[0][s][j] for s in range(ep)) for j in range(e))
-                pending_rows = chunked_all_to_all_async(rows, chunk_recv, chunk_send, self.ep_group)
+                pending_rows = self._send_rows_chunked(rows, chunk_recv, chunk_send, self.ep_group)
                 # probs are tiny: one exchange in [destination x expert] order, regrouped on both sides.
                 # The chunk sizes come from device tensors: one built from the host lists would be a
                 # blocking host->device copy (a stream synchronisation on CUDA).
@@ -202,7 +206,7 @@ class AllToAllDispatcher(TokenDispatcher):
                 probs_recv_counts = chunk_counts.view(etp, ep, e)[0]  # [source, expert]
                 pending_probs = all_to_all_async(probs, list(recv_splits), list(send), self.ep_group)
             else:
-                pending_rows = all_to_all_async(rows, list(recv_splits), list(send), self.ep_group)
+                pending_rows = self._send_rows(rows, list(recv_splits), list(send), self.ep_group)
                 pending_probs = all_to_all_async(probs, list(recv_splits), list(send), self.ep_group)
 
         def finish() -> Dispatched:
@@ -253,5 +257,5 @@ class LocalDispatcher(AllToAllDispatcher):
 
     name = "local"
 
-    def __init__(self, num_experts: int, timer: PhaseTimer | None = None):
-        super().__init__(num_experts, None, None, timer)
+    def __init__(self, num_experts: int, timer: PhaseTimer | None = None, fp8: bool = False):
+        super().__init__(num_experts, None, None, timer, fp8=fp8)

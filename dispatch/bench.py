@@ -57,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-chunked-experts", type=int, default=None,
                         help="alltoall only: chunk the exchange per local expert up to this many local experts "
                              "(0: one exchange + sort); default: the dispatcher's")
+    parser.add_argument("--fp8", action="store_true", help="also time FP8 dispatch (--moe-fp8-dispatch): bytes "
+                                                           "and time against --dtype (dispatch.fp8_bench)")
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -221,6 +223,11 @@ def _rank_main(args: argparse.Namespace) -> None:
                       f"{(t_raw + t_local) / t_raw:.2f}x (the floor for a dispatcher that does not overlap them)")
         else:
             print("raw all_to_all_single: ep=1, nothing to exchange")
+    if args.fp8:
+        from moefold.dispatch.fp8_bench import report_fp8
+
+        others = lambda h: sum(n for s, n in enumerate(_splits(h, dims, T * K)[0]) if s != ep_rank)
+        report_fp8(args, dims, x, lambda: _route(x, w_gate, skew, K), t_e2e, others, **options)
 
 
 def _splits(handle, dims, copies: int) -> tuple[list[int], list[int]]:

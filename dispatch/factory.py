@@ -15,12 +15,13 @@ DISPATCHER_KINDS = ("local", "allgather", "alltoall", "flex")
 
 def build_dispatcher(kind: str, num_experts: int, dims: ParallelDims | None = None, *,
                      ep_group: Group = None, etp_group: Group = None, etp_ep_group: Group = None,
-                     timer: PhaseTimer | None = None, **backend_options: Any) -> TokenDispatcher:
+                     timer: PhaseTimer | None = None, fp8: bool = False, **backend_options: Any) -> TokenDispatcher:
     """Create the dispatcher ``kind`` (one of ``DISPATCHER_KINDS``) for ``num_experts`` experts.
 
     Groups come from ``dims`` (its ep, etp and etp_ep groups) or are passed explicitly; with
     neither, the dispatcher runs alone (ep = etp = 1). ``backend_options`` go to the alltoall
     dispatcher (``max_chunked_experts``) or the flex (DeepEP) one (``num_sms``, ``buffers``).
+    ``fp8``: FP8 token dispatch (``dispatch.fp8_exchange``; local, allgather and alltoall).
     """
     if dims is not None:
         ep_group, etp_group, etp_ep_group = dims.ep_group, dims.etp_group, dims.etp_ep_group
@@ -34,11 +35,13 @@ def build_dispatcher(kind: str, num_experts: int, dims: ParallelDims | None = No
             if group_size(group) != 1:
                 raise ValueError(f"the local dispatcher needs {name}=1, got {name}={group_size(group)}; "
                                  "use 'alltoall' or 'allgather'")
-        return LocalDispatcher(num_experts, timer=timer)
+        return LocalDispatcher(num_experts, timer=timer, fp8=fp8)
     if kind == "allgather":
-        return AllGatherDispatcher(num_experts, ep_group, etp_group, etp_ep_group, timer=timer)
+        return AllGatherDispatcher(num_experts, ep_group, etp_group, etp_ep_group, timer=timer, fp8=fp8)
     if kind == "alltoall":
-        return AllToAllDispatcher(num_experts, ep_group, etp_group, timer=timer, **backend_options)
+        return AllToAllDispatcher(num_experts, ep_group, etp_group, timer=timer, fp8=fp8, **backend_options)
+    if fp8:
+        raise ValueError("FP8 dispatch runs with the local, allgather and alltoall dispatchers, not 'flex'")
     from moefold.dispatch.deepep import FlexDispatcher  # lazy: imports deep_ep only when asked for
 
     return FlexDispatcher(num_experts, ep_group, etp_group, etp_ep_group, timer=timer, **backend_options)

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from moefold.dense.context_parallel import context_parallel_positions, gather_from_context_parallel
 from moefold.dense.cross_entropy import vocab_parallel_cross_entropy
 from moefold.dense.embedding import OutputHead, VocabParallelEmbedding
+from moefold.dense.fp8_linear import convert_linears_to_fp8
 from moefold.dense.norm import RMSNorm
 from moefold.dense.recompute import checkpointed
 from moefold.models.config import ModelConfig
@@ -132,6 +133,8 @@ class MoEDecoder(nn.Module):
             self.mtp = nn.ModuleList(MTPModule(config, config.num_layers + k, dims, options)
                                      for k in range(config.mtp_num_layers))
         apply_recompute(self, self.layers, options)
+        # FP8 GEMMs for the linears (--fp8-format; the experts take theirs from the MoE config)
+        convert_linears_to_fp8(self, options.fp8, dims.tp_group)
 
     def init_weights(self, seed: int) -> None:
         """Layout-independent init of every weight (``parallel.sharding.init_parameters``)."""

@@ -40,7 +40,8 @@ class ModelOptions:
     gemm_backend:      routed-expert GEMM backend (``moe.gemm.GEMM_BACKENDS``)
     dtype:             parameter dtype, "fp32" | "bf16" | "fp16" (routers and expert bias stay fp32)
     init_std:          std of the normal init of every weight matrix
-    fp8:               FP8 settings (``parallel.fp8.FP8Config``; --fp8-format / --fp8-recipe)
+    fp8:               FP8 GEMMs and dispatch (``parallel.fp8.FP8Config``; --fp8-format, --fp8-recipe,
+                       --fp8-backend, --fp8-exclude-modules, --moe-fp8-dispatch)
     moe_deepep_num_sms: SMs DeepEP's kernels take with the flex dispatcher (--moe-deepep-num-sms)
     """
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from moefold.moe.experts import ACTIVATIONS
+from moefold.moe.fp8_gemm import check_fp8_gemm_backend
 from moefold.moe.gemm import GEMM_BACKENDS
 from moefold.parallel.fp8 import FP8Config
 
@@ -40,7 +41,7 @@ class MoEConfig:
     gemm_backend: str = "grouped_mm"              # see moe.gemm.GEMM_BACKENDS
     init_std: float = 0.02
     output_init_std: float | None = None          # w2 / shared down projection; None = init_std
-    fp8: FP8Config | None = None                  # FP8 expert GEMMs (needs gemm_backend "te")
+    fp8: FP8Config | None = None                  # FP8 expert GEMMs and FP8 dispatch (parallel.fp8)
     deepep_num_sms: int = 20                      # flex: SMs DeepEP's kernels use (--moe-deepep-num-sms)
 
     def __post_init__(self) -> None:
@@ -60,10 +61,10 @@ class MoEConfig:
         if not self.init_std > 0 or (self.output_init_std is not None and not self.output_init_std > 0):
             raise ValueError(f"MoEConfig: init_std={self.init_std} and output_init_std={self.output_init_std} "
                              "must be > 0")
-        if self.fp8 is not None and self.fp8.enabled and self.gemm_backend != "te":
-            raise ValueError(f"MoEConfig: FP8 ({self.fp8.describe()}) runs the expert GEMMs through Transformer "
-                             f"Engine: use gemm_backend 'te' (--moe-grouped-gemm-backend te), not "
-                             f"{self.gemm_backend!r}")
+        check_fp8_gemm_backend(self.fp8, self.gemm_backend)
+        if self.fp8 is not None and self.fp8.dispatch and self.dispatcher == "flex":
+            raise ValueError("MoEConfig: FP8 dispatch (--moe-fp8-dispatch) runs with the alltoall and allgather "
+                             "dispatchers (and needs no exchange with 'local'), not 'flex'")
         if not isinstance(self.deepep_num_sms, int) or self.deepep_num_sms < 2 or self.deepep_num_sms % 2:
             raise ValueError(f"MoEConfig: deepep_num_sms={self.deepep_num_sms!r} must be an even integer >= 2 "
                              "(--moe-deepep-num-sms; DeepEP runs two SMs per channel)")

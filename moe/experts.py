@@ -20,14 +20,16 @@ expert-data-parallel group (edp), not dp.
 GEMM backends (``moe.gemm``): every backend computes on these two stacked parameters. With
 ``te`` the experts own two persistent Transformer Engine ``GroupedLinear`` modules (built once,
 no weights of their own: ``moe.te_gemm``) that run on views of ``w13``/``w2``, so parameter
-names, checkpoints and HF import/export are the same for every backend; ``fp8`` (an enabled
-``FP8Config``) runs those two GEMMs in FP8 under TE's autocast.
+names, checkpoints and HF import/export are the same for every backend. ``fp8`` (an enabled
+``FP8Config``) runs the two GEMMs in FP8: under TE's autocast (``--fp8-backend te``, gemm backend
+``te``), or through ``moe.fp8_gemm.Float8GroupedGemm`` (``--fp8-backend torchao``, gemm backend
+``grouped_mm`` or ``loop``), chosen here once.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moefold.dense.recompute import CheckpointWithoutOutput
+from moefold.moe.fp8_gemm import Float8GroupedGemm, check_fp8_gemm_backend
 from moefold.moe.gemm import (
     GEMM_BACKENDS,
     check_gemm_backend,
@@ -73,12 +76,15 @@ class GroupedExperts(nn.Module):
     reduces it in combine). ``tokens_per_expert_host``: the counts as host ints when the dispatcher
     has them; backends that need host counts (``te``, ``grouped_gemm``, ``loop``) otherwise read
     them from the device (one host synchronisation).
+
+    ``fp8_token_group``: with ``--fp8-backend torchao``, the ranks that hold these experts and split one
+    micro-batch's tokens (``ParallelDims.expert_token_group``); FP8 scales over token rows reduce over it.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *,
                  ep_group: Group = None, etp_group: Group = None, activation: str = "swiglu",
                  gemm_backend: str = "grouped_mm", init_std: float = 0.02, output_init_std: float | None = None,
-                 fp8: FP8Config | None = None,
+                 fp8: FP8Config | None = None, fp8_token_group: Group = None,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
         super().__init__()
         ep, etp = group_size(ep_group), group_size(etp_group)
@@ -96,10 +102,8 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"GroupedExperts: gemm_backend={gemm_backend!r}; valid: {', '.join(GEMM_BACKENDS)}")
         check_gemm_backend(gemm_backend, dtype)
         fp8 = fp8 if fp8 is not None and fp8.enabled else None
+        check_fp8_gemm_backend(fp8, gemm_backend)
         if fp8 is not None:
-            if gemm_backend != "te":
-                raise ValueError(f"GroupedExperts: FP8 ({fp8.describe()}) runs through Transformer Engine: "
-                                 f"use gemm_backend 'te' (--moe-grouped-gemm-backend te), not {gemm_backend!r}")
             fp8.check_available()
         self.num_experts, self.hidden_size, self.ffn_hidden_size = num_experts, hidden_size, ffn_hidden_size
         self.num_local_experts = num_experts // ep
@@ -122,6 +126,14 @@ class GroupedExperts(nn.Module):
                 p.normal_(0.0, std)
         self.fp8 = fp8
         self._host_counts = needs_host_counts(gemm_backend)  # decided once
+        # the two projections' GEMMs (grouped_gemm's signature), decided once
+        self._gemm13: Callable[..., Tensor] = grouped_gemm
+        self._gemm2: Callable[..., Tensor] = grouped_gemm
+        if fp8 is not None and fp8.backend == "torchao":  # etp splits w13's rows (M) and w2's columns (K)
+            grouped = gemm_backend == "grouped_mm"
+            tokens = fp8_token_group  # ParallelDims.expert_token_group: see moe.fp8_gemm
+            self._gemm13 = Float8GroupedGemm(fp8, grouped=grouped, m_group=etp_group, token_group=tokens)
+            self._gemm2 = Float8GroupedGemm(fp8, grouped=grouped, k_group=etp_group, token_group=tokens)
         # TE's modules hold per-module state (FP8 scales): built once, kept out of the module tree
         # (a tuple is not registered), so parameters and state_dict stay w13 / w2
         self._te: tuple[TEExpertGemms, ...] = ()
@@ -153,7 +165,7 @@ class GroupedExperts(nn.Module):
             if tokens_NH.shape[0] == 0:
                 return no_rows(self._activate(no_rows(tokens_NH, w13, True)), self.w2, True)
             return self._te[0](tokens_NH, w13, self.w2, counts_host, self._activate) * probs_N1
-        h_NGf = grouped_gemm(tokens_NH, w13, tokens_per_expert_e, self.gemm_backend, trans_w=True,
+        h_NGf = self._gemm13(tokens_NH, w13, tokens_per_expert_e, self.gemm_backend, trans_w=True,
                              counts_host=counts_host)
         # The down projection is linear, so the probs can scale its input [N, f] or its output
         # [N, H]: do it on the narrower one (a memory-bound pass forward and two backward).
@@ -161,8 +173,8 @@ class GroupedExperts(nn.Module):
         recompute = CheckpointWithoutOutput() if self.recompute_activation else None
         act = (self._activate(h_NGf, probs_N, scale_input) if recompute is None
                else recompute.checkpoint(self._activate, h_NGf, probs_N, scale_input))
-        out_NH = grouped_gemm(act, self.w2, tokens_per_expert_e, self.gemm_backend, trans_w=True,
-                              counts_host=counts_host)
+        out_NH = self._gemm2(act, self.w2, tokens_per_expert_e, self.gemm_backend, trans_w=True,
+                             counts_host=counts_host)
         if recompute is not None:   # moe_act: the activation is freed once w2 saved it, recomputed before its backward
             recompute.discard_output_and_register_recompute(out_NH)
         return out_NH if scale_input else out_NH * probs_N.to(out_NH.dtype).unsqueeze(-1)

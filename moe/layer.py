@@ -79,12 +79,13 @@ class MoELayer(nn.Module):
         # The router marks its weight sequence-parallel itself: every tp rank routes distinct tokens.
         self.router = Router(config.router, hidden_size, RouterGroups.from_dims(dims))
         options = {"num_sms": config.deepep_num_sms} if config.dispatcher == "flex" else {}
-        self.dispatcher = build_dispatcher(config.dispatcher, config.num_experts, dims, **options)
+        fp8_dispatch = config.fp8 is not None and config.fp8.dispatch
+        self.dispatcher = build_dispatcher(config.dispatcher, config.num_experts, dims, fp8=fp8_dispatch, **options)
         self.experts = GroupedExperts(
             config.num_experts, hidden_size, config.moe_ffn_hidden_size, ep_group=dims.ep_group,
             etp_group=dims.etp_group, activation=config.activation, gemm_backend=config.gemm_backend,
-            init_std=config.init_std, output_init_std=config.output_init_std, fp8=config.fp8, dtype=dtype,
-            device=device)
+            init_std=config.init_std, output_init_std=config.output_init_std, fp8=config.fp8,
+            fp8_token_group=dims.expert_token_group, dtype=dtype, device=device)
         self.shared_experts = None
         self.recompute_shared_experts = False   # selective recompute (``dense.recompute``), set by the model
         if config.has_shared_experts:

@@ -85,6 +85,27 @@ class ParallelSizes:
         return _coords(rank, (("etp", self.etp), ("ep", self.ep), ("edp", self.edp), ("pp", self.pp)))
 
 
+def _expert_token_group(s: ParallelSizes, rank: int, tp_cp_group: Group) -> Group:
+    """This rank's ``expert_token_group`` (see ``ParallelDims``); collective: every rank creates every group.
+
+    A tp x cp block is ``tp*cp`` consecutive ranks and a rank's (etp, ep) coordinates are its rank
+    modulo ``etp*ep``, so the group is the block's ranks congruent to this one modulo ``etp*ep``.
+    """
+    block, stride = s.tp * s.cp, s.etp * s.ep
+    if block <= stride:
+        return None
+    if stride == 1:
+        return tp_cp_group
+    mine = None
+    for start in range(0, s.world_size, block):
+        for residue in range(start, start + stride):
+            ranks = list(range(residue, start + block, stride))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine = group
+    return mine
+
+
 def _coords(rank: int, dims: tuple[tuple[str, int], ...]) -> dict[str, int]:
     out = {}
     for name, size in dims:  # innermost first
@@ -102,7 +123,11 @@ class ParallelDims:
 
     Dense groups ``tp cp dp pp``; expert groups ``ep etp edp``; derived groups ``tp_cp``
     (router statistics), ``dp_cp`` (dense gradient reduction), ``tp_cp_dp`` (global balancing
-    counts, expert-bias update) and ``etp_ep`` (the token dispatcher's group).
+    counts, expert-bias update), ``etp_ep`` (the token dispatcher's group) and ``expert_token``:
+    the ranks that hold this rank's experts (same etp, ep) and split the tokens of its micro-batch
+    (same tp x cp block), None when the dispatcher's etp x ep group spans that block (each expert
+    instance then sees all of the micro-batch's rows it is sent). FP8 reduces the experts' scales
+    over token rows over it (``moe.fp8_gemm``).
     """
 
     sizes: ParallelSizes
@@ -121,6 +146,7 @@ class ParallelDims:
     dp_cp_group: Group = field(default=None, repr=False)
     tp_cp_dp_group: Group = field(default=None, repr=False)
     etp_ep_group: Group = field(default=None, repr=False)
+    expert_token_group: Group = field(default=None, repr=False)
 
     @classmethod
     def single(cls, device_type: str = "cpu") -> ParallelDims:
@@ -138,6 +164,7 @@ class ParallelDims:
         s = config.resolve(dist.get_world_size())
         dense = init_device_mesh(device_type, (s.pp, s.dp, s.cp, s.tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
         expert = init_device_mesh(device_type, (s.pp, s.edp, s.ep, s.etp), mesh_dim_names=("pp", "edp", "ep", "etp"))
+        tp_cp = dense["cp", "tp"]._flatten("tp_cp").get_group()
         return cls(
             sizes=s, rank=dist.get_rank(), device_type=device_type, dense_mesh=dense, expert_mesh=expert,
             tp_group=dense["tp"].get_group(),
@@ -147,10 +174,11 @@ class ParallelDims:
             ep_group=expert["ep"].get_group(),
             etp_group=expert["etp"].get_group(),
             edp_group=expert["edp"].get_group(),
-            tp_cp_group=dense["cp", "tp"]._flatten("tp_cp").get_group(),
+            tp_cp_group=tp_cp,
             dp_cp_group=dense["dp", "cp"]._flatten("dp_cp").get_group(),
             tp_cp_dp_group=dense["dp", "cp", "tp"]._flatten("tp_cp_dp").get_group(),
             etp_ep_group=expert["ep", "etp"]._flatten("etp_ep").get_group(),
+            expert_token_group=_expert_token_group(s, dist.get_rank(), tp_cp),
         )
 
     # -- sizes -----------------------------------------------------------------------------

@@ -1,58 +1,93 @@
-"""FP8 training settings (Megatron's ``--fp8-format`` / ``--fp8-recipe``), in one typed place.
+"""FP8 training settings (Megatron's ``--fp8-format`` / ``--fp8-recipe``, plus ``--fp8-backend``), in one place.
 
 ``FP8Config`` is what a run asks for; ``add_fp8_arguments`` / ``fp8_config_from_args`` are the
-only definitions of its flags, so a new backend or recipe is added here once. Today FP8 runs
-through Transformer Engine: ``te_recipe`` builds TE's recipe object and ``te_autocast`` enters
-TE's autocast around TE modules (moefold's expert GEMMs with ``--moe-grouped-gemm-backend te``).
-Nothing else (torch linears, attention) runs in FP8.
+only definitions of its flags, so a new backend or recipe is added here once.
 
 - format ``e4m3``: E4M3 everywhere; ``hybrid``: E4M3 forward, E5M2 gradients.
-- recipe ``delayed``: per-tensor scales from an amax history (TE ``DelayedScaling``);
-  ``tensorwise``: per-tensor scales from the current amax (``Float8CurrentScaling``);
-  ``mxfp8``: 32-element block scales (``MXFP8BlockScaling``; Blackwell GPUs only).
+- backend ``torchao`` (default): torchao's float8 training recipes run by moefold's own scaled-GEMM
+  autograd functions (``parallel.fp8_cast``) in every column/row-parallel linear (``dense.fp8_linear``)
+  and in the grouped expert GEMMs (``moe.fp8_gemm``), on CPU (torch's emulated ``_scaled_mm``) and
+  CUDA. Recipes: ``tensorwise`` (one scale per tensor; per expert for the experts) and ``rowwise``
+  (one scale per row along each GEMM's contraction dim, power-of-2 scales).
+- backend ``te``: Transformer Engine's autocast around TE modules: the linears through ``te.Linear``
+  and the experts through ``te.GroupedLinear`` (``--moe-grouped-gemm-backend te``). Recipes:
+  ``delayed`` (amax history, TE ``DelayedScaling``), ``tensorwise`` (``Float8CurrentScaling``),
+  ``mxfp8`` (32-element blocks, ``MXFP8BlockScaling``; Blackwell GPUs only). Scales are TE's, per
+  rank and per module (``amax_reduction_group=None``), and its amax history is not checkpointed: a
+  resumed run rebuilds it over its first steps.
 
-The amax history of ``delayed`` lives in the TE modules and is not reduced across ranks
-(``amax_reduction_group=None``): each rank scales its own experts' tensors, which is what
-expert parallelism shards anyway. It is not written to checkpoints: a resumed run rebuilds it
-over its first steps.
+The weights stay what they are (fp32 or bf16 parameters, fp32 master weights): only the GEMMs'
+operands are cast, so checkpoints, resharding and HF export are the same with and without FP8.
+Modules whose qualified name contains one of ``exclude_modules`` (default: the output head) keep
+their GEMMs in high precision; the router never runs in FP8 (its GEMM is fp32, ``--moe-router-dtype``).
+
+``dispatch`` (``--moe-fp8-dispatch``, independent of the format) sends the routed tokens to their
+experts as E4M3 with per-128-channel scales (``dispatch.fp8_exchange``).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 FP8_FORMATS: tuple[str, ...] = ("e4m3", "hybrid")
-FP8_RECIPES: tuple[str, ...] = ("delayed", "tensorwise", "mxfp8")
+FP8_BACKENDS: tuple[str, ...] = ("torchao", "te")
+# the recipes each backend runs; the first is its default
+BACKEND_RECIPES: dict[str, tuple[str, ...]] = {"torchao": ("tensorwise", "rowwise"),
+                                               "te": ("delayed", "tensorwise", "mxfp8")}
+FP8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "delayed", "mxfp8")
+DEFAULT_EXCLUDE: tuple[str, ...] = ("output_head",)
 TE_INSTALL = "pip install --no-build-isolation transformer-engine[pytorch] (needs CUDA)"
+TORCHAO_INSTALL = 'pip install torchao==0.18.0 (or pip install -e ".[fp8]")'
 
 
 @dataclass(frozen=True)
 class FP8Config:
-    """format: None (FP8 off) or one of ``FP8_FORMATS``; recipe: one of ``FP8_RECIPES``."""
+    """format: None (FP8 GEMMs off) or one of ``FP8_FORMATS``; recipe: one of the backend's
+    ``BACKEND_RECIPES`` (None: its default, filled in when the format is set); backend: one of
+    ``FP8_BACKENDS``; exclude_modules: name fragments of modules kept in high precision;
+    dispatch: FP8 token dispatch (works with or without FP8 GEMMs)."""
 
     format: str | None = None
-    recipe: str = "delayed"
+    recipe: str | None = None
+    backend: str = "torchao"
+    exclude_modules: tuple[str, ...] = DEFAULT_EXCLUDE
+    dispatch: bool = False
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "exclude_modules", tuple(self.exclude_modules))  # a list from JSON
         if self.format is not None and self.format not in FP8_FORMATS:
             raise ValueError(f"--fp8-format={self.format!r} is not one of {', '.join(FP8_FORMATS)}")
-        if self.recipe not in FP8_RECIPES:
+        if self.backend not in FP8_BACKENDS:
+            raise ValueError(f"--fp8-backend={self.backend!r} is not one of {', '.join(FP8_BACKENDS)}")
+        if self.recipe is not None and self.recipe not in FP8_RECIPES:
             raise ValueError(f"--fp8-recipe={self.recipe!r} is not one of {', '.join(FP8_RECIPES)}")
+        if self.format is None:
+            return
+        valid = BACKEND_RECIPES[self.backend]
+        if self.recipe is None:
+            object.__setattr__(self, "recipe", valid[0])
+        elif self.recipe not in valid:
+            raise ValueError(f"--fp8-recipe={self.recipe} is not supported by --fp8-backend={self.backend}; "
+                             f"it supports {', '.join(valid)}")
 
     @property
     def enabled(self) -> bool:
+        """FP8 GEMMs are on (``dispatch`` is separate)."""
         return self.format is not None
 
     def describe(self) -> str:
-        return f"fp8 {self.format} {self.recipe} (Transformer Engine)" if self.enabled else "fp8 off"
+        name = {"torchao": "torchao", "te": "Transformer Engine"}[self.backend]
+        gemms = f"fp8 {self.format} {self.recipe} ({name})" if self.enabled else "fp8 off"
+        return gemms + (", fp8 dispatch" if self.dispatch else "")
 
     def te_recipe(self) -> Any:
         """Transformer Engine's recipe object for this config (imports transformer_engine)."""
-        recipe_mod = _import_te("transformer_engine.common.recipe")
+        recipe_mod = import_te("transformer_engine.common.recipe")
         fmt = recipe_mod.Format.E4M3 if self.format == "e4m3" else recipe_mod.Format.HYBRID
         if self.recipe == "delayed":
             return recipe_mod.DelayedScaling(fp8_format=fmt)
@@ -64,7 +99,10 @@ class FP8Config:
         """Fail now, naming what is missing, if this config cannot run here (no-op when off)."""
         if not self.enabled:
             return
-        _import_te("transformer_engine.pytorch")
+        if self.backend == "torchao":
+            import_torchao()
+            return
+        import_te("transformer_engine.pytorch")
         self.te_recipe()
         # check_fp8_support() / check_mxfp8_support() -> (ok, reason): in transformer_engine.pytorch.quantization
         # in recent releases, transformer_engine.pytorch.fp8 in older ones (2.8 and before)
@@ -81,6 +119,36 @@ class FP8Config:
             return
 
 
+_TORCHAO: list[Any] = []  # the imported torchao.float8, once imported
+
+
+def import_torchao() -> Any:
+    """``torchao.float8`` (ImportError naming the install command when torchao is missing).
+
+    Cheap after the first call (the module is cached); every FP8 cast calls it.
+
+    torchao's package import tries to load its compiled CUDA extensions and logs a warning for each
+    one that does not match the installed torch (and torch logs a deprecation for an enum torchao
+    registers); moefold uses none of those (only the pure-Python float8 recipes and scaling
+    functions), so warnings are silenced for the import.
+    """
+    if _TORCHAO:
+        return _TORCHAO[0]
+    logs = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
+    try:
+        _TORCHAO.append(importlib.import_module("torchao.float8"))
+        return _TORCHAO[0]
+    except ImportError as err:
+        raise ImportError(f"--fp8-backend torchao needs the torchao package, which is not installed: "
+                          f"{TORCHAO_INSTALL}") from err
+    finally:
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
+
+
 def te_autocast(config: FP8Config | None) -> AbstractContextManager:
     """Transformer Engine's FP8 autocast for ``config`` (a null context when FP8 is off).
 
@@ -91,31 +159,43 @@ def te_autocast(config: FP8Config | None) -> AbstractContextManager:
     """
     if config is None or not config.enabled:
         return nullcontext()
-    te = _import_te("transformer_engine.pytorch")
+    te = import_te("transformer_engine.pytorch")
     if hasattr(te, "autocast"):
         return te.autocast(enabled=True, recipe=config.te_recipe())
     return te.fp8_autocast(enabled=True, fp8_recipe=config.te_recipe())
 
 
-def _import_te(module: str) -> Any:
+def import_te(module: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as err:
-        raise ImportError(f"FP8 (--fp8-format) runs through Transformer Engine, which is not installed: "
+        raise ImportError(f"--fp8-backend te runs through Transformer Engine, which is not installed: "
                           f"{TE_INSTALL}") from err
 
 
 def add_fp8_arguments(parser: argparse.ArgumentParser | Any) -> None:
-    """The FP8 flags (Megatron-LM's names) on ``parser`` (a parser or an argument group)."""
+    """The FP8 flags (Megatron-LM's names where it has them) on ``parser`` (a parser or an argument group)."""
     parser.add_argument("--fp8-format", default=None, choices=FP8_FORMATS,
-                        help="FP8 for Transformer Engine modules (the experts with --moe-grouped-gemm-backend te): "
-                             "e4m3, or hybrid (e4m3 forward, e5m2 gradients); default off")
-    parser.add_argument("--fp8-recipe", default="delayed", choices=FP8_RECIPES,
-                        help="FP8 scaling: delayed (amax history), tensorwise (current amax), mxfp8 (Blackwell)")
+                        help="FP8 GEMMs in the linears and the experts: e4m3, or hybrid (e4m3 forward, e5m2 "
+                             "gradients); default off")
+    parser.add_argument("--fp8-recipe", default=None, choices=FP8_RECIPES,
+                        help="FP8 scaling; torchao: tensorwise (default) | rowwise; te: delayed (default) | "
+                             "tensorwise | mxfp8 (Blackwell)")
+    parser.add_argument("--fp8-backend", default="torchao", choices=FP8_BACKENDS,
+                        help="torchao (default; CPU and CUDA) or te (Transformer Engine, CUDA; the experts need "
+                             "--moe-grouped-gemm-backend te)")
+    parser.add_argument("--fp8-exclude-modules", nargs="*", default=list(DEFAULT_EXCLUDE), metavar="NAME",
+                        help="modules whose qualified name contains one of these keep high-precision GEMMs "
+                             f"(default: {' '.join(DEFAULT_EXCLUDE)}; e.g. add layers.0. for the first layer)")
+    parser.add_argument("--moe-fp8-dispatch", action="store_true",
+                        help="send routed tokens to their experts as e4m3 with per-128-channel scales "
+                             "(alltoall and allgather dispatchers)")
 
 
 def fp8_config_from_args(args: argparse.Namespace) -> FP8Config:
-    return FP8Config(format=args.fp8_format, recipe=args.fp8_recipe)
+    return FP8Config(format=args.fp8_format, recipe=args.fp8_recipe, backend=args.fp8_backend,
+                     exclude_modules=tuple(args.fp8_exclude_modules), dispatch=args.moe_fp8_dispatch)
 
 
-__all__ = ["FP8_FORMATS", "FP8_RECIPES", "FP8Config", "add_fp8_arguments", "fp8_config_from_args", "te_autocast"]
+__all__ = ["BACKEND_RECIPES", "FP8_BACKENDS", "FP8_FORMATS", "FP8_RECIPES", "FP8Config", "add_fp8_arguments",
+           "fp8_config_from_args", "import_te", "import_torchao", "te_autocast"]

@@ -71,6 +71,9 @@ def report() -> list[str]:
     else:
         lines.append("launched: no (world size 1)")
     lines += [f"{name}: {backend_status(name)}" for name in OPTIONAL_BACKENDS]
+    from moefold.training.fp8_report import env_lines
+
+    lines += env_lines()
     lines += gpu_report()
     return lines
 

@@ -97,9 +97,11 @@ def bench_moe_layer(args: argparse.Namespace) -> int:
         backends = args.backends.split(",")
         variants: list[tuple[str, FP8Config | None]] = [(b, None) for b in backends]
         if "te" in backends:
-            variants.append(("te", FP8Config("hybrid", "delayed")))
+            variants.append(("te", FP8Config("hybrid", "delayed", backend="te")))
+        if "grouped_mm" in backends:  # torchao recipes through torch's FP8 (grouped) GEMMs
+            variants += [("grouped_mm", FP8Config("e4m3", "rowwise")), ("grouped_mm", FP8Config("hybrid"))]
         for backend, fp8 in variants:
-            label = backend + (" fp8 hybrid delayed" if fp8 else "")
+            label = backend + (f" fp8 {fp8.format} {fp8.recipe}" if fp8 else "")
             try:
                 check_gemm_backend(backend, torch.bfloat16)
                 if fp8 is not None:

@@ -8,7 +8,8 @@ JSONL schema (``RUN_DIR/metrics.jsonl``, one JSON object per line, appended acro
 A run record, written when a logger opens::
 
     {"kind": "run", "schema": 1, "time": <unix s>, "start_step": int, "total_steps": int | null,
-     "flops_per_token": float | null, "peak_flops_per_s": float | null, "config": {...} | null}
+     "flops_per_token": float | null, "peak_flops_per_s": float | null, "config": {...} | null,
+     "fp8": str | null}               # which GEMMs run in FP8 (training.fp8_report.fp8_tag), also on every line
 
 A step record per logging step (``null``: not measured, or not finite)::
 
@@ -237,20 +238,21 @@ class MetricsLogger:
         print_fn: where lines go (default: ``tqdm.write`` so the progress bar stays intact).
         wandb: ``{"project": ..., "name": ..., "dir": ...}`` to also log every scalar to Weights & Biases
             (the optional ``wandb`` package, imported only then; ``WANDB_MODE=offline`` needs no network).
+        fp8: which GEMMs run in FP8 (``training.fp8_report.fp8_tag``), appended to every printed line.
     """
 
     def __init__(self, run_dir: str | os.PathLike, *, total_steps: int | None = None, start_step: int = 0,
                  flops_per_token: float | None = None, peak_flops_per_s: float | None = None,
                  device: Any = "cpu", tensorboard: bool | str = "auto", progress: bool = True,
                  print_fn: Callable[[str], None] | None = None, config: Mapping[str, Any] | None = None,
-                 wandb: Mapping[str, Any] | None = None) -> None:
+                 wandb: Mapping[str, Any] | None = None, fp8: str | None = None) -> None:
         if tensorboard not in (True, False, "auto"):
             raise ValueError(f"tensorboard={tensorboard!r}: valid values are True, False, 'auto'")
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
         self.total_steps, self.flops_per_token, self.peak_flops_per_s = total_steps, flops_per_token, peak_flops_per_s
-        self.device = device
+        self.device, self.fp8 = device, fp8
         dropped = drop_steps_after(self.path, start_step)
         self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
         self._writer = self._open_tensorboard(tensorboard, start_step)
@@ -266,7 +268,8 @@ class MetricsLogger:
         self._last_time = time.perf_counter()
         self._write({"kind": "run", "schema": SCHEMA, "time": time.time(), "start_step": start_step,
                      "total_steps": total_steps, "flops_per_token": flops_per_token,
-                     "peak_flops_per_s": peak_flops_per_s, "config": dict(config) if config else None})
+                     "peak_flops_per_s": peak_flops_per_s, "config": dict(config) if config else None,
+                     "fp8": fp8})
 
     def _open_tensorboard(self, mode: bool | str, start_step: int):
         if mode is False:
@@ -326,7 +329,7 @@ class MetricsLogger:
             "extra": _json_safe(dict(extra or {})),
         }
         self._write(rec)
-        self._print(format_line(rec, self.total_steps))
+        self._print(format_line(rec, self.total_steps) + (f" | {self.fp8}" if self.fp8 else ""))
         self._scalars_out(rec["step"], self._scalars(rec))
         return rec
 

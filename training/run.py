@@ -104,6 +104,10 @@ def train(config: RunConfig, device: torch.device | str = "cpu", heartbeat: Hear
     n_params = sum(p.numel() for p in trainer.model.parameters())
     say(f"model: {n_params / 1e6:.2f}M parameters on rank 0, {trainer.num_micro} micro-batches per step")
     say(f"rank 0 {describe_static(trainer.sync, trainer.optimizer, trainer.param_dtype, t.optimizer_precision())}")
+    from moefold.training.fp8_report import fp8_summary, fp8_tag
+
+    if config.options.fp8.enabled or config.options.fp8.dispatch:
+        say(fp8_summary(trainer.model, config.options.fp8))
     if t.load:
         trainer.load(t.load)
     on_step = None
@@ -121,7 +125,7 @@ def train(config: RunConfig, device: torch.device | str = "cpu", heartbeat: Hear
                                peak_flops_per_s=peak_flops(device, dtype) * dims.world_size, device=device,
                                config=config.to_dict(),
                                wandb={"project": t.wandb_project, "name": t.wandb_exp_name, "dir": t.wandb_save_dir}
-                               if t.wandb_project else None)
+                               if t.wandb_project else None, fp8=fp8_tag(trainer.model, config.options.fp8))
     evaluator = None
     if valid is not None:
         from moefold.training.evaluate import Evaluator

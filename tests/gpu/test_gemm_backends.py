@@ -87,7 +87,7 @@ def test_te_experts_fp8_cuda(recipe):
     about 6% per element; a GEMM's output averages it down). Rows per expert not multiples of 16."""
     _require("te")
     try:
-        FP8Config("hybrid", recipe).check_available()
+        FP8Config("hybrid", recipe, backend="te").check_available()
     except RuntimeError as err:
         pytest.skip(str(err))
     torch.manual_seed(0)
@@ -95,8 +95,8 @@ def test_te_experts_fp8_cuda(recipe):
     x = torch.randn(sum(counts), 256, device="cuda", dtype=torch.bfloat16)
     probs = torch.rand(x.shape[0], device="cuda")
     ref = GroupedExperts(4, 256, 512, gemm_backend="te", dtype=torch.bfloat16, device="cuda")
-    fp8 = GroupedExperts(4, 256, 512, gemm_backend="te", fp8=FP8Config("hybrid", recipe), dtype=torch.bfloat16,
-                         device="cuda")
+    fp8 = GroupedExperts(4, 256, 512, gemm_backend="te", fp8=FP8Config("hybrid", recipe, backend="te"),
+                         dtype=torch.bfloat16, device="cuda")
     fp8.load_state_dict(ref.state_dict())
     g = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16)
     for step in range(3):  # delayed scaling needs a step of amax history

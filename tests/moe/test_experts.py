@@ -145,7 +145,7 @@ def test_te_fp8_autocast_and_padding(monkeypatch, fmt, recipe):
     rows padded to FP8's per-group alignment once around both GEMMs, results unchanged by padding."""
     from tests.moe.te_standin import DelayedScaling, Float8CurrentScaling, Format, _State
 
-    pt, ref, mod = _te_pair(monkeypatch, fp8=FP8Config(fmt, recipe))
+    pt, ref, mod = _te_pair(monkeypatch, fp8=FP8Config(fmt, recipe, backend="te"))
     x, probs, grad = _inputs()
     xi, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
     y = mod(xi, probs, torch.tensor(COUNTS), tuple(COUNTS))
@@ -166,18 +166,20 @@ def test_te_fp8_autocast_and_padding(monkeypatch, fmt, recipe):
 
 
 def test_fp8_refused_where_it_cannot_run(monkeypatch):
-    with pytest.raises(ValueError, match="use gemm_backend 'te'"):
+    with pytest.raises(ValueError, match=r"gemm backend 'te' .*not 'grouped_mm'; or use --fp8-backend torchao"):
         MoEConfig(num_experts=E, moe_ffn_hidden_size=8, router=RouterConfig(num_experts=E),
-                  fp8=FP8Config("hybrid"))
+                  fp8=FP8Config("hybrid", backend="te"))
     with pytest.raises(ValueError, match="--fp8-format='e5m2' is not one of e4m3, hybrid"):
         FP8Config("e5m2")
     if importlib.util.find_spec("transformer_engine") is None:
         with pytest.raises(ImportError, match=r"needs the transformer_engine package.*pip install"):
-            GroupedExperts(E, H, FFN, gemm_backend="te", fp8=FP8Config("hybrid"))
+            GroupedExperts(E, H, FFN, gemm_backend="te", fp8=FP8Config("hybrid", backend="te"))
         with pytest.raises(ImportError, match=r"runs through Transformer Engine.*pip install"):
-            FP8Config("hybrid").check_available()
+            FP8Config("hybrid", backend="te").check_available()
     te_standin.install(monkeypatch)
     with pytest.raises(RuntimeError, match=r"cannot run it: MXFP8 needs compute capability 10\.0"):
-        GroupedExperts(E, H, FFN, gemm_backend="te", fp8=FP8Config("e4m3", "mxfp8"))
-    with pytest.raises(ValueError, match="use gemm_backend 'te'"):
-        GroupedExperts(E, H, FFN, gemm_backend="grouped_mm", fp8=FP8Config("e4m3"))
+        GroupedExperts(E, H, FFN, gemm_backend="te", fp8=FP8Config("e4m3", "mxfp8", backend="te"))
+    with pytest.raises(ValueError, match=r"gemm backend 'te' \(--moe-grouped-gemm-backend\), not 'grouped_mm'"):
+        GroupedExperts(E, H, FFN, gemm_backend="grouped_mm", fp8=FP8Config("e4m3", backend="te"))
+    with pytest.raises(ValueError, match=r"gemm backend 'grouped_mm' or 'loop' .*not 'te'; or use --fp8-backend te"):
+        GroupedExperts(E, H, FFN, gemm_backend="te", fp8=FP8Config("e4m3"))

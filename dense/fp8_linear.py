@@ -1,0 +1,172 @@
+"""FP8 GEMMs for the column/row-parallel linears, and ``convert_linears_to_fp8`` that turns them on.
+
+A ``ColumnParallelLinear``/``RowParallelLinear`` runs its local GEMM through ``layer.local_gemm(x, w, b)``
+(``F.linear`` by default). ``convert_linears_to_fp8(model, config, tp_group)`` walks a built model once
+and gives every linear whose qualified name contains none of ``config.exclude_modules`` an FP8 GEMM:
+
+- ``Float8LinearGemm`` (``--fp8-backend torchao``): torchao's recipe (``parallel.fp8_cast``) in one
+  autograd function: forward ``y = q(x) q(w)^T``, backward ``dx = q(dy) q(w)``, ``dw = q(dy)^T q(x)``,
+  each operand cast along that GEMM's contraction dim (rowwise) or as a whole (tensorwise), the
+  gradient in e5m2 with ``hybrid``. It saves the high-precision ``x`` and ``w`` (as torchao does) and
+  casts them again in backward; the bias is added in high precision.
+- ``TELinearGemm`` (``--fp8-backend te``): a persistent ``te.Linear`` (built on the meta device, no
+  weights of its own) run on the layer's weight through ``torch.func.functional_call`` inside TE's
+  autocast, as ``moe.te_gemm`` does for the experts.
+
+Scales and parallelism (torchao backend). Which dims of each operand are sharded follows from the
+layer: a column-parallel weight and output gradient are split along ``out`` over tp; a row-parallel
+input and weight along ``in``; a replicated layer whose weight is marked sequence-parallel (MLA's
+down projections, MTP's ``eh_proj``) sees only this rank's sequence shard, so its tokens are split
+over tp. Every amax taken over a sharded dim is all-reduced (MAX) over tp, so each rank casts with
+the scale of the unsharded tensor and a TP/SP layout computes what world 1 computes (up to fp32
+summation order). Per-shard scales would be cheaper by one scalar/vector all-reduce per cast but
+make every layout a different quantisation of the same model.
+
+Kept in high precision: the output head (default ``exclude_modules``), a head tied to the embedding
+(it is not a linear layer), the router (an fp32 GEMM), and the k/v projections of GQA when there are
+fewer kv heads than tp ranks (those run on rows of a replicated weight outside the layer's GEMM).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
+from moefold.parallel.fp8 import FP8Config, import_te, te_autocast
+from moefold.parallel.fp8_cast import Float8Recipe, quantize, scaled_mm
+from moefold.parallel.groups import Group, group_size
+from moefold.parallel.sharding import is_sequence_parallel
+
+
+class _Float8Linear(torch.autograd.Function):
+    """``x [M, K] @ w[N, K]^T`` with every GEMM operand cast by ``gemm``'s recipe (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, gemm: Float8LinearGemm) -> Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.gemm = gemm
+        r = gemm.recipe
+        qx, sx = gemm.cast(x, r.input, contract=1, sharded=(gemm.token_group, gemm.in_group))
+        qw, sw = gemm.cast(w, r.weight, contract=1, sharded=(gemm.out_group, gemm.in_group))
+        return scaled_mm(qx, sx, qw.t(), sw.t(), x.dtype, r.fast_accum_forward)
+
+    @staticmethod
+    def backward(ctx, gy: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        x, w = ctx.saved_tensors
+        gemm: Float8LinearGemm = ctx.gemm
+        r = gemm.recipe
+        gy = gy.contiguous()
+        gx = gw = q_dy = None
+        gy_sharded = (gemm.token_group, gemm.out_group)
+        if ctx.needs_input_grad[0]:  # dx = dy @ w: contracts N
+            q_dy = gemm.cast(gy, r.grad_output, contract=1, sharded=gy_sharded)
+            qw, sw = gemm.cast(w, r.weight, contract=0, sharded=(gemm.out_group, gemm.in_group))
+            gx = scaled_mm(*q_dy, qw, sw, x.dtype)
+        if ctx.needs_input_grad[1]:  # dw = dy^T @ x: contracts the tokens M (a tensorwise cast is the same)
+            reuse = q_dy is not None and not r.grad_output.rowwise
+            qg, sg = q_dy if reuse else gemm.cast(gy, r.grad_output, contract=0, sharded=gy_sharded)
+            qx, sx = gemm.cast(x, r.input, contract=0, sharded=(gemm.token_group, gemm.in_group))
+            gw = scaled_mm(qg.t(), sg.t(), qx, sx, w.dtype)
+        return gx, gw, None
+
+
+class Float8LinearGemm:
+    """``(x [..., K], w [N, K], b [N] | None) -> [..., N]`` in FP8 (torchao recipe), for one linear layer.
+
+    Groups along which this layer's GEMM dims are split (None: complete on this rank):
+    ``in_group`` K (row-parallel), ``out_group`` N (column-parallel), ``token_group`` the rows M
+    (a replicated layer on the sequence-parallel shard).
+    """
+
+    def __init__(self, recipe: Float8Recipe, *, in_group: Group = None, out_group: Group = None,
+                 token_group: Group = None) -> None:
+        self.recipe = recipe
+        self.in_group, self.out_group, self.token_group = in_group, out_group, token_group
+
+    def cast(self, t: Tensor, cast: Any, contract: int, sharded: tuple[Group, Group]) -> tuple[Tensor, Tensor]:
+        """Cast the 2-D ``t`` for a GEMM contracting its dim ``contract``; ``sharded`` = (groups of dim 0,
+        dim 1): a scale reduces over the contraction dim (rowwise) or both dims (tensorwise)."""
+        dims = (contract,) if cast.rowwise else None
+        groups = (sharded[contract],) if cast.rowwise else sharded
+        return quantize(t, cast.dtype, dims, self.recipe.pow2_scales, groups)
+
+    def __call__(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+        lead = x.shape[:-1]
+        y = _Float8Linear.apply(x.reshape(-1, x.shape[-1]), w, self)
+        y = y.view(*lead, w.shape[0])
+        return y if b is None else y + b
+
+    def describe(self) -> str:
+        r = self.recipe
+        return f"torchao fp8 (x {_dtype(r.input.dtype)}, w {_dtype(r.weight.dtype)}, dy {_dtype(r.grad_output.dtype)})"
+
+
+class TELinearGemm:
+    """``(x, w [N, K], b) -> y`` through one persistent ``te.Linear`` inside TE's FP8 autocast.
+
+    Not an ``nn.Module`` on purpose: TE's module holds meta placeholders and must stay out of the
+    layer's parameters and state_dict; the layer's weight is substituted on every call.
+    """
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, config: FP8Config) -> None:
+        te = import_te("transformer_engine.pytorch")
+        self.config = config
+        self.module = te.Linear(in_features, out_features, bias=False, params_dtype=dtype, device="meta")
+
+    def __call__(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+        lead = x.shape[:-1]
+        with te_autocast(self.config):
+            y = torch.func.functional_call(self.module, {"weight": w}, (x.reshape(-1, x.shape[-1]),))
+        y = y.view(*lead, w.shape[0])
+        return y if b is None else y + b
+
+    def describe(self) -> str:
+        return f"Transformer Engine {self.config.format} {self.config.recipe}"
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}.get(dtype, str(dtype))
+
+
+def convert_linears_to_fp8(model: nn.Module, config: FP8Config, tp_group: Group = None) -> list[str]:
+    """Give every column/row-parallel linear of ``model`` not excluded by ``config`` an FP8 GEMM.
+
+    ``tp_group``: the tensor/sequence-parallel group (the sequence shard of replicated layers).
+    Returns the qualified names converted (none when FP8 is off). Parameters are untouched.
+    """
+    if not config.enabled:
+        return []
+    recipe = Float8Recipe.from_config(config) if config.backend == "torchao" else None
+    converted = []
+    for name, module in model.named_modules():
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        if any(fragment in name for fragment in config.exclude_modules):
+            continue
+        w = module.weight
+        if recipe is None:
+            module.local_gemm = TELinearGemm(w.shape[1], w.shape[0], w.dtype, config)
+        elif isinstance(module, RowParallelLinear):
+            module.local_gemm = Float8LinearGemm(recipe, in_group=module.tp_group)
+        elif group_size(module.tp_group) > 1:
+            module.local_gemm = Float8LinearGemm(recipe, out_group=module.tp_group)
+        else:  # replicated: on the sequence shard when its weight is marked sequence-parallel
+            module.local_gemm = Float8LinearGemm(recipe, token_group=tp_group if is_sequence_parallel(w) else None)
+        converted.append(name)
+    return converted
+
+
+def fp8_linear_names(model: nn.Module) -> tuple[list[str], list[str]]:
+    """(names of the linears with an FP8 GEMM, names of those in high precision)."""
+    fp8, high = [], []
+    for name, module in model.named_modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            (high if module.local_gemm is F.linear else fp8).append(name)
+    return fp8, high
+
+
+__all__ = ["Float8LinearGemm", "TELinearGemm", "convert_linears_to_fp8", "fp8_linear_names"]

@@ -1,0 +1,132 @@
+"""FP8 token dispatch (``--moe-fp8-dispatch``): rows leave as e4m3 with their scales, arrive dequantised.
+
+As DeepEP's FP8 dispatch does, each token row ``[H]`` is cast to ``float8_e4m3fn`` with one fp32
+scale per block of 128 channels (``scale = amax(block) / 448``; one block per row when H is not a
+multiple of 128). Data and scales travel together, one uint8 row of ``H + 4 * H/128`` bytes, through
+the dispatcher's own exchange (all-to-all, chunked all-to-all, all-gather): 0.52x the bytes of bf16
+rows, 0.26x of fp32. The receiver dequantises to the sender's dtype. Every row is cast, also those a
+rank sends to itself (and with one rank, where nothing travels), so the experts see the same values
+at every layout.
+
+Backward is the exchange's adjoint in the activations' dtype (the gradients return in high
+precision, as DeepEP's BF16 combine), and the cast counts as the identity (straight-through), as
+FP8 casts do throughout training.
+
+The wrappers have the signature of the exchange they wrap: ``fp8_all_to_all_async`` /
+``fp8_chunked_all_to_all_async`` return a pending object whose ``wait()`` gives the dequantised,
+autograd-connected rows; ``fp8_all_gather`` is synchronous like ``all_gather_sequence``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from moefold.dispatch.exchange import chunked_all_to_all, chunked_all_to_all_async
+from moefold.parallel.comm import all_gather_sequence, all_to_all, all_to_all_async, reduce_scatter_sequence
+from moefold.parallel.groups import Group
+
+BLOCK = 128
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+
+def block_size(hidden: int) -> int:
+    """Channels per scale: 128 (DeepEP's) when it divides the hidden size, else the whole row."""
+    return BLOCK if hidden % BLOCK == 0 else hidden
+
+
+def row_bytes(hidden: int) -> int:
+    """Bytes one dispatched row takes in FP8: the e4m3 data and its fp32 scales."""
+    return hidden + 4 * (hidden // block_size(hidden))
+
+
+def quantize_rows(x_NH: Tensor) -> tuple[Tensor, Tensor]:
+    """-> (e4m3 data [N, H], fp32 scales [N, H / block]) with ``x ~ data * scale`` per block."""
+    N, H = x_NH.shape
+    b = block_size(H)
+    blocks = x_NH.float().view(N, H // b, b)
+    scale = (blocks.abs().amax(-1) / E4M3_MAX).clamp_min(1e-12)
+    data = (blocks / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return data.view(N, H), scale
+
+
+def dequantize_rows(data: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    N, H = data.shape
+    nb = scale.shape[1]
+    return (data.float().view(N, nb, H // nb) * scale[..., None]).view(N, H).to(dtype)
+
+
+def pack(data: Tensor, scale: Tensor) -> Tensor:
+    """One uint8 row per token: the data bytes, then the scale bytes."""
+    return torch.cat([data.view(torch.uint8), scale.view(torch.uint8)], dim=1)
+
+
+def unpack(packed: Tensor, hidden: int) -> tuple[Tensor, Tensor]:
+    data = packed[:, :hidden].contiguous().view(torch.float8_e4m3fn)
+    return data, packed[:, hidden:].contiguous().view(torch.float32)
+
+
+class _Dequantize(torch.autograd.Function):
+    """Forward: the received packed rows, dequantised to ``dtype``. Backward: ``backward(grad)``, the
+    exchange's adjoint, as the gradient of the sent rows ``x`` (the cast is straight-through)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, received: Tensor, dtype: torch.dtype,
+                backward: Callable[[Tensor], Tensor]) -> Tensor:
+        ctx.backward_exchange = backward
+        return dequantize_rows(*unpack(received, x.shape[1]), dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        return ctx.backward_exchange(grad.contiguous()), None, None, None
+
+
+class PendingFp8Exchange:
+    """An FP8 exchange in flight; ``wait()`` returns the dequantised rows (once)."""
+
+    def __init__(self, x: Tensor, pending: Any, backward: Callable[[Tensor], Tensor]) -> None:
+        self._x, self._pending, self._backward = x, pending, backward
+        self._out: Tensor | None = None
+
+    def wait(self) -> Tensor:
+        if self._out is None:
+            received = self._pending.wait() if hasattr(self._pending, "wait") else self._pending
+            self._out = _Dequantize.apply(self._x, received, self._x.dtype, self._backward)
+            self._x = self._pending = None
+        return self._out
+
+
+def _packed(x: Tensor) -> Tensor:
+    if x.dim() != 2:
+        raise ValueError(f"FP8 dispatch sends token rows [N, H], got shape {tuple(x.shape)}")
+    with torch.no_grad():
+        return pack(*quantize_rows(x))
+
+
+def fp8_all_to_all_async(x: Tensor, output_splits: list[int], input_splits: list[int],
+                         group: Group) -> PendingFp8Exchange:
+    """``parallel.comm.all_to_all_async`` of the rows of ``x`` in FP8."""
+    pending = all_to_all_async(_packed(x), output_splits, input_splits, group)
+    return PendingFp8Exchange(x, pending, lambda g: all_to_all(g, list(input_splits), list(output_splits), group))
+
+
+def fp8_chunked_all_to_all_async(x: Tensor, out_splits: list[list[int]], in_splits: list[list[int]],
+                                 group: Group) -> PendingFp8Exchange:
+    """``dispatch.exchange.chunked_all_to_all_async`` of the rows of ``x`` in FP8."""
+    pending = chunked_all_to_all_async(_packed(x), out_splits, in_splits, group)
+    return PendingFp8Exchange(x, pending, lambda g: chunked_all_to_all(g, in_splits, out_splits, group))
+
+
+def fp8_all_gather(x: Tensor, group: Group, dim: int = 0) -> Tensor:
+    """``parallel.comm.all_gather_sequence`` (along dim 0) of the rows of ``x`` in FP8."""
+    if dim != 0:
+        raise ValueError(f"fp8_all_gather gathers rows (dim 0), not dim {dim}")
+    received = all_gather_sequence(_packed(x), group, 0)
+    return PendingFp8Exchange(x, received, lambda g: reduce_scatter_sequence(g, group, 0)).wait()
+
+
+__all__ = ["BLOCK", "PendingFp8Exchange", "block_size", "dequantize_rows", "fp8_all_gather", "fp8_all_to_all_async",
+           "fp8_chunked_all_to_all_async", "pack", "quantize_rows", "row_bytes", "unpack"]
