@@ -38,7 +38,7 @@ def build_dispatcher(kind: str, num_experts: int, dims: ParallelDims | None = No
     if kind == "allgather":
         return AllGatherDispatcher(num_experts, ep_group, etp_group, etp_ep_group, timer=timer)
     if kind == "alltoall":
-        return AllToAllDispatcher(num_experts, ep_group, etp_group, timer=timer, **backend_options)
+        return AllToAllDispatcher(num_experts, ep_group, etp_group, etp_ep_group, timer=timer, **backend_options)
     from moefold.dispatch.deepep import FlexDispatcher  # lazy: imports deep_ep only when asked for
 
     return FlexDispatcher(num_experts, ep_group, etp_group, etp_ep_group, timer=timer, **backend_options)

@@ -66,12 +66,12 @@ def is_expert(param: Tensor) -> bool:
 class GroupedExperts(nn.Module):
     """The ``e = num_experts / ep`` local experts of one MoE layer.
 
-    forward(tokens_NH, probs_N, tokens_per_expert_e, tokens_per_expert_host=None) -> out_NH: rows
+    forward(tokens_NH, tokens_per_expert_e, tokens_per_expert_host=None) -> out_NH: rows
     expert-major (the first ``tokens_per_expert_e[0]`` rows go to local expert 0, ...),
-    ``out = probs * FFN_i(tokens)``, a partial sum over etp (no communication here: the dispatcher
-    reduces it in combine). ``tokens_per_expert_host``: the counts as host ints when the dispatcher
-    has them; backends that need host counts (``te``, ``grouped_gemm``, ``loop``) otherwise read
-    them from the device (one host synchronisation).
+    ``out = FFN_i(tokens)``, a partial sum over etp (no communication here: the dispatcher
+    reduces it in combine and applies the routing probs there). ``tokens_per_expert_host``: the
+    counts as host ints when the dispatcher has them; backends that need host counts (``te``,
+    ``grouped_gemm``, ``loop``) otherwise read them from the device (one host synchronisation).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *,
@@ -135,7 +135,7 @@ class GroupedExperts(nn.Module):
             return F.silu(gate_Nf) * up_Nf
         return F.gelu(h_NGf)
 
-    def forward(self, tokens_NH: Tensor, probs_N: Tensor, tokens_per_expert_e: Tensor,
+    def forward(self, tokens_NH: Tensor, tokens_per_expert_e: Tensor,
                 tokens_per_expert_host: Sequence[int] | None = None) -> Tensor:
         e, gates, f, H = self.w13.shape
         counts_host = tokens_per_expert_host
@@ -143,20 +143,14 @@ class GroupedExperts(nn.Module):
             counts_host = tokens_per_expert_e.tolist()  # the backend takes host counts: one sync
         # [e, G, f, H] -> [e, G*f, H]: gate and up projections in a single grouped GEMM.
         w13 = self.w13.reshape(e, gates * f, H)
-        probs_N1 = probs_N.to(tokens_NH.dtype).unsqueeze(-1)
         if self._te:
             if tokens_NH.shape[0] == 0:
                 return no_rows(self._activate(no_rows(tokens_NH, w13, True)), self.w2, True)
-            return self._te[0](tokens_NH, w13, self.w2, counts_host, self._activate) * probs_N1
+            return self._te[0](tokens_NH, w13, self.w2, counts_host, self._activate)
         h_Nf = self._activate(grouped_gemm(tokens_NH, w13, tokens_per_expert_e, self.gemm_backend, trans_w=True,
                                            counts_host=counts_host))
-        # The down projection is linear, so the probs can scale its input [N, f] or its output
-        # [N, H]: do it on the narrower one (a memory-bound pass forward and two backward).
-        if f <= H:
-            return grouped_gemm(h_Nf * probs_N1, self.w2, tokens_per_expert_e, self.gemm_backend, trans_w=True,
-                                counts_host=counts_host)
         return grouped_gemm(h_Nf, self.w2, tokens_per_expert_e, self.gemm_backend, trans_w=True,
-                            counts_host=counts_host) * probs_N1
+                            counts_host=counts_host)
 
     def flops(self, num_rows: int) -> int:
         """Forward FLOPs of ``num_rows`` routed rows through this rank's shard."""
