@@ -46,6 +46,7 @@ ROUTER_FLAGS: tuple[tuple[str, str, type], ...] = (
     ("--moe-token-drop-policy", "moe_token_drop_policy", str),
     ("--moe-pad-expert-input-to-capacity", "moe_pad_expert_input_to_capacity", bool),
     ("--moe-router-force-load-balancing", "moe_router_force_load_balancing", bool),
+    ("--moe-apply-probs-on-input", "moe_apply_probs_on_input", bool),
 )
 
 
