@@ -26,8 +26,9 @@ names, checkpoints and HF import/export are the same for every backend; ``fp8`` 
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -51,6 +52,24 @@ if TYPE_CHECKING:
 
 Activation = Literal["swiglu", "gelu"]
 ACTIVATIONS: tuple[str, ...] = ("swiglu", "gelu")
+
+
+def swiglu(h_NGf: Tensor) -> Tensor:
+    """[N, 2f] gate and up projections (halves of one GEMM's output) -> [N, f] silu(gate) * up."""
+    gate_Nf, up_Nf = h_NGf.chunk(2, dim=1)
+    return F.silu(gate_Nf) * up_Nf
+
+
+@functools.cache
+def fused_activation(gated: bool) -> Callable[[Tensor], Tensor]:
+    """The activation as one ``torch.compile``d kernel forward and one backward (shared by every layer).
+
+    Eager SwiGLU runs silu and the product as separate passes over the strided halves of
+    ``h`` (and four more in backward, plus the ``cat`` of the two gradient halves); inductor fuses
+    each direction into one pass (C++ on CPU, Triton on CUDA). ``dynamic=True``: the row count N
+    changes every step (routing), so it is a symbolic dimension, not a recompile.
+    """
+    return torch.compile(swiglu if gated else F.gelu, dynamic=True)
 
 
 def mark_expert(param: Tensor) -> Tensor:
@@ -105,6 +124,8 @@ class GroupedExperts(nn.Module):
         self.local_expert_offset = group_rank(ep_group) * self.num_local_experts
         self.activation, self.gemm_backend = activation, gemm_backend
         self.gated = activation == "swiglu"  # decided once here, so forward does not compare strings
+        self._eager_activation: Callable[[Tensor], Tensor] = swiglu if self.gated else F.gelu
+        self._activation = self._eager_activation
         self.ep_group, self.etp_group = ep_group, etp_group
         e, f, gates = self.num_local_experts, ffn_hidden_size // etp, 2 if self.gated else 1
         kw = {"dtype": dtype, "device": device}
@@ -130,10 +151,13 @@ class GroupedExperts(nn.Module):
 
     def _activate(self, h_NGf: Tensor) -> Tensor:
         """[N, G*f] input projections -> [N, f] hidden units (SwiGLU on gate/up halves, or GELU)."""
-        if self.gated:
-            gate_Nf, up_Nf = h_NGf.chunk(2, dim=1)
-            return F.silu(gate_Nf) * up_Nf
-        return F.gelu(h_NGf)
+        if h_NGf.shape[0] < 2:  # torch.compile specialises sizes 0 and 1: no recompile for a rank without rows
+            return self._eager_activation(h_NGf)
+        return self._activation(h_NGf)
+
+    def use_fused_activation(self, enabled: bool = True) -> None:
+        """Run the activation as ``fused_activation``'s compiled kernels (what ``--compile`` does) or eagerly."""
+        self._activation = fused_activation(self.gated) if enabled else self._eager_activation
 
     def forward(self, tokens_NH: Tensor, tokens_per_expert_e: Tensor,
                 tokens_per_expert_host: Sequence[int] | None = None) -> Tensor:

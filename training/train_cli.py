@@ -111,6 +111,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--lr-wsd-decay-style", dest="lr_wsd_decay_style", default=_T.lr_wsd_decay_style,
                    choices=WSD_STYLES)
     t.add_argument("--bf16", action="store_true", help="bf16 parameters and compute, fp32 master weights")
+    t.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer block (MoE: its static-shaped parts, the experts' "
+                        "activation fused); compile time is printed")
     t.add_argument("--no-overlap-grad-reduce", action="store_true")
     d = p.add_argument_group("data and output")
     d.add_argument("--data-path", nargs="+", default=[], help="PREFIX or W1 PREFIX1 W2 PREFIX2 ... (prepared with "
@@ -148,10 +151,10 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                               pp=args.pipeline_model_parallel_size, ep=args.expert_model_parallel_size,
                               etp=args.expert_tensor_parallel_size)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    explicit = ("run_dir", "save", "load", "bf16", "data_path", "vocab_size", "data_cache_dir")
+    explicit = ("run_dir", "save", "load", "bf16", "data_path", "vocab_size", "data_cache_dir", "compile")
     train = {k: v for k, v in vars(args).items() if k in fields and k not in explicit}
     save = None if args.no_save else (args.save or os.path.join(args.run_dir, "checkpoints"))
-    train = TrainConfig(**train, bf16=args.bf16, run_dir=args.run_dir, save=save, load=args.load,
+    train = TrainConfig(**train, bf16=args.bf16, compile=args.compile, run_dir=args.run_dir, save=save, load=args.load,
                         data_path=tuple(args.data_path), vocab_size=args.vocab_size,
                         data_cache_dir=args.data_cache_dir, overlap_grad_reduce=not args.no_overlap_grad_reduce,
                         balance_report=not args.no_balance_report)
@@ -190,6 +193,12 @@ def check_backends(config: RunConfig, ep: int, etp: int) -> None:
     ValueError / RuntimeError naming what to install or use instead), before any rank starts."""
     from moefold.moe.gemm import check_gemm_backend
 
+    if config.train.compile:
+        from moefold.training.compile import compile_unavailable
+
+        reason = compile_unavailable("cuda" if torch.cuda.is_available() else "cpu")
+        if reason is not None:
+            raise RuntimeError(reason)
     o = config.options
     if config.model.num_experts:
         check_gemm_backend(o.gemm_backend, o.torch_dtype)

@@ -118,6 +118,10 @@ class Trainer:
             else:
                 self.model = MoEDecoder(config.model, dims, options)
         self.model.init_weights(t.seed)
+        if t.compile:  # in place, after init: parameter names and checkpoints are unchanged
+            from moefold.training.compile import compile_model
+
+            self.compiled = compile_model(self.model, log=self.log)
         self.embed_group = embedding_group(self.model, dims)
         self.routers = moe_routers(self.model)
         # every MoE layer of the model (all stages) in logging order; this stage fills its own rows
