@@ -56,8 +56,9 @@ def transformer_blocks(model: nn.Module) -> Iterator[TransformerBlock]:
             yield module
 
 
-def _compile_moe(moe: MoELayer) -> int:
-    """Compile an MoE layer's static-shaped pieces; returns how many modules were compiled."""
+def compile_moe_layer(moe: MoELayer) -> int:
+    """Compile an MoE layer's static-shaped pieces in place (router, shared experts, the routed experts'
+    activation); the dispatch, combine and grouped GEMMs stay eager. Returns how many were compiled."""
     moe.router.compile()
     compiled = 1
     if moe.shared_experts is not None:
@@ -121,7 +122,7 @@ def compile_model(model: nn.Module, log: Callable[[str], None] = print) -> Compi
             for child in (block.input_layernorm, block.self_attn, block.post_attention_layernorm):
                 child.compile()
                 modules += 1
-            modules += _compile_moe(block.mlp)
+            modules += compile_moe_layer(block.mlp)
         else:
             block.compile()
             modules += 1
@@ -132,4 +133,4 @@ def compile_model(model: nn.Module, log: Callable[[str], None] = print) -> Compi
     return report
 
 
-__all__ = ["CompileReport", "compile_model", "compile_unavailable", "transformer_blocks"]
+__all__ = ["CompileReport", "compile_model", "compile_moe_layer", "compile_unavailable", "transformer_blocks"]
