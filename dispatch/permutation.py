@@ -14,6 +14,9 @@ row count as ``repeat_interleave``'s ``output_size``. Proved by tests/dispatch/t
 ``RowMap`` records where each row came from; ``permute`` / ``unpermute`` are an adjoint pair
 (each one's backward is the other), and ``sort_chunks`` regroups a buffer of [A x B] chunks
 into [B x A] order (received [source rank x local expert] -> [local expert x source rank]).
+``unpermute(rows, row_map, probs_TK)`` is the combine's weighted sum: each copy times its routing
+prob, in the same ``embedding_bag`` pass (``per_sample_weights``); its backward returns the rows'
+gradient (token gradient times prob) and the probs' (token gradient . row) from one gather.
 """
 
 from __future__ import annotations
@@ -187,6 +190,20 @@ class _Unpermute(torch.autograd.Function):
         return _gather_rows(grad.contiguous(), token_N, ctx.padded), None, None, None, None, None
 
 
+def _row_dots(a_NH: Tensor, b_NH: Tensor, block_elems: int = 2**20) -> Tensor:
+    """[N] fp32 dot product of each row pair (products in the rows' dtype, sums in fp32).
+
+    In blocks of about a million elements: the [N, H] product then never exists at once (on CPU a
+    buffer that large is a fresh mmap, page-faulted on every call; the blocks reuse cached memory).
+    """
+    a, b = a_NH.flatten(1), b_NH.flatten(1)
+    out = torch.empty(a.shape[0], dtype=torch.float32, device=a.device)
+    rows = max(1, block_elems // max(1, a.shape[1]))
+    for i in range(0, a.shape[0], rows):
+        torch.sum(a[i:i + rows] * b[i:i + rows], -1, dtype=torch.float32, out=out[i:i + rows])
+    return out
+
+
 class _WeightedUnpermute(torch.autograd.Function):
     """Forward: y[t] = sum_k p[t, k] * (row of copy (t, k)), on the tokens' home rank.
 
@@ -210,8 +227,7 @@ class _WeightedUnpermute(torch.autograd.Function):
         g_rows = _gather_rows(grad.contiguous(), token_N, ctx.padded)  # [N, H]: each row's token gradient
         grad_probs = None
         if ctx.needs_input_grad[1]:
-            # <dL/dy[t], row>: products in the rows' dtype, accumulated in fp32
-            dots_N = (g_rows * rows).flatten(1).sum(-1, dtype=torch.float32)
+            dots_N = _row_dots(g_rows, rows)
             # padding rows all write the sink slot T*K, which is dropped
             grad_probs = dots_N.new_zeros(T * K + 1).scatter_(0, slot_N, dots_N)[:T * K]
             grad_probs = grad_probs.view(T, K).to(probs_TK.dtype)

@@ -25,17 +25,17 @@ TOL = dict(atol=1e-5, rtol=1e-4)       # losses, gradient norms, final weights
 GRAD_TOL = dict(atol=2e-6, rtol=1e-4)  # gradients: measured differences are ~3e-7
 
 
-def _steps(compile: bool, parallel: ParallelConfig, dims: ParallelDims) -> dict:
+def _steps(compile: bool, parallel: ParallelConfig, dims: ParallelDims, device: str = "cpu") -> dict:
     config = tiny_config(parallel, steps=STEPS, recipe="qwen3_moe_tiny", compile=compile)
-    trainer = Trainer(config, dims, log=lambda _m: None)
+    trainer = Trainer(config, dims, device=device, log=lambda _m: None)
     grads = []
 
     def capture(_result) -> None:  # the reduced gradients of this step, before the next step clears them
-        grads.append({n: p.main_grad.detach().clone() for n, p in trainer.model.named_parameters()})
+        grads.append({n: p.main_grad.detach().cpu() for n, p in trainer.model.named_parameters()})
 
     results = trainer.fit(tiny_data(), on_step=capture)
     out = {"loss": [r.loss_lm for r in results], "norm": [r.grad_norm for r in results], "grads": grads,
-           "weights": {n: p.detach().clone() for n, p in trainer.model.named_parameters()}}
+           "weights": {n: p.detach().cpu() for n, p in trainer.model.named_parameters()}}
     if compile:
         moe = [m for m in trainer.model.modules() if type(m).__name__ == "MoELayer"]
         out["compiled"] = (trainer.compiled.blocks, trainer.compiled.seconds(),
