@@ -125,14 +125,7 @@ class AllGatherDispatcher(TokenDispatcher):
     def __init__(self, num_experts: int, ep_group: Group = None, etp_group: Group = None,
                  etp_ep_group: Group = None, timer: PhaseTimer | None = None):
         super().__init__(num_experts, ep_group, etp_group, timer)
-        if etp_ep_group is None:
-            if self.ep > 1 and self.etp > 1:
-                raise ValueError(f"allgather dispatcher with ep={self.ep} and etp={self.etp} needs the etp_ep_group")
-            etp_ep_group = ep_group if self.ep > 1 else etp_group
-        if group_size(etp_ep_group) != self.ep * self.etp:
-            raise ValueError(f"etp_ep_group has {group_size(etp_ep_group)} ranks, expected ep*etp="
-                             f"{self.ep}*{self.etp}={self.ep * self.etp}")
-        self.group = etp_ep_group
+        self.group = self._etp_ep_group(etp_ep_group)
 
     def dispatch_start(self, x_TH: Tensor, routing: Routing, *, weighted_combine: bool = True) -> PendingDispatch:
         self._check(x_TH, routing)

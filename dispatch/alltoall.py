@@ -173,14 +173,7 @@ class AllToAllDispatcher(TokenDispatcher):
             raise ValueError(f"max_chunked_experts={max_chunked_experts} must be >= 0 (0 disables chunking)")
         e = self.num_local_experts
         self.chunked = self.etp == 1 and self.ep > 1 and 1 < e <= max_chunked_experts
-        if etp_ep_group is None:
-            if self.ep > 1 and self.etp > 1:
-                raise ValueError(f"alltoall dispatcher with ep={self.ep} and etp={self.etp} needs the etp_ep_group")
-            etp_ep_group = ep_group if self.ep > 1 else etp_group
-        if group_size(etp_ep_group) != self.ep * self.etp:
-            raise ValueError(f"etp_ep_group has {group_size(etp_ep_group)} ranks, expected ep*etp="
-                             f"{self.ep}*{self.etp}={self.ep * self.etp}")
-        self.counts_group = etp_ep_group
+        self.counts_group = self._etp_ep_group(etp_ep_group)
 
     def _send_key(self, key: Tensor) -> Tensor:
         """Chunked exchange: order the send rows [local expert index j x destination rank]."""

@@ -110,6 +110,22 @@ class TokenDispatcher(ABC):
         self.local_expert_offset = self.ep_rank * self.num_local_experts
         self._timer = timer
 
+    def _etp_ep_group(self, etp_ep_group: Group) -> Group:
+        """The etp x ep group (``ParallelDims.etp_ep_group``: rank ``ep_rank * etp + etp_rank``), checked;
+        with ep or etp at 1 it may be None and is the other group."""
+        if etp_ep_group is None:
+            if self.ep > 1 and self.etp > 1:
+                raise ValueError(f"the {self.name} dispatcher with ep={self.ep} and etp={self.etp} needs the "
+                                 f"etp_ep_group")
+            etp_ep_group = self.ep_group if self.ep > 1 else self.etp_group
+        n, rank = self.ep * self.etp, self.ep_rank * self.etp + self.etp_rank
+        if group_size(etp_ep_group) != n or group_rank(etp_ep_group) != rank:
+            raise ValueError(f"the {self.name} dispatcher's etp_ep_group must hold the ep*etp={self.ep}*{self.etp}={n} "
+                             f"ranks ordered ep-major (rank ep_rank*etp + etp_rank, as ParallelDims.etp_ep_group); "
+                             f"got a group of {group_size(etp_ep_group)} where this rank is "
+                             f"{group_rank(etp_ep_group)}, expected {rank}")
+        return etp_ep_group
+
     def _phase(self, name: str) -> AbstractContextManager:
         return nullcontext() if self._timer is None else self._timer(name)
 

@@ -69,7 +69,7 @@ from torch import Tensor
 from moefold.dispatch.base import Dispatched, DispatchHandle, PendingDispatch, PhaseTimer, TokenDispatcher
 from moefold.dispatch.permutation import RowMap, build_row_map, mask_groups, permute, unpermute
 from moefold.moe.routing import Routing
-from moefold.parallel.groups import Group, group_rank, group_size
+from moefold.parallel.groups import Group
 
 DEEPEP_VERSION = "v1.2.1"
 INSTALL_HINT = (f"the flex dispatcher needs DeepEP {DEEPEP_VERSION} (not on PyPI): build it from "
@@ -213,15 +213,7 @@ class FlexDispatcher(TokenDispatcher):
         if n == 1:
             raise ValueError("the flex dispatcher needs an etp x ep group of >= 2 ranks (DeepEP has no single-rank "
                              "kernels), got ep=1 etp=1; use 'local'")
-        if etp_ep_group is None:
-            if self.ep > 1 and self.etp > 1:
-                raise ValueError(f"the flex dispatcher with ep={self.ep} and etp={self.etp} needs the etp_ep_group")
-            etp_ep_group = ep_group if self.ep > 1 else etp_group
-        if group_size(etp_ep_group) != n or group_rank(etp_ep_group) != self.ep_rank * self.etp + self.etp_rank:
-            raise ValueError(f"the flex dispatcher's etp_ep_group must hold the ep*etp={n} ranks ordered ep-major "
-                             f"(rank ep_rank*etp + etp_rank, as ParallelDims.etp_ep_group); got a group of "
-                             f"{group_size(etp_ep_group)} where this rank is {group_rank(etp_ep_group)}, expected "
-                             f"{self.ep_rank * self.etp + self.etp_rank}")
+        etp_ep_group = self._etp_ep_group(etp_ep_group)
         if not isinstance(num_sms, int) or num_sms < 2 or num_sms % 2:
             raise ValueError(f"--moe-deepep-num-sms={num_sms!r} must be an even integer >= 2")
         try:
