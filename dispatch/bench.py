@@ -241,7 +241,7 @@ def _bench_one(kind: str, skew_name: str, args: argparse.Namespace, dims, device
             sync()
             raw.append(time.perf_counter() - t2)
         row_map = getattr(handle, "row_map", None)
-        if row_map is not None and row_map.num_tokens % max(T, 1) == 0 and T:
+        if kind != "flex" and row_map is not None and row_map.num_tokens % max(T, 1) == 0 and T:
             # permute + weighted unpermute of the same rows, no communication (allgather: over the
             # gathered tokens, stood in for by copies of this rank's; flex's map is over received tokens)
             xs = x.repeat(row_map.num_tokens // T, 1)
