@@ -132,9 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     args = {"seq": a.seq, "cp": a.cp, "batch": a.batch, "heads": a.heads, "kv_heads": a.kv_heads,
             "head_dim": a.head_dim, "v_dim": a.v_dim or a.head_dim, "dtype": a.dtype, "window": a.window,
             "iters": a.iters, "cpu_time": a.cpu_time}
-    print(f"# torch {torch.__version__}, cpu capability {torch.backends.cpu.get_cpu_capability()}, "
-          f"{os.cpu_count()} cpus, {a.cp} gloo ranks x 1 torch thread, load average at start {os.getloadavg()[0]:.1f}, "
-          f"clock: {'process CPU' if a.cpu_time else 'wall'}")
+    from moefold.training.machine import bf16_skip_reason, describe_machine
+
+    print(describe_machine())
+    print(f"# {a.cp} gloo ranks x 1 torch thread, clock: {'process CPU' if a.cpu_time else 'wall'}")
+    skip = bf16_skip_reason() if a.dtype == "bf16" else None
+    if skip is not None:
+        print(f"# bf16 skipped: {skip}")
+        return 0
     print(f"# S={a.seq} cp={a.cp} B={a.batch} heads={a.heads}/{a.kv_heads} head_dim={a.head_dim}/{args['v_dim']} "
           f"dtype={a.dtype} window={a.window}; fwd+bwd median of {a.iters} (slowest rank); peak memory = RSS "
           "high-water mark over the inputs (max over ranks)")

@@ -9,9 +9,9 @@ drift hits all alike); the slowest rank's time per iteration is kept and the med
   preallocated / allocated per call
 - chunked: the dispatcher's chunked exchange alone (one all-to-all per local expert, both ways)
 - counts: the count all-gather and its ``.tolist()`` host sync
-- probs: the row map, and the probs' permute, regrouping, all-to-all and regrouping back
-- local: permute + unpermute (argsort, row map, gather, embedding_bag), no communication
-- e2e: dispatch + combine (rows passed straight back)
+- local: permute + weighted unpermute (argsort, row map, gather, embedding_bag with the probs as
+  per-sample weights), no communication
+- e2e: dispatch + combine (rows passed straight back; the probs applied in the combine)
 - overlap: the raw exchange launched asynchronously while permuting, then unpermute under the
   return exchange (does overlapping local work with gloo's exchange pay on this machine?)
 """
@@ -37,9 +37,8 @@ def _rank(iters: int) -> dict[str, float]:
     from moefold.dispatch.alltoall import gather_counts
     from moefold.dispatch.bench import _route
     from moefold.dispatch.exchange import chunked_all_to_all, chunked_all_to_all_async
-    from moefold.dispatch.permutation import build_row_map, mask_groups, permute, permute_probs, sort_chunks, unpermute
+    from moefold.dispatch.permutation import build_row_map, count_keys, mask_groups, permute, unpermute
     from moefold.parallel import ParallelConfig, ParallelDims
-    from moefold.parallel.comm import all_to_all
 
     dims = ParallelDims.build(ParallelConfig(ep=EP))
     g = dims.ep_group
@@ -48,7 +47,7 @@ def _rank(iters: int) -> dict[str, float]:
     disp = build_dispatcher("alltoall", E, dims)
     routing = _route(x, w_gate, torch.zeros(E), K)
     h = disp.dispatch(x, routing).handle
-    send, recv = list(h.send_splits), list(h.recv_splits)
+    send, recv = list(h.plan.send), list(h.plan.recv)
     rows = torch.randn(sum(send), H)
     pre_out, pre_back = torch.empty(sum(recv), H), torch.empty(sum(send), H)
 
@@ -65,23 +64,15 @@ def _rank(iters: int) -> dict[str, float]:
         dist.all_to_all_single(torch.empty(sum(send), H), out, send, recv, group=g)
 
     def chunked():
-        got = chunked_all_to_all_async(rows, h.chunk_recv, h.chunk_send, g).wait()
-        chunked_all_to_all(got, h.chunk_send, h.chunk_recv, g)
+        got = chunked_all_to_all_async(rows, h.plan.chunk_recv, h.plan.chunk_send, g).wait()
+        chunked_all_to_all(got, h.plan.chunk_send, h.plan.chunk_recv, g)
 
     def counts():
-        gather_counts(torch.bincount(routing.expert_ids_TK.reshape(-1), minlength=E), g).tolist()
-
-    probs_TK = routing.probs_TK
-
-    def probs():
-        rm = row_map()
-        pr = sort_chunks(permute_probs(probs_TK, rm), torch.tensor(h.chunk_send, dtype=torch.long))
-        got = all_to_all(pr, recv, send, g)
-        sort_chunks(got, torch.tensor([[h.chunk_recv[j][s] for j in range(len(h.chunk_recv))] for s in range(EP)]))
+        gather_counts(count_keys(routing.expert_ids_TK.reshape(-1), E), g).tolist()
 
     def local():
         rm = row_map()
-        unpermute(permute(x, rm), rm)
+        unpermute(permute(x, rm), rm, routing.probs_TK)
 
     def e2e():
         d = disp.dispatch(x, routing)
@@ -97,7 +88,7 @@ def _rank(iters: int) -> dict[str, float]:
         unpermute(permuted, rm)
         work.wait()
 
-    variants = {f.__name__: f for f in (raw_pre, raw_alloc, chunked, counts, probs, local, e2e, overlap)}
+    variants = {f.__name__: f for f in (raw_pre, raw_alloc, chunked, counts, local, e2e, overlap)}
     times: dict[str, list[float]] = {k: [] for k in variants}
     for i in range(iters + 2):
         for name, fn in variants.items():
@@ -115,7 +106,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=20)
     a = p.parse_args()
-    print(f"# {EP} gloo ranks, T={T} H={H} E={E} k={K} fp32, load average at start {os.getloadavg()[0]:.1f}")
+    from moefold.training.machine import describe_machine
+
+    print(describe_machine())
+    print(f"# {EP} gloo ranks x 1 torch thread, T={T} H={H} E={E} k={K} fp32, load average at start "
+          f"{os.getloadavg()[0]:.1f}")
     result = run_distributed(_rank, EP, a.iters, timeout=600)[0]
     print("  ".join(f"{k} {v:.2f} ms" for k, v in result.items()))
     print(f"# load average at end {os.getloadavg()[0]:.1f}")

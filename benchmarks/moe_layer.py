@@ -1,21 +1,28 @@
 """One MoE layer, forward + backward, against the dense-GEMM ceiling of the same work (world 1).
 
-    python benchmarks/moe_layer.py                       # T=4096 H=512, bf16 + fp32, both configs
-    python benchmarks/moe_layer.py --dtypes bf16 --configs 16,2,1024 --iters 7
+    python benchmarks/moe_layer.py        # T=4096 H=512, bf16 + fp32, both configs, eager + compiled, both allocators
+    python benchmarks/moe_layer.py --dtypes bf16 --configs 16,2,1024 --iters 7 --no-compile --allocators default
 
-For each (dtype, E/k/F config, GEMM backend) it prints the median time of
+For each (dtype, E/k/F config, GEMM backend, eager or ``--compile``d) it prints the median time of
 
-- layer:   the whole MoELayer (router, local permutation, experts, unpermutation), fwd + bwd
-- experts: the grouped experts alone on already-permuted rows (GEMMs + SwiGLU + probs), fwd + bwd
+- layer:   the whole MoELayer (router, local permutation, experts, weighted unpermutation), fwd + bwd
+- experts: the grouped experts alone on already-permuted rows (GEMMs + activation), fwd + bwd
 
 and their achieved GFLOP/s counting only the expert GEMMs (3 projections x (fwd + 2 bwd) x
 2*N*H*F, N = T*k). The ceiling is measured in the same run: plain dense matmuls doing exactly
 that work as if every routed copy went to one expert ([N, H] x [H, 2F], [N, F] x [F, H] and their
-four backward products). The ratio layer/ceiling is the figure of merit (target >= 0.6).
-Routing is near-uniform (random router weights, dropless). Prints the load average (the
-machine may be shared) and any MALLOC_* / LD_PRELOAD allocator settings: with glibc's defaults
-every freed buffer over 32 MB goes back to the OS and the next one is page-faulted in again,
-which on CPU costs as much as a good part of the GEMMs (see RESULTS.md).
+four backward products). The ratio layer/ceiling is the figure of merit. "compiled" is what
+``--compile`` does to an MoE layer (``training.compile.compile_moe_layer``: router compiled, the
+experts' SwiGLU one fused kernel per direction); its compile time is printed once.
+Routing is near-uniform (random router weights, dropless).
+
+The first line names the machine (CPU capability, bf16 matmul units, threads, allocator
+settings: with glibc's defaults every freed buffer over 32 MB goes back to the OS and the next
+one is page-faulted in again, which on CPU costs as much as a good part of the GEMMs; see
+RESULTS.md). ``--allocators default,tuned`` (the default) runs the whole table twice, the second
+time in a child process started with ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` at
+4 GiB (glibc keeps freed memory for reuse), so one command shows both. bf16 rows are skipped, with
+the reason, on a CPU without bf16 matmul units.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -33,8 +42,11 @@ from moefold.moe.layer import MoELayer
 from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelDims
 from moefold.parallel.sharding import init_parameters
+from moefold.training.compile import compile_moe_layer, compile_unavailable
+from moefold.training.machine import bf16_skip_reason, describe_machine
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+TUNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4294967296"}
 CPU_CLOCK = False  # --cpu-time
 
 
@@ -68,11 +80,15 @@ def dense_ceiling(N: int, H: int, F: int, dtype: torch.dtype, iters: int) -> flo
     return median_time(step, iters)
 
 
-def bench(T: int, H: int, E: int, k: int, F: int, dtype: torch.dtype, backend: str, iters: int) -> tuple[float, float]:
+def bench(T: int, H: int, E: int, k: int, F: int, dtype: torch.dtype, backend: str, iters: int,
+          compiled: bool) -> tuple[float, float, float]:
+    """(layer seconds, experts seconds, seconds the first layer step took beyond a timed one: compiling)."""
     router = RouterConfig(num_experts=E, topk=k, load_balancing_type="none")
     cfg = MoEConfig(num_experts=E, moe_ffn_hidden_size=F, router=router, dispatcher="local", gemm_backend=backend)
     layer = MoELayer(cfg, H, ParallelDims.single(), dtype=dtype)
     init_parameters(layer, seed=0)
+    if compiled:
+        compile_moe_layer(layer)
     x = torch.randn(T, 1, H, dtype=dtype, requires_grad=True)
     gy = torch.randn(T, 1, H, dtype=dtype)
 
@@ -82,6 +98,9 @@ def bench(T: int, H: int, E: int, k: int, F: int, dtype: torch.dtype, backend: s
         y, _ = layer(x)
         y.backward(gy)
 
+    t0 = time.perf_counter()
+    layer_step()  # compiles, when compiled
+    t_first = time.perf_counter() - t0
     t_layer = median_time(layer_step, iters)
     # the experts alone, on the rows the dispatcher produced
     with torch.no_grad():
@@ -93,9 +112,9 @@ def bench(T: int, H: int, E: int, k: int, F: int, dtype: torch.dtype, backend: s
     def experts_step() -> None:
         layer.zero_grad(set_to_none=True)
         rows.grad = None
-        layer.experts(rows, d.probs_N, d.tokens_per_expert_e).backward(g_rows)
+        layer.experts(rows, d.tokens_per_expert_e).backward(g_rows)
 
-    return t_layer, median_time(experts_step, iters)
+    return t_layer, median_time(experts_step, iters), max(0.0, t_first - t_layer)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,28 +123,54 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--dtypes", default="bf16,fp32")
     p.add_argument("--configs", default="16,2,1024;64,8,256", help="E,k,F;E,k,F;...")
-    p.add_argument("--backends", default="grouped_mm,loop")
+    p.add_argument("--backends", default="grouped_mm")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--no-compile", action="store_true", help="eager rows only")
+    p.add_argument("--allocators", default="default,tuned",
+                   help="default: this process's allocator settings; tuned: again in a child process with "
+                        "glibc's mmap and trim thresholds at 4 GiB")
     p.add_argument("--cpu-time", action="store_true",
                    help="time with this process's CPU time instead of wall-clock (use with --threads 1 "
                         "on a shared, loaded machine)")
     a = p.parse_args(argv)
+    allocators = [v for v in a.allocators.split(",") if v]
+    if not set(allocators) <= {"default", "tuned"} or not allocators:
+        p.error(f"--allocators={a.allocators!r}: valid values are default, tuned (comma-separated)")
+    if allocators != ["default"]:  # the tuned table runs in a child with the allocator set from its start
+        args = list(sys.argv[1:] if argv is None else argv)
+        args = [v for i, v in enumerate(args) if v != "--allocators" and (i == 0 or args[i - 1] != "--allocators")
+                and not v.startswith("--allocators=")]
+        if "default" in allocators:
+            main([*args, "--allocators", "default"])
+            print()
+        return subprocess.run([sys.executable, os.path.abspath(__file__), *args, "--allocators", "default"],
+                              env={**os.environ, **TUNED_MALLOC}).returncode
     global CPU_CLOCK
     CPU_CLOCK = a.cpu_time
     if a.threads:
         torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     T, H = a.tokens, a.hidden
-    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cpus, "
-          f"load average at start {os.getloadavg()[0]:.1f}, clock: {'process CPU' if a.cpu_time else 'wall'}")
-    malloc = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "LD_PRELOAD"}
-    print(f"# T={T} H={H}; GFLOP/s count expert GEMMs only; ratio = layer / dense ceiling; "
-          f"allocator settings: {malloc or 'glibc defaults'}")
-    print(f"{'dtype':5} {'E':>3} {'k':>2} {'F':>5} {'backend':10} {'layer ms':>9} {'GF/s':>7} {'experts ms':>10} "
-          f"{'GF/s':>7} {'ceiling GF/s':>12} {'layer/ceil':>10} {'experts/ceil':>12}")
+    modes = [False]
+    if not a.no_compile:
+        reason = compile_unavailable("cpu")
+        if reason is None:
+            modes.append(True)
+        else:
+            print(f"# compiled rows skipped: {reason}")
+    print(describe_machine())
+    print(f"# clock: {'process CPU' if a.cpu_time else 'wall'}; T={T} H={H}; GFLOP/s count expert GEMMs only; "
+          f"ratio = layer / dense ceiling")
+    print(f"{'dtype':5} {'E':>3} {'k':>2} {'F':>5} {'backend':10} {'mode':8} {'layer ms':>9} {'GF/s':>7} "
+          f"{'experts ms':>10} {'GF/s':>7} {'ceiling GF/s':>12} {'layer/ceil':>10} {'experts/ceil':>12}")
+    compile_s = 0.0
     for dname in a.dtypes.split(","):
         dtype = DTYPES[dname]
+        skip = bf16_skip_reason() if dtype == torch.bfloat16 else None
+        if skip is not None:
+            print(f"{dname:5} skipped: {skip}")
+            continue
         for spec in a.configs.split(";"):
             E, k, F = (int(v) for v in spec.split(","))
             N = T * k
@@ -133,11 +178,16 @@ def main(argv: list[str] | None = None) -> int:
             t_dense = dense_ceiling(N, H, F, dtype, a.iters)
             ceil = flops / t_dense / 1e9
             for backend in a.backends.split(","):
-                t_layer, t_exp = bench(T, H, E, k, F, dtype, backend, a.iters)
-                gl, ge = flops / t_layer / 1e9, flops / t_exp / 1e9
-                print(f"{dname:5} {E:>3} {k:>2} {F:>5} {backend:10} {t_layer * 1e3:>9.1f} {gl:>7.0f} "
-                      f"{t_exp * 1e3:>10.1f} {ge:>7.0f} {ceil:>12.0f} {gl / ceil:>10.2f} {ge / ceil:>12.2f}",
-                      flush=True)
+                for compiled in modes:
+                    t_layer, t_exp, t_compile = bench(T, H, E, k, F, dtype, backend, a.iters, compiled)
+                    compile_s += t_compile if compiled else 0.0
+                    gl, ge = flops / t_layer / 1e9, flops / t_exp / 1e9
+                    mode = "compiled" if compiled else "eager"
+                    print(f"{dname:5} {E:>3} {k:>2} {F:>5} {backend:10} {mode:8} {t_layer * 1e3:>9.1f} {gl:>7.0f} "
+                          f"{t_exp * 1e3:>10.1f} {ge:>7.0f} {ceil:>12.0f} {gl / ceil:>10.2f} {ge / ceil:>12.2f}",
+                          flush=True)
+    if len(modes) > 1:
+        print(f"# compiling (first compiled step minus a timed one, all rows): {compile_s:.1f} s")
     print(f"# load average at end {os.getloadavg()[0]:.1f}")
     return 0
 

@@ -1,7 +1,14 @@
 """Moving token copies to the ranks holding their experts and back: permutation, allgather, all-to-all, DeepEP."""
 
 from moefold.dispatch.allgather import AllGatherDispatcher, AllGatherHandle
-from moefold.dispatch.alltoall import AllToAllDispatcher, AllToAllHandle, LocalDispatcher
+from moefold.dispatch.alltoall import (
+    AllToAllDispatcher,
+    AllToAllHandle,
+    ExchangePlan,
+    LocalDispatcher,
+    exchange_tokens,
+    return_tokens,
+)
 from moefold.dispatch.base import Dispatched, DispatchHandle, PendingDispatch, PhaseTimer, TokenDispatcher
 from moefold.dispatch.factory import DISPATCHER_KINDS, build_dispatcher
 from moefold.dispatch.permutation import (
@@ -11,7 +18,6 @@ from moefold.dispatch.permutation import (
     group_counts,
     mask_groups,
     permute,
-    permute_probs,
     sort_chunks,
     unpermute,
 )
@@ -19,7 +25,8 @@ from moefold.dispatch.permutation import (
 __all__ = [
     "TokenDispatcher", "Dispatched", "DispatchHandle", "PendingDispatch", "PhaseTimer",
     "LocalDispatcher", "AllToAllDispatcher", "AllToAllHandle", "AllGatherDispatcher", "AllGatherHandle",
+    "ExchangePlan", "exchange_tokens", "return_tokens",
     "build_dispatcher", "DISPATCHER_KINDS",
-    "RowMap", "mask_groups", "group_counts", "build_row_map", "permute", "unpermute", "permute_probs",
+    "RowMap", "mask_groups", "group_counts", "build_row_map", "permute", "unpermute",
     "chunk_sort_index", "sort_chunks",
 ]

@@ -2,16 +2,21 @@
 
 Dispatch on rank (etp t, ep r):
 
-1. permute:     this rank's kept copies -> rows sorted by global expert (hence by destination ep rank)
-2. counts:      all-gather the [E] per-expert counts over ep then etp -> [etp, ep, E] (two tiny
-                collectives, then the dispatch's one host synchronisation: ``.tolist()`` of those
-                counts, because the exchange needs its split sizes on the host)
-3. all-to-all:  uneven, over ep (asynchronous: ``dispatch_start`` returns while it is in flight)
+1. counts:      all-gather the [E] per-expert counts over the etp x ep group -> [etp, ep, E]: the
+                layer's one exchange of split sizes (launched first, so the argsort and permute
+                overlap it), then the dispatch's one host synchronisation (``.tolist()``: the
+                exchange needs its split sizes on the host)
+2. permute:     this rank's kept copies -> rows sorted by global expert (hence by destination ep rank)
+3. all-to-all:  uneven, over ep (``exchange_tokens``, asynchronous: ``dispatch_start`` returns while
+                it is in flight)
 4. etp gather:  every etp rank receives every other's rows -> [etp src, ep src, e_local] chunks
 5. sort:        regroup chunks to [e_local, etp src, ep src] (expert-major)
 
-Combine runs the mirror image: unsort, reduce-scatter over etp (sums the experts' partial
-FFN outputs), reverse all-to-all, unpermute (sum of each token's K copies).
+Only tokens travel: the routing probs stay on the token's home rank. Combine runs the mirror
+image: unsort, reduce-scatter over etp (sums the experts' partial FFN outputs), reverse
+all-to-all (``return_tokens``), then unpermute: each token's k returned copies weighted by their
+probs and summed in one ``embedding_bag`` pass, on the home rank; the probs' gradient is the dot
+product of the token's output gradient with each returned copy, computed there too.
 
 Host synchronisations per MoE layer (forward and backward together, proved by
 tests/dispatch/test_host_sync.py): dropless or unpadded capacity mode exactly one (the split
@@ -37,20 +42,25 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moefold.dispatch.base import Dispatched, DispatchHandle, PendingDispatch, PhaseTimer, TokenDispatcher
-from moefold.dispatch.exchange import chunked_all_to_all, chunked_all_to_all_async
-from moefold.dispatch.fp8_exchange import fp8_all_to_all_async, fp8_chunked_all_to_all_async
+from moefold.dispatch.exchange import PendingExchange, chunked_all_to_all, chunked_all_to_all_async
+from moefold.dispatch.fp8_exchange import PendingFp8Exchange, fp8_all_to_all_async, fp8_chunked_all_to_all_async
 from moefold.dispatch.permutation import (
     RowMap,
     build_row_map,
     group_counts,
     mask_groups,
     permute,
-    permute_probs,
     sort_chunks,
     unpermute,
 )
 from moefold.moe.routing import Routing
-from moefold.parallel.comm import all_gather_sequence, all_to_all, all_to_all_async, reduce_scatter_sequence
+from moefold.parallel.comm import (
+    PendingAllToAll,
+    all_gather_sequence,
+    all_to_all,
+    all_to_all_async,
+    reduce_scatter_sequence,
+)
 from moefold.parallel.groups import Group, group_size
 
 
@@ -100,25 +110,60 @@ def reduce_scatter_uneven(x: Tensor, sizes: list[int], group: Group, rank: int) 
 
 
 @dataclass(frozen=True)
-class AllToAllHandle(DispatchHandle):
-    """row_map: this rank's permutation; send/recv splits of the ep all-to-all (rows per rank);
-    etp_sizes: rows each etp rank contributed to the gather; chunk_counts: [etp*ep, e_local] chunk
-    sizes (device); chunk_send / chunk_recv: per local expert splits when the exchange is chunked
-    (rows already expert-major, no sort), else None."""
+class ExchangePlan:
+    """Split sizes of the token all-to-all over ep, host ints (rows sent to / received from each ep
+    rank). When the exchange is chunked per local expert j: ``chunk_send[j][d]`` rows of local
+    expert j go to rank d, ``chunk_recv[j][s]`` come from rank s; else both are None."""
 
-    row_map: RowMap
-    send_splits: tuple[int, ...]
-    recv_splits: tuple[int, ...]
-    etp_sizes: tuple[int, ...]
-    chunk_counts: Tensor
+    send: tuple[int, ...]
+    recv: tuple[int, ...]
     chunk_send: tuple[tuple[int, ...], ...] | None = None
     chunk_recv: tuple[tuple[int, ...], ...] | None = None
+
+
+def exchange_tokens(rows_NH: Tensor, plan: ExchangePlan, group: Group, fp8: bool = False,
+                    ) -> PendingAllToAll | PendingExchange | PendingFp8Exchange:
+    """Start the dispatch's token all-to-all over ep (asynchronous; ``.wait()`` for the received rows).
+
+    The one place the dispatch direction moves tokens: rows in send order (grouped by
+    destination rank, or [local expert x destination] when chunked) -> rows received from every
+    ep rank (by source, or [local expert x source] when chunked). Autograd: the backward is the
+    reverse exchange of the gradients. ``fp8``: the rows travel as e4m3 with their scales and arrive
+    dequantised (``dispatch.fp8_exchange``); their gradients return in the rows' own dtype.
+    """
+    if plan.chunk_send is not None:
+        start = fp8_chunked_all_to_all_async if fp8 else chunked_all_to_all_async
+        return start(rows_NH, plan.chunk_recv, plan.chunk_send, group)
+    start = fp8_all_to_all_async if fp8 else all_to_all_async
+    return start(rows_NH, list(plan.recv), list(plan.send), group)
+
+
+def return_tokens(rows_NH: Tensor, plan: ExchangePlan, group: Group) -> Tensor:
+    """The combine's exchange: ``exchange_tokens`` in reverse (received order -> send order)."""
+    if plan.chunk_send is not None:
+        return chunked_all_to_all(rows_NH, plan.chunk_send, plan.chunk_recv, group)
+    return all_to_all(rows_NH, list(plan.send), list(plan.recv), group)
+
+
+@dataclass(frozen=True)
+class AllToAllHandle(DispatchHandle):
+    """row_map: this rank's permutation; probs_TK: this rank's routing weights, applied in combine
+    (None: sum the copies unweighted); plan: the ep exchange's split sizes; etp_sizes: rows each etp
+    rank contributed to the gather; chunk_counts: [etp*ep, e_local] chunk sizes (device)."""
+
+    row_map: RowMap
+    probs_TK: Tensor | None
+    plan: ExchangePlan
+    etp_sizes: tuple[int, ...]
+    chunk_counts: Tensor
 
 
 class AllToAllDispatcher(TokenDispatcher):
     """Uneven all-to-all over ``ep_group``, all-gather / reduce-scatter over ``etp_group``.
 
     Groups are explicit; ``None`` (or size 1) means no communication along that dimension.
+    ``etp_ep_group`` (the etp x ep ranks, ep-major: ``ParallelDims.etp_ep_group``) carries the one
+    exchange of split sizes when ep and etp are both > 1; with either at 1 it is the other group.
     With etp = 1 and at most ``max_chunked_experts`` local experts, the exchange is one
     all-to-all per local expert landing rows directly in expert-major order (``dispatch.exchange``),
     which saves the two sort copies; beyond that, one all-to-all plus ``sort_chunks``.
@@ -128,42 +173,54 @@ class AllToAllDispatcher(TokenDispatcher):
     name = "alltoall"
 
     def __init__(self, num_experts: int, ep_group: Group = None, etp_group: Group = None,
-                 timer: PhaseTimer | None = None, max_chunked_experts: int = 8, fp8: bool = False):
+                 etp_ep_group: Group = None, timer: PhaseTimer | None = None, max_chunked_experts: int = 8,
+                 fp8: bool = False):
         super().__init__(num_experts, ep_group, etp_group, timer)
-        self._send_rows, self._send_rows_chunked = ((fp8_all_to_all_async, fp8_chunked_all_to_all_async) if fp8
-                                                    else (all_to_all_async, chunked_all_to_all_async))
+        self.fp8 = fp8
         if max_chunked_experts < 0:
             raise ValueError(f"max_chunked_experts={max_chunked_experts} must be >= 0 (0 disables chunking)")
         e = self.num_local_experts
         self.chunked = self.etp == 1 and self.ep > 1 and 1 < e <= max_chunked_experts
+        self.counts_group = self._etp_ep_group(etp_ep_group)
 
     def _send_key(self, key: Tensor) -> Tensor:
         """Chunked exchange: order the send rows [local expert index j x destination rank]."""
         E, e, ep = self.num_experts, self.num_local_experts, self.ep
         return torch.where(key < E, (key % e) * ep + key.div(e, rounding_mode="floor"), key)
 
+    def _plan(self, mine: list[int], recv: list[list[list[int]]]) -> tuple[ExchangePlan, tuple[int, ...]]:
+        """(plan, etp_sizes) from this rank's per-expert counts ``mine`` [E] and ``recv`` [etp][ep][e]."""
+        e, ep, etp = self.num_local_experts, self.ep, self.etp
+        send = tuple(sum(mine[d * e:(d + 1) * e]) for d in range(ep))
+        recv_splits = tuple(sum(recv[self.etp_rank][s]) for s in range(ep))
+        etp_sizes = tuple(sum(sum(c) for c in recv[t]) for t in range(etp))
+        if not self.chunked:
+            return ExchangePlan(send, recv_splits), etp_sizes
+        chunk_send = tuple(tuple(mine[d * e + j] for d in range(ep)) for j in range(e))
+        chunk_recv = tuple(tuple(recv[0][s][j] for s in range(ep)) for j in range(e))
+        return ExchangePlan(send, recv_splits, chunk_send, chunk_recv), etp_sizes
+
     # -- dispatch --------------------------------------------------------------------------
-    def dispatch_start(self, x_TH: Tensor, routing: Routing) -> PendingDispatch:
+    def dispatch_start(self, x_TH: Tensor, routing: Routing, *, weighted_combine: bool = True) -> PendingDispatch:
         self._check(x_TH, routing)
         T, K = routing.probs_TK.shape
         E, e, ep, etp = self.num_experts, self.num_local_experts, self.ep, self.etp
         local = slice(self.local_expert_offset, self.local_expert_offset + e)
         with self._phase("permute"):
             key = mask_groups(routing.expert_ids_TK, E, routing.keep_TK)
-            counts_E = None
+            send_key = self._send_key(key) if self.chunked else key
             if routing.pad_to_capacity:
+                # every (rank, expert) chunk is `capacity` rows: all sizes static, nothing exchanged but tokens
                 cap = int(routing.capacity)
-                mine = [cap] * E
-                recv = [[[cap] * e for _ in range(ep)] for _ in range(etp)]
+                mine, recv = [cap] * E, [[[cap] * e for _ in range(ep)] for _ in range(etp)]
                 chunk_counts = torch.full((etp * ep, e), cap, dtype=torch.long, device=x_TH.device)
-                row_map = build_row_map(self._send_key(key) if self.chunked else key, T, K, E, capacity=cap)
+                row_map = build_row_map(send_key, T, K, E, capacity=cap)
                 rows = permute(x_TH, row_map)
             else:
                 counts_E = group_counts(key, E)
                 exchange = ep * etp > 1 or routing.keep_TK is not None
-                if exchange:  # launched first: the argsort below overlaps it
-                    all_counts, work = gather_counts(counts_E, self.ep_group, async_op=True)
-                send_key = self._send_key(key) if self.chunked else key
+                if exchange:  # the layer's one exchange of split sizes, launched first: the argsort overlaps it
+                    gathered, work = gather_counts(counts_E, self.counts_group, async_op=True)
                 # dropless: all T*K copies are rows, known without the counts
                 row_map = build_row_map(send_key, T, K, E, num_rows=T * K) if routing.keep_TK is None else None
                 if row_map is not None:  # permute while the counts are in flight
@@ -174,7 +231,8 @@ class AllToAllDispatcher(TokenDispatcher):
                 else:
                     if work is not None:
                         work.wait()
-                    all_counts = gather_counts(all_counts, self.etp_group)
+                    # etp_ep ranks are ep-major (ep_rank * etp + etp_rank): [ep, etp, E] -> [etp, ep, E]
+                    all_counts = gathered.view(ep, etp, E).transpose(0, 1)
                     host = all_counts.tolist()  # the dispatch's one host synchronisation
                     mine = host[self.etp_rank][self.ep_rank]
                     recv = [[row[local] for row in per_etp] for per_etp in host]
@@ -182,51 +240,26 @@ class AllToAllDispatcher(TokenDispatcher):
                 if row_map is None:
                     row_map = build_row_map(send_key, T, K, E, num_rows=sum(mine))
                     rows = permute(x_TH, row_map)
-            probs = permute_probs(routing.probs_TK.float(), row_map)
         if recv is None:
-            send = recv_splits = etp_sizes = (row_map.num_rows,)
+            plan, etp_sizes = ExchangePlan((row_map.num_rows,), (row_map.num_rows,)), (row_map.num_rows,)
         else:
-            send = tuple(sum(mine[s * e:(s + 1) * e]) for s in range(ep))
-            recv_splits = tuple(sum(recv[self.etp_rank][s]) for s in range(ep))
-            etp_sizes = tuple(sum(sum(c) for c in recv[t]) for t in range(etp))
-        chunk_send = chunk_recv = None
+            plan, etp_sizes = self._plan(mine, recv)
         with self._phase("communicate"):
-            if self.chunked:
-                chunk_send = tuple(tuple(mine[d * e + j] for d in range(ep)) for j in range(e))
-                chunk_recv = tuple(tuple(recv[0][s][j] for s in range(ep)) for j in range(e))
-                pending_rows = self._send_rows_chunked(rows, chunk_recv, chunk_send, self.ep_group)
-                # probs are tiny: one exchange in [destination x expert] order, regrouped on both sides.
-                # The chunk sizes come from device tensors: one built from the host lists would be a
-                # blocking host->device copy (a stream synchronisation on CUDA).
-                if counts_E is None:  # padded: every chunk is `capacity` rows
-                    send_counts_je = torch.full((e, ep), int(routing.capacity), dtype=torch.long, device=x_TH.device)
-                else:
-                    send_counts_je = counts_E.view(ep, e).t()  # [local expert, destination]
-                probs = sort_chunks(probs, send_counts_je)
-                probs_recv_counts = chunk_counts.view(etp, ep, e)[0]  # [source, expert]
-                pending_probs = all_to_all_async(probs, list(recv_splits), list(send), self.ep_group)
-            else:
-                pending_rows = self._send_rows(rows, list(recv_splits), list(send), self.ep_group)
-                pending_probs = all_to_all_async(probs, list(recv_splits), list(send), self.ep_group)
+            pending = exchange_tokens(rows, plan, self.ep_group, fp8=self.fp8)
 
         def finish() -> Dispatched:
             with self._phase("communicate"):
-                got_rows, got_probs = pending_rows.wait(), pending_probs.wait()
-                got_rows = all_gather_uneven(got_rows, list(etp_sizes), self.etp_group)
-                got_probs = all_gather_uneven(got_probs, list(etp_sizes), self.etp_group)
+                got = all_gather_uneven(pending.wait(), list(etp_sizes), self.etp_group)
             with self._phase("sort"):
-                if self.chunked:  # rows arrive expert-major already
-                    got_probs = sort_chunks(got_probs, probs_recv_counts)
-                else:
-                    got_rows = sort_chunks(got_rows, chunk_counts)
-                    got_probs = sort_chunks(got_probs, chunk_counts)
+                if not self.chunked:  # chunked: rows arrive expert-major already
+                    got = sort_chunks(got, chunk_counts)
                 per_expert = chunk_counts.sum(0)
                 per_expert_host = None if recv is None else tuple(
                     sum(recv[t][src][j] for t in range(etp) for src in range(ep)) for j in range(e))
-            handle = AllToAllHandle(num_tokens=T, num_rows=got_rows.shape[0], row_map=row_map, send_splits=send,
-                                    recv_splits=recv_splits, etp_sizes=etp_sizes, chunk_counts=chunk_counts,
-                                    chunk_send=chunk_send, chunk_recv=chunk_recv)
-            return Dispatched(got_rows, got_probs, per_expert, handle, per_expert_host)
+            handle = AllToAllHandle(num_tokens=T, num_rows=got.shape[0], row_map=row_map,
+                                    probs_TK=routing.probs_TK if weighted_combine else None, plan=plan,
+                                    etp_sizes=etp_sizes, chunk_counts=chunk_counts)
+            return Dispatched(got, per_expert, handle, per_expert_host)
 
         return PendingDispatch(finish)
 
@@ -234,17 +267,16 @@ class AllToAllDispatcher(TokenDispatcher):
     def combine(self, expert_out_NH: Tensor, handle: DispatchHandle) -> Tensor:
         self._check_combine(expert_out_NH, handle, AllToAllHandle)
         assert isinstance(handle, AllToAllHandle)
-        if handle.chunk_send is not None:
-            with self._phase("communicate"):
-                rows = chunked_all_to_all(expert_out_NH, handle.chunk_send, handle.chunk_recv, self.ep_group)
-        else:
+        rows = expert_out_NH
+        if not self.chunked:
             with self._phase("sort"):
-                rows = sort_chunks(expert_out_NH, handle.chunk_counts.t())
-            with self._phase("communicate"):
-                rows = reduce_scatter_uneven(rows, list(handle.etp_sizes), self.etp_group, self.etp_rank)
-                rows = all_to_all(rows, list(handle.send_splits), list(handle.recv_splits), self.ep_group)
+                rows = sort_chunks(rows, handle.chunk_counts.t())
+        with self._phase("communicate"):
+            rows = reduce_scatter_uneven(rows, list(handle.etp_sizes), self.etp_group, self.etp_rank)
+            rows = return_tokens(rows, handle.plan, self.ep_group)
         with self._phase("unpermute"):
-            return unpermute(rows, handle.row_map)
+            # the probs never left this rank: each token's k returned copies are weighted and summed here
+            return unpermute(rows, handle.row_map, handle.probs_TK)
 
 
 class LocalDispatcher(AllToAllDispatcher):
@@ -258,4 +290,4 @@ class LocalDispatcher(AllToAllDispatcher):
     name = "local"
 
     def __init__(self, num_experts: int, timer: PhaseTimer | None = None, fp8: bool = False):
-        super().__init__(num_experts, None, None, timer, fp8=fp8)
+        super().__init__(num_experts, None, None, None, timer, fp8=fp8)

@@ -4,6 +4,15 @@ Every dispatcher moves each kept copy of this rank's T tokens to the rank(s) hol
 (expert ``g`` lives on ep rank ``g // e_local``; with etp > 1 every rank of the etp group gets the
 same rows) and brings the expert outputs back. Dispatchers are stateless between steps:
 everything ``combine`` needs travels in the frozen handle.
+
+The routing weights: the experts compute plain ``FFN_g(x)``; ``combine`` returns
+``y[t] = sum_k probs[t, k] * FFN_{g_tk}(x_t)``. Where the probs are applied is the dispatcher's
+business: local and alltoall apply them on the token's home rank, in the unpermute that sums the
+k returned copies (the probs never travel); allgather and flex, whose combine adds up each
+token's copies on the expert side before anything comes home (a reduce-scatter; DeepEP's normal
+combine kernels, which add without weights), move them with the routing they must send anyway
+and apply them there. ``weighted_combine=False`` sums the copies unweighted (the caller applied
+the probs to the input: Megatron's ``--moe-apply-probs-on-input``).
 """
 
 from __future__ import annotations
@@ -39,7 +48,6 @@ class Dispatched:
     """The experts' input on this rank.
 
     tokens_NH:              [N, H] rows grouped by local expert (expert-major), padding rows zero
-    probs_N:                [N] fp32 routing prob of each row (0 for padding), autograd-connected
     tokens_per_expert_e:    [e_local] int64 rows per local expert (padding included), on x's device
     handle:                 consumed by ``combine``
     tokens_per_expert_host: the same counts as host ints when the dispatcher already has them
@@ -48,7 +56,6 @@ class Dispatched:
     """
 
     tokens_NH: Tensor
-    probs_N: Tensor
     tokens_per_expert_e: Tensor
     handle: DispatchHandle
     tokens_per_expert_host: tuple[int, ...] | None = None
@@ -103,6 +110,22 @@ class TokenDispatcher(ABC):
         self.local_expert_offset = self.ep_rank * self.num_local_experts
         self._timer = timer
 
+    def _etp_ep_group(self, etp_ep_group: Group) -> Group:
+        """The etp x ep group (``ParallelDims.etp_ep_group``: rank ``ep_rank * etp + etp_rank``), checked;
+        with ep or etp at 1 it may be None and is the other group."""
+        if etp_ep_group is None:
+            if self.ep > 1 and self.etp > 1:
+                raise ValueError(f"the {self.name} dispatcher with ep={self.ep} and etp={self.etp} needs the "
+                                 f"etp_ep_group")
+            etp_ep_group = self.ep_group if self.ep > 1 else self.etp_group
+        n, rank = self.ep * self.etp, self.ep_rank * self.etp + self.etp_rank
+        if group_size(etp_ep_group) != n or group_rank(etp_ep_group) != rank:
+            raise ValueError(f"the {self.name} dispatcher's etp_ep_group must hold the ep*etp={self.ep}*{self.etp}={n} "
+                             f"ranks ordered ep-major (rank ep_rank*etp + etp_rank, as ParallelDims.etp_ep_group); "
+                             f"got a group of {group_size(etp_ep_group)} where this rank is "
+                             f"{group_rank(etp_ep_group)}, expected {rank}")
+        return etp_ep_group
+
     def _phase(self, name: str) -> AbstractContextManager:
         return nullcontext() if self._timer is None else self._timer(name)
 
@@ -119,16 +142,20 @@ class TokenDispatcher(ABC):
             raise ValueError(f"{self.name} dispatch: pad_to_capacity needs a capacity >= 0, got {routing.capacity}")
 
     @abstractmethod
-    def dispatch_start(self, x_TH: Tensor, routing: Routing) -> PendingDispatch:
-        """Start moving the kept copies of x's tokens to their experts (see ``Dispatched``)."""
+    def dispatch_start(self, x_TH: Tensor, routing: Routing, *, weighted_combine: bool = True) -> PendingDispatch:
+        """Start moving the kept copies of x's tokens to their experts (see ``Dispatched``).
 
-    def dispatch(self, x_TH: Tensor, routing: Routing) -> Dispatched:
+        ``weighted_combine``: the combine weights each copy by ``routing.probs_TK`` (False: plain sum).
+        """
+
+    def dispatch(self, x_TH: Tensor, routing: Routing, *, weighted_combine: bool = True) -> Dispatched:
         """``dispatch_start(x, routing).wait()``."""
-        return self.dispatch_start(x_TH, routing).wait()
+        return self.dispatch_start(x_TH, routing, weighted_combine=weighted_combine).wait()
 
     @abstractmethod
     def combine(self, expert_out_NH: Tensor, handle: DispatchHandle) -> Tensor:
-        """[N, H] expert outputs (already times probs; partial sums over etp) -> y [T, H]."""
+        """[N, H] expert outputs (not weighted; partial sums over etp) -> y [T, H], each token's copies
+        weighted by its routing probs (unless dispatched with ``weighted_combine=False``) and summed."""
 
     def _check_combine(self, expert_out_NH: Tensor, handle: DispatchHandle, handle_type: type) -> None:
         if not isinstance(handle, handle_type):

@@ -1,19 +1,25 @@
-"""``moefold bench-dispatch``: time one dispatcher's dispatch + combine against a raw all-to-all.
+"""``moefold bench-dispatch``: time dispatchers' dispatch + combine against the raw collectives they are built on.
 
 Runs on N CPU ranks that it spawns itself (gloo), or under ``torchrun`` (NCCL on GPUs). Every
-rank routes ``--num-tokens`` random tokens (uniform or Zipf-skewed expert popularity), then:
+rank routes ``--num-tokens`` random tokens (uniform or Zipf-skewed expert popularity); for each
+dispatcher and skew given (comma-separated lists: one command, one world, every row) it measures:
 
 * phases: route, permute, communicate, sort, unpermute (with a per-phase timer that
   synchronises the device, on separate iterations so the end-to-end figure is not disturbed);
-* end to end: dispatch + combine, median over ``--iters`` after ``--warmup``;
-* raw: ``all_to_all_single`` there and back with exactly the split sizes the dispatch used
-  (the bytes a perfect dispatcher would move), measured in the same run the same way (after a
-  barrier, receive buffers allocated inside the timed region as the dispatcher's are);
-* local: the dispatcher's permute + unpermute of the same rows alone (what it does besides
-  communicating), so that the ratio can be split into local work and exchange overhead;
-* bytes that left each rank (dispatch + combine), achieved GB/s, dispatcher / raw ratio.
+* end to end: dispatch + combine (probs applied in the combine), median over ``--iters`` after
+  ``--warmup``;
+* raw: the collectives the dispatcher is built on, moving exactly its token bytes, measured in
+  the same run the same way (after a barrier, receive buffers allocated inside the timed region
+  as the dispatcher's are): ``all_to_all_single`` there and back with the dispatch's split sizes
+  (alltoall; flex against an even one of the same copies), an all-gather of the (padded) tokens
+  and a reduce-scatter of the outputs over the etp x ep group (allgather);
+* local: the dispatcher's permute + weighted unpermute of the same rows alone (what it does
+  besides communicating), so that the ratio can be split into local work and exchange overhead;
+* bytes: what the dispatcher's token collectives send per rank (dispatch + combine) against the
+  ideal: the copies whose expert lives on another rank, there and back.
 
-Times are the slowest rank's median. Nothing is asserted: this prints.
+Times are the slowest rank's median. Nothing is asserted: this prints, ending with one summary
+table; the first line names the machine (``moefold.training.machine``).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -36,10 +42,13 @@ import torch.distributed as dist
 
 PHASES = ("route", "permute", "communicate", "sort", "unpermute")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+KINDS = ("local", "allgather", "alltoall", "flex")
+SKEWS = ("uniform", "zipf")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dispatcher", default="alltoall", choices=("local", "allgather", "alltoall", "flex"))
+    parser.add_argument("--dispatcher", default="alltoall",
+                        help=f"one or more of {', '.join(KINDS)}, comma-separated (e.g. alltoall,allgather)")
     parser.add_argument("--num-tokens", type=int, default=4096, help="tokens per rank (T)")
     parser.add_argument("--hidden", type=int, default=512, help="hidden size (H)")
     parser.add_argument("--num-experts", type=int, default=16, help="experts (E)")
@@ -48,8 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--etp", type=int, default=1, help="expert-tensor-parallel size")
     parser.add_argument("--nprocs", type=int, default=None,
                         help="CPU ranks to spawn (default ep*etp); ignored under torchrun")
-    parser.add_argument("--skew", default="uniform", choices=("uniform", "zipf"),
-                        help="expert popularity: uniform, or Zipf-like (logit bias -4 log(i+1) for expert i)")
+    parser.add_argument("--skew", default="uniform",
+                        help="expert popularity, comma-separated: uniform, zipf (logit bias -4 log(i+1) for expert i)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
@@ -61,6 +70,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                            "and time against --dtype (dispatch.fp8_bench)")
 
 
+def _list(value: str, valid: tuple[str, ...], flag: str) -> list[str]:
+    items = [v for v in value.split(",") if v]
+    bad = [v for v in items if v not in valid]
+    if bad or not items:
+        raise ValueError(f"{flag}={value!r}: valid values are {', '.join(valid)} (comma-separated)")
+    return items
+
+
 def _validate(args: argparse.Namespace) -> None:
     for name in ("num_tokens", "hidden", "num_experts", "topk", "ep", "etp", "iters"):
         if getattr(args, name) < (0 if name == "num_tokens" else 1):
@@ -69,6 +86,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--topk={args.topk} exceeds --num-experts={args.num_experts}")
     if args.num_experts % args.ep:
         raise ValueError(f"--num-experts={args.num_experts} is not divisible by --ep={args.ep}")
+    _list(args.dispatcher, KINDS, "--dispatcher")
+    _list(args.skew, SKEWS, "--skew")
 
 
 class PhaseTimes:
@@ -110,50 +129,101 @@ def _median_max(values: list[float], device: torch.device) -> float:
     return float(t.item())
 
 
-def _rank_main(args: argparse.Namespace) -> None:
+def _sum_ranks(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return float(t.item())
+
+
+def _raw_exchange(kind: str, handle, dims, T: int, K: int, H: int, dtype: torch.dtype, device: torch.device,
+                  gen: torch.Generator) -> tuple[str, Callable[[], None], int] | None:
+    """(name, one timed call of the collectives ``kind`` is built on with its token bytes, bytes sent per rank)."""
+    es = torch.finfo(dtype).bits // 8
+    if kind == "allgather":
+        group, W = dims.etp_ep_group, dims.ep * dims.etp
+        if W == 1:
+            return None
+        Tm = handle.max_tokens
+        x = torch.randn(Tm, H, generator=gen).to(device, dtype)
+        partial = torch.randn(W * Tm, H, generator=gen).to(device, dtype)
+
+        def run() -> None:
+            out = torch.empty(W * Tm, H, dtype=dtype, device=device)
+            dist.all_gather_into_tensor(out, x, group=group)
+            dist.reduce_scatter_tensor(torch.empty(Tm, H, dtype=dtype, device=device), partial, group=group)
+
+        # ring algorithms: each rank sends (W-1)/W of the gathered / reduced buffer
+        return "all_gather + reduce_scatter", run, 2 * (W - 1) * Tm * H * es
+    if dims.ep == 1:
+        return None
+    if hasattr(handle, "plan"):
+        send, recv = list(handle.plan.send), list(handle.plan.recv)
+    else:  # flex: an even all-to-all of this rank's copies, what an ideal exchange would move
+        n = -(-T * K // dims.ep)
+        send = recv = [n] * dims.ep
+    buf = torch.randn(sum(send), H, generator=gen).to(device, dtype)
+    group = dims.ep_group
+
+    def run() -> None:
+        back = torch.empty(sum(recv), H, dtype=dtype, device=device)
+        dist.all_to_all_single(back, buf, recv, send, group=group)
+        home = torch.empty(sum(send), H, dtype=dtype, device=device)
+        dist.all_to_all_single(home, back, send, recv, group=group)
+
+    return "all_to_all_single x2", run, 2 * sum(n for r, n in enumerate(send) if r != dims.ep_rank) * H * es
+
+
+def _bench_inputs(skew_name: str, args: argparse.Namespace, dims, device: torch.device):
+    """(x [T, H], router weight [H, E], expert popularity skew [E], generator) of this rank."""
+    gen = torch.Generator().manual_seed(args.seed + dims.rank)
+    H, E = args.hidden, args.num_experts
+    x = torch.randn(args.num_tokens, H, generator=gen).to(device, DTYPES[args.dtype])
+    w_gate = (torch.randn(H, E, generator=torch.Generator().manual_seed(args.seed)) / H ** 0.5).to(device)
+    skew = torch.zeros(E) if skew_name == "uniform" else -torch.log(torch.arange(1, E + 1, dtype=torch.float))
+    return x, w_gate, (skew * 4).to(device), gen  # Zipf-like popularity, sharpened to survive the random logits
+
+
+def _bench_one(kind: str, skew_name: str, args: argparse.Namespace, dims, device: torch.device) -> dict:
     from moefold.dispatch import build_dispatcher
     from moefold.dispatch.permutation import permute, unpermute
-    from moefold.parallel import ParallelConfig, ParallelDims
-    from moefold.parallel.init import default_device
 
-    device = default_device()
-    dims = ParallelDims.build(ParallelConfig(ep=args.ep, etp=args.etp), device_type=device.type)
     rank0 = dims.rank == 0
     dtype = DTYPES[args.dtype]
-    gen = torch.Generator().manual_seed(args.seed + dims.rank)
     T, H, E, K = args.num_tokens, args.hidden, args.num_experts, args.topk
-    x = torch.randn(T, H, generator=gen).to(device, dtype)
-    w_gate = (torch.randn(H, E, generator=torch.Generator().manual_seed(args.seed)) / H ** 0.5).to(device)
-    skew = torch.zeros(E) if args.skew == "uniform" else -torch.log(torch.arange(1, E + 1, dtype=torch.float))
-    skew = (skew * 4).to(device)  # Zipf-like popularity, sharpened so it survives the random logits
+    x, w_gate, skew, gen = _bench_inputs(skew_name, args, dims, device)
 
     timer = PhaseTimes(device)
-    options = {} if args.max_chunked_experts is None else {"max_chunked_experts": args.max_chunked_experts}
-    timed = build_dispatcher(args.dispatcher, E, dims, timer=timer, **options)
-    plain = build_dispatcher(args.dispatcher, E, dims, **options)
+    options = {}
+    if kind == "alltoall" and args.max_chunked_experts is not None:
+        options["max_chunked_experts"] = args.max_chunked_experts
+    timed = build_dispatcher(kind, E, dims, timer=timer, **options)
+    plain = build_dispatcher(kind, E, dims, **options)
     barrier = (lambda: dist.barrier()) if dist.is_initialized() else (lambda: None)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    tag = f"{kind} {skew_name}"
 
     def progress(what: str, i: int, n: int) -> None:
         if rank0:
-            print(f"\r  {what}: {i}/{n}", end="" if i < n else "\n", file=sys.stderr, flush=True)
+            print(f"\r  {tag} {what}: {i}/{n}", end="" if i < n else "\n", file=sys.stderr, flush=True)
 
-    # phases (timed iterations, synchronised per phase)
+    # phases (timed iterations, synchronised per phase); the experts pass rows through unchanged
     for i in range(args.warmup + args.iters):
         timer.enabled = i >= args.warmup
         with timer("route"):
             routing = _route(x, w_gate, skew, K)
         barrier()
         out = timed.dispatch(x, routing)
-        timed.combine(out.tokens_NH * out.probs_N.unsqueeze(1).to(dtype), out.handle)
+        timed.combine(out.tokens_NH, out.handle)
         progress("phases", i + 1, args.warmup + args.iters)
     phase_ms = {p: 1e3 * timer.seconds[p] / args.iters for p in PHASES}
 
-    # end to end, the raw exchange with the same split sizes, and the dispatcher's local work alone.
+    # end to end, the raw collectives with the same bytes, and the dispatcher's local work alone.
     # Like with like: each timed region starts right after a barrier, and both the dispatcher and
     # the raw exchange allocate their receive buffers inside it (the raw one sends from a buffer
     # that is ready, as the dispatcher's permute output is).
-    e2e, raw, local, handle = [], [], [], None
+    e2e, raw, local = [], [], []
+    raw_name, raw_bytes, handle, routing = None, 0, None, None
     for i in range(args.warmup + args.iters):
         routing = _route(x, w_gate, skew, K)
         sync()
@@ -162,84 +232,124 @@ def _rank_main(args: argparse.Namespace) -> None:
         out = plain.dispatch(x, routing)
         sync()
         t1 = time.perf_counter()
-        # the experts' work is not the dispatcher's (untimed): rows pass through, scaled by their prob;
-        # the barrier keeps that untimed work's rank skew out of the combine's exchange
-        expert_out = out.tokens_NH * out.probs_N.unsqueeze(1).to(dtype)
-        sync()
+        # the barrier keeps the untimed gap's rank skew out of the combine's exchange
         barrier()
         t1b = time.perf_counter()
-        y = plain.combine(expert_out, out.handle)
+        plain.combine(out.tokens_NH, out.handle)
         sync()
         seconds = (t1 - t0) + (time.perf_counter() - t1b)
         handle = out.handle
-        send, recv = _splits(handle, dims, T * K)
-        buf = torch.randn(sum(send), H, generator=gen).to(device, dtype)
-        sync()
-        barrier()
-        t2 = time.perf_counter()
-        if dims.ep_group is not None and dims.ep > 1:
-            back = torch.empty(sum(recv), H, dtype=dtype, device=device)
-            dist.all_to_all_single(back, buf, recv, send, group=dims.ep_group)
-            home = torch.empty(sum(send), H, dtype=dtype, device=device)
-            dist.all_to_all_single(home, back, send, recv, group=dims.ep_group)
-        sync()
-        t3 = time.perf_counter()
+        exchange = _raw_exchange(kind, handle, dims, T, K, H, dtype, device, gen)
+        if exchange is not None:
+            raw_name, run_raw, raw_bytes = exchange
+            sync()
+            barrier()
+            t2 = time.perf_counter()
+            run_raw()
+            sync()
+            raw.append(time.perf_counter() - t2)
         row_map = getattr(handle, "row_map", None)
-        if row_map is not None and row_map.num_tokens == T:  # permute + unpermute of the same rows, no communication
-            # (alltoall/local; the allgather and flex maps index gathered / received tokens instead)
+        if kind != "flex" and row_map is not None and row_map.num_tokens % max(T, 1) == 0 and T:
+            # permute + weighted unpermute of the same rows, no communication (allgather: over the
+            # gathered tokens, stood in for by copies of this rank's; flex's map is over received tokens)
+            xs = x.repeat(row_map.num_tokens // T, 1)
+            probs = getattr(handle, "probs_TK", None)
+            if probs is None:
+                probs = getattr(handle, "probs_g", None)
             barrier()
             t4 = time.perf_counter()
-            unpermute(permute(x, row_map), row_map)
+            unpermute(permute(xs, row_map), row_map, probs)
             sync()
             local.append(time.perf_counter() - t4)
         if i >= args.warmup:
             e2e.append(seconds)
-            raw.append(t3 - t2)
         progress("end to end + raw", i + 1, args.warmup + args.iters)
-    del y
-    send, _ = _splits(handle, dims, T * K)
-    ep_rank = dims.ep_rank
-    moved = 2 * sum(n for s, n in enumerate(send) if s != ep_rank) * H * torch.finfo(dtype).bits // 8
-    moved_t = torch.tensor([moved], dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(moved_t)
-    moved_avg = float(moved_t.item()) / max(1, dims.world_size)
-    t_e2e, t_raw = _median_max(e2e, device), _median_max(raw, device)
-    t_local = _median_max(local[args.warmup:], device) if len(local) > args.warmup else None
-    phase_max = {p: _median_max([v], device) for p, v in phase_ms.items()}
+        if i < args.warmup:
+            raw.clear()
+            local.clear()
+
+    # ideal bytes: the copies whose expert is on another ep rank, there and back
+    e_local = E // dims.ep
+    ids = routing.expert_ids_TK.reshape(-1)
+    remote = int(((ids // e_local) != dims.ep_rank).sum()) if dims.ep > 1 else 0
+    es = torch.finfo(dtype).bits // 8
+    world = max(1, dims.world_size)
+    ideal = _sum_ranks(2 * remote * H * es, device) / world
+    moved = _sum_ranks(raw_bytes, device) / world
+    t_e2e = _median_max(e2e, device)
+    return {"kind": kind, "skew": skew_name, "phases": {p: _median_max([v], device) for p, v in phase_ms.items()},
+            "e2e": t_e2e, "raw": _median_max(raw, device) if raw else None, "raw_name": raw_name,
+            "local": _median_max(local, device) if local else None, "ideal_bytes": ideal, "moved_bytes": moved,
+            "remote_rows": remote}
+
+
+def _fp8_one(r: dict, args: argparse.Namespace, dims, device: torch.device) -> None:
+    """``--fp8``: the same dispatcher with FP8 dispatch, on the same inputs, against ``r``'s time."""
+    rank0 = dims.rank == 0
+    if r["kind"] == "flex":
+        if rank0:
+            print("  fp8: not timed for flex (FP8 dispatch runs with the local, allgather and alltoall dispatchers)")
+        return
+    from moefold.dispatch.fp8_bench import report_fp8
+
+    x, w_gate, skew, _ = _bench_inputs(r["skew"], args, dims, device)
+    options = {"max_chunked_experts": args.max_chunked_experts} \
+        if r["kind"] == "alltoall" and args.max_chunked_experts is not None else {}
+    report_fp8(r["kind"], args, dims, x, lambda: _route(x, w_gate, skew, args.topk), r["e2e"], r["remote_rows"],
+               **options)
+
+
+def _rank_main(args: argparse.Namespace) -> None:
+    from moefold.parallel import ParallelConfig, ParallelDims
+    from moefold.parallel.init import default_device
+    from moefold.training.machine import describe_machine
+
+    device = default_device()
+    dims = ParallelDims.build(ParallelConfig(ep=args.ep, etp=args.etp), device_type=device.type)
+    rank0 = dims.rank == 0
     if rank0:
-        print(f"dispatcher={args.dispatcher} ranks={dims.world_size} ep={args.ep} etp={args.etp} T={T} H={H} "
-              f"E={E} k={K} skew={args.skew} dtype={args.dtype} device={device.type} iters={args.iters}")
-        print("phases (ms per dispatch+combine, slowest rank): " +
-              "  ".join(f"{p} {phase_max[p]:.2f}" for p in PHASES))
-        what = "" if hasattr(handle, "send_splits") else ", of an ideal exchange: this dispatcher moves more"
-        print(f"bytes sent per rank (dispatch+combine, tokens only{what}): {moved_avg / 1e6:.2f} MB")
-        print(f"dispatch+combine: {1e3 * t_e2e:.2f} ms  {moved_avg / t_e2e / 1e9:.3f} GB/s")
-        if dims.ep > 1:
-            print(f"raw all_to_all_single x2, same splits: {1e3 * t_raw:.2f} ms  {moved_avg / t_raw / 1e9:.3f} GB/s")
-            print(f"ratio dispatcher / raw: {t_e2e / t_raw:.2f}x")
-            if t_local is not None:
-                print(f"local permute+unpermute alone: {1e3 * t_local:.2f} ms; (raw + local) / raw: "
-                      f"{(t_raw + t_local) / t_raw:.2f}x (the floor for a dispatcher that does not overlap them)")
-        else:
-            print("raw all_to_all_single: ep=1, nothing to exchange")
-    if args.fp8:
-        from moefold.dispatch.fp8_bench import report_fp8
+        print(describe_machine())
+        print(f"# bench-dispatch: ranks={dims.world_size} ep={args.ep} etp={args.etp} T={args.num_tokens} "
+              f"H={args.hidden} E={args.num_experts} k={args.topk} dtype={args.dtype} device={device.type} "
+              f"iters={args.iters} (per rank: {torch.get_num_threads()} torch threads)", flush=True)
+    rows = []
+    for kind in _list(args.dispatcher, KINDS, "--dispatcher"):
+        for skew in _list(args.skew, SKEWS, "--skew"):
+            r = _bench_one(kind, skew, args, dims, device)
+            rows.append(r)
+            if rank0:
+                _print_one(r)
+            if args.fp8:
+                _fp8_one(r, args, dims, device)
+    if rank0 and len(rows) > 1:
+        print("\nsummary (ms, slowest rank's median; ratio = dispatcher / raw collectives of the same bytes)")
+        print(f"{'dispatcher':10} {'skew':8} {'disp+comb':>9} {'raw':>8} {'ratio':>6} {'floor':>6} "
+              f"{'MB moved':>9} {'MB ideal':>9}  raw collectives")
+        for r in rows:
+            raw, local = r["raw"], r["local"]
+            ratio = f"{r['e2e'] / raw:.2f}" if raw else "-"
+            floor = f"{(raw + local) / raw:.2f}" if raw and local is not None else "-"
+            print(f"{r['kind']:10} {r['skew']:8} {1e3 * r['e2e']:>9.2f} "
+                  f"{(f'{1e3 * raw:.2f}' if raw else '-'):>8} {ratio:>6} {floor:>6} "
+                  f"{r['moved_bytes'] / 1e6:>9.2f} {r['ideal_bytes'] / 1e6:>9.2f}  {r['raw_name'] or '-'}")
 
-        others = lambda h: sum(n for s, n in enumerate(_splits(h, dims, T * K)[0]) if s != ep_rank)
-        report_fp8(args, dims, x, lambda: _route(x, w_gate, skew, K), t_e2e, others, **options)
 
-
-def _splits(handle, dims, copies: int) -> tuple[list[int], list[int]]:
-    """Rows this rank sends to / receives from each ep rank in the token exchange.
-
-    Dispatchers without per-rank splits (allgather, flex) are compared with an even all-to-all
-    of this rank's ``copies`` token copies: what an ideal exchange would move.
-    """
-    if hasattr(handle, "send_splits"):
-        return list(handle.send_splits), list(handle.recv_splits)
-    n = -(-copies // max(1, dims.ep))
-    return [n] * dims.ep, [n] * dims.ep
+def _print_one(r: dict) -> None:
+    print(f"dispatcher={r['kind']} skew={r['skew']}")
+    print("  phases (ms per dispatch+combine, slowest rank): " +
+          "  ".join(f"{p} {r['phases'][p]:.2f}" for p in PHASES))
+    print(f"  dispatch+combine: {1e3 * r['e2e']:.2f} ms")
+    if r["raw"] is None:
+        print("  raw collectives: one rank in the group, nothing to exchange")
+        return
+    print(f"  raw {r['raw_name']} (same token bytes): {1e3 * r['raw']:.2f} ms")
+    print(f"  ratio dispatcher / raw: {r['e2e'] / r['raw']:.2f}x")
+    print(f"  token bytes sent per rank (dispatch+combine): {r['moved_bytes'] / 1e6:.2f} MB; ideal exchange "
+          f"(remote copies there and back): {r['ideal_bytes'] / 1e6:.2f} MB "
+          f"({r['moved_bytes'] / max(r['ideal_bytes'], 1):.2f}x)")
+    if r["local"] is not None:
+        print(f"  local permute+unpermute alone: {1e3 * r['local']:.2f} ms; (raw + local) / raw: "
+              f"{(r['raw'] + r['local']) / r['raw']:.2f}x (the floor for a dispatcher that does not overlap them)")
 
 
 def _spawned(rank: int, world: int, store_path: str, args: argparse.Namespace, reports: mp.Queue) -> None:

@@ -31,6 +31,20 @@ like the other dispatchers, so the experts see the same ``Dispatched`` contract.
 dispatch's backward is DeepEP's combine of the gradients (the top-k weight gradients reduced
 alongside) and combine's backward is a cached-layout dispatch, as in DeepEP's README.
 
+Where the routing weights are applied: **on the expert rank, not the home rank**. DeepEP's
+normal (intranode / internode) ``Buffer.combine`` adds the rows it brings home *without
+weights* (its docstring: "addition **without** weights"; ``intranode.cu``'s combine kernel sums
+the ``num_topk_ranks`` received rows per token, and reduces any ``topk_weights`` passed to it by
+the same plain sum): it returns one row per (token, source rank), already the sum of that rank's
+copies, so the per-copy weights must be applied before that sum, on the expert rank. They get
+there inside DeepEP's dispatch message (``topk_weights``, 4 bytes per top-k entry, written by the
+same kernel as the token: no separate exchange), and the combine's unpermute weights each copy
+with them (``unpermute(rows, row_map, recv_weights)``); their gradient returns in the backward
+combine that carries the token gradients. Only DeepEP's low-latency mode
+(``low_latency_combine(x, topk_idx, topk_weights, handle)``, "reduce **with weights**") weights
+on the home rank; it needs IBGDA and a per-expert ``[e, max_tokens * ranks, H]`` layout, and
+moefold does not use it.
+
 Expert tensor parallelism (etp > 1) works as with the alltoall dispatcher, the way Megatron's
 flex dispatcher does it over its tp x ep group: the group is etp x ep (``etp_ep_group``, rank
 ``ep_rank * etp + etp_rank``) and expert g becomes etp *virtual experts*, one on each etp rank of
@@ -53,9 +67,9 @@ import torch
 from torch import Tensor
 
 from moefold.dispatch.base import Dispatched, DispatchHandle, PendingDispatch, PhaseTimer, TokenDispatcher
-from moefold.dispatch.permutation import RowMap, build_row_map, mask_groups, permute, permute_probs, unpermute
+from moefold.dispatch.permutation import RowMap, build_row_map, mask_groups, permute, unpermute
 from moefold.moe.routing import Routing
-from moefold.parallel.groups import Group, group_rank, group_size
+from moefold.parallel.groups import Group
 
 DEEPEP_VERSION = "v1.2.1"
 INSTALL_HINT = (f"the flex dispatcher needs DeepEP {DEEPEP_VERSION} (not on PyPI): build it from "
@@ -170,10 +184,12 @@ class _DeepEPCombine(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class FlexHandle(DispatchHandle):
-    """row_map: the local permutation of received tokens; deep_ep_handle: DeepEP's layout for combine;
-    buffer: the DeepEP buffer the dispatch used (combine must use the same one)."""
+    """row_map: the local permutation of received tokens; recv_weights: their [R, K] top-k weights as
+    DeepEP delivered them (0 for experts held elsewhere; None: unweighted combine); deep_ep_handle:
+    DeepEP's layout for combine; buffer: the DeepEP buffer the dispatch used (combine must use it)."""
 
     row_map: RowMap
+    recv_weights: Tensor | None
     deep_ep_handle: Any
     buffer: Any
 
@@ -197,15 +213,7 @@ class FlexDispatcher(TokenDispatcher):
         if n == 1:
             raise ValueError("the flex dispatcher needs an etp x ep group of >= 2 ranks (DeepEP has no single-rank "
                              "kernels), got ep=1 etp=1; use 'local'")
-        if etp_ep_group is None:
-            if self.ep > 1 and self.etp > 1:
-                raise ValueError(f"the flex dispatcher with ep={self.ep} and etp={self.etp} needs the etp_ep_group")
-            etp_ep_group = ep_group if self.ep > 1 else etp_group
-        if group_size(etp_ep_group) != n or group_rank(etp_ep_group) != self.ep_rank * self.etp + self.etp_rank:
-            raise ValueError(f"the flex dispatcher's etp_ep_group must hold the ep*etp={n} ranks ordered ep-major "
-                             f"(rank ep_rank*etp + etp_rank, as ParallelDims.etp_ep_group); got a group of "
-                             f"{group_size(etp_ep_group)} where this rank is {group_rank(etp_ep_group)}, expected "
-                             f"{self.ep_rank * self.etp + self.etp_rank}")
+        etp_ep_group = self._etp_ep_group(etp_ep_group)
         if not isinstance(num_sms, int) or num_sms < 2 or num_sms % 2:
             raise ValueError(f"--moe-deepep-num-sms={num_sms!r} must be an even integer >= 2")
         try:
@@ -227,7 +235,7 @@ class FlexDispatcher(TokenDispatcher):
         v = torch.where(ids_TK.unsqueeze(-1) < 0, -1, v)
         return v.reshape(T, K * etp), probs_TK.unsqueeze(-1).expand(T, K, etp).reshape(T, K * etp)
 
-    def dispatch_start(self, x_TH: Tensor, routing: Routing) -> PendingDispatch:
+    def dispatch_start(self, x_TH: Tensor, routing: Routing, *, weighted_combine: bool = True) -> PendingDispatch:
         self._check(x_TH, routing)
         if x_TH.dtype != torch.bfloat16:
             raise ValueError(f"the flex dispatcher moves bf16 tokens (DeepEP), got x of dtype {x_TH.dtype}")
@@ -269,10 +277,10 @@ class FlexDispatcher(TokenDispatcher):
                     row_map = build_row_map(key, R, Kv, e, num_rows=sum(per_expert))
                     counts_host = tuple(per_expert)
                 tokens = permute(recv_x, row_map)
-                probs_N = permute_probs(recv_w, row_map)
-            handle = FlexHandle(num_tokens=T, num_rows=tokens.shape[0], row_map=row_map, deep_ep_handle=ep_handle,
+            handle = FlexHandle(num_tokens=T, num_rows=tokens.shape[0], row_map=row_map,
+                                recv_weights=recv_w if weighted_combine else None, deep_ep_handle=ep_handle,
                                 buffer=buffer)
-            return Dispatched(tokens, probs_N, row_map.counts_G, handle, counts_host)
+            return Dispatched(tokens, row_map.counts_G, handle, counts_host)
 
         return PendingDispatch(finish, event)
 
@@ -280,6 +288,7 @@ class FlexDispatcher(TokenDispatcher):
         self._check_combine(expert_out_NH, handle, FlexHandle)
         assert isinstance(handle, FlexHandle)
         with self._phase("unpermute"):
-            y_recv = unpermute(expert_out_NH, handle.row_map)
+            # weighted here, on the expert rank: DeepEP's normal combine adds rows without weights
+            y_recv = unpermute(expert_out_NH, handle.row_map, handle.recv_weights)
         with self._phase("communicate"):
             return _DeepEPCombine.apply(y_recv.to(torch.bfloat16), handle.buffer, handle.deep_ep_handle)

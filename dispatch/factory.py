@@ -39,7 +39,8 @@ def build_dispatcher(kind: str, num_experts: int, dims: ParallelDims | None = No
     if kind == "allgather":
         return AllGatherDispatcher(num_experts, ep_group, etp_group, etp_ep_group, timer=timer, fp8=fp8)
     if kind == "alltoall":
-        return AllToAllDispatcher(num_experts, ep_group, etp_group, timer=timer, fp8=fp8, **backend_options)
+        return AllToAllDispatcher(num_experts, ep_group, etp_group, etp_ep_group, timer=timer, fp8=fp8,
+                                  **backend_options)
     if fp8:
         raise ValueError("FP8 dispatch runs with the local, allgather and alltoall dispatchers, not 'flex'")
     from moefold.dispatch.deepep import FlexDispatcher  # lazy: imports deep_ep only when asked for

@@ -14,7 +14,8 @@ FP8 casts do throughout training.
 
 The wrappers have the signature of the exchange they wrap: ``fp8_all_to_all_async`` /
 ``fp8_chunked_all_to_all_async`` return a pending object whose ``wait()`` gives the dequantised,
-autograd-connected rows; ``fp8_all_gather`` is synchronous like ``all_gather_sequence``.
+autograd-connected rows; ``fp8_round_trip`` casts rows that stay on the rank. The allgather dispatcher
+packs the same quantised rows into its one all-gather of tokens and routing (``dispatch.allgather``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from torch import Tensor
 
 from moefold.dispatch.exchange import chunked_all_to_all, chunked_all_to_all_async
-from moefold.parallel.comm import all_gather_sequence, all_to_all, all_to_all_async, reduce_scatter_sequence
+from moefold.parallel.comm import all_to_all, all_to_all_async
 from moefold.parallel.groups import Group
 
 BLOCK = 128
@@ -120,13 +121,11 @@ def fp8_chunked_all_to_all_async(x: Tensor, out_splits: list[list[int]], in_spli
     return PendingFp8Exchange(x, pending, lambda g: chunked_all_to_all(g, in_splits, out_splits, group))
 
 
-def fp8_all_gather(x: Tensor, group: Group, dim: int = 0) -> Tensor:
-    """``parallel.comm.all_gather_sequence`` (along dim 0) of the rows of ``x`` in FP8."""
-    if dim != 0:
-        raise ValueError(f"fp8_all_gather gathers rows (dim 0), not dim {dim}")
-    received = all_gather_sequence(_packed(x), group, 0)
-    return PendingFp8Exchange(x, received, lambda g: reduce_scatter_sequence(g, group, 0)).wait()
+def fp8_round_trip(x: Tensor) -> Tensor:
+    """The rows of ``x`` cast to FP8 and back, as an exchange within one rank delivers them (gradient
+    straight through): keeps a group of one rank numerically equal to a larger one."""
+    return PendingFp8Exchange(x, _packed(x), lambda g: g).wait()
 
 
-__all__ = ["BLOCK", "PendingFp8Exchange", "block_size", "dequantize_rows", "fp8_all_gather", "fp8_all_to_all_async",
-           "fp8_chunked_all_to_all_async", "pack", "quantize_rows", "row_bytes", "unpack"]
+__all__ = ["BLOCK", "PendingFp8Exchange", "block_size", "dequantize_rows", "fp8_all_to_all_async",
+           "fp8_chunked_all_to_all_async", "fp8_round_trip", "pack", "quantize_rows", "row_bytes", "unpack"]

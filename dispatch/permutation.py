@@ -14,6 +14,9 @@ row count as ``repeat_interleave``'s ``output_size``. Proved by tests/dispatch/t
 ``RowMap`` records where each row came from; ``permute`` / ``unpermute`` are an adjoint pair
 (each one's backward is the other), and ``sort_chunks`` regroups a buffer of [A x B] chunks
 into [B x A] order (received [source rank x local expert] -> [local expert x source rank]).
+``unpermute(rows, row_map, probs_TK)`` is the combine's weighted sum: each copy times its routing
+prob, in the same ``embedding_bag`` pass (``per_sample_weights``); its backward returns the rows'
+gradient (token gradient times prob) and the probs' (token gradient . row) from one gather.
 """
 
 from __future__ import annotations
@@ -117,28 +120,42 @@ def _gather_rows(x_TH: Tensor, token_N: Tensor, padded: bool) -> Tensor:
     return x_TH.index_select(0, token_N)
 
 
-def _sum_copies(rows_NH: Tensor, slot_N: Tensor, num_tokens: int, topk: int, padded: bool) -> Tensor:
-    """y[t] = sum_k rows[row of slot (t, k)], a slot without a row adding zero. Deterministic.
+def _row_of_slot(slot_N: Tensor, num_rows: int, num_tokens: int, topk: int,
+                 padded: bool) -> tuple[Tensor, Tensor | None]:
+    """Invert the row map: [T*K] row of each copy slot (0 where none) and the mask of slots that have one.
 
-    Inverts the map (each real row owns a distinct slot; padding rows all hit the sink slot T*K,
-    which is dropped) and lets ``embedding_bag`` gather-and-sum each token's K rows in one pass
-    (no scatter-add, no [T*K, H] intermediate).
+    Each real row owns a distinct slot; padding rows all hit the sink slot T*K, which is dropped.
+    The mask is None when every slot has a row (dropless, nothing padded).
+    """
+    T, K, N = num_tokens, topk, num_rows
+    arange_N = torch.arange(N, device=slot_N.device)
+    if not padded and N == T * K:
+        return torch.empty_like(slot_N).scatter_(0, slot_N, arange_N), None
+    row_of_slot = torch.full((T * K + 1,), N, dtype=torch.long, device=slot_N.device)
+    row_of_slot = row_of_slot.scatter_(0, slot_N, arange_N)[:T * K]
+    valid = row_of_slot < N
+    return row_of_slot.masked_fill(~valid, 0), valid
+
+
+def _sum_copies(rows_NH: Tensor, slot_N: Tensor, num_tokens: int, topk: int, padded: bool,
+                weights_TK: Tensor | None = None) -> Tensor:
+    """y[t] = sum_k w[t, k] * rows[row of slot (t, k)] (w = 1 without weights), a slot without a row
+    adding zero. Deterministic.
+
+    ``embedding_bag`` gathers and sums each token's K rows in one pass, weighting each by its
+    ``per_sample_weights`` (no scatter-add, no [T*K, H] intermediate).
     """
     T, K, N = num_tokens, topk, rows_NH.shape[0]
     rest = rows_NH.shape[1:]
     if T * K == 0 or N == 0:
         return rows_NH.new_zeros((T, *rest))
     rows_2d = rows_NH.reshape(N, -1)
-    arange_N = torch.arange(N, device=slot_N.device)
-    if not padded and N == T * K:  # every slot has a row
-        row_of_slot = torch.empty_like(slot_N).scatter_(0, slot_N, arange_N)
-        y = F.embedding_bag(row_of_slot.view(T, K), rows_2d, mode="sum")
-    else:
-        row_of_slot = torch.full((T * K + 1,), N, dtype=torch.long, device=slot_N.device)
-        row_of_slot = row_of_slot.scatter_(0, slot_N, arange_N)[:T * K]
-        valid = row_of_slot < N
-        y = F.embedding_bag(row_of_slot.masked_fill(~valid, 0).view(T, K), rows_2d, mode="sum",
-                            per_sample_weights=valid.view(T, K).to(rows_2d.dtype))
+    row_of_slot, valid = _row_of_slot(slot_N, N, T, K, padded)
+    w = None if weights_TK is None else weights_TK.reshape(-1).to(rows_2d.dtype)
+    if valid is not None:
+        w = valid.to(rows_2d.dtype) if w is None else w.masked_fill(~valid, 0)
+    y = F.embedding_bag(row_of_slot.view(T, K), rows_2d, mode="sum",
+                        per_sample_weights=None if w is None else w.view(T, K))
     return y.view(T, *rest)
 
 
@@ -173,6 +190,54 @@ class _Unpermute(torch.autograd.Function):
         return _gather_rows(grad.contiguous(), token_N, ctx.padded), None, None, None, None, None
 
 
+def _row_dots(a_NH: Tensor, b_NH: Tensor, block_elems: int = 2**20) -> Tensor:
+    """[N] fp32 dot product of each row pair (products in the rows' dtype, sums in fp32).
+
+    In blocks of about a million elements: the [N, H] product then never exists at once (on CPU a
+    buffer that large is a fresh mmap, page-faulted on every call; the blocks reuse cached memory).
+    """
+    a, b = a_NH.flatten(1), b_NH.flatten(1)
+    out = torch.empty(a.shape[0], dtype=torch.float32, device=a.device)
+    rows = max(1, block_elems // max(1, a.shape[1]))
+    for i in range(0, a.shape[0], rows):
+        torch.sum(a[i:i + rows] * b[i:i + rows], -1, dtype=torch.float32, out=out[i:i + rows])
+    return out
+
+
+class _WeightedUnpermute(torch.autograd.Function):
+    """Forward: y[t] = sum_k p[t, k] * (row of copy (t, k)), on the tokens' home rank.
+
+    Backward: each row's gradient is its token's gradient times the row's prob, and each prob's
+    gradient the dot product of its token's gradient with the row (the expert output that came
+    back): both from one gather of the token gradients. Saves the rows (needed for the probs'
+    gradient) and the probs.
+    """
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, probs_TK: Tensor, token_N: Tensor, slot_N: Tensor, padded: bool) -> Tensor:
+        ctx.save_for_backward(rows, probs_TK, token_N, slot_N)
+        ctx.padded = padded
+        T, K = probs_TK.shape
+        return _sum_copies(rows.contiguous(), slot_N, T, K, padded, probs_TK)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        rows, probs_TK, token_N, slot_N = ctx.saved_tensors
+        T, K = probs_TK.shape
+        g_rows = _gather_rows(grad.contiguous(), token_N, ctx.padded)  # [N, H]: each row's token gradient
+        grad_probs = None
+        if ctx.needs_input_grad[1]:
+            dots_N = _row_dots(g_rows, rows)
+            # padding rows all write the sink slot T*K, which is dropped
+            grad_probs = dots_N.new_zeros(T * K + 1).scatter_(0, slot_N, dots_N)[:T * K]
+            grad_probs = grad_probs.view(T, K).to(probs_TK.dtype)
+        grad_rows = None
+        if ctx.needs_input_grad[0]:
+            p_N = _probs_of_rows(probs_TK, slot_N, ctx.padded)
+            grad_rows = g_rows.mul_(p_N.to(g_rows.dtype).view(-1, *([1] * (g_rows.dim() - 1))))
+        return grad_rows, grad_probs, None, None, None
+
+
 def permute(x_TH: Tensor, row_map: RowMap) -> Tensor:
     """[T, H] tokens -> [N, H] expert-major rows (zero rows for padding). Local, no communication."""
     if x_TH.shape[0] != row_map.num_tokens:
@@ -180,20 +245,30 @@ def permute(x_TH: Tensor, row_map: RowMap) -> Tensor:
     return _Permute.apply(x_TH, row_map.token_of_row_N, row_map.slot_of_row_N, row_map.topk, row_map.padded)
 
 
-def unpermute(rows_NH: Tensor, row_map: RowMap) -> Tensor:
-    """[N, H] rows -> [T, H], summing each token's K copies (copies not dispatched add zero)."""
+def unpermute(rows_NH: Tensor, row_map: RowMap, probs_TK: Tensor | None = None) -> Tensor:
+    """[N, H] rows -> [T, H]: each token's copies summed, weighted by ``probs_TK`` [T, K] when given.
+
+    Copies not dispatched (dropped, or padding rows) add zero. With ``probs_TK`` the weights are
+    applied here, on the rank that holds them, and their gradient is computed from the rows.
+    """
     if rows_NH.shape[0] != row_map.num_rows:
         raise ValueError(f"unpermute: got {rows_NH.shape[0]} rows but the row map has {row_map.num_rows}")
-    return _Unpermute.apply(rows_NH, row_map.token_of_row_N, row_map.slot_of_row_N, row_map.num_tokens,
-                            row_map.topk, row_map.padded)
+    if probs_TK is None:
+        return _Unpermute.apply(rows_NH, row_map.token_of_row_N, row_map.slot_of_row_N, row_map.num_tokens,
+                                row_map.topk, row_map.padded)
+    if tuple(probs_TK.shape) != (row_map.num_tokens, row_map.topk):
+        raise ValueError(f"unpermute: probs have shape {tuple(probs_TK.shape)}, the row map is for "
+                         f"[{row_map.num_tokens}, {row_map.topk}] copies")
+    return _WeightedUnpermute.apply(rows_NH, probs_TK, row_map.token_of_row_N, row_map.slot_of_row_N,
+                                    row_map.padded)
 
 
-def permute_probs(probs_TK: Tensor, row_map: RowMap) -> Tensor:
-    """[T, K] routing probs -> [N] prob of each row (0 for padding rows), autograd-connected."""
+def _probs_of_rows(probs_TK: Tensor, slot_N: Tensor, padded: bool) -> Tensor:
+    """[T, K] probs -> [N] prob of each row given its copy slot (0 for padding rows)."""
     flat = probs_TK.reshape(-1)
-    if row_map.padded:
+    if padded:
         flat = torch.cat([flat, flat.new_zeros(1)])
-    return flat.index_select(0, row_map.slot_of_row_N)
+    return flat.index_select(0, slot_N)
 
 
 # --------------------------------------------------------------------------------------------

@@ -92,6 +92,7 @@ class ModelConfig:
     moe_token_drop_policy: str = "probs"
     moe_pad_expert_input_to_capacity: bool = False
     moe_router_force_load_balancing: bool = False
+    moe_apply_probs_on_input: bool = False       # top-1: x * prob before the expert (default: in the combine)
     # multi-token prediction
     mtp_num_layers: int = 0
     mtp_loss_scaling_factor: float = 0.1

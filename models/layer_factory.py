@@ -76,7 +76,8 @@ def moe_config(config: ModelConfig, options: ModelOptions, dims: ParallelDims) -
                      router=router_config(config, options), shared_expert_ffn_size=config.moe_shared_expert_ffn_size,
                      shared_expert_gate=config.moe_shared_expert_gate,
                      dispatcher=options.resolved_dispatcher(dims.ep, dims.etp), gemm_backend=options.gemm_backend,
-                     init_std=options.init_std, fp8=options.fp8, deepep_num_sms=options.moe_deepep_num_sms)
+                     init_std=options.init_std, fp8=options.fp8, deepep_num_sms=options.moe_deepep_num_sms,
+                     apply_probs_on_input=config.moe_apply_probs_on_input)
 
 
 def mlp_config(config: ModelConfig, options: ModelOptions) -> MLPConfig:

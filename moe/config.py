@@ -43,6 +43,8 @@ class MoEConfig:
     output_init_std: float | None = None          # w2 / shared down projection; None = init_std
     fp8: FP8Config | None = None                  # FP8 expert GEMMs and FP8 dispatch (parallel.fp8)
     deepep_num_sms: int = 20                      # flex: SMs DeepEP's kernels use (--moe-deepep-num-sms)
+    apply_probs_on_input: bool = False            # x * probs before the experts, top-1 only (Megatron's
+                                                  # --moe-apply-probs-on-input); default: in the combine
 
     def __post_init__(self) -> None:
         _positive("num_experts", self.num_experts)
@@ -72,6 +74,10 @@ class MoEConfig:
         if router_experts != self.num_experts:
             raise ValueError(f"MoEConfig: num_experts={self.num_experts} but router.num_experts={router_experts}")
         topk = getattr(self.router, "topk", 1)
+        if self.apply_probs_on_input and topk != 1:
+            raise ValueError(f"MoEConfig: apply_probs_on_input (--moe-apply-probs-on-input) needs router topk=1, got "
+                             f"topk={topk}: with k > 1 each copy of a token has its own weight, which the "
+                             f"combine applies (the default)")
         if topk > self.num_experts:
             raise ValueError(f"MoEConfig: router topk={topk} exceeds num_experts={self.num_experts}")
 

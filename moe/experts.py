@@ -28,6 +28,7 @@ names, checkpoints and HF import/export are the same for every backend. ``fp8`` 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Literal
@@ -57,6 +58,24 @@ Activation = Literal["swiglu", "gelu"]
 ACTIVATIONS: tuple[str, ...] = ("swiglu", "gelu")
 
 
+def swiglu(h_NGf: Tensor) -> Tensor:
+    """[N, 2f] gate and up projections (halves of one GEMM's output) -> [N, f] silu(gate) * up."""
+    gate_Nf, up_Nf = h_NGf.chunk(2, dim=1)
+    return F.silu(gate_Nf) * up_Nf
+
+
+@functools.cache
+def fused_activation(gated: bool) -> Callable[[Tensor], Tensor]:
+    """The activation as one ``torch.compile``d kernel forward and one backward (shared by every layer).
+
+    Eager SwiGLU runs silu and the product as separate passes over the strided halves of
+    ``h`` (and four more in backward, plus the ``cat`` of the two gradient halves); inductor fuses
+    each direction into one pass (C++ on CPU, Triton on CUDA). ``dynamic=True``: the row count N
+    changes every step (routing), so it is a symbolic dimension, not a recompile.
+    """
+    return torch.compile(swiglu if gated else F.gelu, dynamic=True)
+
+
 def mark_expert(param: Tensor) -> Tensor:
     """Flag a parameter whose gradient is reduced over the expert-data-parallel group."""
     param.moefold_expert = True
@@ -70,12 +89,12 @@ def is_expert(param: Tensor) -> bool:
 class GroupedExperts(nn.Module):
     """The ``e = num_experts / ep`` local experts of one MoE layer.
 
-    forward(tokens_NH, probs_N, tokens_per_expert_e, tokens_per_expert_host=None) -> out_NH: rows
+    forward(tokens_NH, tokens_per_expert_e, tokens_per_expert_host=None) -> out_NH: rows
     expert-major (the first ``tokens_per_expert_e[0]`` rows go to local expert 0, ...),
-    ``out = probs * FFN_i(tokens)``, a partial sum over etp (no communication here: the dispatcher
-    reduces it in combine). ``tokens_per_expert_host``: the counts as host ints when the dispatcher
-    has them; backends that need host counts (``te``, ``grouped_gemm``, ``loop``) otherwise read
-    them from the device (one host synchronisation).
+    ``out = FFN_i(tokens)``, a partial sum over etp (no communication here: the dispatcher
+    reduces it in combine and applies the routing probs there). ``tokens_per_expert_host``: the
+    counts as host ints when the dispatcher has them; backends that need host counts (``te``,
+    ``grouped_gemm``, ``loop``) otherwise read them from the device (one host synchronisation).
 
     ``fp8_token_group``: with ``--fp8-backend torchao``, the ranks that hold these experts and split one
     micro-batch's tokens (``ParallelDims.expert_token_group``); FP8 scales over token rows reduce over it.
@@ -110,6 +129,8 @@ class GroupedExperts(nn.Module):
         self.local_expert_offset = group_rank(ep_group) * self.num_local_experts
         self.activation, self.gemm_backend = activation, gemm_backend
         self.gated = activation == "swiglu"  # decided once here, so forward does not compare strings
+        self._eager_activation: Callable[[Tensor], Tensor] = swiglu if self.gated else F.gelu
+        self._activation = self._eager_activation
         self.ep_group, self.etp_group = ep_group, etp_group
         self.recompute_activation = False   # selective recompute ``moe_act`` (``dense.recompute``), set by the model
         e, f, gates = self.num_local_experts, ffn_hidden_size // etp, 2 if self.gated else 1
@@ -142,17 +163,17 @@ class GroupedExperts(nn.Module):
 
             self._te = (TEExpertGemms(e, hidden_size, gates * f, f, dtype, fp8),)
 
-    def _activate(self, h_NGf: Tensor, probs_N: Tensor | None = None, scale_input: bool = False) -> Tensor:
-        """[N, G*f] input projections -> [N, f] hidden units (SwiGLU on gate/up halves, or GELU), times the
-        rows' probs when ``scale_input``."""
-        if self.gated:
-            gate_Nf, up_Nf = h_NGf.chunk(2, dim=1)
-            h_Nf = F.silu(gate_Nf) * up_Nf
-        else:
-            h_Nf = F.gelu(h_NGf)
-        return h_Nf * probs_N.to(h_Nf.dtype).unsqueeze(-1) if scale_input else h_Nf
+    def _activate(self, h_NGf: Tensor) -> Tensor:
+        """[N, G*f] input projections -> [N, f] hidden units (SwiGLU on gate/up halves, or GELU)."""
+        if h_NGf.shape[0] < 2:  # torch.compile specialises sizes 0 and 1: no recompile for a rank without rows
+            return self._eager_activation(h_NGf)
+        return self._activation(h_NGf)
 
-    def forward(self, tokens_NH: Tensor, probs_N: Tensor, tokens_per_expert_e: Tensor,
+    def use_fused_activation(self, enabled: bool = True) -> None:
+        """Run the activation as ``fused_activation``'s compiled kernels (what ``--compile`` does) or eagerly."""
+        self._activation = fused_activation(self.gated) if enabled else self._eager_activation
+
+    def forward(self, tokens_NH: Tensor, tokens_per_expert_e: Tensor,
                 tokens_per_expert_host: Sequence[int] | None = None) -> Tensor:
         e, gates, f, H = self.w13.shape
         counts_host = tokens_per_expert_host
@@ -161,23 +182,18 @@ class GroupedExperts(nn.Module):
         # [e, G, f, H] -> [e, G*f, H]: gate and up projections in a single grouped GEMM.
         w13 = self.w13.reshape(e, gates * f, H)
         if self._te:
-            probs_N1 = probs_N.to(tokens_NH.dtype).unsqueeze(-1)
             if tokens_NH.shape[0] == 0:
                 return no_rows(self._activate(no_rows(tokens_NH, w13, True)), self.w2, True)
-            return self._te[0](tokens_NH, w13, self.w2, counts_host, self._activate) * probs_N1
+            return self._te[0](tokens_NH, w13, self.w2, counts_host, self._activate)
         h_NGf = self._gemm13(tokens_NH, w13, tokens_per_expert_e, self.gemm_backend, trans_w=True,
                              counts_host=counts_host)
-        # The down projection is linear, so the probs can scale its input [N, f] or its output
-        # [N, H]: do it on the narrower one (a memory-bound pass forward and two backward).
-        scale_input = f <= H
         recompute = CheckpointWithoutOutput() if self.recompute_activation else None
-        act = (self._activate(h_NGf, probs_N, scale_input) if recompute is None
-               else recompute.checkpoint(self._activate, h_NGf, probs_N, scale_input))
-        out_NH = self._gemm2(act, self.w2, tokens_per_expert_e, self.gemm_backend, trans_w=True,
+        act_Nf = self._activate(h_NGf) if recompute is None else recompute.checkpoint(self._activate, h_NGf)
+        out_NH = self._gemm2(act_Nf, self.w2, tokens_per_expert_e, self.gemm_backend, trans_w=True,
                              counts_host=counts_host)
         if recompute is not None:   # moe_act: the activation is freed once w2 saved it, recomputed before its backward
             recompute.discard_output_and_register_recompute(out_NH)
-        return out_NH if scale_input else out_NH * probs_N.to(out_NH.dtype).unsqueeze(-1)
+        return out_NH
 
     def flops(self, num_rows: int) -> int:
         """Forward FLOPs of ``num_rows`` routed rows through this rank's shard."""

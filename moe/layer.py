@@ -8,6 +8,11 @@ or padded; 1 in unpadded capacity mode), alltoall 1 (dropless or unpadded capaci
 allgather 1, flex 0 of moefold's own plus the one DeepEP's dispatch makes for its received counts
 (tests/dispatch/test_host_sync.py, tests/dispatch/test_flex.py).
 
+Routing probs: applied in the combine, ``y[t] = sum_k p[t, k] * FFN_k(x_t)`` (on the token's home
+rank for local/alltoall: they never travel; see ``dispatch.base``), or, with
+``apply_probs_on_input`` (top-1), to the token before the experts (Megatron's
+``--moe-apply-probs-on-input``).
+
 Drops into the transformer block's FFN slot: ``forward(x [S, B, H]) -> (y [S, B, H], MoEOutputInfo)``.
 
 Tokens and tensor parallelism. With attention TP (tp > 1) and sequence parallelism, ``x`` is this
@@ -121,17 +126,22 @@ class MoELayer(nn.Module):
         # 1. route: the same Routing feeds the dispatch and the balancing losses
         routed = self.router(x_TH, global_state=global_state, generator=generator, **router_kw)
         # 2. start moving token copies to their experts ...
-        pending = self.dispatcher.dispatch_start(x_TH, routed.routing)
+        routing = routed.routing
+        if self.config.apply_probs_on_input:  # top-1: scale the token, sum the copy unweighted
+            x_in = (x_TH * routing.probs_TK.to(x_TH.dtype)).to(x_TH.dtype)
+            pending = self.dispatcher.dispatch_start(x_in, routing, weighted_combine=False)
+        else:  # the combine weights each returned copy by its prob
+            pending = self.dispatcher.dispatch_start(x_TH, routing)
         # 3. ... and compute the shared experts while they travel (alltoall, flex: the exchange is in
         # flight until wait(); allgather has finished its gathers already)
         shared_SBH = None
         if self.shared_experts is not None:
             shared_SBH = checkpointed(self.shared_experts, x_SBH, enabled=self.recompute_shared_experts)
         dispatched = pending.wait()
-        # 4. routed experts (rows already scaled by their probs; partial sums over etp)
-        expert_out_NH = self.experts(dispatched.tokens_NH, dispatched.probs_N, dispatched.tokens_per_expert_e,
+        # 4. routed experts: plain FFN_g(rows) (partial sums over etp)
+        expert_out_NH = self.experts(dispatched.tokens_NH, dispatched.tokens_per_expert_e,
                                      dispatched.tokens_per_expert_host)
-        # 5. bring the outputs home, reduce over etp and add up each token's k copies
+        # 5. bring the outputs home, reduce over etp and add up each token's k copies times their probs
         y_TH = self.dispatcher.combine(expert_out_NH, dispatched.handle)
 
         if split_tokens:

@@ -43,6 +43,7 @@ class TrainConfig:
     clip_grad: float = 1.0                     # 0: no clipping
     seed: int = 1234
     bf16: bool = False                         # bf16 parameters/activations with fp32 master weights
+    compile: bool = False                      # torch.compile per transformer block (training.compile)
     max_skipped_steps: int = 5                 # stop after this many non-finite steps in a row
     bucket_numel: int = 2**22
     pipeline_schedule: str = "1f1b"            # gpipe | 1f1b | interleaved (pp > 1; interleaved for vpp > 1)

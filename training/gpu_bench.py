@@ -34,7 +34,9 @@ from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelDims
 from moefold.parallel.fp8 import FP8Config
 from moefold.parallel.sharding import init_parameters
+from moefold.training.compile import compile_moe_layer, compile_unavailable
 from moefold.training.host_sync import HostSyncCounter
+from moefold.training.machine import describe_machine
 
 
 def cuda_time(fn: Callable[[], None], iters: int, warmup: int) -> float:
@@ -95,18 +97,24 @@ def bench_moe_layer(args: argparse.Namespace) -> int:
         flops = 3 * 2 * N * H * F * 3  # three projections, forward + two backward GEMMs each
         dense = flops / dense_ceiling(N, H, F, iters, warmup)
         backends = args.backends.split(",")
-        variants: list[tuple[str, FP8Config | None]] = [(b, None) for b in backends]
+        variants: list[tuple[str, FP8Config | None, bool]] = [(b, None, False) for b in backends]
         if "te" in backends:
-            variants.append(("te", FP8Config("hybrid", "delayed", backend="te")))
-        if "grouped_mm" in backends:  # torchao recipes through torch's FP8 (grouped) GEMMs
-            variants += [("grouped_mm", FP8Config("e4m3", "rowwise")), ("grouped_mm", FP8Config("hybrid"))]
-        for backend, fp8 in variants:
-            label = backend + (f" fp8 {fp8.format} {fp8.recipe}" if fp8 else "")
+            variants.append(("te", FP8Config("hybrid", "delayed", backend="te"), False))
+        if "grouped_mm" in backends:  # torchao recipes through torch's FP8 (grouped) GEMMs; what --compile does
+            variants += [("grouped_mm", FP8Config("e4m3", "rowwise"), False),
+                         ("grouped_mm", FP8Config("hybrid"), False), ("grouped_mm", None, True)]
+        for backend, fp8, compiled in variants:
+            label = backend + (f" fp8 {fp8.format} {fp8.recipe}" if fp8 else "") + (" compiled" if compiled else "")
             try:
                 check_gemm_backend(backend, torch.bfloat16)
                 if fp8 is not None:
                     fp8.check_available()
                 layer = _moe_layer(E, k, F, H, backend, fp8)
+                if compiled:
+                    reason = compile_unavailable("cuda")
+                    if reason is not None:
+                        raise RuntimeError(reason)
+                    compile_moe_layer(layer)
             except (ImportError, RuntimeError, ValueError) as err:
                 print(f"| E{E} k{k} F{F} H{H} T{T} | {label} | skipped: {str(err).splitlines()[0][:120]} | | | |")
                 continue
@@ -228,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 2
+    print(describe_machine())
     return bench_moe_layer(args) if args.what == "moe-layer" else bench_syncs(args)
 
 

@@ -58,6 +58,7 @@ ROUTER_FLAGS: tuple[tuple[str, str, type], ...] = (
     ("--moe-token-drop-policy", "moe_token_drop_policy", str),
     ("--moe-pad-expert-input-to-capacity", "moe_pad_expert_input_to_capacity", bool),
     ("--moe-router-force-load-balancing", "moe_router_force_load_balancing", bool),
+    ("--moe-apply-probs-on-input", "moe_apply_probs_on_input", bool),
 )
 # router flags that change what the model computes (not only how it is trained): refused with --load-hf
 ARCH_ROUTER_FIELDS = frozenset({"moe_score_function", "moe_pre_softmax", "moe_topk_scaling_factor", "moe_num_groups",
@@ -131,6 +132,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--lr-wsd-decay-style", dest="lr_wsd_decay_style", default=_T.lr_wsd_decay_style,
                    choices=WSD_STYLES)
     t.add_argument("--bf16", action="store_true", help="bf16 parameters and compute, fp32 master weights")
+    t.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer block (MoE: its static-shaped parts, the experts' "
+                        "activation fused); compile time is printed")
     t.add_argument("--no-overlap-grad-reduce", action="store_true")
     t.add_argument("--overlap-param-gather", action="store_true",
                    help="all-gather updated parameters during the next forward (each module waits for its own)")
@@ -251,10 +255,10 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                               etp=args.expert_tensor_parallel_size)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     explicit = ("run_dir", "save", "load", "bf16", "data_path", "vocab_size", "data_cache_dir", "valid_data_path",
-                "reset_data_position")
+                "reset_data_position", "compile")
     train = {k: v for k, v in vars(args).items() if k in fields and k not in explicit}
     save = None if args.no_save else (args.save or os.path.join(args.run_dir, "checkpoints"))
-    train = TrainConfig(**train, bf16=args.bf16, run_dir=args.run_dir, save=save, load=args.load,
+    train = TrainConfig(**train, bf16=args.bf16, compile=args.compile, run_dir=args.run_dir, save=save, load=args.load,
                         reset_data_position=args.reset_data_position,
                         data_path=tuple(args.data_path), vocab_size=args.vocab_size,
                         data_cache_dir=args.data_cache_dir, overlap_grad_reduce=not args.no_overlap_grad_reduce,
@@ -294,6 +298,12 @@ def check_backends(config: RunConfig, ep: int, etp: int) -> None:
     ValueError / RuntimeError naming what to install or use instead), before any rank starts."""
     from moefold.moe.gemm import check_gemm_backend
 
+    if config.train.compile:
+        from moefold.training.compile import compile_unavailable
+
+        reason = compile_unavailable("cuda" if torch.cuda.is_available() else "cpu")
+        if reason is not None:
+            raise RuntimeError(reason)
     o = config.options
     if config.model.num_experts:
         check_gemm_backend(o.gemm_backend, o.torch_dtype)

@@ -135,6 +135,10 @@ class Trainer:
             from moefold.models.pretrained import load_pretrained_weights
 
             load_pretrained_weights(self.model, t.load_hf, upcycle=t.moe_use_upcycling)  # this rank's slices
+        if t.compile:  # in place, after init: parameter names and checkpoints are unchanged
+            from moefold.training.compile import compile_model
+
+            self.compiled = compile_model(self.model, log=self.log)
         self.embed_group = embedding_group(self.model, dims)
         self.routers = moe_routers(self.model)
         # every MoE layer of the model (all stages) in logging order; this stage fills its own rows

@@ -15,17 +15,17 @@ def expert_weights(num_experts: int, seed: int = 7) -> tuple[Tensor, Tensor]:
     return (torch.randn(num_experts, F, H, generator=g) * 0.5, torch.randn(num_experts, H, F, generator=g) * 0.5)
 
 
-def run_experts(tokens_NH: Tensor, probs_N: Tensor, per_expert: list[int], offset: int, w1: Tensor, w2: Tensor,
+def run_experts(tokens_NH: Tensor, per_expert: list[int], offset: int, w1: Tensor, w2: Tensor,
                 etp: int = 1, etp_rank: int = 0) -> Tensor:
-    """Expert g: tanh(x W1_g^T) W2_g^T * prob; with etp > 1 only this rank's F slice (a partial sum)."""
+    """Expert g: tanh(x W1_g^T) W2_g^T (not weighted: the combine applies the probs); with etp > 1 only
+    this rank's F slice (a partial sum)."""
     f = F // etp
     fs = slice(etp_rank * f, (etp_rank + 1) * f)
     outs = []
     for j, rows in enumerate(tokens_NH.split(per_expert)):
         g = offset + j
         outs.append(torch.tanh(rows @ w1[g, fs].t()) @ w2[g][:, fs].t())
-    out = torch.cat(outs) if outs else tokens_NH.new_zeros(0, H)
-    return out * probs_N.unsqueeze(1)
+    return torch.cat(outs) if outs else tokens_NH.new_zeros(0, H)
 
 
 def reference(x: Tensor, probs: Tensor, ids: Tensor, keep: Tensor | None, w1: Tensor, w2: Tensor) -> Tensor:

@@ -22,9 +22,14 @@ def test_bench_single_process(capsys):
 
 
 def test_bench_spawns_ranks(capfd):
-    assert bench.main(_args(ep=2, skew="zipf", dtype="bf16")) == 0
+    # one command, one world: both dispatchers and both skews, against their own raw collectives
+    assert bench.main(_args(ep=2, skew="uniform,zipf", dtype="bf16", dispatcher="alltoall,allgather")) == 0
     out = capfd.readouterr().out
-    assert "ratio dispatcher / raw" in out and "GB/s" in out and "local permute+unpermute alone" in out
+    assert out.startswith("# machine: ") and "cpu capability" in out
+    assert "raw all_to_all_single x2 (same token bytes)" in out and "raw all_gather + reduce_scatter" in out
+    assert "ratio dispatcher / raw" in out and "local permute+unpermute alone" in out and "ideal exchange" in out
+    summary = out[out.index("summary"):].splitlines()
+    assert len([line for line in summary if line.startswith(("alltoall", "allgather"))]) == 4
 
 
 def test_bench_rejects_bad_flags():
@@ -32,3 +37,5 @@ def test_bench_rejects_bad_flags():
 
     with pytest.raises(ValueError, match="--topk=5 exceeds --num-experts=4"):
         bench.main(_args(topk=5))
+    with pytest.raises(ValueError, match=r"--dispatcher='alltoall,nccl': valid values are local, allgather"):
+        bench.main(_args(dispatcher="alltoall,nccl"))

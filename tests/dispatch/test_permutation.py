@@ -9,7 +9,6 @@ from moefold.dispatch import (
     build_row_map,
     mask_groups,
     permute,
-    permute_probs,
     sort_chunks,
     unpermute,
 )
@@ -45,9 +44,8 @@ def test_padded_rows_and_truncation():
     probs = torch.tensor([[0.1, 0.2], [0.3, 0.4], [0.5, 0.6]], requires_grad=True)
     rows = permute(x, rm)
     assert rows.squeeze(1).tolist() == [1, 2, 1, 3, 2, 0]
-    p = permute_probs(probs, rm)
-    assert torch.allclose(p, torch.tensor([0.1, 0.3, 0.2, 0.6, 0.4, 0.0]))
-    y = unpermute(rows * p.unsqueeze(1), rm)
+    # the probs are applied in the unpermute: token 2's copy of expert 0 was truncated (weight unused)
+    y = unpermute(rows, rm, probs)
     assert torch.allclose(y.squeeze(1), torch.tensor([0.3, 0.6 + 0.8, 3 * 0.6]))
     y.sum().backward()
     assert torch.allclose(x.grad.squeeze(1), torch.tensor([0.3, 0.7, 0.6]))
@@ -63,6 +61,27 @@ def test_permute_unpermute_adjoint_gradients():
     rows = torch.randn(18, 5, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda r: unpermute(r, rm), (rows,))
     assert torch.equal(unpermute(permute(x, rm), rm), 3 * x)
+
+
+@pytest.mark.parametrize("variant", ["complete", "dropped", "padded"])
+def test_weighted_unpermute_gradients(variant):
+    """y[t] = sum_k p[t, k] * row(t, k): gradients of the rows AND the probs (computed from the rows)."""
+    torch.manual_seed(0)
+    T, K, E = 6, 3, 4
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    keep = None if variant == "complete" else torch.rand(T, K) > 0.3
+    rm = build_row_map(mask_groups(ids, E, keep), T, K, E, capacity=T if variant == "padded" else None)
+    rows = torch.randn(rm.num_rows, 5, dtype=torch.float64, requires_grad=True)
+    probs = torch.rand(T, K, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda r, p: unpermute(r, rm, p), (rows, probs))
+    # against the definition, one copy at a time
+    want = torch.zeros(T, 5, dtype=torch.float64)
+    for n, slot in enumerate(rm.slot_of_row_N.tolist()):
+        if slot < T * K:
+            want[slot // K] += probs.view(-1)[slot] * rows[n]
+    torch.testing.assert_close(unpermute(rows, rm, probs), want)
+    with pytest.raises(ValueError, match=r"probs have shape \(6, 2\)"):
+        unpermute(rows, rm, probs[:, :2])
 
 
 def test_zero_tokens():
@@ -101,7 +120,7 @@ def test_local_dispatcher_matches_reference(case, mode):
     assert sum(per) == out.tokens_NH.shape[0]
     if mode == "padded":
         assert per == [3] * E
-    y = d.combine(run_experts(out.tokens_NH, out.probs_N, per, 0, w1, w2), out.handle)
+    y = d.combine(run_experts(out.tokens_NH, per, 0, w1, w2), out.handle)
     g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
     (y * g).sum().backward()
     gx, gp = xr.grad, probs.grad.clone()
@@ -162,6 +181,6 @@ def test_dispatch_is_deterministic():
     x, ids, probs = make_case("topk_all", [33], E)
     routing = make_routing(probs, ids, E, "drop", capacity=5)
     a, b = LocalDispatcher(E).dispatch(x, routing), LocalDispatcher(E).dispatch(x, routing)
-    assert torch.equal(a.tokens_NH, b.tokens_NH) and torch.equal(a.probs_N, b.probs_N)
+    assert torch.equal(a.tokens_NH, b.tokens_NH)
     assert torch.equal(LocalDispatcher(E).combine(a.tokens_NH, a.handle), LocalDispatcher(E).combine(b.tokens_NH,
                                                                                                      b.handle))

@@ -64,7 +64,6 @@ def test_experts_backend_cuda(backend):
     torch.manual_seed(0)
     counts = torch.tensor([32, 0, 96, 16], device="cuda")
     x = torch.randn(int(counts.sum()), 64, device="cuda", dtype=torch.bfloat16)
-    probs = torch.rand(x.shape[0], device="cuda")
     ref = GroupedExperts(4, 64, 128, gemm_backend="loop", dtype=torch.bfloat16, device="cuda")
     mod = GroupedExperts(4, 64, 128, gemm_backend=backend, dtype=torch.bfloat16, device="cuda")
     mod.load_state_dict(ref.state_dict())
@@ -73,7 +72,7 @@ def test_experts_backend_cuda(backend):
         results = []
         for m in (ref, mod):
             xi = x.clone().requires_grad_()
-            y = m(xi, probs, counts, tuple(counts.tolist()))
+            y = m(xi, counts, tuple(counts.tolist()))
             results.append((y, *torch.autograd.grad(y, (xi, m.w13, m.w2), g)))
         for name, want, got in zip(("out", "grad_x", "grad_w13", "grad_w2"), *results):
             # bf16 with a different summation order: tolerance relative to the tensor's scale
@@ -93,7 +92,6 @@ def test_te_experts_fp8_cuda(recipe):
     torch.manual_seed(0)
     counts = [40, 0, 100, 17]
     x = torch.randn(sum(counts), 256, device="cuda", dtype=torch.bfloat16)
-    probs = torch.rand(x.shape[0], device="cuda")
     ref = GroupedExperts(4, 256, 512, gemm_backend="te", dtype=torch.bfloat16, device="cuda")
     fp8 = GroupedExperts(4, 256, 512, gemm_backend="te", fp8=FP8Config("hybrid", recipe, backend="te"),
                          dtype=torch.bfloat16, device="cuda")
@@ -103,7 +101,7 @@ def test_te_experts_fp8_cuda(recipe):
         results = []
         for m in (ref, fp8):
             xi = x.clone().requires_grad_()
-            y = m(xi, probs, torch.tensor(counts, device="cuda"), counts)
+            y = m(xi, torch.tensor(counts, device="cuda"), counts)
             results.append((y, *torch.autograd.grad(y, (xi, m.w13, m.w2), g)))
         if step == 0:
             continue

@@ -24,8 +24,7 @@ COUNTS = [3, 0, 6, 1]  # an expert with no tokens
 def _inputs(dtype=torch.float32):
     gen = torch.Generator().manual_seed(1)
     n = sum(COUNTS)
-    return (torch.randn(n, H, generator=gen).to(dtype), torch.rand(n, generator=gen),
-            torch.randn(n, H, generator=gen).to(dtype))
+    return torch.randn(n, H, generator=gen).to(dtype), torch.randn(n, H, generator=gen).to(dtype)
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
@@ -33,8 +32,8 @@ def _inputs(dtype=torch.float32):
 def test_matches_per_expert_mlp(activation, backend):
     experts = GroupedExperts(E, H, FFN, activation=activation, gemm_backend=backend)
     init_parameters(experts, seed=3)
-    x, probs, _ = _inputs()
-    out = experts(x, probs, torch.tensor(COUNTS))
+    x, _ = _inputs()
+    out = experts(x, torch.tensor(COUNTS))
     rows, start = [], 0
     for i, c in enumerate(COUNTS):
         xi = x[start:start + c]
@@ -42,7 +41,7 @@ def test_matches_per_expert_mlp(activation, backend):
             h = F.silu(xi @ experts.w13[i, 0].T) * (xi @ experts.w13[i, 1].T)
         else:
             h = F.gelu(xi @ experts.w13[i, 0].T)
-        rows.append((h @ experts.w2[i].T) * probs[start:start + c, None])
+        rows.append(h @ experts.w2[i].T)
         start += c
     torch.testing.assert_close(out, torch.cat(rows), atol=1e-6, rtol=1e-5)
 
@@ -56,11 +55,11 @@ def test_bad_sizes_name_numbers():
 
 def _sharded_vs_world1():
     torch.manual_seed(0)
-    x, probs, grad = _inputs()
+    x, grad = _inputs()
     starts = [sum(COUNTS[:i]) for i in range(E)]
     ref = GroupedExperts(E, H, FFN)
     init_parameters(ref, seed=5)
-    ref_out = ref(x, probs, torch.tensor(COUNTS))
+    ref_out = ref(x, torch.tensor(COUNTS))
     ref_out.backward(grad)
     for cfg in (ParallelConfig(ep=2, etp=2), ParallelConfig(ep=4), ParallelConfig(etp=4), ParallelConfig(ep=1)):
         dims = ParallelDims.build(cfg)
@@ -69,7 +68,7 @@ def _sharded_vs_world1():
         lo = dims.ep_rank * mod.num_local_experts
         local = range(lo, lo + mod.num_local_experts)
         rows = torch.cat([torch.arange(starts[i], starts[i] + COUNTS[i]) for i in local])
-        out = mod(x[rows], probs[rows], torch.tensor([COUNTS[i] for i in local]))
+        out = mod(x[rows], torch.tensor([COUNTS[i] for i in local]))
         out.backward(grad[rows])
         total = out.detach().clone()
         dist.all_reduce(total, group=dims.etp_group)  # partial sums over etp
@@ -115,14 +114,14 @@ def test_te_experts_own_persistent_grouped_linears(monkeypatch, activation):
     assert (fc1.num_gemms, fc1.in_features, fc1.out_features) == (E, H, FFN * (2 if activation == "swiglu" else 1))
     assert (fc2.num_gemms, fc2.in_features, fc2.out_features) == (E, FFN, H)
     assert all(p.is_meta for p in fc1.parameters()), "TE's own weights must hold no storage"
-    x, probs, grad = _inputs()
+    x, grad = _inputs()
     for step in range(3):
         outs = []
         for m in (ref, mod):
             m.zero_grad()
             xi = x.clone().requires_grad_()
             with HostSyncCounter() as syncs:
-                y = m(xi, probs, torch.tensor(COUNTS), tuple(COUNTS))
+                y = m(xi, torch.tensor(COUNTS), tuple(COUNTS))
             assert syncs.total == 0, syncs.report()  # host counts from the dispatcher: no read
             y.backward(grad)
             outs.append((y.detach(), xi.grad, m.w13.grad.clone(), m.w2.grad.clone()))
@@ -135,7 +134,7 @@ def test_te_experts_own_persistent_grouped_linears(monkeypatch, activation):
     assert all(w._base is mod.w13 for w in call["weights"]), "fc1 must run on views of w13"
     assert all(w._base is mod.w2 for w in fc2.forward_calls[-1]["weights"])
     with HostSyncCounter() as syncs:  # without host counts the experts read them once
-        mod(x, probs, torch.tensor(COUNTS))
+        mod(x, torch.tensor(COUNTS))
     assert syncs.total == 1, syncs.report()
 
 
@@ -146,10 +145,10 @@ def test_te_fp8_autocast_and_padding(monkeypatch, fmt, recipe):
     from tests.moe.te_standin import DelayedScaling, Float8CurrentScaling, Format, _State
 
     pt, ref, mod = _te_pair(monkeypatch, fp8=FP8Config(fmt, recipe, backend="te"))
-    x, probs, grad = _inputs()
+    x, grad = _inputs()
     xi, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
-    y = mod(xi, probs, torch.tensor(COUNTS), tuple(COUNTS))
-    y_ref = ref(xr, probs, torch.tensor(COUNTS))
+    y = mod(xi, torch.tensor(COUNTS), tuple(COUNTS))
+    y_ref = ref(xr, torch.tensor(COUNTS))
     want_recipe = (DelayedScaling if recipe == "delayed" else Float8CurrentScaling)(
         fp8_format=Format.HYBRID if fmt == "hybrid" else Format.E4M3)
     assert _State.entered == [want_recipe], _State.entered

@@ -145,11 +145,10 @@ def test_fp8_experts_module_backends_agree_and_handle_empty_input():
         mod.load_state_dict(ref.state_dict())
         assert list(mod.state_dict()) == ["w13", "w2"] and "fp8 hybrid tensorwise (torchao)" in repr(mod)
     x, _, _ = _inputs()
-    probs = torch.rand(x.shape[0])
     outs = []
     for mod in (*mods, ref):
         xi = x.clone().requires_grad_()
-        y = mod(xi, probs, torch.tensor(COUNTS), tuple(COUNTS))
+        y = mod(xi, torch.tensor(COUNTS), tuple(COUNTS))
         y.sum().backward()
         outs.append((y.detach(), xi.grad, mod.w13.grad, mod.w2.grad))
     for a, b in zip(outs[0], outs[1]):
@@ -158,7 +157,7 @@ def test_fp8_experts_module_backends_agree_and_handle_empty_input():
     # no rows at all: zero gradients that still reach the weights
     mod = mods[0]
     mod.zero_grad()
-    y = mod(x[:0].requires_grad_(), probs[:0], torch.zeros(E, dtype=torch.long), (0,) * E)
+    y = mod(x[:0].requires_grad_(), torch.zeros(E, dtype=torch.long), (0,) * E)
     y.sum().backward()
     assert y.shape == (0, K) and mod.w13.grad.abs().sum() == 0 and mod.w2.grad is not None
     # the same through the FP8 function itself (what runs when a token group's all-reduces must happen)

@@ -39,15 +39,16 @@ MODES = {"dropless": {}, "capacity": {"expert_capacity_factor": 1.0},
          "padded": {"expert_capacity_factor": 1.0, "pad_expert_input_to_capacity": True}}
 
 
-def _config(scenario: str, mode: str, dispatcher: str) -> MoEConfig:
+def _config(scenario: str, mode: str, dispatcher: str, probs_on_input: bool = False) -> MoEConfig:
     E, k, _ = SCENARIOS[scenario]
     # Large init so that outputs are O(1) and atol 1e-5 is tight.
     # (the router's losses divide by the token count, so the empty-rank case runs without them)
     losses = {"load_balancing_type": "none"} if scenario == "empty_rank" else {"aux_loss_coeff": 0.01,
                                                                              "z_loss_coeff": 1e-3}
-    router = RouterConfig(num_experts=E, topk=k, init_std=0.3, **losses, **MODES[mode])
+    # probs on input: softmax over all E before the top-1 (else a top-1 prob is always 1)
+    router = RouterConfig(num_experts=E, topk=k, init_std=0.3, pre_softmax=probs_on_input, **losses, **MODES[mode])
     return MoEConfig(num_experts=E, moe_ffn_hidden_size=FFN, router=router, shared_expert_ffn_size=SHARED,
-                     shared_expert_gate=True, dispatcher=dispatcher, init_std=0.4)
+                     shared_expert_gate=True, dispatcher=dispatcher, init_std=0.4, apply_probs_on_input=probs_on_input)
 
 
 def _build(cfg: MoEConfig, scenario: str, dims: ParallelDims, sp: bool) -> MoELayer:
@@ -133,6 +134,10 @@ def _world8():
                 cfg = _config(scenario, mode, dispatcher)
                 _check_layout(cfg, scenario, dims, True, ref_cache, f"{dispatcher} ep{ep} etp{etp} {scenario} {mode}")
                 checked += 1
+            if (ep, etp) in ((4, 1), (2, 2)):  # Megatron's --moe-apply-probs-on-input (top-1)
+                cfg = _config("one_expert", "dropless", dispatcher, probs_on_input=True)
+                _check_layout(cfg, "one_expert", dims, True, ref_cache, f"{dispatcher} ep{ep} etp{etp} probs on input")
+                checked += 1
     # attention tp2 (SP) with experts folded over the same 8 ranks
     for ep, etp in ((4, 1), (2, 2)):
         dims = ParallelDims.build(ParallelConfig(tp=2, ep=ep, etp=etp))
@@ -168,6 +173,32 @@ def test_world1_shapes_and_info():
     y, info = layer(x)
     assert y.shape == x.shape and info.aux_loss.requires_grad and info.aux_loss.dim() == 0
     assert set(info.losses) == {"aux_loss", "z_loss"} and info.load_E.sum() == S * B * 2
+
+
+def test_probs_on_input_scales_the_token_before_its_expert():
+    """apply_probs_on_input (top-1): y = shared(x) + FFN_g(p * x), not p * FFN_g(x); the default is the latter."""
+    x, _ = _micro_batch("one_expert", 1, 0)
+    x_TH = x.reshape(-1, H)
+    ys = {}
+    for on_input in (False, True):
+        layer = _build(_config("one_expert", "dropless", "alltoall", probs_on_input=on_input), "one_expert",
+                       ParallelDims.single(), sp=False)
+        y, _ = layer(x)
+        r = layer.router(x_TH).routing
+        assert (r.expert_ids_TK == 5).all()
+        w13, w2 = layer.experts.w13[5], layer.experts.w2[5]
+
+        def ffn(t, w13=w13, w2=w2):
+            return (torch.nn.functional.silu(t @ w13[0].T) * (t @ w13[1].T)) @ w2.T
+
+        p = r.probs_TK
+        routed = ffn(p * x_TH) if on_input else p * ffn(x_TH)
+        want = routed + layer.shared_experts(x).reshape(-1, H)
+        torch.testing.assert_close(y.reshape(-1, H), want, atol=1e-5, rtol=1e-5)
+        ys[on_input] = y
+    assert not torch.allclose(ys[False], ys[True], atol=1e-3)  # the option changes the function
+    with pytest.raises(ValueError, match=r"apply_probs_on_input.*topk=1, got topk=2"):
+        _config("random", "dropless", "alltoall", probs_on_input=True)
 
 
 def test_config_dispatchers_are_the_factory_kinds():

@@ -1,0 +1,19 @@
+"""``--compile`` on CUDA (inductor's Triton kernels): 5 steps of a tiny Qwen3-MoE equal eager (see
+tests/training/test_compile.py for what is compared). Skipped without CUDA (tests/gpu/conftest.py)."""
+
+import pytest
+
+from moefold.parallel.dims import ParallelConfig, ParallelDims
+from moefold.training.compile import compile_unavailable
+from tests.training.test_compile import _compare, _steps
+
+
+def test_compile_equals_eager_cuda():
+    reason = compile_unavailable("cuda")
+    if reason is not None:
+        pytest.skip(reason)
+    dims = ParallelDims.single("cuda")
+    eager = _steps(False, ParallelConfig(), dims, device="cuda")
+    compiled = _steps(True, ParallelConfig(), dims, device="cuda")
+    failures = _compare(eager, compiled, "cuda world 1")
+    assert not failures, "\n".join(failures)
