@@ -174,6 +174,23 @@ def _raw_exchange(kind: str, handle, dims, T: int, K: int, H: int, dtype: torch.
     return "all_to_all_single x2", run, 2 * sum(n for r, n in enumerate(send) if r != dims.ep_rank) * H * es
 
 
+def time_round_trip(dispatcher, x: torch.Tensor, routing, sync: Callable[[], None], barrier: Callable[[], None],
+                    ) -> tuple[float, object]:
+    """(seconds of dispatch + combine with the rows passed straight back, the handle). Dispatch and combine
+    are each timed from a barrier, so one rank's skew in the untimed gap does not count."""
+    sync()
+    barrier()
+    t0 = time.perf_counter()
+    out = dispatcher.dispatch(x, routing)
+    sync()
+    t1 = time.perf_counter()
+    barrier()
+    t2 = time.perf_counter()
+    dispatcher.combine(out.tokens_NH, out.handle)
+    sync()
+    return (t1 - t0) + (time.perf_counter() - t2), out.handle
+
+
 def _bench_inputs(skew_name: str, args: argparse.Namespace, dims, device: torch.device):
     """(x [T, H], router weight [H, E], expert popularity skew [E], generator) of this rank."""
     gen = torch.Generator().manual_seed(args.seed + dims.rank)
@@ -226,19 +243,7 @@ def _bench_one(kind: str, skew_name: str, args: argparse.Namespace, dims, device
     raw_name, raw_bytes, handle, routing = None, 0, None, None
     for i in range(args.warmup + args.iters):
         routing = _route(x, w_gate, skew, K)
-        sync()
-        barrier()
-        t0 = time.perf_counter()
-        out = plain.dispatch(x, routing)
-        sync()
-        t1 = time.perf_counter()
-        # the barrier keeps the untimed gap's rank skew out of the combine's exchange
-        barrier()
-        t1b = time.perf_counter()
-        plain.combine(out.tokens_NH, out.handle)
-        sync()
-        seconds = (t1 - t0) + (time.perf_counter() - t1b)
-        handle = out.handle
+        seconds, handle = time_round_trip(plain, x, routing, sync, barrier)
         exchange = _raw_exchange(kind, handle, dims, T, K, H, dtype, device, gen)
         if exchange is not None:
             raw_name, run_raw, raw_bytes = exchange

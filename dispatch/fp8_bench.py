@@ -10,13 +10,12 @@ each rank sends to the others: FP8 rows (``H`` e4m3 bytes + 4 per 128-channel sc
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from moefold.dispatch.bench import _median_max
+from moefold.dispatch.bench import _median_max, time_round_trip
 from moefold.dispatch.fp8_exchange import row_bytes
 from moefold.moe.routing import Routing
 from moefold.parallel.dims import ParallelDims
@@ -44,21 +43,9 @@ def report_fp8(kind: str, args: argparse.Namespace, dims: ParallelDims, x: torch
     barrier = (lambda: dist.barrier()) if dist.is_initialized() else (lambda: None)
     seconds, rows = [], rows_to_others
     for i in range(args.warmup + args.iters):
-        routing = route()
-        sync()
-        barrier()
-        t0 = time.perf_counter()
-        out = fp8.dispatch(x, routing)
-        sync()
-        t1 = time.perf_counter()
-        expert_out = out.tokens_NH  # the experts pass rows through unchanged, as in the plain run
-        sync()
-        barrier()
-        t2 = time.perf_counter()
-        fp8.combine(expert_out, out.handle)
-        sync()
+        t, _ = time_round_trip(fp8, x, route(), sync, barrier)
         if i >= args.warmup:
-            seconds.append((t1 - t0) + (time.perf_counter() - t2))
+            seconds.append(t)
     t_fp8 = _median_max(seconds, device)
     hp_row = H * x.element_size()
     plain_bytes = _mean_over_ranks(2 * rows * hp_row, device)
