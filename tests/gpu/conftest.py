@@ -10,15 +10,34 @@ breaks a GPU test fails on a machine without a GPU. Checks that need a CUDA-only
 import pytest
 import torch
 
-from tests.gpu.rehearsal import REHEARSAL, device_type
+from tests.gpu.rehearsal import QUICK, QUICK_LEAVES_OUT, REHEARSAL, device_type
+
+
+def _in_gpu_tests(item) -> bool:
+    return "tests/gpu/" in str(item.fspath).replace("\\", "/")
 
 
 def pytest_collection_modifyitems(config, items):
+    if QUICK:  # each test function once (its first parameters), minus what the CPU suite already runs
+        seen: set[tuple[str, str]] = set()
+        kept, dropped = [], []
+        for item in items:
+            key = (str(item.fspath), item.originalname)
+            if _in_gpu_tests(item) and key in seen:
+                dropped.append(item)
+                continue
+            seen.add(key)
+            kept.append(item)
+            if _in_gpu_tests(item) and item.originalname in QUICK_LEAVES_OUT:
+                item.add_marker(pytest.mark.skip(reason=f"rehearsal quick: {QUICK_LEAVES_OUT[item.originalname]}"))
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = kept
     if REHEARSAL or torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (or MOEFOLD_GPU_REHEARSAL=1 to rehearse on the CPU)")
     for item in items:
-        if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
+        if _in_gpu_tests(item):
             item.add_marker(skip)
 
 
