@@ -176,6 +176,7 @@ class Check:
         self.python = sys.executable
         self.num_gpus = 0
         self.env: dict[str, str] = {}  # for every step's subprocess: PYTHONPATH with the carried wheels
+        self.cleanup: list[Path] = []  # folders removed when the check ends
         if self.rehearsal:
             self.env["MOEFOLD_GPU_REHEARSAL"] = "quick" if args.quick else "1"
 
@@ -232,6 +233,7 @@ class Check:
         if not wheels:
             return [f"- wheels: no .whl in {folder}"], False
         site = Path(tempfile.mkdtemp(prefix="moefold-gpu-check-site-"))
+        self.cleanup.append(site)
         rc, text, seconds = run([self.python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                                  "--no-cache-dir", "--upgrade", "--disable-pip-version-check", "--target", str(site),
                                  *map(str, wheels)], self.budget.for_step(90, 300), self.log)
@@ -462,10 +464,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     plan = (("install", check.install), ("syncs", check.syncs), ("train", check.training), ("bench", check.moe_layer),
             ("dispatch", check.dispatch), ("tests", check.tests))
-    for key, fn in plan:
-        if key not in skip:
-            check.step(fn)
-            print(f"{check.steps[-1].name}: {check.steps[-1].status} ({check.steps[-1].seconds:.0f} s)", flush=True)
+    try:
+        for key, fn in plan:
+            if key not in skip:
+                check.step(fn)
+                print(f"{check.steps[-1].name}: {check.steps[-1].status} ({check.steps[-1].seconds:.0f} s)", flush=True)
+    finally:
+        for folder in check.cleanup:
+            shutil.rmtree(folder, ignore_errors=True)
     print(f"report: {check.out}")
     return 0 if all(s.status in ("passed", "skipped") for s in check.steps) else 1
 
