@@ -18,7 +18,8 @@ output) of torchao's recipe (``Float8LinearConfig.from_recipe_name``), with the 
 ``--fp8-format`` asks for (hybrid: e5m2, e4m3: e4m3).
 
 ``scaled_mm`` is ``torch._scaled_mm`` (on CPU torch dequantises and runs an fp32 GEMM: FP8 is emulated
-there, bit for bit the quantise-dequantise reference). It writes the caller's dtype; on CUDA it adds
+there, bit for bit the quantise-dequantise reference; where torch's CPU kernel takes per-tensor scales
+only, as torch 2.11's does, ``scaled_mm`` computes that same dequantised product for row-wise scales). It writes the caller's dtype; on CUDA it adds
 what the FP8 kernels need: row-major / column-major operands, K and N zero-padded to multiples of 16,
 and, with row-wise scales, a bf16 output cast to the caller's dtype (torch's row-wise kernel writes
 bf16 only: an fp32 model's row-wise GEMM outputs are bf16-rounded on CUDA, not on CPU).
@@ -26,6 +27,7 @@ bf16 only: an fp32 model's row-wise GEMM outputs are bf16-rounded on CUDA, not o
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -165,10 +167,24 @@ def scaled_mm(a: Tensor, inv_a: Tensor, b: Tensor, inv_b: Tensor, out_dtype: tor
         a, b = _row_major(a), _col_major(b)
     if rowwise:  # [M, 1] / [1, N] with unit last-dim strides (a transposed [1, M] view has stride M)
         inv_a, inv_b = inv_a.flatten().contiguous()[:, None], inv_b.flatten().contiguous()[None, :]
-    out = torch._scaled_mm(a, b, inv_a, inv_b, out_dtype=mm_dtype, use_fast_accum=fast_accum and a.is_cuda)
+    if rowwise and a.device.type == "cpu" and not _cpu_kernel_takes_row_scales():
+        out = (a.float() * inv_a) @ (b.float() * inv_b)  # what torch's CPU kernel computes where it has them
+    else:
+        out = torch._scaled_mm(a, b, inv_a, inv_b, out_dtype=mm_dtype, use_fast_accum=fast_accum and a.is_cuda)
     if out.shape[1] != N:
         out = out[:, :N]
     return out.to(out_dtype)
+
+
+@functools.cache
+def _cpu_kernel_takes_row_scales() -> bool:
+    """torch's CPU ``_scaled_mm`` accepts row-wise scales (torch 2.11's asserts per-tensor scales)."""
+    a = torch.ones(2, 16, dtype=E4M3)
+    try:
+        torch._scaled_mm(a, a.t(), torch.ones(2, 1), torch.ones(1, 2), out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
 
 
 __all__ = ["E4M3", "E5M2", "Cast", "Float8Recipe", "amax", "amax_to_scale", "dequantize", "quantize", "reduce_max",

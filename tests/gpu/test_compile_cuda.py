@@ -1,5 +1,6 @@
 """``--compile`` on CUDA (inductor's Triton kernels): 5 steps of a tiny Qwen3-MoE equal eager (see
-tests/training/test_compile.py for what is compared). Skipped without CUDA (tests/gpu/conftest.py)."""
+tests/training/test_compile.py for what is compared). Skipped without CUDA (tests/gpu/conftest.py); in a
+rehearsal (tests/gpu/rehearsal.py) inductor generates C++ for the CPU instead."""
 
 import pytest
 
@@ -8,12 +9,12 @@ from moefold.training.compile import compile_unavailable
 from tests.training.test_compile import _compare, _steps
 
 
-def test_compile_equals_eager_cuda():
-    reason = compile_unavailable("cuda")
+def test_compile_equals_eager_cuda(device):
+    reason = compile_unavailable(device)
     if reason is not None:
         pytest.skip(reason)
-    dims = ParallelDims.single("cuda")
-    eager = _steps(False, ParallelConfig(), dims, device="cuda")
-    compiled = _steps(True, ParallelConfig(), dims, device="cuda")
-    failures = _compare(eager, compiled, "cuda world 1")
+    dims = ParallelDims.single(device)
+    eager = _steps(False, ParallelConfig(), dims, device=device)
+    compiled = _steps(True, ParallelConfig(), dims, device=device)
+    failures = _compare(eager, compiled, f"{device} world 1")
     assert not failures, "\n".join(failures)

@@ -5,7 +5,9 @@ Skipped without CUDA (tests/gpu/conftest.py). One GPU runs no multi-rank world (
 rank, gloo moves no CUDA tensors point to point), so the CP ranks are simulated in one process: each
 rank runs the very block calls of the distributed path (``ring_step_calls`` / ``all_gather_calls``
 through ``_attend`` / ``_attend_backward`` and ``_FusedBlocks``) on K/V blocks taken from the full
-tensors instead of received ones. The transport itself is the one tested on CPU ranks.
+tensors instead of received ones. The transport itself is the one tested on CPU ranks. In a rehearsal
+(tests/gpu/rehearsal.py) the same simulation runs on the CPU with the kernel the CPU gets
+(``CpuFlashKernel``): the calls and the comparison, not the CUDA kernels.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from moefold.dense.cp_fused import (
     all_gather_calls,
     ring_step_calls,
 )
+from tests.gpu.rehearsal import REHEARSAL
 
 SCALE = 0.125
 
@@ -91,15 +94,16 @@ def _simulated_all_gather(q, k, v, grad_out, cp, window):
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("heads,kv_heads,d_qk,d_v", [(8, 2, 64, 64), (4, 4, 40, 24)], ids=["gqa", "mla"])
 @pytest.mark.parametrize("window", [None, 16, 48], ids=["causal", "window16", "window48"])
-def test_cuda_fused_cp_attention_equals_math(dtype, cp, heads, kv_heads, d_qk, d_v, window):
-    expected_kernel = CudaFlashKernel if dtype == torch.bfloat16 else CudaEfficientKernel
-    assert isinstance(attention_kernel("cuda", dtype, max(d_qk, d_v)), expected_kernel)
-    gen = torch.Generator(device="cuda").manual_seed(0)
+def test_cuda_fused_cp_attention_equals_math(dtype, cp, heads, kv_heads, d_qk, d_v, window, device):
+    if not REHEARSAL:
+        expected_kernel = CudaFlashKernel if dtype == torch.bfloat16 else CudaEfficientKernel
+        assert isinstance(attention_kernel("cuda", dtype, max(d_qk, d_v)), expected_kernel)
+    gen = torch.Generator(device=device).manual_seed(0)
     B, S = 2, 256  # chunks of 32 (cp 4) or 64 (cp 2): window 16 bands the diagonal, 48 crosses chunks
-    q = torch.randn(B, heads, S, d_qk, device="cuda", generator=gen)
-    k = torch.randn(B, kv_heads, S, d_qk, device="cuda", generator=gen)
-    v = torch.randn(B, kv_heads, S, d_v, device="cuda", generator=gen)
-    grad_out = torch.randn(B, heads, S, d_v, device="cuda", generator=gen)
+    q = torch.randn(B, heads, S, d_qk, device=device, generator=gen)
+    k = torch.randn(B, kv_heads, S, d_qk, device=device, generator=gen)
+    v = torch.randn(B, kv_heads, S, d_v, device=device, generator=gen)
+    grad_out = torch.randn(B, heads, S, d_v, device=device, generator=gen)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = _math_attention(*leaves, window)
     (ref * grad_out).sum().backward()

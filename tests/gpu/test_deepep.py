@@ -7,7 +7,9 @@
 
 Skipped without ``deep_ep`` (not on PyPI: built from source, see README "On GPUs"). Run it in a
 pytest process of its own (the GPU check does): its ranks are forked, which needs a parent that
-has not initialised CUDA.
+has not initialised CUDA. In a rehearsal (tests/gpu/rehearsal.py) ``deep_ep`` is the CPU stand-in
+(tests/dispatch/deepep_standin.py: DeepEP's signatures, plain arithmetic over gloo) and the two
+ranks run on the CPU.
 """
 
 import pytest
@@ -15,22 +17,29 @@ import torch
 
 from tests.dispatch.common import H, expert_weights, make_case, make_routing, run_experts
 from tests.distributed import run_distributed
+from tests.gpu.rehearsal import REHEARSAL, gpu_library
 
-deep_ep = pytest.importorskip("deep_ep", reason="the flex dispatcher needs DeepEP v1.2.1 (README: On GPUs)")
 EP = 2
 E = 8
 
 
-def _compare(mode: str):
+@pytest.fixture
+def deep_ep(monkeypatch):
+    gpu_library("deep_ep", monkeypatch)
+    return pytest.importorskip("deep_ep", reason="the flex dispatcher needs DeepEP v1.2.1 (README: On GPUs)")
+
+
+def _compare(mode: str, device_type: str):
     import torch.distributed as dist
 
     from moefold.dispatch import AllToAllDispatcher
     from moefold.dispatch.deepep import DeepEPBuffers, FlexDispatcher
 
     rank = dist.get_rank()
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    group = dist.new_group(list(range(EP)), backend="nccl")
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    dev = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    group = dist.new_group(list(range(EP)), backend="nccl" if device_type == "cuda" else "gloo")
     tokens = [64, 48]
     x_all, ids_all, probs_all = make_case("random", tokens, E, seed=1)
     off = sum(tokens[:rank])
@@ -61,7 +70,7 @@ def _compare(mode: str):
     return errors
 
 
-def test_buffer_hints_from_the_real_library():
+def test_buffer_hints_from_the_library(deep_ep):
     from moefold.dispatch.deepep import buffer_sizes
 
     for n in (2, 4, 8):
@@ -69,16 +78,17 @@ def test_buffer_hints_from_the_real_library():
         assert nvl > 0 and rdma == 0, (n, nvl, rdma)  # one NVLink domain: no RDMA buffer
 
 
-def test_one_rank_is_refused():
+def test_one_rank_is_refused(deep_ep):
     from moefold.dispatch import build_dispatcher
 
     with pytest.raises(ValueError, match="use 'local'"):
         build_dispatcher("flex", E)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < EP, reason=f"needs {EP} GPUs")
 @pytest.mark.parametrize("mode", ["dropless", "drop", "padded"])
-def test_flex_matches_alltoall(mode):
+def test_flex_matches_alltoall(mode, deep_ep, device):
+    if not REHEARSAL and torch.cuda.device_count() < EP:
+        pytest.skip(f"needs {EP} GPUs, this machine has {torch.cuda.device_count()}")
     assert H % 8 == 0
-    errors = [e for per_rank in run_distributed(_compare, EP, mode, timeout=300) for e in per_rank]
+    errors = [e for per_rank in run_distributed(_compare, EP, mode, device, timeout=300) for e in per_rank]
     assert not errors, "\n".join(errors)

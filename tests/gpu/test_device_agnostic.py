@@ -4,7 +4,8 @@ checkpoint path assumes a device or mixes a CPU generator with CUDA tensors.
 
 Skipped without CUDA (tests/gpu/conftest.py). fp32 with PyTorch's default of no TF32 matmuls, so the
 devices differ only by summation order; the expert GEMM uses the loop backend on both (the grouped
-backends are compared with it in test_gemm_backends.py).
+backends are compared with it in test_gemm_backends.py). In a rehearsal (tests/gpu/rehearsal.py) the
+"GPU" run is a second CPU run: the same calls, compared the same way.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ def _layer_run(device: str, capacity: bool) -> tuple[torch.Tensor, torch.Tensor,
 
 
 @pytest.mark.parametrize("capacity", [False, True], ids=["dropless", "capacity"])
-def test_moe_layer_on_cuda_equals_cpu(capacity):
-    want, got = _layer_run("cpu", capacity), _layer_run("cuda", capacity)
+def test_moe_layer_on_cuda_equals_cpu(capacity, device):
+    want, got = _layer_run("cpu", capacity), _layer_run(device, capacity)
     torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-4, msg="output")
     torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-4, msg="input grad")
     assert got[2].keys() == want[2].keys()
@@ -60,14 +61,15 @@ def _train(device: str, save: str | None = None, load: str | None = None,
     return [r.loss_lm for r in results], trainer
 
 
-def test_trainer_on_cuda_matches_cpu_and_resumes(tmp_path):
+def test_trainer_on_cuda_matches_cpu_and_resumes(tmp_path, device):
     cpu, _ = _train("cpu")
-    cuda, trainer = _train("cuda")
-    assert all(p.device.type == "cuda" for p in trainer.model.parameters())
-    assert all(s.master.device.type == "cuda" for s in trainer.optimizer.shards)
+    cuda, trainer = _train(device)
+    assert all(p.device.type == device for p in trainer.model.parameters())
+    state = trainer.optimizer.slices
+    assert state and all(t.device.type == device for s in state for t in (s.master, s.exp_avg, s.exp_avg_sq))
     assert cuda == pytest.approx(cpu, rel=1e-3, abs=1e-3)
     save = str(tmp_path / "ckpt")
-    _train("cuda", save=save, stop_at=2)
-    resumed, _ = _train("cuda", load=save)
+    _train(device, save=save, stop_at=2)
+    resumed, _ = _train(device, load=save)
     # same device, but CUDA's atomics make runs differ by summation order, as layouts do on CPU
     assert len(resumed) == 1 and resumed[0] == pytest.approx(cuda[2], rel=2e-4, abs=2e-4)

@@ -1,6 +1,7 @@
 """Starting from HF weights, validation, upcycling and generation on one CUDA GPU equal the same on CPU (the
 weights are read on the host and copied into the device's parameters; generation samples from a CPU generator).
-Skipped without CUDA (tests/gpu/conftest.py)."""
+Skipped without CUDA (tests/gpu/conftest.py); in a rehearsal (tests/gpu/rehearsal.py) the "GPU" side is a second
+CPU run, compared the same way."""
 
 from __future__ import annotations
 
@@ -23,21 +24,21 @@ from tests.training.trainer_common import tiny_config
 pytest.importorskip("transformers")
 
 
-def test_generate_on_cuda_equals_cpu(tmp_path):
+def test_generate_on_cuda_equals_cpu(tmp_path, device):
     save_hf("mixtral", tmp_path)
     ids = tokens(batch=2, seq=5, seed=3)
     outs = {}
-    for device in ("cpu", "cuda"):
-        model, _ = load_model(tmp_path, device=device)
-        assert next(model.parameters()).device.type == device
-        outs[device] = [generate(model, ids, 12).cpu(),
-                        generate(model, ids, 12, temperature=0.9, top_p=0.9, seed=4).cpu()]
-    for a, b in zip(outs["cpu"], outs["cuda"]):
+    for where in ("cpu", device):
+        model, _ = load_model(tmp_path, device=where)
+        assert next(model.parameters()).device.type == where
+        outs[where] = [generate(model, ids, 12).cpu(),
+                       generate(model, ids, 12, temperature=0.9, top_p=0.9, seed=4).cpu()]
+    for a, b in zip(outs["cpu"], outs[device]):
         assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("upcycle", [False, True])
-def test_load_hf_and_validation_on_cuda_equal_cpu(tmp_path, upcycle):
+def test_load_hf_and_validation_on_cuda_equal_cpu(tmp_path, upcycle, device):
     if upcycle:
         hf_dense_model("qwen3").save_pretrained(tmp_path / "hf")
     else:
@@ -56,12 +57,12 @@ def test_load_hf_and_validation_on_cuda_equal_cpu(tmp_path, upcycle):
     config = dataclasses.replace(config, model=model, train=dataclasses.replace(
         config.train, seq_length=16, load_hf=str(tmp_path / "hf"), moe_use_upcycling=upcycle,
         data_path=(str(tmp_path / "data"),), split="90,10,0", eval_iters=2))
-    losses = {}
-    for device in ("cpu", "cuda"):
-        dims = ParallelDims.single(device)
-        trainer = Trainer(config, dims, device=device, log=lambda _m: None)
+    losses = []
+    for where in ("cpu", device):
+        dims = ParallelDims.single(where)
+        trainer = Trainer(config, dims, device=where, log=lambda _m: None)
         valid = build_dataset(config, dims, part="valid")
         before = evaluate(trainer, valid, 2).loss_lm
         steps = [r.loss_lm for r in trainer.fit(build_dataset(config, dims))]
-        losses[device] = [before, *steps, evaluate(trainer, valid, 2).loss_lm]
-    np.testing.assert_allclose(losses["cuda"], losses["cpu"], atol=1e-4, rtol=0)
+        losses.append([before, *steps, evaluate(trainer, valid, 2).loss_lm])
+    np.testing.assert_allclose(losses[1], losses[0], atol=1e-4, rtol=0)

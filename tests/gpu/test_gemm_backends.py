@@ -3,7 +3,8 @@
 grouped_mm and grouped_gemm.ops.gmm through ``grouped_gemm``; Transformer Engine through the
 persistent ``TEGroupedLinear`` and ``GroupedExperts`` (also in FP8, against bf16 within FP8's
 error). Skipped without CUDA (tests/gpu/conftest.py); a backend whose package is missing is
-skipped here.
+skipped here. In a rehearsal (tests/gpu/rehearsal.py) grouped_mm runs on the CPU, TE through its
+CPU stand-in (tests/moe/te_standin.py: the calls, not TE's kernels), grouped_gemm is skipped.
 """
 
 import pytest
@@ -12,11 +13,16 @@ import torch
 from moefold.moe.experts import GroupedExperts
 from moefold.moe.gemm import check_gemm_backend, grouped_gemm
 from moefold.parallel.fp8 import FP8Config
+from tests.gpu.rehearsal import cuda_only, gpu_library
 
 COUNTS = {"mixed": [64, 0, 128, 40], "one": [0, 0, 0, 256], "empty": [0, 0, 0, 0]}
 
 
-def _require(backend: str) -> None:
+def _require(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if backend == "grouped_gemm":
+        cuda_only("grouped_gemm.ops.gmm (the grouped_gemm package)")
+    if backend == "te":
+        gpu_library("te", monkeypatch)
     try:
         check_gemm_backend(backend, torch.bfloat16)
     except ImportError as err:
@@ -38,18 +44,18 @@ def _gemm(backend: str, x: torch.Tensor, w: torch.Tensor, counts: list[int], tra
 @pytest.mark.parametrize("backend", ["grouped_mm", "grouped_gemm", "te"])
 @pytest.mark.parametrize("trans_w", [False, True])
 @pytest.mark.parametrize("counts", list(COUNTS.values()), ids=list(COUNTS))
-def test_backend_matches_loop_cuda(backend, trans_w, counts):
-    _require(backend)
-    gen = torch.Generator(device="cuda").manual_seed(0)
+def test_backend_matches_loop_cuda(backend, trans_w, counts, device, monkeypatch):
+    _require(backend, monkeypatch)
+    gen = torch.Generator(device=device).manual_seed(0)
     K, M, dtype = 128, 256, torch.bfloat16
     N = sum(counts)
-    x = torch.randn(N, K, device="cuda", generator=gen).to(dtype)
-    w = torch.randn(len(counts), *((M, K) if trans_w else (K, M)), device="cuda", generator=gen).to(dtype)
-    g = torch.randn(N, M, device="cuda", generator=gen).to(dtype)
+    x = torch.randn(N, K, device=device, generator=gen).to(dtype)
+    w = torch.randn(len(counts), *((M, K) if trans_w else (K, M)), device=device, generator=gen).to(dtype)
+    g = torch.randn(N, M, device=device, generator=gen).to(dtype)
     results = []
     for b in ("loop", backend):
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y = grouped_gemm(xi, wi, torch.tensor(counts, device="cuda"), "loop", trans_w=trans_w) if b == "loop" \
+        y = grouped_gemm(xi, wi, torch.tensor(counts, device=device), "loop", trans_w=trans_w) if b == "loop" \
             else _gemm(b, xi, wi, counts, trans_w)
         gx, gw = torch.autograd.grad(y, (xi, wi), g)
         assert gw is not None, "zero rows must still give w a (zero) gradient"
@@ -59,15 +65,15 @@ def test_backend_matches_loop_cuda(backend, trans_w, counts):
 
 
 @pytest.mark.parametrize("backend", ["grouped_mm", "grouped_gemm", "te"])
-def test_experts_backend_cuda(backend):
-    _require(backend)
+def test_experts_backend_cuda(backend, device, monkeypatch):
+    _require(backend, monkeypatch)
     torch.manual_seed(0)
-    counts = torch.tensor([32, 0, 96, 16], device="cuda")
-    x = torch.randn(int(counts.sum()), 64, device="cuda", dtype=torch.bfloat16)
-    ref = GroupedExperts(4, 64, 128, gemm_backend="loop", dtype=torch.bfloat16, device="cuda")
-    mod = GroupedExperts(4, 64, 128, gemm_backend=backend, dtype=torch.bfloat16, device="cuda")
+    counts = torch.tensor([32, 0, 96, 16], device=device)
+    x = torch.randn(int(counts.sum()), 64, device=device, dtype=torch.bfloat16)
+    ref = GroupedExperts(4, 64, 128, gemm_backend="loop", dtype=torch.bfloat16, device=device)
+    mod = GroupedExperts(4, 64, 128, gemm_backend=backend, dtype=torch.bfloat16, device=device)
     mod.load_state_dict(ref.state_dict())
-    g = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(x.shape, device=device, dtype=torch.bfloat16)
     for _ in range(2):  # the TE modules are reused, not rebuilt
         results = []
         for m in (ref, mod):
@@ -81,27 +87,27 @@ def test_experts_backend_cuda(backend):
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
-def test_te_experts_fp8_cuda(recipe):
+def test_te_experts_fp8_cuda(recipe, device, monkeypatch):
     """FP8 (hybrid) expert GEMMs against bf16: relative error within FP8's (e4m3 has 3 mantissa bits:
     about 6% per element; a GEMM's output averages it down). Rows per expert not multiples of 16."""
-    _require("te")
+    _require("te", monkeypatch)
     try:
         FP8Config("hybrid", recipe, backend="te").check_available()
     except RuntimeError as err:
         pytest.skip(str(err))
     torch.manual_seed(0)
     counts = [40, 0, 100, 17]
-    x = torch.randn(sum(counts), 256, device="cuda", dtype=torch.bfloat16)
-    ref = GroupedExperts(4, 256, 512, gemm_backend="te", dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(sum(counts), 256, device=device, dtype=torch.bfloat16)
+    ref = GroupedExperts(4, 256, 512, gemm_backend="te", dtype=torch.bfloat16, device=device)
     fp8 = GroupedExperts(4, 256, 512, gemm_backend="te", fp8=FP8Config("hybrid", recipe, backend="te"),
-                         dtype=torch.bfloat16, device="cuda")
+                         dtype=torch.bfloat16, device=device)
     fp8.load_state_dict(ref.state_dict())
-    g = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(x.shape, device=device, dtype=torch.bfloat16)
     for step in range(3):  # delayed scaling needs a step of amax history
         results = []
         for m in (ref, fp8):
             xi = x.clone().requires_grad_()
-            y = m(xi, torch.tensor(counts, device="cuda"), counts)
+            y = m(xi, torch.tensor(counts, device=device), counts)
             results.append((y, *torch.autograd.grad(y, (xi, m.w13, m.w2), g)))
         if step == 0:
             continue

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import moefold.moe.fp8_gemm as fp8_gemm
+import moefold.parallel.fp8_cast as fp8_cast
 from moefold.moe.experts import GroupedExperts
 from moefold.moe.fp8_gemm import Float8GroupedGemm
 from moefold.parallel.fp8 import FP8Config
@@ -56,11 +57,12 @@ def _emulated_scaled_grouped_mm(calls: list):
         assert out.shape == (a.shape[0], b.shape[2]) and out.dtype == torch.bfloat16
         calls.append(tuple(meta))
         # the semantics: per group i, rows offs[i-1]:offs[i] of (a * scale_a) @ (b[i] * scale_b[i]) with
-        # row / column scales, computed by torch's CPU scaled GEMM (it dequantises, multiplies in fp32)
+        # row / column scales, computed by torch's CPU scaled GEMM (it dequantises, multiplies in fp32;
+        # fp8_cast.scaled_mm does the same where torch's CPU kernel takes per-tensor scales only)
         res, start = [], 0
         for i, end in enumerate(offs.tolist()):
-            res.append(torch._scaled_mm(a[start:end], b[i], scale_a[start:end, None].contiguous(),
-                                        scale_b[i][None, :].contiguous(), out_dtype=out_dtype))
+            res.append(fp8_cast.scaled_mm(a[start:end], scale_a[start:end, None], b[i], scale_b[i][None, :],
+                                          out_dtype))
             start = end
         return torch.cat(res)
     return emulate
