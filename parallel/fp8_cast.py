@@ -19,7 +19,8 @@ output) of torchao's recipe (``Float8LinearConfig.from_recipe_name``), with the 
 
 ``scaled_mm`` is ``torch._scaled_mm`` (on CPU torch dequantises and runs an fp32 GEMM: FP8 is emulated
 there, bit for bit the quantise-dequantise reference; where torch's CPU kernel takes per-tensor scales
-only, as torch 2.11's does, ``scaled_mm`` computes that same dequantised product for row-wise scales). It writes the caller's dtype; on CUDA it adds
+only, as torch 2.11's does, ``scaled_mm`` computes that same dequantised product for row-wise scales).
+It writes the caller's dtype; on CUDA it adds
 what the FP8 kernels need: row-major / column-major operands, K and N zero-padded to multiples of 16,
 and, with row-wise scales, a bf16 output cast to the caller's dtype (torch's row-wise kernel writes
 bf16 only: an fp32 model's row-wise GEMM outputs are bf16-rounded on CUDA, not on CPU).
