@@ -279,3 +279,19 @@ def test_bubble_shrinks_with_more_micro_batches():
     # 1F1B with (nearly) equal stages: the textbook bubble (pp-1)/(m+pp-1) of the step, within the stages' spread
     m = 64 // 2
     assert shares[2] == pytest.approx(3 / (m + 3), rel=0.25)
+
+
+def test_cp_ring_hides_behind_attention_and_virtual_stages_shrink_the_bubble():
+    p2p = _step(8, cp=2, ep=4, gbs=16)
+    gathered = _step(8, cp=2, ep=4, gbs=16, options=ModelOptions(dtype="bf16", cp_comm="all_gather"))
+    assert 0 <= p2p.terms["cp"] < gathered.terms["cp"]
+    plain = _step(8, pp=4, ep=2, gbs=16)
+    config = RunConfig(model=qwen3_moe_30b_a3b(), parallel=ParallelConfig(pp=4, ep=2),
+                       options=ModelOptions(dtype="bf16"),
+                       train=TrainConfig(micro_batch_size=1, global_batch_size=16, seq_length=4096,
+                                         num_layers_per_virtual_pipeline_stage=6))
+    sizes, _ = config.resolve(8)
+    interleaved = estimate_step_time(config, sizes, load_cluster("h100"), 8)
+    assert interleaved.terms["bubble"] < plain.terms["bubble"]
+    with pytest.raises(ValueError, match="gpus-per-node"):
+        estimate_step_time(config, sizes, load_cluster("h100"), 0)

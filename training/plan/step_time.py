@@ -29,7 +29,7 @@ from moefold.models.config import ModelConfig
 from moefold.models.layer_factory import is_moe_block
 from moefold.models.recompute import full_recompute_groups
 from moefold.parallel.dims import ParallelSizes
-from moefold.pipeline.schedules import build_schedule
+from moefold.pipeline.schedules import Schedule, build_schedule
 from moefold.pipeline.simulator import simulate
 from moefold.pipeline.stages import ChunkSpec
 from moefold.training.config import RunConfig
@@ -272,11 +272,18 @@ def _dp_seconds(config: RunConfig, sizes: ParallelSizes, pp_rank: int, links: _L
 
 
 # ----------------------------------------------------------------------------------------------- the step
+@lru_cache(maxsize=64)
+def _schedule(name: str, pp: int, vpp: int, m: int) -> Schedule:
+    return build_schedule(name, pp, m, vpp)
+
+
 @lru_cache(maxsize=512)
 def _simulate(name: str, pp: int, vpp: int, m: int, durations: tuple[tuple[tuple[float, float], ...], ...],
               ) -> tuple[float, tuple[float, ...]]:
-    schedule = build_schedule(name, pp, m, vpp)
-    result = simulate(schedule, duration=lambda r, a: durations[r][a.chunk][0 if a.kind == "F" else 1])
+    """(makespan, busy seconds per pipeline rank) of the schedule with these (forward, backward) durations per
+    (rank, chunk). pipeline.simulator's cost grows with pp x m (about 0.5 s at pp=16, m=120)."""
+    result = simulate(_schedule(name, pp, vpp, m),
+                      duration=lambda r, a: durations[r][a.chunk][0 if a.kind == "F" else 1])
     return result.makespan, result.busy
 
 
