@@ -163,6 +163,10 @@ def _layouts() -> dict[str, RunConfig]:
             ds, ModelOptions(cp_comm="all_gather", dispatcher="allgather"), cp=2, ep=4),
         # MLA latents under SP; allgather over etp x ep
         "tp2 sp dp2 mla ep2 etp2 allgather": _run_config(ds, ModelOptions(dispatcher="allgather"), tp=2, ep=2, etp=2),
+        # padded capacity mode: E x capacity rows travel, no counts are exchanged
+        "tp2 sp ep4 alltoall, padded capacity 2": _run_config(
+            dataclasses.replace(qwen, moe_expert_capacity_factor=2.0, moe_pad_expert_input_to_capacity=True),
+            ModelOptions(), tp=2, ep=4),
         # full recompute runs every forward collective of the block again in backward
         "tp2 sp cp2 ep2 alltoall, full recompute": _run_config(qwen_aux, ModelOptions(recompute="full"), tp=2, cp=2,
                                                                ep=2),
