@@ -22,8 +22,15 @@ from moefold.models.recipes import deepseek_v3_tiny, qwen3_moe_30b_a3b, qwen3_mo
 from moefold.models.recompute import apply_recompute
 from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.parallel.fp8 import FP8Config
+from moefold.pipeline.decoder_stage import DecoderStage, build_stage_model, decoder_microbatches
+from moefold.pipeline.executor import run_schedule
+from moefold.pipeline.schedules import build_schedule
+from moefold.training import grad_sync, param_sync
+from moefold.training.buffers import ALIGN
 from moefold.training.config import RunConfig, TrainConfig
-from moefold.training.plan import comm
+from moefold.training.grad_sync import GradSync
+from moefold.training.param_sync import ParamSync
+from moefold.training.plan import comm, step_time
 from moefold.training.plan.cluster import CLUSTERS, Cluster, load_cluster, parse_bytes
 from moefold.training.plan.grid import group_members
 from moefold.training.plan.step_time import EFFICIENCY, estimate_step_time
@@ -125,11 +132,20 @@ class CollectiveLog:
         for name in self.WRAPPED:
             setattr(dist, name, self._wrap(name, saved[name]))
         dist.batch_isend_irecv = self._wrap_p2p(saved["batch_isend_irecv"])
+        # the gradient and parameter buffers' collectives, bound once at import (torch's newer names)
+        bound = [(grad_sync, "reduce_scatter_into", "reduce_scatter_single"),
+                 (grad_sync, "all_gather_into", "all_gather_single"),
+                 (param_sync, "all_gather_into", "all_gather_single")]
+        kept = [(module, attr, getattr(module, attr)) for module, attr, _ in bound]
+        for (module, attr, name), (_, _, fn) in zip(bound, kept):
+            setattr(module, attr, self._wrap(name, fn))
         try:
             yield self
         finally:
             for name, fn in saved.items():
                 setattr(dist, name, fn)
+            for module, attr, fn in kept:
+                setattr(module, attr, fn)
 
 
 def _run_config(model, options: ModelOptions, **parallel) -> RunConfig:
@@ -299,3 +315,90 @@ def test_cp_ring_hides_behind_attention_and_virtual_stages_shrink_the_bubble():
     assert interleaved.terms["bubble"] < plain.terms["bubble"]
     with pytest.raises(ValueError, match="gpus-per-node"):
         estimate_step_time(config, sizes, load_cluster("h100"), 0)
+
+
+# ----------------------------------------------------------------------------------------------- a pipelined step
+M = 2
+
+
+def _pipeline_layouts() -> dict[str, RunConfig]:
+    ds = dataclasses.replace(deepseek_v3_tiny(), hidden_size=32, ffn_hidden_size=32, num_layers=4, mtp_num_layers=0,
+                             moe_router_force_load_balancing=True)
+    train = {"micro_batch_size": B, "seq_length": S}
+    return {
+        "pp2 tp2 sp ep2 1f1b": RunConfig(model=ds, parallel=ParallelConfig(pp=2, tp=2, ep=2),
+                                         train=TrainConfig(global_batch_size=B * M, **train)),
+        "pp2 dp2 ep2 interleaved vpp2": RunConfig(
+            model=ds, parallel=ParallelConfig(pp=2, ep=2),
+            train=TrainConfig(global_batch_size=B * M * 2, num_layers_per_virtual_pipeline_stage=1, **train)),
+    }
+
+
+def _measure_step(layouts: dict[str, RunConfig], numels: dict[str, dict[int, dict]]) -> list[tuple]:
+    """On every rank: one pipelined step (run_schedule, then the gradient reduce-scatter and parameter all-gather
+    of the distributed optimizer's buffers), collectives logged against what the planner predicts."""
+    rank, out = dist.get_rank(), []
+    for name, config in layouts.items():
+        dims = ParallelDims.build(config.parallel)
+        sizes, options = dims.sizes, model_options(config)
+        layout = config.pipeline_layout(sizes.pp)
+        torch.manual_seed(0)
+        model = build_stage_model(config.model, dims, options, layout)
+        stage = DecoderStage(model, layout, dims.pp_rank)
+        sync = GradSync(model.named_parameters(), dims, bucket_numel=config.train.bucket_numel, overlap=False)
+        ids = torch.randint(0, config.model.vocab_size, (M * B, S))
+        schedule = build_schedule(config.schedule_name(layout.vpp), sizes.pp, M, layout.vpp)
+        log = CollectiveLog()
+        with log.installed():
+            sync.start_step(M)
+            run_schedule(stage, schedule, decoder_microbatches(ids, ids, None, M), stage.loss_fn, dims.pp_group,
+                         stage.activation_spec(B, S))
+            log.phase = "step"
+            sync.finish()
+            ParamSync(sync.groups).launch()
+        predicted = Counter()
+        for chunk in step_time.rank_chunks(config, sizes, dims.pp_rank):
+            per_micro = comm.pipeline_collectives(config, sizes, chunk.model_chunk, sizes.pp * layout.vpp)
+            for i in chunk.layers:
+                per_micro += comm.block_collectives(config, sizes, config.model.is_moe_layer(i), device_type="cpu")
+            per_micro += comm.embedding_collectives(config, sizes) if chunk.has_embedding else []
+            per_micro += comm.head_collectives(config, sizes) if chunk.has_head else []
+            for c in per_micro:   # forwards and backwards interleave: compare without the phase
+                predicted[(tuple(group_members(sizes, rank, comm.GROUP_DIMS[c.group])), c.op, c.bytes)] += M
+        measured = Counter()
+        for (phase, ranks, op, nbytes), count in log.calls.items():
+            if phase != "step":
+                measured[(ranks, op, nbytes)] += count
+        step_measured, step_predicted = Counter(), Counter()
+        for (phase, ranks, op, nbytes), count in log.calls.items():
+            if phase == "step":
+                step_measured[(ranks, op)] += nbytes * count
+        numel = numels[name][dims.pp_rank]
+        for c in comm.grad_sync_collectives(config, sizes, numel):
+            step_predicted[(tuple(group_members(sizes, rank, comm.GROUP_DIMS[c.group])), c.op)] += c.bytes
+        n_params = len([p for p in model.parameters() if p.requires_grad])
+        out.append((name, measured, predicted, step_measured, step_predicted, n_params))
+    return out
+
+
+def test_pipelined_step_moves_the_predicted_bytes():
+    """A whole pipelined step: per micro-batch, every layer's, the embedding's, the head's and the stage boundaries'
+    collectives exactly; per step, the distributed optimizer's gradient reduce-scatter and parameter all-gather
+    to within the buckets' alignment padding (the planner counts parameters per kind, not their boundaries)."""
+    layouts = _pipeline_layouts()
+    numels = {}
+    for name, config in layouts.items():
+        sizes, _ = config.resolve(WORLD)
+        numels[name] = {r: step_time.stage_numel(config, sizes, r) for r in range(sizes.pp)}
+    results = run_distributed(_measure_step, WORLD, layouts, numels, timeout=240)
+    for rank, per_rank in enumerate(results):
+        for name, measured, predicted, step_measured, step_predicted, n_params in per_rank:
+            assert any(ranks != (rank,) and op == "send" for ranks, op, _ in measured), f"{name}: no p2p seen"
+            assert measured == predicted, (
+                f"{name}, rank {rank}:\n  measured, not predicted: {dict(measured - predicted)}\n"
+                f"  predicted, not measured: {dict(predicted - measured)}")
+            assert set(step_measured) == set(step_predicted), (name, rank, step_measured, step_predicted)
+            for key, nbytes in step_measured.items():
+                # each parameter starts ALIGN-aligned and each bucket is padded to n x ALIGN elements (fp32 here)
+                slack = (n_params + 1) * len(key[0]) * ALIGN * 4
+                assert 0 <= nbytes - step_predicted[key] <= slack, (name, rank, key, nbytes, step_predicted[key])

@@ -365,14 +365,19 @@ def head_collectives(config: RunConfig, sizes: ParallelSizes) -> list[Collective
     return out
 
 
-def pipeline_collectives(config: RunConfig, sizes: ParallelSizes) -> list[Collective]:
-    """Per micro-batch and stage boundary: the activation forward, its gradient backward (``pipeline.p2p``)."""
-    if sizes.pp == 1:
-        return []
+def pipeline_collectives(config: RunConfig, sizes: ParallelSizes, model_chunk: int,
+                         num_model_chunks: int) -> list[Collective]:
+    """What model chunk ``model_chunk`` (of ``num_model_chunks`` = pp x vpp) sends per micro-batch
+    (``pipeline.p2p``): its output activation to the next chunk (forward) unless it is the last, the gradient of
+    its input to the previous one (backward) unless it is the first; ``[s/tp or s, b, H]`` in the model dtype."""
     sh = _shape(config, sizes, "cuda")
     nbytes = (sh.s // sizes.tp if sh.sp else sh.s) * sh.b * config.model.hidden_size * sh.a
-    return [Collective("pp", "send", nbytes, "forward", "pipeline", "activation"),
-            Collective("pp", "send", nbytes, "backward", "pipeline", "activation gradient")]
+    out = []
+    if model_chunk < num_model_chunks - 1:
+        out.append(Collective("pp", "send", nbytes, "forward", "pipeline", "activation"))
+    if model_chunk > 0:
+        out.append(Collective("pp", "send", nbytes, "backward", "pipeline", "activation gradient"))
+    return out
 
 
 KIND_GROUPS = {"dense": "dp_cp", "sp": "tp_cp_dp", "expert": "edp"}

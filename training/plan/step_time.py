@@ -165,7 +165,8 @@ class _Action:
         return sum(self.terms.values())
 
 
-def _chunks(config: RunConfig, sizes: ParallelSizes, pp_rank: int) -> list[ChunkSpec]:
+def rank_chunks(config: RunConfig, sizes: ParallelSizes, pp_rank: int) -> list[ChunkSpec]:
+    """The virtual chunks of pipeline rank ``pp_rank`` (the whole model as one chunk at pp = 1)."""
     if sizes.pp == 1:
         return [ChunkSpec(0, 0, 0, range(config.model.num_layers), True, True)]
     return config.pipeline_layout(sizes.pp).rank_chunks(pp_rank)
@@ -224,16 +225,13 @@ def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, li
         add(comm.head_collectives(config, sizes))
         fwd["compute"] += 2 * m.hidden_size * m.vocab_size * per_rank_tokens / flop_s
         bwd["compute"] += 4 * m.hidden_size * m.vocab_size * per_rank_tokens / flop_s
-    p2p = comm.pipeline_collectives(config, sizes)
-    if chunk.model_chunk < last_model_chunk:    # sends its activation forward
-        fwd["pp"] += sum(links.seconds(c) for c in p2p if c.phase == "forward")
-    if chunk.model_chunk > 0:                   # sends its input's gradient backward
-        bwd["pp"] += sum(links.seconds(c) for c in p2p if c.phase == "backward")
+    for c in comm.pipeline_collectives(config, sizes, chunk.model_chunk, last_model_chunk + 1):
+        (fwd if c.phase == "forward" else bwd)["pp"] += links.seconds(c)
     return _Action(dict(fwd)), _Action(dict(bwd))
 
 
 # ----------------------------------------------------------------------------------------------- data parallel
-def _stage_numel(config: RunConfig, sizes: ParallelSizes, pp_rank: int) -> dict[tuple[str, str], int]:
+def stage_numel(config: RunConfig, sizes: ParallelSizes, pp_rank: int) -> dict[tuple[str, str], int]:
     """Elements per (reduction kind, dtype) on ``pp_rank``'s ranks, from the blocks built on the meta device."""
     from moefold.training.plan.static import _key, param_counts
 
@@ -244,7 +242,7 @@ def _stage_numel(config: RunConfig, sizes: ParallelSizes, pp_rank: int) -> dict[
         for key, n in items:
             numel[key] += n * times
 
-    chunks = _chunks(config, sizes, pp_rank)
+    chunks = rank_chunks(config, sizes, pp_rank)
     moe_layers = sum(config.model.is_moe_layer(i) for c in chunks for i in c.layers)
     add(counts.moe_layer, moe_layers)
     add(counts.dense_layer, sum(len(c.layers) for c in chunks) - moe_layers)
@@ -261,7 +259,7 @@ def _dp_seconds(config: RunConfig, sizes: ParallelSizes, pp_rank: int, links: _L
     t = config.train
     rs: dict[str, list[float]] = defaultdict(list)
     ag: dict[str, list[float]] = defaultdict(list)
-    for c in comm.grad_sync_collectives(config, sizes, _stage_numel(config, sizes, pp_rank)):
+    for c in comm.grad_sync_collectives(config, sizes, stage_numel(config, sizes, pp_rank)):
         (rs if c.op == "reduce_scatter" else ag)[c.group].append(links.seconds(c))
     exposed = 0.0
     for times in rs.values():   # buckets in backward order: the last one launches last
@@ -300,7 +298,7 @@ def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster
     flop_s = cluster.bf16_tflops * 1e12 * efficiency
     vpp = config.pipeline_layout(sizes.pp).vpp if sizes.pp > 1 else 1
     last = sizes.pp * vpp - 1
-    actions = [[_chunk_actions(config, sizes, c, links, flop_s, last) for c in _chunks(config, sizes, r)]
+    actions = [[_chunk_actions(config, sizes, c, links, flop_s, last) for c in rank_chunks(config, sizes, r)]
                for r in range(sizes.pp)]
     if sizes.pp == 1:
         makespan = m * sum(f.total + b.total for f, b in actions[0])
