@@ -159,7 +159,7 @@ def _run_config(model, options: ModelOptions, **parallel) -> RunConfig:
 def _layouts() -> dict[str, RunConfig]:
     qwen = dataclasses.replace(qwen3_moe_tiny(), hidden_size=32, ffn_hidden_size=32, first_k_dense_replace=1)
     qwen_aux = dataclasses.replace(qwen, moe_load_balancing_type="aux_loss", moe_shared_expert_ffn_size=16)
-    ds = dataclasses.replace(deepseek_v3_tiny(), hidden_size=32, ffn_hidden_size=32, mtp_num_layers=0)
+    ds = dataclasses.replace(deepseek_v3_tiny(), hidden_size=32, ffn_hidden_size=32, mtp_num_layers=1)
     return {
         # GQA with qk-norm, SP, CP ring; chunked all-to-all (4 local experts); shared experts
         "tp2 sp cp2 ep2 alltoall": _run_config(qwen_aux, ModelOptions(), tp=2, cp=2, ep=2),
@@ -219,7 +219,7 @@ def _measure(layouts: dict[str, RunConfig]) -> list[tuple[str, str, Counter, Cou
             collectives = comm.block_collectives(config, sizes, moe, device_type="cpu")
             collectives += comm.recompute_collectives(collectives, options, full=options.recompute == "full", moe=moe)
             out.append((name, "MoE block" if moe else "dense block", log.calls, _predicted(collectives, sizes, rank)))
-        # the embedding and the output head with its vocab-parallel loss: a decoder without layers
+        # the embedding and the output head with its vocab-parallel loss (and the MTP depths): no decoder layers
         decoder = MoEDecoder(model, dims, options, layer_ids=[])
         ids = torch.randint(0, model.vocab_size, (B, S // sizes.cp))
         log = CollectiveLog()
@@ -228,7 +228,9 @@ def _measure(layouts: dict[str, RunConfig]) -> list[tuple[str, str, Counter, Cou
             log.phase = "backward"
             loss.backward()
         collectives = comm.embedding_collectives(config, sizes) + comm.head_collectives(config, sizes)
-        out.append((name, "embedding and head", log.calls, _predicted(collectives, sizes, rank)))
+        for _ in range(model.mtp_num_layers):
+            collectives += comm.mtp_collectives(config, sizes, device_type="cpu")
+        out.append((name, "embedding, head and MTP", log.calls, _predicted(collectives, sizes, rank)))
     return out
 
 

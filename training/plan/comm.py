@@ -25,7 +25,8 @@ Per micro-batch, per transformer block (``block_collectives``), following:
   in one packed all-gather over etp x ep and reduce-scatters the partial outputs. flex (DeepEP) sends a token
   once per destination rank with its top-k ids and weights. The router's loss statistics are small all-reduces.
 - the embedding (vocab-parallel: all-reduce, or reduce-scatter under SP), the output head (like a column-parallel
-  layer) and the vocab-parallel cross-entropy (three fp32 all-reduces of one value per token, one over cp).
+  layer) and the vocab-parallel cross-entropy (three fp32 all-reduces of one value per token, one over cp); each
+  MTP depth repeats them around its block, after shifting its tokens across the cp group.
 - pipeline: one activation forward and its gradient backward per micro-batch per stage boundary.
 
 Per step (``grad_sync_collectives``): the distributed optimizer's reduce-scatter of every gradient bucket and
@@ -363,6 +364,21 @@ def head_collectives(config: RunConfig, sizes: ParallelSizes) -> list[Collective
     if sizes.cp > 1:
         out.append(Collective("cp", "all_reduce", 2 * FP32, "forward", "head", "loss sum and token count"))
     return out
+
+
+def mtp_collectives(config: RunConfig, sizes: ParallelSizes, device_type: str = "cuda") -> list[Collective]:
+    """One multi-token-prediction depth of one micro-batch (``models.mtp``, ``MoEDecoder._mtp_loss``): under CP the
+    token ids, labels and loss mask shifted across the cp group (all-gathers), the embedding again, its block
+    (with what full or selective recompute repeats; the block is its own checkpoint), the head and the loss."""
+    sh = _shape(config, sizes, device_type)
+    out = []
+    if sizes.cp > 1:
+        out += [Collective("cp", "all_gather", sizes.cp * sh.tokens * nbytes, "forward", "mtp", f"shifted {what}")
+                for what, nbytes in (("token ids", INT64), ("labels", INT64), ("loss mask", FP32))]
+    moe = config.model.num_experts > 0
+    block = block_collectives(config, sizes, moe, device_type)
+    block += recompute_collectives(block, sh.options, full=sh.options.recompute == "full", moe=moe)
+    return out + embedding_collectives(config, sizes) + block + head_collectives(config, sizes)
 
 
 def pipeline_collectives(config: RunConfig, sizes: ParallelSizes, model_chunk: int,

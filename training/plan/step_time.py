@@ -212,13 +212,15 @@ def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, li
         bwd["compute"] += 2 * f + again
         core = 2 * _score_macs(m, t.seq_length) * per_rank_tokens / flop_s
         shared = 2 * 3 * m.hidden_size * m.moe_shared_expert_ffn_size * per_rank_tokens / flop_s if moe else 0.0
-        block = list(_block(config, sizes, moe))
-        add(block, overlap_fwd=shared, overlap_cp=(core, 2 * core))
-        add(comm.recompute_collectives(block, o, full=recompute_all, moe=moe, last_in_checkpoint=last_in_checkpoint))
-        if mtp:
-            add(comm.embedding_collectives(config, sizes) + comm.head_collectives(config, sizes))
+        if mtp:   # with its embedding, head and loss
+            collectives = comm.mtp_collectives(config, sizes)
             fwd["compute"] += 2 * m.hidden_size * m.vocab_size * per_rank_tokens / flop_s
             bwd["compute"] += 4 * m.hidden_size * m.vocab_size * per_rank_tokens / flop_s
+        else:
+            block = list(_block(config, sizes, moe))
+            collectives = block + comm.recompute_collectives(block, o, full=recompute_all, moe=moe,
+                                                             last_in_checkpoint=last_in_checkpoint)
+        add(collectives, overlap_fwd=shared, overlap_cp=(core, 2 * core))
     if chunk.has_embedding:
         add(comm.embedding_collectives(config, sizes))
     if chunk.has_head:
