@@ -254,9 +254,9 @@ def test_block_collectives_equal_the_bytes_the_code_sends():
 
 # ----------------------------------------------------------------------------------------------- step time
 def _step(world: int, gpus_per_node: int = 8, cluster: str = "h100", options: ModelOptions | None = None,
-          gbs: int = 64, **parallel):
+          gbs: int = 64, model=None, **parallel):
     options = options or ModelOptions(dtype="bf16")
-    config = RunConfig(model=qwen3_moe_30b_a3b(), parallel=ParallelConfig(**parallel), options=options,
+    config = RunConfig(model=model or qwen3_moe_30b_a3b(), parallel=ParallelConfig(**parallel), options=options,
                        train=TrainConfig(micro_batch_size=1, global_batch_size=gbs, seq_length=4096))
     sizes, _ = config.resolve(world)
     return estimate_step_time(config, sizes, load_cluster(cluster), gpus_per_node)
@@ -277,6 +277,7 @@ def test_one_gpu_runs_at_the_stated_efficiency():
 
 def test_links_follow_the_rank_order():
     intra, inter = _step(8, gpus_per_node=8, ep=8), _step(8, gpus_per_node=4, ep=8)
+    assert intra.links["ep"] == "NVLink" and inter.links["ep"] == "network" and "tp" not in intra.links
     assert inter.terms["ep"] > 2 * intra.terms["ep"] > 0
     assert inter.terms["compute"] == intra.terms["compute"]
     assert inter.tokens_per_s_per_gpu < intra.tokens_per_s_per_gpu
@@ -288,6 +289,15 @@ def test_links_follow_the_rank_order():
     small, large = _step(8, gpus_per_node=2, tp=2, ep=4), _step(8, gpus_per_node=8, tp=2, ep=4)
     assert small.terms["tp"] == pytest.approx(large.terms["tp"], rel=1e-3)
     assert small.terms["dp"] > 2 * large.terms["dp"] > 0
+
+
+def test_shared_experts_hide_the_token_exchange():
+    shared = dataclasses.replace(qwen3_moe_30b_a3b(), moe_shared_expert_ffn_size=2048)
+    alone, hidden = _step(16, gpus_per_node=8, ep=16), _step(16, gpus_per_node=8, ep=16, model=shared)
+    assert hidden.terms["ep"] < alone.terms["ep"] and hidden.terms["compute"] > alone.terms["compute"]
+    gathered = _step(16, gpus_per_node=8, ep=16, model=shared, options=ModelOptions(dtype="bf16",
+                                                                                      dispatcher="allgather"))
+    assert gathered.terms["ep"] > hidden.terms["ep"]   # allgather's gathers finish before the shared experts run
 
 
 def test_bubble_shrinks_with_more_micro_batches():

@@ -74,6 +74,9 @@ class Collective:
     # checkpoints (block, mlp, moe, shared_experts) whose recompute stops before this forward collective: it
     # comes after the last tensor the region saves, and non-reentrant checkpointing recomputes no further
     trails: tuple[str, ...] = ()
+    # compute the code runs while this collective is in flight (the alltoall/flex dispatch's token exchange is
+    # left in flight while the MoE layer computes its shared experts)
+    overlaps: str = ""
 
 
 def link_factor(op: str, n: int) -> float:
@@ -258,7 +261,7 @@ def _dispatch(sh: _Shape) -> list[Collective]:
         sent = T * etp * _distinct_ranks(E, K, e, ep)
         tok, meta = H * 2, Kv * (INT64 + FP32)
         return [Collective("etp_ep", "all_to_all", round(sent * (tok + meta)), "forward", "dispatch",
-                           "DeepEP dispatch"),
+                           "DeepEP dispatch", overlaps="shared_experts"),
                 Collective("etp_ep", "all_to_all", round(sent * tok), "forward", "dispatch", "DeepEP combine"),
                 Collective("etp_ep", "all_to_all", round(sent * (tok + Kv * FP32)), "backward", "dispatch",
                            "DeepEP combine of the gradients"),
@@ -272,7 +275,8 @@ def _dispatch(sh: _Shape) -> list[Collective]:
         chunks = e if (etp == 1 and 1 < e <= 8) else 1   # AllToAllDispatcher's max_chunked_experts default
         fwd_row = row_bytes(H) if fp8 else H * sh.a
         for _ in range(chunks):
-            out.append(Collective("ep", "all_to_all", rows // chunks * fwd_row, "forward", "dispatch", "tokens"))
+            out.append(Collective("ep", "all_to_all", rows // chunks * fwd_row, "forward", "dispatch", "tokens",
+                                  overlaps="shared_experts"))
             out += _fwd_bwd("ep", "all_to_all", "all_to_all", rows // chunks * H * sh.a, "dispatch", "outputs home")
             out.append(Collective("ep", "all_to_all", rows // chunks * H * sh.a, "backward", "dispatch",
                                   "token gradients"))
@@ -342,7 +346,7 @@ def recompute_collectives(collectives: list[Collective], options: ModelOptions, 
             scopes.append(("shared_experts", {"shared_experts"}))
         if not moe and "mlp" in chosen:
             scopes.append(("mlp", {"mlp"}))
-    return [replace(c, phase="backward", what=f"recompute: {c.what}", trails=())
+    return [replace(c, phase="backward", what=f"recompute: {c.what}", trails=(), overlaps="")
             for c in collectives if c.phase == "forward"
             for name, regions in scopes
             if (regions is None or c.region in regions) and not (last_in_checkpoint and name in c.trails)]

@@ -21,7 +21,7 @@ critical rank's idle time in the simulated step. The step's terms are that rank'
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from moefold.dense.recompute import recomputed_modules
@@ -76,6 +76,7 @@ class StepTime:
     flops_per_gpu: float       # model FLOPs per GPU per step (no recompute: the MFU convention)
     tokens_per_step: int
     gpus: int
+    links: dict[str, str] = field(default_factory=dict)   # group -> "NVLink" | "network" (groups of > 1 rank)
 
     @property
     def total(self) -> float:
@@ -186,16 +187,15 @@ def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, li
     if chunk.has_head:   # MTP blocks checkpoint themselves under full recompute
         blocks += [(m.num_layers + d, o.recompute == "full", True) for d in range(m.mtp_num_layers)]
 
-    def add(collectives: list[Collective], overlap_fwd: float = 0.0, overlap_bwd: float = 0.0,
-            overlap_cp: tuple[float, float] = (0.0, 0.0)) -> None:
-        """Exposed communication of ``collectives``; ep forward tokens hidden behind ``overlap_fwd`` seconds,
-        cp p2p behind ``overlap_cp`` (forward, backward) seconds of core attention."""
-        for phase, out, cp_hidden in (("forward", fwd, overlap_cp[0]), ("backward", bwd, overlap_cp[1])):
-            hideable = [c for c in collectives if c.phase == phase and c.what in ("tokens", "DeepEP dispatch")]
-            rest = [c for c in collectives if c.phase == phase and c not in hideable]
+    def add(collectives: list[Collective], shared_experts: float = 0.0,
+            core_attention: tuple[float, float] = (0.0, 0.0)) -> None:
+        """Exposed communication of ``collectives``: what overlaps the shared experts hides behind their
+        ``shared_experts`` seconds, cp p2p behind the (forward, backward) seconds of core attention."""
+        for phase, out, cp_hidden in (("forward", fwd, core_attention[0]), ("backward", bwd, core_attention[1])):
+            hideable = [c for c in collectives if c.phase == phase and c.overlaps == "shared_experts"]
+            rest = [c for c in collectives if c.phase == phase and not c.overlaps]
             if hideable:
-                out["ep"] += max(0.0, sum(links.seconds(c) for c in hideable) - (overlap_fwd if phase == "forward"
-                                                                                   else 0.0))
+                out["ep"] += max(0.0, sum(links.seconds(c) for c in hideable) - shared_experts)
             for term, seconds in _by_term(links, rest, phase).items():
                 if term == "cp" and o.cp_comm == "p2p":
                     seconds = max(0.0, seconds - cp_hidden)
@@ -220,7 +220,7 @@ def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, li
             block = list(_block(config, sizes, moe))
             collectives = block + comm.recompute_collectives(block, o, full=recompute_all, moe=moe,
                                                              last_in_checkpoint=last_in_checkpoint)
-        add(collectives, overlap_fwd=shared, overlap_cp=(core, 2 * core))
+        add(collectives, shared_experts=shared, core_attention=(core, 2 * core))
     if chunk.has_embedding:
         add(comm.embedding_collectives(config, sizes))
     if chunk.has_head:
@@ -319,5 +319,10 @@ def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster
     terms["dp"] = _dp_seconds(config, sizes, critical, links, fwd_window, bwd_window)
     tokens = config.train.global_batch_size * config.train.seq_length
     flops = train_flops_per_token(config.model, config.train.seq_length) * tokens / sizes.world_size
+    links = {}
+    for group in comm.GROUP_DIMS:
+        members = _members(sizes, group)
+        if len(members) > 1:
+            links[group] = "network" if spans_nodes(members, gpus_per_node) else "NVLink"
     return StepTime(terms=terms, exposed_notes=dict(OVERLAP), flops_per_gpu=flops, tokens_per_step=tokens,
-                    gpus=sizes.world_size)
+                    gpus=sizes.world_size, links=links)
