@@ -414,3 +414,15 @@ def test_pipelined_step_moves_the_predicted_bytes():
                 # each parameter starts ALIGN-aligned and each bucket is padded to n x ALIGN elements (fp32 here)
                 slack = (n_params + 1) * len(key[0]) * ALIGN * 4
                 assert 0 <= nbytes - step_predicted[key] <= slack, (name, rank, key, nbytes, step_predicted[key])
+
+
+@pytest.mark.parametrize("name,vpp", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)])
+def test_long_steps_extrapolate_the_simulated_makespan_exactly(name, vpp):
+    """Past the warm-up each micro-batch adds the same time: three short simulations give the long one."""
+    g = torch.Generator().manual_seed(5)
+    durations = tuple(tuple((0.5 + torch.rand((), generator=g).item(), 1 + 2 * torch.rand((), generator=g).item())
+                            for _ in range(vpp)) for _ in range(4))
+    step_time._simulate.cache_clear()
+    extrapolated = step_time._makespan(name, 4, vpp, 80, durations)
+    assert step_time._simulate.cache_info().currsize == len(step_time.PROBES)   # m = 80 itself was not simulated
+    assert extrapolated == pytest.approx(step_time._simulate(name, 4, vpp, 80, durations)[0], rel=1e-12)

@@ -287,6 +287,25 @@ def _simulate(name: str, pp: int, vpp: int, m: int, durations: tuple[tuple[tuple
     return result.makespan, result.busy
 
 
+PROBES = (4, 6, 8)   # x pp micro-batches: the simulated steps whose makespans are extrapolated when collinear
+
+
+def _makespan(name: str, pp: int, vpp: int, m: int, durations: tuple[tuple[tuple[float, float], ...], ...],
+              ) -> float:
+    """The simulated makespan of ``m`` micro-batches. Past the warm-up a schedule repeats itself: each further
+    micro-batch adds the same time, so the makespan is affine in ``m``. When the simulated makespans of 4, 6 and
+    8 x pp micro-batches lie on one line (to 1e-9), that line gives the makespan at ``m`` (pp = 16 with m = 960
+    then costs three short simulations instead of one long one); otherwise, and for small ``m``, all ``m``
+    micro-batches are simulated."""
+    probes = [k * pp for k in PROBES]
+    if m > 2 * probes[-1]:
+        spans = [_simulate(name, pp, vpp, k, durations)[0] for k in probes]
+        slopes = [(spans[i + 1] - spans[i]) / (probes[i + 1] - probes[i]) for i in range(2)]
+        if abs(slopes[1] - slopes[0]) <= 1e-9 * spans[-1]:
+            return spans[-1] + (m - probes[-1]) * slopes[1]
+    return _simulate(name, pp, vpp, m, durations)[0]
+
+
 def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, gpus_per_node: int,
                        efficiency: float = EFFICIENCY) -> StepTime:
     """Seconds per step of ``config`` in layout ``sizes`` on ``cluster`` (module docstring); ValueError for a
@@ -307,7 +326,8 @@ def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster
         critical, busy = 0, (makespan,)
     else:
         durations = tuple(tuple((max(f.total, 1e-12), max(b.total, 1e-12)) for f, b in rank) for rank in actions)
-        makespan, busy = _simulate(config.schedule_name(vpp), sizes.pp, vpp, m, durations)
+        makespan = _makespan(config.schedule_name(vpp), sizes.pp, vpp, m, durations)
+        busy = [m * sum(f + b for f, b in rank) for rank in durations]
         critical = max(range(sizes.pp), key=lambda r: busy[r])
     terms = dict.fromkeys(TERMS, 0.0)
     for f, b in actions[critical]:
