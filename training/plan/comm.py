@@ -23,7 +23,10 @@ Per micro-batch, per transformer block (``block_collectives``), following:
   ``fp8_exchange.row_bytes`` per row forward, gradients return in the activations' dtype), all-gathers them
   over etp, and mirrors it in the combine; the probs stay home. allgather gathers tokens, expert ids and probs
   in one packed all-gather over etp x ep and reduce-scatters the partial outputs. flex (DeepEP) sends a token
-  once per destination rank with its top-k ids and weights. The router's loss statistics are small all-reduces.
+  once per destination rank with its top-k ids and weights (the expected number of ranks its k experts live on
+  under uniform routing; DeepEP's own kernels, and so these bytes, cannot run on a CPU: the only volume here
+  that tests/training/test_plan_comm.py does not measure). The router's loss statistics are small all-reduces.
+- recompute (``recompute_collectives``): a checkpointed region runs its forward collectives again in backward.
 - the embedding (vocab-parallel: all-reduce, or reduce-scatter under SP), the output head (like a column-parallel
   layer) and the vocab-parallel cross-entropy (three fp32 all-reduces of one value per token, one over cp); each
   MTP depth repeats them around its block, after shifting its tokens across the cp group.
@@ -56,7 +59,6 @@ GROUP_DIMS: dict[str, tuple[str, ...]] = {
     "tp": ("tp",), "cp": ("cp",), "tp_cp": ("tp", "cp"), "dp_cp": ("dp", "cp"), "tp_cp_dp": ("tp", "cp", "dp"),
     "pp": ("pp",), "ep": ("ep",), "etp": ("etp",), "etp_ep": ("etp", "ep"), "edp": ("edp",),
 }
-OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send")
 FP32, INT32, INT64 = 4, 4, 8
 
 
