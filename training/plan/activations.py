@@ -60,6 +60,17 @@ def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
+_HASHES: dict[int, tuple[object, int]] = {}
+
+
+def _identity_hash(obj: object) -> int:
+    """``hash(obj)``, computed once per object (kept alive here, so its id is never reused)."""
+    entry = _HASHES.get(id(obj))
+    if entry is None or entry[0] is not obj:
+        entry = _HASHES[id(obj)] = (obj, hash(obj))
+    return entry[1]
+
+
 @dataclass(frozen=True)
 class ActivationShape:
     """What the activations of one micro-batch on one rank depend on. ``device_type`` picks the attention
@@ -74,6 +85,10 @@ class ActivationShape:
     micro_batch: int
     seq_length: int
     device_type: str = "cuda"
+
+    def __hash__(self) -> int:   # the planner caches per shape: hash the (large) model config once per object
+        return hash((_identity_hash(self.model), _identity_hash(self.options), self.tp, self.cp, self.ep, self.etp,
+                     self.micro_batch, self.seq_length, self.device_type))
 
     @cached_property
     def a(self) -> int:

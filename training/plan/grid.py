@@ -17,6 +17,7 @@ gradient buffers and optimizer are then built on the meta device in that rank's 
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -84,11 +85,13 @@ def planning_world(world_size: int, rank: int) -> Iterator[None]:
     # importing the module registers the "fake" backend with torch.distributed
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    hook = sys.excepthook    # init_process_group wraps it (a "[rankN]:" prefix) and nothing unwraps it
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 def rank_dims(sizes: ParallelSizes, rank: int) -> ParallelDims:

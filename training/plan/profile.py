@@ -22,17 +22,19 @@ import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
+
 from moefold.models.layer_factory import is_moe_block
 from moefold.models.recompute import full_recompute_groups
 from moefold.parallel.dims import ParallelSizes
-from moefold.pipeline.actions import COMPUTE_KINDS
 from moefold.pipeline.schedules import Schedule
 from moefold.training.config import RunConfig
 from moefold.training.plan.activations import ActivationShape, Part
 from moefold.training.plan.activations_ffn import mlp, moe
 
 
-def block(shape: ActivationShape, index: int, dispatcher: str) -> list[Part]:
+@lru_cache(maxsize=4096)
+def block(shape: ActivationShape, index: int, dispatcher: str) -> tuple[Part, ...]:
     """Transformer block ``index`` (``>= num_layers``: an MTP block) under ``shape``'s selective recompute, as two
     parts in forward order: input norm + attention, then post-attention norm + FFN (with the norm output the FFN
     keeps directly). Its backward frees the FFN's part before the attention's."""
@@ -60,8 +62,8 @@ def block(shape: ActivationShape, index: int, dispatcher: str) -> list[Part]:
     second.update({f"{ffn.name}: {k}": v for k, v in ffn.saved.items()})
     gradient = a * Tx * H   # the residual stream's gradient
     kind = "moe layer" if is_moe else "dense layer"
-    return [Part(kind, first, fwd_extra=attention.fwd_extra, bwd_extra=attention.bwd_extra + gradient),
-            Part(kind, second, fwd_extra=ffn.fwd_extra, bwd_extra=ffn.bwd_extra + gradient)]
+    return (Part(kind, first, fwd_extra=attention.fwd_extra, bwd_extra=attention.bwd_extra + gradient),
+            Part(kind, second, fwd_extra=ffn.fwd_extra, bwd_extra=ffn.bwd_extra + gradient))
 
 
 def embedding(shape: ActivationShape) -> Part:
@@ -117,6 +119,7 @@ def recomputed_group(inner: list[Part], name: str, held: int) -> Part:
     return Part(kind, {name: held}, fwd_extra=max(p.saved_bytes + p.fwd_extra for p in inner), bwd_extra=peak)
 
 
+@lru_cache(maxsize=1024)
 def _none(shape: ActivationShape) -> ActivationShape:
     return dataclasses.replace(shape, options=dataclasses.replace(shape.options, recompute="none"))
 
@@ -156,19 +159,31 @@ def chunk_parts(shape: ActivationShape, layers: list[int], first: bool, last: bo
         groups = full_recompute_groups(layers, shape.options)
         norm_keeps_it = not groups[0][1] and (a == 4 or "layernorm" in shape.chosen)
         parts.append(Part("pipeline", {"received activation": 0 if norm_keeps_it else a * Tx * H}))
-    for group, checkpointed in full_recompute_groups(layers, shape.options):
+    for g, (group, checkpointed) in enumerate(full_recompute_groups(layers, shape.options)):
         if not checkpointed:
             parts += [p for i in group for p in block(shape, i, dispatcher)]
             continue
         inner = [p for i in group for p in block(_none(shape), i, dispatcher)]
-        held = 0 if received and group[0] == layers[0] else a * Tx * H
-        parts.append(recomputed_group(inner, f"layers {group[0]}-{group[-1]} input", held))
+        held = 0 if received and g == 0 else a * Tx * H
+        parts.append(recomputed_group(inner, f"layer group {g} input", held))
     if last:
         parts.append(head(shape))
         parts += [p for k in range(shape.model.mtp_num_layers) for p in mtp(shape, k, dispatcher)]
     if sent:       # the executor holds the chunk's output until its backward
         parts.append(Part("pipeline", {"sent activation": a * Tx * H}))
     return parts
+
+
+@lru_cache(maxsize=4096)
+def chunk_profile(shape: ActivationShape, kinds: tuple[bool, ...], first: bool, last: bool, dispatcher: str,
+                  received: bool, sent: bool) -> ChunkProfile:
+    """``profile`` of a chunk whose layers are MoE or dense as ``kinds`` says: a block's tensors depend only on
+    its kind, so chunks of equal kinds (any stage, any layout with the same shape) share one profile."""
+    m = shape.model
+    dense = next((i for i in range(m.num_layers) if not is_moe_block(m, i)), 0)
+    moe_id = next((i for i in range(m.num_layers) if is_moe_block(m, i)), 0)
+    layers = [moe_id if k else dense for k in kinds]
+    return profile(chunk_parts(shape, layers, first, last, dispatcher, received, sent), received, sent)
 
 
 def profile(parts: list[Part], received: bool = False, sent: bool = False) -> ChunkProfile:
@@ -183,48 +198,67 @@ def profile(parts: list[Part], received: bool = False, sent: bool = False) -> Ch
     return ChunkProfile(tuple(parts), kept, fwd, max(bwd, kept), received, sent)
 
 
-def schedule_peak(schedule: Schedule | None, profiles: list[ChunkProfile], pp_rank: int, message: int = 0,
-                  ) -> tuple[int, int]:
-    """(peak activation bytes, most (micro-batch, chunk) pairs held at once) of ``pp_rank`` over a step,
-    walking its action list; ``profiles[c]``: its virtual chunk c; ``message``: bytes of one activation (or its
-    gradient) crossing stages. pp = 1 (``schedule`` None): one micro-batch at a time."""
+def schedule_peak(schedule: tuple[str, int, int, int] | None, profiles: list[ChunkProfile], pp_rank: int,
+                  message: int = 0) -> tuple[int, int]:
+    """(peak activation bytes, most (micro-batch, chunk) pairs held at once) of ``pp_rank`` over a step, walking
+    its action list (``schedule``: ``pipeline.build_schedule``'s (name, pp, micro-batches, vpp));
+    ``profiles[c]``: its virtual chunk c; ``message``: bytes of one activation (or its gradient) crossing stages.
+    pp = 1 (``schedule`` None): one micro-batch at a time."""
     if schedule is None:
         return profiles[0].peak, 1
-    return _walk(schedule, pp_rank, tuple((p.kept, p.fwd_peak, p.bwd_peak, p.received, p.sent) for p in profiles),
-                 message)
+    live, messages, kinds, chunks, most = _events(schedule, pp_rank)
+    kept = np.array([p.kept for p in profiles], dtype=np.float64)
+    transient = np.zeros(len(kinds))
+    fwd, bwd = kinds == 1, kinds == 2
+    transient[fwd] = np.array([p.fwd_peak for p in profiles], dtype=np.float64)[chunks[fwd]]
+    transient[bwd] = np.array([p.bwd_peak for p in profiles], dtype=np.float64)[chunks[bwd]]
+    return int((live @ kept + messages * float(message) + transient).max()), most
 
 
-@lru_cache(maxsize=4096)
-def _walk(schedule: Schedule, pp_rank: int, chunks: tuple[tuple[int, int, int, bool, bool], ...], message: int,
-          ) -> tuple[int, int]:
-    """``pipeline.executor.run_schedule``'s buffers, action by action. Every point-to-point tensor lives until the
-    step's end: the executor keeps each batch's handle (whose work objects hold the batch's sent tensors and
-    receive buffers, on gloo as on NCCL) until it waits on all of them after the last action. So a receive adds
-    ``message`` bytes for good when it is posted, and so does each sent output and each sent input gradient; a
-    chunk's ``kept`` bytes count its received input and sent output once, while its micro-batch is in flight."""
-    live: dict[tuple[int, int], int] = {}
-    held = peak = most = 0
-    for action in schedule.rank_actions(pp_rank):
-        key = (action.microbatch, action.chunk)
+@lru_cache(maxsize=1024)
+def _events(schedule: tuple[str, int, int, int], pp_rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                                          np.ndarray, int]:
+    """``pipeline.executor.run_schedule``'s buffers, action by action, as counts: for each receive, forward and
+    backward of ``pp_rank``, the (micro-batch, chunk) pairs of each chunk held then (a backward's own pair
+    already released) and the point-to-point messages held; plus the action kind (0 receive, 1 forward,
+    2 backward), its chunk, and the most pairs held at once. A rank holds, before an action, the ``kept`` bytes of
+    each held pair plus that many messages plus the action's own transient (``schedule_peak``).
+
+    Every point-to-point tensor lives until the step's end: the executor keeps each batch's handle (whose work
+    objects hold the batch's sent tensors and receive buffers, on gloo as on NCCL) until it waits on all of them
+    after the last action. So a receive adds a message for good when it is posted, and so does each sent output
+    and each sent input gradient; a chunk's ``kept`` bytes count its received input and sent output once, while
+    its micro-batch is in flight."""
+    _, pp, _, vpp = schedule
+    last = pp * vpp - 1
+    live = [0] * vpp
+    rows, messages, kinds, chunks = [], [], [], []
+    held = most = 0
+    for action in _schedule(*schedule).rank_actions(pp_rank):
+        c = action.chunk
+        received, sent = c * pp + pp_rank > 0, c * pp + pp_rank < last
         if action.kind in ("RECV_F", "RECV_B"):
-            held += message
-            peak = max(peak, held)
-            continue
-        if action.kind not in COMPUTE_KINDS:
-            continue
-        kept, fwd_peak, bwd_peak, received, sent = chunks[action.chunk]
-        if action.kind == "F":
-            held -= message if received else 0      # the receive buffer is now the chunk's input (in ``kept``)
-            peak = max(peak, held + fwd_peak)
-            live[key] = kept
-            held += kept
-            most = max(most, len(live))
+            held += 1
+            kind = 0
+        elif action.kind == "F":
+            held -= int(received)     # the receive buffer is now the chunk's input (in ``kept``)
+            kind = 1
+        elif action.kind == "B":
+            live[c] -= 1
+            kind = 2
         else:
-            held -= live.pop(key)
-            peak = max(peak, held + bwd_peak)
-            # what stays: the sent output, the received input, the input gradient this backward sends
-            held += message * (int(sent) + 2 * int(received))
-    return peak, most
+            continue
+        rows.append(list(live))
+        messages.append(held)
+        kinds.append(kind)
+        chunks.append(c)
+        if kind == 1:
+            live[c] += 1
+            most = max(most, sum(live))
+        elif kind == 2:   # what stays: the sent output, the received input, the input gradient it sends
+            held += int(sent) + 2 * int(received)
+    return (np.array(rows, dtype=np.float64), np.array(messages, dtype=np.float64), np.array(kinds),
+            np.array(chunks), most)
 
 
 @dataclass(frozen=True)
@@ -264,9 +298,9 @@ def activation_memory(config: RunConfig, sizes: ParallelSizes, pp_rank: int, num
         last = layout.num_model_chunks - 1
         chunks = [(list(c.layers), c.has_embedding, c.has_head, c.model_chunk > 0, c.model_chunk < last)
                   for c in layout.rank_chunks(pp_rank)]
-        schedule = _schedule(config.schedule_name(layout.vpp), sizes.pp, num_micro, layout.vpp)
-    profiles = [profile(chunk_parts(shape, layers, first, last_chunk, dispatcher, received, sent), received, sent)
-                for layers, first, last_chunk, received, sent in chunks]
+        schedule = (config.schedule_name(layout.vpp), sizes.pp, num_micro, layout.vpp)
+    profiles = [chunk_profile(shape, tuple(is_moe_block(m, i) for i in layers), first, last_chunk, dispatcher,
+                              received, sent) for layers, first, last_chunk, received, sent in chunks]
     message = shape.a * shape.T_x * m.hidden_size
     peak, in_flight = schedule_peak(schedule, profiles, pp_rank, message)
     by_kind: dict[str, int] = {}

@@ -82,10 +82,19 @@ def exact_static(config: RunConfig, sizes: ParallelSizes) -> dict[int, StaticMem
 
 def _key(config: RunConfig) -> RunConfig:
     """The config with what cannot change the static bytes normalised (so the cache sees one entry)."""
-    t = dataclasses.replace(config.train, global_batch_size=config.train.micro_batch_size, train_iters=1,
+    t = dataclasses.replace(config.train, micro_batch_size=1, global_batch_size=1, train_iters=1,
                             lr_warmup_iters=0, lr_decay_iters=None, lr_wsd_decay_iters=0, seq_length=1)
     options = dataclasses.replace(config.options, recompute="none", dispatcher="alltoall")
     return dataclasses.replace(config, train=t, options=options, parallel=ParallelConfig())
+
+
+def _model_key(config: RunConfig) -> RunConfig:
+    """``_key`` without the pipeline split either: what the blocks' parameters depend on."""
+    key = _key(config)
+    train = dataclasses.replace(key.train, num_layers_per_virtual_pipeline_stage=None,
+                                decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
+                                pipeline_schedule="1f1b")
+    return dataclasses.replace(key, train=train)
 
 
 @lru_cache(maxsize=256)
@@ -156,7 +165,7 @@ def param_counts(config: RunConfig, tp: int, ep: int, etp: int) -> ParamCounts:
 
 def static_lower_bound(config: RunConfig, sizes: ParallelSizes) -> dict[int, StaticMemory]:
     """{pipeline rank: a lower bound of its static bytes}: the exact count without bucket padding."""
-    counts = param_counts(_key(config), sizes.tp, sizes.ep, sizes.etp)
+    counts = param_counts(_model_key(config), sizes.tp, sizes.ep, sizes.etp)
     precision = config.train.optimizer_precision()
     shards = {"dense": sizes.dp * sizes.cp, "sp": sizes.tp * sizes.cp * sizes.dp, "expert": sizes.edp}
     out = {}
