@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("batch and precision")
     t.add_argument("--seq-length", type=int, default=4096)
     t.add_argument("--global-batch-size", type=int, default=1024, help="sequences per step (default 1024)")
-    t.add_argument("--micro-batch-size", type=int, default=None, help="default: searched (1, 2)")
+    t.add_argument("--micro-batch-size", type=int, default=None, help="default 1 (Megatron's MoE recipes)")
     t.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
                    help="bf16 parameters with fp32 master weights (default; --no-bf16: fp32)")
     for flag in ("--main-grads-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype"):

@@ -20,7 +20,10 @@ faster), and ranks what fits by tokens/s/GPU.
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
+import os
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 from moefold.models.config import ModelConfig
@@ -35,6 +38,8 @@ from moefold.training.train_cli import validate_layout
 
 HEADROOM = 0.1           # share of the GPU's memory left for what the model does not count (module docstring)
 MAX_PP = 64
+MICRO_BATCH_SIZES = (1,)   # searched unless --micro-batch-size is given (Megatron's MoE recipes all use 1)
+PER_WORKER = 64            # step-time estimates per process before the search forks more processes
 COMPONENTS = ("params", "main grads", "optimizer", "activations", "deepep")
 
 
@@ -192,7 +197,7 @@ def candidates(config: RunConfig, world: int, gpus_per_node: int, fixed: Fixed) 
                                                        if (dense_ranks // etp) % e == 0]
                     for ep in eps:
                         for split in _stage_splits(m.num_layers, pp, fixed):
-                            for mbs in [fixed.micro_batch_size] if fixed.micro_batch_size else (1, 2):
+                            for mbs in [fixed.micro_batch_size] if fixed.micro_batch_size else MICRO_BATCH_SIZES:
                                 pipeline = {"num_layers_per_virtual_pipeline_stage": None,
                                             "decoder_first_pipeline_num_layers": None,
                                             "decoder_last_pipeline_num_layers": None, **split}
@@ -220,11 +225,34 @@ def _least_recompute(candidate: RunConfig, sizes: ParallelSizes, num_micro: int,
     return leanest, leanest
 
 
+def _times_of(jobs: list[tuple[RunConfig, ParallelSizes]], cluster: Cluster, gpus_per_node: int,
+              efficiency: float) -> list[StepTime]:
+    return [estimate_step_time(c, s, cluster, gpus_per_node, efficiency) for c, s in jobs]
+
+
+def _step_times(jobs: list[tuple[RunConfig, ParallelSizes]], cluster: Cluster, gpus_per_node: int,
+                efficiency: float, workers: int | None) -> list[StepTime]:
+    """``estimate_step_time`` of every job, in order; split over forked processes when there are many (each
+    simulates pipeline schedules, the search's slowest part)."""
+    workers = min(workers or os.cpu_count() or 1, max(len(jobs) // PER_WORKER, 1))
+    if workers == 1 or "fork" not in multiprocessing.get_all_start_methods():
+        return _times_of(jobs, cluster, gpus_per_node, efficiency)
+    slices = [jobs[i::workers] for i in range(workers)]
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        parts = list(pool.map(_times_of, slices, [cluster] * workers, [gpus_per_node] * workers,
+                              [efficiency] * workers))
+    out: list[StepTime | None] = [None] * len(jobs)
+    for i, part in enumerate(parts):
+        out[i::workers] = part
+    return out
+
+
 def search(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, memory_bytes: int | None = None,
            *, fixed: Fixed = Fixed(), top: int = 5, headroom: float = HEADROOM,
-           efficiency: float = EFFICIENCY) -> SearchResult:
+           efficiency: float = EFFICIENCY, workers: int | None = None) -> SearchResult:
     """Plans of every valid layout; ``top`` fitting ones with their step times, fastest first (module docstring).
-    Static bytes are exact for every plan returned (a lower bound rules out the rest first)."""
+    Static bytes are exact for every plan returned (a lower bound rules out the rest first). The step times of
+    the fitting layouts are estimated in ``workers`` processes (default: one per CPU)."""
     ladder = {"fixed": fixed.recompute} if fixed.recompute is not None else recompute_ladder(config.model)
     usable = int((memory_bytes or cluster.memory_bytes) * (1 - headroom))
     result = SearchResult(plans=[])
@@ -245,10 +273,8 @@ def search(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, 
         elif result.closest is None or leanest.memory.total < result.closest.memory.total:
             result.closest = leanest
     result.fitting = len(fitting)
-    timed = []
-    for plan in fitting:
-        time = estimate_step_time(plan.config, plan.sizes, cluster, gpus_per_node, efficiency)
-        timed.append(dataclasses.replace(plan, time=time))
+    times = _step_times([(p.config, p.sizes) for p in fitting], cluster, gpus_per_node, efficiency, workers)
+    timed = [dataclasses.replace(plan, time=time) for plan, time in zip(fitting, times)]
     timed.sort(key=lambda p: (-p.time.tokens_per_s_per_gpu, p.memory.total))
     for plan in timed:   # the exact static bytes (bucket padding) of the fastest, until ``top`` still fit
         exact = dataclasses.replace(plan, memory=_memory(plan.config, plan.sizes, plan.num_micro, exact=True))
