@@ -1,4 +1,4 @@
-"""Static memory per rank: parameters, main gradients, optimizer states (and DeepEP's buffer) of a planned layout.
+"""Static memory per rank of a planned layout: parameters, main gradients, optimizer states.
 
 Exact (``exact_static``): for each pipeline stage, one representative rank's model is built on the meta device in
 the planned layout by the trainer's own ``training.trainer.build_model``, and its gradient buffers and optimizer
@@ -13,8 +13,7 @@ device once per tp x ep x etp), times the bytes per parameter of ``training.memo
 divided by the reduction group's size, without the buckets' alignment padding; never above the exact figure.
 The search uses it to discard layouts that cannot fit before building any of them.
 
-DeepEP (``deepep_buffer_bytes``): the flex dispatcher's one buffer per process, from DeepEP's own size hints
-(``training.plan.deepep_hints``), plus its 32 MiB workspace.
+The flex dispatcher's DeepEP buffer is ``training.plan.deepep``'s (not a tensor of the model or optimizer).
 """
 
 from __future__ import annotations
