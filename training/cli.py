@@ -23,6 +23,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                 "convert checkpoints: HF <-> moefold, training checkpoint (any layout) -> HF / moefold"),
     "upcycle": ("moefold.models.upcycle_cli", "turn a dense checkpoint into an MoE with the same step-0 logits"),
     "generate": ("moefold.models.generate_cli", "generate text from a checkpoint (greedy / top-p, KV cache)"),
+    "plan": ("moefold.training.plan.cli",
+             "which parallel layout fits and runs fastest for a model on a cluster: memory by component, step "
+             "time by term, the train command (--plot PNG)"),
     "train": ("moefold.training.train_cli",
               "train a recipe, a model defined by flags, or from an HF directory (--load-hf); Megatron-LM "
               "flags, --nproc N local ranks or torchrun"),

@@ -56,10 +56,16 @@ def bytes_per_parameter(param_dtype: str, precision: OptimizerPrecision, shards:
 
 def state_parts(param_dtype: str, precision: OptimizerPrecision) -> tuple[int, int, int]:
     """Bytes per parameter of (its value, its main grad, its whole optimizer state)."""
-    state = DTYPE_BYTES[precision.exp_avg_dtype] + DTYPE_BYTES[precision.exp_avg_sq_dtype]
-    if param_dtype != precision.main_params_dtype:
-        state += DTYPE_BYTES[precision.main_params_dtype]
+    state = sum(optimizer_state_parts(param_dtype, precision).values())
     return DTYPE_BYTES[param_dtype], DTYPE_BYTES[precision.main_grads_dtype], state
+
+
+def optimizer_state_parts(param_dtype: str, precision: OptimizerPrecision) -> dict[str, int]:
+    """{"master", "exp_avg", "exp_avg_sq"}: optimizer-state bytes per (unsharded) parameter; the fp32 master
+    only when the parameter is not itself in the master dtype (``DistributedAdamW``'s slices)."""
+    master = DTYPE_BYTES[precision.main_params_dtype] if param_dtype != precision.main_params_dtype else 0
+    return {"master": master, "exp_avg": DTYPE_BYTES[precision.exp_avg_dtype],
+            "exp_avg_sq": DTYPE_BYTES[precision.exp_avg_sq_dtype]}
 
 
 def describe_static(sync: Any, optimizer: Any, param_dtype: str, precision: OptimizerPrecision) -> str:

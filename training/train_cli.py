@@ -27,7 +27,7 @@ from moefold.dense.recompute import DEFAULT_RECOMPUTE_MODULES, RECOMPUTE_METHODS
 from moefold.models.config import ModelConfig
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import RECIPES, get_recipe
-from moefold.parallel.dims import ParallelConfig
+from moefold.parallel.dims import ParallelConfig, ParallelSizes
 from moefold.parallel.fp8 import add_fp8_arguments, fp8_config_from_args
 from moefold.parallel.init import launched_by_torchrun, launched_world_size
 from moefold.training.config import RunConfig, TrainConfig
@@ -267,7 +267,15 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 
 def validate(config: RunConfig, world_size: int) -> None:
-    """Everything checkable without starting ranks: layout sizes, batch arithmetic, model divisibility."""
+    """Everything checkable without starting ranks: layout sizes, batch arithmetic, model divisibility, and that
+    the chosen GPU backends are installed."""
+    sizes = validate_layout(config, world_size)
+    check_backends(config, sizes.ep, sizes.etp)
+
+
+def validate_layout(config: RunConfig, world_size: int) -> ParallelSizes:
+    """The layout checks of ``validate`` (sizes, batch arithmetic, pipeline split, model divisibility), without the
+    installed-backend checks: what ``moefold plan`` applies to every layout it considers."""
     from moefold.models.layer_factory import check_layout
     from moefold.parallel.dims import ParallelDims
 
@@ -290,7 +298,7 @@ def validate(config: RunConfig, world_size: int) -> None:
         raise ValueError(f"{exc} (--tensor-model-parallel-size={sizes.tp}, --context-parallel-size={sizes.cp}, "
                          f"--expert-model-parallel-size={sizes.ep}, --expert-tensor-parallel-size={sizes.etp})"
                          ) from exc
-    check_backends(config, sizes.ep, sizes.etp)
+    return sizes
 
 
 def check_backends(config: RunConfig, ep: int, etp: int) -> None:

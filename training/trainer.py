@@ -35,10 +35,12 @@ from torch import Tensor, nn
 from moefold.dense.context_parallel import split_for_context_parallel
 from moefold.models.decoder import MoEDecoder
 from moefold.models.layer_factory import is_moe_block
+from moefold.models.options import ModelOptions
 from moefold.moe.expert_bias import update_expert_bias
 from moefold.moe.layer import MoEOutputInfo
 from moefold.moe.router import Router
 from moefold.parallel.dims import ParallelDims
+from moefold.parallel.groups import Group
 from moefold.pipeline import build_schedule, expected_bubble_fraction, run_schedule
 from moefold.pipeline.decoder_stage import DecoderStage, build_stage_model, embedding_group
 from moefold.training.checkpoint import find_checkpoint, load_checkpoint, read_meta, save_checkpoint
@@ -96,6 +98,40 @@ def moe_routers(model: MoEDecoder) -> dict[int, Router]:
     return out
 
 
+def model_options(config: RunConfig) -> ModelOptions:
+    """The run's ``ModelOptions`` (``--bf16`` makes the parameters bf16)."""
+    options = config.options
+    if config.train.bf16 and options.dtype != "bf16":
+        options = dataclasses.replace(options, dtype="bf16")
+    return options
+
+
+def build_model(config: RunConfig, dims: ParallelDims, device: torch.device | str) -> MoEDecoder:
+    """This rank's model (its pipeline stage's chunks at pp > 1) on ``device``, not yet initialised. The trainer
+    and ``moefold plan`` (on the meta device) both build it here."""
+    options = model_options(config)
+    with torch.device(device):
+        if dims.pp > 1:
+            return build_stage_model(config.model, dims, options, config.pipeline_layout(dims.pp))
+        return MoEDecoder(config.model, dims, options)
+
+
+def build_optimizer(model: MoEDecoder, config: RunConfig, dims: ParallelDims,
+                    ) -> tuple[Group, GradSync, DistributedAdamW]:
+    """(embedding group, GradSync, DistributedAdamW) of ``model``: the flat buffers, buckets and optimizer slices
+    whose bytes ``training.memory.static_bytes`` counts. Collective (the embedding group); ``moefold plan`` runs it
+    on a meta-device model."""
+    t = config.train
+    embed_group = embedding_group(model, dims)
+    precision = t.optimizer_precision()
+    sync = GradSync(model.named_parameters(), dims, bucket_numel=t.bucket_numel, overlap=t.overlap_grad_reduce,
+                    grad_dtype=precision.dtype("main_grads"), copies_group=embed_group)
+    optimizer = DistributedAdamW(sync, dims, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                                 weight_decay=t.weight_decay, precision=precision, model=model,
+                                 overlap_param_gather=t.overlap_param_gather)
+    return embed_group, sync, optimizer
+
+
 class Trainer:
     """Builds the model, gradient sync and optimizer for ``config`` over ``dims`` and runs steps.
 
@@ -109,25 +145,19 @@ class Trainer:
         self.config, self.dims, self.device = config, dims, torch.device(device)
         self.log = log if dims.rank == 0 else (lambda _msg: None)
         t = config.train
-        options = config.options
-        if t.bf16 and options.dtype != "bf16":
-            options = dataclasses.replace(options, dtype="bf16")
-        self.param_dtype = options.dtype
+        self.param_dtype = model_options(config).dtype
         torch.manual_seed(t.seed)
         self.layout = self.pipeline = None
         self.embed_group = None
-        with self.device:
-            if dims.pp > 1:
-                self.layout = config.pipeline_layout(dims.pp)
-                vpp = self.layout.vpp
-                self.pipeline = build_schedule(config.schedule_name(vpp), dims.pp, self.num_micro, vpp)
-                bubble = expected_bubble_fraction(self.pipeline.name, dims.pp, self.num_micro, vpp)
-                self.log(f"pipeline: {self.pipeline.name} schedule, pp {dims.pp} x vpp {vpp}, {self.num_micro} "
-                         f"micro-batches per step (bubble {bubble:.1%} with equal stage times)\n"
-                         f"{self.layout.describe()}")
-                self.model = build_stage_model(config.model, dims, options, self.layout)
-            else:
-                self.model = MoEDecoder(config.model, dims, options)
+        if dims.pp > 1:
+            self.layout = config.pipeline_layout(dims.pp)
+            vpp = self.layout.vpp
+            self.pipeline = build_schedule(config.schedule_name(vpp), dims.pp, self.num_micro, vpp)
+            bubble = expected_bubble_fraction(self.pipeline.name, dims.pp, self.num_micro, vpp)
+            self.log(f"pipeline: {self.pipeline.name} schedule, pp {dims.pp} x vpp {vpp}, {self.num_micro} "
+                     f"micro-batches per step (bubble {bubble:.1%} with equal stage times)\n"
+                     f"{self.layout.describe()}")
+        self.model = build_model(config, dims, self.device)
         self.model.init_weights(t.seed)
         # a resume overwrites the HF weights (whether the checkpoints are intact is Trainer.load's to find out)
         resuming = t.load is not None and (is_checkpoint_dir(Path(t.load)) or bool(checkpoint_dirs(t.load)))
@@ -139,18 +169,11 @@ class Trainer:
             from moefold.training.compile import compile_model
 
             self.compiled = compile_model(self.model, log=self.log)
-        self.embed_group = embedding_group(self.model, dims)
         self.routers = moe_routers(self.model)
         # every MoE layer of the model (all stages) in logging order; this stage fills its own rows
         m = config.model
         self.moe_layers = [i for i in range(m.num_layers + m.mtp_num_layers) if m.num_experts and is_moe_block(m, i)]
-        precision = t.optimizer_precision()
-        self.sync = GradSync(self.model.named_parameters(), dims, bucket_numel=t.bucket_numel,
-                             overlap=t.overlap_grad_reduce, grad_dtype=precision.dtype("main_grads"),
-                             copies_group=self.embed_group)
-        self.optimizer = DistributedAdamW(self.sync, dims, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                                          weight_decay=t.weight_decay, precision=precision, model=self.model,
-                                          overlap_param_gather=t.overlap_param_gather)
+        self.embed_group, self.sync, self.optimizer = build_optimizer(self.model, config, dims)
         self.schedule = t.lr_schedule()
         self.iteration = 0            # completed steps
         self.consumed_samples = 0     # global samples consumed

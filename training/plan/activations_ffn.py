@@ -1,0 +1,98 @@
+"""Activation memory of the FFNs of one micro-batch on one rank: the dense MLP and the MoE layer (bytes).
+
+Sizes as in ``training.plan.activations``. The MoE layer, dropless with balanced routing (every expert receives
+top-k / E of the tokens; with ``--moe-expert-capacity-factor``, each expert its capacity)::
+
+    N_h = T_r * k            copies this rank sends out (its tokens' top-k)
+    N_e = etp * T_r * k      rows its local experts compute (each etp rank computes the rows of the whole etp
+                             group on its 1/etp of every expert's FFN)
+
+What it keeps: the router's fp32 scores; the row map (int64 per copy); the experts' input rows (the GEMM keeps
+them), the ``[N_e, 2f]`` gate/up output, SwiGLU's silu and product (``f = ffn / etp``; ``moe_act`` recompute keeps
+only the gate/up output); the rows that come home for the weighted combine (``dispatch.permutation.unpermute``
+keeps them to give the routing probs their gradient: ``N_h`` rows with alltoall, the experts' own output rows
+with allgather and flex, whose combine weights on the expert side); the shared experts like a dense MLP (two
+gathers under SP: its gate and up projections gather separately). The all-to-all's send and receive buffers are
+freed once the rows are permuted and live only in the forward (``fwd_extra``). ``moe`` recompute keeps the
+layer's input only.
+"""
+
+from __future__ import annotations
+
+from moefold.training.plan.activations import ActivationShape, Part
+
+
+def mlp(shape: ActivationShape, ffn: int, *, name: str = "mlp", recompute: str = "mlp",
+        two_gathers: bool = False) -> Part:
+    """``dense.mlp.DenseMLP`` (or the shared experts, ``two_gathers``) on this rank's ``ffn / tp`` units."""
+    a, T, H = shape.a, shape.T_c, shape.model.hidden_size
+    F = ffn // shape.tp
+    inner: dict[str, int] = {}
+    if shape.sp:
+        inner[f"{name} input (gathered)"] = a * T * H * (2 if two_gathers else 1)
+    inner[f"{name} gate, silu, up, product"] = 4 * a * T * F
+    backward = max(shape.gemm_backward(T, H, F, H * F), shape.gemm_backward(T, F, H, H * F)) + a * T * F
+    if recompute in shape.chosen:   # one checkpoint: its input (the norm output) only, counted by the block
+        total = sum(inner.values())
+        return Part(name, {}, fwd_extra=total, bwd_extra=total + backward)
+    return Part(name, inner, bwd_extra=backward)
+
+
+def moe_rows(shape: ActivationShape) -> tuple[int, int]:
+    """(N_h, N_e) of the module docstring."""
+    m = shape.model
+    if m.moe_expert_capacity_factor is not None:
+        capacity = -(-shape.T_r * m.moe_topk * m.moe_expert_capacity_factor // m.num_experts)
+        home = int(capacity) * m.num_experts
+    else:
+        home = shape.T_r * m.moe_topk
+    return home, shape.etp * home
+
+
+def router(shape: ActivationShape) -> dict[str, int]:
+    """``moe.router.Router``: fp32 input copy (bf16 models), scores (sigmoid routing keeps a second, normalised
+    copy for its balancing loss), the top-k ids and probs."""
+    m, T = shape.model, shape.T_r
+    out = {"router fp32 input": 4 * T * m.hidden_size} if shape.a != 4 else {}
+    out["router scores"] = 4 * T * m.num_experts * (2 if m.moe_score_function == "sigmoid" else 1)
+    out["router top-k"] = 12 * T * m.moe_topk + 16 * T
+    return out
+
+
+def moe(shape: ActivationShape, dispatcher: str) -> Part:
+    """``moe.layer.MoELayer`` with ``dispatcher`` ("local", "alltoall", "allgather" or "flex")."""
+    m, a, H = shape.model, shape.a, shape.model.hidden_size
+    home, rows = moe_rows(shape)
+    f = m.moe_ffn_hidden_size // shape.etp
+    local_experts = m.num_experts // shape.ep
+    inner: dict[str, int] = {}
+    if shape.tp > 1 and not shape.sp and a == 4:   # the router keeps the 1/tp slice it routes
+        inner["router input (token slice)"] = a * shape.T_r * H
+    inner.update(router(shape))
+    inner["row map"] = 16 * home
+    inner["expert input rows"] = a * rows * H
+    if dispatcher in ("alltoall", "local") and (shape.etp > 1 or (shape.ep > 1 and not 1 < local_experts <= 8)):
+        inner["row sort index"] = 8 * rows
+    act = "moe_act" in shape.chosen
+    inner["experts gate/up output"] = a * rows * 2 * f
+    if not act:
+        inner["experts silu, product"] = 2 * a * rows * f
+    combine_rows = home if dispatcher in ("alltoall", "local") else rows
+    inner["combine rows (for the probs' gradient)"] = a * combine_rows * H
+    weights = local_experts * H * f
+    # backward, in order: the combine's gradient rows (and their gather); w2's input and weight gradients (the
+    # activation refilled first under moe_act); w13's, once the combine rows and the activation are freed
+    backward = max(2 * a * home * H,
+                   a * rows * f + a * weights + (2 * a * rows * f if act else 0),
+                   2 * a * weights + a * rows * H - a * combine_rows * H)
+    forward = a * (home + rows) * H     # the exchange's send and receive buffers
+    if m.moe_shared_expert_ffn_size:
+        shared = mlp(shape, m.moe_shared_expert_ffn_size, name="shared experts", recompute="shared_experts",
+                     two_gathers=True)
+        inner.update(shared.saved)
+        forward += shared.fwd_extra
+        backward = max(backward, shared.bwd_extra)
+    if "moe" in shape.chosen:
+        total = sum(inner.values())
+        return Part("moe", {}, fwd_extra=total + forward, bwd_extra=total + max(forward, backward))
+    return Part("moe", inner, fwd_extra=forward, bwd_extra=backward)

@@ -1,0 +1,123 @@
+"""What the planner assumes about the machines: memory, dense bf16 throughput and link bandwidths per GPU.
+
+A ``Cluster`` is one GPU type in one network: every figure is *per GPU*; bandwidths are GB/s (1e9 bytes/s) in
+one direction. ``nvlink_gbps`` serves groups whose ranks share a node, ``internode_gbps`` groups that span nodes
+(the GPU's share of the node's network: a node with eight 400 Gb/s InfiniBand NICs, one per GPU, gives each GPU
+50 GB/s). The presets state where their figures come from (``source``); ``--cluster FILE.toml`` describes
+another machine::
+
+    name = "my-h100"
+    memory = "80GB"            # or memory_bytes = 80000000000
+    bf16_tflops = 989          # dense (no sparsity), per GPU
+    nvlink_gbps = 450          # per GPU, one direction
+    internode_gbps = 50        # per GPU, one direction
+    source = "where the figures come from"
+
+Sizes are decimal unless they say otherwise (``parse_bytes``: GB = 1e9 bytes, GiB = 2**30).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import tomllib
+
+IB_NDR_PER_GPU = 50.0   # 8 x 400 Gb/s ConnectX-7 per node (DGX/HGX H100, H200, H800): 400 Gb/s = 50 GB/s per GPU
+IB_HDR_PER_GPU = 25.0   # 8 x 200 Gb/s ConnectX-6 per node (DGX A100): 25 GB/s per GPU
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """One GPU and its links; figures per GPU, bandwidths in GB/s (1e9 B/s) in one direction."""
+
+    name: str
+    memory_bytes: int
+    bf16_tflops: float       # dense bf16 tensor-core peak
+    nvlink_gbps: float       # to a GPU of the same node
+    internode_gbps: float    # to a GPU of another node
+    source: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.memory_bytes, int) or self.memory_bytes < 1:
+            raise ValueError(f"cluster {self.name!r}: memory_bytes={self.memory_bytes!r} must be a positive integer")
+        for name in ("bf16_tflops", "nvlink_gbps", "internode_gbps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"cluster {self.name!r}: {name}={value!r} must be a positive number")
+
+    def link_gbps(self, spans_nodes: bool) -> float:
+        """Bandwidth per GPU of a group that stays in one node (NVLink) or spans nodes (network)."""
+        return self.internode_gbps if spans_nodes else self.nvlink_gbps
+
+
+CLUSTERS: dict[str, Cluster] = {c.name: c for c in (
+    Cluster("h100", 80 * 10**9, 989.0, 450.0, IB_NDR_PER_GPU,
+            "NVIDIA H100 SXM5 datasheet: 80 GB HBM3, BF16 tensor core 1,979 TFLOP/s with sparsity = 989 dense, "
+            "NVLink 900 GB/s bidirectional = 450 per direction; network: 8 x 400 Gb/s NDR InfiniBand per node "
+            "(DGX H100) = 50 GB/s per GPU"),
+    Cluster("h200", 141 * 10**9, 989.0, 450.0, IB_NDR_PER_GPU,
+            "NVIDIA H200 SXM datasheet: 141 GB HBM3e, BF16 1,979 TFLOP/s with sparsity = 989 dense, NVLink "
+            "900 GB/s bidirectional = 450 per direction; network: 8 x 400 Gb/s NDR InfiniBand per node "
+            "(DGX H200) = 50 GB/s per GPU"),
+    Cluster("h800", 80 * 10**9, 989.0, 200.0, IB_NDR_PER_GPU,
+            "NVIDIA H800 SXM5 = H100 SXM5 with NVLink cut to 400 GB/s bidirectional = 200 per direction "
+            "(80 GB, 989 dense BF16 TFLOP/s); network: 8 x 400 Gb/s InfiniBand per node = 50 GB/s per GPU, "
+            "as the DeepSeek-V3 technical report describes its H800 cluster"),
+    Cluster("a100", 80 * 10**9, 312.0, 300.0, IB_HDR_PER_GPU,
+            "NVIDIA A100 SXM4 80GB datasheet: 80 GB HBM2e, BF16 tensor core 312 TFLOP/s dense, NVLink 600 GB/s "
+            "bidirectional = 300 per direction; network: 8 x 200 Gb/s HDR InfiniBand per node (DGX A100) "
+            "= 25 GB/s per GPU"),
+)}
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*")
+
+
+def parse_bytes(text: str) -> int:
+    """Bytes in a size such as ``80GB``, ``80GiB``, ``141G``, ``1.5TB`` or ``123`` (bytes). Decimal units
+    (K, M, G, T with or without B) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) powers of 1024."""
+    match = _SIZE.fullmatch(str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"memory size {text!r} is not a number with a unit: use e.g. 80GB, 80GiB, 141G or 1.5TB "
+                         f"(GB = 1e9 bytes, GiB = 2**30)")
+    value = round(float(match.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise ValueError(f"memory size {text!r} must be at least one byte (e.g. 80GB)")
+    return value
+
+
+_TOML_KEYS = {"name", "memory", "memory_bytes", "bf16_tflops", "nvlink_gbps", "internode_gbps", "source"}
+
+
+def load_cluster(spec: str) -> Cluster:
+    """A preset (``CLUSTERS``: h100, h200, h800, a100) or a TOML file with the ``Cluster`` fields (module docstring)."""
+    if spec in CLUSTERS:
+        return CLUSTERS[spec]
+    path = Path(spec)
+    if path.suffix != ".toml":
+        raise ValueError(f"--cluster {spec!r} is neither a preset ({', '.join(CLUSTERS)}) nor a FILE.toml")
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"--cluster {spec!r}: no such file (or use a preset: {', '.join(CLUSTERS)})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"--cluster {spec!r} is not valid TOML: {exc}") from None
+    unknown = sorted(set(data) - _TOML_KEYS)
+    if unknown:
+        raise ValueError(f"--cluster {spec!r}: unknown keys {unknown}; valid keys: {sorted(_TOML_KEYS)}")
+    if ("memory" in data) == ("memory_bytes" in data):
+        raise ValueError(f"--cluster {spec!r}: give exactly one of memory (e.g. \"80GB\") or memory_bytes")
+    missing = sorted({"bf16_tflops", "nvlink_gbps", "internode_gbps"} - set(data))
+    if missing:
+        raise ValueError(f"--cluster {spec!r}: missing {missing} (per GPU: dense bf16 TFLOP/s, NVLink and "
+                         f"inter-node GB/s in one direction)")
+    memory = parse_bytes(data["memory"]) if "memory" in data else data["memory_bytes"]
+    return Cluster(name=str(data.get("name", path.stem)), memory_bytes=memory, bf16_tflops=data["bf16_tflops"],
+                   nvlink_gbps=data["nvlink_gbps"], internode_gbps=data["internode_gbps"],
+                   source=str(data.get("source", f"{path} (no source given)")))

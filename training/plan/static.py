@@ -1,0 +1,196 @@
+"""Static memory per rank of a planned layout: parameters, main gradients, optimizer states.
+
+Exact (``exact_static``): for each pipeline stage, one representative rank's model is built on the meta device in
+the planned layout by the trainer's own ``training.trainer.build_model``, and its gradient buffers and optimizer
+by ``build_optimizer`` (``GradSync``: flat buffers per reduction kind and dtype, cut into buckets padded to the
+group size; ``DistributedAdamW``: this rank's chunk of every bucket, master copy only for bf16 parameters,
+moments in their chosen dtypes). ``training.memory.static_bytes`` then counts those tensors, as the trainer's
+start-up line does. The ranks of one stage hold the same bytes (chunks are equal by construction), and stages
+whose chunks hold the same kinds of layers (and the same embedding/head) are built once.
+
+Lower bound (``static_lower_bound``): the same parameters counted per layer kind (blocks built on the meta
+device once per tp x ep x etp), times the bytes per parameter of ``training.memory`` with the optimizer state
+divided by the reduction group's size, without the buckets' alignment padding; never above the exact figure.
+The search uses it to discard layouts that cannot fit before building any of them.
+
+The flex dispatcher's DeepEP buffer is ``training.plan.deepep``'s (not a tensor of the model or optimizer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from moefold.models.decoder import MoEDecoder
+from moefold.models.layer_factory import build_block
+from moefold.parallel.dims import ParallelConfig, ParallelSizes
+from moefold.training.buffers import reduction_kind
+from moefold.training.config import RunConfig
+from moefold.training.memory import DTYPE_BYTES, optimizer_state_parts, static_bytes
+from moefold.training.plan.grid import planning_world, rank_dims
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass(frozen=True)
+class StaticMemory:
+    """Bytes one rank holds for the whole run. ``exact``: counted from the trainer's tensors (else a lower bound)."""
+
+    params: int
+    grads: int
+    master: int
+    exp_avg: int
+    exp_avg_sq: int
+    exact: bool
+
+    @property
+    def optimizer(self) -> int:
+        return self.master + self.exp_avg + self.exp_avg_sq
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def stage_signature(config: RunConfig, pp: int, pp_rank: int) -> tuple:
+    """What decides a stage's parameters: per chunk, the kind of each layer, the embedding and the head."""
+    if pp == 1:
+        chunks = [(tuple(config.model.is_moe_layer(i) for i in range(config.model.num_layers)), True, True)]
+        return tuple(chunks)
+    layout = config.pipeline_layout(pp)
+    return tuple((tuple(config.model.is_moe_layer(i) for i in c.layers), c.has_embedding, c.has_head)
+                 for c in layout.rank_chunks(pp_rank))
+
+
+def stage_groups(config: RunConfig, pp: int) -> dict[tuple, list[int]]:
+    """{stage signature: the pipeline ranks with it}, in pipeline order."""
+    out: dict[tuple, list[int]] = {}
+    for r in range(pp):
+        out.setdefault(stage_signature(config, pp, r), []).append(r)
+    return out
+
+
+def exact_static(config: RunConfig, sizes: ParallelSizes) -> dict[int, StaticMemory]:
+    """{pipeline rank: its ranks' static bytes}, counted from the trainer's buffers built on the meta device."""
+    return dict(_exact_static(_key(config), sizes))
+
+
+def _key(config: RunConfig) -> RunConfig:
+    """The config with what cannot change the static bytes normalised (so the cache sees one entry)."""
+    t = dataclasses.replace(config.train, micro_batch_size=1, global_batch_size=1, train_iters=1,
+                            lr_warmup_iters=0, lr_decay_iters=None, lr_wsd_decay_iters=0, seq_length=1)
+    options = dataclasses.replace(config.options, recompute="none", dispatcher="alltoall")
+    return dataclasses.replace(config, train=t, options=options, parallel=ParallelConfig())
+
+
+def _model_key(config: RunConfig) -> RunConfig:
+    """``_key`` without the pipeline split either: what the blocks' parameters depend on."""
+    key = _key(config)
+    train = dataclasses.replace(key.train, num_layers_per_virtual_pipeline_stage=None,
+                                decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
+                                pipeline_schedule="1f1b")
+    return dataclasses.replace(key, train=train)
+
+
+@lru_cache(maxsize=256)
+def _exact_static(config: RunConfig, sizes: ParallelSizes) -> tuple[tuple[int, StaticMemory], ...]:
+    from moefold.training.trainer import build_model, build_optimizer
+
+    config = dataclasses.replace(config, parallel=ParallelConfig(tp=sizes.tp, cp=sizes.cp, pp=sizes.pp, dp=sizes.dp,
+                                                                 ep=sizes.ep, etp=sizes.etp))
+    out = []
+    per_stage = sizes.world_size // sizes.pp
+    for ranks in stage_groups(config, sizes.pp).values():
+        rank = ranks[0] * per_stage       # tp = cp = dp = 0 of that stage
+        with planning_world(sizes.world_size, rank):
+            dims = rank_dims(sizes, rank)
+            model = build_model(config, dims, "meta")
+            _, sync, optimizer = build_optimizer(model, config, dims)
+            b = static_bytes(sync, optimizer)
+        memory = StaticMemory(params=b["params"], grads=b["grads"], master=b["master"], exp_avg=b["exp_avg"],
+                              exp_avg_sq=b["exp_avg_sq"], exact=True)
+        out += [(r, memory) for r in ranks]
+    return tuple(sorted(out))
+
+
+# ----------------------------------------------------------------------------------------------- lower bound
+@dataclass(frozen=True)
+class ParamCounts:
+    """Elements per (reduction kind, dtype) of each piece of the model on one rank of a tp x ep x etp layout;
+    ``head``: final norm, output head and MTP modules; ``head_embedding``: the last stage holds its own copy of
+    the embedding (tied weights or MTP)."""
+
+    dense_layer: tuple[tuple[tuple[str, str], int], ...]
+    moe_layer: tuple[tuple[tuple[str, str], int], ...]
+    embedding: tuple[tuple[tuple[str, str], int], ...]
+    head: tuple[tuple[tuple[str, str], int], ...]
+    head_embedding: bool
+
+
+def _counts(params) -> tuple[tuple[tuple[str, str], int], ...]:
+    out: dict[tuple[str, str], int] = {}
+    for p in params:
+        if p.requires_grad:
+            key = (reduction_kind(p), DTYPE_NAMES[p.dtype])
+            out[key] = out.get(key, 0) + p.numel()
+    return tuple(sorted(out.items()))
+
+
+@lru_cache(maxsize=128)
+def param_counts(config: RunConfig, tp: int, ep: int, etp: int) -> ParamCounts:
+    """``ParamCounts`` from blocks built on the meta device (``models.layer_factory.build_block``, ``MoEDecoder``)."""
+    from moefold.training.trainer import model_options
+
+    model, options = config.model, model_options(config)
+    world = math.lcm(tp, ep * etp)
+    sizes = ParallelConfig(tp=tp, ep=ep, etp=etp).resolve(world)
+    dense_ids = [i for i in range(model.num_layers) if not model.is_moe_layer(i)]
+    moe_ids = [i for i in range(model.num_layers) if model.is_moe_layer(i)]
+    with planning_world(world, 0), torch.device("meta"):
+        dims = rank_dims(sizes, 0)
+        dense = _counts(build_block(model, dense_ids[0], dims, options).parameters()) if dense_ids else ()
+        moe = _counts(build_block(model, moe_ids[0], dims, options).parameters()) if moe_ids else ()
+        embed = MoEDecoder(model, dims, options, layer_ids=[], with_embedding=True, with_head=False)
+        head = MoEDecoder(model, dims, options, layer_ids=[], with_embedding=False, with_head=True)
+        copy = head.embed_tokens is not None
+        own = [p for name, p in head.named_parameters() if not name.startswith("embed_tokens.")]
+    return ParamCounts(dense_layer=dense, moe_layer=moe, embedding=_counts(embed.parameters()), head=_counts(own),
+                       head_embedding=copy)
+
+
+def static_lower_bound(config: RunConfig, sizes: ParallelSizes) -> dict[int, StaticMemory]:
+    """{pipeline rank: a lower bound of its static bytes}: the exact count without bucket padding."""
+    counts = param_counts(_model_key(config), sizes.tp, sizes.ep, sizes.etp)
+    precision = config.train.optimizer_precision()
+    shards = {"dense": sizes.dp * sizes.cp, "sp": sizes.tp * sizes.cp * sizes.dp, "expert": sizes.edp}
+    out = {}
+    for signature, ranks in stage_groups(config, sizes.pp).items():
+        numel: dict[tuple[str, str], int] = {}
+        has_embedding = any(c[1] for c in signature)
+        has_head = any(c[2] for c in signature)
+        moe_layers = sum(sum(c[0]) for c in signature)
+        _add(numel, counts.moe_layer, moe_layers)
+        _add(numel, counts.dense_layer, sum(len(c[0]) for c in signature) - moe_layers)
+        if has_embedding or (has_head and counts.head_embedding):
+            _add(numel, counts.embedding)
+        if has_head:
+            _add(numel, counts.head)
+        params = grads = 0
+        states = {"master": 0, "exp_avg": 0, "exp_avg_sq": 0}
+        for (kind, dtype), n in numel.items():
+            params += n * DTYPE_BYTES[dtype]
+            grads += n * DTYPE_BYTES[precision.main_grads_dtype]
+            for name, b in optimizer_state_parts(dtype, precision).items():
+                states[name] += n * b // shards[kind]
+        memory = StaticMemory(params=params, grads=grads, exact=False, **states)
+        out.update({r: memory for r in ranks})
+    return out
+
+
+def _add(numel: dict[tuple[str, str], int], items: tuple[tuple[tuple[str, str], int], ...], times: int = 1) -> None:
+    for key, n in items:
+        numel[key] = numel.get(key, 0) + n * times

@@ -1,0 +1,348 @@
+"""Time per training step of a planned layout: GEMMs, the exposed part of every collective, the pipeline bubble.
+
+Compute: the matrix-multiply FLOPs of ``training.flops`` (attention projections and scores, dense MLPs, routers,
+the top-k routed experts, shared experts, head, MTP) per rank, i.e. a layer's per-token count x the micro-batch's
+tokens / (tp x cp) (balanced routing spreads the experts' work evenly over the stage's ranks), backward = 2 x
+forward, plus the forward that recompute runs again (full: the recomputed layers; selective: the chosen
+modules' GEMMs). Time = FLOPs / (the cluster's dense bf16 peak x ``EFFICIENCY``).
+
+Communication: the collectives of ``training.plan.comm`` (the bytes the code passes to torch.distributed), each
+over the link its group uses: NVLink when the group's ranks share a node, else the network (rank order of
+``parallel.dims``, consecutive ranks ``gpus_per_node`` to a node: ``training.plan.grid``). Ring algorithms move
+(n-1)/n of the buffer per rank (twice for an all-reduce), a uniform all-to-all (n-1)/n, its intra-node share over
+NVLink and the rest over the network at the same time. What is hidden behind compute is stated per term in
+``StepTime.exposed_notes`` (``OVERLAP``).
+
+Pipeline: each (rank, virtual chunk) forward and backward takes its compute plus its exposed communication; the
+schedule's action lists run on ``pipeline.simulator``'s clock with those durations, and the bubble is the
+critical rank's idle time in the simulated step. The step's terms are that rank's.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from moefold.dense.recompute import recomputed_modules
+from moefold.models.config import ModelConfig
+from moefold.models.layer_factory import is_moe_block
+from moefold.models.recompute import full_recompute_groups
+from moefold.parallel.dims import ParallelSizes
+from moefold.pipeline.schedules import Schedule, build_schedule
+from moefold.pipeline.simulator import simulate
+from moefold.pipeline.stages import ChunkSpec
+from moefold.training.config import RunConfig
+from moefold.training.flops import _attention_macs, _ffn_macs, train_flops_per_token
+from moefold.training.plan import comm
+from moefold.training.plan.cluster import Cluster
+from moefold.training.plan.comm import Collective
+from moefold.training.plan.grid import group_members, ranks_per_node, spans_nodes
+
+# Fraction of the dense bf16 peak the GEMMs sustain, the non-GEMM kernels (norms, activations, softmax,
+# permutations, optimizer) folded in. An assumption, not a measurement: large bf16 GEMMs reach roughly
+# 60-75% of peak on Hopper, grouped expert GEMMs with few tokens per expert and the uncounted kernels less;
+# 0.5 keeps the estimate on the side of the MFU (30-45%) large MoE runs report with communication included.
+EFFICIENCY = 0.5
+
+TERMS = ("compute", "tp", "cp", "ep", "pp", "dp", "bubble")
+OVERLAP = {
+    "compute": "GEMM FLOPs (training.flops; backward 2x forward; recompute's extra forward included) / "
+               "(dense bf16 peak x EFFICIENCY)",
+    "tp": "exposed: TP/SP all-gathers, reduce-scatters and all-reduces sit between the GEMMs that need them "
+          "(no TP communication overlap in moefold); router statistics all-reduces counted here",
+    "cp": "p2p: each ring step's K/V transfer overlaps that block's attention, exposed only beyond the core "
+          "attention compute; all_gather mode: exposed",
+    "ep": "alltoall/flex: the forward token exchange overlaps the shared experts' forward (moefold launches it "
+          "asynchronously), everything else (counts, combine, backward, etp gathers) exposed; allgather: exposed",
+    "pp": "exposed: each stage boundary's activation (forward) and gradient (backward) per micro-batch is added "
+          "to the action that sends it",
+    "dp": "gradient reduce-scatter overlaps the last micro-batch's backward except what does not fit behind it "
+          "(at least the last bucket); parameter all-gather exposed, or with --overlap-param-gather overlapped "
+          "with the first micro-batch's forward except the first bucket; kinds (dense, sp, expert) back to back",
+    "bubble": "pipeline bubble: the critical rank's idle time on pipeline.simulator's clock, each action taking "
+              "its compute + exposed communication",
+}
+_TERM_OF_GROUP = {"tp": "tp", "tp_cp": "tp", "tp_cp_dp": "tp", "cp": "cp", "ep": "ep", "etp": "ep", "etp_ep": "ep",
+                  "pp": "pp", "dp_cp": "dp", "edp": "dp"}
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per step by term (after overlap; ``TERMS``), why each is what it is, and the step's size."""
+
+    terms: dict[str, float]
+    exposed_notes: dict[str, str]
+    flops_per_gpu: float       # model FLOPs per GPU per step (no recompute: the MFU convention)
+    tokens_per_step: int
+    gpus: int
+    links: dict[str, str] = field(default_factory=dict)   # group -> "NVLink" | "network" (groups of > 1 rank)
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens_per_step / self.total / self.gpus
+
+    def mfu(self, cluster: Cluster) -> float:
+        """Model FLOPs utilisation: model FLOPs per GPU per second over the dense bf16 peak."""
+        return self.flops_per_gpu / self.total / (cluster.bf16_tflops * 1e12)
+
+
+# ----------------------------------------------------------------------------------------------- links
+@dataclass(frozen=True)
+class _Links:
+    sizes: ParallelSizes
+    cluster: Cluster
+    gpus_per_node: int
+
+    def seconds(self, c: Collective) -> float:
+        """Time of one collective over its group's link (module docstring)."""
+        members = _members(self.sizes, c.group)
+        n = len(members)
+        nvlink, network = self.cluster.nvlink_gbps * 1e9, self.cluster.internode_gbps * 1e9
+        if not spans_nodes(members, self.gpus_per_node):
+            return c.bytes * comm.link_factor(c.op, n) / nvlink
+        if c.op == "all_to_all":
+            k = ranks_per_node(members, self.gpus_per_node)
+            return max(c.bytes * (k - 1) / n / nvlink, c.bytes * (n - k) / n / network)
+        return c.bytes * comm.link_factor(c.op, n) / network
+
+
+@lru_cache(maxsize=4096)
+def _members(sizes: ParallelSizes, group: str) -> list[int]:
+    """Rank 0's group ``group``: every group of a kind has the same shape in the rank grid."""
+    return group_members(sizes, 0, comm.GROUP_DIMS[group])
+
+
+@lru_cache(maxsize=1024)
+def _block(config: RunConfig, sizes: ParallelSizes, moe: bool) -> tuple[Collective, ...]:
+    return tuple(comm.block_collectives(config, sizes, moe))
+
+
+def _by_term(links: _Links, collectives: list[Collective], phase: str) -> dict[str, float]:
+    out: dict[str, float] = defaultdict(float)
+    for c in collectives:
+        if c.phase == phase:
+            out[_TERM_OF_GROUP[c.group]] += links.seconds(c)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- compute
+def _score_macs(m: ModelConfig, seq: int) -> float:
+    """Per token: the attention score and value products (what core-attention recompute repeats)."""
+    if m.attention == "mla":
+        dqk, dv = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim
+    else:
+        dqk = dv = m.attention_head_dim
+    context = (seq + 1) / 2 if m.sliding_window is None else min((seq + 1) / 2, float(m.sliding_window))
+    return m.num_attention_heads * (dqk + dv) * context
+
+
+def _recompute_macs(m: ModelConfig, moe: bool, chosen: frozenset[str]) -> float:
+    """Per token: the forward GEMMs selective recompute runs again in one block."""
+    macs = 0.0
+    if "mla_up_proj" in chosen and m.attention == "mla":
+        x = m.mla
+        q = x.q_lora_rank * m.num_attention_heads * (x.qk_nope_head_dim + x.qk_rope_head_dim) if x.q_lora_rank else 0
+        macs += q + x.kv_lora_rank * m.num_attention_heads * (x.qk_nope_head_dim + x.v_head_dim)
+    if ("moe" in chosen and moe) or ("mlp" in chosen and not moe):
+        macs += _ffn_macs(m, moe)
+    elif "shared_experts" in chosen and moe and m.moe_shared_expert_ffn_size:
+        macs += 3 * m.hidden_size * m.moe_shared_expert_ffn_size
+    return macs
+
+
+@dataclass
+class _Action:
+    """Seconds of one (rank, chunk) forward or backward of one micro-batch, by term."""
+
+    terms: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+
+def rank_chunks(config: RunConfig, sizes: ParallelSizes, pp_rank: int) -> list[ChunkSpec]:
+    """The virtual chunks of pipeline rank ``pp_rank`` (the whole model as one chunk at pp = 1)."""
+    if sizes.pp == 1:
+        return [ChunkSpec(0, 0, 0, range(config.model.num_layers), True, True)]
+    return config.pipeline_layout(sizes.pp).rank_chunks(pp_rank)
+
+
+def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, links: _Links, flop_s: float,
+                   last_model_chunk: int) -> tuple[_Action, _Action]:
+    """(forward, backward) of one micro-batch through ``chunk``: compute and exposed communication by term."""
+    m, o, t = config.model, config.options, config.train
+    per_rank_tokens = t.micro_batch_size * t.seq_length / (sizes.tp * sizes.cp)
+    chosen = recomputed_modules(o.recompute, o.recompute_modules)
+    fwd: dict[str, float] = defaultdict(float)
+    bwd: dict[str, float] = defaultdict(float)
+    # (block, inside a full-recompute checkpoint, the last block of that checkpoint)
+    blocks = [(i, ckpt, j == len(ids) - 1) for ids, ckpt in full_recompute_groups(list(chunk.layers), o)
+              for j, i in enumerate(ids)]
+    if chunk.has_head:   # MTP blocks checkpoint themselves under full recompute
+        blocks += [(m.num_layers + d, o.recompute == "full", True) for d in range(m.mtp_num_layers)]
+
+    def add(collectives: list[Collective], shared_experts: float = 0.0,
+            core_attention: tuple[float, float] = (0.0, 0.0)) -> None:
+        """Exposed communication of ``collectives``: what overlaps the shared experts hides behind their
+        ``shared_experts`` seconds, cp p2p behind the (forward, backward) seconds of core attention."""
+        for phase, out, cp_hidden in (("forward", fwd, core_attention[0]), ("backward", bwd, core_attention[1])):
+            hideable = [c for c in collectives if c.phase == phase and c.overlaps == "shared_experts"]
+            rest = [c for c in collectives if c.phase == phase and not c.overlaps]
+            if hideable:
+                out["ep"] += max(0.0, sum(links.seconds(c) for c in hideable) - shared_experts)
+            for term, seconds in _by_term(links, rest, phase).items():
+                if term == "cp" and o.cp_comm == "p2p":
+                    seconds = max(0.0, seconds - cp_hidden)
+                out[term] += seconds
+
+    for index, recompute_all, last_in_checkpoint in blocks:
+        moe = is_moe_block(m, index)
+        mtp = index >= m.num_layers
+        macs = _attention_macs(m, t.seq_length) + _ffn_macs(m, moe) + (2 * m.hidden_size ** 2 if mtp else 0)
+        f = 2 * macs * per_rank_tokens / flop_s
+        again = f if recompute_all else 2 * (_recompute_macs(m, moe, chosen) + (
+            _score_macs(m, t.seq_length) if "core_attn" in chosen else 0)) * per_rank_tokens / flop_s
+        fwd["compute"] += f
+        bwd["compute"] += 2 * f + again
+        core = 2 * _score_macs(m, t.seq_length) * per_rank_tokens / flop_s
+        shared = 2 * 3 * m.hidden_size * m.moe_shared_expert_ffn_size * per_rank_tokens / flop_s if moe else 0.0
+        if mtp:   # with its embedding, head and loss
+            collectives = comm.mtp_collectives(config, sizes)
+            fwd["compute"] += 2 * m.hidden_size * m.vocab_size * per_rank_tokens / flop_s
+            bwd["compute"] += 4 * m.hidden_size * m.vocab_size * per_rank_tokens / flop_s
+        else:
+            block = list(_block(config, sizes, moe))
+            collectives = block + comm.recompute_collectives(block, o, full=recompute_all, moe=moe,
+                                                             last_in_checkpoint=last_in_checkpoint)
+        add(collectives, shared_experts=shared, core_attention=(core, 2 * core))
+    if chunk.has_embedding:
+        add(comm.embedding_collectives(config, sizes))
+    if chunk.has_head:
+        add(comm.head_collectives(config, sizes))
+        fwd["compute"] += 2 * m.hidden_size * m.vocab_size * per_rank_tokens / flop_s
+        bwd["compute"] += 4 * m.hidden_size * m.vocab_size * per_rank_tokens / flop_s
+    for c in comm.pipeline_collectives(config, sizes, chunk.model_chunk, last_model_chunk + 1):
+        (fwd if c.phase == "forward" else bwd)["pp"] += links.seconds(c)
+    return _Action(dict(fwd)), _Action(dict(bwd))
+
+
+# ----------------------------------------------------------------------------------------------- data parallel
+def stage_numel(config: RunConfig, sizes: ParallelSizes, pp_rank: int) -> dict[tuple[str, str], int]:
+    """Elements per (reduction kind, dtype) on ``pp_rank``'s ranks, from the blocks built on the meta device."""
+    from moefold.training.plan.static import _key, param_counts
+
+    counts = param_counts(_key(config), sizes.tp, sizes.ep, sizes.etp)
+    numel: dict[tuple[str, str], int] = defaultdict(int)
+
+    def add(items, times: int = 1) -> None:
+        for key, n in items:
+            numel[key] += n * times
+
+    chunks = rank_chunks(config, sizes, pp_rank)
+    moe_layers = sum(config.model.is_moe_layer(i) for c in chunks for i in c.layers)
+    add(counts.moe_layer, moe_layers)
+    add(counts.dense_layer, sum(len(c.layers) for c in chunks) - moe_layers)
+    has_head = any(c.has_head for c in chunks)
+    if any(c.has_embedding for c in chunks) or (has_head and counts.head_embedding):
+        add(counts.embedding)
+    if has_head:
+        add(counts.head)
+    return dict(numel)
+
+
+def _dp_seconds(config: RunConfig, sizes: ParallelSizes, pp_rank: int, links: _Links, fwd_window: float,
+                bwd_window: float) -> float:
+    t = config.train
+    rs: dict[str, list[float]] = defaultdict(list)
+    ag: dict[str, list[float]] = defaultdict(list)
+    for c in comm.grad_sync_collectives(config, sizes, stage_numel(config, sizes, pp_rank)):
+        (rs if c.op == "reduce_scatter" else ag)[c.group].append(links.seconds(c))
+    exposed = 0.0
+    for times in rs.values():   # buckets in backward order: the last one launches last
+        exposed += max(times[-1], sum(times) - bwd_window) if t.overlap_grad_reduce else sum(times)
+    for times in ag.values():
+        exposed += max(times[0], sum(times) - fwd_window) if t.overlap_param_gather else sum(times)
+    return exposed
+
+
+# ----------------------------------------------------------------------------------------------- the step
+@lru_cache(maxsize=64)
+def _schedule(name: str, pp: int, vpp: int, m: int) -> Schedule:
+    return build_schedule(name, pp, m, vpp)
+
+
+@lru_cache(maxsize=512)
+def _simulate(name: str, pp: int, vpp: int, m: int, durations: tuple[tuple[tuple[float, float], ...], ...],
+              ) -> tuple[float, tuple[float, ...]]:
+    """(makespan, busy seconds per pipeline rank) of the schedule with these (forward, backward) durations per
+    (rank, chunk). pipeline.simulator's cost grows with pp x m (about 0.5 s at pp=16, m=120)."""
+    result = simulate(_schedule(name, pp, vpp, m),
+                      duration=lambda r, a: durations[r][a.chunk][0 if a.kind == "F" else 1])
+    return result.makespan, result.busy
+
+
+PROBES = (4, 6, 8)   # x pp micro-batches: the simulated steps whose makespans are extrapolated when collinear
+
+
+def _makespan(name: str, pp: int, vpp: int, m: int, durations: tuple[tuple[tuple[float, float], ...], ...],
+              ) -> float:
+    """The simulated makespan of ``m`` micro-batches. Past the warm-up a schedule repeats itself: each further
+    micro-batch adds the same time, so the makespan is affine in ``m``. When the simulated makespans of 4, 6 and
+    8 x pp micro-batches lie on one line (to 1e-9), that line gives the makespan at ``m`` (pp = 16 with m = 960
+    then costs three short simulations instead of one long one); otherwise, and for small ``m``, all ``m``
+    micro-batches are simulated."""
+    probes = [k * pp for k in PROBES]
+    if m > 2 * probes[-1]:
+        spans = [_simulate(name, pp, vpp, k, durations)[0] for k in probes]
+        slopes = [(spans[i + 1] - spans[i]) / (probes[i + 1] - probes[i]) for i in range(2)]
+        if abs(slopes[1] - slopes[0]) <= 1e-9 * spans[-1]:
+            return spans[-1] + (m - probes[-1]) * slopes[1]
+    return _simulate(name, pp, vpp, m, durations)[0]
+
+
+def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, gpus_per_node: int,
+                       efficiency: float = EFFICIENCY) -> StepTime:
+    """Seconds per step of ``config`` in layout ``sizes`` on ``cluster`` (module docstring); ValueError for a
+    layout the run would refuse (``RunConfig.resolve``)."""
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency={efficiency!r} must be in (0, 1]")
+    if not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+        raise ValueError(f"--gpus-per-node={gpus_per_node!r} must be a positive integer")
+    _, m = config.resolve(sizes.world_size)
+    links = _Links(sizes, cluster, gpus_per_node)
+    flop_s = cluster.bf16_tflops * 1e12 * efficiency
+    vpp = config.pipeline_layout(sizes.pp).vpp if sizes.pp > 1 else 1
+    last = sizes.pp * vpp - 1
+    actions = [[_chunk_actions(config, sizes, c, links, flop_s, last) for c in rank_chunks(config, sizes, r)]
+               for r in range(sizes.pp)]
+    if sizes.pp == 1:
+        makespan = m * sum(f.total + b.total for f, b in actions[0])
+        critical, busy = 0, (makespan,)
+    else:
+        durations = tuple(tuple((max(f.total, 1e-12), max(b.total, 1e-12)) for f, b in rank) for rank in actions)
+        makespan = _makespan(config.schedule_name(vpp), sizes.pp, vpp, m, durations)
+        busy = [m * sum(f + b for f, b in rank) for rank in durations]
+        critical = max(range(sizes.pp), key=lambda r: busy[r])
+    terms = dict.fromkeys(TERMS, 0.0)
+    for f, b in actions[critical]:
+        for term, seconds in (*f.terms.items(), *b.terms.items()):
+            terms[term] += m * seconds
+    terms["bubble"] = makespan - busy[critical]
+    fwd_window = sum(f.total for f, _ in actions[critical])
+    bwd_window = sum(b.total for _, b in actions[critical])
+    terms["dp"] = _dp_seconds(config, sizes, critical, links, fwd_window, bwd_window)
+    tokens = config.train.global_batch_size * config.train.seq_length
+    flops = train_flops_per_token(config.model, config.train.seq_length) * tokens / sizes.world_size
+    links = {}
+    for group in comm.GROUP_DIMS:
+        members = _members(sizes, group)
+        if len(members) > 1:
+            links[group] = "network" if spans_nodes(members, gpus_per_node) else "NVLink"
+    return StepTime(terms=terms, exposed_notes=dict(OVERLAP), flops_per_gpu=flops, tokens_per_step=tokens,
+                    gpus=sizes.world_size, links=links)
