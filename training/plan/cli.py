@@ -157,7 +157,8 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         chosen = [plans]
     else:
         result = search(config, world, cluster, per_node, memory, fixed=fixed, top=args.top,
-                        headroom=args.memory_headroom, efficiency=args.efficiency)
+                        headroom=args.memory_headroom, efficiency=args.efficiency,
+                        progress=lambda line: print(f"moefold plan: {line}", file=sys.stderr, flush=True))
         print(render(result, config, world, cluster, per_node, memory, params, flags, usable))
         chosen = result.plans
         if not chosen:

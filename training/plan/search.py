@@ -22,7 +22,8 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
@@ -39,6 +40,7 @@ from moefold.training.train_cli import validate_layout
 HEADROOM = 0.1           # share of the GPU's memory left for what the model does not count (module docstring)
 MAX_PP = 64
 MICRO_BATCH_SIZES = (1,)   # searched unless --micro-batch-size is given (Megatron's MoE recipes all use 1)
+PROGRESS_EVERY_S = 5.0   # between the search's status lines
 PER_WORKER = 64            # step-time estimates per process before the search forks more processes
 COMPONENTS = ("params", "main grads", "optimizer", "activations", "deepep")
 
@@ -249,16 +251,22 @@ def _step_times(jobs: list[tuple[RunConfig, ParallelSizes]], cluster: Cluster, g
 
 def search(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, memory_bytes: int | None = None,
            *, fixed: Fixed = Fixed(), top: int = 5, headroom: float = HEADROOM,
-           efficiency: float = EFFICIENCY, workers: int | None = None) -> SearchResult:
+           efficiency: float = EFFICIENCY, workers: int | None = None,
+           progress: Callable[[str], None] | None = None) -> SearchResult:
     """Plans of every valid layout; ``top`` fitting ones with their step times, fastest first (module docstring).
     Static bytes are exact for every plan returned (a lower bound rules out the rest first). The step times of
-    the fitting layouts are estimated in ``workers`` processes (default: one per CPU)."""
+    the fitting layouts are estimated in ``workers`` processes (default: one per CPU). ``progress`` is called
+    with a one-line status every few seconds (a search over thousands of GPUs takes minutes)."""
     ladder = {"fixed": fixed.recompute} if fixed.recompute is not None else recompute_ladder(config.model)
     usable = int((memory_bytes or cluster.memory_bytes) * (1 - headroom))
     result = SearchResult(plans=[])
     fitting: list[Plan] = []
+    started = last = time.monotonic()
     for candidate in candidates(config, world, gpus_per_node, fixed):
         result.considered += 1
+        if progress is not None and time.monotonic() - last > PROGRESS_EVERY_S:
+            last = time.monotonic()
+            progress(f"memory: {result.considered} layouts considered, {len(fitting)} fit ({last - started:.0f} s)")
         try:
             sizes = validate_layout(candidate, world)
             _, num_micro = candidate.resolve(world)
@@ -273,6 +281,9 @@ def search(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, 
         elif result.closest is None or leanest.memory.total < result.closest.memory.total:
             result.closest = leanest
     result.fitting = len(fitting)
+    if progress is not None:
+        progress(f"memory: {result.considered} layouts considered, {len(fitting)} fit; estimating their step times "
+                 f"({time.monotonic() - started:.0f} s)")
     times = _step_times([(p.config, p.sizes) for p in fitting], cluster, gpus_per_node, efficiency, workers)
     timed = [dataclasses.replace(plan, time=time) for plan, time in zip(fitting, times)]
     timed.sort(key=lambda p: (-p.time.tokens_per_s_per_gpu, p.memory.total))
