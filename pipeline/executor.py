@@ -15,23 +15,25 @@ any cross-stage reduction: a backward step is
 Every loss is scaled by 1/num_microbatches, so the gradients equal those of the mean loss
 over the micro-batches of the unsplit model.
 
-Each batch of communication is posted with one ``batch_isend_irecv`` without blocking; only a
-compute waits, for the batch that carries its input, and first for every batch posted before that one, in
-posting order (sends are otherwise waited on at the step's end). The schedules (``pipeline.schedules``)
-are built so that this cannot deadlock even under NCCL's rendezvous semantics with one in-order
-communication stream (``pipeline.simulator`` checks it, ``wait="lazy"``): there a batch completes only
-after every earlier batch of its rank, so waiting for the earlier ones first adds no wait to that model,
-and gloo, which completes any transfer once both ends posted it, finishes no later. Waiting lazily keeps
-the textbook bubble when backward is slower than forward.
+Each batch of communication is posted with one ``batch_isend_irecv`` without blocking. Only a
+compute waits: for the batch that carries its input and, first, for every batch posted before it,
+in posting order (the last sends are waited on at the step's end). The schedules
+(``pipeline.schedules``) are built so that this cannot deadlock even under NCCL's rendezvous
+semantics with one in-order communication stream (``pipeline.simulator`` checks it,
+``wait="lazy"``): there a batch completes only after every earlier batch of its rank, so waiting
+for the earlier ones first adds no wait, and gloo, which completes a transfer once both ends
+posted it, finishes no later. Waiting lazily keeps the textbook bubble when backward is slower
+than forward.
 
-Memory: a waited batch's handle lets go of its ``dist.Work`` objects, which hold the batch's sent
-tensors and receive buffers, so none of them lives to the step's end: a receive buffer lives until its
-consumer ran (an activation: until its micro-batch's backward), a sent tensor until its batch is waited on
-(by the first compute whose input was posted with it or later, or at the step's end), a sent output also until its
-backward. That is safe on both backends: gloo's work holds its tensor until waited on (its
-``is_completed()`` stays False until ``wait()``, so it cannot be polled instead), and NCCL records its
-communication stream on every point-to-point tensor, so the caching allocator reuses a freed one only
-after the transfer ran; ``wait()`` on NCCL is a stream wait, no host synchronisation.
+Memory: a waited batch's handle lets go of its ``dist.Work`` objects (they hold the batch's sent
+tensors and receive buffers), so no point-to-point tensor lives to the step's end unless needed: a
+receive buffer lives until its consumer ran (an activation: until its micro-batch's backward), a
+sent tensor until its batch is waited on (by the first compute whose input was posted with it or
+later), a sent output also until its backward. Safe on both backends: gloo's work keeps its tensor
+until waited on (its ``is_completed()`` stays False until ``wait()``, so it cannot be polled
+instead), and NCCL records its communication stream on every point-to-point tensor, so the caching
+allocator reuses a freed one only after the transfer ran. ``wait()`` on NCCL is a stream wait: no
+host synchronisation.
 """
 
 from __future__ import annotations
