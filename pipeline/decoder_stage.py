@@ -28,6 +28,7 @@ gradient over them (Megatron's embedding group).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -123,7 +124,9 @@ class DecoderStage:
         extra = None
         for layer, info in infos.items():
             extra = info.aux_loss if extra is None else extra + info.aux_loss
-            self.moe_infos[(index, layer)] = info
+            # detached: a graph-attached aux loss would keep this chunk's graph, and with it the received
+            # activation (a leaf) and its gradient, alive until the step's end
+            self.moe_infos[(index, layer)] = dataclasses.replace(info, aux_loss=info.aux_loss.detach())
             if info.global_state is not None:
                 self._global_states[layer] = info.global_state
         # a loss without a graph (no aux coefficient, or no grad) has nothing to backpropagate

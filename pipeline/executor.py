@@ -15,16 +15,30 @@ any cross-stage reduction: a backward step is
 Every loss is scaled by 1/num_microbatches, so the gradients equal those of the mean loss
 over the micro-batches of the unsplit model.
 
-Each batch of communication is posted with one ``batch_isend_irecv`` without blocking; a
-compute waits only for the receive that carries its input, and sends are waited on at the end
-(their tensors stay referenced until then). The schedules (``pipeline.schedules``) are built so
-that this cannot deadlock even under NCCL's rendezvous semantics with one in-order
-communication stream (``pipeline.simulator`` checks it, ``wait="lazy"``); waiting lazily keeps
-the textbook bubble when backward is slower than forward.
+Each batch of communication is posted with one ``batch_isend_irecv`` without blocking. Only a
+compute waits: for the batch that carries its input and, first, for every batch posted before it,
+in posting order (the last sends are waited on at the step's end). The schedules
+(``pipeline.schedules``) are built so that this cannot deadlock even under NCCL's rendezvous
+semantics with one in-order communication stream (``pipeline.simulator`` checks it,
+``wait="lazy"``): there a batch completes only after every earlier batch of its rank, so waiting
+for the earlier ones first adds no wait, and gloo, which completes a transfer once both ends
+posted it, finishes no later. Waiting lazily keeps the textbook bubble when backward is slower
+than forward.
+
+Memory: a waited batch's handle lets go of its ``dist.Work`` objects (they hold the batch's sent
+tensors and receive buffers), so no point-to-point tensor lives to the step's end unless needed: a
+receive buffer lives until its consumer ran (an activation: until its micro-batch's backward), a
+sent tensor until its batch is waited on (by the first compute whose input was posted with it or
+later), a sent output also until its backward. Safe on both backends: gloo's work keeps its tensor
+until waited on (its ``is_completed()`` stays False until ``wait()``, so it cannot be polled
+instead), and NCCL records its communication stream on every point-to-point tensor, so the caching
+allocator reuses a freed one only after the transfer ran. ``wait()`` on NCCL is a stream wait: no
+host synchronisation.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -93,87 +107,106 @@ def run_schedule(stage: PipelineStage, schedule: Schedule, microbatches: Sequenc
     pp = group_size(pp_group)
     if schedule.pp != pp:
         raise ValueError(f"schedule is for pp={schedule.pp} but the pipeline group has {pp} ranks")
-    m = schedule.num_microbatches
-    if len(microbatches) != m:
-        raise ValueError(f"got {len(microbatches)} micro-batches for a schedule of num_microbatches={m}")
-    rank = group_rank(pp_group)
-    last_mc = pp * schedule.vpp - 1
-    inbox: dict[tuple[str, int, int], tuple[Tensor, P2PHandle]] = {}  # posted receives, until their compute
-    sending: list[P2PHandle] = []  # posted sends: their tensors must live until they complete
-    outbox: dict[tuple[str, int, int], Tensor] = {}  # computed, waiting for their send
-    saved: dict[tuple[int, int], tuple[Tensor | None, Tensor, Tensor | None]] = {}
-    losses: list[tuple[int, Tensor]] = []
-    extra_total: Tensor | None = None
-    peak = 0
-    for item in split_batches(schedule.rank_actions(rank)):
+    if len(microbatches) != schedule.num_microbatches:
+        raise ValueError(f"got {len(microbatches)} micro-batches for a schedule of "
+                         f"num_microbatches={schedule.num_microbatches}")
+    step = _RankStep(stage, schedule, microbatches, loss_fn, pp_group, activation)
+    for item in split_batches(schedule.rank_actions(step.rank)):
         if isinstance(item, tuple):
-            sending.append(_communicate(item, rank, pp, pp_group, activation, inbox, outbox))
-            continue
-        a: Action = item
-        mc = model_chunk(rank, a.chunk, pp)
-        key = (a.microbatch, a.chunk)
-        if a.kind == "F":
-            hidden = None
-            if mc > 0:
-                hidden = _received(inbox, ("F", a.microbatch, a.chunk)).requires_grad_(not schedule.forward_only)
-            with torch.set_grad_enabled(torch.is_grad_enabled() and not schedule.forward_only):
-                out = stage.forward_step(a.chunk, hidden, microbatches[a.microbatch])
-            out, extra = out if isinstance(out, tuple) else (out, None)
-            if extra is not None:
-                extra_total = extra.detach() if extra_total is None else extra_total + extra.detach()
-                extra = extra / m
-            if mc == last_mc:
-                loss = loss_fn(out, microbatches[a.microbatch])
-                losses.append((a.microbatch, loss.detach()))
-                out = loss / m
+            step.post(item)
+        elif item.kind == "F":
+            step.forward(item)
+        else:
+            step.backward(item)
+    return step.finish()
+
+
+class _RankStep:
+    """This rank's state while it runs one step of ``run_schedule``. Each tensor stays referenced only while
+    it is needed (a forward's or backward's locals end with its method)."""
+
+    def __init__(self, stage: PipelineStage, schedule: Schedule, microbatches: Sequence[Any],
+                 loss_fn: Callable[[Tensor, Any], Tensor], pp_group: Group, activation: TensorSpec) -> None:
+        self.stage, self.schedule, self.microbatches, self.loss_fn = stage, schedule, microbatches, loss_fn
+        self.pp_group, self.activation = pp_group, activation
+        self.rank, self.m = group_rank(pp_group), schedule.num_microbatches
+        self.last_mc = schedule.pp * schedule.vpp - 1
+        self.posted: deque[P2PHandle] = deque()   # posted batches not yet waited on, in posting order
+        self.inbox: dict[tuple[str, int, int], tuple[Tensor, P2PHandle]] = {}   # posted receives, until their compute
+        self.outbox: dict[tuple[str, int, int], Tensor] = {}   # computed, until their send is posted
+        self.saved: dict[tuple[int, int], tuple[Tensor | None, Tensor, Tensor | None]] = {}   # until the backward
+        self.losses: list[tuple[int, Tensor]] = []
+        self.extra_total: Tensor | None = None
+        self.peak = 0
+
+    def post(self, batch: tuple[Action, ...]) -> None:
+        """Post one batch of sends/receives together; a receive is waited on only by its consumer."""
+        sends, recvs = [], []
+        for a in batch:
+            peer = peer_of(a, self.rank, self.schedule.pp)
+            if a.kind.startswith("SEND"):
+                sends.append((self.outbox.pop((a.kind[-1], a.microbatch, a.chunk)), peer))
             else:
-                activation.check(out, f"output of chunk {a.chunk} (model chunk {mc}) for micro-batch {a.microbatch}")
-                outbox[("F", a.microbatch, a.chunk)] = out.detach()
-            if not schedule.forward_only:
-                saved[key] = (hidden, out, extra)
-                peak = max(peak, len(saved))
+                recvs.append((self.activation.empty(), peer))
+        handle = batch_send_recv(sends, recvs, self.pp_group)
+        received = iter(recvs)
+        for a in batch:
+            if a.kind.startswith("RECV"):
+                self.inbox[(a.kind[-1], a.microbatch, a.chunk)] = (next(received)[0], handle)
+        self.posted.append(handle)
+
+    def received(self, key: tuple[str, int, int]) -> Tensor:
+        """The received tensor ``key``, after waiting for its batch and, first, every batch posted before it."""
+        buf, handle = self.inbox.pop(key)
+        while not handle.done:
+            self.posted.popleft().wait()
+        return buf
+
+    def forward(self, a: Action) -> None:
+        forward_only = self.schedule.forward_only
+        mc = model_chunk(self.rank, a.chunk, self.schedule.pp)
+        hidden = None
+        if mc > 0:
+            hidden = self.received(("F", a.microbatch, a.chunk)).requires_grad_(not forward_only)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not forward_only):
+            out = self.stage.forward_step(a.chunk, hidden, self.microbatches[a.microbatch])
+        out, extra = out if isinstance(out, tuple) else (out, None)
+        if extra is not None:
+            self.extra_total = extra.detach() if self.extra_total is None else self.extra_total + extra.detach()
+            extra = extra / self.m
+        if mc == self.last_mc:
+            loss = self.loss_fn(out, self.microbatches[a.microbatch])
+            self.losses.append((a.microbatch, loss.detach()))
+            out = loss / self.m
         else:
-            hidden, out, extra = saved.pop(key)
-            outputs, grads = [out], [None if mc == last_mc else _received(inbox, ("B", a.microbatch, a.chunk))]
-            if extra is not None:
-                outputs.append(extra)
-                grads.append(None)  # d(objective)/d(extra) = 1
-            torch.autograd.backward(outputs, grads)
-            if mc > 0:
-                grad = hidden.grad if hidden.grad is not None else torch.zeros_like(hidden)
-                outbox[("B", a.microbatch, a.chunk)] = grad
-    for handle in sending:
-        handle.wait()
-    if saved or inbox or outbox:
-        raise RuntimeError(f"rank {rank}: schedule left work behind: saved={sorted(saved)} "
-                           f"inbox={sorted(inbox)} outbox={sorted(outbox)}")
-    return PipelineResult(losses=[loss for _, loss in sorted(losses, key=lambda t: t[0])],
-                          extra_loss=None if extra_total is None else extra_total / m, peak_in_flight=peak)
+            self.activation.check(out, f"output of chunk {a.chunk} (model chunk {mc}) for micro-batch {a.microbatch}")
+            self.outbox[("F", a.microbatch, a.chunk)] = out.detach()
+        if not forward_only:
+            self.saved[(a.microbatch, a.chunk)] = (hidden, out, extra)
+            self.peak = max(self.peak, len(self.saved))
 
+    def backward(self, a: Action) -> None:
+        mc = model_chunk(self.rank, a.chunk, self.schedule.pp)
+        hidden, out, extra = self.saved.pop((a.microbatch, a.chunk))
+        outputs, grads = [out], [None if mc == self.last_mc else self.received(("B", a.microbatch, a.chunk))]
+        if extra is not None:
+            outputs.append(extra)
+            grads.append(None)  # d(objective)/d(extra) = 1
+        torch.autograd.backward(outputs, grads)
+        if mc > 0:
+            grad = hidden.grad if hidden.grad is not None else torch.zeros_like(hidden)
+            self.outbox[("B", a.microbatch, a.chunk)] = grad
 
-def _communicate(batch: tuple[Action, ...], rank: int, pp: int, pp_group: Group, activation: TensorSpec,
-                 inbox: dict, outbox: dict) -> P2PHandle:
-    """Post one batch of sends/receives together; a receive is waited on only by its consumer."""
-    sends, recvs = [], []
-    for a in batch:
-        kind = a.kind[-1]
-        peer = peer_of(a, rank, pp)
-        if a.kind.startswith("SEND"):
-            sends.append((outbox.pop((kind, a.microbatch, a.chunk)), peer))
-        else:
-            recvs.append((activation.empty(), peer))
-    handle = batch_send_recv(sends, recvs, pp_group)
-    received = iter(recvs)
-    for a in batch:
-        if a.kind.startswith("RECV"):
-            inbox[(a.kind[-1], a.microbatch, a.chunk)] = (next(received)[0], handle)
-    return handle
-
-
-def _received(inbox: dict, key: tuple[str, int, int]) -> Tensor:
-    buf, handle = inbox.pop(key)
-    handle.wait()
-    return buf
+    def finish(self) -> PipelineResult:
+        """Wait for the last sends; the step's result."""
+        while self.posted:
+            self.posted.popleft().wait()
+        if self.saved or self.inbox or self.outbox:
+            raise RuntimeError(f"rank {self.rank}: schedule left work behind: saved={sorted(self.saved)} "
+                               f"inbox={sorted(self.inbox)} outbox={sorted(self.outbox)}")
+        extra = None if self.extra_total is None else self.extra_total / self.m
+        return PipelineResult(losses=[loss for _, loss in sorted(self.losses, key=lambda t: t[0])],
+                              extra_loss=extra, peak_in_flight=self.peak)
 
 
 def reduce_step_losses(result: PipelineResult, pp_group: Group, device: torch.device | str = "cpu") -> Tensor:

@@ -41,9 +41,12 @@ class TensorSpec:
 
 @dataclass
 class P2PHandle:
-    """Outstanding transfers of one batch; ``wait()`` blocks until all completed.
+    """Outstanding transfers of one batch; ``wait()`` waits until all completed (on NCCL: makes the
+    current stream wait for them, no host synchronisation).
 
     Idempotent: a gloo receive waited on twice would wait for a second message that never comes.
+    After waiting it drops its works, which hold the batch's tensors (sent and receive buffers), so that
+    each is freed as soon as its last other user lets it go.
     """
 
     works: tuple[dist.Work, ...]
@@ -53,7 +56,7 @@ class P2PHandle:
         if not self.done:
             for w in self.works:
                 w.wait()
-            self.done = True
+            self.works, self.done = (), True
 
 
 def next_rank(group: Group) -> int:

@@ -82,7 +82,8 @@ def _world() -> dict:
         grads = {n: gather_full(g, shards_of(params[n])) for n, g in sync.gathered_grads().items()}
         out[key] = {"pp": dims.pp_rank, "dp": dims.dp_rank, "tp": dims.tp_rank, "losses": result.losses,
                     "grads": grads, "dp_size": dims.dp,
-                    "lm": stage.lm_losses, "mtp": stage.mtp_losses, "moe_infos": sorted(stage.moe_infos)}
+                    "lm": stage.lm_losses, "mtp": stage.mtp_losses, "moe_infos": sorted(stage.moe_infos),
+                    "graph_free": all(i.aux_loss.grad_fn is None for i in stage.moe_infos.values())}
     return out
 
 
@@ -117,3 +118,5 @@ def test_pipelined_decoder_equals_world1(world, key):
     # every (micro-batch, MoE layer) info, each on the stage that holds the layer
     infos = sorted({key for r in ranks for key in r["moe_infos"]})
     assert infos == [(i, layer) for i in range(M) for layer in moe_layers]
+    # kept without their graphs (which would keep each chunk's input and its gradient to the step's end)
+    assert all(r["graph_free"] for r in ranks)

@@ -66,11 +66,12 @@ def _p2p_checks(group) -> dict:
     h_recv.wait()
     h_send.wait()
     h_recv.wait()  # idempotent (a second gloo wait on a receive would hang)
+    released = h_recv.works == () == h_send.works  # a waited handle no longer holds the batch's tensors
     # Both directions at once in one batch (the NCCL-deadlock-prone pattern).
     from_next, from_prev = torch.empty(4), torch.empty(4)
     batch_send_recv([(torch.full((4,), 10.0 + rank), next_rank(group)), (torch.full((4,), 20.0 + rank),
                      prev_rank(group))], [(from_next, next_rank(group)), (from_prev, prev_rank(group))], group).wait()
-    return {"ring": buf, "from_next": from_next, "from_prev": from_prev}
+    return {"ring": buf, "from_next": from_next, "from_prev": from_prev, "released": released}
 
 
 def _world() -> dict:
@@ -100,6 +101,7 @@ def test_p2p_ring_and_bidirectional(world):
         assert torch.equal(p2p["ring"], torch.full((2, 3), float((rank - 1) % 4)))
         assert torch.equal(p2p["from_next"], torch.full((4,), 20.0 + (rank + 1) % 4))
         assert torch.equal(p2p["from_prev"], torch.full((4,), 10.0 + (rank - 1) % 4))
+        assert p2p["released"]
 
 
 def _pipeline_ranks(world: list[dict], key: str) -> list[dict]:

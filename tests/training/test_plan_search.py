@@ -25,6 +25,7 @@ from moefold.parallel.dims import ParallelConfig
 from moefold.training import cli
 from moefold.training.config import RunConfig, TrainConfig
 from moefold.training.plan.cluster import CLUSTERS
+from moefold.training.plan.profile import activation_memory
 from moefold.training.plan.report import commands, train_flags, why_not
 from moefold.training.plan.search import Fixed, evaluate, recompute_ladder, search
 from moefold.training.train_cli import config_from_args, validate_layout
@@ -59,7 +60,10 @@ def test_deepseek_v3_report_layout_fits_80gb() -> None:
     assert (plan.sizes.tp, plan.sizes.pp, plan.sizes.ep, plan.sizes.dp, plan.sizes.edp) == (1, 16, 64, 128, 2)
     assert plan.fits and plan.memory.static.exact, why_not(plan)
     assert plan.memory.total <= GB80
-    assert plan.memory.activations.in_flight == 15       # 1F1B: pp - 1 on stage 1, the fullest
+    # the fullest stage is the last (head, fp32 logits, MTP), where 1F1B holds one micro-batch at a time;
+    # stage 1 holds pp - 1
+    assert (plan.memory.pp_rank, plan.memory.activations.in_flight) == (15, 1)
+    assert activation_memory(plan.config, plan.sizes, 1, plan.num_micro).in_flight == 15
     assert plan.time is not None and plan.time.tokens_per_s_per_gpu > 0
     # ZeRO-1 over DP: the optimizer state is sharded (dense over dp 128, experts over edp 2)
     assert plan.memory.static.optimizer < plan.memory.static.params * 2

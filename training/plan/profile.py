@@ -27,6 +27,7 @@ import numpy as np
 from moefold.models.layer_factory import is_moe_block
 from moefold.models.recompute import full_recompute_groups
 from moefold.parallel.dims import ParallelSizes
+from moefold.pipeline.actions import split_batches
 from moefold.pipeline.schedules import Schedule
 from moefold.training.config import RunConfig
 from moefold.training.plan.activations import ActivationShape, Part
@@ -218,45 +219,70 @@ def schedule_peak(schedule: tuple[str, int, int, int] | None, profiles: list[Chu
 @lru_cache(maxsize=1024)
 def _events(schedule: tuple[str, int, int, int], pp_rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray,
                                                                           np.ndarray, int]:
-    """``pipeline.executor.run_schedule``'s buffers, action by action, as counts: for each receive, forward and
-    backward of ``pp_rank``, the (micro-batch, chunk) pairs of each chunk held then (a backward's own pair
-    already released) and the point-to-point messages held; plus the action kind (0 receive, 1 forward,
-    2 backward), its chunk, and the most pairs held at once. A rank holds, before an action, the ``kept`` bytes of
-    each held pair plus that many messages plus the action's own transient (``schedule_peak``).
+    """``pipeline.executor.run_schedule``'s buffers, action by action, as counts: for each posted batch, forward
+    and backward of ``pp_rank``, the (micro-batch, chunk) pairs of each chunk held then (a backward's own pair
+    already released) and the point-to-point messages held; plus the event kind (0 a batch posted, 1 forward,
+    2 backward), its chunk, and the most pairs held at once. A rank holds, before an action, the ``kept`` bytes
+    of each held pair plus that many messages plus the action's own transient (``schedule_peak``).
 
-    Every point-to-point tensor lives until the step's end: the executor keeps each batch's handle (whose work
-    objects hold the batch's sent tensors and receive buffers, on gloo as on NCCL) until it waits on all of them
-    after the last action. So a receive adds a message for good when it is posted, and so does each sent output
-    and each sent input gradient; a chunk's ``kept`` bytes count its received input and sent output once, while
-    its micro-batch is in flight."""
+    The messages, as the executor holds them: a receive buffer from its posting until its consumer ran (a
+    received activation then is its chunk's input, in ``kept``; a received gradient is freed after its
+    backward); an input gradient from its backward until its batch is waited on, which a compute does when its
+    own input was posted in that batch or a later one (they are waited on in posting order); a sent output is
+    in its chunk's ``kept`` until its backward, and a message after that only while its batch is not waited on.
+    """
     _, pp, _, vpp = schedule
     last = pp * vpp - 1
     live = [0] * vpp
     rows, messages, kinds, chunks = [], [], [], []
-    held = most = 0
-    for action in _schedule(*schedule).rank_actions(pp_rank):
-        c = action.chunk
-        received, sent = c * pp + pp_rank > 0, c * pp + pp_rank < last
-        if action.kind in ("RECV_F", "RECV_B"):
-            held += 1
-            kind = 0
-        elif action.kind == "F":
-            held -= int(received)     # the receive buffer is now the chunk's input (in ``kept``)
-            kind = 1
-        elif action.kind == "B":
-            live[c] -= 1
-            kind = 2
+    receiving = gradients = most = 0   # receive buffers not yet consumed; input gradients not yet posted
+    unwaited: dict[int, tuple[int, list[tuple[int, int]]]] = {}   # batch -> (input gradients, outputs) it sends
+    batch_of: dict[tuple[str, int, int], int] = {}               # a posted receive -> its batch
+    backward_done: set[tuple[int, int]] = set()
+
+    def held() -> int:
+        sent = sum(g + sum(o in backward_done for o in outputs) for g, outputs in unwaited.values())
+        return receiving + gradients + sent
+
+    def wait_for(key: tuple[str, int, int]) -> None:
+        for b in [b for b in unwaited if b <= batch_of[key]]:
+            del unwaited[b]
+
+    for index, item in enumerate(split_batches(_schedule(*schedule).rank_actions(pp_rank))):
+        if isinstance(item, tuple):
+            outputs = [(a.microbatch, a.chunk) for a in item if a.kind == "SEND_F"]
+            sent_gradients = sum(a.kind == "SEND_B" for a in item)
+            unwaited[index] = (sent_gradients, outputs)
+            gradients -= sent_gradients
+            for a in item:
+                if a.kind.startswith("RECV"):
+                    batch_of[(a.kind[-1], a.microbatch, a.chunk)] = index
+                    receiving += 1
+            kind, c = 0, item[0].chunk
         else:
-            continue
+            c = item.chunk
+            received, sent = c * pp + pp_rank > 0, c * pp + pp_rank < last
+            if item.kind == "F":
+                if received:
+                    wait_for(("F", item.microbatch, c))
+                    receiving -= 1   # the receive buffer is now the chunk's input (in ``kept``)
+                kind = 1
+            else:
+                if sent:
+                    wait_for(("B", item.microbatch, c))   # the received gradient lives through the backward
+                live[c] -= 1
+                kind = 2
         rows.append(list(live))
-        messages.append(held)
+        messages.append(held())
         kinds.append(kind)
         chunks.append(c)
         if kind == 1:
             live[c] += 1
             most = max(most, sum(live))
-        elif kind == 2:   # what stays: the sent output, the received input, the input gradient it sends
-            held += int(sent) + 2 * int(received)
+        elif kind == 2:
+            receiving -= int(sent)
+            gradients += int(received)
+            backward_done.add((item.microbatch, c))
     return (np.array(rows, dtype=np.float64), np.array(messages, dtype=np.float64), np.array(kinds),
             np.array(chunks), most)
 
