@@ -17,6 +17,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import sys
 import tempfile
 import time
 import traceback
@@ -32,6 +33,15 @@ class RankFailure(RuntimeError):
     """A rank raised; the message carries its traceback."""
 
 
+def _forget_inductor_thread_pool() -> None:
+    """Drop the compile thread pool a forked rank inherited from the parent (e.g. after a world-1 ``--compile``
+    test ran there): its threads did not survive the fork, so a C++ kernel compile submitted to it would wait
+    forever. torch's own after-fork hook resets inductor's process pool, not this thread pool."""
+    async_compile = sys.modules.get("torch._inductor.async_compile")
+    if async_compile is not None:
+        async_compile.AsyncCompile.pool.cache_clear()
+
+
 def _worker(fn: Callable, rank: int, world_size: int, store_path: str, timeout: float,
             results: mp.Queue, args: tuple, kwargs: dict) -> None:
     # Lazy gloo connections: eagerly connecting the full mesh of every subgroup at once, 8
@@ -39,6 +49,7 @@ def _worker(fn: Callable, rank: int, world_size: int, store_path: str, timeout: 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       TORCH_GLOO_LAZY_INIT="1")
     torch.set_num_threads(1)  # the ranks share the machine's cores
+    _forget_inductor_thread_pool()
     try:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
