@@ -36,7 +36,6 @@ few minutes; ``--quick`` makes that a CI-sized run (tests/training/test_gpu_rehe
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime as dt
 import importlib
 import importlib.util
@@ -45,120 +44,31 @@ import os
 import platform
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent  # the checkout (training/ is a top-level folder)
+from moefold.training.gpu_check_steps import (
+    REPO,
+    Budget,
+    Step,
+    fmt,
+    last_lines,
+    pytest_summary,
+    run,
+    status_of,
+    table_rows,
+    tail,
+)
+
 GPU_PARTS = (("transformer_engine", "transformer-engine[pytorch]"), ("grouped_gemm", "grouped-gemm"))
 DEFAULT_INDEX = "https://pypi.org/simple/"
 DEFAULT_BUDGET = 440.0  # seconds: the steps' reserves are sized for it
 # tests/gpu in the order they run: quick and telling first, the compile test (Triton compiles) last
 TEST_FILES = ("test_device_agnostic.py", "test_host_sync_cuda.py", "test_gemm_backends.py", "test_fp8_cuda.py",
               "test_cp_attention.py", "test_from_hf_cuda.py", "test_compile_cuda.py")
-
-
-@dataclasses.dataclass
-class Step:
-    """One step's outcome: status is passed | failed | timed out | skipped."""
-
-    name: str
-    status: str
-    seconds: float = 0.0
-    summary: str = ""
-    output: str = ""
-
-
-class Budget:
-    """The check's total time; each step gets what is left after reserving the later steps' minimum.
-
-    ``sized_for``: the total the reserves were chosen for; a smaller budget shrinks them in proportion.
-    """
-
-    def __init__(self, seconds: float, sized_for: float | None = None) -> None:
-        self.deadline = time.monotonic() + seconds
-        self.total = seconds
-        self.scale = 1.0 if sized_for is None else min(1.0, seconds / sized_for)
-
-    def left(self) -> float:
-        return self.deadline - time.monotonic()
-
-    def for_step(self, cap: float, reserve: float = 0.0) -> float:
-        return max(0.0, min(cap, self.left() - reserve * self.scale))
-
-
-def run(cmd: list[str], timeout: float, log: Path, env: dict[str, str] | None = None,
-        cwd: Path = REPO) -> tuple[int | None, str, float]:
-    """Run ``cmd`` in its own process group; (return code or None on timeout, output, seconds).
-
-    Output goes through a file (not a pipe a stuck grandchild could hold open); on timeout the
-    whole group is terminated, then killed.
-    """
-    t0 = time.monotonic()
-    if timeout < 1:
-        return None, "no time left in the budget", 0.0
-    with tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace") as out:
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        try:
-            proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=full_env,
-                                    start_new_session=True)
-        except OSError as err:
-            return 127, f"cannot start {cmd[0]}: {err}", 0.0
-        try:
-            rc: int | None = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
-            for sig, grace in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(timeout=grace)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-        out.seek(0)
-        text = out.read()
-    seconds = time.monotonic() - t0
-    with log.open("a", encoding="utf-8") as f:
-        f.write(f"\n===== $ {' '.join(cmd)}  (rc={rc}, {seconds:.1f} s)\n{text}\n")
-    return rc, text, seconds
-
-
-def _status(rc: int | None) -> str:
-    return "timed out" if rc is None else ("passed" if rc == 0 else "failed")
-
-
-def _tail(text: str, lines: int = 40) -> str:
-    return "\n".join(text.rstrip().splitlines()[-lines:])
-
-
-def _table(text: str) -> str:
-    """The Markdown table rows a benchmark printed."""
-    return "\n".join(line for line in text.splitlines() if line.startswith("|"))
-
-
-def _pytest_summary(text: str) -> str:
-    """pytest's closing line and its short summary (-rfEs: failures, errors, skip reasons)."""
-    lines = text.rstrip().splitlines()
-    keep = [ln for ln in lines if ln.startswith(("FAILED", "ERROR", "SKIPPED"))]
-    closing = [ln for ln in lines if re.search(r"\d+ (passed|failed|skipped|error|deselected)", ln)
-               and ln.startswith("=")]
-    return "\n".join(keep + closing[-1:]) or _tail(text, 15)
-
-
-def _last_lines(text: str, starts: tuple[str, ...], n: int = 6) -> str:
-    """The last ``n`` lines of ``text`` that start with one of ``starts`` (progress bars left out)."""
-    return "\n".join([ln.strip() for ln in text.splitlines() if ln.strip().startswith(starts)][-n:])
-
-
-def _fmt(x: float | None, spec: str) -> str:
-    return "n/a" if x is None else format(x, spec)
 
 
 class Check:
@@ -191,16 +101,16 @@ class Check:
         self.steps.append(result)
         self.write()
 
-    def cmd_step(self, name: str, cmd: list[str], cap: float, reserve: float = 0.0, summarize=_tail,
+    def cmd_step(self, name: str, cmd: list[str], cap: float, reserve: float = 0.0, summarize=tail,
                  env: dict[str, str] | None = None) -> Step:
         timeout = self.budget.for_step(cap, reserve)
         if timeout < 5:
             return Step(name, "skipped", summary=f"not enough of the {self.budget.total:.0f} s budget left")
         rc, text, seconds = run(cmd, timeout, self.log, {**self.env, **(env or {})})
-        summary = summarize(text) if rc == 0 else (summarize(text) + "\n" + _tail(text, 15)).strip()
+        summary = summarize(text) if rc == 0 else (summarize(text) + "\n" + tail(text, 15)).strip()
         if rc is None:
             summary = f"timed out after {timeout:.0f} s\n{summary}"
-        return Step(name, _status(rc), seconds, summary, _tail(text))
+        return Step(name, status_of(rc), seconds, summary, tail(text))
 
     def environment(self) -> Step:
         import torch
@@ -239,7 +149,7 @@ class Check:
                                  *map(str, wheels)], self.budget.for_step(90, 300), self.log)
         names = ", ".join(w.name for w in wheels)
         if rc != 0:
-            return [f"- wheels {names}: pip {_status(rc)} in {seconds:.0f} s: {_tail(text, 2)[:300]}"], False
+            return [f"- wheels {names}: pip {status_of(rc)} in {seconds:.0f} s: {tail(text, 2)[:300]}"], False
         path = os.environ.get("PYTHONPATH", "")
         self.env["PYTHONPATH"] = f"{site}{os.pathsep}{path}" if path else str(site)
         sys.path.insert(0, str(site))
@@ -251,7 +161,7 @@ class Check:
                               60, self.log, self.env)
             ok = ok and rc == 0
             lines.append(f"  - import {module}: " + (f"ok {text.strip().splitlines()[-1] if text.strip() else ''}"
-                                                     if rc == 0 else f"FAILED: {_tail(text, 1)[:300]}"))
+                                                     if rc == 0 else f"FAILED: {tail(text, 1)[:300]}"))
         return lines, ok
 
     def _index_reachable(self) -> tuple[bool, str]:
@@ -262,7 +172,7 @@ class Check:
         rc, text, seconds = run([self.python, "-c", probe, url], 8, self.log)
         if rc == 0:
             return True, f"package index {url} answered in {seconds:.1f} s"
-        why = "no answer" if rc is None else (_tail(text, 1).split(":")[-1].strip() or "error")
+        why = "no answer" if rc is None else (tail(text, 1).split(":")[-1].strip() or "error")
         return False, f"package index {url} unreachable ({why}, {seconds:.1f} s): no network"
 
     def install(self) -> Step:
@@ -290,8 +200,8 @@ class Check:
                     rc, text, seconds = run(cmd, self.budget.for_step(self.args.install_timeout, 300), self.log,
                                             {**self.env, "MAX_JOBS": str(os.cpu_count() or 4)})
                     ok = ok and rc == 0
-                    reason = "" if rc == 0 else ": " + (_tail(text, 1) or "no output")[:200]
-                    lines.append(f"- {spec}: {_status(rc)} in {seconds:.0f} s{reason}")
+                    reason = "" if rc == 0 else ": " + (tail(text, 1) or "no output")[:200]
+                    lines.append(f"- {spec}: {status_of(rc)} in {seconds:.0f} s{reason}")
         line, built = self._deepep()
         lines.append(line)
         if built is not None:
@@ -313,13 +223,13 @@ class Check:
         rc, text, seconds = run([self.python, "-m", "pip", "install", "--no-build-isolation", "--no-deps",
                                  self.args.deepep_src], self.budget.for_step(240, 300), self.log,
                                 {**self.env, "TORCH_CUDA_ARCH_LIST": f"{major}.{minor}"})
-        return (f"- DeepEP from {self.args.deepep_src}: {_status(rc)} in {seconds:.0f} s"
-                + ("" if rc == 0 else ": " + _tail(text, 1)[:200])), rc == 0
+        return (f"- DeepEP from {self.args.deepep_src}: {status_of(rc)} in {seconds:.0f} s"
+                + ("" if rc == 0 else ": " + tail(text, 1)[:200])), rc == 0
 
     # measurements and tests -------------------------------------------------------------------
     def syncs(self) -> Step:
         return self.cmd_step("host syncs", [self.python, "-m", "moefold.training.gpu_bench", "syncs", "--device",
-                                            self.device], 90, reserve=330, summarize=_table)
+                                            self.device], 90, reserve=330, summarize=table_rows)
 
     def training(self) -> Step:
         run_dir = Path(tempfile.mkdtemp(prefix="moefold-gpu-check-"))
@@ -352,10 +262,10 @@ class Check:
             mem = last[-1].get("memory") or {}
             tokens = last[-1].get("tokens")
             step.summary = (f"{recipe} bf16, {tokens} tokens per step, world 1; mean of steps "
-                            f"{last[0]['step']}-{last[-1]['step']}: {_fmt(tps, '.0f')} tokens/s, "
-                            f"{_fmt(tflops, '.3g')} TFLOP/s, MFU {_fmt(mfu, '.3f')}; max allocated "
-                            f"{_fmt(mem.get('max_allocated_gib'), '.1f')} GiB; "
-                            f"loss {records[0]['loss_lm']:.3f} -> {records[-1]['loss_lm']:.3f}\n") + _last_lines(
+                            f"{last[0]['step']}-{last[-1]['step']}: {fmt(tps, '.0f')} tokens/s, "
+                            f"{fmt(tflops, '.3g')} TFLOP/s, MFU {fmt(mfu, '.3f')}; max allocated "
+                            f"{fmt(mem.get('max_allocated_gib'), '.1f')} GiB; "
+                            f"loss {records[0]['loss_lm']:.3f} -> {records[-1]['loss_lm']:.3f}\n") + last_lines(
                                 step.output, ("step ", "done:", "model:", "rank 0 memory"))
         elif step.status == "passed":
             step.status, step.summary = "failed", f"no step records in {metrics.name}\n{step.summary}"
@@ -370,7 +280,7 @@ class Check:
         if self.args.quick:
             cmd += ["--no-compile"]
         return self.cmd_step("MoE layer bf16 vs dense", cmd, 150, reserve=160, summarize=lambda t: "\n".join(
-            [ln for ln in t.splitlines() if ln.startswith(("device", "bf16 matmul"))] + [_table(t)]))
+            [ln for ln in t.splitlines() if ln.startswith(("device", "bf16 matmul"))] + [table_rows(t)]))
 
     def dispatch(self) -> Step:
         common = ["--dispatcher", "alltoall" + (",flex" if importlib.util.find_spec("deep_ep") is not None else "")]
@@ -388,7 +298,7 @@ class Check:
             cmd = [self.python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
                    "examples/bench_dispatch.py", *common, "--ep", str(n), "--dtype", "bf16", "--num-tokens", "8192",
                    "--hidden", "4096", "--num-experts", str(8 * n), "--topk", "8", "--iters", "10"]
-        return self.cmd_step("bench-dispatch (NCCL)", cmd, 90, reserve=120, summarize=lambda t: _tail(t, 12))
+        return self.cmd_step("bench-dispatch (NCCL)", cmd, 90, reserve=120, summarize=lambda t: tail(t, 12))
 
     def tests(self) -> Step:
         base = [self.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", "--durations=5"]
@@ -399,20 +309,20 @@ class Check:
         if deepep and not self.rehearsal:
             # DeepEP forks its ranks: a pytest process that has not initialised CUDA
             parts.append(self.cmd_step("test_deepep.py", [*base, "tests/gpu/test_deepep.py"], 150, reserve=120,
-                                       summarize=_pytest_summary))
+                                       summarize=pytest_summary))
         # a rehearsal initialises no CUDA: DeepEP's test (its CPU stand-in) runs in the same process
         files = [f"tests/gpu/{name}" for name in TEST_FILES] + (["tests/gpu/test_deepep.py"] if self.rehearsal else [])
         others = sorted({p.name for p in (REPO / "tests" / "gpu").glob("test_*.py")} - set(TEST_FILES)
                         - {"test_deepep.py"})
         parts.append(self.cmd_step("tests/gpu", [*base, *files, *(f"tests/gpu/{name}" for name in others)], 400,
-                                   summarize=_pytest_summary))
+                                   summarize=pytest_summary))
         failed = [p for p in parts if p.status != "passed"]
         status = failed[0].status if failed else "passed"
         summary = "\n\n".join(f"**{p.name}** ({p.status})\n```\n{p.summary}\n```" for p in parts)
         if not (self.rehearsal or deepep):
             summary = "test_deepep.py: not run (DeepEP is not installed)\n\n" + summary
         return Step("tests", status, sum(p.seconds for p in parts), summary,
-                    "\n\n".join(_tail(p.output, 30) for p in parts))
+                    "\n\n".join(tail(p.output, 30) for p in parts))
 
     # -- report -----------------------------------------------------------------------------
     def write(self) -> None:
