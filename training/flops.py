@@ -12,7 +12,7 @@ from __future__ import annotations
 from moefold.models.config import ModelConfig
 
 
-def _attention_macs(c: ModelConfig, seq_len: int) -> float:
+def attention_macs(c: ModelConfig, seq_len: int) -> float:
     """Multiply-adds of one attention layer for one token."""
     H, nh = c.hidden_size, c.num_attention_heads
     if c.attention == "mla":
@@ -32,7 +32,9 @@ def _attention_macs(c: ModelConfig, seq_len: int) -> float:
     return proj + nh * (dqk + dv) * context
 
 
-def _ffn_macs(c: ModelConfig, moe: bool) -> float:
+def ffn_macs(c: ModelConfig, moe: bool) -> float:
+    """Multiply-adds of one dense MLP (``moe`` False) or MoE layer (router, top-k routed and shared experts)
+    for one token."""
     H = c.hidden_size
     if not moe:
         return 3 * H * c.ffn_hidden_size
@@ -46,11 +48,11 @@ def forward_flops_per_token(c: ModelConfig, seq_len: int) -> float:
     """Forward FLOPs of one token through the whole model (all layers, head, MTP)."""
     macs = 0.0
     for i in range(c.num_layers):
-        macs += _attention_macs(c, seq_len) + _ffn_macs(c, c.is_moe_layer(i))
+        macs += attention_macs(c, seq_len) + ffn_macs(c, c.is_moe_layer(i))
     head = c.hidden_size * c.vocab_size
     macs += head
     for _ in range(c.mtp_num_layers):
-        macs += 2 * c.hidden_size * c.hidden_size + _attention_macs(c, seq_len) + _ffn_macs(c, c.num_experts > 0)
+        macs += 2 * c.hidden_size * c.hidden_size + attention_macs(c, seq_len) + ffn_macs(c, c.num_experts > 0)
         macs += head
     return 2.0 * macs
 

@@ -33,7 +33,7 @@ from moefold.pipeline.schedules import Schedule, build_schedule
 from moefold.pipeline.simulator import simulate
 from moefold.pipeline.stages import ChunkSpec
 from moefold.training.config import RunConfig
-from moefold.training.flops import _attention_macs, _ffn_macs, train_flops_per_token
+from moefold.training.flops import attention_macs, ffn_macs, train_flops_per_token
 from moefold.training.plan import comm
 from moefold.training.plan.cluster import Cluster
 from moefold.training.plan.comm import Collective
@@ -149,7 +149,7 @@ def _recompute_macs(m: ModelConfig, moe: bool, chosen: frozenset[str]) -> float:
         q = x.q_lora_rank * m.num_attention_heads * (x.qk_nope_head_dim + x.qk_rope_head_dim) if x.q_lora_rank else 0
         macs += q + x.kv_lora_rank * m.num_attention_heads * (x.qk_nope_head_dim + x.v_head_dim)
     if ("moe" in chosen and moe) or ("mlp" in chosen and not moe):
-        macs += _ffn_macs(m, moe)
+        macs += ffn_macs(m, moe)
     elif "shared_experts" in chosen and moe and m.moe_shared_expert_ffn_size:
         macs += 3 * m.hidden_size * m.moe_shared_expert_ffn_size
     return macs
@@ -204,7 +204,7 @@ def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, li
     for index, recompute_all, last_in_checkpoint in blocks:
         moe = is_moe_block(m, index)
         mtp = index >= m.num_layers
-        macs = _attention_macs(m, t.seq_length) + _ffn_macs(m, moe) + (2 * m.hidden_size ** 2 if mtp else 0)
+        macs = attention_macs(m, t.seq_length) + ffn_macs(m, moe) + (2 * m.hidden_size ** 2 if mtp else 0)
         f = 2 * macs * per_rank_tokens / flop_s
         again = f if recompute_all else 2 * (_recompute_macs(m, moe, chosen) + (
             _score_macs(m, t.seq_length) if "core_attn" in chosen else 0)) * per_rank_tokens / flop_s
