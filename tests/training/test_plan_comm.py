@@ -30,7 +30,7 @@ from moefold.training.buffers import ALIGN
 from moefold.training.config import RunConfig, TrainConfig
 from moefold.training.grad_sync import GradSync
 from moefold.training.param_sync import ParamSync
-from moefold.training.plan import comm, step_time
+from moefold.training.plan import comm, static, step_time
 from moefold.training.plan.cluster import CLUSTERS, Cluster, load_cluster, parse_bytes
 from moefold.training.plan.grid import group_members
 from moefold.training.plan.step_time import EFFICIENCY, estimate_step_time
@@ -401,7 +401,7 @@ def test_pipelined_step_moves_the_predicted_bytes():
     numels = {}
     for name, config in layouts.items():
         sizes, _ = config.resolve(WORLD)
-        numels[name] = {r: step_time.stage_numel(config, sizes, r) for r in range(sizes.pp)}
+        numels[name] = {r: static.stage_numel(config, sizes, r) for r in range(sizes.pp)}
     results = run_distributed(_measure_step, WORLD, layouts, numels, timeout=240)
     for rank, per_rank in enumerate(results):
         for name, measured, predicted, step_measured, step_predicted, n_params in per_rank:

@@ -169,19 +169,9 @@ def static_lower_bound(config: RunConfig, sizes: ParallelSizes) -> dict[int, Sta
     shards = {"dense": sizes.dp * sizes.cp, "sp": sizes.tp * sizes.cp * sizes.dp, "expert": sizes.edp}
     out = {}
     for signature, ranks in stage_groups(config, sizes.pp).items():
-        numel: dict[tuple[str, str], int] = {}
-        has_embedding = any(c[1] for c in signature)
-        has_head = any(c[2] for c in signature)
-        moe_layers = sum(sum(c[0]) for c in signature)
-        _add(numel, counts.moe_layer, moe_layers)
-        _add(numel, counts.dense_layer, sum(len(c[0]) for c in signature) - moe_layers)
-        if has_embedding or (has_head and counts.head_embedding):
-            _add(numel, counts.embedding)
-        if has_head:
-            _add(numel, counts.head)
         params = grads = 0
         states = {"master": 0, "exp_avg": 0, "exp_avg_sq": 0}
-        for (kind, dtype), n in numel.items():
+        for (kind, dtype), n in _signature_numel(counts, signature).items():
             params += n * DTYPE_BYTES[dtype]
             grads += n * DTYPE_BYTES[precision.main_grads_dtype]
             for name, b in optimizer_state_parts(dtype, precision).items():
@@ -191,6 +181,26 @@ def static_lower_bound(config: RunConfig, sizes: ParallelSizes) -> dict[int, Sta
     return out
 
 
-def _add(numel: dict[tuple[str, str], int], items: tuple[tuple[tuple[str, str], int], ...], times: int = 1) -> None:
-    for key, n in items:
-        numel[key] = numel.get(key, 0) + n * times
+def stage_numel(config: RunConfig, sizes: ParallelSizes, pp_rank: int) -> dict[tuple[str, str], int]:
+    """Elements per (reduction kind, dtype) on ``pp_rank``'s ranks, from the blocks built on the meta device."""
+    counts = param_counts(_model_key(config), sizes.tp, sizes.ep, sizes.etp)
+    return _signature_numel(counts, stage_signature(config, sizes.pp, pp_rank))
+
+
+def _signature_numel(counts: ParamCounts, signature: tuple) -> dict[tuple[str, str], int]:
+    """Elements per (reduction kind, dtype) of a stage with ``signature`` (``stage_signature``)."""
+    numel: dict[tuple[str, str], int] = {}
+
+    def add(items: tuple[tuple[tuple[str, str], int], ...], times: int = 1) -> None:
+        for key, n in items:
+            numel[key] = numel.get(key, 0) + n * times
+
+    has_head = any(c[2] for c in signature)
+    moe_layers = sum(sum(c[0]) for c in signature)
+    add(counts.moe_layer, moe_layers)
+    add(counts.dense_layer, sum(len(c[0]) for c in signature) - moe_layers)
+    if any(c[1] for c in signature) or (has_head and counts.head_embedding):
+        add(counts.embedding)
+    if has_head:
+        add(counts.head)
+    return numel

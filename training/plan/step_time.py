@@ -38,6 +38,7 @@ from moefold.training.plan import comm
 from moefold.training.plan.cluster import Cluster
 from moefold.training.plan.comm import Collective
 from moefold.training.plan.grid import group_members, ranks_per_node, spans_nodes
+from moefold.training.plan.static import stage_numel
 
 # Fraction of the dense bf16 peak the GEMMs sustain, the non-GEMM kernels (norms, activations, softmax,
 # permutations, optimizer) folded in. An assumption, not a measurement: large bf16 GEMMs reach roughly
@@ -233,29 +234,6 @@ def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, li
 
 
 # ----------------------------------------------------------------------------------------------- data parallel
-def stage_numel(config: RunConfig, sizes: ParallelSizes, pp_rank: int) -> dict[tuple[str, str], int]:
-    """Elements per (reduction kind, dtype) on ``pp_rank``'s ranks, from the blocks built on the meta device."""
-    from moefold.training.plan.static import _key, param_counts
-
-    counts = param_counts(_key(config), sizes.tp, sizes.ep, sizes.etp)
-    numel: dict[tuple[str, str], int] = defaultdict(int)
-
-    def add(items, times: int = 1) -> None:
-        for key, n in items:
-            numel[key] += n * times
-
-    chunks = rank_chunks(config, sizes, pp_rank)
-    moe_layers = sum(config.model.is_moe_layer(i) for c in chunks for i in c.layers)
-    add(counts.moe_layer, moe_layers)
-    add(counts.dense_layer, sum(len(c.layers) for c in chunks) - moe_layers)
-    has_head = any(c.has_head for c in chunks)
-    if any(c.has_embedding for c in chunks) or (has_head and counts.head_embedding):
-        add(counts.embedding)
-    if has_head:
-        add(counts.head)
-    return dict(numel)
-
-
 def _dp_seconds(config: RunConfig, sizes: ParallelSizes, pp_rank: int, links: _Links, fwd_window: float,
                 bwd_window: float) -> float:
     t = config.train
