@@ -7,8 +7,9 @@
 - ``torch.cuda.synchronize`` -> no-op (``dist_checkpointing``'s save preloads tensors "to the host");
 - ``CudaRNGStatesTracker.fork`` -> a null context (forks CUDA RNG states; the tests use no dropout);
 - ``moe_utils.te_general_gemm = None`` (0.16.1 reads the name without Transformer Engine: a NameError);
-- ``dist_checkpointing``'s write-results queue from a *fork* multiprocessing manager (its default spawns a
-  fresh interpreter that re-imports the test module).
+- ``dist_checkpointing``'s writer runs its write buckets in the calling process, one after the other (it forks a
+  writer process per bucket and collects results through a spawned multiprocessing manager: neither can
+  start inside the daemonic ranks of ``run_distributed``); the bytes written are the same.
 
 ``init_megatron(tp, ep, ...)`` initialises ``parallel_state`` over an existing gloo world (the ranks of
 ``tests.distributed.run_distributed``). Nothing here is imported by moefold.
@@ -17,7 +18,7 @@
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
+import queue
 import warnings
 
 import pytest
@@ -51,8 +52,25 @@ def patch_for_cpu() -> None:
     moe_utils.te_general_gemm = None
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
+    filesystem_async._get_write_results_queue = queue.Queue
+    filesystem_async.FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(_write_in_process)
+
+
+def _write_in_process(transform_list, use_msc, rank, write_buckets, global_results_queue) -> None:
+    """``FileSystemWriterAsync.write_preloaded_data_multiproc`` without processes (same results protocol)."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    results, count = queue.Queue(), queue.Queue()
+    out: dict | Exception = {}
+    for i, bucket in enumerate(write_buckets):
+        count.put(i)
+        FileSystemWriterAsync.write_preloaded_data(transform_list, i, bucket, results, count, True)
+        idx, value = results.get()
+        if isinstance(value, Exception):
+            out = value
+            break
+        out[idx] = value
+    global_results_queue.put(out)
 
 
 def init_megatron(tp: int = 1, ep: int = 1, pp: int = 1, etp: int | None = None) -> None:

@@ -36,6 +36,8 @@ class TrainConfig:
     lr_decay_iters: int | None = None          # None: train_iters
     lr_wsd_decay_iters: int = 0
     lr_wsd_decay_style: str = "linear"
+    lr_warmup_init: float = 0.0                # Megatron's --lr-warmup-init: the lr of step 0
+    lr_warmup_skip_zero: bool = False          # warmup lr * (step + 1) / warmup (moefold's earlier convention)
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -144,7 +146,8 @@ class TrainConfig:
     def lr_schedule(self) -> LRSchedule:
         return LRSchedule(lr=self.lr, min_lr=self.min_lr, warmup_iters=self.lr_warmup_iters,
                           decay_iters=self.lr_decay_iters or self.train_iters, style=self.lr_decay_style,
-                          wsd_decay_iters=self.lr_wsd_decay_iters, wsd_decay_style=self.lr_wsd_decay_style)
+                          wsd_decay_iters=self.lr_wsd_decay_iters, wsd_decay_style=self.lr_wsd_decay_style,
+                          warmup_init=self.lr_warmup_init, warmup_skip_zero=self.lr_warmup_skip_zero)
 
 
 @dataclass(frozen=True)
