@@ -63,6 +63,14 @@ class TrainConfig:
     data_path: tuple[str, ...] = ()            # Megatron style: PREFIX or W1 PREFIX1 W2 PREFIX2 ...; () = built-in
     vocab_size: int | None = None              # built-in corpus vocabulary (None: the model's)
     data_cache_dir: str | None = None
+    data_order: str = "moefold"                # moefold (independent of the run length) | megatron (GPTDataset's)
+    mid_level_dataset_surplus: float = 0.005   # --data-order megatron: Megatron's per-corpus sample surplus
+    # Megatron-LM's tokenizer flags (training.data.megatron_tokenizer): the model's vocabulary and SAVE/hf_assets
+    tokenizer_type: str | None = None
+    tokenizer_model: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    make_vocab_size_divisible_by: int = 128
     # output
     run_dir: str = "runs/moefold"
     log_interval: int = 10
@@ -75,6 +83,7 @@ class TrainConfig:
     # starting weights (train --load-hf): the architecture and weights of an HF (or moefold) directory
     load_hf: str | None = None
     moe_use_upcycling: bool = False            # load_hf holds a dense model: start from its upcycled MoE
+    load_megatron: str | None = None           # starting weights from a Megatron-Core torch_dist checkpoint
     # validation (training.evaluate): with --split or --valid-data-path
     eval_interval: int | None = None           # every N steps (None: only at the end of the run)
     eval_iters: int = 10                       # global batches per evaluation
@@ -126,6 +135,12 @@ class TrainConfig:
             from moefold.training.data.validation import parse_split
 
             parse_split(self.split)
+        if self.data_order not in ("moefold", "megatron"):
+            raise ValueError(f"--data-order={self.data_order!r}; valid: moefold, megatron")
+        if self.load_hf and self.load_megatron:
+            raise ValueError("give either --load-hf or --load-megatron (the starting weights), not both")
+        if not 0 <= self.mid_level_dataset_surplus < float("inf"):
+            raise ValueError(f"--mid-level-dataset-surplus={self.mid_level_dataset_surplus} must be >= 0")
         if self.moe_use_upcycling and not self.load_hf:
             raise ValueError("--moe-use-upcycling needs --load-hf DIR (the dense checkpoint to upcycle)")
         self.optimizer_precision()  # validates the dtypes

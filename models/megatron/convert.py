@@ -47,7 +47,7 @@ FORMAT = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common
 
 def is_megatron_checkpoint(path: str | os.PathLike) -> bool:
     p = Path(path)
-    return (p / TRACKER).is_file() or (p / ".metadata").is_file() and (p / "metadata.json").is_file()
+    return (p / TRACKER).is_file() or ((p / ".metadata").is_file() and (p / "metadata.json").is_file())
 
 
 def find_megatron_checkpoint(path: str | os.PathLike) -> Path:
@@ -266,12 +266,12 @@ def load_megatron_weights(model: MoEDecoder, path: str | os.PathLike, strict: bo
                              f"{list(want)}")
         box = local_box(shape, shards_of(tensor))
         plan.append((name, tensor, src, box, [(key, b) for b in _requests(src, key, shape, box, config)]))
-        used.add(key)
+        used.update(src.keys)   # an export holds both specs' names of a norm
     if missing:
         raise ValueError(f"{len(missing)} tensors missing in the Megatron checkpoint {path}: {', '.join(missing)}")
     if strict and model.embed_tokens is not None and model.output_head is not None \
             and len(model.layers) == config.num_layers:
-        unknown = [k for k in reader.keys() if k not in used and not is_transient(k)
+        unknown = [k for k in reader.tensors if k not in used and not is_transient(k)
                    and not (config.tie_word_embeddings and k == "output_layer.weight")]
         if unknown:
             raise ValueError(f"{len(unknown)} Megatron tensors match no moefold parameter: {', '.join(unknown)} "

@@ -2,7 +2,7 @@
 
 Loading never executes code from the files: ``.metadata`` (a pickle) is read by an unpickler that accepts only
 the classes DCP's metadata consists of (``torch.distributed.checkpoint.{metadata,planner,filesystem}``,
-``torch.Size``, dtypes, layouts, memory formats) and fails naming any other; tensor data is read by DCP's
+``torch.Size``, dtypes, layouts, memory formats, ``pathlib`` paths) and fails naming any other; tensor data is read by DCP's
 ``FileSystemReader`` (``torch.load(weights_only=True)`` per chunk); byte items (Megatron's ``ShardedObject``:
 Transformer Engine extra state, RNG states, optimizer objects) are never unpickled.
 
@@ -29,7 +29,9 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 METADATA = ".metadata"
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
                 "torch.distributed.checkpoint.filesystem")
-_TORCH_NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+_TORCH_NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+                ("pathlib", "PureWindowsPath"), ("pathlib", "Path")}   # StorageMeta.checkpoint_id
 _BUILTINS = {t.__name__: t for t in (set, frozenset, tuple, list, dict, int, float, str, bytes, bool, slice,
                                       complex, bytearray)}
 

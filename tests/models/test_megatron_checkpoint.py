@@ -179,7 +179,8 @@ def megatron_checkpoint(tmp_path_factory):
 def test_megatron_checkpoint_imports_with_megatrons_logits_and_losses(megatron_checkpoint, tmp_path):
     ckpt, ref = megatron_checkpoint
     config = megatron_config(ckpt)
-    assert (config.num_layers, config.num_experts, config.mtp_num_layers, config.moe_expert_bias) == (LAYERS, 4, 1, True)
+    assert (config.num_layers, config.num_experts, config.mtp_num_layers, config.moe_expert_bias) == \
+        (LAYERS, 4, 1, True)
     out = tmp_path / "export"
     ours = run_distributed(_moefold_outputs, 1, ckpt, ParallelConfig(), str(out))[0]
     torch.testing.assert_close(ours["logits"], ref["logits"], rtol=1e-5, atol=1e-5)
@@ -225,3 +226,42 @@ class _Boom:
 def _explode():
     _Boom.ran = True
     raise AssertionError("code from the checkpoint ran")
+
+
+def _trainer_logits(ckpt: str, run_dir: str) -> torch.Tensor:
+    from moefold.training.cli import build_parser
+    from moefold.training.cli.train import config_from_args
+    from moefold.training.trainer import Trainer
+
+    args = build_parser("train").parse_args(["train", "--load-megatron", ckpt, "--seq-length", str(S),
+                                             "--micro-batch-size", "2", "--global-batch-size", "2", "--no-save",
+                                             "--run-dir", run_dir])
+    config = config_from_args(args)
+    trainer = Trainer(config, ParallelDims.build(config.parallel), device="cpu")
+    trainer.model.eval()
+    return trainer.model.logits(_batch()[0])
+
+
+def test_cli_convert_and_train_load_megatron(megatron_checkpoint, tmp_path):
+    """``moefold convert --from megatron`` (-> moefold, -> --to megatron) and ``train --load-megatron`` start from
+    Megatron's weights."""
+    from moefold.models.checkpoint import load_checkpoint
+    from moefold.training.cli import main as cli_main
+
+    ckpt, ref = megatron_checkpoint
+    assert cli_main(["convert", "--from", "megatron", ckpt, str(tmp_path / "mf")]) == 0
+    model = load_checkpoint(tmp_path / "mf")
+    model.eval()
+    torch.testing.assert_close(model.logits(_batch()[0]), ref["logits"], rtol=1e-5, atol=1e-5)
+    assert cli_main(["convert", str(tmp_path / "mf"), str(tmp_path / "back"), "--to", "megatron"]) == 0
+    assert (tmp_path / "back" / "latest_checkpointed_iteration.txt").read_text() == "release"
+    again = import_megatron(tmp_path / "back")
+    again.eval()
+    torch.testing.assert_close(again.logits(_batch()[0]), ref["logits"], rtol=1e-5, atol=1e-5)
+    logits = run_distributed(_trainer_logits, 1, ckpt, str(tmp_path / "run"))[0]
+    torch.testing.assert_close(logits, ref["logits"], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="--hidden-size .*cannot be combined with --load-megatron"):
+        from moefold.training.cli import build_parser
+        from moefold.training.cli.train import config_from_args
+
+        config_from_args(build_parser("train").parse_args(["train", "--load-megatron", ckpt, "--hidden-size", "64"]))

@@ -63,7 +63,8 @@ class MegatronIndexedDatasetWriter:
         self.vocab_size = int(vocab_size)
         self.dtype = dtype or optimal_dtype(self.vocab_size)
         if not any(d is self.dtype for d in DTYPE_CODES.values()):
-            raise ValueError(f"dtype {self.dtype} is not one of Megatron's {[d.__name__ for d in DTYPE_CODES.values()]}")
+            valid = [d.__name__ for d in DTYPE_CODES.values()]
+            raise ValueError(f"dtype {self.dtype} is not one of Megatron's {valid}")
         self._tmp_bin = Path(f"{self.prefix}.bin.tmp{os.getpid()}")
         self._tmp_idx = Path(f"{self.prefix}.idx.tmp{os.getpid()}")
         self._tmp_bin.parent.mkdir(parents=True, exist_ok=True)
@@ -137,7 +138,8 @@ class MegatronIndexedDataset:
                 raise FileNotFoundError(f"{p}: no such file (expected the pair {bpath.name}/{ipath.name})")
         size = ipath.stat().st_size
         if size < HEADER_BYTES:
-            raise ValueError(f"{ipath}: {size} bytes is shorter than Megatron's {HEADER_BYTES}-byte header (truncated?)")
+            raise ValueError(f"{ipath}: {size} bytes is shorter than Megatron's {HEADER_BYTES}-byte header "
+                             "(truncated?)")
         with open(ipath, "rb") as f:
             magic, version, code, num_seqs, num_doc_idx = _HEADER.unpack(f.read(HEADER_BYTES))
         if magic != MAGIC:

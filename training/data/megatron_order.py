@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -63,9 +64,9 @@ def split_matrix(split: str) -> list[tuple[float, float] | None]:
     if not 1 <= len(values) <= 3 or sum(values) <= 0:
         raise ValueError(f"--split {split!r}: give up to three non-negative shares train,valid,test such as 969,30,1")
     vector = normalize(values + [0.0] * (3 - len(values)))
-    ends = functools.reduce(lambda a, b: a + [a[-1] + b], [[0], *vector])
+    ends = functools.reduce(lambda a, b: [*a, a[-1] + b], [[0], *vector])
     out: list[tuple[float, float] | None] = []
-    for lo, hi in zip(ends[:-1], ends[1:]):
+    for lo, hi in itertools.pairwise(ends):
         out.append(None if hi <= lo else (lo, hi))
     return out
 
@@ -183,7 +184,7 @@ def exhaustive_blending_indices(sizes: Sequence[int]) -> tuple[np.ndarray, np.nd
 
 def _size_per_split_per_dataset(weights: Sequence[float], sizes: Sequence[int], surplus: float = 0.0,
                                 ) -> list[list[int]]:
-    return [[int(math.ceil(math.ceil(s * w) * (1 + surplus))) for s in sizes] for w in weights]
+    return [[math.ceil(math.ceil(s * w) * (1 + surplus)) for s in sizes] for w in weights]
 
 
 # --------------------------------------------------------------------------------------------- datasets
@@ -354,7 +355,7 @@ def _split_datasets(prefix: str, matrix: Sequence[tuple[float, float] | None], s
         if bookends is None:
             out.append(None)
             continue
-        begin, end = int(round(bookends[0] * float(n))), int(round(bookends[1] * float(n)))
+        begin, end = round(bookends[0] * float(n)), round(bookends[1] * float(n))   # Megatron's int(round())
         if end <= begin:
             raise ValueError(f"--split leaves no {SPLITS[s]} sequences in {prefix} ({n} sequences)")
         out.append(MegatronGPTDataset(data, np.arange(begin, end, dtype=np.int32), sizes[s], seq_length, seed,

@@ -186,3 +186,55 @@ def test_blending_indices_equal_megatron_helper():
         ours = blending_indices(w.tolist(), 5000)
         np.testing.assert_array_equal(ours[0], di)
         np.testing.assert_array_equal(ours[1], dsi)
+
+
+def test_train_data_order_megatron_is_megatrons(tmp_path):
+    """``moefold train --data-order megatron`` (run.build_dataset) hands out Megatron's train and valid samples."""
+    from moefold.models.recipes import get_recipe
+    from moefold.parallel.dims import ParallelDims
+    from moefold.training.cli import build_parser
+    from moefold.training.cli.train import config_from_args
+    from moefold.training.run import build_dataset
+
+    a, b = _corpora(tmp_path)
+    flags = ["train", "--recipe", "qwen3_moe_tiny", "--vocab-size", str(VOCAB), "--data-order", "megatron",
+             "--data-path", "0.4", a, "0.6", b, "--split", "90,10,0", "--seq-length", "16", "--train-iters", "6",
+             "--global-batch-size", "8", "--micro-batch-size", "4", "--eval-iters", "2", "--eval-interval", "3",
+             "--seed", "5", "--no-save", "--run-dir", str(tmp_path / "run")]
+    config = config_from_args(build_parser("train").parse_args(flags))
+    assert config.model.vocab_size == get_recipe("qwen3_moe_tiny").with_(vocab_size=VOCAB).vocab_size
+    dims = ParallelDims.single()
+    sizes = num_samples_per_split(6, 8, 2, 3)
+    theirs = _megatron_datasets(([a, b], [0.4, 0.6]), None, "90,10,0", sizes, seq_len=16, seed=5)
+    _assert_same_samples(build_dataset(config, dims), theirs[0], "train")
+    _assert_same_samples(build_dataset(config, dims, part="valid"), theirs[1], "valid")
+
+
+def test_prepare_data_megatron_format_and_gpt2_tokenizer(tmp_path):
+    """``prepare-data --format megatron --tokenizer-type GPT2BPETokenizer --vocab-file --merge-file`` tokenises as
+    transformers' GPT2Tokenizer (Megatron's GPT-2 BPE) does, and Megatron's IndexedDataset reads the result."""
+    import json
+
+    from megatron.core.datasets.indexed_dataset import IndexedDataset as MegatronIndexed
+    from transformers import GPT2Tokenizer
+
+    from moefold.training.cli import main as cli_main
+    from moefold.training.data.tokenizer import train_bpe
+
+    texts = ["def main():\n    return 42\n", "hello world, hello moefold", "x = [i * i for i in range(10)]"] * 5
+    bpe = json.loads(train_bpe(texts, 300).to_str())["model"]
+    (tmp_path / "vocab.json").write_text(json.dumps(bpe["vocab"]))
+    merges = [m if isinstance(m, str) else " ".join(m) for m in bpe["merges"]]
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[:3]))
+    rc = cli_main(["prepare-data", "--input", str(docs), "--output-prefix", str(tmp_path / "c"), "--format",
+                   "megatron", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(tmp_path / "vocab.json"),
+                   "--merge-file", str(tmp_path / "merges.txt"), "--workers", "1", "--no-progress"])
+    assert rc == 0
+    ref = GPT2Tokenizer(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"))
+    eod = ref.convert_tokens_to_ids("<|endoftext|>")
+    theirs = MegatronIndexed(str(tmp_path / "c"))
+    assert len(theirs) == 3
+    for d, text in enumerate(texts[:3]):
+        assert theirs[d].tolist() == ref.encode(text) + [eod]
