@@ -260,7 +260,7 @@ def test_cli_convert_and_train_load_megatron(megatron_checkpoint, tmp_path):
     torch.testing.assert_close(again.logits(_batch()[0]), ref["logits"], rtol=1e-5, atol=1e-5)
     logits = run_distributed(_trainer_logits, 1, ckpt, str(tmp_path / "run"))[0]
     torch.testing.assert_close(logits, ref["logits"], rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="--hidden-size .*cannot be combined with --load-megatron"):
+    with pytest.raises(ValueError, match=r"--hidden-size .*cannot be combined with --load-megatron"):
         from moefold.training.cli import build_parser
         from moefold.training.cli.train import config_from_args
 

@@ -237,4 +237,4 @@ def test_prepare_data_megatron_format_and_gpt2_tokenizer(tmp_path):
     theirs = MegatronIndexed(str(tmp_path / "c"))
     assert len(theirs) == 3
     for d, text in enumerate(texts[:3]):
-        assert theirs[d].tolist() == ref.encode(text) + [eod]
+        assert theirs[d].tolist() == [*ref.encode(text), eod]
