@@ -3,8 +3,9 @@
 Loading never executes code from the files: ``.metadata`` (a pickle) is read by an unpickler that accepts only
 the classes DCP's metadata consists of (``torch.distributed.checkpoint.{metadata,planner,filesystem}``,
 ``torch.Size``, dtypes, layouts, memory formats, ``pathlib`` paths) and fails naming any other; tensor
-data is read by DCP's ``FileSystemReader`` (``torch.load(weights_only=True)`` per chunk); byte items (Megatron's ``ShardedObject``:
-Transformer Engine extra state, RNG states, optimizer objects) are never unpickled.
+data is read by DCP's ``FileSystemReader`` (``torch.load(weights_only=True)`` per chunk); byte items
+(Megatron's ``ShardedObject``: Transformer Engine extra state, RNG states, optimizer objects) are never
+unpickled.
 
 ``DcpReader.read_boxes([(key, box), ...])`` reads only the requested regions of the requested tensors in one pass
 (each rank of a parallel layout reads its slices). ``write_dcp(tensors, dir)`` writes full tensors as one
