@@ -32,8 +32,10 @@ setup(
         "tqdm",
     ],
     extras_require={
+        # megatron-core: the tests compare data order, checkpoints and conventions with Megatron's own code (its
+        # wheel needs only torch, numpy, packaging; psutil: its dist_checkpointing save path)
         "test": ["pytest", "pytest-timeout", "ruff", "import-linter==2.17", "transformers", "tensorboard",
-                 "torchao==0.18.0"],
+                 "torchao==0.18.0", "megatron-core==0.16.1", "psutil==7.2.2"],
         # FP8 training's default backend (--fp8-backend torchao): pure Python, no torch pin, CPU and CUDA
         "fp8": ["torchao==0.18.0"],
         # built against the installed torch: pip install --no-build-isolation -e ".[gpu]". DeepEP is not on

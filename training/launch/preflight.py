@@ -84,8 +84,8 @@ def same_tokenizer(a: str | os.PathLike, b: str | os.PathLike) -> bool:
 
 
 def _check_data(config: RunConfig) -> str:
-    from moefold.training.data import parse_data_path
     from moefold.training.data.corpus import max_token_id, open_indexed
+    from moefold.training.data.megatron_order import parse_blend
     from moefold.training.data.tokenizer import tokenizer_path
 
     t, vocab = config.train, config.model.vocab_size
@@ -96,7 +96,7 @@ def _check_data(config: RunConfig) -> str:
     hint = f" (moefold prepare-data --tokenizer {model_tok})" if model_tok else ""
     corpora, tokens = 0, 0
     for flag, items in (("--data-path", t.data_path), ("--valid-data-path", t.valid_data_path)):
-        for prefix in parse_data_path(list(items))[0] if items else []:
+        for prefix in parse_blend(list(items))[0] if items else []:   # Megatron's syntax, weighted or not
             try:
                 data = open_indexed(prefix)
             except (OSError, ValueError) as exc:
