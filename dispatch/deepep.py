@@ -76,6 +76,19 @@ INSTALL_HINT = (f"the flex dispatcher needs DeepEP {DEEPEP_VERSION} (not on PyPI
                 f"https://github.com/deepseek-ai/DeepEP at tag {DEEPEP_VERSION} with `python setup.py install` "
                 f"(NVSHMEM_DIR=... for groups spanning nodes); it needs CUDA GPUs with NVLink")
 DEFAULT_NUM_SMS = 20
+# DeepEP v1.2.1's dispatch and combine kernels assert num_topk <= 32 on the device (csrc/kernels/intranode.cu:187,
+# internode.cu:408 and 1393): a trap that kills the rank while its peers wait in the collective
+DEEPEP_MAX_TOPK = 32
+
+
+def check_flex_topk(topk: int, etp: int) -> None:
+    """ValueError naming both numbers when the flex dispatcher's top-k (the router's ``topk`` x ``etp``: each expert
+    is etp virtual experts, as in Megatron's flex dispatcher) exceeds what DeepEP's kernels take."""
+    if topk * etp > DEEPEP_MAX_TOPK:
+        raise ValueError(f"the flex dispatcher sends each token to --moe-router-topk x --expert-tensor-parallel-size = "
+                         f"{topk} x {etp} = {topk * etp} (virtual) experts, but DeepEP's kernels take at most "
+                         f"{DEEPEP_MAX_TOPK} (a device-side assert kills the rank); lower one of them or use the "
+                         f"alltoall dispatcher")
 
 
 def import_deep_ep() -> Any:
@@ -244,6 +257,7 @@ class FlexDispatcher(TokenDispatcher):
             raise ValueError(f"the flex dispatcher needs a hidden size that is a multiple of 8 (DeepEP copies "
                              f"16-byte words), got {H}")
         e = self.num_local_experts
+        check_flex_topk(routing.expert_ids_TK.shape[1], self.etp)   # the layout check refuses it before any rank
         topk_idx = routing.expert_ids_TK.long()
         if routing.keep_TK is not None:  # DeepEP skips -1 entries: dropped copies are never sent
             topk_idx = topk_idx.masked_fill(~routing.keep_TK.bool(), -1)
