@@ -44,6 +44,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+# What the real library rejects and the stand-in with it: (what, file:line in TransformerEngine main at d0067d0,
+# 2.20.0.dev0). tests/test_standins.py passes each of these to the stand-in and expects the rejection.
+PRECONDITIONS: tuple[tuple[str, str], ...] = (
+    ("DelayedScaling autocast entered while torch.compile traces",
+     "transformer_engine/pytorch/quantization.py:226-229 (check_recipe_support, from autocast.__enter__ :1043-1044)"),
+    ("one autocast object entered twice at once", "transformer_engine/pytorch/quantization.py:1039-1042"),
+    ("m_splits of another length than num_gemms", "transformer_engine/pytorch/module/grouped_linear.py:2197-2201"),
+    ("an FP8 input to GroupedLinear", "transformer_engine/pytorch/module/grouped_linear.py:2213-2214"),
+    ("FP8 te.Linear operands: leading dims a multiple of 8, last of 16",
+     "transformer_engine/pytorch/module/linear.py:375-376 -> transformer_engine/pytorch/utils.py:614-624"),
+)
+
 
 class Format(enum.Enum):
     E4M3 = "E4M3"
@@ -355,4 +367,4 @@ def install(monkeypatch: Any) -> types.ModuleType:
     return pt
 
 
-__all__ = ["install", "reset", "GroupedLinear", "Linear", "Reduction", "_State"]
+__all__ = ["PRECONDITIONS", "install", "reset", "GroupedLinear", "Linear", "Reduction", "_State"]
