@@ -24,7 +24,7 @@ setup(
     package_dir={f"moefold.{p}": p.replace(".", "/") for p in _FOUND},
     install_requires=[
         # 2.10: the first release with torch.nn.functional.grouped_mm; every torch name, keyword and ATen schema
-        # moefold uses resolves in 2.10.0 and 2.11.0 (python -m moefold.training.torch_api --torch-src DIR)
+        # moefold uses resolves in 2.10.0 and 2.11.0 (python -m moefold.training.gpu.torch_api --torch-src DIR)
         "torch>=2.10",
         "numpy",
         "nvidia-ml-py",
@@ -34,7 +34,8 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "ruff", "transformers", "tensorboard", "torchao==0.18.0"],
+        "test": ["pytest", "pytest-timeout", "ruff", "import-linter==2.17", "transformers", "tensorboard",
+                 "torchao==0.18.0"],
         # FP8 training's default backend (--fp8-backend torchao): pure Python, no torch pin, CPU and CUDA
         "fp8": ["torchao==0.18.0"],
         # built against the installed torch: pip install --no-build-isolation -e ".[gpu]". DeepEP is not on

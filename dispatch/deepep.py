@@ -12,7 +12,7 @@ the same class as its legacy ``deep_ep.Buffer``), used the way DeepEP's README a
   for a larger group (one spanning nodes) the RDMA hint is non-zero and allocated. Created at
   the first dispatch (a collective over the group), re-created only if a later call needs more.
   Created with ``explicitly_destroy=True`` and destroyed by ``DeepEPBuffers.destroy()`` when the run ends
-  (``training.launch`` does it before the process group goes): DeepEP's docstring warns that releasing the
+  (``training.launch.ranks`` does it before the process group goes): DeepEP's docstring warns that releasing the
   buffer in its destructor, i.e. at interpreter exit, "may cause Python's exception handling process to
   hang" (``deep_ep/buffer.py``), since its ``destroy`` synchronises the device and barriers the group.
 - ``Buffer.set_num_sms(--moe-deepep-num-sms)``: the SMs DeepEP's kernels take (even; default
@@ -72,7 +72,7 @@ from torch import Tensor
 
 from moefold.dispatch.base import Dispatched, DispatchHandle, PendingDispatch, PhaseTimer, TokenDispatcher
 from moefold.dispatch.permutation import RowMap, build_row_map, mask_groups, permute, unpermute
-from moefold.moe.routing import Routing
+from moefold.dispatch.routing import Routing
 from moefold.parallel.groups import Group
 
 DEEPEP_VERSION = "v1.2.1"

@@ -16,7 +16,7 @@ from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.parallel.fp8 import FP8Config
 from moefold.parallel.fp8_region import fp8_autocast
 from moefold.parallel.sharding import gather_full, init_parameters, shards_of
-from moefold.training.host_sync import HostSyncCounter
+from moefold.training.observe.host_sync import HostSyncCounter
 from tests.distributed import run_distributed
 from tests.moe import te_standin
 

@@ -74,7 +74,7 @@ def test_stand_in_refuses_delayed_scaling_autocast_while_compiling(monkeypatch, 
         with pt.autocast(enabled=True, recipe=recipe):
             return x + 1
 
-    with pytest.raises(Exception, match="DelayedScaling is not supported under torch.compile"):
+    with pytest.raises(Exception, match=r"DelayedScaling is not supported under torch\.compile"):
         torch.compile(enter, fullgraph=True)(torch.ones(2))
 
 

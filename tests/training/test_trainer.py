@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moefold.training.cli import main as cli_main
-from moefold.training.flops import train_flops_per_token
+from moefold.training.observe.flops import train_flops_per_token
 from moefold.training.trainer import NonFiniteError
 from tests.training.trainer_common import run, tiny_config
 
@@ -99,7 +99,7 @@ def test_batches_reach_the_device_without_blocking_the_host(monkeypatch):
     from pageable memory blocks the host whatever ``non_blocking`` says)."""
     from types import SimpleNamespace
 
-    from moefold.training.host_sync import HostSyncCounter
+    from moefold.training.observe.host_sync import HostSyncCounter
     from moefold.training.trainer import Trainer, batch_to_device
 
     batch = torch.arange(2 * 9).reshape(2, 9)
