@@ -13,7 +13,7 @@ counted:
   first at an outermost entry (quantization.py:754-756) and, at the exit of the outermost region with grad
   enabled, runs the forward amax reduction (quantization.py:779-782);
 - a TE module's first FP8 forward under ``DelayedScaling`` registers its amaxes in the global buffer of its
-  (recipe, group) key (quantization.py:512-560, called from ``module/base.py`` ``prepare_forward``); the
+  (recipe, group) key (quantization.py:501-560, called from ``module/base.py`` ``prepare_forward``); the
   first TE module of a region reduces the backward amaxes in its backward (grouped_linear.py:602-607,
   1253-1254; linear.py:1442, 1467-1469);
 - a reduction (quantization.py:656-684) concatenates every registered amax of every key and all-reduces it
@@ -115,7 +115,7 @@ class _State:
 
 
 def _key(recipe: Any, group: Any) -> str:
-    """quantization.py:712-727 ``get_unique_autocast_key``: the recipe's repr and the group's identity."""
+    """quantization.py:714-727 ``get_unique_autocast_key``: the recipe's repr and the group's identity."""
     return f"recipe={recipe!r},group={id(group) if group is not None else None}"
 
 
@@ -176,7 +176,7 @@ class autocast:  # TE's (lower-case) name
 
 
 def _fp8_forward(module: nn.Module, needs_grad: bool) -> bool:
-    """A TE module's FP8 bookkeeping at forward (``base.py`` ``prepare_forward``, quantization.py:512-560): with
+    """A TE module's FP8 bookkeeping at forward (``base.py`` ``prepare_forward``, quantization.py:501-560): with
     DelayedScaling, register this module's amaxes once. Returns whether its backward reduces the backward
     amaxes: it is the region's first module that records a backward (grouped_linear.py:602-607)."""
     s = _State.fp8
