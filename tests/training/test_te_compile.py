@@ -48,7 +48,7 @@ def eager_dynamo(monkeypatch):
 def _losses(compile: bool, recompute: str, modules: tuple[str, ...]) -> tuple[list[float], int]:
     te_standin.reset()
     counters.clear()
-    config = tiny_config(steps=2, recipe="deepseek_v3_tiny", compile=compile)
+    config = tiny_config(steps=2, recipe="deepseek_v3_tiny", compile=compile, global_batch_size=2)
     options = ModelOptions(gemm_backend="te", fp8=FP8, recompute=recompute, recompute_modules=modules)
     trainer = Trainer(dataclasses.replace(config, options=options), ParallelDims.single(), log=lambda _m: None)
     losses = [r.loss_lm for r in trainer.fit(tiny_data())]
