@@ -255,6 +255,9 @@ def _respell(own: dict[str, Any], original: dict[str, Any], c: ModelConfig) -> d
         if "partial_rotary_factor" in params:
             own["partial_rotary_factor"] = params.pop("partial_rotary_factor")
         own["rope_scaling"] = None if params["rope_type"] == "default" else params
+    if c.family == "deepseek_v3" and "aux_loss_alpha" not in original and \
+            from_hf_config(original).moe_aux_loss_coeff == c.moe_aux_loss_coeff:
+        own.pop("aux_loss_alpha")   # transformers' DeepseekV3Config has no such field: write it only when it changed
     if c.family in ("deepseek_v3", "glm4_moe") and c.mtp_num_layers == 0 and original.get("num_nextn_predict_layers"):
         # announced but absent (what save_pretrained writes): the export holds no MTP tensors either, and a
         # reader drops the announcement again (importer.load_config)
