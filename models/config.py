@@ -167,6 +167,9 @@ class ModelConfig:
             raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} gives an odd rotary dim "
                              f"{self.rotary_dim} of head_dim={self.attention_head_dim}")
         pattern = self.sliding_window_pattern
+        if isinstance(pattern, list):   # from JSON (a moefold checkpoint's config)
+            pattern = tuple(pattern)
+            object.__setattr__(self, "sliding_window_pattern", pattern)
         if pattern is not None:
             if self.sliding_window is None:
                 raise ValueError("sliding_window_pattern needs sliding_window (the window of its layers marked 1)")

@@ -231,3 +231,24 @@ def test_bad_configs(checkpoints, tmp_path):
         to_hf_config(get_recipe("mixtral_tiny").with_(attention_sinks=True))
     with pytest.raises(ValueError, match=r"GLM-4.5's o_proj has no bias"):
         to_hf_config(get_recipe("glm4_moe_tiny").with_(attention_out_bias=True))
+
+
+def test_cli_inspect_and_convert(checkpoints, tmp_path, capsys):
+    """``moefold inspect`` of a recipe and of a published config.json (Kimi-K2's, quantized weights: the config
+    reads); ``moefold convert`` HF -> moefold -> HF of GPT-OSS (its interleaved experts) bit-exact."""
+    from moefold.training.cli import main as cli
+
+    assert cli(["inspect", "--recipe", "gpt_oss_120b", "--no-layers"]) == 0
+    assert "total 116.829B" in capsys.readouterr().out
+    (tmp_path / "kimi").mkdir()
+    (tmp_path / "kimi" / "config.json").write_text(json.dumps(PUBLISHED_CONFIGS["kimi_k2"]))
+    assert cli(["inspect", "--hf", str(tmp_path / "kimi"), "--no-layers"]) == 0
+    out = capsys.readouterr().out
+    assert "total 1026.408B" in out and "active per token 32.861B" in out, out
+    src, _ = checkpoints["gpt_oss"]
+    assert cli(["convert", str(src), str(tmp_path / "mf")]) == 0
+    with TensorReader(tmp_path / "mf") as r:
+        assert r.shape("layers.0.mlp.experts.w13") == (4, 2, 16, 32) and "layers.0.self_attn.sinks" in r
+    assert cli(["convert", str(tmp_path / "mf"), str(tmp_path / "back")]) == 0
+    a, b = _tensors(src), _tensors(tmp_path / "back")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
