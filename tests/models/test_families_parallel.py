@@ -3,7 +3,8 @@
 - logits of each family's tiny HF checkpoint (transformers' own config classes) equal transformers' at tp2, ep2,
   pp2 and cp2 (every family: all their attentions take CP), and at the layouts that exercise a new feature
   further: tp4 (kv heads replicated: the qk-norm over the whole projection projects every kv head), tp2 without
-  SP, etp2 x ep2 (GPT-OSS's expert biases, the down bias added once over etp), cp2 all_gather (sinks with the
+  SP, etp2 x ep2 with the alltoall and allgather dispatchers (GPT-OSS's expert biases, the down bias added once
+  over etp), cp2 all_gather (sinks with the
   sliding window), tp2 x cp2 x ep2, pp2 x tp2;
 - loss and every parameter's gradient equal world 1's at tp2 / tp4 (projection qk-norm: the sum of squares
   all-reduced over tp, its gradient too), cp2 p2p and all_gather (sinks: their gradient is a partial sum over
@@ -48,6 +49,7 @@ LOGIT_LAYOUTS = [  # (label, ParallelConfig kwargs, ModelOptions kwargs, familie
     ("tp4", dict(tp=4), {}, ("gpt_oss", "glm4_moe", "olmoe", "minimax_m2")),
     ("tp2 no-SP", dict(tp=2), dict(sequence_parallel=False), ("olmoe", "minimax_m2")),
     ("etp2xep2", dict(ep=2, etp=2), {}, ("gpt_oss", "glm4_moe")),
+    ("etp2xep2 allgather", dict(ep=2, etp=2), dict(dispatcher="allgather"), ("gpt_oss",)),
     ("cp2 all_gather", dict(cp=2), dict(cp_comm="all_gather"), ("gpt_oss",)),
     ("tp2xcp2xep2", dict(tp=2, cp=2, ep=2), {}, ("gpt_oss", "glm4_moe", "kimi_k2")),
     ("pp2xtp2", dict(pp=2, tp=2), {}, ("gpt_oss", "minimax_m2")),
