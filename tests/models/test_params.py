@@ -99,3 +99,15 @@ def test_family_counts():
     assert [layer.kind for layer in glm.layers[:4]] == ["dense"] * 3 + ["moe"] and len(glm.mtp) == 1
     kimi = _count("kimi_k2")
     assert kimi.layers[1].counts["routed_experts"] == 384 * 3 * 7168 * 2048
+
+
+def test_flops_follow_each_layers_window():
+    """GPT-OSS: the model FLOPs count 128 keys per query on its 18 windowed layers and the causal average on the
+    18 full ones (training.flops, what MFU and the planner use)."""
+    from moefold.models.recipes import gpt_oss_120b
+    from moefold.training.flops import forward_flops_per_token
+
+    c, S = gpt_oss_120b(), 4096
+    all_windowed = c.with_(sliding_window_pattern=None)
+    extra = 18 * 2 * c.num_attention_heads * 2 * c.attention_head_dim * ((S + 1) / 2 - 128)
+    assert forward_flops_per_token(c, S) - forward_flops_per_token(all_windowed, S) == pytest.approx(extra)
