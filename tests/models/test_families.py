@@ -252,3 +252,30 @@ def test_cli_inspect_and_convert(checkpoints, tmp_path, capsys):
     assert cli(["convert", str(tmp_path / "mf"), str(tmp_path / "back")]) == 0
     a, b = _tensors(src), _tensors(tmp_path / "back")
     assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_glm_mtp_layer_roundtrip(tmp_path):
+    """GLM-4.5's MTP layer (DeepSeek-V3's layout: model.layers.{L}.eh_proj / enorm / hnorm / shared_head + an MoE
+    block) exports and imports back bit-exact; transformers, which has no MTP, loads the main model with the same
+    logits."""
+    config = get_recipe("glm4_moe_tiny").with_(vocab_size=96)
+    model = MoEDecoder(config)
+    model.init_weights(5)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("expert_bias"):
+                buf.normal_()
+    export_hf(model, tmp_path / "hf")
+    L = config.num_layers
+    names = set(_tensors(tmp_path / "hf"))
+    assert {f"model.layers.{L}.{n}" for n in ("eh_proj.weight", "enorm.weight", "hnorm.weight",
+                                               "shared_head.norm.weight", "mlp.gate.e_score_correction_bias",
+                                               "self_attn.q_proj.bias")} <= names
+    back = import_hf(tmp_path / "hf")
+    assert back.config.mtp_num_layers == 1
+    for (n, a), (m, b) in zip(model.state_dict().items(), back.state_dict().items()):
+        assert n == m and torch.equal(a, b), n
+    ids, labels = tokens(seed=1), tokens(seed=2)
+    torch.testing.assert_close(back(ids, labels).loss, model(ids, labels).loss, atol=0, rtol=0)
+    hf = transformers.Glm4MoeForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    torch.testing.assert_close(hf_logits(hf, ids), model.logits(ids), atol=TOL, rtol=0)
