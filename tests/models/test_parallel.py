@@ -25,7 +25,7 @@ from moefold.models.recipes import deepseek_v3_tiny
 from moefold.models.tensor_io import TensorReader
 from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.parallel.sharding import gather_full, shards_of
-from moefold.training.grad_sync import GradSync
+from moefold.training.optim.grad_sync import GradSync
 from tests.distributed import run_distributed
 from tests.models.hf_tiny import FAMILIES, hf_logits, save_hf, tokens
 

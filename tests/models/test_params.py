@@ -105,7 +105,7 @@ def test_flops_follow_each_layers_window():
     """GPT-OSS: the model FLOPs count 128 keys per query on its 18 windowed layers and the causal average on the
     18 full ones (training.flops, what MFU and the planner use)."""
     from moefold.models.recipes import gpt_oss_120b
-    from moefold.training.flops import forward_flops_per_token
+    from moefold.training.observe.flops import forward_flops_per_token
 
     c, S = gpt_oss_120b(), 4096
     all_windowed = c.with_(sliding_window_pattern=None)
