@@ -74,6 +74,24 @@ def needs(family: str, base: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def first_k_dense(c: ModelConfig, model: str) -> int:
+    """HF's ``first_k_dense_replace`` of ``c`` (DeepSeek-V3, GLM-4.5: k dense layers, then MoE ones), or ValueError."""
+    moe = [c.is_moe_layer(i) for i in range(c.num_layers)]
+    first_k = moe.index(True) if any(moe) else c.num_layers
+    if moe != [i >= first_k for i in range(c.num_layers)]:
+        raise ValueError(f"{model} export needs k dense layers followed by MoE layers (HF first_k_dense_replace); "
+                         f"the MoE layers are {[i for i, m in enumerate(moe) if m]}")
+    return first_k
+
+
+def n_shared_experts(c: ModelConfig) -> int:
+    """HF's ``n_shared_experts``: the shared experts' total size in routed-expert units, or ValueError."""
+    if c.moe_shared_expert_ffn_size % c.moe_ffn_hidden_size:
+        raise ValueError(f"moe_shared_expert_ffn_size={c.moe_shared_expert_ffn_size} is not a multiple of "
+                         f"moe_ffn_hidden_size={c.moe_ffn_hidden_size} (HF n_shared_experts)")
+    return c.moe_shared_expert_ffn_size // c.moe_ffn_hidden_size
+
+
 def out_bias_error(c: ModelConfig) -> str | None:
     """Why ``c``'s o_proj bias cannot be written for its family (None: it can)."""
     out_bias = c.attention_bias if c.attention_out_bias is None else c.attention_out_bias
@@ -179,18 +197,11 @@ def to_hf(c: ModelConfig, out: dict[str, Any]) -> None:
     if c.partial_rotary_factor != 1.0 or c.family == "glm4_moe":
         out["rope_parameters"]["partial_rotary_factor"] = c.partial_rotary_factor
     if c.family == "glm4_moe":
-        first_k = moe.index(True) if any(moe) else c.num_layers
-        if moe != [i >= first_k for i in range(c.num_layers)]:
-            raise ValueError(f"GLM-4.5 export needs k dense layers followed by MoE layers (HF first_k_dense_replace); "
-                             f"the MoE layers are {[i for i, m in enumerate(moe) if m]}")
-        if c.moe_shared_expert_ffn_size % c.moe_ffn_hidden_size:
-            raise ValueError(f"moe_shared_expert_ffn_size={c.moe_shared_expert_ffn_size} is not a multiple of "
-                             f"moe_ffn_hidden_size={c.moe_ffn_hidden_size} (HF n_shared_experts)")
+        first_k, shared = first_k_dense(c, "GLM-4.5"), n_shared_experts(c)
         if (c.moe_group_score_topk or 2) != 2:
             raise ValueError(f"moe_group_score_topk={c.moe_group_score_topk}: HF GLM-4.5 ranks groups by their top 2")
         out.update(**gqa, attention_bias=c.attention_bias, use_qk_norm=c.qk_norm, intermediate_size=c.ffn_hidden_size,
-                   moe_intermediate_size=c.moe_ffn_hidden_size, n_routed_experts=c.num_experts,
-                   n_shared_experts=c.moe_shared_expert_ffn_size // c.moe_ffn_hidden_size,
+                   moe_intermediate_size=c.moe_ffn_hidden_size, n_routed_experts=c.num_experts, n_shared_experts=shared,
                    routed_scaling_factor=c.moe_topk_scaling_factor, n_group=c.moe_num_groups or 1,
                    topk_group=c.moe_group_topk or 1, norm_topk_prob=c.moe_norm_topk_prob,
                    first_k_dense_replace=first_k, num_nextn_predict_layers=c.mtp_num_layers)

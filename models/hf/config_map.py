@@ -204,19 +204,13 @@ def _own_fields(c: ModelConfig, dtype: str) -> dict[str, Any]:
     moe = [c.is_moe_layer(i) for i in range(c.num_layers)]
     if c.family == "deepseek_v3":
         m = c.mla
-        first_k = moe.index(True) if any(moe) else c.num_layers   # HF: dense layers first, then MoE ones
-        if moe != [i >= first_k for i in range(c.num_layers)]:
-            raise ValueError(f"DeepSeek-V3 export needs k dense layers followed by MoE layers (HF "
-                             f"first_k_dense_replace); the MoE layers are {[i for i, m in enumerate(moe) if m]}")
-        if c.moe_shared_expert_ffn_size % c.moe_ffn_hidden_size:
-            raise ValueError(f"moe_shared_expert_ffn_size={c.moe_shared_expert_ffn_size} is not a multiple of "
-                             f"moe_ffn_hidden_size={c.moe_ffn_hidden_size} (HF n_shared_experts)")
+        first_k = more.first_k_dense(c, "DeepSeek-V3")   # HF: dense layers first, then MoE ones
         out.update(num_key_value_heads=c.num_attention_heads, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
                    qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
                    head_dim=m.qk_rope_head_dim, rope_interleave=m.rope_interleave, attention_bias=c.attention_bias,
                    intermediate_size=c.ffn_hidden_size, moe_intermediate_size=c.moe_ffn_hidden_size,
                    n_routed_experts=c.num_experts,
-                   n_shared_experts=c.moe_shared_expert_ffn_size // c.moe_ffn_hidden_size,
+                   n_shared_experts=more.n_shared_experts(c),
                    routed_scaling_factor=c.moe_topk_scaling_factor, n_group=c.moe_num_groups,
                    topk_group=c.moe_group_topk, norm_topk_prob=c.moe_norm_topk_prob, first_k_dense_replace=first_k,
                    num_nextn_predict_layers=c.mtp_num_layers, aux_loss_alpha=c.moe_aux_loss_coeff)

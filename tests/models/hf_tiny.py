@@ -119,6 +119,15 @@ def save_hf(family: str, path, seed: int = 0, changes: dict | None = None, **sav
     return model
 
 
+def save_all(families, root, ids_BS: torch.Tensor) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """({family: HF directory under ``root``}, {family: its HF logits of ``ids_BS``}) for ``families``."""
+    dirs, refs = {}, {}
+    for family in families:
+        dirs[family] = str(root / family)
+        refs[family] = hf_logits(save_hf(family, dirs[family]), ids_BS)
+    return dirs, refs
+
+
 def hf_logits(model, ids_BS: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=ids_BS).logits.float()

@@ -36,7 +36,7 @@ from moefold.pipeline.p2p import recv_forward, send_forward
 from moefold.pipeline.stages import StageLayout
 from moefold.training.optim.grad_sync import GradSync
 from tests.distributed import run_distributed
-from tests.models.hf_tiny import MORE_FAMILIES, VOCAB, hf_logits, save_hf, tokens
+from tests.models.hf_tiny import MORE_FAMILIES, VOCAB, save_all, tokens
 
 pytest.importorskip("transformers")
 
@@ -178,11 +178,8 @@ def _rank(dirs: dict[str, str], refs: dict[str, torch.Tensor], ids: torch.Tensor
 
 
 def test_families_parallel_layouts_equal_transformers(tmp_path):
-    dirs, refs = {}, {}
     ids = tokens(seq=16)
-    for family in MORE_FAMILIES:
-        dirs[family] = str(tmp_path / family)
-        refs[family] = hf_logits(save_hf(family, dirs[family]), ids)
+    dirs, refs = save_all(MORE_FAMILIES, tmp_path, ids)
     out_dir = str(tmp_path / "export")
     reports = run_distributed(_rank, 4, dirs, refs, ids, out_dir, timeout=600)
     report = {}   # the largest difference over the ranks (pp2 logits exist on the last stage's ranks only)
