@@ -78,8 +78,9 @@ def check_unquantized(config: ModelConfig) -> None:
     if quant:
         method = quant.get("quant_method", quant.get("fmt")) if isinstance(quant, dict) else quant
         raise ValueError(f"{config.name}: config.json has quantization_config (quant_method={method!r}); moefold "
-                         "reads unquantized weights: dequantize with transformers first (from_pretrained with the "
-                         "quantization config's dequantize=True, then save_pretrained)")
+                         "reads unquantized weights: dequantize with transformers first (from_pretrained with "
+                         "quantization_config=Mxfp4Config(dequantize=True) or FineGrainedFP8Config(dequantize=True), "
+                         "then save_pretrained)")
 
 
 def import_hf(path: str | os.PathLike, dims: ParallelDims | None = None, options: ModelOptions | None = None,
