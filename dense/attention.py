@@ -14,6 +14,10 @@ weight ``[out, in]`` like ``nn.Linear``:
 - ``o_proj`` row-parallel (reduce-scatter to the sequence shard under SP, else all-reduce).
 
 The block input (the sequence shard under SP) is all-gathered once for q, k and v together.
+
+Gated attention (``output_gate``, Qwen3-Next): ``q_proj`` is ``[heads * 2d, H]`` laid out per head as
+``[q_h, gate_h]`` (HF's), so a tp shard still holds whole heads; the core attention's output is multiplied by
+``sigmoid(gate)`` before ``o_proj``. Partial RoPE rotates the first ``rotary_dim`` dims of q and k only.
 """
 
 from __future__ import annotations
@@ -56,18 +60,19 @@ class GQAAttention(nn.Module):
         # replicated kv: the one kv head whose query group contains this rank's query heads
         self.kv_head_index = group_rank(tp_group) // (tp // g) if self.kv_replicated else 0
         kw = {"bias": c.bias, "init_std": c.init_std, "dtype": dtype, "device": device}
-        self.q_proj = ColumnParallelLinear(c.hidden_size, c.num_heads * d, tp_group, **kw)
+        self.q_proj = ColumnParallelLinear(c.hidden_size, c.num_heads * d * (2 if c.output_gate else 1), tp_group, **kw)
         kv_group = None if self.kv_replicated else tp_group
         self.k_proj = ColumnParallelLinear(c.hidden_size, g * d, kv_group, **kw)
         self.v_proj = ColumnParallelLinear(c.hidden_size, g * d, kv_group, **kw)
         self.o_proj = RowParallelLinear(c.num_heads * d, c.hidden_size, tp_group, sequence_parallel=sequence_parallel,
                                         **kw)
         if c.qk_norm:
-            self.q_norm = RMSNorm(d, c.norm_eps, dtype=dtype, device=device)
-            self.k_norm = RMSNorm(d, c.norm_eps, dtype=dtype, device=device)
+            norm_kw = {"zero_centered_gamma": c.zero_centered_gamma, "dtype": dtype, "device": device}
+            self.q_norm = RMSNorm(d, c.norm_eps, **norm_kw)
+            self.k_norm = RMSNorm(d, c.norm_eps, **norm_kw)
         else:
             self.q_norm = self.k_norm = None
-        self.rotary = RotaryEmbedding(d, c.rope_theta, c.yarn)
+        self.rotary = RotaryEmbedding(c.rotary_dim, c.rope_theta, c.yarn)
         self.core = CoreAttention(d ** -0.5, sliding_window=c.sliding_window, cp_group=cp_group, cp_comm=c.cp_comm)
         # selective recompute of core attention (``dense.recompute``); the model may reconfigure it
         self.recompute_core_attn = c.recompute == "selective"
@@ -90,17 +95,31 @@ class GQAAttention(nn.Module):
         if position_ids.shape != (S,):
             raise ValueError(f"GQAAttention: position_ids {tuple(position_ids.shape)} must be [{S}] "
                              "(one global position per token of this rank's sequence, before the SP split)")
-        q = self.q_proj.forward_local(x).view(S, B, self.local_heads, self.head_dim)
+        q = self.q_proj.forward_local(x).view(S, B, self.local_heads, -1)
+        gate = None
+        if self.config.output_gate:   # per head [q_h, gate_h]
+            q, gate = q.chunk(2, dim=-1)
         k = self._project_kv(self.k_proj, x).view(S, B, self.local_kv_heads, self.head_dim)
         v = self._project_kv(self.v_proj, x).view(S, B, self.local_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
         cos, sin = self.rotary(position_ids)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.o_proj(checkpointed(self.core, q, k, v, position_ids, enabled=self.recompute_core_attn))
+        q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        out = checkpointed(self.core, q, k, v, position_ids, enabled=self.recompute_core_attn)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(S, B, -1))
+        return self.o_proj(out)
+
+    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        rd = self.config.rotary_dim
+        if rd == self.head_dim:
+            return apply_rotary(x, cos, sin)
+        return torch.cat([apply_rotary(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
 
     def extra_repr(self) -> str:
         return (f"heads={self.local_heads}/{self.config.num_heads}, kv_heads={self.local_kv_heads}/"
                 f"{self.config.kv_heads}{' (replicated)' if self.kv_replicated else ''}, head_dim={self.head_dim}, "
                 f"qk_norm={self.config.qk_norm}, sliding_window={self.config.sliding_window}, "
+                f"{'output_gate, ' if self.config.output_gate else ''}"
+                f"{f'rotary_dim={self.config.rotary_dim}, ' if self.config.rotary_dim != self.head_dim else ''}"
                 f"sp={self.sequence_parallel}{', recompute core_attn' if self.recompute_core_attn else ''}")

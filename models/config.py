@@ -9,9 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-FAMILIES: tuple[str, ...] = ("deepseek_v3", "qwen3_moe", "mixtral")
+FAMILIES: tuple[str, ...] = ("deepseek_v3", "qwen3_moe", "mixtral", "qwen3_next")
 ATTENTION_KINDS: tuple[str, ...] = ("gqa", "mla")
 MOE_SCORE_FUNCTIONS: tuple[str, ...] = ("softmax", "sigmoid")
+# the token mixer of a layer (HF ``layer_types``): ``attention`` (GQA/MLA) or Gated DeltaNet
+LAYER_TYPES: tuple[str, ...] = ("full_attention", "linear_attention")
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,17 @@ class MLADims:
 
 
 @dataclass(frozen=True)
+class LinearAttentionDims:
+    """Gated DeltaNet sizes of the ``linear_attention`` layers (Qwen3-Next; HF ``linear_*``)."""
+
+    num_key_heads: int = 16
+    num_value_heads: int = 32
+    key_head_dim: int = 128
+    value_head_dim: int = 128
+    conv_kernel_size: int = 4
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only (MoE) transformer. Field names follow HF where they exist.
 
@@ -47,7 +60,7 @@ class ModelConfig:
     """
 
     name: str
-    family: Literal["deepseek_v3", "qwen3_moe", "mixtral"]
+    family: Literal["deepseek_v3", "qwen3_moe", "mixtral", "qwen3_next"]
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -96,9 +109,16 @@ class ModelConfig:
     # multi-token prediction
     mtp_num_layers: int = 0
     mtp_loss_scaling_factor: float = 0.1
+    # hybrid stacks (Qwen3-Next): the token mixer of each layer, gated attention, zero-centred norm weights
+    layer_types: tuple[str, ...] | None = None   # per layer, one of LAYER_TYPES; None = every layer attention
+    linear_attention: LinearAttentionDims | None = None   # sizes of the "linear_attention" layers
+    attention_output_gate: bool = False          # sigmoid gate from q_proj on the attention output
+    partial_rotary_factor: float = 1.0           # RoPE on the first int(head_dim * factor) dims of each head
+    norm_zero_centered_gamma: bool = False       # every RMSNorm stores gamma - 1 (Megatron --apply-layernorm-1p)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
+        self._check_hybrid()
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
@@ -135,6 +155,35 @@ class ModelConfig:
             raise ValueError(f"mtp_num_layers={self.mtp_num_layers} must be >= 0")
         if self.mtp_num_layers > 0 and not self.mtp_loss_scaling_factor >= 0:
             raise ValueError(f"mtp_loss_scaling_factor={self.mtp_loss_scaling_factor} must be >= 0")
+
+    def _check_hybrid(self) -> None:
+        # JSON round trips (checkpoint meta, run configs) hand back a list and a dict: store what the fields promise
+        if isinstance(self.layer_types, list):
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if isinstance(self.linear_attention, dict):
+            object.__setattr__(self, "linear_attention", LinearAttentionDims(**self.linear_attention))
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries, num_layers={self.num_layers}")
+            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if bad:
+                raise ValueError(f"layer_types holds {bad}; valid: {LAYER_TYPES}")
+            if "linear_attention" in self.layer_types and self.linear_attention is None:
+                raise ValueError("layer_types has linear_attention layers: they need "
+                                 "linear_attention=LinearAttentionDims(...)")
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1]")
+        gqa_only = {"attention_output_gate": self.attention_output_gate, "norm_zero_centered_gamma":
+                    self.norm_zero_centered_gamma, "partial_rotary_factor": self.partial_rotary_factor != 1.0}
+        if self.attention == "mla" and any(gqa_only.values()):
+            raise ValueError(f"{[k for k, v in gqa_only.items() if v]} are GQA features; attention='mla' has its own "
+                             "rope dims and latent norms")
+
+    def layer_type(self, index: int) -> str:
+        """The token mixer of layer ``index`` (MTP blocks, ``index >= num_layers``, are attention)."""
+        if self.layer_types is None or index >= self.num_layers:
+            return "full_attention"
+        return self.layer_types[index]
 
     @property
     def kv_heads(self) -> int:

@@ -1,6 +1,6 @@
-"""HF ``config.json`` <-> ``ModelConfig`` for DeepSeek-V3, Qwen3-MoE and Mixtral (no transformers needed),
-and their dense relatives Qwen3 and Mistral (read as the family with ``num_experts=0``: what upcycling
-starts from).
+"""HF ``config.json`` <-> ``ModelConfig`` for DeepSeek-V3, Qwen3-MoE, Mixtral and Qwen3-Next (its own fields in
+``models.hf.qwen3_next``; no transformers needed), and their dense relatives Qwen3 and Mistral (read as the
+family with ``num_experts=0``: what upcycling starts from).
 
 Reads both the transformers-5 layout (``rope_parameters``) and the older one (``rope_theta`` +
 ``rope_scaling``). Unknown architectures and unsupported features fail naming the value.
@@ -18,13 +18,15 @@ from __future__ import annotations
 from typing import Any
 
 from moefold.models.config import MLADims, ModelConfig, YarnScaling
+from moefold.models.hf import qwen3_next
 
 ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3", "Qwen3MoeForCausalLM": "qwen3_moe",
-                 "MixtralForCausalLM": "mixtral", "Qwen3ForCausalLM": "qwen3_moe", "MistralForCausalLM": "mixtral"}
+                 "MixtralForCausalLM": "mixtral", "Qwen3ForCausalLM": "qwen3_moe", "MistralForCausalLM": "mixtral",
+                 qwen3_next.ARCHITECTURE: "qwen3_next"}
 MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "qwen3": "qwen3_moe",
-               "mistral": "mixtral"}
+               "mistral": "mixtral", "qwen3_next": "qwen3_next"}
 FAMILY_ARCH = {"deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-               "mixtral": "MixtralForCausalLM"}
+               "mixtral": "MixtralForCausalLM", "qwen3_next": qwen3_next.ARCHITECTURE}
 # the dense model of a family (no experts): what upcycling turns into the family's MoE
 DENSE_ARCH = {"qwen3_moe": ("Qwen3ForCausalLM", "qwen3"), "mixtral": ("MistralForCausalLM", "mistral")}
 DENSE_MODEL_TYPES = {"qwen3", "mistral"}
@@ -83,6 +85,8 @@ def from_hf_config(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
                   attention_bias=bool(hf.get("attention_bias", False)), extra={"hf_config": dict(hf)})
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported (moefold experts are SwiGLU: 'silu')")
+    if family == "qwen3_next":
+        return qwen3_next.config_from_hf(hf, common)
     if family == "deepseek_v3":
         if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
             raise ValueError(f"DeepSeek-V3 with scoring_func={hf.get('scoring_func')!r}, topk_method="
@@ -132,12 +136,15 @@ def from_hf_config(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
 
 
 def _rope_out(c: ModelConfig) -> dict[str, Any]:
+    # Qwen3-Next's HF default is 0.25: always say it there
+    partial = ({"partial_rotary_factor": c.partial_rotary_factor}
+               if c.partial_rotary_factor != 1.0 or c.family == "qwen3_next" else {})
     if c.yarn is None:
-        return {"rope_type": "default", "rope_theta": c.rope_theta}
+        return {"rope_type": "default", "rope_theta": c.rope_theta, **partial}
     y = c.yarn
     return {"rope_type": "yarn", "rope_theta": c.rope_theta, "factor": y.factor,
             "original_max_position_embeddings": y.original_max_position_embeddings, "beta_fast": y.beta_fast,
-            "beta_slow": y.beta_slow, "mscale": y.mscale, "mscale_all_dim": y.mscale_all_dim}
+            "beta_slow": y.beta_slow, "mscale": y.mscale, "mscale_all_dim": y.mscale_all_dim, **partial}
 
 
 def _check_exportable(c: ModelConfig) -> None:
@@ -151,7 +158,11 @@ def _check_exportable(c: ModelConfig) -> None:
         "mixtral": {"attention": "gqa", "moe_score_function": "softmax", "qk_norm": False, "moe_expert_bias": False,
                     "moe_shared_expert_ffn_size": 0, "moe_topk_scaling_factor": 1.0, "moe_num_groups": None,
                     "attention_bias": False},
+        "qwen3_next": qwen3_next.required(c),
     }[c.family]
+    if c.family != "qwen3_next":   # the hybrid-stack features only Qwen3-Next's HF class has
+        need.update(layer_types=c.layer_types if set(c.layer_types or ()) <= {"full_attention"} else None,
+                    attention_output_gate=False, norm_zero_centered_gamma=False, partial_rotary_factor=1.0)
     if c.num_experts == 0:  # the dense relative: router choices are irrelevant
         need = {k: v for k, v in need.items() if not k.startswith("moe_")}
     bad = {k: getattr(c, k) for k, v in need.items() if getattr(c, k) != v}
@@ -165,7 +176,7 @@ def _check_exportable(c: ModelConfig) -> None:
 
 
 def _architecture(c: ModelConfig) -> str:
-    if c.num_experts == 0:
+    if c.num_experts == 0 and c.family != "qwen3_next":   # HF Qwen3-Next without experts is all dense MLPs
         if c.family not in DENSE_ARCH:
             raise ValueError(f"{c.name}: a {c.family} model without experts has no HF architecture "
                              f"(dense export exists for {', '.join(DENSE_ARCH)})")
@@ -178,7 +189,7 @@ def _own_fields(c: ModelConfig, dtype: str) -> dict[str, Any]:
     _check_exportable(c)
     arch = _architecture(c)
     out: dict[str, Any] = {
-        "architectures": [arch], "model_type": DENSE_ARCH[c.family][1] if c.num_experts == 0 else c.family,
+        "architectures": [arch], "model_type": c.family if arch == FAMILY_ARCH[c.family] else DENSE_ARCH[c.family][1],
         "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "num_hidden_layers": c.num_layers,
         "num_attention_heads": c.num_attention_heads, "max_position_embeddings": c.max_position_embeddings,
         "rms_norm_eps": c.norm_eps, "tie_word_embeddings": c.tie_word_embeddings, "hidden_act": "silu",
@@ -213,6 +224,8 @@ def _own_fields(c: ModelConfig, dtype: str) -> dict[str, Any]:
                        norm_topk_prob=c.moe_norm_topk_prob, decoder_sparse_step=1,
                        mlp_only_layers=[i for i in range(c.num_layers) if not moe[i]],
                        router_aux_loss_coef=c.moe_aux_loss_coeff)
+    elif c.family == "qwen3_next":
+        out.update(qwen3_next.hf_fields(c))
     elif c.num_experts:
         if not all(moe):
             raise ValueError("Mixtral export needs every layer to be MoE")
@@ -230,11 +243,14 @@ def _respell(own: dict[str, Any], original: dict[str, Any], c: ModelConfig) -> d
     own = dict(own)
     if "torch_dtype" in original and "dtype" not in original:
         own["torch_dtype"] = own.pop("dtype")
-    if _rope(original) == (c.rope_theta, c.yarn):   # same rotary embedding: keep its keys as they were
-        del own["rope_parameters"]
+    partial = qwen3_next.partial_rotary_factor(original, 1.0 if c.family != "qwen3_next" else None)
+    if _rope(original) == (c.rope_theta, c.yarn) and partial == c.partial_rotary_factor:
+        del own["rope_parameters"]                   # same rotary embedding: keep its keys as they were
     elif "rope_parameters" not in original:          # older layout: rope_theta + rope_scaling
         params = own.pop("rope_parameters")
         own["rope_theta"] = params.pop("rope_theta")
+        if "partial_rotary_factor" in params:
+            own["partial_rotary_factor"] = params.pop("partial_rotary_factor")
         own["rope_scaling"] = None if params["rope_type"] == "default" else params
     if c.family == "deepseek_v3" and c.mtp_num_layers == 0 and original.get("num_nextn_predict_layers"):
         # announced but absent (what save_pretrained writes): the export holds no MTP tensors either, and a
@@ -248,6 +264,8 @@ def _respell(own: dict[str, Any], original: dict[str, Any], c: ModelConfig) -> d
             # the same MoE layers, e.g. decoder_sparse_step=2 rather than an explicit mlp_only_layers list
             for k in ("decoder_sparse_step", "mlp_only_layers"):
                 own.pop(k)
+    if c.family == "qwen3_next":
+        own = qwen3_next.respell(own, original, c)
     return own
 
 

@@ -25,7 +25,7 @@ from moefold.models.config import ModelConfig
 from moefold.models.decoder import MoEDecoder
 from moefold.models.hf.assets import copy_assets
 from moefold.models.hf.config_map import to_hf_config
-from moefold.models.hf.mapping import EXPERT_FORMATS, expert_names, hf_names
+from moefold.models.hf.mapping import EXPERT_FORMATS, expert_names, hf_layout, hf_names
 from moefold.models.tensor_io import ShardedWriter, dtype_name
 from moefold.parallel.sharding import gather_full, shards_of
 
@@ -35,7 +35,8 @@ def hf_tensors(name: str, full: Tensor, config: ModelConfig, expert_format: str 
     """The HF tensors of one full moefold tensor."""
     ex = expert_names(name, config)
     if ex is None:
-        yield hf_names(name, config, expert_format)[0], full
+        layout = hf_layout(name, config)
+        yield hf_names(name, config, expert_format)[0], full if layout is None else layout.to_hf(full)
         return
     w13 = name.endswith("w13")
     if expert_format == "fused":

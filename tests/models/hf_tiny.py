@@ -1,7 +1,10 @@
-"""Tiny random HF models of the three families, built from config objects (nothing is downloaded).
+"""Tiny random HF models of the families, built from config objects (nothing is downloaded).
 
-Every parameter is perturbed (norm weights around 1, biases such as DeepSeek's
-``e_score_correction_bias`` random) so that a mis-mapped tensor changes the logits.
+Every parameter is perturbed (norm weights around 1, or around 0 where the norm stores ``gamma - 1``
+(Qwen3-Next), biases such as DeepSeek's ``e_score_correction_bias`` random) so that a mis-mapped tensor
+changes the logits. Qwen3-Next's DeltaNet gets a weak decay and larger key heads than values: random tiny
+recurrent layers amplify fp32 rounding (a one-ulp change of the input moves HF's own logits by ~1e-5 with
+these choices, by ~5e-4 with the decay and norms left as the generic rule would make them).
 """
 
 from __future__ import annotations
@@ -9,7 +12,24 @@ from __future__ import annotations
 import torch
 
 FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral")
+HYBRID_FAMILIES = ("qwen3_next",)   # Gated DeltaNet layers: no context parallelism (dense.gated_deltanet)
+ALL_FAMILIES = FAMILIES + HYBRID_FAMILIES
 VOCAB = 96
+# Qwen3-Next's tiny stack: DeltaNet and gated attention interleaved, a dense MLP in a DeltaNet layer (2)
+QWEN3_NEXT_LAYERS = ("linear_attention", "full_attention", "linear_attention", "linear_attention")
+
+
+def qwen3_next_config(**overrides):
+    from transformers import Qwen3NextConfig
+
+    kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+              shared_expert_intermediate_size=24, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+              linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+              norm_topk_prob=True, mlp_only_layers=[2], layer_types=list(QWEN3_NEXT_LAYERS),
+              max_position_embeddings=256,
+              rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5})
+    return Qwen3NextConfig(**{**kw, **overrides})
 
 
 def hf_model(family: str, seed: int = 0):
@@ -47,13 +67,24 @@ def hf_model(family: str, seed: int = 0):
             num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
             rope_parameters={"rope_type": "default", "rope_theta": 1e6})
         model = MixtralForCausalLM(cfg)
+    elif family == "qwen3_next":
+        from transformers import Qwen3NextForCausalLM
+
+        model = Qwen3NextForCausalLM(qwen3_next_config())
     else:
         raise ValueError(family)
     model.config._attn_implementation = "sdpa"
     gen = torch.Generator().manual_seed(seed + 1)
+    zero_centered = {f"{n}.weight" for n, m in model.named_modules() if type(m).__name__ == "Qwen3NextRMSNorm"}
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 1:
+            if name.endswith("A_log"):   # weak decay (A ~ 0.14), so the recurrence reaches far back
+                p.copy_(-2.0 + 0.5 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("conv1d.weight"):
+                p.copy_(0.4 * torch.randn(p.shape, generator=gen))
+            elif name in zero_centered:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+            elif p.dim() == 1:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
             elif name.endswith("gate.weight"):
                 p.copy_(0.5 * torch.randn(p.shape, generator=gen))
