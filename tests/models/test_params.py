@@ -5,7 +5,8 @@ rounded to the digits they print, and two of them are truncated rather than roun
 "37B" for 37.55B, Qwen3-30B-A3B "3.3B" for 3.353B): no single counting convention is within 1% of
 all five active figures (embedding and head counted once fits DeepSeek-V3 at -1.0% but Qwen3-30B at
 -7.8%). So a count passes when it is within 1% of the figure OR the figure is the count truncated
-to the printed digits; totals are all within 1%.
+to the printed digits; totals are all within 1%. Qwen3-Next-80B-A3B: 79.67B total, 3.88B active (3.25B without
+the embedding and head: "A3B" truncates either).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ PUBLISHED = {  # recipe: (total, active) in billions, as printed by the model au
     "qwen3_moe_235b_a22b": ("235", "22"),
     "mixtral_8x7b": ("46.7", "12.9"),
     "mixtral_8x22b": ("141", "39"),
+    "qwen3_next_80b_a3b": ("80", "3"),
 }
 
 
@@ -59,6 +61,20 @@ def test_convention_details():
     assert moe.total - moe.active == moe.counts["routed_experts"] * (256 - 8) // 256
     text = format_report(ds)
     assert "3-60" in text and "x58" in text and "MTP modules" in text
+
+
+def test_qwen3_next_layers():
+    qn = _count("qwen3_next_80b_a3b")
+    # 12 x (3 Gated DeltaNet layers, 1 gated attention layer), each with the MoE block
+    assert [layer.mixer for layer in qn.layers] == (["linear_attention"] * 3 + ["full_attention"]) * 12
+    assert all(layer.kind == "moe" for layer in qn.layers)
+    linear, full = qn.layers[0], qn.layers[3]
+    # Gated DeltaNet: in_proj_qkvz [16*(2*128+2*2*128), 2048], in_proj_ba [64, 2048], conv [16, 512, 4], out_proj,
+    # A_log, dt_bias [32], norm [128]; gated attention: q_proj twice the heads' width (the gate), k/v, o, q/k norms
+    assert linear.counts["attention"] == 2048 * 12288 + 2048 * 64 + 16 * 512 * 4 + 4096 * 2048 + 32 + 32 + 128
+    assert full.counts["attention"] == 2048 * 8192 + 2 * 2048 * 512 + 4096 * 2048 + 2 * 256
+    assert linear.counts["shared_experts"] == 3 * 2048 * 512 + 2048     # and its sigmoid gate
+    assert "mixer" in format_report(qn) and "linear_attention" in format_report(qn)
 
 
 def test_every_recipe_builds_on_meta():
