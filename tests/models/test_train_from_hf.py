@@ -1,9 +1,10 @@
 """Continued pretraining from HF checkpoints, end to end, in ONE 4-rank world:
 
-- each family's tiny HF checkpoint -> ``train --load-hf`` at tp2 x ep2 (3 steps, ``--split``, validation every 2
-  steps) -> ``convert iter_3 --to hf`` -> transformers' logits equal moefold's (fp32, 1e-5) and differ from the
-  original's (training changed the weights); the step-0 LM loss equals HF's loss on the same global batch;
-  config.json keeps every field, generation_config.json and the tokenizer are copied;
+- each family's tiny HF checkpoint (Qwen3-Next's hybrid stack too) -> ``train --load-hf`` at tp2 x ep2 (3 steps,
+  ``--split``, validation every 2 steps) -> ``convert iter_3 --to hf`` -> transformers' logits equal moefold's
+  (fp32, 1e-5) and differ from the original's (training changed the weights); the step-0 LM loss equals HF's
+  loss on the same global batch; config.json keeps every field, generation_config.json and the tokenizer are
+  copied;
 - checkpoints saved at pp2 x ep2 (Mixtral) and tp2 (DeepSeek-V3) export to directories transformers loads with
   moefold's logits;
 - ``--moe-use-upcycling`` of a dense Qwen3 at tp2 x ep2 x etp2 (granular: 4 experts of half the FFN, top-2): the
@@ -38,7 +39,7 @@ from moefold.training.train_cli import config_from_args, validate
 from moefold.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.models.hf_tiny import (
-    FAMILIES,
+    ALL_FAMILIES,
     VOCAB,
     hf_dense_model,
     hf_lm_loss,
@@ -87,7 +88,7 @@ def world(tmp_path_factory):
         for _ in range(40):
             writer.add_document(rng.integers(1, VOCAB, size=int(rng.integers(10, 40))))
     hf = {}
-    for family in FAMILIES:
+    for family in ALL_FAMILIES:
         hf[family] = save_hf(family, root / family)
         save_tokenizer(root / family)
     dense = hf_dense_model("qwen3")
@@ -99,7 +100,7 @@ def world(tmp_path_factory):
                        "--save", str(root / name / "ckpt"), *flags)
 
     tp2ep2 = ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"]
-    train_configs = {f: run(f, f, *tp2ep2, "--train-iters", "3", "--eval-interval", "2") for f in FAMILIES}
+    train_configs = {f: run(f, f, *tp2ep2, "--train-iters", "3", "--eval-interval", "2") for f in ALL_FAMILIES}
     train_configs["mixtral_pp2xep2"] = run("mixtral_pp2xep2", "mixtral", "--pipeline-model-parallel-size", "2",
                                            "--expert-model-parallel-size", "2", "--train-iters", "2")
     train_configs["deepseek_v3_tp2"] = run("deepseek_v3_tp2", "deepseek_v3", "--tensor-model-parallel-size", "2",
@@ -126,7 +127,7 @@ def _export(root, name: str, iteration: int):
     return hf, load_model(ckpt)[0], out
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_train_load_hf_export_round_trip(world, family):
     root, hf, _, configs, _, out, _ = world
     exported, model, out_dir = _export(root, family, 3)
