@@ -21,8 +21,12 @@ Parameters (HF names under ``linear_attn.``; moefold keeps the block's ``self_at
   uses it for its own heads, so it enters through ``copy_to_region``: complete gradients on every rank).
 - ``out_proj`` row-parallel (reduce-scatter to the sequence shard under SP, else all-reduce).
 
-Context parallelism is refused: each cp rank would need the recurrent state (and the convolution's last
-``K - 1`` inputs) of every token before its own, passed rank to rank; moefold does not implement it.
+Context parallelism (head-parallel, as Ulysses does for attention): the recurrence and the convolution need
+every earlier token, so after the projections one all-to-all over cp trades the sequence for heads: each cp
+rank then holds the whole sequence (in order) for ``1/cp`` of its key heads with their value heads, runs the
+convolution and the delta rule on it unchanged, and a second all-to-all brings the outputs back to its own
+tokens for every head. Needs ``num_key_heads / tp`` divisible by cp. The per-head parameters (conv, A_log,
+dt_bias) get gradients only for the heads a cp rank ran; the dense gradient sum over cp completes them.
 
 Decoding: with ``cache`` set (``RecurrentCache``, what ``models.generate`` installs) a call continues the
 sequence of the previous call: the convolution reads the cached last inputs and the delta rule starts from
@@ -38,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moefold.dense.cp_exchange import rank_order_to_global
 from moefold.dense.gated_delta_rule import (
     GATED_DELTA_RULE_BACKENDS,
     gated_delta_rule_impl,
@@ -46,8 +51,8 @@ from moefold.dense.gated_delta_rule import (
 )
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
 from moefold.dense.recompute import check_recompute, checkpointed
-from moefold.parallel.comm import all_gather_sequence, copy_to_region
-from moefold.parallel.groups import Group, group_size
+from moefold.parallel.comm import all_gather_sequence, all_to_all, copy_to_region
+from moefold.parallel.groups import Group, group_rank, group_size
 from moefold.parallel.sharding import InitFn, Shard, mark_sharded, set_init
 
 
@@ -104,14 +109,14 @@ class GatedDeltaNetConfig:
         return 2 * self.key_head_dim + self.value_heads_per_key_head * self.value_head_dim
 
     def check_parallel(self, tp: int, cp: int = 1) -> None:
-        """Raise ValueError unless the key heads split over ``tp``; refuse cp > 1 (see the module docstring)."""
+        """Raise ValueError unless the key heads split over ``tp`` and then over ``cp`` (see the module docstring)."""
         if self.num_key_heads % tp:
             raise ValueError(f"GatedDeltaNetConfig: num_key_heads={self.num_key_heads} (linear attention key heads) "
                              f"is not divisible by tp={tp}")
-        if cp > 1:
-            raise ValueError(f"Gated DeltaNet (linear_attention layers) does not run under context parallelism "
-                             f"(cp={cp}): each cp rank would need the recurrent state of all earlier tokens passed "
-                             "between ranks, which moefold does not implement; use cp=1")
+        if (self.num_key_heads // tp) % cp:
+            raise ValueError(f"Gated DeltaNet under context parallelism runs each cp rank on the whole sequence for "
+                             f"1/cp of its heads: num_key_heads={self.num_key_heads} / tp={tp} is not divisible by "
+                             f"cp={cp}")
 
 
 def _uniform_init(low: float, high: float, transform=None) -> InitFn:
@@ -127,6 +132,25 @@ def _inverse_softplus_dt(u: Tensor, dt_min: float = 1e-3, dt_max: float = 0.1, f
     """Megatron's / Mamba's dt_bias init from u ~ U(0, 1): softplus(dt_bias) = dt, log-uniform in [dt_min, dt_max]."""
     dt = torch.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=floor)
     return dt + torch.log(-torch.expm1(-dt))
+
+
+def heads_to_sequence(x: Tensor, cp_group: Group) -> Tensor:
+    """``[S/cp, B, h, ...]`` (this rank's CP part, all its heads) -> ``[S, B, h/cp, ...]`` (the whole sequence in
+    order, heads ``cp_rank * h/cp ..``). One all-to-all over cp; backward: the inverse exchange."""
+    cp = group_size(cp_group)
+    S, B, h, *rest = x.shape
+    parts = x.reshape(S, B, cp, h // cp, *rest).movedim(2, 0).reshape(cp * S, B, h // cp, *rest)
+    return rank_order_to_global(all_to_all(parts, [S] * cp, [S] * cp, cp_group), cp, 0)
+
+
+def sequence_to_heads(x: Tensor, cp_group: Group) -> Tensor:
+    """Inverse of ``heads_to_sequence``: ``[S, B, h/cp, ...]`` -> ``[S/cp, B, h, ...]``."""
+    cp = group_size(cp_group)
+    chunks = x.chunk(2 * cp, dim=0)   # sequence order -> each rank's (chunk r, chunk 2cp-1-r), in rank order
+    parts = torch.cat([c for r in range(cp) for c in (chunks[r], chunks[2 * cp - 1 - r])], dim=0)
+    S = x.shape[0] // cp
+    received = all_to_all(parts, [S] * cp, [S] * cp, cp_group)
+    return received.reshape(cp, S, *x.shape[1:]).movedim(0, 2).flatten(2, 3)
 
 
 @dataclass
@@ -158,11 +182,14 @@ class CausalConv1d(nn.Module):
         with torch.no_grad():
             self.weight.uniform_(-bound, bound)
 
-    def forward(self, x_SBC: Tensor, prefix: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def forward(self, x_SBC: Tensor, prefix: Tensor | None = None, rows: slice = slice(None),
+                ) -> tuple[Tensor, Tensor]:
+        """``rows``: the dim-0 rows of the (local) weight whose channels ``x`` holds."""
         C, K = x_SBC.shape[-1], self.kernel_size
-        x = x_SBC.permute(1, 2, 0).to(self.weight.dtype)
+        weight = self.weight[rows]
+        x = x_SBC.permute(1, 2, 0).to(weight.dtype)
         x = F.pad(x, (K - 1, 0)) if prefix is None else torch.cat([prefix.to(x.dtype), x], dim=-1)
-        y = F.conv1d(x, self.weight.reshape(C, 1, K), groups=C)
+        y = F.conv1d(x, weight.reshape(C, 1, K), groups=C)
         return y.permute(2, 0, 1), x[..., x.shape[-1] - (K - 1):]
 
 
@@ -187,8 +214,9 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(nn.Module):
     """forward(x ``[S/tp, B, H]`` with SP else ``[S, B, H]``, position_ids ``[S]``) -> same shape as x.
 
-    Crosses ranks over tp only (input all-gather / output reduce-scatter under SP, else the region
-    all-reduces), like ``GQAAttention``; ``position_ids`` are only checked (the recurrence is positional).
+    ``S`` is this rank's sequence (its CP part). Crosses ranks over tp (input all-gather / output reduce-scatter
+    under SP, else the region all-reduces, like ``GQAAttention``) and cp (two all-to-alls, see the module
+    docstring); ``position_ids`` are only checked (the recurrence is positional).
     """
 
     def __init__(self, config: GatedDeltaNetConfig, tp_group: Group = None, cp_group: Group = None, *,
@@ -196,9 +224,11 @@ class GatedDeltaNet(nn.Module):
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         tp = group_size(tp_group)
-        config.check_parallel(tp, group_size(cp_group))
+        cp = group_size(cp_group)
+        config.check_parallel(tp, cp)
         c = self.config = config
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.cp_group, self.cp, self.cp_rank = cp_group, cp, group_rank(cp_group)
         self.local_key_heads, self.local_value_heads = c.num_key_heads // tp, c.num_value_heads // tp
         r, dk, dv = c.value_heads_per_key_head, c.key_head_dim, c.value_head_dim
         kw = {"init_std": c.init_std, "dtype": dtype, "device": device}
@@ -249,19 +279,32 @@ class GatedDeltaNet(nn.Module):
         c, hk, hv = self.config, self.local_key_heads, self.local_value_heads
         r, dk, dv = c.value_heads_per_key_head, c.key_head_dim, c.value_head_dim
         qkv, z = self.in_proj_qkvz.forward_local(x).view(S, B, hk, -1).split([c.conv_group_channels, r * dv], -1)
-        b, a = self.in_proj_ba.forward_local(x).view(S, B, hk, 2 * r).split([r, r], dim=-1)
+        ba = self.in_proj_ba.forward_local(x).view(S, B, hk, 2 * r)
+        key_heads = value_heads = slice(None)
+        if self.cp > 1:   # the whole sequence for 1/cp of the heads
+            qkv, ba = heads_to_sequence(torch.cat([qkv, ba], dim=-1), self.cp_group).split([qkv.shape[-1], 2 * r], -1)
+            hk, hv = hk // self.cp, hv // self.cp
+            key_heads = slice(self.cp_rank * hk, (self.cp_rank + 1) * hk)
+            value_heads = slice(self.cp_rank * hv, (self.cp_rank + 1) * hv)
+        T = qkv.shape[0]   # the mixer's sequence: S, or the whole cp * S
+        b, a = ba.split([r, r], dim=-1)
         cache = self.cache
-        qkv, prefix = self.conv1d(qkv.reshape(S, B, -1), None if cache is None else cache.conv)
+        qkv, prefix = self.conv1d(qkv.reshape(T, B, -1), None if cache is None else cache.conv, key_heads)
         if cache is not None:
             cache.conv = prefix
-        q, k, v = F.silu(qkv).to(x.dtype).view(S, B, hk, -1).split([dk, dk, r * dv], dim=-1)
-        beta = torch.sigmoid(b).reshape(S, B, hv)
-        g = -self.A_log.float().exp() * F.softplus(a.float().reshape(S, B, hv) + self.dt_bias.float())
-        # [S, B, ...] -> [B, S, ...] (fla's and HF's layout)
-        q, k, v, g, beta = (t.transpose(0, 1) for t in (q, k, v.reshape(S, B, hv, dv), g, beta))
+        q, k, v = F.silu(qkv).to(x.dtype).view(T, B, hk, -1).split([dk, dk, r * dv], dim=-1)
+        beta = torch.sigmoid(b).reshape(T, B, hv)
+        A_log, dt_bias = self.A_log[value_heads].float(), self.dt_bias[value_heads].float()
+        g = -A_log.exp() * F.softplus(a.float().reshape(T, B, hv) + dt_bias)
+        # [T, B, ...] -> [B, T, ...] (fla's and HF's layout)
+        q, k, v, g, beta = (t.transpose(0, 1) for t in (q, k, v.reshape(T, B, hv, dv), g, beta))
         o = checkpointed(self._core, q, k, v, g, beta, enabled=self.recompute_core_attn and cache is None)
-        o = self.norm(o, z.reshape(S, B, hv, dv).transpose(0, 1), copy_to_region(self.norm.weight, self.tp_group))
-        return self.out_proj(o.transpose(0, 1).reshape(S, B, hv * dv))
+        o = o.transpose(0, 1)
+        if self.cp > 1:   # back to this rank's tokens, every head
+            o = sequence_to_heads(o, self.cp_group)
+            hv = self.local_value_heads
+        o = self.norm(o, z.reshape(S, B, hv, dv), copy_to_region(self.norm.weight, self.tp_group))
+        return self.out_proj(o.reshape(S, B, hv * dv))
 
     def extra_repr(self) -> str:
         c = self.config

@@ -4,12 +4,13 @@
   tp2 x cp2 x ep2 and Qwen3-MoE at tp2 x ep2 without SP: full logits equal HF's (|diff| <= 1e-5).
 - Export from tp2 x ep2: bit-exact with the source checkpoint; a moefold checkpoint loads at
   tp2 x cp2 x ep2 (same logits) and saves back bit-exact.
-- Qwen3-Next (Gated DeltaNet + gated attention) imported at tp2 x ep2 with and without SP, ep2 and pp2 x tp2 x ep2
-  (stages joined by point-to-point): full logits equal HF's; cp2 is refused in one line (DeltaNet has no context
-  parallelism).
+- Qwen3-Next (Gated DeltaNet + gated attention) imported at tp2 x ep2 with and without SP, ep2, cp2 (DeltaNet's
+  head-parallel all-to-all; attention's p2p ring and all-gather) and pp2 x tp2 x ep2 (stages joined by
+  point-to-point): full logits equal HF's; tp2 x cp2, which its 2 key heads cannot split over, is refused in
+  one line.
 - Training loss and every parameter's gradient (DeepSeek-V3 tiny recipe with 2 MTP depths, all MoE
   losses on) at tp2 x cp2 x ep2 and tp2 x ep2 x dp2 equal world 1; so do Qwen3-Next's tiny recipe's at
-  tp2 x ep2 x dp2 (SP, DeltaNet's delta rule recomputed) and ep2 x dp4. Gradients are reduced by the
+  tp2 x ep2 x dp2 (SP, DeltaNet's delta rule recomputed), cp2 x ep2 x dp2 and ep2 x dp4. Gradients are reduced by the
   trainer's ``GradSync`` (sequence-parallel ones over tp x cp x dp, dense ones over dp x cp, expert ones
   over edp, divided by dp: each dp rank runs its own micro-batch; world 1 averages them).
 """
@@ -108,7 +109,8 @@ def _rank(dirs: dict[str, str], refs: dict[str, torch.Tensor], ids: torch.Tensor
                ("tp2xcp2xep2", dict(tp=2, cp=2, ep=2), ModelOptions(), ("deepseek_v3",)),
                ("tp2xep2 no-SP", dict(tp=2, ep=2), ModelOptions(sequence_parallel=False), ("qwen3_moe", "qwen3_next")),
                ("ep2xdp4", dict(ep=2), ModelOptions(), ("qwen3_next",)),
-               ("cp2xep4 all_gather", dict(cp=2, ep=4), ModelOptions(cp_comm="all_gather"), ("mixtral",))]
+               ("cp2xep2xdp2", dict(cp=2, ep=2), ModelOptions(), ("qwen3_next",)),
+               ("cp2xep4 all_gather", dict(cp=2, ep=4), ModelOptions(cp_comm="all_gather"), ("mixtral", "qwen3_next"))]
     for label, par, options, families in layouts:
         dims = dims_for(**par)
         for family in families:
@@ -119,15 +121,15 @@ def _rank(dirs: dict[str, str], refs: dict[str, torch.Tensor], ids: torch.Tensor
             assert diff <= TOL, (family, label, diff)
             if label == "tp2xep2" and family == "deepseek_v3":
                 export_hf(model, out_dir + "/hf", max_shard_bytes=32 * 1024)
-    # pipeline stages (DeltaNet and attention layers on both), and DeltaNet refusing context parallelism
+    # pipeline stages (DeltaNet and attention layers on both); a cp that DeltaNet's heads cannot split over
     logits = _pipelined_logits(dirs["qwen3_next"], dims_for(pp=2, tp=2, ep=2), ids)
     if logits is not None:
         report["qwen3_next pp2xtp2xep2"] = diff = (logits - refs["qwen3_next"]).abs().max().item()
         assert diff <= TOL, diff
     try:
-        import_hf(dirs["qwen3_next"], dims_for(cp=2, ep=2))
+        import_hf(dirs["qwen3_next"], dims_for(tp=2, cp=2, ep=2))
     except ValueError as exc:
-        report["qwen3_next cp2 refused"] = str(exc)
+        report["qwen3_next tp2xcp2 refused"] = str(exc)
     # moefold checkpoint: loaded at tp2 x cp2 x ep2, saved back from there
     dims = dims_for(tp=2, cp=2, ep=2)
     model = load_checkpoint(dirs["moefold"], dims)
@@ -144,6 +146,7 @@ def _rank(dirs: dict[str, str], refs: dict[str, torch.Tensor], ids: torch.Tensor
             (deepseek, "tp2xep2xdp2", dict(tp=2, ep=2), ModelOptions(recompute="full")),
             (deepseek, "cp2xdp2xep4", dict(cp=2, ep=4), ModelOptions(cp_comm="all_gather")),
             (qwen3_next, "qwen3_next tp2xep2xdp2", dict(tp=2, ep=2), ModelOptions(recompute="selective")),
+            (qwen3_next, "qwen3_next cp2xep2xdp2", dict(cp=2, ep=2), ModelOptions()),
             (qwen3_next, "qwen3_next ep2xdp4", dict(ep=2), ModelOptions())]:
         ref_losses, mb_grads = references[id(config)]
         dims = dims_for(**par)
@@ -183,11 +186,11 @@ def test_parallel_layouts_equal_world1(tmp_path):
     dirs["moefold"] = str(tmp_path / "moefold")
     save_checkpoint(import_hf(dirs["deepseek_v3"]), dirs["moefold"])
     reports = run_distributed(_rank, 4, dirs, refs, ids, out_dir, timeout=300)
-    refused = reports[0].pop("qwen3_next cp2 refused", "")
-    assert "context parallelism (cp=2)" in refused and "\n" not in refused, refused
+    refused = reports[0].pop("qwen3_next tp2xcp2 refused", "")
+    assert "num_key_heads=2 / tp=2 is not divisible by cp=2" in refused and "\n" not in refused, refused
     assert "qwen3_next pp2xtp2xep2" in reports[2]   # the last stage's first rank checked the logits
     for report in reports:
-        report.pop("qwen3_next cp2 refused", None)
+        report.pop("qwen3_next tp2xcp2 refused", None)
     for key, value in {**reports[0], **reports[2]}.items():
         print(f"{key}: max |diff| = {value:.3g}")
     # the HF export from tp2 x ep2 and the moefold checkpoint saved from tp2 x cp2 x ep2 are bit-exact
