@@ -8,6 +8,7 @@ typed component configs; ``build_block(config, index, dims, options)`` builds tr
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from moefold.dense.attention import GQAAttention
@@ -104,8 +105,9 @@ def mlp_config(config: ModelConfig, options: ModelOptions) -> MLPConfig:
 def check_layout(config: ModelConfig, dims: ParallelDims, options: ModelOptions) -> None:
     """Fail early, naming the numbers, when ``config`` cannot be split over ``dims``."""
     attention_config(config, options).check_parallel(dims.tp, dims.cp)
-    if "linear_attention" in (config.layer_types or ()):
-        linear_attention_config(config, options).check_parallel(dims.tp, dims.cp)
+    if "linear_attention" in (config.layer_types or ()):   # the layout does not depend on the kernel backend
+        layout_only = dataclasses.replace(options, linear_attention_backend="torch")
+        linear_attention_config(config, layout_only).check_parallel(dims.tp, dims.cp)
     if config.vocab_size % dims.tp:
         raise ValueError(f"vocab_size={config.vocab_size} is not divisible by tp={dims.tp}")
     if any(not config.is_moe_layer(i) for i in range(config.num_layers)):

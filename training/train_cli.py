@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from moefold.dense.gated_delta_rule import GATED_DELTA_RULE_BACKENDS
+from moefold.dense.gated_delta_rule import GATED_DELTA_RULE_BACKENDS, require_fla
 from moefold.dense.recompute import DEFAULT_RECOMPUTE_MODULES, RECOMPUTE_METHODS, RECOMPUTE_MODES, RECOMPUTE_MODULES
 from moefold.models.config import ModelConfig
 from moefold.models.options import ModelOptions
@@ -325,6 +325,8 @@ def check_backends(config: RunConfig, ep: int, etp: int) -> None:
             from moefold.dispatch.deepep import import_deep_ep
 
             import_deep_ep()
+    if o.linear_attention_backend == "fla" and "linear_attention" in (config.model.layer_types or ()):
+        require_fla()
     o.fp8.check_available()
 
 
