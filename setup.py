@@ -32,7 +32,8 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "ruff", "transformers", "tensorboard", "torchao==0.18.0"],
+        "test": ["pytest", "pytest-timeout", "ruff", "import-linter==2.17", "transformers", "tensorboard",
+                 "torchao==0.18.0"],
         # FP8 training's default backend (--fp8-backend torchao): pure Python, no torch pin, CPU and CUDA
         "fp8": ["torchao==0.18.0"],
         # built against the installed torch: pip install --no-build-isolation -e ".[gpu]". DeepEP is not on

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from moefold.dispatch.factory import DISPATCHER_KINDS
 from moefold.moe.experts import ACTIVATIONS
 from moefold.moe.fp8_gemm import check_fp8_gemm_backend
 from moefold.moe.gemm import GEMM_BACKENDS
@@ -13,8 +14,7 @@ from moefold.parallel.fp8 import FP8Config
 if TYPE_CHECKING:
     from moefold.moe.router_config import RouterConfig
 
-# must equal dispatch.DISPATCHER_KINDS (not imported: dispatch imports moe.routing; a test checks it)
-DISPATCHERS: tuple[str, ...] = ("local", "allgather", "alltoall", "flex")
+DISPATCHERS: tuple[str, ...] = DISPATCHER_KINDS
 
 
 def _positive(name: str, value: object) -> None:

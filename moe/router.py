@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from moefold.dispatch.routing import Routing
 from moefold.moe.balance_losses import (
     GlobalLoadState,
     batch_first_seq_ids,
@@ -32,7 +33,6 @@ from moefold.moe.balance_losses import (
 from moefold.moe.capacity import capacity_keep_mask, expert_capacity
 from moefold.moe.router_config import RouterConfig
 from moefold.moe.router_stats import RouterStats, compute_router_stats, router_entropy_sum
-from moefold.moe.routing import Routing
 from moefold.moe.scoring import count_per_expert, gating_logits, route_scores, router_dtype, scores_for_aux_loss
 from moefold.parallel.comm import all_reduce_sum
 from moefold.parallel.groups import Group, group_size

@@ -1,6 +1,6 @@
 """Host synchronisations per MoE layer (forward + backward), counted on CPU as they would happen on CUDA.
 
-``moefold.training.host_sync.HostSyncCounter`` counts the aten operators and Python-level reads
+``moefold.training.observe.host_sync.HostSyncCounter`` counts the aten operators and Python-level reads
 that make the host wait for a GPU (scalar reads, device->host copies, host->device copies of
 Python data, data-dependent output sizes, bincount). Budgets, per MoE layer, router + dispatch +
 grouped experts (grouped_mm, bf16: its grouped kernel's dtype on CUDA) + combine + shared experts,
@@ -25,7 +25,7 @@ from moefold.moe.layer import MoELayer
 from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.parallel.sharding import init_parameters
-from moefold.training.host_sync import HostSyncCounter
+from moefold.training.observe.host_sync import HostSyncCounter
 from tests.distributed import run_distributed
 
 E, H, F = 8, 16, 16

@@ -1,7 +1,7 @@
 """Generation with a KV cache: greedy output equals transformers' ``generate`` for the tiny families (Mixtral's
 sliding window included; Qwen3-Next's DeltaNet layers through their recurrent state), sampling is seeded and
 top-p behaves, and ``moefold generate`` works from an HF directory and a moefold checkpoint with the model's
-tokenizer. tp2 x ep2: tests/models/test_train_from_hf.py."""
+tokenizer. tp2 x ep2: tests/training/test_train_from_hf.py."""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ from moefold.parallel.sharding import gather_full, shards_of
 from moefold.pipeline.decoder_stage import build_stage_model
 from moefold.pipeline.p2p import TensorSpec, recv_forward, send_forward
 from moefold.pipeline.stages import StageLayout
-from moefold.training.grad_sync import GradSync
+from moefold.training.optim.grad_sync import GradSync
 from tests.distributed import run_distributed
 from tests.models.hf_tiny import ALL_FAMILIES, hf_logits, save_hf, tokens
 

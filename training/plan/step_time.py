@@ -1,6 +1,6 @@
 """Time per training step of a planned layout: GEMMs, the exposed part of every collective, the pipeline bubble.
 
-Compute: the matrix-multiply FLOPs of ``training.flops`` (attention projections and scores, dense MLPs, routers,
+Compute: the matrix-multiply FLOPs of ``training.observe.flops`` (attention projections and scores, dense MLPs, routers,
 the top-k routed experts, shared experts, head, MTP) per rank, i.e. a layer's per-token count x the micro-batch's
 tokens / (tp x cp) (balanced routing spreads the experts' work evenly over the stage's ranks), backward = 2 x
 forward, plus the forward that recompute runs again (full: the recomputed layers; selective: the chosen
@@ -33,7 +33,7 @@ from moefold.pipeline.schedules import Schedule, build_schedule
 from moefold.pipeline.simulator import simulate
 from moefold.pipeline.stages import ChunkSpec
 from moefold.training.config import RunConfig
-from moefold.training.flops import attention_macs, ffn_macs, train_flops_per_token
+from moefold.training.observe.flops import attention_macs, ffn_macs, train_flops_per_token
 from moefold.training.plan import comm
 from moefold.training.plan.cluster import Cluster
 from moefold.training.plan.comm import Collective
@@ -48,7 +48,7 @@ EFFICIENCY = 0.5
 
 TERMS = ("compute", "tp", "cp", "ep", "pp", "dp", "bubble")
 OVERLAP = {
-    "compute": "GEMM FLOPs (training.flops; backward 2x forward; recompute's extra forward included) / "
+    "compute": "GEMM FLOPs (training.observe.flops; backward 2x forward; recompute's extra forward included) / "
                "(dense bf16 peak x EFFICIENCY)",
     "tp": "exposed: TP/SP all-gathers, reduce-scatters and all-reduces sit between the GEMMs that need them "
           "(no TP communication overlap in moefold); router statistics all-reduces counted here",
