@@ -17,7 +17,8 @@ The block input (the sequence shard under SP) is all-gathered once for q, k and 
 
 Gated attention (``output_gate``, Qwen3-Next): ``q_proj`` is ``[heads * 2d, H]`` laid out per head as
 ``[q_h, gate_h]`` (HF's), so a tp shard still holds whole heads; the core attention's output is multiplied by
-``sigmoid(gate)`` before ``o_proj``. Partial RoPE rotates the first ``rotary_dim`` dims of q and k only.
+``sigmoid(gate)`` before ``o_proj``. Partial RoPE (``rotary_dim`` < head_dim): the first ``rotary_dim`` dims of
+each head rotate.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from moefold.dense.core_attention import CoreAttention
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
 from moefold.dense.norm import RMSNorm
 from moefold.dense.recompute import checkpointed
-from moefold.dense.rope import RotaryEmbedding, apply_rotary
+from moefold.dense.rope import RotaryEmbedding, apply_partial_rotary
 from moefold.parallel.comm import all_gather_sequence, copy_to_region
 from moefold.parallel.groups import Group, group_rank, group_size
 
@@ -72,7 +73,7 @@ class GQAAttention(nn.Module):
             self.k_norm = RMSNorm(d, c.norm_eps, **norm_kw)
         else:
             self.q_norm = self.k_norm = None
-        self.rotary = RotaryEmbedding(c.rotary_dim, c.rope_theta, c.yarn)
+        self.rotary = RotaryEmbedding(c.rotary_dim_resolved, c.rope_theta, c.yarn)
         self.core = CoreAttention(d ** -0.5, sliding_window=c.sliding_window, cp_group=cp_group, cp_comm=c.cp_comm)
         # selective recompute of core attention (``dense.recompute``); the model may reconfigure it
         self.recompute_core_attn = c.recompute == "selective"
@@ -104,22 +105,16 @@ class GQAAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
         cos, sin = self.rotary(position_ids)
-        q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
         out = checkpointed(self.core, q, k, v, position_ids, enabled=self.recompute_core_attn)
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(S, B, -1))
         return self.o_proj(out)
-
-    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        rd = self.config.rotary_dim
-        if rd == self.head_dim:
-            return apply_rotary(x, cos, sin)
-        return torch.cat([apply_rotary(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
 
     def extra_repr(self) -> str:
         return (f"heads={self.local_heads}/{self.config.num_heads}, kv_heads={self.local_kv_heads}/"
                 f"{self.config.kv_heads}{' (replicated)' if self.kv_replicated else ''}, head_dim={self.head_dim}, "
                 f"qk_norm={self.config.qk_norm}, sliding_window={self.config.sliding_window}, "
                 f"{'output_gate, ' if self.config.output_gate else ''}"
-                f"{f'rotary_dim={self.config.rotary_dim}, ' if self.config.rotary_dim != self.head_dim else ''}"
+                f"rotary_dim={self.config.rotary_dim_resolved}, "
                 f"sp={self.sequence_parallel}{', recompute core_attn' if self.recompute_core_attn else ''}")

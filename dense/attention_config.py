@@ -58,10 +58,10 @@ class AttentionConfig:
     ``bias``: bias on q/k/v/o projections (HF ``attention_bias``). ``seq_length``: when set, the
     training sequence length, checked against ``2*cp`` at construction.
 
+    ``rotary_dim``: RoPE on the first ``rotary_dim`` dims of each head, the rest passes through (None: all).
     Qwen3-Next's gated attention: ``output_gate`` (q_proj also yields a per-head gate, the attention output
-    is multiplied by its sigmoid before o_proj), ``partial_rotary_factor`` (RoPE on the first
-    ``int(head_dim * factor)`` dims of each head, the rest passes through), ``zero_centered_gamma`` (q/k
-    norms store ``gamma - 1``, ``dense.norm.RMSNorm``).
+    is multiplied by its sigmoid before o_proj), ``zero_centered_gamma`` (q/k norms store ``gamma - 1``,
+    ``dense.norm.RMSNorm``).
     """
 
     hidden_size: int
@@ -78,14 +78,12 @@ class AttentionConfig:
     recompute: str = "none"
     init_std: float = 0.02
     seq_length: int | None = None
+    rotary_dim: int | None = None
     output_gate: bool = False
-    partial_rotary_factor: float = 1.0
     zero_centered_gamma: bool = False
 
     def __post_init__(self) -> None:
         _check_common("AttentionConfig", self)
-        if not 0 < self.partial_rotary_factor <= 1:
-            raise ValueError(f"AttentionConfig.partial_rotary_factor={self.partial_rotary_factor!r} must be in (0, 1]")
         if self.num_query_groups is not None:
             _positive_int("AttentionConfig", "num_query_groups", self.num_query_groups)
             if self.num_heads % self.num_query_groups != 0:
@@ -96,12 +94,15 @@ class AttentionConfig:
                              f"num_heads={self.num_heads}; set head_dim explicitly")
         if self.head_dim is not None:
             _positive_int("AttentionConfig", "head_dim", self.head_dim)
-        if self.rotary_dim % 2 != 0 or self.rotary_dim < 2:
-            raise ValueError(f"AttentionConfig: the rotary dims int(head_dim={self.head_dim_resolved} * "
-                             f"partial_rotary_factor={self.partial_rotary_factor}) = {self.rotary_dim} must be even "
-                             "and >= 2 (RoPE)")
+        if self.rotary_dim is None and self.head_dim_resolved % 2 != 0:
+            raise ValueError(f"AttentionConfig: head_dim={self.head_dim_resolved} must be even (RoPE)")
         if self.sliding_window is not None:
             _positive_int("AttentionConfig", "sliding_window", self.sliding_window)
+        if self.rotary_dim is not None:
+            _positive_int("AttentionConfig", "rotary_dim", self.rotary_dim)
+            if self.rotary_dim % 2 or self.rotary_dim > self.head_dim_resolved:
+                raise ValueError(f"AttentionConfig: rotary_dim={self.rotary_dim} must be even and at most "
+                                 f"head_dim={self.head_dim_resolved}")
 
     @property
     def kv_heads(self) -> int:
@@ -112,9 +113,8 @@ class AttentionConfig:
         return self.hidden_size // self.num_heads if self.head_dim is None else self.head_dim
 
     @property
-    def rotary_dim(self) -> int:
-        """Dims of each head RoPE rotates (HF ``int(head_dim * partial_rotary_factor)``)."""
-        return int(self.head_dim_resolved * self.partial_rotary_factor)
+    def rotary_dim_resolved(self) -> int:
+        return self.head_dim_resolved if self.rotary_dim is None else self.rotary_dim
 
     def check_parallel(self, tp: int, cp: int = 1) -> None:
         """Raise ValueError unless heads, kv heads and sequence split over ``tp`` x ``cp``.

@@ -179,6 +179,11 @@ class ModelConfig:
             raise ValueError(f"{[k for k, v in gqa_only.items() if v]} are GQA features; attention='mla' has its own "
                              "rope dims and latent norms")
 
+    @property
+    def rotary_dim(self) -> int:
+        """RoPE dims of each GQA head (HF: ``int(head_dim * partial_rotary_factor)``)."""
+        return int(self.attention_head_dim * self.partial_rotary_factor)
+
     def layer_type(self, index: int) -> str:
         """The token mixer of layer ``index`` (MTP blocks, ``index >= num_layers``, are attention)."""
         if self.layer_types is None or index >= self.num_layers:

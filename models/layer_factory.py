@@ -46,7 +46,7 @@ def attention_config(config: ModelConfig, options: ModelOptions) -> AttentionCon
                          rope_interleave=m.rope_interleave, **common)
     return AttentionConfig(num_query_groups=c.num_query_groups, head_dim=c.head_dim, qk_norm=c.qk_norm,
                            sliding_window=c.sliding_window, output_gate=c.attention_output_gate,
-                           partial_rotary_factor=c.partial_rotary_factor,
+                           rotary_dim=c.rotary_dim if c.partial_rotary_factor < 1 else None,
                            zero_centered_gamma=c.norm_zero_centered_gamma, **common)
 
 
