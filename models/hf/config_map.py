@@ -162,7 +162,9 @@ def _check_exportable(c: ModelConfig) -> None:
     }[c.family]
     if c.family != "qwen3_next":   # the hybrid-stack features only Qwen3-Next's HF class has
         need.update(layer_types=c.layer_types if set(c.layer_types or ()) <= {"full_attention"} else None,
-                    attention_output_gate=False, norm_zero_centered_gamma=False, partial_rotary_factor=1.0)
+                    attention_output_gate=False, norm_zero_centered_gamma=False)
+    if c.family in ("deepseek_v3", "qwen3_moe", "mixtral"):   # HF rotates whole heads
+        need["partial_rotary_factor"] = 1.0
     if c.num_experts == 0:  # the dense relative: router choices are irrelevant
         need = {k: v for k, v in need.items() if not k.startswith("moe_")}
     bad = {k: getattr(c, k) for k, v in need.items() if getattr(c, k) != v}
