@@ -12,7 +12,7 @@ from typing import Literal
 FAMILIES: tuple[str, ...] = ("deepseek_v3", "qwen3_moe", "mixtral", "qwen3_next")
 ATTENTION_KINDS: tuple[str, ...] = ("gqa", "mla")
 MOE_SCORE_FUNCTIONS: tuple[str, ...] = ("softmax", "sigmoid")
-# the token mixer of a layer (HF ``layer_types``): ``attention`` (GQA/MLA) or Gated DeltaNet
+# the token mixer of a layer (HF ``layer_types``): attention (GQA or MLA) or Gated DeltaNet
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "linear_attention")
 
 
