@@ -140,7 +140,7 @@ def generate(model: MoEDecoder, input_ids: Tensor, max_new_tokens: int, *, tempe
     model.eval()
     out, done = input_ids.to(device), torch.zeros(B, dtype=torch.bool, device=device)
     try:
-        with kv_cache(model):
+        with kv_cache(model), model.fp8_region():
             ids, positions = out, torch.arange(S, device=device)
             for _ in range(max_new_tokens):
                 hidden, _ = model.run_layers(model.embed(ids), positions)

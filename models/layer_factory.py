@@ -18,6 +18,7 @@ from moefold.dense.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
 from moefold.dense.mla import MLAttention
 from moefold.dense.mlp import DenseMLP, MLPConfig
 from moefold.dense.rope import YarnConfig
+from moefold.dispatch.deepep import check_flex_topk
 from moefold.models.config import ModelConfig
 from moefold.models.options import ModelOptions
 from moefold.moe.config import MoEConfig
@@ -118,7 +119,10 @@ def check_layout(config: ModelConfig, dims: ParallelDims, options: ModelOptions)
     if any(not config.is_moe_layer(i) for i in range(config.num_layers)):
         mlp_config(config, options).check_parallel(dims.tp)
     if config.num_experts:
-        moe_config(config, options, dims).check_layout(tp=dims.tp, ep=dims.ep, etp=dims.etp)
+        moe = moe_config(config, options, dims)
+        moe.check_layout(tp=dims.tp, ep=dims.ep, etp=dims.etp)
+        if moe.dispatcher == "flex":
+            check_flex_topk(config.moe_topk, dims.etp)
 
 
 def build_attention(config: ModelConfig, dims: ParallelDims, options: ModelOptions, index: int = 0,
