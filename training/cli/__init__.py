@@ -13,6 +13,8 @@ import argparse
 import importlib
 import sys
 
+from moefold.training.cli.parser import Parser
+
 # name -> (module, one-line help). Later subcommands register here.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "env": ("moefold.training.cli.env", "print torch, devices, world size and the optional backends"),
@@ -40,7 +42,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only ``command``'s module is imported (for its arguments), so one slow or
     GPU-only subcommand never slows down or breaks another."""
-    parser = argparse.ArgumentParser(prog="moefold", description="Mixture-of-experts training system.")
+    parser = Parser(prog="moefold", description="Mixture-of-experts training system.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
         cmd = sub.add_parser(name, help=help_text, description=help_text)
