@@ -55,6 +55,17 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(command).parse_args(argv)
+    parser = build_parser(command)
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None):   # the file's flags first, so that those typed override them
+        from moefold.training.cli.config_file import config_args
+
+        sub = parser.chosen_subcommand(args)
+        try:
+            from_file = config_args(sub, args.config)
+        except ValueError as exc:
+            sub.error(str(exc))
+        at = argv.index(command) + 1
+        args = parser.parse_args([*argv[:at], *from_file, *argv[at:]])
     return int(importlib.import_module(args._module).main(args) or 0)
 

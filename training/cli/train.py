@@ -33,8 +33,10 @@ from moefold.moe.gemm import GEMM_BACKENDS
 from moefold.parallel.dims import ParallelConfig, ParallelSizes
 from moefold.parallel.fp8 import add_fp8_arguments, fp8_config_from_args
 from moefold.parallel.init import launched_by_torchrun, launched_world_size
+from moefold.training.cli.config_file import write_effective_config
 from moefold.training.cli.layout_errors import world_source
 from moefold.training.cli.model_flags import UPCYCLING_FLAGS, add_model_arguments, apply_model_flags, given_model_flags
+from moefold.training.cli.parser import Parser
 from moefold.training.cli.train_help import ROUTER_HELP, TRAIN_HELP
 from moefold.training.config import RunConfig, TrainConfig
 from moefold.training.errors import JobFailed
@@ -76,6 +78,9 @@ _DEVICES = ("auto", "cpu", "cuda")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipe", choices=sorted(RECIPES), metavar="NAME",
                    help=f"model recipe (the base the model flags change): {', '.join(sorted(RECIPES))}")
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="YAML file of flags (keys: the flags' names, e.g. tensor-model-parallel-size: 2); flags "
+                        "typed on the command line override it; every run writes its own as RUN_DIR/config.yaml")
     p.add_argument("--nproc", type=int, default=1, help="local ranks to spawn when not under torchrun (default 1)")
     p.add_argument("--device", default="auto", choices=_DEVICES,
                    help="auto: one GPU per rank when CUDA is available, else the CPU (gloo between ranks)")
@@ -182,6 +187,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="allow resuming with another --data-path, --seq-length or --seed: the data position restarts "
                         "at the first sample of the new order")
     d.add_argument("--no-balance-report", action="store_true", help="skip the load-balance PNGs at the end")
+    d.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (it is only drawn when stderr is a terminal anyway)")
     r = p.add_argument_group("failures")
     r.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="a collective that waits longer fails (default 10)")
@@ -207,6 +214,9 @@ def add_validation_arguments(p: argparse.ArgumentParser) -> None:
                    help="validate every N steps (default: only at the end; needs --split or --valid-data-path)")
     g.add_argument("--eval-iters", type=int, default=_T.eval_iters, help=f"global batches per validation "
                                                                          f"(default {_T.eval_iters})")
+    g.add_argument("--skip-train", action="store_true",
+                   help="validation only (Megatron's flag): evaluate the --load checkpoint (or the initialisation) on "
+                        "--split / --valid-data-path, train nothing, save nothing")
     g.add_argument("--split", default=None, help="train,valid,test shares of the documents of each --data-path "
                                                  "corpus, e.g. 969,30,1 (Megatron)")
     g.add_argument("--valid-data-path", nargs="+", default=[], help="a separate validation corpus: PREFIX or "
@@ -282,7 +292,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     explicit = ("run_dir", "save", "load", "bf16", "data_path", "vocab_size", "data_cache_dir", "valid_data_path",
                 "reset_data_position", "compile")
     train = {k: v for k, v in vars(args).items() if k in fields and k not in explicit}
-    save = None if args.no_save else (args.save or os.path.join(args.run_dir, "checkpoints"))
+    save = None if args.no_save or args.skip_train else (args.save or os.path.join(args.run_dir, "checkpoints"))
     train = TrainConfig(**train, bf16=args.bf16, compile=args.compile, run_dir=args.run_dir, save=save, load=args.load,
                         reset_data_position=args.reset_data_position,
                         data_path=tuple(args.data_path), vocab_size=args.vocab_size,
@@ -380,6 +390,8 @@ def main(args: argparse.Namespace) -> int:
         validate(config, world, world_source(args.nproc, launched_by_torchrun()))
         first = not launched_by_torchrun() or os.environ.get("RANK", "0") == "0"   # torchrun: every rank checks
         preflight(config, say=print if first else lambda _line: None)
+        if first:
+            write_effective_config(train_parser(), args, config.train.run_dir)
     except (ValueError, ImportError, RuntimeError) as exc:
         print(f"moefold train: error: {exc}", file=sys.stderr)
         return 2
@@ -389,7 +401,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"moefold train: launched by torchrun (world {world}); ignoring --nproc {args.nproc}", file=sys.stderr)
     try:
         run_ranks(train_worker, 1 if launched_by_torchrun() else args.nproc, args.device,
-                  timeout_s=60 * args.distributed_timeout_minutes, args=(json.dumps(config.to_dict()),),
+                  timeout_s=60 * args.distributed_timeout_minutes,
+                  args=(json.dumps(config.to_dict()), not args.no_progress and sys.stderr.isatty()),
                   run_dir=config.train.run_dir, heartbeat_timeout_s=args.heartbeat_timeout)
     except JobFailed as exc:
         spawned = world > 1 and not launched_by_torchrun()   # the log holds every rank's traceback
@@ -403,11 +416,19 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def train_worker(device: torch.device, config_json: str, heartbeat: Heartbeat | None = None) -> None:
+def train_parser() -> argparse.ArgumentParser:
+    """``moefold train``'s own parser (for the effective config it writes)."""
+    parser = Parser(prog="moefold train")
+    add_arguments(parser)
+    return parser
+
+
+def train_worker(device: torch.device, config_json: str, progress: bool = False,
+                 heartbeat: Heartbeat | None = None) -> None:
     """One rank of ``moefold train`` (module-level: spawned processes import it)."""
     from moefold.training.run import train
 
-    train(RunConfig.from_dict(json.loads(config_json)), device, heartbeat=heartbeat)
+    train(RunConfig.from_dict(json.loads(config_json)), device, heartbeat=heartbeat, progress=progress)
 
 
 if __name__ == "__main__":
