@@ -1,6 +1,7 @@
 """Continued pretraining from HF checkpoints, end to end, in ONE 4-rank world:
 
-- each family's tiny HF checkpoint -> ``train --load-hf`` at tp2 x ep2 (3 steps, ``--split``, validation every 2
+- each family's tiny HF checkpoint (issue 33's five too: GPT-OSS, GLM-4.5, Kimi-K2, OLMoE, MiniMax-M2)
+  -> ``train --load-hf`` at tp2 x ep2 (3 steps, ``--split``, validation every 2
   steps) -> ``convert iter_3 --to hf`` -> transformers' logits equal moefold's (fp32, 1e-5) and differ from the
   original's (training changed the weights); the step-0 LM loss equals HF's loss on the same global batch;
   config.json keeps every field, generation_config.json and the tokenizer are copied;
@@ -39,6 +40,7 @@ from moefold.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.models.hf_tiny import (
     FAMILIES,
+    MORE_FAMILIES,
     VOCAB,
     hf_dense_model,
     hf_lm_loss,
@@ -87,7 +89,7 @@ def world(tmp_path_factory):
         for _ in range(40):
             writer.add_document(rng.integers(1, VOCAB, size=int(rng.integers(10, 40))))
     hf = {}
-    for family in FAMILIES:
+    for family in FAMILIES + MORE_FAMILIES:
         hf[family] = save_hf(family, root / family)
         save_tokenizer(root / family)
     dense = hf_dense_model("qwen3")
@@ -100,6 +102,7 @@ def world(tmp_path_factory):
 
     tp2ep2 = ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"]
     train_configs = {f: run(f, f, *tp2ep2, "--train-iters", "3", "--eval-interval", "2") for f in FAMILIES}
+    train_configs.update({f: run(f, f, *tp2ep2, "--train-iters", "1", "--eval-interval", "1") for f in MORE_FAMILIES})
     train_configs["mixtral_pp2xep2"] = run("mixtral_pp2xep2", "mixtral", "--pipeline-model-parallel-size", "2",
                                            "--expert-model-parallel-size", "2", "--train-iters", "2")
     train_configs["deepseek_v3_tp2"] = run("deepseek_v3_tp2", "deepseek_v3", "--tensor-model-parallel-size", "2",
@@ -126,10 +129,10 @@ def _export(root, name: str, iteration: int):
     return hf, load_model(ckpt)[0], out
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + MORE_FAMILIES)
 def test_train_load_hf_export_round_trip(world, family):
     root, hf, _, configs, _, out, _ = world
-    exported, model, out_dir = _export(root, family, 3)
+    exported, model, out_dir = _export(root, family, 3 if family in FAMILIES else 1)
     ids = tokens(seed=3)
     diff = (hf_logits(exported, ids) - model.logits(ids)).abs().max().item()
     changed = (hf_logits(exported, ids) - hf_logits(hf[family], ids)).abs().max().item()

@@ -68,7 +68,7 @@ DEFAULT_INDEX = "https://pypi.org/simple/"
 DEFAULT_BUDGET = 440.0  # seconds: the steps' reserves are sized for it
 # tests/gpu in the order they run: quick and telling first, the compile test (Triton compiles) last
 TEST_FILES = ("test_device_agnostic.py", "test_host_sync_cuda.py", "test_gemm_backends.py", "test_fp8_cuda.py",
-              "test_cp_attention.py", "test_from_hf_cuda.py", "test_compile_cuda.py")
+              "test_cp_attention.py", "test_attention_sinks_cuda.py", "test_from_hf_cuda.py", "test_compile_cuda.py")
 
 
 class Check:

@@ -12,8 +12,9 @@ from __future__ import annotations
 from moefold.models.config import ModelConfig
 
 
-def attention_macs(c: ModelConfig, seq_len: int) -> float:
-    """Multiply-adds of one attention layer for one token."""
+def attention_macs(c: ModelConfig, seq_len: int, index: int | None = None) -> float:
+    """Multiply-adds of one attention layer (layer ``index``: its sliding window; None: ``c.sliding_window``)
+    for one token."""
     H, nh = c.hidden_size, c.num_attention_heads
     if c.attention == "mla":
         m = c.mla
@@ -27,8 +28,9 @@ def attention_macs(c: ModelConfig, seq_len: int) -> float:
         proj = H * nh * d + 2 * H * c.kv_heads * d + nh * d * H
         dqk = dv = d
     context = (seq_len + 1) / 2
-    if c.sliding_window is not None:
-        context = min(context, float(c.sliding_window))
+    window = c.sliding_window if index is None else c.layer_sliding_window(index)
+    if window is not None:
+        context = min(context, float(window))
     return proj + nh * (dqk + dv) * context
 
 
@@ -48,11 +50,12 @@ def forward_flops_per_token(c: ModelConfig, seq_len: int) -> float:
     """Forward FLOPs of one token through the whole model (all layers, head, MTP)."""
     macs = 0.0
     for i in range(c.num_layers):
-        macs += attention_macs(c, seq_len) + ffn_macs(c, c.is_moe_layer(i))
+        macs += attention_macs(c, seq_len, i) + ffn_macs(c, c.is_moe_layer(i))
     head = c.hidden_size * c.vocab_size
     macs += head
-    for _ in range(c.mtp_num_layers):
-        macs += 2 * c.hidden_size * c.hidden_size + attention_macs(c, seq_len) + ffn_macs(c, c.num_experts > 0)
+    for k in range(c.mtp_num_layers):
+        macs += 2 * c.hidden_size * c.hidden_size + attention_macs(c, seq_len, c.num_layers + k) + \
+            ffn_macs(c, c.num_experts > 0)
         macs += head
     return 2.0 * macs
 
