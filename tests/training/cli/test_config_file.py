@@ -16,9 +16,8 @@ import pytest
 import yaml
 
 from moefold.training.cli import main as cli_main
-from moefold.training.data.indexed import IndexedDatasetWriter
 from moefold.training.observe.metrics import METRICS_FILE, read_metrics
-from tests.training.trainer_common import tiny_data
+from tests.training.trainer_common import tiny_corpus
 
 BASE = ["train", "--recipe", "qwen3_moe_tiny", "--seq-length", "32", "--micro-batch-size", "2",
         "--global-batch-size", "4", "--log-interval", "1", "--device", "cpu", "--no-balance-report"]
@@ -26,11 +25,7 @@ BASE = ["train", "--recipe", "qwen3_moe_tiny", "--seq-length", "32", "--micro-ba
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    prefix = tmp_path_factory.mktemp("data") / "tiny"
-    with IndexedDatasetWriter(prefix, 256) as writer:
-        for row in tiny_data(64):
-            writer.add_document(row)
-    return prefix
+    return Path(tiny_corpus(tmp_path_factory.mktemp("data") / "tiny"))
 
 
 def _losses(run_dir: Path) -> list[float]:

@@ -6,8 +6,7 @@ from __future__ import annotations
 import io
 
 from moefold.training.cli import main as cli_main
-from moefold.training.data.indexed import IndexedDatasetWriter
-from tests.training.trainer_common import tiny_data
+from tests.training.trainer_common import tiny_corpus
 
 
 class _Terminal(io.StringIO):
@@ -16,13 +15,9 @@ class _Terminal(io.StringIO):
 
 
 def test_progress_bar_only_on_a_terminal(tmp_path, monkeypatch, capsys, one_thread):
-    prefix = tmp_path / "tiny"
-    with IndexedDatasetWriter(prefix, 256) as writer:
-        for row in tiny_data(16):
-            writer.add_document(row)
-    base = ["train", "--recipe", "qwen3_moe_tiny", "--data-path", str(prefix), "--seq-length", "32",
-            "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "3", "--device", "cpu",
-            "--no-save", "--no-balance-report"]
+    base = ["train", "--recipe", "qwen3_moe_tiny", "--data-path", tiny_corpus(tmp_path / "tiny", 16),
+            "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "3",
+            "--device", "cpu", "--no-save", "--no-balance-report"]
     assert cli_main([*base, "--run-dir", str(tmp_path / "log")]) == 0   # pytest's stderr: not a terminal
     captured = capsys.readouterr()
     assert "done: 3 steps" in captured.out and "step/s" not in captured.err + captured.out
