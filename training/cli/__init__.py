@@ -1,8 +1,9 @@
 """The ``moefold`` command. Each subcommand lives in its own module, imported only when used.
 
-A subcommand module exposes ``add_arguments(parser)`` and ``main(args) -> int``. This package holds the
-commands that need the trainer or its checkpoints (train, convert, inspect, generate, upcycle, env) and the
-model flags; the others live with their concept (``pipeline.schedule_cli``, ``dispatch.bench``,
+A subcommand module exposes ``add_arguments(parser)`` and ``main(args) -> int``; one with
+``TAKES_CONFIG_FILE = True`` also reads its flags from ``--config FILE`` (``training.cli.config_file``).
+This package holds the commands that need the trainer or its checkpoints (train, convert, inspect, generate,
+upcycle, env) and the model flags; the others live with their concept (``pipeline.schedule_cli``, ``dispatch.bench``,
 ``training.data.prepare``, ``training.observe.balance_report``, ``training.plan.cli``).
 May import: everything in moefold except training.plan and training.gpu (which import it).
 """
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command)
     args = parser.parse_args(argv)
-    if getattr(args, "config", None):   # the file's flags first, so that those typed override them
+    module = importlib.import_module(args._module)
+    if getattr(module, "TAKES_CONFIG_FILE", False) and args.config:   # the file's flags first: typed ones override
         from moefold.training.cli.config_file import config_args
 
         sub = parser.chosen_subcommand(args)
@@ -67,5 +69,5 @@ def main(argv: list[str] | None = None) -> int:
             sub.error(str(exc))
         at = argv.index(command) + 1
         args = parser.parse_args([*argv[:at], *from_file, *argv[at:]])
-    return int(importlib.import_module(args._module).main(args) or 0)
+    return int(module.main(args) or 0)
 

@@ -47,6 +47,7 @@ from moefold.training.optim.lr_schedule import DECAY_STYLES, WSD_STYLES
 from moefold.training.optim.precision import DTYPES
 
 _T = TrainConfig()
+TAKES_CONFIG_FILE = True   # --config FILE: flags from YAML (training.cli.config_file)
 
 # Router flags (Megatron-LM names) -> the ModelConfig field they override; unset keeps the recipe's.
 ROUTER_FLAGS: tuple[tuple[str, str, type], ...] = (

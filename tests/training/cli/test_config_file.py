@@ -72,6 +72,8 @@ def test_bad_config_files_are_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli_main(["train", "--config", str(tmp_path / "missing.yaml")])
     assert "missing.yaml: no such file" in capsys.readouterr().err
+    assert cli_main(["inspect", "--recipe", "qwen3_moe_tiny", "--config"]) == 0   # inspect's own --config switch
+    assert "ModelConfig(" in capsys.readouterr().out
 
 
 def test_skip_train_validates_the_checkpoint_and_trains_nothing(tmp_path, data, one_thread, capsys):
