@@ -100,7 +100,9 @@ def effective_config(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         if value is None:
             continue
         name = next(s for s in action.option_strings if s.startswith("--"))[2:]
-        out[name] = list(value) if isinstance(value, (list, tuple)) else value
+        if isinstance(value, (list, tuple)):   # one value of list syntax (--moe-layer-freq [0, 1, 1]) or several
+            value = str(list(value)) if action.nargs is None else list(value)
+        out[name] = value
     return out
 
 

@@ -58,6 +58,22 @@ def test_yaml_round_trip_repeats_the_run_bit_for_bit(tmp_path, data, one_thread)
     assert run_config(again) == run_config(first)
 
 
+def test_written_config_reads_back_to_the_same_flags(tmp_path):
+    from moefold.training.cli.config_file import NOT_SAVED, config_args, write_effective_config
+    from moefold.training.cli.train import train_parser
+
+    parser = train_parser()
+    typed = parser.parse_args(["--recipe", "deepseek_v3_tiny", "--moe-layer-freq", "([0]*1+[1]*2)", "--window-size",
+                               "15,0", "--no-sequence-parallel", "--data-path", "0.3", "a", "0.7", "b", "--bf16",
+                               "--recompute-modules", "core_attn", "moe_act", "--fp8-exclude-modules",
+                               "--moe-router-enable-expert-bias", "--adam-eps", "1e-10", "--q-lora-rank", "none"])
+    path = write_effective_config(parser, typed, tmp_path)
+    again = parser.parse_args(config_args(parser, path))
+    keep = lambda ns: {k: v for k, v in vars(ns).items() if k not in NOT_SAVED}
+    assert keep(again) == keep(typed)
+    assert again.moe_layer_freq == (0, 1, 1) and again.fp8_exclude_modules == [] and again.adam_eps == 1e-10
+
+
 def test_bad_config_files_are_one_line(tmp_path, capsys):
     cases = {"lr: [0.1": "not YAML", "- 1\n- 2": "expected a mapping of flag names", "tensor-model-paralel-size: 2":
              "'tensor-model-paralel-size' is not a flag of moefold train (did you mean tensor-model-parallel-size",
