@@ -9,7 +9,8 @@ Granularity (``--recompute-granularity``):
   ============== ===================================================== ====================
   module          what is recomputed in backward                         mechanism
   ============== ===================================================== ====================
-  core_attn       softmax(q k^T) v (the S x S part)                       ``checkpointed``
+  core_attn       softmax(q k^T) v (the S x S part); Gated DeltaNet:      ``checkpointed``
+                  its delta rule (the chunk products and states)
   mlp             the dense MLP of a dense layer                          ``checkpointed``
   moe             the whole MoE layer (router, dispatch, experts, shared) ``checkpointed``
   shared_experts  the shared experts of an MoE layer                      ``checkpointed``

@@ -126,7 +126,8 @@ class MoEDecoder(nn.Module):
         self.norm = self.output_head = None
         self.mtp = nn.ModuleList()
         if with_head:
-            self.norm = RMSNorm(config.hidden_size, config.norm_eps, **kw)
+            self.norm = RMSNorm(config.hidden_size, config.norm_eps,
+                                zero_centered_gamma=config.norm_zero_centered_gamma, **kw)
             self.output_head = OutputHead(config.hidden_size, config.vocab_size, dims.tp_group,
                                           tied_to=self.embed_tokens if tied else None, init_std=options.init_std,
                                           **kw)
