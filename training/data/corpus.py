@@ -16,12 +16,12 @@ from typing import Any
 from moefold.training.data.indexed import IndexedDataset, idx_path
 from moefold.training.data.megatron_indexed import MegatronIndexedDataset, is_megatron_index, scan_max_token_id
 
-CorpusIndex = IndexedDataset | MegatronIndexedDataset
+CorpusIndex = IndexedDataset   # MegatronIndexedDataset and validation.DocumentRange are IndexedDatasets
 
 
 def is_corpus(obj: Any) -> bool:
     """An opened corpus (either format, or a document range of one), not a path."""
-    return isinstance(obj, (IndexedDataset, MegatronIndexedDataset))
+    return isinstance(obj, IndexedDataset)
 
 
 def open_indexed(prefix: str | os.PathLike | CorpusIndex) -> CorpusIndex:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moefold.training.data.indexed import bin_path, idx_path
+from moefold.training.data.indexed import IndexedDataset, IndexedDatasetWriter, bin_path, idx_path
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -54,39 +54,18 @@ def optimal_dtype(vocab_size: int) -> type[np.number]:
     return np.uint16 if vocab_size < 65500 else np.int32
 
 
-class MegatronIndexedDatasetWriter:
+class MegatronIndexedDatasetWriter(IndexedDatasetWriter):
     """Writes an ``MMIDIDX`` pair byte for byte as Megatron's ``IndexedDatasetBuilder`` does (one sequence per
-    document, ``add_item`` + ``end_document``). Temporary names, renamed on ``finalize()`` (.bin first)."""
+    document, ``add_item`` + ``end_document``). Temporary names, renamed on ``finalize()`` (.bin first); documents
+    are added (and checked against the vocabulary) as by moefold's writer."""
 
     def __init__(self, prefix: str | os.PathLike, vocab_size: int, dtype: type[np.number] | None = None) -> None:
-        self.prefix = os.fspath(prefix)
-        self.vocab_size = int(vocab_size)
+        super().__init__(prefix, vocab_size)
         self.dtype = dtype or optimal_dtype(self.vocab_size)
         if not any(d is self.dtype for d in DTYPE_CODES.values()):
+            self.abort()
             valid = [d.__name__ for d in DTYPE_CODES.values()]
             raise ValueError(f"dtype {self.dtype} is not one of Megatron's {valid}")
-        self._tmp_bin = Path(f"{self.prefix}.bin.tmp{os.getpid()}")
-        self._tmp_idx = Path(f"{self.prefix}.idx.tmp{os.getpid()}")
-        self._tmp_bin.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self._tmp_bin, "wb")  # noqa: SIM115 - closed in finalize()/abort()
-        self._lengths: list[int] = []
-
-    def add_document(self, tokens: np.ndarray | list[int]) -> None:
-        arr = np.asarray(tokens)
-        if arr.ndim != 1:
-            raise ValueError(f"a document must be a 1-D array of token ids, got shape {arr.shape}")
-        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= self.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got [{arr.min()}, {arr.max()}]")
-        self._file.write(arr.astype(self.dtype, copy=False).tobytes())
-        self._lengths.append(int(arr.size))
-
-    @property
-    def num_docs(self) -> int:
-        return len(self._lengths)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self._lengths)
 
     def finalize(self) -> None:
         self._file.close()
@@ -103,23 +82,10 @@ class MegatronIndexedDatasetWriter:
         os.replace(self._tmp_bin, bin_path(self.prefix))
         os.replace(self._tmp_idx, idx_path(self.prefix))
 
-    def abort(self) -> None:
-        self._file.close()
-        for p in (self._tmp_bin, self._tmp_idx):
-            p.unlink(missing_ok=True)
 
-    def __enter__(self) -> MegatronIndexedDatasetWriter:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.finalize()
-        else:
-            self.abort()
-
-
-class MegatronIndexedDataset:
-    """Read-only view of a Megatron ``PREFIX.bin``/``PREFIX.idx`` with moefold's ``IndexedDataset`` interface.
+class MegatronIndexedDataset(IndexedDataset):
+    """Read-only view of a Megatron ``PREFIX.bin``/``PREFIX.idx`` with moefold's ``IndexedDataset`` interface
+    (its sequences are the "documents": ``num_docs``, ``document(d)``, ``doc_lengths()``).
 
     ``tokens``: memmap [num_tokens] in the stored dtype; ``doc_offsets``: int64 [num_sequences + 1] token
     offsets of the sequences; ``document_indices``: Megatron's document boundaries (in sequences).
@@ -130,7 +96,7 @@ class MegatronIndexedDataset:
 
     format = "megatron"
 
-    def __init__(self, prefix: str | os.PathLike) -> None:
+    def __init__(self, prefix: str | os.PathLike) -> None:   # not the base's: it parses moefold's header
         self.prefix = os.fspath(prefix)
         ipath, bpath = idx_path(prefix), bin_path(prefix)
         for p in (ipath, bpath):
@@ -175,25 +141,6 @@ class MegatronIndexedDataset:
                        else np.zeros(0, dtype=self.dtype))
         self._max_token_id: int | None = None
 
-    @property
-    def num_docs(self) -> int:
-        """Sequences (Megatron's GPT samples run over sequences)."""
-        return len(self.doc_offsets) - 1
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
-
-    def doc_lengths(self) -> np.ndarray:
-        """int64 [num_sequences]."""
-        return np.asarray(self.sequence_lengths, dtype=np.int64)
-
-    def document(self, d: int) -> np.ndarray:
-        """Token ids of sequence ``d``, a memmap slice."""
-        if not 0 <= d < self.num_docs:
-            raise IndexError(f"sequence {d} out of range [0, {self.num_docs})")
-        return self.tokens[self.doc_offsets[d]:self.doc_offsets[d + 1]]
-
     def max_token_id(self) -> int:
         """Largest token id in the ``.bin`` (-1 when empty), see ``max_token_id``."""
         if self._max_token_id is None:
@@ -204,9 +151,6 @@ class MegatronIndexedDataset:
     def vocab_size(self) -> int:
         """The smallest vocabulary that holds every token id of the data (the format stores none)."""
         return self.max_token_id() + 1
-
-    def __len__(self) -> int:
-        return self.num_docs
 
     def __repr__(self) -> str:
         return (f"MegatronIndexedDataset({self.prefix!r}, sequences={self.num_docs}, tokens={self.num_tokens}, "
