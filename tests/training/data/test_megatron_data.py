@@ -238,3 +238,35 @@ def test_prepare_data_megatron_format_and_gpt2_tokenizer(tmp_path):
     assert len(theirs) == 3
     for d, text in enumerate(texts[:3]):
         assert theirs[d].tolist() == [*ref.encode(text), eod]
+
+
+def test_huggingface_tokenizer_flags_and_vocab_padding(tmp_path):
+    """``--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR`` is that directory's tokenizer.json, in
+    prepare-data and in train, whose model vocabulary is padded as Megatron pads it (128 x tp)."""
+    from tokenizers import Tokenizer
+
+    from moefold.training.cli import build_parser
+    from moefold.training.cli import main as cli_main
+    from moefold.training.cli.train import config_from_args
+    from moefold.training.data.megatron_tokenizer import megatron_tokenizer, padded_vocab_size
+    from moefold.training.data.tokenizer import train_bpe
+
+    texts = ["alpha beta gamma", "delta epsilon", "zeta eta theta iota"] * 4
+    (tmp_path / "tok").mkdir()
+    train_bpe(texts, 300).save(str(tmp_path / "tok" / "tokenizer.json"))
+    tok = megatron_tokenizer("HuggingFaceTokenizer", tmp_path / "tok")
+    ref = Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
+    assert tok.encode(texts[2]).ids == ref.encode(texts[2]).ids
+    docs = tmp_path / "d.jsonl"
+    docs.write_text("".join(f'{{"text": "{t}"}}\n' for t in texts))
+    assert cli_main(["prepare-data", "--input", str(docs), "--output-prefix", str(tmp_path / "c"),
+                     "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path / "tok"),
+                     "--workers", "1", "--no-progress"]) == 0
+    assert open_indexed(str(tmp_path / "c")).vocab_size == ref.get_vocab_size()
+    assert padded_vocab_size(300, 128, 2) == 512 and padded_vocab_size(256, 128, 1) == 256
+    args = build_parser("train").parse_args(["train", "--recipe", "qwen3_moe_tiny", "--tokenizer-type",
+                                             "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path / "tok"),
+                                             "--tensor-model-parallel-size", "2", "--no-save"])
+    assert config_from_args(args).model.vocab_size == padded_vocab_size(ref.get_vocab_size(), 128, 2)
+    with pytest.raises(ValueError, match=r"--tokenizer-model .*no tokenizer\.json"):
+        megatron_tokenizer("HuggingFaceTokenizer", tmp_path / "missing")
