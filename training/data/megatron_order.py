@@ -136,22 +136,27 @@ def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.Random
     return np.concatenate((first, last))
 
 
+def _most_behind(w: Sequence[float], counts: Sequence[int], x: float, candidates) -> int:
+    """The candidate with the largest ``w_d * x - counts_d`` (the first on ties), in float64 as the C++."""
+    best, top = -1, -math.inf
+    for d in candidates:
+        err = w[d] * x - counts[d]
+        if err > top:
+            best, top = d, err
+    return best
+
+
 def blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
     """helpers.cpp::build_blending_indices: (dataset_index int16 [size], dataset_sample_index int64 [size]).
-    Sample ``i`` goes to the dataset with the largest ``w_d * max(i, 1) - taken_d`` (first on ties), in float64
-    as the C++ computes it. A sequential rule (each choice depends on the previous ones): a plain loop, about
-    1 s per million samples, once per run (the result is cached)."""
+    Sample ``i`` goes to the dataset with the largest ``w_d * max(i, 1) - taken_d`` (first on ties). A sequential
+    rule (each choice depends on the previous ones): a plain loop, about 1 s per million samples, once per run
+    (the result is cached)."""
     w = [float(x) for x in weights]
     counts = [0] * len(w)
     owner, position = array("h"), array("q")
-    others = range(1, len(w))
+    every = range(len(w))
     for i in range(size):
-        x = float(i) if i > 1 else 1.0
-        best, top = 0, w[0] * x - counts[0]
-        for d in others:
-            err = w[d] * x - counts[d]
-            if err > top:
-                best, top = d, err
+        best = _most_behind(w, counts, max(float(i), 1.0), every)
         owner.append(best)
         position.append(counts[best])
         counts[best] += 1
@@ -163,16 +168,11 @@ def exhaustive_blending_indices(sizes: Sequence[int]) -> tuple[np.ndarray, np.nd
     total = int(sum(sizes))
     w = [s / float(total) for s in sizes]
     counts = [0] * len(sizes)
-    unspent = [d for d in range(len(sizes)) if sizes[d] > 0]
+    unspent = [d for d in range(len(sizes)) if sizes[d] > 0]   # ascending, as the C++ std::set
     owner, position = array("h"), array("q")
     i = 0
     while unspent:
-        x = max(float(i), 1.0)
-        best, top = -1, -math.inf
-        for d in unspent:   # std::set iterates in ascending order
-            err = w[d] * x - counts[d]
-            if err > top:
-                best, top = d, err
+        best = _most_behind(w, counts, max(float(i), 1.0), unspent)
         owner.append(best)
         position.append(counts[best])
         counts[best] += 1
