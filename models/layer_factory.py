@@ -85,6 +85,7 @@ def router_config(config: ModelConfig, options: ModelOptions) -> RouterConfig:
         topk_scaling_factor=c.moe_topk_scaling_factor if c.moe_topk_scaling_factor != 1.0 else None,
         num_groups=c.moe_num_groups, group_topk=c.moe_group_topk, group_score_topk=c.moe_group_score_topk,
         load_balancing_type=c.moe_load_balancing_type, aux_loss_coeff=c.moe_aux_loss_coeff,
+        aux_loss_counts=c.moe_aux_loss_counts,
         enable_expert_bias=c.moe_expert_bias, bias_update_rate=c.moe_bias_update_rate,
         z_loss_coeff=c.moe_z_loss_coeff, input_jitter_eps=c.moe_input_jitter_eps, router_dtype=c.moe_router_dtype,
         expert_capacity_factor=c.moe_expert_capacity_factor, token_drop_policy=c.moe_token_drop_policy,

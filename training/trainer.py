@@ -177,6 +177,10 @@ class Trainer:
             from moefold.models.pretrained import load_pretrained_weights
 
             load_pretrained_weights(self.model, t.load_hf, upcycle=t.moe_use_upcycling)  # this rank's slices
+        if t.load_megatron and not resuming:
+            from moefold.models.megatron import load_megatron_weights
+
+            load_megatron_weights(self.model, t.load_megatron)   # this rank's slices of the torch_dist tensors
         if t.compile:  # in place, after init: parameter names and checkpoints are unchanged
             from moefold.training.compile import compile_model
 

@@ -36,6 +36,7 @@ from moefold.parallel.fp8 import add_fp8_arguments, fp8_config_from_args
 from moefold.parallel.init import launched_by_torchrun, launched_world_size
 from moefold.training.cli.config_file import write_effective_config
 from moefold.training.cli.layout_errors import world_source
+from moefold.training.cli.megatron_flags import add_megatron_arguments, megatron_model, tokenizer_vocab
 from moefold.training.cli.model_flags import UPCYCLING_FLAGS, add_model_arguments, apply_model_flags, given_model_flags
 from moefold.training.cli.parser import Parser
 from moefold.training.cli.train_help import ROUTER_HELP, TRAIN_HELP
@@ -202,6 +203,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--nproc: end the job, naming the rank, when a rank shows no sign of life for this long "
                         "(default 300)")
     add_validation_arguments(p)
+    add_megatron_arguments(p)
 
 
 def add_pretrained_arguments(p: argparse.ArgumentParser) -> None:
@@ -239,13 +241,29 @@ def model_from_args(args: argparse.Namespace) -> ModelConfig:
     given = given_model_flags(args)
     arch_router = [f for f, field, _ in ROUTER_FLAGS if field in ARCH_ROUTER_FIELDS
                    and getattr(args, f[2:].replace("-", "_")) is not None]
+    if args.load_megatron is not None:
+        if args.load_hf is not None:
+            raise ValueError("give either --load-hf or --load-megatron (the starting weights), not both")
+        model = megatron_model(args)
+        if model is not None:
+            refused = ([f"--recipe {args.recipe}"] if args.recipe else []) + given + arch_router \
+                + (["--vocab-size"] if args.vocab_size else [])
+            if refused:
+                raise ValueError(f"{' '.join(refused)} cannot be combined with --load-megatron {args.load_megatron}: "
+                                 "the architecture is the checkpoint's Megatron-LM args")
+            return model
+        if args.recipe is None:
+            raise ValueError(f"--load-megatron {args.load_megatron} stores no Megatron-LM args: give --recipe NAME "
+                             "and model flags (the architecture it was trained with)")
     if args.load_hf is None:
         if args.moe_use_upcycling:
             raise ValueError("--moe-use-upcycling needs --load-hf DIR (the dense checkpoint to upcycle)")
         if args.recipe is None:
-            raise ValueError("give --recipe NAME (the model the model flags change) or --load-hf DIR")
+            raise ValueError("give --recipe NAME (the model the model flags change), --load-hf DIR or "
+                             "--load-megatron DIR")
         model = apply_model_flags(get_recipe(args.recipe), args)
-        return model.with_(vocab_size=args.vocab_size) if args.vocab_size is not None else model
+        vocab = args.vocab_size if args.vocab_size is not None else tokenizer_vocab(args)
+        return model.with_(vocab_size=vocab) if vocab is not None else model
     if args.recipe is not None:
         raise ValueError(f"--recipe {args.recipe} and --load-hf {args.load_hf}: give one (the model comes from "
                          "--load-hf's config.json)")
@@ -278,6 +296,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             raise ValueError(f"--{flag.replace('_', '-')} needs --pipeline-model-parallel-size > 1")
     model = model_from_args(args)
     changes = {"moe_aux_loss_coeff": args.moe_aux_loss_coeff} if args.moe_aux_loss_coeff is not None else {}
+    if args.moe_aux_loss_counts is not None:
+        changes["moe_aux_loss_counts"] = args.moe_aux_loss_counts
     for flag, field, _ in ROUTER_FLAGS:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
