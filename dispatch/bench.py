@@ -214,6 +214,12 @@ def _bench_one(kind: str, skew_name: str, args: argparse.Namespace, dims, device
     options = {}
     if kind == "alltoall" and args.max_chunked_experts is not None:
         options["max_chunked_experts"] = args.max_chunked_experts
+    if kind == "flex":
+        from moefold.dispatch.flex_backend import resolve_flex_backend
+
+        options["flex_backend"] = resolve_flex_backend("auto")
+        if options["flex_backend"] == "deepep":   # V2 sizes its buffer by the layout's worst case
+            options.update(hidden_size=H, max_tokens_per_rank=T)
     timed = build_dispatcher(kind, E, dims, timer=timer, **options)
     plain = build_dispatcher(kind, E, dims, **options)
     barrier = (lambda: dist.barrier()) if dist.is_initialized() else (lambda: None)
@@ -358,10 +364,10 @@ def _print_one(r: dict) -> None:
 
 
 def _release_deepep() -> None:
-    """The flex rows' DeepEP buffer, destroyed (collectively) before the process group goes."""
-    from moefold.dispatch.deepep import BUFFERS
+    """The flex rows' DeepEP buffers, destroyed (collectively) before the process group goes."""
+    from moefold.dispatch.flex_backend import destroy_deepep_buffers
 
-    BUFFERS.destroy()
+    destroy_deepep_buffers()
 
 
 def _spawned(rank: int, world: int, store_path: str, args: argparse.Namespace, reports: mp.Queue) -> None:

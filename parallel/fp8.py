@@ -80,6 +80,15 @@ class FP8Config:
         """FP8 GEMMs are on (``dispatch`` is separate)."""
         return self.format is not None
 
+    @property
+    def group_alignment(self) -> int:
+        """Rows per expert block the FP8 grouped GEMMs want (1 with FP8 GEMMs off): 32 for MXFP8 (32-row scale
+        blocks), else 16 (TE's ``Fp8Padding``; torch's ``_scaled_grouped_mm`` takes 16-row aligned groups). The
+        flex dispatcher on DeepEP V2 lays its received rows out with this alignment (``expert_alignment``)."""
+        if not self.enabled:
+            return 1
+        return 32 if self.recipe == "mxfp8" else 16
+
     def describe(self) -> str:
         name = {"torchao": "torchao", "te": "Transformer Engine"}[self.backend]
         gemms = f"fp8 {self.format} {self.recipe} ({name})" if self.enabled else "fp8 off"
