@@ -1,12 +1,12 @@
 """The CPU stand-ins of the GPU-only libraries reject what the real ones reject.
 
-Each stand-in lists the preconditions it copied from its library's source (``PRECONDITIONS``: what, and the
-upstream file:line): Transformer Engine (tests/moe/te_standin.py), DeepEP v1.2.1 (tests/dispatch/deepep_standin.py),
-DeepEP V2's ElasticBuffer (tests/dispatch/deepep_elastic_standin.py), grouped_gemm
-(tests/moe/grouped_gemm_standin.py). Every entry has a case here that breaks exactly that precondition and expects the stand-in to refuse it, and every case is in the list: a precondition cannot be
-listed without being enforced, nor enforced without being listed. moefold's own calls pass them all (the protocol
-tests: tests/moe/test_experts.py, tests/dispatch/test_flex.py, tests/dispatch/test_flex_elastic.py,
-tests/moe/test_gemm.py).
+Each stand-in lists the preconditions it copied from its library's source (``PRECONDITIONS``: what, and the upstream
+file:line): Transformer Engine (tests/moe/te_standin.py), DeepEP v1.2.1 (tests/dispatch/deepep_standin.py), DeepEP
+V2's ElasticBuffer (tests/dispatch/deepep_elastic_standin.py), grouped_gemm (tests/moe/grouped_gemm_standin.py). Every
+entry has a case here that breaks exactly that precondition and expects the stand-in to refuse it, and every case is
+in the list: a precondition cannot be listed without being enforced, nor enforced without being listed. moefold's own
+calls pass them all (the protocol tests: tests/moe/test_experts.py, tests/dispatch/test_flex.py,
+tests/dispatch/test_flex_elastic.py, tests/moe/test_gemm.py).
 """
 
 from __future__ import annotations

@@ -25,10 +25,10 @@ DeepEP's own tests check (``tests/elastic/test_ep.py``, reference ``deep_ep/util
   ``EventOverlap.current_stream_wait()``; without it the compute stream has waited already (event None).
 
 The buffer arithmetic (sizes, the SM estimate) is in deepep_elastic_layout.py, the returned objects (events,
-``EPHandle``) in deepep_elastic_events.py. Host work of the stand-in itself runs under ``HOST_WORK`` (a test replaces it with a sync counter's ``paused``:
-DeepEP's own bookkeeping happens in its C++). ``NUM_NVL_RANKS`` is the physical NVLink domain (NCCL's LSA
-team): with 2, a 4-rank group spans two "nodes", so hybrid mode (``allow_hybrid_mode=True``) has 2 scale-out x
-2 scale-up ranks and direct mode 1 x 4, with the buffer sizes DeepEP computes for each.
+``EPHandle``) in deepep_elastic_events.py. Host work of the stand-in itself runs under ``HOST_WORK`` (a test replaces
+it with a sync counter's ``paused``: DeepEP's own bookkeeping happens in its C++). ``NUM_NVL_RANKS`` is the physical
+NVLink domain (NCCL's LSA team): with 2, a 4-rank group spans two "nodes", so hybrid mode (``allow_hybrid_mode=True``)
+has 2 scale-out x 2 scale-up ranks and direct mode 1 x 4, with the buffer sizes DeepEP computes for each.
 
 Preconditions: every check DeepEP makes on what a caller passes is made here too, citing its line (``elastic.py``
 is ``deep_ep/buffers/elastic.py``, ``buffer.hpp`` ``csrc/elastic/buffer.hpp``, ``dispatch.hpp``
