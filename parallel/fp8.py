@@ -189,7 +189,7 @@ def add_fp8_arguments(parser: argparse.ArgumentParser | Any) -> None:
                              f"(default: {' '.join(DEFAULT_EXCLUDE)}; e.g. add layers.0. for the first layer)")
     parser.add_argument("--moe-fp8-dispatch", action="store_true",
                         help="send routed tokens to their experts as e4m3 with per-128-channel scales "
-                             "(alltoall and allgather dispatchers)")
+                             "(alltoall, allgather and flex on DeepEP V2)")
 
 
 def fp8_config_from_args(args: argparse.Namespace) -> FP8Config:
