@@ -299,7 +299,8 @@ def _fp8_one(r: dict, args: argparse.Namespace, dims, device: torch.device) -> N
     rank0 = dims.rank == 0
     if r["kind"] == "flex":
         if rank0:
-            print("  fp8: not timed for flex (FP8 dispatch runs with the local, allgather and alltoall dispatchers)")
+            print("  fp8: not timed for flex (DeepEP V2 dispatches FP8 with --moe-fp8-dispatch, one row per "
+                  "destination rank: not this table's per-copy bytes; the legacy backend has no FP8 dispatch)")
         return
     from moefold.dispatch.fp8_bench import report_fp8
 

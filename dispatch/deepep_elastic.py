@@ -65,7 +65,7 @@ import torch
 from torch import Tensor
 
 from moefold.dispatch.base import Dispatched, DispatchHandle, PendingDispatch, PhaseTimer, TokenDispatcher
-from moefold.dispatch.deepep import check_flex_topk
+from moefold.dispatch.deepep import check_flex_topk, flex_group, virtual_experts
 from moefold.dispatch.fp8_exchange import dequantize_rows, quantize_rows
 from moefold.dispatch.routing import Routing
 from moefold.parallel.groups import Group
@@ -89,6 +89,22 @@ def import_elastic() -> Any:
         raise ImportError(f"the installed DeepEP ({version}) has no ElasticBuffer (V2): use "
                           f"--moe-flex-dispatcher-backend deepep-legacy, or install V2: {V2_INSTALL_HINT}")
     return deep_ep
+
+
+def check_elastic_layout(hidden_size: int, num_experts: int, ep: int, etp: int, fp8: bool) -> None:
+    """ValueError naming the numbers (and flags) when DeepEP V2 cannot run this layout: its TMA rows (hidden bytes a
+    multiple of 32: hidden a multiple of 16 in bf16, of 32 with FP8 dispatch) and its experts (at most 2048
+    virtual experts, E x etp, and 256 per rank: ``WorkspaceLayout``)."""
+    row = 32 if fp8 else 16
+    if hidden_size % row:
+        raise ValueError(f"the flex dispatcher on DeepEP V2 needs a hidden size that is a multiple of {row} "
+                         f"({'e4m3 rows with --moe-fp8-dispatch' if fp8 else 'bf16 rows'} of a multiple of 32 bytes), "
+                         f"got --hidden-size {hidden_size}")
+    virtual, local = num_experts * etp, num_experts // max(ep, 1)
+    if virtual > MAX_EXPERTS or local > MAX_LOCAL_EXPERTS:
+        raise ValueError(f"DeepEP V2 takes at most {MAX_EXPERTS} experts ({MAX_LOCAL_EXPERTS} per rank); got "
+                         f"--num-experts {num_experts} x --expert-tensor-parallel-size {etp} = {virtual} with {local} "
+                         f"per rank (--expert-model-parallel-size {ep})")
 
 
 @dataclass(frozen=True)
@@ -308,40 +324,24 @@ class ElasticFlexDispatcher(TokenDispatcher):
                  expert_alignment: int = 1, fp8: bool = False, buffers: ElasticBuffers | None = None):
         deep_ep = import_elastic()
         super().__init__(num_experts, ep_group, etp_group, timer)
-        n = self.ep * self.etp
-        if n == 1:
-            raise ValueError("the flex dispatcher needs an etp x ep group of >= 2 ranks (DeepEP has no single-rank "
-                             "kernels), got ep=1 etp=1; use 'local'")
-        self.group = self._etp_ep_group(etp_ep_group)
+        self.group = flex_group(self, etp_ep_group)
         if not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 1:
             raise ValueError(f"the flex dispatcher (DeepEP V2) sizes its buffer by the most tokens a rank routes per "
                              f"MoE call (num_max_tokens_per_rank: micro-batch x sequence / (tp x cp), which the "
                              f"trainer sets); got max_tokens_per_rank={max_tokens_per_rank!r}")
-        row = 32 if fp8 else 16   # DeepEP's TMA: hidden bytes a multiple of 32 (layout.cuh TokenLayout)
-        if not isinstance(hidden_size, int) or hidden_size < 1 or hidden_size % row:
-            raise ValueError(f"the flex dispatcher (DeepEP V2) needs a hidden size that is a multiple of {row} "
-                             f"({'e4m3' if fp8 else 'bf16'} rows of a multiple of 32 bytes), got {hidden_size}")
+        if not isinstance(hidden_size, int) or hidden_size < 1:
+            raise ValueError(f"the flex dispatcher (DeepEP V2): hidden_size={hidden_size!r} must be a positive integer")
+        check_elastic_layout(hidden_size, num_experts, self.ep, self.etp, fp8)
         if not isinstance(num_sms, int) or num_sms < 0 or num_sms % 2:
             raise ValueError(f"--moe-deepep-num-sms={num_sms!r} must be an even integer (0: DeepEP's estimate)")
         if not isinstance(expert_alignment, int) or expert_alignment < 1:
             raise ValueError(f"expert_alignment={expert_alignment!r} must be a positive integer")
         virtual = num_experts * self.etp
-        if virtual > MAX_EXPERTS or self.num_local_experts > MAX_LOCAL_EXPERTS:
-            raise ValueError(f"DeepEP V2 takes at most {MAX_EXPERTS} experts ({MAX_LOCAL_EXPERTS} per rank); got "
-                             f"{num_experts} x etp {self.etp} = {virtual} with {self.num_local_experts} per rank")
         self._deep_ep, self.hidden_size, self.max_tokens_per_rank = deep_ep, hidden_size, max_tokens_per_rank
         self.num_sms, self.cpu_sync, self.hybrid, self.fp8 = num_sms, cpu_sync, hybrid, fp8
         self.expert_alignment, self.num_virtual_experts = expert_alignment, virtual
         self.buffers = ELASTIC_BUFFERS if buffers is None else buffers
 
-    def _virtual(self, ids_TK: Tensor, probs_TK: Tensor) -> tuple[Tensor, Tensor]:
-        """etp > 1: expert g on ep rank r -> virtual experts (r*etp + t)*e + g%e for t < etp: [T, K*etp]."""
-        e, etp = self.num_local_experts, self.etp
-        T, K = ids_TK.shape
-        t = torch.arange(etp, device=ids_TK.device)
-        v = (ids_TK.div(e, rounding_mode="floor").unsqueeze(-1) * etp + t) * e + (ids_TK % e).unsqueeze(-1)
-        v = torch.where(ids_TK.unsqueeze(-1) < 0, -1, v)
-        return v.reshape(T, K * etp), probs_TK.unsqueeze(-1).expand(T, K, etp).reshape(T, K * etp)
 
     def layout(self, topk: int) -> ElasticLayout:
         return ElasticLayout(self.max_tokens_per_rank, self.hidden_size, self.num_virtual_experts, topk * self.etp,
@@ -365,7 +365,7 @@ class ElasticFlexDispatcher(TokenDispatcher):
             topk_idx = topk_idx.masked_fill(~routing.keep_TK.bool(), -1)
         probs_TK = routing.probs_TK.float()
         if self.etp > 1:
-            topk_idx, probs_TK = self._virtual(topk_idx, probs_TK)
+            topk_idx, probs_TK = virtual_experts(topk_idx, probs_TK, self.num_local_experts, self.etp)
         buffer = self.buffers.get(self._deep_ep, self.group, self.layout(K))
         num_sms = self.num_sms or buffer.get_theoretical_num_sms(self.num_virtual_experts, K * self.etp)
         call = ElasticCall(self.num_virtual_experts, self.max_tokens_per_rank, self.expert_alignment, num_sms,

@@ -1,7 +1,7 @@
 """The objects DeepEP V2's ``ElasticBuffer`` returns, for the CPU stand-in (deepep_elastic_standin.py).
 
-``EventHandle`` (``deep_ep._C.EventHandle``: a CUDA event; here the stand-in's pending outputs complete when it is
-waited on), ``EventOverlap`` (``deep_ep/utils/event.py``) and ``EPHandle`` (``deep_ep/buffers/elastic.py:25-98``),
+``EventHandle`` (``deep_ep._C.EventHandle``: a CUDA event; the v1 stand-in's, whose pending outputs complete when it
+is waited on), ``EventOverlap`` (``deep_ep/utils/event.py``) and ``EPHandle`` (``deep_ep/buffers/elastic.py:25-98``),
 with DeepEP's signatures and fields.
 """
 
@@ -12,33 +12,20 @@ from typing import Any
 
 import torch
 
-
-class EventHandle:
-    """``deep_ep._C.EventHandle``: a CUDA event on the stream it was made on."""
-
-    def __init__(self) -> None:
-        self.on_complete: list[Callable[[], None]] = []
-        self.waits = 0
-
-    def current_stream_wait(self) -> None:
-        self.waits += 1
-        for fn in self.on_complete:
-            fn()
-        self.on_complete = []
+from tests.dispatch import deepep_standin as legacy
+from tests.dispatch.deepep_standin import EventHandle
 
 
-class EventOverlap:
-    """``deep_ep.utils.event.EventOverlap`` (V2): signature, hook and context manager as DeepEP's."""
+class EventOverlap(legacy.EventOverlap):
+    """``deep_ep.utils.event.EventOverlap`` (V2): v1's, plus a hook after the wait and ``release_handle``."""
 
     def __init__(self, event: EventHandle | None = None, extra_tensors: tuple | None = None) -> None:
-        self.event = event
-        self.extra_tensors = extra_tensors
+        super().__init__(event, extra_tensors)
         self._release_handle_by_call = False
         self.hook_after_wait: Callable | None = None
 
     def current_stream_wait(self, release_handle: bool = False) -> None:
-        assert self.event is not None
-        self.event.current_stream_wait()
+        super().current_stream_wait()
         if self.hook_after_wait is not None:
             self.hook_after_wait()
             self.hook_after_wait = None
@@ -51,9 +38,6 @@ class EventOverlap:
 
     def __call__(self, release_handle: bool = False) -> EventOverlap:
         self._release_handle_by_call = release_handle
-        return self
-
-    def __enter__(self) -> Any:
         return self
 
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:

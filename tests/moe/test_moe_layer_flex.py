@@ -1,12 +1,13 @@
 """The MoE layer with the flex dispatcher on DeepEP V2 (the ``ElasticBuffer`` CPU stand-in) equals the world-1 layer.
 
-Outputs, input gradients and every parameter gradient, at ep2 (x edp2), ep4 and ep2 x etp2 in one 4-rank world,
-with and without FP8 dispatch and with ``expert_alignment`` 1 and 16 (the FP8 GEMMs' multiple), in dropless and
-capacity mode, and with GPT-OSS's expert biases (the rows past the experts' blocks, which sync-free dispatch
-allocates for the worst case, must not reach a bias gradient). The reference is each dp rank's micro-batch
-through the world-1 layer with the local dispatcher (FP8 dispatch there is the same cast round trip); DeepEP moves
-bf16, so both run in bf16 and compare at bf16's tolerance. Also: one DeepEP buffer for every layer, and
-``MoEOutputInfo.received_E`` (DeepEP's received counts) summed over the ranks equals the routed copies.
+Outputs, input gradients and every parameter gradient, at ep2 (x edp2), ep4 and ep2 x etp2 in one 4-rank world, with
+and without FP8 dispatch and with ``expert_alignment`` 1 and 16 (the FP8 GEMMs' multiple), in dropless and capacity
+mode, with ``--moe-apply-probs-on-input`` (an unweighted combine), and with GPT-OSS's expert biases (the rows past
+the experts' blocks, which sync-free dispatch allocates for the worst case, must not reach a bias gradient). The
+reference is each dp rank's micro-batch through the world-1 layer with the local dispatcher (FP8 dispatch there is
+the same cast round trip); DeepEP moves bf16, so both run in bf16 and compare at bf16's tolerance. Also: one DeepEP
+buffer for every layer, and ``MoEOutputInfo.received_E`` (DeepEP's received counts) summed over the ranks equals the
+routed copies.
 The protocol itself (calls, events, host syncs): tests/dispatch/test_flex_elastic.py.
 """
 
@@ -32,12 +33,15 @@ E, H, FFN, S, B, DP = 8, 32, 16, 4, 8, 4   # every rank's micro-batch: [S, B / D
 GPT_OSS = dict(linear_bias=True, swiglu_alpha=1.702, activation_clamp=7.0, glu_linear_offset=1.0)
 
 
-def _config(dispatcher: str, fp8: bool, capacity: bool = False, gpt_oss: bool = False) -> MoEConfig:
+def _config(dispatcher: str, fp8: bool, capacity: bool = False, gpt_oss: bool = False,
+            probs_on_input: bool = False) -> MoEConfig:
     extra = {"expert_capacity_factor": 1.0} if capacity else {}
-    router = RouterConfig(num_experts=E, topk=2, init_std=0.3, aux_loss_coeff=0.01, bias=gpt_oss, **extra)
+    router = RouterConfig(num_experts=E, topk=1 if probs_on_input else 2, init_std=0.3, aux_loss_coeff=0.01,
+                          bias=gpt_oss, pre_softmax=probs_on_input, **extra)
     return MoEConfig(num_experts=E, moe_ffn_hidden_size=FFN, router=router, shared_expert_ffn_size=FFN,
                      dispatcher=dispatcher, flex_backend="deepep", init_std=0.4, deepep_max_tokens_per_rank=S * B // DP,
-                     fp8=FP8Config(dispatch=True) if fp8 else None, **(GPT_OSS if gpt_oss else {}))
+                     fp8=FP8Config(dispatch=True) if fp8 else None, apply_probs_on_input=probs_on_input,
+                     **(GPT_OSS if gpt_oss else {}))
 
 
 def _micro_batch(d: int):
@@ -80,12 +84,13 @@ def _world() -> list[str]:
     failures: list[str] = []
     refs: dict[MoEConfig, tuple] = {}
     groups: set = set()
-    cases = [(ep, etp, fp8, align, False, False) for ep, etp in ((2, 1), (4, 1), (2, 2))
+    cases = [(ep, etp, fp8, align, False, False, False) for ep, etp in ((2, 1), (4, 1), (2, 2))
              for fp8 in (False, True) for align in (1, 16)]
-    cases += [(4, 1, False, 1, True, False), (2, 2, False, 16, False, True), (2, 2, True, 1, True, True)]
-    for ep, etp, fp8, align, capacity, gpt_oss in cases:
-        label = f"ep{ep} etp{etp} fp8={fp8} align={align} capacity={capacity} gpt_oss={gpt_oss}"
-        cfg = _config("flex", fp8, capacity, gpt_oss)
+    cases += [(4, 1, False, 1, True, False, False), (2, 2, False, 16, False, True, False),
+              (2, 2, True, 1, True, True, False), (2, 2, False, 1, False, False, True)]   # last: probs on input
+    for ep, etp, fp8, align, capacity, gpt_oss, on_input in cases:
+        label = f"ep{ep} etp{etp} fp8={fp8} align={align} capacity={capacity} gpt_oss={gpt_oss} on_input={on_input}"
+        cfg = _config("flex", fp8, capacity, gpt_oss, on_input)
         if cfg not in refs:
             refs[cfg] = _reference(cfg)
         ref_out, ref_grads = refs[cfg]

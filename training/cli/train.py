@@ -398,6 +398,10 @@ def resolve_flex(config: RunConfig, world_size: int) -> tuple[RunConfig, str | N
     if not config.model.num_experts or o.resolved_dispatcher(sizes.ep, sizes.etp) != "flex":
         return config, None
     backend = resolve_flex_backend(o.moe_flex_dispatcher_backend)
+    if backend == "deepep":
+        from moefold.dispatch.deepep_elastic import check_elastic_layout
+
+        check_elastic_layout(config.model.hidden_size, config.model.num_experts, sizes.ep, sizes.etp, o.fp8.dispatch)
     config = dataclasses.replace(config, options=dataclasses.replace(o, moe_flex_dispatcher_backend=backend))
     cpu_sync = o.moe_deepep_cpu_sync if o.moe_deepep_cpu_sync is not None else (
         needs_host_counts(o.gemm_backend) or o.fp8.enabled)

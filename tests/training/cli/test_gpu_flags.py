@@ -75,6 +75,8 @@ def test_flex_backend_flags_reach_the_moe_config_and_are_stated(monkeypatch):
     moe = moe_config(resolved.model, model_options(resolved), ParallelDims.single())
     assert (moe.flex_backend, moe.deepep_hybrid, moe.deepep_cpu_sync) == ("deepep", False, False)
     assert moe.deepep_max_tokens_per_rank == 2 * 64 // 2   # micro-batch x sequence / (tp x cp)
+    with pytest.raises(ValueError, match=r"DeepEP V2 needs a hidden size that is a multiple of 16.*--hidden-size 40"):
+        resolve_flex(config_from_args(_args(*flags, "--hidden-size", "40")), 4)   # before any rank starts
     monkeypatch.setitem(sys.modules, "deep_ep", deepep_standin.module())   # DeepEP v1: only the legacy Buffer
     resolved, line = resolve_flex(config_from_args(_args(*flags[:-3])), 4)
     assert resolved.options.moe_flex_dispatcher_backend == "deepep-legacy" and "legacy Buffer" in line, line
