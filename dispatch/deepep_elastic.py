@@ -43,6 +43,10 @@ at run time by its JIT), used as DeepEP's README pairs the calls for training:
   (``dispatch.fp8_exchange.quantize_rows``, DeepEP's ``(data, scales)`` input) and are dequantised on arrival;
   gradients return in bf16 and the cast counts as the identity, as with the other dispatchers.
 
+Capacity modes: dropped copies are sent as ``-1`` (never sent). ``pad_expert_input_to_capacity`` changes no row:
+its purpose, shapes known without a host read, is what the sync-free layout gives anyway (the rows are DeepEP's,
+aligned by ``expert_alignment``; padding an expert's block to its capacity would add rows nobody computes on).
+
 Routing weights: DeepEP's combine adds the rows it brings home without weights (its test's reference,
 ``deep_ep/utils/refs.py`` ``combine``), so each row is weighted on the expert rank before the combine, with the
 weight that arrived with it; its gradient returns in the backward combine. Expert tensor parallelism works as in
