@@ -53,12 +53,19 @@ class Dispatched:
     tokens_per_expert_host: the same counts as host ints when the dispatcher already has them
                             (it synchronised for its split sizes, or they are static), else None;
                             GEMM backends that take host split sizes use them instead of a sync
+    received_e:             [e_local] int32 copies each local expert received (padding excluded), as the
+                            exchange counted them (DeepEP V2's ``cumulative_local_expert_recv_stats``), or None
+
+    Rows past ``sum(tokens_per_expert_e)``: a sync-free dispatcher that allocates for the worst case (the V2 flex
+    dispatcher) hands over more rows than its experts' blocks cover; those carry no token (their values are
+    unspecified), the experts skip them and ``combine`` never reads their outputs.
     """
 
     tokens_NH: Tensor
     tokens_per_expert_e: Tensor
     handle: DispatchHandle
     tokens_per_expert_host: tuple[int, ...] | None = None
+    received_e: Tensor | None = None
 
 
 class PendingDispatch:

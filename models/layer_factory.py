@@ -99,6 +99,9 @@ def moe_config(config: ModelConfig, options: ModelOptions, dims: ParallelDims) -
                      shared_expert_gate=config.moe_shared_expert_gate,
                      dispatcher=options.resolved_dispatcher(dims.ep, dims.etp), gemm_backend=options.gemm_backend,
                      init_std=options.init_std, fp8=options.fp8, deepep_num_sms=options.moe_deepep_num_sms,
+                     flex_backend=options.moe_flex_dispatcher_backend,
+                     deepep_max_tokens_per_rank=options.moe_deepep_max_tokens_per_rank or None,
+                     deepep_hybrid=options.moe_deepep_mode == "hybrid", deepep_cpu_sync=options.moe_deepep_cpu_sync,
                      apply_probs_on_input=config.moe_apply_probs_on_input, linear_bias=config.moe_expert_linear_bias,
                      swiglu_alpha=config.moe_swiglu_alpha, activation_clamp=config.moe_activation_clamp,
                      glu_linear_offset=config.moe_glu_linear_offset)

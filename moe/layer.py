@@ -5,8 +5,8 @@ where the dispatcher leaves it in flight (alltoall's asynchronous all-to-all, fl
 kernel on its communication stream), not allgather's gathers, which finish inside dispatch_start.
 Host synchronisations per layer (forward + backward, bf16 grouped_mm experts): local 0 (dropless
 or padded; 1 in unpadded capacity mode), alltoall 1 (dropless or unpadded capacity; 0 padded),
-allgather 1, flex 0 of moefold's own plus the one DeepEP's dispatch makes for its received counts
-(tests/dispatch/test_host_sync.py, tests/dispatch/test_flex.py).
+allgather 1, flex on DeepEP V2 0 (sync-free: the received counts stay on the device), flex on the legacy
+DeepEP 1 (its dispatch waits on the host for the received counts) (tests/dispatch/test_host_sync.py).
 
 Routing probs: applied in the combine, ``y[t] = sum_k p[t, k] * FFN_k(x_t)`` (on the token's home
 rank for local/alltoall: they never travel; see ``dispatch.base``), or, with
@@ -31,6 +31,7 @@ reduced over edp by the trainer (parameters flagged ``moefold_expert``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -40,6 +41,7 @@ from moefold.dispatch import build_dispatcher
 from moefold.moe.balance_losses import GlobalLoadState
 from moefold.moe.config import MoEConfig
 from moefold.moe.experts import GroupedExperts
+from moefold.moe.gemm import needs_host_counts
 from moefold.moe.router import Router, RouterGroups
 from moefold.moe.router_stats import RouterStats
 from moefold.moe.shared_experts import SharedExperts
@@ -57,6 +59,9 @@ class MoEOutputInfo:
     stats:    the router's statistics (tokens per expert, ...)
     load_E:   int64 [E] this rank's copies per expert before capacity (for the expert-bias update)
     global_state: pass back as ``forward(..., global_state=...)`` for the next micro-batch (global_aux_loss)
+    received_E: int32 [E] copies this rank's experts received (at their global index, zero elsewhere and on
+              etp ranks other than 0, so a sum over all ranks counts each copy once), where the dispatcher
+              counts them (flex on DeepEP V2), else None
     """
 
     aux_loss: Tensor
@@ -64,6 +69,29 @@ class MoEOutputInfo:
     stats: RouterStats | None = None
     load_E: Tensor | None = None
     global_state: GlobalLoadState | None = None
+    received_E: Tensor | None = None
+
+
+def flex_options(config: MoEConfig, hidden_size: int) -> dict[str, Any]:
+    """The flex dispatcher's options for ``config`` (``dispatch.build_dispatcher``), its backend resolved from the
+    installed DeepEP when ``auto``."""
+    from moefold.dispatch.flex_backend import resolve_flex_backend
+
+    backend = resolve_flex_backend(config.flex_backend)
+    if backend == "deepep-legacy":
+        return {"flex_backend": backend, "num_sms": config.deepep_num_sms}
+    fp8_gemms = config.fp8 is not None and config.fp8.enabled
+    return {"flex_backend": backend, "num_sms": config.deepep_num_sms, "hidden_size": hidden_size,
+            "max_tokens_per_rank": config.deepep_max_tokens_per_rank, "cpu_sync": deepep_cpu_sync(config),
+            "hybrid": config.deepep_hybrid, "expert_alignment": config.fp8.group_alignment if fp8_gemms else 1}
+
+
+def deepep_cpu_sync(config: MoEConfig) -> bool:
+    """V2's ``do_cpu_sync``: as configured, or (None) on exactly when the expert GEMMs read host counts anyway
+    (``te``, ``grouped_gemm``, ``loop``; FP8 GEMMs' per-expert weight gradients), which DeepEP's wait then gives."""
+    if config.deepep_cpu_sync is not None:
+        return config.deepep_cpu_sync
+    return needs_host_counts(config.gemm_backend) or (config.fp8 is not None and config.fp8.enabled)
 
 
 class MoELayer(nn.Module):
@@ -83,7 +111,7 @@ class MoELayer(nn.Module):
 
         # The router marks its weight sequence-parallel itself: every tp rank routes distinct tokens.
         self.router = Router(config.router, hidden_size, RouterGroups.from_dims(dims))
-        options = {"num_sms": config.deepep_num_sms} if config.dispatcher == "flex" else {}
+        options = flex_options(config, hidden_size) if config.dispatcher == "flex" else {}
         fp8_dispatch = config.fp8 is not None and config.fp8.dispatch
         self.dispatcher = build_dispatcher(config.dispatcher, config.num_experts, dims, fp8=fp8_dispatch, **options)
         self.experts = GroupedExperts(
@@ -92,6 +120,8 @@ class MoELayer(nn.Module):
             init_std=config.init_std, output_init_std=config.output_init_std, fp8=config.fp8,
             fp8_token_group=dims.expert_token_group, glu=config.glu, bias=config.linear_bias, dtype=dtype,
             device=device)
+        self.num_experts = config.num_experts
+        self.etp_rank = group_rank(dims.etp_group)
         self.shared_experts = None
         self.recompute_shared_experts = False   # selective recompute (``dense.recompute``), set by the model
         if config.has_shared_experts:
@@ -151,7 +181,19 @@ class MoELayer(nn.Module):
         if shared_SBH is not None:
             y_SBH = y_SBH + shared_SBH
         return y_SBH, MoEOutputInfo(aux_loss=routed.aux_loss, losses=routed.losses, stats=routed.stats,
-                                    load_E=routed.load_E, global_state=routed.global_state)
+                                    load_E=routed.load_E, global_state=routed.global_state,
+                                    received_E=self._received(dispatched.received_e))
+
+    def _received(self, received_e: Tensor | None) -> Tensor | None:
+        """This rank's experts' received copies at their global indices (``MoEOutputInfo.received_E``)."""
+        if received_e is None:
+            return None
+        out = received_e.new_zeros(self.num_experts)
+        if self.etp_rank == 0:
+            e = received_e.shape[0]
+            off = self.experts.local_expert_offset
+            out[off:off + e] = received_e.detach()
+        return out
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden_size}, dispatcher={self.config.dispatcher}, sp={self.sequence_parallel}"

@@ -26,8 +26,9 @@ import torch
 from moefold.dense.context_parallel import CP_COMM_MODES
 from moefold.dense.gated_delta_rule import GATED_DELTA_RULE_BACKENDS, require_fla
 from moefold.dense.recompute import DEFAULT_RECOMPUTE_MODULES, RECOMPUTE_METHODS, RECOMPUTE_MODES, RECOMPUTE_MODULES
+from moefold.dispatch.flex_backend import FLEX_BACKEND_CHOICES
 from moefold.models.config import ModelConfig
-from moefold.models.options import ModelOptions
+from moefold.models.options import DEEPEP_MODES, ModelOptions
 from moefold.models.recipes import RECIPES, get_recipe
 from moefold.moe.config import DISPATCHERS
 from moefold.moe.gemm import GEMM_BACKENDS
@@ -145,7 +146,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="full: the N of --recompute-method (default 1)")
     gpu = p.add_argument_group("GPU backends: DeepEP, FP8 (torchao, Transformer Engine)")
     gpu.add_argument("--moe-deepep-num-sms", type=int, default=ModelOptions.moe_deepep_num_sms,
-                     help="SMs DeepEP's kernels take (flex dispatcher; even)")
+                     help="SMs DeepEP's kernels take (flex dispatcher; even; default 0: DeepEP V2's "
+                          "get_theoretical_num_sms, 20 with deepep-legacy)")
+    gpu.add_argument("--moe-flex-dispatcher-backend", default=ModelOptions.moe_flex_dispatcher_backend,
+                     choices=FLEX_BACKEND_CHOICES,
+                     help="the flex dispatcher's DeepEP: deepep (V2 ElasticBuffer: sync-free, JIT-built kernels), "
+                          "deepep-legacy (the v1 Buffer API), auto (default: deepep when the installed DeepEP is V2)")
+    gpu.add_argument("--moe-deepep-mode", default=ModelOptions.moe_deepep_mode, choices=DEEPEP_MODES,
+                     help="DeepEP V2 across nodes: hybrid (default: RDMA once per node, forwarded over NVLink) or "
+                          "direct (RDMA to every destination rank)")
+    gpu.add_argument("--moe-deepep-cpu-sync", action=argparse.BooleanOptionalAction, default=None,
+                     help="DeepEP V2: the host waits for the received counts (exact receive buffers, one host sync "
+                          "per dispatch) instead of worst-case-sized ones; default: on exactly when the expert "
+                          "GEMMs take host counts anyway (te, grouped_gemm, loop, FP8)")
     add_fp8_arguments(gpu)
     m.add_argument("--vocab-size", type=int, help="vocabulary of the built-in corpus (and the model); default: "
                                                    "the recipe's")
@@ -311,6 +324,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                            gemm_backend=args.moe_grouped_gemm_backend, dtype="bf16" if args.bf16 else "fp32",
                            init_std=args.init_method_std, fp8=fp8_config_from_args(args),
                            moe_deepep_num_sms=args.moe_deepep_num_sms,
+                           moe_flex_dispatcher_backend=args.moe_flex_dispatcher_backend,
+                           moe_deepep_mode=args.moe_deepep_mode, moe_deepep_cpu_sync=args.moe_deepep_cpu_sync,
                            linear_attention_backend=args.linear_attention_backend)
     parallel = ParallelConfig(tp=args.tensor_model_parallel_size, cp=args.context_parallel_size,
                               pp=args.pipeline_model_parallel_size, ep=args.expert_model_parallel_size,
@@ -384,12 +399,34 @@ def check_backends(config: RunConfig, ep: int, etp: int) -> None:
     if config.model.num_experts:
         check_gemm_backend(o.gemm_backend, o.torch_dtype)
         if o.resolved_dispatcher(ep, etp) == "flex":
-            from moefold.dispatch.deepep import import_deep_ep
+            from moefold.dispatch.flex_backend import resolve_flex_backend
 
-            import_deep_ep()
+            resolve_flex_backend(o.moe_flex_dispatcher_backend)
     if o.linear_attention_backend == "fla" and "linear_attention" in (config.model.layer_types or ()):
         require_fla()
     o.fp8.check_available()
+
+
+def resolve_flex(config: RunConfig, world_size: int) -> tuple[RunConfig, str | None]:
+    """With the flex dispatcher: ``config`` with ``--moe-flex-dispatcher-backend auto`` replaced by the installed
+    DeepEP's backend (so every rank runs the same one) and the start-up line that states it; else (config, None)."""
+    from moefold.dispatch.flex_backend import describe_flex_backend, resolve_flex_backend
+    from moefold.moe.gemm import needs_host_counts
+
+    sizes, _ = config.resolve(world_size)
+    o = config.options
+    if not config.model.num_experts or o.resolved_dispatcher(sizes.ep, sizes.etp) != "flex":
+        return config, None
+    backend = resolve_flex_backend(o.moe_flex_dispatcher_backend)
+    if backend == "deepep":
+        from moefold.dispatch.deepep_elastic import check_elastic_layout
+
+        check_elastic_layout(config.model.hidden_size, config.model.num_experts, sizes.ep, sizes.etp, o.fp8.dispatch)
+    config = dataclasses.replace(config, options=dataclasses.replace(o, moe_flex_dispatcher_backend=backend))
+    cpu_sync = o.moe_deepep_cpu_sync if o.moe_deepep_cpu_sync is not None else (
+        needs_host_counts(o.gemm_backend) or o.fp8.enabled)
+    return config, describe_flex_backend(backend, hybrid=o.moe_deepep_mode == "hybrid", cpu_sync=cpu_sync,
+                                         num_sms=o.moe_deepep_num_sms)
 
 
 def describe_parameters(model: ModelConfig) -> str:
@@ -417,6 +454,7 @@ def main(args: argparse.Namespace) -> int:
             if not 0 < getattr(args, flag) < float("inf"):
                 raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be a positive number")
         validate(config, world, world_source(args.nproc, launched_by_torchrun()))
+        config, flex_line = resolve_flex(config, world)
         first = not launched_by_torchrun() or os.environ.get("RANK", "0") == "0"   # torchrun: every rank checks
         preflight(config, say=print if first else lambda _line: None)
         if first:
@@ -426,6 +464,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if int(os.environ.get("RANK", "0")) == 0:
         print(describe_parameters(config.model), flush=True)
+        if flex_line is not None:
+            print(flex_line, flush=True)
     if launched_by_torchrun() and args.nproc > 1:
         print(f"moefold train: launched by torchrun (world {world}); ignoring --nproc {args.nproc}", file=sys.stderr)
     try:
