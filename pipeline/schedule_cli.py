@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--forward-time", type=float, default=None,
                         help="time of one forward on one chunk (default 1/vpp)")
     parser.add_argument("--backward-time", type=float, default=None,
-                        help="time of one full backward on one chunk (default 2 x the forward)")
+                        help="time of one full backward on one chunk (default: the forward's)")
     parser.add_argument("--weight-time", type=float, default=None,
                         help="of the backward, the weight-gradient part W (default half of it; the input part I is "
                              "the rest)")
@@ -50,7 +50,7 @@ def main(args: argparse.Namespace) -> int:
     vpp = args.vpp if args.vpp is not None else (2 if args.schedule in V_SCHEDULES else 1)
     name = args.schedule or ("interleaved" if vpp > 1 else "1f1b")
     forward = args.forward_time if args.forward_time is not None else 1.0 / vpp
-    backward = args.backward_time if args.backward_time is not None else 2 * forward
+    backward = args.backward_time if args.backward_time is not None else forward
     weight = args.weight_time if args.weight_time is not None else backward / 2
     overlapped = args.overlapped_time if args.overlapped_time is not None else forward + backward
     try:
