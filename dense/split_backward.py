@@ -62,10 +62,31 @@ class DeferredWeightGrads:
         return len(self._pending)
 
     def run(self) -> None:
-        """Compute every deferred weight gradient and accumulate it into its parameter (once)."""
+        """Compute every deferred weight gradient and accumulate it into its parameter (once). A weight that several
+        deferred GEMMs share (the output head with MTP) gets their gradients in one engine call, summed before they
+        are accumulated, as the plain backward sums them; every other gradient is accumulated (and freed) as soon
+        as it is computed."""
         pending, self._pending = self._pending, []
-        for edges, compute in pending:   # one engine call per GEMM: each gradient is freed once accumulated
-            _accumulate(edges, compute())
+        uses: dict[tuple[int, int], int] = {}
+        for edges, _ in pending:
+            for e in edges:
+                if e is not None:
+                    uses[_key(e)] = uses.get(_key(e), 0) + 1
+        held: dict[tuple[int, int], list[tuple[GradientEdge, Tensor]]] = {}
+        for edges, compute in pending:
+            now = []
+            for e, g in zip(edges, compute()):
+                if e is None or g is None:
+                    continue
+                if uses[_key(e)] == 1:
+                    now.append((e, g))
+                    continue
+                held.setdefault(_key(e), []).append((e, g))
+                if len(held[_key(e)]) == uses[_key(e)]:
+                    now += held.pop(_key(e))
+            _accumulate([e for e, _ in now], [g for _, g in now])
+        for pairs in held.values():   # a shared weight some of whose GEMMs gave no gradient
+            _accumulate([e for e, _ in pairs], [g for _, g in pairs])
 
     def merge_into(self, other: DeferredWeightGrads) -> None:
         """Hand every pending gradient to ``other`` (an enclosing deferral), keeping their order."""
@@ -131,6 +152,10 @@ def accumulate_or_defer(store: WeightGradStore, edges: Sequence[GradientEdge | N
         _accumulate(edges, compute())
     else:
         later.add(edges, compute)
+
+
+def _key(edge: GradientEdge) -> tuple[int, int]:
+    return id(edge.node), edge.output_nr
 
 
 def _accumulate(edges: Sequence[GradientEdge | None], grads: Sequence[Tensor | None]) -> None:

@@ -255,18 +255,18 @@ class _RankStep:
             grads.append(None)  # d(objective)/d(extra) = 1
         return hidden, BackwardStep(a.chunk, self.microbatches[a.microbatch], outputs, grads)
 
-    def backward(self, a: Action, ran: bool = False) -> None:
-        """A full backward ``B``, or an ``I`` (weight gradients deferred to its ``W``); ``ran``: an overlapped step
-        already ran it."""
-        hidden, step = self._backward_step(a)
-        if not ran:
+    def backward(self, a: Action, ran: tuple[Tensor | None, BackwardStep] | None = None) -> None:
+        """A full backward ``B``, or an ``I`` (weight gradients deferred to its ``W``); ``ran``: the (input, step) an
+        overlapped step already ran."""
+        hidden, step = ran if ran is not None else self._backward_step(a)
+        if ran is None:
             if a.kind == "I":
                 with self.weight_store.defer() as later:
                     torch.autograd.backward(step.outputs, step.grads)
                 self.deferred[(a.microbatch, a.chunk)] = later
             else:
                 torch.autograd.backward(step.outputs, step.grads)
-        if a.kind == "B" or ran:
+        if a.kind == "B":
             del self.saved[(a.microbatch, a.chunk)]
         if self._mc(a.chunk) > 0:
             grad = hidden.grad if hidden.grad is not None else torch.zeros_like(hidden)
@@ -286,10 +286,10 @@ class _RankStep:
             self.backward(b)
         else:
             hidden = self._forward_input(f)
-            _, step = self._backward_step(b)
+            b_hidden, step = self._backward_step(b)
             output = overlapped(f.chunk, hidden, self.microbatches[f.microbatch], step)
             self.forward(f, output, hidden, count=False)
-            self.backward(b, ran=True)
+            self.backward(b, ran=(b_hidden, step))
         # one step: its backward half releases activations layer by layer while its forward half takes them
         self.peak = max(self.peak, len(self.saved))
 

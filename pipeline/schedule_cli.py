@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="default: interleaved when --vpp > 1, else 1f1b")
     parser.add_argument("--overlap-moe-expert-parallel-comm", dest="overlap", action="store_true",
                         help="batch-level overlap: the steady state's forward/backward pairs as overlapped FB steps "
-                             "(1f1b at pp = 1, interleaved)")
+                             "(1f1b at pp = 1, interleaved; dualpipev has them anyway)")
     parser.add_argument("--forward-time", type=float, default=None,
                         help="time of one forward on one chunk (default 1/vpp)")
     parser.add_argument("--backward-time", type=float, default=None,

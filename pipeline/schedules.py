@@ -35,13 +35,12 @@ from moefold.pipeline.compute_orders import compute_order
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
 SPLIT_BACKWARD = ("zb-h1", "zbv", "dualpipev")      # run I and W: the model's GEMMs need a WeightGradStore
 V_SCHEDULES = ("zbv", "dualpipev")                   # two chunks per rank in V placement
-OVERLAP_SCHEDULES = ("1f1b", "interleaved")          # --overlap-moe-expert-parallel-comm turns pairs into FB
+OVERLAP_SCHEDULES = ("1f1b", "interleaved", "dualpipev")   # run FB pairs (1f1b, interleaved: made by overlap=True)
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """``actions[r]`` is pipeline rank r's action list; ``vpp`` virtual chunks per rank, placed by ``placement``.
-    ``overlap``: the steady state runs FB pairs (batch-level overlap)."""
+    """``actions[r]`` is pipeline rank r's action list; ``vpp`` virtual chunks per rank, placed by ``placement``."""
 
     name: str
     pp: int
@@ -50,7 +49,11 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...]
     forward_only: bool = False
     placement: Placement = Placement.INTERLEAVED
-    overlap: bool = False
+
+    @property
+    def overlap(self) -> bool:
+        """Whether some action is an FB pair (batch-level overlap, DualPipeV)."""
+        return any(a.kind == "FB" for actions in self.actions for a in actions)
 
     def rank_actions(self, pp_rank: int) -> tuple[Action, ...]:
         return self.actions[pp_rank]
@@ -78,9 +81,8 @@ def check_schedule_config(name: str, pp: int, vpp: int, num_microbatches: int, o
             raise ValueError(f"{label}={value!r} must be a positive integer")
     if overlap and name not in OVERLAP_SCHEDULES:
         raise ValueError(f"batch-level overlap (--overlap-moe-expert-parallel-comm) runs with the "
-                         f"{' and '.join(OVERLAP_SCHEDULES)} schedules; {name!r} "
-                         + ("overlaps its own forward/backward pairs already" if name == "dualpipev"
-                            else "has no forward/backward pairs to overlap"))
+                         f"{', '.join(OVERLAP_SCHEDULES)} schedules; {name!r} has no forward/backward pairs to "
+                         f"overlap")
     if overlap and name == "1f1b" and pp > 1:
         raise ValueError(f"batch-level overlap (--overlap-moe-expert-parallel-comm) at pp={pp} needs virtual pipeline "
                          f"stages (the interleaved schedule, --num-layers-per-virtual-pipeline-stage): with one chunk "
@@ -259,8 +261,8 @@ def build_schedule(name: str, pp: int, num_microbatches: int, vpp: int = 1, forw
     ``backward_ratio``: backward/forward time assumed to place the communication. Executed with
     lazy waits (as ``pipeline.executor`` does), the interleaved schedule then keeps the textbook
     bubble both for equal times and for backward = 2 x forward. ``weight_ratio`` / ``overlapped_ratio``: the W and
-    FB times assumed likewise (``RelativeTimes``). ``overlap``: batch-level overlap (FB pairs,
-    ``pipeline.compute_orders``). ``chunk_costs``: see the module docstring.
+    FB times assumed likewise (``RelativeTimes``). ``overlap``: batch-level overlap (1f1b, interleaved: FB pairs,
+    ``pipeline.compute_orders``; dualpipev has them anyway). ``chunk_costs``: see the module docstring.
     """
     check_schedule_config(name, pp, vpp, num_microbatches, overlap)
     times = RelativeTimes(backward_ratio, weight_ratio, overlapped_ratio)
@@ -268,12 +270,12 @@ def build_schedule(name: str, pp: int, num_microbatches: int, vpp: int = 1, forw
     if chunk_costs is not None and (len(chunk_costs) != pp or any(len(c) != vpp for c in chunk_costs)
                                     or any(not x > 0 for c in chunk_costs for x in c)):
         raise ValueError(f"chunk_costs must give {pp} ranks x {vpp} chunks of positive costs, got {chunk_costs}")
-    orders = [compute_order(name, pp, vpp, num_microbatches, r, overlap and not forward_only) for r in range(pp)]
+    orders = [compute_order(name, pp, vpp, num_microbatches, r, overlap) for r in range(pp)]
     if forward_only:
         orders = [[p for a in order for p in a.parts() if p.kind == "F"] for order in orders]
     return Schedule(name=name, pp=pp, vpp=vpp, num_microbatches=num_microbatches,
                     actions=place_communication(orders, pp, vpp, backward_ratio, placement, chunk_costs, times),
-                    forward_only=forward_only, placement=placement, overlap=overlap and not forward_only)
+                    forward_only=forward_only, placement=placement)
 
 
 def expected_bubble_fraction(name: str, pp: int, num_microbatches: int, vpp: int = 1) -> float:

@@ -191,3 +191,11 @@ def vpp_from_layers_per_virtual_stage(num_layers: int, pp: int, layers_per_virtu
         raise ValueError(f"num_layers={num_layers} is not divisible by pp*num_layers_per_virtual_pipeline_stage="
                          f"{pp}*{m}={pp * m}")
     return num_layers // (pp * m)
+
+
+def chunk_costs(layout: StageLayout) -> tuple[tuple[float, ...], ...]:
+    """Relative forward time of every (rank, chunk) for a schedule's communication placement
+    (``build_schedule(chunk_costs=...)``): its layer count, the embedding and the head counted as one layer each
+    (at least 1, so that an embedding-only chunk still takes time)."""
+    return tuple(tuple(max(1.0, len(s.layers) + s.has_embedding + s.has_head) for s in layout.rank_chunks(r))
+                 for r in range(layout.pp))
