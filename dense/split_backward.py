@@ -10,11 +10,16 @@ GEMM runs twice)::
 
     store = WeightGradStore()
     install_weight_grad_store(model, store)    # once, after the model is built (and converted to FP8)
+    with store.splitting():                    # a forward whose backward will be split (the schedule knows)
+        out = model(x)
     with store.defer() as later:               # I: every deferrable GEMM computes dx only ...
         torch.autograd.backward(out, grad)
     later.run()                                # W: ... and its dW here, accumulated as the plain backward does
 
-Outside ``store.defer()`` the GEMMs compute both gradients at once, bit for bit as before. ``run()``
+A forward outside ``store.splitting()`` builds the plain graph (``F.linear``, the plain grouped GEMM), so its
+backward is the plain backward exactly (each weight's gradient accumulated once per micro-batch even where two
+GEMMs share it). A split forward's GEMMs take detached weights and hand their gradients over themselves: inside
+``store.defer()`` to the deferral, outside it at once (one engine call per GEMM). ``run()``
 feeds each weight gradient to its parameter's ``AccumulateGrad`` node (``torch.autograd.backward`` on
 its gradient edge), so accumulation into ``.grad`` / ``main_grad`` and post-accumulate hooks (the
 gradient reduce-scatter's buckets) behave exactly as in the plain backward. Deferred gradients
@@ -103,6 +108,21 @@ class WeightGradStore:
 
     def __init__(self) -> None:
         self._open: list[DeferredWeightGrads] = []
+        self._split: list[bool] = []
+
+    @property
+    def split(self) -> bool:
+        """Whether the GEMMs of the forward running now build split graphs (``splitting``)."""
+        return bool(self._split) and self._split[-1]
+
+    @contextmanager
+    def splitting(self, enabled: bool = True) -> Iterator[None]:
+        """Forwards run inside build GEMMs whose weight gradients can be deferred (nestable; the innermost wins)."""
+        self._split.append(enabled)
+        try:
+            yield
+        finally:
+            self._split.pop()
 
     @property
     def current(self) -> DeferredWeightGrads | None:
@@ -132,11 +152,11 @@ class SplitWeights:
 
 def weight_inputs(store: WeightGradStore | None, *weights: Tensor | None,
                   ) -> tuple[tuple[Tensor | None, ...], SplitWeights | None]:
-    """What a GEMM's autograd function takes as its weights: the weights themselves without a store (autograd
-    accumulates their gradients), else detached weights and their ``SplitWeights``: the function then hands its
-    weight gradients to ``accumulate_or_defer`` (a weight that is a graph input would have its
-    ``AccumulateGrad`` run, and its post-accumulate hooks fire, even for a gradient deferred as None)."""
-    if store is None:
+    """What a GEMM's autograd function takes as its weights: the weights themselves without a store or outside
+    ``store.splitting()`` (autograd accumulates their gradients), else detached weights and their ``SplitWeights``:
+    the function then hands its weight gradients to ``accumulate_or_defer`` (a weight that is a graph input would
+    have its ``AccumulateGrad`` run, and its post-accumulate hooks fire, even for a gradient deferred as None)."""
+    if store is None or not store.split:
         return weights, None
     device = next(w.device for w in weights if w is not None)
     split = SplitWeights(gradient_edges(*weights), torch.empty(0, device=device, requires_grad=True))
@@ -199,6 +219,8 @@ class SplitLinearGemm:
 
     def __call__(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
         (w_in, b_in), split = weight_inputs(self.store, w, b)
+        if split is None:
+            return F.linear(x, w, b)
         return _SplitLinear.apply(x, w_in, b_in, self.store, split, split.anchor)
 
     def describe(self) -> str:

@@ -91,6 +91,8 @@ class SplitGroupedGemm:
                  trans_w: bool = False, counts_host: Sequence[int] | None = None) -> Tensor:
         host = None if counts_host is None else tuple(int(c) for c in counts_host)
         (w_in,), split = weight_inputs(self.store, w)
+        if split is None:
+            return grouped_gemm(x_NK, w, tokens_per_expert_e, backend, trans_w=trans_w, counts_host=host)
         return _SplitGroupedMM.apply(x_NK, w_in, tokens_per_expert_e, backend, trans_w, host, self.store, split,
                                      split.anchor)
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,7 +128,9 @@ class DecoderStage:
                      ) -> tuple[Tensor, Tensor | None]:
         if self.overlap is not None:
             run = self._run(chunk, microbatch)
-            return self._stitched(run, chunk, microbatch, run.forward(self._chunk_input(chunk, hidden, microbatch)))
+            with self._delayed():
+                carry = run.forward(self._chunk_input(chunk, hidden, microbatch))
+            return self._stitched(run, chunk, microbatch, carry)
         spec = self.chunks[chunk]
         model = self.model
         ids = microbatch["input_ids"]
@@ -151,8 +153,14 @@ class DecoderStage:
         b_run, b_outputs, b_stitched = self._runs.pop((backward.microbatch["index"], backward.chunk))
         b_run.seed(b_outputs, backward_seed(backward.outputs, backward.grads, b_stitched))
         run = self._run(chunk, microbatch)
-        run_overlapped(run.forward_steps(self._chunk_input(chunk, hidden, microbatch)), b_run.backward_steps())
+        with self._delayed():
+            run_overlapped(run.forward_steps(self._chunk_input(chunk, hidden, microbatch)), b_run.backward_steps())
         return self._stitched(run, chunk, microbatch, run.output)
+
+    def _delayed(self) -> AbstractContextManager:
+        """--delay-wgrad-compute: every forward builds split GEMMs (their backward defers weight gradients)."""
+        o = self.overlap
+        return o.store.splitting() if o.delay_wgrad else nullcontext()
 
     # ------------------------------------------------------------------------------------ internals
     def _positions(self, microbatch: dict[str, Any]) -> Tensor:

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -170,6 +171,9 @@ class _RankStep:
         self.local: dict[tuple[str, int, int], Tensor] = {}    # the V placement's turn: handed to this rank's chunk
         self.saved: dict[tuple[int, int], tuple[Tensor | None, Tensor, Tensor | None]] = {}   # until the backward
         self.deferred: dict[tuple[int, int], DeferredWeightGrads] = {}   # an I's weight gradients, until its W
+        # the (micro-batch, chunk)s whose backward is an I: their forward builds split GEMMs (dense.split_backward)
+        self.split = {(p.microbatch, p.chunk) for a in schedule.rank_actions(self.rank) for p in a.parts()
+                      if p.kind == "I"}
         self.losses: list[tuple[int, Tensor]] = []
         self.extra_total: Tensor | None = None
         self.peak = 0
@@ -215,6 +219,11 @@ class _RankStep:
         else:
             self.outbox[(kind, microbatch, chunk)] = tensor
 
+    def _splitting(self, a: Action) -> AbstractContextManager:
+        if self.weight_store is None:
+            return nullcontext()
+        return self.weight_store.splitting((a.microbatch, a.chunk) in self.split)
+
     def _forward_input(self, a: Action) -> Tensor | None:
         if self._mc(a.chunk) == 0:
             return None
@@ -228,7 +237,7 @@ class _RankStep:
         mc = self._mc(a.chunk)
         if output is None:
             hidden = self._forward_input(a)
-            with torch.set_grad_enabled(torch.is_grad_enabled() and not forward_only):
+            with torch.set_grad_enabled(torch.is_grad_enabled() and not forward_only), self._splitting(a):
                 output = self.stage.forward_step(a.chunk, hidden, self.microbatches[a.microbatch])
         out, extra = output if isinstance(output, tuple) else (output, None)
         if extra is not None:
@@ -287,7 +296,8 @@ class _RankStep:
         else:
             hidden = self._forward_input(f)
             b_hidden, step = self._backward_step(b)
-            output = overlapped(f.chunk, hidden, self.microbatches[f.microbatch], step)
+            with self._splitting(f):
+                output = overlapped(f.chunk, hidden, self.microbatches[f.microbatch], step)
             self.forward(f, output, hidden, count=False)
             self.backward(b, ran=(b_hidden, step))
         # one step: its backward half releases activations layer by layer while its forward half takes them

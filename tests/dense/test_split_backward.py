@@ -87,8 +87,10 @@ def test_split_backward_equals_plain_backward(name):
     for n, p in split.named_parameters():
         p.register_post_accumulate_grad_hook(lambda _p, n=n: hooks.append(n))
     x_split = x.clone().requires_grad_()
+    with store.splitting():
+        out = call(split, x_split)
     with store.defer() as later:
-        call(split, x_split).backward(dy)
+        out.backward(dy)
     assert torch.equal(x_split.grad, x_plain.grad), "I: the input gradient differs from the plain backward's"
     assert len(later) > 0
     waiting = [n for n, p in split.named_parameters() if p.grad is None]
@@ -104,13 +106,24 @@ def test_split_backward_equals_plain_backward(name):
 
 
 def test_outside_defer_the_split_gemms_compute_everything_at_once():
+    """A split forward backpropagated outside ``defer()`` accumulates at once; a forward outside ``splitting()`` is
+    the plain graph (nothing defers, even inside ``defer()``)."""
     module = _Linears(bias=True)
     init_parameters(module, seed=1)
     split = copy.deepcopy(module)
-    install_weight_grad_store(split, WeightGradStore())
+    store = WeightGradStore()
+    install_weight_grad_store(split, store)
     x = torch.randn(S, B, H)
     module(x).sum().backward()
-    split(x).sum().backward()
+    with store.splitting():
+        out = split(x)
+    out.sum().backward()
+    for (n, a), (_, b) in zip(module.named_parameters(), split.named_parameters()):
+        assert torch.equal(a.grad, b.grad), n
+    split.zero_grad(set_to_none=True)
+    with store.defer() as later:
+        split(x).sum().backward()
+    assert len(later) == 0
     for (n, a), (_, b) in zip(module.named_parameters(), split.named_parameters()):
         assert torch.equal(a.grad, b.grad), n
 
@@ -125,9 +138,11 @@ def test_nested_deferral_and_merge_keep_the_order():
     buffers = {n: torch.zeros_like(p) for n, p in module.named_parameters()}
     for n, p in module.named_parameters():
         p.grad = buffers[n]
+    with store.splitting():
+        out = module(torch.randn(S, B, H))
     with store.defer() as outer:
         with store.defer() as inner:
-            module(torch.randn(S, B, H)).sum().backward()
+            out.sum().backward()
         assert len(inner) == 2 and len(outer) == 0
         inner.merge_into(outer)
     assert len(outer) == 2 and all(b.abs().sum() == 0 for b in buffers.values())

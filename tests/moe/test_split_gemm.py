@@ -53,8 +53,10 @@ def test_split_grouped_gemm_equals_plain_backward(case, counts):
     plain(xp, c, tuple(COUNTS[counts])).backward(dy)
     xs = x.clone().requires_grad_()
     fp8_no_rows = "fp8" in case and counts == "all_empty"   # moe.gemm.no_rows: zero gradients at once
+    with store.splitting():
+        out = split(xs, c, tuple(COUNTS[counts]))
     with store.defer() as later:
-        split(xs, c, tuple(COUNTS[counts])).backward(dy)
+        out.backward(dy)
     assert torch.equal(xs.grad, xp.grad)
     if not fp8_no_rows:
         assert split.w13.grad is None and split.w2.grad is None and len(later) == 2, "I deferred both projections"
