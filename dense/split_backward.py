@@ -16,10 +16,12 @@ GEMM runs twice)::
         torch.autograd.backward(out, grad)
     later.run()                                # W: ... and its dW here, accumulated as the plain backward does
 
-A forward outside ``store.splitting()`` builds the plain graph (``F.linear``, the plain grouped GEMM), so its
-backward is the plain backward exactly (each weight's gradient accumulated once per micro-batch even where two
-GEMMs share it). A split forward's GEMMs take detached weights and hand their gradients over themselves: inside
-``store.defer()`` to the deferral, outside it at once (one engine call per GEMM). ``run()``
+A forward outside ``store.splitting()`` builds the plain graph (the weights are inputs of their GEMMs, autograd
+accumulates their gradients), so its backward is the plain backward (each weight's gradient accumulated once per
+micro-batch even where two GEMMs share it). A split forward's GEMMs take detached weights and hand their gradients
+over themselves: inside ``store.defer()`` to the deferral, outside it at once (one engine call per GEMM). Both
+forms are the same autograd function saving the same tensors, so a recomputed region (whose recompute runs under
+whatever ``splitting`` state its backward sees) matches its forward. ``run()``
 feeds each weight gradient to its parameter's ``AccumulateGrad`` node (``torch.autograd.backward`` on
 its gradient edge), so accumulation into ``.grad`` / ``main_grad`` and post-accumulate hooks (the
 gradient reduce-scatter's buckets) behave exactly as in the plain backward. Deferred gradients
@@ -185,29 +187,35 @@ def _accumulate(edges: Sequence[GradientEdge | None], grads: Sequence[Tensor | N
 
 
 class _SplitLinear(torch.autograd.Function):
-    """``F.linear(x [..., K], w [N, K], b [N])`` (``w``/``b`` detached, see ``weight_inputs``) whose weight and
-    bias gradients go to ``edges`` now or later. The formulas are autograd's for ``linear`` (``dx = dy w``,
-    ``dw = dy^T x``, ``db = sum dy``): the same kernels, the same bits."""
+    """``F.linear(x [..., K], w [N, K], b [N])``. With ``split`` (``w``/``b`` detached, see ``weight_inputs``) the
+    weight and bias gradients go to ``split.edges`` now or later, else they are returned as usual. The formulas are
+    autograd's for ``linear`` (``dx = dy w``, ``dw = dy^T x``, ``db = sum dy``): the same kernels, the same bits.
+    One class for both, saving the same tensors: a recomputed region matches its forward whichever it was."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, b: Tensor | None, store: WeightGradStore, split: SplitWeights,
-                _anchor: Tensor) -> Tensor:
+    def forward(ctx, x: Tensor, w: Tensor, b: Tensor | None, store: WeightGradStore, split: SplitWeights | None,
+                _anchor: Tensor | None) -> Tensor:
         ctx.save_for_backward(x, w)
-        ctx.store, ctx.edges = store, split.edges
+        ctx.store, ctx.split, ctx.has_bias = store, split, b is not None
         return F.linear(x, w, b)
 
     @staticmethod
-    def backward(ctx, dy: Tensor) -> tuple[Tensor | None, None, None, None, None, None]:
+    def backward(ctx, dy: Tensor) -> tuple[Tensor | None, ...]:
         x, w = ctx.saved_tensors
         dx = dy.matmul(w) if ctx.needs_input_grad[0] else None
-        w_edge, b_edge = ctx.edges
+        if ctx.split is None:
+            need_w, need_b = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+        else:
+            need_w, need_b = (e is not None for e in ctx.split.edges)
 
         def compute() -> tuple[Tensor | None, Tensor | None]:
             dy_MN = dy.reshape(-1, dy.shape[-1])
-            dw = dy_MN.t().mm(x.reshape(-1, x.shape[-1])) if w_edge is not None else None
-            return dw, dy_MN.sum(0) if b_edge is not None else None
+            dw = dy_MN.t().mm(x.reshape(-1, x.shape[-1])) if need_w else None
+            return dw, dy_MN.sum(0) if need_b else None
 
-        accumulate_or_defer(ctx.store, ctx.edges, compute)
+        if ctx.split is None:
+            return dx, *compute(), None, None, None
+        accumulate_or_defer(ctx.store, ctx.split.edges, compute)
         return dx, None, None, None, None, None
 
 
@@ -219,9 +227,7 @@ class SplitLinearGemm:
 
     def __call__(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
         (w_in, b_in), split = weight_inputs(self.store, w, b)
-        if split is None:
-            return F.linear(x, w, b)
-        return _SplitLinear.apply(x, w_in, b_in, self.store, split, split.anchor)
+        return _SplitLinear.apply(x, w_in, b_in, self.store, split, None if split is None else split.anchor)
 
     def describe(self) -> str:
         return "F.linear, split backward"

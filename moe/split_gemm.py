@@ -58,11 +58,11 @@ def grouped_weight_grad(x_NK: Tensor, dy_NM: Tensor, counts_e: Tensor, backend: 
 class _SplitGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, counts_e: Tensor, backend: str, trans_w: bool,
-                counts_host: tuple[int, ...] | None, store: WeightGradStore, split: SplitWeights,
-                _anchor: Tensor) -> Tensor:
-        ctx.save_for_backward(x, w, counts_e)   # w detached: its gradient goes to split.edges (dense.split_backward)
-        ctx.backend, ctx.trans_w, ctx.counts_host, ctx.store = backend, trans_w, counts_host, store
-        ctx.edges = split.edges
+                counts_host: tuple[int, ...] | None, store: WeightGradStore, split: SplitWeights | None,
+                _anchor: Tensor | None) -> Tensor:
+        # with split, w is detached: its gradient goes to split.edges (dense.split_backward), else it is returned
+        ctx.save_for_backward(x, w, counts_e)
+        ctx.backend, ctx.trans_w, ctx.counts_host, ctx.store, ctx.split = backend, trans_w, counts_host, store, split
         return grouped_gemm(x, w, counts_e, backend, trans_w=trans_w, counts_host=counts_host)
 
     @staticmethod
@@ -77,8 +77,12 @@ class _SplitGroupedMM(torch.autograd.Function):
         def compute() -> tuple[Tensor]:
             return (grouped_weight_grad(x, dy, counts_e, ctx.backend, ctx.counts_host, ctx.trans_w),)
 
-        accumulate_or_defer(ctx.store, ctx.edges, compute)
-        return dx, None, None, None, None, None, None, None, None
+        dw = None
+        if ctx.split is not None:
+            accumulate_or_defer(ctx.store, ctx.split.edges, compute)
+        elif ctx.needs_input_grad[1]:
+            (dw,) = compute()
+        return dx, dw, None, None, None, None, None, None, None
 
 
 class SplitGroupedGemm:
@@ -91,10 +95,8 @@ class SplitGroupedGemm:
                  trans_w: bool = False, counts_host: Sequence[int] | None = None) -> Tensor:
         host = None if counts_host is None else tuple(int(c) for c in counts_host)
         (w_in,), split = weight_inputs(self.store, w)
-        if split is None:
-            return grouped_gemm(x_NK, w, tokens_per_expert_e, backend, trans_w=trans_w, counts_host=host)
         return _SplitGroupedMM.apply(x_NK, w_in, tokens_per_expert_e, backend, trans_w, host, self.store, split,
-                                     split.anchor)
+                                     None if split is None else split.anchor)
 
 
 __all__ = ["SplitGroupedGemm", "grouped_weight_grad"]
