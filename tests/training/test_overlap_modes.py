@@ -59,8 +59,9 @@ RUNS = {
     "pp2xvpp2xep2": (ParallelConfig(pp=2, ep=2), {"global_batch_size": 8, **V}, {}, None, False),
     "pp2xvpp2xep2.overlap": (ParallelConfig(pp=2, ep=2), {"global_batch_size": 8, **V, **OVERLAP}, {},
                              "pp2xvpp2xep2", False),
+    "pp2xvpp2xep2.selective": (ParallelConfig(pp=2, ep=2), {"global_batch_size": 8, **V}, SELECTIVE, None, False),
     "pp2xvpp2xep2.overlap.delay.selective": (ParallelConfig(pp=2, ep=2), {"global_batch_size": 8, **V, **DELAY},
-                                             SELECTIVE, "pp2xvpp2xep2", False),
+                                             SELECTIVE, "pp2xvpp2xep2.selective", False),
 }
 
 
