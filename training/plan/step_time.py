@@ -281,7 +281,7 @@ def _schedule(name: str, pp: int, vpp: int, m: int, overlap: bool) -> Schedule:
 Durations = tuple[tuple[tuple[float, float, float, tuple[float, float], tuple[float, float]], ...], ...]
 
 
-def _duration(durations: Durations, delay_wgrad: bool) -> Callable[[int, Action], float]:
+def _duration(durations: Durations, overlap: bool, delay_wgrad: bool) -> Callable[[int, Action], float]:
     def duration(r: int, a: Action) -> float:
         f, b, w, _, (b_ep, _) = durations[r][a.chunk]
         if a.kind == "F":
@@ -292,8 +292,8 @@ def _duration(durations: Durations, delay_wgrad: bool) -> Callable[[int, Action]
             return b - w
         if a.kind == "B":   # alone: with --delay-wgrad-compute its exchange hides behind its own weight GEMMs
             return b - min(b_ep, w) if delay_wgrad else b
-        fb, bb = durations[r][a.chunk], durations[r][a.b_chunk]
-        return fb[0] + bb[1] - _hidden(fb[3], bb[4])
+        fb, bb = durations[r][a.chunk], durations[r][a.b_chunk]   # an FB: overlapped only with the overlap
+        return fb[0] + bb[1] - (_hidden(fb[3], bb[4]) if overlap else 0.0)
     return duration
 
 
@@ -308,11 +308,11 @@ def _simulate(name: str, pp: int, vpp: int, m: int, durations: Durations, overla
     """(makespan, busy seconds per pipeline rank, exchange hidden on the busiest rank) of the schedule with these
     durations per (rank, chunk). pipeline.simulator's cost grows with pp x m (about 0.5 s at pp=16, m=120)."""
     schedule = _schedule(name, pp, vpp, m, overlap)
-    result = simulate(schedule, duration=_duration(durations, delay_wgrad))
+    result = simulate(schedule, duration=_duration(durations, overlap, delay_wgrad))
     critical = max(range(pp), key=lambda r: result.busy[r])
     hidden = 0.0
     for a in schedule.rank_actions(critical):
-        if a.kind == "FB":
+        if a.kind == "FB" and overlap:
             hidden += _hidden(durations[critical][a.chunk][3], durations[critical][a.b_chunk][4])
         elif a.kind == "B" and delay_wgrad:
             _, _, w, _, (b_ep, _) = durations[critical][a.chunk]
