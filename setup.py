@@ -23,7 +23,9 @@ setup(
     packages=[f"moefold.{p}" for p in _FOUND],
     package_dir={f"moefold.{p}": p.replace(".", "/") for p in _FOUND},
     install_requires=[
-        "torch>=2.10",  # first release with torch.nn.functional.grouped_mm
+        # 2.10: the first release with torch.nn.functional.grouped_mm; every torch name, keyword and ATen schema
+        # moefold uses resolves in 2.10.0 and 2.11.0 (python -m moefold.training.gpu.torch_api --torch-src DIR)
+        "torch>=2.10",
         "numpy",
         "nvidia-ml-py",
         "safetensors",

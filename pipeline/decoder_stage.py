@@ -135,14 +135,15 @@ class DecoderStage:
         model = self.model
         ids = microbatch["input_ids"]
         position_ids = self._positions(microbatch)
-        if spec.has_embedding:
-            hidden = model.embed(ids)
-        hidden, infos = model.run_layers(hidden, position_ids, spec.layers, self._global_states or None)
         logs = None
-        if spec.has_head:
-            hidden, logs, mtp_infos = model.head_loss(hidden, microbatch["labels"], microbatch.get("loss_mask"), ids,
-                                                      position_ids, self._global_states or None)
-            infos.update(mtp_infos)
+        with model.fp8_region():   # --fp8-backend te: one TE autocast per chunk forward, on the stage's group
+            if spec.has_embedding:
+                hidden = model.embed(ids)
+            hidden, infos = model.run_layers(hidden, position_ids, spec.layers, self._global_states or None)
+            if spec.has_head:
+                hidden, logs, mtp_infos = model.head_loss(hidden, microbatch["labels"], microbatch.get("loss_mask"),
+                                                          ids, position_ids, self._global_states or None)
+                infos.update(mtp_infos)
         return self._finish(microbatch["index"], hidden, infos, logs)
 
     def _forward_backward_step(self, chunk: int, hidden: Tensor | None, microbatch: dict[str, Any],

@@ -91,3 +91,25 @@ def test_public_names_resolve():
     for name in training.__all__:
         assert getattr(training, name) is not None, name
     assert training.Trainer.__module__ == "moefold.training.trainer"
+
+
+def test_batches_reach_the_device_without_blocking_the_host(monkeypatch):
+    """``Trainer._split`` sends each host micro-batch with ``non_blocking=True`` (HostSyncCounter counts a blocking
+    host->device copy as a sync; the meta device stands in for a GPU here), and on CUDA from pinned memory (a copy
+    from pageable memory blocks the host whatever ``non_blocking`` says)."""
+    from types import SimpleNamespace
+
+    from moefold.training.observe.host_sync import HostSyncCounter
+    from moefold.training.trainer import Trainer, batch_to_device
+
+    batch = torch.arange(2 * 9).reshape(2, 9)
+    fake = SimpleNamespace(device=torch.device("meta"), dims=SimpleNamespace(cp=1))
+    with HostSyncCounter() as syncs:
+        ids, _labels = Trainer._split(fake, batch)
+    assert ids.device.type == "meta" and tuple(ids.shape) == (2, 8) and syncs.total == 0, syncs.report()
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin") or self)
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: calls.append((a, k)) or self)
+    batch_to_device(batch, torch.device("cuda", 0))
+    assert calls == ["pin", ((torch.device("cuda", 0),), {"non_blocking": True})], calls

@@ -23,6 +23,7 @@ import sys
 
 import torch
 
+from moefold.dense.gated_delta_rule import GATED_DELTA_RULE_BACKENDS, require_fla
 from moefold.dense.recompute import DEFAULT_RECOMPUTE_MODULES, RECOMPUTE_METHODS, RECOMPUTE_MODES, RECOMPUTE_MODULES
 from moefold.models.config import ModelConfig
 from moefold.models.options import ModelOptions
@@ -112,6 +113,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--moe-token-dispatcher-type", default="auto",
                    help="auto | local | allgather | alltoall | flex (DeepEP)")
     m.add_argument("--moe-grouped-gemm-backend", default=ModelOptions.gemm_backend)
+    m.add_argument("--linear-attention-backend", default=ModelOptions.linear_attention_backend,
+                   choices=GATED_DELTA_RULE_BACKENDS, help="Gated DeltaNet kernel (Qwen3-Next's linear_attention "
+                   "layers): torch (chunked, any device), fla (flash-linear-attention, CUDA), auto (fla on CUDA when "
+                   "installed)")
     m.add_argument("--recompute-granularity", default="none", choices=RECOMPUTE_MODES,
                    help="activation recomputation: selective (--recompute-modules) or full (whole layers)")
     m.add_argument("--recompute-modules", nargs="+", default=list(DEFAULT_RECOMPUTE_MODULES), choices=RECOMPUTE_MODULES,
@@ -261,7 +266,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                            dispatcher=args.moe_token_dispatcher_type,
                            gemm_backend=args.moe_grouped_gemm_backend, dtype="bf16" if args.bf16 else "fp32",
                            init_std=args.init_method_std, fp8=fp8_config_from_args(args),
-                           moe_deepep_num_sms=args.moe_deepep_num_sms)
+                           moe_deepep_num_sms=args.moe_deepep_num_sms,
+                           linear_attention_backend=args.linear_attention_backend)
     parallel = ParallelConfig(tp=args.tensor_model_parallel_size, cp=args.context_parallel_size,
                               pp=args.pipeline_model_parallel_size, ep=args.expert_model_parallel_size,
                               etp=args.expert_tensor_parallel_size)
@@ -331,6 +337,8 @@ def check_backends(config: RunConfig, ep: int, etp: int) -> None:
             from moefold.dispatch.deepep import import_deep_ep
 
             import_deep_ep()
+    if o.linear_attention_backend == "fla" and "linear_attention" in (config.model.layer_types or ()):
+        require_fla()
     o.fp8.check_available()
 
 

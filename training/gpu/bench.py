@@ -40,6 +40,7 @@ from moefold.moe.layer import MoELayer
 from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelDims
 from moefold.parallel.fp8 import FP8Config
+from moefold.parallel.fp8_region import fp8_autocast
 from moefold.parallel.machine import describe_machine
 from moefold.training.compile import compile_moe_layer, compile_unavailable
 from moefold.training.observe.host_sync import HostSyncCounter
@@ -174,7 +175,8 @@ def _layer_step(layer: MoELayer, T: int, H: int) -> Callable[[], None]:
 
     def step() -> None:
         layer.zero_grad(set_to_none=True)
-        y, _ = layer(x)
+        with fp8_autocast(layer.config.fp8):   # TE FP8: the region a model enters per forward (world 1 here)
+            y, _ = layer(x)
         y.backward(gy)
 
     return step

@@ -140,6 +140,10 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         cluster = load_cluster(args.cluster)
         memory = parse_bytes(args.gpu_memory) if args.gpu_memory else cluster.memory_bytes
         config, fixed = config_from_args(args)
+        if "linear_attention" in (config.model.layer_types or ()):
+            raise ValueError(f"{config.model.name} has Gated DeltaNet (linear_attention) layers, which the planner's "
+                             "activation-memory and step-time models do not describe; plan a model of attention "
+                             "layers only")
     except ValueError as exc:
         print(f"moefold plan: {exc}", file=sys.stderr)
         return 2
