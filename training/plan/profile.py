@@ -289,7 +289,8 @@ def _events(schedule: tuple[str, int, int, int, bool], pp_rank: int) -> tuple[np
             else:   # B, I
                 if remote(c, "B"):
                     wait_for(("B", part.microbatch, c))   # the received gradient lives through the backward
-                live[c] -= 1
+                if item.kind != "FB":   # an FB's backward half keeps its pair during the step (upper bound)
+                    live[c] -= 1
                 after.append(("backward", part))
         rows.append(list(live))
         messages.append(held())
@@ -305,6 +306,8 @@ def _events(schedule: tuple[str, int, int, int, bool], pp_rank: int) -> tuple[np
             backward_done.add((part.microbatch, c))
             if part.kind == "I":
                 live[c] += 1   # held until its W
+            elif item.kind == "FB":
+                live[c] -= 1
         most = max(most, sum(live))
     return (np.array(rows, dtype=np.float64), np.array(messages, dtype=np.float64), np.array(kinds),
             np.array(chunks), most)
