@@ -108,9 +108,11 @@ class Plan:
 
     @property
     def schedule(self) -> str:
-        """The schedule ``moefold train`` runs (``+ov``: with the batch-level overlap)."""
-        name = self.config.schedule_name(self.vpp) if self.sizes.pp > 1 else "-"
-        return name + ("+ov" if self.config.train.overlap_moe_expert_parallel_comm else "")
+        """The schedule ``moefold train`` runs (``+ov``: with the batch-level overlap; pp = 1: "-" or "overlap")."""
+        overlap = self.config.train.overlap_moe_expert_parallel_comm
+        if self.sizes.pp == 1:
+            return "overlap" if overlap else "-"
+        return self.config.schedule_name(self.vpp) + ("+ov" if overlap else "")
 
 
 def _memory(config: RunConfig, sizes: ParallelSizes, num_micro: int, exact: bool) -> RankMemory:

@@ -82,6 +82,9 @@ def test_search_offers_the_new_schedules_and_prints_their_flags():
     names = {p.schedule for p in result.plans}
     assert {"1f1b", "zb-h1", "interleaved", "interleaved+ov", "zbv", "dualpipev", "dualpipev+ov"} <= names, names
     assert result.plans[0].schedule.endswith("+ov"), [p.schedule for p in result.plans]
+    one_rank = search(config, WORLD, H800, 8, GB80, top=4, workers=1,
+                      fixed=Fixed(tp=1, cp=1, pp=1, ep=8, etp=1, micro_batch_size=1))
+    assert {p.schedule for p in one_rank.plans} <= {"-", "overlap"} and one_rank.plans
     for plan in result.plans:
         assert plan.schedule in row(1, plan, H800)
         flags = train_flags(plan, ["--recipe", "qwen3_moe_30b_a3b", "--num-layers", "16"])
