@@ -66,9 +66,10 @@ def _zbv(pp: int, m: int, r: int) -> list[Action]:
     count = {(c, k): 0 for c in (0, 1) for k in "FIW"}
     order: list[Action] = []
 
-    def add(chunk: int, kind: str) -> None:
-        order.append(Action(kind, count[(chunk, kind)], chunk))
-        count[(chunk, kind)] += 1
+    def add(chunk: int, kinds: str) -> None:
+        for kind in kinds:
+            order.append(Action(kind, count[(chunk, kind)], chunk))
+            count[(chunk, kind)] += 1
 
     for _ in range(2 * (pp - r) - 1):
         add(0, "F")
@@ -76,23 +77,15 @@ def _zbv(pp: int, m: int, r: int) -> list[Action]:
         add(1, "F")
         add(0, "F")
     for _ in range(pp - r):
-        add(1, "F")
-        add(1, "I")
-        add(1, "W")
+        add(1, "FIW")
     while count[(1, "F")] < count[(0, "F")] or count[(0, "F")] < n:
-        if count[(0, "F")] < n:
-            add(0, "F")
-        add(0, "I")
-        add(0, "W")
-        add(1, "F")
-        add(1, "I")
-        add(1, "W")
+        add(0, "FIW" if count[(0, "F")] < n else "IW")
+        add(1, "FIW")
     for _ in range(r):
         add(0, "I")
         add(1, "I")
     for _ in range(pp - r):
-        add(0, "I")
-        add(0, "W")
+        add(0, "IW")
     while count[(1, "W")] < count[(1, "I")]:
         add(1, "W")
     while count[(0, "W")] < count[(0, "I")]:

@@ -151,3 +151,39 @@ def test_schedule_subcommand_prints_the_published_formulas(capsys):
     assert "PP+1 = 9 chunk-micro-batches published, simulated peak 9" in out and "F7aB3b" in out
     assert cli_main(["schedule", "--pp", "2", "--overlap-moe-expert-parallel-comm"]) == 2
     assert "needs virtual pipeline stages" in capsys.readouterr().out
+
+
+def test_zbv_and_dualpipev_orders_are_torchs():
+    """The compute orders equal torch.distributed.pipelining's ScheduleZBVZeroBubble / ScheduleDualPipeV (installed
+    torch, which ports deepseek-ai/DualPipe's dualpipev.py), action by action on every rank."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    from moefold.pipeline.compute_orders import compute_order
+
+    kinds = {schedules._ComputationType.FORWARD: "F", schedules._ComputationType.BACKWARD_INPUT: "I",
+             schedules._ComputationType.BACKWARD_WEIGHT: "W", schedules._ComputationType.FULL_BACKWARD: "B"}
+
+    def theirs(cls, pp: int, m: int, rank: int) -> list[str]:
+        plan = object.__new__(cls)   # only the order generator: no stages, no process group
+        plan.pp_group_size, plan._n_microbatches, plan.num_stages = pp, m, 2 * pp
+        out = []
+        for a in plan._calculate_single_rank_operations(rank):
+            if a is None:
+                continue
+            if a.computation_type == schedules._ComputationType.OVERLAP_F_B:
+                f, b = a.sub_actions
+                out.append(f"FB{f.microbatch_index}:{f.stage_index}/{b.microbatch_index}:{b.stage_index}")
+            else:
+                out.append(f"{kinds[a.computation_type]}{a.microbatch_index}:{a.stage_index}")
+        return out
+
+    def ours(name: str, pp: int, m: int, rank: int) -> list[str]:
+        stage = lambda c: rank if c == 0 else 2 * pp - 1 - rank   # noqa: E731 - V placement
+        return [f"FB{a.microbatch}:{stage(a.chunk)}/{a.b_microbatch}:{stage(a.b_chunk)}" if a.kind == "FB"
+                else f"{a.kind}{a.microbatch}:{stage(a.chunk)}" for a in compute_order(name, pp, 2, m, rank)]
+
+    for cls, name in ((schedules.ScheduleZBVZeroBubble, "zbv"), (schedules.ScheduleDualPipeV, "dualpipev")):
+        for pp, m in ((2, 3), (2, 4), (3, 7), (4, 8), (4, 10), (8, 16)):
+            if name == "dualpipev" and m < 2 * pp:
+                continue
+            for rank in range(pp):
+                assert ours(name, pp, m, rank) == theirs(cls, pp, m, rank), (name, pp, m, rank)
