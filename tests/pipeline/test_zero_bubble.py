@@ -177,7 +177,7 @@ def test_zbv_and_dualpipev_orders_are_torchs():
         return out
 
     def ours(name: str, pp: int, m: int, rank: int) -> list[str]:
-        stage = lambda c: rank if c == 0 else 2 * pp - 1 - rank   # noqa: E731 - V placement
+        stage = lambda c: rank if c == 0 else 2 * pp - 1 - rank   # the V placement
         return [f"FB{a.microbatch}:{stage(a.chunk)}/{a.b_microbatch}:{stage(a.b_chunk)}" if a.kind == "FB"
                 else f"{a.kind}{a.microbatch}:{stage(a.chunk)}" for a in compute_order(name, pp, 2, m, rank)]
 
