@@ -5,8 +5,9 @@ order, through the real trainer, fp32: batch-level overlap (--overlap-moe-expert
 
 Layouts in one 4-rank world: ep2 (dp4, 3 micro-batches per rank), ep2 x tp2 (dp2), pp2 x ep2 (zb-h1, zbv,
 dualpipev with and without its FB pairs overlapped), pp2 x vpp2 x ep2 (interleaved + overlap); with selective and
-full recompute. The flex dispatcher (DeepEP's CPU stand-in, bf16 tokens) in a 2-rank world. Bitwise where the
-summation order is unchanged: zb-h1 (its W accumulates each weight's gradient as the plain backward does).
+full recompute; with torchao FP8 GEMMs and FP8 dispatch. The flex dispatcher (DeepEP's CPU stand-in, bf16 tokens)
+in a 2-rank world. Bitwise where the summation order is unchanged: zb-h1 (its W accumulates each weight's gradient
+as the plain backward does).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from moefold.parallel.dims import ParallelConfig, ParallelDims
+from moefold.parallel.fp8 import FP8Config
 from moefold.pipeline.overlap import Trace
 from tests.distributed import run_distributed
 from tests.training.test_trainer_layouts import _merged_grads, _run_observed
@@ -33,6 +35,8 @@ SELECTIVE = {"recompute": "selective", "recompute_modules": ("core_attn", "layer
                                                              "mla_up_proj")}
 FULL = {"recompute": "full", "recompute_method": "block", "recompute_num_layers": 2}
 V = {"num_layers_per_virtual_pipeline_stage": 1}     # 4 layers over pp2 x 2 chunks
+# torchao FP8 GEMMs (linears and experts, their weight GEMMs deferred with the casts) and FP8 token dispatch
+FP8 = {"fp8": FP8Config("hybrid", "tensorwise", dispatch=True)}
 
 # name -> (layout, tiny_config kwargs, ModelOptions overrides, reference name, bitwise)
 RUNS = {
@@ -44,6 +48,8 @@ RUNS = {
                                     "ep2.selective", False),
     "ep2.full": (ParallelConfig(ep=2), {"global_batch_size": 12}, FULL, None, False),
     "ep2.full.overlap": (ParallelConfig(ep=2), {"global_batch_size": 12, **OVERLAP}, FULL, "ep2.full", False),
+    "ep2.fp8": (ParallelConfig(ep=2), {"global_batch_size": 8}, FP8, None, False),
+    "ep2.fp8.overlap.delay": (ParallelConfig(ep=2), {"global_batch_size": 8, **DELAY}, FP8, "ep2.fp8", False),
     "tp2xep2": (ParallelConfig(tp=2, ep=2), {"global_batch_size": 6}, {}, None, False),
     "tp2xep2.overlap.delay": (ParallelConfig(tp=2, ep=2), {"global_batch_size": 6, **DELAY}, {}, "tp2xep2", False),
     "pp2xep2.1f1b": (ParallelConfig(pp=2, ep=2), {"global_batch_size": 8}, {}, None, False),
