@@ -3,7 +3,7 @@ order, through the real trainer, fp32: batch-level overlap (--overlap-moe-expert
 --delay-wgrad-compute) against plain gradient accumulation / 1F1B, the zero-bubble and DualPipeV schedules against
 1F1B. DeepSeek-V3 tiny (MLA, a dense first layer, shared experts, expert bias, seq aux loss, MTP), 4 layers.
 
-Layouts in one 4-rank world: ep2 (dp4, 3 micro-batches per rank), ep2 x tp2 (dp2), pp2 x ep2 (zb-h1, zbv,
+Layouts in one 4-rank world: ep2 (dp4, 3 micro-batches per rank), ep2 x tp2 (dp2), ep2 x cp2 (dp2), pp2 x ep2 (zb-h1, zbv,
 dualpipev with and without its FB pairs overlapped), pp2 x vpp2 x ep2 (interleaved + overlap); with selective and
 full recompute; with torchao FP8 GEMMs and FP8 dispatch. The flex dispatcher (DeepEP's CPU stand-in, bf16 tokens)
 in a 2-rank world. Bitwise where the summation order is unchanged: zb-h1 (its W accumulates each weight's gradient
@@ -52,6 +52,8 @@ RUNS = {
     "ep2.fp8.overlap.delay": (ParallelConfig(ep=2), {"global_batch_size": 8, **DELAY}, FP8, "ep2.fp8", False),
     "tp2xep2": (ParallelConfig(tp=2, ep=2), {"global_batch_size": 6}, {}, None, False),
     "tp2xep2.overlap.delay": (ParallelConfig(tp=2, ep=2), {"global_batch_size": 6, **DELAY}, {}, "tp2xep2", False),
+    "cp2xep2": (ParallelConfig(cp=2, ep=2), {"global_batch_size": 6}, {}, None, False),
+    "cp2xep2.overlap.delay": (ParallelConfig(cp=2, ep=2), {"global_batch_size": 6, **DELAY}, {}, "cp2xep2", False),
     "pp2xep2.1f1b": (ParallelConfig(pp=2, ep=2), {"global_batch_size": 8}, {}, None, False),
     "pp2xep2.zb-h1": (ParallelConfig(pp=2, ep=2), {"global_batch_size": 8, "pipeline_schedule": "zb-h1"}, {},
                       "pp2xep2.1f1b", True),
