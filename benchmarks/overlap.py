@@ -3,6 +3,7 @@
     python benchmarks/overlap.py                          # CPU, gloo: ep2 and ep4, 4 micro-batches, 5 rounds
     python benchmarks/overlap.py --ep 2 --rounds 9 --plot overlap.png
     python benchmarks/overlap.py --device cuda --dtype bf16 --ep 4 8   # GPUs: NCCL, one rank per GPU
+    python benchmarks/overlap.py --engine-overhead --rounds 7          # one process: what the engine costs the host
 
 One world per expert-parallel size (ranks = ep, pp = 1, dp = ep, every layer MoE): two trainers of the same model
 on the same micro-batches, plain gradient accumulation and the overlap (F0, FB(1, 0), ..., B(m-1): each
@@ -13,6 +14,10 @@ by ``pipeline.overlap.Trace``: each micro-batch's computes and, below them, its 
 exchange under the other micro-batch's computation is visible. On CPU the collectives run on gloo's threads (the
 machine's cores are shared with the computation, and with other jobs: the load average is printed); on CUDA on
 NCCL's stream.
+
+``--engine-overhead``: one process, no exchange to hide (the overlap engine forced on at ep1, which the config
+refuses, with the identity exchange): process CPU time of a plain step, of the same step run as pieces, and with
+the weight gradients delayed, alternating, medians; the host work the overlap adds (one backward per piece).
 """
 
 from __future__ import annotations
@@ -29,11 +34,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moefold.dense.split_backward import WeightGradStore, install_weight_grad_store
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import get_recipe
 from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.parallel.machine import describe_machine
-from moefold.pipeline.overlap import Trace
+from moefold.pipeline.overlap import OverlapConfig, Trace
+from moefold.pipeline.schedules import build_schedule
 from moefold.training.config import RunConfig, TrainConfig
 from moefold.training.trainer import Trainer
 
@@ -108,6 +115,38 @@ def _rank(rank: int, ep: int, args: argparse.Namespace, port: int, results) -> N
     dist.destroy_process_group()
 
 
+def engine_overhead(args: argparse.Namespace) -> None:
+    """Process CPU time per step at world size 1: plain, pieces, pieces + delayed weight gradients."""
+    torch.set_num_threads(args.threads)
+
+    def trainer(pieces: bool, delay: bool) -> Trainer:
+        tr = Trainer(run_config(args, 1, False), ParallelDims.single(), log=lambda m: None)
+        if pieces:   # what Trainer.__init__ does for --overlap-moe-expert-parallel-comm at pp = 1, here at ep1
+            tr.layout = tr.config.pipeline_layout(1)
+            tr.pipeline = build_schedule("1f1b", 1, args.micro_batches, overlap=True)
+            if delay:
+                tr.weight_store = WeightGradStore()
+                install_weight_grad_store(tr.model, tr.weight_store)
+            tr.overlap = OverlapConfig(delay, tr.weight_store)
+        return tr
+
+    trainers = {"plain": trainer(False, False), "pieces": trainer(True, False), "pieces + delay": trainer(True, True)}
+    gen = torch.Generator().manual_seed(0)
+    times = {name: [] for name in trainers}
+    for step in range(args.rounds + 1):
+        batches = [torch.randint(0, 256, (args.micro_batch, args.seq + 1), generator=gen)
+                   for _ in range(args.micro_batches)]
+        for name, tr in trainers.items():
+            t0 = time.process_time()
+            tr.train_step(batches)
+            if step:   # the first is a warm-up
+                times[name].append(time.process_time() - t0)
+    plain = statistics.median(times["plain"])
+    for name, ts in times.items():
+        print(f"{name:15s} {statistics.median(ts) * 1e3:8.1f} ms CPU/step ({statistics.median(ts) / plain - 1:+.0%}; "
+              f"rounds {[round(t * 1e3) for t in ts]})")
+
+
 def plot(events: list[tuple[str, str, str, float]], ep: int, path: str) -> None:
     """One overlapped step of rank 0: per micro-batch a row of its computes (forward blue, backward green) and a
     row of its exchanges in flight (orange), against time."""
@@ -164,17 +203,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--engine-overhead", action="store_true", help="one process: plain vs pieces vs pieces + delayed "
+                   "weight gradients, process CPU time (the host work the engine adds)")
     p.add_argument("--plot", default="overlap_timeline.png", help="timeline PNG of one overlapped step (of the "
                                                                   "largest ep)")
     args = p.parse_args(argv)
     if args.device == "cuda" and torch.cuda.device_count() < max(args.ep):
         sys.exit(f"--ep {max(args.ep)} needs as many GPUs, found {torch.cuda.device_count()}")
+    torch.set_num_threads(args.threads)   # each rank sets its own; this one is for the machine line
     print(describe_machine())
     print(f"# {args.layers} MoE layers, hidden {args.hidden}, {args.heads} heads of {args.head_dim}, {args.experts} "
           f"experts top-2 of FFN {args.ffn}, "
           f"{args.micro_batches} micro-batches of {args.micro_batch} x {args.seq} tokens per rank, {args.dtype}, "
           f"{args.device}; medians of {args.rounds} steps, plain and overlap alternating; load average "
           f"{os.getloadavg()[0]:.1f}")
+    if args.engine_overhead:
+        engine_overhead(args)
+        print(f"load average at end {os.getloadavg()[0]:.1f}")
+        return
     ctx = mp.get_context("spawn")
     last_events = None
     for ep in args.ep:
