@@ -187,7 +187,8 @@ def plot(events: list[tuple[str, str, str, float]], ep: int, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ep", type=int, nargs="+", default=[2, 4], help="expert-parallel sizes (ranks) to run")
     p.add_argument("--rounds", type=int, default=5, help="timed steps of each (alternating)")
     p.add_argument("--micro-batches", type=int, default=4)

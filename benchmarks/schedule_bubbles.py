@@ -49,7 +49,8 @@ def rows(pp: int, m: int, overlapped: float) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pp", type=int, nargs="+", default=[4, 8])
     p.add_argument("--microbatches", type=int, nargs="+", default=None, help="default: 2 pp and 4 pp")
     p.add_argument("--overlapped", type=float, default=1.0, help="an FB step's time / (F + B) (default 1)")

@@ -41,8 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time of an overlapped forward + backward pair FB (default forward + backward: no "
                              "overlap gain)")
     parser.add_argument("--num-layers", type=int, default=None, help="also print the layer split")
-    parser.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
-    parser.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    parser.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                        help="with --num-layers: layers on the first stage (default: even split)")
+    parser.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                        help="with --num-layers: layers on the last stage (default: even split)")
     parser.add_argument("--plot", default=None, metavar="PNG", help="write the timeline as a PNG")
 
 

@@ -3,11 +3,11 @@ order, through the real trainer, fp32: batch-level overlap (--overlap-moe-expert
 --delay-wgrad-compute) against plain gradient accumulation / 1F1B, the zero-bubble and DualPipeV schedules against
 1F1B. DeepSeek-V3 tiny (MLA, a dense first layer, shared experts, expert bias, seq aux loss, MTP), 4 layers.
 
-Layouts in one 4-rank world: ep2 (dp4, 3 micro-batches per rank), ep2 x tp2 (dp2), ep2 x cp2 (dp2), pp2 x ep2 (zb-h1, zbv,
-dualpipev with and without its FB pairs overlapped), pp2 x vpp2 x ep2 (interleaved + overlap); with selective and
-full recompute; with torchao FP8 GEMMs and FP8 dispatch. The flex dispatcher (DeepEP's CPU stand-in, bf16 tokens)
-in a 2-rank world. Bitwise where the summation order is unchanged: zb-h1 (its W accumulates each weight's gradient
-as the plain backward does).
+Layouts in one 4-rank world: ep2 (dp4, 3 micro-batches per rank), ep2 x tp2 (dp2), ep2 x cp2 (dp2), pp2 x ep2
+(zb-h1, zbv, dualpipev with and without its FB pairs overlapped), pp2 x vpp2 x ep2 (interleaved + overlap); with
+selective and full recompute; with torchao FP8 GEMMs and FP8 dispatch. The flex dispatcher (DeepEP's CPU
+stand-in, bf16 tokens) in a 2-rank world. Bitwise where the summation order is unchanged: zb-h1 (its W accumulates
+each weight's gradient as the plain backward does).
 """
 
 from __future__ import annotations
