@@ -128,6 +128,7 @@ class AllGatherDispatcher(TokenDispatcher):
     """
 
     name = "allgather"
+    staged = False   # the tokens and routing travel in one all-gather inside dispatch_start
 
     def __init__(self, num_experts: int, ep_group: Group = None, etp_group: Group = None,
                  etp_ep_group: Group = None, timer: PhaseTimer | None = None, fp8: bool = False):

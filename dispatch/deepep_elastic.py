@@ -321,6 +321,9 @@ class ElasticFlexDispatcher(TokenDispatcher):
 
     name = "flex"
     backend = "deepep"
+    # V2's dispatch and combine are single calls that return an event to wait on, not the prepare / exchange /
+    # finish stages the batch-level overlap runs as separate nodes: the overlap refuses this backend.
+    staged = False
 
     def __init__(self, num_experts: int, ep_group: Group = None, etp_group: Group = None,
                  etp_ep_group: Group = None, timer: PhaseTimer | None = None, *, hidden_size: int,

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moefold.dense.recompute import CheckpointWithoutOutput
+from moefold.dense.split_backward import WeightGradStore
 from moefold.moe.fp8_gemm import Float8GroupedGemm, check_fp8_gemm_backend
 from moefold.moe.gemm import (
     GEMM_BACKENDS,
@@ -56,6 +57,7 @@ from moefold.moe.gemm import (
     needs_host_counts,
     row_experts,
 )
+from moefold.moe.split_gemm import SplitGroupedGemm
 from moefold.parallel.comm import copy_to_region
 from moefold.parallel.fp8 import FP8Config
 from moefold.parallel.groups import Group, group_rank, group_size
@@ -225,6 +227,20 @@ class GroupedExperts(nn.Module):
     def use_fused_activation(self, enabled: bool = True) -> None:
         """Run the activation as ``fused_activation``'s compiled kernels (what ``--compile`` does) or eagerly."""
         self._activation = fused_activation(self._eager_activation) if enabled else self._eager_activation
+
+    def use_weight_grad_store(self, store: WeightGradStore) -> None:
+        """Split backward (``dense.split_backward``): defer both projections' weight gradients while ``store``
+        defers (``moe.split_gemm``; torchao FP8 defers its own)."""
+        if self._te:
+            raise ValueError("split backward (zero-bubble schedules, --delay-wgrad-compute) cannot defer the weight "
+                             "gradients of the 'te' expert GEMMs (Transformer Engine has its own "
+                             "delay_wgrad_compute); use --moe-grouped-gemm-backend grouped_mm")
+        for name in ("_gemm13", "_gemm2"):
+            gemm = getattr(self, name)
+            if isinstance(gemm, Float8GroupedGemm):
+                gemm.use_weight_grad_store(store)
+            else:
+                setattr(self, name, SplitGroupedGemm(store))
 
     def forward(self, tokens_NH: Tensor, tokens_per_expert_e: Tensor,
                 tokens_per_expert_host: Sequence[int] | None = None) -> Tensor:

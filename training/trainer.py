@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moefold.dense.context_parallel import split_for_context_parallel
+from moefold.dense.split_backward import WeightGradStore, install_weight_grad_store
 from moefold.models.decoder import MoEDecoder
 from moefold.models.layer_factory import is_moe_block
 from moefold.models.options import ModelOptions
@@ -41,8 +42,10 @@ from moefold.moe.layer import MoEOutputInfo
 from moefold.moe.router import Router
 from moefold.parallel.dims import ParallelDims
 from moefold.parallel.groups import Group
-from moefold.pipeline import build_schedule, expected_bubble_fraction, run_schedule
+from moefold.pipeline import build_schedule, run_schedule, simulate
 from moefold.pipeline.decoder_stage import DecoderStage, build_stage_model, embedding_group
+from moefold.pipeline.overlap import OverlapConfig
+from moefold.pipeline.stages import chunk_costs
 from moefold.training.checkpoint.files import CheckpointSaveError, checkpoint_dirs, is_checkpoint_dir
 from moefold.training.checkpoint.resume import check_resume
 from moefold.training.checkpoint.sharded import find_checkpoint, load_checkpoint, read_meta, save_checkpoint
@@ -154,10 +157,20 @@ def build_optimizer(model: MoEDecoder, config: RunConfig, dims: ParallelDims,
     whose bytes ``training.observe.memory.static_bytes`` counts. Collective (the embedding group); ``moefold plan``
     runs it on a meta-device model."""
     t = config.train
-    embed_group = embedding_group(model, dims)
+    layout = config.pipeline_layout(dims.pp) if dims.pp > 1 else None
+    embed_group = embedding_group(model, dims, layout)
     precision = t.optimizer_precision()
+    # the V placement's rank 0 backpropagates its two chunks separately: an embedding the head also reads (MTP, tied)
+    # accumulates two gradients per micro-batch
+    reports = {}
+    shared = config.model.mtp_num_layers or config.model.tie_word_embeddings
+    if shared and layout is not None and model.embed_tokens is not None and layout.vpp > 1:
+        chunks = layout.rank_chunks(dims.pp_rank)
+        if any(c.has_embedding for c in chunks) and any(c.has_head for c in chunks) and not any(
+                c.has_embedding and c.has_head for c in chunks):
+            reports = {f"embed_tokens.{n}": 2 for n, _ in model.embed_tokens.named_parameters()}
     sync = GradSync(model.named_parameters(), dims, bucket_numel=t.bucket_numel, overlap=t.overlap_grad_reduce,
-                    grad_dtype=precision.dtype("main_grads"), copies_group=embed_group)
+                    grad_dtype=precision.dtype("main_grads"), copies_group=embed_group, reports=reports)
     optimizer = DistributedAdamW(sync, dims, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                  weight_decay=t.weight_decay, precision=precision, model=model,
                                  overlap_param_gather=t.overlap_param_gather)
@@ -181,16 +194,30 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.layout = self.pipeline = None
         self.embed_group = None
+        overlap = t.overlap_moe_expert_parallel_comm
         if dims.pp > 1:
             self.layout = config.pipeline_layout(dims.pp)
             vpp = self.layout.vpp
-            self.pipeline = build_schedule(config.schedule_name(vpp), dims.pp, self.num_micro, vpp)
-            bubble = expected_bubble_fraction(self.pipeline.name, dims.pp, self.num_micro, vpp)
-            self.log(f"pipeline: {self.pipeline.name} schedule, pp {dims.pp} x vpp {vpp}, {self.num_micro} "
-                     f"micro-batches per step (bubble {bubble:.1%} with equal stage times)\n"
+            self.pipeline = build_schedule(config.schedule_name(vpp), dims.pp, self.num_micro, vpp, overlap=overlap,
+                                           chunk_costs=chunk_costs(self.layout))
+            bubble = simulate(self.pipeline).bubble_fraction
+            self.log(f"pipeline: {self.pipeline.name}{' (FB pairs overlapped)' if overlap else ''} schedule, pp "
+                     f"{dims.pp} x vpp {vpp} ({self.layout.placement.value}), {self.num_micro} micro-batches per step "
+                     f"(bubble {bubble:.1%} with stage times by layer count, backward = 2 x forward)\n"
                      f"{self.layout.describe()}")
+        elif overlap:   # pp = 1: Megatron's combined 1F1B without pipelining, F0, FB(1, 0), ..., B(m-1)
+            self.layout = config.pipeline_layout(1)
+            self.pipeline = build_schedule("1f1b", 1, self.num_micro, overlap=True)
+            self.log(f"batch-level overlap: {self.num_micro} micro-batches as F0, FB(1, 0), ..., "
+                     f"B({self.num_micro - 1})")
         self.model = build_model(config, dims, self.device)
         self.model.init_weights(t.seed)
+        # split backward (zero-bubble schedules, --delay-wgrad-compute): the GEMMs that can defer weight gradients
+        self.weight_store = None
+        if config.split_backward(dims.pp):
+            self.weight_store = WeightGradStore()
+            install_weight_grad_store(self.model, self.weight_store)
+        self.overlap = OverlapConfig(t.delay_wgrad_compute, self.weight_store) if overlap else None
         # a resume overwrites the HF weights (whether the checkpoints are intact is Trainer.load's to find out)
         resuming = t.load is not None and (is_checkpoint_dir(Path(t.load)) or bool(checkpoint_dirs(t.load)))
         if t.load_hf and not resuming:
@@ -248,7 +275,8 @@ class Trainer:
             self._add_loads(loads, out.moe.items(), E)
 
     def _pipeline_forward_backward(self, microbatches: list[Tensor], loads: Tensor, logged: Tensor) -> None:
-        """pp > 1: the pipeline schedule over this rank's chunks (same outputs as ``_forward_backward``; each
+        """pp > 1 (or the batch-level overlap at pp = 1): the pipeline schedule over this rank's chunks (same outputs
+        as ``_forward_backward``; each
         stage adds what it holds: the last stage the lm/mtp losses, every stage its own layers' aux losses and
         loads, so the world all-reduce of ``train_step`` sums them across stages)."""
         dims = self.dims
@@ -256,13 +284,14 @@ class Trainer:
         for m, batch in enumerate(microbatches):
             ids, labels = self._split(batch)
             mbs.append({"index": m, "input_ids": ids, "labels": labels})
-        stage = DecoderStage(self.model, self.layout, dims.pp_rank)
+        stage = DecoderStage(self.model, self.layout, dims.pp_rank, self.overlap)
         loss_fn = stage.loss_fn
         if self.loss_hook is not None:
             hook, step = self.loss_hook, self.iteration
             loss_fn = lambda out, mb: hook(step, mb["index"], stage.loss_fn(out, mb))
         spec = stage.activation_spec(ids.shape[0], ids.shape[1], self.device)
-        result = run_schedule(stage, self.pipeline, mbs, loss_fn, dims.pp_group, spec)
+        result = run_schedule(stage, self.pipeline, mbs, loss_fn, dims.pp_group if dims.pp > 1 else None, spec,
+                              weight_store=self.weight_store)
         tpcp = dims.tp * dims.cp
         zero = torch.zeros((), dtype=logged.dtype, device=logged.device)
 

@@ -35,6 +35,7 @@ from moefold.moe.gemm import GEMM_BACKENDS
 from moefold.parallel.dims import ParallelConfig, ParallelSizes
 from moefold.parallel.fp8 import add_fp8_arguments, fp8_config_from_args
 from moefold.parallel.init import launched_by_torchrun, launched_world_size
+from moefold.pipeline.schedules import SCHEDULES
 from moefold.training.cli.config_file import write_effective_config
 from moefold.training.cli.layout_errors import world_source
 from moefold.training.cli.megatron_flags import add_megatron_arguments, megatron_model, tokenizer_vocab
@@ -106,7 +107,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-tensor-parallel-size", type=int, default=1,
                    help="expert tensor parallelism (etp): each expert's FFN split over etp ranks")
     g.add_argument("--pipeline-schedule", dest="pipeline_schedule", default=_T.pipeline_schedule,
-                   choices=("gpipe", "1f1b", "interleaved"), help="pp > 1 (interleaved is implied by virtual stages)")
+                   choices=SCHEDULES, help="pp > 1 (interleaved is implied by virtual stages; zb-h1: zero-bubble "
+                                           "1F1B; zbv and dualpipev: 2 chunks per rank in V placement, set "
+                                           "--num-layers-per-virtual-pipeline-stage to num_layers / (2 pp))")
+    g.add_argument("--overlap-moe-expert-parallel-comm", dest="overlap_moe_expert_parallel_comm",
+                   action="store_true",
+                   help="hide the expert exchange: one micro-batch's dispatch/combine in flight while another "
+                        "micro-batch computes (gradient accumulation at pp = 1, interleaved 1F1B's steady state at "
+                        "pp > 1); needs ep > 1 and the alltoall or flex dispatcher; one more micro-batch's "
+                        "activations in flight")
+    g.add_argument("--delay-wgrad-compute", dest="delay_wgrad_compute", action="store_true",
+                   help="with --overlap-moe-expert-parallel-comm: run the experts' and attention's weight-gradient "
+                        "GEMMs while the next dispatch/combine backward exchange is in flight")
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
                    help="shard activations along the sequence between TP regions (tp > 1 only; --seq-length "
                         "must then divide by tp)")

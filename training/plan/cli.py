@@ -22,6 +22,7 @@ from moefold.models.options import DEEPEP_MODES, ModelOptions
 from moefold.models.params import count_parameters
 from moefold.models.recipes import RECIPES
 from moefold.moe.config import DISPATCHERS
+from moefold.pipeline.schedules import SCHEDULES
 from moefold.training.cli.model_flags import ARCH_FLAGS, add_model_arguments, dest
 from moefold.training.cli.train import ROUTER_FLAGS, model_from_args
 from moefold.training.config import RunConfig, TrainConfig
@@ -75,8 +76,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help=f"{LAYOUT_HELP[flag]}; default: searched")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="virtual stages of M layers per rank; default: searched (even split, or 2 virtual stages)")
-    g.add_argument("--pipeline-schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved"),
-                   help="pp > 1 (interleaved is implied by virtual stages)")
+    g.add_argument("--pipeline-schedule", default=None, choices=SCHEDULES,
+                   help="fix the pipeline schedule (default: searched: 1f1b, zb-h1, interleaved, zbv, dualpipev)")
+    g.add_argument("--overlap-moe-expert-parallel-comm", dest="overlap", action=argparse.BooleanOptionalAction,
+                   default=None, help="fix the batch-level overlap on or off (default: searched where ep > 1; on "
+                                      "comes with --delay-wgrad-compute)")
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
                    help="shard activations along the sequence between TP regions (tp > 1)")
     g.add_argument("--cp-comm-type", default=ModelOptions.cp_comm, choices=CP_COMM_MODES,
@@ -139,7 +143,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[RunConfig, Fixed]:
                            moe_deepep_mode=args.moe_deepep_mode, moe_deepep_cpu_sync=args.moe_deepep_cpu_sync,
                            **(recompute or {}))
     train = TrainConfig(micro_batch_size=args.micro_batch_size or 1, global_batch_size=args.global_batch_size,
-                        seq_length=args.seq_length, bf16=args.bf16, pipeline_schedule=args.pipeline_schedule,
+                        seq_length=args.seq_length, bf16=args.bf16,
+                        pipeline_schedule=args.pipeline_schedule or TrainConfig.pipeline_schedule,
+                        overlap_moe_expert_parallel_comm=bool(args.overlap), delay_wgrad_compute=bool(args.overlap),
                         num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
                         main_grads_dtype=args.main_grads_dtype, exp_avg_dtype=args.exp_avg_dtype,
                         exp_avg_sq_dtype=args.exp_avg_sq_dtype, overlap_param_gather=args.overlap_param_gather,
@@ -148,7 +154,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[RunConfig, Fixed]:
                   pp=args.pipeline_model_parallel_size, ep=args.expert_model_parallel_size,
                   etp=args.expert_tensor_parallel_size,
                   layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
-                  micro_batch_size=args.micro_batch_size, recompute=recompute)
+                  micro_batch_size=args.micro_batch_size, recompute=recompute, schedule=args.pipeline_schedule,
+                  overlap=args.overlap)
     return RunConfig(model=model, options=options, train=train, recipe=args.recipe), fixed
 
 
