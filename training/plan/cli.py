@@ -109,7 +109,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
     o.add_argument("--plot", metavar="PNG", default=None, help="draw the top layouts' memory and time terms")
     add_model_arguments(p)
-    p.set_defaults(moe_use_upcycling=False, vocab_size=None,
+    p.set_defaults(moe_use_upcycling=False, vocab_size=None, load_megatron=None, tokenizer_type=None,
                    **{flag[2:].replace("-", "_"): None for flag, _, _ in ROUTER_FLAGS})
 
 
