@@ -6,10 +6,16 @@ Every parameter is perturbed (norm weights around 1, biases such as DeepSeek's
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral")
 VOCAB = 96
+# The tiny recipes (models/recipes.py) that HF transformers has a model class for: the bf16 accuracy tests
+# (tests/models/test_bf16_accuracy.py) and benchmarks/bf16_error.py run each against HF's model of its config.
+# A new family joins here once models/hf/config_map.py exports it.
+HF_TINY_RECIPES = ("qwen3_moe_tiny", "mixtral_tiny", "deepseek_v3_tiny")
 
 
 def hf_model(family: str, seed: int = 0):
@@ -50,19 +56,25 @@ def hf_model(family: str, seed: int = 0):
     else:
         raise ValueError(family)
     model.config._attn_implementation = "sdpa"
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("gate.weight"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(0.08 * torch.randn(p.shape, generator=gen))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.3 * torch.randn(b.shape, generator=gen))
+    perturb_weights(model.named_parameters(), model.named_buffers(), torch.Generator().manual_seed(seed + 1))
     return model.eval().float()
+
+
+@torch.no_grad()
+def perturb_weights(params: Iterable[tuple[str, torch.Tensor]], buffers: Iterable[tuple[str, torch.Tensor]],
+                    gen: torch.Generator) -> None:
+    """Redraw HF-named tensors in place: 1-D weights (norms) around 1, router gates wide enough to decide
+    (``*gate.weight``), matrices small, DeepSeek's ``e_score_correction_bias`` random; other buffers stay."""
+    for name, p in params:
+        if p.dim() == 1:
+            p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+        elif name.endswith("gate.weight"):
+            p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+        else:
+            p.copy_(0.08 * torch.randn(p.shape, generator=gen))
+    for name, b in buffers:
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(0.3 * torch.randn(b.shape, generator=gen))
 
 
 def save_hf(family: str, path, seed: int = 0, **save_kw):

@@ -1,0 +1,184 @@
+"""bf16 against fp32 on the same weights: moefold and HF transformers (Megatron-Core: tests/models/megatron_tiny.py).
+
+    config, state = reference_weights("mixtral_tiny", seed=0)       # HF-named tensors, bf16-representable
+    samples = token_samples(config, seed=0)                           # [B, S + 1] ids
+    err = compare(moefold_run(config, state, torch.bfloat16, samples),
+                  moefold_run(config, state, torch.float32, samples))  # Error: logits, loss, grads, routing
+
+Each system computes the same model twice, in fp32 and in bf16, on the same weights: drawn once (moefold's
+init, then redrawn as ``hf_tiny.perturb_weights`` does for HF models: norms around 1, routers that decide)
+and rounded to bf16, so the bf16 copy holds exactly the fp32 copy's values and every difference between the
+two runs is the bf16 arithmetic. A system's bf16 error is measured against its own fp32 run (fp32 moefold
+and fp32 HF agree to ~1e-6 on these weights, tests/models/test_hf_interop.py).
+
+The comparison config is the recipe with its MoE balancing losses and MTP off (``comparable_config``):
+HF computes neither, so the loss and its gradients are the LM loss's alone in every system.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from moefold.models.config import ModelConfig
+from moefold.models.decoder import MoEDecoder
+from moefold.models.hf.config_map import to_hf_config
+from moefold.models.hf.exporter import hf_tensors
+from moefold.models.hf.importer import load_weights
+from moefold.models.options import ModelOptions
+from moefold.models.recipes import get_recipe
+from moefold.models.tensor_io import DictReader
+from moefold.moe.router import Router
+from tests.models.hf_tiny import perturb_weights
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+# {island: () -> context manager under which moefold runs without that fp32 island}
+ISLAND_REMOVALS: dict[str, Callable[[], AbstractContextManager]] = {}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One forward (logits) and one forward + backward (loss, gradients) of a model on ``samples``.
+
+    logits: [B, S, V] fp32 (upcast from the model's output dtype)
+    loss:   token-mean next-token cross entropy
+    grads:  every parameter's gradient as fp32, in the model's parameter order
+    routes: per MoE layer, [T, E] bool: the experts each token was sent to (the forward of ``logits``)
+    """
+
+    logits: Tensor
+    loss: float
+    grads: list[Tensor]
+    routes: list[Tensor]
+
+
+@dataclass(frozen=True)
+class Error:
+    """A bf16 run against the fp32 run of the same system.
+
+    logits_mean / logits_max: mean / max |logit difference|
+    loss:    |loss difference|
+    grad:    relative error of all gradients together, ||g16 - g32|| / ||g32||
+    routing: share of (MoE layer, token) pairs routed to the same experts as in fp32
+    """
+
+    logits_mean: float
+    logits_max: float
+    loss: float
+    grad: float
+    routing: float
+
+    @staticmethod
+    def mean(errors: Iterable[Error]) -> Error:
+        """Mean over several runs (seeds) of each figure; the max of the max."""
+        errors = list(errors)
+        n = len(errors)
+        return Error(logits_mean=sum(e.logits_mean for e in errors) / n, logits_max=max(e.logits_max for e in errors),
+                     loss=sum(e.loss for e in errors) / n, grad=sum(e.grad for e in errors) / n,
+                     routing=sum(e.routing for e in errors) / n)
+
+
+def compare(low: Run, ref: Run) -> Error:
+    """``low`` (bf16) against ``ref`` (fp32, the same system and weights)."""
+    diff = (low.logits - ref.logits).abs()
+    num = math.sqrt(sum(float((a - b).pow(2).sum()) for a, b in zip(low.grads, ref.grads)))
+    den = math.sqrt(sum(float(b.pow(2).sum()) for b in ref.grads))
+    same = sum(int((a == b).all(-1).sum()) for a, b in zip(low.routes, ref.routes))
+    total = sum(b.shape[0] for b in ref.routes)
+    return Error(logits_mean=float(diff.mean()), logits_max=float(diff.max()), loss=abs(low.loss - ref.loss),
+                 grad=num / den, routing=same / total if total else 1.0)
+
+
+# ----------------------------------------------------------------------------------------------- weights and data
+def comparable_config(recipe: str) -> ModelConfig:
+    """The recipe without MoE balancing losses and MTP (HF computes neither)."""
+    return get_recipe(recipe).with_(moe_aux_loss_coeff=0.0, mtp_num_layers=0)
+
+
+def reference_weights(recipe: str, seed: int = 0) -> tuple[ModelConfig, dict[str, Tensor]]:
+    """(comparison config, HF-named fp32 tensors with bf16-representable values; experts in HF's fused layout)."""
+    config = comparable_config(recipe)
+    model = MoEDecoder(config)
+    model.init_weights(seed)
+    state = {n: v.detach().clone() for name, t in model.state_dict(keep_vars=True).items()
+             for n, v in hf_tensors(name, t, config, expert_format="fused")}
+    buffers = [(n, t) for n, t in state.items() if n.endswith("e_score_correction_bias")]
+    params = [(n, t) for n, t in state.items() if not n.endswith("e_score_correction_bias")]
+    perturb_weights(params, buffers, torch.Generator().manual_seed(seed + 1))
+    return config, {n: t.bfloat16().float() for n, t in state.items()}
+
+
+def token_samples(config: ModelConfig, seed: int = 0, batch: int = 4, seq: int = 64) -> Tensor:
+    """[batch, seq + 1] random token ids: inputs ``[:, :-1]``, next-token labels ``[:, 1:]``."""
+    return torch.randint(0, config.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(1000 + seed))
+
+
+def _grads(model: torch.nn.Module) -> list[Tensor]:
+    return [torch.zeros(p.shape) if p.grad is None else p.grad.float() for p in model.parameters()]
+
+
+# ----------------------------------------------------------------------------------------------- moefold
+def moefold_model(config: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype) -> MoEDecoder:
+    """moefold's model of ``config`` in ``dtype`` (its routers and expert bias stay fp32) holding ``state``."""
+    model = MoEDecoder(config, options=ModelOptions(dtype=DTYPE_NAMES[dtype]))
+    load_weights(model, DictReader(state))
+    return model
+
+
+def moefold_run(config: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, samples: Tensor) -> Run:
+    model = moefold_model(config, state, dtype)
+    ids, labels = samples[:, :-1], samples[:, 1:]
+    routes: list[Tensor] = []
+    E = config.num_experts
+
+    def record(_module, _args, out) -> None:
+        ids_TK = out.routing.expert_ids_TK
+        routes.append(torch.zeros(ids_TK.shape[0], E, dtype=torch.bool).scatter_(1, ids_TK, True))
+
+    hooks = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, Router)]
+    logits = model.logits(ids)
+    for h in hooks:
+        h.remove()
+    out = model(ids, labels)
+    out.loss.backward()
+    return Run(logits=logits.float(), loss=float(out.lm_loss), grads=_grads(model), routes=routes)
+
+
+# ----------------------------------------------------------------------------------------------- HF transformers
+def hf_model(config: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype):
+    """HF transformers' model of ``config`` (``to_hf_config``; SDPA attention) in ``dtype`` holding ``state``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.for_model(**to_hf_config(config))
+    hf_config._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(hf_config)
+    model.load_state_dict(state, strict=True)
+    return model.to(dtype).eval()
+
+
+def hf_run(config: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, samples: Tensor) -> Run:
+    model = hf_model(config, state, dtype)
+    ids, labels = samples[:, :-1], samples[:, 1:]
+    routes: list[Tensor] = []
+    E = config.num_experts
+
+    def record(_module, _args, out) -> None:   # HF's routers return (logits, weights, expert ids)
+        routes.append(torch.zeros(out[2].shape[0], E, dtype=torch.bool).scatter_(1, out[2].long(), True))
+
+    hooks = [m.register_forward_hook(record) for m in model.modules() if type(m).__name__.lower().endswith("router")]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    for h in hooks:
+        h.remove()
+    # HF's ForCausalLMLoss: cross entropy of the fp32-upcast logits
+    out = model(input_ids=ids).logits
+    loss = F.cross_entropy(out.float().flatten(0, 1), labels.flatten())
+    loss.backward()
+    return Run(logits=logits.float(), loss=float(loss), grads=_grads(model), routes=routes)
