@@ -1,4 +1,14 @@
-"""RMSNorm with fp32 statistics, numerically the HF ``LlamaRMSNorm`` family (Qwen3, Mixtral, DeepSeek-V3).
+"""RMSNorm computed in fp32 from statistics to weight, rounded once (Megatron-Core's norms; HF ``LlamaRMSNorm``'s math).
+
+An fp32 island of the bf16 path: ``rms_norm`` upcasts the input, takes the mean square, normalises and
+multiplies by the weight in fp32, and rounds to the input dtype once at the end. That is what Megatron-Core
+0.16.1 computes with either of its norms: Transformer Engine's RMSNorm kernel (``rmsnorm_fwd_kernels.cuh``:
+``z = output_t(gamma * (rs * x))`` in ``compute_t`` = fp32) and the torch fallback of its local spec
+(``torch.nn.RMSNorm`` -> ``torch.rms_norm``, which computes in fp32 and rounds once as well). HF's
+``LlamaRMSNorm`` family rounds the normalised value to bf16 before the weight multiply, a second rounding;
+on the bf16 tiny recipes that rounding is the largest single source of moefold's former excess error over
+Megatron-Core (benchmarks/RESULTS.md, "bf16 numerics"). In fp32 the two orders are the same operations, so
+fp32 results (and the fp32 parity with HF) are unchanged.
 
 The weight is replicated across TP. Under sequence parallelism each rank normalises only its
 sequence shard, so the weight's gradient is partial: the ``sequence_parallel`` flag marks it
@@ -13,12 +23,21 @@ from torch import Tensor, nn
 from moefold.parallel.sharding import mark_sequence_parallel
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim, computed in fp32 and rounded once to ``x.dtype``.
+
+    x ``[..., hidden]``, weight ``[hidden]`` (any float dtypes). The fp32 island of every norm in the model
+    (see the module docstring); nothing crosses ranks.
+    """
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.to(torch.float32) * x32).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """``weight * (x / sqrt(mean(x^2) + eps))`` over the last dim.
 
-    forward(x [..., hidden]) -> [..., hidden] in ``x.dtype``: statistics in fp32, the normalised
-    value cast back to the input dtype, then multiplied by the weight (HF order, so bf16 results
-    match HF bit for bit).
+    forward(x [..., hidden]) -> [..., hidden] in ``x.dtype`` (``rms_norm``: fp32 throughout, one rounding).
     """
 
     def __init__(self, hidden: int, eps: float = 1e-6, *, sequence_parallel: bool = False,
@@ -36,10 +55,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.hidden:
             raise ValueError(f"RMSNorm(hidden={self.hidden}) got an input of shape {tuple(x.shape)}")
-        input_dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(input_dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.hidden}, eps={self.eps}"

@@ -13,6 +13,10 @@ token's copies on the expert side before anything comes home (a reduce-scatter; 
 combine kernels, which add without weights), move them with the routing they must send anyway
 and apply them there. ``weighted_combine=False`` sums the copies unweighted (the caller applied
 the probs to the input: Megatron's ``--moe-apply-probs-on-input``).
+
+Precision: the weighted sum of a token's copies (and any reduction of partial outputs over ranks on
+the way home) accumulates in fp32 for bf16/fp16 tokens (``dispatch.permutation.combine_dtype``), and
+``combine`` may return it in fp32 (local, alltoall, allgather; flex hands DeepEP bf16): the caller rounds.
 """
 
 from __future__ import annotations
@@ -155,7 +159,8 @@ class TokenDispatcher(ABC):
     @abstractmethod
     def combine(self, expert_out_NH: Tensor, handle: DispatchHandle) -> Tensor:
         """[N, H] expert outputs (not weighted; partial sums over etp) -> y [T, H], each token's copies
-        weighted by its routing probs (unless dispatched with ``weighted_combine=False``) and summed."""
+        weighted by its routing probs (unless dispatched with ``weighted_combine=False``) and summed
+        (in fp32 for bf16 rows: y may be fp32, see the module docstring)."""
 
     def _check_combine(self, expert_out_NH: Tensor, handle: DispatchHandle, handle_type: type) -> None:
         if not isinstance(handle, handle_type):

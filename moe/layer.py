@@ -128,7 +128,9 @@ class MoELayer(nn.Module):
         # 2. start moving token copies to their experts ...
         routing = routed.routing
         if self.config.apply_probs_on_input:  # top-1: scale the token, sum the copy unweighted
-            x_in = (x_TH * routing.probs_TK.to(x_TH.dtype)).to(x_TH.dtype)
+            # the product in fp32 (bf16 tokens times the fp32 prob), rounded once: Megatron-Core's experts.py
+            # ``permuted_probs.unsqueeze(-1) * permuted_local_hidden_states`` then ``.to(original_dtype)``
+            x_in = (x_TH * routing.probs_TK).to(x_TH.dtype)
             pending = self.dispatcher.dispatch_start(x_in, routing, weighted_combine=False)
         else:  # the combine weights each returned copy by its prob
             pending = self.dispatcher.dispatch_start(x_TH, routing)
@@ -144,12 +146,15 @@ class MoELayer(nn.Module):
         # 5. bring the outputs home, reduce over etp and add up each token's k copies times their probs
         y_TH = self.dispatcher.combine(expert_out_NH, dispatched.handle)
 
-        if split_tokens:
-            y_TH = gather_along_dim(y_TH, self.tp_group, dim=0)
-        y_SBH = y_TH.view(S, B, H).to(x_SBH.dtype)
+        # For bf16 tokens the combine returns its fp32 sum of the k weighted copies (``dispatch.base``): the
+        # shared experts' output is added to it in fp32 and the layer's output rounded once (Megatron-Core
+        # rounds the combine's sum first, then adds the shared experts in bf16)
+        if split_tokens:   # rounded before the gather, which then moves model-dtype bytes
+            y_TH = gather_along_dim(y_TH.to(x_SBH.dtype), self.tp_group, dim=0)
+        y_SBH = y_TH.view(S, B, H)
         if shared_SBH is not None:
             y_SBH = y_SBH + shared_SBH
-        return y_SBH, MoEOutputInfo(aux_loss=routed.aux_loss, losses=routed.losses, stats=routed.stats,
+        return y_SBH.to(x_SBH.dtype), MoEOutputInfo(aux_loss=routed.aux_loss, losses=routed.losses, stats=routed.stats,
                                     load_E=routed.load_E, global_state=routed.global_state)
 
     def extra_repr(self) -> str:
