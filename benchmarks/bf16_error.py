@@ -14,7 +14,9 @@ and the share of (MoE layer, token) pairs routed as in fp32. Figures are means o
 Systems: moefold; HF transformers' model of the same config (``to_hf_config``, SDPA attention); Megatron-Core
 0.16.1's GPTModel (local spec, fp32 router) when ``megatron.core`` is installed and the recipe maps onto it
 (``tests.models.megatron_tiny``; GQA families). ``--islands`` adds moefold with each of its bf16 path's fp32
-islands removed in turn (``tests.models.bf16_reference.ISLAND_REMOVALS``): how much each one buys.
+islands removed in turn (``tests.models.bf16_reference.ISLAND_REMOVALS``): how much each one buys. ``--bisect``
+adds moefold with one kind of module at a time run in fp32 inside the bf16 model (its parameters and inputs
+upcast, its output rounded back, ``BISECT``): the method that found which operations carry the error.
 
 Only the arithmetic differs between the runs, not the machine: the figures hold wherever torch's CPU kernels
 are the same (bf16 GEMMs accumulate in fp32 on every x86 CPU torch supports). It prints the machine line.
@@ -23,10 +25,23 @@ are the same (bf16 GEMMs accumulate in fp32 on every x86 CPU torch supports). It
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import sys
+from collections.abc import Callable, Iterator
+from unittest import mock
 
 import torch
+from torch.func import functional_call
+from torch.utils._pytree import tree_map
 
+from moefold.dense.core_attention import CoreAttention
+from moefold.dense.embedding import OutputHead
+from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
+from moefold.dense.mlp import DenseMLP
+from moefold.dense.norm import RMSNorm
+from moefold.moe.experts import GroupedExperts
+from moefold.moe.shared_experts import SharedExperts
 from moefold.training.machine import describe_machine
 from tests.models.bf16_reference import (
     ISLAND_REMOVALS,
@@ -39,18 +54,81 @@ from tests.models.bf16_reference import (
     token_samples,
 )
 from tests.models.hf_tiny import HF_TINY_RECIPES
-from tests.models.megatron_tiny import megatron_available, megatron_run, megatron_supports
+from tests.models.megatron_tiny import megatron_available, megatron_runs, megatron_supports
 
-HEADER = f"{'recipe':18s} {'system':26s} {'logits mean':>11s} {'logits max':>10s} {'loss':>9s} {'grad rel':>9s} " \
+
+@contextlib.contextmanager
+def modules_in_fp32(*classes: type) -> Iterator[None]:
+    """Every module of ``classes`` runs in fp32 inside a bf16 model: its parameters and floating inputs upcast
+    (exactly: they hold bf16 values), its floating outputs rounded back to its input's dtype."""
+    originals = {cls: cls.forward for cls in classes}
+
+    def wrap(forward: Callable) -> Callable:
+        @functools.wraps(forward)
+        def fp32_forward(self, *args, **kwargs):
+            if getattr(self, "_bisect_in_fp32", False):     # the inner call of functional_call below
+                return forward(self, *args, **kwargs)
+            dtype = next((a.dtype for a in args if torch.is_tensor(a) and a.is_floating_point()), None)
+
+            def up(t):
+                return t.float() if torch.is_tensor(t) and t.is_floating_point() else t
+
+            def down(t):
+                return t.to(dtype) if torch.is_tensor(t) and t.dtype == torch.float32 and dtype else t
+
+            self._bisect_in_fp32 = True
+            try:
+                out = functional_call(self, {n: p.float() for n, p in self.named_parameters()}, tree_map(up, args),
+                                      tree_map(up, kwargs))
+            finally:
+                self._bisect_in_fp32 = False
+            return tree_map(down, out)
+        return fp32_forward
+
+    for cls, forward in originals.items():
+        cls.forward = wrap(forward)
+    try:
+        yield
+    finally:
+        for cls, forward in originals.items():
+            cls.forward = forward
+
+
+def _rope_in_fp32() -> contextlib.AbstractContextManager:
+    from moefold.dense.rope import apply_rotary
+
+    def rotary(x, cos, sin, interleaved=False):
+        return apply_rotary(x.float(), cos, sin, interleaved).to(x.dtype)
+
+    stack = contextlib.ExitStack()
+    for target in ("moefold.dense.attention.apply_rotary", "moefold.dense.mla.apply_rotary"):
+        stack.enter_context(mock.patch(target, rotary))
+    return stack
+
+
+# {what runs in fp32: () -> context manager}; the combine's and the norms' fp32 are moefold's own since issue 37
+BISECT: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+    "RMSNorm": lambda: modules_in_fp32(RMSNorm),
+    "core attention": lambda: modules_in_fp32(CoreAttention),
+    "RoPE": _rope_in_fp32,
+    "attention projections": lambda: modules_in_fp32(ColumnParallelLinear, RowParallelLinear),
+    "routed experts": lambda: modules_in_fp32(GroupedExperts),
+    "shared experts, dense MLP": lambda: modules_in_fp32(SharedExperts, DenseMLP),
+    "output head": lambda: modules_in_fp32(OutputHead),
+}
+
+
+HEADER = f"{'recipe':18s} {'system':40s} {'logits mean':>11s} {'logits max':>10s} {'loss':>9s} {'grad rel':>9s} " \
          f"{'routing':>8s}"
 
 
 def row(recipe: str, system: str, e: Error) -> str:
-    return (f"{recipe:18s} {system:26s} {e.logits_mean:11.3e} {e.logits_max:10.3g} {e.loss:9.2e} {e.grad:9.4f} "
+    return (f"{recipe:18s} {system:40s} {e.logits_mean:11.3e} {e.logits_max:10.3g} {e.loss:9.2e} {e.grad:9.4f} "
             f"{e.routing:8.4f}")
 
 
-def measure(recipe: str, seeds: int, batch: int, seq: int, megatron: bool, islands: bool) -> dict[str, Error]:
+def measure(recipe: str, seeds: int, batch: int, seq: int, megatron: bool, islands: bool,
+            bisect: bool = False) -> dict[str, Error]:
     """{system: mean Error over seeds} for one recipe."""
     errors: dict[str, list[Error]] = {}
     for seed in range(seeds):
@@ -61,14 +139,19 @@ def measure(recipe: str, seeds: int, batch: int, seq: int, megatron: bool, islan
         errors.setdefault("HF transformers", []).append(
             compare(hf_run(config, state, torch.bfloat16, samples), hf_run(config, state, torch.float32, samples)))
         if megatron:
-            errors.setdefault("Megatron-Core", []).append(
-                compare(megatron_run(config, state, torch.bfloat16, samples),
-                        megatron_run(config, state, torch.float32, samples)))
+            low, high = megatron_runs([(config, state, torch.bfloat16, samples),
+                                       (config, state, torch.float32, samples)])
+            errors.setdefault("Megatron-Core", []).append(compare(low, high))
         if islands:
             for name, removed in ISLAND_REMOVALS.items():
                 with removed():
                     low = moefold_run(config, state, torch.bfloat16, samples)
                 errors.setdefault(f"moefold without {name}", []).append(compare(low, ref))
+        if bisect:
+            for name, in_fp32 in BISECT.items():
+                with in_fp32():
+                    low = moefold_run(config, state, torch.bfloat16, samples)
+                errors.setdefault(f"moefold, {name} in fp32", []).append(compare(low, ref))
     return {system: Error.mean(e) for system, e in errors.items()}
 
 
@@ -78,7 +161,7 @@ def plot(results: dict[str, dict[str, Error]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    systems = sorted({s for r in results.values() for s in r}, key=lambda s: (s.startswith("moefold without"), s))
+    systems = [s for s in dict.fromkeys(s for r in results.values() for s in r)]
     fig, ax = plt.subplots(figsize=(1.5 + 1.2 * len(results) * len(systems) / 3, 4))
     width = 0.8 / len(systems)
     for j, system in enumerate(systems):
@@ -101,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8, help="sequences per batch")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     p.add_argument("--islands", action="store_true", help="also moefold with each fp32 island removed in turn")
+    p.add_argument("--bisect", action="store_true",
+                   help="also moefold with one kind of module at a time run in fp32 inside the bf16 model")
     p.add_argument("--no-megatron", action="store_true", help="skip Megatron-Core even where it is installed")
     p.add_argument("--plot", metavar="PNG", help="bar chart of the mean logit error per recipe and system")
     args = p.parse_args(argv)
@@ -117,15 +202,16 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for recipe in args.recipes:
         reason = megatron_supports(comparable_config(recipe)) if megatron else None
-        res = measure(recipe, args.seeds, args.batch, args.seq, megatron and reason is None, args.islands)
+        res = measure(recipe, args.seeds, args.batch, args.seq, megatron and reason is None, args.islands,
+                      args.bisect)
         for system, e in res.items():
             print(row(recipe, system, e), flush=True)
         hf = res["HF transformers"]
-        print(f"{recipe:18s} {'moefold / HF':26s} {res['moefold'].logits_mean / hf.logits_mean:11.2f}x "
+        print(f"{recipe:18s} {'moefold / HF':40s} {res['moefold'].logits_mean / hf.logits_mean:11.2f}x "
               f"{'':10s} {'':9s} {res['moefold'].grad / hf.grad:8.2f}x "
               f"{res['moefold'].routing - hf.routing:+8.4f}", flush=True)
         if reason is not None:
-            print(f"{recipe:18s} {'Megatron-Core':26s} n/a: {reason}", flush=True)
+            print(f"{recipe:18s} {'Megatron-Core':40s} n/a: {reason}", flush=True)
         results[recipe] = res
     if args.plot:
         plot(results, args.plot)

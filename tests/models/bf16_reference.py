@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +40,57 @@ from tests.models.hf_tiny import perturb_weights
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
+
+# ----------------------------------------------------------------------------------------------- fp32 islands
+# Each fp32 island of moefold's bf16 path is made by one function; removing the island is patching that function
+# with its low-precision counterpart (unittest.mock.patch, so it is undone on exit).
+def _rms_norm_in_input_dtype(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm with no fp32 island: every step in x's dtype (its reductions still accumulate in fp32 inside)."""
+    return weight.to(x.dtype) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _attention_in_input_dtype(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, *, scale: float,
+                              sliding_window: int | None = None) -> Tensor:
+    """Attention with bf16 scores and probabilities (Megatron-Core's unfused attention with
+    ``attention_softmax_in_fp32=False``): q k^T rounded to q's dtype, the softmax taken and returned in it."""
+    from moefold.dense.context_parallel import position_mask
+
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    hidden = ~position_mask(position_ids, position_ids, sliding_window)
+    return torch.matmul(torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1), v)
+
+
+def _no_upcast(t: Tensor) -> Tensor:
+    return t
+
+
+def _same_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype
+
+
+def _router_dtype_bf16(_config) -> torch.dtype:
+    return torch.bfloat16
+
+
+def _patches(*targets: tuple[str, object]) -> AbstractContextManager:
+    stack = ExitStack()
+    for target, replacement in targets:
+        stack.enter_context(mock.patch(target, replacement))
+    return stack
+
+
 # {island: () -> context manager under which moefold runs without that fp32 island}
-ISLAND_REMOVALS: dict[str, Callable[[], AbstractContextManager]] = {}
+ISLAND_REMOVALS: dict[str, Callable[[], AbstractContextManager]] = {
+    "fp32 RMSNorm": lambda: _patches(("moefold.dense.norm.rms_norm", _rms_norm_in_input_dtype)),
+    "fp32 attention softmax": lambda: _patches(("moefold.dense.core_attention.local_attention",
+                                                _attention_in_input_dtype)),
+    "fp32 router": lambda: _patches(("moefold.moe.router.router_dtype", _router_dtype_bf16)),
+    "fp32 combine": lambda: _patches(("moefold.dispatch.permutation.combine_dtype", _same_dtype),
+                                     ("moefold.dispatch.alltoall.combine_dtype", _same_dtype)),
+    "fp32 cross entropy": lambda: _patches(("moefold.dense.cross_entropy.upcast_logits", _no_upcast)),
+}
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Megatron-Core's own GPTModel for a moefold GQA recipe, on the CPU, from HF-named tensors (when it is installed).
 
-    from tests.models.megatron_tiny import megatron_available, megatron_run
-    run = megatron_run(config, state, torch.bfloat16, samples)   # a bf16_reference.Run
+    from tests.models.megatron_tiny import megatron_available, megatron_runs
+    low, ref = megatron_runs([(config, state, torch.bfloat16, samples), (config, state, torch.float32, samples)])
 
 Built from ``megatron.core`` 0.16.1's local (non-Transformer-Engine) layer spec: ``GPTModel`` with
 ``get_gpt_layer_local_spec`` (``SelfAttention`` with a fused q/k/v projection and optional q/k layernorm,
@@ -19,7 +19,8 @@ patches exactly those while a model is built and run, and nothing of Megatron's 
 - the causal (and sliding-window) mask is passed in: the default mask is built with ``device="cuda"``.
 
 Megatron-Core needs torch.distributed and its parallel state: ``megatron_run`` runs in one forked gloo rank
-(``tests.distributed.run_distributed``), so the calling process never initialises either.
+(``tests.distributed.run_distributed``; ``megatron_runs`` runs a list of runs in one), so the calling
+process never initialises either.
 
 Only GQA families map here: DeepSeek-V3's MLA takes a rotary-interleave permutation of its weights, and
 Megatron-Core ranks expert groups by the sum of each group's top ``topk // group_topk`` scores where HF
@@ -128,41 +129,57 @@ def _causal_mask(seq: int, window: int | None) -> Tensor:
     return (~visible)[None, None]
 
 
-def _run_on_rank(config: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, samples: Tensor) -> Run:
-    from megatron.core import parallel_state
+def _build(config: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(num_experts=config.num_experts, moe_grouped_gemm=False,
+                                    qk_layernorm=config.qk_norm, normalization="RMSNorm")
+    model = GPTModel(_transformer_config(config, dtype), spec, vocab_size=config.vocab_size,
+                     max_sequence_length=config.max_position_embeddings, position_embedding_type="rope",
+                     rotary_base=int(config.rope_theta), share_embeddings_and_output_weights=False)
+    model.load_state_dict(_megatron_state(config, state), strict=True)   # copies into the params' dtype
+    return model.eval()
+
+
+def _run(config: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, samples: Tensor) -> Run:
     from megatron.core.transformer.moe.router import TopKRouter
 
-    parallel_state.initialize_model_parallel(1, 1)
-    with megatron_on_cpu():
-        spec = get_gpt_layer_local_spec(num_experts=config.num_experts, moe_grouped_gemm=False,
-                                        qk_layernorm=config.qk_norm, normalization="RMSNorm")
-        model = GPTModel(_transformer_config(config, dtype), spec, vocab_size=config.vocab_size,
-                         max_sequence_length=config.max_position_embeddings, position_embedding_type="rope",
-                         rotary_base=int(config.rope_theta), share_embeddings_and_output_weights=False)
-        model.load_state_dict(_megatron_state(config, state), strict=True)   # copies into the params' dtype
-        model.eval()
-        ids, labels = samples[:, :-1], samples[:, 1:]
-        B, S = ids.shape
-        pos, mask = torch.arange(S)[None].expand(B, S), _causal_mask(S, config.sliding_window)
-        routes: list[Tensor] = []
-        hooks = [mod.register_forward_hook(lambda _m, _a, out: routes.append(out[1].clone()))
-                 for mod in model.modules() if isinstance(mod, TopKRouter)]   # out: (probs, routing_map [T, E])
-        with torch.no_grad():
-            logits = model(ids, pos, mask)
-        for h in hooks:
-            h.remove()
-        token_loss = model(ids, pos, mask, labels=labels)   # [B, S] fp32 (vocab-parallel CE of upcast logits)
-        loss = token_loss.float().mean()
-        loss.backward()
+    model = _build(config, state, dtype)
+    ids, labels = samples[:, :-1], samples[:, 1:]
+    B, S = ids.shape
+    pos, mask = torch.arange(S)[None].expand(B, S), _causal_mask(S, config.sliding_window)
+    routes: list[Tensor] = []
+    hooks = [mod.register_forward_hook(lambda _m, _a, out: routes.append(out[1].clone()))
+             for mod in model.modules() if isinstance(mod, TopKRouter)]   # out: (probs, routing_map [T, E])
+    with torch.no_grad():
+        logits = model(ids, pos, mask)
+    for h in hooks:
+        h.remove()
+    token_loss = model(ids, pos, mask, labels=labels)   # [B, S] fp32 (vocab-parallel CE of upcast logits)
+    loss = token_loss.float().mean()
+    loss.backward()
     grads = [torch.zeros(p.shape) if p.grad is None else p.grad.float() for p in model.parameters()]
     return Run(logits=logits.float(), loss=float(loss), grads=grads, routes=routes)
 
 
+def _runs_on_rank(jobs: list[tuple[ModelConfig, dict[str, Tensor], torch.dtype, Tensor]]) -> list[Run]:
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(1, 1)
+    with megatron_on_cpu():
+        return [_run(*job) for job in jobs]
+
+
+def megatron_runs(jobs: list[tuple[ModelConfig, dict[str, Tensor], torch.dtype, Tensor]]) -> list[Run]:
+    """Megatron-Core's run of each (config, state, dtype, samples), all in one forked gloo rank."""
+    for config, *_ in jobs:
+        reason = megatron_supports(config)
+        if reason is not None:
+            raise ValueError(f"{config.name}: {reason}")
+    return run_distributed(_runs_on_rank, 1, jobs, timeout=600)[0]
+
+
 def megatron_run(config: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, samples: Tensor) -> Run:
     """Megatron-Core's run of ``config`` in ``dtype`` on ``samples`` (one forked gloo rank)."""
-    reason = megatron_supports(config)
-    if reason is not None:
-        raise ValueError(f"{config.name}: {reason}")
-    return run_distributed(_run_on_rank, 1, config, state, dtype, samples, timeout=300)[0]
+    return megatron_runs([(config, state, dtype, samples)])[0]
