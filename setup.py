@@ -33,8 +33,8 @@ setup(
     ],
     extras_require={
         # megatron-core: the reference of tests/models/test_megatron_reference.py (its GPTModel runs on the CPU)
-        "test": ["pytest", "pytest-timeout", "ruff", "transformers", "tensorboard", "torchao==0.18.0",
-                 "megatron-core==0.16.1"],
+        "test": ["pytest", "pytest-timeout", "ruff", "import-linter==2.17", "transformers", "tensorboard",
+                 "torchao==0.18.0", "megatron-core==0.16.1"],
         # FP8 training's default backend (--fp8-backend torchao): pure Python, no torch pin, CPU and CUDA
         "fp8": ["torchao==0.18.0"],
         # built against the installed torch: pip install --no-build-isolation -e ".[gpu]". DeepEP is not on

@@ -106,7 +106,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=20)
     a = p.parse_args()
-    from moefold.training.machine import describe_machine
+    from moefold.parallel.machine import describe_machine
 
     print(describe_machine())
     print(f"# {EP} gloo ranks x 1 torch thread, T={T} H={H} E={E} k={K} fp32, load average at start "

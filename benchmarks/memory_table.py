@@ -4,7 +4,7 @@
     python benchmarks/memory_table.py --recipes qwen3_moe_tiny --seq 512 --micro-batch 2
 
 Tiny recipes (world 1, fp32, one micro-batch of ``--micro-batch`` x ``--seq`` tokens): the trainer is built and
-its static memory counted from its tensors (``training.memory.static_bytes``: the flat parameter and main-grad
+its static memory counted from its tensors (``training.observe.memory.static_bytes``: the flat parameter and main-grad
 buffers, the optimizer's slices); one forward + backward runs under ``TensorMemoryTracker`` for every recompute
 setting: "after fwd" is what the forward left alive for the backward (the activations), "peak" the largest
 amount of tensor memory the forward + backward allocated on top of the static memory.
@@ -27,8 +27,8 @@ from moefold.models.options import ModelOptions
 from moefold.models.recipes import get_recipe
 from moefold.parallel.dims import ParallelDims
 from moefold.training.config import RunConfig, TrainConfig
-from moefold.training.memory import TensorMemoryTracker, bytes_per_parameter, static_bytes
-from moefold.training.precision import OptimizerPrecision
+from moefold.training.observe.memory import TensorMemoryTracker, bytes_per_parameter, static_bytes
+from moefold.training.optim.precision import OptimizerPrecision
 from moefold.training.trainer import Trainer
 
 SETTINGS = {"none": ModelOptions(),

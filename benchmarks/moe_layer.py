@@ -41,9 +41,9 @@ from moefold.moe.config import MoEConfig
 from moefold.moe.layer import MoELayer
 from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelDims
+from moefold.parallel.machine import bf16_skip_reason, describe_machine
 from moefold.parallel.sharding import init_parameters
 from moefold.training.compile import compile_moe_layer, compile_unavailable
-from moefold.training.machine import bf16_skip_reason, describe_machine
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 TUNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4294967296"}

@@ -28,8 +28,8 @@ import torch
 from moefold.models.decoder import MoEDecoder
 from moefold.models.recipes import get_recipe
 from moefold.parallel.dims import ParallelDims
-from moefold.training.grad_sync import GradSync
-from moefold.training.optimizer import DistributedAdamW
+from moefold.training.optim.grad_sync import GradSync
+from moefold.training.optim.optimizer import DistributedAdamW
 
 
 def config_57m():

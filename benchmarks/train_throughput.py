@@ -25,12 +25,12 @@ import time
 import torch
 
 from moefold.parallel.dims import ParallelDims
+from moefold.parallel.machine import describe_machine
 from moefold.training.cli import build_parser
+from moefold.training.cli.train import config_from_args
 from moefold.training.compile import compile_unavailable
 from moefold.training.config import RunConfig
-from moefold.training.machine import describe_machine
 from moefold.training.run import build_dataset
-from moefold.training.train_cli import config_from_args
 from moefold.training.trainer import Trainer
 
 MODEL_50M = {"hidden_size": 512, "num_layers": 4, "num_attention_heads": 8, "num_query_groups": 4, "head_dim": 64,

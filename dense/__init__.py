@@ -23,6 +23,7 @@ from moefold.dense.recompute import RECOMPUTE_MODES, check_recompute, checkpoint
 from moefold.dense.rope import (
     RotaryEmbedding,
     YarnConfig,
+    apply_partial_rotary,
     apply_rotary,
     rotate_half,
     yarn_attention_factor,
@@ -32,7 +33,8 @@ from moefold.dense.rope import (
 __all__ = [
     # dense core: linear layers, RoPE, norm, embedding/head/loss, MLP, block, recompute
     "ColumnParallelLinear", "RowParallelLinear",
-    "RotaryEmbedding", "YarnConfig", "apply_rotary", "rotate_half", "yarn_attention_factor", "yarn_softmax_mscale",
+    "RotaryEmbedding", "YarnConfig", "apply_rotary", "apply_partial_rotary", "rotate_half", "yarn_attention_factor",
+    "yarn_softmax_mscale",
     "RMSNorm",
     "VocabParallelEmbedding", "OutputHead", "check_vocab", "pad_vocab_size",
     "vocab_parallel_cross_entropy", "masked_mean",

@@ -1,7 +1,8 @@
 """Typed configs of the two attention kinds, validated where each field is declared.
 
-``AttentionConfig``: GQA self-attention (Qwen3-MoE, Mixtral): heads, kv heads
-(``num_query_groups``), optional qk-norm, sliding window, bias. ``MLAConfig``: DeepSeek-V3
+``AttentionConfig``: GQA self-attention (Qwen3-MoE, Mixtral, GPT-OSS, GLM-4.5, OLMoE, MiniMax-M2): heads,
+kv heads (``num_query_groups``), optional qk-norm (per head or over the whole projection), sliding window,
+attention sinks, partial RoPE, biases. ``MLAConfig``: DeepSeek-V3
 multi-latent attention. Both carry the RoPE settings, the context-parallel exchange mode and
 the recompute choice; ``check_parallel(tp, cp)`` checks a layout against them (the attention
 modules call it at construction).
@@ -10,10 +11,13 @@ modules call it at construction).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from moefold.dense.context_parallel import CP_COMM_MODES, check_context_parallel_seq_length
 from moefold.dense.recompute import check_recompute
 from moefold.dense.rope import YarnConfig
+
+QK_NORM_SCOPES: tuple[str, ...] = ("head", "projection")
 
 
 def _positive_int(cls: str, name: str, value: object) -> None:
@@ -64,9 +68,13 @@ class AttentionConfig:
     num_query_groups: int | None = None
     head_dim: int | None = None
     qk_norm: bool = False
+    qk_norm_scope: Literal["head", "projection"] = "head"
     norm_eps: float = 1e-6
     sliding_window: int | None = None
+    sinks: bool = False
+    rotary_dim: int | None = None
     bias: bool = False
+    out_bias: bool | None = None
     rope_theta: float = 10000.0
     yarn: YarnConfig | None = None
     cp_comm: str = "p2p"
@@ -86,10 +94,25 @@ class AttentionConfig:
                              f"num_heads={self.num_heads}; set head_dim explicitly")
         if self.head_dim is not None:
             _positive_int("AttentionConfig", "head_dim", self.head_dim)
-        if self.head_dim_resolved % 2 != 0:
+        if self.rotary_dim is None and self.head_dim_resolved % 2 != 0:
             raise ValueError(f"AttentionConfig: head_dim={self.head_dim_resolved} must be even (RoPE)")
         if self.sliding_window is not None:
             _positive_int("AttentionConfig", "sliding_window", self.sliding_window)
+        if self.qk_norm_scope not in QK_NORM_SCOPES:
+            raise ValueError(f"AttentionConfig.qk_norm_scope={self.qk_norm_scope!r} is not one of {QK_NORM_SCOPES}")
+        if self.rotary_dim is not None:
+            _positive_int("AttentionConfig", "rotary_dim", self.rotary_dim)
+            if self.rotary_dim % 2 or self.rotary_dim > self.head_dim_resolved:
+                raise ValueError(f"AttentionConfig: rotary_dim={self.rotary_dim} must be even and at most "
+                                 f"head_dim={self.head_dim_resolved}")
+
+    @property
+    def rotary_dim_resolved(self) -> int:
+        return self.head_dim_resolved if self.rotary_dim is None else self.rotary_dim
+
+    @property
+    def out_bias_resolved(self) -> bool:
+        return self.bias if self.out_bias is None else self.out_bias
 
     @property
     def kv_heads(self) -> int:

@@ -1,4 +1,8 @@
-"""Moving token copies to the ranks holding their experts and back: permutation, allgather, all-to-all, DeepEP."""
+"""Moving token copies to the ranks holding their experts and back: permutation, allgather, all-to-all, DeepEP.
+
+``Routing`` (the router's decision, what every dispatcher consumes) lives here, below ``moe``: the router
+in ``moe`` produces it and the MoE layer builds its dispatcher from here, so ``dispatch`` never imports ``moe``.
+"""
 
 from moefold.dispatch.allgather import AllGatherDispatcher, AllGatherHandle
 from moefold.dispatch.alltoall import (
@@ -21,9 +25,10 @@ from moefold.dispatch.permutation import (
     sort_chunks,
     unpermute,
 )
+from moefold.dispatch.routing import Routing
 
 __all__ = [
-    "TokenDispatcher", "Dispatched", "DispatchHandle", "PendingDispatch", "PhaseTimer",
+    "Routing", "TokenDispatcher", "Dispatched", "DispatchHandle", "PendingDispatch", "PhaseTimer",
     "LocalDispatcher", "AllToAllDispatcher", "AllToAllHandle", "AllGatherDispatcher", "AllGatherHandle",
     "ExchangePlan", "exchange_tokens", "return_tokens",
     "build_dispatcher", "DISPATCHER_KINDS",

@@ -36,7 +36,7 @@ from moefold.dispatch.alltoall import gather_counts
 from moefold.dispatch.base import Dispatched, DispatchHandle, PendingDispatch, PhaseTimer, TokenDispatcher
 from moefold.dispatch.fp8_exchange import dequantize_rows, fp8_round_trip, pack, quantize_rows, unpack
 from moefold.dispatch.permutation import RowMap, build_row_map, group_counts, mask_groups, permute, unpermute
-from moefold.moe.routing import Routing
+from moefold.dispatch.routing import Routing
 from moefold.parallel.comm import reduce_scatter_sequence
 from moefold.parallel.groups import Group, group_size
 

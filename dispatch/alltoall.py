@@ -55,7 +55,7 @@ from moefold.dispatch.permutation import (
     sort_chunks,
     unpermute,
 )
-from moefold.moe.routing import Routing
+from moefold.dispatch.routing import Routing
 from moefold.parallel.comm import (
     PendingAllToAll,
     all_gather_sequence,

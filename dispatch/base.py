@@ -29,7 +29,7 @@ from typing import Any
 
 from torch import Tensor
 
-from moefold.moe.routing import Routing
+from moefold.dispatch.routing import Routing
 from moefold.parallel.groups import Group, group_rank, group_size
 
 # A bench-only hook: ``timer(phase)`` returns a context manager timing that phase.

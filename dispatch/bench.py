@@ -19,7 +19,7 @@ dispatcher and skew given (comma-separated lists: one command, one world, every 
   ideal: the copies whose expert lives on another rank, there and back.
 
 Times are the slowest rank's median. Nothing is asserted: this prints, ending with one summary
-table; the first line names the machine (``moefold.training.machine``).
+table; the first line names the machine (``moefold.parallel.machine``).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ class PhaseTimes:
 
 def _route(x, w_gate, bias, topk):
     from moefold.dispatch.permutation import count_keys
-    from moefold.moe.routing import Routing
+    from moefold.dispatch.routing import Routing
 
     logits = (x.float() @ w_gate) + bias
     probs, ids = torch.softmax(logits, -1).topk(topk, -1)
@@ -307,7 +307,7 @@ def _fp8_one(r: dict, args: argparse.Namespace, dims, device: torch.device) -> N
 def _rank_main(args: argparse.Namespace) -> None:
     from moefold.parallel import ParallelConfig, ParallelDims
     from moefold.parallel.init import default_device
-    from moefold.training.machine import describe_machine
+    from moefold.parallel.machine import describe_machine
 
     device = default_device()
     dims = ParallelDims.build(ParallelConfig(ep=args.ep, etp=args.etp), device_type=device.type)

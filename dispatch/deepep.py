@@ -68,7 +68,7 @@ from torch import Tensor
 
 from moefold.dispatch.base import Dispatched, DispatchHandle, PendingDispatch, PhaseTimer, TokenDispatcher
 from moefold.dispatch.permutation import RowMap, build_row_map, mask_groups, permute, unpermute
-from moefold.moe.routing import Routing
+from moefold.dispatch.routing import Routing
 from moefold.parallel.groups import Group
 
 DEEPEP_VERSION = "v1.2.1"

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from moefold.dispatch.bench import _median_max, time_round_trip
 from moefold.dispatch.fp8_exchange import row_bytes
-from moefold.moe.routing import Routing
+from moefold.dispatch.routing import Routing
 from moefold.parallel.dims import ParallelDims
 
 

@@ -5,7 +5,7 @@
     torchrun --nproc-per-node 8 examples/pretrain_moe.py --ep 8       # the launcher's ranks (one node)
     sbatch examples/slurm.sh                                          # several nodes (torchrun per node)
 
-It builds the same ``RunConfig`` as ``moefold train`` and hands it to ``training.launch.run_ranks``,
+It builds the same ``RunConfig`` as ``moefold train`` and hands it to ``training.launch.ranks.run_ranks``,
 which picks torchrun's world when launched by it and spawns ``--nproc`` ranks otherwise.
 """
 
@@ -19,11 +19,11 @@ import sys
 from moefold.models.recipes import get_recipe
 from moefold.parallel.dims import ParallelConfig
 from moefold.parallel.init import launched_by_torchrun, launched_world_size
+from moefold.training.cli.train import train_worker, validate
 from moefold.training.config import RunConfig, TrainConfig
 from moefold.training.errors import JobFailed
-from moefold.training.launch import run_ranks
-from moefold.training.preflight import preflight
-from moefold.training.train_cli import train_worker, validate
+from moefold.training.launch.preflight import preflight
+from moefold.training.launch.ranks import run_ranks
 
 
 def main() -> int:

@@ -35,22 +35,23 @@ from moefold.parallel.comm import gather_along_dim
 class CachedCoreAttention(nn.Module):
     """A layer's core attention with a growing K/V cache (inference only).
 
-    forward(q ``[S, B, h, d]``, k ``[S, B, g, d]``, v ``[S, B, g, dv]``, position_ids ``[S]``) appends k/v
-    (and their positions) to the cache and returns ``[S, B, h*dv]`` of q against every cached key."""
+    forward(q ``[S, B, h, d]``, k ``[S, B, g, d]``, v ``[S, B, g, dv]``, position_ids ``[S]``, sinks ``[h]`` or
+    None) appends k/v (and their positions) to the cache and returns ``[S, B, h*dv]`` of q against every cached
+    key (with the layer's attention sinks in the softmax)."""
 
     def __init__(self, core: CoreAttention) -> None:
         super().__init__()
         self.scale, self.sliding_window = core.scale, core.sliding_window
         self.k = self.v = self.positions = None
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, sinks: Tensor | None = None) -> Tensor:
         S, B = q.shape[:2]
         self.k = k if self.k is None else torch.cat([self.k, k])
         self.v = v if self.v is None else torch.cat([self.v, v])
         self.positions = position_ids if self.positions is None else torch.cat([self.positions, position_ids])
         mask = position_mask(position_ids, self.positions, self.sliding_window)
         q_, k_, v_ = (t.permute(1, 2, 0, 3) for t in (q, self.k, self.v))   # [B, heads, S, d]
-        out = sdpa(q_, k_, v_, scale=self.scale, attn_mask=mask)
+        out = sdpa(q_, k_, v_, scale=self.scale, attn_mask=mask, sinks=sinks)
         return out.permute(2, 0, 1, 3).reshape(S, B, -1)
 
 

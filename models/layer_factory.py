@@ -28,10 +28,12 @@ def yarn_config(config: ModelConfig) -> YarnConfig | None:
     if y is None:
         return None
     return YarnConfig(factor=y.factor, original_max_position_embeddings=y.original_max_position_embeddings,
-                      beta_fast=y.beta_fast, beta_slow=y.beta_slow, mscale=y.mscale, mscale_all_dim=y.mscale_all_dim)
+                      beta_fast=y.beta_fast, beta_slow=y.beta_slow, mscale=y.mscale, mscale_all_dim=y.mscale_all_dim,
+                      truncate=y.truncate)
 
 
-def attention_config(config: ModelConfig, options: ModelOptions) -> AttentionConfig | MLAConfig:
+def attention_config(config: ModelConfig, options: ModelOptions, index: int = 0) -> AttentionConfig | MLAConfig:
+    """The attention of layer ``index`` (layers differ only in their sliding window)."""
     c, o = config, options
     common = {"hidden_size": c.hidden_size, "num_heads": c.num_attention_heads, "norm_eps": c.norm_eps,
               "bias": c.attention_bias, "rope_theta": c.rope_theta, "yarn": yarn_config(c), "cp_comm": o.cp_comm,
@@ -42,7 +44,9 @@ def attention_config(config: ModelConfig, options: ModelOptions) -> AttentionCon
                          qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, q_lora_rank=m.q_lora_rank,
                          rope_interleave=m.rope_interleave, **common)
     return AttentionConfig(num_query_groups=c.num_query_groups, head_dim=c.head_dim, qk_norm=c.qk_norm,
-                           sliding_window=c.sliding_window, **common)
+                           qk_norm_scope=c.qk_norm_scope, sliding_window=c.layer_sliding_window(index),
+                           sinks=c.attention_sinks, rotary_dim=c.rotary_dim if c.partial_rotary_factor < 1 else None,
+                           out_bias=c.attention_out_bias, **common)
 
 
 def router_config(config: ModelConfig, options: ModelOptions) -> RouterConfig:
@@ -68,7 +72,7 @@ def router_config(config: ModelConfig, options: ModelOptions) -> RouterConfig:
         z_loss_coeff=c.moe_z_loss_coeff, input_jitter_eps=c.moe_input_jitter_eps, router_dtype=c.moe_router_dtype,
         expert_capacity_factor=c.moe_expert_capacity_factor, token_drop_policy=c.moe_token_drop_policy,
         pad_expert_input_to_capacity=c.moe_pad_expert_input_to_capacity,
-        force_load_balancing=c.moe_router_force_load_balancing, init_std=options.init_std)
+        force_load_balancing=c.moe_router_force_load_balancing, init_std=options.init_std, bias=c.moe_router_bias)
 
 
 def moe_config(config: ModelConfig, options: ModelOptions, dims: ParallelDims) -> MoEConfig:
@@ -77,7 +81,9 @@ def moe_config(config: ModelConfig, options: ModelOptions, dims: ParallelDims) -
                      shared_expert_gate=config.moe_shared_expert_gate,
                      dispatcher=options.resolved_dispatcher(dims.ep, dims.etp), gemm_backend=options.gemm_backend,
                      init_std=options.init_std, fp8=options.fp8, deepep_num_sms=options.moe_deepep_num_sms,
-                     apply_probs_on_input=config.moe_apply_probs_on_input)
+                     apply_probs_on_input=config.moe_apply_probs_on_input, linear_bias=config.moe_expert_linear_bias,
+                     swiglu_alpha=config.moe_swiglu_alpha, activation_clamp=config.moe_activation_clamp,
+                     glu_linear_offset=config.moe_glu_linear_offset)
 
 
 def mlp_config(config: ModelConfig, options: ModelOptions) -> MLPConfig:
@@ -96,10 +102,10 @@ def check_layout(config: ModelConfig, dims: ParallelDims, options: ModelOptions)
         moe_config(config, options, dims).check_layout(tp=dims.tp, ep=dims.ep, etp=dims.etp)
 
 
-def build_attention(config: ModelConfig, dims: ParallelDims, options: ModelOptions,
+def build_attention(config: ModelConfig, dims: ParallelDims, options: ModelOptions, index: int = 0,
                     **kw: Any) -> GQAAttention | MLAttention:
-    """The attention module ``config`` asks for (``kw``: dtype/device)."""
-    att = attention_config(config, options)
+    """The attention module of layer ``index`` (``kw``: dtype/device)."""
+    att = attention_config(config, options, index)
     cls = MLAttention if isinstance(att, MLAConfig) else GQAAttention
     return cls(att, dims.tp_group, dims.cp_group, sequence_parallel=_sp(options, dims), **kw)
 
@@ -126,7 +132,7 @@ def build_block(config: ModelConfig, index: int, dims: ParallelDims, options: Mo
     main layers) for this rank's layout. Parameters go to the current default device
     (``with torch.device("meta"): ...`` builds without memory)."""
     kw = {"dtype": options.torch_dtype}
-    return TransformerBlock(config.hidden_size, build_attention(config, dims, options, **kw),
+    return TransformerBlock(config.hidden_size, build_attention(config, dims, options, index, **kw),
                             build_ffn(config, is_moe_block(config, index), dims, options, **kw), config.norm_eps,
                             sequence_parallel=_sp(options, dims), recompute=options.recompute, **kw)
 

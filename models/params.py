@@ -56,6 +56,12 @@ class ParamReport:
         return self.embedding + self.head + self.final_norm + sum(layer.active for layer in self.layers)
 
     @property
+    def active_without_embedding(self) -> int:
+        """Per token without the input embedding table (how OpenAI, Zhipu and MiniMax count their actives); a
+        tied table is the head too and stays."""
+        return self.active - (self.embedding if self.head else 0)
+
+    @property
     def mtp_total(self) -> int:
         return sum(layer.total for layer in self.mtp)
 

@@ -2,35 +2,18 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
+from moefold.dispatch.routing import Routing
 from moefold.moe.balance_losses import GlobalLoadState
 from moefold.moe.capacity import expert_capacity
 from moefold.moe.config import MoEConfig
 from moefold.moe.expert_bias import bias_update, update_expert_bias
 from moefold.moe.experts import ACTIVATIONS, GroupedExperts, default_output_init_std, is_expert, mark_expert
 from moefold.moe.gemm import GEMM_BACKENDS, check_gemm_backend, grouped_gemm
+from moefold.moe.layer import MoELayer, MoEOutputInfo
 from moefold.moe.router import Router, RouterGroups, RouterOutput
 from moefold.moe.router_config import DROP_POLICIES, LOAD_BALANCING_TYPES, ROUTER_DTYPES, SCORE_FUNCTIONS, RouterConfig
 from moefold.moe.router_stats import RouterStats
-from moefold.moe.routing import Routing
 from moefold.moe.shared_experts import SharedExperts
-
-if TYPE_CHECKING:
-    from moefold.moe.layer import MoELayer, MoEOutputInfo
-
-# moe.layer imports dispatch, and dispatch imports moe.routing: importing moe.layer here would make
-# `import dispatch` in a fresh process fail half-way through. These two load on first use instead.
-_LAZY = {"MoELayer": "moefold.moe.layer", "MoEOutputInfo": "moefold.moe.layer"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'moe' has no attribute {name!r}")
-
 
 __all__ = [
     # router and load balancing

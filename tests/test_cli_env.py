@@ -3,7 +3,7 @@
 import pytest
 
 from moefold.training.cli import SUBCOMMANDS, main
-from moefold.training.env_report import backend_status
+from moefold.training.cli.env import backend_status
 
 
 def test_env_prints_torch_and_backends(capsys):

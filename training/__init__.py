@@ -1,4 +1,20 @@
-"""Training: CLI, trainer loop, optimizer, checkpointing, data and metrics.
+"""Training: the run config, the trainer loop and ``train()`` at the top; one subpackage per component.
+
+    config.py    RunConfig / TrainConfig (typed, validated where each field is defined)
+    trainer.py   Trainer: micro-batches, gradient accumulation, the step, checkpoints, metrics
+    run.py       train(config): data, evaluation, reports around the trainer on every rank
+    evaluate.py  validation passes; compile.py: torch.compile of the model's blocks; errors.py: one-line errors
+    optim/       the distributed optimizer: flat buffers, grad reduce-scatter, param all-gather, AdamW, lr
+    checkpoint/  the checkpoint format, sharded save/load, resume checks, loading a checkpoint into a model
+    launch/      pre-flight checks, local ranks and torchrun, heartbeats and the watchdog
+    observe/     metrics, hardware counters and MFU, memory, FLOPs, host syncs, balance and FP8 reports
+    data/        corpus preparation, indexed datasets, tokenizers, blending, the validation split, loading
+    plan/        ``moefold plan``: the layout planner
+    gpu/         the GPU check
+    cli/         the ``moefold`` command and the subcommands that need the trainer or its checkpoints
+
+The parts import downwards only (``[tool.importlinter]`` in pyproject.toml: plan, gpu > cli > run > trainer >
+evaluate > launch > checkpoint > config, compile > observe, data > optim, errors).
 
 The public names below load on first use: ``moefold <subcommand>`` imports ``moefold.training.cli`` (hence
 this package) and should not pay for the model, pipeline and DCP imports of the trainer.
@@ -10,43 +26,47 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from moefold.training.buffers import reduction_kind
-    from moefold.training.checkpoint import complete_checkpoints, find_checkpoint, load_checkpoint, save_checkpoint
-    from moefold.training.checkpoint_files import CheckpointError, CheckpointSaveError
+    from moefold.training.checkpoint import (
+        CheckpointError,
+        CheckpointSaveError,
+        complete_checkpoints,
+        find_checkpoint,
+        load_checkpoint,
+        load_model,
+        load_training_checkpoint,
+        save_checkpoint,
+    )
     from moefold.training.config import RunConfig, TrainConfig
     from moefold.training.errors import JobFailed
     from moefold.training.evaluate import EvalResult, Evaluator, evaluate
-    from moefold.training.flops import forward_flops_per_token, train_flops_per_token
-    from moefold.training.grad_sync import GradSync
-    from moefold.training.launch import run_ranks
-    from moefold.training.load_model import load_model, load_training_checkpoint
-    from moefold.training.lr_schedule import LRSchedule
-    from moefold.training.metrics import MetricsLogger, read_metrics
-    from moefold.training.optimizer import DistributedAdamW, decays
-    from moefold.training.precision import OptimizerPrecision
-    from moefold.training.preflight import preflight
+    from moefold.training.launch import preflight, run_ranks
+    from moefold.training.observe import MetricsLogger, forward_flops_per_token, read_metrics, train_flops_per_token
+    from moefold.training.optim import (
+        DistributedAdamW,
+        GradSync,
+        LRSchedule,
+        OptimizerPrecision,
+        decays,
+        reduction_kind,
+    )
     from moefold.training.run import train
     from moefold.training.trainer import NonFiniteError, StepResult, Trainer, named_full_params
 
+# name -> the module that defines it
 _LAZY = {
-    "RunConfig": "moefold.training.config", "TrainConfig": "moefold.training.config",
-    "Trainer": "moefold.training.trainer", "StepResult": "moefold.training.trainer",
-    "NonFiniteError": "moefold.training.trainer",
-    "named_full_params": "moefold.training.trainer",
-    "GradSync": "moefold.training.grad_sync", "reduction_kind": "moefold.training.buffers",
-    "OptimizerPrecision": "moefold.training.precision",
-    "DistributedAdamW": "moefold.training.optimizer", "decays": "moefold.training.optimizer",
-    "LRSchedule": "moefold.training.lr_schedule",
-    "save_checkpoint": "moefold.training.checkpoint", "load_checkpoint": "moefold.training.checkpoint",
-    "find_checkpoint": "moefold.training.checkpoint", "complete_checkpoints": "moefold.training.checkpoint",
-    "MetricsLogger": "moefold.training.metrics", "read_metrics": "moefold.training.metrics",
-    "forward_flops_per_token": "moefold.training.flops", "train_flops_per_token": "moefold.training.flops",
-    "run_ranks": "moefold.training.launch", "train": "moefold.training.run",
-    "evaluate": "moefold.training.evaluate", "Evaluator": "moefold.training.evaluate",
-    "EvalResult": "moefold.training.evaluate",
-    "load_model": "moefold.training.load_model", "load_training_checkpoint": "moefold.training.load_model",
-    "CheckpointError": "moefold.training.checkpoint_files", "CheckpointSaveError": "moefold.training.checkpoint_files",
-    "JobFailed": "moefold.training.errors", "preflight": "moefold.training.preflight",
+    **dict.fromkeys(["RunConfig", "TrainConfig"], "moefold.training.config"),
+    **dict.fromkeys(["Trainer", "StepResult", "NonFiniteError", "named_full_params"], "moefold.training.trainer"),
+    "train": "moefold.training.run",
+    **dict.fromkeys(["evaluate", "Evaluator", "EvalResult"], "moefold.training.evaluate"),
+    "JobFailed": "moefold.training.errors",
+    **dict.fromkeys(["GradSync", "reduction_kind", "DistributedAdamW", "OptimizerPrecision", "decays",
+                     "LRSchedule"], "moefold.training.optim"),
+    **dict.fromkeys(["save_checkpoint", "load_checkpoint", "find_checkpoint", "complete_checkpoints",
+                     "load_model", "load_training_checkpoint", "CheckpointError", "CheckpointSaveError"],
+                    "moefold.training.checkpoint"),
+    **dict.fromkeys(["run_ranks", "preflight"], "moefold.training.launch"),
+    **dict.fromkeys(["MetricsLogger", "read_metrics", "forward_flops_per_token", "train_flops_per_token"],
+                    "moefold.training.observe"),
 }
 
 

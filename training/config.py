@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 from moefold.models.config import MLADims, ModelConfig, YarnScaling
 from moefold.models.options import ModelOptions
 from moefold.parallel.dims import ParallelConfig, ParallelSizes
-from moefold.training.lr_schedule import DECAY_STYLES, WSD_STYLES, LRSchedule
-from moefold.training.precision import OptimizerPrecision
+from moefold.training.optim.lr_schedule import DECAY_STYLES, WSD_STYLES, LRSchedule
+from moefold.training.optim.precision import OptimizerPrecision
 
 if TYPE_CHECKING:
     from moefold.pipeline.stages import StageLayout
@@ -52,7 +52,7 @@ class TrainConfig:
     decoder_last_pipeline_num_layers: int | None = None    # pp > 1: layers on the last stage (None: even split)
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False         # the parameter all-gather waits in the next forward, per module
-    # optimizer precision (Megatron's names; training.precision.OptimizerPrecision)
+    # optimizer precision (Megatron's names; training.optim.precision.OptimizerPrecision)
     main_grads_dtype: str = "fp32"
     main_params_dtype: str = "fp32"
     exp_avg_dtype: str = "fp32"
@@ -121,7 +121,7 @@ class TrainConfig:
             raise ValueError("give either --split (validation documents cut from --data-path) or --valid-data-path, "
                              "not both")
         if self.split is not None:
-            from moefold.training.validation_data import parse_split
+            from moefold.training.data.validation import parse_split
 
             parse_split(self.split)
         if self.moe_use_upcycling and not self.load_hf:

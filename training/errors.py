@@ -2,7 +2,7 @@
 ``RUN_DIR/error.log`` (appended to, one section per failure) whose path the line ends with.
 
 A spawned rank that fails writes a ``Failure`` (JSON) to the file its launcher gave it and exits 1; the
-launcher picks the first failure (``training.launch``), ends the other ranks and raises ``JobFailed``.
+launcher picks the first failure (``training.launch.ranks``), ends the other ranks and raises ``JobFailed``.
 """
 
 from __future__ import annotations

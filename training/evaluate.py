@@ -4,7 +4,7 @@
     trainer.fit(train_samples, logger, evaluator=evaluator) # evaluates every --eval-interval steps and at the end
 
 One evaluation runs ``eval_iters`` global batches of the validation samples (always the same ones, see
-``training.validation_data``) through the model in eval mode without gradients, split into micro-batches
+``training.data.validation``) through the model in eval mode without gradients, split into micro-batches
 and over data-parallel ranks exactly like a training step (pipeline parallelism: the forward-only
 version of the run's schedule). The loss is the training loss' convention - the mean over micro-batches
 of each micro-batch's token-mean LM loss (no MoE or MTP terms) - so it is the same at every layout.
@@ -26,7 +26,7 @@ from moefold.pipeline import DecoderStage, build_schedule, run_schedule
 
 if TYPE_CHECKING:
     from moefold.training.data.sampler import Samples
-    from moefold.training.metrics import MetricsLogger
+    from moefold.training.observe.metrics import MetricsLogger
     from moefold.training.trainer import Trainer
 
 

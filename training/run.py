@@ -15,13 +15,13 @@ import torch.distributed as dist
 
 from moefold.parallel.dims import ParallelDims
 from moefold.training.config import RunConfig
-from moefold.training.flops import train_flops_per_token
-from moefold.training.memory import describe_static
+from moefold.training.observe.flops import train_flops_per_token
+from moefold.training.observe.memory import describe_static
 from moefold.training.trainer import StepResult, Trainer
 
 if TYPE_CHECKING:
     from moefold.training.data.sampler import Samples
-    from moefold.training.watchdog import Heartbeat
+    from moefold.training.launch.watchdog import Heartbeat
 
 
 def build_dataset(config: RunConfig, dims: ParallelDims, part: str = "train") -> Samples:
@@ -29,7 +29,7 @@ def build_dataset(config: RunConfig, dims: ParallelDims, part: str = "train") ->
     built-in corpus; ``part="valid"``: the validation samples (``--valid-data-path``, or the ``--split``
     validation documents of the same corpora). Rank 0 prepares/caches first; the others then read the caches."""
     from moefold.training.data import build_blended, builtin_corpus, parse_data_path
-    from moefold.training.validation_data import split_cache_dir, split_corpora
+    from moefold.training.data.validation import split_cache_dir, split_corpora
 
     t = config.train
     num_samples = (t.train_iters if part == "train" else t.eval_iters) * t.global_batch_size
@@ -104,7 +104,7 @@ def train(config: RunConfig, device: torch.device | str = "cpu", heartbeat: Hear
     n_params = sum(p.numel() for p in trainer.model.parameters())
     say(f"model: {n_params / 1e6:.2f}M parameters on rank 0, {trainer.num_micro} micro-batches per step")
     say(f"rank 0 {describe_static(trainer.sync, trainer.optimizer, trainer.param_dtype, t.optimizer_precision())}")
-    from moefold.training.fp8_report import fp8_summary, fp8_tag
+    from moefold.training.observe.fp8_report import fp8_summary, fp8_tag
 
     if config.options.fp8.enabled or config.options.fp8.dispatch:
         say(fp8_summary(trainer.model, config.options.fp8))
@@ -116,8 +116,8 @@ def train(config: RunConfig, device: torch.device | str = "cpu", heartbeat: Hear
         on_step = lambda r: heartbeat.beat(r.step)
     logger = None
     if is_log:
-        from moefold.training.metrics import MetricsLogger
-        from moefold.training.metrics_hw import peak_flops
+        from moefold.training.observe.hardware import peak_flops
+        from moefold.training.observe.metrics import MetricsLogger
 
         dtype = torch.bfloat16 if t.bf16 else torch.float32
         logger = MetricsLogger(t.run_dir, total_steps=t.train_iters, start_step=trainer.iteration,
@@ -147,7 +147,7 @@ def train(config: RunConfig, device: torch.device | str = "cpu", heartbeat: Hear
             say(f"validation: lm loss {first.loss_lm:.4f} (step {first.step}) -> {v.loss_lm:.4f} (step {v.step}), "
                 f"perplexity {first.ppl:.3f} -> {v.ppl:.3f} ({v.tokens} tokens)")
         if t.balance_report and trainer.moe_layers:
-            from moefold.training.balance_report import report
+            from moefold.training.observe.balance_report import report
 
             paths = report(t.run_dir)
             say(f"load-balance report: {', '.join(str(p) for p in paths)}")

@@ -43,19 +43,19 @@ from moefold.parallel.dims import ParallelDims
 from moefold.parallel.groups import Group
 from moefold.pipeline import build_schedule, expected_bubble_fraction, run_schedule
 from moefold.pipeline.decoder_stage import DecoderStage, build_stage_model, embedding_group
-from moefold.training.checkpoint import find_checkpoint, load_checkpoint, read_meta, save_checkpoint
-from moefold.training.checkpoint_files import CheckpointSaveError, checkpoint_dirs, is_checkpoint_dir
+from moefold.training.checkpoint.files import CheckpointSaveError, checkpoint_dirs, is_checkpoint_dir
+from moefold.training.checkpoint.resume import check_resume
+from moefold.training.checkpoint.sharded import find_checkpoint, load_checkpoint, read_meta, save_checkpoint
 from moefold.training.config import RunConfig
-from moefold.training.grad_sync import GradSync
-from moefold.training.metrics import ROUTER_SUMS, per_step_router, router_layer_metrics, router_sums
-from moefold.training.optimizer import DistributedAdamW
-from moefold.training.resume import check_resume
-from moefold.training.shard_checkpoint import load_pieces, saved_keys
+from moefold.training.observe.metrics import ROUTER_SUMS, per_step_router, router_layer_metrics, router_sums
+from moefold.training.optim.grad_sync import GradSync
+from moefold.training.optim.optimizer import DistributedAdamW
+from moefold.training.optim.state_shards import load_pieces, saved_keys
 
 if TYPE_CHECKING:
     from moefold.training.data.sampler import Samples
     from moefold.training.evaluate import Evaluator
-    from moefold.training.metrics import MetricsLogger
+    from moefold.training.observe.metrics import MetricsLogger
 
 
 class NonFiniteError(RuntimeError):
@@ -71,7 +71,8 @@ class StepResult:
     tokens_per_expert: float64 [moe layers, E] selections of the step over all ranks (None without MoE)
     dropped: float64 [moe layers] dropped copies over all ranks
     router: float64 [moe layers, ROUTER_SUMS] per-layer router losses (means over the step's micro-batches and dp)
-            and entropy / token sums over all ranks (``training.metrics.router_layer_metrics``; None without MoE)
+            and entropy / token sums over all ranks (``training.observe.metrics.router_layer_metrics``; None
+            without MoE)
     """
 
     step: int
@@ -119,8 +120,8 @@ def build_model(config: RunConfig, dims: ParallelDims, device: torch.device | st
 def build_optimizer(model: MoEDecoder, config: RunConfig, dims: ParallelDims,
                     ) -> tuple[Group, GradSync, DistributedAdamW]:
     """(embedding group, GradSync, DistributedAdamW) of ``model``: the flat buffers, buckets and optimizer slices
-    whose bytes ``training.memory.static_bytes`` counts. Collective (the embedding group); ``moefold plan`` runs it
-    on a meta-device model."""
+    whose bytes ``training.observe.memory.static_bytes`` counts. Collective (the embedding group); ``moefold plan``
+    runs it on a meta-device model."""
     t = config.train
     embed_group = embedding_group(model, dims)
     precision = t.optimizer_precision()
@@ -315,7 +316,7 @@ class Trainer:
 
     def load(self, path: str | Path) -> bool:
         """Resume from ``path`` (a checkpoint, or the newest intact one under it, see ``find_checkpoint``).
-        False if none exists. Each rank reads only its own optimizer shard (``training.shard_checkpoint``),
+        False if none exists. Each rank reads only its own optimizer shard (``training.optim.state_shards``),
         at any layout."""
         ckpt = find_checkpoint(path, self.dims, self.log)
         if ckpt is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moefold.moe.routing import Routing
+from moefold.dispatch.routing import Routing
 
 H, F = 8, 4  # hidden size; expert FFN size (split over etp)
 

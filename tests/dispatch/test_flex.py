@@ -56,7 +56,7 @@ def _flex_world(layouts):
 
     from moefold.dispatch import build_dispatcher
     from moefold.parallel import ParallelConfig, ParallelDims
-    from moefold.training.host_sync import HostSyncCounter
+    from moefold.training.observe.host_sync import HostSyncCounter
 
     standin = deepep_standin.module()
     sys.modules["deep_ep"] = standin

@@ -13,9 +13,9 @@ import torch
 
 from moefold.models.generate import generate
 from moefold.parallel.dims import ParallelDims
+from moefold.training.checkpoint.load_model import load_model
 from moefold.training.data.indexed import IndexedDatasetWriter
 from moefold.training.evaluate import evaluate
-from moefold.training.load_model import load_model
 from moefold.training.run import build_dataset
 from moefold.training.trainer import Trainer
 from tests.models.hf_tiny import VOCAB, hf_dense_model, save_hf, tokens

@@ -22,7 +22,7 @@ from moefold.moe.layer import MoELayer
 from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelDims
 from moefold.parallel.sharding import init_parameters
-from moefold.training.host_sync import HostSyncCounter
+from moefold.training.observe.host_sync import HostSyncCounter
 from tests.gpu.rehearsal import REHEARSAL, capability
 
 E, H, F = 8, 64, 64

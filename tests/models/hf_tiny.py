@@ -1,4 +1,4 @@
-"""Tiny random HF models of the three families, built from config objects (nothing is downloaded).
+"""Tiny random HF models of the families, built from transformers' own config classes (nothing is downloaded).
 
 Every parameter is perturbed (norm weights around 1, biases such as DeepSeek's
 ``e_score_correction_bias`` random) so that a mis-mapped tensor changes the logits.
@@ -11,6 +11,8 @@ from collections.abc import Iterable
 import torch
 
 FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral")
+# issue 33's families (Kimi-K2 is a DeepseekV3Config with Kimi's distinctive values)
+MORE_FAMILIES = ("gpt_oss", "glm4_moe", "kimi_k2", "olmoe", "minimax_m2")
 VOCAB = 96
 # The tiny recipes (models/recipes.py) that HF transformers has a model class for: the bf16 accuracy tests
 # (tests/models/test_bf16_accuracy.py) and benchmarks/bf16_error.py run each against HF's model of its config.
@@ -18,8 +20,49 @@ VOCAB = 96
 HF_TINY_RECIPES = ("qwen3_moe_tiny", "mixtral_tiny", "deepseek_v3_tiny")
 
 
-def hf_model(family: str, seed: int = 0):
-    """(HF model in eval mode, fp32) for ``family``."""
+def _more_family_model(family: str, **changes):
+    """GPT-OSS, GLM-4.5, Kimi-K2, OLMoE, MiniMax-M2 at hidden 32 (``changes`` override config fields)."""
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64)
+    if family == "gpt_oss":   # swiglu_limit 0.5: the clamp acts on a good share of these small activations
+        cfg = tf.GptOssConfig(**common, num_hidden_layers=2, head_dim=8, intermediate_size=16, num_local_experts=4,
+                              num_experts_per_tok=2, sliding_window=4, swiglu_limit=0.5,
+                              rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                               "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                               "original_max_position_embeddings": 16}, **changes)
+        return tf.GptOssForCausalLM(cfg)
+    if family == "glm4_moe":
+        rope = {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}
+        cfg = tf.Glm4MoeConfig(**common, num_hidden_layers=3, head_dim=8, intermediate_size=48,
+                               moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                               first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                               use_qk_norm=True, attention_bias=True, rope_parameters=rope, **changes)
+        return tf.Glm4MoeForCausalLM(cfg)
+    if family == "kimi_k2":   # Kimi-K2's values: one expert group, scaling 2.827, one dense layer, YaRN beta 1/1
+        cfg = tf.DeepseekV3Config(
+            **{**common, "num_key_value_heads": 4}, num_hidden_layers=3, intermediate_size=48,
+            moe_intermediate_size=16, n_shared_experts=1, n_routed_experts=12, num_experts_per_tok=2, n_group=1,
+            topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.827, q_lora_rank=16, kv_lora_rank=12,
+            qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, num_nextn_predict_layers=0,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 16, "beta_fast": 1.0, "beta_slow": 1.0,
+                             "mscale": 1.0, "mscale_all_dim": 1.0}, **changes)
+        return tf.DeepseekV3ForCausalLM(cfg)
+    if family == "olmoe":
+        cfg = tf.OlmoeConfig(**common, num_hidden_layers=2, intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+                             norm_topk_prob=False, eos_token_id=None, pad_token_id=None, **changes)
+        return tf.OlmoeForCausalLM(cfg)
+    if family == "minimax_m2":
+        cfg = tf.MiniMaxM2Config(**common, num_hidden_layers=2, head_dim=8, intermediate_size=16, num_local_experts=8,
+                                 num_experts_per_tok=2, rotary_dim=4, bos_token_id=None, eos_token_id=None, **changes)
+        return tf.MiniMaxM2ForCausalLM(cfg)
+    raise ValueError(family)
+
+
+def hf_model(family: str, seed: int = 0, **changes):
+    """(HF model in eval mode, fp32) for ``family``; ``changes``: config fields (issue 33's families)."""
     from transformers import (
         DeepseekV3Config,
         DeepseekV3ForCausalLM,
@@ -30,7 +73,9 @@ def hf_model(family: str, seed: int = 0):
     )
 
     torch.manual_seed(seed)
-    if family == "deepseek_v3":
+    if family in MORE_FAMILIES:
+        model = _more_family_model(family, **changes)
+    elif family == "deepseek_v3":
         cfg = DeepseekV3Config(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
@@ -55,7 +100,8 @@ def hf_model(family: str, seed: int = 0):
         model = MixtralForCausalLM(cfg)
     else:
         raise ValueError(family)
-    model.config._attn_implementation = "sdpa"
+    # GPT-OSS has no SDPA path (sinks): its eager attention is the reference
+    model.config._attn_implementation = "eager" if family == "gpt_oss" else "sdpa"
     perturb_weights(model.named_parameters(), model.named_buffers(), torch.Generator().manual_seed(seed + 1))
     return model.eval().float()
 
@@ -63,12 +109,15 @@ def hf_model(family: str, seed: int = 0):
 @torch.no_grad()
 def perturb_weights(params: Iterable[tuple[str, torch.Tensor]], buffers: Iterable[tuple[str, torch.Tensor]],
                     gen: torch.Generator) -> None:
-    """Redraw HF-named tensors in place: 1-D weights (norms) around 1, router gates wide enough to decide
-    (``*gate.weight``), matrices small, DeepSeek's ``e_score_correction_bias`` random; other buffers stay."""
+    """Redraw HF-named tensors in place: sinks and biases around 0, other 1-D weights (norms) around 1, router
+    gates wide enough to decide, matrices small, DeepSeek's ``e_score_correction_bias`` random; other buffers
+    stay."""
     for name, p in params:
-        if p.dim() == 1:
+        if name.endswith(("sinks", "bias")):   # sinks and biases around 0 (not the norm weights' 1)
+            p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+        elif p.dim() == 1:
             p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-        elif name.endswith("gate.weight"):
+        elif name.endswith(("gate.weight", "router.weight")):
             p.copy_(0.5 * torch.randn(p.shape, generator=gen))
         else:
             p.copy_(0.08 * torch.randn(p.shape, generator=gen))
@@ -77,10 +126,19 @@ def perturb_weights(params: Iterable[tuple[str, torch.Tensor]], buffers: Iterabl
             b.copy_(0.3 * torch.randn(b.shape, generator=gen))
 
 
-def save_hf(family: str, path, seed: int = 0, **save_kw):
-    model = hf_model(family, seed)
+def save_hf(family: str, path, seed: int = 0, changes: dict | None = None, **save_kw):
+    model = hf_model(family, seed, **(changes or {}))
     model.save_pretrained(path, **save_kw)
     return model
+
+
+def save_all(families, root, ids_BS: torch.Tensor) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """({family: HF directory under ``root``}, {family: its HF logits of ``ids_BS``}) for ``families``."""
+    dirs, refs = {}, {}
+    for family in families:
+        dirs[family] = str(root / family)
+        refs[family] = hf_logits(save_hf(family, dirs[family]), ids_BS)
+    return dirs, refs
 
 
 def hf_logits(model, ids_BS: torch.Tensor) -> torch.Tensor:

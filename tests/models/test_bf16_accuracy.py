@@ -18,8 +18,8 @@ import torch
 
 from moefold.dense.core_attention import CoreAttention
 from moefold.dispatch import build_dispatcher
+from moefold.dispatch.routing import Routing
 from moefold.moe.router import Router
-from moefold.moe.routing import Routing
 from moefold.moe.scoring import count_per_expert
 from moefold.parallel.dims import ParallelConfig, ParallelDims
 from tests.distributed import run_distributed

@@ -32,7 +32,7 @@ from moefold.models.recipes import deepseek_v3_tiny
 from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.parallel.fp8 import FP8Config
 from moefold.parallel.sharding import gather_full, shards_of
-from moefold.training.grad_sync import GradSync
+from moefold.training.optim.grad_sync import GradSync
 from tests.distributed import run_distributed
 
 GRAD_TOL, LOSS_TOL = 1e-5, 1e-6

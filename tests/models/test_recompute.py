@@ -2,7 +2,7 @@
 gives the loss and every parameter gradient of no recompute, at world 1 (DeepSeek-V3 tiny: MLA, a dense and an
 MoE layer with shared experts, MTP; Qwen3-MoE tiny: GQA with qk-norm) and at tp2 with sequence parallelism
 (collectives inside recomputed regions). Each choice also keeps fewer activation bytes at the end of the
-forward (``training.memory.TensorMemoryTracker``), so a recompute that silently does nothing fails."""
+forward (``training.observe.memory.TensorMemoryTracker``), so a recompute that silently does nothing fails."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from moefold.models.recipes import get_recipe
 from moefold.models.recompute import full_recompute_groups
 from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.parallel.sharding import gather_full, shards_of
-from moefold.training.memory import TensorMemoryTracker
+from moefold.training.observe.memory import TensorMemoryTracker
 from tests.distributed import run_distributed
 
 SETTINGS = {**{m: ModelOptions(recompute="selective", recompute_modules=(m,)) for m in RECOMPUTE_MODULES},

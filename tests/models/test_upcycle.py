@@ -1,6 +1,6 @@
 """Upcycling: a dense Qwen3 / Mistral HF checkpoint (made here) or a moefold dense training run becomes an MoE
 whose logits equal the dense model's, with every expert a copy of the MLP or (granular) a slice of it.
-``--moe-use-upcycling`` at tp2 x ep2 x etp2 is in tests/models/test_train_from_hf.py."""
+``--moe-use-upcycling`` at tp2 x ep2 x etp2 is in tests/training/test_train_from_hf.py."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from moefold.models.hf.exporter import export_hf
 from moefold.models.hf.importer import import_hf
 from moefold.models.hf.mapping import expert_names
 from moefold.models.upcycle import upcycled_config
+from moefold.training.checkpoint.load_model import load_model
 from moefold.training.cli import main as cli
 from moefold.training.data.indexed import IndexedDatasetWriter
-from moefold.training.load_model import load_model
 from tests.models.hf_tiny import hf_dense_model, hf_logits, tokens
 from tests.training.trainer_common import tiny_data
 

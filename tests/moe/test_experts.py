@@ -13,7 +13,7 @@ from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.parallel.fp8 import FP8Config
 from moefold.parallel.sharding import gather_full, init_parameters, shards_of
-from moefold.training.host_sync import HostSyncCounter
+from moefold.training.observe.host_sync import HostSyncCounter
 from tests.distributed import run_distributed
 from tests.moe import te_standin
 

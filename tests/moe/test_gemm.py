@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moefold.moe.gemm import GEMM_BACKENDS, check_gemm_backend, grouped_gemm
-from moefold.training.host_sync import HostSyncCounter
+from moefold.training.observe.host_sync import HostSyncCounter
 
 COUNTS = {
     "mixed": [3, 0, 5, 8],

@@ -201,14 +201,6 @@ def test_probs_on_input_scales_the_token_before_its_expert():
         _config("random", "dropless", "alltoall", probs_on_input=True)
 
 
-def test_config_dispatchers_are_the_factory_kinds():
-    # two lists (moe.config cannot import dispatch: dispatch imports moe.routing), kept equal here
-    from moefold.dispatch import DISPATCHER_KINDS
-    from moefold.moe.config import DISPATCHERS
-
-    assert DISPATCHERS == DISPATCHER_KINDS
-
-
 def test_config_errors_name_numbers():
     router = RouterConfig(num_experts=6, topk=2)
     cfg = MoEConfig(num_experts=6, moe_ffn_hidden_size=FFN, router=router)

@@ -1,5 +1,5 @@
 """The moe package exports its public names, and importing it never breaks ``import dispatch``
-(dispatch imports moe.routing while moe.layer imports dispatch)."""
+(dispatch imports dispatch.routing while moe.layer imports dispatch)."""
 
 import subprocess
 import sys
@@ -23,7 +23,7 @@ def test_public_names_resolve():
 def test_fresh_process_import_orders():
     code = ("import dispatch, moe, models\n"
             "from moe import MoELayer, MoEOutputInfo, Router, Routing\n"
-            "assert MoELayer.__module__ == 'moefold.moe.layer' and Routing.__module__ == 'moefold.moe.routing'\n")
+            "assert MoELayer.__module__ == 'moefold.moe.layer' and Routing.__module__ == 'moefold.dispatch.routing'\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
 

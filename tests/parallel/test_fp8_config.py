@@ -52,8 +52,8 @@ def test_torchao_missing_is_named(monkeypatch):
 def test_flags_reach_the_model_and_survive_the_run_config():
     from moefold.models.layer_factory import moe_config
     from moefold.parallel.dims import ParallelDims
+    from moefold.training.cli.train import add_arguments, config_from_args, validate
     from moefold.training.config import RunConfig
-    from moefold.training.train_cli import add_arguments, config_from_args, validate
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -21,7 +21,7 @@ from moefold.pipeline.decoder_stage import DecoderStage, build_stage_model, deco
 from moefold.pipeline.executor import run_schedule
 from moefold.pipeline.schedules import build_schedule
 from moefold.pipeline.stages import StageLayout
-from moefold.training.grad_sync import GradSync
+from moefold.training.optim.grad_sync import GradSync
 from tests.distributed import run_distributed
 
 M, B, S = 2, 2, 16

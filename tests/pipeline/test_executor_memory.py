@@ -15,7 +15,7 @@ from moefold.parallel import ParallelConfig, ParallelDims
 from moefold.pipeline.executor import SequentialStage, run_schedule
 from moefold.pipeline.p2p import TensorSpec
 from moefold.pipeline.schedules import build_schedule
-from moefold.training.memory import measure_peak
+from moefold.training.observe.memory import measure_peak
 from tests.distributed import run_distributed
 
 SPEC = TensorSpec((128, 128))

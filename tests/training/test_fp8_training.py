@@ -20,8 +20,8 @@ import torch
 from moefold.models.options import ModelOptions
 from moefold.parallel.dims import ParallelDims
 from moefold.parallel.fp8 import FP8Config
-from moefold.training.fp8_report import fp8_tag
-from moefold.training.metrics import read_metrics
+from moefold.training.observe.fp8_report import fp8_tag
+from moefold.training.observe.metrics import read_metrics
 from moefold.training.trainer import Trainer, named_full_params
 from tests.training.trainer_common import run, tiny_config, tiny_data
 
@@ -71,7 +71,7 @@ def test_fp8_hybrid_trains_like_fp32_and_checkpoints_cross_load(tmp_path, one_th
 
 
 def test_metrics_line_names_the_fp8_gemms(tmp_path, capsys):
-    from moefold.training.metrics import MetricsLogger
+    from moefold.training.observe.metrics import MetricsLogger
 
     with MetricsLogger(tmp_path, total_steps=1, tensorboard=False, progress=False, print_fn=print,
                        fp8="fp8 torchao: 8 lin + 2 exp") as logger:

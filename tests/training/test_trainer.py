@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moefold.training.cli import main as cli_main
-from moefold.training.flops import train_flops_per_token
+from moefold.training.observe.flops import train_flops_per_token
 from moefold.training.trainer import NonFiniteError
 from tests.training.trainer_common import run, tiny_config
 

@@ -32,10 +32,10 @@ import torch
 
 from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.parallel.sharding import gather_full, shards_of
-from moefold.training import grad_sync
-from moefold.training.buffers import ALIGN
-from moefold.training.metrics import METRICS_FILE, read_metrics
-from moefold.training.optimizer import decays
+from moefold.training.observe.metrics import METRICS_FILE, read_metrics
+from moefold.training.optim import grad_sync
+from moefold.training.optim.buffers import ALIGN
+from moefold.training.optim.optimizer import decays
 from moefold.training.trainer import named_full_params
 from tests.distributed import run_distributed
 from tests.training.trainer_common import run, tiny_config

@@ -9,7 +9,7 @@ from moefold.models.options import ModelOptions
 from moefold.models.recipes import get_recipe
 from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.training.config import RunConfig, TrainConfig
-from moefold.training.metrics import MetricsLogger
+from moefold.training.observe.metrics import MetricsLogger
 from moefold.training.trainer import Trainer, named_full_params
 
 SEQ = 32
@@ -42,7 +42,7 @@ def run(config: RunConfig, dims: ParallelDims | None = None, data: np.ndarray | 
         setup=None) -> tuple[list[float], dict[str, torch.Tensor], Trainer]:
     """Train ``config`` (optionally resuming from ``load``, stopping after ``stop_at`` steps); returns
     (lm losses of the steps run, full params and ``buffer:``-prefixed buffers such as expert biases, trainer).
-    With ``run_dir``, rank 0 writes the metrics JSONL there (``training.metrics.read_metrics`` reads it).
+    With ``run_dir``, rank 0 writes the metrics JSONL there (``training.observe.metrics.read_metrics`` reads it).
     ``setup(trainer)`` runs before training (e.g. to observe the trainer's steps)."""
     dims = dims or ParallelDims.single()
     trainer = Trainer(config, dims, log=log or (lambda _m: None))

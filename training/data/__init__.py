@@ -1,4 +1,9 @@
-"""Corpus preparation, the indexed token format, fixed-length datasets, blending and resumable loading."""
+"""Training data: corpus preparation (``moefold prepare-data``), the indexed token format, tokenizers, the
+built-in corpus, fixed-length datasets, blending, the train/validation split and resumable loading.
+
+Holds: prepare, indexed, tokenizer, builtin, gpt_dataset, blend, validation, sampler.
+May import: torch, numpy, tokenizers; nothing else of moefold (the data layer knows no model).
+"""
 
 from moefold.training.data.blend import BlendedDataset, blend_indices, build_blended, parse_data_path
 from moefold.training.data.builtin import builtin_corpus, stdlib_files
@@ -7,6 +12,7 @@ from moefold.training.data.indexed import IndexedDataset, IndexedDatasetWriter, 
 from moefold.training.data.prepare import PrepareStats, expand_inputs, iter_documents, prepare
 from moefold.training.data.sampler import MicroBatchLoader, MicroBatchSampler, Samples
 from moefold.training.data.tokenizer import EOS_TOKEN, eos_id, load_tokenizer, tokenizer_path, train_bpe
+from moefold.training.data.validation import parse_split, split_cache_dir, split_corpora
 
 __all__ = [
     "IndexedDataset", "IndexedDatasetWriter", "token_dtype",
@@ -16,4 +22,5 @@ __all__ = [
     "BlendedDataset", "blend_indices", "build_blended", "parse_data_path",
     "MicroBatchSampler", "MicroBatchLoader", "Samples",
     "builtin_corpus", "stdlib_files",
+    "parse_split", "split_corpora", "split_cache_dir",
 ]

@@ -19,14 +19,14 @@ from moefold.dense.recompute import RECOMPUTE_METHODS, RECOMPUTE_MODES, RECOMPUT
 from moefold.models.options import ModelOptions
 from moefold.models.params import count_parameters
 from moefold.models.recipes import RECIPES
+from moefold.training.cli.model_flags import ARCH_FLAGS, add_model_arguments, dest
+from moefold.training.cli.train import ROUTER_FLAGS, model_from_args
 from moefold.training.config import RunConfig, TrainConfig
-from moefold.training.model_flags import ARCH_FLAGS, add_model_arguments, dest
+from moefold.training.optim.precision import DTYPES
 from moefold.training.plan.cluster import CLUSTERS, load_cluster, parse_bytes
 from moefold.training.plan.report import HEADER, commands, heading, render, row, why_not
 from moefold.training.plan.search import HEADROOM, Fixed, evaluate, recompute_ladder, search
 from moefold.training.plan.step_time import EFFICIENCY
-from moefold.training.precision import DTYPES
-from moefold.training.train_cli import ROUTER_FLAGS, model_from_args
 
 LAYOUT_FLAGS = ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
                 "expert_model_parallel_size", "expert_tensor_parallel_size")

@@ -25,7 +25,7 @@ Per micro-batch, per transformer block (``block_collectives``), following:
   in one packed all-gather over etp x ep and reduce-scatters the partial outputs. flex (DeepEP) sends a token
   once per destination rank with its top-k ids and weights (the expected number of ranks its k experts live on
   under uniform routing; DeepEP's own kernels, and so these bytes, cannot run on a CPU: the only volume here
-  that tests/training/test_plan_comm.py does not measure). The router's loss statistics are small all-reduces.
+  that tests/training/plan/test_comm.py does not measure). The router's loss statistics are small all-reduces.
 - recompute (``recompute_collectives``): a checkpointed region runs its forward collectives again in backward.
 - the embedding (vocab-parallel: all-reduce, or reduce-scatter under SP), the output head (like a column-parallel
   layer) and the vocab-parallel cross-entropy (three fp32 all-reduces of one value per token, one over cp); each
@@ -34,7 +34,7 @@ Per micro-batch, per transformer block (``block_collectives``), following:
 
 Per step (``grad_sync_collectives``): the distributed optimizer's reduce-scatter of every gradient bucket and
 all-gather of every parameter bucket over the reduction group of its kind (dense: dp x cp; sp: tp x cp x dp;
-expert: edp), buckets padded as ``training.buffers`` pads them.
+expert: edp), buckets padded as ``training.optim.buffers`` pads them.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ from moefold.dispatch.fp8_exchange import row_bytes
 from moefold.models.layer_factory import attention_config, router_config
 from moefold.models.options import ModelOptions
 from moefold.parallel.dims import ParallelSizes
-from moefold.training.buffers import ALIGN
 from moefold.training.config import RunConfig
+from moefold.training.optim.buffers import ALIGN
 
 # the planner's group names -> the dimensions of the rank grid they span (``training.plan.grid.group_members``)
 GROUP_DIMS: dict[str, tuple[str, ...]] = {
@@ -202,7 +202,14 @@ def attention_collectives(config: RunConfig, sizes: ParallelSizes, device_type: 
             out.append(Collective("tp", "all_reduce", g * d * H * sh.a, "backward", "attention", f"{name} weight"))
             if att.bias:
                 out.append(Collective("tp", "all_reduce", g * d * sh.a, "backward", "attention", f"{name} bias"))
-    if tp > 1 and att.qk_norm:
+    if tp > 1 and att.qk_norm and att.qk_norm_scope == "projection":
+        # weights over every head; the per-token sums of squares all-reduced (forward) with their gradient
+        # (backward), for k only when its heads are split (replicated kv: each rank projects them all)
+        out += [Collective("tp", "all_reduce", n * d * sh.a, "backward", "attention", f"{name} weight")
+                for name, n in (("q_norm", att.num_heads), ("k_norm", g))]
+        for name in ("q",) if replicated else ("q", "k"):
+            out += _fwd_bwd("tp", "all_reduce", "all_reduce", sh.tokens * FP32, "attention", f"{name} sum of squares")
+    elif tp > 1 and att.qk_norm:
         out += [Collective("tp", "all_reduce", d * sh.a, "backward", "attention", f"{n} weight")
                 for n in ("q_norm", "k_norm")]
     out += _cp(sh, 1 if replicated else g // tp, d, d)
@@ -311,6 +318,9 @@ def moe_collectives(config: RunConfig, sizes: ParallelSizes, device_type: str = 
         out.append(Collective("tp", "all_gather", sh.tokens * H * sh.a, "forward", "moe", "routed output",
                               trails=("moe", "block")))
     out += _router(sh) + _dispatch(sh)
+    if config.model.moe_expert_linear_bias and sizes.etp > 1:   # w2_bias enters through copy_to_region over etp
+        e = config.model.num_experts // sizes.ep
+        out.append(Collective("etp", "all_reduce", e * H * sh.a, "backward", "moe", "expert down-projection bias"))
     if config.model.moe_shared_expert_ffn_size:
         out += _mlp(sh, "shared_experts", gathers=2)
     return out
@@ -409,7 +419,7 @@ def grad_sync_collectives(config: RunConfig, sizes: ParallelSizes, numel: dict[t
                           ) -> list[Collective]:
     """Per step, the distributed optimizer's reduce-scatter of the gradient buckets and all-gather of the
     parameter buckets; ``numel``: elements per (reduction kind, parameter dtype name) on this rank. Buckets as
-    ``training.buffers`` cuts them: ``bucket_numel`` elements (the parameters' own boundaries, which make real
+    ``training.optim.buffers`` cuts them: ``bucket_numel`` elements (the parameters' own boundaries, which make real
     buckets a little larger, are not known here), padded to a multiple of group size x ALIGN."""
     t = config.train
     grad_bytes = torch.empty((), dtype=t.optimizer_precision().dtype("main_grads")).element_size()

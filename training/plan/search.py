@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 
 from moefold.models.config import ModelConfig
 from moefold.parallel.dims import ParallelConfig, ParallelSizes
+from moefold.training.cli.train import validate_layout
 from moefold.training.config import RunConfig
 from moefold.training.plan.cluster import Cluster
 from moefold.training.plan.deepep import deepep_buffer_bytes
 from moefold.training.plan.profile import ActivationMemory, activation_memory
 from moefold.training.plan.static import StaticMemory, exact_static, static_lower_bound
 from moefold.training.plan.step_time import EFFICIENCY, StepTime, estimate_step_time
-from moefold.training.train_cli import validate_layout
 
 HEADROOM = 0.1           # share of the GPU's memory left for what the model does not count (module docstring)
 MAX_PP = 64

@@ -4,12 +4,12 @@ Exact (``exact_static``): for each pipeline stage, one representative rank's mod
 the planned layout by the trainer's own ``training.trainer.build_model``, and its gradient buffers and optimizer
 by ``build_optimizer`` (``GradSync``: flat buffers per reduction kind and dtype, cut into buckets padded to the
 group size; ``DistributedAdamW``: this rank's chunk of every bucket, master copy only for bf16 parameters,
-moments in their chosen dtypes). ``training.memory.static_bytes`` then counts those tensors, as the trainer's
+moments in their chosen dtypes). ``training.observe.memory.static_bytes`` then counts those tensors, as the trainer's
 start-up line does. The ranks of one stage hold the same bytes (chunks are equal by construction), and stages
 whose chunks hold the same kinds of layers (and the same embedding/head) are built once.
 
 Lower bound (``static_lower_bound``): the same parameters counted per layer kind (blocks built on the meta
-device once per tp x ep x etp), times the bytes per parameter of ``training.memory`` with the optimizer state
+device once per tp x ep x etp), times the bytes per parameter of ``training.observe.memory`` with the optimizer state
 divided by the reduction group's size, without the buckets' alignment padding; never above the exact figure.
 The search uses it to discard layouts that cannot fit before building any of them.
 
@@ -28,9 +28,9 @@ import torch
 from moefold.models.decoder import MoEDecoder
 from moefold.models.layer_factory import build_block
 from moefold.parallel.dims import ParallelConfig, ParallelSizes
-from moefold.training.buffers import reduction_kind
 from moefold.training.config import RunConfig
-from moefold.training.memory import DTYPE_BYTES, optimizer_state_parts, static_bytes
+from moefold.training.observe.memory import DTYPE_BYTES, optimizer_state_parts, static_bytes
+from moefold.training.optim.buffers import reduction_kind
 from moefold.training.plan.grid import planning_world, rank_dims
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}

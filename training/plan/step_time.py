@@ -1,6 +1,6 @@
 """Time per training step of a planned layout: GEMMs, the exposed part of every collective, the pipeline bubble.
 
-Compute: the matrix-multiply FLOPs of ``training.flops`` (attention projections and scores, dense MLPs, routers,
+Compute: the matrix-multiply FLOPs of ``training.observe.flops`` (attention projections and scores, dense MLPs, routers,
 the top-k routed experts, shared experts, head, MTP) per rank, i.e. a layer's per-token count x the micro-batch's
 tokens / (tp x cp) (balanced routing spreads the experts' work evenly over the stage's ranks), backward = 2 x
 forward, plus the forward that recompute runs again (full: the recomputed layers; selective: the chosen
@@ -33,7 +33,7 @@ from moefold.pipeline.schedules import Schedule, build_schedule
 from moefold.pipeline.simulator import simulate
 from moefold.pipeline.stages import ChunkSpec
 from moefold.training.config import RunConfig
-from moefold.training.flops import attention_macs, ffn_macs, train_flops_per_token
+from moefold.training.observe.flops import attention_macs, ffn_macs, train_flops_per_token
 from moefold.training.plan import comm
 from moefold.training.plan.cluster import Cluster
 from moefold.training.plan.comm import Collective
@@ -48,7 +48,7 @@ EFFICIENCY = 0.5
 
 TERMS = ("compute", "tp", "cp", "ep", "pp", "dp", "bubble")
 OVERLAP = {
-    "compute": "GEMM FLOPs (training.flops; backward 2x forward; recompute's extra forward included) / "
+    "compute": "GEMM FLOPs (training.observe.flops; backward 2x forward; recompute's extra forward included) / "
                "(dense bf16 peak x EFFICIENCY)",
     "tp": "exposed: TP/SP all-gathers, reduce-scatters and all-reduces sit between the GEMMs that need them "
           "(no TP communication overlap in moefold); router statistics all-reduces counted here",
@@ -132,13 +132,15 @@ def _by_term(links: _Links, collectives: list[Collective], phase: str) -> dict[s
 
 
 # ----------------------------------------------------------------------------------------------- compute
-def _score_macs(m: ModelConfig, seq: int) -> float:
-    """Per token: the attention score and value products (what core-attention recompute repeats)."""
+def _score_macs(m: ModelConfig, seq: int, index: int) -> float:
+    """Per token: the attention score and value products of layer ``index`` (what core-attention recompute
+    repeats)."""
     if m.attention == "mla":
         dqk, dv = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim
     else:
         dqk = dv = m.attention_head_dim
-    context = (seq + 1) / 2 if m.sliding_window is None else min((seq + 1) / 2, float(m.sliding_window))
+    window = m.layer_sliding_window(index)
+    context = (seq + 1) / 2 if window is None else min((seq + 1) / 2, float(window))
     return m.num_attention_heads * (dqk + dv) * context
 
 
@@ -205,13 +207,13 @@ def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, li
     for index, recompute_all, last_in_checkpoint in blocks:
         moe = is_moe_block(m, index)
         mtp = index >= m.num_layers
-        macs = attention_macs(m, t.seq_length) + ffn_macs(m, moe) + (2 * m.hidden_size ** 2 if mtp else 0)
+        macs = attention_macs(m, t.seq_length, index) + ffn_macs(m, moe) + (2 * m.hidden_size ** 2 if mtp else 0)
         f = 2 * macs * per_rank_tokens / flop_s
         again = f if recompute_all else 2 * (_recompute_macs(m, moe, chosen) + (
-            _score_macs(m, t.seq_length) if "core_attn" in chosen else 0)) * per_rank_tokens / flop_s
+            _score_macs(m, t.seq_length, index) if "core_attn" in chosen else 0)) * per_rank_tokens / flop_s
         fwd["compute"] += f
         bwd["compute"] += 2 * f + again
-        core = 2 * _score_macs(m, t.seq_length) * per_rank_tokens / flop_s
+        core = 2 * _score_macs(m, t.seq_length, index) * per_rank_tokens / flop_s
         shared = 2 * 3 * m.hidden_size * m.moe_shared_expert_ffn_size * per_rank_tokens / flop_s if moe else 0.0
         if mtp:   # with its embedding, head and loss
             collectives = comm.mtp_collectives(config, sizes)

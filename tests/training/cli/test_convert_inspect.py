@@ -1,0 +1,100 @@
+"""``moefold convert`` (HF <-> moefold checkpoint) and ``moefold inspect``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from moefold.models.checkpoint import config_from_dict, config_to_dict, load_checkpoint
+from moefold.models.recipes import RECIPES, get_recipe
+from moefold.models.tensor_io import TensorReader
+from moefold.training.cli import main as cli
+from moefold.training.cli.convert import parse_size
+from tests.models.hf_tiny import hf_logits, save_hf, tokens
+
+pytest.importorskip("transformers")
+
+
+def test_convert_hf_moefold_hf_roundtrip(tmp_path, capsys):
+    hf = save_hf("deepseek_v3", tmp_path / "hf")
+    assert cli(["convert", str(tmp_path / "hf"), str(tmp_path / "mf"), "--max-shard-size", "64KB"]) == 0
+    assert (tmp_path / "mf" / "moefold_config.json").is_file()
+    assert (tmp_path / "mf" / "model.safetensors.index.json").is_file()  # sharded
+    with TensorReader(tmp_path / "mf") as r:  # moefold naming, full tensors
+        assert r.shape("layers.1.mlp.experts.w13") == (8, 2, 16, 32)
+        assert "layers.1.mlp.router.expert_bias" in r
+    ids = tokens()
+    torch.testing.assert_close(load_checkpoint(tmp_path / "mf").logits(ids), hf_logits(hf, ids), atol=1e-5, rtol=0)
+    assert cli(["convert", str(tmp_path / "mf"), str(tmp_path / "back")]) == 0
+    with TensorReader(tmp_path / "hf") as a, TensorReader(tmp_path / "back") as b:
+        assert sorted(a.names()) == sorted(b.names())
+        assert all(torch.equal(a.read(n), b.read(n)) for n in a.names())
+    assert "wrote hf checkpoint" in capsys.readouterr().out
+
+
+def test_convert_recipe_and_bad_source(tmp_path, capsys):
+    assert cli(["convert", "--recipe", "qwen3_moe_tiny", "--seed", "1", str(tmp_path / "q")]) == 0
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3MoeForCausalLM"] and cfg["num_experts"] == 8
+    (tmp_path / "empty").mkdir()
+    capsys.readouterr()
+    # errors are one line; --debug shows the traceback
+    for source, message in [(tmp_path / "empty", "not a checkpoint moefold reads"),
+                            (tmp_path / "missing", "not a checkpoint moefold reads")]:
+        assert cli(["convert", str(source), str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("moefold convert: error:") and message in err and err.count("\n") == 1, err
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text(json.dumps({**cfg, "vocab_size": 1000}))
+    (tmp_path / "q" / "model.safetensors").rename(tmp_path / "broken" / "model.safetensors")
+    assert cli(["convert", str(tmp_path / "broken"), str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "model.embed_tokens.weight" in err and "expected [1000, 64]" in err and err.count("\n") == 1, err
+    with pytest.raises(ValueError, match="expected \\[1000, 64\\]"):
+        cli(["convert", str(tmp_path / "broken"), str(tmp_path / "x"), "--debug"])
+
+
+def test_max_shard_size_parsing():
+    assert (parse_size("64KB"), parse_size("1.5mb"), parse_size("5GB"), parse_size("1000")) == \
+        (65536, 3 * 2**19, 5 * 2**30, 1000)
+    for bad in ("lots", "0MB", "-1"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"--max-shard-size '{bad}' is not a positive size"):
+            parse_size(bad)
+
+
+def test_inspect(capsys, tmp_path):
+    assert cli(["inspect", "--recipe", "mixtral_8x7b"]) == 0
+    out = capsys.readouterr().out
+    assert "total 46.703B" in out and "active per token 12.880B" in out and "x32" in out
+    # an HF DeepSeek-V3 directory: the config announces an MTP layer, save_pretrained wrote no MTP tensors
+    from transformers import DeepseekV3ForCausalLM
+
+    model = save_hf("deepseek_v3", tmp_path / "ds")
+    model.config.num_nextn_predict_layers = 1
+    model.config.save_pretrained(tmp_path / "ds")
+    capsys.readouterr()
+    assert cli(["inspect", "--hf", str(tmp_path / "ds")]) == 0
+    out = capsys.readouterr().out
+    assert "MTP modules:" not in out and "announces 1 MTP layer(s)" in out and "no MTP modules" in out
+    assert "tensors in 1 safetensors file(s)" in out and "dtype F32" in out and "generation_config.json" in out
+    assert DeepseekV3ForCausalLM.config_class.from_pretrained(tmp_path / "ds").num_nextn_predict_layers == 1
+    # config.json only: what it announces
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text((tmp_path / "ds" / "config.json").read_text())
+    assert cli(["inspect", "--hf", str(tmp_path / "cfg")]) == 0
+    out = capsys.readouterr().out
+    assert "MTP modules:" in out and "config.json only, no weights" in out
+    assert cli(["inspect", "--hf", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moefold inspect: error:") and "no config.json" in err and err.count("\n") == 1
+
+
+def test_config_json_roundtrip():
+    for name in RECIPES:
+        config = get_recipe(name)
+        assert config_from_dict(json.loads(json.dumps(config_to_dict(config)))) == config
+    with pytest.raises(ValueError, match=r"unknown ModelConfig fields \['bogus'\]"):
+        config_from_dict({**config_to_dict(get_recipe("mixtral_tiny")), "bogus": 1})

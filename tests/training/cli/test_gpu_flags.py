@@ -1,0 +1,48 @@
+"""``moefold train``'s GPU-backend flags (--moe-deepep-num-sms, --fp8-format, --fp8-recipe) reach the
+MoE layers, survive the run config's JSON round trip, and are refused before any rank starts
+where they cannot run."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+
+import pytest
+
+from moefold.models.layer_factory import moe_config
+from moefold.parallel.dims import ParallelDims
+from moefold.parallel.fp8 import FP8Config
+from moefold.training.cli.train import add_arguments, config_from_args, main, validate
+from moefold.training.config import RunConfig
+
+
+def _args(*flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["--recipe", "qwen3_moe_tiny", *flags])
+
+
+def test_flags_reach_the_moe_config_and_round_trip():
+    run = config_from_args(_args("--moe-deepep-num-sms", "24", "--fp8-format", "hybrid", "--fp8-recipe",
+                                 "tensorwise", "--fp8-backend", "te", "--moe-grouped-gemm-backend", "te"))
+    want = FP8Config("hybrid", "tensorwise", backend="te")
+    assert run.options.fp8 == want and run.options.moe_deepep_num_sms == 24
+    again = RunConfig.from_dict(run.to_dict())
+    assert again.options == run.options
+    moe = moe_config(run.model, run.options, ParallelDims.single())
+    assert (moe.fp8, moe.deepep_num_sms, moe.gemm_backend) == (want, 24, "te")
+    assert config_from_args(_args()).options.fp8 == FP8Config()  # off by default
+
+
+def test_impossible_choices_fail_before_ranks_start(capsys):
+    with pytest.raises(ValueError, match=r"gemm backend 'te' .*not 'grouped_mm'"):
+        validate(config_from_args(_args("--fp8-format", "e4m3", "--fp8-backend", "te")), 1)
+    with pytest.raises(ValueError, match=r"deepep_num_sms=5 .*--moe-deepep-num-sms"):
+        validate(config_from_args(_args("--moe-deepep-num-sms", "5")), 1)
+    if importlib.util.find_spec("transformer_engine") is None:
+        assert main(_args("--fp8-format", "e4m3", "--fp8-backend", "te", "--moe-grouped-gemm-backend", "te")) == 2
+        assert "pip install" in capsys.readouterr().err
+    if importlib.util.find_spec("deep_ep") is None:
+        assert main(_args("--moe-token-dispatcher-type", "flex", "--nproc", "2",
+                          "--expert-model-parallel-size", "2")) == 2
+        assert "DeepEP v1.2.1" in capsys.readouterr().err

@@ -1,0 +1,48 @@
+"""``moefold train`` router flags reach the router config of the model they build."""
+
+import argparse
+
+import pytest
+
+from moefold.models.layer_factory import router_config
+from moefold.models.options import ModelOptions
+from moefold.training.cli.train import ROUTER_FLAGS, add_arguments, config_from_args
+
+
+def _config(*flags: str):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return config_from_args(parser.parse_args(["--recipe", "mixtral_tiny", *flags]))
+
+
+def test_unset_router_flags_keep_the_recipe():
+    assert _config().model == _config("--train-iters", "3").model
+    assert _config().model.moe_score_function == "softmax"
+
+
+def test_router_flags_reach_the_router_config():
+    run = _config("--moe-router-score-function", "sigmoid", "--moe-router-topk-scaling-factor", "2.5",
+                  "--moe-z-loss-coeff", "1e-3", "--moe-input-jitter-eps", "0.01", "--moe-router-dtype", "fp64",
+                  "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.01",
+                  "--moe-expert-capacity-factor", "1.5", "--moe-token-drop-policy", "position",
+                  "--moe-pad-expert-input-to-capacity", "--moe-router-force-load-balancing",
+                  "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0.01",
+                  "--init-method-std", "0.01")
+    router = router_config(run.model, ModelOptions(init_std=run.options.init_std))
+    assert (router.score_function, router.topk_scaling_factor, router.z_loss_coeff) == ("sigmoid", 2.5, 1e-3)
+    assert (router.input_jitter_eps, router.router_dtype, router.enable_expert_bias) == (0.01, "fp64", True)
+    assert (router.bias_update_rate, router.expert_capacity_factor) == (0.01, 1.5)
+    assert (router.token_drop_policy, router.pad_expert_input_to_capacity) == ("position", True)
+    assert router.force_load_balancing and router.init_std == 0.01
+    assert router.loss_coeffs() == {"seq_aux_loss": 0.01}
+
+
+@pytest.mark.parametrize("flag", [f for f, _, typ in ROUTER_FLAGS if typ is bool])
+def test_boolean_router_flags_can_be_turned_off(flag):
+    field = next(name for f, name, _ in ROUTER_FLAGS if f == flag)
+    assert getattr(_config("--no-" + flag[2:]).model, field) is False
+
+
+def test_bad_router_value_names_the_field():
+    with pytest.raises(ValueError, match="score_function"):
+        router_config(_config("--moe-router-score-function", "relu").model, ModelOptions())

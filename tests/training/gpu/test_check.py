@@ -1,0 +1,40 @@
+"""The GPU check's own machinery on CPU: it never hangs, always writes its report, and says why."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from moefold.training.gpu import check as gpu_check
+from moefold.training.gpu import steps as gpu_check_steps
+
+
+def test_a_step_that_hangs_is_killed_with_its_children(tmp_path):
+    log = tmp_path / "log"
+    t0 = time.monotonic()
+    # a child that starts a grandchild holding the output open: both must go
+    rc, text, _ = gpu_check_steps.run(["sh", "-c", "echo started; sleep 60 & sleep 60"], 1.5, log)
+    assert rc is None and "started" in text and time.monotonic() - t0 < 15
+    assert "rc=None" in log.read_text()
+    rc, text, _ = gpu_check_steps.run([sys.executable, "-c", "print('fine')"], 30, log)
+    assert (rc, text.strip()) == (0, "fine")
+    assert gpu_check_steps.run(["/nonexistent/tool"], 30, log)[0] == 127
+
+
+def test_report_is_written_without_a_gpu(tmp_path):
+    if torch.cuda.is_available():
+        return  # the CPU-only path; on a GPU machine the check itself runs the real steps
+    out = tmp_path / "report" / "check.md"
+    assert gpu_check.main(["--out", str(out), "--budget", "60"]) == 2
+    text = out.read_text()
+    assert "# moefold GPU check" in text and "no CUDA device" in text and "| environment | passed |" in text
+    assert (tmp_path / "report" / "check.log").exists()
+
+
+def test_budget_leaves_room_for_later_steps():
+    budget = gpu_check_steps.Budget(100)
+    assert 89 < budget.for_step(cap=200, reserve=10) <= 90
+    assert budget.for_step(cap=20) == 20
+    assert budget.for_step(cap=50, reserve=150) == 0

@@ -1,0 +1,155 @@
+"""``moefold plan``'s search, report and CLI on published layouts (no process is started: meta device, fake
+process group).
+
+- DeepSeek-V3 on 2048 H800 as its technical report describes it (PP16, EP64 inside 8 nodes, ZeRO-1 over DP, no
+  TP) is predicted to fit in 80 GB, with the least recompute moefold needs for it;
+- a MoE Parallel Folding layout (arXiv 2504.14960) of Mixtral-8x22B on 128 H100 (attention TP2 x DP8, experts
+  EP8 x EDP2, PP8: the paper's text could not be read here, so this is the folded layout its abstract and
+  Megatron-Core's folding describe for that model and scale, not a quoted table row) is predicted to fit;
+- DeepSeek-V3 at tp1 pp1 ep8 on 8 GPUs does not fit, and the report names its largest component (the optimizer);
+- the commands printed for the search's best layouts parse with ``moefold train``'s own parser into the same
+  layout, batch, recompute and precision (the "exact command" promise);
+- the CLI: a search on 8 GPUs prints the table and writes ``--plot``'s PNG; a fixed layout that does not fit
+  exits 1 naming its largest component.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from moefold.models.options import ModelOptions
+from moefold.models.recipes import get_recipe
+from moefold.parallel.dims import ParallelConfig
+from moefold.training import cli
+from moefold.training.cli.train import config_from_args, validate_layout
+from moefold.training.config import RunConfig, TrainConfig
+from moefold.training.plan.cluster import CLUSTERS
+from moefold.training.plan.profile import activation_memory
+from moefold.training.plan.report import commands, train_flags, why_not
+from moefold.training.plan.search import Fixed, evaluate, recompute_ladder, search
+
+GB80 = 80 * 10**9
+
+
+def run_config(recipe: str, parallel: ParallelConfig, global_batch: int, **train) -> RunConfig:
+    t = TrainConfig(micro_batch_size=1, global_batch_size=global_batch, seq_length=4096, bf16=True,
+                    lr_warmup_iters=0, **train)
+    return RunConfig(model=get_recipe(recipe), parallel=parallel, options=ModelOptions(dtype="bf16"), train=t,
+                     recipe=recipe)
+
+
+def least_fitting(config: RunConfig, world: int, cluster: str):
+    """The plan with the least recompute that fits (evaluate over the ladder), or the leanest one."""
+    plan = None
+    for name, fields in recompute_ladder(config.model).items():
+        planned = dataclasses.replace(config, options=dataclasses.replace(config.options, **fields))
+        plan = evaluate(planned, world, CLUSTERS[cluster], 8, GB80, recompute=name)
+        if plan.fits:
+            break
+    return plan
+
+
+def test_deepseek_v3_report_layout_fits_80gb() -> None:
+    # 61 layers over 16 stages: 4 per stage, 3 on the first (which also holds the embedding) and 2 on the last
+    # (the head and the MTP module)
+    config = run_config("deepseek_v3", ParallelConfig(pp=16, ep=64), 15360, decoder_first_pipeline_num_layers=3,
+                        decoder_last_pipeline_num_layers=2)
+    plan = least_fitting(config, 2048, "h800")
+    assert (plan.sizes.tp, plan.sizes.pp, plan.sizes.ep, plan.sizes.dp, plan.sizes.edp) == (1, 16, 64, 128, 2)
+    assert plan.fits and plan.memory.static.exact, why_not(plan)
+    assert plan.memory.total <= GB80
+    # the fullest stage is the last (head, fp32 logits, MTP), where 1F1B holds one micro-batch at a time;
+    # stage 1 holds pp - 1
+    assert (plan.memory.pp_rank, plan.memory.activations.in_flight) == (15, 1)
+    assert activation_memory(plan.config, plan.sizes, 1, plan.num_micro).in_flight == 15
+    assert plan.time is not None and plan.time.tokens_per_s_per_gpu > 0
+    # ZeRO-1 over DP: the optimizer state is sharded (dense over dp 128, experts over edp 2)
+    assert plan.memory.static.optimizer < plan.memory.static.params * 2
+
+
+def test_parallel_folding_mixtral_8x22b_fits_80gb() -> None:
+    config = run_config("mixtral_8x22b", ParallelConfig(tp=2, ep=8, pp=8), 256)
+    plan = least_fitting(config, 128, "h100")
+    assert (plan.sizes.tp, plan.sizes.dp, plan.sizes.ep, plan.sizes.edp, plan.sizes.pp) == (2, 8, 8, 2, 8)
+    assert plan.fits, why_not(plan)
+    assert plan.memory.total <= GB80
+
+
+def test_deepseek_v3_on_8_gpus_does_not_fit_and_names_the_optimizer() -> None:
+    config = run_config("deepseek_v3", ParallelConfig(ep=8), 64)
+    plan = least_fitting(config, 8, "h800")
+    assert not plan.fits
+    assert plan.memory.largest == "optimizer"
+    line = why_not(plan)
+    assert "largest component: optimizer" in line and "does not fit" in line
+
+
+@pytest.fixture(scope="module")
+def qwen_search():
+    config = run_config("qwen3_moe_30b_a3b", ParallelConfig(), 256)
+    return config, search(config, 8, CLUSTERS["h200"], 8, fixed=Fixed(pp=1), top=3)
+
+
+def test_search_ranks_fitting_plans_with_the_least_recompute(qwen_search) -> None:
+    config, result = qwen_search
+    assert len(result.plans) == 3 and result.valid <= result.considered and result.fitting >= 3
+    speeds = [p.time.tokens_per_s_per_gpu for p in result.plans]
+    assert speeds == sorted(speeds, reverse=True)
+    ladder = list(recompute_ladder(config.model))
+    for plan in result.plans:
+        assert plan.fits and plan.memory.static.exact
+        cheaper = ladder[:ladder.index(plan.recompute)]
+        for name in cheaper:   # every cheaper recompute setting of the same layout does not fit
+            options = dataclasses.replace(plan.config.options, **recompute_ladder(config.model)[name])
+            other = evaluate(dataclasses.replace(plan.config, options=options), 8, CLUSTERS["h200"], 8,
+                             with_time=False)
+            assert not other.fits
+
+
+def test_printed_commands_parse_into_the_same_run(qwen_search) -> None:
+    _, result = qwen_search
+    for plan in result.plans:
+        local, launcher = commands(plan, ["--recipe", "qwen3_moe_30b_a3b"], 8)
+        assert local.startswith("moefold train --nproc 8 ") and launcher.startswith("torchrun --nnodes 1")
+        args = cli.build_parser("train").parse_args(["train", *train_flags(plan, ["--recipe", "qwen3_moe_30b_a3b"])])
+        parsed = config_from_args(args)
+        assert validate_layout(parsed, 8) == plan.sizes
+        assert parsed.options.recompute == plan.config.options.recompute
+        assert parsed.options.recompute_modules == plan.config.options.recompute_modules or \
+            parsed.options.recompute != "selective"
+        for field in ("micro_batch_size", "global_batch_size", "seq_length", "bf16", "main_grads_dtype"):
+            assert getattr(parsed.train, field) == getattr(plan.config.train, field)
+
+
+def test_cli_search_prints_table_and_plot(tmp_path, capsys) -> None:
+    png = tmp_path / "plan.png"
+    code = cli.main(["plan", "--recipe", "qwen3_moe_30b_a3b", "--gpus", "8", "--cluster", "h200",
+                     "--global-batch-size", "64", "--pipeline-model-parallel-size", "1",
+                     "--tensor-model-parallel-size", "1", "--top", "2", "--plot", str(png)])
+    captured = capsys.readouterr()
+    out = captured.out
+    assert code == 0, out
+    assert "tok/s/GPU" in out and "#1: moefold train --nproc 8 --recipe qwen3_moe_30b_a3b" in out
+    # the status lines go to stderr (a search over thousands of GPUs takes minutes), the table to stdout
+    assert "moefold plan: memory: " in captured.err and "estimating their step times" in captured.err
+    assert "moefold plan: memory" not in out
+    assert png.stat().st_size > 10_000
+
+
+def test_cli_fixed_layout_that_does_not_fit(capsys) -> None:
+    code = cli.main(["plan", "--recipe", "deepseek_v3", "--gpus", "8", "--cluster", "h800", "--gpu-memory", "80GB",
+                     "--global-batch-size", "64", "--tensor-model-parallel-size", "1",
+                     "--context-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+                     "--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1",
+                     "--micro-batch-size", "1"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "does not fit" in out and "largest component: optimizer" in out
+
+
+def test_cli_bad_input_is_one_line(capsys) -> None:
+    assert cli.main(["plan", "--recipe", "qwen3_moe_tiny", "--gpus", "8", "--gpu-memory", "lots"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moefold plan:") and "lots" in err and "\n" not in err

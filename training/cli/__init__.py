@@ -1,0 +1,58 @@
+"""The ``moefold`` command. Each subcommand lives in its own module, imported only when used.
+
+A subcommand module exposes ``add_arguments(parser)`` and ``main(args) -> int``. This package holds the
+commands that need the trainer or its checkpoints (train, convert, inspect, generate, upcycle, env) and the
+model flags; the others live with their concept (``pipeline.schedule_cli``, ``dispatch.bench``,
+``training.data.prepare``, ``training.observe.balance_report``, ``training.plan.cli``).
+May import: everything in moefold except training.plan and training.gpu (which import it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help). Later subcommands register here.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "env": ("moefold.training.cli.env", "print torch, devices, world size and the optional backends"),
+    "bench-dispatch": ("moefold.dispatch.bench", "time a token dispatcher's dispatch+combine against a raw all-to-all"),
+    "schedule": ("moefold.pipeline.schedule_cli",
+                 "print a pipeline schedule's timeline and bubble fraction (--plot PNG)"),
+    "prepare-data": ("moefold.training.data.prepare", "tokenise text/JSONL files into an indexed .bin/.idx corpus"),
+    "balance-report": ("moefold.training.observe.balance_report",
+                       "plot and summarise expert load balance from a run's metrics"),
+    "inspect": ("moefold.training.cli.inspect_model",
+                "print a model's total/active parameters with a per-layer breakdown"),
+    "convert": ("moefold.training.cli.convert",
+                "convert checkpoints: HF <-> moefold, training checkpoint (any layout) -> HF / moefold"),
+    "upcycle": ("moefold.training.cli.upcycle", "turn a dense checkpoint into an MoE with the same step-0 logits"),
+    "generate": ("moefold.training.cli.generate", "generate text from a checkpoint (greedy / top-p, KV cache)"),
+    "plan": ("moefold.training.plan.cli",
+             "which parallel layout fits and runs fastest for a model on a cluster: memory by component, step "
+             "time by term, the train command (--plot PNG)"),
+    "train": ("moefold.training.cli.train",
+              "train a recipe, a model defined by flags, or from an HF directory (--load-hf); Megatron-LM "
+              "flags, --nproc N local ranks or torchrun"),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``command``'s module is imported (for its arguments), so one slow or
+    GPU-only subcommand never slows down or breaks another."""
+    parser = argparse.ArgumentParser(prog="moefold", description="Mixture-of-experts training system.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        cmd.set_defaults(_module=module)
+        if name == command:
+            importlib.import_module(module).add_arguments(cmd)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
+    return int(importlib.import_module(args._module).main(args) or 0)
+

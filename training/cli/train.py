@@ -1,0 +1,385 @@
+"""``moefold train --recipe NAME``: pretrain an MoE recipe, with Megatron-LM's flag names.
+
+    moefold train --recipe qwen3_moe_tiny                          # built-in corpus, CPU, world 1
+    moefold train --recipe qwen3_moe_tiny --nproc 4 --expert-model-parallel-size 2
+    moefold train --recipe qwen3_moe_tiny --hidden-size 256 --num-experts 16   # model flags (training.cli.model_flags)
+    moefold train --load-hf Qwen3-30B-A3B --data-path corpus/x ...  # continued pretraining from an HF directory
+    moefold train --load-hf Qwen3-8B --moe-use-upcycling --num-experts 8 --moe-router-topk 2 --data-path ...
+    torchrun --nnodes 2 --nproc-per-node 8 -m training.cli train --recipe ... (multi-node)
+
+The flags are validated against the layout (``RunConfig.resolve(world)``) and the file system
+(``training.launch.preflight``: save/run directories, free space, --load, data files) in the parent process
+before any rank starts; an impossible combination fails naming the flags. A failure inside a rank ends
+the run with one ``rank R: <message>`` line and the tracebacks in ``RUN_DIR/error.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+
+from moefold.dense.recompute import DEFAULT_RECOMPUTE_MODULES, RECOMPUTE_METHODS, RECOMPUTE_MODES, RECOMPUTE_MODULES
+from moefold.models.config import ModelConfig
+from moefold.models.options import ModelOptions
+from moefold.models.recipes import RECIPES, get_recipe
+from moefold.parallel.dims import ParallelConfig, ParallelSizes
+from moefold.parallel.fp8 import add_fp8_arguments, fp8_config_from_args
+from moefold.parallel.init import launched_by_torchrun, launched_world_size
+from moefold.training.cli.model_flags import UPCYCLING_FLAGS, add_model_arguments, apply_model_flags, given_model_flags
+from moefold.training.config import RunConfig, TrainConfig
+from moefold.training.errors import JobFailed
+from moefold.training.launch.preflight import preflight
+from moefold.training.launch.ranks import run_ranks
+from moefold.training.launch.watchdog import Heartbeat
+from moefold.training.optim.lr_schedule import DECAY_STYLES, WSD_STYLES
+from moefold.training.optim.precision import DTYPES
+
+_T = TrainConfig()
+
+# Router flags (Megatron-LM names) -> the ModelConfig field they override; unset keeps the recipe's.
+ROUTER_FLAGS: tuple[tuple[str, str, type], ...] = (
+    ("--moe-router-score-function", "moe_score_function", str),
+    ("--moe-router-pre-softmax", "moe_pre_softmax", bool),
+    ("--moe-router-topk-scaling-factor", "moe_topk_scaling_factor", float),
+    ("--moe-router-num-groups", "moe_num_groups", int),
+    ("--moe-router-group-topk", "moe_group_topk", int),
+    ("--moe-router-load-balancing-type", "moe_load_balancing_type", str),
+    ("--moe-z-loss-coeff", "moe_z_loss_coeff", float),
+    ("--moe-input-jitter-eps", "moe_input_jitter_eps", float),
+    ("--moe-router-dtype", "moe_router_dtype", str),
+    ("--moe-router-enable-expert-bias", "moe_expert_bias", bool),
+    ("--moe-router-bias-update-rate", "moe_bias_update_rate", float),
+    ("--moe-expert-capacity-factor", "moe_expert_capacity_factor", float),
+    ("--moe-token-drop-policy", "moe_token_drop_policy", str),
+    ("--moe-pad-expert-input-to-capacity", "moe_pad_expert_input_to_capacity", bool),
+    ("--moe-router-force-load-balancing", "moe_router_force_load_balancing", bool),
+    ("--moe-apply-probs-on-input", "moe_apply_probs_on_input", bool),
+)
+# router flags that change what the model computes (not only how it is trained): refused with --load-hf
+ARCH_ROUTER_FIELDS = frozenset({"moe_score_function", "moe_pre_softmax", "moe_topk_scaling_factor", "moe_num_groups",
+                                "moe_group_topk", "moe_expert_bias"})
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--recipe", choices=sorted(RECIPES), metavar="NAME",
+                   help=f"model recipe (the base the model flags change): {', '.join(sorted(RECIPES))}")
+    p.add_argument("--nproc", type=int, default=1, help="local ranks to spawn when not under torchrun (default 1)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="pp > 1: virtual stages of M layers per rank (interleaved 1F1B schedule)")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="pp > 1: layers on the first stage (it also holds the embedding); default: even split")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="pp > 1: layers on the last stage (it also holds the head, loss and MTP); default: even split")
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-schedule", dest="pipeline_schedule", default=_T.pipeline_schedule,
+                   choices=("gpipe", "1f1b", "interleaved"), help="pp > 1 (interleaved is implied by virtual stages)")
+    g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
+                   help="shard activations along the sequence between TP regions (default on; tp > 1 only)")
+    g.add_argument("--cp-comm-type", default=ModelOptions.cp_comm, help="context-parallel K/V exchange")
+    add_model_arguments(p)
+    add_pretrained_arguments(p)
+    m = p.add_argument_group("router and run-time choices (overrides of the recipe / --load-hf model)")
+    m.add_argument("--moe-aux-loss-coeff", type=float)
+    for flag, _, typ in ROUTER_FLAGS:
+        if typ is bool:
+            m.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            m.add_argument(flag, type=typ)
+    m.add_argument("--init-method-std", type=float, default=ModelOptions.init_std)
+    m.add_argument("--moe-token-dispatcher-type", default="auto",
+                   help="auto | local | allgather | alltoall | flex (DeepEP)")
+    m.add_argument("--moe-grouped-gemm-backend", default=ModelOptions.gemm_backend)
+    m.add_argument("--recompute-granularity", default="none", choices=RECOMPUTE_MODES,
+                   help="activation recomputation: selective (--recompute-modules) or full (whole layers)")
+    m.add_argument("--recompute-modules", nargs="+", default=list(DEFAULT_RECOMPUTE_MODULES), choices=RECOMPUTE_MODULES,
+                   metavar="MODULE", help=f"selective: any of {', '.join(RECOMPUTE_MODULES)} (default core_attn)")
+    m.add_argument("--recompute-method", default=ModelOptions.recompute_method, choices=RECOMPUTE_METHODS,
+                   help="full: uniform (groups of N layers) or block (the first N layers of each pipeline chunk)")
+    m.add_argument("--recompute-num-layers", type=int, default=ModelOptions.recompute_num_layers,
+                   help="full: the N of --recompute-method (default 1)")
+    gpu = p.add_argument_group("GPU backends (issue 14): DeepEP, Transformer Engine FP8")
+    gpu.add_argument("--moe-deepep-num-sms", type=int, default=ModelOptions.moe_deepep_num_sms,
+                     help="SMs DeepEP's kernels take (flex dispatcher; even)")
+    add_fp8_arguments(gpu)
+    m.add_argument("--vocab-size", type=int, help="vocabulary of the built-in corpus (and the model); default: "
+                                                   "the recipe's")
+    t = p.add_argument_group("training")
+    for flag, field, typ in (("--micro-batch-size", "micro_batch_size", int),
+                             ("--global-batch-size", "global_batch_size", int), ("--seq-length", "seq_length", int),
+                             ("--train-iters", "train_iters", int), ("--lr", "lr", float),
+                             ("--min-lr", "min_lr", float), ("--lr-warmup-iters", "lr_warmup_iters", int),
+                             ("--lr-decay-iters", "lr_decay_iters", int),
+                             ("--lr-wsd-decay-iters", "lr_wsd_decay_iters", int),
+                             ("--weight-decay", "weight_decay", float), ("--adam-beta1", "adam_beta1", float),
+                             ("--adam-beta2", "adam_beta2", float), ("--adam-eps", "adam_eps", float),
+                             ("--clip-grad", "clip_grad", float), ("--seed", "seed", int),
+                             ("--log-interval", "log_interval", int), ("--save-interval", "save_interval", int),
+                             ("--keep-last", "keep_last", int), ("--max-skipped-steps", "max_skipped_steps", int)):
+        t.add_argument(flag, dest=field, type=typ, default=getattr(_T, field),
+                       help=f"default {getattr(_T, field)}")
+    t.add_argument("--lr-decay-style", dest="lr_decay_style", default=_T.lr_decay_style, choices=DECAY_STYLES)
+    t.add_argument("--lr-wsd-decay-style", dest="lr_wsd_decay_style", default=_T.lr_wsd_decay_style,
+                   choices=WSD_STYLES)
+    t.add_argument("--bf16", action="store_true", help="bf16 parameters and compute, fp32 master weights")
+    t.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer block (MoE: its static-shaped parts, the experts' "
+                        "activation fused); compile time is printed")
+    t.add_argument("--no-overlap-grad-reduce", action="store_true")
+    t.add_argument("--overlap-param-gather", action="store_true",
+                   help="all-gather updated parameters during the next forward (each module waits for its own)")
+    for flag, field in (("--main-grads-dtype", "main_grads_dtype"), ("--exp-avg-dtype", "exp_avg_dtype"),
+                        ("--exp-avg-sq-dtype", "exp_avg_sq_dtype")):
+        t.add_argument(flag, dest=field, default=getattr(_T, field), choices=tuple(DTYPES),
+                       help=f"optimizer precision (default {getattr(_T, field)})")
+    t.add_argument("--main-params-dtype", dest="main_params_dtype", default=_T.main_params_dtype, choices=("fp32",),
+                   help="the master copy of bf16 parameters (fp32)")
+    d = p.add_argument_group("data and output")
+    d.add_argument("--data-path", nargs="+", default=[], help="PREFIX or W1 PREFIX1 W2 PREFIX2 ... (prepared with "
+                                                               "`moefold prepare-data`); default: built-in corpus")
+    d.add_argument("--data-cache-dir", default=None)
+    d.add_argument("--run-dir", default=_T.run_dir, help=f"metrics, logs and reports (default {_T.run_dir})")
+    d.add_argument("--save", default=None, help="checkpoint directory (default RUN_DIR/checkpoints)")
+    d.add_argument("--no-save", action="store_true", help="write no checkpoint")
+    d.add_argument("--load", default=None, help="resume from the newest intact checkpoint in this directory (or "
+                                                  "this checkpoint); must exist unless it is also --save")
+    d.add_argument("--reset-data-position", action="store_true",
+                   help="allow resuming with another --data-path, --seq-length or --seed: the data position restarts "
+                        "at the first sample of the new order")
+    d.add_argument("--no-balance-report", action="store_true", help="skip the load-balance PNGs at the end")
+    r = p.add_argument_group("failures")
+    r.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="a collective that waits longer fails (default 10)")
+    r.add_argument("--heartbeat-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="--nproc: end the job, naming the rank, when a rank shows no sign of life for this long "
+                        "(default 300)")
+    add_validation_arguments(p)
+
+
+def add_pretrained_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("starting weights")
+    g.add_argument("--load-hf", metavar="DIR", default=None,
+                   help="start from an HF model directory (or a moefold checkpoint): its config.json is the model, "
+                        "its weights the starting point (each rank reads its slices); instead of --recipe")
+    g.add_argument("--moe-use-upcycling", action="store_true",
+                   help="--load-hf holds a dense model (Qwen3, Mistral, a moefold dense checkpoint): start from its "
+                        "MoE upcycling with --num-experts / --moe-router-topk [/ --moe-ffn-hidden-size: granular]")
+
+
+def add_validation_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("validation and logging")
+    g.add_argument("--eval-interval", type=int, default=_T.eval_interval,
+                   help="validate every N steps (default: only at the end; needs --split or --valid-data-path)")
+    g.add_argument("--eval-iters", type=int, default=_T.eval_iters, help=f"global batches per validation "
+                                                                         f"(default {_T.eval_iters})")
+    g.add_argument("--split", default=None, help="train,valid,test shares of the documents of each --data-path "
+                                                 "corpus, e.g. 969,30,1 (Megatron)")
+    g.add_argument("--valid-data-path", nargs="+", default=[], help="a separate validation corpus: PREFIX or "
+                                                                   "W1 PREFIX1 W2 PREFIX2 ...")
+    g.add_argument("--wandb-project", default=None, help="also log to Weights & Biases (pip install wandb; "
+                                                         "WANDB_MODE=offline works without network)")
+    g.add_argument("--wandb-exp-name", default=None, help="W&B run name")
+    g.add_argument("--wandb-save-dir", default=None, help="W&B directory (default: the run directory)")
+
+
+def model_from_args(args: argparse.Namespace) -> ModelConfig:
+    """The architecture: ``--recipe`` changed by the model flags, or ``--load-hf``'s (upcycled with
+    ``--moe-use-upcycling``). ValueError naming the flags for a combination that cannot be."""
+    given = given_model_flags(args)
+    arch_router = [f for f, field, _ in ROUTER_FLAGS if field in ARCH_ROUTER_FIELDS
+                   and getattr(args, f[2:].replace("-", "_")) is not None]
+    if args.load_hf is None:
+        if args.moe_use_upcycling:
+            raise ValueError("--moe-use-upcycling needs --load-hf DIR (the dense checkpoint to upcycle)")
+        if args.recipe is None:
+            raise ValueError("give --recipe NAME (the model the model flags change) or --load-hf DIR")
+        model = apply_model_flags(get_recipe(args.recipe), args)
+        return model.with_(vocab_size=args.vocab_size) if args.vocab_size is not None else model
+    if args.recipe is not None:
+        raise ValueError(f"--recipe {args.recipe} and --load-hf {args.load_hf}: give one (the model comes from "
+                         "--load-hf's config.json)")
+    from moefold.models.pretrained import pretrained_config
+
+    allowed = UPCYCLING_FLAGS if args.moe_use_upcycling else ()
+    refused = [f for f in given if f not in allowed] + arch_router + (["--vocab-size"] if args.vocab_size else [])
+    if refused:
+        raise ValueError(f"{' '.join(refused)} cannot be combined with --load-hf: the architecture is "
+                         f"{args.load_hf}'s config.json (flags may change training-side settings: parallelism, "
+                         "recompute, dispatcher, balancing coefficients)"
+                         + (f"; --moe-use-upcycling takes {' '.join(UPCYCLING_FLAGS)}" if args.moe_use_upcycling
+                            else ""))
+    model = pretrained_config(args.load_hf)
+    if args.moe_use_upcycling:
+        from moefold.models.upcycle import upcycled_config
+
+        if args.num_experts is None:
+            raise ValueError("--moe-use-upcycling needs --num-experts (the experts each MLP becomes)")
+        model = upcycled_config(model, args.num_experts, args.moe_router_topk or 2, args.moe_ffn_hidden_size,
+                                args.moe_layer_freq or 1)
+    return model
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """The RunConfig the flags describe (ValueError naming the flag on a bad value)."""
+    for flag in ("num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
+                 "decoder_last_pipeline_num_layers"):
+        if getattr(args, flag) is not None and args.pipeline_model_parallel_size == 1:
+            raise ValueError(f"--{flag.replace('_', '-')} needs --pipeline-model-parallel-size > 1")
+    model = model_from_args(args)
+    changes = {"moe_aux_loss_coeff": args.moe_aux_loss_coeff} if args.moe_aux_loss_coeff is not None else {}
+    for flag, field, _ in ROUTER_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            changes[field] = value
+    if changes:
+        model = model.with_(**changes)
+    options = ModelOptions(sequence_parallel=args.sequence_parallel, cp_comm=args.cp_comm_type,
+                           recompute=args.recompute_granularity, recompute_modules=tuple(args.recompute_modules),
+                           recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
+                           dispatcher=args.moe_token_dispatcher_type,
+                           gemm_backend=args.moe_grouped_gemm_backend, dtype="bf16" if args.bf16 else "fp32",
+                           init_std=args.init_method_std, fp8=fp8_config_from_args(args),
+                           moe_deepep_num_sms=args.moe_deepep_num_sms)
+    parallel = ParallelConfig(tp=args.tensor_model_parallel_size, cp=args.context_parallel_size,
+                              pp=args.pipeline_model_parallel_size, ep=args.expert_model_parallel_size,
+                              etp=args.expert_tensor_parallel_size)
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    explicit = ("run_dir", "save", "load", "bf16", "data_path", "vocab_size", "data_cache_dir", "valid_data_path",
+                "reset_data_position", "compile")
+    train = {k: v for k, v in vars(args).items() if k in fields and k not in explicit}
+    save = None if args.no_save else (args.save or os.path.join(args.run_dir, "checkpoints"))
+    train = TrainConfig(**train, bf16=args.bf16, compile=args.compile, run_dir=args.run_dir, save=save, load=args.load,
+                        reset_data_position=args.reset_data_position,
+                        data_path=tuple(args.data_path), vocab_size=args.vocab_size,
+                        data_cache_dir=args.data_cache_dir, overlap_grad_reduce=not args.no_overlap_grad_reduce,
+                        balance_report=not args.no_balance_report, valid_data_path=tuple(args.valid_data_path))
+    return RunConfig(model=model, parallel=parallel, options=options, train=train, recipe=args.recipe)
+
+
+def validate(config: RunConfig, world_size: int) -> None:
+    """Everything checkable without starting ranks: layout sizes, batch arithmetic, model divisibility, and that
+    the chosen GPU backends are installed."""
+    sizes = validate_layout(config, world_size)
+    check_backends(config, sizes.ep, sizes.etp)
+
+
+def validate_layout(config: RunConfig, world_size: int) -> ParallelSizes:
+    """The layout checks of ``validate`` (sizes, batch arithmetic, pipeline split, model divisibility), without the
+    installed-backend checks: what ``moefold plan`` applies to every layout it considers."""
+    from moefold.models.layer_factory import check_layout
+    from moefold.parallel.dims import ParallelDims
+
+    try:
+        sizes, _ = config.resolve(world_size)
+    except ValueError as exc:
+        t = config.train
+        if config.parallel.pp > 1 and any(word in str(exc) for word in ("schedule", "num_layers", "pipeline")):
+            uneven = "".join(f", --decoder-{k}-pipeline-num-layers={v}" for k, v in
+                             (("first", t.decoder_first_pipeline_num_layers),
+                              ("last", t.decoder_last_pipeline_num_layers)) if v is not None)
+            raise ValueError(f"{exc} (--num-layers={config.model.num_layers}, --pipeline-model-parallel-size="
+                             f"{config.parallel.pp}, --num-layers-per-virtual-pipeline-stage="
+                             f"{t.num_layers_per_virtual_pipeline_stage}{uneven}, --global-batch-size="
+                             f"{t.global_batch_size}, --micro-batch-size={t.micro_batch_size})") from exc
+        raise
+    try:
+        check_layout(config.model, ParallelDims(sizes=sizes), config.options)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (--tensor-model-parallel-size={sizes.tp}, --context-parallel-size={sizes.cp}, "
+                         f"--expert-model-parallel-size={sizes.ep}, --expert-tensor-parallel-size={sizes.etp})"
+                         ) from exc
+    return sizes
+
+
+def check_backends(config: RunConfig, ep: int, etp: int) -> None:
+    """The optional GPU backends the flags choose are installed and can run here (ImportError /
+    ValueError / RuntimeError naming what to install or use instead), before any rank starts."""
+    from moefold.moe.gemm import check_gemm_backend
+
+    if config.train.compile:
+        from moefold.training.compile import compile_unavailable
+
+        reason = compile_unavailable("cuda" if torch.cuda.is_available() else "cpu")
+        if reason is not None:
+            raise RuntimeError(reason)
+    o = config.options
+    if config.model.num_experts:
+        check_gemm_backend(o.gemm_backend, o.torch_dtype)
+        if o.resolved_dispatcher(ep, etp) == "flex":
+            from moefold.dispatch.deepep import import_deep_ep
+
+            import_deep_ep()
+    o.fp8.check_available()
+
+
+def describe_parameters(model: ModelConfig) -> str:
+    """The start-up line: total and active parameters of the model the flags describe (built on meta)."""
+    from moefold.models.params import count_parameters, fmt_count
+
+    r = count_parameters(model)
+    mtp = f" (+{fmt_count(r.mtp_total)} MTP)" if r.mtp else ""
+    return (f"model: {model.name} ({model.family}): {fmt_count(r.total)} parameters{mtp}, {fmt_count(r.active)} "
+            f"active per token, {model.num_layers} layers, {model.num_experts} experts top-{model.moe_topk}"
+            if model.num_experts else
+            f"model: {model.name} ({model.family}, dense): {fmt_count(r.total)} parameters{mtp}, "
+            f"{model.num_layers} layers")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Validate the flags, run the pre-flight checks, start the ranks. Exit codes: 0 done, 1 the run failed
+    (one line on stderr, tracebacks in RUN_DIR/error.log), 2 a flag or pre-flight check failed, 130 Ctrl-C."""
+    try:
+        config = config_from_args(args)
+        world = launched_world_size() if launched_by_torchrun() else args.nproc
+        if args.nproc < 1:
+            raise ValueError(f"--nproc={args.nproc} must be >= 1")
+        for flag in ("distributed_timeout_minutes", "heartbeat_timeout"):
+            if not 0 < getattr(args, flag) < float("inf"):
+                raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be a positive number")
+        validate(config, world)
+        first = not launched_by_torchrun() or os.environ.get("RANK", "0") == "0"   # torchrun: every rank checks
+        preflight(config, say=print if first else lambda _line: None)
+    except (ValueError, ImportError, RuntimeError) as exc:
+        print(f"moefold train: error: {exc}", file=sys.stderr)
+        return 2
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(describe_parameters(config.model), flush=True)
+    if launched_by_torchrun() and args.nproc > 1:
+        print(f"moefold train: launched by torchrun (world {world}); ignoring --nproc {args.nproc}", file=sys.stderr)
+    try:
+        run_ranks(train_worker, 1 if launched_by_torchrun() else args.nproc, args.device,
+                  timeout_s=60 * args.distributed_timeout_minutes, args=(json.dumps(config.to_dict()),),
+                  run_dir=config.train.run_dir, heartbeat_timeout_s=args.heartbeat_timeout)
+    except JobFailed as exc:
+        spawned = world > 1 and not launched_by_torchrun()   # the log holds every rank's traceback
+        where = f" (full traceback{'s' if spawned else ''}: {exc.log})" if exc.log else ""
+        cut = "\n" if spawned else ""   # rank 0's progress bar may end mid-line
+        print(f"{cut}moefold train: {exc}{where}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("moefold train: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def train_worker(device: torch.device, config_json: str, heartbeat: Heartbeat | None = None) -> None:
+    """One rank of ``moefold train`` (module-level: spawned processes import it)."""
+    from moefold.training.run import train
+
+    train(RunConfig.from_dict(json.loads(config_json)), device, heartbeat=heartbeat)
+
+
+if __name__ == "__main__":
+    from moefold.training.cli import main as cli_main
+
+    sys.exit(cli_main(["train", *sys.argv[1:]]))

@@ -1,0 +1,286 @@
+"""GPU measurements for the GPU check (``moefold.training.gpu.check``), one subcommand per run.
+
+    python -m moefold.training.gpu.bench moe-layer [--tokens 8192 ...]   # MoE layer vs dense ceiling
+    python -m moefold.training.gpu.bench syncs                           # host syncs, CUDA vs the CPU model
+    python -m moefold.training.gpu.bench moe-layer --device cpu --tokens 64 --configs 8,2,32,64   # rehearsal
+
+``moe-layer``: one MoE layer (router, local permutation, grouped experts, unpermutation) forward +
+backward in bf16, per GEMM backend that imports here, timed with CUDA events (median of
+``--iters`` after ``--warmup``), against the dense ceiling measured in the same run: six plain
+bf16 matmuls doing the expert GEMMs' work as if every routed copy went to one expert
+([N, H] x [H, 2F], [N, F] x [F, H] and their four backward products, N = tokens x top-k). The
+figure of merit is layer TFLOP/s / dense TFLOP/s, counting the expert GEMMs only.
+
+``syncs``: host synchronisations per MoE layer (forward + backward) and per training step,
+counted by CUDA itself (``torch.cuda.set_sync_debug_mode("warn")``) next to moefold's CPU model
+(``training.observe.host_sync.HostSyncCounter``) on the same runs.
+
+``--device cpu`` is the GPU check's rehearsal (``gpu_check --rehearsal``): the same code paths, timed with
+the host clock, without CUDA's sync debug mode; its figures say nothing about a GPU. ``--deadline S``:
+start no new row after S seconds (it prints a "skipped: out of time" row instead), so a caller's timeout
+never cuts a table in half.
+
+Every line printed is a result; the GPU check copies them into its report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from moefold.moe.config import MoEConfig
+from moefold.moe.gemm import check_gemm_backend
+from moefold.moe.layer import MoELayer
+from moefold.moe.router_config import RouterConfig
+from moefold.parallel.dims import ParallelDims
+from moefold.parallel.fp8 import FP8Config
+from moefold.parallel.machine import describe_machine
+from moefold.training.compile import compile_moe_layer, compile_unavailable
+from moefold.training.observe.host_sync import HostSyncCounter
+
+
+def device_time(fn: Callable[[], None], iters: int, warmup: int, device: str = "cuda") -> float:
+    """Median seconds per call: CUDA events on a GPU, the host clock on the CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device != "cuda":
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    torch.cuda.synchronize()
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def dense_ceiling(N: int, H: int, F: int, iters: int, warmup: int, device: str = "cuda") -> float:
+    """Seconds for the six bf16 matmuls of one gated MLP over N rows, forward + backward."""
+    kw = {"device": device, "dtype": torch.bfloat16}
+    x, gy = torch.randn(N, H, **kw), torch.randn(N, H, **kw)
+    w13, w2 = torch.randn(H, 2 * F, **kw), torch.randn(F, H, **kw)
+    h, dh = torch.randn(N, F, **kw), torch.randn(N, 2 * F, **kw)
+
+    def step() -> None:
+        x @ w13
+        h @ w2
+        gy @ w2.T
+        h.T @ gy
+        dh @ w13.T
+        x.T @ dh
+
+    return device_time(step, iters, warmup, device)
+
+
+def _moe_layer(E: int, k: int, F: int, H: int, backend: str, fp8: FP8Config | None, device: str) -> MoELayer:
+    """One bf16 MoE layer with the local dispatcher; weights as the constructors draw them (on the device:
+    ``init_parameters``' layout-independent per-row draws on the host would dominate the check's time)."""
+    router = RouterConfig(num_experts=E, topk=k, load_balancing_type="none")
+    cfg = MoEConfig(num_experts=E, moe_ffn_hidden_size=F, router=router, dispatcher="local", gemm_backend=backend,
+                    fp8=fp8)
+    return MoELayer(cfg, H, ParallelDims.single(device), sequence_parallel=False, dtype=torch.bfloat16,
+                    device=device)
+
+
+def _variants(backends: list[str], compiled: bool) -> list[tuple[str, FP8Config | None, bool]]:
+    """(gemm backend, FP8 config or None, compiled) per row: each backend in bf16, TE in FP8 (its delayed
+    recipe), torchao's recipes through torch's FP8 (grouped) GEMMs, and the layer as ``--compile`` runs it."""
+    variants: list[tuple[str, FP8Config | None, bool]] = [(b, None, False) for b in backends]
+    if "te" in backends:
+        variants.append(("te", FP8Config("hybrid", "delayed", backend="te"), False))
+    if "grouped_mm" in backends:
+        variants += [("grouped_mm", FP8Config("e4m3", "rowwise"), False), ("grouped_mm", FP8Config("hybrid"), False)]
+        if compiled:
+            variants.append(("grouped_mm", None, True))
+    return variants
+
+
+def bench_moe_layer(args: argparse.Namespace) -> int:
+    T, iters, warmup, device = args.tokens, args.iters, args.warmup, args.device
+    deadline = time.monotonic() + args.deadline
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        print(f"device: {props.name} (sm{props.major}{props.minor}), torch {torch.__version__}, "
+              f"CUDA {torch.version.cuda}")
+    else:
+        print(f"device: cpu (a rehearsal: these figures say nothing about a GPU), torch {torch.__version__}")
+    n = args.matmul_size
+    print(f"bf16 matmul {n}^3: {2 * n ** 3 / _matmul_seconds(n, device) / 1e12:.3g} TFLOP/s")
+    print("| config | backend | layer ms | expert-GEMM TFLOP/s | dense ceiling TFLOP/s | layer / dense |")
+    print("|---|---|---|---|---|---|", flush=True)
+    for spec in args.configs.split(";"):
+        E, k, F, H = (int(v) for v in spec.split(","))
+        name = f"E{E} k{k} F{F} H{H} T{T}"
+        N = T * k
+        flops = 3 * 2 * N * H * F * 3  # three projections, forward + two backward GEMMs each
+        dense = flops / dense_ceiling(N, H, F, iters, warmup, device)
+        for backend, fp8, compiled in _variants(args.backends.split(","), not args.no_compile):
+            label = backend + (f" fp8 {fp8.format} {fp8.recipe}" if fp8 else "") + (" compiled" if compiled else "")
+            if time.monotonic() > deadline:
+                print(f"| {name} | {label} | skipped: out of time (--deadline {args.deadline:.0f} s) | | | |")
+                continue
+            try:
+                check_gemm_backend(backend, torch.bfloat16)
+                if fp8 is not None:
+                    fp8.check_available()
+                layer = _moe_layer(E, k, F, H, backend, fp8, device)
+                if compiled:
+                    reason = compile_unavailable(device)
+                    if reason is not None:
+                        raise RuntimeError(reason)
+                    compile_moe_layer(layer)
+            except (ImportError, RuntimeError, ValueError) as err:
+                print(f"| {name} | {label} | skipped: {str(err).splitlines()[0][:160]} | | | |", flush=True)
+                continue
+            try:
+                seconds = device_time(_layer_step(layer, T, H), iters, warmup, device)
+            except Exception as err:  # a backend that imports but fails here is a result, not a crash
+                print(f"| {name} | {label} | failed: {type(err).__name__}: {str(err)[:160]} | | | |", flush=True)
+                continue
+            finally:
+                del layer
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+            rate = flops / seconds
+            print(f"| {name} | {label} | {seconds * 1e3:.2f} | {rate / 1e12:.3g} | {dense / 1e12:.3g} | "
+                  f"{rate / dense:.2f} |", flush=True)
+    return 0
+
+
+def _matmul_seconds(n: int, device: str) -> float:
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    return device_time(lambda: a @ b, 10, 3, device)
+
+
+def _layer_step(layer: MoELayer, T: int, H: int) -> Callable[[], None]:
+    """Forward + backward of ``layer`` on fixed random [T, 1, H] bf16 tokens, as a trainer runs it."""
+    device = next(layer.parameters()).device
+    x = torch.randn(T, 1, H, device=device, dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(T, 1, H, device=device, dtype=torch.bfloat16)
+
+    def step() -> None:
+        layer.zero_grad(set_to_none=True)
+        y, _ = layer(x)
+        y.backward(gy)
+
+    return step
+
+
+def _loss_step(layer: MoELayer, x: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        y, info = layer(x)
+        (y.float().square().sum() + info.aux_loss).backward()
+
+    return step
+
+
+def _sync_count(fn: Callable[[], None], device: str) -> tuple[int | str, int, str]:
+    """(CUDA's count in warn mode, HostSyncCounter's count, its report) for one run of ``fn`` each.
+    On the CPU (a rehearsal) CUDA's count is "n/a": its sync debug mode is CUDA-only."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    fn()  # warm-up: lazy initialisation is not per step
+    sync()
+    cuda: int | str = "n/a (CPU)"
+    if device == "cuda":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            sync()
+        cuda = sum("synchroniz" in str(w.message) for w in caught)
+    with HostSyncCounter() as counter:
+        fn()
+    sync()
+    return cuda, counter.total, counter.report().replace("\n", "; ")
+
+
+def bench_syncs(args: argparse.Namespace) -> int:
+    device = args.device
+    print("| what | CUDA sync debug mode | CPU model (HostSyncCounter) | where (model) |")
+    print("|---|---|---|---|", flush=True)
+    H = 256
+    for mode, dtype, backend in (("dropless", torch.bfloat16, "grouped_mm"), ("padded", torch.bfloat16, "grouped_mm"),
+                                 ("drop", torch.bfloat16, "grouped_mm"), ("dropless", torch.float32, "grouped_mm"),
+                                 ("dropless", torch.bfloat16, "loop")):
+        capacity = {} if mode == "dropless" else {"expert_capacity_factor": 1.0,
+                                                  "pad_expert_input_to_capacity": mode == "padded"}
+        router = RouterConfig(num_experts=16, topk=2, aux_loss_coeff=0.01, **capacity)
+        cfg = MoEConfig(num_experts=16, moe_ffn_hidden_size=256, router=router, shared_expert_ffn_size=256,
+                        dispatcher="local", gemm_backend=backend)
+        layer = MoELayer(cfg, H, ParallelDims.single(device), sequence_parallel=False, dtype=dtype, device=device)
+        x = torch.randn(512, 2, H, device=device, dtype=dtype, requires_grad=True)
+        cuda, model, where = _sync_count(_loss_step(layer, x), device)
+        name = f"MoE layer fwd+bwd, local {mode}, {str(dtype).split('.')[1]}, {backend}"
+        print(f"| {name} | {cuda} | {model} | {where} |", flush=True)
+    cuda, model, where = _sync_count(_training_step(device), device)
+    print(f"| training step (qwen3_moe_tiny bf16, 4 micro-batches) | {cuda} | {model} | {where} |")
+    return 0
+
+
+def _training_step(device: str) -> Callable[[], None]:
+    """One optimizer step of a tiny bf16 Qwen3-MoE per call (random tokens)."""
+    import numpy as np
+
+    from moefold.models.options import ModelOptions
+    from moefold.models.recipes import get_recipe
+    from moefold.training.config import RunConfig, TrainConfig
+    from moefold.training.trainer import Trainer
+
+    model = get_recipe("qwen3_moe_tiny").with_(vocab_size=256)
+    train = TrainConfig(micro_batch_size=1, global_batch_size=4, seq_length=64, train_iters=1000, bf16=True,
+                        log_interval=1000, save=None)
+    config = RunConfig(model=model, options=ModelOptions(dtype="bf16"), train=train, recipe="qwen3_moe_tiny")
+    trainer = Trainer(config, ParallelDims.single(torch.device(device).type), device=device, log=lambda _m: None)
+    data = np.random.default_rng(0).integers(0, 256, size=(4096, 65), dtype=np.int64)
+
+    def step() -> None:
+        trainer.fit(data, stop_at=trainer.iteration + 1)
+
+    return step
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moefold.training.gpu.bench", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    m = sub.add_parser("moe-layer", help="MoE layer bf16 per GEMM backend vs the dense ceiling")
+    m.add_argument("--tokens", type=int, default=8192)
+    m.add_argument("--configs", default="128,8,768,2048;16,8,2048,7168",
+                   help="E,k,F,H;... (default: a Qwen3-30B-A3B layer; a DeepSeek-V3-sized layer with 16 experts)")
+    m.add_argument("--backends", default="grouped_mm,grouped_gemm,te,loop")
+    m.add_argument("--iters", type=int, default=5)
+    m.add_argument("--warmup", type=int, default=2)
+    m.add_argument("--matmul-size", type=int, default=8192, help="n of the n^3 bf16 matmul printed first")
+    m.add_argument("--no-compile", action="store_true", help="leave out the compiled layer's row")
+    m.add_argument("--deadline", type=float, default=float("inf"),
+                   help="seconds after which no new row starts (its row says so)")
+    s = sub.add_parser("syncs", help="host syncs per MoE layer and per training step: CUDA vs the CPU model")
+    for p in (m, s):
+        p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                       help="cuda (default), or cpu: the GPU check's rehearsal of the same code paths")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device (--device cpu rehearses the same code on the CPU)", file=sys.stderr)
+        return 2
+    print(describe_machine())
+    return bench_moe_layer(args) if args.what == "moe-layer" else bench_syncs(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

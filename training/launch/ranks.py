@@ -1,0 +1,208 @@
+"""Starting the ranks of a run: under torchrun (env://), as ``nproc`` local spawned ranks, or alone; and
+ending it cleanly when something goes wrong.
+
+- torchrun / SLURM+torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` set): join the launcher's world
+  (NCCL on CUDA, gloo on CPU); ``LOCAL_RANK`` picks the GPU.
+- ``nproc > 1`` without a launcher: spawn ``nproc`` processes on this machine joined through a
+  FileStore in a fresh temporary directory (gloo, CPU, or NCCL with one GPU each when available).
+  This process supervises them: a rank that fails ends the job (the others are killed) with one
+  ``rank R: <message>`` line; a rank whose heartbeat stops (``training.launch.watchdog``) ends it naming that
+  rank and its last completed step; the ranks die with this process (``die_with_parent``).
+- ``nproc == 1``: run in this process without torch.distributed (world 1, every group None).
+
+Every failure is raised as ``JobFailed`` (its ``str`` the one line), the full tracebacks appended to
+``RUN_DIR/error.log``. Collectives time out after ``timeout_s`` (``--distributed-timeout-minutes``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moefold.parallel.init import launched_by_torchrun
+from moefold.training.errors import Failure, JobFailed, append_error_log, failure_of, read_failure, write_failure
+from moefold.training.launch.watchdog import Heartbeat, die_with_parent, last_steps, stalled_rank
+
+
+def pick_device(device: str, local_rank: int) -> torch.device:
+    """``auto``: the local GPU when CUDA is available, else CPU."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: CUDA is not available on this machine")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    if device != "cpu":
+        raise ValueError(f"--device={device!r}; valid: auto, cpu, cuda")
+    return torch.device("cpu")
+
+
+def heartbeat_interval(timeout_s: float) -> float:
+    return min(5.0, max(0.1, timeout_s / 5))
+
+
+def _spawned(local_rank: int, fn: Callable[..., Any], nproc: int, workdir: str, device: str, timeout_s: float,
+             heartbeat_timeout_s: float, parent_pid: int, args: tuple) -> None:
+    die_with_parent(parent_pid)
+    work = Path(workdir)
+    heartbeat = Heartbeat(work / f"heartbeat.{local_rank}", heartbeat_interval(heartbeat_timeout_s))
+    # Lazy gloo connections: connecting every subgroup's full mesh eagerly, many ranks on few cores,
+    # fails now and then with "connectFullMesh ... closed by peer" (see tests/distributed.py).
+    os.environ.update(RANK=str(local_rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(local_rank),
+                      TORCH_GLOO_LAZY_INIT="1")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+    from tqdm import tqdm
+
+    # tqdm's default lock is a multiprocessing semaphore, which a rank killed by the launcher would leak
+    # (and the resource tracker would warn about it): a thread lock is all one process needs.
+    tqdm.set_lock(threading.RLock())
+    try:
+        dev = pick_device(device, local_rank)
+        store = dist.FileStore(str(work / "store"), nproc)
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=store, rank=local_rank,
+                                world_size=nproc, timeout=timedelta(seconds=timeout_s))
+        fn(dev, *args, heartbeat=heartbeat)
+    except BaseException as exc:  # reported to the launcher, which prints one line for the job
+        write_failure(work / f"error.{local_rank}", failure_of(exc, local_rank))
+        sys.exit(1)
+    finally:
+        heartbeat.stop()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _signal_name(code: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def _first_failure(work: Path, procs: list, failed: list[int]) -> tuple[Failure, list[Failure]]:
+    """The failure that started it (a rank killed by a signal, else the earliest report) and all of them."""
+    time.sleep(0.3)   # a failure that happened at the same moment has time to write its report
+    failed = sorted(set(failed) | {r for r, p in enumerate(procs) if p.exitcode not in (None, 0)})
+    reports, killed = [], []
+    for rank in failed:
+        report = read_failure(work / f"error.{rank}")
+        if report is None:
+            code = procs[rank].exitcode
+            how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
+            report = Failure(rank, f"the process {how} without reporting an error (out of memory?)", "", time.time())
+            killed.append(report)
+        reports.append(report)
+    first = killed[0] if killed else min(reports, key=lambda f: f.time)
+    return first, [first, *[f for f in reports if f is not first]]
+
+
+def _behind(message: str, steps: list[int | None]) -> str:
+    """For a collective that timed out: which rank fell behind the others, if one did."""
+    known = [s for s in steps if s is not None]
+    if not re.search(r"time[ds]? ?out", message, re.IGNORECASE) or not known or min(known) == max(known):
+        return ""
+    lag = min(known)
+    ranks = [r for r, s in enumerate(steps) if s == lag]
+    return f" (rank {', '.join(map(str, ranks))} fell behind: last completed step {lag}, the others {max(known)})"
+
+
+def _supervise(work: Path, procs: list, heartbeat_timeout_s: float, poll_s: float) -> tuple[Failure, list[Failure],
+                                                                                            list[str]] | None:
+    """Wait for the ranks; None when all succeed, else (first failure, all failures, notes)."""
+    nproc = len(procs)
+    beats = [work / f"heartbeat.{r}" for r in range(nproc)]
+    launched = time.monotonic()
+    while True:
+        codes = [p.exitcode for p in procs]
+        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            first, failures = _first_failure(work, procs, failed)
+            steps = last_steps(beats)
+            if lag := _behind(first.message, steps):
+                first = Failure(first.rank, first.message + lag, first.traceback, first.time)
+                failures[0] = first
+            return first, failures, [f"last completed step per rank: {steps}"]
+        if all(c == 0 for c in codes):
+            return None
+        stalled = stalled_rank(beats, [c is None for c in codes], heartbeat_timeout_s, time.monotonic() - launched)
+        if stalled is not None:
+            rank, age, step = stalled
+            steps = last_steps(beats)
+            failure = Failure(rank, f"no heartbeat for {age:.0f}s (--heartbeat-timeout {heartbeat_timeout_s:g}): the "
+                                    f"process is stopped or stuck; its last completed step was {step}; ended the job",
+                              "", time.time())
+            return failure, [failure], [f"last completed step per rank: {steps}"]
+        time.sleep(poll_s)
+
+
+def _kill_all(procs: list) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()   # SIGKILL: also ends a stopped process
+    for p in procs:
+        p.join(timeout=10)
+
+
+def run_ranks(fn: Callable[..., Any], nproc: int, device: str = "auto", timeout_s: float = 600.0,
+              args: tuple = (), *, run_dir: str | os.PathLike | None = None, heartbeat_timeout_s: float = 300.0,
+              say: Callable[[str], None] = print) -> None:
+    """Run ``fn(device, *args, heartbeat=...)`` on every rank of the world chosen as the module docstring says
+    (``heartbeat``: a ``training.launch.watchdog.Heartbeat`` whose ``beat(step)`` the rank calls after each step
+    when spawned, else None).
+
+    ``fn`` must be importable by name (spawned processes unpickle it). A failure raises ``JobFailed`` (its
+    tracebacks appended to ``run_dir/error.log``); KeyboardInterrupt ends the spawned ranks and propagates.
+    """
+    if launched_by_torchrun():
+        rank = int(os.environ.get("RANK", "0"))
+        try:
+            dev = pick_device(device, int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+            fn(dev, *args, heartbeat=None)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:   # each rank reports its own (torchrun names the first one to fail)
+            failure = failure_of(exc, rank)
+            raise JobFailed(failure, append_error_log(run_dir, [failure], name=f"error.rank{rank}.log")) from exc
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        return
+    if nproc <= 1:
+        try:
+            fn(pick_device(device, 0), *args, heartbeat=None)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:   # e.g. torch.distributed.checkpoint's CheckpointException
+            failure = failure_of(exc, None)
+            raise JobFailed(failure, append_error_log(run_dir, [failure])) from exc
+        return
+    with tempfile.TemporaryDirectory(prefix="moefold-launch-") as tmp:
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_spawned, name=f"moefold-rank{r}", daemon=False,
+                             args=(r, fn, nproc, tmp, device, timeout_s, heartbeat_timeout_s, os.getpid(), args))
+                 for r in range(nproc)]
+        try:
+            for p in procs:
+                p.start()
+            say(f"launched {nproc} ranks (pids {', '.join(str(p.pid) for p in procs)})")
+            outcome = _supervise(Path(tmp), procs, heartbeat_timeout_s, poll_s=min(0.5, heartbeat_timeout_s / 10))
+        finally:
+            _kill_all(procs)
+        if outcome is not None:
+            first, failures, notes = outcome
+            raise JobFailed(first, append_error_log(run_dir, failures, notes))

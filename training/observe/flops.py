@@ -1,0 +1,67 @@
+"""Model FLOPs per trained token from a ``ModelConfig`` (for TFLOP/s and MFU).
+
+Counts matrix multiplies only (2 FLOPs per multiply-add), forward + backward = 3 x forward (no
+recompute: MFU counts model FLOPs, not hardware FLOPs). Included: attention projections (GQA or
+MLA), the causal score and value products at the average context length (``seq_len / 2``, or the
+sliding window), dense SwiGLU MLPs, routers, only the ``topk`` active routed experts per token,
+shared experts, the output head and the multi-token-prediction modules.
+"""
+
+from __future__ import annotations
+
+from moefold.models.config import ModelConfig
+
+
+def attention_macs(c: ModelConfig, seq_len: int, index: int | None = None) -> float:
+    """Multiply-adds of one attention layer (layer ``index``: its sliding window; None: ``c.sliding_window``)
+    for one token."""
+    H, nh = c.hidden_size, c.num_attention_heads
+    if c.attention == "mla":
+        m = c.mla
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        q = H * m.q_lora_rank + m.q_lora_rank * nh * qk if m.q_lora_rank else H * nh * qk
+        kv = H * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * nh * (m.qk_nope_head_dim + m.v_head_dim)
+        proj = q + kv + nh * m.v_head_dim * H
+        dqk, dv = qk, m.v_head_dim
+    else:
+        d = c.attention_head_dim
+        proj = H * nh * d + 2 * H * c.kv_heads * d + nh * d * H
+        dqk = dv = d
+    context = (seq_len + 1) / 2
+    window = c.sliding_window if index is None else c.layer_sliding_window(index)
+    if window is not None:
+        context = min(context, float(window))
+    return proj + nh * (dqk + dv) * context
+
+
+def ffn_macs(c: ModelConfig, moe: bool) -> float:
+    """Multiply-adds of one dense MLP (``moe`` False) or MoE layer (router, top-k routed and shared experts)
+    for one token."""
+    H = c.hidden_size
+    if not moe:
+        return 3 * H * c.ffn_hidden_size
+    macs = H * c.num_experts + c.moe_topk * 3 * H * c.moe_ffn_hidden_size
+    if c.moe_shared_expert_ffn_size:
+        macs += 3 * H * c.moe_shared_expert_ffn_size + (H if c.moe_shared_expert_gate else 0)
+    return macs
+
+
+def forward_flops_per_token(c: ModelConfig, seq_len: int) -> float:
+    """Forward FLOPs of one token through the whole model (all layers, head, MTP)."""
+    macs = 0.0
+    for i in range(c.num_layers):
+        macs += attention_macs(c, seq_len, i) + ffn_macs(c, c.is_moe_layer(i))
+    head = c.hidden_size * c.vocab_size
+    macs += head
+    for k in range(c.mtp_num_layers):
+        macs += 2 * c.hidden_size * c.hidden_size + attention_macs(c, seq_len, c.num_layers + k) + \
+            ffn_macs(c, c.num_experts > 0)
+        macs += head
+    return 2.0 * macs
+
+
+def train_flops_per_token(c: ModelConfig, seq_len: int) -> float:
+    """Forward + backward model FLOPs per trained token (3 x forward)."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len={seq_len} must be >= 1")
+    return 3.0 * forward_flops_per_token(c, seq_len)

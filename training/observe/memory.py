@@ -1,0 +1,204 @@
+"""Memory you can see: what a rank holds (counted), bytes per parameter (computed), peaks (measured).
+
+Static memory per rank (``static_bytes``) is counted from the tensors themselves: the flat parameter
+and main-grad buffers of ``GradSync`` and the optimizer's slices. ``bytes_per_parameter`` is the same
+arithmetic per parameter for a precision choice and a shard count, Megatron's table.
+
+Peaks are measured (``measure_peak``), one phase at a time (e.g. one forward + backward):
+
+- CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus what was allocated
+  before the phase ("cuda_max_allocated");
+- elsewhere: ``TensorMemoryTracker`` ("tensor_tracker"), a ``TorchDispatchMode`` that adds the bytes of
+  every storage an operator creates, subtracts them when the storage is freed (a ``weakref.finalize`` on
+  the storage) and follows in-place storage resizes (the output-discarding recompute frees and refills
+  storages that way). It counts tensor bytes, not allocator caching or fragmentation, and slows the phase
+  down (a Python call per operator): a measurement tool, not for every training step.
+
+The metrics line uses the cheap per-interval peaks of ``interval_peak``: CUDA max allocated since the last
+call, or on CPU the process's peak resident set (Linux ``VmHWM``, reset through ``/proc/self/clear_refs``;
+elsewhere ``ru_maxrss``, the peak since the process started).
+"""
+
+from __future__ import annotations
+
+import resource
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from moefold.training.optim.precision import OptimizerPrecision
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+# ----------------------------------------------------------------------------------------- counted
+def static_bytes(sync: Any, optimizer: Any) -> dict[str, int]:
+    """{"params", "grads", "optimizer", "master", "exp_avg", "exp_avg_sq"}: bytes this rank holds in ``sync``'s
+    buffers (``GradSync``) and ``optimizer``'s state (``DistributedAdamW``)."""
+    out = {"params": sum(g.param_data.nbytes for g in sync.groups),
+           "grads": sum(g.grad_data.nbytes for g in sync.groups)}
+    states = optimizer.state_breakdown()
+    return {**out, "optimizer": sum(states.values()), **states}
+
+
+def bytes_per_parameter(param_dtype: str, precision: OptimizerPrecision, shards: int) -> float:
+    """Bytes one parameter costs a rank: its value, its main grad, and 1/``shards`` of its optimizer state
+    (fp32 master only when the parameter is not fp32 itself, exp_avg, exp_avg_sq)."""
+    value, grad, state = state_parts(param_dtype, precision)
+    return value + grad + state / shards
+
+
+def state_parts(param_dtype: str, precision: OptimizerPrecision) -> tuple[int, int, int]:
+    """Bytes per parameter of (its value, its main grad, its whole optimizer state)."""
+    state = sum(optimizer_state_parts(param_dtype, precision).values())
+    return DTYPE_BYTES[param_dtype], DTYPE_BYTES[precision.main_grads_dtype], state
+
+
+def optimizer_state_parts(param_dtype: str, precision: OptimizerPrecision) -> dict[str, int]:
+    """{"master", "exp_avg", "exp_avg_sq"}: optimizer-state bytes per (unsharded) parameter; the fp32 master
+    only when the parameter is not itself in the master dtype (``DistributedAdamW``'s slices)."""
+    master = DTYPE_BYTES[precision.main_params_dtype] if param_dtype != precision.main_params_dtype else 0
+    return {"master": master, "exp_avg": DTYPE_BYTES[precision.exp_avg_dtype],
+            "exp_avg_sq": DTYPE_BYTES[precision.exp_avg_sq_dtype]}
+
+
+def describe_static(sync: Any, optimizer: Any, param_dtype: str, precision: OptimizerPrecision) -> str:
+    """The start-up line: this rank's bytes and the bytes per parameter of each reduction group."""
+    b = static_bytes(sync, optimizer)
+    mib = lambda n: f"{n / 2**20:.1f} MiB"
+    states = ", ".join(f"{k} {mib(b[k])}" for k in ("master", "exp_avg", "exp_avg_sq") if b[k])
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    per_group = {}
+    for g in sync.groups:
+        dtype = names[g.param_data.dtype]
+        value, grad, state = state_parts(dtype, precision)
+        label = g.kind if dtype == param_dtype else f"{g.kind} ({dtype})"
+        per_group[label] = f"{bytes_per_parameter(dtype, precision, g.size):g} = {value} + {grad} + {state}/{g.size}"
+    return (f"memory: params {mib(b['params'])}, main grads {mib(b['grads'])}, optimizer {mib(b['optimizer'])} "
+            f"({states}); bytes per parameter ({param_dtype} params, {precision.main_grads_dtype} main grads, "
+            f"{precision.exp_avg_dtype}/{precision.exp_avg_sq_dtype} moments; value + grad + states/shards): "
+            + ", ".join(f"{k} {v}" for k, v in per_group.items()))
+
+
+# ----------------------------------------------------------------------------------------- measured
+class TensorMemoryTracker(TorchDispatchMode):
+    """Live and peak bytes of the tensor storages on ``device_type`` that operators create while active
+    (storages that existed before are not counted, even when written in place); ``largest``: the largest of
+    those storages. See the module docstring."""
+
+    def __init__(self, device_type: str = "cpu") -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.live: dict[int, int] = {}
+        self.current = self.peak = self.largest = 0
+        self._resize = None
+
+    def __enter__(self) -> TensorMemoryTracker:
+        original = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:   # storage.resize_ bypasses dispatch
+            out = original(storage, size)
+            tracker._update(storage)
+            return out
+
+        self._resize = original
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.UntypedStorage.resize_ = self._resize
+        super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, Tensor) and t.device.type == self.device_type:
+                storage = t.untyped_storage()
+                key = id(storage)
+                if key in self.live:
+                    self._update(storage)
+                elif key not in inputs:   # a new allocation (views and in-place results share an input's)
+                    self.live[key] = 0
+                    weakref.finalize(storage, self._freed, key)
+                    self._update(storage)
+        return out
+
+    def _update(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        if key in self.live:
+            n = storage.nbytes()
+            self.current += n - self.live[key]
+            self.live[key] = n
+            self.peak = max(self.peak, self.current)
+            self.largest = max(self.largest, n)
+
+    def _freed(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+
+@dataclass(frozen=True)
+class PeakMemory:
+    """bytes: the phase's peak above what was allocated when it began; method: how it was measured."""
+
+    bytes: int
+    method: str
+
+
+def measure_peak(fn: Callable[[], Any], device: torch.device | str = "cpu") -> tuple[Any, PeakMemory]:
+    """(``fn()``, its peak memory). CUDA: allocator statistics; other devices: ``TensorMemoryTracker``."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        out = fn()
+        torch.cuda.synchronize(dev)
+        return out, PeakMemory(torch.cuda.max_memory_allocated(dev) - base, "cuda_max_allocated")
+    with TensorMemoryTracker(dev.type) as tracker:
+        out = fn()
+    return out, PeakMemory(tracker.peak, "tensor_tracker")
+
+
+def _read_hwm() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")   # Linux >= 4.0: reset the peak resident set size to the current one
+        return True
+    except OSError:
+        return False
+
+
+def interval_peak(device: torch.device | str = "cpu") -> tuple[int, str]:
+    """(peak bytes since the previous call, method) and restart the interval. CUDA: "cuda_max_allocated";
+    CPU: "rss_hwm" (resettable on Linux) or "ru_maxrss" (peak since the process started)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        return peak, "cuda_max_allocated"
+    hwm = _read_hwm()
+    if hwm is not None and _reset_hwm():
+        return hwm, "rss_hwm"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "ru_maxrss"

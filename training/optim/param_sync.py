@@ -1,0 +1,85 @@
+"""Bucketed all-gather of updated parameters, optionally overlapped with the next forward.
+
+After the optimizer updated this rank's chunk of each bucket of the parameter buffers
+(``training.optim.buffers``), ``launch()`` all-gathers every bucket of every group larger than one rank,
+in place (rank r's chunk is the input, the whole bucket the output), in forward order (the last
+bucket in backward order first). Without overlap it then waits for all of them. With
+``overlap=True`` (Megatron's ``--overlap-param-gather``) it returns at once: a forward pre-hook on
+each module of ``model`` waits for the buckets that hold the parameters of that module's subtree
+(for a tied output head, also the embedding's) just before the module runs, so the gathers of later
+layers overlap the compute of earlier ones. ``wait_all()`` is the barrier for anything that reads
+parameters outside a forward (the next optimizer step, checkpoints, evaluation).
+
+Groups of size 1 (world 1, ep = world for experts, ...) take no collective and no copy.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from moefold.dense.embedding import OutputHead
+from moefold.training.optim.buffers import Bucket, FlatGroup
+from moefold.training.optim.grad_sync import all_gather_into
+
+
+class ParamSync:
+    """All-gathers the parameter buffers of ``groups``; see the module docstring. Collective: ``launch``."""
+
+    def __init__(self, groups: list[FlatGroup], model: nn.Module | None = None, overlap: bool = False) -> None:
+        self.groups = [g for g in groups if g.size > 1]
+        self.overlap = overlap and bool(self.groups)
+        self._handles = []
+        if self.overlap:
+            if model is None:
+                raise ValueError("ParamSync(overlap=True) needs the model, whose forward waits for the gathers")
+            self._register_hooks(model)
+
+    def launch(self) -> None:
+        """Start the all-gather of every bucket (forward order); wait for all unless overlapping."""
+        for g in self.groups:
+            for b in reversed(g.buckets):
+                lo, hi = g.owned(b)
+                b.param_work = all_gather_into(g.param_data[b.start:b.end], g.param_data[lo:hi], group=g.group,
+                                               async_op=True)
+        if not self.overlap:
+            self.wait_all()
+
+    def wait_all(self) -> None:
+        for g in self.groups:
+            for b in g.buckets:
+                self._wait(b)
+
+    @staticmethod
+    def _wait(b: Bucket) -> None:
+        if b.param_work is not None:
+            b.param_work.wait()
+            b.param_work = None
+
+    @property
+    def pending(self) -> int:
+        """Buckets whose gather has been launched and not yet waited for."""
+        return sum(b.param_work is not None for g in self.groups for b in g.buckets)
+
+    def _register_hooks(self, model: nn.Module) -> None:
+        bucket_of = {id(p): g.buckets[g.bucket_of[i]] for g in self.groups for i, p in enumerate(g.params)}
+        for module in model.modules():
+            if module is model:   # the root's forward reads nothing itself; its children wait for their own
+                continue
+            params = list(module.parameters())
+            if isinstance(module, OutputHead) and module.tied_to is not None:
+                params += list(module.tied_to.parameters())   # a tied head reads the embedding's weight
+            buckets = list({id(b): b for p in params if (b := bucket_of.get(id(p))) is not None}.values())
+            if buckets:
+                self._handles.append(module.register_forward_pre_hook(self._hook(buckets)))
+
+    def _hook(self, buckets: list[Bucket]):
+        def hook(_module: nn.Module, _args: tuple) -> None:
+            for b in buckets:
+                if b.param_work is not None:
+                    self._wait(b)
+        return hook
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
