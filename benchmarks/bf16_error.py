@@ -101,7 +101,7 @@ def _rope_in_fp32() -> contextlib.AbstractContextManager:
         return apply_rotary(x.float(), cos, sin, interleaved).to(x.dtype)
 
     stack = contextlib.ExitStack()
-    for target in ("moefold.dense.attention.apply_rotary", "moefold.dense.mla.apply_rotary"):
+    for target in ("moefold.dense.rope.apply_rotary", "moefold.dense.mla.apply_rotary"):   # GQA: apply_partial_rotary
         stack.enter_context(mock.patch(target, rotary))
     return stack
 

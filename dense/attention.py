@@ -110,7 +110,8 @@ class GQAAttention(nn.Module):
         # every rank's rows need the sum over all heads, and its gradient flows back to every rank
         sum_sq = reduce_from_region(copy_to_region(sum_sq, self.tp_group), self.tp_group)
         x32 = x32 * torch.rsqrt(sum_sq / norm.hidden + norm.eps)
-        return (weight[first_row:first_row + h * d] * x32.to(x_SBhd.dtype)).view(S, B, h, d)
+        # the weight multiply in fp32 and one rounding, as dense.norm.rms_norm (the unsplit path) does
+        return (weight[first_row:first_row + h * d].to(torch.float32) * x32).to(x_SBhd.dtype).view(S, B, h, d)
 
     def _qk(self, x: Tensor, S: int, B: int) -> tuple[Tensor, Tensor]:
         """q ``[S, B, h/tp, d]`` and k ``[S, B, kv/tp or 1, d]``, qk-normed, before RoPE."""

@@ -50,16 +50,21 @@ def _rms_norm_in_input_dtype(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def _attention_in_input_dtype(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, *, scale: float,
-                              sliding_window: int | None = None) -> Tensor:
+                              sliding_window: int | None = None, sinks: Tensor | None = None) -> Tensor:
     """Attention with bf16 scores and probabilities (Megatron-Core's unfused attention with
-    ``attention_softmax_in_fp32=False``): q k^T rounded to q's dtype, the softmax taken and returned in it."""
+    ``attention_softmax_in_fp32=False``): q k^T rounded to q's dtype, the softmax taken and returned in it
+    (with ``sinks [h]``: one more logit per head in the softmax's denominator, as GPT-OSS's)."""
     from moefold.dense.context_parallel import position_mask
 
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    hidden = ~position_mask(position_ids, position_ids, sliding_window)
-    return torch.matmul(torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1), v)
+    scores = scores.masked_fill(~position_mask(position_ids, position_ids, sliding_window), float("-inf"))
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1), v)
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v)
 
 
 def _no_upcast(t: Tensor) -> Tensor:
@@ -98,8 +103,8 @@ class Run:
     """One forward (logits) and one forward + backward (loss, gradients) of a model on ``samples``.
 
     logits: [B, S, V] fp32 (upcast from the model's output dtype)
-    loss:   token-mean next-token cross entropy
-    grads:  every parameter's gradient as fp32, in the model's parameter order
+    loss:   token-mean next-token cross entropy (NaN when not computed)
+    grads:  every parameter's gradient as fp32, in the model's parameter order (empty when not computed)
     routes: per MoE layer, [T, E] bool: the experts each token was sent to (the forward of ``logits``)
     """
 
@@ -139,7 +144,7 @@ def compare(low: Run, ref: Run) -> Error:
     """``low`` (bf16) against ``ref`` (fp32, the same system and weights)."""
     diff = (low.logits - ref.logits).abs()
     num = math.sqrt(sum(float((a - b).pow(2).sum()) for a, b in zip(low.grads, ref.grads)))
-    den = math.sqrt(sum(float(b.pow(2).sum()) for b in ref.grads))
+    den = math.sqrt(sum(float(b.pow(2).sum()) for b in ref.grads)) if ref.grads else float("nan")
     same = sum(int((a == b).all(-1).sum()) for a, b in zip(low.routes, ref.routes))
     total = sum(b.shape[0] for b in ref.routes)
     return Error(logits_mean=float(diff.mean()), logits_max=float(diff.max()), loss=abs(low.loss - ref.loss),
@@ -182,7 +187,10 @@ def moefold_model(config: ModelConfig, state: dict[str, Tensor], dtype: torch.dt
     return model
 
 
-def moefold_run(config: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, samples: Tensor) -> Run:
+def moefold_run(config: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, samples: Tensor, *,
+                loss: bool = True, grads: bool = True) -> Run:
+    """``Run`` of moefold's model; ``loss``/``grads`` False skip the loss forward / the backward (NaN loss,
+    no gradients): logits and routing alone cost one forward."""
     model = moefold_model(config, state, dtype)
     ids, labels = samples[:, :-1], samples[:, 1:]
     routes: list[Tensor] = []
@@ -196,24 +204,36 @@ def moefold_run(config: ModelConfig, state: dict[str, Tensor], dtype: torch.dtyp
     logits = model.logits(ids)
     for h in hooks:
         h.remove()
-    out = model(ids, labels)
-    out.loss.backward()
-    return Run(logits=logits.float(), loss=float(out.lm_loss), grads=_grads(model), routes=routes)
+    if not (loss or grads):
+        return Run(logits=logits.float(), loss=float("nan"), grads=[], routes=routes)
+    with torch.set_grad_enabled(grads):
+        out = model(ids, labels)
+    if grads:
+        out.loss.backward()
+    return Run(logits=logits.float(), loss=float(out.lm_loss.detach()), grads=_grads(model) if grads else [],
+               routes=routes)
 
 
 # ----------------------------------------------------------------------------------------------- HF transformers
 def hf_model(config: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype):
-    """HF transformers' model of ``config`` (``to_hf_config``; SDPA attention) in ``dtype`` holding ``state``."""
+    """HF transformers' model of ``config`` (``to_hf_config``; SDPA attention, or eager where HF has no SDPA
+    path: GPT-OSS's sinks) in ``dtype`` holding ``state``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config = AutoConfig.for_model(**to_hf_config(config))
     hf_config._attn_implementation = "sdpa"
-    model = AutoModelForCausalLM.from_config(hf_config)
+    try:
+        model = AutoModelForCausalLM.from_config(hf_config)
+    except ValueError:   # "... does not support an attention implementation through ... scaled_dot_product_attention"
+        hf_config._attn_implementation = "eager"
+        model = AutoModelForCausalLM.from_config(hf_config)
     model.load_state_dict(state, strict=True)
     return model.to(dtype).eval()
 
 
-def hf_run(config: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, samples: Tensor) -> Run:
+def hf_run(config: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, samples: Tensor, *,
+           grads: bool = True) -> Run:
+    """``Run`` of HF's model (one forward: logits, routing, loss; ``grads`` the backward too)."""
     model = hf_model(config, state, dtype)
     ids, labels = samples[:, :-1], samples[:, 1:]
     routes: list[Tensor] = []
@@ -223,12 +243,13 @@ def hf_run(config: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, sa
         routes.append(torch.zeros(out[2].shape[0], E, dtype=torch.bool).scatter_(1, out[2].long(), True))
 
     hooks = [m.register_forward_hook(record) for m in model.modules() if type(m).__name__.lower().endswith("router")]
-    with torch.no_grad():
+    with torch.set_grad_enabled(grads):
         logits = model(input_ids=ids).logits
+        # HF's ForCausalLMLoss: cross entropy of the fp32-upcast logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
     for h in hooks:
         h.remove()
-    # HF's ForCausalLMLoss: cross entropy of the fp32-upcast logits
-    out = model(input_ids=ids).logits
-    loss = F.cross_entropy(out.float().flatten(0, 1), labels.flatten())
-    loss.backward()
-    return Run(logits=logits.float(), loss=float(loss), grads=_grads(model), routes=routes)
+    if grads:
+        loss.backward()
+    return Run(logits=logits.detach().float(), loss=float(loss.detach()), grads=_grads(model) if grads else [],
+               routes=routes)

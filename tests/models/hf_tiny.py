@@ -17,7 +17,8 @@ VOCAB = 96
 # The tiny recipes (models/recipes.py) that HF transformers has a model class for: the bf16 accuracy tests
 # (tests/models/test_bf16_accuracy.py) and benchmarks/bf16_error.py run each against HF's model of its config.
 # A new family joins here once models/hf/config_map.py exports it.
-HF_TINY_RECIPES = ("qwen3_moe_tiny", "mixtral_tiny", "deepseek_v3_tiny")
+HF_TINY_RECIPES = ("qwen3_moe_tiny", "mixtral_tiny", "deepseek_v3_tiny", "gpt_oss_tiny", "glm4_moe_tiny",
+                   "kimi_k2_tiny", "olmoe_tiny", "minimax_m2_tiny")
 
 
 def _more_family_model(family: str, **changes):
