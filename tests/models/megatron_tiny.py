@@ -22,10 +22,11 @@ Megatron-Core needs torch.distributed and its parallel state: ``megatron_run`` r
 (``tests.distributed.run_distributed``; ``megatron_runs`` runs a list of runs in one), so the calling
 process never initialises either.
 
-Only GQA families map here: DeepSeek-V3's MLA takes a rotary-interleave permutation of its weights, and
-Megatron-Core ranks expert groups by the sum of each group's top ``topk // group_topk`` scores where HF
-and DeepSeek sum the top 2 (a different model at deepseek_v3_tiny's topk 2 / group_topk 2), so
-``megatron_supports`` is False for it.
+Only Qwen3-MoE and Mixtral map here (``MAPPED_FAMILIES``): DeepSeek-V3's MLA takes a rotary-interleave
+permutation of its weights, and Megatron-Core ranks expert groups by the sum of each group's top
+``topk // group_topk`` scores where HF and DeepSeek sum the top 2 (a different model at deepseek_v3_tiny's
+topk 2 / group_topk 2); issue 33's families use features this mapping does not cover. ``megatron_supports``
+says why for each.
 """
 
 from __future__ import annotations
@@ -46,15 +47,26 @@ def megatron_available() -> bool:
     return importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 
 
+# The families whose every feature maps onto the GPTModel built here (GQA with optional per-head qk-norm, full
+# RoPE, softmax top-k routing, SwiGLU experts without biases); the others need what is not mapped (below).
+MAPPED_FAMILIES = ("qwen3_moe", "mixtral")
+
+
 def megatron_supports(config: ModelConfig) -> str | None:
     """None when ``config`` maps onto Megatron-Core's GPTModel here, else why not."""
     if config.attention != "gqa":
         return "MLA: Megatron-Core's MLA needs DeepSeek's rotary-interleaved weights permuted (not mapped here)"
     if config.moe_num_groups is not None:
         return "group-limited routing: Megatron-Core scores a group by its top topk // group_topk experts, HF by 2"
-    if config.moe_shared_expert_ffn_size or config.moe_expert_bias or config.moe_score_function != "softmax":
-        return "shared experts / expert bias / sigmoid routing are not mapped here"
+    if config.family not in MAPPED_FAMILIES:
+        features = _UNMAPPED.get(config.family, "features")
+        return f"{config.family}: its {features} are not mapped onto Megatron-Core here"
     return None
+
+
+_UNMAPPED = {"gpt_oss": "attention sinks, router and expert biases and clamped SwiGLU",
+             "olmoe": "qk-norm over the whole projection (Megatron-Core's qk_layernorm is per head)",
+             "minimax_m2": "sigmoid routing with expert bias, partial RoPE and projection qk-norm"}
 
 
 @contextlib.contextmanager
