@@ -1,4 +1,5 @@
-"""RMSNorm computed in fp32 from statistics to weight, rounded once (Megatron-Core's norms; HF ``LlamaRMSNorm``'s math).
+"""RMSNorm computed in fp32 from statistics to weight, rounded once (Megatron-Core's norms; HF ``LlamaRMSNorm``'s math),
+and its zero-centred-gamma variant (HF ``Qwen3NextRMSNorm``, Megatron's ``--apply-layernorm-1p``).
 
 An fp32 island of the bf16 path: ``rms_norm`` upcasts the input, takes the mean square, normalises and
 multiplies by the weight in fp32, and rounds to the input dtype once at the end. That is what Megatron-Core
@@ -8,7 +9,8 @@ multiplies by the weight in fp32, and rounds to the input dtype once at the end.
 ``LlamaRMSNorm`` family rounds the normalised value to bf16 before the weight multiply, a second rounding;
 on the bf16 tiny recipes that rounding is the largest single source of moefold's former excess error over
 Megatron-Core (benchmarks/RESULTS.md, "bf16 numerics"). In fp32 the two orders are the same operations, so
-fp32 results (and the fp32 parity with HF) are unchanged.
+fp32 results (and the fp32 parity with HF) are unchanged. The zero-centred variant was computed in fp32 and
+rounded once already (HF ``Qwen3NextRMSNorm``'s order).
 
 The weight is replicated across TP. Under sequence parallelism each rank normalises only its
 sequence shard, so the weight's gradient is partial: the ``sequence_parallel`` flag marks it
@@ -23,14 +25,17 @@ from torch import Tensor, nn
 from moefold.parallel.sharding import mark_sequence_parallel
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim, computed in fp32 and rounded once to ``x.dtype``.
+def rms_norm(x: Tensor, weight: Tensor, eps: float, *, zero_centered_gamma: bool = False) -> Tensor:
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim (``(1 + weight) * ...`` with
+    ``zero_centered_gamma``), computed in fp32 and rounded once to ``x.dtype``.
 
     x ``[..., hidden]``, weight ``[hidden]`` (any float dtypes). The fp32 island of every norm in the model
     (see the module docstring); nothing crosses ranks.
     """
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centered_gamma:
+        return (x32 * (1.0 + weight.float())).to(x.dtype)
     return (weight.to(torch.float32) * x32).to(x.dtype)
 
 
@@ -38,24 +43,30 @@ class RMSNorm(nn.Module):
     """``weight * (x / sqrt(mean(x^2) + eps))`` over the last dim.
 
     forward(x [..., hidden]) -> [..., hidden] in ``x.dtype`` (``rms_norm``: fp32 throughout, one rounding).
+
+    ``zero_centered_gamma``: the stored weight is ``gamma - 1`` (initialised to 0, so weight decay pulls the
+    scale towards 1, not 0) and the output is ``(x_normalised * (1 + weight))`` computed in fp32 and cast
+    once, the order of HF ``Qwen3NextRMSNorm``.
     """
 
     def __init__(self, hidden: int, eps: float = 1e-6, *, sequence_parallel: bool = False,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+                 zero_centered_gamma: bool = False, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         if not isinstance(hidden, int) or hidden < 1:
             raise ValueError(f"RMSNorm hidden={hidden!r} must be a positive integer")
         if not eps > 0:
             raise ValueError(f"RMSNorm eps={eps!r} must be > 0")
-        self.hidden, self.eps = hidden, float(eps)
-        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
+        self.hidden, self.eps, self.zero_centered_gamma = hidden, float(eps), zero_centered_gamma
+        init = torch.zeros if zero_centered_gamma else torch.ones
+        self.weight = nn.Parameter(init(hidden, dtype=dtype, device=device))
         if sequence_parallel:
             mark_sequence_parallel(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.hidden:
             raise ValueError(f"RMSNorm(hidden={self.hidden}) got an input of shape {tuple(x.shape)}")
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, zero_centered_gamma=self.zero_centered_gamma)
 
     def extra_repr(self) -> str:
-        return f"{self.hidden}, eps={self.eps}"
+        return f"{self.hidden}, eps={self.eps}" + (", zero_centered_gamma" if self.zero_centered_gamma else "")

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from moefold.dense.norm import RMSNorm
 from moefold.models.config import ModelConfig
 from moefold.models.decoder import MoEDecoder
 from moefold.models.hf.config_map import to_hf_config
@@ -166,7 +167,9 @@ def reference_weights(recipe: str, seed: int = 0) -> tuple[ModelConfig, dict[str
              for n, v in hf_tensors(name, t, config, expert_format="fused")}
     buffers = [(n, t) for n, t in state.items() if n.endswith("e_score_correction_bias")]
     params = [(n, t) for n, t in state.items() if not n.endswith("e_score_correction_bias")]
-    perturb_weights(params, buffers, torch.Generator().manual_seed(seed + 1))
+    zero_centered = {n for name, m in model.named_modules() if isinstance(m, RMSNorm) and m.zero_centered_gamma
+                     for n, _ in hf_tensors(f"{name}.weight", m.weight, config)}
+    perturb_weights(params, buffers, torch.Generator().manual_seed(seed + 1), zero_centered)
     return config, {n: t.bfloat16().float() for n, t in state.items()}
 
 
