@@ -156,24 +156,43 @@ def measure(recipe: str, seeds: int, batch: int, seq: int, megatron: bool, islan
 
 
 def plot(results: dict[str, dict[str, Error]], path: str) -> None:
+    """Top: each system's mean logit error per recipe. Below (with ``--islands``): moefold's error with each
+    fp32 island removed, relative to moefold's own."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    systems = [s for s in dict.fromkeys(s for r in results.values() for s in r)]
-    fig, ax = plt.subplots(figsize=(1.5 + 1.2 * len(results) * len(systems) / 3, 4))
+    recipes = list(results)
+    systems = [s for s in ("moefold", "HF transformers", "Megatron-Core") if any(s in r for r in results.values())]
+    removed = list(dict.fromkeys(s for r in results.values() for s in r if s.startswith("moefold without ")))
+    fig, axes = plt.subplots(2 if removed else 1, 1, figsize=(2 + 1.4 * len(recipes), 8 if removed else 4.5),
+                             squeeze=False)
+    ax = axes[0][0]
     width = 0.8 / len(systems)
     for j, system in enumerate(systems):
         xs = [i + j * width for i, r in enumerate(results.values()) if system in r]
-        ys = [r[system].logits_mean for r in results.values() if system in r]
-        ax.bar(xs, ys, width, label=system)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(results))], list(results))
-    ax.set_ylabel("mean |logit error| bf16 vs fp32")
-    ax.set_title("bf16 error against the same model in fp32 (same bf16 weights)")
-    ax.legend(fontsize=7)
+        ax.bar(xs, [r[system].logits_mean for r in results.values() if system in r], width, label=system)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(recipes))], recipes, rotation=30, ha="right")
+    ax.set_ylabel("mean |logit error|, bf16 vs fp32")
+    ax.set_title("each system against its own fp32 run")
+    ax.legend(fontsize=8)
+    if removed:
+        ax = axes[1][0]
+        width = 0.8 / len(removed)
+        for j, system in enumerate(removed):
+            ax.bar([i + j * width for i in range(len(recipes))],
+                   [r[system].logits_mean / r["moefold"].logits_mean for r in results.values()], width,
+                   label=system.removeprefix("moefold without "))
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        top = max(r[s].logits_mean / r["moefold"].logits_mean for r in results.values() for s in removed)
+        ax.set_ylim(0.8, 1.15 * top)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(recipes))], recipes, rotation=30, ha="right")
+        ax.set_ylabel("mean |logit error| / moefold's")
+        ax.set_title("moefold without one fp32 island (removed)")
+        ax.legend(fontsize=8, ncol=len(removed), loc="upper center")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:
