@@ -36,8 +36,8 @@ setup(
     ],
     extras_require={
         # setuptools: tests/test_packaging.py builds the wheel without build isolation (>= 70.1 needs no `wheel`);
-        # megatron-core: the tests compare data order, checkpoints and conventions with Megatron's own code (its
-        # wheel needs only torch, numpy, packaging; psutil: its dist_checkpointing save path)
+        # megatron-core: the tests compare data order, checkpoints, conventions and bf16 numerics with Megatron's
+        # own code (its wheel needs only torch, numpy, packaging; psutil: its dist_checkpointing save path)
         "test": ["pytest", "pytest-timeout", "ruff", "import-linter==2.17", "transformers", "tensorboard",
                  "torchao==0.18.0", "datasets==5.2.0", "setuptools==84.2.1", "megatron-core==0.16.1",
                  "psutil==7.2.2"],

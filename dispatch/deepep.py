@@ -387,7 +387,9 @@ class FlexDispatcher(TokenDispatcher):
         self._check_combine(expert_out_NH, handle, FlexHandle)
         assert isinstance(handle, FlexHandle)
         with self._phase("unpermute"):
-            # weighted here, on the expert rank: DeepEP's normal combine adds rows without weights
+            # weighted here, on the expert rank: DeepEP's normal combine adds rows without weights. The weighted
+            # sum is fp32 (combine_dtype) and rounded to bf16 for DeepEP, whose combine kernel adds the ranks'
+            # rows in fp32 registers (v1.2.1 csrc/kernels/intranode.cu: float values[])
             return (unpermute(expert_out_NH, handle.row_map, handle.recv_weights).to(torch.bfloat16),)
 
     def combine_exchange(self, handle: DispatchHandle) -> FlexCombineExchange:

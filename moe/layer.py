@@ -170,7 +170,9 @@ class MoELayer(nn.Module):
             router_kw = {"seq_ids_T": seq_ids_T, "num_seqs": B}
         routed = self.router(x_TH, global_state=global_state, generator=generator, **router_kw)
         if self.config.apply_probs_on_input:  # top-1: scale the token, sum the copy unweighted
-            x_TH = (x_TH * routed.routing.probs_TK.to(x_TH.dtype)).to(x_TH.dtype)
+            # the product in fp32 (bf16 tokens times the fp32 prob), rounded once: Megatron-Core's experts.py
+            # ``permuted_probs.unsqueeze(-1) * permuted_local_hidden_states`` then ``.to(original_dtype)``
+            x_TH = (x_TH * routed.routing.probs_TK).to(x_TH.dtype)
         return x_TH, routed, split_tokens
 
     def _shared(self, x_SBH: Tensor) -> Tensor | None:
@@ -183,10 +185,15 @@ class MoELayer(nn.Module):
         return self.experts(dispatched.tokens_NH, dispatched.tokens_per_expert_e, dispatched.tokens_per_expert_host)
 
     def _output(self, y_TH: Tensor, x_SBH: Tensor, split_tokens: bool, shared_SBH: Tensor | None) -> Tensor:
-        if split_tokens:
-            y_TH = gather_along_dim(y_TH, self.tp_group, dim=0)
-        y_SBH = y_TH.view(x_SBH.shape).to(x_SBH.dtype)
-        return y_SBH if shared_SBH is None else y_SBH + shared_SBH
+        # For bf16 tokens the combine returns its fp32 sum of the k weighted copies (``dispatch.base``): the
+        # shared experts' output is added to it in fp32 and the layer's output rounded once (Megatron-Core
+        # rounds the combine's sum first, then adds the shared experts in bf16)
+        if split_tokens:   # rounded before the gather, which then moves model-dtype bytes
+            y_TH = gather_along_dim(y_TH.to(x_SBH.dtype), self.tp_group, dim=0)
+        y_SBH = y_TH.view(x_SBH.shape)
+        if shared_SBH is not None:
+            y_SBH = y_SBH + shared_SBH
+        return y_SBH.to(x_SBH.dtype)
 
     @staticmethod
     def _info(routed: RouterOutput) -> MoEOutputInfo:
