@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import sys
+from datetime import timedelta
 
 import torch
 
@@ -31,10 +32,12 @@ from moefold.parallel.dims import ParallelConfig, ParallelSizes
 from moefold.parallel.fp8 import add_fp8_arguments, fp8_config_from_args
 from moefold.parallel.init import launched_by_torchrun, launched_world_size
 from moefold.training.cli.model_flags import UPCYCLING_FLAGS, add_model_arguments, apply_model_flags, given_model_flags
-from moefold.training.config import RunConfig, TrainConfig
+from moefold.training.config import EXIT_SIGNALS, STOP_SIGNALS, RunConfig, TrainConfig
 from moefold.training.errors import JobFailed
+from moefold.training.launch.claim import claim_run
 from moefold.training.launch.preflight import preflight
 from moefold.training.launch.ranks import run_ranks
+from moefold.training.launch.signals import Stop, signal_numbers, stop_line
 from moefold.training.launch.watchdog import Heartbeat
 from moefold.training.optim.lr_schedule import DECAY_STYLES, WSD_STYLES
 from moefold.training.optim.precision import DTYPES
@@ -148,7 +151,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--data-path", nargs="+", default=[], help="PREFIX or W1 PREFIX1 W2 PREFIX2 ... (prepared with "
                                                                "`moefold prepare-data`); default: built-in corpus")
     d.add_argument("--data-cache-dir", default=None)
-    d.add_argument("--run-dir", default=_T.run_dir, help=f"metrics, logs and reports (default {_T.run_dir})")
+    d.add_argument("--run-dir", default=None,
+                   help="metrics, logs and reports (default: a new runs/RECIPE/TIMESTAMP per fresh run, "
+                        "runs/RECIPE/latest pointing at it; a resume: its run's)")
     d.add_argument("--save", default=None, help="checkpoint directory (default RUN_DIR/checkpoints)")
     d.add_argument("--no-save", action="store_true", help="write no checkpoint")
     d.add_argument("--load", default=None, help="resume from the newest intact checkpoint in this directory (or "
@@ -157,6 +162,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="allow resuming with another --data-path, --seq-length or --seed: the data position restarts "
                         "at the first sample of the new order")
     d.add_argument("--no-balance-report", action="store_true", help="skip the load-balance PNGs at the end")
+    add_recovery_arguments(p)
     r = p.add_argument_group("failures")
     r.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="a collective that waits longer fails (default 10)")
@@ -164,6 +170,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--nproc: end the job, naming the rank, when a rank shows no sign of life for this long "
                         "(default 300)")
     add_validation_arguments(p)
+
+
+def add_recovery_arguments(p: argparse.ArgumentParser) -> None:
+    """Saving on preemption, background saves, and writing over another run (README "Failures and recovery")."""
+    g = p.add_argument_group("checkpoints, stops and other runs")
+    g.add_argument("--async-save", action="store_true",
+                   help="write --save-interval checkpoints in the background (torch.distributed.checkpoint."
+                        "async_save): training waits only for the copy to host memory; the final save waits")
+    g.add_argument("--exit-signal-handler", action=argparse.BooleanOptionalAction, default=True,
+                   help="on an --exit-signal every rank finishes its step, the run saves (with --save, even at "
+                        "--save-interval 0) and exits 128+signal (default on)")
+    g.add_argument("--exit-signal", nargs="+", default=list(EXIT_SIGNALS), metavar="SIGNAL", choices=STOP_SIGNALS,
+                   help=f"the signals that stop a run that way (default {' '.join(EXIT_SIGNALS)}; any of "
+                        f"{', '.join(STOP_SIGNALS)})")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="stop (and save) after this many minutes of training; exit 0")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (and save) after the first step divisible by this; exit 0")
+    g.add_argument("--override-save", action="store_true",
+                   help="let a fresh run write into a --save that holds another run's checkpoints (they stay; this "
+                        "run never resumes from or deletes them)")
+    g.add_argument("--override-run-dir", action="store_true",
+                   help="let a fresh run write into a --run-dir that holds another run's metrics (they are moved "
+                        "to RUN_DIR/previous/RUN_ID)")
 
 
 def add_pretrained_arguments(p: argparse.ArgumentParser) -> None:
@@ -255,10 +285,12 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                               etp=args.expert_tensor_parallel_size)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     explicit = ("run_dir", "save", "load", "bf16", "data_path", "vocab_size", "data_cache_dir", "valid_data_path",
-                "reset_data_position", "compile")
+                "reset_data_position", "compile", "exit_signals", "run_id")
     train = {k: v for k, v in vars(args).items() if k in fields and k not in explicit}
-    save = None if args.no_save else (args.save or os.path.join(args.run_dir, "checkpoints"))
+    # run_dir None / save None with neither --save nor --no-save: chosen by training.launch.claim before the ranks
+    save = None if args.no_save else args.save
     train = TrainConfig(**train, bf16=args.bf16, compile=args.compile, run_dir=args.run_dir, save=save, load=args.load,
+                        exit_signals=tuple(args.exit_signal) if args.exit_signal_handler else (),
                         reset_data_position=args.reset_data_position,
                         data_path=tuple(args.data_path), vocab_size=args.vocab_size,
                         data_cache_dir=args.data_cache_dir, overlap_grad_reduce=not args.no_overlap_grad_reduce,
@@ -336,32 +368,58 @@ def describe_parameters(model: ModelConfig) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Validate the flags, run the pre-flight checks, start the ranks. Exit codes: 0 done, 1 the run failed
-    (one line on stderr, tracebacks in RUN_DIR/error.log), 2 a flag or pre-flight check failed, 130 Ctrl-C."""
+    """Validate the flags, claim the run's directories (``training.launch.claim``), run the pre-flight checks,
+    start the ranks. Exit codes: 0 done (or a planned ``--exit-*`` stop, saved), 1 the run failed (one line on
+    stderr, tracebacks in RUN_DIR/error.log), 2 a flag or pre-flight check failed, 128 + N stopped by signal N
+    after saving (143 SIGTERM, 130 Ctrl-C, 138 SIGUSR1; ``training.launch.signals``)."""
+    torchrun = launched_by_torchrun()
     try:
         config = config_from_args(args)
-        world = launched_world_size() if launched_by_torchrun() else args.nproc
+        world = launched_world_size() if torchrun else args.nproc
         if args.nproc < 1:
             raise ValueError(f"--nproc={args.nproc} must be >= 1")
         for flag in ("distributed_timeout_minutes", "heartbeat_timeout"):
             if not 0 < getattr(args, flag) < float("inf"):
                 raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be a positive number")
         validate(config, world)
-        first = not launched_by_torchrun() or os.environ.get("RANK", "0") == "0"   # torchrun: every rank checks
-        preflight(config, say=print if first else lambda _line: None)
     except (ValueError, ImportError, RuntimeError) as exc:
         print(f"moefold train: error: {exc}", file=sys.stderr)
         return 2
-    if int(os.environ.get("RANK", "0")) == 0:
+    rank = int(os.environ.get("RANK", "0"))
+    if torchrun:   # the ranks exist already: join them now, so that they agree on the run before it starts
+        _join_torchrun(args)
+    claim, error = None, None
+    try:
+        if rank == 0:
+            config, claim = claim_run(config, default_save=not args.no_save and args.save is None,
+                                      override_save=args.override_save, override_run_dir=args.override_run_dir)
+    except (ValueError, ImportError, RuntimeError, OSError) as exc:
+        error = str(exc)
+    config, error = _agree(config, error)
+    if error is None:
+        try:   # torchrun: every rank checks (a node's files are its own)
+            preflight(config, say=print if rank == 0 else lambda _line: None, world_size=world,
+                      resume_from=claim.resume_from if claim else None)
+        except (ValueError, ImportError, RuntimeError) as exc:
+            error = str(exc)
+        error = _first_error(error)
+    if error is not None:
+        if claim is not None:
+            claim.release()
+        if rank == 0:
+            print(f"moefold train: error: {error}", file=sys.stderr)
+        return 2
+    if rank == 0:
         print(describe_parameters(config.model), flush=True)
-    if launched_by_torchrun() and args.nproc > 1:
+    if torchrun and args.nproc > 1:
         print(f"moefold train: launched by torchrun (world {world}); ignoring --nproc {args.nproc}", file=sys.stderr)
     try:
-        run_ranks(train_worker, 1 if launched_by_torchrun() else args.nproc, args.device,
-                  timeout_s=60 * args.distributed_timeout_minutes, args=(json.dumps(config.to_dict()),),
-                  run_dir=config.train.run_dir, heartbeat_timeout_s=args.heartbeat_timeout)
+        outcome = run_ranks(train_worker, 1 if torchrun else args.nproc, args.device,
+                            timeout_s=60 * args.distributed_timeout_minutes, args=(json.dumps(config.to_dict()),),
+                            run_dir=config.train.run_dir, heartbeat_timeout_s=args.heartbeat_timeout,
+                            stop_signals=signal_numbers(config.train.exit_signals))
     except JobFailed as exc:
-        spawned = world > 1 and not launched_by_torchrun()   # the log holds every rank's traceback
+        spawned = world > 1 and not torchrun   # the log holds every rank's traceback
         where = f" (full traceback{'s' if spawned else ''}: {exc.log})" if exc.log else ""
         cut = "\n" if spawned else ""   # rank 0's progress bar may end mid-line
         print(f"{cut}moefold train: {exc}{where}", file=sys.stderr)
@@ -369,14 +427,63 @@ def main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("moefold train: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if claim is not None:
+            claim.release()
+    if outcome and outcome.get("stop"):
+        stop = Stop(outcome["stop"], outcome["signum"])
+        if rank == 0:
+            print(stop_line(stop, outcome["step"], outcome["checkpoint"], config.train.save), file=sys.stderr)
+        return stop.exit_code
     return 0
 
 
-def train_worker(device: torch.device, config_json: str, heartbeat: Heartbeat | None = None) -> None:
-    """One rank of ``moefold train`` (module-level: spawned processes import it)."""
+def _join_torchrun(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    from moefold.training.launch.ranks import pick_device
+
+    dev = pick_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
+                            timeout=timedelta(minutes=args.distributed_timeout_minutes))
+
+
+def _agree(config: RunConfig, error: str | None) -> tuple[RunConfig, str | None]:
+    """Under torchrun: rank 0's claimed config and error on every rank; otherwise what it is given."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return config, error
+    box = [(config.to_dict(), error)]
+    dist.broadcast_object_list(box, src=0)
+    d, error = box[0]
+    return RunConfig.from_dict(d), error
+
+
+def _first_error(error: str | None) -> str | None:
+    """Under torchrun: the first rank's error (rank order) on every rank."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return error
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e), None)
+
+
+def train_worker(device: torch.device, config_json: str, heartbeat: Heartbeat | None = None) -> dict | None:
+    """One rank of ``moefold train`` (module-level: spawned processes import it). Returns how the run ended:
+    None when it trained to the end, else ``{"stop", "signum", "step", "checkpoint"}``."""
     from moefold.training.run import train
 
-    train(RunConfig.from_dict(json.loads(config_json)), device, heartbeat=heartbeat)
+    interactive = heartbeat is None and not launched_by_torchrun()   # world 1: the process the user started
+    summary = train(RunConfig.from_dict(json.loads(config_json)), device, heartbeat=heartbeat,
+                    interactive=interactive)
+    if summary.stop is None:
+        return None
+    return {"stop": summary.stop.reason, "signum": summary.stop.signum,
+            "step": summary.last.step if summary.last else 0,
+            "checkpoint": str(summary.checkpoint) if summary.checkpoint else None}
 
 
 if __name__ == "__main__":

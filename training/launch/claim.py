@@ -1,0 +1,215 @@
+"""Which run this is, where it writes, and that nothing else writes there: decided once, before any rank starts.
+
+A fresh run (no ``--load``) gets a new run id and, unless ``--run-dir`` names one, its own run directory
+``runs/<recipe>/<YYYYmmdd-HHMMSS>`` with ``runs/<recipe>/latest`` pointing at it. A resume continues the run it
+loads: the checkpoint's run id and, unless ``--run-dir`` names another, that run's directory (so its metrics
+go on where they were). ``--save`` defaults to ``RUN_DIR/checkpoints``.
+
+A run never writes over another run: a ``--run-dir`` that holds another run's ``run.json`` or metrics needs
+``--load`` of that run (a resume) or ``--override-run-dir`` (the other run's files are moved to
+``RUN_DIR/previous/<its run id>/``, not deleted); a ``--save`` that holds another run's checkpoints needs
+``--load`` of them or ``--override-save`` (they stay, but this run's tracker, resumes and keep-last never take
+or delete them). Then the save directory's lock is taken (``training.checkpoint.lock``: a second run into the
+same ``--save`` fails here, naming the first), and ``run.json`` is written to the run and save directories
+(``training.checkpoint.identity``).
+
+Every failure is a ValueError with one line naming the directory, the run that holds it and the way out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moefold.training.checkpoint.files import checkpoint_dirs, is_checkpoint_dir, resume_candidates
+from moefold.training.checkpoint.identity import (
+    RUN_FILE,
+    RunRecord,
+    checkpoint_run_id,
+    new_run_id,
+    read_run,
+    read_tracker,
+    remove_tracker,
+    write_run,
+)
+from moefold.training.checkpoint.lock import SaveLock, SaveLockError
+from moefold.training.checkpoint.sharded import read_meta
+from moefold.training.config import RunConfig
+from moefold.training.launch.preflight import writable_dir
+
+RUNS_ROOT = "runs"
+LATEST = "latest"
+PREVIOUS = "previous"
+METRICS = "metrics.jsonl"
+
+
+@dataclass
+class Claim:
+    """The outcome: the run's id, its directories, the checkpoint a resume will start from (as the ranks will
+    find it, before their checksums) and the held lock (``release()`` / ``with``)."""
+
+    run_id: str
+    run_dir: Path
+    save: Path | None
+    resume_from: Path | None
+    lock: SaveLock | None
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def __enter__(self) -> Claim:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def run_name(config: RunConfig) -> str:
+    """What ``runs/<name>/`` is called: the recipe, else the model's name."""
+    return config.recipe or config.model.name
+
+
+def _same(a: str | os.PathLike | None, b: str | os.PathLike | None) -> bool:
+    return a is not None and b is not None and os.path.realpath(a) == os.path.realpath(b)
+
+
+def resume_checkpoint(load: str | os.PathLike) -> Path | None:
+    """The checkpoint a resume of ``load`` will take, as far as the files say before checksums: ``load`` itself
+    when it is one, else the newest of ``resume_candidates`` whose manifest and meta.json are there."""
+    load = Path(load)
+    if is_checkpoint_dir(load):
+        return load
+    for d in resume_candidates(load, log=lambda _m: None):
+        try:
+            read_meta(d)
+        except (OSError, ValueError):
+            continue
+        if (d / "manifest.json").is_file():
+            return d
+    return None
+
+
+def _holder(directory: Path) -> str:
+    owner = read_run(directory)
+    return owner.describe() if owner else "an earlier run (written before run ids)"
+
+
+def _new_run_dir(root: Path, name: str) -> Path:
+    """``root/name/<timestamp>`` created here (a suffix when another run started in the same second), with
+    ``root/name/latest`` pointing at it."""
+    parent = root / name
+    parent.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1000):
+        d = parent / (stamp if n == 0 else f"{stamp}-{n}")
+        try:
+            d.mkdir()
+        except FileExistsError:
+            continue
+        link = parent / f".{LATEST}.tmp{os.getpid()}"
+        link.unlink(missing_ok=True)
+        link.symlink_to(d.name, target_is_directory=True)
+        os.replace(link, parent / LATEST)
+        return d
+    raise ValueError(f"{parent}: could not create a new run directory (1000 runs started at {stamp}?)")
+
+
+def _check_run_dir(run_dir: Path, run_id: str, resumed: RunConfig | None, override: bool,
+                   say: Callable[[str], None]) -> None:
+    owner = read_run(run_dir)
+    legacy = owner is None and (run_dir / METRICS).is_file()
+    if owner is not None and owner.run_id == run_id:
+        return
+    if owner is None and not legacy:
+        return
+    if legacy and resumed is not None and _same(resumed.train.run_dir, run_dir):
+        return   # the run this resume continues wrote it, before run ids
+    if not override:
+        raise ValueError(f"--run-dir {run_dir} holds the metrics of {_holder(run_dir)}; continue that run with "
+                         "--load of its checkpoints, choose another --run-dir (without one, each run gets its own), "
+                         "or pass --override-run-dir to move its files aside")
+    dest = run_dir / PREVIOUS / (owner.run_id if owner else f"unknown-{time.strftime('%Y%m%d-%H%M%S')}")
+    dest.mkdir(parents=True, exist_ok=True)
+    moved = []
+    for entry in run_dir.iterdir():
+        if entry.name in (PREVIOUS, "checkpoints") or entry.name.startswith("."):
+            continue
+        shutil.move(str(entry), str(dest / entry.name))
+        moved.append(entry.name)
+    say(f"--override-run-dir: moved {_holder(dest) if owner else 'the earlier run'}'s {', '.join(moved) or 'files'} "
+        f"to {dest}")
+
+
+def _check_save(save: Path, run_id: str, resuming_here: bool, override: bool, say: Callable[[str], None]) -> None:
+    if resuming_here:
+        return
+    foreign = [d for d in checkpoint_dirs(save) if checkpoint_run_id(d) != run_id]
+    if not foreign:
+        return
+    names = ", ".join(d.name for d in foreign[-3:]) + (f" (+{len(foreign) - 3} more)" if len(foreign) > 3 else "")
+    if not override:
+        raise ValueError(f"--save {save} holds checkpoints of {_holder(save)}: {names}; continue that run with "
+                         f"--load {save}, choose another --save, or pass --override-save (its checkpoints stay, "
+                         "but this run never resumes from them nor deletes them)")
+    if read_tracker(save) is not None:
+        remove_tracker(save)
+    say(f"--override-save: {save} holds {names} of {_holder(save)}; this run writes its own checkpoints beside them")
+
+
+def claim_run(config: RunConfig, *, default_save: bool, override_save: bool = False,
+              override_run_dir: bool = False, runs_root: str | os.PathLike = RUNS_ROOT,
+              say: Callable[[str], None] = print) -> tuple[RunConfig, Claim]:
+    """Decide the run id, run directory and save directory of ``config`` (``config.train.run_dir`` None: the
+    default; ``default_save``: ``--save`` not given and not ``--no-save``), refuse to write over another run,
+    take the save directory's lock and record the run (module docstring). Returns the config with
+    ``run_dir``, ``save`` and ``run_id`` set, and the ``Claim`` holding the lock. ValueError (one line) when it
+    cannot."""
+    t = config.train
+    resume_from = resume_checkpoint(t.load) if t.load and Path(t.load).exists() else None
+    resumed: RunConfig | None = None
+    run_id = None
+    if resume_from is not None:
+        meta: dict[str, Any] = read_meta(resume_from)
+        run_id = meta.get("run_id")
+        if meta.get("config"):
+            resumed = RunConfig.from_dict(meta["config"])
+    elif t.load and (owner := read_run(t.load)) is not None:
+        run_id = owner.run_id   # --save D --load D of a run that had not saved yet: still that run
+    run_id = run_id or new_run_id()
+    previous = resumed.train.run_dir if resumed is not None else None
+    if t.run_dir is not None:
+        run_dir = Path(t.run_dir)
+    elif previous and Path(previous).is_dir() and getattr(read_run(previous), "run_id", run_id) == run_id:
+        run_dir = Path(previous)   # a resume goes on in the run's own directory
+    else:
+        run_dir = _new_run_dir(Path(runs_root), run_name(config))
+    writable_dir(str(run_dir), "--run-dir")
+    _check_run_dir(run_dir, run_id, resumed, override_run_dir, say)
+    save = Path(t.save) if t.save else (run_dir / "checkpoints" if default_save else None)
+    lock = None
+    if save is not None:
+        writable_dir(str(save), "--save")
+        _check_save(save, run_id, bool(t.load) and (_same(t.load, save) or _same(Path(t.load).parent, save)),
+                    override_save, say)
+    try:
+        lock = SaveLock.acquire(save if save is not None else run_dir, run_id, say=say)
+    except SaveLockError as exc:
+        raise ValueError(str(exc) if save is not None else str(exc).replace("--save", "--run-dir")) from None
+    name = run_name(config)
+    for directory in (run_dir, save):
+        if directory is not None and (read_run(directory) is None or read_run(directory).run_id != run_id):
+            write_run(directory, RunRecord.new(run_id, name))
+    config = dataclasses.replace(config, train=dataclasses.replace(t, run_dir=str(run_dir),
+                                                                   save=str(save) if save else None, run_id=run_id))
+    return config, Claim(run_id, run_dir, save, resume_from, lock)
+
+
+__all__ = ["Claim", "claim_run", "resume_checkpoint", "run_name", "RUNS_ROOT", "LATEST", "RUN_FILE"]
