@@ -405,10 +405,12 @@ def main(args: argparse.Namespace) -> int:
         error = _first_error(error)
     if error is not None:
         if claim is not None:
-            claim.release()
+            claim.abandon()
         if rank == 0:
             print(f"moefold train: error: {error}", file=sys.stderr)
         return 2
+    if claim is not None:
+        claim.record()
     if rank == 0:
         print(describe_parameters(config.model), flush=True)
     if torchrun and args.nproc > 1:

@@ -52,13 +52,34 @@ METRICS = "metrics.jsonl"
 @dataclass
 class Claim:
     """The outcome: the run's id, its directories, the checkpoint a resume will start from (as the ranks will
-    find it, before their checksums) and the held lock (``release()`` / ``with``)."""
+    find it, before their checksums) and the held lock (``release()`` / ``with``). ``record()`` writes the run's
+    ``run.json`` once the pre-flight checks passed; ``abandon()`` undoes a claim whose run does not start (a new
+    run directory is removed again, ``latest`` points where it pointed)."""
 
     run_id: str
+    name: str
     run_dir: Path
     save: Path | None
     resume_from: Path | None
     lock: SaveLock | None
+    created: Path | None = None          # the run directory this claim made
+    latest_before: str | None = None     # where runs/<name>/latest pointed before
+
+    def record(self) -> None:
+        for directory in (self.run_dir, self.save):
+            if directory is not None and getattr(read_run(directory), "run_id", None) != self.run_id:
+                write_run(directory, RunRecord.new(self.run_id, self.name))
+
+    def abandon(self) -> None:
+        self.release()
+        if self.created is None:
+            return
+        shutil.rmtree(self.created, ignore_errors=True)
+        link = self.created.parent / LATEST
+        if self.latest_before is None:
+            link.unlink(missing_ok=True)
+        else:
+            _point(link, self.latest_before)
 
     def release(self) -> None:
         if self.lock is not None:
@@ -102,11 +123,24 @@ def _holder(directory: Path) -> str:
     return owner.describe() if owner else "an earlier run (written before run ids)"
 
 
-def _new_run_dir(root: Path, name: str) -> Path:
+def _point(link: Path, target: str) -> None:
+    """Make symlink ``link`` point at ``target`` (relative), atomically."""
+    tmp = link.with_name(f".{link.name}.tmp{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target, target_is_directory=True)
+    os.replace(tmp, link)
+
+
+def _new_run_dir(root: Path, name: str) -> tuple[Path, str | None]:
     """``root/name/<timestamp>`` created here (a suffix when another run started in the same second), with
-    ``root/name/latest`` pointing at it."""
+    ``root/name/latest`` pointing at it; and where ``latest`` pointed before (None: nowhere)."""
     parent = root / name
-    parent.mkdir(parents=True, exist_ok=True)
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--run-dir {parent}/...: cannot be created: {exc.strerror or exc}") from None
+    link = parent / LATEST
+    before = os.readlink(link) if link.is_symlink() else None
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for n in range(1000):
         d = parent / (stamp if n == 0 else f"{stamp}-{n}")
@@ -114,11 +148,8 @@ def _new_run_dir(root: Path, name: str) -> Path:
             d.mkdir()
         except FileExistsError:
             continue
-        link = parent / f".{LATEST}.tmp{os.getpid()}"
-        link.unlink(missing_ok=True)
-        link.symlink_to(d.name, target_is_directory=True)
-        os.replace(link, parent / LATEST)
-        return d
+        _point(link, d.name)
+        return d, before
     raise ValueError(f"{parent}: could not create a new run directory (1000 runs started at {stamp}?)")
 
 
@@ -168,10 +199,10 @@ def claim_run(config: RunConfig, *, default_save: bool, override_save: bool = Fa
               override_run_dir: bool = False, runs_root: str | os.PathLike = RUNS_ROOT,
               say: Callable[[str], None] = print) -> tuple[RunConfig, Claim]:
     """Decide the run id, run directory and save directory of ``config`` (``config.train.run_dir`` None: the
-    default; ``default_save``: ``--save`` not given and not ``--no-save``), refuse to write over another run,
-    take the save directory's lock and record the run (module docstring). Returns the config with
-    ``run_dir``, ``save`` and ``run_id`` set, and the ``Claim`` holding the lock. ValueError (one line) when it
-    cannot."""
+    default; ``default_save``: ``--save`` not given and not ``--no-save``), refuse to write over another run and
+    take the save directory's lock (module docstring). Returns the config with ``run_dir``, ``save`` and
+    ``run_id`` set, and the ``Claim`` holding the lock (``record()`` it when the run starts). ValueError (one
+    line) when it cannot; nothing is left behind then."""
     t = config.train
     resume_from = resume_checkpoint(t.load) if t.load and Path(t.load).exists() else None
     resumed: RunConfig | None = None
@@ -185,31 +216,41 @@ def claim_run(config: RunConfig, *, default_save: bool, override_save: bool = Fa
         run_id = owner.run_id   # --save D --load D of a run that had not saved yet: still that run
     run_id = run_id or new_run_id()
     previous = resumed.train.run_dir if resumed is not None else None
+    created = latest_before = None
     if t.run_dir is not None:
         run_dir = Path(t.run_dir)
     elif previous and Path(previous).is_dir() and getattr(read_run(previous), "run_id", run_id) == run_id:
         run_dir = Path(previous)   # a resume goes on in the run's own directory
     else:
-        run_dir = _new_run_dir(Path(runs_root), run_name(config))
+        run_dir, latest_before = _new_run_dir(Path(runs_root), run_name(config))
+        created = run_dir
+    claim = Claim(run_id, run_name(config), run_dir, None, resume_from, None, created, latest_before)
+    try:
+        return _claim(config, claim, default_save, override_save, override_run_dir, resumed, say)
+    except BaseException:
+        claim.abandon()
+        raise
+
+
+def _claim(config: RunConfig, claim: Claim, default_save: bool, override_save: bool, override_run_dir: bool,
+           resumed: RunConfig | None, say: Callable[[str], None]) -> tuple[RunConfig, Claim]:
+    t, run_dir, run_id = config.train, claim.run_dir, claim.run_id
     writable_dir(str(run_dir), "--run-dir")
-    _check_run_dir(run_dir, run_id, resumed, override_run_dir, say)
     save = Path(t.save) if t.save else (run_dir / "checkpoints" if default_save else None)
-    lock = None
     if save is not None:
         writable_dir(str(save), "--save")
-        _check_save(save, run_id, bool(t.load) and (_same(t.load, save) or _same(Path(t.load).parent, save)),
-                    override_save, say)
-    try:
-        lock = SaveLock.acquire(save if save is not None else run_dir, run_id, say=say)
+    try:   # first the lock: what follows looks at (and may move) what another live run would be writing
+        claim.lock = SaveLock.acquire(save if save is not None else run_dir, run_id, say=say)
     except SaveLockError as exc:
         raise ValueError(str(exc) if save is not None else str(exc).replace("--save", "--run-dir")) from None
-    name = run_name(config)
-    for directory in (run_dir, save):
-        if directory is not None and (read_run(directory) is None or read_run(directory).run_id != run_id):
-            write_run(directory, RunRecord.new(run_id, name))
+    claim.save = save
+    _check_run_dir(run_dir, run_id, resumed, override_run_dir, say)
+    if save is not None:
+        resuming_here = bool(t.load) and (_same(t.load, save) or _same(Path(t.load).parent, save))
+        _check_save(save, run_id, resuming_here, override_save, say)
     config = dataclasses.replace(config, train=dataclasses.replace(t, run_dir=str(run_dir),
                                                                    save=str(save) if save else None, run_id=run_id))
-    return config, Claim(run_id, run_dir, save, resume_from, lock)
+    return config, claim
 
 
 __all__ = ["Claim", "claim_run", "resume_checkpoint", "run_name", "RUNS_ROOT", "LATEST", "RUN_FILE"]

@@ -26,7 +26,8 @@ TWO_RANKS = ["--recipe", "qwen3_moe_tiny", "--num-layers", "2", "--vocab-size", 
 
 
 def _corpus(path: Path, bad: bool = False) -> Path:
-    """Learnable samples; ``bad``: token ids up to 299 under an .idx header that declares a vocabulary of 256."""
+    """Learnable samples; ``bad``: token ids up to 299 under an .idx header that declares a vocabulary of 256 and a
+    largest id of 255 (a lying header: pre-flight trusts it, the ranks find the ids when they read them)."""
     with IndexedDatasetWriter(path, 512 if bad else 256) as writer:
         rows = np.random.default_rng(0).integers(0, 300, (64, 33)) if bad else tiny_data(64)
         for row in rows:
@@ -35,6 +36,7 @@ def _corpus(path: Path, bad: bool = False) -> Path:
         idx = Path(f"{path}.idx")
         raw = bytearray(idx.read_bytes())
         raw[40:48] = (256).to_bytes(8, "little")
+        raw[48:56] = (255).to_bytes(8, "little")
         idx.write_bytes(bytes(raw))
     return path
 
