@@ -168,20 +168,21 @@ OWNER = "launcher.pid"
 
 def remove_stale_launch_dirs(root: str | None = None) -> list[Path]:
     """Remove the temporary directories of launchers that are gone (a kill -9 leaves its directory: no handler
-    runs); a live launcher's (its ``launcher.pid`` names a running process) stays. Returns what it removed."""
+    runs): those whose ``launcher.pid`` names no running process. A directory without that file (being
+    created, or another moefold's) is left alone. Returns what it removed."""
     removed = []
     for d in Path(root or tempfile.gettempdir()).glob(f"{LAUNCH_PREFIX}*"):
         try:
             pid = int((d / OWNER).read_text())
+        except (OSError, ValueError):
+            continue
+        try:
             os.kill(pid, 0)
             continue   # its launcher runs
-        except (OSError, ValueError):
-            pass   # no owner file (being created, or from an older moefold), a dead or foreign launcher
-        try:
-            if d.stat().st_uid != os.getuid() or time.time() - d.stat().st_mtime < 60:
-                continue   # another user's, or one being created right now
+        except ProcessLookupError:
+            pass
         except OSError:
-            continue
+            continue   # another user's process
         shutil.rmtree(d, ignore_errors=True)
         removed.append(d)
     return removed
