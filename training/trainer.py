@@ -397,7 +397,8 @@ class Trainer:
         self.iteration = int(meta["iteration"])
         self.consumed_samples = 0 if restart_data else int(meta["consumed_samples"])
         self.skipped_in_a_row = int(meta.get("skipped_in_a_row", 0))
-        self.log(f"resumed from {ckpt} at iteration {self.iteration} (consumed_samples {self.consumed_samples})")
+        run = f", run {meta['run_id']}" if meta.get("run_id") else ""
+        self.log(f"resumed from {ckpt} at iteration {self.iteration} (consumed_samples {self.consumed_samples}{run})")
         return True
 
     # ------------------------------------------------------------------------------- the loop

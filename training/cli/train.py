@@ -441,13 +441,25 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _join_torchrun(args: argparse.Namespace) -> None:
+    """Join torchrun's world. The store is the agent's (torchrun shares its rendezvous TCP store with the
+    workers), which outlives a restart of the group (``--max-restarts``); ``init_process_group``'s keys are the
+    same in every attempt, so a restarted rank could read an address the previous attempt left and connect to a
+    dead peer. Each attempt therefore gets keys of its own: a prefix counted per rank (every rank of a restarted
+    group starts again, so the counts agree)."""
     import torch.distributed as dist
 
     from moefold.training.launch.ranks import pick_device
 
     dev = pick_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
-                            timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    timeout = timedelta(minutes=args.distributed_timeout_minutes)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"   # else rank 0 hosts it (env://)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "29500")), world_size=world,
+                          is_master=rank == 0 and not agent_store, timeout=timeout)
+    attempt = store.add(f"moefold/attempts/rank{rank}", 1)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=dist.PrefixStore(f"moefold/{attempt}",
+                                                                                             store),
+                            rank=rank, world_size=world, timeout=timeout)
 
 
 def _agree(config: RunConfig, error: str | None) -> tuple[RunConfig, str | None]:

@@ -5,7 +5,6 @@ failure inside the run is one line at world 1 too."""
 from __future__ import annotations
 
 import importlib
-import json
 import os
 from pathlib import Path
 
