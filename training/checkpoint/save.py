@@ -14,8 +14,8 @@ words (a full disk by name), with the model and optimizer untouched. A crash at 
 previous checkpoint and the tracker naming it: nothing is renamed into the ``iter_`` name space before
 its manifest exists.
 
-Asynchronously, ``torch.distributed.checkpoint.async_save`` first copies ("stages") this rank's state into
-host memory (pinned on CUDA; the staging buffers are kept and reused by the next save), which is all the
+Asynchronously, ``torch.distributed.checkpoint.async_save`` first copies ("stages", ``HostStager``) this rank's
+state into host memory (pinned on CUDA; the buffers are kept and reused by the next save), which is all the
 training waits for; a background thread then writes the files, and the same thread, on a gloo process group
 of its own (so its collectives never interleave with the training's), writes the manifest, renames,
 updates the tracker and prunes when the write completes. One save is in flight at a time: the next save,
@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import AsyncStager
 
 from moefold.parallel.dims import ParallelDims
 from moefold.training.checkpoint.atomic import fsync_dir, write_atomic
@@ -181,21 +182,59 @@ def save_checkpoint(root: str | os.PathLike, iteration: int, model: nn.Module, d
     return save.finish(log)
 
 
+class HostStager(AsyncStager):
+    """``async_save``'s stager for moefold's state: every tensor, DTensor shard and optimizer box copied into a
+    host buffer of its own (pinned with CUDA), allocated by the first save and reused by the next ones, so the
+    write reads a copy that later steps cannot change. (DCP's ``DefaultStager`` deep-copies through tensor
+    storages, which the DTensor wrappers of sharded parameters do not have: "invalid python storage".)"""
+
+    _synchronize_after_execute = False   # the copies are done when stage() returns
+
+    def __init__(self, pin_memory: bool = False) -> None:
+        self.pin_memory, self.buffers = pin_memory, {}
+
+    def _copy(self, key: tuple, t: torch.Tensor) -> torch.Tensor:
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = self.buffers[key] = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin_memory)
+        buf.copy_(t.detach())
+        return buf
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        from torch.distributed.tensor import DTensor
+
+        out: dict[str, Any] = {}
+        for k, v in state_dict.items():
+            if isinstance(v, ShardPieces):
+                out[k] = ShardPieces(v.global_size, [(o, n, self._copy((k, i), t)) for i, (o, n, t) in
+                                                     enumerate(v.boxes)])
+            elif isinstance(v, DTensor):
+                out[k] = DTensor.from_local(self._copy((k,), v.to_local()), v.device_mesh, v.placements,
+                                            run_check=False, shape=v.shape, stride=v.stride())
+            elif isinstance(v, torch.Tensor):
+                out[k] = self._copy((k,), v)
+            else:
+                out[k] = v
+        return out
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.buffers = {}
+
+
 class AsyncCheckpointer:
     """``--async-save``: one background save in flight at a time (module docstring). Collective: every rank
     creates it at the same point (it builds a process group) and calls ``save`` / ``wait`` in the same order."""
 
     def __init__(self, dims: ParallelDims, log: Callable[[str], None] = print) -> None:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
         self.dims, self.log = dims, log
         if no_dist(dims):   # world 1 without a group is intended; DCP warns about it from the writing thread
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         # async_save needs a CPU backend; a group of its own keeps the background collectives apart
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        cuda = torch.cuda.is_available()
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                   use_async_staging=False, use_non_blocking_copy=False))
+        self.stager = HostStager(pin_memory=torch.cuda.is_available())
         self._thread: threading.Thread | None = None
         self._outcome: tuple[Path | None, BaseException | None] = (None, None)
 
@@ -206,8 +245,12 @@ class AsyncCheckpointer:
     def save(self, root: str | os.PathLike, iteration: int, model: nn.Module,
              optim_state: dict[str, ShardPieces] | None, meta: dict[str, Any], keep_last: int = 2) -> None:
         """Stage this rank's state and start writing ``root/iter_<iteration>``; returns once the state is in host
-        memory. Raises (``CheckpointSaveError``) a failure of the previous save or of this one's preparation."""
-        self.wait()
+        memory. A failure of the previous background save is logged (training went on past it, as after a failed
+        synchronous interval save); one of this save's preparation raises ``CheckpointSaveError``."""
+        try:
+            self.wait()
+        except CheckpointSaveError as exc:
+            self.log(f"{exc}; training continues, the next save tries again")
         dims = self.dims
         state = build_state(model, dims, optim_state)
         save = _Save(Path(root), iteration, dims, saved_checkpoint_bytes(state, dims), meta, keep_last)

@@ -190,6 +190,28 @@ def test_a_save_checks_the_free_space_before_writing(monkeypatch, tmp_path):
     assert list((tmp_path / "save").iterdir()) == []
 
 
+def test_a_disk_sized_for_keep_last_checkpoints_keeps_saving(monkeypatch, tmp_path):
+    """A disk with room for keep-last checkpoints and a half: the checkpoint keep-last would drop after a save is
+    retired before it, when the space is short (it used to fail every save after the keep-last-th)."""
+    ref, _, _ = run(tiny_config(steps=5))
+    save = tmp_path / "save"
+    run(tiny_config(steps=1, save=str(tmp_path / "probe")))
+    one = sum(f.stat().st_size for f in (tmp_path / "probe" / "iter_0000001").rglob("*") if f.is_file())
+
+    def free(_path) -> int:   # a 2.5-checkpoint disk: its capacity less what the save directory holds
+        used = sum(f.stat().st_size for f in save.rglob("*") if f.is_file()) if save.exists() else 0
+        return int(2.5 * one) - used
+
+    monkeypatch.setattr(checkpoint_module, "free_bytes", free)
+    messages: list[str] = []
+    losses, _, _ = run(tiny_config(steps=5, save=str(save), save_interval=1, keep_last=2), log=messages.append)
+    assert losses == ref
+    assert [m for m in messages if "failed" in m] == [], messages
+    assert [d.name for d in checkpoint_dirs(save)] == ["iter_0000004", "iter_0000005"]
+    assert any(m.startswith(f"saved checkpoint {save / 'iter_0000003'}") and m.endswith("removed iter_0000001")
+               for m in messages), messages
+
+
 def test_manifest_lists_every_file(saved):
     ckpt = saved[0] / "iter_0000003"
     files = json.loads((ckpt / MANIFEST).read_text())["files"]
