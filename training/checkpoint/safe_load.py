@@ -1,13 +1,13 @@
 """Reading a checkpoint never runs code from it.
 
 DCP's ``FileSystemReader`` unpickles ``.metadata`` with plain ``pickle`` (any class, any callable), and its
-default load planner unpickles "bytes" entries with ``torch.load(weights_only=False)``; a crafted checkpoint
-(a payload in ``.metadata``, its manifest recomputed) would run under ``train --load``, ``convert`` and
+default load planner unpickles "bytes" entries with an unrestricted ``torch.load``; a crafted checkpoint (a
+payload in ``.metadata``, its manifest recomputed) would run under ``train --load``, ``convert`` and
 ``generate``. ``SafeFileSystemReader`` reads ``.metadata`` with an unpickler that admits only the classes a
-checkpoint's metadata is made of (DCP's metadata dataclasses, ``torch.Size``, dtypes, the storage layout
-and a path), and refuses metadata that declares a non-tensor entry or a storage transform (moefold writes
-tensors only, untransformed), so nothing is ever handed to ``torch.load(weights_only=False)``. Tensor data
-is read by DCP with ``torch.load(weights_only=True)``; the RNG files are read the same way.
+moefold checkpoint's metadata is made of (DCP's tensor-metadata dataclasses, ``torch.Size``, dtypes, the
+storage layout and a path: not ``BytesStorageMetadata``, moefold saves tensors only), and refuses storage
+transforms (moefold writes none), so no bytes entry ever reaches that ``torch.load``. Tensor data is read by
+DCP with ``torch.load(weights_only=True)``; the RNG files are read the same way.
 
 A refused file raises ``UnsafeCheckpointError`` with one line naming the file and what it asked for.
 """
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 _METADATA_CLASSES = frozenset({
     ("torch.distributed.checkpoint.metadata", name)
@@ -56,8 +56,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
-    """The ``Metadata`` of a DCP ``.metadata`` file, read with the restricted unpickler and checked to describe
-    tensors only. ``UnsafeCheckpointError`` (one line) otherwise."""
+    """The ``Metadata`` of a DCP ``.metadata`` file, read with the restricted unpickler (tensor entries only, no
+    storage transforms). ``UnsafeCheckpointError`` (one line) otherwise."""
     path = Path(path)
     where = str(path)
     try:
@@ -70,10 +70,6 @@ def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
                                     f"{exc})") from None
     if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
         raise UnsafeCheckpointError(f"{where} does not hold DCP checkpoint metadata (got {type(md).__name__})")
-    for key, entry in md.state_dict_metadata.items():
-        if isinstance(entry, BytesStorageMetadata):
-            raise UnsafeCheckpointError(f"{where} declares {key!r} as pickled bytes; moefold checkpoints hold "
-                                        "tensors only: refusing to unpickle it")
     for info in (md.storage_data or {}).values():
         if getattr(info, "transform_descriptors", None):
             raise UnsafeCheckpointError(f"{where} asks for storage transforms {info.transform_descriptors}; "

@@ -169,8 +169,11 @@ def _check_same_tokenizer(corpora: list[tuple[str, str, Path]]) -> None:
 
 
 def _check_resume_before_start(config: RunConfig, ckpt: Path) -> None:
-    """The model and data order of the checkpoint the resume will take (its meta.json) against this run's."""
+    """The model and data order of the checkpoint the resume will take (its meta.json) against this run's, and its
+    pickled files (``.metadata``, the RNG states) read the safe way."""
+    from moefold.training.checkpoint.files import verify_checkpoint
     from moefold.training.checkpoint.resume import check_resume
+    from moefold.training.checkpoint.safe_load import load_tensors, read_dcp_metadata
     from moefold.training.checkpoint.sharded import read_meta
 
     try:
@@ -178,6 +181,11 @@ def _check_resume_before_start(config: RunConfig, ckpt: Path) -> None:
     except (OSError, ValueError):
         return   # damaged: the ranks fall back past it, and check the one they take
     check_resume(meta, config, str(ckpt), log=lambda _m: None)
+    if verify_checkpoint(ckpt, None, checksums=False):
+        return   # damaged (the ranks say how, and fall back)
+    read_dcp_metadata(ckpt / ".metadata")   # a payload is refused here, in one line, before any rank starts
+    for rng in sorted((ckpt / "rng").glob("*.pt")):
+        load_tensors(rng)
 
 
 def _check_packages(config: RunConfig) -> None:
