@@ -157,3 +157,65 @@ def test_a_failure_inside_a_world_1_run_is_one_line_with_the_traceback_in_the_ru
                     f"{bad}.idx declares (corrupt data, or a .bin from another tokenizer); re-run `moefold "
                     f"prepare-data` (full traceback: {run / 'error.log'})"], err
     assert "Traceback (most recent call last)" in (run / "error.log").read_text()
+
+
+def _v1(prefix: Path) -> None:
+    """Rewrite ``prefix.idx`` in format version 1 (no largest-id field): what older prepare-data wrote."""
+    raw = Path(f"{prefix}.idx").read_bytes()
+    Path(f"{prefix}.idx").write_bytes(raw[:8] + (1).to_bytes(8, "little") + raw[16:48] + raw[56:])
+
+
+def test_token_ids_outside_the_vocabulary_fail_before_training(capsys, no_ranks, tmp_path, monkeypatch):
+    """An id >= the model's vocabulary (a .bin from another tokenizer under a header claiming a smaller vocabulary)
+    is found before any rank starts: from the .idx field prepare-data now records, or, for an older .idx without
+    it, by a chunked scan of the .bin (it used to surface when the sample was drawn, 196 steps in)."""
+    from moefold.training.data import indexed
+
+    prefix = tmp_path / "wide"
+    with IndexedDatasetWriter(prefix, 512) as writer:   # ids up to 299 ...
+        for row in tiny_data(16):
+            writer.add_document(row)
+        writer.add_document([299] * 40)
+    raw = bytearray(Path(f"{prefix}.idx").read_bytes())
+    raw[40:48] = (256).to_bytes(8, "little")   # ... under a header that claims a vocabulary of 256
+    Path(f"{prefix}.idx").write_bytes(bytes(raw))
+    assert indexed.IndexedDataset(prefix).max_token_id == 299   # recorded by the writer
+    base = [*BASE, "--data-path", str(prefix), "--run-dir", str(tmp_path / "run"), "--no-save"]
+    message = (f"--data-path {prefix} holds token id 299 ({prefix}.bin), outside the model's vocab_size=256: pass "
+               "--vocab-size 300")
+    _fails(capsys, base, message)
+    _v1(prefix)
+    old = indexed.IndexedDataset(prefix)
+    assert old.max_token_id is None and old.num_tokens == 16 * 33 + 40
+    monkeypatch.setattr(indexed, "_SCAN_CHUNK", 64)   # several chunks of the memmap
+    assert old.largest_token_id(progress=False) == 299
+    _fails(capsys, base, message)
+    assert no_ranks == []
+
+
+def test_blends_of_different_tokenizers_and_missing_packages_fail_before_training(capsys, no_ranks, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from moefold.training.data.tokenizer import tokenizer_path
+
+    prefixes = []
+    for name, vocab in (("a", {"x": 0, "y": 1}), ("b", {"y": 0, "x": 1})):   # same size, other ids
+        prefix = tmp_path / name
+        with IndexedDatasetWriter(prefix, 256) as writer:
+            for row in tiny_data(8):
+                writer.add_document(row)
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="x"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        tok.save(str(tokenizer_path(prefix)))
+        prefixes.append(str(prefix))
+    base = [*BASE, "--run-dir", str(tmp_path / "run"), "--no-save"]
+    _fails(capsys, [*base, "--data-path", "0.5", prefixes[0], "0.5", prefixes[1]],
+           f"--data-path {prefixes[1]} was tokenised with {tokenizer_path(prefixes[1])} (sha256 ")
+    # the same tokenizer written twice (identical bytes): fine
+    tokenizer_path(prefixes[1]).write_bytes(tokenizer_path(prefixes[0]).read_bytes())
+    assert cli_main([*base, "--data-path", "0.5", prefixes[0], "0.5", prefixes[1]]) == 0
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        _fails(capsys, [*base, "--data-path", prefixes[0], "--wandb-project", "p", "--run-dir",
+                        str(tmp_path / "run2")], "--wandb-project p needs the wandb package: pip install wandb")
