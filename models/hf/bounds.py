@@ -6,8 +6,10 @@ the model the config describes and then read the tensors into it, so a config th
 hidden size of 10^9 allocated until the OOM killer came (or failed with a raw allocator error). Here the number
 of elements the config implies (its model's state dict, built on the meta device: no memory) must equal the
 number the headers hold (rotary caches and DeepSeek's per-MTP copies of the embedding and head aside, which no
-one reads); otherwise one line names the config field that disagrees with the tensors (the layer count, the
-expert count, a width), or gives both counts.
+one reads). A config implying more than ``SLACK`` times what the files hold is refused here, before any
+allocation, in one line naming the config field that disagrees with the tensors (the layer count, the expert
+count, a width) or giving both counts; a smaller mismatch (a model that fits in memory) goes on to the
+tensor-by-tensor read, which names the missing or misshapen tensor exactly.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Any
 
 from moefold.models.config import ModelConfig
 from moefold.models.hf.mapping import ignored_hf_names, is_ignorable
+
+SLACK = 1.25   # a config may imply at most this many times the files' elements before the tensors are read
 
 
 def implied_numel(config: ModelConfig) -> int:
@@ -87,12 +91,12 @@ def _culprit(config: ModelConfig, reader: Any, hf: dict[str, Any] | None) -> str
 
 def check_weights_match_config(path: str | os.PathLike, config: ModelConfig, reader: Any,
                                hf_config: dict[str, Any] | None = None, config_file: str = "config.json") -> None:
-    """ValueError (one line, naming the field where it can) unless ``config`` implies exactly the tensors
-    ``reader`` holds (module docstring). Reads headers only; builds the model on the meta device."""
+    """ValueError (one line, naming the field where it can) when ``config`` implies more than ``SLACK`` times the
+    elements ``reader`` holds (module docstring). Reads headers only; builds the model on the meta device."""
     held = held_numel(reader, config)
     implied = implied_numel(config)
-    if implied == held:
-        return
+    if implied <= SLACK * held:
+        return   # equal, or a small mismatch that the tensor-by-tensor read names
     where = Path(path) / config_file
     culprit = _culprit(config, reader, hf_config)
     detail = f"{culprit}: " if culprit else ""
