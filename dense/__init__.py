@@ -1,4 +1,5 @@
-"""The dense transformer stack: TP/SP linear layers, embeddings and loss, norms, RoPE, attention, CP, MLP."""
+"""The dense transformer stack: TP/SP linear layers, embeddings and loss, norms, RoPE, attention, CP, MLP, and
+Gated DeltaNet linear attention."""
 
 from moefold.dense.attention import GQAAttention
 from moefold.dense.attention_config import AttentionConfig, MLAConfig
@@ -15,6 +16,13 @@ from moefold.dense.context_parallel import (
 from moefold.dense.core_attention import CoreAttention, local_attention
 from moefold.dense.cross_entropy import masked_mean, vocab_parallel_cross_entropy
 from moefold.dense.embedding import OutputHead, VocabParallelEmbedding, check_vocab, pad_vocab_size
+from moefold.dense.gated_delta_rule import (
+    GATED_DELTA_RULE_BACKENDS,
+    chunk_gated_delta_rule,
+    gated_delta_rule_impl,
+    recurrent_gated_delta_rule,
+)
+from moefold.dense.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig, RecurrentCache
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
 from moefold.dense.mla import MLAttention
 from moefold.dense.mlp import MLP_ACTIVATIONS, DenseMLP, MLPConfig
@@ -23,6 +31,7 @@ from moefold.dense.recompute import RECOMPUTE_MODES, check_recompute, checkpoint
 from moefold.dense.rope import (
     RotaryEmbedding,
     YarnConfig,
+    apply_partial_rotary,
     apply_rotary,
     rotate_half,
     yarn_attention_factor,
@@ -32,7 +41,8 @@ from moefold.dense.rope import (
 __all__ = [
     # dense core: linear layers, RoPE, norm, embedding/head/loss, MLP, block, recompute
     "ColumnParallelLinear", "RowParallelLinear",
-    "RotaryEmbedding", "YarnConfig", "apply_rotary", "rotate_half", "yarn_attention_factor", "yarn_softmax_mscale",
+    "RotaryEmbedding", "YarnConfig", "apply_rotary", "apply_partial_rotary", "rotate_half", "yarn_attention_factor",
+    "yarn_softmax_mscale",
     "RMSNorm",
     "VocabParallelEmbedding", "OutputHead", "check_vocab", "pad_vocab_size",
     "vocab_parallel_cross_entropy", "masked_mean",
@@ -42,4 +52,7 @@ __all__ = [
     "AttentionConfig", "MLAConfig", "GQAAttention", "MLAttention", "CoreAttention", "local_attention",
     "CP_COMM_MODES", "split_for_context_parallel", "context_parallel_positions", "gather_from_context_parallel",
     "check_context_parallel_seq_length", "context_parallel_attention", "position_mask",
+    # linear attention (Qwen3-Next)
+    "GatedDeltaNet", "GatedDeltaNetConfig", "RecurrentCache", "GATED_DELTA_RULE_BACKENDS", "chunk_gated_delta_rule",
+    "recurrent_gated_delta_rule", "gated_delta_rule_impl",
 ]

@@ -10,10 +10,21 @@ weight ``[out, in]`` like ``nn.Linear``:
   ``copy_to_region``, so its gradient is all-reduced over tp in backward and is complete and
   identical on every tp rank (it needs no further reduction).
 - ``q_norm``/``k_norm`` (qk-norm) are replicated; each rank normalises only its own heads, so
-  their weights also enter through ``copy_to_region``: complete gradients on every rank.
+  their weights also enter through ``copy_to_region``: complete gradients on every rank. Over the
+  whole projection (``qk_norm_scope="projection"``, OLMoE / MiniMax-M2) the weights are
+  ``[heads * d]`` / ``[kv_heads * d]``; each rank uses the rows of its heads, and the row's sum of
+  squares over all heads is all-reduced over tp (backward: all-reduce of its gradient), one
+  ``[S, B, 1]`` fp32 tensor per norm. With replicated kv heads each rank projects every kv head
+  for the norm and keeps its own.
+- ``sinks [h/tp]`` (attention sinks, HF ``self_attn.sinks``): split over tp with the query heads.
 - ``o_proj`` row-parallel (reduce-scatter to the sequence shard under SP, else all-reduce).
+- Partial RoPE (``rotary_dim`` < head_dim): the first ``rotary_dim`` dims of each head rotate.
 
 The block input (the sequence shard under SP) is all-gathered once for q, k and v together.
+
+Gated attention (``output_gate``, Qwen3-Next): ``q_proj`` is ``[heads * 2d, H]`` laid out per head as
+``[q_h, gate_h]`` (HF's), so a tp shard still holds whole heads; the core attention's output is multiplied by
+``sigmoid(gate)`` before ``o_proj``. ``zero_centered_gamma`` (Qwen3-Next): the q/k norms store ``gamma - 1``.
 """
 
 from __future__ import annotations
@@ -28,9 +39,10 @@ from moefold.dense.core_attention import CoreAttention
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
 from moefold.dense.norm import RMSNorm
 from moefold.dense.recompute import checkpointed
-from moefold.dense.rope import RotaryEmbedding, apply_rotary
-from moefold.parallel.comm import all_gather_sequence, copy_to_region
+from moefold.dense.rope import RotaryEmbedding, apply_partial_rotary
+from moefold.parallel.comm import all_gather_sequence, copy_to_region, reduce_from_region
 from moefold.parallel.groups import Group, group_rank, group_size
+from moefold.parallel.sharding import Shard, mark_sharded
 
 
 class GQAAttention(nn.Module):
@@ -56,18 +68,26 @@ class GQAAttention(nn.Module):
         # replicated kv: the one kv head whose query group contains this rank's query heads
         self.kv_head_index = group_rank(tp_group) // (tp // g) if self.kv_replicated else 0
         kw = {"bias": c.bias, "init_std": c.init_std, "dtype": dtype, "device": device}
-        self.q_proj = ColumnParallelLinear(c.hidden_size, c.num_heads * d, tp_group, **kw)
+        self.q_proj = ColumnParallelLinear(c.hidden_size, c.num_heads * d * (2 if c.output_gate else 1), tp_group, **kw)
         kv_group = None if self.kv_replicated else tp_group
         self.k_proj = ColumnParallelLinear(c.hidden_size, g * d, kv_group, **kw)
         self.v_proj = ColumnParallelLinear(c.hidden_size, g * d, kv_group, **kw)
         self.o_proj = RowParallelLinear(c.num_heads * d, c.hidden_size, tp_group, sequence_parallel=sequence_parallel,
-                                        **kw)
+                                        **{**kw, "bias": c.out_bias_resolved})
+        self.projection_norm = c.qk_norm and c.qk_norm_scope == "projection"
         if c.qk_norm:
-            self.q_norm = RMSNorm(d, c.norm_eps, dtype=dtype, device=device)
-            self.k_norm = RMSNorm(d, c.norm_eps, dtype=dtype, device=device)
+            q_dim, k_dim = (c.num_heads * d, g * d) if self.projection_norm else (d, d)
+            norm_kw = {"zero_centered_gamma": c.zero_centered_gamma, "dtype": dtype, "device": device}
+            self.q_norm = RMSNorm(q_dim, c.norm_eps, **norm_kw)
+            self.k_norm = RMSNorm(k_dim, c.norm_eps, **norm_kw)
         else:
             self.q_norm = self.k_norm = None
-        self.rotary = RotaryEmbedding(d, c.rope_theta, c.yarn)
+        if c.sinks:   # zero: Megatron's learnable softmax offset starts at 0; checkpoints overwrite it
+            self.sinks = nn.Parameter(torch.zeros(self.local_heads, dtype=dtype, device=device))
+            mark_sharded(self.sinks, Shard.over(tp_group, 0))
+        else:
+            self.register_parameter("sinks", None)
+        self.rotary = RotaryEmbedding(c.rotary_dim_resolved, c.rope_theta, c.yarn)
         self.core = CoreAttention(d ** -0.5, sliding_window=c.sliding_window, cp_group=cp_group, cp_comm=c.cp_comm)
         # selective recompute of core attention (``dense.recompute``); the model may reconfigure it
         self.recompute_core_attn = c.recompute == "selective"
@@ -83,6 +103,48 @@ class GQAAttention(nn.Module):
     def _head_norm(self, norm: RMSNorm, x: Tensor) -> Tensor:
         return functional_call(norm, {"weight": copy_to_region(norm.weight, self.tp_group)}, (x,))
 
+    def _projection_norm(self, norm: RMSNorm, x_SBhd: Tensor, first_row: int, split: bool) -> Tensor:
+        """RMSNorm over the whole projection of which ``x`` holds the heads starting at weight row ``first_row``;
+        ``split``: the other heads are on the other tp ranks (their sums of squares are all-reduced)."""
+        S, B, h, d = x_SBhd.shape
+        weight = copy_to_region(norm.weight, self.tp_group)
+        if not split:
+            return functional_call(norm, {"weight": weight}, (x_SBhd.reshape(S, B, h * d),)).view(S, B, h, d)
+        x32 = x_SBhd.reshape(S, B, h * d).float()
+        sum_sq = x32.pow(2).sum(-1, keepdim=True)
+        # every rank's rows need the sum over all heads, and its gradient flows back to every rank
+        sum_sq = reduce_from_region(copy_to_region(sum_sq, self.tp_group), self.tp_group)
+        x32 = x32 * torch.rsqrt(sum_sq / norm.hidden + norm.eps)
+        rows = weight[first_row:first_row + h * d]
+        if norm.zero_centered_gamma:   # RMSNorm's order: (1 + weight) in fp32, one cast
+            return (x32 * (1.0 + rows.float())).to(x_SBhd.dtype).view(S, B, h, d)
+        return (rows * x32.to(x_SBhd.dtype)).view(S, B, h, d)
+
+    def _qk(self, x: Tensor, S: int, B: int) -> tuple[Tensor, Tensor | None, Tensor]:
+        """q ``[S, B, h/tp, d]``, the output gate ``[S, B, h/tp, d]`` (None without ``output_gate``) and
+        k ``[S, B, kv/tp or 1, d]``; q and k qk-normed, before RoPE."""
+        d = self.head_dim
+        q = self.q_proj.forward_local(x).view(S, B, self.local_heads, -1)
+        gate = None
+        if self.config.output_gate:   # per head [q_h, gate_h]
+            q, gate = q.chunk(2, dim=-1)
+        if not self.projection_norm:
+            k = self._project_kv(self.k_proj, x).view(S, B, self.local_kv_heads, d)
+            if self.q_norm is not None:
+                q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
+            return q, gate, k
+        split = group_size(self.tp_group) > 1
+        q = self._projection_norm(self.q_norm, q, group_rank(self.tp_group) * self.local_heads * d, split)
+        if not self.kv_replicated:
+            k = self.k_proj.forward_local(x).view(S, B, self.local_kv_heads, d)
+            k = self._projection_norm(self.k_norm, k, group_rank(self.tp_group) * self.local_kv_heads * d, split)
+            return q, gate, k
+        # replicated kv heads: the norm needs every kv head, which this rank can project (it holds the weight)
+        bias = None if self.k_proj.bias is None else copy_to_region(self.k_proj.bias, self.tp_group)
+        k_all = F.linear(x, copy_to_region(self.k_proj.weight, self.tp_group), bias)
+        k_all = self._projection_norm(self.k_norm, k_all.view(S, B, self.config.kv_heads, d), 0, False)
+        return q, gate, k_all[:, :, self.kv_head_index:self.kv_head_index + 1]
+
     def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
         # one all-gather (SP) or one region entry for q, k and v together; see ColumnParallelLinear
         x = all_gather_sequence(x, self.tp_group, 0) if self.sequence_parallel else copy_to_region(x, self.tp_group)
@@ -90,17 +152,20 @@ class GQAAttention(nn.Module):
         if position_ids.shape != (S,):
             raise ValueError(f"GQAAttention: position_ids {tuple(position_ids.shape)} must be [{S}] "
                              "(one global position per token of this rank's sequence, before the SP split)")
-        q = self.q_proj.forward_local(x).view(S, B, self.local_heads, self.head_dim)
-        k = self._project_kv(self.k_proj, x).view(S, B, self.local_kv_heads, self.head_dim)
+        q, gate, k = self._qk(x, S, B)
         v = self._project_kv(self.v_proj, x).view(S, B, self.local_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
         cos, sin = self.rotary(position_ids)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.o_proj(checkpointed(self.core, q, k, v, position_ids, enabled=self.recompute_core_attn))
+        q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
+        out = checkpointed(self.core, q, k, v, position_ids, self.sinks, enabled=self.recompute_core_attn)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(S, B, -1))
+        return self.o_proj(out)
 
     def extra_repr(self) -> str:
         return (f"heads={self.local_heads}/{self.config.num_heads}, kv_heads={self.local_kv_heads}/"
                 f"{self.config.kv_heads}{' (replicated)' if self.kv_replicated else ''}, head_dim={self.head_dim}, "
-                f"qk_norm={self.config.qk_norm}, sliding_window={self.config.sliding_window}, "
+                f"qk_norm={self.config.qk_norm and self.config.qk_norm_scope}, "
+                f"sliding_window={self.config.sliding_window}, sinks={self.config.sinks}, "
+                f"{'output_gate, ' if self.config.output_gate else ''}"
+                f"rotary_dim={self.config.rotary_dim_resolved}, "
                 f"sp={self.sequence_parallel}{', recompute core_attn' if self.recompute_core_attn else ''}")

@@ -1,7 +1,8 @@
 """Typed configs of the two attention kinds, validated where each field is declared.
 
-``AttentionConfig``: GQA self-attention (Qwen3-MoE, Mixtral): heads, kv heads
-(``num_query_groups``), optional qk-norm, sliding window, bias. ``MLAConfig``: DeepSeek-V3
+``AttentionConfig``: GQA self-attention (Qwen3-MoE, Mixtral, GPT-OSS, GLM-4.5, OLMoE, MiniMax-M2): heads,
+kv heads (``num_query_groups``), optional qk-norm (per head or over the whole projection), sliding window,
+attention sinks, partial RoPE, biases, Qwen3-Next's output gate. ``MLAConfig``: DeepSeek-V3
 multi-latent attention. Both carry the RoPE settings, the context-parallel exchange mode and
 the recompute choice; ``check_parallel(tp, cp)`` checks a layout against them (the attention
 modules call it at construction).
@@ -10,10 +11,13 @@ modules call it at construction).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from moefold.dense.context_parallel import CP_COMM_MODES, check_context_parallel_seq_length
 from moefold.dense.recompute import check_recompute
 from moefold.dense.rope import YarnConfig
+
+QK_NORM_SCOPES: tuple[str, ...] = ("head", "projection")
 
 
 def _positive_int(cls: str, name: str, value: object) -> None:
@@ -57,6 +61,11 @@ class AttentionConfig:
     ``sliding_window``: a query sees keys with ``0 <= q_pos - k_pos < sliding_window`` (Mixtral).
     ``bias``: bias on q/k/v/o projections (HF ``attention_bias``). ``seq_length``: when set, the
     training sequence length, checked against ``2*cp`` at construction.
+
+    ``rotary_dim``: RoPE on the first ``rotary_dim`` dims of each head, the rest passes through (None: all).
+    Qwen3-Next's gated attention: ``output_gate`` (q_proj also yields a per-head gate, the attention output
+    is multiplied by its sigmoid before o_proj), ``zero_centered_gamma`` (q/k norms store ``gamma - 1``,
+    ``dense.norm.RMSNorm``).
     """
 
     hidden_size: int
@@ -64,15 +73,21 @@ class AttentionConfig:
     num_query_groups: int | None = None
     head_dim: int | None = None
     qk_norm: bool = False
+    qk_norm_scope: Literal["head", "projection"] = "head"
     norm_eps: float = 1e-6
     sliding_window: int | None = None
+    sinks: bool = False
+    rotary_dim: int | None = None
     bias: bool = False
+    out_bias: bool | None = None
     rope_theta: float = 10000.0
     yarn: YarnConfig | None = None
     cp_comm: str = "p2p"
     recompute: str = "none"
     init_std: float = 0.02
     seq_length: int | None = None
+    output_gate: bool = False
+    zero_centered_gamma: bool = False
 
     def __post_init__(self) -> None:
         _check_common("AttentionConfig", self)
@@ -86,10 +101,21 @@ class AttentionConfig:
                              f"num_heads={self.num_heads}; set head_dim explicitly")
         if self.head_dim is not None:
             _positive_int("AttentionConfig", "head_dim", self.head_dim)
-        if self.head_dim_resolved % 2 != 0:
+        if self.rotary_dim is None and self.head_dim_resolved % 2 != 0:
             raise ValueError(f"AttentionConfig: head_dim={self.head_dim_resolved} must be even (RoPE)")
         if self.sliding_window is not None:
             _positive_int("AttentionConfig", "sliding_window", self.sliding_window)
+        if self.qk_norm_scope not in QK_NORM_SCOPES:
+            raise ValueError(f"AttentionConfig.qk_norm_scope={self.qk_norm_scope!r} is not one of {QK_NORM_SCOPES}")
+        if self.rotary_dim is not None:
+            _positive_int("AttentionConfig", "rotary_dim", self.rotary_dim)
+            if self.rotary_dim % 2 or self.rotary_dim > self.head_dim_resolved:
+                raise ValueError(f"AttentionConfig: rotary_dim={self.rotary_dim} must be even and at most "
+                                 f"head_dim={self.head_dim_resolved}")
+
+    @property
+    def out_bias_resolved(self) -> bool:
+        return self.bias if self.out_bias is None else self.out_bias
 
     @property
     def kv_heads(self) -> int:
@@ -98,6 +124,10 @@ class AttentionConfig:
     @property
     def head_dim_resolved(self) -> int:
         return self.hidden_size // self.num_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def rotary_dim_resolved(self) -> int:
+        return self.head_dim_resolved if self.rotary_dim is None else self.rotary_dim
 
     def check_parallel(self, tp: int, cp: int = 1) -> None:
         """Raise ValueError unless heads, kv heads and sequence split over ``tp`` x ``cp``.

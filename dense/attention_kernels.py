@@ -264,3 +264,24 @@ def merge_block(out: Tensor, lse: Tensor, rows: slice, block_out: Tensor, block_
     acc_out.mul_(torch.exp(acc_lse - new_lse).unsqueeze(-1))
     acc_out.add_(block_out.float() * torch.exp(block_lse - new_lse).unsqueeze(-1))
     acc_lse.copy_(new_lse)
+
+
+def merge_sinks(out: Tensor, lse: Tensor, sinks_h: Tensor) -> None:
+    """Merge attention sinks into the fp32 accumulators in place: each head's learned logit ``sinks_h [h]``
+    joins every row's softmax as one more key whose value is zero (GPT-OSS). That is a block of output 0 and
+    log-sum-exp ``sink``: the rows are rescaled by ``exp(lse - lse')`` with ``lse' = logaddexp(lse, sink)``.
+    Kernel backwards given the merged ``out`` and ``lse'`` then return exactly the q/k/v gradients of the
+    softmax with sinks (their probabilities ``exp(s - lse')`` are the sink-softmax's)."""
+    sink = sinks_h.float()[None, :, None].expand_as(lse)
+    new_lse = torch.logaddexp(lse, sink)
+    out.mul_(torch.exp(lse - new_lse).unsqueeze(-1))
+    lse.copy_(new_lse)
+
+
+def sinks_grad(grad_out: Tensor, out: Tensor, lse: Tensor, sinks_h: Tensor) -> Tensor:
+    """Gradient ``[h]`` (fp32) of the sink logits from the merged ``out [B, h, Sq, Dv]`` and ``lse [B, h, Sq]``
+    (sinks included): the softmax backward of a column whose value row is zero, ``p_sink * (0 - rowsum(dO * O))``
+    with ``p_sink = exp(sink - lse)``, summed over batch and rows."""
+    delta = (grad_out.float() * out.float()).sum(-1)
+    p_sink = torch.exp(sinks_h.float()[None, :, None] - lse)
+    return -(p_sink * delta).sum(dim=(0, 2))

@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from moefold.dense.attention_kernels import expand_heads, fold_heads
+from moefold.dense.attention_kernels import expand_heads, fold_heads, merge_sinks, sinks_grad
 from moefold.dense.cp_exchange import PendingShift, rank_order_to_global, ring_shift
 from moefold.dense.cp_fused import fused_all_gather_attention, fused_ring_attention
 from moefold.parallel.comm import all_gather_sequence, gather_along_dim
@@ -109,14 +109,21 @@ def _all_gather_positions(pos: Tensor, cp_group: Group) -> Tensor:
     return out.view(group_size(cp_group), pos.shape[0])
 
 
-def sdpa(q: Tensor, k: Tensor, v: Tensor, *, scale: float, attn_mask: Tensor | None = None) -> Tensor:
+def sdpa(q: Tensor, k: Tensor, v: Tensor, *, scale: float, attn_mask: Tensor | None = None,
+         sinks: Tensor | None = None) -> Tensor:
     """``scaled_dot_product_attention``: causal by index without a mask, else the boolean ``attn_mask``.
 
     GQA: with ``is_causal`` the kv heads go in as they are (``enable_gqa``, which the flash kernel
     takes); with a mask they are expanded first, because not every masked fused kernel takes GQA
     and SDPA would otherwise fall back to the unfused math kernel.
+
+    ``sinks [h]`` (attention sinks): SDPA has no sink argument and returns no log-sum-exp, so this is
+    the plain math of HF's ``eager_attention_forward`` (the reference, and generation with a KV cache);
+    training runs sinks through the fused kernels (``cp_fused.fused_local_attention``).
     """
     rep = q.shape[1] // k.shape[1]
+    if sinks is not None:
+        return _sdpa_with_sinks(q, k, v, scale, attn_mask, sinks)
     if attn_mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=rep > 1)
     if rep > 1:
@@ -124,11 +131,23 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, *, scale: float, attn_mask: Tensor | N
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
 
 
+def _sdpa_with_sinks(q: Tensor, k: Tensor, v: Tensor, scale: float, attn_mask: Tensor | None, sinks: Tensor) -> Tensor:
+    rep = q.shape[1] // k.shape[1]
+    k, v = expand_heads(k, rep), expand_heads(v, rep)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if attn_mask is None:   # causal by index, SDPA's top-left alignment
+        attn_mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~attn_mask, float("-inf"))
+    sink = sinks.float()[None, :, None, None].expand(*scores.shape[:3], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v.float()).to(q.dtype)
+
+
 # --------------------------------------------------------------------------------------------
 # the math reference: all_gather mode
 # --------------------------------------------------------------------------------------------
 def all_gather_attention_math(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, cp_group: Group, *, scale: float,
-                              sliding_window: int | None = None) -> Tensor:
+                              sliding_window: int | None = None, sinks: Tensor | None = None) -> Tensor:
     """Attention of local queries against the K/V of the whole cp group, SDPA with a boolean position mask.
 
     q ``[B, h, Sq, d]``, k ``[B, g, Sk, d]``, v ``[B, g, Sk, dv]`` (this rank's tokens), q_pos
@@ -138,7 +157,7 @@ def all_gather_attention_math(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, cp
     k_pos = _all_gather_positions(q_pos, cp_group).reshape(-1)
     k_all = all_gather_sequence(k, cp_group, dim=2)
     v_all = all_gather_sequence(v, cp_group, dim=2)
-    return sdpa(q, k_all, v_all, scale=scale, attn_mask=position_mask(q_pos, k_pos, sliding_window))
+    return sdpa(q, k_all, v_all, scale=scale, attn_mask=position_mask(q_pos, k_pos, sliding_window), sinks=sinks)
 
 
 # --------------------------------------------------------------------------------------------
@@ -164,7 +183,7 @@ class _RingAttentionMath(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, all_pos: Tensor, group: Group, scale: float,
-                sliding_window: int | None) -> Tensor:
+                sliding_window: int | None, sinks: Tensor | None) -> Tensor:
         n, me, rep = group_size(group), group_rank(group), q.shape[1] // k.shape[1]
         out = lse = None
         kv = [k, v]
@@ -183,13 +202,15 @@ class _RingAttentionMath(torch.autograd.Function):
                 lse = new_lse
             pending.wait()
             kv = nxt
-        ctx.save_for_backward(q, k, v, out, lse, q_pos, all_pos)
+        if sinks is not None:
+            merge_sinks(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, q_pos, all_pos, sinks)
         ctx.group, ctx.scale, ctx.sliding_window = group, scale, sliding_window
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        q, k, v, out, lse, q_pos, all_pos = ctx.saved_tensors
+        q, k, v, out, lse, q_pos, all_pos, sinks = ctx.saved_tensors
         group, scale = ctx.group, ctx.scale
         n, me, rep = group_size(group), group_rank(group), q.shape[1] // k.shape[1]
         grad_out = grad_out.float()
@@ -213,11 +234,12 @@ class _RingAttentionMath(torch.autograd.Function):
             acc_pending.wait()
             kv_pending.wait()
             kv = nxt
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        d_sinks = None if sinks is None else sinks_grad(grad_out, out, lse, sinks).to(sinks.dtype)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, d_sinks
 
 
 def ring_attention_math(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, cp_group: Group, *, scale: float,
-                        sliding_window: int | None = None) -> Tensor:
+                        sliding_window: int | None = None, sinks: Tensor | None = None) -> Tensor:
     """Ring (p2p) context-parallel attention in plain math; shapes as ``all_gather_attention_math``.
 
     Memory per rank: q, k, v, the fp32 output and lse, plus one S_local x S_local block of
@@ -226,7 +248,7 @@ def ring_attention_math(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, cp_group
     the positions (one small all-gather).
     """
     all_pos = _all_gather_positions(q_pos, cp_group)
-    return _RingAttentionMath.apply(q, k, v, q_pos, all_pos, cp_group, scale, sliding_window)
+    return _RingAttentionMath.apply(q, k, v, q_pos, all_pos, cp_group, scale, sliding_window, sinks)
 
 
 # cp_comm -> implementation, chosen once (CoreAttention's constructor), never per forward
@@ -236,22 +258,23 @@ CP_ATTENTION_MATH = {"p2p": ring_attention_math, "all_gather": all_gather_attent
 
 def cp_attention_impl(mode: str, *, fused: bool = True):
     """The CP attention function for exchange mode ``mode`` (``CP_COMM_MODES``): fused (default) or the
-    math reference. All take ``(q, k, v, q_pos, cp_group, *, scale, sliding_window)``."""
+    math reference. All take ``(q, k, v, q_pos, cp_group, *, scale, sliding_window, sinks)``."""
     if mode not in CP_ATTENTION:
         raise ValueError(f"cp_comm={mode!r} is not one of {CP_COMM_MODES}")
     return (CP_ATTENTION if fused else CP_ATTENTION_MATH)[mode]
 
 
 def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, cp_group: Group, *, mode: str,
-                               scale: float, sliding_window: int | None = None, fused: bool = True) -> Tensor:
+                               scale: float, sliding_window: int | None = None, fused: bool = True,
+                               sinks: Tensor | None = None) -> Tensor:
     """Causal attention across the cp group in exchange mode ``mode`` (``CP_COMM_MODES``), fused kernels
     or (``fused=False``) the math reference.
 
     q ``[B, h, Sq, d]``, k ``[B, g, Sk, d]``, v ``[B, g, Sk, dv]``, q_pos ``[Sq]`` -> ``[B, h, Sq, dv]``.
     The fused path takes visibility from the load-balanced layout, so ``q_pos`` must be this rank's
     ``context_parallel_positions``; the math path masks by ``q_pos`` itself.
-    A group of size 1 attends locally (position mask, no communication)."""
+    A group of size 1 attends locally (position mask, no communication). ``sinks [h]``: attention sinks."""
     impl = cp_attention_impl(mode, fused=fused)
     if group_size(cp_group) == 1:
-        return sdpa(q, k, v, scale=scale, attn_mask=position_mask(q_pos, q_pos, sliding_window))
-    return impl(q, k, v, q_pos, cp_group, scale=scale, sliding_window=sliding_window)
+        return sdpa(q, k, v, scale=scale, attn_mask=position_mask(q_pos, q_pos, sliding_window), sinks=sinks)
+    return impl(q, k, v, q_pos, cp_group, scale=scale, sliding_window=sliding_window, sinks=sinks)

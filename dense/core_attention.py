@@ -7,6 +7,12 @@ configured exchange mode: fused kernels per block (default) or, with ``fused=Fal
 reference the tests compare them with. Selective recomputation checkpoints exactly this module
 (``torch.utils.checkpoint``, non-reentrant): the S x S scores are recomputed in backward
 instead of being stored.
+
+Attention sinks (GPT-OSS: a learned logit per head in every softmax row, ``sinks [h]`` passed to
+``forward``) need the log-sum-exp of each row, which SDPA does not return: without CP the sink
+layers run one fused kernel call with its log-sum-exp (``cp_fused.fused_local_attention``, the
+kernels of ``dense.attention_kernels`` on every device), with CP the fused (or math) CP attention
+merges them after the last block. Every attention path of moefold takes them.
 """
 
 from __future__ import annotations
@@ -14,14 +20,18 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from moefold.dense.context_parallel import CP_COMM_MODES, cp_attention_impl, position_mask, sdpa
+from moefold.dense.cp_fused import fused_local_attention
 from moefold.dense.recompute import checkpointed
 from moefold.parallel.groups import Group, group_size
 
 
 def local_attention(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, *, scale: float,
-                    sliding_window: int | None = None) -> Tensor:
+                    sliding_window: int | None = None, sinks: Tensor | None = None) -> Tensor:
     """Causal attention over this rank's (whole) sequence. q ``[B, h, S, d]``, k ``[B, g, S, d]``,
-    v ``[B, g, S, dv]`` with ``h % g == 0``; returns ``[B, h, S, dv]``. Nothing crosses ranks."""
+    v ``[B, g, S, dv]`` with ``h % g == 0``; returns ``[B, h, S, dv]``. ``sinks [h]``: attention sinks
+    (the sequence is the contiguous positions 0..S-1 then, as everywhere without CP). Nothing crosses ranks."""
+    if sinks is not None:
+        return fused_local_attention(q, k, v, scale=scale, sliding_window=sliding_window, sinks=sinks)
     mask = None if sliding_window is None else position_mask(position_ids, position_ids, sliding_window)
     return sdpa(q, k, v, scale=scale, attn_mask=mask)
 
@@ -29,8 +39,8 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, *, sc
 class CoreAttention(nn.Module):
     """The attention product for one layer's local heads; no parameters.
 
-    forward(q ``[S, B, h, d]``, k ``[S, B, g, d]``, v ``[S, B, g, dv]``, position_ids ``[S]``)
-    -> ``[S, B, h*dv]``. ``S`` is this rank's sequence (the CP part under context parallelism,
+    forward(q ``[S, B, h, d]``, k ``[S, B, g, d]``, v ``[S, B, g, dv]``, position_ids ``[S]``, sinks ``[h]``
+    or None) -> ``[S, B, h*dv]``. ``S`` is this rank's sequence (the CP part under context parallelism,
     ``position_ids`` its true global positions). ``h`` must be a multiple of ``g`` (GQA).
     Crosses ranks only under CP (see ``dense.context_parallel``).
     """
@@ -47,23 +57,29 @@ class CoreAttention(nn.Module):
         # the exchange and its implementation are chosen once here, not by comparing strings in every forward
         self._cp_attention = cp_attention_impl(cp_comm, fused=fused) if group_size(cp_group) > 1 else None
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, sinks: Tensor | None = None) -> Tensor:
         S, B, h = q.shape[:3]
         if k.shape[0] != S or v.shape[0] != S or position_ids.shape != (S,):
             raise ValueError(f"CoreAttention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} and "
                              f"position_ids {tuple(position_ids.shape)} must share the sequence length {S}")
         if h % k.shape[2] != 0:
             raise ValueError(f"CoreAttention: {h} query heads are not a multiple of {k.shape[2]} kv heads")
+        if sinks is not None and sinks.shape != (h,):
+            raise ValueError(f"CoreAttention: sinks {tuple(sinks.shape)} must be one logit per query head ({h},)")
         # [S, B, heads, d] -> [B, heads, S, d] (SDPA layout)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        out = checkpointed(self._attend, q, k, v, position_ids, enabled=self.recompute)
+        out = checkpointed(self._attend, q, k, v, position_ids, sinks, enabled=self.recompute)
         return out.permute(2, 0, 1, 3).reshape(S, B, -1)
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, sinks: Tensor | None) -> Tensor:
         if self._cp_attention is None:
-            return local_attention(q, k, v, position_ids, scale=self.scale, sliding_window=self.sliding_window)
+            if not self.fused and sinks is not None:   # the math reference of the sink path
+                mask = position_mask(position_ids, position_ids, self.sliding_window)
+                return sdpa(q, k, v, scale=self.scale, attn_mask=mask, sinks=sinks)
+            return local_attention(q, k, v, position_ids, scale=self.scale, sliding_window=self.sliding_window,
+                                   sinks=sinks)
         return self._cp_attention(q, k, v, position_ids, self.cp_group, scale=self.scale,
-                                  sliding_window=self.sliding_window)
+                                  sliding_window=self.sliding_window, sinks=sinks)
 
     def extra_repr(self) -> str:
         return (f"scale={self.scale:.4g}, sliding_window={self.sliding_window}, cp={group_size(self.cp_group)}, "

@@ -46,7 +46,9 @@ from moefold.dense.attention_kernels import (
     Window,
     attention_kernel,
     merge_block,
+    merge_sinks,
     pad_head_dims,
+    sinks_grad,
 )
 from moefold.dense.cp_exchange import PendingShift, rank_order_to_global, ring_shift
 from moefold.parallel.comm import all_gather_sequence
@@ -162,11 +164,12 @@ def _attend_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
 
 
 class _FusedRing(torch.autograd.Function):
-    """p2p ring, fused per block. Saves q, k, v, the output (q's dtype) and the fp32 log-sum-exp."""
+    """p2p ring, fused per block. Saves q, k, v, the output (q's dtype) and the fp32 log-sum-exp.
+    ``sinks [h]`` (or None): attention sinks, merged once after the last block (``merge_sinks``)."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: Group, scale: float, window: int | None,
-                kernel: AttentionKernel) -> Tensor:
+                kernel: AttentionKernel, sinks: Tensor | None = None) -> Tensor:
         n, me, c = group_size(group), group_rank(group), q.shape[2] // 2
         out, lse = _accumulators(q, v)
         kv = (k, v)
@@ -176,14 +179,16 @@ class _FusedRing(torch.autograd.Function):
             _attend(q, *kv, ring_step_calls(me, (me - step) % n, n, c, window), kernel, scale, out, lse)
             pending.wait()
             kv = nxt
+        if sinks is not None:
+            merge_sinks(out, lse, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.group, ctx.scale, ctx.window, ctx.kernel = group, scale, window, kernel
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         group, scale, window, kernel = ctx.group, ctx.scale, ctx.window, ctx.kernel
         n, me, c = group_size(group), group_rank(group), q.shape[2] // 2
         dq = torch.zeros_like(q, dtype=torch.float32)
@@ -200,7 +205,8 @@ class _FusedRing(torch.autograd.Function):
             acc_pending.wait()
             kv_pending.wait()
             kv = nxt
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        d_sinks = None if sinks is None else sinks_grad(grad_out, out, lse, sinks).to(sinks.dtype)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, d_sinks
 
 
 class _FusedBlocks(torch.autograd.Function):
@@ -208,20 +214,23 @@ class _FusedBlocks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, calls: tuple[BlockCall, ...], scale: float,
-                kernel: AttentionKernel) -> Tensor:
+                kernel: AttentionKernel, sinks: Tensor | None = None) -> Tensor:
         out, lse = _accumulators(q, v)
         _attend(q, k, v, calls, kernel, scale, out, lse)
+        if sinks is not None:
+            merge_sinks(out, lse, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.calls, ctx.scale, ctx.kernel = calls, scale, kernel
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         grads = [torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v)]
         _attend_backward(grad_out, q, k, v, out, lse, ctx.calls, ctx.kernel, ctx.scale, *grads)
-        return grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype), None, None, None
+        d_sinks = None if sinks is None else sinks_grad(grad_out, out, lse, sinks).to(sinks.dtype)
+        return grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype), None, None, None, d_sinks
 
 
 def _prepare(q: Tensor, k: Tensor, v: Tensor) -> tuple[AttentionKernel, Tensor, Tensor, Tensor]:
@@ -233,17 +242,18 @@ def _prepare(q: Tensor, k: Tensor, v: Tensor) -> tuple[AttentionKernel, Tensor, 
 
 
 def fused_ring_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, cp_group: Group, *, scale: float,
-                         sliding_window: int | None = None) -> Tensor:
+                         sliding_window: int | None = None, sinks: Tensor | None = None) -> Tensor:
     """p2p ring CP attention with fused kernels. q ``[B, h, 2c, d]``, k ``[B, g, 2c, d]``, v ``[B, g, 2c, dv]``
     (this rank's chunks r and 2cp-1-r) -> ``[B, h, 2c, dv]``. ``q_pos`` is not read (see the module docstring).
+    ``sinks [h]``: attention sinks (a partial gradient over cp, like every weight's).
     Crosses ranks: K/V blocks point-to-point (forward; backward with their gradient accumulators)."""
     d_v = v.shape[-1]
     kernel, q, k, v = _prepare(q, k, v)
-    return _FusedRing.apply(q, k, v, cp_group, scale, sliding_window, kernel)[..., :d_v]
+    return _FusedRing.apply(q, k, v, cp_group, scale, sliding_window, kernel, sinks)[..., :d_v]
 
 
 def fused_all_gather_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, cp_group: Group, *, scale: float,
-                               sliding_window: int | None = None) -> Tensor:
+                               sliding_window: int | None = None, sinks: Tensor | None = None) -> Tensor:
     """all_gather CP attention with fused kernels; shapes as ``fused_ring_attention``. Crosses ranks: K/V
     (all-gather; backward reduce-scatter of their gradients)."""
     d_v = v.shape[-1]
@@ -251,4 +261,16 @@ def fused_all_gather_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, c
     cp = group_size(cp_group)
     k_all, v_all = (rank_order_to_global(all_gather_sequence(t, cp_group, dim=2), cp, 2) for t in (k, v))
     calls = all_gather_calls(group_rank(cp_group), cp, q.shape[2] // 2, sliding_window)
-    return _FusedBlocks.apply(q, k_all, v_all, calls, scale, kernel)[..., :d_v]
+    return _FusedBlocks.apply(q, k_all, v_all, calls, scale, kernel, sinks)[..., :d_v]
+
+
+def fused_local_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, sliding_window: int | None = None,
+                          sinks: Tensor | None = None) -> Tensor:
+    """Causal (optionally windowed) attention over this rank's whole sequence as one fused kernel call with its
+    log-sum-exp, so that ``sinks [h]`` merge into it (what SDPA cannot: it returns no log-sum-exp). Shapes as
+    ``core_attention.local_attention``. Nothing crosses ranks."""
+    S, d_v = q.shape[2], v.shape[-1]
+    kernel = attention_kernel(q.device.type, q.dtype, max(q.shape[-1], d_v))
+    q, k, v = pad_head_dims(q, k, v, kernel)
+    window = CAUSAL if sliding_window is None or sliding_window >= S else Window(sliding_window - 1, 0)
+    return _FusedBlocks.apply(q, k, v, (BlockCall(0, S, 0, S, window),), scale, kernel, sinks)[..., :d_v]

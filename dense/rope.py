@@ -144,3 +144,12 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False)
     cos, sin = cos[..., :half], sin[..., :half]
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def apply_partial_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``apply_rotary`` on the first ``cos.shape[-1]`` dims of each head of ``x [S, B, heads, dim]``, the
+    rest passed through (HF's partial rotary, ``partial_rotary_factor``: GLM-4.5, MiniMax-M2)."""
+    rotary = cos.shape[-1]
+    if rotary == x.shape[-1]:
+        return apply_rotary(x, cos, sin)
+    return torch.cat([apply_rotary(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)

@@ -8,8 +8,10 @@ The cache works through the model's own attention modules: for the duration of `
 layer's core attention (``dense.core_attention.CoreAttention``, which receives q/k/v after the
 projections, qk-norm and RoPE, for GQA and MLA alike) is swapped for ``CachedCoreAttention``, which
 appends the new keys/values to the layer's cache and attends the new queries to all of them (causal and
-sliding-window masks from the true positions). The prompt runs through the model once (prefill), then
-one token per step; the output head runs on the last position only.
+sliding-window masks from the true positions). A Gated DeltaNet layer (``dense.gated_deltanet``) keeps a
+``RecurrentCache`` instead: its convolution's last inputs and its delta-rule state, so each step costs the
+same however long the sequence is. The prompt runs through the model once (prefill), then one token per
+step; the output head runs on the last position only.
 
 Layouts: world 1, and any layout with pp = 1 and cp = 1: expert parallelism (tokens reach their
 experts through the usual dispatcher), tensor parallelism when the batch is divisible by tp (build the
@@ -28,6 +30,7 @@ from torch import Tensor, nn
 
 from moefold.dense.context_parallel import position_mask, sdpa
 from moefold.dense.core_attention import CoreAttention
+from moefold.dense.gated_deltanet import GatedDeltaNet, RecurrentCache
 from moefold.models.decoder import MoEDecoder
 from moefold.parallel.comm import gather_along_dim
 
@@ -35,38 +38,46 @@ from moefold.parallel.comm import gather_along_dim
 class CachedCoreAttention(nn.Module):
     """A layer's core attention with a growing K/V cache (inference only).
 
-    forward(q ``[S, B, h, d]``, k ``[S, B, g, d]``, v ``[S, B, g, dv]``, position_ids ``[S]``) appends k/v
-    (and their positions) to the cache and returns ``[S, B, h*dv]`` of q against every cached key."""
+    forward(q ``[S, B, h, d]``, k ``[S, B, g, d]``, v ``[S, B, g, dv]``, position_ids ``[S]``, sinks ``[h]`` or
+    None) appends k/v (and their positions) to the cache and returns ``[S, B, h*dv]`` of q against every cached
+    key (with the layer's attention sinks in the softmax)."""
 
     def __init__(self, core: CoreAttention) -> None:
         super().__init__()
         self.scale, self.sliding_window = core.scale, core.sliding_window
         self.k = self.v = self.positions = None
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, sinks: Tensor | None = None) -> Tensor:
         S, B = q.shape[:2]
         self.k = k if self.k is None else torch.cat([self.k, k])
         self.v = v if self.v is None else torch.cat([self.v, v])
         self.positions = position_ids if self.positions is None else torch.cat([self.positions, position_ids])
         mask = position_mask(position_ids, self.positions, self.sliding_window)
         q_, k_, v_ = (t.permute(1, 2, 0, 3) for t in (q, self.k, self.v))   # [B, heads, S, d]
-        out = sdpa(q_, k_, v_, scale=self.scale, attn_mask=mask)
+        out = sdpa(q_, k_, v_, scale=self.scale, attn_mask=mask, sinks=sinks)
         return out.permute(2, 0, 1, 3).reshape(S, B, -1)
 
 
 @contextmanager
-def kv_cache(model: MoEDecoder) -> Iterator[list[CachedCoreAttention]]:
-    """Swap every main layer's core attention for a fresh ``CachedCoreAttention`` (restored on exit)."""
-    swapped = []
+def kv_cache(model: MoEDecoder) -> Iterator[list[CachedCoreAttention | RecurrentCache]]:
+    """Swap every main layer's core attention for a fresh ``CachedCoreAttention``, give every Gated DeltaNet
+    layer a fresh ``RecurrentCache`` (both undone on exit)."""
+    swapped, recurrent = [], []
     for block in model.layers.values():
-        attention = block.self_attn
-        swapped.append((attention, attention.core))
-        attention.core = CachedCoreAttention(attention.core)
+        mixer = block.self_attn
+        if isinstance(mixer, GatedDeltaNet):
+            mixer.cache = RecurrentCache()
+            recurrent.append(mixer)
+        else:
+            swapped.append((mixer, mixer.core))
+            mixer.core = CachedCoreAttention(mixer.core)
     try:
-        yield [attention.core for attention, _ in swapped]
+        yield [attention.core for attention, _ in swapped] + [mixer.cache for mixer in recurrent]
     finally:
         for attention, core in swapped:
             attention.core = core
+        for mixer in recurrent:
+            mixer.cache = None
 
 
 def check_generation_layout(model: MoEDecoder, batch: int) -> None:
@@ -129,7 +140,7 @@ def generate(model: MoEDecoder, input_ids: Tensor, max_new_tokens: int, *, tempe
     model.eval()
     out, done = input_ids.to(device), torch.zeros(B, dtype=torch.bool, device=device)
     try:
-        with kv_cache(model):
+        with kv_cache(model), model.fp8_region():
             ids, positions = out, torch.arange(S, device=device)
             for _ in range(max_new_tokens):
                 hidden, _ = model.run_layers(model.embed(ids), positions)

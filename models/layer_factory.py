@@ -1,20 +1,24 @@
 """ModelConfig -> component configs and modules: the one place the flat config is translated.
 
-``attention_config``/``router_config``/``moe_config``/``mlp_config`` derive the typed component
-configs; ``build_block(config, index, dims, options)`` builds transformer block ``index`` (GQA or
-MLA attention; dense MLP or MoE FFN as ``config.is_moe_layer(index)`` says).
+``attention_config``/``linear_attention_config``/``router_config``/``moe_config``/``mlp_config`` derive the
+typed component configs; ``build_block(config, index, dims, options)`` builds transformer block ``index``
+(GQA or MLA attention, or Gated DeltaNet as ``config.layer_type(index)`` says; dense MLP or MoE FFN as
+``config.is_moe_layer(index)`` says).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from moefold.dense.attention import GQAAttention
 from moefold.dense.attention_config import AttentionConfig, MLAConfig
 from moefold.dense.block import TransformerBlock
+from moefold.dense.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
 from moefold.dense.mla import MLAttention
 from moefold.dense.mlp import DenseMLP, MLPConfig
 from moefold.dense.rope import YarnConfig
+from moefold.dispatch.deepep import check_flex_topk
 from moefold.models.config import ModelConfig
 from moefold.models.options import ModelOptions
 from moefold.moe.config import MoEConfig
@@ -28,10 +32,12 @@ def yarn_config(config: ModelConfig) -> YarnConfig | None:
     if y is None:
         return None
     return YarnConfig(factor=y.factor, original_max_position_embeddings=y.original_max_position_embeddings,
-                      beta_fast=y.beta_fast, beta_slow=y.beta_slow, mscale=y.mscale, mscale_all_dim=y.mscale_all_dim)
+                      beta_fast=y.beta_fast, beta_slow=y.beta_slow, mscale=y.mscale, mscale_all_dim=y.mscale_all_dim,
+                      truncate=y.truncate)
 
 
-def attention_config(config: ModelConfig, options: ModelOptions) -> AttentionConfig | MLAConfig:
+def attention_config(config: ModelConfig, options: ModelOptions, index: int = 0) -> AttentionConfig | MLAConfig:
+    """The attention of layer ``index`` (layers differ only in their sliding window)."""
     c, o = config, options
     common = {"hidden_size": c.hidden_size, "num_heads": c.num_attention_heads, "norm_eps": c.norm_eps,
               "bias": c.attention_bias, "rope_theta": c.rope_theta, "yarn": yarn_config(c), "cp_comm": o.cp_comm,
@@ -42,7 +48,22 @@ def attention_config(config: ModelConfig, options: ModelOptions) -> AttentionCon
                          qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, q_lora_rank=m.q_lora_rank,
                          rope_interleave=m.rope_interleave, **common)
     return AttentionConfig(num_query_groups=c.num_query_groups, head_dim=c.head_dim, qk_norm=c.qk_norm,
-                           sliding_window=c.sliding_window, **common)
+                           qk_norm_scope=c.qk_norm_scope, sliding_window=c.layer_sliding_window(index),
+                           sinks=c.attention_sinks, rotary_dim=c.rotary_dim if c.partial_rotary_factor < 1 else None,
+                           out_bias=c.attention_out_bias, output_gate=c.attention_output_gate,
+                           zero_centered_gamma=c.norm_zero_centered_gamma, **common)
+
+
+def linear_attention_config(config: ModelConfig, options: ModelOptions) -> GatedDeltaNetConfig:
+    """The Gated DeltaNet of the ``linear_attention`` layers."""
+    la = config.linear_attention
+    if la is None:
+        raise ValueError(f"{config.name}: no linear_attention sizes (LinearAttentionDims)")
+    return GatedDeltaNetConfig(hidden_size=config.hidden_size, num_key_heads=la.num_key_heads,
+                               num_value_heads=la.num_value_heads, key_head_dim=la.key_head_dim,
+                               value_head_dim=la.value_head_dim, conv_kernel_size=la.conv_kernel_size,
+                               norm_eps=config.norm_eps, backend=options.linear_attention_backend,
+                               recompute=options.recompute, init_std=options.init_std)
 
 
 def router_config(config: ModelConfig, options: ModelOptions) -> RouterConfig:
@@ -68,7 +89,7 @@ def router_config(config: ModelConfig, options: ModelOptions) -> RouterConfig:
         z_loss_coeff=c.moe_z_loss_coeff, input_jitter_eps=c.moe_input_jitter_eps, router_dtype=c.moe_router_dtype,
         expert_capacity_factor=c.moe_expert_capacity_factor, token_drop_policy=c.moe_token_drop_policy,
         pad_expert_input_to_capacity=c.moe_pad_expert_input_to_capacity,
-        force_load_balancing=c.moe_router_force_load_balancing, init_std=options.init_std)
+        force_load_balancing=c.moe_router_force_load_balancing, init_std=options.init_std, bias=c.moe_router_bias)
 
 
 def moe_config(config: ModelConfig, options: ModelOptions, dims: ParallelDims) -> MoEConfig:
@@ -77,7 +98,9 @@ def moe_config(config: ModelConfig, options: ModelOptions, dims: ParallelDims) -
                      shared_expert_gate=config.moe_shared_expert_gate,
                      dispatcher=options.resolved_dispatcher(dims.ep, dims.etp), gemm_backend=options.gemm_backend,
                      init_std=options.init_std, fp8=options.fp8, deepep_num_sms=options.moe_deepep_num_sms,
-                     apply_probs_on_input=config.moe_apply_probs_on_input)
+                     apply_probs_on_input=config.moe_apply_probs_on_input, linear_bias=config.moe_expert_linear_bias,
+                     swiglu_alpha=config.moe_swiglu_alpha, activation_clamp=config.moe_activation_clamp,
+                     glu_linear_offset=config.moe_glu_linear_offset)
 
 
 def mlp_config(config: ModelConfig, options: ModelOptions) -> MLPConfig:
@@ -88,18 +111,27 @@ def mlp_config(config: ModelConfig, options: ModelOptions) -> MLPConfig:
 def check_layout(config: ModelConfig, dims: ParallelDims, options: ModelOptions) -> None:
     """Fail early, naming the numbers, when ``config`` cannot be split over ``dims``."""
     attention_config(config, options).check_parallel(dims.tp, dims.cp)
+    if "linear_attention" in (config.layer_types or ()):   # the layout does not depend on the kernel backend
+        layout_only = dataclasses.replace(options, linear_attention_backend="torch")
+        linear_attention_config(config, layout_only).check_parallel(dims.tp, dims.cp)
     if config.vocab_size % dims.tp:
         raise ValueError(f"vocab_size={config.vocab_size} is not divisible by tp={dims.tp}")
     if any(not config.is_moe_layer(i) for i in range(config.num_layers)):
         mlp_config(config, options).check_parallel(dims.tp)
     if config.num_experts:
-        moe_config(config, options, dims).check_layout(tp=dims.tp, ep=dims.ep, etp=dims.etp)
+        moe = moe_config(config, options, dims)
+        moe.check_layout(tp=dims.tp, ep=dims.ep, etp=dims.etp)
+        if moe.dispatcher == "flex":
+            check_flex_topk(config.moe_topk, dims.etp)
 
 
-def build_attention(config: ModelConfig, dims: ParallelDims, options: ModelOptions,
-                    **kw: Any) -> GQAAttention | MLAttention:
-    """The attention module ``config`` asks for (``kw``: dtype/device)."""
-    att = attention_config(config, options)
+def build_attention(config: ModelConfig, dims: ParallelDims, options: ModelOptions, index: int = 0,
+                    **kw: Any) -> GQAAttention | MLAttention | GatedDeltaNet:
+    """The token mixer of layer ``index``, as ``config.layer_type(index)`` says (``kw``: dtype/device)."""
+    if config.layer_type(index) == "linear_attention":
+        return GatedDeltaNet(linear_attention_config(config, options), dims.tp_group, dims.cp_group,
+                             sequence_parallel=_sp(options, dims), **kw)
+    att = attention_config(config, options, index)
     cls = MLAttention if isinstance(att, MLAConfig) else GQAAttention
     return cls(att, dims.tp_group, dims.cp_group, sequence_parallel=_sp(options, dims), **kw)
 
@@ -126,9 +158,10 @@ def build_block(config: ModelConfig, index: int, dims: ParallelDims, options: Mo
     main layers) for this rank's layout. Parameters go to the current default device
     (``with torch.device("meta"): ...`` builds without memory)."""
     kw = {"dtype": options.torch_dtype}
-    return TransformerBlock(config.hidden_size, build_attention(config, dims, options, **kw),
+    return TransformerBlock(config.hidden_size, build_attention(config, dims, options, index, **kw),
                             build_ffn(config, is_moe_block(config, index), dims, options, **kw), config.norm_eps,
-                            sequence_parallel=_sp(options, dims), recompute=options.recompute, **kw)
+                            sequence_parallel=_sp(options, dims), recompute=options.recompute,
+                            zero_centered_gamma=config.norm_zero_centered_gamma, **kw)
 
 
 def _sp(options: ModelOptions, dims: ParallelDims) -> bool:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moefold.dense.context_parallel import CP_COMM_MODES
+from moefold.dense.gated_delta_rule import GATED_DELTA_RULE_BACKENDS
 from moefold.dense.recompute import (
     DEFAULT_RECOMPUTE_MODULES,
     RECOMPUTE_METHODS,
@@ -43,6 +44,7 @@ class ModelOptions:
     fp8:               FP8 GEMMs and dispatch (``parallel.fp8.FP8Config``; --fp8-format, --fp8-recipe,
                        --fp8-backend, --fp8-exclude-modules, --moe-fp8-dispatch)
     moe_deepep_num_sms: SMs DeepEP's kernels take with the flex dispatcher (--moe-deepep-num-sms)
+    linear_attention_backend: Gated DeltaNet kernel, "auto" | "torch" | "fla" (``dense.gated_delta_rule``)
     """
 
     sequence_parallel: bool = True
@@ -57,6 +59,7 @@ class ModelOptions:
     init_std: float = 0.02
     fp8: FP8Config = field(default_factory=FP8Config)
     moe_deepep_num_sms: int = 20
+    linear_attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.fp8, dict):  # from a saved RunConfig (JSON)
@@ -80,6 +83,9 @@ class ModelOptions:
             raise ValueError(f"ModelOptions.dtype={self.dtype!r}; valid: {', '.join(DTYPES)}")
         if not self.init_std > 0:
             raise ValueError(f"ModelOptions.init_std={self.init_std!r} must be > 0")
+        if self.linear_attention_backend not in GATED_DELTA_RULE_BACKENDS:
+            raise ValueError(f"ModelOptions.linear_attention_backend={self.linear_attention_backend!r}; valid: "
+                             f"{', '.join(GATED_DELTA_RULE_BACKENDS)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -55,7 +55,9 @@ def open_pretrained(path: str | os.PathLike) -> Iterator[tuple[ModelConfig, Tens
 
 def pretrained_config(path: str | os.PathLike) -> ModelConfig:
     """The architecture of ``path`` (DeepSeek-V3 MTP layers only when their tensors are there)."""
-    with open_pretrained(path) as (config, _, _):
+    with open_pretrained(path) as (config, _, hf):
+        if hf:
+            importer.check_unquantized(config)
         return config
 
 

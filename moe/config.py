@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from moefold.dispatch.factory import DISPATCHER_KINDS
-from moefold.moe.experts import ACTIVATIONS
+from moefold.moe.experts import ACTIVATIONS, GatedActivation
 from moefold.moe.fp8_gemm import check_fp8_gemm_backend
 from moefold.moe.gemm import GEMM_BACKENDS
 from moefold.parallel.fp8 import FP8Config
@@ -45,6 +45,11 @@ class MoEConfig:
     deepep_num_sms: int = 20                      # flex: SMs DeepEP's kernels use (--moe-deepep-num-sms)
     apply_probs_on_input: bool = False            # x * probs before the experts, top-1 only (Megatron's
                                                   # --moe-apply-probs-on-input); default: in the combine
+    # GPT-OSS's experts: biases on both projections and the clamped SwiGLU (moe.experts.GatedActivation)
+    linear_bias: bool = False                     # per-expert biases on w13 and w2 (HF *_proj_bias)
+    swiglu_alpha: float = 1.0                     # act(g) = g * sigmoid(alpha * g); 1 = SiLU (GPT-OSS 1.702)
+    activation_clamp: float | None = None         # Megatron --activation-func-clamp-value (GPT-OSS 7)
+    glu_linear_offset: float = 0.0                # Megatron --glu-linear-offset: act(gate) * (up + offset) (GPT-OSS 1)
 
     def __post_init__(self) -> None:
         _positive("num_experts", self.num_experts)
@@ -80,6 +85,18 @@ class MoEConfig:
                              f"combine applies (the default)")
         if topk > self.num_experts:
             raise ValueError(f"MoEConfig: router topk={topk} exceeds num_experts={self.num_experts}")
+        glu_set = (self.swiglu_alpha, self.activation_clamp, self.glu_linear_offset) != (1.0, None, 0.0)
+        if glu_set and self.activation != "swiglu":
+            raise ValueError(f"MoEConfig: swiglu_alpha / activation_clamp / glu_linear_offset shape the gated "
+                             f"activation; activation={self.activation!r} is not gated")
+        GatedActivation(self.swiglu_alpha, self.activation_clamp, self.glu_linear_offset)   # checks the values
+        if self.linear_bias and self.gemm_backend == "te":
+            raise ValueError("MoEConfig: expert biases (linear_bias, GPT-OSS) run with gemm backends grouped_mm, "
+                             "loop or grouped_gemm, not 'te' (its GroupedLinear runs both GEMMs in one call)")
+
+    @property
+    def glu(self) -> GatedActivation:
+        return GatedActivation(self.swiglu_alpha, self.activation_clamp, self.glu_linear_offset)
 
     @property
     def has_shared_experts(self) -> bool:

@@ -8,6 +8,14 @@ Weights (``nn.Linear`` ``[out, in]`` layout per expert, so HF checkpoints map wi
   GELU (``G = 1``): ``w13[:, 0]`` is the only input projection (HF ``fc1``/``w1``).
   Both halves live in one tensor so that one grouped GEMM computes them.
 - ``w2 [e, H, F/etp]``: the down projection (``w2``, HF ``down_proj``).
+- with ``bias`` (GPT-OSS): ``w13_bias [e, G, F/etp]`` and ``w2_bias [e, H]``, added to each row by its
+  expert. ``w2_bias`` is replicated over etp and added on etp rank 0 only (the outputs are partial sums
+  over etp); it enters through ``copy_to_region`` over etp, so its gradient is all-reduced there.
+
+SwiGLU is ``act(gate) * (up + glu_linear_offset)`` with ``act(g) = g * sigmoid(alpha * g)`` (alpha 1:
+SiLU) and, with ``clamp``, gate clamped to ``<= clamp`` and up to ``[-clamp, clamp]`` first: GPT-OSS's
+clamped SwiGLU (alpha 1.702, clamp 7, offset 1; Megatron's quick-GeGLU with
+``--activation-func-clamp-value 7 --glu-linear-offset 1``). ``GatedActivation`` holds the three.
 
 Sharding: the expert dim over ``ep`` (rank ``ep_rank`` holds experts ``[ep_rank*e, (ep_rank+1)*e)``),
 the FFN dim ``F`` over ``etp`` (each etp rank holds a slice of every expert's hidden units, so its
@@ -31,6 +39,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -45,8 +54,8 @@ from moefold.moe.gemm import (
     flops_per_token,
     grouped_gemm,
     needs_host_counts,
-    no_rows,
 )
+from moefold.parallel.comm import copy_to_region
 from moefold.parallel.fp8 import FP8Config
 from moefold.parallel.groups import Group, group_rank, group_size
 from moefold.parallel.sharding import Shard, mark_sharded, normal_init, set_init
@@ -64,16 +73,44 @@ def swiglu(h_NGf: Tensor) -> Tensor:
     return F.silu(gate_Nf) * up_Nf
 
 
+@dataclass(frozen=True)
+class GatedActivation:
+    """[N, 2f] gate and up halves -> [N, f] ``act(gate) * (up + linear_offset)``, ``act(g) = g * sigmoid(alpha * g)``,
+    gate clamped to ``<= clamp`` and up to ``[-clamp, clamp]`` first when ``clamp`` is set (GPT-OSS: 1.702, 7, 1;
+    HF ``GptOssExperts._apply_gate``). The defaults are plain SwiGLU (``swiglu``)."""
+
+    alpha: float = 1.0
+    clamp: float | None = None
+    linear_offset: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.alpha > 0 or (self.clamp is not None and not self.clamp > 0):
+            raise ValueError(f"GatedActivation: alpha={self.alpha} and clamp={self.clamp} must be > 0 (clamp: or None)")
+
+    @property
+    def is_swiglu(self) -> bool:
+        return self.alpha == 1.0 and self.clamp is None and self.linear_offset == 0.0
+
+    def __call__(self, h_NGf: Tensor) -> Tensor:
+        gate_Nf, up_Nf = h_NGf.chunk(2, dim=1)
+        if self.clamp is not None:
+            gate_Nf = gate_Nf.clamp(max=self.clamp)
+            up_Nf = up_Nf.clamp(-self.clamp, self.clamp)
+        act_Nf = F.silu(gate_Nf) if self.alpha == 1.0 else gate_Nf * torch.sigmoid(gate_Nf * self.alpha)
+        return act_Nf * (up_Nf + self.linear_offset) if self.linear_offset else act_Nf * up_Nf
+
+
 @functools.cache
-def fused_activation(gated: bool) -> Callable[[Tensor], Tensor]:
-    """The activation as one ``torch.compile``d kernel forward and one backward (shared by every layer).
+def fused_activation(activation: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    """The activation (``swiglu``, a ``GatedActivation`` or ``F.gelu``) as one ``torch.compile``d kernel forward
+    and one backward (shared by every layer with the same activation).
 
     Eager SwiGLU runs silu and the product as separate passes over the strided halves of
     ``h`` (and four more in backward, plus the ``cat`` of the two gradient halves); inductor fuses
     each direction into one pass (C++ on CPU, Triton on CUDA). ``dynamic=True``: the row count N
     changes every step (routing), so it is a symbolic dimension, not a recompile.
     """
-    return torch.compile(swiglu if gated else F.gelu, dynamic=True)
+    return torch.compile(activation, dynamic=True)
 
 
 def mark_expert(param: Tensor) -> Tensor:
@@ -98,13 +135,15 @@ class GroupedExperts(nn.Module):
 
     ``fp8_token_group``: with ``--fp8-backend torchao``, the ranks that hold these experts and split one
     micro-batch's tokens (``ParallelDims.expert_token_group``); FP8 scales over token rows reduce over it.
+    ``glu``: the gated activation's parameters (None: SwiGLU); ``bias``: per-expert biases (GPT-OSS).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *,
                  ep_group: Group = None, etp_group: Group = None, activation: str = "swiglu",
                  gemm_backend: str = "grouped_mm", init_std: float = 0.02, output_init_std: float | None = None,
-                 fp8: FP8Config | None = None, fp8_token_group: Group = None,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+                 fp8: FP8Config | None = None, fp8_token_group: Group = None, glu: GatedActivation | None = None,
+                 bias: bool = False, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         ep, etp = group_size(ep_group), group_size(etp_group)
         for name, value in (("num_experts", num_experts), ("hidden_size", hidden_size),
@@ -120,6 +159,11 @@ class GroupedExperts(nn.Module):
         if gemm_backend not in GEMM_BACKENDS:
             raise ValueError(f"GroupedExperts: gemm_backend={gemm_backend!r}; valid: {', '.join(GEMM_BACKENDS)}")
         check_gemm_backend(gemm_backend, dtype)
+        if bias and gemm_backend == "te":
+            raise ValueError("GroupedExperts: expert biases (GPT-OSS) are added between the GEMMs, which the 'te' "
+                             "backend runs inside one call; use gemm backend 'grouped_mm', 'loop' or 'grouped_gemm'")
+        if glu is not None and not glu.is_swiglu and activation != "swiglu":
+            raise ValueError(f"GroupedExperts: glu={glu} parameterises the gated activation, not {activation!r}")
         fp8 = fp8 if fp8 is not None and fp8.enabled else None
         check_fp8_gemm_backend(fp8, gemm_backend)
         if fp8 is not None:
@@ -129,7 +173,8 @@ class GroupedExperts(nn.Module):
         self.local_expert_offset = group_rank(ep_group) * self.num_local_experts
         self.activation, self.gemm_backend = activation, gemm_backend
         self.gated = activation == "swiglu"  # decided once here, so forward does not compare strings
-        self._eager_activation: Callable[[Tensor], Tensor] = swiglu if self.gated else F.gelu
+        self.glu = glu if glu is not None and not glu.is_swiglu else None
+        self._eager_activation: Callable[[Tensor], Tensor] = (self.glu or swiglu) if self.gated else F.gelu
         self._activation = self._eager_activation
         self.ep_group, self.etp_group = ep_group, etp_group
         self.recompute_activation = False   # selective recompute ``moe_act`` (``dense.recompute``), set by the model
@@ -139,6 +184,13 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(e, hidden_size, f, **kw))
         mark_sharded(self.w13, Shard.over(ep_group, 0), Shard.over(etp_group, 2))
         mark_sharded(self.w2, Shard.over(ep_group, 0), Shard.over(etp_group, 2))
+        self.w13_bias = self.w2_bias = None
+        if bias:   # zero-initialised (no init function), like every bias
+            self.w13_bias = mark_expert(nn.Parameter(torch.zeros(e, gates, f, **kw)))
+            self.w2_bias = mark_expert(nn.Parameter(torch.zeros(e, hidden_size, **kw)))
+            mark_sharded(self.w13_bias, Shard.over(ep_group, 0), Shard.over(etp_group, 2))
+            mark_sharded(self.w2_bias, Shard.over(ep_group, 0))
+        self._adds_w2_bias = group_rank(etp_group) == 0   # the etp partial sums carry the bias once
         out_std = init_std if output_init_std is None else output_init_std
         for p, std in ((self.w13, init_std), (self.w2, out_std)):
             mark_expert(p)
@@ -171,7 +223,7 @@ class GroupedExperts(nn.Module):
 
     def use_fused_activation(self, enabled: bool = True) -> None:
         """Run the activation as ``fused_activation``'s compiled kernels (what ``--compile`` does) or eagerly."""
-        self._activation = fused_activation(self.gated) if enabled else self._eager_activation
+        self._activation = fused_activation(self._eager_activation) if enabled else self._eager_activation
 
     def forward(self, tokens_NH: Tensor, tokens_per_expert_e: Tensor,
                 tokens_per_expert_host: Sequence[int] | None = None) -> Tensor:
@@ -181,18 +233,26 @@ class GroupedExperts(nn.Module):
             counts_host = tokens_per_expert_e.tolist()  # the backend takes host counts: one sync
         # [e, G, f, H] -> [e, G*f, H]: gate and up projections in a single grouped GEMM.
         w13 = self.w13.reshape(e, gates * f, H)
-        if self._te:
-            if tokens_NH.shape[0] == 0:
-                return no_rows(self._activate(no_rows(tokens_NH, w13, True)), self.w2, True)
+        if self._te:  # with no rows too: every rank of TE's amax group must run the same TE calls (moe.te_gemm)
             return self._te[0](tokens_NH, w13, self.w2, counts_host, self._activate)
         h_NGf = self._gemm13(tokens_NH, w13, tokens_per_expert_e, self.gemm_backend, trans_w=True,
                              counts_host=counts_host)
+        rows_e = None
+        if self.w13_bias is not None:
+            # each row's expert; output_size makes it sync-free on CUDA
+            rows_e = torch.repeat_interleave(torch.arange(e, device=tokens_NH.device), tokens_per_expert_e,
+                                             output_size=tokens_NH.shape[0])
+            h_NGf = h_NGf + self.w13_bias.reshape(e, gates * f)[rows_e]
         recompute = CheckpointWithoutOutput() if self.recompute_activation else None
         act_Nf = self._activate(h_NGf) if recompute is None else recompute.checkpoint(self._activate, h_NGf)
         out_NH = self._gemm2(act_Nf, self.w2, tokens_per_expert_e, self.gemm_backend, trans_w=True,
                              counts_host=counts_host)
         if recompute is not None:   # moe_act: the activation is freed once w2 saved it, recomputed before its backward
             recompute.discard_output_and_register_recompute(out_NH)
+        if self.w2_bias is not None:
+            # every etp rank takes the bias through the region (its backward is a collective), rank 0 adds it
+            b2_eH = copy_to_region(self.w2_bias, self.etp_group)
+            out_NH = out_NH + (b2_eH[rows_e] if self._adds_w2_bias else 0.0 * b2_eH[rows_e])
         return out_NH
 
     def flops(self, num_rows: int) -> int:
@@ -203,7 +263,8 @@ class GroupedExperts(nn.Module):
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts} (local {self.num_local_experts} from {self.local_expert_offset}), "
                 f"hidden={self.hidden_size}, ffn={self.ffn_hidden_size} (etp {group_size(self.etp_group)}), "
-                f"activation={self.activation}, gemm={self.gemm_backend}"
+                f"activation={self.activation}{f' {self.glu}' if self.glu else ''}, bias={self.w13_bias is not None}, "
+                f"gemm={self.gemm_backend}"
                 + (f", {self.fp8.describe()}" if self.fp8 is not None else ""))
 
 

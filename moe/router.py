@@ -84,8 +84,9 @@ class RouterOutput:
 
 
 class Router(nn.Module):
-    """Gating weight [E, H] (fp32, replicated over tp/cp) and, with expert bias, the buffer
-    ``expert_bias`` [E] fp32 (model state, used for selection only; see moe.expert_bias).
+    """Gating weight [E, H] (fp32, replicated over tp/cp), with ``config.bias`` a learned logit bias
+    ``bias`` [E] (fp32, zero-initialised, trained like the weight: GPT-OSS) and, with expert bias, the
+    buffer ``expert_bias`` [E] fp32 (model state, used for selection only; see moe.expert_bias).
 
     ``stats_group``: the group ``reduce_stats=True`` sums the statistics over (tp x cp x dp with the
     global loss or expert bias, else tp x cp)."""
@@ -112,6 +113,11 @@ class Router(nn.Module):
         self.weight = nn.Parameter(weight)
         mark_sequence_parallel(self.weight)
         set_init(self.weight, normal_init(config.init_std))
+        if config.bias:
+            self.bias = nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32))
+            mark_sequence_parallel(self.bias)
+        else:
+            self.register_parameter("bias", None)
         if config.enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
         else:
@@ -143,7 +149,7 @@ class Router(nn.Module):
             # multiplicative uniform noise on the router input only (Switch Transformer, Megatron)
             eps = cfg.input_jitter_eps
             x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps, generator=generator)
-        logits_TE = gating_logits(x, self.weight, dtype)
+        logits_TE = gating_logits(x, self.weight, dtype, self.bias)
         bias_E = self.expert_bias.to(torch.float32) if self.expert_bias is not None else None
         scores_TE, ids_TK, probs_TK = route_scores(logits_TE, cfg, bias_E)
         load_E = count_per_expert(ids_TK, E)

@@ -60,6 +60,7 @@ class RouterConfig:
     pad_expert_input_to_capacity: bool = False        # --moe-pad-expert-input-to-capacity
     force_load_balancing: bool = False                # --moe-router-force-load-balancing (benchmarks)
     init_std: float = 0.02                            # --init-method-std (router weight)
+    bias: bool = False                                # moefold: a learned bias on the gating logits (GPT-OSS)
 
     def __post_init__(self) -> None:
         _positive_int("num_experts", self.num_experts)

@@ -24,9 +24,10 @@ def router_dtype(config: RouterConfig) -> torch.dtype:
     return torch.float64 if config.router_dtype == "fp64" else torch.float32
 
 
-def gating_logits(x_TH: Tensor, weight_EH: Tensor, dtype: torch.dtype) -> Tensor:
-    """logits [T, E] = x @ W^T computed in ``dtype`` (fp32/fp64) whatever the model dtype."""
-    return torch.nn.functional.linear(x_TH.to(dtype), weight_EH.to(dtype))
+def gating_logits(x_TH: Tensor, weight_EH: Tensor, dtype: torch.dtype, bias_E: Tensor | None = None) -> Tensor:
+    """logits [T, E] = x @ W^T (+ b, GPT-OSS's router bias) computed in ``dtype`` (fp32/fp64) whatever the
+    model dtype."""
+    return torch.nn.functional.linear(x_TH.to(dtype), weight_EH.to(dtype), None if bias_E is None else bias_E.to(dtype))
 
 
 def score_all(logits_TE: Tensor, score_function: str) -> Tensor:

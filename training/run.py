@@ -87,12 +87,14 @@ def save_run_assets(config: RunConfig) -> None:
 
 
 def train(config: RunConfig, device: torch.device | str = "cpu", heartbeat: Heartbeat | None = None,
-          interactive: bool = False, on_step: Callable[[StepResult], None] | None = None) -> FitSummary:
+          interactive: bool = False, on_step: Callable[[StepResult], None] | None = None,
+          progress: bool = False) -> FitSummary:
     """Train ``config`` on this rank; returns what ``Trainer.fit`` did (identical on every rank). ``heartbeat``
     (from the launcher) learns each completed step. ``config.train.exit_signals`` stop the run after the current
     step with a checkpoint (``training.launch.signals``); ``interactive``: this process is the one the user
     started (world 1), so it notes a first Ctrl-C and stops at once on a second. ``on_step`` gets each step's
-    result (the trainer keeps none)."""
+    result (the trainer keeps none); ``progress``: rank 0 draws a progress bar (the launcher decides: only on a
+    terminal). With ``skip_train``, only validates the loaded (or initial) model: no step, no save."""
     from moefold.training.launch.signals import StopRequest, signal_numbers
 
     t = config.train
@@ -102,14 +104,14 @@ def train(config: RunConfig, device: torch.device | str = "cpu", heartbeat: Hear
                        note=interactive or (heartbeat is None and int(os.environ.get("RANK", "0")) == 0)
                        ) if t.exit_signals else None
     try:
-        return _train(config, device, heartbeat, stop, on_step)
+        return _train(config, device, heartbeat, stop, on_step, progress)
     finally:
         if stop is not None:
             stop.restore()
 
 
 def _train(config: RunConfig, device: torch.device | str, heartbeat: Heartbeat | None,
-           stop: StopRequest | None, on_step: Callable[[StepResult], None] | None) -> FitSummary:
+           stop: StopRequest | None, on_step: Callable[[StepResult], None] | None, progress: bool) -> FitSummary:
     t = config.train
     dims = ParallelDims.build(config.parallel, device_type=torch.device(device).type)
     is_log = dims.rank == 0
@@ -119,7 +121,7 @@ def _train(config: RunConfig, device: torch.device | str, heartbeat: Heartbeat |
     source = f"recipe {config.recipe}" if config.recipe else f"--load-hf {t.load_hf}" if t.load_hf else "model flags"
     say(f"moefold train: {source} ({config.model.name}), {dims.describe()}, device {device}")
     start = time.perf_counter()
-    dataset = build_dataset(config, dims)
+    dataset = None if t.skip_train else build_dataset(config, dims)
     valid = build_dataset(config, dims, part="valid") if t.has_validation else None
     if t.save and is_log:
         save_run_assets(config)
@@ -143,6 +145,7 @@ def _train(config: RunConfig, device: torch.device | str, heartbeat: Heartbeat |
             heartbeat.beat(r.step)
         if caller is not None:
             caller(r)
+
     logger = None
     if is_log:
         from moefold.training.observe.hardware import peak_flops
@@ -152,7 +155,7 @@ def _train(config: RunConfig, device: torch.device | str, heartbeat: Heartbeat |
         logger = MetricsLogger(t.run_dir, total_steps=t.train_iters, start_step=trainer.iteration,
                                flops_per_token=train_flops_per_token(config.model, t.seq_length),
                                peak_flops_per_s=peak_flops(device, dtype) * dims.world_size, device=device,
-                               config=config.to_dict(),
+                               config=config.to_dict(), progress=progress, drop_later_steps=not t.skip_train,
                                wandb={"project": t.wandb_project, "name": t.wandb_exp_name, "dir": t.wandb_save_dir}
                                if t.wandb_project else None, fp8=fp8_tag(trainer.model, config.options.fp8))
     evaluator = None
@@ -160,8 +163,17 @@ def _train(config: RunConfig, device: torch.device | str, heartbeat: Heartbeat |
         from moefold.training.evaluate import Evaluator
 
         evaluator = Evaluator(trainer, valid, logger)
-        if trainer.iteration == 0:   # where the run starts from: the baseline of a continued pretraining
-            evaluator()
+        if trainer.iteration == 0 or t.skip_train:   # where the run starts from: the baseline of a continued
+            evaluator()                                 # pretraining, or all --skip-train does
+    if t.skip_train:
+        if logger is not None:
+            logger.close()
+        if is_log:
+            v = evaluator.results[-1]
+            say(f"validation only (--skip-train), the model at step {v.step}: lm loss {v.loss_lm:.4f}, perplexity "
+                f"{v.ppl:.3f} ({v.tokens} tokens) in {time.perf_counter() - start:.1f}s")
+            say(f"metrics: {Path(t.run_dir) / 'metrics.jsonl'}")
+        return FitSummary(steps=0, first=None, last=None, stop=None, checkpoint=None)
     try:
         summary = trainer.fit(dataset, logger, on_step=on_step, evaluator=evaluator)
     finally:

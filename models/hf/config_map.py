@@ -1,6 +1,7 @@
-"""HF ``config.json`` <-> ``ModelConfig`` for DeepSeek-V3, Qwen3-MoE and Mixtral (no transformers needed),
-and their dense relatives Qwen3 and Mistral (read as the family with ``num_experts=0``: what upcycling
-starts from).
+"""HF ``config.json`` <-> ``ModelConfig`` for DeepSeek-V3 (and Kimi-K2, which is DeepSeek-V3's architecture),
+Qwen3-MoE, Mixtral and Qwen3-Next (its own fields in ``models.hf.qwen3_next``; no transformers needed), and their
+dense relatives Qwen3 and Mistral (read as the family with ``num_experts=0``: what upcycling starts from).
+GPT-OSS, GLM-4.5, OLMoE and MiniMax-M2 are read and written by ``models.hf.config_families``.
 
 Reads both the transformers-5 layout (``rope_parameters``) and the older one (``rope_theta`` +
 ``rope_scaling``). Unknown architectures and unsupported features fail naming the value.
@@ -18,13 +19,16 @@ from __future__ import annotations
 from typing import Any
 
 from moefold.models.config import MLADims, ModelConfig, YarnScaling
+from moefold.models.hf import config_families as more
+from moefold.models.hf import qwen3_next
 
 ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3", "Qwen3MoeForCausalLM": "qwen3_moe",
-                 "MixtralForCausalLM": "mixtral", "Qwen3ForCausalLM": "qwen3_moe", "MistralForCausalLM": "mixtral"}
+                 "MixtralForCausalLM": "mixtral", "Qwen3ForCausalLM": "qwen3_moe", "MistralForCausalLM": "mixtral",
+                 qwen3_next.ARCHITECTURE: "qwen3_next", **more.ARCHITECTURES}
 MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "qwen3": "qwen3_moe",
-               "mistral": "mixtral"}
+               "mistral": "mixtral", "qwen3_next": "qwen3_next", **more.MODEL_TYPES}
 FAMILY_ARCH = {"deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-               "mixtral": "MixtralForCausalLM"}
+               "mixtral": "MixtralForCausalLM", "qwen3_next": qwen3_next.ARCHITECTURE, **more.FAMILY_ARCH}
 # the dense model of a family (no experts): what upcycling turns into the family's MoE
 DENSE_ARCH = {"qwen3_moe": ("Qwen3ForCausalLM", "qwen3"), "mixtral": ("MistralForCausalLM", "mistral")}
 DENSE_MODEL_TYPES = {"qwen3", "mistral"}
@@ -63,7 +67,8 @@ def _rope(hf: dict[str, Any]) -> tuple[float, YarnScaling | None]:
                               original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
                               beta_fast=float(rope.get("beta_fast", 32.0)),
                               beta_slow=float(rope.get("beta_slow", 1.0)), mscale=float(rope.get("mscale", 1.0)),
-                              mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)))
+                              mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)),
+                              truncate=bool(rope.get("truncate", True)))
 
 
 def _pattern(num_layers: int, moe: list[bool]) -> int | tuple[int, ...]:
@@ -83,6 +88,10 @@ def from_hf_config(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
                   attention_bias=bool(hf.get("attention_bias", False)), extra={"hf_config": dict(hf)})
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported (moefold experts are SwiGLU: 'silu')")
+    if family in more.NEEDS:
+        return more.from_hf(family, hf, common)
+    if family == "qwen3_next":
+        return qwen3_next.config_from_hf(hf, common)
     if family == "deepseek_v3":
         if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
             raise ValueError(f"DeepSeek-V3 with scoring_func={hf.get('scoring_func')!r}, topk_method="
@@ -132,12 +141,16 @@ def from_hf_config(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
 
 
 def _rope_out(c: ModelConfig) -> dict[str, Any]:
+    # the families whose HF default is not 1 (GLM-4.5, Qwen3-Next) always say it
+    partial = ({"partial_rotary_factor": c.partial_rotary_factor}
+               if c.partial_rotary_factor != 1.0 or c.family in more.PARTIAL_ROTARY_DEFAULTS else {})
     if c.yarn is None:
-        return {"rope_type": "default", "rope_theta": c.rope_theta}
+        return {"rope_type": "default", "rope_theta": c.rope_theta, **partial}
     y = c.yarn
     return {"rope_type": "yarn", "rope_theta": c.rope_theta, "factor": y.factor,
             "original_max_position_embeddings": y.original_max_position_embeddings, "beta_fast": y.beta_fast,
-            "beta_slow": y.beta_slow, "mscale": y.mscale, "mscale_all_dim": y.mscale_all_dim}
+            "beta_slow": y.beta_slow, "mscale": y.mscale, "mscale_all_dim": y.mscale_all_dim,
+            **({} if y.truncate else {"truncate": False}), **partial}
 
 
 def _check_exportable(c: ModelConfig) -> None:
@@ -151,7 +164,12 @@ def _check_exportable(c: ModelConfig) -> None:
         "mixtral": {"attention": "gqa", "moe_score_function": "softmax", "qk_norm": False, "moe_expert_bias": False,
                     "moe_shared_expert_ffn_size": 0, "moe_topk_scaling_factor": 1.0, "moe_num_groups": None,
                     "attention_bias": False},
-    }[c.family]
+        "qwen3_next": qwen3_next.required(c),
+    }.get(c.family, {})
+    need = more.needs(c.family, need)   # + the families' features, off unless the family's HF class has them
+    if c.family != "qwen3_next":   # the hybrid-stack features only Qwen3-Next's HF class has
+        need.update(layer_types=c.layer_types if set(c.layer_types or ()) <= {"full_attention"} else None,
+                    attention_output_gate=False, norm_zero_centered_gamma=False)
     if c.num_experts == 0:  # the dense relative: router choices are irrelevant
         need = {k: v for k, v in need.items() if not k.startswith("moe_")}
     bad = {k: getattr(c, k) for k, v in need.items() if getattr(c, k) != v}
@@ -162,10 +180,14 @@ def _check_exportable(c: ModelConfig) -> None:
     if bad:
         raise ValueError(f"{c.name}: cannot be expressed as an HF {_architecture(c)} config: {bad} "
                          f"(HF needs {({k: need.get(k, 2) for k in bad})})")
+    why = more.out_bias_error(c) or (c.family == "gpt_oss" and c.moe_activation_clamp is None
+                                     and "GPT-OSS's swiglu_limit cannot be None (moe_activation_clamp)")
+    if why:
+        raise ValueError(f"{c.name}: cannot be expressed as an HF {_architecture(c)} config: {why}")
 
 
 def _architecture(c: ModelConfig) -> str:
-    if c.num_experts == 0:
+    if c.num_experts == 0 and c.family != "qwen3_next":   # HF Qwen3-Next without experts is all dense MLPs
         if c.family not in DENSE_ARCH:
             raise ValueError(f"{c.name}: a {c.family} model without experts has no HF architecture "
                              f"(dense export exists for {', '.join(DENSE_ARCH)})")
@@ -178,7 +200,7 @@ def _own_fields(c: ModelConfig, dtype: str) -> dict[str, Any]:
     _check_exportable(c)
     arch = _architecture(c)
     out: dict[str, Any] = {
-        "architectures": [arch], "model_type": DENSE_ARCH[c.family][1] if c.num_experts == 0 else c.family,
+        "architectures": [arch], "model_type": c.family if arch == FAMILY_ARCH[c.family] else DENSE_ARCH[c.family][1],
         "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "num_hidden_layers": c.num_layers,
         "num_attention_heads": c.num_attention_heads, "max_position_embeddings": c.max_position_embeddings,
         "rms_norm_eps": c.norm_eps, "tie_word_embeddings": c.tie_word_embeddings, "hidden_act": "silu",
@@ -186,22 +208,19 @@ def _own_fields(c: ModelConfig, dtype: str) -> dict[str, Any]:
     }
     if c.num_experts:
         out["num_experts_per_tok"] = c.moe_topk
+    if c.family in more.NEEDS:
+        more.to_hf(c, out)
+        return out
     moe = [c.is_moe_layer(i) for i in range(c.num_layers)]
     if c.family == "deepseek_v3":
         m = c.mla
-        first_k = moe.index(True) if any(moe) else c.num_layers   # HF: dense layers first, then MoE ones
-        if moe != [i >= first_k for i in range(c.num_layers)]:
-            raise ValueError(f"DeepSeek-V3 export needs k dense layers followed by MoE layers (HF "
-                             f"first_k_dense_replace); the MoE layers are {[i for i, m in enumerate(moe) if m]}")
-        if c.moe_shared_expert_ffn_size % c.moe_ffn_hidden_size:
-            raise ValueError(f"moe_shared_expert_ffn_size={c.moe_shared_expert_ffn_size} is not a multiple of "
-                             f"moe_ffn_hidden_size={c.moe_ffn_hidden_size} (HF n_shared_experts)")
+        first_k = more.first_k_dense(c, "DeepSeek-V3")   # HF: dense layers first, then MoE ones
         out.update(num_key_value_heads=c.num_attention_heads, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
                    qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
                    head_dim=m.qk_rope_head_dim, rope_interleave=m.rope_interleave, attention_bias=c.attention_bias,
                    intermediate_size=c.ffn_hidden_size, moe_intermediate_size=c.moe_ffn_hidden_size,
                    n_routed_experts=c.num_experts,
-                   n_shared_experts=c.moe_shared_expert_ffn_size // c.moe_ffn_hidden_size,
+                   n_shared_experts=more.n_shared_experts(c),
                    routed_scaling_factor=c.moe_topk_scaling_factor, n_group=c.moe_num_groups,
                    topk_group=c.moe_group_topk, norm_topk_prob=c.moe_norm_topk_prob, first_k_dense_replace=first_k,
                    num_nextn_predict_layers=c.mtp_num_layers, aux_loss_alpha=c.moe_aux_loss_coeff)
@@ -213,6 +232,8 @@ def _own_fields(c: ModelConfig, dtype: str) -> dict[str, Any]:
                        norm_topk_prob=c.moe_norm_topk_prob, decoder_sparse_step=1,
                        mlp_only_layers=[i for i in range(c.num_layers) if not moe[i]],
                        router_aux_loss_coef=c.moe_aux_loss_coeff)
+    elif c.family == "qwen3_next":
+        out.update(qwen3_next.hf_fields(c))
     elif c.num_experts:
         if not all(moe):
             raise ValueError("Mixtral export needs every layer to be MoE")
@@ -230,13 +251,20 @@ def _respell(own: dict[str, Any], original: dict[str, Any], c: ModelConfig) -> d
     own = dict(own)
     if "torch_dtype" in original and "dtype" not in original:
         own["torch_dtype"] = own.pop("dtype")
-    if _rope(original) == (c.rope_theta, c.yarn):   # same rotary embedding: keep its keys as they were
+    same_partial = more.partial_rotary_factor(original, c.family) == c.partial_rotary_factor
+    if _rope(original) == (c.rope_theta, c.yarn) and same_partial:   # same rotary embedding: keep its keys
         del own["rope_parameters"]
+        own.pop("rotary_dim", None)
     elif "rope_parameters" not in original:          # older layout: rope_theta + rope_scaling
         params = own.pop("rope_parameters")
         own["rope_theta"] = params.pop("rope_theta")
+        if "partial_rotary_factor" in params:
+            own["partial_rotary_factor"] = params.pop("partial_rotary_factor")
         own["rope_scaling"] = None if params["rope_type"] == "default" else params
-    if c.family == "deepseek_v3" and c.mtp_num_layers == 0 and original.get("num_nextn_predict_layers"):
+    if c.family == "deepseek_v3" and "aux_loss_alpha" not in original and \
+            from_hf_config(original).moe_aux_loss_coeff == c.moe_aux_loss_coeff:
+        own.pop("aux_loss_alpha")   # transformers' DeepseekV3Config has no such field: write it only when it changed
+    if c.family in ("deepseek_v3", "glm4_moe") and c.mtp_num_layers == 0 and original.get("num_nextn_predict_layers"):
         # announced but absent (what save_pretrained writes): the export holds no MTP tensors either, and a
         # reader drops the announcement again (importer.load_config)
         own.pop("num_nextn_predict_layers")
@@ -248,6 +276,8 @@ def _respell(own: dict[str, Any], original: dict[str, Any], c: ModelConfig) -> d
             # the same MoE layers, e.g. decoder_sparse_step=2 rather than an explicit mlp_only_layers list
             for k in ("decoder_sparse_step", "mlp_only_layers"):
                 own.pop(k)
+    if c.family == "qwen3_next":
+        own = qwen3_next.respell(own, original, c)
     return own
 
 

@@ -25,17 +25,31 @@ from moefold.models.config import ModelConfig
 from moefold.models.decoder import MoEDecoder
 from moefold.models.hf.assets import copy_assets
 from moefold.models.hf.config_map import to_hf_config
-from moefold.models.hf.mapping import EXPERT_FORMATS, expert_names, hf_names
+from moefold.models.hf.mapping import (
+    EXPERT_FORMATS,
+    expert_names,
+    gpt_oss_b13_to_hf,
+    gpt_oss_w13_to_hf,
+    hf_layout,
+    hf_names,
+)
 from moefold.models.tensor_io import ShardedWriter, dtype_name
 from moefold.parallel.sharding import gather_full, shards_of
 
 
 def hf_tensors(name: str, full: Tensor, config: ModelConfig, expert_format: str = "per_expert",
                ) -> Iterator[tuple[str, Tensor]]:
-    """The HF tensors of one full moefold tensor."""
+    """The HF tensors of one full moefold tensor (GPT-OSS experts: its one layout, whatever ``expert_format``)."""
     ex = expert_names(name, config)
     if ex is None:
-        yield hf_names(name, config, expert_format)[0], full
+        layout = hf_layout(name, config)
+        yield hf_names(name, config, expert_format)[0], full if layout is None else layout.to_hf(full)
+        return
+    if ex.gpt_oss:
+        which = name.rsplit(".", 1)[1]
+        convert = {"w13": gpt_oss_w13_to_hf, "w13_bias": gpt_oss_b13_to_hf, "w2": lambda t: t.transpose(1, 2),
+                   "w2_bias": lambda t: t}[which]
+        yield ex.fused(which), convert(full).contiguous()
         return
     w13 = name.endswith("w13")
     if expert_format == "fused":

@@ -25,7 +25,16 @@ from torch import Tensor, nn
 from moefold.models.config import ModelConfig
 from moefold.models.decoder import MoEDecoder
 from moefold.models.hf.config_map import from_hf_config
-from moefold.models.hf.mapping import ExpertNames, expert_names, hf_names, ignored_hf_names, is_ignorable
+from moefold.models.hf.mapping import (
+    ExpertNames,
+    expert_names,
+    gpt_oss_b13_from_hf,
+    gpt_oss_w13_from_hf,
+    hf_layout,
+    hf_names,
+    ignored_hf_names,
+    is_ignorable,
+)
 from moefold.models.options import ModelOptions
 from moefold.models.tensor_io import TensorReader
 from moefold.parallel.dims import ParallelDims
@@ -63,6 +72,18 @@ def load_config(path: str | os.PathLike, reader: TensorReader | None = None) -> 
     return config
 
 
+def check_unquantized(config: ModelConfig) -> None:
+    """Refuse weights stored quantized (the published GPT-OSS: MXFP4; DeepSeek-V3, Kimi-K2, MiniMax-M2: FP8
+    blocks with ``weight_scale_inv``): moefold reads bf16/fp32 tensors. The config alone reads fine."""
+    quant = ((config.extra or {}).get("hf_config") or {}).get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", quant.get("fmt")) if isinstance(quant, dict) else quant
+        raise ValueError(f"{config.name}: config.json has quantization_config (quant_method={method!r}); moefold "
+                         "reads unquantized weights: dequantize with transformers first (from_pretrained with "
+                         "quantization_config=Mxfp4Config(dequantize=True) or FineGrainedFP8Config(dequantize=True), "
+                         "then save_pretrained)")
+
+
 def import_hf(path: str | os.PathLike, dims: ParallelDims | None = None, options: ModelOptions | None = None,
               strict: bool = True) -> MoEDecoder:
     """Build the model an HF directory describes over ``dims`` and load its weights."""
@@ -85,9 +106,10 @@ def _shape_error(name: str, hf_name: str, got: tuple, want: tuple) -> ValueError
     return ValueError(f"tensor {hf_name!r} (for {name!r}) has shape {list(got)}, expected {list(want)}")
 
 
-def read_plain(reader: TensorReader, name: str, candidates: list[str], shape: tuple, box: tuple) -> tuple[Tensor, str]:
-    """``box`` of the first of the HF tensors ``candidates`` the reader holds, checked to have the full ``shape``
-    of the moefold tensor ``name``; (slice, the HF name read)."""
+def read_plain(reader: TensorReader, name: str, candidates: list[str], shape: tuple, box: tuple | None,
+               ) -> tuple[Tensor, str]:
+    """``box`` (None: all) of the first of the HF tensors ``candidates`` the reader holds, checked to have the
+    full ``shape`` of the moefold tensor ``name``; (slice, the HF name read)."""
     for hf_name in candidates:
         if hf_name in reader:
             got = reader.shape(hf_name)
@@ -97,8 +119,38 @@ def read_plain(reader: TensorReader, name: str, candidates: list[str], shape: tu
     raise ValueError(f"missing tensor {candidates[0]!r} (for {name!r}, shape {list(shape)}) in {reader.root}")
 
 
+def _read_gpt_oss_experts(reader: TensorReader, name: str, ex: ExpertNames, shape: tuple, box: tuple,
+                           ) -> tuple[Tensor, list[str]]:
+    """GPT-OSS: ``gate_up_proj [E, H, 2F]`` / ``_bias [E, 2F]`` with gate and up interleaved (the F slice
+    ``[f0, f1)`` is the contiguous range ``[2 f0, 2 f1)``), ``down_proj [E, F, H]`` transposed, ``_bias [E, H]``."""
+    which = name.rsplit(".", 1)[1]
+    hf_name = ex.fused(which)
+    if which == "w13":
+        E, _, F, H = shape
+        want, read_box = (E, H, 2 * F), (box[0], slice(None), slice(2 * box[2].start, 2 * box[2].stop))
+    elif which == "w13_bias":
+        E, _, F = shape
+        want, read_box = (E, 2 * F), (box[0], slice(2 * box[2].start, 2 * box[2].stop))
+    elif which == "w2":
+        E, H, F = shape
+        want, read_box = (E, F, H), (box[0], box[2], slice(None))
+    else:
+        want, read_box = shape, box
+    if hf_name not in reader:
+        raise ValueError(f"missing tensor {hf_name!r} (for {name!r}, shape {list(want)}) in {reader.root}")
+    got = reader.shape(hf_name)
+    if got != want:
+        raise _shape_error(name, hf_name, got, want)
+    value = reader.read(hf_name, read_box)
+    convert = {"w13": gpt_oss_w13_from_hf, "w13_bias": gpt_oss_b13_from_hf, "w2": lambda t: t.transpose(1, 2),
+               "w2_bias": lambda t: t}[which]
+    return convert(value), [hf_name]
+
+
 def _read_experts(reader: TensorReader, name: str, ex: ExpertNames, shape: tuple, box: tuple,
                   ) -> tuple[Tensor, list[str]]:
+    if ex.gpt_oss:
+        return _read_gpt_oss_experts(reader, name, ex, shape, box)
     w13 = name.endswith("w13")
     which = "w13" if w13 else "w2"
     E = shape[0]
@@ -142,19 +194,24 @@ def load_weights(model: MoEDecoder, reader: TensorReader, strict: bool = True) -
     """Copy this rank's slice of every parameter and persistent buffer of ``model`` from ``reader``
     (HF naming; see ``models.hf.mapping``). No communication."""
     config, used = model.config, set()
+    check_unquantized(config)
     for name, tensor in model.state_dict(keep_vars=True).items():
         shape = full_shape(tensor)
         box = local_box(shape, shards_of(tensor))
-        ex = expert_names(name, config)
+        ex, layout = expert_names(name, config), hf_layout(name, config)
         if ex is not None:
             value, names = _read_experts(reader, name, ex, shape, box)
             used.update(names)
+        elif layout is not None:   # another layout on disk: read it whole (small), convert, keep this rank's box
+            full, hf_name = read_plain(reader, name, hf_names(name, config), layout.hf_shape(shape), None)
+            value = layout.from_hf(full, shape)[box]
+            used.add(hf_name)
         else:
             value, hf_name = read_plain(reader, name, hf_names(name, config), shape, box)
             used.add(hf_name)
         _assign(tensor, value, name)
     if strict and _holds_whole_model(model):
-        unused = [n for n in reader.names() if n not in used and not is_ignorable(n)
+        unused = [n for n in reader.names() if n not in used and not is_ignorable(n, config)
                   and n not in set(ignored_hf_names(config))]
         if unused:
             raise ValueError(f"{len(unused)} checkpoint tensors match no moefold parameter, e.g. {unused[:5]} "

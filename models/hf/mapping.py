@@ -8,17 +8,30 @@ moefold                                HF
 =====================================  ==========================================================
 embed_tokens.weight / norm.weight      model.embed_tokens.weight / model.norm.weight
 output_head.proj.weight                lm_head.weight (absent with tie_word_embeddings)
-layers.i.mlp.router.weight             model.layers.i.mlp.gate.weight (Mixtral on disk: block_sparse_moe.gate)
-layers.i.mlp.router.expert_bias        model.layers.i.mlp.gate.e_score_correction_bias (DeepSeek-V3)
+layers.i.mlp.router.weight             model.layers.i.mlp.gate.weight (Mixtral, MiniMax-M2 on disk:
+                                       block_sparse_moe.gate; GPT-OSS: mlp.router.weight)
+layers.i.mlp.router.bias               model.layers.i.mlp.router.bias (GPT-OSS)
+layers.i.mlp.router.expert_bias        model.layers.i.mlp.gate.e_score_correction_bias (DeepSeek-V3, GLM-4.5);
+                                       MiniMax-M2: block_sparse_moe.e_score_correction_bias (fused: mlp.)
 layers.i.mlp.experts.w13 [E,2,F,H]     per expert (what ``save_pretrained`` writes):
-                                         experts.e.gate_proj / up_proj (Mixtral: block_sparse_moe.experts.e.w1 / w3)
+                                         experts.e.gate_proj / up_proj (Mixtral, MiniMax-M2:
+                                         block_sparse_moe.experts.e.w1 / w3)
                                        fused (transformers' in-memory layout): experts.gate_up_proj [E, 2F, H]
+                                       GPT-OSS (its only layout): experts.gate_up_proj [E, H, 2F], gate and up
+                                         interleaved along the last dim (gate = [..., ::2], up = [..., 1::2])
 layers.i.mlp.experts.w2 [E,H,F]        experts.e.down_proj (Mixtral: w2) / fused experts.down_proj [E, H, F]
+                                       GPT-OSS: experts.down_proj [E, F, H] (transposed)
+layers.i.mlp.experts.w13_bias [E,2,F]  GPT-OSS: experts.gate_up_proj_bias [E, 2F] (interleaved like the weight)
+layers.i.mlp.experts.w2_bias [E,H]     GPT-OSS: experts.down_proj_bias [E, H]
+layers.i.self_attn.sinks [h]           model.layers.i.self_attn.sinks (GPT-OSS)
 mtp.k.{enorm,hnorm,eh_proj}            model.layers.{L+k}.{enorm,hnorm,eh_proj} (DeepSeek MTP, L = num_layers)
 mtp.k.final_layernorm                  model.layers.{L+k}.shared_head.norm
 mtp.k.block.<X>                        model.layers.{L+k}.<X>
 (shared copies, ignored on import)     model.layers.{L+k}.embed_tokens / shared_head.head
 =====================================  ==========================================================
+
+Qwen3-Next renames its DeltaNet layers' ``self_attn`` to ``linear_attn`` and its shared expert, and stores the
+convolution in another channel order (``hf_layout``); see ``models.hf.qwen3_next``.
 """
 
 from __future__ import annotations
@@ -26,7 +39,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from torch import Tensor
+
 from moefold.models.config import ModelConfig
+from moefold.models.hf import qwen3_next
 
 EXPERT_FORMATS = ("per_expert", "fused")
 
@@ -40,12 +56,38 @@ class ExpertNames:
     up: str
     down: str
     fused_prefix: str                      # "<...>.mlp.experts" holding gate_up_proj / down_proj
+    gpt_oss: bool = False                  # GPT-OSS's layout (its only one): fused, transposed, interleaved
 
     def per_expert(self, prefix: str, e: int, which: str) -> str:
         return f"{prefix}.{e}.{getattr(self, which)}.weight"
 
     def fused(self, which: str) -> str:
-        return f"{self.fused_prefix}.{'gate_up_proj' if which == 'w13' else 'down_proj'}"
+        """``which``: w13, w2, w13_bias or w2_bias."""
+        base = "gate_up_proj" if which.startswith("w13") else "down_proj"
+        return f"{self.fused_prefix}.{base}{'_bias' if which.endswith('_bias') else ''}"
+
+
+# GPT-OSS expert layouts <-> moefold's (every function takes and returns full or expert-sliced tensors)
+def gpt_oss_w13_from_hf(gate_up_EHF2: Tensor) -> Tensor:
+    """``gate_up_proj [E, H, 2F]`` (gate/up interleaved) -> ``w13 [E, 2, F, H]``."""
+    E, H, F2 = gate_up_EHF2.shape
+    return gate_up_EHF2.reshape(E, H, F2 // 2, 2).permute(0, 3, 2, 1)
+
+
+def gpt_oss_w13_to_hf(w13_E2FH: Tensor) -> Tensor:
+    E, _, F, H = w13_E2FH.shape
+    return w13_E2FH.permute(0, 3, 2, 1).reshape(E, H, 2 * F)
+
+
+def gpt_oss_b13_from_hf(bias_EF2: Tensor) -> Tensor:
+    """``gate_up_proj_bias [E, 2F]`` (interleaved) -> ``w13_bias [E, 2, F]``."""
+    E, F2 = bias_EF2.shape
+    return bias_EF2.reshape(E, F2 // 2, 2).permute(0, 2, 1)
+
+
+def gpt_oss_b13_to_hf(b13_E2F: Tensor) -> Tensor:
+    E, _, F = b13_E2F.shape
+    return b13_E2F.permute(0, 2, 1).reshape(E, 2 * F)
 
 
 def _layer_prefix(name: str, config: ModelConfig) -> tuple[str, str] | None:
@@ -77,21 +119,38 @@ def hf_names(name: str, config: ModelConfig, expert_format: str = "per_expert") 
         raise ValueError(f"no HF name for moefold tensor {name!r}")
     prefix, rest = split
     moe_blocks = ["mlp", "block_sparse_moe"]
-    if config.family == "mixtral" and expert_format == "per_expert":
-        moe_blocks.reverse()  # what save_pretrained writes for Mixtral
+    if config.family in ("mixtral", "minimax_m2") and expert_format == "per_expert":
+        moe_blocks.reverse()  # what save_pretrained writes for Mixtral and MiniMax-M2
+    if config.family == "gpt_oss" and rest.startswith("mlp.router."):
+        return [prefix + rest]
     if rest == "mlp.router.weight":
         return [f"{prefix}{b}.gate.weight" for b in moe_blocks]
     if rest == "mlp.router.expert_bias":
+        if config.family == "minimax_m2":
+            return [f"{prefix}{b}.e_score_correction_bias" for b in moe_blocks]
         return [f"{prefix}mlp.gate.e_score_correction_bias"]
+    if config.family == "qwen3_next":
+        return [qwen3_next.hf_layer_name(prefix, rest, config)]
     return [prefix + rest]
 
 
+def hf_layout(name: str, config: ModelConfig) -> qwen3_next.ConvLayout | None:
+    """How the HF tensor of moefold entry ``name`` is laid out differently (``hf_shape(shape)``,
+    ``to_hf(full)``, ``from_hf(hf_full, shape)``); None when it holds the same full tensor."""
+    return qwen3_next.conv_layout(name, config) if config.family == "qwen3_next" else None
+
+
 def expert_names(name: str, config: ModelConfig) -> ExpertNames | None:
-    """HF names for ``...mlp.experts.w13`` / ``...mlp.experts.w2``; None for any other entry."""
-    if not re.search(r"\.mlp\.experts\.w(13|2)$", name):
+    """HF names for ``...mlp.experts.w13`` / ``w2`` (and GPT-OSS's ``w13_bias`` / ``w2_bias``); None for any
+    other entry."""
+    if not re.search(r"\.mlp\.experts\.w(13|2)(_bias)?$", name):
         return None
     prefix, _ = _layer_prefix(name, config)
-    if config.family == "mixtral":
+    if config.family == "gpt_oss":
+        return ExpertNames((), "", "", "", f"{prefix}mlp.experts", gpt_oss=True)
+    if name.endswith("_bias"):
+        raise ValueError(f"no HF name for {name!r}: expert biases exist in HF GPT-OSS only, not {config.family}")
+    if config.family in ("mixtral", "minimax_m2"):
         return ExpertNames((f"{prefix}block_sparse_moe.experts", f"{prefix}mlp.experts"), "w1", "w3", "w2",
                            f"{prefix}mlp.experts")
     return ExpertNames((f"{prefix}mlp.experts",), "gate_proj", "up_proj", "down_proj", f"{prefix}mlp.experts")
@@ -106,6 +165,9 @@ def ignored_hf_names(config: ModelConfig) -> list[str]:
     return out
 
 
-def is_ignorable(hf_name: str) -> bool:
-    """Non-weights some checkpoints carry (rotary caches)."""
+def is_ignorable(hf_name: str, config: ModelConfig | None = None) -> bool:
+    """Non-weights some checkpoints carry (rotary caches), and what transformers does not model either
+    (Qwen3-Next's ``mtp.*``)."""
+    if config is not None and config.family == "qwen3_next" and qwen3_next.is_ignorable(hf_name):
+        return True
     return hf_name.endswith("rotary_emb.inv_freq")

@@ -119,3 +119,44 @@ def test_cuda_kernel_call_protocol_on_meta(kernel, window):
     assert lse.shape == (2, 4, 40) and lse.dtype == torch.float32
     dq, dk, dv_ = kernel.backward(torch.empty_like(out), q, k, v, out, lse, window, 0.3)
     assert (dq.shape, dk.shape, dv_.shape) == (q.shape, k.shape, v.shape)
+
+
+def _sink_reference(q, k, v, sinks, window, scale):
+    """Softmax with one extra logit per head whose value row is zero, from transformers' GPT-OSS eager attention
+    (the reference moefold's sink math is checked against)."""
+    from types import SimpleNamespace
+
+    gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    S = q.shape[2]
+    mask = torch.zeros(S, S).masked_fill(~window.allowed(S, S, q.device), float("-inf"))
+    module = SimpleNamespace(sinks=sinks, num_key_value_groups=q.shape[1] // k.shape[1], training=False)
+    out, _ = gpt_oss.eager_attention_forward(module, q, k, v, mask, scaling=scale)
+    return out.transpose(1, 2)   # HF returns [B, S, h, d]
+
+
+@pytest.mark.parametrize("kernel", [CpuFlashKernel(), MathKernel()], ids=lambda k: k.name)
+@pytest.mark.parametrize("window", [CAUSAL, Window(2, 0)], ids=str)
+def test_sinks_merged_after_the_blocks_equal_transformers(kernel, window):
+    """Attention sinks as one more merged 'block' (output 0, lse = sink): values and the q/k/v/sinks gradients
+    equal transformers' eager GPT-OSS attention through autograd; the math reference (``sdpa(..., sinks=)``) too."""
+    from moefold.dense.context_parallel import position_mask, sdpa
+    from moefold.dense.cp_fused import BlockCall, _FusedBlocks
+
+    q, k, v, grad_out = _inputs(4, 2, 7, 7, 8, 8, seed=2)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(3))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    want = _sink_reference(*leaves, window, 0.4)
+    want_grads = torch.autograd.grad(want, leaves, grad_out)
+    calls = (BlockCall(0, 7, 0, 7, window),)
+    for impl in ("fused", "math"):
+        got_leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        if impl == "fused":
+            got = _FusedBlocks.apply(*got_leaves[:3], calls, 0.4, kernel, got_leaves[3])
+        else:
+            pos = torch.arange(7)
+            w = None if window.is_causal else window.left + 1
+            got = sdpa(*got_leaves[:3], scale=0.4, attn_mask=position_mask(pos, pos, w), sinks=got_leaves[3])
+        torch.testing.assert_close(got, want.detach(), atol=1e-5, rtol=0)
+        grads = torch.autograd.grad(got, got_leaves, grad_out)
+        for name, a, b in zip(("dq", "dk", "dv", "dsinks"), grads, want_grads):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{impl} {n}: {m}")

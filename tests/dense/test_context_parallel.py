@@ -15,6 +15,7 @@ from moefold.dense.context_parallel import (
     context_parallel_positions,
     gather_from_context_parallel,
     position_mask,
+    sdpa,
     split_for_context_parallel,
 )
 from moefold.dense.core_attention import local_attention
@@ -168,6 +169,39 @@ def _layers_fused_equal_math() -> list[str]:
     return done
 
 
+def _sinks_across_cp(dims, cp: int, gen: torch.Generator) -> int:
+    """Attention sinks (GPT-OSS) through the fused and math CP paths, both modes, with and without a window that
+    crosses chunks: output, dq/dk/dv and the sinks' gradient (a partial sum per CP rank) equal world 1's plain
+    softmax-with-sinks math."""
+    B, S, h, g, d = 2, 24, 4, 2, 6
+    checked = 0
+    for window in (None, 5):
+        q, k, v = (torch.randn(B, n, S, d, generator=gen) for n in (h, g, g))
+        grad_out, sinks = torch.randn(B, h, S, d, generator=gen), torch.randn(h, generator=gen)
+        ref_in = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        pos = torch.arange(S)
+        ref = sdpa(*ref_in[:3], scale=0.3, attn_mask=position_mask(pos, pos, window), sinks=ref_in[3])
+        (ref * grad_out).sum().backward()
+        local_pos = context_parallel_positions(S, dims.cp_rank, cp)
+        local_go = split_for_context_parallel(grad_out, dims.cp_rank, cp, 2)
+        for mode in ("p2p", "all_gather"):
+            for fused in (True, False):
+                local = [split_for_context_parallel(t, dims.cp_rank, cp, 2).requires_grad_() for t in (q, k, v)]
+                s = sinks.clone().requires_grad_()
+                out = context_parallel_attention(*local, local_pos, dims.cp_group, mode=mode, scale=0.3,
+                                                 sliding_window=window, fused=fused, sinks=s)
+                (out * local_go).sum().backward()
+                what = f"sinks cp{cp} {mode} fused={fused} window={window}"
+                for name, a, want in zip(("out", "dq", "dk", "dv"), [out.detach()] + [t.grad for t in local],
+                                         [ref.detach()] + [t.grad for t in ref_in[:3]]):
+                    torch.testing.assert_close(gather_from_context_parallel(a, dims.cp_group, 2), want, atol=1e-5,
+                                               rtol=0, msg=lambda m, n=name: f"{what} {n}: {m}")
+                torch.distributed.all_reduce(s.grad, group=dims.cp_group)
+                torch.testing.assert_close(s.grad, ref_in[3].grad, atol=1e-5, rtol=0, msg=lambda m: f"{what}: {m}")
+                checked += 1
+    return checked
+
+
 def _rank():
     layers = _layers_fused_equal_math()
     gen = torch.Generator().manual_seed(0)
@@ -208,6 +242,7 @@ def _rank():
                     torch.testing.assert_close(gather_from_context_parallel(a, dims.cp_group, 2), full, atol=1e-5,
                                                rtol=0, msg=lambda m: f"{what} fused vs world 1 {name}: {m}")
                 checked += 1
+        checked += _sinks_across_cp(dims, cp, gen)
         # bf16 inputs: fp32 softmax statistics inside, bf16 out, close to the fp32 result
         local = [t.bfloat16() for t in local]
         for mode in ("p2p", "all_gather"):
@@ -224,5 +259,5 @@ def test_fused_and_math_equal_each_other_and_full_attention():
     """Function level (every value and gradient, fused vs math vs world 1, kernel calls counted) and layer
     level (GQA with and without a window, MLA: output, input and parameter gradients, fused vs math)."""
     checked, layers = run_distributed(_rank, 4)[0]
-    assert checked == 2 * len(SHAPES) * 4 * 2
+    assert checked == 2 * len(SHAPES) * 4 * 2 + 2 * 2 * 2 * 2   # + sinks: cp 2/4, windows, modes, fused/math
     assert len(layers) == 3 * len(CP_LAYOUTS)

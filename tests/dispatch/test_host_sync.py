@@ -31,16 +31,20 @@ from tests.distributed import run_distributed
 E, H, F = 8, 16, 16
 
 
-def _router(mode: str) -> RouterConfig:
+def _router(mode: str, bias: bool = False) -> RouterConfig:
     capacity = {} if mode == "dropless" else {"expert_capacity_factor": 1.0,
                                               "pad_expert_input_to_capacity": mode == "padded"}
-    return RouterConfig(num_experts=E, topk=2, aux_loss_coeff=0.01, z_loss_coeff=1e-3, **capacity)
+    return RouterConfig(num_experts=E, topk=2, aux_loss_coeff=0.01, z_loss_coeff=1e-3, bias=bias, **capacity)
+
+
+# GPT-OSS's experts: router bias, expert biases (each row's expert from repeat_interleave with output_size), clamp
+GPT_OSS = dict(linear_bias=True, swiglu_alpha=1.702, activation_clamp=7.0, glu_linear_offset=1.0)
 
 
 def _layer_syncs(dispatcher: str, mode: str, dims: ParallelDims, backend: str = "grouped_mm",
-                 dtype: torch.dtype = torch.bfloat16) -> HostSyncCounter:
-    cfg = MoEConfig(num_experts=E, moe_ffn_hidden_size=F, router=_router(mode), shared_expert_ffn_size=F,
-                    dispatcher=dispatcher, gemm_backend=backend)
+                 dtype: torch.dtype = torch.bfloat16, gpt_oss: bool = False) -> HostSyncCounter:
+    cfg = MoEConfig(num_experts=E, moe_ffn_hidden_size=F, router=_router(mode, bias=gpt_oss), shared_expert_ffn_size=F,
+                    dispatcher=dispatcher, gemm_backend=backend, **(GPT_OSS if gpt_oss else {}))
     layer = MoELayer(cfg, H, dims, sequence_parallel=False, dtype=dtype)
     init_parameters(layer, seed=0)
     x = torch.randn(6, 2, H, generator=torch.Generator().manual_seed(dims.rank)).to(dtype).requires_grad_()
@@ -54,8 +58,10 @@ def _layer_syncs(dispatcher: str, mode: str, dims: ParallelDims, backend: str = 
 def test_local_dispatcher_host_syncs():
     dims = ParallelDims.single()
     for mode, budget in (("dropless", 0), ("padded", 0), ("drop", 1)):
-        syncs = _layer_syncs("local", mode, dims)
-        assert syncs.total == budget, f"local {mode}: {syncs.total} host syncs, budget {budget}\n{syncs.report()}"
+        for gpt_oss in (False, True):   # GPT-OSS's biases and activation add none
+            syncs = _layer_syncs("local", mode, dims, gpt_oss=gpt_oss)
+            assert syncs.total == budget, f"local {mode} gpt_oss={gpt_oss}: {syncs.total} host syncs, budget " \
+                                          f"{budget}\n{syncs.report()}"
     # a backend that takes host counts reads them once when the dispatcher has none on the host
     syncs = _layer_syncs("local", "dropless", dims, backend="loop")
     assert syncs.total == 1, syncs.report()

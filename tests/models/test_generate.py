@@ -1,6 +1,8 @@
-"""Generation with a KV cache: greedy output equals transformers' ``generate`` for the three tiny families (Mixtral's
-sliding window included), sampling is seeded and top-p behaves, and ``moefold generate`` works from an HF
-directory and a moefold checkpoint with the model's tokenizer. tp2 x ep2: tests/training/test_train_from_hf.py."""
+"""Generation with a KV cache: greedy output equals transformers' ``generate`` for the tiny families (Mixtral's
+sliding window, GPT-OSS's sinks with alternating windows, partial RoPE and projection qk-norm included; Qwen3-Next's
+DeltaNet layers through their recurrent state), sampling is seeded and top-p behaves, and ``moefold generate``
+works from an HF directory and a moefold checkpoint with the model's tokenizer. tp2 x ep2:
+tests/training/test_train_from_hf.py."""
 
 from __future__ import annotations
 

@@ -10,7 +10,9 @@ The recipe gives the family and every value not set; each flag replaces one ``Mo
 ``--kv-channels`` on MLA). ``--moe-layer-freq`` takes Megatron's int (layer i is MoE when i % N == 0) or
 its pattern syntax (``"([0]*3+[1]*58)"``: one 0/1 per layer), and then alone decides which layers are
 MoE (``first_k_dense_replace`` becomes 0). ``--window-size`` takes the HF sliding window N (a query
-sees N keys, itself included) or Megatron's ``"L,0"`` (L keys to the left: N = L + 1).
+sees N keys, itself included) or Megatron's ``"L,0"`` (L keys to the left: N = L + 1);
+``--window-attn-skip-freq N`` makes every N-th layer (1-based, Megatron's count) full attention and the
+others windowed (GPT-OSS: 2).
 
 With ``--load-hf DIR`` the architecture is DIR's ``config.json``: these flags are refused, except with
 ``--moe-use-upcycling``, where ``--num-experts``, ``--moe-router-topk``, ``--moe-ffn-hidden-size`` and
@@ -120,12 +122,23 @@ ARCH_FLAGS: tuple[tuple[str, Callable[[str], Any], tuple[str, ...], Callable[[Cu
     ("--untie-embeddings-and-output-weights", bool, (GQA, MLA), lambda c, v: {"tie_word_embeddings": not v}),
     ("--qk-layernorm", bool, (GQA,), lambda c, v: {"qk_norm": v}),
     ("--window-size", parse_window, (GQA,), lambda c, v: {"sliding_window": v}),
+    ("--window-attn-skip-freq", int, (GQA,),
+     lambda c, v: {"sliding_window_pattern": tuple(int((i + 1) % v != 0) for i in range(c("num_layers")))}),
+    ("--softmax-type", str, (GQA,), lambda c, v: {"attention_sinks": _softmax_type(v)}),
+    ("--rotary-percent", float, (GQA,), lambda c, v: {"partial_rotary_factor": v}),
+    ("--activation-func-clamp-value", float, (GQA, MLA), lambda c, v: {"moe_activation_clamp": v}),
+    ("--glu-linear-offset", float, (GQA, MLA), lambda c, v: {"moe_glu_linear_offset": v}),
 )
 # what --moe-use-upcycling lets a user choose about the MoE the dense model becomes
 UPCYCLING_FLAGS = ("--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size", "--moe-layer-freq")
 HELP = {
+    "--num-layers": "decoder layers (without MTP)", "--hidden-size": "model width",
+    "--num-attention-heads": "query heads", "--num-experts": "routed experts per MoE layer (0: a dense model)",
+    "--moe-router-topk": "experts per token", "--kv-lora-rank": "MLA compressed K/V latent size",
+    "--v-head-dim": "MLA value head dim", "--max-position-embeddings": "longest sequence the RoPE setup allows",
+    "--norm-epsilon": "RMSNorm epsilon",
     "--ffn-hidden-size": "dense MLP size", "--moe-ffn-hidden-size": "routed expert size",
-    "--num-query-groups": "kv heads (GQA)", "--kv-channels": "attention head dim (GQA)",
+    "--num-query-groups": "kv heads", "--kv-channels": "attention head dim",
     "--moe-shared-expert-intermediate-size": "shared experts' total size (0: none)",
     "--moe-layer-freq": 'MoE layers: N (every N-th) or a 0/1 pattern such as "([0]*3+[1]*58)"',
     "--mtp-num-layers": "multi-token prediction depths", "--q-lora-rank": "MLA q compression (none: full q_proj)",
@@ -133,7 +146,19 @@ HELP = {
     "--rotary-base": "RoPE theta", "--untie-embeddings-and-output-weights": "separate output head "
     "(--no-untie-...: tied)", "--qk-layernorm": "RMSNorm on q and k heads (Qwen3)",
     "--window-size": "sliding window: N, or Megatron's L,0",
+    "--window-attn-skip-freq": "every N-th layer full attention, the others windowed (GPT-OSS: 2)",
+    "--softmax-type": "vanilla, or learnable: attention sinks, a learned logit per head (GPT-OSS)",
+    "--rotary-percent": "fraction of each head's dims RoPE rotates (GLM-4.5, MiniMax-M2: 0.5)",
+    "--activation-func-clamp-value": "experts' SwiGLU: gate <= c, up in [-c, c] (GPT-OSS: 7)",
+    "--glu-linear-offset": "experts' SwiGLU: act(gate) * (up + offset) (GPT-OSS: 1)",
 }
+
+
+def _softmax_type(text: str) -> bool:
+    if text not in ("vanilla", "learnable"):
+        raise ValueError(f"--softmax-type {text!r}; valid: vanilla, learnable (Megatron's off-by-one is not "
+                         "implemented)")
+    return text == "learnable"
 
 
 def dest(flag: str) -> str:
@@ -143,11 +168,13 @@ def dest(flag: str) -> str:
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The architecture flags, as their own argument group."""
     g = parser.add_argument_group("model definition (Megatron-LM names; change the --recipe's model)")
-    for flag, typ, _, _ in ARCH_FLAGS:
+    for flag, typ, kinds, _ in ARCH_FLAGS:
+        only = "" if len(kinds) > 1 else " (MLA only)" if kinds == (MLA,) else " (GQA only)"
+        text = f"{HELP[flag]}{only}; default: the recipe's"
         if typ is bool:
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=HELP.get(flag))
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
-            g.add_argument(flag, type=typ, default=None, help=HELP.get(flag))
+            g.add_argument(flag, type=typ, default=None, help=text)
 
 
 def given_model_flags(args: argparse.Namespace) -> list[str]:

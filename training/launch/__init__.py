@@ -4,8 +4,8 @@ or torchrun's, stopping after a step on a signal or a time limit (signals), hear
 ends a job whose rank stopped.
 
 Holds: claim, preflight, ranks, signals, watchdog.
-May import: moefold.models, moefold.parallel; training.config, training.checkpoint, training.data,
-training.observe, training.errors.
+May import: moefold.models, moefold.parallel, moefold.dispatch (the DeepEP buffers a rank releases);
+training.config, training.checkpoint, training.data, training.observe, training.errors.
 """
 
 from moefold.training.launch.claim import Claim, claim_run

@@ -44,7 +44,7 @@ def decays(name: str, param: Tensor) -> bool:
     """Whether AdamW's weight decay applies: matrices only, never norms, biases or expert biases."""
     last = name.rsplit(".", 1)[-1].lower()
     lowered = name.lower()
-    if param.dim() < 2 or last == "bias" or "expert_bias" in lowered:
+    if param.dim() < 2 or last == "bias" or last.endswith("_bias") or "expert_bias" in lowered:
         return False
     return not any(m in lowered for m in ("norm.", "layernorm", "_norm", "norm_"))
 

@@ -202,7 +202,14 @@ def attention_collectives(config: RunConfig, sizes: ParallelSizes, device_type: 
             out.append(Collective("tp", "all_reduce", g * d * H * sh.a, "backward", "attention", f"{name} weight"))
             if att.bias:
                 out.append(Collective("tp", "all_reduce", g * d * sh.a, "backward", "attention", f"{name} bias"))
-    if tp > 1 and att.qk_norm:
+    if tp > 1 and att.qk_norm and att.qk_norm_scope == "projection":
+        # weights over every head; the per-token sums of squares all-reduced (forward) with their gradient
+        # (backward), for k only when its heads are split (replicated kv: each rank projects them all)
+        out += [Collective("tp", "all_reduce", n * d * sh.a, "backward", "attention", f"{name} weight")
+                for name, n in (("q_norm", att.num_heads), ("k_norm", g))]
+        for name in ("q",) if replicated else ("q", "k"):
+            out += _fwd_bwd("tp", "all_reduce", "all_reduce", sh.tokens * FP32, "attention", f"{name} sum of squares")
+    elif tp > 1 and att.qk_norm:
         out += [Collective("tp", "all_reduce", d * sh.a, "backward", "attention", f"{n} weight")
                 for n in ("q_norm", "k_norm")]
     out += _cp(sh, 1 if replicated else g // tp, d, d)
@@ -311,6 +318,9 @@ def moe_collectives(config: RunConfig, sizes: ParallelSizes, device_type: str = 
         out.append(Collective("tp", "all_gather", sh.tokens * H * sh.a, "forward", "moe", "routed output",
                               trails=("moe", "block")))
     out += _router(sh) + _dispatch(sh)
+    if config.model.moe_expert_linear_bias and sizes.etp > 1:   # w2_bias enters through copy_to_region over etp
+        e = config.model.num_experts // sizes.ep
+        out.append(Collective("etp", "all_reduce", e * H * sh.a, "backward", "moe", "expert down-projection bias"))
     if config.model.moe_shared_expert_ffn_size:
         out += _mlp(sh, "shared_experts", gathers=2)
     return out

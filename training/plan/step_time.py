@@ -132,13 +132,15 @@ def _by_term(links: _Links, collectives: list[Collective], phase: str) -> dict[s
 
 
 # ----------------------------------------------------------------------------------------------- compute
-def _score_macs(m: ModelConfig, seq: int) -> float:
-    """Per token: the attention score and value products (what core-attention recompute repeats)."""
+def _score_macs(m: ModelConfig, seq: int, index: int) -> float:
+    """Per token: the attention score and value products of layer ``index`` (what core-attention recompute
+    repeats)."""
     if m.attention == "mla":
         dqk, dv = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim
     else:
         dqk = dv = m.attention_head_dim
-    context = (seq + 1) / 2 if m.sliding_window is None else min((seq + 1) / 2, float(m.sliding_window))
+    window = m.layer_sliding_window(index)
+    context = (seq + 1) / 2 if window is None else min((seq + 1) / 2, float(window))
     return m.num_attention_heads * (dqk + dv) * context
 
 
@@ -205,13 +207,13 @@ def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, li
     for index, recompute_all, last_in_checkpoint in blocks:
         moe = is_moe_block(m, index)
         mtp = index >= m.num_layers
-        macs = attention_macs(m, t.seq_length) + ffn_macs(m, moe) + (2 * m.hidden_size ** 2 if mtp else 0)
+        macs = attention_macs(m, t.seq_length, index) + ffn_macs(m, moe) + (2 * m.hidden_size ** 2 if mtp else 0)
         f = 2 * macs * per_rank_tokens / flop_s
         again = f if recompute_all else 2 * (_recompute_macs(m, moe, chosen) + (
-            _score_macs(m, t.seq_length) if "core_attn" in chosen else 0)) * per_rank_tokens / flop_s
+            _score_macs(m, t.seq_length, index) if "core_attn" in chosen else 0)) * per_rank_tokens / flop_s
         fwd["compute"] += f
         bwd["compute"] += 2 * f + again
-        core = 2 * _score_macs(m, t.seq_length) * per_rank_tokens / flop_s
+        core = 2 * _score_macs(m, t.seq_length, index) * per_rank_tokens / flop_s
         shared = 2 * 3 * m.hidden_size * m.moe_shared_expert_ffn_size * per_rank_tokens / flop_s if moe else 0.0
         if mtp:   # with its embedding, head and loss
             collectives = comm.mtp_collectives(config, sizes)

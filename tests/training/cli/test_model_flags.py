@@ -6,7 +6,8 @@ Flags covered: --hidden-size --ffn-hidden-size --moe-ffn-hidden-size --num-atten
 --kv-channels --num-experts --moe-router-topk --moe-shared-expert-intermediate-size --moe-layer-freq (pattern
 and int) --mtp-num-layers --q-lora-rank (int and none) --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim
 --v-head-dim --rotary-base --max-position-embeddings --norm-epsilon --untie-embeddings-and-output-weights
-(tied) --qk-layernorm --window-size --num-layers --vocab-size.
+(tied) --qk-layernorm --window-size --num-layers --vocab-size --window-attn-skip-freq --softmax-type
+--activation-func-clamp-value --glu-linear-offset --rotary-percent.
 """
 
 from __future__ import annotations
@@ -70,6 +71,25 @@ CASES = {  # name: (moefold flags, transformers class, its config)
                      num_key_value_heads=1, head_dim=12, num_local_experts=3, num_experts_per_tok=2, sliding_window=5,
                      rms_norm_eps=1e-5, max_position_embeddings=1024, tie_word_embeddings=False,
                      rope_parameters={"rope_type": "default", "rope_theta": 2e4})),
+    "gpt_oss": (["--recipe", "gpt_oss_tiny", "--num-layers", "3", "--window-size", "6", "--window-attn-skip-freq", "3",
+                 "--activation-func-clamp-value", "0.4", "--glu-linear-offset", "1", "--softmax-type", "learnable",
+                 "--vocab-size", "64"],
+                "GptOssForCausalLM",
+                dict(vocab_size=64, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=6,
+                     layer_types=["sliding_attention", "sliding_attention", "full_attention"], swiglu_limit=0.4,
+                     max_position_embeddings=1024,
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})),
+    "glm4_moe": (["--recipe", "glm4_moe_tiny", "--rotary-percent", "0.25", "--vocab-size", "64",
+                  "--mtp-num-layers", "0"],
+                 "Glm4MoeForCausalLM",
+                 dict(vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                      n_group=2, topk_group=1, routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
+                      max_position_embeddings=1024,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25})),
 }
 
 
@@ -90,7 +110,7 @@ def test_flags_build_the_model_transformers_builds(name, tmp_path):
     export_hf(model, tmp_path, expert_format="fused")   # transformers' in-memory tensor names
     cls = getattr(transformers, cls_name)
     hf = cls(cls.config_class(**hf_values)).eval()
-    hf.config._attn_implementation = "sdpa"
+    hf.config._attn_implementation = "eager" if cls_name == "GptOssForCausalLM" else "sdpa"
     with TensorReader(tmp_path) as reader:
         state = {n: reader.read(n) for n in reader.names()}
     extra = {n for n in state if n.startswith(tuple(f"model.layers.{config.num_layers + k}." for k in range(4)))}

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from moefold.training.data.indexed import IndexedDatasetWriter
 from moefold.training.observe.metrics import read_metrics
-from tests.training.trainer_common import tiny_data
+from tests.training.trainer_common import tiny_corpus
 
 # a tiny Qwen3-MoE at ep2, one step a fraction of a second even on a busy 2-core machine
 TINY = ["--recipe", "qwen3_moe_tiny", "--num-layers", "2", "--vocab-size", "256", "--seq-length", "32",
@@ -26,10 +25,9 @@ ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
 
 
 def corpus(path: Path) -> Path:
+    """``tiny_corpus`` at ``path`` (once)."""
     if not Path(f"{path}.idx").is_file():
-        with IndexedDatasetWriter(path, 256) as writer:
-            for row in tiny_data(64):
-                writer.add_document(row)
+        tiny_corpus(path)
     return path
 
 

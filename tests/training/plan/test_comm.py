@@ -18,7 +18,7 @@ from moefold.dense.context_parallel import context_parallel_positions
 from moefold.models.decoder import MoEDecoder
 from moefold.models.layer_factory import build_block
 from moefold.models.options import ModelOptions
-from moefold.models.recipes import deepseek_v3_tiny, qwen3_moe_30b_a3b, qwen3_moe_tiny
+from moefold.models.recipes import deepseek_v3_tiny, gpt_oss_tiny, minimax_m2_tiny, qwen3_moe_30b_a3b, qwen3_moe_tiny
 from moefold.models.recompute import apply_recompute
 from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.parallel.fp8 import FP8Config
@@ -160,7 +160,16 @@ def _layouts() -> dict[str, RunConfig]:
     qwen = dataclasses.replace(qwen3_moe_tiny(), hidden_size=32, ffn_hidden_size=32, first_k_dense_replace=1)
     qwen_aux = dataclasses.replace(qwen, moe_load_balancing_type="aux_loss", moe_shared_expert_ffn_size=16)
     ds = dataclasses.replace(deepseek_v3_tiny(), hidden_size=32, ffn_hidden_size=32, mtp_num_layers=1)
+    oss = dataclasses.replace(gpt_oss_tiny(), hidden_size=32)
+    minimax = dataclasses.replace(minimax_m2_tiny(), hidden_size=32)
     return {
+        # GPT-OSS: sinks and a window under SP and the CP ring, expert biases over etp (the w2 bias's all-reduce)
+        "tp2 sp cp2 gpt_oss ep2 etp2 alltoall": _run_config(oss, ModelOptions(), tp=2, cp=2, ep=2, etp=2),
+        # qk-norm over the whole projection: sums of squares all-reduced over tp (k's too: 2 kv heads split)
+        "tp2 sp dp2 minimax_m2 ep2 alltoall": _run_config(minimax, ModelOptions(), tp=2, ep=2),
+        # ... and with kv heads replicated over tp4 (k's norm local)
+        "tp4 nosp minimax_m2 ep4 allgather": _run_config(minimax, ModelOptions(sequence_parallel=False,
+                                                                              dispatcher="allgather"), tp=4, ep=4),
         # GQA with qk-norm, SP, CP ring; chunked all-to-all (4 local experts); shared experts
         "tp2 sp cp2 ep2 alltoall": _run_config(qwen_aux, ModelOptions(), tp=2, cp=2, ep=2),
         # kv heads replicated over tp=4 (weight-gradient all-reduces); 2 local experts; global aux loss over tp x dp
