@@ -56,7 +56,7 @@ def measure(c: RunConfig, data: np.ndarray) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=17)
     p.add_argument("--save-interval", type=int, default=4)
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -93,5 +94,6 @@ def load_tensors(path: str | os.PathLike) -> Any:
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UnsafeCheckpointError(f"{path} holds more than tensors ({first}): refusing to load it") from None
+        asked = re.search(r"GLOBAL ([\w.]+)", str(exc))   # torch's message names the global the file asks for
+        what = f"it asks to load {asked[1]}" if asked else type(exc).__name__
+        raise UnsafeCheckpointError(f"{path} holds more than tensors ({what}): refusing to load it") from None
