@@ -176,8 +176,8 @@ def _train(config: RunConfig, device: torch.device | str, heartbeat: Heartbeat |
         return FitSummary(steps=0, first=None, last=None, stop=None, checkpoint=None)
     try:
         summary = trainer.fit(dataset, logger, on_step=on_step, evaluator=evaluator)
+        trainer.finish_saves()   # (not after a failure: a background save's collectives may wait for a dead rank)
     finally:
-        trainer.finish_saves()
         if logger is not None:
             logger.close()
     if is_log:
