@@ -38,7 +38,7 @@ from moefold.training.checkpoint.identity import (
     remove_tracker,
     write_run,
 )
-from moefold.training.checkpoint.lock import SaveLock, SaveLockError
+from moefold.training.checkpoint.lock import LOCK_FILE, SaveLock, SaveLockError
 from moefold.training.checkpoint.sharded import read_meta
 from moefold.training.config import RunConfig
 from moefold.training.launch.preflight import writable_dir
@@ -171,7 +171,7 @@ def _check_run_dir(run_dir: Path, run_id: str, resumed: RunConfig | None, overri
     dest.mkdir(parents=True, exist_ok=True)
     moved = []
     for entry in run_dir.iterdir():
-        if entry.name in (PREVIOUS, "checkpoints") or entry.name.startswith("."):
+        if entry.name in (PREVIOUS, "checkpoints", LOCK_FILE) or entry.name.startswith("."):   # the lock is ours
             continue
         shutil.move(str(entry), str(dest / entry.name))
         moved.append(entry.name)
