@@ -142,6 +142,7 @@ def test_fresh_runs_get_their_own_directories_and_never_touch_another_runs_files
     assert code == 0, out
     moved = runs[0] / "previous" / before
     assert [s for s, _ in losses(moved)] == [1, 2] and read_run(moved).run_id == before
+    assert not (moved / LOCK_FILE).exists()   # the lock stays where the next run looks for it
     assert [s for s, _ in losses(runs[0])] == [1] and read_run(runs[0]).run_id != before
     # a resume goes on in its own run's directory and says which checkpoint of which run it took
     code, out = _train(capsys, *data, "--train-iters", "3", "--load", "runs/qwen3_moe_tiny/latest/checkpoints")
