@@ -8,6 +8,8 @@ A *run* is one training lineage: it starts fresh with a new run id and keeps tha
     SAVE/iter_N/meta.json  "run_id"        the run that wrote this checkpoint
     SAVE/latest_checkpointed_iteration.txt Megatron-LM's tracker: the iteration of the newest checkpoint the
                                            owning run completed (written after its rename, read by resumes)
+    SAVE/previous/<run id>/iter_N          another run's checkpoint of an iteration this run saved (a run that
+                                           writes beside another's, ``--override-save``): moved, never deleted
 
 A resume of ``SAVE`` takes the checkpoint the tracker names, falling back to older intact ones of the same
 run; checkpoints of another run (left by an earlier run in the same directory) are never taken. Directories
@@ -27,6 +29,7 @@ from pathlib import Path
 from moefold.training.checkpoint.atomic import fsync_dir, write_atomic
 
 RUN_FILE = "run.json"
+SET_ASIDE = "previous"   # SAVE/previous/<run id>/iter_N: another run's checkpoint this run's save would replace
 TRACKER = "latest_checkpointed_iteration.txt"   # Megatron-LM's name and format (the iteration, as text)
 
 
@@ -95,6 +98,26 @@ def checkpoint_run_id(ckpt: str | os.PathLike) -> str | None:
     except (OSError, ValueError, AttributeError):
         return None
     return str(rid) if rid else None
+
+
+def set_aside(ckpt: Path, run_id: str | None) -> Path | None:
+    """Before run ``run_id`` publishes its checkpoint under the name ``ckpt``: when ``ckpt`` holds another run's
+    checkpoint, move it to ``SAVE/previous/<its run id>/`` (out of the ``iter_`` name space of ``SAVE``, so no
+    resume takes it; a second one of the same name gets a suffix) and return where it went. None when ``ckpt`` is
+    this run's own (rewritten, as after a resume from before it) or ``run_id`` is None (no run identity: the
+    trainer used as a library)."""
+    owner = checkpoint_run_id(ckpt)
+    if run_id is None or owner == run_id:
+        return None
+    parent = ckpt.parent / SET_ASIDE / (owner or "unknown")
+    parent.mkdir(parents=True, exist_ok=True)
+    dest = parent / ckpt.name
+    n = 1
+    while dest.exists():
+        dest, n = parent / f"{ckpt.name}.{n}", n + 1
+    os.replace(ckpt, dest)
+    fsync_dir(ckpt.parent)
+    return dest
 
 
 def describe_checkpoint(ckpt: str | os.PathLike) -> str:

@@ -58,7 +58,7 @@ from moefold.training.checkpoint.files import (
     retire,
     write_manifest,
 )
-from moefold.training.checkpoint.identity import write_tracker
+from moefold.training.checkpoint.identity import set_aside, write_tracker
 from moefold.training.checkpoint.sharded import build_state, no_dist, saved_checkpoint_bytes
 from moefold.training.errors import one_line
 from moefold.training.optim.state_shards import ShardPieces, ShardSavePlanner
@@ -85,6 +85,7 @@ class _Save:
         self.meta, self.keep_last, self.run_id = meta, keep_last, meta.get("run_id")
         self.rank0 = dims.rank == 0
         self.pruned: list[str] = []
+        self.set_aside: Path | None = None   # another run's checkpoint of this iteration, moved (publish)
 
     def phase(self, fn: Callable[[], Any] | None) -> None:
         error = None
@@ -140,8 +141,10 @@ class _Save:
                                                           layout=self.dims.describe()), indent=1, sort_keys=True))
 
     def publish(self) -> None:
-        if self.final.exists():   # an older run's checkpoint of this iteration: out of the name space first
-            retire(self.final)
+        if self.final.exists():   # out of the name space first: another run's is kept, this run's own replaced
+            self.set_aside = set_aside(self.final, self.run_id)
+            if self.set_aside is None:
+                retire(self.final)
         os.replace(self.tmp, self.final)
         fsync_dir(self.root)
         write_tracker(self.root, self.iteration)
@@ -158,7 +161,8 @@ class _Save:
             except OSError as exc:   # the new checkpoint is in place; an old one that stays is no reason to stop
                 retired = [f"(keep-last failed: {exc})"]
             log(f"saved checkpoint {self.final} ({fmt_bytes(size)})"
-                + (f"; removed {', '.join(retired)}" if retired else ""))
+                + (f"; removed {', '.join(retired)}" if retired else "")
+                + (f"; another run's {self.final.name} moved to {self.set_aside}" if self.set_aside else ""))
         return self.final
 
 

@@ -228,7 +228,8 @@ def add_recovery_arguments(p: argparse.ArgumentParser) -> None:
                    help="stop (and save) after the first step divisible by this; exit 0")
     g.add_argument("--override-save", action="store_true",
                    help="let a fresh run write into a --save that holds another run's checkpoints (they stay; this "
-                        "run never resumes from or deletes them)")
+                        "run never resumes from or deletes them; one of an iteration it saves is moved to "
+                        "SAVE/previous/RUN_ID/)")
     g.add_argument("--override-run-dir", action="store_true",
                    help="let a fresh run write into a --run-dir that holds another run's metrics (they are moved "
                         "to RUN_DIR/previous/RUN_ID)")

@@ -9,9 +9,9 @@ A run never writes over another run: a ``--run-dir`` that holds another run's ``
 ``--load`` of that run (a resume) or ``--override-run-dir`` (the other run's files are moved to
 ``RUN_DIR/previous/<its run id>/``, not deleted); a ``--save`` that holds another run's checkpoints needs
 ``--load`` of them or ``--override-save`` (they stay, but this run's tracker, resumes and keep-last never take
-or delete them). Then the save directory's lock is taken (``training.checkpoint.lock``: a second run into the
-same ``--save`` fails here, naming the first), and ``run.json`` is written to the run and save directories
-(``training.checkpoint.identity``).
+or delete them; one of an iteration this run saves is moved to ``SAVE/previous/<its run id>/``). Then the
+save directory's lock is taken (``training.checkpoint.lock``: a second run into the same ``--save`` fails here,
+naming the first), and ``run.json`` is written to the run and save directories (``training.checkpoint.identity``).
 
 Every failure is a ValueError with one line naming the directory, the run that holds it and the way out.
 """
@@ -192,7 +192,8 @@ def _check_save(save: Path, run_id: str, resuming_here: bool, override: bool, sa
                          "but this run never resumes from them nor deletes them)")
     if read_tracker(save) is not None:
         remove_tracker(save)
-    say(f"--override-save: {save} holds {names} of {_holder(save)}; this run writes its own checkpoints beside them")
+    say(f"--override-save: {save} holds {names} of {_holder(save)}; this run writes its own checkpoints beside them "
+        f"(one of an iteration it saves is moved to {save}/previous/)")
 
 
 def claim_run(config: RunConfig, *, default_save: bool, override_save: bool = False,

@@ -109,6 +109,9 @@ def test_a_fresh_run_into_another_runs_save_is_refused_and_a_resume_follows_its_
     mine = read_run(save).run_id
     assert mine != old and read_tracker(save) == 2 and checkpoint_run_id(save / "iter_0000002") == mine
     assert checkpoint_run_id(save / "iter_0000004") == old   # the other run's checkpoint stays, untouched
+    kept = save / "previous" / old / "iter_0000002"   # and its iter_2, which this run's iter_2 replaced, is kept
+    assert checkpoint_run_id(kept) == old and (kept / "manifest.json").is_file(), out
+    assert f"another run's iter_0000002 moved to {kept}" in out, out
     code, out = _train(capsys, *data, "--train-iters", "3", "--run-dir", str(tmp_path / "new"), "--save", str(save),
                        "--load", str(save))
     assert code == 0, out
