@@ -1,7 +1,8 @@
 """``--async-save``: the checkpoint written in the background holds the state of its step although training has
 moved on (equal to a synchronous save's, tensor for tensor, at world 1 and at ep2), a failing background save is
-reported and training goes on, and a crash in the middle of a background write leaves the previous checkpoint
-and the tracker naming it: the resume is the uninterrupted run."""
+reported and training goes on, a stop (``--exit-interval``; a signal stops the same way) waits for the save in
+flight before it saves its own step, and a crash in the middle of a background write leaves the previous
+checkpoint and the tracker naming it: the resume is the uninterrupted run."""
 
 from __future__ import annotations
 
@@ -121,3 +122,26 @@ def test_a_crash_during_a_background_write_leaves_the_previous_checkpoint(tmp_pa
     assert f"resumed from {save / 'iter_0000002'} at iteration 2" in resumed.stdout
     assert losses(run_dir) == losses(tmp_path / "whole")
     assert not (save / ".tmp-iter_0000004").exists()   # the next save removed what the crash left
+
+
+def test_a_stop_waits_for_the_background_save_then_saves_its_own_step(tmp_path, monkeypatch):
+    """``--exit-interval 3`` with a background save of step 2 still writing (held back here): the stop waits for it,
+    then saves step 3; the tracker names step 3 and both checkpoints are intact."""
+    import time
+
+    from moefold.training.checkpoint import save as save_module
+
+    real_finish = save_module.AsyncCheckpointer._finish
+
+    def slow_finish(self, save, future):   # the write of step 2 outlasts step 3
+        time.sleep(1.0)
+        real_finish(self, save, future)
+
+    monkeypatch.setattr(save_module.AsyncCheckpointer, "_finish", slow_finish)
+    save, messages = tmp_path / "save", []
+    run(tiny_config(steps=8, save=str(save), save_interval=2, keep_last=5, async_save=True, exit_interval=3),
+        log=messages.append)
+    saved = [m.split()[2] for m in messages if m.startswith("saved checkpoint")]
+    assert saved == [str(save / "iter_0000002"), str(save / "iter_0000003")], messages
+    assert [d.name for d in checkpoint_dirs(save)] == ["iter_0000002", "iter_0000003"] and read_tracker(save) == 3
+    assert all(verify_checkpoint(d) == [] for d in checkpoint_dirs(save))
