@@ -46,6 +46,7 @@ from moefold.training.launch.claim import claim_run
 from moefold.training.launch.preflight import preflight
 from moefold.training.launch.ranks import run_ranks
 from moefold.training.launch.signals import Stop, signal_numbers, stop_line
+from moefold.training.launch.torchrun import agree, first_error, join_torchrun
 from moefold.training.launch.watchdog import Heartbeat
 from moefold.training.optim.lr_schedule import DECAY_STYLES, WSD_STYLES
 from moefold.training.optim.precision import DTYPES
@@ -438,7 +439,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     rank = int(os.environ.get("RANK", "0"))
     if torchrun:   # the ranks exist already: join them now, so that they agree on the run before it starts
-        _join_torchrun(args)
+        join_torchrun(args.device, timedelta(minutes=args.distributed_timeout_minutes))
     claim, error = None, None
     try:
         if rank == 0:
@@ -446,14 +447,14 @@ def main(args: argparse.Namespace) -> int:
                                       override_save=args.override_save, override_run_dir=args.override_run_dir)
     except (ValueError, ImportError, RuntimeError, OSError) as exc:
         error = str(exc)
-    config, error = _agree(config, error)
+    config, error = agree(config, error)
     if error is None:
         try:   # torchrun: every rank checks (a node's files are its own)
             preflight(config, say=print if rank == 0 else lambda _line: None, world_size=world,
                       resume_from=claim.resume_from if claim else None)
         except (ValueError, ImportError, RuntimeError) as exc:
             error = str(exc)
-        error = _first_error(error)
+        error = first_error(error)
     if error is not None:
         if claim is not None:
             claim.abandon()
@@ -498,51 +499,6 @@ def train_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="moefold train")
     add_arguments(parser)
     return parser
-
-
-def _join_torchrun(args: argparse.Namespace) -> None:
-    """Join torchrun's world. The store is the agent's (torchrun shares its rendezvous TCP store with the
-    workers), which outlives a restart of the group (``--max-restarts``); ``init_process_group``'s keys are the
-    same in every attempt, so a restarted rank could read an address the previous attempt left and connect to a
-    dead peer. Each attempt therefore gets keys of its own: a prefix counted per rank (every rank of a restarted
-    group starts again, so the counts agree)."""
-    import torch.distributed as dist
-
-    from moefold.training.launch.ranks import pick_device
-
-    dev = pick_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
-    timeout = timedelta(minutes=args.distributed_timeout_minutes)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"   # else rank 0 hosts it (env://)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "29500")), world_size=world,
-                          is_master=rank == 0 and not agent_store, timeout=timeout)
-    attempt = store.add(f"moefold/attempts/rank{rank}", 1)
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=dist.PrefixStore(f"moefold/{attempt}",
-                                                                                             store),
-                            rank=rank, world_size=world, timeout=timeout)
-
-
-def _agree(config: RunConfig, error: str | None) -> tuple[RunConfig, str | None]:
-    """Under torchrun: rank 0's claimed config and error on every rank; otherwise what it is given."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return config, error
-    box = [(config.to_dict(), error)]
-    dist.broadcast_object_list(box, src=0)
-    d, error = box[0]
-    return RunConfig.from_dict(d), error
-
-
-def _first_error(error: str | None) -> str | None:
-    """Under torchrun: the first rank's error (rank order) on every rank."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return error
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    return next((e for e in errors if e), None)
 
 
 def train_worker(device: torch.device, config_json: str, progress: bool = False,

@@ -1,9 +1,9 @@
 """Starting the ranks and ending them cleanly: which run this is and where it writes (claim: run ids, run
 directories, the save directory's lock), pre-flight checks before any rank starts, local ranks (``--nproc``)
-or torchrun's, stopping after a step on a signal or a time limit (signals), heartbeats and the watchdog that
-ends a job whose rank stopped.
+or torchrun's (joined before the run starts: torchrun), stopping after a step on a signal or a time limit
+(signals), heartbeats and the watchdog that ends a job whose rank stopped.
 
-Holds: claim, preflight, ranks, signals, watchdog.
+Holds: claim, preflight, ranks, signals, torchrun, watchdog.
 May import: moefold.models, moefold.parallel, moefold.dispatch (the DeepEP buffers a rank releases);
 training.config, training.checkpoint, training.data, training.observe, training.errors.
 """
