@@ -4,7 +4,9 @@ The data order is a function of the corpus (``--data-path``, or the built-in cor
 ``--seq-length`` and ``--seed`` (``training.data.gpt_dataset``); a checkpoint's ``consumed_samples`` is a
 position in that order. Resuming with any of them changed would continue at the same position of a
 different order, so it is refused, unless ``--reset-data-position`` says to start the new order from its
-first sample. The run length (``--train-iters``) is free to change: a longer run continues the same order.
+first sample. The run length (``--train-iters``) is free to change: a longer run continues the same order
+(not with ``--data-order megatron``, whose order depends on ``--train-iters``, the batch size and the split, as
+Megatron's does).
 
 The checkpoint's ``meta.json`` holds the whole ``RunConfig``; a resume refuses another model (any field of
 ``ModelConfig``, or another recipe), naming the fields, and states the allowed changes (the loss weights,
@@ -26,15 +28,20 @@ def data_identity(config: dict[str, Any]) -> dict[str, Any]:
     t = config["train"]
     builtin = f"built-in corpus, vocab {t.get('vocab_size') or config['model']['vocab_size']}"
     data = list(t.get("data_path") or ()) or builtin
-    return {"--data-path": data, "--seq-length": t["seq_length"], "--seed": t["seed"]}
+    out = {"--data-path": data, "--seq-length": t["seq_length"], "--seed": t["seed"],
+           "--data-order": t.get("data_order", "moefold")}
+    if out["--data-order"] == "megatron":   # Megatron's order depends on the run's sizes and split too
+        out.update({"--train-iters": t["train_iters"], "--global-batch-size": t["global_batch_size"],
+                    "--split": t.get("split")})
+    return out
 
 
 # ModelConfig fields that weigh the training objective rather than define the model: a resume may change them
 # (as Megatron allows), and says so; any other field changed is another model, refused.
 OBJECTIVE_FIELDS = ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_input_jitter_eps", "moe_bias_update_rate",
-                    "mtp_loss_scaling_factor", "moe_load_balancing_type")
+                    "mtp_loss_scaling_factor", "moe_load_balancing_type", "moe_aux_loss_counts")
 LR_FIELDS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "lr_decay_iters", "lr_wsd_decay_iters",
-             "lr_wsd_decay_style")
+             "lr_wsd_decay_style", "lr_warmup_init", "lr_warmup_skip_zero")
 
 
 def _model_fields(config: dict[str, Any]) -> dict[str, Any]:
@@ -73,7 +80,9 @@ def check_resume(meta: dict[str, Any], config: RunConfig, where: str, log: Calla
     if allowed:
         log(f"note: resuming with {', '.join(allowed)}")
     before, now = data_identity(saved), data_identity(config.to_dict())
-    changed = [f"{flag} {now[flag]} (checkpoint: {before[flag]})" for flag in now if now[flag] != before[flag]]
+    # .get: a flag only one side's order has (--train-iters under --data-order megatron) counts as changed
+    changed = [f"{flag} {now[flag]} (checkpoint: {before.get(flag)})" for flag in now
+               if now[flag] != before.get(flag)]
     if changed:
         if not config.train.reset_data_position:
             raise ValueError(f"cannot resume from {where} with {', '.join(changed)}: the data order depends on "

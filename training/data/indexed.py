@@ -175,24 +175,12 @@ class IndexedDataset:
         return len(self.doc_offsets) - 1
 
     def largest_token_id(self, progress: bool = True) -> int:
-        """The largest id in the ``.bin``: the header's (version 2), else a scan of the memmap in chunks of
-        ``_SCAN_CHUNK`` tokens (memory bounded by one chunk), with a progress bar once it has taken a second."""
-        if self.max_token_id is not None:
-            return self.max_token_id
-        n = self.num_tokens
-        if n == 0:
-            return 0
-        from tqdm import tqdm
-
-        best = 0
-        with tqdm(total=n, unit="tok", unit_scale=True, desc=f"largest token id of {bin_path(self.prefix).name}",
-                  delay=1.0, disable=not progress, leave=False) as bar:
-            for lo in range(0, n, _SCAN_CHUNK):
-                chunk = self.tokens[lo:lo + _SCAN_CHUNK]
-                best = max(best, int(chunk.max()))
-                bar.update(len(chunk))
-        self.max_token_id = best
-        return best
+        """The largest id in the ``.bin`` (0 when empty, as the writer records it): the header's (version 2),
+        else a scan of the memmap (``scan_max_token_id``), kept for the next call."""
+        if self.max_token_id is None:
+            self.max_token_id = max(0, scan_max_token_id(self.tokens, progress=progress,
+                                                         desc=f"largest token id of {bin_path(self.prefix).name}"))
+        return self.max_token_id
 
     @property
     def num_tokens(self) -> int:
@@ -214,3 +202,26 @@ class IndexedDataset:
     def __repr__(self) -> str:
         return (f"IndexedDataset({self.prefix!r}, docs={self.num_docs}, tokens={self.num_tokens}, "
                 f"vocab={self.vocab_size}, dtype={np.dtype(self.dtype).name})")
+
+
+def scan_max_token_id(tokens: np.ndarray, chunk: int | None = None, progress: bool = False, desc: str = "") -> int:
+    """max over ``tokens`` in chunks of ``chunk`` elements (default ``_SCAN_CHUNK``; memory bounded by one
+    chunk), with a progress bar once it has taken a second; -1 when empty. Float tokens (Megatron allows
+    float32/64 ``.bin`` files) must hold integral non-negative ids."""
+    from tqdm import tqdm
+
+    chunk = chunk or _SCAN_CHUNK
+    top = -1
+    with tqdm(total=len(tokens), unit="tok", unit_scale=True, desc=desc or "largest token id", delay=1.0,
+              disable=not progress, leave=False) as bar:
+        for start in range(0, len(tokens), chunk):
+            part = np.asarray(tokens[start:start + chunk])
+            if part.dtype.kind == "f":
+                if not np.all(np.isfinite(part)) or np.any(part != np.floor(part)) or np.any(part < 0):
+                    raise ValueError("token ids stored as floats must be non-negative integers")
+            elif part.size and int(part.min()) < 0:
+                raise ValueError(f"negative token id {int(part.min())} in the data")
+            if part.size:
+                top = max(top, int(part.max()))
+            bar.update(len(part))
+    return top

@@ -41,7 +41,7 @@ from moefold.training.checkpoint.identity import (
 from moefold.training.checkpoint.lock import LOCK_FILE, SaveLock, SaveLockError
 from moefold.training.checkpoint.sharded import read_meta
 from moefold.training.config import RunConfig
-from moefold.training.launch.preflight import writable_dir
+from moefold.training.launch.preflight import refuse_megatron_load, writable_dir
 
 RUNS_ROOT = "runs"
 LATEST = "latest"
@@ -205,6 +205,7 @@ def claim_run(config: RunConfig, *, default_save: bool, override_save: bool = Fa
     ``run_id`` set, and the ``Claim`` holding the lock (``record()`` it when the run starts). ValueError (one
     line) when it cannot; nothing is left behind then."""
     t = config.train
+    refuse_megatron_load(t.load)   # before its .metadata is taken for a moefold checkpoint's
     resume_from = resume_checkpoint(t.load) if t.load and Path(t.load).exists() else None
     resumed: RunConfig | None = None
     run_id = None

@@ -6,10 +6,11 @@ trains for hours and then finds it cannot save, or starts ranks that fail on the
   or missing directory then means "start from scratch");
 - ``--save`` has room for ``--keep-last`` + 1 checkpoints (the estimate, from the tensors the trainer saves);
 - a ``--load`` resume keeps the model (any field) and the data order of the checkpoint it will take;
-- every ``--data-path`` / ``--valid-data-path`` prefix opens (``.idx`` header, ``.bin`` size), its vocabulary
-  and its largest token id (the ``.idx`` field, or a scan of older files) fit the model, it holds at least
-  one sample of ``--seq-length + 1`` tokens and, with ``--load-hf``, it was tokenised with the model's own
-  ``tokenizer.json``; all corpora of a blend were tokenised with one tokenizer (the files' hash);
+- every ``--data-path`` / ``--valid-data-path`` prefix opens (``.idx`` header, ``.bin`` size; moefold's or
+  Megatron's format), its vocabulary and its largest token id (the ``.idx`` field, or a scan of older files and
+  of Megatron's, which record neither) fit the model, it holds at least one sample of ``--seq-length + 1``
+  tokens and, with ``--load-hf``, it was tokenised with the model's own ``tokenizer.json``; all corpora of a
+  blend were tokenised with one tokenizer (the files' hash; moefold's recorded vocabularies agree);
 - the optional packages a flag needs are installed (``--wandb-project``: wandb).
 
 Each failure is a ValueError with one line naming the flag, the path and what would be valid.
@@ -78,7 +79,21 @@ def _same_dir(a: str, b: str | None) -> bool:
     return b is not None and os.path.realpath(a) == os.path.realpath(b)
 
 
+def refuse_megatron_load(load: str | None) -> None:
+    """``--load`` of a Megatron-LM checkpoint (its ``--save`` directory or one ``iter_N``/``release``): ValueError
+    pointing to ``--load-megatron``, which starts a fresh run from its weights (a resume continues moefold's own
+    checkpoints only: Megatron's carry neither moefold's optimizer shards nor its run id)."""
+    if not load or not Path(load).is_dir():
+        return
+    from moefold.models.megatron.convert import is_megatron_checkpoint
+
+    if is_megatron_checkpoint(load):
+        raise ValueError(f"--load {load} is a Megatron-LM checkpoint; start a new run from its weights with "
+                         f"--load-megatron {load} (--load resumes moefold's own checkpoints)")
+
+
 def _check_load(load: str, save: str | None) -> None:
+    refuse_megatron_load(load)
     p = Path(load)
     if _same_dir(load, save):
         return   # resume if there is a checkpoint, else start: the --save --load pair of every restart
@@ -98,7 +113,8 @@ def same_tokenizer(a: str | os.PathLike, b: str | os.PathLike) -> bool:
 
 
 def _check_data(config: RunConfig) -> str:
-    from moefold.training.data import IndexedDataset, parse_data_path
+    from moefold.training.data.corpus import open_indexed
+    from moefold.training.data.megatron_order import parse_blend
     from moefold.training.data.tokenizer import tokenizer_path
 
     t, vocab = config.train, config.model.vocab_size
@@ -111,20 +127,22 @@ def _check_data(config: RunConfig) -> str:
     tokenizers: list[tuple[str, str, Path]] = []
     vocabs: list[tuple[str, str, int]] = []
     for flag, items in (("--data-path", t.data_path), ("--valid-data-path", t.valid_data_path)):
-        for prefix in parse_data_path(list(items))[0] if items else []:
+        for prefix in parse_blend(list(items))[0] if items else []:   # Megatron's syntax, weighted or not
             try:
-                data = IndexedDataset(prefix)
+                data = open_indexed(prefix)
             except (OSError, ValueError) as exc:
                 raise ValueError(f"{flag} {prefix}: {exc}") from None
-            if data.vocab_size > vocab:
+            megatron = getattr(data, "format", None) == "megatron"   # records no vocabulary: its largest id
+            if not megatron and data.vocab_size > vocab:
                 raise ValueError(f"{flag} {prefix} was tokenised with a vocabulary of {data.vocab_size} ids "
                                  f"({prefix}.idx) but the model has vocab_size={vocab}: pass --vocab-size "
                                  f"{data.vocab_size} or prepare it with the model's tokenizer{hint}")
             largest = data.largest_token_id(progress=True)
             if largest >= vocab:
-                raise ValueError(f"{flag} {prefix} holds token id {largest} ({prefix}.bin), outside the model's "
-                                 f"vocab_size={vocab}: pass --vocab-size {largest + 1} or prepare the data with the "
-                                 f"model's tokenizer{hint}")
+                kind = ", a Megatron corpus" if megatron else ""
+                raise ValueError(f"{flag} {prefix} holds token id {largest} ({prefix}.bin{kind}), outside the "
+                                 f"model's vocab_size={vocab}: pass --vocab-size {largest + 1} or prepare the data "
+                                 f"with the model's tokenizer{hint}")
             if data.num_tokens < t.seq_length + 1:
                 raise ValueError(f"{flag} {prefix}: {data.num_tokens} tokens, but one sample needs --seq-length + 1 "
                                  f"= {t.seq_length + 1}")
@@ -135,6 +153,8 @@ def _check_data(config: RunConfig) -> str:
                                  f"prepare it with moefold prepare-data --tokenizer {model_tok}")
             corpora, tokens = corpora + 1, tokens + data.num_tokens
             tokenizers.append((flag, prefix, data_tok))
+            if megatron:
+                continue   # its vocab_size is its largest id + 1, which differs between corpora of one tokenizer
             if vocabs and data.vocab_size != vocabs[0][2]:
                 raise ValueError(f"{flag} {prefix} was tokenised with a vocabulary of {data.vocab_size} ids, "
                                  f"{vocabs[0][0]} {vocabs[0][1]} with {vocabs[0][2]}: another tokenizer; prepare every "

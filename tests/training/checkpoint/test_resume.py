@@ -79,6 +79,13 @@ def test_resume_with_another_seq_length_is_refused_unless_the_data_position_rest
         old = {"--seq-length": "32", "--seed": "1234"}[flag]
         assert f"with {flag} {value} (checkpoint: {old}): the data order depends on them" in err, err
         assert "pass --reset-data-position" in err, err
+    # Megatron's order also depends on the run's sizes, which a moefold-order checkpoint does not record as such
+    assert cli_main([*base, "--train-iters", "3", "--load", str(tmp_path / "ckpt"), "--data-order", "megatron",
+                     "--split", "90,10,0"]) == 2
+    err = capsys.readouterr().err
+    named = ("with --data-order megatron (checkpoint: moefold), --train-iters 3 (checkpoint: None), "
+             "--global-batch-size 4 (checkpoint: None), --split 90,10,0 (checkpoint: None): the data order")
+    assert err.count("\n") == 1 and named in err, err
     assert cli_main([*base, "--train-iters", "3", "--load", str(tmp_path / "ckpt"), "--seq-length", "16",
                      "--reset-data-position"]) == 0
     out = capsys.readouterr().out

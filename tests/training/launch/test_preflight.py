@@ -219,3 +219,27 @@ def test_blends_of_different_tokenizers_and_missing_packages_fail_before_trainin
     if importlib.util.find_spec("wandb") is None:
         _fails(capsys, [*base, "--data-path", prefixes[0], "--wandb-project", "p", "--run-dir",
                         str(tmp_path / "run2")], "--wandb-project p needs the wandb package: pip install wandb")
+
+
+def test_megatron_corpora_are_bounded_by_their_largest_id(capsys, no_ranks, tmp_path):
+    """Megatron's index records no vocabulary: each corpus's largest id (a cached scan) must fit the model, and a
+    blend of Megatron corpora whose largest ids differ (one tokenizer, other texts) is not taken for two
+    tokenizers."""
+    from moefold.training.data.megatron_indexed import MegatronIndexedDatasetWriter
+
+    prefixes = []
+    for name, top in (("a", 200), ("b", 255)):
+        prefix = tmp_path / name
+        with MegatronIndexedDatasetWriter(prefix, 256) as writer:
+            for row in tiny_data(8, vocab=200):
+                writer.add_document(row)
+            writer.add_document([top] * 40)
+        prefixes.append(str(prefix))
+    base = [*BASE, "--run-dir", str(tmp_path / "run"), "--no-save"]
+    assert cli_main([*base, "--data-path", "0.5", prefixes[0], "0.5", prefixes[1]]) == 0
+    assert len(no_ranks) == 1
+    message = (f"--data-path {prefixes[1]} holds token id 255 ({prefixes[1]}.bin, a Megatron corpus), outside the "
+               "model's vocab_size=200: pass --vocab-size 256")
+    _fails(capsys, [*base, "--vocab-size", "200", "--data-path", prefixes[1], "--run-dir", str(tmp_path / "r2")],
+           message)
+    assert len(no_ranks) == 1
