@@ -7,10 +7,10 @@
     moefold train --load-hf Qwen3-8B --moe-use-upcycling --num-experts 8 --moe-router-topk 2 --data-path ...
     torchrun --nnodes 2 --nproc-per-node 8 -m training.cli train --recipe ... (multi-node)
 
-The flags are validated against the layout (``RunConfig.resolve(world)``) and the file system
-(``training.launch.preflight``: save/run directories, free space, --load, data files) in the parent process
-before any rank starts; an impossible combination fails naming the flags. A failure inside a rank ends
-the run with one ``rank R: <message>`` line and the tracebacks in ``RUN_DIR/error.log``.
+The flags are validated against the layout (``RunConfig.resolve(world)``, ``training.cli.train_checks``) and
+the file system (``training.launch.preflight``: save/run directories, free space, --load, data files) in the
+parent process before any rank starts; an impossible combination fails naming the flags. A failure inside a
+rank ends the run with one ``rank R: <message>`` line and the tracebacks in ``RUN_DIR/error.log``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 
 from moefold.dense.context_parallel import CP_COMM_MODES
-from moefold.dense.gated_delta_rule import GATED_DELTA_RULE_BACKENDS, require_fla
+from moefold.dense.gated_delta_rule import GATED_DELTA_RULE_BACKENDS
 from moefold.dense.recompute import DEFAULT_RECOMPUTE_MODULES, RECOMPUTE_METHODS, RECOMPUTE_MODES, RECOMPUTE_MODULES
 from moefold.dispatch.flex_backend import FLEX_BACKEND_CHOICES
 from moefold.models.config import ModelConfig
@@ -33,7 +33,7 @@ from moefold.models.options import DEEPEP_MODES, ModelOptions
 from moefold.models.recipes import RECIPES, get_recipe
 from moefold.moe.config import DISPATCHERS
 from moefold.moe.gemm import GEMM_BACKENDS
-from moefold.parallel.dims import ParallelConfig, ParallelSizes
+from moefold.parallel.dims import ParallelConfig
 from moefold.parallel.fp8 import add_fp8_arguments, fp8_config_from_args
 from moefold.parallel.init import launched_by_torchrun, launched_world_size
 from moefold.pipeline.schedules import SCHEDULES
@@ -42,6 +42,9 @@ from moefold.training.cli.layout_errors import world_source
 from moefold.training.cli.megatron_flags import add_megatron_arguments, megatron_model, tokenizer_vocab
 from moefold.training.cli.model_flags import UPCYCLING_FLAGS, add_model_arguments, apply_model_flags, given_model_flags
 from moefold.training.cli.parser import Parser
+from moefold.training.cli.train_checks import check_backends as check_backends
+from moefold.training.cli.train_checks import resolve_flex, validate
+from moefold.training.cli.train_checks import validate_layout as validate_layout
 from moefold.training.cli.train_help import ROUTER_HELP, TRAIN_HELP
 from moefold.training.config import EXIT_SIGNALS, STOP_SIGNALS, RunConfig, TrainConfig
 from moefold.training.errors import JobFailed
@@ -387,92 +390,6 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                         data_cache_dir=args.data_cache_dir, overlap_grad_reduce=not args.no_overlap_grad_reduce,
                         balance_report=not args.no_balance_report, valid_data_path=tuple(args.valid_data_path))
     return RunConfig(model=model, parallel=parallel, options=options, train=train, recipe=args.recipe)
-
-
-def validate(config: RunConfig, world_size: int, source: str | None = None) -> None:
-    """Everything checkable without starting ranks: layout sizes, batch arithmetic, model divisibility, and that
-    the chosen GPU backends are installed. ``source``: how the world was chosen (``layout_errors.world_source``)."""
-    sizes = validate_layout(config, world_size, source)
-    check_backends(config, sizes.ep, sizes.etp)
-
-
-def validate_layout(config: RunConfig, world_size: int, source: str | None = None) -> ParallelSizes:
-    """The layout checks of ``validate`` (sizes, batch arithmetic, pipeline split, model divisibility), without the
-    installed-backend checks: what ``moefold plan`` applies to every layout it considers. With ``source`` (how
-    the world was chosen: ``--nproc 1, the default``), a bad size is explained by ``layout_errors.explain``: the
-    valid sizes for the model and the world the flags need."""
-    from moefold.models.layer_factory import check_layout
-    from moefold.parallel.dims import ParallelDims
-    from moefold.training.cli.layout_errors import explain
-
-    if source is not None and (message := explain(config, world_size, source)):
-        raise ValueError(message)
-
-    try:
-        sizes, _ = config.resolve(world_size)
-    except ValueError as exc:
-        t = config.train
-        if config.parallel.pp > 1 and any(word in str(exc) for word in ("schedule", "num_layers", "pipeline")):
-            uneven = "".join(f", --decoder-{k}-pipeline-num-layers={v}" for k, v in
-                             (("first", t.decoder_first_pipeline_num_layers),
-                              ("last", t.decoder_last_pipeline_num_layers)) if v is not None)
-            raise ValueError(f"{exc} (--num-layers={config.model.num_layers}, --pipeline-model-parallel-size="
-                             f"{config.parallel.pp}, --num-layers-per-virtual-pipeline-stage="
-                             f"{t.num_layers_per_virtual_pipeline_stage}{uneven}, --global-batch-size="
-                             f"{t.global_batch_size}, --micro-batch-size={t.micro_batch_size})") from exc
-        raise
-    try:
-        check_layout(config.model, ParallelDims(sizes=sizes), config.options)
-    except ValueError as exc:
-        raise ValueError(f"{exc} (--tensor-model-parallel-size={sizes.tp}, --context-parallel-size={sizes.cp}, "
-                         f"--expert-model-parallel-size={sizes.ep}, --expert-tensor-parallel-size={sizes.etp})"
-                         ) from exc
-    return sizes
-
-
-def check_backends(config: RunConfig, ep: int, etp: int) -> None:
-    """The optional GPU backends the flags choose are installed and can run here (ImportError /
-    ValueError / RuntimeError naming what to install or use instead), before any rank starts."""
-    from moefold.moe.gemm import check_gemm_backend
-
-    if config.train.compile:
-        from moefold.training.compile import compile_unavailable
-
-        reason = compile_unavailable("cuda" if torch.cuda.is_available() else "cpu")
-        if reason is not None:
-            raise RuntimeError(reason)
-    o = config.options
-    if config.model.num_experts:
-        check_gemm_backend(o.gemm_backend, o.torch_dtype)
-        if o.resolved_dispatcher(ep, etp) == "flex":
-            from moefold.dispatch.flex_backend import resolve_flex_backend
-
-            resolve_flex_backend(o.moe_flex_dispatcher_backend)
-    if o.linear_attention_backend == "fla" and "linear_attention" in (config.model.layer_types or ()):
-        require_fla()
-    o.fp8.check_available()
-
-
-def resolve_flex(config: RunConfig, world_size: int) -> tuple[RunConfig, str | None]:
-    """With the flex dispatcher: ``config`` with ``--moe-flex-dispatcher-backend auto`` replaced by the installed
-    DeepEP's backend (so every rank runs the same one) and the start-up line that states it; else (config, None)."""
-    from moefold.dispatch.flex_backend import describe_flex_backend, resolve_flex_backend
-    from moefold.moe.gemm import needs_host_counts
-
-    sizes, _ = config.resolve(world_size)
-    o = config.options
-    if not config.model.num_experts or o.resolved_dispatcher(sizes.ep, sizes.etp) != "flex":
-        return config, None
-    backend = resolve_flex_backend(o.moe_flex_dispatcher_backend)
-    if backend == "deepep":
-        from moefold.dispatch.deepep_elastic import check_elastic_layout
-
-        check_elastic_layout(config.model.hidden_size, config.model.num_experts, sizes.ep, sizes.etp, o.fp8.dispatch)
-    config = dataclasses.replace(config, options=dataclasses.replace(o, moe_flex_dispatcher_backend=backend))
-    cpu_sync = o.moe_deepep_cpu_sync if o.moe_deepep_cpu_sync is not None else (
-        needs_host_counts(o.gemm_backend) or o.fp8.enabled)
-    return config, describe_flex_backend(backend, hybrid=o.moe_deepep_mode == "hybrid", cpu_sync=cpu_sync,
-                                         num_sms=o.moe_deepep_num_sms)
 
 
 def describe_parameters(model: ModelConfig) -> str:
