@@ -15,6 +15,10 @@ from moefold.parallel.dims import ParallelConfig, ParallelSizes
 from moefold.training.optim.lr_schedule import DECAY_STYLES, WSD_STYLES, LRSchedule
 from moefold.training.optim.precision import OptimizerPrecision
 
+# the signals that stop a run after its current step, with a checkpoint (Megatron's --exit-signal-handler)
+EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")   # the ones --exit-signal takes
+
 if TYPE_CHECKING:
     from moefold.pipeline.stages import StageLayout
 
@@ -81,6 +85,12 @@ class TrainConfig:
     save_interval: int = 0                     # 0: only at the end when save is set
     keep_last: int = 2
     load: str | None = None
+    async_save: bool = False                   # write checkpoints in the background (training.checkpoint.save)
+    run_id: str | None = None                  # this run's id (training.checkpoint.identity; the CLI sets it)
+    # stopping early, saving first (training.launch.signals)
+    exit_signals: tuple[str, ...] = EXIT_SIGNALS   # () : no handler (a signal ends the process as usual)
+    exit_duration_in_mins: float | None = None  # stop (and save) after this many minutes
+    exit_interval: int | None = None           # stop (and save) after a step divisible by this
     reset_data_position: bool = False          # resume with another data order (data, seq_length, seed) from its start
     balance_report: bool = True
     # starting weights (train --load-hf): the architecture and weights of an HF (or moefold) directory
@@ -151,6 +161,14 @@ class TrainConfig:
         if self.moe_use_upcycling and not self.load_hf:
             raise ValueError("--moe-use-upcycling needs --load-hf DIR (the dense checkpoint to upcycle)")
         self.optimizer_precision()  # validates the dtypes
+        bad = [s for s in self.exit_signals if s not in STOP_SIGNALS]
+        if bad:
+            raise ValueError(f"--exit-signal {' '.join(bad)}: valid: {', '.join(STOP_SIGNALS)}")
+        if self.exit_duration_in_mins is not None and not (isinstance(self.exit_duration_in_mins, (int, float))
+                                                           and 0 < self.exit_duration_in_mins < math.inf):
+            raise ValueError(f"--exit-duration-in-mins={self.exit_duration_in_mins!r} must be a positive number")
+        if self.exit_interval is not None and (not isinstance(self.exit_interval, int) or self.exit_interval < 1):
+            raise ValueError(f"--exit-interval={self.exit_interval!r} must be a positive integer")
         from moefold.pipeline.schedules import SCHEDULES
 
         if self.pipeline_schedule not in SCHEDULES:
@@ -310,5 +328,6 @@ class RunConfig:
         t = dict(d["train"])
         t["data_path"] = tuple(t.get("data_path") or ())
         t["valid_data_path"] = tuple(t.get("valid_data_path") or ())
+        t["exit_signals"] = tuple(t.get("exit_signals", EXIT_SIGNALS))
         return cls(model=ModelConfig(**m), parallel=ParallelConfig(**d["parallel"]),
                    options=ModelOptions(**d["options"]), train=TrainConfig(**t), recipe=d.get("recipe"))

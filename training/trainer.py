@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,12 +49,13 @@ from moefold.pipeline.overlap import OverlapConfig
 from moefold.pipeline.stages import chunk_costs
 from moefold.training.checkpoint.files import CheckpointSaveError, checkpoint_dirs, is_checkpoint_dir
 from moefold.training.checkpoint.resume import check_resume
-from moefold.training.checkpoint.sharded import find_checkpoint, load_checkpoint, read_meta, save_checkpoint
+from moefold.training.checkpoint.save import AsyncCheckpointer, save_checkpoint
+from moefold.training.checkpoint.sharded import find_checkpoint, load_checkpoint, load_pieces, read_meta, saved_keys
 from moefold.training.config import RunConfig
+from moefold.training.launch.signals import Stop, StopRequest, signal_name
 from moefold.training.observe.metrics import ROUTER_SUMS, per_step_router, router_layer_metrics, router_sums
 from moefold.training.optim.grad_sync import GradSync
 from moefold.training.optim.optimizer import DistributedAdamW
-from moefold.training.optim.state_shards import load_pieces, saved_keys
 
 if TYPE_CHECKING:
     from moefold.training.data.sampler import Samples
@@ -93,6 +95,20 @@ class StepResult:
     dropped: Tensor | None
     router: Tensor | None = None
     received_per_expert: Tensor | None = None
+    stop: Stop | None = None      # the ranks agreed to stop after this step (a signal, --exit-*)
+
+
+@dataclass(frozen=True)
+class FitSummary:
+    """What ``Trainer.fit`` did: the steps it ran, the first and last step's results (per-step results go to
+    ``on_step``; the trainer keeps no history), why it stopped early (None: it reached its last step) and the
+    checkpoint it saved at the end (None: no ``save``)."""
+
+    steps: int
+    first: StepResult | None
+    last: StepResult | None
+    stop: Stop | None
+    checkpoint: Path | None
 
 
 def moe_routers(model: MoEDecoder) -> dict[int, Router]:
@@ -244,6 +260,10 @@ class Trainer:
         self.consumed_samples = 0     # global samples consumed
         self.skipped_in_a_row = 0
         self.loss_hook: Callable[[int, int, Tensor], Tensor] | None = None
+        # stopping early (training.launch.signals): the handlers' flag, the time limit, the step interval
+        self.stop_request: StopRequest | None = None
+        self.deadline = None if t.exit_duration_in_mins is None else time.monotonic() + 60 * t.exit_duration_in_mins
+        self.async_saver = AsyncCheckpointer(dims, self.log) if t.async_save and t.save else None
 
     # ------------------------------------------------------------------------------- one step
     def _split(self, batch: Tensor) -> tuple[Tensor, Tensor]:
@@ -327,14 +347,22 @@ class Trainer:
         self.model.train()
         self.sync.start_step(self.num_micro)
         n_moe, E = len(self.moe_layers), self.config.model.num_experts
-        # float64 sums of counts stay exact; lm, aux, mtp, non-finite count
-        # per layer: selections [E], dropped, router sums, received copies [E] (all zero unless counted)
+        # float64 sums of counts stay exact; per layer: selections [E], dropped, router sums, received copies [E]
+        # (all zero unless counted)
         loads = torch.zeros(n_moe, E + 1 + ROUTER_SUMS + E, dtype=torch.float64, device=self.device)
-        logged = torch.zeros(4, dtype=torch.float64, device=self.device)
+        # lm, aux, mtp, non-finite count; then the stop flags: ranks told to stop by a signal, the sum of their
+        # signal numbers, ranks past --exit-duration-in-mins (training.launch.signals: no collective of their own)
+        logged = torch.zeros(4 + 3, dtype=torch.float64, device=self.device)
         if self.pipeline is None:
-            self._forward_backward(microbatches, loads, logged)
+            self._forward_backward(microbatches, loads, logged[:4])
         else:
-            self._pipeline_forward_backward(microbatches, loads, logged)
+            self._pipeline_forward_backward(microbatches, loads, logged[:4])
+        signum = self.stop_request.received if self.stop_request is not None else 0
+        if signum:   # written only when set: a device fill, no host synchronisation
+            logged[4].fill_(1)
+            logged[5].fill_(signum)
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            logged[6].fill_(1)
         self.overlapped_buckets = self.sync.launched_early
         self.sync.finish()   # (the embedding's two pipeline copies get the summed gradient there)
         if dims.world_size > 1:
@@ -376,15 +404,51 @@ class Trainer:
                           router=per_step_router(loads[:, E + 1:E + 1 + ROUTER_SUMS], self.num_micro * dims.dp)
                           if n_moe else None,
                           received_per_expert=loads[:, E + 1 + ROUTER_SUMS:] if n_moe and self.counts_received
-                          else None)
+                          else None,
+                          stop=self._stop(*logged[4:7]))
+
+    def _stop(self, signalled: float, signums: float, late: float) -> Stop | None:
+        """Why the ranks stop after the step just completed (the all-reduced flags), or None."""
+        t = self.config.train
+        if signalled:
+            signum = int(signums) // int(signalled) if int(signums) % int(signalled) == 0 else 0
+            return Stop(signal_name(signum) if signum else "a signal", signum or 15)
+        if late:
+            return Stop(f"--exit-duration-in-mins {t.exit_duration_in_mins:g}")
+        if t.exit_interval and self.iteration % t.exit_interval == 0 and self.iteration < t.train_iters:
+            return Stop(f"--exit-interval {t.exit_interval}")
+        return None
 
     # ------------------------------------------------------------------------------- checkpoints
-    def save(self, root: str | Path) -> Path:
+    def _meta(self) -> dict:
+        return {"consumed_samples": self.consumed_samples, "optimizer_steps": self.optimizer.step_count,
+                "skipped_in_a_row": self.skipped_in_a_row, "config": self.config.to_dict(),
+                "run_id": self.config.train.run_id}
+
+    def save(self, root: str | Path, background: bool = False) -> Path | None:
+        """Checkpoint this iteration under ``root`` and return it; ``background`` (with ``--async-save``): start
+        writing it and return None once the state is staged (``training.checkpoint.save``). A save waits for
+        the background one before it."""
         self.optimizer.finish_param_sync()
-        meta = {"consumed_samples": self.consumed_samples, "optimizer_steps": self.optimizer.step_count,
-                "skipped_in_a_row": self.skipped_in_a_row, "config": self.config.to_dict()}
-        return save_checkpoint(root, self.iteration, self.model, self.dims, self.optimizer.checkpoint_state(), meta,
-                               keep_last=self.config.train.keep_last, log=self.log)
+        t = self.config.train
+        if self.async_saver is not None:
+            if background:
+                self.async_saver.save(root, self.iteration, self.model, self.optimizer.checkpoint_state(),
+                                      self._meta(), keep_last=t.keep_last)
+                return None
+            self.async_saver.wait()
+        return save_checkpoint(root, self.iteration, self.model, self.dims, self.optimizer.checkpoint_state(),
+                               self._meta(), keep_last=t.keep_last, log=self.log)
+
+    def finish_saves(self) -> None:
+        """Wait for a background save (reporting its failure, as a failed interval save is: training is past it)
+        and release the staging buffers."""
+        if self.async_saver is None:
+            return
+        try:
+            self.async_saver.close()
+        except CheckpointSaveError as exc:
+            self.log(f"{exc}")
 
     def load(self, path: str | Path) -> bool:
         """Resume from ``path`` (a checkpoint, or the newest intact one under it, see ``find_checkpoint``).
@@ -405,7 +469,8 @@ class Trainer:
         self.iteration = int(meta["iteration"])
         self.consumed_samples = 0 if restart_data else int(meta["consumed_samples"])
         self.skipped_in_a_row = int(meta.get("skipped_in_a_row", 0))
-        self.log(f"resumed from {ckpt} at iteration {self.iteration} (consumed_samples {self.consumed_samples})")
+        run = f", run {meta['run_id']}" if meta.get("run_id") else ""
+        self.log(f"resumed from {ckpt} at iteration {self.iteration} (consumed_samples {self.consumed_samples}{run})")
         return True
 
     # ------------------------------------------------------------------------------- the loop
@@ -418,19 +483,24 @@ class Trainer:
 
     def fit(self, dataset: Samples, logger: MetricsLogger | None = None,
             on_step: Callable[[StepResult], None] | None = None, stop_at: int | None = None,
-            evaluator: Evaluator | None = None) -> list[StepResult]:
+            evaluator: Evaluator | None = None) -> FitSummary:
         """Train from ``self.iteration`` to ``train_iters`` (or ``stop_at``) on ``dataset`` (samples of
         seq_length + 1 ids); logs through ``logger`` (a MetricsLogger, rank 0), validates when ``evaluator``
-        says so (every rank), saves every ``save_interval`` and at the end."""
+        says so (every rank), saves every ``save_interval`` (in the background with ``--async-save``) and at the
+        end. Stops early, saving, when the ranks agree to (``StepResult.stop``: a signal, ``--exit-*``). Each
+        step's result goes to ``on_step``; nothing per step is kept (host memory stays flat over any run)."""
         t = self.config.train
         last = t.train_iters if stop_at is None else min(stop_at, t.train_iters)
         batches = self.microbatch_iter(dataset)
-        results: list[StepResult] = []
+        first = r = stop = None
+        steps = 0
         acc_tokens, acc_loads, acc_dropped, routed, acc_router, acc_steps = 0, None, None, None, None, 0
         acc_received = None
         while self.iteration < last:
             r = self.train_step([next(batches) for _ in range(self.num_micro)])
-            results.append(r)
+            steps += 1
+            first = first or r
+            stop = r.stop
             if on_step is not None:
                 on_step(r)
             acc_tokens += r.tokens
@@ -442,7 +512,7 @@ class Trainer:
                 acc_received = r.received_per_expert if acc_received is None else acc_received + r.received_per_expert
             if logger is not None:
                 logger.advance()
-                if r.step % t.log_interval == 0 or r.step == last:
+                if r.step % t.log_interval == 0 or r.step == last or stop is not None:
                     if acc_loads is not None:
                         routed = acc_loads.sum(dim=1).clamp(min=1)
                     # loss_mtp weighted as in the objective, so the logged "loss" is what is minimised
@@ -457,19 +527,25 @@ class Trainer:
                                if acc_router is not None else None,
                                received_per_expert=acc_received.round().long().tolist()
                                if acc_received is not None else None)
-            if r.step % t.log_interval == 0:
+            if r.step % t.log_interval == 0 or stop is not None:
                 acc_tokens, acc_loads, acc_dropped, acc_router, acc_steps, acc_received = 0, None, None, None, 0, None
+            if stop is not None:
+                break
             if evaluator is not None and evaluator.due(r.step, last):
                 evaluator()
             if t.save and t.save_interval and r.step % t.save_interval == 0 and r.step < last:
                 try:
-                    self.save(t.save)
+                    self.save(t.save, background=True)
                 except CheckpointSaveError as exc:   # state intact: the next save tries again; the last must succeed
                     self.log(f"{exc}; training continues, the next save tries again")
-        if t.save:
-            self.save(t.save)
+        if self.async_saver is not None:   # the final save waits for the one in flight; its failure is a note
+            try:
+                self.async_saver.wait()
+            except CheckpointSaveError as exc:
+                self.log(f"{exc}")
+        checkpoint = self.save(t.save) if t.save else None
         self.optimizer.finish_param_sync()
-        return results
+        return FitSummary(steps=steps, first=first, last=r, stop=stop, checkpoint=checkpoint)
 
 
 def named_full_params(model: nn.Module) -> dict[str, Tensor]:

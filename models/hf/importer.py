@@ -87,8 +87,12 @@ def check_unquantized(config: ModelConfig) -> None:
 def import_hf(path: str | os.PathLike, dims: ParallelDims | None = None, options: ModelOptions | None = None,
               strict: bool = True) -> MoEDecoder:
     """Build the model an HF directory describes over ``dims`` and load its weights."""
+    from moefold.models.hf.bounds import check_weights_match_config
+
     with TensorReader(path) as reader:
-        model = MoEDecoder(load_config(path, reader), dims, options)
+        config = load_config(path, reader)
+        check_weights_match_config(path, config, reader, read_hf_config(path))
+        model = MoEDecoder(config, dims, options)
         load_weights(model, reader, strict=strict)
     return model
 

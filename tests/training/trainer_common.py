@@ -37,6 +37,13 @@ def tiny_data(num_samples: int = 64, vocab: int = 256) -> np.ndarray:
     return out
 
 
+def fit_results(trainer: Trainer, data, **kwargs) -> list:
+    """``trainer.fit``'s step results, collected through ``on_step`` (the trainer keeps none itself)."""
+    results: list = []
+    trainer.fit(data, on_step=results.append, **kwargs)
+    return results
+
+
 def tiny_corpus(prefix, num_samples: int = 64) -> str:
     """``tiny_data(num_samples)`` written as an indexed corpus at ``prefix`` (vocab 256), one sample a document."""
     from moefold.training.data.indexed import IndexedDatasetWriter
@@ -65,11 +72,13 @@ def run(config: RunConfig, dims: ParallelDims | None = None, data: np.ndarray | 
     if run_dir is not None and dims.rank == 0:
         logger = MetricsLogger(run_dir, total_steps=config.train.train_iters, tensorboard=False, progress=False,
                                print_fn=lambda _line: None)
+    losses: list[float] = []
     try:
-        results = trainer.fit(tiny_data() if data is None else data, logger=logger, stop_at=stop_at)
+        trainer.fit(tiny_data() if data is None else data, logger=logger, stop_at=stop_at,
+                    on_step=lambda r: losses.append(r.loss_lm))
     finally:
         if logger is not None:
             logger.close()
     params = named_full_params(trainer.model)
     params.update({f"buffer:{k}": v.float() for k, v in trainer.model.state_dict().items() if k not in params})
-    return [r.loss_lm for r in results], params, trainer
+    return losses, params, trainer

@@ -100,10 +100,13 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("a source directory (or --recipe) is required")
     else:
         from moefold.models.pretrained import pretrained_kind
-        from moefold.training.checkpoint.load_model import find_training_checkpoint, load_model
+        from moefold.training.checkpoint.load_model import describe_source, load_model
 
+        used = describe_source(args.source)
+        if used:
+            print(f"using {used}")   # which iter_N of which run
         model, assets = load_model(args.source, options=options)   # one-line error for what it cannot read
-        kind = "training checkpoint" if find_training_checkpoint(args.source) else pretrained_kind(args.source)
+        kind = "training checkpoint" if used else pretrained_kind(args.source)
     to = args.to or ("moefold" if kind in ("hf", "megatron") else "hf")
     size = args.max_shard_size  # bytes (parse_size)
     if to == "megatron":

@@ -54,6 +54,12 @@ def describe_hf_dir(path: str | Path):
             lines.append(f"  {path}: {len(reader.names())} tensors in {len(files)} safetensors file(s), "
                          f"{size / 2**30:.2f} GiB, dtype {', '.join(dtypes)}")
             config = load_config(path, reader)
+            from moefold.models.hf.bounds import held_numel, implied_numel
+
+            implied, held = implied_numel(config), held_numel(reader, config)
+            if implied != held:
+                lines.append(f"  config.json describes {implied:,} parameters but the safetensors hold {held:,}: "
+                             "they do not belong together (--load-hf / convert refuse them)")
     if announced.mtp_num_layers and not config.mtp_num_layers:
         lines.append(f"  config.json announces {announced.mtp_num_layers} MTP layer(s) (num_nextn_predict_layers) "
                      "but the directory holds no MTP tensors: no MTP modules")
@@ -78,12 +84,13 @@ def main(args: argparse.Namespace) -> int:
     elif args.hf:
         config, lines = describe_hf_dir(args.hf)
     else:
+        from moefold.training.checkpoint.identity import describe_checkpoint
         from moefold.training.checkpoint.load_model import find_training_checkpoint, training_run_config
 
         ckpt = find_training_checkpoint(args.checkpoint)
         if ckpt is not None:
             config = training_run_config(ckpt).model
-            lines = [f"  training checkpoint {ckpt}"]
+            lines = [f"  training checkpoint {describe_checkpoint(ckpt)}"]
         else:
             from moefold.models.checkpoint import load_config
 

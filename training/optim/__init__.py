@@ -12,10 +12,10 @@ from moefold.training.optim.lr_schedule import DECAY_STYLES, WSD_STYLES, LRSched
 from moefold.training.optim.optimizer import DistributedAdamW, decays
 from moefold.training.optim.param_sync import ParamSync
 from moefold.training.optim.precision import DTYPES, OptimizerPrecision
-from moefold.training.optim.state_shards import ShardLoadPlanner, ShardPieces, ShardSavePlanner, load_pieces, saved_keys
+from moefold.training.optim.state_shards import ShardLoadPlanner, ShardPieces, ShardSavePlanner
 
 __all__ = [
     "Bucket", "FlatGroup", "build_flat_groups", "reduction_kind", "GradSync", "ParamSync",
     "DistributedAdamW", "decays", "DTYPES", "OptimizerPrecision", "DECAY_STYLES", "WSD_STYLES", "LRSchedule",
-    "ShardPieces", "ShardSavePlanner", "ShardLoadPlanner", "saved_keys", "load_pieces",
+    "ShardPieces", "ShardSavePlanner", "ShardLoadPlanner",
 ]
