@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moefold.dense.activation_offload import MIN_OFFLOADED_TENSOR_SIZE, check_offload, check_offload_modules
 from moefold.dense.context_parallel import CP_COMM_MODES
 from moefold.dense.recompute import (
     DEFAULT_RECOMPUTE_MODULES,
@@ -43,6 +44,9 @@ class ModelOptions:
     fp8:               FP8 GEMMs and dispatch (``parallel.fp8.FP8Config``; --fp8-format, --fp8-recipe,
                        --fp8-backend, --fp8-exclude-modules, --moe-fp8-dispatch)
     moe_deepep_num_sms: SMs DeepEP's kernels take with the flex dispatcher (--moe-deepep-num-sms)
+    offload_modules:   fine-grained activation offloading (--fine-grained-activation-offloading --offload-modules):
+                       the modules whose saved tensors wait in host memory (``dense.activation_offload``); () = off
+    min_offloaded_tensor_size: saved tensors with fewer elements stay on the device (--min-offloaded-tensor-size)
     """
 
     sequence_parallel: bool = True
@@ -57,6 +61,8 @@ class ModelOptions:
     init_std: float = 0.02
     fp8: FP8Config = field(default_factory=FP8Config)
     moe_deepep_num_sms: int = 20
+    offload_modules: tuple[str, ...] = ()
+    min_offloaded_tensor_size: int = MIN_OFFLOADED_TENSOR_SIZE
 
     def __post_init__(self) -> None:
         if isinstance(self.fp8, dict):  # from a saved RunConfig (JSON)
@@ -78,6 +84,11 @@ class ModelOptions:
             raise ValueError(f"ModelOptions.gemm_backend={self.gemm_backend!r}; valid: {', '.join(GEMM_BACKENDS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"ModelOptions.dtype={self.dtype!r}; valid: {', '.join(DTYPES)}")
+        object.__setattr__(self, "offload_modules", check_offload_modules(self.offload_modules))
+        check_offload(self.offload_modules, self.recompute, self.recompute_modules)
+        if (not isinstance(self.min_offloaded_tensor_size, int) or isinstance(self.min_offloaded_tensor_size, bool)
+                or self.min_offloaded_tensor_size < 0):
+            raise ValueError(f"--min-offloaded-tensor-size={self.min_offloaded_tensor_size!r} must be an integer >= 0")
         if not self.init_std > 0:
             raise ValueError(f"ModelOptions.init_std={self.init_std!r} must be > 0")
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from moefold.dense.activation_offload import NO_OFFLOAD
 from moefold.dense.recompute import checkpointed
 from moefold.dispatch import build_dispatcher
 from moefold.moe.balance_losses import GlobalLoadState
@@ -94,6 +95,7 @@ class MoELayer(nn.Module):
             device=device)
         self.shared_experts = None
         self.recompute_shared_experts = False   # selective recompute (``dense.recompute``), set by the model
+        self.offload_shared_experts = NO_OFFLOAD   # activation offloading (``dense.activation_offload``), likewise
         if config.has_shared_experts:
             self.shared_experts = SharedExperts(
                 hidden_size, config.shared_expert_ffn_size, tp_group=dims.tp_group,
@@ -137,7 +139,8 @@ class MoELayer(nn.Module):
         # flight until wait(); allgather has finished its gathers already)
         shared_SBH = None
         if self.shared_experts is not None:
-            shared_SBH = checkpointed(self.shared_experts, x_SBH, enabled=self.recompute_shared_experts)
+            with self.offload_shared_experts:
+                shared_SBH = checkpointed(self.shared_experts, x_SBH, enabled=self.recompute_shared_experts)
         dispatched = pending.wait()
         # 4. routed experts: plain FFN_g(rows) (partial sums over etp)
         expert_out_NH = self.experts(dispatched.tokens_NH, dispatched.tokens_per_expert_e,

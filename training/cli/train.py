@@ -23,6 +23,7 @@ import sys
 
 import torch
 
+from moefold.dense.activation_offload import MIN_OFFLOADED_TENSOR_SIZE, OFFLOAD_MODULES
 from moefold.dense.recompute import DEFAULT_RECOMPUTE_MODULES, RECOMPUTE_METHODS, RECOMPUTE_MODES, RECOMPUTE_MODULES
 from moefold.models.config import ModelConfig
 from moefold.models.options import ModelOptions
@@ -108,6 +109,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="full: uniform (groups of N layers) or block (the first N layers of each pipeline chunk)")
     m.add_argument("--recompute-num-layers", type=int, default=ModelOptions.recompute_num_layers,
                    help="full: the N of --recompute-method (default 1)")
+    add_memory_arguments(p)
     gpu = p.add_argument_group("GPU backends (issue 14): DeepEP, Transformer Engine FP8")
     gpu.add_argument("--moe-deepep-num-sms", type=int, default=ModelOptions.moe_deepep_num_sms,
                      help="SMs DeepEP's kernels take (flex dispatcher; even)")
@@ -164,6 +166,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--nproc: end the job, naming the rank, when a rank shows no sign of life for this long "
                         "(default 300)")
     add_validation_arguments(p)
+
+
+def add_memory_arguments(p: argparse.ArgumentParser) -> None:
+    """Past ZeRO-1 (README "Optimizer, precision and memory"): activation offloading, FSDP2, optimizer offload."""
+    g = p.add_argument_group("memory: activation offloading, FSDP, optimizer offload")
+    g.add_argument("--fine-grained-activation-offloading", action="store_true",
+                   help="keep what --offload-modules save for backward in (pinned) host memory, copied on side streams "
+                        "and brought back one layer ahead in backward")
+    g.add_argument("--offload-modules", nargs="+", default=None, choices=OFFLOAD_MODULES, metavar="MODULE",
+                   help=f"with --fine-grained-activation-offloading: any of {', '.join(OFFLOAD_MODULES)} (a module is "
+                        "recomputed or offloaded, not both)")
+    g.add_argument("--min-offloaded-tensor-size", type=int, default=MIN_OFFLOADED_TENSOR_SIZE,
+                   help=f"saved tensors with fewer elements stay on the device (default {MIN_OFFLOADED_TENSOR_SIZE})")
+
+
+def offload_modules_from_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """--offload-modules, checked against --fine-grained-activation-offloading (ValueError naming them)."""
+    if args.fine_grained_activation_offloading and not args.offload_modules:
+        raise ValueError("--fine-grained-activation-offloading needs --offload-modules (any of "
+                         f"{', '.join(OFFLOAD_MODULES)})")
+    if args.offload_modules and not args.fine_grained_activation_offloading:
+        raise ValueError(f"--offload-modules {' '.join(args.offload_modules)} needs "
+                         "--fine-grained-activation-offloading")
+    return tuple(args.offload_modules or ())
 
 
 def add_pretrained_arguments(p: argparse.ArgumentParser) -> None:
@@ -249,7 +275,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                            dispatcher=args.moe_token_dispatcher_type,
                            gemm_backend=args.moe_grouped_gemm_backend, dtype="bf16" if args.bf16 else "fp32",
                            init_std=args.init_method_std, fp8=fp8_config_from_args(args),
-                           moe_deepep_num_sms=args.moe_deepep_num_sms)
+                           moe_deepep_num_sms=args.moe_deepep_num_sms, offload_modules=offload_modules_from_args(args),
+                           min_offloaded_tensor_size=args.min_offloaded_tensor_size)
     parallel = ParallelConfig(tp=args.tensor_model_parallel_size, cp=args.context_parallel_size,
                               pp=args.pipeline_model_parallel_size, ep=args.expert_model_parallel_size,
                               etp=args.expert_tensor_parallel_size)
@@ -271,6 +298,9 @@ def validate(config: RunConfig, world_size: int) -> None:
     the chosen GPU backends are installed."""
     sizes = validate_layout(config, world_size)
     check_backends(config, sizes.ep, sizes.etp)
+    if config.train.compile and config.options.offload_modules:
+        raise ValueError("--compile with --fine-grained-activation-offloading: the compiled blocks would not run the "
+                         "saved-tensor hooks that offload their activations; drop one of them")
 
 
 def validate_layout(config: RunConfig, world_size: int) -> ParallelSizes:

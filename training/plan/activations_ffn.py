@@ -35,7 +35,8 @@ def mlp(shape: ActivationShape, ffn: int, *, name: str = "mlp", recompute: str =
     if recompute in shape.chosen:   # one checkpoint: its input (the norm output) only, counted by the block
         total = sum(inner.values())
         return Part(name, {}, fwd_extra=total, bwd_extra=total + backward)
-    return Part(name, inner, bwd_extra=backward)
+    offload = dict.fromkeys(inner, (recompute,)) if recompute == "shared_experts" else {}
+    return Part(name, inner, bwd_extra=backward, offload=offload)
 
 
 def moe_rows(shape: ActivationShape) -> tuple[int, int]:
@@ -76,7 +77,8 @@ def moe(shape: ActivationShape, dispatcher: str) -> Part:
     act = "moe_act" in shape.chosen
     inner["experts gate/up output"] = a * rows * 2 * f
     if not act:
-        inner["experts silu, product"] = 2 * a * rows * f
+        inner["experts silu"] = a * rows * f
+        inner["experts product (w2 input)"] = a * rows * f
     combine_rows = home if dispatcher in ("alltoall", "local") else rows
     inner["combine rows (for the probs' gradient)"] = a * combine_rows * H
     weights = local_experts * H * f
@@ -86,13 +88,16 @@ def moe(shape: ActivationShape, dispatcher: str) -> Part:
                    a * rows * f + a * weights + (2 * a * rows * f if act else 0),
                    2 * a * weights + a * rows * H - a * combine_rows * H)
     forward = a * (home + rows) * H     # the exchange's send and receive buffers
+    offload = {"expert input rows": ("expert_fc1",), "experts gate/up output": ("moe_act",),
+               "experts silu": ("moe_act",)}
     if m.moe_shared_expert_ffn_size:
         shared = mlp(shape, m.moe_shared_expert_ffn_size, name="shared experts", recompute="shared_experts",
                      two_gathers=True)
         inner.update(shared.saved)
+        offload.update(shared.offload)
         forward += shared.fwd_extra
         backward = max(backward, shared.bwd_extra)
     if "moe" in shape.chosen:
         total = sum(inner.values())
         return Part("moe", {}, fwd_extra=total + forward, bwd_extra=total + max(forward, backward))
-    return Part("moe", inner, fwd_extra=forward, bwd_extra=backward)
+    return Part("moe", inner, fwd_extra=forward, bwd_extra=backward, offload=offload)
