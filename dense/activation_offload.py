@@ -193,7 +193,7 @@ class _Handle:
     graph owns the group). A backward that reads it twice gets the same tensor; autograd dropping the handle drops
     the tensor."""
 
-    __slots__ = ("entry", "index", "group", "chunk", "tensor")
+    __slots__ = ("chunk", "entry", "group", "index", "tensor")
 
     def __init__(self, entry: _Saved, index: int, group: _Group, chunk: _Chunk) -> None:
         self.entry, self.index, self.group, self.chunk = entry, index, group, chunk

@@ -127,7 +127,7 @@ class TensorMemoryTracker(TorchDispatchMode):
         inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
         host = is_host_allocation()
         for t in tree_leaves(out):
-            if isinstance(t, Tensor) and (t.device.type == self.device_type or host and t.device.type == "cpu"):
+            if isinstance(t, Tensor) and (t.device.type == self.device_type or (host and t.device.type == "cpu")):
                 storage = t.untyped_storage()
                 key = id(storage)
                 if key in self.live:
