@@ -52,6 +52,9 @@ class TrainConfig:
     decoder_last_pipeline_num_layers: int | None = None    # pp > 1: layers on the last stage (None: even split)
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False         # the parameter all-gather waits in the next forward, per module
+    # optimizer offload (Megatron's names; training.optim.offload): that share of the states on the host, CPU AdamW
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
     # optimizer precision (Megatron's names; training.optim.precision.OptimizerPrecision)
     main_grads_dtype: str = "fp32"
     main_params_dtype: str = "fp32"
@@ -127,6 +130,9 @@ class TrainConfig:
         if self.moe_use_upcycling and not self.load_hf:
             raise ValueError("--moe-use-upcycling needs --load-hf DIR (the dense checkpoint to upcycle)")
         self.optimizer_precision()  # validates the dtypes
+        from moefold.training.optim.offload import check_offload_fraction
+
+        check_offload_fraction(self.optimizer_offload_fraction)
         from moefold.pipeline.schedules import SCHEDULES
 
         if self.pipeline_schedule not in SCHEDULES:

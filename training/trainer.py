@@ -129,7 +129,8 @@ def build_optimizer(model: MoEDecoder, config: RunConfig, dims: ParallelDims,
                     grad_dtype=precision.dtype("main_grads"), copies_group=embed_group)
     optimizer = DistributedAdamW(sync, dims, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                  weight_decay=t.weight_decay, precision=precision, model=model,
-                                 overlap_param_gather=t.overlap_param_gather)
+                                 overlap_param_gather=t.overlap_param_gather,
+                                 cpu_offload_fraction=t.optimizer_offload_fraction if t.optimizer_cpu_offload else None)
     return embed_group, sync, optimizer
 
 

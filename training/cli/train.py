@@ -179,6 +179,12 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
                         "recomputed or offloaded, not both)")
     g.add_argument("--min-offloaded-tensor-size", type=int, default=MIN_OFFLOADED_TENSOR_SIZE,
                    help=f"saved tensors with fewer elements stay on the device (default {MIN_OFFLOADED_TENSOR_SIZE})")
+    g.add_argument("--optimizer-cpu-offload", action="store_true",
+                   help="keep master weights and Adam moments of --optimizer-offload-fraction of this rank's shard in "
+                        "host memory and update them on the CPU while the device starts the next step")
+    g.add_argument("--optimizer-offload-fraction", type=float, default=_T.optimizer_offload_fraction,
+                   help=f"with --optimizer-cpu-offload: the share offloaded, 0..1 (default "
+                        f"{_T.optimizer_offload_fraction})")
 
 
 def offload_modules_from_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -283,6 +289,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     explicit = ("run_dir", "save", "load", "bf16", "data_path", "vocab_size", "data_cache_dir", "valid_data_path",
                 "reset_data_position", "compile")
+    if args.optimizer_offload_fraction != _T.optimizer_offload_fraction and not args.optimizer_cpu_offload:
+        raise ValueError(f"--optimizer-offload-fraction {args.optimizer_offload_fraction} needs --optimizer-cpu-offload")
     train = {k: v for k, v in vars(args).items() if k in fields and k not in explicit}
     save = None if args.no_save else (args.save or os.path.join(args.run_dir, "checkpoints"))
     train = TrainConfig(**train, bf16=args.bf16, compile=args.compile, run_dir=args.run_dir, save=save, load=args.load,

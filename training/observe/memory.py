@@ -40,12 +40,15 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 # ----------------------------------------------------------------------------------------- counted
 def static_bytes(sync: Any, optimizer: Any) -> dict[str, int]:
-    """{"params", "grads", "optimizer", "master", "exp_avg", "exp_avg_sq"}: bytes this rank holds in ``sync``'s
-    buffers (``GradSync``) and ``optimizer``'s state (``DistributedAdamW``)."""
+    """{"params", "grads", "optimizer", "master", "exp_avg", "exp_avg_sq", "host_optimizer"}: bytes this rank
+    holds on its device in ``sync``'s buffers (``GradSync``) and ``optimizer``'s state (``DistributedAdamW``),
+    and in host memory for the optimizer offload (``host_optimizer``: masters, moments and gradient copies)."""
     out = {"params": sum(g.param_data.nbytes for g in sync.groups),
            "grads": sum(g.grad_data.nbytes for g in sync.groups)}
     states = optimizer.state_breakdown()
-    return {**out, "optimizer": sum(states.values()), **states}
+    host = sum(optimizer.state_breakdown(offloaded=True).values())
+    host += sum(s.grad.nbytes for s in optimizer.slices if s.offloaded)
+    return {**out, "optimizer": sum(states.values()), **states, "host_optimizer": host}
 
 
 def bytes_per_parameter(param_dtype: str, precision: OptimizerPrecision, shards: int) -> float:
@@ -81,8 +84,9 @@ def describe_static(sync: Any, optimizer: Any, param_dtype: str, precision: Opti
         value, grad, state = state_parts(dtype, precision)
         label = g.kind if dtype == param_dtype else f"{g.kind} ({dtype})"
         per_group[label] = f"{bytes_per_parameter(dtype, precision, g.size):g} = {value} + {grad} + {state}/{g.size}"
+    host = f"; optimizer offload: {mib(b['host_optimizer'])} in host memory" if b["host_optimizer"] else ""
     return (f"memory: params {mib(b['params'])}, main grads {mib(b['grads'])}, optimizer {mib(b['optimizer'])} "
-            f"({states}); bytes per parameter ({param_dtype} params, {precision.main_grads_dtype} main grads, "
+            f"({states}{host}); bytes per parameter ({param_dtype} params, {precision.main_grads_dtype} main grads, "
             f"{precision.exp_avg_dtype}/{precision.exp_avg_sq_dtype} moments; value + grad + states/shards): "
             + ", ".join(f"{k} {v}" for k, v in per_group.items()))
 
