@@ -290,7 +290,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     explicit = ("run_dir", "save", "load", "bf16", "data_path", "vocab_size", "data_cache_dir", "valid_data_path",
                 "reset_data_position", "compile")
     if args.optimizer_offload_fraction != _T.optimizer_offload_fraction and not args.optimizer_cpu_offload:
-        raise ValueError(f"--optimizer-offload-fraction {args.optimizer_offload_fraction} needs --optimizer-cpu-offload")
+        raise ValueError(f"--optimizer-offload-fraction {args.optimizer_offload_fraction} needs "
+                         "--optimizer-cpu-offload")
     train = {k: v for k, v in vars(args).items() if k in fields and k not in explicit}
     save = None if args.no_save else (args.save or os.path.join(args.run_dir, "checkpoints"))
     train = TrainConfig(**train, bf16=args.bf16, compile=args.compile, run_dir=args.run_dir, save=save, load=args.load,

@@ -78,7 +78,7 @@ def _dp2() -> dict:
 
 
 def test_updates_equal_on_device_dp2() -> None:
-    for rank, results in enumerate(run_distributed(_dp2, 2, timeout=300)):
+    for results in run_distributed(_dp2, 2, timeout=300):
         _check(results)
 
 
@@ -112,7 +112,7 @@ def test_next_step_starts_while_the_cpu_updates(monkeypatch) -> None:
             assert started.wait(60) and trainer.optimizer.host.pending   # returned, the CPU update still running
         trainer.optimizer.step = step
 
-    losses, params, trainer = run(config, setup=setup)
+    losses, params, _ = run(config, setup=setup)
     assert waited[0] is True   # the first wait found the update still running
     release.set()
     reference_losses, reference_params, _ = run(tiny_config(steps=2, bucket_numel=2048))
