@@ -52,6 +52,8 @@ class TrainConfig:
     decoder_last_pipeline_num_layers: int | None = None    # pp > 1: layers on the last stage (None: even split)
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False         # the parameter all-gather waits in the next forward, per module
+    # FSDP2 instead of the distributed optimizer (training.optim.fsdp)
+    use_torch_fsdp2: bool = False
     # optimizer offload (Megatron's names; training.optim.offload): that share of the states on the host, CPU AdamW
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0

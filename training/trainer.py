@@ -124,6 +124,10 @@ def build_optimizer(model: MoEDecoder, config: RunConfig, dims: ParallelDims,
     runs it on a meta-device model."""
     t = config.train
     embed_group = embedding_group(model, dims)
+    if t.use_torch_fsdp2:   # FSDP2 shards parameters, gradients and states instead (training.optim.fsdp)
+        from moefold.training.optim.fsdp import build_fsdp
+
+        return embed_group, *build_fsdp(model, config, dims, embed_group)
     precision = t.optimizer_precision()
     sync = GradSync(model.named_parameters(), dims, bucket_numel=t.bucket_numel, overlap=t.overlap_grad_reduce,
                     grad_dtype=precision.dtype("main_grads"), copies_group=embed_group)
@@ -399,6 +403,11 @@ class Trainer:
 def named_full_params(model: nn.Module) -> dict[str, Tensor]:
     """Every parameter gathered to full shape (fp32 copies: later steps do not change them). Collective over
     each shard's group."""
+    from torch.distributed.tensor import DTensor
+
     from moefold.parallel.sharding import gather_full, shards_of
 
-    return {n: gather_full(p, shards_of(p)).to(torch.float32, copy=True) for n, p in model.named_parameters()}
+    def local(p: Tensor) -> Tensor:   # an FSDP2 shard: gathered over its mesh first
+        return p.full_tensor() if isinstance(p, DTensor) else p
+
+    return {n: gather_full(local(p), shards_of(p)).to(torch.float32, copy=True) for n, p in model.named_parameters()}

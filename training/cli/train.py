@@ -179,6 +179,10 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
                         "recomputed or offloaded, not both)")
     g.add_argument("--min-offloaded-tensor-size", type=int, default=MIN_OFFLOADED_TENSOR_SIZE,
                    help=f"saved tensors with fewer elements stay on the device (default {MIN_OFFLOADED_TENSOR_SIZE})")
+    g.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="shard parameters, gradients and optimizer states with torch's fully_shard (FSDP2): dense "
+                        "modules over dp x cp, experts over the expert data-parallel group, composed with tp, ep/etp, "
+                        "pp; instead of the distributed optimizer")
     g.add_argument("--optimizer-cpu-offload", action="store_true",
                    help="keep master weights and Adam moments of --optimizer-offload-fraction of this rank's shard in "
                         "host memory and update them on the CPU while the device starts the next step")
@@ -331,6 +335,9 @@ def validate_layout(config: RunConfig, world_size: int) -> ParallelSizes:
                              f"{t.num_layers_per_virtual_pipeline_stage}{uneven}, --global-batch-size="
                              f"{t.global_batch_size}, --micro-batch-size={t.micro_batch_size})") from exc
         raise
+    from moefold.training.optim.fsdp import check_fsdp
+
+    check_fsdp(config.train, config.options, world_size)
     try:
         check_layout(config.model, ParallelDims(sizes=sizes), config.options)
     except ValueError as exc:

@@ -43,12 +43,9 @@ def static_bytes(sync: Any, optimizer: Any) -> dict[str, int]:
     """{"params", "grads", "optimizer", "master", "exp_avg", "exp_avg_sq", "host_optimizer"}: bytes this rank
     holds on its device in ``sync``'s buffers (``GradSync``) and ``optimizer``'s state (``DistributedAdamW``),
     and in host memory for the optimizer offload (``host_optimizer``: masters, moments and gradient copies)."""
-    out = {"params": sum(g.param_data.nbytes for g in sync.groups),
-           "grads": sum(g.grad_data.nbytes for g in sync.groups)}
     states = optimizer.state_breakdown()
-    host = sum(optimizer.state_breakdown(offloaded=True).values())
-    host += sum(s.grad.nbytes for s in optimizer.slices if s.offloaded)
-    return {**out, "optimizer": sum(states.values()), **states, "host_optimizer": host}
+    return {"params": sync.param_bytes(), "grads": sync.grad_bytes(), "optimizer": sum(states.values()), **states,
+            "host_optimizer": optimizer.host_bytes()}
 
 
 def bytes_per_parameter(param_dtype: str, precision: OptimizerPrecision, shards: int) -> float:

@@ -297,6 +297,16 @@ class DistributedAdamW:
                 out[k] += t.numel() * t.element_size()
         return out
 
+    def host_bytes(self) -> int:
+        """Bytes the optimizer offload keeps in host memory: masters, moments and gradient copies."""
+        return (sum(self.state_breakdown(offloaded=True).values())
+                + sum(s.grad.nbytes for s in self.slices if s.offloaded))
+
+    def close(self) -> None:
+        """Finish and stop the optimizer offload's worker thread (none without offload)."""
+        self.param_sync.wait_all()
+        self.host.close()
+
     # ------------------------------------------------------------------------------- checkpoints
     def checkpoint_state(self, keys: set[str] | None = None) -> dict[str, ShardPieces]:
         """{"optim.<param>.<exp_avg | exp_avg_sq | master>": this rank's pieces} (views: loading into them
