@@ -52,6 +52,8 @@ class TrainConfig:
     decoder_last_pipeline_num_layers: int | None = None    # pp > 1: layers on the last stage (None: even split)
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False         # the parameter all-gather waits in the next forward, per module
+    # the expert-load max/mean the plan sized the experts' activations for (training.observe.imbalance)
+    moe_max_load_ratio: float | None = None
     # FSDP2 instead of the distributed optimizer (training.optim.fsdp)
     use_torch_fsdp2: bool = False
     # optimizer offload (Megatron's names; training.optim.offload): that share of the states on the host, CPU AdamW
@@ -135,6 +137,9 @@ class TrainConfig:
         from moefold.training.optim.offload import check_offload_fraction
 
         check_offload_fraction(self.optimizer_offload_fraction)
+        from moefold.training.observe.imbalance import check_max_load_ratio
+
+        check_max_load_ratio(self.moe_max_load_ratio)
         from moefold.pipeline.schedules import SCHEDULES
 
         if self.pipeline_schedule not in SCHEDULES:

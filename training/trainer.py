@@ -47,6 +47,7 @@ from moefold.training.checkpoint.files import CheckpointSaveError, checkpoint_di
 from moefold.training.checkpoint.resume import check_resume
 from moefold.training.checkpoint.sharded import find_checkpoint, load_checkpoint, read_meta, save_checkpoint
 from moefold.training.config import RunConfig
+from moefold.training.observe.imbalance import LoadRatioWatch, micro_batch_load_ratio
 from moefold.training.observe.metrics import ROUTER_SUMS, per_step_router, router_layer_metrics, router_sums
 from moefold.training.optim.grad_sync import GradSync
 from moefold.training.optim.optimizer import DistributedAdamW
@@ -73,6 +74,8 @@ class StepResult:
     router: float64 [moe layers, ROUTER_SUMS] per-layer router losses (means over the step's micro-batches and dp)
             and entropy / token sums over all ranks (``training.observe.metrics.router_layer_metrics``; None
             without MoE)
+    max_load_ratio: the worst micro-batch's max/mean expert load over its dispatch group (with
+            ``--moe-max-load-ratio``, ``training.observe.imbalance``; else None)
     """
 
     step: int
@@ -86,6 +89,7 @@ class StepResult:
     tokens_per_expert: Tensor | None
     dropped: Tensor | None
     router: Tensor | None = None
+    max_load_ratio: float | None = None
 
 
 def moe_routers(model: MoEDecoder) -> dict[int, Router]:
@@ -180,6 +184,10 @@ class Trainer:
         m = config.model
         self.moe_layers = [i for i in range(m.num_layers + m.mtp_num_layers) if m.num_experts and is_moe_block(m, i)]
         self.embed_group, self.sync, self.optimizer = build_optimizer(self.model, config, dims)
+        # the observed routing imbalance against the plan's assumption (--moe-max-load-ratio)
+        self.load_watch = (LoadRatioWatch(t.moe_max_load_ratio, self.log)
+                           if t.moe_max_load_ratio is not None and self.moe_layers else None)
+        self._micro_loads: Tensor | None = None
         self.schedule = t.lr_schedule()
         self.iteration = 0            # completed steps
         self.consumed_samples = 0     # global samples consumed
@@ -208,6 +216,7 @@ class Trainer:
             if self.loss_hook is not None:
                 loss = self.loss_hook(self.iteration, m, loss)
             (loss / self.num_micro).backward()
+            self._record_micro_loads(m, out.moe.items())
             # accumulated on the device: one host sync per step (after the all-reduce), not per micro-batch
             zero = torch.zeros((), device=logged.device)
             logged += torch.stack([out.lm_loss.detach().to(zero) / tpcp, out.aux_loss.detach().to(zero),
@@ -245,6 +254,15 @@ class Trainer:
                                total(stage.mtp_losses.values()) / tpcp, nonfinite])
         self._add_loads(loads, ((layer, info) for (_, layer), info in stage.moe_infos.items()),
                         self.config.model.num_experts)
+        for (m, layer), info in stage.moe_infos.items():
+            self._record_micro_loads(m, [(layer, info)])
+
+    def _record_micro_loads(self, micro: int, infos: Iterable[tuple[int, MoEOutputInfo]]) -> None:
+        """Micro-batch ``micro``'s routed copies per layer and expert, for the imbalance watch (when it is on)."""
+        if self._micro_loads is None:
+            return
+        for i, info in infos:
+            self._micro_loads[micro, self.moe_layers.index(i)] += info.load_E.detach().to(self._micro_loads)
 
     def _add_loads(self, loads: Tensor, infos: Iterable[tuple[int, MoEOutputInfo]], E: int) -> None:
         """Adds (layer, info) pairs' selections, dropped copies and router sums to their rows of ``loads``."""
@@ -267,6 +285,8 @@ class Trainer:
         # float64 sums of counts stay exact; lm, aux, mtp, non-finite count
         loads = torch.zeros(n_moe, E + 1 + ROUTER_SUMS, dtype=torch.float64, device=self.device)
         logged = torch.zeros(4, dtype=torch.float64, device=self.device)
+        if self.load_watch is not None:
+            self._micro_loads = torch.zeros(self.num_micro, n_moe, E, dtype=torch.float64, device=self.device)
         if self.pipeline is None:
             self._forward_backward(microbatches, loads, logged)
         else:
@@ -278,8 +298,16 @@ class Trainer:
             if n_moe:   # over the world: other pipeline stages add zeros to the rows they do not own
                 dist.all_reduce(loads)
         logged[:3] /= self.num_micro * dims.dp
-        # the step's one device->host copy: the logged values and the norm that decides skip/clip
-        *logged, grad_norm = torch.cat([logged, self.optimizer.grad_norm().to(logged).reshape(1)]).tolist()
+        # the step's one device->host copy: the logged values, the norm that decides skip/clip (and the imbalance)
+        host = [logged, self.optimizer.grad_norm().to(logged).reshape(1)]
+        if self._micro_loads is not None:
+            host.append(micro_batch_load_ratio(self._micro_loads, dims.etp_ep_group, dims.world_size > 1).reshape(1))
+            self._micro_loads = None
+        values = torch.cat(host).tolist()
+        load_ratio = values.pop() if len(host) == 3 else None
+        *logged, grad_norm = values
+        if load_ratio is not None:
+            self.load_watch.observe(step + 1, load_ratio)
         lr = self.schedule(step)
         skipped = logged[3] > 0 or not math.isfinite(grad_norm)
         if skipped:
@@ -309,7 +337,8 @@ class Trainer:
                           grad_norm=grad_norm, lr=lr, skipped=bool(skipped),
                           tokens=t.global_batch_size * t.seq_length,
                           tokens_per_expert=loads[:, :E] if n_moe else None, dropped=loads[:, E] if n_moe else None,
-                          router=per_step_router(loads[:, E + 1:], self.num_micro * dims.dp) if n_moe else None)
+                          router=per_step_router(loads[:, E + 1:], self.num_micro * dims.dp) if n_moe else None,
+                          max_load_ratio=load_ratio)
 
     # ------------------------------------------------------------------------------- checkpoints
     def save(self, root: str | Path) -> Path:
@@ -360,12 +389,15 @@ class Trainer:
         batches = self.microbatch_iter(dataset)
         results: list[StepResult] = []
         acc_tokens, acc_loads, acc_dropped, routed, acc_router, acc_steps = 0, None, None, None, None, 0
+        acc_ratio = None   # the worst micro-batch's expert load max/mean since the last record (imbalance watch)
         while self.iteration < last:
             r = self.train_step([next(batches) for _ in range(self.num_micro)])
             results.append(r)
             if on_step is not None:
                 on_step(r)
             acc_tokens += r.tokens
+            if r.max_load_ratio is not None:
+                acc_ratio = max(acc_ratio or 0.0, r.max_load_ratio)
             if r.tokens_per_expert is not None:
                 acc_loads = r.tokens_per_expert if acc_loads is None else acc_loads + r.tokens_per_expert
                 acc_dropped = r.dropped if acc_dropped is None else acc_dropped + r.dropped
@@ -384,9 +416,11 @@ class Trainer:
                                dropped_fraction=(acc_dropped / routed).tolist() if acc_loads is not None else None,
                                moe_layers=self.moe_layers if acc_loads is not None else None, skipped=r.skipped,
                                router=router_layer_metrics(acc_router, acc_steps, self.config.model)
-                               if acc_router is not None else None)
+                               if acc_router is not None else None,
+                               load_ratio=None if acc_ratio is None else (acc_ratio, t.moe_max_load_ratio))
             if r.step % t.log_interval == 0:
                 acc_tokens, acc_loads, acc_dropped, acc_router, acc_steps = 0, None, None, None, 0
+                acc_ratio = None
             if evaluator is not None and evaluator.due(r.step, last):
                 evaluator()
             if t.save and t.save_interval and r.step % t.save_interval == 0 and r.step < last:

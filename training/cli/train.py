@@ -56,6 +56,7 @@ ROUTER_FLAGS: tuple[tuple[str, str, type], ...] = (
     ("--moe-router-enable-expert-bias", "moe_expert_bias", bool),
     ("--moe-router-bias-update-rate", "moe_bias_update_rate", float),
     ("--moe-expert-capacity-factor", "moe_expert_capacity_factor", float),
+    ("--moe-expert-rank-capacity-factor", "moe_expert_rank_capacity_factor", float),
     ("--moe-token-drop-policy", "moe_token_drop_policy", str),
     ("--moe-pad-expert-input-to-capacity", "moe_pad_expert_input_to_capacity", bool),
     ("--moe-router-force-load-balancing", "moe_router_force_load_balancing", bool),
@@ -179,6 +180,10 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
                         "recomputed or offloaded, not both)")
     g.add_argument("--min-offloaded-tensor-size", type=int, default=MIN_OFFLOADED_TENSOR_SIZE,
                    help=f"saved tensors with fewer elements stay on the device (default {MIN_OFFLOADED_TENSOR_SIZE})")
+    g.add_argument("--moe-max-load-ratio", type=float, default=None,
+                   help="the expert-load max/mean the plan sized the routed experts' activations for (moefold plan "
+                        "--moe-max-load-ratio): the run reports the observed one per micro-batch and warns once "
+                        "before it is exceeded")
     g.add_argument("--use-torch-fsdp2", action="store_true",
                    help="shard parameters, gradients and optimizer states with torch's fully_shard (FSDP2): dense "
                         "modules over dp x cp, experts over the expert data-parallel group, composed with tp, ep/etp, "

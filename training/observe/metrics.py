@@ -31,6 +31,8 @@ A step record per logging step (``null``: not measured, or not finite)::
         "dropped_fraction": [float, ...],  # [moe layer]: dropped copies / routed copies (capacity)
         "max_over_mean": [float|null, ...],  # [moe layer]: max / mean of tokens_per_expert
         "worst_layer": int|null,     # layer number with the largest max_over_mean
+        "micro_max_over_mean": float,     # with --moe-max-load-ratio: the worst micro-batch's max/mean over its
+        "planned_max_over_mean": float,   #   dispatch group since the previous record, and the planned ratio
         "router": {                  # per layer, means over the steps since the previous record
             "<loss name>": [float, ...],  # each enabled router loss, unweighted (aux_loss, seq_aux_loss,
                                      #   global_aux_loss, z_loss): the micro-batch value, as in loss_aux
@@ -212,7 +214,9 @@ def format_line(rec: Mapping[str, Any], total_steps: int | None = None) -> str:
     moe = rec.get("moe")
     if moe and moe.get("worst_layer") is not None:
         i = moe["layers"].index(moe["worst_layer"])
-        parts.append(f"load max/mean {moe['max_over_mean'][i]:.2f} (layer {moe['worst_layer']}), "
+        planned = (f", micro-batch {moe['micro_max_over_mean']:.2f} (plan {moe['planned_max_over_mean']:g})"
+                   if "planned_max_over_mean" in moe else "")
+        parts.append(f"load max/mean {moe['max_over_mean'][i]:.2f} (layer {moe['worst_layer']}){planned}, "
                      f"dropped {100 * max(moe['dropped_fraction'] or [0.0]):.1f}%")
     if rec.get("skipped"):
         parts.append("SKIPPED (non-finite loss or grad norm)")
@@ -304,12 +308,14 @@ class MetricsLogger:
             tokens_per_expert: Sequence[Sequence[int]] | None = None,
             dropped_fraction: Sequence[float] | None = None, moe_layers: Sequence[int] | None = None,
             skipped: bool = False, extra: Mapping[str, Any] | None = None,
-            router: Mapping[str, Sequence[float | None]] | None = None) -> dict[str, Any]:
+            router: Mapping[str, Sequence[float | None]] | None = None,
+            load_ratio: tuple[float, float] | None = None) -> dict[str, Any]:
         """Record one logging step; returns the record. ``interval_s`` defaults to the wall time since the
         previous ``log()`` (or construction); ``tokens`` and ``tokens_per_expert`` cover that interval.
         Values may be Python numbers or 0-d tensors; ``tokens_per_expert`` nested lists or a [layers, experts]
         tensor (already summed over the ranks that route); ``router`` per-layer router metrics
-        (``router_layer_metrics``), in the order of ``moe_layers``."""
+        (``router_layer_metrics``), in the order of ``moe_layers``; ``load_ratio``: (the worst micro-batch's
+        expert-load max/mean since the previous record, the planned one: ``training.observe.imbalance``)."""
         now = time.perf_counter()
         interval = float(interval_s) if interval_s is not None else now - self._last_time
         self._last_time = now
@@ -325,7 +331,7 @@ class MetricsLogger:
             "tflops_per_s": tflops,
             "mfu": tflops * 1e12 / self.peak_flops_per_s if tflops and self.peak_flops_per_s else None,
             "memory": self._memory(), "skipped": bool(skipped),
-            "moe": self._moe(tokens_per_expert, dropped_fraction, moe_layers, router),
+            "moe": self._moe(tokens_per_expert, dropped_fraction, moe_layers, router, load_ratio),
             "extra": _json_safe(dict(extra or {})),
         }
         self._write(rec)
@@ -355,7 +361,7 @@ class MetricsLogger:
         return memory_stats(self.device)
 
     @staticmethod
-    def _moe(tokens_per_expert, dropped_fraction, moe_layers, router=None) -> dict[str, Any] | None:
+    def _moe(tokens_per_expert, dropped_fraction, moe_layers, router=None, load_ratio=None) -> dict[str, Any] | None:
         if tokens_per_expert is None:
             return None
         counts = [[int(c) for c in layer] for layer in tokens_per_expert]
@@ -375,6 +381,8 @@ class MetricsLogger:
                "max_over_mean": balance, "worst_layer": max(scored)[1] if scored else None}
         if router is not None:
             out["router"] = router
+        if load_ratio is not None:
+            out["micro_max_over_mean"], out["planned_max_over_mean"] = float(load_ratio[0]), float(load_ratio[1])
         return out
 
     @staticmethod

@@ -102,10 +102,11 @@ class ActivationShape:
     micro_batch: int
     seq_length: int
     device_type: str = "cuda"
+    max_load_ratio: float = 1.0   # the worst expert's copies over the mean (--moe-max-load-ratio; 1: balanced)
 
     def __hash__(self) -> int:   # the planner caches per shape: hash the (large) model config once per object
         return hash((_identity_hash(self.model), _identity_hash(self.options), self.tp, self.cp, self.ep, self.etp,
-                     self.micro_batch, self.seq_length, self.device_type))
+                     self.micro_batch, self.seq_length, self.device_type, self.max_load_ratio))
 
     @cached_property
     def a(self) -> int:

@@ -7,6 +7,11 @@ top-k / E of the tokens; with ``--moe-expert-capacity-factor``, each expert its 
     N_e = etp * T_r * k      rows its local experts compute (each etp rank computes the rows of the whole etp
                              group on its 1/etp of every expert's FFN)
 
+Imbalance (``--moe-max-load-ratio R``): the worst expert receives R x its share and the other experts the rest
+evenly, so the rank holding it (e = E / ep local experts) computes ``N_e * (R + (e - 1)(E - R)/(E - 1)) / e``
+rows (unchanged at ep = 1: all experts are local, dropless, whatever the skew); Megatron's per-rank capacity
+(``--moe-expert-rank-capacity-factor C``) bounds that by ``C * N_e``.
+
 What it keeps: the router's fp32 scores; the row map (int64 per copy); the experts' input rows (the GEMM keeps
 them), the ``[N_e, 2f]`` gate/up output, SwiGLU's silu and product (``f = ffn / etp``; ``moe_act`` recompute keeps
 only the gate/up output); the rows that come home for the weighted combine (``dispatch.permutation.unpermute``
@@ -18,6 +23,8 @@ layer's input only.
 """
 
 from __future__ import annotations
+
+import math
 
 from moefold.training.plan.activations import ActivationShape, Part
 
@@ -40,14 +47,20 @@ def mlp(shape: ActivationShape, ffn: int, *, name: str = "mlp", recompute: str =
 
 
 def moe_rows(shape: ActivationShape) -> tuple[int, int]:
-    """(N_h, N_e) of the module docstring."""
+    """(N_h, N_e) of the module docstring (N_e of the worst rank under ``shape.max_load_ratio``)."""
     m = shape.model
     if m.moe_expert_capacity_factor is not None:
         capacity = -(-shape.T_r * m.moe_topk * m.moe_expert_capacity_factor // m.num_experts)
         home = int(capacity) * m.num_experts
     else:
         home = shape.T_r * m.moe_topk
-    return home, shape.etp * home
+    rows = balanced = shape.etp * home
+    E, e, R = m.num_experts, m.num_experts // shape.ep, min(shape.max_load_ratio, float(m.num_experts))
+    if R > 1 and e < E:
+        rows = math.ceil(balanced * (R + (e - 1) * (E - R) / (E - 1)) / e)
+    if m.moe_expert_rank_capacity_factor is not None:
+        rows = min(rows, math.floor(balanced * m.moe_expert_rank_capacity_factor))
+    return home, rows
 
 
 def router(shape: ActivationShape) -> dict[str, int]:

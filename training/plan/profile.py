@@ -337,7 +337,7 @@ def activation_shape(config: RunConfig, sizes: ParallelSizes, device_type: str =
     t = config.train
     return ActivationShape(model=config.model, options=model_options(config), tp=sizes.tp, cp=sizes.cp, ep=sizes.ep,
                            etp=sizes.etp, micro_batch=t.micro_batch_size, seq_length=t.seq_length,
-                           device_type=device_type)
+                           device_type=device_type, max_load_ratio=t.moe_max_load_ratio or 1.0)
 
 
 def activation_memory(config: RunConfig, sizes: ParallelSizes, pp_rank: int, num_micro: int,
