@@ -60,7 +60,8 @@ def test_drops_only_above_the_budget(world, ep: int, factor: float, policy: str)
         for d in range(ep):
             mine = dest == d
             kept = (r["keep"] & mine).sum().item()
-            expected = sent_sd[s, d].item() if load_d[d] <= budget else sent_sd[s, d].item() * budget // load_d[d].item()
+            sent = sent_sd[s, d].item()
+            expected = sent if load_d[d] <= budget else sent * budget // load_d[d].item()
             assert kept == expected, (s, d, kept, expected)
             if kept < mine.sum():   # the kept ones are the source's best by the policy
                 order = r["probs"][mine] if policy == "probs" else -torch.nonzero(mine)[:, 0].double()

@@ -147,7 +147,7 @@ def test_rank_capacity_drops_only_above_c_and_counts_them(imbalance) -> None:
     r = ranks[0]
     assert r["C=4"]["losses"] == r["dropless"]["losses"]   # the worst rank holds 1.43 x its share < 4: no drop
     assert r["C=1.2"]["losses"] != r["dropless"]["losses"]
-    for ratio, dropped, routed in r["steps"]:
+    for _, dropped, routed in r["steps"]:
         assert all(d > 0 for d in dropped), dropped          # the rank holding expert 0 is 1.43 x its share > 1.2
         assert all(d < 0.2 * n for d, n in zip(dropped, routed))
     for name, drops in (("dropless", False), ("C=4", False), ("C=1.2", True)):
