@@ -49,6 +49,14 @@ def train_flags(plan: Plan, model_flags: list[str]) -> list[str]:
             flags += ["--recompute-modules", *o.recompute_modules]
         else:
             flags += ["--recompute-method", o.recompute_method, "--recompute-num-layers", o.recompute_num_layers]
+    if o.offload_modules:
+        flags += ["--fine-grained-activation-offloading", "--offload-modules", *o.offload_modules]
+    if t.use_torch_fsdp2:
+        flags.append("--use-torch-fsdp2")
+    if t.optimizer_cpu_offload:
+        flags += ["--optimizer-cpu-offload", "--optimizer-offload-fraction", f"{t.optimizer_offload_fraction:g}"]
+    if t.moe_max_load_ratio is not None:
+        flags += ["--moe-max-load-ratio", f"{t.moe_max_load_ratio:g}"]
     for field in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
         if getattr(t, field) != getattr(_T, field):
             flags += [f"--{field.replace('_', '-')}", getattr(t, field)]
@@ -75,16 +83,18 @@ def _gb(n: float) -> str:
 
 
 HEADER = (f"{'#':>2} {'tp':>2} {'cp':>2} {'pp':>3} {'vpp':>3} {'dp':>4} {'ep':>3} {'etp':>3} {'edp':>4} {'mbs':>3} "
-          f"{'recompute':<10} | {'params':>6} {'grads':>6} {'optim':>6} {'activ':>6} {'deepep':>6} {'total':>6} "
-          f"{'stage':>5} | {'step s':>7} " + " ".join(f"{t:>7}" for t in TERMS) + f" | {'tok/s/GPU':>9} {'MFU':>5}")
+          f"{'recompute':<10} {'sharding':<8} | {'params':>6} {'grads':>6} {'optim':>6} {'activ':>6} {'buffer':>6} "
+          f"{'total':>6} {'host':>6} {'stage':>5} | {'step s':>7} " + " ".join(f"{t:>7}" for t in TERMS)
+          + f" | {'tok/s/GPU':>9} {'MFU':>5}")
 
 
 def row(i: int, plan: Plan, cluster: Cluster) -> str:
     s, m = plan.sizes, plan.memory
     c = m.components
-    memory = " ".join(f"{_gb(c[k]):>6}" for k in COMPONENTS) + f" {_gb(m.total):>6} {m.pp_rank:>5}"
+    memory = (" ".join(f"{_gb(c[k]):>6}" for k in COMPONENTS) + f" {_gb(m.total):>6} {_gb(m.host):>6} "
+              f"{m.pp_rank:>5}")
     layout = (f"{i:>2} {s.tp:>2} {s.cp:>2} {s.pp:>3} {plan.vpp:>3} {s.dp:>4} {s.ep:>3} {s.etp:>3} {s.edp:>4} "
-              f"{plan.config.train.micro_batch_size:>3} {plan.recompute:<10}")
+              f"{plan.config.train.micro_batch_size:>3} {plan.recompute:<10} {plan.sharding:<8}")
     if plan.time is None:
         return f"{layout} | {memory} |"
     t = plan.time
@@ -109,10 +119,24 @@ def why_not(plan: Plan) -> str:
     """One line: the memory a non-fitting plan needs, against what is usable, and its largest component."""
     m = plan.memory
     c = m.components
+    if plan.fits_gpu and not plan.fits_host:
+        return (f"does not fit: pipeline stage {m.pp_rank} needs {_gb(m.host)} GB of host memory per GPU (offloaded "
+                f"activations and optimizer states) of {_gb(plan.host_usable)} GB usable")
     parts = ", ".join(f"{k} {_gb(v)}" for k, v in c.items() if v)
     kind = "at least " if not m.static.exact else ""
     return (f"does not fit: pipeline stage {m.pp_rank} needs {kind}{_gb(m.total)} GB per GPU ({parts}) of "
             f"{_gb(plan.usable)} GB usable; largest component: {m.largest} ({_gb(c[m.largest])} GB)")
+
+
+SAVINGS = {"selective": "recompute core attention", "selective+": "recompute the cheap modules",
+           "offload": "offload core attention and the experts' first GEMM", "full": "full recompute"}
+
+
+def needs(plan: Plan) -> str:
+    """What a fitting plan needs past ZeRO-1 with no recompute, in words (the report's "needs" column)."""
+    out = [SAVINGS[plan.recompute]] if plan.recompute in SAVINGS else []
+    out += {"fsdp": ["FSDP2"], "cpu-adam": ["optimizer offload"]}.get(plan.sharding, [])
+    return ", ".join(out) or "nothing"
 
 
 def render(result: SearchResult, config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, memory: int,
@@ -120,7 +144,8 @@ def render(result: SearchResult, config: RunConfig, world: int, cluster: Cluster
     """The whole report of a search."""
     lines = [heading(config, world, cluster, gpus_per_node, usable, memory, params),
              f"layouts: {result.considered} considered, {result.valid} valid for moefold train, {result.fitting} fit "
-             f"(with the least recompute that fits); ranked by tokens/s/GPU", ""]
+             f"(each with the fastest of the least activation savings it needs under ZeRO-1, FSDP2 and optimizer "
+             f"offload); ranked by tokens/s/GPU", ""]
     if not result.plans:
         lines.append("no layout fits.")
         if result.closest is not None:
@@ -131,6 +156,8 @@ def render(result: SearchResult, config: RunConfig, world: int, cluster: Cluster
     lines += ["memory per GPU in GB (the fullest pipeline stage); step time in seconds by term (after overlap)",
               HEADER, "-" * len(HEADER)]
     lines += [row(i + 1, p, cluster) for i, p in enumerate(result.plans)]
+    lines.append("")
+    lines += [f"#{i + 1} needs: {needs(p)}" for i, p in enumerate(result.plans)]
     lines.append("")
     for i, p in enumerate(result.plans):
         local, launcher = commands(p, model_flags, gpus_per_node)
