@@ -62,11 +62,11 @@ def recompute_ladder(model: ModelConfig) -> dict[str, dict]:
     up-projections); ``offload``: the cheap modules but core attention recomputed, core attention, its projection
     and the experts' first GEMM offloaded to host memory (Megatron's suggested split); full recompute."""
     mla = ("mla_up_proj",) if model.attention == "mla" else ()
-    cheap = ("core_attn", "layernorm", "moe_act") + mla
+    cheap = ("core_attn", "layernorm", "moe_act", *mla)
     return {"none": {"recompute": "none"},
             "selective": {"recompute": "selective", "recompute_modules": ("core_attn",)},
             "selective+": {"recompute": "selective", "recompute_modules": cheap},
-            "offload": {"recompute": "selective", "recompute_modules": ("layernorm", "moe_act") + mla,
+            "offload": {"recompute": "selective", "recompute_modules": ("layernorm", "moe_act", *mla),
                         "offload_modules": OFFLOADED},
             "full": {"recompute": "full", "recompute_method": "uniform", "recompute_num_layers": 1}}
 

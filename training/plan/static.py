@@ -153,12 +153,10 @@ def fsdp_static(model, config: RunConfig, sizes: ParallelSizes) -> StaticMemory:
     blocks = [sum(p.numel() for p in b.parameters()) for b in model.layers.values()]
     blocks += [sum(p.numel() for p in m.parameters()) for m in model.mtp]
     rest = sum(p.numel() for p in model.parameters()) - sum(blocks)
-    units = blocks + [rest]
+    units = [*blocks, rest]
     largest = max(units)
-    if sizes.pp > 1:
-        gathered = compute * sum(units)
-    else:
-        gathered = compute * (2 * largest + (blocks[-1] if blocks else 0))
+    # pipelined: every unit stays gathered from its forward to its backward; else two units and the last block
+    gathered = compute * (sum(units) if sizes.pp > 1 else 2 * largest + (blocks[-1] if blocks else 0))
     return StaticMemory(params=4 * shard, grads=4 * shard, master=0, exp_avg=4 * shard, exp_avg_sq=4 * shard,
                         exact=True, buffers=gathered + (compute + reduce) * largest)
 
