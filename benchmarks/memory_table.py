@@ -16,7 +16,8 @@ parameters with fp32 grads, master and moments sharded over dp=8), and no activa
 Memory savers past ZeRO-1 (``--savers``, on by default; ``--no-savers`` skips them): two spawned gloo ranks (dp2),
 each setting side by side with the plain run (the distributed optimizer, no offloading): every activation offload
 set, FSDP2 and optimizer offload (fraction 0.5 and 1). Per rank: the parameter, gradient and optimizer-state bytes
-on the device (``static_bytes``), the host bytes (offloaded optimizer states, and the activations' host copies
+on the device (``static_bytes``; buckets of 2^14 elements, so that the offload fraction cuts the tiny models' few
+buckets), the host bytes (offloaded optimizer states, and the activations' host copies
 when the forward ends), the activations left for the backward and the peak of one forward + backward
 (``TensorMemoryTracker``, host copies counted apart), and the median step time of ``--steps`` training steps
 (process CPU time with ``--cpu-time``) against the plain run's. On this CPU the offload copies are plain
@@ -105,7 +106,8 @@ def _saver_rank(rank: int, world: int, store: str, args: dict, results: mp.Queue
         rows = {}
         for name, (options, extra) in SAVERS.items():
             train = TrainConfig(micro_batch_size=args["micro_batch"], global_batch_size=args["micro_batch"] * world,
-                                seq_length=args["seq"], train_iters=args["steps"] + 2, lr_warmup_iters=0, **extra)
+                                seq_length=args["seq"], train_iters=args["steps"] + 2, lr_warmup_iters=0,
+                                bucket_numel=2**14, **extra)   # small buckets: a fraction of a tiny model offloads
             config = RunConfig(model=model, options=ModelOptions(**options), train=train, recipe=args["recipe"])
             trainer = Trainer(config, dims, log=lambda _m: None)
             static = static_bytes(trainer.sync, trainer.optimizer)

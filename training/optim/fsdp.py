@@ -89,7 +89,7 @@ def _meshes(dims: ParallelDims) -> dict[str, object]:
     """{reduction kind: the 1-D DeviceMesh its units shard over} (the flattened sub-meshes of ``ParallelDims``)."""
     if dims.dense_mesh is None:
         raise ValueError("--use-torch-fsdp2 needs torch.distributed (a world of more than one rank)")
-    return {"dense": dims.dense_mesh["dp_cp"], "sp": dims.dense_mesh["tp_cp_dp"], "expert": dims.expert_mesh["edp"]}
+    return {"dense": dims.dp_cp_mesh, "sp": dims.tp_cp_dp_mesh, "expert": dims.expert_mesh["edp"]}
 
 
 def _shard_dim(n: int):
