@@ -343,7 +343,16 @@ def activation_shape(config: RunConfig, sizes: ParallelSizes, device_type: str =
 def activation_memory(config: RunConfig, sizes: ParallelSizes, pp_rank: int, num_micro: int,
                       device_type: str = "cuda") -> ActivationMemory:
     """Peak activation bytes of ``pp_rank`` (any rank of that stage) running ``num_micro`` micro-batches per step
-    with the schedule ``moefold train`` builds for ``config`` (``pipeline.build_schedule``)."""
+    with the schedule ``moefold train`` builds for ``config`` (``pipeline.build_schedule``). What shards the static
+    memory (FSDP2, optimizer offload) does not change them: one computation serves every such choice."""
+    t = dataclasses.replace(config.train, use_torch_fsdp2=False, optimizer_cpu_offload=False,
+                            optimizer_offload_fraction=1.0)
+    return _activation_memory(dataclasses.replace(config, train=t), sizes, pp_rank, num_micro, device_type)
+
+
+@lru_cache(maxsize=4096)
+def _activation_memory(config: RunConfig, sizes: ParallelSizes, pp_rank: int, num_micro: int,
+                       device_type: str) -> ActivationMemory:
     shape = activation_shape(config, sizes, device_type)
     dispatcher = config.options.resolved_dispatcher(sizes.ep, sizes.etp)
     m = config.model

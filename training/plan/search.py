@@ -49,6 +49,7 @@ MAX_PP = 64
 MICRO_BATCH_SIZES = (1,)   # searched unless --micro-batch-size is given (Megatron's MoE recipes all use 1)
 PROGRESS_EVERY_S = 5.0   # between the search's status lines
 PER_WORKER = 64            # step-time estimates per process before the search forks more processes
+SIMULATED_PER_TOP = 8      # layouts (by the fast estimate) whose pipelines are simulated, per layout printed
 COMPONENTS = ("params", "main grads", "optimizer", "activations", "buffers")
 OFFLOADED = ("core_attn", "attn_proj", "expert_fc1")   # the ladder's offload rung: Megatron's suggested split
 # what shards or moves the static memory past ZeRO-1 (TrainConfig fields), in the order they are tried
@@ -366,6 +367,12 @@ def search(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, 
     if progress is not None:
         progress(f"memory: {result.considered} layouts considered, {len(fitting)} fit; estimating their step times "
                  f"({time.monotonic() - started:.0f} s)")
+    # a fast estimate of every way each layout fits (the bubble from its expected fraction), then the simulated
+    # pipeline clock for the ways of the layouts that estimate ranks first
+    fast = [[estimate_step_time(p.config, p.sizes, cluster, gpus_per_node, efficiency, simulate=False).total
+             for p in plans] for plans in fitting]
+    order = sorted(range(len(fitting)), key=lambda i: min(fast[i]))[:max(SIMULATED_PER_TOP * top, 24)]
+    fitting = [fitting[i] for i in order]
     flat = [p for plans in fitting for p in plans]
     times = iter(_step_times([(p.config, p.sizes) for p in flat], cluster, gpus_per_node, efficiency, workers))
     # each layout's ways to fit, fastest first; the layouts by their fastest

@@ -93,8 +93,10 @@ def exact_static(config: RunConfig, sizes: ParallelSizes) -> dict[int, StaticMem
 def _key(config: RunConfig) -> RunConfig:
     """The config with what cannot change the static bytes normalised (so the cache sees one entry)."""
     t = dataclasses.replace(config.train, micro_batch_size=1, global_batch_size=1, train_iters=1,
-                            lr_warmup_iters=0, lr_decay_iters=None, lr_wsd_decay_iters=0, seq_length=1)
-    options = dataclasses.replace(config.options, recompute="none", dispatcher="alltoall")
+                            lr_warmup_iters=0, lr_decay_iters=None, lr_wsd_decay_iters=0, seq_length=1,
+                            moe_max_load_ratio=None)
+    options = dataclasses.replace(config.options, recompute="none", dispatcher="alltoall", offload_modules=(),
+                                  recompute_modules=("core_attn",))
     return dataclasses.replace(config, train=t, options=options, parallel=ParallelConfig())
 
 
@@ -103,7 +105,8 @@ def _model_key(config: RunConfig) -> RunConfig:
     key = _key(config)
     train = dataclasses.replace(key.train, num_layers_per_virtual_pipeline_stage=None,
                                 decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
-                                pipeline_schedule="1f1b")
+                                pipeline_schedule="1f1b", use_torch_fsdp2=False, optimizer_cpu_offload=False,
+                                optimizer_offload_fraction=1.0)
     return dataclasses.replace(key, train=train)
 
 
@@ -214,7 +217,7 @@ def static_lower_bound(config: RunConfig, sizes: ParallelSizes) -> dict[int, Sta
     shards = {"dense": sizes.dp * sizes.cp, "sp": sizes.tp * sizes.cp * sizes.dp, "expert": sizes.edp}
     out = {}
     for signature, ranks in stage_groups(config, sizes.pp).items():
-        params = grads = 0
+        params = grads = host = 0
         states = {"master": 0, "exp_avg": 0, "exp_avg_sq": 0}
         for (kind, dtype), n in _signature_numel(counts, signature).items():
             if t.use_torch_fsdp2:   # fp32 shards of everything (the masters), their gradients, the moments
@@ -225,11 +228,12 @@ def static_lower_bound(config: RunConfig, sizes: ParallelSizes) -> dict[int, Sta
                 continue
             params += n * DTYPE_BYTES[dtype]
             grads += n * DTYPE_BYTES[precision.main_grads_dtype]
-            if t.optimizer_cpu_offload:
-                continue   # some states in host memory (a lower bound: none on the device)
             for name, b in optimizer_state_parts(dtype, precision).items():
-                states[name] += n * b // shards[kind]
-        memory = StaticMemory(params=params, grads=grads, exact=False, **states)
+                if t.optimizer_cpu_offload:   # lower bounds: none on the device, the fraction (to a bucket) on the host
+                    host += int(n * b // shards[kind] * t.optimizer_offload_fraction) - b * t.bucket_numel
+                else:
+                    states[name] += n * b // shards[kind]
+        memory = StaticMemory(params=params, grads=grads, exact=False, host=max(host, 0), **states)
         out.update({r: memory for r in ranks})
     return out
 

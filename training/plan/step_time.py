@@ -366,9 +366,11 @@ def _makespan(name: str, pp: int, vpp: int, m: int, durations: tuple[tuple[tuple
 
 
 def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, gpus_per_node: int,
-                       efficiency: float = EFFICIENCY) -> StepTime:
+                       efficiency: float = EFFICIENCY, simulate: bool = True) -> StepTime:
     """Seconds per step of ``config`` in layout ``sizes`` on ``cluster`` (module docstring); ValueError for a
-    layout the run would refuse (``RunConfig.resolve``)."""
+    layout the run would refuse (``RunConfig.resolve``). ``simulate=False``: the pipeline bubble from the schedule's
+    expected fraction (``pipeline.expected_bubble_fraction``, equal stage times) instead of the simulated clock,
+    a fast first estimate that the search ranks its candidates with."""
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency={efficiency!r} must be in (0, 1]")
     if not isinstance(gpus_per_node, int) or gpus_per_node < 1:
@@ -385,9 +387,15 @@ def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster
         critical, busy = 0, (makespan,)
     else:
         durations = tuple(tuple((max(f.total, 1e-12), max(b.total, 1e-12)) for f, b in rank) for rank in actions)
-        makespan = _makespan(config.schedule_name(vpp), sizes.pp, vpp, m, durations)
         busy = [m * sum(f + b for f, b in rank) for rank in durations]
         critical = max(range(sizes.pp), key=lambda r: busy[r])
+        if simulate:
+            makespan = _makespan(config.schedule_name(vpp), sizes.pp, vpp, m, durations)
+        else:
+            from moefold.pipeline import expected_bubble_fraction
+
+            bubble = expected_bubble_fraction(config.schedule_name(vpp), sizes.pp, m, vpp)
+            makespan = busy[critical] / (1 - bubble)
     terms = dict.fromkeys(TERMS, 0.0)
     for f, b in actions[critical]:
         for term, seconds in (*f.terms.items(), *b.terms.items()):
