@@ -1,5 +1,6 @@
-"""The dense transformer stack: TP/SP linear layers, embeddings and loss, norms, RoPE, attention, CP, MLP, and the
-two ways to keep fewer activations (recompute, fine-grained activation offloading)."""
+"""The dense transformer stack: TP/SP linear layers, embeddings and loss, norms, RoPE, attention, CP, MLP, Gated
+DeltaNet linear attention, and the two ways to keep fewer activations (recompute, fine-grained activation
+offloading)."""
 
 from moefold.dense.activation_offload import OFFLOAD_MODULES, ActivationOffloader, check_offload
 from moefold.dense.attention import GQAAttention
@@ -17,6 +18,13 @@ from moefold.dense.context_parallel import (
 from moefold.dense.core_attention import CoreAttention, local_attention
 from moefold.dense.cross_entropy import masked_mean, vocab_parallel_cross_entropy
 from moefold.dense.embedding import OutputHead, VocabParallelEmbedding, check_vocab, pad_vocab_size
+from moefold.dense.gated_delta_rule import (
+    GATED_DELTA_RULE_BACKENDS,
+    chunk_gated_delta_rule,
+    gated_delta_rule_impl,
+    recurrent_gated_delta_rule,
+)
+from moefold.dense.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig, RecurrentCache
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
 from moefold.dense.mla import MLAttention
 from moefold.dense.mlp import MLP_ACTIVATIONS, DenseMLP, MLPConfig
@@ -47,4 +55,7 @@ __all__ = [
     "AttentionConfig", "MLAConfig", "GQAAttention", "MLAttention", "CoreAttention", "local_attention",
     "CP_COMM_MODES", "split_for_context_parallel", "context_parallel_positions", "gather_from_context_parallel",
     "check_context_parallel_seq_length", "context_parallel_attention", "position_mask",
+    # linear attention (Qwen3-Next)
+    "GatedDeltaNet", "GatedDeltaNetConfig", "RecurrentCache", "GATED_DELTA_RULE_BACKENDS", "chunk_gated_delta_rule",
+    "recurrent_gated_delta_rule", "gated_delta_rule_impl",
 ]

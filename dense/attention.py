@@ -21,6 +21,10 @@ weight ``[out, in]`` like ``nn.Linear``:
 - Partial RoPE (``rotary_dim`` < head_dim): the first ``rotary_dim`` dims of each head rotate.
 
 The block input (the sequence shard under SP) is all-gathered once for q, k and v together.
+
+Gated attention (``output_gate``, Qwen3-Next): ``q_proj`` is ``[heads * 2d, H]`` laid out per head as
+``[q_h, gate_h]`` (HF's), so a tp shard still holds whole heads; the core attention's output is multiplied by
+``sigmoid(gate)`` before ``o_proj``. ``zero_centered_gamma`` (Qwen3-Next): the q/k norms store ``gamma - 1``.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ class GQAAttention(nn.Module):
         # replicated kv: the one kv head whose query group contains this rank's query heads
         self.kv_head_index = group_rank(tp_group) // (tp // g) if self.kv_replicated else 0
         kw = {"bias": c.bias, "init_std": c.init_std, "dtype": dtype, "device": device}
-        self.q_proj = ColumnParallelLinear(c.hidden_size, c.num_heads * d, tp_group, **kw)
+        self.q_proj = ColumnParallelLinear(c.hidden_size, c.num_heads * d * (2 if c.output_gate else 1), tp_group, **kw)
         kv_group = None if self.kv_replicated else tp_group
         self.k_proj = ColumnParallelLinear(c.hidden_size, g * d, kv_group, **kw)
         self.v_proj = ColumnParallelLinear(c.hidden_size, g * d, kv_group, **kw)
@@ -74,8 +78,9 @@ class GQAAttention(nn.Module):
         self.projection_norm = c.qk_norm and c.qk_norm_scope == "projection"
         if c.qk_norm:
             q_dim, k_dim = (c.num_heads * d, g * d) if self.projection_norm else (d, d)
-            self.q_norm = RMSNorm(q_dim, c.norm_eps, dtype=dtype, device=device)
-            self.k_norm = RMSNorm(k_dim, c.norm_eps, dtype=dtype, device=device)
+            norm_kw = {"zero_centered_gamma": c.zero_centered_gamma, "dtype": dtype, "device": device}
+            self.q_norm = RMSNorm(q_dim, c.norm_eps, **norm_kw)
+            self.k_norm = RMSNorm(k_dim, c.norm_eps, **norm_kw)
         else:
             self.q_norm = self.k_norm = None
         if c.sinks:   # zero: Megatron's learnable softmax offset starts at 0; checkpoints overwrite it
@@ -113,27 +118,35 @@ class GQAAttention(nn.Module):
         # every rank's rows need the sum over all heads, and its gradient flows back to every rank
         sum_sq = reduce_from_region(copy_to_region(sum_sq, self.tp_group), self.tp_group)
         x32 = x32 * torch.rsqrt(sum_sq / norm.hidden + norm.eps)
-        return (weight[first_row:first_row + h * d] * x32.to(x_SBhd.dtype)).view(S, B, h, d)
+        rows = weight[first_row:first_row + h * d]
+        if norm.zero_centered_gamma:   # RMSNorm's order: (1 + weight) in fp32, one cast
+            return (x32 * (1.0 + rows.float())).to(x_SBhd.dtype).view(S, B, h, d)
+        return (rows * x32.to(x_SBhd.dtype)).view(S, B, h, d)
 
-    def _qk(self, x: Tensor, S: int, B: int) -> tuple[Tensor, Tensor]:
-        """q ``[S, B, h/tp, d]`` and k ``[S, B, kv/tp or 1, d]``, qk-normed, before RoPE."""
+    def _qk(self, x: Tensor, S: int, B: int) -> tuple[Tensor, Tensor | None, Tensor]:
+        """q ``[S, B, h/tp, d]``, the output gate ``[S, B, h/tp, d]`` (None without ``output_gate``) and
+        k ``[S, B, kv/tp or 1, d]``; q and k qk-normed, before RoPE."""
         d = self.head_dim
-        q = self.q_proj.forward_local(x).view(S, B, self.local_heads, d)
+        q = self.q_proj.forward_local(x).view(S, B, self.local_heads, -1)
+        gate = None
+        if self.config.output_gate:   # per head [q_h, gate_h]
+            q, gate = q.chunk(2, dim=-1)
         if not self.projection_norm:
             k = self._project_kv(self.k_proj, x).view(S, B, self.local_kv_heads, d)
             if self.q_norm is not None:
                 q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
-            return q, k
+            return q, gate, k
         split = group_size(self.tp_group) > 1
         q = self._projection_norm(self.q_norm, q, group_rank(self.tp_group) * self.local_heads * d, split)
         if not self.kv_replicated:
             k = self.k_proj.forward_local(x).view(S, B, self.local_kv_heads, d)
-            return q, self._projection_norm(self.k_norm, k, group_rank(self.tp_group) * self.local_kv_heads * d, split)
+            k = self._projection_norm(self.k_norm, k, group_rank(self.tp_group) * self.local_kv_heads * d, split)
+            return q, gate, k
         # replicated kv heads: the norm needs every kv head, which this rank can project (it holds the weight)
         bias = None if self.k_proj.bias is None else copy_to_region(self.k_proj.bias, self.tp_group)
         k_all = F.linear(x, copy_to_region(self.k_proj.weight, self.tp_group), bias)
         k_all = self._projection_norm(self.k_norm, k_all.view(S, B, self.config.kv_heads, d), 0, False)
-        return q, k_all[:, :, self.kv_head_index:self.kv_head_index + 1]
+        return q, gate, k_all[:, :, self.kv_head_index:self.kv_head_index + 1]
 
     def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
         with self.offload_qkv_linear:
@@ -143,13 +156,15 @@ class GQAAttention(nn.Module):
             if position_ids.shape != (S,):
                 raise ValueError(f"GQAAttention: position_ids {tuple(position_ids.shape)} must be [{S}] "
                                  "(one global position per token of this rank's sequence, before the SP split)")
-            q, k = self._qk(x, S, B)
+            q, gate, k = self._qk(x, S, B)
             v = self._project_kv(self.v_proj, x).view(S, B, self.local_kv_heads, self.head_dim)
             cos, sin = self.rotary(position_ids)
             q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
         with self.offload_core_attn:
             out = checkpointed(self.core, q, k, v, position_ids, self.sinks, enabled=self.recompute_core_attn)
-        with self.offload_attn_proj:
+        with self.offload_attn_proj:   # the output gate (Qwen3-Next) is the projection's input
+            if gate is not None:
+                out = out * torch.sigmoid(gate.reshape(S, B, -1))
             return self.o_proj(out)
 
     def extra_repr(self) -> str:
@@ -157,5 +172,6 @@ class GQAAttention(nn.Module):
                 f"{self.config.kv_heads}{' (replicated)' if self.kv_replicated else ''}, head_dim={self.head_dim}, "
                 f"qk_norm={self.config.qk_norm and self.config.qk_norm_scope}, "
                 f"sliding_window={self.config.sliding_window}, sinks={self.config.sinks}, "
+                f"{'output_gate, ' if self.config.output_gate else ''}"
                 f"rotary_dim={self.config.rotary_dim_resolved}, "
                 f"sp={self.sequence_parallel}{', recompute core_attn' if self.recompute_core_attn else ''}")

@@ -2,7 +2,7 @@
 
 ``AttentionConfig``: GQA self-attention (Qwen3-MoE, Mixtral, GPT-OSS, GLM-4.5, OLMoE, MiniMax-M2): heads,
 kv heads (``num_query_groups``), optional qk-norm (per head or over the whole projection), sliding window,
-attention sinks, partial RoPE, biases. ``MLAConfig``: DeepSeek-V3
+attention sinks, partial RoPE, biases, Qwen3-Next's output gate. ``MLAConfig``: DeepSeek-V3
 multi-latent attention. Both carry the RoPE settings, the context-parallel exchange mode and
 the recompute choice; ``check_parallel(tp, cp)`` checks a layout against them (the attention
 modules call it at construction).
@@ -61,6 +61,11 @@ class AttentionConfig:
     ``sliding_window``: a query sees keys with ``0 <= q_pos - k_pos < sliding_window`` (Mixtral).
     ``bias``: bias on q/k/v/o projections (HF ``attention_bias``). ``seq_length``: when set, the
     training sequence length, checked against ``2*cp`` at construction.
+
+    ``rotary_dim``: RoPE on the first ``rotary_dim`` dims of each head, the rest passes through (None: all).
+    Qwen3-Next's gated attention: ``output_gate`` (q_proj also yields a per-head gate, the attention output
+    is multiplied by its sigmoid before o_proj), ``zero_centered_gamma`` (q/k norms store ``gamma - 1``,
+    ``dense.norm.RMSNorm``).
     """
 
     hidden_size: int
@@ -81,6 +86,8 @@ class AttentionConfig:
     recompute: str = "none"
     init_std: float = 0.02
     seq_length: int | None = None
+    output_gate: bool = False
+    zero_centered_gamma: bool = False
 
     def __post_init__(self) -> None:
         _check_common("AttentionConfig", self)
@@ -107,10 +114,6 @@ class AttentionConfig:
                                  f"head_dim={self.head_dim_resolved}")
 
     @property
-    def rotary_dim_resolved(self) -> int:
-        return self.head_dim_resolved if self.rotary_dim is None else self.rotary_dim
-
-    @property
     def out_bias_resolved(self) -> bool:
         return self.bias if self.out_bias is None else self.out_bias
 
@@ -121,6 +124,10 @@ class AttentionConfig:
     @property
     def head_dim_resolved(self) -> int:
         return self.hidden_size // self.num_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def rotary_dim_resolved(self) -> int:
+        return self.head_dim_resolved if self.rotary_dim is None else self.rotary_dim
 
     def check_parallel(self, tp: int, cp: int = 1) -> None:
         """Raise ValueError unless heads, kv heads and sequence split over ``tp`` x ``cp``.

@@ -1,11 +1,11 @@
 """The transformer block: pre-norm attention + residual, pre-norm FFN + residual.
 
-The attention and the FFN are modules handed in, so the same block carries GQA or MLA and a
-dense MLP or the MoE layer. Parameter names follow HF (``input_layernorm``, ``self_attn``,
-``post_attention_layernorm``, ``mlp``). Under sequence parallelism the block's input and output
-are this rank's sequence shard ``[S/tp, B, H]``; the norms are replicated with partial
-gradients (marked ``mark_sequence_parallel``), and the attention/FFN modules gather and
-reduce-scatter the sequence themselves.
+The attention and the FFN are modules handed in, so the same block carries GQA, MLA or Gated DeltaNet
+(every token mixer sits in the ``self_attn`` slot) and a dense MLP or the MoE layer. Parameter names
+follow HF (``input_layernorm``, ``self_attn``, ``post_attention_layernorm``, ``mlp``). Under sequence
+parallelism the block's input and output are this rank's sequence shard ``[S/tp, B, H]``; the norms are
+replicated with partial gradients (marked ``mark_sequence_parallel``), and the attention/FFN modules gather
+and reduce-scatter the sequence themselves.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ class TransformerBlock(nn.Module):
     """
 
     def __init__(self, hidden: int, attention: nn.Module, ffn: nn.Module, norm_eps: float = 1e-6, *,
-                 sequence_parallel: bool = False, recompute: str = "none", dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 sequence_parallel: bool = False, recompute: str = "none", zero_centered_gamma: bool = False,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.recompute = check_recompute(recompute, "TransformerBlock recompute")
         self.checkpoint_block = recompute == "full"
@@ -47,7 +47,8 @@ class TransformerBlock(nn.Module):
         self.recompute_ffn = False
         self.offload_attn_norm = self.offload_mlp_norm = NO_OFFLOAD
         self.hidden, self.sequence_parallel = hidden, sequence_parallel
-        kw = {"sequence_parallel": sequence_parallel, "dtype": dtype, "device": device}
+        kw = {"sequence_parallel": sequence_parallel, "zero_centered_gamma": zero_centered_gamma, "dtype": dtype,
+              "device": device}
         self.input_layernorm = RMSNorm(hidden, norm_eps, **kw)
         self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(hidden, norm_eps, **kw)

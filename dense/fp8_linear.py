@@ -10,8 +10,9 @@ and gives every linear whose qualified name contains none of ``config.exclude_mo
   gradient in e5m2 with ``hybrid``. It saves the high-precision ``x`` and ``w`` (as torchao does) and
   casts them again in backward; the bias is added in high precision.
 - ``TELinearGemm`` (``--fp8-backend te``): a persistent ``te.Linear`` (built on the meta device, no
-  weights of its own) run on the layer's weight through ``torch.func.functional_call`` inside TE's
-  autocast, as ``moe.te_gemm`` does for the experts.
+  weights of its own) run on the layer's weight through ``torch.func.functional_call``, as
+  ``moe.te_gemm`` does for the experts, inside the TE autocast region the model entered for the whole
+  stage forward (``parallel.fp8_region``: one region, one amax group, not one per call).
 
 Scales and parallelism (torchao backend). Which dims of each operand are sharded follows from the
 layer: a column-parallel weight and output gradient are split along ``out`` over tp; a row-parallel
@@ -36,8 +37,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
-from moefold.parallel.fp8 import FP8Config, import_te, te_autocast
+from moefold.parallel.fp8 import FP8Config, import_te
 from moefold.parallel.fp8_cast import Float8Recipe, quantize, scaled_mm
+from moefold.parallel.fp8_region import require_region
 from moefold.parallel.groups import Group, group_size
 from moefold.parallel.sharding import is_sequence_parallel
 
@@ -106,10 +108,13 @@ class Float8LinearGemm:
 
 
 class TELinearGemm:
-    """``(x, w [N, K], b) -> y`` through one persistent ``te.Linear`` inside TE's FP8 autocast.
+    """``(x, w [N, K], b) -> y`` through one persistent ``te.Linear``, inside the model's TE autocast region.
 
     Not an ``nn.Module`` on purpose: TE's module holds meta placeholders and must stay out of the
-    layer's parameters and state_dict; the layer's weight is substituted on every call.
+    layer's parameters and state_dict; the layer's weight is substituted on every call. Kept out of
+    ``torch.compile``'s graphs (``--compile`` compiles whole dense blocks): TE's module forwards are
+    dynamo-disabled anyway (``@no_torch_dynamo`` in ``module/linear.py``), and its ``DelayedScaling``
+    refuses to enter an autocast while compiling (``quantization.py`` ``check_recipe_support``).
     """
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, config: FP8Config) -> None:
@@ -117,10 +122,11 @@ class TELinearGemm:
         self.config = config
         self.module = te.Linear(in_features, out_features, bias=False, params_dtype=dtype, device="meta")
 
+    @torch.compiler.disable
     def __call__(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+        require_region(self.config, "TELinearGemm")
         lead = x.shape[:-1]
-        with te_autocast(self.config):
-            y = torch.func.functional_call(self.module, {"weight": w}, (x.reshape(-1, x.shape[-1]),))
+        y = torch.func.functional_call(self.module, {"weight": w}, (x.reshape(-1, x.shape[-1]),))
         y = y.view(*lead, w.shape[0])
         return y if b is None else y + b
 

@@ -9,7 +9,8 @@ Granularity (``--recompute-granularity``):
   ============== ===================================================== ====================
   module          what is recomputed in backward                         mechanism
   ============== ===================================================== ====================
-  core_attn       softmax(q k^T) v (the S x S part)                       ``checkpointed``
+  core_attn       softmax(q k^T) v (the S x S part); Gated DeltaNet:      ``checkpointed``
+                  its delta rule (the chunk products and states)
   mlp             the dense MLP of a dense layer                          ``checkpointed``
   moe             the whole MoE layer (router, dispatch, experts, shared) ``checkpointed``
   shared_experts  the shared experts of an MoE layer                      ``checkpointed``
@@ -28,18 +29,23 @@ the RNG state and supports nested outputs (the MoE layer's losses). ``Checkpoint
 (Megatron's output-discarding checkpoint) also frees the region's *output* once its consumer has
 saved it, and refills that storage just before the consumer's backward, so a norm whose output feeds
 a linear layer keeps only its input. Nothing crosses ranks here; a recomputed region replays its
-collectives in backward, in the same order on every rank.
+collectives in backward, in the same order on every rank. With ``--fp8-backend te`` both mechanisms
+replay the region inside the TE autocast region its forward ran in (``parallel.fp8_region``): the
+recomputed GEMMs run in FP8 with the same recipe and amax group, as TE's own ``checkpoint`` does.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
+
+from moefold.parallel.fp8_region import Replay, active_region, recompute_context
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "shared_experts", "layernorm", "mla_up_proj")
@@ -77,7 +83,12 @@ def checkpointed(fn: Callable[..., Any], *args: Any, enabled: bool = True, **kwa
     """``fn(*args, **kwargs)``, its activations recomputed in backward when ``enabled`` and grad is on."""
     if not enabled or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+    if active_region() is None or torch.compiler.is_compiling():
+        # no TE region to replay; and inside a compiled graph no TE call can be (TE's calls break the graph, and
+        # the frame around them runs eagerly, through the branch below), while torch.compile accepts only
+        # dispatch-mode contexts from a context_fn
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=recompute_context, **kwargs)
 
 
 class _NoGradRun(torch.autograd.Function):
@@ -125,12 +136,17 @@ class CheckpointWithoutOutput:
         self.ctx: Callable[[], Any] | None = None   # weak reference to the autograd node
         self.outputs: tuple[Tensor, ...] = ()
         self.recomputed: tuple[tuple[Any, ...], tuple[Tensor, ...]] | None = None
+        self.replay: Replay | None = None   # the TE FP8 region to recompute in (parallel.fp8_region)
 
     def checkpoint(self, fn: Callable[..., Any], *args: Any) -> Any:
         if not torch.is_grad_enabled():
             return fn(*args)
         self.fn = fn
-        out = _NoGradRun.apply(self, *args)
+        if active_region() is None:
+            out = _NoGradRun.apply(self, *args)
+        else:
+            with Replay() as self.replay:
+                out = _NoGradRun.apply(self, *args)
         self.outputs = out if isinstance(out, tuple) else (out,)
         return out
 
@@ -148,7 +164,7 @@ class CheckpointWithoutOutput:
         ctx = self.ctx()
         saved = iter(x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors)
         inputs = tuple(next(saved) if c is None else c for c in ctx.constants)
-        with torch.enable_grad():
+        with torch.enable_grad(), (nullcontext() if self.replay is None else self.replay.recompute()):
             out = self.fn(*inputs)
         self.recomputed = (inputs, out if isinstance(out, tuple) else (out,))
 

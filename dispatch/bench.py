@@ -59,10 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPU ranks to spawn (default ep*etp); ignored under torchrun")
     parser.add_argument("--skew", default="uniform",
                         help="expert popularity, comma-separated: uniform, zipf (logit bias -4 log(i+1) for expert i)")
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--iters", type=int, default=20, help="timed iterations")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed iterations first")
+    parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES), help="token dtype")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the tokens and router logits")
     parser.add_argument("--max-chunked-experts", type=int, default=None,
                         help="alltoall only: chunk the exchange per local expert up to this many local experts "
                              "(0: one exchange + sort); default: the dispatcher's")
@@ -357,6 +357,13 @@ def _print_one(r: dict) -> None:
               f"{(r['raw'] + r['local']) / r['raw']:.2f}x (the floor for a dispatcher that does not overlap them)")
 
 
+def _release_deepep() -> None:
+    """The flex rows' DeepEP buffer, destroyed (collectively) before the process group goes."""
+    from moefold.dispatch.deepep import BUFFERS
+
+    BUFFERS.destroy()
+
+
 def _spawned(rank: int, world: int, store_path: str, args: argparse.Namespace, reports: mp.Queue) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), TORCH_GLOO_LAZY_INIT="1")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -364,6 +371,7 @@ def _spawned(rank: int, world: int, store_path: str, args: argparse.Namespace, r
         dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                                 timeout=timedelta(seconds=600))
         _rank_main(args)
+        _release_deepep()
         dist.barrier()
         reports.put((rank, None))
     except BaseException as exc:
@@ -382,6 +390,7 @@ def main(args: argparse.Namespace) -> int:
 
         init_distributed(ParallelConfig(ep=args.ep, etp=args.etp))
         _rank_main(args)
+        _release_deepep()
         return 0
     world = args.nprocs or args.ep * args.etp
     if world == 1:
@@ -418,6 +427,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Benchmark a token dispatcher against a raw all-to-all.")
+    parser = argparse.ArgumentParser(description="Benchmark a token dispatcher against a raw all-to-all.",
+                                     allow_abbrev=False)
     add_arguments(parser)
     sys.exit(main(parser.parse_args()))

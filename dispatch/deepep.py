@@ -11,6 +11,10 @@ the same class as its legacy ``deep_ep.Buffer``), used the way DeepEP's README a
   (bytes per bf16 token) and the group's n ranks. DeepEP puts up to 8 ranks in one NVLink domain;
   for a larger group (one spanning nodes) the RDMA hint is non-zero and allocated. Created at
   the first dispatch (a collective over the group), re-created only if a later call needs more.
+  Created with ``explicitly_destroy=True`` and destroyed by ``DeepEPBuffers.destroy()`` when the run ends
+  (``training.launch.ranks`` does it before the process group goes): DeepEP's docstring warns that releasing the
+  buffer in its destructor, i.e. at interpreter exit, "may cause Python's exception handling process to
+  hang" (``deep_ep/buffer.py``), since its ``destroy`` synchronises the device and barriers the group.
 - ``Buffer.set_num_sms(--moe-deepep-num-sms)``: the SMs DeepEP's kernels take (even; default
   20, Megatron's default).
 - **asynchronous dispatch**: ``get_dispatch_layout`` and ``dispatch`` run with
@@ -76,6 +80,19 @@ INSTALL_HINT = (f"the flex dispatcher needs DeepEP {DEEPEP_VERSION} (not on PyPI
                 f"https://github.com/deepseek-ai/DeepEP at tag {DEEPEP_VERSION} with `python setup.py install` "
                 f"(NVSHMEM_DIR=... for groups spanning nodes); it needs CUDA GPUs with NVLink")
 DEFAULT_NUM_SMS = 20
+# DeepEP v1.2.1's dispatch and combine kernels assert num_topk <= 32 on the device (csrc/kernels/intranode.cu:187,
+# internode.cu:408 and 1393): a trap that kills the rank while its peers wait in the collective
+DEEPEP_MAX_TOPK = 32
+
+
+def check_flex_topk(topk: int, etp: int) -> None:
+    """ValueError naming both numbers when the flex dispatcher's top-k (the router's ``topk`` x ``etp``: each expert
+    is etp virtual experts, as in Megatron's flex dispatcher) exceeds what DeepEP's kernels take."""
+    if topk * etp > DEEPEP_MAX_TOPK:
+        raise ValueError(f"the flex dispatcher sends each token to --moe-router-topk x --expert-tensor-parallel-size = "
+                         f"{topk} x {etp} = {topk * etp} (virtual) experts, but DeepEP's kernels take at most "
+                         f"{DEEPEP_MAX_TOPK} (a device-side assert kills the rank); lower one of them or use the "
+                         f"alltoall dispatcher")
 
 
 def import_deep_ep() -> Any:
@@ -103,11 +120,15 @@ class DeepEPBuffers:
     """DeepEP communication buffers of this process: one per group, shared by all MoE layers.
 
     ``BUFFERS`` below is the process-wide instance every flex dispatcher uses unless given its
-    own (tests do). ``created`` counts the buffers made, for tests and logs.
+    own (tests do). ``created`` counts the buffers made, for tests and logs. Buffers are created with
+    ``explicitly_destroy=True``: ``destroy()`` releases them (collective over each buffer's group);
+    ``forget()`` drops them without DeepEP's collective (a run ending in an error: a peer may never
+    reach it), so that their destructors only warn instead of synchronising at interpreter exit.
     """
 
     def __init__(self) -> None:
         self._buffers: dict[Any, Any] = {}
+        self._retired: list[Any] = []   # buffers a larger one replaced
         self._num_sms: int | None = None
         self.created = 0
 
@@ -122,10 +143,29 @@ class DeepEPBuffers:
         nvl, rdma = buffer_sizes(deep_ep.Buffer, group.size(), hidden_bytes)
         buffer = self._buffers.get(group)
         if buffer is None or buffer.num_nvl_bytes < nvl or buffer.num_rdma_bytes < rdma:
-            buffer = deep_ep.Buffer(group, num_nvl_bytes=nvl, num_rdma_bytes=rdma)
+            if buffer is not None:   # replaced: kept until the run ends (a pending backward may still use it)
+                self._retired.append(buffer)
+            buffer = deep_ep.Buffer(group, num_nvl_bytes=nvl, num_rdma_bytes=rdma, explicitly_destroy=True)
             self._buffers[group] = buffer
             self.created += 1
         return buffer
+
+    def destroy(self) -> int:
+        """Release every buffer (``Buffer.destroy()``: synchronises the device and barriers its group, so every
+        rank of each group must call it, as when a run ends normally). Returns how many were destroyed."""
+        buffers = [*self._retired, *self._buffers.values()]
+        self._buffers, self._retired = {}, []
+        for buffer in buffers:
+            buffer.destroy()
+        return len(buffers)
+
+    def forget(self) -> int:
+        """Drop every buffer without DeepEP's collective destroy (a run that failed: its peers may be gone or
+        stuck). With ``explicitly_destroy=True`` the C++ destructor then only prints DeepEP's "destroy() was not
+        called" warning (``csrc/deep_ep.cpp`` ``~Buffer``); the process exit frees the memory."""
+        count = len(self._buffers) + len(self._retired)
+        self._buffers, self._retired = {}, []
+        return count
 
 
 BUFFERS = DeepEPBuffers()
@@ -244,6 +284,7 @@ class FlexDispatcher(TokenDispatcher):
             raise ValueError(f"the flex dispatcher needs a hidden size that is a multiple of 8 (DeepEP copies "
                              f"16-byte words), got {H}")
         e = self.num_local_experts
+        check_flex_topk(routing.expert_ids_TK.shape[1], self.etp)   # the layout check refuses it before any rank
         topk_idx = routing.expert_ids_TK.long()
         if routing.keep_TK is not None:  # DeepEP skips -1 entries: dropped copies are never sent
             topk_idx = topk_idx.masked_fill(~routing.keep_TK.bool(), -1)

@@ -1,7 +1,15 @@
 """The MoE decoder model, recipes, multi-token prediction and HF checkpoint interop."""
 
 from moefold.models.checkpoint import load_checkpoint, save_checkpoint
-from moefold.models.config import ATTENTION_KINDS, FAMILIES, MLADims, ModelConfig, YarnScaling
+from moefold.models.config import (
+    ATTENTION_KINDS,
+    FAMILIES,
+    LAYER_TYPES,
+    LinearAttentionDims,
+    MLADims,
+    ModelConfig,
+    YarnScaling,
+)
 from moefold.models.decoder import IGNORE_INDEX, ModelOutput, MoEDecoder
 from moefold.models.generate import generate
 from moefold.models.hf.exporter import export_hf
@@ -11,6 +19,7 @@ from moefold.models.layer_factory import (
     build_block,
     check_layout,
     is_moe_block,
+    linear_attention_config,
     mlp_config,
     moe_config,
     router_config,
@@ -24,6 +33,7 @@ from moefold.models.upcycle import load_upcycled_weights, upcycled_config
 
 __all__ = [
     "ModelConfig", "MLADims", "YarnScaling", "FAMILIES", "ATTENTION_KINDS", "ModelOptions", "RECIPES", "get_recipe",
+    "LinearAttentionDims", "LAYER_TYPES", "linear_attention_config",
     "MoEDecoder", "ModelOutput", "MTPModule", "IGNORE_INDEX",
     "attention_config", "router_config", "moe_config", "mlp_config", "build_block", "check_layout", "is_moe_block",
     "ParamReport", "count_parameters", "format_report",

@@ -9,10 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-FAMILIES: tuple[str, ...] = ("deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "olmoe", "minimax_m2")
+FAMILIES: tuple[str, ...] = ("deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "olmoe", "minimax_m2",
+                             "qwen3_next")
 ATTENTION_KINDS: tuple[str, ...] = ("gqa", "mla")
 MOE_SCORE_FUNCTIONS: tuple[str, ...] = ("softmax", "sigmoid")
 QK_NORM_SCOPES: tuple[str, ...] = ("head", "projection")   # must equal dense.attention_config.QK_NORM_SCOPES
+# the token mixer of a layer (HF ``layer_types``): attention (GQA or MLA) or Gated DeltaNet
+LAYER_TYPES: tuple[str, ...] = ("full_attention", "linear_attention")
 
 
 @dataclass(frozen=True)
@@ -41,16 +44,28 @@ class MLADims:
 
 
 @dataclass(frozen=True)
+class LinearAttentionDims:
+    """Gated DeltaNet sizes of the ``linear_attention`` layers (Qwen3-Next; HF ``linear_*``)."""
+
+    num_key_heads: int = 16
+    num_value_heads: int = 32
+    key_head_dim: int = 128
+    value_head_dim: int = 128
+    conv_kernel_size: int = 4
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only (MoE) transformer. Field names follow HF where they exist.
 
     Layer ``i`` is an MoE layer when ``num_experts > 0``, ``i >= first_k_dense_replace`` and
     ``moe_layer_pattern[i]`` (derived from ``moe_layer_freq``) is 1. Layer ``i`` attends within
-    ``sliding_window`` when it is set and ``sliding_window_pattern`` is None or has a 1 at ``i``.
+    ``sliding_window`` when it is set and ``sliding_window_pattern`` is None or has a 1 at ``i``. Its token
+    mixer is ``layer_types[i]`` (None: attention everywhere; ``linear_attention``: Gated DeltaNet).
     """
 
     name: str
-    family: Literal["deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "olmoe", "minimax_m2"]
+    family: Literal["deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "olmoe", "minimax_m2", "qwen3_next"]
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -111,9 +126,15 @@ class ModelConfig:
     moe_swiglu_alpha: float = 1.0                # expert act(g) = g * sigmoid(alpha * g) (GPT-OSS 1.702)
     moe_activation_clamp: float | None = None    # clamp gate <= c, up to [-c, c] before it (GPT-OSS 7)
     moe_glu_linear_offset: float = 0.0           # act(gate) * (up + offset) (GPT-OSS 1)
+    # hybrid stacks (Qwen3-Next): the token mixer of each layer, gated attention, zero-centred norm weights
+    layer_types: tuple[str, ...] | None = None   # per layer, one of LAYER_TYPES; None = every layer attention
+    linear_attention: LinearAttentionDims | None = None   # sizes of the "linear_attention" layers
+    attention_output_gate: bool = False          # sigmoid gate from q_proj on the attention output
+    norm_zero_centered_gamma: bool = False       # every RMSNorm stores gamma - 1 (Megatron --apply-layernorm-1p)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
+        self._check_hybrid()
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
@@ -158,12 +179,14 @@ class ModelConfig:
         if not 0 < self.partial_rotary_factor <= 1:
             raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1]")
         if self.attention == "mla":
-            bad = {k: v for k, v in (("partial_rotary_factor", self.partial_rotary_factor != 1.0),
-                                     ("attention_sinks", self.attention_sinks),
-                                     ("qk_norm", self.qk_norm)) if v}
+            bad = [k for k, v in (("partial_rotary_factor", self.partial_rotary_factor != 1.0),
+                                  ("attention_sinks", self.attention_sinks),
+                                  ("qk_norm", self.qk_norm),
+                                  ("attention_output_gate", self.attention_output_gate),
+                                  ("norm_zero_centered_gamma", self.norm_zero_centered_gamma)) if v]
             if bad:
-                raise ValueError(f"{', '.join(bad)} apply to GQA attention; MLA has its own rope split and no "
-                                 "sinks or qk-norm (set attention='gqa')")
+                raise ValueError(f"{', '.join(bad)} apply to GQA attention; MLA has its own rope split and latent "
+                                 "norms, and no sinks, qk-norm or output gate (set attention='gqa')")
         elif self.rotary_dim % 2:
             raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} gives an odd rotary dim "
                              f"{self.rotary_dim} of head_dim={self.attention_head_dim}")
@@ -181,6 +204,28 @@ class ModelConfig:
             raise ValueError(f"moe_activation_clamp={self.moe_activation_clamp} must be > 0 (or None)")
         if not self.moe_swiglu_alpha > 0:
             raise ValueError(f"moe_swiglu_alpha={self.moe_swiglu_alpha} must be > 0")
+
+    def _check_hybrid(self) -> None:
+        # JSON round trips (checkpoint meta, run configs) hand back a list and a dict: store what the fields promise
+        if isinstance(self.layer_types, list):
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if isinstance(self.linear_attention, dict):
+            object.__setattr__(self, "linear_attention", LinearAttentionDims(**self.linear_attention))
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries, num_layers={self.num_layers}")
+            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if bad:
+                raise ValueError(f"layer_types holds {bad}; valid: {LAYER_TYPES}")
+            if "linear_attention" in self.layer_types and self.linear_attention is None:
+                raise ValueError("layer_types has linear_attention layers: they need "
+                                 "linear_attention=LinearAttentionDims(...)")
+
+    def layer_type(self, index: int) -> str:
+        """The token mixer of layer ``index`` (MTP blocks, ``index >= num_layers``, are attention)."""
+        if self.layer_types is None or index >= self.num_layers:
+            return "full_attention"
+        return self.layer_types[index]
 
     @property
     def kv_heads(self) -> int:

@@ -21,11 +21,17 @@ aux-loss shares add up over tp x cp. With gradients summed over cp (and sequence
 over tp) and averaged over dp and micro-batches, a parallel step equals the world-1 step on the
 same global batch whose loss is the mean over micro-batches of each micro-batch's token mean.
 ``lm_loss_sum``/``num_tokens`` allow other normalisations (e.g. per global token count).
+
+FP8 through Transformer Engine (``--fp8-backend te``): ``forward`` and ``logits`` run inside one TE
+autocast region (``fp8_region()``: the stage's dp x cp x tp ranks as TE's amax group), as
+Megatron-Core does; a pipeline stage enters it per ``forward_step`` (``pipeline.decoder_stage``), and
+a caller that runs the pieces (``run_layers``, ``head_loss``) itself enters ``fp8_region()`` around them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -49,6 +55,7 @@ from moefold.moe.balance_losses import GlobalLoadState
 from moefold.moe.layer import MoEOutputInfo
 from moefold.parallel.comm import gather_along_dim
 from moefold.parallel.dims import ParallelDims
+from moefold.parallel.fp8_region import fp8_autocast
 from moefold.parallel.groups import group_size
 from moefold.parallel.sharding import init_parameters
 
@@ -127,7 +134,8 @@ class MoEDecoder(nn.Module):
         self.norm = self.output_head = None
         self.mtp = nn.ModuleList()
         if with_head:
-            self.norm = RMSNorm(config.hidden_size, config.norm_eps, **kw)
+            self.norm = RMSNorm(config.hidden_size, config.norm_eps,
+                                zero_centered_gamma=config.norm_zero_centered_gamma, **kw)
             self.output_head = OutputHead(config.hidden_size, config.vocab_size, dims.tp_group,
                                           tied_to=self.embed_tokens if tied else None, init_std=options.init_std,
                                           **kw)
@@ -144,6 +152,12 @@ class MoEDecoder(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Layout-independent init of every weight (``parallel.sharding.init_parameters``)."""
         init_parameters(self, seed)
+
+    def fp8_region(self) -> AbstractContextManager:
+        """TE's FP8 autocast for one forward of this stage (``parallel.fp8_region``; a null context unless
+        ``--fp8-backend te``): its amaxes reduce over the stage's dp x cp x tp ranks, Megatron's
+        ``get_amax_reduction_group(with_context_parallel=True)``."""
+        return fp8_autocast(self.options.fp8, self.dims.tp_cp_dp_group)
 
     # ------------------------------------------------------------------------------------ pieces
     def position_ids(self, seq_local: int, device: torch.device) -> Tensor:
@@ -234,8 +248,10 @@ class MoEDecoder(nn.Module):
                              f"{tuple(input_ids.shape)}")
         if position_ids is None:
             position_ids = self.position_ids(input_ids.shape[1], input_ids.device)
-        hidden, infos = self.run_layers(self.embed(input_ids), position_ids, global_states=global_states)
-        head_loss, logs, mtp_infos = self.head_loss(hidden, labels, loss_mask, input_ids, position_ids, global_states)
+        with self.fp8_region():
+            hidden, infos = self.run_layers(self.embed(input_ids), position_ids, global_states=global_states)
+            head_loss, logs, mtp_infos = self.head_loss(hidden, labels, loss_mask, input_ids, position_ids,
+                                                        global_states)
         infos.update(mtp_infos)
         aux = torch.zeros((), dtype=torch.float32, device=input_ids.device)
         losses = {"lm": logs["lm"]}
@@ -257,8 +273,9 @@ class MoEDecoder(nn.Module):
         """
         if position_ids is None:
             position_ids = self.position_ids(input_ids.shape[1], input_ids.device)
-        hidden, _ = self.run_layers(self.embed(input_ids), position_ids)
-        logits = gather_along_dim(self.head_logits(hidden).float(), self.dims.tp_group, dim=-1)
+        with self.fp8_region():
+            hidden, _ = self.run_layers(self.embed(input_ids), position_ids)
+            logits = gather_along_dim(self.head_logits(hidden).float(), self.dims.tp_group, dim=-1)
         if gather_sequence:
             logits = gather_from_context_parallel(logits, self.dims.cp_group, 0)
         return logits.transpose(0, 1).contiguous()

@@ -8,8 +8,10 @@ The cache works through the model's own attention modules: for the duration of `
 layer's core attention (``dense.core_attention.CoreAttention``, which receives q/k/v after the
 projections, qk-norm and RoPE, for GQA and MLA alike) is swapped for ``CachedCoreAttention``, which
 appends the new keys/values to the layer's cache and attends the new queries to all of them (causal and
-sliding-window masks from the true positions). The prompt runs through the model once (prefill), then
-one token per step; the output head runs on the last position only.
+sliding-window masks from the true positions). A Gated DeltaNet layer (``dense.gated_deltanet``) keeps a
+``RecurrentCache`` instead: its convolution's last inputs and its delta-rule state, so each step costs the
+same however long the sequence is. The prompt runs through the model once (prefill), then one token per
+step; the output head runs on the last position only.
 
 Layouts: world 1, and any layout with pp = 1 and cp = 1: expert parallelism (tokens reach their
 experts through the usual dispatcher), tensor parallelism when the batch is divisible by tp (build the
@@ -28,6 +30,7 @@ from torch import Tensor, nn
 
 from moefold.dense.context_parallel import position_mask, sdpa
 from moefold.dense.core_attention import CoreAttention
+from moefold.dense.gated_deltanet import GatedDeltaNet, RecurrentCache
 from moefold.models.decoder import MoEDecoder
 from moefold.parallel.comm import gather_along_dim
 
@@ -56,18 +59,25 @@ class CachedCoreAttention(nn.Module):
 
 
 @contextmanager
-def kv_cache(model: MoEDecoder) -> Iterator[list[CachedCoreAttention]]:
-    """Swap every main layer's core attention for a fresh ``CachedCoreAttention`` (restored on exit)."""
-    swapped = []
+def kv_cache(model: MoEDecoder) -> Iterator[list[CachedCoreAttention | RecurrentCache]]:
+    """Swap every main layer's core attention for a fresh ``CachedCoreAttention``, give every Gated DeltaNet
+    layer a fresh ``RecurrentCache`` (both undone on exit)."""
+    swapped, recurrent = [], []
     for block in model.layers.values():
-        attention = block.self_attn
-        swapped.append((attention, attention.core))
-        attention.core = CachedCoreAttention(attention.core)
+        mixer = block.self_attn
+        if isinstance(mixer, GatedDeltaNet):
+            mixer.cache = RecurrentCache()
+            recurrent.append(mixer)
+        else:
+            swapped.append((mixer, mixer.core))
+            mixer.core = CachedCoreAttention(mixer.core)
     try:
-        yield [attention.core for attention, _ in swapped]
+        yield [attention.core for attention, _ in swapped] + [mixer.cache for mixer in recurrent]
     finally:
         for attention, core in swapped:
             attention.core = core
+        for mixer in recurrent:
+            mixer.cache = None
 
 
 def check_generation_layout(model: MoEDecoder, batch: int) -> None:
@@ -130,7 +140,7 @@ def generate(model: MoEDecoder, input_ids: Tensor, max_new_tokens: int, *, tempe
     model.eval()
     out, done = input_ids.to(device), torch.zeros(B, dtype=torch.bool, device=device)
     try:
-        with kv_cache(model):
+        with kv_cache(model), model.fp8_region():
             ids, positions = out, torch.arange(S, device=device)
             for _ in range(max_new_tokens):
                 hidden, _ = model.run_layers(model.embed(ids), positions)

@@ -1,20 +1,24 @@
 """ModelConfig -> component configs and modules: the one place the flat config is translated.
 
-``attention_config``/``router_config``/``moe_config``/``mlp_config`` derive the typed component
-configs; ``build_block(config, index, dims, options)`` builds transformer block ``index`` (GQA or
-MLA attention; dense MLP or MoE FFN as ``config.is_moe_layer(index)`` says).
+``attention_config``/``linear_attention_config``/``router_config``/``moe_config``/``mlp_config`` derive the
+typed component configs; ``build_block(config, index, dims, options)`` builds transformer block ``index``
+(GQA or MLA attention, or Gated DeltaNet as ``config.layer_type(index)`` says; dense MLP or MoE FFN as
+``config.is_moe_layer(index)`` says).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from moefold.dense.attention import GQAAttention
 from moefold.dense.attention_config import AttentionConfig, MLAConfig
 from moefold.dense.block import TransformerBlock
+from moefold.dense.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
 from moefold.dense.mla import MLAttention
 from moefold.dense.mlp import DenseMLP, MLPConfig
 from moefold.dense.rope import YarnConfig
+from moefold.dispatch.deepep import check_flex_topk
 from moefold.models.config import ModelConfig
 from moefold.models.options import ModelOptions
 from moefold.moe.config import MoEConfig
@@ -46,7 +50,20 @@ def attention_config(config: ModelConfig, options: ModelOptions, index: int = 0)
     return AttentionConfig(num_query_groups=c.num_query_groups, head_dim=c.head_dim, qk_norm=c.qk_norm,
                            qk_norm_scope=c.qk_norm_scope, sliding_window=c.layer_sliding_window(index),
                            sinks=c.attention_sinks, rotary_dim=c.rotary_dim if c.partial_rotary_factor < 1 else None,
-                           out_bias=c.attention_out_bias, **common)
+                           out_bias=c.attention_out_bias, output_gate=c.attention_output_gate,
+                           zero_centered_gamma=c.norm_zero_centered_gamma, **common)
+
+
+def linear_attention_config(config: ModelConfig, options: ModelOptions) -> GatedDeltaNetConfig:
+    """The Gated DeltaNet of the ``linear_attention`` layers."""
+    la = config.linear_attention
+    if la is None:
+        raise ValueError(f"{config.name}: no linear_attention sizes (LinearAttentionDims)")
+    return GatedDeltaNetConfig(hidden_size=config.hidden_size, num_key_heads=la.num_key_heads,
+                               num_value_heads=la.num_value_heads, key_head_dim=la.key_head_dim,
+                               value_head_dim=la.value_head_dim, conv_kernel_size=la.conv_kernel_size,
+                               norm_eps=config.norm_eps, backend=options.linear_attention_backend,
+                               recompute=options.recompute, init_std=options.init_std)
 
 
 def router_config(config: ModelConfig, options: ModelOptions) -> RouterConfig:
@@ -95,17 +112,26 @@ def mlp_config(config: ModelConfig, options: ModelOptions) -> MLPConfig:
 def check_layout(config: ModelConfig, dims: ParallelDims, options: ModelOptions) -> None:
     """Fail early, naming the numbers, when ``config`` cannot be split over ``dims``."""
     attention_config(config, options).check_parallel(dims.tp, dims.cp)
+    if "linear_attention" in (config.layer_types or ()):   # the layout does not depend on the kernel backend
+        layout_only = dataclasses.replace(options, linear_attention_backend="torch")
+        linear_attention_config(config, layout_only).check_parallel(dims.tp, dims.cp)
     if config.vocab_size % dims.tp:
         raise ValueError(f"vocab_size={config.vocab_size} is not divisible by tp={dims.tp}")
     if any(not config.is_moe_layer(i) for i in range(config.num_layers)):
         mlp_config(config, options).check_parallel(dims.tp)
     if config.num_experts:
-        moe_config(config, options, dims).check_layout(tp=dims.tp, ep=dims.ep, etp=dims.etp)
+        moe = moe_config(config, options, dims)
+        moe.check_layout(tp=dims.tp, ep=dims.ep, etp=dims.etp)
+        if moe.dispatcher == "flex":
+            check_flex_topk(config.moe_topk, dims.etp)
 
 
 def build_attention(config: ModelConfig, dims: ParallelDims, options: ModelOptions, index: int = 0,
-                    **kw: Any) -> GQAAttention | MLAttention:
-    """The attention module of layer ``index`` (``kw``: dtype/device)."""
+                    **kw: Any) -> GQAAttention | MLAttention | GatedDeltaNet:
+    """The token mixer of layer ``index``, as ``config.layer_type(index)`` says (``kw``: dtype/device)."""
+    if config.layer_type(index) == "linear_attention":
+        return GatedDeltaNet(linear_attention_config(config, options), dims.tp_group, dims.cp_group,
+                             sequence_parallel=_sp(options, dims), **kw)
     att = attention_config(config, options, index)
     cls = MLAttention if isinstance(att, MLAConfig) else GQAAttention
     return cls(att, dims.tp_group, dims.cp_group, sequence_parallel=_sp(options, dims), **kw)
@@ -135,7 +161,8 @@ def build_block(config: ModelConfig, index: int, dims: ParallelDims, options: Mo
     kw = {"dtype": options.torch_dtype}
     return TransformerBlock(config.hidden_size, build_attention(config, dims, options, index, **kw),
                             build_ffn(config, is_moe_block(config, index), dims, options, **kw), config.norm_eps,
-                            sequence_parallel=_sp(options, dims), recompute=options.recompute, **kw)
+                            sequence_parallel=_sp(options, dims), recompute=options.recompute,
+                            zero_centered_gamma=config.norm_zero_centered_gamma, **kw)
 
 
 def _sp(options: ModelOptions, dims: ParallelDims) -> bool:

@@ -61,7 +61,8 @@ class MTPModule(nn.Module):
     def __init__(self, config: ModelConfig, index: int, dims: ParallelDims, options: ModelOptions) -> None:
         super().__init__()
         H, sp = config.hidden_size, options.sequence_parallel and dims.tp > 1
-        kw = {"sequence_parallel": sp, "dtype": options.torch_dtype}
+        kw = {"sequence_parallel": sp, "zero_centered_gamma": config.norm_zero_centered_gamma,
+              "dtype": options.torch_dtype}
         self.index = index
         self.enorm = RMSNorm(H, config.norm_eps, **kw)
         self.hnorm = RMSNorm(H, config.norm_eps, **kw)

@@ -13,6 +13,7 @@ import torch
 
 from moefold.dense.activation_offload import MIN_OFFLOADED_TENSOR_SIZE, check_offload, check_offload_modules
 from moefold.dense.context_parallel import CP_COMM_MODES
+from moefold.dense.gated_delta_rule import GATED_DELTA_RULE_BACKENDS
 from moefold.dense.recompute import (
     DEFAULT_RECOMPUTE_MODULES,
     RECOMPUTE_METHODS,
@@ -47,6 +48,7 @@ class ModelOptions:
     offload_modules:   fine-grained activation offloading (--fine-grained-activation-offloading --offload-modules):
                        the modules whose saved tensors wait in host memory (``dense.activation_offload``); () = off
     min_offloaded_tensor_size: saved tensors with fewer elements stay on the device (--min-offloaded-tensor-size)
+    linear_attention_backend: Gated DeltaNet kernel, "auto" | "torch" | "fla" (``dense.gated_delta_rule``)
     """
 
     sequence_parallel: bool = True
@@ -63,6 +65,7 @@ class ModelOptions:
     moe_deepep_num_sms: int = 20
     offload_modules: tuple[str, ...] = ()
     min_offloaded_tensor_size: int = MIN_OFFLOADED_TENSOR_SIZE
+    linear_attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.fp8, dict):  # from a saved RunConfig (JSON)
@@ -91,6 +94,9 @@ class ModelOptions:
             raise ValueError(f"--min-offloaded-tensor-size={self.min_offloaded_tensor_size!r} must be an integer >= 0")
         if not self.init_std > 0:
             raise ValueError(f"ModelOptions.init_std={self.init_std!r} must be > 0")
+        if self.linear_attention_backend not in GATED_DELTA_RULE_BACKENDS:
+            raise ValueError(f"ModelOptions.linear_attention_backend={self.linear_attention_backend!r}; valid: "
+                             f"{', '.join(GATED_DELTA_RULE_BACKENDS)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

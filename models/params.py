@@ -30,6 +30,7 @@ class LayerParams:
     kind: str                      # "dense" | "moe" | "mtp"
     counts: dict[str, int]
     active: int
+    mixer: str = "full_attention"  # the token mixer (ModelConfig.layer_type): "attention" counts it either way
 
     @property
     def total(self) -> int:
@@ -115,7 +116,8 @@ def count_parameters(config: ModelConfig, options: ModelOptions | None = None) -
         i = int(idx)
         active = sum(counts.values()) - counts["routed_experts"] + round(counts["routed_experts"] * fraction)
         if head == "layers":
-            layers.append(LayerParams(i, "moe" if config.is_moe_layer(i) else "dense", counts, active))
+            layers.append(LayerParams(i, "moe" if config.is_moe_layer(i) else "dense", counts, active,
+                                      config.layer_type(i)))
         else:
             mtp.append(LayerParams(config.num_layers + i, "mtp", counts, active))
     return ParamReport(config.name, top["embedding"], top["head"], top["final_norm"],
@@ -138,18 +140,20 @@ def format_report(report: ParamReport, per_layer: bool = True) -> str:
                  f"{' (tied)' if report.head == 0 else ''}, final norm {report.final_norm}")
     if per_layer:
         cols = [c for c in CATEGORIES if any(layer.counts[c] for layer in report.layers + report.mtp)]
-        lines.append("  " + f"{'layers':<10}{'kind':<7}" + "".join(f"{c:>16}" for c in cols)
-                     + f"{'total':>14}{'active':>14}")
+        hybrid = any(layer.mixer != "full_attention" for layer in report.layers)
+        lines.append("  " + f"{'layers':<10}{'kind':<7}" + (f"{'mixer':<18}" if hybrid else "")
+                     + "".join(f"{c:>16}" for c in cols) + f"{'total':>14}{'active':>14}")
         rows = list(report.layers) + list(report.mtp)
         start = 0
         while start < len(rows):
             end = start
             while end + 1 < len(rows) and rows[end + 1].counts == rows[start].counts \
-                    and rows[end + 1].kind == rows[start].kind:
+                    and rows[end + 1].kind == rows[start].kind and rows[end + 1].mixer == rows[start].mixer:
                 end += 1
             r = rows[start]
             span = f"{r.index}" if end == start else f"{r.index}-{rows[end].index}"
-            lines.append("  " + f"{span:<10}{r.kind:<7}" + "".join(f"{fmt_count(r.counts[c]):>16}" for c in cols)
+            lines.append("  " + f"{span:<10}{r.kind:<7}" + (f"{r.mixer:<18}" if hybrid else "")
+                         + "".join(f"{fmt_count(r.counts[c]):>16}" for c in cols)
                          + f"{fmt_count(r.total):>14}{fmt_count(r.active):>14}"
                          + (f"  x{end - start + 1}" if end > start else ""))
             start = end + 1

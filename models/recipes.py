@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from moefold.models.config import MLADims, ModelConfig, YarnScaling
+from moefold.models.config import LinearAttentionDims, MLADims, ModelConfig, YarnScaling
 
 
 # ----------------------------------------------------------------------------- DeepSeek-V3
@@ -245,6 +245,45 @@ def minimax_m2_tiny() -> ModelConfig:
     )
 
 
+# ----------------------------------------------------------------------------- Qwen3-Next
+def _every_4th_full(num_layers: int) -> tuple[str, ...]:
+    """Qwen3-Next's hybrid layout: three Gated DeltaNet layers, then one gated full-attention layer."""
+    return tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers))
+
+
+def qwen3_next_80b_a3b() -> ModelConfig:
+    """Qwen3-Next-80B-A3B: 36 Gated DeltaNet + 12 gated-attention layers (3:1, partial RoPE 64 of 256 dims),
+    512 experts top-10 plus one gated shared expert, zero-centred RMSNorm weights."""
+    return ModelConfig(
+        name="qwen3_next_80b_a3b", family="qwen3_next",
+        vocab_size=151936, hidden_size=2048, num_layers=48, num_attention_heads=16, num_query_groups=2,
+        head_dim=256, qk_norm=True, rope_theta=10_000_000.0, max_position_embeddings=262144, norm_eps=1e-6,
+        ffn_hidden_size=5120,   # HF intermediate_size; every layer is MoE
+        num_experts=512, moe_ffn_hidden_size=512, moe_topk=10, moe_score_function="softmax", moe_pre_softmax=True,
+        moe_norm_topk_prob=True, moe_shared_expert_ffn_size=512, moe_shared_expert_gate=True,
+        moe_aux_loss_coeff=1e-3, moe_load_balancing_type="global_aux_loss",
+        layer_types=_every_4th_full(48),
+        linear_attention=LinearAttentionDims(num_key_heads=16, num_value_heads=32, key_head_dim=128,
+                                             value_head_dim=128, conv_kernel_size=4),
+        attention_output_gate=True, partial_rotary_factor=0.25, norm_zero_centered_gamma=True,
+    )
+
+
+def qwen3_next_tiny() -> ModelConfig:
+    return qwen3_next_80b_a3b().with_(
+        name="qwen3_next_tiny", vocab_size=512, hidden_size=64, num_layers=4, num_attention_heads=4,
+        num_query_groups=2, head_dim=16, max_position_embeddings=1024, ffn_hidden_size=128, num_experts=8,
+        moe_ffn_hidden_size=32, moe_topk=2, moe_shared_expert_ffn_size=32, layer_types=_every_4th_full(4),
+        linear_attention=LinearAttentionDims(num_key_heads=2, num_value_heads=4, key_head_dim=16, value_head_dim=16,
+                                             conv_kernel_size=4),
+    )
+
+
+def qwen3_next_proxy() -> ModelConfig:
+    return qwen3_next_80b_a3b().with_(name="qwen3_next_proxy", num_layers=4, layer_types=_every_4th_full(4),
+                                      num_experts=32)
+
+
 RECIPES: dict[str, Callable[[], ModelConfig]] = {
     fn.__name__: fn for fn in (
         deepseek_v3, deepseek_v3_tiny, deepseek_v3_proxy,
@@ -252,6 +291,7 @@ RECIPES: dict[str, Callable[[], ModelConfig]] = {
         mixtral_8x7b, mixtral_8x22b, mixtral_tiny, mixtral_proxy,
         gpt_oss_120b, gpt_oss_20b, gpt_oss_tiny, glm4_5, glm4_5_air, glm4_6, glm4_moe_tiny, kimi_k2, kimi_k2_tiny,
         olmoe_1b_7b, olmoe_tiny, minimax_m2, minimax_m2_tiny,
+        qwen3_next_80b_a3b, qwen3_next_tiny, qwen3_next_proxy,
     )
 }
 

@@ -3,9 +3,9 @@ full recompute groups the layers of one pipeline chunk (``full_recompute_groups`
 
 The options are Megatron's (``ModelOptions.recompute*``; semantics in ``dense.recompute``). Selective
 choices become flags on the modules that own the region (attention: core attention and MLA's
-up-projections; block: norms and the FFN; MoE layer: shared experts; experts: the activation). Full
-recompute of the decoder's layers is done by ``MoEDecoder.run_layers`` over the groups below; MTP
-blocks, which run one at a time, keep checkpointing themselves.
+up-projections, Gated DeltaNet's delta rule; block: norms and the FFN; MoE layer: shared experts;
+experts: the activation). Full recompute of the decoder's layers is done by ``MoEDecoder.run_layers``
+over the groups below; MTP blocks, which run one at a time, keep checkpointing themselves.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from torch import nn
 
 from moefold.dense.attention import GQAAttention
 from moefold.dense.block import TransformerBlock
+from moefold.dense.gated_deltanet import GatedDeltaNet
 from moefold.dense.mla import MLAttention
 from moefold.dense.recompute import recomputed_modules
 from moefold.models.options import ModelOptions
@@ -28,7 +29,7 @@ def apply_recompute(model: nn.Module, layers: nn.ModuleDict, options: ModelOptio
         if isinstance(module, TransformerBlock):
             module.recompute_layernorm = "layernorm" in chosen
             module.recompute_ffn = ("moe" if isinstance(module.mlp, MoELayer) else "mlp") in chosen
-        elif isinstance(module, (GQAAttention, MLAttention)):
+        elif isinstance(module, (GQAAttention, MLAttention, GatedDeltaNet)):   # DeltaNet: its delta rule
             module.recompute_core_attn = "core_attn" in chosen
             if isinstance(module, MLAttention):
                 module.recompute_up_proj = "mla_up_proj" in chosen

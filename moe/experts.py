@@ -55,7 +55,6 @@ from moefold.moe.gemm import (
     flops_per_token,
     grouped_gemm,
     needs_host_counts,
-    no_rows,
 )
 from moefold.parallel.comm import copy_to_region
 from moefold.parallel.fp8 import FP8Config
@@ -237,9 +236,7 @@ class GroupedExperts(nn.Module):
             counts_host = tokens_per_expert_e.tolist()  # the backend takes host counts: one sync
         # [e, G, f, H] -> [e, G*f, H]: gate and up projections in a single grouped GEMM.
         w13 = self.w13.reshape(e, gates * f, H)
-        if self._te:
-            if tokens_NH.shape[0] == 0:
-                return no_rows(self._activate(no_rows(tokens_NH, w13, True)), self.w2, True)
+        if self._te:  # with no rows too: every rank of TE's amax group must run the same TE calls (moe.te_gemm)
             return self._te[0](tokens_NH, w13, self.w2, counts_host, self._activate)
         with self.offload_expert_fc1:
             h_NGf = self._gemm13(tokens_NH, w13, tokens_per_expert_e, self.gemm_backend, trans_w=True,

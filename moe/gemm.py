@@ -20,7 +20,10 @@ Backends (``GEMM_BACKENDS``):
                    On CPU (torch 2.13) fp32, bf16 and fp16 all work.
 - ``loop``         one ``mm`` per expert; the reference the tests compare against.
 - ``grouped_gemm`` ``grouped_gemm.ops.gmm`` (``pip install grouped-gemm``; CUDA, bf16 only: checked
-                   when the experts are built). It takes int64 batch sizes on the host.
+                   when the experts are built). It takes int64 batch sizes on the host. Its weight
+                   gradient comes from ``torch.empty`` and an expert with no rows writes none of its
+                   block (tgale96/grouped_gemm issue 36): those blocks are zeroed here, whatever the
+                   kernel left in them.
 - ``te``           Transformer Engine ``GroupedLinear`` (``pip install transformer-engine[pytorch]``;
                    CUDA), host ``m_splits``. It keeps per-module state (FP8 scaling), so it runs
                    through ``moe.te_gemm.TEGroupedLinear`` objects that ``GroupedExperts`` owns, not
@@ -114,7 +117,32 @@ def grouped_gemm(x_NK: Tensor, w: Tensor, tokens_per_expert_e: Tensor, backend: 
     # gmm checks for contiguous bf16 operands, int64 batch sizes on the host and w [e, K, M]
     # (or [e, M, K] with trans_b)
     batch_sizes = torch.tensor(counts, dtype=torch.int64, device="cpu")
-    return gg.gmm(x_NK.contiguous(), w.contiguous(), batch_sizes, trans_b=trans_w)
+    empty = tuple(i for i, c in enumerate(counts) if c == 0)
+    w = w.contiguous()
+    if empty and w.requires_grad:
+        w = _ZeroEmptyExpertGrads.apply(w, empty)
+    return gg.gmm(x_NK.contiguous(), w, batch_sizes, trans_b=trans_w)
+
+
+class _ZeroEmptyExpertGrads(torch.autograd.Function):
+    """Identity on ``w [e, ., .]`` forward; backward zeroes the gradient of the experts in ``empty`` (no rows).
+
+    grouped_gemm's weight gradient is allocated with ``torch.empty`` (``grouped_gemm/backend.py``
+    ``_allocate_output``) and the kernel skips an expert whose batch size is 0, leaving its block as it found
+    it (tgale96/grouped_gemm issue 36): garbage or NaN in that expert's gradient. Zeroed in place: the incoming
+    gradient is gmm's fresh output and this node its only consumer. ``empty`` are host ints (no sync).
+    """
+
+    @staticmethod
+    def forward(ctx, w: Tensor, empty: tuple[int, ...]) -> Tensor:
+        ctx.empty = empty
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        for i in ctx.empty:
+            grad[i].zero_()
+        return grad, None
 
 
 def no_rows(x_NK: Tensor, w: Tensor, trans_w: bool) -> Tensor:

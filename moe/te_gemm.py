@@ -14,8 +14,12 @@ the two without copying:
   parameter's ``.grad`` through autograd and moefold's parameter names never change (no
   state-dict adapter is needed);
 - ``m_splits`` is a host list, as TE's GroupedLinear requires;
-- with FP8 (``parallel.fp8.FP8Config``) TE's autocast is entered around the two GEMMs and the
-  rows are padded to FP8's per-group alignment (``TEExpertGemms``).
+- with FP8 (``parallel.fp8.FP8Config``) the GEMMs run inside the TE autocast region the model entered
+  for the whole stage forward (``parallel.fp8_region``) and the rows are padded to FP8's per-group
+  alignment (``TEExpertGemms``);
+- a rank whose experts got no rows runs the same TE calls with zero rows (TE zeroes an empty GEMM's
+  output, ``csrc/extensions/gemm.cpp``): every rank of the amax group must issue the same TE
+  calls, or delayed scaling's amax reductions differ between them (``parallel.fp8_region``).
 
 Gradient accumulation: TE computes each weight gradient in the activation dtype and returns it;
 autograd stacks them into ``w.grad`` and the trainer's hook adds that into the fp32
@@ -35,7 +39,8 @@ import torch
 from torch import Tensor
 
 from moefold.moe.gemm import import_backend
-from moefold.parallel.fp8 import FP8Config, te_autocast
+from moefold.parallel.fp8 import FP8Config
+from moefold.parallel.fp8_region import require_region
 
 
 class TEGroupedLinear:
@@ -55,7 +60,9 @@ class TEGroupedLinear:
         if tuple(w_eMK.shape) != (self.num_gemms, self.out_features, self.in_features):
             raise ValueError(f"TEGroupedLinear built for [{self.num_gemms}, {self.out_features}, "
                              f"{self.in_features}] weights, got {tuple(w_eMK.shape)}")
-        params: dict[str, Any] = {f"weight{i}": w_eMK[i] for i in range(self.num_gemms)}
+        # unbind: one view per expert whose backward stacks the e gradients once; w[i] would make e
+        # SelectBackward nodes, each adding a zero-filled [e, M, K] tensor (moe.gemm's loop does the same)
+        params: dict[str, Any] = dict(zip((f"weight{i}" for i in range(self.num_gemms)), w_eMK.unbind(0)))
         return torch.func.functional_call(self.module, params, (x_NK, m_splits))
 
 
@@ -63,11 +70,12 @@ class TEExpertGemms:
     """The two projections of the grouped expert MLP through TE, with FP8 when ``fp8`` is enabled.
 
     ``__call__(x_NH, w13_eGH, w2_eHF, m_splits, activation) -> [N, H]``: ``w13_eGH`` is the
-    input projection ``[e, G*F, H]``, ``activation`` maps its ``[*, G*F]`` output to ``[*, F]``.
-    With FP8, TE's autocast is entered once around both GEMMs (each TE module runs once inside
-    it), and the rows are padded once, before the first GEMM, to the recipe's per-group alignment
-    (``te.Fp8Padding``: zero rows, which stay zero through the bias-free MLP) and unpadded after
-    the second.
+    input projection ``[e, G*F, H]``, ``activation`` maps its ``[*, G*F]`` output to ``[*, F]``;
+    ``N`` may be 0 (the same TE calls run). With FP8 the call must be inside the model's TE autocast
+    region (``parallel.fp8_region``), and the rows are padded once, before the first GEMM, to the
+    recipe's per-group alignment (``te.Fp8Padding``: zero rows, which stay zero through the bias-free
+    MLP) and unpadded after the second. Kept out of ``torch.compile``'s graphs: TE's module forwards
+    are dynamo-disabled anyway (``@no_torch_dynamo`` in ``module/grouped_linear.py``).
     """
 
     def __init__(self, num_gemms: int, hidden: int, gated_ffn: int, ffn: int, dtype: torch.dtype | None = None,
@@ -79,15 +87,16 @@ class TEExpertGemms:
         self.pad = te.Fp8Padding(num_gemms) if self.fp8 else None
         self.unpad = te.Fp8Unpadding(num_gemms) if self.fp8 else None
 
+    @torch.compiler.disable
     def __call__(self, x_NH: Tensor, w13_eGH: Tensor, w2_eHF: Tensor, m_splits: Sequence[int],
                  activation: Callable[[Tensor], Tensor]) -> Tensor:
         splits = [int(m) for m in m_splits]
-        with te_autocast(self.fp8):
-            if self.pad is None:
-                return self.fc2(activation(self.fc1(x_NH, w13_eGH, splits)), w2_eHF, splits)
-            x_pad, padded = self.pad(x_NH, splits)
-            y_pad = self.fc2(activation(self.fc1(x_pad, w13_eGH, padded)), w2_eHF, padded)
-            return self.unpad(y_pad, splits)
+        if self.pad is None:
+            return self.fc2(activation(self.fc1(x_NH, w13_eGH, splits)), w2_eHF, splits)
+        require_region(self.fp8, "TEExpertGemms")
+        x_pad, padded = self.pad(x_NH, splits)
+        y_pad = self.fc2(activation(self.fc1(x_pad, w13_eGH, padded)), w2_eHF, padded)
+        return self.unpad(y_pad, splits)
 
 
 __all__ = ["TEExpertGemms", "TEGroupedLinear"]

@@ -12,9 +12,9 @@ only definitions of its flags, so a new backend or recipe is added here once.
 - backend ``te``: Transformer Engine's autocast around TE modules: the linears through ``te.Linear``
   and the experts through ``te.GroupedLinear`` (``--moe-grouped-gemm-backend te``). Recipes:
   ``delayed`` (amax history, TE ``DelayedScaling``), ``tensorwise`` (``Float8CurrentScaling``),
-  ``mxfp8`` (32-element blocks, ``MXFP8BlockScaling``; Blackwell GPUs only). Scales are TE's, per
-  rank and per module (``amax_reduction_group=None``), and its amax history is not checkpointed: a
-  resumed run rebuilds it over its first steps.
+  ``mxfp8`` (32-element blocks, ``MXFP8BlockScaling``; Blackwell GPUs only). TE's autocast is entered
+  once per stage forward with the stage's dp x cp x tp group as its amax group (``parallel.fp8_region``);
+  its amax history is not checkpointed: a resumed run rebuilds it over its first steps.
 
 The weights stay what they are (fp32 or bf16 parameters, fp32 master weights): only the GEMMs'
 operands are cast, so checkpoints, resharding and HF export are the same with and without FP8.
@@ -28,9 +28,9 @@ experts as E4M3 with per-128-channel scales (``dispatch.fp8_exchange``).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import logging
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,14 +86,10 @@ class FP8Config:
         return gemms + (", fp8 dispatch" if self.dispatch else "")
 
     def te_recipe(self) -> Any:
-        """Transformer Engine's recipe object for this config (imports transformer_engine)."""
-        recipe_mod = import_te("transformer_engine.common.recipe")
-        fmt = recipe_mod.Format.E4M3 if self.format == "e4m3" else recipe_mod.Format.HYBRID
-        if self.recipe == "delayed":
-            return recipe_mod.DelayedScaling(fp8_format=fmt)
-        if self.recipe == "tensorwise":
-            return recipe_mod.Float8CurrentScaling(fp8_format=fmt)
-        return recipe_mod.MXFP8BlockScaling(fp8_format=fmt)
+        """Transformer Engine's recipe object for this config (imports transformer_engine), built once per
+        (format, recipe): TE keys its amax buffers by the recipe and refuses to build recipes inside compiled
+        regions (``quantization.py`` ``get_default_fp8_recipe``)."""
+        return _te_recipe(self.format, self.recipe)
 
     def check_available(self) -> None:
         """Fail now, naming what is missing, if this config cannot run here (no-op when off)."""
@@ -149,20 +145,15 @@ def import_torchao() -> Any:
             log.setLevel(level)
 
 
-def te_autocast(config: FP8Config | None) -> AbstractContextManager:
-    """Transformer Engine's FP8 autocast for ``config`` (a null context when FP8 is off).
-
-    Recent TE releases name it ``autocast(enabled, recipe=...)`` (``fp8_autocast`` is deprecated
-    there); 2.8 and older only have ``fp8_autocast(enabled, fp8_recipe=...)``. Enter it once per
-    module call: with ``delayed`` scaling TE reduces the amax when the context exits, so one module
-    must not run twice inside one context.
-    """
-    if config is None or not config.enabled:
-        return nullcontext()
-    te = import_te("transformer_engine.pytorch")
-    if hasattr(te, "autocast"):
-        return te.autocast(enabled=True, recipe=config.te_recipe())
-    return te.fp8_autocast(enabled=True, fp8_recipe=config.te_recipe())
+@functools.cache
+def _te_recipe(fmt: str | None, recipe: str | None) -> Any:
+    recipe_mod = import_te("transformer_engine.common.recipe")
+    fp8_format = recipe_mod.Format.E4M3 if fmt == "e4m3" else recipe_mod.Format.HYBRID
+    if recipe == "delayed":
+        return recipe_mod.DelayedScaling(fp8_format=fp8_format)
+    if recipe == "tensorwise":
+        return recipe_mod.Float8CurrentScaling(fp8_format=fp8_format)
+    return recipe_mod.MXFP8BlockScaling(fp8_format=fp8_format)
 
 
 def import_te(module: str) -> Any:
@@ -198,4 +189,4 @@ def fp8_config_from_args(args: argparse.Namespace) -> FP8Config:
 
 
 __all__ = ["BACKEND_RECIPES", "FP8_BACKENDS", "FP8_FORMATS", "FP8_RECIPES", "FP8Config", "add_fp8_arguments",
-           "fp8_config_from_args", "import_te", "import_torchao", "te_autocast"]
+           "fp8_config_from_args", "import_te", "import_torchao"]

@@ -111,16 +111,17 @@ class DecoderStage:
         position_ids = microbatch.get("position_ids")
         if position_ids is None:
             position_ids = model.position_ids(ids.shape[1], ids.device)
-        if spec.has_embedding:
-            hidden = model.embed(ids)
-        hidden, infos = model.run_layers(hidden, position_ids, spec.layers, self._global_states or None)
-        if spec.has_head:
-            hidden, logs, mtp_infos = model.head_loss(hidden, microbatch["labels"], microbatch.get("loss_mask"), ids,
-                                                      position_ids, self._global_states or None)
-            infos.update(mtp_infos)
-            self.lm_losses[index] = logs["lm"].detach()
-            if "mtp" in logs:
-                self.mtp_losses[index] = logs["mtp"].detach()
+        with model.fp8_region():   # --fp8-backend te: one TE autocast per chunk forward, on the stage's group
+            if spec.has_embedding:
+                hidden = model.embed(ids)
+            hidden, infos = model.run_layers(hidden, position_ids, spec.layers, self._global_states or None)
+            if spec.has_head:
+                hidden, logs, mtp_infos = model.head_loss(hidden, microbatch["labels"], microbatch.get("loss_mask"),
+                                                          ids, position_ids, self._global_states or None)
+                infos.update(mtp_infos)
+                self.lm_losses[index] = logs["lm"].detach()
+                if "mtp" in logs:
+                    self.mtp_losses[index] = logs["mtp"].detach()
         extra = None
         for layer, info in infos.items():
             extra = info.aux_loss if extra is None else extra + info.aux_loss

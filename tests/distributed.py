@@ -8,7 +8,12 @@ that raises fails the test with that rank's traceback; ranks that do not finish 
 ``timeout`` are killed and the test fails naming them. It never hangs.
 
 Fork (not spawn) keeps start-up cheap and lets tests pass local functions: the parent
-must not have initialised torch.distributed itself.
+must not have initialised torch.distributed itself. A forked child cannot use CUDA once the
+parent has initialised it, or merely asked the CUDA runtime how many devices there are (torch
+marks the fork "poisoned": ``torch.cuda.is_available()`` does so unless
+``PYTORCH_NVML_BASED_CUDA_CHECK=1``, set below and in tests/gpu/conftest.py, makes it ask NVML).
+Where the parent has initialised CUDA anyway (a GPU test earlier in the same pytest process), the
+ranks are spawned instead: ``fn`` and its arguments must then be picklable (module-level).
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+
+# before any CUDA query in this process: torch.cuda.is_available() through NVML does not poison a fork
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 import torch
 import torch.distributed as dist
@@ -70,7 +78,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         raise RuntimeError("run_distributed must be called from a process without a process group")
     tmpdir = tempfile.TemporaryDirectory(prefix="moefold-dist-")
     store_path = os.path.join(tmpdir.name, "store")
-    ctx = mp.get_context("fork")
+    # a fork of a process that initialised CUDA cannot use CUDA ("Cannot re-initialize CUDA in forked subprocess")
+    ctx = mp.get_context("spawn" if torch.cuda.is_initialized() else "fork")
     results: mp.Queue = ctx.Queue()
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(fn, rank, world_size, store_path, timeout, results, args, kwargs))

@@ -40,3 +40,51 @@ def test_hanging_rank_is_killed_at_the_timeout():
     with pytest.raises(TimeoutError, match=r"ranks \[1\] of 2 did not finish within 3s"):
         run_distributed(_rank_one_hangs, 2, timeout=3)
     assert time.monotonic() - start < 30
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CUDA and fork: a forked rank cannot use CUDA once its parent asked the CUDA runtime about devices
+# ---------------------------------------------------------------------------------------------------------
+_MARK = "fresh"   # a forked rank sees the parent's value, a spawned one this module's default
+
+
+def _mark() -> str:
+    return _MARK
+
+
+def test_gpu_conftest_asks_nvml_so_forked_ranks_can_use_cuda(monkeypatch):
+    """tests/gpu/conftest.py asks ``torch.cuda.is_available()`` in the pytest parent; through the CUDA runtime
+    (``torch._C._cuda_getDeviceCount``) that marks every later fork as unable to initialise CUDA. With
+    ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (set by the conftest before its first query) torch asks NVML instead.
+    Simulated on this CPU build: CUDA "compiled in", two GPUs seen by NVML, the runtime query recorded."""
+    import importlib
+
+    import torch
+
+    from tests.gpu import rehearsal
+
+    if rehearsal.REHEARSAL:
+        pytest.skip("a rehearsal never asks CUDA")
+    runtime_queries = []
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 2)
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", lambda: runtime_queries.append("poisons fork") or 2,
+                        raising=False)
+    import tests.gpu.conftest as conftest
+
+    importlib.reload(conftest)   # its import-time setting, as pytest's first import of it
+    conftest.pytest_collection_modifyitems(None, [])
+    assert runtime_queries == [], "the GPU tests' availability check asked the CUDA runtime: forks are poisoned"
+
+
+def test_ranks_are_spawned_when_the_parent_initialised_cuda(monkeypatch):
+    """A parent that initialised CUDA (an earlier GPU test in the same pytest process) spawns its ranks."""
+    import torch
+
+    import tests.test_distributed_harness as this
+
+    monkeypatch.setattr(this, "_MARK", "parent")
+    assert run_distributed(_mark, 2) == ["parent", "parent"]   # fork: the parent's module state
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert run_distributed(_mark, 2) == ["fresh", "fresh"]     # spawn: a fresh interpreter

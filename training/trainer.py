@@ -111,6 +111,17 @@ def model_options(config: RunConfig) -> ModelOptions:
     return options
 
 
+def batch_to_device(batch: Tensor, device: torch.device) -> Tensor:
+    """A host batch on ``device`` without making the host wait: on CUDA it is copied into pinned (page-locked)
+    memory first and sent with ``non_blocking=True`` (a copy from pageable memory blocks the host until it is
+    done); torch's caching host allocator keeps the pinned block until the copy has run. A no-op on its device."""
+    if batch.device == device:
+        return batch
+    if device.type == "cuda" and batch.device.type == "cpu" and not batch.is_pinned():
+        batch = batch.pin_memory()
+    return batch.to(device, non_blocking=True)
+
+
 def build_model(config: RunConfig, dims: ParallelDims, device: torch.device | str) -> MoEDecoder:
     """This rank's model (its pipeline stage's chunks at pp > 1) on ``device``, not yet initialised. The trainer
     and ``moefold plan`` (on the meta device) both build it here."""
@@ -196,7 +207,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------- one step
     def _split(self, batch: Tensor) -> tuple[Tensor, Tensor]:
-        batch = batch.to(self.device)
+        batch = batch_to_device(batch, self.device)
         ids, labels = batch[:, :-1], batch[:, 1:]
         if self.dims.cp > 1:
             ids = split_for_context_parallel(ids, self.dims.cp_rank, self.dims.cp, seq_dim=1)

@@ -34,8 +34,11 @@ FAMILY_ARCH = {family: arch for arch, family in ARCHITECTURES.items()}
 DEFAULTS = {"gpt_oss": {"attention_bias": True, "rms_norm_eps": 1e-5},
             "glm4_moe": {"rms_norm_eps": 1e-5}, "olmoe": {"rms_norm_eps": 1e-5}, "minimax_m2": {"rms_norm_eps": 1e-6}}
 SLIDING, FULL = "sliding_attention", "full_attention"
+# transformers' partial_rotary_factor where a config leaves it out and it is not 1 (any family of config_map)
+PARTIAL_ROTARY_DEFAULTS = {"glm4_moe": 0.5, "qwen3_next": 0.25}
 
-# ModelConfig fields of features DeepSeek-V3, Qwen3-MoE and Mixtral's HF classes do not have (their values there)
+# ModelConfig fields of features DeepSeek-V3, Qwen3-MoE, Mixtral and Qwen3-Next's HF classes do not have (their
+# values there; config_map checks these for every family)
 PLAIN: dict[str, Any] = {
     "qk_norm_scope": "head", "partial_rotary_factor": 1.0, "attention_sinks": False, "sliding_window_pattern": None,
     "moe_router_bias": False, "moe_expert_linear_bias": False, "moe_swiglu_alpha": 1.0, "moe_activation_clamp": None,
@@ -62,7 +65,8 @@ NEEDS: dict[str, dict[str, Any]] = {
 
 # PLAIN fields a family's HF config expresses freely (through layer_types, swiglu_*, partial_rotary_factor)
 FREE = {"gpt_oss": ("sliding_window_pattern", "moe_swiglu_alpha", "moe_activation_clamp"),
-        "glm4_moe": ("partial_rotary_factor",), "minimax_m2": ("partial_rotary_factor",)}
+        "glm4_moe": ("partial_rotary_factor",), "minimax_m2": ("partial_rotary_factor",),
+        "qwen3_next": ("partial_rotary_factor",)}
 
 
 def needs(family: str, base: dict[str, Any]) -> dict[str, Any]:
@@ -105,7 +109,7 @@ def out_bias_error(c: ModelConfig) -> str | None:
 
 def partial_rotary_factor(hf: dict[str, Any], family: str) -> float:
     """HF's partial RoPE: ``rope_parameters.partial_rotary_factor``, the top-level key of older configs,
-    MiniMax-M2's ``rotary_dim`` / head_dim, or transformers' default (GLM-4.5: 0.5, else 1)."""
+    MiniMax-M2's ``rotary_dim`` / head_dim, or transformers' default (``PARTIAL_ROTARY_DEFAULTS``, else 1)."""
     params = hf.get("rope_parameters") or {}
     for source in (params, hf):
         if source.get("partial_rotary_factor") is not None:
@@ -113,7 +117,7 @@ def partial_rotary_factor(hf: dict[str, Any], family: str) -> float:
     if family == "minimax_m2" and hf.get("rotary_dim"):
         head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
         return int(hf["rotary_dim"]) / int(head_dim)
-    return 0.5 if family == "glm4_moe" else 1.0
+    return PARTIAL_ROTARY_DEFAULTS.get(family, 1.0)
 
 
 def _refuse(family: str, what: str) -> ValueError:
@@ -194,8 +198,6 @@ def to_hf(c: ModelConfig, out: dict[str, Any]) -> None:
     """Add the family fields of ``c`` to ``out`` (config_map wrote the shared ones; ``NEEDS`` was checked)."""
     moe = [c.is_moe_layer(i) for i in range(c.num_layers)]
     gqa = {"num_key_value_heads": c.kv_heads, "head_dim": c.attention_head_dim}
-    if c.partial_rotary_factor != 1.0 or c.family == "glm4_moe":
-        out["rope_parameters"]["partial_rotary_factor"] = c.partial_rotary_factor
     if c.family == "glm4_moe":
         first_k, shared = first_k_dense(c, "GLM-4.5"), n_shared_experts(c)
         if (c.moe_group_score_topk or 2) != 2:

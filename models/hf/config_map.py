@@ -1,7 +1,7 @@
 """HF ``config.json`` <-> ``ModelConfig`` for DeepSeek-V3 (and Kimi-K2, which is DeepSeek-V3's architecture),
-Qwen3-MoE and Mixtral (no transformers needed), and their dense relatives Qwen3 and Mistral (read as the family
-with ``num_experts=0``: what upcycling starts from). GPT-OSS, GLM-4.5, OLMoE and MiniMax-M2 are read and written
-by ``models.hf.config_families``.
+Qwen3-MoE, Mixtral and Qwen3-Next (its own fields in ``models.hf.qwen3_next``; no transformers needed), and their
+dense relatives Qwen3 and Mistral (read as the family with ``num_experts=0``: what upcycling starts from).
+GPT-OSS, GLM-4.5, OLMoE and MiniMax-M2 are read and written by ``models.hf.config_families``.
 
 Reads both the transformers-5 layout (``rope_parameters``) and the older one (``rope_theta`` +
 ``rope_scaling``). Unknown architectures and unsupported features fail naming the value.
@@ -20,14 +20,15 @@ from typing import Any
 
 from moefold.models.config import MLADims, ModelConfig, YarnScaling
 from moefold.models.hf import config_families as more
+from moefold.models.hf import qwen3_next
 
 ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3", "Qwen3MoeForCausalLM": "qwen3_moe",
                  "MixtralForCausalLM": "mixtral", "Qwen3ForCausalLM": "qwen3_moe", "MistralForCausalLM": "mixtral",
-                 **more.ARCHITECTURES}
+                 qwen3_next.ARCHITECTURE: "qwen3_next", **more.ARCHITECTURES}
 MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "qwen3": "qwen3_moe",
-               "mistral": "mixtral", **more.MODEL_TYPES}
+               "mistral": "mixtral", "qwen3_next": "qwen3_next", **more.MODEL_TYPES}
 FAMILY_ARCH = {"deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-               "mixtral": "MixtralForCausalLM", **more.FAMILY_ARCH}
+               "mixtral": "MixtralForCausalLM", "qwen3_next": qwen3_next.ARCHITECTURE, **more.FAMILY_ARCH}
 # the dense model of a family (no experts): what upcycling turns into the family's MoE
 DENSE_ARCH = {"qwen3_moe": ("Qwen3ForCausalLM", "qwen3"), "mixtral": ("MistralForCausalLM", "mistral")}
 DENSE_MODEL_TYPES = {"qwen3", "mistral"}
@@ -89,6 +90,8 @@ def from_hf_config(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
         raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported (moefold experts are SwiGLU: 'silu')")
     if family in more.NEEDS:
         return more.from_hf(family, hf, common)
+    if family == "qwen3_next":
+        return qwen3_next.config_from_hf(hf, common)
     if family == "deepseek_v3":
         if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
             raise ValueError(f"DeepSeek-V3 with scoring_func={hf.get('scoring_func')!r}, topk_method="
@@ -138,13 +141,16 @@ def from_hf_config(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
 
 
 def _rope_out(c: ModelConfig) -> dict[str, Any]:
+    # the families whose HF default is not 1 (GLM-4.5, Qwen3-Next) always say it
+    partial = ({"partial_rotary_factor": c.partial_rotary_factor}
+               if c.partial_rotary_factor != 1.0 or c.family in more.PARTIAL_ROTARY_DEFAULTS else {})
     if c.yarn is None:
-        return {"rope_type": "default", "rope_theta": c.rope_theta}
+        return {"rope_type": "default", "rope_theta": c.rope_theta, **partial}
     y = c.yarn
     return {"rope_type": "yarn", "rope_theta": c.rope_theta, "factor": y.factor,
             "original_max_position_embeddings": y.original_max_position_embeddings, "beta_fast": y.beta_fast,
             "beta_slow": y.beta_slow, "mscale": y.mscale, "mscale_all_dim": y.mscale_all_dim,
-            **({} if y.truncate else {"truncate": False})}
+            **({} if y.truncate else {"truncate": False}), **partial}
 
 
 def _check_exportable(c: ModelConfig) -> None:
@@ -158,8 +164,12 @@ def _check_exportable(c: ModelConfig) -> None:
         "mixtral": {"attention": "gqa", "moe_score_function": "softmax", "qk_norm": False, "moe_expert_bias": False,
                     "moe_shared_expert_ffn_size": 0, "moe_topk_scaling_factor": 1.0, "moe_num_groups": None,
                     "attention_bias": False},
+        "qwen3_next": qwen3_next.required(c),
     }.get(c.family, {})
-    need = more.needs(c.family, need)
+    need = more.needs(c.family, need)   # + the families' features, off unless the family's HF class has them
+    if c.family != "qwen3_next":   # the hybrid-stack features only Qwen3-Next's HF class has
+        need.update(layer_types=c.layer_types if set(c.layer_types or ()) <= {"full_attention"} else None,
+                    attention_output_gate=False, norm_zero_centered_gamma=False)
     if c.num_experts == 0:  # the dense relative: router choices are irrelevant
         need = {k: v for k, v in need.items() if not k.startswith("moe_")}
     bad = {k: getattr(c, k) for k, v in need.items() if getattr(c, k) != v}
@@ -177,7 +187,7 @@ def _check_exportable(c: ModelConfig) -> None:
 
 
 def _architecture(c: ModelConfig) -> str:
-    if c.num_experts == 0:
+    if c.num_experts == 0 and c.family != "qwen3_next":   # HF Qwen3-Next without experts is all dense MLPs
         if c.family not in DENSE_ARCH:
             raise ValueError(f"{c.name}: a {c.family} model without experts has no HF architecture "
                              f"(dense export exists for {', '.join(DENSE_ARCH)})")
@@ -190,7 +200,7 @@ def _own_fields(c: ModelConfig, dtype: str) -> dict[str, Any]:
     _check_exportable(c)
     arch = _architecture(c)
     out: dict[str, Any] = {
-        "architectures": [arch], "model_type": DENSE_ARCH[c.family][1] if c.num_experts == 0 else c.family,
+        "architectures": [arch], "model_type": c.family if arch == FAMILY_ARCH[c.family] else DENSE_ARCH[c.family][1],
         "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "num_hidden_layers": c.num_layers,
         "num_attention_heads": c.num_attention_heads, "max_position_embeddings": c.max_position_embeddings,
         "rms_norm_eps": c.norm_eps, "tie_word_embeddings": c.tie_word_embeddings, "hidden_act": "silu",
@@ -222,6 +232,8 @@ def _own_fields(c: ModelConfig, dtype: str) -> dict[str, Any]:
                        norm_topk_prob=c.moe_norm_topk_prob, decoder_sparse_step=1,
                        mlp_only_layers=[i for i in range(c.num_layers) if not moe[i]],
                        router_aux_loss_coef=c.moe_aux_loss_coeff)
+    elif c.family == "qwen3_next":
+        out.update(qwen3_next.hf_fields(c))
     elif c.num_experts:
         if not all(moe):
             raise ValueError("Mixtral export needs every layer to be MoE")
@@ -264,6 +276,8 @@ def _respell(own: dict[str, Any], original: dict[str, Any], c: ModelConfig) -> d
             # the same MoE layers, e.g. decoder_sparse_step=2 rather than an explicit mlp_only_layers list
             for k in ("decoder_sparse_step", "mlp_only_layers"):
                 own.pop(k)
+    if c.family == "qwen3_next":
+        own = qwen3_next.respell(own, original, c)
     return own
 
 

@@ -30,6 +30,7 @@ from moefold.models.hf.mapping import (
     expert_names,
     gpt_oss_b13_to_hf,
     gpt_oss_w13_to_hf,
+    hf_layout,
     hf_names,
 )
 from moefold.models.tensor_io import ShardedWriter, dtype_name
@@ -41,7 +42,8 @@ def hf_tensors(name: str, full: Tensor, config: ModelConfig, expert_format: str 
     """The HF tensors of one full moefold tensor (GPT-OSS experts: its one layout, whatever ``expert_format``)."""
     ex = expert_names(name, config)
     if ex is None:
-        yield hf_names(name, config, expert_format)[0], full
+        layout = hf_layout(name, config)
+        yield hf_names(name, config, expert_format)[0], full if layout is None else layout.to_hf(full)
         return
     if ex.gpt_oss:
         which = name.rsplit(".", 1)[1]

@@ -30,6 +30,7 @@ from moefold.models.hf.mapping import (
     expert_names,
     gpt_oss_b13_from_hf,
     gpt_oss_w13_from_hf,
+    hf_layout,
     hf_names,
     ignored_hf_names,
     is_ignorable,
@@ -101,9 +102,10 @@ def _shape_error(name: str, hf_name: str, got: tuple, want: tuple) -> ValueError
     return ValueError(f"tensor {hf_name!r} (for {name!r}) has shape {list(got)}, expected {list(want)}")
 
 
-def read_plain(reader: TensorReader, name: str, candidates: list[str], shape: tuple, box: tuple) -> tuple[Tensor, str]:
-    """``box`` of the first of the HF tensors ``candidates`` the reader holds, checked to have the full ``shape``
-    of the moefold tensor ``name``; (slice, the HF name read)."""
+def read_plain(reader: TensorReader, name: str, candidates: list[str], shape: tuple, box: tuple | None,
+               ) -> tuple[Tensor, str]:
+    """``box`` (None: all) of the first of the HF tensors ``candidates`` the reader holds, checked to have the
+    full ``shape`` of the moefold tensor ``name``; (slice, the HF name read)."""
     for hf_name in candidates:
         if hf_name in reader:
             got = reader.shape(hf_name)
@@ -192,16 +194,20 @@ def load_weights(model: MoEDecoder, reader: TensorReader, strict: bool = True) -
     for name, tensor in model.state_dict(keep_vars=True).items():
         shape = full_shape(tensor)
         box = local_box(shape, shards_of(tensor))
-        ex = expert_names(name, config)
+        ex, layout = expert_names(name, config), hf_layout(name, config)
         if ex is not None:
             value, names = _read_experts(reader, name, ex, shape, box)
             used.update(names)
+        elif layout is not None:   # another layout on disk: read it whole (small), convert, keep this rank's box
+            full, hf_name = read_plain(reader, name, hf_names(name, config), layout.hf_shape(shape), None)
+            value = layout.from_hf(full, shape)[box]
+            used.add(hf_name)
         else:
             value, hf_name = read_plain(reader, name, hf_names(name, config), shape, box)
             used.add(hf_name)
         _assign(tensor, value, name)
     if strict and _holds_whole_model(model):
-        unused = [n for n in reader.names() if n not in used and not is_ignorable(n)
+        unused = [n for n in reader.names() if n not in used and not is_ignorable(n, config)
                   and n not in set(ignored_hf_names(config))]
         if unused:
             raise ValueError(f"{len(unused)} checkpoint tensors match no moefold parameter, e.g. {unused[:5]} "

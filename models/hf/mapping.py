@@ -29,6 +29,9 @@ mtp.k.final_layernorm                  model.layers.{L+k}.shared_head.norm
 mtp.k.block.<X>                        model.layers.{L+k}.<X>
 (shared copies, ignored on import)     model.layers.{L+k}.embed_tokens / shared_head.head
 =====================================  ==========================================================
+
+Qwen3-Next renames its DeltaNet layers' ``self_attn`` to ``linear_attn`` and its shared expert, and stores the
+convolution in another channel order (``hf_layout``); see ``models.hf.qwen3_next``.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from moefold.models.config import ModelConfig
+from moefold.models.hf import qwen3_next
 
 EXPERT_FORMATS = ("per_expert", "fused")
 
@@ -125,7 +129,15 @@ def hf_names(name: str, config: ModelConfig, expert_format: str = "per_expert") 
         if config.family == "minimax_m2":
             return [f"{prefix}{b}.e_score_correction_bias" for b in moe_blocks]
         return [f"{prefix}mlp.gate.e_score_correction_bias"]
+    if config.family == "qwen3_next":
+        return [qwen3_next.hf_layer_name(prefix, rest, config)]
     return [prefix + rest]
+
+
+def hf_layout(name: str, config: ModelConfig) -> qwen3_next.ConvLayout | None:
+    """How the HF tensor of moefold entry ``name`` is laid out differently (``hf_shape(shape)``,
+    ``to_hf(full)``, ``from_hf(hf_full, shape)``); None when it holds the same full tensor."""
+    return qwen3_next.conv_layout(name, config) if config.family == "qwen3_next" else None
 
 
 def expert_names(name: str, config: ModelConfig) -> ExpertNames | None:
@@ -153,6 +165,9 @@ def ignored_hf_names(config: ModelConfig) -> list[str]:
     return out
 
 
-def is_ignorable(hf_name: str) -> bool:
-    """Non-weights some checkpoints carry (rotary caches)."""
+def is_ignorable(hf_name: str, config: ModelConfig | None = None) -> bool:
+    """Non-weights some checkpoints carry (rotary caches), and what transformers does not model either
+    (Qwen3-Next's ``mtp.*``)."""
+    if config is not None and config.family == "qwen3_next" and qwen3_next.is_ignorable(hf_name):
+        return True
     return hf_name.endswith("rotary_emb.inv_freq")

@@ -30,6 +30,9 @@ MIXTRAL = AttentionConfig(hidden_size=32, num_heads=4, num_query_groups=4, slidi
 FAMILIES = AttentionConfig(hidden_size=32, num_heads=8, num_query_groups=2, head_dim=8, qk_norm=True,
                            qk_norm_scope="projection", sinks=True, sliding_window=6, rotary_dim=4, bias=True,
                            out_bias=False, rope_theta=1000.0)
+# and Qwen3-Next's output gate and zero-centred q/k norms on top (the projection norm split over tp, and over all kv
+# heads where they are replicated at tp 4)
+GATED = replace(FAMILIES, output_gate=True, zero_centered_gamma=True)
 
 
 def _layouts_rank():
@@ -43,6 +46,10 @@ def _layouts_rank():
                           seq=16, batch=2, hidden=32, seed=2, dims_cache=cache)
     done += check_layouts(attention_maker(GQAAttention, FAMILIES), STANDARD_LAYOUTS, seq=16, batch=2, hidden=32,
                           seed=3, dims_cache=cache)
+    gated = (Layout(tp=2, sp=True), Layout(tp=4, sp=True), Layout(cp=2, cp_comm="p2p"),
+             Layout(tp=2, cp=2, sp=True, cp_comm="all_gather", recompute="selective"))
+    done += check_layouts(attention_maker(GQAAttention, GATED), gated, seq=16, batch=2, hidden=32, seed=4,
+                          dims_cache=cache)
     # a layout the config cannot take fails at construction, naming the numbers
     dims = cache[(4, 1)]
     with pytest.raises(ValueError, match="num_heads=6 is not divisible by tp=4"):
@@ -56,7 +63,7 @@ def _layouts_rank():
 
 def test_gqa_layouts_equal_world1():
     done = run_distributed(_layouts_rank, 4)[0]
-    assert len(done) == 16 + len(STANDARD_LAYOUTS)
+    assert len(done) == 20 + len(STANDARD_LAYOUTS)
 
 
 def test_bad_configs():

@@ -23,6 +23,7 @@ from moefold.models.decoder import MoEDecoder
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import deepseek_v3_tiny, qwen3_moe_tiny
 from moefold.parallel.fp8 import FP8Config
+from moefold.parallel.fp8_region import fp8_autocast
 from tests.fp8_reference import E4M3, E5M2, GemmRecorder, cast_bound, check_gemm, gemm_bound, ref_cast, rel_err
 
 CASES = [("tensorwise", "hybrid"), ("tensorwise", "e4m3"), ("rowwise", "e4m3"), ("rowwise", "hybrid")]
@@ -126,37 +127,27 @@ def test_convert_picks_the_linears_and_leaves_the_weights():
 
 
 def test_te_backend_runs_a_persistent_te_linear_in_autocast(monkeypatch):
-    """Protocol (stand-in TE, tests/moe/te_standin.py plus ``Linear``): one meta-device ``te.Linear`` per
-    layer for the whole run, run on the layer's own weight inside TE's autocast with the run's recipe."""
+    """Protocol (stand-in TE, tests/moe/te_standin.py): one meta-device ``te.Linear`` per layer for the whole
+    run, run on the layer's own weight inside the caller's TE autocast region with the run's recipe; outside
+    a region it refuses to run (TE would silently compute in high precision)."""
     from tests.moe import te_standin
 
     pt = te_standin.install(monkeypatch)
-    built: list = []
-
-    class Linear(nn.Module):
-        def __init__(self, in_features, out_features, sequence_parallel=False, fuse_wgrad_accumulation=False,
-                     tp_group=None, tp_size=1, get_rng_state_tracker=None, rng_tracker_name=None, init_method=None,
-                     bias=True, return_bias=False, params_dtype=None, parallel_mode=None, device="cuda", **kw):
-            super().__init__()
-            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype, device=device))
-            self.calls: list = []
-            built.append(self)
-
-        def forward(self, inp, is_first_microbatch=None):
-            assert self.weight.device.type != "meta", "TE's own (meta) weight was used"
-            self.calls.append(te_standin._State.recipe)
-            return inp @ self.weight.T
-
-    monkeypatch.setattr(pt, "Linear", Linear, raising=False)
+    config = FP8Config("hybrid", "delayed", backend="te")
     layer = ColumnParallelLinear(32, 16, None, bias=True)
     ref = ColumnParallelLinear(32, 16, None, bias=True)
     ref.load_state_dict(layer.state_dict())
-    convert_linears_to_fp8(nn.ModuleDict({"p": layer}), FP8Config("hybrid", "delayed", backend="te"))
+    convert_linears_to_fp8(nn.ModuleDict({"p": layer}), config)
+    built = pt.Linear.instances
     assert len(built) == 1 and built[0].weight.is_meta and list(layer.state_dict()) == ["weight", "bias"]
-    x = torch.randn(3, 5, 32)
+    x = torch.randn(3, 8, 32)
+    with pytest.raises(RuntimeError, match=r"TELinearGemm: --fp8-backend te GEMMs must run inside"):
+        layer(x)
     for _ in range(2):
-        for got, want in zip(_run(layer, x, torch.ones(3, 5, 16)), _run(ref, x, torch.ones(3, 5, 16))):
-            torch.testing.assert_close(got, want)
+        with fp8_autocast(config):
+            got = _run(layer, x, torch.ones(3, 8, 16))
+        for g, want in zip(got, _run(ref, x, torch.ones(3, 8, 16))):
+            torch.testing.assert_close(g, want)
     assert len(built) == 1 and len(built[0].calls) == 2
     assert built[0].calls[0] == te_standin.DelayedScaling(fp8_format=te_standin.Format.HYBRID)
     assert "Transformer Engine hybrid delayed" in repr(layer)

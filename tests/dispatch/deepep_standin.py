@@ -16,6 +16,13 @@ the returned event's ``current_stream_wait()`` runs, as a real event guards data
 written by DeepEP's communication stream; reading them earlier gives wrong results. Host work
 of the stand-in itself runs under ``HOST_WORK`` (a test replaces it with a sync counter's
 ``paused``, since DeepEP's own host waits happen in its C++).
+
+Preconditions: every check DeepEP v1.2.1 makes on what moefold passes is made here too, each citing its
+line (``deep_ep.cpp`` is ``csrc/deep_ep.cpp``, ``intranode.cu`` ``csrc/kernels/intranode.cu``, ``launch.cuh``
+``csrc/kernels/launch.cuh``, ``buffer.py`` ``deep_ep/buffer.py``, all at tag v1.2.1). A host assert
+(``EP_HOST_ASSERT``) raises ``RuntimeError("Failed: Assertion error FILE:LINE 'COND'")`` as DeepEP's
+``EPException`` does; a device assert (``EP_DEVICE_ASSERT``) traps the kernel on a GPU (the rank dies and its
+peers hang): here it raises ``DeviceAssert``. ``PRECONDITIONS`` lists them (tests/test_standins.py checks each).
 """
 
 from __future__ import annotations
@@ -30,6 +37,60 @@ import torch.distributed as dist
 
 HOST_WORK: Callable[[], AbstractContextManager] = nullcontext
 NUM_MAX_NVL_PEERS = 8
+NUM_MAX_LOCAL_EXPERTS = 1024   # csrc/kernels/configs.cuh:6
+
+
+class DeviceAssert(RuntimeError):
+    """A DeepEP kernel's ``EP_DEVICE_ASSERT`` (csrc/kernels/exception.cuh:44): a trap on a GPU."""
+
+
+def _host_assert(ok: bool, where: str, cond: str) -> None:
+    """DeepEP's ``EP_HOST_ASSERT`` (csrc/kernels/exception.cuh:35-40): an ``EPException`` naming file, line, cond."""
+    if not ok:
+        raise RuntimeError(f"Failed: Assertion error {where} '{cond}'")
+
+
+def _device_assert(ok: bool, where: str, cond: str) -> None:
+    if not ok:
+        raise DeviceAssert(f"device-side assert {where} '{cond}' (on a GPU the kernel traps: the rank dies)")
+
+
+def _comm_stream_args(previous_event: Any, async_finish: bool, allocate_on_comm_stream: bool, where: str) -> None:
+    """Allocating on DeepEP's stream needs an event to wait on and an asynchronous finish."""
+    _host_assert(not allocate_on_comm_stream or (previous_event is not None and async_finish), where,
+                 "previous_event.has_value() and async")
+
+
+def _int64_topk(topk_idx: torch.Tensor, where: str) -> None:
+    """``topk_idx.data_ptr<int64_t>()``: torch raises for another dtype."""
+    if topk_idx.dtype != torch.int64:
+        raise RuntimeError(f"expected scalar type Long but found {topk_idx.dtype} ({where}: data_ptr<int64_t>)")
+
+
+# What the real library rejects and the stand-in with it: (what, DeepEP v1.2.1 file:line). tests/test_standins.py
+# passes each of these to the stand-in and expects the rejection.
+PRECONDITIONS: tuple[tuple[str, str], ...] = (
+    ("num_topk <= 32 in dispatch", "csrc/kernels/intranode.cu:187 (internode.cu:408)"),
+    ("num_topk <= 32 in combine", "csrc/kernels/intranode.cu:592 (internode.cu:1393)"),
+    ("allocate_on_comm_stream needs previous_event and async_finish: layout", "csrc/deep_ep.cpp:253"),
+    ("allocate_on_comm_stream needs previous_event and async_finish: dispatch", "csrc/deep_ep.cpp:391"),
+    ("allocate_on_comm_stream needs previous_event and async_finish: combine", "csrc/deep_ep.cpp:569"),
+    ("topk_idx int64: layout", "csrc/deep_ep.cpp:272"),
+    ("topk_idx int64: dispatch", "csrc/deep_ep.cpp:369"),
+    ("topk_idx 2-D contiguous: layout", "csrc/deep_ep.cpp:245-246"),
+    ("topk_idx and topk_weights 2-D contiguous: dispatch", "csrc/deep_ep.cpp:364-365"),
+    ("topk_weights fp32: dispatch", "csrc/deep_ep.cpp:368"),
+    ("topk_weights fp32: combine", "csrc/deep_ep.cpp:587"),
+    ("x 2-D contiguous: dispatch", "csrc/deep_ep.cpp:336"),
+    ("x 2-D contiguous: combine", "csrc/deep_ep.cpp:547"),
+    ("hidden bytes a multiple of 16: dispatch", "csrc/deep_ep.cpp:337"),
+    ("bf16 dispatch input", "deep_ep/buffer.py:323-324 (docstring: 'type must be torch.bfloat16')"),
+    ("bf16 combine input", "csrc/kernels/intranode.cu:927 -> launch.cuh:81-85 (SWITCH_TYPES: CUDA_R_16BF only)"),
+    ("an even SM count", "deep_ep/buffer.py:152, csrc/deep_ep.cpp:315 and 554"),
+    ("num_experts a multiple of the ranks, <= 1024 per rank", "csrc/deep_ep.cpp:347-348"),
+    ("destroy() needs explicitly_destroy=True", "deep_ep/buffer.py:133"),
+    ("destroy() once", "csrc/deep_ep.cpp:144"),
+)
 
 
 class EventHandle:
@@ -114,12 +175,24 @@ class Buffer:
         self.rank, self.group, self.group_size = group.rank(), group, group.size()
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode = low_latency_mode
+        self.explicitly_destroy, self.destroyed = explicitly_destroy, False
         dist.barrier(group=group)  # creating a buffer is collective (DeepEP all-gathers IPC handles)
         Buffer.instances.append(self)
 
+    def destroy(self) -> None:
+        """``Buffer.destroy()`` (buffer.py:127-137): only with ``explicitly_destroy`` (buffer.py:133), once
+        (deep_ep.cpp:144); collective: it synchronises the device and barriers the group (deep_ep.cpp:147-151)."""
+        assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
+        _host_assert(not self.destroyed, "csrc/deep_ep.cpp:144", "not destroyed")
+        dist.barrier(group=self.group)
+        self.destroyed = True
+
+    def _alive(self) -> None:
+        assert not self.destroyed, "the buffer was destroyed (its runtime is None)"
+
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
-        assert new_num_sms % 2 == 0, "The SM count must be even"
+        assert new_num_sms % 2 == 0, "The SM count must be even"   # buffer.py:152
         Buffer.num_sms = new_num_sms
 
     @staticmethod
@@ -148,7 +221,12 @@ class Buffer:
 
     # -- helpers ---------------------------------------------------------------------------
     def _record(self, name: str, previous_event: Any, async_finish: bool, allocate_on_comm_stream: bool) -> None:
+        self._alive()
         assert previous_event is None or isinstance(previous_event, EventOverlap), type(previous_event)
+        _host_assert(Buffer.num_sms % 2 == 0, "csrc/deep_ep.cpp:315", "config.num_sms % 2 == 0")
+        where = {"get_dispatch_layout": "csrc/deep_ep.cpp:253", "dispatch": "csrc/deep_ep.cpp:391",
+                 "combine": "csrc/deep_ep.cpp:569"}[name]
+        _comm_stream_args(previous_event, async_finish, allocate_on_comm_stream, where)
         Buffer.calls.append((name, {"previous_event": previous_event, "async_finish": async_finish,
                                     "allocate_on_comm_stream": allocate_on_comm_stream}))
 
@@ -174,7 +252,10 @@ class Buffer:
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: EventOverlap | None = None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
         self._record("get_dispatch_layout", previous_event, async_finish, allocate_on_comm_stream)
-        assert topk_idx.dtype == torch.int64 and topk_idx.dim() == 2
+        _host_assert(topk_idx.dim() == 2, "csrc/deep_ep.cpp:245", "topk_idx.dim() == 2")
+        _host_assert(topk_idx.is_contiguous(), "csrc/deep_ep.cpp:246", "topk_idx.is_contiguous()")
+        _host_assert(num_experts > 0, "csrc/deep_ep.cpp:247", "num_experts > 0")
+        _int64_topk(topk_idx, "csrc/deep_ep.cpp:272")
         R = self.group_size
         assert num_experts % R == 0
         e = num_experts // R
@@ -194,7 +275,10 @@ class Buffer:
                  allocate_on_comm_stream: bool = False):
         self._record("dispatch", previous_event, async_finish, allocate_on_comm_stream)
         assert not isinstance(x, tuple), "FP8 dispatch is not modelled"
-        assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous(), (x.dtype, x.shape)
+        _host_assert(x.dim() == 2 and x.is_contiguous(), "csrc/deep_ep.cpp:336", "x.dim() == 2 and x.is_contiguous()")
+        _host_assert(x.size(1) * x.element_size() % 16 == 0, "csrc/deep_ep.cpp:337",
+                     "(x.size(1) * x.element_size()) % sizeof(int4) == 0")
+        assert x.dtype == torch.bfloat16, f"dispatch x must be torch.bfloat16 (buffer.py:323-324), got {x.dtype}"
         R = self.group_size
         with HOST_WORK():
             if handle is not None:  # cached layout: tokens only
@@ -205,8 +289,22 @@ class Buffer:
                 return recv_x, None, None, None, None, event
             assert num_tokens_per_rank is not None and is_token_in_rank is not None
             assert num_tokens_per_expert is not None and topk_idx is not None and topk_weights is not None
-            assert topk_idx.dtype == torch.int64 and topk_weights.dtype == torch.float32
+            _host_assert(is_token_in_rank.dtype == torch.bool, "csrc/deep_ep.cpp:326",
+                         "is_token_in_rank.scalar_type() == torch::kBool")
+            _host_assert(num_tokens_per_expert.dtype == num_tokens_per_rank.dtype == torch.int32,
+                         "csrc/deep_ep.cpp:331-332", "num_tokens_per_expert/rank->scalar_type() == torch::kInt32")
+            _host_assert(num_tokens_per_expert.shape[0] % R == 0, "csrc/deep_ep.cpp:347",
+                         "num_tokens_per_expert->size(0) % num_ranks == 0")
+            _host_assert(num_tokens_per_expert.shape[0] // R <= NUM_MAX_LOCAL_EXPERTS, "csrc/deep_ep.cpp:348",
+                         "num_tokens_per_expert->size(0) / num_ranks <= NUM_MAX_LOCAL_EXPERTS")
+            for t in (topk_idx, topk_weights):
+                _host_assert(t.dim() == 2 and t.is_contiguous(), "csrc/deep_ep.cpp:364-365",
+                             "topk_idx/topk_weights->dim() == 2 and ->is_contiguous()")
             assert topk_idx.shape == topk_weights.shape == (x.shape[0], topk_idx.shape[1])
+            _host_assert(topk_weights.dtype == torch.float32, "csrc/deep_ep.cpp:368",
+                         "topk_weights->scalar_type() == torch::kFloat32")
+            _int64_topk(topk_idx, "csrc/deep_ep.cpp:369")
+            _device_assert(topk_idx.shape[1] <= 32, "csrc/kernels/intranode.cu:187", "num_topk <= 32")
             T = topk_idx.shape[0]
             e = num_tokens_per_expert.shape[0] // R
             send_index = torch.cat([torch.nonzero(is_token_in_rank[:, r]).reshape(-1) for r in range(R)])
@@ -232,8 +330,16 @@ class Buffer:
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish: bool = False, allocate_on_comm_stream: bool = False):
         self._record("combine", previous_event, async_finish, allocate_on_comm_stream)
-        assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous(), (x.dtype, x.shape)
+        _host_assert(x.dim() == 2 and x.is_contiguous(), "csrc/deep_ep.cpp:547", "x.dim() == 2 and x.is_contiguous()")
+        _host_assert(x.dtype == torch.bfloat16, "csrc/kernels/launch.cuh:84 (intranode.cu:927)",
+                     "false and \"Unsupported type\"")
         assert bias is None, "bias is not modelled"
+        if topk_weights is not None:
+            _host_assert(topk_weights.dim() == 2 and topk_weights.is_contiguous(), "csrc/deep_ep.cpp:585",
+                         "topk_weights->dim() == 2 and topk_weights->is_contiguous()")
+            _host_assert(topk_weights.dtype == torch.float32, "csrc/deep_ep.cpp:587",
+                         "topk_weights->scalar_type() == torch::kFloat32")
+            _device_assert(topk_weights.shape[1] <= 32, "csrc/kernels/intranode.cu:592", "num_topk <= 32")
         send_index, send, recv, _, num_tokens, _ = handle
         with HOST_WORK():
             assert x.shape[0] == sum(recv), (x.shape, recv)
@@ -241,7 +347,7 @@ class Buffer:
             y = torch.zeros(num_tokens, x.shape[1]).index_add_(0, send_index, back).to(torch.bfloat16)
             results: list[tuple[torch.Tensor, float | int]] = [(y, float("nan"))]
             if topk_weights is not None:
-                assert topk_weights.dtype == torch.float32 and topk_weights.shape[0] == x.shape[0]
+                assert topk_weights.shape[0] == x.shape[0]
                 back_w = self._exchange(topk_weights, recv, send)
                 w = torch.zeros(num_tokens, topk_weights.shape[1]).index_add_(0, send_index, back_w)
                 results.append((w, float("nan")))

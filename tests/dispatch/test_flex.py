@@ -143,6 +143,10 @@ def _flex_world(layouts):
                             f"{b.group_size} ranks, expected the hints {buffer_sizes(Buffer, n, H * 2)} over {n}")
         if Buffer.num_sms != 24:
             failures.append(f"Buffer.set_num_sms not applied: {Buffer.num_sms}")
+        # created with explicitly_destroy=True and destroyed (collectively) by the owner, not at interpreter exit
+        if not b.explicitly_destroy or b.destroyed or buffers.destroy() != 1 or not b.destroyed:
+            failures.append(f"ep{ep} etp{etp}: buffer explicitly_destroy={b.explicitly_destroy}, destroyed "
+                            f"{b.destroyed}: expected created for an explicit destroy() and destroyed by it")
     return failures
 
 

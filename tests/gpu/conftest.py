@@ -7,6 +7,13 @@ breaks a GPU test fails on a machine without a GPU. Checks that need a CUDA-only
 ``tests.gpu.rehearsal.cuda_only(what)``, which skips them in rehearsal naming ``what``.
 """
 
+import os
+
+# Before the first CUDA query of this pytest process: torch.cuda.is_available() below then asks NVML, not the
+# CUDA runtime, and does not "poison" forks; the multi-rank tests fork their ranks (tests/distributed.py), and
+# on a machine with 2+ GPUs every forked rank would otherwise fail to initialise CUDA.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
 import pytest
 import torch
 

@@ -40,15 +40,20 @@ def capability() -> tuple[int, int]:
 
 
 def gpu_library(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """In a rehearsal, put the CPU stand-in of ``name`` ("te": Transformer Engine, "deep_ep": DeepEP)
-    where the real library would be imported from, so a test exercises moefold's calls into it (the
-    stand-ins have the real signatures; their arithmetic is plain). On a GPU: nothing (the real one)."""
+    """In a rehearsal, put the CPU stand-in of ``name`` ("te": Transformer Engine, "deep_ep": DeepEP,
+    "grouped_gemm") where the real library would be imported from, so a test exercises moefold's calls into
+    it (the stand-ins have the real signatures and reject what the libraries reject; their arithmetic is
+    plain). On a GPU: nothing (the real one)."""
     if not REHEARSAL:
         return
     if name == "te":
         from tests.moe import te_standin
 
         te_standin.install(monkeypatch)
+    elif name == "grouped_gemm":
+        from tests.moe import grouped_gemm_standin
+
+        grouped_gemm_standin.install(monkeypatch)
     elif name == "deep_ep":
         import sys
 
@@ -56,4 +61,4 @@ def gpu_library(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
         monkeypatch.setitem(sys.modules, "deep_ep", deepep_standin.module())
     else:
-        raise ValueError(f"no CPU stand-in for {name!r}; there are stand-ins for 'te' and 'deep_ep'")
+        raise ValueError(f"no CPU stand-in for {name!r}; there are stand-ins for 'te', 'grouped_gemm' and 'deep_ep'")

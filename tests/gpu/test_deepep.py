@@ -62,6 +62,7 @@ def _compare(mode: str, device_type: str):
         y.float().square().sum().backward()
         results[name] = (y.float().cpu(), x.grad.float().cpu(), p.grad.cpu())
     errors = [] if buffers.created == 1 else [f"{buffers.created} DeepEP buffers for two layers, expected 1"]
+    buffers.destroy()   # collective, before the process group goes (DeepEP: explicitly_destroy=True)
     for other in ("flex", "flex2"):
         for i, what in enumerate(("y", "grad x", "grad probs")):
             a, b = results["alltoall"][i], results[other][i]

@@ -3,8 +3,10 @@
 grouped_mm and grouped_gemm.ops.gmm through ``grouped_gemm``; Transformer Engine through the
 persistent ``TEGroupedLinear`` and ``GroupedExperts`` (also in FP8, against bf16 within FP8's
 error). Skipped without CUDA (tests/gpu/conftest.py); a backend whose package is missing is
-skipped here. In a rehearsal (tests/gpu/rehearsal.py) grouped_mm runs on the CPU, TE through its
-CPU stand-in (tests/moe/te_standin.py: the calls, not TE's kernels), grouped_gemm is skipped.
+skipped here. In a rehearsal (tests/gpu/rehearsal.py) grouped_mm runs on the CPU, TE and grouped_gemm
+through their CPU stand-ins (tests/moe/te_standin.py, tests/moe/grouped_gemm_standin.py: the calls, not the
+kernels). TE runs with zero rows too (every rank of an amax group runs the same TE calls; TE zeroes an empty
+GEMM's output, ``csrc/extensions/gemm.cpp``), as ``GroupedExperts`` does.
 """
 
 import pytest
@@ -13,16 +15,15 @@ import torch
 from moefold.moe.experts import GroupedExperts
 from moefold.moe.gemm import check_gemm_backend, grouped_gemm
 from moefold.parallel.fp8 import FP8Config
-from tests.gpu.rehearsal import cuda_only, gpu_library
+from moefold.parallel.fp8_region import fp8_autocast
+from tests.gpu.rehearsal import gpu_library
 
 COUNTS = {"mixed": [64, 0, 128, 40], "one": [0, 0, 0, 256], "empty": [0, 0, 0, 0]}
 
 
 def _require(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if backend == "grouped_gemm":
-        cuda_only("grouped_gemm.ops.gmm (the grouped_gemm package)")
-    if backend == "te":
-        gpu_library("te", monkeypatch)
+    if backend in ("grouped_gemm", "te"):
+        gpu_library(backend, monkeypatch)
     try:
         check_gemm_backend(backend, torch.bfloat16)
     except ImportError as err:
@@ -32,12 +33,9 @@ def _require(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
 def _gemm(backend: str, x: torch.Tensor, w: torch.Tensor, counts: list[int], trans_w: bool) -> torch.Tensor:
     if backend != "te":
         return grouped_gemm(x, w, torch.tensor(counts, device=x.device), backend, trans_w=trans_w)
-    from moefold.moe.gemm import no_rows
     from moefold.moe.te_gemm import TEGroupedLinear
 
     w_eMK = w if trans_w else w.transpose(1, 2)
-    if x.shape[0] == 0:  # as GroupedExperts does: no kernel without rows
-        return no_rows(x, w_eMK, True)
     return TEGroupedLinear(w.shape[0], x.shape[1], w_eMK.shape[1], w.dtype)(x, w_eMK, counts)
 
 
@@ -107,7 +105,8 @@ def test_te_experts_fp8_cuda(recipe, device, monkeypatch):
         results = []
         for m in (ref, fp8):
             xi = x.clone().requires_grad_()
-            y = m(xi, torch.tensor(counts, device=device), counts)
+            with fp8_autocast(m.fp8):   # the region a model enters once per forward (parallel.fp8_region)
+                y = m(xi, torch.tensor(counts, device=device), counts)
             results.append((y, *torch.autograd.grad(y, (xi, m.w13, m.w2), g)))
         if step == 0:
             continue

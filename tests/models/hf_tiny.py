@@ -1,20 +1,42 @@
 """Tiny random HF models of the families, built from transformers' own config classes (nothing is downloaded).
 
-Every parameter is perturbed (norm weights around 1, biases such as DeepSeek's
-``e_score_correction_bias`` random) so that a mis-mapped tensor changes the logits.
+Every parameter is perturbed (norm weights around 1, or around 0 where the norm stores ``gamma - 1``
+(Qwen3-Next), biases such as DeepSeek's ``e_score_correction_bias`` random) so that a mis-mapped tensor
+changes the logits. Qwen3-Next's DeltaNet gets a weak decay and larger key heads than values: random tiny
+recurrent layers amplify fp32 rounding (a one-ulp change of the input moves HF's own logits by ~1e-5 with
+these choices, by ~5e-4 with the decay and norms left as the generic rule would make them).
 """
 
 from __future__ import annotations
 
 import torch
 
-FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral")
-# issue 33's families (Kimi-K2 is a DeepseekV3Config with Kimi's distinctive values)
-MORE_FAMILIES = ("gpt_oss", "glm4_moe", "kimi_k2", "olmoe", "minimax_m2")
+# every family ``hf_model`` builds (Kimi-K2: a DeepseekV3Config with Kimi-K2's distinctive values)
+FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "kimi_k2", "olmoe", "minimax_m2",
+            "qwen3_next")
+# issue 33's attention / MoE feature families: their world-1 and parallel parity tests have their own files
+# (tests/models/test_families.py, test_families_parallel.py); the other families' are in test_hf_interop.py and
+# test_parallel.py
+FEATURE_FAMILIES = ("gpt_oss", "glm4_moe", "kimi_k2", "olmoe", "minimax_m2")
 VOCAB = 96
+# Qwen3-Next's tiny stack: DeltaNet and gated attention interleaved, a dense MLP in a DeltaNet layer (2)
+QWEN3_NEXT_LAYERS = ("linear_attention", "full_attention", "linear_attention", "linear_attention")
 
 
-def _more_family_model(family: str, **changes):
+def qwen3_next_config(**overrides):
+    from transformers import Qwen3NextConfig
+
+    kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+              shared_expert_intermediate_size=24, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+              linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+              norm_topk_prob=True, mlp_only_layers=[2], layer_types=list(QWEN3_NEXT_LAYERS),
+              max_position_embeddings=256,
+              rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5})
+    return Qwen3NextConfig(**{**kw, **overrides})
+
+
+def _feature_family_model(family: str, **changes):
     """GPT-OSS, GLM-4.5, Kimi-K2, OLMoE, MiniMax-M2 at hidden 32 (``changes`` override config fields)."""
     import transformers as tf
 
@@ -56,7 +78,8 @@ def _more_family_model(family: str, **changes):
 
 
 def hf_model(family: str, seed: int = 0, **changes):
-    """(HF model in eval mode, fp32) for ``family``; ``changes``: config fields (issue 33's families)."""
+    """(HF model in eval mode, fp32) for ``family``; ``changes``: config fields (issue 33's families: the feature
+    families and Qwen3-Next)."""
     from transformers import (
         DeepseekV3Config,
         DeepseekV3ForCausalLM,
@@ -67,8 +90,8 @@ def hf_model(family: str, seed: int = 0, **changes):
     )
 
     torch.manual_seed(seed)
-    if family in MORE_FAMILIES:
-        model = _more_family_model(family, **changes)
+    if family in FEATURE_FAMILIES:
+        model = _feature_family_model(family, **changes)
     elif family == "deepseek_v3":
         cfg = DeepseekV3Config(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
@@ -92,14 +115,27 @@ def hf_model(family: str, seed: int = 0, **changes):
             num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
             rope_parameters={"rope_type": "default", "rope_theta": 1e6})
         model = MixtralForCausalLM(cfg)
+    elif family == "qwen3_next":
+        from transformers import Qwen3NextForCausalLM
+
+        model = Qwen3NextForCausalLM(qwen3_next_config(**changes))
     else:
         raise ValueError(family)
     # GPT-OSS has no SDPA path (sinks): its eager attention is the reference
     model.config._attn_implementation = "eager" if family == "gpt_oss" else "sdpa"
     gen = torch.Generator().manual_seed(seed + 1)
+    zero_centered = {f"{n}.weight" for n, m in model.named_modules() if type(m).__name__ == "Qwen3NextRMSNorm"}
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("sinks", "bias")):   # sinks and biases around 0 (not the norm weights' 1)
+            if name.endswith("A_log"):   # weak decay (A ~ 0.14), so the recurrence reaches far back
+                p.copy_(-2.0 + 0.5 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("conv1d.weight"):
+                p.copy_(0.4 * torch.randn(p.shape, generator=gen))
+            elif name in zero_centered:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+            # sinks and biases around 0 (not the norm weights' 1); DeltaNet's dt_bias, the offset of its decay,
+            # keeps the 1-D rule below (the weak decay above was chosen with it)
+            elif name.endswith(("sinks", "bias")) and not name.endswith("dt_bias"):
                 p.copy_(0.5 * torch.randn(p.shape, generator=gen))
             elif p.dim() == 1:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))

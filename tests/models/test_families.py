@@ -26,7 +26,7 @@ from moefold.models.hf.importer import import_hf, load_config, load_hf_weights
 from moefold.models.pretrained import pretrained_config
 from moefold.models.recipes import get_recipe
 from moefold.models.tensor_io import TensorReader
-from tests.models.hf_tiny import MORE_FAMILIES, hf_logits, save_hf, tokens
+from tests.models.hf_tiny import FEATURE_FAMILIES, hf_logits, save_hf, tokens
 from tests.models.published_configs import PUBLISHED_CONFIGS
 
 transformers = pytest.importorskip("transformers")
@@ -46,13 +46,13 @@ def _tensors(path) -> dict[str, torch.Tensor]:
 def checkpoints(tmp_path_factory):
     """{family: (HF dir, HF logits of ``tokens()``)} for the five families."""
     out = {}
-    for family in MORE_FAMILIES:
+    for family in FEATURE_FAMILIES:
         path = tmp_path_factory.mktemp(family)
         out[family] = (path, hf_logits(save_hf(family, path), tokens()))
     return out
 
 
-@pytest.mark.parametrize("family", MORE_FAMILIES)
+@pytest.mark.parametrize("family", FEATURE_FAMILIES)
 def test_import_parity_export_roundtrip(family, checkpoints, tmp_path):
     src, ref = checkpoints[family]
     ids = tokens()
@@ -72,7 +72,7 @@ def test_import_parity_export_roundtrip(family, checkpoints, tmp_path):
     torch.testing.assert_close(hf_logits(reloaded, ids), ref, atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("family", MORE_FAMILIES)
+@pytest.mark.parametrize("family", FEATURE_FAMILIES)
 def test_gradients_equal_transformers(family, checkpoints):
     """One backward of the same next-token loss: every parameter's gradient (sinks, biases, projection norms,
     interleaved experts ...) equals transformers' autograd, mapped to HF's in-memory names and layouts."""
@@ -179,7 +179,7 @@ def test_gpt_oss_interleaved_layout(checkpoints):
 # --------------------------------------------------------------------------------------------
 # configs
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", MORE_FAMILIES)
+@pytest.mark.parametrize("family", FEATURE_FAMILIES)
 def test_recipes_roundtrip_through_hf_config(family):
     for name in RECIPES[family]:
         recipe = get_recipe(name)

@@ -36,16 +36,16 @@ from moefold.pipeline.p2p import recv_forward, send_forward
 from moefold.pipeline.stages import StageLayout
 from moefold.training.optim.grad_sync import GradSync
 from tests.distributed import run_distributed
-from tests.models.hf_tiny import MORE_FAMILIES, VOCAB, save_all, tokens
+from tests.models.hf_tiny import FEATURE_FAMILIES, VOCAB, save_all, tokens
 
 pytest.importorskip("transformers")
 
 TOL = 1e-5
 LOGIT_LAYOUTS = [  # (label, ParallelConfig kwargs, ModelOptions kwargs, families)
-    ("tp2", dict(tp=2), {}, MORE_FAMILIES),
-    ("ep2", dict(ep=2), {}, MORE_FAMILIES),
-    ("pp2", dict(pp=2), {}, MORE_FAMILIES),
-    ("cp2", dict(cp=2), {}, MORE_FAMILIES),
+    ("tp2", dict(tp=2), {}, FEATURE_FAMILIES),
+    ("ep2", dict(ep=2), {}, FEATURE_FAMILIES),
+    ("pp2", dict(pp=2), {}, FEATURE_FAMILIES),
+    ("cp2", dict(cp=2), {}, FEATURE_FAMILIES),
     ("tp4", dict(tp=4), {}, ("gpt_oss", "glm4_moe", "olmoe", "minimax_m2")),
     ("tp2 no-SP", dict(tp=2), dict(sequence_parallel=False), ("olmoe", "minimax_m2")),
     ("etp2xep2", dict(ep=2, etp=2), {}, ("gpt_oss", "glm4_moe")),
@@ -179,7 +179,7 @@ def _rank(dirs: dict[str, str], refs: dict[str, torch.Tensor], ids: torch.Tensor
 
 def test_families_parallel_layouts_equal_transformers(tmp_path):
     ids = tokens(seq=16)
-    dirs, refs = save_all(MORE_FAMILIES, tmp_path, ids)
+    dirs, refs = save_all(FEATURE_FAMILIES, tmp_path, ids)
     out_dir = str(tmp_path / "export")
     reports = run_distributed(_rank, 4, dirs, refs, ids, out_dir, timeout=600)
     report = {}   # the largest difference over the ranks (pp2 logits exist on the last stage's ranks only)
@@ -189,7 +189,7 @@ def test_families_parallel_layouts_equal_transformers(tmp_path):
     for key, value in sorted(report.items()):
         print(f"{key}: max |diff| = {value:.3g}")
     print("seconds per family on rank 0:", {k: round(v, 1) for k, v in reports[0][1].items()})
-    for family in MORE_FAMILIES:   # the layouts, every family
+    for family in FEATURE_FAMILIES:   # the layouts, every family
         assert {f"{family} {label}" for label in ("tp2", "ep2", "pp2", "cp2")} <= set(report), family
     with TensorReader(dirs["gpt_oss"]) as a, TensorReader(out_dir) as b:
         assert sorted(a.names()) == sorted(b.names())

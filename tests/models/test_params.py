@@ -12,6 +12,8 @@ embedding), Zhipu (GLM-4.5 "32B", GLM-4.5-Air "12B") and MiniMax (M2 "10B") coun
 without the input embedding table; for them the test compares ``active_without_embedding`` (with the
 embedding counted too they would be 5.71B, 33.6B, 13.4B and 11.0B). Kimi-K2 ("1T" total, "32B" active)
 and OLMoE ("6.9B", "1.3B") count both, as DeepSeek does. GLM's totals exclude its MTP layer.
+Qwen3-Next-80B-A3B: 79.67B total, 3.88B active (3.25B without the embedding and head: "A3B" truncates
+either).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ PUBLISHED = {  # recipe: (total, active) in billions (a "T" suffix: trillions), 
     "kimi_k2": ("1T", "32"),
     "olmoe_1b_7b": ("6.9", "1.3"),
     "minimax_m2": ("230", "10"),
+    "qwen3_next_80b_a3b": ("80", "3"),
 }
 # publishers whose active count leaves the input embedding out (see the module docstring)
 ACTIVE_WITHOUT_EMBEDDING = {"gpt_oss_120b", "gpt_oss_20b", "glm4_5", "glm4_5_air", "glm4_6", "minimax_m2"}
@@ -78,6 +81,20 @@ def test_convention_details():
     assert moe.total - moe.active == moe.counts["routed_experts"] * (256 - 8) // 256
     text = format_report(ds)
     assert "3-60" in text and "x58" in text and "MTP modules" in text
+
+
+def test_qwen3_next_layers():
+    qn = _count("qwen3_next_80b_a3b")
+    # 12 x (3 Gated DeltaNet layers, 1 gated attention layer), each with the MoE block
+    assert [layer.mixer for layer in qn.layers] == (["linear_attention"] * 3 + ["full_attention"]) * 12
+    assert all(layer.kind == "moe" for layer in qn.layers)
+    linear, full = qn.layers[0], qn.layers[3]
+    # Gated DeltaNet: in_proj_qkvz [16*(2*128+2*2*128), 2048], in_proj_ba [64, 2048], conv [16, 512, 4], out_proj,
+    # A_log, dt_bias [32], norm [128]; gated attention: q_proj twice the heads' width (the gate), k/v, o, q/k norms
+    assert linear.counts["attention"] == 2048 * 12288 + 2048 * 64 + 16 * 512 * 4 + 4096 * 2048 + 32 + 32 + 128
+    assert full.counts["attention"] == 2048 * 8192 + 2 * 2048 * 512 + 4096 * 2048 + 2 * 256
+    assert linear.counts["shared_experts"] == 3 * 2048 * 512 + 2048     # and its sigmoid gate
+    assert "mixer" in format_report(qn) and "linear_attention" in format_report(qn)
 
 
 def test_every_recipe_builds_on_meta():

@@ -6,12 +6,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moefold.moe.config import MoEConfig
 from moefold.moe.experts import GroupedExperts
 from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.parallel.fp8 import FP8Config
+from moefold.parallel.fp8_region import fp8_autocast
 from moefold.parallel.sharding import gather_full, init_parameters, shards_of
 from moefold.training.observe.host_sync import HostSyncCounter
 from tests.distributed import run_distributed
@@ -140,14 +143,19 @@ def test_te_experts_own_persistent_grouped_linears(monkeypatch, activation):
 
 @pytest.mark.parametrize(("fmt", "recipe"), [("hybrid", "delayed"), ("e4m3", "tensorwise")])
 def test_te_fp8_autocast_and_padding(monkeypatch, fmt, recipe):
-    """Protocol (stand-in TE): one TE autocast per experts call with the recipe the flags ask for,
-    rows padded to FP8's per-group alignment once around both GEMMs, results unchanged by padding."""
+    """Protocol (stand-in TE): the experts run in the caller's TE autocast region (parallel.fp8_region) with the
+    recipe the flags ask for, and refuse to run outside one; rows padded to FP8's per-group alignment once around
+    both GEMMs, results unchanged by padding."""
     from tests.moe.te_standin import DelayedScaling, Float8CurrentScaling, Format, _State
 
-    pt, ref, mod = _te_pair(monkeypatch, fp8=FP8Config(fmt, recipe, backend="te"))
+    config = FP8Config(fmt, recipe, backend="te")
+    pt, ref, mod = _te_pair(monkeypatch, fp8=config)
     x, grad = _inputs()
+    with pytest.raises(RuntimeError, match=r"must run inside parallel\.fp8_region\.fp8_autocast"):
+        mod(x, torch.tensor(COUNTS), tuple(COUNTS))   # outside a region TE would silently run bf16
     xi, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
-    y = mod(xi, torch.tensor(COUNTS), tuple(COUNTS))
+    with fp8_autocast(config):
+        y = mod(xi, torch.tensor(COUNTS), tuple(COUNTS))
     y_ref = ref(xr, torch.tensor(COUNTS))
     want_recipe = (DelayedScaling if recipe == "delayed" else Float8CurrentScaling)(
         fp8_format=Format.HYBRID if fmt == "hybrid" else Format.E4M3)
@@ -162,6 +170,57 @@ def test_te_fp8_autocast_and_padding(monkeypatch, fmt, recipe):
     torch.testing.assert_close(xi.grad, xr.grad, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(mod.w13.grad, ref.w13.grad, atol=1e-6, rtol=1e-5)
     assert "fp8 " + fmt in repr(mod)
+
+
+class _BytesAllocated(TorchDispatchMode):
+    """Bytes of the new storages the aten ops under it create (views of existing storages are free)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = pytree.tree_leaves((args, kwargs))
+        seen = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                self.bytes += t.untyped_storage().nbytes()
+        return out
+
+
+def test_te_weight_gradients_allocate_one_stack_not_one_weight_per_expert(monkeypatch):
+    """TE's per-expert weights are views of the stacked parameter: ``unbind`` (one stack of the e gradients in
+    backward), not ``w[i]`` (e SelectBackward nodes, each allocating and adding a zero [e, M, K] tensor: 32x the
+    weight's bytes at e = 32). The backward's allocations stay within 3x the weights' bytes."""
+    te_standin.install(monkeypatch)
+    e, hidden, ffn = 32, 64, 64
+    mod = GroupedExperts(e, hidden, ffn, gemm_backend="te")
+    counts = [2] * e
+    x = torch.randn(sum(counts), hidden, requires_grad=True)
+    y = mod(x, torch.tensor(counts), counts)
+    weight_bytes = sum(p.numel() * p.element_size() for p in mod.parameters())
+    with _BytesAllocated() as alloc:
+        y.backward(torch.ones_like(y))
+    assert alloc.bytes < 3 * weight_bytes, f"backward allocated {alloc.bytes / 1e6:.1f} MB ({weight_bytes} B weights)"
+    assert mod.w13.grad is not None and mod.w2.grad is not None
+
+
+def test_te_experts_without_rows_run_the_same_te_calls(monkeypatch):
+    """A rank whose experts got no rows runs TE's two GEMMs with zero rows (TE zeroes an empty GEMM's output,
+    csrc/extensions/gemm.cpp:535-541), so it issues the TE calls every other rank of the amax group issues;
+    its weights get zero gradients (not None)."""
+    config = FP8Config("hybrid", "delayed", backend="te")
+    pt = te_standin.install(monkeypatch)
+    mod = GroupedExperts(E, H, FFN, gemm_backend="te", fp8=config)
+    x = torch.zeros(0, H, requires_grad=True)
+    with fp8_autocast(config):
+        y = mod(x, torch.zeros(E, dtype=torch.long), (0,) * E)
+    y.sum().backward()
+    fc1, fc2 = pt.GroupedLinear.instances
+    assert [c["m_splits"] for c in fc1.forward_calls + fc2.forward_calls] == [[0] * E] * 2
+    assert y.shape == (0, H) and all(p.grad is not None and not p.grad.any() for p in mod.parameters())
 
 
 def test_fp8_refused_where_it_cannot_run(monkeypatch):

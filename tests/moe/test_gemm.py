@@ -1,14 +1,11 @@
 """Every grouped-GEMM backend available here equals the per-expert loop, values and gradients."""
 
-import contextlib
-import sys
-import types
-
 import pytest
 import torch
 
 from moefold.moe.gemm import GEMM_BACKENDS, check_gemm_backend, grouped_gemm
 from moefold.training.observe.host_sync import HostSyncCounter
+from tests.moe import grouped_gemm_standin
 
 COUNTS = {
     "mixed": [3, 0, 5, 8],
@@ -81,42 +78,12 @@ def test_missing_backend_names_package(backend):
 
 
 # ----------------------------------------------------------------------------------------------
-# grouped_gemm through a stand-in for grouped_gemm.ops (CUDA-only library): the protocol, not speed
+# grouped_gemm through a stand-in for grouped_gemm.ops (tests/moe/grouped_gemm_standin.py: its C++ checks and
+# its uninitialised weight-gradient blocks for experts without rows; the protocol, not speed)
 # ----------------------------------------------------------------------------------------------
-class _Calls(list):
-    """The batch sizes of each gmm call; ``host`` wraps the stand-in's own reads of them (a host tensor)."""
-
-    host = staticmethod(contextlib.nullcontext)
-
-
-def _grouped_gemm_standin(calls: _Calls) -> types.ModuleType:
-    """``grouped_gemm.ops`` with gmm(a, b, batch_sizes, trans_b=False)'s argument checks (csrc/grouped_gemm.cu:
-    batch sizes int64 on the host, contiguous bf16 operands) and a kernel that, like CUTLASS's grouped
-    GEMM, cannot run without any rows. Computes with the loop, so gradients are real."""
-    def gmm(a, b, batch_sizes, trans_b=False):
-        assert batch_sizes.device.type == "cpu" and batch_sizes.dtype == torch.int64
-        assert a.dtype == b.dtype == torch.bfloat16 and a.is_contiguous() and b.is_contiguous()
-        assert b.dim() == 3 and batch_sizes.shape == (b.shape[0],)
-        with calls.host():
-            sizes = batch_sizes.tolist()
-        if sum(sizes) == 0:
-            raise RuntimeError("Grouped GEMM execution not possible with HW")
-        calls.append(sizes)
-        return grouped_gemm(a, b, batch_sizes, "loop", trans_w=trans_b, counts_host=sizes)
-
-    ops = types.ModuleType("grouped_gemm.ops")
-    ops.gmm = gmm
-    return ops
-
-
 @pytest.fixture
 def gmm_calls(monkeypatch):
-    calls = _Calls()
-    pkg = types.ModuleType("grouped_gemm")
-    pkg.ops = _grouped_gemm_standin(calls)
-    monkeypatch.setitem(sys.modules, "grouped_gemm", pkg)
-    monkeypatch.setitem(sys.modules, "grouped_gemm.ops", pkg.ops)
-    return calls
+    return grouped_gemm_standin.install(monkeypatch)
 
 
 @pytest.mark.parametrize("trans_w", [False, True])
@@ -124,7 +91,7 @@ def test_grouped_gemm_zero_rows_skip_the_kernel_with_zero_gradients(gmm_calls, t
     w = torch.randn(4, *((6, 8) if trans_w else (8, 6))).to(torch.bfloat16).requires_grad_()
     x = torch.zeros(0, 8, dtype=torch.bfloat16, requires_grad=True)
     y = grouped_gemm(x, w, torch.zeros(4, dtype=torch.long), "grouped_gemm", trans_w=trans_w)
-    assert y.shape == (0, 6) and gmm_calls == []
+    assert y.shape == (0, 6) and gmm_calls.calls == []
     y.sum().backward()
     assert x.grad is not None and x.grad.shape == (0, 8)
     assert w.grad is not None and torch.count_nonzero(w.grad) == 0  # zeros, not None: hooks fire
@@ -133,7 +100,7 @@ def test_grouped_gemm_zero_rows_skip_the_kernel_with_zero_gradients(gmm_calls, t
     with HostSyncCounter() as syncs:
         gmm_calls.host = syncs.paused
         y = grouped_gemm(x, w, torch.tensor([0, 5, 0, 0]), "grouped_gemm", trans_w=trans_w, counts_host=(0, 5, 0, 0))
-    assert gmm_calls == [[0, 5, 0, 0]] and syncs.total == 0, syncs.report()
+    assert gmm_calls.calls == [[0, 5, 0, 0]] and syncs.total == 0, syncs.report()
     want = x @ (w[1].T if trans_w else w[1])
     torch.testing.assert_close(y, want)
 
@@ -149,3 +116,20 @@ def test_grouped_gemm_dtype_checked_at_start(gmm_calls):
     x = torch.zeros(0, 16, dtype=torch.bfloat16)
     experts(x, torch.zeros(4, dtype=torch.long)).sum().backward()  # a rank with no tokens
     assert all(p.grad is not None and torch.count_nonzero(p.grad) == 0 for p in experts.parameters())
+
+
+@pytest.mark.parametrize("trans_w", [False, True])
+def test_grouped_gemm_expert_without_rows_gets_an_exactly_zero_weight_gradient(gmm_calls, trans_w):
+    """grouped_gemm's weight gradient is ``torch.empty`` and an expert with 0 rows writes none of its block
+    (tgale96/grouped_gemm issue 36; the stand-in leaves NaN there): that expert's gradient must be exactly zero,
+    the others the loop's."""
+    torch.manual_seed(0)
+    counts = [3, 0, 5, 0]
+    w = torch.randn(4, *((6, 8) if trans_w else (8, 6))).to(torch.bfloat16)
+    x = torch.randn(sum(counts), 8).to(torch.bfloat16)
+    g = torch.randn(sum(counts), 6).to(torch.bfloat16)
+    _, _, gw = _run("grouped_gemm", x, w, torch.tensor(counts), trans_w, g)
+    assert [len(c) for c in gmm_calls.calls] == [4, 4, 4]   # forward, dgrad, wgrad: the kernel ran
+    assert torch.equal(gw[1], torch.zeros_like(gw[1])) and torch.equal(gw[3], torch.zeros_like(gw[3])), gw
+    _, _, want = _run("loop", x.float(), w.float(), torch.tensor(counts), trans_w, g.float())
+    torch.testing.assert_close(gw.float(), want, **TOL[torch.bfloat16])

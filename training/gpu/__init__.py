@@ -1,6 +1,8 @@
 """The GPU check (``python -m moefold.training.gpu.check``, ``scripts/gpu_check.sh``): bounded steps on a
-lent GPU machine (tests/gpu, host syncs, a proxy training run, the MoE-layer benchmark), one Markdown report.
+lent GPU machine (the torch API, host syncs, a proxy training run, the MoE-layer benchmark, tests/gpu,
+--compile; then installs from carried wheels), one Markdown report.
 
-Holds: check (the steps and the report), steps (running one bounded step), bench (the measurements).
+Holds: check (the steps and the report), steps (running one bounded step), bench (the measurements),
+install (carried wheels and what they make importable), torch_api (moefold's torch use against a release).
 May import: everything below training.cli (it runs the trainer); nothing imports it.
 """

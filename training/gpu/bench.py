@@ -40,6 +40,7 @@ from moefold.moe.layer import MoELayer
 from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelDims
 from moefold.parallel.fp8 import FP8Config
+from moefold.parallel.fp8_region import fp8_autocast
 from moefold.parallel.machine import describe_machine
 from moefold.training.compile import compile_moe_layer, compile_unavailable
 from moefold.training.observe.host_sync import HostSyncCounter
@@ -174,7 +175,8 @@ def _layer_step(layer: MoELayer, T: int, H: int) -> Callable[[], None]:
 
     def step() -> None:
         layer.zero_grad(set_to_none=True)
-        y, _ = layer(x)
+        with fp8_autocast(layer.config.fp8):   # TE FP8: the region a model enters per forward (world 1 here)
+            y, _ = layer(x)
         y.backward(gy)
 
     return step
@@ -257,7 +259,8 @@ def _training_step(device: str) -> Callable[[], None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moefold.training.gpu.bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     prog="python -m moefold.training.gpu.bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
     m = sub.add_parser("moe-layer", help="MoE layer bf16 per GEMM backend vs the dense ceiling")
     m.add_argument("--tokens", type=int, default=8192)

@@ -30,19 +30,21 @@ class Step:
 class Budget:
     """The check's total time; each step gets what is left after reserving the later steps' minimum.
 
-    ``sized_for``: the total the reserves were chosen for; a smaller budget shrinks them in proportion.
+    ``sized_for``: the total the caps and reserves were chosen for; another budget scales the reserves in
+    proportion, and a larger one the caps too (a CPU rehearsal given ``--budget 880`` gives every step twice
+    the time; a smaller budget never cuts a step's cap).
     """
 
     def __init__(self, seconds: float, sized_for: float | None = None) -> None:
         self.deadline = time.monotonic() + seconds
         self.total = seconds
-        self.scale = 1.0 if sized_for is None else min(1.0, seconds / sized_for)
+        self.scale = 1.0 if sized_for is None else seconds / sized_for
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
     def for_step(self, cap: float, reserve: float = 0.0) -> float:
-        return max(0.0, min(cap, self.left() - reserve * self.scale))
+        return max(0.0, min(cap * max(1.0, self.scale), self.left() - reserve * self.scale))
 
 
 def run(cmd: list[str], timeout: float, log: Path, env: dict[str, str] | None = None,

@@ -2,8 +2,8 @@
 (``--nproc``) or torchrun's, heartbeats and the watchdog that ends a job whose rank stopped.
 
 Holds: preflight, ranks, watchdog.
-May import: moefold.models, moefold.parallel; training.config, training.checkpoint, training.data,
-training.observe, training.errors.
+May import: moefold.models, moefold.parallel, moefold.dispatch (the DeepEP buffers a rank releases);
+training.config, training.checkpoint, training.data, training.observe, training.errors.
 """
 
 from moefold.training.launch.preflight import preflight

@@ -12,6 +12,10 @@ ending it cleanly when something goes wrong.
 
 Every failure is raised as ``JobFailed`` (its ``str`` the one line), the full tracebacks appended to
 ``RUN_DIR/error.log``. Collectives time out after ``timeout_s`` (``--distributed-timeout-minutes``).
+
+Each rank's DeepEP buffers (the flex dispatcher's, ``dispatch.deepep.BUFFERS``) are destroyed when ``fn``
+returns, before the process group goes (DeepEP's destroy barriers the group); when ``fn`` raises they are
+dropped without that collective, which a failed peer would never join.
 """
 
 from __future__ import annotations
@@ -50,6 +54,18 @@ def pick_device(device: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def run_rank(fn: Callable[..., Any], device: torch.device, args: tuple, heartbeat: Heartbeat | None) -> None:
+    """``fn(device, *args, heartbeat=...)``, then this process's DeepEP buffers released (module docstring)."""
+    from moefold.dispatch.deepep import BUFFERS
+
+    try:
+        fn(device, *args, heartbeat=heartbeat)
+    except BaseException:
+        BUFFERS.forget()
+        raise
+    BUFFERS.destroy()
+
+
 def heartbeat_interval(timeout_s: float) -> float:
     return min(5.0, max(0.1, timeout_s / 5))
 
@@ -74,7 +90,7 @@ def _spawned(local_rank: int, fn: Callable[..., Any], nproc: int, workdir: str, 
         store = dist.FileStore(str(work / "store"), nproc)
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=store, rank=local_rank,
                                 world_size=nproc, timeout=timedelta(seconds=timeout_s))
-        fn(dev, *args, heartbeat=heartbeat)
+        run_rank(fn, dev, args, heartbeat)
     except BaseException as exc:  # reported to the launcher, which prints one line for the job
         write_failure(work / f"error.{local_rank}", failure_of(exc, local_rank))
         sys.exit(1)
@@ -172,7 +188,7 @@ def run_ranks(fn: Callable[..., Any], nproc: int, device: str = "auto", timeout_
         try:
             dev = pick_device(device, int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
-            fn(dev, *args, heartbeat=None)
+            run_rank(fn, dev, args, None)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:   # each rank reports its own (torchrun names the first one to fail)
@@ -184,7 +200,7 @@ def run_ranks(fn: Callable[..., Any], nproc: int, device: str = "auto", timeout_
         return
     if nproc <= 1:
         try:
-            fn(pick_device(device, 0), *args, heartbeat=None)
+            run_rank(fn, pick_device(device, 0), args, None)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:   # e.g. torch.distributed.checkpoint's CheckpointException

@@ -3,8 +3,9 @@
 Counts matrix multiplies only (2 FLOPs per multiply-add), forward + backward = 3 x forward (no
 recompute: MFU counts model FLOPs, not hardware FLOPs). Included: attention projections (GQA or
 MLA), the causal score and value products at the average context length (``seq_len / 2``, or the
-sliding window), dense SwiGLU MLPs, routers, only the ``topk`` active routed experts per token,
-shared experts, the output head and the multi-token-prediction modules.
+sliding window), Gated DeltaNet layers (projections, short convolution, the delta rule), dense SwiGLU
+MLPs, routers, only the ``topk`` active routed experts per token, shared experts, the output head and
+the multi-token-prediction modules.
 """
 
 from __future__ import annotations
@@ -25,13 +26,25 @@ def attention_macs(c: ModelConfig, seq_len: int, index: int | None = None) -> fl
         dqk, dv = qk, m.v_head_dim
     else:
         d = c.attention_head_dim
-        proj = H * nh * d + 2 * H * c.kv_heads * d + nh * d * H
+        q = H * nh * d * (2 if c.attention_output_gate else 1)   # gated attention: q_proj also yields the gate
+        proj = q + 2 * H * c.kv_heads * d + nh * d * H
         dqk = dv = d
     context = (seq_len + 1) / 2
     window = c.sliding_window if index is None else c.layer_sliding_window(index)
     if window is not None:
         context = min(context, float(window))
     return proj + nh * (dqk + dv) * context
+
+
+def linear_attention_macs(c: ModelConfig) -> float:
+    """Multiply-adds of one Gated DeltaNet layer for one token: its projections, the depthwise convolution and
+    the delta rule counted in its recurrent form (per value head three ``dk x dv`` products: read ``S^T k``, write
+    ``k delta^T``, read ``S^T q``; the chunked form trades some of them for the intra-chunk products)."""
+    la, H = c.linear_attention, c.hidden_size
+    keys, values = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim
+    proj = H * (2 * keys + 2 * values + 2 * la.num_value_heads) + values * H
+    return proj + (2 * keys + values) * la.conv_kernel_size + 3 * la.num_value_heads * la.key_head_dim * \
+        la.value_head_dim
 
 
 def ffn_macs(c: ModelConfig, moe: bool) -> float:
@@ -50,7 +63,8 @@ def forward_flops_per_token(c: ModelConfig, seq_len: int) -> float:
     """Forward FLOPs of one token through the whole model (all layers, head, MTP)."""
     macs = 0.0
     for i in range(c.num_layers):
-        macs += attention_macs(c, seq_len, i) + ffn_macs(c, c.is_moe_layer(i))
+        mixer = linear_attention_macs(c) if c.layer_type(i) == "linear_attention" else attention_macs(c, seq_len, i)
+        macs += mixer + ffn_macs(c, c.is_moe_layer(i))
     head = c.hidden_size * c.vocab_size
     macs += head
     for k in range(c.mtp_num_layers):

@@ -50,6 +50,7 @@ MICRO_BATCH_SIZES = (1,)   # searched unless --micro-batch-size is given (Megatr
 PROGRESS_EVERY_S = 5.0   # between the search's status lines
 PER_WORKER = 64            # step-time estimates per process before the search forks more processes
 SIMULATED_PER_TOP = 8      # layouts (by the fast estimate) whose pipelines are simulated, per layout printed
+REASON_CHARS = 90         # rejection reasons are grouped by their first characters
 COMPONENTS = ("params", "main grads", "optimizer", "activations", "buffers")
 OFFLOADED = ("core_attn", "attn_proj", "expert_fc1")   # the ladder's offload rung: Megatron's suggested split
 # what shards or moves the static memory past ZeRO-1 (TrainConfig fields), in the order they are tried
@@ -354,7 +355,8 @@ def search(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, 
             sizes = validate_layout(candidate, world)
             _, num_micro = candidate.resolve(world)
         except ValueError as exc:
-            reason = str(exc).split(" (")[0].split(":")[0][:60]
+            reason = str(exc).split(" (")[0].split(":")[0]
+            reason = reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS - 3] + "..."
             result.rejected[reason] = result.rejected.get(reason, 0) + 1
             continue
         result.valid += 1

@@ -18,6 +18,17 @@ from tests.models.hf_tiny import hf_logits, save_hf, tokens
 pytest.importorskip("transformers")
 
 
+def _back_to_hf_bit_exact(tmp_path, hf) -> None:
+    """The moefold checkpoint in ``tmp_path / "mf"`` computes ``hf``'s logits and converts back to the very
+    tensors of ``tmp_path / "hf"``."""
+    ids = tokens()
+    torch.testing.assert_close(load_checkpoint(tmp_path / "mf").logits(ids), hf_logits(hf, ids), atol=1e-5, rtol=0)
+    assert cli(["convert", str(tmp_path / "mf"), str(tmp_path / "back")]) == 0
+    with TensorReader(tmp_path / "hf") as a, TensorReader(tmp_path / "back") as b:
+        assert sorted(a.names()) == sorted(b.names())
+        assert all(torch.equal(a.read(n), b.read(n)) for n in a.names())
+
+
 def test_convert_hf_moefold_hf_roundtrip(tmp_path, capsys):
     hf = save_hf("deepseek_v3", tmp_path / "hf")
     assert cli(["convert", str(tmp_path / "hf"), str(tmp_path / "mf"), "--max-shard-size", "64KB"]) == 0
@@ -26,12 +37,7 @@ def test_convert_hf_moefold_hf_roundtrip(tmp_path, capsys):
     with TensorReader(tmp_path / "mf") as r:  # moefold naming, full tensors
         assert r.shape("layers.1.mlp.experts.w13") == (8, 2, 16, 32)
         assert "layers.1.mlp.router.expert_bias" in r
-    ids = tokens()
-    torch.testing.assert_close(load_checkpoint(tmp_path / "mf").logits(ids), hf_logits(hf, ids), atol=1e-5, rtol=0)
-    assert cli(["convert", str(tmp_path / "mf"), str(tmp_path / "back")]) == 0
-    with TensorReader(tmp_path / "hf") as a, TensorReader(tmp_path / "back") as b:
-        assert sorted(a.names()) == sorted(b.names())
-        assert all(torch.equal(a.read(n), b.read(n)) for n in a.names())
+    _back_to_hf_bit_exact(tmp_path, hf)
     assert "wrote hf checkpoint" in capsys.readouterr().out
 
 
@@ -98,3 +104,27 @@ def test_config_json_roundtrip():
         assert config_from_dict(json.loads(json.dumps(config_to_dict(config)))) == config
     with pytest.raises(ValueError, match=r"unknown ModelConfig fields \['bogus'\]"):
         config_from_dict({**config_to_dict(get_recipe("mixtral_tiny")), "bogus": 1})
+
+
+def test_qwen3_next_convert_and_inspect(tmp_path, capsys):
+    """Qwen3-Next HF -> moefold (DeltaNet's convolution regrouped per key head) -> HF bit-exact; a fresh recipe
+    exported from scratch loads in transformers with moefold's logits; inspect shows each layer's mixer."""
+    from transformers import Qwen3NextForCausalLM
+
+    hf = save_hf("qwen3_next", tmp_path / "hf")
+    assert cli(["convert", str(tmp_path / "hf"), str(tmp_path / "mf")]) == 0
+    with TensorReader(tmp_path / "mf") as r:   # per key head: its q (16), k (16) and 2 value heads (2 x 8)
+        assert r.shape("layers.0.self_attn.conv1d.weight") == (2, 48, 4)
+        assert r.shape("layers.1.self_attn.q_proj.weight") == (64, 32)   # 4 heads x (q 8 + gate 8)
+    _back_to_hf_bit_exact(tmp_path, hf)
+    assert cli(["convert", "--recipe", "qwen3_next_tiny", "--seed", "2", str(tmp_path / "recipe"), "--to", "hf"]) == 0
+    exported = Qwen3NextForCausalLM.from_pretrained(tmp_path / "recipe").eval()
+    from moefold.models.hf.importer import import_hf
+
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(hf_logits(exported, ids), import_hf(tmp_path / "recipe").logits(ids), atol=1e-5,
+                               rtol=0)
+    capsys.readouterr()
+    assert cli(["inspect", "--hf", str(tmp_path / "hf")]) == 0
+    out = capsys.readouterr().out
+    assert "mixer" in out and "linear_attention" in out and "full_attention" in out

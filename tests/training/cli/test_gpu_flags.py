@@ -12,7 +12,7 @@ import pytest
 from moefold.models.layer_factory import moe_config
 from moefold.parallel.dims import ParallelDims
 from moefold.parallel.fp8 import FP8Config
-from moefold.training.cli.train import add_arguments, config_from_args, main, validate
+from moefold.training.cli.train import add_arguments, config_from_args, main, validate, validate_layout
 from moefold.training.config import RunConfig
 
 
@@ -46,3 +46,15 @@ def test_impossible_choices_fail_before_ranks_start(capsys):
         assert main(_args("--moe-token-dispatcher-type", "flex", "--nproc", "2",
                           "--expert-model-parallel-size", "2")) == 2
         assert "DeepEP v1.2.1" in capsys.readouterr().err
+
+
+def test_flex_topk_over_deepep_limit_refused_naming_both_numbers(capsys):
+    """DeepEP's kernels assert num_topk <= 32 on the device (intranode.cu:187, internode.cu:408, 1393); the flex
+    dispatcher sends topk x etp virtual experts: refused by the layout check, exit 2, before any rank starts."""
+    flags = ("--moe-token-dispatcher-type", "flex", "--nproc", "8", "--micro-batch-size", "1", "--num-experts", "16",
+             "--moe-router-topk", "9",
+             "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "4")
+    assert main(_args(*flags)) == 2
+    err = capsys.readouterr().err
+    assert "--moe-router-topk x --expert-tensor-parallel-size = 9 x 4 = 36" in err and "at most 32" in err, err
+    validate_layout(config_from_args(_args(*flags[:-2], "--expert-tensor-parallel-size", "2")), 8)  # 18: fine

@@ -43,6 +43,30 @@ def test_boolean_router_flags_can_be_turned_off(flag):
     assert getattr(_config("--no-" + flag[2:]).model, field) is False
 
 
-def test_bad_router_value_names_the_field():
+def test_bad_router_value_names_the_field(capsys):
     with pytest.raises(ValueError, match="score_function"):
-        router_config(_config("--moe-router-score-function", "relu").model, ModelOptions())
+        router_config(_config().model.with_(moe_score_function="relu"), ModelOptions())
+    with pytest.raises(SystemExit):   # the flag's choices refuse it first
+        _config("--moe-router-score-function", "relu")
+    err = capsys.readouterr().err
+    assert "relu" in err and "softmax" in err and "sigmoid" in err
+
+
+def test_linear_attention_backend_flag_and_refusals(capsys, monkeypatch, tmp_path):
+    """--linear-attention-backend reaches the options; a hybrid layout DeltaNet's heads cannot split over, and the fla
+    backend without its package, fail in one line before any rank starts."""
+    from moefold.dense.gated_delta_rule import fla_available
+    from moefold.training.cli import main as cli
+
+    assert _config("--linear-attention-backend", "torch").options.linear_attention_backend == "torch"
+    assert _config().options.linear_attention_backend == "auto"
+    monkeypatch.setattr("moefold.training.cli.train.run_ranks", lambda *_a, **_k: pytest.fail("a rank was started"))
+    base = ["train", "--recipe", "qwen3_next_tiny", "--run-dir", str(tmp_path), "--no-save", "--train-iters", "1"]
+    cases = [(["--nproc", "4", "--tensor-model-parallel-size", "2", "--context-parallel-size", "2"],
+              "num_key_heads=2 / tp=2 is not divisible by cp=2")]
+    if not fla_available():
+        cases.append((["--linear-attention-backend", "fla"], "needs the flash-linear-attention package"))
+    for flags, message in cases:
+        assert cli([*base, *flags]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1 and err.startswith("moefold train: error:"), err

@@ -38,3 +38,17 @@ def test_budget_leaves_room_for_later_steps():
     assert 89 < budget.for_step(cap=200, reserve=10) <= 90
     assert budget.for_step(cap=20) == 20
     assert budget.for_step(cap=50, reserve=150) == 0
+
+
+def test_budget_scales_caps_and_reserves_and_stops_at_the_scripts_deadline():
+    budget = gpu_check_steps.Budget(880, sized_for=440)
+    assert 199 < budget.for_step(cap=100, reserve=10) <= 200   # twice the time for every step
+    assert gpu_check.deadline_budget(440, None, now=1000.0) == 440
+    assert gpu_check.deadline_budget(440, "1300", now=1000.0) == 285   # 15 s before gpu_check.sh's deadline
+
+
+def test_installs_rerun_what_they_make_possible():
+    assert gpu_check.rerun_plan(frozenset()) == ([], [])
+    files, backends = gpu_check.rerun_plan(frozenset({"torchao", "transformer_engine"}))
+    assert files == ["test_fp8_cuda.py", "test_gemm_backends.py"] and backends == ["grouped_mm", "te"]
+    assert gpu_check.rerun_plan(frozenset({"deep_ep"})) == (["test_deepep.py"], [])

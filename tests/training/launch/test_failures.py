@@ -119,3 +119,39 @@ def test_a_data_error_in_two_ranks_prints_one_line(tmp_path):
     assert "Traceback" not in out + err
     text = log.read_text()
     assert "Traceback (most recent call last)" in text and "gpt_dataset.py" in text
+
+
+def _ok(device, heartbeat=None) -> None:
+    pass
+
+
+def _fails(device, heartbeat=None) -> None:
+    raise ValueError("broken on purpose")
+
+
+def test_deepep_buffers_destroyed_when_the_run_ends_and_dropped_when_it_fails(monkeypatch):
+    """The flex dispatcher's DeepEP buffers (created with explicitly_destroy=True) are destroyed when a rank's run
+    returns, before its process group goes; when it raises they are dropped without DeepEP's collective destroy
+    (deep_ep.cpp: a device sync and a barrier over the group, which a failed peer never joins), so nothing is left
+    for the destructor at interpreter exit, where DeepEP warns it may hang Python's exception handling."""
+    import moefold.dispatch.deepep as deepep
+    from moefold.training.errors import JobFailed
+    from moefold.training.launch import run_ranks
+
+    events: list[str] = []
+
+    class Buffers:
+        def destroy(self) -> int:
+            events.append("destroy")
+            return 1
+
+        def forget(self) -> int:
+            events.append("forget")
+            return 1
+
+    monkeypatch.setattr(deepep, "BUFFERS", Buffers())
+    run_ranks(_ok, 1, "cpu", say=lambda _m: None)
+    assert events == ["destroy"]
+    with pytest.raises(JobFailed, match="broken on purpose"):
+        run_ranks(_fails, 1, "cpu", say=lambda _m: None)
+    assert events == ["destroy", "forget"]

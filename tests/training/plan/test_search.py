@@ -16,6 +16,7 @@ process group).
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -155,3 +156,23 @@ def test_cli_bad_input_is_one_line(capsys) -> None:
     assert cli.main(["plan", "--recipe", "qwen3_moe_tiny", "--gpus", "8", "--gpu-memory", "lots"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("moefold plan:") and "lots" in err and "\n" not in err
+
+
+def test_cli_says_why_no_layout_is_valid_and_plans_the_nearest(capsys) -> None:
+    """issue 27: ``--gpus 6 --tensor-model-parallel-size 4`` used to answer "0 valid ... no layout fits" alone."""
+    code = cli.main(["plan", "--recipe", "qwen3_moe_30b_a3b", "--gpus", "6", "--tensor-model-parallel-size", "4",
+                     "--global-batch-size", "48"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert ("no layout is valid: --tensor-model-parallel-size=4 needs a multiple of 4 ranks (tp 4), but the world "
+            "has 6 ranks (--gpus 6): use --gpus 8") in out
+    assert "or on 6: --tensor-model-parallel-size 1 or 2" in out
+    nearest = [line for line in out.splitlines() if line.startswith("nearest: ")]
+    assert nearest[0].startswith("nearest: --gpus 8 --tensor-model-parallel-size 4: fits"), out
+    # tp 2 on 6 GPUs: under ZeRO-1 none fits (the experts' states, 61.7 GB over 72); optimizer offload makes them fit
+    assert nearest[1].startswith("nearest: --gpus 6 --tensor-model-parallel-size 2: fits"), out
+    assert " cpu-adam: " in nearest[1], out
+    zero1 = cli.main(["plan", "--recipe", "qwen3_moe_30b_a3b", "--gpus", "6", "--tensor-model-parallel-size", "2",
+                      "--global-batch-size", "48", "--distributed-optimizer"])
+    out = capsys.readouterr().out
+    assert zero1 == 1 and re.search(r"\d+\.\d GB over; largest component: optimizer", out), out

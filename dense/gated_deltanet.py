@@ -1,0 +1,314 @@
+"""Gated DeltaNet linear attention (Qwen3-Next's ``linear_attention`` layers) with tensor and sequence parallelism.
+
+HF ``Qwen3NextGatedDeltaNet`` semantics, per token::
+
+    q, k, v, z = in_proj_qkvz(x)  (grouped by key head: [q_h, k_h, v_h, z_h] per key head h)
+    b, a       = in_proj_ba(x)    (per key head: [b_h, a_h], r = value heads / key heads each)
+    q, k, v    = silu(causal_depthwise_conv(q, k, v))      (kernel ``conv_kernel_size``, no bias)
+    beta = sigmoid(b);  g = -exp(A_log) * softplus(a + dt_bias)          (fp32)
+    o = gated_delta_rule(q, k, v, g, beta)                 (``dense.gated_delta_rule``)
+    y = out_proj(rms_norm(o) * weight * silu(z))           (the gated RMSNorm over each value head)
+
+Parameters (HF names under ``linear_attn.``; moefold keeps the block's ``self_attn`` slot):
+
+- ``in_proj_qkvz [hk * (2dk + 2r dv), H]`` / ``in_proj_ba [hk * 2r, H]`` column-parallel: HF already lays them
+  out per key head, so a tp shard holds ``hk/tp`` whole key heads with their r value heads.
+- ``conv1d.weight [hk, 2dk + r dv, K]``: HF's ``[2 hk dk + hv dv, 1, K]`` has the channels in the order
+  (all q, all k, all v), which no contiguous tp shard matches; moefold regroups them per key head (the
+  order of ``in_proj_qkvz``'s output, so the convolution runs on it unpermuted) and the HF mapping permutes
+  on import/export. Sharded along dim 0 (key heads).
+- ``A_log [hv]``, ``dt_bias [hv]`` sharded along the value heads; ``norm.weight [dv]`` replicated (each rank
+  uses it for its own heads, so it enters through ``copy_to_region``: complete gradients on every rank).
+- ``out_proj`` row-parallel (reduce-scatter to the sequence shard under SP, else all-reduce).
+
+Context parallelism (head-parallel, as Ulysses does for attention): the recurrence and the convolution need
+every earlier token, so after the projections one all-to-all over cp trades the sequence for heads: each cp
+rank then holds the whole sequence (in order) for ``1/cp`` of its key heads with their value heads, runs the
+convolution and the delta rule on it unchanged, and a second all-to-all brings the outputs back to its own
+tokens for every head. Needs ``num_key_heads / tp`` divisible by cp. The per-head parameters (conv, A_log,
+dt_bias) get gradients only for the heads a cp rank ran; the dense gradient sum over cp completes them.
+
+Decoding: with ``cache`` set (``RecurrentCache``, what ``models.generate`` installs) a call continues the
+sequence of the previous call: the convolution reads the cached last inputs and the delta rule starts from
+the cached state; both are updated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moefold.dense.cp_exchange import rank_order_to_global
+from moefold.dense.gated_delta_rule import (
+    GATED_DELTA_RULE_BACKENDS,
+    gated_delta_rule_impl,
+    recurrent_gated_delta_rule,
+    require_fla,
+)
+from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
+from moefold.dense.recompute import check_recompute, checkpointed
+from moefold.parallel.comm import all_gather_sequence, all_to_all, copy_to_region
+from moefold.parallel.groups import Group, group_rank, group_size
+from moefold.parallel.sharding import InitFn, Shard, mark_sharded, set_init
+
+
+def _positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"GatedDeltaNetConfig.{name}={value!r} must be a positive integer")
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetConfig:
+    """Sizes of one Gated DeltaNet layer (HF ``linear_num_key_heads`` ... ``linear_conv_kernel_dim``).
+
+    ``backend``: the delta-rule kernel (``dense.gated_delta_rule.GATED_DELTA_RULE_BACKENDS``): "torch" (the
+    chunked form in plain torch), "fla" (flash-linear-attention's Triton kernel, CUDA; refused when not
+    installed), "auto" (fla on CUDA tensors when installed, else torch). ``chunk_size``: the torch form's chunk.
+    """
+
+    hidden_size: int
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel_size: int = 4
+    norm_eps: float = 1e-6
+    chunk_size: int = 64
+    backend: str = "auto"
+    recompute: str = "none"
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim",
+                     "conv_kernel_size", "chunk_size"):
+            _positive_int(name, getattr(self, name))
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(f"GatedDeltaNetConfig: num_value_heads={self.num_value_heads} is not a multiple of "
+                             f"num_key_heads={self.num_key_heads}")
+        if not self.norm_eps > 0:
+            raise ValueError(f"GatedDeltaNetConfig.norm_eps={self.norm_eps!r} must be > 0")
+        if self.backend not in GATED_DELTA_RULE_BACKENDS:
+            raise ValueError(f"GatedDeltaNetConfig.backend={self.backend!r} is not one of {GATED_DELTA_RULE_BACKENDS}")
+        if self.backend == "fla":
+            require_fla()
+        check_recompute(self.recompute, "GatedDeltaNetConfig.recompute")
+        if not self.init_std > 0:
+            raise ValueError(f"GatedDeltaNetConfig.init_std={self.init_std!r} must be > 0")
+
+    @property
+    def value_heads_per_key_head(self) -> int:
+        return self.num_value_heads // self.num_key_heads
+
+    @property
+    def conv_group_channels(self) -> int:
+        """Convolved channels per key head: its q, k and r value heads."""
+        return 2 * self.key_head_dim + self.value_heads_per_key_head * self.value_head_dim
+
+    def check_parallel(self, tp: int, cp: int = 1) -> None:
+        """Raise ValueError unless the key heads split over ``tp`` and then over ``cp`` (see the module docstring)."""
+        if self.num_key_heads % tp:
+            raise ValueError(f"GatedDeltaNetConfig: num_key_heads={self.num_key_heads} (linear attention key heads) "
+                             f"is not divisible by tp={tp}")
+        if (self.num_key_heads // tp) % cp:
+            raise ValueError(f"Gated DeltaNet under context parallelism runs each cp rank on the whole sequence for "
+                             f"1/cp of its heads: num_key_heads={self.num_key_heads} / tp={tp} is not divisible by "
+                             f"cp={cp}")
+
+
+def _uniform_init(low: float, high: float, transform=None) -> InitFn:
+    def init(t: Tensor, gen: torch.Generator) -> None:
+        t.uniform_(low, high, generator=gen)
+        if transform is not None:
+            t.copy_(transform(t))
+
+    return init
+
+
+def _inverse_softplus_dt(u: Tensor, dt_min: float = 1e-3, dt_max: float = 0.1, floor: float = 1e-4) -> Tensor:
+    """Megatron's / Mamba's dt_bias init from u ~ U(0, 1): softplus(dt_bias) = dt, log-uniform in [dt_min, dt_max]."""
+    dt = torch.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=floor)
+    return dt + torch.log(-torch.expm1(-dt))
+
+
+def heads_to_sequence(x: Tensor, cp_group: Group) -> Tensor:
+    """``[S/cp, B, h, ...]`` (this rank's CP part, all its heads) -> ``[S, B, h/cp, ...]`` (the whole sequence in
+    order, heads ``cp_rank * h/cp ..``). One all-to-all over cp; backward: the inverse exchange."""
+    cp = group_size(cp_group)
+    S, B, h, *rest = x.shape
+    parts = x.reshape(S, B, cp, h // cp, *rest).movedim(2, 0).reshape(cp * S, B, h // cp, *rest)
+    return rank_order_to_global(all_to_all(parts, [S] * cp, [S] * cp, cp_group), cp, 0)
+
+
+def sequence_to_heads(x: Tensor, cp_group: Group) -> Tensor:
+    """Inverse of ``heads_to_sequence``: ``[S, B, h/cp, ...]`` -> ``[S/cp, B, h, ...]``."""
+    cp = group_size(cp_group)
+    chunks = x.chunk(2 * cp, dim=0)   # sequence order -> each rank's (chunk r, chunk 2cp-1-r), in rank order
+    parts = torch.cat([c for r in range(cp) for c in (chunks[r], chunks[2 * cp - 1 - r])], dim=0)
+    S = x.shape[0] // cp
+    received = all_to_all(parts, [S] * cp, [S] * cp, cp_group)
+    return received.reshape(cp, S, *x.shape[1:]).movedim(0, 2).flatten(2, 3)
+
+
+@dataclass
+class RecurrentCache:
+    """A Gated DeltaNet layer's decoding state: the last ``K - 1`` convolution inputs ``[B, C, K-1]`` and the
+    delta-rule state ``[B, hv, dk, dv]`` (fp32). Empty before the prompt."""
+
+    conv: Tensor | None = None
+    state: Tensor | None = None
+
+
+class CausalConv1d(nn.Module):
+    """Depthwise causal convolution over the sequence, no bias: ``y_t = sum_j w[:, j] * x_{t-K+1+j}``.
+
+    ``weight [*channels, K]`` with the channels flattened in order (its dim 0 may be sharded). forward(x
+    ``[S, B, C]``, prefix ``[B, C, K-1]`` | None = zeros) -> (y ``[S, B, C]``, the last ``K-1`` inputs).
+    """
+
+    def __init__(self, channels: tuple[int, ...], kernel_size: int, tp_group: Group = None, *,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        tp = group_size(tp_group)
+        self.kernel_size = kernel_size
+        self.weight = nn.Parameter(torch.empty(channels[0] // tp, *channels[1:], kernel_size, dtype=dtype,
+                                               device=device))
+        mark_sharded(self.weight, Shard.over(tp_group, 0))
+        bound = kernel_size ** -0.5   # nn.Conv1d's default (kaiming uniform, a=sqrt(5)) for one input channel
+        set_init(self.weight, _uniform_init(-bound, bound))
+        with torch.no_grad():
+            self.weight.uniform_(-bound, bound)
+
+    def forward(self, x_SBC: Tensor, prefix: Tensor | None = None, rows: slice = slice(None),
+                ) -> tuple[Tensor, Tensor]:
+        """``rows``: the dim-0 rows of the (local) weight whose channels ``x`` holds."""
+        C, K = x_SBC.shape[-1], self.kernel_size
+        weight = self.weight[rows]
+        x = x_SBC.permute(1, 2, 0).to(weight.dtype)
+        x = F.pad(x, (K - 1, 0)) if prefix is None else torch.cat([prefix.to(x.dtype), x], dim=-1)
+        y = F.conv1d(x, weight.reshape(C, 1, K), groups=C)
+        return y.permute(2, 0, 1), x[..., x.shape[-1] - (K - 1):]
+
+
+class GatedRMSNorm(nn.Module):
+    """HF ``Qwen3NextRMSNormGated``: ``(weight * rms_norm(x)) * silu(z)``, statistics and the gate in fp32, in HF's
+    order of casts. forward(x ``[..., d]``, z ``[..., d]``, weight) -> ``[..., d]`` in x's dtype."""
+
+    def __init__(self, dim: int, eps: float, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+
+    def forward(self, x: Tensor, z: Tensor, weight: Tensor | None = None) -> Tensor:
+        weight = self.weight if weight is None else weight
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return ((weight * x32.to(dtype)) * F.silu(z.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """forward(x ``[S/tp, B, H]`` with SP else ``[S, B, H]``, position_ids ``[S]``) -> same shape as x.
+
+    ``S`` is this rank's sequence (its CP part). Crosses ranks over tp (input all-gather / output reduce-scatter
+    under SP, else the region all-reduces, like ``GQAAttention``) and cp (two all-to-alls, see the module
+    docstring); ``position_ids`` are only checked (the recurrence is positional).
+    """
+
+    def __init__(self, config: GatedDeltaNetConfig, tp_group: Group = None, cp_group: Group = None, *,
+                 sequence_parallel: bool = False, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        tp = group_size(tp_group)
+        cp = group_size(cp_group)
+        config.check_parallel(tp, cp)
+        c = self.config = config
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.cp_group, self.cp, self.cp_rank = cp_group, cp, group_rank(cp_group)
+        self.local_key_heads, self.local_value_heads = c.num_key_heads // tp, c.num_value_heads // tp
+        r, dk, dv = c.value_heads_per_key_head, c.key_head_dim, c.value_head_dim
+        kw = {"init_std": c.init_std, "dtype": dtype, "device": device}
+        self.in_proj_qkvz = ColumnParallelLinear(c.hidden_size, c.num_key_heads * (2 * dk + 2 * r * dv), tp_group, **kw)
+        self.in_proj_ba = ColumnParallelLinear(c.hidden_size, c.num_key_heads * 2 * r, tp_group, **kw)
+        self.conv1d = CausalConv1d((c.num_key_heads, c.conv_group_channels), c.conv_kernel_size, tp_group,
+                                   dtype=dtype, device=device)
+        self.A_log = self._head_parameter(c.num_value_heads, tp_group, _uniform_init(1.0, 16.0, torch.log), dtype,
+                                          device)
+        self.dt_bias = self._head_parameter(c.num_value_heads, tp_group, _uniform_init(0.0, 1.0, _inverse_softplus_dt),
+                                            dtype, device)
+        self.norm = GatedRMSNorm(dv, c.norm_eps, dtype=dtype, device=device)
+        self.out_proj = RowParallelLinear(c.num_value_heads * dv, c.hidden_size, tp_group,
+                                          sequence_parallel=sequence_parallel, **kw)
+        self.recompute_core_attn = c.recompute == "selective"
+        self.cache: RecurrentCache | None = None
+        self._rules: dict[str, object] = {}
+
+    @staticmethod
+    def _head_parameter(heads: int, tp_group: Group, init: InitFn, dtype, device) -> nn.Parameter:
+        p = nn.Parameter(torch.empty(heads // group_size(tp_group), dtype=dtype, device=device))
+        mark_sharded(p, Shard.over(tp_group, 0))
+        set_init(p, init)
+        with torch.no_grad():   # usable before init_parameters (which redraws it layout-independently)
+            init(p, None)
+        return p
+
+    def _rule(self, device_type: str):
+        if device_type not in self._rules:   # the kernel is chosen once per device type, not per call
+            self._rules[device_type] = gated_delta_rule_impl(self.config.backend, device_type, self.config.chunk_size)
+        return self._rules[device_type]
+
+    def _core(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+        """The delta rule on ``[B, S, heads, d]`` inputs (with the decoding cache when one is set)."""
+        cache = self.cache
+        if cache is None:
+            return self._rule(q.device.type)(q, k, v, g, beta)[0]
+        rule = recurrent_gated_delta_rule if q.shape[1] == 1 else self._rule(q.device.type)
+        o, cache.state = rule(q, k, v, g, beta, initial_state=cache.state, output_final_state=True)
+        return o
+
+    def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
+        x = all_gather_sequence(x, self.tp_group, 0) if self.sequence_parallel else copy_to_region(x, self.tp_group)
+        S, B = x.shape[:2]
+        if position_ids.shape != (S,):
+            raise ValueError(f"GatedDeltaNet: position_ids {tuple(position_ids.shape)} must be [{S}] (one position "
+                             "per token of this rank's sequence, before the SP split)")
+        c, hk, hv = self.config, self.local_key_heads, self.local_value_heads
+        r, dk, dv = c.value_heads_per_key_head, c.key_head_dim, c.value_head_dim
+        qkv, z = self.in_proj_qkvz.forward_local(x).view(S, B, hk, -1).split([c.conv_group_channels, r * dv], -1)
+        ba = self.in_proj_ba.forward_local(x).view(S, B, hk, 2 * r)
+        key_heads = value_heads = slice(None)
+        if self.cp > 1:   # the whole sequence for 1/cp of the heads
+            qkv, ba = heads_to_sequence(torch.cat([qkv, ba], dim=-1), self.cp_group).split([qkv.shape[-1], 2 * r], -1)
+            hk, hv = hk // self.cp, hv // self.cp
+            key_heads = slice(self.cp_rank * hk, (self.cp_rank + 1) * hk)
+            value_heads = slice(self.cp_rank * hv, (self.cp_rank + 1) * hv)
+        T = qkv.shape[0]   # the mixer's sequence: S, or the whole cp * S
+        b, a = ba.split([r, r], dim=-1)
+        cache = self.cache
+        qkv, prefix = self.conv1d(qkv.reshape(T, B, -1), None if cache is None else cache.conv, key_heads)
+        if cache is not None:
+            cache.conv = prefix
+        q, k, v = F.silu(qkv).to(x.dtype).view(T, B, hk, -1).split([dk, dk, r * dv], dim=-1)
+        beta = torch.sigmoid(b).reshape(T, B, hv)
+        A_log, dt_bias = self.A_log[value_heads].float(), self.dt_bias[value_heads].float()
+        g = -A_log.exp() * F.softplus(a.float().reshape(T, B, hv) + dt_bias)
+        # [T, B, ...] -> [B, T, ...] (fla's and HF's layout)
+        q, k, v, g, beta = (t.transpose(0, 1) for t in (q, k, v.reshape(T, B, hv, dv), g, beta))
+        o = checkpointed(self._core, q, k, v, g, beta, enabled=self.recompute_core_attn and cache is None)
+        o = o.transpose(0, 1)
+        if self.cp > 1:   # back to this rank's tokens, every head
+            o = sequence_to_heads(o, self.cp_group)
+            hv = self.local_value_heads
+        o = self.norm(o, z.reshape(S, B, hv, dv), copy_to_region(self.norm.weight, self.tp_group))
+        return self.out_proj(o.reshape(S, B, hv * dv))
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"key_heads={self.local_key_heads}/{c.num_key_heads}, value_heads={self.local_value_heads}/"
+                f"{c.num_value_heads}, head_dims={c.key_head_dim}/{c.value_head_dim}, conv={c.conv_kernel_size}, "
+                f"backend={c.backend}, sp={self.sequence_parallel}"
+                f"{', recompute core_attn' if self.recompute_core_attn else ''}")

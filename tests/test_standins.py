@@ -1,0 +1,191 @@
+"""The CPU stand-ins of the GPU-only libraries reject what the real ones reject.
+
+Each stand-in lists the preconditions it copied from its library's source (``PRECONDITIONS``: what, and the
+upstream file:line): Transformer Engine (tests/moe/te_standin.py), DeepEP v1.2.1 (tests/dispatch/deepep_standin.py),
+grouped_gemm (tests/moe/grouped_gemm_standin.py). Every entry has a case here that breaks exactly that
+precondition and expects the stand-in to refuse it, and every case is in the list: a precondition cannot be
+listed without being enforced, nor enforced without being listed. moefold's own calls pass them all (the protocol
+tests: tests/moe/test_experts.py, tests/dispatch/test_flex.py, tests/moe/test_gemm.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from tests.dispatch import deepep_standin
+from tests.distributed import run_distributed
+from tests.moe import grouped_gemm_standin, te_standin
+
+bf16 = torch.bfloat16
+
+
+def _refuses(case: Callable[[], object], match: str) -> str | None:
+    """None when ``case()`` raises with ``match`` in its message, else what happened."""
+    try:
+        case()
+    except (RuntimeError, ValueError, TypeError, AssertionError) as err:
+        return None if match in str(err) else f"raised {type(err).__name__}: {err}"
+    return "accepted"
+
+
+def _check_list(listed: tuple[tuple[str, str], ...], cases: dict[str, tuple[Callable[[], object], str]]) -> list[str]:
+    names = [name for name, _where in listed]
+    problems = [f"listed without a case: {n}" for n in names if n not in cases]
+    problems += [f"a case not listed: {n}" for n in cases if n not in names]
+    for name, (case, match) in cases.items():
+        if (what := _refuses(case, match)) is not None:
+            problems.append(f"{name}: {what}")
+    return problems
+
+
+# -------------------------------------------------------------------------------- grouped_gemm
+def test_grouped_gemm_standin_rejects_what_grouped_gemm_rejects():
+    ops = grouped_gemm_standin.module()
+    a, b, sizes = torch.ones(4, 8, dtype=bf16), torch.ones(2, 8, 6, dtype=bf16), torch.tensor([1, 3])
+    cases = {
+        "batch_sizes on the host (cuBLAS build)":
+            (lambda: ops.gmm(a, b, sizes.to("meta")), "grouped_gemm.cu:480"),
+        "batch_sizes 1-D int64": (lambda: ops.gmm(a, b, sizes.int()), "grouped_gemm.cu:486"),
+        "a bf16 2-D": (lambda: ops.gmm(a.float(), b, sizes), "grouped_gemm.cu:492"),
+        "b bf16": (lambda: ops.gmm(a, b.float(), sizes), "grouped_gemm.cu:505"),
+        "b 3-D [experts, K, N] (or [experts, N, K] with trans_b)": (lambda: ops.gmm(a, b[0], sizes),
+                                                                    "grouped_gemm.cu:524"),
+        "a's K equals b's K": (lambda: ops.gmm(a, b, sizes, trans_b=True), "grouped_gemm.cu:531"),
+        "one batch size per expert": (lambda: ops.gmm(a, b, torch.tensor([1, 1, 2])), "grouped_gemm.cu:534"),
+        "a contiguous": (lambda: ops.gmm(torch.ones(8, 4, dtype=bf16).T, b, sizes), "grouped_gemm.cu:538"),
+        "b contiguous": (lambda: ops.gmm(a, torch.ones(2, 6, 8, dtype=bf16).transpose(1, 2), sizes),
+                         "grouped_gemm.cu:539"),
+    }
+    assert not (problems := _check_list(grouped_gemm_standin.PRECONDITIONS, cases)), problems
+    ops.gmm(a, b, sizes)   # and a valid call passes
+
+
+# -------------------------------------------------------------------------------- Transformer Engine
+def test_te_standin_rejects_what_transformer_engine_rejects(monkeypatch):
+    pt = te_standin.install(monkeypatch)
+    delayed = te_standin.DelayedScaling()
+
+    def compiled_autocast():
+        def enter(x):
+            with pt.autocast(enabled=True, recipe=delayed):
+                return x + 1
+
+        return torch.compile(enter, backend="eager", fullgraph=True)(torch.ones(2))
+
+    def twice():
+        context = pt.autocast(enabled=True, recipe=delayed)
+        with context, context:
+            pass
+
+    grouped = pt.GroupedLinear(2, 16, 16, bias=False, device="cpu")
+    linear = pt.Linear(16, 16, bias=False, device="cpu")
+
+    def fp8_linear(rows: int):
+        with pt.autocast(enabled=True, recipe=delayed):
+            return linear(torch.ones(rows, 16))
+
+    cases = {
+        "DelayedScaling autocast entered while torch.compile traces":
+            (compiled_autocast, "DelayedScaling is not supported under torch.compile"),
+        "one autocast object entered twice at once": (twice, "cannot be entered more than once concurrently"),
+        "m_splits of another length than num_gemms":
+            (lambda: grouped(torch.ones(4, 16), [4]), "does not match number of GEMMs"),
+        "an FP8 input to GroupedLinear":
+            (lambda: grouped(torch.ones(4, 16).to(torch.float8_e4m3fn), [2, 2]), "doesn't support input tensor in FP8"),
+        "FP8 te.Linear operands: leading dims a multiple of 8, last of 16":
+            (lambda: fp8_linear(12), "FP8 execution requires the product of all dimensions except the last"),
+    }
+    assert not (problems := _check_list(te_standin.PRECONDITIONS, cases)), problems
+    torch._dynamo.reset()
+    fp8_linear(16)   # valid calls pass
+    grouped(torch.ones(4, 16), [1, 3])
+
+
+# -------------------------------------------------------------------------------- DeepEP
+def _deepep_cases() -> list[str]:
+    mod = deepep_standin.module()
+    buffer = mod.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20, explicitly_destroy=True)
+    R, E, T, H = dist.get_world_size(), 4, 6, 16
+    idx = torch.arange(T * 2).reshape(T, 2) % E
+    weights = torch.full((T, 2), 0.5)
+    x = torch.ones(T, H, dtype=bf16)
+    ev = mod.Buffer.capture
+
+    def layout(topk=idx, **kw):
+        kw = {"previous_event": ev(), "async_finish": True, "allocate_on_comm_stream": True, **kw}
+        return buffer.get_dispatch_layout(topk, E, **kw)
+
+    def dispatch(x=x, topk=idx, w=weights, **kw):
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk.long(), E)
+        kw = {"previous_event": ev(), "async_finish": True, "allocate_on_comm_stream": True, **kw}
+        return buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                               num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=w, **kw)
+
+    handle = dispatch()[4]
+
+    def combine(y=None, w=None, **kw):
+        kw = {"previous_event": ev(), "async_finish": True, "allocate_on_comm_stream": True, **kw}
+        rows = sum(handle[2])
+        return buffer.combine(torch.ones(rows, H, dtype=bf16) if y is None else y, handle, topk_weights=w, **kw)
+
+    def odd_sms():
+        mod.Buffer.num_sms = 7   # as a Config(num_sms=7) would; set_num_sms itself refuses odd counts
+        try:
+            return layout()
+        finally:
+            mod.Buffer.num_sms = 20
+
+    def destroy_unflagged():
+        mod.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20).destroy()
+
+    def destroy_twice():
+        b = mod.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20, explicitly_destroy=True)
+        b.destroy()
+        b.destroy()
+
+    wide = torch.arange(T * 33).reshape(T, 33) % E
+    cases = {
+        "num_topk <= 32 in dispatch":
+            (lambda: dispatch(topk=wide, w=torch.zeros(T, 33)), "intranode.cu:187"),
+        "num_topk <= 32 in combine":
+            (lambda: combine(w=torch.zeros(sum(handle[2]), 33)), "intranode.cu:592"),
+        "allocate_on_comm_stream needs previous_event and async_finish: layout":
+            (lambda: layout(previous_event=None), "deep_ep.cpp:253"),
+        "allocate_on_comm_stream needs previous_event and async_finish: dispatch":
+            (lambda: dispatch(async_finish=False), "deep_ep.cpp:391"),
+        "allocate_on_comm_stream needs previous_event and async_finish: combine":
+            (lambda: combine(previous_event=None), "deep_ep.cpp:569"),
+        "topk_idx int64: layout": (lambda: layout(topk=idx.int()), "deep_ep.cpp:272"),
+        "topk_idx int64: dispatch": (lambda: dispatch(topk=idx.int()), "deep_ep.cpp:369"),
+        "topk_idx 2-D contiguous: layout": (lambda: layout(topk=idx.T.contiguous().T), "deep_ep.cpp:246"),
+        "topk_idx and topk_weights 2-D contiguous: dispatch":
+            (lambda: dispatch(w=weights.T.contiguous().T), "deep_ep.cpp:364-365"),
+        "topk_weights fp32: dispatch": (lambda: dispatch(w=weights.double()), "deep_ep.cpp:368"),
+        "topk_weights fp32: combine": (lambda: combine(w=torch.ones(sum(handle[2]), 2).double()), "deep_ep.cpp:587"),
+        "x 2-D contiguous: dispatch": (lambda: dispatch(x=torch.ones(H, T, dtype=bf16).T), "deep_ep.cpp:336"),
+        "x 2-D contiguous: combine":
+            (lambda: combine(y=torch.ones(H, sum(handle[2]), dtype=bf16).T), "deep_ep.cpp:547"),
+        "hidden bytes a multiple of 16: dispatch":
+            (lambda: dispatch(x=torch.ones(T, 12, dtype=bf16)), "deep_ep.cpp:337"),
+        "bf16 dispatch input": (lambda: dispatch(x=torch.ones(T, H)), "buffer.py:323-324"),
+        "bf16 combine input": (lambda: combine(y=torch.ones(sum(handle[2]), H)), "launch.cuh:84"),
+        "an even SM count": (odd_sms, "deep_ep.cpp:315"),
+        "num_experts a multiple of the ranks, <= 1024 per rank":
+            (lambda: buffer.dispatch(x, num_tokens_per_rank=torch.zeros(R, dtype=torch.int32),
+                                     is_token_in_rank=torch.zeros(T, R, dtype=torch.bool),
+                                     num_tokens_per_expert=torch.zeros(1025 * R, dtype=torch.int32), topk_idx=idx,
+                                     topk_weights=weights), "deep_ep.cpp:348"),
+        "destroy() needs explicitly_destroy=True": (destroy_unflagged, "`explicitly_destroy` flag must be set"),
+        "destroy() once": (destroy_twice, "deep_ep.cpp:144"),
+    }
+    problems = _check_list(deepep_standin.PRECONDITIONS, cases)
+    buffer.destroy()
+    return problems
+
+
+def test_deepep_standin_rejects_what_deepep_rejects():
+    for problems in run_distributed(_deepep_cases, 2, timeout=120):
+        assert not problems, problems
