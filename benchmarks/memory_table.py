@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cpu-time", action="store_true", help="time steps with each rank's process CPU time")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"# {describe_machine()}")
+    print(describe_machine())
     print(f"# torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads, "
           f"load average {os.getloadavg()[0]:.1f}; world 1, fp32, micro-batch {args.micro_batch} x {args.seq} tokens; "
           "MiB per rank; activations measured with TensorMemoryTracker (tensor bytes)")
