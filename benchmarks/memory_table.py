@@ -20,7 +20,8 @@ on the device (``static_bytes``; buckets of 2^14 elements, so that the offload f
 buckets), the host bytes (offloaded optimizer states, and the activations' host copies
 when the forward ends), the activations left for the backward and the peak of one forward + backward
 (``TensorMemoryTracker``, host copies counted apart), and the median step time of ``--steps`` training steps
-(process CPU time with ``--cpu-time``) against the plain run's. On this CPU the offload copies are plain
+(process CPU time with ``--cpu-time``; the settings' steps interleaved round by round, each until its parameters are
+ready) against the plain run's. On this CPU the offload copies are plain
 synchronous copies and the "CPU" optimizer runs on the same cores as everything else, so the step-time costs here
 are upper bounds of what side streams and a host CPU hide on a GPU.
 """
@@ -103,7 +104,7 @@ def _saver_rank(rank: int, world: int, store: str, args: dict, results: mp.Queue
         dims = ParallelDims.build(ParallelConfig())
         model = get_recipe(args["recipe"])
         clock = time.process_time if args["cpu_time"] else time.perf_counter
-        rows = {}
+        rows, trainers, batches = {}, {}, {}
         for name, (options, extra) in SAVERS.items():
             train = TrainConfig(micro_batch_size=args["micro_batch"], global_batch_size=args["micro_batch"] * world,
                                 seq_length=args["seq"], train_iters=args["steps"] + 2, lr_warmup_iters=0,
@@ -114,6 +115,7 @@ def _saver_rank(rank: int, world: int, store: str, args: dict, results: mp.Queue
             gen = torch.Generator().manual_seed(rank)
             batch = torch.randint(0, model.vocab_size, (args["micro_batch"], args["seq"] + 1), generator=gen)
             trainer.train_step([batch])   # warm-up (and the optimizer's first step)
+            trainer.optimizer.finish_param_sync()
             trainer.sync.start_step(1)
             got = {}
             with TensorMemoryTracker() as tracker:
@@ -121,16 +123,23 @@ def _saver_rank(rank: int, world: int, store: str, args: dict, results: mp.Queue
                 got.update(after_fwd=tracker.current, host_act=tracker.offloaded)
                 out.loss.backward()
             trainer.sync.finish()
-            times = []
-            for _ in range(args["steps"]):
-                dist.barrier()
-                t0 = clock()
-                trainer.train_step([batch])
-                times.append(clock() - t0)
-            trainer.optimizer.close()
+            trainers[name], batches[name] = trainer, batch
             rows[name] = {"params": static["params"], "grads": static["grads"], "states": static["optimizer"],
                           "host": static["host_optimizer"] + got["host_act"], "after_fwd": got["after_fwd"],
-                          "peak": tracker.peak, "step_s": statistics.median(times)}
+                          "peak": tracker.peak, "times": []}
+        # Timed in rounds, one step of every setting per round, so that the load other jobs put on the machine
+        # drifts over all settings alike. A step ends when its parameters are ready (the optimizer offload's CPU
+        # update and deferred gathers included), so that no setting's work runs inside another's timing.
+        for _ in range(args["steps"]):
+            for name, trainer in trainers.items():
+                dist.barrier()
+                t0 = clock()
+                trainer.train_step([batches[name]])
+                trainer.optimizer.finish_param_sync()
+                rows[name]["times"].append(clock() - t0)
+        for name, trainer in trainers.items():
+            trainer.optimizer.close()
+            rows[name]["step_s"] = statistics.median(rows[name].pop("times"))
         if rank == 0:
             results.put(rows)
     finally:
