@@ -242,10 +242,13 @@ def _one_layout(config: RunConfig, fixed: Fixed, world: int, cluster, per_node: 
     the error. Under each ``SHARDING`` choice (unless fixed) the least activation saving that fits (unless fixed);
     the fastest of those is the plan, else the closest."""
     from moefold.parallel.dims import ParallelConfig
-    from moefold.training.plan.search import SHARDING, _with_sharding
+    from moefold.training.plan.search import SHARDING, _stage_splits, _with_sharding
 
+    # the pipeline split the search would take first (61 layers on pp16: 3 on the first stage, 2 on the last)
+    split = next(_stage_splits(config.model.num_layers, fixed.pp, fixed), {})
     config = dataclasses.replace(config, parallel=ParallelConfig(tp=fixed.tp, cp=fixed.cp, pp=fixed.pp, ep=fixed.ep,
-                                                                 etp=fixed.etp))
+                                                                 etp=fixed.etp),
+                                 train=dataclasses.replace(config.train, **split))
     ladder = {"fixed": {}} if fixed.recompute is not None else recompute_ladder(config.model)
     fitting, closest, summary = [], None, []
     try:

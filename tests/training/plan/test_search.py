@@ -152,6 +152,19 @@ def test_cli_fixed_layout_that_does_not_fit(capsys) -> None:
     assert "does not fit" in out and "largest component: main grads" in out
 
 
+def test_cli_fixed_layout_with_uneven_stages(capsys) -> None:
+    # 5 layers on pp2 (as DeepSeek-V3's 61 on the report's pp16): the check takes the split the search takes (3 on
+    # the first stage, 2 on the last) and prints the command that carries it, rather than refusing the layout
+    code = cli.main(["plan", "--recipe", "qwen3_moe_tiny", "--num-layers", "5", "--seq-length", "256", "--gpus", "4",
+                     "--global-batch-size", "8", "--tensor-model-parallel-size", "1", "--context-parallel-size", "1",
+                     "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+                     "--expert-tensor-parallel-size", "1", "--micro-batch-size", "1"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "with zero1: fits" in captured.out
+    assert "--decoder-first-pipeline-num-layers 3 --decoder-last-pipeline-num-layers 2" in captured.out
+
+
 def test_cli_bad_input_is_one_line(capsys) -> None:
     assert cli.main(["plan", "--recipe", "qwen3_moe_tiny", "--gpus", "8", "--gpu-memory", "lots"]) == 2
     err = capsys.readouterr().err.strip()
