@@ -22,12 +22,11 @@ import pytest
 import torch
 
 from moefold.parallel.dims import ParallelConfig, ParallelDims
-from moefold.parallel.sharding import gather_full, shards_of
 from moefold.training.config import TrainConfig
 from moefold.training.observe.memory import static_bytes
 from moefold.training.optim.fsdp import check_fsdp, fsdp_units
 from tests.distributed import run_distributed
-from tests.training.trainer_common import run, tiny_config
+from tests.training.trainer_common import observe, run, tiny_config
 
 STEPS = 3
 TOL = 1e-4          # absolute, losses and weights
@@ -37,24 +36,6 @@ FSDP = {"use_torch_fsdp2": True}
 WORLD2 = {"dp2": ParallelConfig(), "dp2xep2": ParallelConfig(ep=2)}
 WORLD4 = {"tp2.dp2": ParallelConfig(tp=2), "pp2.dp2": ParallelConfig(pp=2), "tp2xep2.dp2": ParallelConfig(tp=2, ep=2),
           "cp2.dp2": ParallelConfig(cp=2), "ep2xetp2.dp4": ParallelConfig(ep=2, etp=2)}
-
-
-def observe(trainer, record: dict) -> None:
-    params = dict(trainer.model.named_parameters())
-    record.update(grads=[], norms=[])
-    finish, grad_norm = trainer.sync.finish, trainer.optimizer.grad_norm
-
-    def finish_and_record() -> None:
-        finish()
-        reduced = trainer.sync.gathered_grads()
-        record["grads"].append({n: gather_full(g, shards_of(params[n])).float() for n, g in reduced.items()})
-
-    def grad_norm_and_record():
-        norm = grad_norm()
-        record["norms"].append(float(norm))
-        return norm
-
-    trainer.sync.finish, trainer.optimizer.grad_norm = finish_and_record, grad_norm_and_record
 
 
 def _observed(config, dims=None) -> dict:
