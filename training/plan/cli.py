@@ -75,6 +75,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help=f"{LAYOUT_HELP[flag]}; default: searched")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="virtual stages of M layers per rank; default: searched (even split, or 2 virtual stages)")
+    for which in ("first", "last"):
+        g.add_argument(f"--decoder-{which}-pipeline-num-layers", type=int, default=None,
+                       help=f"decoder layers on the {which} pipeline stage (an uneven split, as moefold train); "
+                            "default: searched (even, or the remainder on the first and last stages)")
     g.add_argument("--pipeline-schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved"),
                    help="pp > 1 (interleaved is implied by virtual stages)")
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
@@ -170,7 +174,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[RunConfig, Fixed]:
                   pp=args.pipeline_model_parallel_size, ep=args.expert_model_parallel_size,
                   etp=args.expert_tensor_parallel_size,
                   layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
-                  micro_batch_size=args.micro_batch_size, recompute=recompute, sharding=given[0] if given else None)
+                  first_stage_layers=args.decoder_first_pipeline_num_layers,
+                  last_stage_layers=args.decoder_last_pipeline_num_layers, micro_batch_size=args.micro_batch_size,
+                  recompute=recompute, sharding=given[0] if given else None)
     return RunConfig(model=model, options=options, train=train, recipe=args.recipe), fixed
 
 

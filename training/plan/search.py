@@ -183,6 +183,8 @@ class Fixed:
     ep: int | None = None
     etp: int | None = None
     layers_per_virtual_stage: int | None = None
+    first_stage_layers: int | None = None     # --decoder-first-pipeline-num-layers
+    last_stage_layers: int | None = None      # --decoder-last-pipeline-num-layers
     micro_batch_size: int | None = None
     recompute: dict | None = None        # ModelOptions fields (recompute and activation offloading)
     sharding: str | None = None          # a ``SHARDING`` name
@@ -194,7 +196,12 @@ def _divisors(n: int, limit: int) -> list[int]:
 
 def _stage_splits(num_layers: int, pp: int, fixed: Fixed) -> Iterator[dict]:
     """TrainConfig fields of the pipeline splits tried at ``pp``: even (and 2 virtual stages when each stage's
-    layers are even) or, when the layers do not divide, the first and last stages taking the remainder."""
+    layers are even) or, when the layers do not divide, the first and last stages taking the remainder; a split
+    the flags fix is the only one (``moefold train``'s validation judges it)."""
+    if fixed.first_stage_layers is not None or fixed.last_stage_layers is not None:
+        yield {"decoder_first_pipeline_num_layers": fixed.first_stage_layers,
+               "decoder_last_pipeline_num_layers": fixed.last_stage_layers}
+        return
     if pp == 1:
         yield {}
         return

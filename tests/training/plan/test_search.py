@@ -163,6 +163,15 @@ def test_cli_fixed_layout_with_uneven_stages(capsys) -> None:
     assert code == 0, captured.err
     assert "with zero1: fits" in captured.out
     assert "--decoder-first-pipeline-num-layers 3 --decoder-last-pipeline-num-layers 2" in captured.out
+    # the split fixed by moefold train's flags is the one planned (and printed); an impossible one is explained
+    base = ["plan", "--recipe", "qwen3_moe_tiny", "--num-layers", "5", "--seq-length", "256", "--gpus", "4",
+            "--global-batch-size", "8", "--pipeline-model-parallel-size", "2", "--top", "1"]
+    assert cli.main([*base, "--decoder-first-pipeline-num-layers", "2", "--decoder-last-pipeline-num-layers", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "--decoder-first-pipeline-num-layers 2 --decoder-last-pipeline-num-layers 3" in out, out
+    assert cli.main([*base, "--decoder-first-pipeline-num-layers", "4", "--decoder-last-pipeline-num-layers", "4"]) == 1
+    out = capsys.readouterr().out
+    assert "no layout is valid" in out and "decoder" in out, out
 
 
 def test_cli_bad_input_is_one_line(capsys) -> None:
