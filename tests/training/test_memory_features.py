@@ -1,8 +1,10 @@
 """Issue 30's memory features through the trainer, on several ranks.
 
-- Activation offloading with the pipeline schedules (pp2, 1F1B and interleaved, 4 micro-batches): losses and
-  parameters equal the run without offloading, and stage 0 holds the host copies of several micro-batches at once
-  (each micro-batch in flight keeps its own).
+- Activation offloading with the pipeline schedules (pp2, 1F1B, interleaved, ZB-H1 and ZB-V, 4 micro-batches):
+  losses and parameters equal the run without offloading, and stage 0 holds the host copies of several
+  micro-batches at once (each micro-batch in flight keeps its own; ZB's W steps read what their I brought back).
+- Optimizer offload (F = 0.5, 1) with the batch-level overlap at ep2 (delayed weight gradients) and with ZB-H1 at
+  pp2: the same losses and parameters as the on-device update, bit for bit.
 - Imbalance under a forced skew (every token's first copy to expert 0: max/mean exactly E/k = 4), ep2 in a 2-rank
   world: the trainer measures that max/mean per micro-batch over the dispatch group, warns once before the planned
   ratio is exceeded and once when it is; ``--moe-expert-rank-capacity-factor`` drops nothing at C = 4 (the same
@@ -31,7 +33,11 @@ from tests.training.trainer_common import run, tiny_config
 
 OFFLOAD = ModelOptions(offload_modules=("attn_norm", "core_attn", "attn_proj", "expert_fc1", "moe_act"),
                        min_offloaded_tensor_size=0)
-PIPELINES = {"1f1b": {}, "interleaved": {"model": {"num_layers": 4}, "num_layers_per_virtual_pipeline_stage": 1}}
+# zb-h1 and zbv split each backward into I and W (the W's GEMMs read inputs the I brought back from the host)
+PIPELINES = {"1f1b": {}, "interleaved": {"model": {"num_layers": 4}, "num_layers_per_virtual_pipeline_stage": 1},
+             "zb-h1": {"pipeline_schedule": "zb-h1"},
+             "zbv": {"model": {"num_layers": 4}, "num_layers_per_virtual_pipeline_stage": 1,
+                     "pipeline_schedule": "zbv"}}
 
 
 def _with_options(config, options: ModelOptions):
@@ -70,6 +76,40 @@ def test_offloading_with_pipeline_schedules(schedule: str) -> None:
             assert torch.equal(value, ref_params[name]), name
         if r["pp_rank"] == 0:
             assert r["in_flight"] >= 2, r["in_flight"]   # several micro-batches' copies at once (1F1B warm-up)
+
+
+# ------------------------------------------------------------------- optimizer offload with issue 29's schedules
+SPLIT_SCHEDULES = {   # ParallelConfig, TrainConfig fields
+    "overlap ep2": (ParallelConfig(ep=2), {"overlap_moe_expert_parallel_comm": True, "delay_wgrad_compute": True}),
+    "zb-h1 pp2": (ParallelConfig(pp=2), {"pipeline_schedule": "zb-h1"}),
+}
+
+
+def _offload_with_split_schedules(_arg) -> dict:
+    out = {}
+    for name, (pc, train) in SPLIT_SCHEDULES.items():
+        dims = ParallelDims.build(pc)
+        runs = []
+        for extra in ({}, {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.5},
+                      {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0}):
+            losses, params, trainer = run(tiny_config(pc, steps=2, bucket_numel=2048, **train, **extra), dims)
+            if extra:
+                assert any(s.offloaded for s in trainer.optimizer.slices), name
+                trainer.optimizer.host.close()
+            runs.append((losses, params))
+        out[name] = runs
+    return out
+
+
+def test_optimizer_offload_with_the_overlap_and_zero_bubble() -> None:
+    """The CPU update under the batch-level overlap (delayed weight gradients) and ZB-H1's W steps: the same losses
+    and parameters as the on-device update, bit for bit (``moefold plan`` proposes these combinations)."""
+    for r in run_distributed(_offload_with_split_schedules, 2, None, timeout=400):
+        for name, ((ref_losses, ref_params), *offloaded) in r.items():
+            for losses, params in offloaded:
+                assert losses == ref_losses, name
+                for key, value in params.items():
+                    assert torch.equal(value, ref_params[key]), (name, key)
 
 
 # ----------------------------------------------------------------------------------------------- imbalance

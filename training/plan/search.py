@@ -12,16 +12,22 @@
 - the step time (``training.plan.step_time.estimate_step_time``), for a layout that fits.
 
 ``search`` enumerates every layout of ``world`` GPUs (tp, cp, pp with its stage split and virtual stages, ep,
-etp, the micro-batch size and the recompute setting) that ``moefold train`` would accept (``validate_layout``),
-keeping what the user fixed; for each layout it takes the least activation saving that fits (``recompute_ladder``:
-more recompute never runs faster), and ranks what fits by tokens/s/GPU.
+etp, the micro-batch size, the pipeline schedule with or without the batch-level overlap, and the recompute
+setting) that ``moefold train`` would accept (``validate_layout``), keeping what the user fixed; for each layout
+it takes the least activation saving that fits (``recompute_ladder``: more recompute never runs faster), and ranks
+what fits by tokens/s/GPU. The schedules tried (``_schedules``): at pp = 1 plain accumulation and, with ep > 1,
+the overlap; at pp > 1 1F1B and ZB-H1 with one chunk per rank, interleaved 1F1B (with and without the overlap)
+and, when the layers split evenly over 2 pp chunks, ZB-V and DualPipeV (with and without its FB pairs
+overlapped). The overlap always comes with --delay-wgrad-compute (it only removes exposed time).
 
 Memory savers past ZeRO-1 are choices of the search too (``SHARDING``): FSDP2 (``--use-torch-fsdp2``) and optimizer
 offload (``--optimizer-cpu-offload``, fraction 1). A layout that fits with no activation saving under ZeRO-1 is
 taken as it is; otherwise each saver is tried with the least activation saving it needs, kept only when that is
 less than what ZeRO-1 needs (the same saving with a saver never runs faster), and of those the fastest is the
 layout's plan. Activation offloading is a rung of the ladder (``offload``). Host memory (the offloaded activations
-of the micro-batches in flight, the offloaded optimizer states) must fit the host's share per GPU too.
+of the micro-batches in flight, the offloaded optimizer states) must fit the host's share per GPU too. A saver
+``moefold train`` refuses with the layout's schedule (``training.config.saver_conflict``: FSDP2 with split
+backwards or the batch-level overlap, activation offloading with the overlap) is not tried with it.
 """
 
 from __future__ import annotations
@@ -144,11 +150,19 @@ class Plan:
     def vpp(self) -> int:
         return self.config.pipeline_layout(self.sizes.pp).vpp if self.sizes.pp > 1 else 1
 
+    @property
+    def schedule(self) -> str:
+        """The schedule ``moefold train`` runs (``+ov``: with the batch-level overlap; pp = 1: "-" or "overlap")."""
+        overlap = self.config.train.overlap_moe_expert_parallel_comm
+        if self.sizes.pp == 1:
+            return "overlap" if overlap else "-"
+        return self.config.schedule_name(self.vpp) + ("+ov" if overlap else "")
 
-def _memory(config: RunConfig, sizes: ParallelSizes, num_micro: int, exact: bool) -> RankMemory:
+
+def _memory(config: RunConfig, sizes: ParallelSizes, num_micro: int, exact: bool, gpus_per_node: int) -> RankMemory:
     static = (exact_static if exact else static_lower_bound)(config, sizes)
     flex = config.options.resolved_dispatcher(sizes.ep, sizes.etp) == "flex"
-    deepep = deepep_buffer_bytes(config, sizes) if flex else 0
+    deepep = deepep_buffer_bytes(config, sizes, gpus_per_node) if flex else 0
     ranks = [RankMemory(r, static[r], activation_memory(config, sizes, r, num_micro), deepep)
              for r in range(sizes.pp)]
     return max(ranks, key=lambda m: m.total)
@@ -162,9 +176,9 @@ def evaluate(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int
     sizes = validate_layout(config, world)
     _, num_micro = config.resolve(world)
     usable = int((memory_bytes or cluster.memory_bytes) * (1 - headroom))
-    memory = _memory(config, sizes, num_micro, exact=False)
+    memory = _memory(config, sizes, num_micro, exact=False, gpus_per_node=gpus_per_node)
     if memory.total <= usable:
-        memory = _memory(config, sizes, num_micro, exact=True)
+        memory = _memory(config, sizes, num_micro, exact=True, gpus_per_node=gpus_per_node)
     plan = Plan(config, sizes, num_micro, recompute or config.options.recompute, memory, usable,
                 host_usable=int(cluster.host_memory_bytes * (1 - headroom)))
     if with_time and plan.fits:
@@ -188,6 +202,8 @@ class Fixed:
     micro_batch_size: int | None = None
     recompute: dict | None = None        # ModelOptions fields (recompute and activation offloading)
     sharding: str | None = None          # a ``SHARDING`` name
+    schedule: str | None = None          # --pipeline-schedule
+    overlap: bool | None = None          # --overlap-moe-expert-parallel-comm
 
 
 def _divisors(n: int, limit: int) -> list[int]:
@@ -224,6 +240,31 @@ def _stage_splits(num_layers: int, pp: int, fixed: Fixed) -> Iterator[dict]:
         per -= 1
 
 
+OVERLAP_FIELDS = ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute")
+
+
+def _schedules(num_layers: int, pp: int, ep: int, split: dict, fixed: Fixed) -> Iterator[dict]:
+    """TrainConfig fields of the schedules tried with one stage split (module docstring)."""
+    overlaps = [fixed.overlap] if fixed.overlap is not None else ([False, True] if ep > 1 else [False])
+
+    def with_overlap(schedule: str, can_overlap: bool) -> Iterator[dict]:
+        if fixed.schedule is not None and fixed.schedule != schedule:
+            return
+        for on in overlaps if can_overlap else [False]:
+            yield {"pipeline_schedule": schedule, **dict.fromkeys(OVERLAP_FIELDS, on)}
+
+    if pp == 1:
+        yield from with_overlap(fixed.schedule or "1f1b", True)
+    elif split.get("num_layers_per_virtual_pipeline_stage") is None:
+        for schedule in ("1f1b", "zb-h1", "gpipe") if fixed.schedule == "gpipe" else ("1f1b", "zb-h1"):
+            yield from with_overlap(schedule, False)
+    else:
+        yield from with_overlap("1f1b", True)   # interleaved (implied by the virtual stages)
+        if num_layers == 2 * pp * split["num_layers_per_virtual_pipeline_stage"]:   # 2 chunks per rank: V placed
+            yield from with_overlap("zbv", False)
+            yield from with_overlap("dualpipev", True)
+
+
 @dataclass
 class SearchResult:
     """The fitting plans, fastest first; the counts of what was considered; the best non-fitting plan
@@ -250,26 +291,34 @@ def candidates(config: RunConfig, world: int, gpus_per_node: int, fixed: Fixed) 
                                                        if (dense_ranks // etp) % e == 0]
                     for ep in eps:
                         for split in _stage_splits(m.num_layers, pp, fixed):
-                            for mbs in [fixed.micro_batch_size] if fixed.micro_batch_size else MICRO_BATCH_SIZES:
-                                pipeline = {"num_layers_per_virtual_pipeline_stage": None,
-                                            "decoder_first_pipeline_num_layers": None,
-                                            "decoder_last_pipeline_num_layers": None, **split}
-                                train = dataclasses.replace(t, micro_batch_size=mbs, **pipeline)
-                                yield dataclasses.replace(config, parallel=ParallelConfig(tp=tp, cp=cp, pp=pp, ep=ep,
-                                                                                         etp=etp), train=train)
+                            for schedule in _schedules(m.num_layers, pp, ep, split, fixed):
+                                for mbs in [fixed.micro_batch_size] if fixed.micro_batch_size else MICRO_BATCH_SIZES:
+                                    pipeline = {"num_layers_per_virtual_pipeline_stage": None,
+                                                "decoder_first_pipeline_num_layers": None,
+                                                "decoder_last_pipeline_num_layers": None, **split, **schedule}
+                                    train = dataclasses.replace(t, micro_batch_size=mbs, **pipeline)
+                                    yield dataclasses.replace(config, parallel=ParallelConfig(
+                                        tp=tp, cp=cp, pp=pp, ep=ep, etp=etp), train=train)
 
 
 def _least_recompute(candidate: RunConfig, sizes: ParallelSizes, num_micro: int, ladder: dict[str, dict],
-                     usable: int, host_usable: int | None = None) -> tuple[Plan | None, Plan]:
-    """(the plan with the least activation saving of ``ladder`` that fits, or None; the leanest plan). The leanest
-    is tried first: when it does not fit, nothing does (host memory aside: the offload rung may be the only one
-    that does not fit there)."""
-    def plan_of(name: str) -> Plan:
-        planned = dataclasses.replace(candidate, options=dataclasses.replace(candidate.options, **ladder[name]))
-        return Plan(planned, sizes, num_micro, name, _memory(planned, sizes, num_micro, exact=False), usable,
-                    host_usable=host_usable)
+                     usable: int, gpus_per_node: int, host_usable: int | None = None,
+                     ) -> tuple[Plan | None, Plan | None]:
+    """(the plan with the least activation saving of ``ladder`` that fits, or None; the leanest plan, None when
+    ``moefold train`` refuses every rung with this layout). The leanest is tried first: when it does not fit,
+    nothing does (host memory aside: the offload rung may be the only one that does not fit there). A rung
+    ``moefold train`` refuses with the candidate's schedule (the offload rung with the batch-level overlap) is
+    skipped."""
+    def planned(name: str) -> RunConfig:
+        return dataclasses.replace(candidate, options=dataclasses.replace(candidate.options, **ladder[name]))
 
-    names = list(ladder)
+    def plan_of(name: str) -> Plan:
+        return Plan(planned(name), sizes, num_micro, name,
+                    _memory(planned(name), sizes, num_micro, False, gpus_per_node), usable, host_usable=host_usable)
+
+    names = [name for name in ladder if not planned(name).memory_saver_conflict(sizes.pp)]
+    if not names:
+        return None, None
     leanest = plan_of(names[-1])
     if not leanest.fits_gpu:
         return None, leanest
@@ -294,16 +343,16 @@ def _with_sharding(candidate: RunConfig, name: str, world: int) -> RunConfig | N
 
 
 def _least_saving(candidate: RunConfig, sizes: ParallelSizes, num_micro: int, ladder: dict[str, dict], usable: int,
-                  host_usable: int, world: int, shardings: list[str]) -> tuple[list[Plan], Plan]:
+                  host_usable: int, world: int, shardings: list[str], gpus_per_node: int) -> tuple[list[Plan], Plan]:
     """The plans worth timing for one layout (module docstring) and its leanest plan (the closest when none fits)."""
     rungs = list(ladder)
     plans, closest, best = [], None, len(rungs)
     for name in shardings:
         config = candidate if name == sharding_of(candidate) else _with_sharding(candidate, name, world)
-        if config is None:
+        if config is None or config.memory_saver_conflict(sizes.pp):
             continue
-        fits, leanest = _least_recompute(config, sizes, num_micro, ladder, usable, host_usable)
-        if closest is None or leanest.memory.total < closest.memory.total:
+        fits, leanest = _least_recompute(config, sizes, num_micro, ladder, usable, gpus_per_node, host_usable)
+        if leanest is not None and (closest is None or leanest.memory.total < closest.memory.total):
             closest = leanest
         # a saver is worth timing when it needs no more activation saving than the best so far (ZeRO-1 first: with
         # the same saving nothing runs faster than it)
@@ -367,7 +416,8 @@ def search(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, 
             result.rejected[reason] = result.rejected.get(reason, 0) + 1
             continue
         result.valid += 1
-        plans, leanest = _least_saving(candidate, sizes, num_micro, ladder, usable, host_usable, world, shardings)
+        plans, leanest = _least_saving(candidate, sizes, num_micro, ladder, usable, host_usable, world, shardings,
+                                       gpus_per_node)
         if plans:
             fitting.append(plans)
         elif leanest is not None and (result.closest is None or leanest.memory.total < result.closest.memory.total):
@@ -390,7 +440,8 @@ def search(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, 
     timed.sort(key=lambda ways: (-ways[0].time.tokens_per_s_per_gpu, ways[0].memory.total))
     for ways in timed:   # with the exact static bytes (bucket padding, FSDP's gathered units), until ``top`` fit
         for plan in ways:
-            exact = dataclasses.replace(plan, memory=_memory(plan.config, plan.sizes, plan.num_micro, exact=True))
+            exact = dataclasses.replace(plan, memory=_memory(plan.config, plan.sizes, plan.num_micro, True,
+                                                                         gpus_per_node))
             if exact.fits:
                 result.plans.append(exact)
                 break

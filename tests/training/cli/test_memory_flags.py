@@ -41,6 +41,14 @@ def test_flags_reach_the_config() -> None:
     (["--optimizer-offload-fraction", "0.5"], "needs --optimizer-cpu-offload"),
     (["--use-torch-fsdp2"], "--use-torch-fsdp2 with a world of one rank"),
     (["--use-torch-fsdp2", "--nproc", "2", "--optimizer-cpu-offload"], "--use-torch-fsdp2 with --optimizer-cpu-off"),
+    # what issue 29's schedules cannot run with (training.config.RunConfig.memory_saver_conflict)
+    (["--use-torch-fsdp2", "--nproc", "2", "--expert-model-parallel-size", "2", "--overlap-moe-expert-parallel-comm"],
+     "--use-torch-fsdp2 cannot be combined with --overlap-moe-expert-parallel-comm"),
+    (["--use-torch-fsdp2", "--nproc", "2", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"],
+     "--use-torch-fsdp2 cannot be combined with --pipeline-schedule zb-h1"),
+    (["--fine-grained-activation-offloading", "--offload-modules", "core_attn", "--nproc", "2",
+      "--expert-model-parallel-size", "2", "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"],
+     "--fine-grained-activation-offloading cannot be combined with --overlap-moe-expert-parallel-comm"),
     (["--moe-max-load-ratio", "0.5"], "--moe-max-load-ratio=0.5 must be a number >= 1"),
     (["--moe-expert-rank-capacity-factor", "0"], "expert_rank_capacity_factor=0.0 must be > 0"),
 ])

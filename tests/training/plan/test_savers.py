@@ -137,3 +137,28 @@ def test_search_picks_a_saver_only_where_it_helps() -> None:
     roomy = search(base, 8, dataclasses.replace(CLUSTERS["h100"], memory_bytes=400 * 10**9), 8, fixed=fixed, top=3,
                    workers=1)
     assert roomy.plans[0].sharding == "zero1" and roomy.plans[0].recompute == "none"   # nothing needed
+
+
+def test_search_skips_the_savers_the_schedules_refuse() -> None:
+    """FSDP2 with the overlap or a split backward, activation offloading with the overlap: ``moefold train`` refuses
+    them (``RunConfig.memory_saver_conflict``), so the search never plans them; FSDP2 still plans 1F1B/interleaved."""
+    from moefold.training.plan.search import Fixed
+
+    base = _big()
+    layout = dict(tp=2, cp=2, pp=2, ep=4, etp=1, micro_batch_size=1)
+    roomy = dataclasses.replace(CLUSTERS["h100"], memory_bytes=400 * 10**9)
+    result = search(base, 8, roomy, 8, fixed=Fixed(**layout, sharding="fsdp"), top=20, workers=1)
+    assert {p.schedule for p in result.plans} == {"1f1b", "interleaved"}
+    for plan in result.plans:
+        t = plan.config.train
+        assert plan.sharding == "fsdp" and not t.overlap_moe_expert_parallel_comm, plan.schedule
+        assert t.pipeline_schedule not in ("zb-h1", "zbv", "dualpipev"), plan.schedule
+    offload = recompute_ladder(base.model)["offload"]
+    # pp2: the overlap comes only with the schedules that can run it (interleaved, dualpipev); none is planned with
+    # offloading, the ones without the overlap are
+    planned = search(base, 8, roomy, 8, fixed=Fixed(**layout, overlap=True, recompute=offload), top=20, workers=1)
+    assert planned.plans and {p.schedule for p in planned.plans} <= {"1f1b", "zb-h1", "zbv"}
+    # pp1: the overlap is the only schedule, so nothing is left
+    refused = search(base, 8, roomy, 8, fixed=Fixed(**{**layout, "pp": 1}, overlap=True, recompute=offload), top=5,
+                     workers=1)
+    assert refused.valid > 0 and not refused.plans and refused.closest is None
