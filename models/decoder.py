@@ -45,6 +45,7 @@ from moefold.dense.embedding import OutputHead, VocabParallelEmbedding
 from moefold.dense.fp8_linear import convert_linears_to_fp8
 from moefold.dense.norm import RMSNorm
 from moefold.dense.recompute import checkpointed
+from moefold.models.activation_offload import apply_activation_offload
 from moefold.models.config import ModelConfig
 from moefold.models.layer_factory import build_block, check_layout, is_moe_block
 from moefold.models.mtp import MTPModule, shift_left
@@ -141,6 +142,10 @@ class MoEDecoder(nn.Module):
             self.mtp = nn.ModuleList(MTPModule(config, config.num_layers + k, dims, options)
                                      for k in range(config.mtp_num_layers))
         apply_recompute(self, self.layers, options)
+        # fine-grained activation offloading (--offload-modules): one offloader for the model's blocks
+        blocks = {int(i): b for i, b in self.layers.items()} | {m.index: m.block for m in self.mtp}
+        device = next(self.parameters()).device if any(True for _ in self.parameters()) else "cpu"
+        self.offloader = apply_activation_offload(blocks, options, device)
         # FP8 GEMMs for the linears (--fp8-format; the experts take theirs from the MoE config)
         convert_linears_to_fp8(self, options.fp8, dims.tp_group)
 
@@ -181,10 +186,14 @@ class MoEDecoder(nn.Module):
         (one checkpoint per group)."""
         infos: dict[int, MoEOutputInfo] = {}
         ids = [int(k) for k in self.layers] if layer_ids is None else list(layer_ids)
+        if self.offloader is not None:   # this micro-batch's offloaded tensors in these layers go together
+            self.offloader.begin_chunk()
         for group, recompute in full_recompute_groups(ids, self.options):
             hidden, group_infos = checkpointed(self._run_group, hidden, position_ids, group, global_states,
                                                enabled=recompute)
             infos.update(group_infos)
+        if self.offloader is not None:
+            hidden = self.offloader.end_chunk(hidden)
         return hidden, infos
 
     def _run_group(self, hidden: Tensor, position_ids: Tensor, layer_ids: list[int],

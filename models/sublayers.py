@@ -117,10 +117,14 @@ def block_pieces(block: TransformerBlock, index: int, position_ids: Tensor, ffn_
 
     def pre(carry: LayerCarry) -> _Pre:
         x = carry.hidden
-        h = x + block._after_norm(block.input_layernorm, x, lambda n: block.self_attn(n, position_ids))
+        h = x + block._after_norm(block.input_layernorm, x, lambda n: block.self_attn(n, position_ids),
+                                  block.offload_attn_norm)
         norm = CheckpointWithoutOutput() if block.recompute_layernorm else None
-        normed = norm.checkpoint(block.post_attention_layernorm, h) if norm is not None else \
-            block.post_attention_layernorm(h)
+        if norm is not None:
+            normed = norm.checkpoint(block.post_attention_layernorm, h)
+        else:   # the block's own forward runs this norm in its offload region (none: the overlap refuses offloading)
+            with block.offload_mlp_norm:
+                normed = block.post_attention_layernorm(h)
         return _Pre(carry, h, moe.route_and_prepare(normed, **ffn_kwargs), norm)
 
     def dispatch_split(p: _Pre) -> tuple[TokenExchange, tuple[Tensor, ...], _Pre]:

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moefold.dense.activation_offload import NO_OFFLOAD
 from moefold.dense.recompute import CheckpointWithoutOutput
 from moefold.dense.split_backward import WeightGradStore
 from moefold.moe.fp8_gemm import Float8GroupedGemm, check_fp8_gemm_backend
@@ -181,6 +182,8 @@ class GroupedExperts(nn.Module):
         self._activation = self._eager_activation
         self.ep_group, self.etp_group = ep_group, etp_group
         self.recompute_activation = False   # selective recompute ``moe_act`` (``dense.recompute``), set by the model
+        # fine-grained activation offloading (``dense.activation_offload``) of the gate/up GEMM and the activation
+        self.offload_expert_fc1 = self.offload_moe_act = NO_OFFLOAD
         e, f, gates = self.num_local_experts, ffn_hidden_size // etp, 2 if self.gated else 1
         kw = {"dtype": dtype, "device": device}
         self.w13 = nn.Parameter(torch.empty(e, gates, f, hidden_size, **kw))
@@ -264,16 +267,18 @@ class GroupedExperts(nn.Module):
         w13 = self.w13.reshape(e, gates * f, H)
         if self._te:  # with no rows too: every rank of TE's amax group must run the same TE calls (moe.te_gemm)
             return self._te[0](tokens_NH, w13, self.w2, counts_host, self._activate)
-        h_NGf = self._gemm13(tokens_NH, w13, tokens_per_expert_e, self.gemm_backend, trans_w=True,
-                             counts_host=counts_host)
-        rows_e = None
-        if self.w13_bias is not None:
-            # each row's expert, e for rows past the last block (no token: a zero bias, and their gradient goes
-            # to that extra row, not to an expert's); output_size makes it sync-free on CUDA
-            rows_e = row_experts(tokens_per_expert_e, tokens_NH.shape[0])
-            h_NGf = h_NGf + _with_zero_row(self.w13_bias.reshape(e, gates * f))[rows_e]
+        with self.offload_expert_fc1:
+            h_NGf = self._gemm13(tokens_NH, w13, tokens_per_expert_e, self.gemm_backend, trans_w=True,
+                                 counts_host=counts_host)
+            rows_e = None
+            if self.w13_bias is not None:
+                # each row's expert, e for rows past the last block (no token: a zero bias, and their gradient goes
+                # to that extra row, not to an expert's); output_size makes it sync-free on CUDA
+                rows_e = row_experts(tokens_per_expert_e, tokens_NH.shape[0])
+                h_NGf = h_NGf + _with_zero_row(self.w13_bias.reshape(e, gates * f))[rows_e]
         recompute = CheckpointWithoutOutput() if self.recompute_activation else None
-        act_Nf = self._activate(h_NGf) if recompute is None else recompute.checkpoint(self._activate, h_NGf)
+        with self.offload_moe_act:
+            act_Nf = self._activate(h_NGf) if recompute is None else recompute.checkpoint(self._activate, h_NGf)
         out_NH = self._gemm2(act_Nf, self.w2, tokens_per_expert_e, self.gemm_backend, trans_w=True,
                              counts_host=counts_host)
         if recompute is not None:   # moe_act: the activation is freed once w2 saved it, recomputed before its backward

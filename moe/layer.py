@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from moefold.dense.activation_offload import NO_OFFLOAD
 from moefold.dense.recompute import checkpointed
 from moefold.dispatch import build_dispatcher
 from moefold.dispatch.base import Dispatched, DispatchHandle
@@ -141,6 +142,7 @@ class MoELayer(nn.Module):
         self.etp_rank = group_rank(dims.etp_group)
         self.shared_experts = None
         self.recompute_shared_experts = False   # selective recompute (``dense.recompute``), set by the model
+        self.offload_shared_experts = NO_OFFLOAD   # activation offloading (``dense.activation_offload``), likewise
         if config.has_shared_experts:
             self.shared_experts = SharedExperts(
                 hidden_size, config.shared_expert_ffn_size, tp_group=dims.tp_group,
@@ -178,7 +180,8 @@ class MoELayer(nn.Module):
     def _shared(self, x_SBH: Tensor) -> Tensor | None:
         if self.shared_experts is None:
             return None
-        return checkpointed(self.shared_experts, x_SBH, enabled=self.recompute_shared_experts)
+        with self.offload_shared_experts:
+            return checkpointed(self.shared_experts, x_SBH, enabled=self.recompute_shared_experts)
 
     def _routed_experts(self, dispatched: Dispatched) -> Tensor:
         """routed experts: plain FFN_g(rows) (partial sums over etp)"""

@@ -61,6 +61,13 @@ class TrainConfig:
     decoder_last_pipeline_num_layers: int | None = None    # pp > 1: layers on the last stage (None: even split)
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False         # the parameter all-gather waits in the next forward, per module
+    # the expert-load max/mean the plan sized the experts' activations for (training.observe.imbalance)
+    moe_max_load_ratio: float | None = None
+    # FSDP2 instead of the distributed optimizer (training.optim.fsdp)
+    use_torch_fsdp2: bool = False
+    # optimizer offload (Megatron's names; training.optim.offload): that share of the states on the host, CPU AdamW
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
     # optimizer precision (Megatron's names; training.optim.precision.OptimizerPrecision)
     main_grads_dtype: str = "fp32"
     main_params_dtype: str = "fp32"
@@ -169,6 +176,12 @@ class TrainConfig:
             raise ValueError(f"--exit-duration-in-mins={self.exit_duration_in_mins!r} must be a positive number")
         if self.exit_interval is not None and (not isinstance(self.exit_interval, int) or self.exit_interval < 1):
             raise ValueError(f"--exit-interval={self.exit_interval!r} must be a positive integer")
+        from moefold.training.optim.offload import check_offload_fraction
+
+        check_offload_fraction(self.optimizer_offload_fraction)
+        from moefold.training.observe.imbalance import check_max_load_ratio
+
+        check_max_load_ratio(self.moe_max_load_ratio)
         from moefold.pipeline.schedules import SCHEDULES
 
         if self.pipeline_schedule not in SCHEDULES:
@@ -236,7 +249,32 @@ class RunConfig:
             self._check_overlap(s)
         if t.overlap_moe_expert_parallel_comm or self.split_backward(s.pp):
             self._check_split_backends()
+        conflict = self.memory_saver_conflict(s.pp)
+        if conflict:
+            raise ValueError(conflict)
         return s, num_micro
+
+    def memory_saver_conflict(self, pp: int) -> str | None:
+        """The one line refusing a memory saver (activation offloading, FSDP2) with this run's schedule at ``pp``
+        stages, or None. ``moefold plan`` skips what this refuses."""
+        t, o = self.train, self.options
+        overlap = "--overlap-moe-expert-parallel-comm"
+        if t.use_torch_fsdp2 and t.overlap_moe_expert_parallel_comm:
+            return (f"--use-torch-fsdp2 cannot be combined with {overlap}: the overlap runs each block as pieces that "
+                    f"bypass the FSDP units' forward (their parameter all-gathers) and defers weight gradients past "
+                    f"the units' reduce-scatters; use the distributed optimizer (with --optimizer-cpu-offload to "
+                    f"move its states to the host) or drop {overlap}")
+        if t.use_torch_fsdp2 and self.split_backward(pp):
+            return (f"--use-torch-fsdp2 cannot be combined with --pipeline-schedule {t.pipeline_schedule}: its split "
+                    f"backward computes the weight gradients (W) after FSDP has reduce-scattered a unit's gradients "
+                    f"at the end of its backward; use --pipeline-schedule 1f1b (interleaved with virtual stages) or "
+                    f"the distributed optimizer")
+        if o.offload_modules and t.overlap_moe_expert_parallel_comm:
+            return (f"--fine-grained-activation-offloading cannot be combined with {overlap}: the overlap runs the "
+                    f"blocks as pieces, one micro-batch's forward interleaved with another's backward, outside the "
+                    f"offloader's per-micro-batch chunks and their one-layer-ahead prefetch; recompute "
+                    f"(--recompute-modules) instead or drop {overlap}")
+        return None
 
     def split_backward(self, pp: int) -> bool:
         """The run defers weight gradients: a zero-bubble schedule at pp > 1, or --delay-wgrad-compute."""

@@ -184,7 +184,12 @@ def _train(config: RunConfig, device: torch.device | str, heartbeat: Heartbeat |
     trainer.stop_request = stop
     n_params = sum(p.numel() for p in trainer.model.parameters())
     say(f"model: {n_params / 1e6:.2f}M parameters on rank 0, {trainer.num_micro} micro-batches per step")
-    say(f"rank 0 {describe_static(trainer.sync, trainer.optimizer, trainer.param_dtype, t.optimizer_precision())}")
+    if t.use_torch_fsdp2:
+        from moefold.training.optim.fsdp import describe_fsdp
+
+        say(f"rank 0 {describe_fsdp(trainer.sync, trainer.optimizer)}")
+    else:
+        say(f"rank 0 {describe_static(trainer.sync, trainer.optimizer, trainer.param_dtype, t.optimizer_precision())}")
     from moefold.training.observe.fp8_report import fp8_summary, fp8_tag
 
     if config.options.fp8.enabled or config.options.fp8.dispatch:

@@ -53,6 +53,7 @@ from moefold.training.checkpoint.save import AsyncCheckpointer, save_checkpoint
 from moefold.training.checkpoint.sharded import find_checkpoint, load_checkpoint, load_pieces, read_meta, saved_keys
 from moefold.training.config import RunConfig
 from moefold.training.launch.signals import Stop, StopRequest, signal_name
+from moefold.training.observe.imbalance import LoadRatioWatch, micro_batch_load_ratio
 from moefold.training.observe.metrics import ROUTER_SUMS, per_step_router, router_layer_metrics, router_sums
 from moefold.training.optim.grad_sync import GradSync
 from moefold.training.optim.optimizer import DistributedAdamW
@@ -78,6 +79,8 @@ class StepResult:
     router: float64 [moe layers, ROUTER_SUMS] per-layer router losses (means over the step's micro-batches and dp)
             and entropy / token sums over all ranks (``training.observe.metrics.router_layer_metrics``; None
             without MoE)
+    max_load_ratio: the worst micro-batch's max/mean expert load over its dispatch group (with
+            ``--moe-max-load-ratio``, ``training.observe.imbalance``; else None)
     received_per_expert: float64 [moe layers, E] copies each expert received over all ranks, as the dispatcher
             counted them (DeepEP V2's ``cumulative_local_expert_recv_stats``: after capacity drops); None where the
             dispatchers do not count
@@ -94,6 +97,7 @@ class StepResult:
     tokens_per_expert: Tensor | None
     dropped: Tensor | None
     router: Tensor | None = None
+    max_load_ratio: float | None = None
     received_per_expert: Tensor | None = None
     stop: Stop | None = None      # the ranks agreed to stop after this step (a signal, --exit-*)
 
@@ -175,6 +179,10 @@ def build_optimizer(model: MoEDecoder, config: RunConfig, dims: ParallelDims,
     t = config.train
     layout = config.pipeline_layout(dims.pp) if dims.pp > 1 else None
     embed_group = embedding_group(model, dims, layout)
+    if t.use_torch_fsdp2:   # FSDP2 shards parameters, gradients and states instead (training.optim.fsdp)
+        from moefold.training.optim.fsdp import build_fsdp
+
+        return embed_group, *build_fsdp(model, config, dims, embed_group)
     precision = t.optimizer_precision()
     # the V placement's rank 0 backpropagates its two chunks separately: an embedding the head also reads (MTP, tied)
     # accumulates two gradients per micro-batch
@@ -189,7 +197,8 @@ def build_optimizer(model: MoEDecoder, config: RunConfig, dims: ParallelDims,
                     grad_dtype=precision.dtype("main_grads"), copies_group=embed_group, reports=reports)
     optimizer = DistributedAdamW(sync, dims, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                  weight_decay=t.weight_decay, precision=precision, model=model,
-                                 overlap_param_gather=t.overlap_param_gather)
+                                 overlap_param_gather=t.overlap_param_gather,
+                                 cpu_offload_fraction=t.optimizer_offload_fraction if t.optimizer_cpu_offload else None)
     return embed_group, sync, optimizer
 
 
@@ -255,6 +264,10 @@ class Trainer:
         # the flex dispatcher on DeepEP V2 counts each expert's received copies (MoEOutputInfo.received_E)
         self.counts_received = bool(self.moe_layers) and flex_backend(config, dims) == "deepep"
         self.embed_group, self.sync, self.optimizer = build_optimizer(self.model, config, dims)
+        # the observed routing imbalance against the plan's assumption (--moe-max-load-ratio)
+        self.load_watch = (LoadRatioWatch(t.moe_max_load_ratio, self.log)
+                           if t.moe_max_load_ratio is not None and self.moe_layers else None)
+        self._micro_loads: Tensor | None = None
         self.schedule = t.lr_schedule()
         self.iteration = 0            # completed steps
         self.consumed_samples = 0     # global samples consumed
@@ -287,6 +300,7 @@ class Trainer:
             if self.loss_hook is not None:
                 loss = self.loss_hook(self.iteration, m, loss)
             (loss / self.num_micro).backward()
+            self._record_micro_loads(m, out.moe.items())
             # accumulated on the device: one host sync per step (after the all-reduce), not per micro-batch
             zero = torch.zeros((), device=logged.device)
             logged += torch.stack([out.lm_loss.detach().to(zero) / tpcp, out.aux_loss.detach().to(zero),
@@ -326,6 +340,15 @@ class Trainer:
                                total(stage.mtp_losses.values()) / tpcp, nonfinite])
         self._add_loads(loads, ((layer, info) for (_, layer), info in stage.moe_infos.items()),
                         self.config.model.num_experts)
+        for (m, layer), info in stage.moe_infos.items():
+            self._record_micro_loads(m, [(layer, info)])
+
+    def _record_micro_loads(self, micro: int, infos: Iterable[tuple[int, MoEOutputInfo]]) -> None:
+        """Micro-batch ``micro``'s routed copies per layer and expert, for the imbalance watch (when it is on)."""
+        if self._micro_loads is None:
+            return
+        for i, info in infos:
+            self._micro_loads[micro, self.moe_layers.index(i)] += info.load_E.detach().to(self._micro_loads)
 
     def _add_loads(self, loads: Tensor, infos: Iterable[tuple[int, MoEOutputInfo]], E: int) -> None:
         """Adds (layer, info) pairs' selections, dropped copies and router sums to their rows of ``loads``."""
@@ -353,6 +376,8 @@ class Trainer:
         # lm, aux, mtp, non-finite count; then the stop flags: ranks told to stop by a signal, the sum of their
         # signal numbers, ranks past --exit-duration-in-mins (training.launch.signals: no collective of their own)
         logged = torch.zeros(4 + 3, dtype=torch.float64, device=self.device)
+        if self.load_watch is not None:
+            self._micro_loads = torch.zeros(self.num_micro, n_moe, E, dtype=torch.float64, device=self.device)
         if self.pipeline is None:
             self._forward_backward(microbatches, loads, logged[:4])
         else:
@@ -370,8 +395,16 @@ class Trainer:
             if n_moe:   # over the world: other pipeline stages add zeros to the rows they do not own
                 dist.all_reduce(loads)
         logged[:3] /= self.num_micro * dims.dp
-        # the step's one device->host copy: the logged values and the norm that decides skip/clip
-        *logged, grad_norm = torch.cat([logged, self.optimizer.grad_norm().to(logged).reshape(1)]).tolist()
+        # the step's one device->host copy: the logged values, the norm that decides skip/clip (and the imbalance)
+        host = [logged, self.optimizer.grad_norm().to(logged).reshape(1)]
+        if self._micro_loads is not None:
+            host.append(micro_batch_load_ratio(self._micro_loads, dims.etp_ep_group, dims.world_size > 1).reshape(1))
+            self._micro_loads = None
+        values = torch.cat(host).tolist()
+        load_ratio = values.pop() if len(host) == 3 else None
+        *logged, grad_norm = values
+        if load_ratio is not None:
+            self.load_watch.observe(step + 1, load_ratio)
         lr = self.schedule(step)
         skipped = logged[3] > 0 or not math.isfinite(grad_norm)
         if skipped:
@@ -405,7 +438,7 @@ class Trainer:
                           if n_moe else None,
                           received_per_expert=loads[:, E + 1 + ROUTER_SUMS:] if n_moe and self.counts_received
                           else None,
-                          stop=self._stop(*logged[4:7]))
+                          max_load_ratio=load_ratio, stop=self._stop(*logged[4:7]))
 
     def _stop(self, signalled: float, signums: float, late: float) -> Stop | None:
         """Why the ranks stop after the step just completed (the all-reduced flags), or None."""
@@ -495,6 +528,7 @@ class Trainer:
         first = r = stop = None
         steps = 0
         acc_tokens, acc_loads, acc_dropped, routed, acc_router, acc_steps = 0, None, None, None, None, 0
+        acc_ratio = None   # the worst micro-batch's expert load max/mean since the last record (imbalance watch)
         acc_received = None
         while self.iteration < last:
             r = self.train_step([next(batches) for _ in range(self.num_micro)])
@@ -504,6 +538,8 @@ class Trainer:
             if on_step is not None:
                 on_step(r)
             acc_tokens += r.tokens
+            if r.max_load_ratio is not None:
+                acc_ratio = max(acc_ratio or 0.0, r.max_load_ratio)
             if r.tokens_per_expert is not None:
                 acc_loads = r.tokens_per_expert if acc_loads is None else acc_loads + r.tokens_per_expert
                 acc_dropped = r.dropped if acc_dropped is None else acc_dropped + r.dropped
@@ -526,9 +562,11 @@ class Trainer:
                                router=router_layer_metrics(acc_router, acc_steps, self.config.model)
                                if acc_router is not None else None,
                                received_per_expert=acc_received.round().long().tolist()
-                               if acc_received is not None else None)
+                               if acc_received is not None else None,
+                               load_ratio=None if acc_ratio is None else (acc_ratio, t.moe_max_load_ratio))
             if r.step % t.log_interval == 0 or stop is not None:
                 acc_tokens, acc_loads, acc_dropped, acc_router, acc_steps, acc_received = 0, None, None, None, 0, None
+                acc_ratio = None
             if stop is not None:
                 break
             if evaluator is not None and evaluator.due(r.step, last):
@@ -551,6 +589,11 @@ class Trainer:
 def named_full_params(model: nn.Module) -> dict[str, Tensor]:
     """Every parameter gathered to full shape (fp32 copies: later steps do not change them). Collective over
     each shard's group."""
+    from torch.distributed.tensor import DTensor
+
     from moefold.parallel.sharding import gather_full, shards_of
 
-    return {n: gather_full(p, shards_of(p)).to(torch.float32, copy=True) for n, p in model.named_parameters()}
+    def local(p: Tensor) -> Tensor:   # an FSDP2 shard: gathered over its mesh first
+        return p.full_tensor() if isinstance(p, DTensor) else p
+
+    return {n: gather_full(local(p), shards_of(p)).to(torch.float32, copy=True) for n, p in model.named_parameters()}

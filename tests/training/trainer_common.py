@@ -8,6 +8,7 @@ import torch
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import get_recipe
 from moefold.parallel.dims import ParallelConfig, ParallelDims
+from moefold.parallel.sharding import gather_full, shards_of
 from moefold.training.config import RunConfig, TrainConfig
 from moefold.training.observe.metrics import MetricsLogger
 from moefold.training.trainer import Trainer, named_full_params
@@ -82,3 +83,28 @@ def run(config: RunConfig, dims: ParallelDims | None = None, data: np.ndarray | 
     params = named_full_params(trainer.model)
     params.update({f"buffer:{k}": v.float() for k, v in trainer.model.state_dict().items() if k not in params})
     return losses, params, trainer
+
+
+def observe(trainer, record: dict) -> None:
+    """Record, through the trainer's own objects, each step's reduced gradients as ``GradSync.finish`` leaves
+    them (gathered to full shape) and the gradient norm the step clips with; and the initial parameters."""
+    params = dict(trainer.model.named_parameters())
+    record.update(initial=named_full_params(trainer.model), grads=[], norms=[], lrs=[])
+    finish, grad_norm, step = trainer.sync.finish, trainer.optimizer.grad_norm, trainer.optimizer.step
+
+    def finish_and_record() -> None:
+        finish()
+        reduced = trainer.sync.gathered_grads()
+        record["grads"].append({n: gather_full(g, shards_of(params[n])).float() for n, g in reduced.items()})
+
+    def grad_norm_and_record():
+        norm = grad_norm()
+        record["norms"].append(float(norm))
+        return norm
+
+    def step_and_record(lr: float, clip_coef: float = 1.0) -> None:
+        record["lrs"].append((lr, clip_coef))
+        step(lr, clip_coef)
+
+    trainer.sync.finish, trainer.optimizer.grad_norm, trainer.optimizer.step = (
+        finish_and_record, grad_norm_and_record, step_and_record)

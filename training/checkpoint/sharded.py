@@ -69,10 +69,11 @@ class _Placer:
                 self.meshes.append((sub, ranks))
 
     def __call__(self, t: Tensor, param: Tensor) -> Tensor:
-        shards = shards_of(param)
-        if not shards:
-            return t
         from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        shards = shards_of(param)
+        if not shards or isinstance(t, DTensor):   # an FSDP2 shard: the optimizer's pieces describe it instead
+            return t
 
         for sub, ranks in self.meshes:
             where = [ranks.get(tuple(group_ranks(s.group))) for s in shards]

@@ -24,6 +24,7 @@ from datetime import timedelta
 
 import torch
 
+from moefold.dense.activation_offload import MIN_OFFLOADED_TENSOR_SIZE, OFFLOAD_MODULES
 from moefold.dense.context_parallel import CP_COMM_MODES
 from moefold.dense.gated_delta_rule import GATED_DELTA_RULE_BACKENDS
 from moefold.dense.recompute import DEFAULT_RECOMPUTE_MODULES, RECOMPUTE_METHODS, RECOMPUTE_MODES, RECOMPUTE_MODULES
@@ -74,6 +75,7 @@ ROUTER_FLAGS: tuple[tuple[str, str, type], ...] = (
     ("--moe-router-enable-expert-bias", "moe_expert_bias", bool),
     ("--moe-router-bias-update-rate", "moe_bias_update_rate", float),
     ("--moe-expert-capacity-factor", "moe_expert_capacity_factor", float),
+    ("--moe-expert-rank-capacity-factor", "moe_expert_rank_capacity_factor", float),
     ("--moe-token-drop-policy", "moe_token_drop_policy", str),
     ("--moe-pad-expert-input-to-capacity", "moe_pad_expert_input_to_capacity", bool),
     ("--moe-router-force-load-balancing", "moe_router_force_load_balancing", bool),
@@ -163,6 +165,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="full: uniform (groups of N layers) or block (the first N layers of each pipeline chunk)")
     m.add_argument("--recompute-num-layers", type=int, default=ModelOptions.recompute_num_layers,
                    help="full: the N of --recompute-method (default 1)")
+    add_memory_arguments(p)
     gpu = p.add_argument_group("GPU backends: DeepEP, FP8 (torchao, Transformer Engine)")
     gpu.add_argument("--moe-deepep-num-sms", type=int, default=ModelOptions.moe_deepep_num_sms,
                      help="SMs DeepEP's kernels take (flex dispatcher; even; default 0: DeepEP V2's "
@@ -264,6 +267,44 @@ def add_recovery_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--override-run-dir", action="store_true",
                    help="let a fresh run write into a --run-dir that holds another run's metrics (they are moved "
                         "to RUN_DIR/previous/RUN_ID)")
+
+
+def add_memory_arguments(p: argparse.ArgumentParser) -> None:
+    """Past ZeRO-1 (README "Optimizer, precision and memory"): activation offloading, FSDP2, optimizer offload."""
+    g = p.add_argument_group("memory: activation offloading, FSDP, optimizer offload")
+    g.add_argument("--fine-grained-activation-offloading", action="store_true",
+                   help="keep what --offload-modules save for backward in (pinned) host memory, copied on side streams "
+                        "and brought back one layer ahead in backward")
+    g.add_argument("--offload-modules", nargs="+", default=None, choices=OFFLOAD_MODULES, metavar="MODULE",
+                   help=f"with --fine-grained-activation-offloading: any of {', '.join(OFFLOAD_MODULES)} (a module is "
+                        "recomputed or offloaded, not both)")
+    g.add_argument("--min-offloaded-tensor-size", type=int, default=MIN_OFFLOADED_TENSOR_SIZE,
+                   help=f"saved tensors with fewer elements stay on the device (default {MIN_OFFLOADED_TENSOR_SIZE})")
+    g.add_argument("--moe-max-load-ratio", type=float, default=None,
+                   help="the expert-load max/mean the plan sized the routed experts' activations for (moefold plan "
+                        "--moe-max-load-ratio): the run reports the observed one per micro-batch and warns once "
+                        "before it is exceeded")
+    g.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="shard parameters, gradients and optimizer states with torch's fully_shard (FSDP2): dense "
+                        "modules over dp x cp, experts over the expert data-parallel group, composed with tp, ep/etp, "
+                        "pp; instead of the distributed optimizer")
+    g.add_argument("--optimizer-cpu-offload", action="store_true",
+                   help="keep master weights and Adam moments of --optimizer-offload-fraction of this rank's shard in "
+                        "host memory and update them on the CPU while the device starts the next step")
+    g.add_argument("--optimizer-offload-fraction", type=float, default=_T.optimizer_offload_fraction,
+                   help=f"with --optimizer-cpu-offload: the share offloaded, 0..1 (default "
+                        f"{_T.optimizer_offload_fraction})")
+
+
+def offload_modules_from_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """--offload-modules, checked against --fine-grained-activation-offloading (ValueError naming them)."""
+    if args.fine_grained_activation_offloading and not args.offload_modules:
+        raise ValueError("--fine-grained-activation-offloading needs --offload-modules (any of "
+                         f"{', '.join(OFFLOAD_MODULES)})")
+    if args.offload_modules and not args.fine_grained_activation_offloading:
+        raise ValueError(f"--offload-modules {' '.join(args.offload_modules)} needs "
+                         "--fine-grained-activation-offloading")
+    return tuple(args.offload_modules or ())
 
 
 def add_pretrained_arguments(p: argparse.ArgumentParser) -> None:
@@ -373,6 +414,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                            moe_deepep_num_sms=args.moe_deepep_num_sms,
                            moe_flex_dispatcher_backend=args.moe_flex_dispatcher_backend,
                            moe_deepep_mode=args.moe_deepep_mode, moe_deepep_cpu_sync=args.moe_deepep_cpu_sync,
+                           offload_modules=offload_modules_from_args(args),
+                           min_offloaded_tensor_size=args.min_offloaded_tensor_size,
                            linear_attention_backend=args.linear_attention_backend)
     parallel = ParallelConfig(tp=args.tensor_model_parallel_size, cp=args.context_parallel_size,
                               pp=args.pipeline_model_parallel_size, ep=args.expert_model_parallel_size,
@@ -380,6 +423,9 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     explicit = ("run_dir", "save", "load", "bf16", "data_path", "vocab_size", "data_cache_dir", "valid_data_path",
                 "reset_data_position", "compile", "exit_signals", "run_id")
+    if args.optimizer_offload_fraction != _T.optimizer_offload_fraction and not args.optimizer_cpu_offload:
+        raise ValueError(f"--optimizer-offload-fraction {args.optimizer_offload_fraction} needs "
+                         "--optimizer-cpu-offload")
     train = {k: v for k, v in vars(args).items() if k in fields and k not in explicit}
     # run_dir None / save None with neither --save nor --no-save: chosen by training.launch.claim before the ranks
     save = None if args.no_save or args.skip_train else args.save

@@ -19,6 +19,9 @@ def validate(config: RunConfig, world_size: int, source: str | None = None) -> N
     the chosen GPU backends are installed. ``source``: how the world was chosen (``layout_errors.world_source``)."""
     sizes = validate_layout(config, world_size, source)
     check_backends(config, sizes.ep, sizes.etp)
+    if config.train.compile and config.options.offload_modules:
+        raise ValueError("--compile with --fine-grained-activation-offloading: the compiled blocks would not run the "
+                         "saved-tensor hooks that offload their activations; drop one of them")
 
 
 def validate_layout(config: RunConfig, world_size: int, source: str | None = None) -> ParallelSizes:
@@ -46,6 +49,9 @@ def validate_layout(config: RunConfig, world_size: int, source: str | None = Non
                              f"{t.num_layers_per_virtual_pipeline_stage}{uneven}, --global-batch-size="
                              f"{t.global_batch_size}, --micro-batch-size={t.micro_batch_size})") from exc
         raise
+    from moefold.training.optim.fsdp import check_fsdp
+
+    check_fsdp(config.train, config.options, world_size)
     try:
         check_layout(config.model, ParallelDims(sizes=sizes), config.options)
     except ValueError as exc:

@@ -134,6 +134,14 @@ class GradSync:
         """Buckets whose reduction started during backward in the current step (before ``finish``)."""
         return sum(b.grad_work is not None for g in self.groups for b in g.buckets)
 
+    def param_bytes(self) -> int:
+        """Bytes of this rank's flat parameter buffers."""
+        return sum(g.param_data.nbytes for g in self.groups)
+
+    def grad_bytes(self) -> int:
+        """Bytes of this rank's flat main-gradient buffers."""
+        return sum(g.grad_data.nbytes for g in self.groups)
+
     def owned_grads(self) -> list[Tensor]:
         """This rank's chunk of every bucket's gradient (views)."""
         return [g.grad_data[slice(*g.owned(b))] for g in self.groups for b in g.buckets]

@@ -11,9 +11,15 @@ layers overlap the compute of earlier ones. ``wait_all()`` is the barrier for an
 parameters outside a forward (the next optimizer step, checkpoints, evaluation).
 
 Groups of size 1 (world 1, ep = world for experts, ...) take no collective and no copy.
+
+Deferred buckets (``deferred``: the optimizer offload's, ``training.optim.offload``) have their parameters updated
+by a CPU worker after the step returns: their gather (or, in a group of one rank, nothing but the wait) runs when
+``wait_deferred()`` has returned, in the pre-hook of the first module that reads them, with or without overlap.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from torch import nn
 
@@ -22,30 +28,58 @@ from moefold.training.optim.buffers import Bucket, FlatGroup
 from moefold.training.optim.grad_sync import all_gather_into
 
 
-class ParamSync:
-    """All-gathers the parameter buffers of ``groups``; see the module docstring. Collective: ``launch``."""
+class _AfterUpdate:
+    """A deferred bucket's pending work: the update's wait, then the bucket's gather (None: a group of one)."""
 
-    def __init__(self, groups: list[FlatGroup], model: nn.Module | None = None, overlap: bool = False) -> None:
+    def __init__(self, wait: Callable[[], None], gather: Callable[[], object] | None) -> None:
+        self._wait, self._gather = wait, gather
+
+    def wait(self) -> None:
+        self._wait()
+        if self._gather is not None:
+            self._gather().wait()
+
+
+class ParamSync:
+    """All-gathers the parameter buffers of ``groups``; see the module docstring. Collective: ``launch`` and the
+    waits of deferred buckets."""
+
+    def __init__(self, groups: list[FlatGroup], model: nn.Module | None = None, overlap: bool = False,
+                 deferred: set[int] | None = None, wait_deferred: Callable[[], None] | None = None) -> None:
+        self.all_groups = groups
         self.groups = [g for g in groups if g.size > 1]
         self.overlap = overlap and bool(self.groups)
+        self.deferred = deferred or set()
+        self._wait_deferred = wait_deferred
         self._handles = []
-        if self.overlap:
+        if self.overlap or self.deferred:
             if model is None:
                 raise ValueError("ParamSync(overlap=True) needs the model, whose forward waits for the gathers")
             self._register_hooks(model)
 
     def launch(self) -> None:
-        """Start the all-gather of every bucket (forward order); wait for all unless overlapping."""
-        for g in self.groups:
+        """Start the all-gather of every bucket (forward order); wait for all unless overlapping (deferred buckets
+        wait in the forward either way)."""
+        for g in self.all_groups:
             for b in reversed(g.buckets):
-                lo, hi = g.owned(b)
-                b.param_work = all_gather_into(g.param_data[b.start:b.end], g.param_data[lo:hi], group=g.group,
-                                               async_op=True)
+                gather = self._gather(g, b) if g.size > 1 else None
+                if id(b) in self.deferred:
+                    b.param_work = _AfterUpdate(self._wait_deferred, gather)
+                elif gather is not None:
+                    b.param_work = gather()
         if not self.overlap:
-            self.wait_all()
+            for g in self.groups:
+                for b in g.buckets:
+                    if id(b) not in self.deferred:
+                        self._wait(b)
+
+    @staticmethod
+    def _gather(g: FlatGroup, b: Bucket) -> Callable[[], object]:
+        lo, hi = g.owned(b)
+        return lambda: all_gather_into(g.param_data[b.start:b.end], g.param_data[lo:hi], group=g.group, async_op=True)
 
     def wait_all(self) -> None:
-        for g in self.groups:
+        for g in self.all_groups:
             for b in g.buckets:
                 self._wait(b)
 
@@ -61,7 +95,8 @@ class ParamSync:
         return sum(b.param_work is not None for g in self.groups for b in g.buckets)
 
     def _register_hooks(self, model: nn.Module) -> None:
-        bucket_of = {id(p): g.buckets[g.bucket_of[i]] for g in self.groups for i, p in enumerate(g.params)}
+        bucket_of = {id(p): g.buckets[g.bucket_of[i]] for g in self.all_groups for i, p in enumerate(g.params)
+                     if (self.overlap and g.size > 1) or id(g.buckets[g.bucket_of[i]]) in self.deferred}
         for module in model.modules():
             if module is model:   # the root's forward reads nothing itself; its children wait for their own
                 continue
