@@ -100,10 +100,11 @@ def moe_routers(model: MoEDecoder) -> dict[int, Router]:
 
 
 def model_options(config: RunConfig) -> ModelOptions:
-    """The run's ``ModelOptions`` (``--bf16`` makes the parameters bf16)."""
+    """The run's ``ModelOptions`` (``--bf16`` / ``--fp16`` make the parameters bf16 / fp16)."""
     options = config.options
-    if config.train.bf16 and options.dtype != "bf16":
-        options = dataclasses.replace(options, dtype="bf16")
+    dtype = "bf16" if config.train.bf16 else "fp16" if config.train.fp16 else options.dtype
+    if options.dtype != dtype:
+        options = dataclasses.replace(options, dtype=dtype)
     return options
 
 
@@ -190,6 +191,7 @@ class Trainer:
         self.iteration = 0            # completed steps
         self.consumed_samples = 0     # global samples consumed
         self.skipped_in_a_row = 0
+        self.loss_scaler = t.loss_scaler()   # --fp16 only (training.optim.loss_scaler)
         self.loss_hook: Callable[[int, int, Tensor], Tensor] | None = None
 
     # ------------------------------------------------------------------------------- one step
@@ -213,7 +215,7 @@ class Trainer:
             loss = out.loss
             if self.loss_hook is not None:
                 loss = self.loss_hook(self.iteration, m, loss)
-            (loss / self.num_micro).backward()
+            (loss * (self._scale / self.num_micro)).backward()
             # accumulated on the device: one host sync per step (after the all-reduce), not per micro-batch
             zero = torch.zeros((), device=logged.device)
             logged += torch.stack([out.lm_loss.detach().to(zero) / tpcp, out.aux_loss.detach().to(zero),
@@ -235,6 +237,9 @@ class Trainer:
         if self.loss_hook is not None:
             hook, step = self.loss_hook, self.iteration
             loss_fn = lambda out, mb: hook(step, mb["index"], stage.loss_fn(out, mb))
+        if self.loss_scaler is not None:   # the schedule's backward starts from the scaled loss
+            scale, unscaled_fn = self._scale, loss_fn
+            loss_fn = lambda out, mb: unscaled_fn(out, mb) * scale
         spec = stage.activation_spec(ids.shape[0], ids.shape[1], self.device)
         result = run_schedule(stage, self.pipeline, mbs, loss_fn, dims.pp_group, spec)
         tpcp = dims.tp * dims.cp
@@ -262,6 +267,11 @@ class Trainer:
                 loads[j, E] += info.stats.dropped_fraction.to(loads) * load.sum()
             loads[j, E + 1:] += router_sums(info, self.config.model.moe_topk).to(loads)
 
+    @property
+    def _scale(self) -> float:
+        """The loss scale of this step (1 without ``--fp16``)."""
+        return 1.0 if self.loss_scaler is None else self.loss_scaler.scale
+
     def train_step(self, microbatches: list[Tensor]) -> StepResult:
         """Forward/backward over this rank's ``num_micro`` micro-batches and one optimizer step. Collective."""
         if len(microbatches) != self.num_micro:
@@ -286,9 +296,21 @@ class Trainer:
         logged[:3] /= self.num_micro * dims.dp
         # the step's one device->host copy: the logged values and the norm that decides skip/clip
         *logged, grad_norm = torch.cat([logged, self.optimizer.grad_norm().to(logged).reshape(1)]).tolist()
+        scale = self._scale
+        grad_norm /= scale   # fp16: the main grads hold scale x the gradient until the update unscales them
         lr = self.schedule(step)
         skipped = logged[3] > 0 or not math.isfinite(grad_norm)
-        if skipped:
+        # fp16: a non-finite gradient with a finite loss is an overflow of the scaled gradients; the norm's world
+        # all-reduce made it every rank's verdict, so every rank skips this step and backs the scale off together
+        # (not counted towards --max-skipped-steps while the scale can still back off)
+        overflow = (self.loss_scaler is not None and logged[3] == 0 and not math.isfinite(grad_norm)
+                    and not self.loss_scaler.at_minimum)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf=skipped)
+        if overflow:
+            self.log(f"step {step + 1}: fp16 gradients overflowed at loss scale {scale:g}; skipping the optimizer "
+                     f"step (loss scale now {self.loss_scaler.scale:g})")
+        elif skipped:
             self.skipped_in_a_row += 1
             self.log(f"step {step + 1}: non-finite {'loss' if logged[3] > 0 else 'gradient norm'} "
                      f"(grad norm {grad_norm}); skipping the optimizer step "
@@ -301,7 +323,7 @@ class Trainer:
             self.skipped_in_a_row = 0
             clip = self.config.train.clip_grad
             coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
-            self.optimizer.step(lr, coef)
+            self.optimizer.step(lr, coef / scale)   # unscale and clip in one multiply
             for j, layer in enumerate(self.moe_layers):
                 router = self.routers.get(layer)
                 if router is not None and getattr(router, "expert_bias", None) is not None:
@@ -322,6 +344,8 @@ class Trainer:
         self.optimizer.finish_param_sync()
         meta = {"consumed_samples": self.consumed_samples, "optimizer_steps": self.optimizer.step_count,
                 "skipped_in_a_row": self.skipped_in_a_row, "config": self.config.to_dict()}
+        if self.loss_scaler is not None:   # plain numbers in meta.json
+            meta["loss_scaler"] = self.loss_scaler.state_dict()
         return save_checkpoint(root, self.iteration, self.model, self.dims, self.optimizer.checkpoint_state(), meta,
                                keep_last=self.config.train.keep_last, log=self.log)
 
@@ -344,6 +368,8 @@ class Trainer:
         self.iteration = int(meta["iteration"])
         self.consumed_samples = 0 if restart_data else int(meta["consumed_samples"])
         self.skipped_in_a_row = int(meta.get("skipped_in_a_row", 0))
+        if self.loss_scaler is not None and "loss_scaler" in meta:
+            self.loss_scaler.load_state_dict(meta["loss_scaler"])
         self.log(f"resumed from {ckpt} at iteration {self.iteration} (consumed_samples {self.consumed_samples})")
         return True
 
