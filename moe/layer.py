@@ -30,6 +30,8 @@ reduced over edp by the trainer (parameters flagged ``moefold_expert``).
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 
 import torch
@@ -85,6 +87,14 @@ class MoELayer(nn.Module):
         self.router = Router(config.router, hidden_size, RouterGroups.from_dims(dims))
         options = {"num_sms": config.deepep_num_sms} if config.dispatcher == "flex" else {}
         fp8_dispatch = config.fp8 is not None and config.fp8.dispatch
+        padding = config.fp8 is not None and config.fp8.router_padding
+        self._pad_multiple = config.fp8.align_size if padding else None
+        if padding and config.router.expert_capacity_factor is not None:
+            raise ValueError("--moe-router-padding-for-quantization pads dropless routing; with "
+                             "--moe-expert-capacity-factor pad to capacity instead (--moe-pad-expert-input-to-capacity)")
+        if padding and config.dispatcher == "flex":
+            raise ValueError("--moe-router-padding-for-quantization is laid out by the allgather / alltoall "
+                             "dispatchers' row maps; the flex (DeepEP) dispatcher does not take it")
         self.dispatcher = build_dispatcher(config.dispatcher, config.num_experts, dims, fp8=fp8_dispatch, **options)
         self.experts = GroupedExperts(
             config.num_experts, hidden_size, config.moe_ffn_hidden_size, ep_group=dims.ep_group,
@@ -128,6 +138,8 @@ class MoELayer(nn.Module):
         routed = self.router(x_TH, global_state=global_state, generator=generator, **router_kw)
         # 2. start moving token copies to their experts ...
         routing = routed.routing
+        if self._pad_multiple is not None:   # --moe-router-padding-for-quantization: the dispatch lays rows out padded
+            routing = dataclasses.replace(routing, pad_multiple=self._pad_multiple)
         if self.config.apply_probs_on_input:  # top-1: scale the token, sum the copy unweighted
             x_in = (x_TH * routing.probs_TK.to(x_TH.dtype)).to(x_TH.dtype)
             pending = self.dispatcher.dispatch_start(x_in, routing, weighted_combine=False)
