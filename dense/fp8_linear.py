@@ -133,7 +133,7 @@ class TELinearGemm:
         return y if b is None else y + b
 
     def describe(self) -> str:
-        return f"Transformer Engine {self.config.format} {self.config.recipe}"
+        return f"Transformer Engine {self.config.fp4 or self.config.format} {self.config.recipe}"
 
 
 def _dtype(dtype: torch.dtype) -> str:
