@@ -20,6 +20,7 @@ from moefold.models import checkpoint as moefold_checkpoint
 from moefold.models.config import ModelConfig
 from moefold.models.decoder import MoEDecoder
 from moefold.models.hf import importer
+from moefold.models.hf.fp8_blocks import fp8_reader
 from moefold.models.tensor_io import TensorReader
 
 
@@ -42,7 +43,9 @@ def open_pretrained(path: str | os.PathLike) -> Iterator[tuple[ModelConfig, Tens
     kind = pretrained_kind(path)
     with TensorReader(path) as reader:
         if kind == "hf":
-            yield importer.load_config(path, reader), reader, True
+            config = importer.load_config(path, reader)
+            importer.check_quantization(config)
+            yield config, fp8_reader(reader, (config.extra or {}).get("hf_config")), True
         else:
             yield moefold_checkpoint.load_config(path), reader, False
 
@@ -51,7 +54,7 @@ def pretrained_config(path: str | os.PathLike) -> ModelConfig:
     """The architecture of ``path`` (DeepSeek-V3 MTP layers only when their tensors are there)."""
     with open_pretrained(path) as (config, _, hf):
         if hf:
-            importer.check_unquantized(config)
+            importer.check_quantization(config)
         return config
 
 
