@@ -95,7 +95,8 @@ class _Slice:
         lo, hi = g.owned(b)
         self.param, self.grad = g.param_data[lo:hi], g.grad_data[lo:hi]
         master_dtype = precision.dtype("main_params")
-        self.separate_master = self.param.dtype != master_dtype
+        # FP8 primary weights hold FP8 values after each gather: their fp32 master must be a copy of its own
+        self.separate_master = self.param.dtype != master_dtype or g.fp8
         self.master = self.param.to(master_dtype, copy=True) if self.separate_master else self.param
         self.exp_avg = torch.zeros(hi - lo, dtype=precision.dtype("exp_avg"), device=self.param.device)
         self.exp_avg_sq = torch.zeros(hi - lo, dtype=precision.dtype("exp_avg_sq"), device=self.param.device)
@@ -217,6 +218,9 @@ class DistributedAdamW:
         self.updates = [_Update(part, betas, eps, weight_decay)
                         for part in ([[s] for s in self.slices] if widening else [self.slices])]
         self.param_sync = ParamSync(sync.groups, model, overlap=overlap_param_gather)
+        # FP8 buckets quantise the fp32 master chunk (the parameters' chunk when they are their own master)
+        owners = [(g, b) for g in sync.groups for b in g.buckets]
+        self.param_sync.masters = {id(b): s.master for (g, b), s in zip(owners, self.slices) if g.fp8}
         pieces = [(s, p) for s in self.slices for p in s.pieces]
         self._norm_grads = [p.of(s.grad) for s, p in pieces]
         device = sync.groups[0].grad_data.device if sync.groups else torch.device("cpu")

@@ -10,16 +10,31 @@ each module of ``model`` waits for the buckets that hold the parameters of that 
 layers overlap the compute of earlier ones. ``wait_all()`` is the barrier for anything that reads
 parameters outside a forward (the next optimizer step, checkpoints, evaluation).
 
-Groups of size 1 (world 1, ep = world for experts, ...) take no collective and no copy.
+Groups of size 1 (world 1, ep = world for experts, ...) take no collective and no copy. Groups of FP8 primary
+weights (``--fp8-param-gather``) gather e4m3 bytes quantised from the fp32 masters and dequantise them into the
+parameters when the gather is waited for (``training.optim.fp8_param_gather``).
 """
 
 from __future__ import annotations
 
-from torch import nn
+from collections.abc import Callable
+
+from torch import Tensor, nn
 
 from moefold.dense.embedding import OutputHead
 from moefold.training.optim.buffers import Bucket, FlatGroup
+from moefold.training.optim.fp8_param_gather import FP8BucketGather, bytes_per_element
 from moefold.training.optim.grad_sync import all_gather_into
+
+
+class _Finish:
+    """A work handle whose ``wait`` finishes an FP8 gather (waits and dequantises)."""
+
+    def __init__(self, finish: Callable[[], None]) -> None:
+        self._finish = finish
+
+    def wait(self) -> None:
+        self._finish()
 
 
 class ParamSync:
@@ -29,6 +44,9 @@ class ParamSync:
         self.groups = [g for g in groups if g.size > 1]
         self.overlap = overlap and bool(self.groups)
         self._handles = []
+        # FP8 buckets: their gathers, and the fp32 master chunk each quantises (set by the optimizer)
+        self._fp8 = {id(b): FP8BucketGather(g, b) for g in self.groups if g.fp8 for b in g.buckets}
+        self.masters: dict[int, Tensor] = {}
         if self.overlap:
             if model is None:
                 raise ValueError("ParamSync(overlap=True) needs the model, whose forward waits for the gathers")
@@ -39,6 +57,9 @@ class ParamSync:
         for g in self.groups:
             for b in reversed(g.buckets):
                 lo, hi = g.owned(b)
+                if id(b) in self._fp8:
+                    b.param_work = _Finish(self._fp8[id(b)].launch(self.masters.get(id(b), g.param_data[lo:hi])))
+                    continue
                 b.param_work = all_gather_into(g.param_data[b.start:b.end], g.param_data[lo:hi], group=g.group,
                                                async_op=True)
         if not self.overlap:
@@ -59,6 +80,10 @@ class ParamSync:
     def pending(self) -> int:
         """Buckets whose gather has been launched and not yet waited for."""
         return sum(b.param_work is not None for g in self.groups for b in g.buckets)
+
+    def bytes_gathered(self) -> int:
+        """Bytes one ``launch`` all-gathers (received by this rank: the whole of every bucket)."""
+        return sum((b.end - b.start) * bytes_per_element(g) for g in self.groups for b in g.buckets)
 
     def _register_hooks(self, model: nn.Module) -> None:
         bucket_of = {id(p): g.buckets[g.bucket_of[i]] for g in self.groups for i, p in enumerate(g.params)}
