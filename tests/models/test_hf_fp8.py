@@ -10,6 +10,8 @@
 - HF-FP8 -> moefold -> HF-FP8 keeps every FP8 byte and every unquantised tensor; a ``scale_inv`` is recomputed
   from its dequantised block and equals the original to within one fp32 ulp (``fp32(max|q| * s) / 448``
   may round; measured: all 154 blocks bit for bit);
+- with ``--fp8-param-gather`` (blockwise) the checkpoint becomes FP8 primary weights: fp32 masters hold the
+  dequantised values and the first FP8 all-gather (dp2) carries exactly the checkpoint's FP8 bytes;
 - formats moefold does not read (MXFP4) are refused with one line, ``inspect`` names the FP8 blocks.
 """
 
@@ -178,3 +180,39 @@ def test_unread_formats_refused_and_inspect_names_the_blocks(tmp_path, capsys):
     assert main(["convert", str(path), str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "mxfp4" in err[0], err
+
+
+def _primary_rank(path: str) -> dict:
+    from moefold.models.pretrained import pretrained_config
+    from moefold.parallel.dims import ParallelConfig, ParallelDims
+    from moefold.parallel.fp8 import FP8Config
+    from moefold.training.config import RunConfig, TrainConfig
+    from moefold.training.trainer import Trainer
+
+    fp8 = FP8Config("e4m3", "blockwise", param_gather=True)
+    from moefold.models.options import ModelOptions
+
+    config = RunConfig(model=pretrained_config(path), options=ModelOptions(fp8=fp8),
+                       train=TrainConfig(micro_batch_size=1, global_batch_size=2, seq_length=16, train_iters=1,
+                                         load_hf=path, lr_warmup_iters=0))
+    trainer = Trainer(config, ParallelDims.build(ParallelConfig()), log=lambda _m: None)
+    trainer.optimizer.param_sync.launch()   # the FP8 gather a step ends with, from the loaded fp32 masters
+    trainer.optimizer.finish_param_sync()
+    params = dict(trainer.model.named_parameters())
+    return {"dense": params["layers.0.mlp.gate_proj.weight"].detach().clone(),
+            "expert": params["layers.1.mlp.experts.w13"].detach()[3, 0].clone()}
+
+
+def test_fp8_checkpoint_as_fp8_primary_weights(tmp_path):
+    """``--load-hf`` of an FP8 checkpoint with ``--fp8-param-gather`` (blockwise): the masters are the dequantised
+    checkpoint, and the FP8 weights the optimizer gathers from them are the checkpoint's FP8 bytes (dp2)."""
+    from tests.distributed import run_distributed
+
+    _, path, fp8 = _fp8_checkpoint("deepseek_v3", tmp_path)
+    got = run_distributed(_primary_rank, 2, str(path), timeout=300)[0]
+    for mine, hf_name in (("dense", "model.layers.0.mlp.gate_proj.weight"),
+                          ("expert", "model.layers.1.mlp.experts.3.gate_proj.weight")):
+        q, s = fp8[hf_name], fp8[hf_name + "_scale_inv"]
+        assert s.numel() == 1   # one block at hidden 32
+        assert torch.equal((got[mine] / s).to(E4M3).view(torch.uint8), q.view(torch.uint8)), mine
+        torch.testing.assert_close(got[mine], _dequantize(q, s), rtol=2 ** -21, atol=0)   # the scale re-derived
