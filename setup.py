@@ -32,10 +32,14 @@ setup(
         "tokenizers",
         "matplotlib",
         "tqdm",
+        "pyyaml",  # moefold train --config FILE, and each run's RUN_DIR/config.yaml
     ],
     extras_require={
+        # setuptools: tests/test_packaging.py builds the wheel without build isolation (>= 70.1 needs no `wheel`)
         "test": ["pytest", "pytest-timeout", "ruff", "import-linter==2.17", "transformers", "tensorboard",
-                 "torchao==0.18.0"],
+                 "torchao==0.18.0", "datasets==5.2.0", "setuptools==84.2.1"],
+        # prepare-data --hf-dataset: datasets saved with save_to_disk, local Parquet / JSON (imported only then)
+        "datasets": ["datasets==5.2.0"],
         # FP8 training's default backend (--fp8-backend torchao): pure Python, no torch pin, CPU and CUDA
         "fp8": ["torchao==0.18.0"],
         # built against the installed torch: pip install --no-build-isolation -e ".[gpu]". DeepEP is not on

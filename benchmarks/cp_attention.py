@@ -113,7 +113,8 @@ def run_variant(args: dict, fused: bool, mode: str) -> tuple[float, float, float
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--cp", type=int, default=2)
     p.add_argument("--batch", type=int, default=1)

@@ -103,7 +103,8 @@ def _rank(iters: int) -> dict[str, float]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=20)
     a = p.parse_args()
     from moefold.parallel.machine import describe_machine

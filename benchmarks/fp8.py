@@ -103,7 +103,8 @@ def compare(name: str, build: Callable[[FP8Config, torch.dtype], nn.Module], x: 
 
 def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=16384 if cuda else 512)
     p.add_argument("--hidden", type=int, default=4096 if cuda else 256)
     p.add_argument("--configs", default="64,8,1536;16,2,4096" if cuda else "8,2,256", help="E,k,F;E,k,F;...")

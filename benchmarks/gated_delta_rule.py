@@ -49,7 +49,7 @@ def _time(fn, inputs, iters: int, cpu_time: bool, device: str) -> tuple[float, t
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--key-heads", type=int, default=2)

@@ -69,7 +69,8 @@ def proxy_static(recipe: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipes", nargs="+", default=["qwen3_moe_tiny", "deepseek_v3_tiny", "mixtral_tiny"])
     p.add_argument("--proxies", nargs="*", default=["qwen3_moe_proxy", "deepseek_v3_proxy", "mixtral_proxy"])
     p.add_argument("--micro-batch", type=int, default=4)

@@ -118,7 +118,8 @@ def bench(T: int, H: int, E: int, k: int, F: int, dtype: torch.dtype, backend: s
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--dtypes", default="bf16,fp32")

@@ -45,7 +45,8 @@ def machine(threads: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--cpu-time", action="store_true", help="time with this process's CPU time (a shared machine)")

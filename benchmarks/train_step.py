@@ -49,7 +49,8 @@ def hf_model(config, seq: int):
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--cpu-time", action="store_true", help="time with this process's CPU time (a shared machine)")

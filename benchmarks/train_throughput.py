@@ -65,7 +65,8 @@ def measure(config: RunConfig, skip: int, clock) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="tiny,50m", help="tiny (qwen3_moe_tiny) and/or 50m, comma-separated")
     p.add_argument("--steps", type=int, default=10, help="training steps per run")
     p.add_argument("--skip", type=int, default=3, help="first steps left out of the steady-state median")

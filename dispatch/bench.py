@@ -59,10 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPU ranks to spawn (default ep*etp); ignored under torchrun")
     parser.add_argument("--skew", default="uniform",
                         help="expert popularity, comma-separated: uniform, zipf (logit bias -4 log(i+1) for expert i)")
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--iters", type=int, default=20, help="timed iterations")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed iterations first")
+    parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES), help="token dtype")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the tokens and router logits")
     parser.add_argument("--max-chunked-experts", type=int, default=None,
                         help="alltoall only: chunk the exchange per local expert up to this many local experts "
                              "(0: one exchange + sort); default: the dispatcher's")
@@ -427,6 +427,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Benchmark a token dispatcher against a raw all-to-all.")
+    parser = argparse.ArgumentParser(description="Benchmark a token dispatcher against a raw all-to-all.",
+                                     allow_abbrev=False)
     add_arguments(parser)
     sys.exit(main(parser.parse_args()))

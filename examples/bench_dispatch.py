@@ -11,6 +11,6 @@ import sys
 from moefold.dispatch import bench
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=bench.__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=bench.__doc__.splitlines()[0])
     bench.add_arguments(parser)
     sys.exit(bench.main(parser.parse_args()))

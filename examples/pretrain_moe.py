@@ -27,7 +27,8 @@ from moefold.training.launch.ranks import run_ranks
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default="qwen3_moe_tiny")
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--tp", type=int, default=1)

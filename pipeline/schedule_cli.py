@@ -23,8 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backward-time", type=float, default=None,
                         help="time of one backward on one chunk (default 1/vpp)")
     parser.add_argument("--num-layers", type=int, default=None, help="also print the layer split")
-    parser.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
-    parser.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    parser.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                        help="with --num-layers: layers on the first stage (default: even split)")
+    parser.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                        help="with --num-layers: layers on the last stage (default: even split)")
     parser.add_argument("--plot", default=None, metavar="PNG", help="write the timeline as a PNG")
 
 

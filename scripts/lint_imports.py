@@ -32,7 +32,7 @@ def folders() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--replace", action="append", default=[], metavar="FOLDER=DIR",
                         help="lay DIR out as moefold.FOLDER instead of the checkout's FOLDER/")
     args = parser.parse_args(argv)

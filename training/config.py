@@ -83,6 +83,7 @@ class TrainConfig:
     # validation (training.evaluate): with --split or --valid-data-path
     eval_interval: int | None = None           # every N steps (None: only at the end of the run)
     eval_iters: int = 10                       # global batches per evaluation
+    skip_train: bool = False                   # validation only: evaluate the loaded (or initial) model, no steps
     split: str | None = None                   # Megatron's "969,30,1": train/valid/test shares of each corpus
     valid_data_path: tuple[str, ...] = ()      # a separate validation corpus: PREFIX or W1 PREFIX1 W2 PREFIX2 ...
     # Weights & Biases (optional dependency; WANDB_MODE=offline works without network)
@@ -123,6 +124,9 @@ class TrainConfig:
             raise ValueError(f"--eval-iters={self.eval_iters!r} must be a positive integer")
         if self.eval_interval is not None and not self.has_validation:
             raise ValueError(f"--eval-interval={self.eval_interval} needs validation data: --split (e.g. 969,30,1) "
+                             "or --valid-data-path")
+        if self.skip_train and not self.has_validation:
+            raise ValueError("--skip-train runs validation only: it needs validation data, --split (e.g. 969,30,1) "
                              "or --valid-data-path")
         if self.split is not None and self.valid_data_path:
             raise ValueError("give either --split (validation documents cut from --data-path) or --valid-data-path, "

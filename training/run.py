@@ -84,9 +84,10 @@ def save_run_assets(config: RunConfig) -> None:
 
 
 def train(config: RunConfig, device: torch.device | str = "cpu", heartbeat: Heartbeat | None = None,
-          ) -> list[StepResult]:
+          progress: bool = False) -> list[StepResult]:
     """Train ``config`` on this rank; returns the step results (identical on every rank). ``heartbeat`` (from
-    the launcher) learns each completed step."""
+    the launcher) learns each completed step; ``progress``: rank 0 draws a progress bar (the launcher decides:
+    only on a terminal). With ``skip_train``, only validates the loaded (or initial) model: no step, no save."""
     t = config.train
     dims = ParallelDims.build(config.parallel, device_type=torch.device(device).type)
     is_log = dims.rank == 0
@@ -96,7 +97,7 @@ def train(config: RunConfig, device: torch.device | str = "cpu", heartbeat: Hear
     source = f"recipe {config.recipe}" if config.recipe else f"--load-hf {t.load_hf}" if t.load_hf else "model flags"
     say(f"moefold train: {source} ({config.model.name}), {dims.describe()}, device {device}")
     start = time.perf_counter()
-    dataset = build_dataset(config, dims)
+    dataset = None if t.skip_train else build_dataset(config, dims)
     valid = build_dataset(config, dims, part="valid") if t.has_validation else None
     if t.save and is_log:
         save_run_assets(config)
@@ -123,7 +124,7 @@ def train(config: RunConfig, device: torch.device | str = "cpu", heartbeat: Hear
         logger = MetricsLogger(t.run_dir, total_steps=t.train_iters, start_step=trainer.iteration,
                                flops_per_token=train_flops_per_token(config.model, t.seq_length),
                                peak_flops_per_s=peak_flops(device, dtype) * dims.world_size, device=device,
-                               config=config.to_dict(),
+                               config=config.to_dict(), progress=progress, drop_later_steps=not t.skip_train,
                                wandb={"project": t.wandb_project, "name": t.wandb_exp_name, "dir": t.wandb_save_dir}
                                if t.wandb_project else None, fp8=fp8_tag(trainer.model, config.options.fp8))
     evaluator = None
@@ -131,8 +132,17 @@ def train(config: RunConfig, device: torch.device | str = "cpu", heartbeat: Hear
         from moefold.training.evaluate import Evaluator
 
         evaluator = Evaluator(trainer, valid, logger)
-        if trainer.iteration == 0:   # where the run starts from: the baseline of a continued pretraining
-            evaluator()
+        if trainer.iteration == 0 or t.skip_train:   # where the run starts from: the baseline of a continued
+            evaluator()                                 # pretraining, or all --skip-train does
+    if t.skip_train:
+        if logger is not None:
+            logger.close()
+        if is_log:
+            v = evaluator.results[-1]
+            say(f"validation only (--skip-train), the model at step {v.step}: lm loss {v.loss_lm:.4f}, perplexity "
+                f"{v.ppl:.3f} ({v.tokens} tokens) in {time.perf_counter() - start:.1f}s")
+            say(f"metrics: {Path(t.run_dir) / 'metrics.jsonl'}")
+        return []
     try:
         results = trainer.fit(dataset, logger, on_step=on_step, evaluator=evaluator)
     finally:

@@ -41,18 +41,21 @@ def test_invalid_flags_fail_before_any_rank_starts(capsys, tmp_path):
     base = ["train", "--recipe", "qwen3_moe_tiny", "--nproc", "4", "--train-iters", "1", "--seq-length", "32",
             "--micro-batch-size", "1", "--global-batch-size", "4", "--run-dir", str(tmp_path), "--device", "cpu",
             "--no-balance-report"]
-    assert cli_main([*base, "--tensor-model-parallel-size", "3"]) == 2
-    assert "world_size=4 is not divisible by tp*cp*pp=3" in capsys.readouterr().err
+    assert cli_main([*base, "--tensor-model-parallel-size", "3"]) == 2   # the valid sizes for the model
+    assert "--tensor-model-parallel-size=3 does not split qwen3_moe_tiny" in capsys.readouterr().err
+    assert cli_main([*base, "--pipeline-model-parallel-size", "3"]) == 2   # and for the world
+    assert "the world has 4 ranks (--nproc 4): use --nproc 6" in capsys.readouterr().err
     assert cli_main([*base, "--micro-batch-size", "4", "--global-batch-size", "8"]) == 2
     err = capsys.readouterr().err
     assert "--global-batch-size=8" in err and "--micro-batch-size=4" in err
     assert cli_main([*base, "--expert-model-parallel-size", "3"]) == 2
-    assert "etp*ep=1*3=3 does not divide" in capsys.readouterr().err
+    assert "num_experts=8 is not divisible by ep=3; valid for this model" in capsys.readouterr().err
     assert cli_main([*base, "--tensor-model-parallel-size", "4", "--vocab-size", "510"]) == 2
     err = capsys.readouterr().err
     assert "vocab_size=510 is not divisible by tp=4" in err and "--tensor-model-parallel-size=4" in err
     assert cli_main([*base, "--context-parallel-size", "2", "--seq-length", "30"]) == 2
-    assert "--seq-length=30 must be divisible by 2 x --context-parallel-size=2" in capsys.readouterr().err
+    assert "--context-parallel-size=2 does not split qwen3_moe_tiny: --seq-length=30 is not divisible by 2 x cp=2" \
+        in capsys.readouterr().err
 
 
 def test_moefold_train_two_ranks_end_to_end(tmp_path, monkeypatch):

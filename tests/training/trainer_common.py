@@ -37,6 +37,16 @@ def tiny_data(num_samples: int = 64, vocab: int = 256) -> np.ndarray:
     return out
 
 
+def tiny_corpus(prefix, num_samples: int = 64) -> str:
+    """``tiny_data(num_samples)`` written as an indexed corpus at ``prefix`` (vocab 256), one sample a document."""
+    from moefold.training.data.indexed import IndexedDatasetWriter
+
+    with IndexedDatasetWriter(prefix, 256) as writer:
+        for row in tiny_data(num_samples):
+            writer.add_document(row)
+    return str(prefix)
+
+
 def run(config: RunConfig, dims: ParallelDims | None = None, data: np.ndarray | None = None,
         load: str | None = None, hook=None, stop_at: int | None = None, log=None, run_dir: str | None = None,
         setup=None) -> tuple[list[float], dict[str, torch.Tensor], Trainer]:

@@ -1,8 +1,9 @@
 """The ``moefold`` command. Each subcommand lives in its own module, imported only when used.
 
-A subcommand module exposes ``add_arguments(parser)`` and ``main(args) -> int``. This package holds the
-commands that need the trainer or its checkpoints (train, convert, inspect, generate, upcycle, env) and the
-model flags; the others live with their concept (``pipeline.schedule_cli``, ``dispatch.bench``,
+A subcommand module exposes ``add_arguments(parser)`` and ``main(args) -> int``; one with
+``TAKES_CONFIG_FILE = True`` also reads its flags from ``--config FILE`` (``training.cli.config_file``).
+This package holds the commands that need the trainer or its checkpoints (train, convert, inspect, generate,
+upcycle, env) and the model flags; the others live with their concept (``pipeline.schedule_cli``, ``dispatch.bench``,
 ``training.data.prepare``, ``training.observe.balance_report``, ``training.plan.cli``).
 May import: everything in moefold except training.plan and training.gpu (which import it).
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from moefold.training.cli.parser import Parser
 
 # name -> (module, one-line help). Later subcommands register here.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -40,7 +43,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only ``command``'s module is imported (for its arguments), so one slow or
     GPU-only subcommand never slows down or breaks another."""
-    parser = argparse.ArgumentParser(prog="moefold", description="Mixture-of-experts training system.")
+    parser = Parser(prog="moefold", description="Mixture-of-experts training system.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
         cmd = sub.add_parser(name, help=help_text, description=help_text)
@@ -53,6 +56,18 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(command).parse_args(argv)
-    return int(importlib.import_module(args._module).main(args) or 0)
+    parser = build_parser(command)
+    args = parser.parse_args(argv)
+    module = importlib.import_module(args._module)
+    if getattr(module, "TAKES_CONFIG_FILE", False) and args.config:   # the file's flags first: typed ones override
+        from moefold.training.cli.config_file import config_args
+
+        sub = parser.chosen_subcommand(args)
+        try:
+            from_file = config_args(sub, args.config)
+        except ValueError as exc:
+            sub.error(str(exc))
+        at = argv.index(command) + 1
+        args = parser.parse_args([*argv[:at], *from_file, *argv[at:]])
+    return int(module.main(args) or 0)
 

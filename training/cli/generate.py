@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", action="append", help="text to continue (repeat for several prompts)")
     prompt.add_argument("--prompt-ids", type=int, nargs="+", help="token ids to continue (no tokenizer needed)")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sample")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
     parser.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens whose "
@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--tokenizer", metavar="FILE", help="a tokenizer.json (default: the model's)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
-    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                        help="precision the model runs in")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                         help="auto: the GPU when CUDA is available")
     add_debug_argument(parser)

@@ -132,8 +132,13 @@ ARCH_FLAGS: tuple[tuple[str, Callable[[str], Any], tuple[str, ...], Callable[[Cu
 # what --moe-use-upcycling lets a user choose about the MoE the dense model becomes
 UPCYCLING_FLAGS = ("--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size", "--moe-layer-freq")
 HELP = {
+    "--num-layers": "decoder layers (without MTP)", "--hidden-size": "model width",
+    "--num-attention-heads": "query heads", "--num-experts": "routed experts per MoE layer (0: a dense model)",
+    "--moe-router-topk": "experts per token", "--kv-lora-rank": "MLA compressed K/V latent size",
+    "--v-head-dim": "MLA value head dim", "--max-position-embeddings": "longest sequence the RoPE setup allows",
+    "--norm-epsilon": "RMSNorm epsilon",
     "--ffn-hidden-size": "dense MLP size", "--moe-ffn-hidden-size": "routed expert size",
-    "--num-query-groups": "kv heads (GQA)", "--kv-channels": "attention head dim (GQA)",
+    "--num-query-groups": "kv heads", "--kv-channels": "attention head dim",
     "--moe-shared-expert-intermediate-size": "shared experts' total size (0: none)",
     "--moe-layer-freq": 'MoE layers: N (every N-th) or a 0/1 pattern such as "([0]*3+[1]*58)"',
     "--mtp-num-layers": "multi-token prediction depths", "--q-lora-rank": "MLA q compression (none: full q_proj)",
@@ -163,11 +168,13 @@ def dest(flag: str) -> str:
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The architecture flags, as their own argument group."""
     g = parser.add_argument_group("model definition (Megatron-LM names; change the --recipe's model)")
-    for flag, typ, _, _ in ARCH_FLAGS:
+    for flag, typ, kinds, _ in ARCH_FLAGS:
+        only = "" if len(kinds) > 1 else " (MLA only)" if kinds == (MLA,) else " (GQA only)"
+        text = f"{HELP[flag]}{only}; default: the recipe's"
         if typ is bool:
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=HELP.get(flag))
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
-            g.add_argument(flag, type=typ, default=None, help=HELP.get(flag))
+            g.add_argument(flag, type=typ, default=None, help=text)
 
 
 def given_model_flags(args: argparse.Namespace) -> list[str]:

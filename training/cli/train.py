@@ -23,15 +23,22 @@ import sys
 
 import torch
 
+from moefold.dense.context_parallel import CP_COMM_MODES
 from moefold.dense.gated_delta_rule import GATED_DELTA_RULE_BACKENDS, require_fla
 from moefold.dense.recompute import DEFAULT_RECOMPUTE_MODULES, RECOMPUTE_METHODS, RECOMPUTE_MODES, RECOMPUTE_MODULES
 from moefold.models.config import ModelConfig
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import RECIPES, get_recipe
+from moefold.moe.config import DISPATCHERS
+from moefold.moe.gemm import GEMM_BACKENDS
 from moefold.parallel.dims import ParallelConfig, ParallelSizes
 from moefold.parallel.fp8 import add_fp8_arguments, fp8_config_from_args
 from moefold.parallel.init import launched_by_torchrun, launched_world_size
+from moefold.training.cli.config_file import write_effective_config
+from moefold.training.cli.layout_errors import world_source
 from moefold.training.cli.model_flags import UPCYCLING_FLAGS, add_model_arguments, apply_model_flags, given_model_flags
+from moefold.training.cli.parser import Parser
+from moefold.training.cli.train_help import ROUTER_HELP, TRAIN_HELP
 from moefold.training.config import RunConfig, TrainConfig
 from moefold.training.errors import JobFailed
 from moefold.training.launch.preflight import preflight
@@ -41,6 +48,7 @@ from moefold.training.optim.lr_schedule import DECAY_STYLES, WSD_STYLES
 from moefold.training.optim.precision import DTYPES
 
 _T = TrainConfig()
+TAKES_CONFIG_FILE = True   # --config FILE: flags from YAML (training.cli.config_file)
 
 # Router flags (Megatron-LM names) -> the ModelConfig field they override; unset keeps the recipe's.
 ROUTER_FLAGS: tuple[tuple[str, str, type], ...] = (
@@ -66,41 +74,62 @@ ARCH_ROUTER_FIELDS = frozenset({"moe_score_function", "moe_pre_softmax", "moe_to
                                 "moe_group_topk", "moe_expert_bias"})
 
 
+_DEVICES = ("auto", "cpu", "cuda")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipe", choices=sorted(RECIPES), metavar="NAME",
                    help=f"model recipe (the base the model flags change): {', '.join(sorted(RECIPES))}")
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="YAML file of flags (keys: the flags' names, e.g. tensor-model-parallel-size: 2); flags "
+                        "typed on the command line override it; every run writes its own as RUN_DIR/config.yaml")
     p.add_argument("--nproc", type=int, default=1, help="local ranks to spawn when not under torchrun (default 1)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--device", default="auto", choices=_DEVICES,
+                   help="auto: one GPU per rank when CUDA is available, else the CPU (gloo between ranks)")
+    g = p.add_argument_group("parallelism (ranks: tp x cp x dp x pp; experts: etp x ep x edp x pp)")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="tensor parallelism (tp): attention heads and MLP columns split over tp ranks")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="pipeline parallelism (pp): the layers split into pp stages")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="pp > 1: virtual stages of M layers per rank (interleaved 1F1B schedule)")
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
                    help="pp > 1: layers on the first stage (it also holds the embedding); default: even split")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
                    help="pp > 1: layers on the last stage (it also holds the head, loss and MTP); default: even split")
-    g.add_argument("--context-parallel-size", type=int, default=1)
-    g.add_argument("--expert-model-parallel-size", type=int, default=1)
-    g.add_argument("--expert-tensor-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="context parallelism (cp): each sequence split over cp ranks (ring attention)")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="expert parallelism (ep): the experts split over ep ranks (tokens all-to-all)")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=1,
+                   help="expert tensor parallelism (etp): each expert's FFN split over etp ranks")
     g.add_argument("--pipeline-schedule", dest="pipeline_schedule", default=_T.pipeline_schedule,
                    choices=("gpipe", "1f1b", "interleaved"), help="pp > 1 (interleaved is implied by virtual stages)")
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
-                   help="shard activations along the sequence between TP regions (default on; tp > 1 only)")
-    g.add_argument("--cp-comm-type", default=ModelOptions.cp_comm, help="context-parallel K/V exchange")
+                   help="shard activations along the sequence between TP regions (tp > 1 only; --seq-length "
+                        "must then divide by tp)")
+    g.add_argument("--cp-comm-type", default=ModelOptions.cp_comm, choices=CP_COMM_MODES,
+                   help="context-parallel K/V exchange: p2p (ring, overlapped) or all_gather")
     add_model_arguments(p)
     add_pretrained_arguments(p)
     m = p.add_argument_group("router and run-time choices (overrides of the recipe / --load-hf model)")
-    m.add_argument("--moe-aux-loss-coeff", type=float)
+    m.add_argument("--moe-aux-loss-coeff", type=float,
+                   help="weight of the load-balancing loss (--moe-router-load-balancing-type); default: the recipe's")
     for flag, _, typ in ROUTER_FLAGS:
+        text, choices = ROUTER_HELP[flag]
+        text = f"{text}; default: the model's (--recipe or --load-hf)"
         if typ is bool:
-            m.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+            m.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
-            m.add_argument(flag, type=typ)
-    m.add_argument("--init-method-std", type=float, default=ModelOptions.init_std)
-    m.add_argument("--moe-token-dispatcher-type", default="auto",
-                   help="auto | local | allgather | alltoall | flex (DeepEP)")
-    m.add_argument("--moe-grouped-gemm-backend", default=ModelOptions.gemm_backend)
+            m.add_argument(flag, type=typ, choices=choices, help=text)
+    m.add_argument("--init-method-std", type=float, default=ModelOptions.init_std,
+                   help="standard deviation of the weights' normal initialisation")
+    m.add_argument("--moe-token-dispatcher-type", default="auto", choices=("auto", *DISPATCHERS),
+                   help="how tokens reach their experts: auto (local without ep/etp, else alltoall), allgather, "
+                        "alltoall, flex (DeepEP, CUDA)")
+    m.add_argument("--moe-grouped-gemm-backend", default=ModelOptions.gemm_backend, choices=GEMM_BACKENDS,
+                   help="the experts' GEMMs: torch's grouped_mm, a per-expert loop, grouped_gemm or Transformer "
+                        "Engine (te) on CUDA")
     m.add_argument("--linear-attention-backend", default=ModelOptions.linear_attention_backend,
                    choices=GATED_DELTA_RULE_BACKENDS, help="Gated DeltaNet kernel (Qwen3-Next's linear_attention "
                    "layers): torch (chunked, any device), fla (flash-linear-attention, CUDA), auto (fla on CUDA when "
@@ -113,7 +142,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="full: uniform (groups of N layers) or block (the first N layers of each pipeline chunk)")
     m.add_argument("--recompute-num-layers", type=int, default=ModelOptions.recompute_num_layers,
                    help="full: the N of --recompute-method (default 1)")
-    gpu = p.add_argument_group("GPU backends (issue 14): DeepEP, Transformer Engine FP8")
+    gpu = p.add_argument_group("GPU backends: DeepEP, FP8 (torchao, Transformer Engine)")
     gpu.add_argument("--moe-deepep-num-sms", type=int, default=ModelOptions.moe_deepep_num_sms,
                      help="SMs DeepEP's kernels take (flex dispatcher; even)")
     add_fp8_arguments(gpu)
@@ -131,11 +160,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                              ("--clip-grad", "clip_grad", float), ("--seed", "seed", int),
                              ("--log-interval", "log_interval", int), ("--save-interval", "save_interval", int),
                              ("--keep-last", "keep_last", int), ("--max-skipped-steps", "max_skipped_steps", int)):
-        t.add_argument(flag, dest=field, type=typ, default=getattr(_T, field),
-                       help=f"default {getattr(_T, field)}")
-    t.add_argument("--lr-decay-style", dest="lr_decay_style", default=_T.lr_decay_style, choices=DECAY_STYLES)
+        t.add_argument(flag, dest=field, type=typ, default=getattr(_T, field), help=TRAIN_HELP[field])
+    t.add_argument("--lr-decay-style", dest="lr_decay_style", default=_T.lr_decay_style, choices=DECAY_STYLES,
+                   help="learning-rate decay after the warmup (WSD: constant, then --lr-wsd-decay-iters of decay)")
     t.add_argument("--lr-wsd-decay-style", dest="lr_wsd_decay_style", default=_T.lr_wsd_decay_style,
-                   choices=WSD_STYLES)
+                   choices=WSD_STYLES, help="the shape of WSD's final decay")
     t.add_argument("--bf16", action="store_true", help="bf16 parameters and compute, fp32 master weights")
     t.add_argument("--fp16", action="store_true",
                    help="fp16 parameters and compute, fp32 master weights, loss scaling (dynamic unless --loss-scale)")
@@ -154,7 +183,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--compile", action="store_true",
                    help="torch.compile each transformer block (MoE: its static-shaped parts, the experts' "
                         "activation fused); compile time is printed")
-    t.add_argument("--no-overlap-grad-reduce", action="store_true")
+    t.add_argument("--no-overlap-grad-reduce", action="store_true",
+                   help="reduce gradients after the backward instead of bucket by bucket during it")
     t.add_argument("--overlap-param-gather", action="store_true",
                    help="all-gather updated parameters during the next forward (each module waits for its own)")
     for flag, field in (("--main-grads-dtype", "main_grads_dtype"), ("--exp-avg-dtype", "exp_avg_dtype"),
@@ -166,7 +196,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("data and output")
     d.add_argument("--data-path", nargs="+", default=[], help="PREFIX or W1 PREFIX1 W2 PREFIX2 ... (prepared with "
                                                                "`moefold prepare-data`); default: built-in corpus")
-    d.add_argument("--data-cache-dir", default=None)
+    d.add_argument("--data-cache-dir", default=None,
+                   help="where the built-in corpus is tokenised and cached (default: ~/.cache/moefold)")
     d.add_argument("--run-dir", default=_T.run_dir, help=f"metrics, logs and reports (default {_T.run_dir})")
     d.add_argument("--save", default=None, help="checkpoint directory (default RUN_DIR/checkpoints)")
     d.add_argument("--no-save", action="store_true", help="write no checkpoint")
@@ -176,6 +207,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="allow resuming with another --data-path, --seq-length or --seed: the data position restarts "
                         "at the first sample of the new order")
     d.add_argument("--no-balance-report", action="store_true", help="skip the load-balance PNGs at the end")
+    d.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (it is only drawn when stderr is a terminal anyway)")
     r = p.add_argument_group("failures")
     r.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="a collective that waits longer fails (default 10)")
@@ -201,6 +234,9 @@ def add_validation_arguments(p: argparse.ArgumentParser) -> None:
                    help="validate every N steps (default: only at the end; needs --split or --valid-data-path)")
     g.add_argument("--eval-iters", type=int, default=_T.eval_iters, help=f"global batches per validation "
                                                                          f"(default {_T.eval_iters})")
+    g.add_argument("--skip-train", action="store_true",
+                   help="validation only (Megatron's flag): evaluate the --load checkpoint (or the initialisation) on "
+                        "--split / --valid-data-path, train nothing, save nothing")
     g.add_argument("--split", default=None, help="train,valid,test shares of the documents of each --data-path "
                                                  "corpus, e.g. 969,30,1 (Megatron)")
     g.add_argument("--valid-data-path", nargs="+", default=[], help="a separate validation corpus: PREFIX or "
@@ -278,7 +314,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     explicit = ("run_dir", "save", "load", "bf16", "data_path", "vocab_size", "data_cache_dir", "valid_data_path",
                 "reset_data_position", "compile")
     train = {k: v for k, v in vars(args).items() if k in fields and k not in explicit}
-    save = None if args.no_save else (args.save or os.path.join(args.run_dir, "checkpoints"))
+    save = None if args.no_save or args.skip_train else (args.save or os.path.join(args.run_dir, "checkpoints"))
     train = TrainConfig(**train, bf16=args.bf16, compile=args.compile, run_dir=args.run_dir, save=save, load=args.load,
                         reset_data_position=args.reset_data_position,
                         data_path=tuple(args.data_path), vocab_size=args.vocab_size,
@@ -287,18 +323,24 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     return RunConfig(model=model, parallel=parallel, options=options, train=train, recipe=args.recipe)
 
 
-def validate(config: RunConfig, world_size: int) -> None:
+def validate(config: RunConfig, world_size: int, source: str | None = None) -> None:
     """Everything checkable without starting ranks: layout sizes, batch arithmetic, model divisibility, and that
-    the chosen GPU backends are installed."""
-    sizes = validate_layout(config, world_size)
+    the chosen GPU backends are installed. ``source``: how the world was chosen (``layout_errors.world_source``)."""
+    sizes = validate_layout(config, world_size, source)
     check_backends(config, sizes.ep, sizes.etp)
 
 
-def validate_layout(config: RunConfig, world_size: int) -> ParallelSizes:
+def validate_layout(config: RunConfig, world_size: int, source: str | None = None) -> ParallelSizes:
     """The layout checks of ``validate`` (sizes, batch arithmetic, pipeline split, model divisibility), without the
-    installed-backend checks: what ``moefold plan`` applies to every layout it considers."""
+    installed-backend checks: what ``moefold plan`` applies to every layout it considers. With ``source`` (how
+    the world was chosen: ``--nproc 1, the default``), a bad size is explained by ``layout_errors.explain``: the
+    valid sizes for the model and the world the flags need."""
     from moefold.models.layer_factory import check_layout
     from moefold.parallel.dims import ParallelDims
+    from moefold.training.cli.layout_errors import explain
+
+    if source is not None and (message := explain(config, world_size, source)):
+        raise ValueError(message)
 
     try:
         sizes, _ = config.resolve(world_size)
@@ -369,9 +411,11 @@ def main(args: argparse.Namespace) -> int:
         for flag in ("distributed_timeout_minutes", "heartbeat_timeout"):
             if not 0 < getattr(args, flag) < float("inf"):
                 raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be a positive number")
-        validate(config, world)
+        validate(config, world, world_source(args.nproc, launched_by_torchrun()))
         first = not launched_by_torchrun() or os.environ.get("RANK", "0") == "0"   # torchrun: every rank checks
         preflight(config, say=print if first else lambda _line: None)
+        if first:
+            write_effective_config(train_parser(), args, config.train.run_dir)
     except (ValueError, ImportError, RuntimeError) as exc:
         print(f"moefold train: error: {exc}", file=sys.stderr)
         return 2
@@ -381,7 +425,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"moefold train: launched by torchrun (world {world}); ignoring --nproc {args.nproc}", file=sys.stderr)
     try:
         run_ranks(train_worker, 1 if launched_by_torchrun() else args.nproc, args.device,
-                  timeout_s=60 * args.distributed_timeout_minutes, args=(json.dumps(config.to_dict()),),
+                  timeout_s=60 * args.distributed_timeout_minutes,
+                  args=(json.dumps(config.to_dict()), not args.no_progress and sys.stderr.isatty()),
                   run_dir=config.train.run_dir, heartbeat_timeout_s=args.heartbeat_timeout)
     except JobFailed as exc:
         spawned = world > 1 and not launched_by_torchrun()   # the log holds every rank's traceback
@@ -395,11 +440,19 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def train_worker(device: torch.device, config_json: str, heartbeat: Heartbeat | None = None) -> None:
+def train_parser() -> argparse.ArgumentParser:
+    """``moefold train``'s own parser (for the effective config it writes)."""
+    parser = Parser(prog="moefold train")
+    add_arguments(parser)
+    return parser
+
+
+def train_worker(device: torch.device, config_json: str, progress: bool = False,
+                 heartbeat: Heartbeat | None = None) -> None:
     """One rank of ``moefold train`` (module-level: spawned processes import it)."""
     from moefold.training.run import train
 
-    train(RunConfig.from_dict(json.loads(config_json)), device, heartbeat=heartbeat)
+    train(RunConfig.from_dict(json.loads(config_json)), device, heartbeat=heartbeat, progress=progress)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,8 @@ def builtin_corpus(vocab_size: int = DEFAULT_VOCAB, cache_dir: str | os.PathLike
     """Path prefix of the prepared built-in corpus (``PREFIX.bin``/``.idx``/``.tokenizer.json``).
 
     ``cache_dir`` is the directory holding this one corpus (default: a sub-directory of
-    ``default_cache_root()`` named by Python version, vocab and cap). Prepared on first call.
+    ``default_cache_root()`` named by Python version, vocab and cap). Prepared on first call (``progress``: with
+    progress bars when stderr is a terminal).
     """
     if max_bytes < 1:
         raise ValueError(f"max_bytes={max_bytes} must be positive")
@@ -82,7 +83,8 @@ def builtin_corpus(vocab_size: int = DEFAULT_VOCAB, cache_dir: str | os.PathLike
                 files = stdlib_files(max_bytes)
                 if not files:
                     raise ValueError(f"built-in corpus: no UTF-8 *.py files under {sysconfig.get_paths()['stdlib']}")
-                prepare([], prefix, vocab_size=vocab_size, workers=workers, progress=progress, files=files)
+                prepare([], prefix, vocab_size=vocab_size, workers=workers, files=files,
+                        progress=None if progress else False)   # a bar only on a terminal
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return str(prefix)

@@ -1,9 +1,12 @@
-"""``moefold prepare-data``: text / JSONL files -> ``PREFIX.bin`` + ``PREFIX.idx`` + ``PREFIX.tokenizer.json``.
+"""``moefold prepare-data``: text / JSONL files, or an HF ``datasets`` dataset -> ``PREFIX.bin`` + ``PREFIX.idx`` +
+``PREFIX.tokenizer.json``.
 
 Inputs are files or directories (searched recursively for ``--glob`` patterns, sorted, so the output
-is deterministic). A ``.jsonl`` file holds one document per line (the ``--json-key`` field, default
-``text``); any other file is one document. Empty documents are skipped; every document gets the EOS
-separator appended. Tokenisation runs in ``--workers`` processes (documents stay in input order).
+is deterministic). A ``.jsonl`` file holds one document per line (the ``--text-key`` field, default
+``text``); any other file is one document. ``--hf-dataset PATH`` reads a local dataset instead
+(``save_to_disk``, Parquet, JSON: ``training.data.hf_dataset``), one document per row. Empty documents are
+skipped; every document gets the EOS separator appended. Tokenisation runs in ``--workers`` processes
+(documents stay in input order), with a progress bar on a terminal.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -74,7 +78,7 @@ def _jsonl_documents(path: Path, json_key: str) -> Iterator[str]:
                 raise ValueError(f"{path}:{lineno}: expected a JSON object per line, got {type(record).__name__}")
             if json_key not in record:
                 raise ValueError(f"{path}:{lineno}: no {json_key!r} field (fields present: "
-                                 f"{sorted(record)}); choose the field with --json-key")
+                                 f"{sorted(record)}); choose the field with --text-key")
             text = record[json_key]
             if not isinstance(text, str):
                 raise ValueError(f"{path}:{lineno}: field {json_key!r} is a {type(text).__name__}, expected a string")
@@ -90,6 +94,34 @@ def iter_documents(files: Iterable[Path], json_key: str = "text") -> Iterator[st
             text = _read_text(path)
             if text:
                 yield text
+
+
+class Documents(Protocol):
+    """A corpus read as documents, in order, as often as needed; ``total``: how many rows, when known up front;
+    ``where``: how to name it in messages."""
+
+    total: int | None
+
+    @property
+    def where(self) -> str: ...
+
+    def __iter__(self) -> Iterator[str]: ...
+
+
+@dataclass(frozen=True)
+class FileDocuments:
+    """The documents of text / JSONL files (``iter_documents``)."""
+
+    files: tuple[Path, ...]
+    json_key: str = "text"
+    total: int | None = None
+
+    @property
+    def where(self) -> str:
+        return f"the {len(self.files)} input file(s)"
+
+    def __iter__(self) -> Iterator[str]:
+        return iter_documents(self.files, self.json_key)
 
 
 def _chunks(docs: Iterable[str], size: int) -> Iterator[list[str]]:
@@ -151,78 +183,116 @@ def _encoded(tok, docs: Iterable[str], workers: int) -> Iterator[list[np.ndarray
             os.environ["TOKENIZERS_PARALLELISM"] = old
 
 
+def _finish(bar) -> None:
+    """End a bar at 100%: its total was the rows known up front, and empty rows are no documents."""
+    if bar.total is not None and bar.n != bar.total:
+        bar.total = bar.n
+        bar.refresh()
+
+
 def prepare(inputs: Sequence[str | os.PathLike], output_prefix: str | os.PathLike, *,
             vocab_size: int | None = None, tokenizer: str | os.PathLike | None = None, json_key: str = "text",
-            workers: int = 1, globs: Sequence[str] = DEFAULT_GLOBS, progress: bool = True,
-            files: Sequence[Path] | None = None) -> PrepareStats:
+            workers: int = 1, globs: Sequence[str] = DEFAULT_GLOBS, progress: bool | None = None,
+            files: Sequence[Path] | None = None, documents: Documents | None = None) -> PrepareStats:
     """Tokenise ``inputs`` into ``output_prefix``.{bin,idx} and save the tokenizer next to them.
 
     Exactly one of ``vocab_size`` (train a byte-level BPE on the inputs) and ``tokenizer`` (a
-    ``tokenizer.json``) is given. ``files``, when given, replaces the expansion of ``inputs``.
-    Raises ValueError for an empty corpus or malformed input, naming the file (and line for JSONL).
+    ``tokenizer.json``) is given. ``files``, when given, replaces the expansion of ``inputs``; ``documents``
+    (e.g. ``hf_dataset.HFDocuments``) replaces both. ``progress``: progress bars (None: when stderr is a
+    terminal). Raises ValueError for an empty corpus or malformed input, naming the file (and line for JSONL).
     """
     if (vocab_size is None) == (tokenizer is None):
         raise ValueError("give exactly one of --vocab-size (train a BPE) and --tokenizer (load tokenizer.json)")
     if workers < 1:
         raise ValueError(f"workers={workers} must be >= 1")
-    files = list(files) if files is not None else expand_inputs(inputs, globs)
-    where = ", ".join(str(i) for i in inputs) or "(no inputs)"
-    if not files:
-        raise ValueError(f"empty corpus: no input files found in {where} (directories are searched for {list(globs)})")
-    num_docs = None
+    if documents is None:
+        files = list(files) if files is not None else expand_inputs(inputs, globs)
+        where = ", ".join(str(i) for i in inputs) or "(no inputs)"
+        if not files:
+            raise ValueError(f"empty corpus: no input files found in {where} (directories are searched for "
+                             f"{list(globs)})")
+        documents = FileDocuments(tuple(files), json_key)
+        where = f"{documents.where} in {where}"
+    else:
+        where = documents.where
+    from tqdm import tqdm
+
+    disable = None if progress is None else not progress   # tqdm: None = only on a terminal
+    num_docs = documents.total
     if tokenizer is not None:
         tok = load_tokenizer(tokenizer)
     else:
         counter = [0]
+        read = tqdm(total=documents.total, unit="doc", desc="training the BPE", disable=disable, file=sys.stderr)
 
         def counted() -> Iterator[str]:
-            for d in iter_documents(files, json_key):
+            for d in documents:
                 counter[0] += 1
+                read.update()
                 yield d
 
-        tok = train_bpe(counted(), vocab_size)
+        with read:
+            tok = train_bpe(counted(), vocab_size)
+            _finish(read)
         num_docs = counter[0]
         if num_docs == 0:
-            raise ValueError(f"empty corpus: the {len(files)} input file(s) in {where} hold no non-empty document")
-    from tqdm import tqdm
-
+            raise ValueError(f"empty corpus: {where} hold no non-empty document")
     prefix = os.fspath(output_prefix)
     vocab = tok.get_vocab_size()
     with IndexedDatasetWriter(prefix, vocab) as writer:
-        bar = tqdm(total=num_docs, unit="doc", desc=f"tokenising -> {Path(prefix).name}", disable=not progress)
+        bar = tqdm(total=num_docs, unit="doc", desc=f"tokenising -> {Path(prefix).name}", disable=disable,
+                   file=sys.stderr)
         with bar:
-            for encoded in _encoded(tok, iter_documents(files, json_key), workers):
+            for encoded in _encoded(tok, iter(documents), workers):
                 for ids in encoded:
                     writer.add_document(ids)
                 bar.update(len(encoded))
+            _finish(bar)
         if writer.num_docs == 0:
-            raise ValueError(f"empty corpus: the {len(files)} input file(s) in {where} hold no non-empty document")
+            raise ValueError(f"empty corpus: {where} hold no non-empty document")
         stats = PrepareStats(prefix, writer.num_docs, writer.num_tokens, vocab, str(tokenizer_path(prefix)))
         tok.save(str(tokenizer_path(prefix)))  # before the .idx appears: a present .idx means a complete set
     return stats
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                        help="text / .jsonl files or directories (searched recursively for --glob)")
-    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx, PREFIX.tokenizer.json")
-    tok = parser.add_mutually_exclusive_group(required=True)
+    src = parser.add_argument_group("input (one of --input, --hf-dataset)")
+    one = src.add_mutually_exclusive_group(required=True)
+    one.add_argument("--input", nargs="+", metavar="PATH",
+                     help="text / .jsonl files or directories (searched recursively for --glob)")
+    one.add_argument("--hf-dataset", metavar="PATH",
+                     help="a local HF datasets dataset: a save_to_disk directory, or Parquet / JSON files (or a "
+                          "directory of them); one document per row; needs pip install 'moefold[datasets]'")
+    src.add_argument("--hf-split", default="train", help="--hf-dataset of several splits (a DatasetDict): the one "
+                                                          "to read")
+    src.add_argument("--text-key", "--json-key", dest="text_key", default="text",
+                     help="the field holding each document's text (JSONL files, --hf-dataset)")
+    src.add_argument("--glob", nargs="+", default=list(DEFAULT_GLOBS), help="--input: file patterns inside "
+                                                                             "directories")
+    tok = parser.add_argument_group("tokenizer (one of --vocab-size, --tokenizer)").add_mutually_exclusive_group(
+        required=True)
     tok.add_argument("--vocab-size", type=int, help="train a byte-level BPE of this size on the inputs")
     tok.add_argument("--tokenizer", help="use this HF tokenizer.json, e.g. a model's own (the document separator "
                                          "is its <|endoftext|>, </s> or other end-of-text token)")
-    parser.add_argument("--json-key", default="text", help="JSONL field holding the text (default: text)")
-    parser.add_argument("--glob", nargs="+", default=list(DEFAULT_GLOBS), help="file patterns inside directories")
-    parser.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)),
-                        help="tokenising processes (default: min(8, cpus))")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    out = parser.add_argument_group("output")
+    out.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx, PREFIX.tokenizer.json")
+    out.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)),
+                     help="tokenising processes (default: min(8, cpus))")
+    out.add_argument("--no-progress", action="store_true",
+                     help="no progress bar (it is only drawn when stderr is a terminal anyway)")
 
 
 def main(args: argparse.Namespace) -> int:
     try:
-        stats = prepare(args.input, args.output_prefix, vocab_size=args.vocab_size, tokenizer=args.tokenizer,
-                        json_key=args.json_key, workers=args.workers, globs=args.glob,
-                        progress=not args.no_progress)
-    except (ValueError, OSError) as exc:   # messages name the file (and line); the traceback adds nothing
+        documents = None
+        if args.hf_dataset is not None:
+            from moefold.training.data.hf_dataset import HFDocuments
+
+            documents = HFDocuments(args.hf_dataset, text_key=args.text_key, split=args.hf_split)
+        stats = prepare(args.input or [], args.output_prefix, vocab_size=args.vocab_size, tokenizer=args.tokenizer,
+                        json_key=args.text_key, workers=args.workers, globs=args.glob,
+                        progress=False if args.no_progress else None, documents=documents)
+    except (ValueError, OSError, ImportError) as exc:   # messages name the file (and line); a traceback adds nothing
         print(f"moefold prepare-data: error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {stats.prefix}.bin/.idx: {stats.num_docs} documents, {stats.num_tokens} tokens, "

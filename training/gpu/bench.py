@@ -259,7 +259,8 @@ def _training_step(device: str) -> Callable[[], None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moefold.training.gpu.bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     prog="python -m moefold.training.gpu.bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
     m = sub.add_parser("moe-layer", help="MoE layer bf16 per GEMM backend vs the dense ceiling")
     m.add_argument("--tokens", type=int, default=8192)

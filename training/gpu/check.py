@@ -318,7 +318,8 @@ STEPS = ("api", "syncs", "train", "bench", "tests", "compile", "install", "after
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moefold.training.gpu.check", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     prog="python -m moefold.training.gpu.check", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="gpu_check.md", help="the Markdown report (default gpu_check.md)")
     parser.add_argument("--log", default=None, help="all steps' output (default: the report's name with .log)")
     parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET,

@@ -456,7 +456,7 @@ def _inherited(tree: SourceTree, node: ast.ClassDef, attr: str, depth: int = 0) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moefold.training.gpu.torch_api",
+    parser = argparse.ArgumentParser(prog="python -m moefold.training.gpu.torch_api", allow_abbrev=False,
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--torch-src", default=None,
                         help="an unpacked torch wheel (the folder holding torch/): check its sources statically "

@@ -8,10 +8,14 @@ records' ``step`` and ``moe`` fields: ``layers``, ``tokens_per_expert`` [moe lay
   layer's mean (1 = balanced; red overloaded, dark blue an expert with no tokens, grey a record in
   which the layer routed nothing); 16 layers per
   page (``expert_load_heatmap_p2.png``, ... for deeper models)
-- ``load_over_steps.png``: max/mean expert load per layer over steps, and the dropped fraction
+- ``load_over_steps.png``: max/mean expert load per layer over steps, and the dropped fraction when any
+  token was dropped (a dropless run has no such panel)
 - ``summary.txt``: the text summary that is also printed: the worst layers by max/mean load over the
-  last quarter of the records, dropped tokens, and dead experts (no tokens over that window, and no
-  tokens in any record)
+  last quarter of the records, dropped tokens (when any), and dead experts (no tokens over that window,
+  and no tokens in any record)
+
+Multi-token-prediction blocks are MoE layers numbered after the decoder's (``num_layers`` from the run
+record's config); they are labelled ``MTP 1``, ``MTP 2``, ...
 """
 
 from __future__ import annotations
@@ -22,19 +26,29 @@ from pathlib import Path
 
 import numpy as np
 
-from moefold.training.observe.metrics import METRICS_FILE, read_metrics
+from moefold.training.observe.metrics import METRICS_FILE, layer_label, read_metrics
 
 LAYERS_PER_PAGE = 16
 
 
 @dataclass(frozen=True)
 class LoadHistory:
-    """Per MoE layer: ``counts[i]`` float [num_records, num_experts_i]; ``dropped`` [num_records, layers]."""
+    """Per MoE layer: ``counts[i]`` float [num_records, num_experts_i]; ``dropped`` [num_records, layers];
+    ``num_layers``: the decoder's layers (MoE layers from there on are MTP blocks), None when unknown."""
 
     steps: np.ndarray
     layers: list[int]
     counts: list[np.ndarray]
     dropped: np.ndarray
+    num_layers: int | None = None
+
+    def label(self, i: int) -> str:
+        return layer_label(self.layers[i], self.num_layers)
+
+    @property
+    def drops(self) -> bool:
+        """Any routed copy was dropped (capacity); a dropless run has none."""
+        return bool(self.dropped.size and np.nanmax(self.dropped) > 0)
 
     def relative(self, i: int) -> np.ndarray:
         """counts / per-record mean over experts (NaN where a record has no tokens), [records, experts]."""
@@ -67,7 +81,10 @@ def load_history(metrics_path: str | Path) -> LoadHistory:
             raise ValueError(f"{metrics_path}: layer {layers[i]} changes its number of experts between records")
         counts.append(np.asarray(rows, dtype=float))
     dropped = np.asarray([r["moe"]["dropped_fraction"] for r in records], dtype=float)
-    return LoadHistory(np.asarray([r["step"] for r in records]), layers, counts, dropped)
+    configs = [r["config"] for r in read_metrics(metrics_path, kind="run") if isinstance(r.get("config"), dict)]
+    model = configs[-1].get("model") if configs else None
+    num_layers = model.get("num_layers") if isinstance(model, dict) else None
+    return LoadHistory(np.asarray([r["step"] for r in records]), layers, counts, dropped, num_layers)
 
 
 def summarize(h: LoadHistory, source: str = "") -> str:
@@ -83,20 +100,21 @@ def summarize(h: LoadHistory, source: str = "") -> str:
              f"{'/'.join(map(str, experts))} experts",
              f"max/mean expert load (1.00 = balanced), mean over the last {window} record(s), and the last value:"]
     order = sorted(range(len(h.layers)), key=lambda i: -np.nan_to_num(recent[i], nan=-1))
+    width = max(len(h.label(i)) for i in range(len(h.layers)))
     for i in range(len(h.layers)):
-        lines.append(f"  layer {h.layers[i]:3d}: {recent[i]:6.2f}  (last {mom[-1, i]:.2f})")
-    worst = [f"{h.layers[i]} ({recent[i]:.2f})" for i in order[:3] if not np.isnan(recent[i])]
+        lines.append(f"  {h.label(i):>{width}}: {recent[i]:6.2f}  (last {mom[-1, i]:.2f})")
+    worst = [f"{h.label(i)} ({recent[i]:.2f})" for i in order[:3] if not np.isnan(recent[i])]
     lines.append(f"worst layers: {', '.join(worst) or 'n/a (no tokens routed)'}")
-    if h.dropped.size:
+    if h.drops:
         r, c = np.unravel_index(int(np.argmax(h.dropped)), h.dropped.shape)
         lines.append(f"dropped fraction: mean {100 * h.dropped.mean():.2f}%, max {100 * h.dropped[r, c]:.2f}% "
-                     f"(layer {h.layers[c]}, step {h.steps[r]})")
+                     f"({h.label(c)}, step {h.steps[r]})")
     for label, rows in ((f"dead experts (no tokens over the last {window} record(s))", slice(n - window, n)),
                         ("never-used experts (no tokens in any record)", slice(0, n))):
-        dead = {h.layers[i]: np.flatnonzero(h.counts[i][rows].sum(axis=0) == 0).tolist()
+        dead = {h.label(i): np.flatnonzero(h.counts[i][rows].sum(axis=0) == 0).tolist()
                 for i in range(len(h.layers))}
         dead = {k: v for k, v in dead.items() if v}
-        text = "; ".join(f"layer {k}: {v}" for k, v in dead.items()) if dead else "none"
+        text = "; ".join(f"{k}: {v}" for k, v in dead.items()) if dead else "none"
         lines.append(f"{label}: {text}")
     return "\n".join(lines) + "\n"
 
@@ -125,7 +143,7 @@ def plot_heatmaps(h: LoadHistory, out_dir: Path) -> list[Path]:
             experts = np.arange(rel.shape[1])
             mesh = ax.pcolormesh(h.steps, experts, np.ma.masked_invalid(rel.T), cmap=cmap, norm=norm,
                                  shading="nearest")
-            ax.set_title(f"layer {h.layers[i]}", fontsize=10)
+            ax.set_title(h.label(i), fontsize=10)
             ax.set_xlabel("step")
             ax.set_ylabel("expert")
         for ax in list(axes.flat)[len(idx):]:
@@ -146,23 +164,30 @@ def plot_over_steps(h: LoadHistory, out_dir: Path) -> Path:
     import matplotlib.pyplot as plt
 
     mom = h.max_over_mean()
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, constrained_layout=True)
+    if h.drops:
+        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, constrained_layout=True)
+    else:   # dropless: a panel of zeros says nothing
+        fig, ax1 = plt.subplots(1, 1, figsize=(9, 4), constrained_layout=True)
+        ax2 = None
     many = len(h.layers) > 10
-    for i, layer in enumerate(h.layers):
-        kw = {"lw": 1.0, "alpha": 0.6} if many else {"lw": 1.5, "label": f"layer {layer}"}
+    for i in range(len(h.layers)):
+        kw = {"lw": 1.0, "alpha": 0.6} if many else {"lw": 1.5, "label": h.label(i)}
         ax1.plot(h.steps, mom[:, i], **kw)
-        ax2.plot(h.steps, 100 * h.dropped[:, i], **kw)
+        if ax2 is not None:
+            ax2.plot(h.steps, 100 * h.dropped[:, i], **kw)
     if many:
         with np.errstate(all="ignore"):
             ax1.plot(h.steps, np.nanmax(mom, axis=1), color="k", lw=2, label="worst layer")
-        ax2.plot(h.steps, 100 * h.dropped.max(axis=1), color="k", lw=2, label="worst layer")
+        if ax2 is not None:
+            ax2.plot(h.steps, 100 * h.dropped.max(axis=1), color="k", lw=2, label="worst layer")
     ax1.axhline(1.0, color="0.5", ls="--", lw=1)
     ax1.set_ylabel("max / mean expert load")
     ax1.set_title("Expert load imbalance (1 = balanced)")
-    ax2.set_ylabel("dropped tokens (%)")
-    ax2.set_xlabel("step")
-    ax2.set_title("Dropped fraction (capacity overflow)")
-    for ax in (ax1, ax2):
+    (ax2 or ax1).set_xlabel("step")
+    if ax2 is not None:
+        ax2.set_ylabel("dropped tokens (%)")
+        ax2.set_title("Dropped fraction (capacity overflow)")
+    for ax in (ax1, ax2) if ax2 is not None else (ax1,):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, ncol=2 if len(h.layers) > 4 and not many else 1)
     path = out_dir / "load_over_steps.png"

@@ -61,6 +61,7 @@ from typing import Any
 
 SCHEMA = 1
 METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
 # per MoE layer, what a training step sums over ranks besides the expert loads: the router losses' shares,
 # the summed router entropy of the tokens and their number (training.trainer fills, router_layer_metrics reads)
 ROUTER_LOSSES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "z_loss")
@@ -184,8 +185,30 @@ def drop_steps_after(path: str | os.PathLike, step: int) -> int:
     return dropped
 
 
-def format_line(rec: Mapping[str, Any], total_steps: int | None = None) -> str:
-    """The one printed line of a step record."""
+FLOPS_UNITS = (("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9), ("MFLOP/s", 1e6), ("FLOP/s", 1.0))
+
+
+def format_flops(flops_per_s: float) -> str:
+    """FLOP/s in the unit that shows three significant digits: ``12.3 GFLOP/s`` for a tiny model on a CPU,
+    ``412 TFLOP/s`` for a GPU (a fixed TFLOP/s printed 0.00 for the tiny recipes)."""
+    unit, scale = next(((u, s) for u, s in FLOPS_UNITS if abs(flops_per_s) >= s), FLOPS_UNITS[-1])
+    value = flops_per_s / scale
+    return f"{value:.{2 if abs(value) < 10 else 1 if abs(value) < 100 else 0}f} {unit}"
+
+
+def layer_label(layer: int, num_layers: int | None = None) -> str:
+    """``layer 3``, or ``MTP 1`` for the first multi-token-prediction block (numbered after the ``num_layers``
+    decoder layers)."""
+    return f"MTP {layer - num_layers + 1}" if num_layers is not None and layer >= num_layers else f"layer {layer}"
+
+
+def layer_tag(layer: int, num_layers: int | None = None) -> str:
+    """The TensorBoard name of a MoE layer: ``layer03``, ``mtp1``."""
+    return f"mtp{layer - num_layers + 1}" if num_layers is not None and layer >= num_layers else f"layer{layer:02d}"
+
+
+def format_line(rec: Mapping[str, Any], total_steps: int | None = None, num_layers: int | None = None) -> str:
+    """The one printed line of a step record (``num_layers``: the decoder's, to name the MTP blocks)."""
     def num(x: float | None, fmt: str) -> str:
         return "n/a" if x is None else format(x, fmt)
 
@@ -197,7 +220,7 @@ def format_line(rec: Mapping[str, Any], total_steps: int | None = None) -> str:
     tps = rec.get("tokens_per_s")
     parts.append("n/a tok/s" if tps is None else f"{tps / 1e3:.2f}k tok/s" if tps >= 1e3 else f"{tps:.1f} tok/s")
     if rec.get("tflops_per_s") is not None:
-        parts.append(f"{rec['tflops_per_s']:.2f} TFLOP/s")
+        parts.append(format_flops(rec["tflops_per_s"] * 1e12))
     if rec.get("mfu") is not None:
         parts.append(f"MFU {100 * rec['mfu']:.1f}%")
     mem = rec.get("memory") or {}
@@ -212,8 +235,9 @@ def format_line(rec: Mapping[str, Any], total_steps: int | None = None) -> str:
     moe = rec.get("moe")
     if moe and moe.get("worst_layer") is not None:
         i = moe["layers"].index(moe["worst_layer"])
-        parts.append(f"load max/mean {moe['max_over_mean'][i]:.2f} (layer {moe['worst_layer']}), "
-                     f"dropped {100 * max(moe['dropped_fraction'] or [0.0]):.1f}%")
+        dropped = max(moe["dropped_fraction"] or [0.0])
+        parts.append(f"load max/mean {moe['max_over_mean'][i]:.2f} ({layer_label(moe['worst_layer'], num_layers)})"
+                     + (f", dropped {100 * dropped:.1f}%" if dropped > 0 else ""))
     if rec.get("skipped"):
         parts.append("SKIPPED (non-finite loss or grad norm)")
     return " | ".join(parts)
@@ -231,9 +255,15 @@ class MetricsLogger:
     TensorBoard scalars under ``RUN_DIR/tensorboard`` and drives a tqdm progress bar (``advance()``).
 
     Args:
-        flops_per_token: model FLOPs per trained token (forward + backward); enables TFLOP/s.
+        flops_per_token: model FLOPs per trained token (forward + backward); enables FLOP/s.
         peak_flops_per_s: peak of all devices together (per-device peak x world size); enables MFU.
-        tensorboard: "auto" (when ``torch.utils.tensorboard`` imports), True (required) or False.
+        tensorboard: "auto" (when ``torch.utils.tensorboard`` imports), True (required) or False. One directory
+            per run, ``RUN_DIR/tensorboard``: a run that starts at step 0 removes the event files of the run it
+            replaces (as it drops that run's step records), a resumed run adds its own file, from which
+            TensorBoard drops the steps it redoes (``purge_step``).
+        progress: draw a tqdm progress bar (``advance()``) on stderr; None: only when stderr is a terminal.
+        drop_later_steps: drop the step records (and event files) after ``start_step`` that an earlier run left
+            here (False: a validation-only run, which trains no step).
         device: where memory is measured (CUDA: torch's max allocated + NVML; always host RSS).
         print_fn: where lines go (default: ``tqdm.write`` so the progress bar stays intact).
         wandb: ``{"project": ..., "name": ..., "dir": ...}`` to also log every scalar to Weights & Biases
@@ -243,9 +273,10 @@ class MetricsLogger:
 
     def __init__(self, run_dir: str | os.PathLike, *, total_steps: int | None = None, start_step: int = 0,
                  flops_per_token: float | None = None, peak_flops_per_s: float | None = None,
-                 device: Any = "cpu", tensorboard: bool | str = "auto", progress: bool = True,
+                 device: Any = "cpu", tensorboard: bool | str = "auto", progress: bool | None = None,
                  print_fn: Callable[[str], None] | None = None, config: Mapping[str, Any] | None = None,
-                 wandb: Mapping[str, Any] | None = None, fp8: str | None = None) -> None:
+                 wandb: Mapping[str, Any] | None = None, fp8: str | None = None,
+                 drop_later_steps: bool = True) -> None:
         if tensorboard not in (True, False, "auto"):
             raise ValueError(f"tensorboard={tensorboard!r}: valid values are True, False, 'auto'")
         self.run_dir = Path(run_dir)
@@ -253,7 +284,12 @@ class MetricsLogger:
         self.path = self.run_dir / METRICS_FILE
         self.total_steps, self.flops_per_token, self.peak_flops_per_s = total_steps, flops_per_token, peak_flops_per_s
         self.device, self.fp8 = device, fp8
-        dropped = drop_steps_after(self.path, start_step)
+        model = (config or {}).get("model")
+        self.num_layers = model.get("num_layers") if isinstance(model, Mapping) else None
+        if progress is None:
+            progress = sys.stderr.isatty()
+        dropped = drop_steps_after(self.path, start_step) if drop_later_steps else 0
+        replaced = self._drop_event_files() if drop_later_steps and start_step == 0 and tensorboard else 0
         self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
         self._writer = self._open_tensorboard(tensorboard, start_step)
         self._wandb = self._open_wandb(wandb, config)
@@ -265,6 +301,9 @@ class MetricsLogger:
         if dropped:
             self._print(f"{self.path}: dropped {dropped} records after step {start_step} (from an earlier run in "
                         "this directory, past the checkpoint this run starts from)")
+        if replaced:
+            self._print(f"{self.run_dir / TENSORBOARD_DIR}: removed {replaced} event file(s) of the earlier run in "
+                        "this directory (this run starts at step 0; one TensorBoard run per directory)")
         self._last_time = time.perf_counter()
         self._write({"kind": "run", "schema": SCHEMA, "time": time.time(), "start_step": start_step,
                      "total_steps": total_steps, "flops_per_token": flops_per_token,
@@ -282,7 +321,14 @@ class MetricsLogger:
                                   f"{exc}") from exc
             return None
         # purge_step: TensorBoard hides the earlier run's events from the resumed step on (no duplicate points)
-        return SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=start_step + 1)
+        return SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR), purge_step=start_step + 1)
+
+    def _drop_event_files(self) -> int:
+        """Remove the TensorBoard event files an earlier run left in this run directory; how many."""
+        files = list((self.run_dir / TENSORBOARD_DIR).glob("events.out.tfevents.*"))
+        for f in files:
+            f.unlink()
+        return len(files)
 
     def _open_wandb(self, settings: Mapping[str, Any] | None, config: Mapping[str, Any] | None):
         if not settings:
@@ -329,8 +375,8 @@ class MetricsLogger:
             "extra": _json_safe(dict(extra or {})),
         }
         self._write(rec)
-        self._print(format_line(rec, self.total_steps) + (f" | {self.fp8}" if self.fp8 else ""))
-        self._scalars_out(rec["step"], self._scalars(rec))
+        self._print(format_line(rec, self.total_steps, self.num_layers) + (f" | {self.fp8}" if self.fp8 else ""))
+        self._scalars_out(rec["step"], self._scalars(rec, self.num_layers))
         return rec
 
     def log_validation(self, step: int, *, loss_lm: float, ppl: float | None, tokens: int) -> dict[str, Any]:
@@ -378,9 +424,10 @@ class MetricsLogger:
         return out
 
     @staticmethod
-    def _scalars(rec: Mapping[str, Any]) -> dict[str, float]:
+    def _scalars(rec: Mapping[str, Any], num_layers: int | None = None) -> dict[str, float]:
         """The TensorBoard / W&B scalars of a step record: losses, perf, memory, and per MoE layer its load
-        balance, dropped fraction, router losses and entropy (``moe_<metric>/layerNN``)."""
+        balance, dropped fraction (when it drops any), router losses and entropy (``moe_<metric>/layerNN``,
+        ``moe_<metric>/mtpK`` for the K-th MTP block)."""
         out: dict[str, float] = {}
         for key in ("loss", "loss_lm", "loss_aux", "loss_z", "loss_mtp", "grad_norm", "lr", "tokens_per_s",
                     "tflops_per_s", "mfu"):
@@ -392,12 +439,13 @@ class MetricsLogger:
             out[f"memory/{key}"] = value
         moe = rec.get("moe")
         if moe:
-            per_layer = {"max_over_mean": moe["max_over_mean"], "dropped_fraction": moe["dropped_fraction"],
-                         **(moe.get("router") or {})}
+            per_layer = {"max_over_mean": moe["max_over_mean"], **(moe.get("router") or {})}
+            if any(moe["dropped_fraction"]):
+                per_layer["dropped_fraction"] = moe["dropped_fraction"]
             for metric, values in per_layer.items():
                 for layer, value in zip(moe["layers"], values):
                     if value is not None:
-                        out[f"moe_{metric}/layer{layer:02d}"] = value
+                        out[f"moe_{metric}/{layer_tag(layer, num_layers)}"] = value
         return out
 
     def advance(self, steps: int = 1) -> None:

@@ -15,21 +15,28 @@ import argparse
 import dataclasses
 import sys
 
+from moefold.dense.context_parallel import CP_COMM_MODES
 from moefold.dense.recompute import RECOMPUTE_METHODS, RECOMPUTE_MODES, RECOMPUTE_MODULES
 from moefold.models.options import ModelOptions
 from moefold.models.params import count_parameters
 from moefold.models.recipes import RECIPES
+from moefold.moe.config import DISPATCHERS
 from moefold.training.cli.model_flags import ARCH_FLAGS, add_model_arguments, dest
 from moefold.training.cli.train import ROUTER_FLAGS, model_from_args
 from moefold.training.config import RunConfig, TrainConfig
 from moefold.training.optim.precision import DTYPES
 from moefold.training.plan.cluster import CLUSTERS, load_cluster, parse_bytes
-from moefold.training.plan.report import HEADER, commands, heading, render, row, why_not
+from moefold.training.plan.nearest import alternatives, why_nothing_is_valid
+from moefold.training.plan.report import HEADER, commands, heading, outcome, render, row, why_not
 from moefold.training.plan.search import HEADROOM, Fixed, evaluate, recompute_ladder, search
 from moefold.training.plan.step_time import EFFICIENCY
 
 LAYOUT_FLAGS = ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
                 "expert_model_parallel_size", "expert_tensor_parallel_size")
+LAYOUT_HELP = {"tensor_model_parallel_size": "tensor parallelism (tp)", "context_parallel_size":
+               "context parallelism (cp)", "pipeline_model_parallel_size": "pipeline stages (pp)",
+               "expert_model_parallel_size": "expert parallelism (ep)",
+               "expert_tensor_parallel_size": "expert tensor parallelism (etp)"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,27 +59,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--efficiency", type=float, default=EFFICIENCY,
                    help=f"share of the dense bf16 peak the GEMMs sustain (default {EFFICIENCY})")
     t = p.add_argument_group("batch and precision")
-    t.add_argument("--seq-length", type=int, default=4096)
+    t.add_argument("--seq-length", type=int, default=4096, help="tokens per sample")
     t.add_argument("--global-batch-size", type=int, default=1024, help="sequences per step (default 1024)")
     t.add_argument("--micro-batch-size", type=int, default=None, help="default 1 (Megatron's MoE recipes)")
     t.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
                    help="bf16 parameters with fp32 master weights (default; --no-bf16: fp32)")
     for flag in ("--main-grads-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype"):
-        t.add_argument(flag, default="fp32", choices=tuple(DTYPES))
-    t.add_argument("--overlap-param-gather", action="store_true")
+        t.add_argument(flag, default="fp32", choices=tuple(DTYPES), help="optimizer precision (as moefold train)")
+    t.add_argument("--overlap-param-gather", action="store_true",
+                   help="plan the parameter all-gather overlapped with the next forward (as moefold train)")
     g = p.add_argument_group("layout (each given flag is fixed; the others are searched)")
     for flag in LAYOUT_FLAGS:
-        g.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None)
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    g.add_argument("--pipeline-schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved"))
-    g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--cp-comm-type", default=ModelOptions.cp_comm)
-    g.add_argument("--moe-token-dispatcher-type", default="auto")
-    g.add_argument("--moe-deepep-num-sms", type=int, default=ModelOptions.moe_deepep_num_sms)
-    g.add_argument("--recompute-granularity", default=None, choices=RECOMPUTE_MODES)
-    g.add_argument("--recompute-modules", nargs="+", default=["core_attn"], choices=RECOMPUTE_MODULES)
-    g.add_argument("--recompute-method", default="uniform", choices=RECOMPUTE_METHODS)
-    g.add_argument("--recompute-num-layers", type=int, default=1)
+        g.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None,
+                       help=f"{LAYOUT_HELP[flag]}; default: searched")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="virtual stages of M layers per rank; default: searched (even split, or 2 virtual stages)")
+    g.add_argument("--pipeline-schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved"),
+                   help="pp > 1 (interleaved is implied by virtual stages)")
+    g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
+                   help="shard activations along the sequence between TP regions (tp > 1)")
+    g.add_argument("--cp-comm-type", default=ModelOptions.cp_comm, choices=CP_COMM_MODES,
+                   help="context-parallel K/V exchange")
+    g.add_argument("--moe-token-dispatcher-type", default="auto", choices=("auto", *DISPATCHERS),
+                   help="the dispatcher to plan for (flex: DeepEP's buffers are counted)")
+    g.add_argument("--moe-deepep-num-sms", type=int, default=ModelOptions.moe_deepep_num_sms,
+                   help="SMs DeepEP's kernels take (flex dispatcher)")
+    g.add_argument("--recompute-granularity", default=None, choices=RECOMPUTE_MODES,
+                   help="fix the recompute setting; default: the least recompute that fits, per layout")
+    g.add_argument("--recompute-modules", nargs="+", default=["core_attn"], choices=RECOMPUTE_MODULES,
+                   metavar="MODULE", help="--recompute-granularity selective: the modules recomputed")
+    g.add_argument("--recompute-method", default="uniform", choices=RECOMPUTE_METHODS,
+                   help="--recompute-granularity full: uniform or block")
+    g.add_argument("--recompute-num-layers", type=int, default=1,
+                   help="--recompute-granularity full: the N of --recompute-method")
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
     o.add_argument("--plot", metavar="PNG", default=None, help="draw the top layouts' memory and time terms")
@@ -148,7 +167,7 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     if fully_fixed:
         plans = _one_layout(config, fixed, world, cluster, per_node, memory, args)
         if isinstance(plans, str):
-            print(f"moefold plan: {plans}", file=sys.stderr)
+            print(f"moefold plan: {why_nothing_is_valid(config, fixed, world, None) or plans}", file=sys.stderr)
             return 2
         print(heading(config, world, cluster, per_node, usable, memory, params))
         print(HEADER)
@@ -166,6 +185,12 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         print(render(result, config, world, cluster, per_node, memory, params, flags, usable))
         chosen = result.plans
         if not chosen:
+            if result.valid == 0:
+                print(f"no layout is valid: {why_nothing_is_valid(config, fixed, world, result)}")
+                for alt in alternatives(config, fixed, world):
+                    near = search(config, alt.world, cluster, per_node, memory, fixed=alt.fixed, top=1,
+                                  headroom=args.memory_headroom, efficiency=args.efficiency)
+                    print(f"nearest: {alt.flags}: {outcome(near)}")
             return 1
     if args.plot:
         from moefold.training.plan.plot import plot_plans

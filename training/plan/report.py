@@ -108,13 +108,37 @@ def heading(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int,
 
 
 def why_not(plan: Plan) -> str:
-    """One line: the memory a non-fitting plan needs, against what is usable, and its largest component."""
+    """One line: the memory a non-fitting plan needs, against what is usable (how much over), and its largest
+    component."""
     m = plan.memory
     c = m.components
     parts = ", ".join(f"{k} {_gb(v)}" for k, v in c.items() if v)
     kind = "at least " if not m.static.exact else ""
     return (f"does not fit: pipeline stage {m.pp_rank} needs {kind}{_gb(m.total)} GB per GPU ({parts}) of "
-            f"{_gb(plan.usable)} GB usable; largest component: {m.largest} ({_gb(c[m.largest])} GB)")
+            f"{_gb(plan.usable)} GB usable, {kind}{_gb(m.total - plan.usable)} GB over; largest component: "
+            f"{m.largest} ({_gb(c[m.largest])} GB)")
+
+
+def layout_name(p: Plan) -> str:
+    s = p.sizes
+    return f"tp{s.tp} cp{s.cp} pp{s.pp} ep{s.ep} etp{s.etp} mbs{p.config.train.micro_batch_size} {p.recompute}"
+
+
+def outcome(result: SearchResult) -> str:
+    """What a search found, in one line: its best layout, or why nothing fits."""
+    if result.plans:
+        p = result.plans[0]
+        return (f"fits ({result.fitting} layouts); best {layout_name(p)}: {_gb(p.memory.total)} GB per GPU, "
+                f"{p.time.tokens_per_s_per_gpu:.0f} tok/s/GPU")
+    if result.closest is not None:
+        return f"no layout fits; closest {layout_name(result.closest)} {why_not(result.closest)}"
+    return f"no valid layout either ({rejections(result)})"
+
+
+def rejections(result: SearchResult, top: int = 3) -> str:
+    """The commonest reasons the search's layouts were refused, with their counts."""
+    common = sorted(result.rejected.items(), key=lambda kv: -kv[1])[:top]
+    return "; ".join(f"{n} x {text}" for text, n in common) or "no layout considered"
 
 
 def render(result: SearchResult, config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, memory: int,
@@ -127,8 +151,7 @@ def render(result: SearchResult, config: RunConfig, world: int, cluster: Cluster
         lines.append("no layout fits.")
         if result.closest is not None:
             p = result.closest
-            lines.append(f"closest: tp{p.sizes.tp} cp{p.sizes.cp} pp{p.sizes.pp} ep{p.sizes.ep} etp{p.sizes.etp} "
-                         f"mbs{p.config.train.micro_batch_size} {p.recompute}: {why_not(p)}")
+            lines.append(f"closest: {layout_name(p)}: {why_not(p)}")
         return "\n".join(lines)
     lines += ["memory per GPU in GB (the fullest pipeline stage); step time in seconds by term (after overlap)",
               HEADER, "-" * len(HEADER)]

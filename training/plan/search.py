@@ -42,6 +42,7 @@ MAX_PP = 64
 MICRO_BATCH_SIZES = (1,)   # searched unless --micro-batch-size is given (Megatron's MoE recipes all use 1)
 PROGRESS_EVERY_S = 5.0   # between the search's status lines
 PER_WORKER = 64            # step-time estimates per process before the search forks more processes
+REASON_CHARS = 90         # rejection reasons are grouped by their first characters
 COMPONENTS = ("params", "main grads", "optimizer", "activations", "deepep")
 
 
@@ -271,7 +272,8 @@ def search(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, 
             sizes = validate_layout(candidate, world)
             _, num_micro = candidate.resolve(world)
         except ValueError as exc:
-            reason = str(exc).split(" (")[0].split(":")[0][:60]
+            reason = str(exc).split(" (")[0].split(":")[0]
+            reason = reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS - 3] + "..."
             result.rejected[reason] = result.rejected.get(reason, 0) + 1
             continue
         result.valid += 1

@@ -43,9 +43,13 @@ def test_boolean_router_flags_can_be_turned_off(flag):
     assert getattr(_config("--no-" + flag[2:]).model, field) is False
 
 
-def test_bad_router_value_names_the_field():
+def test_bad_router_value_names_the_field(capsys):
     with pytest.raises(ValueError, match="score_function"):
-        router_config(_config("--moe-router-score-function", "relu").model, ModelOptions())
+        router_config(_config().model.with_(moe_score_function="relu"), ModelOptions())
+    with pytest.raises(SystemExit):   # the flag's choices refuse it first
+        _config("--moe-router-score-function", "relu")
+    err = capsys.readouterr().err
+    assert "relu" in err and "softmax" in err and "sigmoid" in err
 
 
 def test_linear_attention_backend_flag_and_refusals(capsys, monkeypatch, tmp_path):

@@ -141,7 +141,7 @@ def test_sequence_longer_than_data(small_corpus):
 def test_jsonl_errors_name_file_and_line(tmp_path, capsys):
     f = tmp_path / "x.jsonl"
     f.write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"content": "no text"}) + "\n")
-    with pytest.raises(ValueError, match=r"x\.jsonl:2: no 'text' field \(fields present: \['content'\]\).*--json-key"):
+    with pytest.raises(ValueError, match=r"x\.jsonl:2: no 'text' field \(fields present: \['content'\]\).*--text-key"):
         prepare([f], tmp_path / "o", vocab_size=300, progress=False)
     f.write_text('{"text": "ok"}\n{"text": \n')
     with pytest.raises(ValueError, match=r"x\.jsonl:2: invalid JSON"):

@@ -30,7 +30,7 @@ def test_balance_report_cli(tmp_path, capsys):
     _synthetic_run(tmp_path)
     assert cli_main(["balance-report", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "worst layers: 3" in out and "layer 3: [5]" in out
+    assert "worst layers: layer 3" in out and "layer 3: [5]" in out
     report = tmp_path / "balance_report"
     for name in ("expert_load_heatmap.png", "load_over_steps.png"):
         data = (report / name).read_bytes()

@@ -23,7 +23,7 @@ def test_logger_writes_jsonl_and_one_line(tmp_path):
     assert len(lines) == 2 and all("\n" not in line for line in lines)
     line = lines[0]
     for piece in ("step 10/20", "loss 5.3750 (lm 5.0000 aux 0.2500 z 0.1250)", "gnorm 1.500", "lr 3.000e-04",
-                  "2.05k tok/s", "12.29 TFLOP/s", "MFU 12.3%", "rss ", "load max/mean 4.00 (layer 3)",
+                  "2.05k tok/s", "12.3 TFLOP/s", "MFU 12.3%", "rss ", "load max/mean 4.00 (layer 3)",
                   "dropped 50.0%"):
         assert piece in line, (piece, line)
     assert "SKIPPED" in lines[1] and "loss n/a" in lines[1]

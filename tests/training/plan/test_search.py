@@ -16,6 +16,7 @@ process group).
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -153,3 +154,19 @@ def test_cli_bad_input_is_one_line(capsys) -> None:
     assert cli.main(["plan", "--recipe", "qwen3_moe_tiny", "--gpus", "8", "--gpu-memory", "lots"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("moefold plan:") and "lots" in err and "\n" not in err
+
+
+def test_cli_says_why_no_layout_is_valid_and_plans_the_nearest(capsys) -> None:
+    """issue 27: ``--gpus 6 --tensor-model-parallel-size 4`` used to answer "0 valid ... no layout fits" alone."""
+    code = cli.main(["plan", "--recipe", "qwen3_moe_30b_a3b", "--gpus", "6", "--tensor-model-parallel-size", "4",
+                     "--global-batch-size", "48"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert ("no layout is valid: --tensor-model-parallel-size=4 needs a multiple of 4 ranks (tp 4), but the world "
+            "has 6 ranks (--gpus 6): use --gpus 8") in out
+    assert "or on 6: --tensor-model-parallel-size 1 or 2" in out
+    nearest = [line for line in out.splitlines() if line.startswith("nearest: ")]
+    assert nearest[0].startswith("nearest: --gpus 8 --tensor-model-parallel-size 4: fits"), out
+    # tp 2 on 6 GPUs: valid layouts, none fits; how much over, and the largest component
+    assert nearest[1].startswith("nearest: --gpus 6 --tensor-model-parallel-size 2: no layout fits"), out
+    assert re.search(r"\d+\.\d GB over; largest component: optimizer", nearest[1]), out

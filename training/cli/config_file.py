@@ -1,0 +1,128 @@
+"""``moefold train --config FILE``: flags from a YAML file, and ``RUN_DIR/config.yaml``, the flags a run ran with.
+
+The file is a mapping whose keys are the flags' names (``tensor-model-parallel-size: 2``; ``--`` and ``_`` for
+``-`` are accepted too, so Megatron-Bridge-style ``tensor_model_parallel_size`` works) and whose values are what
+the flag takes: a number or a string, a list for the flags that take several values (``data-path: [0.3, a, 0.7,
+b]``), ``true``/``false`` for switches (``bf16: true``, ``sequence-parallel: false``), ``null`` for unset. It is
+turned into command-line arguments placed before the ones typed, so every value is checked exactly like a typed
+flag and a flag on the command line overrides the file.
+
+Every run writes ``RUN_DIR/config.yaml``: every flag of ``moefold train`` with the value it ran with (defaults
+included, so a later change of a default cannot change a repeat), except where the run writes (``--run-dir``,
+``--save``: a repeat writes its own) and the terminal's ``--no-progress``. ``moefold train --config
+RUN_DIR/config.yaml --run-dir NEW`` repeats the run, bit for bit where the run itself is deterministic (CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from moefold.training.cli.parser import did_you_mean, suggest
+
+CONFIG_FILE = "config.yaml"
+NOT_SAVED = frozenset({"config", "run_dir", "save", "no_progress", "help"})   # dests
+
+
+def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {s: a for a in parser._actions for s in a.option_strings if s.startswith("--")}
+
+
+def _flag(key: Any) -> str:
+    return "--" + str(key).lstrip("-").replace("_", "-")
+
+
+def _as_args(action: argparse.Action, flag: str, value: Any, where: str) -> list[str]:
+    """``value`` of ``flag`` (read from YAML) as command-line arguments."""
+    def bad(expected: str) -> ValueError:
+        return ValueError(f"{where}: {flag[2:]}: {value!r} is not {expected}")
+
+    if value is None:
+        return []
+    if isinstance(action, argparse.BooleanOptionalAction) or action.nargs == 0:
+        if not isinstance(value, bool):
+            raise bad("true or false")
+        if isinstance(action, argparse.BooleanOptionalAction):
+            positive = not flag.startswith("--no-")
+            return [flag if value else (f"--no-{flag[2:]}" if positive else "--" + flag[5:])]
+        if not value:
+            return []
+        return [flag]
+    if action.nargs in ("+", "*") or isinstance(action.nargs, int):
+        values = value if isinstance(value, list) else [value]
+        if any(isinstance(v, (dict, list)) for v in values):
+            raise bad("a list of plain values")
+        return [flag, *(str(v) for v in values)] if values or action.nargs == "*" else []
+    if isinstance(value, (dict, list, bool)):
+        raise bad("a single value")
+    return [flag, str(value)]
+
+
+def config_args(parser: argparse.ArgumentParser, path: str | os.PathLike) -> list[str]:
+    """The command-line arguments the YAML file ``path`` stands for (ValueError naming the file and key)."""
+    import yaml
+
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--config {path}: no such file") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--config {path}: not YAML ({' '.join(str(exc).split())})") from None
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping of flag names to values, got a "
+                         f"{type(data).__name__}")
+    options = _options(parser)
+    args: list[str] = []
+    for key, value in data.items():
+        flag = _flag(key)
+        action = options.get(flag)
+        if action is None or action.dest in ("config", "help"):
+            guess = did_you_mean([s[2:] for s in suggest(flag, options)])
+            raise ValueError(f"--config {path}: {key!r} is not a flag of {parser.prog}"
+                             + (f" ({guess})" if guess else ""))
+        args += _as_args(action, flag, value, f"--config {path}")
+    return args
+
+
+def effective_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
+    """Every flag of ``parser`` with its value in ``args``, by flag name (without ``--``), in the parser's order;
+    unset flags (None) and ``NOT_SAVED`` left out."""
+    out: dict[str, Any] = {}
+    for action in parser._actions:
+        if not action.option_strings or action.dest in NOT_SAVED or not hasattr(args, action.dest):
+            continue
+        value = getattr(args, action.dest)
+        if value is None:
+            continue
+        name = next(s for s in action.option_strings if s.startswith("--"))[2:]
+        if isinstance(value, (list, tuple)):   # one value of list syntax (--moe-layer-freq [0, 1, 1]) or several
+            value = str(list(value)) if action.nargs is None else list(value)
+        out[name] = value
+    return out
+
+
+def write_effective_config(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                           run_dir: str | os.PathLike) -> Path:
+    """Write ``RUN_DIR/config.yaml`` atomically; returns its path."""
+    import importlib.metadata
+
+    import yaml
+
+    try:
+        version = importlib.metadata.version("moefold")
+    except importlib.metadata.PackageNotFoundError:   # a checkout on sys.path, not installed
+        version = "not installed"
+    path = Path(run_dir) / CONFIG_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = [f"# the flags of this run ({parser.prog}, moefold {version}); repeat it with",
+              f"#   {parser.prog} --config {path} --run-dir NEW_DIR"]
+    body = yaml.safe_dump(effective_config(parser, args), sort_keys=False, default_flow_style=None, width=120)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text("\n".join(header) + "\n" + body)
+    os.replace(tmp, path)
+    return path
