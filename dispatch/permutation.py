@@ -128,7 +128,7 @@ def build_padded_row_map(key: Tensor, num_tokens: int, topk: int, num_groups: in
     order = torch.argsort(key, stable=True)
     counts_all = count_keys(key, G + 1)
     starts = torch.cumsum(counts_all, 0) - counts_all
-    padded_t = torch.tensor(padded + [0], dtype=torch.long, device=key.device)
+    padded_t = torch.tensor([*padded, 0], dtype=torch.long, device=key.device)
     padded_starts = torch.cumsum(padded_t, 0) - padded_t
     sorted_key = key.index_select(0, order)
     pos = torch.arange(T * K, device=key.device) - starts.index_select(0, sorted_key)

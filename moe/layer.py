@@ -31,7 +31,6 @@ reduced over edp by the trainer (parameters flagged ``moefold_expert``).
 from __future__ import annotations
 
 import dataclasses
-
 from dataclasses import dataclass, field
 
 import torch
@@ -91,7 +90,8 @@ class MoELayer(nn.Module):
         self._pad_multiple = config.fp8.align_size if padding else None
         if padding and config.router.expert_capacity_factor is not None:
             raise ValueError("--moe-router-padding-for-quantization pads dropless routing; with "
-                             "--moe-expert-capacity-factor pad to capacity instead (--moe-pad-expert-input-to-capacity)")
+                             "--moe-expert-capacity-factor pad to capacity instead "
+                             "(--moe-pad-expert-input-to-capacity)")
         if padding and config.dispatcher == "flex":
             raise ValueError("--moe-router-padding-for-quantization is laid out by the allgather / alltoall "
                              "dispatchers' row maps; the flex (DeepEP) dispatcher does not take it")

@@ -216,7 +216,7 @@ def quantize(t: Tensor, fmt: BlockFormat, block: tuple[int, int], split: Sequenc
 
 def _compact_of(per_element: Tensor, shape: tuple[int, int], ids: Tensor | None, block: tuple[int, int]) -> Tensor:
     """Back from a per-element copy of a per-block value to ``[nR, nC]`` (first element of each block)."""
-    nR, nC = shape
+    nR = shape[0]
     x = per_element[:, ::block[1]] if block[1] > 1 else per_element
     if ids is None:
         return x if x.shape[0] == nR else x[:1]

@@ -27,6 +27,7 @@ Other quantised formats (GPT-OSS's MXFP4, ...) are refused with one line before 
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from typing import Any
 
@@ -99,7 +100,8 @@ def stored_in_fp8(hf_name: str, tensor: Tensor, modules_to_not_convert: list[str
     module = hf_name[: -len(".weight")]
     if _KEEP.search(module):
         return False
-    return not any(m and (module == m or module.startswith(m + ".") or m in module) for m in modules_to_not_convert or ())
+    return not any(m and (fnmatch.fnmatch(module, m) or fnmatch.fnmatch(module, m + ".*"))
+                   for m in modules_to_not_convert or ())
 
 
 class Fp8BlockReader:

@@ -1,33 +1,28 @@
-"""Block-scaled recipes (blockwise, MXFP8, NVFP4; torchao backend) at parallel layouts equal the same recipe at
-world 1, in ONE 4-rank world: DeepSeek-V3 tiny (MLA's replicated down projections on the sequence shard, a dense
-first layer, shared experts) with experts of FFN 256 (etp2 shards of 128 hold whole blocks), one step at
-tp2 x ep2 (SP), ep2 and ep2 x etp2: the loss and every reduced gradient equal world 1's.
+"""Block-scaled recipes (blockwise, MXFP8, NVFP4; torchao backend) at parallel layouts equal the same recipe at world
+1, in ONE 4-rank world: DeepSeek-V3 tiny (MLA's replicated down projections on the sequence shard, a dense first
+layer, shared experts) with experts of FFN 256 (etp2 shards of 128 hold whole blocks), one step at tp2 x ep2 (SP),
+ep2 and ep2 x etp2: the loss and every reduced gradient equal world 1's.
 
 NVFP4 runs with ``--moe-router-padding-for-quantization`` (see ``RECIPES``); without it its ep layouts differ
-(checked: 2.6e-2 relative on an expert gradient). Why they can (``parallel.block_cast``): blocks never straddle shards (checked at construction), a dim that
-is one block altogether reduces its amax over the group that splits it (tp for o_proj's 32 input columns,
-the sequence shard of the replicated layers' tokens), and NVFP4's per-tensor amaxes are reduced over every
-split group. Left out: layouts where tp ranks split an expert's rows (tp2 with ep1: ``expert_token_group``):
-there each rank's kernel tiles its own rows for the weight gradient, as on GPUs, which world 1 tiles as
-one; documented in ``moe.block_gemm``. Tolerance as tests/models/test_fp8_parallel.py (gradients 1e-5
-relative, loss 1e-6): FP8 itself is 4e-2 (NVFP4 1.5e-1) from high precision.
+(checked: 2.6e-2 relative on an expert gradient). Why they can (``parallel.block_cast``): blocks never straddle
+shards (checked at construction), a dim that is one block altogether reduces its amax over the group that splits it
+(tp for o_proj's 32 input columns, the sequence shard of the replicated layers' tokens), and NVFP4's per-tensor
+amaxes are reduced over every split group. Left out: layouts where tp ranks split an expert's rows (tp2 with ep1:
+``expert_token_group``): there each rank's kernel tiles its own rows for the weight gradient, as on GPUs, which
+world 1 tiles as one; documented in ``moe.block_gemm``. Tolerance as tests/models/test_fp8_parallel.py (gradients
+1e-5 relative, loss 1e-6): FP8 itself is 4e-2 (NVFP4 1.5e-1) from high precision.
 """
 
 from __future__ import annotations
-
-import torch
-import torch.distributed as dist
 
 from moefold.models.decoder import MoEDecoder
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import deepseek_v3_tiny
 from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.parallel.fp8 import FP8Config
-from moefold.parallel.sharding import gather_full, shards_of
-from moefold.training.optim.grad_sync import GradSync
 from tests.distributed import run_distributed
+from tests.models.test_fp8_parallel import _batch, worst_grad_error
 
-GRAD_TOL, LOSS_TOL = 1e-5, 1e-6
 LAYOUTS = [("tp2xep2", dict(tp=2, ep=2)), ("ep2", dict(ep=2)), ("ep2xetp2", dict(ep=2, etp=2))]
 # NVFP4's 16-row tiles are smaller than an expert's rows here: its weight gradients' tiles line up with
 # world 1's only when every source's chunk of an expert's rows starts on a tile and world 1 tiles the same
@@ -36,11 +31,6 @@ LAYOUTS = [("tp2xep2", dict(tp=2, ep=2)), ("ep2", dict(ep=2)), ("ep2xetp2", dict
 ALL = [label for label, _ in LAYOUTS]
 RECIPES = [(FP8Config("e4m3", "blockwise"), ALL), (FP8Config("e4m3", "mxfp8"), ALL),
            (FP8Config(fp4="e2m1", router_padding=True), ["ep2", "ep2xetp2"])]
-
-
-def _batch():
-    g = torch.Generator().manual_seed(100)
-    return torch.randint(0, 512, (2, 16), generator=g), torch.randint(0, 512, (2, 16), generator=g)
 
 
 def _rank() -> dict[str, float]:
@@ -55,26 +45,8 @@ def _rank() -> dict[str, float]:
         out.loss.backward()
         ref_loss, ref_grads = out.loss.detach(), {n: p.grad for n, p in world1.named_parameters()}
         for label in layouts:
-            d = dims[label]
-            model = MoEDecoder(config, d, options)
-            model.init_weights(7)
-            sync = GradSync(model.named_parameters(), d)
-            sync.start_step(1)
-            out = model(*_batch())
-            out.loss.backward()
-            sync.finish()
-            params = dict(model.named_parameters())
-            grads = {n: gather_full(g, shards_of(params[n])) for n, g in sync.gathered_grads().items()}
-            lm, total = out.loss.detach() - out.aux_loss, out.aux_loss.clone()
-            if d.tp > 1:
-                dist.all_reduce(total, group=d.tp_group)
-            assert abs((total + lm - ref_loss).item()) <= LOSS_TOL * abs(ref_loss.item()), (fp8.recipe, label)
-            worst = 0.0
-            for name, g in grads.items():
-                err = ((g - ref_grads[name]).norm() / ref_grads[name].norm().clamp_min(1e-30)).item()
-                assert err <= GRAD_TOL, f"{fp8.recipe} {label} {name}: relative error {err:.3g}"
-                worst = max(worst, err)
-            report[f"{fp8.recipe} {label}"] = worst
+            report[f"{fp8.recipe} {label}"] = worst_grad_error(config, options, dims[label], ref_loss, ref_grads,
+                                                               f"{fp8.recipe} {label}")
     return report
 
 

@@ -80,7 +80,7 @@ def _fp8_checkpoint(family: str, path, **changes):
     (deq / "config.json").write_text(json.dumps(config))
     config["quantization_config"] = dict(HUB)
     (out / "config.json").write_text(json.dumps(config))
-    from transformers import AutoModelForCausalLM   # transformers' own loading of the dequantised weights
+    from transformers import AutoModelForCausalLM  # transformers' own loading of the dequantised weights
 
     ref = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32).eval()
     ref.config._attn_implementation = hf.config._attn_implementation
@@ -117,7 +117,7 @@ def test_minimax_m2_per_expert_fp8(tmp_path):
 
 
 def test_roundtrip_hf_fp8_moefold_hf_fp8_keeps_the_bytes(tmp_path):
-    hf, path, fp8 = _fp8_checkpoint("deepseek_v3", tmp_path, **DEEPSEEK)
+    _, path, fp8 = _fp8_checkpoint("deepseek_v3", tmp_path, **DEEPSEEK)
     out = tmp_path / "again"
     from moefold.training.cli import main
 

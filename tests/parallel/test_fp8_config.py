@@ -108,7 +108,7 @@ def test_te_block_recipes_and_their_devices(monkeypatch):
         config.check_available()
         monkeypatch.setitem(te_standin.DEVICE, "capability", (9, 0))
     monkeypatch.setitem(te_standin.DEVICE, "cuda", 12.8)
-    with pytest.raises(RuntimeError, match="CUDA >= 12.9"):
+    with pytest.raises(RuntimeError, match=r"CUDA >= 12\.9"):
         block.check_available()
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import pytest
-import torch
 
 from moefold.models.options import ModelOptions
 from moefold.parallel.fp8 import FP8Config
@@ -21,12 +19,6 @@ CASES = [("blockwise", FP8Config("e4m3", "blockwise"), 0.15, 0.10), ("mxfp8", FP
          ("nvfp4", FP8Config(fp4="e2m1", router_padding=True), 0.4, 0.25)]
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _config(fp8: FP8Config):

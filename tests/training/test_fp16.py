@@ -89,12 +89,6 @@ def test_injected_overflow_skips_the_step_on_every_rank_and_halves_the_scale():
         assert r["finite_loss"]
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_fp16_trains_like_bf16(one_thread):
