@@ -1,9 +1,9 @@
 """Block-scaled recipes (``--fp8-recipe blockwise | mxfp8``, ``--fp4-format e2m1``), torchao backend, world 1:
 
 - the casts are torchao's, bit for bit: ``to_mx`` (RCEIL) for MXFP8, ``nvfp4_quantize`` (two-level) for NVFP4,
-  and for DeepSeek's blockwise FP8 an independent transcription of torchao's torch references
-  (``torch_blockwise_scale_act_quant_lhs`` / ``torch_blockwise_scale_weight_quant``: torchao's module imports
-  triton, absent on CPU);
+  and for DeepSeek's blockwise FP8 torchao's own torch references (``torch_blockwise_scale_act_quant_lhs`` /
+  ``_rhs`` / ``torch_blockwise_scale_weight_quant``, compiled from the installed torchao's source: their module
+  imports triton, absent on CPU), data and inverse scales;
 - an MXFP8 linear equals torchao's own ``mx_mm`` (``KernelPreference.EMULATED``) bit for bit, forward and backward;
 - every GEMM of a linear (y, dx, dw) consumes the reference casts of its operands in the recipe's blocks and
   orientation (1 x b along the contraction dim; weights 128x128 / 16x16), so its error obeys the format's bound;
@@ -25,7 +25,7 @@ from moefold.dense.linear import ColumnParallelLinear
 from moefold.moe.experts import GroupedExperts
 from moefold.parallel.block_cast import FORMATS, quantize
 from moefold.parallel.fp8 import FP8Config
-from tests.fp8_reference import rel_err
+from tests.fp8_reference import rel_err, torchao_blockwise_references
 
 E4M3 = torch.float8_e4m3fn
 RECIPES = {"blockwise": FP8Config("e4m3", "blockwise"), "mxfp8": FP8Config("e4m3", "mxfp8"),
@@ -34,14 +34,20 @@ RECIPES = {"blockwise": FP8Config("e4m3", "blockwise"), "mxfp8": FP8Config("e4m3
 
 # ------------------------------------------------------------------------------ references
 def ref_blockwise(t: torch.Tensor, br: int, bc: int) -> torch.Tensor:
-    """torchao's torch_blockwise_scale_* transcribed: amax per (br x bc) block in fp64, clamp 1e-12,
-    scale = 448 / amax (fp32), q = clamp(t * scale, +-448) as e4m3; dequantised q * (1 / scale)."""
+    """torchao's own torch references (``tests.fp8_reference.torchao_blockwise_references``), dequantised:
+    1 x 128 tiles (``torch_blockwise_scale_act_quant_lhs``), 128 x 1 (``_rhs``), 128 x 128 (``_weight_quant``)."""
+    refs = torchao_blockwise_references()
     R, C = t.shape
-    blocks = t.float().reshape(R // br, br, C // bc, bc)
-    amax = blocks.abs().amax(dim=(1, 3), keepdim=True).double().clamp(min=1e-12)
-    s = (448.0 / amax).float()
-    q = (blocks * s).clamp(-448.0, 448.0).to(E4M3)
-    return (q.float() * (1.0 / s)).reshape(R, C)
+    t = t.contiguous()
+    if (br, bc) == (1, 128):
+        q, inv = refs.lhs(t, 128)
+        return (q.float().view(R, C // 128, 128) * inv.unsqueeze(-1)).view(R, C)
+    if (br, bc) == (128, 1):
+        q, inv = refs.rhs(t, 128)
+        return (q.float().view(R // 128, 128, C) * inv.unsqueeze(1)).view(R, C)
+    assert (br, bc) == (128, 128), (br, bc)
+    q, inv = refs.weight(t, 128)
+    return (q.float().view(R // 128, 128, C // 128, 128) * inv[:, None, :, None]).view(R, C)
 
 
 def ref_mx(t: torch.Tensor, rows: bool = True) -> torch.Tensor:
@@ -94,8 +100,12 @@ def test_casts_equal_torchao_bit_for_bit(dtype):
     scales, packed = nvfp4_quantize(x, 16, per_tensor_amax_to_scale(x.abs().amax().float()))
     c = quantize(x, FORMATS["nvfp4"], (1, 16))
     assert torch.equal(pack_uint4(c.data), packed) and torch.equal(c.scale.view(torch.uint8), scales.view(torch.uint8))
-    for block in ((1, 128), (128, 1), (128, 128)):
-        assert torch.equal(quantize(x, FORMATS["blockwise"], block).dq, ref_blockwise(x, *block))
+    refs = torchao_blockwise_references()
+    for block, (q, inv) in (((1, 128), refs.lhs(x, 128)), ((128, 1), refs.rhs(x, 128)),
+                            ((128, 128), refs.weight(x, 128))):
+        c = quantize(x, FORMATS["blockwise"], block)
+        assert torch.equal(c.data.view(torch.uint8), q.view(torch.uint8)) and torch.equal(c.scale, inv), block
+        assert torch.equal(c.dq, ref_blockwise(x, *block))
 
 
 def test_ragged_blocks_cover_the_rest():
