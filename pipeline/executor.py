@@ -11,9 +11,9 @@ activation (sent on, or given to ``loss_fn(output, microbatch)`` on the model's 
 optionally a scalar *extra loss* of this chunk for this micro-batch (MoE load-balancing / z-loss,
 MTP, already weighted). Extra losses reach the gradients on the stage that made them, without
 any cross-stage reduction: a backward step is
-``torch.autograd.backward([output, extra / m], [grad_from_next_stage, 1])``.
-Every loss is scaled by 1/num_microbatches, so the gradients equal those of the mean loss
-over the micro-batches of the unsplit model.
+``torch.autograd.backward([output, extra * s / m], [grad_from_next_stage, 1])``.
+Every loss is scaled by s/num_microbatches, so the gradients equal s times those of the mean loss
+over the micro-batches of the unsplit model (s: the fp16 loss scale, 1 otherwise).
 
 Each batch of communication is posted with one ``batch_isend_irecv`` without blocking. Only a
 compute waits: for the batch that carries its input and, first, for every batch posted before it,
@@ -93,8 +93,13 @@ class SequentialStage:
 
 
 def run_schedule(stage: PipelineStage, schedule: Schedule, microbatches: Sequence[Any],
-                 loss_fn: Callable[[Tensor, Any], Tensor], pp_group: Group, activation: TensorSpec) -> PipelineResult:
+                 loss_fn: Callable[[Tensor, Any], Tensor], pp_group: Group, activation: TensorSpec,
+                 loss_scale: float = 1.0) -> PipelineResult:
     """Execute ``schedule``'s action list for this rank (forward and backward of one step).
+
+    ``loss_scale`` (fp16 loss scaling): the backward starts from every loss times it, the extra losses' too
+    (Megatron scales the MoE aux losses' gradients by the loss scale as well), so every gradient is ``loss_scale``
+    times the objective's; the losses returned are unscaled.
 
     A ``forward_only`` schedule (evaluation) runs the forwards without autograd and keeps nothing.
 
@@ -110,7 +115,7 @@ def run_schedule(stage: PipelineStage, schedule: Schedule, microbatches: Sequenc
     if len(microbatches) != schedule.num_microbatches:
         raise ValueError(f"got {len(microbatches)} micro-batches for a schedule of "
                          f"num_microbatches={schedule.num_microbatches}")
-    step = _RankStep(stage, schedule, microbatches, loss_fn, pp_group, activation)
+    step = _RankStep(stage, schedule, microbatches, loss_fn, pp_group, activation, loss_scale)
     for item in split_batches(schedule.rank_actions(step.rank)):
         if isinstance(item, tuple):
             step.post(item)
@@ -126,10 +131,12 @@ class _RankStep:
     it is needed (a forward's or backward's locals end with its method)."""
 
     def __init__(self, stage: PipelineStage, schedule: Schedule, microbatches: Sequence[Any],
-                 loss_fn: Callable[[Tensor, Any], Tensor], pp_group: Group, activation: TensorSpec) -> None:
+                 loss_fn: Callable[[Tensor, Any], Tensor], pp_group: Group, activation: TensorSpec,
+                 loss_scale: float = 1.0) -> None:
         self.stage, self.schedule, self.microbatches, self.loss_fn = stage, schedule, microbatches, loss_fn
         self.pp_group, self.activation = pp_group, activation
         self.rank, self.m = group_rank(pp_group), schedule.num_microbatches
+        self.loss_scale = loss_scale   # fp16: every loss backpropagated is scaled (1.0: exactly loss / m)
         self.last_mc = schedule.pp * schedule.vpp - 1
         self.posted: deque[P2PHandle] = deque()   # posted batches not yet waited on, in posting order
         self.inbox: dict[tuple[str, int, int], tuple[Tensor, P2PHandle]] = {}   # posted receives, until their compute
@@ -173,11 +180,11 @@ class _RankStep:
         out, extra = out if isinstance(out, tuple) else (out, None)
         if extra is not None:
             self.extra_total = extra.detach() if self.extra_total is None else self.extra_total + extra.detach()
-            extra = extra / self.m
+            extra = extra * self.loss_scale / self.m
         if mc == self.last_mc:
             loss = self.loss_fn(out, self.microbatches[a.microbatch])
             self.losses.append((a.microbatch, loss.detach()))
-            out = loss / self.m
+            out = loss * self.loss_scale / self.m
         else:
             self.activation.check(out, f"output of chunk {a.chunk} (model chunk {mc}) for micro-batch {a.microbatch}")
             self.outbox[("F", a.microbatch, a.chunk)] = out.detach()

@@ -237,11 +237,9 @@ class Trainer:
         if self.loss_hook is not None:
             hook, step = self.loss_hook, self.iteration
             loss_fn = lambda out, mb: hook(step, mb["index"], stage.loss_fn(out, mb))
-        if self.loss_scaler is not None:   # the schedule's backward starts from the scaled loss
-            scale, unscaled_fn = self._scale, loss_fn
-            loss_fn = lambda out, mb: unscaled_fn(out, mb) * scale
         spec = stage.activation_spec(ids.shape[0], ids.shape[1], self.device)
-        result = run_schedule(stage, self.pipeline, mbs, loss_fn, dims.pp_group, spec)
+        # fp16: the schedule's backward starts from the scaled losses, the aux losses' included
+        result = run_schedule(stage, self.pipeline, mbs, loss_fn, dims.pp_group, spec, loss_scale=self._scale)
         tpcp = dims.tp * dims.cp
         zero = torch.zeros((), dtype=logged.dtype, device=logged.device)
 
