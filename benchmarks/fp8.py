@@ -18,7 +18,7 @@ weights, same input) side by side in one run and prints
   is ~300x slower than an fp32 matmul in torch 2.13; the block recipes multiply dequantised fp32 operands.)
 
 The linear is a [T, H] x [H, 4H] projection; the MoE layer a local (ep 1) layer with E experts, top-k, expert
-FFN F. It names the machine (``torch.backends.cpu.get_cpu_capability()``, threads, load) or the GPU.
+FFN F. It names the machine (``parallel.machine.describe_machine``, then threads and load, or the GPU).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from moefold.moe.layer import MoELayer
 from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelDims
 from moefold.parallel.fp8 import FP8Config
+from moefold.parallel.machine import describe_machine
 from moefold.parallel.sharding import init_parameters
 
 
@@ -120,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     device = torch.device("cuda" if cuda else "cpu")
+    print(describe_machine(), flush=True)
     if cuda:
         props = torch.cuda.get_device_properties(device)
         fp8_units = (props.major, props.minor) >= (8, 9)
