@@ -12,6 +12,9 @@ tiling that differs from torchao's (checked: tiles not restarted at each expert)
 - ragged groups (an empty expert, groups of 7 and 33 rows), torchao padding each group to 32 rows
   (``pad_token_groups_for_grouped_mm``) and moefold restarting its 32-row tiles at each expert's first row;
 - the whole ``GroupedExperts`` module (w13 -> GELU -> w2) against the two torchao GEMMs chained.
+- the calls moefold makes into torchao on a Blackwell GPU (``_torchao_grouped`` / ``_torchao_linear``), run with
+  the kernel preference switched to EMULATED: valid for the installed torchao, and equal to moefold's emulation
+  (checked: the router-padding flag passed the wrong way round fails).
 
 (torchao's blockwise grouped GEMM quantises its activations with a Triton kernel even when emulated, and its NVFP4
 grouped GEMM has no autograd function yet: those are checked against the casts' references in
@@ -97,4 +100,49 @@ def test_mxfp8_grouped_experts_equal_torchao_moe_training():
     y.backward(g)
     for got, want in ((out, y), (xm.grad, xr.grad), (experts.w13.grad.reshape(4, 64, 128), w1.grad),
                       (experts.w2.grad, w2.grad)):
+        _same(got, want)
+
+
+def test_the_gpu_kernel_calls_equal_the_emulation(monkeypatch):
+    """What moefold hands the GEMMs to on a Blackwell GPU (``moe.block_gemm._torchao_grouped``,
+    ``dense.block_linear._torchao_linear``: torchao's MXFP8 functions with moefold's arguments), run here with
+    torchao's kernel preference switched to EMULATED (the only change): the calls are valid for the installed
+    torchao and give what moefold's own emulation gives, the grouped call with and without router padding."""
+    import_torchao()
+    import torchao.prototype.moe_training.mxfp8_grouped_mm as grouped_mod
+    import torchao.prototype.moe_training.mxfp8_linear as linear_mod
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    from moefold.dense.block_linear import BlockScaledLinearGemm, _torchao_linear
+    from moefold.moe.block_gemm import _torchao_grouped
+
+    real_grouped, real_linear = grouped_mod._to_mxfp8_then_scaled_grouped_mm, linear_mod._to_mxfp8_then_scaled_mm
+    monkeypatch.setattr(grouped_mod, "_to_mxfp8_then_scaled_grouped_mm", lambda *a, **k: real_grouped(
+        *a, **{**k, "kernel_preference": KernelPreference.EMULATED}))
+    monkeypatch.setattr(linear_mod, "_to_mxfp8_then_scaled_mm", lambda x, w, _pref, *a, **k: real_linear(
+        x, w, KernelPreference.EMULATED, *a, **k))
+    torch.manual_seed(2)
+    for counts, padded in (([64, 0, 32, 96], True), ([40, 0, 7, 33], False)):
+        counts = torch.tensor(counts)
+        x, g = _rows(counts, 128), _rows(counts, 64)
+        w = torch.randn(4, 64, 128, dtype=torch.bfloat16) * 0.05
+        kernel = _torchao_grouped.__wrapped__("mxfp8", (10, 0), padded)
+        xr, wr = _leaves(x, w)
+        yr = kernel(xr, wr.transpose(-2, -1), torch.cumsum(counts, 0, dtype=torch.int32))   # as __call__ does
+        yr.backward(g)
+        xm, wm = _leaves(x, w)
+        ym = BlockScaledGroupedGemm(MXFP8)(xm, wm, counts)
+        ym.backward(g)
+        for got, want in ((ym, yr), (xm.grad, xr.grad), (wm.grad, wr.grad)):
+            _same(got, want)
+    x, w, g = _rows(torch.tensor([64]), 128), torch.randn(96, 128, dtype=torch.bfloat16) * 0.05, _rows(
+        torch.tensor([64]), 96)
+    kernel = _torchao_linear.__wrapped__("mxfp8", (10, 0))
+    outs = []
+    for run in (kernel, lambda a, b: BlockScaledLinearGemm(MXFP8)(a, b)):
+        xi, wi = _leaves(x, w)
+        y = run(xi, wi)
+        y.backward(g)
+        outs.append((y, xi.grad, wi.grad))
+    for got, want in zip(*outs):
         _same(got, want)
