@@ -49,6 +49,21 @@ def _block_ids(spec: FP8ParamSpec, lo: int, hi: int, device: torch.device) -> tu
     return m * (nbr * nbc) + (r // br) * nbc + c // bc, nbr * nbc
 
 
+def _dequantize(q_MRC: Tensor, inv: Tensor, spec: FP8ParamSpec) -> Tensor:
+    """fp32 ``q * inv`` of ``q_MRC`` (``M`` matrices of ``spec``'s ``rows x cols``), ``inv`` one inverse scale per
+    matrix or per block (row-major over each matrix's blocks, a ragged last block included)."""
+    M, R, C = q_MRC.shape
+    x = q_MRC.float()
+    if spec.block is None:
+        return x * inv.view(M, 1, 1)
+    br, bc = spec.block
+    nbr, nbc = -(-R // br), -(-C // bc)
+    s = inv.view(M, nbr, nbc)
+    if R % br == 0 and C % bc == 0:
+        return (x.view(M, nbr, br, nbc, bc) * s[:, :, None, :, None]).view(M, R, C)
+    return x * s.repeat_interleave(br, dim=1)[:, :R].repeat_interleave(bc, dim=2)[:, :, :C]
+
+
 def _reduce_groups(spec: FP8ParamSpec) -> list:
     """The split groups whose amaxes the weight's GEMM reduces (tensorwise: every one; blocks: a dim that is
     one block altogether)."""
@@ -112,13 +127,11 @@ class FP8BucketGather:
 
         def finish() -> None:
             work.wait()
-            ids_all = torch.full((b.end - b.start,), self.num_amax, dtype=torch.long, device=device)
-            for i, spec, off, _ in self.items:
-                o = g.offsets[i] - b.start
-                ids, _ = _block_ids(spec, 0, g.params[i].numel(), device)
-                ids_all[o:o + ids.numel()] = ids + off
-            values = gathered.view(E4M3).float() * inv[ids_all]
-            g.param_data[b.start:b.end].copy_(values)
+            data = gathered.view(E4M3)
+            for i, spec, off, n in self.items:   # per weight: its scales broadcast over its blocks, no index tensor
+                lo, numel = g.offsets[i], g.params[i].numel()
+                q = data[lo - b.start:lo - b.start + numel].view(-1, spec.rows, spec.cols)
+                g.param_data[lo:lo + numel].view_as(q).copy_(_dequantize(q, inv[off:off + n], spec))
         return finish
 
     def _pieces(self):

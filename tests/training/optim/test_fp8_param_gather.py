@@ -19,11 +19,13 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import torch
 
 from moefold.models.options import ModelOptions
 from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.parallel.fp8 import FP8Config
-from moefold.parallel.fp8_param import fp8_param_spec
+from moefold.parallel.fp8_param import FP8ParamSpec, fp8_param_spec
+from moefold.training.optim.fp8_param_gather import _block_ids, _dequantize
 from tests.distributed import run_distributed
 from tests.training.trainer_common import run, tiny_config
 
@@ -85,3 +87,14 @@ def test_fp8_param_gather_blockwise_fp32_equals_plain():
 
 def test_fp8_param_gather_bf16_halves_the_bytes():
     _check("tensorwise", bf16=True)
+
+
+def test_dequantize_broadcasts_each_block_scale_over_its_block():
+    """The gather's dequantisation (per weight, scales broadcast over their blocks) equals ``q * inv[block of each
+    element]``: whole 128x128 blocks, ragged last blocks, one scale per matrix (tensorwise), 3 matrices (experts)."""
+    for R, C, block in ((256, 384, (128, 128)), (200, 300, (128, 128)), (64, 48, None)):
+        spec = FP8ParamSpec(R, C, block, (None, None))
+        ids, per = _block_ids(spec, 0, 3 * R * C, torch.device("cpu"))
+        inv = torch.rand(3 * per)
+        q = torch.randn(3, R, C).to(torch.float8_e4m3fn)
+        assert torch.equal(_dequantize(q, inv, spec), (q.reshape(-1).float() * inv[ids]).view(3, R, C)), (R, C)
