@@ -67,6 +67,19 @@ def _leaves(*tensors):
     return [t.detach().clone().requires_grad_() for t in tensors]
 
 
+def _equals_moefold(torchao_gemm, x, w, g, counts) -> None:
+    """``torchao_gemm(x, w)`` and moefold's MXFP8 grouped GEMM on copies of the same leaves: output and both
+    gradients ``_same``."""
+    xr, wr = _leaves(x, w)
+    yr = torchao_gemm(xr, wr)
+    yr.backward(g)
+    xm, wm = _leaves(x, w)
+    ym = BlockScaledGroupedGemm(MXFP8)(xm, wm, counts)
+    ym.backward(g)
+    for got, want in ((ym, yr), (xm.grad, xr.grad), (wm.grad, wr.grad)):
+        _same(got, want)
+
+
 @pytest.mark.parametrize("counts", [[64, 0, 32, 96], [40, 0, 7, 33]], ids=["aligned", "ragged"])
 def test_mxfp8_grouped_gemm_equals_torchao_moe_training(counts):
     torch.manual_seed(0)
@@ -74,14 +87,7 @@ def test_mxfp8_grouped_gemm_equals_torchao_moe_training(counts):
     x, g = _rows(counts, 128), _rows(counts, 64)
     w = torch.randn(4, 64, 128, dtype=torch.bfloat16) * 0.05
     aligned = bool((counts % 32 == 0).all())
-    xr, wr = _leaves(x, w)
-    yr = _torchao_mxfp8(xr, wr, counts, pad=not aligned)
-    yr.backward(g)
-    xm, wm = _leaves(x, w)
-    ym = BlockScaledGroupedGemm(MXFP8)(xm, wm, counts)
-    ym.backward(g)
-    for got, want in ((ym, yr), (xm.grad, xr.grad), (wm.grad, wr.grad)):
-        _same(got, want)
+    _equals_moefold(lambda a, b: _torchao_mxfp8(a, b, counts, pad=not aligned), x, w, g, counts)
 
 
 def test_mxfp8_grouped_experts_equal_torchao_moe_training():
@@ -127,14 +133,8 @@ def test_the_gpu_kernel_calls_equal_the_emulation(monkeypatch):
         x, g = _rows(counts, 128), _rows(counts, 64)
         w = torch.randn(4, 64, 128, dtype=torch.bfloat16) * 0.05
         kernel = _torchao_grouped.__wrapped__("mxfp8", (10, 0), padded)
-        xr, wr = _leaves(x, w)
-        yr = kernel(xr, wr.transpose(-2, -1), torch.cumsum(counts, 0, dtype=torch.int32))   # as __call__ does
-        yr.backward(g)
-        xm, wm = _leaves(x, w)
-        ym = BlockScaledGroupedGemm(MXFP8)(xm, wm, counts)
-        ym.backward(g)
-        for got, want in ((ym, yr), (xm.grad, xr.grad), (wm.grad, wr.grad)):
-            _same(got, want)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        _equals_moefold(lambda a, b: kernel(a, b.transpose(-2, -1), offs), x, w, g, counts)   # as __call__ calls it
     x, w, g = _rows(torch.tensor([64]), 128), torch.randn(96, 128, dtype=torch.bfloat16) * 0.05, _rows(
         torch.tensor([64]), 96)
     kernel = _torchao_linear.__wrapped__("mxfp8", (10, 0))
