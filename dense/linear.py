@@ -12,7 +12,8 @@ Weights are marked with their shards (``parallel.sharding``) and carry an init f
 
 The local GEMM is ``layer.local_gemm(x, weight, bias)``: ``F.linear``, or an FP8 GEMM that
 ``dense.fp8_linear.convert_linears_to_fp8`` installs once after the model is built (the weight and
-its dtype stay as they are).
+its dtype stay as they are). ``use_weight_grad_store`` (split backward, ``dense.split_backward``)
+wraps it so that the weight gradient can be deferred.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moefold.dense.split_backward import WeightGradStore, split_local_gemm
 from moefold.parallel.comm import (
     all_gather_sequence,
     copy_to_region,
@@ -91,6 +93,10 @@ class ColumnParallelLinear(nn.Module):
         themselves (one all-gather / ``copy_to_region`` shared by several column-parallel layers)."""
         return self.local_gemm(x, self.weight, self.bias)
 
+    def use_weight_grad_store(self, store: WeightGradStore) -> None:
+        """Split backward: defer this layer's weight (and bias) gradient while ``store`` defers."""
+        self.local_gemm = split_local_gemm(self.local_gemm, store)
+
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, tp={group_size(self.tp_group)}, "
                 f"bias={self.bias is not None}, sp={self.sequence_parallel}, gather_output={self.gather_output}"
@@ -146,6 +152,10 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y
+
+    def use_weight_grad_store(self, store: WeightGradStore) -> None:
+        """Split backward: defer this layer's weight (and bias) gradient while ``store`` defers."""
+        self.local_gemm = split_local_gemm(self.local_gemm, store)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, tp={group_size(self.tp_group)}, "

@@ -18,7 +18,7 @@ gradients of every parameter (tests, diagnostics).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -54,8 +54,12 @@ class GradSync:
 
     def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], dims: ParallelDims, *,
                  bucket_numel: int = 2**22, overlap: bool = True, grad_dtype: torch.dtype = torch.float32,
-                 copies_group: Group = None) -> None:
+                 copies_group: Group = None, reports: Mapping[str, int] | None = None) -> None:
+        """``reports``: {name: gradient reports per micro-batch} of the parameters whose gradient is accumulated more
+        than once per micro-batch (used by two pipeline chunks of this rank, each backpropagated on its own: the
+        embedding on the V placement's rank 0 with MTP or a tied head); every other parameter reports once."""
         self.dims, self.overlap, self.grad_dtype = dims, overlap, grad_dtype
+        self.reports = dict(reports or {})
         self.average = gradient_average(dims)
         self.groups: list[FlatGroup] = build_flat_groups(named_params, dims, bucket_numel=bucket_numel,
                                                          grad_dtype=grad_dtype, copies_group=copies_group)
@@ -101,7 +105,8 @@ class GradSync:
         for g in self.groups:
             g.grad_data.zero_()
             for b in g.buckets:
-                b.pending, b.grad_work = len(b.params) * num_micro, None
+                b.pending = sum(self.reports.get(g.names[i], 1) for i in b.params) * num_micro
+                b.grad_work = None
         self._bind_grads()
         self._armed = self.overlap
 
