@@ -23,7 +23,7 @@ CASES = [("blockwise", FP8Config("e4m3", "blockwise"), 0.15, 0.10), ("mxfp8", FP
 
 def _config(fp8: FP8Config):
     config = tiny_config(steps=100, recipe="qwen3_moe_tiny", global_batch_size=2, micro_batch_size=2,
-                         lr_warmup_iters=10, bf16=True)
+                         lr_warmup_iters=10, lr_warmup_skip_zero=True, bf16=True)   # the bands' warmup
     return dataclasses.replace(config, options=ModelOptions(fp8=fp8))
 
 

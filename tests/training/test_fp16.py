@@ -4,8 +4,8 @@
   ``hysteresis`` overflows, never below the minimum; a static scale never moves);
 - an overflow injected on ONE rank's backward (a finite loss, infinite gradients) skips the optimizer step on
   EVERY rank (no parameter moves anywhere) and halves the scale on every rank; the next step trains again;
-- Qwen3-MoE tiny trains 100 steps in fp16 within 0.1 of the bf16 run at every step (measured: 0.045 at most,
-  last-10 means 0.212 vs 0.214);
+- Qwen3-MoE tiny trains 100 steps in fp16 within 0.1 of the bf16 run at every step (measured: 0.073 at most,
+  last-10 means 0.216 vs 0.214);
 - a resumed run restores the scale and both trackers (plain numbers in meta.json);
 - at pp2 the pipeline schedule scales every loss it backpropagates, the stages' aux losses included (Megatron scales
   the MoE aux losses' gradients by the loss scale too): the reduced fp16-run gradients (scale x gradient) equal
@@ -67,8 +67,9 @@ class _InfGrad(torch.autograd.Function):
 
 
 def _overflow_rank() -> dict:
+    # lr_warmup_skip_zero: step 1 runs at a non-zero lr (Megatron's warmup runs it at 0: nothing would move)
     config = tiny_config(ParallelConfig(), steps=3, recipe="qwen3_moe_tiny", fp16=True, initial_loss_scale=2.0 ** 10,
-                         hysteresis=1, global_batch_size=4, micro_batch_size=2)
+                         hysteresis=1, global_batch_size=4, micro_batch_size=2, lr_warmup_skip_zero=True)
     dims = ParallelDims.build(ParallelConfig())
     trainer = Trainer(config, dims, log=lambda _m: None)
     rank = dist.get_rank()
@@ -115,7 +116,8 @@ def test_pipeline_scales_every_loss_aux_included():
 
 def test_fp16_trains_like_bf16(one_thread):
     data = np.tile(tiny_data(8), (30, 1))
-    common = dict(steps=100, recipe="qwen3_moe_tiny", global_batch_size=2, micro_batch_size=2, lr_warmup_iters=10)
+    common = dict(steps=100, recipe="qwen3_moe_tiny", global_batch_size=2, micro_batch_size=2, lr_warmup_iters=10,
+                  lr_warmup_skip_zero=True)   # the warmup the band was measured under
     ref, _, _ = run(tiny_config(bf16=True, **common), data=data)
     got, _, trainer = run(tiny_config(fp16=True, initial_loss_scale=2.0 ** 12, **common), data=data)
     ref, got = np.array(ref), np.array(got)
