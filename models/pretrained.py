@@ -21,6 +21,7 @@ from moefold.models.config import ModelConfig
 from moefold.models.decoder import MoEDecoder
 from moefold.models.hf import importer
 from moefold.models.hf.bounds import check_weights_match_config
+from moefold.models.hf.fp8_blocks import fp8_reader
 from moefold.models.tensor_io import TensorReader
 
 
@@ -47,6 +48,8 @@ def open_pretrained(path: str | os.PathLike) -> Iterator[tuple[ModelConfig, Tens
             config = importer.load_config(path, reader)
             check_weights_match_config(path, config, reader, importer.read_hf_config(path))
             yield config, reader, True
+            importer.check_quantization(config)
+            yield config, fp8_reader(reader, (config.extra or {}).get("hf_config")), True
         else:
             config = moefold_checkpoint.load_config(path)
             check_weights_match_config(path, config, reader, config_file=moefold_checkpoint.CONFIG_FILE)
@@ -57,7 +60,7 @@ def pretrained_config(path: str | os.PathLike) -> ModelConfig:
     """The architecture of ``path`` (DeepSeek-V3 MTP layers only when their tensors are there)."""
     with open_pretrained(path) as (config, _, hf):
         if hf:
-            importer.check_unquantized(config)
+            importer.check_quantization(config)
         return config
 
 

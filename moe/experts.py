@@ -49,6 +49,7 @@ from torch import Tensor, nn
 from moefold.dense.activation_offload import NO_OFFLOAD
 from moefold.dense.recompute import CheckpointWithoutOutput
 from moefold.dense.split_backward import WeightGradStore
+from moefold.moe.block_gemm import BlockScaledGroupedGemm, check_expert_blocks
 from moefold.moe.fp8_gemm import Float8GroupedGemm, check_fp8_gemm_backend
 from moefold.moe.gemm import (
     GEMM_BACKENDS,
@@ -61,6 +62,7 @@ from moefold.moe.gemm import (
 from moefold.moe.split_gemm import SplitGroupedGemm
 from moefold.parallel.comm import copy_to_region
 from moefold.parallel.fp8 import FP8Config
+from moefold.parallel.fp8_param import mark_fp8_param
 from moefold.parallel.groups import Group, group_rank, group_size
 from moefold.parallel.sharding import Shard, mark_sharded, normal_init, set_init
 
@@ -211,8 +213,16 @@ class GroupedExperts(nn.Module):
         if fp8 is not None and fp8.backend == "torchao":  # etp splits w13's rows (M) and w2's columns (K)
             grouped = gemm_backend == "grouped_mm"
             tokens = fp8_token_group  # ParallelDims.expert_token_group: see moe.fp8_gemm
-            self._gemm13 = Float8GroupedGemm(fp8, grouped=grouped, m_group=etp_group, token_group=tokens)
-            self._gemm2 = Float8GroupedGemm(fp8, grouped=grouped, k_group=etp_group, token_group=tokens)
+            if fp8.block_scaled:   # blockwise / mxfp8 / nvfp4: moe.block_gemm
+                check_expert_blocks(fp8, f, etp)
+                gemm_cls = BlockScaledGroupedGemm
+            else:
+                gemm_cls = Float8GroupedGemm
+            self._gemm13 = gemm_cls(fp8, grouped=grouped, m_group=etp_group, token_group=tokens)
+            self._gemm2 = gemm_cls(fp8, grouped=grouped, k_group=etp_group, token_group=tokens)
+            if fp8.param_gather:   # FP8 primary weights: one matrix per expert (parallel.fp8_param)
+                mark_fp8_param(self.w13, fp8, {"out_group": etp_group}, matrix=(gates * f, hidden_size))
+                mark_fp8_param(self.w2, fp8, {"in_group": etp_group}, matrix=(hidden_size, f))
         # TE's modules hold per-module state (FP8 scales): built once, kept out of the module tree
         # (a tuple is not registered), so parameters and state_dict stay w13 / w2
         self._te: tuple[TEExpertGemms, ...] = ()

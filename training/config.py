@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from moefold.models.config import MLADims, ModelConfig, YarnScaling
 from moefold.models.options import ModelOptions
 from moefold.parallel.dims import ParallelConfig, ParallelSizes
+from moefold.training.optim.loss_scaler import LossScaler
 from moefold.training.optim.lr_schedule import DECAY_STYLES, WSD_STYLES, LRSchedule
 from moefold.training.optim.precision import OptimizerPrecision
 
@@ -49,6 +50,12 @@ class TrainConfig:
     clip_grad: float = 1.0                     # 0: no clipping
     seed: int = 1234
     bf16: bool = False                         # bf16 parameters/activations with fp32 master weights
+    fp16: bool = False                         # fp16 parameters/activations, fp32 masters, loss scaling
+    loss_scale: float | None = None            # fp16: a static loss scale (None: dynamic, Megatron's defaults)
+    initial_loss_scale: float = 2.0 ** 32      # fp16 dynamic scaling: the starting scale
+    min_loss_scale: float = 1.0                # fp16 dynamic scaling: never below
+    loss_scale_window: int = 1000              # fp16 dynamic scaling: clean steps before the scale doubles
+    hysteresis: int = 2                        # fp16 dynamic scaling: overflows in a row before it halves
     compile: bool = False                      # torch.compile per transformer block (training.compile)
     max_skipped_steps: int = 5                 # stop after this many non-finite steps in a row
     bucket_numel: int = 2**22
@@ -117,7 +124,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "global_batch_size", "seq_length", "train_iters", "log_interval",
-                     "max_skipped_steps", "bucket_numel", "keep_last"):
+                     "max_skipped_steps", "bucket_numel", "keep_last", "loss_scale_window", "hysteresis"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a positive integer")
         for name in ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad"):
@@ -182,6 +189,10 @@ class TrainConfig:
         from moefold.training.observe.imbalance import check_max_load_ratio
 
         check_max_load_ratio(self.moe_max_load_ratio)
+        if self.fp16 and self.bf16:
+            raise ValueError("--fp16 and --bf16 exclude each other; choose one")
+        if self.fp16:
+            self.loss_scaler()  # validates the loss-scale flags
         from moefold.pipeline.schedules import SCHEDULES
 
         if self.pipeline_schedule not in SCHEDULES:
@@ -204,6 +215,15 @@ class TrainConfig:
     def optimizer_precision(self) -> OptimizerPrecision:
         return OptimizerPrecision(main_grads_dtype=self.main_grads_dtype, main_params_dtype=self.main_params_dtype,
                                   exp_avg_dtype=self.exp_avg_dtype, exp_avg_sq_dtype=self.exp_avg_sq_dtype)
+
+    def loss_scaler(self) -> LossScaler | None:
+        """The fp16 loss scaler the flags describe (None without ``--fp16``)."""
+        if not self.fp16:
+            return None
+        if self.loss_scale is not None:
+            return LossScaler(scale=self.loss_scale, dynamic=False, min_scale=min(self.min_loss_scale, self.loss_scale))
+        return LossScaler(scale=self.initial_loss_scale, min_scale=self.min_loss_scale,
+                          growth_interval=self.loss_scale_window, hysteresis=self.hysteresis)
 
     def lr_schedule(self) -> LRSchedule:
         return LRSchedule(lr=self.lr, min_lr=self.min_lr, warmup_iters=self.lr_warmup_iters,
@@ -269,6 +289,14 @@ class RunConfig:
                     f"backward computes the weight gradients (W) after FSDP has reduce-scattered a unit's gradients "
                     f"at the end of its backward; use --pipeline-schedule 1f1b (interleaved with virtual stages) or "
                     f"the distributed optimizer")
+        if t.use_torch_fsdp2 and (t.fp16 or o.fp8.param_gather):
+            what = "--fp16" if t.fp16 else "--fp8-param-gather"
+            return (f"--use-torch-fsdp2 cannot be combined with {what}: FSDP2's units gather and reduce in their own "
+                    f"dtypes, outside the distributed optimizer's "
+                    f"{'loss-scale unscaling' if t.fp16 else 'FP8 parameter gathers'}; use the distributed optimizer")
+        if t.optimizer_cpu_offload and o.fp8.param_gather:
+            return ("--optimizer-cpu-offload cannot be combined with --fp8-param-gather: the FP8 gather quantises "
+                    "the masters on the device, the offloaded masters live in host memory; drop one of them")
         if o.offload_modules and t.overlap_moe_expert_parallel_comm:
             return (f"--fine-grained-activation-offloading cannot be combined with {overlap}: the overlap runs the "
                     f"blocks as pieces, one micro-batch's forward interleaved with another's backward, outside the "

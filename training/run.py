@@ -211,7 +211,7 @@ def _train(config: RunConfig, device: torch.device | str, heartbeat: Heartbeat |
         from moefold.training.observe.hardware import peak_flops
         from moefold.training.observe.metrics import MetricsLogger
 
-        dtype = torch.bfloat16 if t.bf16 else torch.float32
+        dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
         logger = MetricsLogger(t.run_dir, total_steps=t.train_iters, start_step=trainer.iteration,
                                flops_per_token=train_flops_per_token(config.model, t.seq_length),
                                peak_flops_per_s=peak_flops(device, dtype) * dims.world_size, device=device,

@@ -127,12 +127,13 @@ def moe_routers(model: MoEDecoder) -> dict[int, Router]:
 
 
 def model_options(config: RunConfig) -> ModelOptions:
-    """The run's ``ModelOptions`` (``--bf16`` makes the parameters bf16; the flex dispatcher's
+    """The run's ``ModelOptions`` (``--bf16`` / ``--fp16`` make the parameters bf16 / fp16; the flex dispatcher's
     ``moe_deepep_max_tokens_per_rank`` is the tokens one rank routes per MoE call: micro-batch x sequence /
     (tp x cp), every rank the same)."""
     options = config.options
-    if config.train.bf16 and options.dtype != "bf16":
-        options = dataclasses.replace(options, dtype="bf16")
+    dtype = "bf16" if config.train.bf16 else "fp16" if config.train.fp16 else options.dtype
+    if options.dtype != dtype:
+        options = dataclasses.replace(options, dtype=dtype)
     if not options.moe_deepep_max_tokens_per_rank:
         t, p = config.train, config.parallel
         options = dataclasses.replace(options, moe_deepep_max_tokens_per_rank=max(
@@ -272,6 +273,7 @@ class Trainer:
         self.iteration = 0            # completed steps
         self.consumed_samples = 0     # global samples consumed
         self.skipped_in_a_row = 0
+        self.loss_scaler = t.loss_scaler()   # --fp16 only (training.optim.loss_scaler)
         self.loss_hook: Callable[[int, int, Tensor], Tensor] | None = None
         # stopping early (training.launch.signals): the handlers' flag, the time limit, the step interval
         self.stop_request: StopRequest | None = None
@@ -299,7 +301,7 @@ class Trainer:
             loss = out.loss
             if self.loss_hook is not None:
                 loss = self.loss_hook(self.iteration, m, loss)
-            (loss / self.num_micro).backward()
+            (loss * (self._scale / self.num_micro)).backward()
             self._record_micro_loads(m, out.moe.items())
             # accumulated on the device: one host sync per step (after the all-reduce), not per micro-batch
             zero = torch.zeros((), device=logged.device)
@@ -324,8 +326,9 @@ class Trainer:
             hook, step = self.loss_hook, self.iteration
             loss_fn = lambda out, mb: hook(step, mb["index"], stage.loss_fn(out, mb))
         spec = stage.activation_spec(ids.shape[0], ids.shape[1], self.device)
+        # fp16: the schedule's backward starts from the scaled losses, the aux losses' included
         result = run_schedule(stage, self.pipeline, mbs, loss_fn, dims.pp_group if dims.pp > 1 else None, spec,
-                              weight_store=self.weight_store)
+                              weight_store=self.weight_store, loss_scale=self._scale)
         tpcp = dims.tp * dims.cp
         zero = torch.zeros((), dtype=logged.dtype, device=logged.device)
 
@@ -361,6 +364,11 @@ class Trainer:
             loads[j, E + 1:E + 1 + ROUTER_SUMS] += router_sums(info, self.config.model.moe_topk).to(loads)
             if info.received_E is not None:
                 loads[j, E + 1 + ROUTER_SUMS:] += info.received_E.to(loads)
+
+    @property
+    def _scale(self) -> float:
+        """The loss scale of this step (1 without ``--fp16``)."""
+        return 1.0 if self.loss_scaler is None else self.loss_scaler.scale
 
     def train_step(self, microbatches: list[Tensor]) -> StepResult:
         """Forward/backward over this rank's ``num_micro`` micro-batches and one optimizer step. Collective."""
@@ -405,9 +413,21 @@ class Trainer:
         *logged, grad_norm = values
         if load_ratio is not None:
             self.load_watch.observe(step + 1, load_ratio)
+        scale = self._scale
+        grad_norm /= scale   # fp16: the main grads hold scale x the gradient until the update unscales them
         lr = self.schedule(step)
         skipped = logged[3] > 0 or not math.isfinite(grad_norm)
-        if skipped:
+        # fp16: a non-finite gradient with a finite loss is an overflow of the scaled gradients; the norm's world
+        # all-reduce made it every rank's verdict, so every rank skips this step and backs the scale off together
+        # (not counted towards --max-skipped-steps while the scale can still back off)
+        overflow = (self.loss_scaler is not None and logged[3] == 0 and not math.isfinite(grad_norm)
+                    and not self.loss_scaler.at_minimum)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf=skipped)
+        if overflow:
+            self.log(f"step {step + 1}: fp16 gradients overflowed at loss scale {scale:g}; skipping the optimizer "
+                     f"step (loss scale now {self.loss_scaler.scale:g})")
+        elif skipped:
             self.skipped_in_a_row += 1
             self.log(f"step {step + 1}: non-finite {'loss' if logged[3] > 0 else 'gradient norm'} "
                      f"(grad norm {grad_norm}); skipping the optimizer step "
@@ -420,7 +440,7 @@ class Trainer:
             self.skipped_in_a_row = 0
             clip = self.config.train.clip_grad
             coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
-            self.optimizer.step(lr, coef)
+            self.optimizer.step(lr, coef / scale)   # unscale and clip in one multiply
             for j, layer in enumerate(self.moe_layers):
                 router = self.routers.get(layer)
                 if router is not None and getattr(router, "expert_bias", None) is not None:
@@ -454,9 +474,12 @@ class Trainer:
 
     # ------------------------------------------------------------------------------- checkpoints
     def _meta(self) -> dict:
-        return {"consumed_samples": self.consumed_samples, "optimizer_steps": self.optimizer.step_count,
+        meta = {"consumed_samples": self.consumed_samples, "optimizer_steps": self.optimizer.step_count,
                 "skipped_in_a_row": self.skipped_in_a_row, "config": self.config.to_dict(),
                 "run_id": self.config.train.run_id}
+        if self.loss_scaler is not None:   # plain numbers in meta.json
+            meta["loss_scaler"] = self.loss_scaler.state_dict()
+        return meta
 
     def save(self, root: str | Path, background: bool = False) -> Path | None:
         """Checkpoint this iteration under ``root`` and return it; ``background`` (with ``--async-save``): start
@@ -502,6 +525,8 @@ class Trainer:
         self.iteration = int(meta["iteration"])
         self.consumed_samples = 0 if restart_data else int(meta["consumed_samples"])
         self.skipped_in_a_row = int(meta.get("skipped_in_a_row", 0))
+        if self.loss_scaler is not None and "loss_scaler" in meta:
+            self.loss_scaler.load_state_dict(meta["loss_scaler"])
         run = f", run {meta['run_id']}" if meta.get("run_id") else ""
         self.log(f"resumed from {ckpt} at iteration {self.iteration} (consumed_samples {self.consumed_samples}{run})")
         return True

@@ -69,7 +69,7 @@ def load_training_checkpoint(ckpt: str | os.PathLike, dims: ParallelDims | None 
     if dims.pp > 1:
         raise ValueError(f"load_training_checkpoint builds the whole model; got pp={dims.pp}")
     run = training_run_config(ckpt)
-    saved = ModelOptions(dtype="bf16" if run.train.bf16 else run.options.dtype)
+    saved = ModelOptions(dtype="bf16" if run.train.bf16 else "fp16" if run.train.fp16 else run.options.dtype)
     model = MoEDecoder(run.model, dims, saved)
     load_checkpoint(ckpt, model, dims, None, log=lambda _m: None)
     options = options or saved

@@ -202,6 +202,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--lr-wsd-decay-style", dest="lr_wsd_decay_style", default=_T.lr_wsd_decay_style,
                    choices=WSD_STYLES, help="the shape of WSD's final decay")
     t.add_argument("--bf16", action="store_true", help="bf16 parameters and compute, fp32 master weights")
+    t.add_argument("--fp16", action="store_true",
+                   help="fp16 parameters and compute, fp32 master weights, loss scaling (dynamic unless --loss-scale)")
+    t.add_argument("--loss-scale", dest="loss_scale", type=float, default=None,
+                   help="fp16: a static loss scale (a power of 2 helps); default: dynamic loss scaling")
+    t.add_argument("--initial-loss-scale", dest="initial_loss_scale", type=float, default=_T.initial_loss_scale,
+                   help=f"fp16 dynamic loss scaling: the starting scale (default {_T.initial_loss_scale:g})")
+    t.add_argument("--min-loss-scale", dest="min_loss_scale", type=float, default=_T.min_loss_scale,
+                   help=f"fp16 dynamic loss scaling: the smallest scale (default {_T.min_loss_scale:g})")
+    t.add_argument("--loss-scale-window", dest="loss_scale_window", type=int, default=_T.loss_scale_window,
+                   help=f"fp16 dynamic loss scaling: steps without overflow before the scale doubles "
+                        f"(default {_T.loss_scale_window})")
+    t.add_argument("--hysteresis", dest="hysteresis", type=int, default=_T.hysteresis,
+                   help=f"fp16 dynamic loss scaling: overflowing steps in a row before the scale halves "
+                        f"(default {_T.hysteresis})")
     t.add_argument("--compile", action="store_true",
                    help="torch.compile each transformer block (MoE: its static-shaped parts, the experts' "
                         "activation fused); compile time is printed")
@@ -409,7 +423,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                            recompute=args.recompute_granularity, recompute_modules=tuple(args.recompute_modules),
                            recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
                            dispatcher=args.moe_token_dispatcher_type,
-                           gemm_backend=args.moe_grouped_gemm_backend, dtype="bf16" if args.bf16 else "fp32",
+                           gemm_backend=args.moe_grouped_gemm_backend,
+                           dtype="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
                            init_std=args.init_method_std, fp8=fp8_config_from_args(args),
                            moe_deepep_num_sms=args.moe_deepep_num_sms,
                            moe_flex_dispatcher_backend=args.moe_flex_dispatcher_backend,

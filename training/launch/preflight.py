@@ -44,8 +44,9 @@ def estimate_checkpoint_bytes(config: RunConfig, world_size: int = 1) -> int:
     from moefold.training.observe.memory import optimizer_state_parts
 
     options = config.options
-    if config.train.bf16 and options.dtype != "bf16":
-        options = dataclasses.replace(options, dtype="bf16")
+    dtype = "bf16" if config.train.bf16 else "fp16" if config.train.fp16 else options.dtype
+    if options.dtype != dtype:
+        options = dataclasses.replace(options, dtype=dtype)
     with torch.device("meta"):
         model = MoEDecoder(config.model, ParallelDims.single(), options)
     state = model.state_dict()

@@ -106,7 +106,8 @@ class _Slice:
         if offloaded:
             self.grad = torch.empty(hi - lo, dtype=self.grad.dtype, device=device,
                                     pin_memory=self.param.device.type == "cuda")
-        self.separate_master = self.param.dtype != master_dtype or self.offloaded
+        # FP8 primary weights hold FP8 values after each gather: their fp32 master must be a copy of its own
+        self.separate_master = self.param.dtype != master_dtype or self.offloaded or g.fp8
         self.master = (torch.empty(hi - lo, dtype=master_dtype, device=device).copy_(self.param)
                        if self.separate_master else self.param)
         self.exp_avg = torch.zeros(hi - lo, dtype=precision.dtype("exp_avg"), device=device)
@@ -249,6 +250,9 @@ class DistributedAdamW:
         self.param_sync = ParamSync(sync.groups, model, overlap=overlap_param_gather,
                                     deferred={id(s.bucket) for s in parts[True]}, wait_deferred=self.host.wait)
         pieces = [(s, p) for s in self.slices for p in s.pieces]
+        # FP8 buckets quantise the fp32 master chunk (the parameters' chunk when they are their own master)
+        owners = [(g, b) for g in sync.groups for b in g.buckets]
+        self.param_sync.masters = {id(b): s.master for (g, b), s in zip(owners, self.slices) if g.fp8}
         self._norm_grads = [p.of(s.device_grad) for s, p in pieces]
         self._norm_weights = torch.tensor([p.weight for _, p in pieces], dtype=torch.float32, device=device)
         self._device = device

@@ -26,6 +26,8 @@ def train_flags(plan: Plan, model_flags: list[str]) -> list[str]:
     flags = list(model_flags)
     if t.bf16:
         flags.append("--bf16")
+    if t.fp16:
+        flags.append("--fp16")
     flags += ["--seq-length", t.seq_length, "--global-batch-size", t.global_batch_size,
               "--micro-batch-size", t.micro_batch_size,
               "--tensor-model-parallel-size", s.tp, "--context-parallel-size", s.cp,

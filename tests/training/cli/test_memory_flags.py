@@ -49,6 +49,9 @@ def test_flags_reach_the_config() -> None:
     (["--fine-grained-activation-offloading", "--offload-modules", "core_attn", "--nproc", "2",
       "--expert-model-parallel-size", "2", "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"],
      "--fine-grained-activation-offloading cannot be combined with --overlap-moe-expert-parallel-comm"),
+    (["--use-torch-fsdp2", "--nproc", "2", "--fp16"], "--use-torch-fsdp2 cannot be combined with --fp16"),
+    (["--optimizer-cpu-offload", "--fp8-format", "hybrid", "--fp8-param-gather"],
+     "--optimizer-cpu-offload cannot be combined with --fp8-param-gather"),
     (["--moe-max-load-ratio", "0.5"], "--moe-max-load-ratio=0.5 must be a number >= 1"),
     (["--moe-expert-rank-capacity-factor", "0"], "expert_rank_capacity_factor=0.0 must be > 0"),
 ])
