@@ -46,10 +46,10 @@ def open_pretrained(path: str | os.PathLike) -> Iterator[tuple[ModelConfig, Tens
     with TensorReader(path) as reader:
         if kind == "hf":
             config = importer.load_config(path, reader)
+            importer.check_quantization(config)
+            reader = fp8_reader(reader, (config.extra or {}).get("hf_config"))   # FP8 blocks read dequantised
             check_weights_match_config(path, config, reader, importer.read_hf_config(path))
             yield config, reader, True
-            importer.check_quantization(config)
-            yield config, fp8_reader(reader, (config.extra or {}).get("hf_config")), True
         else:
             config = moefold_checkpoint.load_config(path)
             check_weights_match_config(path, config, reader, config_file=moefold_checkpoint.CONFIG_FILE)
