@@ -43,7 +43,7 @@ from moefold.moe.router import Router
 from moefold.parallel.dims import ParallelDims
 from moefold.parallel.groups import Group
 from moefold.pipeline import build_schedule, run_schedule, simulate
-from moefold.pipeline.decoder_stage import DecoderStage, build_stage_model, embedding_group
+from moefold.pipeline.decoder_stage import DecoderStage, build_stage_model, shared_weight_groups
 from moefold.pipeline.overlap import OverlapConfig
 from moefold.pipeline.stages import chunk_costs
 from moefold.training.checkpoint.files import CheckpointSaveError, checkpoint_dirs, is_checkpoint_dir
@@ -138,23 +138,25 @@ def build_optimizer(model: MoEDecoder, config: RunConfig, dims: ParallelDims,
     runs it on a meta-device model."""
     t = config.train
     layout = config.pipeline_layout(dims.pp) if dims.pp > 1 else None
-    embed_group = embedding_group(model, dims, layout)
+    shared = shared_weight_groups(model, dims, layout)
     precision = t.optimizer_precision()
-    # the V placement's rank 0 backpropagates its two chunks separately: an embedding the head also reads (MTP, tied)
-    # accumulates two gradients per micro-batch
+    # a module that two chunks of this rank read, each backpropagated on its own (the V placement's rank 0 with
+    # MTP or a tied head, a layout's MTP chunk on the embedding's rank), accumulates one gradient per chunk
     reports = {}
-    shared = config.model.mtp_num_layers or config.model.tie_word_embeddings
-    if shared and layout is not None and model.embed_tokens is not None and layout.vpp > 1:
-        chunks = layout.rank_chunks(dims.pp_rank)
-        if any(c.has_embedding for c in chunks) and any(c.has_head for c in chunks) and not any(
-                c.has_embedding and c.has_head for c in chunks):
-            reports = {f"embed_tokens.{n}": 2 for n, _ in model.embed_tokens.named_parameters()}
+    if layout is not None and layout.vpp > 1:
+        readers = {"embed_tokens": layout.embedding_chunks(config.model.tie_word_embeddings),
+                   "output_head": layout.output_head_chunks()}
+        for name, chunks in readers.items():
+            mine = sum(c.pp_rank == dims.pp_rank for c in chunks)
+            module = getattr(model, name)
+            if mine > 1 and module is not None:
+                reports.update({f"{name}.{n}": mine for n, _ in module.named_parameters()})
     sync = GradSync(model.named_parameters(), dims, bucket_numel=t.bucket_numel, overlap=t.overlap_grad_reduce,
-                    grad_dtype=precision.dtype("main_grads"), copies_group=embed_group, reports=reports)
+                    grad_dtype=precision.dtype("main_grads"), copies_groups=shared, reports=reports)
     optimizer = DistributedAdamW(sync, dims, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                  weight_decay=t.weight_decay, precision=precision, model=model,
                                  overlap_param_gather=t.overlap_param_gather)
-    return embed_group, sync, optimizer
+    return shared.get("embed_tokens"), sync, optimizer
 
 
 class Trainer:

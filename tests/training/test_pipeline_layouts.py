@@ -1,0 +1,171 @@
+"""``--pipeline-model-parallel-layout`` through the real trainer: uneven virtual stages, empty stages, a standalone
+MTP stage, tied embeddings, the V schedules, all against world 1 of the same model; and resume across layouts.
+
+DeepSeek-V3 tiny with 5 layers (first dense, MLA, expert bias, seq aux loss, 1 MTP layer, untied head) and Qwen3
+tiny with tied embeddings, in ONE 4-rank world, 3 fp32 steps each, compared through the trainer's own objects:
+every reduced gradient ``GradSync`` leaves *on every rank that holds the parameter* (so each copy of the embedding
+and output head has the sum over every stage that reads it, wherever the layout put them), the gradient norm, the
+losses and the updated weights. Layouts (stages in forward order; stage i on pp rank i % pp, virtual stage i // pp):
+
+- ``Et|tt|ttm|L`` pp2 x vpp2: uneven (1, 2, 2, 0 layers); MTP on rank 0's second chunk, standalone: the embedding
+  is read by two chunks of rank 0 (two gradient reports per micro-batch) and the output head by both ranks;
+- ``Ett|t||ttmL`` pp2 x vpp2: an empty virtual stage (rank 0's second chunk passes the hidden state on);
+- ``Ett||ttt|mL`` pp4: rank 1 holds nothing at all;
+- ``Et|tt|ttm|L`` pp4: MTP standalone on rank 2, the loss on rank 3: embedding copies on ranks 0 and 2, output
+  head copies on ranks 2 and 3;
+- ``Et|tt|ttm|L`` pp2 dualpipev with the batch-level overlap (V placement: MTP on rank 1, the loss on rank 0);
+- Qwen3 tied ``Et|tt|tt|L`` pp2 zbv (V placement: embedding and tied head both on rank 0, one copy, two chunks).
+
+Resume: a 3-step run saved at ``Et|tt|ttm|L`` pp2 x vpp2 (dp1, world 2) loads at ``Ett|ttmL`` pp2 and at world 1:
+the loaded weights and expert biases are bit-identical to the saved ones, the first resumed step's loss is
+bit-identical to the uninterrupted run's, the next within fp32 tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moefold.parallel.dims import ParallelConfig, ParallelDims
+from moefold.training.trainer import named_full_params
+from tests.distributed import run_distributed
+from tests.training.test_trainer_layouts import NORM_RTOL, TOL, observe
+from tests.training.trainer_common import run, tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+STEPS = 3
+GRAD_RTOL = 1e-4
+DEEPSEEK = {"model": {"num_layers": 5}}
+QWEN_TIED = {"recipe": "qwen3_moe_tiny", "model": {"num_layers": 5, "tie_word_embeddings": True}}
+RUNS = {  # name -> (ParallelConfig kwargs, tiny_config kwargs)
+    "pp2.vpp2.standalone_mtp": (dict(pp=2), {**DEEPSEEK, "pipeline_model_parallel_layout": "Et|tt|ttm|L"}),
+    "pp2.vpp2.empty_stage": (dict(pp=2), {**DEEPSEEK, "pipeline_model_parallel_layout": "Ett|t||ttmL"}),
+    "pp4.empty_rank": (dict(pp=4), {**DEEPSEEK, "pipeline_model_parallel_layout": "Ett||ttt|mL"}),
+    "pp4.standalone_mtp": (dict(pp=4), {**DEEPSEEK, "pipeline_model_parallel_layout": "Et|tt|ttm|L"}),
+    "pp2.dualpipev.overlap": (dict(pp=2, ep=2), {**DEEPSEEK, "pipeline_model_parallel_layout": "Et|tt|ttm|L",
+                                                 "pipeline_schedule": "dualpipev",
+                                                 "overlap_moe_expert_parallel_comm": True}),
+    "qwen3_tied.pp2.zbv": (dict(pp=2), {**QWEN_TIED, "pipeline_model_parallel_layout": "Et|tt|tt|L",
+                                        "pipeline_schedule": "zbv"}),
+}
+RUN_ONLY = ("pipeline_model_parallel_layout", "pipeline_schedule", "overlap_moe_expert_parallel_comm")
+
+
+def _reference_kwargs(name: str) -> dict:
+    return {k: v for k, v in RUNS[name][1].items() if k not in RUN_ONLY}
+
+
+def _observed(config, dims=None, **kw) -> dict:
+    record: dict = {}
+    losses, params, trainer = run(config, dims, setup=lambda t: observe(t, record), **kw)
+    return {"losses": losses, "params": params, "grads": record["grads"], "norms": record["norms"],
+            "pp_rank": trainer.dims.pp_rank, "held": sorted(n for n, _ in trainer.model.named_parameters())}
+
+
+def _world() -> dict:
+    out = {}
+    for name, (pc, kwargs) in RUNS.items():
+        pc = ParallelConfig(**pc)
+        out[name] = _observed(tiny_config(pc, steps=STEPS, **kwargs), ParallelDims.build(pc))
+    return out
+
+
+@pytest.fixture(scope="module")
+def world() -> list[dict]:
+    return run_distributed(_world, 4, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def references() -> dict:
+    out = {}
+    for name in RUNS:
+        key = repr(_reference_kwargs(name))
+        if key not in out:
+            out[key] = _observed(tiny_config(steps=STEPS, **_reference_kwargs(name)))
+    return out
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_layout_equals_world_1(world, references, name):
+    ranks = [r[name] for r in world]
+    ref = references[repr(_reference_kwargs(name))]
+    worst = 0.0
+    for r in ranks:   # every holder of a parameter: shared copies must carry the sum over all their stages
+        assert r["grads"][0].keys() == set(r["held"]), name
+        for got, want in zip(r["grads"], ref["grads"]):
+            for k, g in got.items():
+                scale = want[k].abs().max().item()
+                assert scale > 0, f"{name}: {k} has a zero gradient at world 1"
+                err = (g - want[k]).abs().max().item() / scale
+                worst = max(worst, err)
+                assert err <= GRAD_RTOL, f"{name}: pp rank {r['pp_rank']} {k} gradient differs by {err:.2e}"
+        assert max(abs(a - b) / b for a, b in zip(r["norms"], ref["norms"])) <= NORM_RTOL, (name, r["norms"])
+    held = set().union(*(r["held"] for r in ranks))
+    assert held == set(ref["grads"][0]), (name, sorted(held ^ set(ref["grads"][0])))
+    assert torch.allclose(torch.tensor(ranks[0]["losses"]), torch.tensor(ref["losses"]), atol=TOL, rtol=0), (
+        ranks[0]["losses"], ref["losses"])
+    params = {}
+    for r in ranks:
+        params.update(r["params"])
+    for k, v in ref["params"].items():
+        assert (params[k] - v).abs().max().item() <= TOL, f"{name}: {k}"
+    print(f"{name}: max reduced-gradient diff {worst:.2e} (relative)")
+
+
+def test_layouts_hold_what_they_say(world):
+    """Where the copies live: pp4 ``Ett||ttt|mL`` rank 1 holds nothing; pp4 ``Et|tt|ttm|L`` holds the embedding on
+    ranks 0 and 2 and the output head on ranks 2 and 3."""
+    held = {r["pp4.empty_rank"]["pp_rank"]: r["pp4.empty_rank"]["held"] for r in world}
+    assert held[1] == []
+    held = {r["pp4.standalone_mtp"]["pp_rank"]: r["pp4.standalone_mtp"]["held"] for r in world}
+    embed = sorted(rank for rank, names in held.items() if "embed_tokens.weight" in names)
+    head = sorted(rank for rank, names in held.items() if "output_head.weight" in names)
+    assert (embed, head) == ([0, 2], [2, 3])
+    assert any(n.startswith("mtp.") for n in held[2]) and not any(n.startswith("norm.") for n in held[2])
+
+
+def _resume(save: str) -> dict:
+    out = {}
+    pc = ParallelConfig(pp=2)
+    dims = ParallelDims.build(pc)
+    a = {**DEEPSEEK, "pipeline_model_parallel_layout": "Et|tt|ttm|L"}
+    out["uninterrupted"], _, _ = run(tiny_config(pc, steps=5, **a), dims)
+    out["first3"], out["saved"], _ = run(tiny_config(pc, steps=5, save=save, **a), dims, stop_at=3)
+    b = {**DEEPSEEK, "pipeline_model_parallel_layout": "Ett|ttmL"}
+    loaded = {}
+
+    def keep_loaded(trainer) -> None:
+        loaded.update(named_full_params(trainer.model))
+        loaded.update({f"buffer:{k}": v.float() for k, v in trainer.model.state_dict().items() if k not in loaded})
+
+    out["resumed"], _, _ = run(tiny_config(pc, steps=5, **b), dims, load=save, setup=keep_loaded)
+    out["loaded"] = loaded
+    return out
+
+
+def test_resume_across_layouts(tmp_path):
+    save = str(tmp_path / "ckpt")
+    ranks = run_distributed(_resume, 2, save, timeout=300)
+    saved, loaded = {}, {}
+    for r in ranks:
+        saved.update(r["saved"])
+        loaded.update(r["loaded"])
+    uninterrupted, resumed = ranks[0]["uninterrupted"], ranks[0]["resumed"]
+    assert ranks[0]["first3"] == uninterrupted[:3]
+    loaded_w1 = {}
+
+    def keep_loaded(trainer) -> None:
+        loaded_w1.update(named_full_params(trainer.model))
+        loaded_w1.update({f"buffer:{k}": v.float() for k, v in trainer.model.state_dict().items()
+                          if k not in loaded_w1})
+
+    world1, _, _ = run(tiny_config(steps=5, **DEEPSEEK), load=save, setup=keep_loaded)
+    for got in (loaded, loaded_w1):
+        assert got.keys() == saved.keys()
+        for k, v in saved.items():
+            assert torch.equal(got[k], v), k                      # resharding moves bits, never rounds them
+    for losses in (resumed, world1):
+        assert len(losses) == 2
+        assert losses[0] == uninterrupted[3], (losses, uninterrupted)   # the same weights: the same loss, bit for bit
+        assert abs(losses[1] - uninterrupted[4]) <= TOL, (losses, uninterrupted)
