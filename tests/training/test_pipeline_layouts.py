@@ -16,7 +16,7 @@ losses and the updated weights. Layouts (stages in forward order; stage i on pp 
 - ``Et|tt|ttm|L`` pp2 dualpipev with the batch-level overlap (V placement: MTP on rank 1, the loss on rank 0);
 - Qwen3 tied ``Et|tt|tt|L`` pp2 zbv (V placement: embedding and tied head both on rank 0, one copy, two chunks).
 
-Resume: a 3-step run saved at ``Et|tt|ttm|L`` pp2 x vpp2 (dp1, world 2) loads at ``Ett|ttmL`` pp2 and at world 1:
+Resume: a 3-step run saved at ``Et|tt|ttm|L`` pp2 x vpp2 (dp1, world 2) loads at ``Ett|tttmL`` pp2 and at world 1:
 the loaded weights and expert biases are bit-identical to the saved ones, the first resumed step's loss is
 bit-identical to the uninterrupted run's, the next within fp32 tolerance.
 """
@@ -132,12 +132,12 @@ def _resume(save: str) -> dict:
     a = {**DEEPSEEK, "pipeline_model_parallel_layout": "Et|tt|ttm|L"}
     out["uninterrupted"], _, _ = run(tiny_config(pc, steps=5, **a), dims)
     out["first3"], out["saved"], _ = run(tiny_config(pc, steps=5, save=save, **a), dims, stop_at=3)
-    b = {**DEEPSEEK, "pipeline_model_parallel_layout": "Ett|ttmL"}
+    b = {**DEEPSEEK, "pipeline_model_parallel_layout": "Ett|tttmL"}
     loaded = {}
 
     def keep_loaded(trainer) -> None:
         loaded.update(named_full_params(trainer.model))
-        loaded.update({f"buffer:{k}": v.float() for k, v in trainer.model.state_dict().items() if k not in loaded})
+        loaded.update({f"buffer:{k}": v.float().clone() for k, v in trainer.model.state_dict().items() if k not in loaded})
 
     out["resumed"], _, _ = run(tiny_config(pc, steps=5, **b), dims, load=save, setup=keep_loaded)
     out["loaded"] = loaded
@@ -157,7 +157,7 @@ def test_resume_across_layouts(tmp_path):
 
     def keep_loaded(trainer) -> None:
         loaded_w1.update(named_full_params(trainer.model))
-        loaded_w1.update({f"buffer:{k}": v.float() for k, v in trainer.model.state_dict().items()
+        loaded_w1.update({f"buffer:{k}": v.float().clone() for k, v in trainer.model.state_dict().items()
                           if k not in loaded_w1})
 
     world1, _, _ = run(tiny_config(steps=5, **DEEPSEEK), load=save, setup=keep_loaded)
