@@ -96,7 +96,7 @@ def main(args: argparse.Namespace) -> int:
         elif args.num_layers is not None:
             layout = StageLayout(args.num_layers, args.pp, vpp, args.decoder_first_pipeline_num_layers,
                                  args.decoder_last_pipeline_num_layers, placement=placement)
-        if layout is not None:
+        if args.pipeline_model_parallel_layout is not None:   # --num-layers alone only prints the split
             costs = chunk_costs(layout)
             mean = sum(map(sum, costs)) / (args.pp * vpp)
             costs = tuple(tuple(c / mean for c in rank) for rank in costs)
@@ -140,7 +140,8 @@ def main(args: argparse.Namespace) -> int:
               f"PP+1 = {2 * p + 1} chunk-micro-batches published, simulated peak {max(result.peak_in_flight)}; "
               f"parameters per rank 2x a {2 * p}-stage 1F1B's (2 chunks)")
     if layout is not None:
-        print(f"layout {layout.text} (pp {layout.pp} x vpp {layout.vpp}; chunk times scaled by their layers):")
+        scaled = "; chunk times scaled by their layers" if costs is not None else ""
+        print(f"layout {layout.text} (pp {layout.pp} x vpp {layout.vpp}{scaled}):")
         print(layout.describe())
     if args.plot:
         print(f"wrote {plot_png(schedule, result, args.plot)}")
