@@ -29,7 +29,7 @@ from moefold.training.optim.precision import DTYPES
 from moefold.training.plan.cluster import CLUSTERS, load_cluster, parse_bytes
 from moefold.training.plan.nearest import alternatives, why_nothing_is_valid
 from moefold.training.plan.report import HEADER, commands, heading, outcome, render, row, why_not
-from moefold.training.plan.search import HEADROOM, Fixed, evaluate, recompute_ladder, search
+from moefold.training.plan.search import HEADROOM, Fixed, evaluate, recompute_ladder, search, stage_memory
 from moefold.training.plan.step_time import EFFICIENCY
 
 LAYOUT_FLAGS = ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
@@ -209,12 +209,22 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                                   headroom=args.memory_headroom, efficiency=args.efficiency)
                     print(f"nearest: {alt.flags}: {outcome(near)}")
             return 1
+    if chosen and chosen[0].sizes.pp > 1:
+        print(stage_line(chosen[0]))
     if args.plot:
         from moefold.training.plan.plot import plot_plans
 
         plot_plans(chosen, cluster, args.plot, title=f"{config.model.name} on {world} x {cluster.name}")
         print(f"plot: {args.plot}")
     return 0
+
+
+def stage_line(plan) -> str:
+    """Plan #1's layout and memory per GPU of every pipeline stage (GB: total = params + grads + optimizer +
+    activations)."""
+    layout = plan.config.pipeline_layout(plan.sizes.pp)
+    per = " ".join(f"{m.pp_rank}:{m.total / 1e9:.1f}" for m in stage_memory(plan))
+    return f"#1 layout {layout.text} (pp {layout.pp} x vpp {layout.vpp}); memory per pipeline stage, GB: {per}"
 
 
 def _check_pipeline_flags(config: RunConfig, fixed: Fixed) -> None:

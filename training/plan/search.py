@@ -125,6 +125,16 @@ def _memory(config: RunConfig, sizes: ParallelSizes, num_micro: int, exact: bool
     return max(ranks, key=lambda m: m.total)
 
 
+def stage_memory(plan: Plan) -> list[RankMemory]:
+    """Every pipeline stage's memory per GPU for ``plan`` (exact static bytes), in pipeline order."""
+    config, sizes = plan.config, plan.sizes
+    static = exact_static(config, sizes)
+    flex = config.options.resolved_dispatcher(sizes.ep, sizes.etp) == "flex"
+    deepep = deepep_buffer_bytes(config, sizes) if flex else 0
+    return [RankMemory(r, static[r], activation_memory(config, sizes, r, plan.num_micro), deepep)
+            for r in range(sizes.pp)]
+
+
 def evaluate(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, memory_bytes: int | None = None,
              *, headroom: float = HEADROOM, efficiency: float = EFFICIENCY, recompute: str = "",
              with_time: bool = True) -> Plan:
