@@ -72,11 +72,12 @@ def parse_layout(layout: str | Sequence[Sequence[str]]) -> tuple[str, ...]:
 
 
 def check_layout(stages: Sequence[str], pp: int, num_layers: int, mtp_num_layers: int = 0,
-                 rank_and_chunk=None) -> int:
+                 rank_and_chunk=None, text: str | None = None) -> int:
     """Refuse (ValueError naming the numbers) a layout the model or pp cannot run; return vpp.
 
-    ``rank_and_chunk(model_chunk) -> (pp rank, local chunk)``: the placement (default Megatron's round robin)."""
-    text = format_layout(stages)
+    ``rank_and_chunk(model_chunk) -> (pp rank, local chunk)``: the placement (default Megatron's round robin);
+    ``text``: the layout as the user gave it, for the messages."""
+    text = text if text is not None else format_layout(stages)
     where = f"--pipeline-model-parallel-layout={text!r}"
     n = len(stages)
     if n % pp:

@@ -97,7 +97,7 @@ class StageLayout:
                              "--decoder-first/last-pipeline-num-layers (the layout already places every layer); "
                              "drop one of them")
         stages = parse_layout(self.layout)
-        mtp = stages_mtp = "".join(stages).count("m")
+        mtp = "".join(stages).count("m")
         if self.mtp_num_layers is not None:
             mtp = self.mtp_num_layers
         vpp = len(stages) // self.pp if len(stages) % self.pp == 0 else self.vpp
@@ -105,13 +105,13 @@ class StageLayout:
             raise ValueError(f"the V placement (zbv, dualpipev) holds 2 chunks per rank: "
                              f"--pipeline-model-parallel-layout needs 2 x pp={2 * self.pp} virtual stages, got "
                              f"{len(stages)}")
-        vpp = check_layout(stages, self.pp, self.num_layers, mtp, lambda mc: rank_and_chunk(mc, self.pp,
-                                                                                             self.placement))
+        given = self.layout if isinstance(self.layout, str) else None
+        vpp = check_layout(stages, self.pp, self.num_layers, mtp,
+                           lambda mc: rank_and_chunk(mc, self.pp, self.placement), text=given)
         if self.vpp not in (1, vpp):
             raise ValueError(f"--pipeline-model-parallel-layout has {len(stages)} virtual stages = pp {self.pp} x "
                              f"{vpp}, but vpp={self.vpp} was asked for; drop one of them")
         object.__setattr__(self, "vpp", vpp)
-        del stages_mtp
 
     def _check_shorthands(self) -> None:
         if self.vpp > 1 and self.pp < 2:

@@ -186,7 +186,7 @@ class Trainer:
             self.log(f"pipeline: {self.pipeline.name}{' (FB pairs overlapped)' if overlap else ''} schedule, pp "
                      f"{dims.pp} x vpp {vpp} ({self.layout.placement.value}), {self.num_micro} micro-batches per step "
                      f"(bubble {bubble:.1%} with stage times by layer count, backward = 2 x forward)\n"
-                     f"{self.layout.describe()}")
+                     f"--pipeline-model-parallel-layout {self.layout.text!r}:\n{self.layout.describe()}")
         elif overlap:   # pp = 1: Megatron's combined 1F1B without pipelining, F0, FB(1, 0), ..., B(m-1)
             self.layout = config.pipeline_layout(1)
             self.pipeline = build_schedule("1f1b", 1, self.num_micro, overlap=True)
