@@ -1,5 +1,6 @@
-"""Pipeline parallelism: layouts (Megatron's ``--pipeline-model-parallel-layout``), stage splitting, point-to-point, schedules (GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipeV)
-and their executor, the batch-level overlap engine."""
+"""Pipeline parallelism: layouts (Megatron's ``--pipeline-model-parallel-layout``), stage splitting,
+point-to-point, schedules (GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipeV) and their executor, the batch-level
+overlap engine."""
 
 from moefold.pipeline.actions import Action, ActionKind, Message, Placement
 from moefold.pipeline.compute_orders import compute_order
