@@ -13,10 +13,11 @@ Dispatch on rank (etp t, ep r):
 5. sort:        regroup chunks to [e_local, etp src, ep src] (expert-major)
 
 Only tokens travel: the routing probs stay on the token's home rank. Combine runs the mirror
-image: unsort, reduce-scatter over etp (sums the experts' partial FFN outputs), reverse
-all-to-all (``return_tokens``), then unpermute: each token's k returned copies weighted by their
-probs and summed in one ``embedding_bag`` pass, on the home rank; the probs' gradient is the dot
-product of the token's output gradient with each returned copy, computed there too.
+image: unsort, reduce-scatter over etp (sums the experts' partial FFN outputs; in fp32 for bf16 rows),
+reverse all-to-all (``return_tokens``), then unpermute: each token's k returned copies weighted by their
+probs and summed in fp32 (``dispatch.permutation.combine_dtype``), on the home rank; the probs' gradient
+is the dot product of the token's output gradient with each returned copy, computed there too. For bf16
+tokens ``combine`` returns that fp32 sum (the MoE layer rounds it once).
 
 Host synchronisations per MoE layer (forward and backward together, proved by
 tests/dispatch/test_host_sync.py): dropless or unpadded capacity mode exactly one (the split
@@ -45,6 +46,7 @@ from moefold.dispatch.base import Dispatched, DispatchHandle, PhaseTimer, TokenD
 from moefold.dispatch.permutation import (
     RowMap,
     build_row_map,
+    combine_dtype,
     group_counts,
     mask_groups,
     permute,
@@ -280,7 +282,13 @@ class AllToAllDispatcher(TokenDispatcher):
             with self._phase("sort"):
                 rows = sort_chunks(rows, handle.chunk_counts.t())
         with self._phase("communicate"):
-            return (reduce_scatter_uneven(rows, list(handle.etp_sizes), self.etp_group, self.etp_rank),)
+            if self.etp > 1:
+                # the etp shards' partial FFN sums add up in fp32 (the combine's fp32 island, as Megatron-Core
+                # reduce-scatters them in its probs' fp32), rounded back for the token exchange
+                dtype = rows.dtype
+                rows = reduce_scatter_uneven(rows.to(combine_dtype(dtype)), list(handle.etp_sizes), self.etp_group,
+                                             self.etp_rank).to(dtype)
+            return (rows,)
 
     def combine_exchange(self, handle: DispatchHandle) -> AllToAllExchange:
         assert isinstance(handle, AllToAllHandle)

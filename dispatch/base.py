@@ -18,6 +18,10 @@ Stages: a dispatch is ``prepare_dispatch`` (local) -> ``dispatch_exchange`` (the
 expert group, ``dispatch.token_exchange``) -> ``finish_dispatch`` (local); a combine likewise. The plain
 ``dispatch_start``/``combine`` chain them with autograd across the exchange; the batch-level overlap
 schedules run each as its own node. The allgather dispatcher is not staged (``staged = False``).
+
+Precision: the weighted sum of a token's copies (and any reduction of partial outputs over ranks on
+the way home) accumulates in fp32 for bf16/fp16 tokens (``dispatch.permutation.combine_dtype``), and
+``combine`` may return it in fp32 (local, alltoall, allgather; flex hands DeepEP bf16): the caller rounds.
 """
 
 from __future__ import annotations
@@ -58,12 +62,19 @@ class Dispatched:
     tokens_per_expert_host: the same counts as host ints when the dispatcher already has them
                             (it synchronised for its split sizes, or they are static), else None;
                             GEMM backends that take host split sizes use them instead of a sync
+    received_e:             [e_local] int32 copies each local expert received (padding excluded), as the
+                            exchange counted them (DeepEP V2's ``cumulative_local_expert_recv_stats``), or None
+
+    Rows past ``sum(tokens_per_expert_e)``: a sync-free dispatcher that allocates for the worst case (the V2 flex
+    dispatcher) hands over more rows than its experts' blocks cover; those carry no token (their values are
+    unspecified), the experts skip them and ``combine`` never reads their outputs.
     """
 
     tokens_NH: Tensor
     tokens_per_expert_e: Tensor
     handle: DispatchHandle
     tokens_per_expert_host: tuple[int, ...] | None = None
+    received_e: Tensor | None = None
 
 
 class PendingDispatch:
@@ -203,7 +214,8 @@ class TokenDispatcher:
 
     def combine(self, expert_out_NH: Tensor, handle: DispatchHandle) -> Tensor:
         """[N, H] expert outputs (not weighted; partial sums over etp) -> y [T, H], each token's copies
-        weighted by its routing probs (unless dispatched with ``weighted_combine=False``) and summed."""
+        weighted by its routing probs (unless dispatched with ``weighted_combine=False``) and summed
+        (in fp32 for bf16 rows: y may be fp32, see the module docstring)."""
         sent = self.prepare_combine(expert_out_NH, handle)
         with self._phase("communicate"):
             _, received = exchange_with_grad(self.combine_exchange(handle), *sent).wait()

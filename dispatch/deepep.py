@@ -98,6 +98,25 @@ def check_flex_topk(topk: int, etp: int) -> None:
                          f"alltoall dispatcher")
 
 
+def virtual_experts(ids_TK: Tensor, probs_TK: Tensor, e: int, etp: int) -> tuple[Tensor, Tensor]:
+    """etp > 1: expert g on ep rank r -> virtual experts (r*etp + t)*e + g%e for t < etp: [T, K*etp] ids (-1 stays
+    -1) and probs, so every etp rank of the ep rank holding g receives g's rows (Megatron's flex dispatcher)."""
+    T, K = ids_TK.shape
+    t = torch.arange(etp, device=ids_TK.device)
+    v = (ids_TK.div(e, rounding_mode="floor").unsqueeze(-1) * etp + t) * e + (ids_TK % e).unsqueeze(-1)
+    v = torch.where(ids_TK.unsqueeze(-1) < 0, -1, v)
+    return v.reshape(T, K * etp), probs_TK.unsqueeze(-1).expand(T, K, etp).reshape(T, K * etp)
+
+
+def flex_group(dispatcher: TokenDispatcher, etp_ep_group: Group) -> Group:
+    """The flex dispatcher's etp x ep group (``TokenDispatcher._etp_ep_group``), refusing one rank: DeepEP has no
+    single-rank kernels."""
+    if dispatcher.ep * dispatcher.etp == 1:
+        raise ValueError("the flex dispatcher needs an etp x ep group of >= 2 ranks (DeepEP has no single-rank "
+                         "kernels), got ep=1 etp=1; use 'local'")
+    return dispatcher._etp_ep_group(etp_ep_group)
+
+
 def import_deep_ep() -> Any:
     """Import ``deep_ep`` or raise ImportError saying what to install."""
     try:
@@ -296,10 +315,7 @@ class FlexDispatcher(TokenDispatcher):
         deep_ep = import_deep_ep()
         super().__init__(num_experts, ep_group, etp_group, timer)
         n = self.ep * self.etp
-        if n == 1:
-            raise ValueError("the flex dispatcher needs an etp x ep group of >= 2 ranks (DeepEP has no single-rank "
-                             "kernels), got ep=1 etp=1; use 'local'")
-        etp_ep_group = self._etp_ep_group(etp_ep_group)
+        etp_ep_group = flex_group(self, etp_ep_group)
         if not isinstance(num_sms, int) or num_sms < 2 or num_sms % 2:
             raise ValueError(f"--moe-deepep-num-sms={num_sms!r} must be an even integer >= 2")
         try:
@@ -313,13 +329,7 @@ class FlexDispatcher(TokenDispatcher):
         self.num_virtual_experts = num_experts * self.etp
 
     def _virtual(self, ids_TK: Tensor, probs_TK: Tensor) -> tuple[Tensor, Tensor]:
-        """etp > 1: expert g on ep rank r -> virtual experts (r*etp + t)*e + g%e for t < etp: [T, K*etp]."""
-        e, etp = self.num_local_experts, self.etp
-        T, K = ids_TK.shape
-        t = torch.arange(etp, device=ids_TK.device)
-        v = (ids_TK.div(e, rounding_mode="floor").unsqueeze(-1) * etp + t) * e + (ids_TK % e).unsqueeze(-1)
-        v = torch.where(ids_TK.unsqueeze(-1) < 0, -1, v)
-        return v.reshape(T, K * etp), probs_TK.unsqueeze(-1).expand(T, K, etp).reshape(T, K * etp)
+        return virtual_experts(ids_TK, probs_TK, self.num_local_experts, self.etp)
 
     def prepare_dispatch(self, x_TH: Tensor, routing: Routing, *, weighted_combine: bool = True,
                          ) -> tuple[tuple[Tensor, ...], FlexPrep]:
@@ -377,7 +387,9 @@ class FlexDispatcher(TokenDispatcher):
         self._check_combine(expert_out_NH, handle, FlexHandle)
         assert isinstance(handle, FlexHandle)
         with self._phase("unpermute"):
-            # weighted here, on the expert rank: DeepEP's normal combine adds rows without weights
+            # weighted here, on the expert rank: DeepEP's normal combine adds rows without weights. The weighted
+            # sum is fp32 (combine_dtype) and rounded to bf16 for DeepEP, whose combine kernel adds the ranks'
+            # rows in fp32 registers (v1.2.1 csrc/kernels/intranode.cu: float values[])
             return (unpermute(expert_out_NH, handle.row_map, handle.recv_weights).to(torch.bfloat16),)
 
     def combine_exchange(self, handle: DispatchHandle) -> FlexCombineExchange:

@@ -107,14 +107,15 @@ class ModelOutput:
 
 class MoEDecoder(nn.Module):
     """The decoder over ``dims``. ``layer_ids``/``with_embedding``/``with_head``/``with_mtp`` build one pipeline
-    stage (``with_mtp`` defaults to ``with_head``: the MTP modules go with the head). A stage with MTP but no head
-    (Megatron's standalone MTP stage) holds the MTP modules and its own copies of the embedding and, untied, of the
-    output head, whose gradients the trainer sums with the other stages' copies. Parameters go to the current
+    stage (``with_mtp`` and ``with_norm`` default to ``with_head``: the MTP modules and the final norm go with the
+    head; with MTP, Megatron-Core puts the final norm with the last decoder layer: ``with_norm``). A stage with MTP
+    but no head (Megatron's standalone MTP stage) holds the MTP modules and its own copies of the embedding and,
+    untied, of the output head, whose gradients the trainer sums with the other stages' copies. Parameters go to the current
     default device; build under ``with torch.device("meta"):`` for accounting without memory."""
 
     def __init__(self, config: ModelConfig, dims: ParallelDims | None = None, options: ModelOptions | None = None,
                  *, layer_ids: Iterable[int] | None = None, with_embedding: bool = True,
-                 with_head: bool = True, with_mtp: bool | None = None) -> None:
+                 with_head: bool = True, with_mtp: bool | None = None, with_norm: bool | None = None) -> None:
         super().__init__()
         dims = dims or ParallelDims.single()
         options = options or ModelOptions()
@@ -135,7 +136,8 @@ class MoEDecoder(nn.Module):
         self.layers = nn.ModuleDict({str(i): build_block(config, i, dims, options) for i in ids})
         self.norm = self.output_head = None
         self.mtp = nn.ModuleList()
-        if with_head:
+        self.with_lm = with_head
+        if with_head if with_norm is None else with_norm:
             self.norm = RMSNorm(config.hidden_size, config.norm_eps,
                                 zero_centered_gamma=config.norm_zero_centered_gamma, **kw)
         if with_head or with_mtp:
@@ -207,28 +209,31 @@ class MoEDecoder(nn.Module):
 
     def head_loss(self, hidden: Tensor, labels_BS: Tensor, loss_mask_BS: Tensor | None = None,
                   input_ids_BS: Tensor | None = None, position_ids: Tensor | None = None,
-                  global_states: dict[int, GlobalLoadState] | None = None,
+                  global_states: dict[int, GlobalLoadState] | None = None, normalised: bool = False,
                   ) -> tuple[Tensor, dict[str, Tensor], dict[int, MoEOutputInfo]]:
         """Last-stage part: (loss share on the graph: lm + weighted MTP, logging values, MTP layers' MoE infos).
 
-        ``hidden`` is the last decoder layer's output. A stage without the final norm (a standalone MTP stage)
-        returns the weighted MTP share alone, and no ``lm`` logs. ``input_ids_BS``/``position_ids`` are needed only
-        with MTP. Collective over tp and cp.
+        ``hidden`` is the last decoder layer's output (``normalised``: already through the final norm). A stage
+        without the LM head (a standalone MTP stage) returns the weighted MTP share alone, and no ``lm`` logs.
+        ``input_ids_BS``/``position_ids`` are needed only with MTP. Collective over tp and cp.
         """
         if self.output_head is None:
             raise ValueError("this stage has no output head (with_head=False)")
         labels = labels_BS.t()
         mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask_BS is None else loss_mask_BS.t().float()
         mask = mask * (labels != IGNORE_INDEX)  # ignored labels count as masked tokens
+        # the main head's input, and MTP depth 1's (Megatron-Core's convention); already normalised where the
+        # final norm lives on an earlier stage (with MTP: the one holding the last decoder layer)
+        normed = hidden if normalised else self.norm(hidden)
         loss, logs, infos = None, {}, {}
-        if self.norm is not None:
-            lm = self._token_loss(self.head_logits(hidden), labels, mask)
+        if self.with_lm:
+            lm = self._token_loss(self.output_head(normed), labels, mask)
             logs = {"lm": lm.mean, "lm_loss_sum": lm.local_sum, "num_tokens": lm.local_tokens}
             loss = lm.share
         if len(self.mtp):
             if input_ids_BS is None or position_ids is None:
                 raise ValueError("MTP needs input_ids_BS and position_ids in head_loss")
-            mtp_share, mtp_logs, infos = self._mtp_loss(hidden, input_ids_BS.t(), labels, mask, position_ids,
+            mtp_share, mtp_logs, infos = self._mtp_loss(normed, input_ids_BS.t(), labels, mask, position_ids,
                                                         global_states)
             mtp_share = self.config.mtp_loss_scaling_factor * mtp_share
             loss = mtp_share if loss is None else loss + mtp_share
@@ -299,11 +304,12 @@ class MoEDecoder(nn.Module):
         return _TokenLoss(share=token_loss.sum() / tokens, mean=total[0] / tokens, local_sum=local[0],
                           local_tokens=local[1])
 
-    def _mtp_loss(self, hidden: Tensor, ids_SB: Tensor, labels_SB: Tensor, mask_SB: Tensor, position_ids: Tensor,
+    def _mtp_loss(self, normed: Tensor, ids_SB: Tensor, labels_SB: Tensor, mask_SB: Tensor, position_ids: Tensor,
                   global_states: dict[int, GlobalLoadState] | None,
                   ) -> tuple[Tensor, dict[str, Tensor], dict[int, MoEOutputInfo]]:
         cp_group, cp_rank = self.dims.cp_group, self.dims.cp_rank
         shares, logs, infos = [], {}, {}
+        hidden = normed
         ids, labels, mask = ids_SB, labels_SB, mask_SB
         for k, module in enumerate(self.mtp, start=1):
             ids = shift_left(ids, 1, 0, cp_group, cp_rank)
@@ -313,7 +319,8 @@ class MoEDecoder(nn.Module):
             hidden, extra = module(hidden, embedded, position_ids, **self._ffn_kwargs(module.index, global_states))
             if extra is not None:
                 infos[module.index] = extra
-            depth = self._token_loss(self.output_head(module.final_layernorm(hidden)), labels, mask)
+            hidden = module.final_layernorm(hidden)   # this depth's head input and the next depth's hidden input
+            depth = self._token_loss(self.output_head(hidden), labels, mask)
             shares.append(depth.share)
             logs[f"mtp_{k}"] = depth.mean
         logs["mtp"] = torch.stack([logs[f"mtp_{k}"] for k in range(1, len(self.mtp) + 1)]).mean()

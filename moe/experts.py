@@ -55,6 +55,7 @@ from moefold.moe.gemm import (
     flops_per_token,
     grouped_gemm,
     needs_host_counts,
+    row_experts,
 )
 from moefold.moe.split_gemm import SplitGroupedGemm
 from moefold.parallel.comm import copy_to_region
@@ -243,10 +244,22 @@ class GroupedExperts(nn.Module):
 
     def forward(self, tokens_NH: Tensor, tokens_per_expert_e: Tensor,
                 tokens_per_expert_host: Sequence[int] | None = None) -> Tensor:
-        e, gates, f, H = self.w13.shape
         counts_host = tokens_per_expert_host
         if self._host_counts and counts_host is None:
             counts_host = tokens_per_expert_e.tolist()  # the backend takes host counts: one sync
+        N = tokens_NH.shape[0]
+        if counts_host is not None and sum(counts_host) != N:
+            n = sum(int(c) for c in counts_host)
+            if n > N:
+                raise ValueError(f"GroupedExperts: the counts {list(counts_host)} cover {n} rows, there are {N}")
+            # a sync-free dispatcher's worst-case rows past the last expert's (dispatch.base.Dispatched): skipped,
+            # their outputs zero (never read)
+            out = self._forward(tokens_NH[:n], tokens_per_expert_e, counts_host)
+            return F.pad(out, (0, 0, 0, N - n))
+        return self._forward(tokens_NH, tokens_per_expert_e, counts_host)
+
+    def _forward(self, tokens_NH: Tensor, tokens_per_expert_e: Tensor, counts_host: Sequence[int] | None) -> Tensor:
+        e, gates, f, H = self.w13.shape
         # [e, G, f, H] -> [e, G*f, H]: gate and up projections in a single grouped GEMM.
         w13 = self.w13.reshape(e, gates * f, H)
         if self._te:  # with no rows too: every rank of TE's amax group must run the same TE calls (moe.te_gemm)
@@ -255,10 +268,10 @@ class GroupedExperts(nn.Module):
                              counts_host=counts_host)
         rows_e = None
         if self.w13_bias is not None:
-            # each row's expert; output_size makes it sync-free on CUDA
-            rows_e = torch.repeat_interleave(torch.arange(e, device=tokens_NH.device), tokens_per_expert_e,
-                                             output_size=tokens_NH.shape[0])
-            h_NGf = h_NGf + self.w13_bias.reshape(e, gates * f)[rows_e]
+            # each row's expert, e for rows past the last block (no token: a zero bias, and their gradient goes
+            # to that extra row, not to an expert's); output_size makes it sync-free on CUDA
+            rows_e = row_experts(tokens_per_expert_e, tokens_NH.shape[0])
+            h_NGf = h_NGf + _with_zero_row(self.w13_bias.reshape(e, gates * f))[rows_e]
         recompute = CheckpointWithoutOutput() if self.recompute_activation else None
         act_Nf = self._activate(h_NGf) if recompute is None else recompute.checkpoint(self._activate, h_NGf)
         out_NH = self._gemm2(act_Nf, self.w2, tokens_per_expert_e, self.gemm_backend, trans_w=True,
@@ -268,6 +281,7 @@ class GroupedExperts(nn.Module):
         if self.w2_bias is not None:
             # every etp rank takes the bias through the region (its backward is a collective), rank 0 adds it
             b2_eH = copy_to_region(self.w2_bias, self.etp_group)
+            b2_eH = _with_zero_row(b2_eH)
             out_NH = out_NH + (b2_eH[rows_e] if self._adds_w2_bias else 0.0 * b2_eH[rows_e])
         return out_NH
 
@@ -282,6 +296,11 @@ class GroupedExperts(nn.Module):
                 f"activation={self.activation}{f' {self.glu}' if self.glu else ''}, bias={self.w13_bias is not None}, "
                 f"gemm={self.gemm_backend}"
                 + (f", {self.fp8.describe()}" if self.fp8 is not None else ""))
+
+
+def _with_zero_row(t: Tensor) -> Tensor:
+    """``t [e, ...]`` with a zero row ``e`` appended (the bias of rows past the last expert's block)."""
+    return torch.cat([t, t.new_zeros((1, *t.shape[1:]))])
 
 
 def default_output_init_std(init_std: float, num_layers: int) -> float:

@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 
 from moefold.dense.split_backward import SplitWeights, WeightGradStore, accumulate_or_defer, weight_inputs
-from moefold.moe.gemm import no_rows
+from moefold.moe.gemm import no_rows, row_experts
 from moefold.parallel.fp8 import FP8Config
 from moefold.parallel.fp8_cast import E4M3, Float8Recipe, amax, amax_to_scale, reduce_max, scaled_mm, to_float8
 from moefold.parallel.groups import Group, group_size
@@ -138,14 +138,16 @@ class _Float8GroupedMM(torch.autograd.Function):
 
 
 def _group_ids(counts_e: Tensor, N: int) -> Tensor:
-    """[N] local expert index of every row (``output_size`` keeps it free of a host synchronisation)."""
-    return torch.repeat_interleave(torch.arange(counts_e.shape[0], device=counts_e.device), counts_e, output_size=N)
+    """[N] local expert index of every row, ``e`` past the last expert's block (``moe.gemm.row_experts``)."""
+    return row_experts(counts_e, N)
 
 
 def _per_expert_amax(t: Tensor, gid: Tensor, e: int, per_column: bool, groups: Sequence[Group]) -> Tensor:
-    """amax of each expert's rows of ``t [N, C]``: ``[e, C]`` per column, else ``[e]``; reduced over ``groups``."""
+    """amax of each expert's rows of ``t [N, C]``: ``[e + 1, C]`` per column, else ``[e + 1]``, reduced over
+    ``groups``; the last entry is that of the rows past the last expert's block (none, or a sync-free dispatcher's
+    worst-case rows, whose values are unspecified), so they never reach an expert's scale."""
     rows = t.abs().float() if per_column else amax(t, (1,)).squeeze(1)
-    shape = (e, t.shape[1]) if per_column else (e,)
+    shape = (e + 1, t.shape[1]) if per_column else (e + 1,)
     index = gid[:, None].expand(-1, t.shape[1]) if per_column else gid
     out = torch.zeros(shape, dtype=torch.float32, device=t.device).scatter_reduce_(0, index, rows, "amax")
     return reduce_max(out, groups)

@@ -5,8 +5,8 @@ where the dispatcher leaves it in flight (alltoall's asynchronous all-to-all, fl
 kernel on its communication stream), not allgather's gathers, which finish inside dispatch_start.
 Host synchronisations per layer (forward + backward, bf16 grouped_mm experts): local 0 (dropless
 or padded; 1 in unpadded capacity mode), alltoall 1 (dropless or unpadded capacity; 0 padded),
-allgather 1, flex 0 of moefold's own plus the one DeepEP's dispatch makes for its received counts
-(tests/dispatch/test_host_sync.py, tests/dispatch/test_flex.py).
+allgather 1, flex on DeepEP V2 0 (sync-free: the received counts stay on the device), flex on the legacy
+DeepEP 1 (its dispatch waits on the host for the received counts) (tests/dispatch/test_host_sync.py).
 
 Routing probs: applied in the combine, ``y[t] = sum_k p[t, k] * FFN_k(x_t)`` (on the token's home
 rank for local/alltoall: they never travel; see ``dispatch.base``), or, with
@@ -33,7 +33,7 @@ reduced over edp by the trainer (parameters flagged ``moefold_expert``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -45,6 +45,7 @@ from moefold.dispatch.base import Dispatched, DispatchHandle
 from moefold.moe.balance_losses import GlobalLoadState
 from moefold.moe.config import MoEConfig
 from moefold.moe.experts import GroupedExperts
+from moefold.moe.gemm import needs_host_counts
 from moefold.moe.router import Router, RouterGroups, RouterOutput
 from moefold.moe.router_stats import RouterStats
 from moefold.moe.shared_experts import SharedExperts
@@ -62,6 +63,9 @@ class MoEOutputInfo:
     stats:    the router's statistics (tokens per expert, ...)
     load_E:   int64 [E] this rank's copies per expert before capacity (for the expert-bias update)
     global_state: pass back as ``forward(..., global_state=...)`` for the next micro-batch (global_aux_loss)
+    received_E: int32 [E] copies this rank's experts received (at their global index, zero elsewhere and on
+              etp ranks other than 0, so a sum over all ranks counts each copy once), where the dispatcher
+              counts them (flex on DeepEP V2), else None
     """
 
     aux_loss: Tensor
@@ -69,6 +73,29 @@ class MoEOutputInfo:
     stats: RouterStats | None = None
     load_E: Tensor | None = None
     global_state: GlobalLoadState | None = None
+    received_E: Tensor | None = None
+
+
+def flex_options(config: MoEConfig, hidden_size: int) -> dict[str, Any]:
+    """The flex dispatcher's options for ``config`` (``dispatch.build_dispatcher``), its backend resolved from the
+    installed DeepEP when ``auto``."""
+    from moefold.dispatch.flex_backend import resolve_flex_backend
+
+    backend = resolve_flex_backend(config.flex_backend)
+    if backend == "deepep-legacy":
+        return {"flex_backend": backend, "num_sms": config.deepep_num_sms}
+    fp8_gemms = config.fp8 is not None and config.fp8.enabled
+    return {"flex_backend": backend, "num_sms": config.deepep_num_sms, "hidden_size": hidden_size,
+            "max_tokens_per_rank": config.deepep_max_tokens_per_rank, "cpu_sync": deepep_cpu_sync(config),
+            "hybrid": config.deepep_hybrid, "expert_alignment": config.fp8.group_alignment if fp8_gemms else 1}
+
+
+def deepep_cpu_sync(config: MoEConfig) -> bool:
+    """V2's ``do_cpu_sync``: as configured, or (None) on exactly when the expert GEMMs read host counts anyway
+    (``te``, ``grouped_gemm``, ``loop``; FP8 GEMMs' per-expert weight gradients), which DeepEP's wait then gives."""
+    if config.deepep_cpu_sync is not None:
+        return config.deepep_cpu_sync
+    return needs_host_counts(config.gemm_backend) or (config.fp8 is not None and config.fp8.enabled)
 
 
 @dataclass(frozen=True)
@@ -101,7 +128,7 @@ class MoELayer(nn.Module):
 
         # The router marks its weight sequence-parallel itself: every tp rank routes distinct tokens.
         self.router = Router(config.router, hidden_size, RouterGroups.from_dims(dims))
-        options = {"num_sms": config.deepep_num_sms} if config.dispatcher == "flex" else {}
+        options = flex_options(config, hidden_size) if config.dispatcher == "flex" else {}
         fp8_dispatch = config.fp8 is not None and config.fp8.dispatch
         self.dispatcher = build_dispatcher(config.dispatcher, config.num_experts, dims, fp8=fp8_dispatch, **options)
         self.experts = GroupedExperts(
@@ -110,6 +137,8 @@ class MoELayer(nn.Module):
             init_std=config.init_std, output_init_std=config.output_init_std, fp8=config.fp8,
             fp8_token_group=dims.expert_token_group, glu=config.glu, bias=config.linear_bias, dtype=dtype,
             device=device)
+        self.num_experts = config.num_experts
+        self.etp_rank = group_rank(dims.etp_group)
         self.shared_experts = None
         self.recompute_shared_experts = False   # selective recompute (``dense.recompute``), set by the model
         if config.has_shared_experts:
@@ -141,7 +170,9 @@ class MoELayer(nn.Module):
             router_kw = {"seq_ids_T": seq_ids_T, "num_seqs": B}
         routed = self.router(x_TH, global_state=global_state, generator=generator, **router_kw)
         if self.config.apply_probs_on_input:  # top-1: scale the token, sum the copy unweighted
-            x_TH = (x_TH * routed.routing.probs_TK.to(x_TH.dtype)).to(x_TH.dtype)
+            # the product in fp32 (bf16 tokens times the fp32 prob), rounded once: Megatron-Core's experts.py
+            # ``permuted_probs.unsqueeze(-1) * permuted_local_hidden_states`` then ``.to(original_dtype)``
+            x_TH = (x_TH * routed.routing.probs_TK).to(x_TH.dtype)
         return x_TH, routed, split_tokens
 
     def _shared(self, x_SBH: Tensor) -> Tensor | None:
@@ -154,10 +185,15 @@ class MoELayer(nn.Module):
         return self.experts(dispatched.tokens_NH, dispatched.tokens_per_expert_e, dispatched.tokens_per_expert_host)
 
     def _output(self, y_TH: Tensor, x_SBH: Tensor, split_tokens: bool, shared_SBH: Tensor | None) -> Tensor:
-        if split_tokens:
-            y_TH = gather_along_dim(y_TH, self.tp_group, dim=0)
-        y_SBH = y_TH.view(x_SBH.shape).to(x_SBH.dtype)
-        return y_SBH if shared_SBH is None else y_SBH + shared_SBH
+        # For bf16 tokens the combine returns its fp32 sum of the k weighted copies (``dispatch.base``): the
+        # shared experts' output is added to it in fp32 and the layer's output rounded once (Megatron-Core
+        # rounds the combine's sum first, then adds the shared experts in bf16)
+        if split_tokens:   # rounded before the gather, which then moves model-dtype bytes
+            y_TH = gather_along_dim(y_TH.to(x_SBH.dtype), self.tp_group, dim=0)
+        y_SBH = y_TH.view(x_SBH.shape)
+        if shared_SBH is not None:
+            y_SBH = y_SBH + shared_SBH
+        return y_SBH.to(x_SBH.dtype)
 
     @staticmethod
     def _info(routed: RouterOutput) -> MoEOutputInfo:
@@ -182,7 +218,8 @@ class MoELayer(nn.Module):
         dispatched = pending.wait()
         # 4. routed experts, 5. bring the outputs home, reduce over etp, add up each token's k copies times probs
         y_TH = self.dispatcher.combine(self._routed_experts(dispatched), dispatched.handle)
-        return self._output(y_TH, x_SBH, split_tokens, shared_SBH), self._info(routed)
+        info = replace(self._info(routed), received_E=self._received(dispatched.received_e))
+        return self._output(y_TH, x_SBH, split_tokens, shared_SBH), info
 
     # -- staged: the overlap schedules (pipeline.overlap) run each step as its own node, the exchanges between -----
     def route_and_prepare(self, x_SBH: Tensor, *, global_state: GlobalLoadState | None = None,
@@ -207,6 +244,17 @@ class MoELayer(nn.Module):
         """After the combine exchange: each token's copies summed (with their probs), the shared experts added.
         ``x_SBH_like``: a tensor of the layer input's shape and dtype."""
         return self._output(self.dispatcher.finish_combine(received, handle), x_SBH_like, split_tokens, shared_SBH)
+
+    def _received(self, received_e: Tensor | None) -> Tensor | None:
+        """This rank's experts' received copies at their global indices (``MoEOutputInfo.received_E``)."""
+        if received_e is None:
+            return None
+        out = received_e.new_zeros(self.num_experts)
+        if self.etp_rank == 0:
+            e = received_e.shape[0]
+            off = self.experts.local_expert_offset
+            out[off:off + e] = received_e.detach()
+        return out
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden_size}, dispatcher={self.config.dispatcher}, sp={self.sequence_parallel}"

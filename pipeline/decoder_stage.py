@@ -72,7 +72,7 @@ def build_stage_model(config: ModelConfig, dims: ParallelDims, options: ModelOpt
     chunks = layout.rank_chunks(dims.pp_rank)
     return MoEDecoder(config, dims, options, layer_ids=layout.rank_layers(dims.pp_rank),
                       with_embedding=any(c.has_embedding for c in chunks), with_head=any(c.has_head for c in chunks),
-                      with_mtp=any(c.has_mtp for c in chunks))
+                      with_mtp=any(c.has_mtp for c in chunks), with_norm=any(c.has_final_norm for c in chunks))
 
 
 def check_model_layout(config: ModelConfig, layout: StageLayout) -> None:
@@ -153,10 +153,13 @@ class DecoderStage:
             if spec.has_embedding:
                 hidden = model.embed(ids)
             hidden, infos = model.run_layers(hidden, position_ids, spec.layers, self._global_states or None)
+            if spec.has_final_norm:
+                hidden = model.norm(hidden)
             share = None
             if spec.has_head or (spec.has_mtp and len(model.mtp)):
                 share, logs, mtp_infos = model.head_loss(hidden, microbatch["labels"], microbatch.get("loss_mask"),
-                                                         ids, position_ids, self._global_states or None)
+                                                         ids, position_ids, self._global_states or None,
+                                                         normalised=True)
                 infos.update(mtp_infos)
                 if spec.has_head:   # the loss share is the output; a standalone MTP stage's share is an extra loss
                     hidden, share = share, None
@@ -223,12 +226,14 @@ class DecoderStage:
         for group, recompute in full_recompute_groups(list(spec.layers), options):
             for i in group:
                 pieces += block_pieces(model.layers[str(i)], i, position_ids, model._ffn_kwargs(i, states), recompute)
+        if spec.has_final_norm:
+            pieces.append(Compute("final_norm", lambda carry: LayerCarry(model.norm(carry.hidden), carry.infos)))
         if head:
             def head_piece(carry: LayerCarry) -> _HeadCarry:
                 with _weight_swapped(model.embed_tokens, borrowed):
                     loss, logs, mtp_infos = model.head_loss(carry.hidden, microbatch["labels"],
                                                             microbatch.get("loss_mask"), microbatch["input_ids"],
-                                                            position_ids, states)
+                                                            position_ids, states, normalised=True)
                 infos = {**carry.infos, **mtp_infos}
                 if spec.has_head:
                     return _HeadCarry(LayerCarry(loss, infos), logs)

@@ -38,7 +38,9 @@ class ChunkSpec:
     ``model_chunk`` is its position in the forward order (0 .. pp*vpp-1); ``layers`` the global indices of its
     decoder layers (possibly empty: an embedding-only, MTP-only, loss-only or empty chunk); ``has_head`` the final
     norm, output head and LM loss; ``has_mtp`` the model's MTP layers (with their loss, the output head's copy and
-    the embedding's copy that they read).
+    the embedding's copy that they read); ``has_final_norm`` the final norm, applied after its layers: with the
+    loss, or, when the model has MTP, with the last decoder layer (Megatron-Core's
+    ``has_final_layernorm_in_this_stage``), so that the MTP layers read the normalised hidden state wherever they are.
     """
 
     pp_rank: int
@@ -48,6 +50,7 @@ class ChunkSpec:
     has_embedding: bool
     has_head: bool
     has_mtp: bool = False
+    has_final_norm: bool = False
 
     @property
     def reads_embedding(self) -> bool:
@@ -221,10 +224,12 @@ class StageLayout:
         start = sum(self.model_chunk_layers[:mc])
         stage = self.stages[mc]
         head = "L" in stage
-        return ChunkSpec(pp_rank=pp_rank, chunk=chunk, model_chunk=mc,
-                         layers=range(start, start + self.model_chunk_layers[mc]), has_embedding="E" in stage,
+        layers = range(start, start + self.model_chunk_layers[mc])
+        with_mtp = bool(self.mtp_num_layers) or "m" in "".join(self.stages)
+        return ChunkSpec(pp_rank=pp_rank, chunk=chunk, model_chunk=mc, layers=layers, has_embedding="E" in stage,
                          has_head=head, has_mtp="m" in stage or (head and self.mtp_num_layers is None
-                                                                 and self.layout is None))
+                                                                 and self.layout is None),
+                         has_final_norm=(self.num_layers - 1 in layers) if with_mtp else head)
 
     def rank_chunks(self, pp_rank: int) -> list[ChunkSpec]:
         """The ``vpp`` chunks of one rank, in virtual-chunk order."""

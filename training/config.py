@@ -36,6 +36,8 @@ class TrainConfig:
     lr_decay_iters: int | None = None          # None: train_iters
     lr_wsd_decay_iters: int = 0
     lr_wsd_decay_style: str = "linear"
+    lr_warmup_init: float = 0.0                # Megatron's --lr-warmup-init: the lr of step 0
+    lr_warmup_skip_zero: bool = False          # warmup lr * (step + 1) / warmup (moefold's earlier convention)
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -66,6 +68,14 @@ class TrainConfig:
     data_path: tuple[str, ...] = ()            # Megatron style: PREFIX or W1 PREFIX1 W2 PREFIX2 ...; () = built-in
     vocab_size: int | None = None              # built-in corpus vocabulary (None: the model's)
     data_cache_dir: str | None = None
+    data_order: str = "moefold"                # moefold (independent of the run length) | megatron (GPTDataset's)
+    mid_level_dataset_surplus: float = 0.005   # --data-order megatron: Megatron's per-corpus sample surplus
+    # Megatron-LM's tokenizer flags (training.data.megatron_tokenizer): the model's vocabulary and SAVE/hf_assets
+    tokenizer_type: str | None = None
+    tokenizer_model: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    make_vocab_size_divisible_by: int = 128
     # output
     run_dir: str = "runs/moefold"
     log_interval: int = 10
@@ -78,6 +88,7 @@ class TrainConfig:
     # starting weights (train --load-hf): the architecture and weights of an HF (or moefold) directory
     load_hf: str | None = None
     moe_use_upcycling: bool = False            # load_hf holds a dense model: start from its upcycled MoE
+    load_megatron: str | None = None           # starting weights from a Megatron-Core torch_dist checkpoint
     # validation (training.evaluate): with --split or --valid-data-path
     eval_interval: int | None = None           # every N steps (None: only at the end of the run)
     eval_iters: int = 10                       # global batches per evaluation
@@ -133,6 +144,12 @@ class TrainConfig:
             from moefold.training.data.validation import parse_split
 
             parse_split(self.split)
+        if self.data_order not in ("moefold", "megatron"):
+            raise ValueError(f"--data-order={self.data_order!r}; valid: moefold, megatron")
+        if self.load_hf and self.load_megatron:
+            raise ValueError("give either --load-hf or --load-megatron (the starting weights), not both")
+        if not 0 <= self.mid_level_dataset_surplus < float("inf"):
+            raise ValueError(f"--mid-level-dataset-surplus={self.mid_level_dataset_surplus} must be >= 0")
         if self.moe_use_upcycling and not self.load_hf:
             raise ValueError("--moe-use-upcycling needs --load-hf DIR (the dense checkpoint to upcycle)")
         self.optimizer_precision()  # validates the dtypes
@@ -162,7 +179,8 @@ class TrainConfig:
     def lr_schedule(self) -> LRSchedule:
         return LRSchedule(lr=self.lr, min_lr=self.min_lr, warmup_iters=self.lr_warmup_iters,
                           decay_iters=self.lr_decay_iters or self.train_iters, style=self.lr_decay_style,
-                          wsd_decay_iters=self.lr_wsd_decay_iters, wsd_decay_style=self.lr_wsd_decay_style)
+                          wsd_decay_iters=self.lr_wsd_decay_iters, wsd_decay_style=self.lr_wsd_decay_style,
+                          warmup_init=self.lr_warmup_init, warmup_skip_zero=self.lr_warmup_skip_zero)
 
 
 @dataclass(frozen=True)
@@ -222,6 +240,10 @@ class RunConfig:
         if dispatcher not in ("alltoall", "flex"):
             raise ValueError(f"{flag} runs with the alltoall and flex dispatchers, not --moe-token-dispatcher-type "
                              f"{dispatcher} (its exchange is not a separate step; Megatron refuses it too)")
+        if dispatcher == "flex" and o.moe_flex_dispatcher_backend == "deepep":
+            raise ValueError(f"{flag} runs the flex dispatcher on DeepEP's v1 API only, not "
+                             f"--moe-flex-dispatcher-backend deepep (V2's ElasticBuffer has no separate exchange "
+                             f"stage here): use --moe-flex-dispatcher-backend deepep-legacy")
         if o.recompute == "selective" and "moe" in o.recompute_modules:
             raise ValueError(f"{flag} cannot checkpoint the whole MoE layer (--recompute-modules moe): the checkpoint "
                              f"would span its exchanges; recompute moe_act and shared_experts instead, or use full "

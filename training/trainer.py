@@ -76,6 +76,9 @@ class StepResult:
     router: float64 [moe layers, ROUTER_SUMS] per-layer router losses (means over the step's micro-batches and dp)
             and entropy / token sums over all ranks (``training.observe.metrics.router_layer_metrics``; None
             without MoE)
+    received_per_expert: float64 [moe layers, E] copies each expert received over all ranks, as the dispatcher
+            counted them (DeepEP V2's ``cumulative_local_expert_recv_stats``: after capacity drops); None where the
+            dispatchers do not count
     """
 
     step: int
@@ -89,6 +92,7 @@ class StepResult:
     tokens_per_expert: Tensor | None
     dropped: Tensor | None
     router: Tensor | None = None
+    received_per_expert: Tensor | None = None
 
 
 def moe_routers(model: MoEDecoder) -> dict[int, Router]:
@@ -103,11 +107,27 @@ def moe_routers(model: MoEDecoder) -> dict[int, Router]:
 
 
 def model_options(config: RunConfig) -> ModelOptions:
-    """The run's ``ModelOptions`` (``--bf16`` makes the parameters bf16)."""
+    """The run's ``ModelOptions`` (``--bf16`` makes the parameters bf16; the flex dispatcher's
+    ``moe_deepep_max_tokens_per_rank`` is the tokens one rank routes per MoE call: micro-batch x sequence /
+    (tp x cp), every rank the same)."""
     options = config.options
     if config.train.bf16 and options.dtype != "bf16":
         options = dataclasses.replace(options, dtype="bf16")
+    if not options.moe_deepep_max_tokens_per_rank:
+        t, p = config.train, config.parallel
+        options = dataclasses.replace(options, moe_deepep_max_tokens_per_rank=max(
+            1, t.micro_batch_size * t.seq_length // (p.tp * p.cp)))
     return options
+
+
+def flex_backend(config: RunConfig, dims: ParallelDims) -> str | None:
+    """The flex dispatcher's backend this run's MoE layers use (``dispatch.flex_backend``), None without flex."""
+    options = config.options
+    if not config.model.num_experts or options.resolved_dispatcher(dims.ep, dims.etp) != "flex":
+        return None
+    from moefold.dispatch.flex_backend import resolve_flex_backend
+
+    return resolve_flex_backend(options.moe_flex_dispatcher_backend)
 
 
 def batch_to_device(batch: Tensor, device: torch.device) -> Tensor:
@@ -206,6 +226,10 @@ class Trainer:
             from moefold.models.pretrained import load_pretrained_weights
 
             load_pretrained_weights(self.model, t.load_hf, upcycle=t.moe_use_upcycling)  # this rank's slices
+        if t.load_megatron and not resuming:
+            from moefold.models.megatron import load_megatron_weights
+
+            load_megatron_weights(self.model, t.load_megatron)   # this rank's slices of the torch_dist tensors
         if t.compile:  # in place, after init: parameter names and checkpoints are unchanged
             from moefold.training.compile import compile_model
 
@@ -214,6 +238,8 @@ class Trainer:
         # every MoE layer of the model (all stages) in logging order; this stage fills its own rows
         m = config.model
         self.moe_layers = [i for i in range(m.num_layers + m.mtp_num_layers) if m.num_experts and is_moe_block(m, i)]
+        # the flex dispatcher on DeepEP V2 counts each expert's received copies (MoEOutputInfo.received_E)
+        self.counts_received = bool(self.moe_layers) and flex_backend(config, dims) == "deepep"
         self.embed_group, self.sync, self.optimizer = build_optimizer(self.model, config, dims)
         self.schedule = t.lr_schedule()
         self.iteration = 0            # completed steps
@@ -291,7 +317,9 @@ class Trainer:
             loads[j, :E] += load
             if info.stats is not None:
                 loads[j, E] += info.stats.dropped_fraction.to(loads) * load.sum()
-            loads[j, E + 1:] += router_sums(info, self.config.model.moe_topk).to(loads)
+            loads[j, E + 1:E + 1 + ROUTER_SUMS] += router_sums(info, self.config.model.moe_topk).to(loads)
+            if info.received_E is not None:
+                loads[j, E + 1 + ROUTER_SUMS:] += info.received_E.to(loads)
 
     def train_step(self, microbatches: list[Tensor]) -> StepResult:
         """Forward/backward over this rank's ``num_micro`` micro-batches and one optimizer step. Collective."""
@@ -302,7 +330,8 @@ class Trainer:
         self.sync.start_step(self.num_micro)
         n_moe, E = len(self.moe_layers), self.config.model.num_experts
         # float64 sums of counts stay exact; lm, aux, mtp, non-finite count
-        loads = torch.zeros(n_moe, E + 1 + ROUTER_SUMS, dtype=torch.float64, device=self.device)
+        # per layer: selections [E], dropped, router sums, received copies [E] (all zero unless counted)
+        loads = torch.zeros(n_moe, E + 1 + ROUTER_SUMS + E, dtype=torch.float64, device=self.device)
         logged = torch.zeros(4, dtype=torch.float64, device=self.device)
         if self.pipeline is None:
             self._forward_backward(microbatches, loads, logged)
@@ -346,7 +375,10 @@ class Trainer:
                           grad_norm=grad_norm, lr=lr, skipped=bool(skipped),
                           tokens=t.global_batch_size * t.seq_length,
                           tokens_per_expert=loads[:, :E] if n_moe else None, dropped=loads[:, E] if n_moe else None,
-                          router=per_step_router(loads[:, E + 1:], self.num_micro * dims.dp) if n_moe else None)
+                          router=per_step_router(loads[:, E + 1:E + 1 + ROUTER_SUMS], self.num_micro * dims.dp)
+                          if n_moe else None,
+                          received_per_expert=loads[:, E + 1 + ROUTER_SUMS:] if n_moe and self.counts_received
+                          else None)
 
     # ------------------------------------------------------------------------------- checkpoints
     def save(self, root: str | Path) -> Path:
@@ -397,6 +429,7 @@ class Trainer:
         batches = self.microbatch_iter(dataset)
         results: list[StepResult] = []
         acc_tokens, acc_loads, acc_dropped, routed, acc_router, acc_steps = 0, None, None, None, None, 0
+        acc_received = None
         while self.iteration < last:
             r = self.train_step([next(batches) for _ in range(self.num_micro)])
             results.append(r)
@@ -407,6 +440,8 @@ class Trainer:
                 acc_loads = r.tokens_per_expert if acc_loads is None else acc_loads + r.tokens_per_expert
                 acc_dropped = r.dropped if acc_dropped is None else acc_dropped + r.dropped
                 acc_router, acc_steps = r.router if acc_router is None else acc_router + r.router, acc_steps + 1
+            if r.received_per_expert is not None:
+                acc_received = r.received_per_expert if acc_received is None else acc_received + r.received_per_expert
             if logger is not None:
                 logger.advance()
                 if r.step % t.log_interval == 0 or r.step == last:
@@ -421,9 +456,11 @@ class Trainer:
                                dropped_fraction=(acc_dropped / routed).tolist() if acc_loads is not None else None,
                                moe_layers=self.moe_layers if acc_loads is not None else None, skipped=r.skipped,
                                router=router_layer_metrics(acc_router, acc_steps, self.config.model)
-                               if acc_router is not None else None)
+                               if acc_router is not None else None,
+                               received_per_expert=acc_received.round().long().tolist()
+                               if acc_received is not None else None)
             if r.step % t.log_interval == 0:
-                acc_tokens, acc_loads, acc_dropped, acc_router, acc_steps = 0, None, None, None, 0
+                acc_tokens, acc_loads, acc_dropped, acc_router, acc_steps, acc_received = 0, None, None, None, 0, None
             if evaluator is not None and evaluator.due(r.step, last):
                 evaluator()
             if t.save and t.save_interval and r.step % t.save_interval == 0 and r.step < last:

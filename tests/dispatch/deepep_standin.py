@@ -323,10 +323,14 @@ class Buffer:
             recv_x = self._exchange(x.float()[send_index], send, recv).to(torch.bfloat16)
             recv_idx = self._exchange(local, send, recv)
             recv_w = self._exchange(weights, send, recv)
-            per_expert = [int((recv_idx == j).sum()) for j in range(e)]
+            counts = torch.stack([(recv_idx == j).sum() for j in range(e)]) if e else torch.zeros(0)
             new_handle = (send_index, send, recv, is_token_in_rank, T, None)
             (recv_x, recv_idx, recv_w), event = self._finish(
                 [(recv_x, float("nan")), (recv_idx, -7), (recv_w, float("nan"))], async_finish)
+        # the host waits for the received counts (deep_ep.cpp:449-467, the CPU spinning on moe_recv_counter and
+        # moe_recv_expert_counter): modelled by one read of a device tensor outside HOST_WORK, so a HostSyncCounter
+        # counts it as the one host synchronisation this dispatch makes
+        per_expert = counts.tolist()
         return recv_x, recv_idx, recv_w, per_expert, new_handle, event
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,

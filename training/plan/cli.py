@@ -17,7 +17,8 @@ import sys
 
 from moefold.dense.context_parallel import CP_COMM_MODES
 from moefold.dense.recompute import RECOMPUTE_METHODS, RECOMPUTE_MODES, RECOMPUTE_MODULES
-from moefold.models.options import ModelOptions
+from moefold.dispatch.flex_backend import FLEX_BACKEND_CHOICES
+from moefold.models.options import DEEPEP_MODES, ModelOptions
 from moefold.models.params import count_parameters
 from moefold.models.recipes import RECIPES
 from moefold.moe.config import DISPATCHERS
@@ -93,7 +94,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-token-dispatcher-type", default="auto", choices=("auto", *DISPATCHERS),
                    help="the dispatcher to plan for (flex: DeepEP's buffers are counted)")
     g.add_argument("--moe-deepep-num-sms", type=int, default=ModelOptions.moe_deepep_num_sms,
-                   help="SMs DeepEP's kernels take (flex dispatcher)")
+                   help="SMs DeepEP's kernels take (flex dispatcher; 0: DeepEP V2's estimate, 20 with deepep-legacy)")
+    g.add_argument("--moe-flex-dispatcher-backend", default=ModelOptions.moe_flex_dispatcher_backend,
+                   choices=FLEX_BACKEND_CHOICES, help="flex: the DeepEP whose buffer and exchange are planned "
+                   "(auto: deepep, V2)")
+    g.add_argument("--moe-deepep-mode", default=ModelOptions.moe_deepep_mode, choices=DEEPEP_MODES,
+                   help="DeepEP V2 across nodes: hybrid (RDMA once per node, NVLink forwarding) or direct")
+    g.add_argument("--moe-deepep-cpu-sync", action=argparse.BooleanOptionalAction, default=None,
+                   help="DeepEP V2: exact receive buffers (a host wait per dispatch) instead of worst-case ones; "
+                   "default: on when the expert GEMMs take host counts")
     g.add_argument("--recompute-granularity", default=None, choices=RECOMPUTE_MODES,
                    help="fix the recompute setting; default: the least recompute that fits, per layout")
     g.add_argument("--recompute-modules", nargs="+", default=["core_attn"], choices=RECOMPUTE_MODULES,
@@ -106,7 +115,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
     o.add_argument("--plot", metavar="PNG", default=None, help="draw the top layouts' memory and time terms")
     add_model_arguments(p)
-    p.set_defaults(moe_use_upcycling=False, vocab_size=None,
+    p.set_defaults(moe_use_upcycling=False, vocab_size=None, load_megatron=None, tokenizer_type=None,
                    **{flag[2:].replace("-", "_"): None for flag, _, _ in ROUTER_FLAGS})
 
 
@@ -135,7 +144,10 @@ def config_from_args(args: argparse.Namespace) -> tuple[RunConfig, Fixed]:
                      "recompute_method": args.recompute_method, "recompute_num_layers": args.recompute_num_layers}
     options = ModelOptions(sequence_parallel=args.sequence_parallel, cp_comm=args.cp_comm_type,
                            dispatcher=args.moe_token_dispatcher_type, dtype="bf16" if args.bf16 else "fp32",
-                           moe_deepep_num_sms=args.moe_deepep_num_sms, **(recompute or {}))
+                           moe_deepep_num_sms=args.moe_deepep_num_sms,
+                           moe_flex_dispatcher_backend=args.moe_flex_dispatcher_backend,
+                           moe_deepep_mode=args.moe_deepep_mode, moe_deepep_cpu_sync=args.moe_deepep_cpu_sync,
+                           **(recompute or {}))
     train = TrainConfig(micro_batch_size=args.micro_batch_size or 1, global_batch_size=args.global_batch_size,
                         seq_length=args.seq_length, bf16=args.bf16,
                         pipeline_schedule=args.pipeline_schedule or TrainConfig.pipeline_schedule,

@@ -116,10 +116,10 @@ class Plan:
         return self.config.schedule_name(self.vpp) + ("+ov" if overlap else "")
 
 
-def _memory(config: RunConfig, sizes: ParallelSizes, num_micro: int, exact: bool) -> RankMemory:
+def _memory(config: RunConfig, sizes: ParallelSizes, num_micro: int, exact: bool, gpus_per_node: int) -> RankMemory:
     static = (exact_static if exact else static_lower_bound)(config, sizes)
     flex = config.options.resolved_dispatcher(sizes.ep, sizes.etp) == "flex"
-    deepep = deepep_buffer_bytes(config, sizes) if flex else 0
+    deepep = deepep_buffer_bytes(config, sizes, gpus_per_node) if flex else 0
     ranks = [RankMemory(r, static[r], activation_memory(config, sizes, r, num_micro), deepep)
              for r in range(sizes.pp)]
     return max(ranks, key=lambda m: m.total)
@@ -143,9 +143,9 @@ def evaluate(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int
     sizes = validate_layout(config, world)
     _, num_micro = config.resolve(world)
     usable = int((memory_bytes or cluster.memory_bytes) * (1 - headroom))
-    memory = _memory(config, sizes, num_micro, exact=False)
+    memory = _memory(config, sizes, num_micro, exact=False, gpus_per_node=gpus_per_node)
     if memory.total <= usable:
-        memory = _memory(config, sizes, num_micro, exact=True)
+        memory = _memory(config, sizes, num_micro, exact=True, gpus_per_node=gpus_per_node)
     plan = Plan(config, sizes, num_micro, recompute or config.options.recompute, memory, usable)
     if with_time and plan.fits:
         plan = dataclasses.replace(plan, time=estimate_step_time(config, sizes, cluster, gpus_per_node, efficiency))
@@ -273,12 +273,12 @@ def candidates(config: RunConfig, world: int, gpus_per_node: int, fixed: Fixed) 
 
 
 def _least_recompute(candidate: RunConfig, sizes: ParallelSizes, num_micro: int, ladder: dict[str, dict],
-                     usable: int) -> tuple[Plan | None, Plan]:
+                     usable: int, gpus_per_node: int) -> tuple[Plan | None, Plan]:
     """(the plan with the least recompute of ``ladder`` that fits, or None; the leanest plan). The leanest is
     tried first: when it does not fit, nothing does."""
     def plan_of(name: str) -> Plan:
         planned = dataclasses.replace(candidate, options=dataclasses.replace(candidate.options, **ladder[name]))
-        return Plan(planned, sizes, num_micro, name, _memory(planned, sizes, num_micro, exact=False), usable)
+        return Plan(planned, sizes, num_micro, name, _memory(planned, sizes, num_micro, False, gpus_per_node), usable)
 
     names = list(ladder)
     leanest = plan_of(names[-1])
@@ -340,7 +340,7 @@ def search(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, 
             result.rejected[reason] = result.rejected.get(reason, 0) + 1
             continue
         result.valid += 1
-        fits, leanest = _least_recompute(candidate, sizes, num_micro, ladder, usable)
+        fits, leanest = _least_recompute(candidate, sizes, num_micro, ladder, usable, gpus_per_node)
         if fits is not None:
             fitting.append(fits)
         elif result.closest is None or leanest.memory.total < result.closest.memory.total:
@@ -353,7 +353,7 @@ def search(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, 
     timed = [dataclasses.replace(plan, time=time) for plan, time in zip(fitting, times)]
     timed.sort(key=lambda p: (-p.time.tokens_per_s_per_gpu, p.memory.total))
     for plan in timed:   # the exact static bytes (bucket padding) of the fastest, until ``top`` still fit
-        exact = dataclasses.replace(plan, memory=_memory(plan.config, plan.sizes, plan.num_micro, exact=True))
+        exact = dataclasses.replace(plan, memory=_memory(plan.config, plan.sizes, plan.num_micro, True, gpus_per_node))
         if exact.fits:
             result.plans.append(exact)
         if len(result.plans) == top:

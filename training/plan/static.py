@@ -121,7 +121,7 @@ def _exact_static(config: RunConfig, sizes: ParallelSizes) -> tuple[tuple[int, S
 @dataclass(frozen=True)
 class ParamCounts:
     """Elements per (reduction kind, dtype) of each piece of the model on one rank of a tp x ep x etp layout;
-    ``head``: final norm and output head; ``output_head``: the output head alone (a standalone MTP stage's copy);
+    ``head``: the output head (the final norm's few elements left out); ``output_head``: the output head alone (a standalone MTP stage's copy);
     ``mtp``: the MTP modules; ``head_embedding``: the loss's stage holds its own copy of the embedding (tied)."""
 
     dense_layer: tuple[tuple[tuple[str, str], int], ...]
@@ -157,7 +157,9 @@ def param_counts(config: RunConfig, tp: int, ep: int, etp: int) -> ParamCounts:
         dense = _counts(build_block(model, dense_ids[0], dims, options).parameters()) if dense_ids else ()
         moe = _counts(build_block(model, moe_ids[0], dims, options).parameters()) if moe_ids else ()
         embed = MoEDecoder(model, dims, options, layer_ids=[], with_embedding=True, with_head=False)
-        head = MoEDecoder(model, dims, options, layer_ids=[], with_embedding=False, with_head=True, with_mtp=False)
+        # without the final norm (H elements), which a layout with MTP puts with the last decoder layer
+        head = MoEDecoder(model, dims, options, layer_ids=[], with_embedding=False, with_head=True, with_mtp=False,
+                          with_norm=False)
         copy = head.embed_tokens is not None
         own = [p for name, p in head.named_parameters() if not name.startswith("embed_tokens.")]
         output_head = [p for name, p in head.named_parameters() if name.startswith("output_head.")]

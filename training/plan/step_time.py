@@ -120,6 +120,9 @@ class _Links:
         nvlink, network = self.cluster.nvlink_gbps * 1e9, self.cluster.internode_gbps * 1e9
         if not spans_nodes(members, self.gpus_per_node):
             return c.bytes * comm.link_factor(c.op, n) / nvlink
+        if c.op == "all_to_all" and c.hybrid is not None:   # DeepEP V2 hybrid: once per node, then NVLink
+            k = ranks_per_node(members, self.gpus_per_node)
+            return max(c.bytes * (k - 1) / k / nvlink, c.hybrid.network_bytes(n // k) / network)
         if c.op == "all_to_all":
             k = ranks_per_node(members, self.gpus_per_node)
             return max(c.bytes * (k - 1) / n / nvlink, c.bytes * (n - k) / n / network)

@@ -17,6 +17,8 @@ BAD = [  # (nproc, extra flags, what the message must say)
     (2, OVERLAP, "needs --expert-model-parallel-size > 1, got 1"),
     (2, [*OVERLAP, "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"],
      "runs with the alltoall and flex dispatchers, not --moe-token-dispatcher-type allgather"),
+    (2, [*OVERLAP, "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex",
+         "--moe-flex-dispatcher-backend", "deepep"], "not --moe-flex-dispatcher-backend deepep"),
     (2, ["--delay-wgrad-compute"], "--delay-wgrad-compute defers the experts' and attention's weight gradients"),
     (4, [*OVERLAP, "--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
      "needs virtual pipeline stages"),
