@@ -110,8 +110,8 @@ class MoEDecoder(nn.Module):
     stage (``with_mtp`` and ``with_norm`` default to ``with_head``: the MTP modules and the final norm go with the
     head; with MTP, Megatron-Core puts the final norm with the last decoder layer: ``with_norm``). A stage with MTP
     but no head (Megatron's standalone MTP stage) holds the MTP modules and its own copies of the embedding and,
-    untied, of the output head, whose gradients the trainer sums with the other stages' copies. Parameters go to the current
-    default device; build under ``with torch.device("meta"):`` for accounting without memory."""
+    untied, of the output head, whose gradients the trainer sums with the other stages' copies. Parameters go to
+    the current default device; build under ``with torch.device("meta"):`` for accounting without memory."""
 
     def __init__(self, config: ModelConfig, dims: ParallelDims | None = None, options: ModelOptions | None = None,
                  *, layer_ids: Iterable[int] | None = None, with_embedding: bool = True,

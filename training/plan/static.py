@@ -121,8 +121,9 @@ def _exact_static(config: RunConfig, sizes: ParallelSizes) -> tuple[tuple[int, S
 @dataclass(frozen=True)
 class ParamCounts:
     """Elements per (reduction kind, dtype) of each piece of the model on one rank of a tp x ep x etp layout;
-    ``head``: the output head (the final norm's few elements left out); ``output_head``: the output head alone (a standalone MTP stage's copy);
-    ``mtp``: the MTP modules; ``head_embedding``: the loss's stage holds its own copy of the embedding (tied)."""
+    ``head``: the output head (the final norm's few elements left out); ``output_head``: the output head alone (a
+    standalone MTP stage's copy); ``mtp``: the MTP modules; ``head_embedding``: the loss's stage holds its own copy
+    of the embedding (tied)."""
 
     dense_layer: tuple[tuple[tuple[str, str], int], ...]
     moe_layer: tuple[tuple[tuple[str, str], int], ...]
