@@ -66,6 +66,8 @@ class TrainConfig:
     num_layers_per_virtual_pipeline_stage: int | None = None
     decoder_first_pipeline_num_layers: int | None = None   # pp > 1: layers on the first stage (None: even split)
     decoder_last_pipeline_num_layers: int | None = None    # pp > 1: layers on the last stage (None: even split)
+    pipeline_model_parallel_layout: str | None = None      # Megatron's layout text, e.g. "Et|(tt|)*30mL"
+                                                           # (pipeline.layout; fixes vpp, replaces the above)
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False         # the parameter all-gather waits in the next forward, per module
     # the expert-load max/mean the plan sized the experts' activations for (training.observe.imbalance)
@@ -346,26 +348,51 @@ class RunConfig:
     def pipeline_layout(self, pp: int) -> StageLayout:
         """The split of the decoder's layers over ``pp`` stages (x virtual stages) that the flags describe;
         ValueError naming the flags for an impossible one."""
+        from moefold.pipeline.schedules import placement_of
         from moefold.pipeline.stages import StageLayout, vpp_from_layers_per_virtual_stage
 
-        t = self.train
+        t, m = self.train, self.model
         first, last = t.decoder_first_pipeline_num_layers, t.decoder_last_pipeline_num_layers
+        text = t.pipeline_model_parallel_layout
+        if text is not None:
+            others = [f"--{name.replace('_', '-')}={getattr(t, name)}" for name in (
+                "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
+                "decoder_last_pipeline_num_layers") if getattr(t, name) is not None]
+            if others:
+                raise ValueError(f"--pipeline-model-parallel-layout={text!r} places every layer itself: drop "
+                                 f"{' and '.join(others)}")
+            from moefold.pipeline.layout import parse_layout
+
+            stages = len(parse_layout(text))
+            vpp = stages // pp if stages % pp == 0 else 1
+            placement = placement_of(self.schedule_name(vpp))
+            layout = StageLayout(m.num_layers, pp, layout=text, mtp_num_layers=m.mtp_num_layers,
+                                 placement=placement)
+            self._check_schedule_vpp(layout.vpp, pp, f"--pipeline-model-parallel-layout={text!r} gives {layout.vpp} "
+                                     f"virtual stages per rank ({stages} stages / pp {pp})")
+            return layout
         if (first is not None or last is not None) and t.num_layers_per_virtual_pipeline_stage is not None:
             raise ValueError(f"--num-layers-per-virtual-pipeline-stage={t.num_layers_per_virtual_pipeline_stage} "
                              "cannot be combined with --decoder-first/last-pipeline-num-layers (uneven stages); "
-                             "drop one of them")
-        from moefold.pipeline.schedules import V_SCHEDULES, placement_of
+                             "drop one of them, or give --pipeline-model-parallel-layout")
+        vpp = vpp_from_layers_per_virtual_stage(m.num_layers, pp, t.num_layers_per_virtual_pipeline_stage)
+        self._check_schedule_vpp(vpp, pp, f"--num-layers-per-virtual-pipeline-stage="
+                                      f"{t.num_layers_per_virtual_pipeline_stage} gives {vpp} virtual stages per rank")
+        return StageLayout(m.num_layers, pp, vpp, first, last, placement=placement_of(self.schedule_name(vpp)),
+                           mtp_num_layers=m.mtp_num_layers)
 
-        vpp = vpp_from_layers_per_virtual_stage(self.model.num_layers, pp, t.num_layers_per_virtual_pipeline_stage)
-        if vpp > 1 and t.pipeline_schedule in ("gpipe", "zb-h1"):
-            raise ValueError(f"--pipeline-schedule={t.pipeline_schedule} runs one chunk per rank, but "
-                             f"--num-layers-per-virtual-pipeline-stage={t.num_layers_per_virtual_pipeline_stage} "
-                             f"gives {vpp} virtual stages per rank (interleaved 1F1B schedule); drop one of them")
-        if t.pipeline_schedule in V_SCHEDULES and vpp != 2:
-            raise ValueError(f"--pipeline-schedule={t.pipeline_schedule} runs 2 chunks per rank in V placement: set "
-                             f"--num-layers-per-virtual-pipeline-stage={self.model.num_layers // (2 * pp) or 1} "
-                             f"(num_layers {self.model.num_layers} / (2 x pp {pp})), got {vpp} chunk(s) per rank")
-        return StageLayout(self.model.num_layers, pp, vpp, first, last, placement=placement_of(self.schedule_name(vpp)))
+    def _check_schedule_vpp(self, vpp: int, pp: int, source: str) -> None:
+        from moefold.pipeline.schedules import V_SCHEDULES
+
+        schedule = self.train.pipeline_schedule
+        if vpp > 1 and schedule in ("gpipe", "zb-h1"):
+            raise ValueError(f"--pipeline-schedule={schedule} runs one chunk per rank, but {source} (interleaved "
+                             "1F1B schedule); drop one of them")
+        if schedule in V_SCHEDULES and vpp != 2:
+            raise ValueError(f"--pipeline-schedule={schedule} runs 2 chunks per rank in V placement: give 2 x pp "
+                             f"virtual stages (--num-layers-per-virtual-pipeline-stage="
+                             f"{self.model.num_layers // (2 * pp) or 1} or a layout of 2 x pp "
+                             f"stages), but {source}")
 
     def schedule_name(self, vpp: int) -> str:
         """The pipeline schedule to run: interleaved whenever there are virtual stages (Megatron: 1F1B by

@@ -44,7 +44,7 @@ from moefold.moe.router import Router
 from moefold.parallel.dims import ParallelDims
 from moefold.parallel.groups import Group
 from moefold.pipeline import build_schedule, run_schedule, simulate
-from moefold.pipeline.decoder_stage import DecoderStage, build_stage_model, embedding_group
+from moefold.pipeline.decoder_stage import DecoderStage, build_stage_model, shared_weight_groups
 from moefold.pipeline.overlap import OverlapConfig
 from moefold.pipeline.stages import chunk_costs
 from moefold.training.checkpoint.files import CheckpointSaveError, checkpoint_dirs, is_checkpoint_dir
@@ -179,28 +179,34 @@ def build_optimizer(model: MoEDecoder, config: RunConfig, dims: ParallelDims,
     runs it on a meta-device model."""
     t = config.train
     layout = config.pipeline_layout(dims.pp) if dims.pp > 1 else None
-    embed_group = embedding_group(model, dims, layout)
+    shared = shared_weight_groups(model, dims, layout)
     if t.use_torch_fsdp2:   # FSDP2 shards parameters, gradients and states instead (training.optim.fsdp)
         from moefold.training.optim.fsdp import build_fsdp
 
-        return embed_group, *build_fsdp(model, config, dims, embed_group)
+        if "output_head" in shared:
+            raise ValueError(f"--use-torch-fsdp2 with --pipeline-model-parallel-layout "
+                             f"{t.pipeline_model_parallel_layout!r}: FSDP2 sums only the embedding's pipeline copies, "
+                             f"not an untied output head's on a standalone MTP stage; put m and L on one stage")
+        return shared.get("embed_tokens"), *build_fsdp(model, config, dims, shared.get("embed_tokens"))
     precision = t.optimizer_precision()
-    # the V placement's rank 0 backpropagates its two chunks separately: an embedding the head also reads (MTP, tied)
-    # accumulates two gradients per micro-batch
+    # a module that two chunks of this rank read, each backpropagated on its own (the V placement's rank 0 with
+    # MTP or a tied head, a layout's MTP chunk on the embedding's rank), accumulates one gradient per chunk
     reports = {}
-    shared = config.model.mtp_num_layers or config.model.tie_word_embeddings
-    if shared and layout is not None and model.embed_tokens is not None and layout.vpp > 1:
-        chunks = layout.rank_chunks(dims.pp_rank)
-        if any(c.has_embedding for c in chunks) and any(c.has_head for c in chunks) and not any(
-                c.has_embedding and c.has_head for c in chunks):
-            reports = {f"embed_tokens.{n}": 2 for n, _ in model.embed_tokens.named_parameters()}
+    if layout is not None and layout.vpp > 1:
+        readers = {"embed_tokens": layout.embedding_chunks(config.model.tie_word_embeddings),
+                   "output_head": layout.output_head_chunks()}
+        for name, chunks in readers.items():
+            mine = sum(c.pp_rank == dims.pp_rank for c in chunks)
+            module = getattr(model, name)
+            if mine > 1 and module is not None:
+                reports.update({f"{name}.{n}": mine for n, _ in module.named_parameters()})
     sync = GradSync(model.named_parameters(), dims, bucket_numel=t.bucket_numel, overlap=t.overlap_grad_reduce,
-                    grad_dtype=precision.dtype("main_grads"), copies_group=embed_group, reports=reports)
+                    grad_dtype=precision.dtype("main_grads"), copies_groups=shared, reports=reports)
     optimizer = DistributedAdamW(sync, dims, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                  weight_decay=t.weight_decay, precision=precision, model=model,
                                  overlap_param_gather=t.overlap_param_gather,
                                  cpu_offload_fraction=t.optimizer_offload_fraction if t.optimizer_cpu_offload else None)
-    return embed_group, sync, optimizer
+    return shared.get("embed_tokens"), sync, optimizer
 
 
 class Trainer:
@@ -230,7 +236,7 @@ class Trainer:
             self.log(f"pipeline: {self.pipeline.name}{' (FB pairs overlapped)' if overlap else ''} schedule, pp "
                      f"{dims.pp} x vpp {vpp} ({self.layout.placement.value}), {self.num_micro} micro-batches per step "
                      f"(bubble {bubble:.1%} with stage times by layer count, backward = 2 x forward)\n"
-                     f"{self.layout.describe()}")
+                     f"--pipeline-model-parallel-layout {self.layout.text!r}:\n{self.layout.describe()}")
         elif overlap:   # pp = 1: Megatron's combined 1F1B without pipelining, F0, FB(1, 0), ..., B(m-1)
             self.layout = config.pipeline_layout(1)
             self.pipeline = build_schedule("1f1b", 1, self.num_micro, overlap=True)

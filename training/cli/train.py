@@ -109,6 +109,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pp > 1: layers on the first stage (it also holds the embedding); default: even split")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
                    help="pp > 1: layers on the last stage (it also holds the head, loss and MTP); default: even split")
+    g.add_argument("--pipeline-model-parallel-layout", default=None, metavar="LAYOUT",
+                   help="Megatron's layout of every virtual stage, round robin over pp then vpp: E embedding, t "
+                        "decoder layer, m MTP layer, L loss, | stage boundary, x*N / (...)*N repetition, e.g. "
+                        "'Et|(tt|)*30mL' (DeepSeek-V3, PP8 x VP4); fixes vpp, empty stages allowed; replaces the "
+                        "three flags above")
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="context parallelism (cp): each sequence split over cp ranks (ring attention)")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
@@ -406,7 +411,7 @@ def model_from_args(args: argparse.Namespace) -> ModelConfig:
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """The RunConfig the flags describe (ValueError naming the flag on a bad value)."""
     for flag in ("num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
-                 "decoder_last_pipeline_num_layers"):
+                 "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout"):
         if getattr(args, flag) is not None and args.pipeline_model_parallel_size == 1:
             raise ValueError(f"--{flag.replace('_', '-')} needs --pipeline-model-parallel-size > 1")
     model = model_from_args(args)

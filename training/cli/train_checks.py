@@ -44,6 +44,8 @@ def validate_layout(config: RunConfig, world_size: int, source: str | None = Non
             uneven = "".join(f", --decoder-{k}-pipeline-num-layers={v}" for k, v in
                              (("first", t.decoder_first_pipeline_num_layers),
                               ("last", t.decoder_last_pipeline_num_layers)) if v is not None)
+            if t.pipeline_model_parallel_layout is not None:
+                uneven += f", --pipeline-model-parallel-layout={t.pipeline_model_parallel_layout!r}"
             raise ValueError(f"{exc} (--num-layers={config.model.num_layers}, --pipeline-model-parallel-size="
                              f"{config.parallel.pp}, --num-layers-per-virtual-pipeline-stage="
                              f"{t.num_layers_per_virtual_pipeline_stage}{uneven}, --global-batch-size="

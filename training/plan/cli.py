@@ -31,7 +31,7 @@ from moefold.training.optim.precision import DTYPES
 from moefold.training.plan.cluster import CLUSTERS, load_cluster, parse_bytes
 from moefold.training.plan.nearest import alternatives, why_nothing_is_valid
 from moefold.training.plan.report import HEADER, commands, heading, needs, outcome, render, row, why_not
-from moefold.training.plan.search import HEADROOM, Fixed, evaluate, recompute_ladder, search
+from moefold.training.plan.search import HEADROOM, Fixed, evaluate, recompute_ladder, search, stage_memory
 from moefold.training.plan.step_time import EFFICIENCY
 
 LAYOUT_FLAGS = ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
@@ -76,7 +76,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         g.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None,
                        help=f"{LAYOUT_HELP[flag]}; default: searched")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
-                   help="virtual stages of M layers per rank; default: searched (even split, or 2 virtual stages)")
+                   help="virtual stages of M layers per rank, an even split (num_layers divisible by pp x M); "
+                        "default: searched")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None, metavar="VPP",
+                   help="virtual stages per pipeline rank: the standard layouts (even, balanced, standalone loss/MTP) "
+                        "of pp x VPP stages are searched; default: searched over 1, 2, 4")
+    g.add_argument("--pipeline-model-parallel-layout", default=None, metavar="LAYOUT",
+                   help="fix Megatron's layout (e.g. 'Et|(tt|)*30mL'; as moefold train): pp must divide its stages")
     for which in ("first", "last"):
         g.add_argument(f"--decoder-{which}-pipeline-num-layers", type=int, default=None,
                        help=f"decoder layers on the {which} pipeline stage (an uneven split, as moefold train); "
@@ -182,6 +188,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[RunConfig, Fixed]:
                         pipeline_schedule=args.pipeline_schedule or TrainConfig.pipeline_schedule,
                         overlap_moe_expert_parallel_comm=bool(args.overlap), delay_wgrad_compute=bool(args.overlap),
                         num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
+                        pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
                         main_grads_dtype=args.main_grads_dtype, exp_avg_dtype=args.exp_avg_dtype,
                         exp_avg_sq_dtype=args.exp_avg_sq_dtype, overlap_param_gather=args.overlap_param_gather,
                         lr_warmup_iters=0, use_torch_fsdp2=args.use_torch_fsdp2,
@@ -193,7 +200,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[RunConfig, Fixed]:
                   etp=args.expert_tensor_parallel_size,
                   layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
                   first_stage_layers=args.decoder_first_pipeline_num_layers,
-                  last_stage_layers=args.decoder_last_pipeline_num_layers, micro_batch_size=args.micro_batch_size,
+                  last_stage_layers=args.decoder_last_pipeline_num_layers,
+                  virtual_stages=args.num_virtual_stages_per_pipeline_rank,
+                  layout=args.pipeline_model_parallel_layout, micro_batch_size=args.micro_batch_size,
                   recompute=recompute, sharding=given[0] if given else None, schedule=args.pipeline_schedule,
                   overlap=args.overlap)
     return RunConfig(model=model, options=options, train=train, recipe=args.recipe), fixed
@@ -210,6 +219,7 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         cluster = load_cluster(args.cluster)
         memory = parse_bytes(args.gpu_memory) if args.gpu_memory else cluster.memory_bytes
         config, fixed = config_from_args(args)
+        _check_pipeline_flags(config, fixed)
         if "linear_attention" in (config.model.layer_types or ()):
             raise ValueError(f"{config.model.name} has Gated DeltaNet (linear_attention) layers, which the planner's "
                              "activation-memory and step-time models do not describe; plan a model of attention "
@@ -253,12 +263,55 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                                   headroom=args.memory_headroom, efficiency=args.efficiency)
                     print(f"nearest: {alt.flags}: {outcome(near)}")
             return 1
+    if chosen and chosen[0].sizes.pp > 1:
+        print(stage_line(chosen[0]))
     if args.plot:
         from moefold.training.plan.plot import plot_plans
 
         plot_plans(chosen, cluster, args.plot, title=f"{config.model.name} on {world} x {cluster.name}")
         print(f"plot: {args.plot}")
     return 0
+
+
+def stage_line(plan) -> str:
+    """Plan #1's layout and memory per GPU of every pipeline stage (GB: total = params + grads + optimizer +
+    activations)."""
+    layout = plan.config.pipeline_layout(plan.sizes.pp)
+    per = " ".join(f"{m.pp_rank}:{m.total / 1e9:.1f}" for m in stage_memory(plan))
+    return f"#1 layout {layout.text} (pp {layout.pp} x vpp {layout.vpp}); memory per pipeline stage, GB: {per}"
+
+
+def _check_pipeline_flags(config: RunConfig, fixed: Fixed) -> None:
+    """The pipeline flags that can be refused before any search: a layout (at a fixed pp, or at none that
+    divides its stages), vpp with a layout or an even split, an uneven even split."""
+    given = [f for f, v in (("--num-layers-per-virtual-pipeline-stage", fixed.layers_per_virtual_stage),
+                            ("--num-virtual-stages-per-pipeline-rank", fixed.virtual_stages),
+                            ("--pipeline-model-parallel-layout", fixed.layout)) if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(given)} both fix the virtual stages: give one of them")
+    if fixed.virtual_stages is not None and fixed.virtual_stages < 1:
+        raise ValueError(f"--num-virtual-stages-per-pipeline-rank={fixed.virtual_stages} must be positive")
+    n = config.model.num_layers
+    if fixed.layers_per_virtual_stage is not None and fixed.pp and n % (fixed.pp * fixed.layers_per_virtual_stage):
+        m = fixed.layers_per_virtual_stage
+        raise ValueError(f"--num-layers-per-virtual-pipeline-stage={m}: num_layers={n} is not divisible by "
+                         f"pp x {m} = {fixed.pp * m} (an even split); for uneven virtual stages give "
+                         f"--num-virtual-stages-per-pipeline-rank {max(round(n / (fixed.pp * m)), 1)} (the standard "
+                         "layouts are searched) or --pipeline-model-parallel-layout")
+    if fixed.layout is None:
+        return
+    from moefold.pipeline.layout import parse_layout
+
+    stages = len(parse_layout(fixed.layout))
+    pps = [fixed.pp] if fixed.pp else [p for p in range(1, stages + 1) if stages % p == 0 and (p > 1 or stages == 1)]
+    errors = []
+    for pp in pps:
+        try:
+            config.pipeline_layout(pp)
+            return
+        except ValueError as exc:
+            errors.append(str(exc))
+    raise ValueError(errors[0])
 
 
 def _one_layout(config: RunConfig, fixed: Fixed, world: int, cluster, per_node: int, memory: int,

@@ -167,7 +167,7 @@ def chunk_parts(shape: ActivationShape, layers: list[int], first: bool, last: bo
     if received:   # the executor holds the received activation for the backward; the first block's input norm
         # keeps that same tensor when it saves its input (an fp32 model, or layernorm recompute)
         groups = full_recompute_groups(layers, shape.options)
-        norm_keeps_it = not groups[0][1] and (a == 4 or "layernorm" in shape.chosen)
+        norm_keeps_it = bool(groups) and not groups[0][1] and (a == 4 or "layernorm" in shape.chosen)
         parts.append(Part("pipeline", {"received activation": 0 if norm_keeps_it else a * Tx * H}))
     for g, (group, checkpointed) in enumerate(full_recompute_groups(layers, shape.options)):
         if not checkpointed:
@@ -180,8 +180,10 @@ def chunk_parts(shape: ActivationShape, layers: list[int], first: bool, last: bo
         inner = [p for i in group for p in block(_none(shape), i, dispatcher)]
         held = 0 if received and g == 0 else a * Tx * H
         parts.append(recomputed_group(inner, f"layer group {g} input", held))
-    if last:
+    with_head, with_mtp = last if isinstance(last, tuple) else (last, last)
+    if with_head:
         parts.append(head(shape))
+    if with_mtp:
         parts += [p for k in range(shape.model.mtp_num_layers) for p in mtp(shape, k, dispatcher)]
     if sent:       # the executor holds the chunk's output until its backward
         parts.append(Part("pipeline", {"sent activation": a * Tx * H}))
@@ -384,13 +386,13 @@ def _activation_memory(config: RunConfig, sizes: ParallelSizes, pp_rank: int, nu
     m = config.model
     overlap = config.train.overlap_moe_expert_parallel_comm
     if sizes.pp == 1:
-        chunks = [(list(range(m.num_layers)), True, True, False, False)]
+        chunks = [(list(range(m.num_layers)), True, (True, True), False, False)]
         # with the overlap two micro-batches are in flight (F0, FB(1, 0), ...)
         schedule = ("1f1b", 1, num_micro, 1, True) if overlap else None
     else:
         layout = config.pipeline_layout(sizes.pp)
         last = layout.num_model_chunks - 1
-        chunks = [(list(c.layers), c.has_embedding, c.has_head, c.model_chunk > 0, c.model_chunk < last)
+        chunks = [(list(c.layers), c.has_embedding, (c.has_head, c.has_mtp), c.model_chunk > 0, c.model_chunk < last)
                   for c in layout.rank_chunks(pp_rank)]
         schedule = (config.schedule_name(layout.vpp), sizes.pp, num_micro, layout.vpp, overlap)
     profiles = [chunk_profile(shape, tuple(is_moe_block(m, i) for i in layers), first, last_chunk, dispatcher,

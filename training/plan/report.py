@@ -34,7 +34,7 @@ def train_flags(plan: Plan, model_flags: list[str]) -> list[str]:
               "--pipeline-model-parallel-size", s.pp, "--expert-model-parallel-size", s.ep,
               "--expert-tensor-parallel-size", s.etp]
     for field in ("num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
-                  "decoder_last_pipeline_num_layers"):
+                  "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout"):
         if getattr(t, field) is not None:
             flags += [f"--{field.replace('_', '-')}", getattr(t, field)]
     if s.pp > 1 and t.pipeline_schedule != _T.pipeline_schedule:

@@ -168,6 +168,16 @@ def _memory(config: RunConfig, sizes: ParallelSizes, num_micro: int, exact: bool
     return max(ranks, key=lambda m: m.total)
 
 
+def stage_memory(plan: Plan) -> list[RankMemory]:
+    """Every pipeline stage's memory per GPU for ``plan`` (exact static bytes), in pipeline order."""
+    config, sizes = plan.config, plan.sizes
+    static = exact_static(config, sizes)
+    flex = config.options.resolved_dispatcher(sizes.ep, sizes.etp) == "flex"
+    deepep = deepep_buffer_bytes(config, sizes) if flex else 0
+    return [RankMemory(r, static[r], activation_memory(config, sizes, r, plan.num_micro), deepep)
+            for r in range(sizes.pp)]
+
+
 def evaluate(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, memory_bytes: int | None = None,
              *, headroom: float = HEADROOM, efficiency: float = EFFICIENCY, recompute: str = "",
              with_time: bool = True) -> Plan:
@@ -199,6 +209,8 @@ class Fixed:
     layers_per_virtual_stage: int | None = None
     first_stage_layers: int | None = None     # --decoder-first-pipeline-num-layers
     last_stage_layers: int | None = None      # --decoder-last-pipeline-num-layers
+    virtual_stages: int | None = None    # --num-virtual-stages-per-pipeline-rank: vpp, the standard layouts searched
+    layout: str | None = None            # --pipeline-model-parallel-layout
     micro_batch_size: int | None = None
     recompute: dict | None = None        # ModelOptions fields (recompute and activation offloading)
     sharding: str | None = None          # a ``SHARDING`` name
@@ -210,34 +222,34 @@ def _divisors(n: int, limit: int) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
-def _stage_splits(num_layers: int, pp: int, fixed: Fixed) -> Iterator[dict]:
-    """TrainConfig fields of the pipeline splits tried at ``pp``: even (and 2 virtual stages when each stage's
-    layers are even) or, when the layers do not divide, the first and last stages taking the remainder; a split
-    the flags fix is the only one (``moefold train``'s validation judges it)."""
+VIRTUAL_STAGES = (1, 2, 4)   # vpp tried per pp (each with the standard layouts, pipeline.layout.standard_layouts)
+
+
+def _stage_splits(num_layers: int, pp: int, fixed: Fixed, mtp_num_layers: int = 0) -> Iterator[dict]:
+    """TrainConfig fields of the pipeline splits tried at ``pp``: the given layout, or the even split of the given
+    layers per virtual stage, or per vpp in ``VIRTUAL_STAGES`` (the given one only) the standard layouts of
+    ``pipeline.layout`` (even, balanced, standalone loss/MTP) as ``--pipeline-model-parallel-layout`` text."""
+    from moefold.pipeline.layout import format_layout, standard_layouts
+
     if fixed.first_stage_layers is not None or fixed.last_stage_layers is not None:
         yield {"decoder_first_pipeline_num_layers": fixed.first_stage_layers,
                "decoder_last_pipeline_num_layers": fixed.last_stage_layers}
         return
+
     if pp == 1:
         yield {}
+        return
+    if fixed.layout is not None:
+        yield {"pipeline_model_parallel_layout": fixed.layout}
         return
     if fixed.layers_per_virtual_stage is not None:
         yield {"num_layers_per_virtual_pipeline_stage": fixed.layers_per_virtual_stage}
         return
-    if num_layers % pp == 0:
-        yield {}
-        per = num_layers // pp
-        if per % 2 == 0:
-            yield {"num_layers_per_virtual_pipeline_stage": per // 2}
-        return
-    per = -(-num_layers // pp)
-    while per >= 1:
-        rest = num_layers - per * (pp - 2)
-        first, last = rest - rest // 2, rest // 2
-        if last >= 1 and first <= per:
-            yield {"decoder_first_pipeline_num_layers": first, "decoder_last_pipeline_num_layers": last}
-            return
-        per -= 1
+    for vpp in [fixed.virtual_stages] if fixed.virtual_stages else VIRTUAL_STAGES:
+        if pp * vpp > num_layers + 2 + mtp_num_layers:
+            continue
+        for stages in standard_layouts(num_layers, pp, vpp, mtp_num_layers).values():
+            yield {"pipeline_model_parallel_layout": format_layout(stages)}
 
 
 OVERLAP_FIELDS = ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute")
@@ -255,14 +267,24 @@ def _schedules(num_layers: int, pp: int, ep: int, split: dict, fixed: Fixed) -> 
 
     if pp == 1:
         yield from with_overlap(fixed.schedule or "1f1b", True)
-    elif split.get("num_layers_per_virtual_pipeline_stage") is None:
+    elif _split_vpp(num_layers, pp, split) == 1:
         for schedule in ("1f1b", "zb-h1", "gpipe") if fixed.schedule == "gpipe" else ("1f1b", "zb-h1"):
             yield from with_overlap(schedule, False)
     else:
         yield from with_overlap("1f1b", True)   # interleaved (implied by the virtual stages)
-        if num_layers == 2 * pp * split["num_layers_per_virtual_pipeline_stage"]:   # 2 chunks per rank: V placed
+        if _split_vpp(num_layers, pp, split) == 2:   # 2 chunks per rank: V placed
             yield from with_overlap("zbv", False)
             yield from with_overlap("dualpipev", True)
+
+
+def _split_vpp(num_layers: int, pp: int, split: dict) -> int:
+    """Virtual stages per rank of one split of ``_stage_splits``."""
+    from moefold.pipeline.layout import parse_layout
+
+    if split.get("pipeline_model_parallel_layout") is not None:
+        return max(len(parse_layout(split["pipeline_model_parallel_layout"])) // pp, 1)
+    per = split.get("num_layers_per_virtual_pipeline_stage")
+    return num_layers // (pp * per) if per else 1
 
 
 @dataclass
@@ -290,12 +312,13 @@ def candidates(config: RunConfig, world: int, gpus_per_node: int, fixed: Fixed) 
                     eps = [fixed.ep] if fixed.ep else [e for e in _divisors(experts, dense_ranks // etp)
                                                        if (dense_ranks // etp) % e == 0]
                     for ep in eps:
-                        for split in _stage_splits(m.num_layers, pp, fixed):
+                        for split in _stage_splits(m.num_layers, pp, fixed, m.mtp_num_layers):
                             for schedule in _schedules(m.num_layers, pp, ep, split, fixed):
                                 for mbs in [fixed.micro_batch_size] if fixed.micro_batch_size else MICRO_BATCH_SIZES:
                                     pipeline = {"num_layers_per_virtual_pipeline_stage": None,
                                                 "decoder_first_pipeline_num_layers": None,
-                                                "decoder_last_pipeline_num_layers": None, **split, **schedule}
+                                                "decoder_last_pipeline_num_layers": None,
+                                                "pipeline_model_parallel_layout": None, **split, **schedule}
                                     train = dataclasses.replace(t, micro_batch_size=mbs, **pipeline)
                                     yield dataclasses.replace(config, parallel=ParallelConfig(
                                         tp=tp, cp=cp, pp=pp, ep=ep, etp=etp), train=train)

@@ -70,10 +70,10 @@ class StaticMemory:
 def stage_signature(config: RunConfig, pp: int, pp_rank: int) -> tuple:
     """What decides a stage's parameters: per chunk, the kind of each layer, the embedding and the head."""
     if pp == 1:
-        chunks = [(tuple(config.model.is_moe_layer(i) for i in range(config.model.num_layers)), True, True)]
+        chunks = [(tuple(config.model.is_moe_layer(i) for i in range(config.model.num_layers)), True, True, True)]
         return tuple(chunks)
     layout = config.pipeline_layout(pp)
-    return tuple((tuple(config.model.is_moe_layer(i) for i in c.layers), c.has_embedding, c.has_head)
+    return tuple((tuple(config.model.is_moe_layer(i) for i in c.layers), c.has_embedding, c.has_head, c.has_mtp)
                  for c in layout.rank_chunks(pp_rank))
 
 
@@ -105,7 +105,8 @@ def _model_key(config: RunConfig) -> RunConfig:
     key = _key(config)
     train = dataclasses.replace(key.train, num_layers_per_virtual_pipeline_stage=None,
                                 decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
-                                pipeline_schedule="1f1b", use_torch_fsdp2=False, optimizer_cpu_offload=False,
+                                pipeline_model_parallel_layout=None, pipeline_schedule="1f1b",
+                                use_torch_fsdp2=False, optimizer_cpu_offload=False,
                                 optimizer_offload_fraction=1.0)
     return dataclasses.replace(key, train=train)
 
@@ -168,14 +169,17 @@ def fsdp_static(model, config: RunConfig, sizes: ParallelSizes) -> StaticMemory:
 @dataclass(frozen=True)
 class ParamCounts:
     """Elements per (reduction kind, dtype) of each piece of the model on one rank of a tp x ep x etp layout;
-    ``head``: final norm, output head and MTP modules; ``head_embedding``: the last stage holds its own copy of
-    the embedding (tied weights or MTP)."""
+    ``head``: the output head (the final norm's few elements left out); ``output_head``: the output head alone (a
+    standalone MTP stage's copy); ``mtp``: the MTP modules; ``head_embedding``: the loss's stage holds its own copy
+    of the embedding (tied)."""
 
     dense_layer: tuple[tuple[tuple[str, str], int], ...]
     moe_layer: tuple[tuple[tuple[str, str], int], ...]
     embedding: tuple[tuple[tuple[str, str], int], ...]
     head: tuple[tuple[tuple[str, str], int], ...]
     head_embedding: bool
+    output_head: tuple[tuple[tuple[str, str], int], ...] = ()
+    mtp: tuple[tuple[tuple[str, str], int], ...] = ()
 
 
 def _counts(params) -> tuple[tuple[tuple[str, str], int], ...]:
@@ -202,11 +206,16 @@ def param_counts(config: RunConfig, tp: int, ep: int, etp: int) -> ParamCounts:
         dense = _counts(build_block(model, dense_ids[0], dims, options).parameters()) if dense_ids else ()
         moe = _counts(build_block(model, moe_ids[0], dims, options).parameters()) if moe_ids else ()
         embed = MoEDecoder(model, dims, options, layer_ids=[], with_embedding=True, with_head=False)
-        head = MoEDecoder(model, dims, options, layer_ids=[], with_embedding=False, with_head=True)
+        # without the final norm (H elements), which a layout with MTP puts with the last decoder layer
+        head = MoEDecoder(model, dims, options, layer_ids=[], with_embedding=False, with_head=True, with_mtp=False,
+                          with_norm=False)
         copy = head.embed_tokens is not None
         own = [p for name, p in head.named_parameters() if not name.startswith("embed_tokens.")]
+        output_head = [p for name, p in head.named_parameters() if name.startswith("output_head.")]
+        mtp = MoEDecoder(model, dims, options, layer_ids=[], with_embedding=False, with_head=False, with_mtp=True)
+        mtp_own = [p for name, p in mtp.named_parameters() if name.startswith("mtp.")]
     return ParamCounts(dense_layer=dense, moe_layer=moe, embedding=_counts(embed.parameters()), head=_counts(own),
-                       head_embedding=copy)
+                       head_embedding=copy, output_head=_counts(output_head), mtp=_counts(mtp_own))
 
 
 def static_lower_bound(config: RunConfig, sizes: ParallelSizes) -> dict[int, StaticMemory]:
@@ -253,11 +262,16 @@ def _signature_numel(counts: ParamCounts, signature: tuple) -> dict[tuple[str, s
             numel[key] = numel.get(key, 0) + n * times
 
     has_head = any(c[2] for c in signature)
+    has_mtp = any(c[3] for c in signature) and bool(counts.mtp)
     moe_layers = sum(sum(c[0]) for c in signature)
     add(counts.moe_layer, moe_layers)
     add(counts.dense_layer, sum(len(c[0]) for c in signature) - moe_layers)
-    if any(c[1] for c in signature) or (has_head and counts.head_embedding):
+    if any(c[1] for c in signature) or (has_head and counts.head_embedding) or has_mtp:
         add(counts.embedding)
     if has_head:
         add(counts.head)
+    elif has_mtp:   # a standalone MTP stage's copy of the output head
+        add(counts.output_head)
+    if has_mtp:
+        add(counts.mtp)
     return numel

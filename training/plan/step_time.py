@@ -228,7 +228,7 @@ def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, li
     # (block, inside a full-recompute checkpoint, the last block of that checkpoint)
     blocks = [(i, ckpt, j == len(ids) - 1) for ids, ckpt in full_recompute_groups(list(chunk.layers), o)
               for j, i in enumerate(ids)]
-    if chunk.has_head:   # MTP blocks checkpoint themselves under full recompute
+    if chunk.has_mtp:   # MTP blocks checkpoint themselves under full recompute
         blocks += [(m.num_layers + d, o.recompute == "full", True) for d in range(m.mtp_num_layers)]
 
     def add(collectives: list[Collective], shared_experts: float = 0.0,
