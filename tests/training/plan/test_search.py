@@ -153,8 +153,8 @@ def test_cli_fixed_layout_that_does_not_fit(capsys) -> None:
 
 
 def test_cli_fixed_layout_with_uneven_stages(capsys) -> None:
-    # 5 layers on pp2 (as DeepSeek-V3's 61 on the report's pp16): the check takes the split the search takes (3 on
-    # the first stage, 2 on the last) and prints the command that carries it, rather than refusing the layout
+    # 5 layers on pp2 (as DeepSeek-V3's 61 on the report's pp16): the check takes a split the search takes and
+    # prints the command that carries it, rather than refusing the layout
     code = cli.main(["plan", "--recipe", "qwen3_moe_tiny", "--num-layers", "5", "--seq-length", "256", "--gpus", "4",
                      "--global-batch-size", "8", "--tensor-model-parallel-size", "1", "--context-parallel-size", "1",
                      "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
@@ -162,13 +162,15 @@ def test_cli_fixed_layout_with_uneven_stages(capsys) -> None:
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert "with zero1: fits" in captured.out
-    assert "--decoder-first-pipeline-num-layers 3 --decoder-last-pipeline-num-layers 2" in captured.out
+    # the searched split is printed as Megatron's layout (issue 35): pipeline.layout's standard ones for 5 on pp2
+    assert "--pipeline-model-parallel-layout '" in captured.out, captured.out
     # the split fixed by moefold train's flags is the one planned (and printed); an impossible one is explained
     base = ["plan", "--recipe", "qwen3_moe_tiny", "--num-layers", "5", "--seq-length", "256", "--gpus", "4",
             "--global-batch-size", "8", "--pipeline-model-parallel-size", "2", "--top", "1"]
     assert cli.main([*base, "--decoder-first-pipeline-num-layers", "2", "--decoder-last-pipeline-num-layers", "3"]) == 0
     out = capsys.readouterr().out
     assert "--decoder-first-pipeline-num-layers 2 --decoder-last-pipeline-num-layers 3" in out, out
+    assert "#1 layout Ett|t*3L" in out, out   # the shorthands' layout: 2 then 3
     assert cli.main([*base, "--decoder-first-pipeline-num-layers", "4", "--decoder-last-pipeline-num-layers", "4"]) == 1
     out = capsys.readouterr().out
     assert "no layout is valid" in out and "decoder" in out, out
