@@ -155,11 +155,9 @@ def check_overlap(block: TransformerBlock, index: int) -> None:
     """ValueError naming the flag when block ``index`` cannot run as pieces with the overlap schedules."""
     if isinstance(block.mlp, MoELayer):
         if not block.mlp.dispatcher.staged:
-            d = block.mlp.dispatcher
-            what = f"{d.name!r} on DeepEP V2" if getattr(d, "backend", None) == "deepep" else repr(d.name)
-            raise ValueError(f"--overlap-moe-expert-parallel-comm runs with the alltoall dispatcher and flex on "
-                             f"DeepEP's v1 API, not {what} (its exchange is not a separate step): use "
-                             f"--moe-token-dispatcher-type alltoall or --moe-flex-dispatcher-backend deepep-legacy")
+            raise ValueError(f"--overlap-moe-expert-parallel-comm runs with the alltoall and flex dispatchers, not "
+                             f"{block.mlp.dispatcher.name!r} (its exchange is not a separate step; Megatron refuses "
+                             f"it too): use --moe-token-dispatcher-type alltoall")
         if block.recompute_ffn:
             raise ValueError("--overlap-moe-expert-parallel-comm cannot checkpoint the whole MoE layer "
                              "(--recompute-modules moe): the checkpoint would span its exchanges; recompute "

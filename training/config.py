@@ -324,10 +324,6 @@ class RunConfig:
         if dispatcher not in ("alltoall", "flex"):
             raise ValueError(f"{flag} runs with the alltoall and flex dispatchers, not --moe-token-dispatcher-type "
                              f"{dispatcher} (its exchange is not a separate step; Megatron refuses it too)")
-        if dispatcher == "flex" and o.moe_flex_dispatcher_backend == "deepep":
-            raise ValueError(f"{flag} runs the flex dispatcher on DeepEP's v1 API only, not "
-                             f"--moe-flex-dispatcher-backend deepep (V2's ElasticBuffer has no separate exchange "
-                             f"stage here): use --moe-flex-dispatcher-backend deepep-legacy")
         if o.recompute == "selective" and "moe" in o.recompute_modules:
             raise ValueError(f"{flag} cannot checkpoint the whole MoE layer (--recompute-modules moe): the checkpoint "
                              f"would span its exchanges; recompute moe_act and shared_experts instead, or use full "
