@@ -105,9 +105,12 @@ def moe(shape: ActivationShape, dispatcher: str) -> Part:
     combine_rows = home if dispatcher in ("alltoall", "local") else rows
     inner["combine rows (for the probs' gradient)"] = a * combine_rows * H
     weights = local_experts * H * f
-    # backward, in order: the combine's gradient rows (and their gather); w2's input and weight gradients (the
-    # activation refilled first under moe_act); w13's, once the combine rows and the activation are freed
-    backward = max(2 * a * home * H,
+    # backward, in order: the combine's gradient rows (and their gather: dispatch.permutation's weighted-rows
+    # backward holds, per block of at most 2**20 elements, the gathered token gradient and its product with the
+    # rows in fp32, the combine's fp32 island); w2's input and weight gradients (the activation refilled first
+    # under moe_act); w13's, once the combine rows and the activation are freed
+    combine_block = 2 * 4 * min(combine_rows * H, 2**20)
+    backward = max(a * home * H + a * combine_rows * H + combine_block,
                    a * rows * f + a * weights + (2 * a * rows * f if act else 0),
                    2 * a * weights + a * rows * H - a * combine_rows * H)
     forward = a * (home + rows) * H     # the exchange's send and receive buffers
