@@ -106,9 +106,9 @@ def test_the_docs_pages_are_covered():
     assert len(pages) >= 10, sorted(pages)
 
 
-# train lines that read files (a checkpoint, an HF or Megatron directory, a config, a corpus) are only parsed
-READS_FILES = ("--config", "--load", "--load-hf", "--load-megatron", "--data-path", "--valid-data-path",
-               "--tokenizer-model", "--vocab-file")
+# train lines whose model or flags come from a file (an HF or Megatron directory, a YAML config) are only parsed;
+# corpora and checkpoints are not read before pre-flight, so those lines are checked too
+READS_FILES = ("--config", "--load-hf", "--load-megatron", "--tokenizer-model", "--vocab-file")
 LAYOUTS = [(where, argv, world) for path in doc_files() for start, block in shell_blocks(path.read_text())
            for argv, world in launched(block)
            if (where := f"{path.relative_to(ROOT)}:{start}") and argv[:1] == ["train"] and "--recipe" in argv
