@@ -45,9 +45,10 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 # ----------------------------------------------------------------------------------------------- fp32 islands
 # Each fp32 island of moefold's bf16 path is made by one function; removing the island is patching that function
 # with its low-precision counterpart (unittest.mock.patch, so it is undone on exit).
-def _rms_norm_in_input_dtype(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def _rms_norm_in_input_dtype(x: Tensor, weight: Tensor, eps: float, *, zero_centered_gamma: bool = False) -> Tensor:
     """RMSNorm with no fp32 island: every step in x's dtype (its reductions still accumulate in fp32 inside)."""
-    return weight.to(x.dtype) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    gamma = (1.0 + weight.float()).to(x.dtype) if zero_centered_gamma else weight.to(x.dtype)
+    return gamma * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
 def _attention_in_input_dtype(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, *, scale: float,
