@@ -196,7 +196,7 @@ def plot(results: dict[str, dict[str, Error]], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--recipes", nargs="+", default=list(HF_TINY_RECIPES), choices=HF_TINY_RECIPES,
                    help="tiny recipes to measure (those with an HF model class)")
     p.add_argument("--seeds", type=int, default=4, help="weight/token draws per recipe (figures are their mean)")

@@ -1,6 +1,8 @@
-"""The dense transformer stack: TP/SP linear layers, embeddings and loss, norms, RoPE, attention, CP, MLP, and
-Gated DeltaNet linear attention."""
+"""The dense transformer stack: TP/SP linear layers, embeddings and loss, norms, RoPE, attention, CP, MLP, Gated
+DeltaNet linear attention, and the two ways to keep fewer activations (recompute, fine-grained activation
+offloading)."""
 
+from moefold.dense.activation_offload import OFFLOAD_MODULES, ActivationOffloader, check_offload
 from moefold.dense.attention import GQAAttention
 from moefold.dense.attention_config import AttentionConfig, MLAConfig
 from moefold.dense.block import TransformerBlock
@@ -40,6 +42,7 @@ from moefold.dense.rope import (
 from moefold.dense.split_backward import DeferredWeightGrads, WeightGradStore, install_weight_grad_store
 
 __all__ = [
+    "OFFLOAD_MODULES", "ActivationOffloader", "check_offload",
     # dense core: linear layers, RoPE, norm, embedding/head/loss, MLP, block, recompute
     "ColumnParallelLinear", "RowParallelLinear",
     "RotaryEmbedding", "YarnConfig", "apply_rotary", "apply_partial_rotary", "rotate_half", "yarn_attention_factor",

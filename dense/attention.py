@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from moefold.dense.activation_offload import NO_OFFLOAD
 from moefold.dense.attention_config import AttentionConfig
 from moefold.dense.core_attention import CoreAttention
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
@@ -91,6 +92,8 @@ class GQAAttention(nn.Module):
         self.core = CoreAttention(d ** -0.5, sliding_window=c.sliding_window, cp_group=cp_group, cp_comm=c.cp_comm)
         # selective recompute of core attention (``dense.recompute``); the model may reconfigure it
         self.recompute_core_attn = c.recompute == "selective"
+        # fine-grained activation offloading of its three parts (``dense.activation_offload``), set by the model
+        self.offload_qkv_linear = self.offload_core_attn = self.offload_attn_proj = NO_OFFLOAD
 
     def _project_kv(self, proj: ColumnParallelLinear, x: Tensor) -> Tensor:
         if not self.kv_replicated:
@@ -147,20 +150,23 @@ class GQAAttention(nn.Module):
         return q, gate, k_all[:, :, self.kv_head_index:self.kv_head_index + 1]
 
     def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
-        # one all-gather (SP) or one region entry for q, k and v together; see ColumnParallelLinear
-        x = all_gather_sequence(x, self.tp_group, 0) if self.sequence_parallel else copy_to_region(x, self.tp_group)
-        S, B = x.shape[:2]
-        if position_ids.shape != (S,):
-            raise ValueError(f"GQAAttention: position_ids {tuple(position_ids.shape)} must be [{S}] "
-                             "(one global position per token of this rank's sequence, before the SP split)")
-        q, gate, k = self._qk(x, S, B)
-        v = self._project_kv(self.v_proj, x).view(S, B, self.local_kv_heads, self.head_dim)
-        cos, sin = self.rotary(position_ids)
-        q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
-        out = checkpointed(self.core, q, k, v, position_ids, self.sinks, enabled=self.recompute_core_attn)
-        if gate is not None:
-            out = out * torch.sigmoid(gate.reshape(S, B, -1))
-        return self.o_proj(out)
+        with self.offload_qkv_linear:
+            # one all-gather (SP) or one region entry for q, k and v together; see ColumnParallelLinear
+            x = all_gather_sequence(x, self.tp_group, 0) if self.sequence_parallel else copy_to_region(x, self.tp_group)
+            S, B = x.shape[:2]
+            if position_ids.shape != (S,):
+                raise ValueError(f"GQAAttention: position_ids {tuple(position_ids.shape)} must be [{S}] "
+                                 "(one global position per token of this rank's sequence, before the SP split)")
+            q, gate, k = self._qk(x, S, B)
+            v = self._project_kv(self.v_proj, x).view(S, B, self.local_kv_heads, self.head_dim)
+            cos, sin = self.rotary(position_ids)
+            q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
+        with self.offload_core_attn:
+            out = checkpointed(self.core, q, k, v, position_ids, self.sinks, enabled=self.recompute_core_attn)
+        with self.offload_attn_proj:   # the output gate (Qwen3-Next) is the projection's input
+            if gate is not None:
+                out = out * torch.sigmoid(gate.reshape(S, B, -1))
+            return self.o_proj(out)
 
     def extra_repr(self) -> str:
         return (f"heads={self.local_heads}/{self.config.num_heads}, kv_heads={self.local_kv_heads}/"

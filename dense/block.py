@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from moefold.dense.activation_offload import NO_OFFLOAD
 from moefold.dense.norm import RMSNorm
 from moefold.dense.recompute import CheckpointWithoutOutput, check_recompute, checkpointed
 
@@ -31,6 +32,9 @@ class TransformerBlock(nn.Module):
     configured per module (``dense.recompute``): this block's own parts are ``recompute_layernorm``
     (both norms, output discarded) and ``recompute_ffn`` (the FFN checkpointed: Megatron's ``mlp``
     or ``moe``). The FFN must be free of forward side effects when recomputed (it runs twice).
+
+    ``offload_attn_norm`` / ``offload_mlp_norm``: the regions the two norms run in (``dense.activation_offload``;
+    ``NO_OFFLOAD`` unless the model offloads them).
     """
 
     def __init__(self, hidden: int, attention: nn.Module, ffn: nn.Module, norm_eps: float = 1e-6, *,
@@ -41,6 +45,7 @@ class TransformerBlock(nn.Module):
         self.checkpoint_block = recompute == "full"
         self.recompute_layernorm = False
         self.recompute_ffn = False
+        self.offload_attn_norm = self.offload_mlp_norm = NO_OFFLOAD
         self.hidden, self.sequence_parallel = hidden, sequence_parallel
         kw = {"sequence_parallel": sequence_parallel, "zero_centered_gamma": zero_centered_gamma, "dtype": dtype,
               "device": device}
@@ -49,11 +54,13 @@ class TransformerBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, norm_eps, **kw)
         self.mlp = ffn
 
-    def _after_norm(self, norm: RMSNorm, x: Tensor, consumer: Callable[[Tensor], Any]) -> Any:
+    def _after_norm(self, norm: RMSNorm, x: Tensor, consumer: Callable[[Tensor], Any], offload: Any) -> Any:
         """``consumer(norm(x))``; with ``recompute_layernorm`` the norm's output is freed once the consumer
-        has saved it and recomputed before the consumer's backward."""
+        has saved it and recomputed before the consumer's backward; else the norm runs in ``offload``."""
         if not self.recompute_layernorm:
-            return consumer(norm(x))
+            with offload:
+                h = norm(x)
+            return consumer(h)
         ckpt = CheckpointWithoutOutput()
         out = consumer(ckpt.checkpoint(norm, x))
         ckpt.discard_output_and_register_recompute(out[0] if isinstance(out, tuple) else out)
@@ -66,8 +73,10 @@ class TransformerBlock(nn.Module):
         # The residual stream stays in the activations' dtype (bf16 under --bf16): each add is exact in fp32
         # and rounded once, as Megatron-Core's default (fp32_residual_connection=False, bias-dropout-add in the
         # activations' dtype) and HF do; the norms read it in fp32 (dense.norm.rms_norm).
-        x = x + self._after_norm(self.input_layernorm, x, lambda h: self.self_attn(h, position_ids))
-        out = self._after_norm(self.post_attention_layernorm, x, lambda h: self._ffn(h, **ffn_kwargs))
+        x = x + self._after_norm(self.input_layernorm, x, lambda h: self.self_attn(h, position_ids),
+                                 self.offload_attn_norm)
+        out = self._after_norm(self.post_attention_layernorm, x, lambda h: self._ffn(h, **ffn_kwargs),
+                               self.offload_mlp_norm)
         out, extra = out if isinstance(out, tuple) else (out, None)
         return x + out, extra
 

@@ -36,10 +36,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moefold.dense.block_linear import BlockScaledLinearGemm
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
 from moefold.dense.split_backward import SplitWeights, WeightGradStore, accumulate_or_defer, weight_inputs
 from moefold.parallel.fp8 import FP8Config, import_te
 from moefold.parallel.fp8_cast import Float8Recipe, quantize, scaled_mm
+from moefold.parallel.fp8_param import mark_fp8_param
 from moefold.parallel.fp8_region import require_region
 from moefold.parallel.groups import Group, group_size
 from moefold.parallel.sharding import is_sequence_parallel
@@ -145,7 +147,7 @@ class TELinearGemm:
         return y if b is None else y + b
 
     def describe(self) -> str:
-        return f"Transformer Engine {self.config.format} {self.config.recipe}"
+        return f"Transformer Engine {self.config.fp4 or self.config.format} {self.config.recipe}"
 
 
 def _dtype(dtype: torch.dtype) -> str:
@@ -160,7 +162,8 @@ def convert_linears_to_fp8(model: nn.Module, config: FP8Config, tp_group: Group 
     """
     if not config.enabled:
         return []
-    recipe = Float8Recipe.from_config(config) if config.backend == "torchao" else None
+    block = config.block_scaled
+    recipe = Float8Recipe.from_config(config) if config.backend == "torchao" and not block else None
     converted = []
     for name, module in model.named_modules():
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
@@ -168,14 +171,24 @@ def convert_linears_to_fp8(model: nn.Module, config: FP8Config, tp_group: Group 
         if any(fragment in name for fragment in config.exclude_modules):
             continue
         w = module.weight
-        if recipe is None:
+        if config.backend == "te":
             module.local_gemm = TELinearGemm(w.shape[1], w.shape[0], w.dtype, config)
-        elif isinstance(module, RowParallelLinear):
-            module.local_gemm = Float8LinearGemm(recipe, in_group=module.tp_group)
+            converted.append(name)
+            continue
+        if isinstance(module, RowParallelLinear):
+            groups = {"in_group": module.tp_group}
         elif group_size(module.tp_group) > 1:
-            module.local_gemm = Float8LinearGemm(recipe, out_group=module.tp_group)
+            groups = {"out_group": module.tp_group}
         else:  # replicated: on the sequence shard when its weight is marked sequence-parallel
-            module.local_gemm = Float8LinearGemm(recipe, token_group=tp_group if is_sequence_parallel(w) else None)
+            groups = {"token_group": tp_group if is_sequence_parallel(w) else None}
+        if block:
+            gemm = BlockScaledLinearGemm(config, **groups)
+            gemm.check_shapes(name, w.shape[1], w.shape[0])
+            module.local_gemm = gemm
+        else:
+            module.local_gemm = Float8LinearGemm(recipe, **groups)
+        if config.param_gather:
+            mark_fp8_param(w, config, groups)
         converted.append(name)
     return converted
 

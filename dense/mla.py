@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from moefold.dense.activation_offload import NO_OFFLOAD
 from moefold.dense.attention_config import MLAConfig
 from moefold.dense.core_attention import CoreAttention
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
@@ -72,6 +73,8 @@ class MLAttention(nn.Module):
         # (output discarded); the model may reconfigure both
         self.recompute_core_attn = c.recompute == "selective"
         self.recompute_up_proj = False
+        # fine-grained activation offloading of its three parts (``dense.activation_offload``), set by the model
+        self.offload_qkv_linear = self.offload_core_attn = self.offload_attn_proj = NO_OFFLOAD
 
     def _replicated(self, in_features: int, out_features: int, kw: dict) -> ColumnParallelLinear:
         """A TP-replicated down-projection (HF ``attention_bias`` applies)."""
@@ -83,26 +86,29 @@ class MLAttention(nn.Module):
 
     def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
         c = self.config
-        q_in = x if self.q_proj is not None else self.q_a_layernorm(self.q_a_proj(x))
-        kv_latent, k_rot = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        kv_in = self.kv_a_layernorm(kv_latent)
-        # the shared rope key feeds every rank's heads: its gradient is partial per rank
-        if self.sequence_parallel:
-            k_rot = all_gather_sequence(k_rot, self.tp_group, 0)
-        else:
-            k_rot = copy_to_region(k_rot, self.tp_group)
-        S = k_rot.shape[0]
-        if position_ids.shape != (S,):
-            raise ValueError(f"MLAttention: position_ids {tuple(position_ids.shape)} must be [{S}] "
-                             "(one global position per token of this rank's sequence, before the SP split)")
-        cos, sin = self.rotary(position_ids)
-        up = CheckpointWithoutOutput() if self.recompute_up_proj else None
-        q, k, v = (self._up_project(q_in, kv_in, k_rot, cos, sin) if up is None
-                   else up.checkpoint(self._up_project, q_in, kv_in, k_rot, cos, sin))
-        out = checkpointed(self.core, q, k, v, position_ids, enabled=self.recompute_core_attn)
+        with self.offload_qkv_linear:
+            q_in = x if self.q_proj is not None else self.q_a_layernorm(self.q_a_proj(x))
+            kv_latent, k_rot = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+            kv_in = self.kv_a_layernorm(kv_latent)
+            # the shared rope key feeds every rank's heads: its gradient is partial per rank
+            if self.sequence_parallel:
+                k_rot = all_gather_sequence(k_rot, self.tp_group, 0)
+            else:
+                k_rot = copy_to_region(k_rot, self.tp_group)
+            S = k_rot.shape[0]
+            if position_ids.shape != (S,):
+                raise ValueError(f"MLAttention: position_ids {tuple(position_ids.shape)} must be [{S}] "
+                                 "(one global position per token of this rank's sequence, before the SP split)")
+            cos, sin = self.rotary(position_ids)
+            up = CheckpointWithoutOutput() if self.recompute_up_proj else None
+            q, k, v = (self._up_project(q_in, kv_in, k_rot, cos, sin) if up is None
+                       else up.checkpoint(self._up_project, q_in, kv_in, k_rot, cos, sin))
+        with self.offload_core_attn:
+            out = checkpointed(self.core, q, k, v, position_ids, enabled=self.recompute_core_attn)
         if up is not None:   # q, k, v are freed once core attention saved them, recomputed before its backward
             up.discard_output_and_register_recompute(out)
-        return self.o_proj(out)
+        with self.offload_attn_proj:
+            return self.o_proj(out)
 
     def _up_project(self, q_in: Tensor, kv_in: Tensor, k_rot: Tensor, cos: Tensor, sin: Tensor,
                     ) -> tuple[Tensor, Tensor, Tensor]:

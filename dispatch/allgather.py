@@ -35,7 +35,16 @@ from torch import Tensor
 from moefold.dispatch.alltoall import gather_counts
 from moefold.dispatch.base import Dispatched, DispatchHandle, PendingDispatch, PhaseTimer, TokenDispatcher
 from moefold.dispatch.fp8_exchange import dequantize_rows, fp8_round_trip, pack, quantize_rows, unpack
-from moefold.dispatch.permutation import RowMap, build_row_map, group_counts, mask_groups, permute, unpermute
+from moefold.dispatch.permutation import (
+    RowMap,
+    build_padded_row_map,
+    build_row_map,
+    group_counts,
+    mask_groups,
+    pad_counts,
+    permute,
+    unpermute,
+)
 from moefold.dispatch.routing import Routing
 from moefold.parallel.comm import reduce_scatter_sequence
 from moefold.parallel.groups import Group, group_size
@@ -177,6 +186,17 @@ class AllGatherDispatcher(TokenDispatcher):
                 row_map = build_row_map(mask_groups(key_TK, e * W), W * max_tokens, K, e * W, capacity=cap)
                 per_expert = torch.full((e,), W * cap, dtype=torch.long, device=x_TH.device)
                 per_expert_host = (W * cap,) * e
+            elif routing.pad_multiple is not None:
+                # every (local expert, source rank) chunk padded to the multiple with zero rows, in the row map
+                src = torch.arange(W * max_tokens, device=ids_g.device).div(max_tokens, rounding_mode="floor")
+                in_range = (local_ids >= 0) & (local_ids < e)
+                key_TK = torch.where(in_range, local_ids * W + src.unsqueeze(1), -1)
+                chunks = [host[w][local.start + j] for j in range(e) for w in range(W)]
+                row_map = build_padded_row_map(mask_groups(key_TK, e * W), W * max_tokens, K, e * W, chunks,
+                                               routing.pad_multiple)
+                per_expert = row_map.counts_G.view(e, W).sum(1)
+                padded = pad_counts(chunks, routing.pad_multiple)
+                per_expert_host = tuple(sum(padded[j * W:(j + 1) * W]) for j in range(e))
             else:
                 num_rows = sum(sum(h[local]) for h in host)
                 row_map = build_row_map(mask_groups(local_ids, e), W * max_tokens, K, e, num_rows=num_rows)

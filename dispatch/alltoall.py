@@ -45,10 +45,12 @@ from torch import Tensor
 from moefold.dispatch.base import Dispatched, DispatchHandle, PhaseTimer, TokenDispatcher
 from moefold.dispatch.permutation import (
     RowMap,
+    build_padded_row_map,
     build_row_map,
     combine_dtype,
     group_counts,
     mask_groups,
+    pad_counts,
     permute,
     sort_chunks,
     unpermute,
@@ -226,13 +228,20 @@ class AllToAllDispatcher(TokenDispatcher):
             else:
                 counts_E = group_counts(key, E)
                 exchange = ep * etp > 1 or routing.keep_TK is not None
+                pad = routing.pad_multiple
                 if exchange:  # the layer's one exchange of split sizes, launched first: the argsort overlaps it
                     gathered, work = gather_counts(counts_E, self.counts_group, async_op=True)
-                # dropless: all T*K copies are rows, known without the counts
-                row_map = build_row_map(send_key, T, K, E, num_rows=T * K) if routing.keep_TK is None else None
+                # dropless: all T*K copies are rows, known without the counts (padded: not before the counts)
+                row_map = (build_row_map(send_key, T, K, E, num_rows=T * K)
+                           if routing.keep_TK is None and pad is None else None)
                 if row_map is not None:  # permute while the counts are in flight
                     rows = permute(x_TH, row_map)
-                if not exchange:
+                if not exchange and pad is not None:   # padded local rows: the counts on the host (one sync)
+                    mine = counts_E.tolist()
+                    row_map = build_padded_row_map(send_key, T, K, E, mine, pad)
+                    rows = permute(x_TH, row_map)
+                    mine, recv, chunk_counts = [row_map.num_rows], None, row_map.counts_G.view(1, E)
+                elif not exchange:
                     mine, recv = [T * K], None
                     chunk_counts = counts_E.view(1, E)
                 else:
@@ -244,6 +253,13 @@ class AllToAllDispatcher(TokenDispatcher):
                     mine = host[self.etp_rank][self.ep_rank]
                     recv = [[row[local] for row in per_etp] for per_etp in host]
                     chunk_counts = all_counts[:, :, local].reshape(etp * ep, e)
+                    if pad is not None:   # every (destination, expert) chunk padded: the sums stay multiples
+                        order = [(g % ep) * e + g // ep for g in range(E)] if self.chunked else range(E)
+                        row_map = build_padded_row_map(send_key, T, K, E, [mine[i] for i in order], pad)
+                        rows = permute(x_TH, row_map)
+                        mine = pad_counts(mine, pad)
+                        recv = [[pad_counts(row, pad) for row in per_etp] for per_etp in recv]
+                        chunk_counts = (chunk_counts + pad - 1).div(pad, rounding_mode="floor") * pad
                 if row_map is None:
                     row_map = build_row_map(send_key, T, K, E, num_rows=sum(mine))
                     rows = permute(x_TH, row_map)

@@ -31,14 +31,17 @@ at run time by its JIT), used as DeepEP's README pairs the calls for training:
   else 1; ``cumulative_local_expert_recv_stats``: a fresh int32 ``[e]`` per dispatch, the copies each local
   expert received, returned as ``Dispatched.received_e`` for the load-balance metrics.
 - **asynchrony**: dispatch runs with ``async_with_compute_stream=True`` on DeepEP's communication stream (which
-  waits for the work already queued on ours); ``dispatch_start`` returns while the tokens travel and
-  ``PendingDispatch.wait()`` makes the compute stream wait on DeepEP's ``EventOverlap``: the MoE layer runs the
-  shared experts in between. Combine and both backward passes wait on their event at once.
+  waits for the work already queued on ours); ``dispatch_start`` returns while the tokens travel and its
+  ``wait()`` makes the compute stream wait on DeepEP's ``EventOverlap`` (no host wait): the MoE layer runs the
+  shared experts in between. Combine and both backward passes are waited on the same way, at once in the plain
+  layer, after the other micro-batch's computation under the batch-level overlap.
 - **forward/backward pairs** as DeepEP's README defines them: dispatch's backward is ``combine`` of the
   gradients with the dispatch's handle (the top-k weights' gradients reduced alongside); combine's backward is a
   dispatch with the cached handle (``handle=``, no ``topk_idx``, no CPU sync). Each direction is an exchange
-  object (``ElasticDispatchExchange`` / ``ElasticCombineExchange``: ``start`` and ``start_backward``), connected
-  to autograd after its wait, so the batch-level overlap schedules can run the same calls as separate nodes.
+  object (``ElasticDispatchExchange`` / ``ElasticCombineExchange``, ``dispatch.token_exchange.TokenExchange``s:
+  ``start`` and ``start_backward``), connected to autograd after its wait: the plain layer chains the stages
+  (``TokenDispatcher.dispatch_start`` / ``combine``), the batch-level overlap schedules run them as separate
+  nodes, the exchange in flight while another micro-batch computes.
 - FP8 dispatch (``--moe-fp8-dispatch``): the rows leave as e4m3 with one fp32 scale per 128 channels
   (``dispatch.fp8_exchange.quantize_rows``, DeepEP's ``(data, scales)`` input) and are dequantised on arrival;
   gradients return in bf16 and the cast counts as the identity, as with the other dispatchers.
@@ -61,17 +64,18 @@ dispatch: DeepEP's TMA alignment), at most 32 (virtual) experts per token, 2048 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from moefold.dispatch.base import Dispatched, DispatchHandle, PendingDispatch, PhaseTimer, TokenDispatcher
+from moefold.dispatch.base import Dispatched, DispatchHandle, PhaseTimer, TokenDispatcher
 from moefold.dispatch.deepep import check_flex_topk, flex_group, virtual_experts
 from moefold.dispatch.fp8_exchange import dequantize_rows, quantize_rows
 from moefold.dispatch.routing import Routing
+from moefold.dispatch.token_exchange import Arrival, InFlight, TokenExchange
 from moefold.parallel.groups import Group
 
 DEEPEP_V2_VERSION = "2.1.0"
@@ -196,29 +200,6 @@ class ElasticCall:
     cpu_sync: bool
 
 
-class _Exchanged(torch.autograd.Function):
-    """Forward: the received tensors, now on the autograd graph of the sent ones. Backward: ``adjoint(grads)``,
-    the exchange in the other direction, as the sent tensors' gradients."""
-
-    @staticmethod
-    def forward(ctx, adjoint: Callable[[tuple[Tensor, ...]], tuple[Tensor | None, ...]], num_sent: int,
-                *tensors: Tensor):
-        ctx.adjoint, ctx.num_sent = adjoint, num_sent
-        return tuple(t.view_as(t) for t in tensors[num_sent:])
-
-    @staticmethod
-    def backward(ctx, *grads: Tensor):
-        return (None, None, *ctx.adjoint(tuple(g.contiguous() for g in grads)), *([None] * len(grads)))
-
-
-def exchanged(adjoint: Callable[[tuple[Tensor, ...]], tuple[Tensor | None, ...]], sent: Sequence[Tensor],
-              received: Sequence[Tensor]) -> tuple[Tensor, ...]:
-    """``received`` on the graph of ``sent`` (unchanged when nothing sent needs a gradient)."""
-    if not any(t.requires_grad for t in sent):
-        return tuple(received)
-    return _Exchanged.apply(adjoint, len(sent), *sent, *received)
-
-
 @dataclass(frozen=True)
 class ElasticArrival:
     """What a dispatch delivered besides the rows: DeepEP's handle and the per-expert received counts."""
@@ -228,49 +209,54 @@ class ElasticArrival:
 
 
 @dataclass(frozen=True)
-class ElasticDispatchExchange:
-    """Forward: ``ElasticBuffer.dispatch`` of the tokens (FP8 when ``fp8``) and top-k weights, in flight until its
-    event. Backward: ``combine`` of both gradients with the dispatch's handle."""
+class ElasticDispatchExchange(TokenExchange):
+    """Forward: ``ElasticBuffer.dispatch`` of the tokens (FP8 when ``fp8``) and top-k weights (when sent), in
+    flight until its event. Backward: ``combine`` of both gradients with the dispatch's handle."""
 
     buffer: Any
     topk_idx: Tensor
     call: ElasticCall
     fp8: bool = False
 
-    def start(self, x: Tensor, weights: Tensor | None) -> tuple[Callable[[], tuple[tuple[Tensor, ...],
-                                                                                ElasticArrival]], Any]:
-        """Launch the dispatch -> (finish, event): ``finish()`` after ``event.current_stream_wait()`` gives
-        ((rows [N, H] in x's dtype, weights [N] or absent), arrival)."""
+    def start(self, *tensors: Tensor) -> InFlight[Arrival]:
+        """``(x [T, H] bf16, weights [T, K] fp32)`` or ``(x,)`` (unweighted combine) -> at ``wait()``:
+        ``Arrival((rows [N, H] in x's dtype[, weights [N]]), ElasticArrival)``."""
+        x, *weights = tensors
         c = self.call
         e = c.num_experts // self.buffer.num_ranks
         stats = torch.zeros(e, dtype=torch.int32, device=x.device)
         sent: Any = quantize_rows(x) if self.fp8 else x.contiguous()
         recv, _, recv_w, handle, event = self.buffer.dispatch(
-            sent, topk_idx=self.topk_idx, topk_weights=None if weights is None else weights.contiguous(),
+            sent, topk_idx=self.topk_idx, topk_weights=weights[0].contiguous() if weights else None,
             cumulative_local_expert_recv_stats=stats, num_experts=c.num_experts,
             num_max_tokens_per_rank=c.num_max_tokens_per_rank, expert_alignment=c.expert_alignment,
             num_sms=c.num_sms, async_with_compute_stream=True, do_cpu_sync=c.cpu_sync, do_expand=True,
             do_zero_padding=True)
         dtype = x.dtype
 
-        def finish() -> tuple[tuple[Tensor, ...], ElasticArrival]:
+        def finish() -> Arrival:
+            event.current_stream_wait()   # the compute stream waits on DeepEP's: no host wait
             rows = dequantize_rows(*recv, dtype) if self.fp8 else recv
-            return (rows,) if recv_w is None else (rows, recv_w), ElasticArrival(handle, stats)
+            return Arrival((rows,) if recv_w is None else (rows, recv_w), ElasticArrival(handle, stats))
 
-        return finish, event
+        return InFlight(finish)
 
-    def start_backward(self, grads: Sequence[Tensor], handle: Any) -> tuple[Tensor, ...]:
+    def start_backward(self, grads: Sequence[Tensor], meta: ElasticArrival) -> InFlight[tuple[Tensor, ...]]:
         grad_rows, *grad_w = grads
         out, out_w, event = self.buffer.combine(
-            grad_rows.to(torch.bfloat16).contiguous(), handle,
+            grad_rows.to(torch.bfloat16).contiguous(), meta.handle,
             topk_weights=grad_w[0].float().contiguous() if grad_w else None, num_sms=self.call.num_sms,
             async_with_compute_stream=True)
-        event.current_stream_wait()
-        return (out,) if not grad_w else (out, out_w)
+
+        def finish() -> tuple[Tensor, ...]:
+            event.current_stream_wait()
+            return (out,) if not grad_w else (out, out_w)
+
+        return InFlight(finish)
 
 
 @dataclass(frozen=True)
-class ElasticCombineExchange:
+class ElasticCombineExchange(TokenExchange):
     """Forward: ``ElasticBuffer.combine`` (per token, the sum of its rows on every rank). Backward: a dispatch of
     the gradient with the cached handle (no CPU sync, zeroed padding)."""
 
@@ -278,18 +264,38 @@ class ElasticCombineExchange:
     handle: Any
     call: ElasticCall
 
-    def start(self, rows: Tensor) -> Tensor:
+    def start(self, *tensors: Tensor) -> InFlight[Arrival]:
+        (rows,) = tensors
         y, _, event = self.buffer.combine(rows.contiguous(), self.handle, num_sms=self.call.num_sms,
                                           async_with_compute_stream=True)
-        event.current_stream_wait()
-        return y
 
-    def start_backward(self, grad: Tensor) -> Tensor:
+        def finish() -> Arrival:
+            event.current_stream_wait()
+            return Arrival((y,))
+
+        return InFlight(finish)
+
+    def start_backward(self, grads: Sequence[Tensor], meta: Any) -> InFlight[tuple[Tensor, ...]]:
+        (grad,) = grads
         out, _, _, _, event = self.buffer.dispatch(grad.to(torch.bfloat16).contiguous(), handle=self.handle,
                                                    num_sms=self.call.num_sms, async_with_compute_stream=True,
                                                    do_expand=True, do_zero_padding=True)
-        event.current_stream_wait()
-        return out
+
+        def finish() -> tuple[Tensor, ...]:
+            event.current_stream_wait()
+            return (out,)
+
+        return InFlight(finish)
+
+
+@dataclass(frozen=True)
+class ElasticPrep:
+    """``prepare_dispatch``'s frozen result: the dispatch exchange, the call's settings, the token count and whether
+    the combine weights the rows."""
+
+    exchange: ElasticDispatchExchange
+    num_tokens: int
+    weighted_combine: bool
 
 
 @dataclass(frozen=True)
@@ -321,9 +327,6 @@ class ElasticFlexDispatcher(TokenDispatcher):
 
     name = "flex"
     backend = "deepep"
-    # V2's dispatch and combine are single calls that return an event to wait on, not the prepare / exchange /
-    # finish stages the batch-level overlap runs as separate nodes: the overlap refuses this backend.
-    staged = False
 
     def __init__(self, num_experts: int, ep_group: Group = None, etp_group: Group = None,
                  etp_ep_group: Group = None, timer: PhaseTimer | None = None, *, hidden_size: int,
@@ -354,7 +357,9 @@ class ElasticFlexDispatcher(TokenDispatcher):
         return ElasticLayout(self.max_tokens_per_rank, self.hidden_size, self.num_virtual_experts, topk * self.etp,
                              self.hybrid, self.fp8)
 
-    def dispatch_start(self, x_TH: Tensor, routing: Routing, *, weighted_combine: bool = True) -> PendingDispatch:
+    # -- dispatch: prepare (checks, virtual experts, the buffer) -> exchange (DeepEP's dispatch) -> finish ------
+    def prepare_dispatch(self, x_TH: Tensor, routing: Routing, *, weighted_combine: bool = True,
+                         ) -> tuple[tuple[Tensor, ...], ElasticPrep]:
         self._check(x_TH, routing)
         if x_TH.dtype != torch.bfloat16:
             raise ValueError(f"the flex dispatcher moves bf16 tokens (DeepEP), got x of dtype {x_TH.dtype}")
@@ -379,31 +384,34 @@ class ElasticFlexDispatcher(TokenDispatcher):
                            self.cpu_sync)
         exchange = ElasticDispatchExchange(buffer, topk_idx.contiguous(), call, self.fp8)
         sent = (x_TH, probs_TK) if weighted_combine else (x_TH,)
-        with self._phase("communicate"):
-            finish, event = exchange.start(x_TH.detach(), probs_TK.detach() if weighted_combine else None)
+        return sent, ElasticPrep(exchange, num_tokens, weighted_combine)
 
-        def wait() -> Dispatched:   # after PendingDispatch.wait() made our stream wait on `event`
-            received, arrival = finish()
-            rows, *weights = exchanged(lambda grads: exchange.start_backward(grads, arrival.handle), sent, received)
-            ep_handle = arrival.handle
-            counts = aligned_counts(ep_handle.psum_num_recv_tokens_per_expert, call.expert_alignment)
-            host = tuple(int(c) for c in ep_handle.num_recv_tokens_per_expert_list) if call.cpu_sync else None
-            handle = ElasticHandle(num_tokens=num_tokens, num_rows=rows.shape[0],
-                                   recv_weights=weights[0] if weights else None,
-                                   exchange=ElasticCombineExchange(buffer, ep_handle, call))
-            return Dispatched(rows, counts, handle, host, received_e=arrival.received_e)
+    def dispatch_exchange(self, prep: ElasticPrep) -> ElasticDispatchExchange:
+        return prep.exchange
 
-        return PendingDispatch(wait, event)
+    def finish_dispatch(self, received: tuple[Tensor, ...], meta: ElasticArrival, prep: ElasticPrep) -> Dispatched:
+        rows, *weights = received
+        call, ep_handle = prep.exchange.call, meta.handle
+        counts = aligned_counts(ep_handle.psum_num_recv_tokens_per_expert, call.expert_alignment)
+        host = tuple(int(c) for c in ep_handle.num_recv_tokens_per_expert_list) if call.cpu_sync else None
+        handle = ElasticHandle(num_tokens=prep.num_tokens, num_rows=rows.shape[0],
+                               recv_weights=weights[0] if weights else None,
+                               exchange=ElasticCombineExchange(prep.exchange.buffer, ep_handle, call))
+        return Dispatched(rows, counts, handle, host, received_e=meta.received_e)
 
-    def combine(self, expert_out_NH: Tensor, handle: DispatchHandle) -> Tensor:
+    # -- combine: prepare (weight each row) -> exchange (DeepEP's combine) -> finish (nothing left) -------------
+    def prepare_combine(self, expert_out_NH: Tensor, handle: DispatchHandle) -> tuple[Tensor, ...]:
         self._check_combine(expert_out_NH, handle, ElasticHandle)
         assert isinstance(handle, ElasticHandle)
         with self._phase("unpermute"):
-            # weighted here, on the expert rank: DeepEP's combine adds rows without weights
+            # weighted here, on the expert rank: DeepEP's combine adds rows without weights; the product in fp32
+            # (the weights are fp32), rounded once to the bf16 DeepEP moves
             rows = expert_out_NH if handle.recv_weights is None else expert_out_NH * handle.recv_weights.unsqueeze(1)
-            rows = rows.to(torch.bfloat16)
-        with self._phase("communicate"):
-            exchange = handle.exchange
-            y = exchange.start(rows.detach())
-            (y,) = exchanged(lambda grads: (exchange.start_backward(grads[0]),), (rows,), (y,))
-        return y
+            return (rows.to(torch.bfloat16),)
+
+    def combine_exchange(self, handle: DispatchHandle) -> ElasticCombineExchange:
+        assert isinstance(handle, ElasticHandle)
+        return handle.exchange
+
+    def finish_combine(self, received: tuple[Tensor, ...], handle: DispatchHandle) -> Tensor:
+        return received[0]

@@ -121,6 +121,32 @@ def build_row_map(key: Tensor, num_tokens: int, topk: int, num_groups: int, *,
     return RowMap(slot // K, slot, counts, T, K, padded=True)
 
 
+def pad_counts(counts: list[int], multiple: int) -> list[int]:
+    """Each count rounded up to a multiple of ``multiple`` (host ints)."""
+    return [-(-c // multiple) * multiple for c in counts]
+
+
+def build_padded_row_map(key: Tensor, num_tokens: int, topk: int, num_groups: int, counts_host: list[int],
+                         multiple: int) -> RowMap:
+    """Group-major rows as ``build_row_map`` without capacity, each group followed by zero (padding) rows up to
+    a multiple of ``multiple`` (``counts_host``: the groups' copy counts; the padded row count is their rounded
+    sum). The padding is part of the row map: ``permute`` writes the zero rows where they belong, ``unpermute``
+    drops them, so no padded copy of the rows is made (``--moe-router-padding-for-quantization``)."""
+    T, K, G = num_tokens, topk, num_groups
+    padded = pad_counts(counts_host, multiple)
+    n = sum(padded)
+    order = torch.argsort(key, stable=True)
+    counts_all = count_keys(key, G + 1)
+    starts = torch.cumsum(counts_all, 0) - counts_all
+    padded_t = torch.tensor([*padded, 0], dtype=torch.long, device=key.device)
+    padded_starts = torch.cumsum(padded_t, 0) - padded_t
+    sorted_key = key.index_select(0, order)
+    pos = torch.arange(T * K, device=key.device) - starts.index_select(0, sorted_key)
+    row = torch.where(sorted_key < G, padded_starts.index_select(0, sorted_key) + pos, n)
+    slot = torch.full((n + 1,), T * K, dtype=torch.long, device=key.device).scatter_(0, row, order)[:n]
+    return RowMap(slot // K, slot, padded_t[:G], T, K, padded=True)
+
+
 # --------------------------------------------------------------------------------------------
 # the adjoint pair
 # --------------------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ class Routing:
     keep_TK:             [T, K] bool, False for copies dropped by capacity; None when dropless
     capacity:            per-expert capacity for this rank's tokens (None when dropless)
     pad_to_capacity:     dispatch every expert's chunk padded to exactly ``capacity`` rows
+    pad_multiple:        dropless: lay each expert's rows out padded (zero rows) to a multiple of this
+                         (``--moe-router-padding-for-quantization``: the FP8/FP4 grouped GEMMs' alignment)
     """
 
     probs_TK: Tensor
@@ -25,6 +27,7 @@ class Routing:
     keep_TK: Tensor | None = None
     capacity: int | None = None
     pad_to_capacity: bool = False
+    pad_multiple: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -12,8 +12,10 @@ which picks torchrun's world when launched by it and spawns ``--nproc`` ranks ot
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
 import sys
 
 from moefold.models.recipes import get_recipe
@@ -22,6 +24,7 @@ from moefold.parallel.init import launched_by_torchrun, launched_world_size
 from moefold.training.cli.train import train_worker, validate
 from moefold.training.config import RunConfig, TrainConfig
 from moefold.training.errors import JobFailed
+from moefold.training.launch.claim import claim_run
 from moefold.training.launch.preflight import preflight
 from moefold.training.launch.ranks import run_ranks
 
@@ -43,14 +46,27 @@ def main() -> int:
                                 save_interval=100, load=args.save)   # resumes if a checkpoint exists
     config = RunConfig(model=get_recipe(args.recipe), train=train, recipe=args.recipe,
                        parallel=ParallelConfig(tp=args.tp, cp=args.cp, ep=args.ep, etp=args.etp))
-    # fails here, before any rank starts
+    # fails here, before any rank starts: the layout, the run's directories (its run id, the save directory's
+    # lock, another run's files), the disk, the data
     validate(config, launched_world_size() if launched_by_torchrun() else args.nproc)
-    preflight(config)
+    # (under torchrun rank 0 claims; the others write no run records and use rank 0's choices through it)
+    claim = None
+    if int(os.environ.get("RANK", "0")) == 0:
+        config, claim = claim_run(config, default_save=False)
     try:
-        run_ranks(train_worker, args.nproc, "auto", args=(json.dumps(config.to_dict()),), run_dir=args.run_dir)
-    except JobFailed as exc:   # one line; the tracebacks are in RUN_DIR/error.log
-        print(f"pretrain_moe: {exc} (tracebacks: {exc.log})", file=sys.stderr)
-        return 1
+        preflight(config, world_size=args.nproc, resume_from=claim.resume_from if claim else None)
+    except ValueError:
+        if claim is not None:
+            claim.abandon()
+        raise
+    if claim is not None:
+        claim.record()
+    with claim or contextlib.nullcontext():
+        try:
+            run_ranks(train_worker, args.nproc, "auto", args=(json.dumps(config.to_dict()),), run_dir=args.run_dir)
+        except JobFailed as exc:   # one line; the tracebacks are in RUN_DIR/error.log
+            print(f"pretrain_moe: {exc} (tracebacks: {exc.log})", file=sys.stderr)
+            return 1
     return 0
 
 

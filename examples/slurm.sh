@@ -11,6 +11,8 @@
 #SBATCH --cpus-per-task=32
 #SBATCH --time=04:00:00
 #SBATCH --output=logs/%x-%j.out
+#SBATCH --signal=TERM@120        # SIGTERM to the job step 120 s before the time limit: every rank finishes its
+#SBATCH --requeue                # step and saves (exit 143); the requeued job resumes with --load (same --save)
 
 set -euo pipefail
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
@@ -30,5 +32,5 @@ srun torchrun \
     --moe-token-dispatcher-type alltoall \
     --data-path 0.7 data/web_text 0.3 data/code \
     --vocab-size 129280 \
-    --save "$RUN/checkpoints" --save-interval 200 --load "$RUN/checkpoints" \
+    --save "$RUN/checkpoints" --save-interval 200 --load "$RUN/checkpoints" --async-save \
     --run-dir "$RUN" --log-interval 10

@@ -108,6 +108,7 @@ class ModelConfig:
     moe_router_dtype: str = "fp32"
     moe_bias_update_rate: float = 1e-3
     moe_expert_capacity_factor: float | None = None
+    moe_expert_rank_capacity_factor: float | None = None   # per expert-parallel rank (Megatron's HybridEP budget)
     moe_token_drop_policy: str = "probs"
     moe_pad_expert_input_to_capacity: bool = False
     moe_router_force_load_balancing: bool = False

@@ -45,6 +45,7 @@ from moefold.dense.embedding import OutputHead, VocabParallelEmbedding
 from moefold.dense.fp8_linear import convert_linears_to_fp8
 from moefold.dense.norm import RMSNorm
 from moefold.dense.recompute import checkpointed
+from moefold.models.activation_offload import apply_activation_offload
 from moefold.models.config import ModelConfig
 from moefold.models.layer_factory import build_block, check_layout, is_moe_block
 from moefold.models.mtp import MTPModule, shift_left
@@ -106,13 +107,16 @@ class ModelOutput:
 
 
 class MoEDecoder(nn.Module):
-    """The decoder over ``dims``. ``layer_ids``/``with_embedding``/``with_head`` build one pipeline
-    stage (MTP modules go with the head). Parameters go to the current default device; build under
-    ``with torch.device("meta"):`` for accounting without memory."""
+    """The decoder over ``dims``. ``layer_ids``/``with_embedding``/``with_head``/``with_mtp`` build one pipeline
+    stage (``with_mtp`` and ``with_norm`` default to ``with_head``: the MTP modules and the final norm go with the
+    head; with MTP, Megatron-Core puts the final norm with the last decoder layer: ``with_norm``). A stage with MTP
+    but no head (Megatron's standalone MTP stage) holds the MTP modules and its own copies of the embedding and,
+    untied, of the output head, whose gradients the trainer sums with the other stages' copies. Parameters go to
+    the current default device; build under ``with torch.device("meta"):`` for accounting without memory."""
 
     def __init__(self, config: ModelConfig, dims: ParallelDims | None = None, options: ModelOptions | None = None,
                  *, layer_ids: Iterable[int] | None = None, with_embedding: bool = True,
-                 with_head: bool = True) -> None:
+                 with_head: bool = True, with_mtp: bool | None = None, with_norm: bool | None = None) -> None:
         super().__init__()
         dims = dims or ParallelDims.single()
         options = options or ModelOptions()
@@ -125,22 +129,30 @@ class MoEDecoder(nn.Module):
             raise ValueError(f"layer_ids {bad} are outside [0, num_layers={config.num_layers})")
         kw = {"sequence_parallel": self.sequence_parallel, "dtype": options.torch_dtype}
         tied = config.tie_word_embeddings
+        with_mtp = (with_head if with_mtp is None else with_mtp) and config.mtp_num_layers > 0
         self.embed_tokens = None
-        if with_embedding or (with_head and (tied or config.mtp_num_layers)):
+        if with_embedding or (with_head and tied) or with_mtp:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dims.tp_group,
                                                        init_std=options.init_std, **kw)
         self.layers = nn.ModuleDict({str(i): build_block(config, i, dims, options) for i in ids})
         self.norm = self.output_head = None
         self.mtp = nn.ModuleList()
-        if with_head:
+        self.with_lm = with_head
+        if with_head if with_norm is None else with_norm:
             self.norm = RMSNorm(config.hidden_size, config.norm_eps,
                                 zero_centered_gamma=config.norm_zero_centered_gamma, **kw)
+        if with_head or with_mtp:
             self.output_head = OutputHead(config.hidden_size, config.vocab_size, dims.tp_group,
                                           tied_to=self.embed_tokens if tied else None, init_std=options.init_std,
                                           **kw)
+        if with_mtp:
             self.mtp = nn.ModuleList(MTPModule(config, config.num_layers + k, dims, options)
                                      for k in range(config.mtp_num_layers))
         apply_recompute(self, self.layers, options)
+        # fine-grained activation offloading (--offload-modules): one offloader for the model's blocks
+        blocks = {int(i): b for i, b in self.layers.items()} | {m.index: m.block for m in self.mtp}
+        device = next(self.parameters()).device if any(True for _ in self.parameters()) else "cpu"
+        self.offloader = apply_activation_offload(blocks, options, device)
         # FP8 GEMMs for the linears (--fp8-format; the experts take theirs from the MoE config)
         convert_linears_to_fp8(self, options.fp8, dims.tp_group)
 
@@ -181,10 +193,14 @@ class MoEDecoder(nn.Module):
         (one checkpoint per group)."""
         infos: dict[int, MoEOutputInfo] = {}
         ids = [int(k) for k in self.layers] if layer_ids is None else list(layer_ids)
+        if self.offloader is not None:   # this micro-batch's offloaded tensors in these layers go together
+            self.offloader.begin_chunk()
         for group, recompute in full_recompute_groups(ids, self.options):
             hidden, group_infos = checkpointed(self._run_group, hidden, position_ids, group, global_states,
                                                enabled=recompute)
             infos.update(group_infos)
+        if self.offloader is not None:
+            hidden = self.offloader.end_chunk(hidden)
         return hidden, infos
 
     def _run_group(self, hidden: Tensor, position_ids: Tensor, layer_ids: list[int],
@@ -202,10 +218,12 @@ class MoEDecoder(nn.Module):
 
     def head_loss(self, hidden: Tensor, labels_BS: Tensor, loss_mask_BS: Tensor | None = None,
                   input_ids_BS: Tensor | None = None, position_ids: Tensor | None = None,
-                  global_states: dict[int, GlobalLoadState] | None = None,
+                  global_states: dict[int, GlobalLoadState] | None = None, normalised: bool = False,
                   ) -> tuple[Tensor, dict[str, Tensor], dict[int, MoEOutputInfo]]:
         """Last-stage part: (loss share on the graph: lm + weighted MTP, logging values, MTP layers' MoE infos).
 
+        ``hidden`` is the last decoder layer's output (``normalised``: already through the final norm). A stage
+        without the LM head (a standalone MTP stage) returns the weighted MTP share alone, and no ``lm`` logs.
         ``input_ids_BS``/``position_ids`` are needed only with MTP. Collective over tp and cp.
         """
         if self.output_head is None:
@@ -213,17 +231,21 @@ class MoEDecoder(nn.Module):
         labels = labels_BS.t()
         mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask_BS is None else loss_mask_BS.t().float()
         mask = mask * (labels != IGNORE_INDEX)  # ignored labels count as masked tokens
-        normed = self.norm(hidden)   # the main head's input, and MTP depth 1's (Megatron-Core's convention)
-        lm = self._token_loss(self.output_head(normed), labels, mask)
-        logs = {"lm": lm.mean, "lm_loss_sum": lm.local_sum, "num_tokens": lm.local_tokens}
-        lm_share = lm.share
-        loss, infos = lm_share, {}
+        # the main head's input, and MTP depth 1's (Megatron-Core's convention); already normalised where the
+        # final norm lives on an earlier stage (with MTP: the one holding the last decoder layer)
+        normed = hidden if normalised else self.norm(hidden)
+        loss, logs, infos = None, {}, {}
+        if self.with_lm:
+            lm = self._token_loss(self.output_head(normed), labels, mask)
+            logs = {"lm": lm.mean, "lm_loss_sum": lm.local_sum, "num_tokens": lm.local_tokens}
+            loss = lm.share
         if len(self.mtp):
             if input_ids_BS is None or position_ids is None:
                 raise ValueError("MTP needs input_ids_BS and position_ids in head_loss")
             mtp_share, mtp_logs, infos = self._mtp_loss(normed, input_ids_BS.t(), labels, mask, position_ids,
                                                         global_states)
-            loss = loss + self.config.mtp_loss_scaling_factor * mtp_share
+            mtp_share = self.config.mtp_loss_scaling_factor * mtp_share
+            loss = mtp_share if loss is None else loss + mtp_share
             logs.update(mtp_logs)
         return loss, logs, infos
 

@@ -89,6 +89,7 @@ def router_config(config: ModelConfig, options: ModelOptions) -> RouterConfig:
         enable_expert_bias=c.moe_expert_bias, bias_update_rate=c.moe_bias_update_rate,
         z_loss_coeff=c.moe_z_loss_coeff, input_jitter_eps=c.moe_input_jitter_eps, router_dtype=c.moe_router_dtype,
         expert_capacity_factor=c.moe_expert_capacity_factor, token_drop_policy=c.moe_token_drop_policy,
+        expert_rank_capacity_factor=c.moe_expert_rank_capacity_factor,
         pad_expert_input_to_capacity=c.moe_pad_expert_input_to_capacity,
         force_load_balancing=c.moe_router_force_load_balancing, init_std=options.init_std, bias=c.moe_router_bias)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moefold.dense.activation_offload import MIN_OFFLOADED_TENSOR_SIZE, check_offload, check_offload_modules
 from moefold.dense.context_parallel import CP_COMM_MODES
 from moefold.dense.gated_delta_rule import GATED_DELTA_RULE_BACKENDS
 from moefold.dense.recompute import (
@@ -53,6 +54,9 @@ class ModelOptions:
                        the expert GEMMs take host counts anyway)
     moe_deepep_max_tokens_per_rank: DeepEP V2's ``num_max_tokens_per_rank`` (0: the run's micro-batch x
                        sequence / (tp x cp), filled in by ``training.trainer.model_options``)
+    offload_modules:   fine-grained activation offloading (--fine-grained-activation-offloading --offload-modules):
+                       the modules whose saved tensors wait in host memory (``dense.activation_offload``); () = off
+    min_offloaded_tensor_size: saved tensors with fewer elements stay on the device (--min-offloaded-tensor-size)
     linear_attention_backend: Gated DeltaNet kernel, "auto" | "torch" | "fla" (``dense.gated_delta_rule``)
     """
 
@@ -72,6 +76,8 @@ class ModelOptions:
     moe_deepep_mode: str = "hybrid"
     moe_deepep_cpu_sync: bool | None = None
     moe_deepep_max_tokens_per_rank: int = 0
+    offload_modules: tuple[str, ...] = ()
+    min_offloaded_tensor_size: int = MIN_OFFLOADED_TENSOR_SIZE
     linear_attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -94,6 +100,11 @@ class ModelOptions:
             raise ValueError(f"ModelOptions.gemm_backend={self.gemm_backend!r}; valid: {', '.join(GEMM_BACKENDS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"ModelOptions.dtype={self.dtype!r}; valid: {', '.join(DTYPES)}")
+        object.__setattr__(self, "offload_modules", check_offload_modules(self.offload_modules))
+        check_offload(self.offload_modules, self.recompute, self.recompute_modules)
+        if (not isinstance(self.min_offloaded_tensor_size, int) or isinstance(self.min_offloaded_tensor_size, bool)
+                or self.min_offloaded_tensor_size < 0):
+            raise ValueError(f"--min-offloaded-tensor-size={self.min_offloaded_tensor_size!r} must be an integer >= 0")
         if not self.init_std > 0:
             raise ValueError(f"ModelOptions.init_std={self.init_std!r} must be > 0")
         check_flex_backend(self.moe_flex_dispatcher_backend)

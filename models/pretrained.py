@@ -20,6 +20,8 @@ from moefold.models import checkpoint as moefold_checkpoint
 from moefold.models.config import ModelConfig
 from moefold.models.decoder import MoEDecoder
 from moefold.models.hf import importer
+from moefold.models.hf.bounds import check_weights_match_config
+from moefold.models.hf.fp8_blocks import fp8_reader
 from moefold.models.tensor_io import TensorReader
 
 
@@ -38,20 +40,27 @@ def pretrained_kind(path: str | os.PathLike) -> str:
 
 @contextmanager
 def open_pretrained(path: str | os.PathLike) -> Iterator[tuple[ModelConfig, TensorReader, bool]]:
-    """(config, tensor reader, whether the tensors use HF names) of ``path``; the reader closes on exit."""
+    """(config, tensor reader, whether the tensors use HF names) of ``path``; the reader closes on exit. The
+    config must describe the tensors there (``models.hf.bounds``: checked before anything is allocated)."""
     kind = pretrained_kind(path)
     with TensorReader(path) as reader:
         if kind == "hf":
-            yield importer.load_config(path, reader), reader, True
+            config = importer.load_config(path, reader)
+            importer.check_quantization(config)
+            reader = fp8_reader(reader, (config.extra or {}).get("hf_config"))   # FP8 blocks read dequantised
+            check_weights_match_config(path, config, reader, importer.read_hf_config(path))
+            yield config, reader, True
         else:
-            yield moefold_checkpoint.load_config(path), reader, False
+            config = moefold_checkpoint.load_config(path)
+            check_weights_match_config(path, config, reader, config_file=moefold_checkpoint.CONFIG_FILE)
+            yield config, reader, False
 
 
 def pretrained_config(path: str | os.PathLike) -> ModelConfig:
     """The architecture of ``path`` (DeepSeek-V3 MTP layers only when their tensors are there)."""
     with open_pretrained(path) as (config, _, hf):
         if hf:
-            importer.check_unquantized(config)
+            importer.check_quantization(config)
         return config
 
 

@@ -117,10 +117,14 @@ def block_pieces(block: TransformerBlock, index: int, position_ids: Tensor, ffn_
 
     def pre(carry: LayerCarry) -> _Pre:
         x = carry.hidden
-        h = x + block._after_norm(block.input_layernorm, x, lambda n: block.self_attn(n, position_ids))
+        h = x + block._after_norm(block.input_layernorm, x, lambda n: block.self_attn(n, position_ids),
+                                  block.offload_attn_norm)
         norm = CheckpointWithoutOutput() if block.recompute_layernorm else None
-        normed = norm.checkpoint(block.post_attention_layernorm, h) if norm is not None else \
-            block.post_attention_layernorm(h)
+        if norm is not None:
+            normed = norm.checkpoint(block.post_attention_layernorm, h)
+        else:   # the block's own forward runs this norm in its offload region (none: the overlap refuses offloading)
+            with block.offload_mlp_norm:
+                normed = block.post_attention_layernorm(h)
         return _Pre(carry, h, moe.route_and_prepare(normed, **ffn_kwargs), norm)
 
     def dispatch_split(p: _Pre) -> tuple[TokenExchange, tuple[Tensor, ...], _Pre]:
@@ -151,11 +155,9 @@ def check_overlap(block: TransformerBlock, index: int) -> None:
     """ValueError naming the flag when block ``index`` cannot run as pieces with the overlap schedules."""
     if isinstance(block.mlp, MoELayer):
         if not block.mlp.dispatcher.staged:
-            d = block.mlp.dispatcher
-            what = f"{d.name!r} on DeepEP V2" if getattr(d, "backend", None) == "deepep" else repr(d.name)
-            raise ValueError(f"--overlap-moe-expert-parallel-comm runs with the alltoall dispatcher and flex on "
-                             f"DeepEP's v1 API, not {what} (its exchange is not a separate step): use "
-                             f"--moe-token-dispatcher-type alltoall or --moe-flex-dispatcher-backend deepep-legacy")
+            raise ValueError(f"--overlap-moe-expert-parallel-comm runs with the alltoall and flex dispatchers, not "
+                             f"{block.mlp.dispatcher.name!r} (its exchange is not a separate step; Megatron refuses "
+                             f"it too): use --moe-token-dispatcher-type alltoall")
         if block.recompute_ffn:
             raise ValueError("--overlap-moe-expert-parallel-comm cannot checkpoint the whole MoE layer "
                              "(--recompute-modules moe): the checkpoint would span its exchanges; recompute "

@@ -46,8 +46,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moefold.dense.activation_offload import NO_OFFLOAD
 from moefold.dense.recompute import CheckpointWithoutOutput
 from moefold.dense.split_backward import WeightGradStore
+from moefold.moe.block_gemm import BlockScaledGroupedGemm, check_expert_blocks
 from moefold.moe.fp8_gemm import Float8GroupedGemm, check_fp8_gemm_backend
 from moefold.moe.gemm import (
     GEMM_BACKENDS,
@@ -60,6 +62,7 @@ from moefold.moe.gemm import (
 from moefold.moe.split_gemm import SplitGroupedGemm
 from moefold.parallel.comm import copy_to_region
 from moefold.parallel.fp8 import FP8Config
+from moefold.parallel.fp8_param import mark_fp8_param
 from moefold.parallel.groups import Group, group_rank, group_size
 from moefold.parallel.sharding import Shard, mark_sharded, normal_init, set_init
 
@@ -181,6 +184,8 @@ class GroupedExperts(nn.Module):
         self._activation = self._eager_activation
         self.ep_group, self.etp_group = ep_group, etp_group
         self.recompute_activation = False   # selective recompute ``moe_act`` (``dense.recompute``), set by the model
+        # fine-grained activation offloading (``dense.activation_offload``) of the gate/up GEMM and the activation
+        self.offload_expert_fc1 = self.offload_moe_act = NO_OFFLOAD
         e, f, gates = self.num_local_experts, ffn_hidden_size // etp, 2 if self.gated else 1
         kw = {"dtype": dtype, "device": device}
         self.w13 = nn.Parameter(torch.empty(e, gates, f, hidden_size, **kw))
@@ -208,8 +213,16 @@ class GroupedExperts(nn.Module):
         if fp8 is not None and fp8.backend == "torchao":  # etp splits w13's rows (M) and w2's columns (K)
             grouped = gemm_backend == "grouped_mm"
             tokens = fp8_token_group  # ParallelDims.expert_token_group: see moe.fp8_gemm
-            self._gemm13 = Float8GroupedGemm(fp8, grouped=grouped, m_group=etp_group, token_group=tokens)
-            self._gemm2 = Float8GroupedGemm(fp8, grouped=grouped, k_group=etp_group, token_group=tokens)
+            if fp8.block_scaled:   # blockwise / mxfp8 / nvfp4: moe.block_gemm
+                check_expert_blocks(fp8, f, etp)
+                gemm_cls = BlockScaledGroupedGemm
+            else:
+                gemm_cls = Float8GroupedGemm
+            self._gemm13 = gemm_cls(fp8, grouped=grouped, m_group=etp_group, token_group=tokens)
+            self._gemm2 = gemm_cls(fp8, grouped=grouped, k_group=etp_group, token_group=tokens)
+            if fp8.param_gather:   # FP8 primary weights: one matrix per expert (parallel.fp8_param)
+                mark_fp8_param(self.w13, fp8, {"out_group": etp_group}, matrix=(gates * f, hidden_size))
+                mark_fp8_param(self.w2, fp8, {"in_group": etp_group}, matrix=(hidden_size, f))
         # TE's modules hold per-module state (FP8 scales): built once, kept out of the module tree
         # (a tuple is not registered), so parameters and state_dict stay w13 / w2
         self._te: tuple[TEExpertGemms, ...] = ()
@@ -264,16 +277,18 @@ class GroupedExperts(nn.Module):
         w13 = self.w13.reshape(e, gates * f, H)
         if self._te:  # with no rows too: every rank of TE's amax group must run the same TE calls (moe.te_gemm)
             return self._te[0](tokens_NH, w13, self.w2, counts_host, self._activate)
-        h_NGf = self._gemm13(tokens_NH, w13, tokens_per_expert_e, self.gemm_backend, trans_w=True,
-                             counts_host=counts_host)
-        rows_e = None
-        if self.w13_bias is not None:
-            # each row's expert, e for rows past the last block (no token: a zero bias, and their gradient goes
-            # to that extra row, not to an expert's); output_size makes it sync-free on CUDA
-            rows_e = row_experts(tokens_per_expert_e, tokens_NH.shape[0])
-            h_NGf = h_NGf + _with_zero_row(self.w13_bias.reshape(e, gates * f))[rows_e]
+        with self.offload_expert_fc1:
+            h_NGf = self._gemm13(tokens_NH, w13, tokens_per_expert_e, self.gemm_backend, trans_w=True,
+                                 counts_host=counts_host)
+            rows_e = None
+            if self.w13_bias is not None:
+                # each row's expert, e for rows past the last block (no token: a zero bias, and their gradient goes
+                # to that extra row, not to an expert's); output_size makes it sync-free on CUDA
+                rows_e = row_experts(tokens_per_expert_e, tokens_NH.shape[0])
+                h_NGf = h_NGf + _with_zero_row(self.w13_bias.reshape(e, gates * f))[rows_e]
         recompute = CheckpointWithoutOutput() if self.recompute_activation else None
-        act_Nf = self._activate(h_NGf) if recompute is None else recompute.checkpoint(self._activate, h_NGf)
+        with self.offload_moe_act:
+            act_Nf = self._activate(h_NGf) if recompute is None else recompute.checkpoint(self._activate, h_NGf)
         out_NH = self._gemm2(act_Nf, self.w2, tokens_per_expert_e, self.gemm_backend, trans_w=True,
                              counts_host=counts_host)
         if recompute is not None:   # moe_act: the activation is freed once w2 saved it, recomputed before its backward

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from moefold.dense.activation_offload import NO_OFFLOAD
 from moefold.dense.recompute import checkpointed
 from moefold.dispatch import build_dispatcher
 from moefold.dispatch.base import Dispatched, DispatchHandle
@@ -130,6 +131,15 @@ class MoELayer(nn.Module):
         self.router = Router(config.router, hidden_size, RouterGroups.from_dims(dims))
         options = flex_options(config, hidden_size) if config.dispatcher == "flex" else {}
         fp8_dispatch = config.fp8 is not None and config.fp8.dispatch
+        padding = config.fp8 is not None and config.fp8.router_padding
+        self._pad_multiple = config.fp8.align_size if padding else None
+        if padding and config.router.expert_capacity_factor is not None:
+            raise ValueError("--moe-router-padding-for-quantization pads dropless routing; with "
+                             "--moe-expert-capacity-factor pad to capacity instead "
+                             "(--moe-pad-expert-input-to-capacity)")
+        if padding and config.dispatcher == "flex":
+            raise ValueError("--moe-router-padding-for-quantization is laid out by the allgather / alltoall "
+                             "dispatchers' row maps; the flex (DeepEP) dispatcher does not take it")
         self.dispatcher = build_dispatcher(config.dispatcher, config.num_experts, dims, fp8=fp8_dispatch, **options)
         self.experts = GroupedExperts(
             config.num_experts, hidden_size, config.moe_ffn_hidden_size, ep_group=dims.ep_group,
@@ -141,6 +151,7 @@ class MoELayer(nn.Module):
         self.etp_rank = group_rank(dims.etp_group)
         self.shared_experts = None
         self.recompute_shared_experts = False   # selective recompute (``dense.recompute``), set by the model
+        self.offload_shared_experts = NO_OFFLOAD   # activation offloading (``dense.activation_offload``), likewise
         if config.has_shared_experts:
             self.shared_experts = SharedExperts(
                 hidden_size, config.shared_expert_ffn_size, tp_group=dims.tp_group,
@@ -169,6 +180,8 @@ class MoELayer(nn.Module):
                 seq_ids_T = seq_ids_T.chunk(self.tp)[group_rank(self.tp_group)]
             router_kw = {"seq_ids_T": seq_ids_T, "num_seqs": B}
         routed = self.router(x_TH, global_state=global_state, generator=generator, **router_kw)
+        if self._pad_multiple is not None:   # --moe-router-padding-for-quantization: the dispatch lays rows out padded
+            routed = replace(routed, routing=replace(routed.routing, pad_multiple=self._pad_multiple))
         if self.config.apply_probs_on_input:  # top-1: scale the token, sum the copy unweighted
             # the product in fp32 (bf16 tokens times the fp32 prob), rounded once: Megatron-Core's experts.py
             # ``permuted_probs.unsqueeze(-1) * permuted_local_hidden_states`` then ``.to(original_dtype)``
@@ -178,7 +191,8 @@ class MoELayer(nn.Module):
     def _shared(self, x_SBH: Tensor) -> Tensor | None:
         if self.shared_experts is None:
             return None
-        return checkpointed(self.shared_experts, x_SBH, enabled=self.recompute_shared_experts)
+        with self.offload_shared_experts:
+            return checkpointed(self.shared_experts, x_SBH, enabled=self.recompute_shared_experts)
 
     def _routed_experts(self, dispatched: Dispatched) -> Tensor:
         """routed experts: plain FFN_g(rows) (partial sums over etp)"""

@@ -30,7 +30,7 @@ from moefold.moe.balance_losses import (
     switch_aux_loss,
     z_loss,
 )
-from moefold.moe.capacity import capacity_keep_mask, expert_capacity
+from moefold.moe.capacity import capacity_keep_mask, expert_capacity, rank_capacity_keep_mask
 from moefold.moe.router_config import RouterConfig
 from moefold.moe.router_stats import RouterStats, compute_router_stats, router_entropy_sum
 from moefold.moe.scoring import count_per_expert, gating_logits, route_scores, router_dtype, scores_for_aux_loss
@@ -48,15 +48,18 @@ class RouterGroups:
 
     tp_cp:    ranks holding pieces of the same sequences (per-micro-batch statistics and losses)
     tp_cp_dp: every rank that sees different tokens of the step (global counts, expert bias)
+    dispatch: the token dispatcher's group (etp x ep) and ``ep`` its expert-parallel size (rank capacity)
     """
 
     tp_cp: Group = None
     tp_cp_dp: Group = None
+    dispatch: Group = None
+    ep: int = 1
 
     @classmethod
     def from_dims(cls, dims: ParallelDims) -> RouterGroups:
         """From a parallel.ParallelDims."""
-        return cls(tp_cp=dims.tp_cp_group, tp_cp_dp=dims.tp_cp_dp_group)
+        return cls(tp_cp=dims.tp_cp_group, tp_cp_dp=dims.tp_cp_dp_group, dispatch=dims.etp_ep_group, ep=dims.ep)
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,12 @@ class Router(nn.Module):
         if cfg.expert_capacity_factor is not None:
             capacity = expert_capacity(T, K, E, cfg.expert_capacity_factor)
             keep_TK = capacity_keep_mask(probs_TK, ids_TK, E, capacity, cfg.token_drop_policy)
+            probs_TK = probs_TK * keep_TK
+            kept_E = count_per_expert(ids_TK, E, keep_TK)
+        if cfg.expert_rank_capacity_factor is not None:   # at most C x its share per expert-parallel rank
+            keep_TK = rank_capacity_keep_mask(probs_TK, ids_TK, kept_E, E, self.groups.ep,
+                                              cfg.expert_rank_capacity_factor, cfg.token_drop_policy,
+                                              self.groups.dispatch, keep_TK)
             probs_TK = probs_TK * keep_TK
             kept_E = count_per_expert(ids_TK, E, keep_TK)
         routing = Routing(probs_TK=probs_TK.to(torch.float32), expert_ids_TK=ids_TK, tokens_per_expert_E=kept_E,

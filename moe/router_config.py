@@ -61,6 +61,9 @@ class RouterConfig:
     bias_update_rate: float = 1e-3                    # --moe-router-bias-update-rate
     bias_update_center: bool = False                  # moefold: subtract the mean of each bias update
     expert_capacity_factor: float | None = None       # --moe-expert-capacity-factor (None: dropless)
+    # --moe-expert-rank-capacity-factor: copies an expert-parallel rank receives, at most C x its share (the
+    # dispatch group's copies / ep); copies are dropped only where a rank's load exceeds that (moe.capacity)
+    expert_rank_capacity_factor: float | None = None
     token_drop_policy: str = "probs"                  # --moe-token-drop-policy: probs | position
     pad_expert_input_to_capacity: bool = False        # --moe-pad-expert-input-to-capacity
     force_load_balancing: bool = False                # --moe-router-force-load-balancing (benchmarks)
@@ -155,6 +158,9 @@ class RouterConfig:
     def _check_capacity(self) -> None:
         if self.expert_capacity_factor is not None and not self.expert_capacity_factor > 0:
             raise _err(f"expert_capacity_factor={self.expert_capacity_factor} must be > 0 (or None: dropless)")
+        if self.expert_rank_capacity_factor is not None and not self.expert_rank_capacity_factor > 0:
+            raise _err(f"expert_rank_capacity_factor={self.expert_rank_capacity_factor} must be > 0 (or None: "
+                       "dropless)")
         if self.token_drop_policy not in DROP_POLICIES:
             raise _err(f"token_drop_policy={self.token_drop_policy!r} is unknown; valid: {', '.join(DROP_POLICIES)}")
         if self.pad_expert_input_to_capacity and self.expert_capacity_factor is None:

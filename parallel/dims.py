@@ -147,6 +147,9 @@ class ParallelDims:
     tp_cp_dp_group: Group = field(default=None, repr=False)
     etp_ep_group: Group = field(default=None, repr=False)
     expert_token_group: Group = field(default=None, repr=False)
+    # the flattened sub-meshes of the derived groups (FSDP2 shards over them: training.optim.fsdp)
+    dp_cp_mesh: DeviceMesh | None = field(default=None, repr=False)
+    tp_cp_dp_mesh: DeviceMesh | None = field(default=None, repr=False)
 
     @classmethod
     def single(cls, device_type: str = "cpu") -> ParallelDims:
@@ -165,6 +168,8 @@ class ParallelDims:
         dense = init_device_mesh(device_type, (s.pp, s.dp, s.cp, s.tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
         expert = init_device_mesh(device_type, (s.pp, s.edp, s.ep, s.etp), mesh_dim_names=("pp", "edp", "ep", "etp"))
         tp_cp = dense["cp", "tp"]._flatten("tp_cp").get_group()
+        dp_cp = dense["dp", "cp"]._flatten("dp_cp")
+        tp_cp_dp = dense["dp", "cp", "tp"]._flatten("tp_cp_dp")
         return cls(
             sizes=s, rank=dist.get_rank(), device_type=device_type, dense_mesh=dense, expert_mesh=expert,
             tp_group=dense["tp"].get_group(),
@@ -175,8 +180,8 @@ class ParallelDims:
             etp_group=expert["etp"].get_group(),
             edp_group=expert["edp"].get_group(),
             tp_cp_group=tp_cp,
-            dp_cp_group=dense["dp", "cp"]._flatten("dp_cp").get_group(),
-            tp_cp_dp_group=dense["dp", "cp", "tp"]._flatten("tp_cp_dp").get_group(),
+            dp_cp_group=dp_cp.get_group(), tp_cp_dp_group=tp_cp_dp.get_group(), dp_cp_mesh=dp_cp,
+            tp_cp_dp_mesh=tp_cp_dp,
             etp_ep_group=expert["ep", "etp"]._flatten("etp_ep").get_group(),
             expert_token_group=_expert_token_group(s, dist.get_rank(), tp_cp),
         )

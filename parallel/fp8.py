@@ -9,10 +9,19 @@ only definitions of its flags, so a new backend or recipe is added here once.
   and in the grouped expert GEMMs (``moe.fp8_gemm``), on CPU (torch's emulated ``_scaled_mm``) and
   CUDA. Recipes: ``tensorwise`` (one scale per tensor; per expert for the experts) and ``rowwise``
   (one scale per row along each GEMM's contraction dim, power-of-2 scales).
+  Block-scaled recipes (``parallel.block_cast``, run by ``dense.block_linear`` / ``moe.block_gemm``):
+  ``blockwise`` (DeepSeek-V3's: activations and gradients per 1x128 tile along each GEMM's contraction dim,
+  weights per 128x128 block, fp32 scales; torchao's ``blockwise_fp8_training``), ``mxfp8`` (32-element
+  blocks with e8m0 scales, RCEIL; torchao's ``mx_formats`` / ``moe_training``), and FP4 ``nvfp4``
+  (``--fp4-format e2m1``: e2m1 values, 16-element blocks with e4m3 scales under an fp32 per-tensor scale,
+  weights in 16x16 blocks). On CPU they are emulated (quantise, dequantise, fp32 GEMM: the numerics, no
+  speed-up).
 - backend ``te``: Transformer Engine's autocast around TE modules: the linears through ``te.Linear``
   and the experts through ``te.GroupedLinear`` (``--moe-grouped-gemm-backend te``). Recipes:
   ``delayed`` (amax history, TE ``DelayedScaling``), ``tensorwise`` (``Float8CurrentScaling``),
-  ``mxfp8`` (32-element blocks, ``MXFP8BlockScaling``; Blackwell GPUs only). TE's autocast is entered
+  ``blockwise`` (``Float8BlockScaling``: 1x128 / 128x128, compute capability 9.0+ and CUDA 12.9+),
+  ``mxfp8`` (32-element blocks, ``MXFP8BlockScaling``; compute capability 10.x), and ``nvfp4``
+  (``--fp4-format e2m1``: ``NVFP4BlockScaling``, compute capability 10.0+). TE's autocast is entered
   once per stage forward with the stage's dp x cp x tp group as its amax group (``parallel.fp8_region``);
   its amax history is not checkpointed: a resumed run rebuilds it over its first steps.
 
@@ -34,12 +43,21 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 FP8_FORMATS: tuple[str, ...] = ("e4m3", "hybrid")
+FP4_FORMATS: tuple[str, ...] = ("e2m1", "nvfp4")   # Megatron's --fp4-format e2m1; nvfp4 names the same thing
+FP4_RECIPES: tuple[str, ...] = ("nvfp4",)
 FP8_BACKENDS: tuple[str, ...] = ("torchao", "te")
-# the recipes each backend runs; the first is its default
-BACKEND_RECIPES: dict[str, tuple[str, ...]] = {"torchao": ("tensorwise", "rowwise"),
-                                               "te": ("delayed", "tensorwise", "mxfp8")}
-FP8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "delayed", "mxfp8")
+# the FP8 recipes each backend runs; the first is its default (FP4: nvfp4 on both)
+BACKEND_RECIPES: dict[str, tuple[str, ...]] = {"torchao": ("tensorwise", "rowwise", "blockwise", "mxfp8"),
+                                               "te": ("delayed", "tensorwise", "blockwise", "mxfp8")}
+FP8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "delayed", "blockwise", "mxfp8")
+BLOCK_RECIPES: tuple[str, ...] = ("blockwise", "mxfp8", "nvfp4")   # parallel.block_cast
+# compute capability the GPU kernels of a recipe need (CPU: emulated); TE's own checks in quantization.py
+MIN_CAPABILITY: dict[str, tuple[tuple[int, int], str]] = {
+    "tensorwise": ((8, 9), "Ada/Hopper"), "rowwise": ((8, 9), "Ada/Hopper"), "delayed": ((8, 9), "Ada/Hopper"),
+    "blockwise": ((9, 0), "Hopper"), "mxfp8": ((10, 0), "Blackwell"), "nvfp4": ((10, 0), "Blackwell")}
 DEFAULT_EXCLUDE: tuple[str, ...] = ("output_head",)
 TE_INSTALL = "pip install --no-build-isolation transformer-engine[pytorch] (needs CUDA)"
 TORCHAO_INSTALL = 'pip install torchao==0.18.0 (or pip install -e ".[fp8]")'
@@ -57,15 +75,32 @@ class FP8Config:
     backend: str = "torchao"
     exclude_modules: tuple[str, ...] = DEFAULT_EXCLUDE
     dispatch: bool = False
+    fp4: str | None = None            # --fp4-format (e2m1): NVFP4 GEMMs instead of FP8 ones
+    param_gather: bool = False        # --fp8-param-gather: FP8 primary weights, all-gathered as FP8
+    router_padding: bool = False      # --moe-router-padding-for-quantization
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "exclude_modules", tuple(self.exclude_modules))  # a list from JSON
         if self.format is not None and self.format not in FP8_FORMATS:
             raise ValueError(f"--fp8-format={self.format!r} is not one of {', '.join(FP8_FORMATS)}")
+        if self.fp4 is not None and self.fp4 not in FP4_FORMATS:
+            raise ValueError(f"--fp4-format={self.fp4!r} is not one of {', '.join(FP4_FORMATS)}")
         if self.backend not in FP8_BACKENDS:
             raise ValueError(f"--fp8-backend={self.backend!r} is not one of {', '.join(FP8_BACKENDS)}")
-        if self.recipe is not None and self.recipe not in FP8_RECIPES:
+        if self.fp4 is not None:
+            if self.format is not None:
+                raise ValueError(f"--fp4-format={self.fp4} and --fp8-format={self.format} cannot be used together; "
+                                 "choose one")
+            object.__setattr__(self, "fp4", "e2m1")
+            if self.recipe not in (None, *FP4_RECIPES):
+                raise ValueError(f"--fp4-format e2m1 runs recipe {', '.join(FP4_RECIPES)}, not {self.recipe!r}")
+            object.__setattr__(self, "recipe", FP4_RECIPES[0])
+        elif self.recipe is not None and self.recipe not in FP8_RECIPES:
             raise ValueError(f"--fp8-recipe={self.recipe!r} is not one of {', '.join(FP8_RECIPES)}")
+        self._check_param_gather()
+        if self.router_padding and not self.enabled:
+            raise ValueError("--moe-router-padding-for-quantization pads expert token counts for FP8/FP4 GEMMs; "
+                             "it needs --fp8-format or --fp4-format")
         if self.format is None:
             return
         valid = BACKEND_RECIPES[self.backend]
@@ -74,11 +109,41 @@ class FP8Config:
         elif self.recipe not in valid:
             raise ValueError(f"--fp8-recipe={self.recipe} is not supported by --fp8-backend={self.backend}; "
                              f"it supports {', '.join(valid)}")
+        if self.backend == "torchao" and self.recipe in ("blockwise", "mxfp8") and self.format == "hybrid":
+            raise ValueError(f"--fp8-recipe {self.recipe} with --fp8-backend torchao is e4m3 everywhere (torchao's "
+                             f"{'blockwise kernels' if self.recipe == 'blockwise' else 'MXFP8 training recipes'}): use "
+                             "--fp8-format e4m3, or --fp8-backend te for e5m2 gradients")
+
+    def _check_param_gather(self) -> None:
+        if not self.param_gather:
+            return
+        if self.format is None:
+            raise ValueError("--fp8-param-gather keeps FP8 primary weights: it needs --fp8-format")
+        if self.backend != "torchao" or self.recipe not in (None, "tensorwise", "blockwise"):
+            raise ValueError(f"--fp8-param-gather needs one FP8 copy of each weight that serves both its forward and "
+                             f"its backward GEMM: --fp8-backend torchao with --fp8-recipe tensorwise or blockwise "
+                             f"(one scale per tensor / per 128x128 block), not {self.backend} {self.recipe}")
 
     @property
     def enabled(self) -> bool:
-        """FP8 GEMMs are on (``dispatch`` is separate)."""
-        return self.format is not None
+        """FP8 or FP4 GEMMs are on (``dispatch`` is separate)."""
+        return self.format is not None or self.fp4 is not None
+
+    @property
+    def block_scaled(self) -> bool:
+        """A block-scaled recipe run by moefold's own casts (``parallel.block_cast``): torchao blockwise/mxfp8/nvfp4."""
+        return self.enabled and self.backend == "torchao" and self.recipe in BLOCK_RECIPES
+
+    @property
+    def align_size(self) -> int:
+        """Rows each expert's token count is padded to with ``router_padding``: the grouped kernels' multiple
+        (TE's ``get_align_size_for_quantization``: 32 MXFP8, 128 NVFP4, else 16; torchao's blockwise grouped GEMM
+        pads its groups to 128)."""
+        if self.recipe == "mxfp8":
+            return 32
+        if self.recipe == "nvfp4" or (self.recipe == "blockwise" and self.backend == "torchao"):
+            return 128
+        return 16
 
     @property
     def group_alignment(self) -> int:
@@ -91,8 +156,15 @@ class FP8Config:
 
     def describe(self) -> str:
         name = {"torchao": "torchao", "te": "Transformer Engine"}[self.backend]
-        gemms = f"fp8 {self.format} {self.recipe} ({name})" if self.enabled else "fp8 off"
-        return gemms + (", fp8 dispatch" if self.dispatch else "")
+        if not self.enabled:
+            gemms = "fp8 off"
+        elif self.fp4 is not None:
+            gemms = f"fp4 {self.fp4} {self.recipe} ({name})"
+        else:
+            gemms = f"fp8 {self.format} {self.recipe} ({name})"
+        extras = [x for x, on in (("fp8 param gather", self.param_gather), ("fp8 dispatch", self.dispatch),
+                                  ("router padding", self.router_padding)) if on]
+        return ", ".join([gemms, *extras])
 
     def te_recipe(self) -> Any:
         """Transformer Engine's recipe object for this config (imports transformer_engine), built once per
@@ -106,12 +178,16 @@ class FP8Config:
             return
         if self.backend == "torchao":
             import_torchao()
+            if torch.cuda.is_available():
+                self.check_device(torch.device("cuda"))
             return
         import_te("transformer_engine.pytorch")
         self.te_recipe()
-        # check_fp8_support() / check_mxfp8_support() -> (ok, reason): in transformer_engine.pytorch.quantization
-        # in recent releases, transformer_engine.pytorch.fp8 in older ones (2.8 and before)
-        name = "check_mxfp8_support" if self.recipe == "mxfp8" else "check_fp8_support"
+        # check_fp8_support() / check_mxfp8_support() / ... -> (ok, reason): in transformer_engine.pytorch.quantization
+        # in recent releases, transformer_engine.pytorch.fp8 in older ones (2.8 and before); autocast asserts the same
+        # (quantization.py autocast_enter)
+        name = {"mxfp8": "check_mxfp8_support", "blockwise": "check_fp8_block_scaling_support",
+                "nvfp4": "check_nvfp4_support"}.get(self.recipe, "check_fp8_support")
         for module in ("transformer_engine.pytorch.quantization", "transformer_engine.pytorch.fp8"):
             try:
                 check = getattr(importlib.import_module(module), name)
@@ -119,9 +195,26 @@ class FP8Config:
                 continue
             ok, reason = check()
             if not ok:
-                raise RuntimeError(f"--fp8-format={self.format} --fp8-recipe={self.recipe}: Transformer Engine "
-                                   f"says this device cannot run it: {reason}")
+                raise RuntimeError(f"{self.flags()}: Transformer Engine says this device cannot run it: {reason}")
             return
+
+    def flags(self) -> str:
+        """The flags that chose this config, e.g. ``--fp8-format e4m3 --fp8-recipe blockwise``."""
+        if self.fp4 is not None:
+            return f"--fp4-format {self.fp4} --fp4-recipe {self.recipe}"
+        return f"--fp8-format {self.format} --fp8-recipe {self.recipe}"
+
+    def check_device(self, device: torch.device) -> None:
+        """RuntimeError (one line) when ``device`` is a GPU without the tensor cores this recipe's kernels need
+        (a CPU emulates every recipe: numerics, no speed-up)."""
+        if not self.enabled or device.type != "cuda":
+            return
+        need, arch = MIN_CAPABILITY[self.recipe]
+        cap = torch.cuda.get_device_capability(device)
+        if cap < need:
+            raise RuntimeError(f"{self.flags()} needs compute capability {need[0]}.{need[1]}+ ({arch}); this GPU is "
+                               f"{cap[0]}.{cap[1]}" + ("; --fp8-recipe blockwise runs on Hopper" if need[0] >= 10
+                                                       and cap >= (9, 0) else ""))
 
 
 _TORCHAO: list[Any] = []  # the imported torchao.float8, once imported
@@ -162,6 +255,10 @@ def _te_recipe(fmt: str | None, recipe: str | None) -> Any:
         return recipe_mod.DelayedScaling(fp8_format=fp8_format)
     if recipe == "tensorwise":
         return recipe_mod.Float8CurrentScaling(fp8_format=fp8_format)
+    if recipe == "blockwise":   # 1x128 activations and gradients, 128x128 weights (TE's defaults)
+        return recipe_mod.Float8BlockScaling(fp8_format=fp8_format)
+    if recipe == "nvfp4":       # TE's defaults: 2D weights, RHT and stochastic rounding on the backward operands
+        return recipe_mod.NVFP4BlockScaling()
     return recipe_mod.MXFP8BlockScaling(fp8_format=fp8_format)
 
 
@@ -179,8 +276,20 @@ def add_fp8_arguments(parser: argparse.ArgumentParser | Any) -> None:
                         help="FP8 GEMMs in the linears and the experts: e4m3, or hybrid (e4m3 forward, e5m2 "
                              "gradients); default off")
     parser.add_argument("--fp8-recipe", default=None, choices=FP8_RECIPES,
-                        help="FP8 scaling; torchao: tensorwise (default) | rowwise; te: delayed (default) | "
-                             "tensorwise | mxfp8 (Blackwell)")
+                        help="FP8 scaling; torchao: tensorwise (default) | rowwise | blockwise (DeepSeek-V3: 1x128 "
+                             "activations, 128x128 weights) | mxfp8 (32-element e8m0 blocks); te: delayed (default) | "
+                             "tensorwise | blockwise (Hopper) | mxfp8 (Blackwell). CPU: emulated")
+    parser.add_argument("--fp4-format", default=None, choices=FP4_FORMATS,
+                        help="FP4 GEMMs instead of FP8: e2m1 (NVFP4: 16-element blocks, e4m3 scales, an fp32 "
+                             "per-tensor scale; Blackwell, emulated on CPU); nvfp4 is the same")
+    parser.add_argument("--fp4-recipe", default="nvfp4", choices=FP4_RECIPES,
+                        help="FP4 scaling recipe (nvfp4: TE NVFP4BlockScaling / moefold's torchao-numerics NVFP4)")
+    parser.add_argument("--fp8-param-gather", action="store_true",
+                        help="FP8 primary weights: the distributed optimizer all-gathers the updated weights as FP8 "
+                             "(1 byte per element) from fp32 masters (torchao tensorwise or blockwise)")
+    parser.add_argument("--moe-router-padding-for-quantization", action="store_true",
+                        help="pad each expert's token count to the FP8/FP4 grouped GEMM's multiple (16, 32 MXFP8, "
+                             "128 NVFP4 / torchao blockwise) in the dispatch's row map (zero rows, no extra copy)")
     parser.add_argument("--fp8-backend", default="torchao", choices=FP8_BACKENDS,
                         help="torchao (default; CPU and CUDA) or te (Transformer Engine, CUDA; the experts need "
                              "--moe-grouped-gemm-backend te)")
@@ -193,9 +302,13 @@ def add_fp8_arguments(parser: argparse.ArgumentParser | Any) -> None:
 
 
 def fp8_config_from_args(args: argparse.Namespace) -> FP8Config:
-    return FP8Config(format=args.fp8_format, recipe=args.fp8_recipe, backend=args.fp8_backend,
-                     exclude_modules=tuple(args.fp8_exclude_modules), dispatch=args.moe_fp8_dispatch)
+    fp4 = getattr(args, "fp4_format", None)
+    return FP8Config(format=args.fp8_format, recipe=args.fp4_recipe if fp4 else args.fp8_recipe,
+                     backend=args.fp8_backend, exclude_modules=tuple(args.fp8_exclude_modules),
+                     dispatch=args.moe_fp8_dispatch, fp4=fp4, param_gather=getattr(args, "fp8_param_gather", False),
+                     router_padding=getattr(args, "moe_router_padding_for_quantization", False))
 
 
-__all__ = ["BACKEND_RECIPES", "FP8_BACKENDS", "FP8_FORMATS", "FP8_RECIPES", "FP8Config", "add_fp8_arguments",
+__all__ = ["BACKEND_RECIPES", "BLOCK_RECIPES", "FP4_FORMATS", "FP8_BACKENDS", "FP8_FORMATS", "FP8_RECIPES", "FP8Config",
+           "add_fp8_arguments",
            "fp8_config_from_args", "import_te", "import_torchao"]

@@ -1,9 +1,18 @@
-"""Pipeline parallelism: stage splitting, point-to-point, schedules (GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipeV)
-and their executor, the batch-level overlap engine."""
+"""Pipeline parallelism: layouts (Megatron's ``--pipeline-model-parallel-layout``), stage splitting,
+point-to-point, schedules (GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipeV) and their executor, the batch-level
+overlap engine."""
 
 from moefold.pipeline.actions import Action, ActionKind, Message, Placement
 from moefold.pipeline.compute_orders import compute_order
-from moefold.pipeline.decoder_stage import DecoderStage, build_stage_model, decoder_microbatches, embedding_group
+from moefold.pipeline.decoder_stage import (
+    DecoderStage,
+    build_stage_model,
+    check_model_layout,
+    decoder_microbatches,
+    embedding_group,
+    shared_weight_groups,
+    shared_weight_holders,
+)
 from moefold.pipeline.executor import (
     BackwardStep,
     OverlappedStage,
@@ -13,6 +22,7 @@ from moefold.pipeline.executor import (
     reduce_step_losses,
     run_schedule,
 )
+from moefold.pipeline.layout import check_layout, format_layout, parse_layout, standard_layouts
 from moefold.pipeline.overlap import ChunkRun, OverlapConfig, Trace, run_overlapped
 from moefold.pipeline.p2p import (
     P2PHandle,
@@ -44,5 +54,6 @@ __all__ = [
     "DeadlockError", "ScheduleError", "SimResult", "simulate", "validate", "render_text", "plot_png",
     "PipelineStage", "PipelineResult", "SequentialStage", "run_schedule", "reduce_step_losses", "BackwardStep",
     "OverlappedStage", "ChunkRun", "OverlapConfig", "Trace", "run_overlapped",
-    "DecoderStage", "build_stage_model", "decoder_microbatches", "embedding_group",
+    "DecoderStage", "build_stage_model", "decoder_microbatches", "embedding_group", "shared_weight_groups",
+    "shared_weight_holders", "check_model_layout", "parse_layout", "check_layout", "format_layout", "standard_layouts",
 ]

@@ -27,9 +27,11 @@ the pieces of ``models.sublayers`` through ``pipeline.overlap`` (stitched into t
 a plain B action runs its pieces' backward), and an FB action runs one micro-batch's forward interleaved with
 another's backward (``forward_backward_step``). The values and gradients are the plain forward's.
 
-Tied embeddings / MTP: the last stage holds its own copy of ``embed_tokens`` (same name as on the
-first stage); ``embedding_group`` pairs the two stages so that the trainer can sum that parameter's
-gradient over them (Megatron's embedding group).
+Tied embeddings / MTP: every stage whose chunks read the embedding (the first, MTP's, a tied head's) holds its
+own copy of ``embed_tokens`` (same name everywhere), and a standalone MTP stage holds a copy of the untied output
+head; ``shared_weight_groups`` groups the holders so that the trainer can sum each copy's gradient over them
+(Megatron's embedding group, wherever ``--pipeline-model-parallel-layout`` puts them). A chunk that only passes
+the hidden state on (an empty stage, a standalone MTP stage) returns the received activation itself.
 """
 
 from __future__ import annotations
@@ -53,7 +55,6 @@ from moefold.moe.balance_losses import GlobalLoadState
 from moefold.moe.layer import MoEOutputInfo
 from moefold.parallel.dims import ParallelDims
 from moefold.parallel.groups import Group
-from moefold.pipeline.actions import Placement
 from moefold.pipeline.executor import BackwardStep
 from moefold.pipeline.overlap import ChunkRun, OverlapConfig, backward_seed, run_overlapped, stitch
 from moefold.pipeline.p2p import TensorSpec
@@ -67,9 +68,21 @@ def build_stage_model(config: ModelConfig, dims: ParallelDims, options: ModelOpt
     if layout.num_layers != config.num_layers or layout.pp != dims.pp:
         raise ValueError(f"layout (num_layers={layout.num_layers}, pp={layout.pp}) does not match the model "
                          f"(num_layers={config.num_layers}) and grid (pp={dims.pp})")
+    check_model_layout(config, layout)
     chunks = layout.rank_chunks(dims.pp_rank)
     return MoEDecoder(config, dims, options, layer_ids=layout.rank_layers(dims.pp_rank),
-                      with_embedding=any(c.has_embedding for c in chunks), with_head=any(c.has_head for c in chunks))
+                      with_embedding=any(c.has_embedding for c in chunks), with_head=any(c.has_head for c in chunks),
+                      with_mtp=any(c.has_mtp for c in chunks), with_norm=any(c.has_final_norm for c in chunks))
+
+
+def check_model_layout(config: ModelConfig, layout: StageLayout) -> None:
+    """A layout that names its MTP layers (``--pipeline-model-parallel-layout``'s ``m``) must name the model's."""
+    if layout.layout is None and layout.mtp_num_layers is None:
+        return
+    got = "".join(layout.stages).count("m")
+    if got != config.mtp_num_layers:
+        raise ValueError(f"--pipeline-model-parallel-layout={layout.text!r} holds {got} MTP layers (m), but the model "
+                         f"has mtp_num_layers={config.mtp_num_layers}: give {config.mtp_num_layers} x 'm'")
 
 
 class DecoderStage:
@@ -140,11 +153,17 @@ class DecoderStage:
             if spec.has_embedding:
                 hidden = model.embed(ids)
             hidden, infos = model.run_layers(hidden, position_ids, spec.layers, self._global_states or None)
-            if spec.has_head:
-                hidden, logs, mtp_infos = model.head_loss(hidden, microbatch["labels"], microbatch.get("loss_mask"),
-                                                          ids, position_ids, self._global_states or None)
+            if spec.has_final_norm:
+                hidden = model.norm(hidden)
+            share = None
+            if spec.has_head or (spec.has_mtp and len(model.mtp)):
+                share, logs, mtp_infos = model.head_loss(hidden, microbatch["labels"], microbatch.get("loss_mask"),
+                                                         ids, position_ids, self._global_states or None,
+                                                         normalised=True)
                 infos.update(mtp_infos)
-        return self._finish(microbatch["index"], hidden, infos, logs)
+                if spec.has_head:   # the loss share is the output; a standalone MTP stage's share is an extra loss
+                    hidden, share = share, None
+        return self._finish(microbatch["index"], hidden, infos, logs, share)
 
     def _forward_backward_step(self, chunk: int, hidden: Tensor | None, microbatch: dict[str, Any],
                                backward: BackwardStep) -> tuple[Tensor, Tensor | None]:
@@ -171,13 +190,14 @@ class DecoderStage:
         return position_ids
 
     def _finish(self, index: int, hidden: Tensor, infos: dict[int, MoEOutputInfo], logs: dict[str, Tensor] | None,
-                ) -> tuple[Tensor, Tensor | None]:
-        """Keep this chunk's statistics (module docstring) and return (hidden or loss share, extra loss)."""
-        if logs is not None:
-            self.lm_losses[index] = logs["lm"].detach()
+                extra: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """Keep this chunk's statistics (module docstring) and return (hidden or loss share, extra loss: ``extra``,
+        a standalone MTP stage's weighted MTP share, plus the MoE aux losses)."""
+        if logs:
+            if "lm" in logs:
+                self.lm_losses[index] = logs["lm"].detach()
             if "mtp" in logs:
                 self.mtp_losses[index] = logs["mtp"].detach()
-        extra = None
         for layer, info in infos.items():
             extra = info.aux_loss if extra is None else extra + info.aux_loss
             # detached: a graph-attached aux loss would keep this chunk's graph, and with it the received
@@ -197,7 +217,8 @@ class DecoderStage:
         # The head (MTP, a tied output head) also reads the embedding: through a leaf, whose gradient the embedding
         # piece's backward adds, so that the weight's gradient is accumulated (its hooks fire) once per micro-batch
         borrowed = None
-        if spec.has_embedding and spec.has_head:
+        head = spec.has_head or (spec.has_mtp and len(model.mtp) > 0)
+        if spec.has_embedding and head and (len(model.mtp) or model.config.tie_word_embeddings):
             borrowed = model.embed_tokens.weight.detach().requires_grad_()
         if spec.has_embedding:
             pieces.append(Compute("embed", lambda ids: LayerCarry(model.embed(ids)),
@@ -205,15 +226,20 @@ class DecoderStage:
         for group, recompute in full_recompute_groups(list(spec.layers), options):
             for i in group:
                 pieces += block_pieces(model.layers[str(i)], i, position_ids, model._ffn_kwargs(i, states), recompute)
-        if spec.has_head:
-            def head(carry: LayerCarry) -> _HeadCarry:
+        if spec.has_final_norm:
+            pieces.append(Compute("final_norm", lambda carry: LayerCarry(model.norm(carry.hidden), carry.infos)))
+        if head:
+            def head_piece(carry: LayerCarry) -> _HeadCarry:
                 with _weight_swapped(model.embed_tokens, borrowed):
                     loss, logs, mtp_infos = model.head_loss(carry.hidden, microbatch["labels"],
                                                             microbatch.get("loss_mask"), microbatch["input_ids"],
-                                                            position_ids, states)
-                return _HeadCarry(LayerCarry(loss, {**carry.infos, **mtp_infos}), logs)
+                                                            position_ids, states, normalised=True)
+                infos = {**carry.infos, **mtp_infos}
+                if spec.has_head:
+                    return _HeadCarry(LayerCarry(loss, infos), logs)
+                return _HeadCarry(LayerCarry(carry.hidden, infos), logs, loss)   # standalone MTP: hidden goes on
 
-            pieces.append(Compute("head", head))
+            pieces.append(Compute("head", head_piece))
         o = self.overlap
         return ChunkRun(pieces, f"mb{microbatch['index']}.chunk{chunk}.", o.trace, o.store, o.delay_wgrad)
 
@@ -224,7 +250,8 @@ class DecoderStage:
                   ) -> tuple[Tensor, Tensor | None]:
         head = carry if isinstance(carry, _HeadCarry) else None
         carry = head.carry if head is not None else carry
-        out, extra = self._finish(microbatch["index"], carry.hidden, carry.infos, head.logs if head else None)
+        out, extra = self._finish(microbatch["index"], carry.hidden, carry.infos, head.logs if head else None,
+                                  head.extra if head else None)
         outputs = [out] + ([extra] if extra is not None else [])
         stitched = stitch(run, outputs)
         self._runs[(microbatch["index"], chunk)] = (run, outputs, stitched)
@@ -249,6 +276,7 @@ def _weight_swapped(module: nn.Module | None, weight: Tensor | None) -> Iterator
 class _HeadCarry:
     carry: LayerCarry
     logs: dict[str, Tensor]
+    extra: Tensor | None = None   # a standalone MTP stage's weighted MTP share
 
 
 def decoder_microbatches(input_ids: Tensor, labels: Tensor, loss_mask: Tensor | None,
@@ -268,27 +296,45 @@ def decoder_microbatches(input_ids: Tensor, labels: Tensor, loss_mask: Tensor | 
     return out
 
 
-def embedding_group(model: MoEDecoder, dims: ParallelDims, layout: StageLayout | None = None) -> Group:
-    """The group {first stage, last stage} of this rank's position when both hold ``embed_tokens`` (tied
-    embeddings or MTP at pp > 1), else None. Collective over the world: every rank creates every pair,
-    in order (pipeline stages are the outermost dimension of the rank grid). None as well when ``layout`` puts
-    the embedding and the head on one stage (the V placement: rank 0 holds both, one copy).
+def shared_weight_holders(config: ModelConfig, pp: int, layout: StageLayout | None) -> dict[str, list[int]]:
+    """{module name: the pipeline ranks holding a copy of it}, for the modules more than one rank holds: the
+    embedding (read by its own chunk, the MTP chunk and, tied, the head's chunk) and, untied, the output head (the
+    loss's chunk and a standalone MTP chunk). ``layout`` None: the embedding on the first and last rank."""
+    tied = config.tie_word_embeddings
+    if pp == 1 or not (tied or config.mtp_num_layers):
+        return {}
+    if layout is None:
+        holders = {"embed_tokens": [0, pp - 1]}
+    else:
+        holders = {"embed_tokens": sorted({c.pp_rank for c in layout.embedding_chunks(tied)})}
+        if not tied and config.mtp_num_layers:
+            holders["output_head"] = sorted({c.pp_rank for c in layout.output_head_chunks()})
+    return {name: ranks for name, ranks in holders.items() if len(ranks) > 1}
 
-    Marks the embedding's parameters ``moefold_pipeline_copies = 2`` so that the gradient norm counts
-    them once."""
-    config = model.config
-    if dims.pp == 1 or not (config.tie_word_embeddings or config.mtp_num_layers):
-        return None
-    if layout is not None and layout.placement == Placement.V:
-        return None
+
+def shared_weight_groups(model: MoEDecoder, dims: ParallelDims, layout: StageLayout | None = None
+                         ) -> dict[str, Group]:
+    """{module name: the group of this rank's position on every pipeline rank holding that module}, for each
+    module of ``shared_weight_holders`` this rank holds (Megatron's embedding group, wherever the layout puts the
+    copies); the trainer sums the copies' gradients over it. Collective over the world: every rank creates every
+    group, in order (pipeline stages are the outermost dimension of the rank grid).
+
+    Marks those parameters ``moefold_pipeline_copies = len(holders)`` so that the gradient norm counts them once."""
     per_stage = dims.world_size // dims.pp
-    mine = None
-    for j in range(per_stage):
-        ranks = [j, j + (dims.pp - 1) * per_stage]
-        group = dist.new_group(ranks)
-        if dims.rank in ranks:
-            mine = group
-    if model.embed_tokens is not None:
-        for p in model.embed_tokens.parameters():
-            p.moefold_pipeline_copies = 2
+    mine: dict[str, Group] = {}
+    for name, ranks in shared_weight_holders(model.config, dims.pp, layout).items():
+        for j in range(per_stage):
+            members = [j + r * per_stage for r in ranks]
+            group = dist.new_group(members)
+            if dims.rank in members:
+                mine[name] = group
+        module = getattr(model, name)
+        if name in mine and module is not None:
+            for p in module.parameters():
+                p.moefold_pipeline_copies = len(ranks)
     return mine
+
+
+def embedding_group(model: MoEDecoder, dims: ParallelDims, layout: StageLayout | None = None) -> Group:
+    """The group of ``shared_weight_groups`` for the embedding (None when one rank holds it)."""
+    return shared_weight_groups(model, dims, layout).get("embed_tokens")

@@ -11,9 +11,9 @@ activation (sent on, or given to ``loss_fn(output, microbatch)`` on the model's 
 optionally a scalar *extra loss* of this chunk for this micro-batch (MoE load-balancing / z-loss,
 MTP, already weighted). Extra losses reach the gradients on the stage that made them, without
 any cross-stage reduction: a backward step is
-``torch.autograd.backward([output, extra / m], [grad_from_next_stage, 1])``.
-Every loss is scaled by 1/num_microbatches, so the gradients equal those of the mean loss
-over the micro-batches of the unsplit model.
+``torch.autograd.backward([output, extra * s / m], [grad_from_next_stage, 1])``.
+Every loss is scaled by s/num_microbatches, so the gradients equal s times those of the mean loss
+over the micro-batches of the unsplit model (s: the fp16 loss scale, 1 otherwise).
 
 Actions: ``F`` and ``B`` as above; ``I`` is ``B`` with the weight gradients deferred (the stage model's
 ``WeightGradStore``, ``dense.split_backward``) and ``W`` runs them; an ``FB`` runs the forward of one
@@ -122,8 +122,12 @@ class OverlappedStage(PipelineStage, Protocol):
 
 def run_schedule(stage: PipelineStage, schedule: Schedule, microbatches: Sequence[Any],
                  loss_fn: Callable[[Tensor, Any], Tensor], pp_group: Group, activation: TensorSpec,
-                 weight_store: WeightGradStore | None = None) -> PipelineResult:
+                 weight_store: WeightGradStore | None = None, loss_scale: float = 1.0) -> PipelineResult:
     """Execute ``schedule``'s action list for this rank (forward and backward of one step).
+
+    ``loss_scale`` (fp16 loss scaling): the backward starts from every loss times it, the extra losses' too
+    (Megatron scales the MoE aux losses' gradients by the loss scale as well), so every gradient is ``loss_scale``
+    times the objective's; the losses returned are unscaled.
 
     A ``forward_only`` schedule (evaluation) runs the forwards without autograd and keeps nothing.
 
@@ -144,7 +148,7 @@ def run_schedule(stage: PipelineStage, schedule: Schedule, microbatches: Sequenc
     if schedule.split_backward and weight_store is None:
         raise ValueError(f"the {schedule.name} schedule splits backwards into I and W: pass the model's "
                          "WeightGradStore (dense.split_backward.install_weight_grad_store) as weight_store")
-    step = _RankStep(stage, schedule, microbatches, loss_fn, pp_group, activation, weight_store)
+    step = _RankStep(stage, schedule, microbatches, loss_fn, pp_group, activation, weight_store, loss_scale)
     run = {"F": step.forward, "B": step.backward, "I": step.backward, "W": step.weight, "FB": step.forward_backward}
     for item in split_batches(schedule.rank_actions(step.rank)):
         if isinstance(item, tuple):
@@ -160,10 +164,11 @@ class _RankStep:
 
     def __init__(self, stage: PipelineStage, schedule: Schedule, microbatches: Sequence[Any],
                  loss_fn: Callable[[Tensor, Any], Tensor], pp_group: Group, activation: TensorSpec,
-                 weight_store: WeightGradStore | None) -> None:
+                 weight_store: WeightGradStore | None, loss_scale: float = 1.0) -> None:
         self.stage, self.schedule, self.microbatches, self.loss_fn = stage, schedule, microbatches, loss_fn
         self.pp_group, self.activation, self.weight_store = pp_group, activation, weight_store
         self.rank, self.m = group_rank(pp_group), schedule.num_microbatches
+        self.loss_scale = loss_scale   # fp16: every loss backpropagated is scaled (1.0: exactly loss / m)
         self.last_mc = schedule.pp * schedule.vpp - 1
         self.posted: deque[P2PHandle] = deque()   # posted batches not yet waited on, in posting order
         self.inbox: dict[tuple[str, int, int], tuple[Tensor, P2PHandle]] = {}   # posted receives, until their compute
@@ -242,11 +247,11 @@ class _RankStep:
         out, extra = output if isinstance(output, tuple) else (output, None)
         if extra is not None:
             self.extra_total = extra.detach() if self.extra_total is None else self.extra_total + extra.detach()
-            extra = extra / self.m
+            extra = extra * self.loss_scale / self.m
         if mc == self.last_mc:
             loss = self.loss_fn(out, self.microbatches[a.microbatch])
             self.losses.append((a.microbatch, loss.detach()))
-            out = loss / self.m
+            out = loss * self.loss_scale / self.m
         else:
             self.activation.check(out, f"output of chunk {a.chunk} (model chunk {mc}) for micro-batch {a.microbatch}")
             self._hand_on("F", a.microbatch, a.chunk, out.detach())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from moefold.pipeline.layout import parse_layout
 from moefold.pipeline.schedules import (
     SCHEDULES,
     V_SCHEDULES,
@@ -11,10 +12,11 @@ from moefold.pipeline.schedules import (
     dualpipev_idle,
     expected_bubble_fraction,
     one_f_one_b_idle,
+    placement_of,
     zb_h1_idle,
 )
 from moefold.pipeline.simulator import simulate
-from moefold.pipeline.stages import StageLayout
+from moefold.pipeline.stages import StageLayout, chunk_costs
 from moefold.pipeline.timeline import plot_png, render_text
 
 
@@ -45,11 +47,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --num-layers: layers on the first stage (default: even split)")
     parser.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
                         help="with --num-layers: layers on the last stage (default: even split)")
+    parser.add_argument("--pipeline-model-parallel-layout", default=None, metavar="LAYOUT",
+                        help="Megatron's layout (e.g. 'Et|(tt|)*30mL'; fixes --vpp): every chunk's times scale with "
+                             "its layers (embedding, MTP layer, loss counted as one; the times given are per chunk of "
+                             "the mean cost)")
     parser.add_argument("--plot", default=None, metavar="PNG", help="write the timeline as a PNG")
 
 
+def _layout_vpp(args: argparse.Namespace) -> int | None:
+    """The virtual stages per rank that ``--pipeline-model-parallel-layout`` gives (None without it)."""
+    if args.pipeline_model_parallel_layout is None:
+        return None
+    stages = len(parse_layout(args.pipeline_model_parallel_layout))
+    if stages % args.pp:
+        raise ValueError(f"--pipeline-model-parallel-layout={args.pipeline_model_parallel_layout!r} has {stages} "
+                         f"virtual stages, not a multiple of --pp={args.pp}")
+    vpp = stages // args.pp
+    if args.vpp is not None and args.vpp != vpp:
+        raise ValueError(f"--vpp={args.vpp} disagrees with --pipeline-model-parallel-layout ({stages} stages / pp "
+                         f"{args.pp} = {vpp}); drop --vpp")
+    return vpp
+
+
 def main(args: argparse.Namespace) -> int:
-    vpp = args.vpp if args.vpp is not None else (2 if args.schedule in V_SCHEDULES else 1)
+    try:
+        layout_vpp = _layout_vpp(args)
+    except ValueError as exc:
+        print(f"moefold schedule: error: {exc}")
+        return 2
+    vpp = layout_vpp or (args.vpp if args.vpp is not None else (2 if args.schedule in V_SCHEDULES else 1))
     name = args.schedule or ("interleaved" if vpp > 1 else "1f1b")
     forward = args.forward_time if args.forward_time is not None else 1.0 / vpp
     backward = args.backward_time if args.backward_time is not None else forward
@@ -62,19 +88,36 @@ def main(args: argparse.Namespace) -> int:
                 raise ValueError(f"{flag}={value} must be positive")
         if not weight < backward:
             raise ValueError(f"--weight-time={weight:g} must be below --backward-time={backward:g}")
+        layout = costs = None
+        placement = placement_of(name)
+        if args.pipeline_model_parallel_layout is not None:
+            text = args.pipeline_model_parallel_layout
+            layout = StageLayout("".join(parse_layout(text)).count("t"), args.pp, layout=text, placement=placement)
+        elif args.num_layers is not None:
+            layout = StageLayout(args.num_layers, args.pp, vpp, args.decoder_first_pipeline_num_layers,
+                                 args.decoder_last_pipeline_num_layers, placement=placement)
+        if args.pipeline_model_parallel_layout is not None:   # --num-layers alone only prints the split
+            costs = chunk_costs(layout)
+            mean = sum(map(sum, costs)) / (args.pp * vpp)
+            costs = tuple(tuple(c / mean for c in rank) for rank in costs)
         # the communication is placed for these times (any times would be deadlock-free)
         schedule = build_schedule(name, args.pp, args.microbatches, vpp, overlap=args.overlap,
                                   backward_ratio=backward / forward, weight_ratio=weight / forward,
-                                  overlapped_ratio=overlapped / forward)
-        layout = None
-        if args.num_layers is not None:
-            layout = StageLayout(args.num_layers, args.pp, vpp, args.decoder_first_pipeline_num_layers,
-                                 args.decoder_last_pipeline_num_layers, placement=schedule.placement)
+                                  overlapped_ratio=overlapped / forward, chunk_costs=costs)
     except ValueError as exc:
         print(f"moefold schedule: error: {exc}")
         return 2
     times = {"F": forward, "B": backward, "I": backward - weight, "W": weight, "FB": overlapped}
-    result = simulate(schedule, duration=lambda _r, a: times[a.kind])
+
+    def duration(rank: int, a) -> float:
+        if costs is None:
+            return times[a.kind]
+        if a.kind == "FB":   # its halves, each at its chunk's cost
+            return (forward * costs[rank][a.chunk] + backward * costs[rank][a.b_chunk]) * overlapped / (
+                forward + backward)
+        return times[a.kind] * costs[rank][a.chunk]
+
+    result = simulate(schedule, duration=duration)
     print(render_text(schedule, result))
     print(f"times: F {forward:g}, B {backward:g} (I {backward - weight:g} + W {weight:g}), FB {overlapped:g}")
     idle = max(result.makespan - b for b in result.busy)
@@ -97,6 +140,8 @@ def main(args: argparse.Namespace) -> int:
               f"PP+1 = {2 * p + 1} chunk-micro-batches published, simulated peak {max(result.peak_in_flight)}; "
               f"parameters per rank 2x a {2 * p}-stage 1F1B's (2 chunks)")
     if layout is not None:
+        scaled = "; chunk times scaled by their layers" if costs is not None else ""
+        print(f"layout {layout.text} (pp {layout.pp} x vpp {layout.vpp}{scaled}):")
         print(layout.describe())
     if args.plot:
         print(f"wrote {plot_png(schedule, result, args.plot)}")

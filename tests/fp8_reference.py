@@ -14,6 +14,12 @@ the scaled domain) bounds the absolute error by ``s/2 * (1/scale)``. So each deq
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
 import torch
 from torch import Tensor
 
@@ -87,9 +93,32 @@ def check_gemm(call: tuple[Tensor, Tensor], qa: Tensor, qb: Tensor, got: Tensor)
     assert ((got.float() - want).abs() <= fp32_gemm_bound(qa, qb, want)).all()
 
 
+@functools.cache
+def torchao_blockwise_references() -> SimpleNamespace:
+    """torchao's own torch references for DeepSeek's blockwise FP8 (``torch_blockwise_scale_act_quant_lhs`` /
+    ``_rhs`` and ``torch_blockwise_scale_weight_quant`` of ``torchao/prototype/blockwise_fp8_training/kernels.py``),
+    taken from the installed torchao's source: that module imports triton at its top (absent on a CPU install), so
+    the three pure-torch functions and the two constants they read (``EPS``, ``FP8_E4M3_DTYPES``) are compiled
+    alone, unchanged."""
+    spec = importlib.util.find_spec("torchao")
+    path = Path(spec.origin).parent / "prototype" / "blockwise_fp8_training" / "kernels.py"
+    tree = ast.parse(path.read_text())
+    names = ("torch_blockwise_scale_act_quant_lhs", "torch_blockwise_scale_act_quant_rhs",
+             "torch_blockwise_scale_weight_quant")
+    keep = [node for node in tree.body
+            if (isinstance(node, ast.FunctionDef) and node.name in names)
+            or (isinstance(node, ast.Assign) and any(getattr(t, "id", None) in ("EPS", "FP8_E4M3_DTYPES")
+                                                     for t in node.targets))]
+    found = {n.name for n in keep if isinstance(n, ast.FunctionDef)}
+    assert found == set(names), f"{path} no longer defines {set(names) - found}: torchao changed its references"
+    namespace = {"torch": torch, "Tuple": tuple, "e4m3_dtype": E4M3}
+    exec(compile(ast.Module(body=keep, type_ignores=[]), str(path), "exec"), namespace)
+    return SimpleNamespace(lhs=namespace[names[0]], rhs=namespace[names[1]], weight=namespace[names[2]])
+
+
 def rel_err(x: Tensor, ref: Tensor) -> float:
     return ((x.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 __all__ = ["E4M3", "E5M2", "GemmRecorder", "cast_bound", "check_gemm", "fp32_gemm_bound", "gemm_bound", "ref_cast",
-           "rel_err"]
+           "rel_err", "torchao_blockwise_references"]

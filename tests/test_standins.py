@@ -88,6 +88,14 @@ def test_te_standin_rejects_what_transformer_engine_rejects(monkeypatch):
         with pt.autocast(enabled=True, recipe=delayed):
             return linear(torch.ones(rows, 16))
 
+    def on_device(capability, context, cuda=12.9, run=lambda: None):
+        te_standin.DEVICE.update(capability=capability, cuda=cuda)
+        try:
+            with context:
+                return run()
+        finally:
+            te_standin.DEVICE.update(capability=(9, 0), cuda=12.9)
+
     cases = {
         "DelayedScaling autocast entered while torch.compile traces":
             (compiled_autocast, "DelayedScaling is not supported under torch.compile"),
@@ -98,11 +106,32 @@ def test_te_standin_rejects_what_transformer_engine_rejects(monkeypatch):
             (lambda: grouped(torch.ones(4, 16).to(torch.float8_e4m3fn), [2, 2]), "doesn't support input tensor in FP8"),
         "FP8 te.Linear operands: leading dims a multiple of 8, last of 16":
             (lambda: fp8_linear(12), "FP8 execution requires the product of all dimensions except the last"),
+        "Float8BlockScaling below compute capability 9.0 or CUDA 12.9":
+            (lambda: on_device((9, 0), pt.autocast(enabled=True, recipe=te_standin.Float8BlockScaling()), 12.8),
+             "FP8 block scaled GEMM requires compute capability 9.0"),
+        "MXFP8BlockScaling outside compute capability 10.x-11.x":
+            (lambda: on_device((9, 0), pt.autocast(enabled=True, recipe=te_standin.MXFP8BlockScaling())),
+             "Device compute capability 10.0 or higher required for MXFP8"),
+        "NVFP4BlockScaling below compute capability 10.0":
+            (lambda: on_device((9, 0), pt.autocast(enabled=True, recipe=te_standin.NVFP4BlockScaling())),
+             "Device compute capability 10.0 or higher required for NVFP4"),
+        "Float8BlockScaling with 2-D blocks for two operands of one GEMM":
+            (lambda: te_standin.Float8BlockScaling(x_block_scaling_dim=2), "2D by 2D block gemm not supported"),
+        "NVFP4BlockScaling with an FP8 scale format other than E4M3":
+            (lambda: te_standin.NVFP4BlockScaling(fp8_format=te_standin.Format.HYBRID), "Only E4M3 is supported"),
+        "NVFP4 operands whose rows or columns are not multiples of 32":
+            (lambda: on_device((10, 0), pt.autocast(enabled=True, recipe=te_standin.NVFP4BlockScaling()),
+                               run=lambda: linear(torch.ones(16, 16))), "must be a multiple of 32"),
     }
     assert not (problems := _check_list(te_standin.PRECONDITIONS, cases)), problems
     torch._dynamo.reset()
     fp8_linear(16)   # valid calls pass
     grouped(torch.ones(4, 16), [1, 3])
+    on_device((9, 0), pt.autocast(enabled=True, recipe=te_standin.Float8BlockScaling()))
+    on_device((10, 0), pt.autocast(enabled=True, recipe=te_standin.MXFP8BlockScaling()))
+    wide = pt.Linear(32, 32, bias=False, device="cpu")
+    on_device((10, 0), pt.autocast(enabled=True, recipe=te_standin.NVFP4BlockScaling()),
+              run=lambda: wide(torch.ones(32, 32)))
 
 
 # -------------------------------------------------------------------------------- DeepEP

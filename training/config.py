@@ -12,8 +12,13 @@ from typing import TYPE_CHECKING, Any
 from moefold.models.config import MLADims, ModelConfig, YarnScaling
 from moefold.models.options import ModelOptions
 from moefold.parallel.dims import ParallelConfig, ParallelSizes
+from moefold.training.optim.loss_scaler import LossScaler
 from moefold.training.optim.lr_schedule import DECAY_STYLES, WSD_STYLES, LRSchedule
 from moefold.training.optim.precision import OptimizerPrecision
+
+# the signals that stop a run after its current step, with a checkpoint (Megatron's --exit-signal-handler)
+EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")   # the ones --exit-signal takes
 
 if TYPE_CHECKING:
     from moefold.pipeline.stages import StageLayout
@@ -45,6 +50,12 @@ class TrainConfig:
     clip_grad: float = 1.0                     # 0: no clipping
     seed: int = 1234
     bf16: bool = False                         # bf16 parameters/activations with fp32 master weights
+    fp16: bool = False                         # fp16 parameters/activations, fp32 masters, loss scaling
+    loss_scale: float | None = None            # fp16: a static loss scale (None: dynamic, Megatron's defaults)
+    initial_loss_scale: float = 2.0 ** 32      # fp16 dynamic scaling: the starting scale
+    min_loss_scale: float = 1.0                # fp16 dynamic scaling: never below
+    loss_scale_window: int = 1000              # fp16 dynamic scaling: clean steps before the scale doubles
+    hysteresis: int = 2                        # fp16 dynamic scaling: overflows in a row before it halves
     compile: bool = False                      # torch.compile per transformer block (training.compile)
     max_skipped_steps: int = 5                 # stop after this many non-finite steps in a row
     bucket_numel: int = 2**22
@@ -55,8 +66,17 @@ class TrainConfig:
     num_layers_per_virtual_pipeline_stage: int | None = None
     decoder_first_pipeline_num_layers: int | None = None   # pp > 1: layers on the first stage (None: even split)
     decoder_last_pipeline_num_layers: int | None = None    # pp > 1: layers on the last stage (None: even split)
+    pipeline_model_parallel_layout: str | None = None      # Megatron's layout text, e.g. "Et|(tt|)*30mL"
+                                                           # (pipeline.layout; fixes vpp, replaces the above)
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False         # the parameter all-gather waits in the next forward, per module
+    # the expert-load max/mean the plan sized the experts' activations for (training.observe.imbalance)
+    moe_max_load_ratio: float | None = None
+    # FSDP2 instead of the distributed optimizer (training.optim.fsdp)
+    use_torch_fsdp2: bool = False
+    # optimizer offload (Megatron's names; training.optim.offload): that share of the states on the host, CPU AdamW
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
     # optimizer precision (Megatron's names; training.optim.precision.OptimizerPrecision)
     main_grads_dtype: str = "fp32"
     main_params_dtype: str = "fp32"
@@ -81,6 +101,12 @@ class TrainConfig:
     save_interval: int = 0                     # 0: only at the end when save is set
     keep_last: int = 2
     load: str | None = None
+    async_save: bool = False                   # write checkpoints in the background (training.checkpoint.save)
+    run_id: str | None = None                  # this run's id (training.checkpoint.identity; the CLI sets it)
+    # stopping early, saving first (training.launch.signals)
+    exit_signals: tuple[str, ...] = EXIT_SIGNALS   # () : no handler (a signal ends the process as usual)
+    exit_duration_in_mins: float | None = None  # stop (and save) after this many minutes
+    exit_interval: int | None = None           # stop (and save) after a step divisible by this
     reset_data_position: bool = False          # resume with another data order (data, seq_length, seed) from its start
     balance_report: bool = True
     # starting weights (train --load-hf): the architecture and weights of an HF (or moefold) directory
@@ -100,7 +126,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "global_batch_size", "seq_length", "train_iters", "log_interval",
-                     "max_skipped_steps", "bucket_numel", "keep_last"):
+                     "max_skipped_steps", "bucket_numel", "keep_last", "loss_scale_window", "hysteresis"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a positive integer")
         for name in ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad"):
@@ -151,6 +177,24 @@ class TrainConfig:
         if self.moe_use_upcycling and not self.load_hf:
             raise ValueError("--moe-use-upcycling needs --load-hf DIR (the dense checkpoint to upcycle)")
         self.optimizer_precision()  # validates the dtypes
+        bad = [s for s in self.exit_signals if s not in STOP_SIGNALS]
+        if bad:
+            raise ValueError(f"--exit-signal {' '.join(bad)}: valid: {', '.join(STOP_SIGNALS)}")
+        if self.exit_duration_in_mins is not None and not (isinstance(self.exit_duration_in_mins, (int, float))
+                                                           and 0 < self.exit_duration_in_mins < math.inf):
+            raise ValueError(f"--exit-duration-in-mins={self.exit_duration_in_mins!r} must be a positive number")
+        if self.exit_interval is not None and (not isinstance(self.exit_interval, int) or self.exit_interval < 1):
+            raise ValueError(f"--exit-interval={self.exit_interval!r} must be a positive integer")
+        from moefold.training.optim.offload import check_offload_fraction
+
+        check_offload_fraction(self.optimizer_offload_fraction)
+        from moefold.training.observe.imbalance import check_max_load_ratio
+
+        check_max_load_ratio(self.moe_max_load_ratio)
+        if self.fp16 and self.bf16:
+            raise ValueError("--fp16 and --bf16 exclude each other; choose one")
+        if self.fp16:
+            self.loss_scaler()  # validates the loss-scale flags
         from moefold.pipeline.schedules import SCHEDULES
 
         if self.pipeline_schedule not in SCHEDULES:
@@ -173,6 +217,15 @@ class TrainConfig:
     def optimizer_precision(self) -> OptimizerPrecision:
         return OptimizerPrecision(main_grads_dtype=self.main_grads_dtype, main_params_dtype=self.main_params_dtype,
                                   exp_avg_dtype=self.exp_avg_dtype, exp_avg_sq_dtype=self.exp_avg_sq_dtype)
+
+    def loss_scaler(self) -> LossScaler | None:
+        """The fp16 loss scaler the flags describe (None without ``--fp16``)."""
+        if not self.fp16:
+            return None
+        if self.loss_scale is not None:
+            return LossScaler(scale=self.loss_scale, dynamic=False, min_scale=min(self.min_loss_scale, self.loss_scale))
+        return LossScaler(scale=self.initial_loss_scale, min_scale=self.min_loss_scale,
+                          growth_interval=self.loss_scale_window, hysteresis=self.hysteresis)
 
     def lr_schedule(self) -> LRSchedule:
         return LRSchedule(lr=self.lr, min_lr=self.min_lr, warmup_iters=self.lr_warmup_iters,
@@ -218,7 +271,40 @@ class RunConfig:
             self._check_overlap(s)
         if t.overlap_moe_expert_parallel_comm or self.split_backward(s.pp):
             self._check_split_backends()
+        conflict = self.memory_saver_conflict(s.pp)
+        if conflict:
+            raise ValueError(conflict)
         return s, num_micro
+
+    def memory_saver_conflict(self, pp: int) -> str | None:
+        """The one line refusing a memory saver (activation offloading, FSDP2) with this run's schedule at ``pp``
+        stages, or None. ``moefold plan`` skips what this refuses."""
+        t, o = self.train, self.options
+        overlap = "--overlap-moe-expert-parallel-comm"
+        if t.use_torch_fsdp2 and t.overlap_moe_expert_parallel_comm:
+            return (f"--use-torch-fsdp2 cannot be combined with {overlap}: the overlap runs each block as pieces that "
+                    f"bypass the FSDP units' forward (their parameter all-gathers) and defers weight gradients past "
+                    f"the units' reduce-scatters; use the distributed optimizer (with --optimizer-cpu-offload to "
+                    f"move its states to the host) or drop {overlap}")
+        if t.use_torch_fsdp2 and self.split_backward(pp):
+            return (f"--use-torch-fsdp2 cannot be combined with --pipeline-schedule {t.pipeline_schedule}: its split "
+                    f"backward computes the weight gradients (W) after FSDP has reduce-scattered a unit's gradients "
+                    f"at the end of its backward; use --pipeline-schedule 1f1b (interleaved with virtual stages) or "
+                    f"the distributed optimizer")
+        if t.use_torch_fsdp2 and (t.fp16 or o.fp8.param_gather):
+            what = "--fp16" if t.fp16 else "--fp8-param-gather"
+            return (f"--use-torch-fsdp2 cannot be combined with {what}: FSDP2's units gather and reduce in their own "
+                    f"dtypes, outside the distributed optimizer's "
+                    f"{'loss-scale unscaling' if t.fp16 else 'FP8 parameter gathers'}; use the distributed optimizer")
+        if t.optimizer_cpu_offload and o.fp8.param_gather:
+            return ("--optimizer-cpu-offload cannot be combined with --fp8-param-gather: the FP8 gather quantises "
+                    "the masters on the device, the offloaded masters live in host memory; drop one of them")
+        if o.offload_modules and t.overlap_moe_expert_parallel_comm:
+            return (f"--fine-grained-activation-offloading cannot be combined with {overlap}: the overlap runs the "
+                    f"blocks as pieces, one micro-batch's forward interleaved with another's backward, outside the "
+                    f"offloader's per-micro-batch chunks and their one-layer-ahead prefetch; recompute "
+                    f"(--recompute-modules) instead or drop {overlap}")
+        return None
 
     def split_backward(self, pp: int) -> bool:
         """The run defers weight gradients: a zero-bubble schedule at pp > 1, or --delay-wgrad-compute."""
@@ -238,10 +324,6 @@ class RunConfig:
         if dispatcher not in ("alltoall", "flex"):
             raise ValueError(f"{flag} runs with the alltoall and flex dispatchers, not --moe-token-dispatcher-type "
                              f"{dispatcher} (its exchange is not a separate step; Megatron refuses it too)")
-        if dispatcher == "flex" and o.moe_flex_dispatcher_backend == "deepep":
-            raise ValueError(f"{flag} runs the flex dispatcher on DeepEP's v1 API only, not "
-                             f"--moe-flex-dispatcher-backend deepep (V2's ElasticBuffer has no separate exchange "
-                             f"stage here): use --moe-flex-dispatcher-backend deepep-legacy")
         if o.recompute == "selective" and "moe" in o.recompute_modules:
             raise ValueError(f"{flag} cannot checkpoint the whole MoE layer (--recompute-modules moe): the checkpoint "
                              f"would span its exchanges; recompute moe_act and shared_experts instead, or use full "
@@ -262,26 +344,51 @@ class RunConfig:
     def pipeline_layout(self, pp: int) -> StageLayout:
         """The split of the decoder's layers over ``pp`` stages (x virtual stages) that the flags describe;
         ValueError naming the flags for an impossible one."""
+        from moefold.pipeline.schedules import placement_of
         from moefold.pipeline.stages import StageLayout, vpp_from_layers_per_virtual_stage
 
-        t = self.train
+        t, m = self.train, self.model
         first, last = t.decoder_first_pipeline_num_layers, t.decoder_last_pipeline_num_layers
+        text = t.pipeline_model_parallel_layout
+        if text is not None:
+            others = [f"--{name.replace('_', '-')}={getattr(t, name)}" for name in (
+                "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
+                "decoder_last_pipeline_num_layers") if getattr(t, name) is not None]
+            if others:
+                raise ValueError(f"--pipeline-model-parallel-layout={text!r} places every layer itself: drop "
+                                 f"{' and '.join(others)}")
+            from moefold.pipeline.layout import parse_layout
+
+            stages = len(parse_layout(text))
+            vpp = stages // pp if stages % pp == 0 else 1
+            placement = placement_of(self.schedule_name(vpp))
+            layout = StageLayout(m.num_layers, pp, layout=text, mtp_num_layers=m.mtp_num_layers,
+                                 placement=placement)
+            self._check_schedule_vpp(layout.vpp, pp, f"--pipeline-model-parallel-layout={text!r} gives {layout.vpp} "
+                                     f"virtual stages per rank ({stages} stages / pp {pp})")
+            return layout
         if (first is not None or last is not None) and t.num_layers_per_virtual_pipeline_stage is not None:
             raise ValueError(f"--num-layers-per-virtual-pipeline-stage={t.num_layers_per_virtual_pipeline_stage} "
                              "cannot be combined with --decoder-first/last-pipeline-num-layers (uneven stages); "
-                             "drop one of them")
-        from moefold.pipeline.schedules import V_SCHEDULES, placement_of
+                             "drop one of them, or give --pipeline-model-parallel-layout")
+        vpp = vpp_from_layers_per_virtual_stage(m.num_layers, pp, t.num_layers_per_virtual_pipeline_stage)
+        self._check_schedule_vpp(vpp, pp, f"--num-layers-per-virtual-pipeline-stage="
+                                      f"{t.num_layers_per_virtual_pipeline_stage} gives {vpp} virtual stages per rank")
+        return StageLayout(m.num_layers, pp, vpp, first, last, placement=placement_of(self.schedule_name(vpp)),
+                           mtp_num_layers=m.mtp_num_layers)
 
-        vpp = vpp_from_layers_per_virtual_stage(self.model.num_layers, pp, t.num_layers_per_virtual_pipeline_stage)
-        if vpp > 1 and t.pipeline_schedule in ("gpipe", "zb-h1"):
-            raise ValueError(f"--pipeline-schedule={t.pipeline_schedule} runs one chunk per rank, but "
-                             f"--num-layers-per-virtual-pipeline-stage={t.num_layers_per_virtual_pipeline_stage} "
-                             f"gives {vpp} virtual stages per rank (interleaved 1F1B schedule); drop one of them")
-        if t.pipeline_schedule in V_SCHEDULES and vpp != 2:
-            raise ValueError(f"--pipeline-schedule={t.pipeline_schedule} runs 2 chunks per rank in V placement: set "
-                             f"--num-layers-per-virtual-pipeline-stage={self.model.num_layers // (2 * pp) or 1} "
-                             f"(num_layers {self.model.num_layers} / (2 x pp {pp})), got {vpp} chunk(s) per rank")
-        return StageLayout(self.model.num_layers, pp, vpp, first, last, placement=placement_of(self.schedule_name(vpp)))
+    def _check_schedule_vpp(self, vpp: int, pp: int, source: str) -> None:
+        from moefold.pipeline.schedules import V_SCHEDULES
+
+        schedule = self.train.pipeline_schedule
+        if vpp > 1 and schedule in ("gpipe", "zb-h1"):
+            raise ValueError(f"--pipeline-schedule={schedule} runs one chunk per rank, but {source} (interleaved "
+                             "1F1B schedule); drop one of them")
+        if schedule in V_SCHEDULES and vpp != 2:
+            raise ValueError(f"--pipeline-schedule={schedule} runs 2 chunks per rank in V placement: give 2 x pp "
+                             f"virtual stages (--num-layers-per-virtual-pipeline-stage="
+                             f"{self.model.num_layers // (2 * pp) or 1} or a layout of 2 x pp "
+                             f"stages), but {source}")
 
     def schedule_name(self, vpp: int) -> str:
         """The pipeline schedule to run: interleaved whenever there are virtual stages (Megatron: 1F1B by
@@ -310,5 +417,6 @@ class RunConfig:
         t = dict(d["train"])
         t["data_path"] = tuple(t.get("data_path") or ())
         t["valid_data_path"] = tuple(t.get("valid_data_path") or ())
+        t["exit_signals"] = tuple(t.get("exit_signals", EXIT_SIGNALS))
         return cls(model=ModelConfig(**m), parallel=ParallelConfig(**d["parallel"]),
                    options=ModelOptions(**d["options"]), train=TrainConfig(**t), recipe=d.get("recipe"))

@@ -6,6 +6,7 @@ initialised when world > 1). Rank 0 logs; every rank trains.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,10 +19,11 @@ from moefold.parallel.dims import ParallelDims
 from moefold.training.config import RunConfig
 from moefold.training.observe.flops import train_flops_per_token
 from moefold.training.observe.memory import describe_static
-from moefold.training.trainer import StepResult, Trainer
+from moefold.training.trainer import FitSummary, StepResult, Trainer
 
 if TYPE_CHECKING:
     from moefold.training.data.sampler import Samples
+    from moefold.training.launch.signals import StopRequest
     from moefold.training.launch.watchdog import Heartbeat
 
 
@@ -139,10 +141,31 @@ def parse_blend_prefix(items) -> str:
 
 
 def train(config: RunConfig, device: torch.device | str = "cpu", heartbeat: Heartbeat | None = None,
-          progress: bool = False) -> list[StepResult]:
-    """Train ``config`` on this rank; returns the step results (identical on every rank). ``heartbeat`` (from
-    the launcher) learns each completed step; ``progress``: rank 0 draws a progress bar (the launcher decides:
-    only on a terminal). With ``skip_train``, only validates the loaded (or initial) model: no step, no save."""
+          interactive: bool = False, on_step: Callable[[StepResult], None] | None = None,
+          progress: bool = False) -> FitSummary:
+    """Train ``config`` on this rank; returns what ``Trainer.fit`` did (identical on every rank). ``heartbeat``
+    (from the launcher) learns each completed step. ``config.train.exit_signals`` stop the run after the current
+    step with a checkpoint (``training.launch.signals``); ``interactive``: this process is the one the user
+    started (world 1), so it notes a first Ctrl-C and stops at once on a second. ``on_step`` gets each step's
+    result (the trainer keeps none); ``progress``: rank 0 draws a progress bar (the launcher decides: only on a
+    terminal). With ``skip_train``, only validates the loaded (or initial) model: no step, no save."""
+    from moefold.training.launch.signals import StopRequest, signal_numbers
+
+    t = config.train
+    if t.run_dir is None:
+        raise ValueError("config.train.run_dir is not set (moefold train chooses it: training.launch.claim)")
+    stop = StopRequest(signal_numbers(t.exit_signals), interactive=interactive,
+                       note=interactive or (heartbeat is None and int(os.environ.get("RANK", "0")) == 0)
+                       ) if t.exit_signals else None
+    try:
+        return _train(config, device, heartbeat, stop, on_step, progress)
+    finally:
+        if stop is not None:
+            stop.restore()
+
+
+def _train(config: RunConfig, device: torch.device | str, heartbeat: Heartbeat | None,
+           stop: StopRequest | None, on_step: Callable[[StepResult], None] | None, progress: bool) -> FitSummary:
     t = config.train
     dims = ParallelDims.build(config.parallel, device_type=torch.device(device).type)
     is_log = dims.rank == 0
@@ -158,25 +181,37 @@ def train(config: RunConfig, device: torch.device | str = "cpu", heartbeat: Hear
     if t.save and is_log:
         save_run_assets(config)
     trainer = Trainer(config, dims, device=device, log=say)
+    trainer.stop_request = stop
     n_params = sum(p.numel() for p in trainer.model.parameters())
     say(f"model: {n_params / 1e6:.2f}M parameters on rank 0, {trainer.num_micro} micro-batches per step")
-    say(f"rank 0 {describe_static(trainer.sync, trainer.optimizer, trainer.param_dtype, t.optimizer_precision())}")
+    if t.use_torch_fsdp2:
+        from moefold.training.optim.fsdp import describe_fsdp
+
+        say(f"rank 0 {describe_fsdp(trainer.sync, trainer.optimizer)}")
+    else:
+        say(f"rank 0 {describe_static(trainer.sync, trainer.optimizer, trainer.param_dtype, t.optimizer_precision())}")
     from moefold.training.observe.fp8_report import fp8_summary, fp8_tag
 
     if config.options.fp8.enabled or config.options.fp8.dispatch:
         say(fp8_summary(trainer.model, config.options.fp8))
     if t.load:
         trainer.load(t.load)
-    on_step = None
     if heartbeat is not None:
         heartbeat.beat(trainer.iteration)
-        on_step = lambda r: heartbeat.beat(r.step)
+    caller = on_step
+
+    def on_step(r: StepResult) -> None:
+        if heartbeat is not None:
+            heartbeat.beat(r.step)
+        if caller is not None:
+            caller(r)
+
     logger = None
     if is_log:
         from moefold.training.observe.hardware import peak_flops
         from moefold.training.observe.metrics import MetricsLogger
 
-        dtype = torch.bfloat16 if t.bf16 else torch.float32
+        dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
         logger = MetricsLogger(t.run_dir, total_steps=t.train_iters, start_step=trainer.iteration,
                                flops_per_token=train_flops_per_token(config.model, t.seq_length),
                                peak_flops_per_s=peak_flops(device, dtype) * dims.world_size, device=device,
@@ -198,24 +233,26 @@ def train(config: RunConfig, device: torch.device | str = "cpu", heartbeat: Hear
             say(f"validation only (--skip-train), the model at step {v.step}: lm loss {v.loss_lm:.4f}, perplexity "
                 f"{v.ppl:.3f} ({v.tokens} tokens) in {time.perf_counter() - start:.1f}s")
             say(f"metrics: {Path(t.run_dir) / 'metrics.jsonl'}")
-        return []
+        return FitSummary(steps=0, first=None, last=None, stop=None, checkpoint=None)
     try:
-        results = trainer.fit(dataset, logger, on_step=on_step, evaluator=evaluator)
+        summary = trainer.fit(dataset, logger, on_step=on_step, evaluator=evaluator)
+        trainer.finish_saves()   # (not after a failure: a background save's collectives may wait for a dead rank)
     finally:
         if logger is not None:
             logger.close()
     if is_log:
-        if results:
-            say(f"done: {len(results)} steps in {time.perf_counter() - start:.1f}s, lm loss "
-                f"{results[0].loss_lm:.4f} -> {results[-1].loss_lm:.4f}")
+        if summary.steps:
+            say(f"{'stopped' if summary.stop else 'done'}: {summary.steps} steps in "
+                f"{time.perf_counter() - start:.1f}s, lm loss {summary.first.loss_lm:.4f} -> "
+                f"{summary.last.loss_lm:.4f}")
         if evaluator is not None and evaluator.results:
             first, v = evaluator.results[0], evaluator.results[-1]
             say(f"validation: lm loss {first.loss_lm:.4f} (step {first.step}) -> {v.loss_lm:.4f} (step {v.step}), "
                 f"perplexity {first.ppl:.3f} -> {v.ppl:.3f} ({v.tokens} tokens)")
-        if t.balance_report and trainer.moe_layers:
+        if t.balance_report and trainer.moe_layers and summary.stop is None:
             from moefold.training.observe.balance_report import report
 
             paths = report(t.run_dir)
             say(f"load-balance report: {', '.join(str(p) for p in paths)}")
         say(f"metrics: {Path(t.run_dir) / 'metrics.jsonl'}")
-    return results
+    return summary

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,17 +44,19 @@ from moefold.moe.router import Router
 from moefold.parallel.dims import ParallelDims
 from moefold.parallel.groups import Group
 from moefold.pipeline import build_schedule, run_schedule, simulate
-from moefold.pipeline.decoder_stage import DecoderStage, build_stage_model, embedding_group
+from moefold.pipeline.decoder_stage import DecoderStage, build_stage_model, shared_weight_groups
 from moefold.pipeline.overlap import OverlapConfig
 from moefold.pipeline.stages import chunk_costs
 from moefold.training.checkpoint.files import CheckpointSaveError, checkpoint_dirs, is_checkpoint_dir
 from moefold.training.checkpoint.resume import check_resume
-from moefold.training.checkpoint.sharded import find_checkpoint, load_checkpoint, read_meta, save_checkpoint
+from moefold.training.checkpoint.save import AsyncCheckpointer, save_checkpoint
+from moefold.training.checkpoint.sharded import find_checkpoint, load_checkpoint, load_pieces, read_meta, saved_keys
 from moefold.training.config import RunConfig
+from moefold.training.launch.signals import Stop, StopRequest, signal_name
+from moefold.training.observe.imbalance import LoadRatioWatch, micro_batch_load_ratio
 from moefold.training.observe.metrics import ROUTER_SUMS, per_step_router, router_layer_metrics, router_sums
 from moefold.training.optim.grad_sync import GradSync
 from moefold.training.optim.optimizer import DistributedAdamW
-from moefold.training.optim.state_shards import load_pieces, saved_keys
 
 if TYPE_CHECKING:
     from moefold.training.data.sampler import Samples
@@ -76,6 +79,8 @@ class StepResult:
     router: float64 [moe layers, ROUTER_SUMS] per-layer router losses (means over the step's micro-batches and dp)
             and entropy / token sums over all ranks (``training.observe.metrics.router_layer_metrics``; None
             without MoE)
+    max_load_ratio: the worst micro-batch's max/mean expert load over its dispatch group (with
+            ``--moe-max-load-ratio``, ``training.observe.imbalance``; else None)
     received_per_expert: float64 [moe layers, E] copies each expert received over all ranks, as the dispatcher
             counted them (DeepEP V2's ``cumulative_local_expert_recv_stats``: after capacity drops); None where the
             dispatchers do not count
@@ -92,7 +97,22 @@ class StepResult:
     tokens_per_expert: Tensor | None
     dropped: Tensor | None
     router: Tensor | None = None
+    max_load_ratio: float | None = None
     received_per_expert: Tensor | None = None
+    stop: Stop | None = None      # the ranks agreed to stop after this step (a signal, --exit-*)
+
+
+@dataclass(frozen=True)
+class FitSummary:
+    """What ``Trainer.fit`` did: the steps it ran, the first and last step's results (per-step results go to
+    ``on_step``; the trainer keeps no history), why it stopped early (None: it reached its last step) and the
+    checkpoint it saved at the end (None: no ``save``)."""
+
+    steps: int
+    first: StepResult | None
+    last: StepResult | None
+    stop: Stop | None
+    checkpoint: Path | None
 
 
 def moe_routers(model: MoEDecoder) -> dict[int, Router]:
@@ -107,12 +127,13 @@ def moe_routers(model: MoEDecoder) -> dict[int, Router]:
 
 
 def model_options(config: RunConfig) -> ModelOptions:
-    """The run's ``ModelOptions`` (``--bf16`` makes the parameters bf16; the flex dispatcher's
+    """The run's ``ModelOptions`` (``--bf16`` / ``--fp16`` make the parameters bf16 / fp16; the flex dispatcher's
     ``moe_deepep_max_tokens_per_rank`` is the tokens one rank routes per MoE call: micro-batch x sequence /
     (tp x cp), every rank the same)."""
     options = config.options
-    if config.train.bf16 and options.dtype != "bf16":
-        options = dataclasses.replace(options, dtype="bf16")
+    dtype = "bf16" if config.train.bf16 else "fp16" if config.train.fp16 else options.dtype
+    if options.dtype != dtype:
+        options = dataclasses.replace(options, dtype=dtype)
     if not options.moe_deepep_max_tokens_per_rank:
         t, p = config.train, config.parallel
         options = dataclasses.replace(options, moe_deepep_max_tokens_per_rank=max(
@@ -158,23 +179,34 @@ def build_optimizer(model: MoEDecoder, config: RunConfig, dims: ParallelDims,
     runs it on a meta-device model."""
     t = config.train
     layout = config.pipeline_layout(dims.pp) if dims.pp > 1 else None
-    embed_group = embedding_group(model, dims, layout)
+    shared = shared_weight_groups(model, dims, layout)
+    if t.use_torch_fsdp2:   # FSDP2 shards parameters, gradients and states instead (training.optim.fsdp)
+        from moefold.training.optim.fsdp import build_fsdp
+
+        if "output_head" in shared:
+            raise ValueError(f"--use-torch-fsdp2 with --pipeline-model-parallel-layout "
+                             f"{t.pipeline_model_parallel_layout!r}: FSDP2 sums only the embedding's pipeline copies, "
+                             f"not an untied output head's on a standalone MTP stage; put m and L on one stage")
+        return shared.get("embed_tokens"), *build_fsdp(model, config, dims, shared.get("embed_tokens"))
     precision = t.optimizer_precision()
-    # the V placement's rank 0 backpropagates its two chunks separately: an embedding the head also reads (MTP, tied)
-    # accumulates two gradients per micro-batch
+    # a module that two chunks of this rank read, each backpropagated on its own (the V placement's rank 0 with
+    # MTP or a tied head, a layout's MTP chunk on the embedding's rank), accumulates one gradient per chunk
     reports = {}
-    shared = config.model.mtp_num_layers or config.model.tie_word_embeddings
-    if shared and layout is not None and model.embed_tokens is not None and layout.vpp > 1:
-        chunks = layout.rank_chunks(dims.pp_rank)
-        if any(c.has_embedding for c in chunks) and any(c.has_head for c in chunks) and not any(
-                c.has_embedding and c.has_head for c in chunks):
-            reports = {f"embed_tokens.{n}": 2 for n, _ in model.embed_tokens.named_parameters()}
+    if layout is not None and layout.vpp > 1:
+        readers = {"embed_tokens": layout.embedding_chunks(config.model.tie_word_embeddings),
+                   "output_head": layout.output_head_chunks()}
+        for name, chunks in readers.items():
+            mine = sum(c.pp_rank == dims.pp_rank for c in chunks)
+            module = getattr(model, name)
+            if mine > 1 and module is not None:
+                reports.update({f"{name}.{n}": mine for n, _ in module.named_parameters()})
     sync = GradSync(model.named_parameters(), dims, bucket_numel=t.bucket_numel, overlap=t.overlap_grad_reduce,
-                    grad_dtype=precision.dtype("main_grads"), copies_group=embed_group, reports=reports)
+                    grad_dtype=precision.dtype("main_grads"), copies_groups=shared, reports=reports)
     optimizer = DistributedAdamW(sync, dims, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                  weight_decay=t.weight_decay, precision=precision, model=model,
-                                 overlap_param_gather=t.overlap_param_gather)
-    return embed_group, sync, optimizer
+                                 overlap_param_gather=t.overlap_param_gather,
+                                 cpu_offload_fraction=t.optimizer_offload_fraction if t.optimizer_cpu_offload else None)
+    return shared.get("embed_tokens"), sync, optimizer
 
 
 class Trainer:
@@ -204,7 +236,7 @@ class Trainer:
             self.log(f"pipeline: {self.pipeline.name}{' (FB pairs overlapped)' if overlap else ''} schedule, pp "
                      f"{dims.pp} x vpp {vpp} ({self.layout.placement.value}), {self.num_micro} micro-batches per step "
                      f"(bubble {bubble:.1%} with stage times by layer count, backward = 2 x forward)\n"
-                     f"{self.layout.describe()}")
+                     f"--pipeline-model-parallel-layout {self.layout.text!r}:\n{self.layout.describe()}")
         elif overlap:   # pp = 1: Megatron's combined 1F1B without pipelining, F0, FB(1, 0), ..., B(m-1)
             self.layout = config.pipeline_layout(1)
             self.pipeline = build_schedule("1f1b", 1, self.num_micro, overlap=True)
@@ -239,11 +271,20 @@ class Trainer:
         # the flex dispatcher on DeepEP V2 counts each expert's received copies (MoEOutputInfo.received_E)
         self.counts_received = bool(self.moe_layers) and flex_backend(config, dims) == "deepep"
         self.embed_group, self.sync, self.optimizer = build_optimizer(self.model, config, dims)
+        # the observed routing imbalance against the plan's assumption (--moe-max-load-ratio)
+        self.load_watch = (LoadRatioWatch(t.moe_max_load_ratio, self.log)
+                           if t.moe_max_load_ratio is not None and self.moe_layers else None)
+        self._micro_loads: Tensor | None = None
         self.schedule = t.lr_schedule()
         self.iteration = 0            # completed steps
         self.consumed_samples = 0     # global samples consumed
         self.skipped_in_a_row = 0
+        self.loss_scaler = t.loss_scaler()   # --fp16 only (training.optim.loss_scaler)
         self.loss_hook: Callable[[int, int, Tensor], Tensor] | None = None
+        # stopping early (training.launch.signals): the handlers' flag, the time limit, the step interval
+        self.stop_request: StopRequest | None = None
+        self.deadline = None if t.exit_duration_in_mins is None else time.monotonic() + 60 * t.exit_duration_in_mins
+        self.async_saver = AsyncCheckpointer(dims, self.log) if t.async_save and t.save else None
 
     # ------------------------------------------------------------------------------- one step
     def _split(self, batch: Tensor) -> tuple[Tensor, Tensor]:
@@ -266,7 +307,8 @@ class Trainer:
             loss = out.loss
             if self.loss_hook is not None:
                 loss = self.loss_hook(self.iteration, m, loss)
-            (loss / self.num_micro).backward()
+            (loss * (self._scale / self.num_micro)).backward()
+            self._record_micro_loads(m, out.moe.items())
             # accumulated on the device: one host sync per step (after the all-reduce), not per micro-batch
             zero = torch.zeros((), device=logged.device)
             logged += torch.stack([out.lm_loss.detach().to(zero) / tpcp, out.aux_loss.detach().to(zero),
@@ -290,8 +332,9 @@ class Trainer:
             hook, step = self.loss_hook, self.iteration
             loss_fn = lambda out, mb: hook(step, mb["index"], stage.loss_fn(out, mb))
         spec = stage.activation_spec(ids.shape[0], ids.shape[1], self.device)
+        # fp16: the schedule's backward starts from the scaled losses, the aux losses' included
         result = run_schedule(stage, self.pipeline, mbs, loss_fn, dims.pp_group if dims.pp > 1 else None, spec,
-                              weight_store=self.weight_store)
+                              weight_store=self.weight_store, loss_scale=self._scale)
         tpcp = dims.tp * dims.cp
         zero = torch.zeros((), dtype=logged.dtype, device=logged.device)
 
@@ -306,6 +349,15 @@ class Trainer:
                                total(stage.mtp_losses.values()) / tpcp, nonfinite])
         self._add_loads(loads, ((layer, info) for (_, layer), info in stage.moe_infos.items()),
                         self.config.model.num_experts)
+        for (m, layer), info in stage.moe_infos.items():
+            self._record_micro_loads(m, [(layer, info)])
+
+    def _record_micro_loads(self, micro: int, infos: Iterable[tuple[int, MoEOutputInfo]]) -> None:
+        """Micro-batch ``micro``'s routed copies per layer and expert, for the imbalance watch (when it is on)."""
+        if self._micro_loads is None:
+            return
+        for i, info in infos:
+            self._micro_loads[micro, self.moe_layers.index(i)] += info.load_E.detach().to(self._micro_loads)
 
     def _add_loads(self, loads: Tensor, infos: Iterable[tuple[int, MoEOutputInfo]], E: int) -> None:
         """Adds (layer, info) pairs' selections, dropped copies and router sums to their rows of ``loads``."""
@@ -319,6 +371,11 @@ class Trainer:
             if info.received_E is not None:
                 loads[j, E + 1 + ROUTER_SUMS:] += info.received_E.to(loads)
 
+    @property
+    def _scale(self) -> float:
+        """The loss scale of this step (1 without ``--fp16``)."""
+        return 1.0 if self.loss_scaler is None else self.loss_scaler.scale
+
     def train_step(self, microbatches: list[Tensor]) -> StepResult:
         """Forward/backward over this rank's ``num_micro`` micro-batches and one optimizer step. Collective."""
         if len(microbatches) != self.num_micro:
@@ -327,14 +384,24 @@ class Trainer:
         self.model.train()
         self.sync.start_step(self.num_micro)
         n_moe, E = len(self.moe_layers), self.config.model.num_experts
-        # float64 sums of counts stay exact; lm, aux, mtp, non-finite count
-        # per layer: selections [E], dropped, router sums, received copies [E] (all zero unless counted)
+        # float64 sums of counts stay exact; per layer: selections [E], dropped, router sums, received copies [E]
+        # (all zero unless counted)
         loads = torch.zeros(n_moe, E + 1 + ROUTER_SUMS + E, dtype=torch.float64, device=self.device)
-        logged = torch.zeros(4, dtype=torch.float64, device=self.device)
+        # lm, aux, mtp, non-finite count; then the stop flags: ranks told to stop by a signal, the sum of their
+        # signal numbers, ranks past --exit-duration-in-mins (training.launch.signals: no collective of their own)
+        logged = torch.zeros(4 + 3, dtype=torch.float64, device=self.device)
+        if self.load_watch is not None:
+            self._micro_loads = torch.zeros(self.num_micro, n_moe, E, dtype=torch.float64, device=self.device)
         if self.pipeline is None:
-            self._forward_backward(microbatches, loads, logged)
+            self._forward_backward(microbatches, loads, logged[:4])
         else:
-            self._pipeline_forward_backward(microbatches, loads, logged)
+            self._pipeline_forward_backward(microbatches, loads, logged[:4])
+        signum = self.stop_request.received if self.stop_request is not None else 0
+        if signum:   # written only when set: a device fill, no host synchronisation
+            logged[4].fill_(1)
+            logged[5].fill_(signum)
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            logged[6].fill_(1)
         self.overlapped_buckets = self.sync.launched_early
         self.sync.finish()   # (the embedding's two pipeline copies get the summed gradient there)
         if dims.world_size > 1:
@@ -342,11 +409,31 @@ class Trainer:
             if n_moe:   # over the world: other pipeline stages add zeros to the rows they do not own
                 dist.all_reduce(loads)
         logged[:3] /= self.num_micro * dims.dp
-        # the step's one device->host copy: the logged values and the norm that decides skip/clip
-        *logged, grad_norm = torch.cat([logged, self.optimizer.grad_norm().to(logged).reshape(1)]).tolist()
+        # the step's one device->host copy: the logged values, the norm that decides skip/clip (and the imbalance)
+        host = [logged, self.optimizer.grad_norm().to(logged).reshape(1)]
+        if self._micro_loads is not None:
+            host.append(micro_batch_load_ratio(self._micro_loads, dims.etp_ep_group, dims.world_size > 1).reshape(1))
+            self._micro_loads = None
+        values = torch.cat(host).tolist()
+        load_ratio = values.pop() if len(host) == 3 else None
+        *logged, grad_norm = values
+        if load_ratio is not None:
+            self.load_watch.observe(step + 1, load_ratio)
+        scale = self._scale
+        grad_norm /= scale   # fp16: the main grads hold scale x the gradient until the update unscales them
         lr = self.schedule(step)
         skipped = logged[3] > 0 or not math.isfinite(grad_norm)
-        if skipped:
+        # fp16: a non-finite gradient with a finite loss is an overflow of the scaled gradients; the norm's world
+        # all-reduce made it every rank's verdict, so every rank skips this step and backs the scale off together
+        # (not counted towards --max-skipped-steps while the scale can still back off)
+        overflow = (self.loss_scaler is not None and logged[3] == 0 and not math.isfinite(grad_norm)
+                    and not self.loss_scaler.at_minimum)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf=skipped)
+        if overflow:
+            self.log(f"step {step + 1}: fp16 gradients overflowed at loss scale {scale:g}; skipping the optimizer "
+                     f"step (loss scale now {self.loss_scaler.scale:g})")
+        elif skipped:
             self.skipped_in_a_row += 1
             self.log(f"step {step + 1}: non-finite {'loss' if logged[3] > 0 else 'gradient norm'} "
                      f"(grad norm {grad_norm}); skipping the optimizer step "
@@ -359,7 +446,7 @@ class Trainer:
             self.skipped_in_a_row = 0
             clip = self.config.train.clip_grad
             coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
-            self.optimizer.step(lr, coef)
+            self.optimizer.step(lr, coef / scale)   # unscale and clip in one multiply
             for j, layer in enumerate(self.moe_layers):
                 router = self.routers.get(layer)
                 if router is not None and getattr(router, "expert_bias", None) is not None:
@@ -376,15 +463,54 @@ class Trainer:
                           router=per_step_router(loads[:, E + 1:E + 1 + ROUTER_SUMS], self.num_micro * dims.dp)
                           if n_moe else None,
                           received_per_expert=loads[:, E + 1 + ROUTER_SUMS:] if n_moe and self.counts_received
-                          else None)
+                          else None,
+                          max_load_ratio=load_ratio, stop=self._stop(*logged[4:7]))
+
+    def _stop(self, signalled: float, signums: float, late: float) -> Stop | None:
+        """Why the ranks stop after the step just completed (the all-reduced flags), or None."""
+        t = self.config.train
+        if signalled:
+            signum = int(signums) // int(signalled) if int(signums) % int(signalled) == 0 else 0
+            return Stop(signal_name(signum) if signum else "a signal", signum or 15)
+        if late:
+            return Stop(f"--exit-duration-in-mins {t.exit_duration_in_mins:g}")
+        if t.exit_interval and self.iteration % t.exit_interval == 0 and self.iteration < t.train_iters:
+            return Stop(f"--exit-interval {t.exit_interval}")
+        return None
 
     # ------------------------------------------------------------------------------- checkpoints
-    def save(self, root: str | Path) -> Path:
-        self.optimizer.finish_param_sync()
+    def _meta(self) -> dict:
         meta = {"consumed_samples": self.consumed_samples, "optimizer_steps": self.optimizer.step_count,
-                "skipped_in_a_row": self.skipped_in_a_row, "config": self.config.to_dict()}
-        return save_checkpoint(root, self.iteration, self.model, self.dims, self.optimizer.checkpoint_state(), meta,
-                               keep_last=self.config.train.keep_last, log=self.log)
+                "skipped_in_a_row": self.skipped_in_a_row, "config": self.config.to_dict(),
+                "run_id": self.config.train.run_id}
+        if self.loss_scaler is not None:   # plain numbers in meta.json
+            meta["loss_scaler"] = self.loss_scaler.state_dict()
+        return meta
+
+    def save(self, root: str | Path, background: bool = False) -> Path | None:
+        """Checkpoint this iteration under ``root`` and return it; ``background`` (with ``--async-save``): start
+        writing it and return None once the state is staged (``training.checkpoint.save``). A save waits for
+        the background one before it."""
+        self.optimizer.finish_param_sync()
+        t = self.config.train
+        if self.async_saver is not None:
+            if background:
+                self.async_saver.save(root, self.iteration, self.model, self.optimizer.checkpoint_state(),
+                                      self._meta(), keep_last=t.keep_last)
+                return None
+            self.async_saver.wait()
+        return save_checkpoint(root, self.iteration, self.model, self.dims, self.optimizer.checkpoint_state(),
+                               self._meta(), keep_last=t.keep_last, log=self.log)
+
+    def finish_saves(self) -> None:
+        """Wait for a background save (reporting its failure, as a failed interval save is: training is past it)
+        and release the staging buffers."""
+        if self.async_saver is None:
+            return
+        try:
+            self.async_saver.close()
+        except CheckpointSaveError as exc:
+            self.log(f"{exc}")
 
     def load(self, path: str | Path) -> bool:
         """Resume from ``path`` (a checkpoint, or the newest intact one under it, see ``find_checkpoint``).
@@ -405,7 +531,10 @@ class Trainer:
         self.iteration = int(meta["iteration"])
         self.consumed_samples = 0 if restart_data else int(meta["consumed_samples"])
         self.skipped_in_a_row = int(meta.get("skipped_in_a_row", 0))
-        self.log(f"resumed from {ckpt} at iteration {self.iteration} (consumed_samples {self.consumed_samples})")
+        if self.loss_scaler is not None and "loss_scaler" in meta:
+            self.loss_scaler.load_state_dict(meta["loss_scaler"])
+        run = f", run {meta['run_id']}" if meta.get("run_id") else ""
+        self.log(f"resumed from {ckpt} at iteration {self.iteration} (consumed_samples {self.consumed_samples}{run})")
         return True
 
     # ------------------------------------------------------------------------------- the loop
@@ -418,22 +547,30 @@ class Trainer:
 
     def fit(self, dataset: Samples, logger: MetricsLogger | None = None,
             on_step: Callable[[StepResult], None] | None = None, stop_at: int | None = None,
-            evaluator: Evaluator | None = None) -> list[StepResult]:
+            evaluator: Evaluator | None = None) -> FitSummary:
         """Train from ``self.iteration`` to ``train_iters`` (or ``stop_at``) on ``dataset`` (samples of
         seq_length + 1 ids); logs through ``logger`` (a MetricsLogger, rank 0), validates when ``evaluator``
-        says so (every rank), saves every ``save_interval`` and at the end."""
+        says so (every rank), saves every ``save_interval`` (in the background with ``--async-save``) and at the
+        end. Stops early, saving, when the ranks agree to (``StepResult.stop``: a signal, ``--exit-*``). Each
+        step's result goes to ``on_step``; nothing per step is kept (host memory stays flat over any run)."""
         t = self.config.train
         last = t.train_iters if stop_at is None else min(stop_at, t.train_iters)
         batches = self.microbatch_iter(dataset)
-        results: list[StepResult] = []
+        first = r = stop = None
+        steps = 0
         acc_tokens, acc_loads, acc_dropped, routed, acc_router, acc_steps = 0, None, None, None, None, 0
+        acc_ratio = None   # the worst micro-batch's expert load max/mean since the last record (imbalance watch)
         acc_received = None
         while self.iteration < last:
             r = self.train_step([next(batches) for _ in range(self.num_micro)])
-            results.append(r)
+            steps += 1
+            first = first or r
+            stop = r.stop
             if on_step is not None:
                 on_step(r)
             acc_tokens += r.tokens
+            if r.max_load_ratio is not None:
+                acc_ratio = max(acc_ratio or 0.0, r.max_load_ratio)
             if r.tokens_per_expert is not None:
                 acc_loads = r.tokens_per_expert if acc_loads is None else acc_loads + r.tokens_per_expert
                 acc_dropped = r.dropped if acc_dropped is None else acc_dropped + r.dropped
@@ -442,7 +579,7 @@ class Trainer:
                 acc_received = r.received_per_expert if acc_received is None else acc_received + r.received_per_expert
             if logger is not None:
                 logger.advance()
-                if r.step % t.log_interval == 0 or r.step == last:
+                if r.step % t.log_interval == 0 or r.step == last or stop is not None:
                     if acc_loads is not None:
                         routed = acc_loads.sum(dim=1).clamp(min=1)
                     # loss_mtp weighted as in the objective, so the logged "loss" is what is minimised
@@ -456,25 +593,38 @@ class Trainer:
                                router=router_layer_metrics(acc_router, acc_steps, self.config.model)
                                if acc_router is not None else None,
                                received_per_expert=acc_received.round().long().tolist()
-                               if acc_received is not None else None)
-            if r.step % t.log_interval == 0:
+                               if acc_received is not None else None,
+                               load_ratio=None if acc_ratio is None else (acc_ratio, t.moe_max_load_ratio))
+            if r.step % t.log_interval == 0 or stop is not None:
                 acc_tokens, acc_loads, acc_dropped, acc_router, acc_steps, acc_received = 0, None, None, None, 0, None
+                acc_ratio = None
+            if stop is not None:
+                break
             if evaluator is not None and evaluator.due(r.step, last):
                 evaluator()
             if t.save and t.save_interval and r.step % t.save_interval == 0 and r.step < last:
                 try:
-                    self.save(t.save)
+                    self.save(t.save, background=True)
                 except CheckpointSaveError as exc:   # state intact: the next save tries again; the last must succeed
                     self.log(f"{exc}; training continues, the next save tries again")
-        if t.save:
-            self.save(t.save)
+        if self.async_saver is not None:   # the final save waits for the one in flight; its failure is a note
+            try:
+                self.async_saver.wait()
+            except CheckpointSaveError as exc:
+                self.log(f"{exc}")
+        checkpoint = self.save(t.save) if t.save else None
         self.optimizer.finish_param_sync()
-        return results
+        return FitSummary(steps=steps, first=first, last=r, stop=stop, checkpoint=checkpoint)
 
 
 def named_full_params(model: nn.Module) -> dict[str, Tensor]:
     """Every parameter gathered to full shape (fp32 copies: later steps do not change them). Collective over
     each shard's group."""
+    from torch.distributed.tensor import DTensor
+
     from moefold.parallel.sharding import gather_full, shards_of
 
-    return {n: gather_full(p, shards_of(p)).to(torch.float32, copy=True) for n, p in model.named_parameters()}
+    def local(p: Tensor) -> Tensor:   # an FSDP2 shard: gathered over its mesh first
+        return p.full_tensor() if isinstance(p, DTensor) else p
+
+    return {n: gather_full(local(p), shards_of(p)).to(torch.float32, copy=True) for n, p in model.named_parameters()}

@@ -25,6 +25,7 @@ from moefold.models.config import ModelConfig
 from moefold.models.decoder import MoEDecoder
 from moefold.models.hf.assets import copy_assets
 from moefold.models.hf.config_map import to_hf_config
+from moefold.models.hf.fp8_blocks import HUB_CONFIG, SCALE_SUFFIX, quantize_block, stored_in_fp8
 from moefold.models.hf.mapping import (
     EXPERT_FORMATS,
     expert_names,
@@ -67,17 +68,25 @@ def hf_tensors(name: str, full: Tensor, config: ModelConfig, expert_format: str 
 
 def export_hf(model: MoEDecoder, out_dir: str | os.PathLike, expert_format: str = "per_expert",
               max_shard_bytes: int = 5 * 2**30, writer_rank: int = 0,
-              assets_from: str | os.PathLike | None = None) -> None:
+              assets_from: str | os.PathLike | None = None, fp8: bool = False) -> None:
     """Write ``model`` as an HF checkpoint directory. Collective over every group the parameters are
     sharded on (call it on every rank of the model).
 
     ``config.json`` keeps every field of the config the model was imported from (``models.hf.config_map``);
-    ``assets_from``: a directory whose ``generation_config.json`` and tokenizer files are copied along."""
+    ``assets_from``: a directory whose ``generation_config.json`` and tokenizer files are copied along.
+    ``fp8``: the linear weights as e4m3 with a ``weight_scale_inv`` per 128x128 block and the hub's
+    ``quantization_config`` (``models.hf.fp8_blocks``); else every tensor unquantized (and no
+    ``quantization_config``, even when the model was read from an FP8 checkpoint)."""
     if expert_format not in EXPERT_FORMATS:
         raise ValueError(f"expert_format={expert_format!r}; valid: {', '.join(EXPERT_FORMATS)}")
+    if fp8 and expert_format != "per_expert":
+        raise ValueError("--hf-fp8 writes the hub's layout: per-expert weights (--expert-format per_expert), each "
+                         "with its weight_scale_inv")
     if model.dims.pp > 1:
         raise ValueError(f"export_hf gathers within one pipeline stage; the model has pp={model.dims.pp}")
     config = model.config
+    source_quant = ((config.extra or {}).get("hf_config") or {}).get("quantization_config") or {}
+    keep = list(source_quant.get("modules_to_not_convert") or []) if isinstance(source_quant, dict) else []
     rank = dist.get_rank() if dist.is_initialized() else 0
     writer = ShardedWriter(out_dir, max_shard_bytes) if rank == writer_rank else None
     shared: dict[str, Tensor] = {}
@@ -91,7 +100,12 @@ def export_hf(model: MoEDecoder, out_dir: str | os.PathLike, expert_format: str 
         if dtype is None and torch.is_floating_point(full) and full.dim() > 1:
             dtype = full.dtype
         for hf_name, value in hf_tensors(name, full, config, expert_format):
-            writer.add(hf_name, value)
+            if fp8 and stored_in_fp8(hf_name, value, keep):
+                q, scale_inv = quantize_block(value, tuple(HUB_CONFIG["weight_block_size"]))
+                writer.add(hf_name, q)
+                writer.add(hf_name + SCALE_SUFFIX, scale_inv)
+            else:
+                writer.add(hf_name, value)
     if writer is not None:
         # DeepSeek checkpoints carry each MTP layer's copy of the shared embedding and head
         head = shared.get("output_head.proj.weight", shared.get("embed_tokens.weight"))
@@ -101,6 +115,9 @@ def export_hf(model: MoEDecoder, out_dir: str | os.PathLike, expert_format: str 
             writer.add(f"model.layers.{j}.shared_head.head.weight", head)
         writer.finish()
         hf_config = to_hf_config(config, dtype=dtype_name(dtype or torch.float32))
+        hf_config.pop("quantization_config", None)   # the tensors written are what decides it
+        if fp8:
+            hf_config["quantization_config"] = {**HUB_CONFIG, **({"modules_to_not_convert": keep} if keep else {})}
         (Path(out_dir) / "config.json").write_text(json.dumps(hf_config, indent=2))
         if assets_from is not None:
             copy_assets(assets_from, out_dir)

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from moefold.models.config import ModelConfig
 from moefold.models.decoder import MoEDecoder
 from moefold.models.hf.config_map import from_hf_config
+from moefold.models.hf.fp8_blocks import block_size, fp8_reader
 from moefold.models.hf.mapping import (
     ExpertNames,
     expert_names,
@@ -72,23 +73,25 @@ def load_config(path: str | os.PathLike, reader: TensorReader | None = None) -> 
     return config
 
 
-def check_unquantized(config: ModelConfig) -> None:
-    """Refuse weights stored quantized (the published GPT-OSS: MXFP4; DeepSeek-V3, Kimi-K2, MiniMax-M2: FP8
-    blocks with ``weight_scale_inv``): moefold reads bf16/fp32 tensors. The config alone reads fine."""
-    quant = ((config.extra or {}).get("hf_config") or {}).get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", quant.get("fmt")) if isinstance(quant, dict) else quant
-        raise ValueError(f"{config.name}: config.json has quantization_config (quant_method={method!r}); moefold "
-                         "reads unquantized weights: dequantize with transformers first (from_pretrained with "
-                         "quantization_config=Mxfp4Config(dequantize=True) or FineGrainedFP8Config(dequantize=True), "
-                         "then save_pretrained)")
+def check_quantization(config: ModelConfig) -> tuple[int, int] | None:
+    """The FP8 weight block of a checkpoint stored in FP8 blocks (DeepSeek-V3, Kimi-K2, MiniMax-M2: read
+    dequantised, ``models.hf.fp8_blocks``), None for an unquantized one; one-line ValueError naming the config
+    for a quantization moefold does not read (GPT-OSS's MXFP4, ...). The config alone reads fine either way."""
+    try:
+        return block_size((config.extra or {}).get("hf_config"))
+    except ValueError as exc:
+        raise ValueError(f"{config.name}: {exc}") from None
 
 
 def import_hf(path: str | os.PathLike, dims: ParallelDims | None = None, options: ModelOptions | None = None,
               strict: bool = True) -> MoEDecoder:
     """Build the model an HF directory describes over ``dims`` and load its weights."""
+    from moefold.models.hf.bounds import check_weights_match_config
+
     with TensorReader(path) as reader:
-        model = MoEDecoder(load_config(path, reader), dims, options)
+        config = load_config(path, reader)
+        check_weights_match_config(path, config, reader, read_hf_config(path))
+        model = MoEDecoder(config, dims, options)
         load_weights(model, reader, strict=strict)
     return model
 
@@ -190,7 +193,8 @@ def load_weights(model: MoEDecoder, reader: TensorReader, strict: bool = True) -
     """Copy this rank's slice of every parameter and persistent buffer of ``model`` from ``reader``
     (HF naming; see ``models.hf.mapping``). No communication."""
     config, used = model.config, set()
-    check_unquantized(config)
+    check_quantization(config)
+    reader = fp8_reader(reader, (config.extra or {}).get("hf_config"))   # FP8 blocks read dequantised
     for name, tensor in model.state_dict(keep_vars=True).items():
         shape = full_shape(tensor)
         box = local_box(shape, shards_of(tensor))

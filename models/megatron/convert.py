@@ -46,8 +46,14 @@ FORMAT = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common
 
 
 def is_megatron_checkpoint(path: str | os.PathLike) -> bool:
+    """``path`` (a ``--save`` directory through its tracker, or one checkpoint) holds Megatron's torch_dist files:
+    ``.metadata`` and the ``metadata.json`` dist-checkpointing writes. moefold's own ``--save`` directories use
+    the same tracker name and DCP's ``.metadata`` but no ``metadata.json``."""
     p = Path(path)
-    return (p / TRACKER).is_file() or ((p / ".metadata").is_file() and (p / "metadata.json").is_file())
+    if (p / TRACKER).is_file():
+        it = (p / TRACKER).read_text().strip()
+        p = p / ("release" if it == "release" else f"iter_{int(it):07d}" if it.isdigit() else it)
+    return (p / ".metadata").is_file() and (p / "metadata.json").is_file()
 
 
 def find_megatron_checkpoint(path: str | os.PathLike) -> Path:
@@ -58,6 +64,9 @@ def find_megatron_checkpoint(path: str | os.PathLike) -> Path:
         sub = p / ("release" if it == "release" else f"iter_{int(it):07d}")
         if not (sub / ".metadata").is_file():
             raise ValueError(f"{p / TRACKER} names iteration {it}, but {sub} holds no torch_dist checkpoint")
+        if not (sub / "metadata.json").is_file():   # moefold's --save directories share the tracker's name
+            raise ValueError(f"{sub} has no metadata.json: not a Megatron torch_dist checkpoint (a moefold "
+                             "checkpoint? resume it with --load, or convert it without --from megatron)")
         return sub
     if (p / ".metadata").is_file():
         fmt = p / "metadata.json"

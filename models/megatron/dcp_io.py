@@ -1,11 +1,11 @@
 """Reading slices of, and writing, ``torch.distributed.checkpoint`` directories (Megatron's ``torch_dist``).
 
-Loading never executes code from the files: ``.metadata`` (a pickle) is read by an unpickler that accepts only
-the classes DCP's metadata consists of (``torch.distributed.checkpoint.{metadata,planner,filesystem}``,
-``torch.Size``, dtypes, layouts, memory formats, ``pathlib`` paths) and fails naming any other; tensor
-data is read by DCP's ``FileSystemReader`` (``torch.load(weights_only=True)`` per chunk); byte items
-(Megatron's ``ShardedObject``: Transformer Engine extra state, RNG states, optimizer objects) are never
-unpickled.
+Loading never executes code from the files: ``.metadata`` (a pickle) is read by the unpickler moefold's own
+checkpoints are read with (``parallel.dcp_metadata``: only the classes DCP's metadata consists of, here with
+``BytesStorageMetadata`` and the save plan Megatron-Core keeps there; no storage transforms), which fails
+naming any other; tensor data is read by DCP's ``FileSystemReader`` (``torch.load(weights_only=True)`` per
+chunk); byte items (Megatron's ``ShardedObject``: Transformer Engine extra state, RNG states, optimizer objects)
+are never unpickled.
 
 ``DcpReader.read_boxes([(key, box), ...])`` reads only the requested regions of the requested tensors in one pass
 (each rank of a parallel layout reads its slices). ``write_dcp(tensors, dir)`` writes full tensors as one
@@ -14,73 +14,32 @@ chunk each from one process (``no_dist``); DCP loads them at any sharding.
 
 from __future__ import annotations
 
-import importlib
 import os
-import pickle
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from torch import Tensor
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from moefold.parallel.dcp_metadata import SafeFileSystemReader, read_dcp_metadata
+
 METADATA = ".metadata"
-_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
-                "torch.distributed.checkpoint.filesystem")
-_TORCH_NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-                ("pathlib", "PureWindowsPath"), ("pathlib", "Path")}   # StorageMeta.checkpoint_id
-_BUILTINS = {t.__name__: t for t in (set, frozenset, tuple, list, dict, int, float, str, bytes, bool, slice,
-                                      complex, bytearray)}
 
 Box = tuple[slice, ...]
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Only DCP metadata classes and torch's plain value types; anything else is refused by name."""
-
-    def find_class(self, module: str, name: str):
-        if module in _DCP_MODULES:
-            obj = getattr(importlib.import_module(module), name, None)
-            if isinstance(obj, type):
-                return obj
-        if (module, name) in _TORCH_NAMES:
-            return getattr(importlib.import_module(module), name)
-        if module == "torch":
-            obj = getattr(torch, name, None)
-            if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
-                return obj
-        if module == "builtins" and name in _BUILTINS:
-            return _BUILTINS[name]
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of torch.distributed.checkpoint metadata; "
-                                     "refusing to load it (loading never executes code from a checkpoint)")
-
-
 def read_metadata(path: str | os.PathLike) -> Metadata:
-    """The ``.metadata`` of a DCP directory, through the restricted unpickler."""
+    """The ``.metadata`` of a DCP directory, through the restricted unpickler (``parallel.dcp_metadata``;
+    Megatron's byte entries and save plan admitted as metadata, the entries never read). ``ValueError`` naming
+    the file otherwise."""
     file = Path(path) / METADATA
     if not file.is_file():
         raise ValueError(f"{path}: no {METADATA} (not a torch.distributed.checkpoint / torch_dist directory)")
-    with open(file, "rb") as f:
-        try:
-            md = _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
-            raise ValueError(f"{file}: unreadable DCP metadata ({exc})") from None
-    if not isinstance(md, Metadata):
-        raise ValueError(f"{file}: holds a {type(md).__name__}, not DCP Metadata")
-    return md
-
-
-class _SafeReader(FileSystemReader):
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        md = read_metadata(self.path)
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = StorageMeta()
-        md.storage_meta.load_id = self.load_id
-        return md
+    return read_dcp_metadata(file, megatron=True)
 
 
 class _BoxPlanner(LoadPlanner):
@@ -155,7 +114,8 @@ class DcpReader:
         if grouped:
             import torch.distributed.checkpoint as dcp
 
-            dcp.load({}, storage_reader=_SafeReader(self.root), planner=_BoxPlanner(grouped), no_dist=True)
+            dcp.load({}, storage_reader=SafeFileSystemReader(self.root, megatron=True),
+                     planner=_BoxPlanner(grouped), no_dist=True)
         return out
 
 

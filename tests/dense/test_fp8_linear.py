@@ -126,28 +126,35 @@ def test_convert_picks_the_linears_and_leaves_the_weights():
     assert fp8_linear_names(MoEDecoder(config))[0] == []   # FP8 off: nothing converted
 
 
-def test_te_backend_runs_a_persistent_te_linear_in_autocast(monkeypatch):
+@pytest.mark.parametrize("recipe", ["delayed", "blockwise", "nvfp4"])
+def test_te_backend_runs_a_persistent_te_linear_in_autocast(monkeypatch, recipe):
     """Protocol (stand-in TE, tests/moe/te_standin.py): one meta-device ``te.Linear`` per layer for the whole
-    run, run on the layer's own weight inside the caller's TE autocast region with the run's recipe; outside
-    a region it refuses to run (TE would silently compute in high precision)."""
+    run, run on the layer's own weight inside the caller's TE autocast region with the run's recipe
+    (DelayedScaling, Float8BlockScaling, NVFP4BlockScaling on a B200); outside a region it refuses to run (TE would
+    silently compute in high precision)."""
     from tests.moe import te_standin
 
     pt = te_standin.install(monkeypatch)
-    config = FP8Config("hybrid", "delayed", backend="te")
-    layer = ColumnParallelLinear(32, 16, None, bias=True)
-    ref = ColumnParallelLinear(32, 16, None, bias=True)
+    if recipe == "nvfp4":
+        monkeypatch.setitem(te_standin.DEVICE, "capability", (10, 0))
+    config = (FP8Config(fp4="e2m1", backend="te") if recipe == "nvfp4" else
+              FP8Config("hybrid" if recipe == "delayed" else "e4m3", recipe, backend="te"))
+    layer = ColumnParallelLinear(32, 32, None, bias=True)
+    ref = ColumnParallelLinear(32, 32, None, bias=True)
     ref.load_state_dict(layer.state_dict())
     convert_linears_to_fp8(nn.ModuleDict({"p": layer}), config)
     built = pt.Linear.instances
     assert len(built) == 1 and built[0].weight.is_meta and list(layer.state_dict()) == ["weight", "bias"]
-    x = torch.randn(3, 8, 32)
+    x = torch.randn(4, 8, 32)
     with pytest.raises(RuntimeError, match=r"TELinearGemm: --fp8-backend te GEMMs must run inside"):
         layer(x)
     for _ in range(2):
         with fp8_autocast(config):
-            got = _run(layer, x, torch.ones(3, 8, 16))
-        for g, want in zip(got, _run(ref, x, torch.ones(3, 8, 16))):
+            got = _run(layer, x, torch.ones(4, 8, 32))
+        for g, want in zip(got, _run(ref, x, torch.ones(4, 8, 32))):
             torch.testing.assert_close(g, want)
     assert len(built) == 1 and len(built[0].calls) == 2
-    assert built[0].calls[0] == te_standin.DelayedScaling(fp8_format=te_standin.Format.HYBRID)
-    assert "Transformer Engine hybrid delayed" in repr(layer)
+    assert built[0].calls[0] == config.te_recipe()
+    assert type(config.te_recipe()).__name__ == {"delayed": "DelayedScaling", "blockwise": "Float8BlockScaling",
+                                                 "nvfp4": "NVFP4BlockScaling"}[recipe]
+    assert f"Transformer Engine {config.fp4 or config.format} {recipe}" in repr(layer)

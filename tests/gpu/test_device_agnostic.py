@@ -19,7 +19,7 @@ from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelDims
 from moefold.parallel.sharding import init_parameters
 from moefold.training.trainer import Trainer
-from tests.training.trainer_common import tiny_config, tiny_data
+from tests.training.trainer_common import fit_results, tiny_config, tiny_data
 
 H = 32
 
@@ -57,7 +57,7 @@ def _train(device: str, save: str | None = None, load: str | None = None,
     trainer = Trainer(config, dims, device=device, log=lambda _msg: None)
     if load is not None:
         assert trainer.load(load)
-    results = trainer.fit(tiny_data(), stop_at=stop_at)
+    results = fit_results(trainer, tiny_data(), stop_at=stop_at)
     return [r.loss_lm for r in results], trainer
 
 

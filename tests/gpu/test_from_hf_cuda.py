@@ -19,7 +19,7 @@ from moefold.training.evaluate import evaluate
 from moefold.training.run import build_dataset
 from moefold.training.trainer import Trainer
 from tests.models.hf_tiny import VOCAB, hf_dense_model, save_hf, tokens
-from tests.training.trainer_common import tiny_config
+from tests.training.trainer_common import fit_results, tiny_config
 
 pytest.importorskip("transformers")
 
@@ -63,6 +63,6 @@ def test_load_hf_and_validation_on_cuda_equal_cpu(tmp_path, upcycle, device):
         trainer = Trainer(config, dims, device=where, log=lambda _m: None)
         valid = build_dataset(config, dims, part="valid")
         before = evaluate(trainer, valid, 2).loss_lm
-        steps = [r.loss_lm for r in trainer.fit(build_dataset(config, dims))]
+        steps = [r.loss_lm for r in fit_results(trainer, build_dataset(config, dims))]
         losses.append([before, *steps, evaluate(trainer, valid, 2).loss_lm])
     np.testing.assert_allclose(losses[1], losses[0], atol=1e-4, rtol=0)

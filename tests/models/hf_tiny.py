@@ -100,7 +100,7 @@ def hf_model(family: str, seed: int = 0, **changes):
     if family in FEATURE_FAMILIES:
         model = _feature_family_model(family, **changes)
     elif family == "deepseek_v3":
-        cfg = DeepseekV3Config(
+        cfg = DeepseekV3Config(**{**dict(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
             num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
@@ -108,7 +108,7 @@ def hf_model(family: str, seed: int = 0, **changes):
             max_position_embeddings=64, num_nextn_predict_layers=0,
             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                              "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
-                             "mscale": 1.0, "mscale_all_dim": 1.0})
+                             "mscale": 1.0, "mscale_all_dim": 1.0}), **changes})
         model = DeepseekV3ForCausalLM(cfg)
     elif family == "qwen3_moe":
         cfg = Qwen3MoeConfig(

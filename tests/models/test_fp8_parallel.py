@@ -63,29 +63,36 @@ def _rank(fp8: FP8Config) -> dict[str, float]:
     report["fp8 vs high precision (world 1, median grad)"] = statistics.median(
         ((ref_grads[n] - p.grad).norm() / p.grad.norm()).item() for n, p in hp.named_parameters() if p.grad.norm() > 0)
     for label, par in LAYOUTS:
-        dims = ParallelDims.build(ParallelConfig(**par))
-        model = MoEDecoder(config, dims, options)
-        model.init_weights(7)
-        sync = GradSync(model.named_parameters(), dims)   # the trainer's reduction: what the optimizer sees
-        sync.start_step(1)
-        out = model(*_batch())
-        out.loss.backward()
-        sync.finish()
-        params = dict(model.named_parameters())
-        grads = {n: gather_full(g, shards_of(params[n])) for n, g in sync.gathered_grads().items()}
-        lm = out.loss.detach() - out.aux_loss   # lm/MTP shares are the same on every tp rank; aux adds up over tp
-        total = out.aux_loss.clone()
-        if dims.tp > 1:
-            dist.all_reduce(total, group=dims.tp_group)
-        assert abs((total + lm - ref_loss).item()) <= LOSS_TOL * abs(ref_loss.item()), (label, total + lm, ref_loss)
-        worst = 0.0
-        for name, g in grads.items():
-            ref = ref_grads[name]
-            err = ((g - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-            assert err <= GRAD_TOL, f"{label} {name}: relative error {err:.3g}"
-            worst = max(worst, err)
-        report[f"{label} worst grad"] = worst
+        report[f"{label} worst grad"] = worst_grad_error(config, options, ParallelDims.build(ParallelConfig(**par)),
+                                                         ref_loss, ref_grads, label)
     return report
+
+
+def worst_grad_error(config, options: ModelOptions, dims: ParallelDims, ref_loss, ref_grads, label: str,
+                     grad_tol: float = GRAD_TOL) -> float:
+    """One step of the model at ``dims``: its loss within LOSS_TOL of ``ref_loss`` and every reduced gradient within
+    GRAD_TOL of ``ref_grads`` (asserted); returns the worst relative gradient error."""
+    model = MoEDecoder(config, dims, options)
+    model.init_weights(7)
+    sync = GradSync(model.named_parameters(), dims)   # the trainer's reduction: what the optimizer sees
+    sync.start_step(1)
+    out = model(*_batch())
+    out.loss.backward()
+    sync.finish()
+    params = dict(model.named_parameters())
+    grads = {n: gather_full(g, shards_of(params[n])) for n, g in sync.gathered_grads().items()}
+    lm = out.loss.detach() - out.aux_loss   # lm/MTP shares are the same on every tp rank; aux adds up over tp
+    total = out.aux_loss.clone()
+    if dims.tp > 1:
+        dist.all_reduce(total, group=dims.tp_group)
+    assert abs((total + lm - ref_loss).item()) <= LOSS_TOL * abs(ref_loss.item()), (label, total + lm, ref_loss)
+    worst = 0.0
+    for name, g in grads.items():
+        ref = ref_grads[name]
+        err = ((g - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+        assert err <= grad_tol, f"{label} {name}: relative error {err:.3g}"
+        worst = max(worst, err)
+    return worst
 
 
 def test_fp8_layouts_equal_fp8_world1():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import time
 
 import pytest
 import torch
@@ -265,3 +266,81 @@ def test_cli_convert_and_train_load_megatron(megatron_checkpoint, tmp_path):
         from moefold.training.cli.train import config_from_args
 
         config_from_args(build_parser("train").parse_args(["train", "--load-megatron", ckpt, "--hidden-size", "64"]))
+
+
+class _Payload:
+    def __reduce__(self):
+        return (exec, ("raise AssertionError('code from the checkpoint ran')",))
+
+
+def test_megatron_metadata_is_read_the_safe_way(megatron_checkpoint, tmp_path):
+    """``.metadata`` of a torch_dist checkpoint goes through the unpickler moefold's own checkpoints are read with
+    (``parallel.dcp_metadata``): a payload in it, or a storage transform, is refused in one line; nothing runs."""
+    import pickle
+
+    from moefold.parallel.dcp_metadata import UnsafeCheckpointError, read_dcp_metadata
+
+    ckpt, _ = megatron_checkpoint
+    for case in ("payload", "transform"):
+        copy = tmp_path / case
+        shutil.copytree(ckpt, copy)
+        meta = copy / "iter_0000005" / ".metadata"
+        md = read_dcp_metadata(meta, megatron=True)
+        with pytest.raises(UnsafeCheckpointError, match="BytesStorageMetadata"):   # moefold's own: tensors only
+            read_dcp_metadata(meta)
+        if case == "payload":
+            md.planner_data = _Payload()
+            match = r"\.metadata asks to load builtins\.exec"
+        else:
+            next(iter(md.storage_data.values())).transform_descriptors = ["zstd"]
+            match = r"\.metadata asks for storage transforms"
+        meta.write_bytes(pickle.dumps(md))
+        with pytest.raises(UnsafeCheckpointError, match=match):
+            import_megatron(copy)
+
+
+def _corpus(prefix) -> str:
+    from moefold.training.data.indexed import IndexedDatasetWriter
+
+    g = torch.Generator().manual_seed(1)
+    with IndexedDatasetWriter(prefix, V) as writer:
+        for _ in range(8):
+            writer.add_document(torch.randint(0, V, (40,), generator=g).tolist())
+    return str(prefix)
+
+
+def test_load_megatron_is_a_fresh_run_and_load_of_megatron_is_refused(megatron_checkpoint, tmp_path, monkeypatch,
+                                                                      capsys):
+    """``train --load-megatron`` starts a new run (its own run id and run directory, nothing resumed) each time;
+    ``--load`` of a Megatron directory fails before any rank starts, naming ``--load-megatron``; moefold's own
+    ``--save`` directory (the same tracker name) is not taken for a Megatron checkpoint."""
+    from moefold.models.megatron import is_megatron_checkpoint
+    from moefold.training.checkpoint.identity import read_run
+    from moefold.training.cli import main as cli_main
+
+    ckpt, _ = megatron_checkpoint
+    monkeypatch.chdir(tmp_path)
+    data = _corpus(tmp_path / "c")
+    flags = ["--data-path", data, "--seq-length", str(S), "--micro-batch-size", "2", "--global-batch-size", "2",
+             "--train-iters", "1", "--no-progress"]
+    runs = []
+    for _ in range(2):
+        assert cli_main(["train", "--load-megatron", ckpt, *flags]) == 0
+        out = capsys.readouterr().out
+        assert "resumed" not in out
+        latest = sorted(p for p in (tmp_path / "runs").glob("*/*") if p.name != "latest")
+        runs.append(latest[-1])
+        assert (runs[-1] / "checkpoints" / "iter_0000001").is_dir()
+        time.sleep(1.1)   # run directories are named by the second
+    assert runs[0] != runs[1] and read_run(runs[0]).run_id != read_run(runs[1]).run_id
+    save = runs[1] / "checkpoints"
+    assert (save / "latest_checkpointed_iteration.txt").is_file() and not is_megatron_checkpoint(save)
+    assert is_megatron_checkpoint(ckpt)
+    for load in (ckpt, f"{ckpt}/iter_0000005"):
+        assert cli_main(["train", "--load-megatron", ckpt, "--load", load, *flags]) == 2
+        err = capsys.readouterr().err
+        assert f"--load {load} is a Megatron-LM checkpoint; start a new run from its weights with --load-megatron" \
+            in err
+    assert cli_main(["train", "--load-megatron", str(save), *flags]) == 2
+    assert "not a Megatron torch_dist checkpoint (a moefold checkpoint? resume it with --load" in \
+        capsys.readouterr().err

@@ -54,7 +54,23 @@ PRECONDITIONS: tuple[tuple[str, str], ...] = (
     ("an FP8 input to GroupedLinear", "transformer_engine/pytorch/module/grouped_linear.py:2213-2214"),
     ("FP8 te.Linear operands: leading dims a multiple of 8, last of 16",
      "transformer_engine/pytorch/module/linear.py:375-376 -> transformer_engine/pytorch/utils.py:614-624"),
+    ("Float8BlockScaling below compute capability 9.0 or CUDA 12.9",
+     "transformer_engine/pytorch/quantization.py:178-185 (check_recipe_support :234-235, autocast_enter :764-766)"),
+    ("MXFP8BlockScaling outside compute capability 10.x-11.x",
+     "transformer_engine/pytorch/quantization.py:162-168 (check_recipe_support :236-237, autocast_enter :761-763)"),
+    ("NVFP4BlockScaling below compute capability 10.0",
+     "transformer_engine/pytorch/quantization.py:171-175 (autocast_enter :767-769)"),
+    ("Float8BlockScaling with 2-D blocks for two operands of one GEMM",
+     "transformer_engine/common/recipe/__init__.py:449-457"),
+    ("NVFP4BlockScaling with an FP8 scale format other than E4M3",
+     "transformer_engine/common/recipe/__init__.py:578"),
+    ("NVFP4 operands whose rows or columns are not multiples of 32",
+     "transformer_engine/common/cast/nvfp4/quantize_transpose_nvfp4.cuh:1472-1475"),
 )
+
+# The GPU the stand-in pretends to be (TE reads torch.cuda.get_device_capability / torch.version.cuda):
+# an H100 by default; a test sets DEVICE["capability"] = (10, 0) to be a B200.
+DEVICE: dict[str, Any] = {"capability": (9, 0), "cuda": 12.9}
 
 
 class Format(enum.Enum):
@@ -83,6 +99,38 @@ class Float8CurrentScaling:
 @dataclass
 class MXFP8BlockScaling:
     fp8_format: Format = Format.E4M3
+
+
+@dataclass
+class Float8BlockScaling:
+    """``recipe.Float8BlockScaling`` (its fields, defaults and ``__post_init__`` checks, recipe/__init__.py:392-466):
+    1x128 activations and gradients, 128x128 weights, power-of-2 scales by default."""
+
+    fp8_format: Format = Format.E4M3
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+
+    def __post_init__(self) -> None:
+        dims = (self.x_block_scaling_dim, self.w_block_scaling_dim, self.grad_block_scaling_dim)
+        assert all(d in (1, 2) for d in dims), "Only 1D or 2D blocks supported"
+        assert sum(d == 2 for d in dims) <= 1, "2D by 2D block gemm not supported."
+        assert self.fp8_format != Format.E5M2, "Pure E5M2 training is not supported."
+
+
+@dataclass
+class NVFP4BlockScaling:
+    """``recipe.NVFP4BlockScaling`` (recipe/__init__.py:489-590): e2m1 values, e4m3 scales per 16, 2-D weights,
+    RHT and stochastic rounding by default."""
+
+    fp4_format: str = "E2M1"
+    fp8_format: Format = Format.E4M3
+    disable_rht: bool = False
+    disable_stochastic_rounding: bool = False
+    disable_2d_quantization: bool = False
+
+    def __post_init__(self) -> None:
+        assert self.fp8_format == Format.E4M3, "Only E4M3 is supported for NVFP4 scaling"
 
 
 class Reduction(NamedTuple):
@@ -137,9 +185,24 @@ def _reduce(direction: str) -> None:
 
 
 def _check_recipe_support(recipe: Any) -> None:
-    """quantization.py:224-229: DelayedScaling cannot enter an autocast while torch.compile traces."""
+    """quantization.py:224-238: DelayedScaling cannot enter an autocast while torch.compile traces; block recipes
+    need their device (check_fp8_block_scaling_support / check_mxfp8_support)."""
     if torch.compiler.is_compiling() and isinstance(recipe, DelayedScaling):
         raise RuntimeError("DelayedScaling is not supported under torch.compile. Please use other recipes instead.")
+    check = {Float8BlockScaling: check_fp8_block_scaling_support, MXFP8BlockScaling: check_mxfp8_support}.get(
+        type(recipe), check_fp8_support)
+    ok, reason = check()
+    if not ok:
+        raise RuntimeError(reason)
+
+
+def _autocast_enter_asserts(recipe: Any) -> None:
+    """quantization.py:757-769 ``autocast_enter``: FP8 at all, then the recipe's own support (NVFP4 here only)."""
+    ok, reason = check_fp8_support()
+    assert ok, reason
+    if isinstance(recipe, NVFP4BlockScaling):
+        ok, reason = check_nvfp4_support()
+        assert ok, reason
 
 
 class autocast:  # TE's (lower-case) name
@@ -155,6 +218,7 @@ class autocast:  # TE's (lower-case) name
             raise RuntimeError("autocast context manager cannot be entered more than once concurrently")
         if self._enabled:
             _check_recipe_support(self._recipe)
+            _autocast_enter_asserts(self._recipe)
         s = _State.fp8
         self._saved = (s.enabled, s.recipe, s.group, s.is_first_module, _State.recipe)
         s.enabled, s.recipe, s.group = self._enabled, self._recipe, self._group
@@ -288,13 +352,22 @@ class Linear(nn.Module):
                     raise ValueError("FP8 execution requires the product of all dimensions except the last to be "
                                      "divisible by 8 and the last dimension to be divisible by 16, but got tensor "
                                      f"with dims={list(t.size())}")
+            if isinstance(_State.recipe, NVFP4BlockScaling):   # quantize_transpose_nvfp4.cuh:1472-1475
+                for t in (inp, self.weight):
+                    if math.prod(t.shape[:-1]) % 32:
+                        raise RuntimeError("Number of tensor rows must be a multiple of 32")
+                    if t.shape[-1] % 32:
+                        raise RuntimeError("Number of tensor cols must be a multiple of 32")
         first = _fp8_forward(self, inp.requires_grad or self.weight.requires_grad)
         self.calls.append(_State.recipe)
         return _after_forward(inp @ self.weight.T, first)
 
 
 def _align(recipe: Any) -> int:
-    return 32 if isinstance(recipe, MXFP8BlockScaling) else 16
+    """quantization.py:262-283 ``get_align_size_for_quantization``: 32 MXFP8, 128 NVFP4, else 16."""
+    if isinstance(recipe, MXFP8BlockScaling):
+        return 32
+    return 128 if isinstance(recipe, NVFP4BlockScaling) else 16
 
 
 class Fp8Padding(nn.Module):
@@ -330,11 +403,33 @@ class Fp8Unpadding(nn.Module):
 
 
 def check_fp8_support() -> tuple[bool, str]:
-    return True, ""
+    """quantization.py:149-159 ``_compute_fp8_support`` on ``DEVICE``."""
+    if DEVICE["capability"] >= (8, 9):
+        return True, ""
+    return False, "Device compute capability 8.9 or higher required for FP8 execution."
 
 
 def check_mxfp8_support() -> tuple[bool, str]:
-    return False, "MXFP8 needs compute capability 10.0 (Blackwell) (stand-in)"
+    """quantization.py:162-168."""
+    if DEVICE["capability"] >= (12, 0):
+        return False, "MXFP8 (for all gemm layouts) is not supported on 12.0+ architectures yet."
+    if DEVICE["capability"] >= (10, 0):
+        return True, ""
+    return False, "Device compute capability 10.0 or higher required for MXFP8 execution."
+
+
+def check_nvfp4_support() -> tuple[bool, str]:
+    """quantization.py:171-175."""
+    if DEVICE["capability"] >= (10, 0):
+        return True, ""
+    return False, "Device compute capability 10.0 or higher required for NVFP4 execution."
+
+
+def check_fp8_block_scaling_support() -> tuple[bool, str]:
+    """quantization.py:178-185."""
+    if DEVICE["capability"] >= (9, 0) and DEVICE["cuda"] >= 12.9:
+        return True, ""
+    return False, "FP8 block scaled GEMM requires compute capability 9.0 or higher and CUDA >= 12.9."
 
 
 def reset() -> None:
@@ -346,16 +441,21 @@ def reset() -> None:
 def install(monkeypatch: Any) -> types.ModuleType:
     """Put the stand-in under ``transformer_engine`` in sys.modules (undone by ``monkeypatch``); fresh logs."""
     reset()
+    monkeypatch.setitem(DEVICE, "capability", (9, 0))   # an H100 unless the test says otherwise
+    monkeypatch.setitem(DEVICE, "cuda", 12.9)
     te = types.ModuleType("transformer_engine")
     pt = types.ModuleType("transformer_engine.pytorch")
     pt.GroupedLinear, pt.Linear, pt.Fp8Padding, pt.Fp8Unpadding = GroupedLinear, Linear, Fp8Padding, Fp8Unpadding
     pt.autocast = autocast
     quant = types.ModuleType("transformer_engine.pytorch.quantization")
     quant.check_fp8_support, quant.check_mxfp8_support = check_fp8_support, check_mxfp8_support
+    quant.check_nvfp4_support, quant.check_fp8_block_scaling_support = (check_nvfp4_support,
+                                                                        check_fp8_block_scaling_support)
     common = types.ModuleType("transformer_engine.common")
     recipe = types.ModuleType("transformer_engine.common.recipe")
     recipe.Format, recipe.DelayedScaling = Format, DelayedScaling
     recipe.Float8CurrentScaling, recipe.MXFP8BlockScaling = Float8CurrentScaling, MXFP8BlockScaling
+    recipe.Float8BlockScaling, recipe.NVFP4BlockScaling = Float8BlockScaling, NVFP4BlockScaling
     te.pytorch, te.common, common.recipe, pt.quantization = pt, common, recipe, quant
     for name, mod in (("transformer_engine", te), ("transformer_engine.pytorch", pt),
                       ("transformer_engine.pytorch.quantization", quant), ("transformer_engine.common", common),
@@ -367,4 +467,5 @@ def install(monkeypatch: Any) -> types.ModuleType:
     return pt
 
 
-__all__ = ["PRECONDITIONS", "install", "reset", "GroupedLinear", "Linear", "Reduction", "_State"]
+__all__ = ["DEVICE", "PRECONDITIONS", "Float8BlockScaling", "NVFP4BlockScaling", "install", "reset", "GroupedLinear",
+           "Linear", "Reduction", "_State"]

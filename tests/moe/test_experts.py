@@ -235,7 +235,8 @@ def test_fp8_refused_where_it_cannot_run(monkeypatch):
         with pytest.raises(ImportError, match=r"runs through Transformer Engine.*pip install"):
             FP8Config("hybrid", backend="te").check_available()
     te_standin.install(monkeypatch)
-    with pytest.raises(RuntimeError, match=r"cannot run it: MXFP8 needs compute capability 10\.0"):
+    with pytest.raises(RuntimeError, match=r"cannot run it: Device compute capability 10\.0 or higher required "
+                                           r"for MXFP8"):
         GroupedExperts(E, H, FFN, gemm_backend="te", fp8=FP8Config("e4m3", "mxfp8", backend="te"))
     with pytest.raises(ValueError, match=r"gemm backend 'te' \(--moe-grouped-gemm-backend\), not 'grouped_mm'"):
         GroupedExperts(E, H, FFN, gemm_backend="grouped_mm", fp8=FP8Config("e4m3", backend="te"))

@@ -33,7 +33,7 @@ def test_refused_with_the_valid_choices():
                                          r"it supports tensorwise, rowwise"):
         FP8Config("hybrid", "delayed")
     with pytest.raises(ValueError, match=r"--fp8-recipe=rowwise is not supported by --fp8-backend=te; "
-                                         r"it supports delayed, tensorwise, mxfp8"):
+                                         r"it supports delayed, tensorwise, blockwise, mxfp8"):
         FP8Config("e4m3", "rowwise", backend="te")
     with pytest.raises(ValueError, match=r"--fp8-backend='tao' is not one of torchao, te"):
         FP8Config("e4m3", backend="tao")
@@ -69,3 +69,59 @@ def test_flags_reach_the_model_and_survive_the_run_config():
     # refused by the MoE layer's config itself (validate would first ask for the missing deep_ep)
     with pytest.raises(ValueError, match=r"FP8 dispatch \(--moe-fp8-dispatch\) runs with the alltoall and allgather"):
         moe_config(flex.model, flex.options, ParallelDims.single())
+
+
+def test_block_recipes_fp4_param_gather_and_padding_flags():
+    assert _parse("--fp8-format", "e4m3", "--fp8-recipe", "blockwise") == FP8Config("e4m3", "blockwise")
+    fp4 = _parse("--fp4-format", "nvfp4")   # the issue's spelling; Megatron's is e2m1
+    assert fp4 == _parse("--fp4-format", "e2m1") == FP8Config(fp4="e2m1") and fp4.recipe == "nvfp4" and fp4.enabled
+    assert fp4.describe() == "fp4 e2m1 nvfp4 (torchao)" and fp4.align_size == 128
+    got = _parse("--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--fp8-param-gather",
+                 "--moe-router-padding-for-quantization")
+    assert got.param_gather and got.router_padding and got.align_size == 128
+    assert FP8Config("e4m3", "mxfp8").align_size == 32 and FP8Config("e4m3", "blockwise", backend="te").align_size == 16
+    with pytest.raises(ValueError, match="cannot be used together"):
+        FP8Config("e4m3", fp4="e2m1")
+    with pytest.raises(ValueError, match="--fp8-param-gather needs one FP8 copy of each weight"):
+        FP8Config("e4m3", "mxfp8", param_gather=True)
+    with pytest.raises(ValueError, match="--fp8-param-gather keeps FP8 primary weights: it needs --fp8-format"):
+        FP8Config(fp4="e2m1", param_gather=True)
+    with pytest.raises(ValueError, match="e4m3 everywhere"):
+        FP8Config("hybrid", "blockwise")
+    with pytest.raises(ValueError, match="needs --fp8-format or --fp4-format"):
+        FP8Config(router_padding=True)
+
+
+def test_te_block_recipes_and_their_devices(monkeypatch):
+    """TE's recipe objects for blockwise / mxfp8 / nvfp4, and TE's own device verdicts (the stand-in answers as TE
+    does on an H100, then on a B200)."""
+    from tests.moe import te_standin
+
+    te_standin.install(monkeypatch)
+    block = FP8Config("e4m3", "blockwise", backend="te")
+    assert block.te_recipe() == te_standin.Float8BlockScaling(fp8_format=te_standin.Format.E4M3)
+    assert FP8Config(fp4="e2m1", backend="te").te_recipe() == te_standin.NVFP4BlockScaling()
+    block.check_available()   # Hopper runs block scaling
+    for config, reason in ((FP8Config("e4m3", "mxfp8", backend="te"), "10.0 or higher required for MXFP8"),
+                           (FP8Config(fp4="e2m1", backend="te"), "10.0 or higher required for NVFP4")):
+        with pytest.raises(RuntimeError, match=reason):
+            config.check_available()
+        monkeypatch.setitem(te_standin.DEVICE, "capability", (10, 0))
+        config.check_available()
+        monkeypatch.setitem(te_standin.DEVICE, "capability", (9, 0))
+    monkeypatch.setitem(te_standin.DEVICE, "cuda", 12.8)
+    with pytest.raises(RuntimeError, match=r"CUDA >= 12\.9"):
+        block.check_available()
+
+
+def test_torchao_recipes_refused_on_gpus_without_their_tensor_cores(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    FP8Config("e4m3", "blockwise").check_device(torch.device("cuda"))
+    with pytest.raises(RuntimeError, match=r"--fp8-format e4m3 --fp8-recipe mxfp8 needs compute capability 10.0\+ "
+                                           r"\(Blackwell\); this GPU is 9.0; --fp8-recipe blockwise runs on Hopper"):
+        FP8Config("e4m3", "mxfp8").check_device(torch.device("cuda"))
+    with pytest.raises(RuntimeError, match=r"--fp4-format e2m1 --fp4-recipe nvfp4 needs compute capability 10.0"):
+        FP8Config(fp4="e2m1").check_device(torch.device("cuda"))
+    FP8Config(fp4="e2m1").check_device(torch.device("cpu"))   # a CPU emulates

@@ -158,6 +158,18 @@ def test_world1_executor_matches_plain_loop():
             torch.testing.assert_close(p.grad, ref_grads[n], rtol=0, atol=1e-6)
 
 
+def test_loss_scale_scales_every_gradient_extra_losses_included():
+    """fp16 loss scaling through the schedule: every gradient, those of the stage's extra (aux) losses too, is
+    ``loss_scale`` times the unscaled one (a power of 2: exactly); the losses stay unscaled."""
+    ref_losses, ref_grads = toy.reference(4)
+    model = toy.ToyStage(StageLayout(toy.NUM_LAYERS), 0)
+    res = run_schedule(model, build_schedule("1f1b", 1, 4), toy.microbatches(4), toy.loss_fn, None, SPEC,
+                       loss_scale=1024.0)
+    torch.testing.assert_close(torch.stack(res.losses), torch.stack(ref_losses), rtol=0, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad / 1024.0, ref_grads[n], rtol=0, atol=1e-6)
+
+
 def test_sequential_stage_and_bad_calls():
     chunk = torch.nn.Linear(2, 1)
     stage = SequentialStage([chunk], input_of=lambda mb: mb[0])

@@ -110,6 +110,5 @@ def test_pieces_refuse_what_cannot_be_cut():
     with pytest.raises(ValueError, match="cannot checkpoint the whole MoE layer"):
         DecoderStage(model, StageLayout(2), 0, OverlapConfig())
     model = MoEDecoder(config, ParallelDims.single(), ModelOptions(dispatcher="allgather"))
-    with pytest.raises(ValueError, match="runs with the alltoall dispatcher and flex on DeepEP's v1 API, "
-                                         "not 'allgather'"):
+    with pytest.raises(ValueError, match="runs with the alltoall and flex dispatchers, not 'allgather'"):
         DecoderStage(model, StageLayout(2), 0, OverlapConfig())

@@ -30,10 +30,13 @@ def _steps(compile: bool, parallel: ParallelConfig, dims: ParallelDims, device: 
     trainer = Trainer(config, dims, device=device, log=lambda _m: None)
     grads = []
 
-    def capture(_result) -> None:  # the reduced gradients of this step, before the next step clears them
+    results = []
+
+    def capture(result) -> None:  # the reduced gradients of this step, before the next step clears them
+        results.append(result)
         grads.append({n: p.main_grad.detach().cpu() for n, p in trainer.model.named_parameters()})
 
-    results = trainer.fit(tiny_data(), on_step=capture)
+    trainer.fit(tiny_data(), on_step=capture)
     out = {"loss": [r.loss_lm for r in results], "norm": [r.grad_norm for r in results], "grads": grads,
            "weights": {n: p.detach().cpu() for n, p in trainer.model.named_parameters()}}
     if compile:

@@ -25,7 +25,7 @@ from moefold.parallel.fp8 import FP8Config
 from moefold.training.observe.fp8_report import fp8_tag
 from moefold.training.observe.metrics import read_metrics
 from moefold.training.trainer import Trainer, named_full_params
-from tests.training.trainer_common import run, tiny_config, tiny_data
+from tests.training.trainer_common import fit_results, run, tiny_config, tiny_data
 
 STEPS, BAND, LAST10 = 100, 0.15, 0.10
 
@@ -68,7 +68,7 @@ def test_fp8_hybrid_trains_like_fp32_and_checkpoints_cross_load(tmp_path, one_th
         resumed.load(saved)
         loaded = named_full_params(resumed.model)
         assert all(torch.equal(loaded[k], params[k]) for k in loaded), saved
-        results = resumed.fit(data)
+        results = fit_results(resumed, data)
         assert resumed.iteration == STEPS + 2 and all(np.isfinite(r.loss_lm) for r in results)
 
 

@@ -196,6 +196,13 @@ def _flex_world() -> dict:
 
     run(config, dims, setup=record)
     out["trace"] = trace.events
+    # DeepEP V2 (the ElasticBuffer stand-in): its dispatch and combine run as the same staged exchanges
+    from tests.dispatch import deepep_elastic_standin
+
+    sys.modules["deep_ep"] = deepep_elastic_standin.module()
+    v2 = {"dispatcher": "flex", "moe_flex_dispatcher_backend": "deepep"}
+    for name, kwargs in (("v2", {}), ("v2.overlap.delay", DELAY)):
+        out[name] = _summary(_run_observed(_config(pc, {"global_batch_size": 6, **kwargs}, v2, bf16=True), dims), dims)
     return out
 
 
@@ -208,6 +215,11 @@ def test_flex_overlap_equals_plain(flex_world):
     # bf16 parameters and activations: the same kernels, summed in another order at the cuts
     _compare(flex_world, "flex.overlap.delay", "flex", False, grad_rtol=2e-2, tol=2e-2)
     assert flex_world[0]["flex.overlap.delay"]["overlap"]
+
+
+def test_flex_on_deepep_v2_overlap_equals_plain(flex_world):
+    _compare(flex_world, "v2.overlap.delay", "v2", False, grad_rtol=2e-2, tol=2e-2)
+    assert flex_world[0]["v2.overlap.delay"]["overlap"]
 
 
 def hidden_exchanges(events: list, f_mb: int, b_mb: int) -> tuple[list[str], list[str]]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 
 import numpy as np
 import pytest
@@ -63,7 +64,8 @@ COMMON = ["--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size"
 
 
 def _config(world: int, *flags: str) -> RunConfig:
-    config = config_from_args(build_parser("train").parse_args(["train", *COMMON, *flags]))
+    run_dir = [] if "--run-dir" in flags else ["--run-dir", tempfile.mkdtemp(prefix="moefold-from-hf-")]
+    config = config_from_args(build_parser("train").parse_args(["train", *COMMON, *run_dir, *flags]))
     validate(config, world)   # what `moefold train` checks before any rank starts
     return config
 
@@ -73,7 +75,9 @@ def _rank(train_configs: dict[str, dict], eval_configs: dict[str, dict], qwen_di
 
     out = {}
     for name, config in train_configs.items():
-        out[name] = [r.loss_lm for r in train(RunConfig.from_dict(config), "cpu")]
+        losses: list[float] = []
+        train(RunConfig.from_dict(config), "cpu", on_step=lambda r: losses.append(r.loss_lm))
+        out[name] = losses
     for name, d in eval_configs.items():   # validation before any training step, at each layout
         config = RunConfig.from_dict(d)
         dims = ParallelDims.build(config.parallel)

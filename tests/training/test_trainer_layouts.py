@@ -31,14 +31,12 @@ import pytest
 import torch
 
 from moefold.parallel.dims import ParallelConfig, ParallelDims
-from moefold.parallel.sharding import gather_full, shards_of
 from moefold.training.observe.metrics import METRICS_FILE, read_metrics
 from moefold.training.optim import grad_sync
 from moefold.training.optim.buffers import ALIGN
 from moefold.training.optim.optimizer import decays
-from moefold.training.trainer import named_full_params
 from tests.distributed import run_distributed
-from tests.training.trainer_common import run, tiny_config
+from tests.training.trainer_common import observe, run, tiny_config
 
 STEPS = 3
 TOL = 1e-4  # absolute, on losses and on every updated weight (fp32)
@@ -90,31 +88,6 @@ def _reference_kwargs(name: str) -> dict:
 
 def _reference_key(name: str) -> str:
     return repr(_reference_kwargs(name))
-
-
-def observe(trainer, record: dict) -> None:
-    """Record, through the trainer's own objects, each step's reduced gradients as ``GradSync.finish`` leaves
-    them (gathered to full shape) and the gradient norm the step clips with; and the initial parameters."""
-    params = dict(trainer.model.named_parameters())
-    record.update(initial=named_full_params(trainer.model), grads=[], norms=[], lrs=[])
-    finish, grad_norm, step = trainer.sync.finish, trainer.optimizer.grad_norm, trainer.optimizer.step
-
-    def finish_and_record() -> None:
-        finish()
-        reduced = trainer.sync.gathered_grads()
-        record["grads"].append({n: gather_full(g, shards_of(params[n])).float() for n, g in reduced.items()})
-
-    def grad_norm_and_record():
-        norm = grad_norm()
-        record["norms"].append(float(norm))
-        return norm
-
-    def step_and_record(lr: float, clip_coef: float = 1.0) -> None:
-        record["lrs"].append((lr, clip_coef))
-        step(lr, clip_coef)
-
-    trainer.sync.finish, trainer.optimizer.grad_norm, trainer.optimizer.step = (
-        finish_and_record, grad_norm_and_record, step_and_record)
 
 
 def _run_observed(config, dims=None, **kw) -> dict:

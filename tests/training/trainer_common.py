@@ -8,6 +8,7 @@ import torch
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import get_recipe
 from moefold.parallel.dims import ParallelConfig, ParallelDims
+from moefold.parallel.sharding import gather_full, shards_of
 from moefold.training.config import RunConfig, TrainConfig
 from moefold.training.observe.metrics import MetricsLogger
 from moefold.training.trainer import Trainer, named_full_params
@@ -35,6 +36,13 @@ def tiny_data(num_samples: int = 64, vocab: int = 256) -> np.ndarray:
         pattern = rng.integers(0, vocab, size=rng.integers(3, 7))
         out[i] = np.resize(pattern, SEQ + 1)
     return out
+
+
+def fit_results(trainer: Trainer, data, **kwargs) -> list:
+    """``trainer.fit``'s step results, collected through ``on_step`` (the trainer keeps none itself)."""
+    results: list = []
+    trainer.fit(data, on_step=results.append, **kwargs)
+    return results
 
 
 def tiny_corpus(prefix, num_samples: int = 64) -> str:
@@ -65,11 +73,38 @@ def run(config: RunConfig, dims: ParallelDims | None = None, data: np.ndarray | 
     if run_dir is not None and dims.rank == 0:
         logger = MetricsLogger(run_dir, total_steps=config.train.train_iters, tensorboard=False, progress=False,
                                print_fn=lambda _line: None)
+    losses: list[float] = []
     try:
-        results = trainer.fit(tiny_data() if data is None else data, logger=logger, stop_at=stop_at)
+        trainer.fit(tiny_data() if data is None else data, logger=logger, stop_at=stop_at,
+                    on_step=lambda r: losses.append(r.loss_lm))
     finally:
         if logger is not None:
             logger.close()
     params = named_full_params(trainer.model)
     params.update({f"buffer:{k}": v.float() for k, v in trainer.model.state_dict().items() if k not in params})
-    return [r.loss_lm for r in results], params, trainer
+    return losses, params, trainer
+
+
+def observe(trainer, record: dict) -> None:
+    """Record, through the trainer's own objects, each step's reduced gradients as ``GradSync.finish`` leaves
+    them (gathered to full shape) and the gradient norm the step clips with; and the initial parameters."""
+    params = dict(trainer.model.named_parameters())
+    record.update(initial=named_full_params(trainer.model), grads=[], norms=[], lrs=[])
+    finish, grad_norm, step = trainer.sync.finish, trainer.optimizer.grad_norm, trainer.optimizer.step
+
+    def finish_and_record() -> None:
+        finish()
+        reduced = trainer.sync.gathered_grads()
+        record["grads"].append({n: gather_full(g, shards_of(params[n])).float() for n, g in reduced.items()})
+
+    def grad_norm_and_record():
+        norm = grad_norm()
+        record["norms"].append(float(norm))
+        return norm
+
+    def step_and_record(lr: float, clip_coef: float = 1.0) -> None:
+        record["lrs"].append((lr, clip_coef))
+        step(lr, clip_coef)
+
+    trainer.sync.finish, trainer.optimizer.grad_norm, trainer.optimizer.step = (
+        finish_and_record, grad_norm_and_record, step_and_record)

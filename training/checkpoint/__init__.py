@@ -1,8 +1,9 @@
 """Training checkpoints: the directory format (manifest, atomic rename, keep-last, fallback past damaged
-ones), the sharded save/load through torch.distributed.checkpoint, what a resumed run must share with its
-checkpoint, and loading a training checkpoint (any layout) into a model.
+ones), run identity (run ids, the tracker, the lock of a save directory), the sharded save (synchronous or
+asynchronous) and load through torch.distributed.checkpoint with a restricted metadata reader, what a resumed
+run must share with its checkpoint, and loading a training checkpoint (any layout) into a model.
 
-Holds: files, sharded, resume, load_model.
+Holds: atomic, identity, lock, files, safe_load, sharded, save, resume, load_model.
 May import: moefold.models, moefold.parallel; training.config, training.optim, training.errors.
 """
 
@@ -15,12 +16,17 @@ from moefold.training.checkpoint.files import (
     is_checkpoint_dir,
     verify_checkpoint,
 )
+from moefold.training.checkpoint.identity import RunRecord, new_run_id, read_run, read_tracker
 from moefold.training.checkpoint.load_model import load_model, load_training_checkpoint
+from moefold.training.checkpoint.lock import SaveLock, SaveLockError
 from moefold.training.checkpoint.resume import check_resume
-from moefold.training.checkpoint.sharded import load_checkpoint, read_meta, save_checkpoint
+from moefold.training.checkpoint.safe_load import SafeFileSystemReader, UnsafeCheckpointError, read_dcp_metadata
+from moefold.training.checkpoint.save import AsyncCheckpointer, save_checkpoint
+from moefold.training.checkpoint.sharded import load_checkpoint, read_meta
 
 __all__ = [
     "CheckpointError", "CheckpointSaveError", "checkpoint_dirs", "complete_checkpoints", "find_checkpoint",
-    "is_checkpoint_dir", "verify_checkpoint", "save_checkpoint", "load_checkpoint", "read_meta",
-    "check_resume", "load_model", "load_training_checkpoint",
+    "is_checkpoint_dir", "verify_checkpoint", "save_checkpoint", "AsyncCheckpointer", "load_checkpoint", "read_meta",
+    "check_resume", "load_model", "load_training_checkpoint", "RunRecord", "new_run_id", "read_run", "read_tracker",
+    "SaveLock", "SaveLockError", "SafeFileSystemReader", "UnsafeCheckpointError", "read_dcp_metadata",
 ]

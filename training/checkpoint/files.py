@@ -7,13 +7,17 @@ A save directory::
     SAVE/iter_0000100/        a checkpoint: its files, then manifest.json, written last before the rename
     SAVE/.tmp-iter_0000200/   being written, or left by a crash: never loaded, removed by the next save
     SAVE/.del-iter_0000050/   being deleted (keep-last, or replaced): never loaded, removed by the next save
+    SAVE/run.json             the run that owns the directory; SAVE/latest_checkpointed_iteration.txt: Megatron's
+                              tracker, the newest checkpoint that run completed (``training.checkpoint.identity``)
+    SAVE/moefold.lock         held by the run writing here (``training.checkpoint.lock``)
 
 ``manifest.json`` lists every other file of the checkpoint (relative path -> size in bytes and crc32).
 A checkpoint is intact when its manifest parses and every listed file exists with that size and crc32;
 anything else (a truncated or deleted shard, a truncated ``.metadata`` or ``meta.json``, an empty RNG
 file, a directory a crash left half-deleted) makes it damaged, and loading falls back to the newest
-intact one, saying why. Deletion first renames a directory out of the ``iter_`` name space, so a crash
-during a deletion never leaves a directory that looks like a checkpoint.
+intact one, saying why. A resume takes the tracker's checkpoint of the owning run (falling back past
+damaged ones to older ones of the same run), never another run's. Deletion first renames a directory out of
+the ``iter_`` name space, so a crash during a deletion never leaves a directory that looks like a checkpoint.
 
 Collective functions take ``dims`` (None or world 1: this process alone): every rank checks or checksums
 a 1/world share of the files, and the results are gathered, so verifying a large checkpoint costs each
@@ -32,6 +36,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
+
+from moefold.training.checkpoint.atomic import write_atomic
+from moefold.training.checkpoint.identity import TRACKER, checkpoint_run_id, read_run, read_tracker
 
 if TYPE_CHECKING:
     from moefold.parallel.dims import ParallelDims
@@ -53,21 +60,23 @@ class CheckpointSaveError(RuntimeError):
     """A save failed; its temporary directory was removed and the training state is untouched."""
 
 
-def broadcast(dims: ParallelDims | None, obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank. Collective."""
+def broadcast(dims: ParallelDims | None, obj: Any, group: Any = None) -> Any:
+    """Rank 0's ``obj`` on every rank (over ``group``, a process group of the whole world; default: the
+    default group). Collective."""
     if dims is None or dims.world_size == 1 or not dist.is_initialized():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
-def gather(dims: ParallelDims | None, obj: Any) -> list[Any]:
-    """``obj`` of every rank, in rank order (``[obj]`` without a process group). Collective."""
+def gather(dims: ParallelDims | None, obj: Any, group: Any = None) -> list[Any]:
+    """``obj`` of every rank, in rank order (``[obj]`` without a process group; ``group``: a process group of
+    the whole world, default the default group). Collective."""
     if dims is None or dims.world_size == 1 or not dist.is_initialized():
         return [obj]
     out: list[Any] = [None] * dims.world_size
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -116,34 +125,10 @@ def crc32_file(path: Path) -> str:
     return f"{crc:08x}"
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """``path`` with ``text``, via a synced temporary file and a rename (a reader sees all or nothing)."""
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename inside ``path`` durable (POSIX; a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 # ------------------------------------------------------------------------------------------ the manifest
-def write_manifest(ckpt: Path, dims: ParallelDims | None) -> tuple[int, str | None]:
+def write_manifest(ckpt: Path, dims: ParallelDims | None, group: Any = None) -> tuple[int, str | None]:
     """Checksum every file under ``ckpt`` (each rank a share) and write ``ckpt/manifest.json`` (rank 0).
-    Returns (total bytes, None), or (0, this rank's error) if it failed here. Collective."""
+    Returns (total bytes, None), or (0, this rank's error) if it failed here. Collective over ``group``."""
     rank = 0 if dims is None else dims.rank
     error = None
     files: list[str] = []
@@ -151,7 +136,7 @@ def write_manifest(ckpt: Path, dims: ParallelDims | None) -> tuple[int, str | No
         files = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file() and p.name != MANIFEST)
     except OSError as exc:
         error = f"listing {ckpt}: {exc}"
-    files = broadcast(dims, files)   # rank 0's listing names the shares; a rank that lacks a file reports it
+    files = broadcast(dims, files, group)   # rank 0's listing names the shares; a rank that lacks a file reports it
     world = 1 if dims is None or not dist.is_initialized() else dims.world_size
     mine: dict[str, dict[str, Any]] = {}
     if error is None:
@@ -163,7 +148,7 @@ def write_manifest(ckpt: Path, dims: ParallelDims | None) -> tuple[int, str | No
         except OSError as exc:
             error = f"checksumming {ckpt}: {exc}"
     entries: dict[str, dict[str, Any]] = {}
-    for part in gather(dims, mine):
+    for part in gather(dims, mine, group):
         entries.update(part)
     if rank == 0 and error is None:
         try:
@@ -258,15 +243,37 @@ def complete_checkpoints(root: str | os.PathLike, log: Callable[[str], None] | N
     return out
 
 
+def resume_candidates(path: Path, log: Callable[[str], None] = print) -> list[Path]:
+    """The checkpoints under save directory ``path`` a resume may take, newest first: those of the run that owns
+    ``path`` (``SAVE/run.json``), no newer than the tracker's iteration (``training.checkpoint.identity``). The
+    others are reported through ``log``: another run's, or newer than the tracker (a save whose tracker update
+    a crash cut off, or an abandoned branch the run was resumed before). Without ``run.json`` and tracker (a
+    directory written before run ids): all of them."""
+    owner, tracked = read_run(path), read_tracker(path)
+    out = []
+    for d in reversed(checkpoint_dirs(path)):
+        rid = checkpoint_run_id(d)
+        if owner is not None and rid is not None and rid != owner.run_id:
+            log(f"ignoring {d}: it belongs to run {rid}, not to {path}'s run {owner.run_id}")
+            continue
+        if tracked is not None and iteration_of(d) > tracked:
+            log(f"ignoring {d}: newer than the iteration {tracked} that {path / TRACKER} names")
+            continue
+        out.append(d)
+    return out
+
+
 def find_checkpoint(path: str | os.PathLike, dims: ParallelDims | None = None,
                     log: Callable[[str], None] = print) -> Path | None:
     """The checkpoint to resume from: ``path`` itself when it is one (CheckpointError if it is damaged), else
-    the newest intact checkpoint under it; each damaged newer one is reported through ``log``. None when
-    ``path`` holds no checkpoint at all; CheckpointError when it holds only damaged ones (a run never
-    silently starts from scratch). Collective (every rank verifies a share of the files)."""
+    the newest intact one of ``resume_candidates``; each damaged newer one is reported through ``log``. None when
+    ``path`` holds no checkpoint of its run at all; CheckpointError when it holds only damaged ones (a run
+    never silently starts from scratch). Collective (every rank verifies a share of the files)."""
     path = Path(path)
     # rank 0's view of the directory, so that every rank verifies the same candidates (one collective each)
-    explicit, names = broadcast(dims, (is_checkpoint_dir(path), [d.name for d in checkpoint_dirs(path)]))
+    rank0 = dims is None or dims.rank == 0
+    explicit, names = broadcast(dims, (is_checkpoint_dir(path), [d.name for d in resume_candidates(
+        path, log if rank0 else lambda _m: None)] if not is_checkpoint_dir(path) else []))
     if explicit:
         problems = verify_checkpoint(path, dims)
         if problems:
@@ -278,7 +285,7 @@ def find_checkpoint(path: str | os.PathLike, dims: ParallelDims | None = None,
             if d.name.startswith(TMP_PREFIX):
                 log(f"ignoring half-written checkpoint {d} (a save that did not finish)")
     damaged = []
-    for ckpt in (path / name for name in reversed(names)):
+    for ckpt in (path / name for name in names):
         problems = verify_checkpoint(ckpt, dims)
         if not problems:
             if damaged:
@@ -310,13 +317,22 @@ def remove_leftovers(root: Path) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def prune(root: Path, iteration: int, keep_last: int) -> list[Path]:
+def prune(root: Path, iteration: int, keep_last: int, run_id: str | None = None) -> list[Path]:
     """Keep the checkpoint of ``iteration`` and the newest ``keep_last - 1`` older ones whose files are all
-    there; retire the other older ones (damaged ones first of all). Newer directories (from a run this one
-    resumed before) are left alone: this run overwrites them when it reaches them. Returns the retired."""
-    older = [d for d in checkpoint_dirs(root) if iteration_of(d) < iteration]
-    keep = [d for d in reversed(older) if not verify_checkpoint(d, None, checksums=False)][:keep_last - 1]
-    doomed = [d for d in older if d not in keep]
+    there; retire the other older ones (damaged ones first of all). Only run ``run_id``'s checkpoints are
+    candidates (another run's, left in the directory, are never deleted; ``None``: every checkpoint, as before
+    run ids). Newer directories (from a run this one resumed before) are left alone: this run overwrites them
+    when it reaches them. Returns the retired."""
+    doomed = doomed_by_keep_last(root, iteration, keep_last, run_id)
     for d in doomed:
         retire(d)
     return doomed
+
+
+def doomed_by_keep_last(root: Path, iteration: int, keep_last: int, run_id: str | None = None) -> list[Path]:
+    """What ``prune(root, iteration, ...)`` retires (checked now: a save calls it before writing ``iteration``
+    when the disk lacks room, to free the space keep-last would free after it)."""
+    older = [d for d in checkpoint_dirs(root) if iteration_of(d) < iteration
+             and (run_id is None or checkpoint_run_id(d) == run_id)]
+    keep = [d for d in reversed(older) if not verify_checkpoint(d, None, checksums=False)][:keep_last - 1]
+    return [d for d in older if d not in keep]

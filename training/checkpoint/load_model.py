@@ -24,6 +24,7 @@ from moefold.models.decoder import MoEDecoder
 from moefold.models.hf.assets import RUN_ASSETS_DIR, present_assets
 from moefold.models.options import ModelOptions
 from moefold.parallel.dims import ParallelDims
+from moefold.training.checkpoint.identity import describe_checkpoint
 from moefold.training.checkpoint.sharded import META, find_checkpoint, read_meta
 from moefold.training.config import RunConfig
 
@@ -34,6 +35,13 @@ def find_training_checkpoint(path: str | os.PathLike) -> Path | None:
     if not path.is_dir() or (path / "moefold_config.json").is_file() or (path / "config.json").is_file():
         return None
     return find_checkpoint(path, log=lambda _m: None)
+
+
+def describe_source(path: str | os.PathLike) -> str | None:
+    """For a training checkpoint (or a --save directory): which ``iter_N`` of which run ``load_model`` takes
+    (``training.checkpoint.identity.describe_checkpoint``); None for HF and moefold directories."""
+    ckpt = find_training_checkpoint(path)
+    return None if ckpt is None else describe_checkpoint(ckpt)
 
 
 def training_run_config(ckpt: str | os.PathLike) -> RunConfig:
@@ -61,7 +69,7 @@ def load_training_checkpoint(ckpt: str | os.PathLike, dims: ParallelDims | None 
     if dims.pp > 1:
         raise ValueError(f"load_training_checkpoint builds the whole model; got pp={dims.pp}")
     run = training_run_config(ckpt)
-    saved = ModelOptions(dtype="bf16" if run.train.bf16 else run.options.dtype)
+    saved = ModelOptions(dtype="bf16" if run.train.bf16 else "fp16" if run.train.fp16 else run.options.dtype)
     model = MoEDecoder(run.model, dims, saved)
     load_checkpoint(ckpt, model, dims, None, log=lambda _m: None)
     options = options or saved

@@ -7,10 +7,16 @@ different order, so it is refused, unless ``--reset-data-position`` says to star
 first sample. The run length (``--train-iters``) is free to change: a longer run continues the same order
 (not with ``--data-order megatron``, whose order depends on ``--train-iters``, the batch size and the split, as
 Megatron's does).
+
+The checkpoint's ``meta.json`` holds the whole ``RunConfig``; a resume refuses another model (any field of
+``ModelConfig``, or another recipe), naming the fields, and states the allowed changes (the loss weights,
+``--global-batch-size``, the learning-rate schedule) in one line each. ``moefold train`` runs the same check
+before any rank starts (``training.launch.preflight``) on the checkpoint the resume will take.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -30,17 +36,53 @@ def data_identity(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# ModelConfig fields that weigh the training objective rather than define the model: a resume may change them
+# (as Megatron allows), and says so; any other field changed is another model, refused.
+OBJECTIVE_FIELDS = ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_input_jitter_eps", "moe_bias_update_rate",
+                    "mtp_loss_scaling_factor", "moe_load_balancing_type", "moe_aux_loss_counts")
+LR_FIELDS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "lr_decay_iters", "lr_wsd_decay_iters",
+             "lr_wsd_decay_style", "lr_warmup_init", "lr_warmup_skip_zero")
+
+
+def _model_fields(config: dict[str, Any]) -> dict[str, Any]:
+    from moefold.training.config import RunConfig
+
+    model = RunConfig.from_dict(config).model   # normalised (tuples, nested dataclasses) as the run builds it
+    return {f.name: getattr(model, f.name) for f in dataclasses.fields(model) if f.compare}
+
+
+def model_changes(saved: dict[str, Any], config: RunConfig) -> tuple[list[str], list[str]]:
+    """(refused, allowed) differences between the model a checkpoint was trained as (its ``RunConfig.to_dict()``)
+    and ``config``'s, as ``field value (checkpoint: value)``; the recipe counts as a field."""
+    before, now = _model_fields(saved), _model_fields(config.to_dict())
+    diff = {k: f"{k} {now[k]!r} (checkpoint: {before.get(k)!r})" for k in now if now[k] != before.get(k)}
+    if saved.get("recipe") and config.recipe and saved["recipe"] != config.recipe:
+        diff = {"recipe": f"--recipe {config.recipe} (checkpoint: {saved['recipe']})", **diff}
+    return ([v for k, v in diff.items() if k not in OBJECTIVE_FIELDS],
+            [v for k, v in diff.items() if k in OBJECTIVE_FIELDS])
+
+
 def check_resume(meta: dict[str, Any], config: RunConfig, where: str, log: Callable[[str], None]) -> bool:
     """Compare this run with the checkpoint ``meta`` (of ``where``); True when the data position restarts.
 
-    Raises ValueError naming each changed flag (unless ``config.train.reset_data_position``); notes a changed
-    learning-rate schedule length, which is allowed.
+    Raises ValueError naming each changed model field (the checkpoint stores the whole model config: any field,
+    e.g. ``moe_topk``, the recipe; the loss weights of ``OBJECTIVE_FIELDS`` may change) and each changed data-order
+    flag (unless ``config.train.reset_data_position``). States in one line each a changed objective weight, a
+    changed ``--global-batch-size`` and a changed learning-rate schedule, which are allowed (as in Megatron).
     """
     saved = meta.get("config")
     if not saved:
         return False
+    refused, allowed = model_changes(saved, config)
+    if refused:
+        raise ValueError(f"cannot resume from {where}: the model differs from the checkpoint's: {', '.join(refused)}; "
+                         "resume with the checkpoint's model (drop the flags that change it), or start a new run")
+    if allowed:
+        log(f"note: resuming with {', '.join(allowed)}")
     before, now = data_identity(saved), data_identity(config.to_dict())
-    changed = [f"{flag} {now[flag]} (checkpoint: {before[flag]})" for flag in now if now[flag] != before[flag]]
+    # .get: a flag only one side's order has (--train-iters under --data-order megatron) counts as changed
+    changed = [f"{flag} {now[flag]} (checkpoint: {before.get(flag)})" for flag in now
+               if now[flag] != before.get(flag)]
     if changed:
         if not config.train.reset_data_position:
             raise ValueError(f"cannot resume from {where} with {', '.join(changed)}: the data order depends on "
@@ -49,8 +91,18 @@ def check_resume(meta: dict[str, Any], config: RunConfig, where: str, log: Calla
         log(f"--reset-data-position: {', '.join(changed)}; the data position restarts at sample 0 of the new order")
         return True
     t, s = config.train, saved["train"]
-    decay, saved_decay = t.lr_decay_iters or t.train_iters, s.get("lr_decay_iters") or s.get("train_iters")
-    if saved_decay is not None and decay != saved_decay:
-        log(f"note: the learning rate now decays over {decay} iterations, the checkpoint's run over {saved_decay}; "
-            f"--lr-decay-iters {saved_decay} keeps its schedule")
+    if s.get("global_batch_size") not in (None, t.global_batch_size):
+        log(f"note: --global-batch-size {t.global_batch_size} (checkpoint: {s['global_batch_size']}): the run "
+            f"continues at sample {meta.get('consumed_samples', '?')} of the same order, {t.global_batch_size} "
+            "samples per step")
+    now_lr = {k: getattr(t, k) for k in LR_FIELDS}
+    now_lr["lr_decay_iters"] = t.lr_decay_iters or t.train_iters
+    saved_lr = {k: s.get(k) for k in LR_FIELDS}
+    saved_lr["lr_decay_iters"] = s.get("lr_decay_iters") or s.get("train_iters")
+    lr_changed = [f"--{k.replace('_', '-')} {now_lr[k]} (checkpoint: {saved_lr[k]})" for k in LR_FIELDS
+                  if saved_lr[k] is not None and now_lr[k] != saved_lr[k]]
+    if lr_changed:
+        keep = f"; --lr-decay-iters {saved_lr['lr_decay_iters']} keeps its decay length" \
+            if now_lr["lr_decay_iters"] != saved_lr["lr_decay_iters"] else ""
+        log(f"note: the learning-rate schedule differs from the checkpoint's run: {', '.join(lr_changed)}{keep}")
     return False

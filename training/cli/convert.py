@@ -5,6 +5,7 @@
     moefold convert RUN/checkpoints/iter_0000300 OUT_DIR  # a training checkpoint (any layout) -> HF
     moefold convert RUN/checkpoints OUT_DIR --to hf       # the latest complete one under a --save directory
     moefold convert HF_DIR OUT_DIR --to hf --expert-format fused   # HF -> HF, re-sharded / fused experts
+    moefold convert MOEFOLD_DIR OUT_DIR --to hf --hf-fp8           # FP8 blocks + weight_scale_inv (the hub's)
     moefold convert --recipe mixtral_tiny --seed 0 OUT_DIR --to hf # a freshly initialised recipe
     moefold convert --from megatron MEGATRON_SAVE OUT_DIR          # a Megatron-Core torch_dist checkpoint -> moefold
     moefold convert MOEFOLD_DIR OUT_DIR --to megatron              # -> a Megatron-LM checkpoint (OUT/release)
@@ -58,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "loads with --load OUT")
     parser.add_argument("--expert-format", choices=("per_expert", "fused"), default="per_expert",
                         help="HF routed-expert naming: per expert (what save_pretrained writes) or fused")
+    parser.add_argument("--hf-fp8", action="store_true",
+                        help="--to hf: linear weights as float8_e4m3fn with a weight_scale_inv per 128x128 block and "
+                             "quantization_config (the layout DeepSeek-V3 / Kimi-K2 publish and vLLM / SGLang load)")
     parser.add_argument("--max-shard-size", type=parse_size, default="5GB", help="largest output file, e.g. 5GB, 500MB")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                         help="dtype of the written tensors (routers/expert bias stay fp32; default: fp32, or the "
@@ -100,18 +104,24 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("a source directory (or --recipe) is required")
     else:
         from moefold.models.pretrained import pretrained_kind
-        from moefold.training.checkpoint.load_model import find_training_checkpoint, load_model
+        from moefold.training.checkpoint.load_model import describe_source, load_model
 
+        used = describe_source(args.source)
+        if used:
+            print(f"using {used}")   # which iter_N of which run
         model, assets = load_model(args.source, options=options)   # one-line error for what it cannot read
-        kind = "training checkpoint" if find_training_checkpoint(args.source) else pretrained_kind(args.source)
+        kind = "training checkpoint" if used else pretrained_kind(args.source)
     to = args.to or ("moefold" if kind in ("hf", "megatron") else "hf")
+    if args.hf_fp8 and to != "hf":
+        raise ValueError(f"--hf-fp8 writes an HF checkpoint; the output here is {to} (add --to hf)")
     size = args.max_shard_size  # bytes (parse_size)
     if to == "megatron":
         from moefold.models.megatron import export_megatron
 
         export_megatron(model, args.output)
     elif to == "hf":
-        export_hf(model, args.output, expert_format=args.expert_format, max_shard_bytes=size, assets_from=assets)
+        export_hf(model, args.output, expert_format=args.expert_format, max_shard_bytes=size, assets_from=assets,
+                  fp8=args.hf_fp8)
     else:
         save_checkpoint(model, args.output, max_shard_bytes=size, assets_from=assets)
     n = sum(p.numel() for p in model.parameters())

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from moefold.training.cli.errors import add_debug_argument, one_line_errors
@@ -59,7 +60,7 @@ def main(args: argparse.Namespace) -> int:
 
     from moefold.models.generate import generate
     from moefold.models.options import ModelOptions
-    from moefold.training.checkpoint.load_model import load_model
+    from moefold.training.checkpoint.load_model import describe_source, load_model
 
     path = args.hf or args.checkpoint
     if args.hf and not (Path(args.hf) / "config.json").is_file():
@@ -68,6 +69,9 @@ def main(args: argparse.Namespace) -> int:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: CUDA is not available on this machine")
+    used = describe_source(path)
+    if used:   # which iter_N of which run (stderr: stdout is the generated text)
+        print(f"moefold generate: using {used}", file=sys.stderr)
     model, assets = load_model(path, options=ModelOptions(sequence_parallel=False, dtype=args.dtype), device=device)
     tokenizer = None
     if args.prompt:

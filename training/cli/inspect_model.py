@@ -54,12 +54,36 @@ def describe_hf_dir(path: str | Path):
             lines.append(f"  {path}: {len(reader.names())} tensors in {len(files)} safetensors file(s), "
                          f"{size / 2**30:.2f} GiB, dtype {', '.join(dtypes)}")
             config = load_config(path, reader)
+            from moefold.models.hf.bounds import held_numel, implied_numel
+            from moefold.models.hf.fp8_blocks import fp8_reader
+
+            implied = implied_numel(config)
+            held = held_numel(fp8_reader(reader, (config.extra or {}).get("hf_config")), config)
+            if implied != held:
+                lines.append(f"  config.json describes {implied:,} parameters but the safetensors hold {held:,}: "
+                             "they do not belong together (--load-hf / convert refuse them)")
+            lines += _fp8_lines(reader, config)
     if announced.mtp_num_layers and not config.mtp_num_layers:
         lines.append(f"  config.json announces {announced.mtp_num_layers} MTP layer(s) (num_nextn_predict_layers) "
                      "but the directory holds no MTP tensors: no MTP modules")
     assets = present_assets(path)
     lines.append(f"  also: {', '.join(assets)}" if assets else "  no tokenizer or generation config")
     return config, lines
+
+
+def _fp8_lines(reader, config) -> list[str]:
+    """An FP8 block checkpoint: how many tensors are FP8, their block (or the one-line refusal of a format moefold
+    does not read)."""
+    from moefold.models.hf.fp8_blocks import fp8_reader
+    from moefold.models.hf.importer import check_quantization
+
+    block = check_quantization(config)
+    if block is None:
+        return []
+    fp8 = fp8_reader(reader, (config.extra or {}).get("hf_config"))
+    n = sum(fp8.is_fp8(name) for name in fp8.names())
+    return [f"  quantization_config: FP8 e4m3 in {block[0]}x{block[1]} blocks (weight_scale_inv): {n} of "
+            f"{len(fp8.names())} tensors; read dequantised (w_fp8 * scale_inv)"]
 
 
 @one_line_errors("inspect")
@@ -78,12 +102,13 @@ def main(args: argparse.Namespace) -> int:
     elif args.hf:
         config, lines = describe_hf_dir(args.hf)
     else:
+        from moefold.training.checkpoint.identity import describe_checkpoint
         from moefold.training.checkpoint.load_model import find_training_checkpoint, training_run_config
 
         ckpt = find_training_checkpoint(args.checkpoint)
         if ckpt is not None:
             config = training_run_config(ckpt).model
-            lines = [f"  training checkpoint {ckpt}"]
+            lines = [f"  training checkpoint {describe_checkpoint(ckpt)}"]
         else:
             from moefold.models.checkpoint import load_config
 

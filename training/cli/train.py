@@ -7,10 +7,10 @@
     moefold train --load-hf Qwen3-8B --moe-use-upcycling --num-experts 8 --moe-router-topk 2 --data-path ...
     torchrun --nnodes 2 --nproc-per-node 8 -m training.cli train --recipe ... (multi-node)
 
-The flags are validated against the layout (``RunConfig.resolve(world)``) and the file system
-(``training.launch.preflight``: save/run directories, free space, --load, data files) in the parent process
-before any rank starts; an impossible combination fails naming the flags. A failure inside a rank ends
-the run with one ``rank R: <message>`` line and the tracebacks in ``RUN_DIR/error.log``.
+The flags are validated against the layout (``RunConfig.resolve(world)``, ``training.cli.train_checks``) and
+the file system (``training.launch.preflight``: save/run directories, free space, --load, data files) in the
+parent process before any rank starts; an impossible combination fails naming the flags. A failure inside a
+rank ends the run with one ``rank R: <message>`` line and the tracebacks in ``RUN_DIR/error.log``.
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ import dataclasses
 import json
 import os
 import sys
+from datetime import timedelta
 
 import torch
 
+from moefold.dense.activation_offload import MIN_OFFLOADED_TENSOR_SIZE, OFFLOAD_MODULES
 from moefold.dense.context_parallel import CP_COMM_MODES
-from moefold.dense.gated_delta_rule import GATED_DELTA_RULE_BACKENDS, require_fla
+from moefold.dense.gated_delta_rule import GATED_DELTA_RULE_BACKENDS
 from moefold.dense.recompute import DEFAULT_RECOMPUTE_MODULES, RECOMPUTE_METHODS, RECOMPUTE_MODES, RECOMPUTE_MODULES
 from moefold.dispatch.flex_backend import FLEX_BACKEND_CHOICES
 from moefold.models.config import ModelConfig
@@ -32,7 +34,7 @@ from moefold.models.options import DEEPEP_MODES, ModelOptions
 from moefold.models.recipes import RECIPES, get_recipe
 from moefold.moe.config import DISPATCHERS
 from moefold.moe.gemm import GEMM_BACKENDS
-from moefold.parallel.dims import ParallelConfig, ParallelSizes
+from moefold.parallel.dims import ParallelConfig
 from moefold.parallel.fp8 import add_fp8_arguments, fp8_config_from_args
 from moefold.parallel.init import launched_by_torchrun, launched_world_size
 from moefold.pipeline.schedules import SCHEDULES
@@ -41,11 +43,17 @@ from moefold.training.cli.layout_errors import world_source
 from moefold.training.cli.megatron_flags import add_megatron_arguments, megatron_model, tokenizer_vocab
 from moefold.training.cli.model_flags import UPCYCLING_FLAGS, add_model_arguments, apply_model_flags, given_model_flags
 from moefold.training.cli.parser import Parser
+from moefold.training.cli.train_checks import check_backends as check_backends
+from moefold.training.cli.train_checks import resolve_flex, validate
+from moefold.training.cli.train_checks import validate_layout as validate_layout
 from moefold.training.cli.train_help import ROUTER_HELP, TRAIN_HELP
-from moefold.training.config import RunConfig, TrainConfig
+from moefold.training.config import EXIT_SIGNALS, STOP_SIGNALS, RunConfig, TrainConfig
 from moefold.training.errors import JobFailed
+from moefold.training.launch.claim import claim_run
 from moefold.training.launch.preflight import preflight
 from moefold.training.launch.ranks import run_ranks
+from moefold.training.launch.signals import Stop, signal_numbers, stop_line
+from moefold.training.launch.torchrun import agree, first_error, join_torchrun
 from moefold.training.launch.watchdog import Heartbeat
 from moefold.training.optim.lr_schedule import DECAY_STYLES, WSD_STYLES
 from moefold.training.optim.precision import DTYPES
@@ -67,6 +75,7 @@ ROUTER_FLAGS: tuple[tuple[str, str, type], ...] = (
     ("--moe-router-enable-expert-bias", "moe_expert_bias", bool),
     ("--moe-router-bias-update-rate", "moe_bias_update_rate", float),
     ("--moe-expert-capacity-factor", "moe_expert_capacity_factor", float),
+    ("--moe-expert-rank-capacity-factor", "moe_expert_rank_capacity_factor", float),
     ("--moe-token-drop-policy", "moe_token_drop_policy", str),
     ("--moe-pad-expert-input-to-capacity", "moe_pad_expert_input_to_capacity", bool),
     ("--moe-router-force-load-balancing", "moe_router_force_load_balancing", bool),
@@ -100,6 +109,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pp > 1: layers on the first stage (it also holds the embedding); default: even split")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
                    help="pp > 1: layers on the last stage (it also holds the head, loss and MTP); default: even split")
+    g.add_argument("--pipeline-model-parallel-layout", default=None, metavar="LAYOUT",
+                   help="Megatron's layout of every virtual stage, round robin over pp then vpp: E embedding, t "
+                        "decoder layer, m MTP layer, L loss, | stage boundary, x*N / (...)*N repetition, e.g. "
+                        "'Et|(tt|)*30mL' (DeepSeek-V3, PP8 x VP4); fixes vpp, empty stages allowed; replaces the "
+                        "three flags above")
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="context parallelism (cp): each sequence split over cp ranks (ring attention)")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
@@ -156,6 +170,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="full: uniform (groups of N layers) or block (the first N layers of each pipeline chunk)")
     m.add_argument("--recompute-num-layers", type=int, default=ModelOptions.recompute_num_layers,
                    help="full: the N of --recompute-method (default 1)")
+    add_memory_arguments(p)
     gpu = p.add_argument_group("GPU backends: DeepEP, FP8 (torchao, Transformer Engine)")
     gpu.add_argument("--moe-deepep-num-sms", type=int, default=ModelOptions.moe_deepep_num_sms,
                      help="SMs DeepEP's kernels take (flex dispatcher; even; default 0: DeepEP V2's "
@@ -192,6 +207,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--lr-wsd-decay-style", dest="lr_wsd_decay_style", default=_T.lr_wsd_decay_style,
                    choices=WSD_STYLES, help="the shape of WSD's final decay")
     t.add_argument("--bf16", action="store_true", help="bf16 parameters and compute, fp32 master weights")
+    t.add_argument("--fp16", action="store_true",
+                   help="fp16 parameters and compute, fp32 master weights, loss scaling (dynamic unless --loss-scale)")
+    t.add_argument("--loss-scale", dest="loss_scale", type=float, default=None,
+                   help="fp16: a static loss scale (a power of 2 helps); default: dynamic loss scaling")
+    t.add_argument("--initial-loss-scale", dest="initial_loss_scale", type=float, default=_T.initial_loss_scale,
+                   help=f"fp16 dynamic loss scaling: the starting scale (default {_T.initial_loss_scale:g})")
+    t.add_argument("--min-loss-scale", dest="min_loss_scale", type=float, default=_T.min_loss_scale,
+                   help=f"fp16 dynamic loss scaling: the smallest scale (default {_T.min_loss_scale:g})")
+    t.add_argument("--loss-scale-window", dest="loss_scale_window", type=int, default=_T.loss_scale_window,
+                   help=f"fp16 dynamic loss scaling: steps without overflow before the scale doubles "
+                        f"(default {_T.loss_scale_window})")
+    t.add_argument("--hysteresis", dest="hysteresis", type=int, default=_T.hysteresis,
+                   help=f"fp16 dynamic loss scaling: overflowing steps in a row before the scale halves "
+                        f"(default {_T.hysteresis})")
     t.add_argument("--compile", action="store_true",
                    help="torch.compile each transformer block (MoE: its static-shaped parts, the experts' "
                         "activation fused); compile time is printed")
@@ -210,7 +239,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                                "`moefold prepare-data`); default: built-in corpus")
     d.add_argument("--data-cache-dir", default=None,
                    help="where the built-in corpus is tokenised and cached (default: ~/.cache/moefold)")
-    d.add_argument("--run-dir", default=_T.run_dir, help=f"metrics, logs and reports (default {_T.run_dir})")
+    d.add_argument("--run-dir", default=None,
+                   help="metrics, logs and reports (default: a new runs/RECIPE/TIMESTAMP per fresh run, "
+                        "runs/RECIPE/latest pointing at it; a resume: its run's)")
     d.add_argument("--save", default=None, help="checkpoint directory (default RUN_DIR/checkpoints)")
     d.add_argument("--no-save", action="store_true", help="write no checkpoint")
     d.add_argument("--load", default=None, help="resume from the newest intact checkpoint in this directory (or "
@@ -221,6 +252,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--no-balance-report", action="store_true", help="skip the load-balance PNGs at the end")
     d.add_argument("--no-progress", action="store_true",
                    help="no progress bar (it is only drawn when stderr is a terminal anyway)")
+    add_recovery_arguments(p)
     r = p.add_argument_group("failures")
     r.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="a collective that waits longer fails (default 10)")
@@ -229,6 +261,69 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 300)")
     add_validation_arguments(p)
     add_megatron_arguments(p)
+
+
+def add_recovery_arguments(p: argparse.ArgumentParser) -> None:
+    """Saving on preemption, background saves, and writing over another run (docs/failures.md)."""
+    g = p.add_argument_group("checkpoints, stops and other runs")
+    g.add_argument("--async-save", action="store_true",
+                   help="write --save-interval checkpoints in the background (torch.distributed.checkpoint."
+                        "async_save): training waits only for the copy to host memory; the final save waits")
+    g.add_argument("--exit-signal-handler", action=argparse.BooleanOptionalAction, default=True,
+                   help="on an --exit-signal every rank finishes its step, the run saves (with --save, even at "
+                        "--save-interval 0) and exits 128+signal (default on)")
+    g.add_argument("--exit-signal", nargs="+", default=list(EXIT_SIGNALS), metavar="SIGNAL", choices=STOP_SIGNALS,
+                   help=f"the signals that stop a run that way (default {' '.join(EXIT_SIGNALS)}; any of "
+                        f"{', '.join(STOP_SIGNALS)})")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="stop (and save) after this many minutes of training; exit 0")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (and save) after the first step divisible by this; exit 0")
+    g.add_argument("--override-save", action="store_true",
+                   help="let a fresh run write into a --save that holds another run's checkpoints (they stay; this "
+                        "run never resumes from or deletes them; one of an iteration it saves is moved to "
+                        "SAVE/previous/RUN_ID/)")
+    g.add_argument("--override-run-dir", action="store_true",
+                   help="let a fresh run write into a --run-dir that holds another run's metrics (they are moved "
+                        "to RUN_DIR/previous/RUN_ID)")
+
+
+def add_memory_arguments(p: argparse.ArgumentParser) -> None:
+    """Past ZeRO-1 (docs/memory.md): activation offloading, FSDP2, optimizer offload."""
+    g = p.add_argument_group("memory: activation offloading, FSDP, optimizer offload")
+    g.add_argument("--fine-grained-activation-offloading", action="store_true",
+                   help="keep what --offload-modules save for backward in (pinned) host memory, copied on side streams "
+                        "and brought back one layer ahead in backward")
+    g.add_argument("--offload-modules", nargs="+", default=None, choices=OFFLOAD_MODULES, metavar="MODULE",
+                   help=f"with --fine-grained-activation-offloading: any of {', '.join(OFFLOAD_MODULES)} (a module is "
+                        "recomputed or offloaded, not both)")
+    g.add_argument("--min-offloaded-tensor-size", type=int, default=MIN_OFFLOADED_TENSOR_SIZE,
+                   help=f"saved tensors with fewer elements stay on the device (default {MIN_OFFLOADED_TENSOR_SIZE})")
+    g.add_argument("--moe-max-load-ratio", type=float, default=None,
+                   help="the expert-load max/mean the plan sized the routed experts' activations for (moefold plan "
+                        "--moe-max-load-ratio): the run reports the observed one per micro-batch and warns once "
+                        "before it is exceeded")
+    g.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="shard parameters, gradients and optimizer states with torch's fully_shard (FSDP2): dense "
+                        "modules over dp x cp, experts over the expert data-parallel group, composed with tp, ep/etp, "
+                        "pp; instead of the distributed optimizer")
+    g.add_argument("--optimizer-cpu-offload", action="store_true",
+                   help="keep master weights and Adam moments of --optimizer-offload-fraction of this rank's shard in "
+                        "host memory and update them on the CPU while the device starts the next step")
+    g.add_argument("--optimizer-offload-fraction", type=float, default=_T.optimizer_offload_fraction,
+                   help=f"with --optimizer-cpu-offload: the share offloaded, 0..1 (default "
+                        f"{_T.optimizer_offload_fraction})")
+
+
+def offload_modules_from_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """--offload-modules, checked against --fine-grained-activation-offloading (ValueError naming them)."""
+    if args.fine_grained_activation_offloading and not args.offload_modules:
+        raise ValueError("--fine-grained-activation-offloading needs --offload-modules (any of "
+                         f"{', '.join(OFFLOAD_MODULES)})")
+    if args.offload_modules and not args.fine_grained_activation_offloading:
+        raise ValueError(f"--offload-modules {' '.join(args.offload_modules)} needs "
+                         "--fine-grained-activation-offloading")
+    return tuple(args.offload_modules or ())
 
 
 def add_pretrained_arguments(p: argparse.ArgumentParser) -> None:
@@ -316,7 +411,7 @@ def model_from_args(args: argparse.Namespace) -> ModelConfig:
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """The RunConfig the flags describe (ValueError naming the flag on a bad value)."""
     for flag in ("num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
-                 "decoder_last_pipeline_num_layers"):
+                 "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout"):
         if getattr(args, flag) is not None and args.pipeline_model_parallel_size == 1:
             raise ValueError(f"--{flag.replace('_', '-')} needs --pipeline-model-parallel-size > 1")
     model = model_from_args(args)
@@ -333,112 +428,34 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                            recompute=args.recompute_granularity, recompute_modules=tuple(args.recompute_modules),
                            recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
                            dispatcher=args.moe_token_dispatcher_type,
-                           gemm_backend=args.moe_grouped_gemm_backend, dtype="bf16" if args.bf16 else "fp32",
+                           gemm_backend=args.moe_grouped_gemm_backend,
+                           dtype="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
                            init_std=args.init_method_std, fp8=fp8_config_from_args(args),
                            moe_deepep_num_sms=args.moe_deepep_num_sms,
                            moe_flex_dispatcher_backend=args.moe_flex_dispatcher_backend,
                            moe_deepep_mode=args.moe_deepep_mode, moe_deepep_cpu_sync=args.moe_deepep_cpu_sync,
+                           offload_modules=offload_modules_from_args(args),
+                           min_offloaded_tensor_size=args.min_offloaded_tensor_size,
                            linear_attention_backend=args.linear_attention_backend)
     parallel = ParallelConfig(tp=args.tensor_model_parallel_size, cp=args.context_parallel_size,
                               pp=args.pipeline_model_parallel_size, ep=args.expert_model_parallel_size,
                               etp=args.expert_tensor_parallel_size)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     explicit = ("run_dir", "save", "load", "bf16", "data_path", "vocab_size", "data_cache_dir", "valid_data_path",
-                "reset_data_position", "compile")
+                "reset_data_position", "compile", "exit_signals", "run_id")
+    if args.optimizer_offload_fraction != _T.optimizer_offload_fraction and not args.optimizer_cpu_offload:
+        raise ValueError(f"--optimizer-offload-fraction {args.optimizer_offload_fraction} needs "
+                         "--optimizer-cpu-offload")
     train = {k: v for k, v in vars(args).items() if k in fields and k not in explicit}
-    save = None if args.no_save or args.skip_train else (args.save or os.path.join(args.run_dir, "checkpoints"))
+    # run_dir None / save None with neither --save nor --no-save: chosen by training.launch.claim before the ranks
+    save = None if args.no_save or args.skip_train else args.save
     train = TrainConfig(**train, bf16=args.bf16, compile=args.compile, run_dir=args.run_dir, save=save, load=args.load,
+                        exit_signals=tuple(args.exit_signal) if args.exit_signal_handler else (),
                         reset_data_position=args.reset_data_position,
                         data_path=tuple(args.data_path), vocab_size=args.vocab_size,
                         data_cache_dir=args.data_cache_dir, overlap_grad_reduce=not args.no_overlap_grad_reduce,
                         balance_report=not args.no_balance_report, valid_data_path=tuple(args.valid_data_path))
     return RunConfig(model=model, parallel=parallel, options=options, train=train, recipe=args.recipe)
-
-
-def validate(config: RunConfig, world_size: int, source: str | None = None) -> None:
-    """Everything checkable without starting ranks: layout sizes, batch arithmetic, model divisibility, and that
-    the chosen GPU backends are installed. ``source``: how the world was chosen (``layout_errors.world_source``)."""
-    sizes = validate_layout(config, world_size, source)
-    check_backends(config, sizes.ep, sizes.etp)
-
-
-def validate_layout(config: RunConfig, world_size: int, source: str | None = None) -> ParallelSizes:
-    """The layout checks of ``validate`` (sizes, batch arithmetic, pipeline split, model divisibility), without the
-    installed-backend checks: what ``moefold plan`` applies to every layout it considers. With ``source`` (how
-    the world was chosen: ``--nproc 1, the default``), a bad size is explained by ``layout_errors.explain``: the
-    valid sizes for the model and the world the flags need."""
-    from moefold.models.layer_factory import check_layout
-    from moefold.parallel.dims import ParallelDims
-    from moefold.training.cli.layout_errors import explain
-
-    if source is not None and (message := explain(config, world_size, source)):
-        raise ValueError(message)
-
-    try:
-        sizes, _ = config.resolve(world_size)
-    except ValueError as exc:
-        t = config.train
-        if config.parallel.pp > 1 and any(word in str(exc) for word in ("schedule", "num_layers", "pipeline")):
-            uneven = "".join(f", --decoder-{k}-pipeline-num-layers={v}" for k, v in
-                             (("first", t.decoder_first_pipeline_num_layers),
-                              ("last", t.decoder_last_pipeline_num_layers)) if v is not None)
-            raise ValueError(f"{exc} (--num-layers={config.model.num_layers}, --pipeline-model-parallel-size="
-                             f"{config.parallel.pp}, --num-layers-per-virtual-pipeline-stage="
-                             f"{t.num_layers_per_virtual_pipeline_stage}{uneven}, --global-batch-size="
-                             f"{t.global_batch_size}, --micro-batch-size={t.micro_batch_size})") from exc
-        raise
-    try:
-        check_layout(config.model, ParallelDims(sizes=sizes), config.options)
-    except ValueError as exc:
-        raise ValueError(f"{exc} (--tensor-model-parallel-size={sizes.tp}, --context-parallel-size={sizes.cp}, "
-                         f"--expert-model-parallel-size={sizes.ep}, --expert-tensor-parallel-size={sizes.etp})"
-                         ) from exc
-    return sizes
-
-
-def check_backends(config: RunConfig, ep: int, etp: int) -> None:
-    """The optional GPU backends the flags choose are installed and can run here (ImportError /
-    ValueError / RuntimeError naming what to install or use instead), before any rank starts."""
-    from moefold.moe.gemm import check_gemm_backend
-
-    if config.train.compile:
-        from moefold.training.compile import compile_unavailable
-
-        reason = compile_unavailable("cuda" if torch.cuda.is_available() else "cpu")
-        if reason is not None:
-            raise RuntimeError(reason)
-    o = config.options
-    if config.model.num_experts:
-        check_gemm_backend(o.gemm_backend, o.torch_dtype)
-        if o.resolved_dispatcher(ep, etp) == "flex":
-            from moefold.dispatch.flex_backend import resolve_flex_backend
-
-            resolve_flex_backend(o.moe_flex_dispatcher_backend)
-    if o.linear_attention_backend == "fla" and "linear_attention" in (config.model.layer_types or ()):
-        require_fla()
-    o.fp8.check_available()
-
-
-def resolve_flex(config: RunConfig, world_size: int) -> tuple[RunConfig, str | None]:
-    """With the flex dispatcher: ``config`` with ``--moe-flex-dispatcher-backend auto`` replaced by the installed
-    DeepEP's backend (so every rank runs the same one) and the start-up line that states it; else (config, None)."""
-    from moefold.dispatch.flex_backend import describe_flex_backend, resolve_flex_backend
-    from moefold.moe.gemm import needs_host_counts
-
-    sizes, _ = config.resolve(world_size)
-    o = config.options
-    if not config.model.num_experts or o.resolved_dispatcher(sizes.ep, sizes.etp) != "flex":
-        return config, None
-    backend = resolve_flex_backend(o.moe_flex_dispatcher_backend)
-    if backend == "deepep":
-        from moefold.dispatch.deepep_elastic import check_elastic_layout
-
-        check_elastic_layout(config.model.hidden_size, config.model.num_experts, sizes.ep, sizes.etp, o.fp8.dispatch)
-    config = dataclasses.replace(config, options=dataclasses.replace(o, moe_flex_dispatcher_backend=backend))
-    cpu_sync = o.moe_deepep_cpu_sync if o.moe_deepep_cpu_sync is not None else (
-        needs_host_counts(o.gemm_backend) or o.fp8.enabled)
-    return config, describe_flex_backend(backend, hybrid=o.moe_deepep_mode == "hybrid", cpu_sync=cpu_sync,
-                                         num_sms=o.moe_deepep_num_sms)
 
 
 def describe_parameters(model: ModelConfig) -> str:
@@ -455,38 +472,65 @@ def describe_parameters(model: ModelConfig) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Validate the flags, run the pre-flight checks, start the ranks. Exit codes: 0 done, 1 the run failed
-    (one line on stderr, tracebacks in RUN_DIR/error.log), 2 a flag or pre-flight check failed, 130 Ctrl-C."""
+    """Validate the flags, claim the run's directories (``training.launch.claim``), run the pre-flight checks,
+    start the ranks. Exit codes: 0 done (or a planned ``--exit-*`` stop, saved), 1 the run failed (one line on
+    stderr, tracebacks in RUN_DIR/error.log), 2 a flag or pre-flight check failed, 128 + N stopped by signal N
+    after saving (143 SIGTERM, 130 Ctrl-C, 138 SIGUSR1; ``training.launch.signals``)."""
+    torchrun = launched_by_torchrun()
     try:
         config = config_from_args(args)
-        world = launched_world_size() if launched_by_torchrun() else args.nproc
+        world = launched_world_size() if torchrun else args.nproc
         if args.nproc < 1:
             raise ValueError(f"--nproc={args.nproc} must be >= 1")
         for flag in ("distributed_timeout_minutes", "heartbeat_timeout"):
             if not 0 < getattr(args, flag) < float("inf"):
                 raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be a positive number")
-        validate(config, world, world_source(args.nproc, launched_by_torchrun()))
-        config, flex_line = resolve_flex(config, world)
-        first = not launched_by_torchrun() or os.environ.get("RANK", "0") == "0"   # torchrun: every rank checks
-        preflight(config, say=print if first else lambda _line: None)
-        if first:
-            write_effective_config(train_parser(), args, config.train.run_dir)
+        validate(config, world, world_source(args.nproc, torchrun))
+        config, flex_line = resolve_flex(config, world)   # every rank runs the backend rank 0 records
     except (ValueError, ImportError, RuntimeError) as exc:
         print(f"moefold train: error: {exc}", file=sys.stderr)
         return 2
-    if int(os.environ.get("RANK", "0")) == 0:
+    rank = int(os.environ.get("RANK", "0"))
+    if torchrun:   # the ranks exist already: join them now, so that they agree on the run before it starts
+        join_torchrun(args.device, timedelta(minutes=args.distributed_timeout_minutes))
+    claim, error = None, None
+    try:
+        if rank == 0:
+            config, claim = claim_run(config, default_save=not (args.no_save or args.skip_train) and args.save is None,
+                                      override_save=args.override_save, override_run_dir=args.override_run_dir)
+    except (ValueError, ImportError, RuntimeError, OSError) as exc:
+        error = str(exc)
+    config, error = agree(config, error)
+    if error is None:
+        try:   # torchrun: every rank checks (a node's files are its own)
+            preflight(config, say=print if rank == 0 else lambda _line: None, world_size=world,
+                      resume_from=claim.resume_from if claim else None)
+        except (ValueError, ImportError, RuntimeError) as exc:
+            error = str(exc)
+        error = first_error(error)
+    if error is not None:
+        if claim is not None:
+            claim.abandon()
+        if rank == 0:
+            print(f"moefold train: error: {error}", file=sys.stderr)
+        return 2
+    if claim is not None:
+        claim.record()
+        write_effective_config(train_parser(), args, config.train.run_dir)
+    if rank == 0:
         print(describe_parameters(config.model), flush=True)
         if flex_line is not None:
             print(flex_line, flush=True)
-    if launched_by_torchrun() and args.nproc > 1:
+    if torchrun and args.nproc > 1:
         print(f"moefold train: launched by torchrun (world {world}); ignoring --nproc {args.nproc}", file=sys.stderr)
     try:
-        run_ranks(train_worker, 1 if launched_by_torchrun() else args.nproc, args.device,
-                  timeout_s=60 * args.distributed_timeout_minutes,
-                  args=(json.dumps(config.to_dict()), not args.no_progress and sys.stderr.isatty()),
-                  run_dir=config.train.run_dir, heartbeat_timeout_s=args.heartbeat_timeout)
+        outcome = run_ranks(train_worker, 1 if torchrun else args.nproc, args.device,
+                            timeout_s=60 * args.distributed_timeout_minutes,
+                            args=(json.dumps(config.to_dict()), not args.no_progress and sys.stderr.isatty()),
+                            run_dir=config.train.run_dir, heartbeat_timeout_s=args.heartbeat_timeout,
+                            stop_signals=signal_numbers(config.train.exit_signals))
     except JobFailed as exc:
-        spawned = world > 1 and not launched_by_torchrun()   # the log holds every rank's traceback
+        spawned = world > 1 and not torchrun   # the log holds every rank's traceback
         where = f" (full traceback{'s' if spawned else ''}: {exc.log})" if exc.log else ""
         cut = "\n" if spawned else ""   # rank 0's progress bar may end mid-line
         print(f"{cut}moefold train: {exc}{where}", file=sys.stderr)
@@ -494,6 +538,14 @@ def main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("moefold train: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if claim is not None:
+            claim.release()
+    if outcome and outcome.get("stop"):
+        stop = Stop(outcome["stop"], outcome["signum"])
+        if rank == 0:
+            print(stop_line(stop, outcome["step"], outcome["checkpoint"], config.train.save), file=sys.stderr)
+        return stop.exit_code
     return 0
 
 
@@ -505,11 +557,19 @@ def train_parser() -> argparse.ArgumentParser:
 
 
 def train_worker(device: torch.device, config_json: str, progress: bool = False,
-                 heartbeat: Heartbeat | None = None) -> None:
-    """One rank of ``moefold train`` (module-level: spawned processes import it)."""
+                 heartbeat: Heartbeat | None = None) -> dict | None:
+    """One rank of ``moefold train`` (module-level: spawned processes import it). Returns how the run ended:
+    None when it trained to the end, else ``{"stop", "signum", "step", "checkpoint"}``."""
     from moefold.training.run import train
 
-    train(RunConfig.from_dict(json.loads(config_json)), device, heartbeat=heartbeat, progress=progress)
+    interactive = heartbeat is None and not launched_by_torchrun()   # world 1: the process the user started
+    summary = train(RunConfig.from_dict(json.loads(config_json)), device, heartbeat=heartbeat,
+                    interactive=interactive, progress=progress)
+    if summary.stop is None:
+        return None
+    return {"stop": summary.stop.reason, "signum": summary.stop.signum,
+            "step": summary.last.step if summary.last else 0,
+            "checkpoint": str(summary.checkpoint) if summary.checkpoint else None}
 
 
 if __name__ == "__main__":

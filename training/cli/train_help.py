@@ -23,6 +23,9 @@ ROUTER_HELP: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "--moe-router-bias-update-rate": ("the expert bias's step per update (--moe-router-enable-expert-bias)", None),
     "--moe-expert-capacity-factor": ("expert capacity as a multiple of the balanced load; copies over it are "
                                      "dropped (unset: dropless)", None),
+    "--moe-expert-rank-capacity-factor": ("Megatron's per-rank budget: an expert-parallel rank receives at most C "
+                                          "x its share of the copies; only above it are copies dropped (unset: "
+                                          "dropless)", None),
     "--moe-token-drop-policy": ("which copies a full expert drops: the lowest probabilities or the latest "
                                 "positions", DROP_POLICIES),
     "--moe-pad-expert-input-to-capacity": ("pad each expert's input to its capacity: static shapes, no host sync "

@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from moefold.training.data.indexed import IndexedDataset, idx_path
-from moefold.training.data.megatron_indexed import MegatronIndexedDataset, is_megatron_index, scan_max_token_id
+from moefold.training.data.megatron_indexed import MegatronIndexedDataset, is_megatron_index
 
 CorpusIndex = IndexedDataset   # MegatronIndexedDataset and validation.DocumentRange are IndexedDatasets
 
@@ -34,12 +34,7 @@ def open_indexed(prefix: str | os.PathLike | CorpusIndex) -> CorpusIndex:
     return IndexedDataset(prefix)
 
 
-def max_token_id(data: Any) -> int:
-    """Largest token id of an opened corpus (-1 when empty): the format's own record when it has one (a
-    Megatron index has none: a chunked scan of the ``.bin``, cached), else a chunked scan of the tokens."""
-    value = getattr(data, "max_token_id", None)
-    if callable(value):
-        value = value()
-    if value is not None:
-        return int(value)
-    return scan_max_token_id(data.tokens)
+def max_token_id(data: CorpusIndex) -> int:
+    """Largest token id of an opened corpus: the format's own record when it has one (moefold's version 2
+    header), else a chunked scan of the ``.bin`` (a Megatron corpus's cached in ``PREFIX.cache/``)."""
+    return data.largest_token_id(progress=False)

@@ -7,12 +7,16 @@ vocabulary has fewer than 65536 ids, else ``uint32``. Nothing else.
 
     offset  size  field
     0       8     magic      b"MOEFIDX\\0"
-    8       8     version    uint64, currently 1
+    8       8     version    uint64, currently 2
     16      8     dtype code uint8 (1 = uint16, 2 = uint32) + 7 bytes padding
     24      8     num_docs   uint64
     32      8     num_tokens uint64
     40      8     vocab_size uint64 (the tokenizer's, so a reader can size its embedding)
-    48      8*(num_docs+1)   doc_offsets int64: document d is tokens[doc_offsets[d]:doc_offsets[d+1]]
+    48      8     max_token_id uint64 (the largest id in the .bin; version 2)
+    56      8*(num_docs+1)   doc_offsets int64: document d is tokens[doc_offsets[d]:doc_offsets[d+1]]
+
+Version 1 files (no ``max_token_id``: the offsets start at byte 48) stay readable; their largest id is found
+by a scan of the ``.bin`` (``IndexedDataset.largest_token_id``).
 
 Both files are read through ``numpy.memmap``; a reader never loads the tokens into memory. A writer
 writes to temporary names and renames, so a reader never sees a half-written pair.
@@ -27,9 +31,11 @@ from pathlib import Path
 import numpy as np
 
 MAGIC = b"MOEFIDX\0"
-VERSION = 1
-_HEADER = struct.Struct("<8sQB7xQQQ")
-HEADER_BYTES = _HEADER.size  # 48
+VERSION = 2
+_HEADER_V1 = struct.Struct("<8sQB7xQQQ")
+_HEADER = struct.Struct("<8sQB7xQQQQ")
+HEADER_BYTES = _HEADER.size  # 56 (version 1: 48)
+_SCAN_CHUNK = 1 << 24   # tokens per step of a largest-id scan (32-64 MiB of a memmap at a time)
 DTYPES: dict[int, type[np.unsignedinteger]] = {1: np.uint16, 2: np.uint32}
 
 
@@ -63,13 +69,17 @@ class IndexedDatasetWriter:
         self._tmp_bin.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self._tmp_bin, "wb")  # noqa: SIM115 - closed in finalize()/abort()
         self._lengths: list[int] = []
+        self.max_token_id = 0
 
     def add_document(self, tokens: np.ndarray | list[int]) -> None:
         arr = np.asarray(tokens)
         if arr.ndim != 1:
             raise ValueError(f"a document must be a 1-D array of token ids, got shape {arr.shape}")
-        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= self.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got [{arr.min()}, {arr.max()}]")
+        if arr.size:
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0 or hi >= self.vocab_size:
+                raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got [{lo}, {hi}]")
+            self.max_token_id = max(self.max_token_id, hi)
         self._file.write(arr.astype(self.dtype, copy=False).tobytes())
         self._lengths.append(int(arr.size))
 
@@ -87,7 +97,8 @@ class IndexedDatasetWriter:
         np.cumsum(np.asarray(self._lengths, dtype=np.int64), out=offsets[1:])
         code = next(c for c, d in DTYPES.items() if d is self.dtype)
         with open(self._tmp_idx, "wb") as f:
-            f.write(_HEADER.pack(MAGIC, VERSION, code, len(self._lengths), int(offsets[-1]), self.vocab_size))
+            f.write(_HEADER.pack(MAGIC, VERSION, code, len(self._lengths), int(offsets[-1]), self.vocab_size,
+                                 self.max_token_id))
             f.write(offsets.astype("<i8").tobytes())
         # .bin first: a reader that finds the .idx finds a complete .bin next to it.
         os.replace(self._tmp_bin, bin_path(self.prefix))
@@ -124,18 +135,23 @@ class IndexedDataset:
                 raise FileNotFoundError(f"{p}: no such file (expected the pair {bpath.name}/{ipath.name} "
                                         "written by `moefold prepare-data`)")
         size = ipath.stat().st_size
-        if size < HEADER_BYTES:
-            raise ValueError(f"{ipath}: {size} bytes is shorter than the {HEADER_BYTES}-byte header (truncated?)")
+        if size < _HEADER_V1.size:
+            raise ValueError(f"{ipath}: {size} bytes is shorter than the {_HEADER_V1.size}-byte header (truncated?)")
         with open(ipath, "rb") as f:
-            magic, version, code, num_docs, num_tokens, vocab_size = _HEADER.unpack(f.read(HEADER_BYTES))
+            head = f.read(HEADER_BYTES)
+        magic, version, code, num_docs, num_tokens, vocab_size = _HEADER_V1.unpack(head[:_HEADER_V1.size])
         if magic != MAGIC:
             raise ValueError(f"{ipath}: not a moefold index file (magic {magic!r}, expected {MAGIC!r})")
-        if version != VERSION:
+        if version not in (1, VERSION):
             raise ValueError(f"{ipath}: index format version {version} is not supported (this moefold reads "
-                             f"version {VERSION}); re-run `moefold prepare-data`")
+                             f"versions 1 and {VERSION}); re-run `moefold prepare-data`")
+        header_bytes = _HEADER_V1.size if version == 1 else HEADER_BYTES
+        if size < header_bytes:
+            raise ValueError(f"{ipath}: {size} bytes is shorter than the {header_bytes}-byte header (truncated?)")
+        self.max_token_id: int | None = None if version == 1 else _HEADER.unpack(head)[-1]
         if code not in DTYPES:
             raise ValueError(f"{ipath}: unknown dtype code {code} (valid: {sorted(DTYPES)})")
-        expected_idx = HEADER_BYTES + 8 * (num_docs + 1)
+        expected_idx = header_bytes + 8 * (num_docs + 1)
         if size != expected_idx:
             raise ValueError(f"{ipath}: {size} bytes, but a header with num_docs={num_docs} needs "
                              f"{expected_idx} bytes (truncated or corrupt)")
@@ -146,7 +162,7 @@ class IndexedDataset:
         if bsize != num_tokens * itemsize:
             raise ValueError(f"{bpath}: {bsize} bytes, but {ipath.name} says {num_tokens} tokens x {itemsize} "
                              f"bytes = {num_tokens * itemsize} bytes (truncated or from another run)")
-        self.doc_offsets = np.memmap(ipath, dtype="<i8", mode="r", offset=HEADER_BYTES, shape=(num_docs + 1,))
+        self.doc_offsets = np.memmap(ipath, dtype="<i8", mode="r", offset=header_bytes, shape=(num_docs + 1,))
         if self.doc_offsets[0] != 0 or self.doc_offsets[-1] != num_tokens:
             raise ValueError(f"{ipath}: document offsets run from {self.doc_offsets[0]} to "
                              f"{self.doc_offsets[-1]}, expected 0 to num_tokens={num_tokens} (corrupt)")
@@ -157,6 +173,14 @@ class IndexedDataset:
     @property
     def num_docs(self) -> int:
         return len(self.doc_offsets) - 1
+
+    def largest_token_id(self, progress: bool = True) -> int:
+        """The largest id in the ``.bin`` (0 when empty, as the writer records it): the header's (version 2),
+        else a scan of the memmap (``scan_max_token_id``), kept for the next call."""
+        if self.max_token_id is None:
+            self.max_token_id = max(0, scan_max_token_id(self.tokens, progress=progress,
+                                                         desc=f"largest token id of {bin_path(self.prefix).name}"))
+        return self.max_token_id
 
     @property
     def num_tokens(self) -> int:
@@ -178,3 +202,26 @@ class IndexedDataset:
     def __repr__(self) -> str:
         return (f"IndexedDataset({self.prefix!r}, docs={self.num_docs}, tokens={self.num_tokens}, "
                 f"vocab={self.vocab_size}, dtype={np.dtype(self.dtype).name})")
+
+
+def scan_max_token_id(tokens: np.ndarray, chunk: int | None = None, progress: bool = False, desc: str = "") -> int:
+    """max over ``tokens`` in chunks of ``chunk`` elements (default ``_SCAN_CHUNK``; memory bounded by one
+    chunk), with a progress bar once it has taken a second; -1 when empty. Float tokens (Megatron allows
+    float32/64 ``.bin`` files) must hold integral non-negative ids."""
+    from tqdm import tqdm
+
+    chunk = chunk or _SCAN_CHUNK
+    top = -1
+    with tqdm(total=len(tokens), unit="tok", unit_scale=True, desc=desc or "largest token id", delay=1.0,
+              disable=not progress, leave=False) as bar:
+        for start in range(0, len(tokens), chunk):
+            part = np.asarray(tokens[start:start + chunk])
+            if part.dtype.kind == "f":
+                if not np.all(np.isfinite(part)) or np.any(part != np.floor(part)) or np.any(part < 0):
+                    raise ValueError("token ids stored as floats must be non-negative integers")
+            elif part.size and int(part.min()) < 0:
+                raise ValueError(f"negative token id {int(part.min())} in the data")
+            if part.size:
+                top = max(top, int(part.max()))
+            bar.update(len(part))
+    return top

@@ -17,7 +17,7 @@
 A document is one or more sequences (sentences with ``--split-sentences``); Megatron's ``GPTDataset`` draws
 samples over sequences, so this reader exposes sequences as its "documents" (``doc_offsets``), exactly like
 moefold's ``IndexedDataset``. The format records no vocabulary size: ``vocab_size`` is the smallest
-vocabulary that holds the data, ``max_token_id() + 1``, found by one chunked scan of the ``.bin`` (bounded
+vocabulary that holds the data, ``largest_token_id() + 1``, found by one chunked scan of the ``.bin`` (bounded
 memory) and cached in ``PREFIX.cache/``.
 """
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moefold.training.data.indexed import IndexedDataset, IndexedDatasetWriter, bin_path, idx_path
+from moefold.training.data.indexed import IndexedDataset, IndexedDatasetWriter, bin_path, idx_path, scan_max_token_id
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -39,7 +39,6 @@ HEADER_BYTES = _HEADER.size  # 34
 # megatron.core.datasets.indexed_dataset.DType: every dtype the format defines
 DTYPE_CODES: dict[int, type[np.number]] = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
                                             6: np.float64, 7: np.float32, 8: np.uint16}
-_SCAN_CHUNK = 1 << 24   # tokens per step of the max-id scan
 
 
 def is_megatron_index(path: str | os.PathLike) -> bool:
@@ -139,41 +138,25 @@ class MegatronIndexedDataset(IndexedDataset):
         self.doc_offsets = offsets
         self.tokens = (np.memmap(bpath, dtype=self.dtype, mode="r", shape=(num_tokens,)) if num_tokens
                        else np.zeros(0, dtype=self.dtype))
-        self._max_token_id: int | None = None
+        self.max_token_id: int | None = None   # the format records none: largest_token_id scans once
 
-    def max_token_id(self) -> int:
-        """Largest token id in the ``.bin`` (-1 when empty), see ``max_token_id``."""
-        if self._max_token_id is None:
-            self._max_token_id = _cached_max_token_id(self)
-        return self._max_token_id
+    def largest_token_id(self, progress: bool = True) -> int:
+        """Largest token id in the ``.bin`` (-1 when empty): one chunked scan, cached in ``PREFIX.cache/``."""
+        if self.max_token_id is None:
+            self.max_token_id = _cached_max_token_id(self, progress)
+        return self.max_token_id
 
     @property
     def vocab_size(self) -> int:
         """The smallest vocabulary that holds every token id of the data (the format stores none)."""
-        return self.max_token_id() + 1
+        return self.largest_token_id(progress=False) + 1
 
     def __repr__(self) -> str:
         return (f"MegatronIndexedDataset({self.prefix!r}, sequences={self.num_docs}, tokens={self.num_tokens}, "
                 f"dtype={np.dtype(self.dtype).name})")
 
 
-def scan_max_token_id(tokens: np.ndarray, chunk: int = _SCAN_CHUNK) -> int:
-    """max over ``tokens`` in chunks of ``chunk`` elements (memory bounded by one chunk); -1 when empty.
-    Float tokens (Megatron allows float32/64 ``.bin`` files) must hold integral non-negative ids."""
-    top = -1
-    for start in range(0, len(tokens), chunk):
-        part = np.asarray(tokens[start:start + chunk])
-        if part.dtype.kind == "f":
-            if not np.all(np.isfinite(part)) or np.any(part != np.floor(part)) or np.any(part < 0):
-                raise ValueError("token ids stored as floats must be non-negative integers")
-        elif part.size and int(part.min()) < 0:
-            raise ValueError(f"negative token id {int(part.min())} in the data")
-        if part.size:
-            top = max(top, int(part.max()))
-    return top
-
-
-def _cached_max_token_id(data: MegatronIndexedDataset) -> int:
+def _cached_max_token_id(data: MegatronIndexedDataset, progress: bool) -> int:
     ipath = idx_path(data.prefix)
     st = ipath.stat()
     key = {"idx_bytes": st.st_size, "idx_mtime_ns": st.st_mtime_ns, "bin_bytes": bin_path(data.prefix).stat().st_size}
@@ -184,7 +167,7 @@ def _cached_max_token_id(data: MegatronIndexedDataset) -> int:
             return int(saved["max_token_id"])
     except (OSError, ValueError, KeyError):
         pass
-    top = scan_max_token_id(data.tokens)
+    top = scan_max_token_id(data.tokens, progress=progress, desc=f"largest token id of {bin_path(data.prefix).name}")
     try:   # a read-only corpus directory only costs the scan next time
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")
@@ -193,3 +176,4 @@ def _cached_max_token_id(data: MegatronIndexedDataset) -> int:
     except OSError:
         pass
     return top
+

@@ -60,6 +60,7 @@ class DocumentRange(IndexedDataset):
         if not 0 <= start <= stop <= data.num_docs:
             raise ValueError(f"document range [{start}, {stop}) is outside [0, {data.num_docs}) of {data.prefix}")
         self.prefix, self.dtype, self.vocab_size = data.prefix, data.dtype, data.vocab_size
+        self.max_token_id = data.max_token_id   # the corpus's (an upper bound of the range's); None: scanned
         self.tokens = data.tokens
         self.doc_offsets = data.doc_offsets[start:stop + 1]
         self.start, self.stop, self.part = start, stop, part

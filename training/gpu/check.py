@@ -73,7 +73,8 @@ TEST_FILES = ("test_device_agnostic.py", "test_host_sync_cuda.py", "test_gemm_ba
               "test_cp_attention.py", "test_attention_sinks_cuda.py", "test_from_hf_cuda.py")
 COMPILE_TEST = "test_compile_cuda.py"
 # the tests and MoE-layer backends that an optional package, once importable, adds to what already ran
-RERUN_TESTS = {"torchao": ("test_fp8_cuda.py",), "transformer_engine": ("test_gemm_backends.py", "test_fp8_cuda.py"),
+RERUN_TESTS = {"torchao": ("test_fp8_cuda.py", "test_block_kernels_cuda.py"),
+               "transformer_engine": ("test_gemm_backends.py", "test_fp8_cuda.py"),
                "grouped_gemm": ("test_gemm_backends.py",), "deep_ep": ("test_deepep.py",)}
 RERUN_BACKENDS = {"transformer_engine": "te", "grouped_gemm": "grouped_gemm", "torchao": "grouped_mm"}
 

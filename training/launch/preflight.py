@@ -2,13 +2,16 @@
 trains for hours and then finds it cannot save, or starts ranks that fail on their first read.
 
 - ``--run-dir`` and ``--save`` can be created and written (a file is created and removed in each);
-- ``--save`` has room for a checkpoint (the estimate, from the model built on the meta device, is printed);
 - ``--load`` exists, and holds a checkpoint, unless it is also ``--save`` (the auto-resume pattern: an empty
   or missing directory then means "start from scratch");
-- every ``--data-path`` / ``--valid-data-path`` prefix opens (``.idx`` header, ``.bin`` size; moefold's or Megatron's
-  format), its vocabulary (a Megatron corpus: its largest token id) fits the model, it holds at least one
-  sample of ``--seq-length + 1`` tokens and, with ``--load-hf``, it was
-  tokenised with the model's own ``tokenizer.json``.
+- ``--save`` has room for ``--keep-last`` + 1 checkpoints (the estimate, from the tensors the trainer saves);
+- a ``--load`` resume keeps the model (any field) and the data order of the checkpoint it will take;
+- every ``--data-path`` / ``--valid-data-path`` prefix opens (``.idx`` header, ``.bin`` size; moefold's or
+  Megatron's format), its vocabulary and its largest token id (the ``.idx`` field, or a scan of older files and
+  of Megatron's, which record neither) fit the model, it holds at least one sample of ``--seq-length + 1``
+  tokens and, with ``--load-hf``, it was tokenised with the model's own ``tokenizer.json``; all corpora of a
+  blend were tokenised with one tokenizer (the files' hash; moefold's recorded vocabularies agree);
+- the optional packages a flag needs are installed (``--wandb-project``: wandb).
 
 Each failure is a ValueError with one line naming the flag, the path and what would be valid.
 """
@@ -21,32 +24,45 @@ from collections.abc import Callable
 from pathlib import Path
 
 from moefold.training.checkpoint.files import checkpoint_dirs, fmt_bytes, free_bytes, is_checkpoint_dir
+from moefold.training.checkpoint.identity import checkpoint_run_id
 from moefold.training.config import RunConfig
 
 
-def estimate_checkpoint_bytes(config: RunConfig) -> int:
-    """Bytes of one checkpoint: the model's state dict (parameters in the run's dtype, buffers) plus the
-    optimizer's state per parameter (exp_avg, exp_avg_sq, and the fp32 master of a bf16 model, in the dtypes
-    of ``--exp-avg-dtype`` etc.). Builds the model on the meta device (no memory)."""
+def estimate_checkpoint_bytes(config: RunConfig, world_size: int = 1) -> int:
+    """Bytes one checkpoint of ``config`` takes on disk, from the tensors the trainer saves (never less): the model's
+    state dict at its dtypes (parameters, buffers such as expert biases, MTP layers) plus each parameter's optimizer
+    state at its own dtype (exp_avg, exp_avg_sq, and the fp32 master of a parameter kept in another dtype), each a
+    DCP item with its framing and metadata (items counted for ``world_size`` ranks' shards), the RNG files and
+    meta.json (``training.checkpoint.sharded.checkpoint_bytes``). Builds the model on the meta device."""
     import dataclasses
 
     import torch
 
     from moefold.models.decoder import MoEDecoder
     from moefold.parallel.dims import ParallelDims
-    from moefold.training.observe.memory import state_parts
+    from moefold.training.checkpoint.sharded import checkpoint_bytes
+    from moefold.training.observe.memory import optimizer_state_parts
 
     options = config.options
-    if config.train.bf16 and options.dtype != "bf16":
-        options = dataclasses.replace(options, dtype="bf16")
+    dtype = "bf16" if config.train.bf16 else "fp16" if config.train.fp16 else options.dtype
+    if options.dtype != dtype:
+        options = dataclasses.replace(options, dtype=dtype)
     with torch.device("meta"):
         model = MoEDecoder(config.model, ParallelDims.single(), options)
-    state = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    _, _, optimizer_bytes = state_parts(options.dtype, config.train.optimizer_precision())
-    return state + optimizer_bytes * sum(p.numel() for p in model.parameters())
+    state = model.state_dict()
+    data = sum(t.numel() * t.element_size() for t in state.values())
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    precision = config.train.optimizer_precision()
+    items = len(state)
+    for p in model.parameters():
+        parts = [b for b in optimizer_state_parts(names.get(p.dtype, "fp32"), precision).values() if b]
+        data += p.numel() * sum(parts)
+        items += len(parts)
+    # a rank holds at most one piece of each tensor per dimension of it, usually one (an upper bound of the items)
+    return checkpoint_bytes(data, items * world_size, world_size)
 
 
-def _writable_dir(path: str, flag: str) -> None:
+def writable_dir(path: str, flag: str) -> None:
     p = Path(path)
     try:
         p.mkdir(parents=True, exist_ok=True)
@@ -64,7 +80,21 @@ def _same_dir(a: str, b: str | None) -> bool:
     return b is not None and os.path.realpath(a) == os.path.realpath(b)
 
 
+def refuse_megatron_load(load: str | None) -> None:
+    """``--load`` of a Megatron-LM checkpoint (its ``--save`` directory or one ``iter_N``/``release``): ValueError
+    pointing to ``--load-megatron``, which starts a fresh run from its weights (a resume continues moefold's own
+    checkpoints only: Megatron's carry neither moefold's optimizer shards nor its run id)."""
+    if not load or not Path(load).is_dir():
+        return
+    from moefold.models.megatron.convert import is_megatron_checkpoint
+
+    if is_megatron_checkpoint(load):
+        raise ValueError(f"--load {load} is a Megatron-LM checkpoint; start a new run from its weights with "
+                         f"--load-megatron {load} (--load resumes moefold's own checkpoints)")
+
+
 def _check_load(load: str, save: str | None) -> None:
+    refuse_megatron_load(load)
     p = Path(load)
     if _same_dir(load, save):
         return   # resume if there is a checkpoint, else start: the --save --load pair of every restart
@@ -84,7 +114,7 @@ def same_tokenizer(a: str | os.PathLike, b: str | os.PathLike) -> bool:
 
 
 def _check_data(config: RunConfig) -> str:
-    from moefold.training.data.corpus import max_token_id, open_indexed
+    from moefold.training.data.corpus import open_indexed
     from moefold.training.data.megatron_order import parse_blend
     from moefold.training.data.tokenizer import tokenizer_path
 
@@ -95,22 +125,25 @@ def _check_data(config: RunConfig) -> str:
     model_tok = Path(t.load_hf) / "tokenizer.json" if t.load_hf else None
     hint = f" (moefold prepare-data --tokenizer {model_tok})" if model_tok else ""
     corpora, tokens = 0, 0
+    tokenizers: list[tuple[str, str, Path]] = []
+    vocabs: list[tuple[str, str, int]] = []
     for flag, items in (("--data-path", t.data_path), ("--valid-data-path", t.valid_data_path)):
         for prefix in parse_blend(list(items))[0] if items else []:   # Megatron's syntax, weighted or not
             try:
                 data = open_indexed(prefix)
             except (OSError, ValueError) as exc:
                 raise ValueError(f"{flag} {prefix}: {exc}") from None
-            if getattr(data, "format", None) == "megatron":   # no vocabulary in the index: the largest id
-                top = max_token_id(data)
-                if top >= vocab:
-                    raise ValueError(f"{flag} {prefix} holds token id {top} ({prefix}.bin, a Megatron corpus) but "
-                                     f"the model has vocab_size={vocab}: pass --vocab-size {top + 1} or larger, or "
-                                     f"the tokenizer the data was prepared with{hint}")
-            elif data.vocab_size > vocab:
+            megatron = getattr(data, "format", None) == "megatron"   # records no vocabulary: its largest id
+            if not megatron and data.vocab_size > vocab:
                 raise ValueError(f"{flag} {prefix} was tokenised with a vocabulary of {data.vocab_size} ids "
                                  f"({prefix}.idx) but the model has vocab_size={vocab}: pass --vocab-size "
                                  f"{data.vocab_size} or prepare it with the model's tokenizer{hint}")
+            largest = data.largest_token_id(progress=True)
+            if largest >= vocab:
+                kind = ", a Megatron corpus" if megatron else ""
+                raise ValueError(f"{flag} {prefix} holds token id {largest} ({prefix}.bin{kind}), outside the "
+                                 f"model's vocab_size={vocab}: pass --vocab-size {largest + 1} or prepare the data "
+                                 f"with the model's tokenizer{hint}")
             if data.num_tokens < t.seq_length + 1:
                 raise ValueError(f"{flag} {prefix}: {data.num_tokens} tokens, but one sample needs --seq-length + 1 "
                                  f"= {t.seq_length + 1}")
@@ -120,23 +153,97 @@ def _check_data(config: RunConfig) -> str:
                 raise ValueError(f"{flag} {prefix} was tokenised with {data_tok}, not with the model's {model_tok}: "
                                  f"prepare it with moefold prepare-data --tokenizer {model_tok}")
             corpora, tokens = corpora + 1, tokens + data.num_tokens
+            tokenizers.append((flag, prefix, data_tok))
+            if megatron:
+                continue   # its vocab_size is its largest id + 1, which differs between corpora of one tokenizer
+            if vocabs and data.vocab_size != vocabs[0][2]:
+                raise ValueError(f"{flag} {prefix} was tokenised with a vocabulary of {data.vocab_size} ids, "
+                                 f"{vocabs[0][0]} {vocabs[0][1]} with {vocabs[0][2]}: another tokenizer; prepare every "
+                                 "corpus of a blend (and the validation data) with one tokenizer")
+            vocabs.append((flag, prefix, data.vocab_size))
+    _check_same_tokenizer(tokenizers)
     return f"data {corpora} corpus(es), {tokens} tokens, vocab fits {vocab}"
 
 
-def preflight(config: RunConfig, say: Callable[[str], None] = print) -> None:
-    """Run the checks of the module docstring; ValueError on the first failure, one summary line via ``say``."""
+def tokenizer_digest(path: Path) -> str:
+    """sha256 of a tokenizer file's bytes."""
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _check_same_tokenizer(corpora: list[tuple[str, str, Path]]) -> None:
+    """Every corpus of a blend (and the validation data) was tokenised with the same tokenizer: the files next
+    to them (``PREFIX.tokenizer.json``, written by ``prepare-data``) have the same hash, or, where the bytes
+    differ, define the same tokenizer. Corpora without a tokenizer file are not compared."""
+    known = [(flag, prefix, tok) for flag, prefix, tok in corpora if tok.is_file()]
+    if len(known) < 2:
+        return
+    flag0, prefix0, tok0 = known[0]
+    digest0 = tokenizer_digest(tok0)
+    for flag, prefix, tok in known[1:]:
+        if tokenizer_digest(tok) != digest0 and not same_tokenizer(tok0, tok):
+            raise ValueError(f"{flag} {prefix} was tokenised with {tok} (sha256 {tokenizer_digest(tok)[:12]}), "
+                             f"{flag0} {prefix0} with {tok0} (sha256 {digest0[:12]}): another tokenizer, so the same "
+                             "id means different text; prepare every corpus with one tokenizer (moefold prepare-data "
+                             f"--tokenizer {tok0})")
+
+
+def _check_resume_before_start(config: RunConfig, ckpt: Path) -> None:
+    """The model and data order of the checkpoint the resume will take (its meta.json) against this run's, and its
+    pickled files (``.metadata``, the RNG states) read the safe way."""
+    from moefold.training.checkpoint.files import verify_checkpoint
+    from moefold.training.checkpoint.resume import check_resume
+    from moefold.training.checkpoint.safe_load import load_tensors, read_dcp_metadata
+    from moefold.training.checkpoint.sharded import read_meta
+
+    try:
+        meta = read_meta(ckpt)
+    except (OSError, ValueError):
+        return   # damaged: the ranks fall back past it, and check the one they take
+    check_resume(meta, config, str(ckpt), log=lambda _m: None)
+    if verify_checkpoint(ckpt, None, checksums=False):
+        return   # damaged (the ranks say how, and fall back)
+    read_dcp_metadata(ckpt / ".metadata")   # a payload is refused here, in one line, before any rank starts
+    for rng in sorted((ckpt / "rng").glob("*.pt")):
+        load_tensors(rng)
+
+
+def _check_packages(config: RunConfig) -> None:
+    """Optional packages that the flags need."""
+    import importlib.util
+
+    if config.train.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ValueError(f"--wandb-project {config.train.wandb_project} needs the wandb package: pip install wandb "
+                         "(WANDB_MODE=offline logs without network), or drop --wandb-project")
+
+
+def preflight(config: RunConfig, say: Callable[[str], None] = print, world_size: int = 1,
+              resume_from: Path | None = None) -> None:
+    """Run the checks of the module docstring; ValueError on the first failure, one summary line via ``say``.
+    ``resume_from``: the checkpoint the resume will take (``training.launch.claim``), checked against this run."""
     t = config.train
-    _writable_dir(t.run_dir, "--run-dir")
+    _check_packages(config)
+    writable_dir(t.run_dir, "--run-dir")
     done = []
     if t.save:
-        _writable_dir(t.save, "--save")
-        need, free = estimate_checkpoint_bytes(config), free_bytes(t.save)
-        if free < need:
-            raise ValueError(f"--save {t.save}: {fmt_bytes(free)} free, but one checkpoint of this model needs about "
-                             f"{fmt_bytes(need)}; free some space or choose another --save")
-        done.append(f"checkpoints about {fmt_bytes(need)} each, {fmt_bytes(free)} free in {t.save}")
+        writable_dir(t.save, "--save")
+        one, free = estimate_checkpoint_bytes(config, world_size), free_bytes(t.save)
+        # this run's own checkpoints already there count as room: keep-last replaces them
+        mine = sum(f.stat().st_size for d in checkpoint_dirs(t.save) if checkpoint_run_id(d) == t.run_id
+                   for f in d.rglob("*") if f.is_file()) if t.run_id else 0
+        need = (t.keep_last + 1) * one
+        if free + mine < need:
+            have = f"{fmt_bytes(free)} free" + (f" + {fmt_bytes(mine)} of this run's checkpoints" if mine else "")
+            raise ValueError(f"--save {t.save}: {have}, but --keep-last {t.keep_last} + 1 checkpoints of this model "
+                             f"need about {t.keep_last + 1} x {fmt_bytes(one)} = {fmt_bytes(need)}; free some space, "
+                             "lower --keep-last or choose another --save")
+        done.append(f"checkpoints about {fmt_bytes(one)} each, room for --keep-last {t.keep_last} + 1: "
+                    f"{fmt_bytes(free)} free in {t.save}")
     if t.load:
         _check_load(t.load, t.save)
+        if resume_from is not None:
+            _check_resume_before_start(config, resume_from)
     if t.data_path or t.valid_data_path or t.load_hf:
         done.append(_check_data(config))
     say("pre-flight: " + ("; ".join(done) if done else "ok"))

@@ -20,8 +20,11 @@ raises they are dropped without that collective, which a failed peer would never
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -54,16 +57,18 @@ def pick_device(device: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def run_rank(fn: Callable[..., Any], device: torch.device, args: tuple, heartbeat: Heartbeat | None) -> None:
-    """``fn(device, *args, heartbeat=...)``, then this process's DeepEP buffers released (module docstring)."""
+def run_rank(fn: Callable[..., Any], device: torch.device, args: tuple, heartbeat: Heartbeat | None) -> Any:
+    """``fn(device, *args, heartbeat=...)`` (its result), then this process's DeepEP buffers released (module
+    docstring)."""
     from moefold.dispatch.flex_backend import destroy_deepep_buffers, forget_deepep_buffers
 
     try:
-        fn(device, *args, heartbeat=heartbeat)
+        result = fn(device, *args, heartbeat=heartbeat)
     except BaseException:
         forget_deepep_buffers()
         raise
     destroy_deepep_buffers()
+    return result
 
 
 def heartbeat_interval(timeout_s: float) -> float:
@@ -90,7 +95,11 @@ def _spawned(local_rank: int, fn: Callable[..., Any], nproc: int, workdir: str, 
         store = dist.FileStore(str(work / "store"), nproc)
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=store, rank=local_rank,
                                 world_size=nproc, timeout=timedelta(seconds=timeout_s))
-        run_rank(fn, dev, args, heartbeat)
+        result = run_rank(fn, dev, args, heartbeat)
+        if local_rank == 0:   # the launcher returns rank 0's result (JSON)
+            tmp = work / "result.0.tmp"
+            tmp.write_text(json.dumps(result))
+            os.replace(tmp, work / "result.0")
     except BaseException as exc:  # reported to the launcher, which prints one line for the job
         write_failure(work / f"error.{local_rank}", failure_of(exc, local_rank))
         sys.exit(1)
@@ -101,8 +110,6 @@ def _spawned(local_rank: int, fn: Callable[..., Any], nproc: int, workdir: str, 
 
 
 def _signal_name(code: int) -> str:
-    import signal
-
     try:
         return signal.Signals(-code).name
     except ValueError:
@@ -173,22 +180,87 @@ def _kill_all(procs: list) -> None:
         p.join(timeout=10)
 
 
+LAUNCH_PREFIX = "moefold-launch-"
+OWNER = "launcher.pid"
+
+
+def remove_stale_launch_dirs(root: str | None = None) -> list[Path]:
+    """Remove the temporary directories of launchers that are gone (a kill -9 leaves its directory: no handler
+    runs): those whose ``launcher.pid`` names no running process. A directory without that file (being
+    created, or another moefold's) is left alone. Returns what it removed."""
+    removed = []
+    for d in Path(root or tempfile.gettempdir()).glob(f"{LAUNCH_PREFIX}*"):
+        try:
+            pid = int((d / OWNER).read_text())
+        except (OSError, ValueError):
+            continue
+        try:
+            os.kill(pid, 0)
+            continue   # its launcher runs
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue   # another user's process
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
+
+
+class _Forward:
+    """The launcher's handlers while its ranks run: the first ``stop_signals`` signal is passed on to the ranks
+    (which stop after their current step and save, ``training.launch.signals``); a second Ctrl-C, and SIGHUP or a
+    signal the run does not stop on, end the launcher at once (its ranks die with it, its directory is
+    removed on the way out)."""
+
+    def __init__(self, procs: list, stop_signals: tuple[int, ...]) -> None:
+        self.procs, self.stop_signals, self.forwarded = procs, stop_signals, 0
+        handled = set(stop_signals) | {signal.SIGTERM, signal.SIGHUP}
+        self._previous = {s: signal.signal(s, self._handle) for s in handled}
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        if signum in self.stop_signals and not self.forwarded:
+            self.forwarded = signum
+            for proc in self.procs:
+                if proc.is_alive():
+                    os.kill(proc.pid, signum)
+            name = _signal_name(-signum)
+            os.write(2, f"\nmoefold train: {name}: the ranks stop after their current step and save"
+                        f"{'; Ctrl-C again to stop at once, without saving' if signum == signal.SIGINT else ''}\n"
+                        .encode())
+            return
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        if signum in self.stop_signals:   # a repeat: the ranks are already stopping
+            return
+        raise SystemExit(128 + signum)
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
 def run_ranks(fn: Callable[..., Any], nproc: int, device: str = "auto", timeout_s: float = 600.0,
               args: tuple = (), *, run_dir: str | os.PathLike | None = None, heartbeat_timeout_s: float = 300.0,
-              say: Callable[[str], None] = print) -> None:
+              say: Callable[[str], None] = print, stop_signals: tuple[int, ...] = ()) -> Any:
     """Run ``fn(device, *args, heartbeat=...)`` on every rank of the world chosen as the module docstring says
     (``heartbeat``: a ``training.launch.watchdog.Heartbeat`` whose ``beat(step)`` the rank calls after each step
-    when spawned, else None).
+    when spawned, else None) and return rank 0's result (under torchrun: this rank's). Spawned ranks return it
+    as JSON.
 
     ``fn`` must be importable by name (spawned processes unpickle it). A failure raises ``JobFailed`` (its
     tracebacks appended to ``run_dir/error.log``); KeyboardInterrupt ends the spawned ranks and propagates.
+    ``stop_signals`` (spawned ranks): the signals this launcher passes on to its ranks, which stop cleanly on
+    them; its temporary directory is removed on every exit that runs a handler (and, after a kill -9, by the
+    next launcher: ``remove_stale_launch_dirs``).
     """
     if launched_by_torchrun():
         rank = int(os.environ.get("RANK", "0"))
         try:
             dev = pick_device(device, int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
-            run_rank(fn, dev, args, None)
+            if not dist.is_initialized():
+                dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
+                                        timeout=timedelta(seconds=timeout_s))
+            return run_rank(fn, dev, args, None)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:   # each rank reports its own (torchrun names the first one to fail)
@@ -197,28 +269,32 @@ def run_ranks(fn: Callable[..., Any], nproc: int, device: str = "auto", timeout_
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
-        return
     if nproc <= 1:
         try:
-            run_rank(fn, pick_device(device, 0), args, None)
+            return run_rank(fn, pick_device(device, 0), args, None)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:   # e.g. torch.distributed.checkpoint's CheckpointException
             failure = failure_of(exc, None)
             raise JobFailed(failure, append_error_log(run_dir, [failure])) from exc
-        return
-    with tempfile.TemporaryDirectory(prefix="moefold-launch-") as tmp:
+    remove_stale_launch_dirs()
+    with tempfile.TemporaryDirectory(prefix=LAUNCH_PREFIX) as tmp:
+        Path(tmp, OWNER).write_text(str(os.getpid()))
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=_spawned, name=f"moefold-rank{r}", daemon=False,
                              args=(r, fn, nproc, tmp, device, timeout_s, heartbeat_timeout_s, os.getpid(), args))
                  for r in range(nproc)]
+        forward = _Forward(procs, stop_signals)
         try:
             for p in procs:
                 p.start()
             say(f"launched {nproc} ranks (pids {', '.join(str(p.pid) for p in procs)})")
             outcome = _supervise(Path(tmp), procs, heartbeat_timeout_s, poll_s=min(0.5, heartbeat_timeout_s / 10))
         finally:
+            forward.restore()
             _kill_all(procs)
         if outcome is not None:
             first, failures, notes = outcome
             raise JobFailed(first, append_error_log(run_dir, failures, notes))
+        result = Path(tmp, "result.0")
+        return json.loads(result.read_text()) if result.is_file() else None

@@ -1,16 +1,19 @@
 """What a run measures and reports: the metrics line and metrics.jsonl, hardware counters and MFU, memory
-(static bytes, peaks), FLOPs, host syncs, the load-balance report and the FP8 summary.
+(static bytes, peaks), FLOPs, host syncs, routing imbalance against the plan, the load-balance report and the FP8
+summary.
 
-Holds: metrics, hardware, memory, flops, host_sync, balance_report, fp8_report.
+Holds: metrics, hardware, memory, flops, host_sync, imbalance, balance_report, fp8_report.
 May import: moefold.models, moefold.moe, moefold.dense, moefold.parallel; training.optim (precision).
 """
 
 from moefold.training.observe.flops import forward_flops_per_token, train_flops_per_token
 from moefold.training.observe.host_sync import HostSyncCounter
+from moefold.training.observe.imbalance import LoadRatioWatch, micro_batch_load_ratio
 from moefold.training.observe.memory import TensorMemoryTracker, measure_peak, static_bytes
 from moefold.training.observe.metrics import METRICS_FILE, MetricsLogger, read_metrics
 
 __all__ = [
     "MetricsLogger", "read_metrics", "METRICS_FILE", "forward_flops_per_token", "train_flops_per_token",
-    "HostSyncCounter", "TensorMemoryTracker", "measure_peak", "static_bytes",
+    "HostSyncCounter", "TensorMemoryTracker", "measure_peak", "static_bytes", "LoadRatioWatch",
+    "micro_batch_load_ratio",
 ]

@@ -32,6 +32,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from moefold.dense.activation_offload import is_host_allocation
 from moefold.training.optim.precision import OptimizerPrecision
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -39,12 +40,12 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 # ----------------------------------------------------------------------------------------- counted
 def static_bytes(sync: Any, optimizer: Any) -> dict[str, int]:
-    """{"params", "grads", "optimizer", "master", "exp_avg", "exp_avg_sq"}: bytes this rank holds in ``sync``'s
-    buffers (``GradSync``) and ``optimizer``'s state (``DistributedAdamW``)."""
-    out = {"params": sum(g.param_data.nbytes for g in sync.groups),
-           "grads": sum(g.grad_data.nbytes for g in sync.groups)}
+    """{"params", "grads", "optimizer", "master", "exp_avg", "exp_avg_sq", "host_optimizer"}: bytes this rank
+    holds on its device in ``sync``'s buffers (``GradSync``) and ``optimizer``'s state (``DistributedAdamW``),
+    and in host memory for the optimizer offload (``host_optimizer``: masters, moments and gradient copies)."""
     states = optimizer.state_breakdown()
-    return {**out, "optimizer": sum(states.values()), **states}
+    return {"params": sync.param_bytes(), "grads": sync.grad_bytes(), "optimizer": sum(states.values()), **states,
+            "host_optimizer": optimizer.host_bytes()}
 
 
 def bytes_per_parameter(param_dtype: str, precision: OptimizerPrecision, shards: int) -> float:
@@ -80,8 +81,9 @@ def describe_static(sync: Any, optimizer: Any, param_dtype: str, precision: Opti
         value, grad, state = state_parts(dtype, precision)
         label = g.kind if dtype == param_dtype else f"{g.kind} ({dtype})"
         per_group[label] = f"{bytes_per_parameter(dtype, precision, g.size):g} = {value} + {grad} + {state}/{g.size}"
+    host = f"; optimizer offload: {mib(b['host_optimizer'])} in host memory" if b["host_optimizer"] else ""
     return (f"memory: params {mib(b['params'])}, main grads {mib(b['grads'])}, optimizer {mib(b['optimizer'])} "
-            f"({states}); bytes per parameter ({param_dtype} params, {precision.main_grads_dtype} main grads, "
+            f"({states}{host}); bytes per parameter ({param_dtype} params, {precision.main_grads_dtype} main grads, "
             f"{precision.exp_avg_dtype}/{precision.exp_avg_sq_dtype} moments; value + grad + states/shards): "
             + ", ".join(f"{k} {v}" for k, v in per_group.items()))
 
@@ -90,13 +92,18 @@ def describe_static(sync: Any, optimizer: Any, param_dtype: str, precision: Opti
 class TensorMemoryTracker(TorchDispatchMode):
     """Live and peak bytes of the tensor storages on ``device_type`` that operators create while active
     (storages that existed before are not counted, even when written in place); ``largest``: the largest of
-    those storages. See the module docstring."""
+    those storages. See the module docstring.
+
+    Activation offloading's host copies (``dense.activation_offload.host_allocation``) are counted apart:
+    ``offloaded`` / ``offloaded_peak`` (on the CPU they are CPU tensors too, but not the device's memory)."""
 
     def __init__(self, device_type: str = "cpu") -> None:
         super().__init__()
         self.device_type = device_type
         self.live: dict[int, int] = {}
+        self.host: set[int] = set()
         self.current = self.peak = self.largest = 0
+        self.offloaded = self.offloaded_peak = 0
         self._resize = None
 
     def __enter__(self) -> TensorMemoryTracker:
@@ -119,14 +126,17 @@ class TensorMemoryTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
+        host = is_host_allocation()
         for t in tree_leaves(out):
-            if isinstance(t, Tensor) and t.device.type == self.device_type:
+            if isinstance(t, Tensor) and (t.device.type == self.device_type or (host and t.device.type == "cpu")):
                 storage = t.untyped_storage()
                 key = id(storage)
                 if key in self.live:
                     self._update(storage)
                 elif key not in inputs:   # a new allocation (views and in-place results share an input's)
                     self.live[key] = 0
+                    if host:
+                        self.host.add(key)
                     weakref.finalize(storage, self._freed, key)
                     self._update(storage)
         return out
@@ -135,13 +145,23 @@ class TensorMemoryTracker(TorchDispatchMode):
         key = id(storage)
         if key in self.live:
             n = storage.nbytes()
-            self.current += n - self.live[key]
+            change = n - self.live[key]
             self.live[key] = n
+            if key in self.host:
+                self.offloaded += change
+                self.offloaded_peak = max(self.offloaded_peak, self.offloaded)
+                return
+            self.current += change
             self.peak = max(self.peak, self.current)
             self.largest = max(self.largest, n)
 
     def _freed(self, key: int) -> None:
-        self.current -= self.live.pop(key, 0)
+        n = self.live.pop(key, 0)
+        if key in self.host:
+            self.host.discard(key)
+            self.offloaded -= n
+        else:
+            self.current -= n
 
     def reset_peak(self) -> None:
         self.peak = self.current

@@ -31,6 +31,8 @@ A step record per logging step (``null``: not measured, or not finite)::
         "dropped_fraction": [float, ...],  # [moe layer]: dropped copies / routed copies (capacity)
         "max_over_mean": [float|null, ...],  # [moe layer]: max / mean of tokens_per_expert
         "worst_layer": int|null,     # layer number with the largest max_over_mean
+        "micro_max_over_mean": float,     # with --moe-max-load-ratio: the worst micro-batch's max/mean over its
+        "planned_max_over_mean": float,   #   dispatch group since the previous record, and the planned ratio
         "router": {                  # per layer, means over the steps since the previous record
             "<loss name>": [float, ...],  # each enabled router loss, unweighted (aux_loss, seq_aux_loss,
                                      #   global_aux_loss, z_loss): the micro-batch value, as in loss_aux
@@ -236,8 +238,10 @@ def format_line(rec: Mapping[str, Any], total_steps: int | None = None, num_laye
     if moe and moe.get("worst_layer") is not None:
         i = moe["layers"].index(moe["worst_layer"])
         dropped = max(moe["dropped_fraction"] or [0.0])
+        planned = (f", micro-batch {moe['micro_max_over_mean']:.2f} (plan {moe['planned_max_over_mean']:g})"
+                   if "planned_max_over_mean" in moe else "")
         parts.append(f"load max/mean {moe['max_over_mean'][i]:.2f} ({layer_label(moe['worst_layer'], num_layers)})"
-                     + (f", dropped {100 * dropped:.1f}%" if dropped > 0 else ""))
+                     + planned + (f", dropped {100 * dropped:.1f}%" if dropped > 0 else ""))
     if rec.get("skipped"):
         parts.append("SKIPPED (non-finite loss or grad norm)")
     return " | ".join(parts)
@@ -351,14 +355,17 @@ class MetricsLogger:
             dropped_fraction: Sequence[float] | None = None, moe_layers: Sequence[int] | None = None,
             skipped: bool = False, extra: Mapping[str, Any] | None = None,
             router: Mapping[str, Sequence[float | None]] | None = None,
-            received_per_expert: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
+            received_per_expert: Sequence[Sequence[int]] | None = None,
+            load_ratio: tuple[float, float] | None = None) -> dict[str, Any]:
         """Record one logging step; returns the record. ``interval_s`` defaults to the wall time since the
         previous ``log()`` (or construction); ``tokens`` and ``tokens_per_expert`` cover that interval.
         Values may be Python numbers or 0-d tensors; ``tokens_per_expert`` nested lists or a [layers, experts]
         tensor (already summed over the ranks that route); ``router`` per-layer router metrics
         (``router_layer_metrics``), in the order of ``moe_layers``; ``received_per_expert`` the copies each
         expert received as its dispatcher counted them (after capacity drops; DeepEP V2's), like
-        ``tokens_per_expert``: logged with its own max/mean (``moe_received_max_over_mean``)."""
+        ``tokens_per_expert``: logged with its own max/mean (``moe_received_max_over_mean``); ``load_ratio``: (the
+        worst micro-batch's expert-load max/mean since the previous record, the planned one:
+        ``training.observe.imbalance``)."""
         now = time.perf_counter()
         interval = float(interval_s) if interval_s is not None else now - self._last_time
         self._last_time = now
@@ -374,7 +381,8 @@ class MetricsLogger:
             "tflops_per_s": tflops,
             "mfu": tflops * 1e12 / self.peak_flops_per_s if tflops and self.peak_flops_per_s else None,
             "memory": self._memory(), "skipped": bool(skipped),
-            "moe": self._moe(tokens_per_expert, dropped_fraction, moe_layers, router, received_per_expert),
+            "moe": self._moe(tokens_per_expert, dropped_fraction, moe_layers, router, received_per_expert,
+                             load_ratio),
             "extra": _json_safe(dict(extra or {})),
         }
         self._write(rec)
@@ -404,7 +412,8 @@ class MetricsLogger:
         return memory_stats(self.device)
 
     @staticmethod
-    def _moe(tokens_per_expert, dropped_fraction, moe_layers, router=None, received=None) -> dict[str, Any] | None:
+    def _moe(tokens_per_expert, dropped_fraction, moe_layers, router=None, received=None,
+             load_ratio=None) -> dict[str, Any] | None:
         if tokens_per_expert is None:
             return None
         counts = [[int(c) for c in layer] for layer in tokens_per_expert]
@@ -430,6 +439,8 @@ class MetricsLogger:
                 raise ValueError(f"received_per_expert has {len(received)} layers, expected {len(layers)}")
             out["received_per_expert"] = received
             out["received_max_over_mean"] = load_balance(received)
+        if load_ratio is not None:
+            out["micro_max_over_mean"], out["planned_max_over_mean"] = float(load_ratio[0]), float(load_ratio[1])
         return out
 
     @staticmethod

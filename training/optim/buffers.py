@@ -7,9 +7,12 @@ Every trainable parameter belongs to one *reduction kind* (``reduction_kind``):
               gradient (sequence parallelism, or tokens split over tp), reduced over ``tp x cp x dp``;
 - ``dense``   (everything else): reduced over ``dp x cp``.
 
-Parameters of one kind and dtype share one ``FlatGroup``. A parameter that two pipeline stages hold (the
-embedding, with MTP or tied weights: ``moefold_pipeline_copies``) gets a group of its own, so its layout,
-and hence the shard each rank owns, is the same on both stages (``copies_group`` sums them).
+Parameters of one kind and dtype share one ``FlatGroup``; FP8 primary weights (``--fp8-param-gather``,
+``parallel.fp8_param``) get groups of their own, whose buckets are all-gathered as FP8
+(``training.optim.fp8_param_gather``). A module that several pipeline stages hold (the
+embedding with MTP or tied weights, an untied output head that a standalone MTP stage reads:
+``moefold_pipeline_copies``) gets a group of its own, so its layout, and hence the shard each rank owns, is the
+same on every holding stage (its group in ``copies_groups`` sums them).
 
 Layout of a group of ``n`` ranks (``n = 1``: no collective anywhere)::
 
@@ -26,7 +29,7 @@ Layout of a group of ``n`` ranks (``n = 1``: no collective anywhere)::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -87,7 +90,7 @@ class Bucket:
 class FlatGroup:
     """The parameters of one reduction kind (and dtype) in one pair of flat buffers (module docstring).
 
-    ``group``: the reduction group; ``copies_group``: the pipeline stage holding the other copy of these
+    ``group``: the reduction group; ``copies_group``: the pipeline stages holding the other copies of these
     parameters (None unless shared across stages). ``offsets[i]``: where ``params[i]`` starts.
     """
 
@@ -101,6 +104,7 @@ class FlatGroup:
     param_data: Tensor
     grad_data: Tensor
     bucket_of: list[int] = field(default_factory=list)
+    fp8: bool = False   # FP8 primary weights: gathered as e4m3 (training.optim.fp8_param_gather)
 
     @property
     def size(self) -> int:
@@ -127,25 +131,30 @@ class FlatGroup:
 
 
 def build_flat_groups(named_params: Iterable[tuple[str, nn.Parameter]], dims: ParallelDims, *,
-                      bucket_numel: int, grad_dtype: torch.dtype, copies_group: Group = None) -> list[FlatGroup]:
+                      bucket_numel: int, grad_dtype: torch.dtype,
+                      copies_groups: Mapping[str, Group] | None = None) -> list[FlatGroup]:
     """Lay out every parameter that requires grad (see the module docstring); afterwards ``param.data``
-    and ``param.main_grad`` are views into the groups' buffers (values unchanged, gradients zero)."""
+    and ``param.main_grad`` are views into the groups' buffers (values unchanged, gradients zero).
+    ``copies_groups``: {top-level module name: the pipeline group summing its copies}."""
     if bucket_numel < 1:
         raise ValueError(f"bucket_numel={bucket_numel} must be >= 1")
-    by_key: dict[tuple[str, bool, torch.dtype], list[tuple[str, nn.Parameter]]] = {}
+    copies_groups = dict(copies_groups or {})
+    by_key: dict[tuple[str, str, torch.dtype, bool], list[tuple[str, nn.Parameter]]] = {}
     for name, p in named_params:
         if p.requires_grad:
-            shared = getattr(p, "moefold_pipeline_copies", 1) > 1 and copies_group is not None
-            by_key.setdefault((reduction_kind(p), shared, p.dtype), []).append((name, p))
-    keys = sorted(by_key, key=lambda k: (KINDS.index(k[0]), k[1], str(k[2])))
+            module = name.split(".", 1)[0]
+            shared = module if getattr(p, "moefold_pipeline_copies", 1) > 1 and module in copies_groups else ""
+            fp8 = getattr(p, "moefold_fp8_param", None) is not None
+            by_key.setdefault((reduction_kind(p), shared, p.dtype, fp8), []).append((name, p))
+    keys = sorted(by_key, key=lambda k: (KINDS.index(k[0]), k[1], str(k[2]), k[3]))
     # reversed registration order ~ the order in which backward produces the gradients
-    return [_layout(kind, list(reversed(by_key[(kind, shared, dtype)])), kind_group(kind, dims),
-                    copies_group if shared else None, bucket_numel, grad_dtype)
-            for kind, shared, dtype in keys]
+    return [_layout(kind, list(reversed(by_key[(kind, shared, dtype, fp8)])), kind_group(kind, dims),
+                    copies_groups[shared] if shared else None, bucket_numel, grad_dtype, fp8)
+            for kind, shared, dtype, fp8 in keys]
 
 
 def _layout(kind: str, items: list[tuple[str, nn.Parameter]], group: Group, copies_group: Group,
-            bucket_numel: int, grad_dtype: torch.dtype) -> FlatGroup:
+            bucket_numel: int, grad_dtype: torch.dtype, fp8: bool = False) -> FlatGroup:
     n = group_size(group)
     offsets, buckets, bucket_of = [], [], []
     cursor = start = 0
@@ -170,4 +179,4 @@ def _layout(kind: str, items: list[tuple[str, nn.Parameter]], group: Group, copi
         p.main_grad = grad_data[off:off + p.numel()].view(p.shape)
     return FlatGroup(kind=kind, group=group, copies_group=copies_group, names=[nm for nm, _ in items],
                      params=[p for _, p in items], offsets=offsets, buckets=buckets, param_data=param_data,
-                     grad_data=grad_data, bucket_of=bucket_of)
+                     grad_data=grad_data, bucket_of=bucket_of, fp8=fp8)

@@ -49,20 +49,23 @@ class GradSync:
         sync.finish()                # this rank's chunk of each bucket holds the step's gradient
 
     Collective: the reduce-scatters over each kind's group (from the hooks of the last micro-batch and in
-    ``finish()``), the all-reduce of pipeline-shared chunks over ``copies_group``, ``gathered_grads()``.
+    ``finish()``), the all-reduce of pipeline-shared chunks over their ``copies_groups``, ``gathered_grads()``.
     """
 
     def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], dims: ParallelDims, *,
                  bucket_numel: int = 2**22, overlap: bool = True, grad_dtype: torch.dtype = torch.float32,
-                 copies_group: Group = None, reports: Mapping[str, int] | None = None) -> None:
+                 copies_groups: Mapping[str, Group] | None = None, reports: Mapping[str, int] | None = None,
+                 ) -> None:
         """``reports``: {name: gradient reports per micro-batch} of the parameters whose gradient is accumulated more
         than once per micro-batch (used by two pipeline chunks of this rank, each backpropagated on its own: the
-        embedding on the V placement's rank 0 with MTP or a tied head); every other parameter reports once."""
+        embedding on the V placement's rank 0 with MTP or a tied head); every other parameter reports once.
+        ``copies_groups``: {module name: the pipeline group summing the copies of that module} (the trainer's
+        ``pipeline.shared_weight_groups``)."""
         self.dims, self.overlap, self.grad_dtype = dims, overlap, grad_dtype
         self.reports = dict(reports or {})
         self.average = gradient_average(dims)
         self.groups: list[FlatGroup] = build_flat_groups(named_params, dims, bucket_numel=bucket_numel,
-                                                         grad_dtype=grad_dtype, copies_group=copies_group)
+                                                         grad_dtype=grad_dtype, copies_groups=copies_groups)
         self._armed = False
         self._handles = []
         for g in self.groups:
@@ -133,6 +136,14 @@ class GradSync:
     def launched_early(self) -> int:
         """Buckets whose reduction started during backward in the current step (before ``finish``)."""
         return sum(b.grad_work is not None for g in self.groups for b in g.buckets)
+
+    def param_bytes(self) -> int:
+        """Bytes of this rank's flat parameter buffers."""
+        return sum(g.param_data.nbytes for g in self.groups)
+
+    def grad_bytes(self) -> int:
+        """Bytes of this rank's flat main-gradient buffers."""
+        return sum(g.grad_data.nbytes for g in self.groups)
 
     def owned_grads(self) -> list[Tensor]:
         """This rank's chunk of every bucket's gradient (views)."""

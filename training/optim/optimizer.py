@@ -35,6 +35,7 @@ from moefold.parallel.dims import ParallelDims
 from moefold.parallel.sharding import shards_of
 from moefold.training.optim.buffers import Bucket, FlatGroup
 from moefold.training.optim.grad_sync import GradSync
+from moefold.training.optim.offload import HostOptimizer, host_device, offloaded_buckets
 from moefold.training.optim.param_sync import ParamSync
 from moefold.training.optim.precision import OptimizerPrecision
 from moefold.training.optim.state_shards import ShardPieces
@@ -88,17 +89,29 @@ def _adamw(groups: list[dict], betas: tuple[float, float], eps: float) -> torch.
 
 
 class _Slice:
-    """This rank's chunk of one bucket: master values, moments and gradient views, stepped by an ``_Update``."""
+    """This rank's chunk of one bucket: master values, moments and gradient views, stepped by an ``_Update``.
+    ``offloaded``: master, moments and a copy of the gradient live in host memory (``training.optim.offload``;
+    on the CPU separate buffers all the same); ``device_grad`` is the gradient on the parameters' device (the norm
+    reads it)."""
 
     def __init__(self, g: FlatGroup, b: Bucket, dims: ParallelDims, precision: OptimizerPrecision,
-                 weight_decay: float, decay_fn: Callable[[str, Tensor], bool]) -> None:
+                 weight_decay: float, decay_fn: Callable[[str, Tensor], bool], offloaded: bool = False) -> None:
         lo, hi = g.owned(b)
+        self.bucket = b
         self.param, self.grad = g.param_data[lo:hi], g.grad_data[lo:hi]
+        self.device_grad = self.grad
         master_dtype = precision.dtype("main_params")
-        self.separate_master = self.param.dtype != master_dtype
-        self.master = self.param.to(master_dtype, copy=True) if self.separate_master else self.param
-        self.exp_avg = torch.zeros(hi - lo, dtype=precision.dtype("exp_avg"), device=self.param.device)
-        self.exp_avg_sq = torch.zeros(hi - lo, dtype=precision.dtype("exp_avg_sq"), device=self.param.device)
+        device = host_device(self.param.device) if offloaded else self.param.device
+        self.offloaded = offloaded
+        if offloaded:
+            self.grad = torch.empty(hi - lo, dtype=self.grad.dtype, device=device,
+                                    pin_memory=self.param.device.type == "cuda")
+        # FP8 primary weights hold FP8 values after each gather: their fp32 master must be a copy of its own
+        self.separate_master = self.param.dtype != master_dtype or self.offloaded or g.fp8
+        self.master = (torch.empty(hi - lo, dtype=master_dtype, device=device).copy_(self.param)
+                       if self.separate_master else self.param)
+        self.exp_avg = torch.zeros(hi - lo, dtype=precision.dtype("exp_avg"), device=device)
+        self.exp_avg_sq = torch.zeros(hi - lo, dtype=precision.dtype("exp_avg_sq"), device=device)
         self.widen_grad = self.grad.dtype != master_dtype
         self.widen_moments = (self.exp_avg.dtype, self.exp_avg_sq.dtype) != (master_dtype, master_dtype)
         self.pieces = [_Piece(g.names[i], g.params[i], a, z, g.offsets[i] + a - lo,
@@ -142,7 +155,7 @@ class _Slice:
         if self.widen_grad:
             for m in self.masters:
                 m.grad = None
-        if self.separate_master:
+        if self.separate_master and not self.offloaded:   # offloaded: HostOptimizer copies on a side stream
             self.param.copy_(self.master)
 
     def _point_states(self, exp_avg: Tensor, exp_avg_sq: Tensor) -> None:
@@ -154,9 +167,15 @@ class _Slice:
         for m in self.masters:
             self.opt.state[m]["step"].fill_(float(step))
 
+    @property
+    def saves_master(self) -> bool:
+        """A master that differs from the parameter in dtype (checkpoints keep it as ``optim.<param>.master``; an
+        offloaded fp32 master is the parameter's own value and is not saved twice)."""
+        return self.master.dtype != self.param.dtype
+
     def state_tensors(self) -> dict[str, Tensor]:
         out = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
-        if self.separate_master:
+        if self.saves_master:
             out["master"] = self.master
         return out
 
@@ -191,13 +210,15 @@ class DistributedAdamW:
     Args mirror ``torch.optim.AdamW``. ``step(lr, clip_coef)`` uses the gradients left by
     ``sync.finish()``. ``model`` and ``overlap_param_gather``: the parameter all-gather waits in the
     model's forward pre-hooks instead of at the end of ``step`` (``training.optim.param_sync``).
+    ``cpu_offload_fraction``: keep that share of this rank's states in host memory and update it on the CPU
+    (``training.optim.offload``; needs ``model``, whose forward waits for those parameters); None: none.
     Collective: ``grad_norm()`` (world all-reduce), ``step()`` (the parameter all-gathers), ``loaded()``.
     """
 
     def __init__(self, sync: GradSync, dims: ParallelDims, *, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, weight_decay: float = 0.0, precision: OptimizerPrecision | None = None,
                  decay_fn: Callable[[str, Tensor], bool] = decays, model: nn.Module | None = None,
-                 overlap_param_gather: bool = False) -> None:
+                 overlap_param_gather: bool = False, cpu_offload_fraction: float | None = None) -> None:
         if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"betas={betas} must lie in [0, 1)")
         if not eps > 0:
@@ -210,16 +231,29 @@ class DistributedAdamW:
                              f"{precision.main_grads_dtype!r}")
         self.sync, self.dims, self.precision = sync, dims, precision
         self.step_count = 0
-        self.slices = [_Slice(g, b, dims, precision, weight_decay, decay_fn) for g in sync.groups for b in g.buckets]
-        # one AdamW for everything; bucket by bucket where bf16 states or gradients are widened to fp32 for the
-        # update, so that the fp32 copies exist for one bucket at a time
-        widening = any(s.widen_grad or s.widen_moments for s in self.slices)
-        self.updates = [_Update(part, betas, eps, weight_decay)
-                        for part in ([[s] for s in self.slices] if widening else [self.slices])]
-        self.param_sync = ParamSync(sync.groups, model, overlap=overlap_param_gather)
-        pieces = [(s, p) for s in self.slices for p in s.pieces]
-        self._norm_grads = [p.of(s.grad) for s, p in pieces]
         device = sync.groups[0].grad_data.device if sync.groups else torch.device("cpu")
+        host = set() if cpu_offload_fraction is None else offloaded_buckets(sync.groups, cpu_offload_fraction)
+        self.slices = [_Slice(g, b, dims, precision, weight_decay, decay_fn, offloaded=id(b) in host)
+                       for g in sync.groups for b in g.buckets]
+        # one AdamW for the device's slices and one for the host's; bucket by bucket where bf16 states or
+        # gradients are widened to fp32 for the update, so that the fp32 copies exist for one bucket at a time
+        widening = any(s.widen_grad or s.widen_moments for s in self.slices)
+        parts = {False: [s for s in self.slices if not s.offloaded], True: [s for s in self.slices if s.offloaded]}
+        updates = {k: [_Update(part, betas, eps, weight_decay) for part in ([[s] for s in v] if widening else [v])]
+                   for k, v in parts.items()}
+        self.updates = updates[False]
+        self.host = HostOptimizer(parts[True], updates[True] if parts[True] else [], [s.bucket for s in parts[True]],
+                                  device)
+        if parts[True] and model is None:
+            raise ValueError("DistributedAdamW(cpu_offload_fraction=...) needs the model: its forward waits for the "
+                             "parameters the CPU updates")
+        self.param_sync = ParamSync(sync.groups, model, overlap=overlap_param_gather,
+                                    deferred={id(s.bucket) for s in parts[True]}, wait_deferred=self.host.wait)
+        pieces = [(s, p) for s in self.slices for p in s.pieces]
+        # FP8 buckets quantise the fp32 master chunk (the parameters' chunk when they are their own master)
+        owners = [(g, b) for g in sync.groups for b in g.buckets]
+        self.param_sync.masters = {id(b): s.master for (g, b), s in zip(owners, self.slices) if g.fp8}
+        self._norm_grads = [p.of(s.device_grad) for s, p in pieces]
         self._norm_weights = torch.tensor([p.weight for _, p in pieces], dtype=torch.float32, device=device)
         self._device = device
 
@@ -241,6 +275,7 @@ class DistributedAdamW:
         parameters receive the new values (now, or during the next forward with overlap)."""
         self.param_sync.wait_all()   # a gather still in flight must not race the update of its bucket
         self.step_count += 1
+        self.host.start(lr, clip_coef)   # offloaded slices: on the CPU, in a worker thread, meanwhile
         for update in self.updates:
             update.step(lr, clip_coef)
         self.param_sync.launch()
@@ -254,13 +289,27 @@ class DistributedAdamW:
         """Bytes of optimizer state held by this rank: moments, and master copies where they are separate."""
         return sum(self.state_breakdown().values())
 
-    def state_breakdown(self) -> dict[str, int]:
-        """{"master", "exp_avg", "exp_avg_sq"}: bytes held by this rank."""
+    def state_breakdown(self, offloaded: bool = False) -> dict[str, int]:
+        """{"master", "exp_avg", "exp_avg_sq"}: bytes held by this rank on the device (``offloaded``: in host
+        memory, the optimizer offload's; an offloaded fp32 master counted there too)."""
         out = {"master": 0, "exp_avg": 0, "exp_avg_sq": 0}
         for s in self.slices:
-            for k, t in s.state_tensors().items():
+            if s.offloaded != offloaded:
+                continue
+            tensors = {**s.state_tensors(), **({"master": s.master} if s.offloaded else {})}
+            for k, t in tensors.items():
                 out[k] += t.numel() * t.element_size()
         return out
+
+    def host_bytes(self) -> int:
+        """Bytes the optimizer offload keeps in host memory: masters, moments and gradient copies."""
+        return (sum(self.state_breakdown(offloaded=True).values())
+                + sum(s.grad.nbytes for s in self.slices if s.offloaded))
+
+    def close(self) -> None:
+        """Finish and stop the optimizer offload's worker thread (none without offload)."""
+        self.param_sync.wait_all()
+        self.host.close()
 
     # ------------------------------------------------------------------------------- checkpoints
     def checkpoint_state(self, keys: set[str] | None = None) -> dict[str, ShardPieces]:

@@ -19,13 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -158,15 +155,3 @@ class ShardLoadPlanner(DefaultLoadPlanner):
         for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
             t = t.narrow(dim, offset, length)
         return t
-
-
-def saved_keys(ckpt: str | os.PathLike) -> set[str]:
-    """The tensor keys of a DCP checkpoint directory (reads its metadata only)."""
-    return set(dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
-
-
-def load_pieces(ckpt: str | os.PathLike, pieces: dict[str, ShardPieces], no_dist: bool) -> None:
-    """Fill ``pieces`` (keys of ``ckpt``) in place from the checkpoint. Collective unless ``no_dist``."""
-    with warnings.catch_warnings():   # world 1 without a process group is intended
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(dict(pieces), checkpoint_id=str(ckpt), planner=ShardLoadPlanner(), no_dist=no_dist)

@@ -35,6 +35,8 @@ from moefold.models.config import ModelConfig
 from moefold.models.options import ModelOptions
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+ALIASED_OUTPUT = "attention output (= o_proj input)"
+NOT_OFFLOADED = "(not offloadable)"   # a holder of a saved tensor that is no offload module (Part.offload)
 
 
 @dataclass(frozen=True)
@@ -45,16 +47,31 @@ class Part:
     fwd_extra:  the most its forward holds at once beyond what it leaves (``saved``)
     bwd_extra:  the most its backward holds at once beyond ``saved`` (gradients, weight gradients on their way
                 to the main grads, activations a recompute brings back)
+    offload:    saved name -> the modules that save that tensor, as offload modules (``dense.activation_offload``):
+                all of them offloaded take it off the device, each offloaded one copies it to host memory; a
+                holder that cannot be offloaded is ``NOT_OFFLOADED`` (names missing: only such holders)
+    layer:      the transformer block it belongs to (None: embedding, head, pipeline buffers)
     """
 
     name: str
     saved: dict[str, int] = field(default_factory=dict)
     fwd_extra: int = 0
     bwd_extra: int = 0
+    offload: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    layer: int | None = None
 
     @property
     def saved_bytes(self) -> int:
         return sum(self.saved.values())
+
+    def offloaded_bytes(self, modules: frozenset[str]) -> int:
+        """Bytes of ``saved`` that offloading ``modules`` takes off the device."""
+        return sum(self.saved[k] for k, needs in self.offload.items() if k in self.saved and set(needs) <= modules)
+
+    def host_bytes(self, modules: frozenset[str]) -> int:
+        """Bytes offloading ``modules`` copies to host memory (a tensor once per offloaded module that saves it)."""
+        return sum(self.saved[k] * len(modules.intersection(needs)) for k, needs in self.offload.items()
+                   if k in self.saved)
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -86,10 +103,11 @@ class ActivationShape:
     micro_batch: int
     seq_length: int
     device_type: str = "cuda"
+    max_load_ratio: float = 1.0   # the worst expert's copies over the mean (--moe-max-load-ratio; 1: balanced)
 
     def __hash__(self) -> int:   # the planner caches per shape: hash the (large) model config once per object
         return hash((_identity_hash(self.model), _identity_hash(self.options), self.tp, self.cp, self.ep, self.etp,
-                     self.micro_batch, self.seq_length, self.device_type))
+                     self.micro_batch, self.seq_length, self.device_type, self.max_load_ratio))
 
     @cached_property
     def a(self) -> int:
@@ -174,7 +192,10 @@ class ActivationShape:
             dq, dv = self.padded_dims(d_qk, d_v)
             padded = (dq, dv) != (d_qk, d_v)
             kv_len = S * cp if cp > 1 and self.options.cp_comm == "all_gather" else S
-            inner = {"attention output": a * T * heads * dv, "attention lse": 4 * B * heads * S}
+            # the kernels' output is laid out [B, S, h, d]: with one head dim and no CP, o_proj's input is a view of
+            # it (the same tensor, which core attention keeps too)
+            out_key = ALIASED_OUTPUT if not padded and cp == 1 else "attention output"
+            inner = {out_key: a * T * heads * dv, "attention lse": 4 * B * heads * S}
             if padded:
                 inner["attention padded q, k, v"] = a * T * (heads * dq + kv_heads * (dq + dv))
             if kv_len != S:
@@ -191,7 +212,10 @@ class ActivationShape:
             return Part("core attention", saved, fwd_extra=sum(inner.values()), bwd_extra=grads + sum(inner.values()))
         saved.update(inner)
         scores = inner.get("attention probabilities", 0)   # the math path's pre-softmax scores
-        return Part("core attention", saved, fwd_extra=scores, bwd_extra=grads)
+        offload = dict.fromkeys(saved, ("core_attn",))
+        if ALIASED_OUTPUT in saved:
+            offload[ALIASED_OUTPUT] = ("core_attn", "attn_proj")
+        return Part("core attention", saved, fwd_extra=scores, bwd_extra=grads, offload=offload)
 
     # ------------------------------------------------------------------------------------ attention
     def gqa(self) -> Part:
@@ -212,12 +236,16 @@ class ActivationShape:
             saved["q_norm rsqrt"] = 4 * T * (heads + kv_heads)
             del saved["k_norm rsqrt"]
         saved["rope cos/sin"] = 2 * 4 * self.S_c * d
+        offload = dict.fromkeys(saved, ("qkv_linear",))
         core = self.core_attention(heads, kv_heads, d, d)
         saved.update(core.saved)
-        saved["o_proj input"] = a * T * heads * d
+        offload.update(core.offload)
+        if ALIASED_OUTPUT not in saved:
+            saved["o_proj input"] = a * T * heads * d
+            offload["o_proj input"] = ("core_attn", "attn_proj")
         projections = self.gemm_backward(T, H, heads * d, heads * d * H)
         return Part("attention", saved, fwd_extra=core.fwd_extra,
-                    bwd_extra=max(core.bwd_extra, projections) + a * T * H)
+                    bwd_extra=max(core.bwd_extra, projections) + a * T * H, offload=offload)
 
     def mla(self) -> Part:
         """``dense.mla.MLAttention`` after its input norm: down-projections on the block input, latent norms,
@@ -245,12 +273,17 @@ class ActivationShape:
         if a == 4 or (up and not self.sp):   # the rope key view keeps kv_a_proj's whole output alive
             saved["kv_a_proj output"] = a * Tx * c.qk_rope_head_dim if a == 4 else a * Tx * (c.kv_lora_rank +
                                                                                             c.qk_rope_head_dim)
+        offload = dict.fromkeys(saved, ("qkv_linear",))
         core = self.core_attention(heads, heads, d_qk, d_v, qkv_discarded=up)
         saved.update(core.saved)
-        saved["o_proj input"] = a * T * heads * d_v
+        offload.update(core.offload)
+        if ALIASED_OUTPUT not in saved:
+            saved["o_proj input"] = a * T * heads * d_v
+            offload["o_proj input"] = ("core_attn", "attn_proj")
         up_outputs = a * T * heads * (2 * d_qk + d_v)
         projections = self.gemm_backward(T, c.kv_lora_rank, heads * (c.qk_nope_head_dim + d_v),
                                          c.kv_lora_rank * heads * (c.qk_nope_head_dim + d_v))
         projections = max(projections, self.gemm_backward(T, heads * d_v, H, heads * d_v * H))
         bwd = max(core.bwd_extra + (up_outputs if up else 0), projections + up_outputs)
-        return Part("attention", saved, fwd_extra=core.fwd_extra + up_outputs, bwd_extra=bwd + a * T * H)
+        return Part("attention", saved, fwd_extra=core.fwd_extra + up_outputs, bwd_extra=bwd + a * T * H,
+                    offload=offload)

@@ -9,6 +9,11 @@ top-k / E of the tokens; with ``--moe-expert-capacity-factor``, each expert its 
                              without its CPU sync, the worst case DeepEP allocates instead:
                              etp * ep * T_r * min(k * etp, E / ep) (+ alignment), the price of no host read
 
+Imbalance (``--moe-max-load-ratio R``): the worst expert receives R x its share and the other experts the rest
+evenly, so the rank holding it (e = E / ep local experts) computes ``N_e * (R + (e - 1)(E - R)/(E - 1)) / e``
+rows (unchanged at ep = 1: all experts are local, dropless, whatever the skew); Megatron's per-rank capacity
+(``--moe-expert-rank-capacity-factor C``) bounds that by ``C * N_e``.
+
 What it keeps: the router's fp32 scores; the row map (int64 per copy); the experts' input rows (the GEMM keeps
 them), the ``[N_e, 2f]`` gate/up output, SwiGLU's silu and product (``f = ffn / etp``; ``moe_act`` recompute keeps
 only the gate/up output); the rows that come home for the weighted combine (``dispatch.permutation.unpermute``
@@ -20,6 +25,8 @@ layer's input only.
 """
 
 from __future__ import annotations
+
+import math
 
 from moefold.training.plan.activations import ActivationShape, Part
 from moefold.training.plan.deepep import planned_backend, sync_free, v2_receive_rows
@@ -38,12 +45,14 @@ def mlp(shape: ActivationShape, ffn: int, *, name: str = "mlp", recompute: str =
     if recompute in shape.chosen:   # one checkpoint: its input (the norm output) only, counted by the block
         total = sum(inner.values())
         return Part(name, {}, fwd_extra=total, bwd_extra=total + backward)
-    return Part(name, inner, bwd_extra=backward)
+    offload = dict.fromkeys(inner, (recompute,)) if recompute == "shared_experts" else {}
+    return Part(name, inner, bwd_extra=backward, offload=offload)
 
 
 def moe_rows(shape: ActivationShape, dispatcher: str = "alltoall") -> tuple[int, int]:
-    """(N_h, N_e) of the module docstring; with the flex dispatcher on DeepEP V2 dispatching sync-free, N_e is the
-    worst case DeepEP allocates (``training.plan.deepep.v2_receive_rows``)."""
+    """(N_h, N_e) of the module docstring: N_e of the worst rank under ``shape.max_load_ratio``; with the flex
+    dispatcher on DeepEP V2 dispatching sync-free, the worst case DeepEP allocates whatever the skew
+    (``training.plan.deepep.v2_receive_rows``)."""
     m = shape.model
     if m.moe_expert_capacity_factor is not None:
         capacity = -(-shape.T_r * m.moe_topk * m.moe_expert_capacity_factor // m.num_experts)
@@ -55,7 +64,13 @@ def moe_rows(shape: ActivationShape, dispatcher: str = "alltoall") -> tuple[int,
         rows = v2_receive_rows(shape.T_r, m.moe_topk * shape.etp, shape.ep * shape.etp, m.num_experts // shape.ep,
                                o.fp8.group_alignment)
         return home, rows
-    return home, shape.etp * home
+    rows = balanced = shape.etp * home
+    E, e, R = m.num_experts, m.num_experts // shape.ep, min(shape.max_load_ratio, float(m.num_experts))
+    if R > 1 and e < E:
+        rows = math.ceil(balanced * (R + (e - 1) * (E - R) / (E - 1)) / e)
+    if m.moe_expert_rank_capacity_factor is not None:
+        rows = min(rows, math.floor(balanced * m.moe_expert_rank_capacity_factor))
+    return home, rows
 
 
 def router(shape: ActivationShape) -> dict[str, int]:
@@ -85,7 +100,8 @@ def moe(shape: ActivationShape, dispatcher: str) -> Part:
     act = "moe_act" in shape.chosen
     inner["experts gate/up output"] = a * rows * 2 * f
     if not act:
-        inner["experts silu, product"] = 2 * a * rows * f
+        inner["experts silu"] = a * rows * f
+        inner["experts product (w2 input)"] = a * rows * f
     combine_rows = home if dispatcher in ("alltoall", "local") else rows
     inner["combine rows (for the probs' gradient)"] = a * combine_rows * H
     weights = local_experts * H * f
@@ -95,13 +111,16 @@ def moe(shape: ActivationShape, dispatcher: str) -> Part:
                    a * rows * f + a * weights + (2 * a * rows * f if act else 0),
                    2 * a * weights + a * rows * H - a * combine_rows * H)
     forward = a * (home + rows) * H     # the exchange's send and receive buffers
+    offload = {"expert input rows": ("expert_fc1",), "experts gate/up output": ("moe_act",),
+               "experts silu": ("moe_act",)}
     if m.moe_shared_expert_ffn_size:
         shared = mlp(shape, m.moe_shared_expert_ffn_size, name="shared experts", recompute="shared_experts",
                      two_gathers=True)
         inner.update(shared.saved)
+        offload.update(shared.offload)
         forward += shared.fwd_extra
         backward = max(backward, shared.bwd_extra)
     if "moe" in shape.chosen:
         total = sum(inner.values())
         return Part("moe", {}, fwd_extra=total + forward, bwd_extra=total + max(forward, backward))
-    return Part("moe", inner, fwd_extra=forward, bwd_extra=backward)
+    return Part("moe", inner, fwd_extra=forward, bwd_extra=backward, offload=offload)

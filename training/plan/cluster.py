@@ -11,6 +11,9 @@ another machine::
     bf16_tflops = 989          # dense (no sparsity), per GPU
     nvlink_gbps = 450          # per GPU, one direction
     internode_gbps = 50        # per GPU, one direction
+    pcie_gbps = 50             # optional: host <-> GPU per GPU, one direction (activation / optimizer offload)
+    host_memory = "256GB"      # optional: host memory per GPU (the node's / its GPUs)
+    host_memory_gbps = 75      # optional: host memory bandwidth per GPU (the CPU AdamW of optimizer offload)
     source = "where the figures come from"
 
 Sizes are decimal unless they say otherwise (``parse_bytes``: GB = 1e9 bytes, GiB = 2**30).
@@ -27,6 +30,13 @@ import tomllib
 
 IB_NDR_PER_GPU = 50.0   # 8 x 400 Gb/s ConnectX-7 per node (DGX/HGX H100, H200, H800): 400 Gb/s = 50 GB/s per GPU
 IB_HDR_PER_GPU = 25.0   # 8 x 200 Gb/s ConnectX-6 per node (DGX A100): 25 GB/s per GPU
+# host side, per GPU of an 8-GPU node. PCIe Gen5 x16 is 64 GB/s per direction, Gen4 x16 32 GB/s; ~80% of it is
+# what large pinned copies reach. Host memory: DGX H100 / H200 2 TB, DGX A100 2 TB (the larger option), over 8 GPUs.
+# Host memory bandwidth: two sockets of 8 DDR5-4800 channels (Xeon 8480C, DGX H100) = 614 GB/s, two of 8 DDR4-3200
+# (EPYC 7742, DGX A100) = 410 GB/s, over 8 GPUs.
+PCIE_GEN5_PER_GPU, PCIE_GEN4_PER_GPU = 50.0, 25.0
+HOST_MEMORY_PER_GPU = 256 * 10**9
+DDR5_NODE_PER_GPU, DDR4_NODE_PER_GPU = 77.0, 51.0
 
 
 @dataclass(frozen=True)
@@ -39,11 +49,17 @@ class Cluster:
     nvlink_gbps: float       # to a GPU of the same node
     internode_gbps: float    # to a GPU of another node
     source: str
+    pcie_gbps: float = PCIE_GEN5_PER_GPU            # host <-> this GPU, one direction
+    host_memory_bytes: int = HOST_MEMORY_PER_GPU    # the node's host memory over its GPUs
+    host_memory_gbps: float = DDR5_NODE_PER_GPU     # the node's host memory bandwidth over its GPUs
 
     def __post_init__(self) -> None:
         if not isinstance(self.memory_bytes, int) or self.memory_bytes < 1:
             raise ValueError(f"cluster {self.name!r}: memory_bytes={self.memory_bytes!r} must be a positive integer")
-        for name in ("bf16_tflops", "nvlink_gbps", "internode_gbps"):
+        if not isinstance(self.host_memory_bytes, int) or self.host_memory_bytes < 1:
+            raise ValueError(f"cluster {self.name!r}: host_memory_bytes={self.host_memory_bytes!r} must be a positive "
+                             "integer")
+        for name in ("bf16_tflops", "nvlink_gbps", "internode_gbps", "pcie_gbps", "host_memory_gbps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"cluster {self.name!r}: {name}={value!r} must be a positive number")
@@ -57,19 +73,21 @@ CLUSTERS: dict[str, Cluster] = {c.name: c for c in (
     Cluster("h100", 80 * 10**9, 989.0, 450.0, IB_NDR_PER_GPU,
             "NVIDIA H100 SXM5 datasheet: 80 GB HBM3, BF16 tensor core 1,979 TFLOP/s with sparsity = 989 dense, "
             "NVLink 900 GB/s bidirectional = 450 per direction; network: 8 x 400 Gb/s NDR InfiniBand per node "
-            "(DGX H100) = 50 GB/s per GPU"),
+            "(DGX H100) = 50 GB/s per GPU; host: PCIe Gen5 x16, 2 TB and 2 x 8 DDR5-4800 channels per node"),
     Cluster("h200", 141 * 10**9, 989.0, 450.0, IB_NDR_PER_GPU,
             "NVIDIA H200 SXM datasheet: 141 GB HBM3e, BF16 1,979 TFLOP/s with sparsity = 989 dense, NVLink "
             "900 GB/s bidirectional = 450 per direction; network: 8 x 400 Gb/s NDR InfiniBand per node "
-            "(DGX H200) = 50 GB/s per GPU"),
+            "(DGX H200) = 50 GB/s per GPU; host: PCIe Gen5 x16, 2 TB and 2 x 8 DDR5-4800 channels per node"),
     Cluster("h800", 80 * 10**9, 989.0, 200.0, IB_NDR_PER_GPU,
             "NVIDIA H800 SXM5 = H100 SXM5 with NVLink cut to 400 GB/s bidirectional = 200 per direction "
             "(80 GB, 989 dense BF16 TFLOP/s); network: 8 x 400 Gb/s InfiniBand per node = 50 GB/s per GPU, "
-            "as the DeepSeek-V3 technical report describes its H800 cluster"),
+            "as the DeepSeek-V3 technical report describes its H800 cluster; host (assumed, as DGX H100): PCIe "
+            "Gen5 x16, 2 TB and 2 x 8 DDR5-4800 channels per node"),
     Cluster("a100", 80 * 10**9, 312.0, 300.0, IB_HDR_PER_GPU,
             "NVIDIA A100 SXM4 80GB datasheet: 80 GB HBM2e, BF16 tensor core 312 TFLOP/s dense, NVLink 600 GB/s "
             "bidirectional = 300 per direction; network: 8 x 200 Gb/s HDR InfiniBand per node (DGX A100) "
-            "= 25 GB/s per GPU"),
+            "= 25 GB/s per GPU; host: PCIe Gen4 x16, 2 TB and 2 x 8 DDR4-3200 channels per node",
+            pcie_gbps=PCIE_GEN4_PER_GPU, host_memory_gbps=DDR4_NODE_PER_GPU),
 )}
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -91,7 +109,8 @@ def parse_bytes(text: str) -> int:
     return value
 
 
-_TOML_KEYS = {"name", "memory", "memory_bytes", "bf16_tflops", "nvlink_gbps", "internode_gbps", "source"}
+_TOML_KEYS = {"name", "memory", "memory_bytes", "bf16_tflops", "nvlink_gbps", "internode_gbps", "source", "pcie_gbps",
+              "host_memory", "host_memory_gbps"}
 
 
 def load_cluster(spec: str) -> Cluster:
@@ -118,6 +137,11 @@ def load_cluster(spec: str) -> Cluster:
         raise ValueError(f"--cluster {spec!r}: missing {missing} (per GPU: dense bf16 TFLOP/s, NVLink and "
                          f"inter-node GB/s in one direction)")
     memory = parse_bytes(data["memory"]) if "memory" in data else data["memory_bytes"]
+    host = {"pcie_gbps": data["pcie_gbps"]} if "pcie_gbps" in data else {}
+    if "host_memory" in data:
+        host["host_memory_bytes"] = parse_bytes(data["host_memory"])
+    if "host_memory_gbps" in data:
+        host["host_memory_gbps"] = data["host_memory_gbps"]
     return Cluster(name=str(data.get("name", path.stem)), memory_bytes=memory, bf16_tflops=data["bf16_tflops"],
                    nvlink_gbps=data["nvlink_gbps"], internode_gbps=data["internode_gbps"],
-                   source=str(data.get("source", f"{path} (no source given)")))
+                   source=str(data.get("source", f"{path} (no source given)")), **host)

@@ -16,7 +16,7 @@ def label(plan: Plan) -> str:
     s = plan.sizes
     parts = [f"tp{s.tp}", f"cp{s.cp}" if s.cp > 1 else "", f"pp{s.pp}" + (f"x{plan.vpp}" if plan.vpp > 1 else ""),
              f"ep{s.ep}", f"etp{s.etp}" if s.etp > 1 else "", f"mbs{plan.config.train.micro_batch_size}",
-             plan.recompute]
+             plan.recompute, plan.sharding if plan.sharding != "zero1" else ""]
     return " ".join(p for p in parts if p)
 
 

@@ -30,7 +30,7 @@ from moefold.parallel.dims import ParallelSizes
 from moefold.pipeline.actions import is_local, model_chunk, split_batches
 from moefold.pipeline.schedules import Schedule
 from moefold.training.config import RunConfig
-from moefold.training.plan.activations import ActivationShape, Part
+from moefold.training.plan.activations import NOT_OFFLOADED, ActivationShape, Part
 from moefold.training.plan.activations_ffn import mlp, moe
 
 
@@ -56,15 +56,23 @@ def block(shape: ActivationShape, index: int, dispatcher: str) -> tuple[Part, ..
     else:
         kept_by_ffn = not shape.sp or "mlp" in shape.chosen
     first = norm("input_layernorm")
+    first_offload = {} if discard else dict.fromkeys(first, ("attn_norm",))
     first.update({f"attention: {k}": v for k, v in attention.saved.items()})
+    first_offload.update({f"attention: {k}": v for k, v in attention.offload.items()})
     second = norm("post_attention_layernorm")
+    second_offload = {} if discard else dict.fromkeys(second, ("mlp_norm",))
     if kept_by_ffn and not discard:
         second["ffn input (norm output)"] = a * Tx * H
+        if is_moe and shared and not shape.sp and "shared_experts" not in shape.chosen:   # the router keeps it too
+            second_offload["ffn input (norm output)"] = ("shared_experts", NOT_OFFLOADED)
     second.update({f"{ffn.name}: {k}": v for k, v in ffn.saved.items()})
+    second_offload.update({f"{ffn.name}: {k}": v for k, v in ffn.offload.items()})
     gradient = a * Tx * H   # the residual stream's gradient
     kind = "moe layer" if is_moe else "dense layer"
-    return (Part(kind, first, fwd_extra=attention.fwd_extra, bwd_extra=attention.bwd_extra + gradient),
-            Part(kind, second, fwd_extra=ffn.fwd_extra, bwd_extra=ffn.bwd_extra + gradient))
+    return (Part(kind, first, fwd_extra=attention.fwd_extra, bwd_extra=attention.bwd_extra + gradient,
+                 offload=first_offload, layer=index),
+            Part(kind, second, fwd_extra=ffn.fwd_extra, bwd_extra=ffn.bwd_extra + gradient, offload=second_offload,
+                 layer=index))
 
 
 def embedding(shape: ActivationShape) -> Part:
@@ -135,6 +143,7 @@ class ChunkProfile:
     bwd_peak: int
     received: bool = False
     sent: bool = False
+    offloaded: int = 0     # host bytes its forward leaves (activation offloading)
 
     @property
     def peak(self) -> int:
@@ -158,17 +167,23 @@ def chunk_parts(shape: ActivationShape, layers: list[int], first: bool, last: bo
     if received:   # the executor holds the received activation for the backward; the first block's input norm
         # keeps that same tensor when it saves its input (an fp32 model, or layernorm recompute)
         groups = full_recompute_groups(layers, shape.options)
-        norm_keeps_it = not groups[0][1] and (a == 4 or "layernorm" in shape.chosen)
+        norm_keeps_it = bool(groups) and not groups[0][1] and (a == 4 or "layernorm" in shape.chosen)
         parts.append(Part("pipeline", {"received activation": 0 if norm_keeps_it else a * Tx * H}))
     for g, (group, checkpointed) in enumerate(full_recompute_groups(layers, shape.options)):
         if not checkpointed:
-            parts += [p for i in group for p in block(shape, i, dispatcher)]
+            blocks = [p for i in group for p in block(shape, i, dispatcher)]
+            if received and g == 0 and a == 4:   # the first norm's fp32 input is the executor's received tensor
+                offload = {k: v for k, v in blocks[0].offload.items() if k != "input_layernorm fp32 input"}
+                blocks[0] = dataclasses.replace(blocks[0], offload=offload)
+            parts += blocks
             continue
         inner = [p for i in group for p in block(_none(shape), i, dispatcher)]
         held = 0 if received and g == 0 else a * Tx * H
         parts.append(recomputed_group(inner, f"layer group {g} input", held))
-    if last:
+    with_head, with_mtp = last if isinstance(last, tuple) else (last, last)
+    if with_head:
         parts.append(head(shape))
+    if with_mtp:
         parts += [p for k in range(shape.model.mtp_num_layers) for p in mtp(shape, k, dispatcher)]
     if sent:       # the executor holds the chunk's output until its backward
         parts.append(Part("pipeline", {"sent activation": a * Tx * H}))
@@ -184,19 +199,36 @@ def chunk_profile(shape: ActivationShape, kinds: tuple[bool, ...], first: bool, 
     dense = next((i for i in range(m.num_layers) if not is_moe_block(m, i)), 0)
     moe_id = next((i for i in range(m.num_layers) if is_moe_block(m, i)), 0)
     layers = [moe_id if k else dense for k in kinds]
-    return profile(chunk_parts(shape, layers, first, last, dispatcher, received, sent), received, sent)
+    parts = chunk_parts(shape, layers, first, last, dispatcher, received, sent)
+    return profile(parts, received, sent, frozenset(shape.options.offload_modules))
 
 
-def profile(parts: list[Part], received: bool = False, sent: bool = False) -> ChunkProfile:
-    """``ChunkProfile`` of parts in forward order (``received``/``sent``: as for ``chunk_parts``)."""
-    kept = fwd = 0
-    prefix = []
+def profile(parts: list[Part], received: bool = False, sent: bool = False,
+            offload: frozenset[str] = frozenset()) -> ChunkProfile:
+    """``ChunkProfile`` of parts in forward order (``received``/``sent``: as for ``chunk_parts``); ``offload``:
+    the offloaded modules (``dense.activation_offload``). An offloaded tensor stays on the device until its part's
+    forward ends and comes back, in backward, with the rest of its layer's and the next layer's (the prefetch);
+    ``offloaded``: the host bytes one micro-batch leaves."""
+    kept = fwd = host = 0
+    prefix, off = [], []
     for p in parts:
+        o = p.offloaded_bytes(offload) if offload else 0
         fwd = max(fwd, kept + p.saved_bytes + p.fwd_extra)
-        kept += p.saved_bytes
+        kept += p.saved_bytes - o
+        host += p.host_bytes(offload) if offload else 0
         prefix.append(kept)
-    bwd = max((prefix[i] + p.bwd_extra for i, p in enumerate(parts)), default=0)
-    return ChunkProfile(tuple(parts), kept, fwd, max(bwd, kept), received, sent)
+        off.append(o)
+    # each block is two consecutive parts (``block``): its position in the chunk, for the prefetch window
+    blocks = [n for n, p in enumerate(parts) if p.layer is not None]
+    position = {n: k // 2 for k, n in enumerate(blocks)}
+    bwd = 0
+    for i, p in enumerate(parts):
+        back = 0
+        if i in position and any(off):
+            here = position[i]
+            back = sum(off[j] for j in blocks if j <= i and here - 1 <= position[j] <= here)
+        bwd = max(bwd, prefix[i] + back + p.bwd_extra)
+    return ChunkProfile(tuple(parts), kept, fwd, max(bwd, kept), received, sent, offloaded=host)
 
 
 def schedule_peak(schedule: tuple[str, int, int, int, bool] | None, profiles: list[ChunkProfile], pp_rank: int,
@@ -323,6 +355,7 @@ class ActivationMemory:
     in_flight: int
     per_microbatch: tuple[int, ...]
     by_kind: dict[str, int]
+    host: int = 0          # activation offloading: the most host bytes held at once (the chunks in flight)
 
 
 def activation_shape(config: RunConfig, sizes: ParallelSizes, device_type: str = "cuda") -> ActivationShape:
@@ -332,37 +365,50 @@ def activation_shape(config: RunConfig, sizes: ParallelSizes, device_type: str =
     t = config.train
     return ActivationShape(model=config.model, options=model_options(config), tp=sizes.tp, cp=sizes.cp, ep=sizes.ep,
                            etp=sizes.etp, micro_batch=t.micro_batch_size, seq_length=t.seq_length,
-                           device_type=device_type)
+                           device_type=device_type, max_load_ratio=t.moe_max_load_ratio or 1.0)
 
 
 def activation_memory(config: RunConfig, sizes: ParallelSizes, pp_rank: int, num_micro: int,
                       device_type: str = "cuda") -> ActivationMemory:
     """Peak activation bytes of ``pp_rank`` (any rank of that stage) running ``num_micro`` micro-batches per step
-    with the schedule ``moefold train`` builds for ``config`` (``pipeline.build_schedule``)."""
+    with the schedule ``moefold train`` builds for ``config`` (``pipeline.build_schedule``). What shards the static
+    memory (FSDP2, optimizer offload) does not change them: one computation serves every such choice."""
+    t = dataclasses.replace(config.train, use_torch_fsdp2=False, optimizer_cpu_offload=False,
+                            optimizer_offload_fraction=1.0)
+    return _activation_memory(dataclasses.replace(config, train=t), sizes, pp_rank, num_micro, device_type)
+
+
+@lru_cache(maxsize=4096)
+def _activation_memory(config: RunConfig, sizes: ParallelSizes, pp_rank: int, num_micro: int,
+                       device_type: str) -> ActivationMemory:
     shape = activation_shape(config, sizes, device_type)
     dispatcher = config.options.resolved_dispatcher(sizes.ep, sizes.etp)
     m = config.model
     overlap = config.train.overlap_moe_expert_parallel_comm
     if sizes.pp == 1:
-        chunks = [(list(range(m.num_layers)), True, True, False, False)]
+        chunks = [(list(range(m.num_layers)), True, (True, True), False, False)]
         # with the overlap two micro-batches are in flight (F0, FB(1, 0), ...)
         schedule = ("1f1b", 1, num_micro, 1, True) if overlap else None
     else:
         layout = config.pipeline_layout(sizes.pp)
         last = layout.num_model_chunks - 1
-        chunks = [(list(c.layers), c.has_embedding, c.has_head, c.model_chunk > 0, c.model_chunk < last)
+        chunks = [(list(c.layers), c.has_embedding, (c.has_head, c.has_mtp), c.model_chunk > 0, c.model_chunk < last)
                   for c in layout.rank_chunks(pp_rank)]
         schedule = (config.schedule_name(layout.vpp), sizes.pp, num_micro, layout.vpp, overlap)
     profiles = [chunk_profile(shape, tuple(is_moe_block(m, i) for i in layers), first, last_chunk, dispatcher,
                               received, sent) for layers, first, last_chunk, received, sent in chunks]
     message = shape.a * shape.T_x * m.hidden_size
     peak, in_flight = schedule_peak(schedule, profiles, pp_rank, message)
+    host = max((p.offloaded for p in profiles), default=0)
+    if schedule is not None and host:
+        live = _events(schedule, pp_rank)[0]
+        host = int((live @ np.array([p.offloaded for p in profiles], dtype=np.float64)).max()) + host
     by_kind: dict[str, int] = {}
     for p in profiles:
         for kind, n in p.by_kind().items():
             by_kind[kind] = by_kind.get(kind, 0) + n
     return ActivationMemory(peak=peak, in_flight=in_flight, per_microbatch=tuple(p.kept for p in profiles),
-                            by_kind=by_kind)
+                            by_kind=by_kind, host=host)
 
 
 @lru_cache(maxsize=256)

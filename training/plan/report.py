@@ -26,13 +26,15 @@ def train_flags(plan: Plan, model_flags: list[str]) -> list[str]:
     flags = list(model_flags)
     if t.bf16:
         flags.append("--bf16")
+    if t.fp16:
+        flags.append("--fp16")
     flags += ["--seq-length", t.seq_length, "--global-batch-size", t.global_batch_size,
               "--micro-batch-size", t.micro_batch_size,
               "--tensor-model-parallel-size", s.tp, "--context-parallel-size", s.cp,
               "--pipeline-model-parallel-size", s.pp, "--expert-model-parallel-size", s.ep,
               "--expert-tensor-parallel-size", s.etp]
     for field in ("num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
-                  "decoder_last_pipeline_num_layers"):
+                  "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout"):
         if getattr(t, field) is not None:
             flags += [f"--{field.replace('_', '-')}", getattr(t, field)]
     if s.pp > 1 and t.pipeline_schedule != _T.pipeline_schedule:
@@ -53,6 +55,14 @@ def train_flags(plan: Plan, model_flags: list[str]) -> list[str]:
             flags += ["--recompute-modules", *o.recompute_modules]
         else:
             flags += ["--recompute-method", o.recompute_method, "--recompute-num-layers", o.recompute_num_layers]
+    if o.offload_modules:
+        flags += ["--fine-grained-activation-offloading", "--offload-modules", *o.offload_modules]
+    if t.use_torch_fsdp2:
+        flags.append("--use-torch-fsdp2")
+    if t.optimizer_cpu_offload:
+        flags += ["--optimizer-cpu-offload", "--optimizer-offload-fraction", f"{t.optimizer_offload_fraction:g}"]
+    if t.moe_max_load_ratio is not None:
+        flags += ["--moe-max-load-ratio", f"{t.moe_max_load_ratio:g}"]
     for field in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
         if getattr(t, field) != getattr(_T, field):
             flags += [f"--{field.replace('_', '-')}", getattr(t, field)]
@@ -79,17 +89,19 @@ def _gb(n: float) -> str:
 
 
 HEADER = (f"{'#':>2} {'tp':>2} {'cp':>2} {'pp':>3} {'vpp':>3} {'dp':>4} {'ep':>3} {'etp':>3} {'edp':>4} {'mbs':>3} "
-          f"{'schedule':<14} {'recompute':<10} | {'params':>6} {'grads':>6} {'optim':>6} {'activ':>6} {'deepep':>6} "
-          f"{'total':>6} {'stage':>5} | {'step s':>7} " + " ".join(f"{t:>7}" for t in TERMS)
+          f"{'schedule':<14} {'recompute':<10} {'sharding':<8} | {'params':>6} {'grads':>6} {'optim':>6} "
+          f"{'activ':>6} {'buffer':>6} {'total':>6} {'host':>6} {'stage':>5} | {'step s':>7} "
+          + " ".join(f"{t:>7}" for t in TERMS)
           + f" | {'tok/s/GPU':>9} {'MFU':>5}")
 
 
 def row(i: int, plan: Plan, cluster: Cluster) -> str:
     s, m = plan.sizes, plan.memory
     c = m.components
-    memory = " ".join(f"{_gb(c[k]):>6}" for k in COMPONENTS) + f" {_gb(m.total):>6} {m.pp_rank:>5}"
+    memory = (" ".join(f"{_gb(c[k]):>6}" for k in COMPONENTS) + f" {_gb(m.total):>6} {_gb(m.host):>6} "
+              f"{m.pp_rank:>5}")
     layout = (f"{i:>2} {s.tp:>2} {s.cp:>2} {s.pp:>3} {plan.vpp:>3} {s.dp:>4} {s.ep:>3} {s.etp:>3} {s.edp:>4} "
-              f"{plan.config.train.micro_batch_size:>3} {plan.schedule:<14} {plan.recompute:<10}")
+              f"{plan.config.train.micro_batch_size:>3} {plan.schedule:<14} {plan.recompute:<10} {plan.sharding:<8}")
     if plan.time is None:
         return f"{layout} | {memory} |"
     t = plan.time
@@ -115,6 +127,9 @@ def why_not(plan: Plan) -> str:
     component."""
     m = plan.memory
     c = m.components
+    if plan.fits_gpu and not plan.fits_host:
+        return (f"does not fit: pipeline stage {m.pp_rank} needs {_gb(m.host)} GB of host memory per GPU (offloaded "
+                f"activations and optimizer states) of {_gb(plan.host_usable)} GB usable")
     parts = ", ".join(f"{k} {_gb(v)}" for k, v in c.items() if v)
     kind = "at least " if not m.static.exact else ""
     return (f"does not fit: pipeline stage {m.pp_rank} needs {kind}{_gb(m.total)} GB per GPU ({parts}) of "
@@ -124,8 +139,9 @@ def why_not(plan: Plan) -> str:
 
 def layout_name(p: Plan) -> str:
     s = p.sizes
+    sharding = "" if p.sharding == "zero1" else f" {p.sharding}"
     return (f"tp{s.tp} cp{s.cp} pp{s.pp} ep{s.ep} etp{s.etp} mbs{p.config.train.micro_batch_size} {p.schedule} "
-            f"{p.recompute}")
+            f"{p.recompute}{sharding}")
 
 
 def outcome(result: SearchResult) -> str:
@@ -145,12 +161,24 @@ def rejections(result: SearchResult, top: int = 3) -> str:
     return "; ".join(f"{n} x {text}" for text, n in common) or "no layout considered"
 
 
+SAVINGS = {"selective": "recompute core attention", "selective+": "recompute the cheap modules",
+           "offload": "offload core attention and the experts' first GEMM", "full": "full recompute"}
+
+
+def needs(plan: Plan) -> str:
+    """What a fitting plan needs past ZeRO-1 with no recompute, in words (the report's "needs" column)."""
+    out = [SAVINGS[plan.recompute]] if plan.recompute in SAVINGS else []
+    out += {"fsdp": ["FSDP2"], "cpu-adam": ["optimizer offload"]}.get(plan.sharding, [])
+    return ", ".join(out) or "nothing"
+
+
 def render(result: SearchResult, config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, memory: int,
            params: tuple[int, int], model_flags: list[str], usable: int) -> str:
     """The whole report of a search."""
     lines = [heading(config, world, cluster, gpus_per_node, usable, memory, params),
              f"layouts: {result.considered} considered, {result.valid} valid for moefold train, {result.fitting} fit "
-             f"(with the least recompute that fits); ranked by tokens/s/GPU", ""]
+             f"(each with the fastest of the least activation savings it needs under ZeRO-1, FSDP2 and optimizer "
+             f"offload); ranked by tokens/s/GPU", ""]
     if not result.plans:
         lines.append("no layout fits.")
         if result.closest is not None:
@@ -161,6 +189,8 @@ def render(result: SearchResult, config: RunConfig, world: int, cluster: Cluster
               "expert exchange left exposed, +ov schedules hiding it behind the other micro-batch's compute)",
               HEADER, "-" * len(HEADER)]
     lines += [row(i + 1, p, cluster) for i, p in enumerate(result.plans)]
+    lines.append("")
+    lines += [f"#{i + 1} needs: {needs(p)}" for i, p in enumerate(result.plans)]
     lines.append("")
     for i, p in enumerate(result.plans):
         local, launcher = commands(p, model_flags, gpus_per_node)

@@ -14,11 +14,20 @@
 ``search`` enumerates every layout of ``world`` GPUs (tp, cp, pp with its stage split and virtual stages, ep,
 etp, the micro-batch size, the pipeline schedule with or without the batch-level overlap, and the recompute
 setting) that ``moefold train`` would accept (``validate_layout``), keeping what the user fixed; for each layout
-it takes the least recompute that fits (more recompute never runs faster), and ranks what fits by tokens/s/GPU.
-The schedules tried (``_schedules``): at pp = 1 plain accumulation and, with ep > 1, the overlap; at pp > 1 1F1B
-and ZB-H1 with one chunk per rank, interleaved 1F1B (with and without the overlap) and, when the layers split
-evenly over 2 pp chunks, ZB-V and DualPipeV (with and without its FB pairs overlapped). The overlap always comes
-with --delay-wgrad-compute (it only removes exposed time).
+it takes the least activation saving that fits (``recompute_ladder``: more recompute never runs faster), and ranks
+what fits by tokens/s/GPU. The schedules tried (``_schedules``): at pp = 1 plain accumulation and, with ep > 1,
+the overlap; at pp > 1 1F1B and ZB-H1 with one chunk per rank, interleaved 1F1B (with and without the overlap)
+and, when the layers split evenly over 2 pp chunks, ZB-V and DualPipeV (with and without its FB pairs
+overlapped). The overlap always comes with --delay-wgrad-compute (it only removes exposed time).
+
+Memory savers past ZeRO-1 are choices of the search too (``SHARDING``): FSDP2 (``--use-torch-fsdp2``) and optimizer
+offload (``--optimizer-cpu-offload``, fraction 1). A layout that fits with no activation saving under ZeRO-1 is
+taken as it is; otherwise each saver is tried with the least activation saving it needs, kept only when that is
+less than what ZeRO-1 needs (the same saving with a saver never runs faster), and of those the fastest is the
+layout's plan. Activation offloading is a rung of the ladder (``offload``). Host memory (the offloaded activations
+of the micro-batches in flight, the offloaded optimizer states) must fit the host's share per GPU too. A saver
+``moefold train`` refuses with the layout's schedule (``training.config.saver_conflict``: FSDP2 with split
+backwards or the batch-level overlap, activation offloading with the overlap) is not tried with it.
 """
 
 from __future__ import annotations
@@ -46,19 +55,34 @@ MAX_PP = 64
 MICRO_BATCH_SIZES = (1,)   # searched unless --micro-batch-size is given (Megatron's MoE recipes all use 1)
 PROGRESS_EVERY_S = 5.0   # between the search's status lines
 PER_WORKER = 64            # step-time estimates per process before the search forks more processes
+SIMULATED_PER_TOP = 8      # layouts (by the fast estimate) whose pipelines are simulated, per layout printed
 REASON_CHARS = 90         # rejection reasons are grouped by their first characters
-COMPONENTS = ("params", "main grads", "optimizer", "activations", "deepep")
+COMPONENTS = ("params", "main grads", "optimizer", "activations", "buffers")
+OFFLOADED = ("core_attn", "attn_proj", "expert_fc1")   # the ladder's offload rung: Megatron's suggested split
+# what shards or moves the static memory past ZeRO-1 (TrainConfig fields), in the order they are tried
+SHARDING: dict[str, dict] = {"zero1": {}, "fsdp": {"use_torch_fsdp2": True},
+                             "cpu-adam": {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0}}
 
 
 def recompute_ladder(model: ModelConfig) -> dict[str, dict]:
-    """Recompute settings from the fastest to the leanest (ModelOptions fields): none; Megatron's default
+    """Activation savings from the fastest to the leanest (ModelOptions fields): none; Megatron's default
     selective (core attention); selective of every cheap module (core attention, norms, the MoE activation, MLA's
-    up-projections); full recompute of every layer."""
-    cheap = ("core_attn", "layernorm", "moe_act") + (("mla_up_proj",) if model.attention == "mla" else ())
+    up-projections); ``offload``: the cheap modules but core attention recomputed, core attention, its projection
+    and the experts' first GEMM offloaded to host memory (Megatron's suggested split); full recompute."""
+    mla = ("mla_up_proj",) if model.attention == "mla" else ()
+    cheap = ("core_attn", "layernorm", "moe_act", *mla)
     return {"none": {"recompute": "none"},
             "selective": {"recompute": "selective", "recompute_modules": ("core_attn",)},
             "selective+": {"recompute": "selective", "recompute_modules": cheap},
+            "offload": {"recompute": "selective", "recompute_modules": ("layernorm", "moe_act", *mla),
+                        "offload_modules": OFFLOADED},
             "full": {"recompute": "full", "recompute_method": "uniform", "recompute_num_layers": 1}}
+
+
+def sharding_of(config: RunConfig) -> str:
+    """The ``SHARDING`` name of ``config``'s optimizer and parameter layout."""
+    t = config.train
+    return "fsdp" if t.use_torch_fsdp2 else "cpu-adam" if t.optimizer_cpu_offload else "zero1"
 
 
 @dataclass(frozen=True)
@@ -72,9 +96,15 @@ class RankMemory:
 
     @property
     def components(self) -> dict[str, int]:
+        """GPU memory by component; ``buffers``: DeepEP's buffer and FSDP's gathered units."""
         s = self.static
         return {"params": s.params, "main grads": s.grads, "optimizer": s.optimizer,
-                "activations": self.activations.peak, "deepep": self.deepep}
+                "activations": self.activations.peak, "buffers": self.deepep + s.buffers}
+
+    @property
+    def host(self) -> int:
+        """Host memory per GPU: offloaded activations (the micro-batches in flight) and optimizer states."""
+        return self.static.host + self.activations.host
 
     @property
     def total(self) -> int:
@@ -98,10 +128,23 @@ class Plan:
     memory: RankMemory
     usable: int
     time: StepTime | None = None
+    host_usable: int | None = None   # host memory per GPU the plan may use (None: unbounded)
 
     @property
     def fits(self) -> bool:
-        return self.memory.total <= self.usable and self.memory.static.exact
+        return self.fits_gpu and self.fits_host and self.memory.static.exact
+
+    @property
+    def fits_gpu(self) -> bool:
+        return self.memory.total <= self.usable
+
+    @property
+    def fits_host(self) -> bool:
+        return self.host_usable is None or self.memory.host <= self.host_usable
+
+    @property
+    def sharding(self) -> str:
+        return sharding_of(self.config)
 
     @property
     def vpp(self) -> int:
@@ -125,6 +168,16 @@ def _memory(config: RunConfig, sizes: ParallelSizes, num_micro: int, exact: bool
     return max(ranks, key=lambda m: m.total)
 
 
+def stage_memory(plan: Plan) -> list[RankMemory]:
+    """Every pipeline stage's memory per GPU for ``plan`` (exact static bytes), in pipeline order."""
+    config, sizes = plan.config, plan.sizes
+    static = exact_static(config, sizes)
+    flex = config.options.resolved_dispatcher(sizes.ep, sizes.etp) == "flex"
+    deepep = deepep_buffer_bytes(config, sizes) if flex else 0
+    return [RankMemory(r, static[r], activation_memory(config, sizes, r, plan.num_micro), deepep)
+            for r in range(sizes.pp)]
+
+
 def evaluate(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, memory_bytes: int | None = None,
              *, headroom: float = HEADROOM, efficiency: float = EFFICIENCY, recompute: str = "",
              with_time: bool = True) -> Plan:
@@ -136,7 +189,8 @@ def evaluate(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int
     memory = _memory(config, sizes, num_micro, exact=False, gpus_per_node=gpus_per_node)
     if memory.total <= usable:
         memory = _memory(config, sizes, num_micro, exact=True, gpus_per_node=gpus_per_node)
-    plan = Plan(config, sizes, num_micro, recompute or config.options.recompute, memory, usable)
+    plan = Plan(config, sizes, num_micro, recompute or config.options.recompute, memory, usable,
+                host_usable=int(cluster.host_memory_bytes * (1 - headroom)))
     if with_time and plan.fits:
         plan = dataclasses.replace(plan, time=estimate_step_time(config, sizes, cluster, gpus_per_node, efficiency))
     return plan
@@ -153,8 +207,13 @@ class Fixed:
     ep: int | None = None
     etp: int | None = None
     layers_per_virtual_stage: int | None = None
+    first_stage_layers: int | None = None     # --decoder-first-pipeline-num-layers
+    last_stage_layers: int | None = None      # --decoder-last-pipeline-num-layers
+    virtual_stages: int | None = None    # --num-virtual-stages-per-pipeline-rank: vpp, the standard layouts searched
+    layout: str | None = None            # --pipeline-model-parallel-layout
     micro_batch_size: int | None = None
-    recompute: dict | None = None        # ModelOptions fields
+    recompute: dict | None = None        # ModelOptions fields (recompute and activation offloading)
+    sharding: str | None = None          # a ``SHARDING`` name
     schedule: str | None = None          # --pipeline-schedule
     overlap: bool | None = None          # --overlap-moe-expert-parallel-comm
 
@@ -163,29 +222,34 @@ def _divisors(n: int, limit: int) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
-def _stage_splits(num_layers: int, pp: int, fixed: Fixed) -> Iterator[dict]:
-    """TrainConfig fields of the pipeline splits tried at ``pp``: even (and 2 virtual stages when each stage's
-    layers are even) or, when the layers do not divide, the first and last stages taking the remainder."""
+VIRTUAL_STAGES = (1, 2, 4)   # vpp tried per pp (each with the standard layouts, pipeline.layout.standard_layouts)
+
+
+def _stage_splits(num_layers: int, pp: int, fixed: Fixed, mtp_num_layers: int = 0) -> Iterator[dict]:
+    """TrainConfig fields of the pipeline splits tried at ``pp``: the given layout, or the even split of the given
+    layers per virtual stage, or per vpp in ``VIRTUAL_STAGES`` (the given one only) the standard layouts of
+    ``pipeline.layout`` (even, balanced, standalone loss/MTP) as ``--pipeline-model-parallel-layout`` text."""
+    from moefold.pipeline.layout import format_layout, standard_layouts
+
+    if fixed.first_stage_layers is not None or fixed.last_stage_layers is not None:
+        yield {"decoder_first_pipeline_num_layers": fixed.first_stage_layers,
+               "decoder_last_pipeline_num_layers": fixed.last_stage_layers}
+        return
+
     if pp == 1:
         yield {}
+        return
+    if fixed.layout is not None:
+        yield {"pipeline_model_parallel_layout": fixed.layout}
         return
     if fixed.layers_per_virtual_stage is not None:
         yield {"num_layers_per_virtual_pipeline_stage": fixed.layers_per_virtual_stage}
         return
-    if num_layers % pp == 0:
-        yield {}
-        per = num_layers // pp
-        if per % 2 == 0:
-            yield {"num_layers_per_virtual_pipeline_stage": per // 2}
-        return
-    per = -(-num_layers // pp)
-    while per >= 1:
-        rest = num_layers - per * (pp - 2)
-        first, last = rest - rest // 2, rest // 2
-        if last >= 1 and first <= per:
-            yield {"decoder_first_pipeline_num_layers": first, "decoder_last_pipeline_num_layers": last}
-            return
-        per -= 1
+    for vpp in [fixed.virtual_stages] if fixed.virtual_stages else VIRTUAL_STAGES:
+        if pp * vpp > num_layers + 2 + mtp_num_layers:
+            continue
+        for stages in standard_layouts(num_layers, pp, vpp, mtp_num_layers).values():
+            yield {"pipeline_model_parallel_layout": format_layout(stages)}
 
 
 OVERLAP_FIELDS = ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute")
@@ -203,14 +267,24 @@ def _schedules(num_layers: int, pp: int, ep: int, split: dict, fixed: Fixed) -> 
 
     if pp == 1:
         yield from with_overlap(fixed.schedule or "1f1b", True)
-    elif split.get("num_layers_per_virtual_pipeline_stage") is None:
+    elif _split_vpp(num_layers, pp, split) == 1:
         for schedule in ("1f1b", "zb-h1", "gpipe") if fixed.schedule == "gpipe" else ("1f1b", "zb-h1"):
             yield from with_overlap(schedule, False)
     else:
         yield from with_overlap("1f1b", True)   # interleaved (implied by the virtual stages)
-        if num_layers == 2 * pp * split["num_layers_per_virtual_pipeline_stage"]:   # 2 chunks per rank: V placed
+        if _split_vpp(num_layers, pp, split) == 2:   # 2 chunks per rank: V placed
             yield from with_overlap("zbv", False)
             yield from with_overlap("dualpipev", True)
+
+
+def _split_vpp(num_layers: int, pp: int, split: dict) -> int:
+    """Virtual stages per rank of one split of ``_stage_splits``."""
+    from moefold.pipeline.layout import parse_layout
+
+    if split.get("pipeline_model_parallel_layout") is not None:
+        return max(len(parse_layout(split["pipeline_model_parallel_layout"])) // pp, 1)
+    per = split.get("num_layers_per_virtual_pipeline_stage")
+    return num_layers // (pp * per) if per else 1
 
 
 @dataclass
@@ -238,34 +312,80 @@ def candidates(config: RunConfig, world: int, gpus_per_node: int, fixed: Fixed) 
                     eps = [fixed.ep] if fixed.ep else [e for e in _divisors(experts, dense_ranks // etp)
                                                        if (dense_ranks // etp) % e == 0]
                     for ep in eps:
-                        for split in _stage_splits(m.num_layers, pp, fixed):
+                        for split in _stage_splits(m.num_layers, pp, fixed, m.mtp_num_layers):
                             for schedule in _schedules(m.num_layers, pp, ep, split, fixed):
                                 for mbs in [fixed.micro_batch_size] if fixed.micro_batch_size else MICRO_BATCH_SIZES:
                                     pipeline = {"num_layers_per_virtual_pipeline_stage": None,
                                                 "decoder_first_pipeline_num_layers": None,
-                                                "decoder_last_pipeline_num_layers": None, **split, **schedule}
+                                                "decoder_last_pipeline_num_layers": None,
+                                                "pipeline_model_parallel_layout": None, **split, **schedule}
                                     train = dataclasses.replace(t, micro_batch_size=mbs, **pipeline)
                                     yield dataclasses.replace(config, parallel=ParallelConfig(
                                         tp=tp, cp=cp, pp=pp, ep=ep, etp=etp), train=train)
 
 
 def _least_recompute(candidate: RunConfig, sizes: ParallelSizes, num_micro: int, ladder: dict[str, dict],
-                     usable: int, gpus_per_node: int) -> tuple[Plan | None, Plan]:
-    """(the plan with the least recompute of ``ladder`` that fits, or None; the leanest plan). The leanest is
-    tried first: when it does not fit, nothing does."""
-    def plan_of(name: str) -> Plan:
-        planned = dataclasses.replace(candidate, options=dataclasses.replace(candidate.options, **ladder[name]))
-        return Plan(planned, sizes, num_micro, name, _memory(planned, sizes, num_micro, False, gpus_per_node), usable)
+                     usable: int, gpus_per_node: int, host_usable: int | None = None,
+                     ) -> tuple[Plan | None, Plan | None]:
+    """(the plan with the least activation saving of ``ladder`` that fits, or None; the leanest plan, None when
+    ``moefold train`` refuses every rung with this layout). The leanest is tried first: when it does not fit,
+    nothing does (host memory aside: the offload rung may be the only one that does not fit there). A rung
+    ``moefold train`` refuses with the candidate's schedule (the offload rung with the batch-level overlap) is
+    skipped."""
+    def planned(name: str) -> RunConfig:
+        return dataclasses.replace(candidate, options=dataclasses.replace(candidate.options, **ladder[name]))
 
-    names = list(ladder)
+    def plan_of(name: str) -> Plan:
+        return Plan(planned(name), sizes, num_micro, name,
+                    _memory(planned(name), sizes, num_micro, False, gpus_per_node), usable, host_usable=host_usable)
+
+    names = [name for name in ladder if not planned(name).memory_saver_conflict(sizes.pp)]
+    if not names:
+        return None, None
     leanest = plan_of(names[-1])
-    if leanest.memory.total > usable:
+    if not leanest.fits_gpu:
         return None, leanest
     for name in names[:-1]:
         plan = plan_of(name)
-        if plan.memory.total <= usable:
+        if plan.fits_gpu and plan.fits_host:
             return plan, leanest
-    return leanest, leanest
+    return (leanest, leanest) if leanest.fits_host else (None, leanest)
+
+
+def _with_sharding(candidate: RunConfig, name: str, world: int) -> RunConfig | None:
+    """``candidate`` with the ``SHARDING`` choice ``name``; None where ``moefold train`` would refuse it."""
+    from moefold.training.optim.fsdp import check_fsdp
+
+    train = dataclasses.replace(candidate.train, **{**SHARDING["zero1"], "use_torch_fsdp2": False,
+                                                    "optimizer_cpu_offload": False, **SHARDING[name]})
+    try:
+        check_fsdp(train, candidate.options, world)
+    except ValueError:
+        return None
+    return dataclasses.replace(candidate, train=train)
+
+
+def _least_saving(candidate: RunConfig, sizes: ParallelSizes, num_micro: int, ladder: dict[str, dict], usable: int,
+                  host_usable: int, world: int, shardings: list[str], gpus_per_node: int) -> tuple[list[Plan], Plan]:
+    """The plans worth timing for one layout (module docstring) and its leanest plan (the closest when none fits)."""
+    rungs = list(ladder)
+    plans, closest, best = [], None, len(rungs)
+    for name in shardings:
+        config = candidate if name == sharding_of(candidate) else _with_sharding(candidate, name, world)
+        if config is None or config.memory_saver_conflict(sizes.pp):
+            continue
+        fits, leanest = _least_recompute(config, sizes, num_micro, ladder, usable, gpus_per_node, host_usable)
+        if leanest is not None and (closest is None or leanest.memory.total < closest.memory.total):
+            closest = leanest
+        # a saver is worth timing when it needs no more activation saving than the best so far (ZeRO-1 first: with
+        # the same saving nothing runs faster than it)
+        if fits is not None and (rungs.index(fits.recompute) < best or
+                                 (name != "zero1" and rungs.index(fits.recompute) == best)):
+            plans.append(fits)
+            best = rungs.index(fits.recompute)
+        if best == 0 and name == "zero1":   # fits with no activation saving: nothing else can be faster
+            break
+    return plans, closest
 
 
 def _times_of(jobs: list[tuple[RunConfig, ParallelSizes]], cluster: Cluster, gpus_per_node: int,
@@ -299,7 +419,9 @@ def search(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, 
     the fitting layouts are estimated in ``workers`` processes (default: one per CPU). ``progress`` is called
     with a one-line status every few seconds (a search over thousands of GPUs takes minutes)."""
     ladder = {"fixed": fixed.recompute} if fixed.recompute is not None else recompute_ladder(config.model)
+    shardings = [fixed.sharding] if fixed.sharding is not None else list(SHARDING)
     usable = int((memory_bytes or cluster.memory_bytes) * (1 - headroom))
+    host_usable = int(cluster.host_memory_bytes * (1 - headroom))
     result = SearchResult(plans=[])
     fitting: list[Plan] = []
     started = last = time.monotonic()
@@ -317,24 +439,38 @@ def search(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, 
             result.rejected[reason] = result.rejected.get(reason, 0) + 1
             continue
         result.valid += 1
-        fits, leanest = _least_recompute(candidate, sizes, num_micro, ladder, usable, gpus_per_node)
-        if fits is not None:
-            fitting.append(fits)
-        elif result.closest is None or leanest.memory.total < result.closest.memory.total:
+        plans, leanest = _least_saving(candidate, sizes, num_micro, ladder, usable, host_usable, world, shardings,
+                                       gpus_per_node)
+        if plans:
+            fitting.append(plans)
+        elif leanest is not None and (result.closest is None or leanest.memory.total < result.closest.memory.total):
             result.closest = leanest
     result.fitting = len(fitting)
     if progress is not None:
         progress(f"memory: {result.considered} layouts considered, {len(fitting)} fit; estimating their step times "
                  f"({time.monotonic() - started:.0f} s)")
-    times = _step_times([(p.config, p.sizes) for p in fitting], cluster, gpus_per_node, efficiency, workers)
-    timed = [dataclasses.replace(plan, time=time) for plan, time in zip(fitting, times)]
-    timed.sort(key=lambda p: (-p.time.tokens_per_s_per_gpu, p.memory.total))
-    for plan in timed:   # the exact static bytes (bucket padding) of the fastest, until ``top`` still fit
-        exact = dataclasses.replace(plan, memory=_memory(plan.config, plan.sizes, plan.num_micro, True, gpus_per_node))
-        if exact.fits:
-            result.plans.append(exact)
+    # a fast estimate of every way each layout fits (the bubble from its expected fraction), then the simulated
+    # pipeline clock for the ways of the layouts that estimate ranks first
+    fast = [[estimate_step_time(p.config, p.sizes, cluster, gpus_per_node, efficiency, simulate=False).total
+             for p in plans] for plans in fitting]
+    order = sorted(range(len(fitting)), key=lambda i: min(fast[i]))[:max(SIMULATED_PER_TOP * top, 24)]
+    fitting = [fitting[i] for i in order]
+    flat = [p for plans in fitting for p in plans]
+    times = iter(_step_times([(p.config, p.sizes) for p in flat], cluster, gpus_per_node, efficiency, workers))
+    # each layout's ways to fit, fastest first; the layouts by their fastest
+    timed = [sorted((dataclasses.replace(p, time=next(times)) for p in plans),
+                    key=lambda p: -p.time.tokens_per_s_per_gpu) for plans in fitting]
+    timed.sort(key=lambda ways: (-ways[0].time.tokens_per_s_per_gpu, ways[0].memory.total))
+    for ways in timed:   # with the exact static bytes (bucket padding, FSDP's gathered units), until ``top`` fit
+        for plan in ways:
+            exact = dataclasses.replace(plan, memory=_memory(plan.config, plan.sizes, plan.num_micro, True,
+                                                                         gpus_per_node))
+            if exact.fits:
+                result.plans.append(exact)
+                break
         if len(result.plans) == top:
             break
+    result.plans.sort(key=lambda p: (-p.time.tokens_per_s_per_gpu, p.memory.total))
     return result
 
 

@@ -26,6 +26,20 @@ compute)``: the exchange is hidden up to the computation there is to hide it beh
 stays exposed, and the ``ep`` term drops by what is hidden. ``--delay-wgrad-compute`` also hides the backward
 exchange of a backward that runs alone behind its own weight-gradient GEMMs. The unpaired forwards and backwards
 (warm-up, cool-down, and at pp = 1 the first forward and the last backward) keep their exchanges exposed.
+
+Memory savers past ZeRO-1 (``training.plan.search.SHARDING``, the ladder's ``offload`` rung):
+
+- activation offloading: each chunk's offloaded bytes (``training.plan.profile``: what its offloaded modules save
+  for one micro-batch) cross PCIe (``Cluster.pcie_gbps``) to the host in its forward and back in its backward, on
+  side streams: exposed only beyond that action's compute (term ``offload``);
+- FSDP2: every micro-batch's forward all-gathers the chunk's parameters (compute dtype) over each kind's mesh, its
+  backward all-gathers them again (unless units stay gathered: pipelining, TorchTitan's default) and
+  reduce-scatters the gradients (main-grads dtype); FSDP prefetches the next unit while one computes, so the
+  exposed part is the first unit's or what does not fit behind the action's compute (term ``dp``, per action;
+  no step-end gradient sync);
+- optimizer offload: the CPU AdamW (read parameter, gradient, both moments, write three: 28 bytes per element over
+  ``Cluster.host_memory_gbps``) and the gradients' and parameters' PCIe copies, overlapped with the next step's
+  first forward of the buckets not offloaded (none at fraction 1) (term ``offload``).
 """
 
 from __future__ import annotations
@@ -41,7 +55,7 @@ from moefold.models.layer_factory import is_moe_block
 from moefold.models.recompute import full_recompute_groups
 from moefold.parallel.dims import ParallelSizes
 from moefold.pipeline.actions import Action
-from moefold.pipeline.schedules import Schedule, build_schedule
+from moefold.pipeline.schedules import V_SCHEDULES, Schedule, build_schedule, expected_bubble_fraction
 from moefold.pipeline.simulator import simulate
 from moefold.pipeline.stages import ChunkSpec
 from moefold.training.config import RunConfig
@@ -58,7 +72,7 @@ from moefold.training.plan.static import stage_numel
 # 0.5 keeps the estimate on the side of the MFU (30-45%) large MoE runs report with communication included.
 EFFICIENCY = 0.5
 
-TERMS = ("compute", "tp", "cp", "ep", "pp", "dp", "bubble")
+TERMS = ("compute", "tp", "cp", "ep", "pp", "dp", "offload", "bubble")
 OVERLAP = {
     "compute": "GEMM FLOPs (training.observe.flops; backward 2x forward; recompute's extra forward included) / "
                "(dense bf16 peak x EFFICIENCY)",
@@ -75,6 +89,9 @@ OVERLAP = {
     "dp": "gradient reduce-scatter overlaps the last micro-batch's backward except what does not fit behind it "
           "(at least the last bucket); parameter all-gather exposed, or with --overlap-param-gather overlapped "
           "with the first micro-batch's forward except the first bucket; kinds (dense, sp, expert) back to back",
+    "offload": "activation offloading: the PCIe copies beyond each action's compute (side streams); optimizer "
+               "offload: the CPU AdamW and its PCIe copies beyond the next forward's part that does not wait for "
+               "them",
     "bubble": "pipeline bubble: the critical rank's idle time on pipeline.simulator's clock, each action taking "
               "its compute + exposed communication",
 }
@@ -211,7 +228,7 @@ def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, li
     # (block, inside a full-recompute checkpoint, the last block of that checkpoint)
     blocks = [(i, ckpt, j == len(ids) - 1) for ids, ckpt in full_recompute_groups(list(chunk.layers), o)
               for j, i in enumerate(ids)]
-    if chunk.has_head:   # MTP blocks checkpoint themselves under full recompute
+    if chunk.has_mtp:   # MTP blocks checkpoint themselves under full recompute
         blocks += [(m.num_layers + d, o.recompute == "full", True) for d in range(m.mtp_num_layers)]
 
     def add(collectives: list[Collective], shared_experts: float = 0.0,
@@ -256,14 +273,76 @@ def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, li
         bwd["compute"] += 4 * m.hidden_size * m.vocab_size * per_rank_tokens / flop_s
     for c in comm.pipeline_collectives(config, sizes, chunk.model_chunk, last_model_chunk + 1):
         (fwd if c.phase == "forward" else bwd)["pp"] += links.seconds(c)
+    if o.offload_modules:   # the chunk's offloaded bytes, out in its forward and back in its backward
+        copy = _offloaded_bytes(config, sizes, chunk, last_model_chunk) / (links.cluster.pcie_gbps * 1e9)
+        fwd["offload"] += max(0.0, copy - fwd["compute"])
+        bwd["offload"] += max(0.0, copy - bwd["compute"])
+    if t.use_torch_fsdp2:
+        for phase, out in (("forward", fwd), ("backward", bwd)):
+            seconds, units = _fsdp_seconds(config, sizes, chunk, links, phase)
+            out["dp"] += max(seconds / max(units, 1), seconds - out["compute"])
     # the weight-gradient GEMMs of the backward take what the forward's GEMMs take (dw = dy^T x per y = x w^T)
     return _Action(dict(fwd)), _Action(dict(bwd), weight=fwd["compute"])
 
 
+def _offloaded_bytes(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, last_model_chunk: int) -> int:
+    """Host bytes one micro-batch's forward through ``chunk`` leaves (``training.plan.profile.chunk_profile``)."""
+    from moefold.training.plan.profile import activation_shape, chunk_profile
+
+    m = config.model
+    shape = activation_shape(config, sizes)
+    dispatcher = config.options.resolved_dispatcher(sizes.ep, sizes.etp)
+    kinds = tuple(is_moe_block(m, i) for i in chunk.layers)
+    received, sent = chunk.model_chunk > 0, chunk.model_chunk < last_model_chunk
+    return chunk_profile(shape, kinds, chunk.has_embedding, chunk.has_head, dispatcher, received, sent).offloaded
+
+
+def _fsdp_seconds(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, links: _Links, phase: str,
+                  ) -> tuple[float, int]:
+    """(seconds of FSDP2's collectives for one micro-batch through ``chunk`` in ``phase``, units in the chunk): the
+    parameters' all-gather (again in backward without pipelining) and the gradients' reduce-scatter."""
+    t = config.train
+    per_layer = _stage_numel_per_layer(config, sizes, chunk)
+    compute = 2 if t.bf16 else 4
+    grad = 2 if t.main_grads_dtype == "bf16" else 4
+    seconds = 0.0
+    for (kind, _), n in per_layer.items():
+        group = comm.KIND_GROUPS[kind]
+        if phase == "forward" or sizes.pp == 1:
+            seconds += links.seconds(Collective(group, "all_gather", n * compute, phase, "fsdp"))
+        if phase == "backward":
+            seconds += links.seconds(Collective(group, "reduce_scatter", n * grad, phase, "fsdp"))
+    return seconds, len(chunk.layers) + int(chunk.has_embedding) + int(chunk.has_head)
+
+
+def _stage_numel_per_layer(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec) -> dict[tuple[str, str], int]:
+    """Elements per (kind, dtype) of ``chunk``: the stage's, shared out by the chunk's part of its layers."""
+    numel = stage_numel(config, sizes, chunk.pp_rank)
+    chunks = rank_chunks(config, sizes, chunk.pp_rank)
+    layers = sum(len(c.layers) for c in chunks) or 1
+    share = max(len(chunk.layers), 1) / layers
+    return {k: int(n * share) for k, n in numel.items()}
+
+
 # ----------------------------------------------------------------------------------------------- data parallel
+def _cpu_adam_seconds(config: RunConfig, sizes: ParallelSizes, pp_rank: int, links: _Links,
+                      fwd_window: float) -> float:
+    """Optimizer offload's exposed seconds per step (module docstring)."""
+    t = config.train
+    group_size = {"dense": sizes.dp * sizes.cp, "sp": sizes.tp * sizes.cp * sizes.dp, "expert": sizes.edp}
+    owned = t.optimizer_offload_fraction * sum(n / group_size[kind]
+                                               for (kind, _), n in stage_numel(config, sizes, pp_rank).items())
+    cluster = links.cluster
+    grad, param = (2 if t.main_grads_dtype == "bf16" else 4), (2 if t.bf16 else 4)
+    host = owned * 28 / (cluster.host_memory_gbps * 1e9) + owned * (grad + param) / (cluster.pcie_gbps * 1e9)
+    return max(0.0, host - (1 - t.optimizer_offload_fraction) * fwd_window)
+
+
 def _dp_seconds(config: RunConfig, sizes: ParallelSizes, pp_rank: int, links: _Links, fwd_window: float,
                 bwd_window: float) -> float:
     t = config.train
+    if t.use_torch_fsdp2:   # FSDP's collectives are the actions' own (per micro-batch)
+        return 0.0
     rs: dict[str, list[float]] = defaultdict(list)
     ag: dict[str, list[float]] = defaultdict(list)
     for c in comm.grad_sync_collectives(config, sizes, stage_numel(config, sizes, pp_rank)):
@@ -348,9 +427,11 @@ def _makespan(name: str, pp: int, vpp: int, m: int, durations: Durations, overla
 
 
 def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, gpus_per_node: int,
-                       efficiency: float = EFFICIENCY) -> StepTime:
+                       efficiency: float = EFFICIENCY, simulate: bool = True) -> StepTime:
     """Seconds per step of ``config`` in layout ``sizes`` on ``cluster`` (module docstring); ValueError for a
-    layout the run would refuse (``RunConfig.resolve``)."""
+    layout the run would refuse (``RunConfig.resolve``). ``simulate=False``: the pipeline bubble from the schedule's
+    expected fraction (``pipeline.expected_bubble_fraction``, equal stage times) instead of the simulated clock,
+    a fast first estimate that the search ranks its candidates with."""
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency={efficiency!r} must be in (0, 1]")
     if not isinstance(gpus_per_node, int) or gpus_per_node < 1:
@@ -371,8 +452,16 @@ def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster
         critical, busy, hidden = 0, (makespan,), 0.0
     else:   # at pp = 1 with the overlap: F0, FB(1, 0), ..., B(m-1) on one rank
         name = config.schedule_name(vpp) if sizes.pp > 1 else "1f1b"
-        makespan, busy, hidden = _makespan(name, sizes.pp, vpp, m, durations, overlap, delay)
+        # the fast estimate has textbook bubbles for the one-chunk and interleaved schedules only: FB pairs and the
+        # V placement are simulated in either case
+        simulated = simulate or overlap or name in V_SCHEDULES
+        if simulated:
+            makespan, busy, hidden = _makespan(name, sizes.pp, vpp, m, durations, overlap, delay)
+        else:
+            busy, hidden = tuple(m * sum(f + b for f, b, *_ in rank) for rank in durations), 0.0
         critical = max(range(sizes.pp), key=lambda r: busy[r])
+        if not simulated:
+            makespan = busy[critical] / (1 - expected_bubble_fraction(name, sizes.pp, m, vpp))
     terms = dict.fromkeys(TERMS, 0.0)
     for f, b in actions[critical]:
         for term, seconds in (*f.terms.items(), *b.terms.items()):
@@ -381,7 +470,9 @@ def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster
     terms["bubble"] = max(0.0, makespan - busy[critical])
     fwd_window = sum(f.total for f, _ in actions[critical])
     bwd_window = sum(b.total for _, b in actions[critical])
-    terms["dp"] = _dp_seconds(config, sizes, critical, links, fwd_window, bwd_window)
+    terms["dp"] += _dp_seconds(config, sizes, critical, links, fwd_window, bwd_window)
+    if config.train.optimizer_cpu_offload:
+        terms["offload"] += _cpu_adam_seconds(config, sizes, critical, links, fwd_window)
     tokens = config.train.global_batch_size * config.train.seq_length
     flops = train_flops_per_token(config.model, config.train.seq_length) * tokens / sizes.world_size
     links = {}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moefold.parallel.dims import ParallelConfig, ParallelDims
-from moefold.training.checkpoint.sharded import complete_checkpoints
+from moefold.training.checkpoint.files import complete_checkpoints
 from tests.distributed import run_distributed
 from tests.training.trainer_common import run, tiny_config
 
@@ -43,7 +43,8 @@ def test_resume_is_bit_identical_and_half_written_dirs_are_ignored(tmp_path):
         assert torch.equal(params[k], v), k
     text = "\n".join(messages)
     assert "ignoring half-written checkpoint" in text and ".tmp-iter_0000004" in text, text
-    assert "iter_0000005 is damaged: no manifest.json" in text, text
+    # a directory newer than the tracker (latest_checkpointed_iteration.txt names 3) is not a candidate at all
+    assert "iter_0000005: newer than the iteration 3" in text, text
     assert "resumed from" in text and "iter_0000003" in text, text
 
 
@@ -76,19 +77,28 @@ def test_resume_at_other_layouts(tmp_path):
             assert (params[k] - v).abs().max().item() <= TOL, k
 
 
-def test_incompatible_model_names_the_tensor(tmp_path):
+def test_incompatible_model_names_the_field_and_the_tensor(tmp_path):
     save = str(tmp_path / "ckpt")
     run(tiny_config(save=save), stop_at=1)
     config = tiny_config()
     wider = config.model.with_(moe_ffn_hidden_size=2 * config.model.moe_ffn_hidden_size)
     import dataclasses
 
+    # the stored model config names the field; the tensor shapes (what a checkpoint without a config has) the tensor
+    with pytest.raises(ValueError, match=r"the model differs from the checkpoint's: moe_ffn_hidden_size 64 "
+                                         r"\(checkpoint: 32\)"):
+        run(dataclasses.replace(config, model=wider), load=save)
+    from moefold.models.decoder import MoEDecoder
+    from moefold.training.checkpoint.sharded import build_state, check_compatible
+
+    dims = ParallelDims.single()
     with pytest.raises(ValueError, match=r"tensor 'model\.layers\.1\.mlp\.experts\.\w+' has shape \([\d, ]+\) "
                                          r"but this model expects"):
-        run(dataclasses.replace(config, model=wider), load=save)
+        check_compatible(Path(save) / "iter_0000001", build_state(MoEDecoder(wider, dims), dims, None))
 
 
 def test_keep_last_and_atomic_names(tmp_path):
     save = tmp_path / "ckpt"
     run(tiny_config(save=str(save), save_interval=1, keep_last=2), stop_at=3)
-    assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000003"]
+    assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000003", "latest_checkpointed_iteration.txt"]
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "3\n"   # Megatron's tracker format

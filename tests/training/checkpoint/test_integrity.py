@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moefold.parallel.dims import ParallelDims
-from moefold.training.checkpoint import sharded as checkpoint_module
+from moefold.training.checkpoint import save as checkpoint_module
 from moefold.training.checkpoint.files import (
     MANIFEST,
     CheckpointError,
@@ -115,7 +115,7 @@ def test_crash_during_keep_last_leaves_nothing_loadable(saved, tmp_path):
     trainer = Trainer(tiny_config(save=str(save), keep_last=2), ParallelDims.single(), log=lambda _m: None)
     assert trainer.load(str(save)) and trainer.iteration == 3
     trainer.fit(tiny_data(), stop_at=4)
-    assert sorted(p.name for p in save.iterdir()) == ["iter_0000003", "iter_0000004"]
+    assert sorted(p.name for p in save.iterdir() if p.is_dir()) == ["iter_0000003", "iter_0000004"]
 
 
 def test_keep_last_never_keeps_a_damaged_checkpoint_over_an_intact_one(saved, tmp_path):
@@ -125,7 +125,7 @@ def test_keep_last_never_keeps_a_damaged_checkpoint_over_an_intact_one(saved, tm
     trainer = Trainer(tiny_config(save=str(save), keep_last=3), ParallelDims.single(), log=lambda _m: None)
     assert trainer.load(str(save)) and trainer.iteration == 3
     trainer.fit(tiny_data(), stop_at=4)   # keeps 4 and the two newest intact older ones: 3 and 1
-    assert sorted(p.name for p in save.iterdir()) == ["iter_0000001", "iter_0000003", "iter_0000004"]
+    assert sorted(p.name for p in save.iterdir() if p.is_dir()) == ["iter_0000001", "iter_0000003", "iter_0000004"]
 
 
 def test_resuming_before_a_damaged_checkpoint_rewrites_it(saved, tmp_path):
@@ -135,7 +135,7 @@ def test_resuming_before_a_damaged_checkpoint_rewrites_it(saved, tmp_path):
     trainer = Trainer(tiny_config(save=str(save), keep_last=1), ParallelDims.single(), log=lambda _m: None)
     assert trainer.load(str(save / "iter_0000001")) and trainer.iteration == 1
     trainer.fit(tiny_data(), stop_at=2)   # replaces the damaged iter_2; the newer iter_3 is not this run's to delete
-    assert sorted(p.name for p in save.iterdir()) == ["iter_0000002", "iter_0000003"]
+    assert sorted(p.name for p in save.iterdir() if p.is_dir()) == ["iter_0000002", "iter_0000003"]
     assert find_checkpoint(save / "iter_0000002", log=lambda _m: None)
 
 
@@ -173,7 +173,8 @@ def test_a_full_disk_during_a_save_is_named_cleaned_up_and_training_continues(mo
     assert ("saving checkpoint iter_0000002 failed: the disk is full (OSError: [Errno 28] No space left on device (in "
             "torch.distributed.checkpoint on rank 0)") in text, text
     assert f"no partial checkpoint is left in {save}; training continues, the next save tries again" in text, text
-    assert sorted(p.name for p in save.iterdir()) == ["iter_0000001", "iter_0000003"]   # no .tmp- left behind
+    # no .tmp- left behind
+    assert sorted(p.name for p in save.iterdir() if p.is_dir()) == ["iter_0000001", "iter_0000003"]
     # the last save must succeed: a run whose final checkpoint fails ends with the error
     _disk_full_during(monkeypatch, {3})
     with pytest.raises(CheckpointSaveError, match=r"iter_0000003 failed: the disk is full .* needs about [\d.]+ MiB"):
@@ -187,6 +188,28 @@ def test_a_save_checks_the_free_space_before_writing(monkeypatch, tmp_path):
                                                   r"about [\d.]+ MiB"):
         run(tiny_config(steps=1, save=str(tmp_path / "save")))
     assert list((tmp_path / "save").iterdir()) == []
+
+
+def test_a_disk_sized_for_keep_last_checkpoints_keeps_saving(monkeypatch, tmp_path):
+    """A disk with room for keep-last checkpoints and a half: the checkpoint keep-last would drop after a save is
+    retired before it, when the space is short (it used to fail every save after the keep-last-th)."""
+    ref, _, _ = run(tiny_config(steps=5))
+    save = tmp_path / "save"
+    run(tiny_config(steps=1, save=str(tmp_path / "probe")))
+    one = sum(f.stat().st_size for f in (tmp_path / "probe" / "iter_0000001").rglob("*") if f.is_file())
+
+    def free(_path) -> int:   # a 2.5-checkpoint disk: its capacity less what the save directory holds
+        used = sum(f.stat().st_size for f in save.rglob("*") if f.is_file()) if save.exists() else 0
+        return int(2.5 * one) - used
+
+    monkeypatch.setattr(checkpoint_module, "free_bytes", free)
+    messages: list[str] = []
+    losses, _, _ = run(tiny_config(steps=5, save=str(save), save_interval=1, keep_last=2), log=messages.append)
+    assert losses == ref
+    assert [m for m in messages if "failed" in m] == [], messages
+    assert [d.name for d in checkpoint_dirs(save)] == ["iter_0000004", "iter_0000005"]
+    assert any(m.startswith(f"saved checkpoint {save / 'iter_0000003'}") and m.endswith("removed iter_0000001")
+               for m in messages), messages
 
 
 def test_manifest_lists_every_file(saved):

@@ -21,7 +21,7 @@ from moefold.training.observe.memory import TensorMemoryTracker
 from moefold.training.optim.state_shards import flat_range_boxes
 from moefold.training.trainer import Trainer, named_full_params
 from tests.distributed import run_distributed
-from tests.training.trainer_common import run, tiny_config, tiny_data
+from tests.training.trainer_common import fit_results, run, tiny_config, tiny_data
 
 TOL = 1e-4   # across layouts (fp32); the same layout must be bit-identical
 
@@ -47,20 +47,20 @@ def _dp4(save: str, chain: str) -> dict:
     dims = ParallelDims.build(ParallelConfig())
     data = tiny_data()
     trainer = Trainer(tiny_config(), dims, log=lambda _m: None)   # 5 steps planned (the lr schedule), 4 run
-    uninterrupted = [r.loss_lm for r in trainer.fit(data, stop_at=4)]
+    uninterrupted = [r.loss_lm for r in fit_results(trainer, data, stop_at=4)]
     full_params = named_full_params(trainer.model)
     largest_param = max(p.numel() * p.element_size() for p in trainer.model.parameters())
     own_state = trainer.optimizer.state_bytes()
 
     first = Trainer(tiny_config(), dims, log=lambda _m: None)
-    losses = [r.loss_lm for r in first.fit(data, stop_at=2)]
+    losses = [r.loss_lm for r in fit_results(first, data, stop_at=2)]
     with TensorMemoryTracker() as saving:
         first.save(save)
     first.save(chain)   # (the same state, for the next layout)
     second = Trainer(tiny_config(), dims, log=lambda _m: None)
     with TensorMemoryTracker() as loading:
         second.load(save)
-    losses += [r.loss_lm for r in second.fit(data, stop_at=4)]
+    losses += [r.loss_lm for r in fit_results(second, data, stop_at=4)]
     resumed = named_full_params(second.model)
     return {"bitwise": losses == uninterrupted and all(torch.equal(resumed[k], v) for k, v in full_params.items()),
             "largest_param": largest_param, "own_state": own_state, "save": (saving.largest, saving.peak),

@@ -73,14 +73,60 @@ def test_resume_with_another_seq_length_is_refused_unless_the_data_position_rest
     capsys.readouterr()
     for flag, value in (("--seq-length", "16"), ("--seed", "5")):
         args = [*base, "--train-iters", "3", "--load", str(tmp_path / "ckpt"), flag, value]
-        assert cli_main(args) == 1
+        assert cli_main(args) == 2   # known before any rank starts: the checkpoint's meta.json says it
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and "moefold train: cannot resume from" in err, err
+        assert err.count("\n") == 1 and "moefold train: error: cannot resume from" in err, err
         old = {"--seq-length": "32", "--seed": "1234"}[flag]
         assert f"with {flag} {value} (checkpoint: {old}): the data order depends on them" in err, err
-        assert "pass --reset-data-position" in err and "full traceback: " in err, err
+        assert "pass --reset-data-position" in err, err
+    # Megatron's order also depends on the run's sizes, which a moefold-order checkpoint does not record as such
+    assert cli_main([*base, "--train-iters", "3", "--load", str(tmp_path / "ckpt"), "--data-order", "megatron",
+                     "--split", "90,10,0"]) == 2
+    err = capsys.readouterr().err
+    named = ("with --data-order megatron (checkpoint: moefold), --train-iters 3 (checkpoint: None), "
+             "--global-batch-size 4 (checkpoint: None), --split 90,10,0 (checkpoint: None): the data order")
+    assert err.count("\n") == 1 and named in err, err
     assert cli_main([*base, "--train-iters", "3", "--load", str(tmp_path / "ckpt"), "--seq-length", "16",
                      "--reset-data-position"]) == 0
     out = capsys.readouterr().out
     assert "--seq-length 16 (checkpoint: 32); the data position restarts at sample 0 of the new order" in out
     assert "resumed from" in out and "consumed_samples 0" in out
+
+
+def test_resume_refuses_another_model_naming_the_field_and_states_allowed_changes(corpus, tmp_path, capsys):
+    """The checkpoint stores the whole model config: --moe-router-topk 4 on a top-2 checkpoint (or another recipe)
+    is refused before any rank starts, naming the field; another --global-batch-size, learning-rate schedule or
+    aux-loss weight is allowed and said in one line each (as in Megatron)."""
+    base = [*BASE, "--data-path", corpus, "--run-dir", str(tmp_path / "run"), "--save", str(tmp_path / "ckpt")]
+    assert cli_main([*base, "--train-iters", "2"]) == 0
+    capsys.readouterr()
+    resume = [*base, "--train-iters", "3", "--load", str(tmp_path / "ckpt")]
+    for flags, named in ((["--moe-router-topk", "4"], "moe_topk 4 (checkpoint: 2)"),
+                         (["--num-experts", "16"], "num_experts 16 (checkpoint: 8)"),
+                         (["--recipe", "mixtral_tiny"], "--recipe mixtral_tiny (checkpoint: qwen3_moe_tiny)")):
+        assert cli_main([*resume, *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"moefold train: error: cannot resume from {tmp_path}/ckpt/"
+                                                       "iter_0000002: the model differs from the checkpoint's: "), err
+        assert named in err and "model:" not in err, err
+    assert cli_main([*resume, "--global-batch-size", "8", "--lr", "1e-3", "--moe-aux-loss-coeff", "0.01"]) == 0
+    out = capsys.readouterr().out
+    assert "note: resuming with moe_aux_loss_coeff 0.01 (checkpoint: 0.001)" in out, out
+    assert "note: --global-batch-size 8 (checkpoint: 4): the run continues at sample 8 of the same order" in out, out
+    assert "note: the learning-rate schedule differs from the checkpoint's run: --lr 0.001 (checkpoint: 0.003)" in out
+    assert "resumed from" in out
+
+
+def test_the_trainer_refuses_another_model_too(tmp_path):
+    """The same check where the ranks load (a resume that fell back to an older checkpoint is checked again)."""
+    import dataclasses
+
+    from moefold.training.trainer import Trainer
+    from tests.training.trainer_common import run, tiny_config
+
+    save = str(tmp_path / "ckpt")
+    run(tiny_config(save=save), stop_at=1)
+    config = tiny_config()
+    top3 = dataclasses.replace(config, model=config.model.with_(moe_topk=3))
+    with pytest.raises(ValueError, match=r"the model differs from the checkpoint's: moe_topk 3 \(checkpoint: 2\)"):
+        Trainer(top3, ParallelDims.single(), log=lambda _m: None).load(save)

@@ -49,10 +49,11 @@ def test_yaml_round_trip_repeats_the_run_bit_for_bit(tmp_path, data, one_thread)
     assert cli_main(["train", "--config", str(first / "config.yaml"), "--run-dir", str(again)]) == 0
     assert len(_losses(first)) == 4 and _losses(again) == _losses(first)   # bit-identical, not approximately
     assert yaml.safe_load((again / "config.yaml").read_text()) == written
-    def run_config(run_dir: Path) -> dict:   # the whole RunConfig each run recorded, but where it writes
-        lines = (run_dir / METRICS_FILE).read_text().splitlines()
+    def run_config(run_dir: Path) -> dict:   # the whole RunConfig each run recorded, but where it writes and
+        lines = (run_dir / METRICS_FILE).read_text().splitlines()   # which run it is (a repeat is another run)
         config = next(r for r in map(json.loads, lines) if r["kind"] == "run")["config"]
         config["train"].pop("run_dir")
+        config["train"].pop("run_id")
         return config
 
     assert run_config(again) == run_config(first)

@@ -70,3 +70,28 @@ def test_linear_attention_backend_flag_and_refusals(capsys, monkeypatch, tmp_pat
         assert cli([*base, *flags]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1 and err.startswith("moefold train: error:"), err
+
+
+def test_fp16_loss_scaling_flags_and_refusals(capsys, monkeypatch, tmp_path):
+    """--fp16 and Megatron's loss-scaling flags reach the trainer's scaler (dynamic, or static with --loss-scale);
+    contradictory or out-of-range values fail in one line before any rank starts."""
+    from moefold.training.cli import main as cli
+
+    run = _config("--fp16", "--initial-loss-scale", "1024", "--min-loss-scale", "4", "--loss-scale-window", "10",
+                  "--hysteresis", "3")
+    assert run.train.fp16 and not run.train.bf16
+    scaler = run.train.loss_scaler()
+    assert (scaler.scale, scaler.dynamic, scaler.min_scale, scaler.growth_interval, scaler.hysteresis) == (
+        1024.0, True, 4.0, 10, 3)
+    static = _config("--fp16", "--loss-scale", "256").train.loss_scaler()
+    assert (static.scale, static.dynamic) == (256.0, False)
+    assert _config().train.loss_scaler() is None
+    monkeypatch.setattr("moefold.training.cli.train.run_ranks", lambda *_a, **_k: pytest.fail("a rank was started"))
+    base = ["train", "--recipe", "mixtral_tiny", "--run-dir", str(tmp_path), "--no-save", "--train-iters", "1"]
+    for flags, message in ((["--fp16", "--bf16"], "--fp16 and --bf16 exclude each other"),
+                           (["--fp16", "--min-loss-scale", "0"], "--min-loss-scale=0.0 must be > 0"),
+                           (["--fp16", "--loss-scale-window", "0"], "loss_scale_window=0 must be a positive integer"),
+                           (["--fp16", "--loss-scale", "-1"], "loss scale -1.0 must be a finite number > 0")):
+        assert cli([*base, *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1 and err.startswith("moefold train: error:"), err

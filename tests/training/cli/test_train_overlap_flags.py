@@ -17,8 +17,6 @@ BAD = [  # (nproc, extra flags, what the message must say)
     (2, OVERLAP, "needs --expert-model-parallel-size > 1, got 1"),
     (2, [*OVERLAP, "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"],
      "runs with the alltoall and flex dispatchers, not --moe-token-dispatcher-type allgather"),
-    (2, [*OVERLAP, "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex",
-         "--moe-flex-dispatcher-backend", "deepep"], "not --moe-flex-dispatcher-backend deepep"),
     (2, ["--delay-wgrad-compute"], "--delay-wgrad-compute defers the experts' and attention's weight gradients"),
     (4, [*OVERLAP, "--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
      "needs virtual pipeline stages"),
@@ -30,7 +28,7 @@ BAD = [  # (nproc, extra flags, what the message must say)
          "2"], "would checkpoint several layers as one unit across their exchanges"),
     (2, [*OVERLAP, "--expert-model-parallel-size", "2", "--compile"], "--compile cannot be combined"),
     (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev"],
-     "runs 2 chunks per rank in V placement: set --num-layers-per-virtual-pipeline-stage=1"),
+     "runs 2 chunks per rank in V placement: give 2 x pp virtual stages"),
     (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1", "--moe-grouped-gemm-backend", "te"],
      "not Transformer Engine's"),
 ]

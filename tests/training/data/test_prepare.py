@@ -97,14 +97,18 @@ def test_idx_of_other_version_or_magic(small_corpus):
     raw = bytearray(i.read_bytes())
     raw[8:16] = struct.pack("<Q", 7)
     i.write_bytes(bytes(raw))
-    with pytest.raises(ValueError, match=r"c\.idx: index format version 7 is not supported .*version 1"):
+    with pytest.raises(ValueError, match=r"c\.idx: index format version 7 is not supported .*versions 1 and 2"):
         IndexedDataset(small_corpus)
     raw[0:8] = b"MMIDIDX\0"
     i.write_bytes(bytes(raw))
     with pytest.raises(ValueError, match=r"c\.idx: not a moefold index file \(magic b'MMIDIDX"):
         IndexedDataset(small_corpus)
-    i.write_bytes(bytes(raw[:HEADER_BYTES - 1]))
+    i.write_bytes(bytes(raw[:47]))
     with pytest.raises(ValueError, match="shorter than the 48-byte header"):
+        IndexedDataset(small_corpus)
+    raw[0:16] = b"MOEFIDX\0" + struct.pack("<Q", 2)   # version 2 cut inside its largest-id field
+    i.write_bytes(bytes(raw[:HEADER_BYTES - 1]))
+    with pytest.raises(ValueError, match=f"shorter than the {HEADER_BYTES}-byte header"):
         IndexedDataset(small_corpus)
 
 

@@ -50,7 +50,8 @@ def test_budget_scales_caps_and_reserves_and_stops_at_the_scripts_deadline():
 def test_installs_rerun_what_they_make_possible():
     assert gpu_check.rerun_plan(frozenset()) == ([], [])
     files, backends = gpu_check.rerun_plan(frozenset({"torchao", "transformer_engine"}))
-    assert files == ["test_fp8_cuda.py", "test_gemm_backends.py"] and backends == ["grouped_mm", "te"]
+    assert files == ["test_block_kernels_cuda.py", "test_fp8_cuda.py", "test_gemm_backends.py"]
+    assert backends == ["grouped_mm", "te"]
     assert gpu_check.rerun_plan(frozenset({"deep_ep"})) == (["test_deepep.py"], [])
 
 

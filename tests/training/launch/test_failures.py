@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from moefold.training.data.indexed import IndexedDatasetWriter
+from tests.training.launch.cli_runs import dead
 from tests.training.trainer_common import tiny_data
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -26,7 +27,8 @@ TWO_RANKS = ["--recipe", "qwen3_moe_tiny", "--num-layers", "2", "--vocab-size", 
 
 
 def _corpus(path: Path, bad: bool = False) -> Path:
-    """Learnable samples; ``bad``: token ids up to 299 under an .idx header that declares a vocabulary of 256."""
+    """Learnable samples; ``bad``: token ids up to 299 under an .idx header that declares a vocabulary of 256 and a
+    largest id of 255 (a lying header: pre-flight trusts it, the ranks find the ids when they read them)."""
     with IndexedDatasetWriter(path, 512 if bad else 256) as writer:
         rows = np.random.default_rng(0).integers(0, 300, (64, 33)) if bad else tiny_data(64)
         for row in rows:
@@ -35,6 +37,7 @@ def _corpus(path: Path, bad: bool = False) -> Path:
         idx = Path(f"{path}.idx")
         raw = bytearray(idx.read_bytes())
         raw[40:48] = (256).to_bytes(8, "little")
+        raw[48:56] = (255).to_bytes(8, "little")
         idx.write_bytes(bytes(raw))
     return path
 
@@ -61,14 +64,6 @@ def _rank_pids(proc: subprocess.Popen, until: str = "model:") -> list[int]:
     pytest.fail("the ranks did not start within 120 s")
 
 
-def _dead(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return True
-    return state in ("Z", "X")
-
-
 def test_a_stopped_rank_ends_the_job_naming_it(tmp_path):
     proc = _start(tmp_path, "--train-iters", "100000", "--heartbeat-timeout", "3")
     try:
@@ -85,23 +80,23 @@ def test_a_stopped_rank_ends_the_job_naming_it(tmp_path):
     assert len(lines) == 1 and re.search(r"moefold train: rank 1: no heartbeat for \d+s \(--heartbeat-timeout 3\): "
                                          r"the process is stopped or stuck; its last completed step was \d+", lines[0])
     assert took < 30, took
-    assert all(_dead(p) for p in pids)
+    assert all(dead(p) for p in pids)
 
 
 def test_killing_the_launcher_ends_its_ranks(tmp_path):
     proc = _start(tmp_path, "--train-iters", "100000")
     try:
         pids = _rank_pids(proc)
-        assert not any(_dead(p) for p in pids)
+        assert not any(dead(p) for p in pids)
         proc.kill()   # SIGKILL: the launcher gets no chance to clean up
         proc.wait()
         deadline = time.monotonic() + 20
-        while not all(_dead(p) for p in pids) and time.monotonic() < deadline:
+        while not all(dead(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert all(_dead(p) for p in pids), [p for p in pids if not _dead(p)]
+        assert all(dead(p) for p in pids), [p for p in pids if not dead(p)]
     finally:
         for p in pids if "pids" in locals() else []:
-            if not _dead(p):
+            if not dead(p):
                 os.kill(p, signal.SIGKILL)
 
 

@@ -1,0 +1,108 @@
+"""The checks ``moefold train`` runs on the flags before any rank starts that need the world size: the layout
+(sizes, batch arithmetic, pipeline split, model divisibility: ``validate_layout``, which ``moefold plan`` applies
+to every layout it considers), the optional GPU backends the flags choose (``check_backends``), and the flex
+dispatcher's DeepEP backend resolved once for every rank (``resolve_flex``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from moefold.dense.gated_delta_rule import require_fla
+from moefold.parallel.dims import ParallelSizes
+from moefold.training.config import RunConfig
+
+
+def validate(config: RunConfig, world_size: int, source: str | None = None) -> None:
+    """Everything checkable without starting ranks: layout sizes, batch arithmetic, model divisibility, and that
+    the chosen GPU backends are installed. ``source``: how the world was chosen (``layout_errors.world_source``)."""
+    sizes = validate_layout(config, world_size, source)
+    check_backends(config, sizes.ep, sizes.etp)
+    if config.train.compile and config.options.offload_modules:
+        raise ValueError("--compile with --fine-grained-activation-offloading: the compiled blocks would not run the "
+                         "saved-tensor hooks that offload their activations; drop one of them")
+
+
+def validate_layout(config: RunConfig, world_size: int, source: str | None = None) -> ParallelSizes:
+    """The layout checks of ``validate`` (sizes, batch arithmetic, pipeline split, model divisibility), without the
+    installed-backend checks: what ``moefold plan`` applies to every layout it considers. With ``source`` (how
+    the world was chosen: ``--nproc 1, the default``), a bad size is explained by ``layout_errors.explain``: the
+    valid sizes for the model and the world the flags need."""
+    from moefold.models.layer_factory import check_layout
+    from moefold.parallel.dims import ParallelDims
+    from moefold.training.cli.layout_errors import explain
+
+    if source is not None and (message := explain(config, world_size, source)):
+        raise ValueError(message)
+
+    try:
+        sizes, _ = config.resolve(world_size)
+    except ValueError as exc:
+        t = config.train
+        if config.parallel.pp > 1 and any(word in str(exc) for word in ("schedule", "num_layers", "pipeline")):
+            uneven = "".join(f", --decoder-{k}-pipeline-num-layers={v}" for k, v in
+                             (("first", t.decoder_first_pipeline_num_layers),
+                              ("last", t.decoder_last_pipeline_num_layers)) if v is not None)
+            if t.pipeline_model_parallel_layout is not None:
+                uneven += f", --pipeline-model-parallel-layout={t.pipeline_model_parallel_layout!r}"
+            raise ValueError(f"{exc} (--num-layers={config.model.num_layers}, --pipeline-model-parallel-size="
+                             f"{config.parallel.pp}, --num-layers-per-virtual-pipeline-stage="
+                             f"{t.num_layers_per_virtual_pipeline_stage}{uneven}, --global-batch-size="
+                             f"{t.global_batch_size}, --micro-batch-size={t.micro_batch_size})") from exc
+        raise
+    from moefold.training.optim.fsdp import check_fsdp
+
+    check_fsdp(config.train, config.options, world_size)
+    try:
+        check_layout(config.model, ParallelDims(sizes=sizes), config.options)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (--tensor-model-parallel-size={sizes.tp}, --context-parallel-size={sizes.cp}, "
+                         f"--expert-model-parallel-size={sizes.ep}, --expert-tensor-parallel-size={sizes.etp})"
+                         ) from exc
+    return sizes
+
+
+def check_backends(config: RunConfig, ep: int, etp: int) -> None:
+    """The optional GPU backends the flags choose are installed and can run here (ImportError /
+    ValueError / RuntimeError naming what to install or use instead), before any rank starts."""
+    from moefold.moe.gemm import check_gemm_backend
+
+    if config.train.compile:
+        from moefold.training.compile import compile_unavailable
+
+        reason = compile_unavailable("cuda" if torch.cuda.is_available() else "cpu")
+        if reason is not None:
+            raise RuntimeError(reason)
+    o = config.options
+    if config.model.num_experts:
+        check_gemm_backend(o.gemm_backend, o.torch_dtype)
+        if o.resolved_dispatcher(ep, etp) == "flex":
+            from moefold.dispatch.flex_backend import resolve_flex_backend
+
+            resolve_flex_backend(o.moe_flex_dispatcher_backend)
+    if o.linear_attention_backend == "fla" and "linear_attention" in (config.model.layer_types or ()):
+        require_fla()
+    o.fp8.check_available()
+
+
+def resolve_flex(config: RunConfig, world_size: int) -> tuple[RunConfig, str | None]:
+    """With the flex dispatcher: ``config`` with ``--moe-flex-dispatcher-backend auto`` replaced by the installed
+    DeepEP's backend (so every rank runs the same one) and the start-up line that states it; else (config, None)."""
+    from moefold.dispatch.flex_backend import describe_flex_backend, resolve_flex_backend
+    from moefold.moe.gemm import needs_host_counts
+
+    sizes, _ = config.resolve(world_size)
+    o = config.options
+    if not config.model.num_experts or o.resolved_dispatcher(sizes.ep, sizes.etp) != "flex":
+        return config, None
+    backend = resolve_flex_backend(o.moe_flex_dispatcher_backend)
+    if backend == "deepep":
+        from moefold.dispatch.deepep_elastic import check_elastic_layout
+
+        check_elastic_layout(config.model.hidden_size, config.model.num_experts, sizes.ep, sizes.etp, o.fp8.dispatch)
+    config = dataclasses.replace(config, options=dataclasses.replace(o, moe_flex_dispatcher_backend=backend))
+    cpu_sync = o.moe_deepep_cpu_sync if o.moe_deepep_cpu_sync is not None else (
+        needs_host_counts(o.gemm_backend) or o.fp8.enabled)
+    return config, describe_flex_backend(backend, hybrid=o.moe_deepep_mode == "hybrid", cpu_sync=cpu_sync,
+                                         num_sms=o.moe_deepep_num_sms)
