@@ -47,7 +47,7 @@ setup(
         # FP8 training's default backend (--fp8-backend torchao): pure Python, no torch pin, CPU and CUDA
         "fp8": ["torchao==0.18.0"],
         # built against the installed torch: pip install --no-build-isolation -e ".[gpu]". DeepEP is not on
-        # PyPI under its authors' name: it is built from source (README, "On GPUs").
+        # PyPI under its authors' name: it is built from source (docs/gpus.md, "On GPUs").
         "gpu": ["transformer-engine[pytorch]", "grouped-gemm"],
     },
     entry_points={"console_scripts": ["moefold=moefold.training.cli:main"]},

@@ -82,7 +82,7 @@ DEEPEP_V2_VERSION = "2.1.0"
 V2_INSTALL_HINT = ("the flex dispatcher's deepep backend needs DeepEP V2 (deep_ep >= 2.0 with ElasticBuffer; not on "
                    "PyPI): pip install 'nvidia-nccl-cu13>=2.30.4' --no-deps (cu12 for CUDA 12), then "
                    "`python setup.py install` in a https://github.com/deepseek-ai/DeepEP checkout (kernels are built "
-                   "at run time, no CUDA build at install); README: On GPUs")
+                   "at run time, no CUDA build at install); docs/gpus.md")
 MAX_EXPERTS, MAX_LOCAL_EXPERTS = 2048, 256      # WorkspaceLayout::kNumMaxExperts / kNumMaxExpertsPerRank
 
 

@@ -24,7 +24,7 @@ from moefold.moe.block_gemm import BlockScaledGroupedGemm, _BlockScaledGroupedMM
 from moefold.parallel.fp8 import FP8Config
 from tests.gpu.rehearsal import capability, cuda_only
 
-pytest.importorskip("torchao", reason="the block-scaled recipes need torchao (README: On GPUs, carried wheels)")
+pytest.importorskip("torchao", reason="the block-scaled recipes need torchao (docs/gpus.md: the GPU check)")
 RECIPES = {"blockwise": (lambda cap: cap >= (9, 0), "sm90+"), "mxfp8": (lambda cap: cap[0] == 10, "sm100")}
 
 

@@ -8,7 +8,7 @@
   CUDA's sync debug mode set to "error" (the synchronisations torch makes raise; DeepEP's own C++ makes none on
   its ``do_cpu_sync=False`` path, which no CPU tool can see).
 
-Skipped without ``deep_ep`` (not on PyPI: built from source, see README "On GPUs"). Run it in a pytest process of
+Skipped without ``deep_ep`` (not on PyPI: built from source, see docs/gpus.md, "On GPUs"). Run it in a pytest process of
 its own (the GPU check does): its ranks are forked, which needs a parent that has not initialised CUDA. In a
 rehearsal (tests/gpu/rehearsal.py) ``deep_ep`` is the CPU stand-in of DeepEP 2.x (both APIs:
 tests/dispatch/deepep_elastic_standin.py and deepep_standin.py: DeepEP's signatures, plain arithmetic over gloo)
@@ -30,7 +30,7 @@ H = 32   # DeepEP V2: rows of a multiple of 32 bytes (e4m3 with FP8 dispatch)
 @pytest.fixture
 def deep_ep(monkeypatch):
     gpu_library("deep_ep", monkeypatch)
-    return pytest.importorskip("deep_ep", reason="the flex dispatcher needs DeepEP (README: On GPUs)")
+    return pytest.importorskip("deep_ep", reason="the flex dispatcher needs DeepEP (docs/gpus.md: On GPUs)")
 
 
 def _dispatchers(backend: str, group, fp8: bool, alignment: int):

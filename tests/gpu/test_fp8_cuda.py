@@ -6,7 +6,7 @@
   per-expert path (same casts; only the accumulation differs);
 - a decoder training step in bf16 with FP8 GEMMs and FP8 dispatch stays close to bf16.
 
-Skipped without torchao (carry its wheel to a GPU machine: README "On GPUs"). In a rehearsal
+Skipped without torchao (carry its wheel to a GPU machine: docs/gpus.md, "The GPU check"). In a rehearsal
 (tests/gpu/rehearsal.py) everything runs on the CPU (torch's emulated ``_scaled_mm``), the grouped
 kernel through the CPU emulation of ``torch._scaled_grouped_mm`` that tests/moe/test_fp8_gemm.py checks.
 """
@@ -27,7 +27,7 @@ from moefold.moe.fp8_gemm import Float8GroupedGemm
 from moefold.parallel.fp8 import FP8Config
 from tests.gpu.rehearsal import REHEARSAL, capability
 
-pytest.importorskip("torchao", reason="--fp8-backend torchao needs torchao (README: On GPUs, carried wheels)")
+pytest.importorskip("torchao", reason="--fp8-backend torchao needs torchao (docs/gpus.md: the GPU check)")
 
 
 def _fp8_units() -> None:

@@ -105,7 +105,7 @@ def test_every_recipe_builds_on_meta():
 
 
 def test_family_counts():
-    """Exact counts of issue 33's published recipes (what the README's recipe table prints)."""
+    """Exact counts of issue 33's published recipes (what the recipe table of docs/models.md prints)."""
     oss = _count("gpt_oss_120b")
     # OpenAI's model card: 116.83B total, 5.13B active; attention 0.96B, MLP (experts + router) 114.71B
     assert round(oss.total / 1e9, 2) == 116.83 and round(oss.active_without_embedding / 1e9, 2) == 5.13

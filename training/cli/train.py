@@ -264,7 +264,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_recovery_arguments(p: argparse.ArgumentParser) -> None:
-    """Saving on preemption, background saves, and writing over another run (README "Failures and recovery")."""
+    """Saving on preemption, background saves, and writing over another run (docs/failures.md)."""
     g = p.add_argument_group("checkpoints, stops and other runs")
     g.add_argument("--async-save", action="store_true",
                    help="write --save-interval checkpoints in the background (torch.distributed.checkpoint."
@@ -289,7 +289,7 @@ def add_recovery_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_memory_arguments(p: argparse.ArgumentParser) -> None:
-    """Past ZeRO-1 (README "Optimizer, precision and memory"): activation offloading, FSDP2, optimizer offload."""
+    """Past ZeRO-1 (docs/memory.md): activation offloading, FSDP2, optimizer offload."""
     g = p.add_argument_group("memory: activation offloading, FSDP, optimizer offload")
     g.add_argument("--fine-grained-activation-offloading", action="store_true",
                    help="keep what --offload-modules save for backward in (pinned) host memory, copied on side streams "

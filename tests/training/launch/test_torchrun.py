@@ -1,4 +1,4 @@
-"""``moefold train`` under torchrun (``python -m torch.distributed.run``), on 127.0.0.1 with gloo, as the README's
+"""``moefold train`` under torchrun (``python -m torch.distributed.run``), on 127.0.0.1 with gloo, as docs/training.md's
 multi-node command runs it: ``--standalone``, two agents with a c10d rendezvous (``--nnodes 2 --nproc-per-node
 2``) whose losses equal ``--nproc 4`` at the same layout, a SIGTERM to the agent (what a scheduler sends) that
 the workers answer with a checkpoint, and ``--max-restarts 1`` restarting the group after a rank is killed, the

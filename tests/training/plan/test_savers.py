@@ -74,7 +74,7 @@ def test_optimizer_offload_static_bytes_equal_the_trainers(fraction: float) -> N
 
 # ----------------------------------------------------------------------------------------------- step time
 def _big(**train) -> object:
-    """Qwen3-30B-A3B's recipe at tp2 x cp2 x pp2 x ep4 on 8 GPUs (the README's first example)."""
+    """Qwen3-30B-A3B's recipe at tp2 x cp2 x pp2 x ep4 on 8 GPUs (docs/planner.md's first example)."""
     from moefold.models.recipes import get_recipe
     from moefold.training.config import RunConfig, TrainConfig
 
@@ -105,7 +105,7 @@ def test_step_time_terms_of_the_savers() -> None:
 
 # ----------------------------------------------------------------------------------------------- search
 def test_the_fixed_layout_needs_and_commands() -> None:
-    """The README's Qwen3-30B-A3B layout fits under ZeRO-1 only with full recompute; optimizer offload lets it run
+    """The planner page's Qwen3-30B-A3B layout fits under ZeRO-1 only with full recompute; optimizer offload lets it run
     without recompute, faster; the report says so and the command carries the flags, which `moefold train` parses."""
     base = _big()
     h100 = CLUSTERS["h100"]
