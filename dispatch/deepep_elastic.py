@@ -290,12 +290,11 @@ class ElasticCombineExchange(TokenExchange):
 
 @dataclass(frozen=True)
 class ElasticPrep:
-    """``prepare_dispatch``'s frozen result: the dispatch exchange, the call's settings, the token count and whether
-    the combine weights the rows."""
+    """``prepare_dispatch``'s frozen result: the dispatch exchange (it holds the call's settings) and the token
+    count. Whether the combine weights the rows is what arrives: the weights travel only when it does."""
 
     exchange: ElasticDispatchExchange
     num_tokens: int
-    weighted_combine: bool
 
 
 @dataclass(frozen=True)
@@ -384,7 +383,7 @@ class ElasticFlexDispatcher(TokenDispatcher):
                            self.cpu_sync)
         exchange = ElasticDispatchExchange(buffer, topk_idx.contiguous(), call, self.fp8)
         sent = (x_TH, probs_TK) if weighted_combine else (x_TH,)
-        return sent, ElasticPrep(exchange, num_tokens, weighted_combine)
+        return sent, ElasticPrep(exchange, num_tokens)
 
     def dispatch_exchange(self, prep: ElasticPrep) -> ElasticDispatchExchange:
         return prep.exchange
