@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moefold.dense.context_parallel import split_for_context_parallel
+from moefold.dense.grad_accumulation import enable_grad_accumulation_fusion
 from moefold.models.decoder import MoEDecoder
 from moefold.models.layer_factory import is_moe_block
 from moefold.models.options import ModelOptions
@@ -137,7 +138,9 @@ def build_optimizer(model: MoEDecoder, config: RunConfig, dims: ParallelDims,
     embed_group = embedding_group(model, dims)
     precision = t.optimizer_precision()
     sync = GradSync(model.named_parameters(), dims, bucket_numel=t.bucket_numel, overlap=t.overlap_grad_reduce,
-                    grad_dtype=precision.dtype("main_grads"), copies_group=embed_group)
+                    grad_dtype=precision.dtype("main_grads"), copies_group=embed_group,
+                    fusion=t.gradient_accumulation_fusion)
+    enable_grad_accumulation_fusion(model, t.gradient_accumulation_fusion)
     optimizer = DistributedAdamW(sync, dims, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                  weight_decay=t.weight_decay, precision=precision, model=model,
                                  overlap_param_gather=t.overlap_param_gather)

@@ -171,6 +171,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "activation fused); compile time is printed")
     t.add_argument("--no-overlap-grad-reduce", action="store_true",
                    help="reduce gradients after the backward instead of bucket by bucket during it")
+    t.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction,
+                   default=_T.gradient_accumulation_fusion,
+                   help="weight-gradient GEMMs write (first micro-batch) or add (later ones) straight into the fp32 "
+                        "main-grad buffer: no per-step zeroing pass, no separate gradient to add "
+                        "(--no-gradient-accumulation-fusion: autograd's gradients added into a zeroed buffer)")
     t.add_argument("--overlap-param-gather", action="store_true",
                    help="all-gather updated parameters during the next forward (each module waits for its own)")
     for flag, field in (("--main-grads-dtype", "main_grads_dtype"), ("--exp-avg-dtype", "exp_avg_dtype"),
