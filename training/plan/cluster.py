@@ -1,4 +1,4 @@
-"""What the planner assumes about the machines: memory, dense bf16 throughput and link bandwidths per GPU.
+"""What the planner assumes about the machines: memory, dense bf16 / FP8 throughput, HBM and link bandwidths per GPU.
 
 A ``Cluster`` is one GPU type in one network: every figure is *per GPU*; bandwidths are GB/s (1e9 bytes/s) in
 one direction. ``nvlink_gbps`` serves groups whose ranks share a node, ``internode_gbps`` groups that span nodes
@@ -11,6 +11,8 @@ another machine::
     bf16_tflops = 989          # dense (no sparsity), per GPU
     nvlink_gbps = 450          # per GPU, one direction
     internode_gbps = 50        # per GPU, one direction
+    fp8_tflops = 1979          # dense FP8 peak; 0 or absent: no FP8 tensor cores (FP8 GEMMs at the bf16 rate)
+    hbm_gbps = 3350            # memory bandwidth (bounds thin GEMMs and the elementwise kernels)
     source = "where the figures come from"
 
 Sizes are decimal unless they say otherwise (``parse_bytes``: GB = 1e9 bytes, GiB = 2**30).
@@ -39,14 +41,19 @@ class Cluster:
     nvlink_gbps: float       # to a GPU of the same node
     internode_gbps: float    # to a GPU of another node
     source: str
+    fp8_tflops: float = 0.0  # dense FP8 tensor-core peak; 0: none (FP8 GEMMs run at the bf16 rate)
+    hbm_gbps: float = 3350.0  # HBM bandwidth (default: an H100 SXM's 3.35 TB/s)
 
     def __post_init__(self) -> None:
         if not isinstance(self.memory_bytes, int) or self.memory_bytes < 1:
             raise ValueError(f"cluster {self.name!r}: memory_bytes={self.memory_bytes!r} must be a positive integer")
-        for name in ("bf16_tflops", "nvlink_gbps", "internode_gbps"):
+        for name in ("bf16_tflops", "nvlink_gbps", "internode_gbps", "hbm_gbps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"cluster {self.name!r}: {name}={value!r} must be a positive number")
+        value = self.fp8_tflops
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"cluster {self.name!r}: fp8_tflops={value!r} must be a number >= 0 (0: no FP8 units)")
 
     def link_gbps(self, spans_nodes: bool) -> float:
         """Bandwidth per GPU of a group that stays in one node (NVLink) or spans nodes (network)."""
@@ -57,19 +64,21 @@ CLUSTERS: dict[str, Cluster] = {c.name: c for c in (
     Cluster("h100", 80 * 10**9, 989.0, 450.0, IB_NDR_PER_GPU,
             "NVIDIA H100 SXM5 datasheet: 80 GB HBM3, BF16 tensor core 1,979 TFLOP/s with sparsity = 989 dense, "
             "NVLink 900 GB/s bidirectional = 450 per direction; network: 8 x 400 Gb/s NDR InfiniBand per node "
-            "(DGX H100) = 50 GB/s per GPU"),
+            "(DGX H100) = 50 GB/s per GPU; FP8 3,958 with sparsity = 1,979 dense; HBM3 3.35 TB/s",
+            fp8_tflops=1979.0, hbm_gbps=3350.0),
     Cluster("h200", 141 * 10**9, 989.0, 450.0, IB_NDR_PER_GPU,
             "NVIDIA H200 SXM datasheet: 141 GB HBM3e, BF16 1,979 TFLOP/s with sparsity = 989 dense, NVLink "
             "900 GB/s bidirectional = 450 per direction; network: 8 x 400 Gb/s NDR InfiniBand per node "
-            "(DGX H200) = 50 GB/s per GPU"),
+            "(DGX H200) = 50 GB/s per GPU; FP8 1,979 dense; HBM3e 4.8 TB/s", fp8_tflops=1979.0, hbm_gbps=4800.0),
     Cluster("h800", 80 * 10**9, 989.0, 200.0, IB_NDR_PER_GPU,
             "NVIDIA H800 SXM5 = H100 SXM5 with NVLink cut to 400 GB/s bidirectional = 200 per direction "
             "(80 GB, 989 dense BF16 TFLOP/s); network: 8 x 400 Gb/s InfiniBand per node = 50 GB/s per GPU, "
-            "as the DeepSeek-V3 technical report describes its H800 cluster"),
+            "as the DeepSeek-V3 technical report describes its H800 cluster; FP8 1,979 dense, HBM3 3.35 TB/s",
+            fp8_tflops=1979.0, hbm_gbps=3350.0),
     Cluster("a100", 80 * 10**9, 312.0, 300.0, IB_HDR_PER_GPU,
             "NVIDIA A100 SXM4 80GB datasheet: 80 GB HBM2e, BF16 tensor core 312 TFLOP/s dense, NVLink 600 GB/s "
             "bidirectional = 300 per direction; network: 8 x 200 Gb/s HDR InfiniBand per node (DGX A100) "
-            "= 25 GB/s per GPU"),
+            "= 25 GB/s per GPU; no FP8 tensor cores; HBM2e 2.04 TB/s", fp8_tflops=0.0, hbm_gbps=2039.0),
 )}
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -91,7 +100,8 @@ def parse_bytes(text: str) -> int:
     return value
 
 
-_TOML_KEYS = {"name", "memory", "memory_bytes", "bf16_tflops", "nvlink_gbps", "internode_gbps", "source"}
+_TOML_KEYS = {"name", "memory", "memory_bytes", "bf16_tflops", "nvlink_gbps", "internode_gbps", "fp8_tflops",
+              "hbm_gbps", "source"}
 
 
 def load_cluster(spec: str) -> Cluster:
@@ -120,4 +130,5 @@ def load_cluster(spec: str) -> Cluster:
     memory = parse_bytes(data["memory"]) if "memory" in data else data["memory_bytes"]
     return Cluster(name=str(data.get("name", path.stem)), memory_bytes=memory, bf16_tflops=data["bf16_tflops"],
                    nvlink_gbps=data["nvlink_gbps"], internode_gbps=data["internode_gbps"],
-                   source=str(data.get("source", f"{path} (no source given)")))
+                   source=str(data.get("source", f"{path} (no source given)")), fp8_tflops=data.get("fp8_tflops", 0.0),
+                   hbm_gbps=data.get("hbm_gbps", Cluster.hbm_gbps))
