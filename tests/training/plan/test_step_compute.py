@@ -106,3 +106,13 @@ def test_fp8_runs_at_its_own_rate_and_the_exchange_overlap_hides_ep():
 def test_estimate_within_tolerance_of_the_published_run(run):
     estimate = run.estimate()
     assert abs(estimate / run.measured - 1) <= TOLERANCE, (run.name, estimate, run.measured)
+
+
+def test_gemm_efficiency_benchmark_measures_and_fits(capsys):
+    from benchmarks import gemm_efficiency
+
+    argv = ["--device", "cpu", "--peak-tflops", "1", "--hbm-gbps", "10", "--scale", "64", "--iters", "1"]
+    assert gemm_efficiency.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# machine: ") and "# fp8 skipped: " in out and "# fitted bf16: compute_share=" in out
+    assert sum(line.startswith("bf16 ") for line in out.splitlines()) == len(BF16_H100)
