@@ -31,9 +31,11 @@ from moefold.models.options import ModelOptions
 from moefold.models.recipes import RECIPES, get_recipe
 from moefold.moe.config import DISPATCHERS
 from moefold.moe.gemm import GEMM_BACKENDS
+from moefold.parallel.allocator import tune_cpu_allocator
 from moefold.parallel.dims import ParallelConfig, ParallelSizes
 from moefold.parallel.fp8 import add_fp8_arguments, fp8_config_from_args
 from moefold.parallel.init import launched_by_torchrun, launched_world_size
+from moefold.parallel.machine import bf16_slower_notice, describe_machine
 from moefold.training.cli.config_file import write_effective_config
 from moefold.training.cli.layout_errors import world_source
 from moefold.training.cli.model_flags import UPCYCLING_FLAGS, add_model_arguments, apply_model_flags, given_model_flags
@@ -411,6 +413,13 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if int(os.environ.get("RANK", "0")) == 0:
         print(describe_parameters(config.model), flush=True)
+    if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
+        allocator = tune_cpu_allocator()   # before any rank starts: they inherit it
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"{describe_machine()}; host allocator: {allocator}", flush=True)
+            notice = bf16_slower_notice() if config.train.bf16 else None
+            if notice:
+                print(f"moefold train: {notice}", file=sys.stderr, flush=True)
     if launched_by_torchrun() and args.nproc > 1:
         print(f"moefold train: launched by torchrun (world {world}); ignoring --nproc {args.nproc}", file=sys.stderr)
     try:
