@@ -208,7 +208,7 @@ def profile_top(step: Callable[[], None], top: int) -> None:
         step()
     events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     total = sum(e.self_cpu_time_total for e in events) or 1
-    print(f"#   top ops of one moefold step (self CPU, {total / 1e3:.0f} ms profiled):")
+    print(f"#   top ops of one step (self CPU, {total / 1e3:.0f} ms profiled):")
     for e in events[:top]:
         share = 100 * e.self_cpu_time_total / total
         print(f"#     {e.key[:44]:44} {e.self_cpu_time_total / 1e3:8.1f} ms {share:5.1f}% x{e.count}")

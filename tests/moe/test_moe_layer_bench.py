@@ -22,6 +22,6 @@ def test_moe_layer_benchmark_prints_the_machine_and_every_row():
     assert out.startswith("# machine: ") and "cpu capability" in out and "allocator" in out
     rows = [line for line in out.splitlines() if line.startswith("fp32")]
     assert len(rows) == 2 and all("eager" in r for r in rows), out
-    assert out.count("top ops of one moefold step") == 2 and "expert row layouts chosen" in out
+    assert out.count("top ops of one step") == 2 and "expert row layouts chosen" in out
     megatron = moe_layer.megatron_available()
     assert (megatron is None) == all(r.split()[-1] != "-" for r in rows), out   # the peer's column when installed
