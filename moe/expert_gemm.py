@@ -67,13 +67,14 @@ def grouped_input_grad(dy_PM: Tensor, w_eMK: Tensor, rows: ExpertRows) -> Tensor
 def grouped_weight_grad(x_PK: Tensor, dy_PM: Tensor, rows: ExpertRows, target_eMK: Tensor, accumulate: bool) -> None:
     """``target[i] = dy_i^T x_i`` (or ``+=`` with ``accumulate``) for every expert; zero for one without rows."""
     e, M, K = target_eMK.shape
-    if rows.uniform and rows.total:
-        out = target_eMK.transpose(1, 2)
-        x3, dy3 = x_PK.view(e, -1, K).transpose(1, 2), dy_PM.view(e, -1, M)
+    if rows.uniform and rows.total and target_eMK.is_contiguous():
+        # dy^T x straight into the [e, M, K] target: with a transposed output oneDNN has no bf16 batched kernel
+        # and runs its reference loop (thousands of times slower: 7.7 s instead of 1.5 ms for 16 x 128 x 256 x 512)
+        x3, dy3 = x_PK.view(e, -1, K), dy_PM.view(e, -1, M).transpose(1, 2)
         if accumulate:
-            out.baddbmm_(x3, dy3)
+            target_eMK.baddbmm_(dy3, x3)
         else:
-            torch.bmm(x3, dy3, out=out)
+            torch.bmm(dy3, x3, out=target_eMK)
         return
     for i, b in enumerate(rows.blocks):
         if b == 0 and not accumulate:

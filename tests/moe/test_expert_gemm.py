@@ -50,6 +50,20 @@ def test_grouped_linear_layouts_equal_the_per_expert_reference(kind):
     assert dw[1].abs().max() == 0   # the expert without rows
 
 
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_uniform_bf16_weight_grad_into_contiguous_and_strided_targets(accumulate):
+    """The batched weight gradient (uniform layout) in bf16, into the [e, M, K] target and a strided one."""
+    rows = ExpertRows.build(COUNTS, "uniform")
+    gen = torch.Generator().manual_seed(1)
+    x = pad_rows(torch.randn(sum(COUNTS), 12, generator=gen), rows).bfloat16()
+    dy = pad_rows(torch.randn(sum(COUNTS), 7, generator=gen), rows).bfloat16()
+    want = torch.stack([dy[s:s + b].float().T @ x[s:s + b].float() for s, b in zip(rows.starts, rows.blocks)])
+    start = torch.ones(len(COUNTS), 7, 12) if accumulate else torch.zeros(len(COUNTS), 7, 12)
+    for target in (start.bfloat16(), start.bfloat16().transpose(1, 2).contiguous().transpose(1, 2)):
+        expert_gemm.grouped_weight_grad(x, dy, rows, target, accumulate)
+        torch.testing.assert_close(target.float(), want + start, atol=0.1, rtol=0.02)
+
+
 def test_swiglu_rows_equals_autograd_bit_for_bit():
     h = torch.randn(9, 10, generator=torch.Generator().manual_seed(2), requires_grad=True)
     g = torch.randn(9, 5, generator=torch.Generator().manual_seed(3))
