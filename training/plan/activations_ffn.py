@@ -8,13 +8,14 @@ top-k / E of the tokens; with ``--moe-expert-capacity-factor``, each expert its 
                              group on its 1/etp of every expert's FFN)
 
 What it keeps: the router's fp32 scores; the row map (int64 per copy); the experts' input rows (the GEMM keeps
-them), the ``[N_e, 2f]`` gate/up output, SwiGLU's silu and product (``f = ffn / etp``; ``moe_act`` recompute keeps
-only the gate/up output); the rows that come home for the weighted combine (``dispatch.permutation.unpermute``
-keeps them to give the routing probs their gradient: ``N_h`` rows with alltoall, the experts' own output rows
-with allgather and flex, whose combine weights on the expert side); the shared experts like a dense MLP (two
-gathers under SP: its gate and up projections gather separately). The all-to-all's send and receive buffers are
-freed once the rows are permuted and live only in the forward (``fwd_extra``). ``moe`` recompute keeps the
-layer's input only.
+them), the ``[N_e, 2f]`` gate/up output, SwiGLU's product (w2's input) and, where autograd runs the activation,
+its silu too (``f = ffn / etp``; ``moe.swiglu`` on the default GEMM path saves only the gate/up output; ``moe_act``
+recompute keeps only the gate/up output); the rows that come home for the weighted combine
+(``dispatch.permutation.unpermute`` keeps them to give the routing probs their gradient: ``N_h`` rows with
+alltoall, the experts' own output rows with allgather and flex, whose combine weights on the expert side); the
+shared experts like a dense MLP (two gathers under SP: its gate and up projections gather separately). The
+all-to-all's send and receive buffers are freed once the rows are permuted and live only in the forward
+(``fwd_extra``). ``moe`` recompute keeps the layer's input only.
 """
 
 from __future__ import annotations
@@ -59,6 +60,14 @@ def router(shape: ActivationShape) -> dict[str, int]:
     return out
 
 
+def _own_swiglu(shape: ActivationShape) -> bool:
+    """The experts run ``moe.swiglu`` (default grouped_mm GEMMs, no FP8, plain SwiGLU), which saves only its
+    input; autograd's activation (FP8, TE, GPT-OSS's clamped variant) also keeps ``silu(gate)``."""
+    m, o = shape.model, shape.options
+    return (o.gemm_backend == "grouped_mm" and not o.fp8.enabled and m.moe_swiglu_alpha in (None, 1.0)
+            and m.moe_activation_clamp is None and not m.moe_glu_linear_offset)
+
+
 def moe(shape: ActivationShape, dispatcher: str) -> Part:
     """``moe.layer.MoELayer`` with ``dispatcher`` ("local", "alltoall", "allgather" or "flex")."""
     m, a, H = shape.model, shape.a, shape.model.hidden_size
@@ -75,7 +84,9 @@ def moe(shape: ActivationShape, dispatcher: str) -> Part:
         inner["row sort index"] = 8 * rows
     act = "moe_act" in shape.chosen
     inner["experts gate/up output"] = a * rows * 2 * f
-    if not act:
+    if not act and _own_swiglu(shape):
+        inner["experts product"] = a * rows * f
+    elif not act:
         inner["experts silu, product"] = 2 * a * rows * f
     combine_rows = home if dispatcher in ("alltoall", "local") else rows
     inner["combine rows (for the probs' gradient)"] = a * combine_rows * H
