@@ -23,6 +23,7 @@ flat model). Nothing here crosses ranks: the collectives are ``training.plan.com
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from moefold.models.config import ModelConfig
 from moefold.models.layer_factory import is_moe_block
@@ -118,13 +119,19 @@ def elementwise_bytes(c: ModelConfig, moe: bool, fp8: bool) -> float:
 def block_gemms(config: RunConfig, sizes: ParallelSizes, index: int) -> list[Gemm]:
     """The GEMMs of block ``index`` (an MTP block past ``num_layers``: with its 2H -> H projection) for one
     micro-batch on one rank."""
+    m = config.model
+    return list(_gemms(config, sizes, is_moe_block(m, index), index >= m.num_layers))
+
+
+@lru_cache(maxsize=1024)
+def _gemms(config: RunConfig, sizes: ParallelSizes, moe: bool, mtp: bool) -> tuple[Gemm, ...]:
     m, t = config.model, config.train
     rows = t.micro_batch_size * t.seq_length / sizes.cp
     sp_rows = rows / sizes.tp
-    gemms = _attention_gemms(m, rows, sizes.tp) + _ffn_gemms(m, is_moe_block(m, index), rows, sp_rows, sizes)
-    if index >= m.num_layers:
+    gemms = _attention_gemms(m, rows, sizes.tp) + _ffn_gemms(m, moe, rows, sp_rows, sizes)
+    if mtp:
         gemms.append(Gemm("mtp", rows, m.hidden_size / sizes.tp, 2 * m.hidden_size))
-    return gemms
+    return tuple(gemms)
 
 
 def _fp8(config: RunConfig, module: str, g: Gemm) -> bool:
@@ -154,12 +161,19 @@ def block_compute(config: RunConfig, sizes: ParallelSizes, index: int, cluster: 
                   recompute: frozenset[str], flops_only: float | None = None) -> BlockCompute:
     """Seconds of block ``index`` (module docstring). ``score_macs``: core attention's multiply-adds per token;
     ``recompute``: the selectively recomputed modules; ``flops_only``: FLOP/s of the flat model, or None."""
+    m = config.model
+    return _block_compute(config, sizes, is_moe_block(m, index), index >= m.num_layers, cluster, score_macs,
+                          recompute, flops_only)
+
+
+@lru_cache(maxsize=4096)   # a model's blocks come in few kinds; the search times thousands of layouts
+def _block_compute(config: RunConfig, sizes: ParallelSizes, moe: bool, mtp: bool, cluster: Cluster,
+                   score_macs: float, recompute: frozenset[str], flops_only: float | None) -> BlockCompute:
     m, t = config.model, config.train
-    moe = is_moe_block(m, index)
     tokens = t.micro_batch_size * t.seq_length / (sizes.tp * sizes.cp)
     core_flops = 2 * score_macs * tokens
     fwd = bwd = again = shared = 0.0
-    for g in block_gemms(config, sizes, index):
+    for g in _gemms(config, sizes, moe, mtp):
         if flops_only:
             f, b = g.flops / flops_only, 2 * g.flops / flops_only
         else:
