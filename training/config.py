@@ -51,7 +51,7 @@ class TrainConfig:
     decoder_first_pipeline_num_layers: int | None = None   # pp > 1: layers on the first stage (None: even split)
     decoder_last_pipeline_num_layers: int | None = None    # pp > 1: layers on the last stage (None: even split)
     overlap_grad_reduce: bool = True
-    gradient_accumulation_fusion: bool = True  # weight-gradient GEMMs write the main-grad buffer (dense.grad_accumulation)
+    gradient_accumulation_fusion: bool = True  # weight-gradient GEMMs write main grads (dense.grad_accumulation)
     overlap_param_gather: bool = False         # the parameter all-gather waits in the next forward, per module
     # optimizer precision (Megatron's names; training.optim.precision.OptimizerPrecision)
     main_grads_dtype: str = "fp32"

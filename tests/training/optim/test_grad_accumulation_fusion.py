@@ -46,7 +46,7 @@ def _fused_weights(trainer: Trainer) -> list[torch.Tensor]:
 
 
 def _compare(fusion_runs, tol: float) -> None:
-    (l0, p0, t0), (l1, p1, t1) = fusion_runs
+    (l0, p0, _), (l1, p1, _) = fusion_runs
     torch.testing.assert_close(torch.tensor(l1), torch.tensor(l0), atol=tol, rtol=tol)
     for name, v in p0.items():
         torch.testing.assert_close(p1[name], v, atol=tol, rtol=tol, msg=name)
@@ -142,7 +142,8 @@ def test_fused_step_writes_gradients_with_gemms_only():
     n = len(weights)
     # an expert that got no rows in the first micro-batch has its slice zeroed: the only non-GEMM write allowed
     expert_slices = {w.numel() // w.shape[0] for w in weights if w.dim() > 2}
-    on_weights = [op for op, j, numel in writes if j < n and not (op == "aten.zero_.default" and numel in expert_slices)]
+    on_weights = [op for op, j, numel in writes
+                  if j < n and not (op == "aten.zero_.default" and numel in expert_slices)]
     assert on_weights and set(on_weights) <= GEMM_WRITES, sorted(set(on_weights))
     # the first micro-batch writes (mm / bmm out=), the later three accumulate
     assert sum(op.endswith(".out") for op in on_weights) * 3 <= sum(op.endswith("_.default") for op in on_weights)
