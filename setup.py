@@ -35,9 +35,12 @@ setup(
         "pyyaml",  # moefold train --config FILE, and each run's RUN_DIR/config.yaml
     ],
     extras_require={
-        # setuptools: tests/test_packaging.py builds the wheel without build isolation (>= 70.1 needs no `wheel`)
+        # setuptools: tests/test_packaging.py builds the wheel without build isolation (>= 70.1 needs no `wheel`);
+        # megatron-core: the tests compare data order, checkpoints, conventions and bf16 numerics with Megatron's
+        # own code (its wheel needs only torch, numpy, packaging; psutil: its dist_checkpointing save path)
         "test": ["pytest", "pytest-timeout", "ruff", "import-linter==2.17", "transformers", "tensorboard",
-                 "torchao==0.18.0", "datasets==5.2.0", "setuptools==84.2.1"],
+                 "torchao==0.18.0", "datasets==5.2.0", "setuptools==84.2.1", "megatron-core==0.16.1",
+                 "psutil==7.2.2"],
         # prepare-data --hf-dataset: datasets saved with save_to_disk, local Parquet / JSON (imported only then)
         "datasets": ["datasets==5.2.0"],
         # FP8 training's default backend (--fp8-backend torchao): pure Python, no torch pin, CPU and CUDA

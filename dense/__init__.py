@@ -37,6 +37,7 @@ from moefold.dense.rope import (
     yarn_attention_factor,
     yarn_softmax_mscale,
 )
+from moefold.dense.split_backward import DeferredWeightGrads, WeightGradStore, install_weight_grad_store
 
 __all__ = [
     # dense core: linear layers, RoPE, norm, embedding/head/loss, MLP, block, recompute
@@ -48,6 +49,7 @@ __all__ = [
     "vocab_parallel_cross_entropy", "masked_mean",
     "DenseMLP", "MLPConfig", "MLP_ACTIVATIONS",
     "TransformerBlock", "RECOMPUTE_MODES", "check_recompute", "checkpointed",
+    "WeightGradStore", "DeferredWeightGrads", "install_weight_grad_store",
     # attention (GQA, MLA) and context parallelism
     "AttentionConfig", "MLAConfig", "GQAAttention", "MLAttention", "CoreAttention", "local_attention",
     "CP_COMM_MODES", "split_for_context_parallel", "context_parallel_positions", "gather_from_context_parallel",

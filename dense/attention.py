@@ -118,7 +118,8 @@ class GQAAttention(nn.Module):
         rows = weight[first_row:first_row + h * d]
         if norm.zero_centered_gamma:   # RMSNorm's order: (1 + weight) in fp32, one cast
             return (x32 * (1.0 + rows.float())).to(x_SBhd.dtype).view(S, B, h, d)
-        return (rows * x32.to(x_SBhd.dtype)).view(S, B, h, d)
+        # the weight multiply in fp32 and one rounding, as dense.norm.rms_norm (the unsplit path) does
+        return (rows.to(torch.float32) * x32).to(x_SBhd.dtype).view(S, B, h, d)
 
     def _qk(self, x: Tensor, S: int, B: int) -> tuple[Tensor, Tensor | None, Tensor]:
         """q ``[S, B, h/tp, d]``, the output gate ``[S, B, h/tp, d]`` (None without ``output_gate``) and

@@ -63,6 +63,9 @@ class TransformerBlock(nn.Module):
         return checkpointed(self.mlp, h, enabled=self.recompute_ffn, **ffn_kwargs)
 
     def _body(self, x: Tensor, position_ids: Tensor, **ffn_kwargs: Any) -> tuple[Tensor, Any]:
+        # The residual stream stays in the activations' dtype (bf16 under --bf16): each add is exact in fp32
+        # and rounded once, as Megatron-Core's default (fp32_residual_connection=False, bias-dropout-add in the
+        # activations' dtype) and HF do; the norms read it in fp32 (dense.norm.rms_norm).
         x = x + self._after_norm(self.input_layernorm, x, lambda h: self.self_attn(h, position_ids))
         out = self._after_norm(self.post_attention_layernorm, x, lambda h: self._ffn(h, **ffn_kwargs))
         out, extra = out if isinstance(out, tuple) else (out, None)

@@ -29,7 +29,17 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, *, sc
                     sliding_window: int | None = None, sinks: Tensor | None = None) -> Tensor:
     """Causal attention over this rank's (whole) sequence. q ``[B, h, S, d]``, k ``[B, g, S, d]``,
     v ``[B, g, S, dv]`` with ``h % g == 0``; returns ``[B, h, S, dv]``. ``sinks [h]``: attention sinks
-    (the sequence is the contiguous positions 0..S-1 then, as everywhere without CP). Nothing crosses ranks."""
+    (the sequence is the contiguous positions 0..S-1 then, as everywhere without CP). Nothing crosses ranks.
+
+    An fp32 island of the bf16 path: the scores and their softmax are fp32 in every kernel SDPA takes for
+    bf16 here: FlashAttention-2 and the memory-efficient kernel on CUDA and the CPU flash kernel accumulate
+    q k^T and keep the softmax statistics in fp32 (the probabilities are rounded to bf16 only as the
+    operand of the product with v); the math kernel (MLA's unequal head dims on the CPU) upcasts q, k and v
+    to fp32 (torch's ``allow_fp16_bf16_reduction_math_sdp`` is off by default). With sinks, and under context
+    parallelism, moefold's block kernels return an fp32 log-sum-exp and merge blocks in fp32
+    (``dense.attention_kernels``). Megatron-Core keeps the softmax in fp32 likewise
+    (``attention_softmax_in_fp32=True``; TE's fused attention).
+    """
     if sinks is not None:
         return fused_local_attention(q, k, v, scale=scale, sliding_window=sliding_window, sinks=sinks)
     mask = None if sliding_window is None else position_mask(position_ids, position_ids, sliding_window)

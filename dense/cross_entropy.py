@@ -4,6 +4,11 @@ Each tp rank holds logits for its vocabulary slice ``[r * V/tp, (r + 1) * V/tp)`
 three scalars cross ranks (all-reduces over the tp group, in fp32): the max logit, the
 target's logit (only its owner contributes) and the sum of exponentials. The backward needs
 no communication: ``softmax - one_hot(target)`` restricted to the local slice.
+
+An fp32 island of the bf16 path: bf16 logits are upcast (``upcast_logits``) before the max, the
+exponentials and their sum, as Megatron-Core's ``VocabParallelCrossEntropy`` does
+(``calculate_logits_max``: ``vocab_parallel_logits.float()``) and HF's ``ForCausalLMLoss``
+(``logits.float()``); only the logits' gradient returns in their dtype.
 """
 
 from __future__ import annotations
@@ -20,6 +25,11 @@ def _all_reduce_(x: Tensor, group: Group, op: dist.ReduceOp) -> None:
         dist.all_reduce(x, op=op, group=group)
 
 
+def upcast_logits(logits: Tensor) -> Tensor:
+    """The logits the loss is computed from: fp32 (a copy for bf16 logits, the tensor itself for fp32)."""
+    return logits.float()
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Forward: per-token ``logsumexp(logits) - logits[target]`` over the vocab split across ``group``.
     Backward: ``(softmax - one_hot(target)) * grad`` on the local slice, in the logits' dtype."""
@@ -28,7 +38,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits: Tensor, labels: Tensor, group: Group) -> Tensor:
         v_local = logits.shape[-1]
         start = group_rank(group) * v_local
-        logits32 = logits.float()
+        logits32 = upcast_logits(logits)
         max_logit = logits32.max(dim=-1).values
         _all_reduce_(max_logit, group, dist.ReduceOp.MAX)
         shifted = logits32 - max_logit.unsqueeze(-1)

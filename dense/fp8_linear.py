@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from moefold.dense.grad_accumulation import fused_linear
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
+from moefold.dense.split_backward import SplitWeights, WeightGradStore, accumulate_or_defer, weight_inputs
 from moefold.parallel.fp8 import FP8Config, import_te
 from moefold.parallel.fp8_cast import Float8Recipe, quantize, scaled_mm
 from moefold.parallel.fp8_region import require_region
@@ -49,16 +50,17 @@ class _Float8Linear(torch.autograd.Function):
     """``x [M, K] @ w[N, K]^T`` with every GEMM operand cast by ``gemm``'s recipe (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, gemm: Float8LinearGemm) -> Tensor:
+    def forward(ctx, x: Tensor, w: Tensor, gemm: Float8LinearGemm, split: SplitWeights | None,
+                _anchor: Tensor | None) -> Tensor:
         ctx.save_for_backward(x, w)
-        ctx.gemm = gemm
+        ctx.gemm, ctx.split = gemm, split   # split backward: w detached (dense.split_backward.weight_inputs)
         r = gemm.recipe
         qx, sx = gemm.cast(x, r.input, contract=1, sharded=(gemm.token_group, gemm.in_group))
         qw, sw = gemm.cast(w, r.weight, contract=1, sharded=(gemm.out_group, gemm.in_group))
         return scaled_mm(qx, sx, qw.t(), sw.t(), x.dtype, r.fast_accum_forward)
 
     @staticmethod
-    def backward(ctx, gy: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+    def backward(ctx, gy: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:
         x, w = ctx.saved_tensors
         gemm: Float8LinearGemm = ctx.gemm
         r = gemm.recipe
@@ -69,12 +71,18 @@ class _Float8Linear(torch.autograd.Function):
             q_dy = gemm.cast(gy, r.grad_output, contract=1, sharded=gy_sharded)
             qw, sw = gemm.cast(w, r.weight, contract=0, sharded=(gemm.out_group, gemm.in_group))
             gx = scaled_mm(*q_dy, qw, sw, x.dtype)
-        if ctx.needs_input_grad[1]:  # dw = dy^T @ x: contracts the tokens M (a tensorwise cast is the same)
-            reuse = q_dy is not None and not r.grad_output.rowwise
-            qg, sg = q_dy if reuse else gemm.cast(gy, r.grad_output, contract=0, sharded=gy_sharded)
+        reuse = q_dy if q_dy is not None and not r.grad_output.rowwise else None
+
+        def weight_grad() -> tuple[Tensor]:  # dw = dy^T @ x: contracts the tokens M (a tensorwise cast is the same)
+            qg, sg = reuse if reuse is not None else gemm.cast(gy, r.grad_output, contract=0, sharded=gy_sharded)
             qx, sx = gemm.cast(x, r.input, contract=0, sharded=(gemm.token_group, gemm.in_group))
-            gw = scaled_mm(qg.t(), sg.t(), qx, sx, w.dtype)
-        return gx, gw, None
+            return (scaled_mm(qg.t(), sg.t(), qx, sx, w.dtype),)
+
+        if ctx.split is not None:   # split backward: now or deferred (its casts too)
+            accumulate_or_defer(gemm.store, ctx.split.edges, weight_grad)
+        elif ctx.needs_input_grad[1]:
+            (gw,) = weight_grad()
+        return gx, gw, None, None, None
 
 
 class Float8LinearGemm:
@@ -89,6 +97,11 @@ class Float8LinearGemm:
                  token_group: Group = None) -> None:
         self.recipe = recipe
         self.in_group, self.out_group, self.token_group = in_group, out_group, token_group
+        self.store: WeightGradStore | None = None   # split backward (dense.split_backward)
+
+    def use_weight_grad_store(self, store: WeightGradStore) -> None:
+        """Split backward: defer the weight gradient GEMM (its casts too) while ``store`` defers."""
+        self.store = store
 
     def cast(self, t: Tensor, cast: Any, contract: int, sharded: tuple[Group, Group]) -> tuple[Tensor, Tensor]:
         """Cast the 2-D ``t`` for a GEMM contracting its dim ``contract``; ``sharded`` = (groups of dim 0,
@@ -99,7 +112,8 @@ class Float8LinearGemm:
 
     def __call__(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
         lead = x.shape[:-1]
-        y = _Float8Linear.apply(x.reshape(-1, x.shape[-1]), w, self)
+        (w_in,), split = weight_inputs(self.store, w)
+        y = _Float8Linear.apply(x.reshape(-1, x.shape[-1]), w_in, self, split, None if split is None else split.anchor)
         y = y.view(*lead, w.shape[0])
         return y if b is None else y + b
 

@@ -194,8 +194,10 @@ class CausalConv1d(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """HF ``Qwen3NextRMSNormGated``: ``(weight * rms_norm(x)) * silu(z)``, statistics and the gate in fp32, in HF's
-    order of casts. forward(x ``[..., d]``, z ``[..., d]``, weight) -> ``[..., d]`` in x's dtype."""
+    """HF ``Qwen3NextRMSNormGated``: ``(weight * rms_norm(x)) * silu(z)``, computed in fp32 and rounded once
+    (the fp32 island of ``dense.norm.rms_norm``; HF rounds the normalised value first, Megatron-Core's
+    ``GatedDeltaNet._apply_gated_norm`` rounds after its norm and multiplies the gate in fp32; in fp32 all
+    three are the same operations). forward(x ``[..., d]``, z ``[..., d]``, weight) -> ``[..., d]`` in x's dtype."""
 
     def __init__(self, dim: int, eps: float, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
@@ -208,7 +210,7 @@ class GatedRMSNorm(nn.Module):
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return ((weight * x32.to(dtype)) * F.silu(z.float())).to(dtype)
+        return ((weight.to(torch.float32) * x32) * F.silu(z.float())).to(dtype)
 
 
 class GatedDeltaNet(nn.Module):

@@ -14,6 +14,8 @@ The local GEMM is ``layer.local_gemm(x, weight, bias)``: ``F.linear``, or an FP8
 ``dense.fp8_linear.convert_linears_to_fp8`` installs once after the model is built (the weight and
 its dtype stay as they are). ``use_grad_accumulation_fusion`` (``dense.grad_accumulation``) swaps ``F.linear`` for
 ``fused_linear``, whose weight gradient goes straight into the trainer's main-grad buffer.
+its dtype stay as they are). ``use_weight_grad_store`` (split backward, ``dense.split_backward``)
+wraps it so that the weight gradient can be deferred.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moefold.dense.grad_accumulation import fused_linear
+from moefold.dense.split_backward import WeightGradStore, split_local_gemm
 from moefold.parallel.comm import (
     all_gather_sequence,
     copy_to_region,
@@ -96,6 +99,9 @@ class ColumnParallelLinear(nn.Module):
     def use_grad_accumulation_fusion(self, enabled: bool = True) -> bool:
         """Weight gradient into the main-grad buffer (``dense.grad_accumulation``); False for an FP8 GEMM."""
         return _use_fusion(self, enabled)
+    def use_weight_grad_store(self, store: WeightGradStore) -> None:
+        """Split backward: defer this layer's weight (and bias) gradient while ``store`` defers."""
+        self.local_gemm = split_local_gemm(self.local_gemm, store)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, tp={group_size(self.tp_group)}, "
@@ -156,6 +162,9 @@ class RowParallelLinear(nn.Module):
     def use_grad_accumulation_fusion(self, enabled: bool = True) -> bool:
         """Weight gradient into the main-grad buffer (``dense.grad_accumulation``); False for an FP8 GEMM."""
         return _use_fusion(self, enabled)
+    def use_weight_grad_store(self, store: WeightGradStore) -> None:
+        """Split backward: defer this layer's weight (and bias) gradient while ``store`` defers."""
+        self.local_gemm = split_local_gemm(self.local_gemm, store)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, tp={group_size(self.tp_group)}, "

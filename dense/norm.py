@@ -1,5 +1,16 @@
-"""RMSNorm with fp32 statistics, numerically the HF ``LlamaRMSNorm`` family (Qwen3, Mixtral, DeepSeek-V3), and
-its zero-centred-gamma variant (HF ``Qwen3NextRMSNorm``, Megatron's ``--apply-layernorm-1p``).
+"""RMSNorm computed in fp32 from statistics to weight, rounded once (Megatron-Core's norms; HF ``LlamaRMSNorm``'s math),
+and its zero-centred-gamma variant (HF ``Qwen3NextRMSNorm``, Megatron's ``--apply-layernorm-1p``).
+
+An fp32 island of the bf16 path: ``rms_norm`` upcasts the input, takes the mean square, normalises and
+multiplies by the weight in fp32, and rounds to the input dtype once at the end. That is what Megatron-Core
+0.16.1 computes with either of its norms: Transformer Engine's RMSNorm kernel (``rmsnorm_fwd_kernels.cuh``:
+``z = output_t(gamma * (rs * x))`` in ``compute_t`` = fp32) and the torch fallback of its local spec
+(``torch.nn.RMSNorm`` -> ``torch.rms_norm``, which computes in fp32 and rounds once as well). HF's
+``LlamaRMSNorm`` family rounds the normalised value to bf16 before the weight multiply, a second rounding;
+on the bf16 tiny recipes that rounding is the largest single source of moefold's former excess error over
+Megatron-Core (benchmarks/RESULTS.md, "bf16 numerics"). In fp32 the two orders are the same operations, so
+fp32 results (and the fp32 parity with HF) are unchanged. The zero-centred variant was computed in fp32 and
+rounded once already (HF ``Qwen3NextRMSNorm``'s order).
 
 The weight is replicated across TP. Under sequence parallelism each rank normalises only its
 sequence shard, so the weight's gradient is partial: the ``sequence_parallel`` flag marks it
@@ -14,12 +25,24 @@ from torch import Tensor, nn
 from moefold.parallel.sharding import mark_sequence_parallel
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float, *, zero_centered_gamma: bool = False) -> Tensor:
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim (``(1 + weight) * ...`` with
+    ``zero_centered_gamma``), computed in fp32 and rounded once to ``x.dtype``.
+
+    x ``[..., hidden]``, weight ``[hidden]`` (any float dtypes). The fp32 island of every norm in the model
+    (see the module docstring); nothing crosses ranks.
+    """
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centered_gamma:
+        return (x32 * (1.0 + weight.float())).to(x.dtype)
+    return (weight.to(torch.float32) * x32).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """``weight * (x / sqrt(mean(x^2) + eps))`` over the last dim.
 
-    forward(x [..., hidden]) -> [..., hidden] in ``x.dtype``: statistics in fp32, the normalised
-    value cast back to the input dtype, then multiplied by the weight (HF order, so bf16 results
-    match HF bit for bit).
+    forward(x [..., hidden]) -> [..., hidden] in ``x.dtype`` (``rms_norm``: fp32 throughout, one rounding).
 
     ``zero_centered_gamma``: the stored weight is ``gamma - 1`` (initialised to 0, so weight decay pulls the
     scale towards 1, not 0) and the output is ``(x_normalised * (1 + weight))`` computed in fp32 and cast
@@ -43,12 +66,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.hidden:
             raise ValueError(f"RMSNorm(hidden={self.hidden}) got an input of shape {tuple(x.shape)}")
-        input_dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.zero_centered_gamma:
-            return (x32 * (1.0 + self.weight.float())).to(input_dtype)
-        return self.weight * x32.to(input_dtype)
+        return rms_norm(x, self.weight, self.eps, zero_centered_gamma=self.zero_centered_gamma)
 
     def extra_repr(self) -> str:
         return f"{self.hidden}, eps={self.eps}" + (", zero_centered_gamma" if self.zero_centered_gamma else "")

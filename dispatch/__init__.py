@@ -26,11 +26,13 @@ from moefold.dispatch.permutation import (
     unpermute,
 )
 from moefold.dispatch.routing import Routing
+from moefold.dispatch.token_exchange import AllToAllExchange, Arrival, InFlight, TokenExchange, exchange_with_grad
 
 __all__ = [
     "Routing", "TokenDispatcher", "Dispatched", "DispatchHandle", "PendingDispatch", "PhaseTimer",
     "LocalDispatcher", "AllToAllDispatcher", "AllToAllHandle", "AllGatherDispatcher", "AllGatherHandle",
     "ExchangePlan", "exchange_tokens", "return_tokens",
+    "TokenExchange", "AllToAllExchange", "InFlight", "Arrival", "exchange_with_grad",
     "build_dispatcher", "DISPATCHER_KINDS",
     "RowMap", "mask_groups", "group_counts", "build_row_map", "permute", "unpermute",
     "chunk_sort_index", "sort_chunks",

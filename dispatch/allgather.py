@@ -128,6 +128,7 @@ class AllGatherDispatcher(TokenDispatcher):
     """
 
     name = "allgather"
+    staged = False   # the tokens and routing travel in one all-gather inside dispatch_start
 
     def __init__(self, num_experts: int, ep_group: Group = None, etp_group: Group = None,
                  etp_ep_group: Group = None, timer: PhaseTimer | None = None, fp8: bool = False):
@@ -191,7 +192,8 @@ class AllGatherDispatcher(TokenDispatcher):
         self._check_combine(expert_out_NH, handle, AllGatherHandle)
         assert isinstance(handle, AllGatherHandle)
         with self._phase("unpermute"):
-            # each rank weights and sums the copies of its experts: [W * max_tokens, H] partial outputs
+            # each rank weights and sums the copies of its experts: [W * max_tokens, H] partial outputs, fp32 for
+            # bf16 rows (combine_dtype), so the reduce-scatter adds them up in fp32 as Megatron-Core's does
             partial = unpermute(expert_out_NH, handle.row_map, handle.probs_g)
         with self._phase("communicate"):
             y = reduce_scatter_sequence(partial, self.group, 0)

@@ -13,10 +13,11 @@ Dispatch on rank (etp t, ep r):
 5. sort:        regroup chunks to [e_local, etp src, ep src] (expert-major)
 
 Only tokens travel: the routing probs stay on the token's home rank. Combine runs the mirror
-image: unsort, reduce-scatter over etp (sums the experts' partial FFN outputs), reverse
-all-to-all (``return_tokens``), then unpermute: each token's k returned copies weighted by their
-probs and summed in one ``embedding_bag`` pass, on the home rank; the probs' gradient is the dot
-product of the token's output gradient with each returned copy, computed there too.
+image: unsort, reduce-scatter over etp (sums the experts' partial FFN outputs; in fp32 for bf16 rows),
+reverse all-to-all (``return_tokens``), then unpermute: each token's k returned copies weighted by their
+probs and summed in fp32 (``dispatch.permutation.combine_dtype``), on the home rank; the probs' gradient
+is the dot product of the token's output gradient with each returned copy, computed there too. For bf16
+tokens ``combine`` returns that fp32 sum (the MoE layer rounds it once).
 
 Host synchronisations per MoE layer (forward and backward together, proved by
 tests/dispatch/test_host_sync.py): dropless or unpadded capacity mode exactly one (the split
@@ -41,12 +42,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from moefold.dispatch.base import Dispatched, DispatchHandle, PendingDispatch, PhaseTimer, TokenDispatcher
-from moefold.dispatch.exchange import PendingExchange, chunked_all_to_all, chunked_all_to_all_async
-from moefold.dispatch.fp8_exchange import PendingFp8Exchange, fp8_all_to_all_async, fp8_chunked_all_to_all_async
+from moefold.dispatch.base import Dispatched, DispatchHandle, PhaseTimer, TokenDispatcher
 from moefold.dispatch.permutation import (
     RowMap,
     build_row_map,
+    combine_dtype,
     group_counts,
     mask_groups,
     permute,
@@ -54,13 +54,8 @@ from moefold.dispatch.permutation import (
     unpermute,
 )
 from moefold.dispatch.routing import Routing
-from moefold.parallel.comm import (
-    PendingAllToAll,
-    all_gather_sequence,
-    all_to_all,
-    all_to_all_async,
-    reduce_scatter_sequence,
-)
+from moefold.dispatch.token_exchange import AllToAllExchange, exchange_with_grad
+from moefold.parallel.comm import all_gather_sequence, all_to_all, reduce_scatter_sequence
 from moefold.parallel.groups import Group, group_size
 
 
@@ -121,28 +116,25 @@ class ExchangePlan:
     chunk_recv: tuple[tuple[int, ...], ...] | None = None
 
 
-def exchange_tokens(rows_NH: Tensor, plan: ExchangePlan, group: Group, fp8: bool = False,
-                    ) -> PendingAllToAll | PendingExchange | PendingFp8Exchange:
-    """Start the dispatch's token all-to-all over ep (asynchronous; ``.wait()`` for the received rows).
 
-    The one place the dispatch direction moves tokens: rows in send order (grouped by
-    destination rank, or [local expert x destination] when chunked) -> rows received from every
-    ep rank (by source, or [local expert x source] when chunked). Autograd: the backward is the
-    reverse exchange of the gradients. ``fp8``: the rows travel as e4m3 with their scales and arrive
-    dequantised (``dispatch.fp8_exchange``); their gradients return in the rows' own dtype.
-    """
-    if plan.chunk_send is not None:
-        start = fp8_chunked_all_to_all_async if fp8 else chunked_all_to_all_async
-        return start(rows_NH, plan.chunk_recv, plan.chunk_send, group)
-    start = fp8_all_to_all_async if fp8 else all_to_all_async
-    return start(rows_NH, list(plan.recv), list(plan.send), group)
+    def exchange(self, group: Group, fp8: bool = False) -> AllToAllExchange:
+        """The dispatch direction of this plan over ``group`` (``reverse()`` is the combine's)."""
+        if self.chunk_send is not None:
+            return AllToAllExchange(self.chunk_send, self.chunk_recv, group, fp8)
+        return AllToAllExchange((self.send,), (self.recv,), group, fp8)
+
+
+def exchange_tokens(rows_NH: Tensor, plan: ExchangePlan, group: Group, fp8: bool = False) -> Tensor:
+    """The dispatch's token all-to-all over ep, with autograd (backward: the reverse exchange of the
+    gradients): rows in send order (grouped by destination rank, or [local expert x destination] when
+    chunked) -> rows received from every ep rank (by source, or [local expert x source] when chunked).
+    ``fp8``: the rows travel as e4m3 with their scales and arrive dequantised (``dispatch.fp8_exchange``)."""
+    return exchange_with_grad(plan.exchange(group, fp8), rows_NH).wait()[1][0]
 
 
 def return_tokens(rows_NH: Tensor, plan: ExchangePlan, group: Group) -> Tensor:
     """The combine's exchange: ``exchange_tokens`` in reverse (received order -> send order)."""
-    if plan.chunk_send is not None:
-        return chunked_all_to_all(rows_NH, plan.chunk_send, plan.chunk_recv, group)
-    return all_to_all(rows_NH, list(plan.send), list(plan.recv), group)
+    return exchange_with_grad(plan.exchange(group).reverse(), rows_NH).wait()[1][0]
 
 
 @dataclass(frozen=True)
@@ -156,6 +148,20 @@ class AllToAllHandle(DispatchHandle):
     plan: ExchangePlan
     etp_sizes: tuple[int, ...]
     chunk_counts: Tensor
+
+
+@dataclass(frozen=True)
+class AllToAllPrep:
+    """What ``prepare_dispatch`` found out for the other stages: the handle's fields, ``recv`` the host counts
+    [etp][ep src][e_local] (None when nothing was exchanged) and T."""
+
+    row_map: RowMap
+    probs_TK: Tensor | None
+    plan: ExchangePlan
+    etp_sizes: tuple[int, ...]
+    chunk_counts: Tensor
+    recv: list[list[list[int]]] | None
+    num_tokens: int
 
 
 class AllToAllDispatcher(TokenDispatcher):
@@ -200,8 +206,9 @@ class AllToAllDispatcher(TokenDispatcher):
         chunk_recv = tuple(tuple(recv[0][s][j] for s in range(ep)) for j in range(e))
         return ExchangePlan(send, recv_splits, chunk_send, chunk_recv), etp_sizes
 
-    # -- dispatch --------------------------------------------------------------------------
-    def dispatch_start(self, x_TH: Tensor, routing: Routing, *, weighted_combine: bool = True) -> PendingDispatch:
+    # -- dispatch: prepare (counts, permute) -> exchange (all-to-all over ep) -> finish (etp gather, sort) ------
+    def prepare_dispatch(self, x_TH: Tensor, routing: Routing, *, weighted_combine: bool = True,
+                         ) -> tuple[tuple[Tensor, ...], AllToAllPrep]:
         self._check(x_TH, routing)
         T, K = routing.probs_TK.shape
         E, e, ep, etp = self.num_experts, self.num_local_experts, self.ep, self.etp
@@ -244,27 +251,30 @@ class AllToAllDispatcher(TokenDispatcher):
             plan, etp_sizes = ExchangePlan((row_map.num_rows,), (row_map.num_rows,)), (row_map.num_rows,)
         else:
             plan, etp_sizes = self._plan(mine, recv)
+        prep = AllToAllPrep(row_map=row_map, probs_TK=routing.probs_TK if weighted_combine else None, plan=plan,
+                            etp_sizes=etp_sizes, chunk_counts=chunk_counts, recv=recv, num_tokens=T)
+        return (rows,), prep
+
+    def dispatch_exchange(self, prep: AllToAllPrep) -> AllToAllExchange:
+        return prep.plan.exchange(self.ep_group, self.fp8)
+
+    def finish_dispatch(self, received: tuple[Tensor, ...], meta: object, prep: AllToAllPrep) -> Dispatched:
+        e, ep, etp, recv = self.num_local_experts, self.ep, self.etp, prep.recv
         with self._phase("communicate"):
-            pending = exchange_tokens(rows, plan, self.ep_group, fp8=self.fp8)
+            got = all_gather_uneven(received[0], list(prep.etp_sizes), self.etp_group)
+        with self._phase("sort"):
+            if not self.chunked:  # chunked: rows arrive expert-major already
+                got = sort_chunks(got, prep.chunk_counts)
+            per_expert = prep.chunk_counts.sum(0)
+            per_expert_host = None if recv is None else tuple(
+                sum(recv[t][src][j] for t in range(etp) for src in range(ep)) for j in range(e))
+        handle = AllToAllHandle(num_tokens=prep.num_tokens, num_rows=got.shape[0], row_map=prep.row_map,
+                                probs_TK=prep.probs_TK, plan=prep.plan, etp_sizes=prep.etp_sizes,
+                                chunk_counts=prep.chunk_counts)
+        return Dispatched(got, per_expert, handle, per_expert_host)
 
-        def finish() -> Dispatched:
-            with self._phase("communicate"):
-                got = all_gather_uneven(pending.wait(), list(etp_sizes), self.etp_group)
-            with self._phase("sort"):
-                if not self.chunked:  # chunked: rows arrive expert-major already
-                    got = sort_chunks(got, chunk_counts)
-                per_expert = chunk_counts.sum(0)
-                per_expert_host = None if recv is None else tuple(
-                    sum(recv[t][src][j] for t in range(etp) for src in range(ep)) for j in range(e))
-            handle = AllToAllHandle(num_tokens=T, num_rows=got.shape[0], row_map=row_map,
-                                    probs_TK=routing.probs_TK if weighted_combine else None, plan=plan,
-                                    etp_sizes=etp_sizes, chunk_counts=chunk_counts)
-            return Dispatched(got, per_expert, handle, per_expert_host)
-
-        return PendingDispatch(finish)
-
-    # -- combine ---------------------------------------------------------------------------
-    def combine(self, expert_out_NH: Tensor, handle: DispatchHandle) -> Tensor:
+    # -- combine: prepare (unsort, etp reduce-scatter) -> exchange (all-to-all back) -> finish (unpermute) ----
+    def prepare_combine(self, expert_out_NH: Tensor, handle: DispatchHandle) -> tuple[Tensor, ...]:
         self._check_combine(expert_out_NH, handle, AllToAllHandle)
         assert isinstance(handle, AllToAllHandle)
         rows = expert_out_NH
@@ -272,11 +282,23 @@ class AllToAllDispatcher(TokenDispatcher):
             with self._phase("sort"):
                 rows = sort_chunks(rows, handle.chunk_counts.t())
         with self._phase("communicate"):
-            rows = reduce_scatter_uneven(rows, list(handle.etp_sizes), self.etp_group, self.etp_rank)
-            rows = return_tokens(rows, handle.plan, self.ep_group)
+            if self.etp > 1:
+                # the etp shards' partial FFN sums add up in fp32 (the combine's fp32 island, as Megatron-Core
+                # reduce-scatters them in its probs' fp32), rounded back for the token exchange
+                dtype = rows.dtype
+                rows = reduce_scatter_uneven(rows.to(combine_dtype(dtype)), list(handle.etp_sizes), self.etp_group,
+                                             self.etp_rank).to(dtype)
+            return (rows,)
+
+    def combine_exchange(self, handle: DispatchHandle) -> AllToAllExchange:
+        assert isinstance(handle, AllToAllHandle)
+        return handle.plan.exchange(self.ep_group).reverse()
+
+    def finish_combine(self, received: tuple[Tensor, ...], handle: DispatchHandle) -> Tensor:
+        assert isinstance(handle, AllToAllHandle)
         with self._phase("unpermute"):
             # the probs never left this rank: each token's k returned copies are weighted and summed here
-            return unpermute(rows, handle.row_map, handle.probs_TK)
+            return unpermute(received[0], handle.row_map, handle.probs_TK)
 
 
 class LocalDispatcher(AllToAllDispatcher):

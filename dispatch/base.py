@@ -13,11 +13,19 @@ token's copies on the expert side before anything comes home (a reduce-scatter; 
 combine kernels, which add without weights), move them with the routing they must send anyway
 and apply them there. ``weighted_combine=False`` sums the copies unweighted (the caller applied
 the probs to the input: Megatron's ``--moe-apply-probs-on-input``).
+
+Stages: a dispatch is ``prepare_dispatch`` (local) -> ``dispatch_exchange`` (the one exchange over the
+expert group, ``dispatch.token_exchange``) -> ``finish_dispatch`` (local); a combine likewise. The plain
+``dispatch_start``/``combine`` chain them with autograd across the exchange; the batch-level overlap
+schedules run each as its own node. The allgather dispatcher is not staged (``staged = False``).
+
+Precision: the weighted sum of a token's copies (and any reduction of partial outputs over ranks on
+the way home) accumulates in fp32 for bf16/fp16 tokens (``dispatch.permutation.combine_dtype``), and
+``combine`` may return it in fp32 (local, alltoall, allgather; flex hands DeepEP bf16): the caller rounds.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -26,6 +34,7 @@ from typing import Any
 from torch import Tensor
 
 from moefold.dispatch.routing import Routing
+from moefold.dispatch.token_exchange import TokenExchange, exchange_with_grad
 from moefold.parallel.groups import Group, group_rank, group_size
 
 # A bench-only hook: ``timer(phase)`` returns a context manager timing that phase.
@@ -53,12 +62,19 @@ class Dispatched:
     tokens_per_expert_host: the same counts as host ints when the dispatcher already has them
                             (it synchronised for its split sizes, or they are static), else None;
                             GEMM backends that take host split sizes use them instead of a sync
+    received_e:             [e_local] int32 copies each local expert received (padding excluded), as the
+                            exchange counted them (DeepEP V2's ``cumulative_local_expert_recv_stats``), or None
+
+    Rows past ``sum(tokens_per_expert_e)``: a sync-free dispatcher that allocates for the worst case (the V2 flex
+    dispatcher) hands over more rows than its experts' blocks cover; those carry no token (their values are
+    unspecified), the experts skip them and ``combine`` never reads their outputs.
     """
 
     tokens_NH: Tensor
     tokens_per_expert_e: Tensor
     handle: DispatchHandle
     tokens_per_expert_host: tuple[int, ...] | None = None
+    received_e: Tensor | None = None
 
 
 class PendingDispatch:
@@ -72,7 +88,8 @@ class PendingDispatch:
 
     ``event``: an object with ``current_stream_wait()`` (DeepEP's ``EventOverlap``) that the
     compute stream must wait on before ``finish`` reads the received rows; the first ``wait()``
-    waits on it once and drops it (``event`` is None afterwards).
+    waits on it once and drops it (``event`` is None afterwards). Staged dispatchers wait inside
+    their exchange's ``InFlight`` instead (``dispatch.token_exchange``).
     """
 
     def __init__(self, finish: Callable[[], Dispatched], event: Any = None):
@@ -90,7 +107,7 @@ class PendingDispatch:
         return self._result
 
 
-class TokenDispatcher(ABC):
+class TokenDispatcher:
     """Base class: expert placement over ``ep_group`` and input checks shared by all dispatchers."""
 
     name = "base"
@@ -141,21 +158,68 @@ class TokenDispatcher(ABC):
         if routing.pad_to_capacity and (routing.capacity is None or routing.capacity < 0):
             raise ValueError(f"{self.name} dispatch: pad_to_capacity needs a capacity >= 0, got {routing.capacity}")
 
-    @abstractmethod
+    # -- stages: local work, one exchange over the expert group, local work --------------------------------------
+    # The batch-level overlap schedules (pipeline.overlap) run the three parts of a dispatch / combine as separate
+    # nodes, the exchange in flight while another micro-batch computes; dispatch_start / combine chain them.
+    # A dispatcher whose exchange is not one separable step (allgather: its gathers and the routing travel
+    # together) keeps staged = False and overrides dispatch_start / combine.
+    staged = True
+
+    def prepare_dispatch(self, x_TH: Tensor, routing: Routing, *, weighted_combine: bool = True,
+                         ) -> tuple[tuple[Tensor, ...], Any]:
+        """Local work before the exchange: (the tensors to send, on the graph of ``x_TH``; a frozen ``prep``
+        the other stages read). May synchronise with the host (split sizes)."""
+        raise NotImplementedError(f"the {self.name} dispatcher has no separate exchange stage")
+
+    def dispatch_exchange(self, prep: Any) -> TokenExchange:
+        """The exchange that moves ``prepare_dispatch``'s tensors to the experts' ranks."""
+        raise NotImplementedError(f"the {self.name} dispatcher has no separate exchange stage")
+
+    def finish_dispatch(self, received: tuple[Tensor, ...], meta: Any, prep: Any) -> Dispatched:
+        """Local work on the received tensors (``Arrival.meta`` alongside) -> the experts' input."""
+        raise NotImplementedError(f"the {self.name} dispatcher has no separate exchange stage")
+
+    def prepare_combine(self, expert_out_NH: Tensor, handle: DispatchHandle) -> tuple[Tensor, ...]:
+        """Local work on the experts' output before the exchange back: the tensors to send."""
+        raise NotImplementedError(f"the {self.name} dispatcher has no separate exchange stage")
+
+    def combine_exchange(self, handle: DispatchHandle) -> TokenExchange:
+        """The exchange that brings ``prepare_combine``'s tensors home."""
+        raise NotImplementedError(f"the {self.name} dispatcher has no separate exchange stage")
+
+    def finish_combine(self, received: tuple[Tensor, ...], handle: DispatchHandle) -> Tensor:
+        """Local work on the returned tensors -> y [T, H]."""
+        raise NotImplementedError(f"the {self.name} dispatcher has no separate exchange stage")
+
     def dispatch_start(self, x_TH: Tensor, routing: Routing, *, weighted_combine: bool = True) -> PendingDispatch:
-        """Start moving the kept copies of x's tokens to their experts (see ``Dispatched``).
+        """Start moving the kept copies of x's tokens to their experts (see ``Dispatched``); the exchange is in
+        flight until ``wait()``.
 
         ``weighted_combine``: the combine weights each copy by ``routing.probs_TK`` (False: plain sum).
         """
+        sent, prep = self.prepare_dispatch(x_TH, routing, weighted_combine=weighted_combine)
+        with self._phase("communicate"):
+            flight = exchange_with_grad(self.dispatch_exchange(prep), *sent)
+
+        def finish() -> Dispatched:
+            with self._phase("communicate"):
+                arrival, received = flight.wait()
+            return self.finish_dispatch(received, arrival.meta, prep)
+
+        return PendingDispatch(finish)
 
     def dispatch(self, x_TH: Tensor, routing: Routing, *, weighted_combine: bool = True) -> Dispatched:
         """``dispatch_start(x, routing).wait()``."""
         return self.dispatch_start(x_TH, routing, weighted_combine=weighted_combine).wait()
 
-    @abstractmethod
     def combine(self, expert_out_NH: Tensor, handle: DispatchHandle) -> Tensor:
         """[N, H] expert outputs (not weighted; partial sums over etp) -> y [T, H], each token's copies
-        weighted by its routing probs (unless dispatched with ``weighted_combine=False``) and summed."""
+        weighted by its routing probs (unless dispatched with ``weighted_combine=False``) and summed
+        (in fp32 for bf16 rows: y may be fp32, see the module docstring)."""
+        sent = self.prepare_combine(expert_out_NH, handle)
+        with self._phase("communicate"):
+            _, received = exchange_with_grad(self.combine_exchange(handle), *sent).wait()
+        return self.finish_combine(received, handle)
 
     def _check_combine(self, expert_out_NH: Tensor, handle: DispatchHandle, handle_type: type) -> None:
         if not isinstance(handle, handle_type):

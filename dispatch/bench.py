@@ -214,6 +214,12 @@ def _bench_one(kind: str, skew_name: str, args: argparse.Namespace, dims, device
     options = {}
     if kind == "alltoall" and args.max_chunked_experts is not None:
         options["max_chunked_experts"] = args.max_chunked_experts
+    if kind == "flex":
+        from moefold.dispatch.flex_backend import resolve_flex_backend
+
+        options["flex_backend"] = resolve_flex_backend("auto")
+        if options["flex_backend"] == "deepep":   # V2 sizes its buffer by the layout's worst case
+            options.update(hidden_size=H, max_tokens_per_rank=T)
     timed = build_dispatcher(kind, E, dims, timer=timer, **options)
     plain = build_dispatcher(kind, E, dims, **options)
     barrier = (lambda: dist.barrier()) if dist.is_initialized() else (lambda: None)
@@ -293,7 +299,8 @@ def _fp8_one(r: dict, args: argparse.Namespace, dims, device: torch.device) -> N
     rank0 = dims.rank == 0
     if r["kind"] == "flex":
         if rank0:
-            print("  fp8: not timed for flex (FP8 dispatch runs with the local, allgather and alltoall dispatchers)")
+            print("  fp8: not timed for flex (DeepEP V2 dispatches FP8 with --moe-fp8-dispatch, one row per "
+                  "destination rank: not this table's per-copy bytes; the legacy backend has no FP8 dispatch)")
         return
     from moefold.dispatch.fp8_bench import report_fp8
 
@@ -358,10 +365,10 @@ def _print_one(r: dict) -> None:
 
 
 def _release_deepep() -> None:
-    """The flex rows' DeepEP buffer, destroyed (collectively) before the process group goes."""
-    from moefold.dispatch.deepep import BUFFERS
+    """The flex rows' DeepEP buffers, destroyed (collectively) before the process group goes."""
+    from moefold.dispatch.flex_backend import destroy_deepep_buffers
 
-    BUFFERS.destroy()
+    destroy_deepep_buffers()
 
 
 def _spawned(rank: int, world: int, store_path: str, args: argparse.Namespace, reports: mp.Queue) -> None:

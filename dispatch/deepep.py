@@ -17,13 +17,14 @@ the same class as its legacy ``deep_ep.Buffer``), used the way DeepEP's README a
   hang" (``deep_ep/buffer.py``), since its ``destroy`` synchronises the device and barriers the group.
 - ``Buffer.set_num_sms(--moe-deepep-num-sms)``: the SMs DeepEP's kernels take (even; default
   20, Megatron's default).
-- **asynchronous dispatch**: ``get_dispatch_layout`` and ``dispatch`` run with
-  ``previous_event`` (an event captured on the compute stream, so DeepEP's communication stream
+- **asynchronous exchanges** (``FlexDispatchExchange``, ``FlexCombineExchange``: the dispatcher's
+  stages, ``dispatch.token_exchange``): ``get_dispatch_layout``, ``dispatch`` and ``combine`` run
+  with ``previous_event`` (an event captured on the compute stream, so DeepEP's communication stream
   starts after the tokens are ready), ``async_finish=True`` and ``allocate_on_comm_stream=True``;
-  ``dispatch_start`` returns while the tokens travel, and ``PendingDispatch.wait()`` makes the
-  compute stream wait on DeepEP's event before permuting the received rows. The MoE layer runs
-  the shared experts in between. Combine and both backward passes wait on their event at once
-  (nothing is ready to overlap them there).
+  ``start`` returns while the tokens travel and ``wait()`` makes the compute stream wait on DeepEP's
+  event. The plain MoE layer runs the shared experts in flight of the dispatch; the overlap
+  schedules (``pipeline.overlap``) another micro-batch's computation in flight of every exchange,
+  forward and backward.
 - host synchronisation: DeepEP's non-cached dispatch makes the CPU wait for the received
   counts (``num_recv_tokens_per_expert_list`` is a host list; DeepEP documents this); moefold
   adds none (the local permutation uses those host counts).
@@ -64,15 +65,17 @@ has a config for (the kernels are built for those); other sizes are refused at c
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from moefold.dispatch.base import Dispatched, DispatchHandle, PendingDispatch, PhaseTimer, TokenDispatcher
+from moefold.dispatch.base import Dispatched, DispatchHandle, PhaseTimer, TokenDispatcher
 from moefold.dispatch.permutation import RowMap, build_row_map, mask_groups, permute, unpermute
 from moefold.dispatch.routing import Routing
+from moefold.dispatch.token_exchange import Arrival, InFlight, TokenExchange
 from moefold.parallel.groups import Group
 
 DEEPEP_VERSION = "v1.2.1"
@@ -93,6 +96,25 @@ def check_flex_topk(topk: int, etp: int) -> None:
                          f"{topk} x {etp} = {topk * etp} (virtual) experts, but DeepEP's kernels take at most "
                          f"{DEEPEP_MAX_TOPK} (a device-side assert kills the rank); lower one of them or use the "
                          f"alltoall dispatcher")
+
+
+def virtual_experts(ids_TK: Tensor, probs_TK: Tensor, e: int, etp: int) -> tuple[Tensor, Tensor]:
+    """etp > 1: expert g on ep rank r -> virtual experts (r*etp + t)*e + g%e for t < etp: [T, K*etp] ids (-1 stays
+    -1) and probs, so every etp rank of the ep rank holding g receives g's rows (Megatron's flex dispatcher)."""
+    T, K = ids_TK.shape
+    t = torch.arange(etp, device=ids_TK.device)
+    v = (ids_TK.div(e, rounding_mode="floor").unsqueeze(-1) * etp + t) * e + (ids_TK % e).unsqueeze(-1)
+    v = torch.where(ids_TK.unsqueeze(-1) < 0, -1, v)
+    return v.reshape(T, K * etp), probs_TK.unsqueeze(-1).expand(T, K, etp).reshape(T, K * etp)
+
+
+def flex_group(dispatcher: TokenDispatcher, etp_ep_group: Group) -> Group:
+    """The flex dispatcher's etp x ep group (``TokenDispatcher._etp_ep_group``), refusing one rank: DeepEP has no
+    single-rank kernels."""
+    if dispatcher.ep * dispatcher.etp == 1:
+        raise ValueError("the flex dispatcher needs an etp x ep group of >= 2 ranks (DeepEP has no single-rank "
+                         "kernels), got ep=1 etp=1; use 'local'")
+    return dispatcher._etp_ep_group(etp_ep_group)
 
 
 def import_deep_ep() -> Any:
@@ -171,55 +193,98 @@ class DeepEPBuffers:
 BUFFERS = DeepEPBuffers()
 
 
-class _DeepEPDispatch(torch.autograd.Function):
-    """Forward: layout + ``buffer.dispatch`` of tokens and top-k weights, left in flight (the caller
-    waits on the returned event). Backward: ``buffer.combine`` of both gradients."""
+@dataclass(frozen=True)
+class FlexLayout:
+    """What DeepEP's dispatch reports about the tokens it delivered: their [R, K] local expert ids (-1 where the
+    expert lives elsewhere), the received copies per local expert (host ints) and its layout handle."""
 
-    @staticmethod
-    def forward(ctx, x: Tensor, weights_TK: Tensor, topk_idx: Tensor, buffer: Any, num_experts: int):
+    recv_idx: Tensor
+    per_expert: tuple[int, ...]
+    deep_ep_handle: Any
+
+
+@dataclass(frozen=True)
+class FlexDispatchExchange(TokenExchange):
+    """Forward: layout + ``buffer.dispatch`` of tokens and top-k weights on DeepEP's stream (``previous_event``:
+    after the work queued on ours; ``async_finish``), waited on through its event. Backward: ``buffer.combine``
+    of both gradients (the weights' reduced alongside the tokens')."""
+
+    buffer: Any
+    topk_idx: Tensor
+    num_experts: int
+
+    def start(self, *tensors: Tensor) -> InFlight[Arrival]:
+        x, weights_TK = tensors
+        buffer = self.buffer
         previous = buffer.capture()  # DeepEP's stream starts after the work queued on ours
         per_rank, per_rdma_rank, per_expert, in_rank, layout_event = buffer.get_dispatch_layout(
-            topk_idx, num_experts, previous_event=previous, async_finish=True, allocate_on_comm_stream=True)
+            self.topk_idx, self.num_experts, previous_event=previous, async_finish=True, allocate_on_comm_stream=True)
         recv_x, recv_idx, recv_w, recv_per_expert, handle, event = buffer.dispatch(
-            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=weights_TK,
-            previous_event=layout_event, async_finish=True, allocate_on_comm_stream=True)
-        ctx.buffer, ctx.handle = buffer, handle
-        ctx.recv_shape, ctx.recv_w_shape, ctx.device = tuple(recv_x.shape), tuple(recv_w.shape), x.device
-        ctx.mark_non_differentiable(recv_idx)
-        return recv_x, recv_idx, recv_w, handle, list(recv_per_expert), event
-
-    @staticmethod
-    def backward(ctx, grad_x: Tensor | None, _grad_idx: Any, grad_w: Tensor | None, *_unused: Any):
-        if grad_x is None:
-            grad_x = torch.zeros(ctx.recv_shape, dtype=torch.bfloat16, device=ctx.device)
-        if grad_w is None:
-            grad_w = torch.zeros(ctx.recv_w_shape, dtype=torch.float32, device=ctx.device)
-        grad_in, grad_w_in, event = ctx.buffer.combine(
-            grad_x.contiguous(), ctx.handle, topk_weights=grad_w.float().contiguous(),
-            previous_event=ctx.buffer.capture(), async_finish=True, allocate_on_comm_stream=True)
-        event.current_stream_wait()
-        return grad_in, grad_w_in, None, None, None
-
-
-class _DeepEPCombine(torch.autograd.Function):
-    """Forward: ``buffer.combine`` (sum of every rank's rows per token). Backward: cached ``buffer.dispatch``."""
-
-    @staticmethod
-    def forward(ctx, y_recv: Tensor, buffer: Any, handle: Any) -> Tensor:
-        ctx.buffer, ctx.handle = buffer, handle
-        y, _, event = buffer.combine(y_recv.contiguous(), handle, previous_event=buffer.capture(),
-                                     async_finish=True, allocate_on_comm_stream=True)
-        event.current_stream_wait()
-        return y
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        grad_recv, _, _, _, _, event = ctx.buffer.dispatch(
-            grad.contiguous(), handle=ctx.handle, previous_event=ctx.buffer.capture(), async_finish=True,
+            x.contiguous(), num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
+            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=self.topk_idx,
+            topk_weights=weights_TK.contiguous(), previous_event=layout_event, async_finish=True,
             allocate_on_comm_stream=True)
-        event.current_stream_wait()
-        return grad_recv, None, None
+
+        def finish() -> Arrival:
+            event.current_stream_wait()
+            return Arrival((recv_x, recv_w), FlexLayout(recv_idx, tuple(recv_per_expert), handle))
+
+        return InFlight(finish)
+
+    def start_backward(self, grads: Sequence[Tensor], meta: FlexLayout) -> InFlight[tuple[Tensor, ...]]:
+        grad_x, grad_w = grads
+        grad_in, grad_w_in, event = self.buffer.combine(
+            grad_x.to(torch.bfloat16).contiguous(), meta.deep_ep_handle, topk_weights=grad_w.float().contiguous(),
+            previous_event=self.buffer.capture(), async_finish=True, allocate_on_comm_stream=True)
+
+        def finish() -> tuple[Tensor, ...]:
+            event.current_stream_wait()
+            return grad_in, grad_w_in
+
+        return InFlight(finish)
+
+
+@dataclass(frozen=True)
+class FlexCombineExchange(TokenExchange):
+    """Forward: ``buffer.combine`` (per token, the sum of every rank's rows). Backward: the cached ``dispatch``."""
+
+    buffer: Any
+    deep_ep_handle: Any
+
+    def start(self, *tensors: Tensor) -> InFlight[Arrival]:
+        (y_recv,) = tensors
+        y, _, event = self.buffer.combine(y_recv.contiguous(), self.deep_ep_handle,
+                                          previous_event=self.buffer.capture(), async_finish=True,
+                                          allocate_on_comm_stream=True)
+
+        def finish() -> Arrival:
+            event.current_stream_wait()
+            return Arrival((y,))
+
+        return InFlight(finish)
+
+    def start_backward(self, grads: Sequence[Tensor], meta: Any) -> InFlight[tuple[Tensor, ...]]:
+        (grad,) = grads
+        grad_recv, _, _, _, _, event = self.buffer.dispatch(
+            grad.to(torch.bfloat16).contiguous(), handle=self.deep_ep_handle, previous_event=self.buffer.capture(),
+            async_finish=True, allocate_on_comm_stream=True)
+
+        def finish() -> tuple[Tensor, ...]:
+            event.current_stream_wait()
+            return (grad_recv,)
+
+        return InFlight(finish)
+
+
+@dataclass(frozen=True)
+class FlexPrep:
+    """``prepare_dispatch``'s findings: the exchange, T, the routing's capacity mode and the weighting."""
+
+    exchange: FlexDispatchExchange
+    num_tokens: int
+    pad_to_capacity: bool
+    capacity: int | None
+    weighted_combine: bool
 
 
 @dataclass(frozen=True)
@@ -250,10 +315,7 @@ class FlexDispatcher(TokenDispatcher):
         deep_ep = import_deep_ep()
         super().__init__(num_experts, ep_group, etp_group, timer)
         n = self.ep * self.etp
-        if n == 1:
-            raise ValueError("the flex dispatcher needs an etp x ep group of >= 2 ranks (DeepEP has no single-rank "
-                             "kernels), got ep=1 etp=1; use 'local'")
-        etp_ep_group = self._etp_ep_group(etp_ep_group)
+        etp_ep_group = flex_group(self, etp_ep_group)
         if not isinstance(num_sms, int) or num_sms < 2 or num_sms % 2:
             raise ValueError(f"--moe-deepep-num-sms={num_sms!r} must be an even integer >= 2")
         try:
@@ -267,15 +329,10 @@ class FlexDispatcher(TokenDispatcher):
         self.num_virtual_experts = num_experts * self.etp
 
     def _virtual(self, ids_TK: Tensor, probs_TK: Tensor) -> tuple[Tensor, Tensor]:
-        """etp > 1: expert g on ep rank r -> virtual experts (r*etp + t)*e + g%e for t < etp: [T, K*etp]."""
-        e, etp = self.num_local_experts, self.etp
-        T, K = ids_TK.shape
-        t = torch.arange(etp, device=ids_TK.device)
-        v = (ids_TK.div(e, rounding_mode="floor").unsqueeze(-1) * etp + t) * e + (ids_TK % e).unsqueeze(-1)
-        v = torch.where(ids_TK.unsqueeze(-1) < 0, -1, v)
-        return v.reshape(T, K * etp), probs_TK.unsqueeze(-1).expand(T, K, etp).reshape(T, K * etp)
+        return virtual_experts(ids_TK, probs_TK, self.num_local_experts, self.etp)
 
-    def dispatch_start(self, x_TH: Tensor, routing: Routing, *, weighted_combine: bool = True) -> PendingDispatch:
+    def prepare_dispatch(self, x_TH: Tensor, routing: Routing, *, weighted_combine: bool = True,
+                         ) -> tuple[tuple[Tensor, ...], FlexPrep]:
         self._check(x_TH, routing)
         if x_TH.dtype != torch.bfloat16:
             raise ValueError(f"the flex dispatcher moves bf16 tokens (DeepEP), got x of dtype {x_TH.dtype}")
@@ -283,7 +340,6 @@ class FlexDispatcher(TokenDispatcher):
         if H % 8:
             raise ValueError(f"the flex dispatcher needs a hidden size that is a multiple of 8 (DeepEP copies "
                              f"16-byte words), got {H}")
-        e = self.num_local_experts
         check_flex_topk(routing.expert_ids_TK.shape[1], self.etp)   # the layout check refuses it before any rank
         topk_idx = routing.expert_ids_TK.long()
         if routing.keep_TK is not None:  # DeepEP skips -1 entries: dropped copies are never sent
@@ -292,44 +348,53 @@ class FlexDispatcher(TokenDispatcher):
         if self.etp > 1:
             topk_idx, probs_TK = self._virtual(topk_idx, probs_TK)
         buffer = self.buffers.get(self._deep_ep, self.group, H * x_TH.element_size(), self.num_sms)
-        with self._phase("communicate"):
-            recv_x, recv_idx, recv_w, ep_handle, per_expert, event = _DeepEPDispatch.apply(
-                x_TH.contiguous(), probs_TK.contiguous(), topk_idx.contiguous(), buffer, self.num_virtual_experts)
-        T = x_TH.shape[0]
+        exchange = FlexDispatchExchange(buffer, topk_idx.contiguous(), self.num_virtual_experts)
+        prep = FlexPrep(exchange, x_TH.shape[0], routing.pad_to_capacity, routing.capacity, weighted_combine)
+        return (x_TH, probs_TK), prep
 
-        def finish() -> Dispatched:  # runs after PendingDispatch.wait() made our stream wait on `event`
-            with self._phase("permute"):
-                R, Kv = recv_idx.shape
-                key = mask_groups(recv_idx, e)
-                if routing.pad_to_capacity:
-                    # each of the etp*ep source ranks sent at most its own capacity per expert; with this
-                    # rank's as the bound, a source with more tokens (a larger capacity) could overflow the
-                    # padded chunk. The received counts are on the host already.
-                    rows_per_expert = int(routing.capacity) * self.ep * self.etp
-                    if max(per_expert, default=0) > rows_per_expert:
-                        raise ValueError(
-                            f"flex dispatch with pad_expert_input_to_capacity: a local expert received "
-                            f"{max(per_expert)} copies, more than capacity {routing.capacity} x ep*etp "
-                            f"{self.ep * self.etp} = {rows_per_expert} (this rank has T={T} tokens): padded mode "
-                            f"needs the same token count on every rank; use dropless or unpadded capacity mode")
-                    row_map = build_row_map(key, R, Kv, e, capacity=rows_per_expert)
-                    counts_host = (rows_per_expert,) * e
-                else:
-                    row_map = build_row_map(key, R, Kv, e, num_rows=sum(per_expert))
-                    counts_host = tuple(per_expert)
-                tokens = permute(recv_x, row_map)
-            handle = FlexHandle(num_tokens=T, num_rows=tokens.shape[0], row_map=row_map,
-                                recv_weights=recv_w if weighted_combine else None, deep_ep_handle=ep_handle,
-                                buffer=buffer)
-            return Dispatched(tokens, row_map.counts_G, handle, counts_host)
+    def dispatch_exchange(self, prep: FlexPrep) -> FlexDispatchExchange:
+        return prep.exchange
 
-        return PendingDispatch(finish, event)
+    def finish_dispatch(self, received: tuple[Tensor, ...], meta: FlexLayout, prep: FlexPrep) -> Dispatched:
+        recv_x, recv_w = received
+        e, per_expert, T = self.num_local_experts, list(meta.per_expert), prep.num_tokens
+        with self._phase("permute"):
+            R, Kv = meta.recv_idx.shape
+            key = mask_groups(meta.recv_idx, e)
+            if prep.pad_to_capacity:
+                # each of the etp*ep source ranks sent at most its own capacity per expert; with this
+                # rank's as the bound, a source with more tokens (a larger capacity) could overflow the
+                # padded chunk. The received counts are on the host already.
+                rows_per_expert = int(prep.capacity) * self.ep * self.etp
+                if max(per_expert, default=0) > rows_per_expert:
+                    raise ValueError(
+                        f"flex dispatch with pad_expert_input_to_capacity: a local expert received "
+                        f"{max(per_expert)} copies, more than capacity {prep.capacity} x ep*etp "
+                        f"{self.ep * self.etp} = {rows_per_expert} (this rank has T={T} tokens): padded mode "
+                        f"needs the same token count on every rank; use dropless or unpadded capacity mode")
+                row_map = build_row_map(key, R, Kv, e, capacity=rows_per_expert)
+                counts_host = (rows_per_expert,) * e
+            else:
+                row_map = build_row_map(key, R, Kv, e, num_rows=sum(per_expert))
+                counts_host = tuple(per_expert)
+            tokens = permute(recv_x, row_map)
+        handle = FlexHandle(num_tokens=T, num_rows=tokens.shape[0], row_map=row_map,
+                            recv_weights=recv_w if prep.weighted_combine else None,
+                            deep_ep_handle=meta.deep_ep_handle, buffer=prep.exchange.buffer)
+        return Dispatched(tokens, row_map.counts_G, handle, counts_host)
 
-    def combine(self, expert_out_NH: Tensor, handle: DispatchHandle) -> Tensor:
+    def prepare_combine(self, expert_out_NH: Tensor, handle: DispatchHandle) -> tuple[Tensor, ...]:
         self._check_combine(expert_out_NH, handle, FlexHandle)
         assert isinstance(handle, FlexHandle)
         with self._phase("unpermute"):
-            # weighted here, on the expert rank: DeepEP's normal combine adds rows without weights
-            y_recv = unpermute(expert_out_NH, handle.row_map, handle.recv_weights)
-        with self._phase("communicate"):
-            return _DeepEPCombine.apply(y_recv.to(torch.bfloat16), handle.buffer, handle.deep_ep_handle)
+            # weighted here, on the expert rank: DeepEP's normal combine adds rows without weights. The weighted
+            # sum is fp32 (combine_dtype) and rounded to bf16 for DeepEP, whose combine kernel adds the ranks'
+            # rows in fp32 registers (v1.2.1 csrc/kernels/intranode.cu: float values[])
+            return (unpermute(expert_out_NH, handle.row_map, handle.recv_weights).to(torch.bfloat16),)
+
+    def combine_exchange(self, handle: DispatchHandle) -> FlexCombineExchange:
+        assert isinstance(handle, FlexHandle)
+        return FlexCombineExchange(handle.buffer, handle.deep_ep_handle)
+
+    def finish_combine(self, received: tuple[Tensor, ...], handle: DispatchHandle) -> Tensor:
+        return received[0]

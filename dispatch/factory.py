@@ -20,8 +20,10 @@ def build_dispatcher(kind: str, num_experts: int, dims: ParallelDims | None = No
 
     Groups come from ``dims`` (its ep, etp and etp_ep groups) or are passed explicitly; with
     neither, the dispatcher runs alone (ep = etp = 1). ``backend_options`` go to the alltoall
-    dispatcher (``max_chunked_experts``) or the flex (DeepEP) one (``num_sms``, ``buffers``).
-    ``fp8``: FP8 token dispatch (``dispatch.fp8_exchange``; local, allgather and alltoall).
+    dispatcher (``max_chunked_experts``) or the flex (DeepEP) one: ``flex_backend`` (``dispatch.flex_backend``:
+    "auto", "deepep" or "deepep-legacy"), ``num_sms``, ``buffers``, and for V2 (``deepep``) ``hidden_size``,
+    ``max_tokens_per_rank``, ``cpu_sync``, ``hybrid``, ``expert_alignment``.
+    ``fp8``: FP8 token dispatch (``dispatch.fp8_exchange``; local, allgather, alltoall and flex on DeepEP V2).
     """
     if dims is not None:
         ep_group, etp_group, etp_ep_group = dims.ep_group, dims.etp_group, dims.etp_ep_group
@@ -41,8 +43,19 @@ def build_dispatcher(kind: str, num_experts: int, dims: ParallelDims | None = No
     if kind == "alltoall":
         return AllToAllDispatcher(num_experts, ep_group, etp_group, etp_ep_group, timer=timer, fp8=fp8,
                                   **backend_options)
+    from moefold.dispatch.flex_backend import resolve_flex_backend
+
+    backend = resolve_flex_backend(backend_options.pop("flex_backend", "auto"))
+    if backend == "deepep":
+        from moefold.dispatch.deepep_elastic import ElasticFlexDispatcher  # lazy: imports deep_ep when asked for
+
+        return ElasticFlexDispatcher(num_experts, ep_group, etp_group, etp_ep_group, timer=timer, fp8=fp8,
+                                     **backend_options)
     if fp8:
-        raise ValueError("FP8 dispatch runs with the local, allgather and alltoall dispatchers, not 'flex'")
+        raise ValueError("FP8 dispatch runs with the local, allgather and alltoall dispatchers and the flex "
+                         "dispatcher on DeepEP V2 (--moe-flex-dispatcher-backend deepep), not deepep-legacy")
+    if backend_options.get("num_sms") == 0:   # 0 = the backend's default: DeepEP v1's Buffer.num_sms (Megatron's 20)
+        del backend_options["num_sms"]
     from moefold.dispatch.deepep import FlexDispatcher  # lazy: imports deep_ep only when asked for
 
     return FlexDispatcher(num_experts, ep_group, etp_group, etp_ep_group, timer=timer, **backend_options)

@@ -12,9 +12,8 @@ Backward is the exchange's adjoint in the activations' dtype (the gradients retu
 precision, as DeepEP's BF16 combine), and the cast counts as the identity (straight-through), as
 FP8 casts do throughout training.
 
-The wrappers have the signature of the exchange they wrap: ``fp8_all_to_all_async`` /
-``fp8_chunked_all_to_all_async`` return a pending object whose ``wait()`` gives the dequantised,
-autograd-connected rows; ``fp8_round_trip`` casts rows that stay on the rank. The allgather dispatcher
+The all-to-all exchange (``dispatch.token_exchange.AllToAllExchange`` with ``fp8``) packs, moves and
+dequantises the rows; ``fp8_round_trip`` casts rows that stay on the rank. The allgather dispatcher
 packs the same quantised rows into its one all-gather of tokens and routing (``dispatch.allgather``).
 """
 
@@ -25,10 +24,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-
-from moefold.dispatch.exchange import chunked_all_to_all, chunked_all_to_all_async
-from moefold.parallel.comm import all_to_all, all_to_all_async
-from moefold.parallel.groups import Group
 
 BLOCK = 128
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
@@ -107,25 +102,11 @@ def _packed(x: Tensor) -> Tensor:
         return pack(*quantize_rows(x))
 
 
-def fp8_all_to_all_async(x: Tensor, output_splits: list[int], input_splits: list[int],
-                         group: Group) -> PendingFp8Exchange:
-    """``parallel.comm.all_to_all_async`` of the rows of ``x`` in FP8."""
-    pending = all_to_all_async(_packed(x), output_splits, input_splits, group)
-    return PendingFp8Exchange(x, pending, lambda g: all_to_all(g, list(input_splits), list(output_splits), group))
-
-
-def fp8_chunked_all_to_all_async(x: Tensor, out_splits: list[list[int]], in_splits: list[list[int]],
-                                 group: Group) -> PendingFp8Exchange:
-    """``dispatch.exchange.chunked_all_to_all_async`` of the rows of ``x`` in FP8."""
-    pending = chunked_all_to_all_async(_packed(x), out_splits, in_splits, group)
-    return PendingFp8Exchange(x, pending, lambda g: chunked_all_to_all(g, in_splits, out_splits, group))
-
-
 def fp8_round_trip(x: Tensor) -> Tensor:
     """The rows of ``x`` cast to FP8 and back, as an exchange within one rank delivers them (gradient
     straight through): keeps a group of one rank numerically equal to a larger one."""
     return PendingFp8Exchange(x, _packed(x), lambda g: g).wait()
 
 
-__all__ = ["BLOCK", "PendingFp8Exchange", "block_size", "dequantize_rows", "fp8_all_to_all_async",
-           "fp8_chunked_all_to_all_async", "fp8_round_trip", "pack", "quantize_rows", "row_bytes", "unpack"]
+__all__ = ["BLOCK", "PendingFp8Exchange", "block_size", "dequantize_rows", "fp8_round_trip", "pack", "quantize_rows",
+           "row_bytes", "unpack"]

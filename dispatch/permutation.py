@@ -15,8 +15,18 @@ row count as ``repeat_interleave``'s ``output_size``. Proved by tests/dispatch/t
 (each one's backward is the other), and ``sort_chunks`` regroups a buffer of [A x B] chunks
 into [B x A] order (received [source rank x local expert] -> [local expert x source rank]).
 ``unpermute(rows, row_map, probs_TK)`` is the combine's weighted sum: each copy times its routing
-prob, in the same ``embedding_bag`` pass (``per_sample_weights``); its backward returns the rows'
-gradient (token gradient times prob) and the probs' (token gradient . row) from one gather.
+prob, summed per token; its backward returns the rows' gradient (token gradient times prob) and the
+probs' (token gradient . row) from one gather.
+
+An fp32 island of the bf16 path (``combine_dtype``): a token's copies are weighted by their fp32 probs
+and summed in fp32, and ``unpermute`` returns that fp32 sum for bf16/fp16 rows (the MoE layer rounds
+once, after adding the shared experts; the allgather dispatcher reduce-scatters it in fp32 first).
+Megatron-Core 0.16.1 multiplies by the probs in fp32 as well (``experts.py`` ``activation_func_with_probs``
+and ``moe_utils.unpermute``: ``permuted_tokens * permuted_probs`` promotes to the fp32 probs; its fused
+unpermute accumulates in fp32) and reduce-scatters the combine's partial sums in the probs' fp32
+(``token_dispatcher.py``: ``hidden_states.to(self.probs.dtype)``). The gradients of a token's copies in the
+permute's backward are summed in fp32 too. fp32 rows take the same ``embedding_bag`` pass as before, so
+fp32 results are unchanged.
 """
 
 from __future__ import annotations
@@ -137,25 +147,49 @@ def _row_of_slot(slot_N: Tensor, num_rows: int, num_tokens: int, topk: int,
     return row_of_slot.masked_fill(~valid, 0), valid
 
 
+def combine_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a token's copies are weighted and summed in: fp32 for bf16/fp16 rows (the fp32 island of the
+    combine, see the module docstring), the rows' own dtype when that is fp32 or wider."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+# Low-precision rows are upcast a block of tokens at a time, so the fp32 copy never holds all N rows at once:
+# about 2**24 elements (64 MiB fp32) per block, a handful of blocks for a large layer's combine.
+_COMBINE_BLOCK_ELEMS = 2**24
+
+
 def _sum_copies(rows_NH: Tensor, slot_N: Tensor, num_tokens: int, topk: int, padded: bool,
                 weights_TK: Tensor | None = None) -> Tensor:
     """y[t] = sum_k w[t, k] * rows[row of slot (t, k)] (w = 1 without weights), a slot without a row
-    adding zero. Deterministic.
+    adding zero, in ``combine_dtype(rows.dtype)``. Deterministic.
 
-    ``embedding_bag`` gathers and sums each token's K rows in one pass, weighting each by its
-    ``per_sample_weights`` (no scatter-add, no [T*K, H] intermediate).
+    Rows in that dtype already: one ``embedding_bag`` pass gathers and sums each token's K rows, weighting
+    each by its ``per_sample_weights`` (no scatter-add, no [T*K, H] intermediate). Lower-precision rows:
+    each block of tokens' K rows is gathered, upcast and reduced with its fp32 weights by one batched
+    ``[1, K] x [K, H]`` product.
     """
     T, K, N = num_tokens, topk, rows_NH.shape[0]
     rest = rows_NH.shape[1:]
+    acc = combine_dtype(rows_NH.dtype)
     if T * K == 0 or N == 0:
-        return rows_NH.new_zeros((T, *rest))
+        return rows_NH.new_zeros((T, *rest), dtype=acc)
     rows_2d = rows_NH.reshape(N, -1)
     row_of_slot, valid = _row_of_slot(slot_N, N, T, K, padded)
-    w = None if weights_TK is None else weights_TK.reshape(-1).to(rows_2d.dtype)
+    w = None if weights_TK is None else weights_TK.reshape(-1).to(acc)
     if valid is not None:
-        w = valid.to(rows_2d.dtype) if w is None else w.masked_fill(~valid, 0)
-    y = F.embedding_bag(row_of_slot.view(T, K), rows_2d, mode="sum",
-                        per_sample_weights=None if w is None else w.view(T, K))
+        w = valid.to(acc) if w is None else w.masked_fill(~valid, 0)
+    if rows_2d.dtype == acc:
+        y = F.embedding_bag(row_of_slot.view(T, K), rows_2d, mode="sum",
+                            per_sample_weights=None if w is None else w.view(T, K))
+        return y.view(T, *rest)
+    D = rows_2d.shape[1]
+    rows_of_token = row_of_slot.view(T, K)
+    w_TK = torch.ones(T, K, dtype=acc, device=rows_2d.device) if w is None else w.view(T, K)
+    y = torch.empty(T, D, dtype=acc, device=rows_2d.device)
+    step = max(1, _COMBINE_BLOCK_ELEMS // max(1, K * D))
+    for t in range(0, T, step):
+        copies = rows_2d.index_select(0, rows_of_token[t:t + step].reshape(-1)).view(-1, K, D).to(acc)
+        torch.bmm(w_TK[t:t + step].unsqueeze(1), copies, out=y[t:t + step].unsqueeze(1))
     return y.view(T, *rest)
 
 
@@ -165,52 +199,75 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, token_N: Tensor, slot_N: Tensor, topk: int, padded: bool) -> Tensor:
         ctx.save_for_backward(slot_N)
-        ctx.num_tokens, ctx.topk, ctx.padded = x.shape[0], topk, padded
+        ctx.num_tokens, ctx.topk, ctx.padded, ctx.x_dtype = x.shape[0], topk, padded, x.dtype
         return _gather_rows(x, token_N, padded)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         (slot_N,) = ctx.saved_tensors
-        return _sum_copies(grad.contiguous(), slot_N, ctx.num_tokens, ctx.topk, ctx.padded), None, None, None, None
+        # the K copies' gradients add up in fp32 (combine_dtype), rounded once to the token's dtype
+        grad_x = _sum_copies(grad.contiguous(), slot_N, ctx.num_tokens, ctx.topk, ctx.padded).to(ctx.x_dtype)
+        return grad_x, None, None, None, None
 
 
 class _Unpermute(torch.autograd.Function):
-    """Forward: y[t] = sum over t's dispatched copies of their rows. Backward: gather rows."""
+    """Forward: y[t] = sum over t's dispatched copies of their rows (in ``combine_dtype``). Backward: gather rows."""
 
     @staticmethod
     def forward(ctx, rows: Tensor, token_N: Tensor, slot_N: Tensor, num_tokens: int, topk: int,
                 padded: bool) -> Tensor:
         ctx.save_for_backward(token_N)
-        ctx.padded = padded
+        ctx.padded, ctx.rows_dtype = padded, rows.dtype
         return _sum_copies(rows.contiguous(), slot_N, num_tokens, topk, padded)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         (token_N,) = ctx.saved_tensors
-        return _gather_rows(grad.contiguous(), token_N, ctx.padded), None, None, None, None, None
+        return _gather_rows(grad.contiguous(), token_N, ctx.padded).to(ctx.rows_dtype), None, None, None, None, None
 
 
-def _row_dots(a_NH: Tensor, b_NH: Tensor, block_elems: int = 2**20) -> Tensor:
-    """[N] fp32 dot product of each row pair (products in the rows' dtype, sums in fp32).
+def _weighted_rows_backward(grad_TH: Tensor, rows_NH: Tensor, probs_TK: Tensor, token_N: Tensor, slot_N: Tensor,
+                            padded: bool, need_rows: bool, need_probs: bool,
+                            block_elems: int = 2**20) -> tuple[Tensor | None, Tensor | None]:
+    """The weighted combine's backward from one gather of the token gradients, in blocks of rows.
 
-    In blocks of about a million elements: the [N, H] product then never exists at once (on CPU a
-    buffer that large is a fresh mmap, page-faulted on every call; the blocks reuse cached memory).
+    Row n of token t with prob p: its gradient ``p * grad[t]`` (computed in ``combine_dtype``, returned in
+    the rows' dtype) and ``grad[t] . row`` for p (an [N] fp32 dot product, products in ``combine_dtype``).
+    Blocks of about a million elements: the gathered [N, H] gradient never exists at once (on CPU a buffer
+    that large is a fresh mmap, page-faulted on every call; the blocks reuse cached memory).
+    Returns (grad_rows [N, H] or None, grad_probs [T, K] in the probs' dtype or None).
     """
-    a, b = a_NH.flatten(1), b_NH.flatten(1)
-    out = torch.empty(a.shape[0], dtype=torch.float32, device=a.device)
-    rows = max(1, block_elems // max(1, a.shape[1]))
-    for i in range(0, a.shape[0], rows):
-        torch.sum(a[i:i + rows] * b[i:i + rows], -1, dtype=torch.float32, out=out[i:i + rows])
-    return out
+    T, K = probs_TK.shape
+    N = rows_NH.shape[0]
+    acc = combine_dtype(torch.promote_types(grad_TH.dtype, rows_NH.dtype))
+    grad_src = grad_TH.contiguous()
+    if padded:  # padding rows point at token T: an appended zero row
+        grad_src = torch.cat([grad_src, grad_src.new_zeros((1, *grad_src.shape[1:]))])
+    p_N = _probs_of_rows(probs_TK, slot_N, padded).to(acc)
+    grad_rows = torch.empty_like(rows_NH) if need_rows else None
+    dots_N = torch.empty(N, dtype=torch.float32, device=rows_NH.device) if need_probs else None
+    width = max(1, rows_NH[0].numel() if N else 1)
+    step = max(1, block_elems // width)
+    for i in range(0, N, step):
+        g = grad_src.index_select(0, token_N[i:i + step]).to(acc)
+        if need_probs:
+            torch.sum((g * rows_NH[i:i + step].to(acc)).flatten(1), -1, dtype=torch.float32, out=dots_N[i:i + step])
+        if need_rows:
+            grad_rows[i:i + step] = g.mul_(p_N[i:i + step].view(-1, *([1] * (g.dim() - 1))))
+    grad_probs = None
+    if need_probs:
+        # padding rows all write the sink slot T*K, which is dropped
+        grad_probs = dots_N.new_zeros(T * K + 1).scatter_(0, slot_N, dots_N)[:T * K].view(T, K).to(probs_TK.dtype)
+    return grad_rows, grad_probs
 
 
 class _WeightedUnpermute(torch.autograd.Function):
-    """Forward: y[t] = sum_k p[t, k] * (row of copy (t, k)), on the tokens' home rank.
+    """Forward: y[t] = sum_k p[t, k] * (row of copy (t, k)), on the tokens' home rank, in ``combine_dtype``.
 
     Backward: each row's gradient is its token's gradient times the row's prob, and each prob's
     gradient the dot product of its token's gradient with the row (the expert output that came
     back): both from one gather of the token gradients. Saves the rows (needed for the probs'
-    gradient) and the probs.
+    gradient, in their own dtype) and the probs.
     """
 
     @staticmethod
@@ -223,18 +280,8 @@ class _WeightedUnpermute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         rows, probs_TK, token_N, slot_N = ctx.saved_tensors
-        T, K = probs_TK.shape
-        g_rows = _gather_rows(grad.contiguous(), token_N, ctx.padded)  # [N, H]: each row's token gradient
-        grad_probs = None
-        if ctx.needs_input_grad[1]:
-            dots_N = _row_dots(g_rows, rows)
-            # padding rows all write the sink slot T*K, which is dropped
-            grad_probs = dots_N.new_zeros(T * K + 1).scatter_(0, slot_N, dots_N)[:T * K]
-            grad_probs = grad_probs.view(T, K).to(probs_TK.dtype)
-        grad_rows = None
-        if ctx.needs_input_grad[0]:
-            p_N = _probs_of_rows(probs_TK, slot_N, ctx.padded)
-            grad_rows = g_rows.mul_(p_N.to(g_rows.dtype).view(-1, *([1] * (g_rows.dim() - 1))))
+        grad_rows, grad_probs = _weighted_rows_backward(grad, rows, probs_TK, token_N, slot_N, ctx.padded,
+                                                        ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         return grad_rows, grad_probs, None, None, None
 
 
@@ -246,7 +293,8 @@ def permute(x_TH: Tensor, row_map: RowMap) -> Tensor:
 
 
 def unpermute(rows_NH: Tensor, row_map: RowMap, probs_TK: Tensor | None = None) -> Tensor:
-    """[N, H] rows -> [T, H]: each token's copies summed, weighted by ``probs_TK`` [T, K] when given.
+    """[N, H] rows -> [T, H] in ``combine_dtype(rows.dtype)`` (fp32 for bf16 rows): each token's copies
+    summed, weighted by ``probs_TK`` [T, K] when given.
 
     Copies not dispatched (dropped, or padding rows) add zero. With ``probs_TK`` the weights are
     applied here, on the rank that holds them, and their gradient is computed from the rows.

@@ -29,6 +29,7 @@ from moefold.models.options import ModelOptions
 from moefold.models.params import ParamReport, count_parameters, format_report
 from moefold.models.pretrained import load_pretrained_weights, pretrained_config
 from moefold.models.recipes import RECIPES, get_recipe
+from moefold.models.sublayers import Compute, Exchange, LayerCarry, Piece, block_pieces, check_overlap
 from moefold.models.upcycle import load_upcycled_weights, upcycled_config
 
 __all__ = [
@@ -39,4 +40,5 @@ __all__ = [
     "ParamReport", "count_parameters", "format_report",
     "import_hf", "load_hf_weights", "export_hf", "save_checkpoint", "load_checkpoint",
     "pretrained_config", "load_pretrained_weights", "upcycled_config", "load_upcycled_weights", "generate",
+    "Compute", "Exchange", "LayerCarry", "Piece", "block_pieces", "check_overlap",
 ]

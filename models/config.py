@@ -101,6 +101,7 @@ class ModelConfig:
     moe_layer_freq: int | tuple[int, ...] = 1
     moe_aux_loss_coeff: float = 0.0
     moe_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_counts: str = "topk"            # topk (Megatron-Core) | dispatched (moe.router_config)
     # router training choices (Megatron flag names in moe/router_config.py)
     moe_z_loss_coeff: float | None = None
     moe_input_jitter_eps: float | None = None

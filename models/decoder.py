@@ -213,14 +213,15 @@ class MoEDecoder(nn.Module):
         labels = labels_BS.t()
         mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask_BS is None else loss_mask_BS.t().float()
         mask = mask * (labels != IGNORE_INDEX)  # ignored labels count as masked tokens
-        lm = self._token_loss(self.head_logits(hidden), labels, mask)
+        normed = self.norm(hidden)   # the main head's input, and MTP depth 1's (Megatron-Core's convention)
+        lm = self._token_loss(self.output_head(normed), labels, mask)
         logs = {"lm": lm.mean, "lm_loss_sum": lm.local_sum, "num_tokens": lm.local_tokens}
         lm_share = lm.share
         loss, infos = lm_share, {}
         if len(self.mtp):
             if input_ids_BS is None or position_ids is None:
                 raise ValueError("MTP needs input_ids_BS and position_ids in head_loss")
-            mtp_share, mtp_logs, infos = self._mtp_loss(hidden, input_ids_BS.t(), labels, mask, position_ids,
+            mtp_share, mtp_logs, infos = self._mtp_loss(normed, input_ids_BS.t(), labels, mask, position_ids,
                                                         global_states)
             loss = loss + self.config.mtp_loss_scaling_factor * mtp_share
             logs.update(mtp_logs)
@@ -290,11 +291,12 @@ class MoEDecoder(nn.Module):
         return _TokenLoss(share=token_loss.sum() / tokens, mean=total[0] / tokens, local_sum=local[0],
                           local_tokens=local[1])
 
-    def _mtp_loss(self, hidden: Tensor, ids_SB: Tensor, labels_SB: Tensor, mask_SB: Tensor, position_ids: Tensor,
+    def _mtp_loss(self, normed: Tensor, ids_SB: Tensor, labels_SB: Tensor, mask_SB: Tensor, position_ids: Tensor,
                   global_states: dict[int, GlobalLoadState] | None,
                   ) -> tuple[Tensor, dict[str, Tensor], dict[int, MoEOutputInfo]]:
         cp_group, cp_rank = self.dims.cp_group, self.dims.cp_rank
         shares, logs, infos = [], {}, {}
+        hidden = normed
         ids, labels, mask = ids_SB, labels_SB, mask_SB
         for k, module in enumerate(self.mtp, start=1):
             ids = shift_left(ids, 1, 0, cp_group, cp_rank)
@@ -304,7 +306,8 @@ class MoEDecoder(nn.Module):
             hidden, extra = module(hidden, embedded, position_ids, **self._ffn_kwargs(module.index, global_states))
             if extra is not None:
                 infos[module.index] = extra
-            depth = self._token_loss(self.output_head(module.final_layernorm(hidden)), labels, mask)
+            hidden = module.final_layernorm(hidden)   # this depth's head input and the next depth's hidden input
+            depth = self._token_loss(self.output_head(hidden), labels, mask)
             shares.append(depth.share)
             logs[f"mtp_{k}"] = depth.mean
         logs["mtp"] = torch.stack([logs[f"mtp_{k}"] for k in range(1, len(self.mtp) + 1)]).mean()

@@ -85,6 +85,7 @@ def router_config(config: ModelConfig, options: ModelOptions) -> RouterConfig:
         topk_scaling_factor=c.moe_topk_scaling_factor if c.moe_topk_scaling_factor != 1.0 else None,
         num_groups=c.moe_num_groups, group_topk=c.moe_group_topk, group_score_topk=c.moe_group_score_topk,
         load_balancing_type=c.moe_load_balancing_type, aux_loss_coeff=c.moe_aux_loss_coeff,
+        aux_loss_counts=c.moe_aux_loss_counts,
         enable_expert_bias=c.moe_expert_bias, bias_update_rate=c.moe_bias_update_rate,
         z_loss_coeff=c.moe_z_loss_coeff, input_jitter_eps=c.moe_input_jitter_eps, router_dtype=c.moe_router_dtype,
         expert_capacity_factor=c.moe_expert_capacity_factor, token_drop_policy=c.moe_token_drop_policy,
@@ -98,6 +99,9 @@ def moe_config(config: ModelConfig, options: ModelOptions, dims: ParallelDims) -
                      shared_expert_gate=config.moe_shared_expert_gate,
                      dispatcher=options.resolved_dispatcher(dims.ep, dims.etp), gemm_backend=options.gemm_backend,
                      init_std=options.init_std, fp8=options.fp8, deepep_num_sms=options.moe_deepep_num_sms,
+                     flex_backend=options.moe_flex_dispatcher_backend,
+                     deepep_max_tokens_per_rank=options.moe_deepep_max_tokens_per_rank or None,
+                     deepep_hybrid=options.moe_deepep_mode == "hybrid", deepep_cpu_sync=options.moe_deepep_cpu_sync,
                      apply_probs_on_input=config.moe_apply_probs_on_input, linear_bias=config.moe_expert_linear_bias,
                      swiglu_alpha=config.moe_swiglu_alpha, activation_clamp=config.moe_activation_clamp,
                      glu_linear_offset=config.moe_glu_linear_offset)

@@ -1,12 +1,13 @@
 """Multi-token prediction (DeepSeek-V3 MTP): extra modules that predict the token ``k + 1`` ahead.
 
-Depth ``k`` (1-based) combines the previous depth's hidden state ``h^{k-1}`` (depth 0: the main
-model's last block output, before the final norm) with the embedding of the input tokens shifted
-``k`` to the left::
+Depth ``k`` (1-based) combines the previous depth's normalised hidden state ``h^{k-1}`` (depth 0: the main
+model's last block output after the final norm, the output head's input) with the embedding of the input
+tokens shifted ``k`` to the left, as Megatron-Core 0.16 does (it moves the final norm into the decoder
+block when MTP is on, ``transformer_block.py``, and each MTP layer passes its ``final_layernorm`` output on)::
 
     h'^k = eh_proj([enorm(Emb(t_{i+k})) ; hnorm(h^{k-1}_i)])      (concat order of DeepSeek/Megatron)
-    h^k  = Block_k(h'^k)                                          (a full transformer block, MoE FFN)
-    logits^k = OutputHead(final_layernorm_k(h^k))                 (embedding and head shared with the model)
+    h^k  = final_layernorm_k(Block_k(h'^k))                       (a full transformer block, MoE FFN)
+    logits^k = OutputHead(h^k)                                    (embedding and head shared with the model)
 
 and is trained on the labels shifted ``k`` to the left (the last ``k`` positions masked). The MTP
 loss is ``mean_k L_k`` and enters the training loss as ``mtp_loss_scaling_factor * mean_k L_k``

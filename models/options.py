@@ -19,10 +19,12 @@ from moefold.dense.recompute import (
     RECOMPUTE_MODES,
     check_recompute_modules,
 )
+from moefold.dispatch.flex_backend import check_flex_backend
 from moefold.moe.config import DISPATCHERS
 from moefold.moe.gemm import GEMM_BACKENDS
 from moefold.parallel.fp8 import FP8Config
 
+DEEPEP_MODES: tuple[str, ...] = ("hybrid", "direct")
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -43,7 +45,14 @@ class ModelOptions:
     init_std:          std of the normal init of every weight matrix
     fp8:               FP8 GEMMs and dispatch (``parallel.fp8.FP8Config``; --fp8-format, --fp8-recipe,
                        --fp8-backend, --fp8-exclude-modules, --moe-fp8-dispatch)
-    moe_deepep_num_sms: SMs DeepEP's kernels take with the flex dispatcher (--moe-deepep-num-sms)
+    moe_deepep_num_sms: SMs DeepEP's kernels take with the flex dispatcher (--moe-deepep-num-sms; 0: DeepEP V2's
+                       analytic count, the legacy backend's 20)
+    moe_flex_dispatcher_backend: "auto" | "deepep" (DeepEP V2) | "deepep-legacy" (``dispatch.flex_backend``)
+    moe_deepep_mode:   DeepEP V2: "hybrid" (RDMA once per node, NVLink forwarding) | "direct"
+    moe_deepep_cpu_sync: DeepEP V2: the host waits for the received counts (exact buffers) or not (None: on when
+                       the expert GEMMs take host counts anyway)
+    moe_deepep_max_tokens_per_rank: DeepEP V2's ``num_max_tokens_per_rank`` (0: the run's micro-batch x
+                       sequence / (tp x cp), filled in by ``training.trainer.model_options``)
     linear_attention_backend: Gated DeltaNet kernel, "auto" | "torch" | "fla" (``dense.gated_delta_rule``)
     """
 
@@ -58,7 +67,11 @@ class ModelOptions:
     dtype: str = "fp32"
     init_std: float = 0.02
     fp8: FP8Config = field(default_factory=FP8Config)
-    moe_deepep_num_sms: int = 20
+    moe_deepep_num_sms: int = 0
+    moe_flex_dispatcher_backend: str = "auto"
+    moe_deepep_mode: str = "hybrid"
+    moe_deepep_cpu_sync: bool | None = None
+    moe_deepep_max_tokens_per_rank: int = 0
     linear_attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -83,6 +96,9 @@ class ModelOptions:
             raise ValueError(f"ModelOptions.dtype={self.dtype!r}; valid: {', '.join(DTYPES)}")
         if not self.init_std > 0:
             raise ValueError(f"ModelOptions.init_std={self.init_std!r} must be > 0")
+        check_flex_backend(self.moe_flex_dispatcher_backend)
+        if self.moe_deepep_mode not in DEEPEP_MODES:
+            raise ValueError(f"--moe-deepep-mode={self.moe_deepep_mode!r}; valid: {', '.join(DEEPEP_MODES)}")
         if self.linear_attention_backend not in GATED_DELTA_RULE_BACKENDS:
             raise ValueError(f"ModelOptions.linear_attention_backend={self.linear_attention_backend!r}; valid: "
                              f"{', '.join(GATED_DELTA_RULE_BACKENDS)}")

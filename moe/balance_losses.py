@@ -9,8 +9,10 @@ split (tested against world 1).
 
 Notation: T_g = tokens of the micro-batch over the tp x cp group (T_local * |tp_cp|, the shards
 are equal under SP and CP), E experts, k = topk, p_te the per-token distribution over all experts
-(softmax, or sigmoid normalised over E), c_e the number of routed copies that SELECTED expert e
-(before any capacity drop; the selection that is dispatched, with group limits and expert bias).
+(softmax, or sigmoid normalised over E), c_e the number of copies that select expert e in a plain top-k
+of the scores (before any capacity drop, without expert bias and group limit: Megatron-Core's counts and the
+DeepSeek-V3 report's indicator; ``RouterConfig.aux_loss_counts="dispatched"`` counts the dispatched selection,
+with group limits and expert bias, instead).
 
 - aux_loss (Switch Transformer eq. 4-6, GShard; Megatron-Core's form for top-k):
       L = E * sum_e f_e P_e,  f_e = c_e / (k T_g),  P_e = (1/T_g) sum_t p_te

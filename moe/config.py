@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from moefold.dispatch.factory import DISPATCHER_KINDS
+from moefold.dispatch.flex_backend import check_flex_backend
 from moefold.moe.expert_rows import ROW_LAYOUTS
 from moefold.moe.experts import ACTIVATIONS, GatedActivation
 from moefold.moe.fp8_gemm import check_fp8_gemm_backend
@@ -44,7 +45,15 @@ class MoEConfig:
     init_std: float = 0.02
     output_init_std: float | None = None          # w2 / shared down projection; None = init_std
     fp8: FP8Config | None = None                  # FP8 expert GEMMs and FP8 dispatch (parallel.fp8)
-    deepep_num_sms: int = 20                      # flex: SMs DeepEP's kernels use (--moe-deepep-num-sms)
+    deepep_num_sms: int = 0                       # flex: SMs DeepEP's kernels use (--moe-deepep-num-sms); 0: V2's
+                                                  # get_theoretical_num_sms, legacy's 20 (Megatron's default)
+    flex_backend: str = "auto"                    # flex: "deepep" (V2) | "deepep-legacy" | "auto" (the installed one)
+    # flex on V2 (dispatch.deepep_elastic): the most tokens a rank routes per call (sizes DeepEP's buffer; the
+    # trainer sets micro-batch x sequence / (tp x cp)), hybrid (NVLink-forwarded) or direct mode, and the CPU sync
+    # for the received counts (None: on exactly when the expert GEMMs take host counts: te, grouped_gemm, loop, FP8)
+    deepep_max_tokens_per_rank: int | None = None
+    deepep_hybrid: bool = True
+    deepep_cpu_sync: bool | None = None
     apply_probs_on_input: bool = False            # x * probs before the experts, top-1 only (Megatron's
                                                   # --moe-apply-probs-on-input); default: in the combine
     # GPT-OSS's experts: biases on both projections and the clamped SwiGLU (moe.experts.GatedActivation)
@@ -74,12 +83,22 @@ class MoEConfig:
             raise ValueError(f"MoEConfig: init_std={self.init_std} and output_init_std={self.output_init_std} "
                              "must be > 0")
         check_fp8_gemm_backend(self.fp8, self.gemm_backend)
-        if self.fp8 is not None and self.fp8.dispatch and self.dispatcher == "flex":
+        check_flex_backend(self.flex_backend)
+        legacy = self.dispatcher == "flex" and self.flex_backend == "deepep-legacy"
+        if self.fp8 is not None and self.fp8.dispatch and legacy:
             raise ValueError("MoEConfig: FP8 dispatch (--moe-fp8-dispatch) runs with the alltoall and allgather "
-                             "dispatchers (and needs no exchange with 'local'), not 'flex'")
-        if not isinstance(self.deepep_num_sms, int) or self.deepep_num_sms < 2 or self.deepep_num_sms % 2:
-            raise ValueError(f"MoEConfig: deepep_num_sms={self.deepep_num_sms!r} must be an even integer >= 2 "
-                             "(--moe-deepep-num-sms; DeepEP runs two SMs per channel)")
+                             "dispatchers and flex on DeepEP V2 (--moe-flex-dispatcher-backend deepep), not on "
+                             "deepep-legacy")
+        if legacy and (not self.deepep_hybrid or self.deepep_cpu_sync is False):
+            raise ValueError("MoEConfig: --moe-deepep-mode direct and sync-free dispatch (--no-moe-deepep-cpu-sync) "
+                             "are DeepEP V2 settings (--moe-flex-dispatcher-backend deepep), not deepep-legacy's")
+        sms = self.deepep_num_sms
+        if not isinstance(sms, int) or isinstance(sms, bool) or sms < 0 or sms == 1 or sms % 2:
+            raise ValueError(f"MoEConfig: deepep_num_sms={sms!r} must be an even integer >= 2, or 0 for the "
+                             "backend's choice (--moe-deepep-num-sms; DeepEP runs two SMs per channel)")
+        tokens = self.deepep_max_tokens_per_rank
+        if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1):
+            raise ValueError(f"MoEConfig: deepep_max_tokens_per_rank={tokens!r} must be a positive integer or None")
         router_experts = getattr(self.router, "num_experts", self.num_experts)
         if router_experts != self.num_experts:
             raise ValueError(f"MoEConfig: num_experts={self.num_experts} but router.num_experts={router_experts}")

@@ -56,6 +56,7 @@ from torch import Tensor, nn
 
 from moefold.dense.grad_accumulation import grad_slot
 from moefold.dense.recompute import CheckpointWithoutOutput
+from moefold.dense.split_backward import WeightGradStore
 from moefold.moe.expert_gemm import choose_layout, grouped_linear
 from moefold.moe.expert_rows import ROW_LAYOUTS, pad_rows, unpad_rows
 from moefold.moe.fp8_gemm import Float8GroupedGemm, check_fp8_gemm_backend
@@ -65,7 +66,9 @@ from moefold.moe.gemm import (
     flops_per_token,
     grouped_gemm,
     needs_host_counts,
+    row_experts,
 )
+from moefold.moe.split_gemm import SplitGroupedGemm
 from moefold.moe.swiglu import swiglu_rows
 from moefold.parallel.comm import copy_to_region
 from moefold.parallel.fp8 import FP8Config
@@ -260,6 +263,9 @@ class GroupedExperts(nn.Module):
         rows = None
         if x_NH.device.type == "cpu":   # host counts cost nothing here
             host = tuple(int(c) for c in (counts_e.tolist() if counts_host is None else counts_host))
+            n = sum(host)
+            if n < x_NH.shape[0]:   # a sync-free dispatcher's worst-case rows past the last block: zero outputs
+                return F.pad(self._forward_default(x_NH[:n], counts_e, host), (0, 0, 0, x_NH.shape[0] - n))
             rows = choose_layout(host, x_NH, w13, "packed" if self.w13_bias is not None else self.row_layout)
         slots = (grad_slot(self.w13), grad_slot(self.w2)) if self.fuse_wgrad else (None, None)
         h_NGf = grouped_linear(pad_rows(x_NH, rows) if rows is not None else x_NH, w13, counts_e, rows, slots[0])
@@ -285,29 +291,55 @@ class GroupedExperts(nn.Module):
         if self.w2_bias is None:
             return out_NH
         # every etp rank takes the bias through the region (its backward is a collective), rank 0 adds it
-        b2_eH = copy_to_region(self.w2_bias, self.etp_group)
+        b2_eH = _with_zero_row(copy_to_region(self.w2_bias, self.etp_group))
         return out_NH + (b2_eH[rows_e] if self._adds_w2_bias else 0.0 * b2_eH[rows_e])
+
+    def use_weight_grad_store(self, store: WeightGradStore) -> None:
+        """Split backward (``dense.split_backward``): defer both projections' weight gradients while ``store``
+        defers (``moe.split_gemm``; torchao FP8 defers its own)."""
+        if self._te:
+            raise ValueError("split backward (zero-bubble schedules, --delay-wgrad-compute) cannot defer the weight "
+                             "gradients of the 'te' expert GEMMs (Transformer Engine has its own "
+                             "delay_wgrad_compute); use --moe-grouped-gemm-backend grouped_mm")
+        for name in ("_gemm13", "_gemm2"):
+            gemm = getattr(self, name)
+            if isinstance(gemm, Float8GroupedGemm):
+                gemm.use_weight_grad_store(store)
+            else:
+                setattr(self, name, SplitGroupedGemm(store))
 
     def forward(self, tokens_NH: Tensor, tokens_per_expert_e: Tensor,
                 tokens_per_expert_host: Sequence[int] | None = None) -> Tensor:
-        e, gates, f, H = self.w13.shape
         counts_host = tokens_per_expert_host
         if self._host_counts and counts_host is None:
             counts_host = tokens_per_expert_e.tolist()  # the backend takes host counts: one sync
+        N = tokens_NH.shape[0]
+        if counts_host is not None and sum(counts_host) != N:
+            n = sum(int(c) for c in counts_host)
+            if n > N:
+                raise ValueError(f"GroupedExperts: the counts {list(counts_host)} cover {n} rows, there are {N}")
+            # a sync-free dispatcher's worst-case rows past the last expert's (dispatch.base.Dispatched): skipped,
+            # their outputs zero (never read)
+            out = self._forward(tokens_NH[:n], tokens_per_expert_e, counts_host)
+            return F.pad(out, (0, 0, 0, N - n))
+        return self._forward(tokens_NH, tokens_per_expert_e, counts_host)
+
+    def _forward(self, tokens_NH: Tensor, tokens_per_expert_e: Tensor, counts_host: Sequence[int] | None) -> Tensor:
+        e, gates, f, H = self.w13.shape
         # [e, G, f, H] -> [e, G*f, H]: gate and up projections in a single grouped GEMM.
         w13 = self.w13.reshape(e, gates * f, H)
         if self._te:  # with no rows too: every rank of TE's amax group must run the same TE calls (moe.te_gemm)
             return self._te[0](tokens_NH, w13, self.w2, counts_host, self._activate)
         if self._default_gemms:
-            return self._forward_default(tokens_NH, tokens_per_expert_e, tokens_per_expert_host)
+            return self._forward_default(tokens_NH, tokens_per_expert_e, counts_host)
         h_NGf = self._gemm13(tokens_NH, w13, tokens_per_expert_e, self.gemm_backend, trans_w=True,
                              counts_host=counts_host)
         rows_e = None
         if self.w13_bias is not None:
-            # each row's expert; output_size makes it sync-free on CUDA
-            rows_e = torch.repeat_interleave(torch.arange(e, device=tokens_NH.device), tokens_per_expert_e,
-                                             output_size=tokens_NH.shape[0])
-            h_NGf = h_NGf + self.w13_bias.reshape(e, gates * f)[rows_e]
+            # each row's expert, e for rows past the last block (no token: a zero bias, and their gradient goes
+            # to that extra row, not to an expert's); output_size makes it sync-free on CUDA
+            rows_e = row_experts(tokens_per_expert_e, tokens_NH.shape[0])
+            h_NGf = h_NGf + _with_zero_row(self.w13_bias.reshape(e, gates * f))[rows_e]
         recompute = CheckpointWithoutOutput() if self.recompute_activation else None
         act_Nf = self._activate(h_NGf) if recompute is None else recompute.checkpoint(self._activate, h_NGf)
         out_NH = self._gemm2(act_Nf, self.w2, tokens_per_expert_e, self.gemm_backend, trans_w=True,
@@ -327,6 +359,11 @@ class GroupedExperts(nn.Module):
                 f"activation={self.activation}{f' {self.glu}' if self.glu else ''}, bias={self.w13_bias is not None}, "
                 f"gemm={self.gemm_backend}, rows={self.row_layout}"
                 + (f", {self.fp8.describe()}" if self.fp8 is not None else ""))
+
+
+def _with_zero_row(t: Tensor) -> Tensor:
+    """``t [e, ...]`` with a zero row ``e`` appended (the bias of rows past the last expert's block)."""
+    return torch.cat([t, t.new_zeros((1, *t.shape[1:]))])
 
 
 def default_output_init_std(init_std: float, num_layers: int) -> float:

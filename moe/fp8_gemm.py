@@ -51,7 +51,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from moefold.moe.gemm import no_rows
+from moefold.dense.split_backward import SplitWeights, WeightGradStore, accumulate_or_defer, weight_inputs
+from moefold.moe.gemm import no_rows, row_experts
 from moefold.parallel.fp8 import FP8Config
 from moefold.parallel.fp8_cast import E4M3, Float8Recipe, amax, amax_to_scale, reduce_max, scaled_mm, to_float8
 from moefold.parallel.groups import Group, group_size
@@ -92,9 +93,9 @@ class _Operands:
 class _Float8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, counts_e: Tensor, counts_host: list[int] | None,
-                gemm: Float8GroupedGemm) -> Tensor:
+                gemm: Float8GroupedGemm, split: SplitWeights | None, _anchor: Tensor | None) -> Tensor:
         ctx.save_for_backward(x, w, counts_e)
-        ctx.gemm, ctx.counts_host = gemm, counts_host
+        ctx.gemm, ctx.counts_host, ctx.split = gemm, counts_host, split   # split backward: w detached
         gid = _group_ids(counts_e, x.shape[0])
         ops = _Operands(*gemm.cast_rows(x, gemm.recipe.input, gid, w.shape[0], gemm.k_group),
                         *gemm.cast_weight(w, contract=2))
@@ -102,7 +103,7 @@ class _Float8GroupedMM(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx, dy: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:
+    def backward(ctx, dy: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None, None, None]:
         x, w, counts_e = ctx.saved_tensors
         gemm: Float8GroupedGemm = ctx.gemm
         r, e = gemm.recipe, w.shape[0]
@@ -113,30 +114,40 @@ class _Float8GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             ops = _Operands(*gemm.cast_rows(dy, r.grad_output, gid, e, gemm.m_group), *gemm.cast_weight(w, contract=1))
             dx, counts_host = gemm.rows_gemm(ops, counts_e, counts_host, x.dtype)
-        if ctx.needs_input_grad[1]:
-            counts_host = counts_host if counts_host is not None else counts_e.tolist()
+        counts = counts_host
+
+        def weight_grad() -> tuple[Tensor]:
+            host = counts if counts is not None else counts_e.tolist()
             q_dy, s_dy = gemm.cast_per_expert_columns(dy, r.grad_output, gid, e, gemm.m_group)
             q_x, s_x = gemm.cast_per_expert_columns(x, r.input, gid, e, gemm.k_group)
-            dw = torch.zeros_like(w)
+            grad = torch.zeros_like(w)
             start = 0
-            for i, m in enumerate(counts_host):
+            for i, m in enumerate(host):
                 if m:
                     rows = slice(start, start + m)
                     s_a, s_b = (s_dy[i], s_x[i]) if gemm.rowwise else (s_dy[i, 0], s_x[i, 0])
-                    dw[i] = scaled_mm(q_dy[rows].t(), s_a, q_x[rows], s_b, w.dtype)
+                    grad[i] = scaled_mm(q_dy[rows].t(), s_a, q_x[rows], s_b, w.dtype)
                 start += m
-        return dx, dw, None, None, None
+            return (grad,)
+
+        if ctx.split is not None:   # split backward: now or deferred (its casts too)
+            accumulate_or_defer(gemm.store, ctx.split.edges, weight_grad)
+        elif ctx.needs_input_grad[1]:
+            (dw,) = weight_grad()
+        return dx, dw, None, None, None, None, None
 
 
 def _group_ids(counts_e: Tensor, N: int) -> Tensor:
-    """[N] local expert index of every row (``output_size`` keeps it free of a host synchronisation)."""
-    return torch.repeat_interleave(torch.arange(counts_e.shape[0], device=counts_e.device), counts_e, output_size=N)
+    """[N] local expert index of every row, ``e`` past the last expert's block (``moe.gemm.row_experts``)."""
+    return row_experts(counts_e, N)
 
 
 def _per_expert_amax(t: Tensor, gid: Tensor, e: int, per_column: bool, groups: Sequence[Group]) -> Tensor:
-    """amax of each expert's rows of ``t [N, C]``: ``[e, C]`` per column, else ``[e]``; reduced over ``groups``."""
+    """amax of each expert's rows of ``t [N, C]``: ``[e + 1, C]`` per column, else ``[e + 1]``, reduced over
+    ``groups``; the last entry is that of the rows past the last expert's block (none, or a sync-free dispatcher's
+    worst-case rows, whose values are unspecified), so they never reach an expert's scale."""
     rows = t.abs().float() if per_column else amax(t, (1,)).squeeze(1)
-    shape = (e, t.shape[1]) if per_column else (e,)
+    shape = (e + 1, t.shape[1]) if per_column else (e + 1,)
     index = gid[:, None].expand(-1, t.shape[1]) if per_column else gid
     out = torch.zeros(shape, dtype=torch.float32, device=t.device).scatter_reduce_(0, index, rows, "amax")
     return reduce_max(out, groups)
@@ -155,6 +166,11 @@ class Float8GroupedGemm:
                  m_group: Group = None, token_group: Group = None) -> None:
         self.config, self.recipe = config, Float8Recipe.from_config(config)
         self.grouped, self.k_group, self.m_group, self.token_group = grouped, k_group, m_group, token_group
+        self.store: WeightGradStore | None = None   # split backward (dense.split_backward)
+
+    def use_weight_grad_store(self, store: WeightGradStore) -> None:
+        """Split backward: defer the weight gradient (its casts too) while ``store`` defers."""
+        self.store = store
 
     def __call__(self, x_NK: Tensor, w: Tensor, tokens_per_expert_e: Tensor, backend: str | None = None, *,
                  trans_w: bool = True, counts_host: Sequence[int] | None = None) -> Tensor:
@@ -167,7 +183,9 @@ class Float8GroupedGemm:
         if x_NK.shape[0] == 0 and group_size(self.token_group) == 1:
             return no_rows(x_NK, w, True)  # (with a token group, the casts' all-reduces must still run)
         host = None if counts_host is None else [int(c) for c in counts_host]
-        return _Float8GroupedMM.apply(x_NK, w, tokens_per_expert_e, host, self)
+        (w_in,), split = weight_inputs(self.store, w)
+        return _Float8GroupedMM.apply(x_NK, w_in, tokens_per_expert_e, host, self, split,
+                                      None if split is None else split.anchor)
 
     # -- casts (shared by both kernels) -----------------------------------------------------
     def cast_rows(self, t: Tensor, cast, gid: Tensor, e: int, contract_group: Group) -> tuple[Tensor, Tensor]:

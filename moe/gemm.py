@@ -87,8 +87,10 @@ def grouped_gemm(x_NK: Tensor, w: Tensor, tokens_per_expert_e: Tensor, backend: 
                  trans_w: bool = False, counts_host: Sequence[int] | None = None) -> Tensor:
     """Per-expert ``x @ w[i]`` (``w [e, K, M]``) or ``x @ w[i].T`` (``trans_w``, ``w [e, M, K]``) -> ``[N, M]``.
 
-    ``tokens_per_expert_e``: ``[e]`` integer counts (any device) summing to ``N``; ``counts_host``:
-    the same counts as host ints, if known. Local only: nothing crosses ranks.
+    ``tokens_per_expert_e``: ``[e]`` integer counts (any device) summing to ``N``; with ``grouped_mm`` they may
+    cover fewer rows (a sync-free dispatcher's worst-case rows past the last expert's block): those rows are not
+    computed and their outputs are unspecified. ``counts_host``: the same counts as host ints, if known. Local
+    only: nothing crosses ranks.
     """
     if x_NK.dim() != 2 or w.dim() != 3:
         raise ValueError(f"grouped_gemm expects x [N, K] and w [e, ., .], got {tuple(x_NK.shape)} and {tuple(w.shape)}")
@@ -187,10 +189,19 @@ def _grouped_mm(x_NK: Tensor, w: Tensor, counts_e: Tensor, trans_w: bool) -> Ten
     return out[:, :M] if out.shape[1] != M else out
 
 
+def row_experts(tokens_per_expert_e: Tensor, N: int) -> Tensor:
+    """[N] int64 local expert of each of ``N`` expert-major rows; ``e`` for rows past the last expert's block (a
+    sync-free dispatcher's worst-case rows). Device ops only (``output_size`` keeps repeat_interleave sync-free)."""
+    e = tokens_per_expert_e.shape[0]
+    counts = tokens_per_expert_e.long()
+    counts = torch.cat([counts, (N - counts.sum()).reshape(1)])
+    return torch.repeat_interleave(torch.arange(e + 1, device=tokens_per_expert_e.device), counts, output_size=N)
+
+
 def flops_per_token(hidden: int, ffn: int, gated: bool) -> int:
     """Forward FLOPs of one expert MLP per routed token copy (2 per multiply-add)."""
     return 2 * hidden * ffn * (3 if gated else 2)
 
 
 __all__ = ["GEMM_BACKENDS", "GemmBackend", "check_gemm_backend", "flops_per_token", "grouped_gemm", "import_backend",
-           "needs_host_counts", "no_rows"]
+           "needs_host_counts", "no_rows", "row_experts"]

@@ -164,7 +164,14 @@ class Router(nn.Module):
                           keep_TK=keep_TK, capacity=capacity, pad_to_capacity=cfg.pad_expert_input_to_capacity)
 
         aux_probs_TE = scores_for_aux_loss(scores_TE, cfg.score_function)
-        aux_loss, losses, global_state = self._losses(logits_TE, aux_probs_TE, ids_TK, load_E, seq_ids_T,
+        aux_ids_TK, aux_load_E = ids_TK, load_E
+        if cfg.aux_loss_counts == "topk" and self._loss_coeffs and (
+                bias_E is not None or cfg.num_groups is not None or cfg.force_load_balancing):
+            # Megatron-Core (router.py -> compute_routing_scores_for_aux_loss): the losses count a plain top-k of
+            # the scores; it differs from the dispatched selection only with bias, group limit or forced routing
+            aux_ids_TK = scores_TE.detach().topk(K, dim=-1).indices
+            aux_load_E = count_per_expert(aux_ids_TK, E)
+        aux_loss, losses, global_state = self._losses(logits_TE, aux_probs_TE, aux_ids_TK, aux_load_E, seq_ids_T,
                                                       num_seqs, global_state)
         stats = compute_router_stats(load_E, kept_E, router_entropy_sum(aux_probs_TE), T, bias_E,
                                      group=self.stats_group, reduce=reduce_stats)

@@ -13,6 +13,10 @@ SCORE_FUNCTIONS: tuple[str, ...] = ("softmax", "sigmoid")
 LOAD_BALANCING_TYPES: tuple[str, ...] = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 DROP_POLICIES: tuple[str, ...] = ("probs", "position")
 ROUTER_DTYPES: tuple[str, ...] = ("fp32", "fp64")
+# Which token counts the balancing losses use: "topk" (Megatron-Core; the DeepSeek-V3 report's indicator): a
+# fresh plain top-k of the scores, without the expert bias and the group limit; "dispatched": the routing the
+# tokens are dispatched with (moefold's earlier convention: the loss then balances what the experts receive).
+AUX_LOSS_COUNTS: tuple[str, ...] = ("topk", "dispatched")
 
 
 def _err(msg: str) -> ValueError:
@@ -49,6 +53,7 @@ class RouterConfig:
     group_score_topk: int | None = None
     load_balancing_type: tuple[str, ...] | str = ("aux_loss",)  # --moe-router-load-balancing-type
     aux_loss_coeff: tuple[float, ...] | float = (0.0,)          # --moe-aux-loss-coeff (one per type)
+    aux_loss_counts: str = "topk"                     # --moe-aux-loss-counts (moefold): topk | dispatched
     z_loss_coeff: float | None = None                 # --moe-z-loss-coeff
     input_jitter_eps: float | None = None             # --moe-input-jitter-eps (training only)
     router_dtype: str = "fp32"                        # --moe-router-dtype: fp32 | fp64 (gating GEMM + scores)
@@ -79,6 +84,8 @@ class RouterConfig:
             raise _err(f"topk_scaling_factor={self.topk_scaling_factor} must be > 0 (or None)")
         self._check_groups()
         self._check_balancing()
+        if self.aux_loss_counts not in AUX_LOSS_COUNTS:
+            raise _err(f"aux_loss_counts={self.aux_loss_counts!r} is unknown; valid: {', '.join(AUX_LOSS_COUNTS)}")
         if self.z_loss_coeff is not None and not self.z_loss_coeff >= 0:
             raise _err(f"z_loss_coeff={self.z_loss_coeff} must be >= 0 (or None)")
         if self.input_jitter_eps is not None and not 0 < self.input_jitter_eps < 1:

@@ -21,12 +21,20 @@ _NORM_EPS = 1e-20  # as DeepSeek-V3 / HF / Megatron: guards a sum of k sigmoids 
 
 
 def router_dtype(config: RouterConfig) -> torch.dtype:
+    """The dtype the router computes in (``--moe-router-dtype``: fp32 by default, or fp64), whatever the model's.
+
+    An fp32 island of the bf16 path: the gating GEMM, the scores, the top-k selection and the combine
+    weights all run in it, and ``Routing.probs_TK`` stays fp32 into the combine. Megatron-Core 0.16.1 does the
+    same with ``moe_router_dtype="fp32"`` (``RouterGatingLinearFunction``: ``inp.to(router_dtype) @
+    weight.to(router_dtype).t()``, then softmax/sigmoid and top-k on those logits). HF's Mixtral and Qwen3-MoE
+    routers run their GEMM in the model dtype (only the softmax in fp32); its DeepSeek-V3 router in fp32.
+    """
     return torch.float64 if config.router_dtype == "fp64" else torch.float32
 
 
 def gating_logits(x_TH: Tensor, weight_EH: Tensor, dtype: torch.dtype, bias_E: Tensor | None = None) -> Tensor:
-    """logits [T, E] = x @ W^T (+ b, GPT-OSS's router bias) computed in ``dtype`` (fp32/fp64) whatever the
-    model dtype."""
+    """logits [T, E] = x @ W^T (+ b, GPT-OSS's router bias) computed in ``dtype`` (``router_dtype``: fp32/fp64)
+    whatever the model dtype."""
     return torch.nn.functional.linear(x_TH.to(dtype), weight_EH.to(dtype), None if bias_E is None else bias_E.to(dtype))
 
 

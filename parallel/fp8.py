@@ -80,6 +80,15 @@ class FP8Config:
         """FP8 GEMMs are on (``dispatch`` is separate)."""
         return self.format is not None
 
+    @property
+    def group_alignment(self) -> int:
+        """Rows per expert block the FP8 grouped GEMMs want (1 with FP8 GEMMs off): 32 for MXFP8 (32-row scale
+        blocks), else 16 (TE's ``Fp8Padding``; torch's ``_scaled_grouped_mm`` takes 16-row aligned groups). The
+        flex dispatcher on DeepEP V2 lays its received rows out with this alignment (``expert_alignment``)."""
+        if not self.enabled:
+            return 1
+        return 32 if self.recipe == "mxfp8" else 16
+
     def describe(self) -> str:
         name = {"torchao": "torchao", "te": "Transformer Engine"}[self.backend]
         gemms = f"fp8 {self.format} {self.recipe} ({name})" if self.enabled else "fp8 off"
@@ -180,7 +189,7 @@ def add_fp8_arguments(parser: argparse.ArgumentParser | Any) -> None:
                              f"(default: {' '.join(DEFAULT_EXCLUDE)}; e.g. add layers.0. for the first layer)")
     parser.add_argument("--moe-fp8-dispatch", action="store_true",
                         help="send routed tokens to their experts as e4m3 with per-128-channel scales "
-                             "(alltoall and allgather dispatchers)")
+                             "(alltoall, allgather and flex on DeepEP V2)")
 
 
 def fp8_config_from_args(args: argparse.Namespace) -> FP8Config:

@@ -1,46 +1,86 @@
-"""The vocabulary of pipeline schedules: actions, and where each message goes.
+"""The vocabulary of pipeline schedules: actions, where each model chunk lives, and where each message goes.
 
 A schedule is, per pipeline rank, a list of :class:`Action`. ``chunk`` is always the *local*
 virtual chunk of the rank that executes the action:
 
-- ``F`` / ``B``: forward / backward of micro-batch ``microbatch`` on local chunk ``chunk``.
+- ``F``: forward of micro-batch ``microbatch`` on local chunk ``chunk``.
+- ``B``: its full backward (input and weight gradients).
+- ``I`` / ``W``: the backward split in two (``dense.split_backward``): ``I`` computes the input gradient
+  (what the previous chunk waits for), ``W`` later the weight gradients (zero-bubble schedules).
+- ``FB``: the forward of (``microbatch``, ``chunk``) and the full backward of (``b_microbatch``, ``b_chunk``)
+  run as one overlapped step (batch-level overlap: each one's expert exchange in flight while the other
+  computes; ``pipeline.overlap``). It counts as that F and that B.
 - ``SEND_F``: send the output of ``F(microbatch, chunk)`` to the next model chunk's rank.
 - ``RECV_F``: receive the input of ``F(microbatch, chunk)`` from the previous model chunk's rank.
-- ``SEND_B``: send the input gradient of ``B(microbatch, chunk)`` to the previous model chunk's rank.
-- ``RECV_B``: receive the output gradient that ``B(microbatch, chunk)`` needs from the next one.
+- ``SEND_B``: send the input gradient of ``B``/``I(microbatch, chunk)`` to the previous model chunk's rank.
+- ``RECV_B``: receive the output gradient that ``B``/``I(microbatch, chunk)`` needs from the next one.
 
 Consecutive communication actions form one *batch*: they are posted together (one
 ``batch_isend_irecv``) and waited on before the next compute action. On every directed pair of
 ranks, messages are matched in order (FIFO), as NCCL and gloo point-to-point do without tags.
+
+Placement: model chunk ``k`` (the forward order, 0 .. pp*vpp-1) lives on a rank and local chunk given by
+``Placement``: ``interleaved`` (Megatron's: chunk c of rank r is model chunk ``c * pp + r``) or ``v``
+(two chunks per rank, ZB-V / DualPipeV: rank r holds model chunks ``r`` and ``2pp - 1 - r``, so rank 0
+holds the first and the last and the hand-over between ``pp - 1`` and ``pp`` stays on rank ``pp - 1``:
+no message, ``is_local``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Literal
 
-ActionKind = Literal["F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
-COMPUTE_KINDS = ("F", "B")
+ActionKind = Literal["F", "B", "I", "W", "FB", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
+COMPUTE_KINDS = ("F", "B", "I", "W", "FB")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+
+class Placement(str, Enum):
+    """Which rank and local chunk hold each model chunk (module docstring)."""
+
+    INTERLEAVED = "interleaved"
+    V = "v"
 
 
 @dataclass(frozen=True)
 class Action:
-    """One step of a rank's schedule (see the module docstring for what each kind means)."""
+    """One step of a rank's schedule (see the module docstring for what each kind means). ``b_microbatch`` and
+    ``b_chunk`` are the backward half of an ``FB`` (-1 otherwise)."""
 
     kind: ActionKind
     microbatch: int
     chunk: int = 0
+    b_microbatch: int = -1
+    b_chunk: int = -1
 
     def __post_init__(self) -> None:
         if self.kind not in COMPUTE_KINDS + COMM_KINDS:
             raise ValueError(f"action kind={self.kind!r} must be one of {COMPUTE_KINDS + COMM_KINDS}")
+        if (self.kind == "FB") != (self.b_microbatch >= 0):
+            raise ValueError(f"{self.kind}: b_microbatch={self.b_microbatch} is the backward half of an FB only")
+
+    @staticmethod
+    def overlapped(forward: Action, backward: Action) -> Action:
+        """The ``FB`` of a forward and a full backward."""
+        if forward.kind != "F" or backward.kind != "B":
+            raise ValueError(f"FB pairs a forward with a full backward, got {forward} and {backward}")
+        return Action("FB", forward.microbatch, forward.chunk, backward.microbatch, backward.chunk)
 
     @property
     def is_compute(self) -> bool:
         return self.kind in COMPUTE_KINDS
 
+    def parts(self) -> tuple[Action, ...]:
+        """The F/B/I/W this compute action consists of (an FB: its F and its B)."""
+        if self.kind == "FB":
+            return Action("F", self.microbatch, self.chunk), Action("B", self.b_microbatch, self.b_chunk)
+        return (self,)
+
     def __str__(self) -> str:
+        if self.kind == "FB":
+            return f"FB(f mb={self.microbatch} chunk={self.chunk}, b mb={self.b_microbatch} chunk={self.b_chunk})"
         return f"{self.kind}(mb={self.microbatch}, chunk={self.chunk})"
 
 
@@ -56,19 +96,34 @@ class Message:
     dst: int
 
 
-def model_chunk(pp_rank: int, chunk: int, pp: int) -> int:
-    """Forward-order index of a rank's virtual chunk (interleaved assignment)."""
+def model_chunk(pp_rank: int, chunk: int, pp: int, placement: Placement = Placement.INTERLEAVED) -> int:
+    """Forward-order index of a rank's virtual chunk."""
+    if placement == Placement.V:
+        return pp_rank if chunk == 0 else 2 * pp - 1 - pp_rank
     return chunk * pp + pp_rank
 
 
-def rank_and_chunk(model_chunk_id: int, pp: int) -> tuple[int, int]:
+def rank_and_chunk(model_chunk_id: int, pp: int, placement: Placement = Placement.INTERLEAVED) -> tuple[int, int]:
     """Inverse of :func:`model_chunk`: (pp_rank, local chunk)."""
+    if placement == Placement.V:
+        return (model_chunk_id, 0) if model_chunk_id < pp else (2 * pp - 1 - model_chunk_id, 1)
     return model_chunk_id % pp, model_chunk_id // pp
 
 
-def message_of(action: Action, pp_rank: int, pp: int) -> Message:
+def next_model_chunk(pp_rank: int, chunk: int, kind: str, pp: int, placement: Placement) -> int:
+    """The model chunk an F's output (kind 'F') or a B/I's input gradient (kind 'B') goes to."""
+    mc = model_chunk(pp_rank, chunk, pp, placement)
+    return mc + 1 if kind == "F" else mc - 1
+
+
+def is_local(pp_rank: int, chunk: int, kind: str, pp: int, placement: Placement) -> bool:
+    """The output of this F (or the input gradient of this B/I) stays on its rank (the V's turn)."""
+    return rank_and_chunk(next_model_chunk(pp_rank, chunk, kind, pp, placement), pp, placement)[0] == pp_rank
+
+
+def message_of(action: Action, pp_rank: int, pp: int, placement: Placement = Placement.INTERLEAVED) -> Message:
     """The message a communication action sends or receives, on rank ``pp_rank``."""
-    mc = model_chunk(pp_rank, action.chunk, pp)
+    mc = model_chunk(pp_rank, action.chunk, pp, placement)
     if action.kind == "SEND_F":
         src_mc, dst_mc = mc, mc + 1
     elif action.kind == "RECV_F":
@@ -80,12 +135,12 @@ def message_of(action: Action, pp_rank: int, pp: int) -> Message:
     else:
         raise ValueError(f"{action} is not a communication action")
     return Message(kind=action.kind[-1], microbatch=action.microbatch, src_model_chunk=src_mc,
-                   src=rank_and_chunk(src_mc, pp)[0], dst=rank_and_chunk(dst_mc, pp)[0])
+                   src=rank_and_chunk(src_mc, pp, placement)[0], dst=rank_and_chunk(dst_mc, pp, placement)[0])
 
 
-def peer_of(action: Action, pp_rank: int, pp: int) -> int:
+def peer_of(action: Action, pp_rank: int, pp: int, placement: Placement = Placement.INTERLEAVED) -> int:
     """The pipeline rank on the other end of a communication action."""
-    msg = message_of(action, pp_rank, pp)
+    msg = message_of(action, pp_rank, pp, placement)
     return msg.dst if action.kind.startswith("SEND") else msg.src
 
 

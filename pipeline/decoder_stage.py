@@ -4,8 +4,9 @@ the tests use.
     layout = StageLayout(config.num_layers, pp, vpp, first, last)
     model = build_stage_model(config, dims, options, layout)        # this rank's chunks, unsplit names
     model.init_weights(seed)
-    embed_group = embedding_group(model, dims)                        # once (collective)
-    stage = DecoderStage(model, layout, dims.pp_rank)                 # one per step
+    embed_group = embedding_group(model, dims, layout)                # once (collective)
+    stage = DecoderStage(model, layout, dims.pp_rank)                 # one per step (overlap=OverlapConfig(...):
+                                                                      # the chunks run as pieces, FB overlapped)
     result = run_schedule(stage, schedule, microbatches, stage.loss_fn, dims.pp_group,
                           stage.activation_spec(micro_batch_size, seq_len))
     stage.lm_losses, stage.mtp_losses, stage.moe_infos                # this step's values on this stage
@@ -21,6 +22,11 @@ own stage, with no cross-stage reduction. The model's last chunk returns the los
 (LM + weighted MTP), and the MTP layers' MoE aux losses as its extra loss; ``loss_fn`` is the
 identity (wrap it to transform the loss, e.g. for fault injection in tests).
 
+Batch-level overlap (``overlap=OverlapConfig(...)``, ``--overlap-moe-expert-parallel-comm``): every chunk runs as
+the pieces of ``models.sublayers`` through ``pipeline.overlap`` (stitched into the executor's autograd graph, so
+a plain B action runs its pieces' backward), and an FB action runs one micro-batch's forward interleaved with
+another's backward (``forward_backward_step``). The values and gradients are the plain forward's.
+
 Tied embeddings / MTP: the last stage holds its own copy of ``embed_tokens`` (same name as on the
 first stage); ``embedding_group`` pairs the two stages so that the trainer can sum that parameter's
 gradient over them (Megatron's embedding group).
@@ -29,19 +35,27 @@ gradient over them (Megatron's embedding group).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from moefold.models.config import ModelConfig
 from moefold.models.decoder import MoEDecoder
 from moefold.models.options import ModelOptions
+from moefold.models.recompute import full_recompute_groups
+from moefold.models.sublayers import Compute, LayerCarry, Piece, block_pieces, check_overlap
 from moefold.moe.balance_losses import GlobalLoadState
 from moefold.moe.layer import MoEOutputInfo
 from moefold.parallel.dims import ParallelDims
 from moefold.parallel.groups import Group
+from moefold.pipeline.actions import Placement
+from moefold.pipeline.executor import BackwardStep
+from moefold.pipeline.overlap import ChunkRun, OverlapConfig, backward_seed, run_overlapped, stitch
 from moefold.pipeline.p2p import TensorSpec
 from moefold.pipeline.stages import StageLayout
 
@@ -70,9 +84,17 @@ class DecoderStage:
     - ``mtp_losses`` ``{microbatch: mean MTP loss over depths, unweighted}`` (last stage, with MTP)
     """
 
-    def __init__(self, model: MoEDecoder, layout: StageLayout, pp_rank: int) -> None:
+    def __init__(self, model: MoEDecoder, layout: StageLayout, pp_rank: int,
+                 overlap: OverlapConfig | None = None) -> None:
         self.model = model
         self.chunks = layout.rank_chunks(pp_rank)
+        self.overlap = overlap
+        if overlap is not None:
+            for i in layout.rank_layers(pp_rank):
+                check_overlap(model.layers[str(i)], i)
+            self.forward_backward_step = self._forward_backward_step   # else the executor runs an FB as F then B
+        # overlap: the pieces' runs of each (micro-batch, chunk) from its forward to its backward
+        self._runs: dict[tuple[int, int], tuple[ChunkRun, list[Tensor], tuple[Tensor, ...]]] = {}
         self.moe_infos: dict[tuple[int, int], MoEOutputInfo] = {}
         self.lm_losses: dict[int, Tensor] = {}
         self.mtp_losses: dict[int, Tensor] = {}
@@ -104,13 +126,16 @@ class DecoderStage:
 
     def forward_step(self, chunk: int, hidden: Tensor | None, microbatch: dict[str, Any]
                      ) -> tuple[Tensor, Tensor | None]:
+        if self.overlap is not None:
+            run = self._run(chunk, microbatch)
+            with self._delayed():
+                carry = run.forward(self._chunk_input(chunk, hidden, microbatch))
+            return self._stitched(run, chunk, microbatch, carry)
         spec = self.chunks[chunk]
         model = self.model
         ids = microbatch["input_ids"]
-        index = microbatch["index"]
-        position_ids = microbatch.get("position_ids")
-        if position_ids is None:
-            position_ids = model.position_ids(ids.shape[1], ids.device)
+        position_ids = self._positions(microbatch)
+        logs = None
         with model.fp8_region():   # --fp8-backend te: one TE autocast per chunk forward, on the stage's group
             if spec.has_embedding:
                 hidden = model.embed(ids)
@@ -119,9 +144,39 @@ class DecoderStage:
                 hidden, logs, mtp_infos = model.head_loss(hidden, microbatch["labels"], microbatch.get("loss_mask"),
                                                           ids, position_ids, self._global_states or None)
                 infos.update(mtp_infos)
-                self.lm_losses[index] = logs["lm"].detach()
-                if "mtp" in logs:
-                    self.mtp_losses[index] = logs["mtp"].detach()
+        return self._finish(microbatch["index"], hidden, infos, logs)
+
+    def _forward_backward_step(self, chunk: int, hidden: Tensor | None, microbatch: dict[str, Any],
+                               backward: BackwardStep) -> tuple[Tensor, Tensor | None]:
+        """An FB action (``pipeline.executor.OverlappedStage``, ``forward_backward_step`` of a stage built with
+        ``overlap``): this micro-batch's forward through ``chunk`` and ``backward``'s micro-batch backward through
+        its chunk, interleaved piece by piece (``pipeline.overlap``)."""
+        b_run, b_outputs, b_stitched = self._runs.pop((backward.microbatch["index"], backward.chunk))
+        b_run.seed(b_outputs, backward_seed(backward.outputs, backward.grads, b_stitched))
+        run = self._run(chunk, microbatch)
+        with self._delayed():
+            run_overlapped(run.forward_steps(self._chunk_input(chunk, hidden, microbatch)), b_run.backward_steps())
+        return self._stitched(run, chunk, microbatch, run.output)
+
+    def _delayed(self) -> AbstractContextManager:
+        """--delay-wgrad-compute: every forward builds split GEMMs (their backward defers weight gradients)."""
+        o = self.overlap
+        return o.store.splitting() if o.delay_wgrad else nullcontext()
+
+    # ------------------------------------------------------------------------------------ internals
+    def _positions(self, microbatch: dict[str, Any]) -> Tensor:
+        position_ids = microbatch.get("position_ids")
+        if position_ids is None:
+            position_ids = self.model.position_ids(microbatch["input_ids"].shape[1], microbatch["input_ids"].device)
+        return position_ids
+
+    def _finish(self, index: int, hidden: Tensor, infos: dict[int, MoEOutputInfo], logs: dict[str, Tensor] | None,
+                ) -> tuple[Tensor, Tensor | None]:
+        """Keep this chunk's statistics (module docstring) and return (hidden or loss share, extra loss)."""
+        if logs is not None:
+            self.lm_losses[index] = logs["lm"].detach()
+            if "mtp" in logs:
+                self.mtp_losses[index] = logs["mtp"].detach()
         extra = None
         for layer, info in infos.items():
             extra = info.aux_loss if extra is None else extra + info.aux_loss
@@ -132,6 +187,68 @@ class DecoderStage:
                 self._global_states[layer] = info.global_state
         # a loss without a graph (no aux coefficient, or no grad) has nothing to backpropagate
         return hidden, extra if extra is not None and extra.requires_grad else None
+
+    # -- overlap: the chunk as pieces (models.sublayers), run by pipeline.overlap -----------------------------------
+    def _run(self, chunk: int, microbatch: dict[str, Any]) -> ChunkRun:
+        spec, model, options = self.chunks[chunk], self.model, self.model.options
+        position_ids = self._positions(microbatch)
+        states = self._global_states or None
+        pieces: list[Piece] = []
+        # The head (MTP, a tied output head) also reads the embedding: through a leaf, whose gradient the embedding
+        # piece's backward adds, so that the weight's gradient is accumulated (its hooks fire) once per micro-batch
+        borrowed = None
+        if spec.has_embedding and spec.has_head:
+            borrowed = model.embed_tokens.weight.detach().requires_grad_()
+        if spec.has_embedding:
+            pieces.append(Compute("embed", lambda ids: LayerCarry(model.embed(ids)),
+                                  borrowed=() if borrowed is None else ((model.embed_tokens.weight, borrowed),)))
+        for group, recompute in full_recompute_groups(list(spec.layers), options):
+            for i in group:
+                pieces += block_pieces(model.layers[str(i)], i, position_ids, model._ffn_kwargs(i, states), recompute)
+        if spec.has_head:
+            def head(carry: LayerCarry) -> _HeadCarry:
+                with _weight_swapped(model.embed_tokens, borrowed):
+                    loss, logs, mtp_infos = model.head_loss(carry.hidden, microbatch["labels"],
+                                                            microbatch.get("loss_mask"), microbatch["input_ids"],
+                                                            position_ids, states)
+                return _HeadCarry(LayerCarry(loss, {**carry.infos, **mtp_infos}), logs)
+
+            pieces.append(Compute("head", head))
+        o = self.overlap
+        return ChunkRun(pieces, f"mb{microbatch['index']}.chunk{chunk}.", o.trace, o.store, o.delay_wgrad)
+
+    def _chunk_input(self, chunk: int, hidden: Tensor | None, microbatch: dict[str, Any]) -> Any:
+        return microbatch["input_ids"] if self.chunks[chunk].has_embedding else LayerCarry(hidden)
+
+    def _stitched(self, run: ChunkRun, chunk: int, microbatch: dict[str, Any], carry: Any,
+                  ) -> tuple[Tensor, Tensor | None]:
+        head = carry if isinstance(carry, _HeadCarry) else None
+        carry = head.carry if head is not None else carry
+        out, extra = self._finish(microbatch["index"], carry.hidden, carry.infos, head.logs if head else None)
+        outputs = [out] + ([extra] if extra is not None else [])
+        stitched = stitch(run, outputs)
+        self._runs[(microbatch["index"], chunk)] = (run, outputs, stitched)
+        return stitched[0], stitched[1] if extra is not None else None
+
+
+@contextmanager
+def _weight_swapped(module: nn.Module | None, weight: Tensor | None) -> Iterator[None]:
+    """``module.weight`` reads ``weight`` inside (nothing changes with None)."""
+    if module is None or weight is None:
+        yield
+        return
+    saved = module._parameters["weight"]
+    module._parameters["weight"] = weight
+    try:
+        yield
+    finally:
+        module._parameters["weight"] = saved
+
+
+@dataclass(frozen=True)
+class _HeadCarry:
+    carry: LayerCarry
+    logs: dict[str, Tensor]
 
 
 def decoder_microbatches(input_ids: Tensor, labels: Tensor, loss_mask: Tensor | None,
@@ -151,15 +268,18 @@ def decoder_microbatches(input_ids: Tensor, labels: Tensor, loss_mask: Tensor | 
     return out
 
 
-def embedding_group(model: MoEDecoder, dims: ParallelDims) -> Group:
+def embedding_group(model: MoEDecoder, dims: ParallelDims, layout: StageLayout | None = None) -> Group:
     """The group {first stage, last stage} of this rank's position when both hold ``embed_tokens`` (tied
     embeddings or MTP at pp > 1), else None. Collective over the world: every rank creates every pair,
-    in order (pipeline stages are the outermost dimension of the rank grid).
+    in order (pipeline stages are the outermost dimension of the rank grid). None as well when ``layout`` puts
+    the embedding and the head on one stage (the V placement: rank 0 holds both, one copy).
 
     Marks the embedding's parameters ``moefold_pipeline_copies = 2`` so that the gradient norm counts
     them once."""
     config = model.config
     if dims.pp == 1 or not (config.tie_word_embeddings or config.mtp_num_layers):
+        return None
+    if layout is not None and layout.placement == Placement.V:
         return None
     per_stage = dims.world_size // dims.pp
     mine = None

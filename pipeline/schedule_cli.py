@@ -1,10 +1,18 @@
-"""``moefold schedule``: print a pipeline schedule's timeline and bubble fraction (and plot it)."""
+"""``moefold schedule``: print a pipeline schedule's timeline, bubble and memory (and plot it)."""
 
 from __future__ import annotations
 
 import argparse
 
-from moefold.pipeline.schedules import SCHEDULES, build_schedule, expected_bubble_fraction
+from moefold.pipeline.schedules import (
+    SCHEDULES,
+    V_SCHEDULES,
+    build_schedule,
+    dualpipev_idle,
+    expected_bubble_fraction,
+    one_f_one_b_idle,
+    zb_h1_idle,
+)
 from moefold.pipeline.simulator import simulate
 from moefold.pipeline.stages import StageLayout
 from moefold.pipeline.timeline import plot_png, render_text
@@ -13,15 +21,25 @@ from moefold.pipeline.timeline import plot_png, render_text
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=4,
                         help="pipeline ranks (default 4)")
-    parser.add_argument("--vpp", "--virtual-pipeline-model-parallel-size", dest="vpp", type=int, default=1,
-                        help="virtual chunks per rank (default 1; > 1 selects the interleaved schedule)")
+    parser.add_argument("--vpp", "--virtual-pipeline-model-parallel-size", dest="vpp", type=int, default=None,
+                        help="virtual chunks per rank (default 1; 2 for zbv/dualpipev; > 1 selects the interleaved "
+                             "schedule)")
     parser.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (default 8)")
     parser.add_argument("--schedule", choices=SCHEDULES, default=None,
                         help="default: interleaved when --vpp > 1, else 1f1b")
+    parser.add_argument("--overlap-moe-expert-parallel-comm", dest="overlap", action="store_true",
+                        help="batch-level overlap: the steady state's forward/backward pairs as overlapped FB steps "
+                             "(1f1b at pp = 1, interleaved; dualpipev has them anyway)")
     parser.add_argument("--forward-time", type=float, default=None,
                         help="time of one forward on one chunk (default 1/vpp)")
     parser.add_argument("--backward-time", type=float, default=None,
-                        help="time of one backward on one chunk (default 1/vpp)")
+                        help="time of one full backward on one chunk (default: the forward's)")
+    parser.add_argument("--weight-time", type=float, default=None,
+                        help="of the backward, the weight-gradient part W (default half of it; the input part I is "
+                             "the rest)")
+    parser.add_argument("--overlapped-time", type=float, default=None,
+                        help="time of an overlapped forward + backward pair FB (default forward + backward: no "
+                             "overlap gain)")
     parser.add_argument("--num-layers", type=int, default=None, help="also print the layer split")
     parser.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
                         help="with --num-layers: layers on the first stage (default: even split)")
@@ -31,26 +49,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    name = args.schedule or ("interleaved" if args.vpp > 1 else "1f1b")
+    vpp = args.vpp if args.vpp is not None else (2 if args.schedule in V_SCHEDULES else 1)
+    name = args.schedule or ("interleaved" if vpp > 1 else "1f1b")
+    forward = args.forward_time if args.forward_time is not None else 1.0 / vpp
+    backward = args.backward_time if args.backward_time is not None else forward
+    weight = args.weight_time if args.weight_time is not None else backward / 2
+    overlapped = args.overlapped_time if args.overlapped_time is not None else forward + backward
     try:
-        schedule = build_schedule(name, args.pp, args.microbatches, args.vpp)
+        for flag, value in (("--forward-time", args.forward_time), ("--backward-time", args.backward_time),
+                            ("--weight-time", args.weight_time), ("--overlapped-time", args.overlapped_time)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{flag}={value} must be positive")
+        if not weight < backward:
+            raise ValueError(f"--weight-time={weight:g} must be below --backward-time={backward:g}")
+        # the communication is placed for these times (any times would be deadlock-free)
+        schedule = build_schedule(name, args.pp, args.microbatches, vpp, overlap=args.overlap,
+                                  backward_ratio=backward / forward, weight_ratio=weight / forward,
+                                  overlapped_ratio=overlapped / forward)
         layout = None
         if args.num_layers is not None:
-            layout = StageLayout(args.num_layers, args.pp, args.vpp, args.decoder_first_pipeline_num_layers,
-                                 args.decoder_last_pipeline_num_layers)
+            layout = StageLayout(args.num_layers, args.pp, vpp, args.decoder_first_pipeline_num_layers,
+                                 args.decoder_last_pipeline_num_layers, placement=schedule.placement)
     except ValueError as exc:
         print(f"moefold schedule: error: {exc}")
         return 2
-    chunk_time = 1.0 / schedule.vpp
-    forward = args.forward_time if args.forward_time is not None else chunk_time
-    backward = args.backward_time if args.backward_time is not None else chunk_time
-    result = simulate(schedule, forward, backward)
+    times = {"F": forward, "B": backward, "I": backward - weight, "W": weight, "FB": overlapped}
+    result = simulate(schedule, duration=lambda _r, a: times[a.kind])
     print(render_text(schedule, result))
-    if args.forward_time is None and args.backward_time is None:
-        v = schedule.vpp
-        formula = "(p-1)/(v*m+p-1)" if name == "interleaved" else "(p-1)/(m+p-1)"
-        print(f"expected {formula} = {expected_bubble_fraction(name, args.pp, args.microbatches, v):.4f} "
-              f"(equal forward and backward times)")
+    print(f"times: F {forward:g}, B {backward:g} (I {backward - weight:g} + W {weight:g}), FB {overlapped:g}")
+    idle = max(result.makespan - b for b in result.busy)
+    p, m = args.pp, args.microbatches
+    if name in ("1f1b", "gpipe") and not args.overlap:
+        print(f"expected idle per rank (p-1)(F+B) = {one_f_one_b_idle(p, forward, backward):g}; simulated "
+              f"{idle:g}")
+        if args.forward_time is None and args.backward_time is None:
+            print(f"expected bubble (p-1)/(m+p-1) with equal F and B = {expected_bubble_fraction(name, p, m):.4f}")
+    elif name == "interleaved" and not args.overlap and args.forward_time is None and args.backward_time is None:
+        print(f"expected bubble (p-1)/(v*m+p-1) with equal F and B = "
+              f"{expected_bubble_fraction(name, p, m, vpp):.4f}")
+    elif name == "zb-h1":
+        print(f"expected idle per rank (p-1)(F+I-W) (Qi et al. 2024, ZB-H1) = "
+              f"{zb_h1_idle(p, forward, backward - weight, weight):g}; 1F1B's (p-1)(F+B) = "
+              f"{one_f_one_b_idle(p, forward, backward):g}; simulated {idle:g}")
+    elif name == "dualpipev":
+        print(f"expected idle per rank (PP/2-1)(F&B+B-3W) (deepseek-ai/DualPipe, PP = {2 * p} stages) = "
+              f"{dualpipev_idle(p, overlapped, backward, weight):g}; simulated {idle:g}; activations per rank "
+              f"PP+1 = {2 * p + 1} chunk-micro-batches published, simulated peak {max(result.peak_in_flight)}; "
+              f"parameters per rank 2x a {2 * p}-stage 1F1B's (2 chunks)")
     if layout is not None:
         print(layout.describe())
     if args.plot:

@@ -1,9 +1,11 @@
 """Check a schedule and time it: ordering, message matching, deadlock freedom, bubble, memory.
 
 ``validate(schedule)`` checks, per rank, that every (micro-batch, chunk) runs its forward and
-backward exactly once, forward first, each after its input (activation or gradient) was
-received, each output sent; and, per directed pair of ranks, that the k-th send matches the k-th
-receive (same message), since point-to-point matching is FIFO.
+backward (a full ``B``, or ``I`` then ``W``) exactly once, forward first, each after its input
+(activation or gradient) was received (or, the V placement's turn, produced by the rank's other
+chunk), each output sent; an ``FB`` counts as its forward and its backward; and, per directed pair
+of ranks, that the k-th send matches the k-th receive (same message), since point-to-point
+matching is FIFO.
 
 ``simulate(schedule)`` then executes the action lists on a virtual clock. Communication takes no
 time. Models:
@@ -17,7 +19,8 @@ and ``wait="lazy"`` (the executor: only a compute waits, for the batch carrying 
 
 It raises :class:`DeadlockError` naming each stuck rank's pending batch if execution cannot
 finish, and reports the bubble fraction (idle share of ``pp * makespan``) and the peak number of
-(micro-batch, chunk) activations held at once on each rank.
+(micro-batch, chunk) activations held at once on each rank (from its F to its B, or to its W: the
+weight gradients need the saved inputs).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from moefold.pipeline.actions import Action, Message, message_of, model_chunk, split_batches
+from moefold.pipeline.actions import Action, Message, is_local, message_of, model_chunk, rank_and_chunk, split_batches
 from moefold.pipeline.schedules import Schedule
 
 
@@ -50,10 +53,20 @@ class SimResult:
     intervals: tuple[tuple[tuple[float, float, Action], ...], ...]
 
 
+def _input_chunk(part: Action, pp_rank: int, schedule: Schedule) -> tuple[bool, int] | None:
+    """Where ``part`` (an F, B or I) gets its input from: None (the model's first F / last B), else (local?, the
+    producing model chunk). Local: the producer is another chunk of this rank (the V placement's turn)."""
+    pp, placement = schedule.pp, schedule.placement
+    mc = model_chunk(pp_rank, part.chunk, pp, placement)
+    src = mc - 1 if part.kind == "F" else mc + 1
+    if src < 0 or src >= schedule.num_model_chunks:
+        return None
+    return rank_and_chunk(src, pp, placement)[0] == pp_rank, src
+
+
 def validate(schedule: Schedule) -> None:
     """Raise ScheduleError describing the first inconsistency (see module docstring)."""
-    pp, vpp, m = schedule.pp, schedule.vpp, schedule.num_microbatches
-    last_mc = pp * vpp - 1
+    pp, vpp, m, placement = schedule.pp, schedule.vpp, schedule.num_microbatches, schedule.placement
     sent: dict[tuple[int, int], list[Message]] = {}
     received: dict[tuple[int, int], list[Message]] = {}
     if len(schedule.actions) != pp:
@@ -61,36 +74,25 @@ def validate(schedule: Schedule) -> None:
     for r, actions in enumerate(schedule.actions):
         seen: set[tuple[str, int, int]] = set()
         for a in actions:
-            if not (0 <= a.microbatch < m and 0 <= a.chunk < vpp):
-                raise ScheduleError(f"rank {r}: {a} is outside microbatches 0..{m - 1} / chunks 0..{vpp - 1}")
-            key = (a.kind, a.microbatch, a.chunk)
-            if schedule.forward_only and a.kind in ("B", "SEND_B", "RECV_B"):
-                raise ScheduleError(f"rank {r}: {a} in a forward-only schedule")
-            if key in seen:
-                raise ScheduleError(f"rank {r}: {a} appears twice")
-            mc = model_chunk(r, a.chunk, pp)
-            needs = {"F": [("RECV_F", mc > 0)], "B": [("F", True), ("RECV_B", mc < last_mc)],
-                     "SEND_F": [("F", True)], "SEND_B": [("B", True)]}.get(a.kind, [])
-            for before, required in needs:
-                if required and (before, a.microbatch, a.chunk) not in seen:
-                    raise ScheduleError(f"rank {r}: {a} comes before {Action(before, a.microbatch, a.chunk)}")
-            if (a.kind in ("RECV_F", "SEND_B") and mc == 0) or (a.kind in ("SEND_F", "RECV_B") and mc == last_mc):
-                raise ScheduleError(f"rank {r}: {a} on model chunk {mc} has no peer")
-            seen.add(key)
-            if not a.is_compute:
-                msg = message_of(a, r, pp)
-                book = sent if a.kind.startswith("SEND") else received
-                book.setdefault((msg.src, msg.dst), []).append(msg)
+            for part in a.parts():
+                if not (0 <= part.microbatch < m and 0 <= part.chunk < vpp):
+                    raise ScheduleError(f"rank {r}: {a} is outside microbatches 0..{m - 1} / chunks 0..{vpp - 1}")
+                key = (part.kind, part.microbatch, part.chunk)
+                if schedule.forward_only and part.kind not in ("F", "SEND_F", "RECV_F"):
+                    raise ScheduleError(f"rank {r}: {a} in a forward-only schedule")
+                backward_keys = [(k, part.microbatch, part.chunk) for k in ("B", "I")]
+                if key in seen or (part.kind in ("B", "I") and any(k in seen for k in backward_keys)):
+                    raise ScheduleError(f"rank {r}: {a} repeats a step of micro-batch {part.microbatch} chunk "
+                                        f"{part.chunk}")
+                _check_order(part, a, r, schedule, seen)
+                seen.add(key)
+                if not part.is_compute:
+                    msg = message_of(part, r, pp, placement)
+                    book = sent if part.kind.startswith("SEND") else received
+                    book.setdefault((msg.src, msg.dst), []).append(msg)
         for i in range(m):
             for c in range(vpp):
-                mc = model_chunk(r, c, pp)
-                wanted = ["F", "B"] + (["SEND_F", "RECV_B"] if mc < last_mc else []) + (
-                    ["RECV_F", "SEND_B"] if mc > 0 else [])
-                if schedule.forward_only:
-                    wanted = [k for k in wanted if k in ("F", "SEND_F", "RECV_F")]
-                for kind in wanted:
-                    if (kind, i, c) not in seen:
-                        raise ScheduleError(f"rank {r}: {Action(kind, i, c)} is missing")
+                _check_complete(Action("F", i, c), r, schedule, seen)
     for channel in sorted(set(sent) | set(received)):
         s, rcv = sent.get(channel, []), received.get(channel, [])
         for k in range(max(len(s), len(rcv))):
@@ -101,13 +103,70 @@ def validate(schedule: Schedule) -> None:
                                     f"but the receiver's #{k} receive expects {b} (point-to-point is FIFO)")
 
 
+def _check_order(part: Action, action: Action, r: int, schedule: Schedule, seen: set) -> None:
+    """``part`` of ``action`` comes after everything it needs on rank ``r`` (``seen``: what ran before)."""
+    mb, c = part.microbatch, part.chunk
+    pp, placement = schedule.pp, schedule.placement
+    did_backward = ("B", mb, c) in seen or ("I", mb, c) in seen
+    need: list[tuple[bool, str]] = []
+    if part.kind in ("F", "B", "I"):
+        source = _input_chunk(part, r, schedule)
+        if source is not None:
+            local, src_mc = source
+            if local:
+                src_chunk = rank_and_chunk(src_mc, pp, placement)[1]
+                ok = ("F", mb, src_chunk) in seen if part.kind == "F" else any(
+                    (k, mb, src_chunk) in seen for k in ("B", "I"))
+                need.append((ok, f"{'F' if part.kind == 'F' else 'B/I'}(mb={mb}, chunk={src_chunk}) on this rank"))
+            else:
+                need.append((("RECV_" + ("F" if part.kind == "F" else "B"), mb, c) in seen,
+                             str(Action("RECV_" + ("F" if part.kind == "F" else "B"), mb, c))))
+        if part.kind != "F":
+            need.append((("F", mb, c) in seen, str(Action("F", mb, c))))
+    elif part.kind == "W":
+        need.append((("I", mb, c) in seen, str(Action("I", mb, c))))
+    elif part.kind == "SEND_F":
+        need.append((("F", mb, c) in seen, str(Action("F", mb, c))))
+    elif part.kind == "SEND_B":
+        need.append((did_backward, f"B/I(mb={mb}, chunk={c})"))
+    for ok, what in need:
+        if not ok:
+            raise ScheduleError(f"rank {r}: {action} comes before {what}")
+    if not part.is_compute:
+        direction = "F" if part.kind in ("SEND_F", "RECV_B") else "B"
+        mc = model_chunk(r, c, pp, placement)
+        out_of_model = (direction == "F" and mc == schedule.num_model_chunks - 1) or (direction == "B" and mc == 0)
+        if out_of_model or is_local(r, c, direction, pp, placement):
+            raise ScheduleError(f"rank {r}: {part} on model chunk {mc} has no peer")
+
+
+def _check_complete(forward: Action, r: int, schedule: Schedule, seen: set) -> None:
+    """Every step of (micro-batch, chunk) ran on rank ``r``: F, B or I+W, and each remote message."""
+    mb, c, pp, placement = forward.microbatch, forward.chunk, schedule.pp, schedule.placement
+    mc = model_chunk(r, c, pp, placement)
+    last = schedule.num_model_chunks - 1
+    wanted = ["F"]
+    if not schedule.forward_only:
+        wanted.append("I" if ("I", mb, c) in seen else "B")
+        if ("I", mb, c) in seen:
+            wanted.append("W")
+    if mc < last and not is_local(r, c, "F", pp, placement):
+        wanted += ["SEND_F"] + ([] if schedule.forward_only else ["RECV_B"])
+    if mc > 0 and not is_local(r, c, "B", pp, placement):
+        wanted += ["RECV_F"] + ([] if schedule.forward_only else ["SEND_B"])
+    for kind in wanted:
+        if (kind, mb, c) not in seen:
+            raise ScheduleError(f"rank {r}: {Action(kind, mb, c)} is missing")
+
+
 def simulate(schedule: Schedule, forward_time: float = 1.0, backward_time: float = 1.0,
              duration: Callable[[int, Action], float] | None = None,
              semantics: Literal["rendezvous", "buffered"] = "rendezvous",
              wait: Literal["lazy", "eager"] = "lazy") -> SimResult:
     """Validate, then run the schedule on a virtual clock (see the module docstring).
 
-    ``duration(pp_rank, action)`` overrides the per-kind ``forward_time`` / ``backward_time``.
+    ``duration(pp_rank, action)`` overrides the per-kind times: ``forward_time`` for F, ``backward_time`` for B,
+    half of it for I and for W, their sum for an FB (no overlap gain unless ``duration`` says so).
     ``wait="lazy"`` (what the executor does): posting a batch never blocks; a compute waits only
     for the batch that carries its input; under rendezvous a rank's batches complete in posting
     order (one communication stream). ``wait="eager"``: the rank blocks on every batch.
@@ -119,7 +178,10 @@ def simulate(schedule: Schedule, forward_time: float = 1.0, backward_time: float
     validate(schedule)
     pp = schedule.pp
     if duration is None:
-        duration = lambda r, a: forward_time if a.kind == "F" else backward_time
+        per_kind = {"F": forward_time, "B": backward_time, "I": backward_time / 2, "W": backward_time / 2,
+                    "FB": forward_time + backward_time}
+        duration = lambda r, a: per_kind[a.kind]
+    placement = schedule.placement
     items = [split_batches(schedule.actions[r]) for r in range(pp)]
     # Where each message's two halves sit: (rank, item index) of its send and of its receive.
     where: dict[Message, dict[str, tuple[int, int]]] = {}
@@ -127,7 +189,7 @@ def simulate(schedule: Schedule, forward_time: float = 1.0, backward_time: float
         for idx, item in enumerate(items[r]):
             if isinstance(item, tuple):
                 for a in item:
-                    where.setdefault(message_of(a, r, pp), {})[a.kind[:4]] = (r, idx)
+                    where.setdefault(message_of(a, r, pp, placement), {})[a.kind[:4]] = (r, idx)
     posted: dict[tuple[int, int], float] = {}
     finished: dict[tuple[int, int], float] = {}
     previous_batch: list[dict[int, int | None]] = []
@@ -167,9 +229,10 @@ def simulate(schedule: Schedule, forward_time: float = 1.0, backward_time: float
             for a in items[r][idx]:
                 if semantics == "buffered":
                     if a.kind.startswith("RECV"):
-                        times.append(posted.get(where[message_of(a, r, pp)]["SEND"]))
+                        times.append(posted.get(where[message_of(a, r, pp, placement)]["SEND"]))
                 else:
-                    times.append(start(*where[message_of(a, r, pp)]["RECV" if a.kind.startswith("SEND") else "SEND"]))
+                    times.append(start(*where[message_of(a, r, pp, placement)][
+                        "RECV" if a.kind.startswith("SEND") else "SEND"]))
         finally:
             resolving.discard((r, idx))
         if any(t is None for t in times):
@@ -189,16 +252,19 @@ def simulate(schedule: Schedule, forward_time: float = 1.0, backward_time: float
             while pos[r] < len(items[r]):
                 item = items[r][pos[r]]
                 if isinstance(item, Action):
-                    ready = clock[r]
-                    if item.kind == "F" or item.kind == "B":
-                        recv = "RECV_F" if item.kind == "F" else "RECV_B"
-                        msg = message_of(Action(recv, item.microbatch, item.chunk), r, pp) if _has_input(
-                            item, r, schedule) else None
-                        if msg is not None:
-                            done = completion(*where[msg]["RECV"])
-                            if done is None:
-                                break
-                            ready = max(ready, done)
+                    ready, blocked = clock[r], False
+                    for part in item.parts():
+                        source = _input_chunk(part, r, schedule) if part.kind != "W" else None
+                        if source is None or source[0]:   # no input, or a local one (ran earlier on this rank)
+                            continue
+                        recv = Action("RECV_" + ("F" if part.kind == "F" else "B"), part.microbatch, part.chunk)
+                        done = completion(*where[message_of(recv, r, pp, placement)]["RECV"])
+                        if done is None:
+                            blocked = True
+                            break
+                        ready = max(ready, done)
+                    if blocked:
+                        break
                     d = duration(r, item)
                     if d <= 0:
                         raise ValueError(f"duration of {item} on rank {r} is {d}; it must be positive")
@@ -206,7 +272,8 @@ def simulate(schedule: Schedule, forward_time: float = 1.0, backward_time: float
                     clock[r] = ready + d
                     busy[r] += d
                     if not schedule.forward_only:  # forward-only keeps no activations
-                        live[r] += 1 if item.kind == "F" else -1
+                        live[r] += sum(1 if p.kind == "F" else -1 if p.kind in ("B", "W") else 0
+                                       for p in item.parts())
                     peak[r] = max(peak[r], live[r])
                 else:
                     posted.setdefault((r, pos[r]), clock[r])
@@ -231,12 +298,6 @@ def simulate(schedule: Schedule, forward_time: float = 1.0, backward_time: float
                      bubble_fraction=1.0 - sum(busy) / (pp * makespan),
                      bubble_per_rank=tuple(1.0 - b / makespan for b in busy),
                      peak_in_flight=tuple(peak), intervals=tuple(tuple(iv) for iv in intervals))
-
-
-def _has_input(action: Action, pp_rank: int, schedule: Schedule) -> bool:
-    """Whether a compute receives its input from another rank (all but the model's first F / last B)."""
-    mc = model_chunk(pp_rank, action.chunk, schedule.pp)
-    return mc > 0 if action.kind == "F" else mc < schedule.pp * schedule.vpp - 1
 
 
 def _describe(item: Action | tuple[Action, ...]) -> str:

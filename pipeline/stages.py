@@ -12,6 +12,10 @@ number of layers, divided evenly over its ``vpp`` chunks, and the remaining laye
 evenly over the other ranks' chunks. Per virtual round ``c`` the chunks of rank 0..pp-1 hold
 consecutive layers, exactly as Megatron's ``get_transformer_layer_offset``.
 
+With the V placement (``zbv``, ``dualpipev``: ``actions.Placement.V``) rank r holds model chunks r and
+``2 pp - 1 - r`` (its chunks 0 and 1), every chunk ``num_layers / (2 pp)`` layers; rank 0 then holds the
+embedding and the head.
+
 Layers keep their *global* index (e.g. an ``nn.ModuleDict`` keyed by ``str(layer_index)``), so a
 stage's parameter names are a subset of the unsplit model's and checkpoints reshard across pp.
 """
@@ -20,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+
+from moefold.pipeline.actions import Placement, model_chunk, rank_and_chunk
 
 
 @dataclass(frozen=True)
@@ -52,8 +58,10 @@ class StageLayout:
     vpp: int = 1
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
+    placement: Placement = Placement.INTERLEAVED
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "placement", Placement(self.placement))
         for name in ("num_layers", "pp", "vpp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -74,6 +82,12 @@ class StageLayout:
             if value % self.vpp != 0:
                 raise ValueError(f"{flag}={value} is not divisible by vpp={self.vpp} "
                                  "(each virtual chunk of that rank gets an equal share)")
+        if self.placement == Placement.V:
+            if self.vpp != 2:
+                raise ValueError(f"the V placement (zbv, dualpipev) holds 2 chunks per rank, got vpp={self.vpp}")
+            if uneven:
+                raise ValueError("the V placement (zbv, dualpipev) splits the layers evenly: drop "
+                                 "--decoder-first/last-pipeline-num-layers")
         _ = self.per_round_counts  # validates the middle split
 
     @cached_property
@@ -118,17 +132,24 @@ class StageLayout:
         return self.pp * self.vpp
 
     def model_chunk(self, pp_rank: int, chunk: int) -> int:
-        """Forward-order index of virtual chunk ``chunk`` of rank ``pp_rank``: ``chunk * pp + pp_rank``."""
+        """Forward-order index of virtual chunk ``chunk`` of rank ``pp_rank``: ``chunk * pp + pp_rank`` (interleaved),
+        ``pp_rank`` / ``2 pp - 1 - pp_rank`` (V)."""
         self._check(pp_rank, chunk)
-        return chunk * self.pp + pp_rank
+        return model_chunk(pp_rank, chunk, self.pp, self.placement)
+
+    @cached_property
+    def model_chunk_layers(self) -> tuple[int, ...]:
+        """Layers of each model chunk, in forward order."""
+        counts = self.per_round_counts
+        return tuple(counts[rank_and_chunk(mc, self.pp, self.placement)[0]] if self.placement != Placement.V
+                     else counts[0] for mc in range(self.num_model_chunks))
 
     def chunk_spec(self, pp_rank: int, chunk: int) -> ChunkSpec:
         """Layers and extra modules of one (pp_rank, virtual chunk)."""
         mc = self.model_chunk(pp_rank, chunk)
-        counts = self.per_round_counts
-        start = chunk * sum(counts) + sum(counts[:pp_rank])
+        start = sum(self.model_chunk_layers[:mc])
         return ChunkSpec(pp_rank=pp_rank, chunk=chunk, model_chunk=mc,
-                         layers=range(start, start + counts[pp_rank]),
+                         layers=range(start, start + self.model_chunk_layers[mc]),
                          has_embedding=mc == 0, has_head=mc == self.num_model_chunks - 1)
 
     def rank_chunks(self, pp_rank: int) -> list[ChunkSpec]:
@@ -170,3 +191,11 @@ def vpp_from_layers_per_virtual_stage(num_layers: int, pp: int, layers_per_virtu
         raise ValueError(f"num_layers={num_layers} is not divisible by pp*num_layers_per_virtual_pipeline_stage="
                          f"{pp}*{m}={pp * m}")
     return num_layers // (pp * m)
+
+
+def chunk_costs(layout: StageLayout) -> tuple[tuple[float, ...], ...]:
+    """Relative forward time of every (rank, chunk) for a schedule's communication placement
+    (``build_schedule(chunk_costs=...)``): its layer count, the embedding and the head counted as one layer each
+    (at least 1, so that an embedding-only chunk still takes time)."""
+    return tuple(tuple(max(1.0, len(s.layers) + s.has_embedding + s.has_head) for s in layout.rank_chunks(r))
+                 for r in range(layout.pp))

@@ -15,7 +15,7 @@ def test_env_prints_torch_and_backends(capsys):
 
 
 def test_missing_backend_says_what_to_install():
-    assert backend_status("deep_ep").startswith(("available", "not installed (build DeepEP v1.2.1 from source"))
+    assert backend_status("deep_ep").startswith(("available", "not installed (build DeepEP V2 (with NCCL >= 2.30.4"))
     assert backend_status("surely_not_a_module_xyz") == "not installed (pip install surely_not_a_module_xyz)"
 
 

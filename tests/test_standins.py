@@ -1,11 +1,12 @@
 """The CPU stand-ins of the GPU-only libraries reject what the real ones reject.
 
-Each stand-in lists the preconditions it copied from its library's source (``PRECONDITIONS``: what, and the
-upstream file:line): Transformer Engine (tests/moe/te_standin.py), DeepEP v1.2.1 (tests/dispatch/deepep_standin.py),
-grouped_gemm (tests/moe/grouped_gemm_standin.py). Every entry has a case here that breaks exactly that
-precondition and expects the stand-in to refuse it, and every case is in the list: a precondition cannot be
-listed without being enforced, nor enforced without being listed. moefold's own calls pass them all (the protocol
-tests: tests/moe/test_experts.py, tests/dispatch/test_flex.py, tests/moe/test_gemm.py).
+Each stand-in lists the preconditions it copied from its library's source (``PRECONDITIONS``: what, and the upstream
+file:line): Transformer Engine (tests/moe/te_standin.py), DeepEP v1.2.1 (tests/dispatch/deepep_standin.py), DeepEP
+V2's ElasticBuffer (tests/dispatch/deepep_elastic_standin.py), grouped_gemm (tests/moe/grouped_gemm_standin.py). Every
+entry has a case here that breaks exactly that precondition and expects the stand-in to refuse it, and every case is
+in the list: a precondition cannot be listed without being enforced, nor enforced without being listed. moefold's own
+calls pass them all (the protocol tests: tests/moe/test_experts.py, tests/dispatch/test_flex.py,
+tests/dispatch/test_flex_elastic.py, tests/moe/test_gemm.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from tests.dispatch import deepep_standin
+from tests.dispatch import deepep_elastic_standin, deepep_standin
 from tests.distributed import run_distributed
 from tests.moe import grouped_gemm_standin, te_standin
 
@@ -188,4 +189,115 @@ def _deepep_cases() -> list[str]:
 
 def test_deepep_standin_rejects_what_deepep_rejects():
     for problems in run_distributed(_deepep_cases, 2, timeout=120):
+        assert not problems, problems
+
+
+# -------------------------------------------------------------------------------- DeepEP V2 (ElasticBuffer)
+def _elastic_cases() -> list[str]:
+    from moefold.dispatch.fp8_exchange import quantize_rows
+
+    mod = deepep_elastic_standin.module()
+    EB, group = mod.ElasticBuffer, dist.group.WORLD
+    R, E, T, H, K, TMAX = dist.get_world_size(), 8, 6, 32, 2, 16
+    buffer = EB(group, num_max_tokens_per_rank=TMAX, hidden=H, num_topk=E, explicitly_destroy=True)
+    idx = (torch.arange(T * K).reshape(T, K) * 3) % E
+    weights = torch.full((T, K), 0.5)
+    x = torch.ones(T, H, dtype=bf16)
+    args = {"num_experts": E, "num_max_tokens_per_rank": TMAX, "num_sms": 4, "do_cpu_sync": False, "do_expand": True,
+            "do_zero_padding": True}
+
+    def dispatch(buf=buffer, x=x, topk=idx, w=weights, **kw):
+        return buf.dispatch(x, topk_idx=topk, topk_weights=w, **{**args, **kw})
+
+    handle = dispatch()[3]
+    rows = handle.num_expanded_tokens
+
+    def cached(**kw):
+        return buffer.dispatch(x, handle=handle, num_sms=4, do_expand=True, do_zero_padding=True, **kw)
+
+    def combine(y=None, w=None, buf=buffer, **kw):
+        return buf.combine(torch.ones(rows, H, dtype=bf16) if y is None else y, handle, topk_weights=w, **kw)
+
+    def deterministic(fn):
+        def run():
+            fill = torch.utils.deterministic.fill_uninitialized_memory
+            torch.use_deterministic_algorithms(True)
+            torch.utils.deterministic.fill_uninitialized_memory = True
+            try:
+                return fn()
+            finally:
+                torch.use_deterministic_algorithms(False)
+                torch.utils.deterministic.fill_uninitialized_memory = fill
+        return run
+
+    def small(tokens: int, **kw):   # a 2 MiB buffer (the smallest) for num_max_tokens_per_rank=tokens
+        return EB(group, num_bytes=2 * 2**20, num_max_tokens_per_rank=tokens, explicitly_destroy=True, **kw)
+
+    def combine_too_big():
+        b = small(4096, allow_multiple_reduction=False)   # dispatch fits 2 MiB, the single-reduction combine not
+        wide = torch.arange(T * 8).reshape(T, 8) % E
+        h = b.dispatch(x, topk_idx=wide, topk_weights=torch.zeros(T, 8),
+                       **{**args, "num_max_tokens_per_rank": 4096})[3]
+        return b.combine(torch.ones(h.num_expanded_tokens, H, dtype=bf16), h)
+
+    def destroy_unflagged():
+        EB(group, num_max_tokens_per_rank=TMAX, hidden=H).destroy()
+
+    wide = torch.arange(T * 33).reshape(T, 33) % E
+    fp8, scales = quantize_rows(x.float())
+    cases = {
+        "deterministic algorithms with fill_uninitialized_memory: dispatch": (deterministic(dispatch), ""),
+        "deterministic algorithms with fill_uninitialized_memory: combine": (deterministic(combine), ""),
+        "QPs within the allocated ones: dispatch": (lambda: dispatch(num_qps=1000), "Allocated QPs are not enough"),
+        "QPs within the allocated ones: combine": (lambda: combine(num_qps=1000), "Allocated QPs are not enough"),
+        "a cached handle without topk_idx":
+            (lambda: buffer.dispatch(x, topk_idx=idx, handle=handle, num_sms=4, do_expand=True), ""),
+        "no CPU sync with a cached handle": (lambda: cached(do_cpu_sync=True), "Cannot do CPU sync with cached handle"),
+        "a cached handle's experts, alignment and max tokens": (lambda: cached(expert_alignment=16), ""),
+        "num_sms > 0": (lambda: dispatch(num_sms=-2), "buffer.hpp:728"),
+        "zero padding only with do_expand": (lambda: dispatch(do_expand=False), "buffer.hpp:731"),
+        "x contiguous: dispatch": (lambda: dispatch(x=torch.ones(H, T, dtype=bf16).T), "buffer.hpp:754"),
+        "hidden bytes a multiple of 16: dispatch":
+            (lambda: dispatch(x=torch.ones(T, 12, dtype=bf16)), "buffer.hpp:755"),
+        "num_tokens <= num_max_tokens_per_rank: dispatch":
+            (lambda: dispatch(x=torch.ones(TMAX + 1, H, dtype=bf16), topk=torch.zeros(TMAX + 1, K, dtype=torch.long),
+                              w=torch.zeros(TMAX + 1, K)), "buffer.hpp:756"),
+        "FP8 scales of 4 bytes": (lambda: dispatch(x=(fp8, scales.double())), "buffer.hpp:767"),
+        "topk_idx of topk_idx_t": (lambda: dispatch(topk=idx.int()), "buffer.hpp:777"),
+        "topk_weights contiguous: dispatch": (lambda: dispatch(w=weights.T.contiguous().T), "buffer.hpp:785"),
+        "recv stats int32 with one count per local expert":
+            (lambda: dispatch(cumulative_local_expert_recv_stats=torch.zeros(E, dtype=torch.int32)), "buffer.hpp:795"),
+        "no recv stats with a cached handle":
+            (lambda: cached(cumulative_local_expert_recv_stats=torch.zeros(E // R, dtype=torch.int32)),
+             "dispatch.hpp:168"),
+        "num_experts a multiple of the ranks": (lambda: dispatch(num_experts=E + 1), "buffer.hpp:805"),
+        "at most 2048 experts, 256 per rank": (lambda: dispatch(num_experts=2 * 257 * R // 2), "layout.cuh:39-40"),
+        "hidden bytes a multiple of 32 (TMA)": (lambda: dispatch(x=torch.ones(T, 24, dtype=bf16)), "layout.cuh:198"),
+        "the buffer holds the dispatch": (lambda: dispatch(buf=small(16384), num_max_tokens_per_rank=16384),
+                                          "buffer.hpp:963-966"),
+        "num_sms within the device's SMs": (lambda: dispatch(num_sms=1000), "buffer.hpp:979"),
+        "num_topk <= 32": (lambda: dispatch(topk=wide, w=torch.zeros(T, 33)), "NVCC compilation failed"),
+        "bf16 combine input": (lambda: combine(y=torch.ones(rows, H)), "buffer.hpp:1203"),
+        "hidden bytes a multiple of 16: combine":
+            (lambda: combine(y=torch.ones(rows, 4, dtype=bf16)), "buffer.hpp:1204"),
+        "topk_weights fp32: combine": (lambda: combine(w=torch.ones(rows).double()), "buffer.hpp:1234"),
+        "the buffer holds the combine": (combine_too_big, "buffer.hpp:1254-1256"),
+        "previous_event needs allocate_on_comm_stream":
+            (lambda: dispatch(previous_event=EB.capture()), "buffer.hpp:540"),
+        "buffer bytes a positive multiple of 2 MiB":
+            (lambda: EB(group, num_bytes=3 * 2**20 // 2), "buffer.hpp:98"),
+        "size hint: positive tokens and hidden": (lambda: EB.get_buffer_size_hint(group, 0, H), "buffer.hpp:657"),
+        "destroy() needs explicitly_destroy=True": (destroy_unflagged, ""),
+        "num_scaleout_topk == 0 in the SM estimate": (lambda: buffer.get_theoretical_num_sms(E, K, num_scaleout_topk=1),
+                                                      ""),
+    }
+    problems = _check_list(deepep_elastic_standin.PRECONDITIONS, cases)
+    dispatch()   # valid calls pass
+    combine()
+    buffer.destroy()
+    return problems
+
+
+def test_deepep_elastic_standin_rejects_what_deepep_v2_rejects():
+    for problems in run_distributed(_elastic_cases, 2, timeout=120):
         assert not problems, problems

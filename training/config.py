@@ -36,6 +36,8 @@ class TrainConfig:
     lr_decay_iters: int | None = None          # None: train_iters
     lr_wsd_decay_iters: int = 0
     lr_wsd_decay_style: str = "linear"
+    lr_warmup_init: float = 0.0                # Megatron's --lr-warmup-init: the lr of step 0
+    lr_warmup_skip_zero: bool = False          # warmup lr * (step + 1) / warmup (moefold's earlier convention)
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -46,7 +48,10 @@ class TrainConfig:
     compile: bool = False                      # torch.compile per transformer block (training.compile)
     max_skipped_steps: int = 5                 # stop after this many non-finite steps in a row
     bucket_numel: int = 2**22
-    pipeline_schedule: str = "1f1b"            # gpipe | 1f1b | interleaved (pp > 1; interleaved for vpp > 1)
+    pipeline_schedule: str = "1f1b"            # gpipe | 1f1b | interleaved | zb-h1 | zbv | dualpipev (pp > 1;
+                                               # interleaved for vpp > 1; zbv/dualpipev: 2 chunks per rank, V placed)
+    overlap_moe_expert_parallel_comm: bool = False   # batch-level overlap: FB pairs (pipeline.overlap)
+    delay_wgrad_compute: bool = False          # with the overlap: weight GEMMs behind the next exchange
     num_layers_per_virtual_pipeline_stage: int | None = None
     decoder_first_pipeline_num_layers: int | None = None   # pp > 1: layers on the first stage (None: even split)
     decoder_last_pipeline_num_layers: int | None = None    # pp > 1: layers on the last stage (None: even split)
@@ -62,6 +67,14 @@ class TrainConfig:
     data_path: tuple[str, ...] = ()            # Megatron style: PREFIX or W1 PREFIX1 W2 PREFIX2 ...; () = built-in
     vocab_size: int | None = None              # built-in corpus vocabulary (None: the model's)
     data_cache_dir: str | None = None
+    data_order: str = "moefold"                # moefold (independent of the run length) | megatron (GPTDataset's)
+    mid_level_dataset_surplus: float = 0.005   # --data-order megatron: Megatron's per-corpus sample surplus
+    # Megatron-LM's tokenizer flags (training.data.megatron_tokenizer): the model's vocabulary and SAVE/hf_assets
+    tokenizer_type: str | None = None
+    tokenizer_model: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    make_vocab_size_divisible_by: int = 128
     # output
     run_dir: str = "runs/moefold"
     log_interval: int = 10
@@ -74,6 +87,7 @@ class TrainConfig:
     # starting weights (train --load-hf): the architecture and weights of an HF (or moefold) directory
     load_hf: str | None = None
     moe_use_upcycling: bool = False            # load_hf holds a dense model: start from its upcycled MoE
+    load_megatron: str | None = None           # starting weights from a Megatron-Core torch_dist checkpoint
     # validation (training.evaluate): with --split or --valid-data-path
     eval_interval: int | None = None           # every N steps (None: only at the end of the run)
     eval_iters: int = 10                       # global batches per evaluation
@@ -129,6 +143,12 @@ class TrainConfig:
             from moefold.training.data.validation import parse_split
 
             parse_split(self.split)
+        if self.data_order not in ("moefold", "megatron"):
+            raise ValueError(f"--data-order={self.data_order!r}; valid: moefold, megatron")
+        if self.load_hf and self.load_megatron:
+            raise ValueError("give either --load-hf or --load-megatron (the starting weights), not both")
+        if not 0 <= self.mid_level_dataset_surplus < float("inf"):
+            raise ValueError(f"--mid-level-dataset-surplus={self.mid_level_dataset_surplus} must be >= 0")
         if self.moe_use_upcycling and not self.load_hf:
             raise ValueError("--moe-use-upcycling needs --load-hf DIR (the dense checkpoint to upcycle)")
         self.optimizer_precision()  # validates the dtypes
@@ -136,6 +156,15 @@ class TrainConfig:
 
         if self.pipeline_schedule not in SCHEDULES:
             raise ValueError(f"--pipeline-schedule={self.pipeline_schedule!r}; valid: {', '.join(SCHEDULES)}")
+        if self.delay_wgrad_compute and not self.overlap_moe_expert_parallel_comm:
+            raise ValueError("--delay-wgrad-compute defers the experts' and attention's weight gradients behind the "
+                             "exchanges of the batch-level overlap: it needs --overlap-moe-expert-parallel-comm "
+                             "(as in Megatron; the zero-bubble schedules defer them by themselves)")
+        if self.compile and (self.overlap_moe_expert_parallel_comm or self.pipeline_schedule in ("zb-h1", "zbv",
+                                                                                               "dualpipev")):
+            raise ValueError("--compile cannot be combined with split backwards or the batch-level overlap (their "
+                             "GEMMs defer weight gradients and their graphs are cut between sub-layers; torch's "
+                             "zero-bubble schedules refuse compile too): drop --compile")
 
     @property
     def has_validation(self) -> bool:
@@ -149,7 +178,8 @@ class TrainConfig:
     def lr_schedule(self) -> LRSchedule:
         return LRSchedule(lr=self.lr, min_lr=self.min_lr, warmup_iters=self.lr_warmup_iters,
                           decay_iters=self.lr_decay_iters or self.train_iters, style=self.lr_decay_style,
-                          wsd_decay_iters=self.lr_wsd_decay_iters, wsd_decay_style=self.lr_wsd_decay_style)
+                          wsd_decay_iters=self.lr_wsd_decay_iters, wsd_decay_style=self.lr_wsd_decay_style,
+                          warmup_init=self.lr_warmup_init, warmup_skip_zero=self.lr_warmup_skip_zero)
 
 
 @dataclass(frozen=True)
@@ -184,8 +214,51 @@ class RunConfig:
             from moefold.pipeline.schedules import check_schedule_config
 
             vpp = self.pipeline_layout(s.pp).vpp
-            check_schedule_config(self.schedule_name(vpp), s.pp, vpp, num_micro)
+            check_schedule_config(self.schedule_name(vpp), s.pp, vpp, num_micro, t.overlap_moe_expert_parallel_comm)
+        if t.overlap_moe_expert_parallel_comm:
+            self._check_overlap(s)
+        if t.overlap_moe_expert_parallel_comm or self.split_backward(s.pp):
+            self._check_split_backends()
         return s, num_micro
+
+    def split_backward(self, pp: int) -> bool:
+        """The run defers weight gradients: a zero-bubble schedule at pp > 1, or --delay-wgrad-compute."""
+        return (pp > 1 and self.train.pipeline_schedule in ("zb-h1", "zbv", "dualpipev")) or \
+            self.train.delay_wgrad_compute
+
+    def _check_overlap(self, sizes: ParallelSizes) -> None:
+        """ValueError naming the flag for what --overlap-moe-expert-parallel-comm cannot run with (Megatron's rules)."""
+        o, m = self.options, self.model
+        flag = "--overlap-moe-expert-parallel-comm"
+        if not m.num_experts:
+            raise ValueError(f"{flag} overlaps the MoE layers' token exchanges; the model has no experts")
+        if sizes.ep < 2:
+            raise ValueError(f"{flag} hides the expert-parallel exchange: it needs --expert-model-parallel-size > 1, "
+                             f"got {sizes.ep}")
+        dispatcher = o.resolved_dispatcher(sizes.ep, sizes.etp)
+        if dispatcher not in ("alltoall", "flex"):
+            raise ValueError(f"{flag} runs with the alltoall and flex dispatchers, not --moe-token-dispatcher-type "
+                             f"{dispatcher} (its exchange is not a separate step; Megatron refuses it too)")
+        if dispatcher == "flex" and o.moe_flex_dispatcher_backend == "deepep":
+            raise ValueError(f"{flag} runs the flex dispatcher on DeepEP's v1 API only, not "
+                             f"--moe-flex-dispatcher-backend deepep (V2's ElasticBuffer has no separate exchange "
+                             f"stage here): use --moe-flex-dispatcher-backend deepep-legacy")
+        if o.recompute == "selective" and "moe" in o.recompute_modules:
+            raise ValueError(f"{flag} cannot checkpoint the whole MoE layer (--recompute-modules moe): the checkpoint "
+                             f"would span its exchanges; recompute moe_act and shared_experts instead, or use full "
+                             f"recompute")
+        if o.recompute == "full" and o.recompute_method == "uniform" and o.recompute_num_layers > 1:
+            raise ValueError(f"{flag} recomputes each layer's pieces on their own: --recompute-num-layers="
+                             f"{o.recompute_num_layers} with --recompute-method uniform would checkpoint several "
+                             f"layers as one unit across their exchanges; use --recompute-num-layers 1 or "
+                             f"--recompute-method block")
+
+    def _check_split_backends(self) -> None:
+        o = self.options
+        if o.gemm_backend == "te" or (o.fp8.enabled and o.fp8.backend == "te"):
+            raise ValueError("split backwards (zero-bubble schedules, --delay-wgrad-compute) and the batch-level "
+                             "overlap defer weight gradients with moefold's GEMMs, not Transformer Engine's: use "
+                             "--moe-grouped-gemm-backend grouped_mm and --fp8-backend torchao")
 
     def pipeline_layout(self, pp: int) -> StageLayout:
         """The split of the decoder's layers over ``pp`` stages (x virtual stages) that the flags describe;
@@ -198,16 +271,26 @@ class RunConfig:
             raise ValueError(f"--num-layers-per-virtual-pipeline-stage={t.num_layers_per_virtual_pipeline_stage} "
                              "cannot be combined with --decoder-first/last-pipeline-num-layers (uneven stages); "
                              "drop one of them")
+        from moefold.pipeline.schedules import V_SCHEDULES, placement_of
+
         vpp = vpp_from_layers_per_virtual_stage(self.model.num_layers, pp, t.num_layers_per_virtual_pipeline_stage)
-        if vpp > 1 and t.pipeline_schedule == "gpipe":
-            raise ValueError(f"--pipeline-schedule=gpipe runs one chunk per rank, but "
+        if vpp > 1 and t.pipeline_schedule in ("gpipe", "zb-h1"):
+            raise ValueError(f"--pipeline-schedule={t.pipeline_schedule} runs one chunk per rank, but "
                              f"--num-layers-per-virtual-pipeline-stage={t.num_layers_per_virtual_pipeline_stage} "
                              f"gives {vpp} virtual stages per rank (interleaved 1F1B schedule); drop one of them")
-        return StageLayout(self.model.num_layers, pp, vpp, first, last)
+        if t.pipeline_schedule in V_SCHEDULES and vpp != 2:
+            raise ValueError(f"--pipeline-schedule={t.pipeline_schedule} runs 2 chunks per rank in V placement: set "
+                             f"--num-layers-per-virtual-pipeline-stage={self.model.num_layers // (2 * pp) or 1} "
+                             f"(num_layers {self.model.num_layers} / (2 x pp {pp})), got {vpp} chunk(s) per rank")
+        return StageLayout(self.model.num_layers, pp, vpp, first, last, placement=placement_of(self.schedule_name(vpp)))
 
     def schedule_name(self, vpp: int) -> str:
         """The pipeline schedule to run: interleaved whenever there are virtual stages (Megatron: 1F1B by
-        default, interleaved 1F1B with virtual stages; GPipe on request)."""
+        default, interleaved 1F1B with virtual stages; GPipe, the zero-bubble ones, DualPipeV on request)."""
+        from moefold.pipeline.schedules import V_SCHEDULES
+
+        if self.train.pipeline_schedule in V_SCHEDULES:
+            return self.train.pipeline_schedule
         return "interleaved" if vpp > 1 else self.train.pipeline_schedule
 
     def to_dict(self) -> dict[str, Any]:

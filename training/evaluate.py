@@ -69,7 +69,7 @@ def evaluate(trainer: Trainer, samples: Samples, eval_iters: int) -> EvalResult:
 
 def _lm_loss_sum(trainer: Trainer, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Sum over the micro-batches of their token-mean LM losses (0 on stages without the head)."""
-    if trainer.pipeline is None:
+    if trainer.dims.pp == 1:   # (with the batch-level overlap too: evaluation has no backward to overlap)
         return sum(trainer.model(ids, labels).lm_loss.double() for ids, labels in batches)
     dims, layout = trainer.dims, trainer.layout
     schedule = build_schedule(trainer.pipeline.name, dims.pp, trainer.num_micro, layout.vpp, forward_only=True)

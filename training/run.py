@@ -7,6 +7,7 @@ initialised when world > 1). Rank 0 logs; every rank trains.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,8 @@ def build_dataset(config: RunConfig, dims: ParallelDims, part: str = "train") ->
 
     t = config.train
     num_samples = (t.train_iters if part == "train" else t.eval_iters) * t.global_batch_size
+    if t.data_order == "megatron":
+        return _synchronised(lambda: build_megatron_dataset(config, part), dims)
 
     def build() -> Samples:
         if part == "valid" and t.valid_data_path:
@@ -52,11 +55,51 @@ def build_dataset(config: RunConfig, dims: ParallelDims, part: str = "train") ->
                              f"{config.model.vocab_size}; pass --vocab-size {ds.vocab_size} or a matching tokenizer")
         return ds
 
+    return _synchronised(build, dims)
+
+
+def _synchronised(build: Callable[[], Samples], dims: ParallelDims) -> Samples:
+    """``build()`` on rank 0 first (it writes the index caches), then on the others (they read them)."""
     if dims.world_size == 1:
         return build()
     ds = build() if dims.rank == 0 else None
     dist.barrier()
     return ds if ds is not None else build()
+
+
+def build_megatron_dataset(config: RunConfig, part: str = "train") -> Samples:
+    """``--data-order megatron``: Megatron-Core's train or validation samples for this run
+    (``training.data.megatron_order``): ``--data-path`` with ``--split``, or ``--data-path`` for training and
+    ``--valid-data-path`` for validation (Megatron's per-split paths), sized as Megatron-LM sizes them."""
+    from moefold.training.data.megatron_order import (
+        MegatronBlend,
+        build_megatron_datasets,
+        num_samples_per_split,
+        parse_blend,
+    )
+
+    t = config.train
+    if not t.data_path:
+        raise ValueError("--data-order megatron needs --data-path (Megatron's order of a corpus on disk)")
+    sizes = num_samples_per_split(t.train_iters, t.global_batch_size, t.eval_iters, t.eval_interval)
+
+    def frozen(items) -> tuple:
+        prefixes, weights = parse_blend(list(items))
+        return tuple(prefixes), tuple(weights) if weights is not None else None
+
+    if t.valid_data_path:
+        blend = MegatronBlend(blend_per_split=(frozen(t.data_path), frozen(t.valid_data_path), None))
+    else:
+        blend = MegatronBlend(blend=frozen(t.data_path), split=t.split or "969,30,1")
+    cache = None if t.data_cache_dir is None else f"{t.data_cache_dir}/megatron"
+    datasets = build_megatron_datasets(blend, sizes, t.seq_length, t.seed, t.mid_level_dataset_surplus, cache)
+    ds = datasets[("train", "valid").index(part)]
+    if ds is None:
+        raise ValueError(f"--data-order megatron: --split {t.split} leaves no {part} data")
+    if ds.vocab_size > config.model.vocab_size:
+        raise ValueError(f"the data's largest token id {ds.vocab_size - 1} does not fit the model's vocab_size="
+                         f"{config.model.vocab_size}")
+    return ds
 
 
 def save_run_assets(config: RunConfig) -> None:
@@ -66,21 +109,33 @@ def save_run_assets(config: RunConfig) -> None:
     import json
 
     from moefold.models.hf.assets import RUN_ASSETS_DIR, copy_assets
-    from moefold.training.data import builtin_corpus, eos_id, load_tokenizer, parse_data_path, tokenizer_path
+    from moefold.training.data import builtin_corpus, eos_id, load_tokenizer, tokenizer_path
 
     t = config.train
     dst = Path(t.save) / RUN_ASSETS_DIR
     if t.load_hf:
         copy_assets(t.load_hf, dst)
         return
-    prefix = parse_data_path(list(t.data_path))[0][0] if t.data_path else \
-        builtin_corpus(t.vocab_size or config.model.vocab_size, cache_dir=t.data_cache_dir, progress=False)
-    if not tokenizer_path(prefix).is_file():
-        return
-    tok = load_tokenizer(tokenizer_path(prefix))
+    if t.tokenizer_type:   # Megatron's tokenizer flags name the run's tokenizer
+        from moefold.training.data.megatron_tokenizer import megatron_tokenizer
+
+        tok = megatron_tokenizer(t.tokenizer_type, t.tokenizer_model, t.vocab_file, t.merge_file)
+    else:
+        prefix = parse_blend_prefix(t.data_path) if t.data_path else \
+            builtin_corpus(t.vocab_size or config.model.vocab_size, cache_dir=t.data_cache_dir, progress=False)
+        if not tokenizer_path(prefix).is_file():
+            return
+        tok = load_tokenizer(tokenizer_path(prefix))
     dst.mkdir(parents=True, exist_ok=True)
     tok.save(str(dst / "tokenizer.json"))
     (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id(tok)}, indent=2))
+
+
+def parse_blend_prefix(items) -> str:
+    """The first corpus of a ``--data-path`` (Megatron's syntax, weighted or not)."""
+    from moefold.training.data.megatron_order import parse_blend
+
+    return parse_blend(list(items))[0][0]
 
 
 def train(config: RunConfig, device: torch.device | str = "cpu", heartbeat: Heartbeat | None = None,
@@ -94,7 +149,8 @@ def train(config: RunConfig, device: torch.device | str = "cpu", heartbeat: Hear
     from tqdm import tqdm
 
     say = tqdm.write if is_log else (lambda *_a, **_k: None)  # keeps the progress bar intact
-    source = f"recipe {config.recipe}" if config.recipe else f"--load-hf {t.load_hf}" if t.load_hf else "model flags"
+    source = f"recipe {config.recipe}" if config.recipe else f"--load-hf {t.load_hf}" if t.load_hf else \
+        f"--load-megatron {t.load_megatron}" if t.load_megatron else "model flags"
     say(f"moefold train: {source} ({config.model.name}), {dims.describe()}, device {device}")
     start = time.perf_counter()
     dataset = None if t.skip_train else build_dataset(config, dims)

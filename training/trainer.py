@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from moefold.dense.context_parallel import split_for_context_parallel
 from moefold.dense.grad_accumulation import enable_grad_accumulation_fusion
+from moefold.dense.split_backward import WeightGradStore, install_weight_grad_store
 from moefold.models.decoder import MoEDecoder
 from moefold.models.layer_factory import is_moe_block
 from moefold.models.options import ModelOptions
@@ -42,8 +43,10 @@ from moefold.moe.layer import MoEOutputInfo
 from moefold.moe.router import Router
 from moefold.parallel.dims import ParallelDims
 from moefold.parallel.groups import Group
-from moefold.pipeline import build_schedule, expected_bubble_fraction, run_schedule
+from moefold.pipeline import build_schedule, run_schedule, simulate
 from moefold.pipeline.decoder_stage import DecoderStage, build_stage_model, embedding_group
+from moefold.pipeline.overlap import OverlapConfig
+from moefold.pipeline.stages import chunk_costs
 from moefold.training.checkpoint.files import CheckpointSaveError, checkpoint_dirs, is_checkpoint_dir
 from moefold.training.checkpoint.resume import check_resume
 from moefold.training.checkpoint.sharded import find_checkpoint, load_checkpoint, read_meta, save_checkpoint
@@ -74,6 +77,9 @@ class StepResult:
     router: float64 [moe layers, ROUTER_SUMS] per-layer router losses (means over the step's micro-batches and dp)
             and entropy / token sums over all ranks (``training.observe.metrics.router_layer_metrics``; None
             without MoE)
+    received_per_expert: float64 [moe layers, E] copies each expert received over all ranks, as the dispatcher
+            counted them (DeepEP V2's ``cumulative_local_expert_recv_stats``: after capacity drops); None where the
+            dispatchers do not count
     """
 
     step: int
@@ -87,6 +93,7 @@ class StepResult:
     tokens_per_expert: Tensor | None
     dropped: Tensor | None
     router: Tensor | None = None
+    received_per_expert: Tensor | None = None
 
 
 def moe_routers(model: MoEDecoder) -> dict[int, Router]:
@@ -101,11 +108,27 @@ def moe_routers(model: MoEDecoder) -> dict[int, Router]:
 
 
 def model_options(config: RunConfig) -> ModelOptions:
-    """The run's ``ModelOptions`` (``--bf16`` makes the parameters bf16)."""
+    """The run's ``ModelOptions`` (``--bf16`` makes the parameters bf16; the flex dispatcher's
+    ``moe_deepep_max_tokens_per_rank`` is the tokens one rank routes per MoE call: micro-batch x sequence /
+    (tp x cp), every rank the same)."""
     options = config.options
     if config.train.bf16 and options.dtype != "bf16":
         options = dataclasses.replace(options, dtype="bf16")
+    if not options.moe_deepep_max_tokens_per_rank:
+        t, p = config.train, config.parallel
+        options = dataclasses.replace(options, moe_deepep_max_tokens_per_rank=max(
+            1, t.micro_batch_size * t.seq_length // (p.tp * p.cp)))
     return options
+
+
+def flex_backend(config: RunConfig, dims: ParallelDims) -> str | None:
+    """The flex dispatcher's backend this run's MoE layers use (``dispatch.flex_backend``), None without flex."""
+    options = config.options
+    if not config.model.num_experts or options.resolved_dispatcher(dims.ep, dims.etp) != "flex":
+        return None
+    from moefold.dispatch.flex_backend import resolve_flex_backend
+
+    return resolve_flex_backend(options.moe_flex_dispatcher_backend)
 
 
 def batch_to_device(batch: Tensor, device: torch.device) -> Tensor:
@@ -135,12 +158,24 @@ def build_optimizer(model: MoEDecoder, config: RunConfig, dims: ParallelDims,
     whose bytes ``training.observe.memory.static_bytes`` counts. Collective (the embedding group); ``moefold plan``
     runs it on a meta-device model."""
     t = config.train
-    embed_group = embedding_group(model, dims)
+    layout = config.pipeline_layout(dims.pp) if dims.pp > 1 else None
+    embed_group = embedding_group(model, dims, layout)
     precision = t.optimizer_precision()
+    # the V placement's rank 0 backpropagates its two chunks separately: an embedding the head also reads (MTP, tied)
+    # accumulates two gradients per micro-batch
+    # split backward defers weight gradients to W actions that accumulate autograd's way: no fusion there
+    fusion = t.gradient_accumulation_fusion and not config.split_backward(dims.pp)
+    reports = {}
+    shared = config.model.mtp_num_layers or config.model.tie_word_embeddings
+    if shared and layout is not None and model.embed_tokens is not None and layout.vpp > 1:
+        chunks = layout.rank_chunks(dims.pp_rank)
+        if any(c.has_embedding for c in chunks) and any(c.has_head for c in chunks) and not any(
+                c.has_embedding and c.has_head for c in chunks):
+            reports = {f"embed_tokens.{n}": 2 for n, _ in model.embed_tokens.named_parameters()}
     sync = GradSync(model.named_parameters(), dims, bucket_numel=t.bucket_numel, overlap=t.overlap_grad_reduce,
-                    grad_dtype=precision.dtype("main_grads"), copies_group=embed_group,
-                    fusion=t.gradient_accumulation_fusion)
-    enable_grad_accumulation_fusion(model, t.gradient_accumulation_fusion)
+                    grad_dtype=precision.dtype("main_grads"), copies_group=embed_group, reports=reports,
+                    fusion=fusion)
+    enable_grad_accumulation_fusion(model, fusion)
     optimizer = DistributedAdamW(sync, dims, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                  weight_decay=t.weight_decay, precision=precision, model=model,
                                  overlap_param_gather=t.overlap_param_gather)
@@ -164,22 +199,40 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.layout = self.pipeline = None
         self.embed_group = None
+        overlap = t.overlap_moe_expert_parallel_comm
         if dims.pp > 1:
             self.layout = config.pipeline_layout(dims.pp)
             vpp = self.layout.vpp
-            self.pipeline = build_schedule(config.schedule_name(vpp), dims.pp, self.num_micro, vpp)
-            bubble = expected_bubble_fraction(self.pipeline.name, dims.pp, self.num_micro, vpp)
-            self.log(f"pipeline: {self.pipeline.name} schedule, pp {dims.pp} x vpp {vpp}, {self.num_micro} "
-                     f"micro-batches per step (bubble {bubble:.1%} with equal stage times)\n"
+            self.pipeline = build_schedule(config.schedule_name(vpp), dims.pp, self.num_micro, vpp, overlap=overlap,
+                                           chunk_costs=chunk_costs(self.layout))
+            bubble = simulate(self.pipeline).bubble_fraction
+            self.log(f"pipeline: {self.pipeline.name}{' (FB pairs overlapped)' if overlap else ''} schedule, pp "
+                     f"{dims.pp} x vpp {vpp} ({self.layout.placement.value}), {self.num_micro} micro-batches per step "
+                     f"(bubble {bubble:.1%} with stage times by layer count, backward = 2 x forward)\n"
                      f"{self.layout.describe()}")
+        elif overlap:   # pp = 1: Megatron's combined 1F1B without pipelining, F0, FB(1, 0), ..., B(m-1)
+            self.layout = config.pipeline_layout(1)
+            self.pipeline = build_schedule("1f1b", 1, self.num_micro, overlap=True)
+            self.log(f"batch-level overlap: {self.num_micro} micro-batches as F0, FB(1, 0), ..., "
+                     f"B({self.num_micro - 1})")
         self.model = build_model(config, dims, self.device)
         self.model.init_weights(t.seed)
+        # split backward (zero-bubble schedules, --delay-wgrad-compute): the GEMMs that can defer weight gradients
+        self.weight_store = None
+        if config.split_backward(dims.pp):
+            self.weight_store = WeightGradStore()
+            install_weight_grad_store(self.model, self.weight_store)
+        self.overlap = OverlapConfig(t.delay_wgrad_compute, self.weight_store) if overlap else None
         # a resume overwrites the HF weights (whether the checkpoints are intact is Trainer.load's to find out)
         resuming = t.load is not None and (is_checkpoint_dir(Path(t.load)) or bool(checkpoint_dirs(t.load)))
         if t.load_hf and not resuming:
             from moefold.models.pretrained import load_pretrained_weights
 
             load_pretrained_weights(self.model, t.load_hf, upcycle=t.moe_use_upcycling)  # this rank's slices
+        if t.load_megatron and not resuming:
+            from moefold.models.megatron import load_megatron_weights
+
+            load_megatron_weights(self.model, t.load_megatron)   # this rank's slices of the torch_dist tensors
         if t.compile:  # in place, after init: parameter names and checkpoints are unchanged
             from moefold.training.compile import compile_model
 
@@ -188,6 +241,8 @@ class Trainer:
         # every MoE layer of the model (all stages) in logging order; this stage fills its own rows
         m = config.model
         self.moe_layers = [i for i in range(m.num_layers + m.mtp_num_layers) if m.num_experts and is_moe_block(m, i)]
+        # the flex dispatcher on DeepEP V2 counts each expert's received copies (MoEOutputInfo.received_E)
+        self.counts_received = bool(self.moe_layers) and flex_backend(config, dims) == "deepep"
         self.embed_group, self.sync, self.optimizer = build_optimizer(self.model, config, dims)
         self.schedule = t.lr_schedule()
         self.iteration = 0            # completed steps
@@ -225,7 +280,8 @@ class Trainer:
             self._add_loads(loads, out.moe.items(), E)
 
     def _pipeline_forward_backward(self, microbatches: list[Tensor], loads: Tensor, logged: Tensor) -> None:
-        """pp > 1: the pipeline schedule over this rank's chunks (same outputs as ``_forward_backward``; each
+        """pp > 1 (or the batch-level overlap at pp = 1): the pipeline schedule over this rank's chunks (same outputs
+        as ``_forward_backward``; each
         stage adds what it holds: the last stage the lm/mtp losses, every stage its own layers' aux losses and
         loads, so the world all-reduce of ``train_step`` sums them across stages)."""
         dims = self.dims
@@ -233,13 +289,14 @@ class Trainer:
         for m, batch in enumerate(microbatches):
             ids, labels = self._split(batch)
             mbs.append({"index": m, "input_ids": ids, "labels": labels})
-        stage = DecoderStage(self.model, self.layout, dims.pp_rank)
+        stage = DecoderStage(self.model, self.layout, dims.pp_rank, self.overlap)
         loss_fn = stage.loss_fn
         if self.loss_hook is not None:
             hook, step = self.loss_hook, self.iteration
             loss_fn = lambda out, mb: hook(step, mb["index"], stage.loss_fn(out, mb))
         spec = stage.activation_spec(ids.shape[0], ids.shape[1], self.device)
-        result = run_schedule(stage, self.pipeline, mbs, loss_fn, dims.pp_group, spec)
+        result = run_schedule(stage, self.pipeline, mbs, loss_fn, dims.pp_group if dims.pp > 1 else None, spec,
+                              weight_store=self.weight_store)
         tpcp = dims.tp * dims.cp
         zero = torch.zeros((), dtype=logged.dtype, device=logged.device)
 
@@ -263,7 +320,9 @@ class Trainer:
             loads[j, :E] += load
             if info.stats is not None:
                 loads[j, E] += info.stats.dropped_fraction.to(loads) * load.sum()
-            loads[j, E + 1:] += router_sums(info, self.config.model.moe_topk).to(loads)
+            loads[j, E + 1:E + 1 + ROUTER_SUMS] += router_sums(info, self.config.model.moe_topk).to(loads)
+            if info.received_E is not None:
+                loads[j, E + 1 + ROUTER_SUMS:] += info.received_E.to(loads)
 
     def train_step(self, microbatches: list[Tensor]) -> StepResult:
         """Forward/backward over this rank's ``num_micro`` micro-batches and one optimizer step. Collective."""
@@ -274,7 +333,8 @@ class Trainer:
         self.sync.start_step(self.num_micro)
         n_moe, E = len(self.moe_layers), self.config.model.num_experts
         # float64 sums of counts stay exact; lm, aux, mtp, non-finite count
-        loads = torch.zeros(n_moe, E + 1 + ROUTER_SUMS, dtype=torch.float64, device=self.device)
+        # per layer: selections [E], dropped, router sums, received copies [E] (all zero unless counted)
+        loads = torch.zeros(n_moe, E + 1 + ROUTER_SUMS + E, dtype=torch.float64, device=self.device)
         logged = torch.zeros(4, dtype=torch.float64, device=self.device)
         if self.pipeline is None:
             self._forward_backward(microbatches, loads, logged)
@@ -318,7 +378,10 @@ class Trainer:
                           grad_norm=grad_norm, lr=lr, skipped=bool(skipped),
                           tokens=t.global_batch_size * t.seq_length,
                           tokens_per_expert=loads[:, :E] if n_moe else None, dropped=loads[:, E] if n_moe else None,
-                          router=per_step_router(loads[:, E + 1:], self.num_micro * dims.dp) if n_moe else None)
+                          router=per_step_router(loads[:, E + 1:E + 1 + ROUTER_SUMS], self.num_micro * dims.dp)
+                          if n_moe else None,
+                          received_per_expert=loads[:, E + 1 + ROUTER_SUMS:] if n_moe and self.counts_received
+                          else None)
 
     # ------------------------------------------------------------------------------- checkpoints
     def save(self, root: str | Path) -> Path:
@@ -369,6 +432,7 @@ class Trainer:
         batches = self.microbatch_iter(dataset)
         results: list[StepResult] = []
         acc_tokens, acc_loads, acc_dropped, routed, acc_router, acc_steps = 0, None, None, None, None, 0
+        acc_received = None
         while self.iteration < last:
             r = self.train_step([next(batches) for _ in range(self.num_micro)])
             results.append(r)
@@ -379,6 +443,8 @@ class Trainer:
                 acc_loads = r.tokens_per_expert if acc_loads is None else acc_loads + r.tokens_per_expert
                 acc_dropped = r.dropped if acc_dropped is None else acc_dropped + r.dropped
                 acc_router, acc_steps = r.router if acc_router is None else acc_router + r.router, acc_steps + 1
+            if r.received_per_expert is not None:
+                acc_received = r.received_per_expert if acc_received is None else acc_received + r.received_per_expert
             if logger is not None:
                 logger.advance()
                 if r.step % t.log_interval == 0 or r.step == last:
@@ -393,9 +459,11 @@ class Trainer:
                                dropped_fraction=(acc_dropped / routed).tolist() if acc_loads is not None else None,
                                moe_layers=self.moe_layers if acc_loads is not None else None, skipped=r.skipped,
                                router=router_layer_metrics(acc_router, acc_steps, self.config.model)
-                               if acc_router is not None else None)
+                               if acc_router is not None else None,
+                               received_per_expert=acc_received.round().long().tolist()
+                               if acc_received is not None else None)
             if r.step % t.log_interval == 0:
-                acc_tokens, acc_loads, acc_dropped, acc_router, acc_steps = 0, None, None, None, 0
+                acc_tokens, acc_loads, acc_dropped, acc_router, acc_steps, acc_received = 0, None, None, None, 0, None
             if evaluator is not None and evaluator.due(r.step, last):
                 evaluator()
             if t.save and t.save_interval and r.step % t.save_interval == 0 and r.step < last:

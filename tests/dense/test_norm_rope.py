@@ -1,4 +1,5 @@
-"""RMSNorm and RoPE/YaRN equal HF transformers' implementations (tiny configs, no download)."""
+"""RMSNorm and RoPE/YaRN equal HF transformers' implementations (tiny configs, no download); RMSNorm in bf16
+rounds once, as Megatron-Core's norms do."""
 
 import pytest
 import torch
@@ -27,24 +28,50 @@ def _ds_config(rope_dim: int, yarn: dict | None, theta: float) -> DeepseekV3Conf
                             vocab_size=64, num_hidden_layers=1, rope_parameters=rope)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rmsnorm_matches_hf(dtype):
+def test_rmsnorm_matches_hf_in_fp32():
     torch.manual_seed(0)
     ours, ref = RMSNorm(32, eps=1e-5), hf_qwen3.Qwen3RMSNorm(32, eps=1e-5)
     w = torch.randn(32)
     ours.weight.data.copy_(w)
     ref.weight.data.copy_(w)
-    ours, ref = ours.to(dtype), ref.to(dtype)
-    x = (torch.randn(5, 3, 32) * 3).to(dtype).requires_grad_()
+    x = (torch.randn(5, 3, 32) * 3).requires_grad_()
     x_ref = x.detach().clone().requires_grad_()
     y, y_ref = ours(x), ref(x_ref)
-    assert y.dtype == dtype
     torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
     g = torch.randn_like(y)
     y.backward(g)
     y_ref.backward(g)
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=0)
     torch.testing.assert_close(ours.weight.grad, ref.weight.grad, rtol=0, atol=0)
+
+
+def test_rmsnorm_bf16_rounds_once_like_megatron():
+    """bf16: statistics, normalisation and weight in fp32, one rounding: bit for bit torch.rms_norm (the norm of
+    Megatron-Core's local spec; TE's kernel computes the same), closer to fp64 than HF's (which rounds twice)."""
+    torch.manual_seed(0)
+    w = (1 + 0.2 * torch.randn(64)).bfloat16()
+    x = (torch.randn(512, 64) * 3).bfloat16()
+    ours, ref = RMSNorm(64, eps=1e-6, dtype=torch.bfloat16), hf_qwen3.Qwen3RMSNorm(64, eps=1e-6).bfloat16()
+    ours.weight.data.copy_(w)
+    ref.weight.data.copy_(w)
+    y = ours(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, torch.rms_norm(x, (64,), w, 1e-6), rtol=0, atol=0)
+    x64 = x.double()
+    exact = w.double() * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
+    ours_err, hf_err = (y.double() - exact).abs().mean(), (ref(x).double() - exact).abs().mean()
+    assert ours_err < 0.8 * hf_err, (ours_err, hf_err)
+    # gradients: the fp32 graph's, as accurate as HF's or better
+    xg = x.clone().requires_grad_()
+    g = torch.randn(512, 64).bfloat16()
+    ours(xg).backward(g)
+    x64g = x64.clone().requires_grad_()
+    w64 = w.double().requires_grad_()
+    (w64 * x64g * torch.rsqrt(x64g.pow(2).mean(-1, keepdim=True) + 1e-6)).backward(g.double())
+    xh = x.clone().requires_grad_()
+    ref(xh).backward(g)
+    assert (xg.grad.double() - x64g.grad).abs().mean() <= (xh.grad.double() - x64g.grad).abs().mean()
+    assert (ours.weight.grad.double() - w64.grad).abs().mean() <= (ref.weight.grad.double() - w64.grad).abs().mean()
 
 
 def test_rmsnorm_flags_and_errors():

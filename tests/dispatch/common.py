@@ -10,9 +10,10 @@ from moefold.dispatch.routing import Routing
 H, F = 8, 4  # hidden size; expert FFN size (split over etp)
 
 
-def expert_weights(num_experts: int, seed: int = 7) -> tuple[Tensor, Tensor]:
+def expert_weights(num_experts: int, seed: int = 7, hidden: int = H) -> tuple[Tensor, Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(num_experts, F, H, generator=g) * 0.5, torch.randn(num_experts, H, F, generator=g) * 0.5)
+    return (torch.randn(num_experts, F, hidden, generator=g) * 0.5,
+            torch.randn(num_experts, hidden, F, generator=g) * 0.5)
 
 
 def run_experts(tokens_NH: Tensor, per_expert: list[int], offset: int, w1: Tensor, w2: Tensor,
@@ -25,7 +26,7 @@ def run_experts(tokens_NH: Tensor, per_expert: list[int], offset: int, w1: Tenso
     for j, rows in enumerate(tokens_NH.split(per_expert)):
         g = offset + j
         outs.append(torch.tanh(rows @ w1[g, fs].t()) @ w2[g][:, fs].t())
-    return torch.cat(outs) if outs else tokens_NH.new_zeros(0, H)
+    return torch.cat(outs) if outs else tokens_NH.new_zeros(0, w2.shape[1])
 
 
 def reference(x: Tensor, probs: Tensor, ids: Tensor, keep: Tensor | None, w1: Tensor, w2: Tensor) -> Tensor:
@@ -33,7 +34,7 @@ def reference(x: Tensor, probs: Tensor, ids: Tensor, keep: Tensor | None, w1: Te
     y = x.new_zeros(x.shape)
     rows = []
     for t in range(x.shape[0]):
-        acc = x.new_zeros(H)
+        acc = x.new_zeros(x.shape[1])
         for k in range(ids.shape[1]):
             if keep is None or keep[t, k]:
                 g = int(ids[t, k])
@@ -42,11 +43,11 @@ def reference(x: Tensor, probs: Tensor, ids: Tensor, keep: Tensor | None, w1: Te
     return torch.stack(rows) if rows else y
 
 
-def make_case(case: str, tokens_per_rank: list[int], num_experts: int, seed: int = 0):
+def make_case(case: str, tokens_per_rank: list[int], num_experts: int, seed: int = 0, hidden: int = H):
     """Global x [Ttot, H], ids [Ttot, K], probs [Ttot, K] for the named routing case."""
     g = torch.Generator().manual_seed(seed)
     total = sum(tokens_per_rank)
-    x = torch.randn(total, H, generator=g)
+    x = torch.randn(total, hidden, generator=g)
     E = num_experts
     if case == "random":  # top-2 among experts 0..E-2: expert E-1 gets no tokens
         ids = torch.rand(total, E - 1, generator=g).argsort(1)[:, :2]

@@ -166,6 +166,7 @@ class Buffer:
     num_sms: int = 20
     instances: ClassVar[list[Buffer]] = []  # every buffer made in this process (the tests count them)
     calls: ClassVar[list[tuple[str, dict[str, Any]]]] = []
+    events: ClassVar[list[EventOverlap]] = []  # every event an async_finish call returned, in call order
 
     def __init__(self, group: dist.ProcessGroup | None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
@@ -240,7 +241,8 @@ class Buffer:
             out, complete = _pending(real, fill)
             handle.on_complete.append(complete)
             outs.append(out)
-        return outs, EventOverlap(handle)
+        Buffer.events.append(EventOverlap(handle))
+        return outs, Buffer.events[-1]
 
     def _exchange(self, rows: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         """Rows to ranks (``send[r]`` to rank r), received in source-rank order (all_to_all_single)."""
@@ -321,10 +323,14 @@ class Buffer:
             recv_x = self._exchange(x.float()[send_index], send, recv).to(torch.bfloat16)
             recv_idx = self._exchange(local, send, recv)
             recv_w = self._exchange(weights, send, recv)
-            per_expert = [int((recv_idx == j).sum()) for j in range(e)]
+            counts = torch.stack([(recv_idx == j).sum() for j in range(e)]) if e else torch.zeros(0)
             new_handle = (send_index, send, recv, is_token_in_rank, T, None)
             (recv_x, recv_idx, recv_w), event = self._finish(
                 [(recv_x, float("nan")), (recv_idx, -7), (recv_w, float("nan"))], async_finish)
+        # the host waits for the received counts (deep_ep.cpp:449-467, the CPU spinning on moe_recv_counter and
+        # moe_recv_expert_counter): modelled by one read of a device tensor outside HOST_WORK, so a HostSyncCounter
+        # counts it as the one host synchronisation this dispatch makes
+        per_expert = counts.tolist()
         return recv_x, recv_idx, recv_w, per_expert, new_handle, event
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
@@ -357,7 +363,7 @@ class Buffer:
 
 def module() -> types.ModuleType:
     """A fresh ``deep_ep`` stand-in module (Buffer, Config, EventOverlap) with empty call logs."""
-    Buffer.instances, Buffer.calls, Buffer.num_sms = [], [], 20
+    Buffer.instances, Buffer.calls, Buffer.events, Buffer.num_sms = [], [], [], 20
     mod = types.ModuleType("deep_ep")
     mod.Buffer, mod.Config, mod.EventOverlap = Buffer, Config, EventOverlap
     mod.__version__ = "v1.2.1 stand-in (tests/dispatch/deepep_standin.py)"

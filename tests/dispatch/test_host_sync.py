@@ -9,7 +9,11 @@ forward and backward together:
     local dispatcher      0 (dropless and padded), 1 in unpadded capacity mode (the kept count)
     alltoall dropless     1 (the split sizes of the exchange)     alltoall padded     0
     allgather             1 (the gathered header of counts)
-    (flex: 0 of moefold's own, tests/dispatch/test_flex.py; DeepEP waits once in its C++)
+    flex, DeepEP V2       0 (sync-free: the received counts stay on the device), 1 with --moe-deepep-cpu-sync
+    flex, deepep-legacy   1 (DeepEP's dispatch waits on the host for the received counts)
+
+The flex counts run on the CPU stand-ins of DeepEP (tests/dispatch/deepep_*standin.py), whose own bookkeeping
+is paused (DeepEP's C++) while the host wait DeepEP makes is counted, as it would be on a GPU.
 
 A training step's count is printed and bounded in test_training_step_host_syncs.
 """
@@ -26,6 +30,7 @@ from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.parallel.sharding import init_parameters
 from moefold.training.observe.host_sync import HostSyncCounter
+from tests.dispatch import deepep_elastic_standin, deepep_standin
 from tests.distributed import run_distributed
 
 E, H, F = 8, 16, 16
@@ -42,13 +47,17 @@ GPT_OSS = dict(linear_bias=True, swiglu_alpha=1.702, activation_clamp=7.0, glu_l
 
 
 def _layer_syncs(dispatcher: str, mode: str, dims: ParallelDims, backend: str = "grouped_mm",
-                 dtype: torch.dtype = torch.bfloat16, gpt_oss: bool = False) -> HostSyncCounter:
+                 dtype: torch.dtype = torch.bfloat16, gpt_oss: bool = False, **flex) -> HostSyncCounter:
+    """One MoE layer's forward + backward counted; ``flex``: MoEConfig's flex fields (the DeepEP stand-in in
+    ``sys.modules``)."""
     cfg = MoEConfig(num_experts=E, moe_ffn_hidden_size=F, router=_router(mode, bias=gpt_oss), shared_expert_ffn_size=F,
-                    dispatcher=dispatcher, gemm_backend=backend, **(GPT_OSS if gpt_oss else {}))
+                    dispatcher=dispatcher, gemm_backend=backend, **(GPT_OSS if gpt_oss else {}), **flex)
     layer = MoELayer(cfg, H, dims, sequence_parallel=False, dtype=dtype)
     init_parameters(layer, seed=0)
     x = torch.randn(6, 2, H, generator=torch.Generator().manual_seed(dims.rank)).to(dtype).requires_grad_()
-    with HostSyncCounter() as syncs:
+    syncs = HostSyncCounter()
+    deepep_standin.HOST_WORK = deepep_elastic_standin.HOST_WORK = syncs.paused   # DeepEP's C++ bookkeeping
+    with syncs:
         y, info = layer(x)
         (y.square().sum() + info.aux_loss).backward()
     assert x.grad is not None and all(p.grad is not None for p in layer.parameters())
@@ -89,6 +98,40 @@ def _multi_rank(layouts: list[tuple[int, int]]) -> list[str]:
 def test_alltoall_and_allgather_host_syncs():
     # ep4 uses the chunked exchange (e = 2 local experts), ep2 x etp2 the sorted one
     results = run_distributed(_multi_rank, 4, [(4, 1), (2, 2)], timeout=300)
+    failures = sorted({f for per_rank in results for f in per_rank})
+    assert not failures, "\n".join(failures)
+
+
+def _flex(layouts: list[tuple[int, int]]) -> list[str]:
+    import sys
+
+    failures = []
+    sys.modules["deep_ep"] = deepep_elastic_standin.module()   # DeepEP 2.x: ElasticBuffer and the legacy Buffer
+    budgets = {("deepep", None, "dropless"): 0, ("deepep", None, "drop"): 0, ("deepep", None, "padded"): 0,
+               ("deepep", True, "dropless"): 1, ("deepep-legacy", None, "dropless"): 1,
+               ("deepep-legacy", None, "drop"): 1}
+    for ep, etp in layouts:
+        dims = ParallelDims.build(ParallelConfig(ep=ep, etp=etp))
+        for (backend, cpu_sync, mode), budget in budgets.items():
+            flex = {"flex_backend": backend, "deepep_cpu_sync": cpu_sync, "deepep_max_tokens_per_rank": 12}
+            syncs = _layer_syncs("flex", mode, dims, **flex)
+            if syncs.total != budget:
+                failures.append(f"flex {backend} cpu_sync={cpu_sync} {mode} ep{ep} etp{etp}: {syncs.total} host "
+                                f"syncs, budget {budget}\n{syncs.report()}")
+    # with the GPT-OSS biases (their rows' experts from the device counts) still none
+    dims = ParallelDims.build(ParallelConfig(ep=2, etp=2))
+    syncs = _layer_syncs("flex", "dropless", dims, gpt_oss=True, flex_backend="deepep", deepep_max_tokens_per_rank=12)
+    if syncs.total:
+        failures.append(f"flex deepep gpt-oss ep2 etp2: {syncs.total} host syncs, budget 0\n{syncs.report()}")
+    from moefold.dispatch.flex_backend import destroy_deepep_buffers
+
+    destroy_deepep_buffers()
+    return failures
+
+
+def test_flex_host_syncs():
+    """0 per MoE layer on DeepEP V2 (sync-free), 1 with its CPU sync, 1 on the legacy backend."""
+    results = run_distributed(_flex, 4, [(4, 1), (2, 2)], timeout=300)
     failures = sorted({f for per_rank in results for f in per_rank})
     assert not failures, "\n".join(failures)
 

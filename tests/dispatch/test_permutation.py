@@ -156,8 +156,10 @@ def test_flex_without_deep_ep_says_what_to_install():
 
     if importlib.util.find_spec("deep_ep") is not None:
         pytest.skip("deep_ep is installed here")
+    with pytest.raises(ImportError, match=r"DeepEP V2 .*not on .*PyPI.*nvidia-nccl.*setup.py install"):
+        build_dispatcher("flex", 8)   # auto: V2, what a DeepEP checkout builds today
     with pytest.raises(ImportError, match=r"DeepEP v1.2.1 \(not on PyPI\).*setup.py install.*CUDA"):
-        build_dispatcher("flex", 8)
+        build_dispatcher("flex", 8, flex_backend="deepep-legacy")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

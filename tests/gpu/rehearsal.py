@@ -54,11 +54,11 @@ def gpu_library(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
         from tests.moe import grouped_gemm_standin
 
         grouped_gemm_standin.install(monkeypatch)
-    elif name == "deep_ep":
+    elif name == "deep_ep":   # DeepEP 2.x: ElasticBuffer and the legacy Buffer
         import sys
 
-        from tests.dispatch import deepep_standin
+        from tests.dispatch import deepep_elastic_standin
 
-        monkeypatch.setitem(sys.modules, "deep_ep", deepep_standin.module())
+        monkeypatch.setitem(sys.modules, "deep_ep", deepep_elastic_standin.module())
     else:
         raise ValueError(f"no CPU stand-in for {name!r}; there are stand-ins for 'te', 'grouped_gemm' and 'deep_ep'")

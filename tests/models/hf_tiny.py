@@ -9,6 +9,8 @@ these choices, by ~5e-4 with the decay and norms left as the generic rule would 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 # every family ``hf_model`` builds (Kimi-K2: a DeepseekV3Config with Kimi-K2's distinctive values)
@@ -21,6 +23,11 @@ FEATURE_FAMILIES = ("gpt_oss", "glm4_moe", "kimi_k2", "olmoe", "minimax_m2")
 VOCAB = 96
 # Qwen3-Next's tiny stack: DeltaNet and gated attention interleaved, a dense MLP in a DeltaNet layer (2)
 QWEN3_NEXT_LAYERS = ("linear_attention", "full_attention", "linear_attention", "linear_attention")
+# The tiny recipes (models/recipes.py) that HF transformers has a model class for: the bf16 accuracy tests
+# (tests/models/test_bf16_accuracy.py) and benchmarks/bf16_error.py run each against HF's model of its config.
+# A new family joins here once models/hf/config_map.py exports it.
+HF_TINY_RECIPES = ("qwen3_moe_tiny", "mixtral_tiny", "deepseek_v3_tiny", "gpt_oss_tiny", "glm4_moe_tiny",
+                   "kimi_k2_tiny", "olmoe_tiny", "minimax_m2_tiny")
 
 
 def qwen3_next_config(**overrides):
@@ -123,30 +130,42 @@ def hf_model(family: str, seed: int = 0, **changes):
         raise ValueError(family)
     # GPT-OSS has no SDPA path (sinks): its eager attention is the reference
     model.config._attn_implementation = "eager" if family == "gpt_oss" else "sdpa"
-    gen = torch.Generator().manual_seed(seed + 1)
-    zero_centered = {f"{n}.weight" for n, m in model.named_modules() if type(m).__name__ == "Qwen3NextRMSNorm"}
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):   # weak decay (A ~ 0.14), so the recurrence reaches far back
-                p.copy_(-2.0 + 0.5 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("conv1d.weight"):
-                p.copy_(0.4 * torch.randn(p.shape, generator=gen))
-            elif name in zero_centered:
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
-            # sinks and biases around 0 (not the norm weights' 1); DeltaNet's dt_bias, the offset of its decay,
-            # keeps the 1-D rule below (the weak decay above was chosen with it)
-            elif name.endswith(("sinks", "bias")) and not name.endswith("dt_bias"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
-            elif p.dim() == 1:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-            elif name.endswith(("gate.weight", "router.weight")):
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(0.08 * torch.randn(p.shape, generator=gen))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.3 * torch.randn(b.shape, generator=gen))
+    perturb_weights(model.named_parameters(), model.named_buffers(), torch.Generator().manual_seed(seed + 1),
+                    zero_centered_norms(model))
     return model.eval().float()
+
+
+def zero_centered_norms(model) -> set[str]:
+    """HF parameter names of ``model``'s zero-centred RMSNorm weights (Qwen3-Next's ``Qwen3NextRMSNorm``)."""
+    return {f"{n}.weight" for n, m in model.named_modules() if type(m).__name__ == "Qwen3NextRMSNorm"}
+
+
+@torch.no_grad()
+def perturb_weights(params: Iterable[tuple[str, torch.Tensor]], buffers: Iterable[tuple[str, torch.Tensor]],
+                    gen: torch.Generator, zero_centered: set[str] = frozenset()) -> None:
+    """Redraw HF-named tensors in place: zero-centred norm weights (``zero_centered``) and sinks and biases
+    around 0, other 1-D weights (norms) around 1, router gates wide enough to decide, matrices small, DeltaNet's
+    decay weak and its convolution wide, DeepSeek's ``e_score_correction_bias`` random; other buffers stay."""
+    for name, p in params:
+        if name.endswith("A_log"):   # weak decay (A ~ 0.14), so the recurrence reaches far back
+            p.copy_(-2.0 + 0.5 * torch.randn(p.shape, generator=gen))
+        elif name.endswith("conv1d.weight"):
+            p.copy_(0.4 * torch.randn(p.shape, generator=gen))
+        elif name in zero_centered:
+            p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+        # sinks and biases around 0 (not the norm weights' 1); DeltaNet's dt_bias, the offset of its decay,
+        # keeps the 1-D rule below (the weak decay above was chosen with it)
+        elif name.endswith(("sinks", "bias")) and not name.endswith("dt_bias"):
+            p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+        elif p.dim() == 1:
+            p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+        elif name.endswith(("gate.weight", "router.weight")):
+            p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+        else:
+            p.copy_(0.08 * torch.randn(p.shape, generator=gen))
+    for name, b in buffers:
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(0.3 * torch.randn(b.shape, generator=gen))
 
 
 def save_hf(family: str, path, seed: int = 0, changes: dict | None = None, **save_kw):

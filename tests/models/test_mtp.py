@@ -22,7 +22,8 @@ def _direct_loss(model: MoEDecoder, ids, labels, mask):
         tok = F.cross_entropy(logits.reshape(B * S, -1), lab.reshape(-1), reduction="none").view(B, S)
         return (tok * msk).sum() / msk.sum()
 
-    lm = ce(model.norm(h), labels, mask)
+    h = model.norm(h)   # Megatron-Core's convention: MTP depth 1 reads the normalised hidden state
+    lm = ce(h, labels, mask)
     mtp_losses = []
     for k, module in enumerate(model.mtp, start=1):
         shift = lambda t: torch.cat([t[:, k:], torch.zeros_like(t[:, :k])], dim=1)  # t_{i+k}, zeros past the end
@@ -30,7 +31,8 @@ def _direct_loss(model: MoEDecoder, ids, labels, mask):
         x = module.eh_proj(torch.cat([module.enorm(emb), module.hnorm(h)], dim=-1))
         h, extra = module.block(x, pos)
         aux = aux + extra.aux_loss
-        mtp_losses.append(ce(module.final_layernorm(h), shift(labels), shift(mask)))
+        h = module.final_layernorm(h)   # the next depth reads this depth's normalised output
+        mtp_losses.append(ce(h, shift(labels), shift(mask)))
     mtp = torch.stack(mtp_losses).mean()
     return lm + aux + cfg.mtp_loss_scaling_factor * mtp, lm, mtp
 

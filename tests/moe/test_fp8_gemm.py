@@ -164,6 +164,7 @@ def test_fp8_experts_module_backends_agree_and_handle_empty_input():
     assert y.shape == (0, K) and mod.w13.grad.abs().sum() == 0 and mod.w2.grad is not None
     # the same through the FP8 function itself (what runs when a token group's all-reduces must happen)
     x0, w0 = x[:0].clone().requires_grad_(), torch.randn(E, M, K, requires_grad=True)
-    y0 = fp8_gemm._Float8GroupedMM.apply(x0, w0, torch.zeros(E, dtype=torch.long), None, Float8GroupedGemm(fp8))
+    y0 = fp8_gemm._Float8GroupedMM.apply(x0, w0, torch.zeros(E, dtype=torch.long), None, Float8GroupedGemm(fp8),
+                                         None, None)
     y0.sum().backward()
     assert y0.shape == (0, M) and x0.grad.shape == (0, K) and torch.equal(w0.grad, torch.zeros_like(w0))

@@ -50,10 +50,13 @@ def z_formula(logits):
     return (logits.exp().sum(-1).log() ** 2).mean()
 
 
+@pytest.mark.parametrize("counts", ["topk", "dispatched"])
 @pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
-def test_losses_match_paper_formulas_values_and_grads(score_function):
+def test_losses_match_paper_formulas_values_and_grads(score_function, counts):
+    """The indicator is the papers' (and Megatron-Core's) plain top-k of the scores; with ``dispatched`` counts,
+    the selection the tokens are dispatched with (group limit and expert bias included)."""
     torch.manual_seed(0)
-    kw = dict(score_function=score_function)
+    kw = dict(score_function=score_function, aux_loss_counts=counts)
     if score_function == "sigmoid":
         kw.update(num_groups=4, group_topk=2, enable_expert_bias=True, topk_scaling_factor=2.5)
     c = RouterConfig(num_experts=E, topk=K, load_balancing_type=("aux_loss", "seq_aux_loss"),
@@ -69,6 +72,10 @@ def test_losses_match_paper_formulas_values_and_grads(score_function):
 
     w = r.weight.detach().clone().double().requires_grad_(True)
     logits, p = direct_route(w, x, score_function)
+    if counts == "topk":
+        ids = p.detach().topk(K, dim=-1).indices
+        if score_function == "sigmoid":   # bias and group limit make the two selections differ here
+            assert not torch.equal(ids.sort(-1).values, out.routing.expert_ids_TK.sort(-1).values)
     aux, seq, z = switch_formula(p, ids), seq_formula(p, ids, seq_ids, 3), z_formula(logits)
     torch.testing.assert_close(out.losses["aux_loss"].double(), aux, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out.losses["seq_aux_loss"].double(), seq, rtol=1e-5, atol=1e-6)

@@ -1,5 +1,8 @@
 """A toy pipelined model: embedding Linear(8->16), 8 Linear(16)+tanh layers, head Linear(16->4), MSE.
 
+The linears are moefold's ``ColumnParallelLinear`` (tp = 1: plain ``F.linear``), so the split-backward
+schedules can defer their weight gradients (``dense.split_backward``).
+
 Built per (layout, pp_rank) with layers keyed by global index, so every stage's parameter names
 are those of the unsplit model, and initialised layout-independently (per parameter name).
 Layers in ``AUX_LAYERS`` add a toy extra loss (like an MoE aux loss) on whichever stage holds them.
@@ -11,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moefold.dense.linear import ColumnParallelLinear
 from moefold.parallel import init_parameters, normal_init, set_init
 from moefold.pipeline.stages import StageLayout
 
@@ -19,13 +23,17 @@ AUX_LAYERS = (3, 5)
 SEED = 11
 
 
+def _linear(n_in: int, n_out: int) -> ColumnParallelLinear:
+    return ColumnParallelLinear(n_in, n_out, None, bias=True)
+
+
 class ToyStage(nn.Module):
     def __init__(self, layout: StageLayout, pp_rank: int) -> None:
         super().__init__()
         self.specs = layout.rank_chunks(pp_rank)
-        self.layers = nn.ModuleDict({str(i): nn.Linear(HIDDEN, HIDDEN) for i in layout.rank_layers(pp_rank)})
-        self.embed = nn.Linear(IN, HIDDEN) if self.specs[0].has_embedding else None
-        self.head = nn.Linear(HIDDEN, OUT) if self.specs[-1].has_head else None
+        self.layers = nn.ModuleDict({str(i): _linear(HIDDEN, HIDDEN) for i in layout.rank_layers(pp_rank)})
+        self.embed = _linear(IN, HIDDEN) if any(s.has_embedding for s in self.specs) else None
+        self.head = _linear(HIDDEN, OUT) if any(s.has_head for s in self.specs) else None
         for p in self.parameters():
             set_init(p, normal_init(0.4))
         init_parameters(self, SEED)

@@ -4,7 +4,9 @@ The data order is a function of the corpus (``--data-path``, or the built-in cor
 ``--seq-length`` and ``--seed`` (``training.data.gpt_dataset``); a checkpoint's ``consumed_samples`` is a
 position in that order. Resuming with any of them changed would continue at the same position of a
 different order, so it is refused, unless ``--reset-data-position`` says to start the new order from its
-first sample. The run length (``--train-iters``) is free to change: a longer run continues the same order.
+first sample. The run length (``--train-iters``) is free to change: a longer run continues the same order
+(not with ``--data-order megatron``, whose order depends on ``--train-iters``, the batch size and the split, as
+Megatron's does).
 """
 
 from __future__ import annotations
@@ -20,7 +22,12 @@ def data_identity(config: dict[str, Any]) -> dict[str, Any]:
     t = config["train"]
     builtin = f"built-in corpus, vocab {t.get('vocab_size') or config['model']['vocab_size']}"
     data = list(t.get("data_path") or ()) or builtin
-    return {"--data-path": data, "--seq-length": t["seq_length"], "--seed": t["seed"]}
+    out = {"--data-path": data, "--seq-length": t["seq_length"], "--seed": t["seed"],
+           "--data-order": t.get("data_order", "moefold")}
+    if out["--data-order"] == "megatron":   # Megatron's order depends on the run's sizes and split too
+        out.update({"--train-iters": t["train_iters"], "--global-batch-size": t["global_batch_size"],
+                    "--split": t.get("split")})
+    return out
 
 
 def check_resume(meta: dict[str, Any], config: RunConfig, where: str, log: Callable[[str], None]) -> bool:

@@ -14,7 +14,8 @@ import torch
 # Optional GPU backends: import name -> how to install it (README, "On GPUs").
 OPTIONAL_BACKENDS = {
     "transformer_engine": "pip install --no-build-isolation transformer-engine[pytorch]",
-    "deep_ep": "build DeepEP v1.2.1 from source: README, On GPUs",
+    "deep_ep": "build DeepEP V2 (with NCCL >= 2.30.4 from the nvidia-nccl wheel) or v1.2.1 from source: README, "
+               "On GPUs",
     "grouped_gemm": "pip install --no-build-isolation grouped-gemm",
 }
 

@@ -26,8 +26,9 @@ import torch
 from moefold.dense.context_parallel import CP_COMM_MODES
 from moefold.dense.gated_delta_rule import GATED_DELTA_RULE_BACKENDS, require_fla
 from moefold.dense.recompute import DEFAULT_RECOMPUTE_MODULES, RECOMPUTE_METHODS, RECOMPUTE_MODES, RECOMPUTE_MODULES
+from moefold.dispatch.flex_backend import FLEX_BACKEND_CHOICES
 from moefold.models.config import ModelConfig
-from moefold.models.options import ModelOptions
+from moefold.models.options import DEEPEP_MODES, ModelOptions
 from moefold.models.recipes import RECIPES, get_recipe
 from moefold.moe.config import DISPATCHERS
 from moefold.moe.gemm import GEMM_BACKENDS
@@ -36,8 +37,10 @@ from moefold.parallel.dims import ParallelConfig, ParallelSizes
 from moefold.parallel.fp8 import add_fp8_arguments, fp8_config_from_args
 from moefold.parallel.init import launched_by_torchrun, launched_world_size
 from moefold.parallel.machine import bf16_slower_notice, describe_machine
+from moefold.pipeline.schedules import SCHEDULES
 from moefold.training.cli.config_file import write_effective_config
 from moefold.training.cli.layout_errors import world_source
+from moefold.training.cli.megatron_flags import add_megatron_arguments, megatron_model, tokenizer_vocab
 from moefold.training.cli.model_flags import UPCYCLING_FLAGS, add_model_arguments, apply_model_flags, given_model_flags
 from moefold.training.cli.parser import Parser
 from moefold.training.cli.train_help import ROUTER_HELP, TRAIN_HELP
@@ -106,7 +109,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-tensor-parallel-size", type=int, default=1,
                    help="expert tensor parallelism (etp): each expert's FFN split over etp ranks")
     g.add_argument("--pipeline-schedule", dest="pipeline_schedule", default=_T.pipeline_schedule,
-                   choices=("gpipe", "1f1b", "interleaved"), help="pp > 1 (interleaved is implied by virtual stages)")
+                   choices=SCHEDULES, help="pp > 1 (interleaved is implied by virtual stages; zb-h1: zero-bubble "
+                                           "1F1B; zbv and dualpipev: 2 chunks per rank in V placement, set "
+                                           "--num-layers-per-virtual-pipeline-stage to num_layers / (2 pp))")
+    g.add_argument("--overlap-moe-expert-parallel-comm", dest="overlap_moe_expert_parallel_comm",
+                   action="store_true",
+                   help="hide the expert exchange: one micro-batch's dispatch/combine in flight while another "
+                        "micro-batch computes (gradient accumulation at pp = 1, interleaved 1F1B's steady state at "
+                        "pp > 1); needs ep > 1 and the alltoall or flex dispatcher; one more micro-batch's "
+                        "activations in flight")
+    g.add_argument("--delay-wgrad-compute", dest="delay_wgrad_compute", action="store_true",
+                   help="with --overlap-moe-expert-parallel-comm: run the experts' and attention's weight-gradient "
+                        "GEMMs while the next dispatch/combine backward exchange is in flight")
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
                    help="shard activations along the sequence between TP regions (tp > 1 only; --seq-length "
                         "must then divide by tp)")
@@ -146,7 +160,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="full: the N of --recompute-method (default 1)")
     gpu = p.add_argument_group("GPU backends: DeepEP, FP8 (torchao, Transformer Engine)")
     gpu.add_argument("--moe-deepep-num-sms", type=int, default=ModelOptions.moe_deepep_num_sms,
-                     help="SMs DeepEP's kernels take (flex dispatcher; even)")
+                     help="SMs DeepEP's kernels take (flex dispatcher; even; default 0: DeepEP V2's "
+                          "get_theoretical_num_sms, 20 with deepep-legacy)")
+    gpu.add_argument("--moe-flex-dispatcher-backend", default=ModelOptions.moe_flex_dispatcher_backend,
+                     choices=FLEX_BACKEND_CHOICES,
+                     help="the flex dispatcher's DeepEP: deepep (V2 ElasticBuffer: sync-free, JIT-built kernels), "
+                          "deepep-legacy (the v1 Buffer API), auto (default: deepep when the installed DeepEP is V2)")
+    gpu.add_argument("--moe-deepep-mode", default=ModelOptions.moe_deepep_mode, choices=DEEPEP_MODES,
+                     help="DeepEP V2 across nodes: hybrid (default: RDMA once per node, forwarded over NVLink) or "
+                          "direct (RDMA to every destination rank)")
+    gpu.add_argument("--moe-deepep-cpu-sync", action=argparse.BooleanOptionalAction, default=None,
+                     help="DeepEP V2: the host waits for the received counts (exact receive buffers, one host sync "
+                          "per dispatch) instead of worst-case-sized ones; default: on exactly when the expert "
+                          "GEMMs take host counts anyway (te, grouped_gemm, loop, FP8)")
     add_fp8_arguments(gpu)
     m.add_argument("--vocab-size", type=int, help="vocabulary of the built-in corpus (and the model); default: "
                                                    "the recipe's")
@@ -209,6 +235,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--nproc: end the job, naming the rank, when a rank shows no sign of life for this long "
                         "(default 300)")
     add_validation_arguments(p)
+    add_megatron_arguments(p)
 
 
 def add_pretrained_arguments(p: argparse.ArgumentParser) -> None:
@@ -246,13 +273,29 @@ def model_from_args(args: argparse.Namespace) -> ModelConfig:
     given = given_model_flags(args)
     arch_router = [f for f, field, _ in ROUTER_FLAGS if field in ARCH_ROUTER_FIELDS
                    and getattr(args, f[2:].replace("-", "_")) is not None]
+    if args.load_megatron is not None:
+        if args.load_hf is not None:
+            raise ValueError("give either --load-hf or --load-megatron (the starting weights), not both")
+        model = megatron_model(args)
+        if model is not None:
+            refused = ([f"--recipe {args.recipe}"] if args.recipe else []) + given + arch_router \
+                + (["--vocab-size"] if args.vocab_size else [])
+            if refused:
+                raise ValueError(f"{' '.join(refused)} cannot be combined with --load-megatron {args.load_megatron}: "
+                                 "the architecture is the checkpoint's Megatron-LM args")
+            return model
+        if args.recipe is None:
+            raise ValueError(f"--load-megatron {args.load_megatron} stores no Megatron-LM args: give --recipe NAME "
+                             "and model flags (the architecture it was trained with)")
     if args.load_hf is None:
         if args.moe_use_upcycling:
             raise ValueError("--moe-use-upcycling needs --load-hf DIR (the dense checkpoint to upcycle)")
         if args.recipe is None:
-            raise ValueError("give --recipe NAME (the model the model flags change) or --load-hf DIR")
+            raise ValueError("give --recipe NAME (the model the model flags change), --load-hf DIR or "
+                             "--load-megatron DIR")
         model = apply_model_flags(get_recipe(args.recipe), args)
-        return model.with_(vocab_size=args.vocab_size) if args.vocab_size is not None else model
+        vocab = args.vocab_size if args.vocab_size is not None else tokenizer_vocab(args)
+        return model.with_(vocab_size=vocab) if vocab is not None else model
     if args.recipe is not None:
         raise ValueError(f"--recipe {args.recipe} and --load-hf {args.load_hf}: give one (the model comes from "
                          "--load-hf's config.json)")
@@ -285,6 +328,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             raise ValueError(f"--{flag.replace('_', '-')} needs --pipeline-model-parallel-size > 1")
     model = model_from_args(args)
     changes = {"moe_aux_loss_coeff": args.moe_aux_loss_coeff} if args.moe_aux_loss_coeff is not None else {}
+    if args.moe_aux_loss_counts is not None:
+        changes["moe_aux_loss_counts"] = args.moe_aux_loss_counts
     for flag, field, _ in ROUTER_FLAGS:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
@@ -298,6 +343,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                            gemm_backend=args.moe_grouped_gemm_backend, dtype="bf16" if args.bf16 else "fp32",
                            init_std=args.init_method_std, fp8=fp8_config_from_args(args),
                            moe_deepep_num_sms=args.moe_deepep_num_sms,
+                           moe_flex_dispatcher_backend=args.moe_flex_dispatcher_backend,
+                           moe_deepep_mode=args.moe_deepep_mode, moe_deepep_cpu_sync=args.moe_deepep_cpu_sync,
                            linear_attention_backend=args.linear_attention_backend)
     parallel = ParallelConfig(tp=args.tensor_model_parallel_size, cp=args.context_parallel_size,
                               pp=args.pipeline_model_parallel_size, ep=args.expert_model_parallel_size,
@@ -371,12 +418,34 @@ def check_backends(config: RunConfig, ep: int, etp: int) -> None:
     if config.model.num_experts:
         check_gemm_backend(o.gemm_backend, o.torch_dtype)
         if o.resolved_dispatcher(ep, etp) == "flex":
-            from moefold.dispatch.deepep import import_deep_ep
+            from moefold.dispatch.flex_backend import resolve_flex_backend
 
-            import_deep_ep()
+            resolve_flex_backend(o.moe_flex_dispatcher_backend)
     if o.linear_attention_backend == "fla" and "linear_attention" in (config.model.layer_types or ()):
         require_fla()
     o.fp8.check_available()
+
+
+def resolve_flex(config: RunConfig, world_size: int) -> tuple[RunConfig, str | None]:
+    """With the flex dispatcher: ``config`` with ``--moe-flex-dispatcher-backend auto`` replaced by the installed
+    DeepEP's backend (so every rank runs the same one) and the start-up line that states it; else (config, None)."""
+    from moefold.dispatch.flex_backend import describe_flex_backend, resolve_flex_backend
+    from moefold.moe.gemm import needs_host_counts
+
+    sizes, _ = config.resolve(world_size)
+    o = config.options
+    if not config.model.num_experts or o.resolved_dispatcher(sizes.ep, sizes.etp) != "flex":
+        return config, None
+    backend = resolve_flex_backend(o.moe_flex_dispatcher_backend)
+    if backend == "deepep":
+        from moefold.dispatch.deepep_elastic import check_elastic_layout
+
+        check_elastic_layout(config.model.hidden_size, config.model.num_experts, sizes.ep, sizes.etp, o.fp8.dispatch)
+    config = dataclasses.replace(config, options=dataclasses.replace(o, moe_flex_dispatcher_backend=backend))
+    cpu_sync = o.moe_deepep_cpu_sync if o.moe_deepep_cpu_sync is not None else (
+        needs_host_counts(o.gemm_backend) or o.fp8.enabled)
+    return config, describe_flex_backend(backend, hybrid=o.moe_deepep_mode == "hybrid", cpu_sync=cpu_sync,
+                                         num_sms=o.moe_deepep_num_sms)
 
 
 def describe_parameters(model: ModelConfig) -> str:
@@ -404,6 +473,7 @@ def main(args: argparse.Namespace) -> int:
             if not 0 < getattr(args, flag) < float("inf"):
                 raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be a positive number")
         validate(config, world, world_source(args.nproc, launched_by_torchrun()))
+        config, flex_line = resolve_flex(config, world)
         first = not launched_by_torchrun() or os.environ.get("RANK", "0") == "0"   # torchrun: every rank checks
         preflight(config, say=print if first else lambda _line: None)
         if first:
@@ -413,6 +483,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if int(os.environ.get("RANK", "0")) == 0:
         print(describe_parameters(config.model), flush=True)
+        if flex_line is not None:
+            print(flex_line, flush=True)
     if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
         allocator = tune_cpu_allocator()   # before any rank starts: they inherit it
         if int(os.environ.get("RANK", "0")) == 0:

@@ -1,21 +1,29 @@
 """Training data: corpus preparation (``moefold prepare-data``), the indexed token format, tokenizers, the
 built-in corpus, fixed-length datasets, blending, the train/validation split and resumable loading.
 
-Holds: prepare, indexed, tokenizer, builtin, gpt_dataset, blend, validation, sampler.
+Holds: prepare, indexed, megatron_indexed (Megatron's MMIDIDX format), corpus (either format by its magic),
+tokenizer, megatron_tokenizer (Megatron's tokenizer flags), builtin, gpt_dataset, megatron_order (Megatron-Core's
+sample order), blend, validation, sampler.
 May import: torch, numpy, tokenizers; nothing else of moefold (the data layer knows no model).
 """
 
 from moefold.training.data.blend import BlendedDataset, blend_indices, build_blended, parse_data_path
 from moefold.training.data.builtin import builtin_corpus, stdlib_files
+from moefold.training.data.corpus import max_token_id, open_indexed
 from moefold.training.data.gpt_dataset import GPTDataset, build_epoch
 from moefold.training.data.indexed import IndexedDataset, IndexedDatasetWriter, token_dtype
+from moefold.training.data.megatron_indexed import MegatronIndexedDataset, MegatronIndexedDatasetWriter
+from moefold.training.data.megatron_order import MegatronBlend, build_megatron_datasets
+from moefold.training.data.megatron_tokenizer import megatron_tokenizer, padded_vocab_size
 from moefold.training.data.prepare import PrepareStats, expand_inputs, iter_documents, prepare
 from moefold.training.data.sampler import MicroBatchLoader, MicroBatchSampler, Samples
 from moefold.training.data.tokenizer import EOS_TOKEN, eos_id, load_tokenizer, tokenizer_path, train_bpe
 from moefold.training.data.validation import parse_split, split_cache_dir, split_corpora
 
 __all__ = [
-    "IndexedDataset", "IndexedDatasetWriter", "token_dtype",
+    "IndexedDataset", "IndexedDatasetWriter", "token_dtype", "open_indexed", "max_token_id",
+    "MegatronIndexedDataset", "MegatronIndexedDatasetWriter", "MegatronBlend", "build_megatron_datasets",
+    "megatron_tokenizer", "padded_vocab_size",
     "prepare", "PrepareStats", "expand_inputs", "iter_documents",
     "EOS_TOKEN", "eos_id", "load_tokenizer", "tokenizer_path", "train_bpe",
     "GPTDataset", "build_epoch",

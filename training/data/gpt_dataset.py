@@ -33,7 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moefold.training.data.indexed import IndexedDataset, idx_path
+from moefold.training.data.corpus import CorpusIndex, open_indexed
+from moefold.training.data.indexed import idx_path
 
 _INDEX_FORMAT = 2   # 2: per-epoch indices, independent of the run length
 
@@ -73,7 +74,7 @@ class GPTDataset:
     """``len(self)`` samples of ``seq_len + 1`` token ids each (int64), from ``data``.
 
     Args:
-        data: an ``IndexedDataset`` or its path prefix.
+        data: an opened corpus (``training.data.corpus.open_indexed``: either format) or its path prefix.
         seq_len: tokens per sample input; each sample has ``seq_len + 1`` ids (inputs + shifted labels).
         num_samples: how many samples (more than one epoch repeats the corpus, re-shuffled). ``None``:
             one epoch, ``(num_tokens - 1) // seq_len`` samples. Sample ``i`` does not depend on it.
@@ -83,9 +84,9 @@ class GPTDataset:
     ``__getitem__`` when a token id is outside the vocabulary the ``.idx`` header declares.
     """
 
-    def __init__(self, data: IndexedDataset | str | os.PathLike, seq_len: int, num_samples: int | None = None,
+    def __init__(self, data: CorpusIndex | str | os.PathLike, seq_len: int, num_samples: int | None = None,
                  seed: int = 1234, cache_dir: str | os.PathLike | None = None, shuffle: bool = True) -> None:
-        self.data = data if isinstance(data, IndexedDataset) else IndexedDataset(data)
+        self.data = open_indexed(data)
         if seq_len < 1:
             raise ValueError(f"seq_len={seq_len} must be >= 1")
         if seed < 0:

@@ -18,14 +18,19 @@ import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from moefold.training.data.indexed import IndexedDatasetWriter
+from moefold.training.data.megatron_indexed import MegatronIndexedDatasetWriter
 from moefold.training.data.tokenizer import eos_id, load_tokenizer, tokenizer_path, train_bpe
 
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
 DEFAULT_GLOBS = ("*.txt", "*.jsonl", "*.md")
+FORMATS = ("moefold", "megatron")
 JSONL_SUFFIXES = (".jsonl",)
 _CHUNK_DOCS = 64
 
@@ -191,18 +196,24 @@ def _finish(bar) -> None:
 
 
 def prepare(inputs: Sequence[str | os.PathLike], output_prefix: str | os.PathLike, *,
-            vocab_size: int | None = None, tokenizer: str | os.PathLike | None = None, json_key: str = "text",
-            workers: int = 1, globs: Sequence[str] = DEFAULT_GLOBS, progress: bool | None = None,
-            files: Sequence[Path] | None = None, documents: Documents | None = None) -> PrepareStats:
+            vocab_size: int | None = None, tokenizer: str | os.PathLike | Tokenizer | None = None,
+            json_key: str = "text", workers: int = 1, globs: Sequence[str] = DEFAULT_GLOBS,
+            progress: bool | None = None, files: Sequence[Path] | None = None, documents: Documents | None = None,
+            format: str = "moefold") -> PrepareStats:
     """Tokenise ``inputs`` into ``output_prefix``.{bin,idx} and save the tokenizer next to them.
 
     Exactly one of ``vocab_size`` (train a byte-level BPE on the inputs) and ``tokenizer`` (a
     ``tokenizer.json``) is given. ``files``, when given, replaces the expansion of ``inputs``; ``documents``
     (e.g. ``hf_dataset.HFDocuments``) replaces both. ``progress``: progress bars (None: when stderr is a
-    terminal). Raises ValueError for an empty corpus or malformed input, naming the file (and line for JSONL).
+    terminal). ``tokenizer`` may also be a loaded ``tokenizers.Tokenizer`` (Megatron's tokenizer flags).
+    ``format``: "moefold" (``MOEFIDX``) or "megatron" (``MMIDIDX``, what Megatron's ``tools/preprocess_data.py
+    --append-eod`` writes: one sequence per document, uint16 below 65500 ids, else int32). Raises ValueError for
+    an empty corpus or malformed input, naming the file (and line for JSONL).
     """
     if (vocab_size is None) == (tokenizer is None):
         raise ValueError("give exactly one of --vocab-size (train a BPE) and --tokenizer (load tokenizer.json)")
+    if format not in FORMATS:
+        raise ValueError(f"--format {format!r}; valid: {', '.join(FORMATS)}")
     if workers < 1:
         raise ValueError(f"workers={workers} must be >= 1")
     if documents is None:
@@ -219,7 +230,9 @@ def prepare(inputs: Sequence[str | os.PathLike], output_prefix: str | os.PathLik
 
     disable = None if progress is None else not progress   # tqdm: None = only on a terminal
     num_docs = documents.total
-    if tokenizer is not None:
+    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
+        tok = tokenizer
+    elif tokenizer is not None:
         tok = load_tokenizer(tokenizer)
     else:
         counter = [0]
@@ -239,7 +252,8 @@ def prepare(inputs: Sequence[str | os.PathLike], output_prefix: str | os.PathLik
             raise ValueError(f"empty corpus: {where} hold no non-empty document")
     prefix = os.fspath(output_prefix)
     vocab = tok.get_vocab_size()
-    with IndexedDatasetWriter(prefix, vocab) as writer:
+    writer_cls = MegatronIndexedDatasetWriter if format == "megatron" else IndexedDatasetWriter
+    with writer_cls(prefix, vocab) as writer:
         bar = tqdm(total=num_docs, unit="doc", desc=f"tokenising -> {Path(prefix).name}", disable=disable,
                    file=sys.stderr)
         with bar:
@@ -269,8 +283,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="the field holding each document's text (JSONL files, --hf-dataset)")
     src.add_argument("--glob", nargs="+", default=list(DEFAULT_GLOBS), help="--input: file patterns inside "
                                                                              "directories")
-    tok = parser.add_argument_group("tokenizer (one of --vocab-size, --tokenizer)").add_mutually_exclusive_group(
-        required=True)
+    tok = parser.add_argument_group("tokenizer (one of --vocab-size, --tokenizer, --tokenizer-type)"
+                                    ).add_mutually_exclusive_group()
     tok.add_argument("--vocab-size", type=int, help="train a byte-level BPE of this size on the inputs")
     tok.add_argument("--tokenizer", help="use this HF tokenizer.json, e.g. a model's own (the document separator "
                                          "is its <|endoftext|>, </s> or other end-of-text token)")
@@ -280,6 +294,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="tokenising processes (default: min(8, cpus))")
     out.add_argument("--no-progress", action="store_true",
                      help="no progress bar (it is only drawn when stderr is a terminal anyway)")
+    add_megatron_arguments(parser)
+
+
+def add_megatron_arguments(parser: argparse.ArgumentParser) -> None:
+    from moefold.training.data.megatron_tokenizer import TOKENIZER_TYPES
+
+    m = parser.add_argument_group("Megatron-LM's format and tokenizer flags")
+    m.add_argument("--format", choices=FORMATS, default="moefold",
+                   help="moefold (default): MOEFIDX .idx, which records the vocabulary size pre-flight checks "
+                        "against the model; megatron: Megatron's MMIDIDX pair, as tools/preprocess_data.py "
+                        "--append-eod writes it (Megatron-LM reads it; so does moefold train)")
+    m.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
+                   help="Megatron's tokenizer choice, through HF tokenizers (instead of --tokenizer/--vocab-size)")
+    m.add_argument("--tokenizer-model", default=None, help="HuggingFaceTokenizer: a directory with tokenizer.json "
+                                                           "(or the file); nothing is downloaded")
+    m.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: GPT-2's vocab.json")
+    m.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: GPT-2's merges.txt")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -289,9 +320,19 @@ def main(args: argparse.Namespace) -> int:
             from moefold.training.data.hf_dataset import HFDocuments
 
             documents = HFDocuments(args.hf_dataset, text_key=args.text_key, split=args.hf_split)
-        stats = prepare(args.input or [], args.output_prefix, vocab_size=args.vocab_size, tokenizer=args.tokenizer,
+        tokenizer = args.tokenizer
+        if args.tokenizer_type is not None:
+            if args.tokenizer or args.vocab_size:
+                raise ValueError("--tokenizer-type replaces --tokenizer / --vocab-size; give one of them")
+            from moefold.training.data.megatron_tokenizer import megatron_tokenizer
+
+            tokenizer = megatron_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file)
+        elif args.tokenizer is None and args.vocab_size is None:
+            raise ValueError("give --vocab-size (train a BPE), --tokenizer (a tokenizer.json) or --tokenizer-type "
+                             "(Megatron's flags)")
+        stats = prepare(args.input or [], args.output_prefix, vocab_size=args.vocab_size, tokenizer=tokenizer,
                         json_key=args.text_key, workers=args.workers, globs=args.glob,
-                        progress=False if args.no_progress else None, documents=documents)
+                        progress=False if args.no_progress else None, documents=documents, format=args.format)
     except (ValueError, OSError, ImportError) as exc:   # messages name the file (and line); a traceback adds nothing
         print(f"moefold prepare-data: error: {exc}", file=sys.stderr)
         return 2

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moefold.training.data.corpus import CorpusIndex, is_corpus, open_indexed
 from moefold.training.data.indexed import IndexedDataset
 
 SPLIT_PARTS = ("train", "valid", "test")
@@ -54,8 +55,8 @@ class DocumentRange(IndexedDataset):
     """Documents ``[start, stop)`` of an indexed corpus, read like the whole corpus (same token memmap;
     ``doc_offsets`` is the slice of the corpus' absolute offsets)."""
 
-    def __init__(self, data: IndexedDataset | str | os.PathLike, start: int, stop: int, part: str = "") -> None:
-        data = data if isinstance(data, IndexedDataset) else IndexedDataset(data)
+    def __init__(self, data: CorpusIndex | str | os.PathLike, start: int, stop: int, part: str = "") -> None:
+        data = open_indexed(data)
         if not 0 <= start <= stop <= data.num_docs:
             raise ValueError(f"document range [{start}, {stop}) is outside [0, {data.num_docs}) of {data.prefix}")
         self.prefix, self.dtype, self.vocab_size = data.prefix, data.dtype, data.vocab_size
@@ -78,7 +79,7 @@ def split_corpora(prefixes: Sequence[str | os.PathLike], split: str, part: str) 
     index = SPLIT_PARTS.index(part)
     out = []
     for prefix in prefixes:
-        data = prefix if isinstance(prefix, IndexedDataset) else IndexedDataset(prefix)
+        data = open_indexed(prefix)
         start, stop = split_ranges(data.num_docs, split)[index]
         if stop <= start:
             raise ValueError(f"--split {split} leaves no {part} documents in {data.prefix} ({data.num_docs} "
@@ -91,6 +92,6 @@ def split_cache_dir(prefixes: Sequence[str | os.PathLike], split: str, part: str
                     cache_dir: str | os.PathLike | None = None) -> Path:
     """Where the sample indices of a split's ``part`` are cached: apart from the whole corpus' (their cache
     keys would not tell the ranges apart)."""
-    first = prefixes[0].prefix if isinstance(prefixes[0], IndexedDataset) else os.fspath(prefixes[0])
+    first = prefixes[0].prefix if is_corpus(prefixes[0]) else os.fspath(prefixes[0])
     base = Path(cache_dir) if cache_dir is not None else Path(f"{first}.cache")
     return base / f"split-{re.sub(r'[^0-9.]+', '-', split)}-{part}"

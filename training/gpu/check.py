@@ -19,8 +19,10 @@ Each step is a subprocess in its own process group with its own timeout inside o
 7. ``--compile`` on CUDA: the proxy run compiled (its tokens/s) and ``tests/gpu/test_compile_cuda.py``;
 8. install: wheels carried in ``--wheels DIR`` (``pip --no-index --no-deps`` into a site folder on
    ``PYTHONPATH``; torch is never reinstalled), the ``.[gpu]`` parts from an index only if one answers within
-   seconds, DeepEP from ``--deepep-src DIR`` with >= 2 GPUs (``training.gpu.install``);
-9. after install: the tests and MoE-layer rows of whatever the installs made importable;
+   seconds, DeepEP from ``--deepep-src DIR`` with >= 2 GPUs (V2 against an nvidia-nccl wheel >= 2.30.4;
+   ``training.gpu.install``);
+9. after install: the tests and MoE-layer rows of whatever the installs made importable (DeepEP's tests in a
+   pytest process of their own, with >= 2 GPUs);
 10. ``bench-dispatch`` over NCCL with >= 2 GPUs.
 
 A step that fails, times out or cannot run is recorded with the reason and the check goes on; the Markdown
@@ -272,7 +274,12 @@ class Check:
         parts = []
         if backends:
             parts.append(self.moe_layer(",".join(backends), f"MoE layer: {', '.join(backends)}", cap=80, reserve=40))
-        files = [f for f in files if f != "test_deepep.py" or self.rehearsal]   # DeepEP's runs in dispatch's slot
+        files = [f for f in files if f != "test_deepep.py" or self.rehearsal]
+        if "deep_ep" in newly and not self.rehearsal:   # DeepEP forks its ranks: a pytest process of its own
+            if self.num_gpus >= 2:
+                parts.append(self._pytest("test_deepep.py", ["test_deepep.py"], 120, reserve=20))
+            else:
+                parts.append(Step("test_deepep.py", "skipped", summary=f"needs >= 2 GPUs, {self.num_gpus} here"))
         if files:
             parts.append(self._pytest(f"tests/gpu: {' '.join(files)}", files, 120, reserve=20))
         failed = [p for p in parts if p.status not in ("passed", "skipped")]
@@ -332,7 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index-url", default=os.environ.get("PIP_INDEX_URL", DEFAULT_INDEX),
                         help="the package index probed (4 s) before any install from it (default $PIP_INDEX_URL or "
                              "PyPI)")
-    parser.add_argument("--deepep-src", default=None, help="a DeepEP v1.2.1 checkout to build (>= 2 GPUs)")
+    parser.add_argument("--deepep-src", default=None,
+                        help="a DeepEP checkout to build (>= 2 GPUs): V2 (main; NCCL >= 2.30.4 from an nvidia-nccl "
+                             "wheel, carried in --wheels if the machine's is older) or v1.2.1")
     parser.add_argument("--skip", default="", help=f"comma-separated steps to skip: {','.join(STEPS)}")
     parser.add_argument("--rehearsal", action="store_true",
                         help="run every step on the CPU with tiny sizes (no GPU needed): catches stale calls")

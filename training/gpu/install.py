@@ -5,7 +5,9 @@ wheel, and nothing else moefold's optional paths use (Transformer Engine, groupe
 can reach it are wheels carried in the working tree (``--wheels DIR``): they are installed with
 ``pip --no-index --no-deps`` into a site folder put on ``PYTHONPATH`` for every later step (torch, already
 there, is never touched). An index is probed for 4 s only when something is still missing and installs are
-tried from it only when it answers; DeepEP is built from ``--deepep-src`` with >= 2 GPUs. ``newly_importable``
+tried from it only when it answers; DeepEP is built from ``--deepep-src`` with >= 2 GPUs: V2 (a checkout with
+``deep_ep/buffers/elastic.py``) against the NCCL of an ``nvidia-nccl`` wheel >= 2.30.4 (carried in ``--wheels``
+when the machine's is older), v1.2.1 with NVSHMEM; a rehearsal states the build it would run. ``newly_importable``
 then says which optional packages the later steps can use that the first ones could not.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -77,22 +80,89 @@ def _index_reachable(check: Check) -> tuple[bool, str]:
     return False, f"package index {url} unreachable ({why}, {seconds:.1f} s): no network"
 
 
+NCCL_MIN = (2, 30, 4)   # DeepEP V2's README: NCCL 2.30.4 and above (its Gin device API)
+
+
+def deepep_source(src: str) -> str | None:
+    """"V2" for a DeepEP checkout with ``deep_ep/buffers/elastic.py`` (DeepEP 2.x), "v1" for one with
+    ``deep_ep/buffer.py`` (v1.x), None when ``src`` is neither."""
+    root = Path(src)
+    if (root / "deep_ep" / "buffers" / "elastic.py").is_file():
+        return "V2"
+    if (root / "deep_ep" / "buffer.py").is_file():
+        return "v1"
+    return None
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", text)[:3])
+
+
+def nccl_wheel() -> tuple[str, str, str] | None:
+    """(distribution, version, root folder) of the installed ``nvidia-nccl-*`` wheel (what DeepEP V2's
+    ``find_nccl_root`` finds: deep_ep/utils/find_pkgs.py), or None."""
+    from importlib.metadata import distributions
+
+    found = None
+    for dist in distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if not name.startswith("nvidia-nccl"):
+            continue
+        root = Path(str(dist.locate_file("nvidia/nccl")))
+        if root.is_dir() and (found is None or _version(dist.version) > _version(found[1])):
+            found = (name, dist.version, str(root))
+    return found
+
+
+def deepep_build(src: str, kind: str, arch: str, env: dict[str, str]) -> tuple[list[str] | None, dict[str, str], str]:
+    """(the pip command that builds DeepEP from ``src``, its environment, a note), or (None, env, why not).
+
+    V2 links the NCCL of an ``nvidia-nccl`` wheel >= 2.30.4 (``EP_NCCL_ROOT_DIR``; its legacy kernels also need the
+    ``nvidia-nvshmem`` wheel the machine has) and builds its kernels at run time (the install compiles only the
+    host extension); v1.2.1 compiles its kernels with NVSHMEM."""
+    env = {**env, "TORCH_CUDA_ARCH_LIST": arch}
+    note = ""
+    if kind == "V2":
+        nccl = nccl_wheel()
+        if nccl is None or _version(nccl[1]) < NCCL_MIN:
+            have = f"{nccl[0]} {nccl[1]}" if nccl else "no nvidia-nccl wheel"
+            return None, env, (f"DeepEP V2 needs NCCL >= {'.'.join(map(str, NCCL_MIN))} from the nvidia-nccl wheel "
+                               f"({have}): carry nvidia-nccl-cu12 (or -cu13) >= 2.30.4 in --wheels")
+        env["EP_NCCL_ROOT_DIR"] = nccl[2]
+        note = f" with {nccl[0]} {nccl[1]}"
+    cmd = [sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps", src]
+    return cmd, env, note
+
+
 def _deepep(check: Check) -> tuple[str, bool | None]:
     """(report line, whether a build from --deepep-src passed; None when none was tried)."""
     if importlib.util.find_spec("deep_ep") is not None:
         return "- DeepEP: already installed", None
     if not check.args.deepep_src:
-        return "- DeepEP: not installed (not on PyPI: pass --deepep-src DIR, a DeepEP v1.2.1 checkout)", None
-    if check.num_gpus < 2 or check.rehearsal:
-        return f"- DeepEP: not built (its kernels need >= 2 GPUs; this machine has {check.num_gpus})", None
-    import torch
-
-    major, minor = torch.cuda.get_device_capability(0)
-    rc, text, seconds = run([check.python, "-m", "pip", "install", "--no-build-isolation", "--no-deps",
-                             check.args.deepep_src], check.budget.for_step(240, 60), check.log,
-                            {**check.env, "TORCH_CUDA_ARCH_LIST": f"{major}.{minor}"})
-    return (f"- DeepEP from {check.args.deepep_src}: {status_of(rc)} in {seconds:.0f} s"
-            + ("" if rc == 0 else ": " + tail(text, 1)[:200])), rc == 0
+        return ("- DeepEP: not installed (not on PyPI: pass --deepep-src DIR, a DeepEP checkout: V2 (main) with "
+                "NCCL >= 2.30.4 from the nvidia-nccl wheel, or v1.2.1)"), None
+    src = check.args.deepep_src
+    kind = deepep_source(src)
+    if kind is None:
+        return f"- DeepEP: {src} is not a DeepEP checkout (no deep_ep/buffers/elastic.py or deep_ep/buffer.py)", False
+    arch = "9.0" if check.rehearsal else "{}.{}".format(*__import__("torch").cuda.get_device_capability(0))
+    cmd, env, note = deepep_build(src, kind, arch, check.env)
+    if cmd is None:
+        return f"- DeepEP {kind} from {src}: not built: {note}", False
+    if check.rehearsal or check.num_gpus < 2:
+        why = "rehearsal" if check.rehearsal else f"its kernels need >= 2 GPUs; this machine has {check.num_gpus}"
+        return (f"- DeepEP {kind} from {src}{note}: not built ({why}); would run: TORCH_CUDA_ARCH_LIST={arch} "
+                + (f"EP_NCCL_ROOT_DIR={env['EP_NCCL_ROOT_DIR']} " if "EP_NCCL_ROOT_DIR" in env else "")
+                + " ".join(cmd[1:])), None
+    cmd[0] = check.python
+    rc, text, seconds = run(cmd, check.budget.for_step(240, 60), check.log, env)
+    line = f"- DeepEP {kind} from {src}{note}: {status_of(rc)} in {seconds:.0f} s"
+    if rc != 0:
+        return line + ": " + tail(text, 1)[:200], False
+    probe = "import deep_ep; print(deep_ep.__version__, 'ElasticBuffer' if hasattr(deep_ep, 'ElasticBuffer') else '')"
+    rc, text, _ = run([check.python, "-c", probe], 120, check.log, check.env)
+    return line + (f"; import deep_ep: {tail(text, 1)}" if rc == 0 else f"; import deep_ep FAILED: {tail(text, 1)}"), \
+        rc == 0
 
 
 def install(check: Check) -> Step:
@@ -131,4 +201,4 @@ def install(check: Check) -> Step:
     return Step("install", status, summary="\n".join(lines))
 
 
-__all__ = ["GPU_PARTS", "OPTIONAL", "importable", "install"]
+__all__ = ["GPU_PARTS", "NCCL_MIN", "OPTIONAL", "deepep_build", "deepep_source", "importable", "install", "nccl_wheel"]

@@ -5,8 +5,9 @@ trains for hours and then finds it cannot save, or starts ranks that fail on the
 - ``--save`` has room for a checkpoint (the estimate, from the model built on the meta device, is printed);
 - ``--load`` exists, and holds a checkpoint, unless it is also ``--save`` (the auto-resume pattern: an empty
   or missing directory then means "start from scratch");
-- every ``--data-path`` / ``--valid-data-path`` prefix opens (``.idx`` header, ``.bin`` size), its vocabulary
-  fits the model, it holds at least one sample of ``--seq-length + 1`` tokens and, with ``--load-hf``, it was
+- every ``--data-path`` / ``--valid-data-path`` prefix opens (``.idx`` header, ``.bin`` size; moefold's or Megatron's
+  format), its vocabulary (a Megatron corpus: its largest token id) fits the model, it holds at least one
+  sample of ``--seq-length + 1`` tokens and, with ``--load-hf``, it was
   tokenised with the model's own ``tokenizer.json``.
 
 Each failure is a ValueError with one line naming the flag, the path and what would be valid.
@@ -83,7 +84,8 @@ def same_tokenizer(a: str | os.PathLike, b: str | os.PathLike) -> bool:
 
 
 def _check_data(config: RunConfig) -> str:
-    from moefold.training.data import IndexedDataset, parse_data_path
+    from moefold.training.data.corpus import max_token_id, open_indexed
+    from moefold.training.data.megatron_order import parse_blend
     from moefold.training.data.tokenizer import tokenizer_path
 
     t, vocab = config.train, config.model.vocab_size
@@ -94,12 +96,18 @@ def _check_data(config: RunConfig) -> str:
     hint = f" (moefold prepare-data --tokenizer {model_tok})" if model_tok else ""
     corpora, tokens = 0, 0
     for flag, items in (("--data-path", t.data_path), ("--valid-data-path", t.valid_data_path)):
-        for prefix in parse_data_path(list(items))[0] if items else []:
+        for prefix in parse_blend(list(items))[0] if items else []:   # Megatron's syntax, weighted or not
             try:
-                data = IndexedDataset(prefix)
+                data = open_indexed(prefix)
             except (OSError, ValueError) as exc:
                 raise ValueError(f"{flag} {prefix}: {exc}") from None
-            if data.vocab_size > vocab:
+            if getattr(data, "format", None) == "megatron":   # no vocabulary in the index: the largest id
+                top = max_token_id(data)
+                if top >= vocab:
+                    raise ValueError(f"{flag} {prefix} holds token id {top} ({prefix}.bin, a Megatron corpus) but "
+                                     f"the model has vocab_size={vocab}: pass --vocab-size {top + 1} or larger, or "
+                                     f"the tokenizer the data was prepared with{hint}")
+            elif data.vocab_size > vocab:
                 raise ValueError(f"{flag} {prefix} was tokenised with a vocabulary of {data.vocab_size} ids "
                                  f"({prefix}.idx) but the model has vocab_size={vocab}: pass --vocab-size "
                                  f"{data.vocab_size} or prepare it with the model's tokenizer{hint}")

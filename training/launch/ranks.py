@@ -13,9 +13,9 @@ ending it cleanly when something goes wrong.
 Every failure is raised as ``JobFailed`` (its ``str`` the one line), the full tracebacks appended to
 ``RUN_DIR/error.log``. Collectives time out after ``timeout_s`` (``--distributed-timeout-minutes``).
 
-Each rank's DeepEP buffers (the flex dispatcher's, ``dispatch.deepep.BUFFERS``) are destroyed when ``fn``
-returns, before the process group goes (DeepEP's destroy barriers the group); when ``fn`` raises they are
-dropped without that collective, which a failed peer would never join.
+Each rank's DeepEP buffers (the flex dispatcher's, both backends: ``dispatch.flex_backend.destroy_deepep_buffers``)
+are destroyed when ``fn`` returns, before the process group goes (DeepEP's destroy barriers the group); when ``fn``
+raises they are dropped without that collective, which a failed peer would never join.
 """
 
 from __future__ import annotations
@@ -56,14 +56,14 @@ def pick_device(device: str, local_rank: int) -> torch.device:
 
 def run_rank(fn: Callable[..., Any], device: torch.device, args: tuple, heartbeat: Heartbeat | None) -> None:
     """``fn(device, *args, heartbeat=...)``, then this process's DeepEP buffers released (module docstring)."""
-    from moefold.dispatch.deepep import BUFFERS
+    from moefold.dispatch.flex_backend import destroy_deepep_buffers, forget_deepep_buffers
 
     try:
         fn(device, *args, heartbeat=heartbeat)
     except BaseException:
-        BUFFERS.forget()
+        forget_deepep_buffers()
         raise
-    BUFFERS.destroy()
+    destroy_deepep_buffers()
 
 
 def heartbeat_interval(timeout_s: float) -> float:

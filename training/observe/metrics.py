@@ -350,12 +350,15 @@ class MetricsLogger:
             tokens_per_expert: Sequence[Sequence[int]] | None = None,
             dropped_fraction: Sequence[float] | None = None, moe_layers: Sequence[int] | None = None,
             skipped: bool = False, extra: Mapping[str, Any] | None = None,
-            router: Mapping[str, Sequence[float | None]] | None = None) -> dict[str, Any]:
+            router: Mapping[str, Sequence[float | None]] | None = None,
+            received_per_expert: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
         """Record one logging step; returns the record. ``interval_s`` defaults to the wall time since the
         previous ``log()`` (or construction); ``tokens`` and ``tokens_per_expert`` cover that interval.
         Values may be Python numbers or 0-d tensors; ``tokens_per_expert`` nested lists or a [layers, experts]
         tensor (already summed over the ranks that route); ``router`` per-layer router metrics
-        (``router_layer_metrics``), in the order of ``moe_layers``."""
+        (``router_layer_metrics``), in the order of ``moe_layers``; ``received_per_expert`` the copies each
+        expert received as its dispatcher counted them (after capacity drops; DeepEP V2's), like
+        ``tokens_per_expert``: logged with its own max/mean (``moe_received_max_over_mean``)."""
         now = time.perf_counter()
         interval = float(interval_s) if interval_s is not None else now - self._last_time
         self._last_time = now
@@ -371,7 +374,7 @@ class MetricsLogger:
             "tflops_per_s": tflops,
             "mfu": tflops * 1e12 / self.peak_flops_per_s if tflops and self.peak_flops_per_s else None,
             "memory": self._memory(), "skipped": bool(skipped),
-            "moe": self._moe(tokens_per_expert, dropped_fraction, moe_layers, router),
+            "moe": self._moe(tokens_per_expert, dropped_fraction, moe_layers, router, received_per_expert),
             "extra": _json_safe(dict(extra or {})),
         }
         self._write(rec)
@@ -401,7 +404,7 @@ class MetricsLogger:
         return memory_stats(self.device)
 
     @staticmethod
-    def _moe(tokens_per_expert, dropped_fraction, moe_layers, router=None) -> dict[str, Any] | None:
+    def _moe(tokens_per_expert, dropped_fraction, moe_layers, router=None, received=None) -> dict[str, Any] | None:
         if tokens_per_expert is None:
             return None
         counts = [[int(c) for c in layer] for layer in tokens_per_expert]
@@ -421,6 +424,12 @@ class MetricsLogger:
                "max_over_mean": balance, "worst_layer": max(scored)[1] if scored else None}
         if router is not None:
             out["router"] = router
+        if received is not None:
+            received = [[int(c) for c in layer] for layer in received]
+            if len(received) != len(layers):
+                raise ValueError(f"received_per_expert has {len(received)} layers, expected {len(layers)}")
+            out["received_per_expert"] = received
+            out["received_max_over_mean"] = load_balance(received)
         return out
 
     @staticmethod
@@ -442,6 +451,8 @@ class MetricsLogger:
             per_layer = {"max_over_mean": moe["max_over_mean"], **(moe.get("router") or {})}
             if any(moe["dropped_fraction"]):
                 per_layer["dropped_fraction"] = moe["dropped_fraction"]
+            if "received_max_over_mean" in moe:
+                per_layer["received_max_over_mean"] = moe["received_max_over_mean"]
             for metric, values in per_layer.items():
                 for layer, value in zip(moe["layers"], values):
                     if value is not None:

@@ -25,7 +25,7 @@ holds the reduced gradient (the rest of the buffer is stale): that is what the o
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -62,9 +62,13 @@ class GradSync:
 
     def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], dims: ParallelDims, *,
                  bucket_numel: int = 2**22, overlap: bool = True, grad_dtype: torch.dtype = torch.float32,
-                 copies_group: Group = None, fusion: bool = True) -> None:
-        """``fusion``: gradient-accumulation fusion (module docstring); False zeroes the buffers every step."""
+                 copies_group: Group = None, reports: Mapping[str, int] | None = None, fusion: bool = True) -> None:
+        """``reports``: {name: gradient reports per micro-batch} of the parameters whose gradient is accumulated more
+        than once per micro-batch (used by two pipeline chunks of this rank, each backpropagated on its own: the
+        embedding on the V placement's rank 0 with MTP or a tied head); every other parameter reports once.
+        ``fusion``: gradient-accumulation fusion (module docstring); False zeroes the buffers every step."""
         self.dims, self.overlap, self.grad_dtype, self.fusion = dims, overlap, grad_dtype, fusion
+        self.reports = dict(reports or {})
         self.average = gradient_average(dims)
         self.groups: list[FlatGroup] = build_flat_groups(named_params, dims, bucket_numel=bucket_numel,
                                                          grad_dtype=grad_dtype, copies_group=copies_group)
@@ -140,7 +144,8 @@ class GradSync:
             if not self.fusion:
                 g.grad_data.zero_()
             for b in g.buckets:
-                b.pending, b.grad_work = len(b.params) * num_micro, None
+                b.pending = sum(self.reports.get(g.names[i], 1) for i in b.params) * num_micro
+                b.grad_work = None
         self._bind_grads()
         self._armed = self.overlap
 

@@ -12,9 +12,10 @@ Every figure here lists what moefold's modules keep for the backward (what autog
     T_r = T_c / tp if tp > 1     tokens this rank routes (the SP shard; without SP a 1/tp slice)
     a                            bytes of the model dtype (fp32 4, bf16 2)
 
-RMSNorm keeps its input in fp32 (the input itself for an fp32 model, a copy for bf16), the normalised value and
-the fp32 inverse RMS. A norm's output is kept only by consumers that save their input directly (no all-gather
-in between), and ``layernorm`` recompute frees it (Megatron's output-discarding checkpoint).
+RMSNorm keeps its input in fp32 (the input itself for an fp32 model, a copy for bf16), the fp32 normalised value
+(``dense.norm.rms_norm`` multiplies the weight in fp32) and the fp32 inverse RMS. A norm's output is kept only by
+consumers that save their input directly (no all-gather in between), and ``layernorm`` recompute frees it
+(Megatron's output-discarding checkpoint).
 
 Core attention: a fused kernel (CUDA's FlashAttention-2 / memory-efficient kernel; on CPU
 ``_scaled_dot_product_flash_attention_for_cpu`` when q/k and v share a head dim) keeps q, k, v, its output and
@@ -122,7 +123,7 @@ class ActivationShape:
     # ------------------------------------------------------------------------------------ shared pieces
     def norm(self, tokens: int, width: int, prefix: str) -> dict[str, int]:
         """An RMSNorm's own tensors (its output is its consumers' to keep)."""
-        return {f"{prefix} fp32 input": 4 * tokens * width, f"{prefix} normalised": self.a * tokens * width,
+        return {f"{prefix} fp32 input": 4 * tokens * width, f"{prefix} fp32 normalised": 4 * tokens * width,
                 f"{prefix} rsqrt": 4 * tokens}
 
     def gemm_backward(self, rows: int, d_in: int, d_out: int, weight: int) -> int:

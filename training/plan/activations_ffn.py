@@ -5,7 +5,9 @@ top-k / E of the tokens; with ``--moe-expert-capacity-factor``, each expert its 
 
     N_h = T_r * k            copies this rank sends out (its tokens' top-k)
     N_e = etp * T_r * k      rows its local experts compute (each etp rank computes the rows of the whole etp
-                             group on its 1/etp of every expert's FFN)
+                             group on its 1/etp of every expert's FFN); with the flex dispatcher on DeepEP V2
+                             without its CPU sync, the worst case DeepEP allocates instead:
+                             etp * ep * T_r * min(k * etp, E / ep) (+ alignment), the price of no host read
 
 What it keeps: the router's fp32 scores; the row map (int64 per copy); the experts' input rows (the GEMM keeps
 them), the ``[N_e, 2f]`` gate/up output, SwiGLU's product (w2's input) and, where autograd runs the activation,
@@ -21,6 +23,7 @@ all-to-all's send and receive buffers are freed once the rows are permuted and l
 from __future__ import annotations
 
 from moefold.training.plan.activations import ActivationShape, Part
+from moefold.training.plan.deepep import planned_backend, sync_free, v2_receive_rows
 
 
 def mlp(shape: ActivationShape, ffn: int, *, name: str = "mlp", recompute: str = "mlp",
@@ -39,14 +42,20 @@ def mlp(shape: ActivationShape, ffn: int, *, name: str = "mlp", recompute: str =
     return Part(name, inner, bwd_extra=backward)
 
 
-def moe_rows(shape: ActivationShape) -> tuple[int, int]:
-    """(N_h, N_e) of the module docstring."""
+def moe_rows(shape: ActivationShape, dispatcher: str = "alltoall") -> tuple[int, int]:
+    """(N_h, N_e) of the module docstring; with the flex dispatcher on DeepEP V2 dispatching sync-free, N_e is the
+    worst case DeepEP allocates (``training.plan.deepep.v2_receive_rows``)."""
     m = shape.model
     if m.moe_expert_capacity_factor is not None:
         capacity = -(-shape.T_r * m.moe_topk * m.moe_expert_capacity_factor // m.num_experts)
         home = int(capacity) * m.num_experts
     else:
         home = shape.T_r * m.moe_topk
+    o = shape.options
+    if dispatcher == "flex" and planned_backend(o) == "deepep" and sync_free(o, o.fp8.enabled):
+        rows = v2_receive_rows(shape.T_r, m.moe_topk * shape.etp, shape.ep * shape.etp, m.num_experts // shape.ep,
+                               o.fp8.group_alignment)
+        return home, rows
     return home, shape.etp * home
 
 
@@ -71,7 +80,7 @@ def _own_swiglu(shape: ActivationShape) -> bool:
 def moe(shape: ActivationShape, dispatcher: str) -> Part:
     """``moe.layer.MoELayer`` with ``dispatcher`` ("local", "alltoall", "allgather" or "flex")."""
     m, a, H = shape.model, shape.a, shape.model.hidden_size
-    home, rows = moe_rows(shape)
+    home, rows = moe_rows(shape, dispatcher)
     f = m.moe_ffn_hidden_size // shape.etp
     local_experts = m.num_experts // shape.ep
     inner: dict[str, int] = {}

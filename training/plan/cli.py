@@ -17,10 +17,12 @@ import sys
 
 from moefold.dense.context_parallel import CP_COMM_MODES
 from moefold.dense.recompute import RECOMPUTE_METHODS, RECOMPUTE_MODES, RECOMPUTE_MODULES
-from moefold.models.options import ModelOptions
+from moefold.dispatch.flex_backend import FLEX_BACKEND_CHOICES
+from moefold.models.options import DEEPEP_MODES, ModelOptions
 from moefold.models.params import count_parameters
 from moefold.models.recipes import RECIPES
 from moefold.moe.config import DISPATCHERS
+from moefold.pipeline.schedules import SCHEDULES
 from moefold.training.cli.model_flags import ARCH_FLAGS, add_model_arguments, dest
 from moefold.training.cli.train import ROUTER_FLAGS, model_from_args
 from moefold.training.config import RunConfig, TrainConfig
@@ -76,8 +78,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help=f"{LAYOUT_HELP[flag]}; default: searched")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="virtual stages of M layers per rank; default: searched (even split, or 2 virtual stages)")
-    g.add_argument("--pipeline-schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved"),
-                   help="pp > 1 (interleaved is implied by virtual stages)")
+    g.add_argument("--pipeline-schedule", default=None, choices=SCHEDULES,
+                   help="fix the pipeline schedule (default: searched: 1f1b, zb-h1, interleaved, zbv, dualpipev)")
+    g.add_argument("--overlap-moe-expert-parallel-comm", dest="overlap", action=argparse.BooleanOptionalAction,
+                   default=None, help="fix the batch-level overlap on or off (default: searched where ep > 1; on "
+                                      "comes with --delay-wgrad-compute)")
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
                    help="shard activations along the sequence between TP regions (tp > 1)")
     g.add_argument("--cp-comm-type", default=ModelOptions.cp_comm, choices=CP_COMM_MODES,
@@ -85,7 +90,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-token-dispatcher-type", default="auto", choices=("auto", *DISPATCHERS),
                    help="the dispatcher to plan for (flex: DeepEP's buffers are counted)")
     g.add_argument("--moe-deepep-num-sms", type=int, default=ModelOptions.moe_deepep_num_sms,
-                   help="SMs DeepEP's kernels take (flex dispatcher)")
+                   help="SMs DeepEP's kernels take (flex dispatcher; 0: DeepEP V2's estimate, 20 with deepep-legacy)")
+    g.add_argument("--moe-flex-dispatcher-backend", default=ModelOptions.moe_flex_dispatcher_backend,
+                   choices=FLEX_BACKEND_CHOICES, help="flex: the DeepEP whose buffer and exchange are planned "
+                   "(auto: deepep, V2)")
+    g.add_argument("--moe-deepep-mode", default=ModelOptions.moe_deepep_mode, choices=DEEPEP_MODES,
+                   help="DeepEP V2 across nodes: hybrid (RDMA once per node, NVLink forwarding) or direct")
+    g.add_argument("--moe-deepep-cpu-sync", action=argparse.BooleanOptionalAction, default=None,
+                   help="DeepEP V2: exact receive buffers (a host wait per dispatch) instead of worst-case ones; "
+                   "default: on when the expert GEMMs take host counts")
     g.add_argument("--recompute-granularity", default=None, choices=RECOMPUTE_MODES,
                    help="fix the recompute setting; default: the least recompute that fits, per layout")
     g.add_argument("--recompute-modules", nargs="+", default=["core_attn"], choices=RECOMPUTE_MODULES,
@@ -98,7 +111,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
     o.add_argument("--plot", metavar="PNG", default=None, help="draw the top layouts' memory and time terms")
     add_model_arguments(p)
-    p.set_defaults(moe_use_upcycling=False, vocab_size=None,
+    p.set_defaults(moe_use_upcycling=False, vocab_size=None, load_megatron=None, tokenizer_type=None,
                    **{flag[2:].replace("-", "_"): None for flag, _, _ in ROUTER_FLAGS})
 
 
@@ -127,9 +140,14 @@ def config_from_args(args: argparse.Namespace) -> tuple[RunConfig, Fixed]:
                      "recompute_method": args.recompute_method, "recompute_num_layers": args.recompute_num_layers}
     options = ModelOptions(sequence_parallel=args.sequence_parallel, cp_comm=args.cp_comm_type,
                            dispatcher=args.moe_token_dispatcher_type, dtype="bf16" if args.bf16 else "fp32",
-                           moe_deepep_num_sms=args.moe_deepep_num_sms, **(recompute or {}))
+                           moe_deepep_num_sms=args.moe_deepep_num_sms,
+                           moe_flex_dispatcher_backend=args.moe_flex_dispatcher_backend,
+                           moe_deepep_mode=args.moe_deepep_mode, moe_deepep_cpu_sync=args.moe_deepep_cpu_sync,
+                           **(recompute or {}))
     train = TrainConfig(micro_batch_size=args.micro_batch_size or 1, global_batch_size=args.global_batch_size,
-                        seq_length=args.seq_length, bf16=args.bf16, pipeline_schedule=args.pipeline_schedule,
+                        seq_length=args.seq_length, bf16=args.bf16,
+                        pipeline_schedule=args.pipeline_schedule or TrainConfig.pipeline_schedule,
+                        overlap_moe_expert_parallel_comm=bool(args.overlap), delay_wgrad_compute=bool(args.overlap),
                         num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
                         main_grads_dtype=args.main_grads_dtype, exp_avg_dtype=args.exp_avg_dtype,
                         exp_avg_sq_dtype=args.exp_avg_sq_dtype, overlap_param_gather=args.overlap_param_gather,
@@ -138,7 +156,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[RunConfig, Fixed]:
                   pp=args.pipeline_model_parallel_size, ep=args.expert_model_parallel_size,
                   etp=args.expert_tensor_parallel_size,
                   layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
-                  micro_batch_size=args.micro_batch_size, recompute=recompute)
+                  micro_batch_size=args.micro_batch_size, recompute=recompute, schedule=args.pipeline_schedule,
+                  overlap=args.overlap)
     return RunConfig(model=model, options=options, train=train, recipe=args.recipe), fixed
 
 

@@ -24,8 +24,10 @@ Per micro-batch, per transformer block (``block_collectives``), following:
   over etp, and mirrors it in the combine; the probs stay home. allgather gathers tokens, expert ids and probs
   in one packed all-gather over etp x ep and reduce-scatters the partial outputs. flex (DeepEP) sends a token
   once per destination rank with its top-k ids and weights (the expected number of ranks its k experts live on
-  under uniform routing; DeepEP's own kernels, and so these bytes, cannot run on a CPU: the only volume here
-  that tests/training/plan/test_comm.py does not measure). The router's loss statistics are small all-reduces.
+  under uniform routing), on DeepEP V2 in its ``ElasticBuffer`` token slot (``_elastic``), FP8 rows with FP8
+  dispatch, and in hybrid mode once per destination node over the network (``NodeDedup``); on the legacy backend
+  with int64 ids; DeepEP's own kernels, and so these bytes, cannot run on a CPU: the only volume here that
+  tests/training/plan/test_comm.py does not measure. The router's loss statistics are small all-reduces.
 - recompute (``recompute_collectives``): a checkpointed region runs its forward collectives again in backward.
 - the embedding (vocab-parallel: all-reduce, or reduce-scatter under SP), the output head (like a column-parallel
   layer) and the vocab-parallel cross-entropy (three fp32 all-reduces of one value per token, one over cp); each
@@ -47,12 +49,13 @@ import torch
 from moefold.dense.attention_config import MLAConfig
 from moefold.dense.attention_kernels import attention_kernel
 from moefold.dense.recompute import recomputed_modules
-from moefold.dispatch.fp8_exchange import row_bytes
+from moefold.dispatch.fp8_exchange import BLOCK, row_bytes
 from moefold.models.layer_factory import attention_config, router_config
 from moefold.models.options import ModelOptions
 from moefold.parallel.dims import ParallelSizes
 from moefold.training.config import RunConfig
 from moefold.training.optim.buffers import ALIGN
+from moefold.training.plan.deepep import planned_backend, v2_token_bytes
 
 # the planner's group names -> the dimensions of the rank grid they span (``training.plan.grid.group_members``)
 GROUP_DIMS: dict[str, tuple[str, ...]] = {
@@ -79,6 +82,28 @@ class Collective:
     # compute the code runs while this collective is in flight (the alltoall/flex dispatch's token exchange is
     # left in flight while the MoE layer computes its shared experts)
     overlaps: str = ""
+    # DeepEP V2's hybrid mode (``NodeDedup``): across nodes a token crosses the network once per destination node
+    # and is forwarded over NVLink there (``bytes`` is still what the destination ranks receive)
+    hybrid: NodeDedup | None = None
+
+
+@dataclass(frozen=True)
+class NodeDedup:
+    """What decides a hybrid DeepEP exchange's network bytes once the ranks per node are known
+    (``training.plan.step_time``): ``tokens`` sent, ``row_bytes`` each, their top-k of ``num_experts``."""
+
+    tokens: int
+    row_bytes: int
+    num_experts: int
+    topk: int
+
+    def network_bytes(self, nodes: int) -> float:
+        """Bytes one rank sends to other nodes: each token once per distinct remote node of its experts."""
+        if nodes <= 1:
+            return 0.0
+        per_node = self.num_experts // nodes
+        return self.tokens * _distinct_ranks(self.num_experts, self.topk, per_node, nodes) * self.row_bytes \
+            * (nodes - 1) / nodes
 
 
 def link_factor(op: str, n: int) -> float:
@@ -264,8 +289,10 @@ def _dispatch(sh: _Shape) -> list[Collective]:
                                       "prob gradients"))
         return out + _fwd_bwd("etp_ep", "reduce_scatter", "all_gather", W * T * H * sh.a, "dispatch",
                               "partial outputs")
+    if kind == "flex" and planned_backend(sh.options) == "deepep":
+        return _elastic(sh, fp8)
     if kind == "flex":
-        # DeepEP: a token travels once per destination rank with its k*etp virtual ids (int64) and weights (fp32)
+        # DeepEP v1: a token travels once per destination rank with its k*etp virtual ids (int64) and weights (fp32)
         Kv = K * etp
         sent = T * etp * _distinct_ranks(E, K, e, ep)
         tok, meta = H * 2, Kv * (INT64 + FP32)
@@ -293,6 +320,33 @@ def _dispatch(sh: _Shape) -> list[Collective]:
         out += _fwd_bwd("etp", "all_gather", "reduce_scatter", etp * rows * H * sh.a, "dispatch", "rows over etp")
         out += _fwd_bwd("etp", "reduce_scatter", "all_gather", etp * rows * H * sh.a, "dispatch", "partial outputs")
     return out
+
+
+def _elastic(sh: _Shape, fp8: bool) -> list[Collective]:
+    """DeepEP V2 (``dispatch.deepep_elastic``): each token once per destination rank, in its ``ElasticBuffer`` slot
+    (``training.plan.deepep.v2_token_bytes``: hidden, FP8 scales, top-k ids, weights and source metadata, each
+    32-byte aligned); forward: the dispatch (e4m3 rows with FP8 dispatch) and the combine (bf16, slots of ids and
+    weights); backward: the combine of the gradients (weights reduced alongside) and the cached dispatch of the
+    gradients (bf16). In hybrid mode across nodes a token crosses the network once per destination node."""
+    m, s = sh.config.model, sh.sizes
+    E, K, H, ep, etp = m.num_experts, m.moe_topk, m.hidden_size, s.ep, s.etp
+    T, Kv = sh.routed, K * etp
+    sent = T * etp * _distinct_ranks(E, K, E // ep, ep)
+    packs = H // BLOCK if H % BLOCK == 0 else 1    # dispatch.fp8_exchange's fp32 scales per row
+    fwd = v2_token_bytes(H * (1 if fp8 else 2), packs * 4 if fp8 else 0, Kv, True)
+    bwd_dispatch = v2_token_bytes(H * 2, 0, Kv, True)
+    combine = v2_token_bytes(H * 2, 0, Kv, False)
+    hybrid = sh.options.moe_deepep_mode == "hybrid"
+
+    def exchange(row: int, phase: str, what: str, overlaps: str = "") -> Collective:
+        dedup = NodeDedup(T, row, E, K) if hybrid else None
+        return Collective("etp_ep", "all_to_all", round(sent * row), phase, "dispatch", what, overlaps=overlaps,
+                          hybrid=dedup)
+
+    return [exchange(fwd, "forward", "DeepEP V2 dispatch", overlaps="shared_experts"),
+            exchange(combine, "forward", "DeepEP V2 combine"),
+            exchange(combine, "backward", "DeepEP V2 combine of the gradients"),
+            exchange(bwd_dispatch, "backward", "DeepEP V2 cached dispatch of the gradients")]
 
 
 def _router(sh: _Shape) -> list[Collective]:

@@ -27,7 +27,7 @@ import numpy as np
 from moefold.models.layer_factory import is_moe_block
 from moefold.models.recompute import full_recompute_groups
 from moefold.parallel.dims import ParallelSizes
-from moefold.pipeline.actions import split_batches
+from moefold.pipeline.actions import is_local, model_chunk, split_batches
 from moefold.pipeline.schedules import Schedule
 from moefold.training.config import RunConfig
 from moefold.training.plan.activations import ActivationShape, Part
@@ -199,39 +199,45 @@ def profile(parts: list[Part], received: bool = False, sent: bool = False) -> Ch
     return ChunkProfile(tuple(parts), kept, fwd, max(bwd, kept), received, sent)
 
 
-def schedule_peak(schedule: tuple[str, int, int, int] | None, profiles: list[ChunkProfile], pp_rank: int,
+def schedule_peak(schedule: tuple[str, int, int, int, bool] | None, profiles: list[ChunkProfile], pp_rank: int,
                   message: int = 0) -> tuple[int, int]:
     """(peak activation bytes, most (micro-batch, chunk) pairs held at once) of ``pp_rank`` over a step, walking
-    its action list (``schedule``: ``pipeline.build_schedule``'s (name, pp, micro-batches, vpp));
+    its action list (``schedule``: ``pipeline.build_schedule``'s (name, pp, micro-batches, vpp, overlap));
     ``profiles[c]``: its virtual chunk c; ``message``: bytes of one activation (or its gradient) crossing stages.
-    pp = 1 (``schedule`` None): one micro-batch at a time."""
+    pp = 1 without the overlap (``schedule`` None): one micro-batch at a time."""
     if schedule is None:
         return profiles[0].peak, 1
     live, messages, kinds, chunks, most = _events(schedule, pp_rank)
     kept = np.array([p.kept for p in profiles], dtype=np.float64)
     transient = np.zeros(len(kinds))
-    fwd, bwd = kinds == 1, kinds == 2
+    fwd, bwd = (kinds == 1) | (kinds == 4), kinds == 2
     transient[fwd] = np.array([p.fwd_peak for p in profiles], dtype=np.float64)[chunks[fwd]]
     transient[bwd] = np.array([p.bwd_peak for p in profiles], dtype=np.float64)[chunks[bwd]]
     return int((live @ kept + messages * float(message) + transient).max()), most
 
 
 @lru_cache(maxsize=1024)
-def _events(schedule: tuple[str, int, int, int], pp_rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray,
-                                                                          np.ndarray, int]:
-    """``pipeline.executor.run_schedule``'s buffers, action by action, as counts: for each posted batch, forward
-    and backward of ``pp_rank``, the (micro-batch, chunk) pairs of each chunk held then (a backward's own pair
-    already released) and the point-to-point messages held; plus the event kind (0 a batch posted, 1 forward,
-    2 backward), its chunk, and the most pairs held at once. A rank holds, before an action, the ``kept`` bytes
-    of each held pair plus that many messages plus the action's own transient (``schedule_peak``).
+def _events(schedule: tuple[str, int, int, int, bool], pp_rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                                                np.ndarray, int]:
+    """``pipeline.executor.run_schedule``'s buffers, action by action, as counts: for each posted batch and compute
+    of ``pp_rank``, the (micro-batch, chunk) pairs of each chunk held then (a backward's own pair already released)
+    and the point-to-point messages held; plus the event kind (0 a batch posted, 1 forward, 2 backward or I, 3 W,
+    4 an FB), its chunk (an FB's: its forward's), and the most pairs held at once. A rank holds, before an action,
+    the ``kept`` bytes of each held pair plus that many messages plus the action's own transient
+    (``schedule_peak``): a forward's (an FB's: its forward half's, while its backward half still holds its pair:
+    an upper bound, the backward releasing layer by layer) or a backward's. An I keeps its pair until its W (the
+    weight gradients read the saved inputs).
 
     The messages, as the executor holds them: a receive buffer from its posting until its consumer ran (a
     received activation then is its chunk's input, in ``kept``; a received gradient is freed after its
     backward); an input gradient from its backward until its batch is waited on, which a compute does when its
     own input was posted in that batch or a later one (they are waited on in posting order); a sent output is
     in its chunk's ``kept`` until its backward, and a message after that only while its batch is not waited on.
+    A hand-over between the V placement's two chunks of a rank is no message.
     """
-    _, pp, _, vpp = schedule
+    _, pp, _, vpp, _ = schedule
+    built = _schedule(*schedule)
+    placement = built.placement
     last = pp * vpp - 1
     live = [0] * vpp
     rows, messages, kinds, chunks = [], [], [], []
@@ -248,7 +254,14 @@ def _events(schedule: tuple[str, int, int, int], pp_rank: int) -> tuple[np.ndarr
         for b in [b for b in unwaited if b <= batch_of[key]]:
             del unwaited[b]
 
-    for index, item in enumerate(split_batches(_schedule(*schedule).rank_actions(pp_rank))):
+    def remote(c: int, direction: str) -> bool:
+        """Whether the chunk's input (direction 'F') / output gradient ('B') crosses ranks."""
+        mc = model_chunk(pp_rank, c, pp, placement)
+        if direction == "F":
+            return mc > 0 and not is_local(pp_rank, c, "B", pp, placement)
+        return mc < last and not is_local(pp_rank, c, "F", pp, placement)
+
+    for index, item in enumerate(split_batches(built.rank_actions(pp_rank))):
         if isinstance(item, tuple):
             outputs = [(a.microbatch, a.chunk) for a in item if a.kind == "SEND_F"]
             sent_gradients = sum(a.kind == "SEND_B" for a in item)
@@ -258,31 +271,44 @@ def _events(schedule: tuple[str, int, int, int], pp_rank: int) -> tuple[np.ndarr
                 if a.kind.startswith("RECV"):
                     batch_of[(a.kind[-1], a.microbatch, a.chunk)] = index
                     receiving += 1
-            kind, c = 0, item[0].chunk
-        else:
-            c = item.chunk
-            received, sent = c * pp + pp_rank > 0, c * pp + pp_rank < last
-            if item.kind == "F":
-                if received:
-                    wait_for(("F", item.microbatch, c))
+            rows.append(list(live))
+            messages.append(held())
+            kinds.append(0)
+            chunks.append(item[0].chunk)
+            continue
+        after = []   # what each part does once the action ran
+        for part in item.parts():
+            c = part.chunk
+            if part.kind == "F":
+                if remote(c, "F"):
+                    wait_for(("F", part.microbatch, c))
                     receiving -= 1   # the receive buffer is now the chunk's input (in ``kept``)
-                kind = 1
-            else:
-                if sent:
-                    wait_for(("B", item.microbatch, c))   # the received gradient lives through the backward
+                after.append(("hold", part))
+            elif part.kind == "W":
                 live[c] -= 1
-                kind = 2
+            else:   # B, I
+                if remote(c, "B"):
+                    wait_for(("B", part.microbatch, c))   # the received gradient lives through the backward
+                if item.kind != "FB":   # an FB's backward half keeps its pair during the step (upper bound)
+                    live[c] -= 1
+                after.append(("backward", part))
         rows.append(list(live))
         messages.append(held())
-        kinds.append(kind)
-        chunks.append(c)
-        if kind == 1:
-            live[c] += 1
-            most = max(most, sum(live))
-        elif kind == 2:
-            receiving -= int(sent)
-            gradients += int(received)
-            backward_done.add((item.microbatch, c))
+        kinds.append({"F": 1, "B": 2, "I": 2, "W": 3, "FB": 4}[item.kind])
+        chunks.append(item.chunk)
+        for what, part in after:
+            c = part.chunk
+            if what == "hold":
+                live[c] += 1
+                continue
+            receiving -= int(remote(c, "B"))
+            gradients += int(remote(c, "F"))
+            backward_done.add((part.microbatch, c))
+            if part.kind == "I":
+                live[c] += 1   # held until its W
+            elif item.kind == "FB":
+                live[c] -= 1
+        most = max(most, sum(live))
     return (np.array(rows, dtype=np.float64), np.array(messages, dtype=np.float64), np.array(kinds),
             np.array(chunks), most)
 
@@ -316,15 +342,17 @@ def activation_memory(config: RunConfig, sizes: ParallelSizes, pp_rank: int, num
     shape = activation_shape(config, sizes, device_type)
     dispatcher = config.options.resolved_dispatcher(sizes.ep, sizes.etp)
     m = config.model
+    overlap = config.train.overlap_moe_expert_parallel_comm
     if sizes.pp == 1:
         chunks = [(list(range(m.num_layers)), True, True, False, False)]
-        schedule = None
+        # with the overlap two micro-batches are in flight (F0, FB(1, 0), ...)
+        schedule = ("1f1b", 1, num_micro, 1, True) if overlap else None
     else:
         layout = config.pipeline_layout(sizes.pp)
         last = layout.num_model_chunks - 1
         chunks = [(list(c.layers), c.has_embedding, c.has_head, c.model_chunk > 0, c.model_chunk < last)
                   for c in layout.rank_chunks(pp_rank)]
-        schedule = (config.schedule_name(layout.vpp), sizes.pp, num_micro, layout.vpp)
+        schedule = (config.schedule_name(layout.vpp), sizes.pp, num_micro, layout.vpp, overlap)
     profiles = [chunk_profile(shape, tuple(is_moe_block(m, i) for i in layers), first, last_chunk, dispatcher,
                               received, sent) for layers, first, last_chunk, received, sent in chunks]
     message = shape.a * shape.T_x * m.hidden_size
@@ -338,7 +366,7 @@ def activation_memory(config: RunConfig, sizes: ParallelSizes, pp_rank: int, num
 
 
 @lru_cache(maxsize=256)
-def _schedule(name: str, pp: int, num_micro: int, vpp: int) -> Schedule:
+def _schedule(name: str, pp: int, num_micro: int, vpp: int, overlap: bool = False) -> Schedule:
     from moefold.pipeline.schedules import build_schedule
 
-    return build_schedule(name, pp, num_micro, vpp)
+    return build_schedule(name, pp, num_micro, vpp, overlap=overlap)

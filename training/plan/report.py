@@ -35,8 +35,12 @@ def train_flags(plan: Plan, model_flags: list[str]) -> list[str]:
                   "decoder_last_pipeline_num_layers"):
         if getattr(t, field) is not None:
             flags += [f"--{field.replace('_', '-')}", getattr(t, field)]
-    if s.pp > 1 and t.pipeline_schedule != _T.pipeline_schedule and plan.vpp == 1:
+    if s.pp > 1 and t.pipeline_schedule != _T.pipeline_schedule:
         flags += ["--pipeline-schedule", t.pipeline_schedule]
+    if t.overlap_moe_expert_parallel_comm:
+        flags.append("--overlap-moe-expert-parallel-comm")
+    if t.delay_wgrad_compute:
+        flags.append("--delay-wgrad-compute")
     if not o.sequence_parallel and s.tp > 1:
         flags.append("--no-sequence-parallel")
     if s.cp > 1 and o.cp_comm != "p2p":
@@ -75,8 +79,9 @@ def _gb(n: float) -> str:
 
 
 HEADER = (f"{'#':>2} {'tp':>2} {'cp':>2} {'pp':>3} {'vpp':>3} {'dp':>4} {'ep':>3} {'etp':>3} {'edp':>4} {'mbs':>3} "
-          f"{'recompute':<10} | {'params':>6} {'grads':>6} {'optim':>6} {'activ':>6} {'deepep':>6} {'total':>6} "
-          f"{'stage':>5} | {'step s':>7} " + " ".join(f"{t:>7}" for t in TERMS) + f" | {'tok/s/GPU':>9} {'MFU':>5}")
+          f"{'schedule':<14} {'recompute':<10} | {'params':>6} {'grads':>6} {'optim':>6} {'activ':>6} {'deepep':>6} "
+          f"{'total':>6} {'stage':>5} | {'step s':>7} " + " ".join(f"{t:>7}" for t in TERMS)
+          + f" | {'tok/s/GPU':>9} {'MFU':>5}")
 
 
 def row(i: int, plan: Plan, cluster: Cluster) -> str:
@@ -84,7 +89,7 @@ def row(i: int, plan: Plan, cluster: Cluster) -> str:
     c = m.components
     memory = " ".join(f"{_gb(c[k]):>6}" for k in COMPONENTS) + f" {_gb(m.total):>6} {m.pp_rank:>5}"
     layout = (f"{i:>2} {s.tp:>2} {s.cp:>2} {s.pp:>3} {plan.vpp:>3} {s.dp:>4} {s.ep:>3} {s.etp:>3} {s.edp:>4} "
-              f"{plan.config.train.micro_batch_size:>3} {plan.recompute:<10}")
+              f"{plan.config.train.micro_batch_size:>3} {plan.schedule:<14} {plan.recompute:<10}")
     if plan.time is None:
         return f"{layout} | {memory} |"
     t = plan.time
@@ -122,7 +127,8 @@ def why_not(plan: Plan) -> str:
 
 def layout_name(p: Plan) -> str:
     s = p.sizes
-    return f"tp{s.tp} cp{s.cp} pp{s.pp} ep{s.ep} etp{s.etp} mbs{p.config.train.micro_batch_size} {p.recompute}"
+    return (f"tp{s.tp} cp{s.cp} pp{s.pp} ep{s.ep} etp{s.etp} mbs{p.config.train.micro_batch_size} {p.schedule} "
+            f"{p.recompute}")
 
 
 def outcome(result: SearchResult) -> str:
@@ -154,7 +160,8 @@ def render(result: SearchResult, config: RunConfig, world: int, cluster: Cluster
             p = result.closest
             lines.append(f"closest: {layout_name(p)}: {why_not(p)}")
         return "\n".join(lines)
-    lines += ["memory per GPU in GB (the fullest pipeline stage); step time in seconds by term (after overlap)",
+    lines += ["memory per GPU in GB (the fullest pipeline stage); step time in seconds by term (after overlap; ep: the "
+              "expert exchange left exposed, +ov schedules hiding it behind the other micro-batch's compute)",
               HEADER, "-" * len(HEADER)]
     lines += [row(i + 1, p, cluster) for i, p in enumerate(result.plans)]
     lines.append("")

@@ -12,9 +12,13 @@
 - the step time (``training.plan.step_time.estimate_step_time``), for a layout that fits.
 
 ``search`` enumerates every layout of ``world`` GPUs (tp, cp, pp with its stage split and virtual stages, ep,
-etp, the micro-batch size and the recompute setting) that ``moefold train`` would accept (``validate_layout``),
-keeping what the user fixed; for each layout it takes the least recompute that fits (more recompute never runs
-faster), and ranks what fits by tokens/s/GPU.
+etp, the micro-batch size, the pipeline schedule with or without the batch-level overlap, and the recompute
+setting) that ``moefold train`` would accept (``validate_layout``), keeping what the user fixed; for each layout
+it takes the least recompute that fits (more recompute never runs faster), and ranks what fits by tokens/s/GPU.
+The schedules tried (``_schedules``): at pp = 1 plain accumulation and, with ep > 1, the overlap; at pp > 1 1F1B
+and ZB-H1 with one chunk per rank, interleaved 1F1B (with and without the overlap) and, when the layers split
+evenly over 2 pp chunks, ZB-V and DualPipeV (with and without its FB pairs overlapped). The overlap always comes
+with --delay-wgrad-compute (it only removes exposed time).
 """
 
 from __future__ import annotations
@@ -103,11 +107,19 @@ class Plan:
     def vpp(self) -> int:
         return self.config.pipeline_layout(self.sizes.pp).vpp if self.sizes.pp > 1 else 1
 
+    @property
+    def schedule(self) -> str:
+        """The schedule ``moefold train`` runs (``+ov``: with the batch-level overlap; pp = 1: "-" or "overlap")."""
+        overlap = self.config.train.overlap_moe_expert_parallel_comm
+        if self.sizes.pp == 1:
+            return "overlap" if overlap else "-"
+        return self.config.schedule_name(self.vpp) + ("+ov" if overlap else "")
 
-def _memory(config: RunConfig, sizes: ParallelSizes, num_micro: int, exact: bool) -> RankMemory:
+
+def _memory(config: RunConfig, sizes: ParallelSizes, num_micro: int, exact: bool, gpus_per_node: int) -> RankMemory:
     static = (exact_static if exact else static_lower_bound)(config, sizes)
     flex = config.options.resolved_dispatcher(sizes.ep, sizes.etp) == "flex"
-    deepep = deepep_buffer_bytes(config, sizes) if flex else 0
+    deepep = deepep_buffer_bytes(config, sizes, gpus_per_node) if flex else 0
     ranks = [RankMemory(r, static[r], activation_memory(config, sizes, r, num_micro), deepep)
              for r in range(sizes.pp)]
     return max(ranks, key=lambda m: m.total)
@@ -121,9 +133,9 @@ def evaluate(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int
     sizes = validate_layout(config, world)
     _, num_micro = config.resolve(world)
     usable = int((memory_bytes or cluster.memory_bytes) * (1 - headroom))
-    memory = _memory(config, sizes, num_micro, exact=False)
+    memory = _memory(config, sizes, num_micro, exact=False, gpus_per_node=gpus_per_node)
     if memory.total <= usable:
-        memory = _memory(config, sizes, num_micro, exact=True)
+        memory = _memory(config, sizes, num_micro, exact=True, gpus_per_node=gpus_per_node)
     plan = Plan(config, sizes, num_micro, recompute or config.options.recompute, memory, usable)
     if with_time and plan.fits:
         plan = dataclasses.replace(plan, time=estimate_step_time(config, sizes, cluster, gpus_per_node, efficiency))
@@ -143,6 +155,8 @@ class Fixed:
     layers_per_virtual_stage: int | None = None
     micro_batch_size: int | None = None
     recompute: dict | None = None        # ModelOptions fields
+    schedule: str | None = None          # --pipeline-schedule
+    overlap: bool | None = None          # --overlap-moe-expert-parallel-comm
 
 
 def _divisors(n: int, limit: int) -> list[int]:
@@ -174,6 +188,31 @@ def _stage_splits(num_layers: int, pp: int, fixed: Fixed) -> Iterator[dict]:
         per -= 1
 
 
+OVERLAP_FIELDS = ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute")
+
+
+def _schedules(num_layers: int, pp: int, ep: int, split: dict, fixed: Fixed) -> Iterator[dict]:
+    """TrainConfig fields of the schedules tried with one stage split (module docstring)."""
+    overlaps = [fixed.overlap] if fixed.overlap is not None else ([False, True] if ep > 1 else [False])
+
+    def with_overlap(schedule: str, can_overlap: bool) -> Iterator[dict]:
+        if fixed.schedule is not None and fixed.schedule != schedule:
+            return
+        for on in overlaps if can_overlap else [False]:
+            yield {"pipeline_schedule": schedule, **dict.fromkeys(OVERLAP_FIELDS, on)}
+
+    if pp == 1:
+        yield from with_overlap(fixed.schedule or "1f1b", True)
+    elif split.get("num_layers_per_virtual_pipeline_stage") is None:
+        for schedule in ("1f1b", "zb-h1", "gpipe") if fixed.schedule == "gpipe" else ("1f1b", "zb-h1"):
+            yield from with_overlap(schedule, False)
+    else:
+        yield from with_overlap("1f1b", True)   # interleaved (implied by the virtual stages)
+        if num_layers == 2 * pp * split["num_layers_per_virtual_pipeline_stage"]:   # 2 chunks per rank: V placed
+            yield from with_overlap("zbv", False)
+            yield from with_overlap("dualpipev", True)
+
+
 @dataclass
 class SearchResult:
     """The fitting plans, fastest first; the counts of what was considered; the best non-fitting plan
@@ -200,22 +239,23 @@ def candidates(config: RunConfig, world: int, gpus_per_node: int, fixed: Fixed) 
                                                        if (dense_ranks // etp) % e == 0]
                     for ep in eps:
                         for split in _stage_splits(m.num_layers, pp, fixed):
-                            for mbs in [fixed.micro_batch_size] if fixed.micro_batch_size else MICRO_BATCH_SIZES:
-                                pipeline = {"num_layers_per_virtual_pipeline_stage": None,
-                                            "decoder_first_pipeline_num_layers": None,
-                                            "decoder_last_pipeline_num_layers": None, **split}
-                                train = dataclasses.replace(t, micro_batch_size=mbs, **pipeline)
-                                yield dataclasses.replace(config, parallel=ParallelConfig(tp=tp, cp=cp, pp=pp, ep=ep,
-                                                                                         etp=etp), train=train)
+                            for schedule in _schedules(m.num_layers, pp, ep, split, fixed):
+                                for mbs in [fixed.micro_batch_size] if fixed.micro_batch_size else MICRO_BATCH_SIZES:
+                                    pipeline = {"num_layers_per_virtual_pipeline_stage": None,
+                                                "decoder_first_pipeline_num_layers": None,
+                                                "decoder_last_pipeline_num_layers": None, **split, **schedule}
+                                    train = dataclasses.replace(t, micro_batch_size=mbs, **pipeline)
+                                    yield dataclasses.replace(config, parallel=ParallelConfig(
+                                        tp=tp, cp=cp, pp=pp, ep=ep, etp=etp), train=train)
 
 
 def _least_recompute(candidate: RunConfig, sizes: ParallelSizes, num_micro: int, ladder: dict[str, dict],
-                     usable: int) -> tuple[Plan | None, Plan]:
+                     usable: int, gpus_per_node: int) -> tuple[Plan | None, Plan]:
     """(the plan with the least recompute of ``ladder`` that fits, or None; the leanest plan). The leanest is
     tried first: when it does not fit, nothing does."""
     def plan_of(name: str) -> Plan:
         planned = dataclasses.replace(candidate, options=dataclasses.replace(candidate.options, **ladder[name]))
-        return Plan(planned, sizes, num_micro, name, _memory(planned, sizes, num_micro, exact=False), usable)
+        return Plan(planned, sizes, num_micro, name, _memory(planned, sizes, num_micro, False, gpus_per_node), usable)
 
     names = list(ladder)
     leanest = plan_of(names[-1])
@@ -277,7 +317,7 @@ def search(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, 
             result.rejected[reason] = result.rejected.get(reason, 0) + 1
             continue
         result.valid += 1
-        fits, leanest = _least_recompute(candidate, sizes, num_micro, ladder, usable)
+        fits, leanest = _least_recompute(candidate, sizes, num_micro, ladder, usable, gpus_per_node)
         if fits is not None:
             fitting.append(fits)
         elif result.closest is None or leanest.memory.total < result.closest.memory.total:
@@ -290,7 +330,7 @@ def search(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, 
     timed = [dataclasses.replace(plan, time=time) for plan, time in zip(fitting, times)]
     timed.sort(key=lambda p: (-p.time.tokens_per_s_per_gpu, p.memory.total))
     for plan in timed:   # the exact static bytes (bucket padding) of the fastest, until ``top`` still fit
-        exact = dataclasses.replace(plan, memory=_memory(plan.config, plan.sizes, plan.num_micro, exact=True))
+        exact = dataclasses.replace(plan, memory=_memory(plan.config, plan.sizes, plan.num_micro, True, gpus_per_node))
         if exact.fits:
             result.plans.append(exact)
         if len(result.plans) == top:

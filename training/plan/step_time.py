@@ -17,12 +17,23 @@ NVLink and the rest over the network at the same time. What is hidden behind com
 
 Pipeline: each (rank, virtual chunk) forward and backward takes its compute plus its exposed communication; the
 schedule's action lists run on ``pipeline.simulator``'s clock with those durations, and the bubble is the
-critical rank's idle time in the simulated step. The step's terms are that rank's.
+critical rank's idle time in the simulated step. The step's terms are that rank's. The split-backward schedules
+(zb-h1, zbv, dualpipev) run a backward as I (everything but the weight-gradient GEMMs, which take as long as the
+forward's GEMMs) and W.
+
+Batch-level overlap (``--overlap-moe-expert-parallel-comm``: FB steps, also at pp = 1): in an FB step each
+micro-batch's expert exchange (the token all-to-all / DeepEP's dispatch and combine, forward and backward) runs
+while the other micro-batch computes, so the step takes the sum of both halves less ``min(their EP exchange, their
+compute)``: the exchange is hidden up to the computation there is to hide it behind (ideal interleaving), the rest
+stays exposed, and the ``ep`` term drops by what is hidden. ``--delay-wgrad-compute`` also hides the backward
+exchange of a backward that runs alone behind its own weight-gradient GEMMs. The unpaired forwards and backwards
+(warm-up, cool-down, and at pp = 1 the first forward and the last backward) keep their exchanges exposed.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -31,6 +42,7 @@ from moefold.models.config import ModelConfig
 from moefold.models.layer_factory import is_moe_block
 from moefold.models.recompute import full_recompute_groups
 from moefold.parallel.dims import ParallelSizes
+from moefold.pipeline.actions import Action
 from moefold.pipeline.schedules import Schedule, build_schedule
 from moefold.pipeline.simulator import simulate
 from moefold.pipeline.stages import ChunkSpec
@@ -60,7 +72,9 @@ OVERLAP = {
     "cp": "p2p: each ring step's K/V transfer overlaps that block's attention, exposed only beyond the core "
           "attention compute; all_gather mode: exposed",
     "ep": "alltoall/flex: the forward token exchange overlaps the shared experts' forward (moefold launches it "
-          "asynchronously), everything else (counts, combine, backward, etp gathers) exposed; allgather: exposed",
+          "asynchronously), everything else (counts, combine, backward, etp gathers) exposed; allgather: exposed. "
+          "With --overlap-moe-expert-parallel-comm: in every FB step the exchanges of both micro-batches hide behind "
+          "the other's compute (up to that compute); unpaired forwards/backwards keep theirs exposed",
     "pp": "exposed: each stage boundary's activation (forward) and gradient (backward) per micro-batch is added "
           "to the action that sends it",
     "dp": "gradient reduce-scatter overlaps the last micro-batch's backward except what does not fit behind it "
@@ -111,6 +125,9 @@ class _Links:
         nvlink, network = self.cluster.nvlink_gbps * 1e9, self.cluster.internode_gbps * 1e9
         if not spans_nodes(members, self.gpus_per_node):
             return c.bytes * comm.link_factor(c.op, n) / nvlink
+        if c.op == "all_to_all" and c.hybrid is not None:   # DeepEP V2 hybrid: once per node, then NVLink
+            k = ranks_per_node(members, self.gpus_per_node)
+            return max(c.bytes * (k - 1) / k / nvlink, c.hybrid.network_bytes(n // k) / network)
         if c.op == "all_to_all":
             k = ranks_per_node(members, self.gpus_per_node)
             return max(c.bytes * (k - 1) / n / nvlink, c.bytes * (n - k) / n / network)
@@ -151,13 +168,20 @@ def _score_macs(m: ModelConfig, seq: int, index: int) -> float:
 
 @dataclass
 class _Action:
-    """Seconds of one (rank, chunk) forward or backward of one micro-batch, by term."""
+    """Seconds of one (rank, chunk) forward or backward of one micro-batch, by term; ``weight``: of a backward's
+    compute, the weight-gradient GEMMs (a split backward's W)."""
 
     terms: dict[str, float]
+    weight: float = 0.0
 
     @property
     def total(self) -> float:
         return sum(self.terms.values())
+
+    @property
+    def hideable(self) -> tuple[float, float]:
+        """(the expert exchange another micro-batch's compute can hide, the compute that can hide another's)."""
+        return self.terms.get("ep", 0.0), self.terms.get("compute", 0.0)
 
 
 def rank_chunks(config: RunConfig, sizes: ParallelSizes, pp_rank: int) -> list[ChunkSpec]:
@@ -221,7 +245,8 @@ def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, li
         bwd["compute"] += head_b
     for c in comm.pipeline_collectives(config, sizes, chunk.model_chunk, last_model_chunk + 1):
         (fwd if c.phase == "forward" else bwd)["pp"] += links.seconds(c)
-    return _Action(dict(fwd)), _Action(dict(bwd))
+    # the weight-gradient GEMMs of the backward take what the forward's GEMMs take (dw = dy^T x per y = x w^T)
+    return _Action(dict(fwd)), _Action(dict(bwd), weight=fwd["compute"])
 
 
 # ----------------------------------------------------------------------------------------------- data parallel
@@ -242,37 +267,73 @@ def _dp_seconds(config: RunConfig, sizes: ParallelSizes, pp_rank: int, links: _L
 
 # ----------------------------------------------------------------------------------------------- the step
 @lru_cache(maxsize=64)
-def _schedule(name: str, pp: int, vpp: int, m: int) -> Schedule:
-    return build_schedule(name, pp, m, vpp)
+def _schedule(name: str, pp: int, vpp: int, m: int, overlap: bool) -> Schedule:
+    return build_schedule(name, pp, m, vpp, overlap=overlap)
+
+
+# per (rank, chunk): forward, backward, its weight GEMMs, the forward's and the backward's (ep, compute) that overlap
+Durations = tuple[tuple[tuple[float, float, float, tuple[float, float], tuple[float, float]], ...], ...]
+
+
+def _duration(durations: Durations, overlap: bool, delay_wgrad: bool) -> Callable[[int, Action], float]:
+    def duration(r: int, a: Action) -> float:
+        f, b, w, _, (b_ep, _) = durations[r][a.chunk]
+        if a.kind == "F":
+            return f
+        if a.kind == "W":
+            return w
+        if a.kind == "I":
+            return b - w
+        if a.kind == "B":   # alone: with --delay-wgrad-compute its exchange hides behind its own weight GEMMs
+            return b - min(b_ep, w) if delay_wgrad else b
+        fb, bb = durations[r][a.chunk], durations[r][a.b_chunk]   # an FB: overlapped only with the overlap
+        return fb[0] + bb[1] - (_hidden(fb[3], bb[4]) if overlap else 0.0)
+    return duration
+
+
+def _hidden(forward: tuple[float, float], backward: tuple[float, float]) -> float:
+    """Of an FB step, the exchange hidden: both halves' (ep) behind both halves' compute, at most all of it."""
+    return min(forward[0] + backward[0], forward[1] + backward[1])
 
 
 @lru_cache(maxsize=512)
-def _simulate(name: str, pp: int, vpp: int, m: int, durations: tuple[tuple[tuple[float, float], ...], ...],
-              ) -> tuple[float, tuple[float, ...]]:
-    """(makespan, busy seconds per pipeline rank) of the schedule with these (forward, backward) durations per
-    (rank, chunk). pipeline.simulator's cost grows with pp x m (about 0.5 s at pp=16, m=120)."""
-    result = simulate(_schedule(name, pp, vpp, m),
-                      duration=lambda r, a: durations[r][a.chunk][0 if a.kind == "F" else 1])
-    return result.makespan, result.busy
+def _simulate(name: str, pp: int, vpp: int, m: int, durations: Durations, overlap: bool = False,
+              delay_wgrad: bool = False) -> tuple[float, tuple[float, ...], float]:
+    """(makespan, busy seconds per pipeline rank, exchange hidden on the busiest rank) of the schedule with these
+    durations per (rank, chunk). pipeline.simulator's cost grows with pp x m (about 0.5 s at pp=16, m=120)."""
+    schedule = _schedule(name, pp, vpp, m, overlap)
+    result = simulate(schedule, duration=_duration(durations, overlap, delay_wgrad))
+    critical = max(range(pp), key=lambda r: result.busy[r])
+    hidden = 0.0
+    for a in schedule.rank_actions(critical):
+        if a.kind == "FB" and overlap:
+            hidden += _hidden(durations[critical][a.chunk][3], durations[critical][a.b_chunk][4])
+        elif a.kind == "B" and delay_wgrad:
+            _, _, w, _, (b_ep, _) = durations[critical][a.chunk]
+            hidden += min(b_ep, w)
+    return result.makespan, result.busy, hidden
 
 
 PROBES = (4, 6, 8)   # x pp micro-batches: the simulated steps whose makespans are extrapolated when collinear
 
 
-def _makespan(name: str, pp: int, vpp: int, m: int, durations: tuple[tuple[tuple[float, float], ...], ...],
-              ) -> float:
-    """The simulated makespan of ``m`` micro-batches. Past the warm-up a schedule repeats itself: each further
-    micro-batch adds the same time, so the makespan is affine in ``m``. When the simulated makespans of 4, 6 and
-    8 x pp micro-batches lie on one line (to 1e-9), that line gives the makespan at ``m`` (pp = 16 with m = 960
-    then costs three short simulations instead of one long one); otherwise, and for small ``m``, all ``m``
-    micro-batches are simulated."""
+def _makespan(name: str, pp: int, vpp: int, m: int, durations: Durations, overlap: bool = False,
+              delay_wgrad: bool = False) -> tuple[float, tuple[float, ...], float]:
+    """(makespan, busy per rank, hidden exchange on the busiest rank) of ``m`` micro-batches. Past the warm-up a
+    schedule repeats itself: each further micro-batch adds the same time, so these are affine in ``m``. When the
+    simulated makespans of 4, 6 and 8 x pp micro-batches lie on one line (to 1e-9), that line gives the values at
+    ``m`` (pp = 16 with m = 960 then costs three short simulations instead of one long one); otherwise, and for
+    small ``m``, all ``m`` micro-batches are simulated."""
     probes = [k * pp for k in PROBES]
     if m > 2 * probes[-1]:
-        spans = [_simulate(name, pp, vpp, k, durations)[0] for k in probes]
+        runs = [_simulate(name, pp, vpp, k, durations, overlap, delay_wgrad) for k in probes]
+        spans = [r[0] for r in runs]
         slopes = [(spans[i + 1] - spans[i]) / (probes[i + 1] - probes[i]) for i in range(2)]
         if abs(slopes[1] - slopes[0]) <= 1e-9 * spans[-1]:
-            return spans[-1] + (m - probes[-1]) * slopes[1]
-    return _simulate(name, pp, vpp, m, durations)[0]
+            k = (m - probes[-1]) / (probes[-1] - probes[-2])
+            busy = tuple(b + k * (b - a) for a, b in zip(runs[-2][1], runs[-1][1]))
+            return spans[-1] + (m - probes[-1]) * slopes[1], busy, runs[-1][2] + k * (runs[-1][2] - runs[-2][2])
+    return _simulate(name, pp, vpp, m, durations, overlap, delay_wgrad)
 
 
 def _optimizer_seconds(config: RunConfig, sizes: ParallelSizes, pp_rank: int, cluster: Cluster) -> float:
@@ -312,19 +373,24 @@ def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster
         for rank in actions:
             for action in (a for pair in rank for a in pair):
                 action.terms["compute"] = action.terms.get("compute", 0.0) / compute_share
-    if sizes.pp == 1:
+                action.weight /= compute_share
+    t = config.train
+    overlap, delay = t.overlap_moe_expert_parallel_comm, t.delay_wgrad_compute
+    durations = tuple(tuple((max(f.total, 1e-12), max(b.total, 1e-12), min(b.weight, 0.5 * max(b.total, 1e-12)),
+                             f.hideable, b.hideable) for f, b in rank) for rank in actions)
+    if sizes.pp == 1 and not overlap:
         makespan = m * sum(f.total + b.total for f, b in actions[0])
-        critical, busy = 0, (makespan,)
-    else:
-        durations = tuple(tuple((max(f.total, 1e-12), max(b.total, 1e-12)) for f, b in rank) for rank in actions)
-        makespan = _makespan(config.schedule_name(vpp), sizes.pp, vpp, m, durations)
-        busy = [m * sum(f + b for f, b in rank) for rank in durations]
+        critical, busy, hidden = 0, (makespan,), 0.0
+    else:   # at pp = 1 with the overlap: F0, FB(1, 0), ..., B(m-1) on one rank
+        name = config.schedule_name(vpp) if sizes.pp > 1 else "1f1b"
+        makespan, busy, hidden = _makespan(name, sizes.pp, vpp, m, durations, overlap, delay)
         critical = max(range(sizes.pp), key=lambda r: busy[r])
     terms = dict.fromkeys(TERMS, 0.0)
     for f, b in actions[critical]:
         for term, seconds in (*f.terms.items(), *b.terms.items()):
             terms[term] += m * seconds
-    terms["bubble"] = makespan - busy[critical]
+    terms["ep"] = max(0.0, terms["ep"] - hidden)
+    terms["bubble"] = max(0.0, makespan - busy[critical])
     fwd_window = sum(f.total for f, _ in actions[critical])
     bwd_window = sum(b.total for _, b in actions[critical])
     terms["dp"] = _dp_seconds(config, sizes, critical, links, fwd_window, bwd_window)

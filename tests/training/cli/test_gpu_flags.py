@@ -43,9 +43,44 @@ def test_impossible_choices_fail_before_ranks_start(capsys):
         assert main(_args("--fp8-format", "e4m3", "--fp8-backend", "te", "--moe-grouped-gemm-backend", "te")) == 2
         assert "pip install" in capsys.readouterr().err
     if importlib.util.find_spec("deep_ep") is None:
-        assert main(_args("--moe-token-dispatcher-type", "flex", "--nproc", "2",
-                          "--expert-model-parallel-size", "2")) == 2
+        flex = ("--moe-token-dispatcher-type", "flex", "--nproc", "2", "--expert-model-parallel-size", "2")
+        assert main(_args(*flex)) == 2
+        assert "DeepEP V2" in capsys.readouterr().err   # auto: what a DeepEP checkout builds today
+        assert main(_args(*flex, "--moe-flex-dispatcher-backend", "deepep-legacy")) == 2
         assert "DeepEP v1.2.1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"--moe-deepep-mode direct .*DeepEP V2 settings"):
+        validate(config_from_args(_args("--moe-flex-dispatcher-backend", "deepep-legacy", "--moe-deepep-mode",
+                                        "direct", "--moe-token-dispatcher-type", "flex")), 1)
+
+
+def test_flex_backend_flags_reach_the_moe_config_and_are_stated(monkeypatch):
+    """--moe-flex-dispatcher-backend / --moe-deepep-mode / --moe-deepep-cpu-sync reach MoEConfig; ``auto`` is
+    resolved from the installed DeepEP (V2: deepep) before the ranks start, and stated in one line."""
+    import sys
+
+    from moefold.training.cli.train import resolve_flex
+    from moefold.training.trainer import model_options
+    from tests.dispatch import deepep_elastic_standin, deepep_standin
+
+    flags = ("--moe-token-dispatcher-type", "flex", "--expert-model-parallel-size", "2", "--micro-batch-size", "2",
+             "--seq-length", "64", "--tensor-model-parallel-size", "2", "--moe-deepep-mode", "direct",
+             "--no-moe-deepep-cpu-sync")
+    run = config_from_args(_args(*flags))
+    assert (run.options.moe_flex_dispatcher_backend, run.options.moe_deepep_mode,
+            run.options.moe_deepep_cpu_sync) == ("auto", "direct", False)
+    monkeypatch.setitem(sys.modules, "deep_ep", deepep_elastic_standin.module())
+    resolved, line = resolve_flex(run, 4)
+    assert resolved.options.moe_flex_dispatcher_backend == "deepep"
+    assert "DeepEP 2.1.0 ElasticBuffer" in line and "direct mode" in line and "sync-free" in line, line
+    moe = moe_config(resolved.model, model_options(resolved), ParallelDims.single())
+    assert (moe.flex_backend, moe.deepep_hybrid, moe.deepep_cpu_sync) == ("deepep", False, False)
+    assert moe.deepep_max_tokens_per_rank == 2 * 64 // 2   # micro-batch x sequence / (tp x cp)
+    with pytest.raises(ValueError, match=r"DeepEP V2 needs a hidden size that is a multiple of 16.*--hidden-size 40"):
+        resolve_flex(config_from_args(_args(*flags, "--hidden-size", "40")), 4)   # before any rank starts
+    monkeypatch.setitem(sys.modules, "deep_ep", deepep_standin.module())   # DeepEP v1: only the legacy Buffer
+    resolved, line = resolve_flex(config_from_args(_args(*flags[:-3])), 4)
+    assert resolved.options.moe_flex_dispatcher_backend == "deepep-legacy" and "legacy Buffer" in line, line
+    assert resolve_flex(config_from_args(_args()), 1) == (config_from_args(_args()), None)   # no flex: nothing
 
 
 def test_flex_topk_over_deepep_limit_refused_naming_both_numbers(capsys):

@@ -52,3 +52,34 @@ def test_installs_rerun_what_they_make_possible():
     files, backends = gpu_check.rerun_plan(frozenset({"torchao", "transformer_engine"}))
     assert files == ["test_fp8_cuda.py", "test_gemm_backends.py"] and backends == ["grouped_mm", "te"]
     assert gpu_check.rerun_plan(frozenset({"deep_ep"})) == (["test_deepep.py"], [])
+
+
+def test_deepep_build_from_source_is_planned_per_version(tmp_path, monkeypatch):
+    """--deepep-src: a V2 checkout builds against an nvidia-nccl wheel >= 2.30.4 (refused, naming the wheel to
+    carry, when older or missing), a v1.2.1 one without; a rehearsal states the command instead of building."""
+    import types
+
+    from moefold.training.gpu import install as gpu_install
+
+    v2, v1 = tmp_path / "DeepEP", tmp_path / "DeepEP-v1.2.1"
+    (v2 / "deep_ep" / "buffers").mkdir(parents=True)
+    (v2 / "deep_ep" / "buffers" / "elastic.py").write_text("")
+    (v1 / "deep_ep").mkdir(parents=True)
+    (v1 / "deep_ep" / "buffer.py").write_text("")
+    assert [gpu_install.deepep_source(str(p)) for p in (v2, v1, tmp_path)] == ["V2", "v1", None]
+    nccl = tmp_path / "site" / "nvidia" / "nccl"
+    nccl.mkdir(parents=True)
+    monkeypatch.setattr(gpu_install, "nccl_wheel", lambda: ("nvidia-nccl-cu12", "2.27.3", str(nccl)))
+    cmd, _, why = gpu_install.deepep_build(str(v2), "V2", "9.0", {})
+    assert cmd is None and "NCCL >= 2.30.4" in why and "nvidia-nccl-cu12 2.27.3" in why and "--wheels" in why
+    monkeypatch.setattr(gpu_install, "nccl_wheel", lambda: ("nvidia-nccl-cu13", "2.30.4", str(nccl)))
+    cmd, env, note = gpu_install.deepep_build(str(v2), "V2", "9.0", {})
+    assert cmd[-4:] == ["install", "--no-build-isolation", "--no-deps", str(v2)] and "2.30.4" in note
+    assert env["EP_NCCL_ROOT_DIR"] == str(nccl) and env["TORCH_CUDA_ARCH_LIST"] == "9.0"
+    cmd, env, _ = gpu_install.deepep_build(str(v1), "v1", "9.0", {})
+    assert cmd is not None and "EP_NCCL_ROOT_DIR" not in env
+    monkeypatch.setattr(gpu_install.importlib.util, "find_spec", lambda name: None)
+    check = types.SimpleNamespace(args=types.SimpleNamespace(deepep_src=str(v2)), rehearsal=True, num_gpus=0,
+                                  env={})
+    line, built = gpu_install._deepep(check)
+    assert built is None and "not built (rehearsal)" in line and f"EP_NCCL_ROOT_DIR={nccl}" in line, line

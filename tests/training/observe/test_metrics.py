@@ -83,3 +83,13 @@ def test_peak_flops_and_mfu():
     mem = memory_stats("cpu")
     assert set(mem) == {"rss_gib", "peak_rss_gib"} and 0 < mem["rss_gib"] < 1024 and math.isfinite(mem["rss_gib"])
     assert mem["peak_rss_gib"] > 0
+
+
+def test_received_counts_are_logged_with_their_balance():
+    """The dispatcher's received copies per expert (DeepEP V2's): in the record and as a per-layer scalar."""
+    moe = MetricsLogger._moe([[4, 4], [6, 2]], [0.0, 0.25], [1, 3], None, [[4, 4], [6, 0]])
+    assert moe["received_per_expert"] == [[4, 4], [6, 0]] and moe["received_max_over_mean"] == [1.0, 2.0]
+    scalars = MetricsLogger._scalars({"memory": {}, "moe": moe})
+    assert scalars["moe_received_max_over_mean/layer03"] == 2.0 and scalars["moe_max_over_mean/layer03"] == 1.5
+    with pytest.raises(ValueError, match="received_per_expert has 1 layers, expected 2"):
+        MetricsLogger._moe([[1], [2]], [0.0, 0.0], None, None, [[1]])

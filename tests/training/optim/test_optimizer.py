@@ -77,12 +77,15 @@ def test_distributed_adamw_equals_torch_adamw():
 
 def test_lr_schedules():
     s = LRSchedule(lr=1.0, min_lr=0.1, warmup_iters=2, decay_iters=12, style="cosine")
-    assert [s(0), s(1)] == [0.5, 1.0]
+    assert [s(0), s(1)] == [0.0, 0.5]   # Megatron's warmup: step 0 at --lr-warmup-init
+    old = LRSchedule(lr=1.0, min_lr=0.1, warmup_iters=2, decay_iters=12, style="cosine", warmup_skip_zero=True)
+    assert [old(0), old(1), old(2)] == [0.5, 1.0, 1.0]
+    assert LRSchedule(lr=1.0, warmup_iters=4, decay_iters=12, warmup_init=0.2)(2) == pytest.approx(0.6)
     assert s(2) == pytest.approx(1.0) and s(7) == pytest.approx(0.55) and s(12) == pytest.approx(0.1)
     lin = LRSchedule(lr=1.0, min_lr=0.0, warmup_iters=0, decay_iters=10, style="linear")
     assert lin(5) == pytest.approx(0.5)
     wsd = LRSchedule(lr=1.0, min_lr=0.0, warmup_iters=2, decay_iters=12, style="WSD", wsd_decay_iters=4)
-    assert [wsd(i) for i in (2, 7)] == [1.0, 1.0] and wsd(8) == pytest.approx(0.75) and wsd(11) == pytest.approx(0.0)
+    assert [wsd(i) for i in (2, 8)] == [1.0, 1.0] and wsd(9) == pytest.approx(0.75) and wsd(12) == pytest.approx(0.0)
     with pytest.raises(ValueError, match="lr decay style 'cos'"):
         LRSchedule(lr=1.0, style="cos")
 

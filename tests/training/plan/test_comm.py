@@ -434,11 +434,20 @@ def test_pipelined_step_moves_the_predicted_bytes():
 
 @pytest.mark.parametrize("name,vpp", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)])
 def test_long_steps_extrapolate_the_simulated_makespan_exactly(name, vpp):
-    """Past the warm-up each micro-batch adds the same time: three short simulations give the long one."""
+    """Past the warm-up each micro-batch adds the same time: three short simulations give the long one (also its busy
+    times and, with the batch-level overlap, the exchange hidden)."""
     g = torch.Generator().manual_seed(5)
-    durations = tuple(tuple((0.5 + torch.rand((), generator=g).item(), 1 + 2 * torch.rand((), generator=g).item())
+
+    def rand() -> float:
+        return torch.rand((), generator=g).item()
+
+    durations = tuple(tuple((0.5 + rand(), 1 + 2 * rand(), 0.3, (0.1 * rand(), 0.4), (0.2 * rand(), 0.8))
                             for _ in range(vpp)) for _ in range(4))
-    step_time._simulate.cache_clear()
-    extrapolated = step_time._makespan(name, 4, vpp, 80, durations)
-    assert step_time._simulate.cache_info().currsize == len(step_time.PROBES)   # m = 80 itself was not simulated
-    assert extrapolated == pytest.approx(step_time._simulate(name, 4, vpp, 80, durations)[0], rel=1e-12)
+    for overlap in (False, True) if name == "interleaved" else (False,):
+        step_time._simulate.cache_clear()
+        extrapolated = step_time._makespan(name, 4, vpp, 80, durations, overlap)
+        assert step_time._simulate.cache_info().currsize == len(step_time.PROBES)   # m = 80 was not simulated
+        exact = step_time._simulate(name, 4, vpp, 80, durations, overlap)
+        assert extrapolated[0] == pytest.approx(exact[0], rel=1e-12)
+        assert extrapolated[1] == pytest.approx(exact[1], rel=1e-12)
+        assert extrapolated[2] == pytest.approx(exact[2], rel=1e-12) and (exact[2] > 0) == overlap

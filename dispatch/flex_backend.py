@@ -1,0 +1,85 @@
+"""Which DeepEP runs the flex dispatcher (``--moe-flex-dispatcher-backend``), decided once and stated at start-up.
+
+- ``deepep``: DeepEP V2's ``ElasticBuffer`` (``dispatch.deepep_elastic``): NCCL Gin, JIT-built kernels,
+  sync-free dispatch.
+- ``deepep-legacy``: DeepEP's v1 ``Buffer`` API (``dispatch.deepep``; DeepEP v1.2.1, or ``deep_ep.Buffer`` of
+  DeepEP 2.x, ``deep_ep/buffers/legacy.py``): NVSHMEM, one host wait per dispatch for the received counts.
+- ``auto`` (default): ``deepep`` when the installed ``deep_ep`` has ``ElasticBuffer`` (2.x), else
+  ``deepep-legacy``.
+
+The names follow Megatron-Core's ``--moe-flex-dispatcher-backend`` (whose ``deepep`` is DeepEP's v1 API;
+moefold's ``deepep`` is V2 and the v1 API is ``deepep-legacy``). Megatron's other backends (HybridEP, NCCL-EP)
+are not implemented.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+FLEX_BACKENDS: tuple[str, ...] = ("deepep", "deepep-legacy")
+FLEX_BACKEND_CHOICES: tuple[str, ...] = ("auto", *FLEX_BACKENDS)
+
+
+def check_flex_backend(name: str) -> None:
+    if name not in FLEX_BACKEND_CHOICES:
+        raise ValueError(f"--moe-flex-dispatcher-backend={name!r}; valid: {', '.join(FLEX_BACKEND_CHOICES)}")
+
+
+def resolve_flex_backend(name: str) -> str:
+    """``name`` with ``auto`` replaced by what the installed DeepEP runs; ImportError naming what to install when
+    the backend's DeepEP is missing."""
+    check_flex_backend(name)
+    if name == "deepep":
+        from moefold.dispatch.deepep_elastic import import_elastic
+
+        import_elastic()
+        return name
+    if name == "deepep-legacy":
+        from moefold.dispatch.deepep import import_deep_ep
+
+        import_deep_ep()
+        return name
+    try:
+        deep_ep = importlib.import_module("deep_ep")
+    except ImportError as exc:
+        from moefold.dispatch.deepep_elastic import V2_INSTALL_HINT
+
+        raise ImportError(V2_INSTALL_HINT) from exc
+    return "deepep" if hasattr(deep_ep, "ElasticBuffer") else "deepep-legacy"
+
+
+def describe_flex_backend(name: str, *, hybrid: bool = True, cpu_sync: bool = False, num_sms: int = 0) -> str:
+    """The start-up line naming the backend, the installed DeepEP and its settings (imports ``deep_ep``)."""
+    deep_ep: Any = importlib.import_module("deep_ep")
+    version = getattr(deep_ep, "__version__", "?")
+    if name == "deepep":
+        sms = f"{num_sms} SMs" if num_sms else "SMs from ElasticBuffer.get_theoretical_num_sms"
+        sync = "CPU sync for the received counts (1 host wait per dispatch)" if cpu_sync else \
+            "sync-free (do_cpu_sync=False, worst-case receive buffers)"
+        return (f"flex dispatcher: DeepEP {version} ElasticBuffer (--moe-flex-dispatcher-backend deepep), "
+                f"{'hybrid' if hybrid else 'direct'} mode, {sync}, {sms}")
+    return (f"flex dispatcher: DeepEP {version} legacy Buffer (--moe-flex-dispatcher-backend deepep-legacy), "
+            f"normal kernels, 1 host wait per dispatch, {num_sms or 20} SMs")
+
+
+def destroy_deepep_buffers() -> int:
+    """Destroy this process's DeepEP buffers of both backends (``dispatch.deepep.BUFFERS``,
+    ``dispatch.deepep_elastic.ELASTIC_BUFFERS``): collective over each buffer's group, before the process group
+    goes, as a run ends normally. Returns how many were destroyed."""
+    from moefold.dispatch.deepep import BUFFERS
+    from moefold.dispatch.deepep_elastic import ELASTIC_BUFFERS
+
+    return BUFFERS.destroy() + ELASTIC_BUFFERS.destroy()
+
+
+def forget_deepep_buffers() -> int:
+    """Drop them without DeepEP's collective destroy (a failed run: a peer may never reach it)."""
+    from moefold.dispatch.deepep import BUFFERS
+    from moefold.dispatch.deepep_elastic import ELASTIC_BUFFERS
+
+    return BUFFERS.forget() + ELASTIC_BUFFERS.forget()
+
+
+__all__ = ["FLEX_BACKENDS", "FLEX_BACKEND_CHOICES", "check_flex_backend", "describe_flex_backend",
+           "destroy_deepep_buffers", "forget_deepep_buffers", "resolve_flex_backend"]

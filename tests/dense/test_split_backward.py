@@ -1,0 +1,165 @@
+"""Split backward (``dense.split_backward``): input gradients in ``I``, weight gradients in ``W``.
+
+For every module kind that defers (dense MLP, GQA and MLA attention, torchao FP8 linears, the decoder
+block with its MoE FFN; the routed experts' grouped GEMMs in tests/moe/test_split_gemm.py): after the
+``I`` backward the input gradient equals the plain backward's bit for bit while the deferred weights have
+received nothing, and after ``W`` every parameter gradient equals the plain one bit for bit (the same
+kernels on the same operands), post-accumulate hooks included. Selective recompute inside the module
+runs in ``I`` only (``W`` replays nothing).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from moefold.dense.attention import GQAAttention
+from moefold.dense.attention_config import AttentionConfig, MLAConfig
+from moefold.dense.fp8_linear import convert_linears_to_fp8
+from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
+from moefold.dense.mla import MLAttention
+from moefold.dense.mlp import DenseMLP, MLPConfig
+from moefold.dense.split_backward import WeightGradStore, install_weight_grad_store
+from moefold.parallel.fp8 import FP8Config
+from moefold.parallel.sharding import init_parameters
+
+S, B, H = 8, 2, 32
+GQA = AttentionConfig(hidden_size=H, num_heads=4, num_query_groups=2, head_dim=8, qk_norm=True, bias=True)
+MLA = MLAConfig(hidden_size=H, num_heads=4, q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8,
+                qk_rope_head_dim=4, v_head_dim=6, bias=True)
+
+
+class _Linears(nn.Module):
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.up = ColumnParallelLinear(H, 48, None, bias=bias)
+        self.down = RowParallelLinear(48, H, None, bias=bias)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def _modules():
+    pos = torch.arange(S)
+    fp8 = _Linears(bias=True)
+    convert_linears_to_fp8(fp8, FP8Config("hybrid", "tensorwise"))
+    fp8_rowwise = _Linears(bias=False)
+    convert_linears_to_fp8(fp8_rowwise, FP8Config("e4m3", "rowwise"))
+    recomputed = MLAttention(MLA, None)
+    recomputed.recompute_core_attn = recomputed.recompute_up_proj = True
+    return {
+        "dense_mlp": (DenseMLP(MLPConfig(hidden_size=H, ffn_hidden_size=48), None), lambda m, x: m(x)),
+        "linears_bias": (_Linears(bias=True), lambda m, x: m(x)),
+        "gqa": (GQAAttention(GQA, None), lambda m, x: m(x, pos)),
+        "mla": (MLAttention(MLA, None), lambda m, x: m(x, pos)),
+        "mla_recompute": (recomputed, lambda m, x: m(x, pos)),
+        "fp8_tensorwise": (fp8, lambda m, x: m(x)),
+        "fp8_rowwise": (fp8_rowwise, lambda m, x: m(x)),
+    }
+
+
+MODULES = list(_modules())
+
+
+def _grads(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: None if p.grad is None else p.grad.clone() for n, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_split_backward_equals_plain_backward(name):
+    module, call = _modules()[name]
+    init_parameters(module, seed=3)
+    split = copy.deepcopy(module)
+    store = WeightGradStore()
+    deferring = install_weight_grad_store(split, store)
+    assert deferring, "no module took the store"
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(S, B, H, generator=gen)
+    dy = torch.randn(S, B, H, generator=gen)
+
+    x_plain = x.clone().requires_grad_()
+    call(module, x_plain).backward(dy)
+
+    hooks: list[str] = []
+    for n, p in split.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _p, n=n: hooks.append(n))
+    x_split = x.clone().requires_grad_()
+    with store.splitting():
+        out = call(split, x_split)
+    with store.defer() as later:
+        out.backward(dy)
+    assert torch.equal(x_split.grad, x_plain.grad), "I: the input gradient differs from the plain backward's"
+    assert len(later) > 0
+    waiting = [n for n, p in split.named_parameters() if p.grad is None]
+    assert any(n.endswith("weight") for n in waiting), "I computed every weight gradient: nothing was deferred"
+    reported = list(hooks)
+    later.run()
+    assert len(later) == 0
+    assert sorted(hooks) == sorted(n for n, _ in split.named_parameters()), "every parameter reports once"
+    assert set(hooks) - set(reported) == set(waiting), "the deferred ones report in W"
+    plain, got = _grads(module), _grads(split)
+    for n in plain:
+        assert torch.equal(got[n], plain[n]), f"W: {name}.{n} differs from the plain backward"
+
+
+def test_outside_defer_the_split_gemms_compute_everything_at_once():
+    """A split forward backpropagated outside ``defer()`` accumulates at once; a forward outside ``splitting()`` is
+    the plain graph (nothing defers, even inside ``defer()``)."""
+    module = _Linears(bias=True)
+    init_parameters(module, seed=1)
+    split = copy.deepcopy(module)
+    store = WeightGradStore()
+    install_weight_grad_store(split, store)
+    x = torch.randn(S, B, H)
+    module(x).sum().backward()
+    with store.splitting():
+        out = split(x)
+    out.sum().backward()
+    for (n, a), (_, b) in zip(module.named_parameters(), split.named_parameters()):
+        assert torch.equal(a.grad, b.grad), n
+    split.zero_grad(set_to_none=True)
+    with store.defer() as later:
+        split(x).sum().backward()
+    assert len(later) == 0
+    for (n, a), (_, b) in zip(module.named_parameters(), split.named_parameters()):
+        assert torch.equal(a.grad, b.grad), n
+
+
+def test_nested_deferral_and_merge_keep_the_order():
+    """An inner deferral (delay-wgrad inside an I) hands its GEMMs to the outer one; W accumulates into an
+    existing gradient in place (the main-grad buffer), as AccumulateGrad does."""
+    module = _Linears(bias=False)
+    init_parameters(module, seed=2)
+    store = WeightGradStore()
+    install_weight_grad_store(module, store)
+    buffers = {n: torch.zeros_like(p) for n, p in module.named_parameters()}
+    for n, p in module.named_parameters():
+        p.grad = buffers[n]
+    with store.splitting():
+        out = module(torch.randn(S, B, H))
+    with store.defer() as outer:
+        with store.defer() as inner:
+            out.sum().backward()
+        assert len(inner) == 2 and len(outer) == 0
+        inner.merge_into(outer)
+    assert len(outer) == 2 and all(b.abs().sum() == 0 for b in buffers.values())
+    outer.run()
+    for n, p in module.named_parameters():
+        assert p.grad is buffers[n] and p.grad.abs().sum() > 0, n
+
+
+def test_transformer_engine_linear_is_refused_with_one_line():
+    from moefold.dense.split_backward import split_local_gemm
+
+    class TE:
+        def __call__(self, x, w, b=None):
+            return x
+
+        def describe(self):
+            return "Transformer Engine e4m3 delayed"
+
+    with pytest.raises(ValueError, match="cannot defer the weight gradient of a Transformer Engine"):
+        split_local_gemm(TE(), WeightGradStore())
