@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moefold.dense.grad_accumulation import MainGradSlot, mm_into, write_weight_grad
-from moefold.moe.expert_rows import ExpertRows, RowLayout, pad_rows
+from moefold.moe.expert_rows import ExpertRows, RowLayout, max_auto_rows, pad_rows
 from moefold.moe.gemm import grouped_gemm
 from moefold.parallel.workspace import workspace
 
@@ -193,7 +193,9 @@ def _time_layout(kind: RowLayout, counts: tuple[int, ...], x_NK: Tensor, w_eMK: 
 def choose_layout(counts: tuple[int, ...], x_NK: Tensor, w_eMK: Tensor, forced: str = "auto") -> ExpertRows:
     """The rows of this call: in the ``forced`` layout, or in the fastest one measured for its shape (device,
     dtype, experts, K, M, rows per expert rounded down to a power of two; measured once per process on the real
-    weights, a padded layout kept only when >= 5% faster than packed). Packed off the CPU and for one expert."""
+    weights, a padded layout kept only when >= 5% faster than packed). Packed off the CPU and for one expert. A
+    measured ``uniform`` whose blocks would exceed ``max_auto_rows`` for these counts (skewed routing) gives
+    ``aligned`` rows for this call: the padding is activation memory, bounded so the planner can count it."""
     if forced != "auto":
         return ExpertRows.build(counts, forced)   # type: ignore[arg-type]
     if x_NK.device.type != "cpu" or len(counts) < 2 or sum(counts) == 0:
@@ -209,7 +211,10 @@ def choose_layout(counts: tuple[int, ...], x_NK: Tensor, w_eMK: Tensor, forced: 
         if kind != "packed" and times[kind] > (1 - MIN_GAIN) * times["packed"]:
             kind = "packed"
         _CHOSEN[key] = kind
-    return ExpertRows.build(counts, kind)
+    rows = ExpertRows.build(counts, kind)
+    if rows.total > max_auto_rows(rows.num_rows, len(counts)):
+        rows = ExpertRows.build(counts, "aligned")
+    return rows
 
 
 def chosen_layouts() -> dict[tuple, str]:

@@ -16,6 +16,10 @@ Padded layouts cost a copy of the input rows into the blocks and of the output r
 through the SwiGLU experts, so the gradients are exactly those of the packed layout.
 
 ``moe.expert_gemm.choose_layout`` picks one per shape by measuring them; ``MoEConfig.expert_row_layout`` fixes it.
+Memory: the padded rows are activations (the padded input copy, the gate/up output and the product are saved for
+backward), so a measured choice never holds more than ``max_auto_rows`` (``aligned``'s worst case, N + e(ALIGN - 1)):
+a ``uniform`` call over skewed counts (one hot expert: e times N rows) takes ``aligned`` instead. The planner
+(``training.plan.activations_ffn``) counts that bound on CPU.
 """
 
 from __future__ import annotations
@@ -32,6 +36,11 @@ from moefold.parallel.workspace import workspace
 RowLayout = Literal["packed", "aligned", "uniform"]
 ROW_LAYOUTS: tuple[str, ...] = ("auto", "packed", "aligned", "uniform")
 ALIGN = 32   # rows: oneDNN's kernels for M (or K) a multiple of 32 cover every block size seen in training
+
+
+def max_auto_rows(num_rows: int, experts: int) -> int:
+    """The most buffer rows a measured (``auto``) layout holds for ``num_rows`` rows over ``experts`` experts."""
+    return num_rows + experts * (ALIGN - 1)
 
 
 @dataclass(frozen=True)
@@ -147,4 +156,4 @@ def unpad_rows(x_PH: Tensor, rows: ExpertRows) -> Tensor:
     return _UnpadRows.apply(x_PH, rows) if rows.padded else x_PH
 
 
-__all__ = ["ALIGN", "ROW_LAYOUTS", "ExpertRows", "RowLayout", "pad_rows", "unpad_rows"]
+__all__ = ["ALIGN", "ROW_LAYOUTS", "ExpertRows", "RowLayout", "max_auto_rows", "pad_rows", "unpad_rows"]

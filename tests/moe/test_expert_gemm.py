@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from moefold.moe import expert_gemm
 from moefold.moe.expert_gemm import choose_layout, chosen_layouts, grouped_linear
-from moefold.moe.expert_rows import ALIGN, ExpertRows, pad_rows, unpad_rows
+from moefold.moe.expert_rows import ALIGN, ExpertRows, max_auto_rows, pad_rows, unpad_rows
 from moefold.moe.experts import GroupedExperts
 from moefold.moe.swiglu import swiglu_rows
 from moefold.parallel.sharding import init_parameters
@@ -81,11 +81,24 @@ def test_layout_measured_once_per_shape_and_forced_when_asked(monkeypatch):
     x, w = torch.randn(256, 16), torch.randn(8, 24, 16)
     first = choose_layout((32,) * 8, x, w)
     again = choose_layout((30, 34) * 4, x, w)   # same shape class: no new measurement
-    assert len(chosen_layouts()) == 1 and again.kind == first.kind
+    # (uniform blocks of 64 rows would pass max_auto_rows for these uneven counts: aligned rows instead)
+    assert len(chosen_layouts()) == 1 and again.kind == ("aligned" if first.kind == "uniform" else first.kind)
     assert choose_layout((32,) * 8, x, w, forced="uniform").kind == "uniform"
     assert choose_layout((256,), x[:, :16], w[:1]).kind == "packed"        # one expert: nothing to batch
     assert choose_layout((32,) * 8, x.to("meta"), w.to("meta")).kind == "packed"   # off the CPU
     assert len(chosen_layouts()) == 1
+
+
+def test_measured_uniform_never_pads_past_the_planned_bound(monkeypatch):
+    """Skewed counts in a shape class measured ``uniform``: one hot expert would give e times the rows (activation
+    memory the planner bounds by ``max_auto_rows``); the call takes ``aligned`` rows instead."""
+    monkeypatch.setattr(expert_gemm, "_CHOSEN", {})
+    monkeypatch.setattr(expert_gemm, "_time_layout", lambda kind, *_: {"uniform": 0.1}.get(kind, 1.0))
+    x, w = torch.randn(256, 16), torch.randn(8, 24, 16)
+    assert choose_layout((32,) * 8, x, w).kind == "uniform"
+    skewed = choose_layout((200,) + (8,) * 7, x, w)   # same shape class; uniform would hold 8 x 224 rows
+    assert skewed.kind == "aligned" and skewed.total <= max_auto_rows(256, 8) < ExpertRows.build(
+        (200,) + (8,) * 7, "uniform").total
 
 
 @pytest.mark.parametrize("layout", ["packed", "aligned", "uniform"])
