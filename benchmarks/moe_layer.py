@@ -1,70 +1,83 @@
-"""One MoE layer, forward + backward, against the dense-GEMM ceiling of the same work (world 1).
+"""One MoE layer, forward + backward, against the dense-GEMM ceiling and Megatron-Core's layer (world 1).
 
-    python benchmarks/moe_layer.py        # T=4096 H=512, bf16 + fp32, both configs, eager + compiled, both allocators
-    python benchmarks/moe_layer.py --dtypes bf16 --configs 16,2,1024 --iters 7 --no-compile --allocators default
+    python benchmarks/moe_layer.py      # T=4096 H=512, fp32 + bf16, E/k/F 16/2/1024, 64/8/256, 256/8/256, 2 allocators
+    python benchmarks/moe_layer.py --dtypes fp32 --configs 16,2,1024 --rounds 7 --allocators default --profile 12
 
-For each (dtype, E/k/F config, GEMM backend, eager or ``--compile``d) it prints the median time of
+For each (dtype, E/k/F config) it times, side by side in rotated rounds (each round runs every candidate once,
+the order shifted by one per round; medians reported):
 
-- layer:   the whole MoELayer (router, local permutation, experts, weighted unpermutation), fwd + bwd
-- experts: the grouped experts alone on already-permuted rows (GEMMs + activation), fwd + bwd
+- ceiling:  plain dense matmuls doing exactly the expert GEMMs' work, as if every routed copy went to one
+            expert ([N, H] x [H, 2F], [N, F] x [F, H] and their four backward products), N = T*k;
+- moefold:  the whole ``MoELayer`` (router, local permutation, experts, weighted unpermutation), fwd + bwd, as the
+            trainer runs it: ``GradSync`` main-grad buffers with gradient-accumulation fusion (the weight
+            gradients written into the fp32 buffer), the expert row layout chosen by measured speed;
+- experts:  moefold's grouped experts alone on already-permuted rows;
+- megatron: Megatron-Core's ``MoELayer`` with ``SequentialMLP`` experts (its local, non-Transformer-Engine
+            spec: TopKRouter in fp32, allgather dispatcher; ``megatron-core`` installed, else skipped), fwd + bwd
+            with its parameters' ``.grad`` reset each call (Megatron's fused wgrad kernel is CUDA-only).
 
-and their achieved GFLOP/s counting only the expert GEMMs (3 projections x (fwd + 2 bwd) x
-2*N*H*F, N = T*k). The ceiling is measured in the same run: plain dense matmuls doing exactly
-that work as if every routed copy went to one expert ([N, H] x [H, 2F], [N, F] x [F, H] and their
-four backward products). The ratio layer/ceiling is the figure of merit. "compiled" is what
-``--compile`` does to an MoE layer (``training.compile.compile_moe_layer``: router compiled, the
-experts' SwiGLU one fused kernel per direction); its compile time is printed once.
-Routing is near-uniform (random router weights, dropless).
+GFLOP/s count the expert GEMMs only (3 projections x (fwd + 2 bwd) x 2*N*H*F). The figures of merit are
+moefold / ceiling and megatron time / moefold time, both from the same rounds. Routing is near-uniform
+(random router weights, dropless). ``--profile N`` prints the N top ops (self CPU time) of one moefold step.
 
-The first line names the machine (CPU capability, bf16 matmul units, threads, allocator
-settings: with glibc's defaults every freed buffer over 32 MB goes back to the OS and the next
-one is page-faulted in again, which on CPU costs as much as a good part of the GEMMs; see
-RESULTS.md). ``--allocators default,tuned`` (the default) runs the whole table twice, the second
-time in a child process started with ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` at
-4 GiB (glibc keeps freed memory for reuse), so one command shows both. bf16 rows are skipped, with
-the reason, on a CPU without bf16 matmul units.
+The first line names the machine (CPU, bf16 matmul units, threads, allocator). ``--allocators default,tuned``
+(the default) runs the whole table twice, the second time in a child process started with glibc's
+``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` at 4 GiB (freed memory kept for reuse), so one
+command shows whether the allocator still matters. bf16 rows are skipped, with the reason, on a CPU without
+bf16 matmul units. ``--compile`` adds rows for what ``moefold train --compile`` does to the layer.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
 
+from moefold.dense.grad_accumulation import enable_grad_accumulation_fusion
 from moefold.moe.config import MoEConfig
+from moefold.moe.expert_gemm import chosen_layouts
 from moefold.moe.layer import MoELayer
 from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelDims
 from moefold.parallel.machine import bf16_skip_reason, describe_machine
 from moefold.parallel.sharding import init_parameters
 from moefold.training.compile import compile_moe_layer, compile_unavailable
+from moefold.training.optim.grad_sync import GradSync
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 TUNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4294967296"}
-CPU_CLOCK = False  # --cpu-time
 
 
-def median_time(fn: Callable[[], None], iters: int, warmup: int = 1) -> float:
-    """Median seconds per call: wall-clock, or this process's CPU time with ``CPU_CLOCK`` (a loaded machine)."""
-    clock = time.process_time if CPU_CLOCK else time.perf_counter
+def _clock(cpu_time: bool) -> Callable[[], float]:
+    return time.process_time if cpu_time else time.perf_counter
+
+
+def rotated_medians(steps: dict[str, Callable[[], None]], rounds: int, clock: Callable[[], float],
+                    warmup: int = 1) -> dict[str, float]:
+    """Median seconds per call of each step, run round-robin (round r starts at candidate r mod n)."""
+    names = list(steps)
     for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = clock()
-        fn()
-        times.append(clock() - t0)
-    return statistics.median(times)
+        for name in names:
+            steps[name]()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t0 = clock()
+            steps[name]()
+            times[name].append(clock() - t0)
+    return {n: statistics.median(v) for n, v in times.items()}
 
 
-def dense_ceiling(N: int, H: int, F: int, dtype: torch.dtype, iters: int) -> float:
-    """Seconds for the six dense matmuls of one gated MLP over N rows, fwd + bwd."""
+def dense_ceiling(N: int, H: int, F: int, dtype: torch.dtype) -> Callable[[], None]:
+    """The six dense matmuls of one gated MLP over N rows, fwd + bwd."""
     x, gy = torch.randn(N, H, dtype=dtype), torch.randn(N, H, dtype=dtype)
     w13, w2 = torch.randn(H, 2 * F, dtype=dtype), torch.randn(F, H, dtype=dtype)
     h, dh = torch.randn(N, F, dtype=dtype), torch.randn(N, 2 * F, dtype=dtype)
@@ -77,32 +90,30 @@ def dense_ceiling(N: int, H: int, F: int, dtype: torch.dtype, iters: int) -> flo
         dh @ w13.T       # d x
         x.T @ dh         # d w13
 
-    return median_time(step, iters)
+    return step
 
 
-def bench(T: int, H: int, E: int, k: int, F: int, dtype: torch.dtype, backend: str, iters: int,
-          compiled: bool) -> tuple[float, float, float]:
-    """(layer seconds, experts seconds, seconds the first layer step took beyond a timed one: compiling)."""
+def moefold_steps(T: int, H: int, E: int, k: int, F: int, dtype: torch.dtype, compiled: bool
+                  ) -> tuple[Callable[[], None], Callable[[], None], MoELayer]:
+    """(layer step, experts-only step, layer): the trainer's path (GradSync with gradient-accumulation fusion)."""
     router = RouterConfig(num_experts=E, topk=k, load_balancing_type="none")
-    cfg = MoEConfig(num_experts=E, moe_ffn_hidden_size=F, router=router, dispatcher="local", gemm_backend=backend)
+    cfg = MoEConfig(num_experts=E, moe_ffn_hidden_size=F, router=router, dispatcher="local")
     layer = MoELayer(cfg, H, ParallelDims.single(), dtype=dtype)
     init_parameters(layer, seed=0)
     if compiled:
         compile_moe_layer(layer)
+    sync = GradSync(layer.named_parameters(), ParallelDims.single(), overlap=False)
+    enable_grad_accumulation_fusion(layer)
     x = torch.randn(T, 1, H, dtype=dtype, requires_grad=True)
     gy = torch.randn(T, 1, H, dtype=dtype)
 
     def layer_step() -> None:
-        layer.zero_grad(set_to_none=True)  # as a trainer does: no gradient accumulation in the timing
+        sync.start_step(1)
         x.grad = None
         y, _ = layer(x)
         y.backward(gy)
+        sync.finish()
 
-    t0 = time.perf_counter()
-    layer_step()  # compiles, when compiled
-    t_first = time.perf_counter() - t0
-    t_layer = median_time(layer_step, iters)
-    # the experts alone, on the rows the dispatcher produced
     with torch.no_grad():
         routed = layer.router(x.view(T, H))
         d = layer.dispatcher.dispatch(x.view(T, H).detach(), routed.routing)
@@ -110,34 +121,124 @@ def bench(T: int, H: int, E: int, k: int, F: int, dtype: torch.dtype, backend: s
     g_rows = torch.randn_like(rows)
 
     def experts_step() -> None:
-        layer.zero_grad(set_to_none=True)
+        sync.start_step(1)
         rows.grad = None
         layer.experts(rows, d.tokens_per_expert_e).backward(g_rows)
+        sync.finish()
 
-    return t_layer, median_time(experts_step, iters), max(0.0, t_first - t_layer)
+    return layer_step, experts_step, layer
+
+
+@contextlib.contextmanager
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def megatron_available() -> str | None:
+    """None when megatron-core can run here, else why not."""
+    try:
+        with _quiet():
+            import megatron.core  # noqa: F401
+    except ImportError:
+        return "megatron-core is not installed (pip install --no-deps megatron-core==0.16.1)"
+    return None
+
+
+_MEGATRON_READY = False
+
+
+def _megatron_setup() -> None:
+    """World-1 gloo group and Megatron's parallel state; its CUDA-only calls (device queries, RNG forks, TE's
+    GEMM name) pointed at the CPU, nothing that computes a value."""
+    global _MEGATRON_READY
+    if _MEGATRON_READY:
+        return
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    with _quiet():
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import random as mrandom
+        from megatron.core.transformer.moe import moe_utils
+    parallel_state.initialize_model_parallel(1, 1)
+    torch.cuda.current_device = lambda: "cpu"
+    mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    moe_utils.te_general_gemm = None
+    _MEGATRON_READY = True
+
+
+def megatron_step(T: int, H: int, E: int, k: int, F: int, dtype: torch.dtype) -> Callable[[], None]:
+    """Megatron-Core 0.16.1's MoELayer (SequentialMLP experts, local spec), fwd + bwd."""
+    _megatron_setup()
+    with _quiet():
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer.spec_utils import build_module
+        from megatron.core.transformer.transformer_config import TransformerConfig
+    cfg = TransformerConfig(
+        num_layers=1, hidden_size=H, num_attention_heads=8, ffn_hidden_size=F, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        bias_dropout_fusion=False, gradient_accumulation_fusion=False, num_moe_experts=E, moe_ffn_hidden_size=F,
+        moe_router_topk=k, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_router_dtype="fp32",
+        use_cpu_initialization=True, perform_initialization=True, bf16=dtype == torch.bfloat16, params_dtype=dtype)
+    with _quiet():
+        mlp = build_module(get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False).submodules.mlp,
+                           config=cfg)
+    x = torch.randn(T, 1, H, dtype=dtype, requires_grad=True)
+    gy = torch.randn(T, 1, H, dtype=dtype)
+    params = list(mlp.parameters())
+
+    def step() -> None:
+        for p in params:
+            p.grad = None
+        x.grad = None
+        y, _ = mlp(x)
+        y.backward(gy)
+
+    return step
+
+
+def profile_top(step: Callable[[], None], top: int) -> None:
+    from torch.profiler import profile
+
+    with profile() as prof:
+        step()
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in events) or 1
+    print(f"#   top ops of one step (self CPU, {total / 1e3:.0f} ms profiled):")
+    for e in events[:top]:
+        share = 100 * e.self_cpu_time_total / total
+        print(f"#     {e.key[:44]:44} {e.self_cpu_time_total / 1e3:8.1f} ms {share:5.1f}% x{e.count}")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--dtypes", default="bf16,fp32")
-    p.add_argument("--configs", default="16,2,1024;64,8,256", help="E,k,F;E,k,F;...")
-    p.add_argument("--backends", default="grouped_mm")
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--no-compile", action="store_true", help="eager rows only")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens T per layer call")
+    p.add_argument("--hidden", type=int, default=512, help="hidden size H")
+    p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16")
+    p.add_argument("--configs", default="16,2,1024;64,8,256;256,8,256", help="E,k,F;E,k,F;...")
+    p.add_argument("--rounds", type=int, default=5, help="rotated rounds (medians)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--compile", action="store_true", help="add rows with the layer compiled as --compile does")
+    p.add_argument("--no-megatron", action="store_true", help="skip the Megatron-Core peer")
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="print the N top ops of one moefold step")
     p.add_argument("--allocators", default="default,tuned",
                    help="default: this process's allocator settings; tuned: again in a child process with "
                         "glibc's mmap and trim thresholds at 4 GiB")
     p.add_argument("--cpu-time", action="store_true",
-                   help="time with this process's CPU time instead of wall-clock (use with --threads 1 "
-                        "on a shared, loaded machine)")
+                   help="time with this process's CPU time instead of wall-clock (with --threads 1 on a shared, "
+                        "loaded machine)")
     a = p.parse_args(argv)
     allocators = [v for v in a.allocators.split(",") if v]
     if not set(allocators) <= {"default", "tuned"} or not allocators:
         p.error(f"--allocators={a.allocators!r}: valid values are default, tuned (comma-separated)")
+    for d in a.dtypes.split(","):
+        if d not in DTYPES:
+            p.error(f"--dtypes: {d!r} is not one of {', '.join(DTYPES)}")
     if allocators != ["default"]:  # the tuned table runs in a child with the allocator set from its start
         args = list(sys.argv[1:] if argv is None else argv)
         args = [v for i, v in enumerate(args) if v != "--allocators" and (i == 0 or args[i - 1] != "--allocators")
@@ -145,27 +246,27 @@ def main(argv: list[str] | None = None) -> int:
         if "default" in allocators:
             main([*args, "--allocators", "default"])
             print()
+        if "tuned" not in allocators:
+            return 0
         return subprocess.run([sys.executable, os.path.abspath(__file__), *args, "--allocators", "default"],
                               env={**os.environ, **TUNED_MALLOC}).returncode
-    global CPU_CLOCK
-    CPU_CLOCK = a.cpu_time
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    torch.set_num_threads(a.threads)
     torch.manual_seed(0)
+    clock = _clock(a.cpu_time)
     T, H = a.tokens, a.hidden
     modes = [False]
-    if not a.no_compile:
+    if a.compile:
         reason = compile_unavailable("cpu")
         if reason is None:
             modes.append(True)
         else:
             print(f"# compiled rows skipped: {reason}")
+    peer = None if a.no_megatron else megatron_available()
     print(describe_machine())
-    print(f"# clock: {'process CPU' if a.cpu_time else 'wall'}; T={T} H={H}; GFLOP/s count expert GEMMs only; "
-          f"ratio = layer / dense ceiling")
-    print(f"{'dtype':5} {'E':>3} {'k':>2} {'F':>5} {'backend':10} {'mode':8} {'layer ms':>9} {'GF/s':>7} "
-          f"{'experts ms':>10} {'GF/s':>7} {'ceiling GF/s':>12} {'layer/ceil':>10} {'experts/ceil':>12}")
-    compile_s = 0.0
+    print(f"# clock: {'process CPU' if a.cpu_time else 'wall'}; T={T} H={H}; medians of {a.rounds} rotated rounds; "
+          f"GFLOP/s count expert GEMMs only; megatron: {'skipped' if a.no_megatron else peer or 'megatron-core'}")
+    print(f"{'dtype':5} {'E':>3} {'k':>2} {'F':>5} {'mode':8} {'ceil GF/s':>9} {'layer ms':>9} {'layer/ceil':>10} "
+          f"{'experts/ceil':>12} {'megatron ms':>11} {'megatron/moefold':>16}")
     for dname in a.dtypes.split(","):
         dtype = DTYPES[dname]
         skip = bf16_skip_reason() if dtype == torch.bfloat16 else None
@@ -176,19 +277,23 @@ def main(argv: list[str] | None = None) -> int:
             E, k, F = (int(v) for v in spec.split(","))
             N = T * k
             flops = 3 * 3 * 2 * N * H * F
-            t_dense = dense_ceiling(N, H, F, dtype, a.iters)
-            ceil = flops / t_dense / 1e9
-            for backend in a.backends.split(","):
-                for compiled in modes:
-                    t_layer, t_exp, t_compile = bench(T, H, E, k, F, dtype, backend, a.iters, compiled)
-                    compile_s += t_compile if compiled else 0.0
-                    gl, ge = flops / t_layer / 1e9, flops / t_exp / 1e9
-                    mode = "compiled" if compiled else "eager"
-                    print(f"{dname:5} {E:>3} {k:>2} {F:>5} {backend:10} {mode:8} {t_layer * 1e3:>9.1f} {gl:>7.0f} "
-                          f"{t_exp * 1e3:>10.1f} {ge:>7.0f} {ceil:>12.0f} {gl / ceil:>10.2f} {ge / ceil:>12.2f}",
-                          flush=True)
-    if len(modes) > 1:
-        print(f"# compiling (first compiled step minus a timed one, all rows): {compile_s:.1f} s")
+            for compiled in modes:
+                layer_step, experts_step, layer = moefold_steps(T, H, E, k, F, dtype, compiled)
+                steps = {"ceiling": dense_ceiling(N, H, F, dtype), "moefold": layer_step, "experts": experts_step}
+                if not compiled and peer is None and not a.no_megatron:
+                    steps["megatron"] = megatron_step(T, H, E, k, F, dtype)
+                t = rotated_medians(steps, a.rounds, clock)
+                ceil = flops / t["ceiling"] / 1e9
+                mode = "compiled" if compiled else "eager"
+                meg = (f"{t['megatron'] * 1e3:>11.1f} {t['megatron'] / t['moefold']:>16.2f}" if "megatron" in t
+                       else f"{'-':>11} {'-':>16}")
+                print(f"{dname:5} {E:>3} {k:>2} {F:>5} {mode:8} {ceil:>9.0f} {t['moefold'] * 1e3:>9.1f} "
+                      f"{t['ceiling'] / t['moefold']:>10.2f} {t['ceiling'] / t['experts']:>12.2f} {meg}", flush=True)
+                if a.profile and not compiled:
+                    profile_top(layer_step, a.profile)
+                del layer
+    layouts = {f"{k[1]} E{k[2]} {k[3]}x{k[4]} ~{k[5]} rows": v for k, v in chosen_layouts().items()}
+    print(f"# expert row layouts chosen (measured): {layouts}")
     print(f"# load average at end {os.getloadavg()[0]:.1f}")
     return 0
 

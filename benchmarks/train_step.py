@@ -3,6 +3,7 @@
     python benchmarks/train_step.py                       # the 57.7M MoE, batch 4 x 256 tokens, fp32, 1 thread
     python benchmarks/train_step.py --iters 7 --threads 2 --seq 512
     python benchmarks/train_step.py --cpu-time --hf-experts eager   # process CPU time; HF's per-expert loop
+    python benchmarks/train_step.py --cpu-time --bf16 --profile 12  # bf16 both sides, top ops of a moefold step
 
 moefold: ``Trainer.train_step`` on one micro-batch (model forward/backward with the MoE aux loss, gradient
 sync, norm, clip, distributed AdamW, expert statistics). Reference: ``Qwen3MoeForCausalLM`` (HF
@@ -10,7 +11,10 @@ sync, norm, clip, distributed AdamW, expert statistics). Reference: ``Qwen3MoeFo
 coefficient) + ``clip_grad_norm_`` + ``torch.optim.AdamW(fused=True)`` + ``zero_grad``. The same shapes:
 hidden 512, 4 layers, 8 heads of 64 (4 kv groups) with qk-norm, 16 experts top-2 of FFN 512, vocabulary 4096,
 57.7M parameters. The two alternate step by step; medians of tokens/s and their ratio are printed with the
-machine (the machine may be shared: the load average is printed too).
+machine (the machine may be shared: the load average is printed too). ``--bf16``: moefold's ``--bf16`` (bf16
+parameters and compute, fp32 master weights and main grads) against the HF model cast to bf16 with fused AdamW
+over its bf16 parameters (HF's plain bf16 loop, no master copy). ``--profile N`` prints the N top ops (self CPU
+time) of one moefold step and of one HF step.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ from moefold.training.config import RunConfig, TrainConfig
 from moefold.training.trainer import Trainer
 
 try:
+    from benchmarks.moe_layer import profile_top
     from benchmarks.optimizer_step import config_57m, machine
 except ImportError:   # run as a script: benchmarks/ itself is on sys.path
+    from moe_layer import profile_top
     from optimizer_step import config_57m, machine
 
 
@@ -59,18 +65,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hf-experts", default="default", choices=("default", "eager", "batched_mm", "grouped_mm"),
                    help="HF's experts implementation (default: what transformers picks, grouped_mm in 5.x; eager: "
                         "a loop over the experts)")
+    p.add_argument("--bf16", action="store_true", help="bf16 on both sides (module docstring)")
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="print the N top ops of one step of each")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.cpu_time else time.perf_counter
     torch.manual_seed(0)
     model_config = config_57m()
     train = TrainConfig(micro_batch_size=args.batch, global_batch_size=args.batch, seq_length=args.seq,
-                        train_iters=args.iters + 1, lr=1e-4, min_lr=1e-5, lr_warmup_iters=0, log_interval=1)
+                        train_iters=args.iters + 1, lr=1e-4, min_lr=1e-5, lr_warmup_iters=0, log_interval=1,
+                        bf16=args.bf16)
     trainer = Trainer(RunConfig(model=model_config, options=ModelOptions(), train=train), ParallelDims.single(),
                       log=lambda _m: None)
     hf = hf_model(model_config, args.seq)
     if args.hf_experts != "default":
         hf.set_experts_implementation(args.hf_experts)
+    if args.bf16:
+        hf.to(torch.bfloat16)
     hf.train()
     hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
     gen = torch.Generator().manual_seed(0)
@@ -96,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     n_hf = sum(q.numel() for q in hf.parameters())
     print(f"# {machine(args.threads)}; clock: {'process CPU time' if args.cpu_time else 'wall'}")
     print(f"# moefold {n_ours / 1e6:.1f}M / HF {n_hf / 1e6:.1f}M parameters, batch {args.batch} x {args.seq} tokens, "
-          f"fp32; HF attention {hf.config._attn_implementation}, experts "
+          f"{'bf16' if args.bf16 else 'fp32'}; HF attention {hf.config._attn_implementation}, experts "
           f"{getattr(hf.config, '_experts_implementation', 'default')}; medians of {args.iters} steps, alternating")
     moefold_step(batches[0]), hf_step(batches[0])   # warm-up
     mine, ref = [], []
@@ -106,7 +117,13 @@ def main(argv: list[str] | None = None) -> None:
     a, b = tokens / statistics.median(mine), tokens / statistics.median(ref)
     print(f"moefold Trainer.train_step              {a:9.0f} tokens/s ({statistics.median(mine) * 1e3:.0f} ms/step)")
     print(f"HF Qwen3MoeForCausalLM + AdamW(fused)   {b:9.0f} tokens/s ({statistics.median(ref) * 1e3:.0f} ms/step)")
-    print(f"ratio moefold / HF: {a / b:.2f}x (target >= 1.15x); load average at end {os.getloadavg()[0]:.1f}")
+    print(f"ratio moefold / HF: {a / b:.2f}x (target >= {1.0 if args.bf16 else 1.15}x); load average at end "
+          f"{os.getloadavg()[0]:.1f}")
+    if args.profile:
+        print("# moefold:")
+        profile_top(lambda: moefold_step(batches[1]), args.profile)
+        print("# HF:")
+        profile_top(lambda: hf_step(batches[1]), args.profile)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moefold.dense.block_linear import BlockScaledLinearGemm
+from moefold.dense.grad_accumulation import fused_linear
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
 from moefold.dense.split_backward import SplitWeights, WeightGradStore, accumulate_or_defer, weight_inputs
 from moefold.parallel.fp8 import FP8Config, import_te
@@ -198,7 +199,7 @@ def fp8_linear_names(model: nn.Module) -> tuple[list[str], list[str]]:
     fp8, high = [], []
     for name, module in model.named_modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            (high if module.local_gemm is F.linear else fp8).append(name)
+            (high if module.local_gemm in (F.linear, fused_linear) else fp8).append(name)
     return fp8, high
 
 

@@ -12,6 +12,8 @@ Weights are marked with their shards (``parallel.sharding``) and carry an init f
 
 The local GEMM is ``layer.local_gemm(x, weight, bias)``: ``F.linear``, or an FP8 GEMM that
 ``dense.fp8_linear.convert_linears_to_fp8`` installs once after the model is built (the weight and
+its dtype stay as they are). ``use_grad_accumulation_fusion`` (``dense.grad_accumulation``) swaps ``F.linear`` for
+``fused_linear``, whose weight gradient goes straight into the trainer's main-grad buffer.
 its dtype stay as they are). ``use_weight_grad_store`` (split backward, ``dense.split_backward``)
 wraps it so that the weight gradient can be deferred.
 """
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moefold.dense.grad_accumulation import fused_linear
 from moefold.dense.split_backward import WeightGradStore, split_local_gemm
 from moefold.parallel.comm import (
     all_gather_sequence,
@@ -93,6 +96,9 @@ class ColumnParallelLinear(nn.Module):
         themselves (one all-gather / ``copy_to_region`` shared by several column-parallel layers)."""
         return self.local_gemm(x, self.weight, self.bias)
 
+    def use_grad_accumulation_fusion(self, enabled: bool = True) -> bool:
+        """Weight gradient into the main-grad buffer (``dense.grad_accumulation``); False for an FP8 GEMM."""
+        return _use_fusion(self, enabled)
     def use_weight_grad_store(self, store: WeightGradStore) -> None:
         """Split backward: defer this layer's weight (and bias) gradient while ``store`` defers."""
         self.local_gemm = split_local_gemm(self.local_gemm, store)
@@ -153,6 +159,9 @@ class RowParallelLinear(nn.Module):
             y = y + self.bias
         return y
 
+    def use_grad_accumulation_fusion(self, enabled: bool = True) -> bool:
+        """Weight gradient into the main-grad buffer (``dense.grad_accumulation``); False for an FP8 GEMM."""
+        return _use_fusion(self, enabled)
     def use_weight_grad_store(self, store: WeightGradStore) -> None:
         """Split backward: defer this layer's weight (and bias) gradient while ``store`` defers."""
         self.local_gemm = split_local_gemm(self.local_gemm, store)
@@ -163,5 +172,16 @@ class RowParallelLinear(nn.Module):
                 f"input_is_parallel={self.input_is_parallel}" + _gemm_repr(self.local_gemm))
 
 
+def _use_fusion(layer: ColumnParallelLinear | RowParallelLinear, enabled: bool) -> bool:
+    """Gradient-accumulation fusion for a plain ``F.linear`` layer (an FP8 GEMM keeps its own backward)."""
+    if enabled and layer.local_gemm is F.linear:
+        layer.local_gemm = fused_linear
+    elif not enabled and layer.local_gemm is fused_linear:
+        layer.local_gemm = F.linear
+    return layer.local_gemm is fused_linear
+
+
 def _gemm_repr(gemm: LocalGemm) -> str:
-    return "" if gemm is F.linear else f", gemm={gemm.describe() if hasattr(gemm, 'describe') else gemm}"
+    if gemm is F.linear or gemm is fused_linear:
+        return ""
+    return f", gemm={gemm.describe() if hasattr(gemm, 'describe') else gemm}"

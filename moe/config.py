@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from moefold.dispatch.factory import DISPATCHER_KINDS
 from moefold.dispatch.flex_backend import check_flex_backend
+from moefold.moe.expert_rows import ROW_LAYOUTS
 from moefold.moe.experts import ACTIVATIONS, GatedActivation
 from moefold.moe.fp8_gemm import check_fp8_gemm_backend
 from moefold.moe.gemm import GEMM_BACKENDS
@@ -40,6 +41,7 @@ class MoEConfig:
     activation: str = "swiglu"                    # "swiglu" (gated SiLU) | "gelu"
     dispatcher: str = "alltoall"                  # "local" | "allgather" | "alltoall" | "flex" (DeepEP)
     gemm_backend: str = "grouped_mm"              # see moe.gemm.GEMM_BACKENDS
+    expert_row_layout: str = "auto"               # CPU row layout of the expert GEMMs (moe.expert_rows)
     init_std: float = 0.02
     output_init_std: float | None = None          # w2 / shared down projection; None = init_std
     fp8: FP8Config | None = None                  # FP8 expert GEMMs and FP8 dispatch (parallel.fp8)
@@ -74,6 +76,9 @@ class MoEConfig:
             raise ValueError(f"MoEConfig: dispatcher={self.dispatcher!r}; valid: {', '.join(DISPATCHERS)}")
         if self.gemm_backend not in GEMM_BACKENDS:
             raise ValueError(f"MoEConfig: gemm_backend={self.gemm_backend!r}; valid: {', '.join(GEMM_BACKENDS)}")
+        if self.expert_row_layout not in ROW_LAYOUTS:
+            raise ValueError(f"MoEConfig: expert_row_layout={self.expert_row_layout!r}; valid: "
+                             f"{', '.join(ROW_LAYOUTS)}")
         if not self.init_std > 0 or (self.output_init_std is not None and not self.output_init_std > 0):
             raise ValueError(f"MoEConfig: init_std={self.init_std} and output_init_std={self.output_init_std} "
                              "must be > 0")

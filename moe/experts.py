@@ -32,6 +32,14 @@ names, checkpoints and HF import/export are the same for every backend. ``fp8`` 
 ``FP8Config``) runs the two GEMMs in FP8: under TE's autocast (``--fp8-backend te``, gemm backend
 ``te``), or through ``moe.fp8_gemm.Float8GroupedGemm`` (``--fp8-backend torchao``, gemm backend
 ``grouped_mm`` or ``loop``), chosen here once.
+
+The default path (gemm backend ``grouped_mm``, no FP8) runs both projections through ``moe.expert_gemm``:
+on CPU the rows take the layout measured fastest for their shape (``moe.expert_rows``: exact, aligned to 32
+rows, or one ``bmm`` block per expert; ``row_layout`` fixes it), every large intermediate (projections,
+SwiGLU output, their gradients) lives in the workspace pool (``parallel.workspace``) and SwiGLU is
+``moe.swiglu`` (no ``cat``); with ``use_grad_accumulation_fusion`` the weight gradients go straight into the
+main-grad buffer (``dense.grad_accumulation``). Elsewhere (CUDA) the same GEMMs are one
+``torch.nn.functional.grouped_mm`` each from the device counts.
 """
 
 from __future__ import annotations
@@ -47,9 +55,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moefold.dense.activation_offload import NO_OFFLOAD
+from moefold.dense.grad_accumulation import grad_slot
 from moefold.dense.recompute import CheckpointWithoutOutput
 from moefold.dense.split_backward import WeightGradStore
 from moefold.moe.block_gemm import BlockScaledGroupedGemm, check_expert_blocks
+from moefold.moe.expert_gemm import choose_layout, grouped_linear
+from moefold.moe.expert_rows import ROW_LAYOUTS, pad_rows, unpad_rows
 from moefold.moe.fp8_gemm import Float8GroupedGemm, check_fp8_gemm_backend
 from moefold.moe.gemm import (
     GEMM_BACKENDS,
@@ -60,6 +71,7 @@ from moefold.moe.gemm import (
     row_experts,
 )
 from moefold.moe.split_gemm import SplitGroupedGemm
+from moefold.moe.swiglu import swiglu_rows
 from moefold.parallel.comm import copy_to_region
 from moefold.parallel.fp8 import FP8Config
 from moefold.parallel.fp8_param import mark_fp8_param
@@ -142,13 +154,14 @@ class GroupedExperts(nn.Module):
     ``fp8_token_group``: with ``--fp8-backend torchao``, the ranks that hold these experts and split one
     micro-batch's tokens (``ParallelDims.expert_token_group``); FP8 scales over token rows reduce over it.
     ``glu``: the gated activation's parameters (None: SwiGLU); ``bias``: per-expert biases (GPT-OSS).
+    ``row_layout``: the CPU row layout of the grouped GEMMs (``moe.expert_rows``: auto = measured per shape).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *,
                  ep_group: Group = None, etp_group: Group = None, activation: str = "swiglu",
                  gemm_backend: str = "grouped_mm", init_std: float = 0.02, output_init_std: float | None = None,
                  fp8: FP8Config | None = None, fp8_token_group: Group = None, glu: GatedActivation | None = None,
-                 bias: bool = False, dtype: torch.dtype | None = None,
+                 bias: bool = False, row_layout: str = "auto", dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         ep, etp = group_size(ep_group), group_size(etp_group)
@@ -164,6 +177,8 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"GroupedExperts: activation={activation!r}; valid: {', '.join(ACTIVATIONS)}")
         if gemm_backend not in GEMM_BACKENDS:
             raise ValueError(f"GroupedExperts: gemm_backend={gemm_backend!r}; valid: {', '.join(GEMM_BACKENDS)}")
+        if row_layout not in ROW_LAYOUTS:
+            raise ValueError(f"GroupedExperts: row_layout={row_layout!r}; valid: {', '.join(ROW_LAYOUTS)}")
         check_gemm_backend(gemm_backend, dtype)
         if bias and gemm_backend == "te":
             raise ValueError("GroupedExperts: expert biases (GPT-OSS) are added between the GEMMs, which the 'te' "
@@ -177,7 +192,8 @@ class GroupedExperts(nn.Module):
         self.num_experts, self.hidden_size, self.ffn_hidden_size = num_experts, hidden_size, ffn_hidden_size
         self.num_local_experts = num_experts // ep
         self.local_expert_offset = group_rank(ep_group) * self.num_local_experts
-        self.activation, self.gemm_backend = activation, gemm_backend
+        self.activation, self.gemm_backend, self.row_layout = activation, gemm_backend, row_layout
+        self.fuse_wgrad = False   # use_grad_accumulation_fusion
         self.gated = activation == "swiglu"  # decided once here, so forward does not compare strings
         self.glu = glu if glu is not None and not glu.is_swiglu else None
         self._eager_activation: Callable[[Tensor], Tensor] = (self.glu or swiglu) if self.gated else F.gelu
@@ -241,6 +257,58 @@ class GroupedExperts(nn.Module):
         """Run the activation as ``fused_activation``'s compiled kernels (what ``--compile`` does) or eagerly."""
         self._activation = fused_activation(self._eager_activation) if enabled else self._eager_activation
 
+    @property
+    def _default_gemms(self) -> bool:
+        """The ``moe.expert_gemm`` path applies: grouped_mm backend, no FP8 / TE / other GEMM installed."""
+        return self.gemm_backend == "grouped_mm" and self._gemm13 is grouped_gemm and self._gemm2 is grouped_gemm
+
+    def use_grad_accumulation_fusion(self, enabled: bool = True) -> bool:
+        """Weight gradients into the main-grad buffer (``dense.grad_accumulation``). False (nothing fuses) for
+        the other GEMM backends and FP8, whose weight gradients come through autograd."""
+        self.fuse_wgrad = enabled and self._default_gemms
+        return self.fuse_wgrad
+
+    def _forward_default(self, x_NH: Tensor, counts_e: Tensor, counts_host: Sequence[int] | None) -> Tensor:
+        """The ``moe.expert_gemm`` path (module docstring): layout, pad, GEMM, SwiGLU, GEMM, unpad."""
+        e, gates, f, H = self.w13.shape
+        w13 = self.w13.reshape(e, gates * f, H)
+        recompute = CheckpointWithoutOutput() if self.recompute_activation else None
+        rows = None
+        if x_NH.device.type == "cpu":   # host counts cost nothing here
+            host = tuple(int(c) for c in (counts_e.tolist() if counts_host is None else counts_host))
+            n = sum(host)
+            if n < x_NH.shape[0]:   # a sync-free dispatcher's worst-case rows past the last block: zero outputs
+                return F.pad(self._forward_default(x_NH[:n], counts_e, host), (0, 0, 0, x_NH.shape[0] - n))
+            rows = choose_layout(host, x_NH, w13, "packed" if self.w13_bias is not None else self.row_layout)
+        slots = (grad_slot(self.w13), grad_slot(self.w2)) if self.fuse_wgrad else (None, None)
+        with self.offload_expert_fc1:
+            h_NGf = grouped_linear(pad_rows(x_NH, rows) if rows is not None else x_NH, w13, counts_e, rows, slots[0])
+            rows_e = None
+            if self.w13_bias is not None:   # packed rows: each row's expert (output_size: sync-free on CUDA)
+                rows_e = torch.repeat_interleave(torch.arange(e, device=x_NH.device), counts_e,
+                                                 output_size=x_NH.shape[0])
+                h_NGf = h_NGf + self.w13_bias.reshape(e, gates * f)[rows_e]
+        with self.offload_moe_act:
+            if recompute is not None:   # the region must return a fresh tensor: autograd's activation
+                act_Nf = recompute.checkpoint(self._activate, h_NGf)
+            elif self.gated and self.glu is None and self._activation is self._eager_activation:
+                act_Nf = swiglu_rows(h_NGf)
+            else:
+                act_Nf = self._activate(h_NGf)
+        out_NH = grouped_linear(act_Nf, self.w2, counts_e, rows, slots[1])
+        if recompute is not None:
+            recompute.discard_output_and_register_recompute(out_NH)
+        if rows is not None:
+            out_NH = unpad_rows(out_NH, rows)
+        return self._add_w2_bias(out_NH, rows_e)
+
+    def _add_w2_bias(self, out_NH: Tensor, rows_e: Tensor | None) -> Tensor:
+        if self.w2_bias is None:
+            return out_NH
+        # every etp rank takes the bias through the region (its backward is a collective), rank 0 adds it
+        b2_eH = _with_zero_row(copy_to_region(self.w2_bias, self.etp_group))
+        return out_NH + (b2_eH[rows_e] if self._adds_w2_bias else 0.0 * b2_eH[rows_e])
+
     def use_weight_grad_store(self, store: WeightGradStore) -> None:
         """Split backward (``dense.split_backward``): defer both projections' weight gradients while ``store``
         defers (``moe.split_gemm``; torchao FP8 defers its own)."""
@@ -277,6 +345,8 @@ class GroupedExperts(nn.Module):
         w13 = self.w13.reshape(e, gates * f, H)
         if self._te:  # with no rows too: every rank of TE's amax group must run the same TE calls (moe.te_gemm)
             return self._te[0](tokens_NH, w13, self.w2, counts_host, self._activate)
+        if self._default_gemms:
+            return self._forward_default(tokens_NH, tokens_per_expert_e, counts_host)
         with self.offload_expert_fc1:
             h_NGf = self._gemm13(tokens_NH, w13, tokens_per_expert_e, self.gemm_backend, trans_w=True,
                                  counts_host=counts_host)
@@ -293,12 +363,7 @@ class GroupedExperts(nn.Module):
                              counts_host=counts_host)
         if recompute is not None:   # moe_act: the activation is freed once w2 saved it, recomputed before its backward
             recompute.discard_output_and_register_recompute(out_NH)
-        if self.w2_bias is not None:
-            # every etp rank takes the bias through the region (its backward is a collective), rank 0 adds it
-            b2_eH = copy_to_region(self.w2_bias, self.etp_group)
-            b2_eH = _with_zero_row(b2_eH)
-            out_NH = out_NH + (b2_eH[rows_e] if self._adds_w2_bias else 0.0 * b2_eH[rows_e])
-        return out_NH
+        return self._add_w2_bias(out_NH, rows_e)
 
     def flops(self, num_rows: int) -> int:
         """Forward FLOPs of ``num_rows`` routed rows through this rank's shard."""
@@ -309,7 +374,7 @@ class GroupedExperts(nn.Module):
         return (f"experts={self.num_experts} (local {self.num_local_experts} from {self.local_expert_offset}), "
                 f"hidden={self.hidden_size}, ffn={self.ffn_hidden_size} (etp {group_size(self.etp_group)}), "
                 f"activation={self.activation}{f' {self.glu}' if self.glu else ''}, bias={self.w13_bias is not None}, "
-                f"gemm={self.gemm_backend}"
+                f"gemm={self.gemm_backend}, rows={self.row_layout}"
                 + (f", {self.fp8.describe()}" if self.fp8 is not None else ""))
 
 

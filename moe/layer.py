@@ -145,8 +145,8 @@ class MoELayer(nn.Module):
             config.num_experts, hidden_size, config.moe_ffn_hidden_size, ep_group=dims.ep_group,
             etp_group=dims.etp_group, activation=config.activation, gemm_backend=config.gemm_backend,
             init_std=config.init_std, output_init_std=config.output_init_std, fp8=config.fp8,
-            fp8_token_group=dims.expert_token_group, glu=config.glu, bias=config.linear_bias, dtype=dtype,
-            device=device)
+            fp8_token_group=dims.expert_token_group, glu=config.glu, bias=config.linear_bias,
+            row_layout=config.expert_row_layout, dtype=dtype, device=device)
         self.num_experts = config.num_experts
         self.etp_rank = group_rank(dims.etp_group)
         self.shared_experts = None

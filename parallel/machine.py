@@ -131,4 +131,19 @@ def bf16_skip_reason(device: torch.device | str = "cpu", info: MachineInfo | Non
             f"/ avx512_bf16 / bf16 flag): a bf16 matmul runs at {bf16_matmul_speedup():.2f}x fp32 here, emulated")
 
 
-__all__ = ["MachineInfo", "bf16_matmul_speedup", "bf16_skip_reason", "describe_machine", "machine_info"]
+def bf16_slower_notice(info: MachineInfo | None = None) -> str | None:
+    """For ``--bf16`` on the CPU: one line saying fp32 is faster here, with the measured bf16 / fp32 matmul ratio,
+    when the CPU has no bf16 matmul units and the probe confirms it (ratio < 1); None otherwise."""
+    info = info or machine_info()
+    if info.bf16_units:
+        return None
+    ratio = bf16_matmul_speedup()
+    if ratio >= 1:
+        return None
+    return (f"--bf16 on {info.cpu_model}, which has no bf16 matmul units (no amx_bf16 / avx512_bf16 / bf16 flag): "
+            f"a bf16 matmul runs at {ratio:.2f}x the speed of fp32 here (measured, 512^3); fp32 (without --bf16) is "
+            f"faster on this CPU")
+
+
+__all__ = ["MachineInfo", "bf16_matmul_speedup", "bf16_skip_reason", "bf16_slower_notice", "describe_machine",
+           "machine_info"]

@@ -69,6 +69,7 @@ class TrainConfig:
     pipeline_model_parallel_layout: str | None = None      # Megatron's layout text, e.g. "Et|(tt|)*30mL"
                                                            # (pipeline.layout; fixes vpp, replaces the above)
     overlap_grad_reduce: bool = True
+    gradient_accumulation_fusion: bool = True  # weight-gradient GEMMs write main grads (dense.grad_accumulation)
     overlap_param_gather: bool = False         # the parameter all-gather waits in the next forward, per module
     # the expert-load max/mean the plan sized the experts' activations for (training.observe.imbalance)
     moe_max_load_ratio: float | None = None

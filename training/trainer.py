@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moefold.dense.context_parallel import split_for_context_parallel
+from moefold.dense.grad_accumulation import enable_grad_accumulation_fusion
 from moefold.dense.split_backward import WeightGradStore, install_weight_grad_store
 from moefold.models.decoder import MoEDecoder
 from moefold.models.layer_factory import is_moe_block
@@ -191,6 +192,8 @@ def build_optimizer(model: MoEDecoder, config: RunConfig, dims: ParallelDims,
     precision = t.optimizer_precision()
     # a module that two chunks of this rank read, each backpropagated on its own (the V placement's rank 0 with
     # MTP or a tied head, a layout's MTP chunk on the embedding's rank), accumulates one gradient per chunk
+    # split backward defers weight gradients to W actions that accumulate autograd's way: no fusion there
+    fusion = t.gradient_accumulation_fusion and not config.split_backward(dims.pp)
     reports = {}
     if layout is not None and layout.vpp > 1:
         readers = {"embed_tokens": layout.embedding_chunks(config.model.tie_word_embeddings),
@@ -201,7 +204,9 @@ def build_optimizer(model: MoEDecoder, config: RunConfig, dims: ParallelDims,
             if mine > 1 and module is not None:
                 reports.update({f"{name}.{n}": mine for n, _ in module.named_parameters()})
     sync = GradSync(model.named_parameters(), dims, bucket_numel=t.bucket_numel, overlap=t.overlap_grad_reduce,
-                    grad_dtype=precision.dtype("main_grads"), copies_groups=shared, reports=reports)
+                    grad_dtype=precision.dtype("main_grads"), copies_groups=shared, reports=reports,
+                    fusion=fusion)
+    enable_grad_accumulation_fusion(model, fusion)
     optimizer = DistributedAdamW(sync, dims, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                  weight_decay=t.weight_decay, precision=precision, model=model,
                                  overlap_param_gather=t.overlap_param_gather,

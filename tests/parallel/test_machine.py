@@ -31,3 +31,16 @@ def test_bf16_skip_follows_the_cpu_flags():
 
 def test_probe_measures_a_ratio():
     assert machine.bf16_matmul_speedup(n=64, iters=2) > 0
+
+
+def test_bf16_slower_notice_only_without_bf16_units_and_with_the_measured_ratio(monkeypatch):
+    info = machine.machine_info()
+    avx2 = dataclasses.replace(info, flags=frozenset({"avx2", "fma"}), cpu_model="Some CPU")
+    amx = dataclasses.replace(info, flags=frozenset({"amx_bf16"}))
+    calls = []
+    monkeypatch.setattr(machine, "bf16_matmul_speedup", lambda: calls.append(1) or 0.31)
+    notice = machine.bf16_slower_notice(avx2)
+    assert notice is not None and "Some CPU" in notice and "0.31x" in notice and "fp32" in notice
+    assert machine.bf16_slower_notice(amx) is None and len(calls) == 1   # no probe where the flags decide
+    monkeypatch.setattr(machine, "bf16_matmul_speedup", lambda: 1.4)    # the probe disagrees with the flags
+    assert machine.bf16_slower_notice(avx2) is None

@@ -55,8 +55,12 @@ RUNS = {
     "cp2xep2": (ParallelConfig(cp=2, ep=2), {"global_batch_size": 6}, {}, None, False),
     "cp2xep2.overlap.delay": (ParallelConfig(cp=2, ep=2), {"global_batch_size": 6, **DELAY}, {}, "cp2xep2", False),
     "pp2xep2.1f1b": (ParallelConfig(pp=2, ep=2), {"global_batch_size": 8}, {}, None, False),
+    # split backward accumulates weight gradients autograd's way (no gradient-accumulation fusion): bitwise against
+    # 1F1B without the fusion (the fused 1F1B sums the micro-batches inside the GEMMs: equal to rounding)
+    "pp2xep2.1f1b.unfused": (ParallelConfig(pp=2, ep=2), {"global_batch_size": 8,
+                                                          "gradient_accumulation_fusion": False}, {}, None, False),
     "pp2xep2.zb-h1": (ParallelConfig(pp=2, ep=2), {"global_batch_size": 8, "pipeline_schedule": "zb-h1"}, {},
-                      "pp2xep2.1f1b", True),
+                      "pp2xep2.1f1b.unfused", True),
     "pp2xep2.zbv": (ParallelConfig(pp=2, ep=2), {"global_batch_size": 8, "pipeline_schedule": "zbv", **V}, {},
                     "pp2xep2.1f1b", False),
     "pp2xep2.dualpipev": (ParallelConfig(pp=2, ep=2), {"global_batch_size": 8, "pipeline_schedule": "dualpipev",

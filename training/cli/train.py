@@ -34,9 +34,11 @@ from moefold.models.options import DEEPEP_MODES, ModelOptions
 from moefold.models.recipes import RECIPES, get_recipe
 from moefold.moe.config import DISPATCHERS
 from moefold.moe.gemm import GEMM_BACKENDS
+from moefold.parallel.allocator import tune_cpu_allocator
 from moefold.parallel.dims import ParallelConfig
 from moefold.parallel.fp8 import add_fp8_arguments, fp8_config_from_args
 from moefold.parallel.init import launched_by_torchrun, launched_world_size
+from moefold.parallel.machine import bf16_slower_notice, describe_machine
 from moefold.pipeline.schedules import SCHEDULES
 from moefold.training.cli.config_file import write_effective_config
 from moefold.training.cli.layout_errors import world_source
@@ -226,6 +228,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "activation fused); compile time is printed")
     t.add_argument("--no-overlap-grad-reduce", action="store_true",
                    help="reduce gradients after the backward instead of bucket by bucket during it")
+    t.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction,
+                   default=_T.gradient_accumulation_fusion,
+                   help="weight-gradient GEMMs write (first micro-batch) or add (later ones) straight into the fp32 "
+                        "main-grad buffer: no per-step zeroing pass, no separate gradient to add "
+                        "(--no-gradient-accumulation-fusion: autograd's gradients added into a zeroed buffer)")
     t.add_argument("--overlap-param-gather", action="store_true",
                    help="all-gather updated parameters during the next forward (each module waits for its own)")
     for flag, field in (("--main-grads-dtype", "main_grads_dtype"), ("--exp-avg-dtype", "exp_avg_dtype"),
@@ -521,6 +528,13 @@ def main(args: argparse.Namespace) -> int:
         print(describe_parameters(config.model), flush=True)
         if flex_line is not None:
             print(flex_line, flush=True)
+    if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
+        allocator = tune_cpu_allocator()   # before any rank starts: they inherit it
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"{describe_machine()}; host allocator: {allocator}", flush=True)
+            notice = bf16_slower_notice() if config.train.bf16 else None
+            if notice:
+                print(f"moefold train: {notice}", file=sys.stderr, flush=True)
     if torchrun and args.nproc > 1:
         print(f"moefold train: launched by torchrun (world {world}); ignoring --nproc {args.nproc}", file=sys.stderr)
     try:

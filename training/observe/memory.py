@@ -12,7 +12,10 @@ Peaks are measured (``measure_peak``), one phase at a time (e.g. one forward + b
   every storage an operator creates, subtracts them when the storage is freed (a ``weakref.finalize`` on
   the storage) and follows in-place storage resizes (the output-discarding recompute frees and refills
   storages that way). It counts tensor bytes, not allocator caching or fragmentation, and slows the phase
-  down (a Python call per operator): a measurement tool, not for every training step.
+  down (a Python call per operator): a measurement tool, not for every training step. The CPU workspace
+  pool (``parallel.workspace``) drops its free buffers first: a buffer made before the phase and reused in
+  it would go unseen, one made in it counts while the pool holds it (memory the process really keeps), so
+  the phase's figure no longer depends on what ran before it.
 
 The metrics line uses the cheap per-interval peaks of ``interval_peak``: CUDA max allocated since the last
 call, or on CPU the process's peak resident set (Linux ``VmHWM``, reset through ``/proc/self/clear_refs``;
@@ -33,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from moefold.dense.activation_offload import is_host_allocation
+from moefold.parallel.workspace import workspace
 from moefold.training.optim.precision import OptimizerPrecision
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -185,6 +189,8 @@ def measure_peak(fn: Callable[[], Any], device: torch.device | str = "cpu") -> t
         out = fn()
         torch.cuda.synchronize(dev)
         return out, PeakMemory(torch.cuda.max_memory_allocated(dev) - base, "cuda_max_allocated")
+    # the tracker sees only storages created inside: a workspace buffer made before would be reused unseen
+    workspace(dev).release()
     with TensorMemoryTracker(dev.type) as tracker:
         out = fn()
     return out, PeakMemory(tracker.peak, "tensor_tracker")

@@ -5,15 +5,22 @@ each kind's group divided by ``dp`` (``gradient_average``): the trainer averages
 dp ranks and micro-batches, and the model's losses are shares that sum over tp x cp (see
 ``moe.balance_losses``), so any layout yields the world-1 gradient.
 
-Accumulation: when a parameter has the main-grad dtype, ``param.grad`` *is* its ``main_grad`` view, so
-autograd accumulates into the buffer in place (no copy, no per-parameter allocation); otherwise (a bf16
-parameter with fp32 main grads) a post-accumulate hook adds the fresh ``param.grad`` into ``main_grad``
-and frees it. On the step's last micro-batch a bucket launches its async reduce-scatter as soon as all
-its parameters have reported, so communication overlaps the rest of the backward. ``finish()`` waits,
-scales this rank's chunks by ``1/dp`` and sums the chunks of pipeline-shared parameters over their
-stages. Afterwards only this rank's chunk of each bucket holds the reduced gradient (the rest of the
-buffer is stale): that is what the optimizer reads. ``gathered_grads()`` reassembles the reduced
-gradients of every parameter (tests, diagnostics).
+Accumulation with gradient-accumulation fusion (``fusion=True``, the trainer's default: Megatron's
+``--gradient-accumulation-fusion``, see ``dense.grad_accumulation``): every parameter gets a main-grad slot.
+GEMMs that fuse write their weight gradient straight into it (the step's first write is a plain product, later
+ones accumulate) and hand autograd a placeholder; every other gradient reaches ``param.grad`` through autograd
+(``param.grad`` is None at the start of each step, so autograd takes the fresh tensor over without a copy) and
+the post-accumulate hook copies it into ``main_grad`` on its first report of the step and adds it afterwards
+(same-dtype parameters are then bound, ``param.grad = main_grad``, so autograd adds later micro-batches in
+place). Nothing zeroes the buffers per step: ``finish()`` (and a bucket's launch) zeroes only the parameters
+that nothing wrote this step (unused ones). Without fusion: the buffers are zeroed at ``start_step``, and
+``param.grad`` *is* ``main_grad`` where the dtypes agree, so autograd accumulates into it in place; a bf16
+parameter with fp32 main grads has the hook add its fresh ``param.grad``. On the step's last micro-batch a
+bucket launches its async reduce-scatter as soon as all its parameters have reported, so communication
+overlaps the rest of the backward. ``finish()`` waits, scales this rank's chunks by ``1/dp`` and sums the
+chunks of pipeline-shared parameters over their stages. Afterwards only this rank's chunk of each bucket
+holds the reduced gradient (the rest of the buffer is stale): that is what the optimizer reads.
+``gathered_grads()`` reassembles the reduced gradients of every parameter (tests, diagnostics).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from moefold.dense.grad_accumulation import grad_slot, set_grad_slot
 from moefold.parallel.dims import ParallelDims
 from moefold.parallel.groups import Group
 from moefold.training.optim.buffers import Bucket, FlatGroup, build_flat_groups
@@ -43,7 +51,7 @@ class GradSync:
 
     Usage per optimizer step::
 
-        sync.start_step(num_micro)   # zero the buffers; each bucket expects num_micro reports per parameter
+        sync.start_step(num_micro)   # each bucket expects num_micro reports per parameter (zeroes without fusion)
         for m in range(num_micro):
             loss_m.backward()        # (or a pipeline schedule's backwards, in any order)
         sync.finish()                # this rank's chunk of each bucket holds the step's gradient
@@ -55,13 +63,14 @@ class GradSync:
     def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], dims: ParallelDims, *,
                  bucket_numel: int = 2**22, overlap: bool = True, grad_dtype: torch.dtype = torch.float32,
                  copies_groups: Mapping[str, Group] | None = None, reports: Mapping[str, int] | None = None,
-                 ) -> None:
+                 fusion: bool = True) -> None:
         """``reports``: {name: gradient reports per micro-batch} of the parameters whose gradient is accumulated more
         than once per micro-batch (used by two pipeline chunks of this rank, each backpropagated on its own: the
         embedding on the V placement's rank 0 with MTP or a tied head); every other parameter reports once.
         ``copies_groups``: {module name: the pipeline group summing the copies of that module} (the trainer's
-        ``pipeline.shared_weight_groups``)."""
-        self.dims, self.overlap, self.grad_dtype = dims, overlap, grad_dtype
+        ``pipeline.shared_weight_groups``). ``fusion``: gradient-accumulation fusion (module docstring); False zeroes
+        the buffers every step."""
+        self.dims, self.overlap, self.grad_dtype, self.fusion = dims, overlap, grad_dtype, fusion
         self.reports = dict(reports or {})
         self.average = gradient_average(dims)
         self.groups: list[FlatGroup] = build_flat_groups(named_params, dims, bucket_numel=bucket_numel,
@@ -71,19 +80,38 @@ class GradSync:
         for g in self.groups:
             for i, p in enumerate(g.params):
                 self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(g, i)))
+                set_grad_slot(p, p.main_grad if fusion else None)
         self._bind_grads()
 
     def _bind_grads(self) -> None:
-        """``param.grad = param.main_grad`` where the dtypes agree: autograd then accumulates in place."""
+        """Unfused: ``param.grad = param.main_grad`` where the dtypes agree (autograd accumulates in place).
+        Fused: ``param.grad = None`` (the step's first gradient is taken over, then copied) and fresh slots."""
         for g in self.groups:
             for p in g.params:
-                p.grad = p.main_grad if p.dtype == self.grad_dtype else None
+                if self.fusion:
+                    p.grad = None
+                    slot = grad_slot(p)
+                    slot.written = slot.fused = False
+                else:
+                    p.grad = p.main_grad if p.dtype == self.grad_dtype else None
 
     def _make_hook(self, g: FlatGroup, i: int):
         bucket = g.buckets[g.bucket_of[i]]
 
         def hook(p: Tensor) -> None:
-            if p.grad is not p.main_grad:   # a separate gradient (other dtype, or .grad was reset)
+            slot = grad_slot(p) if self.fusion else None
+            if slot is not None:
+                if slot.fused:   # a fused GEMM wrote main_grad itself: p.grad is its placeholder
+                    slot.fused = False
+                    p.grad = None
+                elif p.grad is not p.main_grad:   # autograd's fresh gradient (else: already added in place)
+                    if slot.written:
+                        p.main_grad.add_(p.grad)
+                    else:
+                        p.main_grad.copy_(p.grad)
+                        slot.written = True
+                    p.grad = p.main_grad if p.dtype == self.grad_dtype else None
+            elif p.grad is not p.main_grad:   # a separate gradient (other dtype, or .grad was reset)
                 p.main_grad.add_(p.grad)
                 p.grad = p.main_grad if p.dtype == self.grad_dtype else None
             if self._armed:
@@ -92,9 +120,19 @@ class GradSync:
                     self._launch(g, bucket)
         return hook
 
+    def _zero_unwritten(self, g: FlatGroup, b: Bucket) -> None:
+        """Fused: zero the parameters of ``b`` that nothing wrote this step (the buffer holds last step's)."""
+        if self.fusion:
+            for i in b.params:
+                slot = grad_slot(g.params[i])
+                if not slot.written:
+                    slot.main_grad.zero_()
+                    slot.written = True
+
     def _launch(self, g: FlatGroup, b: Bucket) -> None:
         if b.grad_work is not None:
             return
+        self._zero_unwritten(g, b)
         if g.size > 1:
             lo, hi = g.owned(b)
             # in place: rank r's chunk of the bucket receives the sum of every rank's chunk r
@@ -104,9 +142,10 @@ class GradSync:
             b.grad_work = True
 
     def start_step(self, num_micro: int) -> None:
-        """Clear the gradient buffers and arm the buckets for a step of ``num_micro`` backwards."""
+        """Arm the buckets for a step of ``num_micro`` backwards (unfused: zero the gradient buffers first)."""
         for g in self.groups:
-            g.grad_data.zero_()
+            if not self.fusion:
+                g.grad_data.zero_()
             for b in g.buckets:
                 b.pending = sum(self.reports.get(g.names[i], 1) for i in b.params) * num_micro
                 b.grad_work = None
@@ -169,3 +208,6 @@ class GradSync:
         for h in self._handles:
             h.remove()
         self._handles = []
+        for g in self.groups:
+            for p in g.params:
+                set_grad_slot(p, None)

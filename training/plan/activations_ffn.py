@@ -15,19 +15,27 @@ rows (unchanged at ep = 1: all experts are local, dropless, whatever the skew); 
 (``--moe-expert-rank-capacity-factor C``) bounds that by ``C * N_e``.
 
 What it keeps: the router's fp32 scores; the row map (int64 per copy); the experts' input rows (the GEMM keeps
-them), the ``[N_e, 2f]`` gate/up output, SwiGLU's silu and product (``f = ffn / etp``; ``moe_act`` recompute keeps
-only the gate/up output); the rows that come home for the weighted combine (``dispatch.permutation.unpermute``
-keeps them to give the routing probs their gradient: ``N_h`` rows with alltoall, the experts' own output rows
-with allgather and flex, whose combine weights on the expert side); the shared experts like a dense MLP (two
-gathers under SP: its gate and up projections gather separately). The all-to-all's send and receive buffers are
-freed once the rows are permuted and live only in the forward (``fwd_extra``). ``moe`` recompute keeps the
-layer's input only.
+them), the ``[N_e, 2f]`` gate/up output, SwiGLU's product (w2's input) and, where autograd runs the activation,
+its silu too (``f = ffn / etp``; ``moe.swiglu`` on the default GEMM path saves only the gate/up output; ``moe_act``
+recompute keeps only the gate/up output); the rows that come home for the weighted combine
+(``dispatch.permutation.unpermute`` keeps them to give the routing probs their gradient: ``N_h`` rows with
+alltoall, the experts' own output rows with allgather and flex, whose combine weights on the expert side); the
+shared experts like a dense MLP (two gathers under SP: its gate and up projections gather separately). The
+all-to-all's send and receive buffers are freed once the rows are permuted and live only in the forward
+(``fwd_extra``). ``moe`` recompute keeps the layer's input only.
+
+On CPU (``device_type`` "cpu", the default GEMM path) the experts may run on padded rows (``moe.expert_rows``,
+chosen by measured speed): their input copy, gate/up output and product then have up to ``max_auto_rows`` rows,
+counted at that bound, and the forward briefly holds the packed input rows beside the padded copy and the padded
+w2 output beside the unpadded one (the peak of a ``moe`` recompute's refill, measured in
+tests/training/plan/test_memory.py).
 """
 
 from __future__ import annotations
 
 import math
 
+from moefold.moe.expert_rows import max_auto_rows
 from moefold.training.plan.activations import ActivationShape, Part
 from moefold.training.plan.deepep import planned_backend, sync_free, v2_receive_rows
 
@@ -83,6 +91,25 @@ def router(shape: ActivationShape) -> dict[str, int]:
     return out
 
 
+def _own_swiglu(shape: ActivationShape) -> bool:
+    """The experts run ``moe.swiglu`` (default grouped_mm GEMMs, no FP8, plain SwiGLU), which saves only its
+    input; autograd's activation (FP8, TE, GPT-OSS's clamped variant) also keeps ``silu(gate)``."""
+    m, o = shape.model, shape.options
+    return (o.gemm_backend == "grouped_mm" and not o.fp8.enabled and m.moe_swiglu_alpha in (None, 1.0)
+            and m.moe_activation_clamp is None and not m.moe_glu_linear_offset)
+
+
+def _cpu_padded_rows(shape: ActivationShape, rows: int, local_experts: int) -> int:
+    """Rows the experts' GEMM buffers may hold for ``rows`` rows: on CPU, the default GEMM path without expert
+    biases takes the row layout measured fastest (``moe.expert_gemm.choose_layout``), padded up to
+    ``max_auto_rows``; elsewhere exactly ``rows``."""
+    m, o = shape.model, shape.options
+    if (shape.device_type != "cpu" or o.gemm_backend != "grouped_mm" or o.fp8.enabled or m.moe_expert_linear_bias
+            or local_experts < 2):
+        return rows
+    return max_auto_rows(rows, local_experts)
+
+
 def moe(shape: ActivationShape, dispatcher: str) -> Part:
     """``moe.layer.MoELayer`` with ``dispatcher`` ("local", "alltoall", "allgather" or "flex")."""
     m, a, H = shape.model, shape.a, shape.model.hidden_size
@@ -94,14 +121,17 @@ def moe(shape: ActivationShape, dispatcher: str) -> Part:
         inner["router input (token slice)"] = a * shape.T_r * H
     inner.update(router(shape))
     inner["row map"] = 16 * home
-    inner["expert input rows"] = a * rows * H
+    padded = _cpu_padded_rows(shape, rows, local_experts)   # P >= N_e: the GEMM buffers' rows
+    inner["expert input rows"] = a * padded * H                # the padded copy when P > N_e
     if dispatcher in ("alltoall", "local") and (shape.etp > 1 or (shape.ep > 1 and not 1 < local_experts <= 8)):
         inner["row sort index"] = 8 * rows
     act = "moe_act" in shape.chosen
-    inner["experts gate/up output"] = a * rows * 2 * f
-    if not act:
-        inner["experts silu"] = a * rows * f
-        inner["experts product (w2 input)"] = a * rows * f
+    inner["experts gate/up output"] = a * padded * 2 * f
+    if not act and _own_swiglu(shape):
+        inner["experts product (w2 input)"] = a * padded * f
+    elif not act:
+        inner["experts silu"] = a * padded * f
+        inner["experts product (w2 input)"] = a * padded * f
     combine_rows = home if dispatcher in ("alltoall", "local") else rows
     inner["combine rows (for the probs' gradient)"] = a * combine_rows * H
     weights = local_experts * H * f
@@ -111,11 +141,13 @@ def moe(shape: ActivationShape, dispatcher: str) -> Part:
     # under moe_act); w13's, once the combine rows and the activation are freed
     combine_block = 2 * 4 * min(combine_rows * H, 2**20)
     backward = max(a * home * H + a * combine_rows * H + combine_block,
-                   a * rows * f + a * weights + (2 * a * rows * f if act else 0),
-                   2 * a * weights + a * rows * H - a * combine_rows * H)
+                   a * padded * f + a * weights + (2 * a * padded * f if act else 0),
+                   2 * a * weights + a * padded * H - a * combine_rows * H)
     forward = a * (home + rows) * H     # the exchange's send and receive buffers
     offload = {"expert input rows": ("expert_fc1",), "experts gate/up output": ("moe_act",),
                "experts silu": ("moe_act",)}
+    if padded > rows:   # the packed rows beside their padded copy, then the padded w2 output beside its unpadding
+        forward = max(forward, a * (rows + padded) * H)
     if m.moe_shared_expert_ffn_size:
         shared = mlp(shape, m.moe_shared_expert_ffn_size, name="shared experts", recompute="shared_experts",
                      two_gathers=True)

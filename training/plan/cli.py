@@ -59,8 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--memory-headroom", type=float, default=HEADROOM,
                    help=f"share of the GPU memory kept free for what the model does not count: CUDA context, "
                         f"NCCL buffers, allocator fragmentation (default {HEADROOM})")
-    c.add_argument("--efficiency", type=float, default=EFFICIENCY,
-                   help=f"share of the dense bf16 peak the GEMMs sustain (default {EFFICIENCY})")
+    c.add_argument("--efficiency", type=float, default=None,
+                   help="time every FLOP at this share of the dense bf16 peak (the flat model; e.g. "
+                        f"{EFFICIENCY}); default: each GEMM at its shape and dtype from the published-figures "
+                        "table (training.plan.gemm_efficiency), elementwise kernels by HBM bandwidth")
     t = p.add_argument_group("batch and precision")
     t.add_argument("--seq-length", type=int, default=4096, help="tokens per sample")
     t.add_argument("--global-batch-size", type=int, default=1024, help="sequences per step (default 1024)")
@@ -216,6 +218,8 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                              "be positive")
         if not 0 <= args.memory_headroom < 1:
             raise ValueError(f"--memory-headroom={args.memory_headroom} must be in [0, 1)")
+        if args.efficiency is not None and not 0 < args.efficiency <= 1:
+            raise ValueError(f"--efficiency={args.efficiency} must be in (0, 1] (a share of the dense bf16 peak)")
         cluster = load_cluster(args.cluster)
         memory = parse_bytes(args.gpu_memory) if args.gpu_memory else cluster.memory_bytes
         config, fixed = config_from_args(args)

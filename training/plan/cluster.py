@@ -1,4 +1,4 @@
-"""What the planner assumes about the machines: memory, dense bf16 throughput and link bandwidths per GPU.
+"""What the planner assumes about the machines: memory, dense bf16 / FP8 throughput, HBM and link bandwidths per GPU.
 
 A ``Cluster`` is one GPU type in one network: every figure is *per GPU*; bandwidths are GB/s (1e9 bytes/s) in
 one direction. ``nvlink_gbps`` serves groups whose ranks share a node, ``internode_gbps`` groups that span nodes
@@ -14,6 +14,8 @@ another machine::
     pcie_gbps = 50             # optional: host <-> GPU per GPU, one direction (activation / optimizer offload)
     host_memory = "256GB"      # optional: host memory per GPU (the node's / its GPUs)
     host_memory_gbps = 75      # optional: host memory bandwidth per GPU (the CPU AdamW of optimizer offload)
+    fp8_tflops = 1979          # dense FP8 peak; 0 or absent: no FP8 tensor cores (FP8 GEMMs at the bf16 rate)
+    hbm_gbps = 3350            # memory bandwidth (bounds thin GEMMs and the elementwise kernels)
     source = "where the figures come from"
 
 Sizes are decimal unless they say otherwise (``parse_bytes``: GB = 1e9 bytes, GiB = 2**30).
@@ -52,6 +54,8 @@ class Cluster:
     pcie_gbps: float = PCIE_GEN5_PER_GPU            # host <-> this GPU, one direction
     host_memory_bytes: int = HOST_MEMORY_PER_GPU    # the node's host memory over its GPUs
     host_memory_gbps: float = DDR5_NODE_PER_GPU     # the node's host memory bandwidth over its GPUs
+    fp8_tflops: float = 0.0  # dense FP8 tensor-core peak; 0: none (FP8 GEMMs run at the bf16 rate)
+    hbm_gbps: float = 3350.0  # HBM bandwidth (default: an H100 SXM's 3.35 TB/s)
 
     def __post_init__(self) -> None:
         if not isinstance(self.memory_bytes, int) or self.memory_bytes < 1:
@@ -59,10 +63,14 @@ class Cluster:
         if not isinstance(self.host_memory_bytes, int) or self.host_memory_bytes < 1:
             raise ValueError(f"cluster {self.name!r}: host_memory_bytes={self.host_memory_bytes!r} must be a positive "
                              "integer")
-        for name in ("bf16_tflops", "nvlink_gbps", "internode_gbps", "pcie_gbps", "host_memory_gbps"):
+        for name in ("bf16_tflops", "nvlink_gbps", "internode_gbps", "pcie_gbps", "host_memory_gbps",
+                     "hbm_gbps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"cluster {self.name!r}: {name}={value!r} must be a positive number")
+        value = self.fp8_tflops
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"cluster {self.name!r}: fp8_tflops={value!r} must be a number >= 0 (0: no FP8 units)")
 
     def link_gbps(self, spans_nodes: bool) -> float:
         """Bandwidth per GPU of a group that stays in one node (NVLink) or spans nodes (network)."""
@@ -73,21 +81,25 @@ CLUSTERS: dict[str, Cluster] = {c.name: c for c in (
     Cluster("h100", 80 * 10**9, 989.0, 450.0, IB_NDR_PER_GPU,
             "NVIDIA H100 SXM5 datasheet: 80 GB HBM3, BF16 tensor core 1,979 TFLOP/s with sparsity = 989 dense, "
             "NVLink 900 GB/s bidirectional = 450 per direction; network: 8 x 400 Gb/s NDR InfiniBand per node "
-            "(DGX H100) = 50 GB/s per GPU; host: PCIe Gen5 x16, 2 TB and 2 x 8 DDR5-4800 channels per node"),
+            "(DGX H100) = 50 GB/s per GPU; FP8 3,958 with sparsity = 1,979 dense; HBM3 3.35 TB/s; host: PCIe Gen5 "
+            "x16, 2 TB and 2 x 8 DDR5-4800 channels per node", fp8_tflops=1979.0, hbm_gbps=3350.0),
     Cluster("h200", 141 * 10**9, 989.0, 450.0, IB_NDR_PER_GPU,
             "NVIDIA H200 SXM datasheet: 141 GB HBM3e, BF16 1,979 TFLOP/s with sparsity = 989 dense, NVLink "
             "900 GB/s bidirectional = 450 per direction; network: 8 x 400 Gb/s NDR InfiniBand per node "
-            "(DGX H200) = 50 GB/s per GPU; host: PCIe Gen5 x16, 2 TB and 2 x 8 DDR5-4800 channels per node"),
+            "(DGX H200) = 50 GB/s per GPU; FP8 1,979 dense; HBM3e 4.8 TB/s; host: PCIe Gen5 x16, 2 TB and 2 x 8 "
+            "DDR5-4800 channels per node", fp8_tflops=1979.0, hbm_gbps=4800.0),
     Cluster("h800", 80 * 10**9, 989.0, 200.0, IB_NDR_PER_GPU,
             "NVIDIA H800 SXM5 = H100 SXM5 with NVLink cut to 400 GB/s bidirectional = 200 per direction "
             "(80 GB, 989 dense BF16 TFLOP/s); network: 8 x 400 Gb/s InfiniBand per node = 50 GB/s per GPU, "
-            "as the DeepSeek-V3 technical report describes its H800 cluster; host (assumed, as DGX H100): PCIe "
-            "Gen5 x16, 2 TB and 2 x 8 DDR5-4800 channels per node"),
+            "as the DeepSeek-V3 technical report describes its H800 cluster; FP8 1,979 dense, HBM3 3.35 TB/s; host "
+            "(assumed, as DGX H100): PCIe Gen5 x16, 2 TB and 2 x 8 DDR5-4800 channels per node",
+            fp8_tflops=1979.0, hbm_gbps=3350.0),
     Cluster("a100", 80 * 10**9, 312.0, 300.0, IB_HDR_PER_GPU,
             "NVIDIA A100 SXM4 80GB datasheet: 80 GB HBM2e, BF16 tensor core 312 TFLOP/s dense, NVLink 600 GB/s "
             "bidirectional = 300 per direction; network: 8 x 200 Gb/s HDR InfiniBand per node (DGX A100) "
-            "= 25 GB/s per GPU; host: PCIe Gen4 x16, 2 TB and 2 x 8 DDR4-3200 channels per node",
-            pcie_gbps=PCIE_GEN4_PER_GPU, host_memory_gbps=DDR4_NODE_PER_GPU),
+            "= 25 GB/s per GPU; no FP8 tensor cores; HBM2e 2.04 TB/s; host: PCIe Gen4 x16, 2 TB and 2 x 8 "
+            "DDR4-3200 channels per node",
+            pcie_gbps=PCIE_GEN4_PER_GPU, host_memory_gbps=DDR4_NODE_PER_GPU, fp8_tflops=0.0, hbm_gbps=2039.0),
 )}
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -110,7 +122,7 @@ def parse_bytes(text: str) -> int:
 
 
 _TOML_KEYS = {"name", "memory", "memory_bytes", "bf16_tflops", "nvlink_gbps", "internode_gbps", "source", "pcie_gbps",
-              "host_memory", "host_memory_gbps"}
+              "host_memory", "host_memory_gbps", "fp8_tflops", "hbm_gbps"}
 
 
 def load_cluster(spec: str) -> Cluster:
@@ -144,4 +156,5 @@ def load_cluster(spec: str) -> Cluster:
         host["host_memory_gbps"] = data["host_memory_gbps"]
     return Cluster(name=str(data.get("name", path.stem)), memory_bytes=memory, bf16_tflops=data["bf16_tflops"],
                    nvlink_gbps=data["nvlink_gbps"], internode_gbps=data["internode_gbps"],
-                   source=str(data.get("source", f"{path} (no source given)")), **host)
+                   source=str(data.get("source", f"{path} (no source given)")), fp8_tflops=data.get("fp8_tflops", 0.0),
+                   hbm_gbps=data.get("hbm_gbps", Cluster.hbm_gbps), **host)

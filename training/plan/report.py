@@ -118,7 +118,10 @@ def heading(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int,
             f"{'bf16' if t.bf16 else 'fp32'} parameters, seq {t.seq_length}, global batch {t.global_batch_size} "
             f"({t.global_batch_size * t.seq_length / 1e6:.1f}M tokens)\n"
             f"cluster: {world} x {cluster.name} ({world // gpus_per_node or 1} nodes of {gpus_per_node}): "
-            f"{memory / GB:.0f} GB, {cluster.bf16_tflops:g} dense bf16 TFLOP/s, NVLink {cluster.nvlink_gbps:g} GB/s, "
+            f"{memory / GB:.0f} GB, {cluster.bf16_tflops:g} dense bf16 TFLOP/s"
+            f"{f', {cluster.fp8_tflops:g} FP8' if cluster.fp8_tflops else ', no FP8 units'}, "
+            f"HBM {cluster.hbm_gbps:g} GB/s, "
+            f"NVLink {cluster.nvlink_gbps:g} GB/s, "
             f"network {cluster.internode_gbps:g} GB/s per GPU; usable memory {usable / GB:.1f} GB per GPU")
 
 

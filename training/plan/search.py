@@ -48,7 +48,7 @@ from moefold.training.plan.cluster import Cluster
 from moefold.training.plan.deepep import deepep_buffer_bytes
 from moefold.training.plan.profile import ActivationMemory, activation_memory
 from moefold.training.plan.static import StaticMemory, exact_static, static_lower_bound
-from moefold.training.plan.step_time import EFFICIENCY, StepTime, estimate_step_time
+from moefold.training.plan.step_time import StepTime, estimate_step_time
 
 HEADROOM = 0.1           # share of the GPU's memory left for what the model does not count (module docstring)
 MAX_PP = 64
@@ -179,7 +179,7 @@ def stage_memory(plan: Plan) -> list[RankMemory]:
 
 
 def evaluate(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, memory_bytes: int | None = None,
-             *, headroom: float = HEADROOM, efficiency: float = EFFICIENCY, recompute: str = "",
+             *, headroom: float = HEADROOM, efficiency: float | None = None, recompute: str = "",
              with_time: bool = True) -> Plan:
     """The plan of ``config``'s own layout on ``world`` GPUs (ValueError naming the flags if ``moefold train``
     would refuse it). Static bytes are exact unless the lower bound already does not fit."""
@@ -412,7 +412,7 @@ def _step_times(jobs: list[tuple[RunConfig, ParallelSizes]], cluster: Cluster, g
 
 def search(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, memory_bytes: int | None = None,
            *, fixed: Fixed = Fixed(), top: int = 5, headroom: float = HEADROOM,
-           efficiency: float = EFFICIENCY, workers: int | None = None,
+           efficiency: float | None = None, workers: int | None = None,
            progress: Callable[[str], None] | None = None) -> SearchResult:
     """Plans of every valid layout; ``top`` fitting ones with their step times, fastest first (module docstring).
     Static bytes are exact for every plan returned (a lower bound rules out the rest first). The step times of

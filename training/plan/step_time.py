@@ -1,10 +1,12 @@
 """Time per training step of a planned layout: GEMMs, the exposed part of every collective, the pipeline bubble.
 
-Compute: the matrix-multiply FLOPs of ``training.observe.flops`` (attention projections and scores, dense MLPs, routers,
-the top-k routed experts, shared experts, head, MTP) per rank, i.e. a layer's per-token count x the micro-batch's
-tokens / (tp x cp) (balanced routing spreads the experts' work evenly over the stage's ranks), backward = 2 x
-forward, plus the forward that recompute runs again (full: the recomputed layers; selective: the chosen
-modules' GEMMs). Time = FLOPs / (the cluster's dense bf16 peak x ``EFFICIENCY``).
+Compute: ``training.plan.compute_time``: every GEMM of a block at the shape one rank runs it, timed in its dtype
+(bf16, or FP8 where the run's FP8 recipe covers the module) by ``training.plan.gemm_efficiency``'s roofline fitted
+to published cuBLAS / DeepGEMM figures; core attention at FlashAttention-3's rate; the elementwise kernels and
+the fused Adam step over the rank's optimizer shard bound by HBM. Backward = the input- and weight-gradient GEMMs
+of every forward GEMM, plus the forward that recompute runs again (full: the recomputed layers; selective: the
+chosen modules). ``efficiency=`` (``moefold plan --efficiency``) instead puts every FLOP of
+``training.observe.flops`` at that share of the dense bf16 peak (the flat model).
 
 Communication: the collectives of ``training.plan.comm`` (the bytes the code passes to torch.distributed), each
 over the link its group uses: NVLink when the group's ranks share a node, else the network (rank order of
@@ -59,23 +61,26 @@ from moefold.pipeline.schedules import V_SCHEDULES, Schedule, build_schedule, ex
 from moefold.pipeline.simulator import simulate
 from moefold.pipeline.stages import ChunkSpec
 from moefold.training.config import RunConfig
-from moefold.training.observe.flops import attention_macs, ffn_macs, train_flops_per_token
+from moefold.training.observe.flops import train_flops_per_token
 from moefold.training.plan import comm
 from moefold.training.plan.cluster import Cluster
 from moefold.training.plan.comm import Collective
+from moefold.training.plan.compute_time import ELEMENTWISE_SHARE, block_compute, head_compute
 from moefold.training.plan.grid import group_members, ranks_per_node, spans_nodes
 from moefold.training.plan.static import stage_numel
 
-# Fraction of the dense bf16 peak the GEMMs sustain, the non-GEMM kernels (norms, activations, softmax,
-# permutations, optimizer) folded in. An assumption, not a measurement: large bf16 GEMMs reach roughly
-# 60-75% of peak on Hopper, grouped expert GEMMs with few tokens per expert and the uncounted kernels less;
-# 0.5 keeps the estimate on the side of the MFU (30-45%) large MoE runs report with communication included.
+# The flat model's share of the dense bf16 peak (``--efficiency``; ``estimate_step_time(efficiency=...)``): every
+# FLOP at one rate, the non-GEMM kernels folded in. The default model times each GEMM at its shape instead.
 EFFICIENCY = 0.5
+# Fused Adam over one element of the optimizer shard: read fp32 param, main grad, exp_avg, exp_avg_sq (16 B),
+# write param, exp_avg, exp_avg_sq (12 B) and the bf16 model copy (2 B).
+OPTIMIZER_BYTES = 30
 
 TERMS = ("compute", "tp", "cp", "ep", "pp", "dp", "offload", "bubble")
 OVERLAP = {
-    "compute": "GEMM FLOPs (training.observe.flops; backward 2x forward; recompute's extra forward included) / "
-               "(dense bf16 peak x EFFICIENCY)",
+    "compute": "each GEMM at its shape and dtype (training.plan.gemm_efficiency), core attention, elementwise "
+               "kernels and the optimizer step by HBM bandwidth; recompute's extra forward included (flat model: "
+               "FLOPs / (dense bf16 peak x --efficiency))",
     "tp": "exposed: TP/SP all-gathers, reduce-scatters and all-reduces sit between the GEMMs that need them "
           "(no TP communication overlap in moefold); router statistics all-reduces counted here",
     "cp": "p2p: each ring step's K/V transfer overlaps that block's attention, exposed only beyond the core "
@@ -178,20 +183,6 @@ def _score_macs(m: ModelConfig, seq: int, index: int) -> float:
     return m.num_attention_heads * (dqk + dv) * context
 
 
-def _recompute_macs(m: ModelConfig, moe: bool, chosen: frozenset[str]) -> float:
-    """Per token: the forward GEMMs selective recompute runs again in one block."""
-    macs = 0.0
-    if "mla_up_proj" in chosen and m.attention == "mla":
-        x = m.mla
-        q = x.q_lora_rank * m.num_attention_heads * (x.qk_nope_head_dim + x.qk_rope_head_dim) if x.q_lora_rank else 0
-        macs += q + x.kv_lora_rank * m.num_attention_heads * (x.qk_nope_head_dim + x.v_head_dim)
-    if ("moe" in chosen and moe) or ("mlp" in chosen and not moe):
-        macs += ffn_macs(m, moe)
-    elif "shared_experts" in chosen and moe and m.moe_shared_expert_ffn_size:
-        macs += 3 * m.hidden_size * m.moe_shared_expert_ffn_size
-    return macs
-
-
 @dataclass
 class _Action:
     """Seconds of one (rank, chunk) forward or backward of one micro-batch, by term; ``weight``: of a backward's
@@ -217,11 +208,11 @@ def rank_chunks(config: RunConfig, sizes: ParallelSizes, pp_rank: int) -> list[C
     return config.pipeline_layout(sizes.pp).rank_chunks(pp_rank)
 
 
-def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, links: _Links, flop_s: float,
-                   last_model_chunk: int) -> tuple[_Action, _Action]:
-    """(forward, backward) of one micro-batch through ``chunk``: compute and exposed communication by term."""
+def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, links: _Links, cluster: Cluster,
+                   flop_s: float | None, last_model_chunk: int, exchange_overlap: float) -> tuple[_Action, _Action]:
+    """(forward, backward) of one micro-batch through ``chunk``: compute (``training.plan.compute_time``; the flat
+    model at ``flop_s`` when given) and exposed communication by term."""
     m, o, t = config.model, config.options, config.train
-    per_rank_tokens = t.micro_batch_size * t.seq_length / (sizes.tp * sizes.cp)
     chosen = recomputed_modules(o.recompute, o.recompute_modules)
     fwd: dict[str, float] = defaultdict(float)
     bwd: dict[str, float] = defaultdict(float)
@@ -239,38 +230,36 @@ def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, li
             hideable = [c for c in collectives if c.phase == phase and c.overlaps == "shared_experts"]
             rest = [c for c in collectives if c.phase == phase and not c.overlaps]
             if hideable:
-                out["ep"] += max(0.0, sum(links.seconds(c) for c in hideable) - shared_experts)
+                out["ep"] += (1 - exchange_overlap) * max(0.0, sum(links.seconds(c) for c in hideable)
+                                                          - shared_experts)
             for term, seconds in _by_term(links, rest, phase).items():
                 if term == "cp" and o.cp_comm == "p2p":
                     seconds = max(0.0, seconds - cp_hidden)
-                out[term] += seconds
+                out[term] += (1 - exchange_overlap) * seconds if term == "ep" else seconds
 
     for index, recompute_all, last_in_checkpoint in blocks:
         moe = is_moe_block(m, index)
-        mtp = index >= m.num_layers
-        macs = attention_macs(m, t.seq_length, index) + ffn_macs(m, moe) + (2 * m.hidden_size ** 2 if mtp else 0)
-        f = 2 * macs * per_rank_tokens / flop_s
-        again = f if recompute_all else 2 * (_recompute_macs(m, moe, chosen) + (
-            _score_macs(m, t.seq_length, index) if "core_attn" in chosen else 0)) * per_rank_tokens / flop_s
-        fwd["compute"] += f
-        bwd["compute"] += 2 * f + again
-        core = 2 * _score_macs(m, t.seq_length, index) * per_rank_tokens / flop_s
-        shared = 2 * 3 * m.hidden_size * m.moe_shared_expert_ffn_size * per_rank_tokens / flop_s if moe else 0.0
-        if mtp:   # with its embedding, head and loss
+        cost = block_compute(config, sizes, index, cluster, _score_macs(m, t.seq_length, index), chosen, flop_s)
+        fwd["compute"] += cost.forward
+        bwd["compute"] += cost.backward + (cost.forward if recompute_all else cost.recompute)
+        if index >= m.num_layers:   # an MTP block, with its embedding, head and loss
             collectives = comm.mtp_collectives(config, sizes)
-            fwd["compute"] += 2 * m.hidden_size * m.vocab_size * per_rank_tokens / flop_s
-            bwd["compute"] += 4 * m.hidden_size * m.vocab_size * per_rank_tokens / flop_s
+            head_f, head_b = head_compute(config, sizes, cluster, flop_s)
+            fwd["compute"] += head_f
+            bwd["compute"] += head_b
         else:
             block = list(_block(config, sizes, moe))
             collectives = block + comm.recompute_collectives(block, o, full=recompute_all, moe=moe,
                                                              last_in_checkpoint=last_in_checkpoint)
-        add(collectives, shared_experts=shared, core_attention=(core, 2 * core))
+        add(collectives, shared_experts=cost.shared_experts, core_attention=(cost.core_attention,
+                                                                             2 * cost.core_attention))
     if chunk.has_embedding:
         add(comm.embedding_collectives(config, sizes))
     if chunk.has_head:
         add(comm.head_collectives(config, sizes))
-        fwd["compute"] += 2 * m.hidden_size * m.vocab_size * per_rank_tokens / flop_s
-        bwd["compute"] += 4 * m.hidden_size * m.vocab_size * per_rank_tokens / flop_s
+        head_f, head_b = head_compute(config, sizes, cluster, flop_s)
+        fwd["compute"] += head_f
+        bwd["compute"] += head_b
     for c in comm.pipeline_collectives(config, sizes, chunk.model_chunk, last_model_chunk + 1):
         (fwd if c.phase == "forward" else bwd)["pp"] += links.seconds(c)
     if o.offload_modules:   # the chunk's offloaded bytes, out in its forward and back in its backward
@@ -426,23 +415,47 @@ def _makespan(name: str, pp: int, vpp: int, m: int, durations: Durations, overla
     return _simulate(name, pp, vpp, m, durations, overlap, delay_wgrad)
 
 
+def _optimizer_seconds(config: RunConfig, sizes: ParallelSizes, pp_rank: int, cluster: Cluster) -> float:
+    """The fused Adam step over this rank's shard of the distributed optimizer (dense parameters sharded over
+    dp x cp, experts over edp): ``OPTIMIZER_BYTES`` per element through HBM at the elementwise share."""
+    numel = 0.0
+    for (kind, _), n in stage_numel(config, sizes, pp_rank).items():
+        numel += n / (sizes.edp if kind == "expert" else sizes.dp * sizes.cp)
+    return numel * OPTIMIZER_BYTES / (ELEMENTWISE_SHARE * cluster.hbm_gbps * 1e9)
+
+
 def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, gpus_per_node: int,
-                       efficiency: float = EFFICIENCY, simulate: bool = True) -> StepTime:
+                       efficiency: float | None = None, exchange_overlap: float = 0.0,
+                       compute_share: float = 1.0, simulate: bool = True) -> StepTime:
     """Seconds per step of ``config`` in layout ``sizes`` on ``cluster`` (module docstring); ValueError for a
-    layout the run would refuse (``RunConfig.resolve``). ``simulate=False``: the pipeline bubble from the schedule's
-    expected fraction (``pipeline.expected_bubble_fraction``, equal stage times) instead of the simulated clock,
-    a fast first estimate that the search ranks its candidates with."""
-    if not 0 < efficiency <= 1:
+    layout the run would refuse (``RunConfig.resolve``). ``efficiency``: the flat model (every FLOP at that share
+    of the bf16 peak, nothing else counted) instead of the calibrated one; ``exchange_overlap``: the share of the
+    otherwise exposed expert exchange hidden behind compute (0 in moefold's schedules; 1 models a schedule that
+    hides it, such as DeepSeek's DualPipe); ``compute_share``: the share of the GPU's SMs the compute kernels get
+    (below 1 when communication kernels run beside them all along: DualPipe's all-to-all holds 20 of 132 SMs).
+    ``simulate=False``: the pipeline bubble from the schedule's expected fraction
+    (``pipeline.expected_bubble_fraction``, equal stage times) instead of the simulated clock, a fast first
+    estimate that the search ranks its candidates with."""
+    if efficiency is not None and not 0 < efficiency <= 1:
         raise ValueError(f"efficiency={efficiency!r} must be in (0, 1]")
+    if not 0 <= exchange_overlap <= 1:
+        raise ValueError(f"exchange_overlap={exchange_overlap!r} must be in [0, 1]")
+    if not 0 < compute_share <= 1:
+        raise ValueError(f"compute_share={compute_share!r} must be in (0, 1]")
     if not isinstance(gpus_per_node, int) or gpus_per_node < 1:
         raise ValueError(f"--gpus-per-node={gpus_per_node!r} must be a positive integer")
     _, m = config.resolve(sizes.world_size)
     links = _Links(sizes, cluster, gpus_per_node)
-    flop_s = cluster.bf16_tflops * 1e12 * efficiency
+    flop_s = None if efficiency is None else cluster.bf16_tflops * 1e12 * efficiency
     vpp = config.pipeline_layout(sizes.pp).vpp if sizes.pp > 1 else 1
     last = sizes.pp * vpp - 1
-    actions = [[_chunk_actions(config, sizes, c, links, flop_s, last) for c in rank_chunks(config, sizes, r)]
-               for r in range(sizes.pp)]
+    actions = [[_chunk_actions(config, sizes, c, links, cluster, flop_s, last, exchange_overlap)
+                for c in rank_chunks(config, sizes, r)] for r in range(sizes.pp)]
+    if compute_share < 1:
+        for rank in actions:
+            for action in (a for pair in rank for a in pair):
+                action.terms["compute"] = action.terms.get("compute", 0.0) / compute_share
+                action.weight /= compute_share
     t = config.train
     overlap, delay = t.overlap_moe_expert_parallel_comm, t.delay_wgrad_compute
     durations = tuple(tuple((max(f.total, 1e-12), max(b.total, 1e-12), min(b.weight, 0.5 * max(b.total, 1e-12)),
@@ -473,6 +486,8 @@ def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster
     terms["dp"] += _dp_seconds(config, sizes, critical, links, fwd_window, bwd_window)
     if config.train.optimizer_cpu_offload:
         terms["offload"] += _cpu_adam_seconds(config, sizes, critical, links, fwd_window)
+    if flop_s is None:
+        terms["compute"] += _optimizer_seconds(config, sizes, critical, cluster) / compute_share
     tokens = config.train.global_batch_size * config.train.seq_length
     flops = train_flops_per_token(config.model, config.train.seq_length) * tokens / sizes.world_size
     links = {}

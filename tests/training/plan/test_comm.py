@@ -63,13 +63,20 @@ def test_cluster_toml(tmp_path):
     good = tmp_path / "mine.toml"
     good.write_text('memory = "96GiB"\nbf16_tflops = 500\nnvlink_gbps = 300\ninternode_gbps = 25\nsource = "me"\n')
     c = load_cluster(str(good))
-    assert c == Cluster("mine", 96 * 2**30, 500, 300, 25, "me")
+    assert c == Cluster("mine", 96 * 2**30, 500, 300, 25, "me")   # no FP8 units, an H100's HBM unless given
+    good.write_text('memory = "96GiB"\nbf16_tflops = 500\nnvlink_gbps = 300\ninternode_gbps = 25\nfp8_tflops = 1000\n'
+                    'hbm_gbps = 2000\n')
+    assert (load_cluster(str(good)).fp8_tflops, load_cluster(str(good)).hbm_gbps) == (1000, 2000)
     cases = {
         "typo.toml": ('memory = "80GB"\nbf16_tflop = 1\nnvlink_gbps = 1\ninternode_gbps = 1\n', "unknown keys"),
         "missing.toml": ('memory = "80GB"\nnvlink_gbps = 1\ninternode_gbps = 1\n', "missing"),
         "both.toml": ('memory = "80GB"\nmemory_bytes = 1\nbf16_tflops = 1\nnvlink_gbps = 1\ninternode_gbps = 1\n',
                       "exactly one"),
         "negative.toml": ('memory = "80GB"\nbf16_tflops = -1\nnvlink_gbps = 1\ninternode_gbps = 1\n', "positive"),
+        "fp8.toml": ('memory = "80GB"\nbf16_tflops = 1\nnvlink_gbps = 1\ninternode_gbps = 1\nfp8_tflops = -1\n',
+                     ">= 0"),
+        "hbm.toml": ('memory = "80GB"\nbf16_tflops = 1\nnvlink_gbps = 1\ninternode_gbps = 1\nhbm_gbps = 0\n',
+                     "positive"),
         "broken.toml": ("memory = \n", "not valid TOML"),
     }
     for name, (text, message) in cases.items():
@@ -263,22 +270,22 @@ def test_block_collectives_equal_the_bytes_the_code_sends():
 
 # ----------------------------------------------------------------------------------------------- step time
 def _step(world: int, gpus_per_node: int = 8, cluster: str = "h100", options: ModelOptions | None = None,
-          gbs: int = 64, model=None, **parallel):
+          gbs: int = 64, model=None, efficiency: float | None = None, **parallel):
     options = options or ModelOptions(dtype="bf16")
     config = RunConfig(model=model or qwen3_moe_30b_a3b(), parallel=ParallelConfig(**parallel), options=options,
                        train=TrainConfig(micro_batch_size=1, global_batch_size=gbs, seq_length=4096))
     sizes, _ = config.resolve(world)
-    return estimate_step_time(config, sizes, load_cluster(cluster), gpus_per_node)
+    return estimate_step_time(config, sizes, load_cluster(cluster), gpus_per_node, efficiency)
 
 
 def test_one_gpu_runs_at_the_stated_efficiency():
-    """Nothing to communicate: the step is the model's FLOPs at EFFICIENCY x peak, MFU = EFFICIENCY."""
-    st = _step(1, gbs=4)
+    """The flat model, nothing to communicate: the step is the model's FLOPs at EFFICIENCY x peak, MFU = EFFICIENCY."""
+    st = _step(1, gbs=4, efficiency=EFFICIENCY)
     assert st.terms["compute"] == pytest.approx(st.total, rel=1e-12)
     assert st.mfu(load_cluster("h100")) == pytest.approx(EFFICIENCY, rel=1e-9)
     assert st.tokens_per_step == 4 * 4096 and st.gpus == 1
     assert set(st.terms) <= set(st.exposed_notes) and all(st.exposed_notes[k] for k in st.terms)
-    full = _step(1, gbs=4, options=ModelOptions(dtype="bf16", recompute="full"))
+    full = _step(1, gbs=4, options=ModelOptions(dtype="bf16", recompute="full"), efficiency=EFFICIENCY)
     # full recompute runs every layer's forward again (not the head's): between 1x and 4/3x the compute
     assert st.terms["compute"] < full.terms["compute"] < 4 / 3 * st.terms["compute"]
     assert full.mfu(load_cluster("h100")) < EFFICIENCY

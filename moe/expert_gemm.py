@@ -1,0 +1,226 @@
+"""The routed experts' grouped GEMM with reused output buffers and weight gradients fused into main-grad.
+
+``grouped_linear(x, w, counts_e, rows, slot)`` computes ``out[rows_i] = x[rows_i] @ w[i]^T`` for every local
+expert i (``w [e, M, K]``, the ``nn.Linear`` layout the experts store), differentiable in ``x`` and ``w``:
+
+- forward and input gradient: on CPU (``rows`` given: ``moe.expert_rows.ExpertRows`` with host counts) one
+  ``torch.mm`` per expert block, or one ``torch.bmm`` for the ``uniform`` layout, each writing its slice of an
+  output from the workspace pool (``parallel.workspace``: no fresh, page-faulted buffer per call); elsewhere
+  (``rows`` None) ``torch.nn.functional.grouped_mm`` from the device counts (no host sync).
+- weight gradient ``dw[i] = dy[rows_i]^T x[rows_i]``: with a main-grad ``slot`` (gradient-accumulation
+  fusion, ``dense.grad_accumulation``) written straight into the parameter's main-grad buffer, the step's
+  first micro-batch as a plain product, later ones accumulated (``addmm_`` / ``baddbmm_``; cuBLAS beta = 1
+  on CUDA when the dispatcher brought host counts). On CUDA without host counts the grouped kernel (which
+  has no output or beta argument) computes ``dw`` and it is copied / added into the buffer: one pass, no
+  sync. Without a slot ``dw`` is returned to autograd. Experts without rows get a zero gradient.
+
+The products are the ones autograd's ``grouped_mm`` backward computes (``x_i^T dy_i`` into the transposed
+buffer), so packed-layout results are bitwise those of the plain path on CPU. Local: nothing crosses ranks.
+
+``choose_layout`` decides the row layout of a call by measured speed per shape (``moe.expert_rows``).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from moefold.dense.grad_accumulation import MainGradSlot, mm_into, write_weight_grad
+from moefold.moe.expert_rows import ExpertRows, RowLayout, max_auto_rows, pad_rows
+from moefold.moe.gemm import grouped_gemm
+from moefold.parallel.workspace import workspace
+
+
+def _blocks(rows: ExpertRows) -> list[tuple[int, int, int]]:
+    """(expert, first buffer row, rows in its block) of every non-empty block."""
+    return [(i, s, b) for i, (s, b) in enumerate(zip(rows.starts, rows.blocks)) if b]
+
+
+def grouped_forward(x_PK: Tensor, w_eMK: Tensor, rows: ExpertRows) -> Tensor:
+    """[rows.total, M]: each block times its expert's ``w[i]^T``, into a workspace."""
+    e, M, K = w_eMK.shape
+    out = workspace(x_PK.device).empty((rows.total, M), x_PK.dtype)
+    if rows.uniform and rows.total:
+        torch.bmm(x_PK.view(e, -1, K), w_eMK.transpose(1, 2), out=out.view(e, -1, M))
+        return out
+    for i, s, b in _blocks(rows):
+        torch.mm(x_PK[s:s + b], w_eMK[i].t(), out=out[s:s + b])
+    return out
+
+
+def grouped_input_grad(dy_PM: Tensor, w_eMK: Tensor, rows: ExpertRows) -> Tensor:
+    """[rows.total, K]: each block of ``dy`` times its expert's ``w[i]``, into a workspace."""
+    e, M, K = w_eMK.shape
+    out = workspace(dy_PM.device).empty((rows.total, K), dy_PM.dtype)
+    if rows.uniform and rows.total:
+        torch.bmm(dy_PM.view(e, -1, M), w_eMK, out=out.view(e, -1, K))
+        return out
+    for i, s, b in _blocks(rows):
+        torch.mm(dy_PM[s:s + b], w_eMK[i], out=out[s:s + b])
+    return out
+
+
+def grouped_weight_grad(x_PK: Tensor, dy_PM: Tensor, rows: ExpertRows, target_eMK: Tensor, accumulate: bool) -> None:
+    """``target[i] = dy_i^T x_i`` (or ``+=`` with ``accumulate``) for every expert; zero for one without rows."""
+    e, M, K = target_eMK.shape
+    if rows.uniform and rows.total and target_eMK.is_contiguous():
+        # dy^T x straight into the [e, M, K] target: with a transposed output oneDNN has no bf16 batched kernel
+        # and runs its reference loop (thousands of times slower: 7.7 s instead of 1.5 ms for 16 x 128 x 256 x 512)
+        x3, dy3 = x_PK.view(e, -1, K), dy_PM.view(e, -1, M).transpose(1, 2)
+        if accumulate:
+            target_eMK.baddbmm_(dy3, x3)
+        else:
+            torch.bmm(dy3, x3, out=target_eMK)
+        return
+    for i, b in enumerate(rows.blocks):
+        if b == 0 and not accumulate:
+            target_eMK[i].zero_()
+    for i, s, b in _blocks(rows):
+        mm_into(target_eMK[i].t(), x_PK[s:s + b].t(), dy_PM[s:s + b], accumulate)
+
+
+def _aligned(t: Tensor) -> Tensor:
+    """``t`` [N, D] with D zero-padded to 16-byte rows (``grouped_mm``'s stride rule)."""
+    pad = (-t.shape[1]) % max(1, 16 // t.element_size())
+    return F.pad(t, (0, pad)) if pad else t
+
+
+def _weight_grad_into(x: Tensor, dy: Tensor, rows: ExpertRows | None, counts_e: Tensor, target: Tensor,
+                      accumulate: bool) -> None:
+    if rows is None:   # device counts only: the grouped kernel, then one copy / add into the target
+        offs = torch.cumsum(counts_e, 0, dtype=torch.int32)
+        dw_eKM = F.grouped_mm(_aligned(x).t(), _aligned(dy), offs=offs)[:, :x.shape[1], :dy.shape[1]]
+        dw = dw_eKM.transpose(1, 2)
+        if accumulate:
+            target.add_(dw)
+        else:
+            target.copy_(dw)
+        return
+    if target.dtype != x.dtype and target.device.type != "cuda":   # CPU has no mixed-dtype GEMM: a bf16 workspace
+        tmp = workspace(x.device).empty(target.shape, x.dtype)
+        grouped_weight_grad(x, dy, rows, tmp, False)
+        if accumulate:
+            target.add_(tmp)
+        else:
+            target.copy_(tmp)
+        return
+    grouped_weight_grad(x, dy, rows, target, accumulate)
+
+
+class _GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, counts_e: Tensor, rows: ExpertRows | None,
+                slot: MainGradSlot | None) -> Tensor:
+        ctx.save_for_backward(x, w, counts_e)
+        ctx.rows, ctx.slot = rows, slot
+        if rows is None:
+            return grouped_gemm(x, w, counts_e, "grouped_mm", trans_w=True)
+        return grouped_forward(x, w, rows)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, w, counts_e = ctx.saved_tensors
+        rows = ctx.rows
+        dy = dy.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = (grouped_gemm(dy, w, counts_e, "grouped_mm", trans_w=False) if rows is None
+                  else grouped_input_grad(dy, w, rows))
+        if ctx.needs_input_grad[1]:
+            def compute(target: Tensor, accumulate: bool) -> None:
+                _weight_grad_into(x, dy, rows, counts_e, target, accumulate)
+
+            if ctx.slot is not None:
+                dw = write_weight_grad(ctx.slot, w, compute)
+            else:   # autograd takes this tensor over (never a workspace: it may become param.grad)
+                dw = torch.empty(w.shape, dtype=w.dtype, device=w.device)
+                compute(dw, False)
+        return dx, dw, None, None, None
+
+
+def grouped_linear(x_PK: Tensor, w_eMK: Tensor, counts_e: Tensor, rows: ExpertRows | None,
+                   slot: MainGradSlot | None = None) -> Tensor:
+    """Per-expert ``x @ w[i]^T`` (module docstring). ``rows``: the call's layout with host counts (``x`` already
+    in its blocks), or None for the device-count grouped kernel; ``slot``: ``w``'s parameter's main-grad slot."""
+    if x_PK.dtype != w_eMK.dtype:
+        raise ValueError(f"grouped_linear: x is {x_PK.dtype} but w is {w_eMK.dtype}")
+    if rows is not None and x_PK.shape[0] != rows.total:
+        raise ValueError(f"grouped_linear: x has {x_PK.shape[0]} rows, the layout {rows.total}")
+    return _GroupedLinear.apply(x_PK, w_eMK, counts_e, rows, slot)
+
+
+# ------------------------------------------------------------------------------------------------ measured choice
+_CHOSEN: dict[tuple, RowLayout] = {}
+MIN_GAIN = 0.05   # a padded layout must beat packed by this fraction to be chosen
+
+
+def _shape_key(device: torch.device, dtype: torch.dtype, counts: tuple[int, ...], K: int, M: int) -> tuple:
+    mean = max(1, sum(counts) // max(1, len(counts)))
+    return device.type, dtype, len(counts), K, M, 1 << (mean.bit_length() - 1)
+
+
+def _perturbed(counts: tuple[int, ...], rng: random.Random) -> tuple[int, ...]:
+    """The same total over the same experts with up to ~10% of each expert's rows moved to the next one: new
+    exact shapes, as the next step's routing gives."""
+    out = list(counts)
+    for i in range(len(out)):
+        moved = rng.randint(0, max(1, out[i] // 10)) if out[i] else 0
+        out[i] -= moved
+        out[(i + 1) % len(out)] += moved
+    return tuple(out)
+
+
+def _time_layout(kind: RowLayout, counts: tuple[int, ...], x_NK: Tensor, w_eMK: Tensor, tries: int,
+                 rng: random.Random) -> float:
+    """Best seconds of the first projection's forward + weight-gradient GEMMs (with the padding copy) in
+    ``kind``, each try on new row counts (the first try, on the real ones, warms up and is not counted)."""
+    best = float("inf")
+    grad = workspace(x_NK.device).empty(w_eMK.shape, w_eMK.dtype)
+    for t in range(tries + 1):
+        rows = ExpertRows.build(counts if t == 0 else _perturbed(counts, rng), kind)
+        t0 = time.perf_counter()
+        xp = pad_rows(x_NK, rows)
+        grouped_weight_grad(xp, grouped_forward(xp, w_eMK, rows), rows, grad, False)
+        if t > 0:
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def choose_layout(counts: tuple[int, ...], x_NK: Tensor, w_eMK: Tensor, forced: str = "auto") -> ExpertRows:
+    """The rows of this call: in the ``forced`` layout, or in the fastest one measured for its shape (device,
+    dtype, experts, K, M, rows per expert rounded down to a power of two; measured once per process on the real
+    weights, a padded layout kept only when >= 5% faster than packed). Packed off the CPU and for one expert. A
+    measured ``uniform`` whose blocks would exceed ``max_auto_rows`` for these counts (skewed routing) gives
+    ``aligned`` rows for this call: the padding is activation memory, bounded so the planner can count it."""
+    if forced != "auto":
+        return ExpertRows.build(counts, forced)   # type: ignore[arg-type]
+    if x_NK.device.type != "cpu" or len(counts) < 2 or sum(counts) == 0:
+        return ExpertRows.build(counts, "packed")
+    key = _shape_key(x_NK.device, x_NK.dtype, counts, x_NK.shape[1], w_eMK.shape[1])
+    kind = _CHOSEN.get(key)
+    if kind is None:
+        rng = random.Random(0)
+        with torch.no_grad():
+            times = {k: _time_layout(k, counts, x_NK.detach(), w_eMK.detach(), 2, rng)
+                     for k in ("packed", "aligned", "uniform")}
+        kind = min(times, key=times.get)
+        if kind != "packed" and times[kind] > (1 - MIN_GAIN) * times["packed"]:
+            kind = "packed"
+        _CHOSEN[key] = kind
+    rows = ExpertRows.build(counts, kind)
+    if rows.total > max_auto_rows(rows.num_rows, len(counts)):
+        rows = ExpertRows.build(counts, "aligned")
+    return rows
+
+
+def chosen_layouts() -> dict[tuple, str]:
+    """{(device, dtype, experts, K, M, rows per expert rounded down to a power of two): layout} chosen so far."""
+    return dict(_CHOSEN)
+
+
+__all__ = ["choose_layout", "chosen_layouts", "grouped_forward", "grouped_input_grad", "grouped_linear",
+           "grouped_weight_grad"]

@@ -1,0 +1,159 @@
+"""How the routed experts lay out their rows for the grouped GEMMs, chosen by measured speed per shape.
+
+``ExpertRows`` describes the rows of one experts call: ``counts`` (each local expert's real rows, host ints)
+and ``blocks`` (the rows each expert occupies in the GEMM buffers, >= its count). Three layouts:
+
+- ``packed``:  blocks = counts. One GEMM per expert on its exact rows, no copies.
+- ``aligned``: each block rounded up to a multiple of ``ALIGN`` rows, the extra rows zero. The GEMM shapes
+               then repeat from call to call. This is what bf16 on CPU needs: oneDNN (torch's bf16 matmul
+               on AMX / AVX-512 BF16) JIT-compiles a kernel per new shape, ~7 ms each on this project's
+               Xeon, while the GEMM itself takes ~0.5 ms, and exact row counts are new shapes every step.
+- ``uniform``: every block the same size, ``ALIGN`` x ceil(max count / ALIGN): the experts' GEMMs become
+               one batched ``bmm`` per projection (many small experts: one call instead of 6 E).
+
+Padded layouts cost a copy of the input rows into the blocks and of the output rows back (``pad_rows`` /
+``unpad_rows``, both reused workspaces) plus the GEMM work on the padding rows; zero padding rows stay zero
+through the SwiGLU experts, so the gradients are exactly those of the packed layout.
+
+``moe.expert_gemm.choose_layout`` picks one per shape by measuring them; ``MoEConfig.expert_row_layout`` fixes it.
+Memory: the padded rows are activations (the padded input copy, the gate/up output and the product are saved for
+backward), so a measured choice never holds more than ``max_auto_rows`` (``aligned``'s worst case, N + e(ALIGN - 1)):
+a ``uniform`` call over skewed counts (one hot expert: e times N rows) takes ``aligned`` instead. The planner
+(``training.plan.activations_ffn``) counts that bound on CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from moefold.parallel.workspace import workspace
+
+RowLayout = Literal["packed", "aligned", "uniform"]
+ROW_LAYOUTS: tuple[str, ...] = ("auto", "packed", "aligned", "uniform")
+ALIGN = 32   # rows: oneDNN's kernels for M (or K) a multiple of 32 cover every block size seen in training
+
+
+def max_auto_rows(num_rows: int, experts: int) -> int:
+    """The most buffer rows a measured (``auto``) layout holds for ``num_rows`` rows over ``experts`` experts."""
+    return num_rows + experts * (ALIGN - 1)
+
+
+@dataclass(frozen=True)
+class ExpertRows:
+    """The rows of one experts call: ``counts`` real rows per local expert, ``blocks`` rows in the buffers."""
+
+    counts: tuple[int, ...]
+    blocks: tuple[int, ...]
+    kind: RowLayout = "packed"
+    _index: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @staticmethod
+    def build(counts: tuple[int, ...], kind: RowLayout) -> ExpertRows:
+        if kind == "packed":
+            return ExpertRows(counts, counts, kind)
+        if kind == "aligned":
+            return ExpertRows(counts, tuple(-(-c // ALIGN) * ALIGN for c in counts), kind)
+        if kind == "uniform":
+            block = max(ALIGN, -(-max(counts, default=0) // ALIGN) * ALIGN)
+            return ExpertRows(counts, (block,) * len(counts), kind)
+        raise ValueError(f"expert row layout {kind!r} is unknown; valid: {', '.join(ROW_LAYOUTS)}")
+
+    @property
+    def padded(self) -> bool:
+        return self.blocks != self.counts
+
+    @property
+    def uniform(self) -> bool:
+        return self.kind == "uniform"
+
+    @cached_property
+    def num_rows(self) -> int:
+        return sum(self.counts)
+
+    @cached_property
+    def total(self) -> int:
+        """Rows in the GEMM buffers."""
+        return sum(self.blocks)
+
+    @cached_property
+    def starts(self) -> tuple[int, ...]:
+        """First buffer row of each expert's block."""
+        out, s = [], 0
+        for b in self.blocks:
+            out.append(s)
+            s += b
+        return tuple(out)
+
+    def spans(self) -> list[tuple[int, int, int]]:
+        """(expert, first buffer row, real rows) of every expert with rows."""
+        return [(i, s, c) for i, (s, c) in enumerate(zip(self.starts, self.counts)) if c]
+
+    def real_rows(self, device: torch.device) -> Tensor:
+        """[num_rows] int64: the buffer row of each packed row (built once per device)."""
+        key = ("real", device)
+        if key not in self._index:
+            idx = torch.cat([torch.arange(s, s + c) for _, s, c in self.spans()] or [torch.zeros(0, dtype=torch.long)])
+            self._index[key] = idx.to(device)
+        return self._index[key]
+
+    def pad_rows_index(self, device: torch.device) -> Tensor:
+        """[total - num_rows] int64: the buffer rows that are padding."""
+        key = ("pad", device)
+        if key not in self._index:
+            idx = [torch.arange(s + c, s + b) for s, c, b in zip(self.starts, self.counts, self.blocks) if b > c]
+            self._index[key] = (torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long)).to(device)
+        return self._index[key]
+
+
+def _scatter_rows(x_NH: Tensor, rows: ExpertRows) -> Tensor:
+    """Packed rows -> the blocks of ``rows`` (padding rows zero), in a workspace."""
+    out = workspace(x_NH.device).empty((rows.total, *x_NH.shape[1:]), x_NH.dtype)
+    out.index_fill_(0, rows.pad_rows_index(x_NH.device), 0)
+    out.index_copy_(0, rows.real_rows(x_NH.device), x_NH)
+    return out
+
+
+def _gather_rows(x_PH: Tensor, rows: ExpertRows) -> Tensor:
+    """Blocks -> packed rows, in a workspace."""
+    out = workspace(x_PH.device).empty((rows.num_rows, *x_PH.shape[1:]), x_PH.dtype)
+    return torch.index_select(x_PH, 0, rows.real_rows(x_PH.device), out=out)
+
+
+class _PadRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_NH: Tensor, rows: ExpertRows) -> Tensor:
+        ctx.rows = rows
+        return _scatter_rows(x_NH.contiguous(), rows)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        return _gather_rows(grad.contiguous(), ctx.rows), None
+
+
+class _UnpadRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_PH: Tensor, rows: ExpertRows) -> Tensor:
+        ctx.rows = rows
+        return _gather_rows(x_PH.contiguous(), rows)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        return _scatter_rows(grad.contiguous(), ctx.rows), None
+
+
+def pad_rows(x_NH: Tensor, rows: ExpertRows) -> Tensor:
+    """[N, ...] expert-major rows -> [rows.total, ...] in ``rows``' blocks (zero padding); identity when packed."""
+    return _PadRows.apply(x_NH, rows) if rows.padded else x_NH
+
+
+def unpad_rows(x_PH: Tensor, rows: ExpertRows) -> Tensor:
+    """The inverse of ``pad_rows`` (padding rows dropped; their gradient is zero)."""
+    return _UnpadRows.apply(x_PH, rows) if rows.padded else x_PH
+
+
+__all__ = ["ALIGN", "ROW_LAYOUTS", "ExpertRows", "RowLayout", "max_auto_rows", "pad_rows", "unpad_rows"]

@@ -1,0 +1,146 @@
+"""The CPU expert path of issue 32: row layouts (packed / aligned / uniform bmm) equal the per-expert reference in
+values and gradients, SwiGLU without ``cat`` equals autograd's bit for bit, the layout is measured once per shape,
+and repeated calls reuse their workspaces instead of allocating fresh large buffers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moefold.moe import expert_gemm
+from moefold.moe.expert_gemm import choose_layout, chosen_layouts, grouped_linear
+from moefold.moe.expert_rows import ALIGN, ExpertRows, max_auto_rows, pad_rows, unpad_rows
+from moefold.moe.experts import GroupedExperts
+from moefold.moe.swiglu import swiglu_rows
+from moefold.parallel.sharding import init_parameters
+from moefold.parallel.workspace import MIN_BYTES, WorkspacePool, workspace
+
+COUNTS = (5, 0, 37, 2)   # an expert without rows; blocks that do not divide ALIGN
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, counts) -> torch.Tensor:
+    out, s = [], 0
+    for i, c in enumerate(counts):
+        out.append(x[s:s + c] @ w[i].T)
+        s += c
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("kind", ["packed", "aligned", "uniform", None])
+def test_grouped_linear_layouts_equal_the_per_expert_reference(kind):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(sum(COUNTS), 12, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(len(COUNTS), 7, 12, generator=gen, dtype=torch.float64, requires_grad=True)
+    gy = torch.randn(sum(COUNTS), 7, generator=gen, dtype=torch.float64)
+    ref = _reference(x, w, COUNTS)
+    dx_ref, dw_ref = torch.autograd.grad(ref, (x, w), gy)
+    counts = torch.tensor(COUNTS)
+    if kind is None:   # the device-count grouped kernel (what CUDA runs)
+        y = grouped_linear(x.float(), w.float(), counts, None).double()
+        torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+        return
+    rows = ExpertRows.build(COUNTS, kind)
+    assert rows.padded == (kind != "packed") and all(b % ALIGN == 0 for b in rows.blocks if kind != "packed")
+    y = unpad_rows(grouped_linear(pad_rows(x, rows), w, counts, rows), rows)
+    dx, dw = torch.autograd.grad(y, (x, w), gy)
+    torch.testing.assert_close(y, ref, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(dx, dx_ref, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(dw, dw_ref, atol=1e-12, rtol=1e-12)
+    assert dw[1].abs().max() == 0   # the expert without rows
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_uniform_bf16_weight_grad_into_contiguous_and_strided_targets(accumulate):
+    """The batched weight gradient (uniform layout) in bf16, into the [e, M, K] target and a strided one."""
+    rows = ExpertRows.build(COUNTS, "uniform")
+    gen = torch.Generator().manual_seed(1)
+    x = pad_rows(torch.randn(sum(COUNTS), 12, generator=gen), rows).bfloat16()
+    dy = pad_rows(torch.randn(sum(COUNTS), 7, generator=gen), rows).bfloat16()
+    want = torch.stack([dy[s:s + b].float().T @ x[s:s + b].float() for s, b in zip(rows.starts, rows.blocks)])
+    start = torch.ones(len(COUNTS), 7, 12) if accumulate else torch.zeros(len(COUNTS), 7, 12)
+    for target in (start.bfloat16(), start.bfloat16().transpose(1, 2).contiguous().transpose(1, 2)):
+        expert_gemm.grouped_weight_grad(x, dy, rows, target, accumulate)
+        torch.testing.assert_close(target.float(), want + start, atol=0.1, rtol=0.02)
+
+
+def test_swiglu_rows_equals_autograd_bit_for_bit():
+    h = torch.randn(9, 10, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    g = torch.randn(9, 5, generator=torch.Generator().manual_seed(3))
+    ref = F.silu(h[:, :5]) * h[:, 5:]
+    (dh_ref,) = torch.autograd.grad(ref, h, g)
+    out = swiglu_rows(h)
+    (dh,) = torch.autograd.grad(out, h, g)
+    assert torch.equal(out, ref) and torch.equal(dh, dh_ref)
+    with pytest.raises(ValueError, match=r"\[N, 2f\]"):
+        swiglu_rows(torch.zeros(3, 5))
+
+
+def test_layout_measured_once_per_shape_and_forced_when_asked(monkeypatch):
+    monkeypatch.setattr(expert_gemm, "_CHOSEN", {})
+    x, w = torch.randn(256, 16), torch.randn(8, 24, 16)
+    first = choose_layout((32,) * 8, x, w)
+    again = choose_layout((30, 34) * 4, x, w)   # same shape class: no new measurement
+    # (uniform blocks of 64 rows would pass max_auto_rows for these uneven counts: aligned rows instead)
+    assert len(chosen_layouts()) == 1 and again.kind == ("aligned" if first.kind == "uniform" else first.kind)
+    assert choose_layout((32,) * 8, x, w, forced="uniform").kind == "uniform"
+    assert choose_layout((256,), x[:, :16], w[:1]).kind == "packed"        # one expert: nothing to batch
+    assert choose_layout((32,) * 8, x.to("meta"), w.to("meta")).kind == "packed"   # off the CPU
+    assert len(chosen_layouts()) == 1
+
+
+def test_measured_uniform_never_pads_past_the_planned_bound(monkeypatch):
+    """Skewed counts in a shape class measured ``uniform``: one hot expert would give e times the rows (activation
+    memory the planner bounds by ``max_auto_rows``); the call takes ``aligned`` rows instead."""
+    monkeypatch.setattr(expert_gemm, "_CHOSEN", {})
+    monkeypatch.setattr(expert_gemm, "_time_layout", lambda kind, *_: {"uniform": 0.1}.get(kind, 1.0))
+    x, w = torch.randn(256, 16), torch.randn(8, 24, 16)
+    assert choose_layout((32,) * 8, x, w).kind == "uniform"
+    skewed = choose_layout((200,) + (8,) * 7, x, w)   # same shape class; uniform would hold 8 x 224 rows
+    assert skewed.kind == "aligned" and skewed.total <= max_auto_rows(256, 8) < ExpertRows.build(
+        (200,) + (8,) * 7, "uniform").total
+
+
+@pytest.mark.parametrize("layout", ["packed", "aligned", "uniform"])
+def test_experts_reuse_their_workspaces_and_match_the_loop_backend(layout):
+    """Second and later calls allocate no new workspace buffer; values and gradients equal the loop backend."""
+    E, H, FFN = 4, 64, 256
+    counts = (700, 300, 0, 1048)   # [N, 2F] fp32 = 4 MB: above the pool's MIN_BYTES
+    assert sum(counts) * 2 * FFN * 4 > MIN_BYTES
+    fast = GroupedExperts(E, H, FFN, row_layout=layout)
+    slow = GroupedExperts(E, H, FFN, gemm_backend="loop")
+    init_parameters(fast, seed=5)
+    slow.load_state_dict(fast.state_dict())
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(sum(counts), H, generator=gen)
+    gy = torch.randn(sum(counts), H, generator=gen)
+    pool = workspace("cpu")
+    made = []
+    for _ in range(3):
+        xf = x.clone().requires_grad_()
+        fast(xf, torch.tensor(counts)).backward(gy)
+        made.append(pool.allocated)
+        grads = (xf.grad, fast.w13.grad, fast.w2.grad)
+        fast.zero_grad(set_to_none=True)
+    assert made[0] > 0 and made[1] == made[2], made   # the pool serves the path; steady state: all reused
+    xs = x.clone().requires_grad_()
+    slow(xs, torch.tensor(counts)).backward(gy)
+    for got, want in zip(grads, (xs.grad, slow.w13.grad, slow.w2.grad)):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_workspace_never_hands_out_a_held_buffer():
+    pool = WorkspacePool(torch.device("cpu"))
+    n = MIN_BYTES // 4 * 2
+    a = pool.empty((n,), torch.float32)
+    b = pool.empty((n,), torch.float32)
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()   # a is still held
+    ptr = a.untyped_storage().data_ptr()
+    del a
+    c = pool.empty((n - 100,), torch.float32)   # a smaller request fits the freed buffer
+    assert c.untyped_storage().data_ptr() == ptr and pool.allocated == 2
+    small = pool.empty((10,), torch.float32)    # below MIN_BYTES: plain torch.empty, not pooled
+    assert pool.allocated == 2 and small.numel() == 10
+    del b, c
+    pool.release()
+    assert pool.free_bytes() == 0
