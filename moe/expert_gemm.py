@@ -17,7 +17,8 @@ expert i (``w [e, M, K]``, the ``nn.Linear`` layout the experts store), differen
 The products are the ones autograd's ``grouped_mm`` backward computes (``x_i^T dy_i`` into the transposed
 buffer), so packed-layout results are bitwise those of the plain path on CPU. Local: nothing crosses ranks.
 
-``choose_layout`` decides the row layout of a call by measured speed per shape (``moe.expert_rows``).
+``choose_layout`` decides the row layout of a call (``moe.expert_rows``): by a fixed rule of the dtype that
+follows the measurements (``auto``, reproducible), or by timing its shape (``measured``).
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ def grouped_linear(x_PK: Tensor, w_eMK: Tensor, counts_e: Tensor, rows: ExpertRo
     return _GroupedLinear.apply(x_PK, w_eMK, counts_e, rows, slot)
 
 
-# ------------------------------------------------------------------------------------------------ measured choice
+# ------------------------------------------------------------------------------------------------ the choice
 _CHOSEN: dict[tuple, RowLayout] = {}
 MIN_GAIN = 0.05   # a padded layout must beat packed by this fraction to be chosen
 
@@ -190,16 +191,39 @@ def _time_layout(kind: RowLayout, counts: tuple[int, ...], x_NK: Tensor, w_eMK: 
     return best
 
 
+def _rule(dtype: torch.dtype) -> RowLayout:
+    """``auto``'s layout before the memory cap. fp32 (and wider): ``packed``, as fp32 GEMMs take any row count
+    at full speed; bf16 / fp16: ``uniform``, whose shapes repeat from call to call (oneDNN compiles a kernel per
+    new shape) and which batches the experts into one ``bmm``. What ``benchmarks/moe_layer.py`` measured fastest
+    on both development CPUs (benchmarks/RESULTS.md)."""
+    return "packed" if dtype.itemsize >= 4 else "uniform"
+
+
 def choose_layout(counts: tuple[int, ...], x_NK: Tensor, w_eMK: Tensor, forced: str = "auto") -> ExpertRows:
-    """The rows of this call: in the ``forced`` layout, or in the fastest one measured for its shape (device,
-    dtype, experts, K, M, rows per expert rounded down to a power of two; measured once per process on the real
-    weights, a padded layout kept only when >= 5% faster than packed). Packed off the CPU and for one expert. A
-    measured ``uniform`` whose blocks would exceed ``max_auto_rows`` for these counts (skewed routing) gives
-    ``aligned`` rows for this call: the padding is activation memory, bounded so the planner can count it."""
-    if forced != "auto":
+    """The rows of this call. ``forced`` (``MoEConfig.expert_row_layout``):
+
+    - ``auto``: ``_rule``'s layout for the dtype: the same on every rank and in every run, so a run and its
+      resumption are bitwise the same (the layouts' GEMMs differ in the last bits);
+    - ``measured``: the fastest layout timed for the call's shape (device, dtype, experts, K, M, rows per
+      expert rounded down to a power of two), once per process on the real weights, a padded layout kept only
+      when >= 5% faster than packed: for a machine where the rule is wrong, at the price of run-to-run bits;
+    - ``packed`` / ``aligned`` / ``uniform``: that layout.
+
+    Packed off the CPU and for one expert. An automatic (``auto``/``measured``) ``uniform`` whose blocks would
+    exceed ``max_auto_rows`` for these counts (skewed routing) gives ``aligned`` rows for this call: the padding
+    is activation memory, bounded so the planner can count it."""
+    if forced not in ("auto", "measured"):
         return ExpertRows.build(counts, forced)   # type: ignore[arg-type]
     if x_NK.device.type != "cpu" or len(counts) < 2 or sum(counts) == 0:
         return ExpertRows.build(counts, "packed")
+    kind = _rule(x_NK.dtype) if forced == "auto" else _measured(counts, x_NK, w_eMK)
+    rows = ExpertRows.build(counts, kind)
+    if rows.total > max_auto_rows(rows.num_rows, len(counts)):
+        rows = ExpertRows.build(counts, "aligned")
+    return rows
+
+
+def _measured(counts: tuple[int, ...], x_NK: Tensor, w_eMK: Tensor) -> RowLayout:
     key = _shape_key(x_NK.device, x_NK.dtype, counts, x_NK.shape[1], w_eMK.shape[1])
     kind = _CHOSEN.get(key)
     if kind is None:
@@ -211,14 +235,12 @@ def choose_layout(counts: tuple[int, ...], x_NK: Tensor, w_eMK: Tensor, forced: 
         if kind != "packed" and times[kind] > (1 - MIN_GAIN) * times["packed"]:
             kind = "packed"
         _CHOSEN[key] = kind
-    rows = ExpertRows.build(counts, kind)
-    if rows.total > max_auto_rows(rows.num_rows, len(counts)):
-        rows = ExpertRows.build(counts, "aligned")
-    return rows
+    return kind
 
 
 def chosen_layouts() -> dict[tuple, str]:
-    """{(device, dtype, experts, K, M, rows per expert rounded down to a power of two): layout} chosen so far."""
+    """{(device, dtype, experts, K, M, rows per expert rounded down to a power of two): layout} measured so far
+    (``measured`` layouts)."""
     return dict(_CHOSEN)
 
 

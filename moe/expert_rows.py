@@ -15,10 +15,11 @@ Padded layouts cost a copy of the input rows into the blocks and of the output r
 ``unpad_rows``, both reused workspaces) plus the GEMM work on the padding rows; zero padding rows stay zero
 through the SwiGLU experts, so the gradients are exactly those of the packed layout.
 
-``moe.expert_gemm.choose_layout`` picks one per shape by measuring them; ``MoEConfig.expert_row_layout`` fixes it.
-Memory: the padded rows are activations (the padded input copy, the gate/up output and the product are saved for
-backward), so a measured choice never holds more than ``max_auto_rows`` (``aligned``'s worst case, N + e(ALIGN - 1)):
-a ``uniform`` call over skewed counts (one hot expert: e times N rows) takes ``aligned`` instead. The planner
+``moe.expert_gemm.choose_layout`` picks one by a fixed rule of the dtype (``auto``) or by timing the shape
+(``measured``); ``MoEConfig.expert_row_layout`` fixes it. Memory: the padded rows are activations (the padded
+input copy, the gate/up output and the product are saved for backward), so an automatic choice never holds
+more than ``max_auto_rows`` (``aligned``'s worst case, N + e(ALIGN - 1)): a ``uniform`` call over skewed counts
+(one hot expert: e times N rows) takes ``aligned`` instead. The planner
 (``training.plan.activations_ffn``) counts that bound on CPU.
 """
 
@@ -34,7 +35,7 @@ from torch import Tensor
 from moefold.parallel.workspace import workspace
 
 RowLayout = Literal["packed", "aligned", "uniform"]
-ROW_LAYOUTS: tuple[str, ...] = ("auto", "packed", "aligned", "uniform")
+ROW_LAYOUTS: tuple[str, ...] = ("auto", "measured", "packed", "aligned", "uniform")
 ALIGN = 32   # rows: oneDNN's kernels for M (or K) a multiple of 32 cover every block size seen in training
 
 

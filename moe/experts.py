@@ -34,8 +34,9 @@ names, checkpoints and HF import/export are the same for every backend. ``fp8`` 
 ``grouped_mm`` or ``loop``), chosen here once.
 
 The default path (gemm backend ``grouped_mm``, no FP8) runs both projections through ``moe.expert_gemm``:
-on CPU the rows take the layout measured fastest for their shape (``moe.expert_rows``: exact, aligned to 32
-rows, or one ``bmm`` block per expert; ``row_layout`` fixes it), every large intermediate (projections,
+on CPU (``parallel.cpu_shortcuts``: the counts are read on the host, free there) the rows take a layout for
+the GEMMs (``moe.expert_rows``: exact, aligned to 32 rows, or one ``bmm`` block per expert, by
+``moe.expert_gemm.choose_layout``; ``row_layout`` fixes it), every large intermediate (projections,
 SwiGLU output, their gradients) lives in the workspace pool (``parallel.workspace``) and SwiGLU is
 ``moe.swiglu`` (no ``cat``); with ``use_grad_accumulation_fusion`` the weight gradients go straight into the
 main-grad buffer (``dense.grad_accumulation``). Elsewhere (CUDA) the same GEMMs are one
@@ -73,6 +74,7 @@ from moefold.moe.gemm import (
 from moefold.moe.split_gemm import SplitGroupedGemm
 from moefold.moe.swiglu import swiglu_rows
 from moefold.parallel.comm import copy_to_region
+from moefold.parallel.cpu_shortcuts import takes_cpu_shortcut
 from moefold.parallel.fp8 import FP8Config
 from moefold.parallel.fp8_param import mark_fp8_param
 from moefold.parallel.groups import Group, group_rank, group_size
@@ -154,7 +156,8 @@ class GroupedExperts(nn.Module):
     ``fp8_token_group``: with ``--fp8-backend torchao``, the ranks that hold these experts and split one
     micro-batch's tokens (``ParallelDims.expert_token_group``); FP8 scales over token rows reduce over it.
     ``glu``: the gated activation's parameters (None: SwiGLU); ``bias``: per-expert biases (GPT-OSS).
-    ``row_layout``: the CPU row layout of the grouped GEMMs (``moe.expert_rows``: auto = measured per shape).
+    ``row_layout``: the CPU row layout of the grouped GEMMs (``moe.expert_gemm.choose_layout``: auto, measured,
+    packed, aligned, uniform).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *,
@@ -274,7 +277,7 @@ class GroupedExperts(nn.Module):
         w13 = self.w13.reshape(e, gates * f, H)
         recompute = CheckpointWithoutOutput() if self.recompute_activation else None
         rows = None
-        if x_NH.device.type == "cpu":   # host counts cost nothing here
+        if takes_cpu_shortcut(x_NH):   # host counts cost nothing here (the GPU path never reads them)
             host = tuple(int(c) for c in (counts_e.tolist() if counts_host is None else counts_host))
             n = sum(host)
             if n < x_NH.shape[0]:   # a sync-free dispatcher's worst-case rows past the last block: zero outputs
@@ -284,10 +287,9 @@ class GroupedExperts(nn.Module):
         with self.offload_expert_fc1:
             h_NGf = grouped_linear(pad_rows(x_NH, rows) if rows is not None else x_NH, w13, counts_e, rows, slots[0])
             rows_e = None
-            if self.w13_bias is not None:   # packed rows: each row's expert (output_size: sync-free on CUDA)
-                rows_e = torch.repeat_interleave(torch.arange(e, device=x_NH.device), counts_e,
-                                                 output_size=x_NH.shape[0])
-                h_NGf = h_NGf + self.w13_bias.reshape(e, gates * f)[rows_e]
+            if self.w13_bias is not None:   # packed rows (the bias forces them): each row's expert, e past the last
+                rows_e = row_experts(counts_e, x_NH.shape[0])   # block (a sync-free dispatcher's worst-case rows)
+                h_NGf = h_NGf + _with_zero_row(self.w13_bias.reshape(e, gates * f))[rows_e]
         with self.offload_moe_act:
             if recompute is not None:   # the region must return a fresh tensor: autograd's activation
                 act_Nf = recompute.checkpoint(self._activate, h_NGf)

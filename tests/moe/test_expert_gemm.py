@@ -1,6 +1,7 @@
 """The CPU expert path of issue 32: row layouts (packed / aligned / uniform bmm) equal the per-expert reference in
-values and gradients, SwiGLU without ``cat`` equals autograd's bit for bit, the layout is measured once per shape,
-and repeated calls reuse their workspaces instead of allocating fresh large buffers."""
+values and gradients, SwiGLU without ``cat`` equals autograd's bit for bit, ``auto`` is a rule (no timing),
+``measured`` times a shape once, the sync counter runs the GPU path, and repeated calls reuse their workspaces
+instead of allocating fresh large buffers."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from moefold.moe import expert_gemm
+from moefold.moe import experts as experts_mod
 from moefold.moe.expert_gemm import choose_layout, chosen_layouts, grouped_linear
 from moefold.moe.expert_rows import ALIGN, ExpertRows, max_auto_rows, pad_rows, unpad_rows
 from moefold.moe.experts import GroupedExperts
@@ -76,16 +78,30 @@ def test_swiglu_rows_equals_autograd_bit_for_bit():
         swiglu_rows(torch.zeros(3, 5))
 
 
-def test_layout_measured_once_per_shape_and_forced_when_asked(monkeypatch):
+def test_auto_layout_is_a_rule_of_the_dtype_never_a_timing(monkeypatch):
+    """``auto`` is reproducible: the same layout in every run and on every rank (no timing: a resumed run and the
+    uninterrupted one take the same GEMMs, so their bits agree); fp32 packed, bf16 uniform, skewed bf16 aligned."""
+    def no_timing(*_):
+        raise AssertionError("auto timed a layout")
+
+    monkeypatch.setattr(expert_gemm, "_time_layout", no_timing)
+    x, w = torch.randn(256, 16), torch.randn(8, 24, 16)
+    assert choose_layout((32,) * 8, x, w).kind == "packed"
+    assert choose_layout((32,) * 8, x.bfloat16(), w.bfloat16()).kind == "uniform"
+    assert choose_layout((200,) + (8,) * 7, x.bfloat16(), w.bfloat16()).kind == "aligned"   # uniform: 8 x 224 rows
+    assert choose_layout((32,) * 8, x, w, forced="uniform").kind == "uniform"
+    assert choose_layout((256,), x[:, :16].bfloat16(), w[:1].bfloat16()).kind == "packed"   # one expert
+    assert choose_layout((32,) * 8, x.to("meta"), w.to("meta")).kind == "packed"   # off the CPU
+
+
+def test_measured_layout_once_per_shape(monkeypatch):
     monkeypatch.setattr(expert_gemm, "_CHOSEN", {})
     x, w = torch.randn(256, 16), torch.randn(8, 24, 16)
-    first = choose_layout((32,) * 8, x, w)
-    again = choose_layout((30, 34) * 4, x, w)   # same shape class: no new measurement
+    first = choose_layout((32,) * 8, x, w, forced="measured")
+    again = choose_layout((30, 34) * 4, x, w, forced="measured")   # same shape class: no new measurement
     # (uniform blocks of 64 rows would pass max_auto_rows for these uneven counts: aligned rows instead)
     assert len(chosen_layouts()) == 1 and again.kind == ("aligned" if first.kind == "uniform" else first.kind)
-    assert choose_layout((32,) * 8, x, w, forced="uniform").kind == "uniform"
-    assert choose_layout((256,), x[:, :16], w[:1]).kind == "packed"        # one expert: nothing to batch
-    assert choose_layout((32,) * 8, x.to("meta"), w.to("meta")).kind == "packed"   # off the CPU
+    assert choose_layout((256,), x[:, :16], w[:1], forced="measured").kind == "packed"   # one expert
     assert len(chosen_layouts()) == 1
 
 
@@ -95,10 +111,29 @@ def test_measured_uniform_never_pads_past_the_planned_bound(monkeypatch):
     monkeypatch.setattr(expert_gemm, "_CHOSEN", {})
     monkeypatch.setattr(expert_gemm, "_time_layout", lambda kind, *_: {"uniform": 0.1}.get(kind, 1.0))
     x, w = torch.randn(256, 16), torch.randn(8, 24, 16)
-    assert choose_layout((32,) * 8, x, w).kind == "uniform"
-    skewed = choose_layout((200,) + (8,) * 7, x, w)   # same shape class; uniform would hold 8 x 224 rows
+    assert choose_layout((32,) * 8, x, w, forced="measured").kind == "uniform"
+    skewed = choose_layout((200,) + (8,) * 7, x, w, forced="measured")   # same shape class; uniform: 8 x 224 rows
     assert skewed.kind == "aligned" and skewed.total <= max_auto_rows(256, 8) < ExpertRows.build(
         (200,) + (8,) * 7, "uniform").total
+
+
+def test_the_sync_counter_runs_the_gpu_path_of_the_experts(monkeypatch):
+    """On CPU the default path reads the counts on the host and lays the rows out (free there); under
+    ``HostSyncCounter`` (``parallel.cpu_shortcuts.gpu_code_paths``) it runs the GPU's path, which never reads them:
+    what the counter counts is the GPU's code."""
+    from moefold.training.observe.host_sync import HostSyncCounter
+
+    layouts = []
+    real = experts_mod.choose_layout
+    monkeypatch.setattr(experts_mod, "choose_layout", lambda *a, **k: layouts.append(1) or real(*a, **k))
+    layer = GroupedExperts(4, 16, 32, dtype=torch.bfloat16)   # bf16: torch's grouped GEMM kernel on GPUs
+    x, counts = torch.randn(12, 16, dtype=torch.bfloat16), torch.tensor([3, 0, 5, 4])
+    want = layer(x, counts)
+    assert layouts == [1]
+    with HostSyncCounter() as syncs:
+        got = layer(x, counts)
+    assert layouts == [1] and syncs.total == 0, syncs.report()
+    torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("layout", ["packed", "aligned", "uniform"])
