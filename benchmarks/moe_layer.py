@@ -10,7 +10,7 @@ the order shifted by one per round; medians reported):
             expert ([N, H] x [H, 2F], [N, F] x [F, H] and their four backward products), N = T*k;
 - moefold:  the whole ``MoELayer`` (router, local permutation, experts, weighted unpermutation), fwd + bwd, as the
             trainer runs it: ``GradSync`` main-grad buffers with gradient-accumulation fusion (the weight
-            gradients written into the fp32 buffer), the expert row layout chosen by measured speed;
+            gradients written into the fp32 buffer), the experts' row layout ``--row-layout`` (auto: the rule);
 - experts:  moefold's grouped experts alone on already-permuted rows;
 - megatron: Megatron-Core's ``MoELayer`` with ``SequentialMLP`` experts (its local, non-Transformer-Engine
             spec: TopKRouter in fp32, allgather dispatcher; ``megatron-core`` installed, else skipped), fwd + bwd
@@ -44,6 +44,7 @@ import torch
 from moefold.dense.grad_accumulation import enable_grad_accumulation_fusion
 from moefold.moe.config import MoEConfig
 from moefold.moe.expert_gemm import chosen_layouts
+from moefold.moe.expert_rows import ROW_LAYOUTS
 from moefold.moe.layer import MoELayer
 from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelDims
@@ -93,11 +94,12 @@ def dense_ceiling(N: int, H: int, F: int, dtype: torch.dtype) -> Callable[[], No
     return step
 
 
-def moefold_steps(T: int, H: int, E: int, k: int, F: int, dtype: torch.dtype, compiled: bool
-                  ) -> tuple[Callable[[], None], Callable[[], None], MoELayer]:
+def moefold_steps(T: int, H: int, E: int, k: int, F: int, dtype: torch.dtype, compiled: bool,
+                  row_layout: str = "auto") -> tuple[Callable[[], None], Callable[[], None], MoELayer]:
     """(layer step, experts-only step, layer): the trainer's path (GradSync with gradient-accumulation fusion)."""
     router = RouterConfig(num_experts=E, topk=k, load_balancing_type="none")
-    cfg = MoEConfig(num_experts=E, moe_ffn_hidden_size=F, router=router, dispatcher="local")
+    cfg = MoEConfig(num_experts=E, moe_ffn_hidden_size=F, router=router, dispatcher="local",
+                    expert_row_layout=row_layout)
     layer = MoELayer(cfg, H, ParallelDims.single(), dtype=dtype)
     init_parameters(layer, seed=0)
     if compiled:
@@ -225,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--compile", action="store_true", help="add rows with the layer compiled as --compile does")
     p.add_argument("--no-megatron", action="store_true", help="skip the Megatron-Core peer")
+    p.add_argument("--row-layout", default="auto", choices=ROW_LAYOUTS,
+                   help="the experts' CPU row layout (moe.expert_gemm.choose_layout; measured: timed per shape)")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print the N top ops of one moefold step")
     p.add_argument("--allocators", default="default,tuned",
                    help="default: this process's allocator settings; tuned: again in a child process with "
@@ -278,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             N = T * k
             flops = 3 * 3 * 2 * N * H * F
             for compiled in modes:
-                layer_step, experts_step, layer = moefold_steps(T, H, E, k, F, dtype, compiled)
+                layer_step, experts_step, layer = moefold_steps(T, H, E, k, F, dtype, compiled, a.row_layout)
                 steps = {"ceiling": dense_ceiling(N, H, F, dtype), "moefold": layer_step, "experts": experts_step}
                 if not compiled and peer is None and not a.no_megatron:
                     steps["megatron"] = megatron_step(T, H, E, k, F, dtype)
@@ -293,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
                     profile_top(layer_step, a.profile)
                 del layer
     layouts = {f"{k[1]} E{k[2]} {k[3]}x{k[4]} ~{k[5]} rows": v for k, v in chosen_layouts().items()}
-    print(f"# expert row layouts chosen (measured): {layouts}")
+    if layouts:
+        print(f"# expert row layouts measured: {layouts}")
     print(f"# load average at end {os.getloadavg()[0]:.1f}")
     return 0
 

@@ -195,7 +195,7 @@ def _rule(dtype: torch.dtype) -> RowLayout:
     """``auto``'s layout before the memory cap. fp32 (and wider): ``packed``, as fp32 GEMMs take any row count
     at full speed; bf16 / fp16: ``uniform``, whose shapes repeat from call to call (oneDNN compiles a kernel per
     new shape) and which batches the experts into one ``bmm``. What ``benchmarks/moe_layer.py`` measured fastest
-    on both development CPUs (benchmarks/RESULTS.md)."""
+    (``--row-layout measured``; benchmarks/RESULTS.md)."""
     return "packed" if dtype.itemsize >= 4 else "uniform"
 
 

@@ -101,11 +101,11 @@ def _own_swiglu(shape: ActivationShape) -> bool:
 
 def _cpu_padded_rows(shape: ActivationShape, rows: int, local_experts: int) -> int:
     """Rows the experts' GEMM buffers may hold for ``rows`` rows: on CPU, the default GEMM path without expert
-    biases takes the row layout measured fastest (``moe.expert_gemm.choose_layout``), padded up to
-    ``max_auto_rows``; elsewhere exactly ``rows``."""
+    biases pads bf16 / fp16 rows (``moe.expert_gemm.choose_layout``'s ``auto`` rule: ``uniform`` or ``aligned``),
+    up to ``max_auto_rows``; fp32 rows stay packed, as everywhere off the CPU: exactly ``rows``."""
     m, o = shape.model, shape.options
     if (shape.device_type != "cpu" or o.gemm_backend != "grouped_mm" or o.fp8.enabled or m.moe_expert_linear_bias
-            or local_experts < 2):
+            or local_experts < 2 or shape.a >= 4):
         return rows
     return max_auto_rows(rows, local_experts)
 
