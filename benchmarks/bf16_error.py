@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import os
 import sys
 from collections.abc import Callable, Iterator
 from unittest import mock
@@ -37,6 +38,7 @@ from torch.utils._pytree import tree_map
 
 from moefold.dense.core_attention import CoreAttention
 from moefold.dense.embedding import OutputHead
+from moefold.dense.gated_deltanet import CausalConv1d, GatedDeltaNet, GatedRMSNorm
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
 from moefold.dense.mlp import DenseMLP
 from moefold.dense.norm import RMSNorm
@@ -108,8 +110,10 @@ def _rope_in_fp32() -> contextlib.AbstractContextManager:
 
 # {what runs in fp32: () -> context manager}; the combine's and the norms' fp32 are moefold's own since issue 37
 BISECT: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
-    "RMSNorm": lambda: modules_in_fp32(RMSNorm),
+    "RMSNorm": lambda: modules_in_fp32(RMSNorm, GatedRMSNorm),
     "core attention": lambda: modules_in_fp32(CoreAttention),
+    "DeltaNet convolution": lambda: modules_in_fp32(CausalConv1d),
+    "DeltaNet mixers (whole)": lambda: modules_in_fp32(GatedDeltaNet),
     "RoPE": _rope_in_fp32,
     "attention projections": lambda: modules_in_fp32(ColumnParallelLinear, RowParallelLinear),
     "routed experts": lambda: modules_in_fp32(GroupedExperts),
@@ -207,13 +211,27 @@ def main(argv: list[str] | None = None) -> int:
                    help="also moefold with one kind of module at a time run in fp32 inside the bf16 model")
     p.add_argument("--no-megatron", action="store_true", help="skip Megatron-Core even where it is installed")
     p.add_argument("--plot", metavar="PNG", help="bar chart of the mean logit error per recipe and system")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (the figures do not depend on it; on a shared machine more than one "
+                        "made Qwen3-Next's delta rule 10-300x slower)")
     args = p.parse_args(argv)
-    for name, value in (("--seeds", args.seeds), ("--batch", args.batch), ("--seq", args.seq)):
+    for name, value in (("--seeds", args.seeds), ("--batch", args.batch), ("--seq", args.seq),
+                        ("--threads", args.threads)):
         if value < 1:
             print(f"bf16_error: {name}={value} must be >= 1", file=sys.stderr)
             return 2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace) -> int:
     megatron = megatron_available() and not args.no_megatron
     print(describe_machine())
+    print(f"# torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
     print(f"# bf16 vs fp32 on the same bf16-rounded weights: {args.seeds} seeds x {args.batch} x {args.seq} tokens; "
           f"mean over seeds (logits max: the largest); Megatron-Core "
           f"{'installed' if megatron else 'not installed' if not megatron_available() else 'skipped'}")
