@@ -132,10 +132,10 @@ def row(recipe: str, system: str, e: Error) -> str:
 
 
 def measure(recipe: str, seeds: int, batch: int, seq: int, megatron: bool, islands: bool,
-            bisect: bool = False) -> dict[str, Error]:
-    """{system: mean Error over seeds} for one recipe."""
+            bisect: bool = False, first_seed: int = 0) -> dict[str, Error]:
+    """{system: mean Error over seeds ``first_seed ..``} for one recipe."""
     errors: dict[str, list[Error]] = {}
-    for seed in range(seeds):
+    for seed in range(first_seed, first_seed + seeds):
         config, state = reference_weights(recipe, seed)
         samples = token_samples(config, seed, batch, seq)
         ref = moefold_run(config, state, torch.float32, samples)
@@ -204,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipes", nargs="+", default=list(HF_TINY_RECIPES), choices=HF_TINY_RECIPES,
                    help="tiny recipes to measure (those with an HF model class)")
     p.add_argument("--seeds", type=int, default=4, help="weight/token draws per recipe (figures are their mean)")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="the first draw's seed (the accuracy tests use 0..3; later ones check their margins)")
     p.add_argument("--batch", type=int, default=8, help="sequences per batch")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     p.add_argument("--islands", action="store_true", help="also moefold with each fp32 island removed in turn")
@@ -220,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         if value < 1:
             print(f"bf16_error: {name}={value} must be >= 1", file=sys.stderr)
             return 2
+    if args.first_seed < 0:
+        print(f"bf16_error: --first-seed={args.first_seed} must be >= 0", file=sys.stderr)
+        return 2
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
@@ -232,7 +237,8 @@ def _run(args: argparse.Namespace) -> int:
     megatron = megatron_available() and not args.no_megatron
     print(describe_machine())
     print(f"# torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
-    print(f"# bf16 vs fp32 on the same bf16-rounded weights: {args.seeds} seeds x {args.batch} x {args.seq} tokens; "
+    print(f"# bf16 vs fp32 on the same bf16-rounded weights: {args.seeds} seeds ({args.first_seed}.."
+          f"{args.first_seed + args.seeds - 1}) x {args.batch} x {args.seq} tokens; "
           f"mean over seeds (logits max: the largest); Megatron-Core "
           f"{'installed' if megatron else 'not installed' if not megatron_available() else 'skipped'}")
     print(HEADER, flush=True)
@@ -240,7 +246,7 @@ def _run(args: argparse.Namespace) -> int:
     for recipe in args.recipes:
         reason = megatron_supports(comparable_config(recipe)) if megatron else None
         res = measure(recipe, args.seeds, args.batch, args.seq, megatron and reason is None, args.islands,
-                      args.bisect)
+                      args.bisect, args.first_seed)
         for system, e in res.items():
             print(row(recipe, system, e), flush=True)
         hf = res["HF transformers"]

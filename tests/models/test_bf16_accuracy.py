@@ -6,8 +6,8 @@ error it guards rises.
 The recipes are ``hf_tiny.HF_TINY_RECIPES``; figures are pooled over ``SEEDS`` draws of weights and tokens
 (one draw's routing flips make single-draw figures noisy). benchmarks/bf16_error.py prints the same figures
 at a larger size, with Megatron-Core beside them. The models run on one intra-op thread (``one_thread``): on the
-shared 2-core machine a second one made Qwen3-Next's delta rule (HF's and moefold's batched triangular solves)
-10-300x slower; the figures are the same at one thread or two.
+shared 2-core machine a second one made the batched triangular solves of Qwen3-Next's delta rule (HF's and
+moefold's) 10-300x slower, its forwards 12-25x; the figures are the same at one thread or two.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ SEEDS = range(4)
 BATCH, SEQ = 4, 128   # 4 x 512 tokens: one draw's routing flips move its error by up to ~20%
 # Qwen3-Next routes as in fp32 only ~0.4% more often than HF's model (on average over 40 draws, in every MoE layer),
 # about the spread of 4 draws of 512 tokens (one set of 4 seeds in 10 fell below HF's): 4x the tokens per draw
-# keep that share above the noise (at 16 x 128, 10 sets of 4 seeds beyond SEEDS: +0.22% to +0.75% over HF's)
+# keep that share above the noise (at 16 x 128, 10 sets of 4 seeds, 0-3 to 36-39: +0.22% to +0.75% over HF's)
 TOKENS = {"qwen3_next_tiny": (16, 128)}
 HF_SLACK = 1.1    # the issue's bound: moefold's mean logit error <= 1.1x HF's
 
