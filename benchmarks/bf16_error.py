@@ -108,6 +108,19 @@ def _rope_in_fp32() -> contextlib.AbstractContextManager:
     return stack
 
 
+def _projections_in_fp32() -> contextlib.AbstractContextManager:
+    """The tp linear layers in fp32, also where a caller runs the local GEMM alone (``forward_local``: the q/k/v
+    and DeltaNet input projections, which enter the tp region once for several layers)."""
+    def forward_local(self, x):
+        bias = None if self.bias is None else self.bias.float()
+        return self.local_gemm(x.float(), self.weight.float(), bias).to(x.dtype)
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(modules_in_fp32(ColumnParallelLinear, RowParallelLinear))
+    stack.enter_context(mock.patch.object(ColumnParallelLinear, "forward_local", forward_local))
+    return stack
+
+
 # {what runs in fp32: () -> context manager}; the combine's and the norms' fp32 are moefold's own since issue 37
 BISECT: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "RMSNorm": lambda: modules_in_fp32(RMSNorm, GatedRMSNorm),
@@ -115,7 +128,7 @@ BISECT: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "DeltaNet convolution": lambda: modules_in_fp32(CausalConv1d),
     "DeltaNet mixers (whole)": lambda: modules_in_fp32(GatedDeltaNet),
     "RoPE": _rope_in_fp32,
-    "attention projections": lambda: modules_in_fp32(ColumnParallelLinear, RowParallelLinear),
+    "attention projections": _projections_in_fp32,
     "routed experts": lambda: modules_in_fp32(GroupedExperts),
     "shared experts, dense MLP": lambda: modules_in_fp32(SharedExperts, DenseMLP),
     "output head": lambda: modules_in_fp32(OutputHead),
