@@ -2,6 +2,7 @@
 
     python -m benchmarks.bf16_error               # from the repository root (it uses tests/models); 4 seeds
     python -m benchmarks.bf16_error --recipes mixtral_tiny --seeds 8 --islands --plot bf16_error.png
+    python -m benchmarks.bf16_error --recipes qwen3_next_tiny --first-seed 4 --batch 16   # a test's margin elsewhere
 
 For every recipe of ``tests.models.hf_tiny.HF_TINY_RECIPES`` and seed: the weights are drawn once
 (``tests.models.bf16_reference.reference_weights``: moefold's init, redrawn like the HF parity fixtures,
@@ -19,7 +20,9 @@ adds moefold with one kind of module at a time run in fp32 inside the bf16 model
 upcast, its output rounded back, ``BISECT``): the method that found which operations carry the error.
 
 Only the arithmetic differs between the runs, not the machine: the figures hold wherever torch's CPU kernels
-are the same (bf16 GEMMs accumulate in fp32 on every x86 CPU torch supports). It prints the machine line.
+are the same (bf16 GEMMs accumulate in fp32 on every x86 CPU torch supports). It prints the machine line, the
+torch threads (``--threads``, one by default: the figures are the same at two, the time on a shared machine is
+not) and the load.
 """
 
 from __future__ import annotations
