@@ -2,6 +2,7 @@
 
     python -m benchmarks.bf16_error               # from the repository root (it uses tests/models); 4 seeds
     python -m benchmarks.bf16_error --recipes mixtral_tiny --seeds 8 --islands --plot bf16_error.png
+    python -m benchmarks.bf16_error --recipes qwen3_next_tiny --first-seed 4 --batch 16   # a test's margin elsewhere
 
 For every recipe of ``tests.models.hf_tiny.HF_TINY_RECIPES`` and seed: the weights are drawn once
 (``tests.models.bf16_reference.reference_weights``: moefold's init, redrawn like the HF parity fixtures,
@@ -19,7 +20,9 @@ adds moefold with one kind of module at a time run in fp32 inside the bf16 model
 upcast, its output rounded back, ``BISECT``): the method that found which operations carry the error.
 
 Only the arithmetic differs between the runs, not the machine: the figures hold wherever torch's CPU kernels
-are the same (bf16 GEMMs accumulate in fp32 on every x86 CPU torch supports). It prints the machine line.
+are the same (bf16 GEMMs accumulate in fp32 on every x86 CPU torch supports). It prints the machine line, the
+torch threads (``--threads``, one by default: the figures are the same at two, the time on a shared machine is
+not) and the load.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import os
 import sys
 from collections.abc import Callable, Iterator
 from unittest import mock
@@ -37,6 +41,7 @@ from torch.utils._pytree import tree_map
 
 from moefold.dense.core_attention import CoreAttention
 from moefold.dense.embedding import OutputHead
+from moefold.dense.gated_deltanet import CausalConv1d, GatedDeltaNet, GatedRMSNorm
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
 from moefold.dense.mlp import DenseMLP
 from moefold.dense.norm import RMSNorm
@@ -106,12 +111,27 @@ def _rope_in_fp32() -> contextlib.AbstractContextManager:
     return stack
 
 
+def _projections_in_fp32() -> contextlib.AbstractContextManager:
+    """The tp linear layers in fp32, also where a caller runs the local GEMM alone (``forward_local``: the q/k/v
+    and DeltaNet input projections, which enter the tp region once for several layers)."""
+    def forward_local(self, x):
+        bias = None if self.bias is None else self.bias.float()
+        return self.local_gemm(x.float(), self.weight.float(), bias).to(x.dtype)
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(modules_in_fp32(ColumnParallelLinear, RowParallelLinear))
+    stack.enter_context(mock.patch.object(ColumnParallelLinear, "forward_local", forward_local))
+    return stack
+
+
 # {what runs in fp32: () -> context manager}; the combine's and the norms' fp32 are moefold's own since issue 37
 BISECT: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
-    "RMSNorm": lambda: modules_in_fp32(RMSNorm),
+    "RMSNorm": lambda: modules_in_fp32(RMSNorm, GatedRMSNorm),
     "core attention": lambda: modules_in_fp32(CoreAttention),
+    "DeltaNet convolution": lambda: modules_in_fp32(CausalConv1d),
+    "DeltaNet mixers (whole)": lambda: modules_in_fp32(GatedDeltaNet),
     "RoPE": _rope_in_fp32,
-    "attention projections": lambda: modules_in_fp32(ColumnParallelLinear, RowParallelLinear),
+    "attention projections": _projections_in_fp32,
     "routed experts": lambda: modules_in_fp32(GroupedExperts),
     "shared experts, dense MLP": lambda: modules_in_fp32(SharedExperts, DenseMLP),
     "output head": lambda: modules_in_fp32(OutputHead),
@@ -128,10 +148,10 @@ def row(recipe: str, system: str, e: Error) -> str:
 
 
 def measure(recipe: str, seeds: int, batch: int, seq: int, megatron: bool, islands: bool,
-            bisect: bool = False) -> dict[str, Error]:
-    """{system: mean Error over seeds} for one recipe."""
+            bisect: bool = False, first_seed: int = 0) -> dict[str, Error]:
+    """{system: mean Error over seeds ``first_seed ..``} for one recipe."""
     errors: dict[str, list[Error]] = {}
-    for seed in range(seeds):
+    for seed in range(first_seed, first_seed + seeds):
         config, state = reference_weights(recipe, seed)
         samples = token_samples(config, seed, batch, seq)
         ref = moefold_run(config, state, torch.float32, samples)
@@ -200,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipes", nargs="+", default=list(HF_TINY_RECIPES), choices=HF_TINY_RECIPES,
                    help="tiny recipes to measure (those with an HF model class)")
     p.add_argument("--seeds", type=int, default=4, help="weight/token draws per recipe (figures are their mean)")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="the first draw's seed (the accuracy tests use 0..3; later ones check their margins)")
     p.add_argument("--batch", type=int, default=8, help="sequences per batch")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     p.add_argument("--islands", action="store_true", help="also moefold with each fp32 island removed in turn")
@@ -207,14 +229,32 @@ def main(argv: list[str] | None = None) -> int:
                    help="also moefold with one kind of module at a time run in fp32 inside the bf16 model")
     p.add_argument("--no-megatron", action="store_true", help="skip Megatron-Core even where it is installed")
     p.add_argument("--plot", metavar="PNG", help="bar chart of the mean logit error per recipe and system")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (the figures do not depend on it; on a shared machine more than one "
+                        "made Qwen3-Next's delta rule 10-300x slower)")
     args = p.parse_args(argv)
-    for name, value in (("--seeds", args.seeds), ("--batch", args.batch), ("--seq", args.seq)):
+    for name, value in (("--seeds", args.seeds), ("--batch", args.batch), ("--seq", args.seq),
+                        ("--threads", args.threads)):
         if value < 1:
             print(f"bf16_error: {name}={value} must be >= 1", file=sys.stderr)
             return 2
+    if args.first_seed < 0:
+        print(f"bf16_error: --first-seed={args.first_seed} must be >= 0", file=sys.stderr)
+        return 2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace) -> int:
     megatron = megatron_available() and not args.no_megatron
     print(describe_machine())
-    print(f"# bf16 vs fp32 on the same bf16-rounded weights: {args.seeds} seeds x {args.batch} x {args.seq} tokens; "
+    print(f"# torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
+    print(f"# bf16 vs fp32 on the same bf16-rounded weights: {args.seeds} seeds ({args.first_seed}.."
+          f"{args.first_seed + args.seeds - 1}) x {args.batch} x {args.seq} tokens; "
           f"mean over seeds (logits max: the largest); Megatron-Core "
           f"{'installed' if megatron else 'not installed' if not megatron_available() else 'skipped'}")
     print(HEADER, flush=True)
@@ -222,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     for recipe in args.recipes:
         reason = megatron_supports(comparable_config(recipe)) if megatron else None
         res = measure(recipe, args.seeds, args.batch, args.seq, megatron and reason is None, args.islands,
-                      args.bisect)
+                      args.bisect, args.first_seed)
         for system, e in res.items():
             print(row(recipe, system, e), flush=True)
         hf = res["HF transformers"]

@@ -24,7 +24,8 @@ The block input (the sequence shard under SP) is all-gathered once for q, k and 
 
 Gated attention (``output_gate``, Qwen3-Next): ``q_proj`` is ``[heads * 2d, H]`` laid out per head as
 ``[q_h, gate_h]`` (HF's), so a tp shard still holds whole heads; the core attention's output is multiplied by
-``sigmoid(gate)`` before ``o_proj``. ``zero_centered_gamma`` (Qwen3-Next): the q/k norms store ``gamma - 1``.
+``sigmoid(gate)`` before ``o_proj`` (``output_gate``, in fp32). ``zero_centered_gamma`` (Qwen3-Next): the q/k
+norms store ``gamma - 1``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,14 @@ from moefold.dense.rope import RotaryEmbedding, apply_partial_rotary
 from moefold.parallel.comm import all_gather_sequence, copy_to_region, reduce_from_region
 from moefold.parallel.groups import Group, group_rank, group_size
 from moefold.parallel.sharding import Shard, mark_sharded
+
+
+def output_gate(out: Tensor, gate: Tensor) -> Tensor:
+    """Gated attention's ``out * sigmoid(gate)`` (same shapes), in out's dtype.
+
+    An fp32 island: the sigmoid and the product in fp32, rounded once, as Megatron-Core's
+    ``Attention._apply_output_gate`` computes them (HF's Qwen3-Next rounds the sigmoid to bf16, then the product)."""
+    return (out.float() * torch.sigmoid(gate.float())).to(out.dtype)
 
 
 class GQAAttention(nn.Module):
@@ -165,7 +174,7 @@ class GQAAttention(nn.Module):
             out = checkpointed(self.core, q, k, v, position_ids, self.sinks, enabled=self.recompute_core_attn)
         with self.offload_attn_proj:   # the output gate (Qwen3-Next) is the projection's input
             if gate is not None:
-                out = out * torch.sigmoid(gate.reshape(S, B, -1))
+                out = output_gate(out, gate.reshape(S, B, -1))
             return self.o_proj(out)
 
     def extra_repr(self) -> str:

@@ -4,7 +4,8 @@ HF ``Qwen3NextGatedDeltaNet`` semantics, per token::
 
     q, k, v, z = in_proj_qkvz(x)  (grouped by key head: [q_h, k_h, v_h, z_h] per key head h)
     b, a       = in_proj_ba(x)    (per key head: [b_h, a_h], r = value heads / key heads each)
-    q, k, v    = silu(causal_depthwise_conv(q, k, v))      (kernel ``conv_kernel_size``, no bias)
+    q, k, v    = silu(causal_depthwise_conv(q, k, v))      (kernel ``conv_kernel_size``, no bias; fp32, one
+                                                           rounding: ``causal_conv_silu``)
     beta = sigmoid(b);  g = -exp(A_log) * softplus(a + dt_bias)          (fp32)
     o = gated_delta_rule(q, k, v, g, beta)                 (``dense.gated_delta_rule``)
     y = out_proj(rms_norm(o) * weight * silu(z))           (the gated RMSNorm over each value head)
@@ -162,11 +163,52 @@ class RecurrentCache:
     state: Tensor | None = None
 
 
+def _conv_silu_fp32(x_BCT: Tensor, weight_CK: Tensor) -> Tensor:
+    """``causal_conv_silu``'s arithmetic: fp32 (fp64 inputs stay fp64)."""
+    C, K = weight_CK.shape
+    dtype = torch.promote_types(x_BCT.dtype, torch.float32)
+    return F.silu(F.conv1d(x_BCT.to(dtype), weight_CK.to(dtype).view(C, 1, K), groups=C))
+
+
+class _CausalConvSilu(torch.autograd.Function):
+    """forward saves the inputs as they are (bf16 under --bf16) and backward recomputes the fp32 convolution from
+    them, as causal_conv1d's backward kernel does: the island costs no fp32 activation memory."""
+
+    @staticmethod
+    def forward(ctx, x_BCT: Tensor, weight_CK: Tensor) -> Tensor:
+        ctx.save_for_backward(x_BCT, weight_CK)
+        return _conv_silu_fp32(x_BCT, weight_CK).to(x_BCT.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_BCT: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            dtype = torch.promote_types(x.dtype, torch.float32)
+            x32, w32 = (t.detach().to(dtype).requires_grad_() for t in (x, weight))
+            dx, dw = torch.autograd.grad(_conv_silu_fp32(x32, w32), (x32, w32), grad_BCT.to(dtype))
+        return (dx.to(x.dtype) if ctx.needs_input_grad[0] else None,
+                dw.to(weight.dtype) if ctx.needs_input_grad[1] else None)
+
+
+def causal_conv_silu(x_BCT: Tensor, weight_CK: Tensor) -> Tensor:
+    """``silu(depthwise_conv(x))`` of the left-padded ``x [B, C, K - 1 + T]`` with ``weight [C, K]``: ``[B, C, T]``
+    in x's dtype.
+
+    An fp32 island: the products, their sum over the kernel and the silu in fp32, rounded once to x's dtype. That
+    is what causal_conv1d's CUDA kernel computes, which Megatron-Core's ``GatedDeltaNet`` (outside its
+    ``deterministic_mode``) and HF's Qwen3-Next call on GPUs where it is installed; HF's plain-torch fallback rounds
+    the convolution, then the silu. On qwen3_next_tiny moefold's mean bf16 logit error is 0.89x HF's with the
+    island, 0.97x without (benchmarks/RESULTS.md)."""
+    return _CausalConvSilu.apply(x_BCT, weight_CK)
+
+
 class CausalConv1d(nn.Module):
-    """Depthwise causal convolution over the sequence, no bias: ``y_t = sum_j w[:, j] * x_{t-K+1+j}``.
+    """Depthwise causal convolution over the sequence, no bias, then silu (fused, as causal_conv1d's kernel):
+    ``y_t = silu(sum_j w[:, j] * x_{t-K+1+j})``, ``causal_conv_silu``'s fp32 island.
 
     ``weight [*channels, K]`` with the channels flattened in order (its dim 0 may be sharded). forward(x
-    ``[S, B, C]``, prefix ``[B, C, K-1]`` | None = zeros) -> (y ``[S, B, C]``, the last ``K-1`` inputs).
+    ``[S, B, C]``, prefix ``[B, C, K-1]`` | None = zeros) -> (y ``[S, B, C]`` in x's dtype, the last ``K-1``
+    inputs).
     """
 
     def __init__(self, channels: tuple[int, ...], kernel_size: int, tp_group: Group = None, *,
@@ -189,8 +231,8 @@ class CausalConv1d(nn.Module):
         weight = self.weight[rows]
         x = x_SBC.permute(1, 2, 0).to(weight.dtype)
         x = F.pad(x, (K - 1, 0)) if prefix is None else torch.cat([prefix.to(x.dtype), x], dim=-1)
-        y = F.conv1d(x, weight.reshape(C, 1, K), groups=C)
-        return y.permute(2, 0, 1), x[..., x.shape[-1] - (K - 1):]
+        y = causal_conv_silu(x, weight.reshape(C, K))
+        return y.permute(2, 0, 1).to(x_SBC.dtype), x[..., x.shape[-1] - (K - 1):]
 
 
 class GatedRMSNorm(nn.Module):
@@ -294,7 +336,7 @@ class GatedDeltaNet(nn.Module):
         qkv, prefix = self.conv1d(qkv.reshape(T, B, -1), None if cache is None else cache.conv, key_heads)
         if cache is not None:
             cache.conv = prefix
-        q, k, v = F.silu(qkv).to(x.dtype).view(T, B, hk, -1).split([dk, dk, r * dv], dim=-1)
+        q, k, v = qkv.view(T, B, hk, -1).split([dk, dk, r * dv], dim=-1)
         beta = torch.sigmoid(b).reshape(T, B, hv)
         A_log, dt_bias = self.A_log[value_heads].float(), self.dt_bias[value_heads].float()
         g = -A_log.exp() * F.softplus(a.float().reshape(T, B, hv) + dt_bias)

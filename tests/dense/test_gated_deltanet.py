@@ -4,6 +4,7 @@
   initial state), with grouped value heads, a ragged last chunk and a carried state; and both equal
   transformers' own reference functions;
 - a DeltaNet layer decoding token by token through its ``RecurrentCache`` equals one pass over the sequence;
+- the convolution's fp32 island (``causal_conv_silu``) has the gradients of its forward;
 - the fla backend is refused in one line when flash-linear-attention is missing; the layer refuses a tp, or a
   tp x cp, that does not divide its key heads, naming the numbers.
 
@@ -22,7 +23,7 @@ from moefold.dense.gated_delta_rule import (
     gated_delta_rule_impl,
     recurrent_gated_delta_rule,
 )
-from moefold.dense.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig, RecurrentCache
+from moefold.dense.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig, RecurrentCache, causal_conv_silu
 
 
 def _inputs(B=2, S=37, hk=2, hv=4, dk=8, dv=6, seed=0, dtype=torch.float64):
@@ -113,6 +114,23 @@ def test_decoding_with_the_recurrent_cache_equals_one_pass():
     # negative control: without the cache a step forgets the prefix
     with torch.no_grad():
         assert (layer(x[5:6], pos[5:6]) - full[5:6]).abs().max() > 1e-3
+
+
+def test_convolution_backward_recomputes_the_same_gradients():
+    """``causal_conv_silu``'s backward (recomputed from the saved inputs) is the derivative of its forward
+    (float64 gradcheck), and in fp32 it computes what plain autograd through conv1d and silu computes."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 6, 3 + 9, generator=gen, dtype=torch.float64), torch.randn(6, 4, generator=gen,
+                                                                                       dtype=torch.float64)
+    assert torch.autograd.gradcheck(causal_conv_silu, (x.requires_grad_(), w.requires_grad_()))
+    x32, w32 = (t.detach().float().requires_grad_() for t in (x, w))
+    y = causal_conv_silu(x32, w32)
+    gy = torch.randn(y.shape, generator=gen)
+    got = torch.autograd.grad(y, (x32, w32), gy)
+    y_ref = torch.nn.functional.silu(torch.nn.functional.conv1d(x32, w32.view(6, 1, 4), groups=6))
+    torch.testing.assert_close(y, y_ref, atol=0, rtol=0)
+    for a, b in zip(got, torch.autograd.grad(y_ref, (x32, w32), gy)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
 def test_backends_and_refusals():

@@ -69,6 +69,18 @@ def _attention_in_input_dtype(q: Tensor, k: Tensor, v: Tensor, position_ids: Ten
     return torch.matmul(probs, v)
 
 
+def _conv_silu_in_input_dtype(x_BCT: Tensor, weight_CK: Tensor) -> Tensor:
+    """The DeltaNet convolution with no fp32 island: the convolution rounded to x's dtype, then the silu (HF's
+    plain-torch ``causal_conv1d_fn`` fallback; Megatron-Core's ``deterministic_mode`` path)."""
+    C, K = weight_CK.shape
+    return F.silu(F.conv1d(x_BCT, weight_CK.to(x_BCT.dtype).view(C, 1, K), groups=C))
+
+
+def _output_gate_in_input_dtype(out: Tensor, gate: Tensor) -> Tensor:
+    """Gated attention's gate with no fp32 island: the sigmoid rounded, then the product (HF's Qwen3-Next)."""
+    return out * torch.sigmoid(gate)
+
+
 def _no_upcast(t: Tensor) -> Tensor:
     return t
 
@@ -97,6 +109,9 @@ ISLAND_REMOVALS: dict[str, Callable[[], AbstractContextManager]] = {
     "fp32 combine": lambda: _patches(("moefold.dispatch.permutation.combine_dtype", _same_dtype),
                                      ("moefold.dispatch.alltoall.combine_dtype", _same_dtype)),
     "fp32 cross entropy": lambda: _patches(("moefold.dense.cross_entropy.upcast_logits", _no_upcast)),
+    "fp32 DeltaNet convolution": lambda: _patches(("moefold.dense.gated_deltanet.causal_conv_silu",
+                                                   _conv_silu_in_input_dtype)),
+    "fp32 output gate": lambda: _patches(("moefold.dense.attention.output_gate", _output_gate_in_input_dtype)),
 }
 
 

@@ -27,7 +27,7 @@ QWEN3_NEXT_LAYERS = ("linear_attention", "full_attention", "linear_attention", "
 # (tests/models/test_bf16_accuracy.py) and benchmarks/bf16_error.py run each against HF's model of its config.
 # A new family joins here once models/hf/config_map.py exports it.
 HF_TINY_RECIPES = ("qwen3_moe_tiny", "mixtral_tiny", "deepseek_v3_tiny", "gpt_oss_tiny", "glm4_moe_tiny",
-                   "kimi_k2_tiny", "olmoe_tiny", "minimax_m2_tiny")
+                   "kimi_k2_tiny", "olmoe_tiny", "minimax_m2_tiny", "qwen3_next_tiny")
 
 
 def qwen3_next_config(**overrides):

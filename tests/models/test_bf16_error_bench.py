@@ -20,3 +20,7 @@ def test_bf16_error_benchmark_prints_every_row(capsys):
 def test_bf16_error_benchmark_rejects_bad_sizes(capsys):
     assert bf16_error.main(["--seeds", "0"]) == 2
     assert "--seeds=0 must be >= 1" in capsys.readouterr().err
+    assert bf16_error.main(["--first-seed", "-1"]) == 2
+    assert "--first-seed=-1 must be >= 0" in capsys.readouterr().err
+    assert bf16_error.main(["--threads", "0"]) == 2
+    assert "--threads=0 must be >= 1" in capsys.readouterr().err
