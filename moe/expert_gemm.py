@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moefold.dense.grad_accumulation import MainGradSlot, mm_into, write_weight_grad
+from moefold.dense.grad_accumulation import MainGradSlot, mm_into, widen_into, write_weight_grad
 from moefold.moe.expert_rows import ExpertRows, RowLayout, max_auto_rows, pad_rows
 from moefold.moe.gemm import grouped_gemm
 from moefold.parallel.workspace import workspace
@@ -103,10 +103,7 @@ def _weight_grad_into(x: Tensor, dy: Tensor, rows: ExpertRows | None, counts_e: 
     if target.dtype != x.dtype and target.device.type != "cuda":   # CPU has no mixed-dtype GEMM: a bf16 workspace
         tmp = workspace(x.device).empty(target.shape, x.dtype)
         grouped_weight_grad(x, dy, rows, tmp, False)
-        if accumulate:
-            target.add_(tmp)
-        else:
-            target.copy_(tmp)
+        widen_into(target, tmp, accumulate)
         return
     grouped_weight_grad(x, dy, rows, target, accumulate)
 
