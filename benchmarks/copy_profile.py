@@ -12,19 +12,19 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 
-ROOT = "moefold"
 
-
-def _frame(stack: list[str]) -> str:
-    """The innermost frame of this repository (not the benchmark itself), as ``package/file.py(line): function``."""
-    for s in stack or []:
-        path = s.replace("\\", "/")
-        if "/benchmarks/" in path or "site-packages/torch" in path:
-            continue
-        for pkg in ("parallel", "dense", "dispatch", "moe", "models", "pipeline", "training"):
-            i = path.find(f"/{pkg}/")
-            if i >= 0:
-                return path[i + 1:]
+def _frame(event) -> str:
+    """The innermost Python frame of this repository above ``event`` (with_stack records Python calls as parent
+    events named ``path(line): function``), as ``package/file.py(line): function``; "-" for none."""
+    parent = event.cpu_parent
+    while parent is not None:
+        path = parent.name.replace("\\", "/")
+        if "(" in path and "/benchmarks/" not in path:
+            for pkg in ("parallel", "dense", "dispatch", "moe", "models", "pipeline", "training"):
+                i = path.find(f"/{pkg}/")
+                if i >= 0:
+                    return path[i + 1:]
+        parent = parent.cpu_parent
     return "-"
 
 
@@ -41,12 +41,12 @@ def copy_callers(step: Callable[[], None]) -> tuple[int, float, list[tuple[float
         if e.name != "aten::copy_":
             continue
         parent = e.cpu_parent
-        while parent is not None and not parent.name.startswith(("aten::", "autograd::", "Optimizer")) \
+        while parent is not None and not parent.name.startswith(("aten::", "autograd::", "torch::autograd::")) \
                 and "Backward" not in parent.name:
             parent = parent.cpu_parent
         inside = parent.name.replace("autograd::engine::evaluate_function: ", "") if parent is not None else "-"
         shape = str(list(e.input_shapes[0])) if e.input_shapes else "?"
-        key = (shape, inside, _frame(e.stack))
+        key = (shape, inside, _frame(e))
         agg[key][0] += e.self_cpu_time_total / 1e3
         agg[key][1] += 1
         calls += 1

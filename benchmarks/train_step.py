@@ -32,6 +32,7 @@ import torch
 
 from moefold.models.options import ModelOptions
 from moefold.parallel.dims import ParallelDims
+from moefold.parallel.machine import describe_machine
 from moefold.training.config import RunConfig, TrainConfig
 from moefold.training.trainer import Trainer
 
@@ -119,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
 
     n_ours = sum(q.numel() for q in trainer.model.parameters())
     n_hf = sum(q.numel() for q in hf.parameters())
+    print(describe_machine())
     print(f"# {machine(args.threads)}; clock: {'process CPU time' if args.cpu_time else 'wall'}")
     print(f"# moefold {n_ours / 1e6:.1f}M / HF {n_hf / 1e6:.1f}M parameters, {n_micro} micro-batch(es) of "
           f"{args.batch} x {args.seq} tokens per step, "
