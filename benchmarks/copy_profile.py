@@ -1,15 +1,17 @@
 """Where a step's ``aten::copy_`` time goes: the profile's copy total and its callers (``train_step.py --copies N``).
 
 Every dtype cast, ``clone`` and ``contiguous`` ends in ``aten::copy_``, so its total says how much of a step is
-data movement rather than arithmetic. One profiled call of ``step`` (``torch.profiler`` with shapes and Python
-stacks); each ``copy_`` is attributed to its shape, the op it ran inside (``_to_copy`` for a cast, ``clone``,
-an autograd node) and the innermost moefold frame above it (the Python line that asked for it; none for the
-autograd engine's own casts, e.g. ``ToCopyBackward0`` returning an fp32 island's gradient in bf16).
+data movement rather than arithmetic. ``step`` is profiled a few times (``torch.profiler`` with shapes and Python
+stacks; medians: one profiled step on a shared machine can be off by half); each ``copy_`` is attributed to its
+shape, the op it ran inside (``_to_copy`` for a cast, ``clone``, an autograd node) and the innermost moefold frame
+above it (the Python line that asked for it; the trainer's backward call for the autograd engine's own casts, e.g.
+``ToCopyBackward0`` returning an fp32 island's gradient in bf16).
 """
 
 from __future__ import annotations
 
 import collections
+import statistics
 from collections.abc import Callable
 
 
@@ -28,9 +30,7 @@ def _frame(event) -> str:
     return "-"
 
 
-def copy_callers(step: Callable[[], None]) -> tuple[int, float, list[tuple[float, int, str, str, str]]]:
-    """Profile one ``step()``: (copy_ calls, their self CPU ms, [(ms, calls, shape, inside op, moefold frame)]
-    sorted by time)."""
+def _profile_once(step: Callable[[], None]) -> tuple[int, float, dict[tuple[str, str, str], list]]:
     from torch.profiler import profile
 
     with profile(record_shapes=True, with_stack=True) as prof:
@@ -51,13 +51,26 @@ def copy_callers(step: Callable[[], None]) -> tuple[int, float, list[tuple[float
         agg[key][1] += 1
         calls += 1
         total += e.self_cpu_time_total / 1e3
-    rows = sorted(((ms, n, *k) for k, (ms, n) in agg.items()), key=lambda r: -r[0])
-    return calls, total, rows
+    return calls, total, agg
 
 
-def print_copy_callers(step: Callable[[], None], top: int, label: str) -> None:
-    calls, total, rows = copy_callers(step)
-    print(f"# {label}: aten::copy_ {total:.1f} ms in {calls} calls (one profiled step, self CPU); top {top} callers:")
+def copy_callers(step: Callable[[], None], repeats: int = 3) -> tuple[int, list[float], list[tuple]]:
+    """Profile ``step()`` ``repeats`` times (a shared machine: one profiled step can be off by half): (copy_ calls
+    per step, each step's copy_ self CPU ms, [(median ms, calls, shape, inside op, moefold frame)] by time)."""
+    runs = [_profile_once(step) for _ in range(repeats)]
+    keys = {k for _, _, agg in runs for k in agg}
+    rows = []
+    for k in keys:
+        ms = statistics.median(agg[k][0] if k in agg else 0.0 for _, _, agg in runs)
+        rows.append((ms, max(agg[k][1] if k in agg else 0 for _, _, agg in runs), *k))
+    rows.sort(key=lambda r: -r[0])
+    return runs[0][0], [total for _, total, _ in runs], rows
+
+
+def print_copy_callers(step: Callable[[], None], top: int, label: str, repeats: int = 3) -> None:
+    calls, totals, rows = copy_callers(step, repeats)
+    print(f"# {label}: aten::copy_ {statistics.median(totals):.1f} ms in {calls} calls per step (self CPU, median of "
+          f"{repeats} profiled steps: {', '.join(f'{t:.0f}' for t in totals)} ms); top {top} callers (medians):")
     for ms, n, shape, inside, frame in rows[:top]:
         print(f"#   {ms:7.1f} ms x{n:<4d} {shape:18.18} in {inside[:26]:26} {frame}")
 

@@ -94,11 +94,7 @@ def _weight_grad_into(x: Tensor, dy: Tensor, rows: ExpertRows | None, counts_e: 
     if rows is None:   # device counts only: the grouped kernel, then one copy / add into the target
         offs = torch.cumsum(counts_e, 0, dtype=torch.int32)
         dw_eKM = F.grouped_mm(_aligned(x).t(), _aligned(dy), offs=offs)[:, :x.shape[1], :dy.shape[1]]
-        dw = dw_eKM.transpose(1, 2)
-        if accumulate:
-            target.add_(dw)
-        else:
-            target.copy_(dw)
+        widen_into(target, dw_eKM.transpose(1, 2), accumulate)
         return
     if target.dtype != x.dtype and target.device.type != "cuda":   # CPU has no mixed-dtype GEMM: a bf16 workspace
         tmp = workspace(x.device).empty(target.shape, x.dtype)
