@@ -30,6 +30,25 @@ def _frame(event) -> str:
     return "-"
 
 
+ISLANDS = ("dense/norm.py", "dense/cross_entropy.py", "dispatch/permutation.py", "moe/router.py", "moe/scoring.py",
+           "dense/attention", "dense/core_attention.py")
+
+
+def category(inside: str, frame: str) -> str:
+    """What a copy is for: the param sync, a weight gradient widened into the fp32 main grad, an activation cast
+    into or out of an fp32 island (issue 37's: norms, attention, router, combine, cross entropy; in backward the
+    autograd engine's casts of their gradients, attributed to the trainer's backward call), or other."""
+    if "optim/optimizer.py" in frame:
+        return "param sync (fp32 master -> bf16 parameter, once per step)"
+    if any(f in frame for f in ("grad_accumulation.py", "expert_gemm.py", "optim/grad_sync.py")) \
+            or "AccumulateGrad" in inside:
+        return "weight gradients widened into the fp32 main grads"
+    island_frame = any(f in frame for f in ISLANDS) or "trainer.py" in frame
+    if (inside == "aten::_to_copy" and island_frame) or "UnpermuteBackward" in inside:
+        return "activation casts of the fp32 islands (and their gradients)"
+    return "other (clones, contiguous, pow's copy, logging)"
+
+
 def _profile_once(step: Callable[[], None]) -> tuple[int, float, dict[tuple[str, str, str], list]]:
     from torch.profiler import profile
 
@@ -73,6 +92,14 @@ def print_copy_callers(step: Callable[[], None], top: int, label: str, repeats: 
           f"{repeats} profiled steps: {', '.join(f'{t:.0f}' for t in totals)} ms); top {top} callers (medians):")
     for ms, n, shape, inside, frame in rows[:top]:
         print(f"#   {ms:7.1f} ms x{n:<4d} {shape:18.18} in {inside[:26]:26} {frame}")
+    by_kind: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for ms, n, _shape, inside, frame in rows:
+        kind = by_kind[category(inside, frame)]
+        kind[0] += ms
+        kind[1] += n
+    print(f"# {label}: the copies by kind (sums of the callers' medians):")
+    for kind, (ms, n) in sorted(by_kind.items(), key=lambda kv: -kv[1][0]):
+        print(f"#   {ms:7.1f} ms x{n:<5d} {kind}")
 
 
-__all__ = ["copy_callers", "print_copy_callers"]
+__all__ = ["category", "copy_callers", "print_copy_callers"]
