@@ -6,8 +6,8 @@
     python benchmarks/train_step.py --cpu-time --bf16 --profile 12  # bf16 both sides, top ops of a moefold step
     python benchmarks/train_step.py --cpu-time --bf16 --micro-batches 4 --copies 12   # accumulation; copy_ callers
 
-moefold: ``Trainer.train_step`` on one micro-batch (model forward/backward with the MoE aux loss, gradient
-sync, norm, clip, distributed AdamW, expert statistics). Reference: ``Qwen3MoeForCausalLM`` (HF
+moefold: ``Trainer.train_step`` on one micro-batch, or ``--micro-batches`` (model forward/backward with the MoE
+aux loss, gradient sync, norm, clip, distributed AdamW, expert statistics). Reference: ``Qwen3MoeForCausalLM`` (HF
 ``transformers``, its default attention and experts implementations, router aux loss on, the same aux
 coefficient) + ``clip_grad_norm_`` + ``torch.optim.AdamW(fused=True)`` + ``zero_grad``. The same shapes:
 hidden 512, 4 layers, 8 heads of 64 (4 kv groups) with qk-norm, 16 experts top-2 of FFN 512, vocabulary 4096,
