@@ -20,7 +20,7 @@ def _frame(event) -> str:
     events named ``path(line): function``), as ``package/file.py(line): function``; "-" for none."""
     parent = event.cpu_parent
     while parent is not None:
-        path = parent.name.replace("\\", "/")
+        path = "/" + parent.name.replace("\\", "/")   # absolute, or relative to a sys.path entry
         if "(" in path and "/benchmarks/" not in path:
             for pkg in ("parallel", "dense", "dispatch", "moe", "models", "pipeline", "training"):
                 i = path.find(f"/{pkg}/")

@@ -23,6 +23,9 @@ import collections
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.copy_profile import category, copy_callers
+from moefold.dense.cross_entropy import upcast_logits
+from moefold.dense.norm import rms_norm
 from moefold.parallel.dims import ParallelDims
 from moefold.training.trainer import Trainer
 from tests.training.trainer_common import tiny_config, tiny_data
@@ -102,3 +105,17 @@ def test_bf16_step_has_no_per_op_weight_casts():
     # the param sync: every bf16 parameter cast from its fp32 master exactly once per optimizer step
     synced = sum(torch.Size(s).numel() for p, a, b, s in casts if p == "optimizer" and (a, b) == (fp32, bf16))
     assert synced == sum(p.numel() for p in params)
+
+
+def test_copy_profile_names_the_callers():
+    """``train_step.py --copies`` (benchmarks/copy_profile.py) attributes each copy_ to the moefold line that asked for
+    it and sorts the fp32 islands' casts as such."""
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    calls, totals, rows = copy_callers(lambda: (rms_norm(x, torch.ones(16, dtype=torch.bfloat16), 1e-6),
+                                                upcast_logits(x)), repeats=1)
+    frames = {(inside, frame.split("(")[0]) for _, _, _, inside, frame in rows}
+    assert {("aten::_to_copy", "dense/norm.py"), ("aten::_to_copy", "dense/cross_entropy.py")} <= frames, frames
+    assert calls == sum(n for _, n, *_ in rows) and len(totals) == 1
+    assert {category(inside, frame) for _, _, _, inside, frame in rows if "dense/" in frame} == {
+        "activation casts of the fp32 islands (and their gradients)"}
+    assert category("-", "training/optim/optimizer.py(148): after_step").startswith("param sync")
