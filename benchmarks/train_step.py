@@ -4,17 +4,21 @@
     python benchmarks/train_step.py --iters 7 --threads 2 --seq 512
     python benchmarks/train_step.py --cpu-time --hf-experts eager   # process CPU time; HF's per-expert loop
     python benchmarks/train_step.py --cpu-time --bf16 --profile 12  # bf16 both sides, top ops of a moefold step
+    python benchmarks/train_step.py --cpu-time --bf16 --micro-batches 4 --copies 12   # accumulation; copy_ callers
 
-moefold: ``Trainer.train_step`` on one micro-batch (model forward/backward with the MoE aux loss, gradient
-sync, norm, clip, distributed AdamW, expert statistics). Reference: ``Qwen3MoeForCausalLM`` (HF
+moefold: ``Trainer.train_step`` on one micro-batch, or ``--micro-batches`` (model forward/backward with the MoE
+aux loss, gradient sync, norm, clip, distributed AdamW, expert statistics). Reference: ``Qwen3MoeForCausalLM`` (HF
 ``transformers``, its default attention and experts implementations, router aux loss on, the same aux
 coefficient) + ``clip_grad_norm_`` + ``torch.optim.AdamW(fused=True)`` + ``zero_grad``. The same shapes:
 hidden 512, 4 layers, 8 heads of 64 (4 kv groups) with qk-norm, 16 experts top-2 of FFN 512, vocabulary 4096,
 57.7M parameters. The two alternate step by step; medians of tokens/s and their ratio are printed with the
 machine (the machine may be shared: the load average is printed too). ``--bf16``: moefold's ``--bf16`` (bf16
 parameters and compute, fp32 master weights and main grads) against the HF model cast to bf16 with fused AdamW
-over its bf16 parameters (HF's plain bf16 loop, no master copy). ``--profile N`` prints the N top ops (self CPU
-time) of one moefold step and of one HF step.
+over its bf16 parameters (HF's plain bf16 loop, no master copy). ``--micro-batches N``: N micro-batches of
+``--batch`` per optimizer step on both sides (gradient accumulation: moefold's later micro-batches add into the
+main grads, HF's backward accumulates into ``.grad``). ``--profile N`` prints the N top ops (self CPU time) of one
+moefold step and of one HF step; ``--copies N`` the ``aten::copy_`` total of one moefold step and its N largest
+callers (``benchmarks/copy_profile.py``).
 """
 
 from __future__ import annotations
@@ -28,13 +32,16 @@ import torch
 
 from moefold.models.options import ModelOptions
 from moefold.parallel.dims import ParallelDims
+from moefold.parallel.machine import describe_machine
 from moefold.training.config import RunConfig, TrainConfig
 from moefold.training.trainer import Trainer
 
 try:
+    from benchmarks.copy_profile import print_copy_callers
     from benchmarks.moe_layer import profile_top
     from benchmarks.optimizer_step import config_57m, machine
 except ImportError:   # run as a script: benchmarks/ itself is on sys.path
+    from copy_profile import print_copy_callers
     from moe_layer import profile_top
     from optimizer_step import config_57m, machine
 
@@ -66,13 +73,20 @@ def main(argv: list[str] | None = None) -> None:
                    help="HF's experts implementation (default: what transformers picks, grouped_mm in 5.x; eager: "
                         "a loop over the experts)")
     p.add_argument("--bf16", action="store_true", help="bf16 on both sides (module docstring)")
+    p.add_argument("--micro-batches", type=int, default=1, metavar="N",
+                   help="micro-batches of --batch per optimizer step, both sides (gradient accumulation)")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print the N top ops of one step of each")
+    p.add_argument("--copies", type=int, default=0, metavar="N",
+                   help="print the aten::copy_ total of one moefold step and its N largest callers")
     args = p.parse_args(argv)
+    if args.micro_batches < 1:
+        p.error(f"--micro-batches={args.micro_batches}; valid: an integer >= 1")
+    n_micro = args.micro_batches
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.cpu_time else time.perf_counter
     torch.manual_seed(0)
     model_config = config_57m()
-    train = TrainConfig(micro_batch_size=args.batch, global_batch_size=args.batch, seq_length=args.seq,
+    train = TrainConfig(micro_batch_size=args.batch, global_batch_size=args.batch * n_micro, seq_length=args.seq,
                         train_iters=args.iters + 1, lr=1e-4, min_lr=1e-5, lr_warmup_iters=0, log_interval=1,
                         bf16=args.bf16)
     trainer = Trainer(RunConfig(model=model_config, options=ModelOptions(), train=train), ParallelDims.single(),
@@ -85,19 +99,20 @@ def main(argv: list[str] | None = None) -> None:
     hf.train()
     hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
     gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, model_config.vocab_size, (args.batch, args.seq + 1), generator=gen)
-               for _ in range(args.iters + 1)]
-    tokens = args.batch * args.seq
+    batches = [[torch.randint(0, model_config.vocab_size, (args.batch, args.seq + 1), generator=gen)
+                for _ in range(n_micro)] for _ in range(args.iters + 1)]
+    tokens = args.batch * args.seq * n_micro
 
-    def moefold_step(batch: torch.Tensor) -> float:
+    def moefold_step(micro: list[torch.Tensor]) -> float:
         t0 = clock()
-        trainer.train_step([batch])
+        trainer.train_step(micro)
         return clock() - t0
 
-    def hf_step(batch: torch.Tensor) -> float:
+    def hf_step(micro: list[torch.Tensor]) -> float:
         t0 = clock()
-        out = hf(input_ids=batch[:, :-1], labels=batch[:, :-1])
-        out.loss.backward()
+        for batch in micro:
+            out = hf(input_ids=batch[:, :-1], labels=batch[:, :-1])
+            (out.loss / n_micro).backward()
         torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
         hf_opt.step()
         hf_opt.zero_grad(set_to_none=True)
@@ -105,8 +120,10 @@ def main(argv: list[str] | None = None) -> None:
 
     n_ours = sum(q.numel() for q in trainer.model.parameters())
     n_hf = sum(q.numel() for q in hf.parameters())
+    print(describe_machine())
     print(f"# {machine(args.threads)}; clock: {'process CPU time' if args.cpu_time else 'wall'}")
-    print(f"# moefold {n_ours / 1e6:.1f}M / HF {n_hf / 1e6:.1f}M parameters, batch {args.batch} x {args.seq} tokens, "
+    print(f"# moefold {n_ours / 1e6:.1f}M / HF {n_hf / 1e6:.1f}M parameters, {n_micro} micro-batch(es) of "
+          f"{args.batch} x {args.seq} tokens per step, "
           f"{'bf16' if args.bf16 else 'fp32'}; HF attention {hf.config._attn_implementation}, experts "
           f"{getattr(hf.config, '_experts_implementation', 'default')}; medians of {args.iters} steps, alternating")
     moefold_step(batches[0]), hf_step(batches[0])   # warm-up
@@ -124,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
         profile_top(lambda: moefold_step(batches[1]), args.profile)
         print("# HF:")
         profile_top(lambda: hf_step(batches[1]), args.profile)
+    if args.copies:
+        print_copy_callers(lambda: moefold_step(batches[1]), args.copies, "moefold")
 
 
 if __name__ == "__main__":

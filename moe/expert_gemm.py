@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moefold.dense.grad_accumulation import MainGradSlot, mm_into, write_weight_grad
+from moefold.dense.grad_accumulation import MainGradSlot, mm_into, widen_into, write_weight_grad
 from moefold.moe.expert_rows import ExpertRows, RowLayout, max_auto_rows, pad_rows
 from moefold.moe.gemm import grouped_gemm
 from moefold.parallel.workspace import workspace
@@ -95,19 +95,12 @@ def _weight_grad_into(x: Tensor, dy: Tensor, rows: ExpertRows | None, counts_e: 
     if rows is None:   # device counts only: the grouped kernel, then one copy / add into the target
         offs = torch.cumsum(counts_e, 0, dtype=torch.int32)
         dw_eKM = F.grouped_mm(_aligned(x).t(), _aligned(dy), offs=offs)[:, :x.shape[1], :dy.shape[1]]
-        dw = dw_eKM.transpose(1, 2)
-        if accumulate:
-            target.add_(dw)
-        else:
-            target.copy_(dw)
+        widen_into(target, dw_eKM.transpose(1, 2), accumulate)
         return
     if target.dtype != x.dtype and target.device.type != "cuda":   # CPU has no mixed-dtype GEMM: a bf16 workspace
         tmp = workspace(x.device).empty(target.shape, x.dtype)
         grouped_weight_grad(x, dy, rows, tmp, False)
-        if accumulate:
-            target.add_(tmp)
-        else:
-            target.copy_(tmp)
+        widen_into(target, tmp, accumulate)
         return
     grouped_weight_grad(x, dy, rows, target, accumulate)
 

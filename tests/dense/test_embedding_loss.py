@@ -120,6 +120,36 @@ def test_cross_entropy_bf16_logits_fp32_loss():
     assert local.grad.dtype == torch.bfloat16
 
 
+def _softmax_then_clone_grad(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The logits' gradient as the backward computed it before it reused the saved softmax: the forward's softmax
+    (the same ops), cloned, minus the one-hot target, times the loss gradient (ignored labels: target 0, gradient
+    0), rounded to the logits' dtype."""
+    x = logits.float()
+    e = (x - x.max(dim=-1).values.unsqueeze(-1)).exp_()
+    softmax = e.div_(e.sum(dim=-1).unsqueeze(-1))
+    ignored = labels == -100
+    grad = softmax.clone()
+    grad.scatter_add_(-1, labels.masked_fill(ignored, 0).unsqueeze(-1), -torch.ones_like(grad[..., :1]))
+    grad.mul_(weights.masked_fill(ignored, 0.0).unsqueeze(-1))
+    return grad.to(logits.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_backward_in_place_equals_clone(dtype):
+    """The backward builds the gradient in the saved softmax's buffer (Megatron-Core's way, no [tokens, V] clone):
+    bit for bit the gradient of the clone-based backward, fp32 and bf16 logits, ignored labels included; a second
+    backward through the same graph is refused instead of reading the consumed buffer."""
+    logits, labels, mask = _ce_data()
+    local = logits.to(dtype).requires_grad_()
+    loss = vocab_parallel_cross_entropy(local, labels, None, loss_mask=mask)
+    weights = torch.rand(S, B, generator=torch.Generator().manual_seed(1))
+    loss.backward(weights, retain_graph=True)
+    expected = _softmax_then_clone_grad(logits.to(dtype), labels, weights * mask)
+    assert local.grad.dtype == dtype and torch.equal(local.grad, expected)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward(weights)
+
+
 def test_bad_inputs():
     assert pad_vocab_size(30, 4) == 32 and pad_vocab_size(30, 4, multiple=16) == 64
     with pytest.raises(ValueError, match="must be labels"):

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from moefold.dense.grad_accumulation import grad_slot, set_grad_slot
+from moefold.dense.grad_accumulation import grad_slot, set_grad_slot, widen_into
 from moefold.parallel.dims import ParallelDims
 from moefold.parallel.groups import Group
 from moefold.training.optim.buffers import Bucket, FlatGroup, build_flat_groups
@@ -105,14 +105,11 @@ class GradSync:
                     slot.fused = False
                     p.grad = None
                 elif p.grad is not p.main_grad:   # autograd's fresh gradient (else: already added in place)
-                    if slot.written:
-                        p.main_grad.add_(p.grad)
-                    else:
-                        p.main_grad.copy_(p.grad)
-                        slot.written = True
+                    widen_into(p.main_grad, p.grad, slot.written)
+                    slot.written = True
                     p.grad = p.main_grad if p.dtype == self.grad_dtype else None
             elif p.grad is not p.main_grad:   # a separate gradient (other dtype, or .grad was reset)
-                p.main_grad.add_(p.grad)
+                widen_into(p.main_grad, p.grad, True)
                 p.grad = p.main_grad if p.dtype == self.grad_dtype else None
             if self._armed:
                 bucket.pending -= 1

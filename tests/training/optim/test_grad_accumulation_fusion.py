@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from moefold.dense.grad_accumulation import widen_into
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
 from moefold.moe.experts import GroupedExperts
 from moefold.parallel.dims import ParallelConfig, ParallelDims
@@ -159,6 +160,25 @@ def test_fused_step_writes_gradients_with_gemms_only():
     unfused, _, grad_sized_unfused = _one_step_writes(False)
     assert {op for op, j, _ in unfused if j < n} & {"aten.add_.Tensor", "aten.fill_.Scalar", "aten.zero_.default"}
     assert grad_sized_unfused   # the per-step zeroing and autograd's accumulation show in the profile
+
+
+@pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float32])
+def test_widen_into_equals_mixed_add(src_dtype):
+    """A bf16 weight gradient widened into an fp32 main grad (``widen_into``: through an fp32 workspace on CPU) is
+    bit for bit torch's mixed-dtype ``copy_`` / ``add_``, into a contiguous buffer and into a transposed view
+    (``mm_into``'s target), above and below the workspace's 1 MiB minimum."""
+    gen = torch.Generator().manual_seed(3)
+    for rows, cols in ((512, 768), (24, 40)):
+        src = torch.randn(rows, cols, generator=gen).to(src_dtype) * 1e-3
+        for transposed in (False, True):
+            base = torch.randn(cols, rows, generator=gen).t() if transposed else torch.randn(rows, cols, generator=gen)
+            for accumulate in (False, True):
+                out, ref = base.clone(), base.clone()
+                if transposed:
+                    out, ref = base.t().clone().t(), base.t().clone().t()
+                widen_into(out, src, accumulate)
+                ref.add_(src) if accumulate else ref.copy_(src)
+                assert torch.equal(out, ref), (rows, transposed, accumulate)
 
 
 def test_unused_parameter_gets_zero_gradient():
