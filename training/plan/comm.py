@@ -141,7 +141,7 @@ class _Shape:
 
 
 def _shape(config: RunConfig, sizes: ParallelSizes, device_type: str) -> _Shape:
-    from moefold.training.trainer import model_options
+    from moefold.training.build import model_options
 
     options = model_options(config)
     a = torch.empty((), dtype=options.torch_dtype).element_size()

@@ -25,6 +25,7 @@ from moefold.parallel.fp8 import FP8Config
 from moefold.pipeline.decoder_stage import DecoderStage, build_stage_model, decoder_microbatches
 from moefold.pipeline.executor import run_schedule
 from moefold.pipeline.schedules import build_schedule
+from moefold.training.build import model_options
 from moefold.training.config import RunConfig, TrainConfig
 from moefold.training.optim import grad_sync, param_sync
 from moefold.training.optim.buffers import ALIGN
@@ -34,7 +35,6 @@ from moefold.training.plan import comm, static, step_time
 from moefold.training.plan.cluster import CLUSTERS, Cluster, load_cluster, parse_bytes
 from moefold.training.plan.grid import group_members
 from moefold.training.plan.step_time import EFFICIENCY, estimate_step_time
-from moefold.training.trainer import model_options
 from tests.distributed import run_distributed
 
 WORLD = 4
