@@ -27,6 +27,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from moefold.parallel.sharding import named_full_params
     from moefold.training.checkpoint import (
         CheckpointError,
         CheckpointSaveError,
@@ -51,12 +52,13 @@ if TYPE_CHECKING:
         reduction_kind,
     )
     from moefold.training.run import train
-    from moefold.training.trainer import NonFiniteError, StepResult, Trainer, named_full_params
+    from moefold.training.trainer import NonFiniteError, StepResult, Trainer
 
 # name -> the module that defines it
 _LAZY = {
     **dict.fromkeys(["RunConfig", "TrainConfig"], "moefold.training.config"),
-    **dict.fromkeys(["Trainer", "StepResult", "NonFiniteError", "named_full_params"], "moefold.training.trainer"),
+    **dict.fromkeys(["Trainer", "StepResult", "NonFiniteError"], "moefold.training.trainer"),
+    "named_full_params": "moefold.parallel.sharding",
     "train": "moefold.training.run",
     **dict.fromkeys(["evaluate", "Evaluator", "EvalResult"], "moefold.training.evaluate"),
     "JobFailed": "moefold.training.errors",

@@ -10,6 +10,9 @@ optimizer's shard layout); building the model is not.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,10 +22,18 @@ from moefold.models.options import ModelOptions
 from moefold.moe.router import Router
 from moefold.parallel.dims import ParallelDims
 from moefold.parallel.groups import Group
+from moefold.pipeline import build_schedule, simulate
 from moefold.pipeline.decoder_stage import build_stage_model, shared_weight_groups
+from moefold.pipeline.stages import chunk_costs
+from moefold.training.checkpoint.files import checkpoint_dirs, is_checkpoint_dir
 from moefold.training.config import RunConfig
 from moefold.training.optim.grad_sync import GradSync
 from moefold.training.optim.optimizer import DistributedAdamW
+
+if TYPE_CHECKING:
+    from moefold.pipeline.schedules import Schedule
+    from moefold.pipeline.stages import StageLayout
+    from moefold.training.config import TrainConfig
 
 
 def moe_routers(model: MoEDecoder) -> dict[int, Router]:
@@ -110,3 +121,40 @@ def build_optimizer(model: MoEDecoder, config: RunConfig, dims: ParallelDims,
                                  overlap_param_gather=t.overlap_param_gather,
                                  cpu_offload_fraction=t.optimizer_offload_fraction if t.optimizer_cpu_offload else None)
     return shared.get("embed_tokens"), sync, optimizer
+
+
+def build_pipeline(config: RunConfig, dims: ParallelDims, num_micro: int, log: Callable[[str], None],
+                   ) -> tuple[StageLayout | None, Schedule | None]:
+    """(layout, schedule) of the run's pipeline over ``num_micro`` micro-batches per step, stated in one line
+    through ``log``; (None, None) at pp = 1 without the batch-level overlap."""
+    overlap = config.train.overlap_moe_expert_parallel_comm
+    if dims.pp > 1:
+        layout = config.pipeline_layout(dims.pp)
+        vpp = layout.vpp
+        pipeline = build_schedule(config.schedule_name(vpp), dims.pp, num_micro, vpp, overlap=overlap,
+                                  chunk_costs=chunk_costs(layout))
+        bubble = simulate(pipeline).bubble_fraction
+        log(f"pipeline: {pipeline.name}{' (FB pairs overlapped)' if overlap else ''} schedule, pp "
+            f"{dims.pp} x vpp {vpp} ({layout.placement.value}), {num_micro} micro-batches per step "
+            f"(bubble {bubble:.1%} with stage times by layer count, backward = 2 x forward)\n"
+            f"--pipeline-model-parallel-layout {layout.text!r}:\n{layout.describe()}")
+        return layout, pipeline
+    if overlap:   # pp = 1: Megatron's combined 1F1B without pipelining, F0, FB(1, 0), ..., B(m-1)
+        log(f"batch-level overlap: {num_micro} micro-batches as F0, FB(1, 0), ..., B({num_micro - 1})")
+        return config.pipeline_layout(1), build_schedule("1f1b", 1, num_micro, overlap=True)
+    return None, None
+
+
+def load_initial_weights(model: MoEDecoder, train: TrainConfig) -> None:
+    """``--load-hf`` / ``--load-megatron``: this rank's slices of those weights into ``model`` (initialised), unless
+    the run resumes from ``--load``: a resume overwrites them (whether its checkpoints are intact is
+    ``Trainer.load``'s to find out)."""
+    resuming = train.load is not None and (is_checkpoint_dir(Path(train.load)) or bool(checkpoint_dirs(train.load)))
+    if train.load_hf and not resuming:
+        from moefold.models.pretrained import load_pretrained_weights
+
+        load_pretrained_weights(model, train.load_hf, upcycle=train.moe_use_upcycling)  # this rank's slices
+    if train.load_megatron and not resuming:
+        from moefold.models.megatron import load_megatron_weights
+
+        load_megatron_weights(model, train.load_megatron)   # this rank's slices of the torch_dist tensors

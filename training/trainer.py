@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from moefold.dense.context_parallel import split_for_context_parallel
 from moefold.dense.split_backward import WeightGradStore, install_weight_grad_store
@@ -38,20 +38,27 @@ from moefold.models.layer_factory import is_moe_block
 from moefold.moe.expert_bias import update_expert_bias
 from moefold.moe.layer import MoEOutputInfo
 from moefold.parallel.dims import ParallelDims
-from moefold.pipeline import build_schedule, run_schedule, simulate
+from moefold.pipeline import run_schedule
 from moefold.pipeline.decoder_stage import DecoderStage
 from moefold.pipeline.overlap import OverlapConfig
-from moefold.pipeline.stages import chunk_costs
-from moefold.training.build import build_model, build_optimizer, flex_backend, model_options, moe_routers
-from moefold.training.checkpoint.files import CheckpointSaveError, checkpoint_dirs, is_checkpoint_dir
+from moefold.training.build import (
+    build_model,
+    build_optimizer,
+    build_pipeline,
+    flex_backend,
+    load_initial_weights,
+    model_options,
+    moe_routers,
+)
+from moefold.training.checkpoint.files import CheckpointSaveError
 from moefold.training.checkpoint.resume import check_resume
 from moefold.training.checkpoint.save import AsyncCheckpointer, save_checkpoint
 from moefold.training.checkpoint.sharded import find_checkpoint, load_checkpoint, load_pieces, read_meta, saved_keys
 from moefold.training.config import RunConfig
 from moefold.training.launch.signals import STOP_FLAGS, Stop, StopRequest, agreed_stop, write_stop_flags
+from moefold.training.observe.expert_counts import ROUTER_SUMS, add_expert_counts, add_micro_loads, per_step_router
 from moefold.training.observe.imbalance import LoadRatioWatch, micro_batch_load_ratio
 from moefold.training.observe.log_window import LogWindow
-from moefold.training.observe.metrics import ROUTER_SUMS, per_step_router, router_sums
 
 if TYPE_CHECKING:
     from moefold.training.data.sampler import Samples
@@ -136,24 +143,9 @@ class Trainer:
         t = config.train
         self.param_dtype = model_options(config).dtype
         torch.manual_seed(t.seed)
-        self.layout = self.pipeline = None
         self.embed_group = None
         overlap = t.overlap_moe_expert_parallel_comm
-        if dims.pp > 1:
-            self.layout = config.pipeline_layout(dims.pp)
-            vpp = self.layout.vpp
-            self.pipeline = build_schedule(config.schedule_name(vpp), dims.pp, self.num_micro, vpp, overlap=overlap,
-                                           chunk_costs=chunk_costs(self.layout))
-            bubble = simulate(self.pipeline).bubble_fraction
-            self.log(f"pipeline: {self.pipeline.name}{' (FB pairs overlapped)' if overlap else ''} schedule, pp "
-                     f"{dims.pp} x vpp {vpp} ({self.layout.placement.value}), {self.num_micro} micro-batches per step "
-                     f"(bubble {bubble:.1%} with stage times by layer count, backward = 2 x forward)\n"
-                     f"--pipeline-model-parallel-layout {self.layout.text!r}:\n{self.layout.describe()}")
-        elif overlap:   # pp = 1: Megatron's combined 1F1B without pipelining, F0, FB(1, 0), ..., B(m-1)
-            self.layout = config.pipeline_layout(1)
-            self.pipeline = build_schedule("1f1b", 1, self.num_micro, overlap=True)
-            self.log(f"batch-level overlap: {self.num_micro} micro-batches as F0, FB(1, 0), ..., "
-                     f"B({self.num_micro - 1})")
+        self.layout, self.pipeline = build_pipeline(config, dims, self.num_micro, self.log)
         self.model = build_model(config, dims, self.device)
         self.model.init_weights(t.seed)
         # split backward (zero-bubble schedules, --delay-wgrad-compute): the GEMMs that can defer weight gradients
@@ -162,16 +154,7 @@ class Trainer:
             self.weight_store = WeightGradStore()
             install_weight_grad_store(self.model, self.weight_store)
         self.overlap = OverlapConfig(t.delay_wgrad_compute, self.weight_store) if overlap else None
-        # a resume overwrites the HF weights (whether the checkpoints are intact is Trainer.load's to find out)
-        resuming = t.load is not None and (is_checkpoint_dir(Path(t.load)) or bool(checkpoint_dirs(t.load)))
-        if t.load_hf and not resuming:
-            from moefold.models.pretrained import load_pretrained_weights
-
-            load_pretrained_weights(self.model, t.load_hf, upcycle=t.moe_use_upcycling)  # this rank's slices
-        if t.load_megatron and not resuming:
-            from moefold.models.megatron import load_megatron_weights
-
-            load_megatron_weights(self.model, t.load_megatron)   # this rank's slices of the torch_dist tensors
+        load_initial_weights(self.model, t)   # --load-hf / --load-megatron, unless resuming
         if t.compile:  # in place, after init: parameter names and checkpoints are unchanged
             from moefold.training.compile import compile_model
 
@@ -226,7 +209,7 @@ class Trainer:
             logged += torch.stack([out.lm_loss.detach().to(zero) / tpcp, out.aux_loss.detach().to(zero),
                                    out.mtp_loss.detach().to(zero) / tpcp if out.mtp_loss is not None else zero,
                                    (~torch.isfinite(loss.detach())).to(zero)]).to(logged.dtype)
-            self._add_loads(loads, out.moe.items(), E)
+            add_expert_counts(loads, out.moe.items(), self.moe_layers, E, self.config.model.moe_topk)
 
     def _pipeline_forward_backward(self, microbatches: list[Tensor], loads: Tensor, logged: Tensor) -> None:
         """pp > 1 (or the batch-level overlap at pp = 1): the pipeline schedule over this rank's chunks (same outputs
@@ -259,29 +242,15 @@ class Trainer:
         nonfinite = total((~torch.isfinite(v)).to(zero) for v in checked)
         logged += torch.stack([total(stage.lm_losses.values()) / tpcp, zero if aux is None else aux.to(zero),
                                total(stage.mtp_losses.values()) / tpcp, nonfinite])
-        self._add_loads(loads, ((layer, info) for (_, layer), info in stage.moe_infos.items()),
-                        self.config.model.num_experts)
+        add_expert_counts(loads, ((layer, info) for (_, layer), info in stage.moe_infos.items()), self.moe_layers,
+                          self.config.model.num_experts, self.config.model.moe_topk)
         for (m, layer), info in stage.moe_infos.items():
             self._record_micro_loads(m, [(layer, info)])
 
     def _record_micro_loads(self, micro: int, infos: Iterable[tuple[int, MoEOutputInfo]]) -> None:
         """Micro-batch ``micro``'s routed copies per layer and expert, for the imbalance watch (when it is on)."""
-        if self._micro_loads is None:
-            return
-        for i, info in infos:
-            self._micro_loads[micro, self.moe_layers.index(i)] += info.load_E.detach().to(self._micro_loads)
-
-    def _add_loads(self, loads: Tensor, infos: Iterable[tuple[int, MoEOutputInfo]], E: int) -> None:
-        """Adds (layer, info) pairs' selections, dropped copies and router sums to their rows of ``loads``."""
-        for i, info in infos:
-            j = self.moe_layers.index(i)
-            load = info.load_E.detach().to(loads)
-            loads[j, :E] += load
-            if info.stats is not None:
-                loads[j, E] += info.stats.dropped_fraction.to(loads) * load.sum()
-            loads[j, E + 1:E + 1 + ROUTER_SUMS] += router_sums(info, self.config.model.moe_topk).to(loads)
-            if info.received_E is not None:
-                loads[j, E + 1 + ROUTER_SUMS:] += info.received_E.to(loads)
+        if self._micro_loads is not None:
+            add_micro_loads(self._micro_loads[micro], infos, self.moe_layers)
 
     @property
     def _scale(self) -> float:
@@ -484,16 +453,3 @@ class Trainer:
         checkpoint = self.save(t.save) if t.save else None
         self.optimizer.finish_param_sync()
         return FitSummary(steps=steps, first=first, last=r, stop=stop, checkpoint=checkpoint)
-
-
-def named_full_params(model: nn.Module) -> dict[str, Tensor]:
-    """Every parameter gathered to full shape (fp32 copies: later steps do not change them). Collective over
-    each shard's group."""
-    from torch.distributed.tensor import DTensor
-
-    from moefold.parallel.sharding import gather_full, shards_of
-
-    def local(p: Tensor) -> Tensor:   # an FSDP2 shard: gathered over its mesh first
-        return p.full_tensor() if isinstance(p, DTensor) else p
-
-    return {n: gather_full(local(p), shards_of(p)).to(torch.float32, copy=True) for n, p in model.named_parameters()}

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from moefold.training.observe.metrics import MetricsLogger, router_layer_metrics
+from moefold.training.observe.expert_counts import router_layer_metrics
+from moefold.training.observe.metrics import MetricsLogger
 
 if TYPE_CHECKING:
     from torch import Tensor
