@@ -25,7 +25,8 @@ from moefold.models.recipes import RECIPES
 from moefold.moe.config import DISPATCHERS
 from moefold.pipeline.schedules import SCHEDULES
 from moefold.training.cli.model_flags import ARCH_FLAGS, add_model_arguments, dest
-from moefold.training.cli.train import ROUTER_FLAGS, model_from_args
+from moefold.training.cli.train import model_from_args
+from moefold.training.cli.train_flags import ROUTER_FLAGS
 from moefold.training.config import RunConfig, TrainConfig
 from moefold.training.optim.precision import DTYPES
 from moefold.training.plan.cluster import CLUSTERS, load_cluster, parse_bytes
