@@ -64,7 +64,7 @@ from moefold.training.config import RunConfig
 from moefold.training.observe.flops import train_flops_per_token
 from moefold.training.plan import comm
 from moefold.training.plan.cluster import Cluster
-from moefold.training.plan.comm import Collective
+from moefold.training.plan.collective import GROUP_DIMS, Collective, link_factor
 from moefold.training.plan.compute_time import ELEMENTWISE_SHARE, block_compute, head_compute
 from moefold.training.plan.grid import group_members, ranks_per_node, spans_nodes
 from moefold.training.plan.static import stage_numel
@@ -141,20 +141,20 @@ class _Links:
         n = len(members)
         nvlink, network = self.cluster.nvlink_gbps * 1e9, self.cluster.internode_gbps * 1e9
         if not spans_nodes(members, self.gpus_per_node):
-            return c.bytes * comm.link_factor(c.op, n) / nvlink
+            return c.bytes * link_factor(c.op, n) / nvlink
         if c.op == "all_to_all" and c.hybrid is not None:   # DeepEP V2 hybrid: once per node, then NVLink
             k = ranks_per_node(members, self.gpus_per_node)
             return max(c.bytes * (k - 1) / k / nvlink, c.hybrid.network_bytes(n // k) / network)
         if c.op == "all_to_all":
             k = ranks_per_node(members, self.gpus_per_node)
             return max(c.bytes * (k - 1) / n / nvlink, c.bytes * (n - k) / n / network)
-        return c.bytes * comm.link_factor(c.op, n) / network
+        return c.bytes * link_factor(c.op, n) / network
 
 
 @lru_cache(maxsize=4096)
 def _members(sizes: ParallelSizes, group: str) -> list[int]:
     """Rank 0's group ``group``: every group of a kind has the same shape in the rank grid."""
-    return group_members(sizes, 0, comm.GROUP_DIMS[group])
+    return group_members(sizes, 0, GROUP_DIMS[group])
 
 
 @lru_cache(maxsize=1024)
@@ -491,7 +491,7 @@ def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster
     tokens = config.train.global_batch_size * config.train.seq_length
     flops = train_flops_per_token(config.model, config.train.seq_length) * tokens / sizes.world_size
     links = {}
-    for group in comm.GROUP_DIMS:
+    for group in GROUP_DIMS:
         members = _members(sizes, group)
         if len(members) > 1:
             links[group] = "network" if spans_nodes(members, gpus_per_node) else "NVLink"
