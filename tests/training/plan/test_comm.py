@@ -31,7 +31,7 @@ from moefold.training.optim import grad_sync, param_sync
 from moefold.training.optim.buffers import ALIGN
 from moefold.training.optim.grad_sync import GradSync
 from moefold.training.optim.param_sync import ParamSync
-from moefold.training.plan import comm, static, step_time
+from moefold.training.plan import comm, pipeline_clock, static, step_time
 from moefold.training.plan.cluster import CLUSTERS, Cluster, load_cluster, parse_bytes
 from moefold.training.plan.collective import GROUP_DIMS, Collective
 from moefold.training.plan.grid import group_members
@@ -445,10 +445,11 @@ def test_long_steps_extrapolate_the_simulated_makespan_exactly(name, vpp):
     durations = tuple(tuple((0.5 + rand(), 1 + 2 * rand(), 0.3, (0.1 * rand(), 0.4), (0.2 * rand(), 0.8))
                             for _ in range(vpp)) for _ in range(4))
     for overlap in (False, True) if name == "interleaved" else (False,):
-        step_time._simulate.cache_clear()
-        extrapolated = step_time._makespan(name, 4, vpp, 80, durations, overlap)
-        assert step_time._simulate.cache_info().currsize == len(step_time.PROBES)   # m = 80 was not simulated
-        exact = step_time._simulate(name, 4, vpp, 80, durations, overlap)
+        pipeline_clock.simulate_step.cache_clear()
+        extrapolated = pipeline_clock.step_makespan(name, 4, vpp, 80, durations, overlap)
+        # m = 80 was not simulated
+        assert pipeline_clock.simulate_step.cache_info().currsize == len(pipeline_clock.PROBES)
+        exact = pipeline_clock.simulate_step(name, 4, vpp, 80, durations, overlap)
         assert extrapolated[0] == pytest.approx(exact[0], rel=1e-12)
         assert extrapolated[1] == pytest.approx(exact[1], rel=1e-12)
         assert extrapolated[2] == pytest.approx(exact[2], rel=1e-12) and (exact[2] > 0) == overlap
