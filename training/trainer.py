@@ -55,6 +55,7 @@ from moefold.training.checkpoint.resume import check_resume
 from moefold.training.checkpoint.save import AsyncCheckpointer, save_checkpoint
 from moefold.training.checkpoint.sharded import find_checkpoint, load_checkpoint, load_pieces, read_meta, saved_keys
 from moefold.training.config import RunConfig
+from moefold.training.data.sampler import batch_to_device
 from moefold.training.launch.signals import STOP_FLAGS, Stop, StopRequest, agreed_stop, write_stop_flags
 from moefold.training.observe.expert_counts import ROUTER_SUMS, add_expert_counts, add_micro_loads, per_step_router
 from moefold.training.observe.imbalance import LoadRatioWatch, micro_batch_load_ratio
@@ -115,17 +116,6 @@ class FitSummary:
     last: StepResult | None
     stop: Stop | None
     checkpoint: Path | None
-
-
-def batch_to_device(batch: Tensor, device: torch.device) -> Tensor:
-    """A host batch on ``device`` without making the host wait: on CUDA it is copied into pinned (page-locked)
-    memory first and sent with ``non_blocking=True`` (a copy from pageable memory blocks the host until it is
-    done); torch's caching host allocator keeps the pinned block until the copy has run. A no-op on its device."""
-    if batch.device == device:
-        return batch
-    if device.type == "cuda" and batch.device.type == "cpu" and not batch.is_pinned():
-        batch = batch.pin_memory()
-    return batch.to(device, non_blocking=True)
 
 
 class Trainer:
