@@ -80,7 +80,7 @@ class StepResult:
     tokens_per_expert: float64 [moe layers, E] selections of the step over all ranks (None without MoE)
     dropped: float64 [moe layers] dropped copies over all ranks
     router: float64 [moe layers, ROUTER_SUMS] per-layer router losses (means over the step's micro-batches and dp)
-            and entropy / token sums over all ranks (``training.observe.metrics.router_layer_metrics``; None
+            and entropy / token sums over all ranks (``training.observe.expert_counts.router_layer_metrics``; None
             without MoE)
     max_load_ratio: the worst micro-batch's max/mean expert load over its dispatch group (with
             ``--moe-max-load-ratio``, ``training.observe.imbalance``; else None)
