@@ -140,8 +140,9 @@ def build_pipeline(config: RunConfig, dims: ParallelDims, num_micro: int, log: C
             f"--pipeline-model-parallel-layout {layout.text!r}:\n{layout.describe()}")
         return layout, pipeline
     if overlap:   # pp = 1: Megatron's combined 1F1B without pipelining, F0, FB(1, 0), ..., B(m-1)
+        layout, pipeline = config.pipeline_layout(1), build_schedule("1f1b", 1, num_micro, overlap=True)
         log(f"batch-level overlap: {num_micro} micro-batches as F0, FB(1, 0), ..., B({num_micro - 1})")
-        return config.pipeline_layout(1), build_schedule("1f1b", 1, num_micro, overlap=True)
+        return layout, pipeline
     return None, None
 
 
