@@ -1,8 +1,9 @@
 """``moefold train``'s flags (Megatron-LM's names), in argparse groups: the layout, the optimizer and schedule, data
 and checkpoints, recovery (stops, background saves, other runs), memory (activation offloading, FSDP2, optimizer
 offload), starting weights and validation; the model flags (``training.cli.model_flags``), the router flags
-(``ROUTER_FLAGS``: each overrides one ``ModelConfig`` field) and Megatron's data flags
-(``training.cli.megatron_flags``) join them. ``training.cli.train`` turns the parsed flags into a ``RunConfig``.
+(``ROUTER_FLAGS``: each overrides one ``ModelConfig`` field) and the flags for Megatron-LM users (data order,
+tokenizer, a Megatron checkpoint, conventions: ``training.cli.megatron_flags``) join them. ``training.cli.train``
+turns the parsed flags into a ``RunConfig``.
 """
 
 from __future__ import annotations
