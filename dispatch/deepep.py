@@ -75,7 +75,7 @@ from torch import Tensor
 from moefold.dispatch.base import Dispatched, DispatchHandle, PhaseTimer, TokenDispatcher
 from moefold.dispatch.permutation import RowMap, build_row_map, mask_groups, permute, unpermute
 from moefold.dispatch.routing import Routing
-from moefold.dispatch.token_exchange import Arrival, InFlight, TokenExchange
+from moefold.dispatch.token_exchange import Arrival, InFlight, TokenExchange, after_event
 from moefold.parallel.groups import Group
 
 DEEPEP_VERSION = "v1.2.1"
@@ -225,11 +225,7 @@ class FlexDispatchExchange(TokenExchange):
             topk_weights=weights_TK.contiguous(), previous_event=layout_event, async_finish=True,
             allocate_on_comm_stream=True)
 
-        def finish() -> Arrival:
-            event.current_stream_wait()
-            return Arrival((recv_x, recv_w), FlexLayout(recv_idx, tuple(recv_per_expert), handle))
-
-        return InFlight(finish)
+        return after_event(event, Arrival((recv_x, recv_w), FlexLayout(recv_idx, tuple(recv_per_expert), handle)))
 
     def start_backward(self, grads: Sequence[Tensor], meta: FlexLayout) -> InFlight[tuple[Tensor, ...]]:
         grad_x, grad_w = grads
@@ -237,11 +233,7 @@ class FlexDispatchExchange(TokenExchange):
             grad_x.to(torch.bfloat16).contiguous(), meta.deep_ep_handle, topk_weights=grad_w.float().contiguous(),
             previous_event=self.buffer.capture(), async_finish=True, allocate_on_comm_stream=True)
 
-        def finish() -> tuple[Tensor, ...]:
-            event.current_stream_wait()
-            return grad_in, grad_w_in
-
-        return InFlight(finish)
+        return after_event(event, (grad_in, grad_w_in))
 
 
 @dataclass(frozen=True)
@@ -257,11 +249,7 @@ class FlexCombineExchange(TokenExchange):
                                           previous_event=self.buffer.capture(), async_finish=True,
                                           allocate_on_comm_stream=True)
 
-        def finish() -> Arrival:
-            event.current_stream_wait()
-            return Arrival((y,))
-
-        return InFlight(finish)
+        return after_event(event, Arrival((y,)))
 
     def start_backward(self, grads: Sequence[Tensor], meta: Any) -> InFlight[tuple[Tensor, ...]]:
         (grad,) = grads
@@ -269,11 +257,7 @@ class FlexCombineExchange(TokenExchange):
             grad.to(torch.bfloat16).contiguous(), handle=self.deep_ep_handle, previous_event=self.buffer.capture(),
             async_finish=True, allocate_on_comm_stream=True)
 
-        def finish() -> tuple[Tensor, ...]:
-            event.current_stream_wait()
-            return (grad_recv,)
-
-        return InFlight(finish)
+        return after_event(event, (grad_recv,))
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,7 @@ from moefold.dispatch.base import Dispatched, DispatchHandle, PhaseTimer, TokenD
 from moefold.dispatch.deepep import check_flex_topk, flex_group, virtual_experts
 from moefold.dispatch.fp8_exchange import dequantize_rows, quantize_rows
 from moefold.dispatch.routing import Routing
-from moefold.dispatch.token_exchange import Arrival, InFlight, TokenExchange
+from moefold.dispatch.token_exchange import Arrival, InFlight, TokenExchange, after_event
 from moefold.parallel.groups import Group
 
 DEEPEP_V2_VERSION = "2.1.0"
@@ -248,11 +248,7 @@ class ElasticDispatchExchange(TokenExchange):
             topk_weights=grad_w[0].float().contiguous() if grad_w else None, num_sms=self.call.num_sms,
             async_with_compute_stream=True)
 
-        def finish() -> tuple[Tensor, ...]:
-            event.current_stream_wait()
-            return (out,) if not grad_w else (out, out_w)
-
-        return InFlight(finish)
+        return after_event(event, (out,) if not grad_w else (out, out_w))
 
 
 @dataclass(frozen=True)
@@ -269,11 +265,7 @@ class ElasticCombineExchange(TokenExchange):
         y, _, event = self.buffer.combine(rows.contiguous(), self.handle, num_sms=self.call.num_sms,
                                           async_with_compute_stream=True)
 
-        def finish() -> Arrival:
-            event.current_stream_wait()
-            return Arrival((y,))
-
-        return InFlight(finish)
+        return after_event(event, Arrival((y,)))
 
     def start_backward(self, grads: Sequence[Tensor], meta: Any) -> InFlight[tuple[Tensor, ...]]:
         (grad,) = grads
@@ -281,11 +273,7 @@ class ElasticCombineExchange(TokenExchange):
                                                    num_sms=self.call.num_sms, async_with_compute_stream=True,
                                                    do_expand=True, do_zero_padding=True)
 
-        def finish() -> tuple[Tensor, ...]:
-            event.current_stream_wait()
-            return (out,)
-
-        return InFlight(finish)
+        return after_event(event, (out,))
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ the same objects, so the overlapped step moves the same bytes with the same coll
 Neither records autograd. Asynchrony: torch.distributed collectives are launched with ``async_op=True``;
 ``wait()`` is ``Work.wait()``: on NCCL the communication runs on ProcessGroupNCCL's own stream and
 ``wait()`` makes the current (compute) stream wait on its CUDA event (no host wait); on gloo it runs on
-gloo's threads and ``wait()`` blocks the caller until it is done. DeepEP's exchanges (``dispatch.deepep``)
-run on DeepEP's communication stream and wait on its event.
+gloo's threads and ``wait()`` blocks the caller until it is done. DeepEP's exchanges (``dispatch.deepep``,
+``dispatch.deepep_elastic``) run on DeepEP's communication stream and wait on its event (``after_event``).
 
 ``AllToAllExchange``: the alltoall dispatcher's uneven all-to-all over ep (one collective, or one per
 local expert when chunked), optionally FP8 (rows leave as e4m3 with their scales, arrive dequantised;
@@ -54,6 +54,17 @@ class InFlight(Generic[T]):
         if self._finish is not None:
             self._result, self._finish = self._finish(), None
         return self._result  # type: ignore[return-value]
+
+
+def after_event(event: Any, result: T) -> InFlight[T]:
+    """``result`` in flight until the compute stream waits on ``event`` (DeepEP's ``EventOverlap``, recorded on its
+    communication stream after the kernel that writes ``result``'s tensors): ``wait()`` makes the current stream
+    wait on it, no host wait, and returns ``result``."""
+    def finish() -> T:
+        event.current_stream_wait()
+        return result
+
+    return InFlight(finish)
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ class ModelOptions:
     moe_deepep_cpu_sync: DeepEP V2: the host waits for the received counts (exact buffers) or not (None: on when
                        the expert GEMMs take host counts anyway)
     moe_deepep_max_tokens_per_rank: DeepEP V2's ``num_max_tokens_per_rank`` (0: the run's micro-batch x
-                       sequence / (tp x cp), filled in by ``training.trainer.model_options``)
+                       sequence / (tp x cp), filled in by ``training.build.model_options``)
     offload_modules:   fine-grained activation offloading (--fine-grained-activation-offloading --offload-modules):
                        the modules whose saved tensors wait in host memory (``dense.activation_offload``); () = off
     min_offloaded_tensor_size: saved tensors with fewer elements stay on the device (--min-offloaded-tensor-size)

@@ -131,3 +131,14 @@ def mark_sequence_parallel(param: Tensor) -> Tensor:
 
 def is_sequence_parallel(param: Tensor) -> bool:
     return getattr(param, "moefold_sequence_parallel", False)
+
+
+def named_full_params(model: nn.Module) -> dict[str, Tensor]:
+    """Every parameter gathered to full shape (fp32 copies: later steps do not change them). Collective over
+    each shard's group."""
+    from torch.distributed.tensor import DTensor
+
+    def local(p: Tensor) -> Tensor:   # an FSDP2 shard: gathered over its mesh first
+        return p.full_tensor() if isinstance(p, DTensor) else p
+
+    return {n: gather_full(local(p), shards_of(p)).to(torch.float32, copy=True) for n, p in model.named_parameters()}

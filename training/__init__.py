@@ -2,6 +2,7 @@
 
     config.py    RunConfig / TrainConfig (typed, validated where each field is defined)
     trainer.py   Trainer: micro-batches, gradient accumulation, the step, checkpoints, metrics
+    build.py     the run's model options, this rank's model, its gradient sync and optimizer (trainer and plan)
     run.py       train(config): data, evaluation, reports around the trainer on every rank
     evaluate.py  validation passes; compile.py: torch.compile of the model's blocks; errors.py: one-line errors
     optim/       the distributed optimizer: flat buffers, grad reduce-scatter, param all-gather, AdamW, lr
@@ -14,7 +15,7 @@
     cli/         the ``moefold`` command and the subcommands that need the trainer or its checkpoints
 
 The parts import downwards only (``[tool.importlinter]`` in pyproject.toml: plan, gpu > cli > run > trainer >
-evaluate > launch > checkpoint > config, compile > observe, data > optim, errors).
+evaluate, build > launch > checkpoint > config, compile > observe, data > optim, errors).
 
 The public names below load on first use: ``moefold <subcommand>`` imports ``moefold.training.cli`` (hence
 this package) and should not pay for the model, pipeline and DCP imports of the trainer.
@@ -26,6 +27,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from moefold.parallel.sharding import named_full_params
     from moefold.training.checkpoint import (
         CheckpointError,
         CheckpointSaveError,
@@ -50,12 +52,13 @@ if TYPE_CHECKING:
         reduction_kind,
     )
     from moefold.training.run import train
-    from moefold.training.trainer import NonFiniteError, StepResult, Trainer, named_full_params
+    from moefold.training.trainer import NonFiniteError, StepResult, Trainer
 
 # name -> the module that defines it
 _LAZY = {
     **dict.fromkeys(["RunConfig", "TrainConfig"], "moefold.training.config"),
-    **dict.fromkeys(["Trainer", "StepResult", "NonFiniteError", "named_full_params"], "moefold.training.trainer"),
+    **dict.fromkeys(["Trainer", "StepResult", "NonFiniteError"], "moefold.training.trainer"),
+    "named_full_params": "moefold.parallel.sharding",
     "train": "moefold.training.run",
     **dict.fromkeys(["evaluate", "Evaluator", "EvalResult"], "moefold.training.evaluate"),
     "JobFailed": "moefold.training.errors",

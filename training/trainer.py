@@ -21,7 +21,6 @@ loads (expert-bias update and load metrics).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -31,33 +30,36 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from moefold.dense.context_parallel import split_for_context_parallel
-from moefold.dense.grad_accumulation import enable_grad_accumulation_fusion
 from moefold.dense.split_backward import WeightGradStore, install_weight_grad_store
-from moefold.models.decoder import MoEDecoder
 from moefold.models.layer_factory import is_moe_block
-from moefold.models.options import ModelOptions
 from moefold.moe.expert_bias import update_expert_bias
 from moefold.moe.layer import MoEOutputInfo
-from moefold.moe.router import Router
 from moefold.parallel.dims import ParallelDims
-from moefold.parallel.groups import Group
-from moefold.pipeline import build_schedule, run_schedule, simulate
-from moefold.pipeline.decoder_stage import DecoderStage, build_stage_model, shared_weight_groups
+from moefold.pipeline import run_schedule
+from moefold.pipeline.decoder_stage import DecoderStage
 from moefold.pipeline.overlap import OverlapConfig
-from moefold.pipeline.stages import chunk_costs
-from moefold.training.checkpoint.files import CheckpointSaveError, checkpoint_dirs, is_checkpoint_dir
+from moefold.training.build import (
+    build_model,
+    build_optimizer,
+    build_pipeline,
+    flex_backend,
+    load_initial_weights,
+    model_options,
+    moe_routers,
+)
+from moefold.training.checkpoint.files import CheckpointSaveError
 from moefold.training.checkpoint.resume import check_resume
 from moefold.training.checkpoint.save import AsyncCheckpointer, save_checkpoint
 from moefold.training.checkpoint.sharded import find_checkpoint, load_checkpoint, load_pieces, read_meta, saved_keys
 from moefold.training.config import RunConfig
-from moefold.training.launch.signals import Stop, StopRequest, signal_name
+from moefold.training.data.sampler import batch_to_device
+from moefold.training.launch.signals import STOP_FLAGS, Stop, StopRequest, agreed_stop, write_stop_flags
+from moefold.training.observe.expert_counts import ROUTER_SUMS, add_expert_counts, add_micro_loads, per_step_router
 from moefold.training.observe.imbalance import LoadRatioWatch, micro_batch_load_ratio
-from moefold.training.observe.metrics import ROUTER_SUMS, per_step_router, router_layer_metrics, router_sums
-from moefold.training.optim.grad_sync import GradSync
-from moefold.training.optim.optimizer import DistributedAdamW
+from moefold.training.observe.log_window import LogWindow
 
 if TYPE_CHECKING:
     from moefold.training.data.sampler import Samples
@@ -78,7 +80,7 @@ class StepResult:
     tokens_per_expert: float64 [moe layers, E] selections of the step over all ranks (None without MoE)
     dropped: float64 [moe layers] dropped copies over all ranks
     router: float64 [moe layers, ROUTER_SUMS] per-layer router losses (means over the step's micro-batches and dp)
-            and entropy / token sums over all ranks (``training.observe.metrics.router_layer_metrics``; None
+            and entropy / token sums over all ranks (``training.observe.expert_counts.router_layer_metrics``; None
             without MoE)
     max_load_ratio: the worst micro-batch's max/mean expert load over its dispatch group (with
             ``--moe-max-load-ratio``, ``training.observe.imbalance``; else None)
@@ -116,104 +118,6 @@ class FitSummary:
     checkpoint: Path | None
 
 
-def moe_routers(model: MoEDecoder) -> dict[int, Router]:
-    """{global layer index: router} of this stage's MoE layers (MTP depth k: num_layers + k - 1)."""
-    out: dict[int, Router] = {}
-    blocks = [(int(i), b) for i, b in model.layers.items()] + [(m.index, m.block) for m in model.mtp]
-    for i, block in blocks:
-        for mod in block.modules():
-            if isinstance(mod, Router):
-                out[i] = mod
-    return out
-
-
-def model_options(config: RunConfig) -> ModelOptions:
-    """The run's ``ModelOptions`` (``--bf16`` / ``--fp16`` make the parameters bf16 / fp16; the flex dispatcher's
-    ``moe_deepep_max_tokens_per_rank`` is the tokens one rank routes per MoE call: micro-batch x sequence /
-    (tp x cp), every rank the same)."""
-    options = config.options
-    dtype = "bf16" if config.train.bf16 else "fp16" if config.train.fp16 else options.dtype
-    if options.dtype != dtype:
-        options = dataclasses.replace(options, dtype=dtype)
-    if not options.moe_deepep_max_tokens_per_rank:
-        t, p = config.train, config.parallel
-        options = dataclasses.replace(options, moe_deepep_max_tokens_per_rank=max(
-            1, t.micro_batch_size * t.seq_length // (p.tp * p.cp)))
-    return options
-
-
-def flex_backend(config: RunConfig, dims: ParallelDims) -> str | None:
-    """The flex dispatcher's backend this run's MoE layers use (``dispatch.flex_backend``), None without flex."""
-    options = config.options
-    if not config.model.num_experts or options.resolved_dispatcher(dims.ep, dims.etp) != "flex":
-        return None
-    from moefold.dispatch.flex_backend import resolve_flex_backend
-
-    return resolve_flex_backend(options.moe_flex_dispatcher_backend)
-
-
-def batch_to_device(batch: Tensor, device: torch.device) -> Tensor:
-    """A host batch on ``device`` without making the host wait: on CUDA it is copied into pinned (page-locked)
-    memory first and sent with ``non_blocking=True`` (a copy from pageable memory blocks the host until it is
-    done); torch's caching host allocator keeps the pinned block until the copy has run. A no-op on its device."""
-    if batch.device == device:
-        return batch
-    if device.type == "cuda" and batch.device.type == "cpu" and not batch.is_pinned():
-        batch = batch.pin_memory()
-    return batch.to(device, non_blocking=True)
-
-
-def build_model(config: RunConfig, dims: ParallelDims, device: torch.device | str) -> MoEDecoder:
-    """This rank's model (its pipeline stage's chunks at pp > 1) on ``device``, not yet initialised. The trainer
-    and ``moefold plan`` (on the meta device) both build it here."""
-    options = model_options(config)
-    with torch.device(device):
-        if dims.pp > 1:
-            return build_stage_model(config.model, dims, options, config.pipeline_layout(dims.pp))
-        return MoEDecoder(config.model, dims, options)
-
-
-def build_optimizer(model: MoEDecoder, config: RunConfig, dims: ParallelDims,
-                    ) -> tuple[Group, GradSync, DistributedAdamW]:
-    """(embedding group, GradSync, DistributedAdamW) of ``model``: the flat buffers, buckets and optimizer slices
-    whose bytes ``training.observe.memory.static_bytes`` counts. Collective (the embedding group); ``moefold plan``
-    runs it on a meta-device model."""
-    t = config.train
-    layout = config.pipeline_layout(dims.pp) if dims.pp > 1 else None
-    shared = shared_weight_groups(model, dims, layout)
-    if t.use_torch_fsdp2:   # FSDP2 shards parameters, gradients and states instead (training.optim.fsdp)
-        from moefold.training.optim.fsdp import build_fsdp
-
-        if "output_head" in shared:
-            raise ValueError(f"--use-torch-fsdp2 with --pipeline-model-parallel-layout "
-                             f"{t.pipeline_model_parallel_layout!r}: FSDP2 sums only the embedding's pipeline copies, "
-                             f"not an untied output head's on a standalone MTP stage; put m and L on one stage")
-        return shared.get("embed_tokens"), *build_fsdp(model, config, dims, shared.get("embed_tokens"))
-    precision = t.optimizer_precision()
-    # a module that two chunks of this rank read, each backpropagated on its own (the V placement's rank 0 with
-    # MTP or a tied head, a layout's MTP chunk on the embedding's rank), accumulates one gradient per chunk
-    # split backward defers weight gradients to W actions that accumulate autograd's way: no fusion there
-    fusion = t.gradient_accumulation_fusion and not config.split_backward(dims.pp)
-    reports = {}
-    if layout is not None and layout.vpp > 1:
-        readers = {"embed_tokens": layout.embedding_chunks(config.model.tie_word_embeddings),
-                   "output_head": layout.output_head_chunks()}
-        for name, chunks in readers.items():
-            mine = sum(c.pp_rank == dims.pp_rank for c in chunks)
-            module = getattr(model, name)
-            if mine > 1 and module is not None:
-                reports.update({f"{name}.{n}": mine for n, _ in module.named_parameters()})
-    sync = GradSync(model.named_parameters(), dims, bucket_numel=t.bucket_numel, overlap=t.overlap_grad_reduce,
-                    grad_dtype=precision.dtype("main_grads"), copies_groups=shared, reports=reports,
-                    fusion=fusion)
-    enable_grad_accumulation_fusion(model, fusion)
-    optimizer = DistributedAdamW(sync, dims, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                                 weight_decay=t.weight_decay, precision=precision, model=model,
-                                 overlap_param_gather=t.overlap_param_gather,
-                                 cpu_offload_fraction=t.optimizer_offload_fraction if t.optimizer_cpu_offload else None)
-    return shared.get("embed_tokens"), sync, optimizer
-
-
 class Trainer:
     """Builds the model, gradient sync and optimizer for ``config`` over ``dims`` and runs steps.
 
@@ -229,24 +133,9 @@ class Trainer:
         t = config.train
         self.param_dtype = model_options(config).dtype
         torch.manual_seed(t.seed)
-        self.layout = self.pipeline = None
         self.embed_group = None
         overlap = t.overlap_moe_expert_parallel_comm
-        if dims.pp > 1:
-            self.layout = config.pipeline_layout(dims.pp)
-            vpp = self.layout.vpp
-            self.pipeline = build_schedule(config.schedule_name(vpp), dims.pp, self.num_micro, vpp, overlap=overlap,
-                                           chunk_costs=chunk_costs(self.layout))
-            bubble = simulate(self.pipeline).bubble_fraction
-            self.log(f"pipeline: {self.pipeline.name}{' (FB pairs overlapped)' if overlap else ''} schedule, pp "
-                     f"{dims.pp} x vpp {vpp} ({self.layout.placement.value}), {self.num_micro} micro-batches per step "
-                     f"(bubble {bubble:.1%} with stage times by layer count, backward = 2 x forward)\n"
-                     f"--pipeline-model-parallel-layout {self.layout.text!r}:\n{self.layout.describe()}")
-        elif overlap:   # pp = 1: Megatron's combined 1F1B without pipelining, F0, FB(1, 0), ..., B(m-1)
-            self.layout = config.pipeline_layout(1)
-            self.pipeline = build_schedule("1f1b", 1, self.num_micro, overlap=True)
-            self.log(f"batch-level overlap: {self.num_micro} micro-batches as F0, FB(1, 0), ..., "
-                     f"B({self.num_micro - 1})")
+        self.layout, self.pipeline = build_pipeline(config, dims, self.num_micro, self.log)
         self.model = build_model(config, dims, self.device)
         self.model.init_weights(t.seed)
         # split backward (zero-bubble schedules, --delay-wgrad-compute): the GEMMs that can defer weight gradients
@@ -255,16 +144,7 @@ class Trainer:
             self.weight_store = WeightGradStore()
             install_weight_grad_store(self.model, self.weight_store)
         self.overlap = OverlapConfig(t.delay_wgrad_compute, self.weight_store) if overlap else None
-        # a resume overwrites the HF weights (whether the checkpoints are intact is Trainer.load's to find out)
-        resuming = t.load is not None and (is_checkpoint_dir(Path(t.load)) or bool(checkpoint_dirs(t.load)))
-        if t.load_hf and not resuming:
-            from moefold.models.pretrained import load_pretrained_weights
-
-            load_pretrained_weights(self.model, t.load_hf, upcycle=t.moe_use_upcycling)  # this rank's slices
-        if t.load_megatron and not resuming:
-            from moefold.models.megatron import load_megatron_weights
-
-            load_megatron_weights(self.model, t.load_megatron)   # this rank's slices of the torch_dist tensors
+        load_initial_weights(self.model, t)   # --load-hf / --load-megatron, unless resuming
         if t.compile:  # in place, after init: parameter names and checkpoints are unchanged
             from moefold.training.compile import compile_model
 
@@ -319,7 +199,7 @@ class Trainer:
             logged += torch.stack([out.lm_loss.detach().to(zero) / tpcp, out.aux_loss.detach().to(zero),
                                    out.mtp_loss.detach().to(zero) / tpcp if out.mtp_loss is not None else zero,
                                    (~torch.isfinite(loss.detach())).to(zero)]).to(logged.dtype)
-            self._add_loads(loads, out.moe.items(), E)
+            add_expert_counts(loads, out.moe.items(), self.moe_layers, E, self.config.model.moe_topk)
 
     def _pipeline_forward_backward(self, microbatches: list[Tensor], loads: Tensor, logged: Tensor) -> None:
         """pp > 1 (or the batch-level overlap at pp = 1): the pipeline schedule over this rank's chunks (same outputs
@@ -352,29 +232,15 @@ class Trainer:
         nonfinite = total((~torch.isfinite(v)).to(zero) for v in checked)
         logged += torch.stack([total(stage.lm_losses.values()) / tpcp, zero if aux is None else aux.to(zero),
                                total(stage.mtp_losses.values()) / tpcp, nonfinite])
-        self._add_loads(loads, ((layer, info) for (_, layer), info in stage.moe_infos.items()),
-                        self.config.model.num_experts)
+        add_expert_counts(loads, ((layer, info) for (_, layer), info in stage.moe_infos.items()), self.moe_layers,
+                          self.config.model.num_experts, self.config.model.moe_topk)
         for (m, layer), info in stage.moe_infos.items():
             self._record_micro_loads(m, [(layer, info)])
 
     def _record_micro_loads(self, micro: int, infos: Iterable[tuple[int, MoEOutputInfo]]) -> None:
         """Micro-batch ``micro``'s routed copies per layer and expert, for the imbalance watch (when it is on)."""
-        if self._micro_loads is None:
-            return
-        for i, info in infos:
-            self._micro_loads[micro, self.moe_layers.index(i)] += info.load_E.detach().to(self._micro_loads)
-
-    def _add_loads(self, loads: Tensor, infos: Iterable[tuple[int, MoEOutputInfo]], E: int) -> None:
-        """Adds (layer, info) pairs' selections, dropped copies and router sums to their rows of ``loads``."""
-        for i, info in infos:
-            j = self.moe_layers.index(i)
-            load = info.load_E.detach().to(loads)
-            loads[j, :E] += load
-            if info.stats is not None:
-                loads[j, E] += info.stats.dropped_fraction.to(loads) * load.sum()
-            loads[j, E + 1:E + 1 + ROUTER_SUMS] += router_sums(info, self.config.model.moe_topk).to(loads)
-            if info.received_E is not None:
-                loads[j, E + 1 + ROUTER_SUMS:] += info.received_E.to(loads)
+        if self._micro_loads is not None:
+            add_micro_loads(self._micro_loads[micro], infos, self.moe_layers)
 
     @property
     def _scale(self) -> float:
@@ -392,21 +258,15 @@ class Trainer:
         # float64 sums of counts stay exact; per layer: selections [E], dropped, router sums, received copies [E]
         # (all zero unless counted)
         loads = torch.zeros(n_moe, E + 1 + ROUTER_SUMS + E, dtype=torch.float64, device=self.device)
-        # lm, aux, mtp, non-finite count; then the stop flags: ranks told to stop by a signal, the sum of their
-        # signal numbers, ranks past --exit-duration-in-mins (training.launch.signals: no collective of their own)
-        logged = torch.zeros(4 + 3, dtype=torch.float64, device=self.device)
+        # lm, aux, mtp, non-finite count; then the stop flags (training.launch.signals: no collective of their own)
+        logged = torch.zeros(4 + STOP_FLAGS, dtype=torch.float64, device=self.device)
         if self.load_watch is not None:
             self._micro_loads = torch.zeros(self.num_micro, n_moe, E, dtype=torch.float64, device=self.device)
         if self.pipeline is None:
             self._forward_backward(microbatches, loads, logged[:4])
         else:
             self._pipeline_forward_backward(microbatches, loads, logged[:4])
-        signum = self.stop_request.received if self.stop_request is not None else 0
-        if signum:   # written only when set: a device fill, no host synchronisation
-            logged[4].fill_(1)
-            logged[5].fill_(signum)
-        if self.deadline is not None and time.monotonic() > self.deadline:
-            logged[6].fill_(1)
+        write_stop_flags(logged[4:], self.stop_request, self.deadline)
         self.overlapped_buckets = self.sync.launched_early
         self.sync.finish()   # (the embedding's two pipeline copies get the summed gradient there)
         if dims.world_size > 1:
@@ -469,19 +329,7 @@ class Trainer:
                           if n_moe else None,
                           received_per_expert=loads[:, E + 1 + ROUTER_SUMS:] if n_moe and self.counts_received
                           else None,
-                          max_load_ratio=load_ratio, stop=self._stop(*logged[4:7]))
-
-    def _stop(self, signalled: float, signums: float, late: float) -> Stop | None:
-        """Why the ranks stop after the step just completed (the all-reduced flags), or None."""
-        t = self.config.train
-        if signalled:
-            signum = int(signums) // int(signalled) if int(signums) % int(signalled) == 0 else 0
-            return Stop(signal_name(signum) if signum else "a signal", signum or 15)
-        if late:
-            return Stop(f"--exit-duration-in-mins {t.exit_duration_in_mins:g}")
-        if t.exit_interval and self.iteration % t.exit_interval == 0 and self.iteration < t.train_iters:
-            return Stop(f"--exit-interval {t.exit_interval}")
-        return None
+                          max_load_ratio=load_ratio, stop=agreed_stop(logged[4:], self.iteration, t))
 
     # ------------------------------------------------------------------------------- checkpoints
     def _meta(self) -> dict:
@@ -563,9 +411,7 @@ class Trainer:
         batches = self.microbatch_iter(dataset)
         first = r = stop = None
         steps = 0
-        acc_tokens, acc_loads, acc_dropped, routed, acc_router, acc_steps = 0, None, None, None, None, 0
-        acc_ratio = None   # the worst micro-batch's expert load max/mean since the last record (imbalance watch)
-        acc_received = None
+        window = LogWindow(self.config.model, self.moe_layers, t.moe_max_load_ratio)   # summed between records
         while self.iteration < last:
             r = self.train_step([next(batches) for _ in range(self.num_micro)])
             steps += 1
@@ -573,36 +419,13 @@ class Trainer:
             stop = r.stop
             if on_step is not None:
                 on_step(r)
-            acc_tokens += r.tokens
-            if r.max_load_ratio is not None:
-                acc_ratio = max(acc_ratio or 0.0, r.max_load_ratio)
-            if r.tokens_per_expert is not None:
-                acc_loads = r.tokens_per_expert if acc_loads is None else acc_loads + r.tokens_per_expert
-                acc_dropped = r.dropped if acc_dropped is None else acc_dropped + r.dropped
-                acc_router, acc_steps = r.router if acc_router is None else acc_router + r.router, acc_steps + 1
-            if r.received_per_expert is not None:
-                acc_received = r.received_per_expert if acc_received is None else acc_received + r.received_per_expert
+            window.add(r)
             if logger is not None:
                 logger.advance()
                 if r.step % t.log_interval == 0 or r.step == last or stop is not None:
-                    if acc_loads is not None:
-                        routed = acc_loads.sum(dim=1).clamp(min=1)
-                    # loss_mtp weighted as in the objective, so the logged "loss" is what is minimised
-                    mtp = None if r.loss_mtp is None else r.loss_mtp * self.config.model.mtp_loss_scaling_factor
-                    logger.log(r.step, loss_lm=r.loss_lm, loss_aux=r.loss_aux if self.moe_layers else None,
-                               loss_mtp=mtp, extra={"loss_mtp_unweighted": r.loss_mtp} if mtp is not None else None,
-                               grad_norm=r.grad_norm, lr=r.lr, tokens=acc_tokens,
-                               tokens_per_expert=acc_loads.round().long().tolist() if acc_loads is not None else None,
-                               dropped_fraction=(acc_dropped / routed).tolist() if acc_loads is not None else None,
-                               moe_layers=self.moe_layers if acc_loads is not None else None, skipped=r.skipped,
-                               router=router_layer_metrics(acc_router, acc_steps, self.config.model)
-                               if acc_router is not None else None,
-                               received_per_expert=acc_received.round().long().tolist()
-                               if acc_received is not None else None,
-                               load_ratio=None if acc_ratio is None else (acc_ratio, t.moe_max_load_ratio))
+                    window.log(logger, r)
             if r.step % t.log_interval == 0 or stop is not None:
-                acc_tokens, acc_loads, acc_dropped, acc_router, acc_steps, acc_received = 0, None, None, None, 0, None
-                acc_ratio = None
+                window.clear()
             if stop is not None:
                 break
             if evaluator is not None and evaluator.due(r.step, last):
@@ -620,16 +443,3 @@ class Trainer:
         checkpoint = self.save(t.save) if t.save else None
         self.optimizer.finish_param_sync()
         return FitSummary(steps=steps, first=first, last=r, stop=stop, checkpoint=checkpoint)
-
-
-def named_full_params(model: nn.Module) -> dict[str, Tensor]:
-    """Every parameter gathered to full shape (fp32 copies: later steps do not change them). Collective over
-    each shard's group."""
-    from torch.distributed.tensor import DTensor
-
-    from moefold.parallel.sharding import gather_full, shards_of
-
-    def local(p: Tensor) -> Tensor:   # an FSDP2 shard: gathered over its mesh first
-        return p.full_tensor() if isinstance(p, DTensor) else p
-
-    return {n: gather_full(local(p), shards_of(p)).to(torch.float32, copy=True) for n, p in model.named_parameters()}

@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 from moefold.parallel.dims import ParallelConfig, ParallelDims
+from moefold.parallel.sharding import named_full_params
 from moefold.training.optim.loss_scaler import LossScaler
-from moefold.training.trainer import Trainer, named_full_params
+from moefold.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.training.test_trainer_layouts import observe
 from tests.training.trainer_common import run, tiny_config, tiny_data

@@ -22,9 +22,10 @@ import torch
 from moefold.models.options import ModelOptions
 from moefold.parallel.dims import ParallelDims
 from moefold.parallel.fp8 import FP8Config
+from moefold.parallel.sharding import named_full_params
 from moefold.training.observe.fp8_report import fp8_tag
 from moefold.training.observe.metrics import read_metrics
-from moefold.training.trainer import Trainer, named_full_params
+from moefold.training.trainer import Trainer
 from tests.training.trainer_common import fit_results, run, tiny_config, tiny_data
 
 STEPS, BAND, LAST10 = 100, 0.15, 0.10

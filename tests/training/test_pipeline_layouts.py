@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from moefold.parallel.dims import ParallelConfig, ParallelDims
-from moefold.training.trainer import named_full_params
+from moefold.parallel.sharding import named_full_params
 from tests.distributed import run_distributed
 from tests.training.test_trainer_layouts import NORM_RTOL, TOL, observe
 from tests.training.trainer_common import run, tiny_config

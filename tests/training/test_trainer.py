@@ -102,8 +102,9 @@ def test_batches_reach_the_device_without_blocking_the_host(monkeypatch):
     from pageable memory blocks the host whatever ``non_blocking`` says)."""
     from types import SimpleNamespace
 
+    from moefold.training.data.sampler import batch_to_device
     from moefold.training.observe.host_sync import HostSyncCounter
-    from moefold.training.trainer import Trainer, batch_to_device
+    from moefold.training.trainer import Trainer
 
     batch = torch.arange(2 * 9).reshape(2, 9)
     fake = SimpleNamespace(device=torch.device("meta"), dims=SimpleNamespace(cp=1))

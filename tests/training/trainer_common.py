@@ -8,10 +8,10 @@ import torch
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import get_recipe
 from moefold.parallel.dims import ParallelConfig, ParallelDims
-from moefold.parallel.sharding import gather_full, shards_of
+from moefold.parallel.sharding import gather_full, named_full_params, shards_of
 from moefold.training.config import RunConfig, TrainConfig
 from moefold.training.observe.metrics import MetricsLogger
-from moefold.training.trainer import Trainer, named_full_params
+from moefold.training.trainer import Trainer
 
 SEQ = 32
 RECIPE = "deepseek_v3_tiny"   # MLA, MTP, expert bias, shared experts, seq aux loss: the most features

@@ -5,14 +5,19 @@ takes samples ``[c + k*m*D, c + (k+1)*m*D)`` (``m`` micro-batch size, ``D`` dp s
 gets the slice ``[c + k*m*D + r*m, c + k*m*D + (r+1)*m)``. A global batch of ``G`` samples is
 therefore the same set of samples at every dp size, and the position is one number,
 ``consumed_samples``, which a checkpoint stores and a resumed run (at any layout) continues from.
+``batch_to_device`` sends a micro-batch to the rank's device without a host wait.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:   # torch is imported where a batch is made (the data layer loads without it)
+    import torch
+    from torch import Tensor
 
 
 class Samples(Protocol):
@@ -104,3 +109,14 @@ class MicroBatchLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state)
+
+
+def batch_to_device(batch: Tensor, device: torch.device) -> Tensor:
+    """A host batch on ``device`` without making the host wait: on CUDA it is copied into pinned (page-locked)
+    memory first and sent with ``non_blocking=True`` (a copy from pageable memory blocks the host until it is
+    done); torch's caching host allocator keeps the pinned block until the copy has run. A no-op on its device."""
+    if batch.device == device:
+        return batch
+    if device.type == "cuda" and batch.device.type == "cpu" and not batch.is_pinned():
+        batch = batch.pin_memory()
+    return batch.to(device, non_blocking=True)

@@ -3,6 +3,7 @@ lent GPU machine (the torch API, host syncs, a proxy training run, the MoE-layer
 --compile; then installs from carried wheels), one Markdown report.
 
 Holds: check (the steps and the report), steps (running one bounded step), bench (the measurements),
-install (carried wheels and what they make importable), torch_api (moefold's torch use against a release).
+install (carried wheels and what they make importable), torch_uses (the torch names moefold uses), torch_api (those
+checked against a release).
 May import: everything below training.cli (it runs the trainer); nothing imports it.
 """

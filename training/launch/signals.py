@@ -21,9 +21,20 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import FrameType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from moefold.training.config import TrainConfig
+
+# the step's stop flags, summed by its all-reduce of the logged losses: ranks told to stop by a signal, the sum of
+# their signal numbers, ranks past --exit-duration-in-mins
+STOP_FLAGS = 3
 
 
 def signal_numbers(names: Sequence[str]) -> tuple[int, ...]:
@@ -76,6 +87,33 @@ class Stop:
     @property
     def exit_code(self) -> int:
         return 128 + self.signum if self.signum else 0
+
+
+def write_stop_flags(flags: Tensor, request: StopRequest | None, deadline: float | None) -> None:
+    """This rank's stop flags into ``flags`` [STOP_FLAGS] (zeros, the step's all-reduced values): 1 and the signal
+    number when ``request`` has received one, 1 past ``deadline`` (``time.monotonic``). Written only when set: a
+    device fill, no host synchronisation."""
+    signum = request.received if request is not None else 0
+    if signum:
+        flags[0].fill_(1)
+        flags[1].fill_(signum)
+    if deadline is not None and time.monotonic() > deadline:
+        flags[2].fill_(1)
+
+
+def agreed_stop(flags: Sequence[float], iteration: int, train: TrainConfig) -> Stop | None:
+    """Why the ranks stop after step ``iteration`` (just completed), from the all-reduced ``flags`` [STOP_FLAGS]
+    every rank holds (so every rank decides the same), or None. Ranks signalled with different signals stop as
+    with SIGTERM."""
+    signalled, signums, late = flags[:STOP_FLAGS]
+    if signalled:
+        signum = int(signums) // int(signalled) if int(signums) % int(signalled) == 0 else 0
+        return Stop(signal_name(signum) if signum else "a signal", signum or 15)
+    if late:
+        return Stop(f"--exit-duration-in-mins {train.exit_duration_in_mins:g}")
+    if train.exit_interval and iteration % train.exit_interval == 0 and iteration < train.train_iters:
+        return Stop(f"--exit-interval {train.exit_interval}")
+    return None
 
 
 def stop_line(stop: Stop, step: int, checkpoint: str | None, save: str | None) -> str:

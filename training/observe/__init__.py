@@ -2,7 +2,9 @@
 (static bytes, peaks), FLOPs, host syncs, routing imbalance against the plan, the load-balance report and the FP8
 summary.
 
-Holds: metrics, hardware, memory, flops, host_sync, imbalance, balance_report, fp8_report.
+Holds: metrics (the logger and metrics.jsonl), metric_lines (the printed lines), expert_counts (the per-MoE-layer
+counts a step sums), log_window (the steps between two records), hardware, memory, flops, host_sync, imbalance,
+balance_report, fp8_report.
 May import: moefold.models, moefold.moe, moefold.dense, moefold.parallel; training.optim (precision).
 """
 

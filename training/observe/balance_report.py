@@ -26,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moefold.training.observe.metrics import METRICS_FILE, layer_label, read_metrics
+from moefold.training.observe.metric_lines import layer_label
+from moefold.training.observe.metrics import METRICS_FILE, read_metrics
 
 LAYERS_PER_PAGE = 16
 

@@ -61,51 +61,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from moefold.training.observe.metric_lines import format_line, format_validation_line, layer_tag
+
 SCHEMA = 1
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
-# per MoE layer, what a training step sums over ranks besides the expert loads: the router losses' shares,
-# the summed router entropy of the tokens and their number (training.trainer fills, router_layer_metrics reads)
-ROUTER_LOSSES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "z_loss")
-ROUTER_SUMS = len(ROUTER_LOSSES) + 2
-
-
-def router_sums(info: Any, topk: int) -> Any:
-    """This rank's ``[ROUTER_SUMS]`` contribution of one MoE layer call (an ``MoEOutputInfo``): its loss
-    shares (they add up over tp x cp to the micro-batch value), its tokens' summed entropy and its tokens."""
-    import torch
-
-    load = info.load_E.detach().float()
-    tokens = load.sum() / topk   # every token selects exactly topk experts (before capacity)
-    zero = torch.zeros((), device=load.device)
-    entropy = info.stats.entropy.detach().float() * tokens if info.stats is not None else zero
-    losses = [info.losses[n].detach().float().reshape(()) if n in info.losses else zero for n in ROUTER_LOSSES]
-    return torch.stack([*losses, entropy, tokens])
-
-
-def per_step_router(sums: Any, micro_batches: int) -> Any:
-    """Summed ``[layers, ROUTER_SUMS]`` of one step over all ranks -> losses as means over the step's
-    ``micro_batches`` (num_micro x dp); entropy and token sums unchanged."""
-    out = sums.clone()
-    out[:, :len(ROUTER_LOSSES)] /= micro_batches
-    return out
-
-
-def router_layer_metrics(acc: Any, steps: int, model_config: Any) -> dict[str, list[float | None]]:
-    """Per-layer means over ``steps`` accumulated ``per_step_router`` rows: every router loss ``model_config``
-    enables and the mean token entropy."""
-    from moefold.models.layer_factory import router_config
-    from moefold.models.options import ModelOptions
-
-    router = router_config(model_config, ModelOptions())
-    enabled = set(router.loss_coeffs()) | ({"z_loss"} if router.z_loss_coeff else set())
-    out: dict[str, list[float | None]] = {}
-    for k, name in enumerate(ROUTER_LOSSES):
-        if name in enabled:
-            out[name] = [float(v) / max(steps, 1) for v in acc[:, k].tolist()]
-    entropy, tokens = acc[:, len(ROUTER_LOSSES)].tolist(), acc[:, len(ROUTER_LOSSES) + 1].tolist()
-    out["entropy"] = [e / n if n > 0 else None for e, n in zip(entropy, tokens)]
-    return out
 
 
 def _finite(x: float | None) -> float | None:
@@ -185,73 +145,6 @@ def drop_steps_after(path: str | os.PathLike, step: int) -> int:
         tmp.write_text("".join(kept))
         os.replace(tmp, path)
     return dropped
-
-
-FLOPS_UNITS = (("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9), ("MFLOP/s", 1e6), ("FLOP/s", 1.0))
-
-
-def format_flops(flops_per_s: float) -> str:
-    """FLOP/s in the unit that shows three significant digits: ``12.3 GFLOP/s`` for a tiny model on a CPU,
-    ``412 TFLOP/s`` for a GPU (a fixed TFLOP/s printed 0.00 for the tiny recipes)."""
-    unit, scale = next(((u, s) for u, s in FLOPS_UNITS if abs(flops_per_s) >= s), FLOPS_UNITS[-1])
-    value = flops_per_s / scale
-    return f"{value:.{2 if abs(value) < 10 else 1 if abs(value) < 100 else 0}f} {unit}"
-
-
-def layer_label(layer: int, num_layers: int | None = None) -> str:
-    """``layer 3``, or ``MTP 1`` for the first multi-token-prediction block (numbered after the ``num_layers``
-    decoder layers)."""
-    return f"MTP {layer - num_layers + 1}" if num_layers is not None and layer >= num_layers else f"layer {layer}"
-
-
-def layer_tag(layer: int, num_layers: int | None = None) -> str:
-    """The TensorBoard name of a MoE layer: ``layer03``, ``mtp1``."""
-    return f"mtp{layer - num_layers + 1}" if num_layers is not None and layer >= num_layers else f"layer{layer:02d}"
-
-
-def format_line(rec: Mapping[str, Any], total_steps: int | None = None, num_layers: int | None = None) -> str:
-    """The one printed line of a step record (``num_layers``: the decoder's, to name the MTP blocks)."""
-    def num(x: float | None, fmt: str) -> str:
-        return "n/a" if x is None else format(x, fmt)
-
-    step = f"{rec['step']}/{total_steps}" if total_steps else str(rec["step"])
-    losses = " ".join(f"{k} {num(rec.get('loss_' + k), '.4f')}" for k in ("lm", "aux", "z", "mtp")
-                      if rec.get("loss_" + k) is not None or k == "lm")
-    parts = [f"step {step}", f"loss {num(rec.get('loss'), '.4f')} ({losses})",
-             f"gnorm {num(rec.get('grad_norm'), '.3f')}", f"lr {num(rec.get('lr'), '.3e')}"]
-    tps = rec.get("tokens_per_s")
-    parts.append("n/a tok/s" if tps is None else f"{tps / 1e3:.2f}k tok/s" if tps >= 1e3 else f"{tps:.1f} tok/s")
-    if rec.get("tflops_per_s") is not None:
-        parts.append(format_flops(rec["tflops_per_s"] * 1e12))
-    if rec.get("mfu") is not None:
-        parts.append(f"MFU {100 * rec['mfu']:.1f}%")
-    mem = rec.get("memory") or {}
-    if "max_allocated_gib" in mem:
-        dev = (f", dev {mem['device_used_gib']:.1f}/{mem['device_total_gib']:.0f} GiB"
-               if "device_used_gib" in mem else "")
-        parts.append(f"mem {mem['max_allocated_gib']:.2f} GiB max alloc{dev}")
-    elif "peak_rss_gib" in mem:
-        parts.append(f"peak rss {mem['peak_rss_gib']:.2f} GiB")
-    elif "rss_gib" in mem:
-        parts.append(f"rss {mem['rss_gib']:.2f} GiB")
-    moe = rec.get("moe")
-    if moe and moe.get("worst_layer") is not None:
-        i = moe["layers"].index(moe["worst_layer"])
-        dropped = max(moe["dropped_fraction"] or [0.0])
-        planned = (f", micro-batch {moe['micro_max_over_mean']:.2f} (plan {moe['planned_max_over_mean']:g})"
-                   if "planned_max_over_mean" in moe else "")
-        parts.append(f"load max/mean {moe['max_over_mean'][i]:.2f} ({layer_label(moe['worst_layer'], num_layers)})"
-                     + planned + (f", dropped {100 * dropped:.1f}%" if dropped > 0 else ""))
-    if rec.get("skipped"):
-        parts.append("SKIPPED (non-finite loss or grad norm)")
-    return " | ".join(parts)
-
-
-def format_validation_line(rec: Mapping[str, Any], total_steps: int | None = None) -> str:
-    """The printed line of a validation record."""
-    step = f"{rec['step']}/{total_steps}" if total_steps else str(rec["step"])
-    ppl = "n/a" if rec.get("ppl") is None else f"{rec['ppl']:.3f}"
-    return f"validation step {step} | lm loss {rec['loss_lm']:.4f} | ppl {ppl} | {rec['tokens']} tokens"
 
 
 class MetricsLogger:

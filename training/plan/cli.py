@@ -25,13 +25,15 @@ from moefold.models.recipes import RECIPES
 from moefold.moe.config import DISPATCHERS
 from moefold.pipeline.schedules import SCHEDULES
 from moefold.training.cli.model_flags import ARCH_FLAGS, add_model_arguments, dest
-from moefold.training.cli.train import ROUTER_FLAGS, model_from_args
+from moefold.training.cli.train import model_from_args
+from moefold.training.cli.train_flags import ROUTER_FLAGS
 from moefold.training.config import RunConfig, TrainConfig
 from moefold.training.optim.precision import DTYPES
+from moefold.training.plan.candidates import Fixed
 from moefold.training.plan.cluster import CLUSTERS, load_cluster, parse_bytes
 from moefold.training.plan.nearest import alternatives, why_nothing_is_valid
 from moefold.training.plan.report import HEADER, commands, heading, needs, outcome, render, row, why_not
-from moefold.training.plan.search import HEADROOM, Fixed, evaluate, recompute_ladder, search, stage_memory
+from moefold.training.plan.search import HEADROOM, evaluate, recompute_ladder, search, stage_memory
 from moefold.training.plan.step_time import EFFICIENCY
 
 LAYOUT_FLAGS = ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
@@ -324,10 +326,11 @@ def _one_layout(config: RunConfig, fixed: Fixed, world: int, cluster, per_node: 
     the error. Under each ``SHARDING`` choice (unless fixed) the least activation saving that fits (unless fixed);
     the fastest of those is the plan, else the closest."""
     from moefold.parallel.dims import ParallelConfig
-    from moefold.training.plan.search import SHARDING, _stage_splits, _with_sharding
+    from moefold.training.plan.candidates import stage_splits
+    from moefold.training.plan.search import SHARDING, _with_sharding
 
     # the pipeline split the search would take first (61 layers on pp16: 3 on the first stage, 2 on the last)
-    split = next(_stage_splits(config.model.num_layers, fixed.pp, fixed), {})
+    split = next(stage_splits(config.model.num_layers, fixed.pp, fixed), {})
     config = dataclasses.replace(config, parallel=ParallelConfig(tp=fixed.tp, cp=fixed.cp, pp=fixed.pp, ep=fixed.ep,
                                                                  etp=fixed.etp),
                                  train=dataclasses.replace(config.train, **split))

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from moefold.parallel.dims import ParallelConfig
 from moefold.training.cli.layout_errors import FLAGS, explain, world_valid_sizes
 from moefold.training.config import RunConfig
+from moefold.training.plan.candidates import Fixed
 from moefold.training.plan.report import rejections
-from moefold.training.plan.search import Fixed, SearchResult
+from moefold.training.plan.search import SearchResult
 
 KEYS = ("tp", "cp", "pp", "ep", "etp")
 

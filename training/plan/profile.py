@@ -360,7 +360,7 @@ class ActivationMemory:
 
 def activation_shape(config: RunConfig, sizes: ParallelSizes, device_type: str = "cuda") -> ActivationShape:
     """The ``ActivationShape`` of ``config`` at layout ``sizes`` (the parameters' dtype as the trainer makes it)."""
-    from moefold.training.trainer import model_options
+    from moefold.training.build import model_options
 
     t = config.train
     return ActivationShape(model=config.model, options=model_options(config), tp=sizes.tp, cp=sizes.cp, ep=sizes.ep,

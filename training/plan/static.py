@@ -1,7 +1,7 @@
 """Static memory per rank of a planned layout: parameters, main gradients, optimizer states.
 
 Exact (``exact_static``): for each pipeline stage, one representative rank's model is built on the meta device in
-the planned layout by the trainer's own ``training.trainer.build_model``, and its gradient buffers and optimizer
+the planned layout by the trainer's own ``training.build.build_model``, and its gradient buffers and optimizer
 by ``build_optimizer`` (``GradSync``: flat buffers per reduction kind and dtype, cut into buckets padded to the
 group size; ``DistributedAdamW``: this rank's chunk of every bucket, master copy only for bf16 parameters,
 moments in their chosen dtypes). ``training.observe.memory.static_bytes`` then counts those tensors, as the trainer's
@@ -113,7 +113,7 @@ def _model_key(config: RunConfig) -> RunConfig:
 
 @lru_cache(maxsize=256)
 def _exact_static(config: RunConfig, sizes: ParallelSizes) -> tuple[tuple[int, StaticMemory], ...]:
-    from moefold.training.trainer import build_model, build_optimizer
+    from moefold.training.build import build_model, build_optimizer
 
     config = dataclasses.replace(config, parallel=ParallelConfig(tp=sizes.tp, cp=sizes.cp, pp=sizes.pp, dp=sizes.dp,
                                                                  ep=sizes.ep, etp=sizes.etp))
@@ -194,7 +194,7 @@ def _counts(params) -> tuple[tuple[tuple[str, str], int], ...]:
 @lru_cache(maxsize=128)
 def param_counts(config: RunConfig, tp: int, ep: int, etp: int) -> ParamCounts:
     """``ParamCounts`` from blocks built on the meta device (``models.layer_factory.build_block``, ``MoEDecoder``)."""
-    from moefold.training.trainer import model_options
+    from moefold.training.build import model_options
 
     model, options = config.model, model_options(config)
     world = math.lcm(tp, ep * etp)

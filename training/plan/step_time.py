@@ -16,10 +16,10 @@ NVLink and the rest over the network at the same time. What is hidden behind com
 ``StepTime.exposed_notes`` (``OVERLAP``).
 
 Pipeline: each (rank, virtual chunk) forward and backward takes its compute plus its exposed communication; the
-schedule's action lists run on ``pipeline.simulator``'s clock with those durations, and the bubble is the
-critical rank's idle time in the simulated step. The step's terms are that rank's. The split-backward schedules
-(zb-h1, zbv, dualpipev) run a backward as I (everything but the weight-gradient GEMMs, which take as long as the
-forward's GEMMs) and W.
+schedule's action lists run on ``pipeline.simulator``'s clock with those durations (``training.plan.pipeline_clock``),
+and the bubble is the critical rank's idle time in the simulated step. The step's terms are that rank's. The
+split-backward schedules (zb-h1, zbv, dualpipev) run a backward as I (everything but the weight-gradient GEMMs, which
+take as long as the forward's GEMMs) and W.
 
 Batch-level overlap (``--overlap-moe-expert-parallel-comm``: FB steps, also at pp = 1): in an FB step each
 micro-batch's expert exchange (the token all-to-all / DeepEP's dispatch and combine, forward and backward) runs
@@ -47,7 +47,6 @@ Memory savers past ZeRO-1 (``training.plan.search.SHARDING``, the ladder's ``off
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -56,17 +55,16 @@ from moefold.models.config import ModelConfig
 from moefold.models.layer_factory import is_moe_block
 from moefold.models.recompute import full_recompute_groups
 from moefold.parallel.dims import ParallelSizes
-from moefold.pipeline.actions import Action
-from moefold.pipeline.schedules import V_SCHEDULES, Schedule, build_schedule, expected_bubble_fraction
-from moefold.pipeline.simulator import simulate
+from moefold.pipeline.schedules import V_SCHEDULES, expected_bubble_fraction
 from moefold.pipeline.stages import ChunkSpec
 from moefold.training.config import RunConfig
 from moefold.training.observe.flops import train_flops_per_token
 from moefold.training.plan import comm
 from moefold.training.plan.cluster import Cluster
-from moefold.training.plan.comm import Collective
+from moefold.training.plan.collective import GROUP_DIMS, Collective, link_factor
 from moefold.training.plan.compute_time import ELEMENTWISE_SHARE, block_compute, head_compute
 from moefold.training.plan.grid import group_members, ranks_per_node, spans_nodes
+from moefold.training.plan.pipeline_clock import step_makespan
 from moefold.training.plan.static import stage_numel
 
 # The flat model's share of the dense bf16 peak (``--efficiency``; ``estimate_step_time(efficiency=...)``): every
@@ -141,20 +139,20 @@ class _Links:
         n = len(members)
         nvlink, network = self.cluster.nvlink_gbps * 1e9, self.cluster.internode_gbps * 1e9
         if not spans_nodes(members, self.gpus_per_node):
-            return c.bytes * comm.link_factor(c.op, n) / nvlink
+            return c.bytes * link_factor(c.op, n) / nvlink
         if c.op == "all_to_all" and c.hybrid is not None:   # DeepEP V2 hybrid: once per node, then NVLink
             k = ranks_per_node(members, self.gpus_per_node)
             return max(c.bytes * (k - 1) / k / nvlink, c.hybrid.network_bytes(n // k) / network)
         if c.op == "all_to_all":
             k = ranks_per_node(members, self.gpus_per_node)
             return max(c.bytes * (k - 1) / n / nvlink, c.bytes * (n - k) / n / network)
-        return c.bytes * comm.link_factor(c.op, n) / network
+        return c.bytes * link_factor(c.op, n) / network
 
 
 @lru_cache(maxsize=4096)
 def _members(sizes: ParallelSizes, group: str) -> list[int]:
     """Rank 0's group ``group``: every group of a kind has the same shape in the rank grid."""
-    return group_members(sizes, 0, comm.GROUP_DIMS[group])
+    return group_members(sizes, 0, GROUP_DIMS[group])
 
 
 @lru_cache(maxsize=1024)
@@ -345,76 +343,6 @@ def _dp_seconds(config: RunConfig, sizes: ParallelSizes, pp_rank: int, links: _L
 
 
 # ----------------------------------------------------------------------------------------------- the step
-@lru_cache(maxsize=64)
-def _schedule(name: str, pp: int, vpp: int, m: int, overlap: bool) -> Schedule:
-    return build_schedule(name, pp, m, vpp, overlap=overlap)
-
-
-# per (rank, chunk): forward, backward, its weight GEMMs, the forward's and the backward's (ep, compute) that overlap
-Durations = tuple[tuple[tuple[float, float, float, tuple[float, float], tuple[float, float]], ...], ...]
-
-
-def _duration(durations: Durations, overlap: bool, delay_wgrad: bool) -> Callable[[int, Action], float]:
-    def duration(r: int, a: Action) -> float:
-        f, b, w, _, (b_ep, _) = durations[r][a.chunk]
-        if a.kind == "F":
-            return f
-        if a.kind == "W":
-            return w
-        if a.kind == "I":
-            return b - w
-        if a.kind == "B":   # alone: with --delay-wgrad-compute its exchange hides behind its own weight GEMMs
-            return b - min(b_ep, w) if delay_wgrad else b
-        fb, bb = durations[r][a.chunk], durations[r][a.b_chunk]   # an FB: overlapped only with the overlap
-        return fb[0] + bb[1] - (_hidden(fb[3], bb[4]) if overlap else 0.0)
-    return duration
-
-
-def _hidden(forward: tuple[float, float], backward: tuple[float, float]) -> float:
-    """Of an FB step, the exchange hidden: both halves' (ep) behind both halves' compute, at most all of it."""
-    return min(forward[0] + backward[0], forward[1] + backward[1])
-
-
-@lru_cache(maxsize=512)
-def _simulate(name: str, pp: int, vpp: int, m: int, durations: Durations, overlap: bool = False,
-              delay_wgrad: bool = False) -> tuple[float, tuple[float, ...], float]:
-    """(makespan, busy seconds per pipeline rank, exchange hidden on the busiest rank) of the schedule with these
-    durations per (rank, chunk). pipeline.simulator's cost grows with pp x m (about 0.5 s at pp=16, m=120)."""
-    schedule = _schedule(name, pp, vpp, m, overlap)
-    result = simulate(schedule, duration=_duration(durations, overlap, delay_wgrad))
-    critical = max(range(pp), key=lambda r: result.busy[r])
-    hidden = 0.0
-    for a in schedule.rank_actions(critical):
-        if a.kind == "FB" and overlap:
-            hidden += _hidden(durations[critical][a.chunk][3], durations[critical][a.b_chunk][4])
-        elif a.kind == "B" and delay_wgrad:
-            _, _, w, _, (b_ep, _) = durations[critical][a.chunk]
-            hidden += min(b_ep, w)
-    return result.makespan, result.busy, hidden
-
-
-PROBES = (4, 6, 8)   # x pp micro-batches: the simulated steps whose makespans are extrapolated when collinear
-
-
-def _makespan(name: str, pp: int, vpp: int, m: int, durations: Durations, overlap: bool = False,
-              delay_wgrad: bool = False) -> tuple[float, tuple[float, ...], float]:
-    """(makespan, busy per rank, hidden exchange on the busiest rank) of ``m`` micro-batches. Past the warm-up a
-    schedule repeats itself: each further micro-batch adds the same time, so these are affine in ``m``. When the
-    simulated makespans of 4, 6 and 8 x pp micro-batches lie on one line (to 1e-9), that line gives the values at
-    ``m`` (pp = 16 with m = 960 then costs three short simulations instead of one long one); otherwise, and for
-    small ``m``, all ``m`` micro-batches are simulated."""
-    probes = [k * pp for k in PROBES]
-    if m > 2 * probes[-1]:
-        runs = [_simulate(name, pp, vpp, k, durations, overlap, delay_wgrad) for k in probes]
-        spans = [r[0] for r in runs]
-        slopes = [(spans[i + 1] - spans[i]) / (probes[i + 1] - probes[i]) for i in range(2)]
-        if abs(slopes[1] - slopes[0]) <= 1e-9 * spans[-1]:
-            k = (m - probes[-1]) / (probes[-1] - probes[-2])
-            busy = tuple(b + k * (b - a) for a, b in zip(runs[-2][1], runs[-1][1]))
-            return spans[-1] + (m - probes[-1]) * slopes[1], busy, runs[-1][2] + k * (runs[-1][2] - runs[-2][2])
-    return _simulate(name, pp, vpp, m, durations, overlap, delay_wgrad)
-
-
 def _optimizer_seconds(config: RunConfig, sizes: ParallelSizes, pp_rank: int, cluster: Cluster) -> float:
     """The fused Adam step over this rank's shard of the distributed optimizer (dense parameters sharded over
     dp x cp, experts over edp): ``OPTIMIZER_BYTES`` per element through HBM at the elementwise share."""
@@ -469,7 +397,7 @@ def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster
         # V placement are simulated in either case
         simulated = simulate or overlap or name in V_SCHEDULES
         if simulated:
-            makespan, busy, hidden = _makespan(name, sizes.pp, vpp, m, durations, overlap, delay)
+            makespan, busy, hidden = step_makespan(name, sizes.pp, vpp, m, durations, overlap, delay)
         else:
             busy, hidden = tuple(m * sum(f + b for f, b, *_ in rank) for rank in durations), 0.0
         critical = max(range(sizes.pp), key=lambda r: busy[r])
@@ -491,7 +419,7 @@ def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster
     tokens = config.train.global_batch_size * config.train.seq_length
     flops = train_flops_per_token(config.model, config.train.seq_length) * tokens / sizes.world_size
     links = {}
-    for group in comm.GROUP_DIMS:
+    for group in GROUP_DIMS:
         members = _members(sizes, group)
         if len(members) > 1:
             links[group] = "network" if spans_nodes(members, gpus_per_node) else "NVLink"

@@ -17,9 +17,10 @@ import random
 import torch
 
 from moefold.parallel.dims import ParallelConfig, ParallelDims
+from moefold.parallel.sharding import named_full_params
 from moefold.training.observe.memory import TensorMemoryTracker
 from moefold.training.optim.state_shards import flat_range_boxes
-from moefold.training.trainer import Trainer, named_full_params
+from moefold.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.training.trainer_common import fit_results, run, tiny_config, tiny_data
 

@@ -58,8 +58,8 @@ def test_flex_backend_flags_reach_the_moe_config_and_are_stated(monkeypatch):
     resolved from the installed DeepEP (V2: deepep) before the ranks start, and stated in one line."""
     import sys
 
+    from moefold.training.build import model_options
     from moefold.training.cli.train import resolve_flex
-    from moefold.training.trainer import model_options
     from tests.dispatch import deepep_elastic_standin, deepep_standin
 
     flags = ("--moe-token-dispatcher-type", "flex", "--expert-model-parallel-size", "2", "--micro-batch-size", "2",

@@ -6,7 +6,8 @@ import pytest
 
 from moefold.models.layer_factory import router_config
 from moefold.models.options import ModelOptions
-from moefold.training.cli.train import ROUTER_FLAGS, add_arguments, config_from_args
+from moefold.training.cli.train import add_arguments, config_from_args
+from moefold.training.cli.train_flags import ROUTER_FLAGS
 
 
 def _config(*flags: str):

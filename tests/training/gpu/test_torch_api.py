@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moefold.training.gpu.torch_api import Use, check_running, check_source, used_names
+from moefold.training.gpu.torch_api import check_running, check_source
+from moefold.training.gpu.torch_uses import Use, used_names
 
 _FLASH = ("_flash_attention_forward(Tensor query, Tensor key, Tensor value, Tensor? cum_seq_q, Tensor? cum_seq_k, "
           "SymInt max_q, SymInt max_k, float dropout_p, bool is_causal, bool return_debug_mask, *, float? scale=None"

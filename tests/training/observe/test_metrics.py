@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from moefold.training.observe.hardware import measure_matmul_peak, memory_stats, mfu, peak_flops, table_peak_flops
-from moefold.training.observe.metrics import MetricsLogger, format_line, load_balance, read_metrics
+from moefold.training.observe.metric_lines import format_line
+from moefold.training.observe.metrics import MetricsLogger, load_balance, read_metrics
 
 
 def test_logger_writes_jsonl_and_one_line(tmp_path):

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from moefold.training.observe.balance_report import load_history, plot_over_steps, summarize
-from moefold.training.observe.metrics import MetricsLogger, format_flops, format_line
+from moefold.training.observe.metric_lines import format_flops, format_line
+from moefold.training.observe.metrics import MetricsLogger
 
 
 class _Terminal(io.StringIO):

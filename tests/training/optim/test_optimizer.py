@@ -15,13 +15,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from moefold.models.decoder import MoEDecoder
 from moefold.models.recipes import get_recipe
 from moefold.parallel.dims import ParallelConfig, ParallelDims
-from moefold.parallel.sharding import full_shape, local_slice, shards_of
+from moefold.parallel.sharding import full_shape, local_slice, named_full_params, shards_of
 from moefold.training.observe.memory import bytes_per_parameter, describe_static
 from moefold.training.optim.grad_sync import GradSync
 from moefold.training.optim.lr_schedule import LRSchedule
 from moefold.training.optim.optimizer import DistributedAdamW, decays
 from moefold.training.optim.precision import OptimizerPrecision
-from moefold.training.trainer import named_full_params
 from tests.distributed import run_distributed
 from tests.training.trainer_common import run, tiny_config, tiny_data
 

@@ -25,16 +25,17 @@ from moefold.parallel.fp8 import FP8Config
 from moefold.pipeline.decoder_stage import DecoderStage, build_stage_model, decoder_microbatches
 from moefold.pipeline.executor import run_schedule
 from moefold.pipeline.schedules import build_schedule
+from moefold.training.build import model_options
 from moefold.training.config import RunConfig, TrainConfig
 from moefold.training.optim import grad_sync, param_sync
 from moefold.training.optim.buffers import ALIGN
 from moefold.training.optim.grad_sync import GradSync
 from moefold.training.optim.param_sync import ParamSync
-from moefold.training.plan import comm, static, step_time
+from moefold.training.plan import comm, pipeline_clock, static, step_time
 from moefold.training.plan.cluster import CLUSTERS, Cluster, load_cluster, parse_bytes
+from moefold.training.plan.collective import GROUP_DIMS, Collective
 from moefold.training.plan.grid import group_members
 from moefold.training.plan.step_time import EFFICIENCY, estimate_step_time
-from moefold.training.trainer import model_options
 from tests.distributed import run_distributed
 
 WORLD = 4
@@ -92,7 +93,7 @@ def test_cluster_toml(tmp_path):
 # ----------------------------------------------------------------------------------------------- collectives
 class CollectiveLog:
     """Wraps torch.distributed's collectives: records (phase, group ranks, op, bytes) of every call, bytes as
-    ``comm.Collective`` counts them (all-gather output, reduce-scatter input, all-to-all send buffer, ...)."""
+    ``Collective`` counts them (all-gather output, reduce-scatter input, all-to-all send buffer, ...)."""
 
     WRAPPED: ClassVar[dict[str, tuple[str, str]]] = {"all_gather_into_tensor": ("all_gather", "output_tensor"),
                                                      "all_gather_single": ("all_gather", "output_tensor"),
@@ -250,10 +251,10 @@ def _measure(layouts: dict[str, RunConfig]) -> list[tuple[str, str, Counter, Cou
     return out
 
 
-def _predicted(collectives: list[comm.Collective], sizes, rank: int) -> Counter:
+def _predicted(collectives: list[Collective], sizes, rank: int) -> Counter:
     predicted = Counter()
     for c in collectives:
-        ranks = tuple(group_members(sizes, rank, comm.GROUP_DIMS[c.group]))
+        ranks = tuple(group_members(sizes, rank, GROUP_DIMS[c.group]))
         predicted[(c.phase, ranks, c.op, c.bytes)] += 1
     return predicted
 
@@ -392,7 +393,7 @@ def _measure_step(layouts: dict[str, RunConfig], numels: dict[str, dict[int, dic
             per_micro += comm.embedding_collectives(config, sizes) if chunk.has_embedding else []
             per_micro += comm.head_collectives(config, sizes) if chunk.has_head else []
             for c in per_micro:   # forwards and backwards interleave: compare without the phase
-                predicted[(tuple(group_members(sizes, rank, comm.GROUP_DIMS[c.group])), c.op, c.bytes)] += M
+                predicted[(tuple(group_members(sizes, rank, GROUP_DIMS[c.group])), c.op, c.bytes)] += M
         measured = Counter()
         for (phase, ranks, op, nbytes), count in log.calls.items():
             if phase != "step":
@@ -403,7 +404,7 @@ def _measure_step(layouts: dict[str, RunConfig], numels: dict[str, dict[int, dic
                 step_measured[(ranks, op)] += nbytes * count
         numel = numels[name][dims.pp_rank]
         for c in comm.grad_sync_collectives(config, sizes, numel):
-            step_predicted[(tuple(group_members(sizes, rank, comm.GROUP_DIMS[c.group])), c.op)] += c.bytes
+            step_predicted[(tuple(group_members(sizes, rank, GROUP_DIMS[c.group])), c.op)] += c.bytes
         n_params = len([p for p in model.parameters() if p.requires_grad])
         out.append((name, measured, predicted, step_measured, step_predicted, n_params))
     return out
@@ -444,10 +445,11 @@ def test_long_steps_extrapolate_the_simulated_makespan_exactly(name, vpp):
     durations = tuple(tuple((0.5 + rand(), 1 + 2 * rand(), 0.3, (0.1 * rand(), 0.4), (0.2 * rand(), 0.8))
                             for _ in range(vpp)) for _ in range(4))
     for overlap in (False, True) if name == "interleaved" else (False,):
-        step_time._simulate.cache_clear()
-        extrapolated = step_time._makespan(name, 4, vpp, 80, durations, overlap)
-        assert step_time._simulate.cache_info().currsize == len(step_time.PROBES)   # m = 80 was not simulated
-        exact = step_time._simulate(name, 4, vpp, 80, durations, overlap)
+        pipeline_clock.simulate_step.cache_clear()
+        extrapolated = pipeline_clock.step_makespan(name, 4, vpp, 80, durations, overlap)
+        # m = 80 was not simulated
+        assert pipeline_clock.simulate_step.cache_info().currsize == len(pipeline_clock.PROBES)
+        exact = pipeline_clock.simulate_step(name, 4, vpp, 80, durations, overlap)
         assert extrapolated[0] == pytest.approx(exact[0], rel=1e-12)
         assert extrapolated[1] == pytest.approx(exact[1], rel=1e-12)
         assert extrapolated[2] == pytest.approx(exact[2], rel=1e-12) and (exact[2] > 0) == overlap

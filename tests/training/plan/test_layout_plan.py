@@ -9,9 +9,10 @@ import pytest
 from moefold.parallel.dims import ParallelConfig
 from moefold.training import cli
 from moefold.training.cli.train import config_from_args
+from moefold.training.plan.candidates import Fixed, stage_splits
 from moefold.training.plan.cluster import CLUSTERS
 from moefold.training.plan.report import train_flags
-from moefold.training.plan.search import Fixed, _stage_splits, stage_memory
+from moefold.training.plan.search import stage_memory
 from tests.training.plan.test_search import GB80, least_fitting, run_config
 
 DSV3 = "Et|(tt|)*30mL"
@@ -43,10 +44,10 @@ def test_printed_command_carries_the_layout(deepseek_plan) -> None:
 
 
 def test_searched_layouts_include_the_published_ones() -> None:
-    dsv3 = [s["pipeline_model_parallel_layout"] for s in _stage_splits(61, 8, Fixed(virtual_stages=4), 1)]
-    qwen = [s["pipeline_model_parallel_layout"] for s in _stage_splits(94, 8, Fixed(virtual_stages=4), 0)]
+    dsv3 = [s["pipeline_model_parallel_layout"] for s in stage_splits(61, 8, Fixed(virtual_stages=4), 1)]
+    qwen = [s["pipeline_model_parallel_layout"] for s in stage_splits(94, 8, Fixed(virtual_stages=4), 0)]
     assert DSV3 in dsv3 and "Ett|(t*3|)*30ttL" in qwen
-    every = list(_stage_splits(61, 8, Fixed(), 1))   # vpp 1, 2 and 4
+    every = list(stage_splits(61, 8, Fixed(), 1))   # vpp 1, 2 and 4
     assert {len(s["pipeline_model_parallel_layout"].split("|")) > 8 for s in every} == {True, False}
 
 

@@ -27,10 +27,11 @@ from moefold.models.options import ModelOptions
 from moefold.models.recipes import get_recipe
 from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.training.config import RunConfig, TrainConfig
+from moefold.training.observe.expert_counts import ROUTER_SUMS
 from moefold.training.observe.memory import measure_peak, static_bytes
 from moefold.training.plan.profile import activation_memory
 from moefold.training.plan.static import exact_static, static_lower_bound
-from moefold.training.trainer import ROUTER_SUMS, Trainer
+from moefold.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.training.trainer_common import tiny_config
 

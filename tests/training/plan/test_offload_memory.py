@@ -22,9 +22,10 @@ from moefold.models.options import ModelOptions
 from moefold.models.recipes import get_recipe
 from moefold.parallel.dims import ParallelDims
 from moefold.training.config import RunConfig, TrainConfig
+from moefold.training.observe.expert_counts import ROUTER_SUMS
 from moefold.training.observe.memory import TensorMemoryTracker
 from moefold.training.plan.profile import activation_memory
-from moefold.training.trainer import ROUTER_SUMS, Trainer
+from moefold.training.trainer import Trainer
 
 DROP_RTOL, HOST_RTOL, PEAK_RTOL = 0.10, 0.10, 0.15
 SETTINGS = {m: (m,) for m in OFFLOAD_MODULES if m != "attn_proj"}

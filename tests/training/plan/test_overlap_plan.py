@@ -16,10 +16,11 @@ import dataclasses
 from moefold.parallel.dims import ParallelConfig
 from moefold.training import cli
 from moefold.training.cli.train import config_from_args, validate_layout
+from moefold.training.plan.candidates import Fixed
 from moefold.training.plan.cluster import CLUSTERS
 from moefold.training.plan.profile import activation_memory
 from moefold.training.plan.report import row, train_flags
-from moefold.training.plan.search import Fixed, search
+from moefold.training.plan.search import search
 from moefold.training.plan.step_time import estimate_step_time
 from tests.training.plan.test_search import GB80, run_config
 

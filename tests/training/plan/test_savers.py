@@ -128,7 +128,7 @@ def test_the_fixed_layout_needs_and_commands() -> None:
 
 
 def test_search_picks_a_saver_only_where_it_helps() -> None:
-    from moefold.training.plan.search import Fixed
+    from moefold.training.plan.candidates import Fixed
 
     base = _big()
     fixed = Fixed(tp=2, cp=2, pp=2, ep=4, etp=1, layers_per_virtual_stage=None, micro_batch_size=1)
@@ -142,7 +142,7 @@ def test_search_picks_a_saver_only_where_it_helps() -> None:
 def test_search_skips_the_savers_the_schedules_refuse() -> None:
     """FSDP2 with the overlap or a split backward, activation offloading with the overlap: ``moefold train`` refuses
     them (``RunConfig.memory_saver_conflict``), so the search never plans them; FSDP2 still plans 1F1B/interleaved."""
-    from moefold.training.plan.search import Fixed
+    from moefold.training.plan.candidates import Fixed
 
     base = _big()
     layout = dict(tp=2, cp=2, pp=2, ep=4, etp=1, micro_batch_size=1)

@@ -26,10 +26,11 @@ from moefold.parallel.dims import ParallelConfig
 from moefold.training import cli
 from moefold.training.cli.train import config_from_args, validate_layout
 from moefold.training.config import RunConfig, TrainConfig
+from moefold.training.plan.candidates import Fixed
 from moefold.training.plan.cluster import CLUSTERS
 from moefold.training.plan.profile import activation_memory
 from moefold.training.plan.report import commands, train_flags, why_not
-from moefold.training.plan.search import Fixed, evaluate, recompute_ladder, search
+from moefold.training.plan.search import evaluate, recompute_ladder, search
 
 GB80 = 80 * 10**9
 
