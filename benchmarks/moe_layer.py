@@ -278,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     print(describe_machine())
     print(f"# clock: {'process CPU' if a.cpu_time else 'wall'}; T={T} H={H}; medians of {a.rounds} rotated rounds; "
           f"GFLOP/s count expert GEMMs only; megatron: {'skipped' if a.no_megatron else peer or 'megatron-core'}")
-    print(f"{'dtype':5} {'E':>3} {'k':>2} {'F':>5} {'mode':8} {'ceil GF/s':>9} {'layer ms':>9} {'layer/ceil':>10} "
+    mw = 8 if len(layouts) == 1 else 9 + max(len(v) for v in layouts)   # "compiled/<layout>"
+    print(f"{'dtype':5} {'E':>3} {'k':>2} {'F':>5} {'mode':{mw}} {'ceil GF/s':>9} {'layer ms':>9} {'layer/ceil':>10} "
           f"{'experts/ceil':>12} {'megatron ms':>11} {'megatron/moefold':>16}")
     for dname in a.dtypes.split(","):
         dtype = DTYPES[dname]
@@ -304,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                     ours = t[f"moefold {lay}"]
                     meg = (f"{t['megatron'] * 1e3:>11.1f} {t['megatron'] / ours:>16.2f}" if "megatron" in t
                            else f"{'-':>11} {'-':>16}")
-                    print(f"{dname:5} {E:>3} {k:>2} {F:>5} {mode:8} {ceil:>9.0f} {ours * 1e3:>9.1f} "
+                    print(f"{dname:5} {E:>3} {k:>2} {F:>5} {mode:{mw}} {ceil:>9.0f} {ours * 1e3:>9.1f} "
                           f"{t['ceiling'] / ours:>10.2f} {t['ceiling'] / t[f'experts {lay}']:>12.2f} {meg}", flush=True)
                 if a.profile and not compiled:
                     profile_top(steps[f"moefold {layouts[0]}"], a.profile)
