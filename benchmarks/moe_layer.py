@@ -10,7 +10,8 @@ the order shifted by one per round; medians reported):
             expert ([N, H] x [H, 2F], [N, F] x [F, H] and their four backward products), N = T*k;
 - moefold:  the whole ``MoELayer`` (router, local permutation, experts, weighted unpermutation), fwd + bwd, as the
             trainer runs it: ``GradSync`` main-grad buffers with gradient-accumulation fusion (the weight
-            gradients written into the fp32 buffer), the experts' row layout ``--row-layout`` (auto: the rule);
+            gradients written into the fp32 buffer), the experts' row layout ``--row-layout`` (auto: the rule;
+            several, comma-separated, run side by side in the same rounds, one row each);
 - experts:  moefold's grouped experts alone on already-permuted rows;
 - megatron: Megatron-Core's ``MoELayer`` with ``SequentialMLP`` experts (its local, non-Transformer-Engine
             spec: TopKRouter in fp32, allgather dispatcher; ``megatron-core`` installed, else skipped), fwd + bwd
@@ -227,8 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--compile", action="store_true", help="add rows with the layer compiled as --compile does")
     p.add_argument("--no-megatron", action="store_true", help="skip the Megatron-Core peer")
-    p.add_argument("--row-layout", default="auto", choices=ROW_LAYOUTS,
-                   help="the experts' CPU row layout (moe.expert_gemm.choose_layout; measured: timed per shape)")
+    p.add_argument("--row-layout", default="auto",
+                   help="the experts' CPU row layout (moe.expert_gemm.choose_layout; measured: timed per shape); "
+                        "comma-separated layouts run side by side in the same rounds, one row each; valid: "
+                        + ", ".join(ROW_LAYOUTS))
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print the N top ops of one moefold step")
     p.add_argument("--allocators", default="default,tuned",
                    help="default: this process's allocator settings; tuned: again in a child process with "
@@ -243,6 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     for d in a.dtypes.split(","):
         if d not in DTYPES:
             p.error(f"--dtypes: {d!r} is not one of {', '.join(DTYPES)}")
+    layouts = [v for v in a.row_layout.split(",") if v]
+    for v in layouts:
+        if v not in ROW_LAYOUTS:
+            p.error(f"--row-layout: {v!r} is not one of {', '.join(ROW_LAYOUTS)}")
+    if not layouts:
+        p.error("--row-layout: give at least one layout")
     if allocators != ["default"]:  # the tuned table runs in a child with the allocator set from its start
         args = list(sys.argv[1:] if argv is None else argv)
         args = [v for i, v in enumerate(args) if v != "--allocators" and (i == 0 or args[i - 1] != "--allocators")
@@ -269,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     print(describe_machine())
     print(f"# clock: {'process CPU' if a.cpu_time else 'wall'}; T={T} H={H}; medians of {a.rounds} rotated rounds; "
           f"GFLOP/s count expert GEMMs only; megatron: {'skipped' if a.no_megatron else peer or 'megatron-core'}")
-    print(f"{'dtype':5} {'E':>3} {'k':>2} {'F':>5} {'mode':8} {'ceil GF/s':>9} {'layer ms':>9} {'layer/ceil':>10} "
+    mw = 8 if len(layouts) == 1 else 9 + max(len(v) for v in layouts)   # "compiled/<layout>"
+    print(f"{'dtype':5} {'E':>3} {'k':>2} {'F':>5} {'mode':{mw}} {'ceil GF/s':>9} {'layer ms':>9} {'layer/ceil':>10} "
           f"{'experts/ceil':>12} {'megatron ms':>11} {'megatron/moefold':>16}")
     for dname in a.dtypes.split(","):
         dtype = DTYPES[dname]
@@ -282,23 +292,27 @@ def main(argv: list[str] | None = None) -> int:
             N = T * k
             flops = 3 * 3 * 2 * N * H * F
             for compiled in modes:
-                layer_step, experts_step, layer = moefold_steps(T, H, E, k, F, dtype, compiled, a.row_layout)
-                steps = {"ceiling": dense_ceiling(N, H, F, dtype), "moefold": layer_step, "experts": experts_step}
+                steps = {"ceiling": dense_ceiling(N, H, F, dtype)}
+                for lay in layouts:
+                    steps[f"moefold {lay}"], steps[f"experts {lay}"], _ = moefold_steps(T, H, E, k, F, dtype,
+                                                                                        compiled, lay)
                 if not compiled and peer is None and not a.no_megatron:
                     steps["megatron"] = megatron_step(T, H, E, k, F, dtype)
                 t = rotated_medians(steps, a.rounds, clock)
                 ceil = flops / t["ceiling"] / 1e9
-                mode = "compiled" if compiled else "eager"
-                meg = (f"{t['megatron'] * 1e3:>11.1f} {t['megatron'] / t['moefold']:>16.2f}" if "megatron" in t
-                       else f"{'-':>11} {'-':>16}")
-                print(f"{dname:5} {E:>3} {k:>2} {F:>5} {mode:8} {ceil:>9.0f} {t['moefold'] * 1e3:>9.1f} "
-                      f"{t['ceiling'] / t['moefold']:>10.2f} {t['ceiling'] / t['experts']:>12.2f} {meg}", flush=True)
+                for lay in layouts:
+                    mode = ("compiled" if compiled else "eager") + ("" if len(layouts) == 1 else f"/{lay}")
+                    ours = t[f"moefold {lay}"]
+                    meg = (f"{t['megatron'] * 1e3:>11.1f} {t['megatron'] / ours:>16.2f}" if "megatron" in t
+                           else f"{'-':>11} {'-':>16}")
+                    print(f"{dname:5} {E:>3} {k:>2} {F:>5} {mode:{mw}} {ceil:>9.0f} {ours * 1e3:>9.1f} "
+                          f"{t['ceiling'] / ours:>10.2f} {t['ceiling'] / t[f'experts {lay}']:>12.2f} {meg}", flush=True)
                 if a.profile and not compiled:
-                    profile_top(layer_step, a.profile)
-                del layer
-    layouts = {f"{k[1]} E{k[2]} {k[3]}x{k[4]} ~{k[5]} rows": v for k, v in chosen_layouts().items()}
-    if layouts:
-        print(f"# expert row layouts measured: {layouts}")
+                    profile_top(steps[f"moefold {layouts[0]}"], a.profile)
+                del steps
+    measured = {f"{k[1]} E{k[2]} {k[3]}x{k[4]} ~{k[5]} rows": v for k, v in chosen_layouts().items()}
+    if measured:
+        print(f"# expert row layouts measured: {measured}")
     print(f"# load average at end {os.getloadavg()[0]:.1f}")
     return 0
 

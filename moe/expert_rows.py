@@ -82,6 +82,11 @@ class ExpertRows:
         return sum(self.blocks)
 
     @cached_property
+    def nonempty(self) -> tuple[int, ...]:
+        """The experts whose block has rows."""
+        return tuple(i for i, b in enumerate(self.blocks) if b)
+
+    @cached_property
     def starts(self) -> tuple[int, ...]:
         """First buffer row of each expert's block."""
         out, s = [], 0

@@ -186,3 +186,45 @@ def test_dispatch_is_deterministic():
     assert torch.equal(a.tokens_NH, b.tokens_NH)
     assert torch.equal(LocalDispatcher(E).combine(a.tokens_NH, a.handle), LocalDispatcher(E).combine(b.tokens_NH,
                                                                                                      b.handle))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", ["complete", "padded"])
+def test_large_rows_reuse_workspaces_and_equal_the_formulas(dtype, variant):
+    """Rows above the pool's MIN_BYTES: permute's rows and the weighted combine's row gradient come from reused
+    workspaces (no new buffer after the first call), and the values are the formulas' bit for bit: rows =
+    x[token], grad_rows = p * grad[token] (one product in fp32, then rounded), grad_p = sum(grad[token] * row)."""
+    from moefold.parallel.workspace import MIN_BYTES, workspace
+
+    gen = torch.Generator().manual_seed(3)
+    T, K, E, Hd = 1024, 4, 8, 256
+    assert T * K * Hd * 4 > 2 * MIN_BYTES
+    ids = torch.rand(T, E, generator=gen).argsort(1)[:, :K]
+    rm = build_row_map(mask_groups(ids, E), T, K, E, **({"capacity": T * K // E + 8} if variant == "padded"
+                                                          else {"num_rows": T * K}))
+    x = torch.randn(T, Hd, generator=gen).to(dtype)
+    probs = torch.rand(T, K, generator=gen)
+    gy = torch.randn(T, Hd, generator=gen)
+    expert_out = torch.randn(rm.num_rows, Hd, generator=gen).to(dtype)
+    pool = workspace("cpu")
+    made = []
+    for _ in range(3):
+        xr, pr = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        rows = permute(xr, rm)
+        out = (rows * 0 + expert_out).detach().requires_grad_()   # the experts' output, a leaf
+        unpermute(out, rm, pr).backward(gy)
+        made.append(pool.allocated)
+        pooled = {b.untyped_storage().data_ptr() for bs in pool._buffers.values() for b in bs}
+        assert {rows.untyped_storage().data_ptr(), out.grad.untyped_storage().data_ptr()} <= pooled
+        got = (rows.detach().clone(), out.grad.clone(), pr.grad.clone())
+        del rows, out
+    assert made[1] == made[2], made   # steady state: every buffer reused
+    token = rm.token_of_row_N
+    src = torch.cat([x, x.new_zeros(1, Hd)]) if rm.padded else x
+    g = torch.cat([gy, gy.new_zeros(1, Hd)])[token] if rm.padded else gy[token]
+    p_row = torch.cat([probs.reshape(-1), probs.new_zeros(1)])[rm.slot_of_row_N]
+    assert torch.equal(got[0], src[token])
+    assert torch.equal(got[1], (g * p_row[:, None]).to(dtype))
+    dots = (g * expert_out.float()).sum(-1)
+    want_p = dots.new_zeros(T * K + 1).scatter_(0, rm.slot_of_row_N, dots)[:T * K].view(T, K)
+    assert torch.equal(got[2], want_p)
