@@ -37,8 +37,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moefold.parallel.workspace import workspace
-
 
 @dataclass(frozen=True)
 class RowMap:
@@ -153,12 +151,9 @@ def build_padded_row_map(key: Tensor, num_tokens: int, topk: int, num_groups: in
 # the adjoint pair
 # --------------------------------------------------------------------------------------------
 def _gather_rows(x_TH: Tensor, token_N: Tensor, padded: bool) -> Tensor:
-    """[N, ...] rows ``x[token_N]``, into a workspace (``parallel.workspace``: on CPU a fresh [N, H] buffer is
-    a new mmap, page-faulted on every call; on CUDA the caching allocator's block)."""
     if padded:  # padding rows point at token T: an appended zero row
         x_TH = torch.cat([x_TH, x_TH.new_zeros((1, *x_TH.shape[1:]))])
-    out = workspace(x_TH.device).empty((token_N.shape[0], *x_TH.shape[1:]), x_TH.dtype)
-    return torch.index_select(x_TH, 0, token_N, out=out)
+    return x_TH.index_select(0, token_N)
 
 
 def _row_of_slot(slot_N: Tensor, num_rows: int, num_tokens: int, topk: int,
@@ -264,10 +259,8 @@ def _weighted_rows_backward(grad_TH: Tensor, rows_NH: Tensor, probs_TK: Tensor, 
 
     Row n of token t with prob p: its gradient ``p * grad[t]`` (computed in ``combine_dtype``, returned in
     the rows' dtype) and ``grad[t] . row`` for p (an [N] fp32 dot product, products in ``combine_dtype``).
-    Blocks of about a million elements: the gathered [N, H] gradient never exists at once. The rows' gradient
-    and the products' block live in workspaces (``parallel.workspace``: no fresh, page-faulted buffer per
-    call on CPU); when everything is in ``combine_dtype`` already (fp32) each block is gathered straight into
-    the rows' gradient and scaled there (no copy; the same kernels, so the same bits).
+    Blocks of about a million elements: the gathered [N, H] gradient never exists at once (on CPU a buffer
+    that large is a fresh mmap, page-faulted on every call; the blocks reuse cached memory).
     Returns (grad_rows [N, H] or None, grad_probs [T, K] in the probs' dtype or None).
     """
     T, K = probs_TK.shape
@@ -276,27 +269,17 @@ def _weighted_rows_backward(grad_TH: Tensor, rows_NH: Tensor, probs_TK: Tensor, 
     grad_src = grad_TH.contiguous()
     if padded:  # padding rows point at token T: an appended zero row
         grad_src = torch.cat([grad_src, grad_src.new_zeros((1, *grad_src.shape[1:]))])
-    pool = workspace(rows_NH.device)
     p_N = _probs_of_rows(probs_TK, slot_N, padded).to(acc)
-    grad_rows = pool.empty(rows_NH.shape, rows_NH.dtype) if need_rows else None
-    in_place = need_rows and grad_src.dtype == rows_NH.dtype == acc
+    grad_rows = torch.empty_like(rows_NH) if need_rows else None
     dots_N = torch.empty(N, dtype=torch.float32, device=rows_NH.device) if need_probs else None
     width = max(1, rows_NH[0].numel() if N else 1)
     step = max(1, block_elems // width)
     for i in range(0, N, step):
-        j = min(N, i + step)
-        if in_place:
-            g = torch.index_select(grad_src, 0, token_N[i:j], out=grad_rows[i:j])
-        else:
-            g = grad_src.index_select(0, token_N[i:j]).to(acc)
+        g = grad_src.index_select(0, token_N[i:i + step]).to(acc)
         if need_probs:
-            prod = torch.mul(g, rows_NH[i:j].to(acc), out=pool.empty(g.shape, acc))
-            torch.sum(prod.flatten(1), -1, dtype=torch.float32, out=dots_N[i:j])
-            del prod
+            torch.sum((g * rows_NH[i:i + step].to(acc)).flatten(1), -1, dtype=torch.float32, out=dots_N[i:i + step])
         if need_rows:
-            scaled = g.mul_(p_N[i:j].view(-1, *([1] * (g.dim() - 1))))
-            if not in_place:
-                grad_rows[i:j] = scaled
+            grad_rows[i:i + step] = g.mul_(p_N[i:i + step].view(-1, *([1] * (g.dim() - 1))))
     grad_probs = None
     if need_probs:
         # padding rows all write the sink slot T*K, which is dropped

@@ -190,11 +190,11 @@ def test_dispatch_is_deterministic():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", ["complete", "padded"])
-def test_large_rows_reuse_workspaces_and_equal_the_formulas(dtype, variant):
-    """Rows above the pool's MIN_BYTES: permute's rows and the weighted combine's row gradient come from reused
-    workspaces (no new buffer after the first call), and the values are the formulas' bit for bit: rows =
-    x[token], grad_rows = p * grad[token] (one product in fp32, then rounded), grad_p = sum(grad[token] * row)."""
-    from moefold.parallel.workspace import MIN_BYTES, workspace
+def test_large_rows_equal_the_formulas(dtype, variant):
+    """Rows of several blocks (the combine's backward works in blocks of about 2**20 elements), repeated calls:
+    the values are the formulas' bit for bit: rows = x[token], grad_rows = p * grad[token] (one product in fp32,
+    then rounded), grad_p = sum(grad[token] * row)."""
+    from moefold.parallel.workspace import MIN_BYTES
 
     gen = torch.Generator().manual_seed(3)
     T, K, E, Hd = 1024, 4, 8, 256
@@ -206,19 +206,13 @@ def test_large_rows_reuse_workspaces_and_equal_the_formulas(dtype, variant):
     probs = torch.rand(T, K, generator=gen)
     gy = torch.randn(T, Hd, generator=gen)
     expert_out = torch.randn(rm.num_rows, Hd, generator=gen).to(dtype)
-    pool = workspace("cpu")
-    made = []
     for _ in range(3):
         xr, pr = x.clone().requires_grad_(), probs.clone().requires_grad_()
         rows = permute(xr, rm)
         out = (rows * 0 + expert_out).detach().requires_grad_()   # the experts' output, a leaf
         unpermute(out, rm, pr).backward(gy)
-        made.append(pool.allocated)
-        pooled = {b.untyped_storage().data_ptr() for bs in pool._buffers.values() for b in bs}
-        assert {rows.untyped_storage().data_ptr(), out.grad.untyped_storage().data_ptr()} <= pooled
         got = (rows.detach().clone(), out.grad.clone(), pr.grad.clone())
         del rows, out
-    assert made[1] == made[2], made   # steady state: every buffer reused
     token = rm.token_of_row_N
     src = torch.cat([x, x.new_zeros(1, Hd)]) if rm.padded else x
     g = torch.cat([gy, gy.new_zeros(1, Hd)])[token] if rm.padded else gy[token]
