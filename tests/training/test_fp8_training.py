@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import pytest
 import torch
 
 from moefold.models.options import ModelOptions
@@ -29,15 +28,6 @@ from moefold.training.trainer import Trainer
 from tests.training.trainer_common import fit_results, run, tiny_config, tiny_data
 
 STEPS, BAND, LAST10 = 100, 0.15, 0.10
-
-
-@pytest.fixture
-def one_thread():
-    """Many small GEMMs: on a shared 2-core machine a second OpenMP thread costs more than it gives."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _config(fp8: FP8Config, steps: int = STEPS, **train):
