@@ -271,39 +271,6 @@ class GroupedExperts(nn.Module):
         self.fuse_wgrad = enabled and self._default_gemms
         return self.fuse_wgrad
 
-    def _forward_default(self, x_NH: Tensor, counts_e: Tensor, counts_host: Sequence[int] | None) -> Tensor:
-        """The ``moe.expert_gemm`` path (module docstring): layout, pad, GEMM, SwiGLU, GEMM, unpad."""
-        e, gates, f, H = self.w13.shape
-        w13 = self.w13.reshape(e, gates * f, H)
-        recompute = CheckpointWithoutOutput() if self.recompute_activation else None
-        rows = None
-        if takes_cpu_shortcut(x_NH):   # host counts cost nothing here (the GPU path never reads them)
-            host = tuple(int(c) for c in (counts_e.tolist() if counts_host is None else counts_host))
-            n = sum(host)
-            if n < x_NH.shape[0]:   # a sync-free dispatcher's worst-case rows past the last block: zero outputs
-                return F.pad(self._forward_default(x_NH[:n], counts_e, host), (0, 0, 0, x_NH.shape[0] - n))
-            rows = choose_layout(host, x_NH, w13, "packed" if self.w13_bias is not None else self.row_layout)
-        slots = (grad_slot(self.w13), grad_slot(self.w2)) if self.fuse_wgrad else (None, None)
-        with self.offload_expert_fc1:
-            h_NGf = grouped_linear(pad_rows(x_NH, rows) if rows is not None else x_NH, w13, counts_e, rows, slots[0])
-            rows_e = None
-            if self.w13_bias is not None:   # packed rows (the bias forces them): each row's expert, e past the last
-                rows_e = row_experts(counts_e, x_NH.shape[0])   # block (a sync-free dispatcher's worst-case rows)
-                h_NGf = h_NGf + _with_zero_row(self.w13_bias.reshape(e, gates * f))[rows_e]
-        with self.offload_moe_act:
-            if recompute is not None:   # the region must return a fresh tensor: autograd's activation
-                act_Nf = recompute.checkpoint(self._activate, h_NGf)
-            elif self.gated and self.glu is None and self._activation is self._eager_activation:
-                act_Nf = swiglu_rows(h_NGf)
-            else:
-                act_Nf = self._activate(h_NGf)
-        out_NH = grouped_linear(act_Nf, self.w2, counts_e, rows, slots[1])
-        if recompute is not None:
-            recompute.discard_output_and_register_recompute(out_NH)
-        if rows is not None:
-            out_NH = unpad_rows(out_NH, rows)
-        return self._add_w2_bias(out_NH, rows_e)
-
     def _add_w2_bias(self, out_NH: Tensor, rows_e: Tensor | None) -> Tensor:
         if self.w2_bias is None:
             return out_NH
@@ -347,24 +314,42 @@ class GroupedExperts(nn.Module):
         w13 = self.w13.reshape(e, gates * f, H)
         if self._te:  # with no rows too: every rank of TE's amax group must run the same TE calls (moe.te_gemm)
             return self._te[0](tokens_NH, w13, self.w2, counts_host, self._activate)
-        if self._default_gemms:
-            return self._forward_default(tokens_NH, tokens_per_expert_e, counts_host)
+        default, rows = self._default_gemms, None
+        if default and takes_cpu_shortcut(tokens_NH):   # host counts cost nothing here (the GPU path never reads them)
+            host = tuple(int(c) for c in (tokens_per_expert_e.tolist() if counts_host is None else counts_host))
+            n = sum(host)
+            if n < tokens_NH.shape[0]:   # a sync-free dispatcher's worst-case rows past the last block: zero outputs
+                return F.pad(self._forward(tokens_NH[:n], tokens_per_expert_e, host), (0, 0, 0, tokens_NH.shape[0] - n))
+            rows = choose_layout(host, tokens_NH, w13, "packed" if self.w13_bias is not None else self.row_layout)
+        slots = (grad_slot(self.w13), grad_slot(self.w2)) if self.fuse_wgrad else (None, None)
+
+        def gemm(i: int, x: Tensor, w: Tensor) -> Tensor:   # the ``moe.expert_gemm`` path or the backend's GEMM
+            if default:
+                return grouped_linear(x, w, tokens_per_expert_e, rows, slots[i])
+            return (self._gemm13, self._gemm2)[i](x, w, tokens_per_expert_e, self.gemm_backend, trans_w=True,
+                                                  counts_host=counts_host)
+
         with self.offload_expert_fc1:
-            h_NGf = self._gemm13(tokens_NH, w13, tokens_per_expert_e, self.gemm_backend, trans_w=True,
-                                 counts_host=counts_host)
+            h_NGf = gemm(0, pad_rows(tokens_NH, rows) if rows is not None else tokens_NH, w13)
             rows_e = None
-            if self.w13_bias is not None:
+            if self.w13_bias is not None:   # packed rows (the bias forces them on CPU)
                 # each row's expert, e for rows past the last block (no token: a zero bias, and their gradient goes
                 # to that extra row, not to an expert's); output_size makes it sync-free on CUDA
                 rows_e = row_experts(tokens_per_expert_e, tokens_NH.shape[0])
                 h_NGf = h_NGf + _with_zero_row(self.w13_bias.reshape(e, gates * f))[rows_e]
         recompute = CheckpointWithoutOutput() if self.recompute_activation else None
         with self.offload_moe_act:
-            act_Nf = self._activate(h_NGf) if recompute is None else recompute.checkpoint(self._activate, h_NGf)
-        out_NH = self._gemm2(act_Nf, self.w2, tokens_per_expert_e, self.gemm_backend, trans_w=True,
-                             counts_host=counts_host)
+            if recompute is not None:   # the region must return a fresh tensor: autograd's activation
+                act_Nf = recompute.checkpoint(self._activate, h_NGf)
+            elif default and self.gated and self.glu is None and self._activation is self._eager_activation:
+                act_Nf = swiglu_rows(h_NGf)   # SwiGLU without autograd's cat
+            else:
+                act_Nf = self._activate(h_NGf)
+        out_NH = gemm(1, act_Nf, self.w2)
         if recompute is not None:   # moe_act: the activation is freed once w2 saved it, recomputed before its backward
             recompute.discard_output_and_register_recompute(out_NH)
+        if rows is not None:
+            out_NH = unpad_rows(out_NH, rows)
         return self._add_w2_bias(out_NH, rows_e)
 
     def flops(self, num_rows: int) -> int:
