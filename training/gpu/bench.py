@@ -1,7 +1,7 @@
 """GPU measurements for the GPU check (``moefold.training.gpu.check``), one subcommand per run.
 
     python -m moefold.training.gpu.bench moe-layer [--tokens 8192 ...]   # MoE layer vs dense ceiling
-    python -m moefold.training.gpu.bench syncs                           # host syncs, CUDA vs the CPU model
+    python -m moefold.training.gpu.bench syncs [--train-recipe qwen3_moe_proxy --train-seq 4096 --train-vocab 16384]
     python -m moefold.training.gpu.bench moe-layer --device cpu --tokens 64 --configs 8,2,32,64   # rehearsal
 
 ``moe-layer``: one MoE layer (router, local permutation, grouped experts, unpermutation) forward +
@@ -231,13 +231,16 @@ def bench_syncs(args: argparse.Namespace) -> int:
         cuda, model, where = _sync_count(_loss_step(layer, x), device)
         name = f"MoE layer fwd+bwd, local {mode}, {str(dtype).split('.')[1]}, {backend}"
         print(f"| {name} | {cuda} | {model} | {where} |", flush=True)
-    cuda, model, where = _sync_count(_training_step(device), device)
-    print(f"| training step (qwen3_moe_tiny bf16, 4 micro-batches) | {cuda} | {model} | {where} |")
+    recipe, seq, vocab = args.train_recipe, args.train_seq, args.train_vocab
+    cuda, model, where = _sync_count(_training_step(device, recipe, seq, vocab), device)
+    print(f"| training step ({recipe} bf16, 4 micro-batches of {seq} tokens, vocabulary {vocab}), per step | {cuda} | "
+          f"{model} | {where} |")
     return 0
 
 
-def _training_step(device: str) -> Callable[[], None]:
-    """One optimizer step of a tiny bf16 Qwen3-MoE per call (random tokens)."""
+def _training_step(device: str, recipe: str = "qwen3_moe_tiny", seq: int = 64,
+                   vocab: int = 256) -> Callable[[], None]:
+    """One optimizer step (4 micro-batches of ``seq`` random tokens) of ``recipe`` in bf16 per call."""
     import numpy as np
 
     from moefold.models.options import ModelOptions
@@ -245,12 +248,12 @@ def _training_step(device: str) -> Callable[[], None]:
     from moefold.training.config import RunConfig, TrainConfig
     from moefold.training.trainer import Trainer
 
-    model = get_recipe("qwen3_moe_tiny").with_(vocab_size=256)
-    train = TrainConfig(micro_batch_size=1, global_batch_size=4, seq_length=64, train_iters=1000, bf16=True,
+    model = get_recipe(recipe).with_(vocab_size=vocab)
+    train = TrainConfig(micro_batch_size=1, global_batch_size=4, seq_length=seq, train_iters=1000, bf16=True,
                         log_interval=1000, save=None)
-    config = RunConfig(model=model, options=ModelOptions(dtype="bf16"), train=train, recipe="qwen3_moe_tiny")
+    config = RunConfig(model=model, options=ModelOptions(dtype="bf16"), train=train, recipe=recipe)
     trainer = Trainer(config, ParallelDims.single(torch.device(device).type), device=device, log=lambda _m: None)
-    data = np.random.default_rng(0).integers(0, 256, size=(4096, 65), dtype=np.int64)
+    data = np.random.default_rng(0).integers(0, vocab, size=(64, seq + 1), dtype=np.int64)
 
     def step() -> None:
         trainer.fit(data, stop_at=trainer.iteration + 1)
@@ -274,6 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--deadline", type=float, default=float("inf"),
                    help="seconds after which no new row starts (its row says so)")
     s = sub.add_parser("syncs", help="host syncs per MoE layer and per training step: CUDA vs the CPU model")
+    s.add_argument("--train-recipe", default="qwen3_moe_tiny", help="the training step's model (default "
+                                                                     "qwen3_moe_tiny; the GPU check: qwen3_moe_proxy)")
+    s.add_argument("--train-seq", type=int, default=64, help="tokens per micro-batch of the training step")
+    s.add_argument("--train-vocab", type=int, default=256, help="the training step's vocabulary")
     for p in (m, s):
         p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                        help="cuda (default), or cpu: the GPU check's rehearsal of the same code paths")

@@ -12,28 +12,60 @@ Each step is a subprocess in its own process group with its own timeout inside o
 1. environment: GPUs, driver, torch, CUDA, ``moefold env``;
 2. torch API: every torch name moefold calls resolves in this machine's torch and takes moefold's keywords
    (``training.gpu.torch_api``; the declared minimum is older than this machine's torch may be);
-3. host syncs per MoE layer and per training step under CUDA's sync debug mode next to moefold's CPU model;
-4. a proxy-recipe training run in bf16 (tokens/s, TFLOP/s, MFU from its metrics);
-5. the MoE layer in bf16 with ``grouped_mm`` against a dense bf16 matmul of the same FLOPs;
-6. ``pytest tests/gpu`` (tests of libraries that are not installed skip themselves);
-7. ``--compile`` on CUDA: the proxy run compiled (its tokens/s) and ``tests/gpu/test_compile_cuda.py``;
-8. install: wheels carried in ``--wheels DIR`` (``pip --no-index --no-deps`` into a site folder on
+3. correct on CUDA: qwen3_moe, deepseek_v3 (MLA, MTP) and qwen3_next tiny models, forward + backward in fp32 with
+   TF32 off, equal the CPU's (logits, loss, every gradient), and a bf16 step's loss the fp32 one's
+   (``training.gpu.parity``: the tolerances derived there);
+4. host syncs per MoE layer and per training step of the proxy model under CUDA's sync debug mode next to
+   moefold's CPU model (``training.gpu.bench syncs``);
+5. proxy training (``training.gpu.train_rows``): Qwen3-MoE's proxy in bf16, with activation offloading and with
+   optimizer offloading beside it, and DeepSeek-V3's proxy with 2 layers: tokens/s, TFLOP/s, MFU, step time,
+   the peak memory beside ``moefold plan``'s prediction for the same run;
+6. the MoE layer in bf16 with ``grouped_mm`` against a dense bf16 matmul of the same FLOPs (``bench moe-layer``);
+   (the peers, HF transformers and TorchTitan on the same card, come after it);
+7. ``pytest -v tests/gpu`` (tests of libraries that are not installed skip themselves; with DeepEP V2 on >= 2
+   GPUs its first use, the JIT build of its kernels, runs first in a budget line of its own);
+8. ``--compile`` on CUDA: the proxy run compiled and ``tests/gpu/test_compile_cuda.py``;
+9. install: wheels carried in ``--wheels DIR`` (``pip --no-index --no-deps`` into a site folder on
    ``PYTHONPATH``; torch is never reinstalled), the ``.[gpu]`` parts from an index only if one answers within
    seconds, DeepEP from ``--deepep-src DIR`` with >= 2 GPUs (V2 against an nvidia-nccl wheel >= 2.30.4;
    ``training.gpu.install``);
-9. after install: the tests and MoE-layer rows of whatever the installs made importable (DeepEP's tests in a
-   pytest process of their own, with >= 2 GPUs);
-10. ``bench-dispatch`` over NCCL with >= 2 GPUs.
+10. FP8 through torchao (carried): the proxy run with tensorwise and rowwise FP8 beside bf16, step time and loss;
+11. after install: the tests and MoE-layer rows of whatever the installs made importable (DeepEP's tests in a
+    pytest process of their own);
+12. ``bench-dispatch`` over NCCL with >= 2 GPUs.
 
-A step that fails, times out or cannot run is recorded with the reason and the check goes on; the Markdown
-report (``--out``) is rewritten after every step, so it exists even if the check is killed, and the full output
-of every step goes to ``--log`` (default: next to the report). Exit code: 0 when every step that ran passed, 1
-otherwise; 2 without a CUDA device.
+The plan on the lent H200 (``PLAN``: cap and floor of each budget line; the expected seconds are estimates until a
+GPU has run the check): a line gets min(cap, what is left after the floors of the later lines), so the check ends
+in time whatever a step takes, and a step squeezed out says so.
+
+| step | expected s | cap s | floor s |
+|---|---|---|---|
+| environment | 8 | 45 | 0 |
+| torch API | 8 | 20 | 10 |
+| correct on CUDA (3 tiny models, CPU and GPU) | 15 | 45 | 20 |
+| host syncs (5 layer rows, one proxy step) | 20 | 40 | 15 |
+| proxy training (4 runs of 5-6 steps, the planner alongside) | 75 | 100 | 40 |
+| MoE layer | 40 | 60 | 20 |
+| tests/gpu | 90 | 100 | 40 |
+| --compile (proxy run 60, compile test 25) | 85 | 70 + 40 | 30 + 10 |
+| install (torchao's wheel) | 8 | 20 | 5 |
+| FP8 (3 runs of 6 steps) | 40 | 50 | 20 |
+| after install (FP8 tests and layer rows) | 45 | 60 | 15 |
+| **total** | **434** of 440 | | |
+| with DeepEP V2 and >= 2 GPUs: its JIT build, its tests, bench-dispatch | | 180, 120, 90 | 0 |
+
+A step that fails, times out or cannot run is recorded with the reason and the check goes on; a step is failed,
+never passed, when a row of its table failed or a test failed, whatever its exit code (``steps.failed_rows``,
+``steps.pytest_status``); pytest runs with ``-v``, so a step its time cap cuts still names every finished test
+and the one it cut. The Markdown report (``--out``) is rewritten after every step, with each step's command, so
+it exists even if the check is killed, and the full output of every step goes to ``--log`` (default: next to the
+report). Exit code: 0 when every step that ran passed, 1 otherwise; 2 without a CUDA device.
 
 ``--rehearsal`` runs every step on the CPU with tiny sizes (tests/gpu with ``MOEFOLD_GPU_REHEARSAL=1``:
 see tests/gpu/rehearsal.py; the benchmarks with ``--device cpu``; installs from an index are not attempted,
 carried wheels are), so that a stale call fails here rather than on the GPU machine's few minutes; ``--quick``
-makes that a CI-sized run (tests/training/gpu/test_rehearsal.py): tests/gpu's quick subset, no compiles.
+makes that a CI-sized run (tests/training/gpu/test_rehearsal.py): tests/gpu's quick subset, no compiles, no
+per-step caps (only the total budget: its verdict must not depend on a loaded CPU's seconds).
 """
 
 from __future__ import annotations
@@ -41,13 +73,11 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import importlib.util
-import json
 import os
 import platform
 import re
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -57,8 +87,9 @@ from moefold.training.gpu.steps import (
     REPO,
     Budget,
     Step,
-    fmt,
-    last_lines,
+    failed_rows,
+    parts_step,
+    pytest_status,
     pytest_summary,
     run,
     status_of,
@@ -66,17 +97,32 @@ from moefold.training.gpu.steps import (
     tail,
 )
 
+DEFAULT_BUDGET = 440.0  # seconds: the plan's caps and floors are sized for it
 DEFAULT_INDEX = "https://pypi.org/simple/"
-DEFAULT_BUDGET = 440.0  # seconds: the steps' reserves are sized for it
+# The budget's lines in the order they run: (step key, cap s, floor s). A line gets min(cap, what is left after the
+# floors of the later lines whose steps run); caps and floors are the H200 plan of the module docstring.
+PLAN: dict[str, tuple[str, float, float]] = {
+    "environment": ("environment", 45, 0), "api": ("api", 20, 10), "parity": ("parity", 45, 20),
+    "syncs": ("syncs", 40, 15), "train": ("train", 100, 40), "bench": ("bench", 60, 20),
+    # "peers" (HF transformers and TorchTitan on the same card) runs here, after "bench"
+    "deepep-jit": ("tests", 180, 0), "deepep-tests": ("tests", 120, 0), "tests": ("tests", 100, 40),
+    "compile": ("compile", 70, 30), "compile-test": ("compile", 40, 10), "install": ("install", 20, 5),
+    "fp8": ("fp8", 50, 20), "after-install": ("after-install", 60, 15), "dispatch": ("dispatch", 90, 0),
+}
 # tests/gpu in the order they run: quick and telling first; the compile test runs in the compile step
 TEST_FILES = ("test_device_agnostic.py", "test_host_sync_cuda.py", "test_gemm_backends.py", "test_fp8_cuda.py",
               "test_cp_attention.py", "test_attention_sinks_cuda.py", "test_from_hf_cuda.py")
 COMPILE_TEST = "test_compile_cuda.py"
+# DeepEP V2's first use JIT-builds its kernels (minutes): this test, alone and first, with its own budget line
+# (tests/training/gpu/test_check.py checks that it exists)
+DEEPEP_JIT_TEST = "test_deepep.py::test_flex_matches_alltoall[deepep-dropless-False-1]"
 # the tests and MoE-layer backends that an optional package, once importable, adds to what already ran
 RERUN_TESTS = {"torchao": ("test_fp8_cuda.py", "test_block_kernels_cuda.py"),
                "transformer_engine": ("test_gemm_backends.py", "test_fp8_cuda.py"),
                "grouped_gemm": ("test_gemm_backends.py",), "deep_ep": ("test_deepep.py",)}
 RERUN_BACKENDS = {"transformer_engine": "te", "grouped_gemm": "grouped_gemm", "torchao": "grouped_mm"}
+TRAIN_ROWS = "bf16,offload-activations,offload-optimizer,deepseek-v3"
+FP8_ROWS = "bf16,fp8-tensorwise,fp8-rowwise"
 
 
 def rerun_plan(newly: frozenset[str]) -> tuple[list[str], list[str]]:
@@ -93,9 +139,17 @@ def deadline_budget(requested: float, deadline: str | None, now: float, margin: 
     return max(1.0, min(requested, float(deadline) - now - margin))
 
 
+def deepep_v2() -> bool:
+    """Is the importable ``deep_ep`` DeepEP 2.x (``deep_ep/buffers/elastic.py``: kernels JIT-built on first use)?"""
+    spec = importlib.util.find_spec("deep_ep")
+    return spec is not None and any((Path(p) / "buffers" / "elastic.py").is_file()
+                                    for p in spec.submodule_search_locations or ())
+
+
 class Check:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, skip: frozenset[str] = frozenset()) -> None:
         self.args = args
+        self.skip = skip
         self.rehearsal = args.rehearsal or args.quick
         self.device = "cpu" if self.rehearsal else "cuda"
         self.out = Path(args.out).resolve()
@@ -103,7 +157,8 @@ class Check:
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.log.write_text(f"moefold GPU check, {dt.datetime.now(dt.timezone.utc).isoformat()}\n", encoding="utf-8")
         total = deadline_budget(args.budget, os.environ.get("MOEFOLD_GPU_CHECK_DEADLINE"), time.time())
-        self.budget = Budget(total, sized_for=DEFAULT_BUDGET)
+        # --quick (CI): no per-step caps, only the total: its verdict counts the work, not a loaded CPU's seconds
+        self.budget = Budget(total, sized_for=DEFAULT_BUDGET, capped=not args.quick)
         self.steps: list[Step] = []
         self.header = ""
         self.python = sys.executable
@@ -127,16 +182,35 @@ class Check:
         self.steps.append(result)
         self.write()
 
-    def cmd_step(self, name: str, cmd: list[str], cap: float, reserve: float = 0.0, summarize=tail,
-                 env: dict[str, str] | None = None) -> Step:
+    def limits(self, line: str) -> tuple[float, float]:
+        """(cap, reserve) of a budget line: the reserve is the floors of the later lines whose steps run."""
+        keys = list(PLAN)
+        later = keys[keys.index(line) + 1:]
+        return PLAN[line][1], sum(PLAN[k][2] for k in later if PLAN[k][0] not in self.skip)
+
+    def cmd_step(self, name: str, cmd: list[str], line: str, summarize: Callable[[str], str] = tail,
+                 env: dict[str, str] | None = None, tests: bool = False) -> Step:
+        """``cmd`` as one step within budget line ``line``. Its status: the exit code's, but failed when a table
+        row it printed failed (``failed_rows``) or, for pytest (``tests``), when a test failed or errored; its
+        summary starts with the command (every row's command stays in the report)."""
+        cap, reserve = self.limits(line)
         timeout = self.budget.for_step(cap, reserve)
         if timeout < 5:
             return Step(name, "skipped", summary=f"not enough of the {self.budget.total:.0f} s budget left")
         rc, text, seconds = run(cmd, timeout, self.log, {**self.env, **(env or {})})
-        summary = summarize(text) if rc == 0 else (summarize(text) + "\n" + tail(text, 15)).strip()
+        if tests:
+            status, summary = pytest_status(rc, text), pytest_summary(text, rc)
+        else:
+            status, summary = status_of(rc), summarize(text)
+            bad = failed_rows(text)
+            if bad and status == "passed":
+                status, summary = "failed", f"{len(bad)} row(s) failed\n{summary}"
+            if rc != 0:
+                summary = (summary + "\n" + tail(text, 15)).strip()
         if rc is None:
             summary = f"timed out after {timeout:.0f} s\n{summary}"
-        return Step(name, status_of(rc), seconds, summary, tail(text))
+        shown = " ".join(["python" if c == self.python else c for c in cmd])
+        return Step(name, status, seconds, f"$ {shown}\n{summary}", tail(text))
 
     def environment(self) -> Step:
         import torch
@@ -160,111 +234,100 @@ class Check:
                        f"{platform.machine()}, {os.cpu_count()} CPUs; optional packages at the start: {optional}\n"
                        f"- moefold commit {commit if re.fullmatch(r'[0-9a-f]{4,40}', commit) else 'unknown'}; "
                        f"{os.environ.get('MOEFOLD_GPU_CHECK_INSTALL', 'run as python -m')}\n")
-        return self.cmd_step("environment", [self.python, "-m", "moefold.training.cli", "env"], 45)
+        return self.cmd_step("environment", [self.python, "-m", "moefold.training.cli", "env"], "environment")
 
     def torch_api(self) -> Step:
-        return self.cmd_step("torch API", [self.python, "-m", "moefold.training.gpu.torch_api"], 40, reserve=380,
+        return self.cmd_step("torch API", [self.python, "-m", "moefold.training.gpu.torch_api"], "api",
                              summarize=lambda t: tail(t, 12))
 
     # measurements and tests (nothing installed) ---------------------------------------------------
+    def parity(self) -> Step:
+        return self.cmd_step("correct on CUDA", [self.python, "-m", "moefold.training.gpu.parity", "--device",
+                                                 self.device], "parity", summarize=table_rows)
+
     def syncs(self) -> Step:
+        size = [] if self.rehearsal else ["--train-recipe", "qwen3_moe_proxy", "--train-seq", "4096",
+                                          "--train-vocab", "16384"]
         return self.cmd_step("host syncs", [self.python, "-m", "moefold.training.gpu.bench", "syncs", "--device",
-                                            self.device], 60, reserve=330, summarize=table_rows)
+                                            self.device, *size], "syncs", summarize=table_rows)
 
-    def training(self, compile: bool = False) -> Step:
-        name = "proxy training --compile" if compile else "proxy training"
-        run_dir = Path(tempfile.mkdtemp(prefix="moefold-gpu-check-"))
-        iters = "4" if compile else "8"
-        if self.rehearsal:
-            recipe, sizes = "qwen3_moe_tiny", ["--train-iters", "3", "--micro-batch-size", "1", "--global-batch-size",
-                                               "2", "--seq-length", "32", "--vocab-size", "512"]
-        else:
-            recipe, sizes = "qwen3_moe_proxy", ["--train-iters", iters, "--micro-batch-size", "1",
-                                                "--global-batch-size", "8", "--seq-length", "4096", "--vocab-size",
-                                                "16384"]
-        cmd = [self.python, "-m", "moefold.training.cli", "train", "--recipe", recipe, "--device", self.device,
-               "--bf16", *sizes, "--log-interval", "1", "--lr-warmup-iters", "2", "--no-save", "--no-balance-report",
-               "--run-dir", str(run_dir), *(["--compile"] if compile else [])]
-        step = self.cmd_step(name, cmd, 120 if compile else 100, reserve=60 if compile else 240)
-        records = []
-        metrics = run_dir / "metrics.jsonl"
-        if metrics.exists():
-            for line in metrics.read_text().splitlines():
-                rec = json.loads(line)
-                if rec.get("kind") == "step":
-                    records.append(rec)
-        shutil.rmtree(run_dir, ignore_errors=True)
-        if records:
-            last = records[-2:] if compile else records[-3:]  # after warm-up (and compiling)
+    def _train_rows(self, name: str, line: str, rows: str, compile: bool = False) -> Step:
+        """``training.gpu.train_rows``: one ``moefold train`` run per row (proxy size; tiny in a rehearsal), no
+        row started within 30 s of the line's timeout."""
+        cap, reserve = self.limits(line)
+        timeout = self.budget.for_step(cap, reserve)
+        cmd = [self.python, "-m", "moefold.training.gpu.train_rows", "--device", self.device, "--size",
+               "tiny" if self.rehearsal else "proxy", "--rows", rows, "--deadline", str(max(1, int(timeout - 30))),
+               *(["--compile"] if compile else [])]
+        return self.cmd_step(name, cmd, line, summarize=lambda t: "\n".join(
+            ln for ln in t.splitlines() if ln.startswith(("|", "command ", "plan "))))
 
-            def mean(key: str) -> float | None:
-                vals = [r[key] for r in last if r.get(key) is not None]
-                return sum(vals) / len(vals) if vals else None
+    def training(self) -> Step:
+        """Proxy-size training steps: bf16, activation and optimizer offloading beside it, DeepSeek-V3's proxy;
+        each with moefold plan's memory beside the measured peak."""
+        return self._train_rows("proxy training", "train", TRAIN_ROWS)
 
-            tps, tflops, mfu = mean("tokens_per_s"), mean("tflops_per_s"), mean("mfu")
-            mem = last[-1].get("memory") or {}
-            tokens = last[-1].get("tokens")
-            step.summary = (f"{recipe} bf16{' --compile' if compile else ''}, {tokens} tokens per step, world 1; "
-                            f"mean of steps {last[0]['step']}-{last[-1]['step']}: {fmt(tps, '.0f')} tokens/s, "
-                            f"{fmt(tflops, '.3g')} TFLOP/s, MFU {fmt(mfu, '.3f')}; max allocated "
-                            f"{fmt(mem.get('max_allocated_gib'), '.1f')} GiB; "
-                            f"loss {records[0]['loss_lm']:.3f} -> {records[-1]['loss_lm']:.3f}\n") + last_lines(
-                                step.output, ("step ", "done:", "model:", "rank 0 memory", "torch.compile:"))
-        elif step.status == "passed":
-            step.status, step.summary = "failed", f"no step records in {metrics.name}\n{step.summary}"
-        return step
-
-    def moe_layer(self, backends: str = "grouped_mm", name: str = "MoE layer bf16 vs dense", cap: float = 80,
-                  reserve: float = 170) -> Step:
+    def moe_layer(self, backends: str = "grouped_mm", name: str = "MoE layer bf16 vs dense",
+                  line: str = "bench") -> Step:
+        cap, reserve = self.limits(line)
         timeout = self.budget.for_step(cap, reserve)
         cmd = [self.python, "-m", "moefold.training.gpu.bench", "moe-layer", "--device", self.device,
                "--backends", backends, "--no-compile", "--deadline", str(max(1, int(timeout - 20)))]
         if self.rehearsal:
             cmd += ["--tokens", "64", "--configs", "8,2,32,64", "--iters", "1", "--warmup", "0", "--matmul-size", "64"]
-        return self.cmd_step(name, cmd, cap, reserve=reserve, summarize=lambda t: "\n".join(
+        return self.cmd_step(name, cmd, line, summarize=lambda t: "\n".join(
             [ln for ln in t.splitlines() if ln.startswith(("device", "bf16 matmul"))] + [table_rows(t)]))
 
-    def _pytest(self, name: str, files: list[str], cap: float, reserve: float = 0.0) -> Step:
-        base = [self.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", "--durations=5"]
+    def _pytest(self, name: str, tests: list[str], line: str) -> Step:
+        """pytest over ``tests`` (files or test ids under tests/gpu) with ``-v``: each test is named when it
+        starts and its outcome appended when it ends, so a timeout keeps every finished test's name and outcome
+        and names the one it cut (``steps.pytest_summary``)."""
+        base = [self.python, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rfEs", "--durations=5"]
         if importlib.util.find_spec("pytest_timeout") is not None:
             base += ["--timeout", "150"]
-        return self.cmd_step(name, [*base, *(f"tests/gpu/{f}" for f in files)], cap, reserve=reserve,
-                             summarize=pytest_summary)
+        return self.cmd_step(name, [*base, *(f"tests/gpu/{t}" for t in tests)], line, tests=True)
+
+    def _deepep_tests(self) -> list[Step]:
+        """DeepEP's tests in a pytest process of their own (its ranks fork: a parent that has not initialised
+        CUDA). With DeepEP V2 and >= 2 GPUs its first use JIT-builds kernels (minutes, cached in
+        ``$EP_JIT_CACHE_DIR``): that test runs alone first, in its own budget line, so the build takes neither
+        the tests' time nor their names with it."""
+        parts = []
+        if self.num_gpus >= 2 and deepep_v2():
+            parts.append(self._pytest("DeepEP first use (JIT build)", [DEEPEP_JIT_TEST], "deepep-jit"))
+        parts.append(self._pytest("test_deepep.py", ["test_deepep.py"], "deepep-tests"))
+        return parts
 
     def tests(self) -> Step:
-        parts: list[Step] = []
         deepep = importlib.util.find_spec("deep_ep") is not None
-        if deepep and not self.rehearsal:
-            # DeepEP forks its ranks: a pytest process of its own, one that has not initialised CUDA
-            parts.append(self._pytest("test_deepep.py", ["test_deepep.py"], 120, reserve=200))
+        parts = self._deepep_tests() if deepep and not self.rehearsal else []
         # a rehearsal initialises no CUDA: DeepEP's test (its CPU stand-in) runs in the same process
         files = [*TEST_FILES, *(["test_deepep.py"] if self.rehearsal else [])]
         others = sorted({p.name for p in (REPO / "tests" / "gpu").glob("test_*.py")} - set(TEST_FILES)
                         - {"test_deepep.py", COMPILE_TEST})
-        parts.append(self._pytest("tests/gpu", [*files, *others], 150, reserve=130))
-        failed = [p for p in parts if p.status != "passed"]
-        summary = "\n\n".join(f"**{p.name}** ({p.status})\n```\n{p.summary}\n```" for p in parts)
-        if not (self.rehearsal or deepep):
-            summary = "test_deepep.py: not run (DeepEP is not installed)\n\n" + summary
-        return Step("tests", failed[0].status if failed else "passed", sum(p.seconds for p in parts), summary,
-                    "\n\n".join(tail(p.output, 30) for p in parts))
+        parts.append(self._pytest("tests/gpu", [*files, *others], "tests"))
+        note = "" if self.rehearsal or deepep else "test_deepep.py: not run (DeepEP is not installed)\n\n"
+        return parts_step("tests", parts, note)
 
     def compiled(self) -> Step:
         """``--compile`` on CUDA: the proxy run compiled, then compile-equals-eager (tests/gpu)."""
         if self.args.quick:
             return Step("--compile", "skipped", summary="rehearsal --quick: no compiles (the full --rehearsal and "
                                                         "tests/training/test_compile.py compile on the CPU)")
-        train = self.training(compile=True)
-        test = self._pytest(COMPILE_TEST, [COMPILE_TEST], 90, reserve=40)
-        parts = [train, test]
-        failed = [p for p in parts if p.status != "passed"]
-        summary = "\n\n".join(f"**{p.name}** ({p.status})\n```\n{p.summary}\n```" for p in parts)
-        return Step("--compile", failed[0].status if failed else "passed", sum(p.seconds for p in parts), summary,
-                    "\n\n".join(tail(p.output, 20) for p in parts))
+        train = self._train_rows("proxy training --compile", "compile", "bf16", compile=True)
+        return parts_step("--compile", [train, self._pytest(COMPILE_TEST, [COMPILE_TEST], "compile-test")], lines=20)
 
     # installs, and what they make possible --------------------------------------------------------
     def install(self) -> Step:
         return gpu_install.install(self)
+
+    def fp8(self) -> Step:
+        """FP8 training through torchao (tensorwise, rowwise) beside bf16: step time and loss. torchao is carried
+        to the GPU machine as a wheel, so this runs after the installs."""
+        if "torchao" not in gpu_install.importable():
+            return Step("FP8 (torchao)", "skipped", summary="torchao is not importable: carry its wheel in --wheels "
+                                                            "(docs/gpus.md: torchao 0.18.0 for torch 2.11)")
+        return self._train_rows("FP8 (torchao)", "fp8", FP8_ROWS)
 
     def after_install(self) -> Step:
         newly = gpu_install.importable() - self.preinstalled
@@ -274,20 +337,13 @@ class Check:
         files, backends = rerun_plan(newly)
         parts = []
         if backends:
-            parts.append(self.moe_layer(",".join(backends), f"MoE layer: {', '.join(backends)}", cap=80, reserve=40))
+            parts.append(self.moe_layer(",".join(backends), f"MoE layer: {', '.join(backends)}", "after-install"))
         files = [f for f in files if f != "test_deepep.py" or self.rehearsal]
         if "deep_ep" in newly and not self.rehearsal:   # DeepEP forks its ranks: a pytest process of its own
-            if self.num_gpus >= 2:
-                parts.append(self._pytest("test_deepep.py", ["test_deepep.py"], 120, reserve=20))
-            else:
-                parts.append(Step("test_deepep.py", "skipped", summary=f"needs >= 2 GPUs, {self.num_gpus} here"))
+            parts += self._deepep_tests()
         if files:
-            parts.append(self._pytest(f"tests/gpu: {' '.join(files)}", files, 120, reserve=20))
-        failed = [p for p in parts if p.status not in ("passed", "skipped")]
-        summary = f"newly importable: {', '.join(sorted(newly))}\n\n" + "\n\n".join(
-            f"**{p.name}** ({p.status})\n```\n{p.summary}\n```" for p in parts)
-        return Step("after install", failed[0].status if failed else "passed", sum(p.seconds for p in parts),
-                    summary, "\n\n".join(tail(p.output, 20) for p in parts))
+            parts.append(self._pytest(f"tests/gpu: {' '.join(files)}", files, "after-install"))
+        return parts_step("after install", parts, f"newly importable: {', '.join(sorted(newly))}\n\n", lines=20)
 
     def dispatch(self) -> Step:
         common = ["--dispatcher", "alltoall" + (",flex" if importlib.util.find_spec("deep_ep") is not None else "")]
@@ -305,7 +361,7 @@ class Check:
             cmd = [self.python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
                    "examples/bench_dispatch.py", *common, "--ep", str(n), "--dtype", "bf16", "--num-tokens", "8192",
                    "--hidden", "4096", "--num-experts", str(8 * n), "--topk", "8", "--iters", "10"]
-        return self.cmd_step("bench-dispatch (NCCL)", cmd, 90, summarize=lambda t: tail(t, 12))
+        return self.cmd_step("bench-dispatch (NCCL)", cmd, "dispatch", summarize=lambda t: tail(t, 12))
 
     # -- report -----------------------------------------------------------------------------
     def write(self) -> None:
@@ -322,10 +378,10 @@ class Check:
 
 
 # in the order they run: first what needs nothing installed, then the installs and what they add
-STEPS = ("api", "syncs", "train", "bench", "tests", "compile", "install", "after-install", "dispatch")
+STEPS = ("api", "parity", "syncs", "train", "bench", "tests", "compile", "install", "fp8", "after-install", "dispatch")
 
 
-def main(argv: list[str] | None = None) -> int:
+def arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(allow_abbrev=False,
                                      prog="python -m moefold.training.gpu.check", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="gpu_check.md", help="the Markdown report (default gpu_check.md)")
@@ -347,12 +403,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rehearsal", action="store_true",
                         help="run every step on the CPU with tiny sizes (no GPU needed): catches stale calls")
     parser.add_argument("--quick", action="store_true",
-                        help="a CI-sized rehearsal (implies --rehearsal): tests/gpu's quick subset, no compiles")
+                        help="a CI-sized rehearsal (implies --rehearsal): tests/gpu's quick subset, no compiles, no "
+                             "per-step caps")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = arg_parser()
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     if skip - set(STEPS):
         parser.error(f"--skip {','.join(sorted(skip - set(STEPS)))}: valid steps are {', '.join(STEPS)}")
-    check = Check(args)
+    check = Check(args, frozenset(skip))
     check.step(check.environment)
     if check.num_gpus == 0 and not check.rehearsal:
         check.steps.append(Step("GPU", "failed", summary="no CUDA device: nothing to check (--rehearsal runs every "
@@ -360,9 +422,9 @@ def main(argv: list[str] | None = None) -> int:
         check.write()
         print(f"report: {check.out}")
         return 2
-    plan = (("api", check.torch_api), ("syncs", check.syncs), ("train", check.training), ("bench", check.moe_layer),
-            ("tests", check.tests), ("compile", check.compiled), ("install", check.install),
-            ("after-install", check.after_install), ("dispatch", check.dispatch))
+    plan = (("api", check.torch_api), ("parity", check.parity), ("syncs", check.syncs), ("train", check.training),
+            ("bench", check.moe_layer), ("tests", check.tests), ("compile", check.compiled), ("install", check.install),
+            ("fp8", check.fp8), ("after-install", check.after_install), ("dispatch", check.dispatch))
     try:
         for key, fn in plan:
             if key not in skip:

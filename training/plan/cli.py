@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"model recipe (the base the model flags change): {', '.join(sorted(RECIPES))}")
     p.add_argument("--hf", "--load-hf", dest="load_hf", metavar="DIR", default=None,
                    help="plan for the model of an HF directory's config.json (instead of --recipe)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="the recipe's model with this vocabulary (as moefold train's --vocab-size; default: the "
+                        "recipe's)")
     c = p.add_argument_group("cluster")
     c.add_argument("--gpus", type=int, required=True, help="GPUs in all (the world size)")
     c.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node: ranks are numbered node by node "
@@ -143,13 +146,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
     o.add_argument("--plot", metavar="PNG", default=None, help="draw the top layouts' memory and time terms")
     add_model_arguments(p)
-    p.set_defaults(moe_use_upcycling=False, vocab_size=None, load_megatron=None, tokenizer_type=None,
+    p.set_defaults(moe_use_upcycling=False, load_megatron=None, tokenizer_type=None,
                    **{flag[2:].replace("-", "_"): None for flag, _, _ in ROUTER_FLAGS})
 
 
 def model_flags(args: argparse.Namespace, argv: list[str]) -> list[str]:
     """The model as the user gave it, for the printed commands: --recipe / --load-hf and the model flags."""
     out = ["--recipe", args.recipe] if args.recipe else ["--load-hf", args.load_hf]
+    if args.vocab_size is not None:
+        out += ["--vocab-size", str(args.vocab_size)]
     for flag, typ, _, _ in ARCH_FLAGS:
         value = getattr(args, dest(flag))
         if value is None:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -84,3 +88,118 @@ def test_deepep_build_from_source_is_planned_per_version(tmp_path, monkeypatch):
                                   env={})
     line, built = gpu_install._deepep(check)
     assert built is None and "not built (rehearsal)" in line and f"EP_NCCL_ROOT_DIR={nccl}" in line, line
+
+
+# ------------------------------------------------------------------------ issue 42, defect 4: verdicts the check keeps
+def _check(tmp_path, *argv: str) -> gpu_check.Check:
+    return gpu_check.Check(gpu_check.arg_parser().parse_args(["--out", str(tmp_path / "r.md"), *argv]))
+
+
+def test_a_failed_table_row_fails_the_step_whatever_the_exit_code(tmp_path, monkeypatch):
+    """A benchmark prints "failed: ..." in a row and exits 0 (the MoE-layer bench does, so the other rows still
+    run): the step is failed. A row "skipped: ..." alone does not fail it."""
+    out = {"text": ""}
+    monkeypatch.setattr(gpu_check, "run", lambda cmd, timeout, log, env=None: (0, out["text"], 0.1))
+    check = _check(tmp_path)
+    out["text"] = ("| config | backend | layer ms |\n|---|---|---|\n| E8 | grouped_mm | 1.5 |\n"
+                   "| E8 | te | skipped: no transformer_engine |\n")
+    assert check.cmd_step("bench", ["bench"], "bench", summarize=gpu_check.table_rows).status == "passed"
+    out["text"] += "| E8 | grouped_mm fp8 e4m3 rowwise | failed: RuntimeError: CUDA error |\n"
+    step = check.cmd_step("bench", ["bench"], "bench", summarize=gpu_check.table_rows)
+    assert step.status == "failed" and "1 row(s) failed" in step.summary and "$ bench" in step.summary
+    out["text"] = "| model | result |\n|---|---|\n| qwen3_moe_tiny | failed: 3e-05 > 1.6e-05 |\n"
+    assert check.cmd_step("parity", ["p"], "parity").status == "failed"
+
+
+def test_a_step_of_parts_is_never_passed_over_a_failed_part():
+    """tests, --compile and after install are parts (subprocesses): a skipped part first must not hide a failed one
+    (the step used to take the first part that had not passed)."""
+    def part(status: str) -> gpu_check_steps.Step:
+        return gpu_check_steps.Step(status, status, 1.0, "")
+
+    def combined(*statuses: str) -> str:
+        return gpu_check_steps.parts_step("s", [part(s) for s in statuses]).status
+
+    assert combined("skipped", "failed") == "failed"
+    assert combined("passed", "timed out", "failed") == "failed"
+    assert combined("timed out", "passed") == "timed out"
+    assert combined("passed", "skipped") == "passed"
+    assert combined("skipped", "skipped") == "skipped"
+
+
+def test_pytest_keeps_every_finished_tests_name_when_cut(tmp_path):
+    """tests/gpu runs with -v: each test is named when it starts and its outcome appended when it ends, so a run
+    killed in its third test (here: it kills itself, as a timeout or a CUDA abort would) still names the passed and
+    the failed test, and the test it was in; a failed test fails the step whatever the exit code."""
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    folder = tmp_path / "tests" / "gpu"
+    folder.mkdir(parents=True)
+    (folder / "test_cut.py").write_text(
+        "import os, signal\n"
+        "def test_a():\n    pass\n"
+        "def test_b():\n    assert 1 == 2\n"
+        "def test_c():\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "def test_d():\n    pass\n")
+    rc, text, _ = gpu_check_steps.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
+                                       "tests/gpu/test_cut.py"], 120, tmp_path / "log", cwd=tmp_path)
+    assert rc not in (0, None), text
+    results = gpu_check_steps.pytest_results(text)
+    ids = "tests/gpu/test_cut.py::test_"
+    assert results.outcomes == {ids + "a": "PASSED", ids + "b": "FAILED"}, text
+    assert results.running == ids + "c"
+    assert gpu_check_steps.pytest_status(0, text) == "failed"   # a failed test fails it even with exit code 0
+    summary = gpu_check_steps.pytest_summary(text, None)   # as a timeout reports it
+    assert f"FAILED {ids}b" in summary and f"running when the time cap hit: {ids}c" in summary, summary
+    assert "1 passed, 1 failed" in summary
+
+
+def test_a_non_finite_first_loss_is_reported_and_the_rows_go_on(tmp_path, monkeypatch, capsys):
+    """The metrics log a non-finite loss as null: the row says so and fails, its figures still print, and the next
+    row runs (the check used to format the first loss with :.3f and stop in its own code)."""
+    from moefold.training.gpu import train_rows
+
+    def fake_train(argv: list[str]) -> int:
+        run_dir = Path(argv[argv.index("--run-dir") + 1])
+        run_dir.mkdir(parents=True)
+        first = None if "qwen3_moe_tiny" in argv and "--optimizer-cpu-offload" not in argv else 6.2
+        records = [{"kind": "run"}] + [
+            {"kind": "step", "step": i + 1, "loss_lm": first if i == 0 else 6.1, "interval_s": 0.5,
+             "tokens_per_s": None, "tflops_per_s": float("nan"), "mfu": None, "memory": {}} for i in range(3)]
+        (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+        return 0
+
+    monkeypatch.setattr(train_rows, "cli_main", fake_train)
+    rc = train_rows.main(["--device", "cpu", "--size", "tiny", "--rows", "bf16,offload-optimizer", "--no-plan"])
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| bf16") or ln.startswith("| offl")]
+    assert rc == 1 and len(rows) == 2, rows
+    assert "non-finite -> 6.100" in rows[0] and "failed: non-finite loss at step 1" in rows[0], rows[0]
+    assert "| n/a |" in rows[0] and rows[1].endswith("| passed |"), rows
+
+
+def test_deepep_first_use_gets_its_own_budget_line(tmp_path, monkeypatch):
+    """With DeepEP V2 and >= 2 GPUs the test that first uses it (and JIT-builds its kernels) runs alone, in its own
+    pytest process with its own time (PLAN["deepep-jit"]), before DeepEP's tests and tests/gpu."""
+    calls = []
+    monkeypatch.setattr(gpu_check, "run", lambda cmd, timeout, log, env=None: calls.append((cmd, timeout))
+                        or (0, "", 0.1))
+    monkeypatch.setattr(gpu_check, "deepep_v2", lambda: True)
+    real_find_spec = gpu_check.importlib.util.find_spec
+    monkeypatch.setattr(gpu_check.importlib.util, "find_spec",
+                        lambda name: object() if name == "deep_ep" else real_find_spec(name))
+    check = _check(tmp_path, "--budget", "2000")
+    check.num_gpus = 2
+    step = check.tests()
+    assert [c[0][-1] for c in calls[:2]] == [f"tests/gpu/{gpu_check.DEEPEP_JIT_TEST}", "tests/gpu/test_deepep.py"]
+    assert all("-v" in cmd for cmd, _ in calls), "tests/gpu must run with -v: its names survive a cut (above)"
+    assert calls[0][1] == gpu_check.PLAN["deepep-jit"][1] * check.budget.scale
+    assert "DeepEP first use (JIT build)" in step.summary and step.status == "passed"
+
+
+def test_deepep_jit_test_exists():
+    """The test id the GPU check warms DeepEP's JIT with is one of tests/gpu/test_deepep.py's (collected in a
+    rehearsal, where deep_ep is the CPU stand-in)."""
+    env = {**os.environ, "MOEFOLD_GPU_REHEARSAL": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           f"tests/gpu/{gpu_check.DEEPEP_JIT_TEST}"], cwd=gpu_check_steps.REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert f"tests/gpu/{gpu_check.DEEPEP_JIT_TEST}" in proc.stdout, proc.stdout + proc.stderr
