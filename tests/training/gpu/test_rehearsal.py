@@ -2,16 +2,20 @@
 here, not in the few minutes of a GPU machine.
 
 One run of ``bash scripts/gpu_check.sh --quick`` (tests/gpu in rehearsal: each test function once, on the CPU,
-with the TE/DeepEP/grouped_gemm stand-ins; the torch API check, the sync, training and MoE-layer benchmarks at
-tiny sizes with ``--device cpu``), offline as on the GPU machine: pip has no index (``PIP_NO_INDEX``), the index
-probe meets a closed local port, torch is taken as installed, and a carried wheel is installed from ``--wheels``
-after the steps that need nothing installed.
+with the TE/DeepEP/grouped_gemm stand-ins; the torch API check, the correct-on-CUDA comparison, the sync, training
+(with the planner beside it), MoE-layer and FP8 rows at tiny sizes with ``--device cpu``), offline as on the GPU
+machine: pip has no index (``PIP_NO_INDEX``), the index probe meets a closed local port, torch is taken as
+installed, and a carried wheel is installed from ``--wheels`` after the steps that need nothing installed. Every
+step of the extended check runs except the compiles and bench-dispatch (the full ``--rehearsal`` runs those); a
+step that fails fails the run (exit code 1), so this test fails with it. ``--quick`` gives its steps no caps of
+their own: only the total budget, far above the run's few minutes, so a loaded CPU does not decide the verdict.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import importlib.util
 import os
 import re
 import subprocess
@@ -48,33 +52,49 @@ def test_gpu_check_rehearsal_runs_every_step_on_cpu(tmp_path):
     first, the install after them; the whole script ends inside its budget with every core step reported."""
     _wheel(tmp_path / "whl")
     out = tmp_path / "out" / "report.md"
-    env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_TIMEOUT": "420", "PIP_NO_INDEX": "1"}
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_TIMEOUT": "900", "PIP_NO_INDEX": "1"}
     env.pop("MOEFOLD_GPU_REHEARSAL", None)
     env.pop("PIP_INDEX_URL", None)
     t0 = time.monotonic()
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--quick", "--out", str(out), "--budget", "330",
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--quick", "--out", str(out), "--budget", "860",
                            "--wheels", str(tmp_path / "whl"), "--index-url", "http://127.0.0.1:9/simple/"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=460)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=960)
     seconds = time.monotonic() - t0
     report = out.read_text() if out.exists() else "(no report)"
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{report}"
-    core = ("| environment | passed |", "| torch API | passed |", "| host syncs | passed |",
-            "| proxy training | passed |", "| MoE layer bf16 vs dense | passed |", "| tests | passed |",
-            "| --compile | skipped |")
-    later = ("| install | passed |", "| after install | skipped |", "| bench-dispatch (NCCL) | skipped |")
+    fp8 = "passed" if importlib.util.find_spec("torchao") is not None else "skipped"
+    core = ("| environment | passed |", "| torch API | passed |", "| correct on CUDA | passed |",
+            "| host syncs | passed |", "| proxy training | passed |", "| MoE layer bf16 vs dense | passed |",
+            "| tests | passed |", "| --compile | skipped |")
+    later = ("| install | passed |", f"| FP8 (torchao) | {fp8} |", "| after install | skipped |",
+             "| bench-dispatch (NCCL) | skipped |")
     for row in core + later:
         assert row in report, f"{row} missing:\n{report}"
     assert max(report.index(r) for r in core) < report.index("| install |"), "installs must come after the core steps"
     # inside the budget: the script's own timeout and the check's budget
     used, budget = (float(v) for v in re.search(r"(\d+) s of a (\d+) s budget", report).groups())
-    assert used <= budget <= 330 and seconds < 420, (used, budget, seconds)
+    assert used <= budget <= 860 and seconds < 900, (used, budget, seconds)
+    print(f"rehearsal --quick: {seconds:.0f} s; per step: "
+          + ", ".join(f"{name} {secs} s" for name, secs in re.findall(r"^\| (.+?) \| \w[\w ]* \| (\d+) \|$", report,
+                                                                    re.M)))
     # offline: the index probe fails fast and says so; the carried wheel is installed and imports; torch is not
     assert "unreachable" in report and "no network" in report, report
     assert "import moefold_rehearsal_probe: ok 0.1" in report, report
     log = out.with_suffix(".log").read_text()
     assert "Collecting torch" not in log and "Downloading torch" not in log, "torch must be taken as installed"
     assert "0 problem(s)" in report.split("## torch API", 1)[1], report
-    # every benchmark row ran or said why not; the tests ran (none failed, none errored)
+    # every row of every step ran (none failed: a failed row fails its step), each with its command
+    rows = [f"| {m} | fp32 cpu vs cpu |" for m in ("qwen3_moe_tiny", "deepseek_v3_tiny", "qwen3_next_tiny")] + [
+        f"| {m} | bf16 step loss vs fp32 (cpu) |" for m in ("qwen3_moe_tiny", "deepseek_v3_tiny", "qwen3_next_tiny")]
+    rows += [f"| {r} | " for r in ("bf16", "offload-activations", "offload-optimizer", "deepseek-v3")]
+    rows += [f"| {r} | " for r in ("fp8-tensorwise", "fp8-rowwise")] if fp8 == "passed" else []
+    lines = report.splitlines()
+    for row in rows:
+        assert any(ln.startswith(row) and ln.endswith("| passed |") for ln in lines), f"{row} missing:\n{report}"
+    for cmd in ("$ python -m moefold.training.gpu.parity --device cpu",
+                "command offload-optimizer: python -m moefold.training.cli train --recipe qwen3_moe_tiny",
+                "plan deepseek-v3: python -m moefold.training.cli plan --recipe deepseek_v3_tiny"):
+        assert cmd in report, f"{cmd} missing:\n{report}"
     assert "| E8 k2 F32 H64 T64 | grouped_mm | " in report
-    assert "| training step (qwen3_moe_tiny bf16, 4 micro-batches) | n/a (CPU) | " in report
-    assert " passed" in report.split("## tests: passed", 1)[1] and "FAILED" not in report and "ERROR" not in report
+    assert "| training step (qwen3_moe_tiny bf16, 4 micro-batches of 64 tokens, vocabulary 256), per step |" in report
+    assert "tests finished: " in report and "FAILED" not in report and "ERROR" not in report
