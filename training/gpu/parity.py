@@ -189,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         torch.backends.cuda.matmul.fp32_precision = "ieee"   # no TF32: fp32 GEMMs as on the CPU
         torch.backends.cudnn.conv.fp32_precision = "ieee"    # the DeltaNet convolution's cuDNN kernels too
+        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}; TF32 "
+              f"off; against the CPU ({torch.get_num_threads()} thread)")
     else:
         print("device: cpu (a rehearsal: the device model is a second CPU model; its differences are zero)")
     print("| model | what | logits | loss | worst gradient | CPU fp32 vs fp64 | tolerance | routing | result |")
