@@ -187,6 +187,8 @@ def describe(row: str, m: Measured, plan: dict[str, str], base: Measured | None,
     peak = m.peak_gib()
     planned = f"{plan['total']} ({plan.get('activ', '?')} activations)" if plan else "-"
     peak_s = "n/a (CPU)" if peak is None else f"{peak * GB_PER_GIB:.1f}"
+    with contextlib.suppress(ValueError, ZeroDivisionError, KeyError):   # a plan figure "-" or 0.0, or none
+        peak_s += f" ({peak * GB_PER_GIB / float(plan['total']):.2f}x plan)" if peak is not None and plan else ""
     name = row + (" --compile" if compile else "")
     figures = (f"{fmt(m.mean('tokens_per_s'), '.0f')} | {fmt(m.mean('tflops_per_s'), '.3g')} | "
                f"{fmt(m.mean('mfu'), '.3f')} | {fmt(m.mean('interval_s'), '.3f')}")
