@@ -178,13 +178,16 @@ def titan_layer(config: ModelConfig, layer: MoELayer, dtype: torch.dtype, device
     per-expert loop, exact in fp32: the grouped path casts to bf16)."""
     if importlib.util.find_spec("torchtitan") is None:
         raise Unavailable(f"not installed: torchtitan ({TITAN_WHEEL})")
+    from importlib.metadata import version
+
     try:
         titan_moe = importlib.import_module("torchtitan.models.moe")
     except ImportError as err:
-        raise Unavailable(f"not importable: torchtitan.models.moe: {err}") from err
+        if err.name == "torchtitan.models.moe":   # 0.3 moved it (torchtitan.models.common.moe, config objects)
+            titan_moe = None
+        else:
+            raise Unavailable(f"not importable: torchtitan.models.moe: {err}") from err
     if not hasattr(titan_moe, "MoEArgs"):
-        from importlib.metadata import version
-
         raise Unavailable(f"API missing: torchtitan {version('torchtitan')} has no torchtitan.models.moe.MoEArgs "
                           f"(the 0.2.x layer; {TITAN_WHEEL})")
     r = router_config(config, ModelOptions())
