@@ -34,12 +34,7 @@ balanced all-to-all leaves a rank whose T tokens route 8 copies each; one expert
 moot); Mixtral 8x7B (8 experts top-2, F 14336, H 4096). Shared experts are left out on every side (a dense MLP, not
 routed-expert GEMMs; HF's DeepSeek block keeps a zero-width one, n_shared_experts=0, costing a [T, H] zero-fill).
 
-``step``: one optimizer step of the same model and weights, ``--batch`` x ``--seq`` tokens: moefold's
-``Trainer.train_step`` (bf16 parameters and compute, fp32 master weights and main grads, distributed AdamW, clip,
-the recipe's balancing loss) against HF's CausalLM of ``models.hf.config_map.to_hf_config`` (grouped_mm experts,
-SDPA attention, router aux loss with the same coefficient) cast to bf16, ``clip_grad_norm_`` and
-``torch.optim.AdamW(fused=True)`` over its bf16 parameters (``benchmarks/train_step.py --bf16``'s reference).
-TorchTitan's training step is not built: its model runs through its own trainer and job config.
+``step``: one optimizer step of the same model and weights, moefold against HF (``training.gpu.peers_step``).
 
 A cell that cannot run says why (not installed, not importable, API missing, OOM); one that raised says
 ``failed:``, and the exit code is then 1. ``--deadline S``: no new row starts after S seconds (its row says so).
@@ -237,7 +232,7 @@ def _moefold_layer_step(layer: MoELayer, x_BTH: Tensor, gy_BTH: Tensor) -> Calla
     return step
 
 
-def _cell_error(err: BaseException) -> str:
+def cell_error(err: BaseException) -> str:
     if isinstance(err, Unavailable):
         return str(err)
     if isinstance(err, torch.OutOfMemoryError):
@@ -245,7 +240,7 @@ def _cell_error(err: BaseException) -> str:
     return f"failed: {type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
 
 
-def _ratio(mine: float | None, theirs: float | None) -> str:
+def ratio(mine: float | None, theirs: float | None) -> str:
     return f"{theirs / mine:.2f}" if mine and theirs else "-"
 
 
@@ -262,12 +257,12 @@ class Table:
         print("| " + " | ".join(cells) + " |", flush=True)
 
 
-def _free(device: str) -> None:
+def free_cache(device: str) -> None:
     if device == "cuda":
         torch.cuda.empty_cache()
 
 
-def _versions() -> str:
+def versions() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     parts = []
@@ -282,7 +277,7 @@ def _versions() -> str:
 def bench_layers(args: argparse.Namespace) -> int:
     T, device, dtype = args.tokens, args.device, torch.bfloat16
     deadline = time.monotonic() + args.deadline
-    print(f"MoE layer forward + backward, bf16, {T} tokens; {_versions()}; FLOPs: routed-expert GEMMs, 18 N H F")
+    print(f"MoE layer forward + backward, bf16, {T} tokens; {versions()}; FLOPs: routed-expert GEMMs, 18 N H F")
     table = Table(["shape", "moefold ms", "HF ms", "TorchTitan ms", "moefold/HF", "moefold/TorchTitan",
                    "moefold TFLOP/s", "dense TFLOP/s", "layer/dense"])
     for shape in parse_configs(args.configs):
@@ -302,110 +297,29 @@ def bench_layers(args: argparse.Namespace) -> int:
             dense = flops / dense_ceiling(T * shape.k, shape.H, shape.F, args.iters, args.warmup, device)
             modules["moefold"] = moefold_layer(config, dtype, device)
         except Exception as err:   # the row reports it; the next shape still runs
-            table.row([name, _cell_error(err)] + [""] * 7)
-            _free(device)
+            table.row([name, cell_error(err)] + [""] * 7)
+            free_cache(device)
             continue
         for peer, build in (("HF", hf_layer), ("TorchTitan", _titan_peer)):
             try:
                 modules[peer] = build(config, modules["moefold"], dtype, device)
             except Exception as err:   # the cell reports it
-                cells[peer] = _cell_error(err)
+                cells[peer] = cell_error(err)
         for who, module in modules.items():
             step = (_moefold_layer_step if who == "moefold" else _module_step)(module, x, gy)
             try:
                 seconds[who] = device_time(step, args.iters, args.warmup, device)
                 cells[who] = f"{seconds[who] * 1e3:.2f}"
             except Exception as err:   # the cell reports it
-                cells[who] = _cell_error(err)
+                cells[who] = cell_error(err)
             module.zero_grad(set_to_none=True)
         modules.clear()
-        _free(device)
+        free_cache(device)
         mine = seconds.get("moefold")
         rate = flops / mine if mine else None
-        table.row([name, cells["moefold"], cells["HF"], cells["TorchTitan"], _ratio(mine, seconds.get("HF")),
-                   _ratio(mine, seconds.get("TorchTitan")), f"{rate / 1e12:.3g}" if rate else "-",
+        table.row([name, cells["moefold"], cells["HF"], cells["TorchTitan"], ratio(mine, seconds.get("HF")),
+                   ratio(mine, seconds.get("TorchTitan")), f"{rate / 1e12:.3g}" if rate else "-",
                    f"{dense / 1e12:.3g}", f"{rate / dense:.2f}" if rate else "-"])
-    return 1 if table.failed else 0
-
-
-# ------------------------------------------------------------------------------------------------ training step
-def hf_causal_lm(config: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, device: str) -> nn.Module:
-    """transformers' CausalLM of ``config`` (grouped_mm experts, SDPA, router aux loss as the recipe's coefficient)
-    holding ``state`` (HF names; empty: HF's own init), in ``dtype`` on ``device``."""
-    if importlib.util.find_spec("transformers") is None:
-        raise Unavailable("not installed: transformers")
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    hf_config = AutoConfig.for_model(**to_hf_config(config))
-    hf_config._attn_implementation = "sdpa"
-    hf_config._experts_implementation = "grouped_mm"
-    hf_config.output_router_logits = config.moe_aux_loss_coeff > 0
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(hf_config)
-    if state:
-        model.load_state_dict(state, strict=True)
-    return model.to(dtype).train()
-
-
-def _moefold_train_step(config: ModelConfig, recipe: str, batch: Tensor, args: argparse.Namespace,
-                  ) -> tuple[float, dict[str, Tensor]]:
-    """(seconds per ``Trainer.train_step`` on ``batch``, the model's weights afterwards under HF names)."""
-    from moefold.training.config import RunConfig, TrainConfig
-    from moefold.training.trainer import Trainer
-
-    B, S = batch.shape[0], batch.shape[1] - 1
-    train = TrainConfig(micro_batch_size=B, global_batch_size=B, seq_length=S, train_iters=1000, lr=1e-4, min_lr=1e-5,
-                        lr_warmup_iters=0, log_interval=1000, bf16=True, save=None)
-    trainer = Trainer(RunConfig(model=config, options=ModelOptions(dtype="bf16"), train=train, recipe=recipe),
-                      ParallelDims.single(torch.device(args.device).type), device=args.device, log=lambda _m: None)
-    seconds = device_time(lambda: trainer.train_step([batch]), args.iters, args.warmup, args.device)
-    return seconds, {hf_name: value.detach() for name, tensor in trainer.model.state_dict().items()
-                     for hf_name, value in hf_tensors(name, tensor, config, "fused")}
-
-
-def _hf_train_step(config: ModelConfig, state: dict[str, Tensor], batch: Tensor, args: argparse.Namespace) -> float:
-    """Seconds per HF training step on ``batch`` (its model holding ``state``): forward with labels (HF shifts
-    them; the router aux loss added), backward, clip, fused AdamW over the bf16 parameters, zero_grad."""
-    hf = hf_causal_lm(config, state, torch.bfloat16, args.device)
-    state.clear()
-    ids = batch[:, :-1].to(args.device)
-    opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
-
-    def step() -> None:
-        hf(input_ids=ids, labels=ids).loss.backward()
-        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return device_time(step, args.iters, args.warmup, args.device)
-
-
-def bench_step(args: argparse.Namespace) -> int:
-    B, S, recipe = args.batch, args.seq, args.recipe
-    deadline = time.monotonic() + args.deadline
-    config = get_recipe(recipe).with_(vocab_size=args.vocab)
-    print(f"training step, bf16, {B} x {S} tokens, {recipe} (vocabulary {args.vocab}); {_versions()}")
-    table = Table(["model", "tokens/step", "moefold ms", "HF ms", "TorchTitan ms", "moefold/HF", "moefold/TorchTitan"])
-    batch = torch.randint(0, args.vocab, (B, S + 1), generator=torch.Generator().manual_seed(0))
-    seconds: dict[str, float] = {}
-    cells: dict[str, str] = {}
-    state: dict[str, Tensor] = {}
-    for who in ("moefold", "HF"):
-        if time.monotonic() > deadline:
-            cells[who] = f"skipped: out of time (--deadline {args.deadline:.0f} s)"
-            continue
-        try:   # HF starts from moefold's weights after its steps (its own init if moefold failed)
-            if who == "moefold":
-                seconds[who], state = _moefold_train_step(config, recipe, batch, args)
-            else:
-                seconds[who] = _hf_train_step(config, state, batch, args)
-            cells[who] = f"{seconds[who] * 1e3:.1f}"
-        except Exception as err:   # a row that reports the error; the other column still runs
-            cells[who] = _cell_error(err)
-        _free(args.device)
-    table.row([f"{recipe} B{B} S{S}", str(B * S), cells["moefold"], cells["HF"],
-               "not built: TorchTitan's model trains through its own trainer and job config",
-               _ratio(seconds.get("moefold"), seconds.get("HF")), "-"])
     return 1 if table.failed else 0
 
 
@@ -450,7 +364,11 @@ def main(argv: list[str] | None = None) -> int:
             parse_configs(args.configs)
         except ValueError as err:
             parser.error(str(err))
-    return start(args.device) or (bench_layers(args) if args.what == "layer" else bench_step(args))
+    if args.what == "layer":
+        return start(args.device) or bench_layers(args)
+    from moefold.training.gpu.peers_step import bench_step  # it builds on this module's rows
+
+    return start(args.device) or bench_step(args)
 
 
 if __name__ == "__main__":
