@@ -133,7 +133,7 @@ class _Saved:
         self.whole = covered >= STORAGE_COPY_MIN_COVERAGE * storage.nbytes()
         sources = [torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage)] if self.whole else self.views
         for src in sources:
-            host = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
+            host = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
             host.copy_(src, non_blocking=pin)
             self.host.append(host)
 
@@ -203,9 +203,9 @@ class _Handle:
 class ActivationOffloader:
     """Host copies of the offloaded modules' saved tensors for one process (see the module docstring).
 
-    ``device``: where the model computes; ``min_tensor_numel``: smaller saved tensors stay on the device
-    (Megatron's ``--min-offloaded-tensor-size``). Resources (the two side streams) are per process and shared by
-    every layer. ``stats``: bytes copied out per module since the offloader was made."""
+    ``device``: where the model computes (meta: the regions copy nothing); ``min_tensor_numel``: smaller saved
+    tensors stay on the device (Megatron's ``--min-offloaded-tensor-size``). Resources (the two side streams) are per
+    process and shared by every layer. ``stats``: bytes copied out per module since the offloader was made."""
 
     def __init__(self, device: torch.device | str, min_tensor_numel: int = MIN_OFFLOADED_TENSOR_SIZE) -> None:
         if not isinstance(min_tensor_numel, int) or min_tensor_numel < 0:
@@ -237,8 +237,10 @@ class ActivationOffloader:
         return OffloadRegion(self, name, layer, module)
 
     def _enter(self, name: str, layer: int, module: nn.Module) -> contextlib.AbstractContextManager:
-        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
-            return contextlib.nullcontext()   # no backward to offload for, or a recompute inside backward
+        if self.device.type == "meta" or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            # a meta model (built for accounting) has no data to copy; no backward to offload for; a recompute
+            # inside backward
+            return contextlib.nullcontext()
         if self._open is not None:
             raise RuntimeError(f"offload region {name!r} opened inside {self._open.name!r}")
         if self._chunk is None:

@@ -97,7 +97,7 @@ class GQAAttention(nn.Module):
             mark_sharded(self.sinks, Shard.over(tp_group, 0))
         else:
             self.register_parameter("sinks", None)
-        self.rotary = RotaryEmbedding(c.rotary_dim_resolved, c.rope_theta, c.yarn)
+        self.rotary = RotaryEmbedding(c.rotary_dim_resolved, c.rope_theta, c.yarn, device=device)
         self.core = CoreAttention(d ** -0.5, sliding_window=c.sliding_window, cp_group=cp_group, cp_comm=c.cp_comm)
         # selective recompute of core attention (``dense.recompute``); the model may reconfigure it
         self.recompute_core_attn = c.recompute == "selective"

@@ -135,11 +135,18 @@ def all_gather_calls(rank: int, cp: int, c: int, window: int | None) -> tuple[Bl
 # --------------------------------------------------------------------------------------------
 # running the calls
 # --------------------------------------------------------------------------------------------
+def _accumulation_dtype(q: Tensor) -> torch.dtype:
+    """fp32 for bf16/fp16/fp32 inputs (the kernels' own log-sum-exp dtype), float64 for float64 ones (the exact
+    references tests compare fp32 runs with)."""
+    return torch.promote_types(q.dtype, torch.float32)
+
+
 def _accumulators(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """fp32 output ``[B, h, Sq, Dv]`` (zeros) and log-sum-exp ``[B, h, Sq]`` (-inf)."""
+    """Output ``[B, h, Sq, Dv]`` (zeros) and log-sum-exp ``[B, h, Sq]`` (-inf), in the accumulation dtype."""
     B, h, Sq = q.shape[:3]
-    out = torch.zeros(B, h, Sq, v.shape[-1], dtype=torch.float32, device=q.device)
-    return out, torch.full((B, h, Sq), float("-inf"), dtype=torch.float32, device=q.device)
+    acc = _accumulation_dtype(q)
+    out = torch.zeros(B, h, Sq, v.shape[-1], dtype=acc, device=q.device)
+    return out, torch.full((B, h, Sq), float("-inf"), dtype=acc, device=q.device)
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, calls: tuple[BlockCall, ...], kernel: AttentionKernel, scale: float,
@@ -191,9 +198,10 @@ class _FusedRing(torch.autograd.Function):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         group, scale, window, kernel = ctx.group, ctx.scale, ctx.window, ctx.kernel
         n, me, c = group_size(group), group_rank(group), q.shape[2] // 2
-        dq = torch.zeros_like(q, dtype=torch.float32)
+        acc = _accumulation_dtype(q)
+        dq = torch.zeros_like(q, dtype=acc)
         kv = (k, v)
-        dkv = (torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32))
+        dkv = (torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc))
         for step in range(n):
             kv_pending = PendingShift()
             nxt = ring_shift(kv, group, kv_pending) if step + 1 < n else None
@@ -227,7 +235,7 @@ class _FusedBlocks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        grads = [torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v)]
+        grads = [torch.zeros_like(t, dtype=_accumulation_dtype(q)) for t in (q, k, v)]
         _attend_backward(grad_out, q, k, v, out, lse, ctx.calls, ctx.kernel, ctx.scale, *grads)
         d_sinks = None if sinks is None else sinks_grad(grad_out, out, lse, sinks).to(sinks.dtype)
         return grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype), None, None, None, d_sinks

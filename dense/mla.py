@@ -66,7 +66,7 @@ class MLAttention(nn.Module):
                                               tp_group, **up)
         self.o_proj = RowParallelLinear(c.num_heads * c.v_head_dim, c.hidden_size, tp_group, bias=c.bias,
                                         sequence_parallel=sp, **kw)
-        self.rotary = RotaryEmbedding(c.qk_rope_head_dim, c.rope_theta, c.yarn)
+        self.rotary = RotaryEmbedding(c.qk_rope_head_dim, c.rope_theta, c.yarn, device=device)
         scale = c.qk_head_dim ** -0.5 * yarn_softmax_mscale(c.yarn)
         self.core = CoreAttention(scale, cp_group=cp_group, cp_comm=c.cp_comm)
         # selective recompute (``dense.recompute``): core attention, and the up-projections with RoPE

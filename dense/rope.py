@@ -70,11 +70,11 @@ def yarn_softmax_mscale(yarn: YarnConfig | None) -> float:
     return m * m
 
 
-def _default_inv_freq(dim: int, theta: float) -> Tensor:
-    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+def _default_inv_freq(dim: int, theta: float, device: torch.device | str | None = None) -> Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
 
 
-def _yarn_inv_freq(dim: int, theta: float, yarn: YarnConfig) -> Tensor:
+def _yarn_inv_freq(dim: int, theta: float, yarn: YarnConfig, device: torch.device | str | None = None) -> Tensor:
     def correction_dim(num_rotations: float) -> float:
         return (dim * math.log(yarn.original_max_position_embeddings / (num_rotations * 2 * math.pi))) / (
             2 * math.log(theta))
@@ -85,8 +85,8 @@ def _yarn_inv_freq(dim: int, theta: float, yarn: YarnConfig) -> Tensor:
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2, device=device).float() / dim)
     inv_freq_extrapolation = 1.0 / pos_freqs
     inv_freq_interpolation = 1.0 / (yarn.factor * pos_freqs)
     extrapolation_factor = 1 - ramp
@@ -98,16 +98,19 @@ class RotaryEmbedding(nn.Module):
 
     forward(position_ids [S] int64) -> (cos [S, dim], sin [S, dim]) in fp32, laid out
     ``cat(freqs, freqs)`` as HF does and already multiplied by YaRN's attention factor.
+    ``inv_freq`` [dim / 2] fp32 (a non-persistent buffer) is computed on ``device`` (None: the default device),
+    as HF computes it on the device it builds on.
     """
 
-    def __init__(self, dim: int, theta: float = 10000.0, yarn: YarnConfig | None = None) -> None:
+    def __init__(self, dim: int, theta: float = 10000.0, yarn: YarnConfig | None = None, *,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         if not isinstance(dim, int) or dim < 2 or dim % 2 != 0:
             raise ValueError(f"RotaryEmbedding dim={dim!r} must be a positive even integer")
         if not theta > 1:
             raise ValueError(f"RotaryEmbedding theta={theta!r} must be > 1")
         self.dim, self.theta, self.yarn = dim, float(theta), yarn
-        inv_freq = _default_inv_freq(dim, theta) if yarn is None else _yarn_inv_freq(dim, theta, yarn)
+        inv_freq = _default_inv_freq(dim, theta, device) if yarn is None else _yarn_inv_freq(dim, theta, yarn, device)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.attention_scaling = 1.0 if yarn is None else yarn_attention_factor(yarn)
 

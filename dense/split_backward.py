@@ -186,6 +186,29 @@ def _accumulate(edges: Sequence[GradientEdge | None], grads: Sequence[Tensor | N
         torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
 
 
+def _column_major(t: Tensor) -> bool:
+    """A 2-D tensor laid out column by column (autograd's ``mm`` backward picks its operand order by this)."""
+    return t.stride(0) == 1 and t.stride(1) == t.shape[0]
+
+
+def _linear_input_grad(dy: Tensor, x: Tensor, w: Tensor) -> Tensor:
+    """``dx`` as autograd computes it for ``F.linear(x, w, b)``: both of ``at::linear``'s paths (``addmm`` on the
+    input viewed as 2-D, or ``matmul``, which folds it so) run ``mm`` on the output gradient *reshaped* to 2-D
+    (``mm_mat1_backward`` in torch's FunctionsManual.cpp), transposing the product when the 2-D input was
+    column-major. ``dy.matmul(w)`` on a non-contiguous ``dy`` (a head split's gradient) folds it differently and
+    rounds differently on some CPUs (AMD EPYC, where the split backward was off by 1.9e-9)."""
+    x_MK = x.reshape(-1, x.shape[-1])
+    dy_MN = dy.reshape(-1, dy.shape[-1])
+    dx_MK = w.t().mm(dy_MN.t()).t() if _column_major(x_MK) else dy_MN.mm(w)
+    return dx_MK.view(x.shape) if dx_MK.is_contiguous() else dx_MK.reshape(x.shape)
+
+
+def _linear_weight_grad(dy_MN: Tensor, x_MK: Tensor, w: Tensor) -> Tensor:
+    """``dw`` as autograd computes it: ``mm_mat2_backward`` for ``mat2 = w.t()``, which is column-major for a
+    row-major ``w`` (then ``dy^T x``), else ``(x^T dy)^T``."""
+    return dy_MN.t().mm(x_MK) if _column_major(w.t()) else x_MK.t().mm(dy_MN).t()
+
+
 class _SplitLinear(torch.autograd.Function):
     """``F.linear(x [..., K], w [N, K], b [N])``. With ``split`` (``w``/``b`` detached, see ``weight_inputs``) the
     weight and bias gradients go to ``split.edges`` now or later, else they are returned as usual. The formulas are
@@ -197,12 +220,14 @@ class _SplitLinear(torch.autograd.Function):
                 _anchor: Tensor | None) -> Tensor:
         ctx.save_for_backward(x, w)
         ctx.store, ctx.split, ctx.has_bias = store, split, b is not None
-        return F.linear(x, w, b)
+        # fold to 2-D first, as at::linear does when its weight requires grad (a detached weight would let
+        # ``matmul`` take its batched path for a non-contiguous x and round differently)
+        return F.linear(x.reshape(-1, x.shape[-1]), w, b).view(*x.shape[:-1], w.shape[0])
 
     @staticmethod
     def backward(ctx, dy: Tensor) -> tuple[Tensor | None, ...]:
         x, w = ctx.saved_tensors
-        dx = dy.matmul(w) if ctx.needs_input_grad[0] else None
+        dx = _linear_input_grad(dy, x, w) if ctx.needs_input_grad[0] else None
         if ctx.split is None:
             need_w, need_b = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
         else:
@@ -210,7 +235,7 @@ class _SplitLinear(torch.autograd.Function):
 
         def compute() -> tuple[Tensor | None, Tensor | None]:
             dy_MN = dy.reshape(-1, dy.shape[-1])
-            dw = dy_MN.t().mm(x.reshape(-1, x.shape[-1])) if need_w else None
+            dw = _linear_weight_grad(dy_MN, x.reshape(-1, x.shape[-1]), w) if need_w else None
             return dw, dy_MN.sum(0) if need_b else None
 
         if ctx.split is None:

@@ -145,8 +145,8 @@ def _raw_exchange(kind: str, handle, dims, T: int, K: int, H: int, dtype: torch.
         if W == 1:
             return None
         Tm = handle.max_tokens
-        x = torch.randn(Tm, H, generator=gen).to(device, dtype)
-        partial = torch.randn(W * Tm, H, generator=gen).to(device, dtype)
+        x = torch.randn(Tm, H, generator=gen, device="cpu").to(device, dtype)   # gen is a CPU generator
+        partial = torch.randn(W * Tm, H, generator=gen, device="cpu").to(device, dtype)
 
         def run() -> None:
             out = torch.empty(W * Tm, H, dtype=dtype, device=device)
@@ -162,7 +162,7 @@ def _raw_exchange(kind: str, handle, dims, T: int, K: int, H: int, dtype: torch.
     else:  # flex: an even all-to-all of this rank's copies, what an ideal exchange would move
         n = -(-T * K // dims.ep)
         send = recv = [n] * dims.ep
-    buf = torch.randn(sum(send), H, generator=gen).to(device, dtype)
+    buf = torch.randn(sum(send), H, generator=gen, device="cpu").to(device, dtype)
     group = dims.ep_group
 
     def run() -> None:
@@ -192,12 +192,14 @@ def time_round_trip(dispatcher, x: torch.Tensor, routing, sync: Callable[[], Non
 
 
 def _bench_inputs(skew_name: str, args: argparse.Namespace, dims, device: torch.device):
-    """(x [T, H], router weight [H, E], expert popularity skew [E], generator) of this rank."""
+    """(x [T, H], router weight [H, E], expert popularity skew [E], generator) of this rank: drawn on the CPU (the
+    same values on every device), then moved to ``device``."""
     gen = torch.Generator().manual_seed(args.seed + dims.rank)
-    H, E = args.hidden, args.num_experts
-    x = torch.randn(args.num_tokens, H, generator=gen).to(device, DTYPES[args.dtype])
-    w_gate = (torch.randn(H, E, generator=torch.Generator().manual_seed(args.seed)) / H ** 0.5).to(device)
-    skew = torch.zeros(E) if skew_name == "uniform" else -torch.log(torch.arange(1, E + 1, dtype=torch.float))
+    H, E, cpu = args.hidden, args.num_experts, torch.device("cpu")
+    x = torch.randn(args.num_tokens, H, generator=gen, device=cpu).to(device, DTYPES[args.dtype])
+    w_gate = (torch.randn(H, E, generator=torch.Generator().manual_seed(args.seed), device=cpu) / H ** 0.5).to(device)
+    skew = (torch.zeros(E, device=cpu) if skew_name == "uniform"
+            else -torch.log(torch.arange(1, E + 1, dtype=torch.float, device=cpu)))
     return x, w_gate, (skew * 4).to(device), gen  # Zipf-like popularity, sharpened to survive the random logits
 
 

@@ -64,7 +64,6 @@ has a config for (the kernels are built for those); other sizes are refused at c
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -72,6 +71,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from moefold.dispatch import deepep_nccl
 from moefold.dispatch.base import Dispatched, DispatchHandle, PhaseTimer, TokenDispatcher
 from moefold.dispatch.permutation import RowMap, build_row_map, mask_groups, permute, unpermute
 from moefold.dispatch.routing import Routing
@@ -118,11 +118,9 @@ def flex_group(dispatcher: TokenDispatcher, etp_ep_group: Group) -> Group:
 
 
 def import_deep_ep() -> Any:
-    """Import ``deep_ep`` or raise ImportError saying what to install."""
-    try:
-        return importlib.import_module("deep_ep")
-    except ImportError as exc:
-        raise ImportError(INSTALL_HINT) from exc
+    """Import ``deep_ep`` or raise ImportError of one line: what to install, or why it does not load
+    (``dispatch.deepep_nccl.import_deep_ep``)."""
+    return deepep_nccl.import_deep_ep(INSTALL_HINT)
 
 
 def buffer_sizes(buffer_cls: Any, num_ranks: int, hidden_bytes: int) -> tuple[int, int]:

@@ -3,6 +3,9 @@
 API: ``deep_ep.ElasticBuffer`` of DeepEP 2.x (``deep_ep/buffers/elastic.py``; NCCL Gin transport, kernels built
 at run time by its JIT), used as DeepEP's README pairs the calls for training:
 
+- **torch's NCCL communicator, formed first**: DeepEP V2 reuses the group's (``_comm_ptr()``, null until the
+  group's first collective), so ``ElasticBuffers`` runs one all-reduce on the group before DeepEP first sees it
+  (``dispatch.deepep_nccl``, which also states DeepEP's import-time libnccl check in one line).
 - **one buffer per process and etp x ep group**, shared by every MoE layer (``ElasticBuffers``), sized by
   ``ElasticBuffer.get_buffer_size_hint`` from the layout's worst case: the most tokens a rank routes per MoE call
   (``num_max_tokens_per_rank``: micro-batch x sequence / (tp x cp)), the hidden size, top-k x etp, and the larger
@@ -63,7 +66,6 @@ dispatch: DeepEP's TMA alignment), at most 32 (virtual) experts per token, 2048 
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +75,7 @@ from torch import Tensor
 
 from moefold.dispatch.base import Dispatched, DispatchHandle, PhaseTimer, TokenDispatcher
 from moefold.dispatch.deepep import check_flex_topk, flex_group, virtual_experts
+from moefold.dispatch.deepep_nccl import NCCL_MIN_TEXT, import_deep_ep, start_communicator
 from moefold.dispatch.fp8_exchange import dequantize_rows, quantize_rows
 from moefold.dispatch.routing import Routing
 from moefold.dispatch.token_exchange import Arrival, InFlight, TokenExchange, after_event
@@ -80,18 +83,17 @@ from moefold.parallel.groups import Group
 
 DEEPEP_V2_VERSION = "2.1.0"
 V2_INSTALL_HINT = ("the flex dispatcher's deepep backend needs DeepEP V2 (deep_ep >= 2.0 with ElasticBuffer; not on "
-                   "PyPI): pip install 'nvidia-nccl-cu13>=2.30.4' --no-deps (cu12 for CUDA 12), then "
+                   f"PyPI): pip install 'nvidia-nccl-cu13>={NCCL_MIN_TEXT}' --no-deps (cu12 for CUDA 12) into torch's "
+                   "environment, then "
                    "`python setup.py install` in a https://github.com/deepseek-ai/DeepEP checkout (kernels are built "
                    "at run time, no CUDA build at install); docs/gpus.md")
 MAX_EXPERTS, MAX_LOCAL_EXPERTS = 2048, 256      # WorkspaceLayout::kNumMaxExperts / kNumMaxExpertsPerRank
 
 
 def import_elastic() -> Any:
-    """``deep_ep`` with ``ElasticBuffer`` (DeepEP 2.x), or ImportError saying what to install."""
-    try:
-        deep_ep = importlib.import_module("deep_ep")
-    except ImportError as exc:
-        raise ImportError(V2_INSTALL_HINT) from exc
+    """``deep_ep`` with ``ElasticBuffer`` (DeepEP 2.x), or ImportError of one line saying what to install or why it
+    does not load (its NCCL check: ``dispatch.deepep_nccl``)."""
+    deep_ep = import_deep_ep(V2_INSTALL_HINT)
     if not hasattr(deep_ep, "ElasticBuffer"):
         version = getattr(deep_ep, "__version__", "1.x")
         raise ImportError(f"the installed DeepEP ({version}) has no ElasticBuffer (V2): use "
@@ -153,10 +155,14 @@ class ElasticBuffers:
         self._retired: list[Any] = []
         self.created = 0
 
-    def get(self, deep_ep: Any, group: Any, layout: ElasticLayout) -> Any:
-        """The buffer for ``group`` large enough for ``layout`` (collective on creation)."""
-        need = layout.buffer_bytes(deep_ep.ElasticBuffer, group)
+    def get(self, deep_ep: Any, group: Any, layout: ElasticLayout, device: torch.device) -> Any:
+        """The buffer for ``group`` large enough for ``layout`` (collective on creation). ``device``: where this
+        rank's tokens are; before DeepEP first sees the group, torch's communicator of it is formed there
+        (``dispatch.deepep_nccl.start_communicator``: DeepEP reuses and caches it, deep_ep/utils/comm.py:57-64)."""
         found = self._buffers.get(group)
+        if found is None:
+            start_communicator(group, device)
+        need = layout.buffer_bytes(deep_ep.ElasticBuffer, group)
         if found is not None:
             buffer, made_for = found
             if made_for.hybrid != layout.hybrid:
@@ -365,7 +371,7 @@ class ElasticFlexDispatcher(TokenDispatcher):
         probs_TK = routing.probs_TK.float()
         if self.etp > 1:
             topk_idx, probs_TK = virtual_experts(topk_idx, probs_TK, self.num_local_experts, self.etp)
-        buffer = self.buffers.get(self._deep_ep, self.group, self.layout(K))
+        buffer = self.buffers.get(self._deep_ep, self.group, self.layout(K), x_TH.device)
         num_sms = self.num_sms or buffer.get_theoretical_num_sms(self.num_virtual_experts, K * self.etp)
         call = ElasticCall(self.num_virtual_experts, self.max_tokens_per_rank, self.expert_alignment, num_sms,
                            self.cpu_sync)

@@ -14,7 +14,6 @@ are not implemented.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 FLEX_BACKENDS: tuple[str, ...] = ("deepep", "deepep-legacy")
@@ -27,8 +26,8 @@ def check_flex_backend(name: str) -> None:
 
 
 def resolve_flex_backend(name: str) -> str:
-    """``name`` with ``auto`` replaced by what the installed DeepEP runs; ImportError naming what to install when
-    the backend's DeepEP is missing."""
+    """``name`` with ``auto`` replaced by what the installed DeepEP runs; ImportError of one line naming what to
+    install when the backend's DeepEP is missing, or the fix when it refuses torch's NCCL (``dispatch.deepep_nccl``)."""
     check_flex_backend(name)
     if name == "deepep":
         from moefold.dispatch.deepep_elastic import import_elastic
@@ -40,18 +39,18 @@ def resolve_flex_backend(name: str) -> str:
 
         import_deep_ep()
         return name
-    try:
-        deep_ep = importlib.import_module("deep_ep")
-    except ImportError as exc:
-        from moefold.dispatch.deepep_elastic import V2_INSTALL_HINT
+    from moefold.dispatch.deepep_elastic import V2_INSTALL_HINT
+    from moefold.dispatch.deepep_nccl import import_deep_ep
 
-        raise ImportError(V2_INSTALL_HINT) from exc
+    deep_ep = import_deep_ep(V2_INSTALL_HINT)
     return "deepep" if hasattr(deep_ep, "ElasticBuffer") else "deepep-legacy"
 
 
 def describe_flex_backend(name: str, *, hybrid: bool = True, cpu_sync: bool = False, num_sms: int = 0) -> str:
     """The start-up line naming the backend, the installed DeepEP and its settings (imports ``deep_ep``)."""
-    deep_ep: Any = importlib.import_module("deep_ep")
+    from moefold.dispatch.deepep_nccl import import_deep_ep
+
+    deep_ep: Any = import_deep_ep("the flex dispatcher needs DeepEP (docs/gpus.md)")
     version = getattr(deep_ep, "__version__", "?")
     if name == "deepep":
         sms = f"{num_sms} SMs" if num_sms else "SMs from ElasticBuffer.get_theoretical_num_sms"

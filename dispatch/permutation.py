@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from moefold.parallel.cpu_shortcuts import takes_cpu_shortcut
+
 
 @dataclass(frozen=True)
 class RowMap:
@@ -182,6 +184,19 @@ def combine_dtype(dtype: torch.dtype) -> torch.dtype:
 # Low-precision rows are upcast a block of tokens at a time, so the fp32 copy never holds all N rows at once:
 # about 2**24 elements (64 MiB fp32) per block, a handful of blocks for a large layer's combine.
 _COMBINE_BLOCK_ELEMS = 2**24
+# The combine's backward gathers the token gradients a block of rows at a time. On a CPU a million elements per
+# block: a larger buffer is a fresh mmap, page-faulted on every call, while small blocks reuse cached memory. On a
+# GPU the blocks only cost kernel launches (128 blocks of five kernels each at Qwen3-30B-A3B's shape kept the H200
+# waiting on the host: 25 ms a layer against 14.5 in one block), so there they are 2**27 elements (512 MiB fp32).
+_BACKWARD_BLOCK_ELEMS_CPU = 2**20
+_BACKWARD_BLOCK_ELEMS_GPU = 2**27
+
+
+def backward_block_elems(rows: Tensor) -> int:
+    """Elements per block of ``_weighted_rows_backward`` for rows on ``rows``' device (the CPU's small blocks are a
+    CPU shortcut, ``parallel.cpu_shortcuts``: a GPU-path count runs the GPU's blocks). Blocks never change the
+    result: every row is computed on its own."""
+    return _BACKWARD_BLOCK_ELEMS_CPU if takes_cpu_shortcut(rows) else _BACKWARD_BLOCK_ELEMS_GPU
 
 
 def _sum_copies(rows_NH: Tensor, slot_N: Tensor, num_tokens: int, topk: int, padded: bool,
@@ -254,13 +269,12 @@ class _Unpermute(torch.autograd.Function):
 
 def _weighted_rows_backward(grad_TH: Tensor, rows_NH: Tensor, probs_TK: Tensor, token_N: Tensor, slot_N: Tensor,
                             padded: bool, need_rows: bool, need_probs: bool,
-                            block_elems: int = 2**20) -> tuple[Tensor | None, Tensor | None]:
+                            block_elems: int | None = None) -> tuple[Tensor | None, Tensor | None]:
     """The weighted combine's backward from one gather of the token gradients, in blocks of rows.
 
     Row n of token t with prob p: its gradient ``p * grad[t]`` (computed in ``combine_dtype``, returned in
     the rows' dtype) and ``grad[t] . row`` for p (an [N] fp32 dot product, products in ``combine_dtype``).
-    Blocks of about a million elements: the gathered [N, H] gradient never exists at once (on CPU a buffer
-    that large is a fresh mmap, page-faulted on every call; the blocks reuse cached memory).
+    Blocks of ``block_elems`` (default ``backward_block_elems``: small on a CPU, large on a GPU).
     Returns (grad_rows [N, H] or None, grad_probs [T, K] in the probs' dtype or None).
     """
     T, K = probs_TK.shape
@@ -273,7 +287,7 @@ def _weighted_rows_backward(grad_TH: Tensor, rows_NH: Tensor, probs_TK: Tensor, 
     grad_rows = torch.empty_like(rows_NH) if need_rows else None
     dots_N = torch.empty(N, dtype=torch.float32, device=rows_NH.device) if need_probs else None
     width = max(1, rows_NH[0].numel() if N else 1)
-    step = max(1, block_elems // width)
+    step = max(1, (block_elems or backward_block_elems(rows_NH)) // width)
     for i in range(0, N, step):
         g = grad_src.index_select(0, token_N[i:i + step]).to(acc)
         if need_probs:

@@ -111,12 +111,13 @@ class MoEDecoder(nn.Module):
     stage (``with_mtp`` and ``with_norm`` default to ``with_head``: the MTP modules and the final norm go with the
     head; with MTP, Megatron-Core puts the final norm with the last decoder layer: ``with_norm``). A stage with MTP
     but no head (Megatron's standalone MTP stage) holds the MTP modules and its own copies of the embedding and,
-    untied, of the output head, whose gradients the trainer sums with the other stages' copies. Parameters go to
-    the current default device; build under ``with torch.device("meta"):`` for accounting without memory."""
+    untied, of the output head, whose gradients the trainer sums with the other stages' copies. Parameters and
+    buffers go to ``device`` (None: the default device); ``device="meta"`` builds for accounting without memory."""
 
     def __init__(self, config: ModelConfig, dims: ParallelDims | None = None, options: ModelOptions | None = None,
                  *, layer_ids: Iterable[int] | None = None, with_embedding: bool = True,
-                 with_head: bool = True, with_mtp: bool | None = None, with_norm: bool | None = None) -> None:
+                 with_head: bool = True, with_mtp: bool | None = None, with_norm: bool | None = None,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         dims = dims or ParallelDims.single()
         options = options or ModelOptions()
@@ -127,14 +128,14 @@ class MoEDecoder(nn.Module):
         bad = [i for i in ids if not 0 <= i < config.num_layers]
         if bad:
             raise ValueError(f"layer_ids {bad} are outside [0, num_layers={config.num_layers})")
-        kw = {"sequence_parallel": self.sequence_parallel, "dtype": options.torch_dtype}
+        kw = {"sequence_parallel": self.sequence_parallel, "dtype": options.torch_dtype, "device": device}
         tied = config.tie_word_embeddings
         with_mtp = (with_head if with_mtp is None else with_mtp) and config.mtp_num_layers > 0
         self.embed_tokens = None
         if with_embedding or (with_head and tied) or with_mtp:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dims.tp_group,
                                                        init_std=options.init_std, **kw)
-        self.layers = nn.ModuleDict({str(i): build_block(config, i, dims, options) for i in ids})
+        self.layers = nn.ModuleDict({str(i): build_block(config, i, dims, options, device=device) for i in ids})
         self.norm = self.output_head = None
         self.mtp = nn.ModuleList()
         self.with_lm = with_head
@@ -146,12 +147,13 @@ class MoEDecoder(nn.Module):
                                           tied_to=self.embed_tokens if tied else None, init_std=options.init_std,
                                           **kw)
         if with_mtp:
-            self.mtp = nn.ModuleList(MTPModule(config, config.num_layers + k, dims, options)
+            self.mtp = nn.ModuleList(MTPModule(config, config.num_layers + k, dims, options, device=device)
                                      for k in range(config.mtp_num_layers))
         apply_recompute(self, self.layers, options)
         # fine-grained activation offloading (--offload-modules): one offloader for the model's blocks
         blocks = {int(i): b for i, b in self.layers.items()} | {m.index: m.block for m in self.mtp}
-        device = next(self.parameters()).device if any(True for _ in self.parameters()) else "cpu"
+        if device is None:   # the default device: where the parameters went
+            device = next((p.device for p in self.parameters()), torch.device("cpu"))
         self.offloader = apply_activation_offload(blocks, options, device)
         # FP8 GEMMs for the linears (--fp8-format; the experts take theirs from the MoE config)
         convert_linears_to_fp8(self, options.fp8, dims.tp_group)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
+
 from moefold.dense.attention import GQAAttention
 from moefold.dense.attention_config import AttentionConfig, MLAConfig
 from moefold.dense.block import TransformerBlock
@@ -158,11 +160,12 @@ def is_moe_block(config: ModelConfig, index: int) -> bool:
     return config.is_moe_layer(index)
 
 
-def build_block(config: ModelConfig, index: int, dims: ParallelDims, options: ModelOptions) -> TransformerBlock:
+def build_block(config: ModelConfig, index: int, dims: ParallelDims, options: ModelOptions, *,
+                device: torch.device | str | None = None) -> TransformerBlock:
     """Transformer block ``index`` (0-based global layer index; MTP blocks continue after the
-    main layers) for this rank's layout. Parameters go to the current default device
-    (``with torch.device("meta"): ...`` builds without memory)."""
-    kw = {"dtype": options.torch_dtype}
+    main layers) for this rank's layout. Parameters and buffers go to ``device`` (None: the default device;
+    ``device="meta"`` builds without memory)."""
+    kw = {"dtype": options.torch_dtype, "device": device}
     return TransformerBlock(config.hidden_size, build_attention(config, dims, options, index, **kw),
                             build_ffn(config, is_moe_block(config, index), dims, options, **kw), config.norm_eps,
                             sequence_parallel=_sp(options, dims), recompute=options.recompute,

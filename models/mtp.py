@@ -59,18 +59,20 @@ class MTPModule(nn.Module):
     is replicated over tp (it runs on the shard under SP: partial gradient, marked sequence-parallel).
     """
 
-    def __init__(self, config: ModelConfig, index: int, dims: ParallelDims, options: ModelOptions) -> None:
+    def __init__(self, config: ModelConfig, index: int, dims: ParallelDims, options: ModelOptions, *,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         H, sp = config.hidden_size, options.sequence_parallel and dims.tp > 1
         kw = {"sequence_parallel": sp, "zero_centered_gamma": config.norm_zero_centered_gamma,
-              "dtype": options.torch_dtype}
+              "dtype": options.torch_dtype, "device": device}
         self.index = index
         self.enorm = RMSNorm(H, config.norm_eps, **kw)
         self.hnorm = RMSNorm(H, config.norm_eps, **kw)
-        self.eh_proj = ColumnParallelLinear(2 * H, H, None, init_std=options.init_std, dtype=options.torch_dtype)
+        self.eh_proj = ColumnParallelLinear(2 * H, H, None, init_std=options.init_std, dtype=options.torch_dtype,
+                                            device=device)
         if sp:
             mark_sequence_parallel(self.eh_proj.weight)
-        self.block: TransformerBlock = build_block(config, index, dims, options)
+        self.block: TransformerBlock = build_block(config, index, dims, options, device=device)
         self.final_layernorm = RMSNorm(H, config.norm_eps, **kw)
 
     def forward(self, hidden: Tensor, embedded: Tensor, position_ids: Tensor, **ffn_kwargs: Any,

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from moefold.models.config import ModelConfig
 from moefold.models.options import ModelOptions
 from moefold.parallel.dims import ParallelDims
@@ -91,8 +89,7 @@ def count_parameters(config: ModelConfig, options: ModelOptions | None = None) -
     """Build ``config`` at world 1 on the meta device (no memory) and count its parameters."""
     from moefold.models.decoder import MoEDecoder  # decoder imports the MoE stack; keep this module light
 
-    with torch.device("meta"):
-        model = MoEDecoder(config, ParallelDims.single(), options or ModelOptions())
+    model = MoEDecoder(config, ParallelDims.single(), options or ModelOptions(), device="meta")
     per_block: dict[str, dict[str, int]] = {}
     top = {"embedding": 0, "head": 0, "final_norm": 0}
     for name, p in model.named_parameters():

@@ -128,7 +128,7 @@ class MoELayer(nn.Module):
         self.needs_seq_ids = "seq_aux_loss" in config.router.loss_coeffs()
 
         # The router marks its weight sequence-parallel itself: every tp rank routes distinct tokens.
-        self.router = Router(config.router, hidden_size, RouterGroups.from_dims(dims))
+        self.router = Router(config.router, hidden_size, RouterGroups.from_dims(dims), device=device)
         options = flex_options(config, hidden_size) if config.dispatcher == "flex" else {}
         fp8_dispatch = config.fp8 is not None and config.fp8.dispatch
         padding = config.fp8 is not None and config.fp8.router_padding

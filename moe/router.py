@@ -92,9 +92,11 @@ class Router(nn.Module):
     buffer ``expert_bias`` [E] fp32 (model state, used for selection only; see moe.expert_bias).
 
     ``stats_group``: the group ``reduce_stats=True`` sums the statistics over (tp x cp x dp with the
-    global loss or expert bias, else tp x cp)."""
+    global loss or expert bias, else tp x cp). ``device``: where the weight, bias and expert bias are created
+    (None: the default device); they stay fp32 whatever the model's dtype."""
 
-    def __init__(self, config: RouterConfig, hidden_size: int, groups: RouterGroups = RouterGroups()) -> None:
+    def __init__(self, config: RouterConfig, hidden_size: int, groups: RouterGroups = RouterGroups(), *,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         if not isinstance(hidden_size, int) or hidden_size < 1:
             raise ValueError(f"Router: hidden_size={hidden_size!r} must be a positive integer")
@@ -106,7 +108,7 @@ class Router(nn.Module):
         # global loss or the expert bias balance them, else the micro-batch (tp x cp)
         balances_globally = "global_aux_loss" in self._loss_coeffs or config.enable_expert_bias
         self.stats_group = groups.tp_cp_dp if balances_globally else groups.tp_cp
-        weight = torch.empty(config.num_experts, hidden_size, dtype=torch.float32)
+        weight = torch.empty(config.num_experts, hidden_size, dtype=torch.float32, device=device)
         if not weight.is_meta:
             # The weight is replicated: its constructor value must be the same on every rank and
             # device, so draw it from a seeded CPU generator (a CPU generator cannot fill a CUDA
@@ -117,12 +119,12 @@ class Router(nn.Module):
         mark_sequence_parallel(self.weight)
         set_init(self.weight, normal_init(config.init_std))
         if config.bias:
-            self.bias = nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32))
+            self.bias = nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32, device=device))
             mark_sequence_parallel(self.bias)
         else:
             self.register_parameter("bias", None)
         if config.enable_expert_bias:
-            self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+            self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32, device=device))
         else:
             self.expert_bias = None
 

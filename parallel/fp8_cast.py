@@ -180,9 +180,10 @@ def scaled_mm(a: Tensor, inv_a: Tensor, b: Tensor, inv_b: Tensor, out_dtype: tor
 @functools.cache
 def _cpu_kernel_takes_row_scales() -> bool:
     """torch's CPU ``_scaled_mm`` accepts row-wise scales (torch 2.11's asserts per-tensor scales)."""
-    a = torch.ones(2, 16, dtype=E4M3)
+    a = torch.ones(2, 16, dtype=E4M3, device="cpu")   # the CPU kernel, whatever the default device
     try:
-        torch._scaled_mm(a, a.t(), torch.ones(2, 1), torch.ones(1, 2), out_dtype=torch.float32)
+        torch._scaled_mm(a, a.t(), torch.ones(2, 1, device="cpu"), torch.ones(1, 2, device="cpu"),
+                         out_dtype=torch.float32)
     except RuntimeError:
         return False
     return True

@@ -104,7 +104,7 @@ def bf16_matmul_speedup(n: int = 512, iters: int = 5) -> float:
     """Measured bf16 / fp32 matmul throughput on this CPU (n x n x n, best of ``iters``): ~2-16 with
     bf16 units, well under 1 where bf16 is emulated."""
     def best(dtype: torch.dtype) -> float:
-        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        a, b = torch.randn(n, n, device="cpu").to(dtype), torch.randn(n, n, device="cpu").to(dtype)
         a @ b
         times = []
         for _ in range(iters):

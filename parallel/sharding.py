@@ -114,7 +114,7 @@ def init_parameters(module: nn.Module, seed: int) -> None:
                 start += s.index * rows
         base = (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
         gen = torch.Generator()
-        block = torch.empty((rows, *shape[1:]), dtype=torch.float32)
+        block = torch.empty((rows, *shape[1:]), dtype=torch.float32, device="cpu")   # the generator is a CPU one
         for i in range(rows):
             gen.manual_seed((base + (start + i) * 0x9E3779B97F4A7C15) % 2**63)
             init_fn(block[i], gen)

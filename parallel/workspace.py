@@ -62,7 +62,7 @@ class WorkspacePool:
         numel = 1
         for s in shape:
             numel *= s
-        if not self.reuse or numel * torch.empty((), dtype=dtype).element_size() < MIN_BYTES:
+        if not self.reuse or numel * dtype.itemsize < MIN_BYTES:
             return torch.empty(shape, dtype=dtype, device=self.device)
         with self._lock:
             buffers = self._buffers.setdefault(dtype, [])

@@ -62,9 +62,10 @@ from moefold.pipeline.stages import StageLayout
 
 
 def build_stage_model(config: ModelConfig, dims: ParallelDims, options: ModelOptions,
-                      layout: StageLayout) -> MoEDecoder:
+                      layout: StageLayout, *, device: torch.device | str | None = None) -> MoEDecoder:
     """This pipeline rank's part of the decoder: the layers of all its chunks, the embedding on
-    the first stage, norm/head/MTP on the last; parameter names are the unsplit model's."""
+    the first stage, norm/head/MTP on the last; parameter names are the unsplit model's. Built on ``device``
+    (None: the default device)."""
     if layout.num_layers != config.num_layers or layout.pp != dims.pp:
         raise ValueError(f"layout (num_layers={layout.num_layers}, pp={layout.pp}) does not match the model "
                          f"(num_layers={config.num_layers}) and grid (pp={dims.pp})")
@@ -72,7 +73,8 @@ def build_stage_model(config: ModelConfig, dims: ParallelDims, options: ModelOpt
     chunks = layout.rank_chunks(dims.pp_rank)
     return MoEDecoder(config, dims, options, layer_ids=layout.rank_layers(dims.pp_rank),
                       with_embedding=any(c.has_embedding for c in chunks), with_head=any(c.has_head for c in chunks),
-                      with_mtp=any(c.has_mtp for c in chunks), with_norm=any(c.has_final_norm for c in chunks))
+                      with_mtp=any(c.has_mtp for c in chunks), with_norm=any(c.has_final_norm for c in chunks),
+                      device=device)
 
 
 def check_model_layout(config: ModelConfig, layout: StageLayout) -> None:

@@ -228,6 +228,7 @@ def _elastic_cases() -> list[str]:
     mod = deepep_elastic_standin.module()
     EB, group = mod.ElasticBuffer, dist.group.WORLD
     R, E, T, H, K, TMAX = dist.get_world_size(), 8, 6, 32, 2, 16
+    dist.barrier(group=group)   # torch's communicator of the group formed before DeepEP reuses it (comm.py:57-64)
     buffer = EB(group, num_max_tokens_per_rank=TMAX, hidden=H, num_topk=E, explicitly_destroy=True)
     idx = (torch.arange(T * K).reshape(T, K) * 3) % E
     weights = torch.full((T, K), 0.5)
@@ -319,6 +320,11 @@ def _elastic_cases() -> list[str]:
         "destroy() needs explicitly_destroy=True": (destroy_unflagged, ""),
         "num_scaleout_topk == 0 in the SM estimate": (lambda: buffer.get_theoretical_num_sms(E, K, num_scaleout_topk=1),
                                                       ""),
+        # a group that has run no collective: torch's NCCL communicator of it is still null (every rank makes it)
+        "torch's communicator formed: size hint":
+            (lambda: EB.get_buffer_size_hint(dist.new_group(list(range(R))), TMAX, H), "comm.py:61-64"),
+        "torch's communicator formed: ElasticBuffer":
+            (lambda: EB(dist.new_group(list(range(R))), num_max_tokens_per_rank=TMAX, hidden=H), "comm.py:61-64"),
     }
     problems = _check_list(deepep_elastic_standin.PRECONDITIONS, cases)
     dispatch()   # valid calls pass

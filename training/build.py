@@ -76,10 +76,9 @@ def build_model(config: RunConfig, dims: ParallelDims, device: torch.device | st
     """This rank's model (its pipeline stage's chunks at pp > 1) on ``device``, not yet initialised. The trainer
     and ``moefold plan`` (on the meta device) both build it here."""
     options = model_options(config)
-    with torch.device(device):
-        if dims.pp > 1:
-            return build_stage_model(config.model, dims, options, config.pipeline_layout(dims.pp))
-        return MoEDecoder(config.model, dims, options)
+    if dims.pp > 1:
+        return build_stage_model(config.model, dims, options, config.pipeline_layout(dims.pp), device=device)
+    return MoEDecoder(config.model, dims, options, device=device)
 
 
 def build_optimizer(model: MoEDecoder, config: RunConfig, dims: ParallelDims,

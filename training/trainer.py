@@ -274,14 +274,18 @@ class Trainer:
             if n_moe:   # over the world: other pipeline stages add zeros to the rows they do not own
                 dist.all_reduce(loads)
         logged[:3] /= self.num_micro * dims.dp
-        # the step's one device->host copy: the logged values, the norm that decides skip/clip (and the imbalance)
-        host = [logged, self.optimizer.grad_norm().to(logged).reshape(1)]
+        # the step's one device->host copy: the logged values, the norm that decides skip/clip, the expert counts
+        # and router sums (the optimizer step below reads them on the device: the expert-bias update), and the
+        # imbalance. A second copy after the optimizer step would be a second host wait per step on a GPU.
+        host = [logged, self.optimizer.grad_norm().to(logged).reshape(1), loads.reshape(-1)]
         if self._micro_loads is not None:
             host.append(micro_batch_load_ratio(self._micro_loads, dims.etp_ep_group, dims.world_size > 1).reshape(1))
             self._micro_loads = None
         values = torch.cat(host).tolist()
-        load_ratio = values.pop() if len(host) == 3 else None
-        *logged, grad_norm = values
+        load_ratio = values.pop() if len(host) == 4 else None
+        n_logged = logged.numel()
+        host_loads = torch.tensor(values[n_logged + 1:], dtype=torch.float64).reshape(loads.shape)   # host data
+        *logged, grad_norm = values[:n_logged + 1]
         if load_ratio is not None:
             self.load_watch.observe(step + 1, load_ratio)
         scale = self._scale
@@ -319,7 +323,7 @@ class Trainer:
         self.iteration += 1
         t = self.config.train
         self.consumed_samples += t.global_batch_size
-        loads = loads.cpu() if n_moe else None   # one copy for the expert counts and router sums
+        loads = host_loads   # the expert counts and router sums, copied with the logged values
         return StepResult(step=self.iteration, loss_lm=float(logged[0]), loss_aux=float(logged[1]),
                           loss_mtp=float(logged[2]) if self.config.model.mtp_num_layers else None,
                           grad_norm=grad_norm, lr=lr, skipped=bool(skipped),

@@ -28,13 +28,10 @@ SLACK = 1.25   # a config may imply at most this many times the files' elements 
 
 def implied_numel(config: ModelConfig) -> int:
     """Elements of the state dict (parameters and saved buffers) of the model ``config`` describes, world 1."""
-    import torch
-
     from moefold.models.decoder import MoEDecoder
     from moefold.parallel.dims import ParallelDims
 
-    with torch.device("meta"):
-        model = MoEDecoder(config, ParallelDims.single())
+    model = MoEDecoder(config, ParallelDims.single(), device="meta")
     return sum(t.numel() for t in model.state_dict().values())
 
 

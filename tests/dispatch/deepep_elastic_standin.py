@@ -25,10 +25,12 @@ DeepEP's own tests check (``tests/elastic/test_ep.py``, reference ``deep_ep/util
   ``EventOverlap.current_stream_wait()``; without it the compute stream has waited already (event None).
 
 The buffer arithmetic (sizes, the SM estimate) is in deepep_elastic_layout.py, the returned objects (events,
-``EPHandle``) in deepep_elastic_events.py. Host work of the stand-in itself runs under ``HOST_WORK`` (a test replaces
-it with a sync counter's ``paused``: DeepEP's own bookkeeping happens in its C++). ``NUM_NVL_RANKS`` is the physical
-NVLink domain (NCCL's LSA team): with 2, a 4-rank group spans two "nodes", so hybrid mode (``allow_hybrid_mode=True``)
-has 2 scale-out x 2 scale-up ranks and direct mode 1 x 4, with the buffer sizes DeepEP computes for each.
+``EPHandle``) in deepep_elastic_events.py, torch's NCCL communicator that DeepEP reuses (null, and refused, for a
+group that has run no collective when DeepEP first asks) in deepep_elastic_comm.py. Host work of the stand-in
+itself runs under ``HOST_WORK`` (a test replaces it with a sync counter's ``paused``: DeepEP's own bookkeeping
+happens in its C++). ``NUM_NVL_RANKS`` is the physical NVLink domain (NCCL's LSA team): with 2, a 4-rank group spans
+two "nodes", so hybrid mode (``allow_hybrid_mode=True``) has 2 scale-out x 2 scale-up ranks and direct mode 1 x 4,
+with the buffer sizes DeepEP computes for each.
 
 Preconditions: every check DeepEP makes on what a caller passes is made here too, citing its line (``elastic.py``
 is ``deep_ep/buffers/elastic.py``, ``buffer.hpp`` ``csrc/elastic/buffer.hpp``, ``dispatch.hpp``
@@ -49,6 +51,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from tests.dispatch import deepep_elastic_comm
 from tests.dispatch.deepep_elastic_events import EPHandle, EventHandle, EventOverlap
 from tests.dispatch.deepep_elastic_layout import (
     ALIGNMENT,
@@ -100,6 +103,8 @@ PRECONDITIONS: tuple[tuple[str, str], ...] = (
     ("size hint: positive tokens and hidden", "buffer.hpp:657"),
     ("destroy() needs explicitly_destroy=True", "elastic.py:373"),
     ("num_scaleout_topk == 0 in the SM estimate", "elastic.py:757"),
+    ("torch's communicator formed: size hint", "comm.py:57-64 -> nccl.cu:51 (deepep_elastic_comm.py)"),
+    ("torch's communicator formed: ElasticBuffer", "comm.py:57-64 -> nccl.cu:84 (deepep_elastic_comm.py)"),
 )
 
 
@@ -131,9 +136,11 @@ class ElasticBuffer:
         self.allow_hybrid_mode, self.allow_multiple_reduction = allow_hybrid_mode, allow_multiple_reduction
         self.prefer_overlap_with_compute, self.deterministic = prefer_overlap_with_compute, deterministic
         assert num_cpu_bytes == 0, "the stand-in models GPU buffers only"
+        deepep_elastic_comm.comm_handle(group)   # elastic.py:301: torch's communicator, taken and cached
         if num_bytes is None:
             num_bytes = calculate_buffer_size(self.num_ranks, NUM_NVL_RANKS, num_max_tokens_per_rank, hidden,
                                               num_topk, use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction)
+        deepep_elastic_comm.require_formed(group, "ElasticBuffer")   # nccl.cu:51 / :84 read the communicator
         _host_assert(num_bytes > 0 and num_bytes % ALIGNMENT == 0, "buffer.hpp:98",
                      "num_buffer_bytes > 0 and num_buffer_bytes % symmetric::kNumAlignmentBytes == 0")
         self.num_bytes, self.num_max_tokens_per_rank = num_bytes, num_max_tokens_per_rank
@@ -163,8 +170,13 @@ class ElasticBuffer:
     def get_buffer_size_hint(group: dist.ProcessGroup, num_max_tokens_per_rank: int, hidden: int,
                              num_topk: int = 0, use_fp8_dispatch: bool = False, allow_hybrid_mode: bool = True,
                              allow_multiple_reduction: bool = True) -> int:
-        return calculate_buffer_size(group.size(), NUM_NVL_RANKS, num_max_tokens_per_rank, hidden, num_topk,
+        """elastic.py:403-406: ``calculate_elastic_buffer_size(get_nccl_comm_handle(group).get(), ...)``: the
+        handle is taken (and cached) first; buffer.hpp:657 asserts the sizes before reading it (nccl.cu:51)."""
+        deepep_elastic_comm.comm_handle(group)
+        size = calculate_buffer_size(group.size(), NUM_NVL_RANKS, num_max_tokens_per_rank, hidden, num_topk,
                                      use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction)
+        deepep_elastic_comm.require_formed(group, "ElasticBuffer.get_buffer_size_hint")
+        return size
 
     @staticmethod
     def capture() -> EventHandle:
@@ -479,6 +491,7 @@ def module() -> types.ModuleType:
 
     legacy = deepep_standin.module()
     ElasticBuffer.instances, ElasticBuffer.calls = [], []
+    deepep_elastic_comm.reset()
     mod = types.ModuleType("deep_ep")
     mod.Buffer, mod.Config = legacy.Buffer, legacy.Config
     mod.ElasticBuffer, mod.EPHandle, mod.EventOverlap, mod.EventHandle = ElasticBuffer, EPHandle, EventOverlap, \

@@ -54,7 +54,10 @@ def _compare(backend: str, mode: str, fp8: bool, alignment: int, device_type: st
     if device_type == "cuda":
         torch.cuda.set_device(rank)
     dev = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    group = dist.new_group(list(range(EP)), backend="nccl" if device_type == "cuda" else "gloo")
+    # NCCL bound to the GPU as moefold's launchers bind it (parallel.init.init_process_group_on: device_id): its
+    # communicator is formed at once; ElasticBuffers forms it anyway before DeepEP V2 reuses it (dispatch.deepep_nccl)
+    group = dist.new_group(list(range(EP)), backend="nccl", device_id=dev) if device_type == "cuda" else \
+        dist.new_group(list(range(EP)), backend="gloo")
     tokens = [64, 48]
     x_all, ids_all, probs_all = make_case("random", tokens, E, seed=1, hidden=H)
     off = sum(tokens[:rank])
@@ -64,7 +67,7 @@ def _compare(backend: str, mode: str, fp8: bool, alignment: int, device_type: st
     results = {}
     buffers, flex = _dispatchers(backend, group, fp8, alignment)
     if backend == "deepep":   # made before the sync-debug region: creating a buffer synchronises (collective)
-        buffers.get(flex[0]._deep_ep, flex[0].group, flex[0].layout(base.topk))
+        buffers.get(flex[0]._deep_ep, flex[0].group, flex[0].layout(base.topk), dev)
     errors: list[str] = []
     for name, d in (("alltoall", AllToAllDispatcher(E, group, fp8=fp8)), ("flex", flex[0]), ("flex2", flex[1])):
         x = x_all[sl].to(dev, torch.bfloat16).requires_grad_()

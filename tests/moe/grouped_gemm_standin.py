@@ -75,7 +75,7 @@ def _backend_gmm(recorder: Recorder, a: torch.Tensor, b: torch.Tensor, batch_siz
         sizes = batch_sizes.tolist()
     recorder.calls.append(sizes)
     if trans_a:   # the weight gradient: [experts, a's K, b's N], one block per expert over its rows
-        c = torch.empty(len(sizes), a.shape[1], b.shape[1], dtype=a.dtype)
+        c = torch.empty(len(sizes), a.shape[1], b.shape[1], dtype=a.dtype, device=a.device)
         for i, (xa, xb) in enumerate(zip(a.split(sizes), b.split(sizes))):
             if sizes[i] == 0:
                 c[i] = float("nan")   # never written by the kernel (issue 36): torch.empty's garbage

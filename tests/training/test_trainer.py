@@ -117,3 +117,25 @@ def test_batches_reach_the_device_without_blocking_the_host(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: calls.append((a, k)) or self)
     batch_to_device(batch, torch.device("cuda", 0))
     assert calls == ["pin", ((torch.device("cuda", 0),), {"non_blocking": True})], calls
+
+
+def test_one_host_wait_per_training_step():
+    """A step copies to the host once: the logged losses, the gradient norm, the expert counts and router sums in
+    one ``tolist`` (the expert-bias update reads the counts on the device). A second copy after the optimizer step
+    (``loads.cpu()``, as before) would make a GPU's host wait twice a step. Counted with the CPU host-sync model
+    by source file: the layers' own syncs (the dispatch's split sizes, fp32 grouped_mm) are theirs, not the
+    trainer's. deepseek_v3_tiny: expert bias, so the update that reads the counts runs."""
+    from moefold.parallel.dims import ParallelDims
+    from moefold.training.observe.host_sync import HostSyncCounter
+    from moefold.training.trainer import Trainer
+    from tests.training.trainer_common import tiny_data
+
+    trainer = Trainer(tiny_config(steps=4), ParallelDims.single(), log=lambda _m: None)
+    data = tiny_data()
+    trainer.fit(data, stop_at=1)   # the first step's lazy set-up is not per step
+    with HostSyncCounter() as syncs:
+        trainer.fit(data, stop_at=3)
+    layers = ("moe/", "dispatch/", "dense/", "models/")
+    outside = {site: n for site, n in syncs.per_site.items() if not site.startswith(layers)}
+    assert outside == {next(iter(outside)): 2} and next(iter(outside)).startswith("training/trainer.py"), (
+        outside, syncs.report())

@@ -9,7 +9,15 @@ backward in bf16, per GEMM backend that imports here, timed with CUDA events (me
 ``--iters`` after ``--warmup``), against the dense ceiling measured in the same run: six plain
 bf16 matmuls doing the expert GEMMs' work as if every routed copy went to one expert
 ([N, H] x [H, 2F], [N, F] x [F, H] and their four backward products, N = tokens x top-k). The
-figure of merit is layer TFLOP/s / dense TFLOP/s, counting the expert GEMMs only.
+figure of merit is layer TFLOP/s / dense TFLOP/s, counting the expert GEMMs only
+(``expert_gemm_flops``: 3 GEMMs x 3 (forward + 2 backward) x 2 N H F).
+
+The default shapes (``--configs E,k,F,H;...``, 8192 tokens) are real layers: Qwen3-30B-A3B (E 128, k 8, F 768,
+H 2048); DeepSeek-V3 as one GPU of EP32 holds it (256 / 32 = 8 local experts, F 2048, H 7168, top-8 of the 8: each
+token sends a copy to every local expert, so each gets T rows and N = 8 T, what a balanced all-to-all leaves a rank
+whose T tokens route 8 copies each); Mixtral 8x7B (E 8, k 2, F 14336, H 4096). The layers route with softmax top-k
+and no shared experts; ``training.gpu.peers layer`` runs the same shapes with each family's router next to HF
+transformers and TorchTitan.
 
 ``syncs``: host synchronisations per MoE layer (forward + backward) and per training step,
 counted by CUDA itself (``torch.cuda.set_sync_debug_mode("warn")``) next to moefold's CPU model
@@ -86,14 +94,22 @@ def dense_ceiling(N: int, H: int, F: int, iters: int, warmup: int, device: str =
     return device_time(step, iters, warmup, device)
 
 
+def expert_gemm_flops(T: int, k: int, H: int, F: int) -> int:
+    """FLOPs of the routed experts' GEMMs for T tokens routed to k experts each, forward + backward: three
+    projections (gate, up, down) x three GEMMs (forward, input gradient, weight gradient) x 2 N H F, N = T k."""
+    return 3 * 3 * 2 * T * k * H * F
+
+
 def _moe_layer(E: int, k: int, F: int, H: int, backend: str, fp8: FP8Config | None, device: str) -> MoELayer:
     """One bf16 MoE layer with the local dispatcher; weights as the constructors draw them (on the device:
-    ``init_parameters``' layout-independent per-row draws on the host would dominate the check's time)."""
+    ``init_parameters``' layout-independent per-row draws on the host would dominate the check's time). Built
+    with ``device`` as the default device too: the router's fp32 weight is created on the default device."""
     router = RouterConfig(num_experts=E, topk=k, load_balancing_type="none")
     cfg = MoEConfig(num_experts=E, moe_ffn_hidden_size=F, router=router, dispatcher="local", gemm_backend=backend,
                     fp8=fp8)
-    return MoELayer(cfg, H, ParallelDims.single(device), sequence_parallel=False, dtype=torch.bfloat16,
-                    device=device)
+    with torch.device(device):
+        return MoELayer(cfg, H, ParallelDims.single(device), sequence_parallel=False, dtype=torch.bfloat16,
+                        device=device)
 
 
 def _variants(backends: list[str], compiled: bool) -> list[tuple[str, FP8Config | None, bool]]:
@@ -125,9 +141,8 @@ def bench_moe_layer(args: argparse.Namespace) -> int:
     for spec in args.configs.split(";"):
         E, k, F, H = (int(v) for v in spec.split(","))
         name = f"E{E} k{k} F{F} H{H} T{T}"
-        N = T * k
-        flops = 3 * 2 * N * H * F * 3  # three projections, forward + two backward GEMMs each
-        dense = flops / dense_ceiling(N, H, F, iters, warmup, device)
+        flops = expert_gemm_flops(T, k, H, F)
+        dense = flops / dense_ceiling(T * k, H, F, iters, warmup, device)
         for backend, fp8, compiled in _variants(args.backends.split(","), not args.no_compile):
             label = backend + (f" fp8 {fp8.format} {fp8.recipe}" if fp8 else "") + (" compiled" if compiled else "")
             if time.monotonic() > deadline:
@@ -267,8 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="what", required=True)
     m = sub.add_parser("moe-layer", help="MoE layer bf16 per GEMM backend vs the dense ceiling")
     m.add_argument("--tokens", type=int, default=8192)
-    m.add_argument("--configs", default="128,8,768,2048;16,8,2048,7168",
-                   help="E,k,F,H;... (default: a Qwen3-30B-A3B layer; a DeepSeek-V3-sized layer with 16 experts)")
+    m.add_argument("--configs", default="128,8,768,2048;8,8,2048,7168;8,2,14336,4096",
+                   help="E,k,F,H;... (default: Qwen3-30B-A3B; DeepSeek-V3's 8 local experts of EP32; Mixtral 8x7B)")
     m.add_argument("--backends", default="grouped_mm,grouped_gemm,te,loop")
     m.add_argument("--iters", type=int, default=5)
     m.add_argument("--warmup", type=int, default=2)
@@ -285,11 +300,17 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                        help="cuda (default), or cpu: the GPU check's rehearsal of the same code paths")
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
+    return start(args.device) or (bench_moe_layer(args) if args.what == "moe-layer" else bench_syncs(args))
+
+
+def start(device: str) -> int:
+    """A measurement's first line: 0 after printing the machine; 2, saying why, when ``device`` is cuda and this
+    machine has none."""
+    if device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device (--device cpu rehearses the same code on the CPU)", file=sys.stderr)
         return 2
     print(describe_machine())
-    return bench_moe_layer(args) if args.what == "moe-layer" else bench_syncs(args)
+    return 0
 
 
 if __name__ == "__main__":

@@ -3,6 +3,9 @@ ending it cleanly when something goes wrong.
 
 - torchrun / SLURM+torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` set): join the launcher's world
   (NCCL on CUDA, gloo on CPU); ``LOCAL_RANK`` picks the GPU.
+- NCCL is bound to the rank's GPU (``parallel.init.init_process_group_on``: ``device_id``), so torch forms the
+  communicators when the groups are made, not at their first collective: DeepEP V2 reuses them
+  (``dispatch.deepep_nccl``).
 - ``nproc > 1`` without a launcher: spawn ``nproc`` processes on this machine joined through a
   FileStore in a fresh temporary directory (gloo, CPU, or NCCL with one GPU each when available).
   This process supervises them: a rank that fails ends the job (the others are killed) with one
@@ -38,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moefold.parallel.init import launched_by_torchrun
+from moefold.parallel.init import init_process_group_on, launched_by_torchrun
 from moefold.training.errors import Failure, JobFailed, append_error_log, failure_of, read_failure, write_failure
 from moefold.training.launch.watchdog import Heartbeat, die_with_parent, last_steps, stalled_rank
 
@@ -93,8 +96,8 @@ def _spawned(local_rank: int, fn: Callable[..., Any], nproc: int, workdir: str, 
     try:
         dev = pick_device(device, local_rank)
         store = dist.FileStore(str(work / "store"), nproc)
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=store, rank=local_rank,
-                                world_size=nproc, timeout=timedelta(seconds=timeout_s))
+        init_process_group_on(dev, store=store, rank=local_rank, world_size=nproc,
+                              timeout=timedelta(seconds=timeout_s))
         result = run_rank(fn, dev, args, heartbeat)
         if local_rank == 0:   # the launcher returns rank 0's result (JSON)
             tmp = work / "result.0.tmp"
@@ -258,8 +261,7 @@ def run_ranks(fn: Callable[..., Any], nproc: int, device: str = "auto", timeout_
         try:
             dev = pick_device(device, int(os.environ.get("LOCAL_RANK", "0")))
             if not dist.is_initialized():
-                dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
-                                        timeout=timedelta(seconds=timeout_s))
+                init_process_group_on(dev, timeout=timedelta(seconds=timeout_s))
             return run_rank(fn, dev, args, None)
         except (KeyboardInterrupt, SystemExit):
             raise

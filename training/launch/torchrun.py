@@ -17,6 +17,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from moefold.parallel.init import init_process_group_on
 from moefold.training.config import RunConfig
 from moefold.training.launch.ranks import pick_device
 
@@ -24,16 +25,15 @@ from moefold.training.launch.ranks import pick_device
 def join_torchrun(device: str, timeout: timedelta) -> None:
     """Initialise the default process group of torchrun's world (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` /
     ``MASTER_PORT`` from its environment), under keys of this attempt's own (module docstring); ``device``:
-    ``--device`` (NCCL on CUDA, else gloo)."""
+    ``--device`` (NCCL bound to the GPU on CUDA, else gloo: ``parallel.init.init_process_group_on``)."""
     dev = pick_device(device, int(os.environ.get("LOCAL_RANK", "0")))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"   # else rank 0 hosts it (env://)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "29500")), world_size=world,
                           is_master=rank == 0 and not agent_store, timeout=timeout)
     attempt = store.add(f"moefold/attempts/rank{rank}", 1)
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=dist.PrefixStore(f"moefold/{attempt}",
-                                                                                             store),
-                            rank=rank, world_size=world, timeout=timeout)
+    init_process_group_on(dev, store=dist.PrefixStore(f"moefold/{attempt}", store), rank=rank, world_size=world,
+                          timeout=timeout)
 
 
 def agree(config: RunConfig, error: str | None) -> tuple[RunConfig, str | None]:

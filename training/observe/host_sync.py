@@ -99,13 +99,16 @@ class HostSyncCounter(TorchDispatchMode):
     """Counts host synchronisations (see the module docstring); ``total``, ``counts``, ``report()``.
 
     ``counts`` maps a reason to its number; ``sites`` maps a reason to the innermost moefold
-    source line that caused it (the first one seen), to find and fix an unexpected sync.
+    source line that caused it (the first one seen), to find and fix an unexpected sync;
+    ``per_site`` counts every sync by that source line (``"training/trainer.py:284"``), so a test can
+    pin the budget of one file (the trainer's one copy per step) apart from the layers' own.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: collections.Counter[str] = collections.Counter()
         self.sites: dict[str, str] = {}
+        self.per_site: collections.Counter[str] = collections.Counter()
         self._paused = 0
         self._saved: dict[tuple[Any, str], Any] = {}
 
@@ -118,8 +121,9 @@ class HostSyncCounter(TorchDispatchMode):
         if self._paused:
             return
         self.counts[reason] += 1
-        if reason not in self.sites:
-            self.sites[reason] = _caller_site()
+        site = _caller_site()
+        self.per_site[site] += 1
+        self.sites.setdefault(reason, site)
 
     def report(self) -> str:
         """One line per reason: count, reason, where it first happened."""
@@ -131,6 +135,7 @@ class HostSyncCounter(TorchDispatchMode):
     def reset(self) -> None:
         self.counts.clear()
         self.sites.clear()
+        self.per_site.clear()
 
     @contextmanager
     def paused(self) -> Iterator[None]:

@@ -29,11 +29,17 @@ from tests.dispatch import deepep_elastic_layout, deepep_elastic_standin
 
 
 class _Group:
+    """A group of ``n`` ranks whose NCCL communicator is formed (it has run a collective), as DeepEP V2 needs it
+    (tests/dispatch/deepep_elastic_comm.py)."""
+
     def __init__(self, n: int) -> None:
         self.n = n
 
     def size(self) -> int:
         return self.n
+
+    def _get_sequence_number_for_group(self) -> int:
+        return 1
 
 
 @pytest.mark.parametrize("ranks, nvl", [(2, 8), (8, 8), (16, 8), (64, 8), (4, 2), (72, 72)])

@@ -1,0 +1,48 @@
+"""Tolerances from the arithmetic: how far two fp32 evaluations of the same quantity may fall apart.
+
+A parallel layout computes the same sums as world 1 in another order (tp partial sums, cp sequence parts, the
+experts' rows on other ranks), so each result carries its own fp32 rounding error, and how large that error is
+depends on the quantity: a norm weight's gradient is a sum over every token of products that mostly cancel,
+so its rounding error is large against its own size (on AMD EPYC, glm4_moe's k_norm gradient was 1.09e-8 off at
+a largest element of 7.6e-4: 1.4e-5 relative, over the old fixed 1e-5), while a projection's is small.
+
+The bound is therefore measured per quantity, in the same run, on the same CPU kind: the same world-1 computation
+in float64 gives the exact value to ~1e-16, and ``|ref32 - ref64|`` is fp32's error on this input. Two fp32
+evaluations (world 1, the layout) each carry an error of that size; their difference is within twice it, and
+``FACTOR`` leaves room for the layout's own order (other partial sums of the same terms), while a real defect (a
+missing reduction, a wrong shard) is off by the size of the quantity itself. The floor, a few ulps of the
+largest element, covers quantities fp32 happens to compute exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+EPS32 = torch.finfo(torch.float32).eps
+FACTOR = 8.0   # two evaluations' errors (2x) with room for another summation order (4x)
+ULPS = 4.0
+
+
+def fp32_noise(ref32: torch.Tensor, ref64: torch.Tensor) -> float:
+    """fp32's rounding error of one quantity: its largest element-wise distance from the float64 value."""
+    return (ref32.double() - ref64).abs().max().item()
+
+
+def bound(ref32: torch.Tensor, ref64: torch.Tensor) -> float:
+    """How far another fp32 evaluation of ``ref32`` (another summation order) may be, element-wise at most."""
+    scale = ref64.abs().max().item()
+    return max(FACTOR * fp32_noise(ref32, ref64), ULPS * EPS32 * scale)
+
+
+def assert_within_fp32_noise(got: dict[str, torch.Tensor], ref32: dict[str, torch.Tensor],
+                             ref64: dict[str, torch.Tensor], what: str) -> float:
+    """Every tensor of ``got`` within ``bound`` of ``ref32``; returns the largest difference (for reports)."""
+    assert sorted(got) == sorted(ref32), (what, sorted(set(got) ^ set(ref32)))
+    worst = 0.0
+    for name, g in got.items():
+        err = (g.double() - ref32[name].double()).abs().max().item()
+        limit = bound(ref32[name], ref64[name])
+        assert err <= limit, (f"{what} {name}: |diff| {err:.3g} > {limit:.3g} ({FACTOR:g} x fp32's own error "
+                              f"{fp32_noise(ref32[name], ref64[name]):.3g} against float64)")
+        worst = max(worst, err)
+    return worst
