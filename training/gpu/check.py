@@ -104,10 +104,10 @@ DEFAULT_INDEX = "https://pypi.org/simple/"
 PLAN: dict[str, tuple[str, float, float]] = {
     "environment": ("environment", 45, 0), "api": ("api", 20, 10), "parity": ("parity", 45, 20),
     "syncs": ("syncs", 40, 15), "train": ("train", 100, 40), "bench": ("bench", 60, 20),
-    # "peers" (HF transformers and TorchTitan on the same card) runs here, after "bench"
     "deepep-jit": ("tests", 180, 0), "deepep-tests": ("tests", 120, 0), "tests": ("tests", 100, 40),
     "compile": ("compile", 90, 30), "compile-test": ("compile", 40, 10), "install": ("install", 20, 5),
-    "fp8": ("fp8", 50, 20), "after-install": ("after-install", 60, 15), "dispatch": ("dispatch", 90, 0),
+    "fp8": ("fp8", 50, 20), "peers": ("peers", 60, 15), "peers-step": ("peers", 50, 10),
+    "after-install": ("after-install", 60, 15), "dispatch": ("dispatch", 90, 0),
 }
 # tests/gpu in the order they run: quick and telling first; the compile test runs in the compile step
 TEST_FILES = ("test_device_agnostic.py", "test_host_sync_cuda.py", "test_gemm_backends.py", "test_fp8_cuda.py",
@@ -289,6 +289,21 @@ class Check:
         return self.cmd_step(name, cmd, line, summarize=lambda t: "\n".join(
             [ln for ln in t.splitlines() if ln.startswith(("device", "bf16 matmul"))] + [table_rows(t)]))
 
+    def peers(self) -> Step:
+        """The MoE layer and a proxy training step beside HF transformers and TorchTitan on the same card
+        (``training.gpu.peers``); after the installs, so that a carried TorchTitan wheel imports."""
+        parts = []
+        for what, line in (("layer", "peers"), ("step", "peers-step")):
+            cap, reserve = self.limits(line)
+            timeout = self.budget.for_step(cap, reserve)
+            cmd = [self.python, "-m", "moefold.training.gpu.peers", what, "--device", self.device,
+                   "--deadline", str(max(1, int(timeout - 20)))]
+            if self.rehearsal:
+                cmd += ["--iters", "1", "--warmup", "0", *(["--seq", "16"] if what == "step" else [])]
+            parts.append(self.cmd_step(f"peers {what}", cmd, line, summarize=lambda t: "\n".join(
+                ln for ln in t.splitlines() if ln.startswith(("MoE layer", "training step", "|")))))
+        return parts_step("peers (HF, TorchTitan)", parts)
+
     def _pytest(self, name: str, tests: list[str], line: str) -> Step:
         """pytest over ``tests`` (files or test ids under tests/gpu) with ``-v``: each test is named when it
         starts and its outcome appended when it ends, so a timeout keeps every finished test's name and outcome
@@ -389,7 +404,8 @@ class Check:
 
 
 # in the order they run: first what needs nothing installed, then the installs and what they add
-STEPS = ("api", "parity", "syncs", "train", "bench", "tests", "compile", "install", "fp8", "after-install", "dispatch")
+STEPS = ("api", "parity", "syncs", "train", "bench", "tests", "compile", "install", "fp8", "peers", "after-install",
+         "dispatch")
 
 
 def arg_parser() -> argparse.ArgumentParser:
@@ -435,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     plan = (("api", check.torch_api), ("parity", check.parity), ("syncs", check.syncs), ("train", check.training),
             ("bench", check.moe_layer), ("tests", check.tests), ("compile", check.compiled), ("install", check.install),
-            ("fp8", check.fp8), ("after-install", check.after_install), ("dispatch", check.dispatch))
+            ("fp8", check.fp8), ("peers", check.peers), ("after-install", check.after_install),
+            ("dispatch", check.dispatch))
     try:
         for key, fn in plan:
             if key not in skip:

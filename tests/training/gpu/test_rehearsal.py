@@ -66,7 +66,8 @@ def test_gpu_check_rehearsal_runs_every_step_on_cpu(tmp_path):
     core = ("| environment | passed |", "| torch API | passed |", "| correct on CUDA | passed |",
             "| host syncs | passed |", "| proxy training | passed |", "| MoE layer bf16 vs dense | passed |",
             "| tests | passed |", "| --compile | skipped |")
-    later = ("| install | passed |", f"| FP8 (torchao) | {fp8} |", "| after install | skipped |",
+    later = ("| install | passed |", f"| FP8 (torchao) | {fp8} |", "| peers (HF, TorchTitan) | passed |",
+             "| after install | skipped |",
              "| bench-dispatch (NCCL) | skipped |")
     for row in core + later:
         assert row in report, f"{row} missing:\n{report}"
@@ -97,5 +98,6 @@ def test_gpu_check_rehearsal_runs_every_step_on_cpu(tmp_path):
                 "plan deepseek-v3: python -m moefold.training.cli plan --recipe deepseek_v3_tiny"):
         assert cmd in report, f"{cmd} missing:\n{report}"
     assert "| E8 k2 F32 H64 T64 | grouped_mm | " in report
+    assert "| qwen3_moe E8 k2 F32 H64 T64 | " in report and "| qwen3_moe_tiny B2 S16 | 32 | " in report   # peers
     assert "| training step (qwen3_moe_tiny bf16, 4 micro-batches of 64 tokens, vocabulary 256), per step |" in report
     assert "tests finished: " in report and "FAILED" not in report and "ERROR" not in report
