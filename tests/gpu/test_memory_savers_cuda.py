@@ -6,8 +6,7 @@
   streams after events, into pinned memory, and nothing waits for them on the host); the device memory the
   forward leaves (``torch.cuda.memory_allocated``) falls by the planner's prediction within 10%.
 - Optimizer offload (fraction 0.5 and 1): three trainer steps equal the on-device update to fp32 rounding (the
-  CUDA and CPU fused AdamW kernels may round the last bit differently), and the step returns while the CPU update
-  may still run.
+  CUDA and CPU fused AdamW kernels may round the last bit differently; the bound is derived in the test).
 
 In a rehearsal (no GPU) the same code runs on the CPU, where the stream and sync checks skip.
 """
@@ -96,12 +95,20 @@ def test_activation_offloading_on_the_device() -> None:
 
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
 def test_optimizer_offload_on_the_device(fraction: float) -> None:
+    """Three steps with the offloaded buckets updated by the CPU's AdamW equal three steps of the device's AdamW
+    within the two kernels' rounding. The bound: each step's update of an element may differ by a few ulps of the
+    parameter and of the update (at most lr), and the next steps' gradients follow those differences smoothly,
+    so 32 ulps of (largest parameter + lr) per tensor over three steps. Smoothly only without routing flips: two
+    experts, both chosen by every token (top-2 of 2), so the routing ids are fixed and only the probs move (on the
+    H200 the 8-expert model's near ties routed some tokens elsewhere after the first step's last-bit difference,
+    which no rounding bound covers)."""
     device = device_type()
-    model = get_recipe("qwen3_moe_tiny").with_(num_layers=2, vocab_size=256)
+    model = get_recipe("qwen3_moe_tiny").with_(num_layers=2, vocab_size=256, num_experts=2, moe_topk=2)
     data = torch.randint(0, 256, (12, 33), generator=torch.Generator().manual_seed(0))
     params = {}
+    lr = 3e-3
     for offload in (False, True):
-        train = TrainConfig(micro_batch_size=2, global_batch_size=4, seq_length=32, train_iters=3, lr=3e-3,
+        train = TrainConfig(micro_batch_size=2, global_batch_size=4, seq_length=32, train_iters=3, lr=lr,
                             lr_warmup_iters=1, bucket_numel=2048, optimizer_cpu_offload=offload,
                             optimizer_offload_fraction=fraction)
         trainer = Trainer(RunConfig(model=model, train=train), ParallelDims.single(device), device=device,
@@ -111,5 +118,8 @@ def test_optimizer_offload_on_the_device(fraction: float) -> None:
         trainer.optimizer.finish_param_sync()
         params[offload] = named_full_params(trainer.model)
         trainer.optimizer.close()
+    eps = torch.finfo(torch.float32).eps
     for n, v in params[True].items():
-        torch.testing.assert_close(v, params[False][n], rtol=1e-6, atol=1e-7, msg=n)
+        ref = params[False][n]
+        err, limit = (v - ref).abs().max().item(), 32 * eps * (ref.abs().max().item() + lr)
+        assert err <= limit, f"{n}: the offloaded update is {err:.3g} off the device's, over {limit:.3g}"

@@ -235,6 +235,11 @@ class Check:
             driver = text.strip().splitlines()[0] if text.strip() else ""
         _, commit, _ = run(["git", "rev-parse", "--short", "HEAD"], 10, self.log)
         commit = commit.strip().splitlines()[-1] if commit.strip() else ""
+        # a copied working tree can be ahead of the .git beside it (the lent machine's copy was): say so
+        rc, status, _ = run(["git", "status", "--porcelain", "--untracked-files=no"], 10, self.log)
+        changed = len(status.strip().splitlines()) if rc == 0 else None
+        dirty = ("" if changed == 0 else f" with {changed} tracked files changed since it" if changed
+                 else " (working tree state unknown)")
         optional = ", ".join(sorted(self.preinstalled)) or "none"
         self.header = ((f"- **rehearsal on the CPU** ({'quick, ' if self.args.quick else ''}tiny sizes): "
                         f"the code paths, not GPU figures\n" if self.rehearsal else "")
@@ -242,7 +247,7 @@ class Check:
                        f"driver, memory: {driver or 'unknown'}\n"
                        f"- torch {torch.__version__}, CUDA {torch.version.cuda}, Python {platform.python_version()}, "
                        f"{platform.machine()}, {os.cpu_count()} CPUs; optional packages at the start: {optional}\n"
-                       f"- moefold commit {commit if re.fullmatch(r'[0-9a-f]{4,40}', commit) else 'unknown'}; "
+                       f"- moefold commit {commit if re.fullmatch(r'[0-9a-f]{4,40}', commit) else 'unknown'}{dirty}; "
                        f"{os.environ.get('MOEFOLD_GPU_CHECK_INSTALL', 'run as python -m')}\n")
         return self.cmd_step("environment", [self.python, "-m", "moefold.training.cli", "env"], "environment")
 
