@@ -100,8 +100,11 @@ def _weight_grad_into(x: Tensor, dy: Tensor, rows: ExpertRows | None, counts_e: 
                       accumulate: bool) -> None:
     if rows is None:   # device counts only: the grouped kernel, then one copy / add into the target
         offs = torch.cumsum(counts_e, 0, dtype=torch.int32)
-        dw_eKM = F.grouped_mm(_aligned(x).t(), _aligned(dy), offs=offs)[:, :x.shape[1], :dy.shape[1]]
-        widen_into(target, dw_eKM.transpose(1, 2), accumulate)
+        # dy_i^T x_i straight in the target's [e, M, K] layout: computed as x^T dy and transposed, the widening copy
+        # into the fp32 main grad read its source across rows (1.9 ms a call at Qwen3-30B-A3B's shape on the H200,
+        # two thirds of the experts' backward)
+        dw_eMK = F.grouped_mm(_aligned(dy).t(), _aligned(x), offs=offs)[:, :dy.shape[1], :x.shape[1]]
+        widen_into(target, dw_eMK, accumulate)
         return
     if target.dtype != x.dtype and target.device.type != "cuda":   # CPU has no mixed-dtype GEMM: a bf16 workspace
         tmp = workspace(x.device).empty(target.shape, x.dtype)

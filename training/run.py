@@ -181,6 +181,21 @@ def _train(config: RunConfig, device: torch.device | str, heartbeat: Heartbeat |
     if t.save and is_log:
         save_run_assets(config)
     trainer = Trainer(config, dims, device=device, log=say)
+    finished = False
+    try:
+        summary = _run(trainer, config, dims, device, heartbeat, stop, on_step, start, say, valid, dataset, progress)
+        finished = True
+        return summary
+    finally:
+        trainer.close(graceful=finished)   # after a failure a peer may be gone: release locally, wait for nothing
+
+
+def _run(trainer: Trainer, config: RunConfig, dims: ParallelDims, device: torch.device | str,
+         heartbeat: Heartbeat | None, stop: StopRequest | None, on_step: Callable[[StepResult], None] | None,
+         start: float, say: Callable[..., None], valid: Samples | None, dataset: Samples | None,
+         progress: bool) -> FitSummary:
+    t = config.train
+    is_log = dims.rank == 0
     trainer.stop_request = stop
     n_params = sum(p.numel() for p in trainer.model.parameters())
     say(f"model: {n_params / 1e6:.2f}M parameters on rank 0, {trainer.num_micro} micro-batches per step")
