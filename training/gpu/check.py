@@ -34,24 +34,25 @@ Each step is a subprocess in its own process group with its own timeout inside o
     pytest process of their own);
 12. ``bench-dispatch`` over NCCL with >= 2 GPUs.
 
-The plan on the lent H200 (``PLAN``: cap and floor of each budget line; the expected seconds are estimates until a
-GPU has run the check): a line gets min(cap, what is left after the floors of the later lines), so the check ends
+The plan on the lent H200 (``PLAN``: cap and floor of each budget line; in brackets the seconds of the one H200 run
+so far, 2026-12-04, which skipped the MoE layer, --compile and after-install): a line gets min(cap, what is left after the floors of the later lines), so the check ends
 in time whatever a step takes, and a step squeezed out says so.
 
 | step | expected s | cap s | floor s |
 |---|---|---|---|
-| environment | 8 | 45 | 0 |
-| torch API | 8 | 20 | 10 |
-| correct on CUDA (3 tiny models, CPU and GPU) | 15 | 45 | 20 |
-| host syncs (5 layer rows, one proxy step) | 20 | 40 | 15 |
-| proxy training (4 runs of 5-6 steps, the planner after each) | 70 | 100 | 40 |
+| environment | 8 (H200: 8) | 45 | 0 |
+| torch API | 8 (9) | 20 | 10 |
+| correct on CUDA (3 tiny models, CPU and GPU) | 15 (13) | 45 | 20 |
+| host syncs (5 layer rows, one proxy step) | 20 (16) | 40 | 15 |
+| proxy training (4 runs of 5-6 steps, the planner after each) | 70 (53) | 100 | 40 |
 | MoE layer | 40 | 60 | 20 |
-| tests/gpu | 90 | 100 | 40 |
+| tests/gpu | 90 (21) | 100 | 40 |
 | --compile (proxy run of 4 steps 70, compile test 25) | 95 | 90 + 40 | 30 + 10 |
-| install (torchao's wheel) | 8 | 20 | 5 |
-| FP8 (3 runs of 6 steps) | 40 | 50 | 20 |
+| install (torchao's wheel) | 8 (27, five wheels) | 20 | 5 |
+| FP8 (3 runs of 6 steps) | 40 (38) | 50 | 20 |
+| peers (layer and step, after the installs) | 45 (33) | 60 + 50 | 15 + 10 |
 | after install (FP8 tests and layer rows) | 45 | 60 | 15 |
-| **total** | **439** of 440 | | |
+| **total** | 484 estimated, **398** with the H200's seconds where measured, of 440 | | |
 | with DeepEP V2 and >= 2 GPUs: its JIT build, its tests, bench-dispatch | | 180, 120, 90 | 0 |
 
 A step that fails, times out or cannot run is recorded with the reason and the check goes on; a step is failed,
