@@ -5,6 +5,8 @@ instead of allocating fresh large buffers."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -210,5 +212,5 @@ def test_the_device_count_weight_gradient_is_computed_in_the_targets_layout(accu
     assert widening.sources and all(s.stride(-1) == 1 and s.stride(-2) >= s.shape[-1] for s in widening.sources), \
         [tuple(s.stride()) for s in widening.sources]
     bounds = [0, *torch.cumsum(counts, 0).tolist()]
-    want = torch.stack([dy[a:b].float().T @ x[a:b].float() for a, b in zip(bounds, bounds[1:])]) + start
+    want = torch.stack([dy[a:b].float().T @ x[a:b].float() for a, b in itertools.pairwise(bounds)]) + start
     torch.testing.assert_close(target, want, atol=0.05, rtol=0.02)   # bf16 products, rounded once

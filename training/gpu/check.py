@@ -35,8 +35,9 @@ Each step is a subprocess in its own process group with its own timeout inside o
 12. ``bench-dispatch`` over NCCL with >= 2 GPUs.
 
 The plan on the lent H200 (``PLAN``: cap and floor of each budget line; in brackets the seconds of the one H200 run
-so far, 2026-12-04, which skipped the MoE layer, --compile and after-install): a line gets min(cap, what is left after the floors of the later lines), so the check ends
-in time whatever a step takes, and a step squeezed out says so.
+so far, 2026-12-04, which skipped the MoE layer, --compile and after-install): a line gets min(cap, what is left
+after the floors of the later lines), so the check ends in time whatever a step takes, and a step squeezed out says
+so.
 
 | step | expected s | cap s | floor s |
 |---|---|---|---|
