@@ -9,7 +9,7 @@ so site-packages gains exactly one top-level name. The version is
 
 from setuptools import find_packages, setup
 
-FOLDERS = ["parallel", "dense", "moe", "dispatch", "pipeline", "models", "training"]
+FOLDERS = ["parallel", "precision", "dense", "moe", "dispatch", "pipeline", "models", "training", "planner", "tools"]
 
 # every package inside those folders: models/hf is installed as moefold.models.hf
 _FOUND = find_packages(include=[f"{f}*" for f in FOLDERS])
@@ -24,7 +24,7 @@ setup(
     package_dir={f"moefold.{p}": p.replace(".", "/") for p in _FOUND},
     install_requires=[
         # 2.10: the first release with torch.nn.functional.grouped_mm; every torch name, keyword and ATen schema
-        # moefold uses resolves in 2.10.0 and 2.11.0 (python -m moefold.training.gpu.torch_api --torch-src DIR)
+        # moefold uses resolves in 2.10.0 and 2.11.0 (python -m moefold.tools.gpu.torch_api --torch-src DIR)
         "torch>=2.10",
         "numpy",
         "nvidia-ml-py",

@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from moefold.parallel.dims import ParallelDims
-from moefold.parallel.machine import describe_machine
 from moefold.training.cli import build_parser
 from moefold.training.cli.train import config_from_args
 from moefold.training.config import RunConfig
+from moefold.training.observe.machine import describe_machine
 from moefold.training.trainer import Trainer
 
 MODEL = {"hidden_size": 256, "num_layers": 4, "num_attention_heads": 4, "num_query_groups": 2, "head_dim": 64,

@@ -47,7 +47,7 @@ from moefold.dense.mlp import DenseMLP
 from moefold.dense.norm import RMSNorm
 from moefold.moe.experts import GroupedExperts
 from moefold.moe.shared_experts import SharedExperts
-from moefold.parallel.machine import describe_machine
+from moefold.training.observe.machine import describe_machine
 from tests.models.bf16_reference import (
     ISLAND_REMOVALS,
     Error,

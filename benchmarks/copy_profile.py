@@ -22,7 +22,8 @@ def _frame(event) -> str:
     while parent is not None:
         path = "/" + parent.name.replace("\\", "/")   # absolute, or relative to a sys.path entry
         if "(" in path and "/benchmarks/" not in path:
-            for pkg in ("parallel", "dense", "dispatch", "moe", "models", "pipeline", "training"):
+            for pkg in ("parallel", "precision", "dense", "dispatch", "moe", "models", "pipeline", "training",
+                        "planner", "tools"):
                 i = path.find(f"/{pkg}/")
                 if i >= 0:
                     return path[i + 1:]

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     args = {"seq": a.seq, "cp": a.cp, "batch": a.batch, "heads": a.heads, "kv_heads": a.kv_heads,
             "head_dim": a.head_dim, "v_dim": a.v_dim or a.head_dim, "dtype": a.dtype, "window": a.window,
             "iters": a.iters, "cpu_time": a.cpu_time}
-    from moefold.parallel.machine import bf16_skip_reason, describe_machine
+    from moefold.training.observe.machine import bf16_skip_reason, describe_machine
 
     print(describe_machine())
     print(f"# {a.cp} gloo ranks x 1 torch thread, clock: {'process CPU' if a.cpu_time else 'wall'}")

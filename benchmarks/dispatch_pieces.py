@@ -35,10 +35,10 @@ def _rank(iters: int) -> dict[str, float]:
     torch.set_num_threads(1)
     from moefold.dispatch import build_dispatcher
     from moefold.dispatch.alltoall import gather_counts
-    from moefold.dispatch.bench import _route
-    from moefold.dispatch.exchange import chunked_all_to_all, chunked_all_to_all_async
     from moefold.dispatch.permutation import build_row_map, count_keys, mask_groups, permute, unpermute
     from moefold.parallel import ParallelConfig, ParallelDims
+    from moefold.tools.bench_dispatch import _route
+    from moefold.tools.chunked_exchange import chunked_all_to_all, chunked_all_to_all_async
 
     dims = ParallelDims.build(ParallelConfig(ep=EP))
     g = dims.ep_group
@@ -107,7 +107,7 @@ def main() -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=20)
     a = p.parse_args()
-    from moefold.parallel.machine import describe_machine
+    from moefold.training.observe.machine import describe_machine
 
     print(describe_machine())
     print(f"# {EP} gloo ranks x 1 torch thread, T={T} H={H} E={E} k={K} fp32, load average at start "

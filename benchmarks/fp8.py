@@ -18,7 +18,7 @@ weights, same input) side by side in one run and prints
   is ~300x slower than an fp32 matmul in torch 2.13; the block recipes multiply dequantised fp32 operands.)
 
 The linear is a [T, H] x [H, 4H] projection; the MoE layer a local (ep 1) layer with E experts, top-k, expert
-FFN F. It names the machine (``parallel.machine.describe_machine``, then threads and load, or the GPU).
+FFN F. It names the machine (``training.observe.machine.describe_machine``, then threads and load, or the GPU).
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from moefold.moe.config import MoEConfig
 from moefold.moe.layer import MoELayer
 from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelDims
-from moefold.parallel.fp8 import FP8Config
-from moefold.parallel.machine import describe_machine
 from moefold.parallel.sharding import init_parameters
+from moefold.precision.fp8 import FP8Config
+from moefold.training.observe.machine import describe_machine
 
 
 def _sync(device: torch.device) -> None:

@@ -19,7 +19,7 @@ import time
 import torch
 
 from moefold.dense.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from moefold.parallel.machine import describe_machine
+from moefold.training.observe.machine import describe_machine
 
 
 def _inputs(args, device: str):

@@ -3,7 +3,7 @@
     python benchmarks/gemm_efficiency.py --cluster h100                 # on a GPU: bf16, and FP8 where it runs
     python benchmarks/gemm_efficiency.py --device cpu --peak-tflops 2 --hbm-gbps 20 --scale 16 --dtypes bf16
 
-For every shape of ``training.plan.gemm_efficiency``'s published points (``BF16_H100``, ``FP8_H800``: ``groups`` x
+For every shape of ``planner.gemm_efficiency``'s published points (``BF16_H100``, ``FP8_H800``: ``groups`` x
 ``[m, k] @ [k, n]``; grouped points as one ``bmm``) it prints the measured TFLOP/s beside what the planner's
 constants predict, then fits the same model to the measurements (``fit_model``) against the device's peaks
 (``--cluster``'s preset or ``--peak-tflops`` / ``--fp8-peak-tflops`` / ``--hbm-gbps``) and prints the fitted
@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from moefold.parallel.machine import describe_machine
-from moefold.training.plan.cluster import CLUSTERS, load_cluster
-from moefold.training.plan.gemm_efficiency import BF16_H100, FP8_H800, MODELS, GemmPoint, fit_model
+from moefold.planner.cluster import CLUSTERS, load_cluster
+from moefold.planner.gemm_efficiency import BF16_H100, FP8_H800, MODELS, GemmPoint, fit_model
+from moefold.training.observe.machine import describe_machine
 
 POINTS = {"bf16": BF16_H100, "fp8": FP8_H800}
 

@@ -45,8 +45,8 @@ from moefold.models.decoder import MoEDecoder
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import get_recipe
 from moefold.parallel.dims import ParallelConfig, ParallelDims
-from moefold.parallel.machine import describe_machine
 from moefold.training.config import RunConfig, TrainConfig
+from moefold.training.observe.machine import describe_machine
 from moefold.training.observe.memory import TensorMemoryTracker, bytes_per_parameter, static_bytes
 from moefold.training.optim.precision import OptimizerPrecision
 from moefold.training.trainer import Trainer

@@ -49,9 +49,9 @@ from moefold.moe.expert_rows import ROW_LAYOUTS
 from moefold.moe.layer import MoELayer
 from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelDims
-from moefold.parallel.machine import bf16_skip_reason, describe_machine
 from moefold.parallel.sharding import init_parameters
 from moefold.training.compile import compile_moe_layer, compile_unavailable
+from moefold.training.observe.machine import bf16_skip_reason, describe_machine
 from moefold.training.optim.grad_sync import GradSync
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

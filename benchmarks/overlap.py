@@ -38,10 +38,10 @@ from moefold.dense.split_backward import WeightGradStore, install_weight_grad_st
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import get_recipe
 from moefold.parallel.dims import ParallelConfig, ParallelDims
-from moefold.parallel.machine import describe_machine
 from moefold.pipeline.overlap import OverlapConfig, Trace
 from moefold.pipeline.schedules import build_schedule
 from moefold.training.config import RunConfig, TrainConfig
+from moefold.training.observe.machine import describe_machine
 from moefold.training.trainer import Trainer
 
 

@@ -32,8 +32,8 @@ import torch
 
 from moefold.models.options import ModelOptions
 from moefold.parallel.dims import ParallelDims
-from moefold.parallel.machine import describe_machine
 from moefold.training.config import RunConfig, TrainConfig
+from moefold.training.observe.machine import describe_machine
 from moefold.training.trainer import Trainer
 
 try:

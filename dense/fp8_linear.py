@@ -4,15 +4,17 @@ A ``ColumnParallelLinear``/``RowParallelLinear`` runs its local GEMM through ``l
 (``F.linear`` by default). ``convert_linears_to_fp8(model, config, tp_group)`` walks a built model once
 and gives every linear whose qualified name contains none of ``config.exclude_modules`` an FP8 GEMM:
 
-- ``Float8LinearGemm`` (``--fp8-backend torchao``): torchao's recipe (``parallel.fp8_cast``) in one
+- ``Float8LinearGemm`` (``--fp8-backend torchao``): torchao's recipe (``precision.fp8_cast``) in one
   autograd function: forward ``y = q(x) q(w)^T``, backward ``dx = q(dy) q(w)``, ``dw = q(dy)^T q(x)``,
   each operand cast along that GEMM's contraction dim (rowwise) or as a whole (tensorwise), the
   gradient in e5m2 with ``hybrid``. It saves the high-precision ``x`` and ``w`` (as torchao does) and
   casts them again in backward; the bias is added in high precision.
-- ``TELinearGemm`` (``--fp8-backend te``): a persistent ``te.Linear`` (built on the meta device, no
-  weights of its own) run on the layer's weight through ``torch.func.functional_call``, as
-  ``moe.te_gemm`` does for the experts, inside the TE autocast region the model entered for the whole
-  stage forward (``parallel.fp8_region``: one region, one amax group, not one per call).
+- ``precision.te_linear.TELinearGemm`` (``--fp8-backend te``): a persistent ``te.Linear`` run on the layer's
+  weight inside the TE autocast region the model entered for the whole stage forward;
+- ``precision.block_linear.BlockScaledLinearGemm`` (block-scaled recipes: blockwise, mxfp8, nvfp4).
+
+``Float8LinearGemm`` stays in ``dense`` (not ``precision``) because it defers its weight-gradient GEMM through
+``dense.split_backward``'s store; the other two need nothing from ``dense``.
 
 Scales and parallelism (torchao backend). Which dims of each operand are sharded follows from the
 layer: a column-parallel weight and output gradient are split along ``out`` over tp; a row-parallel
@@ -36,16 +38,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moefold.dense.block_linear import BlockScaledLinearGemm
 from moefold.dense.grad_accumulation import fused_linear
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
 from moefold.dense.split_backward import SplitWeights, WeightGradStore, accumulate_or_defer, weight_inputs
-from moefold.parallel.fp8 import FP8Config, import_te
-from moefold.parallel.fp8_cast import Float8Recipe, quantize, scaled_mm
-from moefold.parallel.fp8_param import mark_fp8_param
-from moefold.parallel.fp8_region import require_region
 from moefold.parallel.groups import Group, group_size
 from moefold.parallel.sharding import is_sequence_parallel
+from moefold.precision.block_linear import BlockScaledLinearGemm
+from moefold.precision.fp8 import FP8Config
+from moefold.precision.fp8_cast import Float8Recipe, quantize, scaled_mm
+from moefold.precision.fp8_param import mark_fp8_param
+from moefold.precision.te_linear import TELinearGemm
 
 
 class _Float8Linear(torch.autograd.Function):
@@ -124,33 +126,6 @@ class Float8LinearGemm:
         return f"torchao fp8 (x {_dtype(r.input.dtype)}, w {_dtype(r.weight.dtype)}, dy {_dtype(r.grad_output.dtype)})"
 
 
-class TELinearGemm:
-    """``(x, w [N, K], b) -> y`` through one persistent ``te.Linear``, inside the model's TE autocast region.
-
-    Not an ``nn.Module`` on purpose: TE's module holds meta placeholders and must stay out of the
-    layer's parameters and state_dict; the layer's weight is substituted on every call. Kept out of
-    ``torch.compile``'s graphs (``--compile`` compiles whole dense blocks): TE's module forwards are
-    dynamo-disabled anyway (``@no_torch_dynamo`` in ``module/linear.py``), and its ``DelayedScaling``
-    refuses to enter an autocast while compiling (``quantization.py`` ``check_recipe_support``).
-    """
-
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, config: FP8Config) -> None:
-        te = import_te("transformer_engine.pytorch")
-        self.config = config
-        self.module = te.Linear(in_features, out_features, bias=False, params_dtype=dtype, device="meta")
-
-    @torch.compiler.disable
-    def __call__(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
-        require_region(self.config, "TELinearGemm")
-        lead = x.shape[:-1]
-        y = torch.func.functional_call(self.module, {"weight": w}, (x.reshape(-1, x.shape[-1]),))
-        y = y.view(*lead, w.shape[0])
-        return y if b is None else y + b
-
-    def describe(self) -> str:
-        return f"Transformer Engine {self.config.fp4 or self.config.format} {self.config.recipe}"
-
-
 def _dtype(dtype: torch.dtype) -> str:
     return {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}.get(dtype, str(dtype))
 
@@ -203,4 +178,4 @@ def fp8_linear_names(model: nn.Module) -> tuple[list[str], list[str]]:
     return fp8, high
 
 
-__all__ = ["Float8LinearGemm", "TELinearGemm", "convert_linears_to_fp8", "fp8_linear_names"]
+__all__ = ["Float8LinearGemm", "convert_linears_to_fp8", "fp8_linear_names"]

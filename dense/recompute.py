@@ -30,7 +30,7 @@ the RNG state and supports nested outputs (the MoE layer's losses). ``Checkpoint
 saved it, and refills that storage just before the consumer's backward, so a norm whose output feeds
 a linear layer keeps only its input. Nothing crosses ranks here; a recomputed region replays its
 collectives in backward, in the same order on every rank. With ``--fp8-backend te`` both mechanisms
-replay the region inside the TE autocast region its forward ran in (``parallel.fp8_region``): the
+replay the region inside the TE autocast region its forward ran in (``precision.fp8_region``): the
 recomputed GEMMs run in FP8 with the same recipe and amax group, as TE's own ``checkpoint`` does.
 """
 
@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from moefold.parallel.fp8_region import Replay, active_region, recompute_context
+from moefold.precision.fp8_region import Replay, active_region, recompute_context
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "shared_experts", "layernorm", "mla_up_proj")
@@ -136,7 +136,7 @@ class CheckpointWithoutOutput:
         self.ctx: Callable[[], Any] | None = None   # weak reference to the autograd node
         self.outputs: tuple[Tensor, ...] = ()
         self.recomputed: tuple[tuple[Any, ...], tuple[Tensor, ...]] | None = None
-        self.replay: Replay | None = None   # the TE FP8 region to recompute in (parallel.fp8_region)
+        self.replay: Replay | None = None   # the TE FP8 region to recompute in (precision.fp8_region)
 
     def checkpoint(self, fn: Callable[..., Any], *args: Any) -> Any:
         if not torch.is_grad_enabled():

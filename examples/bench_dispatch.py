@@ -1,4 +1,4 @@
-"""Dispatcher benchmark: a thin script over ``moefold bench-dispatch`` (dispatch/bench.py).
+"""Dispatcher benchmark: a thin script over ``moefold bench-dispatch`` (tools/bench_dispatch.py).
 
     python examples/bench_dispatch.py --dispatcher alltoall --ep 4 --num-tokens 4096 --hidden 512 \
         --num-experts 16 --topk 2
@@ -8,9 +8,9 @@
 import argparse
 import sys
 
-from moefold.dispatch import bench
+from moefold.tools import bench_dispatch
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=bench.__doc__.splitlines()[0])
-    bench.add_arguments(parser)
-    sys.exit(bench.main(parser.parse_args()))
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=bench_dispatch.__doc__.splitlines()[0])
+    bench_dispatch.add_arguments(parser)
+    sys.exit(bench_dispatch.main(parser.parse_args()))

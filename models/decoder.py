@@ -55,9 +55,9 @@ from moefold.moe.balance_losses import GlobalLoadState
 from moefold.moe.layer import MoEOutputInfo
 from moefold.parallel.comm import gather_along_dim
 from moefold.parallel.dims import ParallelDims
-from moefold.parallel.fp8_region import fp8_autocast
 from moefold.parallel.groups import group_size
 from moefold.parallel.sharding import init_parameters
+from moefold.precision.fp8_region import fp8_autocast
 
 IGNORE_INDEX = -100  # labels with this value carry no loss (HF / torch convention)
 
@@ -163,7 +163,7 @@ class MoEDecoder(nn.Module):
         init_parameters(self, seed)
 
     def fp8_region(self) -> AbstractContextManager:
-        """TE's FP8 autocast for one forward of this stage (``parallel.fp8_region``; a null context unless
+        """TE's FP8 autocast for one forward of this stage (``precision.fp8_region``; a null context unless
         ``--fp8-backend te``): its amaxes reduce over the stage's dp x cp x tp ranks, Megatron's
         ``get_amax_reduction_group(with_context_parallel=True)``."""
         return fp8_autocast(self.options.fp8, self.dims.tp_cp_dp_group)

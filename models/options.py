@@ -23,7 +23,7 @@ from moefold.dense.recompute import (
 from moefold.dispatch.flex_backend import check_flex_backend
 from moefold.moe.config import DISPATCHERS
 from moefold.moe.gemm import GEMM_BACKENDS
-from moefold.parallel.fp8 import FP8Config
+from moefold.precision.fp8 import FP8Config
 
 DEEPEP_MODES: tuple[str, ...] = ("hybrid", "direct")
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -44,7 +44,7 @@ class ModelOptions:
     gemm_backend:      routed-expert GEMM backend (``moe.gemm.GEMM_BACKENDS``)
     dtype:             parameter dtype, "fp32" | "bf16" | "fp16" (routers and expert bias stay fp32)
     init_std:          std of the normal init of every weight matrix
-    fp8:               FP8 GEMMs and dispatch (``parallel.fp8.FP8Config``; --fp8-format, --fp8-recipe,
+    fp8:               FP8 GEMMs and dispatch (``precision.fp8.FP8Config``; --fp8-format, --fp8-recipe,
                        --fp8-backend, --fp8-exclude-modules, --moe-fp8-dispatch)
     moe_deepep_num_sms: SMs DeepEP's kernels take with the flex dispatcher (--moe-deepep-num-sms; 0: DeepEP V2's
                        analytic count, the legacy backend's 20)

@@ -1,7 +1,7 @@
 """Block-scaled grouped expert GEMMs (``--fp8-recipe blockwise | mxfp8``, ``--fp4-format e2m1``; torchao backend).
 
 For every local expert i over its block of rows (expert-major, as ``moe.gemm``), each operand cast by
-``parallel.block_cast`` in its recipe's blocks (b = 128 blockwise, 32 mxfp8, 16 nvfp4)::
+``precision.block_cast`` in its recipe's blocks (b = 128 blockwise, 32 mxfp8, 16 nvfp4)::
 
     forward  y[rows_i]  = q(x[rows_i]) @ q(w[i])^T     x: 1 x b tiles along K; w[i]: its weight blocks
     backward dx[rows_i] = q(dy[rows_i]) @ q(w[i])      dy: 1 x b along M; w[i]: the same 2-D blocks (mxfp8: b x 1)
@@ -35,10 +35,10 @@ import torch
 from torch import Tensor
 
 from moefold.moe.gemm import grouped_gemm, no_rows
-from moefold.parallel.block_cast import FORMATS, quantize
-from moefold.parallel.fp8 import FP8Config
-from moefold.parallel.fp8_cast import E5M2, reduce_max
 from moefold.parallel.groups import Group, group_size
+from moefold.precision.block_cast import FORMATS, quantize
+from moefold.precision.fp8 import FP8Config
+from moefold.precision.fp8_cast import E5M2, reduce_max
 
 
 def _expert_amax(t: Tensor, counts_e: Tensor, groups: Sequence[Group]) -> Tensor:

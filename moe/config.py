@@ -11,7 +11,7 @@ from moefold.moe.expert_rows import ROW_LAYOUTS
 from moefold.moe.experts import ACTIVATIONS, GatedActivation
 from moefold.moe.fp8_gemm import check_fp8_gemm_backend
 from moefold.moe.gemm import GEMM_BACKENDS
-from moefold.parallel.fp8 import FP8Config
+from moefold.precision.fp8 import FP8Config
 
 if TYPE_CHECKING:
     from moefold.moe.router_config import RouterConfig
@@ -44,7 +44,7 @@ class MoEConfig:
     expert_row_layout: str = "auto"               # CPU row layout of the expert GEMMs (moe.expert_rows)
     init_std: float = 0.02
     output_init_std: float | None = None          # w2 / shared down projection; None = init_std
-    fp8: FP8Config | None = None                  # FP8 expert GEMMs and FP8 dispatch (parallel.fp8)
+    fp8: FP8Config | None = None                  # FP8 expert GEMMs and FP8 dispatch (precision.fp8)
     deepep_num_sms: int = 0                       # flex: SMs DeepEP's kernels use (--moe-deepep-num-sms); 0: V2's
                                                   # get_theoretical_num_sms, legacy's 20 (Megatron's default)
     flex_backend: str = "auto"                    # flex: "deepep" (V2) | "deepep-legacy" | "auto" (the installed one)

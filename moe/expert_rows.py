@@ -20,7 +20,7 @@ through the SwiGLU experts, so the gradients are exactly those of the packed lay
 input copy, the gate/up output and the product are saved for backward), so an automatic choice never holds
 more than ``max_auto_rows`` (``aligned``'s worst case, N + e(ALIGN - 1)): a ``uniform`` call over skewed counts
 (one hot expert: e times N rows) takes ``aligned`` instead. The planner
-(``training.plan.activations_ffn``) counts that bound on CPU.
+(``planner.activations_ffn``) counts that bound on CPU.
 """
 
 from __future__ import annotations

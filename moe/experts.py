@@ -75,10 +75,10 @@ from moefold.moe.split_gemm import SplitGroupedGemm
 from moefold.moe.swiglu import swiglu_rows
 from moefold.parallel.comm import copy_to_region
 from moefold.parallel.cpu_shortcuts import takes_cpu_shortcut
-from moefold.parallel.fp8 import FP8Config
-from moefold.parallel.fp8_param import mark_fp8_param
 from moefold.parallel.groups import Group, group_rank, group_size
 from moefold.parallel.sharding import Shard, mark_sharded, normal_init, set_init
+from moefold.precision.fp8 import FP8Config
+from moefold.precision.fp8_param import mark_fp8_param
 
 if TYPE_CHECKING:
     from moefold.moe.te_gemm import TEExpertGemms
@@ -239,7 +239,7 @@ class GroupedExperts(nn.Module):
                 gemm_cls = Float8GroupedGemm
             self._gemm13 = gemm_cls(fp8, grouped=grouped, m_group=etp_group, token_group=tokens)
             self._gemm2 = gemm_cls(fp8, grouped=grouped, k_group=etp_group, token_group=tokens)
-            if fp8.param_gather:   # FP8 primary weights: one matrix per expert (parallel.fp8_param)
+            if fp8.param_gather:   # FP8 primary weights: one matrix per expert (precision.fp8_param)
                 mark_fp8_param(self.w13, fp8, {"out_group": etp_group}, matrix=(gates * f, hidden_size))
                 mark_fp8_param(self.w2, fp8, {"in_group": etp_group}, matrix=(hidden_size, f))
         # TE's modules hold per-module state (FP8 scales): built once, kept out of the module tree

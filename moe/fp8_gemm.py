@@ -5,7 +5,7 @@ For every local expert i over its block of rows (expert-major, as ``moe.gemm``):
     forward  y[rows_i]  = q(x[rows_i]) @ q(w[i])^T         x [N, K], w [e, M, K] -> y [N, M]
     backward dx[rows_i] = q(dy[rows_i]) @ q(w[i])           dw[i] = q(dy[rows_i])^T @ q(x[rows_i])
 
-with each operand cast by torchao's recipe (``parallel.fp8_cast``; the gradient in e5m2 with hybrid):
+with each operand cast by torchao's recipe (``precision.fp8_cast``; the gradient in e5m2 with hybrid):
 
 - ``tensorwise``: one scale per expert: the amax of that expert's rows of x (or dy), of w[i];
 - ``rowwise``: one scale per row along each GEMM's contraction dim: per token row of x (over K) and of
@@ -53,9 +53,9 @@ from torch import Tensor
 
 from moefold.dense.split_backward import SplitWeights, WeightGradStore, accumulate_or_defer, weight_inputs
 from moefold.moe.gemm import no_rows, row_experts
-from moefold.parallel.fp8 import FP8Config
-from moefold.parallel.fp8_cast import E4M3, Float8Recipe, amax, amax_to_scale, reduce_max, scaled_mm, to_float8
 from moefold.parallel.groups import Group, group_size
+from moefold.precision.fp8 import FP8Config
+from moefold.precision.fp8_cast import E4M3, Float8Recipe, amax, amax_to_scale, reduce_max, scaled_mm, to_float8
 
 FP8_GEMM_BACKENDS: dict[str, tuple[str, ...]] = {"torchao": ("grouped_mm", "loop"), "te": ("te",)}
 

@@ -14,12 +14,12 @@ the two without copying:
   parameter's ``.grad`` through autograd and moefold's parameter names never change (no
   state-dict adapter is needed);
 - ``m_splits`` is a host list, as TE's GroupedLinear requires;
-- with FP8 (``parallel.fp8.FP8Config``) the GEMMs run inside the TE autocast region the model entered
-  for the whole stage forward (``parallel.fp8_region``) and the rows are padded to FP8's per-group
+- with FP8 (``precision.fp8.FP8Config``) the GEMMs run inside the TE autocast region the model entered
+  for the whole stage forward (``precision.fp8_region``) and the rows are padded to FP8's per-group
   alignment (``TEExpertGemms``);
 - a rank whose experts got no rows runs the same TE calls with zero rows (TE zeroes an empty GEMM's
   output, ``csrc/extensions/gemm.cpp``): every rank of the amax group must issue the same TE
-  calls, or delayed scaling's amax reductions differ between them (``parallel.fp8_region``).
+  calls, or delayed scaling's amax reductions differ between them (``precision.fp8_region``).
 
 Gradient accumulation: TE computes each weight gradient in the activation dtype and returns it;
 autograd stacks them into ``w.grad`` and the trainer's hook adds that into the fp32
@@ -39,8 +39,8 @@ import torch
 from torch import Tensor
 
 from moefold.moe.gemm import import_backend
-from moefold.parallel.fp8 import FP8Config
-from moefold.parallel.fp8_region import require_region
+from moefold.precision.fp8 import FP8Config
+from moefold.precision.fp8_region import require_region
 
 
 class TEGroupedLinear:
@@ -72,7 +72,7 @@ class TEExpertGemms:
     ``__call__(x_NH, w13_eGH, w2_eHF, m_splits, activation) -> [N, H]``: ``w13_eGH`` is the
     input projection ``[e, G*F, H]``, ``activation`` maps its ``[*, G*F]`` output to ``[*, F]``;
     ``N`` may be 0 (the same TE calls run). With FP8 the call must be inside the model's TE autocast
-    region (``parallel.fp8_region``), and the rows are padded once, before the first GEMM, to the
+    region (``precision.fp8_region``), and the rows are padded once, before the first GEMM, to the
     recipe's per-group alignment (``te.Fp8Padding``: zero rows, which stay zero through the bias-free
     MLP) and unpadded after the second. Kept out of ``torch.compile``'s graphs: TE's module forwards
     are dynamo-disabled anyway (``@no_torch_dynamo`` in ``module/grouped_linear.py``).

@@ -71,7 +71,7 @@ class GemmRecorder:
     as dequantised fp32 matrices ``(a * inv_a, b * inv_b)``, and still runs the GEMM."""
 
     def __init__(self, monkeypatch, *modules) -> None:
-        from moefold.parallel.fp8_cast import scaled_mm
+        from moefold.precision.fp8_cast import scaled_mm
 
         self.calls: list[tuple[Tensor, Tensor]] = []
 

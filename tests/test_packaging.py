@@ -54,8 +54,8 @@ def test_wheel_has_one_top_level_name(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"moefold"}, sorted(tops)
-    for package in ("parallel", "dense", "moe", "dispatch", "pipeline", "models", "models/hf", "training",
-                    "training/data"):
+    for package in ("parallel", "precision", "dense", "moe", "dispatch", "pipeline", "models", "models/hf", "training",
+                    "training/data", "planner", "tools", "tools/gpu"):
         assert f"moefold/{package}/__init__.py" in names
     assert not any(n.startswith("moefold/tests/") for n in names)
 

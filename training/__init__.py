@@ -10,12 +10,11 @@
     launch/      pre-flight checks, local ranks and torchrun, heartbeats and the watchdog
     observe/     metrics, hardware counters and MFU, memory, FLOPs, host syncs, balance and FP8 reports
     data/        corpus preparation, indexed datasets, tokenizers, blending, the validation split, loading
-    plan/        ``moefold plan``: the layout planner
-    gpu/         the GPU check
     cli/         the ``moefold`` command and the subcommands that need the trainer or its checkpoints
 
-The parts import downwards only (``[tool.importlinter]`` in pyproject.toml: plan, gpu > cli > run > trainer >
-evaluate, build > launch > checkpoint > config, compile > observe, data > optim, errors).
+The parts import downwards only (``[tool.importlinter]`` in pyproject.toml: cli > run > trainer > evaluate, build >
+launch > checkpoint > config, compile > observe, data > optim, errors). The planner (``moefold.planner``) and the
+GPU check and benchmarks (``moefold.tools``) live beside this package and import it; nothing here imports them.
 
 The public names below load on first use: ``moefold <subcommand>`` imports ``moefold.training.cli`` (hence
 this package) and should not pay for the model, pipeline and DCP imports of the trainer.

@@ -1,7 +1,7 @@
 """Building a run's model and optimizer: the ``ModelOptions`` the run's flags make, this rank's model (its pipeline
 stage's chunks at pp > 1) and its gradient sync and distributed optimizer (or FSDP2). The trainer builds its parts
 here, and ``moefold plan`` builds the same ones on the meta device to count their bytes
-(``training.plan.static``).
+(``planner.static``).
 
 What crosses ranks: ``build_optimizer`` is collective (the embedding group of the pipeline's shared weights, the
 optimizer's shard layout); building the model is not.

@@ -1,7 +1,7 @@
 """Reading slices of, and writing, ``torch.distributed.checkpoint`` directories (Megatron's ``torch_dist``).
 
 Loading never executes code from the files: ``.metadata`` (a pickle) is read by the unpickler moefold's own
-checkpoints are read with (``parallel.dcp_metadata``: only the classes DCP's metadata consists of, here with
+checkpoints are read with (``models.dcp_metadata``: only the classes DCP's metadata consists of, here with
 ``BytesStorageMetadata`` and the save plan Megatron-Core keeps there; no storage transforms), which fails
 naming any other; tensor data is read by DCP's ``FileSystemReader`` (``torch.load(weights_only=True)`` per
 chunk); byte items (Megatron's ``ShardedObject``: Transformer Engine extra state, RNG states, optimizer objects)
@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from moefold.parallel.dcp_metadata import SafeFileSystemReader, read_dcp_metadata
+from moefold.models.dcp_metadata import SafeFileSystemReader, read_dcp_metadata
 
 METADATA = ".metadata"
 
@@ -33,7 +33,7 @@ Box = tuple[slice, ...]
 
 
 def read_metadata(path: str | os.PathLike) -> Metadata:
-    """The ``.metadata`` of a DCP directory, through the restricted unpickler (``parallel.dcp_metadata``;
+    """The ``.metadata`` of a DCP directory, through the restricted unpickler (``models.dcp_metadata``;
     Megatron's byte entries and save plan admitted as metadata, the entries never read). ``ValueError`` naming
     the file otherwise."""
     file = Path(path) / METADATA

@@ -22,8 +22,8 @@ from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
 from moefold.models.decoder import MoEDecoder
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import deepseek_v3_tiny, qwen3_moe_tiny
-from moefold.parallel.fp8 import FP8Config
-from moefold.parallel.fp8_region import fp8_autocast
+from moefold.precision.fp8 import FP8Config
+from moefold.precision.fp8_region import fp8_autocast
 from tests.fp8_reference import E4M3, E5M2, GemmRecorder, cast_bound, check_gemm, gemm_bound, ref_cast, rel_err
 
 CASES = [("tensorwise", "hybrid"), ("tensorwise", "e4m3"), ("rowwise", "e4m3"), ("rowwise", "hybrid")]

@@ -25,8 +25,8 @@ from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
 from moefold.dense.mla import MLAttention
 from moefold.dense.mlp import DenseMLP, MLPConfig
 from moefold.dense.split_backward import WeightGradStore, install_weight_grad_store
-from moefold.parallel.fp8 import FP8Config
 from moefold.parallel.sharding import init_parameters
+from moefold.precision.fp8 import FP8Config
 
 S, B, H = 8, 2, 32
 GQA = AttentionConfig(hidden_size=H, num_heads=4, num_query_groups=2, head_dim=8, qk_norm=True, bias=True)

@@ -6,7 +6,7 @@ Line for line from DeepEP main (dd758ca): ``get_dispatch_buffer_size`` / ``get_c
 ``ElasticBuffer.get_theoretical_num_sms`` (deep_ep/buffers/elastic.py:728-834). The stand-in checks every call's
 layout against the bytes it was created with, as DeepEP's ``EP_HOST_ASSERT``s at buffer.hpp:963 and 1254 do,
 so a buffer moefold sizes too small fails here. (moefold's planner states the same arithmetic on its own,
-``training.plan.deepep``; tests/training/plan/test_deepep_plan.py compares the two.)
+``planner.deepep``; tests/planner/test_deepep_plan.py compares the two.)
 """
 
 from __future__ import annotations

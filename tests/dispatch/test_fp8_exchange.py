@@ -15,9 +15,10 @@ import argparse
 
 import torch
 
-from moefold.dispatch import bench, build_dispatcher
+from moefold.dispatch import build_dispatcher
 from moefold.dispatch.fp8_exchange import dequantize_rows, pack, quantize_rows, row_bytes, unpack
 from moefold.parallel import ParallelConfig, ParallelDims
+from moefold.tools import bench_dispatch
 from moefold.training.cli import build_parser
 from tests.dispatch.common import expert_weights, make_case, make_routing, reference, run_experts
 from tests.distributed import run_distributed
@@ -103,10 +104,10 @@ def test_fp8_dispatch_round_trip_on_4_ranks():
 
 def test_bench_dispatch_fp8(capfd):
     """In process (one rank, the local dispatcher: FP8 casts every row there too); the multi-rank path is the
-    same code after the plain dispatcher's measurements (tests/dispatch/test_bench.py spawns ranks)."""
+    same code after the plain dispatcher's measurements (tests/tools/test_bench_dispatch.py spawns ranks)."""
     argv = ["bench-dispatch", "--num-tokens", "64", "--hidden", "256", "--num-experts", "4", "--topk", "2",
             "--iters", "2", "--warmup", "1", "--ep", "1", "--dispatcher", "local", "--dtype", "bf16", "--fp8"]
     args: argparse.Namespace = build_parser("bench-dispatch").parse_args(argv)
-    assert bench.main(args) == 0
+    assert bench_dispatch.main(args) == 0
     out = capfd.readouterr().out
     assert "fp8 local dispatch+combine" in out and "dispatch bytes 0.52x" in out, out

@@ -1,7 +1,7 @@
 """Tests in tests/gpu/ need CUDA (and the optional GPU backends); they skip cleanly without.
 
 Rehearsal (``MOEFOLD_GPU_REHEARSAL=1``, what ``gpu_check --rehearsal`` and
-tests/training/gpu/test_rehearsal.py set): every test runs its own code on the CPU wherever its
+tests/tools/gpu/test_rehearsal.py set): every test runs its own code on the CPU wherever its
 logic needs no CUDA-only kernel, on the device the ``device`` fixture names, so an API change that
 breaks a GPU test fails on a machine without a GPU. Checks that need a CUDA-only kernel call
 ``tests.gpu.rehearsal.cuda_only(what)``, which skips them in rehearsal naming ``what``.

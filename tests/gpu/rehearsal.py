@@ -13,7 +13,7 @@ import os
 import pytest
 
 REHEARSAL = os.environ.get("MOEFOLD_GPU_REHEARSAL", "") not in ("", "0")
-# "quick": the CI-sized rehearsal (tests/training/gpu/test_rehearsal.py): each test function once, with its
+# "quick": the CI-sized rehearsal (tests/tools/gpu/test_rehearsal.py): each test function once, with its
 # first parameters, except those in QUICK_LEAVES_OUT (their code runs in the full rehearsal)
 QUICK = os.environ.get("MOEFOLD_GPU_REHEARSAL", "") == "quick"
 QUICK_LEAVES_OUT = {

@@ -17,11 +17,11 @@ import pytest
 import torch
 from torch import nn
 
-from moefold.dense.block_linear import _BlockScaledLinear
 from moefold.dense.fp8_linear import convert_linears_to_fp8
 from moefold.dense.linear import ColumnParallelLinear
 from moefold.moe.block_gemm import BlockScaledGroupedGemm, _BlockScaledGroupedMM
-from moefold.parallel.fp8 import FP8Config
+from moefold.precision.block_linear import _BlockScaledLinear
+from moefold.precision.fp8 import FP8Config
 from tests.gpu.rehearsal import capability, cuda_only
 
 pytest.importorskip("torchao", reason="the block-scaled recipes need torchao (docs/gpus.md: the GPU check)")

@@ -24,7 +24,7 @@ from moefold.models.decoder import MoEDecoder
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import deepseek_v3_tiny
 from moefold.moe.fp8_gemm import Float8GroupedGemm
-from moefold.parallel.fp8 import FP8Config
+from moefold.precision.fp8 import FP8Config
 from tests.gpu.rehearsal import REHEARSAL, capability
 
 pytest.importorskip("torchao", reason="--fp8-backend torchao needs torchao (docs/gpus.md: the GPU check)")

@@ -14,8 +14,8 @@ import torch
 
 from moefold.moe.experts import GroupedExperts
 from moefold.moe.gemm import check_gemm_backend, grouped_gemm
-from moefold.parallel.fp8 import FP8Config
-from moefold.parallel.fp8_region import fp8_autocast
+from moefold.precision.fp8 import FP8Config
+from moefold.precision.fp8_region import fp8_autocast
 from tests.gpu.rehearsal import gpu_library
 
 COUNTS = {"mixed": [64, 0, 128, 40], "one": [0, 0, 0, 256], "empty": [0, 0, 0, 0]}
@@ -105,7 +105,7 @@ def test_te_experts_fp8_cuda(recipe, device, monkeypatch):
         results = []
         for m in (ref, fp8):
             xi = x.clone().requires_grad_()
-            with fp8_autocast(m.fp8):   # the region a model enters once per forward (parallel.fp8_region)
+            with fp8_autocast(m.fp8):   # the region a model enters once per forward (precision.fp8_region)
                 y = m(xi, torch.tensor(counts, device=device), counts)
             results.append((y, *torch.autograd.grad(y, (xi, m.w13, m.w2), g)))
         if step == 0:

@@ -24,8 +24,8 @@ from moefold.models.options import ModelOptions
 from moefold.models.recipes import get_recipe
 from moefold.parallel.dims import ParallelDims
 from moefold.parallel.sharding import named_full_params
+from moefold.planner.profile import activation_memory
 from moefold.training.config import RunConfig, TrainConfig
-from moefold.training.plan.profile import activation_memory
 from moefold.training.trainer import Trainer
 from tests.gpu.rehearsal import REHEARSAL, cuda_only, device_type
 

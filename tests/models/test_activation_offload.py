@@ -11,7 +11,7 @@
 - Refused with one line: a module both recomputed and offloaded, full recompute, attn_proj without core_attn,
   an unknown module.
 
-The resident-memory drop against the planner is ``tests/training/plan/test_offload_memory.py``; pipeline
+The resident-memory drop against the planner is ``tests/planner/test_offload_memory.py``; pipeline
 schedules with several micro-batches in flight are ``tests/training/test_memory_features.py``.
 """
 

@@ -4,7 +4,7 @@ layer, shared experts) with experts of FFN 256 (etp2 shards of 128 hold whole bl
 ep2 and ep2 x etp2: the loss and every reduced gradient equal world 1's.
 
 NVFP4 runs with ``--moe-router-padding-for-quantization`` (see ``RECIPES``); without it its ep layouts differ
-(checked: 2.6e-2 relative on an expert gradient). Why they can (``parallel.block_cast``): blocks never straddle
+(checked: 2.6e-2 relative on an expert gradient). Why they can (``precision.block_cast``): blocks never straddle
 shards (checked at construction), a dim that is one block altogether reduces its amax over the group that splits it
 (tp for o_proj's 32 input columns, the sequence shard of the replicated layers' tokens), and NVFP4's per-tensor
 amaxes are reduced over every split group. Left out: layouts where tp ranks split an expert's rows (tp2 with ep1:
@@ -19,7 +19,7 @@ from moefold.models.decoder import MoEDecoder
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import deepseek_v3_tiny
 from moefold.parallel.dims import ParallelConfig, ParallelDims
-from moefold.parallel.fp8 import FP8Config
+from moefold.precision.fp8 import FP8Config
 from tests.distributed import run_distributed
 from tests.models.test_fp8_parallel import _batch, worst_grad_error
 

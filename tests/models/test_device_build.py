@@ -63,11 +63,11 @@ from moefold.moe.router import Router
 from moefold.moe.router_config import RouterConfig
 from moefold.moe.shared_experts import SharedExperts
 from moefold.parallel.dims import ParallelDims
-from moefold.parallel.fp8 import FP8Config
 from moefold.parallel.workspace import MIN_BYTES, workspace
+from moefold.precision.fp8 import FP8Config
 from tests.moe import grouped_gemm_standin, te_standin
 
-PACKAGES = ("parallel", "dense", "dispatch", "moe", "models", "pipeline")
+PACKAGES = ("parallel", "precision", "dense", "dispatch", "moe", "models", "pipeline")
 NO_TENSORS = (CoreAttention, CachedCoreAttention)   # hold no parameter or buffer: nothing to place
 LAYERS = 4
 S, B, H, V, E = 8, 2, 16, 64, 4

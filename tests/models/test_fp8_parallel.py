@@ -30,8 +30,8 @@ from moefold.models.decoder import MoEDecoder
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import deepseek_v3_tiny
 from moefold.parallel.dims import ParallelConfig, ParallelDims
-from moefold.parallel.fp8 import FP8Config
 from moefold.parallel.sharding import gather_full, shards_of
+from moefold.precision.fp8 import FP8Config
 from moefold.training.optim.grad_sync import GradSync
 from tests.distributed import run_distributed
 

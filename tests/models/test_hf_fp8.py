@@ -185,7 +185,7 @@ def test_unread_formats_refused_and_inspect_names_the_blocks(tmp_path, capsys):
 def _primary_rank(path: str) -> dict:
     from moefold.models.pretrained import pretrained_config
     from moefold.parallel.dims import ParallelConfig, ParallelDims
-    from moefold.parallel.fp8 import FP8Config
+    from moefold.precision.fp8 import FP8Config
     from moefold.training.config import RunConfig, TrainConfig
     from moefold.training.trainer import Trainer
 

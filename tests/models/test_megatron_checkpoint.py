@@ -275,10 +275,10 @@ class _Payload:
 
 def test_megatron_metadata_is_read_the_safe_way(megatron_checkpoint, tmp_path):
     """``.metadata`` of a torch_dist checkpoint goes through the unpickler moefold's own checkpoints are read with
-    (``parallel.dcp_metadata``): a payload in it, or a storage transform, is refused in one line; nothing runs."""
+    (``models.dcp_metadata``): a payload in it, or a storage transform, is refused in one line; nothing runs."""
     import pickle
 
-    from moefold.parallel.dcp_metadata import UnsafeCheckpointError, read_dcp_metadata
+    from moefold.models.dcp_metadata import UnsafeCheckpointError, read_dcp_metadata
 
     ckpt, _ = megatron_checkpoint
     for case in ("payload", "transform"):

@@ -461,7 +461,7 @@ def install(monkeypatch: Any) -> types.ModuleType:
                       ("transformer_engine.pytorch.quantization", quant), ("transformer_engine.common", common),
                       ("transformer_engine.common.recipe", recipe)):
         monkeypatch.setitem(sys.modules, name, mod)
-    from moefold.parallel import fp8
+    from moefold.precision import fp8
 
     fp8._te_recipe.cache_clear()   # recipes built from an earlier (real or stand-in) TE must not be reused
     return pt

@@ -18,7 +18,7 @@ tiling that differs from torchao's (checked: tiles not restarted at each expert)
 
 (torchao's blockwise grouped GEMM quantises its activations with a Triton kernel even when emulated, and its NVFP4
 grouped GEMM has no autograd function yet: those are checked against the casts' references in
-tests/dense/test_block_linear.py.)
+tests/precision/test_block_linear.py.)
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from moefold.moe.block_gemm import BlockScaledGroupedGemm
 from moefold.moe.experts import GroupedExperts
-from moefold.parallel.fp8 import FP8Config, import_torchao
+from moefold.precision.fp8 import FP8Config, import_torchao
 
 MXFP8 = FP8Config("e4m3", "mxfp8")
 
@@ -111,7 +111,7 @@ def test_mxfp8_grouped_experts_equal_torchao_moe_training():
 
 def test_the_gpu_kernel_calls_equal_the_emulation(monkeypatch):
     """What moefold hands the GEMMs to on a Blackwell GPU (``moe.block_gemm._torchao_grouped``,
-    ``dense.block_linear._torchao_linear``: torchao's MXFP8 functions with moefold's arguments), run here with
+    ``precision.block_linear._torchao_linear``: torchao's MXFP8 functions with moefold's arguments), run here with
     torchao's kernel preference switched to EMULATED (the only change): the calls are valid for the installed
     torchao and give what moefold's own emulation gives, the grouped call with and without router padding."""
     import_torchao()
@@ -119,8 +119,8 @@ def test_the_gpu_kernel_calls_equal_the_emulation(monkeypatch):
     import torchao.prototype.moe_training.mxfp8_linear as linear_mod
     from torchao.quantization.quantize_.common import KernelPreference
 
-    from moefold.dense.block_linear import BlockScaledLinearGemm, _torchao_linear
     from moefold.moe.block_gemm import _torchao_grouped
+    from moefold.precision.block_linear import BlockScaledLinearGemm, _torchao_linear
 
     real_grouped, real_linear = grouped_mod._to_mxfp8_then_scaled_grouped_mm, linear_mod._to_mxfp8_then_scaled_mm
     monkeypatch.setattr(grouped_mod, "_to_mxfp8_then_scaled_grouped_mm", lambda *a, **k: real_grouped(

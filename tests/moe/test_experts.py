@@ -13,9 +13,9 @@ from moefold.moe.config import MoEConfig
 from moefold.moe.experts import GroupedExperts
 from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelConfig, ParallelDims
-from moefold.parallel.fp8 import FP8Config
-from moefold.parallel.fp8_region import fp8_autocast
 from moefold.parallel.sharding import gather_full, init_parameters, shards_of
+from moefold.precision.fp8 import FP8Config
+from moefold.precision.fp8_region import fp8_autocast
 from moefold.training.observe.host_sync import HostSyncCounter
 from tests.distributed import run_distributed
 from tests.moe import te_standin
@@ -143,7 +143,7 @@ def test_te_experts_own_persistent_grouped_linears(monkeypatch, activation):
 
 @pytest.mark.parametrize(("fmt", "recipe"), [("hybrid", "delayed"), ("e4m3", "tensorwise")])
 def test_te_fp8_autocast_and_padding(monkeypatch, fmt, recipe):
-    """Protocol (stand-in TE): the experts run in the caller's TE autocast region (parallel.fp8_region) with the
+    """Protocol (stand-in TE): the experts run in the caller's TE autocast region (precision.fp8_region) with the
     recipe the flags ask for, and refuse to run outside one; rows padded to FP8's per-group alignment once around
     both GEMMs, results unchanged by padding."""
     from tests.moe.te_standin import DelayedScaling, Float8CurrentScaling, Format, _State

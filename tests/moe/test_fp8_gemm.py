@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import moefold.moe.fp8_gemm as fp8_gemm
-import moefold.parallel.fp8_cast as fp8_cast
+import moefold.precision.fp8_cast as fp8_cast
 from moefold.moe.experts import GroupedExperts
 from moefold.moe.fp8_gemm import Float8GroupedGemm
-from moefold.parallel.fp8 import FP8Config
 from moefold.parallel.sharding import init_parameters
+from moefold.precision.fp8 import FP8Config
 from tests.fp8_reference import E4M3, E5M2, GemmRecorder, cast_bound, check_gemm, gemm_bound, ref_cast, rel_err
 
 COUNTS = [5, 0, 19, 8]           # an empty expert, uneven sizes

@@ -24,8 +24,8 @@ from moefold.moe.experts import is_expert
 from moefold.moe.layer import MoELayer, flex_options
 from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelConfig, ParallelDims
-from moefold.parallel.fp8 import FP8Config
 from moefold.parallel.sharding import gather_full, init_parameters, shards_of
+from moefold.precision.fp8 import FP8Config
 from tests.dispatch import deepep_elastic_standin
 from tests.distributed import run_distributed
 

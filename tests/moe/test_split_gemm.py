@@ -12,8 +12,8 @@ import torch
 
 from moefold.dense.split_backward import WeightGradStore, install_weight_grad_store
 from moefold.moe.experts import GroupedExperts
-from moefold.parallel.fp8 import FP8Config
 from moefold.parallel.sharding import init_parameters
+from moefold.precision.fp8 import FP8Config
 
 E, H, FFN = 4, 32, 48
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from moefold.parallel import init as parallel_init
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("parallel", "dense", "dispatch", "moe", "models", "pipeline", "training")
+PACKAGES = ("parallel", "precision", "dense", "dispatch", "moe", "models", "pipeline", "training", "planner", "tools")
 
 
 def test_nccl_is_bound_to_the_gpu_and_gloo_takes_no_device(monkeypatch):

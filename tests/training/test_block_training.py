@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 
 from moefold.models.options import ModelOptions
-from moefold.parallel.fp8 import FP8Config
+from moefold.precision.fp8 import FP8Config
 from tests.training.trainer_common import run, tiny_config, tiny_data
 
 CASES = [("blockwise", FP8Config("e4m3", "blockwise"), 0.15, 0.10), ("mxfp8", FP8Config("e4m3", "mxfp8"), 0.15, 0.10),

@@ -4,7 +4,7 @@ tensor the optimizer holds (flat parameter and gradient buffers, fp32 masters, b
 optimizer offload its host part, which a meta model keeps on meta) is on meta, naming the first that is not.
 
 Layouts beyond one rank (tensor, expert and pipeline parallel, the flex dispatcher on the DeepEP V2 stand-in) are
-built as one rank of a fake process group (``training.plan.grid``, what ``moefold plan`` does): the groups have the
+built as one rank of a fake process group (``planner.grid``, what ``moefold plan`` does): the groups have the
 right sizes, nothing is communicated. The modules one by one, with forwards on meta: tests/models/test_device_build.py.
 """
 
@@ -19,9 +19,9 @@ from torch import Tensor
 
 from moefold.models.options import ModelOptions
 from moefold.parallel.dims import ParallelConfig, ParallelDims
+from moefold.planner.grid import planning_world, rank_dims
 from moefold.training.build import build_model, build_optimizer
 from moefold.training.config import RunConfig
-from moefold.training.plan.grid import planning_world, rank_dims
 from tests.dispatch import deepep_elastic_standin
 from tests.models.test_device_build import off_device
 from tests.training.trainer_common import tiny_config

@@ -20,8 +20,8 @@ import torch
 
 from moefold.models.options import ModelOptions
 from moefold.parallel.dims import ParallelDims
-from moefold.parallel.fp8 import FP8Config
 from moefold.parallel.sharding import named_full_params
+from moefold.precision.fp8 import FP8Config
 from moefold.training.observe.fp8_report import fp8_tag
 from moefold.training.observe.metrics import read_metrics
 from moefold.training.trainer import Trainer

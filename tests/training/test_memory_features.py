@@ -10,7 +10,7 @@
   ratio is exceeded and once when it is; ``--moe-expert-rank-capacity-factor`` drops nothing at C = 4 (the same
   losses as dropless) and drops at C = 1.2, counted in the step results and in ``metrics.jsonl``; and the
   planner's activations sized for R = 4 match ``measure_peak`` on the rank holding expert 0 (within the 15% of
-  ``tests/training/plan/test_memory.py``), where the balanced plan falls short.
+  ``tests/planner/test_memory.py``), where the balanced plan falls short.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from moefold.dense.activation_offload import ActivationOffloader
 from moefold.models.options import ModelOptions
 from moefold.moe import scoring
 from moefold.parallel.dims import ParallelConfig, ParallelDims
+from moefold.planner.profile import activation_memory
 from moefold.training.observe.metrics import METRICS_FILE, read_metrics
-from moefold.training.plan.profile import activation_memory
 from tests.distributed import run_distributed
-from tests.training.plan.test_memory import activation_config, measured_activations
+from tests.planner.test_memory import activation_config, measured_activations
 from tests.training.trainer_common import run, tiny_config
 
 OFFLOAD = ModelOptions(offload_modules=("attn_norm", "core_attn", "attn_proj", "expert_fc1", "moe_act"),

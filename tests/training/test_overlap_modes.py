@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from moefold.parallel.dims import ParallelConfig, ParallelDims
-from moefold.parallel.fp8 import FP8Config
 from moefold.pipeline.overlap import Trace
+from moefold.precision.fp8 import FP8Config
 from tests.distributed import run_distributed
 from tests.training.test_trainer_layouts import _merged_grads, _run_observed
 from tests.training.trainer_common import run, tiny_config

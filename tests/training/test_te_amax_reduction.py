@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from moefold.models.options import ModelOptions
 from moefold.parallel.dims import ParallelConfig, ParallelDims
-from moefold.parallel.fp8 import FP8Config
+from moefold.precision.fp8 import FP8Config
 from moefold.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.moe import te_standin

@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 from moefold.models.options import ModelOptions
 from moefold.moe.experts import fused_activation
 from moefold.parallel.dims import ParallelDims
-from moefold.parallel.fp8 import FP8Config
+from moefold.precision.fp8 import FP8Config
 from moefold.training.trainer import Trainer
 from tests.moe import te_standin
 from tests.training.trainer_common import tiny_config, tiny_data

@@ -10,7 +10,7 @@ transforms (moefold writes none), so no bytes entry ever reaches that ``torch.lo
 DCP with ``torch.load(weights_only=True)``; the RNG files are read the same way.
 
 A refused file raises ``UnsafeCheckpointError`` with one line naming the file and what it asked for. The
-unpickler is ``parallel.dcp_metadata``'s, shared with the Megatron torch_dist reader (``models.megatron.dcp_io``).
+unpickler is ``models.dcp_metadata``'s, shared with the Megatron torch_dist reader (``models.megatron.dcp_io``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from moefold.parallel.dcp_metadata import SafeFileSystemReader, UnsafeCheckpointError, read_dcp_metadata
+from moefold.models.dcp_metadata import SafeFileSystemReader, UnsafeCheckpointError, read_dcp_metadata
 
 
 def load_tensors(path: str | os.PathLike) -> Any:

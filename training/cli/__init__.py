@@ -3,9 +3,10 @@
 A subcommand module exposes ``add_arguments(parser)`` and ``main(args) -> int``; one with
 ``TAKES_CONFIG_FILE = True`` also reads its flags from ``--config FILE`` (``training.cli.config_file``).
 This package holds the commands that need the trainer or its checkpoints (train, convert, inspect, generate,
-upcycle, env) and the model flags; the others live with their concept (``pipeline.schedule_cli``, ``dispatch.bench``,
-``training.data.prepare``, ``training.observe.balance_report``, ``training.plan.cli``).
-May import: everything in moefold except training.plan and training.gpu (which import it).
+upcycle, env) and the model flags; the others live with their concept (``pipeline.schedule_cli``,
+``tools.bench_dispatch``, ``training.data.prepare``, ``training.observe.balance_report``, ``planner.cli``), routed
+by module name so that this package never imports ``moefold.planner`` or ``moefold.tools`` (which import it).
+May import: everything in moefold except planner and tools.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from moefold.training.cli.parser import Parser
 # name -> (module, one-line help). Later subcommands register here.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "env": ("moefold.training.cli.env", "print torch, devices, world size and the optional backends"),
-    "bench-dispatch": ("moefold.dispatch.bench", "time a token dispatcher's dispatch+combine against a raw all-to-all"),
+    "bench-dispatch": ("moefold.tools.bench_dispatch",
+                       "time a token dispatcher's dispatch+combine against a raw all-to-all"),
     "schedule": ("moefold.pipeline.schedule_cli",
                  "print a pipeline schedule's timeline and bubble fraction (--plot PNG)"),
     "prepare-data": ("moefold.training.data.prepare", "tokenise text/JSONL files into an indexed .bin/.idx corpus"),
@@ -31,7 +33,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                 "convert checkpoints: HF <-> moefold, training checkpoint (any layout) -> HF / moefold"),
     "upcycle": ("moefold.training.cli.upcycle", "turn a dense checkpoint into an MoE with the same step-0 logits"),
     "generate": ("moefold.training.cli.generate", "generate text from a checkpoint (greedy / top-p, KV cache)"),
-    "plan": ("moefold.training.plan.cli",
+    "plan": ("moefold.planner.cli",
              "which parallel layout fits and runs fastest for a model on a cluster: memory by component, step "
              "time by term, the train command (--plot PNG)"),
     "train": ("moefold.training.cli.train",

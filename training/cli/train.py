@@ -31,12 +31,10 @@ from moefold.dense.activation_offload import OFFLOAD_MODULES
 from moefold.models.config import ModelConfig
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import get_recipe
-from moefold.parallel.allocator import tune_cpu_allocator
 from moefold.parallel.dims import ParallelConfig
-from moefold.parallel.fp8 import fp8_config_from_args
 from moefold.parallel.init import launched_by_torchrun, launched_world_size
-from moefold.parallel.machine import bf16_slower_notice, describe_machine
 from moefold.training.cli.config_file import write_effective_config
+from moefold.training.cli.fp8_flags import fp8_config_from_args
 from moefold.training.cli.layout_errors import world_source
 from moefold.training.cli.megatron_flags import megatron_model, tokenizer_vocab
 from moefold.training.cli.model_flags import UPCYCLING_FLAGS, apply_model_flags, given_model_flags
@@ -47,12 +45,14 @@ from moefold.training.cli.train_checks import validate_layout as validate_layout
 from moefold.training.cli.train_flags import ARCH_ROUTER_FIELDS, ROUTER_FLAGS, add_arguments
 from moefold.training.config import RunConfig, TrainConfig
 from moefold.training.errors import JobFailed
+from moefold.training.launch.allocator import tune_cpu_allocator
 from moefold.training.launch.claim import claim_run
 from moefold.training.launch.preflight import preflight
 from moefold.training.launch.ranks import run_ranks
 from moefold.training.launch.signals import Stop, signal_numbers, stop_line
 from moefold.training.launch.torchrun import agree, first_error, join_torchrun
 from moefold.training.launch.watchdog import Heartbeat
+from moefold.training.observe.machine import bf16_slower_notice, describe_machine
 
 TAKES_CONFIG_FILE = True   # --config FILE: flags from YAML (training.cli.config_file)
 

@@ -19,8 +19,8 @@ from moefold.models.options import DEEPEP_MODES, ModelOptions
 from moefold.models.recipes import RECIPES
 from moefold.moe.config import DISPATCHERS
 from moefold.moe.gemm import GEMM_BACKENDS
-from moefold.parallel.fp8 import add_fp8_arguments
 from moefold.pipeline.schedules import SCHEDULES
+from moefold.training.cli.fp8_flags import add_fp8_arguments
 from moefold.training.cli.megatron_flags import add_megatron_arguments
 from moefold.training.cli.model_flags import add_model_arguments
 from moefold.training.cli.train_checks import check_backends as check_backends

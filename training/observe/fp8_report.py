@@ -10,7 +10,7 @@ from torch import nn
 
 from moefold.dense.fp8_linear import fp8_linear_names
 from moefold.moe.experts import GroupedExperts
-from moefold.parallel.fp8 import FP8Config
+from moefold.precision.fp8 import FP8Config
 
 
 def fp8_expert_layers(model: nn.Module) -> tuple[list[str], list[str]]:
@@ -58,7 +58,7 @@ def env_lines() -> list[str]:
     if importlib.util.find_spec("torchao") is None:
         torchao = "torchao not installed (pip install torchao==0.18.0)"
     else:
-        from moefold.parallel.fp8 import import_torchao
+        from moefold.precision.fp8 import import_torchao
 
         try:
             import_torchao()

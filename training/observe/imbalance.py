@@ -1,7 +1,7 @@
 """Routing imbalance against the memory plan: the observed max/mean expert load next to ``--moe-max-load-ratio``.
 
 ``moefold plan --moe-max-load-ratio R`` sizes the routed experts' activations for the worst expert receiving R x
-its share of a micro-batch's copies (dropless; ``training.plan.activations_ffn.moe_rows``). The run given the same
+its share of a micro-batch's copies (dropless; ``planner.activations_ffn.moe_rows``). The run given the same
 flag measures what that assumption is about: for every micro-batch and MoE layer, the per-expert copies summed
 over the dispatch group (the ranks whose tokens go to the same expert instances: etp x ep), max / mean
 (``micro_batch_load_ratio``: one all-reduce over that group and one MAX over the world per step, of the step's

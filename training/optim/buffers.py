@@ -8,7 +8,7 @@ Every trainable parameter belongs to one *reduction kind* (``reduction_kind``):
 - ``dense``   (everything else): reduced over ``dp x cp``.
 
 Parameters of one kind and dtype share one ``FlatGroup``; FP8 primary weights (``--fp8-param-gather``,
-``parallel.fp8_param``) get groups of their own, whose buckets are all-gathered as FP8
+``precision.fp8_param``) get groups of their own, whose buckets are all-gathered as FP8
 (``training.optim.fp8_param_gather``). A module that several pipeline stages hold (the
 embedding with MTP or tied weights, an untied output head that a standalone MTP stage reads:
 ``moefold_pipeline_copies``) gets a group of its own, so its layout, and hence the shard each rank owns, is the

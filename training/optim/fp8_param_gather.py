@@ -1,6 +1,6 @@
 """``--fp8-param-gather``: the distributed optimizer all-gathers FP8 weights (1 byte per element) from fp32 masters.
 
-The weights whose GEMMs run in FP8 carry their quantisation (``parallel.fp8_param.FP8ParamSpec``: one scale
+The weights whose GEMMs run in FP8 carry their quantisation (``precision.fp8_param.FP8ParamSpec``: one scale
 per matrix, or per 128x128 block) and sit in flat groups of their own (``training.optim.buffers``). After the
 optimizer updated this rank's chunk of such a bucket (fp32 masters), the bucket's gather is::
 
@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from moefold.parallel.fp8_cast import E4M3, _float8_utils, amax_to_scale
-from moefold.parallel.fp8_param import FP8ParamSpec, fp8_param_spec
 from moefold.parallel.groups import group_size
+from moefold.precision.fp8_cast import E4M3, _float8_utils, amax_to_scale
+from moefold.precision.fp8_param import FP8ParamSpec, fp8_param_spec
 from moefold.training.optim.buffers import Bucket, FlatGroup
 from moefold.training.optim.grad_sync import all_gather_into
 

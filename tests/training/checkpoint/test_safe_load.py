@@ -91,7 +91,8 @@ def test_a_crafted_checkpoint_is_refused_and_its_payload_never_runs(trained, tmp
 
 
 def test_no_unsafe_torch_load_in_moefold():
-    sources = [p for d in ("parallel", "dense", "dispatch", "moe", "models", "pipeline", "training")
+    sources = [p for d in ("parallel", "precision", "dense", "dispatch", "moe", "models", "pipeline", "training",
+                           "planner", "tools")
                for p in (ROOT / d).rglob("*.py")]
     offenders = [str(p.relative_to(ROOT)) for p in sources if "weights_only=False" in p.read_text()]
     assert offenders == []

@@ -11,7 +11,7 @@ import pytest
 
 from moefold.models.layer_factory import moe_config
 from moefold.parallel.dims import ParallelDims
-from moefold.parallel.fp8 import FP8Config
+from moefold.precision.fp8 import FP8Config
 from moefold.training.cli.train import add_arguments, config_from_args, main, validate, validate_layout
 from moefold.training.config import RunConfig
 

@@ -9,7 +9,7 @@ from tests.training.trainer_common import tiny_corpus
 
 def test_cpu_run_prints_machine_line_allocator_and_bf16_notice(tmp_path, monkeypatch, capsys, one_thread):
     calls = []
-    # stand-ins: the real setting changes this process for good (tests/parallel/test_allocator.py runs it)
+    # stand-ins: the real setting changes this process for good (tests/training/launch/test_allocator.py runs it)
     monkeypatch.setattr("moefold.training.cli.train.tune_cpu_allocator", lambda: calls.append(1) or "stub setting")
     monkeypatch.setattr("moefold.training.cli.train.bf16_slower_notice", lambda: "fp32 is faster here (0.25x)")
     base = ["train", "--recipe", "qwen3_moe_tiny", "--data-path", tiny_corpus(tmp_path / "tiny", 16),

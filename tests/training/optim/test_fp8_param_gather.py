@@ -23,8 +23,8 @@ import torch
 
 from moefold.models.options import ModelOptions
 from moefold.parallel.dims import ParallelConfig, ParallelDims
-from moefold.parallel.fp8 import FP8Config
-from moefold.parallel.fp8_param import FP8ParamSpec, fp8_param_spec
+from moefold.precision.fp8 import FP8Config
+from moefold.precision.fp8_param import FP8ParamSpec, fp8_param_spec
 from moefold.training.optim.fp8_param_gather import _block_ids, _dequantize
 from tests.distributed import run_distributed
 from tests.training.trainer_common import run, tiny_config

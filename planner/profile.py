@@ -1,0 +1,418 @@
+"""From the modules' tensors to a rank's activation peak: blocks, chunks, and the schedule's in-flight micro-batches.
+
+A pipeline chunk (the whole model at pp = 1) is a sequence of parts: the embedding (first chunk), one part per
+transformer block (or per full-recompute group of blocks), the final norm + output head + loss and the MTP depths
+(last chunk). A chunk's memory profile for one micro-batch (``ChunkProfile``):
+
+    kept        bytes its forward leaves for its backward (the sum of its parts' ``saved``, plus the input the
+                pipeline executor holds for a received activation and the output it holds for a sent one)
+    fwd_peak    the most its forward holds at once: max over parts of (kept so far + the part's transient)
+    bwd_peak    the most its backward holds at once: max over parts, in reverse, of (what is still kept up to
+                that part + its backward transient)
+
+A rank's peak over a step walks its schedule's action list (``pipeline.schedules``): before each forward or
+backward it holds the ``kept`` bytes of every (micro-batch, chunk) whose forward ran and whose backward has not,
+so the peak is ``max(held + fwd_peak, held_others + bwd_peak)`` over the actions, with each chunk's own bytes
+(the first chunk holds the embedding, the last the head and its fp32 logits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from moefold.models.layer_factory import is_moe_block
+from moefold.models.recompute import full_recompute_groups
+from moefold.parallel.dims import ParallelSizes
+from moefold.pipeline.actions import is_local, model_chunk, split_batches
+from moefold.pipeline.schedules import Schedule
+from moefold.planner.activations import NOT_OFFLOADED, ActivationShape, Part
+from moefold.planner.activations_ffn import mlp, moe
+from moefold.training.config import RunConfig
+
+
+@lru_cache(maxsize=4096)
+def block(shape: ActivationShape, index: int, dispatcher: str) -> tuple[Part, ...]:
+    """Transformer block ``index`` (``>= num_layers``: an MTP block) under ``shape``'s selective recompute, as two
+    parts in forward order: input norm + attention, then post-attention norm + FFN (with the norm output the FFN
+    keeps directly). Its backward frees the FFN's part before the attention's."""
+    m, a, Tx, H = shape.model, shape.a, shape.T_x, shape.model.hidden_size
+    is_moe = is_moe_block(m, index)
+    discard = "layernorm" in shape.chosen
+
+    def norm(name: str) -> dict[str, int]:
+        # layernorm recompute keeps only the norm's input (the block's input, or the attention's residual sum)
+        return {f"{name} input": a * Tx * H} if discard else shape.norm(Tx, H, name)
+
+    attention = shape.mla() if m.attention == "mla" else shape.gqa()
+    ffn = moe(shape, dispatcher) if is_moe else mlp(shape, m.ffn_hidden_size)
+    if is_moe:   # who keeps the post-attention norm's output itself (no all-gather in between)
+        shared = bool(m.moe_shared_expert_ffn_size)
+        kept_by_ffn = ("moe" in shape.chosen or (a == 4 and (shape.sp or shape.tp == 1))
+                       or (shared and (not shape.sp or "shared_experts" in shape.chosen)))
+    else:
+        kept_by_ffn = not shape.sp or "mlp" in shape.chosen
+    first = norm("input_layernorm")
+    first_offload = {} if discard else dict.fromkeys(first, ("attn_norm",))
+    first.update({f"attention: {k}": v for k, v in attention.saved.items()})
+    first_offload.update({f"attention: {k}": v for k, v in attention.offload.items()})
+    second = norm("post_attention_layernorm")
+    second_offload = {} if discard else dict.fromkeys(second, ("mlp_norm",))
+    if kept_by_ffn and not discard:
+        second["ffn input (norm output)"] = a * Tx * H
+        if is_moe and shared and not shape.sp and "shared_experts" not in shape.chosen:   # the router keeps it too
+            second_offload["ffn input (norm output)"] = ("shared_experts", NOT_OFFLOADED)
+    second.update({f"{ffn.name}: {k}": v for k, v in ffn.saved.items()})
+    second_offload.update({f"{ffn.name}: {k}": v for k, v in ffn.offload.items()})
+    gradient = a * Tx * H   # the residual stream's gradient
+    kind = "moe layer" if is_moe else "dense layer"
+    return (Part(kind, first, fwd_extra=attention.fwd_extra, bwd_extra=attention.bwd_extra + gradient,
+                 offload=first_offload, layer=index),
+            Part(kind, second, fwd_extra=ffn.fwd_extra, bwd_extra=ffn.bwd_extra + gradient, offload=second_offload,
+                 layer=index))
+
+
+def embedding(shape: ActivationShape) -> Part:
+    """``VocabParallelEmbedding``: the token ids (its output is the first block's input). Its backward makes a
+    dense ``[V/tp, H]`` weight gradient."""
+    m = shape.model
+    return Part("embedding", {"input ids": 9 * shape.T_c},
+                bwd_extra=shape.a * (m.vocab_size // shape.tp * m.hidden_size + shape.T_c * m.hidden_size))
+
+
+def head(shape: ActivationShape, name: str = "head") -> Part:
+    """Final norm, output head and vocab-parallel cross-entropy: the head's input and the fp32 softmax
+    ``[T_c, V/tp]`` it keeps (``dense.cross_entropy``); forward: the logits and their fp32 copy (bf16)."""
+    m, a, T, Tx, H = shape.model, shape.a, shape.T_c, shape.T_x, shape.model.hidden_size
+    V = m.vocab_size // shape.tp
+    saved = shape.norm(Tx, H, "final norm")
+    saved["head input"] = a * T * H
+    saved["softmax (fp32)"] = 4 * T * V
+    saved["labels, mask"] = 17 * T
+    upcast = 4 * T * V if a != 4 else 0
+    forward = a * T * V + upcast
+    backward = max(4 * T * V + (a * T * V if a != 4 else 0),               # the softmax's gradient
+                   shape.gemm_backward(T, H, V, V * H) - 4 * T * V)       # the head's GEMMs (softmax freed)
+    return Part(name, saved, fwd_extra=forward, bwd_extra=backward)
+
+
+def mtp(shape: ActivationShape, depth: int, dispatcher: str) -> list[Part]:
+    """One MTP depth, in forward order: its embedding, the two norms and their concatenation; its block; its head
+    and loss (freed first in the backward)."""
+    m, a, Tx, H = shape.model, shape.a, shape.T_x, shape.model.hidden_size
+    name = f"mtp {depth + 1}"
+    saved = {"ids": 9 * shape.T_c}
+    saved.update(shape.norm(Tx, H, "enorm"))
+    saved.update(shape.norm(Tx, H, "hnorm"))
+    saved["eh_proj input"] = 2 * a * Tx * H
+    index = m.num_layers + depth
+    if shape.options.recompute == "full":    # MTP blocks checkpoint themselves: their input only
+        body = [dataclasses.replace(recomputed_group(block(_none(shape), index, dispatcher), "mtp block input",
+                                                     a * Tx * H), name=name)]
+    else:
+        body = [dataclasses.replace(p, name=name) for p in block(shape, index, dispatcher)]
+    return [Part(name, saved), *body, head(shape, name)]
+
+
+def recomputed_group(inner: list[Part], name: str, held: int) -> Part:
+    """A checkpointed run of parts that keeps only its input (``held`` bytes): its forward frees each part's
+    tensors as it goes; its backward first recomputes them all, then frees them part by part in reverse."""
+    kept = peak = 0
+    for p in inner:
+        kept += p.saved_bytes
+        peak = max(peak, kept + p.bwd_extra)
+    kind = "moe layer" if any(p.name == "moe layer" for p in inner) else inner[0].name
+    return Part(kind, {name: held}, fwd_extra=max(p.saved_bytes + p.fwd_extra for p in inner), bwd_extra=peak)
+
+
+@lru_cache(maxsize=1024)
+def _none(shape: ActivationShape) -> ActivationShape:
+    return dataclasses.replace(shape, options=dataclasses.replace(shape.options, recompute="none"))
+
+
+@dataclass(frozen=True)
+class ChunkProfile:
+    """One micro-batch through one chunk (see the module docstring); ``parts`` in forward order."""
+
+    parts: tuple[Part, ...]
+    kept: int
+    fwd_peak: int
+    bwd_peak: int
+    received: bool = False
+    sent: bool = False
+    offloaded: int = 0     # host bytes its forward leaves (activation offloading)
+
+    @property
+    def peak(self) -> int:
+        return max(self.fwd_peak, self.bwd_peak)
+
+    def by_kind(self) -> dict[str, int]:
+        """Kept bytes per part kind (dense layer, moe layer, embedding, head, mtp, pipeline)."""
+        out: dict[str, int] = {}
+        for p in self.parts:
+            kind = "mtp" if p.name.startswith("mtp") else p.name
+            out[kind] = out.get(kind, 0) + p.saved_bytes
+        return out
+
+
+def chunk_parts(shape: ActivationShape, layers: list[int], first: bool, last: bool, dispatcher: str,
+                received: bool, sent: bool) -> list[Part]:
+    """The parts of a chunk holding ``layers``, the embedding (``first``) and the head and MTP (``last``).
+    ``received``/``sent``: its input comes from / its output goes to another pipeline stage."""
+    a, Tx, H = shape.a, shape.T_x, shape.model.hidden_size
+    parts = [embedding(shape)] if first else []
+    if received:   # the executor holds the received activation for the backward; the first block's input norm
+        # keeps that same tensor when it saves its input (an fp32 model, or layernorm recompute)
+        groups = full_recompute_groups(layers, shape.options)
+        norm_keeps_it = bool(groups) and not groups[0][1] and (a == 4 or "layernorm" in shape.chosen)
+        parts.append(Part("pipeline", {"received activation": 0 if norm_keeps_it else a * Tx * H}))
+    for g, (group, checkpointed) in enumerate(full_recompute_groups(layers, shape.options)):
+        if not checkpointed:
+            blocks = [p for i in group for p in block(shape, i, dispatcher)]
+            if received and g == 0 and a == 4:   # the first norm's fp32 input is the executor's received tensor
+                offload = {k: v for k, v in blocks[0].offload.items() if k != "input_layernorm fp32 input"}
+                blocks[0] = dataclasses.replace(blocks[0], offload=offload)
+            parts += blocks
+            continue
+        inner = [p for i in group for p in block(_none(shape), i, dispatcher)]
+        held = 0 if received and g == 0 else a * Tx * H
+        parts.append(recomputed_group(inner, f"layer group {g} input", held))
+    with_head, with_mtp = last if isinstance(last, tuple) else (last, last)
+    if with_head:
+        parts.append(head(shape))
+    if with_mtp:
+        parts += [p for k in range(shape.model.mtp_num_layers) for p in mtp(shape, k, dispatcher)]
+    if sent:       # the executor holds the chunk's output until its backward
+        parts.append(Part("pipeline", {"sent activation": a * Tx * H}))
+    return parts
+
+
+@lru_cache(maxsize=4096)
+def chunk_profile(shape: ActivationShape, kinds: tuple[bool, ...], first: bool, last: bool, dispatcher: str,
+                  received: bool, sent: bool) -> ChunkProfile:
+    """``profile`` of a chunk whose layers are MoE or dense as ``kinds`` says: a block's tensors depend only on
+    its kind, so chunks of equal kinds (any stage, any layout with the same shape) share one profile."""
+    m = shape.model
+    dense = next((i for i in range(m.num_layers) if not is_moe_block(m, i)), 0)
+    moe_id = next((i for i in range(m.num_layers) if is_moe_block(m, i)), 0)
+    layers = [moe_id if k else dense for k in kinds]
+    parts = chunk_parts(shape, layers, first, last, dispatcher, received, sent)
+    return profile(parts, received, sent, frozenset(shape.options.offload_modules))
+
+
+def profile(parts: list[Part], received: bool = False, sent: bool = False,
+            offload: frozenset[str] = frozenset()) -> ChunkProfile:
+    """``ChunkProfile`` of parts in forward order (``received``/``sent``: as for ``chunk_parts``); ``offload``:
+    the offloaded modules (``dense.activation_offload``). An offloaded tensor stays on the device until its part's
+    forward ends and comes back, in backward, with the rest of its layer's and the next layer's (the prefetch);
+    ``offloaded``: the host bytes one micro-batch leaves."""
+    kept = fwd = host = 0
+    prefix, off = [], []
+    for p in parts:
+        o = p.offloaded_bytes(offload) if offload else 0
+        fwd = max(fwd, kept + p.saved_bytes + p.fwd_extra)
+        kept += p.saved_bytes - o
+        host += p.host_bytes(offload) if offload else 0
+        prefix.append(kept)
+        off.append(o)
+    # each block is two consecutive parts (``block``): its position in the chunk, for the prefetch window
+    blocks = [n for n, p in enumerate(parts) if p.layer is not None]
+    position = {n: k // 2 for k, n in enumerate(blocks)}
+    bwd = 0
+    for i, p in enumerate(parts):
+        back = 0
+        if i in position and any(off):
+            here = position[i]
+            back = sum(off[j] for j in blocks if j <= i and here - 1 <= position[j] <= here)
+        bwd = max(bwd, prefix[i] + back + p.bwd_extra)
+    return ChunkProfile(tuple(parts), kept, fwd, max(bwd, kept), received, sent, offloaded=host)
+
+
+def schedule_peak(schedule: tuple[str, int, int, int, bool] | None, profiles: list[ChunkProfile], pp_rank: int,
+                  message: int = 0) -> tuple[int, int]:
+    """(peak activation bytes, most (micro-batch, chunk) pairs held at once) of ``pp_rank`` over a step, walking
+    its action list (``schedule``: ``pipeline.build_schedule``'s (name, pp, micro-batches, vpp, overlap));
+    ``profiles[c]``: its virtual chunk c; ``message``: bytes of one activation (or its gradient) crossing stages.
+    pp = 1 without the overlap (``schedule`` None): one micro-batch at a time."""
+    if schedule is None:
+        return profiles[0].peak, 1
+    live, messages, kinds, chunks, most = _events(schedule, pp_rank)
+    kept = np.array([p.kept for p in profiles], dtype=np.float64)
+    transient = np.zeros(len(kinds))
+    fwd, bwd = (kinds == 1) | (kinds == 4), kinds == 2
+    transient[fwd] = np.array([p.fwd_peak for p in profiles], dtype=np.float64)[chunks[fwd]]
+    transient[bwd] = np.array([p.bwd_peak for p in profiles], dtype=np.float64)[chunks[bwd]]
+    return int((live @ kept + messages * float(message) + transient).max()), most
+
+
+@lru_cache(maxsize=1024)
+def _events(schedule: tuple[str, int, int, int, bool], pp_rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                                                np.ndarray, int]:
+    """``pipeline.executor.run_schedule``'s buffers, action by action, as counts: for each posted batch and compute
+    of ``pp_rank``, the (micro-batch, chunk) pairs of each chunk held then (a backward's own pair already released)
+    and the point-to-point messages held; plus the event kind (0 a batch posted, 1 forward, 2 backward or I, 3 W,
+    4 an FB), its chunk (an FB's: its forward's), and the most pairs held at once. A rank holds, before an action,
+    the ``kept`` bytes of each held pair plus that many messages plus the action's own transient
+    (``schedule_peak``): a forward's (an FB's: its forward half's, while its backward half still holds its pair:
+    an upper bound, the backward releasing layer by layer) or a backward's. An I keeps its pair until its W (the
+    weight gradients read the saved inputs).
+
+    The messages, as the executor holds them: a receive buffer from its posting until its consumer ran (a
+    received activation then is its chunk's input, in ``kept``; a received gradient is freed after its
+    backward); an input gradient from its backward until its batch is waited on, which a compute does when its
+    own input was posted in that batch or a later one (they are waited on in posting order); a sent output is
+    in its chunk's ``kept`` until its backward, and a message after that only while its batch is not waited on.
+    A hand-over between the V placement's two chunks of a rank is no message.
+    """
+    _, pp, _, vpp, _ = schedule
+    built = _schedule(*schedule)
+    placement = built.placement
+    last = pp * vpp - 1
+    live = [0] * vpp
+    rows, messages, kinds, chunks = [], [], [], []
+    receiving = gradients = most = 0   # receive buffers not yet consumed; input gradients not yet posted
+    unwaited: dict[int, tuple[int, list[tuple[int, int]]]] = {}   # batch -> (input gradients, outputs) it sends
+    batch_of: dict[tuple[str, int, int], int] = {}               # a posted receive -> its batch
+    backward_done: set[tuple[int, int]] = set()
+
+    def held() -> int:
+        sent = sum(g + sum(o in backward_done for o in outputs) for g, outputs in unwaited.values())
+        return receiving + gradients + sent
+
+    def wait_for(key: tuple[str, int, int]) -> None:
+        for b in [b for b in unwaited if b <= batch_of[key]]:
+            del unwaited[b]
+
+    def remote(c: int, direction: str) -> bool:
+        """Whether the chunk's input (direction 'F') / output gradient ('B') crosses ranks."""
+        mc = model_chunk(pp_rank, c, pp, placement)
+        if direction == "F":
+            return mc > 0 and not is_local(pp_rank, c, "B", pp, placement)
+        return mc < last and not is_local(pp_rank, c, "F", pp, placement)
+
+    for index, item in enumerate(split_batches(built.rank_actions(pp_rank))):
+        if isinstance(item, tuple):
+            outputs = [(a.microbatch, a.chunk) for a in item if a.kind == "SEND_F"]
+            sent_gradients = sum(a.kind == "SEND_B" for a in item)
+            unwaited[index] = (sent_gradients, outputs)
+            gradients -= sent_gradients
+            for a in item:
+                if a.kind.startswith("RECV"):
+                    batch_of[(a.kind[-1], a.microbatch, a.chunk)] = index
+                    receiving += 1
+            rows.append(list(live))
+            messages.append(held())
+            kinds.append(0)
+            chunks.append(item[0].chunk)
+            continue
+        after = []   # what each part does once the action ran
+        for part in item.parts():
+            c = part.chunk
+            if part.kind == "F":
+                if remote(c, "F"):
+                    wait_for(("F", part.microbatch, c))
+                    receiving -= 1   # the receive buffer is now the chunk's input (in ``kept``)
+                after.append(("hold", part))
+            elif part.kind == "W":
+                live[c] -= 1
+            else:   # B, I
+                if remote(c, "B"):
+                    wait_for(("B", part.microbatch, c))   # the received gradient lives through the backward
+                if item.kind != "FB":   # an FB's backward half keeps its pair during the step (upper bound)
+                    live[c] -= 1
+                after.append(("backward", part))
+        rows.append(list(live))
+        messages.append(held())
+        kinds.append({"F": 1, "B": 2, "I": 2, "W": 3, "FB": 4}[item.kind])
+        chunks.append(item.chunk)
+        for what, part in after:
+            c = part.chunk
+            if what == "hold":
+                live[c] += 1
+                continue
+            receiving -= int(remote(c, "B"))
+            gradients += int(remote(c, "F"))
+            backward_done.add((part.microbatch, c))
+            if part.kind == "I":
+                live[c] += 1   # held until its W
+            elif item.kind == "FB":
+                live[c] -= 1
+        most = max(most, sum(live))
+    return (np.array(rows, dtype=np.float64), np.array(messages, dtype=np.float64), np.array(kinds),
+            np.array(chunks), most)
+
+
+@dataclass(frozen=True)
+class ActivationMemory:
+    """One pipeline rank's activations over a step: ``peak`` bytes (the schedule walk of ``schedule_peak``),
+    ``in_flight`` the most micro-batch chunks held at once, ``per_microbatch`` the bytes one micro-batch leaves
+    for its backward in each of the rank's chunks, ``by_kind`` those bytes by part kind summed over the chunks."""
+
+    peak: int
+    in_flight: int
+    per_microbatch: tuple[int, ...]
+    by_kind: dict[str, int]
+    host: int = 0          # activation offloading: the most host bytes held at once (the chunks in flight)
+
+
+def activation_shape(config: RunConfig, sizes: ParallelSizes, device_type: str = "cuda") -> ActivationShape:
+    """The ``ActivationShape`` of ``config`` at layout ``sizes`` (the parameters' dtype as the trainer makes it)."""
+    from moefold.training.build import model_options
+
+    t = config.train
+    return ActivationShape(model=config.model, options=model_options(config), tp=sizes.tp, cp=sizes.cp, ep=sizes.ep,
+                           etp=sizes.etp, micro_batch=t.micro_batch_size, seq_length=t.seq_length,
+                           device_type=device_type, max_load_ratio=t.moe_max_load_ratio or 1.0)
+
+
+def activation_memory(config: RunConfig, sizes: ParallelSizes, pp_rank: int, num_micro: int,
+                      device_type: str = "cuda") -> ActivationMemory:
+    """Peak activation bytes of ``pp_rank`` (any rank of that stage) running ``num_micro`` micro-batches per step
+    with the schedule ``moefold train`` builds for ``config`` (``pipeline.build_schedule``). What shards the static
+    memory (FSDP2, optimizer offload) does not change them: one computation serves every such choice."""
+    t = dataclasses.replace(config.train, use_torch_fsdp2=False, optimizer_cpu_offload=False,
+                            optimizer_offload_fraction=1.0)
+    return _activation_memory(dataclasses.replace(config, train=t), sizes, pp_rank, num_micro, device_type)
+
+
+@lru_cache(maxsize=4096)
+def _activation_memory(config: RunConfig, sizes: ParallelSizes, pp_rank: int, num_micro: int,
+                       device_type: str) -> ActivationMemory:
+    shape = activation_shape(config, sizes, device_type)
+    dispatcher = config.options.resolved_dispatcher(sizes.ep, sizes.etp)
+    m = config.model
+    overlap = config.train.overlap_moe_expert_parallel_comm
+    if sizes.pp == 1:
+        chunks = [(list(range(m.num_layers)), True, (True, True), False, False)]
+        # with the overlap two micro-batches are in flight (F0, FB(1, 0), ...)
+        schedule = ("1f1b", 1, num_micro, 1, True) if overlap else None
+    else:
+        layout = config.pipeline_layout(sizes.pp)
+        last = layout.num_model_chunks - 1
+        chunks = [(list(c.layers), c.has_embedding, (c.has_head, c.has_mtp), c.model_chunk > 0, c.model_chunk < last)
+                  for c in layout.rank_chunks(pp_rank)]
+        schedule = (config.schedule_name(layout.vpp), sizes.pp, num_micro, layout.vpp, overlap)
+    profiles = [chunk_profile(shape, tuple(is_moe_block(m, i) for i in layers), first, last_chunk, dispatcher,
+                              received, sent) for layers, first, last_chunk, received, sent in chunks]
+    message = shape.a * shape.T_x * m.hidden_size
+    peak, in_flight = schedule_peak(schedule, profiles, pp_rank, message)
+    host = max((p.offloaded for p in profiles), default=0)
+    if schedule is not None and host:
+        live = _events(schedule, pp_rank)[0]
+        host = int((live @ np.array([p.offloaded for p in profiles], dtype=np.float64)).max()) + host
+    by_kind: dict[str, int] = {}
+    for p in profiles:
+        for kind, n in p.by_kind().items():
+            by_kind[kind] = by_kind.get(kind, 0) + n
+    return ActivationMemory(peak=peak, in_flight=in_flight, per_microbatch=tuple(p.kept for p in profiles),
+                            by_kind=by_kind, host=host)
+
+
+@lru_cache(maxsize=256)
+def _schedule(name: str, pp: int, num_micro: int, vpp: int, overlap: bool = False) -> Schedule:
+    from moefold.pipeline.schedules import build_schedule
+
+    return build_schedule(name, pp, num_micro, vpp, overlap=overlap)

@@ -1,0 +1,442 @@
+"""``moefold bench-dispatch``: time dispatchers' dispatch + combine against the raw collectives they are built on.
+
+Runs on N CPU ranks that it spawns itself (gloo), or under ``torchrun`` (NCCL on GPUs). Every
+rank routes ``--num-tokens`` random tokens (uniform or Zipf-skewed expert popularity); for each
+dispatcher and skew given (comma-separated lists: one command, one world, every row) it measures:
+
+* phases: route, permute, communicate, sort, unpermute (with a per-phase timer that
+  synchronises the device, on separate iterations so the end-to-end figure is not disturbed);
+* end to end: dispatch + combine (probs applied in the combine), median over ``--iters`` after
+  ``--warmup``;
+* raw: the collectives the dispatcher is built on, moving exactly its token bytes, measured in
+  the same run the same way (after a barrier, receive buffers allocated inside the timed region
+  as the dispatcher's are): ``all_to_all_single`` there and back with the dispatch's split sizes
+  (alltoall; flex against an even one of the same copies), an all-gather of the (padded) tokens
+  and a reduce-scatter of the outputs over the etp x ep group (allgather);
+* local: the dispatcher's permute + weighted unpermute of the same rows alone (what it does
+  besides communicating), so that the ratio can be split into local work and exchange overhead;
+* bytes: what the dispatcher's token collectives send per rank (dispatch + combine) against the
+  ideal: the copies whose expert lives on another rank, there and back.
+
+Times are the slowest rank's median. Nothing is asserted: this prints, ending with one summary
+table; the first line names the machine (``moefold.training.observe.machine``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import queue
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+PHASES = ("route", "permute", "communicate", "sort", "unpermute")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+KINDS = ("local", "allgather", "alltoall", "flex")
+SKEWS = ("uniform", "zipf")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dispatcher", default="alltoall",
+                        help=f"one or more of {', '.join(KINDS)}, comma-separated (e.g. alltoall,allgather)")
+    parser.add_argument("--num-tokens", type=int, default=4096, help="tokens per rank (T)")
+    parser.add_argument("--hidden", type=int, default=512, help="hidden size (H)")
+    parser.add_argument("--num-experts", type=int, default=16, help="experts (E)")
+    parser.add_argument("--topk", type=int, default=2, help="experts per token (K)")
+    parser.add_argument("--ep", type=int, default=4, help="expert-parallel size")
+    parser.add_argument("--etp", type=int, default=1, help="expert-tensor-parallel size")
+    parser.add_argument("--nprocs", type=int, default=None,
+                        help="CPU ranks to spawn (default ep*etp); ignored under torchrun")
+    parser.add_argument("--skew", default="uniform",
+                        help="expert popularity, comma-separated: uniform, zipf (logit bias -4 log(i+1) for expert i)")
+    parser.add_argument("--iters", type=int, default=20, help="timed iterations")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed iterations first")
+    parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES), help="token dtype")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the tokens and router logits")
+    parser.add_argument("--max-chunked-experts", type=int, default=None,
+                        help="alltoall only: chunk the exchange per local expert up to this many local experts "
+                             "(0: one exchange + sort); default: the dispatcher's")
+    parser.add_argument("--fp8", action="store_true", help="also time FP8 dispatch (--moe-fp8-dispatch): bytes "
+                                                           "and time against --dtype (tools.bench_dispatch_fp8)")
+
+
+def _list(value: str, valid: tuple[str, ...], flag: str) -> list[str]:
+    items = [v for v in value.split(",") if v]
+    bad = [v for v in items if v not in valid]
+    if bad or not items:
+        raise ValueError(f"{flag}={value!r}: valid values are {', '.join(valid)} (comma-separated)")
+    return items
+
+
+def _validate(args: argparse.Namespace) -> None:
+    for name in ("num_tokens", "hidden", "num_experts", "topk", "ep", "etp", "iters"):
+        if getattr(args, name) < (0 if name == "num_tokens" else 1):
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be positive")
+    if args.topk > args.num_experts:
+        raise ValueError(f"--topk={args.topk} exceeds --num-experts={args.num_experts}")
+    if args.num_experts % args.ep:
+        raise ValueError(f"--num-experts={args.num_experts} is not divisible by --ep={args.ep}")
+    _list(args.dispatcher, KINDS, "--dispatcher")
+    _list(args.skew, SKEWS, "--skew")
+
+
+class PhaseTimes:
+    """``timer(phase)`` context managers that add synchronised wall time per phase."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.enabled = device, False
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        self._sync()
+        t0 = time.perf_counter()
+        yield
+        self._sync()
+        self.seconds[phase] += time.perf_counter() - t0
+
+
+def _route(x, w_gate, bias, topk):
+    from moefold.dispatch.permutation import count_keys
+    from moefold.dispatch.routing import Routing
+
+    logits = (x.float() @ w_gate) + bias
+    probs, ids = torch.softmax(logits, -1).topk(topk, -1)
+    return Routing(probs, ids, count_keys(ids.reshape(-1), w_gate.shape[1]))
+
+
+def _median_max(values: list[float], device: torch.device) -> float:
+    t = torch.tensor([statistics.median(values)], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _sum_ranks(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return float(t.item())
+
+
+def _raw_exchange(kind: str, handle, dims, T: int, K: int, H: int, dtype: torch.dtype, device: torch.device,
+                  gen: torch.Generator) -> tuple[str, Callable[[], None], int] | None:
+    """(name, one timed call of the collectives ``kind`` is built on with its token bytes, bytes sent per rank)."""
+    es = torch.finfo(dtype).bits // 8
+    if kind == "allgather":
+        group, W = dims.etp_ep_group, dims.ep * dims.etp
+        if W == 1:
+            return None
+        Tm = handle.max_tokens
+        x = torch.randn(Tm, H, generator=gen, device="cpu").to(device, dtype)   # gen is a CPU generator
+        partial = torch.randn(W * Tm, H, generator=gen, device="cpu").to(device, dtype)
+
+        def run() -> None:
+            out = torch.empty(W * Tm, H, dtype=dtype, device=device)
+            dist.all_gather_into_tensor(out, x, group=group)
+            dist.reduce_scatter_tensor(torch.empty(Tm, H, dtype=dtype, device=device), partial, group=group)
+
+        # ring algorithms: each rank sends (W-1)/W of the gathered / reduced buffer
+        return "all_gather + reduce_scatter", run, 2 * (W - 1) * Tm * H * es
+    if dims.ep == 1:
+        return None
+    if hasattr(handle, "plan"):
+        send, recv = list(handle.plan.send), list(handle.plan.recv)
+    else:  # flex: an even all-to-all of this rank's copies, what an ideal exchange would move
+        n = -(-T * K // dims.ep)
+        send = recv = [n] * dims.ep
+    buf = torch.randn(sum(send), H, generator=gen, device="cpu").to(device, dtype)
+    group = dims.ep_group
+
+    def run() -> None:
+        back = torch.empty(sum(recv), H, dtype=dtype, device=device)
+        dist.all_to_all_single(back, buf, recv, send, group=group)
+        home = torch.empty(sum(send), H, dtype=dtype, device=device)
+        dist.all_to_all_single(home, back, send, recv, group=group)
+
+    return "all_to_all_single x2", run, 2 * sum(n for r, n in enumerate(send) if r != dims.ep_rank) * H * es
+
+
+def time_round_trip(dispatcher, x: torch.Tensor, routing, sync: Callable[[], None], barrier: Callable[[], None],
+                    ) -> tuple[float, object]:
+    """(seconds of dispatch + combine with the rows passed straight back, the handle). Dispatch and combine
+    are each timed from a barrier, so one rank's skew in the untimed gap does not count."""
+    sync()
+    barrier()
+    t0 = time.perf_counter()
+    out = dispatcher.dispatch(x, routing)
+    sync()
+    t1 = time.perf_counter()
+    barrier()
+    t2 = time.perf_counter()
+    dispatcher.combine(out.tokens_NH, out.handle)
+    sync()
+    return (t1 - t0) + (time.perf_counter() - t2), out.handle
+
+
+def _bench_inputs(skew_name: str, args: argparse.Namespace, dims, device: torch.device):
+    """(x [T, H], router weight [H, E], expert popularity skew [E], generator) of this rank: drawn on the CPU (the
+    same values on every device), then moved to ``device``."""
+    gen = torch.Generator().manual_seed(args.seed + dims.rank)
+    H, E, cpu = args.hidden, args.num_experts, torch.device("cpu")
+    x = torch.randn(args.num_tokens, H, generator=gen, device=cpu).to(device, DTYPES[args.dtype])
+    w_gate = (torch.randn(H, E, generator=torch.Generator().manual_seed(args.seed), device=cpu) / H ** 0.5).to(device)
+    skew = (torch.zeros(E, device=cpu) if skew_name == "uniform"
+            else -torch.log(torch.arange(1, E + 1, dtype=torch.float, device=cpu)))
+    return x, w_gate, (skew * 4).to(device), gen  # Zipf-like popularity, sharpened to survive the random logits
+
+
+def _bench_one(kind: str, skew_name: str, args: argparse.Namespace, dims, device: torch.device) -> dict:
+    from moefold.dispatch import build_dispatcher
+    from moefold.dispatch.permutation import permute, unpermute
+
+    rank0 = dims.rank == 0
+    dtype = DTYPES[args.dtype]
+    T, H, E, K = args.num_tokens, args.hidden, args.num_experts, args.topk
+    x, w_gate, skew, gen = _bench_inputs(skew_name, args, dims, device)
+
+    timer = PhaseTimes(device)
+    options = {}
+    if kind == "alltoall" and args.max_chunked_experts is not None:
+        options["max_chunked_experts"] = args.max_chunked_experts
+    if kind == "flex":
+        from moefold.dispatch.flex_backend import resolve_flex_backend
+
+        options["flex_backend"] = resolve_flex_backend("auto")
+        if options["flex_backend"] == "deepep":   # V2 sizes its buffer by the layout's worst case
+            options.update(hidden_size=H, max_tokens_per_rank=T)
+    timed = build_dispatcher(kind, E, dims, timer=timer, **options)
+    plain = build_dispatcher(kind, E, dims, **options)
+    barrier = (lambda: dist.barrier()) if dist.is_initialized() else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    tag = f"{kind} {skew_name}"
+
+    def progress(what: str, i: int, n: int) -> None:
+        if rank0:
+            print(f"\r  {tag} {what}: {i}/{n}", end="" if i < n else "\n", file=sys.stderr, flush=True)
+
+    # phases (timed iterations, synchronised per phase); the experts pass rows through unchanged
+    for i in range(args.warmup + args.iters):
+        timer.enabled = i >= args.warmup
+        with timer("route"):
+            routing = _route(x, w_gate, skew, K)
+        barrier()
+        out = timed.dispatch(x, routing)
+        timed.combine(out.tokens_NH, out.handle)
+        progress("phases", i + 1, args.warmup + args.iters)
+    phase_ms = {p: 1e3 * timer.seconds[p] / args.iters for p in PHASES}
+
+    # end to end, the raw collectives with the same bytes, and the dispatcher's local work alone.
+    # Like with like: each timed region starts right after a barrier, and both the dispatcher and
+    # the raw exchange allocate their receive buffers inside it (the raw one sends from a buffer
+    # that is ready, as the dispatcher's permute output is).
+    e2e, raw, local = [], [], []
+    raw_name, raw_bytes, handle, routing = None, 0, None, None
+    for i in range(args.warmup + args.iters):
+        routing = _route(x, w_gate, skew, K)
+        seconds, handle = time_round_trip(plain, x, routing, sync, barrier)
+        exchange = _raw_exchange(kind, handle, dims, T, K, H, dtype, device, gen)
+        if exchange is not None:
+            raw_name, run_raw, raw_bytes = exchange
+            sync()
+            barrier()
+            t2 = time.perf_counter()
+            run_raw()
+            sync()
+            raw.append(time.perf_counter() - t2)
+        row_map = getattr(handle, "row_map", None)
+        if kind != "flex" and row_map is not None and row_map.num_tokens % max(T, 1) == 0 and T:
+            # permute + weighted unpermute of the same rows, no communication (allgather: over the
+            # gathered tokens, stood in for by copies of this rank's; flex's map is over received tokens)
+            xs = x.repeat(row_map.num_tokens // T, 1)
+            probs = getattr(handle, "probs_TK", None)
+            if probs is None:
+                probs = getattr(handle, "probs_g", None)
+            barrier()
+            t4 = time.perf_counter()
+            unpermute(permute(xs, row_map), row_map, probs)
+            sync()
+            local.append(time.perf_counter() - t4)
+        if i >= args.warmup:
+            e2e.append(seconds)
+        progress("end to end + raw", i + 1, args.warmup + args.iters)
+        if i < args.warmup:
+            raw.clear()
+            local.clear()
+
+    # ideal bytes: the copies whose expert is on another ep rank, there and back
+    e_local = E // dims.ep
+    ids = routing.expert_ids_TK.reshape(-1)
+    remote = int(((ids // e_local) != dims.ep_rank).sum()) if dims.ep > 1 else 0
+    es = torch.finfo(dtype).bits // 8
+    world = max(1, dims.world_size)
+    ideal = _sum_ranks(2 * remote * H * es, device) / world
+    moved = _sum_ranks(raw_bytes, device) / world
+    t_e2e = _median_max(e2e, device)
+    return {"kind": kind, "skew": skew_name, "phases": {p: _median_max([v], device) for p, v in phase_ms.items()},
+            "e2e": t_e2e, "raw": _median_max(raw, device) if raw else None, "raw_name": raw_name,
+            "local": _median_max(local, device) if local else None, "ideal_bytes": ideal, "moved_bytes": moved,
+            "remote_rows": remote}
+
+
+def _fp8_one(r: dict, args: argparse.Namespace, dims, device: torch.device) -> None:
+    """``--fp8``: the same dispatcher with FP8 dispatch, on the same inputs, against ``r``'s time."""
+    rank0 = dims.rank == 0
+    if r["kind"] == "flex":
+        if rank0:
+            print("  fp8: not timed for flex (DeepEP V2 dispatches FP8 with --moe-fp8-dispatch, one row per "
+                  "destination rank: not this table's per-copy bytes; the legacy backend has no FP8 dispatch)")
+        return
+    from moefold.tools.bench_dispatch_fp8 import report_fp8
+
+    x, w_gate, skew, _ = _bench_inputs(r["skew"], args, dims, device)
+    options = {"max_chunked_experts": args.max_chunked_experts} \
+        if r["kind"] == "alltoall" and args.max_chunked_experts is not None else {}
+    report_fp8(r["kind"], args, dims, x, lambda: _route(x, w_gate, skew, args.topk), r["e2e"], r["remote_rows"],
+               **options)
+
+
+def _rank_main(args: argparse.Namespace) -> None:
+    from moefold.parallel import ParallelConfig, ParallelDims
+    from moefold.parallel.init import default_device
+    from moefold.training.observe.machine import describe_machine
+
+    device = default_device()
+    dims = ParallelDims.build(ParallelConfig(ep=args.ep, etp=args.etp), device_type=device.type)
+    rank0 = dims.rank == 0
+    if rank0:
+        print(describe_machine())
+        print(f"# bench-dispatch: ranks={dims.world_size} ep={args.ep} etp={args.etp} T={args.num_tokens} "
+              f"H={args.hidden} E={args.num_experts} k={args.topk} dtype={args.dtype} device={device.type} "
+              f"iters={args.iters} (per rank: {torch.get_num_threads()} torch threads)", flush=True)
+    rows = []
+    for kind in _list(args.dispatcher, KINDS, "--dispatcher"):
+        for skew in _list(args.skew, SKEWS, "--skew"):
+            r = _bench_one(kind, skew, args, dims, device)
+            rows.append(r)
+            if rank0:
+                _print_one(r)
+            if args.fp8:
+                _fp8_one(r, args, dims, device)
+    if rank0 and len(rows) > 1:
+        print("\nsummary (ms, slowest rank's median; ratio = dispatcher / raw collectives of the same bytes)")
+        print(f"{'dispatcher':10} {'skew':8} {'disp+comb':>9} {'raw':>8} {'ratio':>6} {'floor':>6} "
+              f"{'MB moved':>9} {'MB ideal':>9}  raw collectives")
+        for r in rows:
+            raw, local = r["raw"], r["local"]
+            ratio = f"{r['e2e'] / raw:.2f}" if raw else "-"
+            floor = f"{(raw + local) / raw:.2f}" if raw and local is not None else "-"
+            print(f"{r['kind']:10} {r['skew']:8} {1e3 * r['e2e']:>9.2f} "
+                  f"{(f'{1e3 * raw:.2f}' if raw else '-'):>8} {ratio:>6} {floor:>6} "
+                  f"{r['moved_bytes'] / 1e6:>9.2f} {r['ideal_bytes'] / 1e6:>9.2f}  {r['raw_name'] or '-'}")
+
+
+def _print_one(r: dict) -> None:
+    print(f"dispatcher={r['kind']} skew={r['skew']}")
+    print("  phases (ms per dispatch+combine, slowest rank): " +
+          "  ".join(f"{p} {r['phases'][p]:.2f}" for p in PHASES))
+    print(f"  dispatch+combine: {1e3 * r['e2e']:.2f} ms")
+    if r["raw"] is None:
+        print("  raw collectives: one rank in the group, nothing to exchange")
+        return
+    print(f"  raw {r['raw_name']} (same token bytes): {1e3 * r['raw']:.2f} ms")
+    print(f"  ratio dispatcher / raw: {r['e2e'] / r['raw']:.2f}x")
+    print(f"  token bytes sent per rank (dispatch+combine): {r['moved_bytes'] / 1e6:.2f} MB; ideal exchange "
+          f"(remote copies there and back): {r['ideal_bytes'] / 1e6:.2f} MB "
+          f"({r['moved_bytes'] / max(r['ideal_bytes'], 1):.2f}x)")
+    if r["local"] is not None:
+        print(f"  local permute+unpermute alone: {1e3 * r['local']:.2f} ms; (raw + local) / raw: "
+              f"{(r['raw'] + r['local']) / r['raw']:.2f}x (the floor for a dispatcher that does not overlap them)")
+
+
+def _release_deepep() -> None:
+    """The flex rows' DeepEP buffers, destroyed (collectively) before the process group goes."""
+    from moefold.dispatch.flex_backend import destroy_deepep_buffers
+
+    destroy_deepep_buffers()
+
+
+def _spawned(rank: int, world: int, store_path: str, args: argparse.Namespace, reports: mp.Queue) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), TORCH_GLOO_LAZY_INIT="1")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                                timeout=timedelta(seconds=600))
+        _rank_main(args)
+        _release_deepep()
+        dist.barrier()
+        reports.put((rank, None))
+    except BaseException as exc:
+        reports.put((rank, f"rank {rank}: {type(exc).__name__}: {exc}"))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(args: argparse.Namespace) -> int:
+    _validate(args)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+        from moefold.parallel import ParallelConfig
+        from moefold.parallel.init import init_distributed
+
+        init_distributed(ParallelConfig(ep=args.ep, etp=args.etp))
+        _rank_main(args)
+        _release_deepep()
+        return 0
+    world = args.nprocs or args.ep * args.etp
+    if world == 1:
+        _rank_main(args)
+        return 0
+    with tempfile.TemporaryDirectory(prefix="moefold-bench-") as tmp:
+        ctx = mp.get_context("spawn")
+        reports: mp.Queue = ctx.Queue()
+        procs = [ctx.Process(target=_spawned, args=(r, world, os.path.join(tmp, "store"), args, reports))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        # success is every rank reporting in (a crash while tearing gloo down afterwards is not a failure)
+        done: dict[int, str | None] = {}
+        while len(done) < world:
+            try:
+                rank, error = reports.get(timeout=1.0)
+                done[rank] = error
+                if error is not None:
+                    break
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in done]
+                if (dead or all(p.exitcode is not None for p in procs)) and reports.empty():
+                    break
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        errors = [e for e in done.values() if e is not None]
+        if errors or len(done) < world:
+            print(errors[0] if errors else f"ranks {sorted(set(range(world)) - set(done))} died", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Benchmark a token dispatcher against a raw all-to-all.",
+                                     allow_abbrev=False)
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))
