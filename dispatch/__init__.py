@@ -9,12 +9,12 @@ from moefold.dispatch.alltoall import (
     AllToAllDispatcher,
     AllToAllHandle,
     ExchangePlan,
-    LocalDispatcher,
     exchange_tokens,
     return_tokens,
 )
 from moefold.dispatch.base import Dispatched, DispatchHandle, PendingDispatch, PhaseTimer, TokenDispatcher
 from moefold.dispatch.factory import DISPATCHER_KINDS, build_dispatcher
+from moefold.dispatch.local import LocalDispatcher
 from moefold.dispatch.permutation import (
     RowMap,
     build_row_map,

@@ -1,4 +1,4 @@
-"""All-to-all dispatcher over ep, with an all-gather / reduce-scatter inside etp (and the local one).
+"""All-to-all dispatcher over ep, with an all-gather / reduce-scatter inside etp.
 
 Dispatch on rank (etp t, ep r):
 
@@ -21,8 +21,7 @@ tokens ``combine`` returns that fp32 sum (the MoE layer rounds it once).
 
 Host synchronisations per MoE layer (forward and backward together, proved by
 tests/dispatch/test_host_sync.py): dropless or unpadded capacity mode exactly one (the split
-sizes; the backward reuses them from the handle); padded mode none; the local dispatcher none
-when dropless (N = T*K is known) or padded, one in unpadded capacity mode (the kept count).
+sizes; the backward reuses them from the handle); padded mode none. (ep = etp = 1: ``dispatch.local``.)
 
 With ``pad_to_capacity`` every expert's chunk from every rank is exactly ``capacity`` rows, so
 all sizes are static and nothing is exchanged or synchronised besides the tokens. That needs the
@@ -173,7 +172,7 @@ class AllToAllDispatcher(TokenDispatcher):
     ``etp_ep_group`` (the etp x ep ranks, ep-major: ``ParallelDims.etp_ep_group``) carries the one
     exchange of split sizes when ep and etp are both > 1; with either at 1 it is the other group.
     With etp = 1 and at most ``max_chunked_experts`` local experts, the exchange is one
-    all-to-all per local expert landing rows directly in expert-major order (``dispatch.exchange``),
+    all-to-all per local expert landing rows directly in expert-major order (``tools.chunked_exchange``),
     which saves the two sort copies; beyond that, one all-to-all plus ``sort_chunks``.
     ``fp8``: the token rows travel as e4m3 with their scales (``dispatch.fp8_exchange``).
     """
@@ -316,16 +315,3 @@ class AllToAllDispatcher(TokenDispatcher):
             # the probs never left this rank: each token's k returned copies are weighted and summed here
             return unpermute(received[0], handle.row_map, handle.probs_TK)
 
-
-class LocalDispatcher(AllToAllDispatcher):
-    """ep = etp = 1: permute into expert-major rows and back, no communication.
-
-    Dropless or padded it never synchronises with the host (N = T*K, or E * capacity, is known);
-    unpadded capacity mode reads the kept count once. Its ``tokens_per_expert_host`` is then None
-    when dropless: the counts stay on the device (a backend that needs them on the host reads them).
-    """
-
-    name = "local"
-
-    def __init__(self, num_experts: int, timer: PhaseTimer | None = None, fp8: bool = False):
-        super().__init__(num_experts, None, None, None, timer, fp8=fp8)

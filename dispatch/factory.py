@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from moefold.dispatch.allgather import AllGatherDispatcher
-from moefold.dispatch.alltoall import AllToAllDispatcher, LocalDispatcher
+from moefold.dispatch.alltoall import AllToAllDispatcher
 from moefold.dispatch.base import PhaseTimer, TokenDispatcher
+from moefold.dispatch.local import LocalDispatcher
 from moefold.parallel.dims import ParallelDims
 from moefold.parallel.groups import Group, group_size
 
