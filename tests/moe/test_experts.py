@@ -151,7 +151,7 @@ def test_te_fp8_autocast_and_padding(monkeypatch, fmt, recipe):
     config = FP8Config(fmt, recipe, backend="te")
     pt, ref, mod = _te_pair(monkeypatch, fp8=config)
     x, grad = _inputs()
-    with pytest.raises(RuntimeError, match=r"must run inside parallel\.fp8_region\.fp8_autocast"):
+    with pytest.raises(RuntimeError, match=r"must run inside precision\.fp8_region\.fp8_autocast"):
         mod(x, torch.tensor(COUNTS), tuple(COUNTS))   # outside a region TE would silently run bf16
     xi, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
     with fp8_autocast(config):
