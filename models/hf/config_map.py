@@ -54,6 +54,10 @@ def family_of(hf: dict[str, Any]) -> str:
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, YarnScaling | None]:
+    """(rope_theta, YaRN or None) as transformers reads them (``_compute_yarn_parameters``): ``factor`` defaults to
+    max_position_embeddings / original_max_position_embeddings, which defaults to max_position_embeddings; a zero
+    or missing beta to 32 / 1; a missing mscale or mscale_all_dim is no term (0); ``attention_factor`` overrides
+    the inferred cos/sin scale. Rope types other than default and yarn are refused, naming the type."""
     params = dict(hf.get("rope_parameters") or {})
     scaling = hf.get("rope_scaling") or {}
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
@@ -63,12 +67,18 @@ def _rope(hf: dict[str, Any]) -> tuple[float, YarnScaling | None]:
         return theta, None
     if kind != "yarn":
         raise ValueError(f"rope_type={kind!r} is not supported (supported: default, yarn)")
-    return theta, YarnScaling(factor=float(rope["factor"]),
-                              original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-                              beta_fast=float(rope.get("beta_fast", 32.0)),
-                              beta_slow=float(rope.get("beta_slow", 1.0)), mscale=float(rope.get("mscale", 1.0)),
-                              mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)),
-                              truncate=bool(rope.get("truncate", True)))
+    max_pos = int(hf.get("max_position_embeddings", 4096))
+    original = int(rope.get("original_max_position_embeddings") or max_pos)
+    factor = rope.get("factor")
+    attention_factor = rope.get("attention_factor")
+    return theta, YarnScaling(factor=float(max_pos / original if factor is None else factor),
+                              original_max_position_embeddings=original,
+                              beta_fast=float(rope.get("beta_fast") or 32.0),
+                              beta_slow=float(rope.get("beta_slow") or 1.0),
+                              mscale=float(rope.get("mscale") or 0.0),
+                              mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+                              truncate=bool(rope.get("truncate", True)),
+                              attention_factor=None if attention_factor is None else float(attention_factor))
 
 
 def _pattern(num_layers: int, moe: list[bool]) -> int | tuple[int, ...]:
@@ -150,7 +160,8 @@ def _rope_out(c: ModelConfig) -> dict[str, Any]:
     return {"rope_type": "yarn", "rope_theta": c.rope_theta, "factor": y.factor,
             "original_max_position_embeddings": y.original_max_position_embeddings, "beta_fast": y.beta_fast,
             "beta_slow": y.beta_slow, "mscale": y.mscale, "mscale_all_dim": y.mscale_all_dim,
-            **({} if y.truncate else {"truncate": False}), **partial}
+            **({} if y.truncate else {"truncate": False}),
+            **({} if y.attention_factor is None else {"attention_factor": y.attention_factor}), **partial}
 
 
 def _check_exportable(c: ModelConfig) -> None:
