@@ -188,9 +188,12 @@ def _check_exportable(c: ModelConfig) -> None:
     group_score = (c.moe_group_score_topk or c.moe_topk // c.moe_group_topk) if c.moe_num_groups else 2
     if c.family == "deepseek_v3" and group_score != 2:
         bad["moe_group_score_topk"] = c.moe_group_score_topk
+    if c.attention == "mla" and c.mla.latent_norm_eps != 1e-6:   # q_a_layernorm / kv_a_layernorm: eps fixed at 1e-6
+        bad["mla.latent_norm_eps"] = c.mla.latent_norm_eps
     if bad:
+        fixed = {"moe_group_score_topk": 2, "mla.latent_norm_eps": 1e-6}
         raise ValueError(f"{c.name}: cannot be expressed as an HF {_architecture(c)} config: {bad} "
-                         f"(HF needs {({k: need.get(k, 2) for k in bad})})")
+                         f"(HF needs {({k: need.get(k, fixed.get(k)) for k in bad})})")
     why = more.out_bias_error(c) or (c.family == "gpt_oss" and c.moe_activation_clamp is None
                                      and "GPT-OSS's swiglu_limit cannot be None (moe_activation_clamp)")
     if why:
