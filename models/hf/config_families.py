@@ -169,9 +169,7 @@ def from_hf(family: str, hf: dict[str, Any], common: dict[str, Any]) -> ModelCon
             moe_shared_expert_ffn_size=moe_ffn * int(hf.get("n_shared_experts") or 0),
             first_k_dense_replace=int(hf.get("first_k_dense_replace", 1)), moe_aux_loss_coeff=1e-4,
             moe_load_balancing_type="seq_aux_loss", mtp_num_layers=int(hf.get("num_nextn_predict_layers", 0)))
-    if family == "olmoe":
-        if hf.get("clip_qkv") is not None:
-            raise _refuse("olmoe", f"clip_qkv={hf['clip_qkv']}")
+    if family == "olmoe":   # clip_qkv is refused by config_fields.check_fields
         return ModelConfig(
             **common, **gqa, qk_norm=True, qk_norm_scope="projection", num_experts=int(hf["num_experts"]),
             moe_ffn_hidden_size=int(hf["intermediate_size"]), moe_topk=topk, moe_score_function="softmax",

@@ -21,6 +21,7 @@ from typing import Any
 from moefold.models.config import MLADims, ModelConfig, YarnScaling
 from moefold.models.hf import config_families as more
 from moefold.models.hf import qwen3_next
+from moefold.models.hf.config_fields import READ, check_fields, config_class
 
 ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3", "Qwen3MoeForCausalLM": "qwen3_moe",
                  "MixtralForCausalLM": "mixtral", "Qwen3ForCausalLM": "qwen3_moe", "MistralForCausalLM": "mixtral",
@@ -88,6 +89,7 @@ def _pattern(num_layers: int, moe: list[bool]) -> int | tuple[int, ...]:
 def from_hf_config(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
     """``ModelConfig`` from a parsed HF ``config.json`` (kept in ``extra["hf_config"]`` for the export)."""
     family = family_of(hf)
+    check_fields(hf)
     theta, yarn = _rope(hf)
     L = int(hf["num_hidden_layers"])
     common = dict(name=name or hf.get("_name_or_path") or family, family=family, vocab_size=int(hf["vocab_size"]),
@@ -95,14 +97,17 @@ def from_hf_config(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
                   rope_theta=theta, yarn=yarn, max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
                   norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_word_embeddings=bool(hf.get("tie_word_embeddings",
                                                                                               False)),
-                  attention_bias=bool(hf.get("attention_bias", False)), extra={"hf_config": dict(hf)})
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported (moefold experts are SwiGLU: 'silu')")
+                  attention_bias=bool(hf.get("attention_bias", False)) if "attention_bias" in READ[config_class(hf)]
+                  else False, extra={"hf_config": dict(hf)})
     if family in more.NEEDS:
         return more.from_hf(family, hf, common)
     if family == "qwen3_next":
         return qwen3_next.config_from_hf(hf, common)
     if family == "deepseek_v3":
+        kv_heads = hf.get("num_key_value_heads")
+        if kv_heads is not None and int(kv_heads) != common["num_attention_heads"]:
+            raise ValueError(f"deepseek_v3: num_key_value_heads={kv_heads} is not supported (MLA has a key and value "
+                             f"per head: transformers needs num_attention_heads={common['num_attention_heads']})")
         if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
             raise ValueError(f"DeepSeek-V3 with scoring_func={hf.get('scoring_func')!r}, topk_method="
                              f"{hf.get('topk_method')!r} is not supported (sigmoid / noaux_tc)")
@@ -129,8 +134,9 @@ def from_hf_config(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
                head_dim=hf.get("head_dim"))
     dense = is_dense_hf(hf)
     if family == "qwen3_moe":
-        if hf.get("use_sliding_window"):
-            raise ValueError("Qwen3 with use_sliding_window=True is not supported")
+        # transformers' Qwen3-MoE: every layer windowed when use_sliding_window (the dense Qwen3's is refused)
+        gqa["sliding_window"] = int(hf["sliding_window"]) if hf.get("use_sliding_window") and not dense \
+            and hf.get("sliding_window") else None
         # a dense Qwen3 keeps Qwen3-MoE's router semantics for upcycling (softmax over all experts, renormalised)
         moe = dict(num_experts=0, moe_ffn_hidden_size=0, moe_norm_topk_prob=True) if dense else dict(
             num_experts=int(hf.get("num_experts", hf.get("num_local_experts", 0))),
@@ -171,7 +177,7 @@ def _check_exportable(c: ModelConfig) -> None:
                         "qk_norm": False, "sliding_window": None, "moe_shared_expert_gate": False},
         "qwen3_moe": {"attention": "gqa", "moe_score_function": "softmax", "moe_pre_softmax": True, "qk_norm": True,
                       "moe_expert_bias": False, "moe_shared_expert_ffn_size": 0, "moe_topk_scaling_factor": 1.0,
-                      "moe_num_groups": None, "sliding_window": None},
+                      "moe_num_groups": None, **({} if c.num_experts else {"sliding_window": None})},
         "mixtral": {"attention": "gqa", "moe_score_function": "softmax", "qk_norm": False, "moe_expert_bias": False,
                     "moe_shared_expert_ffn_size": 0, "moe_topk_scaling_factor": 1.0, "moe_num_groups": None,
                     "attention_bias": False},
@@ -240,7 +246,8 @@ def _own_fields(c: ModelConfig, dtype: str) -> dict[str, Any]:
                    num_nextn_predict_layers=c.mtp_num_layers, aux_loss_alpha=c.moe_aux_loss_coeff)
     elif c.family == "qwen3_moe":
         out.update(num_key_value_heads=c.kv_heads, head_dim=c.attention_head_dim, attention_bias=c.attention_bias,
-                   intermediate_size=c.ffn_hidden_size, use_sliding_window=False)
+                   intermediate_size=c.ffn_hidden_size, use_sliding_window=c.sliding_window is not None,
+                   **({} if c.sliding_window is None else {"sliding_window": c.sliding_window}))
         if c.num_experts:
             out.update(moe_intermediate_size=c.moe_ffn_hidden_size, num_experts=c.num_experts,
                        norm_topk_prob=c.moe_norm_topk_prob, decoder_sparse_step=1,

@@ -95,8 +95,9 @@ def build_gpt(args: argparse.Namespace):
     if args.mtp_num_layers is not None:
         last = get_gpt_decoder_layer_specs(config, use_transformer_engine=False, normalization=args.normalization)[-1]
         mtp = get_gpt_mtp_block_spec(config, last, use_transformer_engine=False)
+    tied = not args.untie_embeddings_and_output_weights
     return GPTModel(config, block, vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
-                    parallel_output=True, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                    parallel_output=True, share_embeddings_and_output_weights=tied,
                     position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
                     rotary_base=args.rotary_base, mtp_block_spec=mtp)
 
@@ -165,7 +166,8 @@ def _rng_state():
 
     state = [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
               "torch_rng_state": torch.get_rng_state()}]
-    pp, tp = (parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_world_size())
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
     ranks = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank())
     return ShardedObject("rng_state", state, (pp, tp), ranks,
                          replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True))
