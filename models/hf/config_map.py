@@ -299,6 +299,22 @@ def _respell(own: dict[str, Any], original: dict[str, Any], c: ModelConfig) -> d
                 own.pop(k)
     if c.family == "qwen3_next":
         own = qwen3_next.respell(own, original, c)
+    if MODEL_TYPES.get(original.get("model_type")) == c.family and own["architectures"] == original.get("architectures"):
+        own["model_type"] = original["model_type"]   # Kimi-K2's kimi_k2: read as DeepSeek-V3, written as it was
+    return _unadded(own, original)
+
+
+def _unadded(own: dict[str, Any], original: dict[str, Any]) -> dict[str, Any]:
+    """``own`` less the fields ``original`` leaves out whose absence reads the same (DeepSeek's head_dim and
+    rope_interleave, GPT-OSS's swiglu_alpha: the defaults moefold and transformers read); the dtype of the written
+    tensors stays."""
+    merged = {**original, **own}
+    config = from_hf_config(merged)
+    for key in [k for k in own if k not in original and k not in ("dtype", "torch_dtype")]:
+        without = {k: v for k, v in merged.items() if k != key}
+        if from_hf_config(without) == config:
+            del own[key]
+            merged = without
     return own
 
 
