@@ -74,7 +74,8 @@ READ: dict[str, set[str]] = {
         "num_key_value_heads", "intermediate_size", "attention_bias", "moe_intermediate_size", "num_experts_per_tok",
         "n_shared_experts", "n_routed_experts", "routed_scaling_factor", "n_group", "topk_group",
         "first_k_dense_replace", "norm_topk_prob", "use_qk_norm", "num_nextn_predict_layers"},
-    "olmoe": _COMMON_READ | {"num_key_value_heads", "intermediate_size", "attention_bias", "num_experts_per_tok", "num_experts", "router_aux_loss_coef", "norm_topk_prob"},
+    "olmoe": _COMMON_READ | {"num_key_value_heads", "intermediate_size", "attention_bias", "num_experts_per_tok",
+                             "num_experts", "router_aux_loss_coef", "norm_topk_prob"},
     "minimax_m2": _COMMON_READ | {"num_key_value_heads", "head_dim", "intermediate_size", "num_experts_per_tok",
                                   "num_local_experts", "router_aux_loss_coef", "router_jitter_noise"},
     "qwen3_next": _COMMON_READ | {

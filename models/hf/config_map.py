@@ -299,7 +299,8 @@ def _respell(own: dict[str, Any], original: dict[str, Any], c: ModelConfig) -> d
                 own.pop(k)
     if c.family == "qwen3_next":
         own = qwen3_next.respell(own, original, c)
-    if MODEL_TYPES.get(original.get("model_type")) == c.family and own["architectures"] == original.get("architectures"):
+    same_arch = own["architectures"] == original.get("architectures")
+    if MODEL_TYPES.get(original.get("model_type")) == c.family and same_arch:
         own["model_type"] = original["model_type"]   # Kimi-K2's kimi_k2: read as DeepSeek-V3, written as it was
     return _unadded(own, original)
 
