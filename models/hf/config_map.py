@@ -313,7 +313,11 @@ def _unadded(own: dict[str, Any], original: dict[str, Any]) -> dict[str, Any]:
     config = from_hf_config(merged)
     for key in [k for k in own if k not in original and k not in ("dtype", "torch_dtype")]:
         without = {k: v for k, v in merged.items() if k != key}
-        if from_hf_config(without) == config:
+        try:
+            same = from_hf_config(without) == config
+        except (KeyError, ValueError, TypeError):   # a field the reader needs
+            same = False
+        if same:
             del own[key]
             merged = without
     return own
