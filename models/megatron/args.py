@@ -38,7 +38,8 @@ READ = frozenset({
     "moe_shared_expert_gate", "moe_layer_freq", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
     "moe_z_loss_coeff", "moe_input_jitter_eps", "moe_router_dtype", "moe_expert_capacity_factor",
     "moe_token_drop_policy", "moe_pad_expert_input_to_capacity", "moe_router_force_load_balancing",
-    "moe_apply_probs_on_input", "mtp_num_layers", "mtp_loss_scaling_factor",
+    "moe_apply_probs_on_input", "mtp_num_layers", "mtp_loss_scaling_factor", "softmax_type", "quick_geglu",
+    "glu_linear_offset", "activation_func_clamp_value",
 })
 
 REFUSED: dict[str, tuple[Any, str]] = {
@@ -49,14 +50,10 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "apply_residual_connection_post_layernorm": (False, "BERT's residual order"),
     "rotary_interleaved": (False, "interleaved RoPE pairs"),
     "softmax_scale": (None, "a custom attention softmax scale"),
-    "softmax_type": ("vanilla", "a softmax offset (attention sinks)"),
     "qk_l2_norm": (False, "L2 qk-norm"),
     "qk_clip": (False, "QK-clip of the attention weights"),
     "attention_output_gate": (False, "a gated attention output"),
-    "glu_linear_offset": (0.0, "an offset on the GLU's linear half"),
-    "activation_func_clamp_value": (None, "a clamped activation"),
     "squared_relu": (False, "the squared-ReLU activation"),
-    "quick_geglu": (False, "the quick-GeGLU activation"),
     "openai_gelu": (False, "OpenAI's GeLU"),
     "no_rope_freq": (None, "layers without RoPE"),
     "use_rope_scaling": (False, "Llama-3 RoPE scaling"),
@@ -197,13 +194,41 @@ def _window(a: dict[str, Any], num_layers: int, mtp: int) -> dict[str, Any]:
 
 
 def _family(softmax: bool, pre: bool, qk_norm: bool, shared: int, expert_bias: bool, qkv_bias: bool,
-            partial: bool) -> str:
+            partial: bool, sinks: bool) -> str:
     """The HF family whose semantics the model has (what an HF export would write); qwen3_moe otherwise."""
+    if sinks:
+        return "gpt_oss"
     if not softmax and expert_bias:
         return "glm4_moe"
     if softmax and not pre and not qk_norm and not shared and not qkv_bias and not partial:
         return "mixtral"
     return "qwen3_moe"
+
+
+def _gpt_oss(a: dict[str, Any], shared: int, mtp: int) -> dict[str, Any]:
+    """GPT-OSS's features in Megatron's arguments: attention sinks (``--softmax-type learnable``), biases on every
+    linear (``--add-bias-linear``: q/k/v, o, router, experts), quick GeGLU (gate * sigmoid(1.702 gate)) with an
+    offset on the linear half and a clamp. Megatron puts the biases, the activation, offset and clamp on every MLP;
+    moefold's are the routed experts', so a model with dense layers, shared experts or MTP layers is refused."""
+    g = a.get
+    softmax_type = g("softmax_type", "vanilla")
+    if softmax_type not in ("vanilla", "learnable"):
+        raise _refuse(f"a softmax offset other than learnable sinks (--softmax-type={softmax_type!r})")
+    biases, quick = g("add_bias_linear") is True, bool(g("quick_geglu"))
+    offset, clamp = float(g("glu_linear_offset") or 0.0), g("activation_func_clamp_value")
+    if not (g("swiglu", True) or quick):
+        raise _refuse("an activation other than SwiGLU or quick GeGLU (neither --swiglu nor --quick-geglu)")
+    every_mlp = [f for f, on in (("--add-bias-linear", biases), ("--quick-geglu", quick),
+                                 (f"--glu-linear-offset={offset}", offset), (f"--activation-func-clamp-value={clamp}",
+                                                                           clamp is not None)) if on]
+    moe = _pattern(g("moe_layer_freq", 1))
+    dense = not g("num_experts") or (isinstance(moe, tuple) and not all(moe)) or (isinstance(moe, int) and moe > 1)
+    if every_mlp and (dense or shared or mtp):
+        raise _refuse(f"{', '.join(every_mlp)} with dense layers, shared experts or MTP layers (moefold has them on "
+                      "the routed experts only)")
+    return dict(attention_sinks=softmax_type == "learnable", moe_router_bias=biases, moe_expert_linear_bias=biases,
+                moe_swiglu_alpha=1.702 if quick else 1.0, moe_glu_linear_offset=offset,
+                moe_activation_clamp=None if clamp is None else float(clamp))
 
 
 def config_from_megatron(args: dict[str, Any], vocab_size: int, name: str = "megatron") -> ModelConfig:
@@ -214,10 +239,6 @@ def config_from_megatron(args: dict[str, Any], vocab_size: int, name: str = "meg
     check_refused(a)
     if _get(a, "normalization", "RMSNorm") != "RMSNorm":
         raise _refuse(f"--normalization {_get(a, 'normalization')}")
-    if not g("swiglu", True):
-        raise _refuse("an activation other than SwiGLU (no --swiglu)")
-    if g("add_bias_linear") is True:
-        raise _refuse("biases on every linear layer (--add-bias-linear; --disable-bias-linear is moefold's)")
     if g("position_embedding_type", "rope") != "rope":
         raise _refuse(f"--position-embedding-type {g('position_embedding_type')}")
     heads, hidden, layers = int(a["num_attention_heads"]), int(a["hidden_size"]), int(a["num_layers"])
@@ -228,13 +249,16 @@ def config_from_megatron(args: dict[str, Any], vocab_size: int, name: str = "meg
     qk_norm, qkv_bias = bool(g("qk_layernorm")), bool(g("add_qkv_bias"))
     partial = float(g("rotary_percent", 1.0) or 1.0)
     mtp = int(g("mtp_num_layers") or 0)
+    features = _gpt_oss(a, shared, mtp)
+    biases = features["moe_router_bias"]
     return ModelConfig(
         name=name, family=_family(softmax, pre, qk_norm, shared, bool(g("moe_router_enable_expert_bias")), qkv_bias,
-                                  partial != 1.0),
+                                  partial != 1.0, features["attention_sinks"]), **features,
         vocab_size=vocab_size, hidden_size=hidden, num_layers=layers, num_attention_heads=heads,
         num_query_groups=int(g("num_query_groups")) if g("group_query_attention") and g("num_query_groups") else None,
         head_dim=int(g("kv_channels")) if g("kv_channels") and int(g("kv_channels")) != hidden // heads else None,
-        qk_norm=qk_norm, attention_bias=qkv_bias, attention_out_bias=False if qkv_bias else None,
+        qk_norm=qk_norm, attention_bias=qkv_bias or biases, attention_out_bias=None if biases else (
+            False if qkv_bias else None),
         partial_rotary_factor=partial, **_window(a, layers, mtp),
         rope_theta=float(g("rotary_base", 10000)), max_position_embeddings=int(g("max_position_embeddings") or 4096),
         norm_eps=float(_get(a, "layernorm_epsilon", 1e-5)), ffn_hidden_size=int(g("ffn_hidden_size") or 0),
@@ -268,15 +292,20 @@ def megatron_args_from_config(c: ModelConfig) -> dict[str, Any]:
         raise ValueError("--to megatron: multi-latent attention models are not exported (Megatron-Core's local "
                          "layer spec cannot build MLA without Transformer Engine, so the export is untested)")
     out_bias = c.attention_bias if c.attention_out_bias is None else c.attention_out_bias
-    if out_bias:
-        raise ValueError("--to megatron: an o_proj bias needs Megatron's --add-bias-linear, which also puts biases on "
-                         "the MLPs moefold does not have")
+    biases = (c.attention_bias, out_bias, c.moe_router_bias, c.moe_expert_linear_bias)
+    if any(biases[1:]) and not all(biases):
+        raise ValueError(f"--to megatron: biases on some linears only (attention q/k/v, o, router, experts: "
+                         f"{biases}); Megatron's --add-bias-linear puts them on all, --add-qkv-bias on q/k/v only")
+    every_mlp = all(biases) or c.moe_swiglu_alpha != 1.0 or c.moe_activation_clamp is not None \
+        or c.moe_glu_linear_offset != 0.0
+    dense = any(not c.is_moe_layer(i) for i in range(c.num_layers))
+    if every_mlp and (dense or c.moe_shared_expert_ffn_size or c.mtp_num_layers):
+        raise ValueError("--to megatron: expert biases, quick GeGLU, an offset or a clamp are on every MLP in Megatron "
+                         "(moefold's on the routed experts): not with dense layers, shared experts or MTP layers")
+    if c.moe_swiglu_alpha not in (1.0, 1.702):
+        raise ValueError(f"--to megatron: moe_swiglu_alpha={c.moe_swiglu_alpha}: Megatron has SwiGLU (1) and quick "
+                         "GeGLU (1.702)")
     unsupported = [k for k, v in (("qk_norm_scope='projection'", c.qk_norm_scope != "head"),
-                                  ("attention_sinks", c.attention_sinks), ("moe_router_bias", c.moe_router_bias),
-                                  ("moe_expert_linear_bias", c.moe_expert_linear_bias),
-                                  ("moe_swiglu_alpha", c.moe_swiglu_alpha != 1.0),
-                                  ("moe_activation_clamp", c.moe_activation_clamp is not None),
-                                  ("moe_glu_linear_offset", c.moe_glu_linear_offset != 0.0),
                                   ("yarn", c.yarn is not None), ("layer_types", c.layer_types is not None),
                                   ("attention_output_gate", c.attention_output_gate),
                                   ("norm_zero_centered_gamma", c.norm_zero_centered_gamma)) if v]
@@ -297,8 +326,11 @@ def megatron_args_from_config(c: ModelConfig) -> dict[str, Any]:
         "num_layers": c.num_layers, "hidden_size": c.hidden_size, "num_attention_heads": c.num_attention_heads,
         "group_query_attention": c.kv_heads != c.num_attention_heads, "num_query_groups": c.kv_heads,
         "kv_channels": c.attention_head_dim, "qk_layernorm": c.qk_norm, "ffn_hidden_size": c.ffn_hidden_size or None,
-        "normalization": "RMSNorm", "layernorm_epsilon": c.norm_eps, "norm_epsilon": c.norm_eps, "swiglu": True,
-        "add_bias_linear": False, "add_qkv_bias": c.attention_bias, "position_embedding_type": "rope",
+        "normalization": "RMSNorm", "layernorm_epsilon": c.norm_eps, "norm_epsilon": c.norm_eps,
+        "swiglu": c.moe_swiglu_alpha == 1.0, "quick_geglu": c.moe_swiglu_alpha != 1.0,
+        "glu_linear_offset": c.moe_glu_linear_offset, "activation_func_clamp_value": c.moe_activation_clamp,
+        "add_bias_linear": all(biases), "add_qkv_bias": c.attention_bias and not all(biases),
+        "softmax_type": "learnable" if c.attention_sinks else "vanilla", "position_embedding_type": "rope",
         "rotary_base": int(c.rope_theta) if float(c.rope_theta).is_integer() else c.rope_theta,
         "rotary_percent": c.partial_rotary_factor, "max_position_embeddings": c.max_position_embeddings,
         "untie_embeddings_and_output_weights": not c.tie_word_embeddings, "padded_vocab_size": c.vocab_size,

@@ -128,8 +128,8 @@ def _megatron_shape(src: Source, shape: tuple[int, ...], config: ModelConfig) ->
         return ((config.num_attention_heads + 2 * config.kv_heads) * config.attention_head_dim, *shape[1:])
     if src.kind == "half":
         return (2 * shape[0], *shape[1:])
-    if src.kind == "experts13":
-        return (shape[0], shape[1] * shape[2], shape[3])
+    if src.kind == "experts13":   # [E, 2, F, (H)] <- [E, 2F, (H)]
+        return (shape[0], shape[1] * shape[2], *shape[3:])
     return shape
 
 
@@ -142,8 +142,8 @@ def _requests(src: Source, key: str, shape: tuple[int, ...], box: Box, config: M
     if src.kind == "half":
         F = shape[0]
         return [(slice(src.part * F + box[0].start, src.part * F + box[0].stop), *box[1:])]
-    F = shape[2]   # experts13: one read per half (gate, up) of the w13 box
-    return [(box[0], slice(g * F + box[2].start, g * F + box[2].stop), box[3])
+    F = shape[2]   # experts13: one read per half (gate, up) of the w13 (bias) box
+    return [(box[0], slice(g * F + box[2].start, g * F + box[2].stop), *box[3:])
             for g in range(box[1].start, box[1].stop)]
 
 
@@ -244,8 +244,8 @@ def _to_megatron(name: str, full: Tensor, config: ModelConfig, out: dict[str, Te
         buf = out.setdefault(key, torch.empty((rows, *full.shape[1:]), dtype=full.dtype))
         buf[torch.tensor(qkv_rows(src.part, config))] = full
         return
-    E, _, F, H = full.shape
-    out[key] = full.reshape(E, 2 * F, H)
+    E, _, F, *rest = full.shape
+    out[key] = full.reshape(E, 2 * F, *rest)
 
 
 _LINEAR = re.compile(r"\.(linear_qkv|linear_proj|linear_fc1|linear_fc2|eh_proj)\.weight$")

@@ -29,7 +29,7 @@ from moefold.models.megatron.dcp_io import Box, DcpReader
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _EXPERTS = ".mlp.experts.experts."
-_GLU = "linear_fc1.weight"
+_GLU = ("linear_fc1.weight", "linear_fc1.bias")   # a GLU projection's gate and up halves (and its bias's)
 
 
 @dataclass(frozen=True)

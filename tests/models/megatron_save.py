@@ -77,6 +77,10 @@ def transformer_config(args: argparse.Namespace):
               persist_layer_norm=False, moe_token_dispatcher_type="allgather", moe_router_dtype="fp32")
     if args.swiglu:
         kw.update(activation_func=torch.nn.functional.silu, gated_linear_unit=True, bias_activation_fusion=False)
+    elif args.quick_geglu:
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        kw.update(activation_func=quick_gelu, gated_linear_unit=True, bias_activation_fusion=False)
     return TransformerConfig(**kw)
 
 
@@ -104,13 +108,13 @@ def build_gpt(args: argparse.Namespace):
 
 @torch.no_grad()
 def perturb(model, seed: int) -> None:
-    """Norm weights around 1, biases and expert biases around 0 (the same values on every rank): a mis-mapped
+    """Norm weights around 1, biases, sinks and expert biases around 0 (the same values on every rank): a mis-mapped
     norm or bias changes the logits."""
     g = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         if "norm" in name:
             p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
-        elif name.endswith("bias"):
+        elif name.endswith(("bias", "softmax_offset")):
             p.copy_(0.3 * torch.randn(p.shape, generator=g))
     for name, b in model.named_buffers():
         if name.endswith("expert_bias"):

@@ -23,6 +23,9 @@ glm        tp2 (world 2)        stacked layers with an MTP layer beside them, q/
                                 qk-layernorm, sigmoid routing with expert bias, a shared expert (no optimizer:
                                 Megatron trains MoE at tp > 1 only with sequence parallelism, which its CPU
                                 norm does not support)
+gpt_oss    ep2 (world 2)        GPT-OSS's features as Megatron-LM's flags: sinks (``--softmax-type learnable``),
+                                biases on every linear and the router, quick GeGLU with offset 1 and a clamp,
+                                a window on every other layer (``--window-attn-skip-freq 2``); stacked layers
 ========== ==================== =============================================================================
 
 Tolerance: moefold's fp32 logits against the same moefold model in float64 give fp32's own error on these
@@ -66,8 +69,12 @@ CASES = {
             dict(moe_layer_freq=1, add_qkv_bias=True, rotary_percent=0.5, qk_layernorm=True,
                  moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                  moe_shared_expert_intermediate_size=16, mtp_num_layers=1)),
+    "gpt_oss": ((1, 2), (2, 1), True, False, dict(tp=2),
+                dict(moe_layer_freq=1, add_bias_linear=True, softmax_type="learnable", swiglu=False, quick_geglu=True,
+                     glu_linear_offset=1.0, activation_func_clamp_value=0.5, window_size=(3, 0),
+                     window_attn_skip_freq=2, expert_tensor_parallel_size=1)),   # Megatron: MoE biases need etp 1
 }
-WORLDS = {1: ("qwen3", "mixtral"), 2: ("deepseek", "glm")}
+WORLDS = {1: ("qwen3", "mixtral"), 2: ("deepseek", "glm", "gpt_oss")}
 
 
 def _ids() -> torch.Tensor:
@@ -95,8 +102,8 @@ def _case(name: str, root: str) -> dict[str, float]:
     from tests.models import megatron_save as mlm
 
     (tp, ep), (back_tp, back_ep), step, singleton, layout, _ = CASES[name]
-    init_megatron(tp=tp, ep=ep)
     args, ids = _args(name), _ids()
+    init_megatron(tp=tp, ep=ep, etp=args.expert_tensor_parallel_size)
     torch.manual_seed(11)
     model = mlm.build_gpt(args)
     mlm.perturb(model, 5)
@@ -115,7 +122,7 @@ def _case(name: str, root: str) -> dict[str, float]:
         out["parallel"] = (exported.logits(ids) - ref).abs().max().item()
     export_megatron(exported, f"{root}/{name}-export")
 
-    init_megatron(tp=back_tp, ep=back_ep)
+    init_megatron(tp=back_tp, ep=back_ep, etp=args.expert_tensor_parallel_size)
     args.tensor_model_parallel_size, args.expert_model_parallel_size = back_tp, back_ep
     torch.manual_seed(99)   # other initial weights: everything must come from the checkpoint
     back = mlm.build_gpt(args)
@@ -153,12 +160,16 @@ def test_megatron_lm_checkpoint_imports_and_exports(name, megatron_cases):
 
 def test_configs_read_from_the_args(megatron_cases):
     root, _ = megatron_cases
-    qwen3, mixtral, deepseek, glm = (megatron_config(f"{root}/{n}") for n in CASES)
+    qwen3, mixtral, deepseek, glm = (megatron_config(f"{root}/{n}") for n in ("qwen3", "mixtral", "deepseek", "glm"))
     assert (qwen3.norm_eps, qwen3.moe_layer_freq, qwen3.qk_norm, qwen3.moe_norm_topk_prob) == (1e-6, 1, True, False)
     assert (mixtral.tie_word_embeddings, mixtral.sliding_window, mixtral.norm_eps) == (True, 4, 1e-5)
     assert (deepseek.moe_layer_freq, deepseek.mtp_num_layers, deepseek.moe_shared_expert_gate) == ((0, 1, 1), 1, True)
     assert (glm.attention_bias, glm.attention_out_bias, glm.partial_rotary_factor, glm.family) == \
         (True, False, 0.5, "glm4_moe")
+    gpt_oss = megatron_config(f"{root}/gpt_oss")
+    assert (gpt_oss.attention_sinks, gpt_oss.moe_router_bias, gpt_oss.moe_expert_linear_bias, gpt_oss.moe_swiglu_alpha,
+            gpt_oss.moe_glu_linear_offset, gpt_oss.moe_activation_clamp, gpt_oss.sliding_window_pattern) == \
+        (True, True, True, 1.702, 1.0, 0.5, (1, 0))
 
 
 def test_stacked_layers_are_checked_against_the_model(megatron_cases):
