@@ -18,6 +18,7 @@ import pytest
 from moefold.models.hf.config_fields import INERT, INERT_BY_CLASS, PARTIAL_ROTARY, READ, REFUSED
 from moefold.models.hf.config_map import from_hf_config
 from tests.models.hf_tiny import TINY, VOCAB, qwen3_next_config
+from tests.models.other_value import other_value
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,7 +28,7 @@ CLASSES = {"deepseek_v3": "DeepseekV3Config", "qwen3_moe": "Qwen3MoeConfig", "qw
            "qwen3_next": "Qwen3NextConfig"}
 _DENSE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
-# another value, where the generic one (bool: not, int: + 1, float: x 0.5 or 0.5, None: 2) does not fit
+# another value, where tests.models.other_value's does not fit
 _OTHER = {"rope_parameters": {"rope_type": "default", "rope_theta": 12345.0}, "mlp_only_layers": [0],
           "hidden_act": "gelu", "layer_types": None, "torch_dtype": "float16", "dtype": "float16",
           "eos_token_id": 7, "id2label": {0: "a"}, "label2id": {"a": 0}, "problem_type": "regression",
@@ -56,17 +57,7 @@ def _other(key: str, field: str, value):
     if field == "layer_types" and value:
         return list(reversed(value)) if len(set(value)) > 1 else ["full_attention"] * (len(value) - 1) + \
             ["sliding_attention"]
-    if field in _OTHER:
-        return _OTHER[field]
-    if isinstance(value, bool):
-        return not value
-    if isinstance(value, int):
-        return value + 1
-    if isinstance(value, float):
-        return value * 0.5 if value else 0.5
-    if value is None:
-        return 2
-    return "other"
+    return _OTHER[field] if field in _OTHER else other_value(value)
 
 
 def _fields(key: str) -> set[str]:

@@ -16,6 +16,7 @@ import dataclasses
 import pytest
 
 from moefold.models.megatron.args import NOT_MODEL, READ, REFUSED, config_from_megatron
+from tests.models.other_value import other_value
 
 pytest.importorskip("megatron.core")
 
@@ -23,7 +24,7 @@ _MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, group_query_a
               kv_channels=8, ffn_hidden_size=48, normalization="RMSNorm", swiglu=True, add_bias_linear=False,
               position_embedding_type="rope", max_position_embeddings=64, padded_vocab_size=64, num_experts=4,
               moe_ffn_hidden_size=16, moe_router_topk=2, mtp_num_layers=None)
-# values the generic rule below cannot choose (the generic: bool -> not, int -> + 2, float -> x 0.5)
+# values tests.models.other_value cannot choose
 _OTHER = {
     "normalization": "LayerNorm", "position_embedding_type": "learned_absolute", "moe_router_score_function": "sigmoid",
     "moe_router_load_balancing_type": "seq_aux_loss", "moe_router_dtype": "fp64", "moe_token_drop_policy": "position",
@@ -64,17 +65,7 @@ def _config(args: dict):
 
 
 def _other(name: str, value):
-    if name in _OTHER:
-        return _OTHER[name]
-    if isinstance(value, bool):
-        return not value
-    if isinstance(value, int):
-        return value + 2
-    if isinstance(value, float):
-        return value * 0.5 if value else 0.5
-    if value is None:
-        return 2
-    return "other"
+    return _OTHER[name] if name in _OTHER else other_value(value)
 
 
 def test_every_argument_is_classified_once():
