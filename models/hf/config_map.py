@@ -97,8 +97,8 @@ def from_hf_config(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
                   rope_theta=theta, yarn=yarn, max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
                   norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_word_embeddings=bool(hf.get("tie_word_embeddings",
                                                                                               False)),
-                  attention_bias=bool(hf.get("attention_bias", False)) if "attention_bias" in READ.get(config_class(hf), ())
-                  else False, extra={"hf_config": dict(hf)})
+                  attention_bias=bool(hf.get("attention_bias", False)) and "attention_bias" in READ.get(
+                      config_class(hf), ()), extra={"hf_config": dict(hf)})
     if family in more.NEEDS:
         return more.from_hf(family, hf, common)
     if family == "qwen3_next":
