@@ -162,6 +162,7 @@ class MLAConfig:
     q_lora_rank: int | None = None
     rope_interleave: bool = True
     norm_eps: float = 1e-6
+    latent_norm_eps: float | None = None
     bias: bool = False
     rope_theta: float = 10000.0
     yarn: YarnConfig | None = None
@@ -178,6 +179,8 @@ class MLAConfig:
             _positive_int("MLAConfig", "q_lora_rank", self.q_lora_rank)
         if self.qk_rope_head_dim % 2 != 0:
             raise ValueError(f"MLAConfig.qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE)")
+        if self.latent_norm_eps is not None and not self.latent_norm_eps > 0:
+            raise ValueError(f"MLAConfig.latent_norm_eps={self.latent_norm_eps!r} must be > 0 (or None: norm_eps)")
 
     @property
     def qk_head_dim(self) -> int:

@@ -52,16 +52,17 @@ class MLAttention(nn.Module):
         sp = sequence_parallel
         kw = {"init_std": c.init_std, "dtype": dtype, "device": device}
         up = {"sequence_parallel": sp, **kw}
+        latent_eps = c.norm_eps if c.latent_norm_eps is None else c.latent_norm_eps
         if c.q_lora_rank is None:
             self.q_proj = ColumnParallelLinear(c.hidden_size, c.num_heads * c.qk_head_dim, tp_group, **up)
             self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
         else:
             self.q_proj = None
             self.q_a_proj = self._replicated(c.hidden_size, c.q_lora_rank, kw)
-            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.norm_eps, sequence_parallel=sp, dtype=dtype, device=device)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, latent_eps, sequence_parallel=sp, dtype=dtype, device=device)
             self.q_b_proj = ColumnParallelLinear(c.q_lora_rank, c.num_heads * c.qk_head_dim, tp_group, **up)
         self.kv_a_proj_with_mqa = self._replicated(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, kw)
-        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.norm_eps, sequence_parallel=sp, dtype=dtype, device=device)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, latent_eps, sequence_parallel=sp, dtype=dtype, device=device)
         self.kv_b_proj = ColumnParallelLinear(c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim),
                                               tp_group, **up)
         self.o_proj = RowParallelLinear(c.num_heads * c.v_head_dim, c.hidden_size, tp_group, bias=c.bias,

@@ -20,7 +20,11 @@ LAYER_TYPES: tuple[str, ...] = ("full_attention", "linear_attention")
 
 @dataclass(frozen=True)
 class YarnScaling:
-    """YaRN RoPE scaling as DeepSeek-V3 uses it (HF ``rope_scaling`` / ``rope_parameters``)."""
+    """YaRN RoPE scaling (HF ``rope_scaling`` / ``rope_parameters`` with ``rope_type: yarn``).
+
+    cos/sin are scaled by ``attention_factor`` when it is set, else (as transformers infers it) by
+    ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` when both are non-zero, else by
+    ``mscale(factor)``; 0 stands for a term the config leaves out."""
 
     factor: float = 40.0
     original_max_position_embeddings: int = 4096
@@ -29,6 +33,7 @@ class YarnScaling:
     mscale: float = 1.0
     mscale_all_dim: float = 1.0
     truncate: bool = True                        # round the ramp bounds (HF default; GPT-OSS: False)
+    attention_factor: float | None = None        # the cos/sin scale, given (None: inferred as above)
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,9 @@ class MLADims:
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
     rope_interleave: bool = True
+    # eps of q_a_layernorm / kv_a_layernorm: transformers and DeepSeek fix it at 1e-6 whatever rms_norm_eps says;
+    # Megatron-Core uses its layernorm_epsilon (moefold's --norm-epsilon sets both)
+    latent_norm_eps: float = 1e-6
 
 
 @dataclass(frozen=True)

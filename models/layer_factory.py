@@ -35,7 +35,7 @@ def yarn_config(config: ModelConfig) -> YarnConfig | None:
         return None
     return YarnConfig(factor=y.factor, original_max_position_embeddings=y.original_max_position_embeddings,
                       beta_fast=y.beta_fast, beta_slow=y.beta_slow, mscale=y.mscale, mscale_all_dim=y.mscale_all_dim,
-                      truncate=y.truncate)
+                      truncate=y.truncate, attention_factor=y.attention_factor)
 
 
 def attention_config(config: ModelConfig, options: ModelOptions, index: int = 0) -> AttentionConfig | MLAConfig:
@@ -48,7 +48,7 @@ def attention_config(config: ModelConfig, options: ModelOptions, index: int = 0)
         m = c.mla
         return MLAConfig(kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
                          qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, q_lora_rank=m.q_lora_rank,
-                         rope_interleave=m.rope_interleave, **common)
+                         rope_interleave=m.rope_interleave, latent_norm_eps=m.latent_norm_eps, **common)
     return AttentionConfig(num_query_groups=c.num_query_groups, head_dim=c.head_dim, qk_norm=c.qk_norm,
                            qk_norm_scope=c.qk_norm_scope, sliding_window=c.layer_sliding_window(index),
                            sinks=c.attention_sinks, rotary_dim=c.rotary_dim if c.partial_rotary_factor < 1 else None,

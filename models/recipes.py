@@ -122,7 +122,7 @@ def gpt_oss_120b() -> ModelConfig:
         attention_bias=True, attention_sinks=True, sliding_window=128, sliding_window_pattern=(1, 0) * 18,
         rope_theta=150000.0, max_position_embeddings=131072,
         yarn=YarnScaling(factor=32.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
-                         mscale=1.0, mscale_all_dim=0.0, truncate=False),
+                         mscale=0.0, mscale_all_dim=0.0, truncate=False),
         norm_eps=1e-5, num_experts=128, moe_ffn_hidden_size=2880, moe_topk=4, moe_score_function="softmax",
         moe_norm_topk_prob=True, moe_router_bias=True, moe_expert_linear_bias=True, moe_swiglu_alpha=1.702,
         moe_activation_clamp=7.0, moe_glu_linear_offset=1.0, moe_aux_loss_coeff=0.9,
@@ -139,7 +139,8 @@ def gpt_oss_tiny() -> ModelConfig:
     return gpt_oss_120b().with_(
         name="gpt_oss_tiny", vocab_size=512, hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
         head_dim=16, sliding_window=8, sliding_window_pattern=(1, 0), max_position_embeddings=1024,
-        yarn=YarnScaling(factor=4.0, original_max_position_embeddings=64, mscale_all_dim=0.0, truncate=False),
+        yarn=YarnScaling(factor=4.0, original_max_position_embeddings=64, mscale=0.0, mscale_all_dim=0.0,
+                         truncate=False),
         num_experts=8, moe_ffn_hidden_size=32, moe_topk=2, moe_aux_loss_coeff=0.01,
     )
 

@@ -5,11 +5,17 @@
 
 - ``torch.cuda.current_device`` -> ``"cpu"`` (parameters, buffers and RNG trackers ask for the CUDA device);
 - ``torch.cuda.synchronize`` -> no-op (``dist_checkpointing``'s save preloads tensors "to the host");
-- ``CudaRNGStatesTracker.fork`` -> a null context (forks CUDA RNG states; the tests use no dropout);
+- ``CudaRNGStatesTracker.fork`` -> a null context (forks CUDA RNG states: dropout draws from the CPU generator);
 - ``moe_utils.te_general_gemm = None`` (0.16.1 reads the name without Transformer Engine: a NameError);
 - ``dist_checkpointing``'s writer runs its write buckets in the calling process, one after the other (it forks a
   writer process per bucket and collects results through a spawned multiprocessing manager: neither can
-  start inside the daemonic ranks of ``run_distributed``); the bytes written are the same.
+  start inside the daemonic ranks of ``run_distributed``); the bytes written are the same;
+- the sliding-window mask of Megatron's own softmax (``--window-size``) is made with ``torch.ones(...,
+  device='cuda')``: made on the CPU instead (the same mask).
+
+``megatron_optimizer_on_cpu()`` is a context for building Megatron-Core's optimizers: their constructors make
+their loss-scale and overflow scalars with ``device='cuda'``; inside it ``torch.tensor`` makes a ``device='cuda'``
+tensor on the CPU (nothing else changes; the optimizer's arithmetic is torch's Adam).
 
 ``init_megatron(tp, ep, ...)`` initialises ``parallel_state`` over an existing gloo world (the ranks of
 ``tests.distributed.run_distributed``). Nothing here is imported by moefold.
@@ -53,6 +59,11 @@ def patch_for_cpu() -> None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     filesystem_async._get_write_results_queue = queue.Queue
+    from megatron.core.fusions import fused_softmax
+
+    if not hasattr(fused_softmax.get_sliding_window_causal_mask, "on_cpu"):
+        fused_softmax.get_sliding_window_causal_mask = _window_mask_on_cpu(fused_softmax.get_sliding_window_causal_mask)
+        fused_softmax.get_sliding_window_causal_mask.on_cpu = True
     filesystem_async.FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(_write_in_process)
 
 
@@ -71,6 +82,36 @@ def _write_in_process(transform_list, use_msc, rank, write_buckets, global_resul
             break
         out[idx] = value
     global_results_queue.put(out)
+
+
+@contextlib.contextmanager
+def _cuda_made_on_cpu(*names: str):
+    """``torch.<name>(..., device='cuda')`` makes its tensor on the CPU while inside (nothing else changes)."""
+    saved = {n: getattr(torch, n) for n in names}
+
+    def on_cpu(make):
+        def made(*args, device=None, **kwargs):
+            return make(*args, device="cpu" if device == "cuda" else device, **kwargs)
+        return made
+    for name, make in saved.items():
+        setattr(torch, name, on_cpu(make))
+    try:
+        yield
+    finally:
+        for name, make in saved.items():
+            setattr(torch, name, make)
+
+
+def megatron_optimizer_on_cpu():
+    """``torch.tensor(..., device='cuda')`` on the CPU while Megatron-Core's optimizer is built (module docstring)."""
+    return _cuda_made_on_cpu("tensor")
+
+
+def _window_mask_on_cpu(make):
+    def mask(*args, **kwargs):
+        with _cuda_made_on_cpu("ones"):
+            return make(*args, **kwargs)
+    return mask
 
 
 def init_megatron(tp: int = 1, ep: int = 1, pp: int = 1, etp: int | None = None) -> None:

@@ -169,9 +169,7 @@ def from_hf(family: str, hf: dict[str, Any], common: dict[str, Any]) -> ModelCon
             moe_shared_expert_ffn_size=moe_ffn * int(hf.get("n_shared_experts") or 0),
             first_k_dense_replace=int(hf.get("first_k_dense_replace", 1)), moe_aux_loss_coeff=1e-4,
             moe_load_balancing_type="seq_aux_loss", mtp_num_layers=int(hf.get("num_nextn_predict_layers", 0)))
-    if family == "olmoe":
-        if hf.get("clip_qkv") is not None:
-            raise _refuse("olmoe", f"clip_qkv={hf['clip_qkv']}")
+    if family == "olmoe":   # clip_qkv is refused by config_fields.check_fields
         return ModelConfig(
             **common, **gqa, qk_norm=True, qk_norm_scope="projection", num_experts=int(hf["num_experts"]),
             moe_ffn_hidden_size=int(hf["intermediate_size"]), moe_topk=topk, moe_score_function="softmax",
@@ -200,8 +198,11 @@ def to_hf(c: ModelConfig, out: dict[str, Any]) -> None:
     gqa = {"num_key_value_heads": c.kv_heads, "head_dim": c.attention_head_dim}
     if c.family == "glm4_moe":
         first_k, shared = first_k_dense(c, "GLM-4.5"), n_shared_experts(c)
-        if (c.moe_group_score_topk or 2) != 2:
-            raise ValueError(f"moe_group_score_topk={c.moe_group_score_topk}: HF GLM-4.5 ranks groups by their top 2")
+        # None: Megatron's top topk // group_topk (a Megatron import); one group: no group is ever dropped
+        score = c.moe_group_score_topk or (c.moe_topk // c.moe_group_topk if c.moe_group_topk else 2)
+        if (c.moe_num_groups or 1) > 1 and score != 2:
+            raise ValueError(f"{c.name}: groups scored by their top {score} experts (moe_group_score_topk="
+                             f"{c.moe_group_score_topk}); HF GLM-4.5 ranks groups by their top 2")
         out.update(**gqa, attention_bias=c.attention_bias, use_qk_norm=c.qk_norm, intermediate_size=c.ffn_hidden_size,
                    moe_intermediate_size=c.moe_ffn_hidden_size, n_routed_experts=c.num_experts, n_shared_experts=shared,
                    routed_scaling_factor=c.moe_topk_scaling_factor, n_group=c.moe_num_groups or 1,

@@ -21,6 +21,7 @@ from typing import Any
 from moefold.models.config import MLADims, ModelConfig, YarnScaling
 from moefold.models.hf import config_families as more
 from moefold.models.hf import qwen3_next
+from moefold.models.hf.config_fields import READ, check_fields, config_class
 
 ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3", "Qwen3MoeForCausalLM": "qwen3_moe",
                  "MixtralForCausalLM": "mixtral", "Qwen3ForCausalLM": "qwen3_moe", "MistralForCausalLM": "mixtral",
@@ -54,6 +55,10 @@ def family_of(hf: dict[str, Any]) -> str:
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, YarnScaling | None]:
+    """(rope_theta, YaRN or None) as transformers reads them (``_compute_yarn_parameters``): ``factor`` defaults to
+    max_position_embeddings / original_max_position_embeddings, which defaults to max_position_embeddings; a zero
+    or missing beta to 32 / 1; a missing mscale or mscale_all_dim is no term (0); ``attention_factor`` overrides
+    the inferred cos/sin scale. Rope types other than default and yarn are refused, naming the type."""
     params = dict(hf.get("rope_parameters") or {})
     scaling = hf.get("rope_scaling") or {}
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
@@ -63,12 +68,18 @@ def _rope(hf: dict[str, Any]) -> tuple[float, YarnScaling | None]:
         return theta, None
     if kind != "yarn":
         raise ValueError(f"rope_type={kind!r} is not supported (supported: default, yarn)")
-    return theta, YarnScaling(factor=float(rope["factor"]),
-                              original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-                              beta_fast=float(rope.get("beta_fast", 32.0)),
-                              beta_slow=float(rope.get("beta_slow", 1.0)), mscale=float(rope.get("mscale", 1.0)),
-                              mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)),
-                              truncate=bool(rope.get("truncate", True)))
+    max_pos = int(hf.get("max_position_embeddings", 4096))
+    original = int(rope.get("original_max_position_embeddings") or max_pos)
+    factor = rope.get("factor")
+    attention_factor = rope.get("attention_factor")
+    return theta, YarnScaling(factor=float(max_pos / original if factor is None else factor),
+                              original_max_position_embeddings=original,
+                              beta_fast=float(rope.get("beta_fast") or 32.0),
+                              beta_slow=float(rope.get("beta_slow") or 1.0),
+                              mscale=float(rope.get("mscale") or 0.0),
+                              mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+                              truncate=bool(rope.get("truncate", True)),
+                              attention_factor=None if attention_factor is None else float(attention_factor))
 
 
 def _pattern(num_layers: int, moe: list[bool]) -> int | tuple[int, ...]:
@@ -78,6 +89,7 @@ def _pattern(num_layers: int, moe: list[bool]) -> int | tuple[int, ...]:
 def from_hf_config(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
     """``ModelConfig`` from a parsed HF ``config.json`` (kept in ``extra["hf_config"]`` for the export)."""
     family = family_of(hf)
+    check_fields(hf)
     theta, yarn = _rope(hf)
     L = int(hf["num_hidden_layers"])
     common = dict(name=name or hf.get("_name_or_path") or family, family=family, vocab_size=int(hf["vocab_size"]),
@@ -85,14 +97,17 @@ def from_hf_config(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
                   rope_theta=theta, yarn=yarn, max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
                   norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_word_embeddings=bool(hf.get("tie_word_embeddings",
                                                                                               False)),
-                  attention_bias=bool(hf.get("attention_bias", False)), extra={"hf_config": dict(hf)})
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported (moefold experts are SwiGLU: 'silu')")
+                  attention_bias=bool(hf.get("attention_bias", False)) and "attention_bias" in READ.get(
+                      config_class(hf), ()), extra={"hf_config": dict(hf)})
     if family in more.NEEDS:
         return more.from_hf(family, hf, common)
     if family == "qwen3_next":
         return qwen3_next.config_from_hf(hf, common)
     if family == "deepseek_v3":
+        kv_heads = hf.get("num_key_value_heads")
+        if kv_heads is not None and int(kv_heads) != common["num_attention_heads"]:
+            raise ValueError(f"deepseek_v3: num_key_value_heads={kv_heads} is not supported (MLA has a key and value "
+                             f"per head: transformers needs num_attention_heads={common['num_attention_heads']})")
         if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
             raise ValueError(f"DeepSeek-V3 with scoring_func={hf.get('scoring_func')!r}, topk_method="
                              f"{hf.get('topk_method')!r} is not supported (sigmoid / noaux_tc)")
@@ -119,8 +134,9 @@ def from_hf_config(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
                head_dim=hf.get("head_dim"))
     dense = is_dense_hf(hf)
     if family == "qwen3_moe":
-        if hf.get("use_sliding_window"):
-            raise ValueError("Qwen3 with use_sliding_window=True is not supported")
+        # transformers' Qwen3-MoE: every layer windowed when use_sliding_window (the dense Qwen3's is refused)
+        gqa["sliding_window"] = int(hf["sliding_window"]) if hf.get("use_sliding_window") and not dense \
+            and hf.get("sliding_window") else None
         # a dense Qwen3 keeps Qwen3-MoE's router semantics for upcycling (softmax over all experts, renormalised)
         moe = dict(num_experts=0, moe_ffn_hidden_size=0, moe_norm_topk_prob=True) if dense else dict(
             num_experts=int(hf.get("num_experts", hf.get("num_local_experts", 0))),
@@ -150,7 +166,8 @@ def _rope_out(c: ModelConfig) -> dict[str, Any]:
     return {"rope_type": "yarn", "rope_theta": c.rope_theta, "factor": y.factor,
             "original_max_position_embeddings": y.original_max_position_embeddings, "beta_fast": y.beta_fast,
             "beta_slow": y.beta_slow, "mscale": y.mscale, "mscale_all_dim": y.mscale_all_dim,
-            **({} if y.truncate else {"truncate": False}), **partial}
+            **({} if y.truncate else {"truncate": False}),
+            **({} if y.attention_factor is None else {"attention_factor": y.attention_factor}), **partial}
 
 
 def _check_exportable(c: ModelConfig) -> None:
@@ -160,7 +177,7 @@ def _check_exportable(c: ModelConfig) -> None:
                         "qk_norm": False, "sliding_window": None, "moe_shared_expert_gate": False},
         "qwen3_moe": {"attention": "gqa", "moe_score_function": "softmax", "moe_pre_softmax": True, "qk_norm": True,
                       "moe_expert_bias": False, "moe_shared_expert_ffn_size": 0, "moe_topk_scaling_factor": 1.0,
-                      "moe_num_groups": None, "sliding_window": None},
+                      "moe_num_groups": None, **({} if c.num_experts else {"sliding_window": None})},
         "mixtral": {"attention": "gqa", "moe_score_function": "softmax", "qk_norm": False, "moe_expert_bias": False,
                     "moe_shared_expert_ffn_size": 0, "moe_topk_scaling_factor": 1.0, "moe_num_groups": None,
                     "attention_bias": False},
@@ -177,9 +194,12 @@ def _check_exportable(c: ModelConfig) -> None:
     group_score = (c.moe_group_score_topk or c.moe_topk // c.moe_group_topk) if c.moe_num_groups else 2
     if c.family == "deepseek_v3" and group_score != 2:
         bad["moe_group_score_topk"] = c.moe_group_score_topk
+    if c.attention == "mla" and c.mla.latent_norm_eps != 1e-6:   # q_a_layernorm / kv_a_layernorm: eps fixed at 1e-6
+        bad["mla.latent_norm_eps"] = c.mla.latent_norm_eps
     if bad:
+        fixed = {"moe_group_score_topk": 2, "mla.latent_norm_eps": 1e-6}
         raise ValueError(f"{c.name}: cannot be expressed as an HF {_architecture(c)} config: {bad} "
-                         f"(HF needs {({k: need.get(k, 2) for k in bad})})")
+                         f"(HF needs {({k: need.get(k, fixed.get(k)) for k in bad})})")
     why = more.out_bias_error(c) or (c.family == "gpt_oss" and c.moe_activation_clamp is None
                                      and "GPT-OSS's swiglu_limit cannot be None (moe_activation_clamp)")
     if why:
@@ -226,7 +246,8 @@ def _own_fields(c: ModelConfig, dtype: str) -> dict[str, Any]:
                    num_nextn_predict_layers=c.mtp_num_layers, aux_loss_alpha=c.moe_aux_loss_coeff)
     elif c.family == "qwen3_moe":
         out.update(num_key_value_heads=c.kv_heads, head_dim=c.attention_head_dim, attention_bias=c.attention_bias,
-                   intermediate_size=c.ffn_hidden_size, use_sliding_window=False)
+                   intermediate_size=c.ffn_hidden_size, use_sliding_window=c.sliding_window is not None,
+                   **({} if c.sliding_window is None else {"sliding_window": c.sliding_window}))
         if c.num_experts:
             out.update(moe_intermediate_size=c.moe_ffn_hidden_size, num_experts=c.num_experts,
                        norm_topk_prob=c.moe_norm_topk_prob, decoder_sparse_step=1,
@@ -278,6 +299,27 @@ def _respell(own: dict[str, Any], original: dict[str, Any], c: ModelConfig) -> d
                 own.pop(k)
     if c.family == "qwen3_next":
         own = qwen3_next.respell(own, original, c)
+    same_arch = own["architectures"] == original.get("architectures")
+    if MODEL_TYPES.get(original.get("model_type")) == c.family and same_arch:
+        own["model_type"] = original["model_type"]   # Kimi-K2's kimi_k2: read as DeepSeek-V3, written as it was
+    return _unadded(own, original)
+
+
+def _unadded(own: dict[str, Any], original: dict[str, Any]) -> dict[str, Any]:
+    """``own`` less the fields ``original`` leaves out whose absence reads the same (DeepSeek's head_dim and
+    rope_interleave, GPT-OSS's swiglu_alpha: the defaults moefold and transformers read); the dtype of the written
+    tensors stays."""
+    merged = {**original, **own}
+    config = from_hf_config(merged)
+    for key in [k for k in own if k not in original and k not in ("dtype", "torch_dtype")]:
+        without = {k: v for k, v in merged.items() if k != key}
+        try:
+            same = from_hf_config(without) == config
+        except (KeyError, ValueError, TypeError):   # a field the reader needs
+            same = False
+        if same:
+            del own[key]
+            merged = without
     return own
 
 

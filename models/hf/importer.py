@@ -16,6 +16,7 @@ both shapes; with ``strict`` and a whole model, so does a checkpoint tensor that
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -211,8 +212,10 @@ def load_weights(model: MoEDecoder, reader: TensorReader, strict: bool = True) -
             used.add(hf_name)
         _assign(tensor, value, name)
     if strict and _holds_whole_model(model):
+        # a zero-size tensor holds nothing to read: transformers' DeepSeek-V3 / GLM-4.5 build (and save) a shared
+        # expert of n_shared_experts * moe_intermediate_size = 0 rows, which adds zero, as moefold's none does
         unused = [n for n in reader.names() if n not in used and not is_ignorable(n, config)
-                  and n not in set(ignored_hf_names(config))]
+                  and n not in set(ignored_hf_names(config)) and math.prod(reader.shape(n))]
         if unused:
             raise ValueError(f"{len(unused)} checkpoint tensors match no moefold parameter, e.g. {unused[:5]} "
                              "(wrong architecture in config.json? pass strict=False to ignore)")

@@ -11,10 +11,13 @@ The architecture comes from the ``args`` Megatron-LM stores in ``common.pt``, re
 ``torch.load(weights_only=True)`` where every class other than ``argparse.Namespace`` is replaced by an inert
 stand-in (nothing from the file runs); without ``args`` the caller gives the ``ModelConfig``.
 
+Megatron-Core stores the layers per layer, stacked with a leading layer axis (``--moe-layer-freq 1``) or as
+singleton local shards; ``models.megatron.layouts`` reads all three. The export writes them per layer and says so
+in ``common.pt``'s ``content_metadata``, which Megatron-LM's ``load_checkpoint`` builds its state dict with.
+
 Not carried (see ``models.megatron.mapping.is_transient``): optimizer state, RNG states, the rerun state
 machine, Transformer Engine ``_extra_state`` (FP8 scaling history), iteration and scheduler counters.
-Megatron models moefold cannot express are refused naming the argument (MLA, biases, LayerNorm, non-SwiGLU
-activations, learned/no positions, RoPE scaling, partial rotary).
+Every argument that shapes the model is read or refused naming it (``models.megatron.args``).
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ from torch import Tensor
 from moefold.models.config import ModelConfig
 from moefold.models.decoder import MoEDecoder
 from moefold.models.hf.importer import local_box
+from moefold.models.megatron.args import config_from_megatron, megatron_args_from_config
 from moefold.models.megatron.dcp_io import Box, DcpReader, write_dcp
+from moefold.models.megatron.layouts import MegatronTensors
 from moefold.models.megatron.mapping import Source, is_transient, qkv_rows, source
 from moefold.models.options import ModelOptions
 from moefold.parallel.dims import ParallelDims
@@ -43,6 +48,11 @@ TRACKER = "latest_checkpointed_iteration.txt"
 COMMON = "common.pt"
 FORMAT = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
           "common_backend_version": 1}
+# what Megatron-LM's load_checkpoint builds its sharded state dict with (dist_checkpointing.load_content_metadata):
+# the export writes every layer under its own index (non_homogeneous_layers, whatever --moe-layer-freq says: without
+# the flag a homogeneous model expects the stacked decoder.layers.<name> [L, ...] and refuses the checkpoint), experts
+# stacked [E, ...] and GLU halves together (singleton_local_shards False, Megatron-LM's own value)
+CONTENT_METADATA = {"non_homogeneous_layers": True, "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
 def is_megatron_checkpoint(path: str | os.PathLike) -> bool:
@@ -112,122 +122,14 @@ def megatron_args(ckpt: str | os.PathLike) -> dict[str, Any] | None:
     return {k: (v.value if isinstance(v, _StandIn) else v) for k, v in out.items()}
 
 
-# ------------------------------------------------------------------------------------------------ config
-def _refuse(what: str) -> ValueError:
-    return ValueError(f"this Megatron model has {what}, which moefold does not build")
-
-
-def config_from_megatron(args: dict[str, Any], vocab_size: int, name: str = "megatron") -> ModelConfig:
-    """The moefold ``ModelConfig`` of a Megatron-LM ``args`` dict (``vocab_size``: the embedding's rows)."""
-    a = dict(args)
-    g = a.get
-    if g("multi_latent_attention"):
-        raise _refuse("multi-latent attention (--multi-latent-attention): Megatron-Core's local layer spec cannot "
-                      "build it without Transformer Engine, so this conversion could not be tested")
-    for flag, bad in (("add_bias_linear", True), ("add_qkv_bias", True)):
-        if g(flag) is bad:
-            raise _refuse(f"--{flag.replace('_', '-')}")
-    if g("normalization", "RMSNorm") != "RMSNorm":
-        raise _refuse(f"--normalization {g('normalization')}")
-    if not g("swiglu", True):
-        raise _refuse("an activation other than SwiGLU (no --swiglu)")
-    if g("position_embedding_type", "rope") != "rope":
-        raise _refuse(f"--position-embedding-type {g('position_embedding_type')}")
-    if float(g("rotary_percent", 1.0) or 1.0) != 1.0 or g("use_rope_scaling"):
-        raise _refuse("partial rotary or RoPE scaling (--rotary-percent / --use-rope-scaling)")
-    heads, hidden = int(a["num_attention_heads"]), int(a["hidden_size"])
-    experts = int(g("num_experts") or 0)
-    softmax = g("moe_router_score_function", "softmax") == "softmax"
-    pre = bool(g("moe_router_pre_softmax"))
-    freq = g("moe_layer_freq", 1)
-    types = g("moe_router_load_balancing_type", "aux_loss")
-    coeffs = g("moe_aux_loss_coeff", 0.0)
-    if isinstance(types, (list, tuple)):
-        if len(types) > 1:
-            raise _refuse(f"several balancing losses {list(types)}")
-        types = types[0]
-    if isinstance(coeffs, (list, tuple)):
-        coeffs = coeffs[0]
-    window = g("window_size")
-    shared = int(g("moe_shared_expert_intermediate_size") or 0)
-    qk_norm = bool(g("qk_layernorm"))
-    family = "mixtral" if softmax and not pre and not qk_norm and not shared else "qwen3_moe"
-    return ModelConfig(
-        name=name, family=family, vocab_size=vocab_size, hidden_size=hidden, num_layers=int(a["num_layers"]),
-        num_attention_heads=heads,
-        num_query_groups=int(g("num_query_groups")) if g("group_query_attention") and g("num_query_groups") else None,
-        head_dim=int(g("kv_channels")) if g("kv_channels") and int(g("kv_channels")) != hidden // heads else None,
-        qk_norm=qk_norm, sliding_window=int(window[0]) + 1 if window and window[0] not in (None, -1) else None,
-        rope_theta=float(g("rotary_base", 10000)), max_position_embeddings=int(g("max_position_embeddings") or 4096),
-        norm_eps=float(g("norm_epsilon", 1e-5)), ffn_hidden_size=int(g("ffn_hidden_size") or 0),
-        tie_word_embeddings=not g("untie_embeddings_and_output_weights", False),
-        num_experts=experts, moe_ffn_hidden_size=int(g("moe_ffn_hidden_size") or g("ffn_hidden_size") or 0),
-        moe_topk=int(g("moe_router_topk") or 2), moe_score_function="softmax" if softmax else "sigmoid",
-        moe_pre_softmax=pre, moe_norm_topk_prob=not (softmax and pre),
-        moe_topk_scaling_factor=float(g("moe_router_topk_scaling_factor") or 1.0),
-        moe_num_groups=g("moe_router_num_groups"), moe_group_topk=g("moe_router_group_topk"),
-        moe_expert_bias=bool(g("moe_router_enable_expert_bias")), moe_shared_expert_ffn_size=shared,
-        moe_shared_expert_gate=bool(g("moe_shared_expert_gate")),
-        moe_layer_freq=tuple(int(v) for v in freq) if isinstance(freq, (list, tuple)) else int(freq),
-        moe_aux_loss_coeff=float(coeffs or 0.0), moe_load_balancing_type=str(types),
-        moe_z_loss_coeff=g("moe_z_loss_coeff"), moe_input_jitter_eps=g("moe_input_jitter_eps"),
-        moe_router_dtype=g("moe_router_dtype") or "fp32", moe_bias_update_rate=float(g("moe_router_bias_update_rate",
-                                                                                         1e-3)),
-        moe_expert_capacity_factor=g("moe_expert_capacity_factor"),
-        moe_token_drop_policy=g("moe_token_drop_policy", "probs"),
-        moe_pad_expert_input_to_capacity=bool(g("moe_pad_expert_input_to_capacity")),
-        mtp_num_layers=int(g("mtp_num_layers") or 0), mtp_loss_scaling_factor=float(g("mtp_loss_scaling_factor", 0.1)),
-    )
-
-
-def megatron_args_from_config(c: ModelConfig) -> dict[str, Any]:
-    """Megatron-LM's architecture arguments for ``c`` (ValueError for what Megatron-Core cannot express)."""
-    if c.attention == "mla":
-        raise ValueError("--to megatron: multi-latent attention models are not exported (Megatron-Core's local "
-                         "layer spec cannot build MLA without Transformer Engine, so the export is untested)")
-    if c.attention_bias:
-        raise ValueError("--to megatron: attention biases are not exported (Megatron's --add-qkv-bias layout is "
-                         "untested here)")
-    softmax = c.moe_score_function == "softmax"
-    if c.num_experts and not softmax and c.moe_topk > 1 and not c.moe_norm_topk_prob:
-        raise ValueError("--to megatron: sigmoid routing without renormalising the top-k probabilities has no "
-                         "Megatron equivalent (Megatron renormalises whenever topk > 1)")
-    if c.moe_num_groups and c.moe_group_score_topk not in (None, c.moe_topk // c.moe_group_topk):
-        raise ValueError(f"--to megatron: group scores of the top {c.moe_group_score_topk} experts; Megatron sums "
-                         f"the top topk // group_topk = {c.moe_topk // c.moe_group_topk}")
-    pattern = [1 if c.is_moe_layer(i) else 0 for i in range(c.num_layers)]
-    return {
-        "num_layers": c.num_layers, "hidden_size": c.hidden_size, "num_attention_heads": c.num_attention_heads,
-        "group_query_attention": c.kv_heads != c.num_attention_heads, "num_query_groups": c.kv_heads,
-        "kv_channels": c.attention_head_dim, "qk_layernorm": c.qk_norm, "ffn_hidden_size": c.ffn_hidden_size or None,
-        "normalization": "RMSNorm", "norm_epsilon": c.norm_eps, "swiglu": True, "add_bias_linear": False,
-        "add_qkv_bias": False, "position_embedding_type": "rope", "rotary_base": int(c.rope_theta)
-        if float(c.rope_theta).is_integer() else c.rope_theta, "rotary_percent": 1.0,
-        "max_position_embeddings": c.max_position_embeddings,
-        "untie_embeddings_and_output_weights": not c.tie_word_embeddings, "padded_vocab_size": c.vocab_size,
-        "window_size": (c.sliding_window - 1, 0) if c.sliding_window else None,
-        "num_experts": c.num_experts or None, "moe_ffn_hidden_size": c.moe_ffn_hidden_size or None,
-        "moe_router_topk": c.moe_topk, "moe_router_score_function": c.moe_score_function,
-        "moe_router_pre_softmax": softmax and c.moe_pre_softmax and not c.moe_norm_topk_prob,
-        "moe_router_topk_scaling_factor": c.moe_topk_scaling_factor if c.moe_topk_scaling_factor != 1.0 else None,
-        "moe_router_num_groups": c.moe_num_groups, "moe_router_group_topk": c.moe_group_topk,
-        "moe_router_enable_expert_bias": c.moe_expert_bias, "moe_router_bias_update_rate": c.moe_bias_update_rate,
-        "moe_shared_expert_intermediate_size": c.moe_shared_expert_ffn_size or None,
-        "moe_shared_expert_gate": c.moe_shared_expert_gate, "moe_layer_freq": pattern if c.num_experts else 1,
-        "moe_router_load_balancing_type": c.moe_load_balancing_type, "moe_aux_loss_coeff": c.moe_aux_loss_coeff,
-        "moe_z_loss_coeff": c.moe_z_loss_coeff, "moe_router_dtype": c.moe_router_dtype,
-        "mtp_num_layers": c.mtp_num_layers or None, "mtp_loss_scaling_factor": c.mtp_loss_scaling_factor,
-    }
-
-
 # ------------------------------------------------------------------------------------------------ import
 def _megatron_shape(src: Source, shape: tuple[int, ...], config: ModelConfig) -> tuple[int, ...]:
     if src.kind == "qkv":
         return ((config.num_attention_heads + 2 * config.kv_heads) * config.attention_head_dim, *shape[1:])
     if src.kind == "half":
         return (2 * shape[0], *shape[1:])
-    if src.kind == "experts13":
-        return (shape[0], shape[1] * shape[2], shape[3])
+    if src.kind == "experts13":   # [E, 2, F, (H)] <- [E, 2F, (H)]
+        return (shape[0], shape[1] * shape[2], *shape[3:])
     return shape
 
 
@@ -240,8 +142,8 @@ def _requests(src: Source, key: str, shape: tuple[int, ...], box: Box, config: M
     if src.kind == "half":
         F = shape[0]
         return [(slice(src.part * F + box[0].start, src.part * F + box[0].stop), *box[1:])]
-    F = shape[2]   # experts13: one read per half (gate, up) of the w13 box
-    return [(box[0], slice(g * F + box[2].start, g * F + box[2].stop), box[3])
+    F = shape[2]   # experts13: one read per half (gate, up) of the w13 (bias) box
+    return [(box[0], slice(g * F + box[2].start, g * F + box[2].stop), *box[3:])
             for g in range(box[1].start, box[1].stop)]
 
 
@@ -256,26 +158,33 @@ def _assemble(src: Source, parts: list[Tensor], box: Box, config: ModelConfig) -
 
 @torch.no_grad()
 def load_megatron_weights(model: MoEDecoder, path: str | os.PathLike, strict: bool = True) -> None:
-    """Copy this rank's slice of every parameter and persistent buffer of ``model`` from a Megatron checkpoint.
+    """Copy this rank's slice of every parameter and persistent buffer of ``model`` from a Megatron checkpoint in
+    any of Megatron-Core's layouts (``models.megatron.layouts``: per layer, stacked, singleton local shards).
     Missing tensors (and, for a whole model with ``strict``, checkpoint tensors nothing reads) fail on one line
     naming them. No communication."""
     reader = DcpReader(find_megatron_checkpoint(path))
+    view = MegatronTensors(reader)
     config = model.config
     plan, missing, used = [], [], set()
     for name, tensor in model.state_dict(keep_vars=True).items():
         shape = full_shape(tensor)
         src = source(name, config)
-        key = next((k for k in src.keys if k in reader), None)
-        if key is None:
+        present = [k for k in src.keys if k in view]
+        if not present:
             missing.append(f"{src.keys[0]} (for {name}, {list(_megatron_shape(src, shape, config))})")
             continue
-        want = _megatron_shape(src, shape, config)
-        if reader.shape(key) != want:
-            raise ValueError(f"Megatron tensor {key!r} (for {name!r}) has shape {list(reader.shape(key))}, expected "
+        key, want = present[0], _megatron_shape(src, shape, config)
+        if view.shape(key) != want:
+            raise ValueError(f"Megatron tensor {key!r} (for {name!r}) has shape {list(view.shape(key))}, expected "
                              f"{list(want)}")
+        stacked = view.layers_stored(key)
+        if stacked is not None and stacked != config.num_layers:
+            raise ValueError(f"the Megatron checkpoint stores its layers stacked, {stacked} of them "
+                             f"({key.split('.', 3)[0]}.layers.*), the model has num_layers={config.num_layers}")
         box = local_box(shape, shards_of(tensor))
         plan.append((name, tensor, src, box, [(key, b) for b in _requests(src, key, shape, box, config)]))
-        used.update(src.keys)   # an export holds both specs' names of a norm
+        for k in present:   # an export holds both specs' names of a norm
+            used.update(view.stored(k))
     if missing:
         raise ValueError(f"{len(missing)} tensors missing in the Megatron checkpoint {path}: {', '.join(missing)}")
     if strict and model.embed_tokens is not None and model.output_head is not None \
@@ -285,7 +194,7 @@ def load_megatron_weights(model: MoEDecoder, path: str | os.PathLike, strict: bo
         if unknown:
             raise ValueError(f"{len(unknown)} Megatron tensors match no moefold parameter: {', '.join(unknown)} "
                              "(another architecture than the model's?)")
-    values = reader.read_boxes([r for *_, reqs in plan for r in reqs])
+    values = view.read([r for *_, reqs in plan for r in reqs])
     i = 0
     for name, tensor, src, box, reqs in plan:
         part = _assemble(src, values[i:i + len(reqs)], box, config)
@@ -335,8 +244,8 @@ def _to_megatron(name: str, full: Tensor, config: ModelConfig, out: dict[str, Te
         buf = out.setdefault(key, torch.empty((rows, *full.shape[1:]), dtype=full.dtype))
         buf[torch.tensor(qkv_rows(src.part, config))] = full
         return
-    E, _, F, H = full.shape
-    out[key] = full.reshape(E, 2 * F, H)
+    E, _, F, *rest = full.shape
+    out[key] = full.reshape(E, 2 * F, *rest)
 
 
 _LINEAR = re.compile(r"\.(linear_qkv|linear_proj|linear_fc1|linear_fc2|eh_proj)\.weight$")
@@ -380,8 +289,8 @@ def export_megatron(model: MoEDecoder, out_dir: str | os.PathLike, writer_rank: 
         tmp.mkdir(parents=True, exist_ok=True)
         write_dcp({**tensors, **_extra_states(tensors, config)}, tmp)
         (tmp / "metadata.json").write_text(json.dumps(FORMAT))
-        torch.save({"args": argparse.Namespace(**args), "checkpoint_version": 3.0,
-                    "iteration": iteration or 0}, tmp / COMMON)
+        torch.save({"args": argparse.Namespace(**args), "checkpoint_version": 3.0, "iteration": iteration or 0,
+                    "content_metadata": CONTENT_METADATA}, tmp / COMMON)
         if sub.exists():
             raise ValueError(f"{sub} exists; export into an empty directory")
         os.replace(tmp, sub)

@@ -12,15 +12,19 @@ layers.i.input_layernorm.weight             self_attention.linear_qkv.layer_norm
                                             input_layernorm.weight)
 layers.i.self_attn.{q,k,v}_proj.weight      self_attention.linear_qkv.weight [G * (q/G + 2) * d, H]: per query
                                             group g its q heads, then its k, then its v rows
-layers.i.self_attn.o_proj.weight            self_attention.linear_proj.weight
+layers.i.self_attn.o_proj.weight / .bias    self_attention.linear_proj.weight / .bias
+layers.i.self_attn.sinks [h]                self_attention.core_attention.softmax_offset (--softmax-type learnable)
 layers.i.self_attn.{q,k}_norm.weight        self_attention.{q,k}_layernorm.weight
 layers.i.post_attention_layernorm.weight    mlp.linear_fc1.layer_norm_weight (dense layers; local spec: all) or
                                             pre_mlp_layernorm.weight (TE spec MoE layers)
 layers.i.mlp.{gate,up}_proj / down_proj     mlp.linear_fc1.weight [2F, H] (gate rows, then up) / linear_fc2
-layers.i.mlp.router.weight / expert_bias    mlp.router.weight / mlp.router.expert_bias
+layers.i.mlp.router.weight / bias           mlp.router.weight / mlp.router.bias (--add-bias-linear)
+layers.i.mlp.router.expert_bias             mlp.router.expert_bias
 layers.i.mlp.experts.w13 [E, 2, F, H]       mlp.experts.experts.linear_fc1.weight [E, 2F, H] (SequentialMLP,
                                             TEGroupedMLP and GroupedMLP save the same key and layout)
 layers.i.mlp.experts.w2 [E, H, F]           mlp.experts.experts.linear_fc2.weight [E, H, F]
+layers.i.mlp.experts.w13_bias [E, 2, F]     mlp.experts.experts.linear_fc1.bias [E, 2F] (--add-bias-linear)
+layers.i.mlp.experts.w2_bias [E, H]         mlp.experts.experts.linear_fc2.bias [E, H]
 layers.i.mlp.shared_experts.*               mlp.shared_experts.linear_fc1 [2F, H] / linear_fc2 / gate_weight
 mtp.k.{enorm,hnorm,eh_proj,final_layernorm} mtp.layers.k.{enorm,hnorm,eh_proj,final_layernorm}.weight
 mtp.k.block.<X>                             mtp.layers.k.transformer_layer.<X as for a decoder layer>
@@ -41,7 +45,8 @@ class Source:
     """Where a moefold tensor lives in a Megatron checkpoint.
 
     kind: "plain" (same layout), "qkv" (rows of the fused projection: part q/k/v), "half" (rows
-    ``part * F ...`` of a fused [2F, H] gate/up projection), "experts13" (w13 from [E, 2F, H]).
+    ``part * F ...`` of a fused [2F, H] gate/up projection), "experts13" (w13 [E, 2, F, H] from [E, 2F, H], its
+    bias [E, 2, F] from [E, 2F]).
     keys: candidate Megatron keys, the first written on export.
     """
 
@@ -84,6 +89,8 @@ def source(name: str, config: ModelConfig) -> Source:
     if m:
         return Source("qkv", (f"{p}self_attention.linear_qkv.{m.group(2)}",), _ATTENTION[f"{m.group(1)}_proj"])
     att = {"self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+           "self_attn.o_proj.bias": "self_attention.linear_proj.bias",
+           "self_attn.sinks": "self_attention.core_attention.softmax_offset",
            "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
            "self_attn.k_norm.weight": "self_attention.k_layernorm.weight"}
     if rest in att:
@@ -98,12 +105,14 @@ def source(name: str, config: ModelConfig) -> Source:
             return Source("plain", (f"{block}linear_fc2.weight",))
         return Source("half", (f"{block}linear_fc1.weight",), 0 if m.group(2) == "gate" else 1)
     tail = {"mlp.router.weight": "mlp.router.weight", "mlp.router.expert_bias": "mlp.router.expert_bias",
+            "mlp.router.bias": "mlp.router.bias", "mlp.experts.w2_bias": "mlp.experts.experts.linear_fc2.bias",
             "mlp.shared_experts.gate": "mlp.shared_experts.gate_weight",
             "mlp.experts.w2": "mlp.experts.experts.linear_fc2.weight"}
     if rest in tail:
         return Source("plain", (p + tail[rest],))
-    if rest == "mlp.experts.w13":
-        return Source("experts13", (f"{p}mlp.experts.experts.linear_fc1.weight",))
+    if rest in ("mlp.experts.w13", "mlp.experts.w13_bias"):
+        which = "weight" if rest.endswith("w13") else "bias"
+        return Source("experts13", (f"{p}mlp.experts.experts.linear_fc1.{which}",))
     raise ValueError(f"no Megatron name for moefold tensor {name!r}")
 
 

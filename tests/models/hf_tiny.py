@@ -43,89 +43,60 @@ def qwen3_next_config(**overrides):
     return Qwen3NextConfig(**{**kw, **overrides})
 
 
-def _feature_family_model(family: str, **changes):
-    """GPT-OSS, GLM-4.5, Kimi-K2, OLMoE, MiniMax-M2 at hidden 32 (``changes`` override config fields)."""
-    import transformers as tf
-
-    common = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=64)
-    if family == "gpt_oss":   # swiglu_limit 0.5: the clamp acts on a good share of these small activations
-        cfg = tf.GptOssConfig(**common, num_hidden_layers=2, head_dim=8, intermediate_size=16, num_local_experts=4,
-                              num_experts_per_tok=2, sliding_window=4, swiglu_limit=0.5,
-                              rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
-                                               "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                                               "original_max_position_embeddings": 16}, **changes)
-        return tf.GptOssForCausalLM(cfg)
-    if family == "glm4_moe":
-        rope = {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}
-        cfg = tf.Glm4MoeConfig(**common, num_hidden_layers=3, head_dim=8, intermediate_size=48,
-                               moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-                               first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
-                               use_qk_norm=True, attention_bias=True, rope_parameters=rope, **changes)
-        return tf.Glm4MoeForCausalLM(cfg)
-    if family == "kimi_k2":   # Kimi-K2's values: one expert group, scaling 2.827, one dense layer, YaRN beta 1/1
-        cfg = tf.DeepseekV3Config(
-            **{**common, "num_key_value_heads": 4}, num_hidden_layers=3, intermediate_size=48,
-            moe_intermediate_size=16, n_shared_experts=1, n_routed_experts=12, num_experts_per_tok=2, n_group=1,
-            topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.827, q_lora_rank=16, kv_lora_rank=12,
-            qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, num_nextn_predict_layers=0,
-            rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0,
-                             "original_max_position_embeddings": 16, "beta_fast": 1.0, "beta_slow": 1.0,
-                             "mscale": 1.0, "mscale_all_dim": 1.0}, **changes)
-        return tf.DeepseekV3ForCausalLM(cfg)
-    if family == "olmoe":
-        cfg = tf.OlmoeConfig(**common, num_hidden_layers=2, intermediate_size=16, num_experts=8, num_experts_per_tok=2,
-                             norm_topk_prob=False, eos_token_id=None, pad_token_id=None, **changes)
-        return tf.OlmoeForCausalLM(cfg)
-    if family == "minimax_m2":
-        cfg = tf.MiniMaxM2Config(**common, num_hidden_layers=2, head_dim=8, intermediate_size=16, num_local_experts=8,
-                                 num_experts_per_tok=2, rotary_dim=4, bos_token_id=None, eos_token_id=None, **changes)
-        return tf.MiniMaxM2ForCausalLM(cfg)
-    raise ValueError(family)
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=64)
+_YARN16 = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+           "original_max_position_embeddings": 16}
+# family: (transformers config class, its config fields) of the tiny models
+TINY = {
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        _COMMON, num_key_value_heads=4, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+        n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
+        v_head_dim=8, num_nextn_predict_layers=0,
+        rope_parameters={**_YARN16, "rope_theta": 10000.0, "mscale": 1.0, "mscale_all_dim": 1.0})),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        _COMMON, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3, head_dim=8, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "mixtral": ("MixtralConfig", dict(
+        _COMMON, intermediate_size=24, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=8, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    # swiglu_limit 0.5: the clamp acts on a good share of these small activations
+    "gpt_oss": ("GptOssConfig", dict(
+        _COMMON, num_hidden_layers=2, head_dim=8, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=4, swiglu_limit=0.5, rope_parameters={**_YARN16, "rope_theta": 150000.0, "truncate": False})),
+    "glm4_moe": ("Glm4MoeConfig", dict(
+        _COMMON, num_hidden_layers=3, head_dim=8, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5})),
+    # Kimi-K2's values: one expert group, scaling 2.827, one dense layer, YaRN beta 1/1
+    "kimi_k2": ("DeepseekV3Config", dict(
+        _COMMON, num_key_value_heads=4, num_hidden_layers=3, intermediate_size=48, moe_intermediate_size=16,
+        n_shared_experts=1, n_routed_experts=12, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, routed_scaling_factor=2.827, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=8, num_nextn_predict_layers=0,
+        rope_parameters={**_YARN16, "rope_theta": 50000.0, "beta_fast": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})),
+    "olmoe": ("OlmoeConfig", dict(
+        _COMMON, num_hidden_layers=2, intermediate_size=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+        eos_token_id=None, pad_token_id=None)),
+    "minimax_m2": ("MiniMaxM2Config", dict(
+        _COMMON, num_hidden_layers=2, head_dim=8, intermediate_size=16, num_local_experts=8, num_experts_per_tok=2,
+        rotary_dim=4, bos_token_id=None, eos_token_id=None)),
+}
 
 
 def hf_model(family: str, seed: int = 0, **changes):
-    """(HF model in eval mode, fp32) for ``family``; ``changes``: config fields (issue 33's families: the feature
-    families and Qwen3-Next)."""
-    from transformers import (
-        DeepseekV3Config,
-        DeepseekV3ForCausalLM,
-        MixtralConfig,
-        MixtralForCausalLM,
-        Qwen3MoeConfig,
-        Qwen3MoeForCausalLM,
-    )
+    """(HF model in eval mode, fp32) for ``family``; ``changes``: config fields of the family's config class."""
+    import transformers as tf
 
     torch.manual_seed(seed)
-    if family in FEATURE_FAMILIES:
-        model = _feature_family_model(family, **changes)
-    elif family == "deepseek_v3":
-        cfg = DeepseekV3Config(**{**dict(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
-            num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
-            q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-            max_position_embeddings=64, num_nextn_predict_layers=0,
-            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                             "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
-                             "mscale": 1.0, "mscale_all_dim": 1.0}), **changes})
-        model = DeepseekV3ForCausalLM(cfg)
-    elif family == "qwen3_moe":
-        cfg = Qwen3MoeConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
-            norm_topk_prob=True, mlp_only_layers=[1], rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-        model = Qwen3MoeForCausalLM(cfg)
-    elif family == "mixtral":
-        cfg = MixtralConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
-            rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-        model = MixtralForCausalLM(cfg)
-    elif family == "qwen3_next":
-        from transformers import Qwen3NextForCausalLM
-
-        model = Qwen3NextForCausalLM(qwen3_next_config(**changes))
+    if family == "qwen3_next":
+        model = tf.Qwen3NextForCausalLM(qwen3_next_config(**changes))
+    elif family in TINY:
+        name, fields = TINY[family]
+        model = getattr(tf, name.replace("Config", "ForCausalLM"))(getattr(tf, name)(**{**fields, **changes}))
     else:
         raise ValueError(family)
     # GPT-OSS has no SDPA path (sinks): its eager attention is the reference
@@ -186,6 +157,21 @@ def save_all(families, root, ids_BS: torch.Tensor) -> tuple[dict[str, str], dict
 def hf_logits(model, ids_BS: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=ids_BS).logits.float()
+
+
+def hf_logits_and_bound(model, ids_BS: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """HF's fp32 logits and how far another fp32 evaluation of the same function may be from them: fp32's own
+    error, measured against the same model in float64 (``tests/tolerance.bound``)."""
+    import copy
+
+    from tests.tolerance import bound
+
+    ref = hf_logits(model, ids_BS)
+    model64 = copy.deepcopy(model).double()
+    model64.config._experts_implementation = "eager"   # torch._grouped_mm has no float64
+    with torch.no_grad():
+        ref64 = model64(input_ids=ids_BS).logits
+    return ref, bound(ref, ref64)
 
 
 def tokens(batch: int = 2, seq: int = 16, seed: int = 0) -> torch.Tensor:

@@ -220,6 +220,30 @@ def test_kimi_k2_is_the_deepseek_v3_path():
     assert (ds.n_routed_experts, ds.n_group, ds.topk_group, ds.routed_scaling_factor) == (384, 1, 1, 2.827)
 
 
+def test_kimi_k2_convert_keeps_every_field(checkpoints, tmp_path):
+    """``moefold convert`` HF -> moefold -> HF of a Kimi-K2 directory whose config.json is spelled as the published
+    one (model_type kimi_k2, DeepSeek's own keys, no head_dim / rope_interleave / qk_head_dim) writes it back as it
+    was: nothing rewritten, nothing added, and the tensors bit-exact."""
+    import shutil
+
+    from moefold.training.cli import main as cli
+
+    src, _ = checkpoints["kimi_k2"]
+    kimi = tmp_path / "kimi"
+    shutil.copytree(src, kimi)
+    hf = json.loads((kimi / "config.json").read_text())
+    for key in ("head_dim", "rope_interleave", "qk_head_dim", "dtype"):
+        hf.pop(key, None)
+    hf.update(model_type="kimi_k2", torch_dtype="float32", scoring_func="sigmoid", topk_method="noaux_tc",
+              moe_layer_freq=1, aux_loss_alpha=0.001, seq_aux=True)
+    (kimi / "config.json").write_text(json.dumps(hf))
+    assert cli(["convert", str(kimi), str(tmp_path / "mf")]) == 0
+    assert cli(["convert", str(tmp_path / "mf"), str(tmp_path / "back")]) == 0
+    assert json.loads((tmp_path / "back" / "config.json").read_text()) == hf
+    a, b = _tensors(kimi), _tensors(tmp_path / "back")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
+
+
 def test_bad_configs(checkpoints, tmp_path):
     src, _ = checkpoints["gpt_oss"]
     hf = json.loads((src / "config.json").read_text())
@@ -236,6 +260,9 @@ def test_bad_configs(checkpoints, tmp_path):
         to_hf_config(get_recipe("mixtral_tiny").with_(attention_sinks=True))
     with pytest.raises(ValueError, match=r"GLM-4.5's o_proj has no bias"):
         to_hf_config(get_recipe("glm4_moe_tiny").with_(attention_out_bias=True))
+    # None means Megatron's top topk // group_topk = 4 experts per group score (a Megatron import), not HF's 2
+    with pytest.raises(ValueError, match=r"groups scored by their top 4 experts .*ranks groups by their top 2"):
+        to_hf_config(get_recipe("glm4_moe_tiny").with_(moe_group_score_topk=None, moe_topk=4))
 
 
 def test_cli_inspect_and_convert(checkpoints, tmp_path, capsys):

@@ -96,6 +96,11 @@ def _mla(field: str) -> Callable[[Current, Any], dict]:
     return apply
 
 
+def _latent_eps(current: Current, v: float) -> dict:
+    """Megatron's --norm-epsilon is every norm's eps, MLA's latent norms included (HF fixes those at 1e-6)."""
+    return {"mla": dataclasses.replace(current("mla"), latent_norm_eps=v)} if current("attention") == "mla" else {}
+
+
 # flag, argparse type, attention kinds it applies to, the ModelConfig fields it sets
 ARCH_FLAGS: tuple[tuple[str, Callable[[str], Any], tuple[str, ...], Callable[[Current, Any], dict]], ...] = (
     ("--num-layers", int, (GQA, MLA), lambda c, v: {"num_layers": v}),
@@ -118,7 +123,7 @@ ARCH_FLAGS: tuple[tuple[str, Callable[[str], Any], tuple[str, ...], Callable[[Cu
     ("--v-head-dim", int, (MLA,), _mla("v_head_dim")),
     ("--rotary-base", float, (GQA, MLA), lambda c, v: {"rope_theta": v}),
     ("--max-position-embeddings", int, (GQA, MLA), lambda c, v: {"max_position_embeddings": v}),
-    ("--norm-epsilon", float, (GQA, MLA), lambda c, v: {"norm_eps": v}),
+    ("--norm-epsilon", float, (GQA, MLA), lambda c, v: {"norm_eps": v, **_latent_eps(c, v)}),
     ("--untie-embeddings-and-output-weights", bool, (GQA, MLA), lambda c, v: {"tie_word_embeddings": not v}),
     ("--qk-layernorm", bool, (GQA,), lambda c, v: {"qk_norm": v}),
     ("--window-size", parse_window, (GQA,), lambda c, v: {"sliding_window": v}),
