@@ -140,7 +140,7 @@ def _case(d, dims, standin, counter, failures, tag, ref, w1, w2, *, fp8, alignme
 
 def _world(layouts) -> list[str]:
     """One spawned world: every layout, mode and case; returns failures (empty when all is well)."""
-    from moefold.dispatch import build_dispatcher
+    from moefold.dispatch import DispatchConfig, DispatcherKind, FlexBackend, FlexOptions, build_dispatcher
     from moefold.parallel import ParallelConfig, ParallelDims
     from moefold.training.observe.host_sync import HostSyncCounter
 
@@ -165,8 +165,8 @@ def _world(layouts) -> list[str]:
         made_before = len(Buffer.instances)
         for case, mode, fp8, alignment, cpu_sync in variants:
             # three MoE layers' dispatchers, one buffer for the group
-            layers = [build_dispatcher("flex", E, dims, fp8=fp8, flex_backend="deepep", hidden_size=H,
-                                       max_tokens_per_rank=MAX_TOKENS, cpu_sync=cpu_sync, hybrid=hybrid,
+            flex = FlexOptions(FlexBackend.DEEPEP, max_tokens_per_rank=MAX_TOKENS, cpu_sync=cpu_sync, hybrid=hybrid)
+            layers = [build_dispatcher(DispatchConfig(DispatcherKind.FLEX, flex, fp8=fp8), E, dims, hidden_size=H,
                                        expert_alignment=alignment, buffers=buffers) for _ in range(3)]
             key = (case, mode, fp8)
             if key not in refs:
