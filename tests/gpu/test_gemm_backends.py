@@ -106,7 +106,7 @@ def test_te_experts_fp8_cuda(recipe, device, monkeypatch):
         results = []
         for m in (ref, fp8):
             xi = x.clone().requires_grad_()
-            with fp8_autocast(m.fp8):   # the region a model enters once per forward (precision.fp8_region)
+            with fp8_autocast(m.config.fp8_gemms):   # the region a model enters once per forward (precision.fp8_region)
                 y = m(xi, torch.tensor(counts, device=device), counts)
             results.append((y, *torch.autograd.grad(y, (xi, m.w13, m.w2), g)))
         if step == 0:
