@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import ClassVar, Generic, Protocol, TypeVar
+from typing import ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 from torch import Tensor
 
@@ -97,6 +97,7 @@ class Dispatched(Generic[HandleT]):
     received_e: Tensor | None = None
 
 
+@runtime_checkable
 class Dispatcher(Protocol[PrepT, MetaT, HandleT]):
     """The six stages every token dispatcher implements (module docstring), and what the MoE layer reads of it.
 
