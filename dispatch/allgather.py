@@ -18,10 +18,15 @@ With ``pad_to_capacity`` every (local expert, source rank) chunk is padded to th
 in the group (capacity is per rank and grows with its T; it travels with the token counts, so
 uneven T, even T = 0, costs nothing extra).
 
+Stages (``dispatch.base.Dispatcher``): ``prepare_dispatch`` gathers the header (counts, T and capacity of every
+rank: the one host synchronisation per MoE layer, in every mode) and pads to T_max; the dispatch exchange is the
+one gather of tokens, ids and probs (``AllGatherExchange``: the ids arrive as its ``meta``); ``finish_dispatch``
+permutes the local experts' copies. ``prepare_combine`` weights and sums them into the partial outputs, the
+combine exchange reduce-scatters them (``ReduceScatterExchange``), ``finish_combine`` keeps this rank's T rows.
+The gather runs when its exchange starts, so nothing overlaps it.
+
 Simple and static-shaped (good for small ep or when most tokens are wanted by every rank);
-it moves W times the tokens, so large ep wants the all-to-all dispatcher instead. One host
-synchronisation per MoE layer (the gathered header: counts, T and capacity of every rank), in
-every mode; the gathers finish inside ``dispatch_start``, so nothing overlaps them.
+it moves W times the tokens, so large ep wants the all-to-all dispatcher instead.
 """
 
 from __future__ import annotations

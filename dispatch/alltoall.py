@@ -7,8 +7,8 @@ Dispatch on rank (etp t, ep r):
                 overlap it), then the dispatch's one host synchronisation (``.tolist()``: the
                 exchange needs its split sizes on the host)
 2. permute:     this rank's kept copies -> rows sorted by global expert (hence by destination ep rank)
-3. all-to-all:  uneven, over ep (``exchange_tokens``, asynchronous: ``dispatch_start`` returns while
-                it is in flight)
+3. all-to-all:  uneven, over ep (the dispatch exchange, asynchronous: in flight from its ``start`` to its
+                ``wait``)
 4. etp gather:  every etp rank receives every other's rows -> [etp src, ep src, e_local] chunks
 5. sort:        regroup chunks to [e_local, etp src, ep src] (expert-major)
 

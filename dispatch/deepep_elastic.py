@@ -34,17 +34,17 @@ at run time by its JIT), used as DeepEP's README pairs the calls for training:
   else 1; ``cumulative_local_expert_recv_stats``: a fresh int32 ``[e]`` per dispatch, the copies each local
   expert received, returned as ``Dispatched.received_e`` for the load-balance metrics.
 - **asynchrony**: dispatch runs with ``async_with_compute_stream=True`` on DeepEP's communication stream (which
-  waits for the work already queued on ours); ``dispatch_start`` returns while the tokens travel and its
-  ``wait()`` makes the compute stream wait on DeepEP's ``EventOverlap`` (no host wait): the MoE layer runs the
+  waits for the work already queued on ours); the dispatch exchange's ``start`` returns while the tokens travel
+  and its ``wait()`` makes the compute stream wait on DeepEP's ``EventOverlap`` (no host wait): the MoE layer runs the
   shared experts in between. Combine and both backward passes are waited on the same way, at once in the plain
   layer, after the other micro-batch's computation under the batch-level overlap.
 - **forward/backward pairs** as DeepEP's README defines them: dispatch's backward is ``combine`` of the
   gradients with the dispatch's handle (the top-k weights' gradients reduced alongside); combine's backward is a
   dispatch with the cached handle (``handle=``, no ``topk_idx``, no CPU sync). Each direction is an exchange
   object (``ElasticDispatchExchange`` / ``ElasticCombineExchange``, ``dispatch.token_exchange.TokenExchange``s:
-  ``start`` and ``start_backward``), connected to autograd after its wait: the plain layer chains the stages
-  (``TokenDispatcher.dispatch_start`` / ``combine``), the batch-level overlap schedules run them as separate
-  nodes, the exchange in flight while another micro-batch computes.
+  ``start`` and ``start_backward``), connected to autograd after its wait: the MoE layer chains the stages
+  (``moe.layer``), the batch-level overlap schedules run them as separate nodes, the exchange in flight while
+  another micro-batch computes.
 - FP8 dispatch (``--moe-fp8-dispatch``): the rows leave as e4m3 with one fp32 scale per 128 channels
   (``dispatch.fp8_exchange.quantize_rows``, DeepEP's ``(data, scales)`` input) and are dequantised on arrival;
   gradients return in bf16 and the cast counts as the identity, as with the other dispatchers.

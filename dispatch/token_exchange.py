@@ -1,7 +1,7 @@
 """A dispatch's or combine's token exchange as an object: started now, waited on later, in either direction.
 
 A dispatcher's work splits into local stages around one exchange of rows over the expert group (see
-``TokenDispatcher.prepare_dispatch``): the plain MoE layer chains them (``exchange_with_grad``: autograd
+``dispatch.base.Dispatcher``): the MoE layer chains them (``exchange_with_grad``: autograd
 connects the rows that were sent to those that arrived, backward is the exchange's adjoint), and the
 batch-level overlap schedules (``pipeline.overlap``) start one micro-batch's exchange, compute another
 micro-batch meanwhile, and wait; the backward exchange is started and waited on the same way. Both run

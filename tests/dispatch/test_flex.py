@@ -3,7 +3,7 @@
 These tests check the *protocol* moefold follows, not DeepEP's numerics: argument names and
 return arities (the stand-in has the real signatures), one buffer per group shared by every
 layer and sized from DeepEP's hints, the asynchronous calls (``previous_event``,
-``async_finish``, ``allocate_on_comm_stream``) and ``PendingDispatch.wait()`` consuming the
+``async_finish``, ``allocate_on_comm_stream``) and the dispatch's ``wait()`` consuming the
 event, plus the routing logic on top of DeepEP's documented semantics (local ids, etp virtual
 experts, padding) through round trips against the single-process reference in bf16 (DeepEP
 moves bf16 only). The real library runs in tests/gpu/test_deepep.py.

@@ -5,7 +5,7 @@ signatures and rejects what V2 rejects (tests/dispatch/deepep_elastic_standin.py
 every layer and sized by ``get_buffer_size_hint``, destroyed explicitly; ``num_sms`` from
 ``get_theoretical_num_sms``; the call sequence (sync-free expanded dispatch with zeroed padding and the received
 counts, combine, the cached-handle dispatch and the combine of the backward); the dispatch left in flight until
-``PendingDispatch.wait()``; no host synchronisation without the CPU sync and exactly DeepEP's one with it; and
+the dispatch's ``wait()``; no host synchronisation without the CPU sync and exactly DeepEP's one with it; and
 the routing arithmetic on top, by round trips against the single-process reference (values and gradients, in
 bf16: DeepEP moves bf16) at ep2, ep4 and ep2 x etp2, in hybrid and direct mode, with FP8 dispatch and
 ``expert_alignment``. The stand-in fills the worst-case rows past the experts' blocks with NaN, so an expert or
