@@ -16,6 +16,8 @@ largest element, covers quantities fp32 happens to compute exactly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 EPS32 = torch.finfo(torch.float32).eps
@@ -46,3 +48,21 @@ def assert_within_fp32_noise(got: dict[str, torch.Tensor], ref32: dict[str, torc
                               f"{fp32_noise(ref32[name], ref64[name]):.3g} against float64)")
         worst = max(worst, err)
     return worst
+
+
+def reference_steps(build: Callable[[], torch.nn.Module], batches: list[tuple[torch.Tensor, ...]],
+                    ) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+    """World 1, one forward/backward per batch ``(ids, labels, loss_mask)``, each on its own: (fp32 losses, fp32
+    gradients, float64 gradients of the same weights: the exact values that size each gradient's tolerance).
+    ``build()`` returns the fp32 model (called once per dtype, so both start from the same weights)."""
+    losses, grads, grads64 = [], [], []
+    for dtype, out_grads in ((torch.float32, grads), (torch.float64, grads64)):
+        model = build().to(dtype)
+        for ids, labels, mask in batches:
+            model.zero_grad()
+            out = model(ids, labels, mask.to(dtype))
+            out.loss.backward()
+            if dtype == torch.float32:
+                losses.append(out.loss.detach())
+            out_grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+    return losses, grads, grads64

@@ -37,7 +37,7 @@ from moefold.pipeline.stages import StageLayout
 from moefold.training.optim.grad_sync import GradSync
 from tests.distributed import run_distributed
 from tests.models.hf_tiny import FEATURE_FAMILIES, VOCAB, save_all, tokens
-from tests.tolerance import assert_within_fp32_noise
+from tests.tolerance import assert_within_fp32_noise, reference_steps
 
 pytest.importorskip("transformers")
 
@@ -125,18 +125,7 @@ def _grads(path: str, dims: ParallelDims, options: ModelOptions):
 def _reference_grads(path: str, dp: int):
     """World 1 per micro-batch: (fp32 losses, fp32 gradients, float64 gradients: the exact values the fp32 ones
     round, which size the tolerance: tests/tolerance.py)."""
-    losses, grads, grads64 = [], [], []
-    for dtype, out_grads in ((torch.float32, grads), (torch.float64, grads64)):
-        model = import_hf(path).to(dtype)
-        for dp_rank in range(dp):
-            model.zero_grad()
-            ids, labels, mask = _batch(dp_rank)
-            out = model(ids, labels, mask.to(dtype))
-            out.loss.backward()
-            if dtype == torch.float32:
-                losses.append(out.loss.detach())
-            out_grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
-    return losses, grads, grads64
+    return reference_steps(lambda: import_hf(path), [_batch(dp_rank) for dp_rank in range(dp)])
 
 
 def _rank(dirs: dict[str, str], refs: dict[str, torch.Tensor], ids: torch.Tensor, out_dir: str):

@@ -38,7 +38,7 @@ from moefold.pipeline.stages import StageLayout
 from moefold.training.optim.grad_sync import GradSync
 from tests.distributed import run_distributed
 from tests.models.hf_tiny import FAMILIES, FEATURE_FAMILIES, save_all, tokens
-from tests.tolerance import assert_within_fp32_noise
+from tests.tolerance import assert_within_fp32_noise, reference_steps
 
 # the feature families' layouts: tests/models/test_families_parallel.py
 FAMILIES_HERE = tuple(f for f in FAMILIES if f not in FEATURE_FAMILIES)
@@ -69,20 +69,12 @@ def _train_step(config, dims: ParallelDims, options: ModelOptions):
 def _reference_step(config, micro_batches: int = 2):
     """World 1, micro-batches 0 .. micro_batches-1 separately: (fp32 losses, fp32 gradients, float64 gradients of
     the same weights: the exact values, which size each gradient's tolerance: tests/tolerance.py) of each."""
-    losses, grads, grads64 = [], [], []
-    for dtype, out_grads in ((torch.float32, grads), (torch.float64, grads64)):
+    def build() -> MoEDecoder:
         model = MoEDecoder(config, ParallelDims.single())
         model.init_weights(7)
-        model.to(dtype)
-        for dp_rank in range(micro_batches):
-            model.zero_grad()
-            ids, labels, mask = _batch(None, dp_rank, 0, 1)
-            out = model(ids, labels, mask.to(dtype))
-            out.loss.backward()
-            if dtype == torch.float32:
-                losses.append(out.loss.detach())
-            out_grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
-    return losses, grads, grads64
+        return model
+
+    return reference_steps(build, [_batch(None, dp_rank, 0, 1) for dp_rank in range(micro_batches)])
 
 
 def _pipelined_logits(path: str, dims: ParallelDims, ids: torch.Tensor) -> torch.Tensor | None:
