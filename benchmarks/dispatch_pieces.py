@@ -33,7 +33,7 @@ T, H, E, K, EP = 4096, 512, 16, 2, 4
 
 def _rank(iters: int) -> dict[str, float]:
     torch.set_num_threads(1)
-    from moefold.dispatch import build_dispatcher
+    from moefold.dispatch import DispatchConfig, DispatcherKind, build_dispatcher
     from moefold.dispatch.alltoall import gather_counts
     from moefold.dispatch.permutation import build_row_map, count_keys, mask_groups, permute, unpermute
     from moefold.parallel import ParallelConfig, ParallelDims
@@ -44,7 +44,7 @@ def _rank(iters: int) -> dict[str, float]:
     g = dims.ep_group
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(dims.rank))
     w_gate = torch.randn(H, E, generator=torch.Generator().manual_seed(0)) / H ** 0.5
-    disp = build_dispatcher("alltoall", E, dims)
+    disp = build_dispatcher(DispatchConfig(DispatcherKind.ALLTOALL), E, dims)
     routing = _route(x, w_gate, torch.zeros(E), K)
     h = disp.dispatch(x, routing).handle
     send, recv = list(h.plan.send), list(h.plan.recv)

@@ -34,8 +34,9 @@ from torch import nn
 
 from moefold.dense.fp8_linear import convert_linears_to_fp8
 from moefold.dense.linear import ColumnParallelLinear
-from moefold.moe.config import MoEConfig
-from moefold.moe.layer import MoELayer
+from moefold.dispatch.config import DispatchConfig, DispatcherKind
+from moefold.moe.build import build_moe_layer
+from moefold.moe.config import ExpertsConfig, MoEConfig
 from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelDims
 from moefold.parallel.sharding import init_parameters
@@ -165,9 +166,10 @@ def main(argv: list[str] | None = None) -> int:
 
         def moe(fp8: FP8Config, dtype: torch.dtype, E: int = E, k: int = k, F: int = F) -> nn.Module:
             router = RouterConfig(num_experts=E, topk=k, load_balancing_type="none")
-            cfg = MoEConfig(num_experts=E, moe_ffn_hidden_size=F, router=router, dispatcher="local", fp8=fp8)
-            layer = MoELayer(cfg, H, ParallelDims.single(device.type), sequence_parallel=False, dtype=dtype,
-                             device=device)
+            cfg = MoEConfig(num_experts=E, router=router, experts=ExpertsConfig(F, fp8=fp8),
+                            dispatch=DispatchConfig(DispatcherKind.LOCAL, fp8=fp8.dispatch))
+            layer = build_moe_layer(cfg, H, ParallelDims.single(device.type), sequence_parallel=False, dtype=dtype,
+                                    device=device)
             init_parameters(layer, seed=0)
             return layer
 

@@ -43,9 +43,11 @@ from collections.abc import Callable
 import torch
 
 from moefold.dense.grad_accumulation import enable_grad_accumulation_fusion
-from moefold.moe.config import MoEConfig
-from moefold.moe.expert_gemm import chosen_layouts
-from moefold.moe.expert_rows import ROW_LAYOUTS
+from moefold.dispatch.config import DispatchConfig, DispatcherKind
+from moefold.moe.build import build_moe_layer
+from moefold.moe.config import ExpertsConfig, MoEConfig
+from moefold.moe.cpu.expert_rows import RowLayout
+from moefold.moe.cpu.rows_gemm import chosen_layouts
 from moefold.moe.layer import MoELayer
 from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelDims
@@ -99,9 +101,9 @@ def moefold_steps(T: int, H: int, E: int, k: int, F: int, dtype: torch.dtype, co
                   row_layout: str = "auto") -> tuple[Callable[[], None], Callable[[], None], MoELayer]:
     """(layer step, experts-only step, layer): the trainer's path (GradSync with gradient-accumulation fusion)."""
     router = RouterConfig(num_experts=E, topk=k, load_balancing_type="none")
-    cfg = MoEConfig(num_experts=E, moe_ffn_hidden_size=F, router=router, dispatcher="local",
-                    expert_row_layout=row_layout)
-    layer = MoELayer(cfg, H, ParallelDims.single(), dtype=dtype)
+    cfg = MoEConfig(num_experts=E, router=router, experts=ExpertsConfig(F, row_layout=RowLayout(row_layout)),
+                    dispatch=DispatchConfig(DispatcherKind.LOCAL))
+    layer = build_moe_layer(cfg, H, ParallelDims.single(), dtype=dtype)
     init_parameters(layer, seed=0)
     if compiled:
         compile_moe_layer(layer)
@@ -229,9 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile", action="store_true", help="add rows with the layer compiled as --compile does")
     p.add_argument("--no-megatron", action="store_true", help="skip the Megatron-Core peer")
     p.add_argument("--row-layout", default="auto",
-                   help="the experts' CPU row layout (moe.expert_gemm.choose_layout; measured: timed per shape); "
+                   help="the experts' CPU row layout (moe.cpu.rows_gemm.choose_layout; measured: timed per shape); "
                         "comma-separated layouts run side by side in the same rounds, one row each; valid: "
-                        + ", ".join(ROW_LAYOUTS))
+                        + ", ".join(RowLayout))
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print the N top ops of one moefold step")
     p.add_argument("--allocators", default="default,tuned",
                    help="default: this process's allocator settings; tuned: again in a child process with "
@@ -248,8 +250,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--dtypes: {d!r} is not one of {', '.join(DTYPES)}")
     layouts = [v for v in a.row_layout.split(",") if v]
     for v in layouts:
-        if v not in ROW_LAYOUTS:
-            p.error(f"--row-layout: {v!r} is not one of {', '.join(ROW_LAYOUTS)}")
+        if v not in tuple(RowLayout):
+            p.error(f"--row-layout: {v!r} is not one of {', '.join(RowLayout)}")
     if not layouts:
         p.error("--row-layout: give at least one layout")
     if allocators != ["default"]:  # the tuned table runs in a child with the allocator set from its start

@@ -69,14 +69,31 @@ class TransformerBlock(nn.Module):
     def _ffn(self, h: Tensor, **ffn_kwargs: Any) -> Any:
         return checkpointed(self.mlp, h, enabled=self.recompute_ffn, **ffn_kwargs)
 
-    def _body(self, x: Tensor, position_ids: Tensor, **ffn_kwargs: Any) -> tuple[Tensor, Any]:
+    # -- the block's public pieces: forward runs them; the batch-level overlap's pieces (models.sublayers) too ----
+    def attention_residual(self, x: Tensor, position_ids: Tensor) -> Tensor:
+        """``x + attention(norm(x))``: the residual stream after the attention."""
         # The residual stream stays in the activations' dtype (bf16 under --bf16): each add is exact in fp32
         # and rounded once, as Megatron-Core's default (fp32_residual_connection=False, bias-dropout-add in the
         # activations' dtype) and HF do; the norms read it in fp32 (dense.norm.rms_norm).
-        x = x + self._after_norm(self.input_layernorm, x, lambda h: self.self_attn(h, position_ids),
-                                 self.offload_attn_norm)
-        out = self._after_norm(self.post_attention_layernorm, x, lambda h: self._ffn(h, **ffn_kwargs),
-                               self.offload_mlp_norm)
+        return x + self._after_norm(self.input_layernorm, x, lambda h: self.self_attn(h, position_ids),
+                                    self.offload_attn_norm)
+
+    def ffn_input(self, h: Tensor) -> tuple[Tensor, CheckpointWithoutOutput | None]:
+        """The FFN's input ``norm(h)``. With ``recompute_layernorm`` also the checkpoint whose output the caller
+        discards once the FFN has saved it (``discard_output_and_register_recompute``); else None, the norm having
+        run in ``offload_mlp_norm``."""
+        if not self.recompute_layernorm:
+            with self.offload_mlp_norm:
+                return self.post_attention_layernorm(h), None
+        norm = CheckpointWithoutOutput()
+        return norm.checkpoint(self.post_attention_layernorm, h), norm
+
+    def _body(self, x: Tensor, position_ids: Tensor, **ffn_kwargs: Any) -> tuple[Tensor, Any]:
+        x = self.attention_residual(x, position_ids)
+        normed, norm = self.ffn_input(x)
+        out = self._ffn(normed, **ffn_kwargs)
+        if norm is not None:
+            norm.discard_output_and_register_recompute(out[0] if isinstance(out, tuple) else out)
         out, extra = out if isinstance(out, tuple) else (out, None)
         return x + out, extra
 

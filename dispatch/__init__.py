@@ -12,8 +12,10 @@ from moefold.dispatch.alltoall import (
     exchange_tokens,
     return_tokens,
 )
-from moefold.dispatch.base import Dispatched, DispatchHandle, PendingDispatch, PhaseTimer, TokenDispatcher
-from moefold.dispatch.factory import DISPATCHER_KINDS, build_dispatcher
+from moefold.dispatch.base import Dispatched, Dispatcher, DispatchHandle, DispatchPrep, PhaseTimer, TokenDispatcher
+from moefold.dispatch.config import DispatchConfig, DispatcherKind, FlexOptions
+from moefold.dispatch.factory import build_dispatcher
+from moefold.dispatch.flex_backend import FlexBackend
 from moefold.dispatch.local import LocalDispatcher
 from moefold.dispatch.permutation import (
     RowMap,
@@ -29,11 +31,12 @@ from moefold.dispatch.routing import Routing
 from moefold.dispatch.token_exchange import AllToAllExchange, Arrival, InFlight, TokenExchange, exchange_with_grad
 
 __all__ = [
-    "Routing", "TokenDispatcher", "Dispatched", "DispatchHandle", "PendingDispatch", "PhaseTimer",
+    "Routing", "Dispatcher", "TokenDispatcher", "Dispatched", "DispatchHandle", "DispatchPrep", "PhaseTimer",
+    "DispatchConfig", "DispatcherKind", "FlexOptions", "FlexBackend",
     "LocalDispatcher", "AllToAllDispatcher", "AllToAllHandle", "AllGatherDispatcher", "AllGatherHandle",
     "ExchangePlan", "exchange_tokens", "return_tokens",
     "TokenExchange", "AllToAllExchange", "InFlight", "Arrival", "exchange_with_grad",
-    "build_dispatcher", "DISPATCHER_KINDS",
+    "build_dispatcher",
     "RowMap", "mask_groups", "group_counts", "build_row_map", "permute", "unpermute",
     "chunk_sort_index", "sort_chunks",
 ]

@@ -18,14 +18,20 @@ With ``pad_to_capacity`` every (local expert, source rank) chunk is padded to th
 in the group (capacity is per rank and grows with its T; it travels with the token counts, so
 uneven T, even T = 0, costs nothing extra).
 
+Stages (``dispatch.base.Dispatcher``): ``prepare_dispatch`` gathers the header (counts, T and capacity of every
+rank: the one host synchronisation per MoE layer, in every mode) and pads to T_max; the dispatch exchange is the
+one gather of tokens, ids and probs (``AllGatherExchange``: the ids arrive as its ``meta``); ``finish_dispatch``
+permutes the local experts' copies. ``prepare_combine`` weights and sums them into the partial outputs, the
+combine exchange reduce-scatters them (``ReduceScatterExchange``), ``finish_combine`` keeps this rank's T rows.
+The gather runs when its exchange starts, so nothing overlaps it.
+
 Simple and static-shaped (good for small ep or when most tokens are wanted by every rank);
-it moves W times the tokens, so large ep wants the all-to-all dispatcher instead. One host
-synchronisation per MoE layer (the gathered header: counts, T and capacity of every rank), in
-every mode; the gathers finish inside ``dispatch_start``, so nothing overlaps them.
+it moves W times the tokens, so large ep wants the all-to-all dispatcher instead.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +39,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moefold.dispatch.alltoall import gather_counts
-from moefold.dispatch.base import Dispatched, DispatchHandle, PendingDispatch, PhaseTimer, TokenDispatcher
-from moefold.dispatch.fp8_exchange import dequantize_rows, fp8_round_trip, pack, quantize_rows, unpack
+from moefold.dispatch.base import Dispatched, DispatchHandle, DispatchPrep, PhaseTimer, TokenDispatcher
+from moefold.dispatch.config import DispatcherKind
+from moefold.dispatch.fp8_exchange import dequantize_rows, pack, quantize_rows, unpack
 from moefold.dispatch.permutation import (
     RowMap,
     build_padded_row_map,
@@ -46,7 +53,7 @@ from moefold.dispatch.permutation import (
     unpermute,
 )
 from moefold.dispatch.routing import Routing
-from moefold.parallel.comm import reduce_scatter_sequence
+from moefold.dispatch.token_exchange import Arrival, InFlight, TokenExchange
 from moefold.parallel.groups import Group, group_size
 
 
@@ -61,60 +68,113 @@ def _as_bytes(t: Tensor) -> Tensor:
     return t.contiguous().reshape(t.shape[0], -1).view(torch.uint8)
 
 
-class _GatherTokensAndRouting(torch.autograd.Function):
-    """Forward: ONE all-gather of every rank's [tokens | expert ids | probs] rows, packed as bytes
-    (exact for every dtype), unpacked into x_g [W*T, H], ids_g [W*T, K] int32, probs_g [W*T, K] fp32.
-
-    Backward: reduce-scatter (sum) of the gradients of x_g and probs_g: one collective when both
-    are fp32 (concatenated), else one each (the probs' gradient stays fp32).
-    """
-
-    @staticmethod
-    def forward(ctx, x: Tensor, probs: Tensor | None, ids: Tensor, group: Group, fp8: bool):
-        with torch.no_grad():   # fp8: the tokens travel as e4m3 rows with their scales (dispatch.fp8_exchange)
-            x_bytes = pack(*quantize_rows(x)) if fp8 else _as_bytes(x)
-        parts = [x_bytes, _as_bytes(ids)] + ([] if probs is None else [_as_bytes(probs)])
-        widths = [p.shape[1] for p in parts]
-        packed = torch.cat(parts, dim=1)
-        n = group_size(group)
-        out = packed.new_empty((n * packed.shape[0], packed.shape[1]))
-        dist.all_gather_into_tensor(out, packed, group=group)
-        ctx.group, ctx.x_dtype, ctx.has_probs, ctx.device = group, x.dtype, probs is not None, x.device
-        cols = torch.split(out, widths, dim=1)
-        # x_g stays a row-strided view of the received bytes (its row stride is a multiple of its
-        # element size); the small ids / probs columns are copied to contiguous tensors
-        if fp8:   # dequantised on arrival; the gradient returns in x's dtype (the cast is straight-through)
-            x_g = dequantize_rows(*unpack(cols[0], x.shape[1]), x.dtype)
-        else:
-            x_g = cols[0].view(x.dtype).view(out.shape[0], *x.shape[1:])
-        ids_g = cols[1].contiguous().view(ids.dtype)
-        probs_g = cols[2].contiguous().view(probs.dtype) if probs is not None else None
-        ctx.mark_non_differentiable(ids_g)
-        ctx.x_g_shape = tuple(x_g.shape)
-        ctx.probs_g_shape = None if probs_g is None else tuple(probs_g.shape)
-        return x_g, ids_g, probs_g
-
-    @staticmethod
-    def backward(ctx, grad_x: Tensor | None, _grad_ids: Tensor | None, grad_probs: Tensor | None):
-        group = ctx.group
-        need_x, need_p = ctx.needs_input_grad[0], ctx.has_probs and ctx.needs_input_grad[1]
-        if need_x and grad_x is None:
-            grad_x = torch.zeros(ctx.x_g_shape, dtype=ctx.x_dtype, device=ctx.device)
-        if need_p and grad_probs is None:
-            grad_probs = torch.zeros(ctx.probs_g_shape, dtype=torch.float32, device=ctx.device)
-        if need_x and need_p and grad_x.dtype == grad_probs.dtype:  # one reduce-scatter for both
-            H = grad_x[0].numel()
-            both = _reduce_scatter(torch.cat([grad_x.reshape(grad_x.shape[0], -1), grad_probs], dim=1), group)
-            return both[:, :H].reshape(-1, *grad_x.shape[1:]), both[:, H:], None, None, None
-        return (_reduce_scatter(grad_x, group) if need_x else None,
-                _reduce_scatter(grad_probs, group) if need_p else None, None, None, None)
-
-
 def _reduce_scatter(x: Tensor, group: Group) -> Tensor:
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // group_size(group), *x.shape[1:]))
     dist.reduce_scatter_tensor(out, x, group=group)
     return out
+
+
+def _all_gather(x: Tensor, group: Group) -> Tensor:
+    x = x.contiguous()
+    out = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out
+
+
+@dataclass(frozen=True)
+class GatheredIds:
+    """What the dispatch exchange delivers besides the rows: every rank's [T_max, K] int32 expert ids, stacked
+    ([W * T_max, K]; -1 for dropped copies and padding tokens)."""
+
+    ids_g: Tensor
+
+
+@dataclass(frozen=True)
+class AllGatherExchange(TokenExchange[GatheredIds]):
+    """Forward: ONE all-gather over ``group`` (W ranks) of every rank's [tokens | expert ids | probs] rows, packed
+    as bytes (exact for every dtype; with ``fp8`` the tokens as e4m3 rows with their scales,
+    ``dispatch.fp8_exchange``), unpacked into x_g [W*T, H] (dequantised to the tokens' dtype), probs_g [W*T, K] fp32
+    and the ids (``GatheredIds``). One rank: nothing moves (FP8 rows are still cast, as a larger group's are).
+
+    Backward: reduce-scatter (sum) of the gradients of x_g and probs_g: one collective when both are fp32
+    (concatenated), else one each (the probs' gradient stays fp32); the FP8 cast counts as the identity."""
+
+    ids_TK: Tensor
+    group: Group
+    fp8: bool = False
+
+    def start(self, *tensors: Tensor) -> InFlight[Arrival[GatheredIds]]:
+        """``(x [T, H], probs [T, K] fp32)`` or ``(x,)`` (unweighted combine) -> (x_g[, probs_g]), GatheredIds."""
+        x, *probs = tensors
+        if group_size(self.group) == 1:
+            x_g = x
+            if self.fp8:
+                x_g = dequantize_rows(*unpack(pack(*quantize_rows(x)), x.shape[1]), x.dtype)
+            arrival = Arrival((x_g, *probs), GatheredIds(self.ids_TK))
+            return InFlight(lambda: arrival)
+        x_bytes = pack(*quantize_rows(x)) if self.fp8 else _as_bytes(x)
+        parts = [x_bytes, _as_bytes(self.ids_TK)] + [_as_bytes(p) for p in probs]
+        widths = [p.shape[1] for p in parts]
+        packed = torch.cat(parts, dim=1)
+        out = packed.new_empty((group_size(self.group) * packed.shape[0], packed.shape[1]))
+        dist.all_gather_into_tensor(out, packed, group=self.group)
+        cols = torch.split(out, widths, dim=1)
+        # x_g stays a row-strided view of the received bytes (its row stride is a multiple of its element size);
+        # the small ids / probs columns are copied to contiguous tensors
+        if self.fp8:
+            x_g = dequantize_rows(*unpack(cols[0], x.shape[1]), x.dtype)
+        else:
+            x_g = cols[0].view(x.dtype).view(out.shape[0], *x.shape[1:])
+        ids_g = cols[1].contiguous().view(self.ids_TK.dtype)
+        received = (x_g, *(cols[2].contiguous().view(p.dtype) for p in probs))
+        arrival = Arrival(received, GatheredIds(ids_g))
+        return InFlight(lambda: arrival)
+
+    def start_backward(self, grads: Sequence[Tensor], meta: GatheredIds) -> InFlight[tuple[Tensor, ...]]:
+        if group_size(self.group) == 1:
+            result = tuple(grads)
+            return InFlight(lambda: result)
+        if len(grads) == 2 and grads[0].dtype == grads[1].dtype:   # one reduce-scatter for both
+            grad_x, grad_p = grads
+            H = grad_x[0].numel()
+            both = _reduce_scatter(torch.cat([grad_x.reshape(grad_x.shape[0], -1), grad_p], dim=1), self.group)
+            result = (both[:, :H].reshape(-1, *grad_x.shape[1:]), both[:, H:])
+        else:
+            result = tuple(_reduce_scatter(g, self.group) for g in grads)
+        return InFlight(lambda: result)
+
+
+@dataclass(frozen=True)
+class ReduceScatterExchange(TokenExchange[None]):
+    """The allgather combine's exchange: forward a reduce-scatter (sum) of [W * T_max, H] partial outputs over
+    ``group``, each rank keeping its [T_max, H]; backward the all-gather of the gradient. One rank: nothing moves."""
+
+    group: Group
+
+    def start(self, *tensors: Tensor) -> InFlight[Arrival[None]]:
+        (partial,) = tensors
+        y = partial if group_size(self.group) == 1 else _reduce_scatter(partial, self.group)
+        arrival = Arrival((y,), None)
+        return InFlight(lambda: arrival)
+
+    def start_backward(self, grads: Sequence[Tensor], meta: None) -> InFlight[tuple[Tensor, ...]]:
+        (grad,) = grads
+        result = (grad if group_size(self.group) == 1 else _all_gather(grad, self.group),)
+        return InFlight(lambda: result)
+
+
+@dataclass(frozen=True)
+class AllGatherPrep(DispatchPrep):
+    """``prepare_dispatch``'s findings: the exchange (it holds the padded ids), the gathered header as host ints
+    (``host[w]``: rank w's [E] counts, T and capacity) and on the device, the padding length, the routing's modes."""
+
+    exchange: AllGatherExchange
+    host: list[list[int]]
+    header_WE: Tensor
+    max_tokens: int
+    pad_to_capacity: bool
+    pad_multiple: int | None
 
 
 @dataclass(frozen=True)
@@ -136,8 +196,8 @@ class AllGatherDispatcher(TokenDispatcher):
     ``fp8``: the tokens are gathered as e4m3 with their scales (``dispatch.fp8_exchange``).
     """
 
+    kind = DispatcherKind.ALLGATHER
     name = "allgather"
-    staged = False   # the tokens and routing travel in one all-gather inside dispatch_start
 
     def __init__(self, num_experts: int, ep_group: Group = None, etp_group: Group = None,
                  etp_ep_group: Group = None, timer: PhaseTimer | None = None, fp8: bool = False):
@@ -145,11 +205,12 @@ class AllGatherDispatcher(TokenDispatcher):
         self.group = self._etp_ep_group(etp_ep_group)
         self.fp8 = fp8
 
-    def dispatch_start(self, x_TH: Tensor, routing: Routing, *, weighted_combine: bool = True) -> PendingDispatch:
+    # -- dispatch: prepare (the header's gather: the one host sync; padding) -> exchange (the one gather) -> finish
+    def prepare_dispatch(self, x_TH: Tensor, routing: Routing, *, weighted_combine: bool = True,
+                         ) -> tuple[tuple[Tensor, ...], AllGatherPrep]:
         self._check(x_TH, routing)
-        T, K = routing.probs_TK.shape
-        E, e, W = self.num_experts, self.num_local_experts, self.ep * self.etp
-        local = slice(self.local_expert_offset, self.local_expert_offset + e)
+        T = routing.num_tokens
+        E = self.num_experts
         with self._phase("permute"):
             # Copies dropped at the source travel as expert id -1, so keep needs no separate gather.
             ids = routing.expert_ids_TK
@@ -165,16 +226,27 @@ class AllGatherDispatcher(TokenDispatcher):
             all_header = gather_counts(header, self.group)  # [W, E + 2]: the layer's one exchange of counts
             host = all_header.tolist()  # the dispatch's one host synchronisation
             max_tokens = max(h[E] for h in host)
-            probs = _pad_rows(routing.probs_TK.float(), max_tokens) if weighted_combine else None
-            ids_pad = _pad_rows(ids.to(torch.int32), max_tokens, -1)
-            if W == 1:
-                xg, ids_g, probs_g = (fp8_round_trip(x_TH) if self.fp8 else x_TH), ids_pad, probs
-            else:  # tokens, expert ids and probs in one all-gather
-                xg, ids_g, probs_g = _GatherTokensAndRouting.apply(_pad_rows(x_TH, max_tokens), probs, ids_pad,
-                                                                   self.group, self.fp8)
+            sent = (_pad_rows(x_TH, max_tokens),)
+            if weighted_combine:
+                sent += (_pad_rows(routing.probs_TK.float(), max_tokens),)
+            exchange = AllGatherExchange(_pad_rows(ids.to(torch.int32), max_tokens, -1), self.group, self.fp8)
+        prep = AllGatherPrep(num_tokens=T, exchange=exchange, host=host, header_WE=all_header, max_tokens=max_tokens,
+                             pad_to_capacity=routing.pad_to_capacity, pad_multiple=routing.pad_multiple)
+        return sent, prep
+
+    def dispatch_exchange(self, prep: AllGatherPrep) -> AllGatherExchange:
+        return prep.exchange
+
+    def finish_dispatch(self, received: tuple[Tensor, ...], meta: GatheredIds, prep: AllGatherPrep,
+                        ) -> Dispatched[AllGatherHandle]:
+        xg, *probs = received
+        ids_g, host, max_tokens = meta.ids_g, prep.host, prep.max_tokens
+        K = ids_g.shape[1]
+        E, e, W = self.num_experts, self.num_local_experts, self.ep * self.etp
+        local = slice(self.local_expert_offset, self.local_expert_offset + e)
         with self._phase("permute"):
             local_ids = ids_g.long() - self.local_expert_offset
-            if routing.pad_to_capacity:
+            if prep.pad_to_capacity:
                 # Ranks with fewer tokens have a smaller capacity (a rank with none has 0): pad every
                 # (expert, source) chunk to the group's largest, which all ranks agree on. Each source
                 # kept at most its own capacity per expert, so nothing more is dropped here.
@@ -184,37 +256,39 @@ class AllGatherDispatcher(TokenDispatcher):
                 in_range = (local_ids >= 0) & (local_ids < e)
                 key_TK = torch.where(in_range, local_ids * W + src.unsqueeze(1), -1)
                 row_map = build_row_map(mask_groups(key_TK, e * W), W * max_tokens, K, e * W, capacity=cap)
-                per_expert = torch.full((e,), W * cap, dtype=torch.long, device=x_TH.device)
+                per_expert = torch.full((e,), W * cap, dtype=torch.long, device=xg.device)
                 per_expert_host = (W * cap,) * e
-            elif routing.pad_multiple is not None:
+            elif prep.pad_multiple is not None:
                 # every (local expert, source rank) chunk padded to the multiple with zero rows, in the row map
                 src = torch.arange(W * max_tokens, device=ids_g.device).div(max_tokens, rounding_mode="floor")
                 in_range = (local_ids >= 0) & (local_ids < e)
                 key_TK = torch.where(in_range, local_ids * W + src.unsqueeze(1), -1)
                 chunks = [host[w][local.start + j] for j in range(e) for w in range(W)]
                 row_map = build_padded_row_map(mask_groups(key_TK, e * W), W * max_tokens, K, e * W, chunks,
-                                               routing.pad_multiple)
+                                               prep.pad_multiple)
                 per_expert = row_map.counts_G.view(e, W).sum(1)
-                padded = pad_counts(chunks, routing.pad_multiple)
+                padded = pad_counts(chunks, prep.pad_multiple)
                 per_expert_host = tuple(sum(padded[j * W:(j + 1) * W]) for j in range(e))
             else:
                 num_rows = sum(sum(h[local]) for h in host)
                 row_map = build_row_map(mask_groups(local_ids, e), W * max_tokens, K, e, num_rows=num_rows)
-                per_expert = all_header[:, local].sum(0)
+                per_expert = prep.header_WE[:, local].sum(0)
                 per_expert_host = tuple(sum(h[g] for h in host) for g in range(local.start, local.stop))
             tokens = permute(xg, row_map)
-        handle = AllGatherHandle(num_tokens=T, num_rows=tokens.shape[0], row_map=row_map, probs_g=probs_g,
-                                 max_tokens=max_tokens)
-        result = Dispatched(tokens, per_expert, handle, per_expert_host)
-        return PendingDispatch(lambda: result)
+        handle = AllGatherHandle(num_tokens=prep.num_tokens, num_rows=tokens.shape[0], row_map=row_map,
+                                 probs_g=probs[0] if probs else None, max_tokens=max_tokens)
+        return Dispatched(tokens, per_expert, handle, per_expert_host)
 
-    def combine(self, expert_out_NH: Tensor, handle: DispatchHandle) -> Tensor:
+    # -- combine: prepare (weight and sum the local copies) -> exchange (the reduce-scatter) -> finish (T rows) ---
+    def prepare_combine(self, expert_out_NH: Tensor, handle: AllGatherHandle) -> tuple[Tensor, ...]:
         self._check_combine(expert_out_NH, handle, AllGatherHandle)
-        assert isinstance(handle, AllGatherHandle)
         with self._phase("unpermute"):
             # each rank weights and sums the copies of its experts: [W * max_tokens, H] partial outputs, fp32 for
             # bf16 rows (combine_dtype), so the reduce-scatter adds them up in fp32 as Megatron-Core's does
-            partial = unpermute(expert_out_NH, handle.row_map, handle.probs_g)
-        with self._phase("communicate"):
-            y = reduce_scatter_sequence(partial, self.group, 0)
-        return y[:handle.num_tokens]
+            return (unpermute(expert_out_NH, handle.row_map, handle.probs_g),)
+
+    def combine_exchange(self, handle: AllGatherHandle) -> ReduceScatterExchange:
+        return ReduceScatterExchange(self.group)
+
+    def finish_combine(self, received: tuple[Tensor, ...], handle: AllGatherHandle) -> Tensor:
+        return received[0][:handle.num_tokens]

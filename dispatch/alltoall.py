@@ -7,8 +7,8 @@ Dispatch on rank (etp t, ep r):
                 overlap it), then the dispatch's one host synchronisation (``.tolist()``: the
                 exchange needs its split sizes on the host)
 2. permute:     this rank's kept copies -> rows sorted by global expert (hence by destination ep rank)
-3. all-to-all:  uneven, over ep (``exchange_tokens``, asynchronous: ``dispatch_start`` returns while
-                it is in flight)
+3. all-to-all:  uneven, over ep (the dispatch exchange, asynchronous: in flight from its ``start`` to its
+                ``wait``)
 4. etp gather:  every etp rank receives every other's rows -> [etp src, ep src, e_local] chunks
 5. sort:        regroup chunks to [e_local, etp src, ep src] (expert-major)
 
@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from moefold.dispatch.base import Dispatched, DispatchHandle, PhaseTimer, TokenDispatcher
+from moefold.dispatch.base import Dispatched, DispatchHandle, DispatchPrep, PhaseTimer, TokenDispatcher
+from moefold.dispatch.config import DispatcherKind
 from moefold.dispatch.permutation import (
     RowMap,
     build_padded_row_map,
@@ -152,9 +153,9 @@ class AllToAllHandle(DispatchHandle):
 
 
 @dataclass(frozen=True)
-class AllToAllPrep:
-    """What ``prepare_dispatch`` found out for the other stages: the handle's fields, ``recv`` the host counts
-    [etp][ep src][e_local] (None when nothing was exchanged) and T."""
+class AllToAllPrep(DispatchPrep):
+    """What ``prepare_dispatch`` found out for the other stages: the handle's fields and ``recv``, the host counts
+    [etp][ep src][e_local] (None when nothing was exchanged)."""
 
     row_map: RowMap
     probs_TK: Tensor | None
@@ -162,7 +163,6 @@ class AllToAllPrep:
     etp_sizes: tuple[int, ...]
     chunk_counts: Tensor
     recv: list[list[list[int]]] | None
-    num_tokens: int
 
 
 class AllToAllDispatcher(TokenDispatcher):
@@ -175,8 +175,10 @@ class AllToAllDispatcher(TokenDispatcher):
     all-to-all per local expert landing rows directly in expert-major order (``tools.chunked_exchange``),
     which saves the two sort copies; beyond that, one all-to-all plus ``sort_chunks``.
     ``fp8``: the token rows travel as e4m3 with their scales (``dispatch.fp8_exchange``).
+    ``max_chunked_experts``: ``DispatchConfig.max_chunked_experts`` (checked there).
     """
 
+    kind = DispatcherKind.ALLTOALL
     name = "alltoall"
 
     def __init__(self, num_experts: int, ep_group: Group = None, etp_group: Group = None,
@@ -184,8 +186,6 @@ class AllToAllDispatcher(TokenDispatcher):
                  fp8: bool = False):
         super().__init__(num_experts, ep_group, etp_group, timer)
         self.fp8 = fp8
-        if max_chunked_experts < 0:
-            raise ValueError(f"max_chunked_experts={max_chunked_experts} must be >= 0 (0 disables chunking)")
         e = self.num_local_experts
         self.chunked = self.etp == 1 and self.ep > 1 and 1 < e <= max_chunked_experts
         self.counts_group = self._etp_ep_group(etp_ep_group)
@@ -273,7 +273,8 @@ class AllToAllDispatcher(TokenDispatcher):
     def dispatch_exchange(self, prep: AllToAllPrep) -> AllToAllExchange:
         return prep.plan.exchange(self.ep_group, self.fp8)
 
-    def finish_dispatch(self, received: tuple[Tensor, ...], meta: object, prep: AllToAllPrep) -> Dispatched:
+    def finish_dispatch(self, received: tuple[Tensor, ...], meta: None, prep: AllToAllPrep,
+                        ) -> Dispatched[AllToAllHandle]:
         e, ep, etp, recv = self.num_local_experts, self.ep, self.etp, prep.recv
         with self._phase("communicate"):
             got = all_gather_uneven(received[0], list(prep.etp_sizes), self.etp_group)
@@ -289,9 +290,8 @@ class AllToAllDispatcher(TokenDispatcher):
         return Dispatched(got, per_expert, handle, per_expert_host)
 
     # -- combine: prepare (unsort, etp reduce-scatter) -> exchange (all-to-all back) -> finish (unpermute) ----
-    def prepare_combine(self, expert_out_NH: Tensor, handle: DispatchHandle) -> tuple[Tensor, ...]:
+    def prepare_combine(self, expert_out_NH: Tensor, handle: AllToAllHandle) -> tuple[Tensor, ...]:
         self._check_combine(expert_out_NH, handle, AllToAllHandle)
-        assert isinstance(handle, AllToAllHandle)
         rows = expert_out_NH
         if not self.chunked:
             with self._phase("sort"):
@@ -305,12 +305,10 @@ class AllToAllDispatcher(TokenDispatcher):
                                              self.etp_rank).to(dtype)
             return (rows,)
 
-    def combine_exchange(self, handle: DispatchHandle) -> AllToAllExchange:
-        assert isinstance(handle, AllToAllHandle)
+    def combine_exchange(self, handle: AllToAllHandle) -> AllToAllExchange:
         return handle.plan.exchange(self.ep_group).reverse()
 
-    def finish_combine(self, received: tuple[Tensor, ...], handle: DispatchHandle) -> Tensor:
-        assert isinstance(handle, AllToAllHandle)
+    def finish_combine(self, received: tuple[Tensor, ...], handle: AllToAllHandle) -> Tensor:
         with self._phase("unpermute"):
             # the probs never left this rank: each token's k returned copies are weighted and summed here
             return unpermute(received[0], handle.row_map, handle.probs_TK)

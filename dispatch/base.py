@@ -14,10 +14,14 @@ combine kernels, which add without weights), move them with the routing they mus
 and apply them there. ``weighted_combine=False`` sums the copies unweighted (the caller applied
 the probs to the input: Megatron's ``--moe-apply-probs-on-input``).
 
-Stages: a dispatch is ``prepare_dispatch`` (local) -> ``dispatch_exchange`` (the one exchange over the
-expert group, ``dispatch.token_exchange``) -> ``finish_dispatch`` (local); a combine likewise. The plain
-``dispatch_start``/``combine`` chain them with autograd across the exchange; the batch-level overlap
-schedules run each as its own node. The allgather dispatcher is not staged (``staged = False``).
+Stages (``Dispatcher``, a typed ``Protocol``): a dispatch is ``prepare_dispatch`` (local) -> ``dispatch_exchange``
+(the one exchange over the expert group, ``dispatch.token_exchange``) -> ``finish_dispatch`` (local); a combine
+likewise (``prepare_combine`` -> ``combine_exchange`` -> ``finish_combine``). What crosses from one stage to the next
+is typed per dispatcher: its ``DispatchPrep`` subclass, its exchange's ``Arrival.meta`` and its ``DispatchHandle``
+subclass. Every dispatcher implements every stage; the MoE layer (``moe.layer``) and the batch-level overlap
+schedules run exactly these stages, the layer with the exchanges chained by autograd (``exchange_with_grad``),
+the schedules with each exchange as its own node. ``TokenDispatcher.dispatch_start`` / ``dispatch`` / ``combine``
+chain the same stages for tests and benchmarks.
 
 Precision: the weighted sum of a token's copies (and any reduction of partial outputs over ranks on
 the way home) accumulates in fp32 for bf16/fp16 tokens (``dispatch.permutation.combine_dtype``), and
@@ -29,16 +33,27 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 from torch import Tensor
 
+from moefold.dispatch.config import DispatcherKind
 from moefold.dispatch.routing import Routing
-from moefold.dispatch.token_exchange import TokenExchange, exchange_with_grad
+from moefold.dispatch.token_exchange import InFlight, TokenExchange, exchange_with_grad
 from moefold.parallel.groups import Group, group_rank, group_size
 
 # A bench-only hook: ``timer(phase)`` returns a context manager timing that phase.
 PhaseTimer = Callable[[str], AbstractContextManager]
+
+
+@dataclass(frozen=True)
+class DispatchPrep:
+    """What ``prepare_dispatch`` found out for the later stages; subclasses add their dispatcher's fields.
+
+    num_tokens: T of the dispatching rank.
+    """
+
+    num_tokens: int
 
 
 @dataclass(frozen=True)
@@ -52,8 +67,13 @@ class DispatchHandle:
     num_rows: int
 
 
+PrepT = TypeVar("PrepT", bound=DispatchPrep)
+MetaT = TypeVar("MetaT")
+HandleT = TypeVar("HandleT", bound=DispatchHandle)
+
+
 @dataclass(frozen=True)
-class Dispatched:
+class Dispatched(Generic[HandleT]):
     """The experts' input on this rank.
 
     tokens_NH:              [N, H] rows grouped by local expert (expert-major), padding rows zero
@@ -72,45 +92,62 @@ class Dispatched:
 
     tokens_NH: Tensor
     tokens_per_expert_e: Tensor
-    handle: DispatchHandle
+    handle: HandleT
     tokens_per_expert_host: tuple[int, ...] | None = None
     received_e: Tensor | None = None
 
 
-class PendingDispatch:
-    """A dispatch whose communication may still be in flight; ``wait()`` returns the ``Dispatched``.
+@runtime_checkable
+class Dispatcher(Protocol[PrepT, MetaT, HandleT]):
+    """The six stages every token dispatcher implements (module docstring), and what the MoE layer reads of it.
 
-    ``finish`` runs once, at the first ``wait()``: it waits for the exchange (an async collective's
-    work, or DeepEP's CUDA event) and does the local work that needs the received rows. Work the
-    caller runs between ``dispatch_start`` and ``wait`` (the shared experts) overlaps the exchange
-    only as far as the dispatcher left it in flight: alltoall's token exchange and flex's DeepEP
-    kernel are; allgather's gathers have finished when ``dispatch_start`` returns.
-
-    ``event``: an object with ``current_stream_wait()`` (DeepEP's ``EventOverlap``) that the
-    compute stream must wait on before ``finish`` reads the received rows; the first ``wait()``
-    waits on it once and drops it (``event`` is None afterwards). Staged dispatchers wait inside
-    their exchange's ``InFlight`` instead (``dispatch.token_exchange``).
+    ``PrepT``: what ``prepare_dispatch`` hands the later stages; ``MetaT``: what its dispatch exchange learns on the
+    way (``Arrival.meta``); ``HandleT``: what ``combine`` needs to undo the dispatch. Stages hold no per-step state
+    on the dispatcher.
     """
 
-    def __init__(self, finish: Callable[[], Dispatched], event: Any = None):
-        self._finish: Callable[[], Dispatched] | None = finish
-        self._result: Dispatched | None = None
-        self.event = event
+    kind: ClassVar[DispatcherKind]
+    name: ClassVar[str]
+    num_experts: int
+    num_local_experts: int
+    local_expert_offset: int
 
-    def wait(self) -> Dispatched:
-        if self._finish is not None:
-            if self.event is not None:
-                self.event.current_stream_wait()
-                self.event = None
-            self._result, self._finish = self._finish(), None
-        assert self._result is not None
-        return self._result
+    def prepare_dispatch(self, x_TH: Tensor, routing: Routing, *, weighted_combine: bool = True,
+                         ) -> tuple[tuple[Tensor, ...], PrepT]:
+        """Local work before the exchange: (the tensors to send, on the graph of ``x_TH``; the frozen ``prep``).
+        ``weighted_combine``: the combine weights each copy by ``routing.probs_TK`` (False: plain sum). May
+        synchronise with the host (split sizes)."""
+        ...
+
+    def dispatch_exchange(self, prep: PrepT) -> TokenExchange[MetaT]:
+        """The exchange that moves ``prepare_dispatch``'s tensors to the experts' ranks."""
+        ...
+
+    def finish_dispatch(self, received: tuple[Tensor, ...], meta: MetaT, prep: PrepT) -> Dispatched[HandleT]:
+        """Local work on the received tensors (``Arrival.meta`` alongside) -> the experts' input."""
+        ...
+
+    def prepare_combine(self, expert_out_NH: Tensor, handle: HandleT) -> tuple[Tensor, ...]:
+        """Local work on the experts' output (not weighted; partial sums over etp) before the exchange back: the
+        tensors to send."""
+        ...
+
+    def combine_exchange(self, handle: HandleT) -> TokenExchange[None]:
+        """The exchange that brings ``prepare_combine``'s tensors home."""
+        ...
+
+    def finish_combine(self, received: tuple[Tensor, ...], handle: HandleT) -> Tensor:
+        """Local work on the returned tensors -> y [T, H], each token's copies weighted by its routing probs (unless
+        dispatched with ``weighted_combine=False``) and summed (in fp32 for bf16 rows: see the module docstring)."""
+        ...
 
 
 class TokenDispatcher:
-    """Base class: expert placement over ``ep_group`` and input checks shared by all dispatchers."""
+    """Base class: expert placement over ``ep_group``, the input checks every dispatcher shares, and the stages
+    chained (``dispatch_start`` / ``dispatch`` / ``combine``). Subclasses implement ``Dispatcher``'s stages."""
 
-    name = "base"
+    kind: ClassVar[DispatcherKind]
+    name: ClassVar[str]
 
     def __init__(self, num_experts: int, ep_group: Group = None, etp_group: Group = None,
                  timer: PhaseTimer | None = None):
@@ -158,64 +195,30 @@ class TokenDispatcher:
         if routing.pad_to_capacity and (routing.capacity is None or routing.capacity < 0):
             raise ValueError(f"{self.name} dispatch: pad_to_capacity needs a capacity >= 0, got {routing.capacity}")
 
-    # -- stages: local work, one exchange over the expert group, local work --------------------------------------
-    # The batch-level overlap schedules (pipeline.overlap) run the three parts of a dispatch / combine as separate
-    # nodes, the exchange in flight while another micro-batch computes; dispatch_start / combine chain them.
-    # A dispatcher whose exchange is not one separable step (allgather: its gathers and the routing travel
-    # together) keeps staged = False and overrides dispatch_start / combine.
-    staged = True
-
-    def prepare_dispatch(self, x_TH: Tensor, routing: Routing, *, weighted_combine: bool = True,
-                         ) -> tuple[tuple[Tensor, ...], Any]:
-        """Local work before the exchange: (the tensors to send, on the graph of ``x_TH``; a frozen ``prep``
-        the other stages read). May synchronise with the host (split sizes)."""
-        raise NotImplementedError(f"the {self.name} dispatcher has no separate exchange stage")
-
-    def dispatch_exchange(self, prep: Any) -> TokenExchange:
-        """The exchange that moves ``prepare_dispatch``'s tensors to the experts' ranks."""
-        raise NotImplementedError(f"the {self.name} dispatcher has no separate exchange stage")
-
-    def finish_dispatch(self, received: tuple[Tensor, ...], meta: Any, prep: Any) -> Dispatched:
-        """Local work on the received tensors (``Arrival.meta`` alongside) -> the experts' input."""
-        raise NotImplementedError(f"the {self.name} dispatcher has no separate exchange stage")
-
-    def prepare_combine(self, expert_out_NH: Tensor, handle: DispatchHandle) -> tuple[Tensor, ...]:
-        """Local work on the experts' output before the exchange back: the tensors to send."""
-        raise NotImplementedError(f"the {self.name} dispatcher has no separate exchange stage")
-
-    def combine_exchange(self, handle: DispatchHandle) -> TokenExchange:
-        """The exchange that brings ``prepare_combine``'s tensors home."""
-        raise NotImplementedError(f"the {self.name} dispatcher has no separate exchange stage")
-
-    def finish_combine(self, received: tuple[Tensor, ...], handle: DispatchHandle) -> Tensor:
-        """Local work on the returned tensors -> y [T, H]."""
-        raise NotImplementedError(f"the {self.name} dispatcher has no separate exchange stage")
-
-    def dispatch_start(self, x_TH: Tensor, routing: Routing, *, weighted_combine: bool = True) -> PendingDispatch:
-        """Start moving the kept copies of x's tokens to their experts (see ``Dispatched``); the exchange is in
-        flight until ``wait()``.
-
-        ``weighted_combine``: the combine weights each copy by ``routing.probs_TK`` (False: plain sum).
-        """
+    # -- the stages chained (tests, benchmarks): the MoE layer runs the same stages itself (moe.layer) ---------------
+    def dispatch_start(self: Dispatcher[PrepT, MetaT, HandleT], x_TH: Tensor, routing: Routing, *,
+                       weighted_combine: bool = True) -> InFlight[Dispatched[HandleT]]:
+        """``prepare_dispatch``, then the exchange started; ``wait()`` waits for it and runs ``finish_dispatch``. Work
+        between the two overlaps the exchange as far as the dispatcher leaves it in flight (alltoall's all-to-all,
+        flex's DeepEP kernel; allgather's gather has finished when its exchange starts)."""
         sent, prep = self.prepare_dispatch(x_TH, routing, weighted_combine=weighted_combine)
         with self._phase("communicate"):
             flight = exchange_with_grad(self.dispatch_exchange(prep), *sent)
 
-        def finish() -> Dispatched:
+        def finish() -> Dispatched[HandleT]:
             with self._phase("communicate"):
                 arrival, received = flight.wait()
             return self.finish_dispatch(received, arrival.meta, prep)
 
-        return PendingDispatch(finish)
+        return InFlight(finish)
 
-    def dispatch(self, x_TH: Tensor, routing: Routing, *, weighted_combine: bool = True) -> Dispatched:
+    def dispatch(self: Dispatcher[PrepT, MetaT, HandleT], x_TH: Tensor, routing: Routing, *,
+                 weighted_combine: bool = True) -> Dispatched[HandleT]:
         """``dispatch_start(x, routing).wait()``."""
         return self.dispatch_start(x_TH, routing, weighted_combine=weighted_combine).wait()
 
-    def combine(self, expert_out_NH: Tensor, handle: DispatchHandle) -> Tensor:
-        """[N, H] expert outputs (not weighted; partial sums over etp) -> y [T, H], each token's copies
-        weighted by its routing probs (unless dispatched with ``weighted_combine=False``) and summed
-        (in fp32 for bf16 rows: y may be fp32, see the module docstring)."""
+    def combine(self: Dispatcher[PrepT, MetaT, HandleT], expert_out_NH: Tensor, handle: HandleT) -> Tensor:
+        """``prepare_combine``, the exchange back, ``finish_combine``: [N, H] expert outputs -> y [T, H]."""
         sent = self.prepare_combine(expert_out_NH, handle)
         with self._phase("communicate"):
             _, received = exchange_with_grad(self.combine_exchange(handle), *sent).wait()

@@ -72,7 +72,8 @@ import torch
 from torch import Tensor
 
 from moefold.dispatch import deepep_nccl
-from moefold.dispatch.base import Dispatched, DispatchHandle, PhaseTimer, TokenDispatcher
+from moefold.dispatch.base import Dispatched, DispatchHandle, DispatchPrep, PhaseTimer, TokenDispatcher
+from moefold.dispatch.config import DispatcherKind, FlexOptions
 from moefold.dispatch.permutation import RowMap, build_row_map, mask_groups, permute, unpermute
 from moefold.dispatch.routing import Routing
 from moefold.dispatch.token_exchange import Arrival, InFlight, TokenExchange, after_event
@@ -202,7 +203,7 @@ class FlexLayout:
 
 
 @dataclass(frozen=True)
-class FlexDispatchExchange(TokenExchange):
+class FlexDispatchExchange(TokenExchange[FlexLayout]):
     """Forward: layout + ``buffer.dispatch`` of tokens and top-k weights on DeepEP's stream (``previous_event``:
     after the work queued on ours; ``async_finish``), waited on through its event. Backward: ``buffer.combine``
     of both gradients (the weights' reduced alongside the tokens')."""
@@ -211,7 +212,7 @@ class FlexDispatchExchange(TokenExchange):
     topk_idx: Tensor
     num_experts: int
 
-    def start(self, *tensors: Tensor) -> InFlight[Arrival]:
+    def start(self, *tensors: Tensor) -> InFlight[Arrival[FlexLayout]]:
         x, weights_TK = tensors
         buffer = self.buffer
         previous = buffer.capture()  # DeepEP's stream starts after the work queued on ours
@@ -235,21 +236,21 @@ class FlexDispatchExchange(TokenExchange):
 
 
 @dataclass(frozen=True)
-class FlexCombineExchange(TokenExchange):
+class FlexCombineExchange(TokenExchange[None]):
     """Forward: ``buffer.combine`` (per token, the sum of every rank's rows). Backward: the cached ``dispatch``."""
 
     buffer: Any
     deep_ep_handle: Any
 
-    def start(self, *tensors: Tensor) -> InFlight[Arrival]:
+    def start(self, *tensors: Tensor) -> InFlight[Arrival[None]]:
         (y_recv,) = tensors
         y, _, event = self.buffer.combine(y_recv.contiguous(), self.deep_ep_handle,
                                           previous_event=self.buffer.capture(), async_finish=True,
                                           allocate_on_comm_stream=True)
 
-        return after_event(event, Arrival((y,)))
+        return after_event(event, Arrival((y,), None))
 
-    def start_backward(self, grads: Sequence[Tensor], meta: Any) -> InFlight[tuple[Tensor, ...]]:
+    def start_backward(self, grads: Sequence[Tensor], meta: None) -> InFlight[tuple[Tensor, ...]]:
         (grad,) = grads
         grad_recv, _, _, _, _, event = self.buffer.dispatch(
             grad.to(torch.bfloat16).contiguous(), handle=self.deep_ep_handle, previous_event=self.buffer.capture(),
@@ -259,11 +260,10 @@ class FlexCombineExchange(TokenExchange):
 
 
 @dataclass(frozen=True)
-class FlexPrep:
-    """``prepare_dispatch``'s findings: the exchange, T, the routing's capacity mode and the weighting."""
+class FlexPrep(DispatchPrep):
+    """``prepare_dispatch``'s findings: the exchange, the routing's capacity mode and the weighting."""
 
     exchange: FlexDispatchExchange
-    num_tokens: int
     pad_to_capacity: bool
     capacity: int | None
     weighted_combine: bool
@@ -285,21 +285,22 @@ class FlexDispatcher(TokenDispatcher):
     """DeepEP-backed dispatcher over the etp x ep group (NVLink intra-node, RDMA inter-node).
 
     ``etp_ep_group``: the etp x ep ranks, rank ``ep_rank * etp + etp_rank`` (``ParallelDims.etp_ep_group``);
-    may be None when etp or ep is 1 (then it is the other group). ``num_sms``: DeepEP's SM count.
-    ``buffers``: where the DeepEP buffer comes from (default: the process-wide ``BUFFERS``).
+    may be None when etp or ep is 1 (then it is the other group). ``options``: ``FlexOptions`` (checked there; this
+    backend reads ``num_sms``, 0 meaning ``DEFAULT_NUM_SMS``). ``buffers``: where the DeepEP buffer comes from
+    (default: the process-wide ``BUFFERS``).
     """
 
+    kind = DispatcherKind.FLEX
     name = "flex"
 
     def __init__(self, num_experts: int, ep_group: Group = None, etp_group: Group = None,
-                 etp_ep_group: Group = None, timer: PhaseTimer | None = None, *, num_sms: int = DEFAULT_NUM_SMS,
-                 buffers: DeepEPBuffers | None = None):
+                 etp_ep_group: Group = None, timer: PhaseTimer | None = None, *,
+                 options: FlexOptions | None = None, buffers: DeepEPBuffers | None = None):
         deep_ep = import_deep_ep()
         super().__init__(num_experts, ep_group, etp_group, timer)
         n = self.ep * self.etp
         etp_ep_group = flex_group(self, etp_ep_group)
-        if not isinstance(num_sms, int) or num_sms < 2 or num_sms % 2:
-            raise ValueError(f"--moe-deepep-num-sms={num_sms!r} must be an even integer >= 2")
+        num_sms = (options or FlexOptions()).num_sms or DEFAULT_NUM_SMS
         try:
             deep_ep.Buffer.get_dispatch_config(n)
         except AssertionError as exc:
@@ -331,13 +332,15 @@ class FlexDispatcher(TokenDispatcher):
             topk_idx, probs_TK = self._virtual(topk_idx, probs_TK)
         buffer = self.buffers.get(self._deep_ep, self.group, H * x_TH.element_size(), self.num_sms)
         exchange = FlexDispatchExchange(buffer, topk_idx.contiguous(), self.num_virtual_experts)
-        prep = FlexPrep(exchange, x_TH.shape[0], routing.pad_to_capacity, routing.capacity, weighted_combine)
+        prep = FlexPrep(num_tokens=x_TH.shape[0], exchange=exchange, pad_to_capacity=routing.pad_to_capacity,
+                        capacity=routing.capacity, weighted_combine=weighted_combine)
         return (x_TH, probs_TK), prep
 
     def dispatch_exchange(self, prep: FlexPrep) -> FlexDispatchExchange:
         return prep.exchange
 
-    def finish_dispatch(self, received: tuple[Tensor, ...], meta: FlexLayout, prep: FlexPrep) -> Dispatched:
+    def finish_dispatch(self, received: tuple[Tensor, ...], meta: FlexLayout, prep: FlexPrep,
+                        ) -> Dispatched[FlexHandle]:
         recv_x, recv_w = received
         e, per_expert, T = self.num_local_experts, list(meta.per_expert), prep.num_tokens
         with self._phase("permute"):
@@ -365,18 +368,16 @@ class FlexDispatcher(TokenDispatcher):
                             deep_ep_handle=meta.deep_ep_handle, buffer=prep.exchange.buffer)
         return Dispatched(tokens, row_map.counts_G, handle, counts_host)
 
-    def prepare_combine(self, expert_out_NH: Tensor, handle: DispatchHandle) -> tuple[Tensor, ...]:
+    def prepare_combine(self, expert_out_NH: Tensor, handle: FlexHandle) -> tuple[Tensor, ...]:
         self._check_combine(expert_out_NH, handle, FlexHandle)
-        assert isinstance(handle, FlexHandle)
         with self._phase("unpermute"):
             # weighted here, on the expert rank: DeepEP's normal combine adds rows without weights. The weighted
             # sum is fp32 (combine_dtype) and rounded to bf16 for DeepEP, whose combine kernel adds the ranks'
             # rows in fp32 registers (v1.2.1 csrc/kernels/intranode.cu: float values[])
             return (unpermute(expert_out_NH, handle.row_map, handle.recv_weights).to(torch.bfloat16),)
 
-    def combine_exchange(self, handle: DispatchHandle) -> FlexCombineExchange:
-        assert isinstance(handle, FlexHandle)
+    def combine_exchange(self, handle: FlexHandle) -> FlexCombineExchange:
         return FlexCombineExchange(handle.buffer, handle.deep_ep_handle)
 
-    def finish_combine(self, received: tuple[Tensor, ...], handle: DispatchHandle) -> Tensor:
+    def finish_combine(self, received: tuple[Tensor, ...], handle: FlexHandle) -> Tensor:
         return received[0]

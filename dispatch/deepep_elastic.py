@@ -34,17 +34,17 @@ at run time by its JIT), used as DeepEP's README pairs the calls for training:
   else 1; ``cumulative_local_expert_recv_stats``: a fresh int32 ``[e]`` per dispatch, the copies each local
   expert received, returned as ``Dispatched.received_e`` for the load-balance metrics.
 - **asynchrony**: dispatch runs with ``async_with_compute_stream=True`` on DeepEP's communication stream (which
-  waits for the work already queued on ours); ``dispatch_start`` returns while the tokens travel and its
-  ``wait()`` makes the compute stream wait on DeepEP's ``EventOverlap`` (no host wait): the MoE layer runs the
+  waits for the work already queued on ours); the dispatch exchange's ``start`` returns while the tokens travel
+  and its ``wait()`` makes the compute stream wait on DeepEP's ``EventOverlap`` (no host wait): the MoE layer runs the
   shared experts in between. Combine and both backward passes are waited on the same way, at once in the plain
   layer, after the other micro-batch's computation under the batch-level overlap.
 - **forward/backward pairs** as DeepEP's README defines them: dispatch's backward is ``combine`` of the
   gradients with the dispatch's handle (the top-k weights' gradients reduced alongside); combine's backward is a
   dispatch with the cached handle (``handle=``, no ``topk_idx``, no CPU sync). Each direction is an exchange
   object (``ElasticDispatchExchange`` / ``ElasticCombineExchange``, ``dispatch.token_exchange.TokenExchange``s:
-  ``start`` and ``start_backward``), connected to autograd after its wait: the plain layer chains the stages
-  (``TokenDispatcher.dispatch_start`` / ``combine``), the batch-level overlap schedules run them as separate
-  nodes, the exchange in flight while another micro-batch computes.
+  ``start`` and ``start_backward``), connected to autograd after its wait: the MoE layer chains the stages
+  (``moe.layer``), the batch-level overlap schedules run them as separate nodes, the exchange in flight while
+  another micro-batch computes.
 - FP8 dispatch (``--moe-fp8-dispatch``): the rows leave as e4m3 with one fp32 scale per 128 channels
   (``dispatch.fp8_exchange.quantize_rows``, DeepEP's ``(data, scales)`` input) and are dequantised on arrival;
   gradients return in bf16 and the cast counts as the identity, as with the other dispatchers.
@@ -73,7 +73,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from moefold.dispatch.base import Dispatched, DispatchHandle, PhaseTimer, TokenDispatcher
+from moefold.dispatch.base import Dispatched, DispatchHandle, DispatchPrep, PhaseTimer, TokenDispatcher
+from moefold.dispatch.config import DispatcherKind, FlexOptions
 from moefold.dispatch.deepep import check_flex_topk, flex_group, virtual_experts
 from moefold.dispatch.deepep_nccl import NCCL_MIN_TEXT, import_deep_ep, start_communicator
 from moefold.dispatch.fp8_exchange import dequantize_rows, quantize_rows
@@ -215,7 +216,7 @@ class ElasticArrival:
 
 
 @dataclass(frozen=True)
-class ElasticDispatchExchange(TokenExchange):
+class ElasticDispatchExchange(TokenExchange[ElasticArrival]):
     """Forward: ``ElasticBuffer.dispatch`` of the tokens (FP8 when ``fp8``) and top-k weights (when sent), in
     flight until its event. Backward: ``combine`` of both gradients with the dispatch's handle."""
 
@@ -224,7 +225,7 @@ class ElasticDispatchExchange(TokenExchange):
     call: ElasticCall
     fp8: bool = False
 
-    def start(self, *tensors: Tensor) -> InFlight[Arrival]:
+    def start(self, *tensors: Tensor) -> InFlight[Arrival[ElasticArrival]]:
         """``(x [T, H] bf16, weights [T, K] fp32)`` or ``(x,)`` (unweighted combine) -> at ``wait()``:
         ``Arrival((rows [N, H] in x's dtype[, weights [N]]), ElasticArrival)``."""
         x, *weights = tensors
@@ -240,7 +241,7 @@ class ElasticDispatchExchange(TokenExchange):
             do_zero_padding=True)
         dtype = x.dtype
 
-        def finish() -> Arrival:
+        def finish() -> Arrival[ElasticArrival]:
             event.current_stream_wait()   # the compute stream waits on DeepEP's: no host wait
             rows = dequantize_rows(*recv, dtype) if self.fp8 else recv
             return Arrival((rows,) if recv_w is None else (rows, recv_w), ElasticArrival(handle, stats))
@@ -258,7 +259,7 @@ class ElasticDispatchExchange(TokenExchange):
 
 
 @dataclass(frozen=True)
-class ElasticCombineExchange(TokenExchange):
+class ElasticCombineExchange(TokenExchange[None]):
     """Forward: ``ElasticBuffer.combine`` (per token, the sum of its rows on every rank). Backward: a dispatch of
     the gradient with the cached handle (no CPU sync, zeroed padding)."""
 
@@ -266,14 +267,14 @@ class ElasticCombineExchange(TokenExchange):
     handle: Any
     call: ElasticCall
 
-    def start(self, *tensors: Tensor) -> InFlight[Arrival]:
+    def start(self, *tensors: Tensor) -> InFlight[Arrival[None]]:
         (rows,) = tensors
         y, _, event = self.buffer.combine(rows.contiguous(), self.handle, num_sms=self.call.num_sms,
                                           async_with_compute_stream=True)
 
-        return after_event(event, Arrival((y,)))
+        return after_event(event, Arrival((y,), None))
 
-    def start_backward(self, grads: Sequence[Tensor], meta: Any) -> InFlight[tuple[Tensor, ...]]:
+    def start_backward(self, grads: Sequence[Tensor], meta: None) -> InFlight[tuple[Tensor, ...]]:
         (grad,) = grads
         out, _, _, _, event = self.buffer.dispatch(grad.to(torch.bfloat16).contiguous(), handle=self.handle,
                                                    num_sms=self.call.num_sms, async_with_compute_stream=True,
@@ -283,12 +284,11 @@ class ElasticCombineExchange(TokenExchange):
 
 
 @dataclass(frozen=True)
-class ElasticPrep:
-    """``prepare_dispatch``'s frozen result: the dispatch exchange (it holds the call's settings) and the token
-    count. Whether the combine weights the rows is what arrives: the weights travel only when it does."""
+class ElasticPrep(DispatchPrep):
+    """``prepare_dispatch``'s frozen result: the dispatch exchange (it holds the call's settings). Whether the
+    combine weights the rows is what arrives: the weights travel only when it does."""
 
     exchange: ElasticDispatchExchange
-    num_tokens: int
 
 
 @dataclass(frozen=True)
@@ -312,39 +312,39 @@ def aligned_counts(psum_e: Tensor, alignment: int) -> Tensor:
 class ElasticFlexDispatcher(TokenDispatcher):
     """DeepEP V2 flex dispatcher over the etp x ep group (module docstring).
 
-    ``hidden_size``, ``max_tokens_per_rank``: what sizes the buffer; ``num_sms``: 0 = DeepEP's theoretical count;
-    ``cpu_sync``: let DeepEP read the counts on the host (exact sizes, one host wait per dispatch); ``hybrid``:
-    ``allow_hybrid_mode``; ``expert_alignment``: row multiple of each expert's block; ``fp8``: FP8 dispatch;
-    ``buffers``: where the buffer comes from (default ``ELASTIC_BUFFERS``).
+    ``options``: ``FlexOptions`` (checked there): ``max_tokens_per_rank`` sizes the buffer (with ``hidden_size``);
+    ``num_sms`` 0 = DeepEP's theoretical count; ``cpu_sync``: let DeepEP read the counts on the host (exact sizes,
+    one host wait per dispatch), None: exactly when ``experts_read_host_counts``; ``hybrid``: ``allow_hybrid_mode``.
+    ``expert_alignment``: row multiple of each expert's block; ``fp8``: FP8 dispatch; ``buffers``: where the buffer
+    comes from (default ``ELASTIC_BUFFERS``).
     """
 
+    kind = DispatcherKind.FLEX
     name = "flex"
-    backend = "deepep"
 
     def __init__(self, num_experts: int, ep_group: Group = None, etp_group: Group = None,
-                 etp_ep_group: Group = None, timer: PhaseTimer | None = None, *, hidden_size: int,
-                 max_tokens_per_rank: int | None, num_sms: int = 0, cpu_sync: bool = False, hybrid: bool = True,
-                 expert_alignment: int = 1, fp8: bool = False, buffers: ElasticBuffers | None = None):
+                 etp_ep_group: Group = None, timer: PhaseTimer | None = None, *, options: FlexOptions,
+                 hidden_size: int, expert_alignment: int = 1, experts_read_host_counts: bool = False,
+                 fp8: bool = False, buffers: ElasticBuffers | None = None):
         deep_ep = import_elastic()
         super().__init__(num_experts, ep_group, etp_group, timer)
         self.group = flex_group(self, etp_ep_group)
-        if not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 1:
+        max_tokens_per_rank = options.max_tokens_per_rank
+        if max_tokens_per_rank is None:
             raise ValueError(f"the flex dispatcher (DeepEP V2) sizes its buffer by the most tokens a rank routes per "
                              f"MoE call (num_max_tokens_per_rank: micro-batch x sequence / (tp x cp), which the "
                              f"trainer sets); got max_tokens_per_rank={max_tokens_per_rank!r}")
         if not isinstance(hidden_size, int) or hidden_size < 1:
             raise ValueError(f"the flex dispatcher (DeepEP V2): hidden_size={hidden_size!r} must be a positive integer")
         check_elastic_layout(hidden_size, num_experts, self.ep, self.etp, fp8)
-        if not isinstance(num_sms, int) or num_sms < 0 or num_sms % 2:
-            raise ValueError(f"--moe-deepep-num-sms={num_sms!r} must be an even integer (0: DeepEP's estimate)")
         if not isinstance(expert_alignment, int) or expert_alignment < 1:
             raise ValueError(f"expert_alignment={expert_alignment!r} must be a positive integer")
         virtual = num_experts * self.etp
         self._deep_ep, self.hidden_size, self.max_tokens_per_rank = deep_ep, hidden_size, max_tokens_per_rank
-        self.num_sms, self.cpu_sync, self.hybrid, self.fp8 = num_sms, cpu_sync, hybrid, fp8
+        self.num_sms, self.hybrid, self.fp8 = options.num_sms, options.hybrid, fp8
+        self.cpu_sync = options.cpu_sync_for(experts_read_host_counts)
         self.expert_alignment, self.num_virtual_experts = expert_alignment, virtual
         self.buffers = ELASTIC_BUFFERS if buffers is None else buffers
-
 
     def layout(self, topk: int) -> ElasticLayout:
         return ElasticLayout(self.max_tokens_per_rank, self.hidden_size, self.num_virtual_experts, topk * self.etp,
@@ -377,12 +377,13 @@ class ElasticFlexDispatcher(TokenDispatcher):
                            self.cpu_sync)
         exchange = ElasticDispatchExchange(buffer, topk_idx.contiguous(), call, self.fp8)
         sent = (x_TH, probs_TK) if weighted_combine else (x_TH,)
-        return sent, ElasticPrep(exchange, num_tokens)
+        return sent, ElasticPrep(num_tokens=num_tokens, exchange=exchange)
 
     def dispatch_exchange(self, prep: ElasticPrep) -> ElasticDispatchExchange:
         return prep.exchange
 
-    def finish_dispatch(self, received: tuple[Tensor, ...], meta: ElasticArrival, prep: ElasticPrep) -> Dispatched:
+    def finish_dispatch(self, received: tuple[Tensor, ...], meta: ElasticArrival, prep: ElasticPrep,
+                        ) -> Dispatched[ElasticHandle]:
         rows, *weights = received
         call, ep_handle = prep.exchange.call, meta.handle
         counts = aligned_counts(ep_handle.psum_num_recv_tokens_per_expert, call.expert_alignment)
@@ -393,18 +394,16 @@ class ElasticFlexDispatcher(TokenDispatcher):
         return Dispatched(rows, counts, handle, host, received_e=meta.received_e)
 
     # -- combine: prepare (weight each row) -> exchange (DeepEP's combine) -> finish (nothing left) -------------
-    def prepare_combine(self, expert_out_NH: Tensor, handle: DispatchHandle) -> tuple[Tensor, ...]:
+    def prepare_combine(self, expert_out_NH: Tensor, handle: ElasticHandle) -> tuple[Tensor, ...]:
         self._check_combine(expert_out_NH, handle, ElasticHandle)
-        assert isinstance(handle, ElasticHandle)
         with self._phase("unpermute"):
             # weighted here, on the expert rank: DeepEP's combine adds rows without weights; the product in fp32
             # (the weights are fp32), rounded once to the bf16 DeepEP moves
             rows = expert_out_NH if handle.recv_weights is None else expert_out_NH * handle.recv_weights.unsqueeze(1)
             return (rows.to(torch.bfloat16),)
 
-    def combine_exchange(self, handle: DispatchHandle) -> ElasticCombineExchange:
-        assert isinstance(handle, ElasticHandle)
+    def combine_exchange(self, handle: ElasticHandle) -> ElasticCombineExchange:
         return handle.exchange
 
-    def finish_combine(self, received: tuple[Tensor, ...], handle: DispatchHandle) -> Tensor:
+    def finish_combine(self, received: tuple[Tensor, ...], handle: ElasticHandle) -> Tensor:
         return received[0]

@@ -14,45 +14,51 @@ are not implemented.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
 
-FLEX_BACKENDS: tuple[str, ...] = ("deepep", "deepep-legacy")
-FLEX_BACKEND_CHOICES: tuple[str, ...] = ("auto", *FLEX_BACKENDS)
+
+class FlexBackend(StrEnum):
+    """Which DeepEP the flex dispatcher runs (``--moe-flex-dispatcher-backend``; the values are the flag's)."""
+
+    AUTO = "auto"
+    DEEPEP = "deepep"
+    DEEPEP_LEGACY = "deepep-legacy"
+
+    @classmethod
+    def _missing_(cls, value: object) -> FlexBackend:
+        raise ValueError(f"--moe-flex-dispatcher-backend={value!r}; valid: {', '.join(cls)}")
 
 
-def check_flex_backend(name: str) -> None:
-    if name not in FLEX_BACKEND_CHOICES:
-        raise ValueError(f"--moe-flex-dispatcher-backend={name!r}; valid: {', '.join(FLEX_BACKEND_CHOICES)}")
-
-
-def resolve_flex_backend(name: str) -> str:
-    """``name`` with ``auto`` replaced by what the installed DeepEP runs; ImportError of one line naming what to
+def resolve_flex_backend(backend: FlexBackend) -> FlexBackend:
+    """``backend`` with ``AUTO`` replaced by what the installed DeepEP runs; ImportError of one line naming what to
     install when the backend's DeepEP is missing, or the fix when it refuses torch's NCCL (``dispatch.deepep_nccl``)."""
-    check_flex_backend(name)
-    if name == "deepep":
+    backend = FlexBackend(backend)
+    if backend is FlexBackend.DEEPEP:
         from moefold.dispatch.deepep_elastic import import_elastic
 
         import_elastic()
-        return name
-    if name == "deepep-legacy":
+        return backend
+    if backend is FlexBackend.DEEPEP_LEGACY:
         from moefold.dispatch.deepep import import_deep_ep
 
         import_deep_ep()
-        return name
+        return backend
     from moefold.dispatch.deepep_elastic import V2_INSTALL_HINT
     from moefold.dispatch.deepep_nccl import import_deep_ep
 
     deep_ep = import_deep_ep(V2_INSTALL_HINT)
-    return "deepep" if hasattr(deep_ep, "ElasticBuffer") else "deepep-legacy"
+    return FlexBackend.DEEPEP if hasattr(deep_ep, "ElasticBuffer") else FlexBackend.DEEPEP_LEGACY
 
 
-def describe_flex_backend(name: str, *, hybrid: bool = True, cpu_sync: bool = False, num_sms: int = 0) -> str:
+def describe_flex_backend(backend: FlexBackend, *, hybrid: bool = True, cpu_sync: bool = False,
+                          num_sms: int = 0) -> str:
     """The start-up line naming the backend, the installed DeepEP and its settings (imports ``deep_ep``)."""
     from moefold.dispatch.deepep_nccl import import_deep_ep
 
     deep_ep: Any = import_deep_ep("the flex dispatcher needs DeepEP (docs/gpus.md)")
     version = getattr(deep_ep, "__version__", "?")
-    if name == "deepep":
+    if FlexBackend(backend) is FlexBackend.DEEPEP:
         sms = f"{num_sms} SMs" if num_sms else "SMs from ElasticBuffer.get_theoretical_num_sms"
         sync = "CPU sync for the received counts (1 host wait per dispatch)" if cpu_sync else \
             "sync-free (do_cpu_sync=False, worst-case receive buffers)"
@@ -80,5 +86,5 @@ def forget_deepep_buffers() -> int:
     return BUFFERS.forget() + ELASTIC_BUFFERS.forget()
 
 
-__all__ = ["FLEX_BACKENDS", "FLEX_BACKEND_CHOICES", "check_flex_backend", "describe_flex_backend",
-           "destroy_deepep_buffers", "forget_deepep_buffers", "resolve_flex_backend"]
+__all__ = ["FlexBackend", "describe_flex_backend", "destroy_deepep_buffers", "forget_deepep_buffers",
+           "resolve_flex_backend"]

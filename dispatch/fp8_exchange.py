@@ -13,14 +13,11 @@ precision, as DeepEP's BF16 combine), and the cast counts as the identity (strai
 FP8 casts do throughout training.
 
 The all-to-all exchange (``dispatch.token_exchange.AllToAllExchange`` with ``fp8``) packs, moves and
-dequantises the rows; ``fp8_round_trip`` casts rows that stay on the rank. The allgather dispatcher
-packs the same quantised rows into its one all-gather of tokens and routing (``dispatch.allgather``).
+dequantises the rows (a group of one rank casts them too); the allgather dispatcher's exchange packs the
+same quantised rows into its one all-gather of tokens and routing (``dispatch.allgather``).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -65,48 +62,4 @@ def unpack(packed: Tensor, hidden: int) -> tuple[Tensor, Tensor]:
     return data, packed[:, hidden:].contiguous().view(torch.float32)
 
 
-class _Dequantize(torch.autograd.Function):
-    """Forward: the received packed rows, dequantised to ``dtype``. Backward: ``backward(grad)``, the
-    exchange's adjoint, as the gradient of the sent rows ``x`` (the cast is straight-through)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, received: Tensor, dtype: torch.dtype,
-                backward: Callable[[Tensor], Tensor]) -> Tensor:
-        ctx.backward_exchange = backward
-        return dequantize_rows(*unpack(received, x.shape[1]), dtype)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        return ctx.backward_exchange(grad.contiguous()), None, None, None
-
-
-class PendingFp8Exchange:
-    """An FP8 exchange in flight; ``wait()`` returns the dequantised rows (once)."""
-
-    def __init__(self, x: Tensor, pending: Any, backward: Callable[[Tensor], Tensor]) -> None:
-        self._x, self._pending, self._backward = x, pending, backward
-        self._out: Tensor | None = None
-
-    def wait(self) -> Tensor:
-        if self._out is None:
-            received = self._pending.wait() if hasattr(self._pending, "wait") else self._pending
-            self._out = _Dequantize.apply(self._x, received, self._x.dtype, self._backward)
-            self._x = self._pending = None
-        return self._out
-
-
-def _packed(x: Tensor) -> Tensor:
-    if x.dim() != 2:
-        raise ValueError(f"FP8 dispatch sends token rows [N, H], got shape {tuple(x.shape)}")
-    with torch.no_grad():
-        return pack(*quantize_rows(x))
-
-
-def fp8_round_trip(x: Tensor) -> Tensor:
-    """The rows of ``x`` cast to FP8 and back, as an exchange within one rank delivers them (gradient
-    straight through): keeps a group of one rank numerically equal to a larger one."""
-    return PendingFp8Exchange(x, _packed(x), lambda g: g).wait()
-
-
-__all__ = ["BLOCK", "PendingFp8Exchange", "block_size", "dequantize_rows", "fp8_round_trip", "pack", "quantize_rows",
-           "row_bytes", "unpack"]
+__all__ = ["BLOCK", "block_size", "dequantize_rows", "pack", "quantize_rows", "row_bytes", "unpack"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from moefold.dispatch.alltoall import AllToAllDispatcher
 from moefold.dispatch.base import PhaseTimer
+from moefold.dispatch.config import DispatcherKind
 
 
 class LocalDispatcher(AllToAllDispatcher):
@@ -19,6 +20,7 @@ class LocalDispatcher(AllToAllDispatcher):
     when dropless: the counts stay on the device (a backend that needs them on the host reads them).
     """
 
+    kind = DispatcherKind.LOCAL
     name = "local"
 
     def __init__(self, num_experts: int, timer: PhaseTimer | None = None, fp8: bool = False):

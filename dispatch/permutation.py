@@ -37,8 +37,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moefold.parallel.cpu_shortcuts import takes_cpu_shortcut
-
 
 @dataclass(frozen=True)
 class RowMap:
@@ -192,11 +190,10 @@ _BACKWARD_BLOCK_ELEMS_CPU = 2**20
 _BACKWARD_BLOCK_ELEMS_GPU = 2**27
 
 
-def backward_block_elems(rows: Tensor) -> int:
-    """Elements per block of ``_weighted_rows_backward`` for rows on ``rows``' device (the CPU's small blocks are a
-    CPU shortcut, ``parallel.cpu_shortcuts``: a GPU-path count runs the GPU's blocks). Blocks never change the
-    result: every row is computed on its own."""
-    return _BACKWARD_BLOCK_ELEMS_CPU if takes_cpu_shortcut(rows) else _BACKWARD_BLOCK_ELEMS_GPU
+def backward_block_elems(device: torch.device) -> int:
+    """Elements per block of ``_weighted_rows_backward`` for rows on ``device``. Blocks never change the result:
+    every row is computed on its own."""
+    return _BACKWARD_BLOCK_ELEMS_CPU if device.type == "cpu" else _BACKWARD_BLOCK_ELEMS_GPU
 
 
 def _sum_copies(rows_NH: Tensor, slot_N: Tensor, num_tokens: int, topk: int, padded: bool,
@@ -287,7 +284,7 @@ def _weighted_rows_backward(grad_TH: Tensor, rows_NH: Tensor, probs_TK: Tensor, 
     grad_rows = torch.empty_like(rows_NH) if need_rows else None
     dots_N = torch.empty(N, dtype=torch.float32, device=rows_NH.device) if need_probs else None
     width = max(1, rows_NH[0].numel() if N else 1)
-    step = max(1, (block_elems or backward_block_elems(rows_NH)) // width)
+    step = max(1, (block_elems or backward_block_elems(rows_NH.device)) // width)
     for i in range(0, N, step):
         g = grad_src.index_select(0, token_N[i:i + step]).to(acc)
         if need_probs:

@@ -1,7 +1,7 @@
 """A dispatch's or combine's token exchange as an object: started now, waited on later, in either direction.
 
 A dispatcher's work splits into local stages around one exchange of rows over the expert group (see
-``TokenDispatcher.prepare_dispatch``): the plain MoE layer chains them (``exchange_with_grad``: autograd
+``dispatch.base.Dispatcher``): the MoE layer chains them (``exchange_with_grad``: autograd
 connects the rows that were sent to those that arrived, backward is the exchange's adjoint), and the
 batch-level overlap schedules (``pipeline.overlap``) start one micro-batch's exchange, compute another
 micro-batch meanwhile, and wait; the backward exchange is started and waited on the same way. Both run
@@ -27,7 +27,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ from moefold.dispatch.fp8_exchange import dequantize_rows, pack, quantize_rows, 
 from moefold.parallel.groups import Group, group_size
 
 T = TypeVar("T")
+M = TypeVar("M")
 
 
 class InFlight(Generic[T]):
@@ -56,7 +57,13 @@ class InFlight(Generic[T]):
         return self._result  # type: ignore[return-value]
 
 
-def after_event(event: Any, result: T) -> InFlight[T]:
+class StreamEvent(Protocol):
+    """An event the compute stream can wait on (DeepEP's ``EventOverlap``)."""
+
+    def current_stream_wait(self) -> None: ...
+
+
+def after_event(event: StreamEvent, result: T) -> InFlight[T]:
     """``result`` in flight until the compute stream waits on ``event`` (DeepEP's ``EventOverlap``, recorded on its
     communication stream after the kernel that writes ``result``'s tensors): ``wait()`` makes the current stream
     wait on it, no host wait, and returns ``result``."""
@@ -68,31 +75,34 @@ def after_event(event: Any, result: T) -> InFlight[T]:
 
 
 @dataclass(frozen=True)
-class Arrival:
+class Arrival(Generic[M]):
     """What an exchange delivered: ``tensors`` (received; no autograd) and ``meta``, what its backward and the
-    next stage need to know that only the exchange found out (DeepEP's received layout; None for all-to-all)."""
+    next stage need to know that only the exchange found out (DeepEP's received layout, the allgather's gathered
+    expert ids; None for all-to-all)."""
 
     tensors: tuple[Tensor, ...]
-    meta: Any = None
+    meta: M
 
 
-class TokenExchange(ABC):
-    """One exchange of token rows over an expert group, both directions (module docstring)."""
+class TokenExchange(ABC, Generic[M]):
+    """One exchange of token rows over an expert group, both directions (module docstring); ``M``: the type of
+    what it learns on the way (``Arrival.meta``)."""
 
     @abstractmethod
-    def start(self, *tensors: Tensor) -> InFlight[Arrival]:
+    def start(self, *tensors: Tensor) -> InFlight[Arrival[M]]:
         """Start moving ``tensors`` (detached) forward."""
 
     @abstractmethod
-    def start_backward(self, grads: Sequence[Tensor], meta: Any) -> InFlight[tuple[Tensor, ...]]:
-        """Start moving the gradients of the received tensors back; ``meta`` is the forward ``Arrival``'s."""
+    def start_backward(self, grads: Sequence[Tensor], meta: M) -> InFlight[tuple[Tensor, ...]]:
+        """Start moving the gradients of the received tensors back; ``meta`` is the forward ``Arrival``'s. The
+        result holds one gradient per sent tensor."""
 
 
 class _Arrived(torch.autograd.Function):
     """Forward: the arrived tensors, now on the graph of the sent ones. Backward: the exchange's adjoint."""
 
     @staticmethod
-    def forward(ctx, exchange: TokenExchange, meta: Any, num_sent: int, *tensors: Tensor):
+    def forward(ctx, exchange: TokenExchange[M], meta: M, num_sent: int, *tensors: Tensor):
         ctx.exchange, ctx.meta, ctx.num_sent = exchange, meta, num_sent
         received = tensors[num_sent:]
         ctx.mark_non_differentiable(*(t for t in received if not t.is_floating_point()))
@@ -104,19 +114,19 @@ class _Arrived(torch.autograd.Function):
         return (None, None, None, *sent, *([None] * len(grads)))
 
 
-def arrive(exchange: TokenExchange, sent: Sequence[Tensor], arrival: Arrival) -> tuple[Tensor, ...]:
+def arrive(exchange: TokenExchange[M], sent: Sequence[Tensor], arrival: Arrival[M]) -> tuple[Tensor, ...]:
     """The received tensors on the autograd graph of ``sent`` (what crossed ranks: their gradients, backward)."""
     if not any(t.requires_grad for t in sent):
         return arrival.tensors
     return _Arrived.apply(exchange, arrival.meta, len(sent), *sent, *arrival.tensors)
 
 
-def exchange_with_grad(exchange: TokenExchange, *sent: Tensor) -> InFlight[tuple[Arrival, tuple[Tensor, ...]]]:
+def exchange_with_grad(exchange: TokenExchange[M], *sent: Tensor) -> InFlight[tuple[Arrival[M], tuple[Tensor, ...]]]:
     """Start ``exchange`` on ``sent`` (autograd-connected at ``wait()``): the plain layer's way to run it.
     ``wait()`` gives (the Arrival, its tensors on the graph)."""
     flight = exchange.start(*(t.detach() for t in sent))
 
-    def finish() -> tuple[Arrival, tuple[Tensor, ...]]:
+    def finish() -> tuple[Arrival[M], tuple[Tensor, ...]]:
         arrival = flight.wait()
         return arrival, arrive(exchange, sent, arrival)
 
@@ -156,7 +166,7 @@ def _all_to_all(x: Tensor, out_splits: Sequence[Sequence[int]], in_splits: Seque
 
 
 @dataclass(frozen=True)
-class AllToAllExchange(TokenExchange):
+class AllToAllExchange(TokenExchange[None]):
     """Rows over ``group`` by fixed host split sizes, as chunks: chunk c sends ``send[c][r]`` rows to rank r and
     receives ``recv[c][r]`` from it (one chunk: a plain uneven all-to-all). ``reverse()`` is the combine's
     direction. ``fp8``: the forward rows travel as e4m3 with their per-block scales (``dispatch.fp8_exchange``)
@@ -171,22 +181,23 @@ class AllToAllExchange(TokenExchange):
         """The exchange back (received rows -> their senders), in high precision."""
         return AllToAllExchange(self.recv, self.send, self.group)
 
-    def start(self, *tensors: Tensor) -> InFlight[Arrival]:
+    def start(self, *tensors: Tensor) -> InFlight[Arrival[None]]:
         (rows,) = tensors
         if not self.fp8:
             flight = _all_to_all(rows, self.recv, self.send, self.group)
-            return InFlight(lambda: Arrival((flight.wait(),)))
+            return InFlight(lambda: Arrival((flight.wait(),), None))
         if rows.dim() != 2:
             raise ValueError(f"FP8 dispatch sends token rows [N, H], got shape {tuple(rows.shape)}")
         with torch.no_grad():   # every row is cast, also those a rank keeps: the same values at every layout
             flight = _all_to_all(pack(*quantize_rows(rows)), self.recv, self.send, self.group)
         H, dtype = rows.shape[1], rows.dtype
-        return InFlight(lambda: Arrival((dequantize_rows(*unpack(flight.wait(), H), dtype),)))
+        return InFlight(lambda: Arrival((dequantize_rows(*unpack(flight.wait(), H), dtype),), None))
 
-    def start_backward(self, grads: Sequence[Tensor], meta: Any) -> InFlight[tuple[Tensor, ...]]:
+    def start_backward(self, grads: Sequence[Tensor], meta: None) -> InFlight[tuple[Tensor, ...]]:
         (grad,) = grads
         flight = _all_to_all(grad, self.send, self.recv, self.group)
         return InFlight(lambda: (flight.wait(),))
 
 
-__all__ = ["AllToAllExchange", "Arrival", "InFlight", "TokenExchange", "arrive", "exchange_with_grad"]
+__all__ = ["AllToAllExchange", "Arrival", "InFlight", "StreamEvent", "TokenExchange", "after_event", "arrive",
+           "exchange_with_grad"]

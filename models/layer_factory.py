@@ -20,10 +20,13 @@ from moefold.dense.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
 from moefold.dense.mla import MLAttention
 from moefold.dense.mlp import DenseMLP, MLPConfig
 from moefold.dense.rope import YarnConfig
+from moefold.dispatch.config import DispatchConfig, DispatcherKind, FlexOptions
 from moefold.dispatch.deepep import check_flex_topk
 from moefold.models.config import ModelConfig
 from moefold.models.options import ModelOptions
-from moefold.moe.config import MoEConfig
+from moefold.moe.activation import GatedActivation
+from moefold.moe.build import build_moe_layer
+from moefold.moe.config import ExpertsConfig, MoEConfig, SharedExpertsConfig
 from moefold.moe.layer import MoELayer
 from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelDims
@@ -97,17 +100,20 @@ def router_config(config: ModelConfig, options: ModelOptions) -> RouterConfig:
 
 
 def moe_config(config: ModelConfig, options: ModelOptions, dims: ParallelDims) -> MoEConfig:
-    return MoEConfig(num_experts=config.num_experts, moe_ffn_hidden_size=config.moe_ffn_hidden_size,
-                     router=router_config(config, options), shared_expert_ffn_size=config.moe_shared_expert_ffn_size,
-                     shared_expert_gate=config.moe_shared_expert_gate,
-                     dispatcher=options.resolved_dispatcher(dims.ep, dims.etp), gemm_backend=options.gemm_backend,
-                     init_std=options.init_std, fp8=options.fp8, deepep_num_sms=options.moe_deepep_num_sms,
-                     flex_backend=options.moe_flex_dispatcher_backend,
-                     deepep_max_tokens_per_rank=options.moe_deepep_max_tokens_per_rank or None,
-                     deepep_hybrid=options.moe_deepep_mode == "hybrid", deepep_cpu_sync=options.moe_deepep_cpu_sync,
-                     apply_probs_on_input=config.moe_apply_probs_on_input, linear_bias=config.moe_expert_linear_bias,
-                     swiglu_alpha=config.moe_swiglu_alpha, activation_clamp=config.moe_activation_clamp,
-                     glu_linear_offset=config.moe_glu_linear_offset)
+    """The MoE layers' config: the flat ``ModelConfig`` / ``ModelOptions`` fields into the composed one."""
+    c, o = config, options
+    flex = FlexOptions(backend=o.moe_flex_dispatcher_backend, num_sms=o.moe_deepep_num_sms,
+                       max_tokens_per_rank=o.moe_deepep_max_tokens_per_rank or None,
+                       hybrid=o.moe_deepep_mode == "hybrid", cpu_sync=o.moe_deepep_cpu_sync)
+    experts = ExpertsConfig(ffn_hidden_size=c.moe_ffn_hidden_size, bias=c.moe_expert_linear_bias,
+                            glu=GatedActivation(c.moe_swiglu_alpha, c.moe_activation_clamp, c.moe_glu_linear_offset),
+                            gemm_backend=o.gemm_backend, init_std=o.init_std, fp8=o.fp8)
+    shared = None
+    if c.moe_shared_expert_ffn_size or c.moe_shared_expert_gate:
+        shared = SharedExpertsConfig(c.moe_shared_expert_ffn_size, gate=c.moe_shared_expert_gate, init_std=o.init_std)
+    return MoEConfig(num_experts=c.num_experts, router=router_config(c, o), experts=experts,
+                     dispatch=DispatchConfig(o.resolved_dispatcher(dims.ep, dims.etp), flex, fp8=o.fp8.dispatch),
+                     shared=shared, apply_probs_on_input=c.moe_apply_probs_on_input)
 
 
 def mlp_config(config: ModelConfig, options: ModelOptions) -> MLPConfig:
@@ -128,7 +134,7 @@ def check_layout(config: ModelConfig, dims: ParallelDims, options: ModelOptions)
     if config.num_experts:
         moe = moe_config(config, options, dims)
         moe.check_layout(tp=dims.tp, ep=dims.ep, etp=dims.etp)
-        if moe.dispatcher == "flex":
+        if moe.dispatch.kind is DispatcherKind.FLEX:
             check_flex_topk(config.moe_topk, dims.etp)
 
 
@@ -147,8 +153,8 @@ def build_ffn(config: ModelConfig, moe: bool, dims: ParallelDims, options: Model
               **kw: Any) -> MoELayer | DenseMLP:
     """The MoE layer or the dense MLP (``kw``: dtype/device)."""
     if moe:
-        return MoELayer(moe_config(config, options, dims), config.hidden_size, dims,
-                        sequence_parallel=_sp(options, dims), **kw)
+        return build_moe_layer(moe_config(config, options, dims), config.hidden_size, dims,
+                               sequence_parallel=_sp(options, dims), **kw)
     return DenseMLP(mlp_config(config, options), dims.tp_group, sequence_parallel=_sp(options, dims), **kw)
 
 

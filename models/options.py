@@ -20,9 +20,9 @@ from moefold.dense.recompute import (
     RECOMPUTE_MODES,
     check_recompute_modules,
 )
-from moefold.dispatch.flex_backend import check_flex_backend
-from moefold.moe.config import DISPATCHERS
-from moefold.moe.gemm import GEMM_BACKENDS
+from moefold.dispatch.config import DispatcherKind
+from moefold.dispatch.flex_backend import FlexBackend
+from moefold.moe.gemm import GemmBackend
 from moefold.precision.fp8 import FP8Config
 
 DEEPEP_MODES: tuple[str, ...] = ("hybrid", "direct")
@@ -40,15 +40,16 @@ class ModelOptions:
     recompute_method:  full: "uniform" (groups of ``recompute_num_layers`` layers) | "block" (the first
                        ``recompute_num_layers`` layers of each pipeline chunk)
     recompute_num_layers: full: the N of ``recompute_method``
-    dispatcher:        token dispatcher kind; "auto" = "local" when ep*etp == 1, else "alltoall"
-    gemm_backend:      routed-expert GEMM backend (``moe.gemm.GEMM_BACKENDS``)
+    dispatcher:        token dispatcher kind (``dispatch.config.DispatcherKind``'s values) or "auto": "local" when
+                       ep*etp == 1, else "alltoall" (``resolved_dispatcher``)
+    gemm_backend:      routed-expert GEMM backend (``moe.gemm.GemmBackend``)
     dtype:             parameter dtype, "fp32" | "bf16" | "fp16" (routers and expert bias stay fp32)
     init_std:          std of the normal init of every weight matrix
     fp8:               FP8 GEMMs and dispatch (``precision.fp8.FP8Config``; --fp8-format, --fp8-recipe,
                        --fp8-backend, --fp8-exclude-modules, --moe-fp8-dispatch)
     moe_deepep_num_sms: SMs DeepEP's kernels take with the flex dispatcher (--moe-deepep-num-sms; 0: DeepEP V2's
                        analytic count, the legacy backend's 20)
-    moe_flex_dispatcher_backend: "auto" | "deepep" (DeepEP V2) | "deepep-legacy" (``dispatch.flex_backend``)
+    moe_flex_dispatcher_backend: "auto" | "deepep" (DeepEP V2) | "deepep-legacy" (``dispatch.flex_backend.FlexBackend``)
     moe_deepep_mode:   DeepEP V2: "hybrid" (RDMA once per node, NVLink forwarding) | "direct"
     moe_deepep_cpu_sync: DeepEP V2: the host waits for the received counts (exact buffers) or not (None: on when
                        the expert GEMMs take host counts anyway)
@@ -67,12 +68,12 @@ class ModelOptions:
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
     dispatcher: str = "auto"
-    gemm_backend: str = "grouped_mm"
+    gemm_backend: GemmBackend = GemmBackend.GROUPED_MM
     dtype: str = "fp32"
     init_std: float = 0.02
     fp8: FP8Config = field(default_factory=FP8Config)
     moe_deepep_num_sms: int = 0
-    moe_flex_dispatcher_backend: str = "auto"
+    moe_flex_dispatcher_backend: FlexBackend = FlexBackend.AUTO
     moe_deepep_mode: str = "hybrid"
     moe_deepep_cpu_sync: bool | None = None
     moe_deepep_max_tokens_per_rank: int = 0
@@ -94,10 +95,9 @@ class ModelOptions:
         if (not isinstance(self.recompute_num_layers, int) or isinstance(self.recompute_num_layers, bool)
                 or self.recompute_num_layers < 1):
             raise ValueError(f"--recompute-num-layers={self.recompute_num_layers!r} must be a positive integer")
-        if self.dispatcher != "auto" and self.dispatcher not in DISPATCHERS:
-            raise ValueError(f"ModelOptions.dispatcher={self.dispatcher!r}; valid: auto, {', '.join(DISPATCHERS)}")
-        if self.gemm_backend not in GEMM_BACKENDS:
-            raise ValueError(f"ModelOptions.gemm_backend={self.gemm_backend!r}; valid: {', '.join(GEMM_BACKENDS)}")
+        if self.dispatcher != "auto":   # the kinds are checked by DispatcherKind, "auto" is this field's own
+            object.__setattr__(self, "dispatcher", DispatcherKind(self.dispatcher))
+        object.__setattr__(self, "gemm_backend", GemmBackend(self.gemm_backend))
         if self.dtype not in DTYPES:
             raise ValueError(f"ModelOptions.dtype={self.dtype!r}; valid: {', '.join(DTYPES)}")
         object.__setattr__(self, "offload_modules", check_offload_modules(self.offload_modules))
@@ -107,7 +107,7 @@ class ModelOptions:
             raise ValueError(f"--min-offloaded-tensor-size={self.min_offloaded_tensor_size!r} must be an integer >= 0")
         if not self.init_std > 0:
             raise ValueError(f"ModelOptions.init_std={self.init_std!r} must be > 0")
-        check_flex_backend(self.moe_flex_dispatcher_backend)
+        object.__setattr__(self, "moe_flex_dispatcher_backend", FlexBackend(self.moe_flex_dispatcher_backend))
         if self.moe_deepep_mode not in DEEPEP_MODES:
             raise ValueError(f"--moe-deepep-mode={self.moe_deepep_mode!r}; valid: {', '.join(DEEPEP_MODES)}")
         if self.linear_attention_backend not in GATED_DELTA_RULE_BACKENDS:
@@ -118,7 +118,8 @@ class ModelOptions:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
-    def resolved_dispatcher(self, ep: int, etp: int) -> str:
+    def resolved_dispatcher(self, ep: int, etp: int) -> DispatcherKind:
+        """The dispatcher kind for ep x etp ranks (``auto`` resolved)."""
         if self.dispatcher != "auto":
-            return self.dispatcher
-        return "local" if ep * etp == 1 else "alltoall"
+            return DispatcherKind(self.dispatcher)
+        return DispatcherKind.LOCAL if ep * etp == 1 else DispatcherKind.ALLTOALL

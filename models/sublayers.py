@@ -2,8 +2,8 @@
 
 A block with an MoE FFN becomes five pieces, the token exchanges between local computations::
 
-    pre       (compute)   x -> h = x + attention(norm(x)); norm(h) -> shared experts, router, the dispatcher's
-                          preparation (split sizes, permutation)
+    pre       (compute)   x -> h = x + attention(norm(x)); norm(h) -> router, the dispatcher's preparation (split
+                          sizes, permutation), shared experts
     dispatch  (exchange)  the rows to the experts' ranks
     mlp       (compute)   the dispatcher's finish (etp gather, sort), the routed experts, the combine's preparation
     combine   (exchange)  the outputs back home
@@ -12,8 +12,9 @@ A block with an MoE FFN becomes five pieces, the token exchanges between local c
 A dense block (or one whose FFN has no exchange) is one compute piece. ``pipeline.overlap`` runs the pieces with
 a cut between every two (each piece's graph starts at leaves), so it can run one micro-batch's exchange while
 another micro-batch's compute runs, forward and backward. The pieces compute exactly what
-``TransformerBlock.forward`` computes, with the same modules: the plain path and the pieces differ only in where
-the graph is cut.
+``TransformerBlock.forward`` computes, with the same public pieces (the block's ``attention_residual`` and
+``ffn_input``, the MoE layer's ``route_and_prepare`` / ``shared_step`` / ``experts_step`` / ``combine_finish``, the
+dispatcher's exchanges): the plain path and the pieces differ only in where the graph is cut.
 
 A piece's input and output is a *carry*: ``LayerCarry`` (the hidden state and the MoE infos collected so far)
 between blocks, and the small frozen records below inside one. Tensors on the graph inside a carry (the residual,
@@ -29,6 +30,7 @@ refused by ``check_overlap``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,8 +39,9 @@ from torch import Tensor
 
 from moefold.dense.block import TransformerBlock
 from moefold.dense.recompute import CheckpointWithoutOutput
+from moefold.dispatch.config import DispatcherKind
 from moefold.dispatch.token_exchange import TokenExchange
-from moefold.moe.layer import MoEDispatchStart, MoELayer, MoEOutputInfo
+from moefold.moe.layer import MoEDispatchStart, MoEExpertsOut, MoELayer, MoEOutputInfo
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class _Pre:
     carry: LayerCarry
     residual: Tensor
     start: MoEDispatchStart
+    shared_SBH: Tensor | None
     norm: CheckpointWithoutOutput | None
 
 
@@ -87,14 +91,13 @@ class _Pre:
 class _Arrived:
     pre: _Pre
     received: tuple[Tensor, ...]
-    meta: Any
+    meta: object
 
 
 @dataclass(frozen=True)
 class _Experts:
     pre: _Pre
-    back: tuple[Tensor, ...]
-    handle: Any
+    out: MoEExpertsOut
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,7 @@ def block_pieces(block: TransformerBlock, index: int, position_ids: Tensor, ffn_
                  recompute: bool = False) -> list[Piece]:
     """The pieces of block ``index`` (module docstring); ``ffn_kwargs`` go to the FFN (the MoE layer's
     ``global_state``), ``recompute``: full recompute of this block, piece by piece."""
-    moe = block.mlp if isinstance(block.mlp, MoELayer) and block.mlp.dispatcher.staged else None
+    moe = block.mlp if isinstance(block.mlp, MoELayer) else None
     if moe is None:
         def whole(carry: LayerCarry) -> LayerCarry:
             hidden, info = block(carry.hidden, position_ids, **ffn_kwargs)
@@ -116,33 +119,28 @@ def block_pieces(block: TransformerBlock, index: int, position_ids: Tensor, ffn_
         return [Compute(f"layer{index}", whole, recompute)]
 
     def pre(carry: LayerCarry) -> _Pre:
-        x = carry.hidden
-        h = x + block._after_norm(block.input_layernorm, x, lambda n: block.self_attn(n, position_ids),
-                                  block.offload_attn_norm)
-        norm = CheckpointWithoutOutput() if block.recompute_layernorm else None
-        if norm is not None:
-            normed = norm.checkpoint(block.post_attention_layernorm, h)
-        else:   # the block's own forward runs this norm in its offload region (none: the overlap refuses offloading)
-            with block.offload_mlp_norm:
-                normed = block.post_attention_layernorm(h)
-        return _Pre(carry, h, moe.route_and_prepare(normed, **ffn_kwargs), norm)
+        h = block.attention_residual(carry.hidden, position_ids)
+        normed, norm = block.ffn_input(h)
+        start = moe.route_and_prepare(normed, **ffn_kwargs)
+        return _Pre(carry, h, start, moe.shared_step(normed), norm)
 
     def dispatch_split(p: _Pre) -> tuple[TokenExchange, tuple[Tensor, ...], _Pre]:
         return moe.dispatcher.dispatch_exchange(p.start.prep), p.start.sent, p
 
     def experts(a: _Arrived) -> _Experts:
-        back, handle = moe.experts_step(a.received, a.meta, a.pre.start.prep)
+        out = moe.experts_step(a.received, a.meta, a.pre.start.prep)
         if a.pre.norm is not None:   # refilled when this output's gradient arrives, before the pre piece's backward
-            a.pre.norm.discard_output_and_register_recompute(back[0])
-        return _Experts(a.pre, back, handle)
+            a.pre.norm.discard_output_and_register_recompute(out.sent[0])
+        return _Experts(a.pre, out)
 
     def combine_split(e: _Experts) -> tuple[TokenExchange, tuple[Tensor, ...], _Experts]:
-        return moe.dispatcher.combine_exchange(e.handle), e.back, e
+        return moe.dispatcher.combine_exchange(e.out.handle), e.out.sent, e
 
     def post(r: _Returned) -> LayerCarry:
-        p = r.experts.pre
-        y = moe.combine_finish(r.received, r.experts.handle, p.residual, p.start.split_tokens, p.start.shared_SBH)
-        return LayerCarry(p.residual + y, {**p.carry.infos, index: p.start.info})
+        p, out = r.experts.pre, r.experts.out
+        y = moe.combine_finish(r.received, out.handle, p.residual, p.start.split_tokens, p.shared_SBH)
+        info = dataclasses.replace(p.start.info, received_E=out.received_E)
+        return LayerCarry(p.residual + y, {**p.carry.infos, index: info})
 
     return [Compute(f"layer{index}.pre", pre, recompute),
             Exchange(f"layer{index}.dispatch", dispatch_split, lambda p, received, meta: _Arrived(p, received, meta)),
@@ -154,10 +152,11 @@ def block_pieces(block: TransformerBlock, index: int, position_ids: Tensor, ffn_
 def check_overlap(block: TransformerBlock, index: int) -> None:
     """ValueError naming the flag when block ``index`` cannot run as pieces with the overlap schedules."""
     if isinstance(block.mlp, MoELayer):
-        if not block.mlp.dispatcher.staged:
+        kind = block.mlp.dispatcher.kind
+        if kind is DispatcherKind.ALLGATHER:
             raise ValueError(f"--overlap-moe-expert-parallel-comm runs with the alltoall and flex dispatchers, not "
-                             f"{block.mlp.dispatcher.name!r} (its exchange is not a separate step; Megatron refuses "
-                             f"it too): use --moe-token-dispatcher-type alltoall")
+                             f"'{kind}' (its gather runs at once after a host sync: nothing in flight to hide; "
+                             f"Megatron refuses it too): use --moe-token-dispatcher-type alltoall")
         if block.recompute_ffn:
             raise ValueError("--overlap-moe-expert-parallel-comm cannot checkpoint the whole MoE layer "
                              "(--recompute-modules moe): the checkpoint would span its exchanges; recompute "

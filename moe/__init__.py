@@ -1,15 +1,23 @@
-"""Mixture-of-experts: router, load balancing, grouped experts, shared experts, the MoE layer."""
+"""Mixture-of-experts: router, load balancing, grouped experts and their GEMM backends, shared experts, the MoE layer.
+
+``build_moe_layer`` (``moe.build``) turns a ``MoEConfig`` into the layer's parts and passes them in:
+``MoELayer(router, dispatcher, experts, shared_experts)``. ``moe.cpu`` holds the CPU-speed machinery of the
+``grouped_mm`` expert backend on a CPU (row layouts, the rows' GEMMs, the shortcuts' switch).
+"""
 
 from __future__ import annotations
 
 from moefold.dispatch.routing import Routing
+from moefold.moe.activation import ExpertActivation, GatedActivation, fused_activation
 from moefold.moe.balance_losses import GlobalLoadState
+from moefold.moe.build import build_expert_gemm, build_experts, build_moe_layer
 from moefold.moe.capacity import expert_capacity
-from moefold.moe.config import MoEConfig
+from moefold.moe.config import ExpertsConfig, MoEConfig, SharedExpertsConfig
 from moefold.moe.expert_bias import bias_update, update_expert_bias
-from moefold.moe.experts import ACTIVATIONS, GroupedExperts, default_output_init_std, is_expert, mark_expert
-from moefold.moe.gemm import GEMM_BACKENDS, check_gemm_backend, grouped_gemm
-from moefold.moe.layer import MoEDispatchStart, MoELayer, MoEOutputInfo
+from moefold.moe.expert_gemm import ExpertGemm, GemmCall, Projection
+from moefold.moe.experts import GroupedExperts, default_output_init_std, is_expert, mark_expert
+from moefold.moe.gemm import GemmBackend, check_gemm_backend, grouped_gemm
+from moefold.moe.layer import MoEDispatchStart, MoEExpertsOut, MoELayer, MoEOutputInfo
 from moefold.moe.router import Router, RouterGroups, RouterOutput
 from moefold.moe.router_config import DROP_POLICIES, LOAD_BALANCING_TYPES, ROUTER_DTYPES, SCORE_FUNCTIONS, RouterConfig
 from moefold.moe.router_stats import RouterStats
@@ -21,8 +29,11 @@ __all__ = [
     "Router", "RouterGroups", "RouterOutput", "RouterConfig", "Routing", "RouterStats", "GlobalLoadState",
     "update_expert_bias", "bias_update", "expert_capacity",
     "SCORE_FUNCTIONS", "LOAD_BALANCING_TYPES", "DROP_POLICIES", "ROUTER_DTYPES",
+    # configs and the builder
+    "MoEConfig", "ExpertsConfig", "SharedExpertsConfig", "build_moe_layer", "build_experts", "build_expert_gemm",
     # experts and the layer
-    "MoEConfig", "GroupedExperts", "SharedExperts", "MoELayer", "MoEOutputInfo", "MoEDispatchStart", "SplitGroupedGemm",
-    "ACTIVATIONS", "mark_expert", "is_expert", "default_output_init_std",
-    "GEMM_BACKENDS", "grouped_gemm", "check_gemm_backend",
+    "GroupedExperts", "SharedExperts", "MoELayer", "MoEOutputInfo", "MoEDispatchStart", "MoEExpertsOut",
+    "SplitGroupedGemm", "ExpertActivation", "GatedActivation", "fused_activation", "mark_expert", "is_expert",
+    "default_output_init_std",
+    "ExpertGemm", "GemmCall", "Projection", "GemmBackend", "grouped_gemm", "check_gemm_backend",
 ]

@@ -34,10 +34,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from moefold.moe.gemm import grouped_gemm, no_rows
+from moefold.moe.gemm import GemmBackend, grouped_gemm, no_rows
 from moefold.parallel.groups import Group, group_size
 from moefold.precision.block_cast import FORMATS, quantize
-from moefold.precision.fp8 import FP8Config
+from moefold.precision.fp8 import FP8Config, FP8Format
 from moefold.precision.fp8_cast import E5M2, reduce_max
 
 
@@ -58,7 +58,7 @@ class _BlockScaledGroupedMM(torch.autograd.Function):
         ctx.gemm, ctx.counts_host = gemm, counts_host
         qx = gemm.cast_rows(x, counts_e, contract=1, col_group=gemm.k_group, grad=False)
         qw = gemm.cast_weight(w, contract=1)
-        return grouped_gemm(qx, qw, counts_e, "grouped_mm", trans_w=True).to(x.dtype)
+        return grouped_gemm(qx, qw, counts_e, GemmBackend.GROUPED_MM, trans_w=True).to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:
@@ -68,7 +68,7 @@ class _BlockScaledGroupedMM(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             q_dy = gemm.cast_rows(dy, counts_e, contract=1, col_group=gemm.m_group, grad=True)
-            dx = grouped_gemm(q_dy, gemm.cast_weight(w, contract=0), counts_e, "grouped_mm").to(x.dtype)
+            dx = grouped_gemm(q_dy, gemm.cast_weight(w, contract=0), counts_e, GemmBackend.GROUPED_MM).to(x.dtype)
         if ctx.needs_input_grad[1]:
             counts = ctx.counts_host if ctx.counts_host is not None else counts_e.tolist()
             q_dy = gemm.cast_rows(dy, counts_e, contract=0, col_group=gemm.m_group, grad=True)
@@ -95,11 +95,10 @@ class BlockScaledGroupedGemm:
                              f"{config.describe()}")
         self.config, self.fmt, self.grouped = config, FORMATS[config.recipe], grouped
         self.k_group, self.m_group, self.token_group = k_group, m_group, token_group
-        self.grad_dtype = E5M2 if config.format == "hybrid" else None
+        self.grad_dtype = E5M2 if config.format is FP8Format.HYBRID else None
 
-    def __call__(self, x_NK: Tensor, w: Tensor, tokens_per_expert_e: Tensor, backend: str | None = None, *,
-                 trans_w: bool = True, counts_host: Sequence[int] | None = None) -> Tensor:
-        del backend
+    def __call__(self, x_NK: Tensor, w: Tensor, tokens_per_expert_e: Tensor, *, trans_w: bool = True,
+                 counts_host: Sequence[int] | None = None) -> Tensor:
         if not trans_w:
             raise ValueError("BlockScaledGroupedGemm takes the experts' [e, out, in] weights (trans_w=True)")
         if x_NK.dim() != 2 or w.dim() != 3 or w.shape[2] != x_NK.shape[1]:

@@ -1,141 +1,158 @@
-"""MoEConfig: what one MoE layer computes and with which backends (layout comes from ParallelDims)."""
+"""``MoEConfig``: one MoE layer, composed of its parts' configs; each value is checked once, in the one that owns it.
+
+    MoEConfig(num_experts, router=RouterConfig(...), experts=ExpertsConfig(...), dispatch=DispatchConfig(...),
+              shared=SharedExpertsConfig(...) | None, apply_probs_on_input=False)
+
+``RouterConfig`` (``moe.router_config``): top-k, scoring, capacity and balancing. ``ExpertsConfig``: the routed
+experts (FFN size, activation, GEMM backend, biases, CPU row layout, init, FP8 GEMMs). ``DispatchConfig``
+(``dispatch.config``): the token dispatcher and its options. ``SharedExpertsConfig``: the shared experts.
+``MoEConfig`` checks what spans them (the router's expert count, the FP8 router padding's dispatch). Layout comes
+from ``ParallelDims`` (``check_layout``). ``moe.build.build_moe_layer`` turns a config into a layer.
+
+Choices are enums whose values are the flags' strings (``GemmBackend``, ``ExpertActivation``, ``RowLayout``,
+``DispatcherKind``, ``FlexBackend``): a string given to a config (a flag, a YAML file, a saved config) becomes
+its enum here; the code below reads the enums.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
-from moefold.dispatch.factory import DISPATCHER_KINDS
-from moefold.dispatch.flex_backend import check_flex_backend
-from moefold.moe.expert_rows import ROW_LAYOUTS
-from moefold.moe.experts import ACTIVATIONS, GatedActivation
+from moefold.dispatch.config import DispatchConfig, DispatcherKind
+from moefold.moe.activation import ExpertActivation, GatedActivation
+from moefold.moe.cpu.expert_rows import RowLayout
 from moefold.moe.fp8_gemm import check_fp8_gemm_backend
-from moefold.moe.gemm import GEMM_BACKENDS
+from moefold.moe.gemm import GemmBackend
+from moefold.moe.router_config import RouterConfig
 from moefold.precision.fp8 import FP8Config
 
-if TYPE_CHECKING:
-    from moefold.moe.router_config import RouterConfig
 
-DISPATCHERS: tuple[str, ...] = DISPATCHER_KINDS
-
-
-def _positive(name: str, value: object) -> None:
+def _positive(owner: str, name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"MoEConfig: {name}={value!r} must be a positive integer")
+        raise ValueError(f"{owner}: {name}={value!r} must be a positive integer")
+
+
+def _check_stds(owner: str, init_std: float, output_init_std: float | None) -> None:
+    if not init_std > 0 or (output_init_std is not None and not output_init_std > 0):
+        raise ValueError(f"{owner}: init_std={init_std} and output_init_std={output_init_std} must be > 0")
+
+
+@dataclass(frozen=True)
+class ExpertsConfig:
+    """The routed experts of one MoE layer (``moe.experts.GroupedExperts``).
+
+    ffn_hidden_size: per expert (Megatron ``--moe-ffn-hidden-size``)
+    activation:      gated SiLU (``swiglu``) or ``gelu``; ``glu`` parameterises the gated one (GPT-OSS's clamped
+                     SwiGLU: ``--activation-func-clamp-value``, ``--glu-linear-offset``)
+    gemm_backend:    ``--moe-grouped-gemm-backend`` (``moe.gemm.GemmBackend``)
+    bias:            per-expert biases on both projections (GPT-OSS, HF ``*_proj_bias``)
+    row_layout:      the CPU row layout of the grouped GEMMs (``moe.cpu.expert_rows.RowLayout``)
+    init_std / output_init_std: the weights' normal init (w2: ``output_init_std``, None: ``init_std``)
+    fp8:             FP8 / FP4 GEMMs (``precision.fp8.FP8Config``; off when None or not enabled)
+    """
+
+    ffn_hidden_size: int
+    activation: ExpertActivation = ExpertActivation.SWIGLU
+    glu: GatedActivation = field(default_factory=GatedActivation)
+    gemm_backend: GemmBackend = GemmBackend.GROUPED_MM
+    bias: bool = False
+    row_layout: RowLayout = RowLayout.AUTO
+    init_std: float = 0.02
+    output_init_std: float | None = None
+    fp8: FP8Config | None = None
+
+    def __post_init__(self) -> None:
+        _positive("ExpertsConfig", "ffn_hidden_size", self.ffn_hidden_size)
+        object.__setattr__(self, "activation", ExpertActivation(self.activation))
+        object.__setattr__(self, "gemm_backend", GemmBackend(self.gemm_backend))
+        object.__setattr__(self, "row_layout", RowLayout(self.row_layout))
+        _check_stds("ExpertsConfig", self.init_std, self.output_init_std)
+        if not self.glu.is_swiglu and self.activation is not ExpertActivation.SWIGLU:
+            raise ValueError(f"ExpertsConfig: swiglu_alpha / activation_clamp / glu_linear_offset ({self.glu}) shape "
+                             f"the gated activation; activation='{self.activation}' is not gated")
+        if self.bias and self.gemm_backend is GemmBackend.TE:
+            raise ValueError("ExpertsConfig: expert biases (linear_bias, GPT-OSS) run with gemm backends grouped_mm, "
+                             "loop or grouped_gemm, not 'te' (the biases are added between its two TE GEMMs)")
+        check_fp8_gemm_backend(self.fp8, self.gemm_backend)
+
+    @property
+    def fp8_gemms(self) -> FP8Config | None:
+        """The FP8 config when the expert GEMMs run in FP8 / FP4, else None."""
+        return self.fp8 if self.fp8 is not None and self.fp8.enabled else None
+
+    @property
+    def reads_host_counts(self) -> bool:
+        """The expert GEMMs read the counts on the host anyway (``te``, ``grouped_gemm``, ``loop``; FP8 GEMMs'
+        per-expert weight gradients): what V2's flex dispatcher's ``cpu_sync=None`` follows."""
+        return self.gemm_backend.needs_host_counts or self.fp8_gemms is not None
+
+
+@dataclass(frozen=True)
+class SharedExpertsConfig:
+    """The shared experts (``moe.shared_experts.SharedExperts``): ``ffn_size`` of the *combined* shared experts
+    (DeepSeek's ``n_shared_experts * moe_intermediate_size``, Qwen2-MoE's ``shared_expert_intermediate_size``,
+    Megatron's ``moe_shared_expert_intermediate_size``); ``gate``: Qwen2-MoE's ``y *= sigmoid(x @ w_gate)``."""
+
+    ffn_size: int
+    gate: bool = False
+    init_std: float = 0.02
+    output_init_std: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.gate and self.ffn_size == 0:
+            raise ValueError("SharedExpertsConfig: shared_expert_gate=True needs shared experts "
+                             "(shared_expert_ffn_size > 0)")
+        _positive("SharedExpertsConfig", "ffn_size", self.ffn_size)
+        _check_stds("SharedExpertsConfig", self.init_std, self.output_init_std)
 
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """One MoE layer. Top-k, scoring, capacity and balancing live in ``router`` (RouterConfig).
-
-    ``shared_expert_ffn_size`` is the FFN size of the *combined* shared experts (DeepSeek's
-    ``n_shared_experts * moe_intermediate_size``, Qwen2-MoE's ``shared_expert_intermediate_size``,
-    Megatron's ``moe_shared_expert_intermediate_size``); 0 means no shared experts.
-    """
+    """One MoE layer (module docstring). ``apply_probs_on_input``: x * probs before the experts, top-1 only
+    (Megatron's ``--moe-apply-probs-on-input``); default: in the combine."""
 
     num_experts: int
-    moe_ffn_hidden_size: int                      # per routed expert (Megatron --moe-ffn-hidden-size)
     router: RouterConfig
-    shared_expert_ffn_size: int = 0
-    shared_expert_gate: bool = False              # Qwen2-MoE: y_shared *= sigmoid(x @ w_gate)
-    activation: str = "swiglu"                    # "swiglu" (gated SiLU) | "gelu"
-    dispatcher: str = "alltoall"                  # "local" | "allgather" | "alltoall" | "flex" (DeepEP)
-    gemm_backend: str = "grouped_mm"              # see moe.gemm.GEMM_BACKENDS
-    expert_row_layout: str = "auto"               # CPU row layout of the expert GEMMs (moe.expert_rows)
-    init_std: float = 0.02
-    output_init_std: float | None = None          # w2 / shared down projection; None = init_std
-    fp8: FP8Config | None = None                  # FP8 expert GEMMs and FP8 dispatch (precision.fp8)
-    deepep_num_sms: int = 0                       # flex: SMs DeepEP's kernels use (--moe-deepep-num-sms); 0: V2's
-                                                  # get_theoretical_num_sms, legacy's 20 (Megatron's default)
-    flex_backend: str = "auto"                    # flex: "deepep" (V2) | "deepep-legacy" | "auto" (the installed one)
-    # flex on V2 (dispatch.deepep_elastic): the most tokens a rank routes per call (sizes DeepEP's buffer; the
-    # trainer sets micro-batch x sequence / (tp x cp)), hybrid (NVLink-forwarded) or direct mode, and the CPU sync
-    # for the received counts (None: on exactly when the expert GEMMs take host counts: te, grouped_gemm, loop, FP8)
-    deepep_max_tokens_per_rank: int | None = None
-    deepep_hybrid: bool = True
-    deepep_cpu_sync: bool | None = None
-    apply_probs_on_input: bool = False            # x * probs before the experts, top-1 only (Megatron's
-                                                  # --moe-apply-probs-on-input); default: in the combine
-    # GPT-OSS's experts: biases on both projections and the clamped SwiGLU (moe.experts.GatedActivation)
-    linear_bias: bool = False                     # per-expert biases on w13 and w2 (HF *_proj_bias)
-    swiglu_alpha: float = 1.0                     # act(g) = g * sigmoid(alpha * g); 1 = SiLU (GPT-OSS 1.702)
-    activation_clamp: float | None = None         # Megatron --activation-func-clamp-value (GPT-OSS 7)
-    glu_linear_offset: float = 0.0                # Megatron --glu-linear-offset: act(gate) * (up + offset) (GPT-OSS 1)
+    experts: ExpertsConfig
+    dispatch: DispatchConfig = field(default_factory=DispatchConfig)
+    shared: SharedExpertsConfig | None = None
+    apply_probs_on_input: bool = False
 
     def __post_init__(self) -> None:
-        _positive("num_experts", self.num_experts)
-        _positive("moe_ffn_hidden_size", self.moe_ffn_hidden_size)
-        if not isinstance(self.shared_expert_ffn_size, int) or self.shared_expert_ffn_size < 0:
-            raise ValueError(f"MoEConfig: shared_expert_ffn_size={self.shared_expert_ffn_size!r} must be an "
-                             "integer >= 0 (0 = no shared experts)")
-        if self.shared_expert_gate and self.shared_expert_ffn_size == 0:
-            raise ValueError("MoEConfig: shared_expert_gate=True needs shared experts (shared_expert_ffn_size > 0)")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"MoEConfig: activation={self.activation!r}; valid: {', '.join(ACTIVATIONS)}")
-        if self.dispatcher not in DISPATCHERS:
-            raise ValueError(f"MoEConfig: dispatcher={self.dispatcher!r}; valid: {', '.join(DISPATCHERS)}")
-        if self.gemm_backend not in GEMM_BACKENDS:
-            raise ValueError(f"MoEConfig: gemm_backend={self.gemm_backend!r}; valid: {', '.join(GEMM_BACKENDS)}")
-        if self.expert_row_layout not in ROW_LAYOUTS:
-            raise ValueError(f"MoEConfig: expert_row_layout={self.expert_row_layout!r}; valid: "
-                             f"{', '.join(ROW_LAYOUTS)}")
-        if not self.init_std > 0 or (self.output_init_std is not None and not self.output_init_std > 0):
-            raise ValueError(f"MoEConfig: init_std={self.init_std} and output_init_std={self.output_init_std} "
-                             "must be > 0")
-        check_fp8_gemm_backend(self.fp8, self.gemm_backend)
-        check_flex_backend(self.flex_backend)
-        legacy = self.dispatcher == "flex" and self.flex_backend == "deepep-legacy"
-        if self.fp8 is not None and self.fp8.dispatch and legacy:
-            raise ValueError("MoEConfig: FP8 dispatch (--moe-fp8-dispatch) runs with the alltoall and allgather "
-                             "dispatchers and flex on DeepEP V2 (--moe-flex-dispatcher-backend deepep), not on "
-                             "deepep-legacy")
-        if legacy and (not self.deepep_hybrid or self.deepep_cpu_sync is False):
-            raise ValueError("MoEConfig: --moe-deepep-mode direct and sync-free dispatch (--no-moe-deepep-cpu-sync) "
-                             "are DeepEP V2 settings (--moe-flex-dispatcher-backend deepep), not deepep-legacy's")
-        sms = self.deepep_num_sms
-        if not isinstance(sms, int) or isinstance(sms, bool) or sms < 0 or sms == 1 or sms % 2:
-            raise ValueError(f"MoEConfig: deepep_num_sms={sms!r} must be an even integer >= 2, or 0 for the "
-                             "backend's choice (--moe-deepep-num-sms; DeepEP runs two SMs per channel)")
-        tokens = self.deepep_max_tokens_per_rank
-        if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1):
-            raise ValueError(f"MoEConfig: deepep_max_tokens_per_rank={tokens!r} must be a positive integer or None")
-        router_experts = getattr(self.router, "num_experts", self.num_experts)
-        if router_experts != self.num_experts:
-            raise ValueError(f"MoEConfig: num_experts={self.num_experts} but router.num_experts={router_experts}")
-        topk = getattr(self.router, "topk", 1)
-        if self.apply_probs_on_input and topk != 1:
+        _positive("MoEConfig", "num_experts", self.num_experts)
+        if self.router.num_experts != self.num_experts:
+            raise ValueError(f"MoEConfig: num_experts={self.num_experts} but router.num_experts="
+                             f"{self.router.num_experts}")
+        if self.apply_probs_on_input and self.router.topk != 1:
             raise ValueError(f"MoEConfig: apply_probs_on_input (--moe-apply-probs-on-input) needs router topk=1, got "
-                             f"topk={topk}: with k > 1 each copy of a token has its own weight, which the "
+                             f"topk={self.router.topk}: with k > 1 each copy of a token has its own weight, which the "
                              f"combine applies (the default)")
-        if topk > self.num_experts:
-            raise ValueError(f"MoEConfig: router topk={topk} exceeds num_experts={self.num_experts}")
-        glu_set = (self.swiglu_alpha, self.activation_clamp, self.glu_linear_offset) != (1.0, None, 0.0)
-        if glu_set and self.activation != "swiglu":
-            raise ValueError(f"MoEConfig: swiglu_alpha / activation_clamp / glu_linear_offset shape the gated "
-                             f"activation; activation={self.activation!r} is not gated")
-        GatedActivation(self.swiglu_alpha, self.activation_clamp, self.glu_linear_offset)   # checks the values
-        if self.linear_bias and self.gemm_backend == "te":
-            raise ValueError("MoEConfig: expert biases (linear_bias, GPT-OSS) run with gemm backends grouped_mm, "
-                             "loop or grouped_gemm, not 'te' (its GroupedLinear runs both GEMMs in one call)")
+        if self.pad_multiple is not None:
+            if self.router.expert_capacity_factor is not None:
+                raise ValueError("--moe-router-padding-for-quantization pads dropless routing; with "
+                                 "--moe-expert-capacity-factor pad to capacity instead "
+                                 "(--moe-pad-expert-input-to-capacity)")
+            if self.dispatch.kind is DispatcherKind.FLEX:
+                raise ValueError("--moe-router-padding-for-quantization is laid out by the allgather / alltoall "
+                                 "dispatchers' row maps; the flex (DeepEP) dispatcher does not take it")
 
     @property
-    def glu(self) -> GatedActivation:
-        return GatedActivation(self.swiglu_alpha, self.activation_clamp, self.glu_linear_offset)
-
-    @property
-    def has_shared_experts(self) -> bool:
-        return self.shared_expert_ffn_size > 0
+    def pad_multiple(self) -> int | None:
+        """The rows each expert's block is padded to (``--moe-router-padding-for-quantization``), or None."""
+        fp8 = self.experts.fp8
+        return fp8.align_size if fp8 is not None and fp8.router_padding else None
 
     def check_layout(self, *, tp: int, ep: int, etp: int) -> None:
         """Layout-dependent checks, naming the numbers (called when the layer is built)."""
         if self.num_experts % ep:
             raise ValueError(f"MoEConfig: num_experts={self.num_experts} is not divisible by ep={ep}")
-        if self.moe_ffn_hidden_size % etp:
-            raise ValueError(f"MoEConfig: moe_ffn_hidden_size={self.moe_ffn_hidden_size} is not divisible "
+        if self.experts.ffn_hidden_size % etp:
+            raise ValueError(f"MoEConfig: moe_ffn_hidden_size={self.experts.ffn_hidden_size} is not divisible "
                              f"by etp={etp}")
-        if self.shared_expert_ffn_size % tp:
-            raise ValueError(f"MoEConfig: shared_expert_ffn_size={self.shared_expert_ffn_size} is not "
-                             f"divisible by tp={tp} (shared experts are tensor-parallel like the dense MLP)")
-        if self.dispatcher == "local" and ep * etp > 1:
-            raise ValueError(f"MoEConfig: dispatcher='local' needs ep*etp=1, got ep={ep} etp={etp}; "
-                             "use 'allgather' or 'alltoall'")
+        if self.shared is not None and self.shared.ffn_size % tp:
+            raise ValueError(f"MoEConfig: shared_expert_ffn_size={self.shared.ffn_size} is not divisible by tp={tp} "
+                             "(shared experts are tensor-parallel like the dense MLP)")
+        self.dispatch.check_layout(ep, etp)
+
+
+__all__ = ["ExpertsConfig", "MoEConfig", "SharedExpertsConfig"]

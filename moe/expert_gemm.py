@@ -1,250 +1,205 @@
-"""The routed experts' grouped GEMM with reused output buffers and weight gradients fused into main-grad.
+"""The routed experts' GEMM backends: one protocol, ``ExpertGemm``, and the backends that need nothing but torch.
 
-``grouped_linear(x, w, counts_e, rows, slot)`` computes ``out[rows_i] = x[rows_i] @ w[i]^T`` for every local
-expert i (``w [e, M, K]``, the ``nn.Linear`` layout the experts store), differentiable in ``x`` and ``w``:
+``GroupedExperts`` (``moe.experts``) runs every backend the same way, per call::
 
-- forward and input gradient: on CPU (``rows`` given: ``moe.expert_rows.ExpertRows`` with host counts) one
-  ``torch.mm`` per expert block, or one ``torch.bmm`` for the ``uniform`` layout, each writing its slice of an
-  output from the workspace pool (``parallel.workspace``: no fresh, page-faulted buffer per call); elsewhere
-  (``rows`` None) ``torch.nn.functional.grouped_mm`` from the device counts (no host sync).
-- weight gradient ``dw[i] = dy[rows_i]^T x[rows_i]``: with a main-grad ``slot`` (gradient-accumulation
-  fusion, ``dense.grad_accumulation``) written straight into the parameter's main-grad buffer, the step's
-  first micro-batch as a plain product, later ones accumulated (``addmm_`` / ``baddbmm_``; cuBLAS beta = 1
-  on CUDA when the dispatcher brought host counts). On CUDA without host counts the grouped kernel (which
-  has no output or beta argument) computes ``dw`` and it is copied / added into the buffer: one pass, no
-  sync. Without a slot ``dw`` is returned to autograd. Experts without rows get a zero gradient.
+    host = gemm.host_counts(x, counts_e, counts_host)        # the counts as host ints, where the backend reads them
+    x_in, call = gemm.enter(x, counts_e, host, w13, packed)  # the rows as the GEMMs take them, the call's counts
+    h = gemm.project(Projection.FC1, x_in, w13, call, slot)  # gate/up (or the one input) projection
+    act = gemm.activation(eager)(h)                          # the backend's implementation of the activation
+    y = gemm.project(Projection.FC2, act, w2, call, slot)    # down projection
+    out = gemm.leave(y, call)                                # back in the dispatcher's row order
 
-The products are the ones autograd's ``grouped_mm`` backward computes (``x_i^T dy_i`` into the transposed
-buffer), so packed-layout results are bitwise those of the plain path on CPU. Local: nothing crosses ranks.
+``w`` is in the experts' ``[e, out, in]`` layout; rows are expert-major (``moe.gemm``). The backends:
 
-``choose_layout`` decides the row layout of a call (``moe.expert_rows``): by a fixed rule of the dtype that
-follows the measurements (``auto``, reproducible), or by timing its shape (``measured``).
+- ``GroupedMMGemm``: ``torch.nn.functional.grouped_mm`` from the device counts, no host sync, weight gradients
+  into main-grad with gradient-accumulation fusion (``moe.grouped_linear``); SwiGLU without autograd's ``cat``
+  (``moe.swiglu``). On a CPU its subclass ``moe.cpu.backend.CpuRowsGemm`` lays the rows out for the CPU's GEMMs.
+- ``HostCountsGemm``: ``loop`` (one ``mm`` per expert, the reference) and ``grouped_gemm`` (``grouped_gemm.ops.gmm``),
+  host counts (``moe.gemm.grouped_gemm``).
+- ``SplitGemm``: any of those with a deferrable weight gradient (split backward, ``moe.split_gemm``).
+- ``Fp8Gemm``: torchao's FP8 (``moe.fp8_gemm.Float8GroupedGemm``) or block-scaled (``moe.block_gemm``) GEMMs.
+- ``moe.te_gemm.TEExpertGemms``: Transformer Engine's ``GroupedLinear``, FP8 under TE's autocast.
+
+``build_expert_gemm`` (``moe.build``) picks one from ``ExpertsConfig``; ``with_weight_grad_store`` swaps a
+backend for its split-backward form. Nothing here crosses ranks (FP8 scales reduce over the groups they hold).
 """
 
 from __future__ import annotations
 
-import random
-import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Generic, Protocol, TypeVar
 
-import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from moefold.dense.grad_accumulation import MainGradSlot, mm_into, widen_into, write_weight_grad
-from moefold.moe.expert_rows import ExpertRows, RowLayout, max_auto_rows, pad_rows
-from moefold.moe.gemm import grouped_gemm
-from moefold.parallel.workspace import workspace
+from moefold.dense.grad_accumulation import MainGradSlot
+from moefold.dense.split_backward import WeightGradStore
+from moefold.moe.activation import swiglu
+from moefold.moe.block_gemm import BlockScaledGroupedGemm
+from moefold.moe.fp8_gemm import Float8GroupedGemm
+from moefold.moe.gemm import GemmBackend, grouped_gemm
+from moefold.moe.grouped_linear import grouped_linear
+from moefold.moe.split_gemm import SplitGroupedGemm
+from moefold.moe.swiglu import swiglu_rows
+
+Activation = Callable[[Tensor], Tensor]
 
 
-def _split(t: Tensor, rows: ExpertRows, dim: int = 0) -> tuple[Tensor, ...]:
-    """Every expert's block of ``t`` (its ``rows.total`` rows along ``dim``) as views, from one ``split``: no
-    Python-level slicing per expert (256 experts: 1,500 GEMMs a step, each with its views)."""
-    return t.split(rows.blocks, dim)
+class Projection(IntEnum):
+    """The experts' two projections: ``FC1`` (``w13``: gate and up, or the one input projection), ``FC2`` (``w2``)."""
+
+    FC1 = 0
+    FC2 = 1
 
 
-def grouped_forward(x_PK: Tensor, w_eMK: Tensor, rows: ExpertRows) -> Tensor:
-    """[rows.total, M]: each block times its expert's ``w[i]^T``, into a workspace."""
-    e, M, K = w_eMK.shape
-    out = workspace(x_PK.device).empty((rows.total, M), x_PK.dtype)
-    if rows.uniform and rows.total:
-        torch.bmm(x_PK.view(e, -1, K), w_eMK.transpose(1, 2), out=out.view(e, -1, M))
+@dataclass(frozen=True)
+class GemmCall:
+    """One experts call's counts as the GEMMs take them: ``counts_e`` [e] on the device, ``host`` the same as host
+    ints (None where the backend does not read them). Backends add what else the call needs."""
+
+    counts_e: Tensor
+    host: tuple[int, ...] | None
+
+
+CallT = TypeVar("CallT", bound=GemmCall)
+
+
+class ExpertGemm(Protocol[CallT]):
+    """A backend of the experts' two projections (module docstring).
+
+    backend:           the ``--moe-grouped-gemm-backend`` it runs
+    needs_host_counts: it reads the counts on the host (the experts read them once, one sync, when the dispatcher
+                       did not bring them)
+    fuses_wgrad:       it can write weight gradients into main-grad (``use_grad_accumulation_fusion``)
+    """
+
+    backend: GemmBackend
+    needs_host_counts: bool
+    fuses_wgrad: bool
+
+    def host_counts(self, x_NH: Tensor, counts_e: Tensor, counts_host: Sequence[int] | None,
+                    ) -> tuple[int, ...] | None:
+        """The call's counts as host ints: ``counts_host`` (the dispatcher's), else read where the backend needs
+        them; None where it does not."""
+        ...
+
+    def enter(self, x_NH: Tensor, counts_e: Tensor, host: tuple[int, ...] | None, w13_eMK: Tensor,
+              packed: bool) -> tuple[Tensor, CallT]:
+        """The rows as the GEMMs take them and the call's counts. ``packed``: keep one row per token copy (the
+        experts' biases are added per row)."""
+        ...
+
+    def project(self, which: Projection, x: Tensor, w_eMK: Tensor, call: CallT, slot: MainGradSlot | None) -> Tensor:
+        """``x[rows_i] @ w[i]^T`` for every local expert i; ``slot``: ``w``'s main-grad slot (fusion), or None."""
+        ...
+
+    def leave(self, out: Tensor, call: CallT) -> Tensor:
+        """The second projection's output back in the rows ``enter`` was given."""
+        ...
+
+    def activation(self, eager: Activation) -> Activation:
+        """This backend's implementation of the activation whose autograd form is ``eager``."""
+        ...
+
+    def with_weight_grad_store(self, store: WeightGradStore) -> ExpertGemm[GemmCall]:
+        """The backend that runs this one's GEMMs with weight gradients ``store`` may defer (split backward)."""
+        ...
+
+
+class GemmBase(Generic[CallT]):
+    """What most backends share: host counts read when ``needs_host_counts``, rows entered and left as they are, the
+    eager activation, and ``SplitGemm`` for split backward."""
+
+    backend: GemmBackend
+    needs_host_counts = True
+    fuses_wgrad = False
+
+    def host_counts(self, x_NH: Tensor, counts_e: Tensor, counts_host: Sequence[int] | None,
+                    ) -> tuple[int, ...] | None:
+        if counts_host is not None:
+            return tuple(int(c) for c in counts_host)
+        return tuple(counts_e.tolist()) if self.needs_host_counts else None   # one host sync
+
+    def enter(self, x_NH: Tensor, counts_e: Tensor, host: tuple[int, ...] | None, w13_eMK: Tensor,
+              packed: bool) -> tuple[Tensor, GemmCall]:
+        return x_NH, GemmCall(counts_e, host)
+
+    def leave(self, out: Tensor, call: CallT) -> Tensor:
         return out
-    xs, outs, wts = _split(x_PK, rows), _split(out, rows), w_eMK.transpose(1, 2).unbind(0)
-    for i in rows.nonempty:
-        torch.mm(xs[i], wts[i], out=outs[i])
-    return out
+
+    def activation(self, eager: Activation) -> Activation:
+        return eager
+
+    def with_weight_grad_store(self, store: WeightGradStore) -> ExpertGemm[GemmCall]:
+        return SplitGemm(self.backend, store)
 
 
-def grouped_input_grad(dy_PM: Tensor, w_eMK: Tensor, rows: ExpertRows) -> Tensor:
-    """[rows.total, K]: each block of ``dy`` times its expert's ``w[i]``, into a workspace."""
-    e, M, K = w_eMK.shape
-    out = workspace(dy_PM.device).empty((rows.total, K), dy_PM.dtype)
-    if rows.uniform and rows.total:
-        torch.bmm(dy_PM.view(e, -1, M), w_eMK, out=out.view(e, -1, K))
-        return out
-    dys, outs, ws = _split(dy_PM, rows), _split(out, rows), w_eMK.unbind(0)
-    for i in rows.nonempty:
-        torch.mm(dys[i], ws[i], out=outs[i])
-    return out
+class GroupedMMGemm(GemmBase[GemmCall]):
+    """``grouped_mm`` from the device counts (``moe.grouped_linear``): no host sync; SwiGLU as ``swiglu_rows``."""
 
+    backend = GemmBackend.GROUPED_MM
+    needs_host_counts = False
+    fuses_wgrad = True
 
-def grouped_weight_grad(x_PK: Tensor, dy_PM: Tensor, rows: ExpertRows, target_eMK: Tensor, accumulate: bool) -> None:
-    """``target[i] = dy_i^T x_i`` (or ``+=`` with ``accumulate``) for every expert; zero for one without rows."""
-    e, M, K = target_eMK.shape
-    if rows.uniform and rows.total and target_eMK.is_contiguous():
-        # dy^T x straight into the [e, M, K] target: with a transposed output oneDNN has no bf16 batched kernel
-        # and runs its reference loop (thousands of times slower: 7.7 s instead of 1.5 ms for 16 x 128 x 256 x 512)
-        x3, dy3 = x_PK.view(e, -1, K), dy_PM.view(e, -1, M).transpose(1, 2)
-        if accumulate:
-            target_eMK.baddbmm_(dy3, x3)
-        else:
-            torch.bmm(dy3, x3, out=target_eMK)
-        return
-    if not accumulate:
-        for i, b in enumerate(rows.blocks):
-            if b == 0:
-                target_eMK[i].zero_()
-    # x_i^T dy_i into the transposed target (autograd's mm backward): x^T split along its columns
-    xts, dys, targets = _split(x_PK.t(), rows, 1), _split(dy_PM, rows), target_eMK.transpose(1, 2).unbind(0)
-    for i in rows.nonempty:
-        mm_into(targets[i], xts[i], dys[i], accumulate)
-
-
-def _aligned(t: Tensor) -> Tensor:
-    """``t`` [N, D] with D zero-padded to 16-byte rows (``grouped_mm``'s stride rule)."""
-    pad = (-t.shape[1]) % max(1, 16 // t.element_size())
-    return F.pad(t, (0, pad)) if pad else t
-
-
-def _weight_grad_into(x: Tensor, dy: Tensor, rows: ExpertRows | None, counts_e: Tensor, target: Tensor,
-                      accumulate: bool) -> None:
-    if rows is None:   # device counts only: the grouped kernel, then one copy / add into the target
-        offs = torch.cumsum(counts_e, 0, dtype=torch.int32)
-        # dy_i^T x_i straight in the target's [e, M, K] layout: computed as x^T dy and transposed, the widening copy
-        # into the fp32 main grad read its source across rows (1.9 ms a call at Qwen3-30B-A3B's shape on the H200,
-        # two thirds of the experts' backward)
-        dw_eMK = F.grouped_mm(_aligned(dy).t(), _aligned(x), offs=offs)[:, :dy.shape[1], :x.shape[1]]
-        widen_into(target, dw_eMK, accumulate)
-        return
-    if target.dtype != x.dtype and target.device.type != "cuda":   # CPU has no mixed-dtype GEMM: a bf16 workspace
-        tmp = workspace(x.device).empty(target.shape, x.dtype)
-        grouped_weight_grad(x, dy, rows, tmp, False)
-        widen_into(target, tmp, accumulate)
-        return
-    grouped_weight_grad(x, dy, rows, target, accumulate)
-
-
-class _GroupedLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, counts_e: Tensor, rows: ExpertRows | None,
+    def project(self, which: Projection, x: Tensor, w_eMK: Tensor, call: GemmCall,
                 slot: MainGradSlot | None) -> Tensor:
-        ctx.save_for_backward(x, w, counts_e)
-        ctx.rows, ctx.slot = rows, slot
-        if rows is None:
-            return grouped_gemm(x, w, counts_e, "grouped_mm", trans_w=True)
-        return grouped_forward(x, w, rows)
+        return grouped_linear(x, w_eMK, call.counts_e, slot)
 
-    @staticmethod
-    def backward(ctx, dy: Tensor):
-        x, w, counts_e = ctx.saved_tensors
-        rows = ctx.rows
-        dy = dy.contiguous()
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = (grouped_gemm(dy, w, counts_e, "grouped_mm", trans_w=False) if rows is None
-                  else grouped_input_grad(dy, w, rows))
-        if ctx.needs_input_grad[1]:
-            def compute(target: Tensor, accumulate: bool) -> None:
-                _weight_grad_into(x, dy, rows, counts_e, target, accumulate)
-
-            if ctx.slot is not None:
-                dw = write_weight_grad(ctx.slot, w, compute)
-            else:   # autograd takes this tensor over (never a workspace: it may become param.grad)
-                dw = torch.empty(w.shape, dtype=w.dtype, device=w.device)
-                compute(dw, False)
-        return dx, dw, None, None, None
+    def activation(self, eager: Activation) -> Activation:
+        return swiglu_rows if eager is swiglu else eager
 
 
-def grouped_linear(x_PK: Tensor, w_eMK: Tensor, counts_e: Tensor, rows: ExpertRows | None,
-                   slot: MainGradSlot | None = None) -> Tensor:
-    """Per-expert ``x @ w[i]^T`` (module docstring). ``rows``: the call's layout with host counts (``x`` already
-    in its blocks), or None for the device-count grouped kernel; ``slot``: ``w``'s parameter's main-grad slot."""
-    if x_PK.dtype != w_eMK.dtype:
-        raise ValueError(f"grouped_linear: x is {x_PK.dtype} but w is {w_eMK.dtype}")
-    if rows is not None and x_PK.shape[0] != rows.total:
-        raise ValueError(f"grouped_linear: x has {x_PK.shape[0]} rows, the layout {rows.total}")
-    return _GroupedLinear.apply(x_PK, w_eMK, counts_e, rows, slot)
+class HostCountsGemm(GemmBase[GemmCall]):
+    """``loop`` or ``grouped_gemm`` (``moe.gemm.grouped_gemm``) on host counts."""
+
+    def __init__(self, backend: GemmBackend) -> None:
+        if backend not in (GemmBackend.LOOP, GemmBackend.GROUPED_GEMM):
+            raise ValueError(f"HostCountsGemm runs gemm backends loop and grouped_gemm, not '{backend}'")
+        self.backend = backend
+
+    def project(self, which: Projection, x: Tensor, w_eMK: Tensor, call: GemmCall,
+                slot: MainGradSlot | None) -> Tensor:
+        return grouped_gemm(x, w_eMK, call.counts_e, self.backend, trans_w=True, counts_host=call.host)
 
 
-# ------------------------------------------------------------------------------------------------ the choice
-_CHOSEN: dict[tuple, RowLayout] = {}
-MIN_GAIN = 0.05   # a padded layout must beat packed by this fraction to be chosen
+class SplitGemm(GemmBase[GemmCall]):
+    """``backend``'s GEMMs with a deferrable weight gradient (``moe.split_gemm.SplitGroupedGemm``)."""
+
+    def __init__(self, backend: GemmBackend, store: WeightGradStore) -> None:
+        self.backend, self.needs_host_counts = backend, backend.needs_host_counts
+        self.gemm = SplitGroupedGemm(store)
+
+    def project(self, which: Projection, x: Tensor, w_eMK: Tensor, call: GemmCall,
+                slot: MainGradSlot | None) -> Tensor:
+        return self.gemm(x, w_eMK, call.counts_e, self.backend, trans_w=True, counts_host=call.host)
+
+    def with_weight_grad_store(self, store: WeightGradStore) -> ExpertGemm[GemmCall]:
+        return SplitGemm(self.backend, store)
 
 
-def _shape_key(device: torch.device, dtype: torch.dtype, counts: tuple[int, ...], K: int, M: int) -> tuple:
-    mean = max(1, sum(counts) // max(1, len(counts)))
-    return device.type, dtype, len(counts), K, M, 1 << (mean.bit_length() - 1)
+class Fp8Gemm(GemmBase[GemmCall]):
+    """torchao FP8 (``Float8GroupedGemm``) or block-scaled (``BlockScaledGroupedGemm``) GEMMs, one object per
+    projection (etp splits w13's rows and w2's columns: their scales reduce over different dims). ``backend``:
+    the gemm backend they stand for (``grouped_mm``: torch's grouped FP8 kernel where it runs; ``loop``: per
+    expert; it reads the host counts, as ``loop`` does)."""
+
+    def __init__(self, backend: GemmBackend, fc1: Float8GroupedGemm | BlockScaledGroupedGemm,
+                 fc2: Float8GroupedGemm | BlockScaledGroupedGemm) -> None:
+        self.backend, self.needs_host_counts, self.gemms = backend, backend.needs_host_counts, (fc1, fc2)
+
+    def project(self, which: Projection, x: Tensor, w_eMK: Tensor, call: GemmCall,
+                slot: MainGradSlot | None) -> Tensor:
+        return self.gemms[which](x, w_eMK, call.counts_e, trans_w=True, counts_host=call.host)
+
+    def with_weight_grad_store(self, store: WeightGradStore) -> ExpertGemm[GemmCall]:
+        if all(isinstance(g, Float8GroupedGemm) for g in self.gemms):   # they defer their casts too
+            for gemm in self.gemms:
+                gemm.use_weight_grad_store(store)
+            return self
+        # the block-scaled GEMMs cannot defer theirs: split backward runs the gemm backend's plain GEMMs
+        return SplitGemm(self.backend, store)
 
 
-def _perturbed(counts: tuple[int, ...], rng: random.Random) -> tuple[int, ...]:
-    """The same total over the same experts with up to ~10% of each expert's rows moved to the next one: new
-    exact shapes, as the next step's routing gives."""
-    out = list(counts)
-    for i in range(len(out)):
-        moved = rng.randint(0, max(1, out[i] // 10)) if out[i] else 0
-        out[i] -= moved
-        out[(i + 1) % len(out)] += moved
-    return tuple(out)
-
-
-def _time_layout(kind: RowLayout, counts: tuple[int, ...], x_NK: Tensor, w_eMK: Tensor, tries: int,
-                 rng: random.Random) -> float:
-    """Best seconds of the first projection's forward + weight-gradient GEMMs (with the padding copy) in
-    ``kind``, each try on new row counts (the first try, on the real ones, warms up and is not counted)."""
-    best = float("inf")
-    grad = workspace(x_NK.device).empty(w_eMK.shape, w_eMK.dtype)
-    for t in range(tries + 1):
-        rows = ExpertRows.build(counts if t == 0 else _perturbed(counts, rng), kind)
-        t0 = time.perf_counter()
-        xp = pad_rows(x_NK, rows)
-        grouped_weight_grad(xp, grouped_forward(xp, w_eMK, rows), rows, grad, False)
-        if t > 0:
-            best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def _rule(dtype: torch.dtype) -> RowLayout:
-    """``auto``'s layout before the memory cap. fp32 (and wider): ``packed``, as fp32 GEMMs take any row count
-    at full speed; bf16 / fp16: ``uniform``, whose shapes repeat from call to call (oneDNN compiles a kernel per
-    new shape) and which batches the experts into one ``bmm``. What ``benchmarks/moe_layer.py`` measured fastest
-    (``--row-layout measured``; benchmarks/RESULTS.md)."""
-    return "packed" if dtype.itemsize >= 4 else "uniform"
-
-
-def choose_layout(counts: tuple[int, ...], x_NK: Tensor, w_eMK: Tensor, forced: str = "auto") -> ExpertRows:
-    """The rows of this call. ``forced`` (``MoEConfig.expert_row_layout``):
-
-    - ``auto``: ``_rule``'s layout for the dtype: the same on every rank and in every run, so a run and its
-      resumption are bitwise the same (the layouts' GEMMs differ in the last bits);
-    - ``measured``: the fastest layout timed for the call's shape (device, dtype, experts, K, M, rows per
-      expert rounded down to a power of two), once per process on the real weights, a padded layout kept only
-      when >= 5% faster than packed: for a machine where the rule is wrong, at the price of run-to-run bits;
-    - ``packed`` / ``aligned`` / ``uniform``: that layout.
-
-    Packed off the CPU and for one expert. An automatic (``auto``/``measured``) ``uniform`` whose blocks would
-    exceed ``max_auto_rows`` for these counts (skewed routing) gives ``aligned`` rows for this call: the padding
-    is activation memory, bounded so the planner can count it."""
-    if forced not in ("auto", "measured"):
-        return ExpertRows.build(counts, forced)   # type: ignore[arg-type]
-    if x_NK.device.type != "cpu" or len(counts) < 2 or sum(counts) == 0:
-        return ExpertRows.build(counts, "packed")
-    kind = _rule(x_NK.dtype) if forced == "auto" else _measured(counts, x_NK, w_eMK)
-    rows = ExpertRows.build(counts, kind)
-    if rows.total > max_auto_rows(rows.num_rows, len(counts)):
-        rows = ExpertRows.build(counts, "aligned")
-    return rows
-
-
-def _measured(counts: tuple[int, ...], x_NK: Tensor, w_eMK: Tensor) -> RowLayout:
-    key = _shape_key(x_NK.device, x_NK.dtype, counts, x_NK.shape[1], w_eMK.shape[1])
-    kind = _CHOSEN.get(key)
-    if kind is None:
-        rng = random.Random(0)
-        with torch.no_grad():
-            times = {k: _time_layout(k, counts, x_NK.detach(), w_eMK.detach(), 2, rng)
-                     for k in ("packed", "aligned", "uniform")}
-        kind = min(times, key=times.get)
-        if kind != "packed" and times[kind] > (1 - MIN_GAIN) * times["packed"]:
-            kind = "packed"
-        _CHOSEN[key] = kind
-    return kind
-
-
-def chosen_layouts() -> dict[tuple, str]:
-    """{(device, dtype, experts, K, M, rows per expert rounded down to a power of two): layout} measured so far
-    (``measured`` layouts)."""
-    return dict(_CHOSEN)
-
-
-__all__ = ["choose_layout", "chosen_layouts", "grouped_forward", "grouped_input_grad", "grouped_linear",
-           "grouped_weight_grad"]
+__all__ = ["ExpertGemm", "Fp8Gemm", "GemmBase", "GemmCall", "GroupedMMGemm", "HostCountsGemm", "Projection",
+           "SplitGemm"]

@@ -52,24 +52,26 @@ import torch
 from torch import Tensor
 
 from moefold.dense.split_backward import SplitWeights, WeightGradStore, accumulate_or_defer, weight_inputs
-from moefold.moe.gemm import no_rows, row_experts
+from moefold.moe.gemm import GemmBackend, no_rows, row_experts
 from moefold.parallel.groups import Group, group_size
-from moefold.precision.fp8 import FP8Config
+from moefold.precision.fp8 import FP8Backend, FP8Config
 from moefold.precision.fp8_cast import E4M3, Float8Recipe, amax, amax_to_scale, reduce_max, scaled_mm, to_float8
 
-FP8_GEMM_BACKENDS: dict[str, tuple[str, ...]] = {"torchao": ("grouped_mm", "loop"), "te": ("te",)}
+FP8_GEMM_BACKENDS: dict[FP8Backend, tuple[GemmBackend, ...]] = {
+    FP8Backend.TORCHAO: (GemmBackend.GROUPED_MM, GemmBackend.LOOP), FP8Backend.TE: (GemmBackend.TE,)}
 
 
-def check_fp8_gemm_backend(fp8: FP8Config | None, gemm_backend: str) -> None:
+def check_fp8_gemm_backend(fp8: FP8Config | None, gemm_backend: GemmBackend) -> None:
     """ValueError naming the valid choices when the FP8 backend cannot run the expert GEMMs of ``gemm_backend``."""
     if fp8 is None or not fp8.enabled:
         return
     valid = FP8_GEMM_BACKENDS[fp8.backend]
     if gemm_backend not in valid:
-        other = "te" if fp8.backend == "torchao" else "torchao"
+        other = FP8Backend.TE if fp8.backend is FP8Backend.TORCHAO else FP8Backend.TORCHAO
         raise ValueError(f"FP8 ({fp8.describe()}) runs the expert GEMMs with gemm backend "
-                         f"{' or '.join(repr(v) for v in valid)} (--moe-grouped-gemm-backend), not {gemm_backend!r}; "
-                         f"or use --fp8-backend {other} (gemm backend {' or '.join(FP8_GEMM_BACKENDS[other])})")
+                         f"{' or '.join(repr(v.value) for v in valid)} (--moe-grouped-gemm-backend), not "
+                         f"'{gemm_backend}'; or use --fp8-backend {other} (gemm backend "
+                         f"{' or '.join(FP8_GEMM_BACKENDS[other])})")
 
 
 def grouped_kernel_supported(x: Tensor, K: int, M: int) -> bool:
@@ -172,9 +174,8 @@ class Float8GroupedGemm:
         """Split backward: defer the weight gradient (its casts too) while ``store`` defers."""
         self.store = store
 
-    def __call__(self, x_NK: Tensor, w: Tensor, tokens_per_expert_e: Tensor, backend: str | None = None, *,
-                 trans_w: bool = True, counts_host: Sequence[int] | None = None) -> Tensor:
-        del backend  # the FP8 kernel was chosen when this object was built
+    def __call__(self, x_NK: Tensor, w: Tensor, tokens_per_expert_e: Tensor, *, trans_w: bool = True,
+                 counts_host: Sequence[int] | None = None) -> Tensor:
         if not trans_w:
             raise ValueError("Float8GroupedGemm takes the experts' [e, out, in] weights (trans_w=True)")
         if x_NK.dim() != 2 or w.dim() != 3 or w.shape[2] != x_NK.shape[1]:

@@ -8,7 +8,7 @@ Every backend is differentiable with respect to ``x`` and ``w``. With no rows at
 rank or micro-batch whose experts got no tokens) no kernel runs and ``x`` and ``w`` get zero
 gradients, so gradient hooks fire as on every other step.
 
-Backends (``GEMM_BACKENDS``):
+Backends (``GemmBackend``; its values are ``--moe-grouped-gemm-backend``'s):
 
 - ``grouped_mm``   ``torch.nn.functional.grouped_mm`` (default). One call, offsets are the int32
                    cumsum of the counts on the device. On CUDA its grouped kernel (CUTLASS) runs
@@ -38,30 +38,47 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
-from typing import Literal
+from enum import StrEnum
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-GemmBackend = Literal["grouped_mm", "loop", "grouped_gemm", "te"]
-GEMM_BACKENDS: tuple[str, ...] = ("grouped_mm", "loop", "grouped_gemm", "te")
 
-_INSTALL = {"grouped_gemm": "pip install --no-build-isolation grouped-gemm (builds with nvcc)",
-            "te": "pip install --no-build-isolation transformer-engine[pytorch]"}
-_MODULE = {"grouped_gemm": "grouped_gemm.ops", "te": "transformer_engine.pytorch"}
+class GemmBackend(StrEnum):
+    """The routed experts' GEMM backend (module docstring)."""
+
+    GROUPED_MM = "grouped_mm"
+    LOOP = "loop"
+    GROUPED_GEMM = "grouped_gemm"
+    TE = "te"
+
+    @classmethod
+    def _missing_(cls, value: object) -> GemmBackend:
+        raise ValueError(f"unknown gemm backend {value!r} (gemm_backend={value!r}, --moe-grouped-gemm-backend); "
+                         f"valid backends: {', '.join(cls)}")
+
+    @property
+    def needs_host_counts(self) -> bool:
+        """The backend takes its group sizes as host integers."""
+        return self is not GemmBackend.GROUPED_MM
 
 
-def check_gemm_backend(backend: str, dtype: torch.dtype | None = None) -> None:
+_INSTALL = {GemmBackend.GROUPED_GEMM: "pip install --no-build-isolation grouped-gemm (builds with nvcc)",
+            GemmBackend.TE: "pip install --no-build-isolation transformer-engine[pytorch]"}
+_MODULE = {GemmBackend.GROUPED_GEMM: "grouped_gemm.ops", GemmBackend.TE: "transformer_engine.pytorch"}
+
+
+def check_gemm_backend(backend: GemmBackend, dtype: torch.dtype | None = None) -> None:
     """Fail now (ValueError / ImportError naming what to use or install) if ``backend`` cannot run here.
 
     ``dtype``: the experts' parameter dtype (None: torch's default dtype), checked against what the
     backend's kernels accept.
     """
-    if backend not in GEMM_BACKENDS:
-        raise ValueError(f"gemm backend {backend!r} is unknown; valid backends: {', '.join(GEMM_BACKENDS)}")
+    backend = GemmBackend(backend)
     dtype = torch.get_default_dtype() if dtype is None else dtype
-    if backend == "grouped_gemm" and dtype != torch.bfloat16:
+    if backend is GemmBackend.GROUPED_GEMM and dtype != torch.bfloat16:
         raise ValueError(f"gemm backend 'grouped_gemm' (grouped_gemm.ops.gmm) runs bf16 only, but the experts are "
                          f"{dtype}: train in bf16 (--bf16), or use backend 'grouped_mm' (fp32/bf16/fp16), "
                          f"'te' or 'loop'")
@@ -69,21 +86,17 @@ def check_gemm_backend(backend: str, dtype: torch.dtype | None = None) -> None:
         import_backend(backend)
 
 
-def import_backend(backend: str):
+def import_backend(backend: GemmBackend) -> ModuleType:
     """The backend's Python module, or ImportError naming the package to install."""
     try:
         return importlib.import_module(_MODULE[backend])
     except ImportError as err:
-        raise ImportError(f"gemm backend {backend!r} needs the {_MODULE[backend].split('.')[0]} package, "
+        raise ImportError(f"gemm backend '{backend}' needs the {_MODULE[backend].split('.')[0]} package, "
                           f"which is not installed: {_INSTALL[backend]} (or use backend 'grouped_mm')") from err
 
 
-def needs_host_counts(backend: str) -> bool:
-    """The backend takes its group sizes as host integers."""
-    return backend in ("loop", "grouped_gemm", "te")
-
-
-def grouped_gemm(x_NK: Tensor, w: Tensor, tokens_per_expert_e: Tensor, backend: str = "grouped_mm", *,
+def grouped_gemm(x_NK: Tensor, w: Tensor, tokens_per_expert_e: Tensor,
+                 backend: GemmBackend = GemmBackend.GROUPED_MM, *,
                  trans_w: bool = False, counts_host: Sequence[int] | None = None) -> Tensor:
     """Per-expert ``x @ w[i]`` (``w [e, K, M]``) or ``x @ w[i].T`` (``trans_w``, ``w [e, M, K]``) -> ``[N, M]``.
 
@@ -103,17 +116,16 @@ def grouped_gemm(x_NK: Tensor, w: Tensor, tokens_per_expert_e: Tensor, backend: 
                          f"expected ({w.shape[0]},) (one count per expert in w)")
     if x_NK.dtype != w.dtype:
         raise ValueError(f"grouped_gemm: x is {x_NK.dtype} but w is {w.dtype}")
-    if backend not in GEMM_BACKENDS:
-        raise ValueError(f"gemm backend {backend!r} is unknown; valid backends: {', '.join(GEMM_BACKENDS)}")
-    if backend == "te":
+    backend = GemmBackend(backend)
+    if backend is GemmBackend.TE:
         raise ValueError("gemm backend 'te' keeps per-module state: use moe.te_gemm.TEGroupedLinear "
                          "(GroupedExperts does), not the stateless grouped_gemm()")
     if x_NK.shape[0] == 0:
         return no_rows(x_NK, w, trans_w)
-    if backend == "grouped_mm":
+    if backend is GemmBackend.GROUPED_MM:
         return _grouped_mm(x_NK, w, tokens_per_expert_e, trans_w)
     counts = list(counts_host) if counts_host is not None else tokens_per_expert_e.tolist()
-    if backend == "loop":
+    if backend is GemmBackend.LOOP:
         return _loop(x_NK, w, counts, trans_w)
     gg = import_backend(backend)
     # gmm checks for contiguous bf16 operands, int64 batch sizes on the host and w [e, K, M]
@@ -203,5 +215,5 @@ def flops_per_token(hidden: int, ffn: int, gated: bool) -> int:
     return 2 * hidden * ffn * (3 if gated else 2)
 
 
-__all__ = ["GEMM_BACKENDS", "GemmBackend", "check_gemm_backend", "flops_per_token", "grouped_gemm", "import_backend",
-           "needs_host_counts", "no_rows", "row_experts"]
+__all__ = ["GemmBackend", "check_gemm_backend", "flops_per_token", "grouped_gemm", "import_backend", "no_rows",
+           "row_experts"]

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moefold.dense.split_backward import SplitWeights, WeightGradStore, accumulate_or_defer, weight_inputs
-from moefold.moe.gemm import grouped_gemm, import_backend
+from moefold.moe.gemm import GemmBackend, grouped_gemm, import_backend
 
 
 def _aligned(t: Tensor, dim: int) -> Tensor:
@@ -36,28 +36,28 @@ def _aligned(t: Tensor, dim: int) -> Tensor:
     return F.pad(t, spec)
 
 
-def grouped_weight_grad(x_NK: Tensor, dy_NM: Tensor, counts_e: Tensor, backend: str,
+def grouped_weight_grad(x_NK: Tensor, dy_NM: Tensor, counts_e: Tensor, backend: GemmBackend,
                         counts_host: Sequence[int] | None, trans_w: bool) -> Tensor:
     """Per expert ``dy_i^T x_i`` -> ``[e, M, K]`` (``trans_w``) or ``x_i^T dy_i`` -> ``[e, K, M]``."""
     e, N = counts_e.shape[0], x_NK.shape[0]
     lhs, rhs = (dy_NM, x_NK) if trans_w else (x_NK, dy_NM)   # out[i] = lhs_i^T rhs_i
     if N == 0:
         return lhs.new_zeros((e, lhs.shape[1], rhs.shape[1]))
-    if backend == "grouped_mm":
+    if backend is GemmBackend.GROUPED_MM:
         a, b = _aligned(lhs, 1), _aligned(rhs, 1)
         out = F.grouped_mm(a.t(), b.contiguous(), offs=torch.cumsum(counts_e, 0, dtype=torch.int32))
         return out[:, :lhs.shape[1], :rhs.shape[1]]
     counts = list(counts_host) if counts_host is not None else counts_e.tolist()
-    if backend == "loop":
+    if backend is GemmBackend.LOOP:
         return torch.stack([li.t().mm(ri) for li, ri in zip(lhs.split(counts), rhs.split(counts))])
-    gg = import_backend("grouped_gemm")   # grouped_gemm.ops; its backend module computes the K-grouped form
+    gg = import_backend(GemmBackend.GROUPED_GEMM)   # grouped_gemm.ops; its backend module computes the K-grouped form
     batch_sizes = torch.tensor(counts, dtype=torch.int64, device="cpu")
     return gg.backend.gmm(lhs.contiguous(), rhs.contiguous(), batch_sizes, trans_a=True)
 
 
 class _SplitGroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, counts_e: Tensor, backend: str, trans_w: bool,
+    def forward(ctx, x: Tensor, w: Tensor, counts_e: Tensor, backend: GemmBackend, trans_w: bool,
                 counts_host: tuple[int, ...] | None, store: WeightGradStore, split: SplitWeights | None,
                 _anchor: Tensor | None) -> Tensor:
         # with split, w is detached: its gradient goes to split.edges (dense.split_backward), else it is returned
@@ -91,8 +91,10 @@ class SplitGroupedGemm:
     def __init__(self, store: WeightGradStore) -> None:
         self.store = store
 
-    def __call__(self, x_NK: Tensor, w: Tensor, tokens_per_expert_e: Tensor, backend: str = "grouped_mm", *,
-                 trans_w: bool = False, counts_host: Sequence[int] | None = None) -> Tensor:
+    def __call__(self, x_NK: Tensor, w: Tensor, tokens_per_expert_e: Tensor,
+                 backend: GemmBackend = GemmBackend.GROUPED_MM, *, trans_w: bool = False,
+                 counts_host: Sequence[int] | None = None) -> Tensor:
+        backend = GemmBackend(backend)
         host = None if counts_host is None else tuple(int(c) for c in counts_host)
         (w_in,), split = weight_inputs(self.store, w)
         return _SplitGroupedMM.apply(x_NK, w_in, tokens_per_expert_e, backend, trans_w, host, self.store, split,

@@ -13,7 +13,7 @@ one workspace ``dh`` directly::
 Saves only ``h`` (autograd saves ``h``'s halves and ``silu(gate)``). The kernels are aten's own (``silu``,
 ``mul``, ``silu_backward``), so the values equal autograd's bit for bit. On CUDA the workspace is the
 caching allocator. ``--compile`` fuses the same math into one generated kernel per direction instead
-(``moe.experts.fused_activation``); under selective recompute of the activation (which frees its output's
+(``moe.activation.fused_activation``); under selective recompute of the activation (which frees its output's
 storage) the experts use autograd's version (a workspace must never be freed under the pool).
 """
 

@@ -32,13 +32,16 @@ that the hook must skip), which the stacked layout and moefold's optimizer do no
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from moefold.moe.gemm import import_backend
+from moefold.dense.grad_accumulation import MainGradSlot
+from moefold.dense.split_backward import WeightGradStore
+from moefold.moe.expert_gemm import ExpertGemm, GemmBase, GemmCall, Projection
+from moefold.moe.gemm import GemmBackend, import_backend
 from moefold.precision.fp8 import FP8Config
 from moefold.precision.fp8_region import require_region
 
@@ -51,7 +54,7 @@ class TEGroupedLinear:
     """
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, dtype: torch.dtype | None = None) -> None:
-        te = import_backend("te")
+        te = import_backend(GemmBackend.TE)
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.module = te.GroupedLinear(num_gemms, in_features, out_features, bias=False,
                                        params_dtype=dtype or torch.get_default_dtype(), device="meta")
@@ -66,21 +69,29 @@ class TEGroupedLinear:
         return torch.func.functional_call(self.module, params, (x_NK, m_splits))
 
 
-class TEExpertGemms:
-    """The two projections of the grouped expert MLP through TE, with FP8 when ``fp8`` is enabled.
+@dataclass(frozen=True)
+class TECall(GemmCall):
+    """A TE call's row splits as its GEMMs take them: the host counts, FP8-padded (``te.Fp8Padding``) with FP8."""
 
-    ``__call__(x_NH, w13_eGH, w2_eHF, m_splits, activation) -> [N, H]``: ``w13_eGH`` is the
-    input projection ``[e, G*F, H]``, ``activation`` maps its ``[*, G*F]`` output to ``[*, F]``;
-    ``N`` may be 0 (the same TE calls run). With FP8 the call must be inside the model's TE autocast
-    region (``precision.fp8_region``), and the rows are padded once, before the first GEMM, to the
-    recipe's per-group alignment (``te.Fp8Padding``: zero rows, which stay zero through the bias-free
-    MLP) and unpadded after the second. Kept out of ``torch.compile``'s graphs: TE's module forwards
-    are dynamo-disabled anyway (``@no_torch_dynamo`` in ``module/grouped_linear.py``).
+    splits: list[int] = field(default_factory=list)
+
+
+class TEExpertGemms(GemmBase[TECall]):
+    """The experts' two projections through TE (``moe.expert_gemm.ExpertGemm``), with FP8 when ``fp8`` is enabled.
+
+    ``fc1`` maps ``[*, H]`` rows through ``w13 [e, G*F, H]``, ``fc2`` ``[*, F]`` through ``w2 [e, H, F]``; ``N`` may
+    be 0 (the same TE calls run). With FP8 the calls must be inside the model's TE autocast region
+    (``precision.fp8_region``), and the rows are padded once, before the first GEMM, to the recipe's per-group
+    alignment (``te.Fp8Padding``: zero rows, which stay zero through the bias-free MLP) and unpadded after the
+    second. Kept out of ``torch.compile``'s graphs: TE's module forwards are dynamo-disabled anyway
+    (``@no_torch_dynamo`` in ``module/grouped_linear.py``).
     """
+
+    backend = GemmBackend.TE
 
     def __init__(self, num_gemms: int, hidden: int, gated_ffn: int, ffn: int, dtype: torch.dtype | None = None,
                  fp8: FP8Config | None = None) -> None:
-        te = import_backend("te")
+        te = import_backend(GemmBackend.TE)
         self.fc1 = TEGroupedLinear(num_gemms, hidden, gated_ffn, dtype)
         self.fc2 = TEGroupedLinear(num_gemms, ffn, hidden, dtype)
         self.fp8 = fp8 if fp8 is not None and fp8.enabled else None
@@ -88,15 +99,27 @@ class TEExpertGemms:
         self.unpad = te.Fp8Unpadding(num_gemms) if self.fp8 else None
 
     @torch.compiler.disable
-    def __call__(self, x_NH: Tensor, w13_eGH: Tensor, w2_eHF: Tensor, m_splits: Sequence[int],
-                 activation: Callable[[Tensor], Tensor]) -> Tensor:
-        splits = [int(m) for m in m_splits]
+    def enter(self, x_NH: Tensor, counts_e: Tensor, host: tuple[int, ...] | None, w13_eMK: Tensor,
+              packed: bool) -> tuple[Tensor, TECall]:
+        splits = [int(m) for m in host or ()]
         if self.pad is None:
-            return self.fc2(activation(self.fc1(x_NH, w13_eGH, splits)), w2_eHF, splits)
+            return x_NH, TECall(counts_e, host, splits)
         require_region(self.fp8, "TEExpertGemms")
         x_pad, padded = self.pad(x_NH, splits)
-        y_pad = self.fc2(activation(self.fc1(x_pad, w13_eGH, padded)), w2_eHF, padded)
-        return self.unpad(y_pad, splits)
+        return x_pad, TECall(counts_e, host, padded)
+
+    @torch.compiler.disable
+    def project(self, which: Projection, x: Tensor, w_eMK: Tensor, call: TECall, slot: MainGradSlot | None) -> Tensor:
+        return (self.fc1 if which is Projection.FC1 else self.fc2)(x, w_eMK, call.splits)
+
+    @torch.compiler.disable
+    def leave(self, out: Tensor, call: TECall) -> Tensor:
+        return out if self.unpad is None else self.unpad(out, [int(m) for m in call.host or ()])
+
+    def with_weight_grad_store(self, store: WeightGradStore) -> ExpertGemm[GemmCall]:
+        raise ValueError("split backward (zero-bubble schedules, --delay-wgrad-compute) cannot defer the weight "
+                         "gradients of the 'te' expert GEMMs (Transformer Engine has its own delay_wgrad_compute); "
+                         "use --moe-grouped-gemm-backend grouped_mm")
 
 
-__all__ = ["TEExpertGemms", "TEGroupedLinear"]
+__all__ = ["TECall", "TEExpertGemms", "TEGroupedLinear"]

@@ -29,12 +29,30 @@ no message, ``is_local``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Literal
 
-ActionKind = Literal["F", "B", "I", "W", "FB", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
-COMPUTE_KINDS = ("F", "B", "I", "W", "FB")
-COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+class ActionKind(StrEnum):
+    """What an ``Action`` does (module docstring); the values are the schedules' printed names."""
+
+    F = "F"
+    B = "B"
+    I = "I"  # noqa: E741 (the schedules' name: the input-gradient half of a split backward)
+    W = "W"
+    FB = "FB"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+    @classmethod
+    def _missing_(cls, value: object) -> ActionKind:
+        raise ValueError(f"action kind={value!r} must be one of {tuple(k.value for k in cls)}")
+
+
+COMPUTE_KINDS = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W, ActionKind.FB)
+COMM_KINDS = (ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B)
 
 
 class Placement(str, Enum):
@@ -56,17 +74,16 @@ class Action:
     b_chunk: int = -1
 
     def __post_init__(self) -> None:
-        if self.kind not in COMPUTE_KINDS + COMM_KINDS:
-            raise ValueError(f"action kind={self.kind!r} must be one of {COMPUTE_KINDS + COMM_KINDS}")
-        if (self.kind == "FB") != (self.b_microbatch >= 0):
+        object.__setattr__(self, "kind", ActionKind(self.kind))   # a schedule written as letters ("F", "I", ...)
+        if (self.kind is ActionKind.FB) != (self.b_microbatch >= 0):
             raise ValueError(f"{self.kind}: b_microbatch={self.b_microbatch} is the backward half of an FB only")
 
     @staticmethod
     def overlapped(forward: Action, backward: Action) -> Action:
         """The ``FB`` of a forward and a full backward."""
-        if forward.kind != "F" or backward.kind != "B":
+        if forward.kind is not ActionKind.F or backward.kind is not ActionKind.B:
             raise ValueError(f"FB pairs a forward with a full backward, got {forward} and {backward}")
-        return Action("FB", forward.microbatch, forward.chunk, backward.microbatch, backward.chunk)
+        return Action(ActionKind.FB, forward.microbatch, forward.chunk, backward.microbatch, backward.chunk)
 
     @property
     def is_compute(self) -> bool:
@@ -74,12 +91,13 @@ class Action:
 
     def parts(self) -> tuple[Action, ...]:
         """The F/B/I/W this compute action consists of (an FB: its F and its B)."""
-        if self.kind == "FB":
-            return Action("F", self.microbatch, self.chunk), Action("B", self.b_microbatch, self.b_chunk)
+        if self.kind is ActionKind.FB:
+            return (Action(ActionKind.F, self.microbatch, self.chunk),
+                    Action(ActionKind.B, self.b_microbatch, self.b_chunk))
         return (self,)
 
     def __str__(self) -> str:
-        if self.kind == "FB":
+        if self.kind is ActionKind.FB:
             return f"FB(f mb={self.microbatch} chunk={self.chunk}, b mb={self.b_microbatch} chunk={self.b_chunk})"
         return f"{self.kind}(mb={self.microbatch}, chunk={self.chunk})"
 
@@ -124,13 +142,13 @@ def is_local(pp_rank: int, chunk: int, kind: str, pp: int, placement: Placement)
 def message_of(action: Action, pp_rank: int, pp: int, placement: Placement = Placement.INTERLEAVED) -> Message:
     """The message a communication action sends or receives, on rank ``pp_rank``."""
     mc = model_chunk(pp_rank, action.chunk, pp, placement)
-    if action.kind == "SEND_F":
+    if action.kind is ActionKind.SEND_F:
         src_mc, dst_mc = mc, mc + 1
-    elif action.kind == "RECV_F":
+    elif action.kind is ActionKind.RECV_F:
         src_mc, dst_mc = mc - 1, mc
-    elif action.kind == "SEND_B":
+    elif action.kind is ActionKind.SEND_B:
         src_mc, dst_mc = mc, mc - 1
-    elif action.kind == "RECV_B":
+    elif action.kind is ActionKind.RECV_B:
         src_mc, dst_mc = mc + 1, mc
     else:
         raise ValueError(f"{action} is not a communication action")
@@ -141,7 +159,7 @@ def message_of(action: Action, pp_rank: int, pp: int, placement: Placement = Pla
 def peer_of(action: Action, pp_rank: int, pp: int, placement: Placement = Placement.INTERLEAVED) -> int:
     """The pipeline rank on the other end of a communication action."""
     msg = message_of(action, pp_rank, pp, placement)
-    return msg.dst if action.kind.startswith("SEND") else msg.src
+    return msg.dst if action.kind in (ActionKind.SEND_F, ActionKind.SEND_B) else msg.src
 
 
 def split_batches(actions: list[Action] | tuple[Action, ...]) -> list[Action | tuple[Action, ...]]:

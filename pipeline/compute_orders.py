@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from moefold.pipeline.actions import Action
+from moefold.pipeline.actions import Action, ActionKind
 
 
 def _interleaved_virtual(k: int, kind: str, pp: int, vpp: int) -> Action:
@@ -49,16 +49,16 @@ def _one_f_one_b(forwards: list[Action], backwards: list[Action], warmup: int, o
 
 def _zb_h1(pp: int, m: int, r: int) -> list[Action]:
     warmup = min(pp - r - 1, m)
-    order = [Action("F", i) for i in range(warmup)]
+    order = [Action(ActionKind.F, i) for i in range(warmup)]
     waiting: deque[int] = deque()
     for k, i in enumerate(range(m)):   # every backward input, steady (with a forward before it) then cool-down
         if warmup + i < m:
-            order.append(Action("F", warmup + i))
-        order.append(Action("I", i))
+            order.append(Action(ActionKind.F, warmup + i))
+        order.append(Action(ActionKind.I, i))
         waiting.append(i)
         if k >= r:   # rank r keeps its first r weight gradients for the cool-down
-            order.append(Action("W", waiting.popleft()))
-    return order + [Action("W", i) for i in waiting]
+            order.append(Action(ActionKind.W, waiting.popleft()))
+    return order + [Action(ActionKind.W, i) for i in waiting]
 
 
 def _zbv(pp: int, m: int, r: int) -> list[Action]:
@@ -101,14 +101,14 @@ def _dualpipev(pp: int, m: int, r: int) -> list[Action]:
 
     def f(chunk: int) -> Action:
         forward[chunk] += 1
-        return Action("F", forward[chunk] - 1, chunk)
+        return Action(ActionKind.F, forward[chunk] - 1, chunk)
 
     def b(chunk: int, split: bool = False) -> Action:
         backward[chunk] += 1
         mb = backward[chunk] - 1
         if split:
-            weights.append(Action("W", mb, chunk))
-        return Action("I" if split else "B", mb, chunk)
+            weights.append(Action(ActionKind.W, mb, chunk))
+        return Action(ActionKind.I if split else ActionKind.B, mb, chunk)
 
     def w() -> None:
         if weights:
@@ -151,9 +151,9 @@ def compute_order(name: str, pp: int, vpp: int, num_microbatches: int, pp_rank: 
     """The compute order of schedule ``name`` on rank ``pp_rank`` (see the module docstring)."""
     m, r = num_microbatches, pp_rank
     if name == "gpipe":
-        return [Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)]
+        return [Action(ActionKind.F, i) for i in range(m)] + [Action(ActionKind.B, i) for i in range(m)]
     if name == "1f1b":
-        forwards, backwards = [Action("F", i) for i in range(m)], [Action("B", i) for i in range(m)]
+        forwards, backwards = [Action(ActionKind.F, i) for i in range(m)], [Action(ActionKind.B, i) for i in range(m)]
         return _one_f_one_b(forwards, backwards, min(pp - r - 1, m), overlap)
     if name == "interleaved":
         total = m * vpp

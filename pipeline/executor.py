@@ -56,7 +56,7 @@ from torch import Tensor
 
 from moefold.dense.split_backward import DeferredWeightGrads, WeightGradStore
 from moefold.parallel.groups import Group, group_rank, group_size
-from moefold.pipeline.actions import Action, is_local, model_chunk, peer_of, rank_and_chunk, split_batches
+from moefold.pipeline.actions import Action, ActionKind, is_local, model_chunk, peer_of, rank_and_chunk, split_batches
 from moefold.pipeline.p2p import P2PHandle, TensorSpec, batch_send_recv
 from moefold.pipeline.schedules import Schedule
 
@@ -178,7 +178,7 @@ class _RankStep:
         self.deferred: dict[tuple[int, int], DeferredWeightGrads] = {}   # an I's weight gradients, until its W
         # the (micro-batch, chunk)s whose backward is an I: their forward builds split GEMMs (dense.split_backward)
         self.split = {(p.microbatch, p.chunk) for a in schedule.rank_actions(self.rank) for p in a.parts()
-                      if p.kind == "I"}
+                      if p.kind is ActionKind.I}
         self.losses: list[tuple[int, Tensor]] = []
         self.extra_total: Tensor | None = None
         self.peak = 0
@@ -274,13 +274,13 @@ class _RankStep:
         overlapped step already ran."""
         hidden, step = ran if ran is not None else self._backward_step(a)
         if ran is None:
-            if a.kind == "I":
+            if a.kind is ActionKind.I:
                 with self.weight_store.defer() as later:
                     torch.autograd.backward(step.outputs, step.grads)
                 self.deferred[(a.microbatch, a.chunk)] = later
             else:
                 torch.autograd.backward(step.outputs, step.grads)
-        if a.kind == "B":
+        if a.kind is ActionKind.B:
             del self.saved[(a.microbatch, a.chunk)]
         if self._mc(a.chunk) > 0:
             grad = hidden.grad if hidden.grad is not None else torch.zeros_like(hidden)

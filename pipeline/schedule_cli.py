@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from moefold.pipeline.actions import ActionKind
 from moefold.pipeline.layout import parse_layout
 from moefold.pipeline.schedules import (
     SCHEDULES,
@@ -107,12 +108,13 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"moefold schedule: error: {exc}")
         return 2
-    times = {"F": forward, "B": backward, "I": backward - weight, "W": weight, "FB": overlapped}
+    times = {ActionKind.F: forward, ActionKind.B: backward, ActionKind.I: backward - weight, ActionKind.W: weight,
+             ActionKind.FB: overlapped}
 
     def duration(rank: int, a) -> float:
         if costs is None:
             return times[a.kind]
-        if a.kind == "FB":   # its halves, each at its chunk's cost
+        if a.kind is ActionKind.FB:   # its halves, each at its chunk's cost
             return (forward * costs[rank][a.chunk] + backward * costs[rank][a.b_chunk]) * overlapped / (
                 forward + backward)
         return times[a.kind] * costs[rank][a.chunk]

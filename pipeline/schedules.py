@@ -29,7 +29,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from moefold.pipeline.actions import Action, Placement, is_local, message_of, model_chunk, rank_and_chunk
+from moefold.pipeline.actions import Action, ActionKind, Placement, is_local, message_of, model_chunk, rank_and_chunk
 from moefold.pipeline.compute_orders import compute_order
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
@@ -53,7 +53,7 @@ class Schedule:
     @property
     def overlap(self) -> bool:
         """Whether some action is an FB pair (batch-level overlap, DualPipeV)."""
-        return any(a.kind == "FB" for actions in self.actions for a in actions)
+        return any(a.kind is ActionKind.FB for actions in self.actions for a in actions)
 
     def rank_actions(self, pp_rank: int) -> tuple[Action, ...]:
         return self.actions[pp_rank]
@@ -61,7 +61,7 @@ class Schedule:
     @property
     def split_backward(self) -> bool:
         """Whether some action is an ``I``/``W`` (the model must defer weight gradients)."""
-        return any(a.kind == "W" for actions in self.actions for a in actions)
+        return any(a.kind is ActionKind.W for actions in self.actions for a in actions)
 
     @property
     def num_model_chunks(self) -> int:
@@ -123,10 +123,11 @@ class RelativeTimes:
         if self.overlapped is not None and not self.overlapped > 0:
             raise ValueError(f"overlapped_ratio={self.overlapped!r} must be positive")
 
-    def of(self, kind: str) -> float:
+    def of(self, kind: ActionKind) -> float:
         weight = self.backward / 2 if self.weight is None else self.weight
-        return {"F": 1.0, "B": self.backward, "I": self.backward - weight, "W": weight,
-                "FB": 1.0 + self.backward if self.overlapped is None else self.overlapped}[kind]
+        return {ActionKind.F: 1.0, ActionKind.B: self.backward, ActionKind.I: self.backward - weight,
+                ActionKind.W: weight,
+                ActionKind.FB: 1.0 + self.backward if self.overlapped is None else self.overlapped}[kind]
 
 
 def timed_compute_orders(orders: list[list[Action]], pp: int, vpp: int, forward_time: float = 1.0,
@@ -150,10 +151,10 @@ def timed_compute_orders(orders: list[list[Action]], pp: int, vpp: int, forward_
         out = []
         for part in a.parts():
             mc = model_chunk(r, part.chunk, pp, placement)
-            if part.kind == "F":
+            if part.kind is ActionKind.F:
                 if mc > 0:
                     out.append(("F", part.microbatch, mc - 1))
-            elif part.kind == "W":
+            elif part.kind is ActionKind.W:
                 out.append(("G", part.microbatch, mc))
             else:   # B or I: its own forward ran earlier on this rank, the next chunk's input gradient arrives
                 if ("F", part.microbatch, mc) not in done:
@@ -172,14 +173,15 @@ def timed_compute_orders(orders: list[list[Action]], pp: int, vpp: int, forward_
                     break
                 start = max([clock[r]] + [done[d] for d in needed])
                 cost = 1.0 if chunk_costs is None else chunk_costs[r][a.chunk]
-                if a.kind == "FB" and chunk_costs is not None:   # the mean of its halves' costs, by their times
-                    f, b = times.of("F"), times.of("B")
+                if a.kind is ActionKind.FB and chunk_costs is not None:   # the mean of its halves' costs, by time
+                    f, b = times.of(ActionKind.F), times.of(ActionKind.B)
                     cost = (f * chunk_costs[r][a.chunk] + b * chunk_costs[r][a.b_chunk]) / (f + b)
                 end = start + forward_time * cost * times.of(a.kind)
                 for part in a.parts():
                     mc = model_chunk(r, part.chunk, pp, placement)
-                    done[("F" if part.kind == "F" else "G" if part.kind in ("B", "I") else "W", part.microbatch,
-                          mc)] = end
+                    step = ("F" if part.kind is ActionKind.F else
+                            "G" if part.kind in (ActionKind.B, ActionKind.I) else "W")
+                    done[(step, part.microbatch, mc)] = end
                 timed[r].append((start, end))
                 clock[r] = end
                 pos[r] += 1
@@ -209,7 +211,7 @@ def place_communication(orders: list[list[Action]], pp: int, vpp: int, backward_
     for r in range(pp):
         for i, a in enumerate(orders[r]):
             for part in a.parts():
-                kind = "F" if part.kind == "F" else "B" if part.kind in ("B", "I") else None
+                kind = "F" if part.kind is ActionKind.F else "B" if part.kind in (ActionKind.B, ActionKind.I) else None
                 if kind is None:
                     continue
                 mc = model_chunk(r, part.chunk, pp, placement)
@@ -242,8 +244,9 @@ def place_communication(orders: list[list[Action]], pp: int, vpp: int, backward_
 
 def _takes(compute: Action, recv: Action) -> bool:
     """Whether ``compute`` consumes what ``recv`` receives (an F its activation, a B/I its gradient)."""
-    return any((p.microbatch, p.chunk) == (recv.microbatch, recv.chunk) and (p.kind == "F") == (recv.kind == "RECV_F")
-               and p.kind != "W" for p in compute.parts())
+    return any((p.microbatch, p.chunk) == (recv.microbatch, recv.chunk)
+               and (p.kind is ActionKind.F) == (recv.kind is ActionKind.RECV_F) and p.kind is not ActionKind.W
+               for p in compute.parts())
 
 
 def message_key(action: Action, pp_rank: int, pp: int, placement: Placement = Placement.INTERLEAVED) -> tuple:
@@ -272,7 +275,7 @@ def build_schedule(name: str, pp: int, num_microbatches: int, vpp: int = 1, forw
         raise ValueError(f"chunk_costs must give {pp} ranks x {vpp} chunks of positive costs, got {chunk_costs}")
     orders = [compute_order(name, pp, vpp, num_microbatches, r, overlap) for r in range(pp)]
     if forward_only:
-        orders = [[p for a in order for p in a.parts() if p.kind == "F"] for order in orders]
+        orders = [[p for a in order for p in a.parts() if p.kind is ActionKind.F] for order in orders]
     return Schedule(name=name, pp=pp, vpp=vpp, num_microbatches=num_microbatches,
                     actions=place_communication(orders, pp, vpp, backward_ratio, placement, chunk_costs, times),
                     forward_only=forward_only, placement=placement)

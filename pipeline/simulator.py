@@ -29,7 +29,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from moefold.pipeline.actions import Action, Message, is_local, message_of, model_chunk, rank_and_chunk, split_batches
+from moefold.pipeline.actions import (
+    Action,
+    ActionKind,
+    Message,
+    is_local,
+    message_of,
+    model_chunk,
+    rank_and_chunk,
+    split_batches,
+)
 from moefold.pipeline.schedules import Schedule
 
 
@@ -58,7 +67,7 @@ def _input_chunk(part: Action, pp_rank: int, schedule: Schedule) -> tuple[bool, 
     producing model chunk). Local: the producer is another chunk of this rank (the V placement's turn)."""
     pp, placement = schedule.pp, schedule.placement
     mc = model_chunk(pp_rank, part.chunk, pp, placement)
-    src = mc - 1 if part.kind == "F" else mc + 1
+    src = mc - 1 if part.kind is ActionKind.F else mc + 1
     if src < 0 or src >= schedule.num_model_chunks:
         return None
     return rank_and_chunk(src, pp, placement)[0] == pp_rank, src
@@ -78,10 +87,10 @@ def validate(schedule: Schedule) -> None:
                 if not (0 <= part.microbatch < m and 0 <= part.chunk < vpp):
                     raise ScheduleError(f"rank {r}: {a} is outside microbatches 0..{m - 1} / chunks 0..{vpp - 1}")
                 key = (part.kind, part.microbatch, part.chunk)
-                if schedule.forward_only and part.kind not in ("F", "SEND_F", "RECV_F"):
+                if schedule.forward_only and part.kind not in (ActionKind.F, ActionKind.SEND_F, ActionKind.RECV_F):
                     raise ScheduleError(f"rank {r}: {a} in a forward-only schedule")
-                backward_keys = [(k, part.microbatch, part.chunk) for k in ("B", "I")]
-                if key in seen or (part.kind in ("B", "I") and any(k in seen for k in backward_keys)):
+                backward_keys = [(k, part.microbatch, part.chunk) for k in (ActionKind.B, ActionKind.I)]
+                if key in seen or (part.kind in (ActionKind.B, ActionKind.I) and any(k in seen for k in backward_keys)):
                     raise ScheduleError(f"rank {r}: {a} repeats a step of micro-batch {part.microbatch} chunk "
                                         f"{part.chunk}")
                 _check_order(part, a, r, schedule, seen)
@@ -92,7 +101,7 @@ def validate(schedule: Schedule) -> None:
                     book.setdefault((msg.src, msg.dst), []).append(msg)
         for i in range(m):
             for c in range(vpp):
-                _check_complete(Action("F", i, c), r, schedule, seen)
+                _check_complete(Action(ActionKind.F, i, c), r, schedule, seen)
     for channel in sorted(set(sent) | set(received)):
         s, rcv = sent.get(channel, []), received.get(channel, [])
         for k in range(max(len(s), len(rcv))):
@@ -107,33 +116,33 @@ def _check_order(part: Action, action: Action, r: int, schedule: Schedule, seen:
     """``part`` of ``action`` comes after everything it needs on rank ``r`` (``seen``: what ran before)."""
     mb, c = part.microbatch, part.chunk
     pp, placement = schedule.pp, schedule.placement
-    did_backward = ("B", mb, c) in seen or ("I", mb, c) in seen
+    did_backward = (ActionKind.B, mb, c) in seen or (ActionKind.I, mb, c) in seen
     need: list[tuple[bool, str]] = []
-    if part.kind in ("F", "B", "I"):
+    if part.kind in (ActionKind.F, ActionKind.B, ActionKind.I):
         source = _input_chunk(part, r, schedule)
         if source is not None:
             local, src_mc = source
             if local:
                 src_chunk = rank_and_chunk(src_mc, pp, placement)[1]
-                ok = ("F", mb, src_chunk) in seen if part.kind == "F" else any(
-                    (k, mb, src_chunk) in seen for k in ("B", "I"))
+                ok = (ActionKind.F, mb, src_chunk) in seen if part.kind is ActionKind.F else any(
+                    (k, mb, src_chunk) in seen for k in (ActionKind.B, ActionKind.I))
                 need.append((ok, f"{'F' if part.kind == 'F' else 'B/I'}(mb={mb}, chunk={src_chunk}) on this rank"))
             else:
-                need.append((("RECV_" + ("F" if part.kind == "F" else "B"), mb, c) in seen,
-                             str(Action("RECV_" + ("F" if part.kind == "F" else "B"), mb, c))))
-        if part.kind != "F":
-            need.append((("F", mb, c) in seen, str(Action("F", mb, c))))
-    elif part.kind == "W":
-        need.append((("I", mb, c) in seen, str(Action("I", mb, c))))
-    elif part.kind == "SEND_F":
-        need.append((("F", mb, c) in seen, str(Action("F", mb, c))))
-    elif part.kind == "SEND_B":
+                recv = ActionKind.RECV_F if part.kind is ActionKind.F else ActionKind.RECV_B
+                need.append(((recv, mb, c) in seen, str(Action(recv, mb, c))))
+        if part.kind is not ActionKind.F:
+            need.append(((ActionKind.F, mb, c) in seen, str(Action(ActionKind.F, mb, c))))
+    elif part.kind is ActionKind.W:
+        need.append(((ActionKind.I, mb, c) in seen, str(Action(ActionKind.I, mb, c))))
+    elif part.kind is ActionKind.SEND_F:
+        need.append(((ActionKind.F, mb, c) in seen, str(Action(ActionKind.F, mb, c))))
+    elif part.kind is ActionKind.SEND_B:
         need.append((did_backward, f"B/I(mb={mb}, chunk={c})"))
     for ok, what in need:
         if not ok:
             raise ScheduleError(f"rank {r}: {action} comes before {what}")
     if not part.is_compute:
-        direction = "F" if part.kind in ("SEND_F", "RECV_B") else "B"
+        direction = "F" if part.kind in (ActionKind.SEND_F, ActionKind.RECV_B) else "B"
         mc = model_chunk(r, c, pp, placement)
         out_of_model = (direction == "F" and mc == schedule.num_model_chunks - 1) or (direction == "B" and mc == 0)
         if out_of_model or is_local(r, c, direction, pp, placement):
@@ -145,15 +154,14 @@ def _check_complete(forward: Action, r: int, schedule: Schedule, seen: set) -> N
     mb, c, pp, placement = forward.microbatch, forward.chunk, schedule.pp, schedule.placement
     mc = model_chunk(r, c, pp, placement)
     last = schedule.num_model_chunks - 1
-    wanted = ["F"]
+    wanted = [ActionKind.F]
     if not schedule.forward_only:
-        wanted.append("I" if ("I", mb, c) in seen else "B")
-        if ("I", mb, c) in seen:
-            wanted.append("W")
+        split = (ActionKind.I, mb, c) in seen
+        wanted += [ActionKind.I, ActionKind.W] if split else [ActionKind.B]
     if mc < last and not is_local(r, c, "F", pp, placement):
-        wanted += ["SEND_F"] + ([] if schedule.forward_only else ["RECV_B"])
+        wanted += [ActionKind.SEND_F] + ([] if schedule.forward_only else [ActionKind.RECV_B])
     if mc > 0 and not is_local(r, c, "B", pp, placement):
-        wanted += ["RECV_F"] + ([] if schedule.forward_only else ["SEND_B"])
+        wanted += [ActionKind.RECV_F] + ([] if schedule.forward_only else [ActionKind.SEND_B])
     for kind in wanted:
         if (kind, mb, c) not in seen:
             raise ScheduleError(f"rank {r}: {Action(kind, mb, c)} is missing")
@@ -178,8 +186,8 @@ def simulate(schedule: Schedule, forward_time: float = 1.0, backward_time: float
     validate(schedule)
     pp = schedule.pp
     if duration is None:
-        per_kind = {"F": forward_time, "B": backward_time, "I": backward_time / 2, "W": backward_time / 2,
-                    "FB": forward_time + backward_time}
+        per_kind = {ActionKind.F: forward_time, ActionKind.B: backward_time, ActionKind.I: backward_time / 2,
+                    ActionKind.W: backward_time / 2, ActionKind.FB: forward_time + backward_time}
         duration = lambda r, a: per_kind[a.kind]
     placement = schedule.placement
     items = [split_batches(schedule.actions[r]) for r in range(pp)]
@@ -254,10 +262,11 @@ def simulate(schedule: Schedule, forward_time: float = 1.0, backward_time: float
                 if isinstance(item, Action):
                     ready, blocked = clock[r], False
                     for part in item.parts():
-                        source = _input_chunk(part, r, schedule) if part.kind != "W" else None
+                        source = _input_chunk(part, r, schedule) if part.kind is not ActionKind.W else None
                         if source is None or source[0]:   # no input, or a local one (ran earlier on this rank)
                             continue
-                        recv = Action("RECV_" + ("F" if part.kind == "F" else "B"), part.microbatch, part.chunk)
+                        recv = Action(ActionKind.RECV_F if part.kind is ActionKind.F else ActionKind.RECV_B,
+                                      part.microbatch, part.chunk)
                         done = completion(*where[message_of(recv, r, pp, placement)]["RECV"])
                         if done is None:
                             blocked = True
@@ -272,8 +281,8 @@ def simulate(schedule: Schedule, forward_time: float = 1.0, backward_time: float
                     clock[r] = ready + d
                     busy[r] += d
                     if not schedule.forward_only:  # forward-only keeps no activations
-                        live[r] += sum(1 if p.kind == "F" else -1 if p.kind in ("B", "W") else 0
-                                       for p in item.parts())
+                        live[r] += sum(1 if p.kind is ActionKind.F else
+                                       -1 if p.kind in (ActionKind.B, ActionKind.W) else 0 for p in item.parts())
                     peak[r] = max(peak[r], live[r])
                 else:
                     posted.setdefault((r, pos[r]), clock[r])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from moefold.pipeline.actions import Action
+from moefold.pipeline.actions import Action, ActionKind
 from moefold.pipeline.schedules import Schedule
 from moefold.pipeline.simulator import SimResult
 
@@ -20,7 +20,7 @@ def _label(action: Action, vpp: int, kind: bool = True) -> str:
     def one(a: Action) -> str:
         return (a.kind if kind else "") + f"{a.microbatch}" + (CHUNK_LETTERS[a.chunk % 26] if vpp > 1 else "")
 
-    if action.kind == "FB":
+    if action.kind is ActionKind.FB:
         return ("" if kind else "|").join(one(p) for p in action.parts())
     return one(action)
 
@@ -81,7 +81,7 @@ def plot_png(schedule: Schedule, result: SimResult, path: str | Path) -> Path:
 
     for r, rank in enumerate(result.intervals):
         for start, end, a in rank:
-            if a.kind == "FB":
+            if a.kind is ActionKind.FB:
                 f, b = a.parts()
                 middle = (start + end) / 2
                 ax.broken_barh([(start, middle - start)], (r - 0.4, 0.8), facecolors=color("F", f.chunk),

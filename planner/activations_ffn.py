@@ -24,7 +24,7 @@ shared experts like a dense MLP (two gathers under SP: its gate and up projectio
 all-to-all's send and receive buffers are freed once the rows are permuted and live only in the forward
 (``fwd_extra``). ``moe`` recompute keeps the layer's input only.
 
-On CPU (``device_type`` "cpu", the default GEMM path) the experts may run on padded rows (``moe.expert_rows``,
+On CPU (``device_type`` "cpu", the default GEMM path) the experts may run on padded rows (``moe.cpu.expert_rows``,
 chosen by measured speed): their input copy, gate/up output and product then have up to ``max_auto_rows`` rows,
 counted at that bound, and the forward briefly holds the packed input rows beside the padded copy and the padded
 w2 output beside the unpadded one (the peak of a ``moe`` recompute's refill, measured in
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 
-from moefold.moe.expert_rows import max_auto_rows
+from moefold.moe.cpu.expert_rows import max_auto_rows
 from moefold.planner.activations import ActivationShape, Part
 from moefold.planner.deepep import planned_backend, sync_free, v2_receive_rows
 
@@ -101,7 +101,7 @@ def _own_swiglu(shape: ActivationShape) -> bool:
 
 def _cpu_padded_rows(shape: ActivationShape, rows: int, local_experts: int) -> int:
     """Rows the experts' GEMM buffers may hold for ``rows`` rows: on CPU, the default GEMM path without expert
-    biases pads bf16 / fp16 rows (``moe.expert_gemm.choose_layout``'s ``auto`` rule: ``uniform`` or ``aligned``),
+    biases pads bf16 / fp16 rows (``moe.cpu.rows_gemm.choose_layout``'s ``auto`` rule: ``uniform`` or ``aligned``),
     up to ``max_auto_rows``; fp32 rows stay packed, as everywhere off the CPU: exactly ``rows``."""
     m, o = shape.model, shape.options
     if (shape.device_type != "cpu" or o.gemm_backend != "grouped_mm" or o.fp8.enabled or m.moe_expert_linear_bias

@@ -18,11 +18,11 @@ import sys
 from moefold.dense.activation_offload import OFFLOAD_MODULES
 from moefold.dense.context_parallel import CP_COMM_MODES
 from moefold.dense.recompute import RECOMPUTE_METHODS, RECOMPUTE_MODES, RECOMPUTE_MODULES
-from moefold.dispatch.flex_backend import FLEX_BACKEND_CHOICES
+from moefold.dispatch.config import DispatcherKind
+from moefold.dispatch.flex_backend import FlexBackend
 from moefold.models.options import DEEPEP_MODES, ModelOptions
 from moefold.models.params import count_parameters
 from moefold.models.recipes import RECIPES
-from moefold.moe.config import DISPATCHERS
 from moefold.pipeline.schedules import SCHEDULES
 from moefold.planner.candidates import Fixed
 from moefold.planner.cluster import CLUSTERS, load_cluster, parse_bytes
@@ -103,13 +103,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="shard activations along the sequence between TP regions (tp > 1)")
     g.add_argument("--cp-comm-type", default=ModelOptions.cp_comm, choices=CP_COMM_MODES,
                    help="context-parallel K/V exchange")
-    g.add_argument("--moe-token-dispatcher-type", default="auto", choices=("auto", *DISPATCHERS),
+    g.add_argument("--moe-token-dispatcher-type", default="auto", choices=("auto", *(k.value for k in DispatcherKind)),
                    help="the dispatcher to plan for (flex: DeepEP's buffers are counted)")
     g.add_argument("--moe-deepep-num-sms", type=int, default=ModelOptions.moe_deepep_num_sms,
                    help="SMs DeepEP's kernels take (flex dispatcher; 0: DeepEP V2's estimate, 20 with deepep-legacy)")
-    g.add_argument("--moe-flex-dispatcher-backend", default=ModelOptions.moe_flex_dispatcher_backend,
-                   choices=FLEX_BACKEND_CHOICES, help="flex: the DeepEP whose buffer and exchange are planned "
-                   "(auto: deepep, V2)")
+    g.add_argument("--moe-flex-dispatcher-backend", default=ModelOptions.moe_flex_dispatcher_backend.value,
+                   choices=[b.value for b in FlexBackend],
+                   help="flex: the DeepEP whose buffer and exchange are planned (auto: deepep, V2)")
     g.add_argument("--moe-deepep-mode", default=ModelOptions.moe_deepep_mode, choices=DEEPEP_MODES,
                    help="DeepEP V2 across nodes: hybrid (RDMA once per node, NVLink forwarding) or direct")
     g.add_argument("--moe-deepep-cpu-sync", action=argparse.BooleanOptionalAction, default=None,

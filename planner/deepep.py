@@ -133,12 +133,10 @@ def routed_tokens(config: RunConfig, sizes: ParallelSizes) -> int:
 
 
 def sync_free(options: ModelOptions, fp8_gemms: bool) -> bool:
-    """V2's dispatch runs without the CPU sync (``moe.layer.deepep_cpu_sync``'s rule)."""
-    from moefold.moe.gemm import needs_host_counts
-
+    """V2's dispatch runs without the CPU sync (``dispatch.config.FlexOptions.cpu_sync_for``'s rule)."""
     if options.moe_deepep_cpu_sync is not None:
         return not options.moe_deepep_cpu_sync
-    return not (needs_host_counts(options.gemm_backend) or fp8_gemms)
+    return not (options.gemm_backend.needs_host_counts or fp8_gemms)
 
 
 def deepep_buffer_bytes(config: RunConfig, sizes: ParallelSizes, gpus_per_node: int = NVL_PEERS) -> int:

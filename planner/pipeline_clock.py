@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import lru_cache
 
-from moefold.pipeline.actions import Action
+from moefold.pipeline.actions import Action, ActionKind
 from moefold.pipeline.schedules import Schedule, build_schedule
 from moefold.pipeline.simulator import simulate
 
@@ -31,13 +31,13 @@ Durations = tuple[tuple[tuple[float, float, float, tuple[float, float], tuple[fl
 def _duration(durations: Durations, overlap: bool, delay_wgrad: bool) -> Callable[[int, Action], float]:
     def duration(r: int, a: Action) -> float:
         f, b, w, _, (b_ep, _) = durations[r][a.chunk]
-        if a.kind == "F":
+        if a.kind is ActionKind.F:
             return f
-        if a.kind == "W":
+        if a.kind is ActionKind.W:
             return w
-        if a.kind == "I":
+        if a.kind is ActionKind.I:
             return b - w
-        if a.kind == "B":   # alone: with --delay-wgrad-compute its exchange hides behind its own weight GEMMs
+        if a.kind is ActionKind.B:   # alone: with --delay-wgrad-compute its exchange hides behind its own weight GEMMs
             return b - min(b_ep, w) if delay_wgrad else b
         fb, bb = durations[r][a.chunk], durations[r][a.b_chunk]   # an FB: overlapped only with the overlap
         return fb[0] + bb[1] - (_hidden(fb[3], bb[4]) if overlap else 0.0)
@@ -59,9 +59,9 @@ def simulate_step(name: str, pp: int, vpp: int, m: int, durations: Durations, ov
     critical = max(range(pp), key=lambda r: result.busy[r])
     hidden = 0.0
     for a in schedule.rank_actions(critical):
-        if a.kind == "FB" and overlap:
+        if a.kind is ActionKind.FB and overlap:
             hidden += _hidden(durations[critical][a.chunk][3], durations[critical][a.b_chunk][4])
-        elif a.kind == "B" and delay_wgrad:
+        elif a.kind is ActionKind.B and delay_wgrad:
             _, _, w, _, (b_ep, _) = durations[critical][a.chunk]
             hidden += min(b_ep, w)
     return result.makespan, result.busy, hidden

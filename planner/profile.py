@@ -27,7 +27,7 @@ import numpy as np
 from moefold.models.layer_factory import is_moe_block
 from moefold.models.recompute import full_recompute_groups
 from moefold.parallel.dims import ParallelSizes
-from moefold.pipeline.actions import is_local, model_chunk, split_batches
+from moefold.pipeline.actions import ActionKind, is_local, model_chunk, split_batches
 from moefold.pipeline.schedules import Schedule
 from moefold.planner.activations import NOT_OFFLOADED, ActivationShape, Part
 from moefold.planner.activations_ffn import mlp, moe
@@ -295,8 +295,8 @@ def _events(schedule: tuple[str, int, int, int, bool], pp_rank: int) -> tuple[np
 
     for index, item in enumerate(split_batches(built.rank_actions(pp_rank))):
         if isinstance(item, tuple):
-            outputs = [(a.microbatch, a.chunk) for a in item if a.kind == "SEND_F"]
-            sent_gradients = sum(a.kind == "SEND_B" for a in item)
+            outputs = [(a.microbatch, a.chunk) for a in item if a.kind is ActionKind.SEND_F]
+            sent_gradients = sum(a.kind is ActionKind.SEND_B for a in item)
             unwaited[index] = (sent_gradients, outputs)
             gradients -= sent_gradients
             for a in item:
@@ -311,22 +311,22 @@ def _events(schedule: tuple[str, int, int, int, bool], pp_rank: int) -> tuple[np
         after = []   # what each part does once the action ran
         for part in item.parts():
             c = part.chunk
-            if part.kind == "F":
+            if part.kind is ActionKind.F:
                 if remote(c, "F"):
                     wait_for(("F", part.microbatch, c))
                     receiving -= 1   # the receive buffer is now the chunk's input (in ``kept``)
                 after.append(("hold", part))
-            elif part.kind == "W":
+            elif part.kind is ActionKind.W:
                 live[c] -= 1
             else:   # B, I
                 if remote(c, "B"):
                     wait_for(("B", part.microbatch, c))   # the received gradient lives through the backward
-                if item.kind != "FB":   # an FB's backward half keeps its pair during the step (upper bound)
+                if item.kind is not ActionKind.FB:   # an FB's backward half keeps its pair in the step (upper bound)
                     live[c] -= 1
                 after.append(("backward", part))
         rows.append(list(live))
         messages.append(held())
-        kinds.append({"F": 1, "B": 2, "I": 2, "W": 3, "FB": 4}[item.kind])
+        kinds.append({ActionKind.F: 1, ActionKind.B: 2, ActionKind.I: 2, ActionKind.W: 3, ActionKind.FB: 4}[item.kind])
         chunks.append(item.chunk)
         for what, part in after:
             c = part.chunk
@@ -336,9 +336,9 @@ def _events(schedule: tuple[str, int, int, int, bool], pp_rank: int) -> tuple[np
             receiving -= int(remote(c, "B"))
             gradients += int(remote(c, "F"))
             backward_done.add((part.microbatch, c))
-            if part.kind == "I":
+            if part.kind is ActionKind.I:
                 live[c] += 1   # held until its W
-            elif item.kind == "FB":
+            elif item.kind is ActionKind.FB:
                 live[c] -= 1
         most = max(most, sum(live))
     return (np.array(rows, dtype=np.float64), np.array(messages, dtype=np.float64), np.array(kinds),

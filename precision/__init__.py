@@ -16,7 +16,10 @@ from moefold.precision.fp8 import (
     FP8_BACKENDS,
     FP8_FORMATS,
     FP8_RECIPES,
+    FP8Backend,
     FP8Config,
+    FP8Format,
+    FP8Recipe,
     import_te,
     import_torchao,
 )
@@ -27,7 +30,8 @@ from moefold.precision.te_linear import TELinearGemm
 
 __all__ = [
     # settings
-    "FP8Config", "BACKEND_RECIPES", "BLOCK_RECIPES", "FP4_FORMATS", "FP8_BACKENDS", "FP8_FORMATS", "FP8_RECIPES",
+    "FP8Config", "FP8Backend", "FP8Format", "FP8Recipe",
+    "BACKEND_RECIPES", "BLOCK_RECIPES", "FP4_FORMATS", "FP8_BACKENDS", "FP8_FORMATS", "FP8_RECIPES",
     "import_te", "import_torchao",
     # torchao-numerics casts and the scaled GEMM
     "E4M3", "E5M2", "Float8Recipe", "amax", "amax_to_scale", "quantize", "dequantize", "scaled_mm",

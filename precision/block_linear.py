@@ -34,7 +34,7 @@ from torch import Tensor
 
 from moefold.parallel.groups import Group, group_size
 from moefold.precision.block_cast import FORMATS, BlockFormat, check_split, quantize, tensor_amax
-from moefold.precision.fp8 import FP8Config
+from moefold.precision.fp8 import FP8Config, FP8Format
 from moefold.precision.fp8_cast import E5M2
 
 
@@ -80,7 +80,7 @@ class BlockScaledLinearGemm:
         self.config, self.fmt = config, FORMATS[config.recipe]
         self.in_group, self.out_group, self.token_group = in_group, out_group, token_group
         # FP8 element types: hybrid gives e5m2 gradients (only TE allows it with block recipes; kept general)
-        self.grad_dtype = E5M2 if config.format == "hybrid" else None
+        self.grad_dtype = E5M2 if config.format is FP8Format.HYBRID else None
 
     def check_shapes(self, name: str, in_local: int, out_local: int) -> None:
         """ValueError when this layer's shards would cut through the recipe's blocks (see ``precision.block_cast``)."""

@@ -40,19 +40,59 @@ import functools
 import importlib
 import logging
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import torch
 
-FP8_FORMATS: tuple[str, ...] = ("e4m3", "hybrid")
+
+class FP8Format(StrEnum):
+    """``--fp8-format``: E4M3 everywhere, or E4M3 forward and E5M2 gradients (``hybrid``)."""
+
+    E4M3 = "e4m3"
+    HYBRID = "hybrid"
+
+    @classmethod
+    def _missing_(cls, value: object) -> FP8Format:
+        raise ValueError(f"--fp8-format={value!r} is not one of {', '.join(cls)}")
+
+
+class FP8Recipe(StrEnum):
+    """``--fp8-recipe`` (and FP4's one recipe, ``nvfp4``): how the operands are scaled (module docstring)."""
+
+    TENSORWISE = "tensorwise"
+    ROWWISE = "rowwise"
+    DELAYED = "delayed"
+    BLOCKWISE = "blockwise"
+    MXFP8 = "mxfp8"
+    NVFP4 = "nvfp4"
+
+    @classmethod
+    def _missing_(cls, value: object) -> FP8Recipe:
+        raise ValueError(f"--fp8-recipe={value!r} is not one of {', '.join(FP8_RECIPES)}")
+
+
+class FP8Backend(StrEnum):
+    """``--fp8-backend``: torchao's recipes run by moefold's own GEMMs, or Transformer Engine's modules."""
+
+    TORCHAO = "torchao"
+    TE = "te"
+
+    @classmethod
+    def _missing_(cls, value: object) -> FP8Backend:
+        raise ValueError(f"--fp8-backend={value!r} is not one of {', '.join(cls)}")
+
+
+FP8_FORMATS: tuple[str, ...] = tuple(FP8Format)
 FP4_FORMATS: tuple[str, ...] = ("e2m1", "nvfp4")   # Megatron's --fp4-format e2m1; nvfp4 names the same thing
-FP4_RECIPES: tuple[str, ...] = ("nvfp4",)
-FP8_BACKENDS: tuple[str, ...] = ("torchao", "te")
+FP4_RECIPES: tuple[FP8Recipe, ...] = (FP8Recipe.NVFP4,)
+FP8_BACKENDS: tuple[str, ...] = tuple(FP8Backend)
 # the FP8 recipes each backend runs; the first is its default (FP4: nvfp4 on both)
-BACKEND_RECIPES: dict[str, tuple[str, ...]] = {"torchao": ("tensorwise", "rowwise", "blockwise", "mxfp8"),
-                                               "te": ("delayed", "tensorwise", "blockwise", "mxfp8")}
-FP8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "delayed", "blockwise", "mxfp8")
-BLOCK_RECIPES: tuple[str, ...] = ("blockwise", "mxfp8", "nvfp4")   # precision.block_cast
+BACKEND_RECIPES: dict[FP8Backend, tuple[FP8Recipe, ...]] = {
+    FP8Backend.TORCHAO: (FP8Recipe.TENSORWISE, FP8Recipe.ROWWISE, FP8Recipe.BLOCKWISE, FP8Recipe.MXFP8),
+    FP8Backend.TE: (FP8Recipe.DELAYED, FP8Recipe.TENSORWISE, FP8Recipe.BLOCKWISE, FP8Recipe.MXFP8)}
+FP8_RECIPES: tuple[FP8Recipe, ...] = tuple(r for r in FP8Recipe if r is not FP8Recipe.NVFP4)
+BLOCK_RECIPES: tuple[FP8Recipe, ...] = (FP8Recipe.BLOCKWISE, FP8Recipe.MXFP8, FP8Recipe.NVFP4)   # precision.block_cast
 # compute capability the GPU kernels of a recipe need (CPU: emulated); TE's own checks in quantization.py
 MIN_CAPABILITY: dict[str, tuple[tuple[int, int], str]] = {
     "tensorwise": ((8, 9), "Ada/Hopper"), "rowwise": ((8, 9), "Ada/Hopper"), "delayed": ((8, 9), "Ada/Hopper"),
@@ -69,9 +109,9 @@ class FP8Config:
     ``FP8_BACKENDS``; exclude_modules: name fragments of modules kept in high precision;
     dispatch: FP8 token dispatch (works with or without FP8 GEMMs)."""
 
-    format: str | None = None
-    recipe: str | None = None
-    backend: str = "torchao"
+    format: FP8Format | None = None
+    recipe: FP8Recipe | None = None
+    backend: FP8Backend = FP8Backend.TORCHAO
     exclude_modules: tuple[str, ...] = DEFAULT_EXCLUDE
     dispatch: bool = False
     fp4: str | None = None            # --fp4-format (e2m1): NVFP4 GEMMs instead of FP8 ones
@@ -80,12 +120,11 @@ class FP8Config:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "exclude_modules", tuple(self.exclude_modules))  # a list from JSON
-        if self.format is not None and self.format not in FP8_FORMATS:
-            raise ValueError(f"--fp8-format={self.format!r} is not one of {', '.join(FP8_FORMATS)}")
+        if self.format is not None:
+            object.__setattr__(self, "format", FP8Format(self.format))
         if self.fp4 is not None and self.fp4 not in FP4_FORMATS:
             raise ValueError(f"--fp4-format={self.fp4!r} is not one of {', '.join(FP4_FORMATS)}")
-        if self.backend not in FP8_BACKENDS:
-            raise ValueError(f"--fp8-backend={self.backend!r} is not one of {', '.join(FP8_BACKENDS)}")
+        object.__setattr__(self, "backend", FP8Backend(self.backend))
         if self.fp4 is not None:
             if self.format is not None:
                 raise ValueError(f"--fp4-format={self.fp4} and --fp8-format={self.format} cannot be used together; "
@@ -94,8 +133,11 @@ class FP8Config:
             if self.recipe not in (None, *FP4_RECIPES):
                 raise ValueError(f"--fp4-format e2m1 runs recipe {', '.join(FP4_RECIPES)}, not {self.recipe!r}")
             object.__setattr__(self, "recipe", FP4_RECIPES[0])
-        elif self.recipe is not None and self.recipe not in FP8_RECIPES:
-            raise ValueError(f"--fp8-recipe={self.recipe!r} is not one of {', '.join(FP8_RECIPES)}")
+        elif self.recipe is not None:
+            recipe = FP8Recipe(self.recipe)
+            if recipe not in FP8_RECIPES:
+                raise ValueError(f"--fp8-recipe={self.recipe!r} is not one of {', '.join(FP8_RECIPES)}")
+            object.__setattr__(self, "recipe", recipe)
         self._check_param_gather()
         if self.router_padding and not self.enabled:
             raise ValueError("--moe-router-padding-for-quantization pads expert token counts for FP8/FP4 GEMMs; "
@@ -108,17 +150,19 @@ class FP8Config:
         elif self.recipe not in valid:
             raise ValueError(f"--fp8-recipe={self.recipe} is not supported by --fp8-backend={self.backend}; "
                              f"it supports {', '.join(valid)}")
-        if self.backend == "torchao" and self.recipe in ("blockwise", "mxfp8") and self.format == "hybrid":
+        if (self.backend is FP8Backend.TORCHAO and self.recipe in (FP8Recipe.BLOCKWISE, FP8Recipe.MXFP8)
+                and self.format is FP8Format.HYBRID):
+            kernels = "blockwise kernels" if self.recipe is FP8Recipe.BLOCKWISE else "MXFP8 training recipes"
             raise ValueError(f"--fp8-recipe {self.recipe} with --fp8-backend torchao is e4m3 everywhere (torchao's "
-                             f"{'blockwise kernels' if self.recipe == 'blockwise' else 'MXFP8 training recipes'}): use "
-                             "--fp8-format e4m3, or --fp8-backend te for e5m2 gradients")
+                             f"{kernels}): use --fp8-format e4m3, or --fp8-backend te for e5m2 gradients")
 
     def _check_param_gather(self) -> None:
         if not self.param_gather:
             return
         if self.format is None:
             raise ValueError("--fp8-param-gather keeps FP8 primary weights: it needs --fp8-format")
-        if self.backend != "torchao" or self.recipe not in (None, "tensorwise", "blockwise"):
+        if self.backend is not FP8Backend.TORCHAO or self.recipe not in (None, FP8Recipe.TENSORWISE,
+                                                                          FP8Recipe.BLOCKWISE):
             raise ValueError(f"--fp8-param-gather needs one FP8 copy of each weight that serves both its forward and "
                              f"its backward GEMM: --fp8-backend torchao with --fp8-recipe tensorwise or blockwise "
                              f"(one scale per tensor / per 128x128 block), not {self.backend} {self.recipe}")
@@ -131,16 +175,17 @@ class FP8Config:
     @property
     def block_scaled(self) -> bool:
         """A block-scaled recipe run by moefold's own casts (``block_cast``): torchao blockwise/mxfp8/nvfp4."""
-        return self.enabled and self.backend == "torchao" and self.recipe in BLOCK_RECIPES
+        return self.enabled and self.backend is FP8Backend.TORCHAO and self.recipe in BLOCK_RECIPES
 
     @property
     def align_size(self) -> int:
         """Rows each expert's token count is padded to with ``router_padding``: the grouped kernels' multiple
         (TE's ``get_align_size_for_quantization``: 32 MXFP8, 128 NVFP4, else 16; torchao's blockwise grouped GEMM
         pads its groups to 128)."""
-        if self.recipe == "mxfp8":
+        if self.recipe is FP8Recipe.MXFP8:
             return 32
-        if self.recipe == "nvfp4" or (self.recipe == "blockwise" and self.backend == "torchao"):
+        if self.recipe is FP8Recipe.NVFP4 or (self.recipe is FP8Recipe.BLOCKWISE
+                                              and self.backend is FP8Backend.TORCHAO):
             return 128
         return 16
 
@@ -151,10 +196,10 @@ class FP8Config:
         flex dispatcher on DeepEP V2 lays its received rows out with this alignment (``expert_alignment``)."""
         if not self.enabled:
             return 1
-        return 32 if self.recipe == "mxfp8" else 16
+        return 32 if self.recipe is FP8Recipe.MXFP8 else 16
 
     def describe(self) -> str:
-        name = {"torchao": "torchao", "te": "Transformer Engine"}[self.backend]
+        name = {FP8Backend.TORCHAO: "torchao", FP8Backend.TE: "Transformer Engine"}[self.backend]
         if not self.enabled:
             gemms = "fp8 off"
         elif self.fp4 is not None:
@@ -175,7 +220,7 @@ class FP8Config:
         """Fail now, naming what is missing, if this config cannot run here (no-op when off)."""
         if not self.enabled:
             return
-        if self.backend == "torchao":
+        if self.backend is FP8Backend.TORCHAO:
             import_torchao()
             if torch.cuda.is_available():
                 self.check_device(torch.device("cuda"))
@@ -185,8 +230,8 @@ class FP8Config:
         # check_fp8_support() / check_mxfp8_support() / ... -> (ok, reason): in transformer_engine.pytorch.quantization
         # in recent releases, transformer_engine.pytorch.fp8 in older ones (2.8 and before); autocast asserts the same
         # (quantization.py autocast_enter)
-        name = {"mxfp8": "check_mxfp8_support", "blockwise": "check_fp8_block_scaling_support",
-                "nvfp4": "check_nvfp4_support"}.get(self.recipe, "check_fp8_support")
+        name = {FP8Recipe.MXFP8: "check_mxfp8_support", FP8Recipe.BLOCKWISE: "check_fp8_block_scaling_support",
+                FP8Recipe.NVFP4: "check_nvfp4_support"}.get(self.recipe, "check_fp8_support")
         for module in ("transformer_engine.pytorch.quantization", "transformer_engine.pytorch.fp8"):
             try:
                 check = getattr(importlib.import_module(module), name)
@@ -247,16 +292,16 @@ def import_torchao() -> Any:
 
 
 @functools.cache
-def _te_recipe(fmt: str | None, recipe: str | None) -> Any:
+def _te_recipe(fmt: FP8Format | None, recipe: FP8Recipe | None) -> Any:
     recipe_mod = import_te("transformer_engine.common.recipe")
-    fp8_format = recipe_mod.Format.E4M3 if fmt == "e4m3" else recipe_mod.Format.HYBRID
-    if recipe == "delayed":
+    fp8_format = recipe_mod.Format.E4M3 if fmt is FP8Format.E4M3 else recipe_mod.Format.HYBRID
+    if recipe is FP8Recipe.DELAYED:
         return recipe_mod.DelayedScaling(fp8_format=fp8_format)
-    if recipe == "tensorwise":
+    if recipe is FP8Recipe.TENSORWISE:
         return recipe_mod.Float8CurrentScaling(fp8_format=fp8_format)
-    if recipe == "blockwise":   # 1x128 activations and gradients, 128x128 weights (TE's defaults)
+    if recipe is FP8Recipe.BLOCKWISE:   # 1x128 activations and gradients, 128x128 weights (TE's defaults)
         return recipe_mod.Float8BlockScaling(fp8_format=fp8_format)
-    if recipe == "nvfp4":       # TE's defaults: 2D weights, RHT and stochastic rounding on the backward operands
+    if recipe is FP8Recipe.NVFP4:   # TE's defaults: 2D weights, RHT and stochastic rounding on the backward operands
         return recipe_mod.NVFP4BlockScaling()
     return recipe_mod.MXFP8BlockScaling(fp8_format=fp8_format)
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moefold.parallel.groups import Group, group_size
-from moefold.precision.fp8 import FP8Config, import_torchao
+from moefold.precision.fp8 import FP8Backend, FP8Config, FP8Format, import_torchao
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -68,12 +68,12 @@ class Float8Recipe:
 
     @classmethod
     def from_config(cls, config: FP8Config) -> Float8Recipe:
-        if not config.enabled or config.backend != "torchao":
+        if not config.enabled or config.backend is not FP8Backend.TORCHAO:
             raise ValueError(f"Float8Recipe needs --fp8-backend torchao with a --fp8-format, got {config.describe()}")
         ao = import_torchao()
-        c = ao.config.Float8LinearConfig.from_recipe_name(config.recipe)
+        c = ao.config.Float8LinearConfig.from_recipe_name(config.recipe.value)   # torchao checks type(name) == str
         axiswise = ao.config.ScalingGranularity.AXISWISE
-        grad_dtype = E5M2 if config.format == "hybrid" else E4M3
+        grad_dtype = E5M2 if config.format is FP8Format.HYBRID else E4M3
 
         def cast(cc: Any, dtype: torch.dtype | None = None) -> Cast:
             return Cast(dtype or cc.target_dtype, cc.scaling_granularity is axiswise)

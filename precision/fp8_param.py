@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from moefold.parallel.groups import Group
-from moefold.precision.fp8 import FP8Config
+from moefold.precision.fp8 import FP8Config, FP8Recipe
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ def mark_fp8_param(param: Tensor, config: FP8Config, groups: dict[str, Group],
     """Tag ``param`` (a linear's ``[out, in]`` weight, or ``matrix`` per expert) for the FP8 all-gather.
     ``groups``: ``out_group`` / ``in_group`` (the row / column split), as the layer's FP8 GEMM has them."""
     rows, cols = matrix or (param.shape[0], param.shape[-1])
-    block = (128, 128) if config.recipe == "blockwise" else None
+    block = (128, 128) if config.recipe is FP8Recipe.BLOCKWISE else None
     param.moefold_fp8_param = FP8ParamSpec(rows, cols, block, (groups.get("out_group"), groups.get("in_group")))
 
 

@@ -34,7 +34,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 from moefold.parallel.groups import Group
-from moefold.precision.fp8 import FP8Config, import_te
+from moefold.precision.fp8 import FP8Backend, FP8Config, import_te
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ _ACTIVE: list[FP8Region] = []  # the regions entered on this thread, innermost l
 
 def uses_te(config: FP8Config | None) -> bool:
     """FP8 GEMMs through Transformer Engine (``--fp8-backend te`` with a format)."""
-    return config is not None and config.enabled and config.backend == "te"
+    return config is not None and config.enabled and config.backend is FP8Backend.TE
 
 
 def fp8_autocast(config: FP8Config | None, amax_group: Group = None) -> AbstractContextManager:

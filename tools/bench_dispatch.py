@@ -40,9 +40,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from moefold.dispatch.config import DispatchConfig, DispatcherKind, FlexOptions
+
 PHASES = ("route", "permute", "communicate", "sort", "unpermute")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-KINDS = ("local", "allgather", "alltoall", "flex")
+KINDS = tuple(k.value for k in DispatcherKind)
 SKEWS = ("uniform", "zipf")
 
 
@@ -203,6 +205,13 @@ def _bench_inputs(skew_name: str, args: argparse.Namespace, dims, device: torch.
     return x, w_gate, (skew * 4).to(device), gen  # Zipf-like popularity, sharpened to survive the random logits
 
 
+def _dispatch_config(kind: str, args: argparse.Namespace, num_tokens: int, fp8: bool = False) -> DispatchConfig:
+    """The ``--dispatcher`` ``kind``'s config: ``--max-chunked-experts`` for alltoall; flex's DeepEP V2 buffer sized
+    by the layout's worst case (``num_tokens`` per rank)."""
+    chunks = {} if args.max_chunked_experts is None else {"max_chunked_experts": args.max_chunked_experts}
+    return DispatchConfig(DispatcherKind(kind), FlexOptions(max_tokens_per_rank=num_tokens), fp8=fp8, **chunks)
+
+
 def _bench_one(kind: str, skew_name: str, args: argparse.Namespace, dims, device: torch.device) -> dict:
     from moefold.dispatch import build_dispatcher
     from moefold.dispatch.permutation import permute, unpermute
@@ -213,17 +222,9 @@ def _bench_one(kind: str, skew_name: str, args: argparse.Namespace, dims, device
     x, w_gate, skew, gen = _bench_inputs(skew_name, args, dims, device)
 
     timer = PhaseTimes(device)
-    options = {}
-    if kind == "alltoall" and args.max_chunked_experts is not None:
-        options["max_chunked_experts"] = args.max_chunked_experts
-    if kind == "flex":
-        from moefold.dispatch.flex_backend import resolve_flex_backend
-
-        options["flex_backend"] = resolve_flex_backend("auto")
-        if options["flex_backend"] == "deepep":   # V2 sizes its buffer by the layout's worst case
-            options.update(hidden_size=H, max_tokens_per_rank=T)
-    timed = build_dispatcher(kind, E, dims, timer=timer, **options)
-    plain = build_dispatcher(kind, E, dims, **options)
+    config = _dispatch_config(kind, args, T)
+    timed = build_dispatcher(config, E, dims, hidden_size=H, timer=timer)
+    plain = build_dispatcher(config, E, dims, hidden_size=H)
     barrier = (lambda: dist.barrier()) if dist.is_initialized() else (lambda: None)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     tag = f"{kind} {skew_name}"
@@ -307,10 +308,8 @@ def _fp8_one(r: dict, args: argparse.Namespace, dims, device: torch.device) -> N
     from moefold.tools.bench_dispatch_fp8 import report_fp8
 
     x, w_gate, skew, _ = _bench_inputs(r["skew"], args, dims, device)
-    options = {"max_chunked_experts": args.max_chunked_experts} \
-        if r["kind"] == "alltoall" and args.max_chunked_experts is not None else {}
-    report_fp8(r["kind"], args, dims, x, lambda: _route(x, w_gate, skew, args.topk), r["e2e"], r["remote_rows"],
-               **options)
+    report_fp8(_dispatch_config(r["kind"], args, args.num_tokens, fp8=True), args, dims, x,
+               lambda: _route(x, w_gate, skew, args.topk), r["e2e"], r["remote_rows"])
 
 
 def _rank_main(args: argparse.Namespace) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from moefold.dispatch.config import DispatchConfig
 from moefold.dispatch.fp8_exchange import row_bytes
 from moefold.dispatch.routing import Routing
 from moefold.parallel.dims import ParallelDims
@@ -29,16 +30,17 @@ def _mean_over_ranks(value: float, device: torch.device) -> float:
     return value
 
 
-def report_fp8(kind: str, args: argparse.Namespace, dims: ParallelDims, x: torch.Tensor,
-               route: Callable[[], Routing], plain_seconds: float, rows_to_others: int, **dispatcher_options) -> None:
-    """Time the FP8 ``kind`` dispatcher and print its bytes and time against ``plain_seconds`` (rank 0 prints).
+def report_fp8(config: DispatchConfig, args: argparse.Namespace, dims: ParallelDims, x: torch.Tensor,
+               route: Callable[[], Routing], plain_seconds: float, rows_to_others: int) -> None:
+    """Time the FP8 dispatcher ``config`` asks for and print its bytes and time against ``plain_seconds`` (rank 0
+    prints).
 
     ``rows_to_others``: token copies this rank's dispatch sends to experts on other ranks (the bench's count).
     """
     from moefold.dispatch import build_dispatcher
 
     device, H = x.device, x.shape[1]
-    fp8 = build_dispatcher(kind, args.num_experts, dims, fp8=True, **dispatcher_options)
+    fp8 = build_dispatcher(config, args.num_experts, dims)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     barrier = (lambda: dist.barrier()) if dist.is_initialized() else (lambda: None)
     seconds, rows = [], rows_to_others
@@ -52,7 +54,8 @@ def report_fp8(kind: str, args: argparse.Namespace, dims: ParallelDims, x: torch
     fp8_bytes = _mean_over_ranks(rows * (row_bytes(H) + hp_row), device)
     if dims.rank == 0:
         dtype = str(x.dtype).removeprefix("torch.")
-        print(f"  fp8 {kind} dispatch+combine: {1e3 * t_fp8:.2f} ms, {t_fp8 / plain_seconds:.2f}x the {dtype} time; "
+        print(f"  fp8 {config.kind} dispatch+combine: {1e3 * t_fp8:.2f} ms, {t_fp8 / plain_seconds:.2f}x the {dtype} "
+              "time; "
               f"dispatch bytes {row_bytes(H) / hp_row:.2f}x, dispatch+combine bytes "
               f"{fp8_bytes / 1e6:.2f} MB = {fp8_bytes / max(plain_bytes, 1):.2f}x "
               f"(FP8 rows out: {row_bytes(H)} B per token copy vs {hp_row} B; combine stays {dtype})")

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from moefold.dense.grad_accumulation import enable_grad_accumulation_fusion
+from moefold.dispatch.config import DispatcherKind
+from moefold.dispatch.flex_backend import FlexBackend
 from moefold.models.decoder import MoEDecoder
 from moefold.models.options import ModelOptions
 from moefold.moe.router import Router
@@ -62,10 +64,10 @@ def model_options(config: RunConfig) -> ModelOptions:
     return options
 
 
-def flex_backend(config: RunConfig, dims: ParallelDims) -> str | None:
+def flex_backend(config: RunConfig, dims: ParallelDims) -> FlexBackend | None:
     """The flex dispatcher's backend this run's MoE layers use (``dispatch.flex_backend``), None without flex."""
     options = config.options
-    if not config.model.num_experts or options.resolved_dispatcher(dims.ep, dims.etp) != "flex":
+    if not config.model.num_experts or options.resolved_dispatcher(dims.ep, dims.etp) is not DispatcherKind.FLEX:
         return None
     from moefold.dispatch.flex_backend import resolve_flex_backend
 

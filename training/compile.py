@@ -7,7 +7,7 @@
 - An MoE block is compiled child by child, as TorchTitan does: the norms, the attention, the
   router and the shared experts each; the routed experts' elementwise region (SwiGLU / GELU)
   runs as one compiled kernel per direction with the row count as a symbolic size
-  (``moe.experts.fused_activation``, ``dynamic=True``). The token dispatch and combine stay eager:
+  (``moe.activation.fused_activation``, ``dynamic=True``). The token dispatch and combine stay eager:
   their shapes depend on the routing (data-dependent row counts, host split sizes) and they call
   collectives; the grouped GEMMs are library kernels either way.
 - Collectives inside a compiled module (tensor-parallel regions) graph-break: those autograd

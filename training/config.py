@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from moefold.dispatch.config import DispatcherKind
 from moefold.models.config import MLADims, ModelConfig, YarnScaling
 from moefold.models.options import ModelOptions
 from moefold.parallel.dims import ParallelConfig, ParallelSizes
@@ -322,9 +323,9 @@ class RunConfig:
             raise ValueError(f"{flag} hides the expert-parallel exchange: it needs --expert-model-parallel-size > 1, "
                              f"got {sizes.ep}")
         dispatcher = o.resolved_dispatcher(sizes.ep, sizes.etp)
-        if dispatcher not in ("alltoall", "flex"):
+        if dispatcher not in (DispatcherKind.ALLTOALL, DispatcherKind.FLEX):
             raise ValueError(f"{flag} runs with the alltoall and flex dispatchers, not --moe-token-dispatcher-type "
-                             f"{dispatcher} (its exchange is not a separate step; Megatron refuses it too)")
+                             f"{dispatcher} (nothing of its exchange is in flight to hide; Megatron refuses it too)")
         if o.recompute == "selective" and "moe" in o.recompute_modules:
             raise ValueError(f"{flag} cannot checkpoint the whole MoE layer (--recompute-modules moe): the checkpoint "
                              f"would span its exchanges; recompute moe_act and shared_experts instead, or use full "

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from moefold.dense.context_parallel import split_for_context_parallel
 from moefold.dense.split_backward import WeightGradStore, install_weight_grad_store
+from moefold.dispatch.flex_backend import FlexBackend
 from moefold.models.layer_factory import is_moe_block
 from moefold.moe.expert_bias import update_expert_bias
 from moefold.moe.layer import MoEOutputInfo
@@ -154,7 +155,7 @@ class Trainer:
         m = config.model
         self.moe_layers = [i for i in range(m.num_layers + m.mtp_num_layers) if m.num_experts and is_moe_block(m, i)]
         # the flex dispatcher on DeepEP V2 counts each expert's received copies (MoEOutputInfo.received_E)
-        self.counts_received = bool(self.moe_layers) and flex_backend(config, dims) == "deepep"
+        self.counts_received = bool(self.moe_layers) and flex_backend(config, dims) is FlexBackend.DEEPEP
         self.embed_group, self.sync, self.optimizer = build_optimizer(self.model, config, dims)
         # the observed routing imbalance against the plan's assumption (--moe-max-load-ratio)
         self.load_watch = (LoadRatioWatch(t.moe_max_load_ratio, self.log)

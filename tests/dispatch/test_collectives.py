@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from moefold.dispatch import build_dispatcher
+from moefold.dispatch import DispatchConfig, DispatcherKind, build_dispatcher
 from moefold.parallel import ParallelConfig, ParallelDims
 from tests.dispatch.common import H, expert_weights, make_case, make_routing, run_experts
 from tests.distributed import run_distributed
@@ -77,7 +77,7 @@ def _world(layouts):
         dims = ParallelDims.build(ParallelConfig(ep=ep, etp=etp))
         for mode in ("dropless", "drop", "padded"):
             tag = f"alltoall ep{ep} etp{etp} max_chunked_experts={chunks} {mode}"
-            d = build_dispatcher("alltoall", E, dims, max_chunked_experts=chunks)
+            d = build_dispatcher(DispatchConfig(DispatcherKind.ALLTOALL, max_chunked_experts=chunks), E, dims)
             calls = _one_layer(d, dims, mode)
             rows = [c for c in calls if c[1][1:] == (H,) and c[2] == torch.float32]
             other = [c for c in calls if c not in rows]
@@ -92,7 +92,7 @@ def _world(layouts):
         # allgather: the raw pattern plus the header
         for mode in ("dropless", "padded"):
             tag = f"allgather ep{ep} etp{etp} {mode}"
-            calls = _one_layer(build_dispatcher("allgather", E, dims), dims, mode)
+            calls = _one_layer(build_dispatcher(DispatchConfig(DispatcherKind.ALLGATHER), E, dims), dims, mode)
             names = [c[0] for c in calls]
             header = [c for c in calls if c[2] == torch.int64 and c[1] == (E + 2,)]
             gathers = [n for n in names if n in ("all_gather_into_tensor", "all_gather_single")]

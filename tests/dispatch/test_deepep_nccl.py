@@ -57,7 +57,7 @@ def test_the_standin_refuses_an_unformed_communicator_as_deepep_breaks(reuse):
 
 
 def _flex_as_train_builds_it() -> tuple[int, int, int]:
-    from moefold.dispatch import build_dispatcher
+    from moefold.dispatch import DispatchConfig, DispatcherKind, FlexBackend, FlexOptions, build_dispatcher
     from moefold.dispatch.deepep_elastic import ElasticBuffers
     from moefold.parallel import ParallelConfig, ParallelDims
 
@@ -65,8 +65,8 @@ def _flex_as_train_builds_it() -> tuple[int, int, int]:
     dims = ParallelDims.build(ParallelConfig(ep=2))   # the groups as the trainer makes them: nothing run on them
     before = dims.etp_ep_group._get_sequence_number_for_group()
     buffers = ElasticBuffers()
-    flex = build_dispatcher("flex", E, dims, flex_backend="deepep", hidden_size=H, max_tokens_per_rank=T,
-                            buffers=buffers)
+    config = DispatchConfig(DispatcherKind.FLEX, FlexOptions(FlexBackend.DEEPEP, max_tokens_per_rank=T))
+    flex = build_dispatcher(config, E, dims, hidden_size=H, buffers=buffers)
     rank = dist.get_rank()
     x, ids, probs = make_case("random", [T, T], E, hidden=H)
     mine = slice(rank * T, (rank + 1) * T)

@@ -3,7 +3,7 @@
 These tests check the *protocol* moefold follows, not DeepEP's numerics: argument names and
 return arities (the stand-in has the real signatures), one buffer per group shared by every
 layer and sized from DeepEP's hints, the asynchronous calls (``previous_event``,
-``async_finish``, ``allocate_on_comm_stream``) and ``PendingDispatch.wait()`` consuming the
+``async_finish``, ``allocate_on_comm_stream``) and the dispatch's ``wait()`` consuming the
 event, plus the routing logic on top of DeepEP's documented semantics (local ids, etp virtual
 experts, padding) through round trips against the single-process reference in bf16 (DeepEP
 moves bf16 only). The real library runs in tests/gpu/test_deepep.py.
@@ -42,19 +42,20 @@ def test_flex_refuses_what_deepep_cannot_run(monkeypatch):
     monkeypatch.setitem(sys.modules, "deep_ep", deepep_standin.module())
     with pytest.raises(ValueError, match="ep=1 etp=1; use 'local'"):
         FlexDispatcher(E)
-    from moefold.moe.config import MoEConfig
+    from moefold.dispatch.config import DispatchConfig, FlexOptions
+    from moefold.moe.config import ExpertsConfig, MoEConfig
     from moefold.moe.router_config import RouterConfig
 
     with pytest.raises(ValueError, match="deepep_num_sms=3 must be an even"):
-        MoEConfig(num_experts=E, moe_ffn_hidden_size=8, router=RouterConfig(num_experts=E), dispatcher="flex",
-                  deepep_num_sms=3)
+        MoEConfig(num_experts=E, router=RouterConfig(num_experts=E), experts=ExpertsConfig(8),
+                  dispatch=DispatchConfig("flex", FlexOptions(num_sms=3)))
 
 
 def _flex_world(layouts):
     """One spawned world: every layout, mode and case; returns failures (empty when all is well)."""
     import torch.distributed as dist
 
-    from moefold.dispatch import build_dispatcher
+    from moefold.dispatch import DispatchConfig, DispatcherKind, FlexOptions, build_dispatcher
     from moefold.parallel import ParallelConfig, ParallelDims
     from moefold.training.observe.host_sync import HostSyncCounter
 
@@ -73,7 +74,8 @@ def _flex_world(layouts):
         dims = ParallelDims.build(ParallelConfig(ep=ep, etp=etp))
         buffers = DeepEPBuffers()
         # three MoE layers' dispatchers: one buffer for the group, made at the first dispatch
-        layers = [build_dispatcher("flex", E, dims, buffers=buffers, num_sms=24) for _ in range(3)]
+        flex = DispatchConfig(DispatcherKind.FLEX, FlexOptions(num_sms=24))
+        layers = [build_dispatcher(flex, E, dims, buffers=buffers) for _ in range(3)]
         made_before = len(Buffer.instances)
         for case in ("random", "one_expert", "topk_all"):
             for mode in ("dropless", "drop", "padded"):

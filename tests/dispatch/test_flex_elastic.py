@@ -5,7 +5,7 @@ signatures and rejects what V2 rejects (tests/dispatch/deepep_elastic_standin.py
 every layer and sized by ``get_buffer_size_hint``, destroyed explicitly; ``num_sms`` from
 ``get_theoretical_num_sms``; the call sequence (sync-free expanded dispatch with zeroed padding and the received
 counts, combine, the cached-handle dispatch and the combine of the backward); the dispatch left in flight until
-``PendingDispatch.wait()``; no host synchronisation without the CPU sync and exactly DeepEP's one with it; and
+the dispatch's ``wait()``; no host synchronisation without the CPU sync and exactly DeepEP's one with it; and
 the routing arithmetic on top, by round trips against the single-process reference (values and gradients, in
 bf16: DeepEP moves bf16) at ep2, ep4 and ep2 x etp2, in hybrid and direct mode, with FP8 dispatch and
 ``expert_alignment``. The stand-in fills the worst-case rows past the experts' blocks with NaN, so an expert or
@@ -140,7 +140,7 @@ def _case(d, dims, standin, counter, failures, tag, ref, w1, w2, *, fp8, alignme
 
 def _world(layouts) -> list[str]:
     """One spawned world: every layout, mode and case; returns failures (empty when all is well)."""
-    from moefold.dispatch import build_dispatcher
+    from moefold.dispatch import DispatchConfig, DispatcherKind, FlexBackend, FlexOptions, build_dispatcher
     from moefold.parallel import ParallelConfig, ParallelDims
     from moefold.training.observe.host_sync import HostSyncCounter
 
@@ -165,8 +165,8 @@ def _world(layouts) -> list[str]:
         made_before = len(Buffer.instances)
         for case, mode, fp8, alignment, cpu_sync in variants:
             # three MoE layers' dispatchers, one buffer for the group
-            layers = [build_dispatcher("flex", E, dims, fp8=fp8, flex_backend="deepep", hidden_size=H,
-                                       max_tokens_per_rank=MAX_TOKENS, cpu_sync=cpu_sync, hybrid=hybrid,
+            flex = FlexOptions(FlexBackend.DEEPEP, max_tokens_per_rank=MAX_TOKENS, cpu_sync=cpu_sync, hybrid=hybrid)
+            layers = [build_dispatcher(DispatchConfig(DispatcherKind.FLEX, flex, fp8=fp8), E, dims, hidden_size=H,
                                        expert_alignment=alignment, buffers=buffers) for _ in range(3)]
             key = (case, mode, fp8)
             if key not in refs:

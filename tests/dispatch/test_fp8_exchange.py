@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from moefold.dispatch import build_dispatcher
+from moefold.dispatch import DispatchConfig, build_dispatcher
 from moefold.dispatch.fp8_exchange import dequantize_rows, pack, quantize_rows, row_bytes, unpack
 from moefold.parallel import ParallelConfig, ParallelDims
 from moefold.tools import bench_dispatch
@@ -61,8 +61,8 @@ def _check_all() -> list[str]:
     for kind, ep, etp, opts in layouts:
         dims = ParallelDims.build(ParallelConfig(ep=ep, etp=etp))
         name = kind.split()[0]
-        plain = build_dispatcher(name, E, dims, **opts)
-        fp8 = build_dispatcher(name, E, dims, fp8=True, **opts)
+        plain = build_dispatcher(DispatchConfig(name, **opts), E, dims)
+        fp8 = build_dispatcher(DispatchConfig(name, fp8=True, **opts), E, dims)
         for mode in ("dropless", "drop"):
             tag = f"{kind} ep{ep} etp{etp} {mode}"
             x, ids, probs = make_case("random", TOKENS, E)

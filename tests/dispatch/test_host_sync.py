@@ -24,8 +24,10 @@ import dataclasses
 
 import torch
 
-from moefold.moe.config import MoEConfig
-from moefold.moe.layer import MoELayer
+from moefold.dispatch.config import DispatchConfig, FlexOptions
+from moefold.moe.activation import GatedActivation
+from moefold.moe.build import build_moe_layer
+from moefold.moe.config import ExpertsConfig, MoEConfig, SharedExpertsConfig
 from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.parallel.sharding import init_parameters
@@ -43,16 +45,18 @@ def _router(mode: str, bias: bool = False) -> RouterConfig:
 
 
 # GPT-OSS's experts: router bias, expert biases (each row's expert from repeat_interleave with output_size), clamp
-GPT_OSS = dict(linear_bias=True, swiglu_alpha=1.702, activation_clamp=7.0, glu_linear_offset=1.0)
+GPT_OSS = dict(bias=True, glu=GatedActivation(alpha=1.702, clamp=7.0, linear_offset=1.0))
 
 
 def _layer_syncs(dispatcher: str, mode: str, dims: ParallelDims, backend: str = "grouped_mm",
-                 dtype: torch.dtype = torch.bfloat16, gpt_oss: bool = False, **flex) -> HostSyncCounter:
-    """One MoE layer's forward + backward counted; ``flex``: MoEConfig's flex fields (the DeepEP stand-in in
+                 dtype: torch.dtype = torch.bfloat16, gpt_oss: bool = False,
+                 flex: FlexOptions | None = None) -> HostSyncCounter:
+    """One MoE layer's forward + backward counted; ``flex``: the flex dispatcher's options (the DeepEP stand-in in
     ``sys.modules``)."""
-    cfg = MoEConfig(num_experts=E, moe_ffn_hidden_size=F, router=_router(mode, bias=gpt_oss), shared_expert_ffn_size=F,
-                    dispatcher=dispatcher, gemm_backend=backend, **(GPT_OSS if gpt_oss else {}), **flex)
-    layer = MoELayer(cfg, H, dims, sequence_parallel=False, dtype=dtype)
+    experts = ExpertsConfig(F, gemm_backend=backend, **(GPT_OSS if gpt_oss else {}))
+    cfg = MoEConfig(num_experts=E, router=_router(mode, bias=gpt_oss), experts=experts,
+                    dispatch=DispatchConfig(dispatcher, flex or FlexOptions()), shared=SharedExpertsConfig(F))
+    layer = build_moe_layer(cfg, H, dims, sequence_parallel=False, dtype=dtype)
     init_parameters(layer, seed=0)
     x = torch.randn(6, 2, H, generator=torch.Generator().manual_seed(dims.rank)).to(dtype).requires_grad_()
     syncs = HostSyncCounter()
@@ -113,14 +117,14 @@ def _flex(layouts: list[tuple[int, int]]) -> list[str]:
     for ep, etp in layouts:
         dims = ParallelDims.build(ParallelConfig(ep=ep, etp=etp))
         for (backend, cpu_sync, mode), budget in budgets.items():
-            flex = {"flex_backend": backend, "deepep_cpu_sync": cpu_sync, "deepep_max_tokens_per_rank": 12}
-            syncs = _layer_syncs("flex", mode, dims, **flex)
+            flex = FlexOptions(backend, max_tokens_per_rank=12, cpu_sync=cpu_sync)
+            syncs = _layer_syncs("flex", mode, dims, flex=flex)
             if syncs.total != budget:
                 failures.append(f"flex {backend} cpu_sync={cpu_sync} {mode} ep{ep} etp{etp}: {syncs.total} host "
                                 f"syncs, budget {budget}\n{syncs.report()}")
     # with the GPT-OSS biases (their rows' experts from the device counts) still none
     dims = ParallelDims.build(ParallelConfig(ep=2, etp=2))
-    syncs = _layer_syncs("flex", "dropless", dims, gpt_oss=True, flex_backend="deepep", deepep_max_tokens_per_rank=12)
+    syncs = _layer_syncs("flex", "dropless", dims, gpt_oss=True, flex=FlexOptions("deepep", max_tokens_per_rank=12))
     if syncs.total:
         failures.append(f"flex deepep gpt-oss ep2 etp2: {syncs.total} host syncs, budget 0\n{syncs.report()}")
     from moefold.dispatch.flex_backend import destroy_deepep_buffers

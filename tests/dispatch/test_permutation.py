@@ -1,11 +1,13 @@
 """Permutation and chunk sorting: exact orderings, inverses, padding, empty inputs, gradients."""
 
-import contextlib
-
 import pytest
 import torch
 
 from moefold.dispatch import (
+    DispatchConfig,
+    DispatcherKind,
+    FlexBackend,
+    FlexOptions,
     LocalDispatcher,
     build_dispatcher,
     build_row_map,
@@ -137,10 +139,10 @@ def test_local_dispatcher_matches_reference(case, mode):
 
 def test_factory_errors():
     with pytest.raises(ValueError, match=r"unknown dispatcher kind 'a2a'.*alltoall"):
-        build_dispatcher("a2a", 8)
+        build_dispatcher(DispatchConfig("a2a"), 8)
     with pytest.raises(ValueError, match="num_experts=0"):
-        build_dispatcher("alltoall", 0)
-    assert isinstance(build_dispatcher("local", 4), LocalDispatcher)
+        build_dispatcher(DispatchConfig(DispatcherKind.ALLTOALL), 0)
+    assert isinstance(build_dispatcher(DispatchConfig(DispatcherKind.LOCAL), 4), LocalDispatcher)
 
 
 def test_dispatch_rejects_mismatched_routing():
@@ -159,9 +161,9 @@ def test_flex_without_deep_ep_says_what_to_install():
     if importlib.util.find_spec("deep_ep") is not None:
         pytest.skip("deep_ep is installed here")
     with pytest.raises(ImportError, match=r"DeepEP V2 .*not on .*PyPI.*nvidia-nccl.*setup.py install"):
-        build_dispatcher("flex", 8)   # auto: V2, what a DeepEP checkout builds today
+        build_dispatcher(DispatchConfig(DispatcherKind.FLEX), 8)   # auto: V2, what a DeepEP checkout builds today
     with pytest.raises(ImportError, match=r"DeepEP v1.2.1 \(not on PyPI\).*setup.py install.*CUDA"):
-        build_dispatcher("flex", 8, flex_backend="deepep-legacy")
+        build_dispatcher(DispatchConfig(DispatcherKind.FLEX, FlexOptions(FlexBackend.DEEPEP_LEGACY)), 8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -230,10 +232,13 @@ def test_the_combine_backward_runs_in_one_block_on_the_gpu_path():
     """The combine's backward works in blocks of rows: about 2**20 elements on a CPU (a memory measure there), and
     2**27 on a GPU, where each block only costs kernel launches (at Qwen3-30B-A3B's shape the CPU blocks made an
     H200 wait on the host: 25 ms a layer against 14.5 ms in one block). Counted by the gathers the backward
-    issues, on this CPU and under ``gpu_code_paths()`` (the code a GPU runs); the values are the same either way."""
+    issues, on this CPU and with the blocks a GPU device's rows get; the values are the same either way."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from moefold.parallel.cpu_shortcuts import gpu_code_paths
+    from moefold.dispatch import permutation
+
+    gpu_blocks = permutation.backward_block_elems(torch.device("cuda"))
+    assert permutation.backward_block_elems(torch.device("cpu")) < gpu_blocks
 
     class Gathers(TorchDispatchMode):
         def __init__(self) -> None:
@@ -254,7 +259,9 @@ def test_the_combine_backward_runs_in_one_block_on_the_gpu_path():
     for gpu in (False, True):
         r, p = rows.clone().requires_grad_(), probs.clone().requires_grad_()
         y = unpermute(r, rm, p)
-        with gpu_code_paths() if gpu else contextlib.nullcontext(), Gathers() as gathers:
+        with pytest.MonkeyPatch.context() as patch, Gathers() as gathers:
+            if gpu:   # this CPU's rows in a GPU's blocks
+                patch.setattr(permutation, "backward_block_elems", lambda device: gpu_blocks)
             y.backward(gy)
         results.append((r.grad, p.grad))
         counts.append(gathers.count)

@@ -9,7 +9,7 @@ combine must add the etp partial sums.
 
 import torch
 
-from moefold.dispatch import build_dispatcher
+from moefold.dispatch import DispatchConfig, DispatcherKind, build_dispatcher
 from moefold.parallel import ParallelConfig, ParallelDims
 from tests.dispatch.common import expert_weights, make_case, make_routing, reference, run_experts
 from tests.distributed import run_distributed
@@ -30,8 +30,9 @@ def _check_all(layouts):
         kinds = ["allgather", "alltoall"] + (["alltoall_sorted"] if etp == 1 and ep > 1 else [])
         for kind in kinds:
             # alltoall_sorted: one exchange + sort_chunks instead of the per-expert chunked exchange
-            d = (build_dispatcher("alltoall", E, dims, max_chunked_experts=0) if kind == "alltoall_sorted"
-                 else build_dispatcher(kind, E, dims))
+            d = (build_dispatcher(DispatchConfig(DispatcherKind.ALLTOALL, max_chunked_experts=0), E, dims)
+                 if kind == "alltoall_sorted"
+                 else build_dispatcher(DispatchConfig(kind), E, dims))
             assert kind != "alltoall" or d.chunked == (etp == 1 and ep > 1)
             for case in ("random", "one_expert", "topk_all"):
                 for mode in ("dropless", "drop", "padded"):

@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from moefold.dispatch import build_dispatcher
+from moefold.dispatch import DispatchConfig, DispatcherKind, build_dispatcher
 from moefold.dispatch.permutation import build_padded_row_map, mask_groups, permute, unpermute
 from moefold.parallel import ParallelConfig, ParallelDims
 from tests.dispatch.common import expert_weights, make_case, make_routing, reference, run_experts
@@ -46,8 +46,9 @@ def _check(layouts):
         kinds = ["allgather", "alltoall"] + (["alltoall_sorted"] if etp == 1 and ep > 1 else [])
         kinds += ["local"] if ep * etp == 1 else []
         for kind in kinds:
-            d = (build_dispatcher("alltoall", E, dims, max_chunked_experts=0) if kind == "alltoall_sorted"
-                 else build_dispatcher(kind, E, dims))
+            d = (build_dispatcher(DispatchConfig(DispatcherKind.ALLTOALL, max_chunked_experts=0), E, dims)
+                 if kind == "alltoall_sorted"
+                 else build_dispatcher(DispatchConfig(kind), E, dims))
             for case in ("random", "one_expert", "topk_all"):
                 x, ids, probs = make_case(case, TOKENS, E)
                 g = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))

@@ -34,6 +34,7 @@ def deep_ep(monkeypatch):
 
 
 def _dispatchers(backend: str, group, fp8: bool, alignment: int):
+    from moefold.dispatch import FlexBackend, FlexOptions
     from moefold.dispatch.deepep import DeepEPBuffers, FlexDispatcher
     from moefold.dispatch.deepep_elastic import ElasticBuffers, ElasticFlexDispatcher
 
@@ -41,7 +42,8 @@ def _dispatchers(backend: str, group, fp8: bool, alignment: int):
         buffers = DeepEPBuffers()
         return buffers, [FlexDispatcher(E, group, buffers=buffers) for _ in range(2)]
     buffers = ElasticBuffers()
-    return buffers, [ElasticFlexDispatcher(E, group, hidden_size=H, max_tokens_per_rank=64, fp8=fp8,
+    options = FlexOptions(FlexBackend.DEEPEP, max_tokens_per_rank=64)
+    return buffers, [ElasticFlexDispatcher(E, group, options=options, hidden_size=H, fp8=fp8,
                                            expert_alignment=alignment, buffers=buffers) for _ in range(2)]
 
 
@@ -111,12 +113,12 @@ def test_buffer_hints_from_the_library(deep_ep):
 
 
 def test_one_rank_is_refused(deep_ep):
-    from moefold.dispatch import build_dispatcher
+    from moefold.dispatch import DispatchConfig, DispatcherKind, FlexOptions, build_dispatcher
 
     for backend in ("deepep-legacy", *(("deepep",) if hasattr(deep_ep, "ElasticBuffer") else ())):
         with pytest.raises(ValueError, match="use 'local'"):
-            build_dispatcher("flex", E, flex_backend=backend, **({"hidden_size": H, "max_tokens_per_rank": 8}
-                                                                 if backend == "deepep" else {}))
+            build_dispatcher(DispatchConfig(DispatcherKind.FLEX, FlexOptions(backend, max_tokens_per_rank=8)), E,
+                             hidden_size=H)
 
 
 CASES = [("deepep-legacy", mode, False, 1) for mode in ("dropless", "drop", "padded")] + [

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moefold.moe.config import MoEConfig
-from moefold.moe.layer import MoELayer
+from moefold.moe.build import build_moe_layer
+from moefold.moe.config import ExpertsConfig, MoEConfig, SharedExpertsConfig
 from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelDims
 from moefold.parallel.sharding import init_parameters
@@ -27,9 +27,10 @@ H = 32
 def _layer_run(device: str, capacity: bool) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     router = RouterConfig(num_experts=8, topk=2, init_std=0.3, aux_loss_coeff=0.01, z_loss_coeff=1e-3,
                           **({"expert_capacity_factor": 1.0} if capacity else {}))
-    cfg = MoEConfig(num_experts=8, moe_ffn_hidden_size=16, router=router, shared_expert_ffn_size=16,
-                    shared_expert_gate=True, gemm_backend="loop", init_std=0.4)
-    layer = MoELayer(cfg, H, ParallelDims.single(torch.device(device).type), sequence_parallel=False, device=device)
+    cfg = MoEConfig(num_experts=8, router=router, experts=ExpertsConfig(16, gemm_backend="loop", init_std=0.4),
+                    shared=SharedExpertsConfig(16, gate=True, init_std=0.4))
+    layer = build_moe_layer(cfg, H, ParallelDims.single(torch.device(device).type), sequence_parallel=False,
+                            device=device)
     init_parameters(layer, seed=11)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(8, 4, H, generator=gen).to(device).requires_grad_()

@@ -12,7 +12,8 @@ GEMM's output, ``csrc/extensions/gemm.cpp``), as ``GroupedExperts`` does.
 import pytest
 import torch
 
-from moefold.moe.experts import GroupedExperts
+from moefold.moe.build import build_experts
+from moefold.moe.config import ExpertsConfig
 from moefold.moe.gemm import check_gemm_backend, grouped_gemm
 from moefold.precision.fp8 import FP8Config
 from moefold.precision.fp8_region import fp8_autocast
@@ -68,8 +69,8 @@ def test_experts_backend_cuda(backend, device, monkeypatch):
     torch.manual_seed(0)
     counts = torch.tensor([32, 0, 96, 16], device=device)
     x = torch.randn(int(counts.sum()), 64, device=device, dtype=torch.bfloat16)
-    ref = GroupedExperts(4, 64, 128, gemm_backend="loop", dtype=torch.bfloat16, device=device)
-    mod = GroupedExperts(4, 64, 128, gemm_backend=backend, dtype=torch.bfloat16, device=device)
+    ref = build_experts(4, 64, ExpertsConfig(128, gemm_backend="loop"), dtype=torch.bfloat16, device=device)
+    mod = build_experts(4, 64, ExpertsConfig(128, gemm_backend=backend), dtype=torch.bfloat16, device=device)
     mod.load_state_dict(ref.state_dict())
     g = torch.randn(x.shape, device=device, dtype=torch.bfloat16)
     for _ in range(2):  # the TE modules are reused, not rebuilt
@@ -96,16 +97,16 @@ def test_te_experts_fp8_cuda(recipe, device, monkeypatch):
     torch.manual_seed(0)
     counts = [40, 0, 100, 17]
     x = torch.randn(sum(counts), 256, device=device, dtype=torch.bfloat16)
-    ref = GroupedExperts(4, 256, 512, gemm_backend="te", dtype=torch.bfloat16, device=device)
-    fp8 = GroupedExperts(4, 256, 512, gemm_backend="te", fp8=FP8Config("hybrid", recipe, backend="te"),
-                         dtype=torch.bfloat16, device=device)
+    ref = build_experts(4, 256, ExpertsConfig(512, gemm_backend="te"), dtype=torch.bfloat16, device=device)
+    fp8 = build_experts(4, 256, ExpertsConfig(512, gemm_backend="te", fp8=FP8Config("hybrid", recipe, backend="te")),
+                        dtype=torch.bfloat16, device=device)
     fp8.load_state_dict(ref.state_dict())
     g = torch.randn(x.shape, device=device, dtype=torch.bfloat16)
     for step in range(3):  # delayed scaling needs a step of amax history
         results = []
         for m in (ref, fp8):
             xi = x.clone().requires_grad_()
-            with fp8_autocast(m.fp8):   # the region a model enters once per forward (precision.fp8_region)
+            with fp8_autocast(m.config.fp8_gemms):   # the region a model enters once per forward (precision.fp8_region)
                 y = m(xi, torch.tensor(counts, device=device), counts)
             results.append((y, *torch.autograd.grad(y, (xi, m.w13, m.w2), g)))
         if step == 0:

@@ -17,7 +17,9 @@ import warnings
 import pytest
 import torch
 
-from moefold.moe.config import MoEConfig
+from moefold.dispatch.config import DispatchConfig
+from moefold.moe.build import build_moe_layer
+from moefold.moe.config import ExpertsConfig, MoEConfig, SharedExpertsConfig
 from moefold.moe.layer import MoELayer
 from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelDims
@@ -32,8 +34,9 @@ def _layer(mode: str, dtype: torch.dtype, device: str) -> MoELayer:
     capacity = {} if mode == "dropless" else {"expert_capacity_factor": 1.0,
                                               "pad_expert_input_to_capacity": mode == "padded"}
     router = RouterConfig(num_experts=E, topk=2, aux_loss_coeff=0.01, z_loss_coeff=1e-3, **capacity)
-    cfg = MoEConfig(num_experts=E, moe_ffn_hidden_size=F, router=router, shared_expert_ffn_size=F, dispatcher="local")
-    layer = MoELayer(cfg, H, ParallelDims.single(device), sequence_parallel=False, dtype=dtype, device=device)
+    cfg = MoEConfig(num_experts=E, router=router, experts=ExpertsConfig(F), dispatch=DispatchConfig("local"),
+                    shared=SharedExpertsConfig(F))
+    layer = build_moe_layer(cfg, H, ParallelDims.single(device), sequence_parallel=False, dtype=dtype, device=device)
     init_parameters(layer, seed=0)
     return layer
 

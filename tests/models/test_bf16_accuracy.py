@@ -23,7 +23,7 @@ from moefold.dense.attention import GQAAttention
 from moefold.dense.attention_config import AttentionConfig
 from moefold.dense.core_attention import CoreAttention
 from moefold.dense.gated_deltanet import CausalConv1d
-from moefold.dispatch import build_dispatcher
+from moefold.dispatch import DispatchConfig, DispatcherKind, build_dispatcher
 from moefold.dispatch.routing import Routing
 from moefold.moe.router import Router
 from moefold.moe.scoring import count_per_expert
@@ -191,7 +191,7 @@ def test_without_fp32_combine_the_combine_error_rises():
     probs = probs / probs.sum(-1, keepdim=True)
     scale_E = 2.0 ** torch.randint(-2, 3, (E,), generator=gen).float()   # exact in bf16: rows stay representable
     g = torch.randn(T, H, generator=gen).bfloat16().float()
-    dispatcher = build_dispatcher("local", E)
+    dispatcher = build_dispatcher(DispatchConfig(DispatcherKind.LOCAL), E)
 
     def run(dtype: torch.dtype) -> dict[str, torch.Tensor]:
         xs, ps = x.detach().to(dtype).requires_grad_(), probs.detach().clone().requires_grad_()
@@ -309,7 +309,7 @@ def _combine_over_ranks(layouts: list[tuple[str, int, int]]) -> dict[str, tuple[
         probs = probs / probs.sum(-1, keepdim=True)
         # expert e's output on etp rank r: rows * c[e, r], a partial sum over etp (bf16 factors)
         c = torch.randn(E, etp, generator=torch.Generator().manual_seed(99)).bfloat16().float()
-        dispatcher = build_dispatcher(kind, E, dims)
+        dispatcher = build_dispatcher(DispatchConfig(kind), E, dims)
 
         def run(dtype: torch.dtype) -> torch.Tensor:
             routing = Routing(probs_TK=probs, expert_ids_TK=ids, tokens_per_expert_E=count_per_expert(ids, E))

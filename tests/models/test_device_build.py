@@ -51,12 +51,14 @@ from moefold.dense import (
 )
 from moefold.dense.activation_offload import ActivationOffloader
 from moefold.dense.gated_deltanet import CausalConv1d, GatedRMSNorm
+from moefold.dispatch.config import DispatchConfig
 from moefold.models.decoder import MoEDecoder
 from moefold.models.generate import CachedCoreAttention
 from moefold.models.mtp import MTPModule
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import RECIPES, get_recipe
-from moefold.moe.config import MoEConfig
+from moefold.moe.build import build_experts, build_moe_layer
+from moefold.moe.config import ExpertsConfig, MoEConfig, SharedExpertsConfig
 from moefold.moe.experts import GroupedExperts
 from moefold.moe.layer import MoELayer
 from moefold.moe.router import Router
@@ -130,17 +132,16 @@ ROUTER = RouterConfig(num_experts=E, topk=2, bias=True, enable_expert_bias=True,
 
 
 def _moe(dispatcher: str, backend: str = "grouped_mm") -> MoEConfig:
-    return MoEConfig(num_experts=E, moe_ffn_hidden_size=8, router=ROUTER, shared_expert_ffn_size=8,
-                     shared_expert_gate=True, dispatcher=dispatcher, gemm_backend=backend,
-                     linear_bias=backend != "te")
+    return MoEConfig(num_experts=E, router=ROUTER, experts=ExpertsConfig(8, gemm_backend=backend, bias=backend != "te"),
+                     dispatch=DispatchConfig(dispatcher), shared=SharedExpertsConfig(8, gate=True))
 
 
 def _moe_case(dispatcher: str, backend: str, standins: tuple[str, ...] = ()) -> Case:
     no_run = (f"the {backend} backend {HOST_COUNTS}" if backend != "grouped_mm" else
               f"the allgather dispatcher {HOST_COUNTS} (its one host sync)" if dispatcher == "allgather" else "")
     return Case(MoELayer, f"MoELayer-{dispatcher}-{backend}",
-                lambda d: MoELayer(_moe(dispatcher, backend), H, ParallelDims.single(), dtype=torch.bfloat16,
-                                   device=d),
+                lambda d: build_moe_layer(_moe(dispatcher, backend), H, ParallelDims.single(), dtype=torch.bfloat16,
+                                          device=d),
                 run=None if no_run else (lambda m: m(meta(S, B, H, dtype=torch.bfloat16))), no_run=no_run,
                 standins=standins)
 
@@ -151,7 +152,7 @@ def _experts_case(backend: str, dtype: torch.dtype, standins: tuple[str, ...] = 
         return m(meta(sum(COUNTS), H, dtype=dtype), torch.empty(E, dtype=torch.long, device=META), COUNTS)
 
     return Case(GroupedExperts, f"GroupedExperts-{backend}{'-bias' if kw else ''}",
-                lambda d: GroupedExperts(E, H, 24, gemm_backend=backend, dtype=dtype, device=d, **kw),
+                lambda d: build_experts(E, H, ExpertsConfig(24, gemm_backend=backend, **kw), dtype=dtype, device=d),
                 run=None if no_run else run, no_run=no_run, standins=standins)
 
 

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from moefold.moe.block_gemm import BlockScaledGroupedGemm
-from moefold.moe.experts import GroupedExperts
+from moefold.moe.build import build_experts
+from moefold.moe.config import ExpertsConfig
 from moefold.precision.fp8 import FP8Config, import_torchao
 
 MXFP8 = FP8Config("e4m3", "mxfp8")
@@ -92,7 +93,7 @@ def test_mxfp8_grouped_gemm_equals_torchao_moe_training(counts):
 
 def test_mxfp8_grouped_experts_equal_torchao_moe_training():
     torch.manual_seed(1)
-    experts = GroupedExperts(4, 128, 64, fp8=MXFP8, activation="gelu", dtype=torch.bfloat16)
+    experts = build_experts(4, 128, ExpertsConfig(64, fp8=MXFP8, activation="gelu"), dtype=torch.bfloat16)
     with torch.no_grad():
         experts.w13.normal_(0, 0.05)
         experts.w2.normal_(0, 0.05)

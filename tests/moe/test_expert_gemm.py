@@ -11,11 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moefold.moe import expert_gemm
-from moefold.moe import experts as experts_mod
-from moefold.moe.expert_gemm import choose_layout, chosen_layouts, grouped_linear
-from moefold.moe.expert_rows import ALIGN, ExpertRows, max_auto_rows, pad_rows, unpad_rows
-from moefold.moe.experts import GroupedExperts
+from moefold.moe.build import build_experts
+from moefold.moe.config import ExpertsConfig
+from moefold.moe.cpu import backend as cpu_backend
+from moefold.moe.cpu import rows_gemm
+from moefold.moe.cpu.expert_rows import ALIGN, ExpertRows, max_auto_rows, pad_rows, unpad_rows
+from moefold.moe.cpu.rows_gemm import choose_layout, chosen_layouts, rows_linear
+from moefold.moe.grouped_linear import grouped_linear, weight_grad_into
 from moefold.moe.swiglu import swiglu_rows
 from moefold.parallel.sharding import init_parameters
 from moefold.parallel.workspace import MIN_BYTES, WorkspacePool, workspace
@@ -41,12 +43,12 @@ def test_grouped_linear_layouts_equal_the_per_expert_reference(kind):
     dx_ref, dw_ref = torch.autograd.grad(ref, (x, w), gy)
     counts = torch.tensor(COUNTS)
     if kind is None:   # the device-count grouped kernel (what CUDA runs)
-        y = grouped_linear(x.float(), w.float(), counts, None).double()
+        y = grouped_linear(x.float(), w.float(), counts).double()
         torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
         return
     rows = ExpertRows.build(COUNTS, kind)
     assert rows.padded == (kind != "packed") and all(b % ALIGN == 0 for b in rows.blocks if kind != "packed")
-    y = unpad_rows(grouped_linear(pad_rows(x, rows), w, counts, rows), rows)
+    y = unpad_rows(rows_linear(pad_rows(x, rows), w, counts, rows), rows)
     dx, dw = torch.autograd.grad(y, (x, w), gy)
     torch.testing.assert_close(y, ref, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(dx, dx_ref, atol=1e-12, rtol=1e-12)
@@ -64,7 +66,7 @@ def test_uniform_bf16_weight_grad_into_contiguous_and_strided_targets(accumulate
     want = torch.stack([dy[s:s + b].float().T @ x[s:s + b].float() for s, b in zip(rows.starts, rows.blocks)])
     start = torch.ones(len(COUNTS), 7, 12) if accumulate else torch.zeros(len(COUNTS), 7, 12)
     for target in (start.bfloat16(), start.bfloat16().transpose(1, 2).contiguous().transpose(1, 2)):
-        expert_gemm.grouped_weight_grad(x, dy, rows, target, accumulate)
+        rows_gemm.grouped_weight_grad(x, dy, rows, target, accumulate)
         torch.testing.assert_close(target.float(), want + start, atol=0.1, rtol=0.02)
 
 
@@ -86,7 +88,7 @@ def test_auto_layout_is_a_rule_of_the_dtype_never_a_timing(monkeypatch):
     def no_timing(*_):
         raise AssertionError("auto timed a layout")
 
-    monkeypatch.setattr(expert_gemm, "_time_layout", no_timing)
+    monkeypatch.setattr(rows_gemm, "_time_layout", no_timing)
     x, w = torch.randn(256, 16), torch.randn(8, 24, 16)
     assert choose_layout((32,) * 8, x, w).kind == "packed"
     assert choose_layout((32,) * 8, x.bfloat16(), w.bfloat16()).kind == "uniform"
@@ -97,7 +99,7 @@ def test_auto_layout_is_a_rule_of_the_dtype_never_a_timing(monkeypatch):
 
 
 def test_measured_layout_once_per_shape(monkeypatch):
-    monkeypatch.setattr(expert_gemm, "_CHOSEN", {})
+    monkeypatch.setattr(rows_gemm, "_CHOSEN", {})
     x, w = torch.randn(256, 16), torch.randn(8, 24, 16)
     first = choose_layout((32,) * 8, x, w, forced="measured")
     again = choose_layout((30, 34) * 4, x, w, forced="measured")   # same shape class: no new measurement
@@ -110,8 +112,8 @@ def test_measured_layout_once_per_shape(monkeypatch):
 def test_measured_uniform_never_pads_past_the_planned_bound(monkeypatch):
     """Skewed counts in a shape class measured ``uniform``: one hot expert would give e times the rows (activation
     memory the planner bounds by ``max_auto_rows``); the call takes ``aligned`` rows instead."""
-    monkeypatch.setattr(expert_gemm, "_CHOSEN", {})
-    monkeypatch.setattr(expert_gemm, "_time_layout", lambda kind, *_: {"uniform": 0.1}.get(kind, 1.0))
+    monkeypatch.setattr(rows_gemm, "_CHOSEN", {})
+    monkeypatch.setattr(rows_gemm, "_time_layout", lambda kind, *_: {"uniform": 0.1}.get(kind, 1.0))
     x, w = torch.randn(256, 16), torch.randn(8, 24, 16)
     assert choose_layout((32,) * 8, x, w, forced="measured").kind == "uniform"
     skewed = choose_layout((200,) + (8,) * 7, x, w, forced="measured")   # same shape class; uniform: 8 x 224 rows
@@ -121,14 +123,14 @@ def test_measured_uniform_never_pads_past_the_planned_bound(monkeypatch):
 
 def test_the_sync_counter_runs_the_gpu_path_of_the_experts(monkeypatch):
     """On CPU the default path reads the counts on the host and lays the rows out (free there); under
-    ``HostSyncCounter`` (``parallel.cpu_shortcuts.gpu_code_paths``) it runs the GPU's path, which never reads them:
+    ``HostSyncCounter`` (``moe.cpu.shortcuts.gpu_code_paths``) it runs the GPU's path, which never reads them:
     what the counter counts is the GPU's code."""
     from moefold.training.observe.host_sync import HostSyncCounter
 
     layouts = []
-    real = experts_mod.choose_layout
-    monkeypatch.setattr(experts_mod, "choose_layout", lambda *a, **k: layouts.append(1) or real(*a, **k))
-    layer = GroupedExperts(4, 16, 32, dtype=torch.bfloat16)   # bf16: torch's grouped GEMM kernel on GPUs
+    real = cpu_backend.choose_layout
+    monkeypatch.setattr(cpu_backend, "choose_layout", lambda *a, **k: layouts.append(1) or real(*a, **k))
+    layer = build_experts(4, 16, ExpertsConfig(32), dtype=torch.bfloat16)   # bf16: torch's grouped GEMM kernel on GPUs
     x, counts = torch.randn(12, 16, dtype=torch.bfloat16), torch.tensor([3, 0, 5, 4])
     want = layer(x, counts)
     assert layouts == [1]
@@ -144,8 +146,8 @@ def test_experts_reuse_their_workspaces_and_match_the_loop_backend(layout):
     E, H, FFN = 4, 64, 256
     counts = (700, 300, 0, 1048)   # [N, 2F] fp32 = 4 MB: above the pool's MIN_BYTES
     assert sum(counts) * 2 * FFN * 4 > MIN_BYTES
-    fast = GroupedExperts(E, H, FFN, row_layout=layout)
-    slow = GroupedExperts(E, H, FFN, gemm_backend="loop")
+    fast = build_experts(E, H, ExpertsConfig(FFN, row_layout=layout))
+    slow = build_experts(E, H, ExpertsConfig(FFN, gemm_backend="loop"))
     init_parameters(fast, seed=5)
     slow.load_state_dict(fast.state_dict())
     gen = torch.Generator().manual_seed(4)
@@ -208,7 +210,7 @@ def test_the_device_count_weight_gradient_is_computed_in_the_targets_layout(accu
     start = torch.randn(len(COUNTS), 8, 16, generator=gen) if accumulate else torch.zeros(len(COUNTS), 8, 16)
     target = start.clone()
     with Widening() as widening:
-        expert_gemm._weight_grad_into(x, dy, None, counts, target, accumulate)
+        weight_grad_into(x, dy, counts, target, accumulate)
     assert widening.sources and all(s.stride(-1) == 1 and s.stride(-2) >= s.shape[-1] for s in widening.sources), \
         [tuple(s.stride()) for s in widening.sources]
     bounds = [0, *torch.cumsum(counts, 0).tolist()]

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moefold.moe.config import MoEConfig
-from moefold.moe.experts import GroupedExperts
+from moefold.moe.build import build_experts
+from moefold.moe.config import ExpertsConfig, MoEConfig
 from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.parallel.sharding import gather_full, init_parameters, shards_of
@@ -33,7 +33,7 @@ def _inputs(dtype=torch.float32):
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
 @pytest.mark.parametrize("backend", ["grouped_mm", "loop"])
 def test_matches_per_expert_mlp(activation, backend):
-    experts = GroupedExperts(E, H, FFN, activation=activation, gemm_backend=backend)
+    experts = build_experts(E, H, ExpertsConfig(FFN, activation=activation, gemm_backend=backend))
     init_parameters(experts, seed=3)
     x, _ = _inputs()
     out = experts(x, torch.tensor(COUNTS))
@@ -51,22 +51,22 @@ def test_matches_per_expert_mlp(activation, backend):
 
 def test_bad_sizes_name_numbers():
     with pytest.raises(ValueError, match="activation='relu'"):
-        GroupedExperts(E, H, FFN, activation="relu")
+        build_experts(E, H, ExpertsConfig(FFN, activation="relu"))
     with pytest.raises(ValueError, match="gemm_backend='x'"):
-        GroupedExperts(E, H, FFN, gemm_backend="x")
+        build_experts(E, H, ExpertsConfig(FFN, gemm_backend="x"))
 
 
 def _sharded_vs_world1():
     torch.manual_seed(0)
     x, grad = _inputs()
     starts = [sum(COUNTS[:i]) for i in range(E)]
-    ref = GroupedExperts(E, H, FFN)
+    ref = build_experts(E, H, ExpertsConfig(FFN))
     init_parameters(ref, seed=5)
     ref_out = ref(x, torch.tensor(COUNTS))
     ref_out.backward(grad)
     for cfg in (ParallelConfig(ep=2, etp=2), ParallelConfig(ep=4), ParallelConfig(etp=4), ParallelConfig(ep=1)):
         dims = ParallelDims.build(cfg)
-        mod = GroupedExperts(E, H, FFN, ep_group=dims.ep_group, etp_group=dims.etp_group)
+        mod = build_experts(E, H, ExpertsConfig(FFN), ep_group=dims.ep_group, etp_group=dims.etp_group)
         init_parameters(mod, seed=5)
         lo = dims.ep_rank * mod.num_local_experts
         local = range(lo, lo + mod.num_local_experts)
@@ -95,9 +95,9 @@ def test_etp_ep_shards_equal_world1():
 # ----------------------------------------------------------------------------------------------
 def _te_pair(monkeypatch, **kw):
     pt = te_standin.install(monkeypatch)
-    ref = GroupedExperts(E, H, FFN, gemm_backend="loop")
+    ref = build_experts(E, H, ExpertsConfig(FFN, gemm_backend="loop"))
     init_parameters(ref, seed=3)
-    mod = GroupedExperts(E, H, FFN, gemm_backend="te", **kw)
+    mod = build_experts(E, H, ExpertsConfig(FFN, gemm_backend="te", **kw))
     mod.load_state_dict(ref.state_dict())
     return pt, ref, mod
 
@@ -107,9 +107,9 @@ def test_te_experts_own_persistent_grouped_linears(monkeypatch, activation):
     """Protocol (stand-in TE): two GroupedLinear built once for every call, run on views of w13/w2
     with host m_splits; names, state_dict and values/gradients as the loop backend."""
     pt = te_standin.install(monkeypatch)
-    ref = GroupedExperts(E, H, FFN, gemm_backend="loop", activation=activation)
+    ref = build_experts(E, H, ExpertsConfig(FFN, gemm_backend="loop", activation=activation))
     init_parameters(ref, seed=3)
-    mod = GroupedExperts(E, H, FFN, gemm_backend="te", activation=activation)
+    mod = build_experts(E, H, ExpertsConfig(FFN, gemm_backend="te", activation=activation))
     mod.load_state_dict(ref.state_dict())
     assert [n for n, _ in mod.named_parameters()] == ["w13", "w2"]
     assert list(mod.state_dict()) == list(ref.state_dict())
@@ -196,7 +196,7 @@ def test_te_weight_gradients_allocate_one_stack_not_one_weight_per_expert(monkey
     weight's bytes at e = 32). The backward's allocations stay within 3x the weights' bytes."""
     te_standin.install(monkeypatch)
     e, hidden, ffn = 32, 64, 64
-    mod = GroupedExperts(e, hidden, ffn, gemm_backend="te")
+    mod = build_experts(e, hidden, ExpertsConfig(ffn, gemm_backend="te"))
     counts = [2] * e
     x = torch.randn(sum(counts), hidden, requires_grad=True)
     y = mod(x, torch.tensor(counts), counts)
@@ -213,7 +213,7 @@ def test_te_experts_without_rows_run_the_same_te_calls(monkeypatch):
     its weights get zero gradients (not None)."""
     config = FP8Config("hybrid", "delayed", backend="te")
     pt = te_standin.install(monkeypatch)
-    mod = GroupedExperts(E, H, FFN, gemm_backend="te", fp8=config)
+    mod = build_experts(E, H, ExpertsConfig(FFN, gemm_backend="te", fp8=config))
     x = torch.zeros(0, H, requires_grad=True)
     with fp8_autocast(config):
         y = mod(x, torch.zeros(E, dtype=torch.long), (0,) * E)
@@ -225,20 +225,20 @@ def test_te_experts_without_rows_run_the_same_te_calls(monkeypatch):
 
 def test_fp8_refused_where_it_cannot_run(monkeypatch):
     with pytest.raises(ValueError, match=r"gemm backend 'te' .*not 'grouped_mm'; or use --fp8-backend torchao"):
-        MoEConfig(num_experts=E, moe_ffn_hidden_size=8, router=RouterConfig(num_experts=E),
-                  fp8=FP8Config("hybrid", backend="te"))
+        MoEConfig(num_experts=E, router=RouterConfig(num_experts=E),
+                  experts=ExpertsConfig(8, fp8=FP8Config("hybrid", backend="te")))
     with pytest.raises(ValueError, match="--fp8-format='e5m2' is not one of e4m3, hybrid"):
         FP8Config("e5m2")
     if importlib.util.find_spec("transformer_engine") is None:
         with pytest.raises(ImportError, match=r"needs the transformer_engine package.*pip install"):
-            GroupedExperts(E, H, FFN, gemm_backend="te", fp8=FP8Config("hybrid", backend="te"))
+            build_experts(E, H, ExpertsConfig(FFN, gemm_backend="te", fp8=FP8Config("hybrid", backend="te")))
         with pytest.raises(ImportError, match=r"runs through Transformer Engine.*pip install"):
             FP8Config("hybrid", backend="te").check_available()
     te_standin.install(monkeypatch)
     with pytest.raises(RuntimeError, match=r"cannot run it: Device compute capability 10\.0 or higher required "
                                            r"for MXFP8"):
-        GroupedExperts(E, H, FFN, gemm_backend="te", fp8=FP8Config("e4m3", "mxfp8", backend="te"))
+        build_experts(E, H, ExpertsConfig(FFN, gemm_backend="te", fp8=FP8Config("e4m3", "mxfp8", backend="te")))
     with pytest.raises(ValueError, match=r"gemm backend 'te' \(--moe-grouped-gemm-backend\), not 'grouped_mm'"):
-        GroupedExperts(E, H, FFN, gemm_backend="grouped_mm", fp8=FP8Config("e4m3", backend="te"))
+        build_experts(E, H, ExpertsConfig(FFN, gemm_backend="grouped_mm", fp8=FP8Config("e4m3", backend="te")))
     with pytest.raises(ValueError, match=r"gemm backend 'grouped_mm' or 'loop' .*not 'te'; or use --fp8-backend te"):
-        GroupedExperts(E, H, FFN, gemm_backend="te", fp8=FP8Config("e4m3"))
+        build_experts(E, H, ExpertsConfig(FFN, gemm_backend="te", fp8=FP8Config("e4m3")))

@@ -18,7 +18,8 @@ import torch
 
 import moefold.moe.fp8_gemm as fp8_gemm
 import moefold.precision.fp8_cast as fp8_cast
-from moefold.moe.experts import GroupedExperts
+from moefold.moe.build import build_experts
+from moefold.moe.config import ExpertsConfig
 from moefold.moe.fp8_gemm import Float8GroupedGemm
 from moefold.parallel.sharding import init_parameters
 from moefold.precision.fp8 import FP8Config
@@ -140,9 +141,9 @@ def test_gemms_equal_qdq_reference_and_stay_within_the_format_bound(monkeypatch,
 
 def test_fp8_experts_module_backends_agree_and_handle_empty_input():
     fp8 = FP8Config("hybrid")
-    ref = GroupedExperts(E, K, 24, gemm_backend="loop")
+    ref = build_experts(E, K, ExpertsConfig(24, gemm_backend="loop"))
     init_parameters(ref, seed=3)
-    mods = [GroupedExperts(E, K, 24, gemm_backend=b, fp8=fp8) for b in ("grouped_mm", "loop")]
+    mods = [build_experts(E, K, ExpertsConfig(24, gemm_backend=b, fp8=fp8)) for b in ("grouped_mm", "loop")]
     for mod in mods:
         mod.load_state_dict(ref.state_dict())
         assert list(mod.state_dict()) == ["w13", "w2"] and "fp8 hybrid tensorwise (torchao)" in repr(mod)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moefold.moe.gemm import GEMM_BACKENDS, check_gemm_backend, grouped_gemm
+from moefold.moe.gemm import GemmBackend, check_gemm_backend, grouped_gemm
 from moefold.training.observe.host_sync import HostSyncCounter
 from tests.moe import grouped_gemm_standin
 
@@ -31,7 +31,7 @@ def _run(backend, x, w, counts, trans_w, grad):
     return y, gx, gw
 
 
-@pytest.mark.parametrize("backend", [b for b in GEMM_BACKENDS if b not in ("loop", "te") and _available(b)])
+@pytest.mark.parametrize("backend", [b for b in GemmBackend if b not in ("loop", "te") and _available(b)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("trans_w", [False, True])
 @pytest.mark.parametrize("shape", [(32, 48), (5, 7)], ids=["aligned", "unaligned"])
@@ -106,13 +106,14 @@ def test_grouped_gemm_zero_rows_skip_the_kernel_with_zero_gradients(gmm_calls, t
 
 
 def test_grouped_gemm_dtype_checked_at_start(gmm_calls):
-    from moefold.moe.experts import GroupedExperts
+    from moefold.moe.build import build_experts
+    from moefold.moe.config import ExpertsConfig
 
     with pytest.raises(ValueError, match=r"runs bf16 only, but the experts are torch.float32.*'grouped_mm'"):
         check_gemm_backend("grouped_gemm", torch.float32)
     with pytest.raises(ValueError, match="bf16 only"):
-        GroupedExperts(4, 16, 8, gemm_backend="grouped_gemm")  # default dtype fp32: refused when built
-    experts = GroupedExperts(4, 16, 8, gemm_backend="grouped_gemm", dtype=torch.bfloat16)
+        build_experts(4, 16, ExpertsConfig(8, gemm_backend="grouped_gemm"))  # default dtype fp32: refused when built
+    experts = build_experts(4, 16, ExpertsConfig(8, gemm_backend="grouped_gemm"), dtype=torch.bfloat16)
     x = torch.zeros(0, 16, dtype=torch.bfloat16)
     experts(x, torch.zeros(4, dtype=torch.long)).sum().backward()  # a rank with no tokens
     assert all(p.grad is not None and torch.count_nonzero(p.grad) == 0 for p in experts.parameters())

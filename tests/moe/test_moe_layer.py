@@ -18,7 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moefold.moe.config import MoEConfig
+from moefold.dispatch.config import DispatchConfig
+from moefold.moe.build import build_moe_layer
+from moefold.moe.config import ExpertsConfig, MoEConfig, SharedExpertsConfig
 from moefold.moe.experts import is_expert
 from moefold.moe.layer import MoELayer
 from moefold.moe.router_config import RouterConfig
@@ -47,12 +49,13 @@ def _config(scenario: str, mode: str, dispatcher: str, probs_on_input: bool = Fa
                                                                              "z_loss_coeff": 1e-3}
     # probs on input: softmax over all E before the top-1 (else a top-1 prob is always 1)
     router = RouterConfig(num_experts=E, topk=k, init_std=0.3, pre_softmax=probs_on_input, **losses, **MODES[mode])
-    return MoEConfig(num_experts=E, moe_ffn_hidden_size=FFN, router=router, shared_expert_ffn_size=SHARED,
-                     shared_expert_gate=True, dispatcher=dispatcher, init_std=0.4, apply_probs_on_input=probs_on_input)
+    return MoEConfig(num_experts=E, router=router, experts=ExpertsConfig(FFN, init_std=0.4),
+                     dispatch=DispatchConfig(dispatcher), shared=SharedExpertsConfig(SHARED, gate=True, init_std=0.4),
+                     apply_probs_on_input=probs_on_input)
 
 
 def _build(cfg: MoEConfig, scenario: str, dims: ParallelDims, sp: bool) -> MoELayer:
-    layer = MoELayer(cfg, H, dims, sequence_parallel=sp)
+    layer = build_moe_layer(cfg, H, dims, sequence_parallel=sp)
     init_parameters(layer, seed=11)
     edit = SCENARIOS[scenario][2]
     if edit is not None:  # every input has x[..., 0] = 3, so this shifts these experts' logits by +-12
@@ -203,14 +206,14 @@ def test_probs_on_input_scales_the_token_before_its_expert():
 
 def test_config_errors_name_numbers():
     router = RouterConfig(num_experts=6, topk=2)
-    cfg = MoEConfig(num_experts=6, moe_ffn_hidden_size=FFN, router=router)
+    cfg = MoEConfig(num_experts=6, router=router, experts=ExpertsConfig(FFN))
     with pytest.raises(ValueError, match="num_experts=6 is not divisible by ep=4"):
         cfg.check_layout(tp=1, ep=4, etp=1)
     with pytest.raises(ValueError, match="moe_ffn_hidden_size=8 is not divisible by etp=3"):
         cfg.check_layout(tp=1, ep=1, etp=3)
     with pytest.raises(ValueError, match=r"router\.num_experts=6"):
-        MoEConfig(num_experts=8, moe_ffn_hidden_size=FFN, router=router)
+        MoEConfig(num_experts=8, router=router, experts=ExpertsConfig(FFN))
     with pytest.raises(ValueError, match="dispatcher='nccl'"):
-        MoEConfig(num_experts=6, moe_ffn_hidden_size=FFN, router=router, dispatcher="nccl")
+        MoEConfig(num_experts=6, router=router, experts=ExpertsConfig(FFN), dispatch=DispatchConfig("nccl"))
     with pytest.raises(ValueError, match="shared_expert_gate"):
-        MoEConfig(num_experts=6, moe_ffn_hidden_size=FFN, router=router, shared_expert_gate=True)
+        MoEConfig(num_experts=6, router=router, experts=ExpertsConfig(FFN), shared=SharedExpertsConfig(0, gate=True))

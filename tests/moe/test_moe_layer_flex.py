@@ -19,18 +19,21 @@ import sys
 import torch
 import torch.distributed as dist
 
-from moefold.moe.config import MoEConfig
+from moefold.dispatch.config import DispatchConfig, DispatcherKind, FlexOptions
+from moefold.dispatch.flex_backend import FlexBackend
+from moefold.moe.activation import GatedActivation
+from moefold.moe.build import build_moe_layer
+from moefold.moe.config import ExpertsConfig, MoEConfig, SharedExpertsConfig
 from moefold.moe.experts import is_expert
-from moefold.moe.layer import MoELayer, flex_options
+from moefold.moe.layer import MoELayer
 from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.parallel.sharding import gather_full, init_parameters, shards_of
-from moefold.precision.fp8 import FP8Config
 from tests.dispatch import deepep_elastic_standin
 from tests.distributed import run_distributed
 
 E, H, FFN, S, B, DP = 8, 32, 16, 4, 8, 4   # every rank's micro-batch: [S, B / DP, H]
-GPT_OSS = dict(linear_bias=True, swiglu_alpha=1.702, activation_clamp=7.0, glu_linear_offset=1.0)
+GPT_OSS = dict(bias=True, glu=GatedActivation(alpha=1.702, clamp=7.0, linear_offset=1.0))
 
 
 def _config(dispatcher: str, fp8: bool, capacity: bool = False, gpt_oss: bool = False,
@@ -38,10 +41,11 @@ def _config(dispatcher: str, fp8: bool, capacity: bool = False, gpt_oss: bool = 
     extra = {"expert_capacity_factor": 1.0} if capacity else {}
     router = RouterConfig(num_experts=E, topk=1 if probs_on_input else 2, init_std=0.3, aux_loss_coeff=0.01,
                           bias=gpt_oss, pre_softmax=probs_on_input, **extra)
-    return MoEConfig(num_experts=E, moe_ffn_hidden_size=FFN, router=router, shared_expert_ffn_size=FFN,
-                     dispatcher=dispatcher, flex_backend="deepep", init_std=0.4, deepep_max_tokens_per_rank=S * B // DP,
-                     fp8=FP8Config(dispatch=True) if fp8 else None, apply_probs_on_input=probs_on_input,
-                     **(GPT_OSS if gpt_oss else {}))
+    flex = FlexOptions(FlexBackend.DEEPEP, max_tokens_per_rank=S * B // DP)
+    experts = ExpertsConfig(FFN, init_std=0.4, **(GPT_OSS if gpt_oss else {}))
+    return MoEConfig(num_experts=E, router=router, experts=experts,
+                     dispatch=DispatchConfig(dispatcher, flex, fp8=fp8), shared=SharedExpertsConfig(FFN, init_std=0.4),
+                     apply_probs_on_input=probs_on_input)
 
 
 def _micro_batch(d: int):
@@ -51,13 +55,14 @@ def _micro_batch(d: int):
 
 
 def _build(cfg: MoEConfig, dims: ParallelDims) -> MoELayer:
-    layer = MoELayer(cfg, H, dims, sequence_parallel=False, dtype=torch.bfloat16)
+    layer = build_moe_layer(cfg, H, dims, sequence_parallel=False, dtype=torch.bfloat16)
     init_parameters(layer, seed=11)
     return layer
 
 
 def _reference(cfg: MoEConfig):
-    layer = _build(dataclasses.replace(cfg, dispatcher="local"), ParallelDims.single())
+    layer = _build(dataclasses.replace(cfg, dispatch=dataclasses.replace(cfg.dispatch, kind=DispatcherKind.LOCAL)),
+                   ParallelDims.single())
     outs = []
     for d in range(DP):
         x, gy = _micro_batch(d)
@@ -96,9 +101,8 @@ def _world() -> list[str]:
         ref_out, ref_grads = refs[cfg]
         dims = ParallelDims.build(ParallelConfig(ep=ep, etp=etp))
         layer = _build(cfg, dims)
-        if align != 1:   # as FP8 GEMMs would set it (MoEConfig.fp8.group_alignment), on bf16 GEMMs here
-            layer.dispatcher = build_dispatcher("flex", E, dims, fp8=fp8,
-                                                **{**flex_options(cfg, H), "expert_alignment": align})
+        if align != 1:   # as FP8 GEMMs would set it (FP8Config.group_alignment), on bf16 GEMMs here
+            layer.dispatcher = build_dispatcher(cfg.dispatch, E, dims, hidden_size=H, expert_alignment=align)
         made = len(standin.ElasticBuffer.instances)
         x, gy = _micro_batch(dims.dp_rank)
         with torch.no_grad():   # a second MoE layer of the same layout: it shares the first one's buffer

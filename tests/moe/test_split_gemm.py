@@ -11,9 +11,12 @@ import pytest
 import torch
 
 from moefold.dense.split_backward import WeightGradStore, install_weight_grad_store
+from moefold.moe.build import build_experts
+from moefold.moe.config import ExpertsConfig
 from moefold.moe.experts import GroupedExperts
 from moefold.parallel.sharding import init_parameters
 from moefold.precision.fp8 import FP8Config
+from tests.moe import te_standin
 
 E, H, FFN = 4, 32, 48
 
@@ -31,7 +34,7 @@ COUNTS = {"some_empty": [3, 0, 6, 0], "all_empty": [0, 0, 0, 0], "full": [2, 5, 
 def _experts(case: dict) -> GroupedExperts:
     case = dict(case)
     recompute = case.pop("recompute_activation", False)
-    experts = GroupedExperts(E, H, FFN, **case)
+    experts = build_experts(E, H, ExpertsConfig(FFN, **case))
     experts.recompute_activation = recompute
     init_parameters(experts, seed=5)
     return experts
@@ -70,7 +73,7 @@ def test_split_grouped_gemm_equals_plain_backward(case, counts):
 
 
 def test_te_expert_gemms_are_refused_with_one_line(monkeypatch):
-    experts = GroupedExperts(E, H, FFN)
-    experts._te = (object(),)
+    te_standin.install(monkeypatch)
+    experts = build_experts(E, H, ExpertsConfig(FFN, gemm_backend="te"))
     with pytest.raises(ValueError, match="cannot defer the weight gradients of the 'te' expert GEMMs"):
         experts.use_weight_grad_store(WeightGradStore())

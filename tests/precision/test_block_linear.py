@@ -21,7 +21,8 @@ from torch import nn
 
 from moefold.dense.fp8_linear import convert_linears_to_fp8
 from moefold.dense.linear import ColumnParallelLinear
-from moefold.moe.experts import GroupedExperts
+from moefold.moe.build import build_experts
+from moefold.moe.config import ExpertsConfig
 from moefold.precision.block_cast import FORMATS, quantize
 from moefold.precision.block_linear import BlockScaledLinearGemm
 from moefold.precision.fp8 import FP8Config
@@ -201,7 +202,7 @@ def test_block_recipes_beat_per_tensor_on_outliers():
 def test_experts_equal_the_linear_per_expert(recipe):
     torch.manual_seed(4)
     config = RECIPES[recipe]
-    ex = GroupedExperts(4, 128, 64, fp8=config, activation="gelu")
+    ex = build_experts(4, 128, ExpertsConfig(64, fp8=config, activation="gelu"))
     counts = torch.tensor([40, 0, 7, 33])
     x = torch.randn(int(counts.sum()), 128, requires_grad=True)
     out = ex(x, counts)

@@ -63,7 +63,7 @@ def test_flags_reach_the_model_and_survive_the_run_config():
     assert run.options.fp8 == FP8Config("hybrid", exclude_modules=(), dispatch=True)
     assert RunConfig.from_dict(run.to_dict()).options == run.options
     validate(run, 1)   # torchao runs here: nothing refused
-    assert moe_config(run.model, run.options, ParallelDims.single()).fp8 == run.options.fp8
+    assert moe_config(run.model, run.options, ParallelDims.single()).experts.fp8 == run.options.fp8
     flex = config_from_args(parser.parse_args(["--recipe", "qwen3_moe_tiny", "--moe-fp8-dispatch",
                                                "--moe-token-dispatcher-type", "flex",
                                                "--moe-flex-dispatcher-backend", "deepep-legacy"]))

@@ -18,7 +18,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from moefold.models.options import ModelOptions
-from moefold.moe.experts import fused_activation
+from moefold.moe.activation import fused_activation
 from moefold.parallel.dims import ParallelDims
 from moefold.precision.fp8 import FP8Config
 from moefold.training.trainer import Trainer

@@ -42,7 +42,9 @@ from collections.abc import Callable
 
 import torch
 
-from moefold.moe.config import MoEConfig
+from moefold.dispatch.config import DispatchConfig, DispatcherKind
+from moefold.moe.build import build_moe_layer
+from moefold.moe.config import ExpertsConfig, MoEConfig, SharedExpertsConfig
 from moefold.moe.gemm import check_gemm_backend
 from moefold.moe.layer import MoELayer
 from moefold.moe.router_config import RouterConfig
@@ -105,11 +107,11 @@ def _moe_layer(E: int, k: int, F: int, H: int, backend: str, fp8: FP8Config | No
     ``init_parameters``' layout-independent per-row draws on the host would dominate the check's time). Built
     with ``device`` as the default device too: the router's fp32 weight is created on the default device."""
     router = RouterConfig(num_experts=E, topk=k, load_balancing_type="none")
-    cfg = MoEConfig(num_experts=E, moe_ffn_hidden_size=F, router=router, dispatcher="local", gemm_backend=backend,
-                    fp8=fp8)
+    cfg = MoEConfig(num_experts=E, router=router, experts=ExpertsConfig(F, gemm_backend=backend, fp8=fp8),
+                    dispatch=DispatchConfig(DispatcherKind.LOCAL))
     with torch.device(device):
-        return MoELayer(cfg, H, ParallelDims.single(device), sequence_parallel=False, dtype=torch.bfloat16,
-                        device=device)
+        return build_moe_layer(cfg, H, ParallelDims.single(device), sequence_parallel=False, dtype=torch.bfloat16,
+                               device=device)
 
 
 def _variants(backends: list[str], compiled: bool) -> list[tuple[str, FP8Config | None, bool]]:
@@ -190,7 +192,7 @@ def _layer_step(layer: MoELayer, T: int, H: int) -> Callable[[], None]:
 
     def step() -> None:
         layer.zero_grad(set_to_none=True)
-        with fp8_autocast(layer.config.fp8):   # TE FP8: the region a model enters per forward (world 1 here)
+        with fp8_autocast(layer.experts.config.fp8):   # TE FP8: the region a model enters per forward (world 1 here)
             y, _ = layer(x)
         y.backward(gy)
 
@@ -239,9 +241,10 @@ def bench_syncs(args: argparse.Namespace) -> int:
         capacity = {} if mode == "dropless" else {"expert_capacity_factor": 1.0,
                                                   "pad_expert_input_to_capacity": mode == "padded"}
         router = RouterConfig(num_experts=16, topk=2, aux_loss_coeff=0.01, **capacity)
-        cfg = MoEConfig(num_experts=16, moe_ffn_hidden_size=256, router=router, shared_expert_ffn_size=256,
-                        dispatcher="local", gemm_backend=backend)
-        layer = MoELayer(cfg, H, ParallelDims.single(device), sequence_parallel=False, dtype=dtype, device=device)
+        cfg = MoEConfig(num_experts=16, router=router, experts=ExpertsConfig(256, gemm_backend=backend),
+                        dispatch=DispatchConfig(DispatcherKind.LOCAL), shared=SharedExpertsConfig(256))
+        layer = build_moe_layer(cfg, H, ParallelDims.single(device), sequence_parallel=False, dtype=dtype,
+                                device=device)
         x = torch.randn(512, 2, H, device=device, dtype=dtype, requires_grad=True)
         cuda, model, where = _sync_count(_loss_step(layer, x), device)
         name = f"MoE layer fwd+bwd, local {mode}, {str(dtype).split('.')[1]}, {backend}"

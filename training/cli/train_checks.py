@@ -10,6 +10,7 @@ import dataclasses
 import torch
 
 from moefold.dense.gated_delta_rule import require_fla
+from moefold.dispatch.config import DispatcherKind
 from moefold.parallel.dims import ParallelSizes
 from moefold.training.config import RunConfig
 
@@ -77,7 +78,7 @@ def check_backends(config: RunConfig, ep: int, etp: int) -> None:
     o = config.options
     if config.model.num_experts:
         check_gemm_backend(o.gemm_backend, o.torch_dtype)
-        if o.resolved_dispatcher(ep, etp) == "flex":
+        if o.resolved_dispatcher(ep, etp) is DispatcherKind.FLEX:
             from moefold.dispatch.flex_backend import resolve_flex_backend
 
             resolve_flex_backend(o.moe_flex_dispatcher_backend)
@@ -89,20 +90,19 @@ def check_backends(config: RunConfig, ep: int, etp: int) -> None:
 def resolve_flex(config: RunConfig, world_size: int) -> tuple[RunConfig, str | None]:
     """With the flex dispatcher: ``config`` with ``--moe-flex-dispatcher-backend auto`` replaced by the installed
     DeepEP's backend (so every rank runs the same one) and the start-up line that states it; else (config, None)."""
-    from moefold.dispatch.flex_backend import describe_flex_backend, resolve_flex_backend
-    from moefold.moe.gemm import needs_host_counts
+    from moefold.dispatch.flex_backend import FlexBackend, describe_flex_backend, resolve_flex_backend
 
     sizes, _ = config.resolve(world_size)
     o = config.options
-    if not config.model.num_experts or o.resolved_dispatcher(sizes.ep, sizes.etp) != "flex":
+    if not config.model.num_experts or o.resolved_dispatcher(sizes.ep, sizes.etp) is not DispatcherKind.FLEX:
         return config, None
     backend = resolve_flex_backend(o.moe_flex_dispatcher_backend)
-    if backend == "deepep":
+    if backend is FlexBackend.DEEPEP:
         from moefold.dispatch.deepep_elastic import check_elastic_layout
 
         check_elastic_layout(config.model.hidden_size, config.model.num_experts, sizes.ep, sizes.etp, o.fp8.dispatch)
     config = dataclasses.replace(config, options=dataclasses.replace(o, moe_flex_dispatcher_backend=backend))
     cpu_sync = o.moe_deepep_cpu_sync if o.moe_deepep_cpu_sync is not None else (
-        needs_host_counts(o.gemm_backend) or o.fp8.enabled)
+        o.gemm_backend.needs_host_counts or o.fp8.enabled)
     return config, describe_flex_backend(backend, hybrid=o.moe_deepep_mode == "hybrid", cpu_sync=cpu_sync,
                                          num_sms=o.moe_deepep_num_sms)

@@ -14,11 +14,11 @@ from moefold.dense.activation_offload import MIN_OFFLOADED_TENSOR_SIZE, OFFLOAD_
 from moefold.dense.context_parallel import CP_COMM_MODES
 from moefold.dense.gated_delta_rule import GATED_DELTA_RULE_BACKENDS
 from moefold.dense.recompute import DEFAULT_RECOMPUTE_MODULES, RECOMPUTE_METHODS, RECOMPUTE_MODES, RECOMPUTE_MODULES
-from moefold.dispatch.flex_backend import FLEX_BACKEND_CHOICES
+from moefold.dispatch.config import DispatcherKind
+from moefold.dispatch.flex_backend import FlexBackend
 from moefold.models.options import DEEPEP_MODES, ModelOptions
 from moefold.models.recipes import RECIPES
-from moefold.moe.config import DISPATCHERS
-from moefold.moe.gemm import GEMM_BACKENDS
+from moefold.moe.gemm import GemmBackend
 from moefold.pipeline.schedules import SCHEDULES
 from moefold.training.cli.fp8_flags import add_fp8_arguments
 from moefold.training.cli.megatron_flags import add_megatron_arguments
@@ -126,10 +126,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             m.add_argument(flag, type=typ, choices=choices, help=text)
     m.add_argument("--init-method-std", type=float, default=ModelOptions.init_std,
                    help="standard deviation of the weights' normal initialisation")
-    m.add_argument("--moe-token-dispatcher-type", default="auto", choices=("auto", *DISPATCHERS),
+    m.add_argument("--moe-token-dispatcher-type", default="auto", choices=("auto", *(k.value for k in DispatcherKind)),
                    help="how tokens reach their experts: auto (local without ep/etp, else alltoall), allgather, "
                         "alltoall, flex (DeepEP, CUDA)")
-    m.add_argument("--moe-grouped-gemm-backend", default=ModelOptions.gemm_backend, choices=GEMM_BACKENDS,
+    m.add_argument("--moe-grouped-gemm-backend", default=ModelOptions.gemm_backend.value,
+                   choices=[b.value for b in GemmBackend],
                    help="the experts' GEMMs: torch's grouped_mm, a per-expert loop, grouped_gemm or Transformer "
                         "Engine (te) on CUDA")
     m.add_argument("--linear-attention-backend", default=ModelOptions.linear_attention_backend,
@@ -149,8 +150,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     gpu.add_argument("--moe-deepep-num-sms", type=int, default=ModelOptions.moe_deepep_num_sms,
                      help="SMs DeepEP's kernels take (flex dispatcher; even; default 0: DeepEP V2's "
                           "get_theoretical_num_sms, 20 with deepep-legacy)")
-    gpu.add_argument("--moe-flex-dispatcher-backend", default=ModelOptions.moe_flex_dispatcher_backend,
-                     choices=FLEX_BACKEND_CHOICES,
+    gpu.add_argument("--moe-flex-dispatcher-backend", default=ModelOptions.moe_flex_dispatcher_backend.value,
+                     choices=[b.value for b in FlexBackend],
                      help="the flex dispatcher's DeepEP: deepep (V2 ElasticBuffer: sync-free, JIT-built kernels), "
                           "deepep-legacy (the v1 Buffer API), auto (default: deepep when the installed DeepEP is V2)")
     gpu.add_argument("--moe-deepep-mode", default=ModelOptions.moe_deepep_mode, choices=DEEPEP_MODES,

@@ -18,7 +18,7 @@ def fp8_expert_layers(model: nn.Module) -> tuple[list[str], list[str]]:
     fp8, high = [], []
     for name, module in model.named_modules():
         if isinstance(module, GroupedExperts):
-            (fp8 if module.fp8 is not None else high).append(name)
+            (fp8 if module.config.fp8_gemms is not None else high).append(name)
     return fp8, high
 
 

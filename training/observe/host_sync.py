@@ -22,7 +22,7 @@ of the Python-level reads (``tolist``/``cpu``/``numpy``/``to``/``tensor``/``new_
 never reach the dispatcher for CPU tensors. On CPU it counts what *would* synchronise if every
 tensor lived on the GPU, which is how the CPU tests prove a sync budget; on CUDA it counts the
 real thing (cross-check with ``torch.cuda.set_sync_debug_mode("warn")``, which the GPU check does).
-Inside the counter's block CPU tensors take the GPU's code paths (``parallel.cpu_shortcuts``): host work a
+Inside the counter's block CPU tensors take the GPU's code paths (``moe.cpu.shortcuts``): host work a
 CPU-only shortcut does, free on a CPU and never done on a GPU, is neither run nor counted.
 
 Rules for the CPU count (documented so that the numbers mean something):
@@ -56,7 +56,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moefold.parallel.cpu_shortcuts import gpu_code_paths
+from moefold.moe.cpu.shortcuts import gpu_code_paths
 
 aten = torch.ops.aten
 
@@ -215,7 +215,7 @@ class HostSyncCounter(TorchDispatchMode):
         wrap(torch, "tensor", lambda a, k: "host->device copy of Python data (torch.tensor(device=...))"
              if k.get("device") is not None and not _names_host(k["device"])
              and torch.device(k["device"]).type == "cpu" else None)
-        # the block runs the GPU's code paths: a CPU-only shortcut's host read is no GPU sync (parallel.cpu_shortcuts)
+        # the block runs the GPU's code paths: a CPU-only shortcut's host read is no GPU sync (moe.cpu.shortcuts)
         self._gpu_paths = gpu_code_paths()
         self._gpu_paths.__enter__()
         try:

@@ -30,7 +30,7 @@ def test_flags_reach_the_moe_config_and_round_trip():
     again = RunConfig.from_dict(run.to_dict())
     assert again.options == run.options
     moe = moe_config(run.model, run.options, ParallelDims.single())
-    assert (moe.fp8, moe.deepep_num_sms, moe.gemm_backend) == (want, 24, "te")
+    assert (moe.experts.fp8, moe.dispatch.flex.num_sms, moe.experts.gemm_backend) == (want, 24, "te")
     assert config_from_args(_args()).options.fp8 == FP8Config()  # off by default
 
 
@@ -73,8 +73,8 @@ def test_flex_backend_flags_reach_the_moe_config_and_are_stated(monkeypatch):
     assert resolved.options.moe_flex_dispatcher_backend == "deepep"
     assert "DeepEP 2.1.0 ElasticBuffer" in line and "direct mode" in line and "sync-free" in line, line
     moe = moe_config(resolved.model, model_options(resolved), ParallelDims.single())
-    assert (moe.flex_backend, moe.deepep_hybrid, moe.deepep_cpu_sync) == ("deepep", False, False)
-    assert moe.deepep_max_tokens_per_rank == 2 * 64 // 2   # micro-batch x sequence / (tp x cp)
+    assert (moe.dispatch.flex.backend, moe.dispatch.flex.hybrid, moe.dispatch.flex.cpu_sync) == ("deepep", False, False)
+    assert moe.dispatch.flex.max_tokens_per_rank == 2 * 64 // 2   # micro-batch x sequence / (tp x cp)
     with pytest.raises(ValueError, match=r"DeepEP V2 needs a hidden size that is a multiple of 16.*--hidden-size 40"):
         resolve_flex(config_from_args(_args(*flags, "--hidden-size", "40")), 4)   # before any rank starts
     monkeypatch.setitem(sys.modules, "deep_ep", deepep_standin.module())   # DeepEP v1: only the legacy Buffer

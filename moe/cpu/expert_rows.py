@@ -15,8 +15,8 @@ Padded layouts cost a copy of the input rows into the blocks and of the output r
 ``unpad_rows``, both reused workspaces) plus the GEMM work on the padding rows; zero padding rows stay zero
 through the SwiGLU experts, so the gradients are exactly those of the packed layout.
 
-``moe.expert_gemm.choose_layout`` picks one by a fixed rule of the dtype (``auto``) or by timing the shape
-(``measured``); ``MoEConfig.expert_row_layout`` fixes it. Memory: the padded rows are activations (the padded
+``moe.cpu.rows_gemm.choose_layout`` picks one by a fixed rule of the dtype (``auto``) or by timing the shape
+(``measured``); ``ExpertsConfig.row_layout`` fixes it. Memory: the padded rows are activations (the padded
 input copy, the gate/up output and the product are saved for backward), so an automatic choice never holds
 more than ``max_auto_rows`` (``aligned``'s worst case, N + e(ALIGN - 1)): a ``uniform`` call over skewed counts
 (one hot expert: e times N rows) takes ``aligned`` instead. The planner
@@ -26,16 +26,30 @@ more than ``max_auto_rows`` (``aligned``'s worst case, N + e(ALIGN - 1)): a ``un
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from functools import cached_property
-from typing import Literal
 
 import torch
 from torch import Tensor
 
 from moefold.parallel.workspace import workspace
 
-RowLayout = Literal["packed", "aligned", "uniform"]
-ROW_LAYOUTS: tuple[str, ...] = ("auto", "measured", "packed", "aligned", "uniform")
+
+class RowLayout(StrEnum):
+    """The rows' layout (module docstring): ``AUTO`` and ``MEASURED`` choose one of the other three per call
+    (``moe.cpu.rows_gemm.choose_layout``)."""
+
+    AUTO = "auto"
+    MEASURED = "measured"
+    PACKED = "packed"
+    ALIGNED = "aligned"
+    UNIFORM = "uniform"
+
+    @classmethod
+    def _missing_(cls, value: object) -> RowLayout:
+        raise ValueError(f"expert_row_layout={value!r} (row_layout); valid: {', '.join(cls)}")
+
+
 ALIGN = 32   # rows: oneDNN's kernels for M (or K) a multiple of 32 cover every block size seen in training
 
 
@@ -50,19 +64,21 @@ class ExpertRows:
 
     counts: tuple[int, ...]
     blocks: tuple[int, ...]
-    kind: RowLayout = "packed"
+    kind: RowLayout = RowLayout.PACKED
     _index: dict = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
     def build(counts: tuple[int, ...], kind: RowLayout) -> ExpertRows:
-        if kind == "packed":
+        kind = RowLayout(kind)
+        if kind is RowLayout.PACKED:
             return ExpertRows(counts, counts, kind)
-        if kind == "aligned":
+        if kind is RowLayout.ALIGNED:
             return ExpertRows(counts, tuple(-(-c // ALIGN) * ALIGN for c in counts), kind)
-        if kind == "uniform":
+        if kind is RowLayout.UNIFORM:
             block = max(ALIGN, -(-max(counts, default=0) // ALIGN) * ALIGN)
             return ExpertRows(counts, (block,) * len(counts), kind)
-        raise ValueError(f"expert row layout {kind!r} is unknown; valid: {', '.join(ROW_LAYOUTS)}")
+        raise ValueError(f"ExpertRows: layout '{kind}' chooses one per call (choose_layout); build one of packed, "
+                         "aligned, uniform")
 
     @property
     def padded(self) -> bool:
@@ -70,7 +86,7 @@ class ExpertRows:
 
     @property
     def uniform(self) -> bool:
-        return self.kind == "uniform"
+        return self.kind is RowLayout.UNIFORM
 
     @cached_property
     def num_rows(self) -> int:
@@ -162,4 +178,4 @@ def unpad_rows(x_PH: Tensor, rows: ExpertRows) -> Tensor:
     return _UnpadRows.apply(x_PH, rows) if rows.padded else x_PH
 
 
-__all__ = ["ALIGN", "ROW_LAYOUTS", "ExpertRows", "RowLayout", "max_auto_rows", "pad_rows", "unpad_rows"]
+__all__ = ["ALIGN", "ExpertRows", "RowLayout", "max_auto_rows", "pad_rows", "unpad_rows"]

@@ -1,7 +1,7 @@
 """CPU-only shortcuts, and the switch that turns them off so that a CPU run executes the code a GPU runs.
 
 Some host work is free on a CPU and a host synchronisation on a GPU. The one moefold takes: the routed experts
-read their row counts on the host to lay their rows out for the CPU's GEMMs (``moe.expert_gemm.choose_layout``);
+read their row counts on the host to lay their rows out for the CPU's GEMMs (``moe.cpu.rows_gemm.choose_layout``);
 on CUDA they never read them (``grouped_mm`` takes the counts on the device). Code that takes such a shortcut
 asks ``takes_cpu_shortcut(t)`` first.
 

@@ -1,0 +1,109 @@
+"""``DispatchConfig``: which token dispatcher an MoE layer runs, with its typed options; each value checked here once.
+
+``DispatcherKind`` names the dispatchers (``--moe-token-dispatcher-type``; the values are the flag's, so YAML, JSON
+and saved configs keep their strings); ``FlexOptions`` are the flex (DeepEP) dispatcher's options, handed to its
+constructor as they are (``dispatch.factory.build_dispatcher``). A string becomes its enum here, in the dataclass
+(from a flag, a YAML file or a saved config); code below reads the enums.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from moefold.dispatch.flex_backend import FlexBackend
+
+
+class DispatcherKind(StrEnum):
+    """The token dispatchers (``dispatch.local``, ``dispatch.allgather``, ``dispatch.alltoall``, the flex one on
+    DeepEP: ``dispatch.deepep_elastic`` / ``dispatch.deepep``)."""
+
+    LOCAL = "local"
+    ALLGATHER = "allgather"
+    ALLTOALL = "alltoall"
+    FLEX = "flex"
+
+    @classmethod
+    def _missing_(cls, value: object) -> DispatcherKind:
+        raise ValueError(f"unknown dispatcher kind {value!r} (dispatcher={value!r}, --moe-token-dispatcher-type); "
+                         f"valid kinds are {', '.join(cls)}")
+
+
+def _positive_or_none(name: str, value: object) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"{name}={value!r} must be a positive integer or None")
+
+
+@dataclass(frozen=True)
+class FlexOptions:
+    """The flex dispatcher's options (its constructor takes them as they are).
+
+    backend:             which DeepEP (``--moe-flex-dispatcher-backend``); ``AUTO``: the installed one, resolved when
+                         the dispatcher is built
+    num_sms:             SMs DeepEP's kernels take (``--moe-deepep-num-sms``): even, >= 2; 0: the backend's choice
+                         (V2: ``get_theoretical_num_sms``; legacy: 20, Megatron's default)
+    max_tokens_per_rank: V2: the most tokens a rank routes per call, which sizes DeepEP's buffer (the trainer sets
+                         micro-batch x sequence / (tp x cp)); None before it is known
+    hybrid:              V2: ``allow_hybrid_mode`` (``--moe-deepep-mode hybrid``; False: direct)
+    cpu_sync:            V2: ``do_cpu_sync``, the host waits for the received counts (``--moe-deepep-cpu-sync``);
+                         None: on exactly when the expert GEMMs read host counts anyway
+    """
+
+    backend: FlexBackend = FlexBackend.AUTO
+    num_sms: int = 0
+    max_tokens_per_rank: int | None = None
+    hybrid: bool = True
+    cpu_sync: bool | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "backend", FlexBackend(self.backend))
+        sms = self.num_sms
+        if not isinstance(sms, int) or isinstance(sms, bool) or sms < 0 or sms == 1 or sms % 2:
+            raise ValueError(f"deepep_num_sms={sms!r} must be an even integer >= 2, or 0 for the backend's choice "
+                             "(--moe-deepep-num-sms; DeepEP runs two SMs per channel)")
+        _positive_or_none("deepep_max_tokens_per_rank", self.max_tokens_per_rank)
+
+    def cpu_sync_for(self, experts_read_host_counts: bool) -> bool:
+        """V2's ``do_cpu_sync``: as set, or (None) on exactly when the expert GEMMs read host counts anyway, which
+        DeepEP's wait then gives them."""
+        return experts_read_host_counts if self.cpu_sync is None else self.cpu_sync
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    """How an MoE layer's token copies travel.
+
+    kind:                the dispatcher (``--moe-token-dispatcher-type``)
+    flex:                the flex dispatcher's options (read only by it)
+    fp8:                 FP8 token dispatch (``--moe-fp8-dispatch``: e4m3 rows with per-128-channel scales,
+                         ``dispatch.fp8_exchange``)
+    max_chunked_experts: alltoall at etp = 1: one all-to-all per local expert while a rank holds at most this many
+                         (rows land expert-major), else one exchange and a sort; 0: never chunked
+    """
+
+    kind: DispatcherKind = DispatcherKind.ALLTOALL
+    flex: FlexOptions = field(default_factory=FlexOptions)
+    fp8: bool = False
+    max_chunked_experts: int = 8
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", DispatcherKind(self.kind))
+        if not isinstance(self.max_chunked_experts, int) or self.max_chunked_experts < 0:
+            raise ValueError(f"max_chunked_experts={self.max_chunked_experts!r} must be >= 0 (0 disables chunking)")
+        if self.kind is not DispatcherKind.FLEX or self.flex.backend is not FlexBackend.DEEPEP_LEGACY:
+            return
+        if self.fp8:
+            raise ValueError("FP8 dispatch (--moe-fp8-dispatch) runs with the alltoall and allgather dispatchers and "
+                             "flex on DeepEP V2 (--moe-flex-dispatcher-backend deepep), not on deepep-legacy")
+        if not self.flex.hybrid or self.flex.cpu_sync is False:
+            raise ValueError("--moe-deepep-mode direct and sync-free dispatch (--no-moe-deepep-cpu-sync) are DeepEP "
+                             "V2 settings (--moe-flex-dispatcher-backend deepep), not deepep-legacy's")
+
+    def check_layout(self, ep: int, etp: int) -> None:
+        """ValueError naming the numbers when this dispatcher cannot run over ep x etp ranks."""
+        if self.kind is DispatcherKind.LOCAL and ep * etp > 1:
+            raise ValueError(f"dispatcher='local' needs ep*etp=1, got ep={ep} etp={etp}; use 'allgather' or "
+                             "'alltoall'")
+
+
+__all__ = ["DispatchConfig", "DispatcherKind", "FlexOptions"]

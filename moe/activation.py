@@ -1,0 +1,91 @@
+"""The routed experts' activation: ``ExpertActivation`` (which), ``GatedActivation`` (its gated form's parameters).
+
+SwiGLU is ``act(gate) * (up + linear_offset)`` with ``act(g) = g * sigmoid(alpha * g)`` (alpha 1: SiLU) and, with
+``clamp``, gate clamped to ``<= clamp`` and up to ``[-clamp, clamp]`` first: GPT-OSS's clamped SwiGLU (alpha 1.702,
+clamp 7, offset 1; Megatron's quick-GeGLU with ``--activation-func-clamp-value 7 --glu-linear-offset 1``).
+``GatedActivation`` holds the three; its defaults are plain SwiGLU (``swiglu``). Each expert GEMM backend runs one
+implementation of it (``moe.expert_gemm.ExpertGemm.activation``); ``--compile`` fuses it (``fused_activation``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class ExpertActivation(StrEnum):
+    """The experts' activation: gated SiLU on the gate/up halves of one projection, or GELU of one projection."""
+
+    SWIGLU = "swiglu"
+    GELU = "gelu"
+
+    @classmethod
+    def _missing_(cls, value: object) -> ExpertActivation:
+        raise ValueError(f"activation={value!r} is not one of {', '.join(cls)}")
+
+    @property
+    def gates(self) -> int:
+        """Input projections computed by the first GEMM: gate and up (2), or one."""
+        return 2 if self is ExpertActivation.SWIGLU else 1
+
+
+def swiglu(h_NGf: Tensor) -> Tensor:
+    """[N, 2f] gate and up projections (halves of one GEMM's output) -> [N, f] silu(gate) * up."""
+    gate_Nf, up_Nf = h_NGf.chunk(2, dim=1)
+    return F.silu(gate_Nf) * up_Nf
+
+
+@dataclass(frozen=True)
+class GatedActivation:
+    """[N, 2f] gate and up halves -> [N, f] ``act(gate) * (up + linear_offset)``, ``act(g) = g * sigmoid(alpha * g)``,
+    gate clamped to ``<= clamp`` and up to ``[-clamp, clamp]`` first when ``clamp`` is set (GPT-OSS: 1.702, 7, 1;
+    HF ``GptOssExperts._apply_gate``). The defaults are plain SwiGLU (``swiglu``)."""
+
+    alpha: float = 1.0
+    clamp: float | None = None
+    linear_offset: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.alpha > 0 or (self.clamp is not None and not self.clamp > 0):
+            raise ValueError(f"GatedActivation: alpha={self.alpha} and clamp={self.clamp} must be > 0 (clamp: or None)")
+
+    @property
+    def is_swiglu(self) -> bool:
+        return self.alpha == 1.0 and self.clamp is None and self.linear_offset == 0.0
+
+    def __call__(self, h_NGf: Tensor) -> Tensor:
+        gate_Nf, up_Nf = h_NGf.chunk(2, dim=1)
+        if self.clamp is not None:
+            gate_Nf = gate_Nf.clamp(max=self.clamp)
+            up_Nf = up_Nf.clamp(-self.clamp, self.clamp)
+        act_Nf = F.silu(gate_Nf) if self.alpha == 1.0 else gate_Nf * torch.sigmoid(gate_Nf * self.alpha)
+        return act_Nf * (up_Nf + self.linear_offset) if self.linear_offset else act_Nf * up_Nf
+
+
+def eager_activation(activation: ExpertActivation, glu: GatedActivation) -> Callable[[Tensor], Tensor]:
+    """The activation as autograd computes it: ``swiglu`` (plain SwiGLU), ``glu`` (its other parameters), or GELU."""
+    if activation is ExpertActivation.GELU:
+        return F.gelu
+    return swiglu if glu.is_swiglu else glu
+
+
+@functools.cache
+def fused_activation(activation: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    """The activation (``swiglu``, a ``GatedActivation`` or ``F.gelu``) as one ``torch.compile``d kernel forward
+    and one backward (shared by every layer with the same activation).
+
+    Eager SwiGLU runs silu and the product as separate passes over the strided halves of
+    ``h`` (and four more in backward, plus the ``cat`` of the two gradient halves); inductor fuses
+    each direction into one pass (C++ on CPU, Triton on CUDA). ``dynamic=True``: the row count N
+    changes every step (routing), so it is a symbolic dimension, not a recompile.
+    """
+    return torch.compile(activation, dynamic=True)
+
+
+__all__ = ["ExpertActivation", "GatedActivation", "eager_activation", "fused_activation", "swiglu"]
