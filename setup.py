@@ -9,7 +9,8 @@ so site-packages gains exactly one top-level name. The version is
 
 from setuptools import find_packages, setup
 
-FOLDERS = ["parallel", "precision", "dense", "moe", "dispatch", "pipeline", "models", "training", "planner", "tools"]
+FOLDERS = ["parallel", "precision", "dense", "moe", "dispatch", "models", "execution", "pipeline", "training",
+           "planner", "tools"]
 
 # every package inside those folders: models/hf is installed as moefold.models.hf
 _FOUND = find_packages(include=[f"{f}*" for f in FOLDERS])

@@ -32,9 +32,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from moefold.dense.fp8_linear import convert_linears_to_fp8
 from moefold.dense.linear import ColumnParallelLinear
 from moefold.dispatch.config import DispatchConfig, DispatcherKind
+from moefold.execution.fp8_linear import convert_linears_to_fp8
 from moefold.moe.build import build_moe_layer
 from moefold.moe.config import ExpertsConfig, MoEConfig
 from moefold.moe.router_config import RouterConfig

@@ -42,8 +42,9 @@ from collections.abc import Callable
 
 import torch
 
-from moefold.dense.grad_accumulation import enable_grad_accumulation_fusion
 from moefold.dispatch.config import DispatchConfig, DispatcherKind
+from moefold.execution.compile import compile_moe_layer, compile_unavailable
+from moefold.execution.grad_accumulation import enable_grad_accumulation_fusion
 from moefold.moe.build import build_moe_layer
 from moefold.moe.config import ExpertsConfig, MoEConfig
 from moefold.moe.cpu.expert_rows import RowLayout
@@ -52,7 +53,6 @@ from moefold.moe.layer import MoELayer
 from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelDims
 from moefold.parallel.sharding import init_parameters
-from moefold.training.compile import compile_moe_layer, compile_unavailable
 from moefold.training.observe.machine import bf16_skip_reason, describe_machine
 from moefold.training.optim.grad_sync import GradSync
 

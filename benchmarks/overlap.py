@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moefold.dense.split_backward import WeightGradStore, install_weight_grad_store
+from moefold.dense.split_backward import WeightGradStore
+from moefold.execution.split_backward import install_weight_grad_store
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import get_recipe
 from moefold.parallel.dims import ParallelConfig, ParallelDims

@@ -24,10 +24,10 @@ import time
 
 import torch
 
+from moefold.execution.compile import compile_unavailable
 from moefold.parallel.dims import ParallelDims
 from moefold.training.cli import build_parser
 from moefold.training.cli.train import config_from_args
-from moefold.training.compile import compile_unavailable
 from moefold.training.config import RunConfig
 from moefold.training.observe.machine import describe_machine
 from moefold.training.run import build_dataset

@@ -1,8 +1,8 @@
 """The dense transformer stack: TP/SP linear layers, embeddings and loss, norms, RoPE, attention, CP, MLP, Gated
-DeltaNet linear attention, and the two ways to keep fewer activations (recompute, fine-grained activation
-offloading)."""
+DeltaNet linear attention; the regions each layer runs its parts through (``dense.regions``, which
+``moefold.execution`` fills with recompute and offloading) and the names and checks of those choices."""
 
-from moefold.dense.activation_offload import OFFLOAD_MODULES, ActivationOffloader, check_offload
+from moefold.dense.activation_offload import OFFLOAD_MODULES, check_offload
 from moefold.dense.attention import GQAAttention
 from moefold.dense.attention_config import AttentionConfig, MLAConfig
 from moefold.dense.block import TransformerBlock
@@ -30,6 +30,7 @@ from moefold.dense.mla import MLAttention
 from moefold.dense.mlp import MLP_ACTIVATIONS, DenseMLP, MLPConfig
 from moefold.dense.norm import RMSNorm
 from moefold.dense.recompute import RECOMPUTE_MODES, check_recompute, checkpointed
+from moefold.dense.regions import CHECKPOINT, KEEP_OUTPUT, PLAIN, OutputRegion, Region
 from moefold.dense.rope import (
     RotaryEmbedding,
     YarnConfig,
@@ -39,10 +40,10 @@ from moefold.dense.rope import (
     yarn_attention_factor,
     yarn_softmax_mscale,
 )
-from moefold.dense.split_backward import DeferredWeightGrads, WeightGradStore, install_weight_grad_store
+from moefold.dense.split_backward import DeferredWeightGrads, WeightGradStore
 
 __all__ = [
-    "OFFLOAD_MODULES", "ActivationOffloader", "check_offload",
+    "OFFLOAD_MODULES", "check_offload", "Region", "OutputRegion", "PLAIN", "KEEP_OUTPUT", "CHECKPOINT",
     # dense core: linear layers, RoPE, norm, embedding/head/loss, MLP, block, recompute
     "ColumnParallelLinear", "RowParallelLinear",
     "RotaryEmbedding", "YarnConfig", "apply_rotary", "apply_partial_rotary", "rotate_half", "yarn_attention_factor",
@@ -52,7 +53,7 @@ __all__ = [
     "vocab_parallel_cross_entropy", "masked_mean",
     "DenseMLP", "MLPConfig", "MLP_ACTIVATIONS",
     "TransformerBlock", "RECOMPUTE_MODES", "check_recompute", "checkpointed",
-    "WeightGradStore", "DeferredWeightGrads", "install_weight_grad_store",
+    "WeightGradStore", "DeferredWeightGrads",
     # attention (GQA, MLA) and context parallelism
     "AttentionConfig", "MLAConfig", "GQAAttention", "MLAttention", "CoreAttention", "local_attention",
     "CP_COMM_MODES", "split_for_context_parallel", "context_parallel_positions", "gather_from_context_parallel",

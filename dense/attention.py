@@ -30,17 +30,18 @@ norms store ``gamma - 1``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from moefold.dense.activation_offload import NO_OFFLOAD
 from moefold.dense.attention_config import AttentionConfig
 from moefold.dense.core_attention import CoreAttention
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
 from moefold.dense.norm import RMSNorm
-from moefold.dense.recompute import checkpointed
+from moefold.dense.regions import CHECKPOINT, PLAIN, Region, recomputes, replace_regions
 from moefold.dense.rope import RotaryEmbedding, apply_partial_rotary
 from moefold.parallel.comm import all_gather_sequence, copy_to_region, reduce_from_region
 from moefold.parallel.groups import Group, group_rank, group_size
@@ -53,6 +54,16 @@ def output_gate(out: Tensor, gate: Tensor) -> Tensor:
     An fp32 island: the sigmoid and the product in fp32, rounded once, as Megatron-Core's
     ``Attention._apply_output_gate`` computes them (HF's Qwen3-Next rounds the sigmoid to bf16, then the product)."""
     return (out.float() * torch.sigmoid(gate.float())).to(out.dtype)
+
+
+@dataclass(frozen=True)
+class AttentionRegions:
+    """Where an attention runs its three parts (``dense.regions``; Megatron's module names): ``qkv_linear`` the
+    input projections, q/k norms and RoPE, ``core_attn`` softmax(q k^T) v, ``attn_proj`` the output projection."""
+
+    qkv_linear: Region = PLAIN
+    core_attn: Region = PLAIN
+    attn_proj: Region = PLAIN
 
 
 class GQAAttention(nn.Module):
@@ -99,10 +110,12 @@ class GQAAttention(nn.Module):
             self.register_parameter("sinks", None)
         self.rotary = RotaryEmbedding(c.rotary_dim_resolved, c.rope_theta, c.yarn, device=device)
         self.core = CoreAttention(d ** -0.5, sliding_window=c.sliding_window, cp_group=cp_group, cp_comm=c.cp_comm)
-        # selective recompute of core attention (``dense.recompute``); the model may reconfigure it
-        self.recompute_core_attn = c.recompute == "selective"
-        # fine-grained activation offloading of its three parts (``dense.activation_offload``), set by the model
-        self.offload_qkv_linear = self.offload_core_attn = self.offload_attn_proj = NO_OFFLOAD
+        # selective recompute of core attention by default (``config.recompute``); moefold.execution reconfigures it
+        self.regions = AttentionRegions(core_attn=CHECKPOINT if c.recompute == "selective" else PLAIN)
+
+    def configure(self, **regions: Region) -> None:
+        """Install regions by name (``AttentionRegions``); ValueError for an unknown name or a wrong kind."""
+        self.regions = replace_regions(self.regions, type(self).__name__, **regions)
 
     def _project_kv(self, proj: ColumnParallelLinear, x: Tensor) -> Tensor:
         if not self.kv_replicated:
@@ -158,24 +171,31 @@ class GQAAttention(nn.Module):
         k_all = self._projection_norm(self.k_norm, k_all.view(S, B, self.config.kv_heads, d), 0, False)
         return q, gate, k_all[:, :, self.kv_head_index:self.kv_head_index + 1]
 
+    def _project_in(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+        """The ``qkv_linear`` part: (q, output gate, k, v), q and k with RoPE."""
+        # one all-gather (SP) or one region entry for q, k and v together; see ColumnParallelLinear
+        x = all_gather_sequence(x, self.tp_group, 0) if self.sequence_parallel else copy_to_region(x, self.tp_group)
+        S, B = x.shape[:2]
+        if position_ids.shape != (S,):
+            raise ValueError(f"GQAAttention: position_ids {tuple(position_ids.shape)} must be [{S}] "
+                             "(one global position per token of this rank's sequence, before the SP split)")
+        q, gate, k = self._qk(x, S, B)
+        v = self._project_kv(self.v_proj, x).view(S, B, self.local_kv_heads, self.head_dim)
+        cos, sin = self.rotary(position_ids)
+        q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
+        return q, gate, k, v
+
+    def _project_out(self, out: Tensor, gate: Tensor | None) -> Tensor:
+        """The ``attn_proj`` part: the output gate (Qwen3-Next), which is the projection's input, and the projection."""
+        if gate is not None:
+            S, B = out.shape[:2]
+            out = output_gate(out, gate.reshape(S, B, -1))
+        return self.o_proj(out)
+
     def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
-        with self.offload_qkv_linear:
-            # one all-gather (SP) or one region entry for q, k and v together; see ColumnParallelLinear
-            x = all_gather_sequence(x, self.tp_group, 0) if self.sequence_parallel else copy_to_region(x, self.tp_group)
-            S, B = x.shape[:2]
-            if position_ids.shape != (S,):
-                raise ValueError(f"GQAAttention: position_ids {tuple(position_ids.shape)} must be [{S}] "
-                                 "(one global position per token of this rank's sequence, before the SP split)")
-            q, gate, k = self._qk(x, S, B)
-            v = self._project_kv(self.v_proj, x).view(S, B, self.local_kv_heads, self.head_dim)
-            cos, sin = self.rotary(position_ids)
-            q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
-        with self.offload_core_attn:
-            out = checkpointed(self.core, q, k, v, position_ids, self.sinks, enabled=self.recompute_core_attn)
-        with self.offload_attn_proj:   # the output gate (Qwen3-Next) is the projection's input
-            if gate is not None:
-                out = output_gate(out, gate.reshape(S, B, -1))
-            return self.o_proj(out)
+        q, gate, k, v = self.regions.qkv_linear(self._project_in, x, position_ids)
+        out = self.regions.core_attn(self.core, q, k, v, position_ids, self.sinks)
+        return self.regions.attn_proj(self._project_out, out, gate)
 
     def extra_repr(self) -> str:
         return (f"heads={self.local_heads}/{self.config.num_heads}, kv_heads={self.local_kv_heads}/"
@@ -184,4 +204,4 @@ class GQAAttention(nn.Module):
                 f"sliding_window={self.config.sliding_window}, sinks={self.config.sinks}, "
                 f"{'output_gate, ' if self.config.output_gate else ''}"
                 f"rotary_dim={self.config.rotary_dim_resolved}, "
-                f"sp={self.sequence_parallel}{', recompute core_attn' if self.recompute_core_attn else ''}")
+                f"sp={self.sequence_parallel}{', recompute core_attn' if recomputes(self.regions.core_attn) else ''}")

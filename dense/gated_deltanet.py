@@ -51,7 +51,8 @@ from moefold.dense.gated_delta_rule import (
     require_fla,
 )
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
-from moefold.dense.recompute import check_recompute, checkpointed
+from moefold.dense.recompute import check_recompute
+from moefold.dense.regions import CHECKPOINT, PLAIN, Region, recomputes, replace_regions
 from moefold.parallel.comm import all_gather_sequence, all_to_all, copy_to_region
 from moefold.parallel.groups import Group, group_rank, group_size
 from moefold.parallel.sharding import InitFn, Shard, mark_sharded, set_init
@@ -255,6 +256,13 @@ class GatedRMSNorm(nn.Module):
         return ((weight.to(torch.float32) * x32) * F.silu(z.float())).to(dtype)
 
 
+@dataclass(frozen=True)
+class DeltaNetRegions:
+    """Where Gated DeltaNet runs its delta rule (``dense.regions``; Megatron's ``core_attn`` for this mixer)."""
+
+    core_attn: Region = PLAIN
+
+
 class GatedDeltaNet(nn.Module):
     """forward(x ``[S/tp, B, H]`` with SP else ``[S, B, H]``, position_ids ``[S]``) -> same shape as x.
 
@@ -287,9 +295,14 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(dv, c.norm_eps, dtype=dtype, device=device)
         self.out_proj = RowParallelLinear(c.num_value_heads * dv, c.hidden_size, tp_group,
                                           sequence_parallel=sequence_parallel, **kw)
-        self.recompute_core_attn = c.recompute == "selective"
+        # selective recompute of the delta rule by default (``config.recompute``); moefold.execution reconfigures it
+        self.regions = DeltaNetRegions(core_attn=CHECKPOINT if c.recompute == "selective" else PLAIN)
         self.cache: RecurrentCache | None = None
         self._rules: dict[str, object] = {}
+
+    def configure(self, **regions: Region) -> None:
+        """Install regions by name (``DeltaNetRegions``); ValueError for an unknown name or a wrong kind."""
+        self.regions = replace_regions(self.regions, "GatedDeltaNet", **regions)
 
     @staticmethod
     def _head_parameter(heads: int, tp_group: Group, init: InitFn, dtype, device) -> nn.Parameter:
@@ -342,7 +355,8 @@ class GatedDeltaNet(nn.Module):
         g = -A_log.exp() * F.softplus(a.float().reshape(T, B, hv) + dt_bias)
         # [T, B, ...] -> [B, T, ...] (fla's and HF's layout)
         q, k, v, g, beta = (t.transpose(0, 1) for t in (q, k, v.reshape(T, B, hv, dv), g, beta))
-        o = checkpointed(self._core, q, k, v, g, beta, enabled=self.recompute_core_attn and cache is None)
+        # decoding (a cache) has no backward: the rule runs as is
+        o = self._core(q, k, v, g, beta) if cache is not None else self.regions.core_attn(self._core, q, k, v, g, beta)
         o = o.transpose(0, 1)
         if self.cp > 1:   # back to this rank's tokens, every head
             o = sequence_to_heads(o, self.cp_group)
@@ -355,4 +369,4 @@ class GatedDeltaNet(nn.Module):
         return (f"key_heads={self.local_key_heads}/{c.num_key_heads}, value_heads={self.local_value_heads}/"
                 f"{c.num_value_heads}, head_dims={c.key_head_dim}/{c.value_head_dim}, conv={c.conv_kernel_size}, "
                 f"backend={c.backend}, sp={self.sequence_parallel}"
-                f"{', recompute core_attn' if self.recompute_core_attn else ''}")
+                f"{', recompute core_attn' if recomputes(self.regions.core_attn) else ''}")

@@ -3,9 +3,10 @@ its product straight into the parameter's main-grad buffer instead of returning 
 
 The trainer's ``GradSync`` (``training.optim.grad_sync``) gives each parameter it owns a ``MainGradSlot``
 (``param.moefold_grad_slot``): the parameter's view of the flat main-grad buffer and whether this step has
-written it yet. ``enable_grad_accumulation_fusion(model)`` switches the modules that can fuse (the
-column/row-parallel linears' ``F.linear``, the routed experts' grouped GEMMs) to GEMMs that, in backward,
-call ``write_weight_grad``:
+written it yet. ``execution.grad_accumulation.enable_grad_accumulation_fusion(model)`` switches the modules that
+can fuse (the column/row-parallel linears' ``F.linear``, the routed experts' grouped GEMMs) to GEMMs that, in
+backward, call ``write_weight_grad`` (this module: the slot and the writes, which the experts' GEMMs and the
+trainer's ``GradSync`` use from below; the fused linear GEMM is ``execution.grad_accumulation``):
 
 - the step's first write of a parameter is a plain product into its slice of the buffer (BLAS beta = 0:
   ``torch.mm(..., out=main_grad)``), so no pass zeroes the buffer before the step; later micro-batches (and
@@ -36,7 +37,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moefold.parallel.workspace import workspace
@@ -110,51 +110,4 @@ def widen_into(out: Tensor, src: Tensor, accumulate: bool) -> None:
         out.add_(workspace(out.device).empty(src.shape, out.dtype).copy_(src))
 
 
-class _FusedWgradLinear(torch.autograd.Function):
-    """``F.linear(x [..., K], w [N, K], b [N])`` whose weight gradient ``dy^T x`` goes into ``slot``. The input
-    and bias gradients are autograd's formulas; the weight gradient is computed as autograd's linear does
-    (``x^T dy`` into the transposed buffer), so it equals the unfused one."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, slot: MainGradSlot) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.slot, ctx.has_bias = slot, bias is not None
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, dy: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
-        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
-        dy_MN = dy.reshape(-1, dy.shape[-1])
-        dw = db = None
-        if ctx.needs_input_grad[1]:
-            x_MK = x.reshape(-1, x.shape[-1])
-            dw = write_weight_grad(ctx.slot, weight, lambda t, acc: mm_into(t.t(), x_MK.t(), dy_MN, acc))
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy_MN.sum(0)
-        return dx, dw, db, None
-
-
-def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear``'s signature; the weight gradient goes into the weight's main-grad slot when it has one (and
-    autograd is recording), else this is ``F.linear`` itself."""
-    slot = grad_slot(weight)
-    if slot is None or not (torch.is_grad_enabled() and weight.requires_grad):
-        return F.linear(x, weight, bias)
-    return _FusedWgradLinear.apply(x, weight, bias, slot)
-
-
-def enable_grad_accumulation_fusion(model: nn.Module, enabled: bool = True) -> list[str]:
-    """Switch every module of ``model`` that can fuse (it defines ``use_grad_accumulation_fusion(enabled)``) to
-    GEMMs that write into main-grad slots (or back). Returns the names of the modules that fused. The slots
-    themselves come from ``GradSync``; without them the fused GEMMs behave exactly like the plain ones."""
-    names = []
-    for name, module in model.named_modules():
-        use = getattr(module, "use_grad_accumulation_fusion", None)
-        if use is not None and use(enabled):
-            names.append(name)
-    return names
-
-
-__all__ = ["MainGradSlot", "enable_grad_accumulation_fusion", "fused_linear", "grad_slot", "mm_into",
-           "set_grad_slot", "widen_into", "write_weight_grad"]
+__all__ = ["MainGradSlot", "grad_slot", "mm_into", "set_grad_slot", "widen_into", "write_weight_grad"]

@@ -10,12 +10,12 @@ forward, all-reduce backward) and the row-parallel output is all-reduced.
 Weights are marked with their shards (``parallel.sharding``) and carry an init function, so
 ``init_parameters(module, seed)`` gives the same full weight at every tp.
 
-The local GEMM is ``layer.local_gemm(x, weight, bias)``: ``F.linear``, or an FP8 GEMM that
-``dense.fp8_linear.convert_linears_to_fp8`` installs once after the model is built (the weight and
-its dtype stay as they are). ``use_grad_accumulation_fusion`` (``dense.grad_accumulation``) swaps ``F.linear`` for
-``fused_linear``, whose weight gradient goes straight into the trainer's main-grad buffer.
-its dtype stay as they are). ``use_weight_grad_store`` (split backward, ``dense.split_backward``)
-wraps it so that the weight gradient can be deferred.
+The local GEMM is ``layer.local_gemm(x, weight, bias)``: ``F.linear`` unless ``layer.configure(gemm=...)``
+installs another callable of that signature (``LocalGemm``, the layer's extension point, ``dense.regions``).
+``moefold.execution`` installs them once after the model is built: an FP8 GEMM (``execution.fp8_linear``; the
+weight and its dtype stay as they are), the split-backward GEMM whose weight gradient can be deferred
+(``execution.split_backward``), or the gradient-accumulation-fusion GEMM whose weight gradient goes straight into
+the trainer's main-grad buffer (``execution.grad_accumulation``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moefold.dense.grad_accumulation import fused_linear
-from moefold.dense.split_backward import WeightGradStore, split_local_gemm
 from moefold.parallel.comm import (
     all_gather_sequence,
     copy_to_region,
@@ -96,12 +94,9 @@ class ColumnParallelLinear(nn.Module):
         themselves (one all-gather / ``copy_to_region`` shared by several column-parallel layers)."""
         return self.local_gemm(x, self.weight, self.bias)
 
-    def use_grad_accumulation_fusion(self, enabled: bool = True) -> bool:
-        """Weight gradient into the main-grad buffer (``dense.grad_accumulation``); False for an FP8 GEMM."""
-        return _use_fusion(self, enabled)
-    def use_weight_grad_store(self, store: WeightGradStore) -> None:
-        """Split backward: defer this layer's weight (and bias) gradient while ``store`` defers."""
-        self.local_gemm = split_local_gemm(self.local_gemm, store)
+    def configure(self, *, gemm: LocalGemm) -> None:
+        """Install the local GEMM (``LocalGemm``: ``F.linear``'s signature)."""
+        self.local_gemm = _checked_gemm(gemm, "ColumnParallelLinear")
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, tp={group_size(self.tp_group)}, "
@@ -159,12 +154,9 @@ class RowParallelLinear(nn.Module):
             y = y + self.bias
         return y
 
-    def use_grad_accumulation_fusion(self, enabled: bool = True) -> bool:
-        """Weight gradient into the main-grad buffer (``dense.grad_accumulation``); False for an FP8 GEMM."""
-        return _use_fusion(self, enabled)
-    def use_weight_grad_store(self, store: WeightGradStore) -> None:
-        """Split backward: defer this layer's weight (and bias) gradient while ``store`` defers."""
-        self.local_gemm = split_local_gemm(self.local_gemm, store)
+    def configure(self, *, gemm: LocalGemm) -> None:
+        """Install the local GEMM (``LocalGemm``: ``F.linear``'s signature)."""
+        self.local_gemm = _checked_gemm(gemm, "RowParallelLinear")
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, tp={group_size(self.tp_group)}, "
@@ -172,16 +164,13 @@ class RowParallelLinear(nn.Module):
                 f"input_is_parallel={self.input_is_parallel}" + _gemm_repr(self.local_gemm))
 
 
-def _use_fusion(layer: ColumnParallelLinear | RowParallelLinear, enabled: bool) -> bool:
-    """Gradient-accumulation fusion for a plain ``F.linear`` layer (an FP8 GEMM keeps its own backward)."""
-    if enabled and layer.local_gemm is F.linear:
-        layer.local_gemm = fused_linear
-    elif not enabled and layer.local_gemm is fused_linear:
-        layer.local_gemm = F.linear
-    return layer.local_gemm is fused_linear
+def _checked_gemm(gemm: LocalGemm, layer: str) -> LocalGemm:
+    if not callable(gemm):
+        raise ValueError(f"{layer}.configure: gemm={gemm!r} is not callable as (x, weight, bias) -> y")
+    return gemm
 
 
 def _gemm_repr(gemm: LocalGemm) -> str:
-    if gemm is F.linear or gemm is fused_linear:
-        return ""
-    return f", gemm={gemm.describe() if hasattr(gemm, 'describe') else gemm}"
+    """Names a GEMM that describes itself (FP8, split backward); ``F.linear`` and the fused one say nothing."""
+    describe = getattr(gemm, "describe", None)
+    return "" if gemm is F.linear or describe is None else f", gemm={describe()}"

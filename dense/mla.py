@@ -17,19 +17,38 @@ all-gathered under SP (else enters through ``copy_to_region``) because every ran
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import Tensor, nn
 
-from moefold.dense.activation_offload import NO_OFFLOAD
+from moefold.dense.attention import AttentionRegions
 from moefold.dense.attention_config import MLAConfig
 from moefold.dense.core_attention import CoreAttention
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
 from moefold.dense.norm import RMSNorm
-from moefold.dense.recompute import CheckpointWithoutOutput, checkpointed
+from moefold.dense.regions import (
+    CHECKPOINT,
+    KEEP_OUTPUT,
+    OUTPUT_KIND,
+    PLAIN,
+    OpenedOutput,
+    OutputRegion,
+    Region,
+    replace_regions,
+)
 from moefold.dense.rope import RotaryEmbedding, apply_rotary, yarn_softmax_mscale
 from moefold.parallel.comm import all_gather_sequence, copy_to_region
 from moefold.parallel.groups import Group, group_size
 from moefold.parallel.sharding import mark_sequence_parallel
+
+
+@dataclass(frozen=True)
+class MLARegions(AttentionRegions):
+    """An attention's three regions, and ``up_proj`` (an output region): the q/kv up-projections with RoPE,
+    whose outputs core attention saves (Megatron's ``mla_up_proj``)."""
+
+    up_proj: OutputRegion = field(default=KEEP_OUTPUT, metadata=OUTPUT_KIND)
 
 
 class MLAttention(nn.Module):
@@ -70,12 +89,12 @@ class MLAttention(nn.Module):
         self.rotary = RotaryEmbedding(c.qk_rope_head_dim, c.rope_theta, c.yarn, device=device)
         scale = c.qk_head_dim ** -0.5 * yarn_softmax_mscale(c.yarn)
         self.core = CoreAttention(scale, cp_group=cp_group, cp_comm=c.cp_comm)
-        # selective recompute (``dense.recompute``): core attention, and the up-projections with RoPE
-        # (output discarded); the model may reconfigure both
-        self.recompute_core_attn = c.recompute == "selective"
-        self.recompute_up_proj = False
-        # fine-grained activation offloading of its three parts (``dense.activation_offload``), set by the model
-        self.offload_qkv_linear = self.offload_core_attn = self.offload_attn_proj = NO_OFFLOAD
+        # selective recompute of core attention by default (``config.recompute``); moefold.execution reconfigures it
+        self.regions = MLARegions(core_attn=CHECKPOINT if c.recompute == "selective" else PLAIN)
+
+    def configure(self, **regions: Region | OutputRegion) -> None:
+        """Install regions by name (``MLARegions``); ValueError for an unknown name or a wrong kind."""
+        self.regions = replace_regions(self.regions, "MLAttention", **regions)
 
     def _replicated(self, in_features: int, out_features: int, kw: dict) -> ColumnParallelLinear:
         """A TP-replicated down-projection (HF ``attention_bias`` applies)."""
@@ -85,31 +104,30 @@ class MLAttention(nn.Module):
                 mark_sequence_parallel(p)
         return layer
 
-    def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
+    def _project_in(self, x: Tensor, position_ids: Tensor, up: OpenedOutput) -> tuple[Tensor, Tensor, Tensor]:
+        """The ``qkv_linear`` part: down-projections, latent norms, and the up-projections with RoPE run in ``up``."""
         c = self.config
-        with self.offload_qkv_linear:
-            q_in = x if self.q_proj is not None else self.q_a_layernorm(self.q_a_proj(x))
-            kv_latent, k_rot = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-            kv_in = self.kv_a_layernorm(kv_latent)
-            # the shared rope key feeds every rank's heads: its gradient is partial per rank
-            if self.sequence_parallel:
-                k_rot = all_gather_sequence(k_rot, self.tp_group, 0)
-            else:
-                k_rot = copy_to_region(k_rot, self.tp_group)
-            S = k_rot.shape[0]
-            if position_ids.shape != (S,):
-                raise ValueError(f"MLAttention: position_ids {tuple(position_ids.shape)} must be [{S}] "
-                                 "(one global position per token of this rank's sequence, before the SP split)")
-            cos, sin = self.rotary(position_ids)
-            up = CheckpointWithoutOutput() if self.recompute_up_proj else None
-            q, k, v = (self._up_project(q_in, kv_in, k_rot, cos, sin) if up is None
-                       else up.checkpoint(self._up_project, q_in, kv_in, k_rot, cos, sin))
-        with self.offload_core_attn:
-            out = checkpointed(self.core, q, k, v, position_ids, enabled=self.recompute_core_attn)
-        if up is not None:   # q, k, v are freed once core attention saved them, recomputed before its backward
-            up.discard_output_and_register_recompute(out)
-        with self.offload_attn_proj:
-            return self.o_proj(out)
+        q_in = x if self.q_proj is not None else self.q_a_layernorm(self.q_a_proj(x))
+        kv_latent, k_rot = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        kv_in = self.kv_a_layernorm(kv_latent)
+        # the shared rope key feeds every rank's heads: its gradient is partial per rank
+        if self.sequence_parallel:
+            k_rot = all_gather_sequence(k_rot, self.tp_group, 0)
+        else:
+            k_rot = copy_to_region(k_rot, self.tp_group)
+        S = k_rot.shape[0]
+        if position_ids.shape != (S,):
+            raise ValueError(f"MLAttention: position_ids {tuple(position_ids.shape)} must be [{S}] "
+                             "(one global position per token of this rank's sequence, before the SP split)")
+        cos, sin = self.rotary(position_ids)
+        return up.run(self._up_project, q_in, kv_in, k_rot, cos, sin)
+
+    def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
+        up = self.regions.up_proj.open()
+        q, k, v = self.regions.qkv_linear(self._project_in, x, position_ids, up)
+        out = self.regions.core_attn(self.core, q, k, v, position_ids)
+        up.consumed(out)   # q, k, v may be freed now that core attention saved them, recomputed before its backward
+        return self.regions.attn_proj(self.o_proj, out)
 
     def _up_project(self, q_in: Tensor, kv_in: Tensor, k_rot: Tensor, cos: Tensor, sin: Tensor,
                     ) -> tuple[Tensor, Tensor, Tensor]:

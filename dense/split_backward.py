@@ -9,7 +9,7 @@ same way; here the GEMMs split themselves, so a recomputed region is not replaye
 GEMM runs twice)::
 
     store = WeightGradStore()
-    install_weight_grad_store(model, store)    # once, after the model is built (and converted to FP8)
+    install_weight_grad_store(model, store)    # once, by moefold.execution (execution.split_backward)
     with store.splitting():                    # a forward whose backward will be split (the schedule knows)
         out = model(x)
     with store.defer() as later:               # I: every deferrable GEMM computes dx only ...
@@ -28,6 +28,11 @@ gradient reduce-scatter's buckets) behave exactly as in the plain backward. Defe
 accumulate in the order ``run()`` is called; schedules run the ``W`` of each micro-batch in the order
 of their ``I``, so every parameter sums its micro-batches in the plain order.
 
+This module is the part every splitting GEMM shares (the store, the deferral, ``weight_inputs`` and
+``accumulate_or_defer`` that a GEMM's autograd function calls); it stays below the layers because the experts'
+GEMMs (``moe.split_gemm``, ``moe.fp8_gemm``) use it. The linears' split GEMM and the walk that installs the store
+are ``moefold.execution.split_backward``.
+
 What defers: the column/row-parallel linears' local GEMM (``F.linear`` or torchao FP8) and the routed
 experts' grouped GEMMs (``moe.split_gemm``, torchao FP8 ``moe.fp8_gemm``). Everything else (norm
 weights, the router, embeddings, a tied output head, replicated k/v rows) computes its small weight
@@ -43,8 +48,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 WeightGrads = Callable[[], Sequence[Tensor | None]]
@@ -186,105 +190,5 @@ def _accumulate(edges: Sequence[GradientEdge | None], grads: Sequence[Tensor | N
         torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
 
 
-def _column_major(t: Tensor) -> bool:
-    """A 2-D tensor laid out column by column (autograd's ``mm`` backward picks its operand order by this)."""
-    return t.stride(0) == 1 and t.stride(1) == t.shape[0]
-
-
-def _linear_input_grad(dy: Tensor, x: Tensor, w: Tensor) -> Tensor:
-    """``dx`` as autograd computes it for ``F.linear(x, w, b)``: both of ``at::linear``'s paths (``addmm`` on the
-    input viewed as 2-D, or ``matmul``, which folds it so) run ``mm`` on the output gradient *reshaped* to 2-D
-    (``mm_mat1_backward`` in torch's FunctionsManual.cpp), transposing the product when the 2-D input was
-    column-major. ``dy.matmul(w)`` on a non-contiguous ``dy`` (a head split's gradient) folds it differently and
-    rounds differently on some CPUs (AMD EPYC, where the split backward was off by 1.9e-9)."""
-    x_MK = x.reshape(-1, x.shape[-1])
-    dy_MN = dy.reshape(-1, dy.shape[-1])
-    dx_MK = w.t().mm(dy_MN.t()).t() if _column_major(x_MK) else dy_MN.mm(w)
-    return dx_MK.view(x.shape) if dx_MK.is_contiguous() else dx_MK.reshape(x.shape)
-
-
-def _linear_weight_grad(dy_MN: Tensor, x_MK: Tensor, w: Tensor) -> Tensor:
-    """``dw`` as autograd computes it: ``mm_mat2_backward`` for ``mat2 = w.t()``, which is column-major for a
-    row-major ``w`` (then ``dy^T x``), else ``(x^T dy)^T``."""
-    return dy_MN.t().mm(x_MK) if _column_major(w.t()) else x_MK.t().mm(dy_MN).t()
-
-
-class _SplitLinear(torch.autograd.Function):
-    """``F.linear(x [..., K], w [N, K], b [N])``. With ``split`` (``w``/``b`` detached, see ``weight_inputs``) the
-    weight and bias gradients go to ``split.edges`` now or later, else they are returned as usual. The formulas are
-    autograd's for ``linear`` (``dx = dy w``, ``dw = dy^T x``, ``db = sum dy``): the same kernels, the same bits.
-    One class for both, saving the same tensors: a recomputed region matches its forward whichever it was."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, b: Tensor | None, store: WeightGradStore, split: SplitWeights | None,
-                _anchor: Tensor | None) -> Tensor:
-        ctx.save_for_backward(x, w)
-        ctx.store, ctx.split, ctx.has_bias = store, split, b is not None
-        # fold to 2-D first, as at::linear does when its weight requires grad (a detached weight would let
-        # ``matmul`` take its batched path for a non-contiguous x and round differently)
-        return F.linear(x.reshape(-1, x.shape[-1]), w, b).view(*x.shape[:-1], w.shape[0])
-
-    @staticmethod
-    def backward(ctx, dy: Tensor) -> tuple[Tensor | None, ...]:
-        x, w = ctx.saved_tensors
-        dx = _linear_input_grad(dy, x, w) if ctx.needs_input_grad[0] else None
-        if ctx.split is None:
-            need_w, need_b = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
-        else:
-            need_w, need_b = (e is not None for e in ctx.split.edges)
-
-        def compute() -> tuple[Tensor | None, Tensor | None]:
-            dy_MN = dy.reshape(-1, dy.shape[-1])
-            dw = _linear_weight_grad(dy_MN, x.reshape(-1, x.shape[-1]), w) if need_w else None
-            return dw, dy_MN.sum(0) if need_b else None
-
-        if ctx.split is None:
-            return dx, *compute(), None, None, None
-        accumulate_or_defer(ctx.store, ctx.split.edges, compute)
-        return dx, None, None, None, None, None
-
-
-class SplitLinearGemm:
-    """A linear layer's ``local_gemm`` (``F.linear``'s signature) with deferrable weight gradients."""
-
-    def __init__(self, store: WeightGradStore) -> None:
-        self.store = store
-
-    def __call__(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
-        (w_in, b_in), split = weight_inputs(self.store, w, b)
-        return _SplitLinear.apply(x, w_in, b_in, self.store, split, None if split is None else split.anchor)
-
-    def describe(self) -> str:
-        return "F.linear, split backward"
-
-
-def split_local_gemm(gemm: Callable[..., Tensor], store: WeightGradStore) -> Callable[..., Tensor]:
-    """A linear layer's ``local_gemm`` that defers its weight gradient while ``store`` defers: ``F.linear``
-    becomes ``SplitLinearGemm``; an FP8 GEMM that can split (``use_weight_grad_store``) takes the store.
-    ValueError for one that cannot (Transformer Engine's, which has its own ``delay_wgrad_compute``)."""
-    if gemm is F.linear or isinstance(gemm, SplitLinearGemm):
-        return SplitLinearGemm(store)
-    use = getattr(gemm, "use_weight_grad_store", None)
-    if use is None:
-        what = gemm.describe() if hasattr(gemm, "describe") else repr(gemm)
-        raise ValueError(f"split backward (zero-bubble schedules, --delay-wgrad-compute) cannot defer the weight "
-                         f"gradient of a {what} GEMM; use --fp8-backend torchao or no FP8 for the linears")
-    use(store)
-    return gemm
-
-
-def install_weight_grad_store(model: nn.Module, store: WeightGradStore) -> list[str]:
-    """Give every module of ``model`` that can defer its weight gradients (it defines
-    ``use_weight_grad_store(store)``: the linears, the routed experts) ``store``. Returns their names.
-    Raises ValueError (from the module) for a GEMM backend that cannot split (Transformer Engine)."""
-    names = []
-    for name, module in model.named_modules():
-        use = getattr(module, "use_weight_grad_store", None)
-        if use is not None:
-            use(store)
-            names.append(name)
-    return names
-
-
-__all__ = ["DeferredWeightGrads", "SplitLinearGemm", "SplitWeights", "WeightGradStore", "accumulate_or_defer",
-           "gradient_edges", "install_weight_grad_store", "split_local_gemm", "weight_inputs"]
+__all__ = ["DeferredWeightGrads", "SplitWeights", "WeightGradStore", "accumulate_or_defer", "gradient_edges",
+           "weight_inputs"]

@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -42,15 +42,13 @@ from torch import Tensor, nn
 from moefold.dense.context_parallel import context_parallel_positions, gather_from_context_parallel
 from moefold.dense.cross_entropy import vocab_parallel_cross_entropy
 from moefold.dense.embedding import OutputHead, VocabParallelEmbedding
-from moefold.dense.fp8_linear import convert_linears_to_fp8
 from moefold.dense.norm import RMSNorm
 from moefold.dense.recompute import checkpointed
-from moefold.models.activation_offload import apply_activation_offload
+from moefold.dense.regions import replace_regions
 from moefold.models.config import ModelConfig
 from moefold.models.layer_factory import build_block, check_layout, is_moe_block
 from moefold.models.mtp import MTPModule, shift_left
 from moefold.models.options import ModelOptions
-from moefold.models.recompute import apply_recompute, full_recompute_groups
 from moefold.moe.balance_losses import GlobalLoadState
 from moefold.moe.layer import MoEOutputInfo
 from moefold.parallel.comm import gather_along_dim
@@ -106,6 +104,47 @@ class ModelOutput:
         return {i: info.global_state for i, info in self.moe.items() if info.global_state is not None}
 
 
+@runtime_checkable
+class LayerRun(Protocol):
+    """How the decoder runs a chunk of its layers (its ``layers`` region, ``dense.regions``): ``groups(layer_ids)``
+    cuts them into (consecutive ids, checkpointed as one unit); ``begin_chunk`` / ``end_chunk`` bracket one
+    micro-batch's pass through them (``end_chunk`` may hook the chunk's output). ``moefold.execution`` installs full
+    recompute's groups and activation offloading's chunks."""
+
+    def groups(self, layer_ids: list[int]) -> list[tuple[list[int], bool]]: ...
+
+    def begin_chunk(self) -> None: ...
+
+    def end_chunk(self, hidden: Tensor) -> Tensor: ...
+
+
+class AllLayers:
+    """The default ``LayerRun``: one group, not checkpointed (a block built with ``recompute="full"`` checkpoints
+    itself), nothing around the chunk."""
+
+    def groups(self, layer_ids: list[int]) -> list[tuple[list[int], bool]]:
+        return [(layer_ids, False)]
+
+    def begin_chunk(self) -> None:
+        return None
+
+    def end_chunk(self, hidden: Tensor) -> Tensor:
+        return hidden
+
+    def __repr__(self) -> str:
+        return "ALL_LAYERS"
+
+
+ALL_LAYERS = AllLayers()
+
+
+@dataclass(frozen=True)
+class DecoderRegions:
+    """The decoder's regions: ``layers``, how it runs a chunk of its layers (``LayerRun``)."""
+
+    layers: LayerRun = field(default=ALL_LAYERS, metadata={"kind": LayerRun})
+
+
 class MoEDecoder(nn.Module):
     """The decoder over ``dims``. ``layer_ids``/``with_embedding``/``with_head``/``with_mtp`` build one pipeline
     stage (``with_mtp`` and ``with_norm`` default to ``with_head``: the MTP modules and the final norm go with the
@@ -149,14 +188,17 @@ class MoEDecoder(nn.Module):
         if with_mtp:
             self.mtp = nn.ModuleList(MTPModule(config, config.num_layers + k, dims, options, device=device)
                                      for k in range(config.mtp_num_layers))
-        apply_recompute(self, self.layers, options)
-        # fine-grained activation offloading (--offload-modules): one offloader for the model's blocks
-        blocks = {int(i): b for i, b in self.layers.items()} | {m.index: m.block for m in self.mtp}
-        if device is None:   # the default device: where the parameters went
-            device = next((p.device for p in self.parameters()), torch.device("cpu"))
-        self.offloader = apply_activation_offload(blocks, options, device)
-        # FP8 GEMMs for the linears (--fp8-format; the experts take theirs from the MoE config)
-        convert_linears_to_fp8(self, options.fp8, dims.tp_group)
+        # recompute, activation offloading, FP8 GEMMs, ...: applied to the built model by moefold.execution
+        self.regions = DecoderRegions()
+
+    def configure(self, **regions: Any) -> None:
+        """Install regions by name (``DecoderRegions``: ``layers``, a ``LayerRun``); ValueError otherwise."""
+        self.regions = replace_regions(self.regions, "MoEDecoder", **regions)
+
+    @property
+    def offloader(self) -> Any:
+        """The activation offloader the ``layers`` run brackets each chunk with (None without offloading)."""
+        return getattr(self.regions.layers, "offloader", None)
 
     def init_weights(self, seed: int) -> None:
         """Layout-independent init of every weight (``parallel.sharding.init_parameters``)."""
@@ -191,19 +233,17 @@ class MoEDecoder(nn.Module):
                    ) -> tuple[Tensor, dict[int, MoEOutputInfo]]:
         """Blocks ``layer_ids`` (default: all of this stage's, in order) -> (hidden, {layer: MoEOutputInfo}).
 
-        Under full recompute the layers run in the groups of ``models.recompute.full_recompute_groups``
-        (one checkpoint per group)."""
+        The layers run in the groups of the ``layers`` region (one checkpoint per checkpointed group: full
+        recompute, ``execution.recompute``), which also brackets the chunk (activation offloading)."""
         infos: dict[int, MoEOutputInfo] = {}
         ids = [int(k) for k in self.layers] if layer_ids is None else list(layer_ids)
-        if self.offloader is not None:   # this micro-batch's offloaded tensors in these layers go together
-            self.offloader.begin_chunk()
-        for group, recompute in full_recompute_groups(ids, self.options):
+        run = self.regions.layers
+        run.begin_chunk()   # this micro-batch's offloaded tensors in these layers go together
+        for group, recompute in run.groups(ids):
             hidden, group_infos = checkpointed(self._run_group, hidden, position_ids, group, global_states,
                                                enabled=recompute)
             infos.update(group_infos)
-        if self.offloader is not None:
-            hidden = self.offloader.end_chunk(hidden)
-        return hidden, infos
+        return run.end_chunk(hidden), infos
 
     def _run_group(self, hidden: Tensor, position_ids: Tensor, layer_ids: list[int],
                    global_states: dict[int, GlobalLoadState] | None) -> tuple[Tensor, dict[int, MoEOutputInfo]]:

@@ -38,7 +38,7 @@ from typing import Any
 from torch import Tensor
 
 from moefold.dense.block import TransformerBlock
-from moefold.dense.recompute import CheckpointWithoutOutput
+from moefold.dense.regions import OpenedOutput, recomputes
 from moefold.dispatch.config import DispatcherKind
 from moefold.dispatch.token_exchange import TokenExchange
 from moefold.moe.layer import MoEDispatchStart, MoEExpertsOut, MoELayer, MoEOutputInfo
@@ -84,7 +84,7 @@ class _Pre:
     residual: Tensor
     start: MoEDispatchStart
     shared_SBH: Tensor | None
-    norm: CheckpointWithoutOutput | None
+    norm: OpenedOutput   # the post-attention norm's output region, opened for this call
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def block_pieces(block: TransformerBlock, index: int, position_ids: Tensor, ffn_
 
     def pre(carry: LayerCarry) -> _Pre:
         h = block.attention_residual(carry.hidden, position_ids)
-        normed, norm = block.ffn_input(h)
+        normed, norm = block.ffn_input(h)   # as the block's own forward runs it (the overlap refuses offloading)
         start = moe.route_and_prepare(normed, **ffn_kwargs)
         return _Pre(carry, h, start, moe.shared_step(normed), norm)
 
@@ -129,8 +129,8 @@ def block_pieces(block: TransformerBlock, index: int, position_ids: Tensor, ffn_
 
     def experts(a: _Arrived) -> _Experts:
         out = moe.experts_step(a.received, a.meta, a.pre.start.prep)
-        if a.pre.norm is not None:   # refilled when this output's gradient arrives, before the pre piece's backward
-            a.pre.norm.discard_output_and_register_recompute(out.sent[0])
+        # a discarded norm output is refilled when this output's gradient arrives, before the pre piece's backward
+        a.pre.norm.consumed(out.sent[0])
         return _Experts(a.pre, out)
 
     def combine_split(e: _Experts) -> tuple[TokenExchange, tuple[Tensor, ...], _Experts]:
@@ -157,7 +157,7 @@ def check_overlap(block: TransformerBlock, index: int) -> None:
             raise ValueError(f"--overlap-moe-expert-parallel-comm runs with the alltoall and flex dispatchers, not "
                              f"'{kind}' (its gather runs at once after a host sync: nothing in flight to hide; "
                              f"Megatron refuses it too): use --moe-token-dispatcher-type alltoall")
-        if block.recompute_ffn:
+        if recomputes(block.regions.ffn):
             raise ValueError("--overlap-moe-expert-parallel-comm cannot checkpoint the whole MoE layer "
                              "(--recompute-modules moe): the checkpoint would span its exchanges; recompute "
                              "moe_act and shared_experts instead, or use full recompute")

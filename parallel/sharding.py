@@ -133,6 +133,16 @@ def is_sequence_parallel(param: Tensor) -> bool:
     return getattr(param, "moefold_sequence_parallel", False)
 
 
+def reduction_kind(param: Tensor) -> str:
+    """Which group reduces ``param``'s gradient: "expert" (``param.moefold_expert``, set by ``moe.experts``: over
+    edp), "sp" (``mark_sequence_parallel``: over tp x cp x dp) or "dense" (over dp x cp)."""
+    if getattr(param, "moefold_expert", False):
+        return "expert"
+    if is_sequence_parallel(param):
+        return "sp"
+    return "dense"
+
+
 def named_full_params(model: nn.Module) -> dict[str, Tensor]:
     """Every parameter gathered to full shape (fp32 copies: later steps do not change them). Collective over
     each shard's group."""

@@ -4,6 +4,7 @@ the tests use.
     layout = StageLayout(config.num_layers, pp, vpp, first, last)
     model = build_stage_model(config, dims, options, layout)        # this rank's chunks, unsplit names
     model.init_weights(seed)
+    apply_execution(model, ExecutionPlan(options), dims)              # recompute, offload, FP8 (moefold.execution)
     embed_group = embedding_group(model, dims, layout)                # once (collective)
     stage = DecoderStage(model, layout, dims.pp_rank)                 # one per step (overlap=OverlapConfig(...):
                                                                       # the chunks run as pieces, FB overlapped)
@@ -49,7 +50,6 @@ from torch import Tensor, nn
 from moefold.models.config import ModelConfig
 from moefold.models.decoder import MoEDecoder
 from moefold.models.options import ModelOptions
-from moefold.models.recompute import full_recompute_groups
 from moefold.models.sublayers import Compute, LayerCarry, Piece, block_pieces, check_overlap
 from moefold.moe.balance_losses import GlobalLoadState
 from moefold.moe.layer import MoEOutputInfo
@@ -212,7 +212,7 @@ class DecoderStage:
 
     # -- overlap: the chunk as pieces (models.sublayers), run by pipeline.overlap -----------------------------------
     def _run(self, chunk: int, microbatch: dict[str, Any]) -> ChunkRun:
-        spec, model, options = self.chunks[chunk], self.model, self.model.options
+        spec, model = self.chunks[chunk], self.model
         position_ids = self._positions(microbatch)
         states = self._global_states or None
         pieces: list[Piece] = []
@@ -225,7 +225,7 @@ class DecoderStage:
         if spec.has_embedding:
             pieces.append(Compute("embed", lambda ids: LayerCarry(model.embed(ids)),
                                   borrowed=() if borrowed is None else ((model.embed_tokens.weight, borrowed),)))
-        for group, recompute in full_recompute_groups(list(spec.layers), options):
+        for group, recompute in model.regions.layers.groups(list(spec.layers)):   # full recompute's groups
             for i in group:
                 pieces += block_pieces(model.layers[str(i)], i, position_ids, model._ffn_kwargs(i, states), recompute)
         if spec.has_final_norm:

@@ -147,7 +147,7 @@ def run_schedule(stage: PipelineStage, schedule: Schedule, microbatches: Sequenc
                          f"num_microbatches={schedule.num_microbatches}")
     if schedule.split_backward and weight_store is None:
         raise ValueError(f"the {schedule.name} schedule splits backwards into I and W: pass the model's "
-                         "WeightGradStore (dense.split_backward.install_weight_grad_store) as weight_store")
+                         "WeightGradStore (execution.split_backward.install_weight_grad_store) as weight_store")
     step = _RankStep(stage, schedule, microbatches, loss_fn, pp_group, activation, weight_store, loss_scale)
     run = {"F": step.forward, "B": step.backward, "I": step.backward, "W": step.weight, "FB": step.forward_backward}
     for item in split_batches(schedule.rank_actions(step.rank)):

@@ -24,8 +24,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from moefold.execution.recompute import full_recompute_groups
 from moefold.models.layer_factory import is_moe_block
-from moefold.models.recompute import full_recompute_groups
 from moefold.parallel.dims import ParallelSizes
 from moefold.pipeline.actions import ActionKind, is_local, model_chunk, split_batches
 from moefold.pipeline.schedules import Schedule

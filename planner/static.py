@@ -113,7 +113,8 @@ def _model_key(config: RunConfig) -> RunConfig:
 
 @lru_cache(maxsize=256)
 def _exact_static(config: RunConfig, sizes: ParallelSizes) -> tuple[tuple[int, StaticMemory], ...]:
-    from moefold.training.build import build_model, build_optimizer
+    from moefold.execution import apply_execution
+    from moefold.training.build import build_model, build_optimizer, execution_plan
 
     config = dataclasses.replace(config, parallel=ParallelConfig(tp=sizes.tp, cp=sizes.cp, pp=sizes.pp, dp=sizes.dp,
                                                                  ep=sizes.ep, etp=sizes.etp))
@@ -124,6 +125,8 @@ def _exact_static(config: RunConfig, sizes: ParallelSizes) -> tuple[tuple[int, S
         with planning_world(sizes.world_size, rank):
             dims = rank_dims(sizes, rank)
             model = build_model(config, dims, "meta")
+            # the run's FP8 linears mark their weights for the FP8 all-gather's buffers (no compile, no sharding)
+            apply_execution(model, execution_plan(config, dims, accounting=True), dims)
             if config.train.use_torch_fsdp2:
                 memory = fsdp_static(model, config, sizes)
             else:

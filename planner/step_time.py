@@ -51,9 +51,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from moefold.dense.recompute import recomputed_modules
+from moefold.execution.recompute import full_recompute_groups
 from moefold.models.config import ModelConfig
 from moefold.models.layer_factory import is_moe_block
-from moefold.models.recompute import full_recompute_groups
 from moefold.parallel.dims import ParallelSizes
 from moefold.pipeline.schedules import V_SCHEDULES, expected_bubble_fraction
 from moefold.pipeline.stages import ChunkSpec

@@ -3,7 +3,7 @@ block-scaled casts (blockwise, MXFP8, NVFP4), FP8 primary weights, Transformer E
 linears' GEMMs that need nothing from ``dense`` (block-scaled, Transformer Engine).
 
 May import: ``moefold.parallel`` only (the groups an amax is reduced over). The layers that run these casts
-(``dense.fp8_linear``, ``moe.fp8_gemm``, ``moe.block_gemm``, ``moe.te_gemm``) import this package, never the
+(``execution.fp8_linear``, ``moe.fp8_gemm``, ``moe.block_gemm``, ``moe.te_gemm``) import this package, never the
 reverse. No argparse here: the flags are ``training.cli.fp8_flags``.
 """
 

@@ -1,6 +1,6 @@
 """Block-scaled GEMMs for the column/row-parallel linears: ``--fp8-recipe blockwise | mxfp8``, ``--fp4-format e2m1``.
 
-``BlockScaledLinearGemm`` is a linear's ``local_gemm`` (``dense.fp8_linear.convert_linears_to_fp8`` installs
+``BlockScaledLinearGemm`` is a linear's ``local_gemm`` (``execution.fp8_linear.convert_linears_to_fp8`` installs
 it) computing, with every operand cast by ``precision.block_cast`` in its recipe's blocks::
 
     forward  y  = q(x) q(w)^T           x: 1 x b tiles along K         w: its weight blocks
@@ -70,7 +70,7 @@ class BlockScaledLinearGemm:
     """``(x [..., K], w [N, K], b [N] | None) -> [..., N]`` in a block-scaled recipe, for one linear layer.
 
     ``in_group`` / ``out_group`` / ``token_group``: the groups K / N / the rows M are split over (None:
-    complete here), as in ``dense.fp8_linear.Float8LinearGemm``.
+    complete here), as in ``execution.fp8_linear.Float8LinearGemm``.
     """
 
     def __init__(self, config: FP8Config, *, in_group: Group = None, out_group: Group = None,

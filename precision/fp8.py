@@ -5,7 +5,7 @@ choices are this module's tuples), so a new backend or recipe is added here once
 
 - format ``e4m3``: E4M3 everywhere; ``hybrid``: E4M3 forward, E5M2 gradients.
 - backend ``torchao`` (default): torchao's float8 training recipes run by moefold's own scaled-GEMM
-  autograd functions (``precision.fp8_cast``) in every column/row-parallel linear (``dense.fp8_linear``)
+  autograd functions (``precision.fp8_cast``) in every column/row-parallel linear (``execution.fp8_linear``)
   and in the grouped expert GEMMs (``moe.fp8_gemm``), on CPU (torch's emulated ``_scaled_mm``) and
   CUDA. Recipes: ``tensorwise`` (one scale per tensor; per expert for the experts) and ``rowwise``
   (one scale per row along each GEMM's contraction dim, power-of-2 scales).

@@ -1,6 +1,6 @@
 """The Transformer Engine GEMM of a column/row-parallel linear (``--fp8-backend te``).
 
-``dense.fp8_linear.convert_linears_to_fp8`` installs a ``TELinearGemm`` as a linear's ``local_gemm``: a
+``execution.fp8_linear.convert_linears_to_fp8`` installs a ``TELinearGemm`` as a linear's ``local_gemm``: a
 persistent ``te.Linear`` (built on the meta device, no weights of its own) run on the layer's weight through
 ``torch.func.functional_call``, as ``moe.te_gemm`` does for the experts, inside the TE autocast region the
 model entered for the whole stage forward (``precision.fp8_region``: one region, one amax group, not one per

@@ -1,7 +1,8 @@
 """Building a run's model and optimizer: the ``ModelOptions`` the run's flags make, this rank's model (its pipeline
-stage's chunks at pp > 1) and its gradient sync and distributed optimizer (or FSDP2). The trainer builds its parts
-here, and ``moefold plan`` builds the same ones on the meta device to count their bytes
-(``planner.static``).
+stage's chunks at pp > 1), the execution pass's plan (``execution_plan``: recompute, offload, FP8, split backward,
+fusion, compile, FSDP2, applied by ``moefold.execution.apply_execution`` once the weights are in), and its gradient
+sync and distributed optimizer (or FSDP2's). The trainer builds its parts here, and ``moefold plan`` builds the
+same ones on the meta device to count their bytes (``planner.static``).
 
 What crosses ranks: ``build_optimizer`` is collective (the embedding group of the pipeline's shared weights, the
 optimizer's shard layout); building the model is not.
@@ -16,9 +17,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moefold.dense.grad_accumulation import enable_grad_accumulation_fusion
 from moefold.dispatch.config import DispatcherKind
 from moefold.dispatch.flex_backend import FlexBackend
+from moefold.execution import ExecutionPlan, FSDPPlan, FSDPSharding
 from moefold.models.decoder import MoEDecoder
 from moefold.models.options import ModelOptions
 from moefold.moe.router import Router
@@ -83,11 +84,24 @@ def build_model(config: RunConfig, dims: ParallelDims, device: torch.device | st
     return MoEDecoder(config.model, dims, options, device=device)
 
 
-def build_optimizer(model: MoEDecoder, config: RunConfig, dims: ParallelDims,
+def execution_plan(config: RunConfig, dims: ParallelDims, *, accounting: bool = False) -> ExecutionPlan:
+    """What the execution pass applies to this rank's model: the model options' recompute, offload and FP8 choices;
+    split backward for the zero-bubble schedules and ``--delay-wgrad-compute``; gradient-accumulation fusion
+    (not with split backward, whose deferred weight gradients accumulate autograd's way, nor under FSDP2); compile;
+    FSDP2. ``accounting``: for a meta model that ``moefold plan`` counts (no compile, no sharding)."""
+    t = config.train
+    split = config.split_backward(dims.pp)
+    fsdp = FSDPPlan(t.optimizer_precision().dtype("main_grads"), pipelined=dims.pp > 1) if t.use_torch_fsdp2 else None
+    return ExecutionPlan(model_options(config), split_backward=split,
+                         grad_accumulation_fusion=t.gradient_accumulation_fusion and not split and fsdp is None,
+                         compile=t.compile and not accounting, fsdp=None if accounting else fsdp)
+
+
+def build_optimizer(model: MoEDecoder, config: RunConfig, dims: ParallelDims, sharding: FSDPSharding | None = None,
                     ) -> tuple[Group, GradSync, DistributedAdamW]:
     """(embedding group, GradSync, DistributedAdamW) of ``model``: the flat buffers, buckets and optimizer slices
     whose bytes ``training.observe.memory.static_bytes`` counts. Collective (the embedding group); ``moefold plan``
-    runs it on a meta-device model."""
+    runs it on a meta-device model. ``sharding``: the execution pass's FSDP2 sharding (``--use-torch-fsdp2``)."""
     t = config.train
     layout = config.pipeline_layout(dims.pp) if dims.pp > 1 else None
     shared = shared_weight_groups(model, dims, layout)
@@ -98,11 +112,15 @@ def build_optimizer(model: MoEDecoder, config: RunConfig, dims: ParallelDims,
             raise ValueError(f"--use-torch-fsdp2 with --pipeline-model-parallel-layout "
                              f"{t.pipeline_model_parallel_layout!r}: FSDP2 sums only the embedding's pipeline copies, "
                              f"not an untied output head's on a standalone MTP stage; put m and L on one stage")
-        return shared.get("embed_tokens"), *build_fsdp(model, config, dims, shared.get("embed_tokens"))
+        if sharding is None:
+            raise ValueError("--use-torch-fsdp2: the model is not sharded; run the execution pass (execution_plan, "
+                             "moefold.execution.apply_execution) before building the optimizer")
+        return shared.get("embed_tokens"), *build_fsdp(model, config, dims, shared.get("embed_tokens"), sharding)
     precision = t.optimizer_precision()
     # a module that two chunks of this rank read, each backpropagated on its own (the V placement's rank 0 with
     # MTP or a tied head, a layout's MTP chunk on the embedding's rank), accumulates one gradient per chunk
-    # split backward defers weight gradients to W actions that accumulate autograd's way: no fusion there
+    # split backward defers weight gradients to W actions that accumulate autograd's way: no fusion there (the
+    # execution pass fused the GEMMs by the same rule, ``execution_plan``)
     fusion = t.gradient_accumulation_fusion and not config.split_backward(dims.pp)
     reports = {}
     if layout is not None and layout.vpp > 1:
@@ -116,7 +134,6 @@ def build_optimizer(model: MoEDecoder, config: RunConfig, dims: ParallelDims,
     sync = GradSync(model.named_parameters(), dims, bucket_numel=t.bucket_numel, overlap=t.overlap_grad_reduce,
                     grad_dtype=precision.dtype("main_grads"), copies_groups=shared, reports=reports,
                     fusion=fusion)
-    enable_grad_accumulation_fusion(model, fusion)
     optimizer = DistributedAdamW(sync, dims, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                  weight_decay=t.weight_decay, precision=precision, model=model,
                                  overlap_param_gather=t.overlap_param_gather,

@@ -57,7 +57,7 @@ class TrainConfig:
     min_loss_scale: float = 1.0                # fp16 dynamic scaling: never below
     loss_scale_window: int = 1000              # fp16 dynamic scaling: clean steps before the scale doubles
     hysteresis: int = 2                        # fp16 dynamic scaling: overflows in a row before it halves
-    compile: bool = False                      # torch.compile per transformer block (training.compile)
+    compile: bool = False                      # torch.compile per transformer block (execution.compile)
     max_skipped_steps: int = 5                 # stop after this many non-finite steps in a row
     bucket_numel: int = 2**22
     pipeline_schedule: str = "1f1b"            # gpipe | 1f1b | interleaved | zb-h1 | zbv | dualpipev (pp > 1;

@@ -33,8 +33,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moefold.dense.context_parallel import split_for_context_parallel
-from moefold.dense.split_backward import WeightGradStore, install_weight_grad_store
 from moefold.dispatch.flex_backend import FlexBackend
+from moefold.execution import apply_execution
 from moefold.models.layer_factory import is_moe_block
 from moefold.moe.expert_bias import update_expert_bias
 from moefold.moe.layer import MoEOutputInfo
@@ -46,6 +46,7 @@ from moefold.training.build import (
     build_model,
     build_optimizer,
     build_pipeline,
+    execution_plan,
     flex_backend,
     load_initial_weights,
     model_options,
@@ -139,24 +140,19 @@ class Trainer:
         self.layout, self.pipeline = build_pipeline(config, dims, self.num_micro, self.log)
         self.model = build_model(config, dims, self.device)
         self.model.init_weights(t.seed)
-        # split backward (zero-bubble schedules, --delay-wgrad-compute): the GEMMs that can defer weight gradients
-        self.weight_store = None
-        if config.split_backward(dims.pp):
-            self.weight_store = WeightGradStore()
-            install_weight_grad_store(self.model, self.weight_store)
-        self.overlap = OverlapConfig(t.delay_wgrad_compute, self.weight_store) if overlap else None
         load_initial_weights(self.model, t)   # --load-hf / --load-megatron, unless resuming
-        if t.compile:  # in place, after init: parameter names and checkpoints are unchanged
-            from moefold.training.compile import compile_model
-
-            self.compiled = compile_model(self.model, log=self.log)
+        # recompute, offload, FP8, split backward, fusion, compile, FSDP2: one pass, once the weights are in
+        self.execution = apply_execution(self.model, execution_plan(config, dims), dims, log=self.log)
+        self.weight_store = self.execution.weight_store   # split backward (zero-bubble, --delay-wgrad-compute)
+        self.compiled = self.execution.compiled
+        self.overlap = OverlapConfig(t.delay_wgrad_compute, self.weight_store) if overlap else None
         self.routers = moe_routers(self.model)
         # every MoE layer of the model (all stages) in logging order; this stage fills its own rows
         m = config.model
         self.moe_layers = [i for i in range(m.num_layers + m.mtp_num_layers) if m.num_experts and is_moe_block(m, i)]
         # the flex dispatcher on DeepEP V2 counts each expert's received copies (MoEOutputInfo.received_E)
         self.counts_received = bool(self.moe_layers) and flex_backend(config, dims) is FlexBackend.DEEPEP
-        self.embed_group, self.sync, self.optimizer = build_optimizer(self.model, config, dims)
+        self.embed_group, self.sync, self.optimizer = build_optimizer(self.model, config, dims, self.execution.fsdp)
         # the observed routing imbalance against the plan's assumption (--moe-max-load-ratio)
         self.load_watch = (LoadRatioWatch(t.moe_max_load_ratio, self.log)
                            if t.moe_max_load_ratio is not None and self.moe_layers else None)

@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from moefold.dense.fp8_linear import convert_linears_to_fp8
 from moefold.dense.linear import ColumnParallelLinear
+from moefold.execution.fp8_linear import convert_linears_to_fp8
 from moefold.moe.block_gemm import BlockScaledGroupedGemm, _BlockScaledGroupedMM
 from moefold.precision.block_linear import _BlockScaledLinear
 from moefold.precision.fp8 import FP8Config

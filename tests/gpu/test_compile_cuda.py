@@ -4,8 +4,8 @@ rehearsal (tests/gpu/rehearsal.py) inductor generates C++ for the CPU instead.""
 
 import pytest
 
+from moefold.execution.compile import compile_unavailable
 from moefold.parallel.dims import ParallelConfig, ParallelDims
-from moefold.training.compile import compile_unavailable
 from tests.training.test_compile import _compare, _steps
 
 

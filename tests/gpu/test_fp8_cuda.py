@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 import moefold.moe.fp8_gemm as fp8_gemm
-from moefold.dense.fp8_linear import convert_linears_to_fp8
 from moefold.dense.linear import ColumnParallelLinear
-from moefold.models.decoder import MoEDecoder
+from moefold.execution import build_decoder
+from moefold.execution.fp8_linear import convert_linears_to_fp8
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import deepseek_v3_tiny
 from moefold.moe.fp8_gemm import Float8GroupedGemm
@@ -108,7 +108,7 @@ def test_decoder_step_bf16_fp8_close_to_bf16(device):
     losses = []
     for fp8 in (FP8Config(), FP8Config("hybrid", dispatch=True)):
         with torch.device(device):
-            model = MoEDecoder(config, options=ModelOptions(fp8=fp8, dtype="bf16"))
+            model = build_decoder(config, options=ModelOptions(fp8=fp8, dtype="bf16"))
         model.init_weights(0)
         out = model(ids, ids)
         out.loss.backward()

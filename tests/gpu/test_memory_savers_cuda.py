@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from moefold.dense.activation_offload import OFFLOAD_MODULES
+from moefold.execution import build_decoder
 from moefold.models.decoder import MoEDecoder
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import get_recipe
@@ -33,7 +34,7 @@ from tests.gpu.rehearsal import REHEARSAL, cuda_only, device_type
 def _model(options: ModelOptions, device: str) -> MoEDecoder:
     config = get_recipe("deepseek_v3_tiny").with_(num_layers=3, hidden_size=256, vocab_size=256)
     with torch.device(device):
-        model = MoEDecoder(config, ParallelDims.single(device), options)
+        model = build_decoder(config, ParallelDims.single(device), options)
     model.init_weights(3)
     return model
 

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moefold.dense.split_backward import WeightGradStore, install_weight_grad_store
+from moefold.dense.split_backward import WeightGradStore
+from moefold.execution.split_backward import install_weight_grad_store
 from moefold.models.decoder import MoEDecoder
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import get_recipe

@@ -15,7 +15,7 @@ world 1 tiles as one; documented in ``moe.block_gemm``. Tolerance as tests/model
 
 from __future__ import annotations
 
-from moefold.models.decoder import MoEDecoder
+from moefold.execution import build_decoder
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import deepseek_v3_tiny
 from moefold.parallel.dims import ParallelConfig, ParallelDims
@@ -43,7 +43,7 @@ def _rank() -> dict[str, float]:
     dims = {label: ParallelDims.build(ParallelConfig(**par)) for label, par in LAYOUTS}
     for fp8, layouts in RECIPES:
         options = ModelOptions(fp8=fp8)
-        world1 = MoEDecoder(config, ParallelDims.single(), options)
+        world1 = build_decoder(config, ParallelDims.single(), options)
         world1.init_weights(7)
         out = world1(*_batch())
         out.loss.backward()

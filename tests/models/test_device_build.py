@@ -49,9 +49,10 @@ from moefold.dense import (
     VocabParallelEmbedding,
     YarnConfig,
 )
-from moefold.dense.activation_offload import ActivationOffloader
 from moefold.dense.gated_deltanet import CausalConv1d, GatedRMSNorm
 from moefold.dispatch.config import DispatchConfig
+from moefold.execution import build_decoder
+from moefold.execution.offloader import ActivationOffloader
 from moefold.models.decoder import MoEDecoder
 from moefold.models.generate import CachedCoreAttention
 from moefold.models.mtp import MTPModule
@@ -112,7 +113,7 @@ def _recipe(name: str) -> object:
 
 
 def _decoder(config: object, options: ModelOptions) -> Callable[[torch.device | str], nn.Module]:
-    return lambda d: MoEDecoder(config, ParallelDims.single(), options, device=d)
+    return lambda d: build_decoder(config, ParallelDims.single(), options, device=d)
 
 
 def _run_decoder(m: MoEDecoder) -> object:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from moefold.dense.context_parallel import split_for_context_parallel
+from moefold.execution import ExecutionPlan, apply_execution
 from moefold.models.hf.exporter import export_hf
 from moefold.models.hf.importer import import_hf, load_config, load_hf_weights
 from moefold.models.options import ModelOptions
@@ -80,6 +81,7 @@ def _pipeline_logits(path: str, dims: ParallelDims, options: ModelOptions, ids: 
     L = config.num_layers   # 3 layers (GLM, Kimi): the dense one on stage 0, the MoE ones on stage 1
     layout = StageLayout(L, dims.pp, first_stage_layers=L // 2 if L % 2 else None)
     model = build_stage_model(config, dims, options, layout)
+    apply_execution(model, ExecutionPlan(options), dims)
     load_hf_weights(model, path)
     positions = model.position_ids(ids.shape[1], ids.device)
     with torch.no_grad():

@@ -26,6 +26,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from moefold.execution import build_decoder
 from moefold.models.decoder import MoEDecoder
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import deepseek_v3_tiny
@@ -51,7 +52,7 @@ def _batch():
 def _rank(fp8: FP8Config) -> dict[str, float]:
     config, report = _config(), {}
     options = ModelOptions(fp8=fp8)
-    world1 = MoEDecoder(config, ParallelDims.single(), options)
+    world1 = build_decoder(config, ParallelDims.single(), options)
     world1.init_weights(7)
     hp = MoEDecoder(config, ParallelDims.single())
     hp.init_weights(7)
@@ -72,7 +73,7 @@ def worst_grad_error(config, options: ModelOptions, dims: ParallelDims, ref_loss
                      grad_tol: float = GRAD_TOL) -> float:
     """One step of the model at ``dims``: its loss within LOSS_TOL of ``ref_loss`` and every reduced gradient within
     GRAD_TOL of ``ref_grads`` (asserted); returns the worst relative gradient error."""
-    model = MoEDecoder(config, dims, options)
+    model = build_decoder(config, dims, options)
     model.init_weights(7)
     sync = GradSync(model.named_parameters(), dims)   # the trainer's reduction: what the optimizer sees
     sync.start_step(1)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from moefold.dense.context_parallel import split_for_context_parallel
+from moefold.execution import build_decoder
 from moefold.models.checkpoint import load_checkpoint, save_checkpoint
 from moefold.models.decoder import MoEDecoder
 from moefold.models.hf.exporter import export_hf
@@ -55,7 +56,7 @@ def _batch(dims: ParallelDims | None, dp_rank: int, cp_rank: int, cp: int):
 
 
 def _train_step(config, dims: ParallelDims, options: ModelOptions):
-    model = MoEDecoder(config, dims, options)
+    model = build_decoder(config, dims, options)
     model.init_weights(7)
     sync = GradSync(model.named_parameters(), dims)
     sync.start_step(1)

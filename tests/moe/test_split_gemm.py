@@ -10,7 +10,8 @@ import copy
 import pytest
 import torch
 
-from moefold.dense.split_backward import WeightGradStore, install_weight_grad_store
+from moefold.dense.split_backward import WeightGradStore
+from moefold.execution.split_backward import install_weight_grad_store
 from moefold.moe.build import build_experts
 from moefold.moe.config import ExpertsConfig
 from moefold.moe.experts import GroupedExperts

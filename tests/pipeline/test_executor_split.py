@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moefold.dense.split_backward import WeightGradStore, install_weight_grad_store
+from moefold.dense.split_backward import WeightGradStore
+from moefold.execution.split_backward import install_weight_grad_store
 from moefold.parallel import ParallelConfig, ParallelDims
 from moefold.parallel.groups import group_rank
 from moefold.pipeline.executor import run_schedule

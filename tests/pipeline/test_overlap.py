@@ -14,7 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moefold.dense.split_backward import WeightGradStore, install_weight_grad_store
+from moefold.dense.split_backward import WeightGradStore
+from moefold.execution import build_decoder
+from moefold.execution.split_backward import install_weight_grad_store
 from moefold.models.decoder import MoEDecoder
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import get_recipe
@@ -34,7 +36,7 @@ M, S, B = 3, 16, 2
 def _step(config, dims, overlap: bool, delay: bool = False, options: ModelOptions | None = None,
           count: bool = False):
     torch.manual_seed(0)
-    model = MoEDecoder(config, dims, options or ModelOptions())
+    model = build_decoder(config, dims, options or ModelOptions())
     model.init_weights(3)
     store = None
     if delay:
@@ -106,7 +108,8 @@ def test_overlap_adds_no_host_synchronisation():
 
 def test_pieces_refuse_what_cannot_be_cut():
     config = get_recipe("qwen3_moe_tiny").with_(num_layers=2, vocab_size=128)
-    model = MoEDecoder(config, ParallelDims.single(), ModelOptions(recompute="selective", recompute_modules=("moe",)))
+    options = ModelOptions(recompute="selective", recompute_modules=("moe",))
+    model = build_decoder(config, ParallelDims.single(), options)
     with pytest.raises(ValueError, match="cannot checkpoint the whole MoE layer"):
         DecoderStage(model, StageLayout(2), 0, OverlapConfig())
     model = MoEDecoder(config, ParallelDims.single(), ModelOptions(dispatcher="allgather"))

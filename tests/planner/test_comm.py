@@ -15,11 +15,11 @@ import torch.distributed as dist
 from torch import nn
 
 from moefold.dense.context_parallel import context_parallel_positions
-from moefold.models.decoder import MoEDecoder
+from moefold.execution import ExecutionPlan, apply_execution, build_decoder
+from moefold.execution.recompute import apply_recompute
 from moefold.models.layer_factory import build_block
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import deepseek_v3_tiny, gpt_oss_tiny, minimax_m2_tiny, qwen3_moe_30b_a3b, qwen3_moe_tiny
-from moefold.models.recompute import apply_recompute
 from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.pipeline.decoder_stage import DecoderStage, build_stage_model, decoder_microbatches
 from moefold.pipeline.executor import run_schedule
@@ -237,7 +237,7 @@ def _measure(layouts: dict[str, RunConfig]) -> list[tuple[str, str, Counter, Cou
             collectives += comm.recompute_collectives(collectives, options, full=options.recompute == "full", moe=moe)
             out.append((name, "MoE block" if moe else "dense block", log.calls, _predicted(collectives, sizes, rank)))
         # the embedding and the output head with its vocab-parallel loss (and the MTP depths): no decoder layers
-        decoder = MoEDecoder(model, dims, options, layer_ids=[])
+        decoder = build_decoder(model, dims, options, layer_ids=[])
         ids = torch.randint(0, model.vocab_size, (B, S // sizes.cp))
         log = CollectiveLog()
         with log.installed():
@@ -373,6 +373,7 @@ def _measure_step(layouts: dict[str, RunConfig], numels: dict[str, dict[int, dic
         layout = config.pipeline_layout(sizes.pp)
         torch.manual_seed(0)
         model = build_stage_model(config.model, dims, options, layout)
+        apply_execution(model, ExecutionPlan(options), dims)
         stage = DecoderStage(model, layout, dims.pp_rank)
         sync = GradSync(model.named_parameters(), dims, bucket_numel=config.train.bucket_numel, overlap=False)
         ids = torch.randint(0, config.model.vocab_size, (M * B, S))

@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch import nn
 
-from moefold.dense.fp8_linear import convert_linears_to_fp8
 from moefold.dense.linear import ColumnParallelLinear
+from moefold.execution.fp8_linear import convert_linears_to_fp8
 from moefold.moe.build import build_experts
 from moefold.moe.config import ExpertsConfig
 from moefold.precision.block_cast import FORMATS, quantize

@@ -21,7 +21,7 @@ import weakref
 import pytest
 import torch
 
-from moefold.dense.activation_offload import ActivationOffloader
+from moefold.execution.offloader import ActivationOffloader
 from moefold.models.options import ModelOptions
 from moefold.moe import scoring
 from moefold.parallel.dims import ParallelConfig, ParallelDims

@@ -2,7 +2,7 @@
 
 Transformer Engine refuses to enter an autocast with ``DelayedScaling`` while torch.compile traces
 (``quantization.py`` ``check_recipe_support``, from ``autocast.__enter__``). moefold enters the autocast once
-per forward in the decoder (never compiled: ``training.compile`` compiles blocks and their children), and
+per forward in the decoder (never compiled: ``execution.compile`` compiles blocks and their children), and
 its TE GEMM wrappers are ``torch.compiler.disable``d (TE's module forwards are dynamo-disabled too), so the
 combination runs: this test trains it (world 1, the TE stand-in, dynamo with its ``eager`` backend so the
 test measures tracing, not inductor's C++ builds) with selective recompute inside the compiled attention

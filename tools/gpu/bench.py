@@ -43,6 +43,7 @@ from collections.abc import Callable
 import torch
 
 from moefold.dispatch.config import DispatchConfig, DispatcherKind
+from moefold.execution.compile import compile_moe_layer, compile_unavailable
 from moefold.moe.build import build_moe_layer
 from moefold.moe.config import ExpertsConfig, MoEConfig, SharedExpertsConfig
 from moefold.moe.gemm import check_gemm_backend
@@ -51,7 +52,6 @@ from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelDims
 from moefold.precision.fp8 import FP8Config
 from moefold.precision.fp8_region import fp8_autocast
-from moefold.training.compile import compile_moe_layer, compile_unavailable
 from moefold.training.observe.host_sync import HostSyncCounter
 from moefold.training.observe.machine import describe_machine
 

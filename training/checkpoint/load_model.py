@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from moefold.execution import build_decoder
 from moefold.models.decoder import MoEDecoder
 from moefold.models.hf.assets import RUN_ASSETS_DIR, present_assets
 from moefold.models.options import ModelOptions
@@ -70,7 +71,7 @@ def load_training_checkpoint(ckpt: str | os.PathLike, dims: ParallelDims | None 
         raise ValueError(f"load_training_checkpoint builds the whole model; got pp={dims.pp}")
     run = training_run_config(ckpt)
     saved = ModelOptions(dtype="bf16" if run.train.bf16 else "fp16" if run.train.fp16 else run.options.dtype)
-    model = MoEDecoder(run.model, dims, saved)
+    model = build_decoder(run.model, dims, saved)
     load_checkpoint(ckpt, model, dims, None, log=lambda _m: None)
     options = options or saved
     if options != saved:
@@ -81,7 +82,7 @@ def load_training_checkpoint(ckpt: str | os.PathLike, dims: ParallelDims | None 
 @torch.no_grad()
 def _rebuild(model: MoEDecoder, dims: ParallelDims, options: ModelOptions) -> MoEDecoder:
     """``model``'s weights in a model built with ``options`` (e.g. another dtype; routers stay fp32)."""
-    out = MoEDecoder(model.config, dims, options)
+    out = build_decoder(model.config, dims, options)
     out.load_state_dict(model.state_dict())
     return out
 
@@ -101,6 +102,6 @@ def load_model(path: str | os.PathLike, dims: ParallelDims | None = None, option
             raise ValueError(f"{path}: not a checkpoint moefold reads (an HF directory with config.json, a moefold "
                              "checkpoint with moefold_config.json, or a training checkpoint iter_N / its --save "
                              "directory)") from None
-        model = MoEDecoder(pretrained_config(path), dims, options)
+        model = build_decoder(pretrained_config(path), dims, options)
     load_pretrained_weights(model, path)
     return model, Path(path) if present_assets(path) else None

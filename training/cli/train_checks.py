@@ -70,7 +70,7 @@ def check_backends(config: RunConfig, ep: int, etp: int) -> None:
     from moefold.moe.gemm import check_gemm_backend
 
     if config.train.compile:
-        from moefold.training.compile import compile_unavailable
+        from moefold.execution.compile import compile_unavailable
 
         reason = compile_unavailable("cuda" if torch.cuda.is_available() else "cpu")
         if reason is not None:

@@ -8,7 +8,7 @@ import importlib.util
 import torch
 from torch import nn
 
-from moefold.dense.fp8_linear import fp8_linear_names
+from moefold.execution.fp8_linear import fp8_linear_names
 from moefold.moe.experts import GroupedExperts
 from moefold.precision.fp8 import FP8Config
 

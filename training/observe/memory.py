@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from moefold.dense.activation_offload import is_host_allocation
+from moefold.execution.offloader import is_host_allocation
 from moefold.parallel.workspace import workspace
 from moefold.training.optim.precision import OptimizerPrecision
 

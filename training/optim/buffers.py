@@ -37,19 +37,10 @@ from torch import Tensor, nn
 
 from moefold.parallel.dims import ParallelDims
 from moefold.parallel.groups import Group, group_rank, group_size
-from moefold.parallel.sharding import is_sequence_parallel
+from moefold.parallel.sharding import reduction_kind
 
 KINDS = ("dense", "sp", "expert")
 ALIGN = 16   # elements: parameter and chunk starts stay 64-byte (fp32) / 32-byte (bf16) aligned for vector kernels
-
-
-def reduction_kind(param: Tensor) -> str:
-    """Which group reduces ``param``'s gradient: "expert", "sp" or "dense"."""
-    if getattr(param, "moefold_expert", False):
-        return "expert"
-    if is_sequence_parallel(param):
-        return "sp"
-    return "dense"
 
 
 def kind_group(kind: str, dims: ParallelDims) -> Group:

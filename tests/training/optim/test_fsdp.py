@@ -21,10 +21,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moefold.execution.fsdp import fsdp_units
 from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.training.config import TrainConfig
 from moefold.training.observe.memory import static_bytes
-from moefold.training.optim.fsdp import check_fsdp, fsdp_units
+from moefold.training.optim.fsdp import check_fsdp
 from tests.distributed import run_distributed
 from tests.training.trainer_common import observe, run, tiny_config
 

@@ -2,6 +2,9 @@
 
     report = compile_model(model, log=print)    # in place: parameter names and checkpoints unchanged
 
+The execution pass (``execution.apply``) runs it after every region and GEMM is installed (the compiled graphs trace
+the regions in force) and before FSDP2 (whose hooks must not be traced into the blocks).
+
 - A dense block is compiled whole (``nn.Module.compile``: in place, so ``state_dict`` keys do not
   gain ``_orig_mod.``); identical blocks share their compiled graphs (parameters are graph inputs).
 - An MoE block is compiled child by child, as TorchTitan does: the norms, the attention, the
@@ -32,6 +35,7 @@ import torch
 from torch import nn
 
 from moefold.dense.block import TransformerBlock
+from moefold.execution.moe_bridge import moe_use_fused_activation
 from moefold.moe.layer import MoELayer
 
 
@@ -64,7 +68,7 @@ def compile_moe_layer(moe: MoELayer) -> int:
     if moe.shared_experts is not None:
         moe.shared_experts.compile()
         compiled += 1
-    moe.experts.use_fused_activation()
+    moe_use_fused_activation(moe.experts)
     return compiled
 
 

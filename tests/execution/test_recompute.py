@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from moefold.dense.recompute import RECOMPUTE_MODULES, recomputed_modules
-from moefold.models.decoder import MoEDecoder
+from moefold.execution import build_decoder
+from moefold.execution.recompute import full_recompute_groups
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import get_recipe
-from moefold.models.recompute import full_recompute_groups
 from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.parallel.sharding import gather_full, shards_of
 from moefold.training.observe.memory import TensorMemoryTracker
@@ -33,7 +33,7 @@ def _run(recipe: str, options: ModelOptions, dims: ParallelDims | None = None, s
     config = get_recipe(recipe).with_(num_layers=2, vocab_size=256, mtp_num_layers=1)
     if options.sequence_parallel != (dims.tp > 1):
         options = ModelOptions(**{**options.__dict__, "sequence_parallel": dims.tp > 1})
-    model = MoEDecoder(config, dims, options)
+    model = build_decoder(config, dims, options)
     model.init_weights(3)
     g = torch.Generator().manual_seed(0)
     ids, labels = torch.randint(0, 256, (2, seq), generator=g), torch.randint(0, 256, (2, seq), generator=g)

@@ -20,8 +20,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moefold.dense.activation_offload import OFFLOAD_MODULES, ActivationOffloader
-from moefold.models.decoder import MoEDecoder
+from moefold.dense.activation_offload import OFFLOAD_MODULES
+from moefold.execution import build_decoder
+from moefold.execution.offloader import ActivationOffloader
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import get_recipe
 from moefold.training.observe.host_sync import HostSyncCounter
@@ -34,7 +35,7 @@ RECIPES = ("deepseek_v3_tiny", "qwen3_moe_tiny")
 
 def _run(recipe: str, options: ModelOptions, layers: int = 2, seed: int = 0):
     config = get_recipe(recipe).with_(num_layers=layers, vocab_size=256)
-    model = MoEDecoder(config, options=options)
+    model = build_decoder(config, options=options)
     model.init_weights(3)
     ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(seed))
     out = model(ids[:, :-1], ids[:, 1:])

@@ -1,4 +1,4 @@
-"""FP8 GEMMs for the column/row-parallel linears, and ``convert_linears_to_fp8`` that turns them on.
+"""FP8 GEMMs for the column/row-parallel linears, and ``convert_linears_to_fp8`` that installs them.
 
 A ``ColumnParallelLinear``/``RowParallelLinear`` runs its local GEMM through ``layer.local_gemm(x, w, b)``
 (``F.linear`` by default). ``convert_linears_to_fp8(model, config, tp_group)`` walks a built model once
@@ -13,8 +13,9 @@ and gives every linear whose qualified name contains none of ``config.exclude_mo
   weight inside the TE autocast region the model entered for the whole stage forward;
 - ``precision.block_linear.BlockScaledLinearGemm`` (block-scaled recipes: blockwise, mxfp8, nvfp4).
 
-``Float8LinearGemm`` stays in ``dense`` (not ``precision``) because it defers its weight-gradient GEMM through
-``dense.split_backward``'s store; the other two need nothing from ``dense``.
+The execution pass (``execution.apply``) runs ``convert_linears_to_fp8`` once per model, before split backward and
+gradient-accumulation fusion (which wrap or keep the GEMM installed here). ``Float8LinearGemm`` lives here, not in
+``precision``, because it defers its weight-gradient GEMM through ``dense.split_backward``'s store.
 
 Scales and parallelism (torchao backend). Which dims of each operand are sharded follows from the
 layer: a column-parallel weight and output gradient are split along ``out`` over tp; a row-parallel
@@ -38,9 +39,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moefold.dense.grad_accumulation import fused_linear
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
 from moefold.dense.split_backward import SplitWeights, WeightGradStore, accumulate_or_defer, weight_inputs
+from moefold.execution.grad_accumulation import fused_linear
 from moefold.parallel.groups import Group, group_size
 from moefold.parallel.sharding import is_sequence_parallel
 from moefold.precision.block_linear import BlockScaledLinearGemm
@@ -148,7 +149,7 @@ def convert_linears_to_fp8(model: nn.Module, config: FP8Config, tp_group: Group 
             continue
         w = module.weight
         if config.backend == "te":
-            module.local_gemm = TELinearGemm(w.shape[1], w.shape[0], w.dtype, config)
+            module.configure(gemm=TELinearGemm(w.shape[1], w.shape[0], w.dtype, config))
             converted.append(name)
             continue
         if isinstance(module, RowParallelLinear):
@@ -160,9 +161,9 @@ def convert_linears_to_fp8(model: nn.Module, config: FP8Config, tp_group: Group 
         if block:
             gemm = BlockScaledLinearGemm(config, **groups)
             gemm.check_shapes(name, w.shape[1], w.shape[0])
-            module.local_gemm = gemm
+            module.configure(gemm=gemm)
         else:
-            module.local_gemm = Float8LinearGemm(recipe, **groups)
+            module.configure(gemm=Float8LinearGemm(recipe, **groups))
         if config.param_gather:
             mark_fp8_param(w, config, groups)
         converted.append(name)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moefold.execution.compile import compile_unavailable
 from moefold.parallel.dims import ParallelConfig, ParallelDims
-from moefold.training.compile import compile_unavailable
 from moefold.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.training.trainer_common import tiny_config, tiny_data

@@ -17,8 +17,9 @@ import pytest
 import torch
 from torch import nn
 
-from moefold.dense.fp8_linear import convert_linears_to_fp8, fp8_linear_names
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
+from moefold.execution import build_decoder
+from moefold.execution.fp8_linear import convert_linears_to_fp8, fp8_linear_names
 from moefold.models.decoder import MoEDecoder
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import deepseek_v3_tiny, qwen3_moe_tiny
@@ -78,7 +79,7 @@ def test_equals_torchao_float8_linear(cls, recipe, dtype):
 
 @pytest.mark.parametrize(("recipe", "fmt"), CASES)
 def test_gemms_equal_qdq_reference_and_stay_within_the_format_bound(monkeypatch, recipe, fmt):
-    import moefold.dense.fp8_linear as fp8_linear
+    import moefold.execution.fp8_linear as fp8_linear
 
     layer = _fp8_layer(ColumnParallelLinear, recipe, fmt)
     recorded = GemmRecorder(monkeypatch, fp8_linear)
@@ -113,13 +114,13 @@ def test_convert_picks_the_linears_and_leaves_the_weights():
     for recipe, n_linear in ((qwen3_moe_tiny, 8), (deepseek_v3_tiny, 25)):  # attention, dense MLP, shared experts, MTP
         config = recipe().with_(num_layers=2)
         ref = MoEDecoder(config)
-        model = MoEDecoder(config, options=ModelOptions(fp8=fp8))
+        model = build_decoder(config, options=ModelOptions(fp8=fp8))
         assert list(model.state_dict()) == list(ref.state_dict())
         assert all(p.dtype == torch.float32 for p in model.parameters())
         converted, high = fp8_linear_names(model)
         assert high == ["output_head.proj"], high   # the head stays in high precision by default
         assert len(converted) == n_linear and not any("router" in n for n in converted), converted
-    model = MoEDecoder(config, options=ModelOptions(fp8=FP8Config("hybrid", exclude_modules=("layers.0.", "mtp"))))
+    model = build_decoder(config, options=ModelOptions(fp8=FP8Config("hybrid", exclude_modules=("layers.0.", "mtp"))))
     converted, high = fp8_linear_names(model)
     assert "output_head.proj" in converted
     assert all(n.startswith("layers.1.") for n in converted if n != "output_head.proj"), converted

@@ -20,11 +20,14 @@ from torch import nn
 
 from moefold.dense.attention import GQAAttention
 from moefold.dense.attention_config import AttentionConfig, MLAConfig
-from moefold.dense.fp8_linear import convert_linears_to_fp8
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
 from moefold.dense.mla import MLAttention
 from moefold.dense.mlp import DenseMLP, MLPConfig
-from moefold.dense.split_backward import WeightGradStore, install_weight_grad_store
+from moefold.dense.regions import CHECKPOINT
+from moefold.dense.split_backward import WeightGradStore
+from moefold.execution.fp8_linear import convert_linears_to_fp8
+from moefold.execution.recompute import DISCARD_OUTPUT
+from moefold.execution.split_backward import install_weight_grad_store
 from moefold.parallel.sharding import init_parameters
 from moefold.precision.fp8 import FP8Config
 
@@ -51,7 +54,7 @@ def _modules():
     fp8_rowwise = _Linears(bias=False)
     convert_linears_to_fp8(fp8_rowwise, FP8Config("e4m3", "rowwise"))
     recomputed = MLAttention(MLA, None)
-    recomputed.recompute_core_attn = recomputed.recompute_up_proj = True
+    recomputed.configure(core_attn=CHECKPOINT, up_proj=DISCARD_OUTPUT)
     return {
         "dense_mlp": (DenseMLP(MLPConfig(hidden_size=H, ffn_hidden_size=48), None), lambda m, x: m(x)),
         "linears_bias": (_Linears(bias=True), lambda m, x: m(x)),
@@ -154,7 +157,7 @@ def test_nested_deferral_and_merge_keep_the_order():
 
 
 def test_transformer_engine_linear_is_refused_with_one_line():
-    from moefold.dense.split_backward import split_local_gemm
+    from moefold.execution.split_backward import split_local_gemm
 
     class TE:
         def __call__(self, x, w, b=None):
@@ -173,7 +176,7 @@ def test_the_split_linear_computes_what_autograd_computes_for_every_layout(split
     when the weight requires grad; a detached weight lets ``matmul`` take its batched path for a non-contiguous
     input, and ``dy.matmul(w)`` does for a non-contiguous gradient (a head split's): other roundings, which some
     CPUs show (AMD EPYC: 1.9e-9 in the GQA input gradient). Every layout the layers meet, bit for bit."""
-    from moefold.dense.split_backward import SplitLinearGemm
+    from moefold.execution.split_backward import SplitLinearGemm
 
     gen = torch.Generator().manual_seed(5)
     K, N = 40, 24

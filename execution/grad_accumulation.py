@@ -1,0 +1,82 @@
+"""Gradient-accumulation fusion for the linears (Megatron's ``--gradient-accumulation-fusion``), and the walk that
+switches a model's GEMMs to it.
+
+The slots and the writes are ``dense.grad_accumulation`` (module docstring there: first write vs accumulate, the
+placeholder gradient, dtypes). Here: ``fused_linear``, a linear's ``local_gemm`` whose weight gradient is written
+into the weight's main-grad slot, and ``enable_grad_accumulation_fusion``, which the execution pass runs once per
+model: each column/row-parallel linear with a plain ``F.linear`` gets ``fused_linear`` through its
+``configure(gemm=...)`` (an FP8 GEMM keeps its own backward), the routed experts switch through
+``execution.moe_bridge``. Nothing crosses ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moefold.dense.grad_accumulation import MainGradSlot, grad_slot, mm_into, write_weight_grad
+from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
+from moefold.execution.moe_bridge import moe_use_grad_accumulation_fusion
+
+
+class _FusedWgradLinear(torch.autograd.Function):
+    """``F.linear(x [..., K], w [N, K], b [N])`` whose weight gradient ``dy^T x`` goes into ``slot``. The input
+    and bias gradients are autograd's formulas; the weight gradient is computed as autograd's linear does
+    (``x^T dy`` into the transposed buffer), so it equals the unfused one."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, slot: MainGradSlot) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.slot, ctx.has_bias = slot, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
+        dy_MN = dy.reshape(-1, dy.shape[-1])
+        dw = db = None
+        if ctx.needs_input_grad[1]:
+            x_MK = x.reshape(-1, x.shape[-1])
+            dw = write_weight_grad(ctx.slot, weight, lambda t, acc: mm_into(t.t(), x_MK.t(), dy_MN, acc))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy_MN.sum(0)
+        return dx, dw, db, None
+
+
+def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear``'s signature; the weight gradient goes into the weight's main-grad slot when it has one (and
+    autograd is recording), else this is ``F.linear`` itself."""
+    slot = grad_slot(weight)
+    if slot is None or not (torch.is_grad_enabled() and weight.requires_grad):
+        return F.linear(x, weight, bias)
+    return _FusedWgradLinear.apply(x, weight, bias, slot)
+
+
+def _use_fusion(layer: ColumnParallelLinear | RowParallelLinear, enabled: bool) -> bool:
+    """Fusion for a plain ``F.linear`` layer (an FP8 GEMM keeps its own backward); whether the layer fuses now."""
+    if enabled and layer.local_gemm is F.linear:
+        layer.configure(gemm=fused_linear)
+    elif not enabled and layer.local_gemm is fused_linear:
+        layer.configure(gemm=F.linear)
+    return layer.local_gemm is fused_linear
+
+
+def enable_grad_accumulation_fusion(model: nn.Module, enabled: bool = True) -> list[str]:
+    """Switch every module of ``model`` that can fuse (the linears with ``F.linear``, the routed experts on the
+    default GEMM path) to GEMMs that write into main-grad slots (or back). Returns the names of the modules that
+    fused. The slots themselves come from ``GradSync``; without them the fused GEMMs behave exactly like the plain
+    ones."""
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            fused = _use_fusion(module, enabled)
+        else:
+            fused = moe_use_grad_accumulation_fusion(module, enabled)
+        if fused:
+            names.append(name)
+    return names
+
+
+__all__ = ["enable_grad_accumulation_fusion", "fused_linear"]
