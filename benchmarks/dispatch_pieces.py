@@ -36,9 +36,9 @@ def _rank(iters: int) -> dict[str, float]:
     from moefold.dispatch import DispatchConfig, DispatcherKind, build_dispatcher
     from moefold.dispatch.alltoall import gather_counts
     from moefold.dispatch.permutation import build_row_map, count_keys, mask_groups, permute, unpermute
+    from moefold.dispatch.token_exchange import AllToAllExchange, exchange_with_grad
     from moefold.parallel import ParallelConfig, ParallelDims
     from moefold.tools.bench_dispatch import _route
-    from moefold.tools.chunked_exchange import chunked_all_to_all, chunked_all_to_all_async
 
     dims = ParallelDims.build(ParallelConfig(ep=EP))
     g = dims.ep_group
@@ -63,9 +63,15 @@ def _rank(iters: int) -> dict[str, float]:
         dist.all_to_all_single(out, rows, recv, send, group=g)
         dist.all_to_all_single(torch.empty(sum(send), H), out, send, recv, group=g)
 
+    def chunked_exchange(x, out_splits, in_splits):
+        """One all-to-all per local expert (chunk c: rank r sends ``in_splits[c][r]`` rows, receives
+        ``out_splits[c][r]``), the rows landing in expert-major order, with autograd: the dispatcher's exchange."""
+        exchange = AllToAllExchange(tuple(map(tuple, in_splits)), tuple(map(tuple, out_splits)), g)
+        return exchange_with_grad(exchange, x).wait()[1][0]
+
     def chunked():
-        got = chunked_all_to_all_async(rows, h.plan.chunk_recv, h.plan.chunk_send, g).wait()
-        chunked_all_to_all(got, h.plan.chunk_send, h.plan.chunk_recv, g)
+        got = chunked_exchange(rows, h.plan.chunk_recv, h.plan.chunk_send)
+        chunked_exchange(got, h.plan.chunk_send, h.plan.chunk_recv)
 
     def counts():
         gather_counts(count_keys(routing.expert_ids_TK.reshape(-1), E), g).tolist()

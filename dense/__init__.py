@@ -1,6 +1,8 @@
 """The dense transformer stack: TP/SP linear layers, embeddings and loss, norms, RoPE, attention, CP, MLP, Gated
 DeltaNet linear attention; the regions each layer runs its parts through (``dense.regions``, which
-``moefold.execution`` fills with recompute and offloading) and the names and checks of those choices."""
+``moefold.execution`` fills with recompute and offloading) and the names and checks of those choices; the
+weight-gradient store and main-grad slots the splitting and fusing GEMMs share, and the reused CPU buffers their
+main-grad writes take (``dense.workspace``)."""
 
 from moefold.dense.activation_offload import OFFLOAD_MODULES, check_offload
 from moefold.dense.attention import GQAAttention

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from moefold.dense.regions import PLAIN
-
 OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act",
                    "shared_experts")
 # offload module -> the recompute modules (dense.recompute) that recompute (or free) the same tensors
@@ -66,10 +64,5 @@ def check_offload(modules: Sequence[str], recompute: str, recompute_modules: Seq
             raise ValueError(f"--offload-modules {m} and --recompute-modules {both[0]}: a module is recomputed or "
                              "offloaded, not both; drop one of them")
 
-
-# what the MoE modules' ``offload_<name>`` attributes hold unless the model offloads them (they enter it with
-# ``with``); the dense layers hold regions (``dense.regions``) instead
-NO_OFFLOAD = PLAIN
-
-__all__ = ["MIN_OFFLOADED_TENSOR_SIZE", "NO_OFFLOAD", "OFFLOAD_MODULES", "RECOMPUTE_CONFLICTS", "check_offload",
+__all__ = ["MIN_OFFLOADED_TENSOR_SIZE", "OFFLOAD_MODULES", "RECOMPUTE_CONFLICTS", "check_offload",
            "check_offload_modules"]

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from moefold.parallel.workspace import workspace
+from moefold.dense.workspace import workspace
 
 SLOT_ATTR = "moefold_grad_slot"
 

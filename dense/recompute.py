@@ -1,8 +1,8 @@
 """Activation recomputation: Megatron's choices and the two checkpoint mechanisms.
 
 The mechanisms stay here, below the layers: a layer's own ``recompute`` argument checkpoints through them
-(``dense.regions.CHECKPOINT``), and the MoE modules call them directly. Which region of which layer a choice
-recomputes is installed by the execution pass (``moefold.execution.recompute``).
+(``dense.regions.CHECKPOINT``). Which region of which layer a choice recomputes (the MoE layer's and the routed
+experts' included) is installed by the execution pass (``moefold.execution.recompute``).
 
 Granularity (``--recompute-granularity``):
 

@@ -26,11 +26,17 @@ layer                        regions
 ``GQAAttention``             ``qkv_linear``, ``core_attn``, ``attn_proj``
 ``MLAttention``              those three and ``up_proj`` (output)
 ``GatedDeltaNet``            ``core_attn`` (the delta rule)
+``MoELayer``                 ``shared_experts``
+``GroupedExperts``           ``expert_fc1`` (the gate/up GEMM), ``moe_act`` (output: the activation, which the
+                             down GEMM consumes)
 ``MoEDecoder``               ``layers``: how a chunk of layers runs (``models.decoder.LayerRun``)
 ============================ ===================================================================
 
 The linears' second extension point is their GEMM: ``ColumnParallelLinear.configure(gemm=...)`` takes any
-callable with ``F.linear``'s signature (``dense.linear.LocalGemm``). Nothing here crosses ranks.
+callable with ``F.linear``'s signature (``dense.linear.LocalGemm``). The routed experts' are three strategy objects
+(``GroupedExperts.configure``: ``gemm``, an ``moe.expert_gemm.ExpertGemm``; ``weight_grads``, a
+``moe.expert_gemm.WeightGrads``; ``activation_kernel``, a ``moe.activation.ActivationKernel``). Nothing here crosses
+ranks.
 """
 
 from __future__ import annotations
@@ -81,8 +87,7 @@ _KEPT = _Kept()
 
 
 class Plain:
-    """The default of every region: runs the part as written. Also a null context (``with region:``), which the
-    MoE modules still use for their offload attributes."""
+    """The default of every region: runs the part as written."""
 
     recomputes = False
 
@@ -91,12 +96,6 @@ class Plain:
 
     def open(self) -> OpenedOutput:
         return _KEPT
-
-    def __enter__(self) -> Plain:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
     def __repr__(self) -> str:
         return "PLAIN"

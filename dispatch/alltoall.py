@@ -172,7 +172,7 @@ class AllToAllDispatcher(TokenDispatcher):
     ``etp_ep_group`` (the etp x ep ranks, ep-major: ``ParallelDims.etp_ep_group``) carries the one
     exchange of split sizes when ep and etp are both > 1; with either at 1 it is the other group.
     With etp = 1 and at most ``max_chunked_experts`` local experts, the exchange is one
-    all-to-all per local expert landing rows directly in expert-major order (``tools.chunked_exchange``),
+    all-to-all per local expert landing rows directly in expert-major order (``AllToAllExchange``'s chunks),
     which saves the two sort copies; beyond that, one all-to-all plus ``sort_chunks``.
     ``fp8``: the token rows travel as e4m3 with their scales (``dispatch.fp8_exchange``).
     ``max_chunked_experts``: ``DispatchConfig.max_chunked_experts`` (checked there).

@@ -12,16 +12,20 @@ defines, which checks the names and kinds:
 - **regions** (``dense.regions``): ``Region`` (``region(fn, *args)``) and ``OutputRegion`` (``region.open()``,
   ``.run(fn, *args)``, ``.consumed(consumer_output)``: the part's output may be freed once its consumer saved it).
   ``TransformerBlock.regions`` = ``body, attn_norm, mlp_norm, ffn``; ``GQAAttention`` = ``qkv_linear, core_attn,
-  attn_proj``; ``MLAttention`` those and ``up_proj``; ``GatedDeltaNet`` = ``core_attn``; installed with
-  ``layer.configure(name=region)`` (``dense.regions.replace_regions``: ValueError for an unknown name or kind).
+  attn_proj``; ``MLAttention`` those and ``up_proj``; ``GatedDeltaNet`` = ``core_attn``; ``MoELayer`` =
+  ``shared_experts``; ``GroupedExperts`` = ``expert_fc1, moe_act``; installed with ``layer.configure(name=region)``
+  (``dense.regions.replace_regions``: ValueError for an unknown name or kind).
   Defaults: ``PLAIN`` / ``KEEP_OUTPUT``, or ``CHECKPOINT`` where the layer's own ``recompute`` argument asks.
 - **the decoder's layer run** (``models.decoder.LayerRun``): ``groups(layer_ids)`` (full recompute's checkpointed
   groups), ``begin_chunk()`` / ``end_chunk(hidden)`` (offloading's chunks); ``MoEDecoder.configure(layers=...)``.
   The pipeline's overlap schedules read the same groups.
 - **GEMM strategies** (``dense.linear.LocalGemm``): any callable with ``F.linear``'s signature;
-  ``ColumnParallelLinear/RowParallelLinear.configure(gemm=...)``. The autograd-level pieces every splitting or fusing
-  GEMM shares stay below the layers (``dense.split_backward``: the store and ``weight_inputs``;
-  ``dense.grad_accumulation``: the main-grad slots), because the experts' GEMMs use them too.
+  ``ColumnParallelLinear/RowParallelLinear.configure(gemm=...)``. The routed experts' three strategies, each an
+  object: ``GroupedExperts.configure(gemm=...)`` (an ``ExpertGemm``: its split-backward form),
+  ``weight_grads=WeightGrads.MAIN_GRAD`` (fusion) and ``activation_kernel=COMPILED_ACTIVATION`` (``--compile``).
+  The autograd-level pieces every splitting or fusing GEMM shares stay below the layers (``dense.split_backward``:
+  the store and ``weight_inputs``; ``dense.grad_accumulation``: the main-grad slots), because the experts' GEMMs
+  use them too.
 
 Implementations, one module per feature, in the order ``apply_execution`` runs them (``execution.apply``):
 
@@ -35,7 +39,6 @@ Implementations, one module per feature, in the order ``apply_execution`` runs t
 ``grad_accumulation``       ``fused_linear``, ``enable_grad_accumulation_fusion``
 ``compile``                 ``compile_model`` (per block, MoE-aware)
 ``fsdp``                    ``shard_model`` (``fully_shard`` unit by unit)
-``moe_bridge``              the one place that still sets the MoE modules' switches (until they take regions)
 ``apply``                   ``ExecutionPlan``, ``apply_execution``, ``Execution`` (what it did)
 =========================== =========================================================================
 """

@@ -4,7 +4,7 @@ The mechanism is ``execution.offloader``; the choice is Megatron's ``--offload-m
 and checks in ``dense.activation_offload``). Every chosen part of every block (the decoder's layers and the MTP
 blocks) gets a region of one ``ActivationOffloader`` per model (per process: its side streams are shared by every
 layer), tagged with the block's global layer index for the one-layer-ahead prefetch in backward, installed through
-the layer's ``configure`` (the MoE modules' through ``execution.moe_bridge``). The decoder's ``layers`` run becomes
+the layer's ``configure`` (``REGIONS``: which region of which layer each name is). The decoder's ``layers`` run becomes
 ``OffloadedChunks``, which starts a chunk before its layers and hooks its output for the prefetch.
 """
 
@@ -19,15 +19,18 @@ from moefold.dense.attention import GQAAttention
 from moefold.dense.block import TransformerBlock
 from moefold.dense.mla import MLAttention
 from moefold.dense.regions import PLAIN, Region
-from moefold.execution.moe_bridge import moe_offload_names, moe_offload_region, moe_set_offload
 from moefold.execution.offloader import ActivationOffloader, OffloadRegion
 from moefold.models.decoder import LayerRun, MoEDecoder
+from moefold.moe.experts import GroupedExperts
+from moefold.moe.layer import MoELayer
 
-# dense layer class -> the offload module names that are its regions of the same name (``dense.regions``)
-_DENSE_REGIONS: dict[type, tuple[str, ...]] = {
+# layer class -> the offload module names that are its regions of the same name (``dense.regions``)
+REGIONS: dict[type, tuple[str, ...]] = {
     TransformerBlock: ("attn_norm", "mlp_norm"),
     GQAAttention: ("qkv_linear", "core_attn", "attn_proj"),
     MLAttention: ("qkv_linear", "core_attn", "attn_proj"),
+    GroupedExperts: ("expert_fc1", "moe_act"),
+    MoELayer: ("shared_experts",),
 }
 
 
@@ -63,13 +66,10 @@ def apply_activation_offload(model: MoEDecoder, modules: Sequence[str], min_tens
     blocks = {int(i): b for i, b in model.layers.items()} | {m.index: m.block for m in model.mtp}
     for layer, block in blocks.items():
         for module in block.modules():
-            dense = [n for n in _DENSE_REGIONS.get(type(module), ()) if n in chosen]
-            if dense:   # around the region in force (a checkpoint stays inside: ``OffloadRegion.inner``)
+            names = [n for n in REGIONS.get(type(module), ()) if n in chosen]
+            if names:   # around the region in force (a checkpoint stays inside: ``OffloadRegion.inner``)
                 module.configure(**{n: offloader.region(n, layer, module, _inner(getattr(module.regions, n)))
-                                    for n in dense})
-            for name in moe_offload_names(module):
-                if name in chosen:
-                    moe_set_offload(module, name, offloader.region(name, layer, module))
+                                    for n in names})
     model.configure(layers=OffloadedChunks(offloader, model.regions.layers))
     return offloader
 
@@ -84,12 +84,10 @@ def offloaded_parts(model: nn.Module) -> dict[str, int]:
     """{offload module name: how many regions the model runs it in} (tests, the start-up line)."""
     out: dict[str, int] = {}
     for module in model.modules():
-        names = [(n, getattr(module.regions, n)) for n in _DENSE_REGIONS.get(type(module), ())]
-        names += [(n, moe_offload_region(module, n)) for n in moe_offload_names(module)]
-        for name, region in names:
-            if isinstance(region, OffloadRegion):
+        for name in REGIONS.get(type(module), ()):
+            if isinstance(getattr(module.regions, name), OffloadRegion):
                 out[name] = out.get(name, 0) + 1
     return out
 
 
-__all__ = ["OffloadedChunks", "apply_activation_offload", "offloaded_parts"]
+__all__ = ["REGIONS", "OffloadedChunks", "apply_activation_offload", "offloaded_parts"]

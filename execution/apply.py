@@ -20,8 +20,8 @@ loaded. The order, and why:
 7. **FSDP2** (``execution.fsdp``): ``fully_shard`` unit by unit, last: its hooks must not be traced into compiled
    code, and it replaces the parameters every earlier step saw. Collective.
 
-Every feature reaches a layer through the layer's own ``configure(...)`` (``dense.regions``), the MoE modules
-through ``execution.moe_bridge``. The pass runs once per model; nothing crosses ranks except FSDP2's sharding.
+Every feature reaches a layer through the layer's own ``configure(...)`` (``dense.regions``; the MoE layer and its
+routed experts alike). The pass runs once per model; nothing crosses ranks except FSDP2's sharding.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from moefold.dense.block import TransformerBlock
-from moefold.execution.moe_bridge import moe_use_fused_activation
+from moefold.moe.activation import COMPILED_ACTIVATION
 from moefold.moe.layer import MoELayer
 
 
@@ -68,7 +68,7 @@ def compile_moe_layer(moe: MoELayer) -> int:
     if moe.shared_experts is not None:
         moe.shared_experts.compile()
         compiled += 1
-    moe_use_fused_activation(moe.experts)
+    moe.experts.configure(activation_kernel=COMPILED_ACTIVATION)
     return compiled
 
 

@@ -5,8 +5,8 @@ The slots and the writes are ``dense.grad_accumulation`` (module docstring there
 placeholder gradient, dtypes). Here: ``fused_linear``, a linear's ``local_gemm`` whose weight gradient is written
 into the weight's main-grad slot, and ``enable_grad_accumulation_fusion``, which the execution pass runs once per
 model: each column/row-parallel linear with a plain ``F.linear`` gets ``fused_linear`` through its
-``configure(gemm=...)`` (an FP8 GEMM keeps its own backward), the routed experts switch through
-``execution.moe_bridge``. Nothing crosses ranks.
+``configure(gemm=...)`` (an FP8 GEMM keeps its own backward), the routed experts on a backend that fuses get
+``weight_grads=WeightGrads.MAIN_GRAD`` through their ``configure``. Nothing crosses ranks.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from torch import Tensor, nn
 
 from moefold.dense.grad_accumulation import MainGradSlot, grad_slot, mm_into, write_weight_grad
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
-from moefold.execution.moe_bridge import moe_use_grad_accumulation_fusion
+from moefold.moe.expert_gemm import WeightGrads
+from moefold.moe.experts import GroupedExperts
 
 
 class _FusedWgradLinear(torch.autograd.Function):
@@ -63,6 +64,14 @@ def _use_fusion(layer: ColumnParallelLinear | RowParallelLinear, enabled: bool) 
     return layer.local_gemm is fused_linear
 
 
+def _use_expert_fusion(experts: GroupedExperts, enabled: bool) -> bool:
+    """Fusion for routed experts whose backend writes main-grad slots (``grouped_mm`` without FP8 or split backward;
+    the others keep autograd's gradients); whether they fuse now."""
+    if experts.gemm.fuses_wgrad:
+        experts.configure(weight_grads=WeightGrads.MAIN_GRAD if enabled else WeightGrads.AUTOGRAD)
+    return experts.weight_grads is WeightGrads.MAIN_GRAD
+
+
 def enable_grad_accumulation_fusion(model: nn.Module, enabled: bool = True) -> list[str]:
     """Switch every module of ``model`` that can fuse (the linears with ``F.linear``, the routed experts on the
     default GEMM path) to GEMMs that write into main-grad slots (or back). Returns the names of the modules that
@@ -72,8 +81,10 @@ def enable_grad_accumulation_fusion(model: nn.Module, enabled: bool = True) -> l
     for name, module in model.named_modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             fused = _use_fusion(module, enabled)
+        elif isinstance(module, GroupedExperts):
+            fused = _use_expert_fusion(module, enabled)
         else:
-            fused = moe_use_grad_accumulation_fusion(module, enabled)
+            fused = False
         if fused:
             names.append(name)
     return names

@@ -21,7 +21,7 @@ are exact.
 
 An ``OffloadRegion`` is a ``dense.regions.Region`` (``region(fn, *args)`` runs ``fn`` inside it, around its
 ``inner`` region, ``PLAIN`` unless composed), an ``OutputRegion`` (``open().run(fn, *args)``: the part's output
-stays, only its saved tensors move) and a context manager (``with region:``, which the MoE modules use).
+stays, only its saved tensors move).
 Nothing crosses ranks.
 """
 

@@ -12,8 +12,8 @@ core_attn       attention / DeltaNet ``core_attn``       ``CHECKPOINT``
 mla_up_proj     ``MLAttention.up_proj``                  ``DISCARD_OUTPUT``
 layernorm       ``TransformerBlock.attn_norm/mlp_norm``  ``DISCARD_OUTPUT``
 mlp / moe       ``TransformerBlock.ffn``                 ``CHECKPOINT``
-shared_experts  the MoE layer's shared experts           through ``execution.moe_bridge``
-moe_act         the routed experts' activation           through ``execution.moe_bridge``
+shared_experts  ``MoELayer.shared_experts``               ``CHECKPOINT``
+moe_act         ``GroupedExperts.moe_act``               ``DISCARD_OUTPUT``
 ============== ======================================= ===========================================
 
 A region not chosen is set back to ``PLAIN`` / ``KEEP_OUTPUT`` (a layer built with ``recompute="selective"``
@@ -35,8 +35,8 @@ from moefold.dense.gated_deltanet import GatedDeltaNet
 from moefold.dense.mla import MLAttention
 from moefold.dense.recompute import CheckpointWithoutOutput, recomputed_modules
 from moefold.dense.regions import CHECKPOINT, KEEP_OUTPUT, PLAIN
-from moefold.execution.moe_bridge import moe_set_recompute
 from moefold.models.decoder import ALL_LAYERS, LayerRun
+from moefold.moe.experts import GroupedExperts
 from moefold.moe.layer import MoELayer
 
 
@@ -84,18 +84,22 @@ def apply_recompute(model: nn.Module, layers: nn.ModuleDict, choice: RecomputeCh
     def checkpoint_if(name: str) -> object:
         return CHECKPOINT if name in chosen else PLAIN
 
+    def discard_if(name: str) -> object:
+        return DISCARD_OUTPUT if name in chosen else KEEP_OUTPUT
+
     for module in model.modules():
         if isinstance(module, TransformerBlock):
-            norm = DISCARD_OUTPUT if "layernorm" in chosen else KEEP_OUTPUT
+            norm = discard_if("layernorm")
             ffn = "moe" if isinstance(module.mlp, MoELayer) else "mlp"
             module.configure(attn_norm=norm, mlp_norm=norm, ffn=checkpoint_if(ffn))
         elif isinstance(module, (GQAAttention, GatedDeltaNet)):   # DeltaNet: its delta rule
             module.configure(core_attn=checkpoint_if("core_attn"))
         elif isinstance(module, MLAttention):
-            module.configure(core_attn=checkpoint_if("core_attn"),
-                             up_proj=DISCARD_OUTPUT if "mla_up_proj" in chosen else KEEP_OUTPUT)
-        else:
-            moe_set_recompute(module, chosen)
+            module.configure(core_attn=checkpoint_if("core_attn"), up_proj=discard_if("mla_up_proj"))
+        elif isinstance(module, MoELayer):
+            module.configure(shared_experts=checkpoint_if("shared_experts"))
+        elif isinstance(module, GroupedExperts):
+            module.configure(moe_act=discard_if("moe_act"))
     for block in layers.values():
         block.configure(body=PLAIN)
 

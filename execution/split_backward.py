@@ -4,8 +4,9 @@ The store and the deferral are ``dense.split_backward`` (module docstring there:
 run, the memory it keeps). Here: ``SplitLinearGemm``, a linear's ``local_gemm`` whose weight gradient is handed to
 the store, and ``install_weight_grad_store``, which the execution pass (``execution.apply``) runs once per model:
 each column/row-parallel linear gets a split GEMM through its ``configure(gemm=...)`` (an FP8 GEMM that can split
-takes the store itself; Transformer Engine's cannot and is refused), the routed experts take the store through
-``execution.moe_bridge``. Nothing crosses ranks.
+takes the store itself; Transformer Engine's cannot and is refused), the routed experts get their backend's
+split form (``ExpertGemm.with_weight_grad_store``) through ``GroupedExperts.configure(gemm=...)``. Nothing crosses
+ranks.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import Tensor, nn
 
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
 from moefold.dense.split_backward import SplitWeights, WeightGradStore, accumulate_or_defer, weight_inputs
-from moefold.execution.moe_bridge import moe_use_weight_grad_store
+from moefold.moe.experts import GroupedExperts
 
 
 def _column_major(t: Tensor) -> bool:
@@ -110,13 +111,15 @@ def split_local_gemm(gemm: Callable[..., Tensor], store: WeightGradStore) -> Cal
 
 def install_weight_grad_store(model: nn.Module, store: WeightGradStore) -> list[str]:
     """Give every module of ``model`` that can defer its weight gradients ``store``: the linears (a split GEMM) and
-    the routed experts (``execution.moe_bridge``). Returns their names. Raises ValueError for a GEMM backend that
+    the routed experts (their backend's split form). Returns their names. Raises ValueError for a GEMM backend that
     cannot split (Transformer Engine)."""
     names = []
     for name, module in model.named_modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             module.configure(gemm=split_local_gemm(module.local_gemm, store))
-        elif not moe_use_weight_grad_store(module, store):
+        elif isinstance(module, GroupedExperts):
+            module.configure(gemm=module.gemm.with_weight_grad_store(store))
+        else:
             continue
         names.append(name)
     return names

@@ -1,23 +1,31 @@
 """Mixture-of-experts: router, load balancing, grouped experts and their GEMM backends, shared experts, the MoE layer.
 
 ``build_moe_layer`` (``moe.build``) turns a ``MoEConfig`` into the layer's parts and passes them in:
-``MoELayer(router, dispatcher, experts, shared_experts)``. ``moe.cpu`` holds the CPU-speed machinery of the
-``grouped_mm`` expert backend on a CPU (row layouts, the rows' GEMMs, the shortcuts' switch).
+``MoELayer(router, dispatcher, experts, shared_experts)``. The execution pass changes the layer and its experts only
+through their ``configure`` (regions and strategy objects, ``dense.regions``). ``moe.cpu`` holds the CPU-speed
+machinery of the ``grouped_mm`` expert backend on a CPU (row layouts, the rows' GEMMs, the shortcuts' switch).
 """
 
 from __future__ import annotations
 
 from moefold.dispatch.routing import Routing
-from moefold.moe.activation import ExpertActivation, GatedActivation, fused_activation
+from moefold.moe.activation import (
+    BACKEND_ACTIVATION,
+    COMPILED_ACTIVATION,
+    ActivationKernel,
+    ExpertActivation,
+    GatedActivation,
+    fused_activation,
+)
 from moefold.moe.balance_losses import GlobalLoadState
 from moefold.moe.build import build_expert_gemm, build_experts, build_moe_layer
 from moefold.moe.capacity import expert_capacity
 from moefold.moe.config import ExpertsConfig, MoEConfig, SharedExpertsConfig
 from moefold.moe.expert_bias import bias_update, update_expert_bias
-from moefold.moe.expert_gemm import ExpertGemm, GemmCall, Projection
-from moefold.moe.experts import GroupedExperts, default_output_init_std, is_expert, mark_expert
+from moefold.moe.expert_gemm import ExpertGemm, GemmCall, Projection, WeightGrads
+from moefold.moe.experts import ExpertsRegions, GroupedExperts, default_output_init_std, is_expert, mark_expert
 from moefold.moe.gemm import GemmBackend, check_gemm_backend, grouped_gemm
-from moefold.moe.layer import MoEDispatchStart, MoEExpertsOut, MoELayer, MoEOutputInfo
+from moefold.moe.layer import MoEDispatchStart, MoEExpertsOut, MoELayer, MoEOutputInfo, MoERegions
 from moefold.moe.router import Router, RouterGroups, RouterOutput
 from moefold.moe.router_config import DROP_POLICIES, LOAD_BALANCING_TYPES, ROUTER_DTYPES, SCORE_FUNCTIONS, RouterConfig
 from moefold.moe.router_stats import RouterStats
@@ -36,4 +44,6 @@ __all__ = [
     "SplitGroupedGemm", "ExpertActivation", "GatedActivation", "fused_activation", "mark_expert", "is_expert",
     "default_output_init_std",
     "ExpertGemm", "GemmCall", "Projection", "GemmBackend", "grouped_gemm", "check_gemm_backend",
+    # what the execution pass installs through configure
+    "MoERegions", "ExpertsRegions", "WeightGrads", "ActivationKernel", "BACKEND_ACTIVATION", "COMPILED_ACTIVATION",
 ]

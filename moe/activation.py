@@ -5,6 +5,10 @@ SwiGLU is ``act(gate) * (up + linear_offset)`` with ``act(g) = g * sigmoid(alpha
 clamp 7, offset 1; Megatron's quick-GeGLU with ``--activation-func-clamp-value 7 --glu-linear-offset 1``).
 ``GatedActivation`` holds the three; its defaults are plain SwiGLU (``swiglu``). Each expert GEMM backend runs one
 implementation of it (``moe.expert_gemm.ExpertGemm.activation``); ``--compile`` fuses it (``fused_activation``).
+
+Which implementation the experts run is their ``activation_kernel`` strategy (``ActivationKernel``, installed by
+``GroupedExperts.configure``): ``BACKEND_ACTIVATION`` (the default: the GEMM backend's) or ``COMPILED_ACTIVATION``
+(``fused_activation``'s kernels: what ``--compile`` installs, ``execution.compile``).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -88,4 +93,63 @@ def fused_activation(activation: Callable[[Tensor], Tensor]) -> Callable[[Tensor
     return torch.compile(activation, dynamic=True)
 
 
-__all__ = ["ExpertActivation", "GatedActivation", "eager_activation", "fused_activation", "swiglu"]
+Activation = Callable[[Tensor], Tensor]
+
+
+@runtime_checkable
+class ActivationKernel(Protocol):
+    """Which implementation of the activation the experts run, from its autograd form ``eager`` and the GEMM
+    backend's own implementation ``backend`` (``ExpertGemm.activation``): ``kept`` where the activation's output
+    stays, ``recomputed`` where a region frees and refills it (``moe_act`` recompute: the output must be autograd's
+    own fresh tensor, never a reused workspace buffer such as ``moe.swiglu.swiglu_rows`` writes)."""
+
+    def kept(self, eager: Activation, backend: Activation) -> Activation: ...
+
+    def recomputed(self, eager: Activation) -> Activation: ...
+
+
+class BackendActivation:
+    """The GEMM backend's implementation (``grouped_mm``'s ``swiglu_rows``), autograd's under recompute."""
+
+    def kept(self, eager: Activation, backend: Activation) -> Activation:
+        return backend
+
+    def recomputed(self, eager: Activation) -> Activation:
+        return eager
+
+    def __repr__(self) -> str:
+        return "BACKEND_ACTIVATION"
+
+
+@dataclass(frozen=True)
+class _CompiledOrEager:
+    """``fused_activation(eager)`` for two rows or more, ``eager`` below (torch.compile specialises the sizes 0 and
+    1: running those eagerly spares their recompiles)."""
+
+    eager: Activation
+
+    def __call__(self, h_NGf: Tensor) -> Tensor:
+        if h_NGf.shape[0] < 2:
+            return self.eager(h_NGf)
+        return fused_activation(self.eager)(h_NGf)
+
+
+class CompiledActivation:
+    """``fused_activation``'s compiled kernels, one per direction (``--compile``), kept or recomputed alike."""
+
+    def kept(self, eager: Activation, backend: Activation) -> Activation:
+        return _CompiledOrEager(eager)
+
+    def recomputed(self, eager: Activation) -> Activation:
+        return _CompiledOrEager(eager)
+
+    def __repr__(self) -> str:
+        return "COMPILED_ACTIVATION"
+
+
+BACKEND_ACTIVATION = BackendActivation()
+COMPILED_ACTIVATION = CompiledActivation()
+
+__all__ = ["BACKEND_ACTIVATION", "COMPILED_ACTIVATION", "Activation", "ActivationKernel", "BackendActivation",
+           "CompiledActivation", "ExpertActivation", "GatedActivation", "eager_activation", "fused_activation",
+           "swiglu"]

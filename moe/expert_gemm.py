@@ -20,22 +20,25 @@
 - ``Fp8Gemm``: torchao's FP8 (``moe.fp8_gemm.Float8GroupedGemm``) or block-scaled (``moe.block_gemm``) GEMMs.
 - ``moe.te_gemm.TEExpertGemms``: Transformer Engine's ``GroupedLinear``, FP8 under TE's autocast.
 
-``build_expert_gemm`` (``moe.build``) picks one from ``ExpertsConfig``; ``with_weight_grad_store`` swaps a
-backend for its split-backward form. Nothing here crosses ranks (FP8 scales reduce over the groups they hold).
+``build_expert_gemm`` (``moe.build``) picks one from ``ExpertsConfig``; ``with_weight_grad_store`` gives a
+backend's split-backward form (a new object, which the execution pass installs: ``GroupedExperts.configure``).
+Where the weight gradients go is the experts' ``weight_grads`` strategy (``WeightGrads``: autograd, or the
+main-grad slots for a backend that ``fuses_wgrad``). Nothing here crosses ranks (FP8 scales reduce over the groups
+they hold).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import IntEnum
+from enum import Enum, IntEnum
 from typing import Generic, Protocol, TypeVar
 
 from torch import Tensor
 
-from moefold.dense.grad_accumulation import MainGradSlot
+from moefold.dense.grad_accumulation import MainGradSlot, grad_slot
 from moefold.dense.split_backward import WeightGradStore
-from moefold.moe.activation import swiglu
+from moefold.moe.activation import Activation, swiglu
 from moefold.moe.block_gemm import BlockScaledGroupedGemm
 from moefold.moe.fp8_gemm import Float8GroupedGemm
 from moefold.moe.gemm import GemmBackend, grouped_gemm
@@ -43,14 +46,25 @@ from moefold.moe.grouped_linear import grouped_linear
 from moefold.moe.split_gemm import SplitGroupedGemm
 from moefold.moe.swiglu import swiglu_rows
 
-Activation = Callable[[Tensor], Tensor]
-
 
 class Projection(IntEnum):
     """The experts' two projections: ``FC1`` (``w13``: gate and up, or the one input projection), ``FC2`` (``w2``)."""
 
     FC1 = 0
     FC2 = 1
+
+
+class WeightGrads(Enum):
+    """Where the experts' GEMMs put their weight gradients: ``AUTOGRAD`` returns them (autograd accumulates ``.grad``);
+    ``MAIN_GRAD`` writes them into each weight's main-grad slot where the trainer gave it one (gradient-accumulation
+    fusion, ``dense.grad_accumulation``; only a backend that ``fuses_wgrad`` takes it)."""
+
+    AUTOGRAD = "autograd"
+    MAIN_GRAD = "main_grad"
+
+    def slot(self, weight: Tensor) -> MainGradSlot | None:
+        """The slot ``project`` gets for ``weight`` (the parameter itself: a reshaped view has no slot)."""
+        return grad_slot(weight) if self is WeightGrads.MAIN_GRAD else None
 
 
 @dataclass(frozen=True)
@@ -71,7 +85,7 @@ class ExpertGemm(Protocol[CallT]):
     backend:           the ``--moe-grouped-gemm-backend`` it runs
     needs_host_counts: it reads the counts on the host (the experts read them once, one sync, when the dispatcher
                        did not bring them)
-    fuses_wgrad:       it can write weight gradients into main-grad (``use_grad_accumulation_fusion``)
+    fuses_wgrad:       it can write weight gradients into main-grad (``WeightGrads.MAIN_GRAD``)
     """
 
     backend: GemmBackend
@@ -103,7 +117,8 @@ class ExpertGemm(Protocol[CallT]):
         ...
 
     def with_weight_grad_store(self, store: WeightGradStore) -> ExpertGemm[GemmCall]:
-        """The backend that runs this one's GEMMs with weight gradients ``store`` may defer (split backward)."""
+        """A new backend that runs this one's GEMMs with weight gradients ``store`` may defer (split backward);
+        ValueError for a backend that cannot defer them."""
         ...
 
 
@@ -193,13 +208,12 @@ class Fp8Gemm(GemmBase[GemmCall]):
         return self.gemms[which](x, w_eMK, call.counts_e, trans_w=True, counts_host=call.host)
 
     def with_weight_grad_store(self, store: WeightGradStore) -> ExpertGemm[GemmCall]:
-        if all(isinstance(g, Float8GroupedGemm) for g in self.gemms):   # they defer their casts too
-            for gemm in self.gemms:
-                gemm.use_weight_grad_store(store)
-            return self
+        fc1, fc2 = self.gemms
+        if isinstance(fc1, Float8GroupedGemm) and isinstance(fc2, Float8GroupedGemm):   # they defer their casts too
+            return Fp8Gemm(self.backend, fc1.with_weight_grad_store(store), fc2.with_weight_grad_store(store))
         # the block-scaled GEMMs cannot defer theirs: split backward runs the gemm backend's plain GEMMs
         return SplitGemm(self.backend, store)
 
 
 __all__ = ["ExpertGemm", "Fp8Gemm", "GemmBase", "GemmCall", "GroupedMMGemm", "HostCountsGemm", "Projection",
-           "SplitGemm"]
+           "SplitGemm", "WeightGrads"]

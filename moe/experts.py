@@ -28,24 +28,28 @@ GEMM backends: ``GroupedExperts`` is given one (``moe.expert_gemm.ExpertGemm``, 
 way for every backend (``moe.expert_gemm``'s docstring), on these two stacked parameters: parameter names,
 checkpoints and HF import/export are the same for every backend (Transformer Engine's ``GroupedLinear`` runs on
 views of them, ``moe.te_gemm``).
+
+What the execution pass changes (``moefold.execution``), only through ``configure``: the regions (``ExpertsRegions``:
+``expert_fc1`` around the gate/up GEMM, ``moe_act`` around the activation, whose output the down GEMM consumes) and
+three strategies, each an object: ``gemm`` (the backend; its split-backward form, ``with_weight_grad_store``),
+``weight_grads`` (``WeightGrads``: autograd or the main-grad slots) and ``activation_kernel``
+(``moe.activation.ActivationKernel``: the backend's or the compiled one).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moefold.dense.activation_offload import NO_OFFLOAD
-from moefold.dense.grad_accumulation import grad_slot
-from moefold.dense.recompute import CheckpointWithoutOutput
-from moefold.dense.split_backward import WeightGradStore
-from moefold.moe.activation import eager_activation, fused_activation
+from moefold.dense.regions import KEEP_OUTPUT, OUTPUT_KIND, PLAIN, OutputRegion, Region, recomputes, replace_regions
+from moefold.moe.activation import BACKEND_ACTIVATION, Activation, ActivationKernel, eager_activation
 from moefold.moe.config import ExpertsConfig
-from moefold.moe.expert_gemm import ExpertGemm, GemmCall, Projection
+from moefold.moe.expert_gemm import ExpertGemm, GemmCall, Projection, WeightGrads
 from moefold.moe.gemm import flops_per_token, row_experts
 from moefold.parallel.comm import copy_to_region
 from moefold.parallel.groups import Group, group_rank, group_size
@@ -63,6 +67,16 @@ def is_expert(param: Tensor) -> bool:
     return getattr(param, "moefold_expert", False)
 
 
+@dataclass(frozen=True)
+class ExpertsRegions:
+    """Where the routed experts run their parts (``dense.regions``; Megatron's offload / recompute module names):
+    ``expert_fc1`` the gate/up GEMM (its input rows are what it saves), ``moe_act`` the activation (an output region:
+    its consumer is the down GEMM, so a recompute may free its output once that GEMM saved it)."""
+
+    expert_fc1: Region = PLAIN
+    moe_act: OutputRegion = field(default=KEEP_OUTPUT, metadata=OUTPUT_KIND)
+
+
 class GroupedExperts(nn.Module):
     """The ``e = num_experts / ep`` local experts of one MoE layer.
 
@@ -74,7 +88,8 @@ class GroupedExperts(nn.Module):
     ``grouped_gemm``, ``loop``) otherwise read them from the device (one host synchronisation).
 
     ``config``: ``ExpertsConfig``; ``gemm``: the backend that runs the two projections (``moe.expert_gemm``;
-    ``moe.build.build_experts`` builds both from the config).
+    ``moe.build.build_experts`` builds both from the config). ``regions``, ``gemm``, ``weight_grads`` and
+    ``activation_kernel`` change only through ``configure`` (module docstring).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, config: ExpertsConfig, gemm: ExpertGemm[GemmCall], *,
@@ -83,22 +98,18 @@ class GroupedExperts(nn.Module):
         super().__init__()
         e, f = self.local_shape(num_experts, hidden_size, config.ffn_hidden_size, group_size(ep_group),
                                 group_size(etp_group))
-        if gemm.backend is not config.gemm_backend:
-            raise ValueError(f"GroupedExperts: the gemm backend object runs '{gemm.backend}', the config asks for "
-                             f"'{config.gemm_backend}'")
-        self.config, self.gemm = config, gemm
+        self.config = config
         self.num_experts, self.hidden_size, self.ffn_hidden_size = num_experts, hidden_size, config.ffn_hidden_size
         self.num_local_experts = e
         self.local_expert_offset = group_rank(ep_group) * e
-        self.fuse_wgrad = False   # use_grad_accumulation_fusion
         self.gated = config.activation.gates == 2
-        self._eager_activation: Callable[[Tensor], Tensor] = eager_activation(config.activation, config.glu)
-        self._fused = False
-        self._activation = gemm.activation(self._eager_activation)   # outside recompute: the backend's
+        self._eager_activation: Activation = eager_activation(config.activation, config.glu)
+        self.regions = ExpertsRegions()
+        self.gemm: ExpertGemm[GemmCall] = self._checked_gemm(gemm)
+        self.weight_grads = WeightGrads.AUTOGRAD
+        self.activation_kernel: ActivationKernel = BACKEND_ACTIVATION
+        self._install_activation()
         self.ep_group, self.etp_group = ep_group, etp_group
-        self.recompute_activation = False   # selective recompute ``moe_act`` (``dense.recompute``), set by the model
-        # fine-grained activation offloading (``dense.activation_offload``) of the gate/up GEMM and the activation
-        self.offload_expert_fc1 = self.offload_moe_act = NO_OFFLOAD
         gates = config.activation.gates
         kw = {"dtype": dtype, "device": device}
         self.w13 = nn.Parameter(torch.empty(e, gates, f, hidden_size, **kw))
@@ -142,30 +153,41 @@ class GroupedExperts(nn.Module):
     def gemm_backend(self) -> str:
         return self.config.gemm_backend
 
-    def _activate(self, h_NGf: Tensor) -> Tensor:
-        """[N, G*f] input projections -> [N, f] hidden units through autograd (SwiGLU on gate/up halves, or GELU):
-        the compiled kernels (``use_fused_activation``), or the eager form."""
-        if not self._fused or h_NGf.shape[0] < 2:  # torch.compile specialises sizes 0 and 1: no recompile for them
-            return self._eager_activation(h_NGf)
-        return fused_activation(self._eager_activation)(h_NGf)
+    def configure(self, *, gemm: ExpertGemm[GemmCall] | None = None, weight_grads: WeightGrads | None = None,
+                  activation_kernel: ActivationKernel | None = None, **regions: Region | OutputRegion) -> None:
+        """Install regions by name (``ExpertsRegions``) and any of the three strategies: ``gemm`` (a backend of the
+        config's ``gemm_backend``, e.g. its split-backward form), ``weight_grads`` (``WeightGrads.MAIN_GRAD`` needs a
+        backend that ``fuses_wgrad``: ``grouped_mm`` without FP8), ``activation_kernel``. ValueError (one line) for an
+        unknown region, a wrong kind, or a strategy of the wrong type or that the backend cannot run; nothing changes
+        then."""
+        new_regions = replace_regions(self.regions, "GroupedExperts", **regions)
+        new_gemm = self.gemm if gemm is None else self._checked_gemm(gemm)
+        grads = self.weight_grads if weight_grads is None else weight_grads
+        if not isinstance(grads, WeightGrads):
+            raise ValueError(f"GroupedExperts.configure: weight_grads={grads!r} is not a WeightGrads "
+                             f"({', '.join(w.name for w in WeightGrads)})")
+        if grads is WeightGrads.MAIN_GRAD and not new_gemm.fuses_wgrad:
+            raise ValueError(f"GroupedExperts.configure: weight_grads=MAIN_GRAD (gradient-accumulation fusion) needs "
+                             f"a gemm that fuses them (grouped_mm without FP8 or split backward), not "
+                             f"{type(new_gemm).__name__} ({new_gemm.backend})")
+        kernel = self.activation_kernel if activation_kernel is None else activation_kernel
+        if not isinstance(kernel, ActivationKernel):
+            raise ValueError(f"GroupedExperts.configure: activation_kernel={kernel!r} is not an ActivationKernel")
+        self.regions, self.gemm, self.weight_grads, self.activation_kernel = new_regions, new_gemm, grads, kernel
+        self._install_activation()
 
-    def use_fused_activation(self, enabled: bool = True) -> None:
-        """Run the activation as ``fused_activation``'s compiled kernels (what ``--compile`` does), or as the
-        backend runs it."""
-        self._fused = enabled
-        self._activation = self._activate if enabled else self.gemm.activation(self._eager_activation)
+    def _checked_gemm(self, gemm: ExpertGemm[GemmCall]) -> ExpertGemm[GemmCall]:
+        if getattr(gemm, "backend", None) is not self.config.gemm_backend:
+            raise ValueError(f"GroupedExperts: the gemm backend object runs '{getattr(gemm, 'backend', None)}', the "
+                             f"config asks for '{self.config.gemm_backend}'")
+        return gemm
 
-    def use_grad_accumulation_fusion(self, enabled: bool = True) -> bool:
-        """Weight gradients into the main-grad buffer (``dense.grad_accumulation``). False (nothing fuses) for
-        the backends whose weight gradients come through autograd (every one but ``grouped_mm`` without FP8)."""
-        self.fuse_wgrad = enabled and self.gemm.fuses_wgrad
-        return self.fuse_wgrad
-
-    def use_weight_grad_store(self, store: WeightGradStore) -> None:
-        """Split backward (``dense.split_backward``): defer both projections' weight gradients while ``store``
-        defers (``moe.split_gemm``; torchao FP8 defers its own; ``te`` refuses)."""
-        self.gemm = self.gemm.with_weight_grad_store(store)
-        self.use_fused_activation(self._fused)
+    def _install_activation(self) -> None:
+        """The activation's two implementations from the strategy in force: ``_activation`` where its output stays,
+        ``_recomputable_activation`` inside a region that frees and recomputes it (``ActivationKernel``)."""
+        eager = self._eager_activation
+        self._activation = self.activation_kernel.kept(eager, self.gemm.activation(eager))
+        self._recomputable_activation = self.activation_kernel.recomputed(eager)
 
     def _add_w2_bias(self, out_NH: Tensor, rows_e: Tensor | None) -> Tensor:
         if self.w2_bias is None:
@@ -193,24 +215,32 @@ class GroupedExperts(nn.Module):
         # [e, G, f, H] -> [e, G*f, H]: gate and up projections in a single grouped GEMM.
         w13 = self.w13.reshape(e, gates * f, H)
         gemm = self.gemm
-        slots = (grad_slot(self.w13), grad_slot(self.w2)) if self.fuse_wgrad else (None, None)
-        with self.offload_expert_fc1:
-            x_in, call = gemm.enter(tokens_NH, tokens_per_expert_e, host, w13, self.w13_bias is not None)
-            h_NGf = gemm.project(Projection.FC1, x_in, w13, call, slots[0])
-            rows_e = None
-            if self.w13_bias is not None:   # packed rows (enter keeps them so)
-                # each row's expert, e for rows past the last block (no token: a zero bias, and their gradient goes
-                # to that extra row, not to an expert's); output_size makes it sync-free on CUDA
-                rows_e = row_experts(tokens_per_expert_e, tokens_NH.shape[0])
-                h_NGf = h_NGf + _with_zero_row(self.w13_bias.reshape(e, gates * f))[rows_e]
-        recompute = CheckpointWithoutOutput() if self.recompute_activation else None
-        with self.offload_moe_act:
-            # under recompute the region must return a fresh tensor: autograd's activation
-            act_Nf = self._activation(h_NGf) if recompute is None else recompute.checkpoint(self._activate, h_NGf)
-        out_NH = gemm.project(Projection.FC2, act_Nf, self.w2, call, slots[1])
-        if recompute is not None:   # moe_act: the activation is freed once w2 saved it, recomputed before its backward
-            recompute.discard_output_and_register_recompute(out_NH)
+        call, h_NGf, rows_e = self.regions.expert_fc1(self._fc1, tokens_NH, tokens_per_expert_e, host, w13)
+        act_region = self.regions.moe_act
+        # a region that frees the activation's output and recomputes it (moe_act recompute) needs autograd's fresh
+        # tensor, not the backend's (which may write a reused workspace)
+        activation = self._recomputable_activation if recomputes(act_region) else self._activation
+        opened = act_region.open()
+        act_Nf = opened.run(activation, h_NGf)
+        out_NH = gemm.project(Projection.FC2, act_Nf, self.w2, call, self.weight_grads.slot(self.w2))
+        opened.consumed(out_NH)   # the down GEMM has saved the activation
         return self._add_w2_bias(gemm.leave(out_NH, call), rows_e)
+
+    def _fc1(self, tokens_NH: Tensor, tokens_per_expert_e: Tensor, host: tuple[int, ...] | None, w13: Tensor,
+             ) -> tuple[GemmCall, Tensor, Tensor | None]:
+        """The ``expert_fc1`` part: the backend's call, the gate/up projections ``[N, G*f]`` (with their bias), each
+        row's expert where the biases need it (else None)."""
+        e, gates, f, _ = self.w13.shape
+        gemm = self.gemm
+        x_in, call = gemm.enter(tokens_NH, tokens_per_expert_e, host, w13, self.w13_bias is not None)
+        h_NGf = gemm.project(Projection.FC1, x_in, w13, call, self.weight_grads.slot(self.w13))
+        rows_e = None
+        if self.w13_bias is not None:   # packed rows (enter keeps them so)
+            # each row's expert, e for rows past the last block (no token: a zero bias, and their gradient goes
+            # to that extra row, not to an expert's); output_size makes it sync-free on CUDA
+            rows_e = row_experts(tokens_per_expert_e, tokens_NH.shape[0])
+            h_NGf = h_NGf + _with_zero_row(self.w13_bias.reshape(e, gates * f))[rows_e]
+        return call, h_NGf, rows_e
 
     def flops(self, num_rows: int) -> int:
         """Forward FLOPs of ``num_rows`` routed rows through this rank's shard."""

@@ -162,17 +162,19 @@ class Float8GroupedGemm:
     ``k_group`` / ``m_group``: the group the K / M dim is split over (etp), or None; ``token_group``:
     the group an expert's rows are split over (module docstring), or None.
     ``grouped``: use ``torch._scaled_grouped_mm`` where the device supports it (else per expert).
+    ``store``: split backward (``dense.split_backward``): the weight gradient may be deferred to it, or None.
     """
 
     def __init__(self, config: FP8Config, *, grouped: bool = True, k_group: Group = None,
-                 m_group: Group = None, token_group: Group = None) -> None:
+                 m_group: Group = None, token_group: Group = None, store: WeightGradStore | None = None) -> None:
         self.config, self.recipe = config, Float8Recipe.from_config(config)
         self.grouped, self.k_group, self.m_group, self.token_group = grouped, k_group, m_group, token_group
-        self.store: WeightGradStore | None = None   # split backward (dense.split_backward)
-
-    def use_weight_grad_store(self, store: WeightGradStore) -> None:
-        """Split backward: defer the weight gradient (its casts too) while ``store`` defers."""
         self.store = store
+
+    def with_weight_grad_store(self, store: WeightGradStore) -> Float8GroupedGemm:
+        """This GEMM with a split backward: its weight gradient (its casts too) deferred while ``store`` defers."""
+        return Float8GroupedGemm(self.config, grouped=self.grouped, k_group=self.k_group, m_group=self.m_group,
+                                 token_group=self.token_group, store=store)
 
     def __call__(self, x_NK: Tensor, w: Tensor, tokens_per_expert_e: Tensor, *, trans_w: bool = True,
                  counts_host: Sequence[int] | None = None) -> Tensor:

@@ -47,8 +47,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor, nn
 
-from moefold.dense.activation_offload import NO_OFFLOAD
-from moefold.dense.recompute import checkpointed
+from moefold.dense.regions import PLAIN, Region, replace_regions
 from moefold.dispatch.base import Dispatched, Dispatcher, DispatchHandle, DispatchPrep
 from moefold.dispatch.token_exchange import exchange_with_grad
 from moefold.moe.balance_losses import GlobalLoadState
@@ -103,6 +102,14 @@ class MoEExpertsOut:
     received_E: Tensor | None
 
 
+@dataclass(frozen=True)
+class MoERegions:
+    """Where an MoE layer runs its parts (``dense.regions``): ``shared_experts`` the shared experts (Megatron's
+    ``shared_experts`` recompute and offload module). The routed experts own theirs (``ExpertsRegions``)."""
+
+    shared_experts: Region = PLAIN
+
+
 class MoELayer(nn.Module):
     """A mixture-of-experts FFN from its parts (module docstring; ``moe.build.build_moe_layer`` builds them).
 
@@ -110,6 +117,8 @@ class MoELayer(nn.Module):
     tp rank's sequence shard (else replicated over tp and split here); ``apply_probs_on_input``: top-1, the token is
     scaled by its prob before the experts; ``pad_multiple``: the dispatch lays each expert's rows out padded to it
     (``--moe-router-padding-for-quantization``), or None.
+
+    ``regions`` (``MoERegions``), installed by ``configure`` (``moefold.execution``: recompute, offload).
     """
 
     def __init__(self, router: Router, dispatcher: Dispatcher[DispatchPrep, object, DispatchHandle],
@@ -134,8 +143,11 @@ class MoELayer(nn.Module):
         self.experts = experts
         self.etp_rank = group_rank(experts.etp_group)
         self.shared_experts = shared_experts
-        self.recompute_shared_experts = False   # selective recompute (``dense.recompute``), set by the model
-        self.offload_shared_experts = NO_OFFLOAD   # activation offloading (``dense.activation_offload``), likewise
+        self.regions = MoERegions()
+
+    def configure(self, **regions: Region) -> None:
+        """Install regions by name (``MoERegions``); ValueError for an unknown name or a wrong kind."""
+        self.regions = replace_regions(self.regions, "MoELayer", **regions)
 
     # -- the layer's staged pieces: forward runs them, the overlap schedules run each as its own node ------------
     def route_and_prepare(self, x_SBH: Tensor, *, global_state: GlobalLoadState | None = None,
@@ -153,8 +165,7 @@ class MoELayer(nn.Module):
         """The shared experts' output ``[S, B, H]`` (like the input: SP shard or replicated), or None."""
         if self.shared_experts is None:
             return None
-        with self.offload_shared_experts:
-            return checkpointed(self.shared_experts, x_SBH, enabled=self.recompute_shared_experts)
+        return self.regions.shared_experts(self.shared_experts, x_SBH)
 
     def experts_step(self, received: tuple[Tensor, ...], meta: object, prep: DispatchPrep) -> MoEExpertsOut:
         """Between the two exchanges: the dispatch's local finish, the routed experts (plain ``FFN_g(rows)``,

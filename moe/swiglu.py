@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moefold.parallel.workspace import workspace
+from moefold.dense.workspace import workspace
 
 
 class _SwiGLU(torch.autograd.Function):

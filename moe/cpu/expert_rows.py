@@ -32,7 +32,7 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from moefold.parallel.workspace import workspace
+from moefold.dense.workspace import workspace
 
 
 class RowLayout(StrEnum):

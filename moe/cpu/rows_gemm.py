@@ -5,7 +5,7 @@
 blocks), differentiable in ``x`` and ``w``:
 
 - forward and input gradient: one ``torch.mm`` per expert block, or one ``torch.bmm`` for the ``uniform`` layout,
-  each writing its slice of an output from the workspace pool (``parallel.workspace``: no fresh, page-faulted
+  each writing its slice of an output from the workspace pool (``dense.workspace``: no fresh, page-faulted
   buffer per call);
 - weight gradient ``dw[i] = dy[rows_i]^T x[rows_i]``: with a main-grad ``slot`` (gradient-accumulation fusion,
   ``dense.grad_accumulation``) written straight into the parameter's main-grad buffer, the step's first
@@ -29,9 +29,9 @@ import torch
 from torch import Tensor
 
 from moefold.dense.grad_accumulation import MainGradSlot, mm_into, widen_into
+from moefold.dense.workspace import workspace
 from moefold.moe.cpu.expert_rows import ExpertRows, RowLayout, max_auto_rows, pad_rows
 from moefold.moe.grouped_linear import weight_grad
-from moefold.parallel.workspace import workspace
 
 
 def _split(t: Tensor, rows: ExpertRows, dim: int = 0) -> tuple[Tensor, ...]:

@@ -198,7 +198,7 @@ def test_large_rows_equal_the_formulas(dtype, variant):
     """Rows of several blocks (the combine's backward works in blocks of about 2**20 elements), repeated calls:
     the values are the formulas' bit for bit: rows = x[token], grad_rows = p * grad[token] (one product in fp32,
     then rounded), grad_p = sum(grad[token] * row)."""
-    from moefold.parallel.workspace import MIN_BYTES
+    from moefold.dense.workspace import MIN_BYTES
 
     gen = torch.Generator().manual_seed(3)
     T, K, E, Hd = 1024, 4, 8, 256

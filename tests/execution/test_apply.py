@@ -6,9 +6,12 @@ the layers' own ``configure`` (``dense.regions``).
   regions and GEMMs the plan asks for (the norms' outputs discarded, the offloaded parts in one offloader's
   regions, FP8 GEMMs that split backward then gave the store); full recompute is the decoder's layer run (the
   values under each choice: ``test_recompute``, ``test_activation_offload``);
-- no module attribute of a feature is assigned outside the layer that owns it, except in ``execution.moe_bridge``
-  (a source scan: ``obj.regions = ...``, ``obj.local_gemm = ...``, ``obj.recompute_*``, ``obj.offload_*`` with
-  ``obj`` not ``self``, or a ``setattr`` of those names; the bridge's own ``setattr`` takes its name from a table).
+- no module attribute of a feature is assigned outside the layer that owns it (a source scan of every package but
+  ``moe``, whose modules set their own: ``obj.regions = ...``, ``obj.local_gemm = ...``, the routed experts'
+  strategies ``obj.gemm``/``obj.weight_grads``/``obj.activation_kernel``, ``obj.recompute_*``, ``obj.offload_*``,
+  ``obj.use_*``, ``obj.fuse_*`` with ``obj`` not ``self`` (nor an autograd ``ctx``), or a ``setattr`` of those
+  names); the scan finds each way the MoE modules' switches were set from outside ``moe/`` before they took
+  ``configure``.
 """
 
 from __future__ import annotations
@@ -33,8 +36,13 @@ from moefold.models.recipes import get_recipe
 from moefold.precision.fp8 import FP8Config
 
 ROOT = Path(__file__).resolve().parents[2]
-FEATURE_ATTRS = ("regions", "local_gemm", "checkpoint_block")
-FEATURE_PREFIXES = ("recompute_", "offload_")
+FEATURE_ATTRS = ("regions", "local_gemm", "checkpoint_block", "gemm", "weight_grads", "activation_kernel")
+FEATURE_PREFIXES = ("recompute_", "offload_", "use_", "fuse_")
+# every package that holds no layer with feature attributes of its own: ``moe`` sets its modules' (through
+# ``self`` and its own ``configure``); the dense layers are scanned too, where only ``self`` may set them
+OWNERS = ("self", "ctx")   # the module itself; an autograd function's context (what its backward reads)
+SCANNED = ("parallel", "precision", "dense", "dispatch", "models", "execution", "pipeline", "training", "planner",
+           "tools")
 
 
 def _attention() -> GQAAttention:
@@ -84,6 +92,7 @@ def _feature_assignments(path: Path) -> list[str]:
     """``obj.<feature attr> = ...`` (obj not ``self``) and ``setattr(obj, "<feature attr>" | name, ...)`` in a file."""
     tree = ast.parse(path.read_text())
     found = []
+    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
 
     def feature(name: str) -> bool:
         return name in FEATURE_ATTRS or name.startswith(FEATURE_PREFIXES)
@@ -94,20 +103,42 @@ def _feature_assignments(path: Path) -> list[str]:
         for t in targets:
             for sub in ast.walk(t):
                 if (isinstance(sub, ast.Attribute) and feature(sub.attr)
-                        and not (isinstance(sub.value, ast.Name) and sub.value.id == "self")):
-                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(sub)}")
+                        and not (isinstance(sub.value, ast.Name) and sub.value.id in OWNERS)):
+                    found.append(f"{where}:{node.lineno} {ast.unparse(sub)}")
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and len(node.args) >= 2:
             name = node.args[1]
             if isinstance(name, ast.Constant) and isinstance(name.value, str) and feature(name.value):
-                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+                found.append(f"{where}:{node.lineno} {ast.unparse(node)}")
     return found
 
 
 def test_no_feature_attribute_is_set_from_outside() -> None:
-    allowed = {ROOT / "execution" / "moe_bridge.py"}
     found = []
-    for package in ("dense", "models", "execution", "pipeline", "training"):
+    for package in SCANNED:
         for path in sorted((ROOT / package).rglob("*.py")):
-            if path not in allowed:
-                found += _feature_assignments(path)
+            found += _feature_assignments(path)
     assert not found, "feature attributes set from outside their layer:\n" + "\n".join(found)
+
+
+# what the MoE modules' switches looked like before they took ``configure`` (and what a regression would bring back)
+_MOE_SWITCHES = """
+layer.recompute_shared_experts = True
+layer.offload_shared_experts = region
+layer.experts.recompute_activation = True
+experts.offload_expert_fc1 = experts.offload_moe_act = region
+experts.gemm = experts.gemm.with_weight_grad_store(store)
+moe.experts.weight_grads = WeightGrads.MAIN_GRAD
+moe.experts.activation_kernel = COMPILED_ACTIVATION
+experts.fuse_wgrad = True
+experts.use_fused_activation = True
+setattr(experts, "offload_moe_act", region)
+layer.regions = MoERegions(shared_experts=CHECKPOINT)
+"""
+
+
+def test_the_scan_finds_an_moe_switch_set_from_outside(tmp_path) -> None:
+    path = tmp_path / "outside_moe.py"
+    path.write_text(_MOE_SWITCHES)
+    found = _feature_assignments(path)
+    lines = sorted(int(f.split(":")[1].split()[0]) for f in found)
+    assert lines == [2, 3, 4, 5, 5, *range(6, 13)], found   # every line, line 5 twice

@@ -50,6 +50,7 @@ from moefold.dense import (
     YarnConfig,
 )
 from moefold.dense.gated_deltanet import CausalConv1d, GatedRMSNorm
+from moefold.dense.workspace import MIN_BYTES, workspace
 from moefold.dispatch.config import DispatchConfig
 from moefold.execution import build_decoder
 from moefold.execution.offloader import ActivationOffloader
@@ -66,7 +67,6 @@ from moefold.moe.router import Router
 from moefold.moe.router_config import RouterConfig
 from moefold.moe.shared_experts import SharedExperts
 from moefold.parallel.dims import ParallelDims
-from moefold.parallel.workspace import MIN_BYTES, workspace
 from moefold.precision.fp8 import FP8Config
 from tests.moe import grouped_gemm_standin, te_standin
 
@@ -318,7 +318,7 @@ def test_forward_backward_on_meta(case, monkeypatch):
 
 
 def test_workspace_pool_allocates_on_its_device():
-    """The expert path's reused buffers (``parallel.workspace``) come from the pool of the input's device."""
+    """The expert path's reused buffers (``dense.workspace``) come from the pool of the input's device."""
     pool = workspace("meta")
     large = (MIN_BYTES,)   # above the size the pool hands to torch.empty directly
     for t in (pool.empty(large, torch.bfloat16), pool.zeros(large, torch.float32), pool.empty((4,), torch.float32)):

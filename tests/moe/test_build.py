@@ -22,7 +22,8 @@ from moefold.moe.build import build_expert_gemm, build_experts, build_moe_layer
 from moefold.moe.config import ExpertsConfig, MoEConfig, SharedExpertsConfig
 from moefold.moe.cpu.backend import CpuRowsGemm
 from moefold.moe.cpu.expert_rows import RowLayout
-from moefold.moe.expert_gemm import Fp8Gemm, GroupedMMGemm, HostCountsGemm, SplitGemm
+from moefold.moe.expert_gemm import Fp8Gemm, GroupedMMGemm, HostCountsGemm, SplitGemm, WeightGrads
+from moefold.moe.experts import ExpertsRegions
 from moefold.moe.fp8_gemm import Float8GroupedGemm
 from moefold.moe.gemm import GemmBackend
 from moefold.moe.router_config import RouterConfig
@@ -59,7 +60,8 @@ def test_the_builder_makes_each_gemm_backend_from_its_config(monkeypatch):
 
     store = WeightGradStore()
     assert type(gemm().with_weight_grad_store(store)) is SplitGemm
-    assert fp8.with_weight_grad_store(store) is fp8   # torchao FP8 defers its own casts
+    split_fp8 = fp8.with_weight_grad_store(store)   # torchao FP8 defers its own casts: a new Fp8Gemm, fp8 unchanged
+    assert type(split_fp8) is Fp8Gemm and [g.store for g in split_fp8.gemms + fp8.gemms] == [store, store, None, None]
     with pytest.raises(ValueError, match="cannot defer the weight gradients of the 'te' expert GEMMs"):
         te.with_weight_grad_store(store)
 
@@ -168,16 +170,45 @@ def test_a_saved_run_config_loads_to_the_same_layer_config():
     assert moe.experts.gemm_backend is GemmBackend.LOOP and moe.experts.fp8 == options.fp8
 
 
-def test_experts_run_their_backend_and_keep_the_features_switched_on_them(monkeypatch):
-    """``use_fused_activation`` / ``use_grad_accumulation_fusion`` / ``use_weight_grad_store`` and the recompute /
-    offload attributes still act on the experts (execution/ replaces them later)."""
-    experts = build_experts(E, H, ExpertsConfig(F))
-    assert experts.use_grad_accumulation_fusion() and experts.fuse_wgrad
-    loop = build_experts(E, H, ExpertsConfig(F, gemm_backend="loop"))
-    assert not loop.use_grad_accumulation_fusion()
+def test_experts_take_their_strategies_through_configure():
+    """The routed experts' strategies are objects installed by ``configure`` (the execution pass's only way in): the
+    ``grouped_mm`` backend fuses its weight gradients and ``loop`` does not; the backend's SwiGLU runs until split
+    backward swaps the backend for its split form; a bad name, kind or strategy is one line and changes nothing."""
     from moefold.dense.split_backward import WeightGradStore
+    from moefold.execution.grad_accumulation import enable_grad_accumulation_fusion
+    from moefold.execution.recompute import DISCARD_OUTPUT
     from moefold.moe.swiglu import swiglu_rows
 
+    experts = build_experts(E, H, ExpertsConfig(F))
+    assert enable_grad_accumulation_fusion(experts) == [""] and experts.weight_grads is WeightGrads.MAIN_GRAD
+    loop = build_experts(E, H, ExpertsConfig(F, gemm_backend="loop"))
+    assert enable_grad_accumulation_fusion(loop) == []
+    with pytest.raises(ValueError, match=r"weight_grads=MAIN_GRAD .* not HostCountsGemm \(loop\)"):
+        loop.configure(weight_grads=WeightGrads.MAIN_GRAD)
+
     assert experts._activation is swiglu_rows   # the grouped_mm backend's SwiGLU
-    experts.use_weight_grad_store(WeightGradStore())
+    split = experts.gemm.with_weight_grad_store(WeightGradStore())
+    with pytest.raises(ValueError, match="weight_grads=MAIN_GRAD"):   # split backward and fusion: not together
+        experts.configure(gemm=split)
+    assert experts.gemm is not split
+    enable_grad_accumulation_fusion(experts, enabled=False)
+    experts.configure(gemm=split)
     assert type(experts.gemm) is SplitGemm and experts._activation is experts._eager_activation
+
+    with pytest.raises(ValueError, match=r"GroupedExperts.configure: 'shared_experts' is not one of its regions "
+                                         r"\(expert_fc1, moe_act\)"):
+        experts.configure(shared_experts=DISCARD_OUTPUT)
+    with pytest.raises(ValueError, match="expert_fc1=DISCARD_OUTPUT is not a Region"):
+        experts.configure(expert_fc1=DISCARD_OUTPUT)
+    with pytest.raises(ValueError, match="weight_grads=True is not a WeightGrads"):
+        experts.configure(weight_grads=True)
+    with pytest.raises(ValueError, match="activation_kernel=True is not an ActivationKernel"):
+        experts.configure(activation_kernel=True)
+    with pytest.raises(ValueError, match="the gemm backend object runs 'loop', the config asks for 'grouped_mm'"):
+        experts.configure(gemm=loop.gemm, moe_act=DISCARD_OUTPUT)
+    assert experts.regions == ExpertsRegions() and type(experts.gemm) is SplitGemm   # nothing changed
+    layer = build_moe_layer(MoEConfig(E, RouterConfig(E, 2), ExpertsConfig(F), shared=SharedExpertsConfig(F)), H,
+                            ParallelDims.single())
+    with pytest.raises(ValueError, match=r"MoELayer.configure: 'moe_act' is not one of its regions "
+                                         r"\(shared_experts\)"):
+        layer.configure(moe_act=DISCARD_OUTPUT)

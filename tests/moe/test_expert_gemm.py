@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moefold.dense.workspace import MIN_BYTES, WorkspacePool, workspace
 from moefold.moe.build import build_experts
 from moefold.moe.config import ExpertsConfig
 from moefold.moe.cpu import backend as cpu_backend
@@ -20,7 +21,6 @@ from moefold.moe.cpu.rows_gemm import choose_layout, chosen_layouts, rows_linear
 from moefold.moe.grouped_linear import grouped_linear, weight_grad_into
 from moefold.moe.swiglu import swiglu_rows
 from moefold.parallel.sharding import init_parameters
-from moefold.parallel.workspace import MIN_BYTES, WorkspacePool, workspace
 
 COUNTS = (5, 0, 37, 2)   # an expert without rows; blocks that do not divide ALIGN
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from moefold.dense.split_backward import WeightGradStore
+from moefold.execution.recompute import DISCARD_OUTPUT
 from moefold.execution.split_backward import install_weight_grad_store
 from moefold.moe.build import build_experts
 from moefold.moe.config import ExpertsConfig
@@ -36,7 +37,8 @@ def _experts(case: dict) -> GroupedExperts:
     case = dict(case)
     recompute = case.pop("recompute_activation", False)
     experts = build_experts(E, H, ExpertsConfig(FFN, **case))
-    experts.recompute_activation = recompute
+    if recompute:
+        experts.configure(moe_act=DISCARD_OUTPUT)
     init_parameters(experts, seed=5)
     return experts
 
@@ -77,4 +79,4 @@ def test_te_expert_gemms_are_refused_with_one_line(monkeypatch):
     te_standin.install(monkeypatch)
     experts = build_experts(E, H, ExpertsConfig(FFN, gemm_backend="te"))
     with pytest.raises(ValueError, match="cannot defer the weight gradients of the 'te' expert GEMMs"):
-        experts.use_weight_grad_store(WeightGradStore())
+        install_weight_grad_store(experts, WeightGradStore())

@@ -6,12 +6,12 @@ import random
 
 import pytest
 
-from moefold.pipeline import schedule_cli
 from moefold.pipeline.actions import Action
 from moefold.pipeline.schedules import Schedule, build_schedule, expected_bubble_fraction
 from moefold.pipeline.simulator import DeadlockError, ScheduleError, simulate, validate
 from moefold.pipeline.timeline import render_text
 from moefold.training.cli import SUBCOMMANDS
+from moefold.training.cli import schedule as schedule_cli
 
 GRID = [(name, pp, 1, m) for name in ("gpipe", "1f1b") for pp in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 5, 8, 16)]
 GRID += [("interleaved", pp, v, k * pp) for pp in (2, 3, 4, 8) for v in (2, 3, 4) for k in (1, 2, 3)]
@@ -140,7 +140,7 @@ def test_text_timeline_shows_1f1b():
 
 def cli_main(argv: list[str]) -> int:
     # The subcommand module alone: building the whole CLI would import every other subcommand.
-    assert argv[0] == "schedule" and SUBCOMMANDS["schedule"][0] == "moefold.pipeline.schedule_cli"
+    assert argv[0] == "schedule" and SUBCOMMANDS["schedule"][0] == "moefold.training.cli.schedule"
     parser = argparse.ArgumentParser()
     schedule_cli.add_arguments(parser)
     return schedule_cli.main(parser.parse_args(argv[1:]))

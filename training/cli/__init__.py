@@ -3,9 +3,10 @@
 A subcommand module exposes ``add_arguments(parser)`` and ``main(args) -> int``; one with
 ``TAKES_CONFIG_FILE = True`` also reads its flags from ``--config FILE`` (``training.cli.config_file``).
 This package holds the commands that need the trainer or its checkpoints (train, convert, inspect, generate,
-upcycle, env) and the model flags; the others live with their concept (``pipeline.schedule_cli``,
-``tools.bench_dispatch``, ``training.data.prepare``, ``training.observe.balance_report``, ``planner.cli``), routed
-by module name so that this package never imports ``moefold.planner`` or ``moefold.tools`` (which import it).
+upcycle, env), ``schedule`` (the pipeline schedules' timeline: its flags stay above the packages it prints) and the
+model flags; the others live with their concept (``tools.bench_dispatch``, ``training.data.prepare``,
+``training.observe.balance_report``, ``planner.cli``), routed by module name so that this package never imports
+``moefold.planner`` or ``moefold.tools`` (which import it).
 May import: everything in moefold except planner and tools.
 """
 
@@ -22,7 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "env": ("moefold.training.cli.env", "print torch, devices, world size and the optional backends"),
     "bench-dispatch": ("moefold.tools.bench_dispatch",
                        "time a token dispatcher's dispatch+combine against a raw all-to-all"),
-    "schedule": ("moefold.pipeline.schedule_cli",
+    "schedule": ("moefold.training.cli.schedule",
                  "print a pipeline schedule's timeline and bubble fraction (--plot PNG)"),
     "prepare-data": ("moefold.training.data.prepare", "tokenise text/JSONL files into an indexed .bin/.idx corpus"),
     "balance-report": ("moefold.training.observe.balance_report",

@@ -13,7 +13,7 @@ Peaks are measured (``measure_peak``), one phase at a time (e.g. one forward + b
   the storage) and follows in-place storage resizes (the output-discarding recompute frees and refills
   storages that way). It counts tensor bytes, not allocator caching or fragmentation, and slows the phase
   down (a Python call per operator): a measurement tool, not for every training step. The CPU workspace
-  pool (``parallel.workspace``) drops its free buffers first: a buffer made before the phase and reused in
+  pool (``dense.workspace``) drops its free buffers first: a buffer made before the phase and reused in
   it would go unseen, one made in it counts while the pool holds it (memory the process really keeps), so
   the phase's figure no longer depends on what ran before it.
 
@@ -35,8 +35,8 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from moefold.dense.workspace import workspace
 from moefold.execution.offloader import is_host_allocation
-from moefold.parallel.workspace import workspace
 from moefold.training.optim.precision import OptimizerPrecision
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

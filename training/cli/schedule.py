@@ -1,4 +1,7 @@
-"""``moefold schedule``: print a pipeline schedule's timeline, bubble and memory (and plot it)."""
+"""``moefold schedule``: print a pipeline schedule's timeline, bubble and memory (and plot it).
+
+The command's flags and its output; the schedules, the simulator and the timeline are ``moefold.pipeline``'s (no
+argparse below the CLI)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,11 @@
 """Reused buffers for the large, short-lived tensors of the expert path (CPU), instead of fresh allocations.
 
-    from moefold.parallel.workspace import workspace
+Here, in ``dense``, because that is the lowest package whose code takes them: the main-grad writes' CPU path
+(``dense.grad_accumulation``: a bf16 weight gradient widened into the fp32 buffer, which the linears' fused GEMMs,
+the experts' and the trainer's ``GradSync`` all run). The experts' CPU rows path (``moe.cpu``) and SwiGLU
+(``moe.swiglu``) use them from above.
+
+    from moefold.dense.workspace import workspace
     h_NM = workspace(x.device).empty((N, M), x.dtype)   # a buffer nobody else holds, or a new one
 
 Why: on CPU, torch allocates with glibc ``malloc``. glibc serves a block above its mmap threshold (which
