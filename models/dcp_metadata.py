@@ -8,6 +8,10 @@ pickled object inside the checkpoint) and DCP's save-plan classes are admitted o
 Megatron's torch_dist checkpoints hold such entries (``ShardedObject``: RNG states, Transformer Engine's extra
 state), which ``models.megatron.dcp_io`` never reads, and the save plan Megatron-Core's planner keeps in the
 metadata; moefold's own checkpoints hold tensors only (``training.checkpoint.safe_load``).
+
+Each tensor's shard file (``_StorageInfo.relative_path``, which DCP's reader joins to the checkpoint folder and
+opens) must be a plain name inside the folder (``models.safe_names``): a crafted ``../x.distcp`` is refused before
+anything is opened.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from moefold.models.safe_names import UnsafeNameError, inside
 
 _METADATA_CLASSES = frozenset({
     ("torch.distributed.checkpoint.metadata", name)
@@ -75,6 +81,14 @@ def read_dcp_metadata(path: str | os.PathLike, megatron: bool = False) -> Metada
                                     f"{exc})") from None
     if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
         raise UnsafeCheckpointError(f"{where} does not hold DCP checkpoint metadata (got {type(md).__name__})")
+    if not isinstance(md.storage_data or {}, dict):
+        raise UnsafeCheckpointError(f"{where} does not hold DCP checkpoint metadata (storage_data is a "
+                                    f"{type(md.storage_data).__name__})")
+    for name in {getattr(info, "relative_path", None) for info in (md.storage_data or {}).values()}:
+        try:
+            inside(path.parent, name, "shard file", where)
+        except UnsafeNameError as exc:
+            raise UnsafeCheckpointError(str(exc)) from None
     for info in (md.storage_data or {}).values():
         if getattr(info, "transform_descriptors", None):
             raise UnsafeCheckpointError(f"{where} asks for storage transforms {info.transform_descriptors}; "

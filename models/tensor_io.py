@@ -4,6 +4,10 @@ A directory holds either ``model.safetensors`` or ``model-0000i-of-0000n.safeten
 by ``model.safetensors.index.json`` (``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``),
 the layout HF ``save_pretrained`` writes. ``TensorReader.read(name, box)`` reads only the requested
 slice (``safe_open(...).get_slice``), so each rank of a parallel layout reads what it holds.
+
+The index is a file anyone can edit: each file it names must be a plain name inside the directory
+(``models.safe_names``: ``../x/model.safetensors`` is refused, never opened), and an unreadable index or
+safetensors header is a ``ValueError`` of one line naming the file (safetensors' own error type is not one).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
+
+from moefold.models.safe_names import inside
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -40,8 +46,7 @@ class TensorReader:
         if files:
             self.weight_map = self._names_of(path)
         elif (root / INDEX).is_file():
-            index = json.loads((root / INDEX).read_text())
-            self.weight_map = dict(index["weight_map"])
+            self.weight_map = _read_index(root)
         elif (root / SINGLE).is_file():
             self.weight_map = self._names_of(root / SINGLE)
         else:
@@ -52,10 +57,13 @@ class TensorReader:
 
     def _open(self, fname: str, file: Path | None = None):
         if fname not in self._handles:
-            file = file or self.root / fname
+            file = file or inside(self.root, fname, "file", self.root / INDEX)
             if not file.is_file():
                 raise ValueError(f"checkpoint file {file} (listed in {INDEX}) does not exist")
-            self._handles[fname] = self._stack.enter_context(safe_open(str(file), framework="pt"))
+            try:
+                self._handles[fname] = self._stack.enter_context(safe_open(str(file), framework="pt"))
+            except Exception as exc:   # safetensors' SafetensorError (not an OSError/ValueError) or an OSError
+                raise ValueError(f"{file}: not a readable safetensors file ({_first_line(exc)})") from None
         return self._handles[fname]
 
     def __contains__(self, name: str) -> bool:
@@ -87,6 +95,26 @@ class TensorReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _read_index(root: Path) -> dict[str, str]:
+    """The index's ``weight_map`` {tensor name: file}, every file a plain name inside ``root``; ValueError (one
+    line naming the index) when it is unreadable or names a file elsewhere."""
+    where = root / INDEX
+    try:
+        weight_map = json.loads(where.read_text())["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(k, str) for k in weight_map):
+            raise TypeError(f"weight_map is a {type(weight_map).__name__}, not a mapping of names to files")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{where}: not a readable safetensors index ({_first_line(exc)})") from None
+    for fname in set(weight_map.values()):
+        inside(root, fname, "file", where)
+    return dict(weight_map)
 
 
 class DictReader:

@@ -32,7 +32,7 @@ import os
 import shutil
 import zlib
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -49,6 +49,7 @@ DEL_PREFIX = ".del-"
 META = "meta.json"
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
+SHARD_SUFFIX = ".distcp"   # DCP's tensor files: the large ones
 _CHUNK = 8 * 2**20
 
 
@@ -172,6 +173,15 @@ def read_manifest(ckpt: Path) -> dict[str, dict[str, Any]]:
             raise ValueError(f"format {manifest.get('format')!r}")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{MANIFEST} is unreadable (truncated or corrupt: {exc})") from None
+    base = os.path.realpath(ckpt)
+    for name, entry in files.items():   # names from a file: each must lie inside the checkpoint
+        parts = PurePosixPath(name).parts if isinstance(name, str) else ()
+        if not parts or PurePosixPath(name).is_absolute() or ".." in parts \
+                or not os.path.realpath(ckpt / name).startswith(base + os.sep):
+            raise CheckpointError(f"{MANIFEST} lists {name!r}, which is not a file inside the checkpoint (corrupt or "
+                                  "crafted)")
+        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("crc32"), str)):
+            raise CheckpointError(f"{MANIFEST} is unreadable (corrupt entry for {name})")
     return files
 
 
@@ -194,6 +204,18 @@ def check_files(ckpt: Path, files: dict[str, dict[str, Any]], checksums: bool = 
         elif checksums and crc32_file(p) != entry["crc32"]:
             problems.append(f"{name} fails its crc32 check (corrupt)")
     return problems
+
+
+def check_before_reading(ckpt: Path) -> list[str]:
+    """What is wrong with checkpoint ``ckpt`` as far as the launcher can tell cheaply, before it parses or unpickles
+    any of its files (empty: nothing): every listed file's size, and the crc32 of every file but the tensor shards
+    (``.metadata``, ``meta.json``, the RNG files). One process, no collective; the ranks verify everything."""
+    try:
+        files = read_manifest(ckpt)
+    except CheckpointError as exc:
+        return [str(exc)]
+    return check_files(ckpt, files, checksums=False) or \
+        check_files(ckpt, {n: e for n, e in files.items() if not n.endswith(SHARD_SUFFIX)}, checksums=True)
 
 
 def verify_checkpoint(ckpt: str | os.PathLike, dims: ParallelDims | None = None, checksums: bool = True) -> list[str]:
@@ -248,9 +270,15 @@ def resume_candidates(path: Path, log: Callable[[str], None] = print) -> list[Pa
     ``path`` (``SAVE/run.json``), no newer than the tracker's iteration (``training.checkpoint.identity``). The
     others are reported through ``log``: another run's, or newer than the tracker (a save whose tracker update
     a crash cut off, or an abandoned branch the run was resumed before). Without ``run.json`` and tracker (a
-    directory written before run ids): all of them."""
+    directory written before run ids): all of them.
+
+    A tracker naming a checkpoint that is not there is said through ``log`` (the resume falls back to older ones);
+    when every checkpoint of the run is newer than it, ``CheckpointError``: the run would otherwise start from
+    scratch beside them (and keep-last delete them)."""
     owner, tracked = read_run(path), read_tracker(path)
-    out = []
+    if tracked is None and (path / TRACKER).is_file():
+        log(f"{path / TRACKER} does not hold an iteration: taking the newest intact checkpoint of the run")
+    out, newer = [], []
     for d in reversed(checkpoint_dirs(path)):
         rid = checkpoint_run_id(d)
         if owner is not None and rid is not None and rid != owner.run_id:
@@ -258,8 +286,20 @@ def resume_candidates(path: Path, log: Callable[[str], None] = print) -> list[Pa
             continue
         if tracked is not None and iteration_of(d) > tracked:
             log(f"ignoring {d}: newer than the iteration {tracked} that {path / TRACKER} names")
+            newer.append(d)
             continue
         out.append(d)
+    if tracked is not None and not any(iteration_of(d) == tracked for d in out):
+        missing = path / f"{PREFIX}{tracked:07d}"
+        if not out and newer:
+            names = ", ".join(d.name for d in newer[:3]) + (f" (+{len(newer) - 3} more)" if len(newer) > 3 else "")
+            raise CheckpointError(f"{path / TRACKER} names iteration {tracked}, but {missing} is missing and the run's "
+                                  f"checkpoints ({names}) are all newer; refusing to start from scratch beside them: "
+                                  f"resume one with --load {newer[0]} (the newer ones are kept aside), or move them "
+                                  "away to start a new run")
+        if out:
+            log(f"{path / TRACKER} names iteration {tracked}, but {missing} is missing: falling back to the run's "
+                "older checkpoints")
     return out
 
 
@@ -272,8 +312,15 @@ def find_checkpoint(path: str | os.PathLike, dims: ParallelDims | None = None,
     path = Path(path)
     # rank 0's view of the directory, so that every rank verifies the same candidates (one collective each)
     rank0 = dims is None or dims.rank == 0
-    explicit, names = broadcast(dims, (is_checkpoint_dir(path), [d.name for d in resume_candidates(
-        path, log if rank0 else lambda _m: None)] if not is_checkpoint_dir(path) else []))
+    explicit, names, error = is_checkpoint_dir(path), [], None
+    if rank0 and not explicit:
+        try:
+            names = [d.name for d in resume_candidates(path, log)]
+        except (CheckpointError, ValueError) as exc:   # raised on every rank, below, not on rank 0 alone
+            error = str(exc)
+    explicit, names, error = broadcast(dims, (explicit, names, error))
+    if error is not None:
+        raise CheckpointError(error)
     if explicit:
         problems = verify_checkpoint(path, dims)
         if problems:

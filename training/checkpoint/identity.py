@@ -14,6 +14,10 @@ A *run* is one training lineage: it starts fresh with a new run id and keeps tha
 A resume of ``SAVE`` takes the checkpoint the tracker names, falling back to older intact ones of the same
 run; checkpoints of another run (left by an earlier run in the same directory) are never taken. Directories
 written before run ids existed (no ``run.json``, no tracker) resume from their newest intact checkpoint.
+
+A run id read from a file names a directory (``previous/<run id>/``), so it must be a plain name
+(``models.safe_names``): ``read_run`` and ``checkpoint_run_id`` raise ``UnsafeNameError`` (a ValueError of one line
+naming the file) for ``../../x`` or an absolute path, and nothing is moved.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from moefold.models.safe_names import inside, plain_name
 from moefold.training.checkpoint.atomic import fsync_dir, write_atomic
 
 RUN_FILE = "run.json"
@@ -58,13 +63,17 @@ class RunRecord:
 
 
 def read_run(directory: str | os.PathLike) -> RunRecord | None:
-    """The ``run.json`` of ``directory`` (None when there is none or it cannot be read)."""
+    """The ``run.json`` of ``directory`` (None when there is none or it cannot be read); ``UnsafeNameError`` when
+    its run id is not a plain name."""
+    path = Path(directory) / RUN_FILE
     try:
-        d = json.loads((Path(directory) / RUN_FILE).read_text())
-        return RunRecord(run_id=str(d["run_id"]), name=str(d.get("name", "?")), created=float(d.get("created", 0)),
-                         host=str(d.get("host", "?")), pid=int(d.get("pid", 0)))
-    except (OSError, ValueError, KeyError, TypeError):
+        d = json.loads(path.read_text())
+        record = RunRecord(run_id=d["run_id"], name=str(d.get("name", "?")), created=float(d.get("created", 0)),
+                           host=str(d.get("host", "?")), pid=int(d.get("pid", 0)))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+    plain_name(record.run_id, "run_id", path)
+    return record
 
 
 def write_run(directory: str | os.PathLike, record: RunRecord) -> None:
@@ -92,12 +101,14 @@ def remove_tracker(save: str | os.PathLike) -> None:
 
 
 def checkpoint_run_id(ckpt: str | os.PathLike) -> str | None:
-    """The run id recorded in a checkpoint's ``meta.json`` (None: written before run ids, or unreadable)."""
+    """The run id recorded in a checkpoint's ``meta.json`` (None: written before run ids, or unreadable);
+    ``UnsafeNameError`` when it is not a plain name."""
+    path = Path(ckpt) / "meta.json"
     try:
-        rid = json.loads((Path(ckpt) / "meta.json").read_text()).get("run_id")
+        rid = json.loads(path.read_text()).get("run_id")
     except (OSError, ValueError, AttributeError):
         return None
-    return str(rid) if rid else None
+    return plain_name(rid, "run_id", path) if rid else None
 
 
 def set_aside(ckpt: Path, run_id: str | None) -> Path | None:
@@ -109,7 +120,14 @@ def set_aside(ckpt: Path, run_id: str | None) -> Path | None:
     owner = checkpoint_run_id(ckpt)
     if run_id is None or owner == run_id:
         return None
-    parent = ckpt.parent / SET_ASIDE / (owner or "unknown")
+    return keep_aside(ckpt, owner)
+
+
+def keep_aside(ckpt: Path, owner: str | None) -> Path:
+    """Move checkpoint ``ckpt`` to ``SAVE/previous/<owner>/`` (``owner`` None: ``unknown``), out of the ``iter_``
+    name space, with a suffix when one of its name is there already; returns where it went."""
+    (ckpt.parent / SET_ASIDE).mkdir(exist_ok=True)
+    parent = inside(ckpt.parent / SET_ASIDE, owner or "unknown", "run_id", ckpt / "meta.json")
     parent.mkdir(parents=True, exist_ok=True)
     dest = parent / ckpt.name
     n = 1
@@ -125,9 +143,9 @@ def describe_checkpoint(ckpt: str | os.PathLike) -> str:
     checkpoint of which run a command took."""
     try:
         meta = json.loads((Path(ckpt) / "meta.json").read_text())
-    except (OSError, ValueError):
+        config = meta.get("config") or {}
+        name = config.get("recipe") or (config.get("model") or {}).get("name") or "?"
+    except (OSError, ValueError, AttributeError, TypeError):
         return str(ckpt)
-    config = meta.get("config") or {}
-    name = config.get("recipe") or (config.get("model") or {}).get("name") or "?"
     run = f"run {meta['run_id']}" if meta.get("run_id") else "a run without a run id"
     return f"{ckpt} (iteration {meta.get('iteration', '?')} of {run}, {name})"

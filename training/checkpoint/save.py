@@ -2,7 +2,8 @@
 (``AsyncCheckpointer``, ``--async-save``). Both write the same directory the same way::
 
     prepare      rank 0: remove leftovers of crashed saves; check the free space against the checkpoint's
-                 size and, when it is short, first retire what keep-last would retire after this save
+                 size and, when it is short, first retire what keep-last would retire after this save, but
+                 never the newest complete checkpoint (at --keep-last 1 it goes only after this one is complete)
     write        every rank: its RNG state, rank 0 meta.json; DCP writes the tensors into SAVE/.tmp-iter_N
     manifest     every file's size and crc32 (each rank checksums a share), written last
     publish      rank 0: rename .tmp-iter_N to iter_N, then the tracker (latest_checkpointed_iteration.txt)
@@ -121,7 +122,8 @@ class _Save:
         remove_leftovers(self.root)
         free = free_bytes(self.root)
         if free < self.need:
-            doomed = doomed_by_keep_last(self.root, self.iteration, self.keep_last, self.run_id)
+            # never the newest complete checkpoint: until this one is complete it is all a crash could resume from
+            doomed = doomed_by_keep_last(self.root, self.iteration, max(self.keep_last, 2), self.run_id)
             for d in doomed:
                 retire(d)
             self.pruned = [d.name for d in doomed]

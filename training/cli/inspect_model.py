@@ -54,11 +54,20 @@ def describe_hf_dir(path: str | Path):
             lines.append(f"  {path}: {len(reader.names())} tensors in {len(files)} safetensors file(s), "
                          f"{size / 2**30:.2f} GiB, dtype {', '.join(dtypes)}")
             config = load_config(path, reader)
-            from moefold.models.hf.bounds import held_numel, implied_numel
+            from moefold.models.hf.bounds import (
+                SLACK,
+                check_weights_match_config,
+                floor_numel,
+                held_numel,
+                implied_numel,
+            )
             from moefold.models.hf.fp8_blocks import fp8_reader
 
+            weights = fp8_reader(reader, (config.extra or {}).get("hf_config"))
+            held = held_numel(weights, config)
+            if floor_numel(config) > SLACK * held:   # too big to even count (built on meta): refused, one line
+                check_weights_match_config(path, config, weights, read_hf_config(path))
             implied = implied_numel(config)
-            held = held_numel(fp8_reader(reader, (config.extra or {}).get("hf_config")), config)
             if implied != held:
                 lines.append(f"  config.json describes {implied:,} parameters but the safetensors hold {held:,}: "
                              "they do not belong together (--load-hf / convert refuse them)")

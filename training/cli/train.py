@@ -51,7 +51,7 @@ from moefold.training.launch.preflight import preflight
 from moefold.training.launch.ranks import run_ranks
 from moefold.training.launch.signals import Stop, signal_numbers, stop_line
 from moefold.training.launch.torchrun import agree, first_error, join_torchrun
-from moefold.training.launch.watchdog import Heartbeat
+from moefold.training.launch.watchdog import Heartbeat, watch_parent
 from moefold.training.observe.machine import bf16_slower_notice, describe_machine
 
 TAKES_CONFIG_FILE = True   # --config FILE: flags from YAML (training.cli.config_file)
@@ -204,7 +204,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"moefold train: error: {exc}", file=sys.stderr)
         return 2
     rank = int(os.environ.get("RANK", "0"))
+    held: list = []   # the claim, once rank 0 holds one: the agent watch releases its lock
+    agent = os.getppid()
     if torchrun:   # the ranks exist already: join them now, so that they agree on the run before it starts
+        watch_parent(lambda agent: _agent_gone(rank, agent, held))
         join_torchrun(args.device, timedelta(minutes=args.distributed_timeout_minutes))
     claim, error = None, None
     try:
@@ -228,6 +231,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"moefold train: error: {error}", file=sys.stderr)
         return 2
     if claim is not None:
+        held.append(claim)
         claim.record()
         write_effective_config(train_parser(), args, config.train.run_dir)
     if rank == 0:
@@ -250,6 +254,8 @@ def main(args: argparse.Namespace) -> int:
                             run_dir=config.train.run_dir, heartbeat_timeout_s=args.heartbeat_timeout,
                             stop_signals=signal_numbers(config.train.exit_signals))
     except JobFailed as exc:
+        if torchrun and os.getppid() != agent:   # a peer that saw the agent go stopped first: that is the cause
+            _agent_gone(rank, agent, held)
         spawned = world > 1 and not torchrun   # the log holds every rank's traceback
         where = f" (full traceback{'s' if spawned else ''}: {exc.log})" if exc.log else ""
         cut = "\n" if spawned else ""   # rank 0's progress bar may end mid-line
@@ -267,6 +273,16 @@ def main(args: argparse.Namespace) -> int:
             print(stop_line(stop, outcome["step"], outcome["checkpoint"], config.train.save), file=sys.stderr)
         return stop.exit_code
     return 0
+
+
+def _agent_gone(rank: int, agent: int, held: list) -> None:
+    """torchrun's agent (this worker's parent) died without stopping its workers (``kill -9``): one line, the save
+    lock released (rank 0 holds it), and out at once: the peers may be gone too, so nothing waits for them."""
+    print(f"moefold train: rank {rank}: the torchrun agent (pid {agent}) is gone; stopping this worker"
+          + (" and releasing the --save lock" if held else "") + " (resume with --load)", file=sys.stderr, flush=True)
+    for claim in held:
+        claim.release()
+    os._exit(1)
 
 
 def train_parser() -> argparse.ArgumentParser:

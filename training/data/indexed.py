@@ -20,6 +20,11 @@ by a scan of the ``.bin`` (``IndexedDataset.largest_token_id``).
 
 Both files are read through ``numpy.memmap``; a reader never loads the tokens into memory. A writer
 writes to temporary names and renames, so a reader never sees a half-written pair.
+
+Opening validates the whole index, not only its ends: every document offset lies in ``[0, num_tokens]`` and none
+is smaller than the one before (``check_offsets``: vectorised, in chunks of the memmap, with a progress bar on a
+terminal once it has taken a second), so a corrupt offset (one of 2^40, or a decreasing one) is refused naming
+the document, instead of training on whatever it points at.
 """
 
 from __future__ import annotations
@@ -166,6 +171,7 @@ class IndexedDataset:
         if self.doc_offsets[0] != 0 or self.doc_offsets[-1] != num_tokens:
             raise ValueError(f"{ipath}: document offsets run from {self.doc_offsets[0]} to "
                              f"{self.doc_offsets[-1]}, expected 0 to num_tokens={num_tokens} (corrupt)")
+        check_offsets(self.doc_offsets, num_tokens, f"{ipath}: document")
         # np.memmap cannot map an empty file; an empty corpus is refused later by the datasets.
         self.tokens = (np.memmap(bpath, dtype=self.dtype, mode="r", shape=(num_tokens,)) if num_tokens
                        else np.zeros(0, dtype=self.dtype))
@@ -202,6 +208,31 @@ class IndexedDataset:
     def __repr__(self) -> str:
         return (f"IndexedDataset({self.prefix!r}, docs={self.num_docs}, tokens={self.num_tokens}, "
                 f"vocab={self.vocab_size}, dtype={np.dtype(self.dtype).name})")
+
+
+def check_offsets(offsets: np.ndarray, end: int, what: str, chunk: int | None = None, progress: bool = True) -> None:
+    """ValueError naming the first bad entry unless ``offsets`` (a memmap) never decreases and lies in ``[0, end]``
+    (``what``: "FILE: document", the message's subject). Chunks of ``chunk`` entries (default ``_SCAN_CHUNK``),
+    each compared with the last of the one before; a progress bar on a terminal once it has taken a second."""
+    import sys
+
+    from tqdm import tqdm
+
+    chunk = chunk or _SCAN_CHUNK
+    previous = 0
+    with tqdm(total=len(offsets), unit="offset", unit_scale=True, desc=f"checking {what} offsets", delay=1.0,
+              disable=not (progress and sys.stderr.isatty()), leave=False) as bar:
+        for start in range(0, len(offsets), chunk):
+            part = np.asarray(offsets[start:start + chunk], dtype=np.int64)
+            steps = np.diff(part, prepend=previous)
+            bad = np.flatnonzero((steps < 0) | (part < 0) | (part > end))
+            if bad.size:
+                i = int(bad[0])
+                before = int(part[i - 1]) if i else previous
+                raise ValueError(f"{what} offset {start + i} is {int(part[i])} (the one before: {before}; valid: "
+                                 f"non-decreasing, within [0, {end}]): a corrupt index; re-run `moefold prepare-data`")
+            previous = int(part[-1]) if part.size else previous
+            bar.update(len(part))
 
 
 def scan_max_token_id(tokens: np.ndarray, chunk: int | None = None, progress: bool = False, desc: str = "") -> int:

@@ -30,7 +30,14 @@ from pathlib import Path
 
 import numpy as np
 
-from moefold.training.data.indexed import IndexedDataset, IndexedDatasetWriter, bin_path, idx_path, scan_max_token_id
+from moefold.training.data.indexed import (
+    IndexedDataset,
+    IndexedDatasetWriter,
+    bin_path,
+    check_offsets,
+    idx_path,
+    scan_max_token_id,
+)
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -125,6 +132,14 @@ class MegatronIndexedDataset(IndexedDataset):
             if num_seqs else np.zeros(0, dtype=np.int64)
         self.document_indices = np.memmap(ipath, dtype="<i8", mode="r", offset=HEADER_BYTES + 12 * num_seqs,
                                           shape=(num_doc_idx,)) if num_doc_idx else np.zeros(0, dtype=np.int64)
+        if num_seqs and int(np.asarray(self.sequence_lengths).min()) < 0:
+            first = int(np.flatnonzero(np.asarray(self.sequence_lengths) < 0)[0])
+            raise ValueError(f"{ipath}: sequence {first} has length {int(self.sequence_lengths[first])} (valid: >= 0; "
+                             "corrupt index)")
+        if num_doc_idx and (self.document_indices[0] != 0 or self.document_indices[-1] != num_seqs):
+            raise ValueError(f"{ipath}: document indices run from {self.document_indices[0]} to "
+                             f"{self.document_indices[-1]}, expected 0 to the {num_seqs} sequences (corrupt index)")
+        check_offsets(self.document_indices, num_seqs, f"{ipath}: document index")
         offsets = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(self.sequence_lengths, out=offsets[1:])
         if num_seqs and not np.array_equal(np.asarray(pointers), offsets[:-1] * itemsize):

@@ -5,7 +5,10 @@ trains for hours and then finds it cannot save, or starts ranks that fail on the
 - ``--load`` exists, and holds a checkpoint, unless it is also ``--save`` (the auto-resume pattern: an empty
   or missing directory then means "start from scratch");
 - ``--save`` has room for ``--keep-last`` + 1 checkpoints (the estimate, from the tensors the trainer saves);
-- a ``--load`` resume keeps the model (any field) and the data order of the checkpoint it will take;
+- a ``--load`` resume keeps the model (any field) and the data order of the checkpoint it will take, whose
+  pickled files (``.metadata``, RNG states, each tensor record's pickle) hold nothing but checkpoint data, each
+  read only after its checksum matched;
+- blend weights are positive and finite;
 - every ``--data-path`` / ``--valid-data-path`` prefix opens (``.idx`` header, ``.bin`` size; moefold's or
   Megatron's format), its vocabulary and its largest token id (the ``.idx`` field, or a scan of older files and
   of Megatron's, which record neither) fit the model, it holds at least one sample of ``--seq-length + 1``
@@ -128,7 +131,12 @@ def _check_data(config: RunConfig) -> str:
     tokenizers: list[tuple[str, str, Path]] = []
     vocabs: list[tuple[str, str, int]] = []
     for flag, items in (("--data-path", t.data_path), ("--valid-data-path", t.valid_data_path)):
-        for prefix in parse_blend(list(items))[0] if items else []:   # Megatron's syntax, weighted or not
+        prefixes, weights = parse_blend(list(items)) if items else ([], None)   # Megatron's syntax
+        for w, prefix in zip(weights or (), prefixes):
+            if not 0 < w < float("inf"):
+                raise ValueError(f"{flag}: the weight {w:g} of {prefix} must be a positive finite number (a blend "
+                                 "is W1 PREFIX1 W2 PREFIX2 ...; drop a corpus instead of weighting it 0)")
+        for prefix in prefixes:
             try:
                 data = open_indexed(prefix)
             except (OSError, ValueError) as exc:
@@ -190,23 +198,27 @@ def _check_same_tokenizer(corpora: list[tuple[str, str, Path]]) -> None:
 
 
 def _check_resume_before_start(config: RunConfig, ckpt: Path) -> None:
-    """The model and data order of the checkpoint the resume will take (its meta.json) against this run's, and its
-    pickled files (``.metadata``, the RNG states) read the safe way."""
-    from moefold.training.checkpoint.files import verify_checkpoint
+    """The checkpoint the resume will take (``training.launch.claim.resume_checkpoint``): its small files' sizes and
+    checksums first (a damaged one is never parsed: the ranks fall back past it, or an explicit one was refused by
+    the claim), then its model and data order against this run's (meta.json), then its pickled files read the safe
+    way: ``.metadata``, the RNG states, and the pickle of every tensor record in the shards (not their data)."""
+    from moefold.training.checkpoint.files import check_before_reading
     from moefold.training.checkpoint.resume import check_resume
-    from moefold.training.checkpoint.safe_load import load_tensors, read_dcp_metadata
+    from moefold.training.checkpoint.safe_load import check_shard_records, load_tensors, read_dcp_metadata
     from moefold.training.checkpoint.sharded import read_meta
 
-    try:
-        meta = read_meta(ckpt)
-    except (OSError, ValueError):
-        return   # damaged: the ranks fall back past it, and check the one they take
-    check_resume(meta, config, str(ckpt), log=lambda _m: None)
-    if verify_checkpoint(ckpt, None, checksums=False):
+    if check_before_reading(ckpt):
         return   # damaged (the ranks say how, and fall back)
+    try:
+        check_resume(read_meta(ckpt), config, str(ckpt), log=lambda _m: None)
+    except (TypeError, KeyError, AttributeError, IndexError) as exc:   # a field of the wrong type or missing
+        raise ValueError(f"{ckpt / 'meta.json'} does not describe a run ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''}); pass --load of another checkpoint, or move "
+                         "this one away") from None
     read_dcp_metadata(ckpt / ".metadata")   # a payload is refused here, in one line, before any rank starts
     for rng in sorted((ckpt / "rng").glob("*.pt")):
         load_tensors(rng)
+    check_shard_records(ckpt)
 
 
 def _check_packages(config: RunConfig) -> None:

@@ -8,7 +8,10 @@ The ranks waiting for it keep beating, which is how the launcher tells the stall
 A rank that is alive but never reaches the next collective is caught by the collectives' own timeout
 (``--distributed-timeout-minutes``).
 
-Also here: ``die_with_parent``, so that ranks never outlive the launcher that spawned them.
+Also here: ``die_with_parent``, so that ranks never outlive the launcher that spawned them, and ``watch_parent``
+for the workers of a launcher that is not moefold's (torchrun's agent): a ``kill -9`` of the agent leaves its
+workers running (reparented), training and holding the save lock; the thread notices the new parent within a
+second and hands over to its callback (say one line, release the lock, exit).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1   # linux/prctl.h
@@ -106,3 +110,18 @@ def die_with_parent(parent_pid: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="moefold-parent-watch", daemon=True).start()
+
+
+def watch_parent(on_gone: Callable[[int], None], interval: float = 1.0) -> threading.Thread:
+    """Call ``on_gone(old_parent_pid)`` from a daemon thread once this process's parent has changed (the parent
+    died and the process was reparented); polls ``os.getppid()`` every ``interval`` seconds. Returns the thread."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        on_gone(parent)
+
+    thread = threading.Thread(target=watch, name="moefold-agent-watch", daemon=True)
+    thread.start()
+    return thread
