@@ -1,12 +1,12 @@
 """``--compile`` on CUDA (inductor's Triton kernels): 5 steps of a tiny Qwen3-MoE equal eager (see
-tests/training/test_compile.py for what is compared). Skipped without CUDA (tests/gpu/conftest.py); in a
+tests/execution/test_compile.py for what is compared). Skipped without CUDA (tests/gpu/conftest.py); in a
 rehearsal (tests/gpu/rehearsal.py) inductor generates C++ for the CPU instead."""
 
 import pytest
 
 from moefold.execution.compile import compile_unavailable
 from moefold.parallel.dims import ParallelConfig, ParallelDims
-from tests.training.test_compile import _compare, _steps
+from tests.execution.test_compile import _compare, _steps
 
 
 def test_compile_equals_eager_cuda(device):
