@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from moefold.parallel.dims import ParallelDims
+from moefold.training.build import micro_batches
 from moefold.training.config import RunConfig
 from moefold.training.observe.flops import train_flops_per_token
 from moefold.training.observe.memory import describe_static
@@ -198,7 +199,7 @@ def _run(trainer: Trainer, config: RunConfig, dims: ParallelDims, device: torch.
     is_log = dims.rank == 0
     trainer.stop_request = stop
     n_params = sum(p.numel() for p in trainer.model.parameters())
-    say(f"model: {n_params / 1e6:.2f}M parameters on rank 0, {trainer.num_micro} micro-batches per step")
+    say(f"model: {n_params / 1e6:.2f}M parameters on rank 0, {micro_batches(trainer.num_micro)} per step")
     if t.use_torch_fsdp2:
         from moefold.training.optim.fsdp import describe_fsdp
 
