@@ -52,6 +52,7 @@ def _wheel(folder: Path, name: str = "moefold_rehearsal_probe") -> Path:
     return wheel
 
 
+@pytest.mark.slow   # minutes of subprocesses: `python -m pytest -q -m slow` (.ci/run) runs it
 @pytest.mark.timeout(1000)   # above the script's own timeout (960 s idle), so that its report says what ran
 def test_gpu_check_rehearsal_runs_every_step_on_cpu(tmp_path):
     """As on a lent GPU machine: no package index at all (pip --no-index; the index probe hits a closed port),

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 STEPS = 10
 
 
+@pytest.mark.slow   # three two-rank runs: `python -m pytest -q -m slow` (.ci/run) runs it
 def test_sigterm_to_a_two_rank_run_saves_and_the_resume_is_bit_identical(tmp_path):
     data = ["--data-path", str(corpus(tmp_path / "data"))]
     two = [*TINY, *data, "--nproc", "2", "--expert-model-parallel-size", "2", "--train-iters", str(STEPS)]

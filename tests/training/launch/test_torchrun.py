@@ -19,7 +19,8 @@ from moefold.training.checkpoint.identity import read_tracker
 from tests.load import within
 from tests.training.launch.cli_runs import TINY, corpus, finish, free_port, losses, run, start, wait_for
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+# two torchrun agents of 2 workers each, three times: `python -m pytest -q -m slow` (.ci/run) runs them
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"), pytest.mark.slow]
 
 TORCHRUN = "torch.distributed.run"
 STEPS = 8
