@@ -34,14 +34,13 @@ Tensors here are in SDPA layout ``[B, heads, S, dim]``; K/V may have fewer heads
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
 from moefold.dense.attention_kernels import expand_heads, fold_heads, merge_sinks, sinks_grad
 from moefold.dense.cp_exchange import PendingShift, rank_order_to_global, ring_shift
 from moefold.dense.cp_fused import fused_all_gather_attention, fused_ring_attention
-from moefold.parallel.comm import all_gather_sequence, gather_along_dim
+from moefold.parallel.comm import all_gather_sequence, all_gather_single, gather_along_dim
 from moefold.parallel.groups import Group, group_rank, group_size
 
 CP_COMM_MODES = ("p2p", "all_gather")
@@ -105,7 +104,7 @@ def position_mask(q_pos: Tensor, k_pos: Tensor, sliding_window: int | None = Non
 def _all_gather_positions(pos: Tensor, cp_group: Group) -> Tensor:
     """Positions of every CP rank, ``[cp, S_local]`` (no autograd; a tiny collective)."""
     out = pos.new_empty(group_size(cp_group) * pos.shape[0])
-    dist.all_gather_into_tensor(out, pos.contiguous(), group=cp_group)
+    all_gather_single(out, pos.contiguous(), cp_group)
     return out.view(group_size(cp_group), pos.shape[0])
 
 

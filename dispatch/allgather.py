@@ -35,7 +35,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from moefold.dispatch.alltoall import gather_counts
@@ -54,6 +53,7 @@ from moefold.dispatch.permutation import (
 )
 from moefold.dispatch.routing import Routing
 from moefold.dispatch.token_exchange import Arrival, InFlight, TokenExchange
+from moefold.parallel.comm import all_gather_single, reduce_scatter_single
 from moefold.parallel.groups import Group, group_size
 
 
@@ -71,14 +71,14 @@ def _as_bytes(t: Tensor) -> Tensor:
 def _reduce_scatter(x: Tensor, group: Group) -> Tensor:
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // group_size(group), *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x, group=group)
+    reduce_scatter_single(out, x, group)
     return out
 
 
 def _all_gather(x: Tensor, group: Group) -> Tensor:
     x = x.contiguous()
     out = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x, group=group)
+    all_gather_single(out, x, group)
     return out
 
 
@@ -118,7 +118,7 @@ class AllGatherExchange(TokenExchange[GatheredIds]):
         widths = [p.shape[1] for p in parts]
         packed = torch.cat(parts, dim=1)
         out = packed.new_empty((group_size(self.group) * packed.shape[0], packed.shape[1]))
-        dist.all_gather_into_tensor(out, packed, group=self.group)
+        all_gather_single(out, packed, self.group)
         cols = torch.split(out, widths, dim=1)
         # x_g stays a row-strided view of the received bytes (its row stride is a multiple of its element size);
         # the small ids / probs columns are copied to contiguous tensors

@@ -57,7 +57,7 @@ from moefold.dispatch.permutation import (
 )
 from moefold.dispatch.routing import Routing
 from moefold.dispatch.token_exchange import AllToAllExchange, exchange_with_grad
-from moefold.parallel.comm import all_gather_sequence, all_to_all, reduce_scatter_sequence
+from moefold.parallel.comm import all_gather_sequence, all_gather_single, all_to_all, reduce_scatter_sequence
 from moefold.parallel.groups import Group, group_size
 
 
@@ -71,8 +71,7 @@ def gather_counts(counts: Tensor, group: Group, async_op: bool = False) -> Tenso
         return (counts.unsqueeze(0), None) if async_op else counts.unsqueeze(0)
     flat = counts.reshape(-1).contiguous()
     out = flat.new_empty(n * flat.shape[0])
-    # all_gather_single is all_gather_into_tensor's newer name (the old one warns on recent torch)
-    work = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, flat, group=group, async_op=async_op)
+    work = all_gather_single(out, flat, group, async_op=async_op)
     out = out.view(n, *counts.shape)
     return (out, work) if async_op else out
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
+from moefold.parallel.comm import all_gather_single
 from moefold.parallel.groups import Group, group_rank, group_size
 
 
@@ -77,7 +77,7 @@ def rank_capacity_keep_mask(probs_TK: Tensor, expert_ids_TK: Tensor, sent_E: Ten
     n = group_size(group)
     counts_nE = sent_E.new_empty(n * num_experts)
     if n > 1:
-        dist.all_gather_into_tensor(counts_nE, sent_E.contiguous(), group=group)
+        all_gather_single(counts_nE, sent_E.contiguous(), group)
     else:
         counts_nE.copy_(sent_E)
     counts_nE = counts_nE.view(n, num_experts)

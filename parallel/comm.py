@@ -19,13 +19,27 @@ from moefold.parallel.groups import Group, group_rank, group_size
 # --------------------------------------------------------------------------------------------
 # plain (non-autograd) building blocks
 # --------------------------------------------------------------------------------------------
+def all_gather_single(out: Tensor, x: Tensor, group: Group, async_op: bool = False):
+    """``dist.all_gather_single`` (torch >= 2.13), else its old name ``all_gather_into_tensor``, which warns
+    (FutureWarning) on every call from 2.13 on. Looked up at call time so that a wrapper installed on
+    ``torch.distributed`` (the tests' collective recorders) sees the call. Returns the Work when ``async_op``."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, x, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(out: Tensor, x: Tensor, group: Group, async_op: bool = False):
+    """``dist.reduce_scatter_single`` (torch >= 2.13; sum), else its old name ``reduce_scatter_tensor``."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(out, x, group=group, async_op=async_op)
+
+
 def _all_gather(x: Tensor, group: Group, dim: int) -> Tensor:
     n = group_size(group)
     if n == 1:
         return x
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((n * moved.shape[0], *moved.shape[1:]))
-    dist.all_gather_into_tensor(out, moved, group=group)
+    all_gather_single(out, moved, group)
     return out.movedim(0, dim)
 
 
@@ -37,7 +51,7 @@ def _reduce_scatter(x: Tensor, group: Group, dim: int) -> Tensor:
         raise ValueError(f"reduce-scatter: size {x.shape[dim]} of dim {dim} is not divisible by group size {n}")
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((moved.shape[0] // n, *moved.shape[1:]))
-    dist.reduce_scatter_tensor(out, moved, group=group)
+    reduce_scatter_single(out, moved, group)
     return out.movedim(0, dim)
 
 

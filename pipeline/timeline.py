@@ -61,47 +61,65 @@ def summary(schedule: Schedule, result: SimResult) -> str:
             f"1/{schedule.num_model_chunks} of the layers")
 
 
-_COLORS = {"F": ("Blues", 0.6), "B": ("Greens", 0.6), "I": ("Greens", 0.4), "W": ("Purples", 0.5)}
+# One hue per kind of compute (the legend names each); with vpp > 1 the chunk is the hatch, never the shade, so
+# that a lighter green always means an input-gradient backward and never "chunk a".
+KIND_COLORS = {"F": "tab:blue", "B": "tab:green", "I": "yellowgreen", "W": "tab:purple"}
+CHUNK_HATCHES = ("", "//", "..", "xx", "\\\\", "++", "oo", "--")
 
 
-def plot_png(schedule: Schedule, result: SimResult, path: str | Path) -> Path:
-    """Gantt chart of the simulated run: forwards blue, backwards green (input-only lighter), weight gradients
-    purple, an overlapped forward + backward half blue, half green (shade = chunk)."""
+def schedule_figure(schedule: Schedule, result: SimResult):
+    """The Gantt chart of ``plot_png`` as a matplotlib Figure (Agg): one row per rank, a bar per compute with its
+    micro-batch (and chunk letter); a legend below the axis names each kind's colour and, with vpp > 1, each
+    chunk's hatch; an overlapped forward + backward is half forward, half backward."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     pp, vpp = schedule.pp, schedule.vpp
-    fig, ax = plt.subplots(figsize=(max(8.0, result.makespan * 0.45), 0.6 * pp + 1.4))
+    # constrained layout keeps the axis label and the legend (placed "outside", below) inside the figure
+    fig, ax = plt.subplots(figsize=(max(8.0, result.makespan * 0.45), 0.6 * pp + 2.0), layout="constrained")
+    kinds: set[str] = set()
 
-    def color(kind: str, chunk: int):
-        cmap, shade = _COLORS[kind]
-        return plt.get_cmap(cmap)(shade - 0.15 + 0.3 * (chunk / max(1, vpp - 1)) if vpp > 1 else shade)
+    def bar(kind: str, chunk: int, start: float, width: float, r: int) -> None:
+        kinds.add(kind)
+        ax.broken_barh([(start, width)], (r - 0.4, 0.8), facecolors=KIND_COLORS[kind], edgecolors="black",
+                       linewidth=0.5, hatch=CHUNK_HATCHES[chunk % len(CHUNK_HATCHES)] if vpp > 1 else None)
 
     for r, rank in enumerate(result.intervals):
         for start, end, a in rank:
             if a.kind is ActionKind.FB:
                 f, b = a.parts()
                 middle = (start + end) / 2
-                ax.broken_barh([(start, middle - start)], (r - 0.4, 0.8), facecolors=color("F", f.chunk),
-                               edgecolors="black", linewidth=0.5)
-                ax.broken_barh([(middle, end - middle)], (r - 0.4, 0.8), facecolors=color("B", b.chunk),
-                               edgecolors="black", linewidth=0.5)
+                bar("F", f.chunk, start, middle - start, r)
+                bar("B", b.chunk, middle, end - middle, r)
             else:
-                ax.broken_barh([(start, end - start)], (r - 0.4, 0.8), facecolors=color(a.kind, a.chunk),
-                               edgecolors="black", linewidth=0.5)
-            ax.text((start + end) / 2, r, _label(a, vpp, kind=False), ha="center", va="center", fontsize=7)
+                bar(a.kind, a.chunk, start, end - start, r)
+            ax.text((start + end) / 2, r, _label(a, vpp, kind=False), ha="center", va="center", fontsize=7,
+                    bbox={"facecolor": "white", "alpha": 0.7, "pad": 0.5, "linewidth": 0} if vpp > 1 else None)
     ax.set_yticks(range(pp), [f"rank {r}" for r in range(pp)])
     ax.invert_yaxis()
     ax.set_xlim(0, result.makespan)
-    ax.set_xlabel("time (forward blue, backward green, input-gradient backward light green, weight gradients "
-                  "purple, overlapped pair blue|green)")
+    ax.set_xlabel("time")
     ax.set_title(f"{schedule.name}{' overlap' if schedule.overlap else ''}: pp={pp} vpp={vpp} "
                  f"microbatches={schedule.num_microbatches}, bubble {result.bubble_fraction:.3f}, peak activations "
-                 f"{max(result.peak_in_flight)}")
-    fig.tight_layout()
+                 f"{max(result.peak_in_flight)}", fontsize=9)
+    handles = [Patch(facecolor=KIND_COLORS[k], edgecolor="black", label=KIND_NAMES[k]) for k in KIND_COLORS
+               if k in kinds]
+    if vpp > 1:
+        handles += [Patch(facecolor="white", edgecolor="black", hatch=CHUNK_HATCHES[c % len(CHUNK_HATCHES)],
+                          label=f"chunk {CHUNK_LETTERS[c % 26]}") for c in range(vpp)]
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=8, frameon=False)
+    return fig
+
+
+def plot_png(schedule: Schedule, result: SimResult, path: str | Path) -> Path:
+    """Write ``schedule_figure`` as a PNG at ``path``; the saved area is grown to hold every label and the legend."""
+    import matplotlib.pyplot as plt
+
+    fig = schedule_figure(schedule, result)
     out = Path(path)
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return out

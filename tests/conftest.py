@@ -13,3 +13,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_timeout_set_timer(item, settings):
+    """pytest-timeout's per-test limit (pyproject's ``timeout``, a hang detector) stretched by the load when the
+    test starts (tests/load.py): a test that passes alone must not time out on a loaded machine (issue 48)."""
+    import pytest_timeout
+
+    from tests.load import scaled
+
+    return pytest_timeout.pytest_timeout_set_timer(item, settings._replace(timeout=scaled(settings.timeout)))

@@ -5,7 +5,8 @@ gloo world through a FileStore in a fresh temporary directory (no port to race f
 store server thread in the parent that a fork could copy mid-lock),
 calls ``fn(*args)`` on each rank and returns the per-rank results in rank order. A rank
 that raises fails the test with that rank's traceback; ranks that do not finish within
-``timeout`` are killed and the test fails naming them. It never hangs.
+``timeout`` (seconds on an idle machine, stretched by the load: tests/load.py) are killed and the test
+fails naming them. It never hangs.
 
 Fork (not spawn) keeps start-up cheap and lets tests pass local functions: the parent
 must not have initialised torch.distributed itself. A forked child cannot use CUDA once the
@@ -36,6 +37,8 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 import torch
 import torch.distributed as dist
 
+from tests.load import scaled, within
+
 
 class RankFailure(RuntimeError):
     """A rank raised; the message carries its traceback."""
@@ -61,7 +64,7 @@ def _worker(fn: Callable, rank: int, world_size: int, store_path: str, timeout: 
     try:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout))
+                                timeout=timedelta(seconds=scaled(timeout)))
         value = fn(*args, **kwargs)
         results.put((rank, True, pickle.dumps(value)))
     except BaseException:
@@ -87,14 +90,15 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     for p in procs:
         p.start()
     done: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
+    limit = within(timeout)
     try:
         while len(done) < world_size:
-            remaining = deadline - time.monotonic()
+            remaining = limit.left()
             if remaining <= 0:
                 missing = sorted(set(range(world_size)) - set(done))
                 raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s "
-                                   "(a hang: a collective some rank never reached?)")
+                                   f"(x{limit.factor:.1f} for the load; a hang: a collective some rank never "
+                                   "reached?)")
             try:
                 rank, ok, payload = results.get(timeout=min(remaining, 0.5))
             except queue.Empty:

@@ -6,6 +6,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.distributed import RankFailure, run_distributed
+from tests.load import scaled
 
 
 def _rank_times(x: int) -> int:
@@ -39,7 +40,7 @@ def test_hanging_rank_is_killed_at_the_timeout():
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"ranks \[1\] of 2 did not finish within 3s"):
         run_distributed(_rank_one_hangs, 2, timeout=3)
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < scaled(30)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -88,3 +89,19 @@ def test_ranks_are_spawned_when_the_parent_initialised_cuda(monkeypatch):
     assert run_distributed(_mark, 2) == ["parent", "parent"]   # fork: the parent's module state
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert run_distributed(_mark, 2) == ["fresh", "fresh"]     # spawn: a fresh interpreter
+
+
+def test_wall_clock_bounds_stretch_with_the_load(monkeypatch):
+    """tests/load.py: the bounds of hang detectors grow with the load per core, read again while they run."""
+    import os
+
+    from tests.load import load_factor, within
+
+    cpus = os.cpu_count() or 1
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    assert load_factor() == 1.0 and scaled(30) == 30   # idle: the bound as written
+    limit = within(30)
+    monkeypatch.setattr(os, "getloadavg", lambda: (10.0 * cpus, 4.0 * cpus, 1.0))
+    assert scaled(30) == 300 and limit.left() > 290   # the load rose while it ran: the deadline moved
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    assert limit.left() > 290   # and stays moved: the work done under load took that long

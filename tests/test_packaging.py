@@ -84,6 +84,7 @@ def _venv_seeing_these_packages(env_dir: Path) -> Path:
     return python
 
 
+@pytest.mark.slow   # a fresh venv and a pip install: `python -m pytest -q -m slow` (.ci/run) runs it
 def test_installed_wheel_runs_beside_a_users_own_packages(wheel, tmp_path):
     env_dir = tmp_path / "venv"
     python = _venv_seeing_these_packages(env_dir)

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from moefold.dispatch.config import DispatchConfig, DispatcherKind, FlexOptions
+from moefold.parallel.comm import all_gather_single, reduce_scatter_single
 
 PHASES = ("route", "permute", "communicate", "sort", "unpermute")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -152,8 +153,8 @@ def _raw_exchange(kind: str, handle, dims, T: int, K: int, H: int, dtype: torch.
 
         def run() -> None:
             out = torch.empty(W * Tm, H, dtype=dtype, device=device)
-            dist.all_gather_into_tensor(out, x, group=group)
-            dist.reduce_scatter_tensor(torch.empty(Tm, H, dtype=dtype, device=device), partial, group=group)
+            all_gather_single(out, x, group)
+            reduce_scatter_single(torch.empty(Tm, H, dtype=dtype, device=device), partial, group)
 
         # ring algorithms: each rank sends (W-1)/W of the gathered / reduced buffer
         return "all_gather + reduce_scatter", run, 2 * (W - 1) * Tm * H * es

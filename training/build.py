@@ -141,6 +141,11 @@ def build_optimizer(model: MoEDecoder, config: RunConfig, dims: ParallelDims, sh
     return shared.get("embed_tokens"), sync, optimizer
 
 
+def micro_batches(n: int) -> str:
+    """``"1 micro-batch"``, ``"4 micro-batches"``."""
+    return f"{n} micro-batch" if n == 1 else f"{n} micro-batches"
+
+
 def build_pipeline(config: RunConfig, dims: ParallelDims, num_micro: int, log: Callable[[str], None],
                    ) -> tuple[StageLayout | None, Schedule | None]:
     """(layout, schedule) of the run's pipeline over ``num_micro`` micro-batches per step, stated in one line
@@ -152,14 +157,16 @@ def build_pipeline(config: RunConfig, dims: ParallelDims, num_micro: int, log: C
         pipeline = build_schedule(config.schedule_name(vpp), dims.pp, num_micro, vpp, overlap=overlap,
                                   chunk_costs=chunk_costs(layout))
         bubble = simulate(pipeline).bubble_fraction
+        # the placement means something only for several chunks per rank (zb-h1 at vpp 1 is not "interleaved")
+        chunks = f" x vpp {vpp} ({layout.placement.value} placement)" if vpp > 1 else ""
         log(f"pipeline: {pipeline.name}{' (FB pairs overlapped)' if overlap else ''} schedule, pp "
-            f"{dims.pp} x vpp {vpp} ({layout.placement.value}), {num_micro} micro-batches per step "
+            f"{dims.pp}{chunks}, {micro_batches(num_micro)} per step "
             f"(bubble {bubble:.1%} with stage times by layer count, backward = 2 x forward)\n"
             f"--pipeline-model-parallel-layout {layout.text!r}:\n{layout.describe()}")
         return layout, pipeline
     if overlap:   # pp = 1: Megatron's combined 1F1B without pipelining, F0, FB(1, 0), ..., B(m-1)
         layout, pipeline = config.pipeline_layout(1), build_schedule("1f1b", 1, num_micro, overlap=True)
-        log(f"batch-level overlap: {num_micro} micro-batches as F0, FB(1, 0), ..., B({num_micro - 1})")
+        log(f"batch-level overlap: {micro_batches(num_micro)} as F0, FB(1, 0), ..., B({num_micro - 1})")
         return layout, pipeline
     return None, None
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from moefold.parallel.dims import ParallelDims
+from moefold.training.build import micro_batches
 from moefold.training.config import RunConfig
 from moefold.training.observe.flops import train_flops_per_token
 from moefold.training.observe.memory import describe_static
@@ -198,7 +199,7 @@ def _run(trainer: Trainer, config: RunConfig, dims: ParallelDims, device: torch.
     is_log = dims.rank == 0
     trainer.stop_request = stop
     n_params = sum(p.numel() for p in trainer.model.parameters())
-    say(f"model: {n_params / 1e6:.2f}M parameters on rank 0, {trainer.num_micro} micro-batches per step")
+    say(f"model: {n_params / 1e6:.2f}M parameters on rank 0, {micro_batches(trainer.num_micro)} per step")
     if t.use_torch_fsdp2:
         from moefold.training.optim.fsdp import describe_fsdp
 
@@ -223,14 +224,16 @@ def _run(trainer: Trainer, config: RunConfig, dims: ParallelDims, device: torch.
 
     logger = None
     if is_log:
-        from moefold.training.observe.hardware import peak_flops
+        from moefold.training.observe.hardware import device_peak
         from moefold.training.observe.metrics import MetricsLogger
 
         dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
+        peak = device_peak(device, dtype)
         logger = MetricsLogger(t.run_dir, total_steps=t.train_iters, start_step=trainer.iteration,
                                flops_per_token=train_flops_per_token(config.model, t.seq_length),
-                               peak_flops_per_s=peak_flops(device, dtype) * dims.world_size, device=device,
-                               config=config.to_dict(), progress=progress, drop_later_steps=not t.skip_train,
+                               peak_flops_per_s=peak.flops_per_s * dims.world_size, peak_flops_source=peak.source,
+                               device=device, config=config.to_dict(), progress=progress,
+                               drop_later_steps=not t.skip_train,
                                wandb={"project": t.wandb_project, "name": t.wandb_exp_name, "dir": t.wandb_save_dir}
                                if t.wandb_project else None, fp8=fp8_tag(trainer.model, config.options.fp8))
     evaluator = None

@@ -24,7 +24,8 @@ from tests.distributed import run_distributed
 E = 8
 TOKENS = [6, 5, 7, 4]
 _COLLECTIVES = ("all_to_all_single", "all_to_all", "all_gather_into_tensor", "all_gather_single", "all_gather",
-                "reduce_scatter_tensor", "reduce_scatter", "all_reduce", "broadcast", "send", "recv", "isend", "irecv")
+                "reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter", "all_reduce", "broadcast", "send",
+                "recv", "isend", "irecv")
 
 
 @contextlib.contextmanager
@@ -37,7 +38,7 @@ def recorded_collectives() -> Iterator[list[tuple[str, tuple[int, ...], torch.dt
         def recorder(*args, **kwargs):
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             sent = tensors[1] if name in ("all_to_all_single", "all_gather_into_tensor", "all_gather_single",
-                                          "reduce_scatter_tensor") else tensors[0]
+                                          "reduce_scatter_tensor", "reduce_scatter_single") else tensors[0]
             calls.append((name, tuple(sent.shape), sent.dtype, sent.numel() * sent.element_size()))
             return fn(*args, **kwargs)
         return recorder
@@ -96,7 +97,7 @@ def _world(layouts):
             names = [c[0] for c in calls]
             header = [c for c in calls if c[2] == torch.int64 and c[1] == (E + 2,)]
             gathers = [n for n in names if n in ("all_gather_into_tensor", "all_gather_single")]
-            scatters = [n for n in names if n == "reduce_scatter_tensor"]
+            scatters = [n for n in names if n in ("reduce_scatter_tensor", "reduce_scatter_single")]
             # forward: header + one packed gather; combine: one reduce-scatter; backward: the combine's
             # gather and ONE reduce-scatter of the token and prob gradients together (fp32)
             if len(header) != 1 or len(gathers) != 3 or len(scatters) != 2 or len(calls) != 5:

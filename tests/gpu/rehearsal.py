@@ -17,7 +17,7 @@ REHEARSAL = os.environ.get("MOEFOLD_GPU_REHEARSAL", "") not in ("", "0")
 # first parameters, except those in QUICK_LEAVES_OUT (their code runs in the full rehearsal)
 QUICK = os.environ.get("MOEFOLD_GPU_REHEARSAL", "") == "quick"
 QUICK_LEAVES_OUT = {
-    "test_compile_equals_eager_cuda": "the same calls as tests/training/test_compile.py's world-1 test, "
+    "test_compile_equals_eager_cuda": "the same calls as tests/execution/test_compile.py's world-1 test, "
                                       "which the CPU suite runs",
 }
 

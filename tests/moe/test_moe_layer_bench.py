@@ -1,5 +1,5 @@
 """benchmarks/moe_layer.py runs end to end at tiny sizes (eager rows, one allocator; compiling is tested in
-tests/training/test_compile.py). In a child process: the Megatron-Core peer sets up a gloo world and points
+tests/execution/test_compile.py). In a child process: the Megatron-Core peer sets up a gloo world and points
 Megatron's CUDA-only helpers at the CPU, which must not leak into other tests."""
 
 import os

@@ -4,6 +4,10 @@ Each rank can generate every rank's tensors (seeded by rank), so the expected va
 computed locally with plain torch and compared with what the collective produced.
 """
 
+import re
+import warnings
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -34,6 +38,8 @@ def _grad(fn, x: torch.Tensor, upstream: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def _check_all(split_matrix: list[list[int]]) -> None:
+    # a deprecated collective (all_gather_into_tensor / reduce_scatter_tensor warn on torch >= 2.13) fails here
+    warnings.simplefilter("error", FutureWarning)
     group, n, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
     ranks = range(n)
 
@@ -119,3 +125,15 @@ def test_all_to_all_rejects_splits_that_do_not_match():
         all_to_all(torch.zeros(4, 2), [3], [3], None)
     with pytest.raises(ValueError, match="needs 1 splits per direction"):
         all_to_all(torch.zeros(4, 2), [2, 2], [2, 2], None)
+
+
+def test_no_deprecated_collective_is_called():
+    """torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to all_gather_single /
+    reduce_scatter_single; the old names print a FutureWarning per call on every rank. Only parallel/comm.py
+    names them (its fallback for torch < 2.13): every other module calls comm's wrappers."""
+    root = Path(__file__).resolve().parents[2]
+    old = re.compile(r"\bdist\.(all_gather_into_tensor|reduce_scatter_tensor|_all_gather_base|_reduce_scatter_base)\(")
+    callers = [f"{path.relative_to(root)}:{n}" for path in sorted(root.glob("*/**/*.py"))
+               if path.parts[len(root.parts)] not in ("tests", "build", ".git") and "site-packages" not in path.parts
+               for n, line in enumerate(path.read_text().splitlines(), 1) if old.search(line)]
+    assert not callers, f"deprecated collectives called at {callers}: use moefold.parallel.comm's wrappers"

@@ -9,7 +9,7 @@ import pytest
 from moefold.pipeline.actions import Action
 from moefold.pipeline.schedules import Schedule, build_schedule, expected_bubble_fraction
 from moefold.pipeline.simulator import DeadlockError, ScheduleError, simulate, validate
-from moefold.pipeline.timeline import render_text
+from moefold.pipeline.timeline import render_text, schedule_figure
 from moefold.training.cli import SUBCOMMANDS
 from moefold.training.cli import schedule as schedule_cli
 
@@ -158,3 +158,32 @@ def test_schedule_subcommand_prints_and_plots(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert cli_main(["schedule", "--pp", "4", "--vpp", "2", "--microbatches", "6"]) == 2
     assert "needs num_microbatches=6 to be a multiple of pp=4" in capsys.readouterr().out
+
+
+def test_plot_legend_separates_kinds_from_chunks_and_nothing_is_cut_off():
+    """zbv (vpp 2, split backward): each kind of compute has its own colour and legend entry, a chunk its hatch
+    (an input-gradient backward never looks like "chunk a" of a backward); axis label and legend lie inside the
+    figure."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgba
+
+    schedule = build_schedule("zbv", 2, 4, 2)
+    fig = schedule_figure(schedule, simulate(schedule))
+    try:
+        fig.canvas.draw()
+        ax = fig.axes[0]
+        labels = [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+        assert labels == ["forward", "backward (input)", "backward (weights)", "chunk a", "chunk b"], labels
+        # a bar's fill says its kind (one colour per kind, whatever the chunk), its hatch its chunk
+        fills: dict[tuple, set] = {}
+        for bars in ax.collections:
+            fills.setdefault(tuple(bars.get_facecolor()[0]), set()).add(bars.get_hatch())
+        assert set(fills) == {to_rgba(c) for c in ("tab:blue", "yellowgreen", "tab:purple")}, fills
+        assert all(hatches == {"", "//"} for hatches in fills.values()), fills
+        inside = fig.bbox
+        for artist in (ax.xaxis.label, *fig.legends, ax.title):
+            box = artist.get_window_extent()
+            assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1, \
+                (artist, box, inside)
+    finally:
+        plt.close(fig)

@@ -346,7 +346,7 @@ class Check:
         """``--compile`` on CUDA: the proxy run compiled, then compile-equals-eager (tests/gpu)."""
         if self.args.quick:
             return Step("--compile", "skipped", summary="rehearsal --quick: no compiles (the full --rehearsal and "
-                                                        "tests/training/test_compile.py compile on the CPU)")
+                                                        "tests/execution/test_compile.py compile on the CPU)")
         train = self._train_rows("proxy training --compile", "compile", "bf16", compile=True)
         return parts_step("--compile", [train, self._pytest(COMPILE_TEST, [COMPILE_TEST], "compile-test")], lines=20)
 

@@ -304,11 +304,12 @@ def resume_candidates(path: Path, log: Callable[[str], None] = print) -> list[Pa
 
 
 def find_checkpoint(path: str | os.PathLike, dims: ParallelDims | None = None,
-                    log: Callable[[str], None] = print) -> Path | None:
+                    log: Callable[[str], None] = print, resume: bool = True) -> Path | None:
     """The checkpoint to resume from: ``path`` itself when it is one (CheckpointError if it is damaged), else
     the newest intact one of ``resume_candidates``; each damaged newer one is reported through ``log``. None when
     ``path`` holds no checkpoint of its run at all; CheckpointError when it holds only damaged ones (a run
-    never silently starts from scratch). Collective (every rank verifies a share of the files)."""
+    never silently starts from scratch; ``resume=False``: the caller only reads the model, and the message says
+    nothing about starting a run). Collective (every rank verifies a share of the files)."""
     path = Path(path)
     # rank 0's view of the directory, so that every rank verifies the same candidates (one collective each)
     rank0 = dims is None or dims.rank == 0
@@ -325,7 +326,7 @@ def find_checkpoint(path: str | os.PathLike, dims: ParallelDims | None = None,
         problems = verify_checkpoint(path, dims)
         if problems:
             raise CheckpointError(f"checkpoint {path} is damaged: {'; '.join(problems[:3])}; pass its parent "
-                                  "directory to resume from the newest intact checkpoint instead")
+                                  "directory to take the newest intact checkpoint instead")
         return path
     if path.is_dir():
         for d in sorted(path.iterdir()):
@@ -341,8 +342,8 @@ def find_checkpoint(path: str | os.PathLike, dims: ParallelDims | None = None,
         log(f"checkpoint {ckpt} is damaged: {'; '.join(problems[:3])}")
         damaged.append(ckpt.name)
     if damaged:
-        raise CheckpointError(f"no intact checkpoint under {path} (damaged: {', '.join(damaged)}); refusing to "
-                              "start from scratch: move them away to start a new run")
+        raise CheckpointError(f"no intact checkpoint under {path} (damaged: {', '.join(damaged)})" + (
+            "; refusing to start from scratch: move them away to start a new run" if resume else ""))
     return None
 
 

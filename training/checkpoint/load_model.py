@@ -35,7 +35,7 @@ def find_training_checkpoint(path: str | os.PathLike) -> Path | None:
     path = Path(path)
     if not path.is_dir() or (path / "moefold_config.json").is_file() or (path / "config.json").is_file():
         return None
-    return find_checkpoint(path, log=lambda _m: None)
+    return find_checkpoint(path, log=lambda _m: None, resume=False)
 
 
 def describe_source(path: str | os.PathLike) -> str | None:

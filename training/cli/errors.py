@@ -23,8 +23,13 @@ def add_debug_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def one_line(exc: BaseException) -> str:
+    # imported here, on the error path only: parsing a command must not import torch.distributed
+    from moefold.training.checkpoint.files import CheckpointError  # a damaged checkpoint: the message says all
+
     text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if isinstance(exc, _USER_ERRORS) else f"{type(exc).__name__}: {text} (--debug for the traceback)"
+    if isinstance(exc, (*_USER_ERRORS, CheckpointError)):
+        return text
+    return f"{type(exc).__name__}: {text} (--debug for the traceback)"
 
 
 def one_line_errors(command: str) -> Callable[[Callable[[argparse.Namespace], int]],

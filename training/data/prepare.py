@@ -338,4 +338,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     print(f"wrote {stats.prefix}.bin/.idx: {stats.num_docs} documents, {stats.num_tokens} tokens, "
           f"vocab {stats.vocab_size}, tokenizer {stats.tokenizer}")
+    if args.vocab_size is not None and stats.vocab_size < args.vocab_size:
+        # BPE stops when the corpus has no pair left to merge; the model's vocabulary is the next command's flag
+        print(f"note: the corpus gave {stats.vocab_size:,} tokens of the --vocab-size {args.vocab_size:,} asked for; "
+              f"train with --vocab-size {stats.vocab_size} (--vocab-size {args.vocab_size} would build an embedding "
+              f"and output layer {args.vocab_size / stats.vocab_size:.1f}x the size this tokenizer can use)")
     return 0

@@ -1,19 +1,29 @@
 """Hardware numbers for the metrics line: peak FLOP/s (table or measured), MFU, memory in use.
 
-Peak FLOP/s: NVIDIA/AMD accelerators with a known name use the vendor's dense (no sparsity)
-bf16/fp16 tensor-core figure from ``GPU_PEAK_BF16_TFLOPS``; anything else (CPUs, unknown GPUs, fp32)
-uses ``measure_matmul_peak``: the best rate of a square matmul in a short timed loop, measured once
-per process and (device, dtype).
+Peak FLOP/s, so that MFU is comparable across runs: NVIDIA/AMD accelerators with a known name use the
+vendor's dense (no sparsity) bf16/fp16 tensor-core figure from ``GPU_PEAK_BF16_TFLOPS``; anything else
+(CPUs, unknown GPUs, fp32) uses ``measure_matmul_peak`` (the best rate of a square matmul in a timed loop)
+ONCE per machine: the figure is cached in ``$XDG_CACHE_HOME/moefold/peak_flops.json`` (default
+``~/.cache/moefold``) under a key naming the device kind, dtype, torch's CPU capability and thread count, and
+every later run on that machine divides by the same number, whatever the load then. ``device_peak`` returns
+the figure with its source (the table row, or the cache entry with when and under what load it was measured),
+which the run record of metrics.jsonl names. Delete the file (or its entry) to measure again; edit an entry's
+``flops_per_s`` to divide by a data-sheet figure instead.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import resource
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+PEAK_CACHE_FILE = "peak_flops.json"
 
 # Dense bf16/fp16 tensor-core peak per device, TFLOP/s, from the vendors' data sheets. Matched in
 # order against the device name, so the more specific names come first.
@@ -65,16 +75,82 @@ def measure_matmul_peak(device: str = "cpu", dtype: torch.dtype = torch.float32,
             return best
 
 
-def peak_flops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16) -> float:
-    """Peak FLOP/s of one device for ``dtype`` matmuls: the table for known GPUs in bf16/fp16, else measured."""
+@dataclass(frozen=True)
+class PeakFlops:
+    """One device's peak FLOP/s and where the figure comes from (named in metrics.jsonl's run record)."""
+
+    flops_per_s: float
+    source: str   # "table: NVIDIA H100 (bf16 dense)" or "measured: <key>, <date>, load <x> (cached in <file>)"
+
+
+def peak_cache_path() -> Path:
+    """``$XDG_CACHE_HOME/moefold/peak_flops.json`` (default ``~/.cache/moefold/peak_flops.json``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "moefold" / PEAK_CACHE_FILE
+
+
+def _device_kind(dev: torch.device) -> str:
+    """What the measured peak depends on: the device's name; on the CPU also torch's kernel level and threads."""
+    if dev.type == "cuda":
+        return f"cuda {torch.cuda.get_device_name(dev)}"
+    from moefold.training.observe.machine import machine_info
+
+    info = machine_info()
+    return f"{dev.type} {info.cpu_model}, capability {info.cpu_capability}, {info.threads} threads"
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}   # absent or damaged: measure again (and rewrite it)
+    return entries if isinstance(entries, dict) else {}
+
+
+def cached_peak(key: str, measure, path: Path | None = None) -> PeakFlops:
+    """The peak cached under ``key`` in ``path`` (default ``peak_cache_path()``), or ``measure()`` once, stored
+    there atomically (a temporary file renamed over the cache, so concurrent runs never read half a file)."""
+    path = path or peak_cache_path()
+    entry = _read_cache(path).get(key)
+    usable = isinstance(entry, dict) and isinstance(entry.get("flops_per_s"), (int, float))
+    if not (usable and entry["flops_per_s"] > 0):
+        try:
+            load = round(os.getloadavg()[0], 2)
+        except OSError:
+            load = None
+        entry = {"flops_per_s": float(measure()), "measured": time.strftime("%Y-%m-%d %H:%M:%S"), "load": load}
+        entries = {**_read_cache(path), key: entry}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
+            os.replace(tmp, path)
+        except OSError as exc:   # a read-only home: this run's MFU uses the figure, the next one measures again
+            return PeakFlops(entry["flops_per_s"], f"measured: {key}, load {load} (not cached: {exc})")
+    when = f", {entry['measured']}" if entry.get("measured") else ""
+    load = f", load {entry['load']}" if entry.get("load") is not None else ""
+    return PeakFlops(float(entry["flops_per_s"]), f"measured: {key}{when}{load} (cached in {path})")
+
+
+def device_peak(device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16) -> PeakFlops:
+    """Peak FLOP/s of one device for ``dtype`` matmuls and its source: the table for known GPUs in bf16/fp16,
+    else measured once per machine and cached (``cached_peak``)."""
     dev = torch.device(device)
     if dev.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
-        known = table_peak_flops(torch.cuda.get_device_name(dev))
+        name = torch.cuda.get_device_name(dev)
+        known = table_peak_flops(name)
         if known is not None:
-            return known
+            return PeakFlops(known, f"table: {name} ({str(dtype).removeprefix('torch.')} dense, data sheet)")
     # CPU bf16 matmul is often emulated and slower than fp32; the trainer's CPU runs are fp32 anyway.
     measure_dtype = dtype if dev.type == "cuda" else torch.float32
-    return measure_matmul_peak(str(dev), measure_dtype, n=4096 if dev.type == "cuda" else 1024)
+    key = f"{_device_kind(dev)}, {str(measure_dtype).removeprefix('torch.')}"
+    n = 4096 if dev.type == "cuda" else 1024
+    return cached_peak(key, lambda: measure_matmul_peak(str(dev), measure_dtype, n=n, seconds=1.0))
+
+
+def peak_flops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16) -> float:
+    """``device_peak(device, dtype).flops_per_s``."""
+    return device_peak(device, dtype).flops_per_s
 
 
 def achieved_flops(tokens_per_s: float, flops_per_token: float) -> float:

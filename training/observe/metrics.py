@@ -9,6 +9,8 @@ A run record, written when a logger opens::
 
     {"kind": "run", "schema": 1, "time": <unix s>, "start_step": int, "total_steps": int | null,
      "flops_per_token": float | null, "peak_flops_per_s": float | null, "config": {...} | null,
+     "peak_flops_source": str | null,  # where the peak comes from (observe.hardware.device_peak): a data-sheet
+                                       #   row, or the per-machine measurement every run here divides by
      "fp8": str | null}               # which GEMMs run in FP8 (training.observe.fp8_report.fp8_tag), also on every line
 
 A step record per logging step (``null``: not measured, or not finite)::
@@ -154,6 +156,7 @@ class MetricsLogger:
     Args:
         flops_per_token: model FLOPs per trained token (forward + backward); enables FLOP/s.
         peak_flops_per_s: peak of all devices together (per-device peak x world size); enables MFU.
+        peak_flops_source: where that peak comes from (``observe.hardware.PeakFlops.source``), for the run record.
         tensorboard: "auto" (when ``torch.utils.tensorboard`` imports), True (required) or False. One directory
             per run, ``RUN_DIR/tensorboard``: a run that starts at step 0 removes the event files of the run it
             replaces (as it drops that run's step records), a resumed run adds its own file, from which
@@ -173,7 +176,7 @@ class MetricsLogger:
                  device: Any = "cpu", tensorboard: bool | str = "auto", progress: bool | None = None,
                  print_fn: Callable[[str], None] | None = None, config: Mapping[str, Any] | None = None,
                  wandb: Mapping[str, Any] | None = None, fp8: str | None = None,
-                 drop_later_steps: bool = True) -> None:
+                 drop_later_steps: bool = True, peak_flops_source: str | None = None) -> None:
         if tensorboard not in (True, False, "auto"):
             raise ValueError(f"tensorboard={tensorboard!r}: valid values are True, False, 'auto'")
         self.run_dir = Path(run_dir)
@@ -204,8 +207,8 @@ class MetricsLogger:
         self._last_time = time.perf_counter()
         self._write({"kind": "run", "schema": SCHEMA, "time": time.time(), "start_step": start_step,
                      "total_steps": total_steps, "flops_per_token": flops_per_token,
-                     "peak_flops_per_s": peak_flops_per_s, "config": dict(config) if config else None,
-                     "fp8": fp8})
+                     "peak_flops_per_s": peak_flops_per_s, "peak_flops_source": peak_flops_source,
+                     "config": dict(config) if config else None, "fp8": fp8})
 
     def _open_tensorboard(self, mode: bool | str, start_step: int):
         if mode is False:

@@ -8,7 +8,9 @@ machine: pip has no index (``PIP_NO_INDEX``), the index probe meets a closed loc
 installed, and a carried wheel is installed from ``--wheels`` after the steps that need nothing installed. Every
 step of the extended check runs except the compiles and bench-dispatch (the full ``--rehearsal`` runs those); a
 step that fails fails the run (exit code 1), so this test fails with it. ``--quick`` gives its steps no caps of
-their own: only the total budget, far above the run's few minutes, so a loaded CPU does not decide the verdict.
+their own: only the total budget, far above the run's few minutes on an idle machine and stretched by the load
+when the test starts (tests/load.py), as are the script's timeout and this test's, so a loaded CPU does not decide
+the verdict (issue 48: 120 s inside a suite at load 13-44).
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ import sys
 import time
 import zipfile
 from pathlib import Path
+
+import pytest
+
+from tests.load import scaled
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -46,19 +52,23 @@ def _wheel(folder: Path, name: str = "moefold_rehearsal_probe") -> Path:
     return wheel
 
 
+@pytest.mark.slow   # minutes of subprocesses: `python -m pytest -q -m slow` (.ci/run) runs it
+@pytest.mark.timeout(1000)   # above the script's own timeout (960 s idle), so that its report says what ran
 def test_gpu_check_rehearsal_runs_every_step_on_cpu(tmp_path):
     """As on a lent GPU machine: no package index at all (pip --no-index; the index probe hits a closed port),
     torch preinstalled and never reinstalled, one wheel carried. The steps that need nothing installed run
     first, the install after them; the whole script ends inside its budget with every core step reported."""
     _wheel(tmp_path / "whl")
     out = tmp_path / "out" / "report.md"
-    env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_TIMEOUT": "900", "PIP_NO_INDEX": "1"}
+    # seconds on an idle machine, times the load per core now: script timeout, check budget, this run's timeout
+    script, budget, wait = (round(scaled(s)) for s in (900, 860, 960))
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_TIMEOUT": str(script), "PIP_NO_INDEX": "1"}
     env.pop("MOEFOLD_GPU_REHEARSAL", None)
     env.pop("PIP_INDEX_URL", None)
     t0 = time.monotonic()
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--quick", "--out", str(out), "--budget", "860",
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--quick", "--out", str(out), "--budget", str(budget),
                            "--wheels", str(tmp_path / "whl"), "--index-url", "http://127.0.0.1:9/simple/"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=960)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=wait)
     seconds = time.monotonic() - t0
     report = out.read_text() if out.exists() else "(no report)"
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{report}"
@@ -73,8 +83,8 @@ def test_gpu_check_rehearsal_runs_every_step_on_cpu(tmp_path):
         assert row in report, f"{row} missing:\n{report}"
     assert max(report.index(r) for r in core) < report.index("| install |"), "installs must come after the core steps"
     # inside the budget: the script's own timeout and the check's budget
-    used, budget = (float(v) for v in re.search(r"(\d+) s of a (\d+) s budget", report).groups())
-    assert used <= budget <= 860 and seconds < 900, (used, budget, seconds)
+    used, given = (float(v) for v in re.search(r"(\d+) s of a (\d+) s budget", report).groups())
+    assert used <= given <= budget and seconds < script, (used, given, budget, seconds, script)
     print(f"rehearsal --quick: {seconds:.0f} s; per step: "
           + ", ".join(f"{name} {secs} s" for name, secs in re.findall(r"^\| (.+?) \| \w[\w ]* \| (\d+) \|$", report,
                                                                     re.M)))

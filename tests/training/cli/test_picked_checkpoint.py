@@ -33,3 +33,13 @@ def test_inspect_generate_and_convert_name_the_checkpoint_of_the_directorys_run(
     assert f"moefold generate: using {picked}" in capsys.readouterr().err
     assert cli_main(["convert", str(save), str(tmp_path / "hf")]) == 0
     assert f"using {picked}" in capsys.readouterr().out
+
+    # damaged: one plain line that neither names an exception class nor talks of resuming (generate trains nothing)
+    (shard,) = (save / "iter_0000002").glob("*.distcp")
+    shard.write_bytes(shard.read_bytes()[:10])
+    for path, says in ((save / "iter_0000002", "is damaged: __0_0.distcp has 10 bytes"),
+                       (save, "no intact checkpoint under")):
+        assert cli_main(["generate", "--checkpoint", str(path), "--prompt-ids", "1", "--max-new-tokens", "2"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("moefold generate: error: ") and says in err and err.count("\n") == 1, err
+        assert "Error" not in err and "resum" not in err and "scratch" not in err, err

@@ -5,9 +5,11 @@ before any rank starts."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from moefold.training.build import build_pipeline, micro_batches
 from moefold.training.cli import build_parser
 from moefold.training.cli import main as cli_main
 from moefold.training.cli.train import config_from_args
@@ -57,6 +59,26 @@ def test_pipeline_schedule_flag_reaches_the_config():
     assert c.pipeline_layout(2).vpp == 2 and c.schedule_name(2) == "interleaved"
     c = config("--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1")
     assert [list(c.pipeline_layout(2).rank_layers(r)) for r in range(2)] == [[0], [1, 2, 3]]
+
+
+def test_pipeline_line_names_the_placement_only_for_several_chunks_per_rank():
+    """The run's pipeline line: zb-h1 (one chunk per rank) is not "vpp 1 (interleaved)"; one micro-batch is
+    singular."""
+    def line(num_micro: int, *flags: str) -> str:
+        lines: list[str] = []
+        config = config_from_args(build_parser("train").parse_args([*BASE, "--pipeline-model-parallel-size", "2",
+                                                                     *flags]))
+        build_pipeline(config, SimpleNamespace(pp=2), num_micro, lines.append)
+        return lines[0].splitlines()[0]
+
+    assert line(4, "--pipeline-schedule", "zb-h1").startswith("pipeline: zb-h1 schedule, pp 2, 4 micro-batches per "
+                                                              "step (bubble ")
+    assert line(1).startswith("pipeline: 1f1b schedule, pp 2, 1 micro-batch per step (bubble ")
+    assert line(4, "--num-layers-per-virtual-pipeline-stage", "1").startswith(
+        "pipeline: interleaved schedule, pp 2 x vpp 2 (interleaved placement), 4 micro-batches per step")
+    assert line(4, "--pipeline-schedule", "zbv", "--num-layers-per-virtual-pipeline-stage", "1").startswith(
+        "pipeline: zbv schedule, pp 2 x vpp 2 (v placement), ")
+    assert (micro_batches(1), micro_batches(2)) == ("1 micro-batch", "2 micro-batches")
 
 
 BAD = [  # (extra flags, what the message must say)

@@ -61,6 +61,16 @@ def test_round_trip_jsonl_and_text_with_workers(tmp_path):
     np.testing.assert_array_equal(IndexedDataset(prefix2).tokens, ds.tokens[:IndexedDataset(prefix2).num_tokens])
 
 
+def test_a_vocabulary_smaller_than_asked_says_what_to_train_with(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("\n".join(DOCS), encoding="utf-8")
+    prefix = tmp_path / "o"
+    assert cli_main(["prepare-data", "--input", str(tmp_path / "a.txt"), "--output-prefix", str(prefix),
+                     "--vocab-size", "32000", "--workers", "1", "--no-progress"]) == 0
+    got = IndexedDataset(prefix).vocab_size
+    assert got < 32000 and (f"note: the corpus gave {got:,} tokens of the --vocab-size 32,000 asked for; train with "
+                            f"--vocab-size {got} (--vocab-size 32000 would build") in capsys.readouterr().out
+
+
 def test_token_dtype_and_uint32_round_trip(tmp_path):
     assert token_dtype(65535) is np.uint16 and token_dtype(65536) is np.uint32
     docs = [np.array([0, 70000, 5]), np.array([65535, 1])]

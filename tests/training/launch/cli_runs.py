@@ -9,12 +9,12 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
 from moefold.training.observe.metrics import read_metrics
+from tests.load import communicate, within
 from tests.training.trainer_common import tiny_corpus
 
 # a tiny Qwen3-MoE at ep2, one step a fraction of a second even on a busy 2-core machine
@@ -38,9 +38,10 @@ def start(args: list[str], module: str = "moefold.training.cli", prefix: list[st
 
 
 def wait_for(proc: subprocess.Popen, pattern: str, lines: list[str], timeout: float = 240) -> re.Match:
-    """Read ``proc``'s output into ``lines`` until a line matches ``pattern``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """Read ``proc``'s output into ``lines`` until a line matches ``pattern`` (within ``timeout`` s on an idle
+    machine, stretched by the load: tests/load.py)."""
+    limit = within(timeout)
+    while limit.left() > 0:
         line = proc.stdout.readline()
         if not line:
             pytest.fail(f"ended ({proc.wait()}) before {pattern!r}:\n{''.join(lines[-30:])}")
@@ -48,18 +49,18 @@ def wait_for(proc: subprocess.Popen, pattern: str, lines: list[str], timeout: fl
         if m := re.search(pattern, line):
             return m
     proc.kill()
-    pytest.fail(f"no {pattern!r} within {timeout} s:\n{''.join(lines[-30:])}")
+    pytest.fail(f"no {pattern!r} within {limit}:\n{''.join(lines[-30:])}")
 
 
 def finish(proc: subprocess.Popen, lines: list[str], timeout: float = 300) -> str:
-    out, _ = proc.communicate(timeout=timeout)
+    out, _ = communicate(proc, timeout)
     lines.append(out)
     return "".join(lines)
 
 
 def run(args: list[str], timeout: float = 300, **kwargs) -> tuple[int, str]:
     proc = start(args, **kwargs)
-    out, _ = proc.communicate(timeout=timeout)
+    out, _ = communicate(proc, timeout)
     return proc.returncode, out
 
 

@@ -5,6 +5,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from tests.load import communicate
+
 CHILD = r"""
 import resource, sys, torch
 from moefold.training.launch.allocator import tune_cpu_allocator
@@ -21,24 +25,37 @@ print(said, "|", faults(), "|", __import__("os").environ.get("MALLOC_MMAP_THRESH
 """
 
 
-def _child(mode: str, **env: str) -> list[str]:
+CASES = {"tuned": ("tune", {}), "plain": ("plain", {}), "arena": ("tune", {"MALLOC_ARENA_MAX": "2"}),
+         "jemalloc": ("tune", {"LD_PRELOAD": "/nonexistent/libjemalloc.so.2"})}
+
+
+@pytest.fixture(scope="module")
+def children() -> dict[str, list[str]]:
+    """Every case's child at once (each its own process: what one sets cannot leak into another), so that their
+    torch imports overlap: ``said | faults | MALLOC_MMAP_THRESHOLD_`` per case."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "LD_PRELOAD"}
-    out = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, timeout=300,
-                         env={**clean, **env, "OMP_NUM_THREADS": "1"}, check=True).stdout
-    return [part.strip() for part in out.strip().splitlines()[-1].split("|")]
+    procs = {name: subprocess.Popen([sys.executable, "-c", CHILD, mode], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env={**clean, **env, "OMP_NUM_THREADS": "1"})
+             for name, (mode, env) in CASES.items()}
+    out = {}
+    for name, proc in procs.items():
+        stdout, stderr = communicate(proc, 300)
+        assert proc.returncode == 0, (name, stderr)
+        out[name] = [part.strip() for part in stdout.strip().splitlines()[-1].split("|")]
+    return out
 
 
-def test_tuned_allocator_reuses_freed_large_buffers():
-    said, faults, env = _child("tune")
+def test_tuned_allocator_reuses_freed_large_buffers(children):
+    said, faults, env = children["tuned"]
     assert said.startswith("glibc mallopt") and env == str(2**31 - 1)   # ranks started from here inherit it
-    _, default_faults, _ = _child("plain")
+    _, default_faults, _ = children["plain"]
     pages = 64 * 2**20 // 4096
     assert int(default_faults) >= 5 * pages     # glibc's default: every fresh 64 MB buffer faulted in again
     assert int(faults) <= 2 * pages, (faults, default_faults)   # at most a heap growth or two over the 10
 
 
-def test_user_allocator_choices_are_kept():
-    said, _, env = _child("tune", MALLOC_ARENA_MAX="2")
+def test_user_allocator_choices_are_kept(children):
+    said, _, env = children["arena"]
     assert "MALLOC_ARENA_MAX" in said and env == "None"
-    said, _, _ = _child("tune", LD_PRELOAD="/nonexistent/libjemalloc.so.2")
+    said, _, _ = children["jemalloc"]
     assert said == "jemalloc preloaded"

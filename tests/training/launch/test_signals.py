@@ -18,6 +18,7 @@ from moefold.training.checkpoint.files import checkpoint_dirs
 from moefold.training.checkpoint.identity import read_tracker
 from moefold.training.trainer import Trainer
 from tests.distributed import run_distributed
+from tests.load import within
 from tests.training.launch.cli_runs import TINY, corpus, dead, finish, launch_dirs_of, losses, run, start, wait_for
 from tests.training.trainer_common import tiny_config, tiny_data
 
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 STEPS = 10
 
 
+@pytest.mark.slow   # three two-rank runs: `python -m pytest -q -m slow` (.ci/run) runs it
 def test_sigterm_to_a_two_rank_run_saves_and_the_resume_is_bit_identical(tmp_path):
     data = ["--data-path", str(corpus(tmp_path / "data"))]
     two = [*TINY, *data, "--nproc", "2", "--expert-model-parallel-size", "2", "--train-iters", str(STEPS)]
@@ -81,8 +83,8 @@ def test_without_the_handler_a_signal_ends_the_launcher_and_its_ranks_at_once(tm
     finish(proc, lines, timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM
     assert not checkpoint_dirs(tmp_path / "run" / "checkpoints")
-    deadline = time.monotonic() + 20
-    while not all(dead(p) for p in pids) and time.monotonic() < deadline:
+    limit = within(20)
+    while not all(dead(p) for p in pids) and limit.left() > 0:
         time.sleep(0.1)
     assert all(dead(p) for p in pids) and launch_dirs_of(proc.pid) == []
 

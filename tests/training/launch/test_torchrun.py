@@ -16,9 +16,11 @@ from pathlib import Path
 import pytest
 
 from moefold.training.checkpoint.identity import read_tracker
+from tests.load import within
 from tests.training.launch.cli_runs import TINY, corpus, finish, free_port, losses, run, start, wait_for
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+# two torchrun agents of 2 workers each, three times: `python -m pytest -q -m slow` (.ci/run) runs them
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"), pytest.mark.slow]
 
 TORCHRUN = "torch.distributed.run"
 STEPS = 8
@@ -64,8 +66,8 @@ def test_max_restarts_resumes_the_killed_group_from_its_last_checkpoint(nproc4, 
     save = tmp_path / "ckpt"
     agents = _agents([*TINY, *LAYOUT, "--data-path", str(data), "--run-dir", str(tmp_path / "run"), "--save",
                       str(save), "--load", str(save), "--save-interval", "3"], ["--max-restarts", "1"])
-    deadline = time.monotonic() + 300
-    while read_tracker(save) is None and time.monotonic() < deadline and all(a.poll() is None for a in agents):
+    limit = within(300)
+    while read_tracker(save) is None and limit.left() > 0 and all(a.poll() is None for a in agents):
         time.sleep(0.2)
     assert read_tracker(save) == 3, [finish(a, [], timeout=60) for a in agents]
     victim = _children(agents[1].pid)[0]   # a worker of the second agent
