@@ -30,6 +30,7 @@ from moefold.planner.nearest import alternatives, why_nothing_is_valid
 from moefold.planner.report import HEADER, commands, heading, needs, outcome, render, row, why_not
 from moefold.planner.search import HEADROOM, evaluate, recompute_ladder, search, stage_memory
 from moefold.planner.step_time import EFFICIENCY
+from moefold.training.cli.fp8_flags import add_fp8_arguments, fp8_config_from_args
 from moefold.training.cli.model_flags import ARCH_FLAGS, add_model_arguments, dest
 from moefold.training.cli.train import model_from_args
 from moefold.training.cli.train_flags import ROUTER_FLAGS
@@ -76,6 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bf16 parameters with fp32 master weights (default; --no-bf16: fp32)")
     for flag in ("--main-grads-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype"):
         t.add_argument(flag, default="fp32", choices=tuple(DTYPES), help="optimizer precision (as moefold train)")
+    add_fp8_arguments(t)
     t.add_argument("--overlap-param-gather", action="store_true",
                    help="plan the parameter all-gather overlapped with the next forward (as moefold train)")
     g = p.add_argument_group("layout (each given flag is fixed; the others are searched)")
@@ -191,7 +193,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[RunConfig, Fixed]:
                            moe_deepep_num_sms=args.moe_deepep_num_sms,
                            moe_flex_dispatcher_backend=args.moe_flex_dispatcher_backend,
                            moe_deepep_mode=args.moe_deepep_mode, moe_deepep_cpu_sync=args.moe_deepep_cpu_sync,
-                           **(recompute or {}))
+                           fp8=fp8_config_from_args(args), **(recompute or {}))
     train = TrainConfig(micro_batch_size=args.micro_batch_size or 1, global_batch_size=args.global_batch_size,
                         seq_length=args.seq_length, bf16=args.bf16,
                         pipeline_schedule=args.pipeline_schedule or TrainConfig.pipeline_schedule,
@@ -340,28 +342,35 @@ def _one_layout(config: RunConfig, fixed: Fixed, world: int, cluster, per_node: 
                                                                  etp=fixed.etp),
                                  train=dataclasses.replace(config.train, **split))
     ladder = {"fixed": {}} if fixed.recompute is not None else recompute_ladder(config.model)
-    fitting, closest, summary = [], None, []
-    try:
-        for sharding in [fixed.sharding] if fixed.sharding else list(SHARDING):
-            base = config if fixed.sharding else _with_sharding(config, sharding, world)
-            if base is None:
-                continue
-            for name, fields in ladder.items():
-                planned = dataclasses.replace(base, options=dataclasses.replace(base.options, **fields))
+    fitting, closest, summary, refused = [], None, [], []
+    for sharding in [fixed.sharding] if fixed.sharding else list(SHARDING):
+        base = config if fixed.sharding else _with_sharding(config, sharding, world)
+        if base is None:   # moefold train refuses this sharding with the layout: the others are still tried
+            summary.append(f"with {sharding}: not with this layout (moefold train refuses it)")
+            continue
+        tried = 0
+        for name, fields in ladder.items():
+            planned = dataclasses.replace(base, options=dataclasses.replace(base.options, **fields))
+            try:   # a rung moefold train refuses with this layout (offloading with the overlap) is skipped
                 plan = evaluate(planned, world, cluster, per_node, memory, headroom=args.memory_headroom,
                                 efficiency=args.efficiency, recompute=name if name != "fixed" else "")
-                if closest is None or plan.memory.total < closest.memory.total:
-                    closest = plan
-                if plan.fits:
-                    fitting.append(plan)
-                    summary.append(f"with {sharding}: fits with {needs(plan)} ({plan.memory.total / 1e9:.1f} GB, "
-                                   f"{plan.time.tokens_per_s_per_gpu:.0f} tok/s/GPU)")
-                    break
-            else:
-                summary.append(f"with {sharding}: does not fit with any activation saving")
-    except ValueError as exc:
-        return str(exc)
+            except ValueError as exc:
+                refused.append(str(exc))
+                continue
+            tried += 1
+            if closest is None or plan.memory.total < closest.memory.total:
+                closest = plan
+            if plan.fits:
+                fitting.append(plan)
+                summary.append(f"with {sharding}: fits with {needs(plan)} ({plan.memory.total / 1e9:.1f} GB, "
+                               f"{plan.time.tokens_per_s_per_gpu:.0f} tok/s/GPU)")
+                break
+        else:
+            summary.append(f"with {sharding}: does not fit with any activation saving" if tried else
+                           f"with {sharding}: not with this layout ({refused[-1] if refused else 'refused'})")
     if fitting:
         return max(fitting, key=lambda p: p.time.tokens_per_s_per_gpu), summary
+    if closest is None:
+        return refused[0] if refused else "moefold train refuses every sharding choice with this layout"
     return closest, summary
 

@@ -23,6 +23,7 @@ Sizes are decimal unless they say otherwise (``parse_bytes``: GB = 1e9 bytes, Gi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -100,7 +101,29 @@ CLUSTERS: dict[str, Cluster] = {c.name: c for c in (
             "= 25 GB/s per GPU; no FP8 tensor cores; HBM2e 2.04 TB/s; host: PCIe Gen4 x16, 2 TB and 2 x 8 "
             "DDR4-3200 channels per node",
             pcie_gbps=PCIE_GEN4_PER_GPU, host_memory_gbps=DDR4_NODE_PER_GPU, fp8_tflops=0.0, hbm_gbps=2039.0),
+    Cluster("b200", 180 * 10**9, 2250.0, 900.0, IB_NDR_PER_GPU,
+            "NVIDIA DGX B200 datasheet: 8 B200, 1,440 GB HBM3e = 180 GB per GPU, 72 PFLOPS FP8 training with sparsity "
+            "per node = 4,500 dense FP8 TFLOP/s per GPU, dense BF16 half that (2,250); HBM3e 8 TB/s, "
+            "NVLink 5 1.8 TB/s bidirectional = 900 per direction; network: 8 x 400 Gb/s ConnectX-7 = 50 GB/s per "
+            "GPU; host: PCIe Gen5 x16, 4 TB (2 TB assumed usable as on DGX H100) and 2 x 8 DDR5 channels per node",
+            fp8_tflops=4500.0, hbm_gbps=8000.0),
+    Cluster("gb200", 186 * 10**9, 2500.0, 900.0, IB_NDR_PER_GPU,
+            "NVIDIA GB200 NVL72 datasheet: 72 Blackwell GPUs, 13.4 TB HBM3e = 186 GB per GPU, FP8 720 PFLOPS with "
+            "sparsity = 5,000 dense per GPU, BF16 360 PFLOPS with sparsity = 2,500 dense per GPU, HBM3e 8 TB/s per "
+            "GPU, NVLink 5 1.8 TB/s bidirectional = 900 per direction across the 72-GPU NVLink domain (plan with "
+            "--gpus-per-node 72, or the domain a job gets); network: one 400 Gb/s ConnectX-7 per GPU = 50 GB/s; "
+            "host: Grace, 480 GB LPDDR5X per 2 GPUs = 240 GB, NVLink-C2C 900 GB/s per Grace (450 per GPU) "
+            "serving as the host link", fp8_tflops=5000.0, hbm_gbps=8000.0, pcie_gbps=450.0,
+            host_memory_bytes=240 * 10**9, host_memory_gbps=256.0),
 )}
+# GB300 NVL72: GB200's NVLink domain and dense peaks, with Blackwell Ultra's memory and ConnectX-8
+CLUSTERS["gb300"] = dataclasses.replace(
+    CLUSTERS["gb200"], name="gb300", memory_bytes=288 * 10**9, internode_gbps=100.0,
+    source="NVIDIA GB300 NVL72 datasheet: 72 Blackwell Ultra GPUs, 20.7 TB HBM3e = 288 GB per GPU, FP8 720 PFLOPS "
+           "with sparsity = 5,000 dense per GPU, BF16 360 PFLOPS with sparsity = 2,500 dense per GPU, HBM3e 8 TB/s, "
+           "NVLink 5 1.8 TB/s bidirectional = 900 per direction across the 72-GPU NVLink domain; network: one "
+           "800 Gb/s ConnectX-8 per GPU = 100 GB/s; host: Grace, 480 GB LPDDR5X per 2 GPUs = 240 GB, NVLink-C2C "
+           "900 GB/s per Grace (450 per GPU) serving as the host link")
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -126,7 +149,8 @@ _TOML_KEYS = {"name", "memory", "memory_bytes", "bf16_tflops", "nvlink_gbps", "i
 
 
 def load_cluster(spec: str) -> Cluster:
-    """A preset (``CLUSTERS``: h100, h200, h800, a100) or a TOML file with the ``Cluster`` fields (module docstring)."""
+    """A preset (``CLUSTERS``: h100, h200, h800, a100, b200, gb200, gb300) or a TOML file with the ``Cluster``
+    fields (module docstring)."""
     if spec in CLUSTERS:
         return CLUSTERS[spec]
     path = Path(spec)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import shlex
 
 from moefold.planner.cluster import Cluster
-from moefold.planner.search import COMPONENTS, Plan, SearchResult
+from moefold.planner.search import COMPONENTS, Plan, SearchResult, recompute_ladder
 from moefold.planner.step_time import TERMS
+from moefold.precision.fp8 import FP8Config
 from moefold.training.config import RunConfig, TrainConfig
 
 _T = TrainConfig()
@@ -66,11 +67,24 @@ def train_flags(plan: Plan, model_flags: list[str]) -> list[str]:
     for field in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
         if getattr(t, field) != getattr(_T, field):
             flags += [f"--{field.replace('_', '-')}", getattr(t, field)]
+    flags += fp8_flags(o.fp8)
     if t.overlap_param_gather:
         flags.append("--overlap-param-gather")
     if not t.overlap_grad_reduce:
         flags.append("--no-overlap-grad-reduce")
     return [str(f) for f in flags]
+
+
+def fp8_flags(fp8: FP8Config) -> list[str]:
+    """``moefold train``'s FP8/FP4 flags that give ``fp8`` (none when it is off)."""
+    if not fp8.enabled:
+        return []
+    out = ["--fp4-format", fp8.fp4] if fp8.fp4 else ["--fp8-format", str(fp8.format), "--fp8-recipe", str(fp8.recipe)]
+    if fp8.backend != FP8Config.backend:
+        out += ["--fp8-backend", str(fp8.backend)]
+    if fp8.dispatch:
+        out.append("--moe-fp8-dispatch")
+    return out
 
 
 def commands(plan: Plan, model_flags: list[str], gpus_per_node: int) -> tuple[str, str]:
@@ -169,8 +183,17 @@ SAVINGS = {"selective": "recompute core attention", "selective+": "recompute the
 
 
 def needs(plan: Plan) -> str:
-    """What a fitting plan needs past ZeRO-1 with no recompute, in words (the report's "needs" column)."""
-    out = [SAVINGS[plan.recompute]] if plan.recompute in SAVINGS else []
+    """What a fitting plan needs past ZeRO-1 with no recompute, in words (the report's "needs" column): the
+    recompute and offloading its options hold (the modules named when they are not a ladder rung's), the sharding."""
+    o = plan.config.options
+    rung = recompute_ladder(plan.config.model).get(plan.recompute)
+    if plan.recompute in SAVINGS and all(getattr(o, k) == v for k, v in rung.items()):
+        out = [SAVINGS[plan.recompute]]
+    elif o.recompute == "full":
+        out = [f"full recompute ({o.recompute_method}, {o.recompute_num_layers} layers)"]
+    else:
+        out = [f"recompute {' '.join(o.recompute_modules)}"] if o.recompute == "selective" else []
+        out += [f"offload {' '.join(o.offload_modules)}"] if o.offload_modules else []
     out += {"fsdp": ["FSDP2"], "cpu-adam": ["optimizer offload"]}.get(plan.sharding, [])
     return ", ".join(out) or "nothing"
 

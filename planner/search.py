@@ -332,11 +332,19 @@ def search(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, 
                  f"({time.monotonic() - started:.0f} s)")
     # a fast estimate of every way each layout fits (the bubble from its expected fraction), then the simulated
     # pipeline clock for the ways of the layouts that estimate ranks first
-    fast = [[estimate_step_time(p.config, p.sizes, cluster, gpus_per_node, efficiency, simulate=False).total
-             for p in plans] for plans in fitting]
+    fast = []
+    for n, plans in enumerate(fitting):   # a status line every PROGRESS_EVERY_S here too (it can take minutes)
+        if progress is not None and time.monotonic() - last > PROGRESS_EVERY_S:
+            last = time.monotonic()
+            progress(f"step times: {n} of {len(fitting)} layouts estimated ({last - started:.0f} s)")
+        fast.append([estimate_step_time(p.config, p.sizes, cluster, gpus_per_node, efficiency, simulate=False).total
+                     for p in plans])
     order = sorted(range(len(fitting)), key=lambda i: min(fast[i]))[:max(SIMULATED_PER_TOP * top, 24)]
     fitting = [fitting[i] for i in order]
     flat = [p for plans in fitting for p in plans]
+    if progress is not None:
+        progress(f"step times: simulating the pipelines of the fastest {len(fitting)} layouts "
+                 f"({time.monotonic() - started:.0f} s)")
     times = iter(_step_times([(p.config, p.sizes) for p in flat], cluster, gpus_per_node, efficiency, workers))
     # each layout's ways to fit, fastest first; the layouts by their fastest
     timed = [sorted((dataclasses.replace(p, time=next(times)) for p in plans),

@@ -126,6 +126,33 @@ class StepTime:
         return self.flops_per_gpu / self.total / (cluster.bf16_tflops * 1e12)
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """What the roofline model leaves out, fitted end to end on published runs (``planner.calibration``):
+    ``compute`` multiplies every action's compute (kernels between the GEMMs, launch gaps, imbalance the model
+    does not see), ``communication`` every exposed collective (the share of a link's bandwidth NCCL / DeepEP
+    reach), and ``routed_bytes`` adds HBM traffic per routed token copy per hidden element in each MoE layer's
+    forward (twice in its backward): the permutation, padding and un-permutation kernels around the grouped GEMMs."""
+
+    compute: float = 1.0
+    communication: float = 1.0
+    routed_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("compute", "communication"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Calibration.{name}={getattr(self, name)!r} must be positive")
+        if not self.routed_bytes >= 0:
+            raise ValueError(f"Calibration.routed_bytes={self.routed_bytes!r} must be >= 0")
+
+
+# Fitted by ``python -m moefold.planner.calibration`` on the rows of ``planner.published`` marked ``fitted``
+# (at most half of the table); the other rows' errors are what the model is worth on runs it was not tuned on.
+CALIBRATION = Calibration(compute=1.79, communication=1.14, routed_bytes=0.0)
+UNCALIBRATED = Calibration()
+COMM_TERMS = ("tp", "cp", "ep", "pp", "dp")
+
+
 # ----------------------------------------------------------------------------------------------- links
 @dataclass(frozen=True)
 class _Links:
@@ -188,10 +215,20 @@ class _Action:
 
     terms: dict[str, float]
     weight: float = 0.0
+    routed: float = 0.0    # routed token copies x hidden elements through this action's MoE layers (forward)
 
     @property
     def total(self) -> float:
         return sum(self.terms.values())
+
+    def calibrate(self, cal: Calibration, hbm_bytes_s: float, backward: bool) -> None:
+        """Scale compute and communication and add the routing kernels' traffic (``Calibration``)."""
+        routing = (2 if backward else 1) * self.routed * cal.routed_bytes / hbm_bytes_s
+        self.terms["compute"] = self.terms.get("compute", 0.0) * cal.compute + routing
+        self.weight *= cal.compute
+        for term in COMM_TERMS:
+            if term in self.terms:
+                self.terms[term] *= cal.communication
 
     @property
     def hideable(self) -> tuple[float, float]:
@@ -200,9 +237,12 @@ class _Action:
 
 
 def rank_chunks(config: RunConfig, sizes: ParallelSizes, pp_rank: int) -> list[ChunkSpec]:
-    """The virtual chunks of pipeline rank ``pp_rank`` (the whole model as one chunk at pp = 1)."""
+    """The virtual chunks of pipeline rank ``pp_rank`` (the whole model as one chunk at pp = 1: with its MTP
+    layers, which the FLOP count of the MFU includes too)."""
     if sizes.pp == 1:
-        return [ChunkSpec(0, 0, 0, range(config.model.num_layers), True, True)]
+        m = config.model
+        return [ChunkSpec(0, 0, 0, range(m.num_layers), True, True, has_mtp=m.mtp_num_layers > 0,
+                          has_final_norm=True)]
     return config.pipeline_layout(sizes.pp).rank_chunks(pp_rank)
 
 
@@ -268,8 +308,11 @@ def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, li
         for phase, out in (("forward", fwd), ("backward", bwd)):
             seconds, units = _fsdp_seconds(config, sizes, chunk, links, phase)
             out["dp"] += max(seconds / max(units, 1), seconds - out["compute"])
+    # routed copies of this rank's tokens (the sequence-parallel shard) through the chunk's MoE layers
+    moe_blocks = sum(is_moe_block(m, i) for i, _, _ in blocks)
+    routed = moe_blocks * t.micro_batch_size * t.seq_length / (sizes.tp * sizes.cp) * m.moe_topk * m.hidden_size
     # the weight-gradient GEMMs of the backward take what the forward's GEMMs take (dw = dy^T x per y = x w^T)
-    return _Action(dict(fwd)), _Action(dict(bwd), weight=fwd["compute"])
+    return _Action(dict(fwd), routed=routed), _Action(dict(bwd), weight=fwd["compute"], routed=routed)
 
 
 def _offloaded_bytes(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, last_model_chunk: int) -> int:
@@ -354,7 +397,8 @@ def _optimizer_seconds(config: RunConfig, sizes: ParallelSizes, pp_rank: int, cl
 
 def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, gpus_per_node: int,
                        efficiency: float | None = None, exchange_overlap: float = 0.0,
-                       compute_share: float = 1.0, simulate: bool = True) -> StepTime:
+                       compute_share: float = 1.0, simulate: bool = True,
+                       calibration: Calibration | None = None) -> StepTime:
     """Seconds per step of ``config`` in layout ``sizes`` on ``cluster`` (module docstring); ValueError for a
     layout the run would refuse (``RunConfig.resolve``). ``efficiency``: the flat model (every FLOP at that share
     of the bf16 peak, nothing else counted) instead of the calibrated one; ``exchange_overlap``: the share of the
@@ -363,7 +407,8 @@ def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster
     (below 1 when communication kernels run beside them all along: DualPipe's all-to-all holds 20 of 132 SMs).
     ``simulate=False``: the pipeline bubble from the schedule's expected fraction
     (``pipeline.expected_bubble_fraction``, equal stage times) instead of the simulated clock, a fast first
-    estimate that the search ranks its candidates with."""
+    estimate that the search ranks its candidates with. ``calibration``: the end-to-end constants (default
+    ``CALIBRATION``; not applied to the flat model)."""
     if efficiency is not None and not 0 < efficiency <= 1:
         raise ValueError(f"efficiency={efficiency!r} must be in (0, 1]")
     if not 0 <= exchange_overlap <= 1:
@@ -379,6 +424,12 @@ def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster
     last = sizes.pp * vpp - 1
     actions = [[_chunk_actions(config, sizes, c, links, cluster, flop_s, last, exchange_overlap)
                 for c in rank_chunks(config, sizes, r)] for r in range(sizes.pp)]
+    cal = (CALIBRATION if calibration is None else calibration) if efficiency is None else UNCALIBRATED
+    if cal != UNCALIBRATED:
+        for rank in actions:
+            for f, b in rank:
+                f.calibrate(cal, cluster.hbm_gbps * 1e9, backward=False)
+                b.calibrate(cal, cluster.hbm_gbps * 1e9, backward=True)
     if compute_share < 1:
         for rank in actions:
             for action in (a for pair in rank for a in pair):
@@ -386,7 +437,10 @@ def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster
                 action.weight /= compute_share
     t = config.train
     overlap, delay = t.overlap_moe_expert_parallel_comm, t.delay_wgrad_compute
-    durations = tuple(tuple((max(f.total, 1e-12), max(b.total, 1e-12), min(b.weight, 0.5 * max(b.total, 1e-12)),
+    # a chunk without weight GEMMs (an embedding-only or loss-only stage) gets a W of no length (the clock needs > 0)
+    # (its I = B - W too: hence a B of at least 2e-12)
+    durations = tuple(tuple((max(f.total, 1e-12), max(b.total, 2e-12),
+                             max(min(b.weight, 0.5 * max(b.total, 2e-12)), 1e-12),
                              f.hideable, b.hideable) for f, b in rank) for rank in actions)
     if sizes.pp == 1 and not overlap:
         makespan = m * sum(f.total + b.total for f, b in actions[0])
@@ -411,7 +465,7 @@ def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster
     terms["bubble"] = max(0.0, makespan - busy[critical])
     fwd_window = sum(f.total for f, _ in actions[critical])
     bwd_window = sum(b.total for _, b in actions[critical])
-    terms["dp"] += _dp_seconds(config, sizes, critical, links, fwd_window, bwd_window)
+    terms["dp"] += cal.communication * _dp_seconds(config, sizes, critical, links, fwd_window, bwd_window)
     if config.train.optimizer_cpu_offload:
         terms["offload"] += _cpu_adam_seconds(config, sizes, critical, links, fwd_window)
     if flop_s is None:

@@ -44,11 +44,16 @@ B, S = 2, 16
 
 # ----------------------------------------------------------------------------------------------- cluster
 def test_presets_state_their_sources_and_sizes_parse():
-    assert set(CLUSTERS) == {"h100", "h200", "h800", "a100"}
+    assert set(CLUSTERS) == {"h100", "h200", "h800", "a100", "b200", "gb200", "gb300"}
     for c in CLUSTERS.values():
         assert "datasheet" in c.source or "H100" in c.source
         assert c.internode_gbps < c.nvlink_gbps
     assert CLUSTERS["h800"].nvlink_gbps < CLUSTERS["h100"].nvlink_gbps
+    # Blackwell: twice Hopper's NVLink and more than twice its dense peaks; GB300 the most memory and network
+    for name in ("b200", "gb200", "gb300"):
+        b = CLUSTERS[name]
+        assert b.nvlink_gbps == 2 * CLUSTERS["h100"].nvlink_gbps and b.fp8_tflops == 2 * b.bf16_tflops > 2 * 989
+    assert CLUSTERS["gb300"].memory_bytes == 288 * 10**9 and CLUSTERS["gb300"].internode_gbps == 100
     assert load_cluster("h200").memory_bytes == 141 * 10**9
     assert parse_bytes("80GB") == 80 * 10**9
     assert parse_bytes("80GiB") == 80 * 2**30

@@ -94,3 +94,12 @@ def test_search_offers_the_new_schedules_and_prints_their_flags():
         assert parsed.schedule_name(plan.vpp) == plan.config.schedule_name(plan.vpp)
         for field in ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "pipeline_schedule"):
             assert getattr(parsed.train, field) == getattr(plan.config.train, field), (plan.schedule, field)
+
+
+def test_split_backward_with_a_stage_without_weights():
+    """A stage of the embedding alone (or the loss alone) has no weight-gradient GEMMs: its W takes no time, and
+    the split-backward schedules still run on the pipeline clock (was: "duration of W(mb=0, chunk=0) on rank 0 is
+    0.0" from a searched DeepSeek-V3 layout on 2,048 GPUs)."""
+    for layout in ("E|t*8|t*8|L", "E|t*8|t*4|t*4L"):
+        step = _time(_config(4, pipeline_schedule="zb-h1", pipeline_model_parallel_layout=layout))
+        assert step.total > 0 and step.terms["bubble"] >= 0
