@@ -8,25 +8,30 @@ with a different dispatcher, recompute mode or CP exchange.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
-from moefold.dense.activation_offload import MIN_OFFLOADED_TENSOR_SIZE, check_offload, check_offload_modules
-from moefold.dense.context_parallel import CP_COMM_MODES
-from moefold.dense.gated_delta_rule import GATED_DELTA_RULE_BACKENDS
-from moefold.dense.recompute import (
+from moefold.dense.choices import (
+    CP_COMM_MODES,
     DEFAULT_RECOMPUTE_MODULES,
+    GATED_DELTA_RULE_BACKENDS,
+    MIN_OFFLOADED_TENSOR_SIZE,
     RECOMPUTE_METHODS,
     RECOMPUTE_MODES,
+    check_offload,
+    check_offload_modules,
     check_recompute_modules,
 )
 from moefold.dispatch.config import DispatcherKind
 from moefold.dispatch.flex_backend import FlexBackend
-from moefold.moe.gemm import GemmBackend
+from moefold.moe.gemm_backend import GemmBackend
 from moefold.precision.fp8 import FP8Config
 
 DEEPEP_MODES: tuple[str, ...] = ("hybrid", "direct")
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# parameter dtype name -> torch's name for it (torch itself is imported when a model is built, not to check options)
+DTYPES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -116,7 +121,9 @@ class ModelOptions:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, DTYPES[self.dtype])
 
     def resolved_dispatcher(self, ep: int, etp: int) -> DispatcherKind:
         """The dispatcher kind for ep x etp ranks (``auto`` resolved)."""

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from moefold.dispatch.config import DispatcherKind
-from moefold.models.config import MLADims, ModelConfig, YarnScaling
+from moefold.models.config import ModelConfig
 from moefold.models.options import ModelOptions
-from moefold.parallel.dims import ParallelConfig, ParallelSizes
+from moefold.parallel.sizes import ParallelConfig, ParallelSizes
 from moefold.training.optim.loss_scaler import LossScaler
 from moefold.training.optim.lr_schedule import DECAY_STYLES, WSD_STYLES, LRSchedule
 from moefold.training.optim.precision import OptimizerPrecision
@@ -409,16 +409,9 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RunConfig:
-        m = dict(d["model"])
-        if m.get("mla"):
-            m["mla"] = MLADims(**m["mla"])
-        if m.get("yarn"):
-            m["yarn"] = YarnScaling(**m["yarn"])
-        if isinstance(m.get("moe_layer_freq"), list):
-            m["moe_layer_freq"] = tuple(m["moe_layer_freq"])
         t = dict(d["train"])
         t["data_path"] = tuple(t.get("data_path") or ())
         t["valid_data_path"] = tuple(t.get("valid_data_path") or ())
         t["exit_signals"] = tuple(t.get("exit_signals", EXIT_SIGNALS))
-        return cls(model=ModelConfig(**m), parallel=ParallelConfig(**d["parallel"]),
+        return cls(model=ModelConfig.from_dict(d["model"]), parallel=ParallelConfig(**d["parallel"]),
                    options=ModelOptions(**d["options"]), train=TrainConfig(**t), recipe=d.get("recipe"))

@@ -10,27 +10,31 @@ from __future__ import annotations
 
 import argparse
 
-from moefold.dense.activation_offload import MIN_OFFLOADED_TENSOR_SIZE, OFFLOAD_MODULES
-from moefold.dense.context_parallel import CP_COMM_MODES
-from moefold.dense.gated_delta_rule import GATED_DELTA_RULE_BACKENDS
-from moefold.dense.recompute import DEFAULT_RECOMPUTE_MODULES, RECOMPUTE_METHODS, RECOMPUTE_MODES, RECOMPUTE_MODULES
+from moefold.dense.choices import (
+    CP_COMM_MODES,
+    DEFAULT_RECOMPUTE_MODULES,
+    GATED_DELTA_RULE_BACKENDS,
+    MIN_OFFLOADED_TENSOR_SIZE,
+    OFFLOAD_MODULES,
+    RECOMPUTE_METHODS,
+    RECOMPUTE_MODES,
+    RECOMPUTE_MODULES,
+)
 from moefold.dispatch.config import DispatcherKind
 from moefold.dispatch.flex_backend import FlexBackend
 from moefold.models.options import DEEPEP_MODES, ModelOptions
 from moefold.models.recipes import RECIPES
-from moefold.moe.gemm import GemmBackend
+from moefold.moe.gemm_backend import GemmBackend
 from moefold.pipeline.schedules import SCHEDULES
 from moefold.training.cli.fp8_flags import add_fp8_arguments
 from moefold.training.cli.megatron_flags import add_megatron_arguments
 from moefold.training.cli.model_flags import add_model_arguments
-from moefold.training.cli.train_checks import check_backends as check_backends
-from moefold.training.cli.train_checks import validate_layout as validate_layout
 from moefold.training.cli.train_help import ROUTER_HELP, TRAIN_HELP
 from moefold.training.config import EXIT_SIGNALS, STOP_SIGNALS, TrainConfig
 from moefold.training.optim.lr_schedule import DECAY_STYLES, WSD_STYLES
 from moefold.training.optim.precision import DTYPES
 
-_T = TrainConfig()
+_T = TrainConfig   # the class: its fields' defaults, read without running its checks (which import torch)
 
 
 # Router flags (Megatron-LM names) -> the ModelConfig field they override; unset keeps the recipe's.
