@@ -19,7 +19,6 @@ rank ends the run with one ``rank R: <message>`` line and the tracebacks in ``RU
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -171,7 +170,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     parallel = ParallelConfig(tp=args.tensor_model_parallel_size, cp=args.context_parallel_size,
                               pp=args.pipeline_model_parallel_size, ep=args.expert_model_parallel_size,
                               etp=args.expert_tensor_parallel_size)
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    fields = set(TrainConfig.FLAT_NAMES)
     explicit = ("run_dir", "save", "load", "bf16", "data_path", "vocab_size", "data_cache_dir", "valid_data_path",
                 "reset_data_position", "compile", "exit_signals", "run_id")
     if args.optimizer_offload_fraction != TrainConfig.optimizer_offload_fraction and not args.optimizer_cpu_offload:
