@@ -10,8 +10,8 @@
 
 Every field is also ``TrainConfig``'s flat name (``t.lr == t.schedule.lr``; ``models.composed``), the name of
 its Megatron-LM flag with ``-`` for ``_``. A field made with ``flag(default, help, ...)`` is that flag of ``moefold
-train``: its help, default and choices are the field's (``training.cli.field_flags`` adds them; the table of every
-flag is in docs/training.md). Messages name the flags. Torch-free: checks that need a package that imports torch
+train``: its help, default and choices are the field's (``training.cli.field_flags`` adds them to the parser).
+Messages name the flags. Torch-free: checks that need a package that imports torch
 import it when they run.
 """
 
