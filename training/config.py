@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from moefold.dispatch.config import DispatcherKind
 from moefold.models.composed import composed
 from moefold.models.config import ModelConfig
-from moefold.models.options import ModelOptions
+from moefold.models.options import FLEX_FLAGS, ModelOptions
 from moefold.parallel.sizes import ParallelConfig, ParallelSizes
 from moefold.training.optim.loss_scaler import LossScaler
 from moefold.training.optim.lr_schedule import LRSchedule
@@ -234,6 +234,26 @@ class RunConfig:
             return self.train.pipeline_schedule
         return "interleaved" if vpp > 1 else self.train.pipeline_schedule
 
+    def with_(self, **changes: Any) -> RunConfig:
+        """A copy with values changed by their flat names, each routed to the part that holds it: the model's
+        (``moe_topk``), the layout's (``tp``), the options' (``dispatcher``, ``moe_deepep_num_sms``), the train
+        config's (``lr``, ``seq_length``); or whole parts (``model=...``). ``vocab_size`` is the model's and the
+        built-in corpus's: give it through its part (``model=config.model.with_(vocab_size=...)``)."""
+        parts = {name: changes.pop(name) for name in ("model", "parallel", "options", "train", "recipe")
+                 if name in changes}
+        routed: dict[str, dict[str, Any]] = {}
+        for name, value in changes.items():
+            holders = [part for part, names in _part_names().items() if name in names]
+            if len(holders) != 1:
+                raise TypeError(f"RunConfig.with_: {name!r} is " + (f"a field of {' and '.join(holders)}: change it "
+                                                                    "through that part" if holders else
+                                                                    "no field of the model, layout, options or train "
+                                                                    "config"))
+            routed.setdefault(holders[0], {})[name] = value
+        for part, values in routed.items():
+            parts[part] = dataclasses.replace(parts.get(part, getattr(self, part)), **values)
+        return dataclasses.replace(self, **parts)
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON form a checkpoint and metrics.jsonl record: the train config flat (its sections' fields by their
         flat names, as ``training.checkpoint.resume`` reads them and earlier moefold wrote them)."""
@@ -246,3 +266,11 @@ class RunConfig:
     def from_dict(cls, d: dict[str, Any]) -> RunConfig:
         return cls(model=ModelConfig.from_dict(d["model"]), parallel=ParallelConfig(**d["parallel"]),
                    options=ModelOptions(**d["options"]), train=TrainConfig(**d["train"]), recipe=d.get("recipe"))
+
+
+def _part_names() -> dict[str, frozenset[str]]:
+    """The flat names ``RunConfig.with_`` routes, by the part that holds them."""
+    return {"model": frozenset(f.name for f in dataclasses.fields(ModelConfig)),
+            "parallel": frozenset(f.name for f in dataclasses.fields(ParallelConfig)),
+            "options": frozenset(f.name for f in dataclasses.fields(ModelOptions)) | frozenset(FLEX_FLAGS),
+            "train": frozenset(TrainConfig.FLAT_NAMES) | frozenset(TrainConfig.SECTIONS)}

@@ -87,3 +87,18 @@ def test_a_run_config_saved_flat_or_nested_loads():
     assert RunConfig.from_dict(_earlier_flat_form(config)) == config
     nested = {**saved, "train": json.loads(json.dumps(dataclasses.asdict(config.train)))}
     assert "schedule" in nested["train"] and RunConfig.from_dict(nested) == config
+
+
+def test_run_config_with_routes_flat_names_to_their_part():
+    config = RunConfig(model=get_recipe("qwen3_moe_tiny"))
+    changed = config.with_(lr=1e-3, seq_length=64, tp=2, moe_topk=4, moe_deepep_num_sms=8, dispatcher="alltoall")
+    assert (changed.train.lr, changed.train.seq_length, changed.parallel.tp, changed.model.moe_topk) == (1e-3, 64, 2, 4)
+    assert changed.options.flex.num_sms == 8 and changed.options.dispatcher == "alltoall"
+    assert changed.train.min_lr == config.train.min_lr and changed.model.hidden_size == config.model.hidden_size
+    assert config.with_(train=TrainConfig(seed=3), lr=1e-3).train == TrainConfig(seed=3, lr=1e-3)
+    with pytest.raises(TypeError, match="'vocab_size' is a field of model and train"):
+        config.with_(vocab_size=64)
+    with pytest.raises(TypeError, match="'hidden_sise' is no field"):
+        config.with_(hidden_sise=64)
+    with pytest.raises(ValueError, match="--lr=-1"):
+        config.with_(lr=-1)
