@@ -256,8 +256,11 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form a checkpoint and metrics.jsonl record: the train config flat (its sections' fields by their
-        flat names, as ``training.checkpoint.resume`` reads them and earlier moefold wrote them)."""
-        return {**dataclasses.asdict(self), "train": self.train.flat_dict()}
+        flat names, as ``training.checkpoint.resume`` reads them and earlier moefold wrote them), the options' flex
+        dispatcher options by their flag names likewise."""
+        options = {k: v for k, v in dataclasses.asdict(self.options).items() if k != "flex"}
+        options.update({name: getattr(self.options, name) for name in FLEX_FLAGS})   # by their flag names
+        return {**dataclasses.asdict(self), "options": options, "train": self.train.flat_dict()}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)

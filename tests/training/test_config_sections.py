@@ -68,12 +68,7 @@ def test_flex_options_reach_the_dispatch_config_unchanged():
 
 def _earlier_flat_form(config: RunConfig) -> dict:
     """What a moefold before the sections saved: every train value flat, the flex options as five flat fields."""
-    d = json.loads(config.to_json())
-    flex = d["options"].pop("flex")
-    d["options"].update(moe_flex_dispatcher_backend=flex["backend"], moe_deepep_num_sms=flex["num_sms"],
-                        moe_deepep_mode="hybrid" if flex["hybrid"] else "direct", moe_deepep_cpu_sync=flex["cpu_sync"],
-                        moe_deepep_max_tokens_per_rank=flex["max_tokens_per_rank"] or 0)
-    return d
+    return json.loads(config.to_json())
 
 
 def test_a_run_config_saved_flat_or_nested_loads():
@@ -82,10 +77,12 @@ def test_a_run_config_saved_flat_or_nested_loads():
                        train=TrainConfig(lr=1e-3, data_path=("a", "b"), split="90,10,0", exit_signals=("SIGUSR1",)))
     saved = json.loads(config.to_json())
     assert saved["train"]["lr"] == 1e-3 and "schedule" not in saved["train"]   # flat, as training.checkpoint reads
+    assert saved["options"]["moe_deepep_mode"] == "direct" and "flex" not in saved["options"]
     assert saved["model"]["mla"]["kv_lora_rank"] == config.model.mla.kv_lora_rank
     assert RunConfig.from_dict(saved) == config
     assert RunConfig.from_dict(_earlier_flat_form(config)) == config
-    nested = {**saved, "train": json.loads(json.dumps(dataclasses.asdict(config.train)))}
+    nested = {**saved, "train": json.loads(json.dumps(dataclasses.asdict(config.train))),
+              "options": json.loads(json.dumps(dataclasses.asdict(config.options)))}
     assert "schedule" in nested["train"] and RunConfig.from_dict(nested) == config
 
 
