@@ -38,12 +38,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moefold.dense.attention_kernels import expand_heads, fold_heads, merge_sinks, sinks_grad
+from moefold.dense.choices import CP_COMM_MODES
 from moefold.dense.cp_exchange import PendingShift, rank_order_to_global, ring_shift
 from moefold.dense.cp_fused import fused_all_gather_attention, fused_ring_attention
 from moefold.parallel.comm import all_gather_sequence, all_gather_single, gather_along_dim
 from moefold.parallel.groups import Group, group_rank, group_size
-
-CP_COMM_MODES = ("p2p", "all_gather")
 
 
 # --------------------------------------------------------------------------------------------

@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-GATED_DELTA_RULE_BACKENDS: tuple[str, ...] = ("auto", "torch", "fla")
+from moefold.dense.choices import GATED_DELTA_RULE_BACKENDS
+
 FLA_PACKAGE = "flash-linear-attention"
 
 # (q, k, v, g, beta, initial_state, output_final_state) -> (o [B, S, hv, dv], final state | None)

@@ -49,27 +49,14 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+# the choices' names and checks live in dense.choices (torch-free, for the CLI); importable from here as before
+from moefold.dense.choices import DEFAULT_RECOMPUTE_MODULES as DEFAULT_RECOMPUTE_MODULES
+from moefold.dense.choices import RECOMPUTE_METHODS as RECOMPUTE_METHODS
+from moefold.dense.choices import RECOMPUTE_MODES as RECOMPUTE_MODES
+from moefold.dense.choices import RECOMPUTE_MODULES as RECOMPUTE_MODULES
+from moefold.dense.choices import check_recompute as check_recompute
+from moefold.dense.choices import check_recompute_modules
 from moefold.precision.fp8_region import Replay, active_region, recompute_context
-
-RECOMPUTE_MODES = ("none", "selective", "full")
-RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "shared_experts", "layernorm", "mla_up_proj")
-RECOMPUTE_METHODS = ("uniform", "block")
-DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
-
-
-def check_recompute(mode: str, where: str = "recompute") -> str:
-    """Return ``mode`` if it is one of ``RECOMPUTE_MODES``, else raise a ValueError naming it."""
-    if mode not in RECOMPUTE_MODES:
-        raise ValueError(f"{where}={mode!r} is not one of {RECOMPUTE_MODES}")
-    return mode
-
-
-def check_recompute_modules(modules: Sequence[str], where: str = "--recompute-modules") -> tuple[str, ...]:
-    """The modules as a tuple; ValueError naming an unknown one."""
-    bad = [m for m in modules if m not in RECOMPUTE_MODULES]
-    if bad:
-        raise ValueError(f"{where}: {', '.join(map(repr, bad))} not among {', '.join(RECOMPUTE_MODULES)}")
-    return tuple(modules)
 
 
 def recomputed_modules(granularity: str, modules: Sequence[str]) -> frozenset[str]:

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from moefold.models.config import MLADims, ModelConfig, YarnScaling
+from moefold.models.config import ModelConfig
 from moefold.models.decoder import MoEDecoder
 from moefold.models.hf.assets import copy_assets
 from moefold.models.hf.importer import local_box
@@ -32,25 +31,11 @@ FORMAT_VERSION = 1
 
 
 def config_to_dict(config: ModelConfig) -> dict[str, Any]:
-    out = asdict(config)
-    if isinstance(config.moe_layer_freq, tuple):
-        out["moe_layer_freq"] = list(config.moe_layer_freq)
-    return out
+    return config.to_dict()
 
 
 def config_from_dict(data: dict[str, Any]) -> ModelConfig:
-    known = {f.name for f in fields(ModelConfig)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"unknown ModelConfig fields {unknown}")
-    data = dict(data)
-    if data.get("yarn") is not None:
-        data["yarn"] = YarnScaling(**data["yarn"])
-    if data.get("mla") is not None:
-        data["mla"] = MLADims(**data["mla"])
-    if isinstance(data.get("moe_layer_freq"), list):
-        data["moe_layer_freq"] = tuple(data["moe_layer_freq"])
-    return ModelConfig(**data)
+    return ModelConfig.from_dict(data)
 
 
 def is_moefold_checkpoint(path: str | os.PathLike) -> bool:

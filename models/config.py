@@ -6,8 +6,9 @@ recipe is one readable function returning a ``ModelConfig``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 FAMILIES: tuple[str, ...] = ("deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "olmoe", "minimax_m2",
                              "qwen3_next")
@@ -266,3 +267,30 @@ class ModelConfig:
     def with_(self, **changes) -> ModelConfig:
         """A copy with some fields changed (recipes derive tiny/proxy versions this way)."""
         return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, as plain JSON / YAML values (nested dims as mappings, tuples as lists); ``from_dict`` reads it
+        back. What a checkpoint's ``moefold_config.json``, a run's ``config.json`` and ``config.yaml`` record."""
+        def plain(value: Any) -> Any:
+            if isinstance(value, (list, tuple)):
+                return [plain(v) for v in value]
+            if isinstance(value, dict):
+                return {k: plain(v) for k, v in value.items()}
+            return value
+
+        return plain(dataclasses.asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """The config ``to_dict`` (or any earlier moefold's saved config) wrote; ValueError naming unknown fields."""
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields {unknown}")
+        data = dict(data)
+        for name, kind in (("yarn", YarnScaling), ("mla", MLADims), ("linear_attention", LinearAttentionDims)):
+            if isinstance(data.get(name), dict):
+                data[name] = kind(**data[name])
+        for name in ("moe_layer_freq", "layer_types", "sliding_window_pattern"):
+            if isinstance(data.get(name), list):
+                data[name] = tuple(data[name])
+        return cls(**data)

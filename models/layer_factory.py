@@ -20,7 +20,7 @@ from moefold.dense.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
 from moefold.dense.mla import MLAttention
 from moefold.dense.mlp import DenseMLP, MLPConfig
 from moefold.dense.rope import YarnConfig
-from moefold.dispatch.config import DispatchConfig, DispatcherKind, FlexOptions
+from moefold.dispatch.config import DispatchConfig, DispatcherKind
 from moefold.dispatch.deepep import check_flex_topk
 from moefold.models.config import ModelConfig
 from moefold.models.options import ModelOptions
@@ -102,9 +102,6 @@ def router_config(config: ModelConfig, options: ModelOptions) -> RouterConfig:
 def moe_config(config: ModelConfig, options: ModelOptions, dims: ParallelDims) -> MoEConfig:
     """The MoE layers' config: the flat ``ModelConfig`` / ``ModelOptions`` fields into the composed one."""
     c, o = config, options
-    flex = FlexOptions(backend=o.moe_flex_dispatcher_backend, num_sms=o.moe_deepep_num_sms,
-                       max_tokens_per_rank=o.moe_deepep_max_tokens_per_rank or None,
-                       hybrid=o.moe_deepep_mode == "hybrid", cpu_sync=o.moe_deepep_cpu_sync)
     experts = ExpertsConfig(ffn_hidden_size=c.moe_ffn_hidden_size, bias=c.moe_expert_linear_bias,
                             glu=GatedActivation(c.moe_swiglu_alpha, c.moe_activation_clamp, c.moe_glu_linear_offset),
                             gemm_backend=o.gemm_backend, init_std=o.init_std, fp8=o.fp8)
@@ -112,7 +109,7 @@ def moe_config(config: ModelConfig, options: ModelOptions, dims: ParallelDims) -
     if c.moe_shared_expert_ffn_size or c.moe_shared_expert_gate:
         shared = SharedExpertsConfig(c.moe_shared_expert_ffn_size, gate=c.moe_shared_expert_gate, init_std=o.init_std)
     return MoEConfig(num_experts=c.num_experts, router=router_config(c, o), experts=experts,
-                     dispatch=DispatchConfig(o.resolved_dispatcher(dims.ep, dims.etp), flex, fp8=o.fp8.dispatch),
+                     dispatch=DispatchConfig(o.resolved_dispatcher(dims.ep, dims.etp), o.flex, fp8=o.fp8.dispatch),
                      shared=shared, apply_probs_on_input=c.moe_apply_probs_on_input)
 
 

@@ -8,27 +8,54 @@ with a different dispatcher, recompute mode or CP exchange.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
-from moefold.dense.activation_offload import MIN_OFFLOADED_TENSOR_SIZE, check_offload, check_offload_modules
-from moefold.dense.context_parallel import CP_COMM_MODES
-from moefold.dense.gated_delta_rule import GATED_DELTA_RULE_BACKENDS
-from moefold.dense.recompute import (
+from moefold.dense.choices import (
+    CP_COMM_MODES,
     DEFAULT_RECOMPUTE_MODULES,
+    GATED_DELTA_RULE_BACKENDS,
+    MIN_OFFLOADED_TENSOR_SIZE,
     RECOMPUTE_METHODS,
     RECOMPUTE_MODES,
+    check_offload,
+    check_offload_modules,
     check_recompute_modules,
 )
-from moefold.dispatch.config import DispatcherKind
+from moefold.dispatch.config import DispatcherKind, FlexOptions
 from moefold.dispatch.flex_backend import FlexBackend
-from moefold.moe.gemm import GemmBackend
+from moefold.models.composed import composed
+from moefold.moe.gemm_backend import GemmBackend
 from moefold.precision.fp8 import FP8Config
 
 DEEPEP_MODES: tuple[str, ...] = ("hybrid", "direct")
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# parameter dtype name -> torch's name for it (torch itself is imported when a model is built, not to check options)
+DTYPES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+if TYPE_CHECKING:
+    import torch
 
 
+def _hybrid(mode: str) -> bool:
+    if mode not in DEEPEP_MODES:
+        raise ValueError(f"--moe-deepep-mode={mode!r}; valid: {', '.join(DEEPEP_MODES)}")
+    return mode == "hybrid"
+
+
+def _same(value: object) -> object:
+    return value
+
+
+# the flex dispatcher's options by their flag names (ModelOptions' earlier flat fields): (field, to it, from it)
+FLEX_FLAGS = {
+    "moe_flex_dispatcher_backend": ("flex", "backend", FlexBackend, _same),
+    "moe_deepep_num_sms": ("flex", "num_sms", _same, _same),
+    "moe_deepep_mode": ("flex", "hybrid", _hybrid, lambda hybrid: DEEPEP_MODES[0] if hybrid else DEEPEP_MODES[1]),
+    "moe_deepep_cpu_sync": ("flex", "cpu_sync", _same, _same),
+    "moe_deepep_max_tokens_per_rank": ("flex", "max_tokens_per_rank", lambda n: n or None, lambda n: n or 0),
+}
+
+
+@composed(sections=(), aliases=FLEX_FLAGS)
 @dataclass(frozen=True)
 class ModelOptions:
     """How the decoder runs.
@@ -47,13 +74,11 @@ class ModelOptions:
     init_std:          std of the normal init of every weight matrix
     fp8:               FP8 GEMMs and dispatch (``precision.fp8.FP8Config``; --fp8-format, --fp8-recipe,
                        --fp8-backend, --fp8-exclude-modules, --moe-fp8-dispatch)
-    moe_deepep_num_sms: SMs DeepEP's kernels take with the flex dispatcher (--moe-deepep-num-sms; 0: DeepEP V2's
-                       analytic count, the legacy backend's 20)
-    moe_flex_dispatcher_backend: "auto" | "deepep" (DeepEP V2) | "deepep-legacy" (``dispatch.flex_backend.FlexBackend``)
-    moe_deepep_mode:   DeepEP V2: "hybrid" (RDMA once per node, NVLink forwarding) | "direct"
-    moe_deepep_cpu_sync: DeepEP V2: the host waits for the received counts (exact buffers) or not (None: on when
-                       the expert GEMMs take host counts anyway)
-    moe_deepep_max_tokens_per_rank: DeepEP V2's ``num_max_tokens_per_rank`` (0: the run's micro-batch x
+    flex:              the flex dispatcher's options (``dispatch.config.FlexOptions``), handed to it unchanged;
+                       also given and read by their flag names: moe_flex_dispatcher_backend (``FlexBackend``),
+                       moe_deepep_num_sms (0: DeepEP V2's analytic count, legacy's 20), moe_deepep_mode ("hybrid":
+                       RDMA once per node, NVLink forwarding | "direct"), moe_deepep_cpu_sync (None: on when the expert
+                       GEMMs take host counts anyway), moe_deepep_max_tokens_per_rank (0: the run's micro-batch x
                        sequence / (tp x cp), filled in by ``training.build.model_options``)
     offload_modules:   fine-grained activation offloading (--fine-grained-activation-offloading --offload-modules):
                        the modules whose saved tensors wait in host memory (``dense.activation_offload``); () = off
@@ -72,11 +97,7 @@ class ModelOptions:
     dtype: str = "fp32"
     init_std: float = 0.02
     fp8: FP8Config = field(default_factory=FP8Config)
-    moe_deepep_num_sms: int = 0
-    moe_flex_dispatcher_backend: FlexBackend = FlexBackend.AUTO
-    moe_deepep_mode: str = "hybrid"
-    moe_deepep_cpu_sync: bool | None = None
-    moe_deepep_max_tokens_per_rank: int = 0
+    flex: FlexOptions = field(default_factory=FlexOptions)
     offload_modules: tuple[str, ...] = ()
     min_offloaded_tensor_size: int = MIN_OFFLOADED_TENSOR_SIZE
     linear_attention_backend: str = "auto"
@@ -107,16 +128,15 @@ class ModelOptions:
             raise ValueError(f"--min-offloaded-tensor-size={self.min_offloaded_tensor_size!r} must be an integer >= 0")
         if not self.init_std > 0:
             raise ValueError(f"ModelOptions.init_std={self.init_std!r} must be > 0")
-        object.__setattr__(self, "moe_flex_dispatcher_backend", FlexBackend(self.moe_flex_dispatcher_backend))
-        if self.moe_deepep_mode not in DEEPEP_MODES:
-            raise ValueError(f"--moe-deepep-mode={self.moe_deepep_mode!r}; valid: {', '.join(DEEPEP_MODES)}")
         if self.linear_attention_backend not in GATED_DELTA_RULE_BACKENDS:
             raise ValueError(f"ModelOptions.linear_attention_backend={self.linear_attention_backend!r}; valid: "
                              f"{', '.join(GATED_DELTA_RULE_BACKENDS)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, DTYPES[self.dtype])
 
     def resolved_dispatcher(self, ep: int, etp: int) -> DispatcherKind:
         """The dispatcher kind for ep x etp ranks (``auto`` resolved)."""

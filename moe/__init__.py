@@ -8,29 +8,72 @@ machinery of the ``grouped_mm`` expert backend on a CPU (row layouts, the rows' 
 
 from __future__ import annotations
 
-from moefold.dispatch.routing import Routing
-from moefold.moe.activation import (
-    BACKEND_ACTIVATION,
-    COMPILED_ACTIVATION,
-    ActivationKernel,
-    ExpertActivation,
-    GatedActivation,
-    fused_activation,
-)
-from moefold.moe.balance_losses import GlobalLoadState
-from moefold.moe.build import build_expert_gemm, build_experts, build_moe_layer
-from moefold.moe.capacity import expert_capacity
-from moefold.moe.config import ExpertsConfig, MoEConfig, SharedExpertsConfig
-from moefold.moe.expert_bias import bias_update, update_expert_bias
-from moefold.moe.expert_gemm import ExpertGemm, GemmCall, Projection, WeightGrads
-from moefold.moe.experts import ExpertsRegions, GroupedExperts, default_output_init_std, is_expert, mark_expert
-from moefold.moe.gemm import GemmBackend, check_gemm_backend, grouped_gemm
-from moefold.moe.layer import MoEDispatchStart, MoEExpertsOut, MoELayer, MoEOutputInfo, MoERegions
-from moefold.moe.router import Router, RouterGroups, RouterOutput
-from moefold.moe.router_config import DROP_POLICIES, LOAD_BALANCING_TYPES, ROUTER_DTYPES, SCORE_FUNCTIONS, RouterConfig
-from moefold.moe.router_stats import RouterStats
-from moefold.moe.shared_experts import SharedExperts
-from moefold.moe.split_gemm import SplitGroupedGemm
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from moefold.dispatch.routing import Routing
+    from moefold.moe.activation import (
+        BACKEND_ACTIVATION,
+        COMPILED_ACTIVATION,
+        ActivationKernel,
+        ExpertActivation,
+        GatedActivation,
+        fused_activation,
+    )
+    from moefold.moe.balance_losses import GlobalLoadState
+    from moefold.moe.build import build_expert_gemm, build_experts, build_moe_layer
+    from moefold.moe.capacity import expert_capacity
+    from moefold.moe.config import ExpertsConfig, MoEConfig, SharedExpertsConfig
+    from moefold.moe.expert_bias import bias_update, update_expert_bias
+    from moefold.moe.expert_gemm import ExpertGemm, GemmCall, Projection, WeightGrads
+    from moefold.moe.experts import ExpertsRegions, GroupedExperts, default_output_init_std, is_expert, mark_expert
+    from moefold.moe.gemm import check_gemm_backend, grouped_gemm
+    from moefold.moe.gemm_backend import GemmBackend
+    from moefold.moe.layer import MoEDispatchStart, MoEExpertsOut, MoELayer, MoEOutputInfo, MoERegions
+    from moefold.moe.router import Router, RouterGroups, RouterOutput
+    from moefold.moe.router_config import (
+        DROP_POLICIES,
+        LOAD_BALANCING_TYPES,
+        ROUTER_DTYPES,
+        SCORE_FUNCTIONS,
+        RouterConfig,
+    )
+    from moefold.moe.router_stats import RouterStats
+    from moefold.moe.shared_experts import SharedExperts
+    from moefold.moe.split_gemm import SplitGroupedGemm
+
+# name -> the module that defines it: loaded on first use, so that reading a config or parsing flags imports
+# no more than it needs (torch only where a module computes)
+_LAZY = {
+    "Routing": "moefold.dispatch.routing",
+    **dict.fromkeys(["ExpertActivation", "GatedActivation", "fused_activation", "BACKEND_ACTIVATION",
+                      "COMPILED_ACTIVATION", "ActivationKernel"], "moefold.moe.activation"),
+    "GlobalLoadState": "moefold.moe.balance_losses",
+    **dict.fromkeys(["build_expert_gemm", "build_experts", "build_moe_layer"], "moefold.moe.build"),
+    "expert_capacity": "moefold.moe.capacity",
+    **dict.fromkeys(["ExpertsConfig", "MoEConfig", "SharedExpertsConfig"], "moefold.moe.config"),
+    **dict.fromkeys(["bias_update", "update_expert_bias"], "moefold.moe.expert_bias"),
+    **dict.fromkeys(["ExpertGemm", "GemmCall", "Projection", "WeightGrads"], "moefold.moe.expert_gemm"),
+    **dict.fromkeys(["GroupedExperts", "ExpertsRegions", "default_output_init_std", "is_expert",
+                      "mark_expert"], "moefold.moe.experts"),
+    **dict.fromkeys(["check_gemm_backend", "grouped_gemm"], "moefold.moe.gemm"),
+    "GemmBackend": "moefold.moe.gemm_backend",
+    **dict.fromkeys(["MoEDispatchStart", "MoEExpertsOut", "MoELayer", "MoEOutputInfo", "MoERegions"], "moefold.moe.layer"),
+    **dict.fromkeys(["Router", "RouterGroups", "RouterOutput"], "moefold.moe.router"),
+    **dict.fromkeys(["DROP_POLICIES", "LOAD_BALANCING_TYPES", "ROUTER_DTYPES", "SCORE_FUNCTIONS", "RouterConfig"],
+                    "moefold.moe.router_config"),
+    "RouterStats": "moefold.moe.router_stats",
+    "SharedExperts": "moefold.moe.shared_experts",
+    "SplitGroupedGemm": "moefold.moe.split_gemm",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     # router and load balancing

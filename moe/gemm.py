@@ -38,32 +38,13 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
-from enum import StrEnum
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-
-class GemmBackend(StrEnum):
-    """The routed experts' GEMM backend (module docstring)."""
-
-    GROUPED_MM = "grouped_mm"
-    LOOP = "loop"
-    GROUPED_GEMM = "grouped_gemm"
-    TE = "te"
-
-    @classmethod
-    def _missing_(cls, value: object) -> GemmBackend:
-        raise ValueError(f"unknown gemm backend {value!r} (gemm_backend={value!r}, --moe-grouped-gemm-backend); "
-                         f"valid backends: {', '.join(cls)}")
-
-    @property
-    def needs_host_counts(self) -> bool:
-        """The backend takes its group sizes as host integers."""
-        return self is not GemmBackend.GROUPED_MM
-
+from moefold.moe.gemm_backend import GemmBackend
 
 _INSTALL = {GemmBackend.GROUPED_GEMM: "pip install --no-build-isolation grouped-gemm (builds with nvcc)",
             GemmBackend.TE: "pip install --no-build-isolation transformer-engine[pytorch]"}

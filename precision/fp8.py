@@ -41,9 +41,10 @@ import importlib
 import logging
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:   # torch is imported where a check needs a device, so that a config is read without it (CLI)
+    import torch
 
 
 class FP8Format(StrEnum):
@@ -222,6 +223,8 @@ class FP8Config:
             return
         if self.backend is FP8Backend.TORCHAO:
             import_torchao()
+            import torch
+
             if torch.cuda.is_available():
                 self.check_device(torch.device("cuda"))
             return
@@ -253,6 +256,8 @@ class FP8Config:
         (a CPU emulates every recipe: numerics, no speed-up)."""
         if not self.enabled or device.type != "cuda":
             return
+        import torch
+
         need, arch = MIN_CAPABILITY[self.recipe]
         cap = torch.cuda.get_device_capability(device)
         if cap < need:

@@ -1,239 +1,72 @@
-"""Typed run configuration: ``TrainConfig`` (optimisation, batch, data, checkpoints, logging) and
+"""Typed run configuration: ``TrainConfig`` (by concern: ``training.sections``) and
 ``RunConfig`` (model + layout + run-time options + training), serialisable to JSON for checkpoints."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from moefold.dispatch.config import DispatcherKind
-from moefold.models.config import MLADims, ModelConfig, YarnScaling
-from moefold.models.options import ModelOptions
-from moefold.parallel.dims import ParallelConfig, ParallelSizes
+from moefold.models.composed import composed
+from moefold.models.config import ModelConfig
+from moefold.models.options import FLEX_FLAGS, ModelOptions
+from moefold.parallel.sizes import ParallelConfig, ParallelSizes
 from moefold.training.optim.loss_scaler import LossScaler
-from moefold.training.optim.lr_schedule import DECAY_STYLES, WSD_STYLES, LRSchedule
+from moefold.training.optim.lr_schedule import LRSchedule
 from moefold.training.optim.precision import OptimizerPrecision
-
-# the signals that stop a run after its current step, with a checkpoint (Megatron's --exit-signal-handler)
-EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
-STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")   # the ones --exit-signal takes
+from moefold.training.sections import EXIT_SIGNALS as EXIT_SIGNALS  # importable from here as before
+from moefold.training.sections import STOP_SIGNALS as STOP_SIGNALS
+from moefold.training.sections import (
+    CheckpointConfig,
+    DataConfig,
+    ExecutionConfig,
+    LoggingConfig,
+    OptimizerConfig,
+    PrecisionConfig,
+    ScheduleConfig,
+    flag,
+)
 
 if TYPE_CHECKING:
     from moefold.pipeline.stages import StageLayout
 
 
+@composed
 @dataclass(frozen=True)
 class TrainConfig:
-    """How to train. Batch sizes are in samples of ``seq_length`` tokens; ``global_batch_size`` =
-    ``micro_batch_size * dp * num_micro_batches`` (checked against the layout by ``RunConfig.resolve``)."""
+    """How to train: the seed and one section per concern (``training.sections``), each checking its own values.
+    Every section's field is also a flat name here, read and given as before: ``TrainConfig(lr=1e-3).lr``,
+    ``t.schedule.lr``, ``dataclasses.replace(t, seq_length=64)`` (``models.composed``)."""
 
-    # defaults: the README's first command (a *_tiny recipe on the built-in corpus, a few CPU minutes)
-    micro_batch_size: int = 4
-    global_batch_size: int = 8
-    seq_length: int = 256
-    train_iters: int = 250
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    lr_warmup_iters: int = 20
-    lr_decay_style: str = "cosine"
-    lr_decay_iters: int | None = None          # None: train_iters
-    lr_wsd_decay_iters: int = 0
-    lr_wsd_decay_style: str = "linear"
-    lr_warmup_init: float = 0.0                # Megatron's --lr-warmup-init: the lr of step 0
-    lr_warmup_skip_zero: bool = False          # warmup lr * (step + 1) / warmup (moefold's earlier convention)
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0                     # 0: no clipping
-    seed: int = 1234
-    bf16: bool = False                         # bf16 parameters/activations with fp32 master weights
-    fp16: bool = False                         # fp16 parameters/activations, fp32 masters, loss scaling
-    loss_scale: float | None = None            # fp16: a static loss scale (None: dynamic, Megatron's defaults)
-    initial_loss_scale: float = 2.0 ** 32      # fp16 dynamic scaling: the starting scale
-    min_loss_scale: float = 1.0                # fp16 dynamic scaling: never below
-    loss_scale_window: int = 1000              # fp16 dynamic scaling: clean steps before the scale doubles
-    hysteresis: int = 2                        # fp16 dynamic scaling: overflows in a row before it halves
-    compile: bool = False                      # torch.compile per transformer block (execution.compile)
-    max_skipped_steps: int = 5                 # stop after this many non-finite steps in a row
-    bucket_numel: int = 2**22
-    pipeline_schedule: str = "1f1b"            # gpipe | 1f1b | interleaved | zb-h1 | zbv | dualpipev (pp > 1;
-                                               # interleaved for vpp > 1; zbv/dualpipev: 2 chunks per rank, V placed)
-    overlap_moe_expert_parallel_comm: bool = False   # batch-level overlap: FB pairs (pipeline.overlap)
-    delay_wgrad_compute: bool = False          # with the overlap: weight GEMMs behind the next exchange
-    num_layers_per_virtual_pipeline_stage: int | None = None
-    decoder_first_pipeline_num_layers: int | None = None   # pp > 1: layers on the first stage (None: even split)
-    decoder_last_pipeline_num_layers: int | None = None    # pp > 1: layers on the last stage (None: even split)
-    pipeline_model_parallel_layout: str | None = None      # Megatron's layout text, e.g. "Et|(tt|)*30mL"
-                                                           # (pipeline.layout; fixes vpp, replaces the above)
-    overlap_grad_reduce: bool = True
-    gradient_accumulation_fusion: bool = True  # weight-gradient GEMMs write main grads (dense.grad_accumulation)
-    overlap_param_gather: bool = False         # the parameter all-gather waits in the next forward, per module
-    # the expert-load max/mean the plan sized the experts' activations for (training.observe.imbalance)
-    moe_max_load_ratio: float | None = None
-    # FSDP2 instead of the distributed optimizer (training.optim.fsdp)
-    use_torch_fsdp2: bool = False
-    # optimizer offload (Megatron's names; training.optim.offload): that share of the states on the host, CPU AdamW
-    optimizer_cpu_offload: bool = False
-    optimizer_offload_fraction: float = 1.0
-    # optimizer precision (Megatron's names; training.optim.precision.OptimizerPrecision)
-    main_grads_dtype: str = "fp32"
-    main_params_dtype: str = "fp32"
-    exp_avg_dtype: str = "fp32"
-    exp_avg_sq_dtype: str = "fp32"
-    # data
-    data_path: tuple[str, ...] = ()            # Megatron style: PREFIX or W1 PREFIX1 W2 PREFIX2 ...; () = built-in
-    vocab_size: int | None = None              # built-in corpus vocabulary (None: the model's)
-    data_cache_dir: str | None = None
-    data_order: str = "moefold"                # moefold (independent of the run length) | megatron (GPTDataset's)
-    mid_level_dataset_surplus: float = 0.005   # --data-order megatron: Megatron's per-corpus sample surplus
-    # Megatron-LM's tokenizer flags (training.data.megatron_tokenizer): the model's vocabulary and SAVE/hf_assets
-    tokenizer_type: str | None = None
-    tokenizer_model: str | None = None
-    vocab_file: str | None = None
-    merge_file: str | None = None
-    make_vocab_size_divisible_by: int = 128
-    # output
-    run_dir: str = "runs/moefold"
-    log_interval: int = 10
-    save: str | None = None
-    save_interval: int = 0                     # 0: only at the end when save is set
-    keep_last: int = 2
-    load: str | None = None
-    async_save: bool = False                   # write checkpoints in the background (training.checkpoint.save)
-    run_id: str | None = None                  # this run's id (training.checkpoint.identity; the CLI sets it)
-    # stopping early, saving first (training.launch.signals)
-    exit_signals: tuple[str, ...] = EXIT_SIGNALS   # () : no handler (a signal ends the process as usual)
-    exit_duration_in_mins: float | None = None  # stop (and save) after this many minutes
-    exit_interval: int | None = None           # stop (and save) after a step divisible by this
-    reset_data_position: bool = False          # resume with another data order (data, seq_length, seed) from its start
-    balance_report: bool = True
-    # starting weights (train --load-hf): the architecture and weights of an HF (or moefold) directory
-    load_hf: str | None = None
-    moe_use_upcycling: bool = False            # load_hf holds a dense model: start from its upcycled MoE
-    load_megatron: str | None = None           # starting weights from a Megatron-Core torch_dist checkpoint
-    # validation (training.evaluate): with --split or --valid-data-path
-    eval_interval: int | None = None           # every N steps (None: only at the end of the run)
-    eval_iters: int = 10                       # global batches per evaluation
-    skip_train: bool = False                   # validation only: evaluate the loaded (or initial) model, no steps
-    split: str | None = None                   # Megatron's "969,30,1": train/valid/test shares of each corpus
-    valid_data_path: tuple[str, ...] = ()      # a separate validation corpus: PREFIX or W1 PREFIX1 W2 PREFIX2 ...
-    # Weights & Biases (optional dependency; WANDB_MODE=offline works without network)
-    wandb_project: str | None = None
-    wandb_exp_name: str | None = None
-    wandb_save_dir: str | None = None
+    seed: int = flag(1234, "seed of the initialisation and the data order")
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch_size", "global_batch_size", "seq_length", "train_iters", "log_interval",
-                     "max_skipped_steps", "bucket_numel", "keep_last", "loss_scale_window", "hysteresis"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be a positive integer")
-        for name in ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"--{name.replace('_', '-')}={value!r} must be a finite number >= 0")
-        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1 and self.adam_eps > 0):
-            raise ValueError(f"need 0 <= --adam-beta1={self.adam_beta1}, --adam-beta2={self.adam_beta2} < 1 and "
-                             f"--adam-eps={self.adam_eps} > 0")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"--seed={self.seed!r} must be a non-negative integer")
-        if self.global_batch_size % self.micro_batch_size:
-            raise ValueError(f"--global-batch-size={self.global_batch_size} is not a multiple of "
-                             f"--micro-batch-size={self.micro_batch_size}")
-        if self.lr_decay_style not in DECAY_STYLES:
-            raise ValueError(f"--lr-decay-style={self.lr_decay_style!r}; valid: {', '.join(DECAY_STYLES)}")
-        if self.lr_wsd_decay_style not in WSD_STYLES:
-            raise ValueError(f"--lr-wsd-decay-style={self.lr_wsd_decay_style!r}; valid: {', '.join(WSD_STYLES)}")
-        if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"need 0 <= --min-lr={self.min_lr} <= --lr={self.lr}")
-        if self.clip_grad < 0 or self.weight_decay < 0 or self.save_interval < 0:
-            raise ValueError(f"--clip-grad={self.clip_grad}, --weight-decay={self.weight_decay} and "
-                             f"--save-interval={self.save_interval} must be >= 0")
-        self.lr_schedule()  # validates warmup/decay lengths
-        if self.eval_interval is not None and (not isinstance(self.eval_interval, int) or self.eval_interval < 1):
-            raise ValueError(f"--eval-interval={self.eval_interval!r} must be a positive integer")
-        if not isinstance(self.eval_iters, int) or self.eval_iters < 1:
-            raise ValueError(f"--eval-iters={self.eval_iters!r} must be a positive integer")
-        if self.eval_interval is not None and not self.has_validation:
-            raise ValueError(f"--eval-interval={self.eval_interval} needs validation data: --split (e.g. 969,30,1) "
-                             "or --valid-data-path")
-        if self.skip_train and not self.has_validation:
-            raise ValueError("--skip-train runs validation only: it needs validation data, --split (e.g. 969,30,1) "
-                             "or --valid-data-path")
-        if self.split is not None and self.valid_data_path:
-            raise ValueError("give either --split (validation documents cut from --data-path) or --valid-data-path, "
-                             "not both")
-        if self.split is not None:
-            from moefold.training.data.validation import parse_split
-
-            parse_split(self.split)
-        if self.data_order not in ("moefold", "megatron"):
-            raise ValueError(f"--data-order={self.data_order!r}; valid: moefold, megatron")
-        if self.load_hf and self.load_megatron:
-            raise ValueError("give either --load-hf or --load-megatron (the starting weights), not both")
-        if not 0 <= self.mid_level_dataset_surplus < float("inf"):
-            raise ValueError(f"--mid-level-dataset-surplus={self.mid_level_dataset_surplus} must be >= 0")
-        if self.moe_use_upcycling and not self.load_hf:
-            raise ValueError("--moe-use-upcycling needs --load-hf DIR (the dense checkpoint to upcycle)")
-        self.optimizer_precision()  # validates the dtypes
-        bad = [s for s in self.exit_signals if s not in STOP_SIGNALS]
-        if bad:
-            raise ValueError(f"--exit-signal {' '.join(bad)}: valid: {', '.join(STOP_SIGNALS)}")
-        if self.exit_duration_in_mins is not None and not (isinstance(self.exit_duration_in_mins, (int, float))
-                                                           and 0 < self.exit_duration_in_mins < math.inf):
-            raise ValueError(f"--exit-duration-in-mins={self.exit_duration_in_mins!r} must be a positive number")
-        if self.exit_interval is not None and (not isinstance(self.exit_interval, int) or self.exit_interval < 1):
-            raise ValueError(f"--exit-interval={self.exit_interval!r} must be a positive integer")
-        from moefold.training.optim.offload import check_offload_fraction
-
-        check_offload_fraction(self.optimizer_offload_fraction)
-        from moefold.training.observe.imbalance import check_max_load_ratio
-
-        check_max_load_ratio(self.moe_max_load_ratio)
-        if self.fp16 and self.bf16:
-            raise ValueError("--fp16 and --bf16 exclude each other; choose one")
-        if self.fp16:
-            self.loss_scaler()  # validates the loss-scale flags
-        from moefold.pipeline.schedules import SCHEDULES
-
-        if self.pipeline_schedule not in SCHEDULES:
-            raise ValueError(f"--pipeline-schedule={self.pipeline_schedule!r}; valid: {', '.join(SCHEDULES)}")
-        if self.delay_wgrad_compute and not self.overlap_moe_expert_parallel_comm:
-            raise ValueError("--delay-wgrad-compute defers the experts' and attention's weight gradients behind the "
-                             "exchanges of the batch-level overlap: it needs --overlap-moe-expert-parallel-comm "
-                             "(as in Megatron; the zero-bubble schedules defer them by themselves)")
-        if self.compile and (self.overlap_moe_expert_parallel_comm or self.pipeline_schedule in ("zb-h1", "zbv",
-                                                                                               "dualpipev")):
-            raise ValueError("--compile cannot be combined with split backwards or the batch-level overlap (their "
-                             "GEMMs defer weight gradients and their graphs are cut between sub-layers; torch's "
-                             "zero-bubble schedules refuse compile too): drop --compile")
 
     @property
     def has_validation(self) -> bool:
         """Validation data is configured (``--split`` or ``--valid-data-path``)."""
-        return self.split is not None or bool(self.valid_data_path)
+        return self.data.has_validation
 
     def optimizer_precision(self) -> OptimizerPrecision:
-        return OptimizerPrecision(main_grads_dtype=self.main_grads_dtype, main_params_dtype=self.main_params_dtype,
-                                  exp_avg_dtype=self.exp_avg_dtype, exp_avg_sq_dtype=self.exp_avg_sq_dtype)
+        return self.optimizer.optimizer_precision()
 
     def loss_scaler(self) -> LossScaler | None:
         """The fp16 loss scaler the flags describe (None without ``--fp16``)."""
-        if not self.fp16:
-            return None
-        if self.loss_scale is not None:
-            return LossScaler(scale=self.loss_scale, dynamic=False, min_scale=min(self.min_loss_scale, self.loss_scale))
-        return LossScaler(scale=self.initial_loss_scale, min_scale=self.min_loss_scale,
-                          growth_interval=self.loss_scale_window, hysteresis=self.hysteresis)
+        return self.precision.loss_scaler()
 
     def lr_schedule(self) -> LRSchedule:
-        return LRSchedule(lr=self.lr, min_lr=self.min_lr, warmup_iters=self.lr_warmup_iters,
-                          decay_iters=self.lr_decay_iters or self.train_iters, style=self.lr_decay_style,
-                          wsd_decay_iters=self.lr_wsd_decay_iters, wsd_decay_style=self.lr_wsd_decay_style,
-                          warmup_init=self.lr_warmup_init, warmup_skip_zero=self.lr_warmup_skip_zero)
+        return self.schedule.lr_schedule()
 
 
 @dataclass(frozen=True)
@@ -401,24 +234,46 @@ class RunConfig:
             return self.train.pipeline_schedule
         return "interleaved" if vpp > 1 else self.train.pipeline_schedule
 
+    def with_(self, **changes: Any) -> RunConfig:
+        """A copy with values changed by their flat names, each routed to the part that holds it: the model's
+        (``moe_topk``), the layout's (``tp``), the options' (``dispatcher``, ``moe_deepep_num_sms``), the train
+        config's (``lr``, ``seq_length``); or whole parts (``model=...``). ``vocab_size`` is the model's and the
+        built-in corpus's: give it through its part (``model=config.model.with_(vocab_size=...)``)."""
+        parts = {name: changes.pop(name) for name in ("model", "parallel", "options", "train", "recipe")
+                 if name in changes}
+        routed: dict[str, dict[str, Any]] = {}
+        for name, value in changes.items():
+            holders = [part for part, names in _part_names().items() if name in names]
+            if len(holders) != 1:
+                raise TypeError(f"RunConfig.with_: {name!r} is " + (f"a field of {' and '.join(holders)}: change it "
+                                                                    "through that part" if holders else
+                                                                    "no field of the model, layout, options or train "
+                                                                    "config"))
+            routed.setdefault(holders[0], {})[name] = value
+        for part, values in routed.items():
+            parts[part] = dataclasses.replace(parts.get(part, getattr(self, part)), **values)
+        return dataclasses.replace(self, **parts)
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The JSON form a checkpoint and metrics.jsonl record: the train config flat (its sections' fields by their
+        flat names, as ``training.checkpoint.resume`` reads them and earlier moefold wrote them), the options' flex
+        dispatcher options by their flag names likewise."""
+        options = {k: v for k, v in dataclasses.asdict(self.options).items() if k != "flex"}
+        options.update({name: getattr(self.options, name) for name in FLEX_FLAGS})   # by their flag names
+        return {**dataclasses.asdict(self), "options": options, "train": self.train.flat_dict()}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RunConfig:
-        m = dict(d["model"])
-        if m.get("mla"):
-            m["mla"] = MLADims(**m["mla"])
-        if m.get("yarn"):
-            m["yarn"] = YarnScaling(**m["yarn"])
-        if isinstance(m.get("moe_layer_freq"), list):
-            m["moe_layer_freq"] = tuple(m["moe_layer_freq"])
-        t = dict(d["train"])
-        t["data_path"] = tuple(t.get("data_path") or ())
-        t["valid_data_path"] = tuple(t.get("valid_data_path") or ())
-        t["exit_signals"] = tuple(t.get("exit_signals", EXIT_SIGNALS))
-        return cls(model=ModelConfig(**m), parallel=ParallelConfig(**d["parallel"]),
-                   options=ModelOptions(**d["options"]), train=TrainConfig(**t), recipe=d.get("recipe"))
+        return cls(model=ModelConfig.from_dict(d["model"]), parallel=ParallelConfig(**d["parallel"]),
+                   options=ModelOptions(**d["options"]), train=TrainConfig(**d["train"]), recipe=d.get("recipe"))
+
+
+def _part_names() -> dict[str, frozenset[str]]:
+    """The flat names ``RunConfig.with_`` routes, by the part that holds them."""
+    return {"model": frozenset(f.name for f in dataclasses.fields(ModelConfig)),
+            "parallel": frozenset(f.name for f in dataclasses.fields(ParallelConfig)),
+            "options": frozenset(f.name for f in dataclasses.fields(ModelOptions)) | frozenset(FLEX_FLAGS),
+            "train": frozenset(TrainConfig.FLAT_NAMES) | frozenset(TrainConfig.SECTIONS)}

@@ -1,7 +1,9 @@
 """The ``moefold`` command. Each subcommand lives in its own module, imported only when used.
 
 A subcommand module exposes ``add_arguments(parser)`` and ``main(args) -> int``; one with
-``TAKES_CONFIG_FILE = True`` also reads its flags from ``--config FILE`` (``training.cli.config_file``).
+``TAKES_CONFIG_FILE = True`` also reads its flags from ``--config FILE`` (``training.cli.config_file``). A
+subcommand whose module is heavy names a light one for its flags (``FLAG_MODULES``): ``moefold train --help`` and a
+mistyped flag are answered before torch is imported (``tests/training/cli/test_parse_imports.py``).
 This package holds the commands that need the trainer or its checkpoints (train, convert, inspect, generate,
 upcycle, env), ``schedule`` (the pipeline schedules' timeline: its flags stay above the packages it prints) and the
 model flags; the others live with their concept (``tools.bench_dispatch``, ``training.data.prepare``,
@@ -42,6 +44,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
               "flags, --nproc N local ranks or torchrun"),
 }
 
+# subcommand -> the torch-free module that defines its flags, where that is not the subcommand's module
+FLAG_MODULES: dict[str, str] = {"train": "moefold.training.cli.train_flags"}
+
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only ``command``'s module is imported (for its arguments), so one slow or
@@ -52,7 +57,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=help_text, description=help_text)
         cmd.set_defaults(_module=module)
         if name == command:
-            importlib.import_module(module).add_arguments(cmd)
+            importlib.import_module(FLAG_MODULES.get(name, module)).add_arguments(cmd)
     return parser
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -170,9 +171,23 @@ def dest(flag: str) -> str:
     return flag[2:].replace("-", "_")
 
 
+def model_json(text: str) -> dict[str, Any]:
+    """``--model-json``: a JSON mapping of ``ModelConfig`` fields (checked when the model is built from it)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a mapping of model fields, got a {type(value).__name__}")
+    return value
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The architecture flags, as their own argument group."""
     g = parser.add_argument_group("model definition (Megatron-LM names; change the --recipe's model)")
+    g.add_argument("--model-json", type=model_json, default=None, metavar="JSON",
+                   help="the whole model, every field of the recipe's replaced (a --config file's model: section, "
+                        "which each run's config.yaml records); the flags below change it")
     for flag, typ, kinds, _ in ARCH_FLAGS:
         only = "" if len(kinds) > 1 else " (MLA only)" if kinds == (MLA,) else " (GQA only)"
         text = f"{HELP[flag]}{only}; default: the recipe's"

@@ -10,6 +10,9 @@ shows each option's default and choices.
       usage: moefold train [options]
       moefold train: error: unrecognized arguments: --tens 2 (--tens: did you mean --tensor-model-parallel-size?)
 
+- A negative number is a value, never a flag: ``--lr -1e-3`` gives ``--lr`` the value -0.001 (argparse alone reads
+  ``-1e-3`` as an unknown option and says ``expected one argument``), so the config that owns the value says what is
+  valid.
 - ``--help`` opens with a short usage line (the full one of a 100-flag command is pages long), then the
   description and the option groups; every option's help ends with its default and, where a metavar hides
   them, its choices.
@@ -19,10 +22,13 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
 import sys
 from collections.abc import Iterable, Sequence
 from typing import NoReturn
 
+# a negative decimal or float literal (argparse itself knows only -1 and -.5 / -1.5, not -1e-3 or -inf)
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-inf$", re.IGNORECASE)
 USAGE_LINES = 3          # a longer generated usage is replaced by the short form
 MAX_SUGGESTIONS = 4
 
@@ -135,6 +141,25 @@ class Parser(argparse.ArgumentParser):
                 if guess:
                     notes.append(f"{flag}: {guess}")
         return f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(notes)})" if notes else "")
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        return super().parse_known_args(self._negative_values_joined(args), namespace)
+
+    def _negative_values_joined(self, args: list[str]) -> list[str]:
+        """``--flag -1e-3`` as ``--flag=-1e-3`` for this parser's one-value options, so that argparse takes the
+        number as the value instead of an unknown option."""
+        one_value = {s for a in self._actions for s in a.option_strings if a.nargs is None}
+        out: list[str] = []
+        i = 0
+        while i < len(args):
+            if args[i] in one_value and i + 1 < len(args) and NEGATIVE_NUMBER.match(args[i + 1]):
+                out.append(f"{args[i]}={args[i + 1]}")
+                i += 2
+            else:
+                out.append(args[i])
+                i += 1
+        return out
 
     def parse_args(self, args=None, namespace=None):
         parsed, extras = self.parse_known_args(args, namespace)

@@ -19,7 +19,6 @@ rank ends the run with one ``rank R: <message>`` line and the tracebacks in ``RU
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -80,21 +79,21 @@ def model_from_args(args: argparse.Namespace) -> ModelConfig:
         model = megatron_model(args)
         if model is not None:
             refused = ([f"--recipe {args.recipe}"] if args.recipe else []) + given + arch_router \
-                + (["--vocab-size"] if args.vocab_size else [])
+                + (["--vocab-size"] if args.vocab_size else []) + (["--model-json"] if args.model_json else [])
             if refused:
                 raise ValueError(f"{' '.join(refused)} cannot be combined with --load-megatron {args.load_megatron}: "
                                  "the architecture is the checkpoint's Megatron-LM args")
             return model
-        if args.recipe is None:
+        if args.recipe is None and args.model_json is None:
             raise ValueError(f"--load-megatron {args.load_megatron} stores no Megatron-LM args: give --recipe NAME "
                              "and model flags (the architecture it was trained with)")
     if args.load_hf is None:
         if args.moe_use_upcycling:
             raise ValueError("--moe-use-upcycling needs --load-hf DIR (the dense checkpoint to upcycle)")
-        if args.recipe is None:
+        if args.recipe is None and args.model_json is None:
             raise ValueError("give --recipe NAME (the model the model flags change), --load-hf DIR or "
                              "--load-megatron DIR")
-        model = apply_model_flags(get_recipe(args.recipe), args)
+        model = apply_model_flags(_base_model(args), args)
         vocab = args.vocab_size if args.vocab_size is not None else tokenizer_vocab(args)
         return model.with_(vocab_size=vocab) if vocab is not None else model
     if args.recipe is not None:
@@ -103,7 +102,8 @@ def model_from_args(args: argparse.Namespace) -> ModelConfig:
     from moefold.models.pretrained import pretrained_config
 
     allowed = UPCYCLING_FLAGS if args.moe_use_upcycling else ()
-    refused = [f for f in given if f not in allowed] + arch_router + (["--vocab-size"] if args.vocab_size else [])
+    refused = [f for f in given if f not in allowed] + arch_router + (["--vocab-size"] if args.vocab_size else []) \
+        + (["--model-json"] if args.model_json else [])
     if refused:
         raise ValueError(f"{' '.join(refused)} cannot be combined with --load-hf: the architecture is "
                          f"{args.load_hf}'s config.json (flags may change training-side settings: parallelism, "
@@ -119,6 +119,23 @@ def model_from_args(args: argparse.Namespace) -> ModelConfig:
         model = upcycled_config(model, args.num_experts, args.moe_router_topk or 2, args.moe_ffn_hidden_size,
                                 args.moe_layer_freq or 1)
     return model
+
+
+def _base_model(args: argparse.Namespace) -> ModelConfig:
+    """The model the model flags change: ``--model-json``'s (a config.yaml's ``model:`` section) or the recipe's."""
+    if args.model_json is None:
+        return get_recipe(args.recipe)
+    try:
+        return ModelConfig.from_dict(args.model_json)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"--model-json (a --config file's model: section): {exc}") from None
+
+
+def recorded_model(args: argparse.Namespace, config: RunConfig) -> ModelConfig | None:
+    """The model ``config.yaml`` records in full (its ``model:`` section): the one the recipe (or ``--model-json``)
+    and the flags made, so that a repeat does not depend on the recipe's code; None where the architecture is a
+    directory's (``--load-hf``, ``--load-megatron`` with its args), recorded by its path."""
+    return config.model if args.recipe is not None or args.model_json is not None else None
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -153,7 +170,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     parallel = ParallelConfig(tp=args.tensor_model_parallel_size, cp=args.context_parallel_size,
                               pp=args.pipeline_model_parallel_size, ep=args.expert_model_parallel_size,
                               etp=args.expert_tensor_parallel_size)
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    fields = set(TrainConfig.FLAT_NAMES)
     explicit = ("run_dir", "save", "load", "bf16", "data_path", "vocab_size", "data_cache_dir", "valid_data_path",
                 "reset_data_position", "compile", "exit_signals", "run_id")
     if args.optimizer_offload_fraction != TrainConfig.optimizer_offload_fraction and not args.optimizer_cpu_offload:
@@ -233,7 +250,7 @@ def main(args: argparse.Namespace) -> int:
     if claim is not None:
         held.append(claim)
         claim.record()
-        write_effective_config(train_parser(), args, config.train.run_dir)
+        write_effective_config(train_parser(), args, config.train.run_dir, model=recorded_model(args, config))
     if rank == 0:
         print(describe_parameters(config.model), flush=True)
         if flex_line is not None:

@@ -10,28 +10,27 @@ from __future__ import annotations
 
 import argparse
 
-from moefold.dense.activation_offload import MIN_OFFLOADED_TENSOR_SIZE, OFFLOAD_MODULES
-from moefold.dense.context_parallel import CP_COMM_MODES
-from moefold.dense.gated_delta_rule import GATED_DELTA_RULE_BACKENDS
-from moefold.dense.recompute import DEFAULT_RECOMPUTE_MODULES, RECOMPUTE_METHODS, RECOMPUTE_MODES, RECOMPUTE_MODULES
+from moefold.dense.choices import (
+    CP_COMM_MODES,
+    DEFAULT_RECOMPUTE_MODULES,
+    GATED_DELTA_RULE_BACKENDS,
+    MIN_OFFLOADED_TENSOR_SIZE,
+    OFFLOAD_MODULES,
+    RECOMPUTE_METHODS,
+    RECOMPUTE_MODES,
+    RECOMPUTE_MODULES,
+)
 from moefold.dispatch.config import DispatcherKind
 from moefold.dispatch.flex_backend import FlexBackend
 from moefold.models.options import DEEPEP_MODES, ModelOptions
 from moefold.models.recipes import RECIPES
-from moefold.moe.gemm import GemmBackend
-from moefold.pipeline.schedules import SCHEDULES
+from moefold.moe.gemm_backend import GemmBackend
+from moefold.training.cli.field_flags import add_field_flags
 from moefold.training.cli.fp8_flags import add_fp8_arguments
 from moefold.training.cli.megatron_flags import add_megatron_arguments
 from moefold.training.cli.model_flags import add_model_arguments
-from moefold.training.cli.train_checks import check_backends as check_backends
-from moefold.training.cli.train_checks import validate_layout as validate_layout
-from moefold.training.cli.train_help import ROUTER_HELP, TRAIN_HELP
-from moefold.training.config import EXIT_SIGNALS, STOP_SIGNALS, TrainConfig
-from moefold.training.optim.lr_schedule import DECAY_STYLES, WSD_STYLES
-from moefold.training.optim.precision import DTYPES
-
-_T = TrainConfig()
-
+from moefold.training.cli.train_help import ROUTER_HELP
+from moefold.training.config import EXIT_SIGNALS, STOP_SIGNALS
 
 # Router flags (Megatron-LM names) -> the ModelConfig field they override; unset keeps the recipe's.
 ROUTER_FLAGS: tuple[tuple[str, str, type], ...] = (
@@ -77,36 +76,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tensor parallelism (tp): attention heads and MLP columns split over tp ranks")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="pipeline parallelism (pp): the layers split into pp stages")
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
-                   help="pp > 1: virtual stages of M layers per rank (interleaved 1F1B schedule)")
-    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
-                   help="pp > 1: layers on the first stage (it also holds the embedding); default: even split")
-    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
-                   help="pp > 1: layers on the last stage (it also holds the head, loss and MTP); default: even split")
-    g.add_argument("--pipeline-model-parallel-layout", default=None, metavar="LAYOUT",
-                   help="Megatron's layout of every virtual stage, round robin over pp then vpp: E embedding, t "
-                        "decoder layer, m MTP layer, L loss, | stage boundary, x*N / (...)*N repetition, e.g. "
-                        "'Et|(tt|)*30mL' (DeepSeek-V3, PP8 x VP4); fixes vpp, empty stages allowed; replaces the "
-                        "three flags above")
+    add_field_flags(g, ("num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
+                        "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout"))
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="context parallelism (cp): each sequence split over cp ranks (ring attention)")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="expert parallelism (ep): the experts split over ep ranks (tokens all-to-all)")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=1,
                    help="expert tensor parallelism (etp): each expert's FFN split over etp ranks")
-    g.add_argument("--pipeline-schedule", dest="pipeline_schedule", default=_T.pipeline_schedule,
-                   choices=SCHEDULES, help="pp > 1 (interleaved is implied by virtual stages; zb-h1: zero-bubble "
-                                           "1F1B; zbv and dualpipev: 2 chunks per rank in V placement, set "
-                                           "--num-layers-per-virtual-pipeline-stage to num_layers / (2 pp))")
-    g.add_argument("--overlap-moe-expert-parallel-comm", dest="overlap_moe_expert_parallel_comm",
-                   action="store_true",
-                   help="hide the expert exchange: one micro-batch's dispatch/combine in flight while another "
-                        "micro-batch computes (gradient accumulation at pp = 1, interleaved 1F1B's steady state at "
-                        "pp > 1); needs ep > 1 and the alltoall or flex dispatcher; one more micro-batch's "
-                        "activations in flight")
-    g.add_argument("--delay-wgrad-compute", dest="delay_wgrad_compute", action="store_true",
-                   help="with --overlap-moe-expert-parallel-comm: run the experts' and attention's weight-gradient "
-                        "GEMMs while the next dispatch/combine backward exchange is in flight")
+    add_field_flags(g, ("pipeline_schedule", "overlap_moe_expert_parallel_comm", "delay_wgrad_compute"))
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
                    help="shard activations along the sequence between TP regions (tp > 1 only; --seq-length "
                         "must then divide by tp)")
@@ -162,73 +140,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "per dispatch) instead of worst-case-sized ones; default: on exactly when the expert "
                           "GEMMs take host counts anyway (te, grouped_gemm, loop, FP8)")
     add_fp8_arguments(gpu)
-    m.add_argument("--vocab-size", type=int, help="vocabulary of the built-in corpus (and the model); default: "
-                                                   "the recipe's")
+    add_field_flags(m, ("vocab_size",))
     t = p.add_argument_group("training")
-    for flag, field, typ in (("--micro-batch-size", "micro_batch_size", int),
-                             ("--global-batch-size", "global_batch_size", int), ("--seq-length", "seq_length", int),
-                             ("--train-iters", "train_iters", int), ("--lr", "lr", float),
-                             ("--min-lr", "min_lr", float), ("--lr-warmup-iters", "lr_warmup_iters", int),
-                             ("--lr-decay-iters", "lr_decay_iters", int),
-                             ("--lr-wsd-decay-iters", "lr_wsd_decay_iters", int),
-                             ("--weight-decay", "weight_decay", float), ("--adam-beta1", "adam_beta1", float),
-                             ("--adam-beta2", "adam_beta2", float), ("--adam-eps", "adam_eps", float),
-                             ("--clip-grad", "clip_grad", float), ("--seed", "seed", int),
-                             ("--log-interval", "log_interval", int), ("--save-interval", "save_interval", int),
-                             ("--keep-last", "keep_last", int), ("--max-skipped-steps", "max_skipped_steps", int)):
-        t.add_argument(flag, dest=field, type=typ, default=getattr(_T, field), help=TRAIN_HELP[field])
-    t.add_argument("--lr-decay-style", dest="lr_decay_style", default=_T.lr_decay_style, choices=DECAY_STYLES,
-                   help="learning-rate decay after the warmup (WSD: constant, then --lr-wsd-decay-iters of decay)")
-    t.add_argument("--lr-wsd-decay-style", dest="lr_wsd_decay_style", default=_T.lr_wsd_decay_style,
-                   choices=WSD_STYLES, help="the shape of WSD's final decay")
-    t.add_argument("--bf16", action="store_true", help="bf16 parameters and compute, fp32 master weights")
-    t.add_argument("--fp16", action="store_true",
-                   help="fp16 parameters and compute, fp32 master weights, loss scaling (dynamic unless --loss-scale)")
-    t.add_argument("--loss-scale", dest="loss_scale", type=float, default=None,
-                   help="fp16: a static loss scale (a power of 2 helps); default: dynamic loss scaling")
-    t.add_argument("--initial-loss-scale", dest="initial_loss_scale", type=float, default=_T.initial_loss_scale,
-                   help=f"fp16 dynamic loss scaling: the starting scale (default {_T.initial_loss_scale:g})")
-    t.add_argument("--min-loss-scale", dest="min_loss_scale", type=float, default=_T.min_loss_scale,
-                   help=f"fp16 dynamic loss scaling: the smallest scale (default {_T.min_loss_scale:g})")
-    t.add_argument("--loss-scale-window", dest="loss_scale_window", type=int, default=_T.loss_scale_window,
-                   help=f"fp16 dynamic loss scaling: steps without overflow before the scale doubles "
-                        f"(default {_T.loss_scale_window})")
-    t.add_argument("--hysteresis", dest="hysteresis", type=int, default=_T.hysteresis,
-                   help=f"fp16 dynamic loss scaling: overflowing steps in a row before the scale halves "
-                        f"(default {_T.hysteresis})")
-    t.add_argument("--compile", action="store_true",
-                   help="torch.compile each transformer block (MoE: its static-shaped parts, the experts' "
-                        "activation fused); compile time is printed")
+    add_field_flags(t, ("micro_batch_size", "global_batch_size", "seq_length", "train_iters", "lr", "min_lr",
+                        "lr_warmup_iters", "lr_decay_iters", "lr_wsd_decay_iters", "weight_decay", "adam_beta1",
+                        "adam_beta2", "adam_eps", "clip_grad", "seed", "log_interval", "save_interval", "keep_last",
+                        "max_skipped_steps"))
+    add_field_flags(t, ("lr_decay_style", "lr_wsd_decay_style", "bf16", "fp16", "loss_scale", "initial_loss_scale",
+                        "min_loss_scale", "loss_scale_window", "hysteresis", "compile"))
     t.add_argument("--no-overlap-grad-reduce", action="store_true",
                    help="reduce gradients after the backward instead of bucket by bucket during it")
-    t.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction,
-                   default=_T.gradient_accumulation_fusion,
-                   help="weight-gradient GEMMs write (first micro-batch) or add (later ones) straight into the fp32 "
-                        "main-grad buffer: no per-step zeroing pass, no separate gradient to add "
-                        "(--no-gradient-accumulation-fusion: autograd's gradients added into a zeroed buffer)")
-    t.add_argument("--overlap-param-gather", action="store_true",
-                   help="all-gather updated parameters during the next forward (each module waits for its own)")
-    for flag, field in (("--main-grads-dtype", "main_grads_dtype"), ("--exp-avg-dtype", "exp_avg_dtype"),
-                        ("--exp-avg-sq-dtype", "exp_avg_sq_dtype")):
-        t.add_argument(flag, dest=field, default=getattr(_T, field), choices=tuple(DTYPES),
-                       help=f"optimizer precision (default {getattr(_T, field)})")
-    t.add_argument("--main-params-dtype", dest="main_params_dtype", default=_T.main_params_dtype, choices=("fp32",),
-                   help="the master copy of bf16 parameters (fp32)")
+    add_field_flags(t, ("gradient_accumulation_fusion", "overlap_param_gather"))
+    add_field_flags(t, ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype"))
     d = p.add_argument_group("data and output")
-    d.add_argument("--data-path", nargs="+", default=[], help="PREFIX or W1 PREFIX1 W2 PREFIX2 ... (prepared with "
-                                                               "`moefold prepare-data`); default: built-in corpus")
-    d.add_argument("--data-cache-dir", default=None,
-                   help="where the built-in corpus is tokenised and cached (default: ~/.cache/moefold)")
+    add_field_flags(d, ("data_path", "data_cache_dir"))
     d.add_argument("--run-dir", default=None,
                    help="metrics, logs and reports (default: a new runs/RECIPE/TIMESTAMP per fresh run, "
                         "runs/RECIPE/latest pointing at it; a resume: its run's)")
-    d.add_argument("--save", default=None, help="checkpoint directory (default RUN_DIR/checkpoints)")
+    add_field_flags(d, ("save",))
     d.add_argument("--no-save", action="store_true", help="write no checkpoint")
-    d.add_argument("--load", default=None, help="resume from the newest intact checkpoint in this directory (or "
-                                                  "this checkpoint); must exist unless it is also --save")
-    d.add_argument("--reset-data-position", action="store_true",
-                   help="allow resuming with another --data-path, --seq-length or --seed: the data position restarts "
-                        "at the first sample of the new order")
+    add_field_flags(d, ("load", "reset_data_position"))
     d.add_argument("--no-balance-report", action="store_true", help="skip the load-balance PNGs at the end")
     d.add_argument("--no-progress", action="store_true",
                    help="no progress bar (it is only drawn when stderr is a terminal anyway)")
@@ -246,19 +177,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def add_recovery_arguments(p: argparse.ArgumentParser) -> None:
     """Saving on preemption, background saves, and writing over another run (docs/failures.md)."""
     g = p.add_argument_group("checkpoints, stops and other runs")
-    g.add_argument("--async-save", action="store_true",
-                   help="write --save-interval checkpoints in the background (torch.distributed.checkpoint."
-                        "async_save): training waits only for the copy to host memory; the final save waits")
+    add_field_flags(g, ("async_save",))
     g.add_argument("--exit-signal-handler", action=argparse.BooleanOptionalAction, default=True,
                    help="on an --exit-signal every rank finishes its step, the run saves (with --save, even at "
                         "--save-interval 0) and exits 128+signal (default on)")
     g.add_argument("--exit-signal", nargs="+", default=list(EXIT_SIGNALS), metavar="SIGNAL", choices=STOP_SIGNALS,
                    help=f"the signals that stop a run that way (default {' '.join(EXIT_SIGNALS)}; any of "
                         f"{', '.join(STOP_SIGNALS)})")
-    g.add_argument("--exit-duration-in-mins", type=float, default=None,
-                   help="stop (and save) after this many minutes of training; exit 0")
-    g.add_argument("--exit-interval", type=int, default=None,
-                   help="stop (and save) after the first step divisible by this; exit 0")
+    add_field_flags(g, ("exit_duration_in_mins", "exit_interval"))
     g.add_argument("--override-save", action="store_true",
                    help="let a fresh run write into a --save that holds another run's checkpoints (they stay; this "
                         "run never resumes from or deletes them; one of an iteration it saves is moved to "
@@ -279,46 +205,15 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
                         "recomputed or offloaded, not both)")
     g.add_argument("--min-offloaded-tensor-size", type=int, default=MIN_OFFLOADED_TENSOR_SIZE,
                    help=f"saved tensors with fewer elements stay on the device (default {MIN_OFFLOADED_TENSOR_SIZE})")
-    g.add_argument("--moe-max-load-ratio", type=float, default=None,
-                   help="the expert-load max/mean the plan sized the routed experts' activations for (moefold plan "
-                        "--moe-max-load-ratio): the run reports the observed one per micro-batch and warns once "
-                        "before it is exceeded")
-    g.add_argument("--use-torch-fsdp2", action="store_true",
-                   help="shard parameters, gradients and optimizer states with torch's fully_shard (FSDP2): dense "
-                        "modules over dp x cp, experts over the expert data-parallel group, composed with tp, ep/etp, "
-                        "pp; instead of the distributed optimizer")
-    g.add_argument("--optimizer-cpu-offload", action="store_true",
-                   help="keep master weights and Adam moments of --optimizer-offload-fraction of this rank's shard in "
-                        "host memory and update them on the CPU while the device starts the next step")
-    g.add_argument("--optimizer-offload-fraction", type=float, default=_T.optimizer_offload_fraction,
-                   help=f"with --optimizer-cpu-offload: the share offloaded, 0..1 (default "
-                        f"{_T.optimizer_offload_fraction})")
+    add_field_flags(g, ("moe_max_load_ratio", "use_torch_fsdp2", "optimizer_cpu_offload", "optimizer_offload_fraction"))
 
 
 def add_pretrained_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("starting weights")
-    g.add_argument("--load-hf", metavar="DIR", default=None,
-                   help="start from an HF model directory (or a moefold checkpoint): its config.json is the model, "
-                        "its weights the starting point (each rank reads its slices); instead of --recipe")
-    g.add_argument("--moe-use-upcycling", action="store_true",
-                   help="--load-hf holds a dense model (Qwen3, Mistral, a moefold dense checkpoint): start from its "
-                        "MoE upcycling with --num-experts / --moe-router-topk [/ --moe-ffn-hidden-size: granular]")
+    add_field_flags(g, ("load_hf", "moe_use_upcycling"))
 
 
 def add_validation_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("validation and logging")
-    g.add_argument("--eval-interval", type=int, default=_T.eval_interval,
-                   help="validate every N steps (default: only at the end; needs --split or --valid-data-path)")
-    g.add_argument("--eval-iters", type=int, default=_T.eval_iters, help=f"global batches per validation "
-                                                                         f"(default {_T.eval_iters})")
-    g.add_argument("--skip-train", action="store_true",
-                   help="validation only (Megatron's flag): evaluate the --load checkpoint (or the initialisation) on "
-                        "--split / --valid-data-path, train nothing, save nothing")
-    g.add_argument("--split", default=None, help="train,valid,test shares of the documents of each --data-path "
-                                                 "corpus, e.g. 969,30,1 (Megatron)")
-    g.add_argument("--valid-data-path", nargs="+", default=[], help="a separate validation corpus: PREFIX or "
-                                                                   "W1 PREFIX1 W2 PREFIX2 ...")
-    g.add_argument("--wandb-project", default=None, help="also log to Weights & Biases (pip install wandb; "
-                                                         "WANDB_MODE=offline works without network)")
-    g.add_argument("--wandb-exp-name", default=None, help="W&B run name")
-    g.add_argument("--wandb-save-dir", default=None, help="W&B directory (default: the run directory)")
+    add_field_flags(g, ("eval_interval", "eval_iters", "skip_train", "split", "valid_data_path", "wandb_project",
+                        "wandb_exp_name", "wandb_save_dir"))

@@ -1,5 +1,5 @@
-"""The help text of ``moefold train``'s router and training-loop flags (the others carry theirs where they are
-added)."""
+"""The help text of ``moefold train``'s router flags (the training flags' is their ``TrainConfig`` fields'
+(``training.sections``); the others carry theirs where they are added)."""
 
 from __future__ import annotations
 
@@ -33,23 +33,4 @@ ROUTER_HELP: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "--moe-router-force-load-balancing": ("benchmarks only: route by random logits (balanced loads)", None),
     "--moe-apply-probs-on-input": ("top-1: scale the token by its probability before the expert (off: the "
                                    "expert's output, in the combine)", None),
-}
-TRAIN_HELP = {
-    "micro_batch_size": "samples per micro-batch on each data-parallel rank",
-    "global_batch_size": "samples per optimizer step, all ranks together (gradient accumulation fills the rest)",
-    "seq_length": "tokens per sample",
-    "train_iters": "optimizer steps of the whole run (a resumed run counts the steps already done)",
-    "lr": "peak learning rate",
-    "min_lr": "learning rate at the end of the decay",
-    "lr_warmup_iters": "steps of linear warmup from 0",
-    "lr_decay_iters": "steps over which the learning rate decays (default: --train-iters)",
-    "lr_wsd_decay_iters": "--lr-decay-style WSD: the steps of the final decay",
-    "weight_decay": "AdamW weight decay (not on norms, biases and expert biases)",
-    "adam_beta1": "AdamW beta1", "adam_beta2": "AdamW beta2", "adam_eps": "AdamW epsilon",
-    "clip_grad": "global gradient-norm clipping (0: off)",
-    "seed": "seed of the initialisation and the data order",
-    "log_interval": "steps per printed line and metrics record",
-    "save_interval": "steps between checkpoints (0: only at the end)",
-    "keep_last": "checkpoints kept (older ones are deleted)",
-    "max_skipped_steps": "stop after this many non-finite steps in a row",
 }

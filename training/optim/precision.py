@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# the flags' dtype names -> torch's (torch is imported when the optimizer asks for a dtype, not to check the flags)
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 @dataclass(frozen=True)
@@ -29,4 +32,6 @@ class OptimizerPrecision:
                              "bf16 parameters)")
 
     def dtype(self, name: str) -> torch.dtype:
-        return DTYPES[getattr(self, f"{name}_dtype")]
+        import torch
+
+        return getattr(torch, DTYPES[getattr(self, f"{name}_dtype")])

@@ -112,3 +112,57 @@ def test_skip_train_validates_the_checkpoint_and_trains_nothing(tmp_path, data, 
     assert cli_main([*BASE, "--skip-train", "--run-dir", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err.strip()
     assert "--skip-train runs validation only: it needs validation data" in err and "\n" not in err
+
+
+def test_config_yaml_records_the_recipes_model_so_a_changed_recipe_cannot_change_a_repeat(tmp_path, monkeypatch):
+    """Issue 48 item 10: config.yaml holds every effective value, the model the recipe supplied included."""
+    from moefold.models import recipes
+    from moefold.training.cli.config_file import config_args, write_effective_config
+    from moefold.training.cli.train import config_from_args, recorded_model, train_parser
+
+    parser = train_parser()
+    typed = ["--recipe", "deepseek_v3_tiny", "--num-experts", "8", "--moe-router-topk", "3", "--kv-lora-rank", "24",
+             "--moe-aux-loss-coeff", "0.01", "--moe-router-enable-expert-bias"]
+    args = parser.parse_args(typed)
+    config = config_from_args(args)
+    path = write_effective_config(parser, args, tmp_path, model=recorded_model(args, config))
+    written = yaml.safe_load(path.read_text())
+    model = written["model"]   # the nested form: every field, the MLA sizes as their own mapping
+    assert model["hidden_size"] == config.model.hidden_size
+    assert model["mla"]["kv_lora_rank"] == config.model.mla.kv_lora_rank
+    assert model["num_experts"] == 8 and model["moe_topk"] == 3 and model["mla"]["kv_lora_rank"] == 24
+    assert written["recipe"] == "deepseek_v3_tiny" and "model-json" not in written
+
+    original = recipes.RECIPES["deepseek_v3_tiny"]
+    changed = lambda: original().with_(hidden_size=2 * original().hidden_size, norm_eps=1e-5,
+                                       moe_topk_scaling_factor=3.0)
+    monkeypatch.setitem(recipes.RECIPES, "deepseek_v3_tiny", changed)
+    assert config_from_args(parser.parse_args(typed)) != config   # the recipe did change
+    again = config_from_args(parser.parse_args(config_args(parser, path)))
+    assert again == config and again.model.extra == config.model.extra
+
+    # typed flags still win over the file's model, and a bad model field is one line naming it
+    over = config_from_args(parser.parse_args([*config_args(parser, path), "--hidden-size", "48"]))
+    assert over.model.hidden_size == 48 and over.model.mla == config.model.mla
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"recipe": "deepseek_v3_tiny", "model": {**model, "hidden_sise": 3}}))
+    with pytest.raises(ValueError, match=r"--model-json .*unknown ModelConfig fields \['hidden_sise'\]"):
+        config_from_args(parser.parse_args(config_args(parser, bad)))
+
+
+def test_config_file_sections_group_flags(tmp_path):
+    """A --config file may group its flags in sections of any name (the nested form) or list them flat."""
+    from moefold.training.cli.config_file import config_args
+    from moefold.training.cli.train import train_parser
+
+    parser = train_parser()
+    nested, flat = tmp_path / "nested.yaml", tmp_path / "flat.yaml"
+    nested.write_text(yaml.safe_dump({"recipe": "qwen3_moe_tiny", "parallel": {"tensor-model-parallel-size": 2,
+                                                                               "expert_model_parallel_size": 2},
+                                      "training": {"optimizer": {"lr": 0.01, "adam-beta2": 0.99}, "seed": 3}}))
+    flat.write_text(yaml.safe_dump({"recipe": "qwen3_moe_tiny", "tensor-model-parallel-size": 2,
+                                    "expert-model-parallel-size": 2, "lr": 0.01, "adam-beta2": 0.99, "seed": 3}))
+    assert parser.parse_args(config_args(parser, nested)) == parser.parse_args(config_args(parser, flat))
+    nested.write_text(yaml.safe_dump({"parallel": {"tensor-model-paralel-size": 2}}))
+    with pytest.raises(ValueError, match=r"nested.yaml: parallel: 'tensor-model-paralel-size' is not a flag"):
+        config_args(parser, nested)

@@ -116,3 +116,19 @@ def test_a_size_the_world_cannot_take_names_nproc_and_its_default(capsys):
     assert "(--nproc 6): use --nproc 8" in err and "on 6: --expert-model-parallel-size 1 or 2" in err, err
     assert cli.main(["train", "--recipe", "qwen3_moe_tiny", "--nproc", "4", "--expert-model-parallel-size", "3"]) == 2
     assert "num_experts=8 is not divisible by ep=3; valid for this model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lr", "-1e-3"], "--lr=-0.001 must be a finite number >= 0"),
+    (["--adam-eps", "-1E-8"], "--adam-eps=-1e-08 must be a finite number >= 0"),
+    (["--clip-grad", "-inf"], "--clip-grad=-inf must be a finite number >= 0"),
+    (["--tensor-model-parallel-size", "-2"], "--tensor-model-parallel-size=-2"),
+    (["--moe-router-topk", "-1"], "moe_topk=-1 must be in [1, num_experts=8]"),
+])
+def test_a_negative_number_is_a_value_and_its_config_says_what_is_valid(capsys, argv, message):
+    """Issue 48 item 5: argparse alone reads ``-1e-3`` as an unknown option ("expected one argument")."""
+    assert cli.main(["train", "--recipe", "qwen3_moe_tiny", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "expected one argument" not in err and "\n" not in err, err
+    # a negative number given to a list flag, or after a switch, stays what argparse makes of it
+    assert _subparser("train").parse_args(["--lr", "-1e-3", "--seed", "-0"]).lr == -1e-3
