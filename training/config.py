@@ -15,6 +15,8 @@ from moefold.models.options import ModelOptions
 from moefold.parallel.dims import ParallelConfig, ParallelSizes
 from moefold.training.optim.loss_scaler import LossScaler
 from moefold.training.optim.lr_schedule import DECAY_STYLES, WSD_STYLES, LRSchedule
+from moefold.training.optim.muon import MuonOptions
+from moefold.training.optim.newton_schulz import ScaleMode, TPMode
 from moefold.training.optim.precision import OptimizerPrecision
 
 # the signals that stop a run after its current step, with a checkpoint (Megatron's --exit-signal-handler)
@@ -84,6 +86,16 @@ class TrainConfig:
     main_params_dtype: str = "fp32"
     exp_avg_dtype: str = "fp32"
     exp_avg_sq_dtype: str = "fp32"
+    # Muon (Megatron's --optimizer muon, --muon-*; training.optim.muon): Muon for the matrices, AdamW for the rest
+    optimizer: str = "adam"                    # adam | muon
+    muon_momentum: float = 0.95
+    muon_use_nesterov: bool = False
+    muon_num_ns_steps: int = 5
+    muon_coefficient_type: str = "quintic"     # training.optim.newton_schulz.COEFFICIENTS
+    muon_scale_mode: str = "spectral"          # spectral | shape_scaling | unit_rms_norm
+    muon_extra_scale_factor: float = 1.0
+    muon_tp_mode: str = "blockwise"            # blockwise | duplicated | distributed
+    muon_fp32_matmul_prec: str = "medium"      # medium: Newton-Schulz in bf16 | high | highest: in fp32
     # data
     data_path: tuple[str, ...] = ()            # Megatron style: PREFIX or W1 PREFIX1 W2 PREFIX2 ...; () = built-in
     vocab_size: int | None = None              # built-in corpus vocabulary (None: the model's)
@@ -179,6 +191,7 @@ class TrainConfig:
         if self.moe_use_upcycling and not self.load_hf:
             raise ValueError("--moe-use-upcycling needs --load-hf DIR (the dense checkpoint to upcycle)")
         self.optimizer_precision()  # validates the dtypes
+        self.muon_options()  # validates --optimizer and the Muon settings
         bad = [s for s in self.exit_signals if s not in STOP_SIGNALS]
         if bad:
             raise ValueError(f"--exit-signal {' '.join(bad)}: valid: {', '.join(STOP_SIGNALS)}")
@@ -219,6 +232,25 @@ class TrainConfig:
     def optimizer_precision(self) -> OptimizerPrecision:
         return OptimizerPrecision(main_grads_dtype=self.main_grads_dtype, main_params_dtype=self.main_params_dtype,
                                   exp_avg_dtype=self.exp_avg_dtype, exp_avg_sq_dtype=self.exp_avg_sq_dtype)
+
+    def muon_options(self) -> MuonOptions | None:
+        """Muon's settings (None with ``--optimizer adam``); refuses what Muon cannot run with."""
+        if self.optimizer not in ("adam", "muon"):
+            raise ValueError(f"--optimizer={self.optimizer!r}; valid: adam, muon")
+        if self.optimizer == "adam":
+            return None
+        if self.use_torch_fsdp2 or self.optimizer_cpu_offload:
+            raise ValueError(f"--optimizer muon cannot be combined with "
+                             f"{'--use-torch-fsdp2' if self.use_torch_fsdp2 else '--optimizer-cpu-offload'}: Muon "
+                             "updates whole matrices on the distributed optimizer's owning rank; drop that flag")
+        for name, enum in (("muon_scale_mode", ScaleMode), ("muon_tp_mode", TPMode)):
+            valid = [m.value for m in enum]
+            if getattr(self, name) not in valid:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)!r}; valid: {', '.join(valid)}")
+        return MuonOptions(momentum=self.muon_momentum, use_nesterov=self.muon_use_nesterov,
+                           num_ns_steps=self.muon_num_ns_steps, coefficient_type=self.muon_coefficient_type,
+                           scale_mode=ScaleMode(self.muon_scale_mode), extra_scale_factor=self.muon_extra_scale_factor,
+                           tp_mode=TPMode(self.muon_tp_mode), fp32_matmul_prec=self.muon_fp32_matmul_prec)
 
     def loss_scaler(self) -> LossScaler | None:
         """The fp16 loss scaler the flags describe (None without ``--fp16``)."""
@@ -298,6 +330,9 @@ class RunConfig:
             return (f"--use-torch-fsdp2 cannot be combined with {what}: FSDP2's units gather and reduce in their own "
                     f"dtypes, outside the distributed optimizer's "
                     f"{'loss-scale unscaling' if t.fp16 else 'FP8 parameter gathers'}; use the distributed optimizer")
+        if t.optimizer == "muon" and o.fp8.param_gather:
+            return ("--optimizer muon cannot be combined with --fp8-param-gather: Muon's owning rank updates whole "
+                    "matrices, the FP8 gather quantises AdamW's chunks; drop one of them")
         if t.optimizer_cpu_offload and o.fp8.param_gather:
             return ("--optimizer-cpu-offload cannot be combined with --fp8-param-gather: the FP8 gather quantises "
                     "the masters on the device, the offloaded masters live in host memory; drop one of them")

@@ -28,6 +28,8 @@ from moefold.training.cli.train_checks import validate_layout as validate_layout
 from moefold.training.cli.train_help import ROUTER_HELP, TRAIN_HELP
 from moefold.training.config import EXIT_SIGNALS, STOP_SIGNALS, TrainConfig
 from moefold.training.optim.lr_schedule import DECAY_STYLES, WSD_STYLES
+from moefold.training.optim.muon import MATMUL_PRECISIONS
+from moefold.training.optim.newton_schulz import COEFFICIENTS, ScaleMode, TPMode
 from moefold.training.optim.precision import DTYPES
 
 _T = TrainConfig()
@@ -214,6 +216,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help=f"optimizer precision (default {getattr(_T, field)})")
     t.add_argument("--main-params-dtype", dest="main_params_dtype", default=_T.main_params_dtype, choices=("fp32",),
                    help="the master copy of bf16 parameters (fp32)")
+    mu = p.add_argument_group("Muon (--optimizer muon: Muon for the matrices, AdamW for embeddings, output layer, "
+                              "norms, routers, biases; Megatron's flags and defaults)")
+    mu.add_argument("--optimizer", default=_T.optimizer, choices=("adam", "muon"), help="default adam")
+    mu.add_argument("--muon-momentum", type=float, default=_T.muon_momentum, help="momentum (EMA) of Muon's SGD")
+    mu.add_argument("--muon-use-nesterov", action="store_true", help="Nesterov momentum (default off)")
+    mu.add_argument("--muon-num-ns-steps", type=int, default=_T.muon_num_ns_steps, help="Newton-Schulz iterations")
+    mu.add_argument("--muon-coefficient-type", default=_T.muon_coefficient_type, choices=tuple(COEFFICIENTS),
+                    help="Newton-Schulz coefficient set")
+    mu.add_argument("--muon-scale-mode", default=_T.muon_scale_mode, choices=[m.value for m in ScaleMode],
+                    help="update scale: spectral sqrt(max(rows, cols)), shape_scaling, unit_rms_norm")
+    mu.add_argument("--muon-extra-scale-factor", type=float, default=_T.muon_extra_scale_factor,
+                    help="multiplies the update (0.2 with spectral matches AdamW's update RMS)")
+    mu.add_argument("--muon-tp-mode", default=_T.muon_tp_mode, choices=[m.value for m in TPMode],
+                    help="tp-split matrices: blockwise (each block alone), duplicated (gathered, whole: equals tp=1), "
+                         "distributed (Gram matrices all-reduced)")
+    mu.add_argument("--muon-fp32-matmul-prec", default=_T.muon_fp32_matmul_prec, choices=MATMUL_PRECISIONS,
+                    help="medium: Newton-Schulz in bf16; high/highest: in fp32")
     d = p.add_argument_group("data and output")
     d.add_argument("--data-path", nargs="+", default=[], help="PREFIX or W1 PREFIX1 W2 PREFIX2 ... (prepared with "
                                                                "`moefold prepare-data`); default: built-in corpus")
