@@ -22,7 +22,6 @@ only the matrices it owns (``training.optim.muon``), so the cost per rank falls 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -39,7 +38,7 @@ from moefold.training.optim.muon import DistributedMuon, MuonOptions, is_muon_ma
 from moefold.training.optim.optimizer import DistributedAdamW
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from optimizer_step import config_57m  # the same model as the AdamW benchmark
+from optimizer_step import config_57m, timing_parser  # the same model and flags as the AdamW benchmark
 
 
 def ns_flops(rows: int, cols: int, steps: int = 5) -> int:
@@ -84,12 +83,7 @@ def _side(kind: str) -> tuple[Callable[[Callable[[], float]], float], int, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--cpu-time", action="store_true", help="time with this process's CPU time (a shared machine)")
-    args = p.parse_args(argv)
+    args = timing_parser(__doc__, 5).parse_args(argv)
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.cpu_time else time.perf_counter
     print(describe_machine())

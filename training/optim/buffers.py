@@ -42,6 +42,7 @@ from moefold.parallel.groups import Group, group_rank, group_size
 from moefold.parallel.sharding import reduction_kind
 
 KINDS = ("dense", "sp", "expert")
+WHOLE_SLACK = 16   # a whole-layout bucket pads at most 1/16 of its elements (``_layout_whole``)
 ALIGN = 16   # elements: parameter and chunk starts stay 64-byte (fp32) / 32-byte (bf16) aligned for vector kernels
 
 
@@ -170,38 +171,45 @@ def _layout(kind: str, items: list[tuple[str, nn.Parameter]], group: Group, copi
     return _bind(kind, items, group, copies_group, offsets, buckets, bucket_of, start, grad_dtype, fp8)
 
 
+def _share_out(sizes: dict[int, int], n: int) -> tuple[dict[int, int], dict[int, int], int]:
+    """({item: chunk}, {item: offset in its chunk}, chunk length): the items go to the ``n`` chunks largest first,
+    each to the chunk that holds the fewest elements so far (ties: the lowest rank); every start aligned."""
+    fill = [0] * n
+    owner, at = {}, {}
+    for j in sorted(sizes, key=lambda j: (-sizes[j], j)):
+        r = min(range(n), key=lambda r: (fill[r], r))
+        owner[j], at[j] = r, fill[r]
+        fill[r] += _align(sizes[j], ALIGN)
+    return owner, at, _align(max(max(fill), 1), ALIGN)
+
+
 def _layout_whole(kind: str, items: list[tuple[str, nn.Parameter]], group: Group, copies_group: Group,
                   bucket_numel: int, grad_dtype: torch.dtype, fp8: bool = False) -> FlatGroup:
-    """Like ``_layout``, but each parameter lies inside one chunk: a bucket closes once it holds >= bucket_numel
-    elements and at least ``n`` parameters (so that no rank's chunk stays empty); its parameters go to the ``n``
-    chunks largest first, each to the chunk that holds the fewest elements so far (ties: the lowest rank), and the
-    chunk length is the fullest chunk's, aligned. Rank r's chunk r then holds whole parameters: the reduce-scatter
-    leaves their complete gradients on r and the all-gather spreads what r computed from them (Megatron's
-    layer-wise distributed optimizer, without its separate all-reduce and all-gather-v). The layout depends only
-    on the parameters' local shapes, so ranks that hold the same parameters (tp, etp peers) own the same ones."""
+    """Like ``_layout``, but each parameter lies inside one chunk (``_share_out``). A bucket closes once it holds >=
+    bucket_numel elements and its padding (n x chunk length - elements) is at most 1/``WHOLE_SLACK`` of them (a
+    rank's chunk is as long as the fullest one's), or at the last parameter. Rank r's chunk r then holds whole
+    parameters: the reduce-scatter leaves their complete gradients on r and the all-gather spreads what r computed
+    from them (Megatron's layer-wise distributed optimizer, without its separate all-reduce and all-gather-v). The
+    layout depends only on the parameters' local shapes, so ranks that hold the same parameters (tp, etp peers)
+    own the same ones."""
     n = group_size(group)
     offsets, buckets, bucket_of = [0] * len(items), [], [0] * len(items)
     start = 0
-    members: list[int] = []
-    filled = 0
+    members: dict[int, int] = {}
     for i, (_, p) in enumerate(items):
-        members.append(i)
-        filled += _align(p.numel(), ALIGN)
-        if (filled >= bucket_numel and len(members) >= n) or i == len(items) - 1:
-            fill = [0] * n
-            owner: dict[int, int] = {}
-            for j in sorted(members, key=lambda j: (-items[j][1].numel(), j)):
-                r = min(range(n), key=lambda r: (fill[r], r))
-                owner[j] = r
-                offsets[j] = fill[r]   # within its chunk, for now
-                fill[r] += _align(items[j][1].numel(), ALIGN)
-            chunk = _align(max(max(fill), 1), ALIGN)
-            for j in members:
-                offsets[j] += start + owner[j] * chunk
-                bucket_of[j] = len(buckets)
-            buckets.append(Bucket(start, start + n * chunk, sorted(members, key=lambda j: offsets[j])))
-            start += n * chunk
-            members, filled = [], 0
+        members[i] = p.numel()
+        filled = sum(_align(m, ALIGN) for m in members.values())
+        if filled < bucket_numel and i < len(items) - 1:
+            continue
+        owner, at, chunk = _share_out(members, n)
+        if n * chunk - filled > filled // WHOLE_SLACK and i < len(items) - 1:
+            continue   # too uneven yet: more parameters even the chunks out
+        for j in members:
+            offsets[j] = start + owner[j] * chunk + at[j]
+            bucket_of[j] = len(buckets)
+        buckets.append(Bucket(start, start + n * chunk, sorted(members, key=lambda j: offsets[j])))
+        start += n * chunk
+        members = {}
     return _bind(kind, items, group, copies_group, offsets, buckets, bucket_of, start, grad_dtype, fp8, whole=True)
 
 

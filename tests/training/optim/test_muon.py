@@ -12,6 +12,7 @@ from moefold.models.recipes import get_recipe
 from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.parallel.sharding import named_full_params
 from moefold.training.config import TrainConfig
+from moefold.training.optim.buffers import ALIGN, WHOLE_SLACK
 from moefold.training.optim.grad_sync import GradSync
 from moefold.training.optim.muon import DistributedMuon, MuonOptions, is_muon_matrix
 from moefold.training.optim.newton_schulz import COEFFICIENTS, ScaleMode, TPMode, coefficients, newton_schulz
@@ -136,6 +137,9 @@ def test_each_matrix_has_one_owner_and_adamw_keeps_the_rest():
         mine = {}
         for g in sync.groups:
             assert g.whole == all(is_muon_matrix(n, p) for n, p in zip(g.names, g.params))
+            for b in g.buckets[:-1] if g.whole else ():   # the chunks even out: little padding but in the last
+                held = sum(-(-g.params[i].numel() // ALIGN) * ALIGN for i in b.params)
+                assert b.end - b.start - held <= held // WHOLE_SLACK, (g.kind, b.end - b.start, held)
             for b in g.buckets:
                 for i, lo, hi in g.pieces(b):
                     if g.whole:
