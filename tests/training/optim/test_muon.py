@@ -177,3 +177,31 @@ def test_muon_flags_reach_the_run_config_and_bad_values_fail():
                        ({"use_torch_fsdp2": True}, "--use-torch-fsdp2")):
         with pytest.raises(ValueError, match=match):
             TrainConfig(**{"optimizer": "muon", **bad})
+
+
+def test_bf16_momentum_halves_the_state_and_steps_within_bf16_rounding():
+    """``--exp-avg-dtype bf16`` (Megatron's precision-aware optimizer) keeps Muon's momentum in bf16: half the
+    bytes, and weights within the band one bf16 rounding of the momentum moves Newton-Schulz's output."""
+    from moefold.training.optim.precision import OptimizerPrecision
+
+    runs = {}
+    for dtype in ("fp32", "bf16"):
+        dims = ParallelDims.single()
+        model = MoEDecoder(get_recipe("qwen3_moe_tiny").with_(num_layers=2, vocab_size=256), dims)
+        model.init_weights(3)
+        sync = GradSync(model.named_parameters(), dims, whole=is_muon_matrix)
+        opt = DistributedMuon(sync, dims, options=MuonOptions(fp32_matmul_prec="highest"), weight_decay=WD,
+                              precision=OptimizerPrecision(exp_avg_dtype=dtype))
+        params = dict(model.named_parameters())
+        for step in range(3):
+            set_random_grads(params, step, opt, dtype)
+            opt.step(LR, 1.0)
+        assert {m.momentum.dtype for m in opt.matrices} == {torch.bfloat16 if dtype == "bf16" else torch.float32}
+        runs[dtype] = ({n: p.detach().clone() for n, p in params.items()}, sum(m.momentum.nbytes for m in opt.matrices))
+    (fp32, fp32_bytes), (bf16, bf16_bytes) = runs["fp32"], runs["bf16"]
+    assert bf16_bytes * 2 == fp32_bytes
+    # per step: lr * sqrt(max(rows, cols)) (1e-2 * 8: the matrices are at most 64 wide) times Newton-Schulz's
+    # response to a 2^-8 relative change of its input (at most twice that); AdamW's bf16 moments move less
+    worst = max((fp32[n] - bf16[n]).abs().max().item() for n in fp32)
+    print(f"bf16 momentum: largest weight difference {worst:.2e} after 3 steps")
+    assert 0 < worst <= 3 * LR * 8 * 2 ** -7, worst
