@@ -59,6 +59,8 @@ def model_options(config: RunConfig) -> ModelOptions:
     dtype = "bf16" if config.train.bf16 else "fp16" if config.train.fp16 else options.dtype
     if options.dtype != dtype:
         options = dataclasses.replace(options, dtype=dtype)
+    if config.train.qk_clip and not options.max_attention_logit:   # MuonClip reads each head's largest logit
+        options = dataclasses.replace(options, max_attention_logit=True)
     if not options.moe_deepep_max_tokens_per_rank:
         t, p = config.train, config.parallel
         options = dataclasses.replace(options, moe_deepep_max_tokens_per_rank=max(

@@ -96,6 +96,9 @@ class TrainConfig:
     muon_extra_scale_factor: float = 1.0
     muon_tp_mode: str = "blockwise"            # blockwise | duplicated | distributed
     muon_fp32_matmul_prec: str = "medium"      # medium: Newton-Schulz in bf16 | high | highest: in fp32
+    qk_clip: bool = False                      # MuonClip: after each step, shrink q/k rows of heads past the threshold
+    qk_clip_threshold: float = 100.0           # eta = min(1, threshold / max logit) (training.optim.qk_clip)
+    qk_clip_alpha: float = 0.5                 # q rows *= eta^alpha, k rows *= eta^(1 - alpha)
     # data
     data_path: tuple[str, ...] = ()            # Megatron style: PREFIX or W1 PREFIX1 W2 PREFIX2 ...; () = built-in
     vocab_size: int | None = None              # built-in corpus vocabulary (None: the model's)
@@ -237,6 +240,11 @@ class TrainConfig:
         """Muon's settings (None with ``--optimizer adam``); refuses what Muon cannot run with."""
         if self.optimizer not in ("adam", "muon"):
             raise ValueError(f"--optimizer={self.optimizer!r}; valid: adam, muon")
+        if self.qk_clip and self.optimizer != "muon":
+            raise ValueError("--qk-clip (MuonClip) needs --optimizer muon")
+        if not (self.qk_clip_threshold > 0 and 0 <= self.qk_clip_alpha <= 1):
+            raise ValueError(f"need --qk-clip-threshold={self.qk_clip_threshold} > 0 and 0 <= "
+                             f"--qk-clip-alpha={self.qk_clip_alpha} <= 1")
         if self.optimizer == "adam":
             return None
         if self.use_torch_fsdp2 or self.optimizer_cpu_offload:
@@ -292,6 +300,11 @@ class RunConfig:
         if self.options.sequence_parallel and s.tp > 1 and (t.seq_length // s.cp) % s.tp:
             raise ValueError(f"--seq-length={t.seq_length} / cp {s.cp} must be divisible by "
                              f"--tensor-model-parallel-size={s.tp} with --sequence-parallel")
+        if t.qk_clip and (s.cp > 1 or self.model.attention == "mla" or self.model.qk_norm):
+            why = (f"context parallelism (cp={s.cp}): a rank's queries see other ranks' keys" if s.cp > 1 else
+                   "MLA attention (its q_pe/k_pe split)" if self.model.attention == "mla" else
+                   "qk-norm (the norms undo a clip of the projections)")
+            raise ValueError(f"--qk-clip is implemented for GQA attention without qk-norm, not with {why}")
         if t.seq_length > self.model.max_position_embeddings:
             raise ValueError(f"--seq-length={t.seq_length} exceeds the model's max_position_embeddings="
                              f"{self.model.max_position_embeddings}")

@@ -233,6 +233,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          "distributed (Gram matrices all-reduced)")
     mu.add_argument("--muon-fp32-matmul-prec", default=_T.muon_fp32_matmul_prec, choices=MATMUL_PRECISIONS,
                     help="medium: Newton-Schulz in bf16; high/highest: in fp32")
+    mu.add_argument("--qk-clip", action="store_true", help="MuonClip: after each step, scale the q and k rows of "
+                    "attention heads whose largest logit passed --qk-clip-threshold (GQA without qk-norm, no cp)")
+    mu.add_argument("--qk-clip-threshold", type=float, default=_T.qk_clip_threshold, help="QK-clip's logit bound")
+    mu.add_argument("--qk-clip-alpha", type=float, default=_T.qk_clip_alpha,
+                    help="q rows take eta^alpha, k rows eta^(1 - alpha)")
     d = p.add_argument_group("data and output")
     d.add_argument("--data-path", nargs="+", default=[], help="PREFIX or W1 PREFIX1 W2 PREFIX2 ... (prepared with "
                                                                "`moefold prepare-data`); default: built-in corpus")

@@ -152,6 +152,7 @@ class DistributedMuon:
                     assert (lo, hi) == (0, p.numel()), "a whole group's parameter lies in one chunk"
                     self.matrices.append(_Matrix(g.names[i], p, g.grad_data[off:off + hi],
                                                  1.0 / replicas(p, g.size, dims), decay_fn(g.names[i], p), precision))
+        self._owned = {id(m.param): m for m in self.matrices}
         device = sync.groups[0].grad_data.device if sync.groups else torch.device("cpu")
         self._norm_grads = [m.grad for m in self.matrices]
         self._norm_weights = torch.tensor([m.weight for m in self.matrices], dtype=torch.float32, device=device)
@@ -185,6 +186,17 @@ class DistributedMuon:
 
     def close(self) -> None:
         self.adam.close()
+
+    @torch.no_grad()
+    def scale_rows(self, param: nn.Parameter, factors: Tensor) -> None:
+        """``param[i] *= factors[i]`` for each row i of its local tensor (after the step's gathers: QK-clip,
+        ``training.optim.qk_clip``), and of its fp32 master where this rank owns a bf16 matrix. Every rank that holds
+        ``param`` calls it with the same factors."""
+        shape = (-1, *[1] * (param.dim() - 1))
+        param.data.mul_(factors.view(shape).to(param.dtype))
+        owned = self._owned.get(id(param))
+        if owned is not None and owned.separate_master:
+            owned.master.view(param.shape).mul_(factors.view(shape).to(owned.master.dtype))
 
     # ------------------------------------------------------------------------------- memory
     def state_breakdown(self, offloaded: bool = False) -> dict[str, int]:
