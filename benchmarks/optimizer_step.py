@@ -44,13 +44,18 @@ def machine(threads: int) -> str:
             f"{threads} threads, {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+def timing_parser(doc: str, iters: int) -> argparse.ArgumentParser:
+    """The optimizer benchmarks' flags: --iters, --threads, --cpu-time."""
+    p = argparse.ArgumentParser(allow_abbrev=False, description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--iters", type=int, default=7)
+    p.add_argument("--iters", type=int, default=iters)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--cpu-time", action="store_true", help="time with this process's CPU time (a shared machine)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = timing_parser(__doc__, 7).parse_args(argv)
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.cpu_time else time.perf_counter
     torch.manual_seed(0)

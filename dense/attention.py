@@ -108,6 +108,11 @@ class GQAAttention(nn.Module):
             mark_sharded(self.sinks, Shard.over(tp_group, 0))
         else:
             self.register_parameter("sinks", None)
+        if c.max_logit and cp > 1:
+            raise ValueError(f"GQAAttention: max_logit (--qk-clip) with context parallelism (cp={cp}) is not "
+                             "supported: a rank's queries see keys of other ranks")
+        # max_logit: [h/tp] fp32, each local head's largest logit of the training forwards since the last reset
+        self.max_logits: Tensor | None = None
         self.rotary = RotaryEmbedding(c.rotary_dim_resolved, c.rope_theta, c.yarn, device=device)
         self.core = CoreAttention(d ** -0.5, sliding_window=c.sliding_window, cp_group=cp_group, cp_comm=c.cp_comm)
         # selective recompute of core attention by default (``config.recompute``); moefold.execution reconfigures it
@@ -183,7 +188,27 @@ class GQAAttention(nn.Module):
         v = self._project_kv(self.v_proj, x).view(S, B, self.local_kv_heads, self.head_dim)
         cos, sin = self.rotary(position_ids)
         q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
+        if self.config.max_logit and self.training:   # a recompute records the same values again: max is idempotent
+            self._record_max_logits(q, k, position_ids)
         return q, gate, k, v
+
+    @torch.no_grad()
+    def _record_max_logits(self, q: Tensor, k: Tensor, position_ids: Tensor, block: int = 256) -> None:
+        """``max_logits[h] = max(max_logits[h], max over b, i, j visible to i of scale * q_bhi . k_bgj)`` for q
+        ``[S, B, h, d]``, k ``[S, B, g, d]`` (causal, sliding window); query blocks of ``block`` rows bound the
+        scores' memory to ``B h block S``."""
+        qf, kf = q.float().permute(1, 2, 0, 3), k.float().permute(1, 2, 0, 3)
+        kf = kf.repeat_interleave(qf.shape[1] // kf.shape[1], dim=1)
+        ahead = position_ids[:, None] - position_ids[None, :]
+        visible = ahead >= 0
+        if self.config.sliding_window is not None:
+            visible &= ahead < self.config.sliding_window
+        best = torch.full((qf.shape[1],), float("-inf"), device=q.device)
+        for i in range(0, qf.shape[2], block):
+            scores = (qf[:, :, i:i + block] @ kf.transpose(-1, -2)) * self.core.scale
+            scores = scores.masked_fill(~visible[i:i + block], float("-inf"))
+            best = torch.maximum(best, scores.amax(dim=(0, 2, 3)))
+        self.max_logits = best if self.max_logits is None else torch.maximum(self.max_logits, best)
 
     def _project_out(self, out: Tensor, gate: Tensor | None) -> Tensor:
         """The ``attn_proj`` part: the output gate (Qwen3-Next), which is the projection's input, and the projection."""

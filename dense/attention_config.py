@@ -88,9 +88,13 @@ class AttentionConfig:
     seq_length: int | None = None
     output_gate: bool = False
     zero_centered_gamma: bool = False
+    max_logit: bool = False   # record each head's largest logit in training forwards (QK-clip: training.optim.qk_clip)
 
     def __post_init__(self) -> None:
         _check_common("AttentionConfig", self)
+        if self.max_logit and self.qk_norm:
+            raise ValueError("AttentionConfig: max_logit (--qk-clip) with qk_norm: the q/k norms undo a clip of the "
+                             "projections; QK-clip is for attention without qk-norm")
         if self.num_query_groups is not None:
             _positive_int("AttentionConfig", "num_query_groups", self.num_query_groups)
             if self.num_heads % self.num_query_groups != 0:

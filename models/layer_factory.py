@@ -48,6 +48,8 @@ def attention_config(config: ModelConfig, options: ModelOptions, index: int = 0)
               "bias": c.attention_bias, "rope_theta": c.rope_theta, "yarn": yarn_config(c), "cp_comm": o.cp_comm,
               "recompute": o.recompute, "init_std": o.init_std}
     if c.attention == "mla":
+        if o.max_attention_logit:
+            raise ValueError(f"{c.name}: --qk-clip is implemented for GQA attention, not MLA (its q_pe/k_pe split)")
         m = c.mla
         return MLAConfig(kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
                          qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, q_lora_rank=m.q_lora_rank,
@@ -56,7 +58,8 @@ def attention_config(config: ModelConfig, options: ModelOptions, index: int = 0)
                            qk_norm_scope=c.qk_norm_scope, sliding_window=c.layer_sliding_window(index),
                            sinks=c.attention_sinks, rotary_dim=c.rotary_dim if c.partial_rotary_factor < 1 else None,
                            out_bias=c.attention_out_bias, output_gate=c.attention_output_gate,
-                           zero_centered_gamma=c.norm_zero_centered_gamma, **common)
+                           zero_centered_gamma=c.norm_zero_centered_gamma, max_logit=o.max_attention_logit,
+                           **common)
 
 
 def linear_attention_config(config: ModelConfig, options: ModelOptions) -> GatedDeltaNetConfig:

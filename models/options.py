@@ -84,6 +84,7 @@ class ModelOptions:
                        the modules whose saved tensors wait in host memory (``dense.activation_offload``); () = off
     min_offloaded_tensor_size: saved tensors with fewer elements stay on the device (--min-offloaded-tensor-size)
     linear_attention_backend: Gated DeltaNet kernel, "auto" | "torch" | "fla" (``dense.gated_delta_rule``)
+    max_attention_logit: GQA layers record each head's largest attention logit (``--qk-clip``, MuonClip)
     """
 
     sequence_parallel: bool = True
@@ -101,6 +102,7 @@ class ModelOptions:
     offload_modules: tuple[str, ...] = ()
     min_offloaded_tensor_size: int = MIN_OFFLOADED_TENSOR_SIZE
     linear_attention_backend: str = "auto"
+    max_attention_logit: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.fp8, dict):  # from a saved RunConfig (JSON)

@@ -31,6 +31,7 @@ from moefold.pipeline.stages import chunk_costs
 from moefold.training.checkpoint.files import checkpoint_dirs, is_checkpoint_dir
 from moefold.training.config import RunConfig
 from moefold.training.optim.grad_sync import GradSync
+from moefold.training.optim.muon import DistributedMuon, is_muon_matrix
 from moefold.training.optim.optimizer import DistributedAdamW
 
 if TYPE_CHECKING:
@@ -58,6 +59,8 @@ def model_options(config: RunConfig) -> ModelOptions:
     dtype = "bf16" if config.train.bf16 else "fp16" if config.train.fp16 else options.dtype
     if options.dtype != dtype:
         options = dataclasses.replace(options, dtype=dtype)
+    if config.train.qk_clip and not options.max_attention_logit:   # MuonClip reads each head's largest logit
+        options = dataclasses.replace(options, max_attention_logit=True)
     if not options.moe_deepep_max_tokens_per_rank:
         t, p = config.train, config.parallel
         options = dataclasses.replace(options, moe_deepep_max_tokens_per_rank=max(
@@ -98,7 +101,7 @@ def execution_plan(config: RunConfig, dims: ParallelDims, *, accounting: bool = 
 
 
 def build_optimizer(model: MoEDecoder, config: RunConfig, dims: ParallelDims, sharding: FSDPSharding | None = None,
-                    ) -> tuple[Group, GradSync, DistributedAdamW]:
+                    ) -> tuple[Group, GradSync, DistributedAdamW | DistributedMuon]:
     """(embedding group, GradSync, DistributedAdamW) of ``model``: the flat buffers, buckets and optimizer slices
     whose bytes ``training.observe.memory.static_bytes`` counts. Collective (the embedding group); ``moefold plan``
     runs it on a meta-device model. ``sharding``: the execution pass's FSDP2 sharding (``--use-torch-fsdp2``)."""
@@ -131,9 +134,14 @@ def build_optimizer(model: MoEDecoder, config: RunConfig, dims: ParallelDims, sh
             module = getattr(model, name)
             if mine > 1 and module is not None:
                 reports.update({f"{name}.{n}": mine for n, _ in module.named_parameters()})
+    muon = t.muon_options()
     sync = GradSync(model.named_parameters(), dims, bucket_numel=t.bucket_numel, overlap=t.overlap_grad_reduce,
                     grad_dtype=precision.dtype("main_grads"), copies_groups=shared, reports=reports,
-                    fusion=fusion)
+                    fusion=fusion, whole=is_muon_matrix if muon is not None else None)
+    if muon is not None:   # --optimizer muon: Muon on the matrices this rank owns whole, AdamW on the rest
+        return shared.get("embed_tokens"), sync, DistributedMuon(
+            sync, dims, options=muon, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+            weight_decay=t.weight_decay, precision=precision, model=model, overlap_param_gather=t.overlap_param_gather)
     optimizer = DistributedAdamW(sync, dims, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                  weight_decay=t.weight_decay, precision=precision, model=model,
                                  overlap_param_gather=t.overlap_param_gather,

@@ -31,6 +31,7 @@ from moefold.training.sections import (
 
 if TYPE_CHECKING:
     from moefold.pipeline.stages import StageLayout
+    from moefold.training.optim.muon import MuonOptions
 
 
 @composed
@@ -60,6 +61,9 @@ class TrainConfig:
 
     def optimizer_precision(self) -> OptimizerPrecision:
         return self.optimizer.optimizer_precision()
+
+    def muon_options(self) -> MuonOptions | None:
+        return self.optimizer.muon_options()
 
     def loss_scaler(self) -> LossScaler | None:
         """The fp16 loss scaler the flags describe (None without ``--fp16``)."""
@@ -93,6 +97,11 @@ class RunConfig:
         if self.options.sequence_parallel and s.tp > 1 and (t.seq_length // s.cp) % s.tp:
             raise ValueError(f"--seq-length={t.seq_length} / cp {s.cp} must be divisible by "
                              f"--tensor-model-parallel-size={s.tp} with --sequence-parallel")
+        if t.qk_clip and (s.cp > 1 or self.model.attention == "mla" or self.model.qk_norm):
+            why = (f"context parallelism (cp={s.cp}): a rank's queries see other ranks' keys" if s.cp > 1 else
+                   "MLA attention (its q_pe/k_pe split)" if self.model.attention == "mla" else
+                   "qk-norm (the norms undo a clip of the projections)")
+            raise ValueError(f"--qk-clip is implemented for GQA attention without qk-norm, not with {why}")
         if t.seq_length > self.model.max_position_embeddings:
             raise ValueError(f"--seq-length={t.seq_length} exceeds the model's max_position_embeddings="
                              f"{self.model.max_position_embeddings}")
@@ -131,6 +140,9 @@ class RunConfig:
             return (f"--use-torch-fsdp2 cannot be combined with {what}: FSDP2's units gather and reduce in their own "
                     f"dtypes, outside the distributed optimizer's "
                     f"{'loss-scale unscaling' if t.fp16 else 'FP8 parameter gathers'}; use the distributed optimizer")
+        if t.optimizer_type == "muon" and o.fp8.param_gather:
+            return ("--optimizer muon cannot be combined with --fp8-param-gather: Muon's owning rank updates whole "
+                    "matrices, the FP8 gather quantises AdamW's chunks; drop one of them")
         if t.optimizer_cpu_offload and o.fp8.param_gather:
             return ("--optimizer-cpu-offload cannot be combined with --fp8-param-gather: the FP8 gather quantises "
                     "the masters on the device, the offloaded masters live in host memory; drop one of them")

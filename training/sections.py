@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moefold.pipeline.schedules import SCHEDULES
 from moefold.training.data.megatron_tokenizer import TOKENIZER_TYPES
 from moefold.training.optim.loss_scaler import LossScaler
 from moefold.training.optim.lr_schedule import DECAY_STYLES, WSD_STYLES, LRSchedule
 from moefold.training.optim.precision import DTYPES, OptimizerPrecision
+
+if TYPE_CHECKING:
+    from moefold.training.optim.muon import MuonOptions
 
 # the signals that stop a run after its current step, with a checkpoint (Megatron's --exit-signal-handler)
 EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
@@ -34,10 +37,11 @@ DATA_ORDERS = ("moefold", "megatron")
 
 
 def flag(default: Any, help: str, *, choices: tuple[Any, ...] | None = None, action: str | None = None,
-         nargs: str | None = None, metavar: str | None = None) -> Any:
+         nargs: str | None = None, metavar: str | None = None, name: str | None = None) -> Any:
     """A field that is a flag of ``moefold train`` (``--`` + its name with ``-``): ``help`` and ``choices`` shown and
-    checked by the parser; ``action``: ``store_true`` (a switch) or ``optional`` (``--x`` / ``--no-x``)."""
-    meta = {"help": help, "choices": choices, "action": action, "nargs": nargs, "metavar": metavar}
+    checked by the parser; ``action``: ``store_true`` (a switch) or ``optional`` (``--x`` / ``--no-x``); ``name``: the
+    flag's name where the field's would clash with a section's (``optimizer_type`` is Megatron's ``--optimizer``)."""
+    meta = {"help": help, "choices": choices, "action": action, "nargs": nargs, "metavar": metavar, "flag": name}
     return field(default=default, metadata={k: v for k, v in meta.items() if v is not None})
 
 
@@ -86,6 +90,28 @@ class OptimizerConfig:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = flag(False, "all-gather updated parameters during the next forward (each module "
                                       "waits for its own)", action="store_true")
+    # Muon (Megatron's --optimizer muon, --muon-*; training.optim.muon): Muon for the matrices, AdamW for embeddings,
+    # output layer, norms, routers, biases. Choices spelled here so that parsing needs no torch; MuonOptions checks
+    # them against training.optim.newton_schulz's enums.
+    optimizer_type: str = flag("adam", "adam, or muon: Newton-Schulz orthogonalised momentum for the matrices, "
+                               "AdamW for the rest", choices=("adam", "muon"), name="--optimizer")
+    muon_momentum: float = flag(0.95, "momentum (EMA) of Muon's SGD")
+    muon_use_nesterov: bool = flag(False, "Nesterov momentum", action="store_true")
+    muon_num_ns_steps: int = flag(5, "Newton-Schulz iterations")
+    muon_coefficient_type: str = flag("quintic", "Newton-Schulz coefficient set",
+                                      choices=("simple", "quintic", "polar_express", "cans"))
+    muon_scale_mode: str = flag("spectral", "update scale: spectral sqrt(max(rows, cols)), shape_scaling, "
+                                "unit_rms_norm", choices=("spectral", "shape_scaling", "unit_rms_norm"))
+    muon_extra_scale_factor: float = flag(1.0, "multiplies the update (0.2 with spectral matches AdamW's update RMS)")
+    muon_tp_mode: str = flag("blockwise", "tp-split matrices: blockwise (each block alone), duplicated (gathered, "
+                             "whole: equals tp=1), distributed (Gram matrices all-reduced)",
+                             choices=("blockwise", "duplicated", "distributed"))
+    muon_fp32_matmul_prec: str = flag("medium", "medium: Newton-Schulz in bf16; high/highest: in fp32",
+                                      choices=("highest", "high", "medium"))
+    qk_clip: bool = flag(False, "MuonClip: after each step, scale the q and k rows of attention heads whose largest "
+                         "logit passed --qk-clip-threshold (GQA without qk-norm, no cp)", action="store_true")
+    qk_clip_threshold: float = flag(100.0, "QK-clip's logit bound")
+    qk_clip_alpha: float = flag(0.5, "q rows take eta^alpha, k rows eta^(1 - alpha)")
 
     def __post_init__(self) -> None:
         _positive_ints(self, "bucket_numel")
@@ -94,6 +120,7 @@ class OptimizerConfig:
             raise ValueError(f"need 0 <= --adam-beta1={self.adam_beta1}, --adam-beta2={self.adam_beta2} < 1 and "
                              f"--adam-eps={self.adam_eps} > 0")
         self.optimizer_precision()  # validates the dtypes
+        self.muon_options()  # validates --optimizer and the Muon settings
         from moefold.training.optim.offload import check_offload_fraction
 
         check_offload_fraction(self.optimizer_offload_fraction)
@@ -101,6 +128,33 @@ class OptimizerConfig:
     def optimizer_precision(self) -> OptimizerPrecision:
         return OptimizerPrecision(main_grads_dtype=self.main_grads_dtype, main_params_dtype=self.main_params_dtype,
                                   exp_avg_dtype=self.exp_avg_dtype, exp_avg_sq_dtype=self.exp_avg_sq_dtype)
+
+    def muon_options(self) -> MuonOptions | None:
+        """Muon's settings (None with ``--optimizer adam``); refuses what Muon cannot run with."""
+        if self.optimizer_type not in ("adam", "muon"):
+            raise ValueError(f"--optimizer={self.optimizer_type!r}; valid: adam, muon")
+        if self.qk_clip and self.optimizer_type != "muon":
+            raise ValueError("--qk-clip (MuonClip) needs --optimizer muon")
+        if not (self.qk_clip_threshold > 0 and 0 <= self.qk_clip_alpha <= 1):
+            raise ValueError(f"need --qk-clip-threshold={self.qk_clip_threshold} > 0 and 0 <= "
+                             f"--qk-clip-alpha={self.qk_clip_alpha} <= 1")
+        if self.optimizer_type == "adam":
+            return None
+        if self.use_torch_fsdp2 or self.optimizer_cpu_offload:
+            raise ValueError(f"--optimizer muon cannot be combined with "
+                             f"{'--use-torch-fsdp2' if self.use_torch_fsdp2 else '--optimizer-cpu-offload'}: Muon "
+                             "updates whole matrices on the distributed optimizer's owning rank; drop that flag")
+        from moefold.training.optim.muon import MuonOptions
+        from moefold.training.optim.newton_schulz import ScaleMode, TPMode
+
+        for name, enum in (("muon_scale_mode", ScaleMode), ("muon_tp_mode", TPMode)):
+            valid = [m.value for m in enum]
+            if getattr(self, name) not in valid:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)!r}; valid: {', '.join(valid)}")
+        return MuonOptions(momentum=self.muon_momentum, use_nesterov=self.muon_use_nesterov,
+                           num_ns_steps=self.muon_num_ns_steps, coefficient_type=self.muon_coefficient_type,
+                           scale_mode=ScaleMode(self.muon_scale_mode), extra_scale_factor=self.muon_extra_scale_factor,
+                           tp_mode=TPMode(self.muon_tp_mode), fp32_matmul_prec=self.muon_fp32_matmul_prec)
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,7 @@ from moefold.training.launch.signals import STOP_FLAGS, Stop, StopRequest, agree
 from moefold.training.observe.expert_counts import ROUTER_SUMS, add_expert_counts, add_micro_loads, per_step_router
 from moefold.training.observe.imbalance import LoadRatioWatch, micro_batch_load_ratio
 from moefold.training.observe.log_window import LogWindow
+from moefold.training.optim.qk_clip import clip_qk
 
 if TYPE_CHECKING:
     from moefold.training.data.sampler import Samples
@@ -313,6 +314,10 @@ class Trainer:
             clip = self.config.train.clip_grad
             coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
             self.optimizer.step(lr, coef / scale)   # unscale and clip in one multiply
+            if self.config.train.qk_clip:   # MuonClip: on the updated, gathered q/k projections
+                self.optimizer.finish_param_sync()
+                clip_qk(self.model, dims, self.optimizer, self.config.train.qk_clip_threshold,
+                        self.config.train.qk_clip_alpha)
             for j, layer in enumerate(self.moe_layers):
                 router = self.routers.get(layer)
                 if router is not None and getattr(router, "expert_bias", None) is not None:

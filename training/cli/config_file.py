@@ -98,7 +98,7 @@ def _mapping_args(options: dict[str, argparse.Action], data: dict, where: str, p
         if key == MODEL_SECTION and isinstance(value, dict) and MODEL_FLAG in options:
             args += [MODEL_FLAG, json.dumps(value)]
             continue
-        if action is None and isinstance(value, dict):
+        if isinstance(value, dict):   # a section (no flag takes a mapping; ``optimizer`` is a section and a flag)
             args += _mapping_args(options, value, f"{where}: {key}", prog)
             continue
         if action is None or action.dest in ("config", "help"):

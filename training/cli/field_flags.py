@@ -32,7 +32,8 @@ def add_field_flags(group: argparse.ArgumentParser | Any, names: Iterable[str]) 
     """Add the flags of ``TrainConfig``'s fields ``names`` (in that order) to ``group`` (module docstring)."""
     for name in names:
         f = train_field(name)
-        meta, flag, default = f.metadata, "--" + name.replace("_", "-"), getattr(TrainConfig, name)
+        meta, default = f.metadata, getattr(TrainConfig, name)
+        flag = meta.get("flag", "--" + name.replace("_", "-"))
         kw: dict[str, Any] = {"dest": name, "help": meta["help"]}
         action = meta.get("action")
         if action == "store_true":

@@ -152,6 +152,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="reduce gradients after the backward instead of bucket by bucket during it")
     add_field_flags(t, ("gradient_accumulation_fusion", "overlap_param_gather"))
     add_field_flags(t, ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype"))
+    mu = p.add_argument_group("Muon (--optimizer muon: Muon for the matrices, AdamW for embeddings, output layer, "
+                              "norms, routers, biases; Megatron's flags and defaults)")
+    add_field_flags(mu, ("optimizer_type", "muon_momentum", "muon_use_nesterov", "muon_num_ns_steps",
+                         "muon_coefficient_type", "muon_scale_mode", "muon_extra_scale_factor", "muon_tp_mode",
+                         "muon_fp32_matmul_prec", "qk_clip", "qk_clip_threshold", "qk_clip_alpha"))
     d = p.add_argument_group("data and output")
     add_field_flags(d, ("data_path", "data_cache_dir"))
     d.add_argument("--run-dir", default=None,

@@ -25,7 +25,7 @@ holds the reduced gradient (the rest of the buffer is stale): that is what the o
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -63,18 +63,20 @@ class GradSync:
     def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], dims: ParallelDims, *,
                  bucket_numel: int = 2**22, overlap: bool = True, grad_dtype: torch.dtype = torch.float32,
                  copies_groups: Mapping[str, Group] | None = None, reports: Mapping[str, int] | None = None,
-                 fusion: bool = True) -> None:
+                 fusion: bool = True, whole: Callable[[str, nn.Parameter], bool] | None = None) -> None:
         """``reports``: {name: gradient reports per micro-batch} of the parameters whose gradient is accumulated more
         than once per micro-batch (used by two pipeline chunks of this rank, each backpropagated on its own: the
         embedding on the V placement's rank 0 with MTP or a tied head); every other parameter reports once.
         ``copies_groups``: {module name: the pipeline group summing the copies of that module} (the trainer's
         ``pipeline.shared_weight_groups``). ``fusion``: gradient-accumulation fusion (module docstring); False zeroes
-        the buffers every step."""
+        the buffers every step. ``whole(name, param)``: the parameters one rank owns entirely (Muon's matrices,
+        ``training.optim.buffers._layout_whole``)."""
         self.dims, self.overlap, self.grad_dtype, self.fusion = dims, overlap, grad_dtype, fusion
         self.reports = dict(reports or {})
         self.average = gradient_average(dims)
         self.groups: list[FlatGroup] = build_flat_groups(named_params, dims, bucket_numel=bucket_numel,
-                                                         grad_dtype=grad_dtype, copies_groups=copies_groups)
+                                                         grad_dtype=grad_dtype, copies_groups=copies_groups,
+                                                         whole=whole)
         self._armed = False
         self._handles = []
         for g in self.groups:

@@ -64,6 +64,14 @@ def replicas(param: Tensor, group_numel: int, dims: ParallelDims) -> int:
     return per_stage // split * getattr(param, "moefold_pipeline_copies", 1)
 
 
+def norm_squared(grads: list[Tensor], weights: Tensor, device: torch.device) -> Tensor:
+    """sum_i weights[i] * ||grads[i]||^2 (fp32 0-d tensor; zero without gradients)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32))
+    return (norms.square() * weights).sum()
+
+
 @dataclass(frozen=True)
 class _Piece:
     """Elements ``[lo, hi)`` of parameter ``name`` (flattened local tensor), at ``at`` in its slice's chunk."""
@@ -212,13 +220,16 @@ class DistributedAdamW:
     model's forward pre-hooks instead of at the end of ``step`` (``training.optim.param_sync``).
     ``cpu_offload_fraction``: keep that share of this rank's states in host memory and update it on the CPU
     (``training.optim.offload``; needs ``model``, whose forward waits for those parameters); None: none.
+    ``whole_update(lr, clip_coef)``: updates the groups laid out whole (``FlatGroup.whole``: Muon's matrices,
+    ``training.optim.muon``), which AdamW leaves alone, before the parameters are gathered.
     Collective: ``grad_norm()`` (world all-reduce), ``step()`` (the parameter all-gathers), ``loaded()``.
     """
 
     def __init__(self, sync: GradSync, dims: ParallelDims, *, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, weight_decay: float = 0.0, precision: OptimizerPrecision | None = None,
                  decay_fn: Callable[[str, Tensor], bool] = decays, model: nn.Module | None = None,
-                 overlap_param_gather: bool = False, cpu_offload_fraction: float | None = None) -> None:
+                 overlap_param_gather: bool = False, cpu_offload_fraction: float | None = None,
+                 whole_update: Callable[[float, float], None] | None = None) -> None:
         if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"betas={betas} must lie in [0, 1)")
         if not eps > 0:
@@ -231,10 +242,12 @@ class DistributedAdamW:
                              f"{precision.main_grads_dtype!r}")
         self.sync, self.dims, self.precision = sync, dims, precision
         self.step_count = 0
+        self.whole_update = whole_update
         device = sync.groups[0].grad_data.device if sync.groups else torch.device("cpu")
-        host = set() if cpu_offload_fraction is None else offloaded_buckets(sync.groups, cpu_offload_fraction)
+        adam_groups = [g for g in sync.groups if not g.whole]
+        host = set() if cpu_offload_fraction is None else offloaded_buckets(adam_groups, cpu_offload_fraction)
         self.slices = [_Slice(g, b, dims, precision, weight_decay, decay_fn, offloaded=id(b) in host)
-                       for g in sync.groups for b in g.buckets]
+                       for g in adam_groups for b in g.buckets]
         # one AdamW for the device's slices and one for the host's; bucket by bucket where bf16 states or
         # gradients are widened to fp32 for the update, so that the fp32 copies exist for one bucket at a time
         widening = any(s.widen_grad or s.widen_moments for s in self.slices)
@@ -251,20 +264,19 @@ class DistributedAdamW:
                                     deferred={id(s.bucket) for s in parts[True]}, wait_deferred=self.host.wait)
         pieces = [(s, p) for s in self.slices for p in s.pieces]
         # FP8 buckets quantise the fp32 master chunk (the parameters' chunk when they are their own master)
-        owners = [(g, b) for g in sync.groups for b in g.buckets]
+        owners = [(g, b) for g in adam_groups for b in g.buckets]
         self.param_sync.masters = {id(b): s.master for (g, b), s in zip(owners, self.slices) if g.fp8}
         self._norm_grads = [p.of(s.device_grad) for s, p in pieces]
         self._norm_weights = torch.tensor([p.weight for _, p in pieces], dtype=torch.float32, device=device)
         self._device = device
 
     # ------------------------------------------------------------------------------- the step
-    def grad_norm(self) -> Tensor:
-        """Global L2 norm of the step's gradient (fp32 0-d tensor, identical on every rank)."""
-        if self._norm_grads:
-            norms = torch.stack(torch._foreach_norm(self._norm_grads, 2.0, dtype=torch.float32))
-            total = (norms.square() * self._norm_weights).sum()
-        else:
-            total = torch.zeros((), dtype=torch.float32, device=self._device)
+    def grad_norm(self, extra: Tensor | None = None) -> Tensor:
+        """Global L2 norm of the step's gradient (fp32 0-d tensor, identical on every rank). ``extra``: this rank's
+        weighted squared norm of the gradients it holds outside AdamW's slices (Muon's matrices)."""
+        total = norm_squared(self._norm_grads, self._norm_weights, self._device)
+        if extra is not None:
+            total = total + extra
         if self.dims.world_size > 1:
             dist.all_reduce(total)
         return total.sqrt()
@@ -278,6 +290,8 @@ class DistributedAdamW:
         self.host.start(lr, clip_coef)   # offloaded slices: on the CPU, in a worker thread, meanwhile
         for update in self.updates:
             update.step(lr, clip_coef)
+        if self.whole_update is not None:
+            self.whole_update(lr, clip_coef)
         self.param_sync.launch()
 
     def finish_param_sync(self) -> None:

@@ -5,7 +5,6 @@ copies nothing; bytes per parameter; LR schedules."""
 from __future__ import annotations
 
 import json
-import zlib
 
 import numpy as np
 import pytest
@@ -15,13 +14,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from moefold.models.decoder import MoEDecoder
 from moefold.models.recipes import get_recipe
 from moefold.parallel.dims import ParallelConfig, ParallelDims
-from moefold.parallel.sharding import full_shape, local_slice, named_full_params, shards_of
+from moefold.parallel.sharding import named_full_params
 from moefold.training.observe.memory import bytes_per_parameter, describe_static
 from moefold.training.optim.grad_sync import GradSync
 from moefold.training.optim.lr_schedule import LRSchedule
 from moefold.training.optim.optimizer import DistributedAdamW, decays
 from moefold.training.optim.precision import OptimizerPrecision
 from tests.distributed import run_distributed
+from tests.training.optim.random_grads import set_random_grads, step_both
 from tests.training.trainer_common import run, tiny_config, tiny_data
 
 TOL = 1e-6
@@ -41,21 +41,7 @@ def _compare(layouts: list[ParallelConfig]) -> list[tuple[float, float]]:
         ref_opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)
         params = dict(model.named_parameters())
         for step in range(3):
-            full_grads = {}
-            for name, p in params.items():
-                gen = torch.Generator().manual_seed(step * 7919 + zlib.crc32(name.encode()))
-                full_grads[name] = torch.randn(full_shape(p), generator=gen)
-                p.main_grad.copy_(local_slice(full_grads[name], shards_of(p)))   # the reduced gradient
-            norm = float(opt.grad_norm())
-            ref_norm = float(torch.sqrt(sum(g.double().square().sum() for g in full_grads.values())))
-            assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (pc, norm, ref_norm)
-            lr, coef = 1e-2 * (step + 1), 0.5
-            opt.step(lr, coef)
-            for group in ref_opt.param_groups:
-                group["lr"] = lr
-            for name, p in ref.items():
-                p.grad = full_grads[name] * coef
-            ref_opt.step()
+            step_both(opt, ref_opt, ref, set_random_grads(params, step, opt, pc), step, 1e-2)
         got = named_full_params(model)
         worst = max((got[n] - p.detach()).abs().max().item() for n, p in ref.items())
         assert worst <= TOL, (pc, worst)
