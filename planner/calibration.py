@@ -1,4 +1,4 @@
-"""The step-time model's end-to-end constants (``step_time.Calibration``), fitted on part of the published runs.
+"""The step-time model's end-to-end constants (``step_terms.Calibration``), fitted on part of the published runs.
 
     python -m moefold.planner.calibration     # fit on the rows marked ``fitted``, print the constants
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moefold.planner.published import PUBLISHED_RUNS, PublishedRun
-from moefold.planner.step_time import COMM_TERMS, UNCALIBRATED, Calibration
+from moefold.planner.step_terms import COMM_TERMS, UNCALIBRATED, Calibration
 
 MAX_FITTED_SHARE = 0.5
 # the grid searched: (compute, communication, routed_bytes)

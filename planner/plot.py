@@ -9,7 +9,7 @@ from __future__ import annotations
 from moefold.planner.cluster import Cluster
 from moefold.planner.report import GB
 from moefold.planner.search import COMPONENTS, Plan
-from moefold.planner.step_time import TERMS
+from moefold.planner.step_terms import TERMS
 
 
 def label(plan: Plan) -> str:

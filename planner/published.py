@@ -8,7 +8,7 @@ estimator's two knobs (``estimate_step_time``'s ``exchange_overlap`` and ``compu
 ``precision`` and ``layout`` are the source's own words and figures; where the publication does not give a setting
 the run's ``assumptions`` say what was taken.
 
-The step-time model's end-to-end constants (``step_time.CALIBRATION``) are fitted on the rows marked ``fitted``
+The step-time model's end-to-end constants (``step_terms.CALIBRATION``) are fitted on the rows marked ``fitted``
 (at most half: ``planner.calibration``); the other rows are held out. ``tests/planner/test_published.py`` keeps every
 held-out estimate within ``HELD_OUT_BOUND`` of its measurement and checks the constants are the fit's.
 """
@@ -23,7 +23,8 @@ from moefold.models.recipes import get_recipe
 from moefold.parallel.dims import ParallelConfig
 from moefold.pipeline.layout import format_layout, standard_layouts
 from moefold.planner.cluster import load_cluster
-from moefold.planner.step_time import CALIBRATION, Calibration, StepTime, estimate_step_time
+from moefold.planner.step_terms import CALIBRATION, Calibration, StepTime
+from moefold.planner.step_time import estimate_step_time
 from moefold.precision.fp8 import FP8Config
 from moefold.training.cli.train import validate_layout
 from moefold.training.config import RunConfig, TrainConfig
@@ -72,7 +73,7 @@ class PublishedRun:
                          train=TrainConfig(bf16=True, lr_warmup_iters=0, **train), recipe=self.recipe)
 
     def step_time(self, calibration: Calibration | None = None) -> StepTime:
-        """The model's step (``calibration``: default ``step_time.CALIBRATION``)."""
+        """The model's step (``calibration``: default ``step_terms.CALIBRATION``)."""
         config = self.config()
         return estimate_step_time(config, validate_layout(config, self.gpus), load_cluster(self.cluster),
                                   self.gpus_per_node, exchange_overlap=self.exchange_overlap,

@@ -11,7 +11,7 @@ import shlex
 
 from moefold.planner.cluster import Cluster
 from moefold.planner.search import COMPONENTS, Plan, SearchResult, recompute_ladder
-from moefold.planner.step_time import TERMS
+from moefold.planner.step_terms import TERMS
 from moefold.precision.fp8 import FP8Config
 from moefold.training.config import RunConfig, TrainConfig
 

@@ -44,7 +44,8 @@ from moefold.planner.cluster import Cluster
 from moefold.planner.deepep import deepep_buffer_bytes
 from moefold.planner.profile import ActivationMemory, activation_memory
 from moefold.planner.static import StaticMemory, exact_static, static_lower_bound
-from moefold.planner.step_time import StepTime, estimate_step_time
+from moefold.planner.step_terms import StepTime
+from moefold.planner.step_time import estimate_step_time
 from moefold.training.cli.train import validate_layout
 from moefold.training.config import RunConfig
 

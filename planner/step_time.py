@@ -47,7 +47,7 @@ Memory savers past ZeRO-1 (``planner.search.SHARDING``, the ladder's ``offload``
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 from moefold.dense.recompute import recomputed_modules
@@ -64,6 +64,7 @@ from moefold.planner.compute_time import ELEMENTWISE_SHARE, block_compute, head_
 from moefold.planner.grid import group_members, ranks_per_node, spans_nodes
 from moefold.planner.pipeline_clock import step_makespan
 from moefold.planner.static import stage_numel
+from moefold.planner.step_terms import CALIBRATION, COMM_TERMS, OVERLAP, TERMS, UNCALIBRATED, Calibration, StepTime
 from moefold.training.config import RunConfig
 from moefold.training.observe.flops import train_flops_per_token
 
@@ -74,83 +75,8 @@ EFFICIENCY = 0.5
 # write param, exp_avg, exp_avg_sq (12 B) and the bf16 model copy (2 B).
 OPTIMIZER_BYTES = 30
 
-TERMS = ("compute", "tp", "cp", "ep", "pp", "dp", "offload", "bubble")
-OVERLAP = {
-    "compute": "each GEMM at its shape and dtype (planner.gemm_efficiency), core attention, elementwise "
-               "kernels and the optimizer step by HBM bandwidth; recompute's extra forward included (flat model: "
-               "FLOPs / (dense bf16 peak x --efficiency))",
-    "tp": "exposed: TP/SP all-gathers, reduce-scatters and all-reduces sit between the GEMMs that need them "
-          "(no TP communication overlap in moefold); router statistics all-reduces counted here",
-    "cp": "p2p: each ring step's K/V transfer overlaps that block's attention, exposed only beyond the core "
-          "attention compute; all_gather mode: exposed",
-    "ep": "alltoall/flex: the forward token exchange overlaps the shared experts' forward (moefold launches it "
-          "asynchronously), everything else (counts, combine, backward, etp gathers) exposed; allgather: exposed. "
-          "With --overlap-moe-expert-parallel-comm: in every FB step the exchanges of both micro-batches hide behind "
-          "the other's compute (up to that compute); unpaired forwards/backwards keep theirs exposed",
-    "pp": "exposed: each stage boundary's activation (forward) and gradient (backward) per micro-batch is added "
-          "to the action that sends it",
-    "dp": "gradient reduce-scatter overlaps the last micro-batch's backward except what does not fit behind it "
-          "(at least the last bucket); parameter all-gather exposed, or with --overlap-param-gather overlapped "
-          "with the first micro-batch's forward except the first bucket; kinds (dense, sp, expert) back to back",
-    "offload": "activation offloading: the PCIe copies beyond each action's compute (side streams); optimizer "
-               "offload: the CPU AdamW and its PCIe copies beyond the next forward's part that does not wait for "
-               "them",
-    "bubble": "pipeline bubble: the critical rank's idle time on pipeline.simulator's clock, each action taking "
-              "its compute + exposed communication",
-}
 _TERM_OF_GROUP = {"tp": "tp", "tp_cp": "tp", "tp_cp_dp": "tp", "cp": "cp", "ep": "ep", "etp": "ep", "etp_ep": "ep",
                   "pp": "pp", "dp_cp": "dp", "edp": "dp"}
-
-
-@dataclass(frozen=True)
-class StepTime:
-    """Seconds per step by term (after overlap; ``TERMS``), why each is what it is, and the step's size."""
-
-    terms: dict[str, float]
-    exposed_notes: dict[str, str]
-    flops_per_gpu: float       # model FLOPs per GPU per step (no recompute: the MFU convention)
-    tokens_per_step: int
-    gpus: int
-    links: dict[str, str] = field(default_factory=dict)   # group -> "NVLink" | "network" (groups of > 1 rank)
-
-    @property
-    def total(self) -> float:
-        return sum(self.terms.values())
-
-    @property
-    def tokens_per_s_per_gpu(self) -> float:
-        return self.tokens_per_step / self.total / self.gpus
-
-    def mfu(self, cluster: Cluster) -> float:
-        """Model FLOPs utilisation: model FLOPs per GPU per second over the dense bf16 peak."""
-        return self.flops_per_gpu / self.total / (cluster.bf16_tflops * 1e12)
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """What the roofline model leaves out, fitted end to end on published runs (``planner.calibration``):
-    ``compute`` multiplies every action's compute (kernels between the GEMMs, launch gaps, imbalance the model
-    does not see), ``communication`` every exposed collective (the share of a link's bandwidth NCCL / DeepEP
-    reach), and ``routed_bytes`` adds HBM traffic per routed token copy per hidden element in each MoE layer's
-    forward (twice in its backward): the permutation, padding and un-permutation kernels around the grouped GEMMs."""
-
-    compute: float = 1.0
-    communication: float = 1.0
-    routed_bytes: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("compute", "communication"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"Calibration.{name}={getattr(self, name)!r} must be positive")
-        if not self.routed_bytes >= 0:
-            raise ValueError(f"Calibration.routed_bytes={self.routed_bytes!r} must be >= 0")
-
-
-# Fitted by ``python -m moefold.planner.calibration`` on the rows of ``planner.published`` marked ``fitted``
-# (at most half of the table); the other rows' errors are what the model is worth on runs it was not tuned on.
-CALIBRATION = Calibration(compute=1.79, communication=1.14, routed_bytes=0.0)
-UNCALIBRATED = Calibration()
-COMM_TERMS = ("tp", "cp", "ep", "pp", "dp")
 
 
 # ----------------------------------------------------------------------------------------------- links

@@ -8,7 +8,7 @@ import pytest
 
 from moefold.planner import calibration
 from moefold.planner.published import HELD_OUT_BOUND, PUBLISHED_RUNS, error, render_table
-from moefold.planner.step_time import CALIBRATION
+from moefold.planner.step_terms import CALIBRATION
 
 
 def test_table_has_every_field_and_at_most_half_fitted() -> None:
@@ -30,5 +30,5 @@ def test_held_out_rows_within_bound() -> None:
 
 
 def test_calibration_is_the_fit() -> None:
-    """The constants in step_time are what the fit on the marked rows gives (re-fit after changing either)."""
+    """The constants in step_terms are what the fit on the marked rows gives (re-fit after changing either)."""
     assert calibration.fit() == CALIBRATION

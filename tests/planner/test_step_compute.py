@@ -116,7 +116,7 @@ def test_mtp_counted_at_pp1_so_mfu_stays_below_the_peak():
     """A 2-layer DeepSeek-V3 proxy on one pipeline stage: its MTP block and MTP head are a third of its FLOPs; the
     step time left them out at pp = 1 while the MFU's FLOP count has them, which gave an MFU of 105.8%."""
     from moefold.models.recipes import get_recipe
-    from moefold.planner.step_time import UNCALIBRATED
+    from moefold.planner.step_terms import UNCALIBRATED
 
     h100 = load_cluster("h100")
     times = {}
