@@ -31,6 +31,7 @@ from moefold.moe.balance_losses import (
     z_loss,
 )
 from moefold.moe.capacity import capacity_keep_mask, expert_capacity, rank_capacity_keep_mask
+from moefold.moe.quantile_balancing import quantile_route
 from moefold.moe.router_config import RouterConfig
 from moefold.moe.router_stats import RouterStats, compute_router_stats, router_entropy_sum
 from moefold.moe.scoring import count_per_expert, gating_logits, route_scores, router_dtype, scores_for_aux_loss
@@ -106,7 +107,8 @@ class Router(nn.Module):
         self._loss_coeffs = config.loss_coeffs()
         # the statistics describe the group the balancing acts over: the whole step's tokens when the
         # global loss or the expert bias balance them, else the micro-batch (tp x cp)
-        balances_globally = "global_aux_loss" in self._loss_coeffs or config.enable_expert_bias
+        balances_globally = ("global_aux_loss" in self._loss_coeffs or config.enable_expert_bias
+                             or config.quantile_balancing)
         self.stats_group = groups.tp_cp_dp if balances_globally else groups.tp_cp
         weight = torch.empty(config.num_experts, hidden_size, dtype=torch.float32, device=device)
         if not weight.is_meta:
@@ -127,6 +129,14 @@ class Router(nn.Module):
             self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32, device=device))
         else:
             self.expert_bias = None
+        if config.quantile_balancing:   # the bias is model state; the step's quantile sums are not
+            self.register_buffer("qb_beta", torch.zeros(config.num_experts, dtype=torch.float32, device=device))
+            self.register_buffer("qb_beta_accum", torch.zeros(config.num_experts, dtype=torch.float32,
+                                                              device=device), persistent=False)
+            self.register_buffer("qb_beta_count", torch.zeros((), dtype=torch.int64, device=device),
+                                 persistent=False)
+        else:
+            self.qb_beta = self.qb_beta_accum = self.qb_beta_count = None
 
     def forward(self, x_TH: Tensor, *, seq_ids_T: Tensor | None = None, num_seqs: int | None = None,
                 global_state: GlobalLoadState | None = None, generator: torch.Generator | None = None,
@@ -156,7 +166,8 @@ class Router(nn.Module):
             x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps, generator=generator)
         logits_TE = gating_logits(x, self.weight, dtype, self.bias)
         bias_E = self.expert_bias.to(torch.float32) if self.expert_bias is not None else None
-        scores_TE, ids_TK, probs_TK = route_scores(logits_TE, cfg, bias_E)
+        qb_ids_TK = self._quantile_ids(logits_TE) if cfg.quantile_balancing else None
+        scores_TE, ids_TK, probs_TK = route_scores(logits_TE, cfg, bias_E, qb_ids_TK)
         load_E = count_per_expert(ids_TK, E)
 
         keep_TK, capacity, kept_E = None, None, load_E
@@ -188,6 +199,16 @@ class Router(nn.Module):
                                      group=self.stats_group, reduce=reduce_stats)
         return RouterOutput(routing=routing, aux_loss=aux_loss, losses=losses, stats=stats, load_E=load_E,
                             global_state=global_state, logits_TE=logits_TE)
+
+    def _quantile_ids(self, logits_TE: Tensor) -> Tensor:
+        """Quantile balancing's ids [T, K]; in training (grad enabled) also adds this micro-batch's quantile to
+        the sums ``update_quantile_biases`` turns into the next step's bias (all-gathers logits over tp x cp)."""
+        update = self.training and torch.is_grad_enabled()
+        ids_TK, quantile_E = quantile_route(logits_TE, self.config.topk, self.qb_beta, self.groups.tp_cp, update)
+        if quantile_E is not None:
+            self.qb_beta_accum.add_(quantile_E)
+            self.qb_beta_count.add_(1)
+        return ids_TK
 
     def _losses(self, logits_TE: Tensor, aux_probs_TE: Tensor, ids_TK: Tensor, load_E: Tensor,
                 seq_ids_T: Tensor | None, num_seqs: int | None, global_state: GlobalLoadState | None,

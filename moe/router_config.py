@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCORE_FUNCTIONS: tuple[str, ...] = ("softmax", "sigmoid")
-LOAD_BALANCING_TYPES: tuple[str, ...] = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+SCORE_FUNCTIONS: tuple[str, ...] = ("softmax", "sigmoid", "sqrtsoftplus")
+LOAD_BALANCING_TYPES: tuple[str, ...] = ("aux_loss", "seq_aux_loss", "global_aux_loss", "quantile_balancing", "none")
 DROP_POLICIES: tuple[str, ...] = ("probs", "position")
 ROUTER_DTYPES: tuple[str, ...] = ("fp32", "fp64")
 # Which token counts the balancing losses use: "topk" (Megatron-Core; the DeepSeek-V3 report's indicator): a
@@ -39,7 +39,7 @@ class RouterConfig:
 
     num_experts: int                                  # --num-experts
     topk: int = 2                                     # --moe-router-topk
-    score_function: str = "softmax"                   # --moe-router-score-function: softmax | sigmoid
+    score_function: str = "softmax"                   # --moe-router-score-function (SCORE_FUNCTIONS)
     pre_softmax: bool = False                         # --moe-router-pre-softmax (softmax over all E, no renorm)
     # Renormalise the k selected probs to sum 1 (HF ``norm_topk_prob``; moefold). None: the
     # natural default: softmax post-top-k -> True (by definition), pre-softmax -> False,
@@ -60,6 +60,9 @@ class RouterConfig:
     enable_expert_bias: bool = False                  # --moe-router-enable-expert-bias (aux-loss-free)
     bias_update_rate: float = 1e-3                    # --moe-router-bias-update-rate
     bias_update_center: bool = False                  # moefold: subtract the mean of each bias update
+    # --moe-router-quantile-balancing-ema: with load_balancing_type quantile_balancing, the bias kept from the
+    # previous global batch (0: replaced by the latest quantile each step; moe.quantile_balancing)
+    quantile_balancing_ema: float = 0.0
     expert_capacity_factor: float | None = None       # --moe-expert-capacity-factor (None: dropless)
     # --moe-expert-rank-capacity-factor: copies an expert-parallel rank receives, at most C x its share (the
     # dispatch group's copies / ep); copies are dropped only where a rank's load exceeds that (moe.capacity)
@@ -142,8 +145,19 @@ class RouterConfig:
                 raise _err(f"load_balancing_type={t!r} is unknown{hint}; valid: {', '.join(LOAD_BALANCING_TYPES)}")
         if len(set(types)) != len(types):
             raise _err(f"load_balancing_type={types} repeats a type")
-        if "none" in types and len(types) > 1:
-            raise _err(f"load_balancing_type={types}: 'none' cannot be combined with other types")
+        for alone in ("none", "quantile_balancing"):
+            if alone in types and len(types) > 1:
+                raise _err(f"load_balancing_type={types}: {alone!r} cannot be combined with other types")
+        if not 0.0 <= self.quantile_balancing_ema < 1.0:
+            raise _err(f"quantile_balancing_ema={self.quantile_balancing_ema} must be in [0, 1)")
+        if types == ("quantile_balancing",):
+            # the bias alone balances the load (Megatron asserts the same): no group limit, no second bias
+            for name, value, off in (("num_groups", self.num_groups, None), ("enable_expert_bias",
+                                     self.enable_expert_bias, False), ("force_load_balancing",
+                                     self.force_load_balancing, False)):
+                if value != off:
+                    raise _err(f"{name}={value!r} cannot be combined with load_balancing_type quantile_balancing "
+                               f"(valid: {off!r}); the quantile bias is the only balancing")
         if len(coeffs) == 1:
             coeffs = coeffs * len(types)
         if len(coeffs) != len(types):
@@ -183,4 +197,10 @@ class RouterConfig:
 
     def loss_coeffs(self) -> dict[str, float]:
         """{balancing loss type: coefficient} for the enabled losses (coefficient > 0)."""
-        return {t: c for t, c in zip(self.load_balancing_type, self.aux_loss_coeff) if t != "none" and c > 0}
+        return {t: c for t, c in zip(self.load_balancing_type, self.aux_loss_coeff)
+                if t not in ("none", "quantile_balancing") and c > 0}
+
+    @property
+    def quantile_balancing(self) -> bool:
+        """Selection against the per-expert quantile bias (moe.quantile_balancing) instead of a loss."""
+        return self.load_balancing_type == ("quantile_balancing",)

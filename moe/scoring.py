@@ -39,20 +39,23 @@ def gating_logits(x_TH: Tensor, weight_EH: Tensor, dtype: torch.dtype, bias_E: T
 
 
 def score_all(logits_TE: Tensor, score_function: str) -> Tensor:
-    """Scores over all experts [T, E]: softmax (sums to 1) or element-wise sigmoid."""
+    """Scores over all experts [T, E]: softmax (sums to 1), element-wise sigmoid, or element-wise
+    sqrt(softplus(l)) (Megatron-Core 0.18's ``sqrtsoftplus``: positive, unbounded, ~sqrt(l) for large l)."""
     if score_function == "softmax":
         return torch.softmax(logits_TE, dim=-1)
     if score_function == "sigmoid":
         return torch.sigmoid(logits_TE)
-    raise ValueError(f"score_function={score_function!r}; valid: softmax, sigmoid")
+    if score_function == "sqrtsoftplus":
+        return torch.nn.functional.softplus(logits_TE).sqrt()
+    raise ValueError(f"score_function={score_function!r}; valid: softmax, sigmoid, sqrtsoftplus")
 
 
 def scores_for_aux_loss(scores_TE: Tensor, score_function: str) -> Tensor:
     """Per-token distribution over experts used by the balance losses (rows sum to 1).
 
-    Softmax scores already sum to 1; sigmoid scores are normalised (DeepSeek-V3's s'_{i,t}).
+    Softmax scores already sum to 1; sigmoid and sqrtsoftplus scores are normalised (DeepSeek-V3's s'_{i,t}).
     """
-    if score_function == "sigmoid":
+    if score_function in ("sigmoid", "sqrtsoftplus"):
         return scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + _NORM_EPS)
     return scores_TE
 
@@ -104,12 +107,13 @@ def combine_weights(scores_TE: Tensor, expert_ids_TK: Tensor, config: RouterConf
 
 
 def route_scores(logits_TE: Tensor, config: RouterConfig, expert_bias_E: Tensor | None = None,
-                 ) -> tuple[Tensor, Tensor, Tensor]:
-    """From logits [T, E] to (scores_TE, expert_ids_TK, probs_TK) before any capacity drop."""
+                 ids_TK: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """From logits [T, E] to (scores_TE, expert_ids_TK, probs_TK) before any capacity drop; ``ids_TK``: ids
+    chosen elsewhere (quantile balancing), whose combine weights are the scores at those ids."""
     scores_TE = score_all(logits_TE, config.score_function)
-    if config.force_load_balancing:
+    if ids_TK is None and config.force_load_balancing:
         ids_TK = forced_uniform_ids(logits_TE.shape[0], config.topk, config.num_experts, logits_TE.device)
-    else:
+    elif ids_TK is None:
         ids_TK = select_topk(scores_TE, config, expert_bias_E)
     return scores_TE, ids_TK, combine_weights(scores_TE, ids_TK, config)
 

@@ -37,6 +37,7 @@ from moefold.dispatch.flex_backend import FlexBackend
 from moefold.execution import apply_execution
 from moefold.models.layer_factory import is_moe_block
 from moefold.moe.expert_bias import update_expert_bias
+from moefold.moe.quantile_balancing import update_quantile_biases
 from moefold.moe.layer import MoEOutputInfo
 from moefold.parallel.dims import ParallelDims
 from moefold.pipeline import run_schedule
@@ -322,6 +323,10 @@ class Trainer:
                 router = self.routers.get(layer)
                 if router is not None and getattr(router, "expert_bias", None) is not None:
                     update_expert_bias(router, loads[j, :E].to(torch.float32), group=None)
+        # quantile balancing: once per global batch, skipped step or not (Megatron: finalize_model_grads)
+        qb_routers = [r for r in self.routers.values() if getattr(r, "qb_beta", None) is not None]
+        if qb_routers:
+            update_quantile_biases(qb_routers, qb_routers[0].groups.tp_cp_dp)
         self.iteration += 1
         t = self.config.train
         self.consumed_samples += t.global_batch_size
