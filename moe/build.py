@@ -22,6 +22,7 @@ from moefold.moe.expert_gemm import ExpertGemm, Fp8Gemm, GemmCall, GroupedMMGemm
 from moefold.moe.experts import GroupedExperts
 from moefold.moe.fp8_gemm import Float8GroupedGemm
 from moefold.moe.gemm import GemmBackend, check_gemm_backend
+from moefold.moe.latent import LatentProjection
 from moefold.moe.layer import MoELayer
 from moefold.moe.router import Router, RouterGroups
 from moefold.moe.shared_experts import SharedExperts
@@ -93,18 +94,25 @@ def build_moe_layer(config: MoEConfig, hidden_size: int, dims: ParallelDims, *, 
     # The router marks its weight sequence-parallel itself: every tp rank routes distinct tokens.
     router = Router(config.router, hidden_size, RouterGroups.from_dims(dims), device=device)
     fp8 = config.experts.fp8_gemms
-    dispatcher = build_dispatcher(config.dispatch, config.num_experts, dims, hidden_size=hidden_size,
+    width = config.latent_size or hidden_size   # what the exchange moves and the experts take
+    dispatcher = build_dispatcher(config.dispatch, config.num_experts, dims, hidden_size=width,
                                   expert_alignment=fp8.group_alignment if fp8 is not None else 1,
                                   experts_read_host_counts=config.experts.reads_host_counts)
-    experts = build_experts(config.num_experts, hidden_size, config.experts, ep_group=dims.ep_group,
+    experts = build_experts(config.num_experts, width, config.experts, ep_group=dims.ep_group,
                             etp_group=dims.etp_group, token_group=dims.expert_token_group, dtype=dtype, device=device)
+    latent = None
+    if config.latent_size is not None:   # Megatron: fc1 with init_method, fc2 with output_layer_init_method
+        e = config.experts
+        latent = (LatentProjection(hidden_size, width, e.init_std, dtype=dtype, device=device),
+                  LatentProjection(width, hidden_size, e.output_init_std or e.init_std, seed=1, dtype=dtype,
+                                   device=device))
     shared = None
     if config.shared is not None:
         s = config.shared
         shared = SharedExperts(hidden_size, s.ffn_size, tp_group=dims.tp_group, sequence_parallel=sp, gate=s.gate,
                                init_std=s.init_std, output_init_std=s.output_init_std, dtype=dtype, device=device)
     return MoELayer(router, dispatcher, experts, shared, tp_group=dims.tp_group, sequence_parallel=sp,
-                    apply_probs_on_input=config.apply_probs_on_input, pad_multiple=config.pad_multiple)
+                    apply_probs_on_input=config.apply_probs_on_input, pad_multiple=config.pad_multiple, latent=latent)
 
 
 __all__ = ["build_expert_gemm", "build_experts", "build_moe_layer"]

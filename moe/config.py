@@ -117,9 +117,12 @@ class MoEConfig:
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
     shared: SharedExpertsConfig | None = None
     apply_probs_on_input: bool = False
+    latent_size: int | None = None   # --moe-latent-size: experts and exchange at this width (moe.latent)
 
     def __post_init__(self) -> None:
         _positive("MoEConfig", "num_experts", self.num_experts)
+        if self.latent_size is not None:
+            _positive("MoEConfig", "latent_size", self.latent_size)
         if self.router.num_experts != self.num_experts:
             raise ValueError(f"MoEConfig: num_experts={self.num_experts} but router.num_experts="
                              f"{self.router.num_experts}")

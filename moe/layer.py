@@ -52,6 +52,7 @@ from moefold.dispatch.base import Dispatched, Dispatcher, DispatchHandle, Dispat
 from moefold.dispatch.token_exchange import exchange_with_grad
 from moefold.moe.balance_losses import GlobalLoadState
 from moefold.moe.experts import GroupedExperts
+from moefold.moe.latent import LatentProjection
 from moefold.moe.router import Router, RouterOutput
 from moefold.moe.router_stats import RouterStats
 from moefold.moe.shared_experts import SharedExperts
@@ -124,15 +125,23 @@ class MoELayer(nn.Module):
     def __init__(self, router: Router, dispatcher: Dispatcher[DispatchPrep, object, DispatchHandle],
                  experts: GroupedExperts, shared_experts: SharedExperts | None = None, *, tp_group: Group = None,
                  sequence_parallel: bool = False, apply_probs_on_input: bool = False,
-                 pad_multiple: int | None = None) -> None:
+                 pad_multiple: int | None = None,
+                 latent: tuple[LatentProjection, LatentProjection] | None = None) -> None:
         super().__init__()
         if not router.config.num_experts == dispatcher.num_experts == experts.num_experts:
             raise ValueError(f"MoELayer: the router has {router.config.num_experts} experts, the dispatcher "
                              f"{dispatcher.num_experts}, the experts {experts.num_experts}")
-        if router.hidden_size != experts.hidden_size:
-            raise ValueError(f"MoELayer: the router's hidden size {router.hidden_size} != the experts' "
-                             f"{experts.hidden_size}")
-        self.hidden_size, self.num_experts = experts.hidden_size, experts.num_experts
+        width = router.hidden_size if latent is None else latent[0].out_features
+        if latent is not None and not (latent[0].in_features == latent[1].out_features == router.hidden_size
+                                       and latent[1].in_features == width):
+            raise ValueError(f"MoELayer: latent projections {latent[0].extra_repr()} and {latent[1].extra_repr()} "
+                             f"do not map hidden size {router.hidden_size} to a latent width and back")
+        if width != experts.hidden_size:
+            raise ValueError(f"MoELayer: the experts take width {experts.hidden_size}, the tokens reach them at "
+                             f"{width} (hidden size {router.hidden_size}, latent {latent is not None})")
+        self.hidden_size, self.num_experts = router.hidden_size, experts.num_experts
+        # Megatron's fc1_latent_proj / fc2_latent_proj (moe.latent), or None
+        self.latent_down, self.latent_up = latent if latent is not None else (None, None)
         self.tp_group, self.tp = tp_group, group_size(tp_group)
         self.sequence_parallel = sequence_parallel and self.tp > 1
         self.apply_probs_on_input, self._pad_multiple = apply_probs_on_input, pad_multiple
@@ -156,6 +165,8 @@ class MoELayer(nn.Module):
         everything before the dispatch exchange but the shared experts (``shared_step``).
         ``global_state``/``generator`` go to the router (global_aux_loss, input jitter)."""
         x_in_TH, routed, split_tokens = self._route(x_SBH, global_state, generator)
+        if self.latent_down is not None:   # the exchange and the experts at the latent width
+            x_in_TH = self.latent_down(x_in_TH)
         # the combine weights each returned copy by its prob, unless the probs were applied to the input
         sent, prep = self.dispatcher.prepare_dispatch(x_in_TH, routed.routing,
                                                       weighted_combine=not self.apply_probs_on_input)
@@ -180,6 +191,8 @@ class MoELayer(nn.Module):
         """After the combine exchange: each token's copies summed (with their probs), the shared experts added.
         ``x_SBH_like``: a tensor of the layer input's shape and dtype."""
         y_TH = self.dispatcher.finish_combine(received, handle)
+        if self.latent_up is not None:   # the combine's sum (fp32 for bf16 tokens) back to the hidden size
+            y_TH = self.latent_up(y_TH)
         # For bf16 tokens the combine returns its fp32 sum of the k weighted copies (``dispatch.base``): the
         # shared experts' output is added to it in fp32 and the layer's output rounded once (Megatron-Core
         # rounds the combine's sum first, then adds the shared experts in bf16)

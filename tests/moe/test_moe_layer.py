@@ -37,11 +37,13 @@ SCENARIOS = {  # name: (num_experts, topk, router weight edit)
     "empty_rank": (8, 2, None),                   # dp rank 1 sends no tokens at all (tp = 1 only)
 }
 EMPTY_DP_RANK = 1
+LATENT = 8   # --moe-latent-size below H
 MODES = {"dropless": {}, "capacity": {"expert_capacity_factor": 1.0},
          "padded": {"expert_capacity_factor": 1.0, "pad_expert_input_to_capacity": True}}
 
 
-def _config(scenario: str, mode: str, dispatcher: str, probs_on_input: bool = False) -> MoEConfig:
+def _config(scenario: str, mode: str, dispatcher: str, probs_on_input: bool = False,
+            latent: int | None = None) -> MoEConfig:
     E, k, _ = SCENARIOS[scenario]
     # Large init so that outputs are O(1) and atol 1e-5 is tight.
     # (the router's losses divide by the token count, so the empty-rank case runs without them)
@@ -51,7 +53,7 @@ def _config(scenario: str, mode: str, dispatcher: str, probs_on_input: bool = Fa
     router = RouterConfig(num_experts=E, topk=k, init_std=0.3, pre_softmax=probs_on_input, **losses, **MODES[mode])
     return MoEConfig(num_experts=E, router=router, experts=ExpertsConfig(FFN, init_std=0.4),
                      dispatch=DispatchConfig(dispatcher), shared=SharedExpertsConfig(SHARED, gate=True, init_std=0.4),
-                     apply_probs_on_input=probs_on_input)
+                     apply_probs_on_input=probs_on_input, latent_size=latent)
 
 
 def _build(cfg: MoEConfig, scenario: str, dims: ParallelDims, sp: bool) -> MoELayer:
@@ -137,6 +139,11 @@ def _world8():
                 cfg = _config(scenario, mode, dispatcher)
                 _check_layout(cfg, scenario, dims, True, ref_cache, f"{dispatcher} ep{ep} etp{etp} {scenario} {mode}")
                 checked += 1
+            if (ep, etp) in ((4, 1), (2, 2)):  # latent experts (--moe-latent-size): exchange and experts at 8 < H
+                for scenario, mode in (("random", "dropless"), ("random", "capacity")):
+                    cfg = _config(scenario, mode, dispatcher, latent=LATENT)
+                    _check_layout(cfg, scenario, dims, True, ref_cache, f"{dispatcher} ep{ep} etp{etp} latent {mode}")
+                    checked += 1
             if (ep, etp) in ((4, 1), (2, 2)):  # Megatron's --moe-apply-probs-on-input (top-1)
                 cfg = _config("one_expert", "dropless", dispatcher, probs_on_input=True)
                 _check_layout(cfg, "one_expert", dims, True, ref_cache, f"{dispatcher} ep{ep} etp{etp} probs on input")
@@ -160,6 +167,10 @@ def _world4_folding():
                 cfg = _config("random", "dropless", dispatcher)
                 _check_layout(cfg, "random", dims, sp, ref_cache, f"fold tp2 sp={sp} ep{ep} etp{etp} {dispatcher}")
                 checked += 1
+            # latent projections replicated over tp, each rank projecting its own tokens (SP shard or slice)
+            cfg = _config("random", "dropless", "alltoall", latent=LATENT)
+            _check_layout(cfg, "random", dims, sp, ref_cache, f"fold tp2 sp={sp} ep{ep} etp{etp} latent")
+            checked += 1
     return checked
 
 
