@@ -16,7 +16,10 @@ dispatcher and skew given (comma-separated lists: one command, one world, every 
 * local: the dispatcher's permute + weighted unpermute of the same rows alone (what it does
   besides communicating), so that the ratio can be split into local work and exchange overhead;
 * bytes: what the dispatcher's token collectives send per rank (dispatch + combine) against the
-  ideal: the copies whose expert lives on another rank, there and back.
+  ideal: the copies whose expert lives on another rank, there and back;
+* ``--moe-latent-size L`` (latent experts, ``moe.latent``): every row again with the tokens projected to L before
+  the dispatch (routed at H, so both rows route the same copies), its bytes and time beside the full width's, and
+  the two projections' GEMMs ([T, H] x [H, L] and back) timed on their own.
 
 Times are the slowest rank's median. Nothing is asserted: this prints, ending with one summary
 table; the first line names the machine (``moefold.training.observe.machine``).
@@ -69,6 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-chunked-experts", type=int, default=None,
                         help="alltoall only: chunk the exchange per local expert up to this many local experts "
                              "(0: one exchange + sort); default: the dispatcher's")
+    parser.add_argument("--moe-latent-size", type=int, default=None,
+                        help="also time each row at this latent width (tokens projected down before the dispatch)")
     parser.add_argument("--fp8", action="store_true", help="also time FP8 dispatch (--moe-fp8-dispatch): bytes "
                                                            "and time against --dtype (tools.bench_dispatch_fp8)")
 
@@ -85,6 +90,8 @@ def _validate(args: argparse.Namespace) -> None:
     for name in ("num_tokens", "hidden", "num_experts", "topk", "ep", "etp", "iters"):
         if getattr(args, name) < (0 if name == "num_tokens" else 1):
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be positive")
+    if args.moe_latent_size is not None and args.moe_latent_size < 1:
+        raise ValueError(f"--moe-latent-size={args.moe_latent_size} must be positive")
     if args.topk > args.num_experts:
         raise ValueError(f"--topk={args.topk} exceeds --num-experts={args.num_experts}")
     if args.num_experts % args.ep:
@@ -213,14 +220,40 @@ def _dispatch_config(kind: str, args: argparse.Namespace, num_tokens: int, fp8: 
     return DispatchConfig(DispatcherKind(kind), FlexOptions(max_tokens_per_rank=num_tokens), fp8=fp8, **chunks)
 
 
-def _bench_one(kind: str, skew_name: str, args: argparse.Namespace, dims, device: torch.device) -> dict:
+def _latent_tokens(x: torch.Tensor, width: int, args: argparse.Namespace, device: torch.device,
+                   ) -> tuple[torch.Tensor, float]:
+    """(x projected to ``width`` [T, width], median seconds of the down and up projections' GEMMs)."""
+    H = x.shape[1]
+    g = torch.Generator().manual_seed(args.seed + 1)
+    down = (torch.randn(H, width, generator=g) / H ** 0.5).to(device, x.dtype)
+    up = (torch.randn(width, H, generator=g) / width ** 0.5).to(device, x.dtype)
+    times = []
+    for i in range(args.warmup + args.iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        lat = x @ down
+        lat @ up
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    return (x @ down).contiguous(), _median_max(times, device)
+
+
+def _bench_one(kind: str, skew_name: str, args: argparse.Namespace, dims, device: torch.device,
+               width: int | None = None) -> dict:
+    """One row: ``kind`` on ``skew_name``'s routing; ``width``: the tokens' width at the dispatch (None: H; a
+    latent width: routed at H, projected down before the dispatch)."""
     from moefold.dispatch import build_dispatcher
     from moefold.dispatch.permutation import permute, unpermute
 
     rank0 = dims.rank == 0
     dtype = DTYPES[args.dtype]
-    T, H, E, K = args.num_tokens, args.hidden, args.num_experts, args.topk
-    x, w_gate, skew, gen = _bench_inputs(skew_name, args, dims, device)
+    T, E, K = args.num_tokens, args.num_experts, args.topk
+    x_route, w_gate, skew, gen = _bench_inputs(skew_name, args, dims, device)
+    H = width or args.hidden
+    x, proj = (x_route, None) if args.hidden == H else _latent_tokens(x_route, H, args, device)
 
     timer = PhaseTimes(device)
     config = _dispatch_config(kind, args, T)
@@ -228,7 +261,7 @@ def _bench_one(kind: str, skew_name: str, args: argparse.Namespace, dims, device
     plain = build_dispatcher(config, E, dims, hidden_size=H)
     barrier = (lambda: dist.barrier()) if dist.is_initialized() else (lambda: None)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    tag = f"{kind} {skew_name}"
+    tag = f"{kind} {skew_name}" + ("" if args.hidden == H else f" latent {H}")
 
     def progress(what: str, i: int, n: int) -> None:
         if rank0:
@@ -238,7 +271,7 @@ def _bench_one(kind: str, skew_name: str, args: argparse.Namespace, dims, device
     for i in range(args.warmup + args.iters):
         timer.enabled = i >= args.warmup
         with timer("route"):
-            routing = _route(x, w_gate, skew, K)
+            routing = _route(x_route, w_gate, skew, K)
         barrier()
         out = timed.dispatch(x, routing)
         timed.combine(out.tokens_NH, out.handle)
@@ -252,7 +285,7 @@ def _bench_one(kind: str, skew_name: str, args: argparse.Namespace, dims, device
     e2e, raw, local = [], [], []
     raw_name, raw_bytes, handle, routing = None, 0, None, None
     for i in range(args.warmup + args.iters):
-        routing = _route(x, w_gate, skew, K)
+        routing = _route(x_route, w_gate, skew, K)
         seconds, handle = time_round_trip(plain, x, routing, sync, barrier)
         exchange = _raw_exchange(kind, handle, dims, T, K, H, dtype, device, gen)
         if exchange is not None:
@@ -295,7 +328,7 @@ def _bench_one(kind: str, skew_name: str, args: argparse.Namespace, dims, device
     return {"kind": kind, "skew": skew_name, "phases": {p: _median_max([v], device) for p, v in phase_ms.items()},
             "e2e": t_e2e, "raw": _median_max(raw, device) if raw else None, "raw_name": raw_name,
             "local": _median_max(local, device) if local else None, "ideal_bytes": ideal, "moved_bytes": moved,
-            "remote_rows": remote}
+            "remote_rows": remote, "width": H, "proj": proj}
 
 
 def _fp8_one(r: dict, args: argparse.Namespace, dims, device: torch.device) -> None:
@@ -335,21 +368,30 @@ def _rank_main(args: argparse.Namespace) -> None:
                 _print_one(r)
             if args.fp8:
                 _fp8_one(r, args, dims, device)
+            if args.moe_latent_size is not None:
+                lat = _bench_one(kind, skew, args, dims, device, width=args.moe_latent_size)
+                rows.append(lat)
+                if rank0:
+                    _print_one(lat)
+                    share = lat["moved_bytes"] / max(r["moved_bytes"], 1)
+                    print(f"  latent {lat['width']} / hidden {r['width']}: bytes {share:.2f}x, "
+                          f"dispatch+combine {lat['e2e'] / r['e2e']:.2f}x; the projections' GEMMs add "
+                          f"{1e3 * lat['proj']:.2f} ms")
     if rank0 and len(rows) > 1:
         print("\nsummary (ms, slowest rank's median; ratio = dispatcher / raw collectives of the same bytes)")
-        print(f"{'dispatcher':10} {'skew':8} {'disp+comb':>9} {'raw':>8} {'ratio':>6} {'floor':>6} "
+        print(f"{'dispatcher':10} {'skew':8} {'width':>5} {'disp+comb':>9} {'raw':>8} {'ratio':>6} {'floor':>6} "
               f"{'MB moved':>9} {'MB ideal':>9}  raw collectives")
         for r in rows:
             raw, local = r["raw"], r["local"]
             ratio = f"{r['e2e'] / raw:.2f}" if raw else "-"
             floor = f"{(raw + local) / raw:.2f}" if raw and local is not None else "-"
-            print(f"{r['kind']:10} {r['skew']:8} {1e3 * r['e2e']:>9.2f} "
+            print(f"{r['kind']:10} {r['skew']:8} {r['width']:>5} {1e3 * r['e2e']:>9.2f} "
                   f"{(f'{1e3 * raw:.2f}' if raw else '-'):>8} {ratio:>6} {floor:>6} "
                   f"{r['moved_bytes'] / 1e6:>9.2f} {r['ideal_bytes'] / 1e6:>9.2f}  {r['raw_name'] or '-'}")
 
 
 def _print_one(r: dict) -> None:
-    print(f"dispatcher={r['kind']} skew={r['skew']}")
+    print(f"dispatcher={r['kind']} skew={r['skew']} width={r['width']}")
     print("  phases (ms per dispatch+combine, slowest rank): " +
           "  ".join(f"{p} {r['phases'][p]:.2f}" for p in PHASES))
     print(f"  dispatch+combine: {1e3 * r['e2e']:.2f} ms")
