@@ -20,8 +20,10 @@ Backends: inductor's C++ code generation on CPU (needs a C++ compiler: ``$CXX`` 
 Triton on CUDA. ``compile_unavailable(device)`` says why it cannot run, before any rank starts.
 Compilation happens during the first forward and backward; the time spent is logged at the
 second forward (``CompileReport``) and is available from ``report.seconds()``.
-Compiled kernels are cached on disk by inductor (``TORCHINDUCTOR_CACHE_DIR``, default
-``/tmp/torchinductor_$USER``), so a second run compiles much faster.
+Compiled kernels are cached on disk by inductor (``TORCHINDUCTOR_CACHE_DIR``), so a second run compiles much
+faster. On CPU the default cache is one folder per CPU kernel level (``cpu_kernel_cache_dir``): torch 2.13's cache
+does not tell kernels built for one level (``ATEN_CPU_CAPABILITY``, AMX or not) from another's, and reusing them
+across levels gave NaNs and heap corruption (``malloc(): unaligned tcache chunk``) in moefold's tests.
 """
 
 from __future__ import annotations
@@ -51,6 +53,27 @@ def compile_unavailable(device: torch.device | str) -> str | None:
     if kind == "cuda" and importlib.util.find_spec("triton") is None:
         return "--compile on CUDA needs Triton (pip install triton; PyTorch's CUDA wheels include it)"
     return None
+
+
+def cpu_kernel_cache_dir() -> str:
+    """Inductor's cache folder for this process's CPU kernel level: its default folder plus ``cpu-<level>[-amx]``
+    (``torch.backends.cpu.get_cpu_capability()``, which follows ``ATEN_CPU_CAPABILITY``)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    level = torch.backends.cpu.get_cpu_capability().lower()
+    amx = "-amx" if level.startswith("avx512") and torch.cpu._is_amx_tile_supported() else ""
+    return os.path.join(default_cache_dir(), f"cpu-{level}{amx}")
+
+
+def use_cpu_kernel_cache() -> None:
+    """Point inductor at ``cpu_kernel_cache_dir()`` unless ``TORCHINDUCTOR_CACHE_DIR`` names another folder than
+    inductor's default (inductor writes its default into the variable when it first resolves it, so that value
+    is not a choice of the user's). Call before the process's first compile."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cpu_kernel_cache_dir()
 
 
 def transformer_blocks(model: nn.Module) -> Iterator[TransformerBlock]:
@@ -117,6 +140,8 @@ class CompileReport:
 
 def compile_model(model: nn.Module, log: Callable[[str], None] = print) -> CompileReport:
     """Compile ``model``'s transformer blocks in place (see the module docstring); returns the report."""
+    if any(p.device.type == "cpu" for p in model.parameters()):
+        use_cpu_kernel_cache()
     blocks = modules = 0
     first = None
     for block in transformer_blocks(model):
@@ -137,4 +162,5 @@ def compile_model(model: nn.Module, log: Callable[[str], None] = print) -> Compi
     return report
 
 
-__all__ = ["CompileReport", "compile_model", "compile_moe_layer", "compile_unavailable", "transformer_blocks"]
+__all__ = ["CompileReport", "compile_model", "compile_moe_layer", "compile_unavailable", "cpu_kernel_cache_dir",
+           "transformer_blocks", "use_cpu_kernel_cache"]

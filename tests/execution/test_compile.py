@@ -81,3 +81,25 @@ def test_compile_equals_eager_tp2_ep2():
     results = run_distributed(_tp2_ep2, 4, timeout=600)
     failures = sorted({f for per_rank in results for f in per_rank})
     assert not failures, "\n".join(failures)
+
+
+def test_cpu_kernel_cache_is_per_kernel_level(tmp_path) -> None:
+    """Inductor's cache does not tell kernels built for one CPU kernel level from another's (reusing AVX-512 ones
+    under ATEN_CPU_CAPABILITY=avx2 gave NaN losses and heap corruption): each level gets its own folder, and an
+    explicit TORCHINDUCTOR_CACHE_DIR wins."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from moefold.execution.compile import use_cpu_kernel_cache; import os; use_cpu_kernel_cache(); "
+            "print(os.environ['TORCHINDUCTOR_CACHE_DIR'])")
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "ATEN_CPU_CAPABILITY")}
+
+    def folder(**extra: str) -> str:
+        out = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
+                             check=True)
+        return out.stdout.strip()
+
+    native, default = folder(), folder(ATEN_CPU_CAPABILITY="default")
+    assert native != default and default.endswith("cpu-default")
+    assert folder(TORCHINDUCTOR_CACHE_DIR=str(tmp_path)) == str(tmp_path)
