@@ -1,5 +1,6 @@
 """``ModelConfig`` composed of its concerns (issue 44 item 1): every earlier flat name still reads, takes, saves and
-loads its value; each section hands its values to the component config it configures."""
+loads its value; each section hands its values to the component config it configures; the model flags are made
+from the fields (issue 44 item 1's one table)."""
 
 from __future__ import annotations
 
@@ -102,3 +103,18 @@ def test_sections_reach_the_component_configs_unchanged(name):
     assert (moe.shared is None) == (not config.moe_shared_expert_ffn_size)
     assert moe.apply_probs_on_input == config.moe_apply_probs_on_input
 
+
+def test_model_flags_are_the_fields():
+    from moefold.training.cli.model_flags import MODEL_FLAGS
+
+    flags = {e.flag: e for e in MODEL_FLAGS}
+    assert len(flags) == len(MODEL_FLAGS) == 28 + 19   # the architecture flags, the router and run-time ones
+    topk = flags["--moe-router-topk"]
+    assert (topk.field, topk.group, topk.type) == ("moe_topk", "model", int)
+    score = flags["--moe-router-score-function"]
+    field = next(f for f in dataclasses.fields(ModelRouter) if f.name == "score_function")
+    assert (score.help, score.choices, score.override) == (field.metadata["help"], ("softmax", "sigmoid"), False)
+    assert flags["--moe-z-loss-coeff"].override and flags["--moe-aux-loss-counts"].group == "megatron"
+    assert flags["--q-lora-rank"].kinds == ("mla",) and flags["--kv-channels"].kinds == ("gqa",)
+    for entry in MODEL_FLAGS:   # every flag sets a flat name of the model (or a field of its MLA sizes)
+        assert entry.field.split(".")[0] in ModelConfig.FLAT_NAMES, entry
