@@ -30,6 +30,15 @@ if TYPE_CHECKING:
         moe_config,
         router_config,
     )
+    from moefold.models.model_sections import (
+        ModelAttention,
+        ModelExperts,
+        ModelHybrid,
+        ModelMoE,
+        ModelMTP,
+        ModelRouter,
+        ModelSharedExperts,
+    )
     from moefold.models.mtp import MTPModule
     from moefold.models.options import ModelOptions
     from moefold.models.params import ParamReport, count_parameters, format_report
@@ -52,6 +61,8 @@ _LAZY = {
     **dict.fromkeys(["import_hf", "load_hf_weights"], "moefold.models.hf.importer"),
     **dict.fromkeys(["attention_config", "build_block", "check_layout", "is_moe_block", "linear_attention_config",
                      "mlp_config", "moe_config", "router_config"], "moefold.models.layer_factory"),
+    **dict.fromkeys(["ModelAttention", "ModelExperts", "ModelHybrid", "ModelMoE", "ModelMTP", "ModelRouter",
+                     "ModelSharedExperts"], "moefold.models.model_sections"),
     "MTPModule": "moefold.models.mtp",
     "ModelOptions": "moefold.models.options",
     **dict.fromkeys(["ParamReport", "count_parameters", "format_report"], "moefold.models.params"),
@@ -71,7 +82,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ModelConfig", "MLADims", "YarnScaling", "FAMILIES", "ATTENTION_KINDS", "ModelOptions", "RECIPES", "get_recipe",
-    "LinearAttentionDims", "LAYER_TYPES", "linear_attention_config",
+    "LinearAttentionDims", "LAYER_TYPES", "linear_attention_config", "ModelAttention", "ModelMoE", "ModelRouter",
+    "ModelExperts", "ModelSharedExperts", "ModelMTP", "ModelHybrid",
     "MoEDecoder", "ModelOutput", "MTPModule", "IGNORE_INDEX",
     "attention_config", "router_config", "moe_config", "mlp_config", "build_block", "check_layout", "is_moe_block",
     "ParamReport", "count_parameters", "format_report",

@@ -13,11 +13,13 @@
 
 Each value is checked once, by the section that owns it (its ``__post_init__``); the composite checks only what
 spans sections. A section is a field whose ``default_factory`` is a dataclass; every field of every section is a
-flat name of the composite (names must not clash). ``aliases`` adds flat names that differ from the section's own
-(an earlier flat field kept for its readers): ``{flat: (section, field, to_field, from_field)}``, where the two
-functions convert a flat value to the section's and back. ``flat_dict()`` is the flat form (what earlier moefold
-saved, and what readers of a saved config's flat keys expect); the constructor reads either form (sections given as
-mappings: JSON / YAML), or a mix, the flat names winning.
+flat name of the composite (names must not clash). A field's flat name is its own name, or the one its metadata
+gives (``field(..., metadata={"flat": "moe_topk"})`` on a section's field ``topk``). A section that is itself
+``composed`` lends its flat names, so sections nest (``ModelConfig.moe.router.topk`` is ``moe_topk``). ``aliases``
+adds flat names that are not a field's (an earlier flat field kept for its readers): ``{flat: (section, field,
+to_field, from_field)}``, where the two functions convert a flat value to the section's and back. ``flat_dict()`` is
+the flat form (what earlier moefold saved, and what readers of a saved config's flat keys expect); the constructor
+reads either form (sections given as mappings: JSON / YAML), or a mix, the flat names winning.
 """
 
 from __future__ import annotations
@@ -30,22 +32,40 @@ from typing import Any
 Alias = tuple[str, str, Callable[[Any], Any], Callable[[Any], Any]]
 
 
-class _Flat:
-    """A flat name on the composite: its section's value on an instance, the default on the class."""
+def _same(value: Any) -> Any:
+    return value
 
-    def __init__(self, section: str, name: str, default: Any, read: Callable[[Any], Any] = lambda v: v) -> None:
+
+class _Flat:
+    """A flat name on the composite: its section's value on an instance (``section`` None: the composite's own field
+    ``name``), the default on the class."""
+
+    def __init__(self, section: str | None, name: str, default: Any, read: Callable[[Any], Any] = _same) -> None:
         self.section, self.name, self.default, self.read = section, name, default, read
 
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
         if obj is None:
             return self.default
-        return self.read(getattr(obj.__dict__[self.section], self.name))
+        holder = obj if self.section is None else obj.__dict__[self.section]
+        return self.read(getattr(holder, self.name))
 
 
 def _default(f: dataclasses.Field) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+
+
+def flat_name(f: dataclasses.Field) -> str:
+    """The flat name of field ``f``: its metadata's ``flat``, else its name."""
+    return f.metadata.get("flat", f.name)
+
+
+def section_names(kind: type) -> dict[str, str]:
+    """{flat name: the attribute of a ``kind`` instance that holds it} of a section's values."""
+    if hasattr(kind, "FLAT_NAMES"):   # itself composed: its flat names, read through its own descriptors
+        return {name: name for name in kind.FLAT_NAMES}
+    return {flat_name(f): f.name for f in dataclasses.fields(kind)}
 
 
 def composed(cls: type | None = None, *, sections: tuple[str, ...] | None = None,
@@ -55,17 +75,27 @@ def composed(cls: type | None = None, *, sections: tuple[str, ...] | None = None
     if cls is None:
         return functools.partial(composed, sections=sections, aliases=aliases)
     aliases = dict(aliases or {})
-    kinds = {f.name: f.default_factory for f in dataclasses.fields(cls) if dataclasses.is_dataclass(f.default_factory)}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kinds = {name: f.default_factory for name, f in fields.items() if dataclasses.is_dataclass(f.default_factory)}
     nested = {name: kinds[name] for name in (kinds if sections is None else sections)}
     sections = {name: kinds[name] for name in {**nested, **{a[0]: None for a in aliases.values()}}}
-    flat: dict[str, tuple[str, str, Callable[[Any], Any]]] = {}   # flat name -> (section, field, to_field)
-    own = {f.name for f in dataclasses.fields(cls)}
+    flat: dict[str, tuple[str | None, str, Callable[[Any], Any]]] = {}   # flat name -> (section, field, to_field)
+    own = {flat_name(f) for name, f in fields.items() if name not in nested}
+
+    def lift(name: str, section: str | None, attribute: str, default: Any) -> None:
+        if name in flat or (section is not None and (name in own or name in fields)):
+            raise TypeError(f"{cls.__name__}: the flat name {name!r} of section {section!r} clashes")
+        flat[name] = (section, attribute, _same)
+        setattr(cls, name, _Flat(section, attribute, default))
+
+    for name, f in fields.items():   # the composite's own fields that go by another flat name
+        if name not in nested and flat_name(f) != name:
+            lift(flat_name(f), None, name, _default(f))
     for section, kind in nested.items():
-        for f in dataclasses.fields(kind):
-            if f.name in own or f.name in flat:
-                raise TypeError(f"{cls.__name__}: the flat name {f.name!r} of section {section!r} clashes")
-            flat[f.name] = (section, f.name, lambda v: v)
-            setattr(cls, f.name, _Flat(section, f.name, _default(f)))
+        defaults = {f.name: f for f in dataclasses.fields(kind)}
+        for name, attribute in section_names(kind).items():
+            lift(name, section, attribute,
+                 getattr(kind, name) if hasattr(kind, "FLAT_NAMES") else _default(defaults[attribute]))
     for name, (section, field, to_field, from_field) in aliases.items():
         default = from_field(_default(next(f for f in dataclasses.fields(sections[section]) if f.name == field)))
         flat[name] = (section, field, to_field)
@@ -77,7 +107,10 @@ def composed(cls: type | None = None, *, sections: tuple[str, ...] | None = None
         changes: dict[str, dict[str, Any]] = {}
         for name in [k for k in kw if k in flat]:
             section, field, to_field = flat[name]
-            changes.setdefault(section, {})[field] = to_field(kw.pop(name))
+            if section is None:
+                kw[field] = to_field(kw.pop(name))
+            else:
+                changes.setdefault(section, {})[field] = to_field(kw.pop(name))
         for section, values in changes.items():
             given = kw.get(section)
             if isinstance(given, dict):
@@ -93,18 +126,22 @@ def composed(cls: type | None = None, *, sections: tuple[str, ...] | None = None
 
     cls.__init__ = __init__
     cls.SECTIONS = dict(nested)
-    cls.FLAT_NAMES = tuple(name for name in own if name not in nested) + tuple(flat)   # every value's flat name
+    cls.FLAT_NAMES = tuple(flat_name(f) for name, f in fields.items() if name not in nested) + \
+        tuple(name for name in flat if flat[name][0] is not None)   # every value's flat name
     cls.flat_dict = _flat_dict
     return cls
 
 
 def _flat_dict(self: Any) -> dict[str, Any]:
     """Every value by its flat name (the composite's own fields, then each section's fields; aliases left out)."""
-    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in self.SECTIONS}
+    out = {flat_name(f): getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in self.SECTIONS}
     for section in self.SECTIONS:
-        out.update({f.name: getattr(getattr(self, section), f.name)
-                    for f in dataclasses.fields(getattr(self, section))})
+        value = getattr(self, section)
+        if hasattr(value, "flat_dict"):
+            out.update(value.flat_dict())
+            continue
+        out.update({flat_name(f): getattr(value, f.name) for f in dataclasses.fields(value)})
     return out
 
 
-__all__ = ["composed"]
+__all__ = ["composed", "flat_name", "section_names"]

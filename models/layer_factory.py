@@ -1,7 +1,8 @@
-"""ModelConfig -> component configs and modules: the one place the flat config is translated.
+"""ModelConfig -> component configs and modules: each section of the model handed to the component it configures.
 
-``attention_config``/``linear_attention_config``/``router_config``/``moe_config``/``mlp_config`` derive the
-typed component configs; ``build_block(config, index, dims, options)`` builds transformer block ``index``
+``attention_config``/``linear_attention_config``/``router_config``/``moe_config``/``mlp_config`` give the
+typed component configs (the MoE sections by name: ``ModelRouter.component`` ...), with the run's choices of how
+they compute (``ModelOptions``); ``build_block(config, index, dims, options)`` builds transformer block ``index``
 (GQA or MLA attention, or Gated DeltaNet as ``config.layer_type(index)`` says; dense MLP or MoE FFN as
 ``config.is_moe_layer(index)`` says).
 """
@@ -24,9 +25,8 @@ from moefold.dispatch.config import DispatchConfig, DispatcherKind
 from moefold.dispatch.deepep import check_flex_topk
 from moefold.models.config import ModelConfig
 from moefold.models.options import ModelOptions
-from moefold.moe.activation import GatedActivation
 from moefold.moe.build import build_moe_layer
-from moefold.moe.config import ExpertsConfig, MoEConfig, SharedExpertsConfig
+from moefold.moe.config import MoEConfig
 from moefold.moe.layer import MoELayer
 from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelDims
@@ -42,23 +42,25 @@ def yarn_config(config: ModelConfig) -> YarnConfig | None:
 
 
 def attention_config(config: ModelConfig, options: ModelOptions, index: int = 0) -> AttentionConfig | MLAConfig:
-    """The attention of layer ``index`` (layers differ only in their sliding window)."""
-    c, o = config, options
-    common = {"hidden_size": c.hidden_size, "num_heads": c.num_attention_heads, "norm_eps": c.norm_eps,
-              "bias": c.attention_bias, "rope_theta": c.rope_theta, "yarn": yarn_config(c), "cp_comm": o.cp_comm,
+    """The attention of layer ``index`` (layers differ only in their sliding window): the model's attention section
+    by ``dense.attention_config``'s names, with the model's width and norm eps and the run's choices."""
+    a, o = config.self_attention, options
+    common = {"hidden_size": config.hidden_size, "num_heads": a.num_attention_heads, "norm_eps": config.norm_eps,
+              "bias": a.bias, "rope_theta": a.rope_theta, "yarn": yarn_config(config), "cp_comm": o.cp_comm,
               "recompute": o.recompute, "init_std": o.init_std}
-    if c.attention == "mla":
+    if a.kind == "mla":
         if o.max_attention_logit:
-            raise ValueError(f"{c.name}: --qk-clip is implemented for GQA attention, not MLA (its q_pe/k_pe split)")
-        m = c.mla
+            raise ValueError(f"{config.name}: --qk-clip is implemented for GQA attention, not MLA (its q_pe/k_pe "
+                             "split)")
+        m = a.mla
         return MLAConfig(kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
                          qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, q_lora_rank=m.q_lora_rank,
                          rope_interleave=m.rope_interleave, latent_norm_eps=m.latent_norm_eps, **common)
-    return AttentionConfig(num_query_groups=c.num_query_groups, head_dim=c.head_dim, qk_norm=c.qk_norm,
-                           qk_norm_scope=c.qk_norm_scope, sliding_window=c.layer_sliding_window(index),
-                           sinks=c.attention_sinks, rotary_dim=c.rotary_dim if c.partial_rotary_factor < 1 else None,
-                           out_bias=c.attention_out_bias, output_gate=c.attention_output_gate,
-                           zero_centered_gamma=c.norm_zero_centered_gamma, max_logit=o.max_attention_logit,
+    return AttentionConfig(num_query_groups=a.num_query_groups, head_dim=a.head_dim, qk_norm=a.qk_norm,
+                           qk_norm_scope=a.qk_norm_scope, sliding_window=config.layer_sliding_window(index),
+                           sinks=a.sinks, rotary_dim=config.rotary_dim if a.partial_rotary_factor < 1 else None,
+                           out_bias=a.out_bias, output_gate=a.output_gate,
+                           zero_centered_gamma=config.norm_zero_centered_gamma, max_logit=o.max_attention_logit,
                            **common)
 
 
@@ -75,45 +77,17 @@ def linear_attention_config(config: ModelConfig, options: ModelOptions) -> Gated
 
 
 def router_config(config: ModelConfig, options: ModelOptions) -> RouterConfig:
-    """The router of every MoE layer. HF semantics per family:
-
-    - Mixtral: softmax over the top-k logits (= softmax over all, renormalised over the k).
-    - Qwen3-MoE: softmax over all experts (``pre_softmax``), renormalised iff ``norm_topk_prob``.
-    - DeepSeek-V3: sigmoid, group-limited (group score = sum of the top 2), expert bias for selection,
-      renormalised and scaled by ``routed_scaling_factor``.
-    """
-    c = config
-    pre = c.moe_pre_softmax and c.moe_score_function == "softmax"
-    norm = c.moe_norm_topk_prob
-    if c.moe_score_function == "softmax" and not pre:
-        norm = None  # post-top-k softmax is normalised by definition
-    return RouterConfig(
-        num_experts=c.num_experts, topk=c.moe_topk, score_function=c.moe_score_function, pre_softmax=pre,
-        norm_topk_prob=norm,
-        topk_scaling_factor=c.moe_topk_scaling_factor if c.moe_topk_scaling_factor != 1.0 else None,
-        num_groups=c.moe_num_groups, group_topk=c.moe_group_topk, group_score_topk=c.moe_group_score_topk,
-        load_balancing_type=c.moe_load_balancing_type, aux_loss_coeff=c.moe_aux_loss_coeff,
-        aux_loss_counts=c.moe_aux_loss_counts,
-        enable_expert_bias=c.moe_expert_bias, bias_update_rate=c.moe_bias_update_rate,
-        z_loss_coeff=c.moe_z_loss_coeff, input_jitter_eps=c.moe_input_jitter_eps, router_dtype=c.moe_router_dtype,
-        expert_capacity_factor=c.moe_expert_capacity_factor, token_drop_policy=c.moe_token_drop_policy,
-        expert_rank_capacity_factor=c.moe_expert_rank_capacity_factor,
-        pad_expert_input_to_capacity=c.moe_pad_expert_input_to_capacity,
-        force_load_balancing=c.moe_router_force_load_balancing, init_std=options.init_std, bias=c.moe_router_bias)
+    """The router of every MoE layer: the model's router section (``ModelRouter.component``)."""
+    return config.moe.router.component(config.num_experts, options.init_std)
 
 
 def moe_config(config: ModelConfig, options: ModelOptions, dims: ParallelDims) -> MoEConfig:
-    """The MoE layers' config: the flat ``ModelConfig`` / ``ModelOptions`` fields into the composed one."""
-    c, o = config, options
-    experts = ExpertsConfig(ffn_hidden_size=c.moe_ffn_hidden_size, bias=c.moe_expert_linear_bias,
-                            glu=GatedActivation(c.moe_swiglu_alpha, c.moe_activation_clamp, c.moe_glu_linear_offset),
-                            gemm_backend=o.gemm_backend, init_std=o.init_std, fp8=o.fp8)
-    shared = None
-    if c.moe_shared_expert_ffn_size or c.moe_shared_expert_gate:
-        shared = SharedExpertsConfig(c.moe_shared_expert_ffn_size, gate=c.moe_shared_expert_gate, init_std=o.init_std)
-    return MoEConfig(num_experts=c.num_experts, router=router_config(c, o), experts=experts,
+    """The MoE layers' config: the model's MoE sections, each handed on by name, with how they run (``options``)."""
+    c, o = config.moe, options
+    experts = c.experts.component(gemm_backend=o.gemm_backend, init_std=o.init_std, fp8=o.fp8)
+    return MoEConfig(num_experts=c.num_experts, router=router_config(config, o), experts=experts,
                      dispatch=DispatchConfig(o.resolved_dispatcher(dims.ep, dims.etp), o.flex, fp8=o.fp8.dispatch),
-                     shared=shared, apply_probs_on_input=c.moe_apply_probs_on_input)
+                     shared=c.shared.component(o.init_std), apply_probs_on_input=c.apply_probs_on_input)
 
 
 def mlp_config(config: ModelConfig, options: ModelOptions) -> MLPConfig:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import fields
 
 import torch
 from torch import Tensor
@@ -86,9 +85,10 @@ def check_upcyclable(dense: ModelConfig, moe: ModelConfig) -> None:
         raise ValueError(f"upcycling starts from a dense model, but {dense.name} has num_experts={dense.num_experts}")
     if not moe.num_experts:
         raise ValueError(f"{moe.name} has no experts to upcycle into")
-    skip = set(MOE_FIELDS) | {f.name for f in fields(ModelConfig) if f.name.startswith("moe_")}
-    diff = {f.name: (getattr(dense, f.name), getattr(moe, f.name)) for f in fields(ModelConfig)
-            if f.name not in skip and getattr(dense, f.name) != getattr(moe, f.name)}
+    skip = set(MOE_FIELDS) | {name for name in ModelConfig.FLAT_NAMES if name.startswith("moe_")}
+    dense_values, moe_values = dense.flat_dict(), moe.flat_dict()   # every section's value by its flat name
+    diff = {name: (dense_values[name], moe_values[name]) for name in ModelConfig.FLAT_NAMES
+            if name not in skip and dense_values[name] != moe_values[name]}
     if diff:
         raise ValueError(f"{moe.name} is not an upcycling of {dense.name}: (dense, moe) differ in {diff}")
     if dense.ffn_hidden_size % moe.moe_ffn_hidden_size:

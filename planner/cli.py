@@ -31,9 +31,8 @@ from moefold.planner.report import HEADER, commands, heading, needs, outcome, re
 from moefold.planner.search import HEADROOM, evaluate, recompute_ladder, search, stage_memory
 from moefold.planner.step_time import EFFICIENCY
 from moefold.training.cli.fp8_flags import add_fp8_arguments, fp8_config_from_args
-from moefold.training.cli.model_flags import ARCH_FLAGS, add_model_arguments, dest
+from moefold.training.cli.model_flags import MODEL_FLAGS, add_model_arguments
 from moefold.training.cli.train import model_from_args
-from moefold.training.cli.train_flags import ROUTER_FLAGS
 from moefold.training.config import RunConfig, TrainConfig
 from moefold.training.optim.precision import DTYPES
 
@@ -149,7 +148,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--plot", metavar="PNG", default=None, help="draw the top layouts' memory and time terms")
     add_model_arguments(p)
     p.set_defaults(moe_use_upcycling=False, load_megatron=None, tokenizer_type=None,
-                   **{flag[2:].replace("-", "_"): None for flag, _, _ in ROUTER_FLAGS})
+                   **{e.dest: None for e in MODEL_FLAGS if e.group != "model"})
 
 
 def model_flags(args: argparse.Namespace, argv: list[str]) -> list[str]:
@@ -157,11 +156,11 @@ def model_flags(args: argparse.Namespace, argv: list[str]) -> list[str]:
     out = ["--recipe", args.recipe] if args.recipe else ["--load-hf", args.load_hf]
     if args.vocab_size is not None:
         out += ["--vocab-size", str(args.vocab_size)]
-    for flag, typ, _, _ in ARCH_FLAGS:
-        value = getattr(args, dest(flag))
-        if value is None:
+    for e in MODEL_FLAGS:
+        flag, value = e.flag, getattr(args, e.dest, None)
+        if e.group != "model" or value is None:
             continue
-        if typ is bool:
+        if e.type is None:
             out.append(flag if value else f"--no-{flag[2:]}")
             continue
         raw = [argv[i + 1] for i, token in enumerate(argv[:-1]) if token == flag]

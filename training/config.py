@@ -267,12 +267,13 @@ class RunConfig:
         return dataclasses.replace(self, **parts)
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON form a checkpoint and metrics.jsonl record: the train config flat (its sections' fields by their
-        flat names, as ``training.checkpoint.resume`` reads them and earlier moefold wrote them), the options' flex
-        dispatcher options by their flag names likewise."""
+        """The JSON form a checkpoint and metrics.jsonl record: the model and the train config flat (their sections'
+        fields by their flat names, as ``training.checkpoint.resume`` reads them and earlier moefold wrote them), the
+        options' flex dispatcher options by their flag names likewise."""
         options = {k: v for k, v in dataclasses.asdict(self.options).items() if k != "flex"}
         options.update({name: getattr(self.options, name) for name in FLEX_FLAGS})   # by their flag names
-        return {**dataclasses.asdict(self), "options": options, "train": self.train.flat_dict()}
+        return {**dataclasses.asdict(self), "model": self.model.to_dict(), "options": options,
+                "train": self.train.flat_dict()}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
@@ -285,7 +286,7 @@ class RunConfig:
 
 def _part_names() -> dict[str, frozenset[str]]:
     """The flat names ``RunConfig.with_`` routes, by the part that holds them."""
-    return {"model": frozenset(f.name for f in dataclasses.fields(ModelConfig)),
+    return {"model": frozenset(ModelConfig.FLAT_NAMES) | frozenset(ModelConfig.SECTIONS),
             "parallel": frozenset(f.name for f in dataclasses.fields(ParallelConfig)),
             "options": frozenset(f.name for f in dataclasses.fields(ModelOptions)) | frozenset(FLEX_FLAGS),
             "train": frozenset(TrainConfig.FLAT_NAMES) | frozenset(TrainConfig.SECTIONS)}

@@ -10,7 +10,8 @@
 
 Every field is also ``TrainConfig``'s flat name (``t.lr == t.schedule.lr``; ``models.composed``), the name of
 its Megatron-LM flag with ``-`` for ``_``. A field made with ``flag(default, help, ...)`` is that flag of ``moefold
-train``: its help, default and choices are the field's (``training.cli.field_flags`` adds them to the parser).
+train``: its help, default and choices are the field's (``models.flag_field``; ``training.cli.field_flags`` adds them
+to the parser).
 Messages name the flags. Torch-free: checks that need a package that imports torch
 import it when they run.
 """
@@ -18,9 +19,10 @@ import it when they run.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from moefold.models.flag_field import flag as flag  # one helper for the train and model flag fields
 from moefold.pipeline.schedules import SCHEDULES
 from moefold.training.data.megatron_tokenizer import TOKENIZER_TYPES
 from moefold.training.optim.loss_scaler import LossScaler
@@ -34,15 +36,6 @@ if TYPE_CHECKING:
 EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")   # the ones --exit-signal takes
 DATA_ORDERS = ("moefold", "megatron")
-
-
-def flag(default: Any, help: str, *, choices: tuple[Any, ...] | None = None, action: str | None = None,
-         nargs: str | None = None, metavar: str | None = None, name: str | None = None) -> Any:
-    """A field that is a flag of ``moefold train`` (``--`` + its name with ``-``): ``help`` and ``choices`` shown and
-    checked by the parser; ``action``: ``store_true`` (a switch) or ``optional`` (``--x`` / ``--no-x``); ``name``: the
-    flag's name where the field's would clash with a section's (``optimizer_type`` is Megatron's ``--optimizer``)."""
-    meta = {"help": help, "choices": choices, "action": action, "nargs": nargs, "metavar": metavar, "flag": name}
-    return field(default=default, metadata={k: v for k, v in meta.items() if v is not None})
 
 
 def _positive_ints(owner: object, *names: str) -> None:

@@ -107,8 +107,8 @@ def _recipe(name: str) -> object:
     """Recipe ``name`` cut to its first ``LAYERS`` layers (every per-layer tuple cut with it)."""
     c = get_recipe(name)
     n = min(c.num_layers, LAYERS)
-    per_layer = {f.name: v[:n] for f in dataclasses.fields(c)
-                 if isinstance(v := getattr(c, f.name), tuple) and len(v) == c.num_layers}
+    per_layer = {name: v[:n] for name, v in c.flat_dict().items()   # every section's value by its flat name
+                 if isinstance(v, tuple) and len(v) == c.num_layers}
     return c.with_(num_layers=n, **per_layer)
 
 

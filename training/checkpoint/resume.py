@@ -48,7 +48,8 @@ def _model_fields(config: dict[str, Any]) -> dict[str, Any]:
     from moefold.training.config import RunConfig
 
     model = RunConfig.from_dict(config).model   # normalised (tuples, nested dataclasses) as the run builds it
-    return {f.name: getattr(model, f.name) for f in dataclasses.fields(model) if f.compare}
+    compared = {f.name for f in dataclasses.fields(model) if not f.compare}   # extra: not the model
+    return {k: v for k, v in model.flat_dict().items() if k not in compared}   # every section's value by its flat name
 
 
 def model_changes(saved: dict[str, Any], config: RunConfig) -> tuple[list[str], list[str]]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 
 from moefold.models.config import ModelConfig
-from moefold.moe.router_config import AUX_LOSS_COUNTS
 from moefold.training.cli.field_flags import add_field_flags
+from moefold.training.cli.model_flags import add_flags
 
 
 def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
@@ -15,10 +15,7 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
     add_field_flags(g, ("data_order", "mid_level_dataset_surplus", "tokenizer_type", "tokenizer_model", "vocab_file",
                         "merge_file", "make_vocab_size_divisible_by", "load_megatron", "lr_warmup_init",
                         "lr_warmup_skip_zero"))
-    g.add_argument("--moe-aux-loss-counts", choices=AUX_LOSS_COUNTS, default=None,
-                   help="token counts of the balancing losses: topk (default; Megatron-Core, DeepSeek-V3's "
-                        "indicator: a plain top-k of the scores) or dispatched (moefold's earlier: the routing with "
-                        "expert bias and group limit, so the loss balances what the experts receive)")
+    add_flags(g, "megatron")   # --moe-aux-loss-counts: ModelConfig's field (models.model_sections)
 
 
 def megatron_model(args: argparse.Namespace) -> ModelConfig | None:

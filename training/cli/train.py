@@ -36,12 +36,17 @@ from moefold.training.cli.config_file import write_effective_config
 from moefold.training.cli.fp8_flags import fp8_config_from_args
 from moefold.training.cli.layout_errors import world_source
 from moefold.training.cli.megatron_flags import megatron_model, tokenizer_vocab
-from moefold.training.cli.model_flags import UPCYCLING_FLAGS, apply_model_flags, given_model_flags
+from moefold.training.cli.model_flags import (
+    UPCYCLING_FLAGS,
+    apply_model_flags,
+    apply_router_flags,
+    given_model_flags,
+)
 from moefold.training.cli.parser import Parser
 from moefold.training.cli.train_checks import check_backends as check_backends
 from moefold.training.cli.train_checks import resolve_flex, validate
 from moefold.training.cli.train_checks import validate_layout as validate_layout
-from moefold.training.cli.train_flags import ARCH_ROUTER_FIELDS, ROUTER_FLAGS, add_arguments
+from moefold.training.cli.train_flags import add_arguments
 from moefold.training.config import RunConfig, TrainConfig
 from moefold.training.errors import JobFailed
 from moefold.training.launch.allocator import tune_cpu_allocator
@@ -71,8 +76,7 @@ def model_from_args(args: argparse.Namespace) -> ModelConfig:
     """The architecture: ``--recipe`` changed by the model flags, or ``--load-hf``'s (upcycled with
     ``--moe-use-upcycling``). ValueError naming the flags for a combination that cannot be."""
     given = given_model_flags(args)
-    arch_router = [f for f, field, _ in ROUTER_FLAGS if field in ARCH_ROUTER_FIELDS
-                   and getattr(args, f[2:].replace("-", "_")) is not None]
+    arch_router = given_model_flags(args, model=False)   # router flags that change what the model computes
     if args.load_megatron is not None:
         if args.load_hf is not None:
             raise ValueError("give either --load-hf or --load-megatron (the starting weights), not both")
@@ -144,16 +148,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                  "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout"):
         if getattr(args, flag) is not None and args.pipeline_model_parallel_size == 1:
             raise ValueError(f"--{flag.replace('_', '-')} needs --pipeline-model-parallel-size > 1")
-    model = model_from_args(args)
-    changes = {"moe_aux_loss_coeff": args.moe_aux_loss_coeff} if args.moe_aux_loss_coeff is not None else {}
-    if args.moe_aux_loss_counts is not None:
-        changes["moe_aux_loss_counts"] = args.moe_aux_loss_counts
-    for flag, field, _ in ROUTER_FLAGS:
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None:
-            changes[field] = value
-    if changes:
-        model = model.with_(**changes)
+    model = apply_router_flags(model_from_args(args), args)
     options = ModelOptions(sequence_parallel=args.sequence_parallel, cp_comm=args.cp_comm_type,
                            recompute=args.recompute_granularity, recompute_modules=tuple(args.recompute_modules),
                            recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,

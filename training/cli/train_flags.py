@@ -1,7 +1,7 @@
 """``moefold train``'s flags (Megatron-LM's names), in argparse groups: the layout, the optimizer and schedule, data
 and checkpoints, recovery (stops, background saves, other runs), memory (activation offloading, FSDP2, optimizer
-offload), starting weights and validation; the model flags (``training.cli.model_flags``), the router flags
-(``ROUTER_FLAGS``: each overrides one ``ModelConfig`` field) and the flags for Megatron-LM users (data order,
+offload), starting weights and validation; the model and router flags (``training.cli.model_flags``: each made
+from, and setting, a ``ModelConfig`` field) and the flags for Megatron-LM users (data order,
 tokenizer, a Megatron checkpoint, conventions: ``training.cli.megatron_flags``) join them. ``training.cli.train``
 turns the parsed flags into a ``RunConfig``.
 """
@@ -28,36 +28,8 @@ from moefold.moe.gemm_backend import GemmBackend
 from moefold.training.cli.field_flags import add_field_flags
 from moefold.training.cli.fp8_flags import add_fp8_arguments
 from moefold.training.cli.megatron_flags import add_megatron_arguments
-from moefold.training.cli.model_flags import add_model_arguments
-from moefold.training.cli.train_help import ROUTER_HELP
+from moefold.training.cli.model_flags import GROUPS, add_flags, add_model_arguments
 from moefold.training.config import EXIT_SIGNALS, STOP_SIGNALS
-
-# Router flags (Megatron-LM names) -> the ModelConfig field they override; unset keeps the recipe's.
-ROUTER_FLAGS: tuple[tuple[str, str, type], ...] = (
-    ("--moe-router-score-function", "moe_score_function", str),
-    ("--moe-router-pre-softmax", "moe_pre_softmax", bool),
-    ("--moe-router-topk-scaling-factor", "moe_topk_scaling_factor", float),
-    ("--moe-router-num-groups", "moe_num_groups", int),
-    ("--moe-router-group-topk", "moe_group_topk", int),
-    ("--moe-router-load-balancing-type", "moe_load_balancing_type", str),
-    ("--moe-z-loss-coeff", "moe_z_loss_coeff", float),
-    ("--moe-input-jitter-eps", "moe_input_jitter_eps", float),
-    ("--moe-router-dtype", "moe_router_dtype", str),
-    ("--moe-router-enable-expert-bias", "moe_expert_bias", bool),
-    ("--moe-router-bias-update-rate", "moe_bias_update_rate", float),
-    ("--moe-expert-capacity-factor", "moe_expert_capacity_factor", float),
-    ("--moe-expert-rank-capacity-factor", "moe_expert_rank_capacity_factor", float),
-    ("--moe-token-drop-policy", "moe_token_drop_policy", str),
-    ("--moe-pad-expert-input-to-capacity", "moe_pad_expert_input_to_capacity", bool),
-    ("--moe-router-force-load-balancing", "moe_router_force_load_balancing", bool),
-    ("--moe-apply-probs-on-input", "moe_apply_probs_on_input", bool),
-)
-
-
-# router flags that change what the model computes (not only how it is trained): refused with --load-hf
-ARCH_ROUTER_FIELDS = frozenset({"moe_score_function", "moe_pre_softmax", "moe_topk_scaling_factor", "moe_num_groups",
-                                "moe_group_topk", "moe_expert_bias"})
-
 
 _DEVICES = ("auto", "cpu", "cuda")
 
@@ -92,16 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="context-parallel K/V exchange: p2p (ring, overlapped) or all_gather")
     add_model_arguments(p)
     add_pretrained_arguments(p)
-    m = p.add_argument_group("router and run-time choices (overrides of the recipe / --load-hf model)")
-    m.add_argument("--moe-aux-loss-coeff", type=float,
-                   help="weight of the load-balancing loss (--moe-router-load-balancing-type); default: the recipe's")
-    for flag, _, typ in ROUTER_FLAGS:
-        text, choices = ROUTER_HELP[flag]
-        text = f"{text}; default: the model's (--recipe or --load-hf)"
-        if typ is bool:
-            m.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
-        else:
-            m.add_argument(flag, type=typ, choices=choices, help=text)
+    m = p.add_argument_group(GROUPS["router"])
+    add_flags(m, "router")   # ModelConfig's router fields (models.model_sections)
     m.add_argument("--init-method-std", type=float, default=ModelOptions.init_std,
                    help="standard deviation of the weights' normal initialisation")
     m.add_argument("--moe-token-dispatcher-type", default="auto", choices=("auto", *(k.value for k in DispatcherKind)),

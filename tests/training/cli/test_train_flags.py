@@ -6,8 +6,10 @@ import pytest
 
 from moefold.models.layer_factory import router_config
 from moefold.models.options import ModelOptions
+from moefold.training.cli.model_flags import MODEL_FLAGS
 from moefold.training.cli.train import add_arguments, config_from_args
-from moefold.training.cli.train_flags import ROUTER_FLAGS
+
+ROUTER_FLAGS = [(e.flag, e.field, bool if e.type is None else e.type) for e in MODEL_FLAGS if e.group == "router"]
 
 
 def _config(*flags: str):
