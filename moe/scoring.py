@@ -104,10 +104,16 @@ def combine_weights(scores_TE: Tensor, expert_ids_TK: Tensor, config: RouterConf
 
 
 def route_scores(logits_TE: Tensor, config: RouterConfig, expert_bias_E: Tensor | None = None,
-                 ) -> tuple[Tensor, Tensor, Tensor]:
-    """From logits [T, E] to (scores_TE, expert_ids_TK, probs_TK) before any capacity drop."""
+                 replayed_ids_TK: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """From logits [T, E] to (scores_TE, expert_ids_TK, probs_TK) before any capacity drop.
+
+    ``replayed_ids_TK`` (routing replay, ``moe.routing_replay``): int64 [T, K] ids chosen by an earlier forward; they
+    replace the selection (bias, group limit and forced balancing play no part) and the combine weights are the
+    current scores at those ids, as Megatron-Core's ``RouterReplay.get_replay_topk`` (``scores.gather``)."""
     scores_TE = score_all(logits_TE, config.score_function)
-    if config.force_load_balancing:
+    if replayed_ids_TK is not None:
+        ids_TK = replayed_ids_TK
+    elif config.force_load_balancing:
         ids_TK = forced_uniform_ids(logits_TE.shape[0], config.topk, config.num_experts, logits_TE.device)
     else:
         ids_TK = select_topk(scores_TE, config, expert_bias_E)
