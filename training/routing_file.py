@@ -2,10 +2,11 @@
 
 One safetensors file::
 
-    layers.<i>.expert_ids   int32 [N, S, K]: MoE layer i (its global index; MTP depth k is num_layers + k - 1),
-                            sample n (the run's sample order: the dataset's sample index), position s (0..S-1, the
-                            whole sequence whatever the layout), the token's K global expert ids in [0, E), distinct,
-                            in the router's top-k order, before any capacity drop
+    layers.<i>.expert_ids   [N, S, K] integers (written as the narrowest of uint8, int16, int32 that holds E - 1;
+                            read as any integer dtype): MoE layer i (its global index; MTP depth k is
+                            num_layers + k - 1), sample n (the run's sample order: the dataset's sample index),
+                            position s (0..S-1, the whole sequence whatever the layout), the token's K global expert
+                            ids in [0, E), distinct, in the router's top-k order, before any capacity drop
     metadata                format = "moefold.routing_replay", version = "1", num_experts = "E", topk = "K"
 
 Every layer holds the same N and S. The ids are the layout's own business nowhere: a recording made at one layout
@@ -37,6 +38,15 @@ _INT_DTYPES = ("I16", "I32", "I64", "U8", "I8", "U16")
 def tensor_name(layer: int) -> str:
     """The file's name of layer ``layer``'s ids."""
     return f"layers.{layer}.expert_ids"
+
+
+def storage_dtype(num_experts: int) -> torch.dtype:
+    """The file's id dtype: the narrowest of uint8, int16, int32 that holds ``num_experts - 1`` (DeepSeek-V3's 256
+    experts: one byte per id)."""
+    for dtype in (torch.uint8, torch.int16):
+        if num_experts - 1 <= torch.iinfo(dtype).max:
+            return dtype
+    return torch.int32
 
 
 def check_ids(ids: Tensor, num_experts: int, where: str) -> Tensor:
@@ -94,7 +104,8 @@ class RoutingRecording:
         """Write the file (format above) atomically; returns its path."""
         path = Path(path)
         k = self.shape[2]
-        tensors = {tensor_name(layer): t.to(torch.int32).contiguous() for layer, t in self.ids.items()}
+        store = storage_dtype(self.num_experts)
+        tensors = {tensor_name(layer): t.to(store).contiguous() for layer, t in self.ids.items()}
         meta = {"format": FORMAT, "version": VERSION, "num_experts": str(self.num_experts), "topk": str(k)}
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         try:
@@ -188,4 +199,5 @@ def load_routing(path: str | os.PathLike) -> RoutingRecording:
         return f.recording()
 
 
-__all__ = ["FORMAT", "VERSION", "RoutingFile", "RoutingRecording", "check_ids", "load_routing", "tensor_name"]
+__all__ = ["FORMAT", "VERSION", "RoutingFile", "RoutingRecording", "check_ids", "load_routing", "storage_dtype",
+           "tensor_name"]

@@ -17,6 +17,7 @@ import dataclasses
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moefold.parallel.dims import ParallelConfig, ParallelDims
@@ -120,6 +121,10 @@ def test_the_file_round_trips(tmp_path):
         assert (f.num_samples, f.seq_length, f.topk) == (3, 5, 2)
         assert torch.equal(f.read(1, 3)[2], rec.ids[2][1:3])
     assert not list(tmp_path.glob(".*tmp*"))   # the temporary file was renamed
+    with safe_open(str(path), "pt") as f:         # one byte per id up to 256 experts
+        assert f.get_slice("layers.1.expert_ids").get_dtype() == "U8"
+    wide = RoutingRecording(300, {0: torch.tensor([[[299, 0]]])})
+    assert load_routing(wide.save(tmp_path / "wide.safetensors")).ids[0].tolist() == [[[299, 0]]]
 
 
 def _write(path, tensors, **meta) -> str:
