@@ -5,7 +5,8 @@
   ``--moe-routing-replay-file`` are the same replay; under full recompute the replayed step is unchanged.
 - The file round-trips (ids, metadata, lazy reads of a range), and every malformed file or mismatch with the run is
   a ValueError of one line naming the file, also from ``moefold train``'s checks before any rank starts.
-- One 4-rank world: tp2, ep2, etp2, cp2, dp4, pp2 x tp2 (1F1B) and pp2 x ep2 (GPipe), with DeepSeek-V3
+- One 4-rank world: tp2, ep2, etp2, cp2, dp4, pp2 x tp2 (1F1B), pp2 x ep2 (GPipe) and tp2 x ep2 with the batch-level
+  overlap and full recompute (recomputes between other micro-batches' forwards), with DeepSeek-V3
   tiny (MLA, MTP, expert bias, shared experts, seq aux loss). Each records a step (gathered to the global order) and
   replays a world-1 recording made with other weights through ``--moe-routing-replay-file``; the recordings equal
   world 1's and the replayed step's losses and reduced gradients equal world 1's replaying the same file.
@@ -184,27 +185,37 @@ def test_a_file_for_another_run_fails_before_any_rank_starts(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- layouts, one world
-LAYOUTS = {
-    "tp2.dp2": (ParallelConfig(tp=2), {}),
-    "ep2.dp4": (ParallelConfig(ep=2), {}),
-    "etp2.dp4": (ParallelConfig(etp=2), {}),
-    "cp2.dp2": (ParallelConfig(cp=2), {}),
-    "dp4": (ParallelConfig(), {}),
-    "pp2xtp2": (ParallelConfig(pp=2, tp=2), {"model": {"num_layers": 4}}),
-    "pp2xep2.dp2.gpipe": (ParallelConfig(pp=2, ep=2), {"model": {"num_layers": 4}, "pipeline_schedule": "gpipe"}),
+LAYOUTS = {   # name: (layout, tiny_config kwargs, ModelOptions changes)
+    "tp2.dp2": (ParallelConfig(tp=2), {}, {}),
+    "ep2.dp4": (ParallelConfig(ep=2), {}, {}),
+    "etp2.dp4": (ParallelConfig(etp=2), {}, {}),
+    "cp2.dp2": (ParallelConfig(cp=2), {}, {}),
+    "dp4": (ParallelConfig(), {}, {}),
+    "pp2xtp2": (ParallelConfig(pp=2, tp=2), {"model": {"num_layers": 4}}, {}),
+    "pp2xep2.dp2.gpipe": (ParallelConfig(pp=2, ep=2), {"model": {"num_layers": 4}, "pipeline_schedule": "gpipe"}, {}),
+    # the batch-level overlap (one micro-batch's forward beside another's backward) with full recompute: each layer's
+    # recomputes take their forwards' ids while other micro-batches' forwards run in between
+    "tp2xep2.overlap.full": (ParallelConfig(tp=2, ep=2), {"overlap_moe_expert_parallel_comm": True},
+                             {"recompute": "full"}),
 }
+RUN_ONLY = ("pipeline_schedule", "overlap_moe_expert_parallel_comm")   # the world-1 reference runs without them
 
 
 def _reference_key(kwargs: dict) -> str:
-    return repr({k: v for k, v in kwargs.items() if k != "pipeline_schedule"})
+    return repr({k: v for k, v in kwargs.items() if k not in RUN_ONLY})
+
+
+def _layout_config(pc: ParallelConfig, kwargs: dict, options: dict):
+    config = tiny_config(pc, steps=1, **kwargs)
+    return dataclasses.replace(config, options=dataclasses.replace(config.options, **options))
 
 
 def _world(references: dict, files: dict) -> list[str]:
     failures = []
-    for name, (pc, kwargs) in LAYOUTS.items():
+    for name, (pc, kwargs, options) in LAYOUTS.items():
         ref = references[_reference_key(kwargs)]
         dims = ParallelDims.build(pc)
-        config = tiny_config(pc, steps=1, **kwargs)
+        config = _layout_config(pc, kwargs, options)
         recording = _record(config, dims)
         agree = {i: float((recording.ids[i] == t).all(-1).float().mean()) for i, t in ref["recording"].ids.items()}
         # near-ties of two experts' scores may resolve otherwise at another layout (other summation orders); a
@@ -226,11 +237,11 @@ def _world(references: dict, files: dict) -> list[str]:
 
 def test_layouts_record_and_replay_as_world1(tmp_path):
     references, files = {}, {}
-    for _, kwargs in LAYOUTS.values():
+    for _, kwargs, _ in LAYOUTS.values():
         key = _reference_key(kwargs)
         if key in references:
             continue
-        config = tiny_config(steps=1, **{k: v for k, v in kwargs.items() if k != "pipeline_schedule"})
+        config = tiny_config(steps=1, **{k: v for k, v in kwargs.items() if k not in RUN_ONLY})
         folder = tmp_path / f"ref{len(files)}"
         folder.mkdir()
         files[key] = _source_file(folder, config)
