@@ -114,10 +114,14 @@ def test_replay_with_changed_weights_keeps_the_ids_and_moves_the_probs(router):
     layer = _changed(_build(cfg))
     x_TH = x.reshape(-1, H)
     seqs = {"seq_ids_T": torch.arange(S * B) % B, "num_seqs": B}   # the layer's sequence-first tokens
-    live = layer.router(x_TH, **seqs).routing.expert_ids_TK
-    assert not torch.equal(live, ids_TK), "the changed router must choose otherwise for the test to mean anything"
-    routing = layer.router(x_TH, replayed_ids_TK=ids_TK, **seqs).routing
+    live = layer.router(x_TH, **seqs)
+    assert not torch.equal(live.routing.expert_ids_TK, ids_TK), "the changed router must choose otherwise here"
+    replayed = layer.router(x_TH, replayed_ids_TK=ids_TK, **seqs)
+    routing = replayed.routing
     assert torch.equal(routing.expert_ids_TK, ids_TK)
+    # the balancing losses count a plain top-k of the current scores, as Megatron-Core's (not the replayed ids)
+    assert replayed.losses.keys() == live.losses.keys() and replayed.losses
+    assert all(torch.equal(replayed.losses[k], live.losses[k]) for k in live.losses)
     logits = x_TH @ layer.router.weight.detach().T
     rc = cfg.router
     if rc.score_function == "softmax":   # post-top-k softmax: softmax over the k logits at the ids
