@@ -26,7 +26,7 @@ layer                        regions
 ``GQAAttention``             ``qkv_linear``, ``core_attn``, ``attn_proj``
 ``MLAttention``              those three and ``up_proj`` (output)
 ``GatedDeltaNet``            ``core_attn`` (the delta rule)
-``MoELayer``                 ``shared_experts``
+``MoELayer``                 ``shared_experts``; ``routing`` (a ``moe.routing_replay.RoutingTap``: routing replay)
 ``GroupedExperts``           ``expert_fc1`` (the gate/up GEMM), ``moe_act`` (output: the activation, which the
                              down GEMM consumes)
 ``MoEDecoder``               ``layers``: how a chunk of layers runs (``models.decoder.LayerRun``)

@@ -184,8 +184,9 @@ class ModelRouter:
     score function) and leaves the rest to it, so each is checked once."""
 
     topk: int = model_flag(2, "experts per token", "--moe-router-topk", flat="moe_topk")
-    score_function: Literal["softmax", "sigmoid"] = model_flag(
-        "softmax", "router scores: softmax (Qwen3, Mixtral) or sigmoid (DeepSeek-V3)", "--moe-router-score-function",
+    score_function: Literal["softmax", "sigmoid", "sqrtsoftplus"] = model_flag(
+        "softmax", "router scores: softmax (Qwen3, Mixtral), sigmoid (DeepSeek-V3) or sqrtsoftplus (sqrt(softplus))",
+        "--moe-router-score-function",
         group="router", choices=SCORE_FUNCTIONS, flat="moe_score_function")
     pre_softmax: bool = model_flag(False, "softmax over all experts before the top-k (off: over the k selected)",
                                    "--moe-router-pre-softmax", group="router", flat="moe_pre_softmax")
@@ -207,8 +208,13 @@ class ModelRouter:
                                        "--moe-aux-loss-coeff", group="router", override=True, flat="moe_aux_loss_coeff")
     load_balancing_type: str = model_flag(
         "aux_loss", "the balancing loss --moe-aux-loss-coeff weighs: per micro-batch, per sequence, over the global "
-        "batch, or none", "--moe-router-load-balancing-type", group="router", override=True,
+        "batch, or none; or quantile_balancing: a per-expert selection bias from the load quantile, no loss",
+        "--moe-router-load-balancing-type", group="router", override=True,
         choices=LOAD_BALANCING_TYPES, flat="moe_load_balancing_type")
+    quantile_balancing_ema: float = model_flag(
+        0.0, "quantile balancing: the share of the previous step's bias kept (0: the latest quantile)",
+        "--moe-router-quantile-balancing-ema", group="router", override=True,
+        flat="moe_router_quantile_balancing_ema")
     aux_loss_counts: str = model_flag(
         "topk", "token counts of the balancing losses: topk (default; Megatron-Core, DeepSeek-V3's indicator: a plain "
         "top-k of the scores) or dispatched (moefold's earlier: the routing with expert bias and group limit, so the "
@@ -327,6 +333,9 @@ class ModelMoE:
     apply_probs_on_input: bool = model_flag(False, "top-1: scale the token by its probability before the expert (off: "
                                             "the expert's output, in the combine)", "--moe-apply-probs-on-input",
                                             group="router", override=True, flat="moe_apply_probs_on_input")
+    latent_size: int | None = model_flag(None, "latent experts: the exchange and the routed experts at this width, "
+                                         "projected down from and back up to the hidden size (unset: off)",
+                                         "--moe-latent-size", flat="moe_latent_size")
     router: ModelRouter = field(default_factory=ModelRouter)
     experts: ModelExperts = field(default_factory=ModelExperts)
     shared: ModelSharedExperts = field(default_factory=ModelSharedExperts)
@@ -338,6 +347,8 @@ class ModelMoE:
                 raise ValueError(f"moe_topk={self.router.topk} must be in [1, num_experts={self.num_experts}]")
             if self.experts.ffn_hidden_size <= 0:
                 raise ValueError(f"moe_ffn_hidden_size={self.experts.ffn_hidden_size} must be positive with experts")
+        if self.latent_size is not None and self.latent_size < 1:
+            raise ValueError(f"moe_latent_size={self.latent_size} must be a positive width (or unset)")
         if isinstance(self.layer_freq, int) and self.layer_freq < 1:
             raise ValueError(f"moe_layer_freq={self.layer_freq} must be >= 1 (or a 0/1 pattern per layer)")
 

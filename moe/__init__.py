@@ -40,6 +40,7 @@ if TYPE_CHECKING:
         RouterConfig,
     )
     from moefold.moe.router_stats import RouterStats
+    from moefold.moe.routing_replay import LIVE_ROUTING, RoutingRecorder, RoutingReplayer, RoutingTap
     from moefold.moe.shared_experts import SharedExperts
     from moefold.moe.split_gemm import SplitGroupedGemm
 
@@ -65,6 +66,7 @@ _LAZY = {
     **dict.fromkeys(["DROP_POLICIES", "LOAD_BALANCING_TYPES", "ROUTER_DTYPES", "SCORE_FUNCTIONS", "RouterConfig"],
                     "moefold.moe.router_config"),
     "RouterStats": "moefold.moe.router_stats",
+    **dict.fromkeys(["LIVE_ROUTING", "RoutingRecorder", "RoutingReplayer", "RoutingTap"], "moefold.moe.routing_replay"),
     "SharedExperts": "moefold.moe.shared_experts",
     "SplitGroupedGemm": "moefold.moe.split_gemm",
 }
@@ -81,6 +83,8 @@ __all__ = [
     "Router", "RouterGroups", "RouterOutput", "RouterConfig", "Routing", "RouterStats", "GlobalLoadState",
     "update_expert_bias", "bias_update", "expert_capacity",
     "SCORE_FUNCTIONS", "LOAD_BALANCING_TYPES", "DROP_POLICIES", "ROUTER_DTYPES",
+    # routing replay (record a forward's expert choices, replay them)
+    "RoutingTap", "RoutingRecorder", "RoutingReplayer", "LIVE_ROUTING",
     # configs and the builder
     "MoEConfig", "ExpertsConfig", "SharedExpertsConfig", "build_moe_layer", "build_experts", "build_expert_gemm",
     # experts and the layer

@@ -55,6 +55,7 @@ from moefold.moe.experts import GroupedExperts
 from moefold.moe.latent import LatentProjection
 from moefold.moe.router import Router, RouterOutput
 from moefold.moe.router_stats import RouterStats
+from moefold.moe.routing_replay import LIVE_ROUTING, RoutingTap
 from moefold.moe.shared_experts import SharedExperts
 from moefold.parallel.comm import gather_along_dim, scatter_along_dim
 from moefold.parallel.groups import Group, group_rank, group_size
@@ -106,9 +107,12 @@ class MoEExpertsOut:
 @dataclass(frozen=True)
 class MoERegions:
     """Where an MoE layer runs its parts (``dense.regions``): ``shared_experts`` the shared experts (Megatron's
-    ``shared_experts`` recompute and offload module). The routed experts own theirs (``ExpertsRegions``)."""
+    ``shared_experts`` recompute and offload module); ``routing`` where the router's expert choices come from and go
+    to (``moe.routing_replay.RoutingTap``: live, recorded or replayed). The routed experts own theirs
+    (``ExpertsRegions``)."""
 
     shared_experts: Region = PLAIN
+    routing: RoutingTap = field(default=LIVE_ROUTING, metadata={"kind": RoutingTap})
 
 
 class MoELayer(nn.Module):
@@ -154,7 +158,7 @@ class MoELayer(nn.Module):
         self.shared_experts = shared_experts
         self.regions = MoERegions()
 
-    def configure(self, **regions: Region) -> None:
+    def configure(self, **regions: Region | RoutingTap) -> None:
         """Install regions by name (``MoERegions``); ValueError for an unknown name or a wrong kind."""
         self.regions = replace_regions(self.regions, "MoELayer", **regions)
 
@@ -237,7 +241,13 @@ class MoELayer(nn.Module):
             if split_tokens:
                 seq_ids_T = seq_ids_T.chunk(self.tp)[group_rank(self.tp_group)]
             router_kw = {"seq_ids_T": seq_ids_T, "num_seqs": B}
+        tap = self.regions.routing
+        replayed_BSK = tap.replayed()
+        if replayed_BSK is not None:
+            router_kw["replayed_ids_TK"] = self._replayed_ids(replayed_BSK, S, B, x_TH.device)
         routed = self.router(x_TH, global_state=global_state, generator=generator, **router_kw)
+        if tap.recording():
+            tap.record(self._recorded_ids(routed.routing.expert_ids_TK, S, B))
         if self._pad_multiple is not None:   # --moe-router-padding-for-quantization: the dispatch lays rows out padded
             routed = replace(routed, routing=replace(routed.routing, pad_multiple=self._pad_multiple))
         if self.apply_probs_on_input:  # top-1: scale the token, sum the copy unweighted
@@ -245,6 +255,28 @@ class MoELayer(nn.Module):
             # ``permuted_probs.unsqueeze(-1) * permuted_local_hidden_states`` then ``.to(original_dtype)``
             x_TH = (x_TH * routed.routing.probs_TK).to(x_TH.dtype)
         return x_TH, routed, split_tokens
+
+    def _tp_sequence(self, S: int) -> int:
+        """The sequence length a tp group's tokens span: the input's, or tp x the SP shard's."""
+        return S * self.tp if self.sequence_parallel else S
+
+    def _replayed_ids(self, ids_BSK: Tensor, S: int, B: int, device: torch.device) -> Tensor:
+        """A tap's ``[B, S, K]`` ids (the tp group's tokens) -> this tp rank's router tokens' ``[T, K]``: the SP shard,
+        or the 1/tp slice of the sequence-first tokens; either is the rank's contiguous chunk of ``[S * B]``."""
+        want = (B, self._tp_sequence(S), self.router.config.topk)
+        if tuple(ids_BSK.shape) != want:
+            raise ValueError(f"MoELayer: routing replay gave ids of shape {tuple(ids_BSK.shape)} for this call, its "
+                             f"tokens need [B, S, K] = {list(want)}")
+        ids_TK = ids_BSK.to(device, non_blocking=True).transpose(0, 1).reshape(-1, want[2])
+        if self.tp > 1:
+            ids_TK = ids_TK.chunk(self.tp)[group_rank(self.tp_group)]
+        return ids_TK.contiguous()
+
+    def _recorded_ids(self, ids_TK: Tensor, S: int, B: int) -> Tensor:
+        """This tp rank's chosen ``[T, K]`` -> the tp group's ``[B, S, K]`` (all-gathered over tp: collective)."""
+        with torch.no_grad():
+            ids_TK = gather_along_dim(ids_TK.detach(), self.tp_group, dim=0)
+        return ids_TK.view(self._tp_sequence(S), B, -1).transpose(0, 1).contiguous()
 
     @staticmethod
     def _info(routed: RouterOutput) -> MoEOutputInfo:

@@ -140,7 +140,7 @@ class Router(nn.Module):
 
     def forward(self, x_TH: Tensor, *, seq_ids_T: Tensor | None = None, num_seqs: int | None = None,
                 global_state: GlobalLoadState | None = None, generator: torch.Generator | None = None,
-                reduce_stats: bool = False) -> RouterOutput:
+                reduce_stats: bool = False, replayed_ids_TK: Tensor | None = None) -> RouterOutput:
         """Route this rank's tokens.
 
         x_TH:         [T, H] any float dtype; the gating GEMM runs in the router dtype (fp32/fp64)
@@ -153,6 +153,9 @@ class Router(nn.Module):
                       each rank then draws from its own default stream)
         reduce_stats: sum the statistics over the balancing group (tp x cp x dp with
                       global_aux_loss or expert bias, else tp x cp); a collective: logging steps
+        replayed_ids_TK: routing replay (``moe.routing_replay``): int64 [T, K] global expert ids an earlier
+                      forward chose for these tokens; they replace the top-k selection, the probs are the current
+                      scores at them (so the router still learns), and capacity drops them by the same rule
         """
         cfg = self.config
         if x_TH.dim() != 2 or x_TH.shape[1] != self.hidden_size:
@@ -166,8 +169,13 @@ class Router(nn.Module):
             x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps, generator=generator)
         logits_TE = gating_logits(x, self.weight, dtype, self.bias)
         bias_E = self.expert_bias.to(torch.float32) if self.expert_bias is not None else None
-        qb_ids_TK = self._quantile_ids(logits_TE) if cfg.quantile_balancing else None
-        scores_TE, ids_TK, probs_TK = route_scores(logits_TE, cfg, bias_E, qb_ids_TK)
+        if replayed_ids_TK is not None and (replayed_ids_TK.shape != (T, K) or replayed_ids_TK.dtype != torch.int64):
+            raise ValueError(f"Router: replayed_ids_TK is {replayed_ids_TK.dtype} {tuple(replayed_ids_TK.shape)}, "
+                             f"expected torch.int64 ({T}, {K})")
+        chosen_TK = replayed_ids_TK   # a replayed routing wins over quantile balancing's (which then learns nothing)
+        if chosen_TK is None and cfg.quantile_balancing:
+            chosen_TK = self._quantile_ids(logits_TE)
+        scores_TE, ids_TK, probs_TK = route_scores(logits_TE, cfg, bias_E, chosen_TK)
         load_E = count_per_expert(ids_TK, E)
 
         keep_TK, capacity, kept_E = None, None, load_E
@@ -187,10 +195,11 @@ class Router(nn.Module):
 
         aux_probs_TE = scores_for_aux_loss(scores_TE, cfg.score_function)
         aux_ids_TK, aux_load_E = ids_TK, load_E
-        if cfg.aux_loss_counts == "topk" and self._loss_coeffs and (
+        if cfg.aux_loss_counts == "topk" and self._loss_coeffs and (replayed_ids_TK is not None or
                 bias_E is not None or cfg.num_groups is not None or cfg.force_load_balancing):
             # Megatron-Core (router.py -> compute_routing_scores_for_aux_loss): the losses count a plain top-k of
-            # the scores; it differs from the dispatched selection only with bias, group limit or forced routing
+            # the scores; it differs from the dispatched selection only with bias, group limit, forced routing or
+            # replayed ids
             aux_ids_TK = scores_TE.detach().topk(K, dim=-1).indices
             aux_load_E = count_per_expert(aux_ids_TK, E)
         aux_loss, losses, global_state = self._losses(logits_TE, aux_probs_TE, aux_ids_TK, aux_load_E, seq_ids_T,

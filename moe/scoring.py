@@ -108,8 +108,12 @@ def combine_weights(scores_TE: Tensor, expert_ids_TK: Tensor, config: RouterConf
 
 def route_scores(logits_TE: Tensor, config: RouterConfig, expert_bias_E: Tensor | None = None,
                  ids_TK: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """From logits [T, E] to (scores_TE, expert_ids_TK, probs_TK) before any capacity drop; ``ids_TK``: ids
-    chosen elsewhere (quantile balancing), whose combine weights are the scores at those ids."""
+    """From logits [T, E] to (scores_TE, expert_ids_TK, probs_TK) before any capacity drop.
+
+    ``ids_TK``: int64 [T, K] ids chosen elsewhere: by an earlier forward (routing replay, ``moe.routing_replay``)
+    or by quantile balancing (``moe.quantile_balancing``). They replace the selection (bias, group limit and
+    forced balancing play no part) and the combine weights are the current scores at those ids, as Megatron-Core's
+    ``RouterReplay.get_replay_topk`` and ``precomputed_indices`` (``scores.gather``)."""
     scores_TE = score_all(logits_TE, config.score_function)
     if ids_TK is None and config.force_load_balancing:
         ids_TK = forced_uniform_ids(logits_TE.shape[0], config.topk, config.num_experts, logits_TE.device)

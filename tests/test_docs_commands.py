@@ -108,7 +108,8 @@ def test_the_docs_pages_are_covered():
 
 # train lines whose model or flags come from a file (an HF or Megatron directory, a YAML config) are only parsed;
 # corpora and checkpoints are not read before pre-flight, so those lines are checked too
-READS_FILES = ("--config", "--load-hf", "--load-megatron", "--tokenizer-model", "--vocab-file")
+READS_FILES = ("--config", "--load-hf", "--load-megatron", "--tokenizer-model", "--vocab-file",
+               "--moe-routing-replay-file")
 LAYOUTS = [(where, argv, world) for path in doc_files() for start, block in shell_blocks(path.read_text())
            for argv, world in launched(block)
            if (where := f"{path.relative_to(ROOT)}:{start}") and argv[:1] == ["train"] and "--recipe" in argv

@@ -5,6 +5,7 @@
     build.py     the run's model options, this rank's model, its gradient sync and optimizer (trainer and plan)
     run.py       train(config): data, evaluation, reports around the trainer on every rank
     evaluate.py  validation passes; compile.py: torch.compile of the model's blocks; errors.py: one-line errors
+    routing_replay.py, routing_file.py  routing replay: record / replay a forward's expert choices, the file
     optim/       the distributed optimizer: flat buffers, grad reduce-scatter, param all-gather, AdamW, lr
     checkpoint/  the checkpoint format, sharded save/load, resume checks, loading a checkpoint into a model
     launch/      pre-flight checks, local ranks and torchrun, heartbeats and the watchdog
@@ -50,6 +51,8 @@ if TYPE_CHECKING:
         decays,
         reduction_kind,
     )
+    from moefold.training.routing_file import RoutingFile, RoutingRecording, load_routing
+    from moefold.training.routing_replay import record_routing, replay_routing
     from moefold.training.run import train
     from moefold.training.trainer import NonFiniteError, StepResult, Trainer
 
@@ -61,6 +64,8 @@ _LAZY = {
     "train": "moefold.training.run",
     **dict.fromkeys(["evaluate", "Evaluator", "EvalResult"], "moefold.training.evaluate"),
     "JobFailed": "moefold.training.errors",
+    **dict.fromkeys(["RoutingFile", "RoutingRecording", "load_routing"], "moefold.training.routing_file"),
+    **dict.fromkeys(["record_routing", "replay_routing"], "moefold.training.routing_replay"),
     **dict.fromkeys(["GradSync", "reduction_kind", "DistributedAdamW", "OptimizerPrecision", "decays",
                      "LRSchedule"], "moefold.training.optim"),
     **dict.fromkeys(["save_checkpoint", "load_checkpoint", "find_checkpoint", "complete_checkpoints",
@@ -85,4 +90,5 @@ __all__ = [
     "MetricsLogger", "read_metrics", "forward_flops_per_token", "train_flops_per_token", "run_ranks", "train",
     "evaluate", "Evaluator", "EvalResult", "load_model", "load_training_checkpoint",
     "CheckpointError", "CheckpointSaveError", "JobFailed", "preflight",
+    "record_routing", "replay_routing", "RoutingRecording", "RoutingFile", "load_routing",
 ]

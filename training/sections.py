@@ -196,6 +196,11 @@ class DataConfig:
     global_batch_size: int = flag(8, "samples per optimizer step, all ranks together (gradient accumulation fills the"
                                   " rest)")
     seq_length: int = flag(256, "tokens per sample")
+    # routing replay (training.routing_replay; the file: training.routing_file)
+    moe_routing_replay_file: str | None = flag(None, "replay recorded expert choices: sample n routes each MoE layer's "
+                                               "tokens to this safetensors file's ids for sample n (recorded by "
+                                               "record_routing), the router's probabilities recomputed at them",
+                                               metavar="FILE")
     data_path: tuple[str, ...] = flag((), "PREFIX or W1 PREFIX1 W2 PREFIX2 ... (prepared with `moefold "
                                       "prepare-data`); default: built-in corpus", nargs="+")
     vocab_size: int | None = flag(None, "vocabulary of the built-in corpus (and the model); default: the recipe's")

@@ -37,8 +37,8 @@ from moefold.dispatch.flex_backend import FlexBackend
 from moefold.execution import apply_execution
 from moefold.models.layer_factory import is_moe_block
 from moefold.moe.expert_bias import update_expert_bias
-from moefold.moe.quantile_balancing import update_quantile_biases
 from moefold.moe.layer import MoEOutputInfo
+from moefold.moe.quantile_balancing import update_quantile_biases
 from moefold.parallel.dims import ParallelDims
 from moefold.pipeline import run_schedule
 from moefold.pipeline.decoder_stage import DecoderStage
@@ -64,6 +64,7 @@ from moefold.training.observe.expert_counts import ROUTER_SUMS, add_expert_count
 from moefold.training.observe.imbalance import LoadRatioWatch, micro_batch_load_ratio
 from moefold.training.observe.log_window import LogWindow
 from moefold.training.optim.qk_clip import clip_qk
+from moefold.training.routing_replay import open_replay_file, replay_routing, trainer_rows
 
 if TYPE_CHECKING:
     from moefold.training.data.sampler import Samples
@@ -169,6 +170,8 @@ class Trainer:
         self.stop_request: StopRequest | None = None
         self.deadline = None if t.exit_duration_in_mins is None else time.monotonic() + 60 * t.exit_duration_in_mins
         self.async_saver = AsyncCheckpointer(dims, self.log) if t.async_save and t.save else None
+        # --moe-routing-replay-file: every step replays the file's ids for its samples (training.routing_replay)
+        self.routing_file = open_replay_file(config)
 
     # ------------------------------------------------------------------------------- one step
     def _split(self, batch: Tensor) -> tuple[Tensor, Tensor]:
@@ -246,10 +249,39 @@ class Trainer:
         """The loss scale of this step (1 without ``--fp16``)."""
         return 1.0 if self.loss_scaler is None else self.loss_scaler.scale
 
-    def train_step(self, microbatches: list[Tensor]) -> StepResult:
-        """Forward/backward over this rank's ``num_micro`` micro-batches and one optimizer step. Collective."""
+    def _step_routing(self, routing: list[dict[int, Tensor]] | None) -> list[dict[int, Tensor]] | None:
+        """The step's replayed ids per micro-batch (``train_step``'s ``routing``, else the replay file's rows of this
+        rank's samples), or None: the routers choose."""
+        if routing is not None:
+            if len(routing) != self.num_micro:
+                raise ValueError(f"train_step got routing for {len(routing)} micro-batches, expected {self.num_micro}")
+            return routing
+        if self.routing_file is None:
+            return None
+        mb = self.config.train.micro_batch_size
+        return [self.routing_file.read(rows.start, rows.stop)
+                for rows in (trainer_rows(self.dims, m, mb, self.consumed_samples) for m in range(self.num_micro))]
+
+    def train_step(self, microbatches: list[Tensor], routing: list[dict[int, Tensor]] | None = None) -> StepResult:
+        """Forward/backward over this rank's ``num_micro`` micro-batches and one optimizer step. Collective.
+
+        ``routing``: routing replay (``training.routing_replay``), per micro-batch ``{MoE layer: int64 [mb, S, K]}``
+        global expert ids over the whole sequence (every MoE layer of the model; a stage uses its own); None: the
+        ``--moe-routing-replay-file`` rows of the step's samples, or the routers choose."""
         if len(microbatches) != self.num_micro:
             raise ValueError(f"train_step got {len(microbatches)} micro-batches, expected {self.num_micro}")
+        routing = self._step_routing(routing)
+        if routing is None:
+            return self._train_step(microbatches)
+        with replay_routing(self.model, routing, self.dims) as replayers:
+            result = self._train_step(microbatches)
+        short = {i: r.used for i, r in replayers.items() if r.used != self.num_micro}
+        if short:
+            raise RuntimeError(f"routing replay: MoE layers {sorted(short)} ran {sorted(set(short.values()))} forward "
+                               f"calls in the step, not one per micro-batch ({self.num_micro})")
+        return result
+
+    def _train_step(self, microbatches: list[Tensor]) -> StepResult:
         dims, step = self.dims, self.iteration
         self.model.train()
         self.sync.start_step(self.num_micro)
@@ -387,6 +419,8 @@ class Trainer:
         if graceful:
             self.finish_saves()
             self.optimizer.close()
+        if self.routing_file is not None:
+            self.routing_file.close()
         for owner in (self.sync, getattr(self.optimizer, "param_sync", None)):
             remove = getattr(owner, "remove_hooks", None)
             if remove is not None:

@@ -184,6 +184,7 @@ def _check_exportable(c: ModelConfig) -> None:
         "qwen3_next": qwen3_next.required(c),
     }.get(c.family, {})
     need = more.needs(c.family, need)   # + the families' features, off unless the family's HF class has them
+    need.setdefault("moe_latent_size", None)   # no HF MoE class of these families projects to a latent width
     if c.family != "qwen3_next":   # the hybrid-stack features only Qwen3-Next's HF class has
         need.update(layer_types=c.layer_types if set(c.layer_types or ()) <= {"full_attention"} else None,
                     attention_output_gate=False, norm_zero_centered_gamma=False)

@@ -39,7 +39,7 @@ READ = frozenset({
     "moe_z_loss_coeff", "moe_input_jitter_eps", "moe_router_dtype", "moe_expert_capacity_factor",
     "moe_token_drop_policy", "moe_pad_expert_input_to_capacity", "moe_router_force_load_balancing",
     "moe_apply_probs_on_input", "mtp_num_layers", "mtp_loss_scaling_factor", "softmax_type", "quick_geglu",
-    "glu_linear_offset", "activation_func_clamp_value",
+    "glu_linear_offset", "activation_func_clamp_value", "moe_router_quantile_balancing_ema", "moe_latent_size",
 })
 
 REFUSED: dict[str, tuple[Any, str]] = {
@@ -67,7 +67,6 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "heterogeneous_layers_config_path": (None, "heterogeneous layers"),
     "heterogeneous_layers_config_encoded_json": (None, "heterogeneous layers"),
     "spec": (None, "a custom layer spec"),
-    "moe_latent_size": (None, "a latent MoE"),
     "mrope_section": (None, "multimodal RoPE"),
     "use_legacy_models": (False, "a legacy (non-core) model"),
 }
@@ -264,7 +263,7 @@ def config_from_megatron(args: dict[str, Any], vocab_size: int, name: str = "meg
         norm_eps=float(_get(a, "layernorm_epsilon", 1e-5)), ffn_hidden_size=int(g("ffn_hidden_size") or 0),
         tie_word_embeddings=not g("untie_embeddings_and_output_weights", False),
         num_experts=experts, moe_ffn_hidden_size=int(g("moe_ffn_hidden_size") or g("ffn_hidden_size") or 0),
-        moe_topk=int(g("moe_router_topk") or 2), moe_score_function="softmax" if softmax else "sigmoid",
+        moe_topk=int(g("moe_router_topk") or 2), moe_score_function=str(g("moe_router_score_function") or "softmax"),
         moe_pre_softmax=pre, moe_norm_topk_prob=not (softmax and pre),
         moe_topk_scaling_factor=float(g("moe_router_topk_scaling_factor") or 1.0),
         moe_num_groups=g("moe_router_num_groups"), moe_group_topk=g("moe_router_group_topk"),
@@ -281,6 +280,8 @@ def config_from_megatron(args: dict[str, Any], vocab_size: int, name: str = "meg
         moe_pad_expert_input_to_capacity=bool(g("moe_pad_expert_input_to_capacity")),
         moe_router_force_load_balancing=bool(g("moe_router_force_load_balancing")),
         moe_apply_probs_on_input=bool(g("moe_apply_probs_on_input")),
+        moe_router_quantile_balancing_ema=float(g("moe_router_quantile_balancing_ema") or 0.0),
+        moe_latent_size=int(g("moe_latent_size")) if g("moe_latent_size") else None,
         mtp_num_layers=mtp, mtp_loss_scaling_factor=float(g("mtp_loss_scaling_factor", 0.1)),
     )
 
@@ -351,4 +352,8 @@ def megatron_args_from_config(c: ModelConfig) -> dict[str, Any]:
         "moe_router_force_load_balancing": c.moe_router_force_load_balancing,
         "moe_apply_probs_on_input": c.moe_apply_probs_on_input,
         "mtp_num_layers": c.mtp_num_layers or None, "mtp_loss_scaling_factor": c.mtp_loss_scaling_factor,
+        # Megatron-Core 0.18/0.19 arguments: written only when used, so older readers (0.16.1) see no new names
+        **({"moe_router_quantile_balancing_ema": c.moe_router_quantile_balancing_ema}
+           if c.moe_load_balancing_type == "quantile_balancing" else {}),
+        **({"moe_latent_size": c.moe_latent_size} if c.moe_latent_size else {}),
     }

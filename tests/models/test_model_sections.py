@@ -32,6 +32,8 @@ EARLIER_FIELDS = (
     "attention_sinks", "sliding_window_pattern", "moe_router_bias", "moe_expert_linear_bias", "moe_swiglu_alpha",
     "moe_activation_clamp", "moe_glu_linear_offset", "layer_types", "linear_attention", "attention_output_gate",
     "norm_zero_centered_gamma", "extra")
+# added since (issue 50): quantile balancing's EMA, latent experts
+ADDED_FIELDS = ("moe_router_quantile_balancing_ema", "moe_latent_size")
 
 
 def _earlier_router(c: ModelConfig, init_std: float) -> RouterConfig:
@@ -54,12 +56,14 @@ def _earlier_router(c: ModelConfig, init_std: float) -> RouterConfig:
 
 
 def test_every_earlier_flat_name_is_a_flat_name_and_saved_flat():
-    assert sorted(ModelConfig.FLAT_NAMES) == sorted(EARLIER_FIELDS)
+    assert sorted(ModelConfig.FLAT_NAMES) == sorted(EARLIER_FIELDS + ADDED_FIELDS)
     for name in RECIPES:
         config = get_recipe(name)
         saved = json.loads(json.dumps(config.to_dict()))
-        assert sorted(saved) == sorted(EARLIER_FIELDS), name   # the flat form every earlier moefold wrote and reads
+        assert sorted(saved) == sorted(EARLIER_FIELDS + ADDED_FIELDS), name   # the flat form, as moefold writes it
         assert ModelConfig.from_dict(saved) == config
+        earlier = {k: saved[k] for k in EARLIER_FIELDS}   # what an earlier moefold wrote: the added take defaults
+        assert ModelConfig.from_dict(earlier) == config
         nested = json.loads(json.dumps(dataclasses.asdict(config)))   # by section, as YAML may give it
         assert "moe" in nested and "moe_topk" not in nested and ModelConfig.from_dict(nested) == config
         assert ModelConfig(**{**saved, "moe": {"router": {"topk": 1}}, "moe_topk": 1}).moe.router.topk == 1
@@ -108,12 +112,14 @@ def test_model_flags_are_the_fields():
     from moefold.training.cli.model_flags import MODEL_FLAGS
 
     flags = {e.flag: e for e in MODEL_FLAGS}
-    assert len(flags) == len(MODEL_FLAGS) == 28 + 19   # the architecture flags, the router and run-time ones
+    # the architecture flags, the router and run-time ones (+ --moe-router-quantile-balancing-ema, --moe-latent-size)
+    assert len(flags) == len(MODEL_FLAGS) == 28 + 19 + 2
     topk = flags["--moe-router-topk"]
     assert (topk.field, topk.group, topk.type) == ("moe_topk", "model", int)
     score = flags["--moe-router-score-function"]
     field = next(f for f in dataclasses.fields(ModelRouter) if f.name == "score_function")
-    assert (score.help, score.choices, score.override) == (field.metadata["help"], ("softmax", "sigmoid"), False)
+    assert (score.help, score.choices, score.override) == (field.metadata["help"],
+                                                           ("softmax", "sigmoid", "sqrtsoftplus"), False)
     assert flags["--moe-z-loss-coeff"].override and flags["--moe-aux-loss-counts"].group == "megatron"
     assert flags["--q-lora-rank"].kinds == ("mla",) and flags["--kv-channels"].kinds == ("gqa",)
     for entry in MODEL_FLAGS:   # every flag sets a flat name of the model (or a field of its MLA sizes)

@@ -20,6 +20,10 @@ def validate(config: RunConfig, world_size: int, source: str | None = None) -> N
     the chosen GPU backends are installed. ``source``: how the world was chosen (``layout_errors.world_source``)."""
     sizes = validate_layout(config, world_size, source)
     check_backends(config, sizes.ep, sizes.etp)
+    if config.train.moe_routing_replay_file is not None:   # the file against the model and the run, then closed
+        from moefold.training.routing_replay import open_replay_file
+
+        open_replay_file(config).close()
     if config.train.compile and config.options.offload_modules:
         raise ValueError("--compile with --fine-grained-activation-offloading: the compiled blocks would not run the "
                          "saved-tensor hooks that offload their activations; drop one of them")
