@@ -106,9 +106,13 @@ class MoEExpertsOut:
 @dataclass(frozen=True)
 class MoERegions:
     """Where an MoE layer runs its parts (``dense.regions``): ``shared_experts`` the shared experts (Megatron's
-    ``shared_experts`` recompute and offload module). The routed experts own theirs (``ExpertsRegions``)."""
+    ``shared_experts`` recompute and offload module); ``router`` the router and ``preprocess`` the dispatcher's
+    local preparation (the CUDA graph scopes ``moe_router`` and ``moe_preprocess``). The routed experts own theirs
+    (``ExpertsRegions``)."""
 
     shared_experts: Region = PLAIN
+    router: Region = PLAIN
+    preprocess: Region = PLAIN
 
 
 class MoELayer(nn.Module):
@@ -168,8 +172,8 @@ class MoELayer(nn.Module):
         if self.latent_down is not None:   # the exchange and the experts at the latent width
             x_in_TH = self.latent_down(x_in_TH)
         # the combine weights each returned copy by its prob, unless the probs were applied to the input
-        sent, prep = self.dispatcher.prepare_dispatch(x_in_TH, routed.routing,
-                                                      weighted_combine=not self.apply_probs_on_input)
+        sent, prep = self.regions.preprocess(self.dispatcher.prepare_dispatch, x_in_TH, routed.routing,
+                                             weighted_combine=not self.apply_probs_on_input)
         return MoEDispatchStart(sent=sent, prep=prep, info=self._info(routed), split_tokens=split_tokens)
 
     def shared_step(self, x_SBH: Tensor) -> Tensor | None:
@@ -237,7 +241,7 @@ class MoELayer(nn.Module):
             if split_tokens:
                 seq_ids_T = seq_ids_T.chunk(self.tp)[group_rank(self.tp_group)]
             router_kw = {"seq_ids_T": seq_ids_T, "num_seqs": B}
-        routed = self.router(x_TH, global_state=global_state, generator=generator, **router_kw)
+        routed = self.regions.router(self.router, x_TH, global_state=global_state, generator=generator, **router_kw)
         if self._pad_multiple is not None:   # --moe-router-padding-for-quantization: the dispatch lays rows out padded
             routed = replace(routed, routing=replace(routed.routing, pad_multiple=self._pad_multiple))
         if self.apply_probs_on_input:  # top-1: scale the token, sum the copy unweighted
