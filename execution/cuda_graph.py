@@ -100,6 +100,10 @@ class CudaGraphPlan:
         if self.scopes and self.impl not in (CudaGraphImpl.LOCAL, CudaGraphImpl.TRANSFORMER_ENGINE):
             raise ValueError(f"--cuda-graph-modules {' '.join(sorted(s.value for s in self.scopes))} needs "
                              f"--cuda-graph-impl local or transformer_engine (got {self.impl.value})")
+        inner = {CudaGraphScope.MOE_ROUTER, CudaGraphScope.MOE_PREPROCESS}
+        if CudaGraphScope.MOE in self.scopes and self.scopes & inner:
+            raise ValueError("--cuda-graph-modules moe already captures the router and the dispatch preprocessing: "
+                             "give moe, or moe_router (moe_preprocess)")
         if CudaGraphScope.MOE_PREPROCESS in self.scopes and CudaGraphScope.MOE_ROUTER not in self.scopes:
             raise ValueError("--cuda-graph-modules moe_preprocess must be paired with moe_router (as in Megatron)")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 1:
@@ -167,14 +171,13 @@ def step_refusal(model: nn.Module) -> str | None:
 
 @dataclass(eq=False)
 class CallVariant:
-    """One call signature of a scope (its structure: which arguments are tensors, None, ...), with its own graphs:
-    the first micro-batch's router takes no global load state, the later ones do. ``state``: off CUDA, its static
-    buffers and recorded forward."""
+    """One call of a scope in a pass (a micro-batch's forward and backward) with its own graphs: ``spec`` fixes the
+    call's structure, host values and shapes. ``state``: off CUDA, its static buffers and recorded forward."""
 
     scope: GraphedScope
-    spec: CallSpec | None = None
-    sample: list[Tensor] = field(default_factory=list)
-    fn: Callable[..., Any] | None = None
+    spec: CallSpec
+    sample: list[Tensor]
+    fn: Callable[..., Any]
     runner: Callable[[Sequence[Tensor]], Any] | None = None
     state: StaticState | None = None
 
@@ -183,44 +186,44 @@ class CallVariant:
 
 
 class GraphedScope:
-    """A region (``region(fn, *args, **kwargs)``) whose calls replay graphs after the warm-up (module docstring), one
-    per call signature (``CallVariant``). ``owner``: the module whose ``training`` flag decides between graph and
-    eager; ``params``: the parameters its backward produces gradients for."""
+    """A region (``region(fn, *args, **kwargs)``) whose calls replay graphs after the warm-up (module docstring).
+    ``owner``: the module whose ``training`` flag decides between graph and eager; ``params``: the parameters its
+    backward produces gradients for. ``variants``: {(pass, call key): CallVariant} (``CudaGraphs``)."""
 
     def __init__(self, manager: CudaGraphs, name: str, owner: nn.Module, params: Sequence[nn.Parameter]) -> None:
         self.manager, self.name, self.owner, self.params = manager, name, owner, tuple(params)
-        self.variants: dict[Any, CallVariant] = {}
+        self.variants: dict[tuple[int, Any], CallVariant] = {}
 
     def __call__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not (torch.is_grad_enabled() and self.owner.training):
             return fn(*args, **kwargs)
         spec, leaves = flatten_call((args, kwargs))
-        v = self.variants.get(spec.key)
-        if v is None or v.runner is None:
-            warmup, steps = self.manager.plan.warmup_steps, self.manager.steps
-            if steps >= warmup:   # captured: every signature of a deterministic step ran in the warm-up
-                raise RuntimeError(f"CUDA graph scope {self.name}: cannot replay its graphs: {self._unseen(spec)}")
-            v = self.variants.setdefault(spec.key, CallVariant(self))
-            if steps == warmup - 1:   # the last warm-up step: record the static inputs (its first call: the order)
-                if not v.sample:
-                    self.manager.recorded.append(v)
-                v.spec, v.sample, v.fn = spec, [static_like(t) for t in leaves], fn
+        m = self.manager
+        pass_index = m.enter(self)
+        if not m.is_captured:
+            if m.steps == m.plan.warmup_steps - 1:   # the last warm-up step: record the static inputs
+                m.record(CallVariant(self, spec, [static_like(t) for t in leaves], fn), pass_index)
             return fn(*args, **kwargs)
+        v = self.variants.get((m.group.get(pass_index, -1), spec.key))
+        if v is None:
+            raise RuntimeError(f"CUDA graph scope {self.name}: cannot replay its graphs: "
+                               f"{self._unseen(spec, pass_index)}")
         why = v.spec.mismatch(spec)
         if why is not None:
             raise RuntimeError(f"CUDA graph scope {self.name}: cannot replay its graph: {why}")
         return v.runner(leaves)
 
-    def _unseen(self, spec: CallSpec) -> str:
-        """Why a call after the capture matches none of the warm-up's signatures (one phrase)."""
+    def _unseen(self, spec: CallSpec, pass_index: int) -> str:
+        """Why a call after the capture matches none of the warm-up's (one phrase)."""
+        if pass_index not in self.manager.group:
+            return f"micro-batch {pass_index} of the step was not in the warm-up step (more micro-batches?)"
         for v in self.variants.values():
-            if v.spec is not None and structure(v.spec.tree) == structure(spec.tree):
+            if structure(v.spec.tree) == structure(spec.tree):
                 return v.spec.mismatch(spec) or "a call signature the warm-up never made"
         return "a call signature the warm-up never made (a host value or an argument's presence changed)"
 
     def __repr__(self) -> str:
         return f"CUDA_GRAPH({self.name})"
-
 
 
 class _ScopeModule(nn.Module):
@@ -240,32 +243,63 @@ class _ScopeModule(nn.Module):
 
 
 class CudaGraphs:
-    """The per-scope graphs of one model: the installed scopes, the call variants recorded for the next capture."""
+    """The per-scope graphs of one model (module docstring).
+
+    Passes: a training step runs its micro-batches one after the other, each a *pass* over the scopes (forward,
+    then backward in reverse). A pass ends where a scope is called a second time; ``end_step`` ends the last. The
+    last warm-up step records every pass's calls; passes whose calls are equal (same scopes, order and keys) share
+    graphs (``group``: pass -> the first such pass), and every other pass (the first micro-batch's routers take no
+    global load state; micro-batch m's state counts m micro-batches) gets graphs of its own, as Megatron keeps
+    graphs per micro-batch. The graphs are captured in one call, pass after pass, into one memory pool: each pass
+    replays its graphs in the captured order, forward before backward, so no graph reuses memory another holds.
+    """
 
     def __init__(self, plan: CudaGraphPlan, device: torch.device) -> None:
         self.plan, self.device = plan, device
         self.scopes: list[GraphedScope] = []
-        self.recorded: list[CallVariant] = []
         self.captured = 0
         self.steps = 0
         self.on_cuda = device.type == "cuda"
-
-    def end_step(self) -> None:
-        """The trainer's step is over (forward and backward of every micro-batch): after the last warm-up step,
-        capture."""
-        self.steps += 1
-        if self.steps == self.plan.warmup_steps:
-            self.capture()
+        self.group: dict[int, int] = {}
+        self.is_captured = False
+        self._pass, self._in_pass = 0, set()
+        self._recorded: dict[int, list[CallVariant]] = {}
 
     def scope(self, name: str, owner: nn.Module, params: Iterable[nn.Parameter] = ()) -> GraphedScope:
         s = GraphedScope(self, name, owner, list(params))
         self.scopes.append(s)
         return s
 
+    def enter(self, scope: GraphedScope) -> int:
+        """The pass ``scope``'s call belongs to (a second call of a scope starts the next pass)."""
+        if id(scope) in self._in_pass:
+            self._pass, self._in_pass = self._pass + 1, set()
+        self._in_pass.add(id(scope))
+        return self._pass
+
+    def record(self, variant: CallVariant, pass_index: int) -> None:
+        self._recorded.setdefault(pass_index, []).append(variant)
+
+    def end_step(self) -> None:
+        """The trainer's step is over (forward and backward of every micro-batch): after the last warm-up step,
+        capture."""
+        self.steps += 1
+        self._pass, self._in_pass = 0, set()
+        if self.steps == self.plan.warmup_steps:
+            self.capture()
+
     def capture(self) -> None:
-        """Capture every recorded variant, in the order they ran, into one pool (CUDA), or give each its
-        static-buffer path (elsewhere)."""
-        todo, self.recorded = self.recorded, []
+        """Capture the recorded passes' graphs (CUDA), or give each variant its static-buffer path (elsewhere)."""
+        leaders: dict[tuple, int] = {}
+        todo: list[CallVariant] = []
+        for p, calls in sorted(self._recorded.items()):
+            signature = tuple((id(v.scope), v.spec.key) for v in calls)
+            self.group[p] = leaders.setdefault(signature, p)
+            for v in calls if self.group[p] == p else ():
+                if (p, v.spec.key) not in v.scope.variants:   # a scope called twice alike in a pass: one graph
+                    v.scope.variants[(p, v.spec.key)] = v
+                    todo.append(v)
+        self._recorded = {}
         if self.on_cuda:
             self._capture_cuda(todo)
         else:
@@ -275,6 +309,7 @@ class CudaGraphs:
         for v in todo:
             v.sample = []
         self.captured += len(todo)
+        self.is_captured = True
 
     def _capture_cuda(self, todo: list[CallVariant]) -> None:
         modules = tuple(_ScopeModule(v) for v in todo)
@@ -285,11 +320,18 @@ class CudaGraphs:
 
             graphed = make(modules, samples, num_warmup_iters=3, allow_unused_input=True)
         else:
-            pool = torch.cuda.graph_pool_handle()   # one pool for the graphs of this capture, replayed in its order
+            pool = torch.cuda.graph_pool_handle()   # one pool for every graph (class docstring)
             graphed = torch.cuda.make_graphed_callables(modules, samples, num_warmup_iters=3,
                                                         allow_unused_input=True, pool=pool)
         for v, m in zip(todo, graphed):
-            v.runner = lambda leaves, m=m: _rebuild(m(*leaves), m.out_spec)
+            v.runner = lambda leaves, m=m: _rebuild(_as_captured(m(*leaves), m.out_spec), m.out_spec)
+
+
+def _as_captured(outputs: Sequence[Tensor], spec: CallSpec) -> list[Tensor]:
+    """The graphed callable's outputs with the autograd state they had when captured: make_graphed_callables lets
+    every floating output require grad; one that did not (a detached statistic, a load state passed to the next
+    micro-batch) is detached again, so that the next call's inputs match the captured ones."""
+    return [o if meta.requires_grad else o.detach() for o, meta in zip(outputs, spec.tensors)]
 
 
 def _rebuild(outputs: Sequence[Tensor], spec: CallSpec | None) -> Any:

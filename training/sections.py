@@ -383,6 +383,9 @@ class ExecutionConfig:
         if modules and impl not in ("local", "transformer_engine"):
             raise ValueError(f"--cuda-graph-modules {' '.join(modules)} needs --cuda-graph-impl local or "
                              f"transformer_engine (got {impl}; full_iteration captures the whole step)")
+        if "moe" in modules and {"moe_router", "moe_preprocess"} & set(modules):
+            raise ValueError("--cuda-graph-modules moe already captures the router and the dispatch preprocessing: "
+                             "give moe, or moe_router (moe_preprocess)")
         if "moe_preprocess" in modules and "moe_router" not in modules:
             raise ValueError("--cuda-graph-modules moe_preprocess must be paired with moe_router (as in Megatron)")
         if not isinstance(self.cuda_graph_warmup_steps, int) or self.cuda_graph_warmup_steps < 1:

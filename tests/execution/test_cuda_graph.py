@@ -173,6 +173,8 @@ def test_plan_and_flag_refusals() -> None:
         ExecutionPlan(ModelOptions(recompute="selective"), cuda_graphs=local)
     with pytest.raises(ValueError, match=r"moe_preprocess must be paired with moe_router"):
         ExecutionConfig(cuda_graph_impl="local", cuda_graph_modules=("moe_preprocess",))
+    with pytest.raises(ValueError, match=r"moe already captures the router"):
+        ExecutionConfig(cuda_graph_impl="local", cuda_graph_modules=("moe", "moe_router"))
     with pytest.raises(ValueError, match=r"needs --cuda-graph-impl local or transformer_engine"):
         ExecutionConfig(cuda_graph_impl="full_iteration", cuda_graph_modules=("attn",))
     with pytest.raises(ValueError, match=r"--cuda-graph-warmup-steps=0"):
