@@ -323,8 +323,8 @@ class CudaGraphs:
             pool = torch.cuda.graph_pool_handle()   # one pool for every graph (class docstring)
             graphed = torch.cuda.make_graphed_callables(modules, samples, num_warmup_iters=3,
                                                         allow_unused_input=True, pool=pool)
-        for v, m in zip(todo, graphed):
-            v.runner = lambda leaves, m=m: _rebuild(_as_captured(m(*leaves), m.out_spec), m.out_spec)
+        for v, module, g in zip(todo, modules, graphed):   # (TE may hand back a wrapper: the spec stays ours)
+            v.runner = lambda leaves, g=g, mod=module: _rebuild(_as_captured(g(*leaves), mod.out_spec), mod.out_spec)
 
 
 def _as_captured(outputs: Sequence[Tensor], spec: CallSpec) -> list[Tensor]:

@@ -391,6 +391,12 @@ class ExecutionConfig:
         if not isinstance(self.cuda_graph_warmup_steps, int) or self.cuda_graph_warmup_steps < 1:
             raise ValueError(f"--cuda-graph-warmup-steps={self.cuda_graph_warmup_steps!r} must be an integer >= 1 "
                              "(the eager steps record the static inputs)")
+        if impl != "none" and (self.gradient_accumulation_fusion or self.compile):
+            raise ValueError(f"--cuda-graph-impl {impl} cannot be combined with "
+                             + ("--gradient-accumulation-fusion (on by default): the fused GEMMs decide on the host "
+                                "whether to write or add each micro-batch, state a replay does not update (pass "
+                                "--no-gradient-accumulation-fusion)" if self.gradient_accumulation_fusion else
+                                "--compile: torch.compile's own graphs and guards run outside a captured graph"))
         if impl != "none" and (self.overlap_moe_expert_parallel_comm or self.pipeline_schedule in
                                ("zb-h1", "zbv", "dualpipev")):
             raise ValueError(f"--cuda-graph-impl {impl} cannot be combined with the batch-level overlap or a "

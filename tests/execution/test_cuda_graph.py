@@ -180,7 +180,10 @@ def test_plan_and_flag_refusals() -> None:
     with pytest.raises(ValueError, match=r"--cuda-graph-warmup-steps=0"):
         ExecutionConfig(cuda_graph_impl="local", cuda_graph_warmup_steps=0)
     with pytest.raises(ValueError, match=r"batch-level overlap or a zero-bubble schedule"):
-        ExecutionConfig(cuda_graph_impl="local", pipeline_schedule="zb-h1")
+        ExecutionConfig(cuda_graph_impl="local", pipeline_schedule="zb-h1", gradient_accumulation_fusion=False)
+    with pytest.raises(ValueError, match=r"--cuda-graph-impl local cannot be combined with "
+                                         r"--gradient-accumulation-fusion \(on by default\)"):
+        ExecutionConfig(cuda_graph_impl="local")
     # the flags' names are the enums' values
     assert tuple(i.value for i in CudaGraphImpl) == CUDA_GRAPH_IMPLS
     assert tuple(s.value for s in CudaGraphScope if s is not S.LAYER) == CUDA_GRAPH_MODULES
@@ -198,7 +201,8 @@ def test_pipeline_and_param_gather_refused_before_the_model() -> None:
     config = tiny_config(cuda_graph_impl="full_iteration", fp16=True, gradient_accumulation_fusion=False)
     with pytest.raises(ValueError, match=r"full_iteration cannot be combined with --fp16"):
         cuda_graph_plan(config, dims)
-    assert cuda_graph_plan(tiny_config(ParallelConfig(), cuda_graph_impl="full_iteration"), dims).impl \
+    assert cuda_graph_plan(tiny_config(ParallelConfig(), cuda_graph_impl="full_iteration",
+                                       gradient_accumulation_fusion=False), dims).impl \
         is CudaGraphImpl.FULL_ITERATION
 
 
@@ -252,6 +256,18 @@ def test_trainer_steps_equal_eager(recipe: str, model: dict, impl: str, modules:
     assert g_losses == pytest.approx(losses, rel=1e-6)
     for name, p in params.items():
         torch.testing.assert_close(g_params[name], p, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_micro_batches_share_graphs_where_their_calls_are_equal() -> None:
+    """Qwen3's routers carry the global load state from micro-batch to micro-batch (None, then a count of 1, 2, 3
+    micro-batches): each of the 4 passes gets its own graphs (6 scopes x 4); Mixtral's calls are equal in every
+    micro-batch: one set of 6, replayed 4 times a step."""
+    modules = ("attn", "moe_router", "moe_preprocess")
+    for recipe, groups, graphs in (("qwen3_moe_tiny", {0: 0, 1: 1, 2: 2, 3: 3}, 24),
+                                   ("mixtral_tiny", {0: 0, 1: 0, 2: 0, 3: 0}, 6)):
+        _, _, trainer = _trainer_steps(recipe, "local", {}, steps=2, modules=modules)
+        g = trainer.execution.cuda_graphs
+        assert (g.group, g.captured, len(g.scopes)) == (groups, graphs, 6), recipe
 
 
 def test_full_iteration_step_has_no_host_sync_and_fixed_allocations() -> None:
