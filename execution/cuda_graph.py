@@ -314,6 +314,10 @@ class CudaGraphs:
     def _capture_cuda(self, todo: list[CallVariant]) -> None:
         modules = tuple(_ScopeModule(v) for v in todo)
         samples = tuple(tuple(v.sample) for v in todo)
+        # the capture's warm-up runs each forward more than once: a buffer that a forward updates in place (quantile
+        # balancing's accumulated quantiles) gets its value back afterwards
+        buffers = {id(b): b for v in todo for b in v.scope.owner.buffers()}
+        saved = [(b, b.clone()) for b in buffers.values()]
         if self.plan.impl is CudaGraphImpl.TRANSFORMER_ENGINE:
             # delegated, as Megatron does (TE imported only here)
             from transformer_engine.pytorch import make_graphed_callables as make
@@ -323,6 +327,8 @@ class CudaGraphs:
             pool = torch.cuda.graph_pool_handle()   # one pool for every graph (class docstring)
             graphed = torch.cuda.make_graphed_callables(modules, samples, num_warmup_iters=3,
                                                         allow_unused_input=True, pool=pool)
+        for b, value in saved:
+            b.copy_(value)
         for v, module, g in zip(todo, modules, graphed):   # (TE may hand back a wrapper: the spec stays ours)
             v.runner = lambda leaves, g=g, mod=module: _rebuild(_as_captured(g(*leaves), mod.out_spec), mod.out_spec)
 
