@@ -58,6 +58,7 @@ from moefold.models.config import ModelConfig
 from moefold.models.decoder import MoEDecoder
 from moefold.models.options import ModelOptions
 from moefold.parallel.dims import ParallelDims
+from moefold.precision.fp8 import FP8Backend
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,10 @@ class ExecutionPlan:
                                     "the RNG state on the host"),
             (bool(o.offload_modules), "--fine-grained-activation-offloading: its copies are driven by host-side "
                                       "bookkeeping per micro-batch"),
+            (o.fp8.backend is FP8Backend.TE and (o.fp8.format is not None or o.fp8.fp4 is not None),
+             "--fp8-backend te: Transformer Engine's autocast updates its amax histories and scales around every "
+             "forward, which only TE's own capture (its fp8 arguments, not wired here) keeps; torchao's FP8 is "
+             "captured"),
         )
         for blocked, why in blockers:
             if blocked:

@@ -30,6 +30,7 @@ from moefold.models.options import ModelOptions
 from moefold.models.recipes import get_recipe
 from moefold.moe.layer import MoELayer
 from moefold.parallel.dims import ParallelConfig
+from moefold.precision.fp8 import FP8Config
 from moefold.training.observe.host_sync import HostSyncCounter
 from moefold.training.sections import CUDA_GRAPH_IMPLS, CUDA_GRAPH_MODULES, ExecutionConfig
 
@@ -171,6 +172,8 @@ def test_plan_and_flag_refusals() -> None:
         ExecutionPlan(ModelOptions(), compile=True, cuda_graphs=local)
     with pytest.raises(ValueError, match=r"--recompute-granularity selective"):
         ExecutionPlan(ModelOptions(recompute="selective"), cuda_graphs=local)
+    with pytest.raises(ValueError, match=r"--fp8-backend te: Transformer Engine's autocast"):
+        ExecutionPlan(ModelOptions(fp8=FP8Config(format="e4m3", backend="te")), cuda_graphs=local)
     with pytest.raises(ValueError, match=r"moe_preprocess must be paired with moe_router"):
         ExecutionConfig(cuda_graph_impl="local", cuda_graph_modules=("moe_preprocess",))
     with pytest.raises(ValueError, match=r"moe already captures the router"):
