@@ -35,9 +35,11 @@ from moefold.dense.regions import (
 @dataclass(frozen=True)
 class BlockRegions:
     """Where a block runs its parts (``dense.regions``): ``body`` the whole block (full recompute), ``attn_norm`` /
-    ``mlp_norm`` the two norms (output regions: their consumers are the attention and the FFN), ``ffn`` the FFN."""
+    ``mlp_norm`` the two norms (output regions: their consumers are the attention and the FFN), ``attn`` the
+    attention module (a CUDA graph scope), ``ffn`` the FFN."""
 
     body: Region = PLAIN
+    attn: Region = PLAIN
     attn_norm: OutputRegion = field(default=KEEP_OUTPUT, metadata=OUTPUT_KIND)
     mlp_norm: OutputRegion = field(default=KEEP_OUTPUT, metadata=OUTPUT_KIND)
     ffn: Region = PLAIN
@@ -91,7 +93,8 @@ class TransformerBlock(nn.Module):
         # The residual stream stays in the activations' dtype (bf16 under --bf16): each add is exact in fp32
         # and rounded once, as Megatron-Core's default (fp32_residual_connection=False, bias-dropout-add in the
         # activations' dtype) and HF do; the norms read it in fp32 (dense.norm.rms_norm).
-        return x + self._after_norm(self.input_layernorm, x, lambda h: self.self_attn(h, position_ids),
+        return x + self._after_norm(self.input_layernorm, x,
+                                    lambda h: self.regions.attn(self.self_attn, h, position_ids),
                                     self.regions.attn_norm)
 
     def ffn_input(self, h: Tensor) -> tuple[Tensor, OpenedOutput]:

@@ -1,6 +1,7 @@
 """moefold.execution: the cross-cutting features, applied to a built model in one pass (TorchTitan's
 ``parallelize``): recompute, activation offload, FP8 linears, split backward, gradient-accumulation fusion, compile,
-FSDP2. Layers: ``models < execution < pipeline``; it may import parallel, precision, dense, dispatch, moe, models.
+CUDA graphs, FSDP2. Layers: ``models < execution < pipeline``; it may import parallel, precision, dense, dispatch,
+moe, models.
 
 Design: extension points low, implementations here
 ----------------------------------------------------
@@ -38,6 +39,9 @@ Implementations, one module per feature, in the order ``apply_execution`` runs t
 ``split_backward``          ``SplitLinearGemm``, ``install_weight_grad_store``
 ``grad_accumulation``       ``fused_linear``, ``enable_grad_accumulation_fusion``
 ``compile``                 ``compile_model`` (per block, MoE-aware)
+``graph_capture``           the scopes' flattened calls and static-buffer run (``StaticRun``)
+``cuda_graph``              ``--cuda-graph-impl local|transformer_engine``: ``apply_cuda_graphs``, refusals
+``step_graph``              ``--cuda-graph-impl full_iteration``: ``StepGraph``
 ``fsdp``                    ``shard_model`` (``fully_shard`` unit by unit)
 ``apply``                   ``ExecutionPlan``, ``apply_execution``, ``Execution`` (what it did)
 =========================== =========================================================================
@@ -46,18 +50,21 @@ Implementations, one module per feature, in the order ``apply_execution`` runs t
 from moefold.execution.activation_offload import OffloadedChunks, apply_activation_offload, offloaded_parts
 from moefold.execution.apply import Execution, ExecutionPlan, apply_execution, build_decoder
 from moefold.execution.compile import CompileReport, compile_model, compile_moe_layer, compile_unavailable
+from moefold.execution.cuda_graph import CudaGraphImpl, CudaGraphPlan, CudaGraphScope, apply_cuda_graphs
 from moefold.execution.fp8_linear import Float8LinearGemm, convert_linears_to_fp8, fp8_linear_names
 from moefold.execution.fsdp import FSDPPlan, FSDPSharding, fsdp_units, shard_model
 from moefold.execution.grad_accumulation import enable_grad_accumulation_fusion, fused_linear
 from moefold.execution.offloader import ActivationOffloader, OffloadRegion, host_allocation, is_host_allocation
 from moefold.execution.recompute import DISCARD_OUTPUT, FullRecompute, apply_recompute, full_recompute_groups
 from moefold.execution.split_backward import SplitLinearGemm, install_weight_grad_store, split_local_gemm
+from moefold.execution.step_graph import StepGraph
 
 __all__ = [
-    "DISCARD_OUTPUT", "ActivationOffloader", "CompileReport", "Execution", "ExecutionPlan", "FSDPPlan",
-    "FSDPSharding", "Float8LinearGemm", "FullRecompute", "OffloadRegion", "OffloadedChunks", "SplitLinearGemm",
-    "apply_activation_offload", "apply_execution", "apply_recompute", "build_decoder", "compile_model",
-    "compile_moe_layer", "compile_unavailable", "convert_linears_to_fp8", "enable_grad_accumulation_fusion",
-    "fp8_linear_names", "fsdp_units", "full_recompute_groups", "fused_linear", "host_allocation",
-    "install_weight_grad_store", "is_host_allocation", "offloaded_parts", "shard_model", "split_local_gemm",
+    "ActivationOffloader", "CompileReport", "CudaGraphImpl", "CudaGraphPlan", "CudaGraphScope", "DISCARD_OUTPUT",
+    "Execution", "ExecutionPlan", "FSDPPlan", "FSDPSharding", "Float8LinearGemm", "FullRecompute", "OffloadRegion",
+    "OffloadedChunks", "SplitLinearGemm", "StepGraph", "apply_activation_offload", "apply_cuda_graphs",
+    "apply_execution", "apply_recompute", "build_decoder", "compile_model", "compile_moe_layer", "compile_unavailable",
+    "convert_linears_to_fp8", "enable_grad_accumulation_fusion", "fp8_linear_names", "fsdp_units",
+    "full_recompute_groups", "fused_linear", "host_allocation", "install_weight_grad_store", "is_host_allocation",
+    "offloaded_parts", "shard_model", "split_local_gemm",
 ]

@@ -17,7 +17,11 @@ loaded. The order, and why:
    gradients go into the main-grad slots (the slots come from the trainer's ``GradSync`` later). Not with 4 (the
    plan refuses both) nor with FSDP2 (it owns the gradients).
 6. **compile** (``execution.compile``): ``torch.compile`` per block, tracing the regions and GEMMs in force.
-7. **FSDP2** (``execution.fsdp``): ``fully_shard`` unit by unit, last: its hooks must not be traced into compiled
+7. **CUDA graphs** (``execution.cuda_graph``, ``execution.step_graph``): ``local`` / ``transformer_engine`` install
+   a graphed region per ``--cuda-graph-modules`` scope, last of the regions so that it captures every GEMM and
+   region installed before; ``full_iteration`` hands the trainer a ``StepGraph``. Refused with 1, 2, 4, 5, 6 and 8
+   (``ExecutionPlan``): they keep host state or hooks that a replay would not run.
+8. **FSDP2** (``execution.fsdp``): ``fully_shard`` unit by unit, last: its hooks must not be traced into compiled
    code, and it replaces the parameters every earlier step saw. Collective.
 
 Every feature reaches a layer through the layer's own ``configure(...)`` (``dense.regions``; the MoE layer and its
@@ -35,29 +39,41 @@ import torch
 from moefold.dense.split_backward import WeightGradStore
 from moefold.execution.activation_offload import apply_activation_offload
 from moefold.execution.compile import CompileReport, compile_model
+from moefold.execution.cuda_graph import (
+    CudaGraphImpl,
+    CudaGraphPlan,
+    CudaGraphs,
+    apply_cuda_graphs,
+    impl_unavailable,
+    step_refusal,
+)
 from moefold.execution.fp8_linear import convert_linears_to_fp8
 from moefold.execution.fsdp import FSDPPlan, FSDPSharding, shard_model
 from moefold.execution.grad_accumulation import enable_grad_accumulation_fusion
 from moefold.execution.offloader import ActivationOffloader
 from moefold.execution.recompute import FullRecompute, apply_recompute
 from moefold.execution.split_backward import install_weight_grad_store
+from moefold.execution.step_graph import StepGraph
 from moefold.models.config import ModelConfig
 from moefold.models.decoder import MoEDecoder
 from moefold.models.options import ModelOptions
 from moefold.parallel.dims import ParallelDims
+from moefold.precision.fp8 import FP8Backend
 
 
 @dataclass(frozen=True)
 class ExecutionPlan:
     """What the pass applies. ``options``: the model's ``ModelOptions`` (recompute, offload and FP8 choices, each
     validated there); ``split_backward``: give the model a ``WeightGradStore``; ``grad_accumulation_fusion``: fused
-    weight-gradient GEMMs; ``compile``: ``torch.compile`` the blocks; ``fsdp``: shard with FSDP2 (None: no)."""
+    weight-gradient GEMMs; ``compile``: ``torch.compile`` the blocks; ``fsdp``: shard with FSDP2 (None: no);
+    ``cuda_graphs``: what to capture (``--cuda-graph-impl``; None: nothing)."""
 
     options: ModelOptions = field(default_factory=ModelOptions)
     split_backward: bool = False
     grad_accumulation_fusion: bool = False
     compile: bool = False
     fsdp: FSDPPlan | None = None
+    cuda_graphs: CudaGraphPlan | None = None
 
     def __post_init__(self) -> None:
         if self.split_backward and self.grad_accumulation_fusion:
@@ -66,12 +82,45 @@ class ExecutionPlan:
         if self.fsdp is not None and (self.compile or self.grad_accumulation_fusion):
             raise ValueError("ExecutionPlan: fsdp with compile or grad_accumulation_fusion: FSDP2 owns the "
                              "gradients, and its hooks must not be traced into compiled blocks")
+        why = self.cuda_graph_refusal()
+        if why is not None:
+            raise ValueError(why)
+
+    def cuda_graph_refusal(self) -> str | None:
+        """Why ``cuda_graphs`` cannot be captured with the other features (one line), or None."""
+        g = self.cuda_graphs
+        if g is None or g.impl is CudaGraphImpl.NONE:
+            return None
+        o, flag = self.options, f"--cuda-graph-impl {g.impl.value}"
+        blockers = (
+            (self.compile, "--compile: torch.compile's own graphs and guards run outside a captured graph"),
+            (self.fsdp is not None, "--use-torch-fsdp2: its hooks gather and free parameters on the host around "
+                                    "every unit"),
+            (self.split_backward, "split backward (zero-bubble schedules, --delay-wgrad-compute): the deferred "
+                                  "weight gradients run outside the captured backward"),
+            (self.grad_accumulation_fusion, "--gradient-accumulation-fusion: the fused weight-gradient GEMMs choose "
+                                            "on the host whether to write or add each micro-batch, state a replay "
+                                            "does not update (pass --no-gradient-accumulation-fusion)"),
+            (o.recompute != "none", f"--recompute-granularity {o.recompute}: checkpointed regions save and restore "
+                                    "the RNG state on the host"),
+            (bool(o.offload_modules), "--fine-grained-activation-offloading: its copies are driven by host-side "
+                                      "bookkeeping per micro-batch"),
+            (o.fp8.backend is FP8Backend.TE and (o.fp8.format is not None or o.fp8.fp4 is not None),
+             "--fp8-backend te: Transformer Engine's autocast updates its amax histories and scales around every "
+             "forward, which only TE's own capture (its fp8 arguments, not wired here) keeps; torchao's FP8 is "
+             "captured"),
+        )
+        for blocked, why in blockers:
+            if blocked:
+                return f"{flag} cannot be combined with {why}"
+        return impl_unavailable(g.impl)
 
 
 @dataclass
 class Execution:
     """What the pass did: the offloader (None without offloading), the weight-gradient store (None without split
-    backward), the compile report, the FP8 linears' and fused modules' names, the FSDP2 sharding."""
+    backward), the compile report, the FP8 linears' and fused modules' names, the FSDP2 sharding, the per-scope CUDA
+    graphs (``local``/``transformer_engine``) or the step's graph (``full_iteration``) the trainer runs its step in."""
 
     offloader: ActivationOffloader | None = None
     weight_store: WeightGradStore | None = None
@@ -79,6 +128,8 @@ class Execution:
     fp8_linears: list[str] = field(default_factory=list)
     fused: list[str] = field(default_factory=list)
     fsdp: FSDPSharding | None = None
+    cuda_graphs: CudaGraphs | None = None
+    step_graph: StepGraph | None = None
 
 
 def apply_execution(model: MoEDecoder, plan: ExecutionPlan, dims: ParallelDims | None = None, *,
@@ -102,6 +153,17 @@ def apply_execution(model: MoEDecoder, plan: ExecutionPlan, dims: ParallelDims |
         done.fused = enable_grad_accumulation_fusion(model)
     if plan.compile:
         done.compiled = compile_model(model, log=log)
+    g = plan.cuda_graphs
+    if g is not None and g.per_layer:
+        done.cuda_graphs = apply_cuda_graphs(model, g, device)
+    elif g is not None and g.impl is CudaGraphImpl.FULL_ITERATION:
+        why = step_refusal(model)
+        if why is not None:
+            raise ValueError(why)
+        done.step_graph = StepGraph(g.warmup_steps, device)
+    if g is not None and g.impl is not CudaGraphImpl.NONE and device.type != "cuda":
+        log(f"--cuda-graph-impl {g.impl.value} on {device.type}: no graphs; the capture-equivalent path (static "
+            "buffers copied in and out, eager)")
     if plan.fsdp is not None:
         done.fsdp = shard_model(model, dims, plan.fsdp)
     return done

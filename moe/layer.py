@@ -107,11 +107,14 @@ class MoEExpertsOut:
 @dataclass(frozen=True)
 class MoERegions:
     """Where an MoE layer runs its parts (``dense.regions``): ``shared_experts`` the shared experts (Megatron's
-    ``shared_experts`` recompute and offload module); ``routing`` where the router's expert choices come from and go
-    to (``moe.routing_replay.RoutingTap``: live, recorded or replayed). The routed experts own theirs
-    (``ExpertsRegions``)."""
+    ``shared_experts`` recompute and offload module); ``router`` the router and ``preprocess`` the dispatcher's
+    local preparation (the CUDA graph scopes ``moe_router`` and ``moe_preprocess``); ``routing`` where the router's
+    expert choices come from and go to (``moe.routing_replay.RoutingTap``: live, recorded or replayed). The routed
+    experts own theirs (``ExpertsRegions``)."""
 
     shared_experts: Region = PLAIN
+    router: Region = PLAIN
+    preprocess: Region = PLAIN
     routing: RoutingTap = field(default=LIVE_ROUTING, metadata={"kind": RoutingTap})
 
 
@@ -172,8 +175,8 @@ class MoELayer(nn.Module):
         if self.latent_down is not None:   # the exchange and the experts at the latent width
             x_in_TH = self.latent_down(x_in_TH)
         # the combine weights each returned copy by its prob, unless the probs were applied to the input
-        sent, prep = self.dispatcher.prepare_dispatch(x_in_TH, routed.routing,
-                                                      weighted_combine=not self.apply_probs_on_input)
+        sent, prep = self.regions.preprocess(self.dispatcher.prepare_dispatch, x_in_TH, routed.routing,
+                                             weighted_combine=not self.apply_probs_on_input)
         return MoEDispatchStart(sent=sent, prep=prep, info=self._info(routed), split_tokens=split_tokens)
 
     def shared_step(self, x_SBH: Tensor) -> Tensor | None:
@@ -245,7 +248,8 @@ class MoELayer(nn.Module):
         replayed_BSK = tap.replayed()
         if replayed_BSK is not None:
             router_kw["replayed_ids_TK"] = self._replayed_ids(replayed_BSK, S, B, x_TH.device)
-        routed = self.router(x_TH, global_state=global_state, generator=generator, **router_kw)
+        routed = self.regions.router(self.router, x_TH, global_state=global_state, generator=generator,
+                                     **router_kw)
         if tap.recording():
             tap.record(self._recorded_ids(routed.routing.expert_ids_TK, S, B))
         if self._pad_multiple is not None:   # --moe-router-padding-for-quantization: the dispatch lays rows out padded

@@ -28,7 +28,7 @@ if ! "$PY" -c "import moefold.tools.gpu.check" 2>/dev/null; then
   how="symlink shim on PYTHONPATH (the editable install failed: /tmp/moefold-gpu-check-pip.log)"
   shim=$(mktemp -d)
   mkdir -p "$shim/moefold"
-  for f in parallel precision dense moe dispatch pipeline models training planner tools; do ln -s "$PWD/$f" "$shim/moefold/$f"; done
+  for f in parallel precision dense moe dispatch models execution pipeline training planner tools; do ln -s "$PWD/$f" "$shim/moefold/$f"; done
   export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"
 fi
 echo "gpu_check.sh: moefold: $how"

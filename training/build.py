@@ -20,6 +20,7 @@ import torch
 from moefold.dispatch.config import DispatcherKind
 from moefold.dispatch.flex_backend import FlexBackend
 from moefold.execution import ExecutionPlan, FSDPPlan, FSDPSharding
+from moefold.execution.cuda_graph import CudaGraphImpl, CudaGraphPlan
 from moefold.models.decoder import MoEDecoder
 from moefold.models.options import ModelOptions
 from moefold.moe.router import Router
@@ -97,7 +98,38 @@ def execution_plan(config: RunConfig, dims: ParallelDims, *, accounting: bool = 
     fsdp = FSDPPlan(t.optimizer_precision().dtype("main_grads"), pipelined=dims.pp > 1) if t.use_torch_fsdp2 else None
     return ExecutionPlan(model_options(config), split_backward=split,
                          grad_accumulation_fusion=t.gradient_accumulation_fusion and not split and fsdp is None,
-                         compile=t.compile and not accounting, fsdp=None if accounting else fsdp)
+                         compile=t.compile and not accounting, fsdp=None if accounting else fsdp,
+                         cuda_graphs=None if accounting else cuda_graph_plan(config, dims))
+
+
+def cuda_graph_plan(config: RunConfig, dims: ParallelDims) -> CudaGraphPlan | None:
+    """``--cuda-graph-impl``'s plan, or None; ValueError (one line) for a run whose steps keep host state between
+    micro-batches that a replayed graph would not update (the model's own refusals: ``ExecutionPlan``,
+    ``execution.cuda_graph.moe_refusal``)."""
+    t = config.train
+    if t.cuda_graph_impl == "none":
+        return None
+    plan = CudaGraphPlan(CudaGraphImpl(t.cuda_graph_impl), frozenset(t.cuda_graph_modules), t.cuda_graph_warmup_steps)
+    full = plan.impl is CudaGraphImpl.FULL_ITERATION
+    blockers = (
+        (dims.pp > 1, f"pp={dims.pp}: a pipeline schedule keeps several micro-batches in flight, each needing its "
+                      "own static buffers, and exchanges activations between stages on the host's schedule"),
+        (t.overlap_param_gather, "--overlap-param-gather: each module's forward pre-hook waits on the host for its "
+                                 "parameters' all-gather"),
+        (full and t.fp16, "--fp16: the loss scale changes from step to step, and a captured step would keep the "
+                          "first one"),
+        (full and t.moe_max_load_ratio is not None, "--moe-max-load-ratio: the per-micro-batch loads are new "
+                                                    "tensors each step"),
+        (t.moe_routing_replay_file is not None, "--moe-routing-replay-file: each micro-batch replays its own recorded "
+                                                 "expert ids, which the host feeds to the router between steps"),
+        (full and t.overlap_grad_reduce and dims.world_size > 1,
+         "the overlapped gradient reduction: its buckets launch from hooks counting on the host (pass "
+         "--no-overlap-grad-reduce)"),
+    )
+    for blocked, why in blockers:
+        if blocked:
+            raise ValueError(f"--cuda-graph-impl {plan.impl.value} cannot be combined with {why}")
+    return plan
 
 
 def build_optimizer(model: MoEDecoder, config: RunConfig, dims: ParallelDims, sharding: FSDPSharding | None = None,

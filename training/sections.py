@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")   # the ones --exit-signal takes
 DATA_ORDERS = ("moefold", "megatron")
+# Megatron-Core 0.18's CUDA graph flags (execution.cuda_graph's CudaGraphImpl / CudaGraphScope: the same names)
+CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")
+CUDA_GRAPH_MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess")
 
 
 def _positive_ints(owner: object, *names: str) -> None:
@@ -333,6 +336,18 @@ class ExecutionConfig:
                                               "ones) straight into the fp32 main-grad buffer: no per-step zeroing "
                                               "pass, no separate gradient to add (--no-gradient-accumulation-fusion: "
                                               "autograd's gradients added into a zeroed buffer)", action="optional")
+    # CUDA graphs (execution.cuda_graph, execution.step_graph; docs/memory.md): Megatron-Core 0.18's flags
+    cuda_graph_impl: str = flag("none", "capture CUDA graphs: local (torch's make_graphed_callables per "
+                                "--cuda-graph-modules scope), transformer_engine (the same scopes through TE's), "
+                                "full_iteration (every micro-batch's forward and backward of a step in one graph; the "
+                                "optimizer outside); refused in one line where a part syncs with the host or changes "
+                                "shape", choices=CUDA_GRAPH_IMPLS)
+    cuda_graph_modules: tuple[str, ...] = flag((), "local/transformer_engine: the scopes captured in every layer "
+                                               "(default: the whole layer): attn, mlp (dense MLP), moe (the whole "
+                                               "MoE layer: padded/capacity or sync-free flex dispatch only), "
+                                               "moe_router, moe_preprocess (with moe_router)", nargs="+",
+                                               choices=CUDA_GRAPH_MODULES)
+    cuda_graph_warmup_steps: int = flag(3, "eager steps (calls of each scope) before the capture")
     # the expert-load max/mean the plan sized the experts' activations for (training.observe.imbalance)
     moe_max_load_ratio: float | None = flag(None, "the expert-load max/mean the plan sized the routed experts' "
                                             "activations for (moefold plan --moe-max-load-ratio): the run reports the"
@@ -350,9 +365,41 @@ class ExecutionConfig:
             raise ValueError("--compile cannot be combined with split backwards or the batch-level overlap (their "
                              "GEMMs defer weight gradients and their graphs are cut between sub-layers; torch's "
                              "zero-bubble schedules refuse compile too): drop --compile")
+        self._check_cuda_graphs()
         from moefold.training.observe.imbalance import check_max_load_ratio
 
         check_max_load_ratio(self.moe_max_load_ratio)
+
+    def _check_cuda_graphs(self) -> None:
+        object.__setattr__(self, "cuda_graph_modules", tuple(self.cuda_graph_modules))
+        impl, modules = self.cuda_graph_impl, tuple(self.cuda_graph_modules)
+        if impl not in CUDA_GRAPH_IMPLS:
+            raise ValueError(f"--cuda-graph-impl={impl!r}; valid: {', '.join(CUDA_GRAPH_IMPLS)}")
+        bad = [m for m in modules if m not in CUDA_GRAPH_MODULES]
+        if bad:
+            raise ValueError(f"--cuda-graph-modules {' '.join(map(str, bad))}: valid: {', '.join(CUDA_GRAPH_MODULES)}")
+        if modules and impl not in ("local", "transformer_engine"):
+            raise ValueError(f"--cuda-graph-modules {' '.join(modules)} needs --cuda-graph-impl local or "
+                             f"transformer_engine (got {impl}; full_iteration captures the whole step)")
+        if "moe" in modules and {"moe_router", "moe_preprocess"} & set(modules):
+            raise ValueError("--cuda-graph-modules moe already captures the router and the dispatch preprocessing: "
+                             "give moe, or moe_router (moe_preprocess)")
+        if "moe_preprocess" in modules and "moe_router" not in modules:
+            raise ValueError("--cuda-graph-modules moe_preprocess must be paired with moe_router (as in Megatron)")
+        if not isinstance(self.cuda_graph_warmup_steps, int) or self.cuda_graph_warmup_steps < 1:
+            raise ValueError(f"--cuda-graph-warmup-steps={self.cuda_graph_warmup_steps!r} must be an integer >= 1 "
+                             "(the eager steps record the static inputs)")
+        if impl != "none" and (self.gradient_accumulation_fusion or self.compile):
+            raise ValueError(f"--cuda-graph-impl {impl} cannot be combined with "
+                             + ("--gradient-accumulation-fusion (on by default): the fused GEMMs decide on the host "
+                                "whether to write or add each micro-batch, state a replay does not update (pass "
+                                "--no-gradient-accumulation-fusion)" if self.gradient_accumulation_fusion else
+                                "--compile: torch.compile's own graphs and guards run outside a captured graph"))
+        if impl != "none" and (self.overlap_moe_expert_parallel_comm or self.pipeline_schedule in
+                               ("zb-h1", "zbv", "dualpipev")):
+            raise ValueError(f"--cuda-graph-impl {impl} cannot be combined with the batch-level overlap or a "
+                             "zero-bubble schedule: several micro-batches' activations would share one graph's "
+                             "static buffers, and split backward runs weight gradients outside it")
 
 
 @dataclass(frozen=True)

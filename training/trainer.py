@@ -148,6 +148,7 @@ class Trainer:
         self.execution = apply_execution(self.model, execution_plan(config, dims), dims, log=self.log)
         self.weight_store = self.execution.weight_store   # split backward (zero-bubble, --delay-wgrad-compute)
         self.compiled = self.execution.compiled
+        self.step_graph = self.execution.step_graph   # --cuda-graph-impl full_iteration (execution.step_graph)
         self.overlap = OverlapConfig(t.delay_wgrad_compute, self.weight_store) if overlap else None
         self.routers = moe_routers(self.model)
         # every MoE layer of the model (all stages) in logging order; this stage fills its own rows
@@ -293,10 +294,14 @@ class Trainer:
         logged = torch.zeros(4 + STOP_FLAGS, dtype=torch.float64, device=self.device)
         if self.load_watch is not None:
             self._micro_loads = torch.zeros(self.num_micro, n_moe, E, dtype=torch.float64, device=self.device)
-        if self.pipeline is None:
+        if self.pipeline is None and self.step_graph is not None:   # static buffers in, accumulators out
+            self.step_graph.run(lambda mbs, acc: self._forward_backward(mbs, *acc), microbatches, [loads, logged[:4]])
+        elif self.pipeline is None:
             self._forward_backward(microbatches, loads, logged[:4])
         else:
             self._pipeline_forward_backward(microbatches, loads, logged[:4])
+        if self.execution.cuda_graphs is not None:   # --cuda-graph-impl local: captured after the warm-up steps
+            self.execution.cuda_graphs.end_step()
         write_stop_flags(logged[4:], self.stop_request, self.deadline)
         self.overlapped_buckets = self.sync.launched_early
         self.sync.finish()   # (the embedding's two pipeline copies get the summed gradient there)

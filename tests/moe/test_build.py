@@ -210,5 +210,5 @@ def test_experts_take_their_strategies_through_configure():
     layer = build_moe_layer(MoEConfig(E, RouterConfig(E, 2), ExpertsConfig(F), shared=SharedExpertsConfig(F)), H,
                             ParallelDims.single())
     with pytest.raises(ValueError, match=r"MoELayer.configure: 'moe_act' is not one of its regions "
-                                         r"\(shared_experts, routing\)"):
+                                         r"\(shared_experts, router, preprocess, routing\)"):
         layer.configure(moe_act=DISCARD_OUTPUT)

@@ -22,6 +22,9 @@ Each step is a subprocess in its own process group with its own timeout inside o
    the peak memory beside ``moefold plan``'s prediction for the same run;
 6. the MoE layer in bf16 with ``grouped_mm`` against a dense bf16 matmul of the same FLOPs (``bench moe-layer``);
    (the peers, HF transformers and TorchTitan on the same card, come after it);
+6b. CUDA graphs: training step time without graphs, with per-layer graphs (``--cuda-graph-impl local``, the whole
+   layer and Megatron's MoE scopes) and with the whole step in one graph (``full_iteration``), the losses equal
+   (``tools.gpu.graph_rows``: a small, launch-bound model; about 15 s);
 7. ``pytest -v tests/gpu`` (tests of libraries that are not installed skip themselves; with DeepEP V2 on >= 2
    GPUs its first use, the JIT build of its kernels, runs first in a budget line of its own);
 8. ``--compile`` on CUDA: the proxy run compiled and ``tests/gpu/test_compile_cuda.py``;
@@ -47,13 +50,14 @@ so.
 | host syncs (5 layer rows, one proxy step) | 20 (16) | 40 | 15 |
 | proxy training (4 runs of 5-6 steps, the planner after each) | 70 (53) | 100 | 40 |
 | MoE layer | 40 | 60 | 20 |
+| CUDA graphs (5 rows of 9 small steps) | 15 | 30 | 10 |
 | tests/gpu | 90 (21) | 100 | 40 |
 | --compile (proxy run of 4 steps 70, compile test 25) | 95 | 90 + 40 | 30 + 10 |
 | install (torchao's wheel) | 8 (27, five wheels) | 20 | 5 |
 | FP8 (3 runs of 6 steps) | 40 (38) | 50 | 20 |
 | peers (layer and step, after the installs) | 45 (33) | 60 + 50 | 15 + 10 |
 | after install (FP8 tests and layer rows) | 45 | 60 | 15 |
-| **total** | 484 estimated, **398** with the H200's seconds where measured, of 440 | | |
+| **total** | 499 estimated, **413** with the H200's seconds where measured, of 440 | | |
 | with DeepEP V2 and >= 2 GPUs: its JIT build, its tests, bench-dispatch | | 180, 120, 90 | 0 |
 
 A step that fails, times out or cannot run is recorded with the reason and the check goes on; a step is failed,
@@ -106,6 +110,7 @@ DEFAULT_INDEX = "https://pypi.org/simple/"
 PLAN: dict[str, tuple[str, float, float]] = {
     "environment": ("environment", 45, 0), "api": ("api", 20, 10), "parity": ("parity", 45, 20),
     "syncs": ("syncs", 40, 15), "train": ("train", 100, 40), "bench": ("bench", 60, 20),
+    "graphs": ("graphs", 30, 10),
     "deepep-jit": ("tests", 180, 0), "deepep-tests": ("tests", 120, 0), "tests": ("tests", 100, 40),
     "compile": ("compile", 90, 30), "compile-test": ("compile", 40, 10), "install": ("install", 20, 5),
     "fp8": ("fp8", 50, 20), "peers": ("peers", 60, 15), "peers-step": ("peers", 50, 10),
@@ -296,6 +301,18 @@ class Check:
         return self.cmd_step(name, cmd, line, summarize=lambda t: "\n".join(
             [ln for ln in t.splitlines() if ln.startswith(("device", "bf16 matmul"))] + [table_rows(t)]))
 
+    def cuda_graphs(self) -> Step:
+        """Step time without and with CUDA graphs (``tools.gpu.graph_rows``), no row started within 10 s of the
+        line's timeout."""
+        cap, reserve = self.limits("graphs")
+        timeout = self.budget.for_step(cap, reserve)
+        cmd = [self.python, "-m", "moefold.tools.gpu.graph_rows", "--device", self.device,
+               "--deadline", str(max(1, int(timeout - 10)))]
+        if self.rehearsal:
+            cmd += ["--size", "tiny", "--warmup", "1", "--steps", "1"]
+        return self.cmd_step("CUDA graphs", cmd, "graphs", summarize=lambda t: "\n".join(
+            ln for ln in t.splitlines() if ln.startswith(("device", "(not CUDA", "|"))))
+
     def peers(self) -> Step:
         """The MoE layer and a proxy training step beside HF transformers and TorchTitan on the same card
         (``tools.gpu.peers``); after the installs, so that a carried TorchTitan wheel imports."""
@@ -411,8 +428,8 @@ class Check:
 
 
 # in the order they run: first what needs nothing installed, then the installs and what they add
-STEPS = ("api", "parity", "syncs", "train", "bench", "tests", "compile", "install", "fp8", "peers", "after-install",
-         "dispatch")
+STEPS = ("api", "parity", "syncs", "train", "bench", "graphs", "tests", "compile", "install", "fp8", "peers",
+         "after-install", "dispatch")
 
 
 def arg_parser() -> argparse.ArgumentParser:
@@ -457,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"report: {check.out}")
         return 2
     plan = (("api", check.torch_api), ("parity", check.parity), ("syncs", check.syncs), ("train", check.training),
-            ("bench", check.moe_layer), ("tests", check.tests), ("compile", check.compiled), ("install", check.install),
+            ("bench", check.moe_layer), ("graphs", check.cuda_graphs), ("tests", check.tests),
+            ("compile", check.compiled), ("install", check.install),
             ("fp8", check.fp8), ("peers", check.peers), ("after-install", check.after_install),
             ("dispatch", check.dispatch))
     try:

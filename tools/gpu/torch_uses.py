@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]   # the checkout (tools/gpu/ is two folders down)
-FOLDERS = ("parallel", "precision", "dense", "moe", "dispatch", "pipeline", "models", "training", "planner", "tools")
+FOLDERS = ("parallel", "precision", "dense", "moe", "dispatch", "models", "execution", "pipeline", "training",
+           "planner", "tools")
 
 
 @dataclass

@@ -115,6 +115,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--no-overlap-grad-reduce", action="store_true",
                    help="reduce gradients after the backward instead of bucket by bucket during it")
     add_field_flags(t, ("gradient_accumulation_fusion", "overlap_param_gather"))
+    add_field_flags(t, ("cuda_graph_impl", "cuda_graph_modules", "cuda_graph_warmup_steps"))
     add_field_flags(t, ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype"))
     mu = p.add_argument_group("Muon (--optimizer muon: Muon for the matrices, AdamW for embeddings, output layer, "
                               "norms, routers, biases; Megatron's flags and defaults)")

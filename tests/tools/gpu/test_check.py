@@ -210,8 +210,8 @@ def test_budget_lines_reserve_the_floors_of_what_is_still_to_come(tmp_path):
     lines; DeepEP's lines, reached again from "after install", reserve only what comes after that step."""
     check = _check(tmp_path)
     floors = {k: v[2] for k, v in gpu_check.PLAN.items()}
-    after_train = sum(floors[k] for k in ("bench", "tests", "compile", "compile-test", "install", "fp8", "peers",
-                                          "peers-step", "after-install", "dispatch"))
+    after_train = sum(floors[k] for k in ("bench", "graphs", "tests", "compile", "compile-test", "install", "fp8",
+                                          "peers", "peers-step", "after-install", "dispatch"))
     assert check.limits("train") == (gpu_check.PLAN["train"][1], after_train)
     check.skip = frozenset({"tests", "compile"})
     assert check.limits("train")[1] == after_train - floors["tests"] - floors["compile"] - floors["compile-test"]

@@ -75,7 +75,7 @@ def test_gpu_check_rehearsal_runs_every_step_on_cpu(tmp_path):
     fp8 = "passed" if importlib.util.find_spec("torchao") is not None else "skipped"
     core = ("| environment | passed |", "| torch API | passed |", "| correct on CUDA | passed |",
             "| host syncs | passed |", "| proxy training | passed |", "| MoE layer bf16 vs dense | passed |",
-            "| tests | passed |", "| --compile | skipped |")
+            "| CUDA graphs | passed |", "| tests | passed |", "| --compile | skipped |")
     later = ("| install | passed |", f"| FP8 (torchao) | {fp8} |", "| peers (HF, TorchTitan) | passed |",
              "| after install | skipped |",
              "| bench-dispatch (NCCL) | skipped |")
