@@ -93,7 +93,10 @@ class TransformerBlock(nn.Module):
         # The residual stream stays in the activations' dtype (bf16 under --bf16): each add is exact in fp32
         # and rounded once, as Megatron-Core's default (fp32_residual_connection=False, bias-dropout-add in the
         # activations' dtype) and HF do; the norms read it in fp32 (dense.norm.rms_norm).
-        return x + self._after_norm(self.input_layernorm, x, lambda h: self.self_attn(h, position_ids, documents),
+        # documents go to the mixer only when there are some: a mixer without packed-document support keeps its
+        # (x, position_ids) signature
+        args = (position_ids,) if documents is None else (position_ids, documents)
+        return x + self._after_norm(self.input_layernorm, x, lambda h: self.self_attn(h, *args),
                                     self.regions.attn_norm)
 
     def ffn_input(self, h: Tensor) -> tuple[Tensor, OpenedOutput]:

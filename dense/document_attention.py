@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from moefold.dense.attention_kernels import CAUSAL, FULL, Window, attention_kernel, pad_head_dims
@@ -118,6 +119,7 @@ def document_calls(starts: tuple[tuple[int, ...], ...], seq_length: int, rank: i
                                                                              window, b))
 
 
+@torch.compiler.disable   # host planning from the starts: under --compile a graph break, not a guard per batch
 def document_attention(q: Tensor, k: Tensor, v: Tensor, documents: Documents, cp_group: Group = None, *,
                        cp_comm: str = "p2p", scale: float, sliding_window: int | None = None,
                        sinks: Tensor | None = None) -> Tensor:

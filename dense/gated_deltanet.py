@@ -331,16 +331,23 @@ class GatedDeltaNet(nn.Module):
         ``documents``, on each document alone (a zero initial state at every document's start)."""
         cache = self.cache
         if documents is not None:
-            rule = self._rule(q.device.type)
-            return torch.cat([torch.cat([rule(*(t[b:b + 1, s0:s1] for t in (q, k, v, g, beta)))[0]
-                                         for s0, s1 in documents.segments(b)], dim=1)
-                              for b in range(documents.batch)], dim=0)
+            return self._core_documents(q, k, v, g, beta, documents)
         if cache is None:
             return self._rule(q.device.type)(q, k, v, g, beta)[0]
         rule = recurrent_gated_delta_rule if q.shape[1] == 1 else self._rule(q.device.type)
         o, cache.state = rule(q, k, v, g, beta, initial_state=cache.state, output_final_state=True)
         return o
 
+    # the per-document loops run eagerly under --compile (a graph break, not a recompilation per batch's documents)
+    @torch.compiler.disable
+    def _core_documents(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                        documents: Documents) -> Tensor:
+        rule = self._rule(q.device.type)
+        return torch.cat([torch.cat([rule(*(t[b:b + 1, s0:s1] for t in (q, k, v, g, beta)))[0]
+                                     for s0, s1 in documents.segments(b)], dim=1)
+                          for b in range(documents.batch)], dim=0)
+
+    @torch.compiler.disable
     def _conv_documents(self, x_TBC: Tensor, documents: Documents, key_heads: slice) -> Tensor:
         """The causal convolution of each document alone (zero prefix at its start): ``[T, B, C]`` -> same."""
         return torch.cat([torch.cat([self.conv1d(x_TBC[s0:s1, b:b + 1], None, key_heads)[0]

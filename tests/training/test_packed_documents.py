@@ -48,6 +48,21 @@ def test_flags_reach_the_data_section_and_need_an_eod():
         Trainer(tiny_config(steps=1, **DOCS), ParallelDims.single())
 
 
+def test_the_eod_is_the_run_tokenizers_separator(tmp_path):
+    from moefold.training.data import tokenizer_path, train_bpe
+    from moefold.training.run import document_eod
+
+    prefix = tmp_path / "corpus"
+    tok = train_bpe(["a packed sample", "of documents"], 260)
+    tok.add_special_tokens(["</s>"])
+    tok.save(str(tokenizer_path(prefix)))
+    config = tiny_config(steps=1, data_path=(str(prefix),), **DOCS)
+    assert document_eod(config) == tok.token_to_id("<|endoftext|>") == 0   # the first separator it defines
+    assert document_eod(tiny_config(steps=1, data_path=(str(prefix),))) is None
+    with pytest.raises(ValueError, match="end-of-document token: give --tokenizer-type, or a --data-path prepared"):
+        document_eod(tiny_config(steps=1, data_path=(str(tmp_path / "none"),), **DOCS))
+
+
 def _losses(parallel: ParallelConfig, dims: ParallelDims | None, eod: int | None, options: ModelOptions | None = None,
             **train) -> list[float]:
     config = tiny_config(parallel, steps=2, model=MODEL, **train)
