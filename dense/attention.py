@@ -192,24 +192,32 @@ class GQAAttention(nn.Module):
         cos, sin = self.rotary(position_ids if documents is None else documents.rope_positions(position_ids, B))
         q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
         if self.config.max_logit and self.training:   # a recompute records the same values again: max is idempotent
-            self._record_max_logits(q, k, position_ids)
+            self._record_max_logits(q, k, position_ids, documents)
         return q, gate, k, v
 
     @torch.no_grad()
-    def _record_max_logits(self, q: Tensor, k: Tensor, position_ids: Tensor, block: int = 256) -> None:
+    def _record_max_logits(self, q: Tensor, k: Tensor, position_ids: Tensor, documents: Documents | None = None,
+                           block: int = 256) -> None:
         """``max_logits[h] = max(max_logits[h], max over b, i, j visible to i of scale * q_bhi . k_bgj)`` for q
-        ``[S, B, h, d]``, k ``[S, B, g, d]`` (causal, sliding window); query blocks of ``block`` rows bound the
-        scores' memory to ``B h block S``."""
+        ``[S, B, h, d]``, k ``[S, B, g, d]`` (causal, sliding window, inside packed ``documents``); query blocks of
+        ``block`` rows bound the scores' memory to ``B h block S``."""
         qf, kf = q.float().permute(1, 2, 0, 3), k.float().permute(1, 2, 0, 3)
         kf = kf.repeat_interleave(qf.shape[1] // kf.shape[1], dim=1)
         ahead = position_ids[:, None] - position_ids[None, :]
         visible = ahead >= 0
         if self.config.sliding_window is not None:
             visible &= ahead < self.config.sliding_window
+        doc = None
+        if documents is not None and documents.isolate:   # [B, S]: each token's document in its sample
+            doc = torch.stack([torch.searchsorted(torch.tensor(row, device=q.device), position_ids, right=True)
+                               for row in documents.starts])
         best = torch.full((qf.shape[1],), float("-inf"), device=q.device)
         for i in range(0, qf.shape[2], block):
             scores = (qf[:, :, i:i + block] @ kf.transpose(-1, -2)) * self.core.scale
-            scores = scores.masked_fill(~visible[i:i + block], float("-inf"))
+            seen = visible[i:i + block]
+            if doc is not None:
+                seen = (seen & (doc[:, i:i + block, None] == doc[:, None, :]))[:, None]
+            scores = scores.masked_fill(~seen, float("-inf"))
             best = torch.maximum(best, scores.amax(dim=(0, 2, 3)))
         self.max_logits = best if self.max_logits is None else torch.maximum(self.max_logits, best)
 

@@ -200,3 +200,26 @@ def test_gated_deltanet_restarts_at_each_document():
     (g_got,) = torch.autograd.grad(got, x, grad)
     (g_ref,) = torch.autograd.grad(ref, x, grad)
     assert (g_got - g_ref).abs().max().item() <= 16 * EPS32 * S ** 0.5 * g_ref.abs().max().item()
+
+
+def test_qk_clip_records_the_largest_logit_inside_documents():
+    """``max_logit`` (--qk-clip) sees the logits attention computes: none across documents."""
+    from moefold.dense.attention import GQAAttention
+    from moefold.dense.attention_config import AttentionConfig
+
+    torch.manual_seed(0)
+    attn = GQAAttention(AttentionConfig(hidden_size=32, num_heads=4, num_query_groups=2, max_logit=True))
+    starts, S = ((0, 5, 9), (0, 12)), 16
+    x = torch.randn(S, 2, 32) * 4
+    attn(x, torch.arange(S), Documents(starts, S))
+    packed = attn.max_logits
+    alone = []
+    for b, row in enumerate(starts):
+        for s0, s1 in zip(row, (*row[1:], S)):
+            attn.max_logits = None
+            attn(x[s0:s1, b:b + 1], torch.arange(s1 - s0))
+            alone.append(attn.max_logits)
+    assert torch.allclose(packed, torch.stack(alone).amax(0), rtol=1e-6, atol=0)
+    attn.max_logits = None
+    attn(x, torch.arange(S))
+    assert (attn.max_logits > packed).any()   # across documents there is a larger one: the test sees it
