@@ -2,6 +2,7 @@
 
     python benchmarks/packed_documents.py                               # S = 2048, 4096, 8192, documents ~512
     python benchmarks/packed_documents.py --seqs 4096 16384 --window 256 --cpu-time
+    python benchmarks/packed_documents.py --seqs 4096 --window 256 --profile     # where the documents' time goes
 
 Both compute causal attention inside the documents of one packed sample (lengths drawn around ``--doc-length``,
 seeded): ``documents`` is ``dense.document_attention`` (what ``--reset-attention-mask`` runs: flash-kernel calls
@@ -95,6 +96,29 @@ def child(args) -> None:
     print(json.dumps({"ms": 1e3 * statistics.median(times), "peak_mib": peak / 2**20, "documents": len(starts)}))
 
 
+def profile(args) -> None:
+    from torch.profiler import profile as torch_profile
+
+    from moefold.dense.document_attention import document_attention, document_calls
+    from moefold.dense.documents import Documents
+
+    S = args.seqs[0]
+    starts = _documents(S, args.doc_length)
+    q, k, v = _inputs(args, S)
+    docs = Documents((starts,), S)
+    calls = document_calls(docs.starts, S, 0, 1, None, args.window)
+    print(f"# S={S}, {len(starts)} documents, window {args.window}: {len(calls)} kernel calls")
+    for _ in range(2):   # warm-up, then the profiled run
+        with torch_profile() as prof:
+            start = time.perf_counter()
+            out = document_attention(q, k, v, docs, scale=args.head_dim ** -0.5, sliding_window=args.window)
+            middle = time.perf_counter()
+            out.sum().backward()
+            end = time.perf_counter()
+    print(f"# forward {1e3 * (middle - start):.1f} ms, backward {1e3 * (end - middle):.1f} ms (wall, profiled)")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--seqs", type=int, nargs="+", default=[2048, 4096, 8192])
@@ -105,12 +129,17 @@ def main() -> None:
     p.add_argument("--window", type=int, default=None, help="sliding window (default: none)")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--cpu-time", action="store_true", help="process CPU time instead of wall clock")
+    p.add_argument("--profile", action="store_true",
+                   help="instead: torch.profiler's table of one documents forward + backward at the first --seqs")
     p.add_argument("--child", choices=("documents", "dense mask"), help=argparse.SUPPRESS)
     p.add_argument("--child-seq", type=int, help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         child(args)
+        return
+    if args.profile:
+        profile(args)
         return
     import tempfile
 
