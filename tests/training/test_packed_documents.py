@@ -63,6 +63,24 @@ def test_the_eod_is_the_run_tokenizers_separator(tmp_path):
         document_eod(tiny_config(steps=1, data_path=(str(tmp_path / "none"),), **DOCS))
 
 
+def test_validation_reads_the_documents():
+    """``evaluate`` runs the micro-batches the trainer makes: with documents and the EOD loss mask."""
+    import torch
+
+    from moefold.dense.documents import packed_documents
+    from moefold.training.evaluate import evaluate
+
+    trainer = Trainer(tiny_config(steps=1, model=MODEL, **DOCS), ParallelDims.single(), eod_token=EOD,
+                      log=lambda _m: None)
+    data = packed_data(4)
+    expected = []
+    for row in torch.from_numpy(data):
+        ids, labels = row[None, :-1], row[None, 1:]
+        docs = packed_documents(ids, EOD, reset_position_ids=True, reset_attention_mask=True)
+        expected.append(trainer.model(ids, labels, (ids != EOD).float(), documents=docs).lm_loss.item())
+    assert abs(evaluate(trainer, data, 1).loss_lm - sum(expected) / 4) <= 1e-6
+
+
 def _losses(parallel: ParallelConfig, dims: ParallelDims | None, eod: int | None, options: ModelOptions | None = None,
             **train) -> list[float]:
     config = tiny_config(parallel, steps=2, model=MODEL, **train)
