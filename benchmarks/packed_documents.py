@@ -68,6 +68,8 @@ def child(args) -> None:
     from moefold.dense.document_attention import document_attention
     from moefold.dense.documents import Documents
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     S = args.child_seq
     starts = _documents(S, args.doc_length)
     q, k, v = _inputs(args, S)
@@ -129,6 +131,7 @@ def main() -> None:
     p.add_argument("--window", type=int, default=None, help="sliding window (default: none)")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--cpu-time", action="store_true", help="process CPU time instead of wall clock")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--profile", action="store_true",
                    help="instead: torch.profiler's table of one documents forward + backward at the first --seqs")
     p.add_argument("--child", choices=("documents", "dense mask"), help=argparse.SUPPRESS)
@@ -157,7 +160,7 @@ def main() -> None:
                 path = f"{tmp}/{method.replace(' ', '_')}_{S}.pt"
                 flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                          if k in ("doc_length", "heads", "kv_heads", "head_dim", "iters") or
-                         (k == "window" and v is not None)]
+                         (k in ("window", "threads") and v is not None)]
                 cmd = [sys.executable, __file__, *flags, "--child", method, "--child-seq", str(S), "--child-out", path]
                 if args.cpu_time:
                     cmd.append("--cpu-time")
