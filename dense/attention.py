@@ -209,8 +209,7 @@ class GQAAttention(nn.Module):
             visible &= ahead < self.config.sliding_window
         doc = None
         if documents is not None and documents.isolate:   # [B, S]: each token's document in its sample
-            doc = torch.stack([torch.searchsorted(torch.tensor(row, device=q.device), position_ids, right=True)
-                               for row in documents.starts])
+            doc = documents.document_ids(position_ids)
         best = torch.full((qf.shape[1],), float("-inf"), device=q.device)
         for i in range(0, qf.shape[2], block):
             scores = (qf[:, :, i:i + block] @ kf.transpose(-1, -2)) * self.core.scale

@@ -56,6 +56,12 @@ class Documents:
         row = self.starts[b]
         return list(zip(row, (*row[1:], self.seq_length)))
 
+    def document_ids(self, position_ids: Tensor) -> Tensor:
+        """``[B, S]`` int64: the index, within its sample, of the document holding each global position of
+        ``position_ids [S]`` (positions past the sample's end: its last document)."""
+        starts = [torch.tensor(row).to(position_ids.device, non_blocking=True) for row in self.starts]
+        return torch.stack([torch.searchsorted(row, position_ids, right=True) - 1 for row in starts])
+
     def rope_positions(self, position_ids: Tensor, batch: int) -> Tensor:
         """What RoPE reads: ``position_ids [S]`` (global), or the restarted ``[S, B]`` ones."""
         if self.positions is None:

@@ -370,10 +370,14 @@ class MoEDecoder(nn.Module):
         shares, logs, infos = [], {}, {}
         hidden = normed
         ids, labels, mask = ids_SB, labels_SB, mask_SB
+        doc = None if documents is None or not documents.isolate else documents.document_ids(position_ids).t()
         for k, module in enumerate(self.mtp, start=1):
             ids = shift_left(ids, 1, 0, cp_group, cp_rank)
             labels = shift_left(labels, 1, 0, cp_group, cp_rank)
             mask = shift_left(mask, 1, 0.0, cp_group, cp_rank)
+            if doc is not None:   # a token k on in the next document: as past a lone document's end (id 0, no loss)
+                crossed = documents.document_ids(position_ids + k).t() != doc
+                ids, mask = ids.masked_fill(crossed, 0), mask.masked_fill(crossed, 0.0)
             embedded = self.embed_tokens(ids.contiguous())
             hidden, extra = module(hidden, embedded, position_ids, documents,
                                    **self._ffn_kwargs(module.index, global_states))

@@ -2,12 +2,15 @@
 
 - world 1: a packed batch (two samples of 3 and 4 documents) equals each document run alone, logits, loss and
   every parameter's gradient, for sliding window + sinks + GQA (gpt_oss), MLA (deepseek_v3) and Gated DeltaNet
-  (qwen3_next); without documents the logits differ (the test sees attention across documents);
+  (qwen3_next); without documents the logits differ (the test sees attention across documents); MTP's depths
+  predict inside documents only (each depth's loss);
 - in ONE 4-rank world: tp2 (SP), cp2 (p2p ring and all-gather), tp2 x cp2, cp4 and pp2 equal world 1's packed
   batch (logits; loss and reduced gradients except pp2, whose stages are joined by point-to-point here).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -22,7 +25,7 @@ from moefold.pipeline.p2p import TensorSpec, recv_forward, send_forward
 from moefold.pipeline.stages import StageLayout
 from moefold.training.optim.grad_sync import GradSync
 from tests.distributed import run_distributed
-from tests.models.documents_common import FAMILIES, config, inputs, one_by_one, packed_tokens
+from tests.models.documents_common import FAMILIES, LENGTHS, config, inputs, one_by_one, packed_tokens
 from tests.tolerance import EPS32, assert_within_fp32_noise
 
 
@@ -53,6 +56,32 @@ def test_packed_batch_equals_each_document_alone():
             if n in grads:
                 limit = 64 * EPS32 * max(p.grad.abs().max().item(), 1e-30)
                 assert (grads[n] - p.grad).abs().max().item() <= limit, (name, n)
+
+
+def test_mtp_predictions_stay_inside_documents():
+    """DeepSeek-V3's MTP (2 depths): a token k on in the next document is what lies past a lone document's end
+    (no input, no loss): each depth's packed mean equals the documents' own, weighted by their tokens."""
+    cfg = config("deepseek_v3_tiny").with_(mtp_num_layers=2)
+    model = MoEDecoder(cfg, ParallelDims.single())
+    model.init_weights(7)
+    tokens = packed_tokens()
+    ids, labels, mask, docs = inputs(tokens)
+    packed = model(ids, labels, mask, documents=docs).losses
+    sums, counts = [0.0, 0.0], [0.0, 0.0]
+    for b, lengths in enumerate(LENGTHS):
+        start = 0
+        for n in lengths:
+            rows = slice(start, start + n)
+            alone = model(ids[b:b + 1, rows], labels[b:b + 1, rows], mask[b:b + 1, rows]).losses
+            for k in (1, 2):
+                c = mask[b, start + k:start + n].sum().item()
+                sums[k - 1] += alone[f"mtp_{k}"].item() * c
+                counts[k - 1] += c
+            start += n
+    for k in (1, 2):
+        assert abs(packed[f"mtp_{k}"].item() - sums[k - 1] / counts[k - 1]) <= 64 * EPS32 * packed[f"mtp_{k}"].item()
+    crossing = model(ids, labels, mask, documents=dataclasses.replace(docs, isolate=False)).losses   # the test sees it
+    assert abs(crossing["mtp_1"].item() - packed["mtp_1"].item()) > 1e-4
 
 
 LAYOUTS = {   # label -> (ParallelConfig kwargs, ModelOptions kwargs, families)

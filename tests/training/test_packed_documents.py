@@ -20,7 +20,7 @@ from tests.training.trainer_common import SEQ, run, tiny_config
 
 EOD = 0
 DOCS = {"reset_position_ids": True, "reset_attention_mask": True, "eod_mask_loss": True}
-MODEL = {"mtp_num_layers": 0}   # deepseek_v3_tiny's MLA and MoE; MTP's shifted tokens cross documents
+MODEL = {"mtp_num_layers": 2}   # deepseek_v3_tiny's MLA, MoE and MTP (its depths predict inside documents)
 
 
 def packed_data(num_samples: int = 32) -> np.ndarray:
