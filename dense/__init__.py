@@ -1,5 +1,6 @@
 """The dense transformer stack: TP/SP linear layers, embeddings and loss, norms, RoPE, attention, CP, MLP, Gated
-DeltaNet linear attention; the regions each layer runs its parts through (``dense.regions``, which
+DeltaNet linear attention, documents packed in a sample (``dense.documents``, ``dense.document_attention``); the
+regions each layer runs its parts through (``dense.regions``, which
 ``moefold.execution`` fills with recompute and offloading) and the names and checks of those choices; the
 weight-gradient store and main-grad slots the splitting and fusing GEMMs share, and the reused CPU buffers their
 main-grad writes take (``dense.workspace``)."""
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     )
     from moefold.dense.core_attention import CoreAttention, local_attention
     from moefold.dense.cross_entropy import masked_mean, vocab_parallel_cross_entropy
+    from moefold.dense.document_attention import document_attention
+    from moefold.dense.documents import Documents, packed_documents
     from moefold.dense.embedding import OutputHead, VocabParallelEmbedding, check_vocab, pad_vocab_size
     from moefold.dense.gated_delta_rule import (
         GATED_DELTA_RULE_BACKENDS,
@@ -62,6 +65,8 @@ _LAZY = {
                      "split_for_context_parallel"], "moefold.dense.context_parallel"),
     **dict.fromkeys(["CoreAttention", "local_attention"], "moefold.dense.core_attention"),
     **dict.fromkeys(["masked_mean", "vocab_parallel_cross_entropy"], "moefold.dense.cross_entropy"),
+    "document_attention": "moefold.dense.document_attention",
+    **dict.fromkeys(["Documents", "packed_documents"], "moefold.dense.documents"),
     **dict.fromkeys(["OutputHead", "VocabParallelEmbedding", "check_vocab", "pad_vocab_size"],
                     "moefold.dense.embedding"),
     **dict.fromkeys(["GATED_DELTA_RULE_BACKENDS", "chunk_gated_delta_rule", "gated_delta_rule_impl",
@@ -101,6 +106,8 @@ __all__ = [
     "AttentionConfig", "MLAConfig", "GQAAttention", "MLAttention", "CoreAttention", "local_attention",
     "CP_COMM_MODES", "split_for_context_parallel", "context_parallel_positions", "gather_from_context_parallel",
     "check_context_parallel_seq_length", "context_parallel_attention", "position_mask",
+    # documents packed in a sample (--reset-attention-mask, --reset-position-ids)
+    "Documents", "packed_documents", "document_attention",
     # linear attention (Qwen3-Next)
     "GatedDeltaNet", "GatedDeltaNetConfig", "RecurrentCache", "GATED_DELTA_RULE_BACKENDS", "chunk_gated_delta_rule",
     "recurrent_gated_delta_rule", "gated_delta_rule_impl",

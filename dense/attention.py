@@ -39,6 +39,7 @@ from torch.func import functional_call
 
 from moefold.dense.attention_config import AttentionConfig
 from moefold.dense.core_attention import CoreAttention
+from moefold.dense.documents import Documents
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
 from moefold.dense.norm import RMSNorm
 from moefold.dense.regions import CHECKPOINT, PLAIN, Region, recomputes, replace_regions
@@ -67,11 +68,12 @@ class AttentionRegions:
 
 
 class GQAAttention(nn.Module):
-    """forward(x ``[S/tp, B, H]`` with SP else ``[S, B, H]``, position_ids ``[S]``) -> same shape as x.
+    """forward(x ``[S/tp, B, H]`` with SP else ``[S, B, H]``, position_ids ``[S]``, documents) -> same shape as x.
 
     ``S`` is this rank's sequence (its CP part: ``position_ids`` are the true global positions,
-    int64). Crosses ranks: tp (input all-gather / output reduce-scatter under SP, else the
-    column/row region all-reduces) and cp (K/V exchange, see ``dense.context_parallel``).
+    int64). ``documents`` (``dense.documents``, or None): attention inside each packed document, RoPE at the
+    restarted positions when it carries them. Crosses ranks: tp (input all-gather / output reduce-scatter under
+    SP, else the column/row region all-reduces) and cp (K/V exchange, see ``dense.context_parallel``).
     """
 
     def __init__(self, config: AttentionConfig, tp_group: Group = None, cp_group: Group = None, *,
@@ -176,7 +178,8 @@ class GQAAttention(nn.Module):
         k_all = self._projection_norm(self.k_norm, k_all.view(S, B, self.config.kv_heads, d), 0, False)
         return q, gate, k_all[:, :, self.kv_head_index:self.kv_head_index + 1]
 
-    def _project_in(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+    def _project_in(self, x: Tensor, position_ids: Tensor, documents: Documents | None = None,
+                    ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
         """The ``qkv_linear`` part: (q, output gate, k, v), q and k with RoPE."""
         # one all-gather (SP) or one region entry for q, k and v together; see ColumnParallelLinear
         x = all_gather_sequence(x, self.tp_group, 0) if self.sequence_parallel else copy_to_region(x, self.tp_group)
@@ -186,27 +189,34 @@ class GQAAttention(nn.Module):
                              "(one global position per token of this rank's sequence, before the SP split)")
         q, gate, k = self._qk(x, S, B)
         v = self._project_kv(self.v_proj, x).view(S, B, self.local_kv_heads, self.head_dim)
-        cos, sin = self.rotary(position_ids)
+        cos, sin = self.rotary(position_ids if documents is None else documents.rope_positions(position_ids, B))
         q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
         if self.config.max_logit and self.training:   # a recompute records the same values again: max is idempotent
-            self._record_max_logits(q, k, position_ids)
+            self._record_max_logits(q, k, position_ids, documents)
         return q, gate, k, v
 
     @torch.no_grad()
-    def _record_max_logits(self, q: Tensor, k: Tensor, position_ids: Tensor, block: int = 256) -> None:
+    def _record_max_logits(self, q: Tensor, k: Tensor, position_ids: Tensor, documents: Documents | None = None,
+                           block: int = 256) -> None:
         """``max_logits[h] = max(max_logits[h], max over b, i, j visible to i of scale * q_bhi . k_bgj)`` for q
-        ``[S, B, h, d]``, k ``[S, B, g, d]`` (causal, sliding window); query blocks of ``block`` rows bound the
-        scores' memory to ``B h block S``."""
+        ``[S, B, h, d]``, k ``[S, B, g, d]`` (causal, sliding window, inside packed ``documents``); query blocks of
+        ``block`` rows bound the scores' memory to ``B h block S``."""
         qf, kf = q.float().permute(1, 2, 0, 3), k.float().permute(1, 2, 0, 3)
         kf = kf.repeat_interleave(qf.shape[1] // kf.shape[1], dim=1)
         ahead = position_ids[:, None] - position_ids[None, :]
         visible = ahead >= 0
         if self.config.sliding_window is not None:
             visible &= ahead < self.config.sliding_window
+        doc = None
+        if documents is not None and documents.isolate:   # [B, S]: each token's document in its sample
+            doc = documents.document_ids(position_ids)
         best = torch.full((qf.shape[1],), float("-inf"), device=q.device)
         for i in range(0, qf.shape[2], block):
             scores = (qf[:, :, i:i + block] @ kf.transpose(-1, -2)) * self.core.scale
-            scores = scores.masked_fill(~visible[i:i + block], float("-inf"))
+            seen = visible[i:i + block]
+            if doc is not None:
+                seen = (seen & (doc[:, i:i + block, None] == doc[:, None, :]))[:, None]
+            scores = scores.masked_fill(~seen, float("-inf"))
             best = torch.maximum(best, scores.amax(dim=(0, 2, 3)))
         self.max_logits = best if self.max_logits is None else torch.maximum(self.max_logits, best)
 
@@ -217,9 +227,9 @@ class GQAAttention(nn.Module):
             out = output_gate(out, gate.reshape(S, B, -1))
         return self.o_proj(out)
 
-    def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
-        q, gate, k, v = self.regions.qkv_linear(self._project_in, x, position_ids)
-        out = self.regions.core_attn(self.core, q, k, v, position_ids, self.sinks)
+    def forward(self, x: Tensor, position_ids: Tensor, documents: Documents | None = None) -> Tensor:
+        q, gate, k, v = self.regions.qkv_linear(self._project_in, x, position_ids, documents)
+        out = self.regions.core_attn(self.core, q, k, v, position_ids, self.sinks, documents)
         return self.regions.attn_proj(self._project_out, out, gate)
 
     def extra_repr(self) -> str:

@@ -256,10 +256,11 @@ def pad_head_dims(q: Tensor, k: Tensor, v: Tensor, kernel: AttentionKernel) -> t
     return pad(q, d_qk), pad(k, d_qk), pad(v, d_v)
 
 
-def merge_block(out: Tensor, lse: Tensor, rows: slice, block_out: Tensor, block_lse: Tensor) -> None:
-    """Merge a block's (output, lse) into the fp32 accumulators ``out[:, :, rows]``, ``lse[:, :, rows]``
+def merge_block(out: Tensor, lse: Tensor, rows: slice, block_out: Tensor, block_lse: Tensor,
+                batch: slice = slice(None)) -> None:
+    """Merge a block's (output, lse) into the fp32 accumulators ``out[batch, :, rows]``, ``lse[batch, :, rows]``
     in place. Rows not yet touched hold lse -inf and output 0, so the first block is simply copied."""
-    acc_out, acc_lse = out[:, :, rows], lse[:, :, rows]
+    acc_out, acc_lse = out[batch, :, rows], lse[batch, :, rows]
     new_lse = torch.logaddexp(acc_lse, block_lse)
     acc_out.mul_(torch.exp(acc_lse - new_lse).unsqueeze(-1))
     acc_out.add_(block_out.float() * torch.exp(block_lse - new_lse).unsqueeze(-1))

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from moefold.dense.documents import Documents
 from moefold.dense.norm import RMSNorm
 from moefold.dense.recompute import check_recompute
 from moefold.dense.regions import (
@@ -46,9 +47,10 @@ class BlockRegions:
 
 
 class TransformerBlock(nn.Module):
-    """forward(x [S, B, H] (or [S/tp, B, H] with SP), position_ids [S] int64) -> (x, extra).
+    """forward(x [S, B, H] (or [S/tp, B, H] with SP), position_ids [S] int64, documents) -> (x, extra).
 
-    ``attention(x, position_ids) -> x``. ``ffn(x)`` returns a Tensor or ``(Tensor, extra)`` (the
+    ``attention(x, position_ids, documents) -> x`` (``documents``: the packed documents, ``dense.documents``, or
+    None). ``ffn(x)`` returns a Tensor or ``(Tensor, extra)`` (the
     MoE layer's losses/statistics); ``extra`` is returned as is, None for a plain FFN.
 
     ``recompute``: "full" checkpoints the whole block (its ``body`` region is ``CHECKPOINT``; a decoder that
@@ -88,13 +90,15 @@ class TransformerBlock(nn.Module):
         return self.regions.ffn(self.mlp, h, **ffn_kwargs)
 
     # -- the block's public pieces: forward runs them; the batch-level overlap's pieces (models.sublayers) too ----
-    def attention_residual(self, x: Tensor, position_ids: Tensor) -> Tensor:
+    def attention_residual(self, x: Tensor, position_ids: Tensor, documents: Documents | None = None) -> Tensor:
         """``x + attention(norm(x))``: the residual stream after the attention."""
         # The residual stream stays in the activations' dtype (bf16 under --bf16): each add is exact in fp32
         # and rounded once, as Megatron-Core's default (fp32_residual_connection=False, bias-dropout-add in the
         # activations' dtype) and HF do; the norms read it in fp32 (dense.norm.rms_norm).
-        return x + self._after_norm(self.input_layernorm, x,
-                                    lambda h: self.regions.attn(self.self_attn, h, position_ids),
+        # documents go to the mixer only when there are some: a mixer without packed-document support keeps its
+        # (x, position_ids) signature
+        args = (position_ids,) if documents is None else (position_ids, documents)
+        return x + self._after_norm(self.input_layernorm, x, lambda h: self.regions.attn(self.self_attn, h, *args),
                                     self.regions.attn_norm)
 
     def ffn_input(self, h: Tensor) -> tuple[Tensor, OpenedOutput]:
@@ -103,19 +107,21 @@ class TransformerBlock(nn.Module):
         opened = self.regions.mlp_norm.open()
         return opened.run(self.post_attention_layernorm, h), opened
 
-    def _body(self, x: Tensor, position_ids: Tensor, **ffn_kwargs: Any) -> tuple[Tensor, Any]:
-        x = self.attention_residual(x, position_ids)
+    def _body(self, x: Tensor, position_ids: Tensor, documents: Documents | None = None,
+              **ffn_kwargs: Any) -> tuple[Tensor, Any]:
+        x = self.attention_residual(x, position_ids, documents)
         normed, opened = self.ffn_input(x)
         out = self._ffn(normed, **ffn_kwargs)
         opened.consumed(out[0] if isinstance(out, tuple) else out)
         out, extra = out if isinstance(out, tuple) else (out, None)
         return x + out, extra
 
-    def forward(self, x: Tensor, position_ids: Tensor, **ffn_kwargs: Any) -> tuple[Tensor, Any]:
+    def forward(self, x: Tensor, position_ids: Tensor, documents: Documents | None = None,
+                **ffn_kwargs: Any) -> tuple[Tensor, Any]:
         """``ffn_kwargs`` go to the FFN (e.g. the MoE layer's ``global_state``)."""
         if x.shape[-1] != self.hidden:
             raise ValueError(f"TransformerBlock(hidden={self.hidden}) got x of shape {tuple(x.shape)}")
-        return self.regions.body(self._body, x, position_ids, **ffn_kwargs)
+        return self.regions.body(self._body, x, position_ids, documents, **ffn_kwargs)
 
     def extra_repr(self) -> str:
         parts = [f"hidden={self.hidden}", f"sp={self.sequence_parallel}", f"recompute={self.recompute}"]

@@ -13,6 +13,10 @@ Attention sinks (GPT-OSS: a learned logit per head in every softmax row, ``sinks
 layers run one fused kernel call with its log-sum-exp (``cp_fused.fused_local_attention``, the
 kernels of ``dense.attention_kernels`` on every device), with CP the fused (or math) CP attention
 merges them after the last block. Every attention path of moefold takes them.
+
+Packed documents (``documents``, ``dense.documents``, with ``isolate``): attention stays inside each document,
+planned as block calls of the same fused kernels (``dense.document_attention``), with or without CP; no mask of
+the sequence is built.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from torch import Tensor, nn
 
 from moefold.dense.context_parallel import CP_COMM_MODES, cp_attention_impl, position_mask, sdpa
 from moefold.dense.cp_fused import fused_local_attention
+from moefold.dense.document_attention import document_attention
+from moefold.dense.documents import Documents
 from moefold.dense.recompute import checkpointed
 from moefold.parallel.groups import Group, group_size
 
@@ -50,8 +56,8 @@ class CoreAttention(nn.Module):
     """The attention product for one layer's local heads; no parameters.
 
     forward(q ``[S, B, h, d]``, k ``[S, B, g, d]``, v ``[S, B, g, dv]``, position_ids ``[S]``, sinks ``[h]``
-    or None) -> ``[S, B, h*dv]``. ``S`` is this rank's sequence (the CP part under context parallelism,
-    ``position_ids`` its true global positions). ``h`` must be a multiple of ``g`` (GQA).
+    or None, documents or None) -> ``[S, B, h*dv]``. ``S`` is this rank's sequence (the CP part under context
+    parallelism, ``position_ids`` its true global positions). ``h`` must be a multiple of ``g`` (GQA).
     Crosses ranks only under CP (see ``dense.context_parallel``).
     """
 
@@ -67,7 +73,8 @@ class CoreAttention(nn.Module):
         # the exchange and its implementation are chosen once here, not by comparing strings in every forward
         self._cp_attention = cp_attention_impl(cp_comm, fused=fused) if group_size(cp_group) > 1 else None
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, sinks: Tensor | None = None) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, sinks: Tensor | None = None,
+                documents: Documents | None = None) -> Tensor:
         S, B, h = q.shape[:3]
         if k.shape[0] != S or v.shape[0] != S or position_ids.shape != (S,):
             raise ValueError(f"CoreAttention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} and "
@@ -78,10 +85,14 @@ class CoreAttention(nn.Module):
             raise ValueError(f"CoreAttention: sinks {tuple(sinks.shape)} must be one logit per query head ({h},)")
         # [S, B, heads, d] -> [B, heads, S, d] (SDPA layout)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        out = checkpointed(self._attend, q, k, v, position_ids, sinks, enabled=self.recompute)
+        out = checkpointed(self._attend, q, k, v, position_ids, sinks, documents, enabled=self.recompute)
         return out.permute(2, 0, 1, 3).reshape(S, B, -1)
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, sinks: Tensor | None) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, sinks: Tensor | None,
+                documents: Documents | None = None) -> Tensor:
+        if documents is not None and documents.isolate:
+            return document_attention(q, k, v, documents, self.cp_group, cp_comm=self.cp_comm, scale=self.scale,
+                                      sliding_window=self.sliding_window, sinks=sinks)
         if self._cp_attention is None:
             if not self.fused and sinks is not None:   # the math reference of the sink path
                 mask = position_mask(position_ids, position_ids, self.sliding_window)

@@ -57,13 +57,20 @@ from moefold.parallel.groups import Group, group_rank, group_size
 
 @dataclass(frozen=True)
 class BlockCall:
-    """One kernel call: query rows ``[q0, q1)`` against key rows ``[k0, k1)`` of the K/V in hand."""
+    """One kernel call: query rows ``[q0, q1)`` against key rows ``[k0, k1)`` of the K/V in hand, in every batch row
+    or (``batch``) in that one only (documents differ between samples: ``dense.document_attention``)."""
 
     q0: int
     q1: int
     k0: int
     k1: int
     window: Window
+    batch: int | None = None
+
+    @property
+    def rows(self) -> slice:
+        """The batch rows of the call."""
+        return slice(None) if self.batch is None else slice(self.batch, self.batch + 1)
 
     def shifted(self, rows: int, cols: int) -> BlockCall:
         return replace(self, q0=self.q0 + rows, q1=self.q1 + rows, k0=self.k0 + cols, k1=self.k1 + cols)
@@ -152,9 +159,9 @@ def _accumulators(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
 def _attend(q: Tensor, k: Tensor, v: Tensor, calls: tuple[BlockCall, ...], kernel: AttentionKernel, scale: float,
             out: Tensor, lse: Tensor) -> None:
     for call in calls:
-        rows, cols = slice(call.q0, call.q1), slice(call.k0, call.k1)
-        block_out, block_lse = kernel.forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], call.window, scale)
-        merge_block(out, lse, rows, block_out, block_lse)
+        b, rows, cols = call.rows, slice(call.q0, call.q1), slice(call.k0, call.k1)
+        block_out, block_lse = kernel.forward(q[b, :, rows], k[b, :, cols], v[b, :, cols], call.window, scale)
+        merge_block(out, lse, rows, block_out, block_lse, batch=b)
 
 
 def _attend_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -162,42 +169,44 @@ def _attend_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
                      dq: Tensor, dk: Tensor, dv: Tensor) -> None:
     """Add every call's share of the gradients to the fp32 accumulators ``dq``, ``dk``, ``dv``."""
     for call in calls:
-        rows, cols = slice(call.q0, call.q1), slice(call.k0, call.k1)
-        gq, gk, gv = kernel.backward(grad_out[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols],
-                                     out[:, :, rows], lse[:, :, rows], call.window, scale)
-        dq[:, :, rows] += gq
-        dk[:, :, cols] += gk
-        dv[:, :, cols] += gv
+        b, rows, cols = call.rows, slice(call.q0, call.q1), slice(call.k0, call.k1)
+        gq, gk, gv = kernel.backward(grad_out[b, :, rows], q[b, :, rows], k[b, :, cols], v[b, :, cols],
+                                     out[b, :, rows], lse[b, :, rows], call.window, scale)
+        dq[b, :, rows] += gq
+        dk[b, :, cols] += gk
+        dv[b, :, cols] += gv
 
 
 class _FusedRing(torch.autograd.Function):
     """p2p ring, fused per block. Saves q, k, v, the output (q's dtype) and the fp32 log-sum-exp.
+    ``step_calls[s]``: the calls of ring step s (the K/V block of rank ``(me - s) % cp``).
     ``sinks [h]`` (or None): attention sinks, merged once after the last block (``merge_sinks``)."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: Group, scale: float, window: int | None,
-                kernel: AttentionKernel, sinks: Tensor | None = None) -> Tensor:
-        n, me, c = group_size(group), group_rank(group), q.shape[2] // 2
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: Group, scale: float,
+                step_calls: tuple[tuple[BlockCall, ...], ...], kernel: AttentionKernel,
+                sinks: Tensor | None = None) -> Tensor:
+        n = group_size(group)
         out, lse = _accumulators(q, v)
         kv = (k, v)
         for step in range(n):
             pending = PendingShift()
             nxt = ring_shift(kv, group, pending) if step + 1 < n else None  # in flight while this block computes
-            _attend(q, *kv, ring_step_calls(me, (me - step) % n, n, c, window), kernel, scale, out, lse)
+            _attend(q, *kv, step_calls[step], kernel, scale, out, lse)
             pending.wait()
             kv = nxt
         if sinks is not None:
             merge_sinks(out, lse, sinks)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.group, ctx.scale, ctx.window, ctx.kernel = group, scale, window, kernel
+        ctx.group, ctx.scale, ctx.step_calls, ctx.kernel = group, scale, step_calls, kernel
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        group, scale, window, kernel = ctx.group, ctx.scale, ctx.window, ctx.kernel
-        n, me, c = group_size(group), group_rank(group), q.shape[2] // 2
+        group, scale, step_calls, kernel = ctx.group, ctx.scale, ctx.step_calls, ctx.kernel
+        n = group_size(group)
         acc = _accumulation_dtype(q)
         dq = torch.zeros_like(q, dtype=acc)
         kv = (k, v)
@@ -205,8 +214,7 @@ class _FusedRing(torch.autograd.Function):
         for step in range(n):
             kv_pending = PendingShift()
             nxt = ring_shift(kv, group, kv_pending) if step + 1 < n else None
-            _attend_backward(grad_out, q, *kv, out, lse, ring_step_calls(me, (me - step) % n, n, c, window),
-                             kernel, scale, dq, *dkv)
+            _attend_backward(grad_out, q, *kv, out, lse, step_calls[step], kernel, scale, dq, *dkv)
             # the accumulator follows its block to the next rank; after the last step, to its owner
             acc_pending = PendingShift()
             dkv = tuple(ring_shift(dkv, group, acc_pending, first_tag=2))
@@ -257,7 +265,24 @@ def fused_ring_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, cp_grou
     Crosses ranks: K/V blocks point-to-point (forward; backward with their gradient accumulators)."""
     d_v = v.shape[-1]
     kernel, q, k, v = _prepare(q, k, v)
-    return _FusedRing.apply(q, k, v, cp_group, scale, sliding_window, kernel, sinks)[..., :d_v]
+    n, me, c = group_size(cp_group), group_rank(cp_group), q.shape[2] // 2
+    step_calls = tuple(ring_step_calls(me, (me - step) % n, n, c, sliding_window) for step in range(n))
+    return ring_attention_blocks(q, k, v, cp_group, step_calls, kernel, scale, sinks)[..., :d_v]
+
+
+def ring_attention_blocks(q: Tensor, k: Tensor, v: Tensor, cp_group: Group,
+                          step_calls: tuple[tuple[BlockCall, ...], ...], kernel: AttentionKernel, scale: float,
+                          sinks: Tensor | None = None) -> Tensor:
+    """The p2p ring over given calls (``step_calls[s]``: those of ring step s), head dims already padded for
+    ``kernel``. Shapes and what crosses ranks as ``fused_ring_attention``."""
+    return _FusedRing.apply(q, k, v, cp_group, scale, step_calls, kernel, sinks)
+
+
+def blocks_attention(q: Tensor, k: Tensor, v: Tensor, calls: tuple[BlockCall, ...], kernel: AttentionKernel,
+                     scale: float, sinks: Tensor | None = None) -> Tensor:
+    """Local queries against the K/V in hand as the given calls, head dims already padded for ``kernel``.
+    Nothing crosses ranks."""
+    return _FusedBlocks.apply(q, k, v, calls, scale, kernel, sinks)
 
 
 def fused_all_gather_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, cp_group: Group, *, scale: float,

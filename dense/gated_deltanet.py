@@ -29,6 +29,11 @@ convolution and the delta rule on it unchanged, and a second all-to-all brings t
 tokens for every head. Needs ``num_key_heads / tp`` divisible by cp. The per-head parameters (conv, A_log,
 dt_bias) get gradients only for the heads a cp rank ran; the dense gradient sum over cp completes them.
 
+Packed documents (``documents`` with ``isolate``, ``dense.documents``): the convolution and the recurrence restart
+at every document's first token: each document's tokens run through both on their own (zero convolution prefix,
+zero initial state), exactly as the document alone would. Under CP the mixer holds the whole sample after the
+first all-to-all, so the documents' global starts apply as they are.
+
 Decoding: with ``cache`` set (``RecurrentCache``, what ``models.generate`` installs) a call continues the
 sequence of the previous call: the convolution reads the cached last inputs and the delta rule starts from
 the cached state; both are updated.
@@ -44,6 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moefold.dense.cp_exchange import rank_order_to_global
+from moefold.dense.documents import Documents
 from moefold.dense.gated_delta_rule import (
     GATED_DELTA_RULE_BACKENDS,
     gated_delta_rule_impl,
@@ -264,11 +270,12 @@ class DeltaNetRegions:
 
 
 class GatedDeltaNet(nn.Module):
-    """forward(x ``[S/tp, B, H]`` with SP else ``[S, B, H]``, position_ids ``[S]``) -> same shape as x.
+    """forward(x ``[S/tp, B, H]`` with SP else ``[S, B, H]``, position_ids ``[S]``, documents) -> same shape as x.
 
-    ``S`` is this rank's sequence (its CP part). Crosses ranks over tp (input all-gather / output reduce-scatter
-    under SP, else the region all-reduces, like ``GQAAttention``) and cp (two all-to-alls, see the module
-    docstring); ``position_ids`` are only checked (the recurrence is positional).
+    ``S`` is this rank's sequence (its CP part). ``documents`` (or None): packed documents, each mixed on its own.
+    Crosses ranks over tp (input all-gather / output reduce-scatter under SP, else the region all-reduces, like
+    ``GQAAttention``) and cp (two all-to-alls, see the module docstring); ``position_ids`` are only checked (the
+    recurrence is positional).
     """
 
     def __init__(self, config: GatedDeltaNetConfig, tp_group: Group = None, cp_group: Group = None, *,
@@ -318,16 +325,36 @@ class GatedDeltaNet(nn.Module):
             self._rules[device_type] = gated_delta_rule_impl(self.config.backend, device_type, self.config.chunk_size)
         return self._rules[device_type]
 
-    def _core(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
-        """The delta rule on ``[B, S, heads, d]`` inputs (with the decoding cache when one is set)."""
+    def _core(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+              documents: Documents | None = None) -> Tensor:
+        """The delta rule on ``[B, S, heads, d]`` inputs (with the decoding cache when one is set); with
+        ``documents``, on each document alone (a zero initial state at every document's start)."""
         cache = self.cache
+        if documents is not None:
+            return self._core_documents(q, k, v, g, beta, documents)
         if cache is None:
             return self._rule(q.device.type)(q, k, v, g, beta)[0]
         rule = recurrent_gated_delta_rule if q.shape[1] == 1 else self._rule(q.device.type)
         o, cache.state = rule(q, k, v, g, beta, initial_state=cache.state, output_final_state=True)
         return o
 
-    def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
+    # the per-document loops run eagerly under --compile (a graph break, not a recompilation per batch's documents)
+    @torch.compiler.disable
+    def _core_documents(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                        documents: Documents) -> Tensor:
+        rule = self._rule(q.device.type)
+        return torch.cat([torch.cat([rule(*(t[b:b + 1, s0:s1] for t in (q, k, v, g, beta)))[0]
+                                     for s0, s1 in documents.segments(b)], dim=1)
+                          for b in range(documents.batch)], dim=0)
+
+    @torch.compiler.disable
+    def _conv_documents(self, x_TBC: Tensor, documents: Documents, key_heads: slice) -> Tensor:
+        """The causal convolution of each document alone (zero prefix at its start): ``[T, B, C]`` -> same."""
+        return torch.cat([torch.cat([self.conv1d(x_TBC[s0:s1, b:b + 1], None, key_heads)[0]
+                                     for s0, s1 in documents.segments(b)], dim=0)
+                          for b in range(documents.batch)], dim=1)
+
+    def forward(self, x: Tensor, position_ids: Tensor, documents: Documents | None = None) -> Tensor:
         x = all_gather_sequence(x, self.tp_group, 0) if self.sequence_parallel else copy_to_region(x, self.tp_group)
         S, B = x.shape[:2]
         if position_ids.shape != (S,):
@@ -346,9 +373,16 @@ class GatedDeltaNet(nn.Module):
         T = qkv.shape[0]   # the mixer's sequence: S, or the whole cp * S
         b, a = ba.split([r, r], dim=-1)
         cache = self.cache
-        qkv, prefix = self.conv1d(qkv.reshape(T, B, -1), None if cache is None else cache.conv, key_heads)
-        if cache is not None:
-            cache.conv = prefix
+        documents = documents if documents is not None and documents.isolate else None
+        if documents is not None and (cache is not None or documents.seq_length != T or documents.batch != B):
+            raise ValueError(f"GatedDeltaNet: documents of {documents.batch} samples of {documents.seq_length} tokens "
+                             f"do not fit the mixer's [{T}, {B}] sequence (or a decoding cache is set)")
+        if documents is not None:
+            qkv = self._conv_documents(qkv.reshape(T, B, -1), documents, key_heads)
+        else:
+            qkv, prefix = self.conv1d(qkv.reshape(T, B, -1), None if cache is None else cache.conv, key_heads)
+            if cache is not None:
+                cache.conv = prefix
         q, k, v = qkv.view(T, B, hk, -1).split([dk, dk, r * dv], dim=-1)
         beta = torch.sigmoid(b).reshape(T, B, hv)
         A_log, dt_bias = self.A_log[value_heads].float(), self.dt_bias[value_heads].float()
@@ -356,7 +390,8 @@ class GatedDeltaNet(nn.Module):
         # [T, B, ...] -> [B, T, ...] (fla's and HF's layout)
         q, k, v, g, beta = (t.transpose(0, 1) for t in (q, k, v.reshape(T, B, hv, dv), g, beta))
         # decoding (a cache) has no backward: the rule runs as is
-        o = self._core(q, k, v, g, beta) if cache is not None else self.regions.core_attn(self._core, q, k, v, g, beta)
+        o = self._core(q, k, v, g, beta) if cache is not None else self.regions.core_attn(self._core, q, k, v, g, beta,
+                                                                                         documents)
         o = o.transpose(0, 1)
         if self.cp > 1:   # back to this rank's tokens, every head
             o = sequence_to_heads(o, self.cp_group)

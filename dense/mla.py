@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from moefold.dense.attention import AttentionRegions
 from moefold.dense.attention_config import MLAConfig
 from moefold.dense.core_attention import CoreAttention
+from moefold.dense.documents import Documents
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
 from moefold.dense.norm import RMSNorm
 from moefold.dense.regions import (
@@ -52,7 +53,8 @@ class MLARegions(AttentionRegions):
 
 
 class MLAttention(nn.Module):
-    """forward(x ``[S/tp, B, H]`` with SP else ``[S, B, H]``, position_ids ``[S]``) -> same shape as x.
+    """forward(x ``[S/tp, B, H]`` with SP else ``[S, B, H]``, position_ids ``[S]``, documents (``dense.documents``,
+    or None: attention inside each packed document)) -> same shape as x.
 
     ``S`` is this rank's sequence (its CP part; ``position_ids`` are the true global positions).
     Crosses ranks: tp (latent all-gathers / output reduce-scatter under SP, else the region
@@ -104,7 +106,8 @@ class MLAttention(nn.Module):
                 mark_sequence_parallel(p)
         return layer
 
-    def _project_in(self, x: Tensor, position_ids: Tensor, up: OpenedOutput) -> tuple[Tensor, Tensor, Tensor]:
+    def _project_in(self, x: Tensor, position_ids: Tensor, up: OpenedOutput, documents: Documents | None = None,
+                    ) -> tuple[Tensor, Tensor, Tensor]:
         """The ``qkv_linear`` part: down-projections, latent norms, and the up-projections with RoPE run in ``up``."""
         c = self.config
         q_in = x if self.q_proj is not None else self.q_a_layernorm(self.q_a_proj(x))
@@ -119,13 +122,14 @@ class MLAttention(nn.Module):
         if position_ids.shape != (S,):
             raise ValueError(f"MLAttention: position_ids {tuple(position_ids.shape)} must be [{S}] "
                              "(one global position per token of this rank's sequence, before the SP split)")
-        cos, sin = self.rotary(position_ids)
+        cos, sin = self.rotary(position_ids if documents is None else
+                               documents.rope_positions(position_ids, k_rot.shape[1]))
         return up.run(self._up_project, q_in, kv_in, k_rot, cos, sin)
 
-    def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
+    def forward(self, x: Tensor, position_ids: Tensor, documents: Documents | None = None) -> Tensor:
         up = self.regions.up_proj.open()
-        q, k, v = self.regions.qkv_linear(self._project_in, x, position_ids, up)
-        out = self.regions.core_attn(self.core, q, k, v, position_ids)
+        q, k, v = self.regions.qkv_linear(self._project_in, x, position_ids, up, documents)
+        out = self.regions.core_attn(self.core, q, k, v, position_ids, None, documents)
         up.consumed(out)   # q, k, v may be freed now that core attention saved them, recomputed before its backward
         return self.regions.attn_proj(self.o_proj, out)
 

@@ -129,18 +129,21 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
-    """Rotate ``x [S, B, heads, dim]`` by ``cos/sin [S, dim]`` (from ``RotaryEmbedding``).
+    """Rotate ``x [S, B, heads, dim]`` by ``cos/sin [S, dim]`` (from ``RotaryEmbedding``), or ``[S, B, dim]``: each
+    sample's own positions (documents whose positions restart, ``dense.documents``).
 
     ``interleaved=False``: HF ``rotate_half`` convention (pairs (i, i + dim/2)).
     ``interleaved=True``: HF ``apply_rotary_pos_emb_interleave`` (DeepSeek's ``rope_interleave``):
     pairs (2i, 2i+1), returned de-interleaved as ``cat(even', odd')`` like HF does.
     cos/sin are cast to ``x.dtype`` first, as HF does.
     """
-    if x.dim() != 4 or cos.shape != (x.shape[0], x.shape[-1]) or sin.shape != cos.shape:
-        raise ValueError(f"apply_rotary: expected x [S, B, heads, dim] and cos/sin [S, dim], got x "
+    shapes = ((x.shape[0], x.shape[-1]), (x.shape[0], x.shape[1], x.shape[-1])) if x.dim() == 4 else ()
+    if cos.shape not in shapes or sin.shape != cos.shape:
+        raise ValueError(f"apply_rotary: expected x [S, B, heads, dim] and cos/sin [S, dim] or [S, B, dim], got x "
                          f"{tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
-    cos = cos.to(x.dtype)[:, None, None, :]
-    sin = sin.to(x.dtype)[:, None, None, :]
+    per_sample = cos.dim() == 3
+    cos = cos.to(x.dtype)[:, :, None, :] if per_sample else cos.to(x.dtype)[:, None, None, :]
+    sin = sin.to(x.dtype)[:, :, None, :] if per_sample else sin.to(x.dtype)[:, None, None, :]
     if not interleaved:
         return x * cos + rotate_half(x) * sin
     half = x.shape[-1] // 2

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from moefold.dense.context_parallel import context_parallel_positions, gather_from_context_parallel
 from moefold.dense.cross_entropy import vocab_parallel_cross_entropy
+from moefold.dense.documents import Documents
 from moefold.dense.embedding import OutputHead, VocabParallelEmbedding
 from moefold.dense.norm import RMSNorm
 from moefold.dense.recompute import checkpointed
@@ -229,9 +230,10 @@ class MoEDecoder(nn.Module):
         return self.embed_tokens(input_ids_BS.t().contiguous())
 
     def run_layers(self, hidden: Tensor, position_ids: Tensor, layer_ids: Iterable[int] | None = None,
-                   global_states: dict[int, GlobalLoadState] | None = None,
+                   global_states: dict[int, GlobalLoadState] | None = None, documents: Documents | None = None,
                    ) -> tuple[Tensor, dict[int, MoEOutputInfo]]:
         """Blocks ``layer_ids`` (default: all of this stage's, in order) -> (hidden, {layer: MoEOutputInfo}).
+        ``documents``: the packed documents of the micro-batch (``dense.documents``), or None.
 
         The layers run in the groups of the ``layers`` region (one checkpoint per checkpointed group: full
         recompute, ``execution.recompute``), which also brackets the chunk (activation offloading)."""
@@ -241,15 +243,16 @@ class MoEDecoder(nn.Module):
         run.begin_chunk()   # this micro-batch's offloaded tensors in these layers go together
         for group, recompute in run.groups(ids):
             hidden, group_infos = checkpointed(self._run_group, hidden, position_ids, group, global_states,
-                                               enabled=recompute)
+                                               documents, enabled=recompute)
             infos.update(group_infos)
         return run.end_chunk(hidden), infos
 
     def _run_group(self, hidden: Tensor, position_ids: Tensor, layer_ids: list[int],
-                   global_states: dict[int, GlobalLoadState] | None) -> tuple[Tensor, dict[int, MoEOutputInfo]]:
+                   global_states: dict[int, GlobalLoadState] | None, documents: Documents | None = None,
+                   ) -> tuple[Tensor, dict[int, MoEOutputInfo]]:
         infos = {}
         for i in layer_ids:
-            hidden, extra = self.layers[str(i)](hidden, position_ids, **self._ffn_kwargs(i, global_states))
+            hidden, extra = self.layers[str(i)](hidden, position_ids, documents, **self._ffn_kwargs(i, global_states))
             if extra is not None:
                 infos[i] = extra
         return hidden, infos
@@ -261,6 +264,7 @@ class MoEDecoder(nn.Module):
     def head_loss(self, hidden: Tensor, labels_BS: Tensor, loss_mask_BS: Tensor | None = None,
                   input_ids_BS: Tensor | None = None, position_ids: Tensor | None = None,
                   global_states: dict[int, GlobalLoadState] | None = None, normalised: bool = False,
+                  documents: Documents | None = None,
                   ) -> tuple[Tensor, dict[str, Tensor], dict[int, MoEOutputInfo]]:
         """Last-stage part: (loss share on the graph: lm + weighted MTP, logging values, MTP layers' MoE infos).
 
@@ -285,7 +289,7 @@ class MoEDecoder(nn.Module):
             if input_ids_BS is None or position_ids is None:
                 raise ValueError("MTP needs input_ids_BS and position_ids in head_loss")
             mtp_share, mtp_logs, infos = self._mtp_loss(normed, input_ids_BS.t(), labels, mask, position_ids,
-                                                        global_states)
+                                                        global_states, documents)
             mtp_share = self.config.mtp_loss_scaling_factor * mtp_share
             loss = mtp_share if loss is None else loss + mtp_share
             logs.update(mtp_logs)
@@ -294,9 +298,11 @@ class MoEDecoder(nn.Module):
     # ------------------------------------------------------------------------------------ whole model
     def forward(self, input_ids: Tensor, labels: Tensor, loss_mask: Tensor | None = None,
                 position_ids: Tensor | None = None, global_states: dict[int, GlobalLoadState] | None = None,
-                ) -> ModelOutput:
+                documents: Documents | None = None) -> ModelOutput:
         """input_ids/labels/loss_mask ``[B, S]`` (this rank's CP slice; labels may hold -100 = ignored),
-        position_ids ``[S]`` (default: this rank's global positions). Needs the whole model."""
+        position_ids ``[S]`` (default: this rank's global positions), ``documents``: the documents packed in each
+        sample (``dense.documents.packed_documents``: attention inside them, restarted positions), or None.
+        Needs the whole model."""
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
         if loss_mask is not None and loss_mask.shape != input_ids.shape:
@@ -305,9 +311,10 @@ class MoEDecoder(nn.Module):
         if position_ids is None:
             position_ids = self.position_ids(input_ids.shape[1], input_ids.device)
         with self.fp8_region():
-            hidden, infos = self.run_layers(self.embed(input_ids), position_ids, global_states=global_states)
+            hidden, infos = self.run_layers(self.embed(input_ids), position_ids, global_states=global_states,
+                                            documents=documents)
             head_loss, logs, mtp_infos = self.head_loss(hidden, labels, loss_mask, input_ids, position_ids,
-                                                        global_states)
+                                                        global_states, documents=documents)
         infos.update(mtp_infos)
         aux = torch.zeros((), dtype=torch.float32, device=input_ids.device)
         losses = {"lm": logs["lm"]}
@@ -322,15 +329,16 @@ class MoEDecoder(nn.Module):
                            losses=losses, moe=infos)
 
     @torch.no_grad()
-    def logits(self, input_ids: Tensor, position_ids: Tensor | None = None, gather_sequence: bool = True) -> Tensor:
-        """Full-vocabulary logits ``[B, S, V]`` fp32 (for parity tests and evaluation).
+    def logits(self, input_ids: Tensor, position_ids: Tensor | None = None, gather_sequence: bool = True,
+               documents: Documents | None = None) -> Tensor:
+        """Full-vocabulary logits ``[B, S, V]`` fp32 (for parity tests and evaluation); ``documents`` as ``forward``.
 
         Gathered over tp (vocab) and, with ``gather_sequence``, over cp (the whole sequence in order).
         """
         if position_ids is None:
             position_ids = self.position_ids(input_ids.shape[1], input_ids.device)
         with self.fp8_region():
-            hidden, _ = self.run_layers(self.embed(input_ids), position_ids)
+            hidden, _ = self.run_layers(self.embed(input_ids), position_ids, documents=documents)
             logits = gather_along_dim(self.head_logits(hidden).float(), self.dims.tp_group, dim=-1)
         if gather_sequence:
             logits = gather_from_context_parallel(logits, self.dims.cp_group, 0)
@@ -356,18 +364,23 @@ class MoEDecoder(nn.Module):
                           local_tokens=local[1])
 
     def _mtp_loss(self, normed: Tensor, ids_SB: Tensor, labels_SB: Tensor, mask_SB: Tensor, position_ids: Tensor,
-                  global_states: dict[int, GlobalLoadState] | None,
+                  global_states: dict[int, GlobalLoadState] | None, documents: Documents | None = None,
                   ) -> tuple[Tensor, dict[str, Tensor], dict[int, MoEOutputInfo]]:
         cp_group, cp_rank = self.dims.cp_group, self.dims.cp_rank
         shares, logs, infos = [], {}, {}
         hidden = normed
         ids, labels, mask = ids_SB, labels_SB, mask_SB
+        doc = None if documents is None or not documents.isolate else documents.document_ids(position_ids).t()
         for k, module in enumerate(self.mtp, start=1):
             ids = shift_left(ids, 1, 0, cp_group, cp_rank)
             labels = shift_left(labels, 1, 0, cp_group, cp_rank)
             mask = shift_left(mask, 1, 0.0, cp_group, cp_rank)
+            if doc is not None:   # a token k on in the next document: as past a lone document's end (id 0, no loss)
+                crossed = documents.document_ids(position_ids + k).t() != doc
+                ids, mask = ids.masked_fill(crossed, 0), mask.masked_fill(crossed, 0.0)
             embedded = self.embed_tokens(ids.contiguous())
-            hidden, extra = module(hidden, embedded, position_ids, **self._ffn_kwargs(module.index, global_states))
+            hidden, extra = module(hidden, embedded, position_ids, documents,
+                                   **self._ffn_kwargs(module.index, global_states))
             if extra is not None:
                 infos[module.index] = extra
             hidden = module.final_layernorm(hidden)   # this depth's head input and the next depth's hidden input

@@ -47,7 +47,11 @@ class CachedCoreAttention(nn.Module):
         self.scale, self.sliding_window = core.scale, core.sliding_window
         self.k = self.v = self.positions = None
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, sinks: Tensor | None = None) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, sinks: Tensor | None = None,
+                documents: object = None) -> Tensor:
+        if documents is not None:
+            raise ValueError("generation with a KV cache continues one sequence per sample: it takes no packed "
+                             "documents")
         S, B = q.shape[:2]
         self.k = k if self.k is None else torch.cat([self.k, k])
         self.v = v if self.v is None else torch.cat([self.v, v])

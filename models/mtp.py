@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from moefold.dense.block import TransformerBlock
 from moefold.dense.context_parallel import gather_from_context_parallel, split_for_context_parallel
+from moefold.dense.documents import Documents
 from moefold.dense.linear import ColumnParallelLinear
 from moefold.dense.norm import RMSNorm
 from moefold.models.config import ModelConfig
@@ -53,7 +54,8 @@ def shift_left(x_SB: Tensor, k: int, fill: int | float, cp_group: Group, cp_rank
 
 
 class MTPModule(nn.Module):
-    """One MTP depth. forward(hidden [S, B, H], embedded [S, B, H], position_ids [S]) -> (hidden, moe extra).
+    """One MTP depth. forward(hidden [S, B, H], embedded [S, B, H], position_ids [S], documents) -> (hidden, moe
+    extra); ``documents``: the sample's packed documents (``dense.documents``), or None.
 
     Activations are the SP shard ``[S/tp, B, H]`` under sequence parallelism. ``eh_proj`` ``[H, 2H]``
     is replicated over tp (it runs on the shard under SP: partial gradient, marked sequence-parallel).
@@ -75,7 +77,7 @@ class MTPModule(nn.Module):
         self.block: TransformerBlock = build_block(config, index, dims, options, device=device)
         self.final_layernorm = RMSNorm(H, config.norm_eps, **kw)
 
-    def forward(self, hidden: Tensor, embedded: Tensor, position_ids: Tensor, **ffn_kwargs: Any,
-                ) -> tuple[Tensor, Any]:
+    def forward(self, hidden: Tensor, embedded: Tensor, position_ids: Tensor, documents: Documents | None = None,
+                **ffn_kwargs: Any) -> tuple[Tensor, Any]:
         h = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
-        return self.block(h, position_ids, **ffn_kwargs)
+        return self.block(h, position_ids, documents, **ffn_kwargs)

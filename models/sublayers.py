@@ -38,6 +38,7 @@ from typing import Any
 from torch import Tensor
 
 from moefold.dense.block import TransformerBlock
+from moefold.dense.documents import Documents
 from moefold.dense.regions import OpenedOutput, recomputes
 from moefold.dispatch.config import DispatcherKind
 from moefold.dispatch.token_exchange import TokenExchange
@@ -107,19 +108,20 @@ class _Returned:
 
 
 def block_pieces(block: TransformerBlock, index: int, position_ids: Tensor, ffn_kwargs: dict[str, Any],
-                 recompute: bool = False) -> list[Piece]:
+                 recompute: bool = False, documents: Documents | None = None) -> list[Piece]:
     """The pieces of block ``index`` (module docstring); ``ffn_kwargs`` go to the FFN (the MoE layer's
-    ``global_state``), ``recompute``: full recompute of this block, piece by piece."""
+    ``global_state``), ``recompute``: full recompute of this block, piece by piece; ``documents``: the
+    micro-batch's packed documents (``dense.documents``), or None."""
     moe = block.mlp if isinstance(block.mlp, MoELayer) else None
     if moe is None:
         def whole(carry: LayerCarry) -> LayerCarry:
-            hidden, info = block(carry.hidden, position_ids, **ffn_kwargs)
+            hidden, info = block(carry.hidden, position_ids, documents, **ffn_kwargs)
             return LayerCarry(hidden, carry.infos if info is None else {**carry.infos, index: info})
 
         return [Compute(f"layer{index}", whole, recompute)]
 
     def pre(carry: LayerCarry) -> _Pre:
-        h = block.attention_residual(carry.hidden, position_ids)
+        h = block.attention_residual(carry.hidden, position_ids, documents)
         normed, norm = block.ffn_input(h)   # as the block's own forward runs it (the overlap refuses offloading)
         start = moe.route_and_prepare(normed, **ffn_kwargs)
         return _Pre(carry, h, start, moe.shared_step(normed), norm)

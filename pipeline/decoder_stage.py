@@ -13,7 +13,8 @@ the tests use.
     stage.lm_losses, stage.mtp_losses, stage.moe_infos                # this step's values on this stage
 
 A micro-batch is a dict: ``index`` (its position in the step), ``input_ids`` and ``labels``
-``[B, S]`` (this rank's CP slice), optional ``loss_mask`` and ``position_ids`` ``[S]``. Every stage
+``[B, S]`` (this rank's CP slice), optional ``loss_mask``, ``position_ids`` ``[S]`` and ``documents`` (the packed
+documents, ``dense.documents``). Every stage
 reads ``input_ids`` for its sequence length (and MTP), so give each rank the micro-batch's data (or
 at least tensors of the right shape).
 
@@ -154,14 +155,15 @@ class DecoderStage:
         with model.fp8_region():   # --fp8-backend te: one TE autocast per chunk forward, on the stage's group
             if spec.has_embedding:
                 hidden = model.embed(ids)
-            hidden, infos = model.run_layers(hidden, position_ids, spec.layers, self._global_states or None)
+            hidden, infos = model.run_layers(hidden, position_ids, spec.layers, self._global_states or None,
+                                             microbatch.get("documents"))
             if spec.has_final_norm:
                 hidden = model.norm(hidden)
             share = None
             if spec.has_head or (spec.has_mtp and len(model.mtp)):
                 share, logs, mtp_infos = model.head_loss(hidden, microbatch["labels"], microbatch.get("loss_mask"),
                                                          ids, position_ids, self._global_states or None,
-                                                         normalised=True)
+                                                         normalised=True, documents=microbatch.get("documents"))
                 infos.update(mtp_infos)
                 if spec.has_head:   # the loss share is the output; a standalone MTP stage's share is an extra loss
                     hidden, share = share, None
@@ -227,7 +229,8 @@ class DecoderStage:
                                   borrowed=() if borrowed is None else ((model.embed_tokens.weight, borrowed),)))
         for group, recompute in model.regions.layers.groups(list(spec.layers)):   # full recompute's groups
             for i in group:
-                pieces += block_pieces(model.layers[str(i)], i, position_ids, model._ffn_kwargs(i, states), recompute)
+                pieces += block_pieces(model.layers[str(i)], i, position_ids, model._ffn_kwargs(i, states), recompute,
+                                       microbatch.get("documents"))
         if spec.has_final_norm:
             pieces.append(Compute("final_norm", lambda carry: LayerCarry(model.norm(carry.hidden), carry.infos)))
         if head:
@@ -235,7 +238,8 @@ class DecoderStage:
                 with _weight_swapped(model.embed_tokens, borrowed):
                     loss, logs, mtp_infos = model.head_loss(carry.hidden, microbatch["labels"],
                                                             microbatch.get("loss_mask"), microbatch["input_ids"],
-                                                            position_ids, states, normalised=True)
+                                                            position_ids, states, normalised=True,
+                                                            documents=microbatch.get("documents"))
                 infos = {**carry.infos, **mtp_infos}
                 if spec.has_head:
                     return _HeadCarry(LayerCarry(loss, infos), logs)

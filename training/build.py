@@ -120,6 +120,9 @@ def cuda_graph_plan(config: RunConfig, dims: ParallelDims) -> CudaGraphPlan | No
                           "first one"),
         (full and t.moe_max_load_ratio is not None, "--moe-max-load-ratio: the per-micro-batch loads are new "
                                                     "tensors each step"),
+        (t.reset_attention_mask or t.reset_position_ids, "--reset-attention-mask / --reset-position-ids: each "
+                                                           "batch's document boundaries plan its attention calls on "
+                                                           "the host"),
         (t.moe_routing_replay_file is not None, "--moe-routing-replay-file: each micro-batch replays its own recorded "
                                                  "expert ids, which the host feeds to the router between steps"),
         (full and t.overlap_grad_reduce and dims.world_size > 1,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -67,15 +67,17 @@ def evaluate(trainer: Trainer, samples: Samples, eval_iters: int) -> EvalResult:
     return EvalResult(step=trainer.iteration, loss_lm=loss, tokens=eval_iters * t.global_batch_size * t.seq_length)
 
 
-def _lm_loss_sum(trainer: Trainer, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Sum over the micro-batches of their token-mean LM losses (0 on stages without the head)."""
+def _lm_loss_sum(trainer: Trainer, batches: list[dict[str, Any]]) -> torch.Tensor:
+    """Sum over the micro-batches (``Trainer._split``'s) of their token-mean LM losses (0 on stages without the
+    head)."""
     if trainer.dims.pp == 1:   # (with the batch-level overlap too: evaluation has no backward to overlap)
-        return sum(trainer.model(ids, labels).lm_loss.double() for ids, labels in batches)
+        return sum(trainer.model(b["input_ids"], b["labels"], b.get("loss_mask"), documents=b.get("documents"))
+                   .lm_loss.double() for b in batches)
     dims, layout = trainer.dims, trainer.layout
     schedule = build_schedule(trainer.pipeline.name, dims.pp, trainer.num_micro, layout.vpp, forward_only=True)
     stage = DecoderStage(trainer.model, layout, dims.pp_rank)
-    mbs = [{"index": m, "input_ids": ids, "labels": labels} for m, (ids, labels) in enumerate(batches)]
-    ids = batches[0][0]
+    mbs = [{"index": m, **b} for m, b in enumerate(batches)]
+    ids = batches[0]["input_ids"]
     run_schedule(stage, schedule, mbs, stage.loss_fn, dims.pp_group,
                  stage.activation_spec(ids.shape[0], ids.shape[1], trainer.device))
     zero = torch.zeros((), dtype=torch.float64, device=trainer.device)

@@ -112,26 +112,50 @@ def save_run_assets(config: RunConfig) -> None:
     import json
 
     from moefold.models.hf.assets import RUN_ASSETS_DIR, copy_assets
-    from moefold.training.data import builtin_corpus, eos_id, load_tokenizer, tokenizer_path
+    from moefold.training.data import eos_id
 
     t = config.train
     dst = Path(t.save) / RUN_ASSETS_DIR
     if t.load_hf:
         copy_assets(t.load_hf, dst)
         return
-    if t.tokenizer_type:   # Megatron's tokenizer flags name the run's tokenizer
-        from moefold.training.data.megatron_tokenizer import megatron_tokenizer
-
-        tok = megatron_tokenizer(t.tokenizer_type, t.tokenizer_model, t.vocab_file, t.merge_file)
-    else:
-        prefix = parse_blend_prefix(t.data_path) if t.data_path else \
-            builtin_corpus(t.vocab_size or config.model.vocab_size, cache_dir=t.data_cache_dir, progress=False)
-        if not tokenizer_path(prefix).is_file():
-            return
-        tok = load_tokenizer(tokenizer_path(prefix))
+    tok = run_tokenizer(config)
+    if tok is None:
+        return
     dst.mkdir(parents=True, exist_ok=True)
     tok.save(str(dst / "tokenizer.json"))
     (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id(tok)}, indent=2))
+
+
+def run_tokenizer(config: RunConfig):
+    """The training data's tokenizer (a HF ``tokenizers.Tokenizer``): Megatron's tokenizer flags, else the first
+    corpus's ``PREFIX.tokenizer.json`` (the built-in corpus's without ``--data-path``); None when there is none."""
+    from moefold.training.data import builtin_corpus, load_tokenizer, tokenizer_path
+
+    t = config.train
+    if t.tokenizer_type:   # Megatron's tokenizer flags name the run's tokenizer
+        from moefold.training.data.megatron_tokenizer import megatron_tokenizer
+
+        return megatron_tokenizer(t.tokenizer_type, t.tokenizer_model, t.vocab_file, t.merge_file)
+    prefix = parse_blend_prefix(t.data_path) if t.data_path else \
+        builtin_corpus(t.vocab_size or config.model.vocab_size, cache_dir=t.data_cache_dir, progress=False)
+    return load_tokenizer(tokenizer_path(prefix)) if tokenizer_path(prefix).is_file() else None
+
+
+def document_eod(config: RunConfig) -> int | None:
+    """The end-of-document token id that packed samples are split at (``--reset-position-ids``,
+    ``--reset-attention-mask``, ``--eod-mask-loss``: the tokenizer's document separator, Megatron's
+    ``tokenizer.eod``), or None when none of them is set."""
+    from moefold.training.data import eos_id
+
+    if not config.train.data.packs_documents:
+        return None
+    tok = run_tokenizer(config)
+    if tok is None:
+        raise ValueError("--reset-position-ids / --reset-attention-mask / --eod-mask-loss split samples at the "
+                         "tokenizer's end-of-document token: give --tokenizer-type, or a --data-path prepared by "
+                         "`moefold prepare-data` (it writes PREFIX.tokenizer.json)")
+    return eos_id(tok)
 
 
 def parse_blend_prefix(items) -> str:
@@ -181,7 +205,7 @@ def _train(config: RunConfig, device: torch.device | str, heartbeat: Heartbeat |
     valid = build_dataset(config, dims, part="valid") if t.has_validation else None
     if t.save and is_log:
         save_run_assets(config)
-    trainer = Trainer(config, dims, device=device, log=say)
+    trainer = Trainer(config, dims, device=device, log=say, eod_token=document_eod(config))
     finished = False
     try:
         summary = _run(trainer, config, dims, device, heartbeat, stop, on_step, start, say, valid, dataset, progress)

@@ -224,6 +224,14 @@ class DataConfig:
     merge_file: str | None = flag(None, "GPT2BPETokenizer: merges.txt")
     make_vocab_size_divisible_by: int = flag(128, "pad the tokenizer's vocabulary to a multiple of this x tp "
                                              "(Megatron's; default 128)")
+    # documents packed in a sample, split at the tokenizer's end-of-document token (Megatron's flags, off by default;
+    # moefold.dense.documents): attention inside each one through block kernels, never an [S, S] mask
+    reset_position_ids: bool = flag(False, "positions restart at 0 after each end-of-document token",
+                                    action="store_true")
+    reset_attention_mask: bool = flag(False, "attention (and Gated DeltaNet's convolution and recurrence) stays inside "
+                                      "each document of a packed sample", action="store_true")
+    eod_mask_loss: bool = flag(False, "no loss where the input token is the end-of-document token (the prediction "
+                               "across a document boundary)", action="store_true")
     reset_data_position: bool = flag(False, "allow resuming with another --data-path, --seq-length or --seed: the "
                                      "data position restarts at the first sample of the new order", action="store_true")
     # validation (training.evaluate): with --split or --valid-data-path
@@ -265,6 +273,11 @@ class DataConfig:
             raise ValueError(f"--data-order={self.data_order!r}; valid: {', '.join(DATA_ORDERS)}")
         if not 0 <= self.mid_level_dataset_surplus < float("inf"):
             raise ValueError(f"--mid-level-dataset-surplus={self.mid_level_dataset_surplus} must be >= 0")
+
+    @property
+    def packs_documents(self) -> bool:
+        """Samples are split into documents at the end-of-document token (any of the three document flags)."""
+        return self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss
 
     @property
     def has_validation(self) -> bool:

@@ -21,18 +21,20 @@ loads (expert-bias update and load metrics).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from moefold.dense.context_parallel import split_for_context_parallel
+from moefold.dense.documents import packed_documents
 from moefold.dispatch.flex_backend import FlexBackend
 from moefold.execution import apply_execution
 from moefold.models.layer_factory import is_moe_block
@@ -131,8 +133,14 @@ class Trainer:
     """
 
     def __init__(self, config: RunConfig, dims: ParallelDims, *, device: torch.device | str = "cpu",
-                 log: Callable[[str], None] = print) -> None:
+                 log: Callable[[str], None] = print, eod_token: int | None = None) -> None:
         _, self.num_micro = config.resolve(dims.world_size)
+        if config.train.data.packs_documents and eod_token is None:
+            raise ValueError("--reset-position-ids, --reset-attention-mask and --eod-mask-loss split samples at the "
+                             "end-of-document token: give the Trainer its id (eod_token; `moefold train` reads it "
+                             "from the run's tokenizer)")
+        # the end-of-document token id where samples pack documents (--reset-*, --eod-mask-loss), else None
+        self.eod = eod_token if config.train.data.packs_documents else None
         self.config, self.dims, self.device = config, dims, torch.device(device)
         self.log = log if dims.rank == 0 else (lambda _msg: None)
         t = config.train
@@ -175,13 +183,30 @@ class Trainer:
         self.routing_file = open_replay_file(config)
 
     # ------------------------------------------------------------------------------- one step
-    def _split(self, batch: Tensor) -> tuple[Tensor, Tensor]:
+    def _split(self, batch: Tensor) -> dict[str, Any]:
+        """A micro-batch of ``[B, S + 1]`` token ids -> the model's inputs on this rank (a ``DecoderStage``
+        micro-batch without its index): ``input_ids`` and ``labels`` ``[B, S]`` (its CP part) and, where samples
+        pack documents, their ``documents`` (planned from the host's copy of the ids, no device sync) and
+        ``loss_mask`` (``--eod-mask-loss``: 0 where the input is the end-of-document token, as Megatron masks)."""
+        cp, cp_rank = self.dims.cp, self.dims.cp_rank
+        extra: dict[str, Any] = {}
+        if self.eod is not None:
+            t, host_ids = self.config.train, batch[:, :-1]
+            documents = packed_documents(host_ids, self.eod, reset_position_ids=t.reset_position_ids,
+                                         reset_attention_mask=t.reset_attention_mask, cp_rank=cp_rank, cp=cp)
+            if documents is not None and documents.positions is not None:
+                documents = dataclasses.replace(documents, positions=batch_to_device(documents.positions, self.device))
+            if documents is not None:
+                extra["documents"] = documents
+            if t.eod_mask_loss:
+                mask = batch_to_device((host_ids != self.eod).float(), self.device)
+                extra["loss_mask"] = split_for_context_parallel(mask, cp_rank, cp, seq_dim=1).contiguous()
         batch = batch_to_device(batch, self.device)
         ids, labels = batch[:, :-1], batch[:, 1:]
-        if self.dims.cp > 1:
-            ids = split_for_context_parallel(ids, self.dims.cp_rank, self.dims.cp, seq_dim=1)
-            labels = split_for_context_parallel(labels, self.dims.cp_rank, self.dims.cp, seq_dim=1)
-        return ids.contiguous(), labels.contiguous()
+        if cp > 1:
+            ids = split_for_context_parallel(ids, cp_rank, cp, seq_dim=1)
+            labels = split_for_context_parallel(labels, cp_rank, cp, seq_dim=1)
+        return {"input_ids": ids.contiguous(), "labels": labels.contiguous(), **extra}
 
     def _forward_backward(self, microbatches: list[Tensor], loads: Tensor, logged: Tensor) -> None:
         """pp = 1: every micro-batch through the whole model. Fills ``loads`` [moe layers, E + 1] (selections,
@@ -189,8 +214,9 @@ class Trainer:
         E, tpcp = self.config.model.num_experts, self.dims.tp * self.dims.cp
         states = None
         for m, batch in enumerate(microbatches):
-            ids, labels = self._split(batch)
-            out = self.model(ids, labels, global_states=states)
+            mb = self._split(batch)
+            out = self.model(mb["input_ids"], mb["labels"], mb.get("loss_mask"), global_states=states,
+                             documents=mb.get("documents"))
             states = out.global_states or None
             loss = out.loss
             if self.loss_hook is not None:
@@ -212,8 +238,8 @@ class Trainer:
         dims = self.dims
         mbs = []
         for m, batch in enumerate(microbatches):
-            ids, labels = self._split(batch)
-            mbs.append({"index": m, "input_ids": ids, "labels": labels})
+            mbs.append({"index": m, **self._split(batch)})
+        ids = mbs[-1]["input_ids"]
         stage = DecoderStage(self.model, self.layout, dims.pp_rank, self.overlap)
         loss_fn = stage.loss_fn
         if self.loss_hook is not None:

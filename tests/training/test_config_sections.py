@@ -26,8 +26,10 @@ def test_flat_names_reach_their_sections():
     moved = dataclasses.replace(t, micro_batch_size=2, global_batch_size=4, lr=2e-3)
     assert (moved.micro_batch_size, moved.lr, moved.min_lr, moved.adam_beta2) == (2, 2e-3, 1e-4, 0.99)
     flat = t.flat_dict()
-    # the 81 fields before the sections, Muon's 12 and the routing replay file (issue 49), the CUDA graphs' 3 (issue 50)
-    assert len(flat) == len(TrainConfig.FLAT_NAMES) == 81 + 12 + 1 + 3 and flat["lr"] == 1e-3 and "schedule" not in flat
+    # the 81 fields before the sections, Muon's 12, the routing replay file and the packed documents' 3 (issue 49),
+    # the CUDA graphs' 3 (issue 50)
+    assert len(flat) == len(TrainConfig.FLAT_NAMES) == 81 + 12 + 1 + 3 + 3 and flat["lr"] == 1e-3 \
+        and "schedule" not in flat
     assert TrainConfig(**flat) == t
     with pytest.raises(TypeError, match="bogus"):
         TrainConfig(bogus=1)

@@ -107,10 +107,19 @@ def test_batches_reach_the_device_without_blocking_the_host(monkeypatch):
     from moefold.training.trainer import Trainer
 
     batch = torch.arange(2 * 9).reshape(2, 9)
-    fake = SimpleNamespace(device=torch.device("meta"), dims=SimpleNamespace(cp=1))
+    fake = SimpleNamespace(device=torch.device("meta"), dims=SimpleNamespace(cp=1, cp_rank=0), eod=None)
     with HostSyncCounter() as syncs:
-        ids, _labels = Trainer._split(fake, batch)
+        ids = Trainer._split(fake, batch)["input_ids"]
     assert ids.device.type == "meta" and tuple(ids.shape) == (2, 8) and syncs.total == 0, syncs.report()
+    # packed documents (--reset-* --eod-mask-loss): planned from the loader's host ids (the counter counts those
+    # reads as if the batch were on the device: they are the only ones), their tensors sent the same way
+    train = SimpleNamespace(reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
+    packed = SimpleNamespace(**{**vars(fake), "eod": 4, "config": SimpleNamespace(train=train)})
+    with HostSyncCounter() as syncs:
+        mb = Trainer._split(packed, batch)
+    assert mb["documents"].starts == ((0, 5), (0,)) and mb["documents"].positions.device.type == "meta"
+    assert mb["loss_mask"].device.type == "meta" and batch.device.type == "cpu"
+    assert all("dense/documents.py" in site for site in syncs.per_site), syncs.report()
     calls = []
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin") or self)

@@ -57,13 +57,14 @@ def tiny_corpus(prefix, num_samples: int = 64) -> str:
 
 def run(config: RunConfig, dims: ParallelDims | None = None, data: np.ndarray | None = None,
         load: str | None = None, hook=None, stop_at: int | None = None, log=None, run_dir: str | None = None,
-        setup=None) -> tuple[list[float], dict[str, torch.Tensor], Trainer]:
+        setup=None, eod: int | None = None) -> tuple[list[float], dict[str, torch.Tensor], Trainer]:
     """Train ``config`` (optionally resuming from ``load``, stopping after ``stop_at`` steps); returns
     (lm losses of the steps run, full params and ``buffer:``-prefixed buffers such as expert biases, trainer).
     With ``run_dir``, rank 0 writes the metrics JSONL there (``training.observe.metrics.read_metrics`` reads it).
-    ``setup(trainer)`` runs before training (e.g. to observe the trainer's steps)."""
+    ``setup(trainer)`` runs before training (e.g. to observe the trainer's steps); ``eod``: the end-of-document token
+    of packed samples (``--reset-position-ids`` ...)."""
     dims = dims or ParallelDims.single()
-    trainer = Trainer(config, dims, log=log or (lambda _m: None))
+    trainer = Trainer(config, dims, log=log or (lambda _m: None), eod_token=eod)
     if load:
         trainer.load(load)
     if setup is not None:

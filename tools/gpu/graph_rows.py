@@ -79,7 +79,8 @@ def run_row(impl: str, modules: tuple[str, ...], size: str, device: str, warmup:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m moefold.tools.gpu.graph_rows", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m moefold.tools.gpu.graph_rows",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--size", default="small", choices=tuple(SIZES))
     p.add_argument("--warmup", type=int, default=3, help="eager steps before the capture (default 3)")

@@ -123,7 +123,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          "muon_coefficient_type", "muon_scale_mode", "muon_extra_scale_factor", "muon_tp_mode",
                          "muon_fp32_matmul_prec", "qk_clip", "qk_clip_threshold", "qk_clip_alpha"))
     d = p.add_argument_group("data and output")
-    add_field_flags(d, ("data_path", "data_cache_dir", "moe_routing_replay_file"))
+    add_field_flags(d, ("data_path", "data_cache_dir", "moe_routing_replay_file", "reset_position_ids",
+                        "reset_attention_mask", "eod_mask_loss"))
     d.add_argument("--run-dir", default=None,
                    help="metrics, logs and reports (default: a new runs/RECIPE/TIMESTAMP per fresh run, "
                         "runs/RECIPE/latest pointing at it; a resume: its run's)")
