@@ -25,8 +25,6 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,17 +54,17 @@ from moefold.training.build import (
     moe_routers,
 )
 from moefold.training.checkpoint.files import CheckpointSaveError
-from moefold.training.checkpoint.resume import check_resume
-from moefold.training.checkpoint.save import AsyncCheckpointer, save_checkpoint
-from moefold.training.checkpoint.sharded import find_checkpoint, load_checkpoint, load_pieces, read_meta, saved_keys
+from moefold.training.checkpoint.save import AsyncCheckpointer
 from moefold.training.config import RunConfig
 from moefold.training.data.sampler import batch_to_device
-from moefold.training.launch.signals import STOP_FLAGS, Stop, StopRequest, agreed_stop, write_stop_flags
+from moefold.training.launch.signals import STOP_FLAGS, StopRequest, agreed_stop, write_stop_flags
 from moefold.training.observe.expert_counts import ROUTER_SUMS, add_expert_counts, add_micro_loads, per_step_router
 from moefold.training.observe.imbalance import LoadRatioWatch, micro_batch_load_ratio
 from moefold.training.observe.log_window import LogWindow
 from moefold.training.optim.qk_clip import clip_qk
 from moefold.training.routing_replay import open_replay_file, replay_routing, trainer_rows
+from moefold.training.step_result import FitSummary, NonFiniteError, StepResult
+from moefold.training.trainer_checkpoints import TrainerCheckpoints
 
 if TYPE_CHECKING:
     from moefold.training.data.sampler import Samples
@@ -74,58 +72,7 @@ if TYPE_CHECKING:
     from moefold.training.observe.metrics import MetricsLogger
 
 
-class NonFiniteError(RuntimeError):
-    """Too many optimizer steps in a row had a non-finite loss or gradient norm."""
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """One optimizer step, global values (identical on every rank).
-
-    loss_lm / loss_aux / loss_mtp: means over the step's micro-batches and dp ranks (aux: weighted
-    shares summed over tp x cp; mtp: unweighted, None without MTP)
-    tokens_per_expert: float64 [moe layers, E] selections of the step over all ranks (None without MoE)
-    dropped: float64 [moe layers] dropped copies over all ranks
-    router: float64 [moe layers, ROUTER_SUMS] per-layer router losses (means over the step's micro-batches and dp)
-            and entropy / token sums over all ranks (``training.observe.expert_counts.router_layer_metrics``; None
-            without MoE)
-    max_load_ratio: the worst micro-batch's max/mean expert load over its dispatch group (with
-            ``--moe-max-load-ratio``, ``training.observe.imbalance``; else None)
-    received_per_expert: float64 [moe layers, E] copies each expert received over all ranks, as the dispatcher
-            counted them (DeepEP V2's ``cumulative_local_expert_recv_stats``: after capacity drops); None where the
-            dispatchers do not count
-    """
-
-    step: int
-    loss_lm: float
-    loss_aux: float
-    loss_mtp: float | None
-    grad_norm: float
-    lr: float
-    skipped: bool
-    tokens: int
-    tokens_per_expert: Tensor | None
-    dropped: Tensor | None
-    router: Tensor | None = None
-    max_load_ratio: float | None = None
-    received_per_expert: Tensor | None = None
-    stop: Stop | None = None      # the ranks agreed to stop after this step (a signal, --exit-*)
-
-
-@dataclass(frozen=True)
-class FitSummary:
-    """What ``Trainer.fit`` did: the steps it ran, the first and last step's results (per-step results go to
-    ``on_step``; the trainer keeps no history), why it stopped early (None: it reached its last step) and the
-    checkpoint it saved at the end (None: no ``save``)."""
-
-    steps: int
-    first: StepResult | None
-    last: StepResult | None
-    stop: Stop | None
-    checkpoint: Path | None
-
-
-class Trainer:
+class Trainer(TrainerCheckpoints):
     """Builds the model, gradient sync and optimizer for ``config`` over ``dims`` and runs steps.
 
     ``microbatches(step)`` data are int64 ``[micro_batch_size, seq_length + 1]`` tensors of this dp rank.
@@ -405,41 +352,6 @@ class Trainer:
                           else None,
                           max_load_ratio=load_ratio, stop=agreed_stop(logged[4:], self.iteration, t))
 
-    # ------------------------------------------------------------------------------- checkpoints
-    def _meta(self) -> dict:
-        meta = {"consumed_samples": self.consumed_samples, "optimizer_steps": self.optimizer.step_count,
-                "skipped_in_a_row": self.skipped_in_a_row, "config": self.config.to_dict(),
-                "run_id": self.config.train.run_id}
-        if self.loss_scaler is not None:   # plain numbers in meta.json
-            meta["loss_scaler"] = self.loss_scaler.state_dict()
-        return meta
-
-    def save(self, root: str | Path, background: bool = False) -> Path | None:
-        """Checkpoint this iteration under ``root`` and return it; ``background`` (with ``--async-save``): start
-        writing it and return None once the state is staged (``training.checkpoint.save``). A save waits for
-        the background one before it."""
-        self.optimizer.finish_param_sync()
-        t = self.config.train
-        if self.async_saver is not None:
-            if background:
-                self.async_saver.save(root, self.iteration, self.model, self.optimizer.checkpoint_state(),
-                                      self._meta(), keep_last=t.keep_last)
-                return None
-            self.async_saver.wait()
-        return save_checkpoint(root, self.iteration, self.model, self.dims, self.optimizer.checkpoint_state(),
-                               self._meta(), keep_last=t.keep_last, log=self.log)
-
-    def finish_saves(self) -> None:
-        """Wait for a background save (reporting its failure, as a failed interval save is: training is past it)
-        and release the staging buffers."""
-        if self.async_saver is None:
-            return
-        saver, self.async_saver = self.async_saver, None   # released once; a later save() writes synchronously
-        try:
-            saver.close()
-        except CheckpointSaveError as exc:
-            self.log(f"{exc}")
-
     def close(self, graceful: bool = True) -> None:
         """Release what the run holds on the device and the host: the gradient hooks on the parameters (their
         closures reach the model and the optimizer's buffers through autograd's C++ side, a cycle Python's collector
@@ -456,31 +368,6 @@ class Trainer:
             remove = getattr(owner, "remove_hooks", None)
             if remove is not None:
                 remove()
-
-    def load(self, path: str | Path) -> bool:
-        """Resume from ``path`` (a checkpoint, or the newest intact one under it, see ``find_checkpoint``).
-        False if none exists. Each rank reads only its own optimizer shard (``training.optim.state_shards``),
-        at any layout."""
-        ckpt = find_checkpoint(path, self.dims, self.log)
-        if ckpt is None:
-            self.log(f"no checkpoint under {path}; starting from scratch")
-            return False
-        restart_data = check_resume(read_meta(ckpt), self.config, str(ckpt), self.log)
-        self.optimizer.finish_param_sync()
-        keys = saved_keys(ckpt)
-        meta = load_checkpoint(ckpt, self.model, self.dims, self.optimizer.checkpoint_state(keys), log=self.log)
-        fallback = self.optimizer.master_fallback(keys)
-        if fallback or self.dims.world_size > 1:   # collective: every rank joins, even with nothing to read
-            load_pieces(ckpt, fallback, no_dist=self.dims.world_size == 1 and not dist.is_initialized())
-        self.optimizer.loaded(meta["optimizer_steps"])
-        self.iteration = int(meta["iteration"])
-        self.consumed_samples = 0 if restart_data else int(meta["consumed_samples"])
-        self.skipped_in_a_row = int(meta.get("skipped_in_a_row", 0))
-        if self.loss_scaler is not None and "loss_scaler" in meta:
-            self.loss_scaler.load_state_dict(meta["loss_scaler"])
-        run = f", run {meta['run_id']}" if meta.get("run_id") else ""
-        self.log(f"resumed from {ckpt} at iteration {self.iteration} (consumed_samples {self.consumed_samples}{run})")
-        return True
 
     # ------------------------------------------------------------------------------- the loop
     def microbatch_iter(self, dataset: Samples) -> Iterator[Tensor]:

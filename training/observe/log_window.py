@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from moefold.models.config import ModelConfig
-    from moefold.training.trainer import StepResult
+    from moefold.training.step_result import StepResult
 
 
 class LogWindow:
