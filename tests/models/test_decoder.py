@@ -107,7 +107,8 @@ def test_bad_input():
         mixtral_tiny().with_(attention="mha")
     with pytest.raises(ValueError, match=r"family='llama' is not one of"):
         mixtral_tiny().with_(family="llama")
-    with pytest.raises(ValueError, match=r"moe_score_function='relu' is not one of \('softmax', 'sigmoid', 'sqrtsoftplus'\)"):
+    with pytest.raises(ValueError,
+                       match=r"moe_score_function='relu' is not one of \('softmax', 'sigmoid', 'sqrtsoftplus'\)"):
         mixtral_tiny().with_(moe_score_function="relu")
     model = MoEDecoder(mixtral_tiny())
     ids, labels = _batch(512)
