@@ -55,15 +55,14 @@ from moefold.execution.recompute import full_recompute_groups
 from moefold.models.config import ModelConfig
 from moefold.models.layer_factory import is_moe_block
 from moefold.parallel.dims import ParallelSizes
-from moefold.pipeline.schedules import V_SCHEDULES, expected_bubble_fraction
 from moefold.pipeline.stages import ChunkSpec
 from moefold.planner import comm
 from moefold.planner.cluster import Cluster
 from moefold.planner.collective import GROUP_DIMS, Collective, link_factor
 from moefold.planner.compute_time import ELEMENTWISE_SHARE, block_compute, head_compute
 from moefold.planner.grid import group_members, ranks_per_node, spans_nodes
-from moefold.planner.pipeline_clock import step_makespan
-from moefold.planner.static import stage_numel
+from moefold.planner.pipeline_clock import formula_makespan, step_makespan
+from moefold.planner.static import layout_of, stage_numel
 from moefold.planner.step_terms import CALIBRATION, COMM_TERMS, OVERLAP, TERMS, UNCALIBRATED, Calibration, StepTime
 from moefold.training.config import RunConfig
 from moefold.training.observe.flops import train_flops_per_token
@@ -169,7 +168,7 @@ def rank_chunks(config: RunConfig, sizes: ParallelSizes, pp_rank: int) -> list[C
         m = config.model
         return [ChunkSpec(0, 0, 0, range(m.num_layers), True, True, has_mtp=m.mtp_num_layers > 0,
                           has_final_norm=True)]
-    return config.pipeline_layout(sizes.pp).rank_chunks(pp_rank)
+    return layout_of(config, sizes.pp).rank_chunks(pp_rank)
 
 
 def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, links: _Links, cluster: Cluster,
@@ -331,9 +330,9 @@ def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster
     otherwise exposed expert exchange hidden behind compute (0 in moefold's schedules; 1 models a schedule that
     hides it, such as DeepSeek's DualPipe); ``compute_share``: the share of the GPU's SMs the compute kernels get
     (below 1 when communication kernels run beside them all along: DualPipe's all-to-all holds 20 of 132 SMs).
-    ``simulate=False``: the pipeline bubble from the schedule's expected fraction
-    (``pipeline.expected_bubble_fraction``, equal stage times) instead of the simulated clock, a fast first
-    estimate that the search ranks its candidates with. ``calibration``: the end-to-end constants (default
+    ``simulate=False``: the pipeline clock in closed form (``pipeline_clock.formula_makespan``: textbook bubbles
+    and idle-time formulas, FB steps counted from the warm-up) instead of simulated, what the search ranks with
+    (the simulation is its ``--exact`` mode). ``calibration``: the end-to-end constants (default
     ``CALIBRATION``; not applied to the flat model)."""
     if efficiency is not None and not 0 < efficiency <= 1:
         raise ValueError(f"efficiency={efficiency!r} must be in (0, 1]")
@@ -346,7 +345,7 @@ def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster
     _, m = config.resolve(sizes.world_size)
     links = _Links(sizes, cluster, gpus_per_node)
     flop_s = None if efficiency is None else cluster.bf16_tflops * 1e12 * efficiency
-    vpp = config.pipeline_layout(sizes.pp).vpp if sizes.pp > 1 else 1
+    vpp = layout_of(config, sizes.pp).vpp if sizes.pp > 1 else 1
     last = sizes.pp * vpp - 1
     actions = [[_chunk_actions(config, sizes, c, links, cluster, flop_s, last, exchange_overlap)
                 for c in rank_chunks(config, sizes, r)] for r in range(sizes.pp)]
@@ -373,16 +372,9 @@ def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster
         critical, busy, hidden = 0, (makespan,), 0.0
     else:   # at pp = 1 with the overlap: F0, FB(1, 0), ..., B(m-1) on one rank
         name = config.schedule_name(vpp) if sizes.pp > 1 else "1f1b"
-        # the fast estimate has textbook bubbles for the one-chunk and interleaved schedules only: FB pairs and the
-        # V placement are simulated in either case
-        simulated = simulate or overlap or name in V_SCHEDULES
-        if simulated:
-            makespan, busy, hidden = step_makespan(name, sizes.pp, vpp, m, durations, overlap, delay)
-        else:
-            busy, hidden = tuple(m * sum(f + b for f, b, *_ in rank) for rank in durations), 0.0
+        clock = step_makespan if simulate else formula_makespan
+        makespan, busy, hidden = clock(name, sizes.pp, vpp, m, durations, overlap, delay)
         critical = max(range(sizes.pp), key=lambda r: busy[r])
-        if not simulated:
-            makespan = busy[critical] / (1 - expected_bubble_fraction(name, sizes.pp, m, vpp))
     terms = dict.fromkeys(TERMS, 0.0)
     for f, b in actions[critical]:
         for term, seconds in (*f.terms.items(), *b.terms.items()):
