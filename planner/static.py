@@ -256,6 +256,9 @@ def _built_counts(config: RunConfig, tp: int, ep: int, etp: int) -> ParamCounts:
 
 
 _BOUNDS: dict[tuple, dict[int, StaticMemory]] = {}
+# what ``_key`` normalises: how activations are saved or moved changes no parameter
+_ACTIVATION_OPTIONS = ("recompute", "recompute_modules", "recompute_method", "recompute_num_layers", "offload_modules",
+                       "dispatcher")
 _STATIC_FIELDS = ("bf16", "main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype", "use_torch_fsdp2",
                   "optimizer_cpu_offload", "optimizer_offload_fraction", "bucket_numel",
                   "pipeline_model_parallel_layout", "num_layers_per_virtual_pipeline_stage",
@@ -265,7 +268,8 @@ _STATIC_FIELDS = ("bf16", "main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype
 def static_lower_bound(config: RunConfig, sizes: ParallelSizes) -> dict[int, StaticMemory]:
     """{pipeline rank: a lower bound of its static bytes}: the exact count without bucket padding (computed once per
     model, options, layout and the train fields it depends on: the search asks for it per rung of every layout)."""
-    key = (config.model, config.options, sizes, *(getattr(config.train, f) for f in _STATIC_FIELDS))
+    options = tuple(v for k, v in vars(config.options).items() if k not in _ACTIVATION_OPTIONS)
+    key = (config.model, options, sizes, *(getattr(config.train, f) for f in _STATIC_FIELDS))
     if key not in _BOUNDS:
         if len(_BOUNDS) > 8192:
             _BOUNDS.clear()

@@ -200,6 +200,7 @@ def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, li
                     seconds = max(0.0, seconds - cp_hidden)
                 out[term] += (1 - exchange_overlap) * seconds if term == "ep" else seconds
 
+    exposed: dict[tuple, tuple[dict[str, float], dict[str, float]]] = {}
     for index, recompute_all, last_in_checkpoint in blocks:
         moe = is_moe_block(m, index)
         cost = block_compute(config, sizes, index, cluster, _score_macs(m, t.seq_length, index), chosen, flop_s)
@@ -211,9 +212,20 @@ def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, li
             fwd["compute"] += head_f
             bwd["compute"] += head_b
         else:
-            block = list(_block(config, sizes, moe))
-            collectives = block + comm.recompute_collectives(block, o, full=recompute_all, moe=moe,
-                                                             last_in_checkpoint=last_in_checkpoint)
+            # equal blocks expose equal communication: each kind is worked out once per chunk
+            key = (moe, recompute_all, last_in_checkpoint, cost.shared_experts, cost.core_attention)
+            if key not in exposed:
+                block = list(_block(config, sizes, moe))
+                before = (dict(fwd), dict(bwd))
+                add(block + comm.recompute_collectives(block, o, full=recompute_all, moe=moe,
+                                                       last_in_checkpoint=last_in_checkpoint),
+                    shared_experts=cost.shared_experts, core_attention=(cost.core_attention, 2 * cost.core_attention))
+                exposed[key] = tuple({k: v[k] - b.get(k, 0.0) for k in v} for v, b in zip((fwd, bwd), before))
+            else:
+                for out, extra in zip((fwd, bwd), exposed[key]):
+                    for term, seconds in extra.items():
+                        out[term] += seconds
+            continue
         add(collectives, shared_experts=cost.shared_experts, core_attention=(cost.core_attention,
                                                                              2 * cost.core_attention))
     if chunk.has_embedding:
@@ -298,15 +310,23 @@ def _dp_seconds(config: RunConfig, sizes: ParallelSizes, pp_rank: int, links: _L
     t = config.train
     if t.use_torch_fsdp2:   # FSDP's collectives are the actions' own (per micro-batch)
         return 0.0
-    rs: dict[str, list[float]] = defaultdict(list)
-    ag: dict[str, list[float]] = defaultdict(list)
-    for c in comm.grad_sync_collectives(config, sizes, stage_numel(config, sizes, pp_rank)):
-        (rs if c.op == "reduce_scatter" else ag)[c.group].append(links.seconds(c))
+    # per group, runs of equal buckets (comm.grad_sync_buckets): (how many, seconds of each)
+    rs: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    ag: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    grad_bytes = 4 if t.main_grads_dtype == "fp32" else 2
+    for kind, dtype, count, padded in comm.grad_sync_buckets(config, sizes, stage_numel(config, sizes, pp_rank)):
+        group, p_bytes = comm.KIND_GROUPS[kind], 4 if dtype == "fp32" else 2
+        rs[group].append((count, links.seconds(Collective(group, "reduce_scatter", padded * grad_bytes, "step",
+                                                                 "grad_sync"))))
+        ag[group].append((count, links.seconds(Collective(group, "all_gather", padded * p_bytes, "step",
+                                                                 "param_sync"))))
     exposed = 0.0
-    for times in rs.values():   # buckets in backward order: the last one launches last
-        exposed += max(times[-1], sum(times) - bwd_window) if t.overlap_grad_reduce else sum(times)
-    for times in ag.values():
-        exposed += max(times[0], sum(times) - fwd_window) if t.overlap_param_gather else sum(times)
+    for runs in rs.values():   # buckets in backward order: the last one launches last
+        total = sum(n * s for n, s in runs)
+        exposed += max(runs[-1][1], total - bwd_window) if t.overlap_grad_reduce else total
+    for runs in ag.values():
+        total = sum(n * s for n, s in runs)
+        exposed += max(runs[0][1], total - fwd_window) if t.overlap_param_gather else total
     return exposed
 
 
