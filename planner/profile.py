@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -29,7 +29,7 @@ from moefold.models.layer_factory import is_moe_block
 from moefold.parallel.dims import ParallelSizes
 from moefold.pipeline.actions import ActionKind, is_local, model_chunk, split_batches
 from moefold.pipeline.schedules import Schedule, build_schedule
-from moefold.planner.activations import NOT_OFFLOADED, ActivationShape, Part
+from moefold.planner.activations import NOT_OFFLOADED, ActivationMemory, ActivationShape, Part, activation_shape
 from moefold.planner.activations_ffn import mlp, moe
 from moefold.planner.inflight import held_states, most_held, peak_bytes
 from moefold.planner.static import layout_of
@@ -150,6 +150,7 @@ class ChunkProfile:
     def peak(self) -> int:   # of its forward or its backward
         return max(self.fwd_peak, self.bwd_peak)
 
+    @cached_property
     def by_kind(self) -> dict[str, int]:   # kept bytes per part kind (dense, moe layer, embedding, head, mtp, ...)
         out: dict[str, int] = {}
         for p in self.parts:
@@ -371,79 +372,65 @@ def _events(schedule: tuple[str, int, int, int, bool], pp_rank: int) -> tuple[np
             np.array(chunks), most)
 
 
-@dataclass(frozen=True)
-class ActivationMemory:
-    """One pipeline rank's activations over a step: ``peak`` bytes (the schedule walk of ``schedule_peak``),
-    ``in_flight`` the most micro-batch chunks held at once, ``per_microbatch`` the bytes one micro-batch leaves
-    for its backward in each of the rank's chunks, ``by_kind`` those bytes by part kind summed over the chunks."""
-
-    peak: int
-    in_flight: int
-    per_microbatch: tuple[int, ...]
-    by_kind: dict[str, int]
-    host: int = 0          # activation offloading: the most host bytes held at once (the chunks in flight)
-
-
-def activation_shape(config: RunConfig, sizes: ParallelSizes, device_type: str = "cuda") -> ActivationShape:
-    """The ``ActivationShape`` of ``config`` at layout ``sizes`` (the parameters' dtype as the trainer makes it)."""
-    from moefold.training.build import model_options
-
-    t = config.train
-    return ActivationShape(model=config.model, options=model_options(config), tp=sizes.tp, cp=sizes.cp, ep=sizes.ep,
-                           etp=sizes.etp, micro_batch=t.micro_batch_size, seq_length=t.seq_length,
-                           device_type=device_type, max_load_ratio=t.moe_max_load_ratio or 1.0)
-
-
 def activation_memory(config: RunConfig, sizes: ParallelSizes, pp_rank: int, num_micro: int,
                       device_type: str = "cuda", exact: bool = True) -> ActivationMemory:
     """Peak activation bytes of ``pp_rank`` (any rank of that stage) running ``num_micro`` micro-batches per step
     with the schedule ``moefold train`` builds for ``config``, whatever shards the static memory. ``exact``: the
     schedule's action lists walked (``schedule_peak``); else the in-flight counts of ``planner.inflight``."""
+    return activation_memories(config, sizes, num_micro, device_type, exact)[pp_rank]
+
+
+def activation_memories(config: RunConfig, sizes: ParallelSizes, num_micro: int, device_type: str = "cuda",
+                        exact: bool = True) -> tuple[ActivationMemory, ...]:
+    """``activation_memory`` of every pipeline rank, in order."""
     t = config.train
     if t.use_torch_fsdp2 or t.optimizer_cpu_offload or t.optimizer_offload_fraction != 1.0:   # one cache entry
         config = dataclasses.replace(config, train=dataclasses.replace(
             t, use_torch_fsdp2=False, optimizer_cpu_offload=False, optimizer_offload_fraction=1.0))
-    return _activation_memory(config, sizes, pp_rank, num_micro, device_type, exact)
+    return _activation_memories(config, sizes, num_micro, device_type, exact)
 
 
 @lru_cache(maxsize=4096)
-def _activation_memory(config: RunConfig, sizes: ParallelSizes, pp_rank: int, num_micro: int,
-                       device_type: str, exact: bool = True) -> ActivationMemory:
+def _activation_memories(config: RunConfig, sizes: ParallelSizes, num_micro: int, device_type: str,
+                         exact: bool) -> tuple[ActivationMemory, ...]:
     shape = activation_shape(config, sizes, device_type)
     dispatcher = config.options.resolved_dispatcher(sizes.ep, sizes.etp)
     m = config.model
     overlap = config.train.overlap_moe_expert_parallel_comm
-    if sizes.pp == 1:
-        chunks = [(list(range(m.num_layers)), True, (True, True), False, False)]
-        # with the overlap two micro-batches are in flight (F0, FB(1, 0), ...)
-        schedule = ("1f1b", 1, num_micro, 1, True) if overlap else None
-    else:
-        layout = layout_of(config, sizes.pp)
-        last = layout.num_model_chunks - 1
-        chunks = [(list(c.layers), c.has_embedding, (c.has_head, c.has_mtp), c.model_chunk > 0, c.model_chunk < last)
-                  for c in layout.rank_chunks(pp_rank)]
-        schedule = (config.schedule_name(layout.vpp), sizes.pp, num_micro, layout.vpp, overlap)
-    profiles = [chunk_profile(shape, tuple(is_moe_block(m, i) for i in layers), first, last_chunk, dispatcher,
-                              received, sent) for layers, first, last_chunk, received, sent in chunks]
     message = shape.a * shape.T_x * m.hidden_size
-    host = max((p.offloaded for p in profiles), default=0)
-    if not exact:
-        name, pp, micro, vpp, overlapped = schedule or ("1f1b", 1, num_micro, 1, False)
-        states = held_states(name, pp, vpp, micro, pp_rank, overlapped)
-        peak = peak_bytes(states, [p.kept for p in profiles], [p.peak for p in profiles], message, sizes.pp > 1)
-        in_flight = most_held(states)
-        host = max(sum(n * p.offloaded for n, p in zip(state, profiles)) for state in states) if host else 0
-    else:
-        peak, in_flight = schedule_peak(schedule, profiles, pp_rank, message)
-    if exact and schedule is not None and host:   # the offloaded bytes of the pairs held, and the running one's
-        live = _events(steady_schedule(schedule, pp_rank), pp_rank)[0]
-        host = int((live @ np.array([p.offloaded for p in profiles], dtype=np.float64)).max()) + host
-    by_kind: dict[str, int] = {}
-    for p in profiles:
-        for kind, n in p.by_kind().items():
-            by_kind[kind] = by_kind.get(kind, 0) + n
-    return ActivationMemory(peak=peak, in_flight=in_flight, per_microbatch=tuple(p.kept for p in profiles),
-                            by_kind=by_kind, host=host)
+    out = []
+    for pp_rank in range(sizes.pp):
+        if sizes.pp == 1:
+            chunks = [(list(range(m.num_layers)), True, (True, True), False, False)]
+            # with the overlap two micro-batches are in flight (F0, FB(1, 0), ...)
+            schedule = ("1f1b", 1, num_micro, 1, True) if overlap else None
+        else:
+            layout = layout_of(config, sizes.pp)
+            last = layout.num_model_chunks - 1
+            chunks = [(list(c.layers), c.has_embedding, (c.has_head, c.has_mtp), c.model_chunk > 0,
+                       c.model_chunk < last) for c in layout.rank_chunks(pp_rank)]
+            schedule = (config.schedule_name(layout.vpp), sizes.pp, num_micro, layout.vpp, overlap)
+        profiles = [chunk_profile(shape, tuple(is_moe_block(m, i) for i in layers), first, last_chunk, dispatcher,
+                                  received, sent) for layers, first, last_chunk, received, sent in chunks]
+        host = max((p.offloaded for p in profiles), default=0)
+        if not exact:
+            name, pp, micro, vpp, overlapped = schedule or ("1f1b", 1, num_micro, 1, False)
+            states = held_states(name, pp, vpp, micro, pp_rank, overlapped)
+            peak = peak_bytes(states, [p.kept for p in profiles], [p.peak for p in profiles], message, pp > 1)
+            in_flight = most_held(states)
+            host = max(sum(n * p.offloaded for n, p in zip(state, profiles)) for state in states) if host else 0
+        else:
+            peak, in_flight = schedule_peak(schedule, profiles, pp_rank, message)
+        if exact and schedule is not None and host:   # the offloaded bytes of the pairs held, and the running one's
+            live = _events(steady_schedule(schedule, pp_rank), pp_rank)[0]
+            host = int((live @ np.array([p.offloaded for p in profiles], dtype=np.float64)).max()) + host
+        by_kind: dict[str, int] = {}
+        for p in profiles:
+            for kind, n in p.by_kind.items():
+                by_kind[kind] = by_kind.get(kind, 0) + n
+        out.append(ActivationMemory(peak=peak, in_flight=in_flight, per_microbatch=tuple(p.kept for p in profiles),
+                                    by_kind=by_kind, host=host))
+    return tuple(out)
 
 @lru_cache(maxsize=256)
 def _schedule(name: str, pp: int, num_micro: int, vpp: int, overlap: bool = False) -> Schedule:

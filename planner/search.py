@@ -39,10 +39,11 @@ from dataclasses import dataclass, field
 
 from moefold.models.config import ModelConfig
 from moefold.parallel.dims import ParallelSizes
+from moefold.planner.activations import ActivationMemory
 from moefold.planner.candidates import Fixed, candidates
 from moefold.planner.cluster import Cluster
 from moefold.planner.deepep import deepep_buffer_bytes
-from moefold.planner.profile import ActivationMemory, activation_memory
+from moefold.planner.profile import activation_memories
 from moefold.planner.static import StaticMemory, exact_static, layout_of, static_lower_bound
 from moefold.planner.step_terms import StepTime
 from moefold.planner.step_time import estimate_step_time
@@ -163,8 +164,8 @@ def _memory(config: RunConfig, sizes: ParallelSizes, num_micro: int, exact: bool
     static = (exact_static if exact else static_lower_bound)(config, sizes)
     flex = config.options.resolved_dispatcher(sizes.ep, sizes.etp) == "flex"
     deepep = deepep_buffer_bytes(config, sizes, gpus_per_node) if flex else 0
-    ranks = [RankMemory(r, static[r], activation_memory(config, sizes, r, num_micro, exact=walk), deepep)
-             for r in range(sizes.pp)]
+    activations = activation_memories(config, sizes, num_micro, exact=walk)
+    ranks = [RankMemory(r, static[r], activations[r], deepep) for r in range(sizes.pp)]
     return max(ranks, key=lambda m: m.total)
 
 
@@ -175,8 +176,8 @@ def stage_memory(plan: Plan, exact: bool = True) -> list[RankMemory]:
     static = (exact_static if exact else static_lower_bound)(config, sizes)
     flex = config.options.resolved_dispatcher(sizes.ep, sizes.etp) == "flex"
     deepep = deepep_buffer_bytes(config, sizes) if flex else 0
-    return [RankMemory(r, static[r], activation_memory(config, sizes, r, plan.num_micro, exact=exact), deepep)
-            for r in range(sizes.pp)]
+    activations = activation_memories(config, sizes, plan.num_micro, exact=exact)
+    return [RankMemory(r, static[r], activations[r], deepep) for r in range(sizes.pp)]
 
 
 def evaluate(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, memory_bytes: int | None = None,

@@ -46,6 +46,7 @@ Memory savers past ZeRO-1 (``planner.search.SHARDING``, the ladder's ``offload``
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 from functools import lru_cache
@@ -55,6 +56,7 @@ from moefold.execution.recompute import full_recompute_groups
 from moefold.models.config import ModelConfig
 from moefold.models.layer_factory import is_moe_block
 from moefold.parallel.dims import ParallelSizes
+from moefold.pipeline.schedules import V_SCHEDULES
 from moefold.pipeline.stages import ChunkSpec
 from moefold.planner import comm
 from moefold.planner.cluster import Cluster
@@ -171,6 +173,25 @@ def rank_chunks(config: RunConfig, sizes: ParallelSizes, pp_rank: int) -> list[C
     return layout_of(config, sizes.pp).rank_chunks(pp_rank)
 
 
+def _actions_key(config: RunConfig) -> RunConfig:
+    """``config`` without what no action's duration depends on (the schedule, the overlap, optimizer offload), so
+    that the search's variants of one layout share ``_chunk_actions``."""
+    t = config.train
+    schedule = t.pipeline_schedule if t.pipeline_schedule in V_SCHEDULES else "1f1b"   # V: its own placement
+    if (t.pipeline_schedule, t.overlap_moe_expert_parallel_comm, t.delay_wgrad_compute, t.optimizer_cpu_offload) == \
+            (schedule, False, False, False) and t.optimizer_offload_fraction == 1.0:
+        return config
+    return dataclasses.replace(config, train=dataclasses.replace(
+        t, pipeline_schedule=schedule, overlap_moe_expert_parallel_comm=False, delay_wgrad_compute=False,
+        optimizer_cpu_offload=False, optimizer_offload_fraction=1.0))
+
+
+def _copied(pair: tuple[_Action, _Action]) -> tuple[_Action, _Action]:
+    """Fresh copies of a cached (forward, backward) (the step calibrates them in place)."""
+    return tuple(_Action(dict(a.terms), a.weight, a.routed) for a in pair)
+
+
+@lru_cache(maxsize=8192)
 def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, links: _Links, cluster: Cluster,
                    flop_s: float | None, last_model_chunk: int, exchange_overlap: float) -> tuple[_Action, _Action]:
     """(forward, backward) of one micro-batch through ``chunk``: compute (``planner.compute_time``; the flat
@@ -367,7 +388,8 @@ def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster
     flop_s = None if efficiency is None else cluster.bf16_tflops * 1e12 * efficiency
     vpp = layout_of(config, sizes.pp).vpp if sizes.pp > 1 else 1
     last = sizes.pp * vpp - 1
-    actions = [[_chunk_actions(config, sizes, c, links, cluster, flop_s, last, exchange_overlap)
+    shared = _actions_key(config)
+    actions = [[_copied(_chunk_actions(shared, sizes, c, links, cluster, flop_s, last, exchange_overlap))
                 for c in rank_chunks(config, sizes, r)] for r in range(sizes.pp)]
     cal = (CALIBRATION if calibration is None else calibration) if efficiency is None else UNCALIBRATED
     if cal != UNCALIBRATED:
