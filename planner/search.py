@@ -11,6 +11,12 @@
   allocator's fragmentation, which the model does not count);
 - the step time (``planner.step_time.estimate_step_time``), for a layout that fits.
 
+``search`` plans each layout from formulas (``search(exact=False)``, ``moefold plan``'s default): the static bytes
+per layer kind without the buckets' padding, the activations held as each schedule's warm-up count says
+(``planner.inflight``), the pipeline clock in closed form (``pipeline_clock.formula_makespan``);
+``tests/planner/test_formula.py`` bounds each against its oracle. ``exact=True`` (``--exact``) re-plans the
+leading layouts with the meta build, the walked action lists and the simulated clock, as ``evaluate`` does.
+
 ``search`` enumerates every layout of ``world`` GPUs (tp, cp, pp with its stage split and virtual stages, ep,
 etp, the micro-batch size, the pipeline schedule with or without the batch-level overlap, and the recompute
 setting) that ``moefold train`` would accept (``validate_layout``), keeping what the user fixed; for each layout
