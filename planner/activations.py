@@ -33,6 +33,8 @@ from functools import cached_property
 from moefold.dense.recompute import recomputed_modules
 from moefold.models.config import ModelConfig
 from moefold.models.options import ModelOptions
+from moefold.parallel.dims import ParallelSizes
+from moefold.training.config import RunConfig
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ALIASED_OUTPUT = "attention output (= o_proj input)"
@@ -287,3 +289,26 @@ class ActivationShape:
         bwd = max(core.bwd_extra + (up_outputs if up else 0), projections + up_outputs)
         return Part("attention", saved, fwd_extra=core.fwd_extra + up_outputs, bwd_extra=bwd + a * T * H,
                     offload=offload)
+
+
+@dataclass(frozen=True)
+class ActivationMemory:
+    """One pipeline rank's activations over a step: ``peak`` bytes (the schedule walk of ``schedule_peak``),
+    ``in_flight`` the most micro-batch chunks held at once, ``per_microbatch`` the bytes one micro-batch leaves
+    for its backward in each of the rank's chunks, ``by_kind`` those bytes by part kind summed over the chunks."""
+
+    peak: int
+    in_flight: int
+    per_microbatch: tuple[int, ...]
+    by_kind: dict[str, int]
+    host: int = 0          # activation offloading: the most host bytes held at once (the chunks in flight)
+
+
+def activation_shape(config: RunConfig, sizes: ParallelSizes, device_type: str = "cuda") -> ActivationShape:
+    """The ``ActivationShape`` of ``config`` at layout ``sizes`` (the parameters' dtype as the trainer makes it)."""
+    from moefold.training.build import model_options
+
+    t = config.train
+    return ActivationShape(model=config.model, options=model_options(config), tp=sizes.tp, cp=sizes.cp, ep=sizes.ep,
+                           etp=sizes.etp, micro_batch=t.micro_batch_size, seq_length=t.seq_length,
+                           device_type=device_type, max_load_ratio=t.moe_max_load_ratio or 1.0)

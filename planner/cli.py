@@ -146,6 +146,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
     o.add_argument("--plot", metavar="PNG", default=None, help="draw the top layouts' memory and time terms")
+    o.add_argument("--exact", action="store_true",
+                   help="re-plan the fastest layouts exactly: the trainer's buffers built on the meta device, the "
+                        "schedule's action lists walked, the pipeline clock simulated (slower; default: formulas)")
     add_model_arguments(p)
     p.set_defaults(moe_use_upcycling=False, load_megatron=None, tokenizer_type=None,
                    **{e.dest: None for e in MODEL_FLAGS if e.group != "model"})
@@ -263,8 +266,8 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         chosen = [plans]
     else:
         result = search(config, world, cluster, per_node, memory, fixed=fixed, top=args.top,
-                        headroom=args.memory_headroom, efficiency=args.efficiency,
-                        progress=lambda line: print(f"moefold plan: {line}", file=sys.stderr, flush=True))
+                        headroom=args.memory_headroom, efficiency=args.efficiency, exact=args.exact,
+                        progress=progress_bar)
         print(render(result, config, world, cluster, per_node, memory, params, flags, usable))
         chosen = result.plans
         if not chosen:
@@ -276,7 +279,7 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                     print(f"nearest: {alt.flags}: {outcome(near)}")
             return 1
     if chosen and chosen[0].sizes.pp > 1:
-        print(stage_line(chosen[0]))
+        print(stage_line(chosen[0], exact=fully_fixed or args.exact))
     if args.plot:
         from moefold.planner.plot import plot_plans
 
@@ -285,11 +288,22 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     return 0
 
 
-def stage_line(plan) -> str:
+def progress_bar(phase: str, done: int, total: int, width: int = 30) -> None:
+    """The search's progress on stderr: a bar redrawn in place on a terminal, else a status line."""
+    if not sys.stderr.isatty():
+        print(f"moefold plan: {phase}: {done} of {total}", file=sys.stderr, flush=True)
+        return
+    filled = width * done // max(total, 1)
+    end = "\n" if done >= total else ""
+    print(f"\rmoefold plan: {phase:<10} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end=end,
+          file=sys.stderr, flush=True)
+
+
+def stage_line(plan, exact: bool = True) -> str:
     """Plan #1's layout and memory per GPU of every pipeline stage (GB: total = params + grads + optimizer +
     activations)."""
     layout = plan.config.pipeline_layout(plan.sizes.pp)
-    per = " ".join(f"{m.pp_rank}:{m.total / 1e9:.1f}" for m in stage_memory(plan))
+    per = " ".join(f"{m.pp_rank}:{m.total / 1e9:.1f}" for m in stage_memory(plan, exact))
     return f"#1 layout {layout.text} (pp {layout.pp} x vpp {layout.vpp}); memory per pipeline stage, GB: {per}"
 
 

@@ -400,25 +400,35 @@ def pipeline_collectives(config: RunConfig, sizes: ParallelSizes, model_chunk: i
 KIND_GROUPS = {"dense": "dp_cp", "sp": "tp_cp_dp", "expert": "edp"}
 
 
-def grad_sync_collectives(config: RunConfig, sizes: ParallelSizes, numel: dict[tuple[str, str], int],
-                          ) -> list[Collective]:
-    """Per step, the distributed optimizer's reduce-scatter of the gradient buckets and all-gather of the
-    parameter buckets; ``numel``: elements per (reduction kind, parameter dtype name) on this rank. Buckets as
-    ``training.optim.buffers`` cuts them: ``bucket_numel`` elements (the parameters' own boundaries, which make real
-    buckets a little larger, are not known here), padded to a multiple of group size x ALIGN."""
+def grad_sync_buckets(config: RunConfig, sizes: ParallelSizes, numel: dict[tuple[str, str], int],
+                      ) -> list[tuple[str, str, int, int]]:
+    """``grad_sync_collectives``' buckets as runs of equal ones, in the same order: (reduction kind, parameter
+    dtype name, how many, padded elements of each)."""
     t = config.train
-    grad_bytes = torch.empty((), dtype=t.optimizer_precision().dtype("main_grads")).element_size()
     group_size = {"dense": sizes.dp * sizes.cp, "sp": sizes.tp * sizes.cp * sizes.dp, "expert": sizes.edp}
     out = []
     for (kind, dtype), n in sorted(numel.items()):
         size = group_size[kind]
         if size == 1 or n == 0:
             continue
-        p_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
         full, rest = divmod(n, t.bucket_numel)
-        buckets = [t.bucket_numel] * full + ([rest] if rest else [])
-        for k in buckets:
-            padded = -(-k // (size * ALIGN)) * size * ALIGN
+        for count, k in ((full, t.bucket_numel), (int(rest > 0), rest)):
+            if count:
+                out.append((kind, dtype, count, -(-k // (size * ALIGN)) * size * ALIGN))
+    return out
+
+
+def grad_sync_collectives(config: RunConfig, sizes: ParallelSizes, numel: dict[tuple[str, str], int],
+                          ) -> list[Collective]:
+    """Per step, the distributed optimizer's reduce-scatter of the gradient buckets and all-gather of the
+    parameter buckets; ``numel``: elements per (reduction kind, parameter dtype name) on this rank. Buckets as
+    ``training.optim.buffers`` cuts them: ``bucket_numel`` elements (the parameters' own boundaries, which make real
+    buckets a little larger, are not known here), padded to a multiple of group size x ALIGN."""
+    grad_bytes = torch.empty((), dtype=config.train.optimizer_precision().dtype("main_grads")).element_size()
+    out = []
+    for kind, dtype, count, padded in grad_sync_buckets(config, sizes, numel):
+        p_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
+        for _ in range(count):
             out.append(Collective(KIND_GROUPS[kind], "reduce_scatter", padded * grad_bytes, "step", "grad_sync",
                                   f"{kind} {dtype} gradient bucket"))
             out.append(Collective(KIND_GROUPS[kind], "all_gather", padded * p_bytes, "step", "param_sync",

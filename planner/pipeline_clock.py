@@ -15,8 +15,9 @@ from collections.abc import Callable
 from functools import lru_cache
 
 from moefold.pipeline.actions import Action, ActionKind
-from moefold.pipeline.schedules import Schedule, build_schedule
+from moefold.pipeline.schedules import V_SCHEDULES, Schedule, build_schedule, dualpipev_idle, expected_bubble_fraction
 from moefold.pipeline.simulator import simulate
+from moefold.planner.inflight import interleaved_warmup
 
 
 @lru_cache(maxsize=64)
@@ -87,3 +88,40 @@ def step_makespan(name: str, pp: int, vpp: int, m: int, durations: Durations, ov
             busy = tuple(b + k * (b - a) for a, b in zip(runs[-2][1], runs[-1][1]))
             return spans[-1] + (m - probes[-1]) * slopes[1], busy, runs[-1][2] + k * (runs[-1][2] - runs[-2][2])
     return simulate_step(name, pp, vpp, m, durations, overlap, delay_wgrad)
+
+
+def formula_makespan(name: str, pp: int, vpp: int, m: int, durations: Durations, overlap: bool = False,
+                     delay_wgrad: bool = False) -> tuple[float, tuple[float, ...], float]:
+    """``step_makespan``'s (makespan, busy per rank, hidden exchange on the busiest rank) in closed form, for the
+    search (the simulated clock is ``--exact``'s). Each rank runs ``m`` forwards and backwards per chunk; with the
+    overlap all but its warm-up's pairs run as FB steps, each hiding ``_hidden`` of the chunk averages; with
+    --delay-wgrad-compute a lone backward hides its exchange behind its weight GEMMs. Idle time of the busiest
+    rank: 1F1B, GPipe, ZB-H1 and interleaved 1F1B by their textbook bubble fractions
+    (``expected_bubble_fraction``), ZB-V ``(pp - 1)(F + B - 2W)``, DualPipeV ``dualpipev_idle``, per chunk."""
+    busy, hidden_of = [], []
+    for r, chunks in enumerate(durations):
+        n = len(chunks)
+        f, b, w = (sum(c[k] for c in chunks) / n for k in range(3))
+        f_ep, f_c = (sum(c[3][k] for c in chunks) / n for k in range(2))
+        b_ep, b_c = (sum(c[4][k] for c in chunks) / n for k in range(2))
+        pairs = m * n
+        warmup = min(interleaved_warmup(pp, vpp, m, r) if name == "interleaved" else
+                     2 * (pp - r - 1) if name in V_SCHEDULES else 1 if pp == 1 else pp - r - 1, pairs)
+        fb = pairs - warmup if overlap else 0
+        per_fb = _hidden((f_ep, f_c), (b_ep, b_c))
+        hidden = fb * per_fb
+        if delay_wgrad:
+            hidden += (pairs - fb) * min(b_ep, w)
+        busy.append(pairs * (f + b) - hidden)
+        hidden_of.append((hidden, f, b, w, per_fb if overlap else 0.0))
+    critical = max(range(pp), key=lambda r: busy[r])
+    hidden, f, b, w, per_fb = hidden_of[critical]
+    if name == "zbv":
+        idle = (pp - 1) * max(f + b - 2 * w, 0.0)
+    elif name == "dualpipev":
+        overlapped = f + b - per_fb
+        idle = dualpipev_idle(pp, overlapped, b, w) if overlapped + b > 3 * w else 0.0
+    else:
+        fraction = expected_bubble_fraction(name if pp > 1 else "1f1b", pp, m, vpp)
+        idle = busy[critical] * fraction / (1 - fraction)
+    return busy[critical] + idle, tuple(busy), hidden

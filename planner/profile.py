@@ -4,8 +4,7 @@ A pipeline chunk (the whole model at pp = 1) is a sequence of parts: the embeddi
 transformer block (or per full-recompute group of blocks), the final norm + output head + loss and the MTP depths
 (last chunk). A chunk's memory profile for one micro-batch (``ChunkProfile``):
 
-    kept        bytes its forward leaves for its backward (the sum of its parts' ``saved``, plus the input the
-                pipeline executor holds for a received activation and the output it holds for a sent one)
+    kept        bytes its forward leaves for its backward (its parts' ``saved``, the executor's received and sent)
     fwd_peak    the most its forward holds at once: max over parts of (kept so far + the part's transient)
     bwd_peak    the most its backward holds at once: max over parts, in reverse, of (what is still kept up to
                 that part + its backward transient)
@@ -13,14 +12,15 @@ transformer block (or per full-recompute group of blocks), the final norm + outp
 A rank's peak over a step walks its schedule's action list (``pipeline.schedules``): before each forward or
 backward it holds the ``kept`` bytes of every (micro-batch, chunk) whose forward ran and whose backward has not,
 so the peak is ``max(held + fwd_peak, held_others + bwd_peak)`` over the actions, with each chunk's own bytes
-(the first chunk holds the embedding, the last the head and its fp32 logits).
+(the first chunk holds the embedding, the last the head and its fp32 logits). That walk is ``exact`` mode; the
+search's default takes the held pairs from the schedules' warm-up counts in closed form (``planner.inflight``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -28,9 +28,11 @@ from moefold.execution.recompute import full_recompute_groups
 from moefold.models.layer_factory import is_moe_block
 from moefold.parallel.dims import ParallelSizes
 from moefold.pipeline.actions import ActionKind, is_local, model_chunk, split_batches
-from moefold.pipeline.schedules import Schedule
-from moefold.planner.activations import NOT_OFFLOADED, ActivationShape, Part
+from moefold.pipeline.schedules import Schedule, build_schedule
+from moefold.planner.activations import NOT_OFFLOADED, ActivationMemory, ActivationShape, Part, activation_shape
 from moefold.planner.activations_ffn import mlp, moe
+from moefold.planner.inflight import held_states, most_held, peak_bytes
+from moefold.planner.static import layout_of
 from moefold.training.config import RunConfig
 
 
@@ -129,14 +131,13 @@ def recomputed_group(inner: list[Part], name: str, held: int) -> Part:
 
 
 @lru_cache(maxsize=1024)
-def _none(shape: ActivationShape) -> ActivationShape:
+def _none(shape: ActivationShape) -> ActivationShape:   # the same shape without recompute
     return dataclasses.replace(shape, options=dataclasses.replace(shape.options, recompute="none"))
 
 
 @dataclass(frozen=True)
 class ChunkProfile:
     """One micro-batch through one chunk (see the module docstring); ``parts`` in forward order."""
-
     parts: tuple[Part, ...]
     kept: int
     fwd_peak: int
@@ -146,11 +147,11 @@ class ChunkProfile:
     offloaded: int = 0     # host bytes its forward leaves (activation offloading)
 
     @property
-    def peak(self) -> int:
+    def peak(self) -> int:   # of its forward or its backward
         return max(self.fwd_peak, self.bwd_peak)
 
-    def by_kind(self) -> dict[str, int]:
-        """Kept bytes per part kind (dense layer, moe layer, embedding, head, mtp, pipeline)."""
+    @cached_property
+    def by_kind(self) -> dict[str, int]:   # kept bytes per part kind (dense, moe layer, embedding, head, mtp, ...)
         out: dict[str, int] = {}
         for p in self.parts:
             kind = "mtp" if p.name.startswith("mtp") else p.name
@@ -234,10 +235,9 @@ def profile(parts: list[Part], received: bool = False, sent: bool = False,
 def schedule_peak(schedule: tuple[str, int, int, int, bool] | None, profiles: list[ChunkProfile], pp_rank: int,
                   message: int = 0, steady: bool = True) -> tuple[int, int]:
     """(peak activation bytes, most (micro-batch, chunk) pairs held at once) of ``pp_rank`` over a step, walking
-    its action list (``schedule``: ``pipeline.build_schedule``'s (name, pp, micro-batches, vpp, overlap));
-    ``profiles[c]``: its virtual chunk c; ``message``: bytes of one activation (or its gradient) crossing stages.
-    pp = 1 without the overlap (``schedule`` None): one micro-batch at a time. ``steady``: a long step's states from
-    a short one's (``steady_schedule``; False: the whole action list, the oracle the tests compare it with)."""
+    its action list (``schedule``: (name, pp, micro-batches, vpp, overlap)); ``profiles[c]``: its chunk c;
+    ``message``: bytes of one activation crossing stages; ``schedule`` None: pp = 1 without the overlap.
+    ``steady``: a long step's states from a short one's (``steady_schedule``; False: the whole action list)."""
     if schedule is None:
         return profiles[0].peak, 1
     walked = steady_schedule(schedule, pp_rank) if steady else schedule
@@ -248,7 +248,6 @@ def schedule_peak(schedule: tuple[str, int, int, int, bool] | None, profiles: li
     transient[fwd] = np.array([p.fwd_peak for p in profiles], dtype=np.float64)[chunks[fwd]]
     transient[bwd] = np.array([p.bwd_peak for p in profiles], dtype=np.float64)[chunks[bwd]]
     return int((live @ kept + messages * float(message) + transient).max()), most
-
 
 STEADY_PROBES = (6, 8)   # x pp micro-batches: the two short steps whose states stand for a long one's
 
@@ -290,13 +289,11 @@ def _events(schedule: tuple[str, int, int, int, bool], pp_rank: int) -> tuple[np
     an upper bound, the backward releasing layer by layer) or a backward's. An I keeps its pair until its W (the
     weight gradients read the saved inputs).
 
-    The messages, as the executor holds them: a receive buffer from its posting until its consumer ran (a
-    received activation then is its chunk's input, in ``kept``; a received gradient is freed after its
-    backward); an input gradient from its backward until its batch is waited on, which a compute does when its
-    own input was posted in that batch or a later one (they are waited on in posting order); a sent output is
-    in its chunk's ``kept`` until its backward, and a message after that only while its batch is not waited on.
-    A hand-over between the V placement's two chunks of a rank is no message.
-    """
+    Messages, as the executor holds them: a receive buffer from its posting until its consumer ran (a received
+    activation is then its chunk's input, in ``kept``; a received gradient is freed after its backward); an input
+    gradient from its backward until its batch is waited on (a compute waits for its input's batch and the ones
+    before it); a sent output is in its chunk's ``kept`` until its backward, then a message while its batch is not
+    waited on. A hand-over between the V placement's two chunks of a rank is no message."""
     _, pp, _, vpp, _ = schedule
     built = _schedule(*schedule)
     placement = built.placement
@@ -375,74 +372,66 @@ def _events(schedule: tuple[str, int, int, int, bool], pp_rank: int) -> tuple[np
             np.array(chunks), most)
 
 
-@dataclass(frozen=True)
-class ActivationMemory:
-    """One pipeline rank's activations over a step: ``peak`` bytes (the schedule walk of ``schedule_peak``),
-    ``in_flight`` the most micro-batch chunks held at once, ``per_microbatch`` the bytes one micro-batch leaves
-    for its backward in each of the rank's chunks, ``by_kind`` those bytes by part kind summed over the chunks."""
-
-    peak: int
-    in_flight: int
-    per_microbatch: tuple[int, ...]
-    by_kind: dict[str, int]
-    host: int = 0          # activation offloading: the most host bytes held at once (the chunks in flight)
-
-
-def activation_shape(config: RunConfig, sizes: ParallelSizes, device_type: str = "cuda") -> ActivationShape:
-    """The ``ActivationShape`` of ``config`` at layout ``sizes`` (the parameters' dtype as the trainer makes it)."""
-    from moefold.training.build import model_options
-
-    t = config.train
-    return ActivationShape(model=config.model, options=model_options(config), tp=sizes.tp, cp=sizes.cp, ep=sizes.ep,
-                           etp=sizes.etp, micro_batch=t.micro_batch_size, seq_length=t.seq_length,
-                           device_type=device_type, max_load_ratio=t.moe_max_load_ratio or 1.0)
-
-
 def activation_memory(config: RunConfig, sizes: ParallelSizes, pp_rank: int, num_micro: int,
-                      device_type: str = "cuda") -> ActivationMemory:
+                      device_type: str = "cuda", exact: bool = True) -> ActivationMemory:
     """Peak activation bytes of ``pp_rank`` (any rank of that stage) running ``num_micro`` micro-batches per step
-    with the schedule ``moefold train`` builds for ``config`` (``pipeline.build_schedule``). What shards the static
-    memory (FSDP2, optimizer offload) does not change them: one computation serves every such choice."""
-    t = dataclasses.replace(config.train, use_torch_fsdp2=False, optimizer_cpu_offload=False,
-                            optimizer_offload_fraction=1.0)
-    return _activation_memory(dataclasses.replace(config, train=t), sizes, pp_rank, num_micro, device_type)
+    with the schedule ``moefold train`` builds for ``config``, whatever shards the static memory. ``exact``: the
+    schedule's action lists walked (``schedule_peak``); else the in-flight counts of ``planner.inflight``."""
+    return activation_memories(config, sizes, num_micro, device_type, exact)[pp_rank]
+
+
+def activation_memories(config: RunConfig, sizes: ParallelSizes, num_micro: int, device_type: str = "cuda",
+                        exact: bool = True) -> tuple[ActivationMemory, ...]:
+    """``activation_memory`` of every pipeline rank, in order."""
+    t = config.train
+    if t.use_torch_fsdp2 or t.optimizer_cpu_offload or t.optimizer_offload_fraction != 1.0:   # one cache entry
+        config = dataclasses.replace(config, train=dataclasses.replace(
+            t, use_torch_fsdp2=False, optimizer_cpu_offload=False, optimizer_offload_fraction=1.0))
+    return _activation_memories(config, sizes, num_micro, device_type, exact)
 
 
 @lru_cache(maxsize=4096)
-def _activation_memory(config: RunConfig, sizes: ParallelSizes, pp_rank: int, num_micro: int,
-                       device_type: str) -> ActivationMemory:
+def _activation_memories(config: RunConfig, sizes: ParallelSizes, num_micro: int, device_type: str,
+                         exact: bool) -> tuple[ActivationMemory, ...]:
     shape = activation_shape(config, sizes, device_type)
     dispatcher = config.options.resolved_dispatcher(sizes.ep, sizes.etp)
     m = config.model
     overlap = config.train.overlap_moe_expert_parallel_comm
-    if sizes.pp == 1:
-        chunks = [(list(range(m.num_layers)), True, (True, True), False, False)]
-        # with the overlap two micro-batches are in flight (F0, FB(1, 0), ...)
-        schedule = ("1f1b", 1, num_micro, 1, True) if overlap else None
-    else:
-        layout = config.pipeline_layout(sizes.pp)
-        last = layout.num_model_chunks - 1
-        chunks = [(list(c.layers), c.has_embedding, (c.has_head, c.has_mtp), c.model_chunk > 0, c.model_chunk < last)
-                  for c in layout.rank_chunks(pp_rank)]
-        schedule = (config.schedule_name(layout.vpp), sizes.pp, num_micro, layout.vpp, overlap)
-    profiles = [chunk_profile(shape, tuple(is_moe_block(m, i) for i in layers), first, last_chunk, dispatcher,
-                              received, sent) for layers, first, last_chunk, received, sent in chunks]
     message = shape.a * shape.T_x * m.hidden_size
-    peak, in_flight = schedule_peak(schedule, profiles, pp_rank, message)
-    host = max((p.offloaded for p in profiles), default=0)
-    if schedule is not None and host:
-        live = _events(steady_schedule(schedule, pp_rank), pp_rank)[0]
-        host = int((live @ np.array([p.offloaded for p in profiles], dtype=np.float64)).max()) + host
-    by_kind: dict[str, int] = {}
-    for p in profiles:
-        for kind, n in p.by_kind().items():
-            by_kind[kind] = by_kind.get(kind, 0) + n
-    return ActivationMemory(peak=peak, in_flight=in_flight, per_microbatch=tuple(p.kept for p in profiles),
-                            by_kind=by_kind, host=host)
-
+    out = []
+    for pp_rank in range(sizes.pp):
+        if sizes.pp == 1:
+            chunks = [(list(range(m.num_layers)), True, (True, True), False, False)]
+            # with the overlap two micro-batches are in flight (F0, FB(1, 0), ...)
+            schedule = ("1f1b", 1, num_micro, 1, True) if overlap else None
+        else:
+            layout = layout_of(config, sizes.pp)
+            last = layout.num_model_chunks - 1
+            chunks = [(list(c.layers), c.has_embedding, (c.has_head, c.has_mtp), c.model_chunk > 0,
+                       c.model_chunk < last) for c in layout.rank_chunks(pp_rank)]
+            schedule = (config.schedule_name(layout.vpp), sizes.pp, num_micro, layout.vpp, overlap)
+        profiles = [chunk_profile(shape, tuple(is_moe_block(m, i) for i in layers), first, last_chunk, dispatcher,
+                                  received, sent) for layers, first, last_chunk, received, sent in chunks]
+        host = max((p.offloaded for p in profiles), default=0)
+        if not exact:
+            name, pp, micro, vpp, overlapped = schedule or ("1f1b", 1, num_micro, 1, False)
+            states = held_states(name, pp, vpp, micro, pp_rank, overlapped)
+            peak = peak_bytes(states, [p.kept for p in profiles], [p.peak for p in profiles], message, pp > 1)
+            in_flight = most_held(states)
+            host = max(sum(n * p.offloaded for n, p in zip(state, profiles)) for state in states) if host else 0
+        else:
+            peak, in_flight = schedule_peak(schedule, profiles, pp_rank, message)
+        if exact and schedule is not None and host:   # the offloaded bytes of the pairs held, and the running one's
+            live = _events(steady_schedule(schedule, pp_rank), pp_rank)[0]
+            host = int((live @ np.array([p.offloaded for p in profiles], dtype=np.float64)).max()) + host
+        by_kind: dict[str, int] = {}
+        for p in profiles:
+            for kind, n in p.by_kind.items():
+                by_kind[kind] = by_kind.get(kind, 0) + n
+        out.append(ActivationMemory(peak=peak, in_flight=in_flight, per_microbatch=tuple(p.kept for p in profiles),
+                                    by_kind=by_kind, host=host))
+    return tuple(out)
 
 @lru_cache(maxsize=256)
 def _schedule(name: str, pp: int, num_micro: int, vpp: int, overlap: bool = False) -> Schedule:
-    from moefold.pipeline.schedules import build_schedule
-
     return build_schedule(name, pp, num_micro, vpp, overlap=overlap)

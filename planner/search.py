@@ -11,6 +11,12 @@
   allocator's fragmentation, which the model does not count);
 - the step time (``planner.step_time.estimate_step_time``), for a layout that fits.
 
+``search`` plans each layout from formulas (``search(exact=False)``, ``moefold plan``'s default): the static bytes
+per layer kind without the buckets' padding, the activations held as each schedule's warm-up count says
+(``planner.inflight``), the pipeline clock in closed form (``pipeline_clock.formula_makespan``);
+``tests/planner/test_formula.py`` bounds each against its oracle. ``exact=True`` (``--exact``) re-plans the
+leading layouts with the meta build, the walked action lists and the simulated clock, as ``evaluate`` does.
+
 ``search`` enumerates every layout of ``world`` GPUs (tp, cp, pp with its stage split and virtual stages, ep,
 etp, the micro-batch size, the pipeline schedule with or without the batch-level overlap, and the recompute
 setting) that ``moefold train`` would accept (``validate_layout``), keeping what the user fixed; for each layout
@@ -39,18 +45,19 @@ from dataclasses import dataclass, field
 
 from moefold.models.config import ModelConfig
 from moefold.parallel.dims import ParallelSizes
+from moefold.planner.activations import ActivationMemory
 from moefold.planner.candidates import Fixed, candidates
 from moefold.planner.cluster import Cluster
 from moefold.planner.deepep import deepep_buffer_bytes
-from moefold.planner.profile import ActivationMemory, activation_memory
-from moefold.planner.static import StaticMemory, exact_static, static_lower_bound
+from moefold.planner.profile import activation_memories
+from moefold.planner.static import StaticMemory, exact_static, layout_of, static_lower_bound
 from moefold.planner.step_terms import StepTime
 from moefold.planner.step_time import estimate_step_time
 from moefold.training.cli.train import validate_layout
 from moefold.training.config import RunConfig
 
 HEADROOM = 0.1           # share of the GPU's memory left for what the model does not count (module docstring)
-PROGRESS_EVERY_S = 5.0   # between the search's status lines
+PROGRESS_EVERY_S = 0.5   # between the search's progress reports
 PER_WORKER = 64            # step-time estimates per process before the search forks more processes
 SIMULATED_PER_TOP = 8      # layouts (by the fast estimate) whose pipelines are simulated, per layout printed
 REASON_CHARS = 90         # rejection reasons are grouped by their first characters
@@ -129,7 +136,7 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.fits_gpu and self.fits_host and self.memory.static.exact
+        return self.fits_gpu and self.fits_host
 
     @property
     def fits_gpu(self) -> bool:
@@ -145,7 +152,7 @@ class Plan:
 
     @property
     def vpp(self) -> int:
-        return self.config.pipeline_layout(self.sizes.pp).vpp if self.sizes.pp > 1 else 1
+        return layout_of(self.config, self.sizes.pp).vpp if self.sizes.pp > 1 else 1
 
     @property
     def schedule(self) -> str:
@@ -156,23 +163,27 @@ class Plan:
         return self.config.schedule_name(self.vpp) + ("+ov" if overlap else "")
 
 
-def _memory(config: RunConfig, sizes: ParallelSizes, num_micro: int, exact: bool, gpus_per_node: int) -> RankMemory:
+def _memory(config: RunConfig, sizes: ParallelSizes, num_micro: int, exact: bool, gpus_per_node: int,
+            walk: bool = True) -> RankMemory:
+    """The fullest stage's memory; ``exact``: static bytes from the meta build (else the formula);
+    ``walk``: activations from the schedule's action lists (else ``planner.inflight``'s closed form)."""
     static = (exact_static if exact else static_lower_bound)(config, sizes)
     flex = config.options.resolved_dispatcher(sizes.ep, sizes.etp) == "flex"
     deepep = deepep_buffer_bytes(config, sizes, gpus_per_node) if flex else 0
-    ranks = [RankMemory(r, static[r], activation_memory(config, sizes, r, num_micro), deepep)
-             for r in range(sizes.pp)]
+    activations = activation_memories(config, sizes, num_micro, exact=walk)
+    ranks = [RankMemory(r, static[r], activations[r], deepep) for r in range(sizes.pp)]
     return max(ranks, key=lambda m: m.total)
 
 
-def stage_memory(plan: Plan) -> list[RankMemory]:
-    """Every pipeline stage's memory per GPU for ``plan`` (exact static bytes), in pipeline order."""
+def stage_memory(plan: Plan, exact: bool = True) -> list[RankMemory]:
+    """Every pipeline stage's memory per GPU for ``plan``, in pipeline order (``exact``: the meta build and the
+    walked schedule, else the formulas, as ``_memory``)."""
     config, sizes = plan.config, plan.sizes
-    static = exact_static(config, sizes)
+    static = (exact_static if exact else static_lower_bound)(config, sizes)
     flex = config.options.resolved_dispatcher(sizes.ep, sizes.etp) == "flex"
     deepep = deepep_buffer_bytes(config, sizes) if flex else 0
-    return [RankMemory(r, static[r], activation_memory(config, sizes, r, plan.num_micro), deepep)
-            for r in range(sizes.pp)]
+    activations = activation_memories(config, sizes, plan.num_micro, exact=exact)
+    return [RankMemory(r, static[r], activations[r], deepep) for r in range(sizes.pp)]
 
 
 def evaluate(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, memory_bytes: int | None = None,
@@ -207,7 +218,7 @@ class SearchResult:
 
 
 def _least_recompute(candidate: RunConfig, sizes: ParallelSizes, num_micro: int, ladder: dict[str, dict],
-                     usable: int, gpus_per_node: int, host_usable: int | None = None,
+                     usable: int, gpus_per_node: int, host_usable: int | None = None, walk: bool = True,
                      ) -> tuple[Plan | None, Plan | None]:
     """(the plan with the least activation saving of ``ladder`` that fits, or None; the leanest plan, None when
     ``moefold train`` refuses every rung with this layout). The leanest is tried first: when it does not fit,
@@ -219,7 +230,8 @@ def _least_recompute(candidate: RunConfig, sizes: ParallelSizes, num_micro: int,
 
     def plan_of(name: str) -> Plan:
         return Plan(planned(name), sizes, num_micro, name,
-                    _memory(planned(name), sizes, num_micro, False, gpus_per_node), usable, host_usable=host_usable)
+                    _memory(planned(name), sizes, num_micro, False, gpus_per_node, walk), usable,
+                    host_usable=host_usable)
 
     names = [name for name in ladder if not planned(name).memory_saver_conflict(sizes.pp)]
     if not names:
@@ -248,7 +260,8 @@ def _with_sharding(candidate: RunConfig, name: str, world: int) -> RunConfig | N
 
 
 def _least_saving(candidate: RunConfig, sizes: ParallelSizes, num_micro: int, ladder: dict[str, dict], usable: int,
-                  host_usable: int, world: int, shardings: list[str], gpus_per_node: int) -> tuple[list[Plan], Plan]:
+                  host_usable: int, world: int, shardings: list[str], gpus_per_node: int,
+                  walk: bool = True) -> tuple[list[Plan], Plan]:
     """The plans worth timing for one layout (module docstring) and its leanest plan (the closest when none fits)."""
     rungs = list(ladder)
     plans, closest, best = [], None, len(rungs)
@@ -256,7 +269,7 @@ def _least_saving(candidate: RunConfig, sizes: ParallelSizes, num_micro: int, la
         config = candidate if name == sharding_of(candidate) else _with_sharding(candidate, name, world)
         if config is None or config.memory_saver_conflict(sizes.pp):
             continue
-        fits, leanest = _least_recompute(config, sizes, num_micro, ladder, usable, gpus_per_node, host_usable)
+        fits, leanest = _least_recompute(config, sizes, num_micro, ladder, usable, gpus_per_node, host_usable, walk)
         if leanest is not None and (closest is None or leanest.memory.total < closest.memory.total):
             closest = leanest
         # a saver is worth timing when it needs no more activation saving than the best so far (ZeRO-1 first: with
@@ -271,17 +284,17 @@ def _least_saving(candidate: RunConfig, sizes: ParallelSizes, num_micro: int, la
 
 
 def _times_of(jobs: list[tuple[RunConfig, ParallelSizes]], cluster: Cluster, gpus_per_node: int,
-              efficiency: float) -> list[StepTime]:
-    return [estimate_step_time(c, s, cluster, gpus_per_node, efficiency) for c, s in jobs]
+              efficiency: float, simulate: bool = True) -> list[StepTime]:
+    return [estimate_step_time(c, s, cluster, gpus_per_node, efficiency, simulate=simulate) for c, s in jobs]
 
 
 def _step_times(jobs: list[tuple[RunConfig, ParallelSizes]], cluster: Cluster, gpus_per_node: int,
-                efficiency: float, workers: int | None) -> list[StepTime]:
-    """``estimate_step_time`` of every job, in order; split over forked processes when there are many (each
-    simulates pipeline schedules, the search's slowest part)."""
+                efficiency: float, workers: int | None, simulate: bool = True) -> list[StepTime]:
+    """``estimate_step_time`` of every job, in order; with ``simulate`` split over forked processes when there are
+    many (each simulates pipeline schedules, the exact mode's slowest part)."""
     workers = min(workers or os.cpu_count() or 1, max(len(jobs) // PER_WORKER, 1))
-    if workers == 1 or "fork" not in multiprocessing.get_all_start_methods():
-        return _times_of(jobs, cluster, gpus_per_node, efficiency)
+    if not simulate or workers == 1 or "fork" not in multiprocessing.get_all_start_methods():
+        return _times_of(jobs, cluster, gpus_per_node, efficiency, simulate)
     slices = [jobs[i::workers] for i in range(workers)]
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
         parts = list(pool.map(_times_of, slices, [cluster] * workers, [gpus_per_node] * workers,
@@ -294,24 +307,34 @@ def _step_times(jobs: list[tuple[RunConfig, ParallelSizes]], cluster: Cluster, g
 
 def search(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, memory_bytes: int | None = None,
            *, fixed: Fixed = Fixed(), top: int = 5, headroom: float = HEADROOM,
-           efficiency: float | None = None, workers: int | None = None,
-           progress: Callable[[str], None] | None = None) -> SearchResult:
+           efficiency: float | None = None, workers: int | None = None, exact: bool = False,
+           progress: Callable[[str, int, int], None] | None = None) -> SearchResult:
     """Plans of every valid layout; ``top`` fitting ones with their step times, fastest first (module docstring).
-    Static bytes are exact for every plan returned (a lower bound rules out the rest first). The step times of
-    the fitting layouts are estimated in ``workers`` processes (default: one per CPU). ``progress`` is called
-    with a one-line status every few seconds (a search over thousands of GPUs takes minutes)."""
+    By default every layout's memory and time come from formulas: static bytes counted per layer kind
+    (``static.static_lower_bound``: the exact count without the buckets' padding), activations held as the
+    schedule's warm-up counts say (``planner.inflight``), the pipeline clock in closed form
+    (``pipeline_clock.formula_makespan``). ``exact``: the fastest layouts by the formulas (``SIMULATED_PER_TOP`` per
+    plan printed) are then re-planned with the trainer's buffers built on the meta device, the action lists walked
+    and the clock simulated (in ``workers`` processes, default one per CPU), and ranked by that. ``progress`` is
+    called with (phase, done, total) every ``PROGRESS_EVERY_S`` seconds and at each phase's end."""
     ladder = {"fixed": fixed.recompute} if fixed.recompute is not None else recompute_ladder(config.model)
     shardings = [fixed.sharding] if fixed.sharding is not None else list(SHARDING)
     usable = int((memory_bytes or cluster.memory_bytes) * (1 - headroom))
     host_usable = int(cluster.host_memory_bytes * (1 - headroom))
     result = SearchResult(plans=[])
-    fitting: list[Plan] = []
-    started = last = time.monotonic()
-    for candidate in candidates(config, world, gpus_per_node, fixed):
-        result.considered += 1
-        if progress is not None and time.monotonic() - last > PROGRESS_EVERY_S:
+    fitting: list[list[Plan]] = []
+    last = time.monotonic()
+
+    def report(phase: str, done: int, total: int) -> None:
+        nonlocal last
+        if progress is not None and (done == total or time.monotonic() - last > PROGRESS_EVERY_S):
             last = time.monotonic()
-            progress(f"memory: {result.considered} layouts considered, {len(fitting)} fit ({last - started:.0f} s)")
+            progress(phase, done, total)
+
+    layouts = list(candidates(config, world, gpus_per_node, fixed))
+    for candidate in layouts:
+        result.considered += 1
+        report("memory", result.considered, len(layouts))
         try:
             sizes = validate_layout(candidate, world)
             _, num_micro = candidate.resolve(world)
@@ -322,43 +345,39 @@ def search(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, 
             continue
         result.valid += 1
         plans, leanest = _least_saving(candidate, sizes, num_micro, ladder, usable, host_usable, world, shardings,
-                                       gpus_per_node)
+                                       gpus_per_node, walk=False)
         if plans:
             fitting.append(plans)
         elif leanest is not None and (result.closest is None or leanest.memory.total < result.closest.memory.total):
             result.closest = leanest
     result.fitting = len(fitting)
-    if progress is not None:
-        progress(f"memory: {result.considered} layouts considered, {len(fitting)} fit; estimating their step times "
-                 f"({time.monotonic() - started:.0f} s)")
-    # a fast estimate of every way each layout fits (the bubble from its expected fraction), then the simulated
-    # pipeline clock for the ways of the layouts that estimate ranks first
-    fast = []
-    for n, plans in enumerate(fitting):   # a status line every PROGRESS_EVERY_S here too (it can take minutes)
-        if progress is not None and time.monotonic() - last > PROGRESS_EVERY_S:
-            last = time.monotonic()
-            progress(f"step times: {n} of {len(fitting)} layouts estimated ({last - started:.0f} s)")
-        fast.append([estimate_step_time(p.config, p.sizes, cluster, gpus_per_node, efficiency, simulate=False).total
-                     for p in plans])
-    order = sorted(range(len(fitting)), key=lambda i: min(fast[i]))[:max(SIMULATED_PER_TOP * top, 24)]
-    fitting = [fitting[i] for i in order]
-    flat = [p for plans in fitting for p in plans]
-    if progress is not None:
-        progress(f"step times: simulating the pipelines of the fastest {len(fitting)} layouts "
-                 f"({time.monotonic() - started:.0f} s)")
-    times = iter(_step_times([(p.config, p.sizes) for p in flat], cluster, gpus_per_node, efficiency, workers))
+    timed = []
+    for n, plans in enumerate(fitting):
+        report("step times", n + 1, len(fitting))
+        timed.append(sorted((dataclasses.replace(p, time=estimate_step_time(p.config, p.sizes, cluster, gpus_per_node,
+                                                                              efficiency, simulate=False))
+                             for p in plans), key=lambda p: -p.time.tokens_per_s_per_gpu))
     # each layout's ways to fit, fastest first; the layouts by their fastest
-    timed = [sorted((dataclasses.replace(p, time=next(times)) for p in plans),
-                    key=lambda p: -p.time.tokens_per_s_per_gpu) for plans in fitting]
     timed.sort(key=lambda ways: (-ways[0].time.tokens_per_s_per_gpu, ways[0].memory.total))
-    for ways in timed:   # with the exact static bytes (bucket padding, FSDP's gathered units), until ``top`` fit
+    if not exact:
+        result.plans = [ways[0] for ways in timed[:top]]
+        return result
+    timed = timed[:max(SIMULATED_PER_TOP * top, 24)]
+    flat = [p for ways in timed for p in ways]
+    report("exact", 0, len(flat))
+    times = iter(_step_times([(p.config, p.sizes) for p in flat], cluster, gpus_per_node, efficiency, workers))
+    timed = [sorted((dataclasses.replace(p, time=next(times)) for p in ways),
+                    key=lambda p: -p.time.tokens_per_s_per_gpu) for ways in timed]
+    timed.sort(key=lambda ways: (-ways[0].time.tokens_per_s_per_gpu, ways[0].memory.total))
+    for ways in timed:   # with the exact bytes (bucket padding, FSDP's gathered units, the walked peak), until top fit
         for plan in ways:
-            exact = dataclasses.replace(plan, memory=_memory(plan.config, plan.sizes, plan.num_micro, True,
-                                                                         gpus_per_node))
-            if exact.fits:
-                result.plans.append(exact)
+            exact_plan = dataclasses.replace(plan, memory=_memory(plan.config, plan.sizes, plan.num_micro, True,
+                                                                  gpus_per_node))
+            if exact_plan.fits:
+                result.plans.append(exact_plan)
                 break
         if len(result.plans) == top:
             break
+    report("exact", len(flat), len(flat))
     result.plans.sort(key=lambda p: (-p.time.tokens_per_s_per_gpu, p.memory.total))
     return result

@@ -37,6 +37,7 @@ import torch
 from moefold.models.decoder import MoEDecoder
 from moefold.models.layer_factory import build_block
 from moefold.parallel.dims import ParallelConfig, ParallelSizes
+from moefold.pipeline.stages import StageLayout
 from moefold.planner.grid import planning_world, rank_dims
 from moefold.training.config import RunConfig
 from moefold.training.observe.memory import DTYPE_BYTES, optimizer_state_parts, static_bytes
@@ -67,12 +68,28 @@ class StaticMemory:
         return self.params + self.grads + self.optimizer
 
 
+_LAYOUTS: dict[tuple, StageLayout] = {}
+
+
+def layout_of(config: RunConfig, pp: int) -> StageLayout:
+    """``config.pipeline_layout(pp)``, parsed once per model and pipeline flags (the search asks for it per rung,
+    rank and saver of every layout)."""
+    t = config.train
+    key = (config.model, pp, t.pipeline_model_parallel_layout, t.num_layers_per_virtual_pipeline_stage,
+           t.decoder_first_pipeline_num_layers, t.decoder_last_pipeline_num_layers, t.pipeline_schedule)
+    if key not in _LAYOUTS:
+        if len(_LAYOUTS) > 4096:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = config.pipeline_layout(pp)
+    return _LAYOUTS[key]
+
+
 def stage_signature(config: RunConfig, pp: int, pp_rank: int) -> tuple:
     """What decides a stage's parameters: per chunk, the kind of each layer, the embedding and the head."""
     if pp == 1:
         chunks = [(tuple(config.model.is_moe_layer(i) for i in range(config.model.num_layers)), True, True, True)]
         return tuple(chunks)
-    layout = config.pipeline_layout(pp)
+    layout = layout_of(config, pp)
     return tuple((tuple(config.model.is_moe_layer(i) for i in c.layers), c.has_embedding, c.has_head, c.has_mtp)
                  for c in layout.rank_chunks(pp_rank))
 
@@ -194,8 +211,25 @@ def _counts(params) -> tuple[tuple[tuple[str, str], int], ...]:
     return tuple(sorted(out.items()))
 
 
-@lru_cache(maxsize=128)
+@lru_cache(maxsize=1024)
 def param_counts(config: RunConfig, tp: int, ep: int, etp: int) -> ParamCounts:
+    """``ParamCounts`` of a tp x ep x etp rank: those of a tp x etp rank holding every expert, the experts' elements
+    divided by ep (``validate_layout`` has ep divide the experts, which are split evenly and whole), so that a
+    search builds blocks once per (tp, etp)."""
+    counts = _built_counts(config, tp, 1, etp)
+    if ep == 1:
+        return counts
+
+    def split(items: tuple[tuple[tuple[str, str], int], ...]) -> tuple[tuple[tuple[str, str], int], ...]:
+        return tuple((key, n // ep if key[0] == "expert" else n) for key, n in items)
+
+    return ParamCounts(dense_layer=split(counts.dense_layer), moe_layer=split(counts.moe_layer),
+                       embedding=counts.embedding, head=counts.head, head_embedding=counts.head_embedding,
+                       output_head=counts.output_head, mtp=split(counts.mtp))
+
+
+@lru_cache(maxsize=128)
+def _built_counts(config: RunConfig, tp: int, ep: int, etp: int) -> ParamCounts:
     """``ParamCounts`` from blocks built on the meta device (``models.layer_factory.build_block``, ``MoEDecoder``)."""
     from moefold.training.build import model_options
 
@@ -221,8 +255,29 @@ def param_counts(config: RunConfig, tp: int, ep: int, etp: int) -> ParamCounts:
                        head_embedding=copy, output_head=_counts(output_head), mtp=_counts(mtp_own))
 
 
+_BOUNDS: dict[tuple, dict[int, StaticMemory]] = {}
+# what ``_key`` normalises: how activations are saved or moved changes no parameter
+_ACTIVATION_OPTIONS = ("recompute", "recompute_modules", "recompute_method", "recompute_num_layers", "offload_modules",
+                       "dispatcher")
+_STATIC_FIELDS = ("bf16", "main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype", "use_torch_fsdp2",
+                  "optimizer_cpu_offload", "optimizer_offload_fraction", "bucket_numel",
+                  "pipeline_model_parallel_layout", "num_layers_per_virtual_pipeline_stage",
+                  "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "pipeline_schedule")
+
+
 def static_lower_bound(config: RunConfig, sizes: ParallelSizes) -> dict[int, StaticMemory]:
-    """{pipeline rank: a lower bound of its static bytes}: the exact count without bucket padding."""
+    """{pipeline rank: a lower bound of its static bytes}: the exact count without bucket padding (computed once per
+    model, options, layout and the train fields it depends on: the search asks for it per rung of every layout)."""
+    options = tuple(v for k, v in vars(config.options).items() if k not in _ACTIVATION_OPTIONS)
+    key = (config.model, options, sizes, *(getattr(config.train, f) for f in _STATIC_FIELDS))
+    if key not in _BOUNDS:
+        if len(_BOUNDS) > 8192:
+            _BOUNDS.clear()
+        _BOUNDS[key] = _static_lower_bound(config, sizes)
+    return _BOUNDS[key]
+
+
+def _static_lower_bound(config: RunConfig, sizes: ParallelSizes) -> dict[int, StaticMemory]:
     counts = param_counts(_model_key(config), sizes.tp, sizes.ep, sizes.etp)
     t = config.train
     precision = t.optimizer_precision()
@@ -240,7 +295,10 @@ def static_lower_bound(config: RunConfig, sizes: ParallelSizes) -> dict[int, Sta
                 continue
             params += n * DTYPE_BYTES[dtype]
             grads += n * DTYPE_BYTES[precision.main_grads_dtype]
-            for name, b in optimizer_state_parts(dtype, precision).items():
+            parts = optimizer_state_parts(dtype, precision)
+            if t.optimizer_cpu_offload:   # the offloaded shards keep a copy of their main gradients on the host too
+                parts = {**parts, "grads": DTYPE_BYTES[precision.main_grads_dtype]}
+            for name, b in parts.items():
                 if t.optimizer_cpu_offload:   # lower bounds: none on the device, the fraction (to a bucket) on the host
                     host += int(n * b // shards[kind] * t.optimizer_offload_fraction) - b * t.bucket_numel
                 else:

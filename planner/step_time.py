@@ -46,6 +46,7 @@ Memory savers past ZeRO-1 (``planner.search.SHARDING``, the ladder's ``offload``
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 from functools import lru_cache
@@ -55,15 +56,15 @@ from moefold.execution.recompute import full_recompute_groups
 from moefold.models.config import ModelConfig
 from moefold.models.layer_factory import is_moe_block
 from moefold.parallel.dims import ParallelSizes
-from moefold.pipeline.schedules import V_SCHEDULES, expected_bubble_fraction
+from moefold.pipeline.schedules import V_SCHEDULES
 from moefold.pipeline.stages import ChunkSpec
 from moefold.planner import comm
 from moefold.planner.cluster import Cluster
 from moefold.planner.collective import GROUP_DIMS, Collective, link_factor
 from moefold.planner.compute_time import ELEMENTWISE_SHARE, block_compute, head_compute
 from moefold.planner.grid import group_members, ranks_per_node, spans_nodes
-from moefold.planner.pipeline_clock import step_makespan
-from moefold.planner.static import stage_numel
+from moefold.planner.pipeline_clock import formula_makespan, step_makespan
+from moefold.planner.static import layout_of, stage_numel
 from moefold.planner.step_terms import CALIBRATION, COMM_TERMS, OVERLAP, TERMS, UNCALIBRATED, Calibration, StepTime
 from moefold.training.config import RunConfig
 from moefold.training.observe.flops import train_flops_per_token
@@ -169,9 +170,28 @@ def rank_chunks(config: RunConfig, sizes: ParallelSizes, pp_rank: int) -> list[C
         m = config.model
         return [ChunkSpec(0, 0, 0, range(m.num_layers), True, True, has_mtp=m.mtp_num_layers > 0,
                           has_final_norm=True)]
-    return config.pipeline_layout(sizes.pp).rank_chunks(pp_rank)
+    return layout_of(config, sizes.pp).rank_chunks(pp_rank)
 
 
+def _actions_key(config: RunConfig) -> RunConfig:
+    """``config`` without what no action's duration depends on (the schedule, the overlap, optimizer offload), so
+    that the search's variants of one layout share ``_chunk_actions``."""
+    t = config.train
+    schedule = t.pipeline_schedule if t.pipeline_schedule in V_SCHEDULES else "1f1b"   # V: its own placement
+    if (t.pipeline_schedule, t.overlap_moe_expert_parallel_comm, t.delay_wgrad_compute, t.optimizer_cpu_offload) == \
+            (schedule, False, False, False) and t.optimizer_offload_fraction == 1.0:
+        return config
+    return dataclasses.replace(config, train=dataclasses.replace(
+        t, pipeline_schedule=schedule, overlap_moe_expert_parallel_comm=False, delay_wgrad_compute=False,
+        optimizer_cpu_offload=False, optimizer_offload_fraction=1.0))
+
+
+def _copied(pair: tuple[_Action, _Action]) -> tuple[_Action, _Action]:
+    """Fresh copies of a cached (forward, backward) (the step calibrates them in place)."""
+    return tuple(_Action(dict(a.terms), a.weight, a.routed) for a in pair)
+
+
+@lru_cache(maxsize=8192)
 def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, links: _Links, cluster: Cluster,
                    flop_s: float | None, last_model_chunk: int, exchange_overlap: float) -> tuple[_Action, _Action]:
     """(forward, backward) of one micro-batch through ``chunk``: compute (``planner.compute_time``; the flat
@@ -201,6 +221,7 @@ def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, li
                     seconds = max(0.0, seconds - cp_hidden)
                 out[term] += (1 - exchange_overlap) * seconds if term == "ep" else seconds
 
+    exposed: dict[tuple, tuple[dict[str, float], dict[str, float]]] = {}
     for index, recompute_all, last_in_checkpoint in blocks:
         moe = is_moe_block(m, index)
         cost = block_compute(config, sizes, index, cluster, _score_macs(m, t.seq_length, index), chosen, flop_s)
@@ -212,9 +233,20 @@ def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, li
             fwd["compute"] += head_f
             bwd["compute"] += head_b
         else:
-            block = list(_block(config, sizes, moe))
-            collectives = block + comm.recompute_collectives(block, o, full=recompute_all, moe=moe,
-                                                             last_in_checkpoint=last_in_checkpoint)
+            # equal blocks expose equal communication: each kind is worked out once per chunk
+            key = (moe, recompute_all, last_in_checkpoint, cost.shared_experts, cost.core_attention)
+            if key not in exposed:
+                block = list(_block(config, sizes, moe))
+                before = (dict(fwd), dict(bwd))
+                add(block + comm.recompute_collectives(block, o, full=recompute_all, moe=moe,
+                                                       last_in_checkpoint=last_in_checkpoint),
+                    shared_experts=cost.shared_experts, core_attention=(cost.core_attention, 2 * cost.core_attention))
+                exposed[key] = tuple({k: v[k] - b.get(k, 0.0) for k in v} for v, b in zip((fwd, bwd), before))
+            else:
+                for out, extra in zip((fwd, bwd), exposed[key]):
+                    for term, seconds in extra.items():
+                        out[term] += seconds
+            continue
         add(collectives, shared_experts=cost.shared_experts, core_attention=(cost.core_attention,
                                                                              2 * cost.core_attention))
     if chunk.has_embedding:
@@ -299,15 +331,23 @@ def _dp_seconds(config: RunConfig, sizes: ParallelSizes, pp_rank: int, links: _L
     t = config.train
     if t.use_torch_fsdp2:   # FSDP's collectives are the actions' own (per micro-batch)
         return 0.0
-    rs: dict[str, list[float]] = defaultdict(list)
-    ag: dict[str, list[float]] = defaultdict(list)
-    for c in comm.grad_sync_collectives(config, sizes, stage_numel(config, sizes, pp_rank)):
-        (rs if c.op == "reduce_scatter" else ag)[c.group].append(links.seconds(c))
+    # per group, runs of equal buckets (comm.grad_sync_buckets): (how many, seconds of each)
+    rs: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    ag: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    grad_bytes = 4 if t.main_grads_dtype == "fp32" else 2
+    for kind, dtype, count, padded in comm.grad_sync_buckets(config, sizes, stage_numel(config, sizes, pp_rank)):
+        group, p_bytes = comm.KIND_GROUPS[kind], 4 if dtype == "fp32" else 2
+        rs[group].append((count, links.seconds(Collective(group, "reduce_scatter", padded * grad_bytes, "step",
+                                                                 "grad_sync"))))
+        ag[group].append((count, links.seconds(Collective(group, "all_gather", padded * p_bytes, "step",
+                                                                 "param_sync"))))
     exposed = 0.0
-    for times in rs.values():   # buckets in backward order: the last one launches last
-        exposed += max(times[-1], sum(times) - bwd_window) if t.overlap_grad_reduce else sum(times)
-    for times in ag.values():
-        exposed += max(times[0], sum(times) - fwd_window) if t.overlap_param_gather else sum(times)
+    for runs in rs.values():   # buckets in backward order: the last one launches last
+        total = sum(n * s for n, s in runs)
+        exposed += max(runs[-1][1], total - bwd_window) if t.overlap_grad_reduce else total
+    for runs in ag.values():
+        total = sum(n * s for n, s in runs)
+        exposed += max(runs[0][1], total - fwd_window) if t.overlap_param_gather else total
     return exposed
 
 
@@ -331,9 +371,9 @@ def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster
     otherwise exposed expert exchange hidden behind compute (0 in moefold's schedules; 1 models a schedule that
     hides it, such as DeepSeek's DualPipe); ``compute_share``: the share of the GPU's SMs the compute kernels get
     (below 1 when communication kernels run beside them all along: DualPipe's all-to-all holds 20 of 132 SMs).
-    ``simulate=False``: the pipeline bubble from the schedule's expected fraction
-    (``pipeline.expected_bubble_fraction``, equal stage times) instead of the simulated clock, a fast first
-    estimate that the search ranks its candidates with. ``calibration``: the end-to-end constants (default
+    ``simulate=False``: the pipeline clock in closed form (``pipeline_clock.formula_makespan``: textbook bubbles
+    and idle-time formulas, FB steps counted from the warm-up) instead of simulated, what the search ranks with
+    (the simulation is its ``--exact`` mode). ``calibration``: the end-to-end constants (default
     ``CALIBRATION``; not applied to the flat model)."""
     if efficiency is not None and not 0 < efficiency <= 1:
         raise ValueError(f"efficiency={efficiency!r} must be in (0, 1]")
@@ -346,9 +386,10 @@ def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster
     _, m = config.resolve(sizes.world_size)
     links = _Links(sizes, cluster, gpus_per_node)
     flop_s = None if efficiency is None else cluster.bf16_tflops * 1e12 * efficiency
-    vpp = config.pipeline_layout(sizes.pp).vpp if sizes.pp > 1 else 1
+    vpp = layout_of(config, sizes.pp).vpp if sizes.pp > 1 else 1
     last = sizes.pp * vpp - 1
-    actions = [[_chunk_actions(config, sizes, c, links, cluster, flop_s, last, exchange_overlap)
+    shared = _actions_key(config)
+    actions = [[_copied(_chunk_actions(shared, sizes, c, links, cluster, flop_s, last, exchange_overlap))
                 for c in rank_chunks(config, sizes, r)] for r in range(sizes.pp)]
     cal = (CALIBRATION if calibration is None else calibration) if efficiency is None else UNCALIBRATED
     if cal != UNCALIBRATED:
@@ -373,16 +414,9 @@ def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster
         critical, busy, hidden = 0, (makespan,), 0.0
     else:   # at pp = 1 with the overlap: F0, FB(1, 0), ..., B(m-1) on one rank
         name = config.schedule_name(vpp) if sizes.pp > 1 else "1f1b"
-        # the fast estimate has textbook bubbles for the one-chunk and interleaved schedules only: FB pairs and the
-        # V placement are simulated in either case
-        simulated = simulate or overlap or name in V_SCHEDULES
-        if simulated:
-            makespan, busy, hidden = step_makespan(name, sizes.pp, vpp, m, durations, overlap, delay)
-        else:
-            busy, hidden = tuple(m * sum(f + b for f, b, *_ in rank) for rank in durations), 0.0
+        clock = step_makespan if simulate else formula_makespan
+        makespan, busy, hidden = clock(name, sizes.pp, vpp, m, durations, overlap, delay)
         critical = max(range(sizes.pp), key=lambda r: busy[r])
-        if not simulated:
-            makespan = busy[critical] / (1 - expected_bubble_fraction(name, sizes.pp, m, vpp))
     terms = dict.fromkeys(TERMS, 0.0)
     for f, b in actions[critical]:
         for term, seconds in (*f.terms.items(), *b.terms.items()):

@@ -91,7 +91,18 @@ def test_deepseek_v3_on_8_gpus_does_not_fit_and_names_the_optimizer() -> None:
 @pytest.fixture(scope="module")
 def qwen_search():
     config = run_config("qwen3_moe_30b_a3b", ParallelConfig(), 256)
-    return config, search(config, 8, CLUSTERS["h200"], 8, fixed=Fixed(pp=1), top=3)
+    return config, search(config, 8, CLUSTERS["h200"], 8, fixed=Fixed(pp=1), top=3, exact=True)
+
+
+def test_formula_search_agrees_with_the_exact_one(qwen_search) -> None:
+    """The default (formula) search's best layouts fit when re-planned exactly, and rank as the exact mode's do."""
+    config, exact = qwen_search
+    formula = search(config, 8, CLUSTERS["h200"], 8, fixed=Fixed(pp=1), top=3)
+    assert [(p.sizes, p.recompute, p.sharding) for p in formula.plans] == \
+        [(p.sizes, p.recompute, p.sharding) for p in exact.plans]
+    for plan in formula.plans:
+        assert not plan.memory.static.exact
+        assert evaluate(plan.config, 8, CLUSTERS["h200"], 8, with_time=False).fits
 
 
 def test_search_ranks_fitting_plans_with_the_least_recompute(qwen_search) -> None:
@@ -135,7 +146,7 @@ def test_cli_search_prints_table_and_plot(tmp_path, capsys) -> None:
     assert code == 0, out
     assert "tok/s/GPU" in out and "#1: moefold train --nproc 8 --recipe qwen3_moe_30b_a3b" in out
     # the status lines go to stderr (a search over thousands of GPUs takes minutes), the table to stdout
-    assert "moefold plan: memory: " in captured.err and "estimating their step times" in captured.err
+    assert "moefold plan: memory: " in captured.err and "moefold plan: step times: " in captured.err
     assert "moefold plan: memory" not in out
     assert png.stat().st_size > 10_000
 

@@ -1,0 +1,89 @@
+"""How many micro-batches each virtual stage of a pipeline rank holds at once, in closed form (no action list).
+
+A rank's activation peak is ``max over the step's states of sum_c held_c x kept_c`` plus the running action's
+transient (``planner.profile``). ``planner.profile._events`` walks the schedule's action lists to find those states
+exactly (the ``--exact`` mode and the tests' oracle); here they come from each schedule's warm-up count:
+
+- 1F1B (Megatron's ``forward_backward_pipelining_without_interleaving``): rank r runs ``pp - r - 1`` warm-up
+  forwards, so at most ``min(pp - r, m)`` micro-batches are held; GPipe holds all ``m``; ZB-H1 keeps each
+  backward's pair until its W, which holds ``min(pp, m)`` on every rank (its paper's 1F1B memory, on the first rank).
+- Interleaved 1F1B (``forward_backward_pipelining_with_interleaving``, micro-batch groups of ``pp``): rank r runs
+  ``W = (pp - r - 1) * 2 + (vpp - 1) * pp`` warm-up forwards (all ``m x vpp`` when ``m == pp``), forward k on chunk
+  ``(k mod pp vpp) div pp``, backward k on chunk ``vpp - 1 -`` that. Before steady step j the forwards
+  ``0 .. W + j`` and the backwards ``0 .. j - 1`` have run, so chunk c holds ``F_c(W + j + 1) - B_c(j)`` with
+  ``F_c(n) = (n div pp vpp) pp + clamp(n mod pp vpp - c pp, 0, pp)`` and ``B_c = F_{vpp-1-c}``; the counts repeat
+  with period ``pp x vpp``, so one period of j gives every state.
+- ZB-V and DualPipeV (two chunks in V placement): chunk 0 holds at most ``min(2 pp - r, m)``, chunk 1 at most
+  ``r + 1``, together at most ``min(2 pp, m + r + 1)`` (DualPipeV's last rank one more); which mix is held at the
+  peak is not tracked, so both extreme mixes are states (an upper bound by at most one chunk's difference).
+
+With the batch-level overlap an FB step runs a forward while its backward's pair is still held: one pair more.
+``planner.profile.schedule_peak(..., steady=...)`` is the walk these are tested against
+(``tests/planner/test_formula.py``: every schedule, pp up to 8, every rank, short and long steps).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+MESSAGES = 3   # point-to-point buffers a pipelined rank holds at its peak (a received input, a gradient, a send)
+
+
+def interleaved_warmup(pp: int, vpp: int, m: int, rank: int) -> int:
+    """Megatron's warm-up forwards of ``rank`` in interleaved 1F1B (all of them when ``m == pp``)."""
+    total = m * vpp
+    if m == pp:
+        return total
+    return min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
+
+
+def _forwards_on(n: np.ndarray, chunk: int, pp: int, vpp: int) -> np.ndarray:
+    """Of the first ``n`` forwards (or backwards, chunks reversed) of a rank, those on ``chunk``."""
+    group = pp * vpp
+    return (n // group) * pp + np.clip(n % group - chunk * pp, 0, pp)
+
+
+@lru_cache(maxsize=4096)
+def held_states(name: str, pp: int, vpp: int, m: int, rank: int, overlap: bool) -> tuple[tuple[int, ...], ...]:
+    """The distinct per-chunk held-pair counts of ``rank`` that its peak is a maximum over (the running action's
+    own pair included; with the overlap, the FB step's second pair too). ``name``: ``pipeline.schedules``' name."""
+    if pp == 1:
+        return ((2 if overlap else 1,),)
+    if name == "gpipe":
+        states = np.array([[m]])
+    elif name == "1f1b" and vpp == 1:
+        states = np.array([[min(pp - rank, m)]])
+    elif name == "zb-h1":
+        states = np.array([[min(pp, m)]])
+    elif name in ("zbv", "dualpipev"):
+        most = min(2 * pp, m + rank + 1) + int(name == "dualpipev" and rank == pp - 1 and m >= 2 * pp)
+        first, second = min(2 * pp - rank, m), min(rank + 1, m)
+        states = np.array([[first, max(most - first, 0)], [max(most - second, 0), second]])
+    else:   # interleaved 1F1B
+        total = m * vpp
+        warmup = interleaved_warmup(pp, vpp, m, rank)
+        steps = np.arange(0, max(min(total - warmup, pp * vpp), 1))
+        forwards = np.minimum(warmup + steps + 1, total)
+        states = np.stack([_forwards_on(forwards, c, pp, vpp) - _forwards_on(steps, vpp - 1 - c, pp, vpp)
+                           for c in range(vpp)], axis=1)
+    if overlap:   # an FB step: the backward's pair is still held while the forward runs
+        states = np.concatenate([states + np.eye(states.shape[1], dtype=states.dtype)[c] for c in
+                                 range(states.shape[1])])
+    return tuple(sorted({tuple(int(x) for x in row) for row in states}))
+
+
+def peak_bytes(states: tuple[tuple[int, ...], ...], kept: list[int], peaks: list[int], message: int,
+               pipelined: bool) -> int:
+    """A rank's activation peak from its held states: the fullest state's kept bytes, plus the largest transient
+    of one action beyond its own kept bytes (``peaks[c]``: chunk c's forward or backward peak for one micro-batch),
+    plus ``MESSAGES`` point-to-point buffers of ``message`` bytes when pipelined."""
+    held = max(sum(n * k for n, k in zip(state, kept)) for state in states)
+    transient = max(p - k for p, k in zip(peaks, kept))
+    return int(held + max(transient, 0) + (MESSAGES * message if pipelined else 0))
+
+
+def most_held(states: tuple[tuple[int, ...], ...]) -> int:
+    """The most (micro-batch, chunk) pairs held at once."""
+    return max(sum(state) for state in states)
