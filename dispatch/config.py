@@ -31,6 +31,14 @@ class DispatcherKind(StrEnum):
                          f"valid kinds are {', '.join(cls)}")
 
 
+def kind_for_layout(kind: DispatcherKind | None, ep: int, etp: int) -> DispatcherKind:
+    """``kind``, or for None (``--moe-token-dispatcher-type auto``) the layout's: local when ep*etp == 1 (nothing
+    travels), else alltoall."""
+    if kind is not None:
+        return kind
+    return DispatcherKind.LOCAL if ep * etp == 1 else DispatcherKind.ALLTOALL
+
+
 DEEPEP_MODES: tuple[str, ...] = ("hybrid", "direct")   # --moe-deepep-mode: FlexOptions.hybrid True / False
 
 
@@ -106,7 +114,8 @@ class FlexOptions:
 class DispatchConfig:
     """How an MoE layer's token copies travel.
 
-    kind:                the dispatcher (``--moe-token-dispatcher-type``)
+    kind:                the dispatcher (``--moe-token-dispatcher-type``); None: chosen by the layout when it is
+                         built (``kind_for_layout``: local at ep*etp == 1, else alltoall)
     flex:                the flex dispatcher's options (read only by it)
     fp8:                 FP8 token dispatch (``--moe-fp8-dispatch``: e4m3 rows with per-128-channel scales,
                          ``dispatch.fp8_exchange``)
@@ -114,13 +123,14 @@ class DispatchConfig:
                          (rows land expert-major), else one exchange and a sort; 0: never chunked
     """
 
-    kind: DispatcherKind = DispatcherKind.ALLTOALL
+    kind: DispatcherKind | None = DispatcherKind.ALLTOALL
     flex: FlexOptions = field(default_factory=FlexOptions)
     fp8: bool = False
     max_chunked_experts: int = 8
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", DispatcherKind(self.kind))
+        if self.kind is not None:
+            object.__setattr__(self, "kind", DispatcherKind(self.kind))
         if not isinstance(self.max_chunked_experts, int) or self.max_chunked_experts < 0:
             raise ValueError(f"max_chunked_experts={self.max_chunked_experts!r} must be >= 0 (0 disables chunking)")
         if self.kind is not DispatcherKind.FLEX or self.flex.backend is not FlexBackend.DEEPEP_LEGACY:
@@ -132,6 +142,10 @@ class DispatchConfig:
             raise ValueError("--moe-deepep-mode direct and sync-free dispatch (--no-moe-deepep-cpu-sync) are DeepEP "
                              "V2 settings (--moe-flex-dispatcher-backend deepep), not deepep-legacy's")
 
+    def kind_for(self, ep: int, etp: int) -> DispatcherKind:
+        """The dispatcher this config runs over ep x etp ranks (``kind_for_layout``)."""
+        return kind_for_layout(self.kind, ep, etp)
+
     def check_layout(self, ep: int, etp: int) -> None:
         """ValueError naming the numbers when this dispatcher cannot run over ep x etp ranks."""
         if self.kind is DispatcherKind.LOCAL and ep * etp > 1:
@@ -139,4 +153,5 @@ class DispatchConfig:
                              "'alltoall'")
 
 
-__all__ = ["DEEPEP_MODES", "DispatchConfig", "DispatcherKind", "FlexOptions", "deepep_hybrid", "deepep_mode"]
+__all__ = ["DispatchConfig", "DispatcherKind", "FlexOptions", "kind_for_layout", "DEEPEP_MODES", "deepep_hybrid",
+           "deepep_mode"]
