@@ -33,7 +33,16 @@ class DeltaRuleBackend(StrEnum):
 
 RECOMPUTE_MODES = tuple(m.value for m in Recompute)
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "shared_experts", "layernorm", "mla_up_proj")
-RECOMPUTE_METHODS = ("uniform", "block")
+
+
+class RecomputeMethod(StrEnum):
+    """--recompute-method (full recompute): groups of N layers, or the first N layers of each pipeline chunk."""
+
+    UNIFORM = "uniform"
+    BLOCK = "block"
+
+
+RECOMPUTE_METHODS = tuple(m.value for m in RecomputeMethod)
 DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
 
 
@@ -94,7 +103,7 @@ def check_offload(modules: Sequence[str], recompute: str, recompute_modules: Seq
                              "offloaded, not both; drop one of them")
 
 
-__all__ = ["DeltaRuleBackend", "Recompute",
+__all__ = ["DeltaRuleBackend", "Recompute", "RecomputeMethod",
            "CP_COMM_MODES", "DEFAULT_RECOMPUTE_MODULES", "GATED_DELTA_RULE_BACKENDS", "MIN_OFFLOADED_TENSOR_SIZE",
            "OFFLOAD_MODULES", "RECOMPUTE_CONFLICTS", "RECOMPUTE_METHODS", "RECOMPUTE_MODES", "RECOMPUTE_MODULES",
            "check_offload", "check_offload_modules", "check_recompute", "check_recompute_modules"]

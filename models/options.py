@@ -20,6 +20,7 @@ from moefold.dense.choices import (
     RECOMPUTE_MODULES,
     DeltaRuleBackend,
     Recompute,
+    RecomputeMethod,
     check_offload,
     check_offload_modules,
     check_recompute_modules,
@@ -109,8 +110,9 @@ class ModelOptions:
     recompute_modules: tuple[str, ...] = flag(
         DEFAULT_RECOMPUTE_MODULES, f"selective: any of {', '.join(RECOMPUTE_MODULES)} (default core_attn)",
         choices=RECOMPUTE_MODULES, nargs="+", metavar="MODULE")
-    recompute_method: str = flag("uniform", "full: uniform (groups of N layers) or block (the first N layers of each "
-                                 "pipeline chunk)", choices=RECOMPUTE_METHODS)
+    recompute_method: RecomputeMethod = flag(
+        RecomputeMethod.UNIFORM, "full: uniform (groups of N layers) or block (the first N layers of each pipeline "
+        "chunk)", choices=RECOMPUTE_METHODS)
     recompute_num_layers: int = flag(1, "full: the N of --recompute-method (default 1)")
     dispatcher: DispatcherKind | None = flag(
         None, "how tokens reach their experts: auto (local without ep/etp, else alltoall), allgather, "
@@ -146,6 +148,7 @@ class ModelOptions:
         object.__setattr__(self, "recompute_modules", check_recompute_modules(self.recompute_modules))
         if self.recompute_method not in RECOMPUTE_METHODS:
             raise ValueError(f"--recompute-method={self.recompute_method!r}; valid: {', '.join(RECOMPUTE_METHODS)}")
+        object.__setattr__(self, "recompute_method", RecomputeMethod(self.recompute_method))
         if (not isinstance(self.recompute_num_layers, int) or isinstance(self.recompute_num_layers, bool)
                 or self.recompute_num_layers < 1):
             raise ValueError(f"--recompute-num-layers={self.recompute_num_layers!r} must be a positive integer")
