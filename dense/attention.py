@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from moefold.dense.attention_config import AttentionConfig
+from moefold.dense.choices import Recompute
 from moefold.dense.core_attention import CoreAttention
 from moefold.dense.documents import Documents
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
@@ -118,7 +119,7 @@ class GQAAttention(nn.Module):
         self.rotary = RotaryEmbedding(c.rotary_dim_resolved, c.rope_theta, c.yarn, device=device)
         self.core = CoreAttention(d ** -0.5, sliding_window=c.sliding_window, cp_group=cp_group, cp_comm=c.cp_comm)
         # selective recompute of core attention by default (``config.recompute``); moefold.execution reconfigures it
-        self.regions = AttentionRegions(core_attn=CHECKPOINT if c.recompute == "selective" else PLAIN)
+        self.regions = AttentionRegions(core_attn=CHECKPOINT if c.recompute is Recompute.SELECTIVE else PLAIN)
 
     def configure(self, **regions: Region) -> None:
         """Install regions by name (``AttentionRegions``); ValueError for an unknown name or a wrong kind."""

@@ -38,7 +38,7 @@ def _check_common(cls: str, cfg: AttentionConfig | MLAConfig) -> None:
         raise ValueError(f"{cls}.cp_comm={cfg.cp_comm!r} is not one of {CP_COMM_MODES}")
     # "selective": the attention module checkpoints its core attention; "full": TransformerBlock
     # checkpoints the whole block and the attention module does nothing extra
-    check_recompute(cfg.recompute, f"{cls}.recompute")
+    object.__setattr__(cfg, "recompute", check_recompute(cfg.recompute, f"{cls}.recompute"))
     if not cfg.init_std > 0:
         raise ValueError(f"{cls}.init_std={cfg.init_std!r} must be > 0")
     if cfg.seq_length is not None:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from moefold.dense.choices import Recompute
 from moefold.dense.documents import Documents
 from moefold.dense.norm import RMSNorm
 from moefold.dense.recompute import check_recompute
@@ -65,7 +66,7 @@ class TransformerBlock(nn.Module):
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.recompute = check_recompute(recompute, "TransformerBlock recompute")
-        self.regions = BlockRegions(body=CHECKPOINT if recompute == "full" else PLAIN)
+        self.regions = BlockRegions(body=CHECKPOINT if self.recompute is Recompute.FULL else PLAIN)
         self.hidden, self.sequence_parallel = hidden, sequence_parallel
         kw = {"sequence_parallel": sequence_parallel, "zero_centered_gamma": zero_centered_gamma, "dtype": dtype,
               "device": device}

@@ -7,21 +7,53 @@ Those modules re-export these names; the mechanisms stay with them."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from enum import StrEnum
 
 CP_COMM_MODES = ("p2p", "all_gather")                                   # context-parallel K/V exchange
-GATED_DELTA_RULE_BACKENDS: tuple[str, ...] = ("auto", "torch", "fla")  # Gated DeltaNet's kernel
 
-RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+class Recompute(StrEnum):
+    """--recompute-granularity: nothing, the ``--recompute-modules`` (``dense.recompute``), or whole blocks. The
+    configs that take it store the enum (``check_recompute``); the layers compare the enum, never its text."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+class DeltaRuleBackend(StrEnum):
+    """Gated DeltaNet's kernel (``--linear-attention-backend``): fla on CUDA when installed (``AUTO``), the chunked
+    torch form, or flash-linear-attention."""
+
+    AUTO = "auto"
+    TORCH = "torch"
+    FLA = "fla"
+
+
+RECOMPUTE_MODES = tuple(m.value for m in Recompute)
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "shared_experts", "layernorm", "mla_up_proj")
-RECOMPUTE_METHODS = ("uniform", "block")
+
+
+class RecomputeMethod(StrEnum):
+    """--recompute-method (full recompute): groups of N layers, or the first N layers of each pipeline chunk."""
+
+    UNIFORM = "uniform"
+    BLOCK = "block"
+
+
+RECOMPUTE_METHODS = tuple(m.value for m in RecomputeMethod)
 DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
 
 
-def check_recompute(mode: str, where: str = "recompute") -> str:
-    """Return ``mode`` if it is one of ``RECOMPUTE_MODES``, else raise a ValueError naming it."""
+GATED_DELTA_RULE_BACKENDS: tuple[str, ...] = tuple(b.value for b in DeltaRuleBackend)
+
+
+def check_recompute(mode: str, where: str = "recompute") -> Recompute:
+    """``mode`` as a ``Recompute`` if it is one of ``RECOMPUTE_MODES``, else raise a ValueError naming it."""
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"{where}={mode!r} is not one of {RECOMPUTE_MODES}")
-    return mode
+    return Recompute(mode)
 
 
 def check_recompute_modules(modules: Sequence[str], where: str = "--recompute-modules") -> tuple[str, ...]:
@@ -58,11 +90,11 @@ def check_offload(modules: Sequence[str], recompute: str, recompute_modules: Seq
     if "attn_proj" in modules and "core_attn" not in modules:
         raise ValueError("--offload-modules attn_proj needs core_attn as well: the output projection's input is "
                          "core attention's output, which core attention keeps for its own backward")
-    if recompute == "full":
+    if recompute == Recompute.FULL:
         raise ValueError(f"--offload-modules {' '.join(modules)} with --recompute-granularity full: a fully "
                          "recomputed layer keeps only its input, there is nothing to offload; use selective "
                          "recompute or no recompute")
-    if recompute != "selective":
+    if recompute != Recompute.SELECTIVE:
         return
     for m in modules:
         both = [r for r in RECOMPUTE_CONFLICTS.get(m, ()) if r in recompute_modules]
@@ -71,6 +103,7 @@ def check_offload(modules: Sequence[str], recompute: str, recompute_modules: Seq
                              "offloaded, not both; drop one of them")
 
 
-__all__ = ["CP_COMM_MODES", "DEFAULT_RECOMPUTE_MODULES", "GATED_DELTA_RULE_BACKENDS", "MIN_OFFLOADED_TENSOR_SIZE",
+__all__ = ["DeltaRuleBackend", "Recompute", "RecomputeMethod",
+           "CP_COMM_MODES", "DEFAULT_RECOMPUTE_MODULES", "GATED_DELTA_RULE_BACKENDS", "MIN_OFFLOADED_TENSOR_SIZE",
            "OFFLOAD_MODULES", "RECOMPUTE_CONFLICTS", "RECOMPUTE_METHODS", "RECOMPUTE_MODES", "RECOMPUTE_MODULES",
            "check_offload", "check_offload_modules", "check_recompute", "check_recompute_modules"]

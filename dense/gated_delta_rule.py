@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moefold.dense.choices import GATED_DELTA_RULE_BACKENDS
+from moefold.dense.choices import GATED_DELTA_RULE_BACKENDS, DeltaRuleBackend
 
 FLA_PACKAGE = "flash-linear-attention"
 
@@ -180,7 +180,9 @@ def gated_delta_rule_impl(backend: str, device_type: str, chunk_size: int = 64) 
     (``chunk_gated_delta_rule``), or "auto" = fla on CUDA when it is installed, else torch."""
     if backend not in GATED_DELTA_RULE_BACKENDS:
         raise ValueError(f"gated delta rule backend {backend!r} is not one of {GATED_DELTA_RULE_BACKENDS}")
-    if backend == "fla" or (backend == "auto" and device_type == "cuda" and fla_available()):
+    backend = DeltaRuleBackend(backend)
+    if backend is DeltaRuleBackend.FLA or (backend is DeltaRuleBackend.AUTO and device_type == "cuda"
+                                           and fla_available()):
         require_fla()
         return fla_gated_delta_rule
 

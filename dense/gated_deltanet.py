@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moefold.dense.choices import DeltaRuleBackend, Recompute
 from moefold.dense.cp_exchange import rank_order_to_global
 from moefold.dense.documents import Documents
 from moefold.dense.gated_delta_rule import (
@@ -101,9 +102,10 @@ class GatedDeltaNetConfig:
             raise ValueError(f"GatedDeltaNetConfig.norm_eps={self.norm_eps!r} must be > 0")
         if self.backend not in GATED_DELTA_RULE_BACKENDS:
             raise ValueError(f"GatedDeltaNetConfig.backend={self.backend!r} is not one of {GATED_DELTA_RULE_BACKENDS}")
-        if self.backend == "fla":
+        object.__setattr__(self, "backend", DeltaRuleBackend(self.backend))
+        if self.backend is DeltaRuleBackend.FLA:
             require_fla()
-        check_recompute(self.recompute, "GatedDeltaNetConfig.recompute")
+        object.__setattr__(self, "recompute", check_recompute(self.recompute, "GatedDeltaNetConfig.recompute"))
         if not self.init_std > 0:
             raise ValueError(f"GatedDeltaNetConfig.init_std={self.init_std!r} must be > 0")
 
@@ -303,7 +305,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = RowParallelLinear(c.num_value_heads * dv, c.hidden_size, tp_group,
                                           sequence_parallel=sequence_parallel, **kw)
         # selective recompute of the delta rule by default (``config.recompute``); moefold.execution reconfigures it
-        self.regions = DeltaNetRegions(core_attn=CHECKPOINT if c.recompute == "selective" else PLAIN)
+        self.regions = DeltaNetRegions(core_attn=CHECKPOINT if c.recompute is Recompute.SELECTIVE else PLAIN)
         self.cache: RecurrentCache | None = None
         self._rules: dict[str, object] = {}
 

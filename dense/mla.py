@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from moefold.dense.attention import AttentionRegions
 from moefold.dense.attention_config import MLAConfig
+from moefold.dense.choices import Recompute
 from moefold.dense.core_attention import CoreAttention
 from moefold.dense.documents import Documents
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
@@ -92,7 +93,7 @@ class MLAttention(nn.Module):
         scale = c.qk_head_dim ** -0.5 * yarn_softmax_mscale(c.yarn)
         self.core = CoreAttention(scale, cp_group=cp_group, cp_comm=c.cp_comm)
         # selective recompute of core attention by default (``config.recompute``); moefold.execution reconfigures it
-        self.regions = MLARegions(core_attn=CHECKPOINT if c.recompute == "selective" else PLAIN)
+        self.regions = MLARegions(core_attn=CHECKPOINT if c.recompute is Recompute.SELECTIVE else PLAIN)
 
     def configure(self, **regions: Region | OutputRegion) -> None:
         """Install regions by name (``MLARegions``); ValueError for an unknown name or a wrong kind."""

@@ -54,15 +54,15 @@ from moefold.dense.choices import DEFAULT_RECOMPUTE_MODULES as DEFAULT_RECOMPUTE
 from moefold.dense.choices import RECOMPUTE_METHODS as RECOMPUTE_METHODS
 from moefold.dense.choices import RECOMPUTE_MODES as RECOMPUTE_MODES
 from moefold.dense.choices import RECOMPUTE_MODULES as RECOMPUTE_MODULES
+from moefold.dense.choices import Recompute, check_recompute_modules
 from moefold.dense.choices import check_recompute as check_recompute
-from moefold.dense.choices import check_recompute_modules
 from moefold.precision.fp8_region import Replay, active_region, recompute_context
 
 
 def recomputed_modules(granularity: str, modules: Sequence[str]) -> frozenset[str]:
     """The modules that selective recompute checkpoints on their own: none unless ``granularity`` is
     "selective"; ``moe`` absorbs ``moe_act`` and ``shared_experts`` (one checkpoint around all of it)."""
-    if granularity != "selective":
+    if granularity != Recompute.SELECTIVE:
         return frozenset()
     chosen = set(check_recompute_modules(modules))
     if "moe" in chosen:

@@ -3,7 +3,9 @@
 ``DispatcherKind`` names the dispatchers (``--moe-token-dispatcher-type``; the values are the flag's, so YAML, JSON
 and saved configs keep their strings); ``FlexOptions`` are the flex (DeepEP) dispatcher's options, handed to its
 constructor as they are (``dispatch.factory.build_dispatcher``). A string becomes its enum here, in the dataclass
-(from a flag, a YAML file or a saved config); code below reads the enums.
+(from a flag, a YAML file or a saved config); code below reads the enums. ``FlexOptions``' fields carry their flags
+(Megatron-LM's names, help, choices) as field metadata, which ``training.cli.option_flags`` turns into ``moefold
+train``'s flags: the flag's value lands in the field the dispatcher reads.
 """
 
 from __future__ import annotations
@@ -29,6 +31,35 @@ class DispatcherKind(StrEnum):
                          f"valid kinds are {', '.join(cls)}")
 
 
+def kind_for_layout(kind: DispatcherKind | None, ep: int, etp: int) -> DispatcherKind:
+    """``kind``, or for None (``--moe-token-dispatcher-type auto``) the layout's: local when ep*etp == 1 (nothing
+    travels), else alltoall."""
+    if kind is not None:
+        return kind
+    return DispatcherKind.LOCAL if ep * etp == 1 else DispatcherKind.ALLTOALL
+
+
+DEEPEP_MODES: tuple[str, ...] = ("hybrid", "direct")   # --moe-deepep-mode: FlexOptions.hybrid True / False
+
+
+def deepep_hybrid(mode: str) -> bool:
+    """``--moe-deepep-mode``'s text to ``FlexOptions.hybrid``."""
+    if mode not in DEEPEP_MODES:
+        raise ValueError(f"--moe-deepep-mode={mode!r}; valid: {', '.join(DEEPEP_MODES)}")
+    return mode == "hybrid"
+
+
+def deepep_mode(hybrid: bool) -> str:
+    """``FlexOptions.hybrid`` as ``--moe-deepep-mode``'s text."""
+    return DEEPEP_MODES[0] if hybrid else DEEPEP_MODES[1]
+
+
+def _flag(default: object, flag: str, help: str, **meta: object) -> object:
+    # a field that is a flag of ``moefold train`` (the metadata ``models.flag_field.flag`` writes, without importing
+    # models/ from below it): training.cli.option_flags reads it
+    return field(default=default, metadata={"flag": flag, "help": help, **meta})
+
+
 def _positive_or_none(name: str, value: object) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise ValueError(f"{name}={value!r} must be a positive integer or None")
@@ -49,11 +80,21 @@ class FlexOptions:
                          None: on exactly when the expert GEMMs read host counts anyway
     """
 
-    backend: FlexBackend = FlexBackend.AUTO
-    num_sms: int = 0
+    backend: FlexBackend = _flag(   # noqa: RUF009 (a dataclasses.Field, as field() gives)
+        FlexBackend.AUTO, "--moe-flex-dispatcher-backend", choices=tuple(b.value for b in FlexBackend),
+        help="the flex dispatcher's DeepEP: deepep (V2 ElasticBuffer: sync-free, JIT-built kernels), deepep-legacy "
+             "(the v1 Buffer API), auto (default: deepep when the installed DeepEP is V2)")
+    num_sms: int = _flag(0, "--moe-deepep-num-sms", help="SMs DeepEP's kernels take (flex dispatcher; even; default 0: "
+                         "DeepEP V2's get_theoretical_num_sms, 20 with deepep-legacy)")
     max_tokens_per_rank: int | None = None
-    hybrid: bool = True
-    cpu_sync: bool | None = None
+    hybrid: bool = _flag(True, "--moe-deepep-mode", choices=DEEPEP_MODES, to_field=deepep_hybrid,
+                         from_field=deepep_mode, help="DeepEP V2 across nodes: hybrid (default: RDMA once per "
+                         "node, forwarded over NVLink) or direct (RDMA to every destination rank)")
+    cpu_sync: bool | None = _flag(
+        None, "--moe-deepep-cpu-sync", action="optional",
+        help="DeepEP V2: the host waits for the received counts (exact receive buffers, one host sync per dispatch) "
+             "instead of worst-case-sized ones; default: on exactly when the expert GEMMs take host counts anyway "
+             "(te, grouped_gemm, loop, FP8)")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", FlexBackend(self.backend))
@@ -73,7 +114,8 @@ class FlexOptions:
 class DispatchConfig:
     """How an MoE layer's token copies travel.
 
-    kind:                the dispatcher (``--moe-token-dispatcher-type``)
+    kind:                the dispatcher (``--moe-token-dispatcher-type``); None: chosen by the layout when it is
+                         built (``kind_for_layout``: local at ep*etp == 1, else alltoall)
     flex:                the flex dispatcher's options (read only by it)
     fp8:                 FP8 token dispatch (``--moe-fp8-dispatch``: e4m3 rows with per-128-channel scales,
                          ``dispatch.fp8_exchange``)
@@ -81,13 +123,14 @@ class DispatchConfig:
                          (rows land expert-major), else one exchange and a sort; 0: never chunked
     """
 
-    kind: DispatcherKind = DispatcherKind.ALLTOALL
+    kind: DispatcherKind | None = DispatcherKind.ALLTOALL
     flex: FlexOptions = field(default_factory=FlexOptions)
     fp8: bool = False
     max_chunked_experts: int = 8
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", DispatcherKind(self.kind))
+        if self.kind is not None:
+            object.__setattr__(self, "kind", DispatcherKind(self.kind))
         if not isinstance(self.max_chunked_experts, int) or self.max_chunked_experts < 0:
             raise ValueError(f"max_chunked_experts={self.max_chunked_experts!r} must be >= 0 (0 disables chunking)")
         if self.kind is not DispatcherKind.FLEX or self.flex.backend is not FlexBackend.DEEPEP_LEGACY:
@@ -99,6 +142,10 @@ class DispatchConfig:
             raise ValueError("--moe-deepep-mode direct and sync-free dispatch (--no-moe-deepep-cpu-sync) are DeepEP "
                              "V2 settings (--moe-flex-dispatcher-backend deepep), not deepep-legacy's")
 
+    def kind_for(self, ep: int, etp: int) -> DispatcherKind:
+        """The dispatcher this config runs over ep x etp ranks (``kind_for_layout``)."""
+        return kind_for_layout(self.kind, ep, etp)
+
     def check_layout(self, ep: int, etp: int) -> None:
         """ValueError naming the numbers when this dispatcher cannot run over ep x etp ranks."""
         if self.kind is DispatcherKind.LOCAL and ep * etp > 1:
@@ -106,4 +153,5 @@ class DispatchConfig:
                              "'alltoall'")
 
 
-__all__ = ["DispatchConfig", "DispatcherKind", "FlexOptions"]
+__all__ = ["DispatchConfig", "DispatcherKind", "FlexOptions", "kind_for_layout", "DEEPEP_MODES", "deepep_hybrid",
+           "deepep_mode"]

@@ -98,7 +98,8 @@ def build_dispatcher(config: DispatchConfig, num_experts: int, dims: ParallelDim
         ep_group, etp_group, etp_ep_group = dims.ep_group, dims.etp_group, dims.etp_ep_group
     inputs = DispatcherInputs(num_experts, ep_group, etp_group, etp_ep_group, hidden_size, expert_alignment,
                               experts_read_host_counts, timer, buffers)
-    return _BUILDERS[config.kind](config, inputs)
+    # kind None (--moe-token-dispatcher-type auto): the layout's, read from the groups
+    return _BUILDERS[config.kind_for(group_size(ep_group), group_size(etp_group))](config, inputs)
 
 
 __all__ = ["DispatcherInputs", "build_dispatcher"]

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from moefold.dense.choices import Recompute
 from moefold.dense.split_backward import WeightGradStore
 from moefold.execution.activation_offload import apply_activation_offload
 from moefold.execution.compile import CompileReport, compile_model
@@ -141,7 +142,7 @@ def apply_execution(model: MoEDecoder, plan: ExecutionPlan, dims: ParallelDims |
     o = plan.options
     done = Execution()
     apply_recompute(model, model.layers, o)
-    if o.recompute == "full":
+    if o.recompute == Recompute.FULL:
         model.configure(layers=FullRecompute(o, model.regions.layers))
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     done.offloader = apply_activation_offload(model, o.offload_modules, o.min_offloaded_tensor_size, device)

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from moefold.dense.attention import GQAAttention
 from moefold.dense.block import TransformerBlock
+from moefold.dense.choices import Recompute, RecomputeMethod
 from moefold.dense.gated_deltanet import GatedDeltaNet
 from moefold.dense.mla import MLAttention
 from moefold.dense.recompute import CheckpointWithoutOutput, recomputed_modules
@@ -110,10 +111,10 @@ def full_recompute_groups(layer_ids: list[int], choice: RecomputeChoice) -> list
     uniform N: every group of N layers is one checkpoint (its input is all that is kept). block N: the
     first N layers are checkpointed one by one, the rest run normally. Without full recompute: one
     unrecomputed group."""
-    if choice.recompute != "full":
+    if choice.recompute != Recompute.FULL:
         return [(layer_ids, False)]
     n = choice.recompute_num_layers
-    if choice.recompute_method == "uniform":
+    if choice.recompute_method == RecomputeMethod.UNIFORM:
         return [(layer_ids[i:i + n], True) for i in range(0, len(layer_ids), n)]
     groups = [([i], True) for i in layer_ids[:n]]
     return groups + ([(layer_ids[n:], False)] if layer_ids[n:] else [])

@@ -17,39 +17,50 @@ from moefold.dense.choices import (
     MIN_OFFLOADED_TENSOR_SIZE,
     RECOMPUTE_METHODS,
     RECOMPUTE_MODES,
+    RECOMPUTE_MODULES,
+    DeltaRuleBackend,
+    Recompute,
+    RecomputeMethod,
     check_offload,
     check_offload_modules,
     check_recompute_modules,
 )
-from moefold.dispatch.config import DispatcherKind, FlexOptions
+from moefold.dispatch.config import (
+    DEEPEP_MODES,
+    DispatcherKind,
+    FlexOptions,
+    deepep_hybrid,
+    deepep_mode,
+    kind_for_layout,
+)
 from moefold.dispatch.flex_backend import FlexBackend
 from moefold.models.composed import composed
+from moefold.models.flag_field import flag
 from moefold.moe.gemm_backend import GemmBackend
 from moefold.precision.fp8 import FP8Config
 
-DEEPEP_MODES: tuple[str, ...] = ("hybrid", "direct")
 # parameter dtype name -> torch's name for it (torch itself is imported when a model is built, not to check options)
 DTYPES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+AUTO_DISPATCHER = "auto"   # --moe-token-dispatcher-type's word for ModelOptions.dispatcher None: by the layout
 
 if TYPE_CHECKING:
     import torch
-
-
-def _hybrid(mode: str) -> bool:
-    if mode not in DEEPEP_MODES:
-        raise ValueError(f"--moe-deepep-mode={mode!r}; valid: {', '.join(DEEPEP_MODES)}")
-    return mode == "hybrid"
 
 
 def _same(value: object) -> object:
     return value
 
 
-# the flex dispatcher's options by their flag names (ModelOptions' earlier flat fields): (field, to it, from it)
+def _dispatcher_text(kind: DispatcherKind | None) -> str:
+    return AUTO_DISPATCHER if kind is None else kind.value
+
+
+# the flex dispatcher's options by their flag names (ModelOptions' earlier flat fields, still read and written by
+# saved configs and YAML files): (field, to it, from it)
 FLEX_FLAGS = {
     "moe_flex_dispatcher_backend": ("flex", "backend", FlexBackend, _same),
     "moe_deepep_num_sms": ("flex", "num_sms", _same, _same),
-    "moe_deepep_mode": ("flex", "hybrid", _hybrid, lambda hybrid: DEEPEP_MODES[0] if hybrid else DEEPEP_MODES[1]),
+    "moe_deepep_mode": ("flex", "hybrid", deepep_hybrid, deepep_mode),
     "moe_deepep_cpu_sync": ("flex", "cpu_sync", _same, _same),
     "moe_deepep_max_tokens_per_rank": ("flex", "max_tokens_per_rank", lambda n: n or None, lambda n: n or 0),
 }
@@ -58,7 +69,8 @@ FLEX_FLAGS = {
 @composed(sections=(), aliases=FLEX_FLAGS)
 @dataclass(frozen=True)
 class ModelOptions:
-    """How the decoder runs.
+    """How the decoder runs. A field made with ``flag`` is the flag of ``moefold train`` its metadata names (its help,
+    default and choices; ``training.cli.option_flags``), and so are the flex options' fields.
 
     sequence_parallel: shard activations along the sequence between TP regions (only matters at tp > 1)
     cp_comm:           context-parallel K/V exchange, one of ``CP_COMM_MODES``
@@ -67,8 +79,9 @@ class ModelOptions:
     recompute_method:  full: "uniform" (groups of ``recompute_num_layers`` layers) | "block" (the first
                        ``recompute_num_layers`` layers of each pipeline chunk)
     recompute_num_layers: full: the N of ``recompute_method``
-    dispatcher:        token dispatcher kind (``dispatch.config.DispatcherKind``'s values) or "auto": "local" when
-                       ep*etp == 1, else "alltoall" (``resolved_dispatcher``)
+    dispatcher:        token dispatcher kind (``dispatch.config.DispatcherKind``), or None ("auto", as the flag and
+                       saved configs spell it): "local" when ep*etp == 1, else "alltoall", chosen where the dispatcher
+                       is built (``dispatch.config.kind_for_layout``); handed to ``DispatchConfig.kind`` as it is
     gemm_backend:      routed-expert GEMM backend (``moe.gemm.GemmBackend``)
     dtype:             parameter dtype, "fp32" | "bf16" | "fp16" (routers and expert bias stay fp32)
     init_std:          std of the normal init of every weight matrix
@@ -87,22 +100,41 @@ class ModelOptions:
     max_attention_logit: GQA layers record each head's largest attention logit (``--qk-clip``, MuonClip)
     """
 
-    sequence_parallel: bool = True
-    cp_comm: str = "p2p"
-    recompute: str = "none"
-    recompute_modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES
-    recompute_method: str = "uniform"
-    recompute_num_layers: int = 1
-    dispatcher: str = "auto"
-    gemm_backend: GemmBackend = GemmBackend.GROUPED_MM
-    dtype: str = "fp32"
-    init_std: float = 0.02
-    fp8: FP8Config = field(default_factory=FP8Config)
-    flex: FlexOptions = field(default_factory=FlexOptions)
-    offload_modules: tuple[str, ...] = ()
-    min_offloaded_tensor_size: int = MIN_OFFLOADED_TENSOR_SIZE
-    linear_attention_backend: str = "auto"
-    max_attention_logit: bool = False
+    sequence_parallel: bool = flag(True, "shard activations along the sequence between TP regions (tp > 1 only; "
+                                   "--seq-length must then divide by tp)", action="optional")
+    cp_comm: str = flag("p2p", "context-parallel K/V exchange: p2p (ring, overlapped) or all_gather",
+                        choices=CP_COMM_MODES, name="--cp-comm-type")
+    recompute: Recompute = flag(
+        Recompute.NONE, "activation recomputation: selective (--recompute-modules) or full (whole layers)",
+        choices=RECOMPUTE_MODES, name="--recompute-granularity")
+    recompute_modules: tuple[str, ...] = flag(
+        DEFAULT_RECOMPUTE_MODULES, f"selective: any of {', '.join(RECOMPUTE_MODULES)} (default core_attn)",
+        choices=RECOMPUTE_MODULES, nargs="+", metavar="MODULE")
+    recompute_method: RecomputeMethod = flag(
+        RecomputeMethod.UNIFORM, "full: uniform (groups of N layers) or block (the first N layers of each pipeline "
+        "chunk)", choices=RECOMPUTE_METHODS)
+    recompute_num_layers: int = flag(1, "full: the N of --recompute-method (default 1)")
+    dispatcher: DispatcherKind | None = flag(
+        None, "how tokens reach their experts: auto (local without ep/etp, else alltoall), allgather, "
+        "alltoall, flex (DeepEP, CUDA)", choices=(AUTO_DISPATCHER, *(k.value for k in DispatcherKind)),
+        name="--moe-token-dispatcher-type", from_field=_dispatcher_text)
+    gemm_backend: GemmBackend = flag(
+        GemmBackend.GROUPED_MM, "the experts' GEMMs: torch's grouped_mm, a per-expert loop, grouped_gemm or "
+        "Transformer Engine (te) on CUDA", choices=tuple(b.value for b in GemmBackend),
+        name="--moe-grouped-gemm-backend")
+    dtype: str = "fp32"   # from --bf16 / --fp16 (TrainConfig's)
+    init_std: float = flag(0.02, "standard deviation of the weights' normal initialisation", name="--init-method-std")
+    fp8: FP8Config = field(default_factory=FP8Config)   # training.cli.fp8_flags
+    flex: FlexOptions = field(default_factory=FlexOptions)   # its fields carry their flags (dispatch.config)
+    offload_modules: tuple[str, ...] = ()   # two flags: --fine-grained-activation-offloading --offload-modules
+    min_offloaded_tensor_size: int = flag(
+        MIN_OFFLOADED_TENSOR_SIZE,
+        f"saved tensors with fewer elements stay on the device (default {MIN_OFFLOADED_TENSOR_SIZE})")
+    linear_attention_backend: DeltaRuleBackend = flag(
+        DeltaRuleBackend.AUTO, "Gated DeltaNet kernel (Qwen3-Next's linear_attention layers): torch (chunked, any "
+        "device), fla (flash-linear-attention, CUDA), auto (fla on CUDA when installed)",
+        choices=GATED_DELTA_RULE_BACKENDS)
+    max_attention_logit: bool = False   # set by the trainer for --qk-clip
 
     def __post_init__(self) -> None:
         if isinstance(self.fp8, dict):  # from a saved RunConfig (JSON)
@@ -111,15 +143,18 @@ class ModelOptions:
             raise ValueError(f"ModelOptions.cp_comm={self.cp_comm!r} is not one of {CP_COMM_MODES}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"ModelOptions.recompute={self.recompute!r} is not one of {RECOMPUTE_MODES}")
+        object.__setattr__(self, "recompute", Recompute(self.recompute))   # the layers compare the enum
         # a list after a JSON round trip (checkpoint meta): store the tuple the dataclass promises
         object.__setattr__(self, "recompute_modules", check_recompute_modules(self.recompute_modules))
         if self.recompute_method not in RECOMPUTE_METHODS:
             raise ValueError(f"--recompute-method={self.recompute_method!r}; valid: {', '.join(RECOMPUTE_METHODS)}")
+        object.__setattr__(self, "recompute_method", RecomputeMethod(self.recompute_method))
         if (not isinstance(self.recompute_num_layers, int) or isinstance(self.recompute_num_layers, bool)
                 or self.recompute_num_layers < 1):
             raise ValueError(f"--recompute-num-layers={self.recompute_num_layers!r} must be a positive integer")
-        if self.dispatcher != "auto":   # the kinds are checked by DispatcherKind, "auto" is this field's own
-            object.__setattr__(self, "dispatcher", DispatcherKind(self.dispatcher))
+        # "auto" (the flag's, YAML's, a saved config's) is None; the kinds are checked by DispatcherKind
+        kind = None if self.dispatcher in (None, AUTO_DISPATCHER) else DispatcherKind(self.dispatcher)
+        object.__setattr__(self, "dispatcher", kind)
         object.__setattr__(self, "gemm_backend", GemmBackend(self.gemm_backend))
         if self.dtype not in DTYPES:
             raise ValueError(f"ModelOptions.dtype={self.dtype!r}; valid: {', '.join(DTYPES)}")
@@ -133,6 +168,7 @@ class ModelOptions:
         if self.linear_attention_backend not in GATED_DELTA_RULE_BACKENDS:
             raise ValueError(f"ModelOptions.linear_attention_backend={self.linear_attention_backend!r}; valid: "
                              f"{', '.join(GATED_DELTA_RULE_BACKENDS)}")
+        object.__setattr__(self, "linear_attention_backend", DeltaRuleBackend(self.linear_attention_backend))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -141,7 +177,8 @@ class ModelOptions:
         return getattr(torch, DTYPES[self.dtype])
 
     def resolved_dispatcher(self, ep: int, etp: int) -> DispatcherKind:
-        """The dispatcher kind for ep x etp ranks (``auto`` resolved)."""
-        if self.dispatcher != "auto":
-            return DispatcherKind(self.dispatcher)
-        return DispatcherKind.LOCAL if ep * etp == 1 else DispatcherKind.ALLTOALL
+        """The dispatcher kind for ep x etp ranks (None, ``auto``, resolved: the rule the dispatcher's builder uses)."""
+        return kind_for_layout(self.dispatcher, ep, etp)
+
+
+__all__ = ["AUTO_DISPATCHER", "DEEPEP_MODES", "DTYPES", "FLEX_FLAGS", "ModelOptions"]

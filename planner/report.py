@@ -48,8 +48,8 @@ def train_flags(plan: Plan, model_flags: list[str]) -> list[str]:
         flags.append("--no-sequence-parallel")
     if s.cp > 1 and o.cp_comm != "p2p":
         flags += ["--cp-comm-type", o.cp_comm]
-    if o.dispatcher != "auto":
-        flags += ["--moe-token-dispatcher-type", o.dispatcher]
+    if o.dispatcher is not None:   # None: auto
+        flags += ["--moe-token-dispatcher-type", o.dispatcher.value]
     if o.recompute != "none":
         flags += ["--recompute-granularity", o.recompute]
         if o.recompute == "selective":

@@ -28,7 +28,6 @@ import torch
 
 from moefold.dense.activation_offload import OFFLOAD_MODULES
 from moefold.models.config import ModelConfig
-from moefold.models.options import ModelOptions
 from moefold.models.recipes import get_recipe
 from moefold.parallel.dims import ParallelConfig
 from moefold.parallel.init import launched_by_torchrun, launched_world_size
@@ -42,6 +41,7 @@ from moefold.training.cli.model_flags import (
     apply_router_flags,
     given_model_flags,
 )
+from moefold.training.cli.option_flags import options_from_args
 from moefold.training.cli.parser import Parser
 from moefold.training.cli.train_checks import check_backends as check_backends
 from moefold.training.cli.train_checks import resolve_flex, validate
@@ -149,19 +149,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         if getattr(args, flag) is not None and args.pipeline_model_parallel_size == 1:
             raise ValueError(f"--{flag.replace('_', '-')} needs --pipeline-model-parallel-size > 1")
     model = apply_router_flags(model_from_args(args), args)
-    options = ModelOptions(sequence_parallel=args.sequence_parallel, cp_comm=args.cp_comm_type,
-                           recompute=args.recompute_granularity, recompute_modules=tuple(args.recompute_modules),
-                           recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
-                           dispatcher=args.moe_token_dispatcher_type,
-                           gemm_backend=args.moe_grouped_gemm_backend,
-                           dtype="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
-                           init_std=args.init_method_std, fp8=fp8_config_from_args(args),
-                           moe_deepep_num_sms=args.moe_deepep_num_sms,
-                           moe_flex_dispatcher_backend=args.moe_flex_dispatcher_backend,
-                           moe_deepep_mode=args.moe_deepep_mode, moe_deepep_cpu_sync=args.moe_deepep_cpu_sync,
-                           offload_modules=offload_modules_from_args(args),
-                           min_offloaded_tensor_size=args.min_offloaded_tensor_size,
-                           linear_attention_backend=args.linear_attention_backend)
+    options = options_from_args(args, dtype="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+                                fp8=fp8_config_from_args(args), offload_modules=offload_modules_from_args(args))
     parallel = ParallelConfig(tp=args.tensor_model_parallel_size, cp=args.context_parallel_size,
                               pp=args.pipeline_model_parallel_size, ep=args.expert_model_parallel_size,
                               etp=args.expert_tensor_parallel_size)

@@ -106,7 +106,5 @@ def resolve_flex(config: RunConfig, world_size: int) -> tuple[RunConfig, str | N
 
         check_elastic_layout(config.model.hidden_size, config.model.num_experts, sizes.ep, sizes.etp, o.fp8.dispatch)
     config = dataclasses.replace(config, options=dataclasses.replace(o, moe_flex_dispatcher_backend=backend))
-    cpu_sync = o.moe_deepep_cpu_sync if o.moe_deepep_cpu_sync is not None else (
-        o.gemm_backend.needs_host_counts or o.fp8.enabled)
-    return config, describe_flex_backend(backend, hybrid=o.moe_deepep_mode == "hybrid", cpu_sync=cpu_sync,
-                                         num_sms=o.moe_deepep_num_sms)
+    cpu_sync = o.flex.cpu_sync_for(o.gemm_backend.needs_host_counts or o.fp8.enabled)
+    return config, describe_flex_backend(backend, hybrid=o.flex.hybrid, cpu_sync=cpu_sync, num_sms=o.flex.num_sms)

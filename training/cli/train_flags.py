@@ -1,7 +1,8 @@
 """``moefold train``'s flags (Megatron-LM's names), in argparse groups: the layout, the optimizer and schedule, data
 and checkpoints, recovery (stops, background saves, other runs), memory (activation offloading, FSDP2, optimizer
 offload), starting weights and validation; the model and router flags (``training.cli.model_flags``: each made
-from, and setting, a ``ModelConfig`` field) and the flags for Megatron-LM users (data order,
+from, and setting, a ``ModelConfig`` field), the run-time flags (``training.cli.option_flags``: each a ``ModelOptions``
+or flex-dispatcher field) and the flags for Megatron-LM users (data order,
 tokenizer, a Megatron checkpoint, conventions: ``training.cli.megatron_flags``) join them. ``training.cli.train``
 turns the parsed flags into a ``RunConfig``.
 """
@@ -10,25 +11,13 @@ from __future__ import annotations
 
 import argparse
 
-from moefold.dense.choices import (
-    CP_COMM_MODES,
-    DEFAULT_RECOMPUTE_MODULES,
-    GATED_DELTA_RULE_BACKENDS,
-    MIN_OFFLOADED_TENSOR_SIZE,
-    OFFLOAD_MODULES,
-    RECOMPUTE_METHODS,
-    RECOMPUTE_MODES,
-    RECOMPUTE_MODULES,
-)
-from moefold.dispatch.config import DispatcherKind
-from moefold.dispatch.flex_backend import FlexBackend
-from moefold.models.options import DEEPEP_MODES, ModelOptions
+from moefold.dense.choices import OFFLOAD_MODULES
 from moefold.models.recipes import RECIPES
-from moefold.moe.gemm_backend import GemmBackend
 from moefold.training.cli.field_flags import add_field_flags
 from moefold.training.cli.fp8_flags import add_fp8_arguments
 from moefold.training.cli.megatron_flags import add_megatron_arguments
 from moefold.training.cli.model_flags import GROUPS, add_flags, add_model_arguments
+from moefold.training.cli.option_flags import add_option_flags
 from moefold.training.config import EXIT_SIGNALS, STOP_SIGNALS
 
 _DEVICES = ("auto", "cpu", "cuda")
@@ -57,52 +46,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-tensor-parallel-size", type=int, default=1,
                    help="expert tensor parallelism (etp): each expert's FFN split over etp ranks")
     add_field_flags(g, ("pipeline_schedule", "overlap_moe_expert_parallel_comm", "delay_wgrad_compute"))
-    g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
-                   help="shard activations along the sequence between TP regions (tp > 1 only; --seq-length "
-                        "must then divide by tp)")
-    g.add_argument("--cp-comm-type", default=ModelOptions.cp_comm, choices=CP_COMM_MODES,
-                   help="context-parallel K/V exchange: p2p (ring, overlapped) or all_gather")
+    add_option_flags(g, ("sequence_parallel", "cp_comm"))
     add_model_arguments(p)
     add_pretrained_arguments(p)
     m = p.add_argument_group(GROUPS["router"])
     add_flags(m, "router")   # ModelConfig's router fields (models.model_sections)
-    m.add_argument("--init-method-std", type=float, default=ModelOptions.init_std,
-                   help="standard deviation of the weights' normal initialisation")
-    m.add_argument("--moe-token-dispatcher-type", default="auto", choices=("auto", *(k.value for k in DispatcherKind)),
-                   help="how tokens reach their experts: auto (local without ep/etp, else alltoall), allgather, "
-                        "alltoall, flex (DeepEP, CUDA)")
-    m.add_argument("--moe-grouped-gemm-backend", default=ModelOptions.gemm_backend.value,
-                   choices=[b.value for b in GemmBackend],
-                   help="the experts' GEMMs: torch's grouped_mm, a per-expert loop, grouped_gemm or Transformer "
-                        "Engine (te) on CUDA")
-    m.add_argument("--linear-attention-backend", default=ModelOptions.linear_attention_backend,
-                   choices=GATED_DELTA_RULE_BACKENDS, help="Gated DeltaNet kernel (Qwen3-Next's linear_attention "
-                   "layers): torch (chunked, any device), fla (flash-linear-attention, CUDA), auto (fla on CUDA when "
-                   "installed)")
-    m.add_argument("--recompute-granularity", default="none", choices=RECOMPUTE_MODES,
-                   help="activation recomputation: selective (--recompute-modules) or full (whole layers)")
-    m.add_argument("--recompute-modules", nargs="+", default=list(DEFAULT_RECOMPUTE_MODULES), choices=RECOMPUTE_MODULES,
-                   metavar="MODULE", help=f"selective: any of {', '.join(RECOMPUTE_MODULES)} (default core_attn)")
-    m.add_argument("--recompute-method", default=ModelOptions.recompute_method, choices=RECOMPUTE_METHODS,
-                   help="full: uniform (groups of N layers) or block (the first N layers of each pipeline chunk)")
-    m.add_argument("--recompute-num-layers", type=int, default=ModelOptions.recompute_num_layers,
-                   help="full: the N of --recompute-method (default 1)")
+    add_option_flags(m, ("init_std", "dispatcher", "gemm_backend", "linear_attention_backend", "recompute",
+                         "recompute_modules", "recompute_method", "recompute_num_layers"))
     add_memory_arguments(p)
     gpu = p.add_argument_group("GPU backends: DeepEP, FP8 (torchao, Transformer Engine)")
-    gpu.add_argument("--moe-deepep-num-sms", type=int, default=ModelOptions.moe_deepep_num_sms,
-                     help="SMs DeepEP's kernels take (flex dispatcher; even; default 0: DeepEP V2's "
-                          "get_theoretical_num_sms, 20 with deepep-legacy)")
-    gpu.add_argument("--moe-flex-dispatcher-backend", default=ModelOptions.moe_flex_dispatcher_backend.value,
-                     choices=[b.value for b in FlexBackend],
-                     help="the flex dispatcher's DeepEP: deepep (V2 ElasticBuffer: sync-free, JIT-built kernels), "
-                          "deepep-legacy (the v1 Buffer API), auto (default: deepep when the installed DeepEP is V2)")
-    gpu.add_argument("--moe-deepep-mode", default=ModelOptions.moe_deepep_mode, choices=DEEPEP_MODES,
-                     help="DeepEP V2 across nodes: hybrid (default: RDMA once per node, forwarded over NVLink) or "
-                          "direct (RDMA to every destination rank)")
-    gpu.add_argument("--moe-deepep-cpu-sync", action=argparse.BooleanOptionalAction, default=None,
-                     help="DeepEP V2: the host waits for the received counts (exact receive buffers, one host sync "
-                          "per dispatch) instead of worst-case-sized ones; default: on exactly when the expert "
-                          "GEMMs take host counts anyway (te, grouped_gemm, loop, FP8)")
+    add_option_flags(gpu, ("flex.num_sms", "flex.backend", "flex.hybrid", "flex.cpu_sync"))
     add_fp8_arguments(gpu)
     add_field_flags(m, ("vocab_size",))
     t = p.add_argument_group("training")
@@ -174,8 +127,7 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--offload-modules", nargs="+", default=None, choices=OFFLOAD_MODULES, metavar="MODULE",
                    help=f"with --fine-grained-activation-offloading: any of {', '.join(OFFLOAD_MODULES)} (a module is "
                         "recomputed or offloaded, not both)")
-    g.add_argument("--min-offloaded-tensor-size", type=int, default=MIN_OFFLOADED_TENSOR_SIZE,
-                   help=f"saved tensors with fewer elements stay on the device (default {MIN_OFFLOADED_TENSOR_SIZE})")
+    add_option_flags(g, ("min_offloaded_tensor_size",))
     add_field_flags(g, ("moe_max_load_ratio", "use_torch_fsdp2", "optimizer_cpu_offload", "optimizer_offload_fraction"))
 
 
