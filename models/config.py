@@ -34,7 +34,7 @@ from moefold.models.model_sections import (
 )
 
 FAMILIES: tuple[str, ...] = ("deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "olmoe", "minimax_m2",
-                             "qwen3_next")
+                             "qwen3_next", "qwen3_5_moe")
 
 
 def _norm_eps(current: Any, v: float) -> dict[str, Any]:
@@ -55,7 +55,8 @@ class ModelConfig:
     """
 
     name: str
-    family: Literal["deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "olmoe", "minimax_m2", "qwen3_next"]
+    family: Literal["deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "olmoe", "minimax_m2", "qwen3_next",
+                    "qwen3_5_moe"]
     vocab_size: int
     hidden_size: int = model_flag(MISSING, "model width", "--hidden-size")
     num_layers: int = model_flag(MISSING, "decoder layers (without MTP)", "--num-layers")

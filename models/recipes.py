@@ -285,6 +285,25 @@ def qwen3_next_proxy() -> ModelConfig:
                                       num_experts=32)
 
 
+# ----------------------------------------------------------------------------- Qwen3.5-MoE (text)
+def qwen3_5_35b_a3b() -> ModelConfig:
+    """Qwen3.5-35B-A3B's text model (HF ``Qwen3_5MoeForCausalLM``; transformers' ``Qwen3_5MoeTextConfig``
+    defaults are this checkpoint's): Qwen3-Next's hybrid, 30 Gated DeltaNet + 10 gated-attention layers, every
+    layer MoE (256 experts top-8, renormalised, plus one gated shared expert), a 248k vocabulary."""
+    return qwen3_next_80b_a3b().with_(
+        name="qwen3_5_35b_a3b", family="qwen3_5_moe", vocab_size=248320, num_layers=40, ffn_hidden_size=0,
+        num_experts=256, moe_topk=8, layer_types=_every_4th_full(40))
+
+
+def qwen3_5_moe_tiny() -> ModelConfig:
+    return qwen3_next_tiny().with_(name="qwen3_5_moe_tiny", family="qwen3_5_moe", ffn_hidden_size=0)
+
+
+def qwen3_5_moe_proxy() -> ModelConfig:
+    return qwen3_5_35b_a3b().with_(name="qwen3_5_moe_proxy", num_layers=4, layer_types=_every_4th_full(4),
+                                   num_experts=32)
+
+
 RECIPES: dict[str, Callable[[], ModelConfig]] = {
     fn.__name__: fn for fn in (
         deepseek_v3, deepseek_v3_tiny, deepseek_v3_proxy,
@@ -293,6 +312,7 @@ RECIPES: dict[str, Callable[[], ModelConfig]] = {
         gpt_oss_120b, gpt_oss_20b, gpt_oss_tiny, glm4_5, glm4_5_air, glm4_6, glm4_moe_tiny, kimi_k2, kimi_k2_tiny,
         olmoe_1b_7b, olmoe_tiny, minimax_m2, minimax_m2_tiny,
         qwen3_next_80b_a3b, qwen3_next_tiny, qwen3_next_proxy,
+        qwen3_5_35b_a3b, qwen3_5_moe_tiny, qwen3_5_moe_proxy,
     )
 }
 

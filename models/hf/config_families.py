@@ -35,7 +35,7 @@ DEFAULTS = {"gpt_oss": {"attention_bias": True, "rms_norm_eps": 1e-5},
             "glm4_moe": {"rms_norm_eps": 1e-5}, "olmoe": {"rms_norm_eps": 1e-5}, "minimax_m2": {"rms_norm_eps": 1e-6}}
 SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' partial_rotary_factor where a config leaves it out and it is not 1 (any family of config_map)
-PARTIAL_ROTARY_DEFAULTS = {"glm4_moe": 0.5, "qwen3_next": 0.25}
+PARTIAL_ROTARY_DEFAULTS = {"glm4_moe": 0.5, "qwen3_next": 0.25, "qwen3_5_moe": 0.25}
 
 # ModelConfig fields of features DeepSeek-V3, Qwen3-MoE, Mixtral and Qwen3-Next's HF classes do not have (their
 # values there; config_map checks these for every family)
@@ -66,7 +66,7 @@ NEEDS: dict[str, dict[str, Any]] = {
 # PLAIN fields a family's HF config expresses freely (through layer_types, swiglu_*, partial_rotary_factor)
 FREE = {"gpt_oss": ("sliding_window_pattern", "moe_swiglu_alpha", "moe_activation_clamp"),
         "glm4_moe": ("partial_rotary_factor",), "minimax_m2": ("partial_rotary_factor",),
-        "qwen3_next": ("partial_rotary_factor",)}
+        "qwen3_next": ("partial_rotary_factor",), "qwen3_5_moe": ("partial_rotary_factor",)}
 
 
 def needs(family: str, base: dict[str, Any]) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 For each config class moefold reads (transformers 5.25: ``DeepseekV3Config`` (Kimi-K2 too), ``Qwen3MoeConfig``,
 ``Qwen3Config``, ``MixtralConfig``, ``MistralConfig``, ``GptOssConfig``, ``Glm4MoeConfig``, ``OlmoeConfig``,
-``MiniMaxM2Config``, ``Qwen3NextConfig``) each field is in one of:
+``MiniMaxM2Config``, ``Qwen3NextConfig``, ``Qwen3_5MoeTextConfig``) each field is in one of:
 
 - ``READ[key]``: ``models.hf.config_map`` maps it onto the ``ModelConfig`` (another value changes the config, or
   is refused there naming the field);
@@ -23,8 +23,13 @@ from typing import Any
 CLASS_OF = {"DeepseekV3ForCausalLM": "deepseek_v3", "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen3ForCausalLM": "qwen3",
             "MixtralForCausalLM": "mixtral", "MistralForCausalLM": "mistral", "GptOssForCausalLM": "gpt_oss",
             "Glm4MoeForCausalLM": "glm4_moe", "OlmoeForCausalLM": "olmoe", "MiniMaxM2ForCausalLM": "minimax_m2",
-            "Qwen3NextForCausalLM": "qwen3_next"}
+            "Qwen3NextForCausalLM": "qwen3_next", "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text"}
 _MODEL_TYPE_CLASS = {"kimi_k2": "deepseek_v3"}
+# rope_parameters keys a class reads that config_map does not (the key: why they do not change the function)
+ROPE_INERT = {"qwen3_5_moe_text": {
+    "mrope_section": "multimodal RoPE's split of the frequencies over (time, height, width) positions: a text "
+                     "sequence has the three equal, which is the 1-D rotary embedding",
+    "mrope_interleaved": "the order of that split (same reason)"}}
 
 INERT: dict[str, str] = {
     "_name_or_path": "where the config was read from", "architectures": "read to pick the family",
@@ -83,6 +88,11 @@ READ: dict[str, set[str]] = {
         "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
         "decoder_sparse_step", "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts_per_tok",
         "num_experts", "norm_topk_prob", "router_aux_loss_coef", "mlp_only_layers", "layer_types"},
+    "qwen3_5_moe_text": _COMMON_READ | {
+        "num_key_value_heads", "head_dim", "attention_bias", "linear_conv_kernel_dim", "linear_key_head_dim",
+        "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "moe_intermediate_size",
+        "shared_expert_intermediate_size", "num_experts_per_tok", "num_experts", "router_aux_loss_coef",
+        "layer_types"},
 }
 _DROPOUT = (0.0, "attention dropout (moefold has none)")
 REFUSED: dict[str, dict[str, tuple[Any, str]]] = {
@@ -90,7 +100,7 @@ REFUSED: dict[str, dict[str, tuple[Any, str]]] = {
 REFUSED["qwen3"]["use_sliding_window"] = (False, "sliding windows in the dense Qwen3 (max_window_layers)")
 REFUSED["olmoe"]["clip_qkv"] = (None, "clipping q, k and v")
 # the classes that apply partial RoPE (rope_parameters.partial_rotary_factor); the others would not
-PARTIAL_ROTARY = {"glm4_moe", "minimax_m2", "qwen3_next"}
+PARTIAL_ROTARY = {"glm4_moe", "minimax_m2", "qwen3_next", "qwen3_5_moe_text"}
 
 
 def config_class(hf: dict[str, Any]) -> str | None:

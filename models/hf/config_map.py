@@ -1,5 +1,6 @@
 """HF ``config.json`` <-> ``ModelConfig`` for DeepSeek-V3 (and Kimi-K2, which is DeepSeek-V3's architecture),
-Qwen3-MoE, Mixtral and Qwen3-Next (its own fields in ``models.hf.qwen3_next``; no transformers needed), and their
+Qwen3-MoE, Mixtral, Qwen3-Next and Qwen3.5-MoE (their own fields in ``models.hf.qwen3_next`` and
+``models.hf.qwen3_5_moe``; no transformers needed), and their
 dense relatives Qwen3 and Mistral (read as the family with ``num_experts=0``: what upcycling starts from).
 GPT-OSS, GLM-4.5, OLMoE and MiniMax-M2 are read and written by ``models.hf.config_families``.
 
@@ -20,16 +21,19 @@ from typing import Any
 
 from moefold.models.config import MLADims, ModelConfig, YarnScaling
 from moefold.models.hf import config_families as more
-from moefold.models.hf import qwen3_next
+from moefold.models.hf import qwen3_5_moe, qwen3_next
 from moefold.models.hf.config_fields import READ, check_fields, config_class
 
 ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3", "Qwen3MoeForCausalLM": "qwen3_moe",
                  "MixtralForCausalLM": "mixtral", "Qwen3ForCausalLM": "qwen3_moe", "MistralForCausalLM": "mixtral",
-                 qwen3_next.ARCHITECTURE: "qwen3_next", **more.ARCHITECTURES}
+                 qwen3_next.ARCHITECTURE: "qwen3_next", qwen3_5_moe.ARCHITECTURE: "qwen3_5_moe", **more.ARCHITECTURES}
 MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "qwen3": "qwen3_moe",
-               "mistral": "mixtral", "qwen3_next": "qwen3_next", **more.MODEL_TYPES}
+               "mistral": "mixtral", "qwen3_next": "qwen3_next", qwen3_5_moe.MODEL_TYPE: "qwen3_5_moe",
+               **more.MODEL_TYPES}
 FAMILY_ARCH = {"deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-               "mixtral": "MixtralForCausalLM", "qwen3_next": qwen3_next.ARCHITECTURE, **more.FAMILY_ARCH}
+               "mixtral": "MixtralForCausalLM", "qwen3_next": qwen3_next.ARCHITECTURE,
+               "qwen3_5_moe": qwen3_5_moe.ARCHITECTURE, **more.FAMILY_ARCH}
+FAMILY_MODEL_TYPE = {"qwen3_5_moe": qwen3_5_moe.MODEL_TYPE}   # where the HF model_type is not the family's name
 # the dense model of a family (no experts): what upcycling turns into the family's MoE
 DENSE_ARCH = {"qwen3_moe": ("Qwen3ForCausalLM", "qwen3"), "mixtral": ("MistralForCausalLM", "mistral")}
 DENSE_MODEL_TYPES = {"qwen3", "mistral"}
@@ -103,6 +107,8 @@ def from_hf_config(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
         return more.from_hf(family, hf, common)
     if family == "qwen3_next":
         return qwen3_next.config_from_hf(hf, common)
+    if family == "qwen3_5_moe":
+        return qwen3_5_moe.config_from_hf(hf, common)
     if family == "deepseek_v3":
         kv_heads = hf.get("num_key_value_heads")
         if kv_heads is not None and int(kv_heads) != common["num_attention_heads"]:
@@ -182,10 +188,11 @@ def _check_exportable(c: ModelConfig) -> None:
                     "moe_shared_expert_ffn_size": 0, "moe_topk_scaling_factor": 1.0, "moe_num_groups": None,
                     "attention_bias": False},
         "qwen3_next": qwen3_next.required(c),
+        "qwen3_5_moe": qwen3_5_moe.required(c),
     }.get(c.family, {})
     need = more.needs(c.family, need)   # + the families' features, off unless the family's HF class has them
     need.setdefault("moe_latent_size", None)   # no HF MoE class of these families projects to a latent width
-    if c.family != "qwen3_next":   # the hybrid-stack features only Qwen3-Next's HF class has
+    if c.family not in ("qwen3_next", "qwen3_5_moe"):   # the hybrid-stack features only these HF classes have
         need.update(layer_types=c.layer_types if set(c.layer_types or ()) <= {"full_attention"} else None,
                     attention_output_gate=False, norm_zero_centered_gamma=False)
     if c.num_experts == 0:  # the dense relative: router choices are irrelevant
@@ -201,14 +208,16 @@ def _check_exportable(c: ModelConfig) -> None:
         fixed = {"moe_group_score_topk": 2, "mla.latent_norm_eps": 1e-6}
         raise ValueError(f"{c.name}: cannot be expressed as an HF {_architecture(c)} config: {bad} "
                          f"(HF needs {({k: need.get(k, fixed.get(k)) for k in bad})})")
-    why = more.out_bias_error(c) or (c.family == "gpt_oss" and c.moe_activation_clamp is None
+    why = "; ".join(qwen3_5_moe.check_exportable(c)) if c.family == "qwen3_5_moe" else None
+    why = why or more.out_bias_error(c) or (c.family == "gpt_oss" and c.moe_activation_clamp is None
                                      and "GPT-OSS's swiglu_limit cannot be None (moe_activation_clamp)")
     if why:
         raise ValueError(f"{c.name}: cannot be expressed as an HF {_architecture(c)} config: {why}")
 
 
 def _architecture(c: ModelConfig) -> str:
-    if c.num_experts == 0 and c.family != "qwen3_next":   # HF Qwen3-Next without experts is all dense MLPs
+    # HF Qwen3-Next without experts is all dense MLPs; Qwen3.5-MoE without them is refused (_check_exportable)
+    if c.num_experts == 0 and c.family not in ("qwen3_next", "qwen3_5_moe"):
         if c.family not in DENSE_ARCH:
             raise ValueError(f"{c.name}: a {c.family} model without experts has no HF architecture "
                              f"(dense export exists for {', '.join(DENSE_ARCH)})")
@@ -221,7 +230,9 @@ def _own_fields(c: ModelConfig, dtype: str) -> dict[str, Any]:
     _check_exportable(c)
     arch = _architecture(c)
     out: dict[str, Any] = {
-        "architectures": [arch], "model_type": c.family if arch == FAMILY_ARCH[c.family] else DENSE_ARCH[c.family][1],
+        "architectures": [arch],
+        "model_type": FAMILY_MODEL_TYPE.get(c.family, c.family) if arch == FAMILY_ARCH[c.family]
+        else DENSE_ARCH[c.family][1],
         "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "num_hidden_layers": c.num_layers,
         "num_attention_heads": c.num_attention_heads, "max_position_embeddings": c.max_position_embeddings,
         "rms_norm_eps": c.norm_eps, "tie_word_embeddings": c.tie_word_embeddings, "hidden_act": "silu",
@@ -256,6 +267,8 @@ def _own_fields(c: ModelConfig, dtype: str) -> dict[str, Any]:
                        router_aux_loss_coef=c.moe_aux_loss_coeff)
     elif c.family == "qwen3_next":
         out.update(qwen3_next.hf_fields(c))
+    elif c.family == "qwen3_5_moe":
+        out.update(qwen3_5_moe.hf_fields(c))
     elif c.num_experts:
         if not all(moe):
             raise ValueError("Mixtral export needs every layer to be MoE")
@@ -300,6 +313,8 @@ def _respell(own: dict[str, Any], original: dict[str, Any], c: ModelConfig) -> d
                 own.pop(k)
     if c.family == "qwen3_next":
         own = qwen3_next.respell(own, original, c)
+    if c.family == "qwen3_5_moe":
+        own = qwen3_5_moe.respell(own, original, c)
     same_arch = own["architectures"] == original.get("architectures")
     if MODEL_TYPES.get(original.get("model_type")) == c.family and same_arch:
         own["model_type"] = original["model_type"]   # Kimi-K2's kimi_k2: read as DeepSeek-V3, written as it was

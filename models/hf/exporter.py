@@ -44,7 +44,10 @@ def hf_tensors(name: str, full: Tensor, config: ModelConfig, expert_format: str 
     ex = expert_names(name, config)
     if ex is None:
         layout = hf_layout(name, config)
-        yield hf_names(name, config, expert_format)[0], full if layout is None else layout.to_hf(full)
+        if layout is None:
+            yield hf_names(name, config, expert_format)[0], full
+        else:
+            yield from zip([n for n, _ in layout.hf_parts(tuple(full.shape))], layout.to_hf(full))
         return
     if ex.gpt_oss:
         which = name.rsplit(".", 1)[1]

@@ -204,9 +204,10 @@ def load_weights(model: MoEDecoder, reader: TensorReader, strict: bool = True) -
             value, names = _read_experts(reader, name, ex, shape, box)
             used.update(names)
         elif layout is not None:   # another layout on disk: read it whole (small), convert, keep this rank's box
-            full, hf_name = read_plain(reader, name, hf_names(name, config), layout.hf_shape(shape), None)
-            value = layout.from_hf(full, shape)[box]
-            used.add(hf_name)
+            parts = [read_plain(reader, name, [hf_name], hf_shape, None)[0]
+                     for hf_name, hf_shape in layout.hf_parts(shape)]
+            value = layout.from_hf(parts, shape)[box]
+            used.update(hf_name for hf_name, _ in layout.hf_parts(shape))
         else:
             value, hf_name = read_plain(reader, name, hf_names(name, config), shape, box)
             used.add(hf_name)

@@ -30,8 +30,9 @@ mtp.k.block.<X>                        model.layers.{L+k}.<X>
 (shared copies, ignored on import)     model.layers.{L+k}.embed_tokens / shared_head.head
 =====================================  ==========================================================
 
-Qwen3-Next renames its DeltaNet layers' ``self_attn`` to ``linear_attn`` and its shared expert, and stores the
-convolution in another channel order (``hf_layout``); see ``models.hf.qwen3_next``.
+Qwen3-Next and Qwen3.5-MoE rename their DeltaNet layers' ``self_attn`` to ``linear_attn`` and their shared
+expert, and store the convolution in another channel order; Qwen3.5-MoE also splits DeltaNet's fused input
+projections in four tensors (``hf_layout``); see ``models.hf.qwen3_next`` and ``models.hf.qwen3_5_moe``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from moefold.models.config import ModelConfig
-from moefold.models.hf import qwen3_next
+from moefold.models.hf import qwen3_5_moe, qwen3_next
 
 EXPERT_FORMATS = ("per_expert", "fused")
 
@@ -129,15 +130,44 @@ def hf_names(name: str, config: ModelConfig, expert_format: str = "per_expert") 
         if config.family == "minimax_m2":
             return [f"{prefix}{b}.e_score_correction_bias" for b in moe_blocks]
         return [f"{prefix}mlp.gate.e_score_correction_bias"]
-    if config.family == "qwen3_next":
+    if config.family in HYBRID_FAMILIES:
         return [qwen3_next.hf_layer_name(prefix, rest, config)]
     return [prefix + rest]
 
 
-def hf_layout(name: str, config: ModelConfig) -> qwen3_next.ConvLayout | None:
-    """How the HF tensor of moefold entry ``name`` is laid out differently (``hf_shape(shape)``,
-    ``to_hf(full)``, ``from_hf(hf_full, shape)``); None when it holds the same full tensor."""
-    return qwen3_next.conv_layout(name, config) if config.family == "qwen3_next" else None
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe")   # Qwen3-Next's naming of DeltaNet and the shared expert
+
+
+@dataclass(frozen=True)
+class OneTensor:
+    """A moefold entry stored as one HF tensor ``hf_name`` in another layout (``qwen3_next.ConvLayout``)."""
+
+    hf_name: str
+    layout: qwen3_next.ConvLayout
+
+    def hf_parts(self, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+        return [(self.hf_name, self.layout.hf_shape(shape))]
+
+    def to_hf(self, full: Tensor) -> list[Tensor]:
+        return [self.layout.to_hf(full)]
+
+    def from_hf(self, tensors: list[Tensor], shape: tuple[int, ...]) -> Tensor:
+        return self.layout.from_hf(tensors[0], shape)
+
+
+def hf_layout(name: str, config: ModelConfig) -> OneTensor | qwen3_5_moe.SplitLayout | None:
+    """How moefold entry ``name`` is stored differently in HF: ``hf_parts(shape)`` (the HF tensors' names and
+    full shapes), ``to_hf(full)`` (those tensors), ``from_hf(tensors, shape)`` (the full moefold tensor); None
+    when it is the one HF tensor ``hf_names(name)[0]`` of the same full shape."""
+    if config.family not in HYBRID_FAMILIES:
+        return None
+    conv = qwen3_next.conv_layout(name, config)
+    if conv is not None:
+        return OneTensor(hf_names(name, config)[0], conv)
+    split = _layer_prefix(name, config)
+    if config.family == "qwen3_5_moe" and split is not None:
+        return qwen3_5_moe.split_layout(hf_names(name, config)[0], split[1], config)
+    return None
 
 
 def expert_names(name: str, config: ModelConfig) -> ExpertNames | None:
@@ -168,6 +198,6 @@ def ignored_hf_names(config: ModelConfig) -> list[str]:
 def is_ignorable(hf_name: str, config: ModelConfig | None = None) -> bool:
     """Non-weights some checkpoints carry (rotary caches), and what transformers does not model either
     (Qwen3-Next's ``mtp.*``)."""
-    if config is not None and config.family == "qwen3_next" and qwen3_next.is_ignorable(hf_name):
+    if config is not None and config.family in HYBRID_FAMILIES and qwen3_next.is_ignorable(hf_name):
         return True
     return hf_name.endswith("rotary_emb.inv_freq")

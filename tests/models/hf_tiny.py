@@ -15,7 +15,7 @@ import torch
 
 # every family ``hf_model`` builds (Kimi-K2: a DeepseekV3Config with Kimi-K2's distinctive values)
 FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "kimi_k2", "olmoe", "minimax_m2",
-            "qwen3_next")
+            "qwen3_next", "qwen3_5_moe")
 # issue 33's attention / MoE feature families: their world-1 and parallel parity tests have their own files
 # (tests/models/test_families.py, test_families_parallel.py); the other families' are in test_hf_interop.py and
 # test_parallel.py
@@ -27,7 +27,8 @@ QWEN3_NEXT_LAYERS = ("linear_attention", "full_attention", "linear_attention", "
 # (tests/models/test_bf16_accuracy.py) and benchmarks/bf16_error.py run each against HF's model of its config.
 # A new family joins here once models/hf/config_map.py exports it.
 HF_TINY_RECIPES = ("qwen3_moe_tiny", "mixtral_tiny", "deepseek_v3_tiny", "gpt_oss_tiny", "glm4_moe_tiny",
-                   "kimi_k2_tiny", "olmoe_tiny", "minimax_m2_tiny", "qwen3_next_tiny")
+                   "kimi_k2_tiny", "olmoe_tiny", "minimax_m2_tiny", "qwen3_next_tiny",
+                   "qwen3_5_moe_tiny")
 
 
 def qwen3_next_config(**overrides):
@@ -41,6 +42,19 @@ def qwen3_next_config(**overrides):
               max_position_embeddings=256,
               rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5})
     return Qwen3NextConfig(**{**kw, **overrides})
+
+
+def qwen3_5_moe_config(**overrides):
+    """Qwen3.5-MoE text: Qwen3-Next's tiny stack, every layer MoE; multimodal RoPE sections (inert for text)."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    kw = dict(vocab_size=VOCAB, hidden_size=32, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2,
+              linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+              num_experts=8, num_experts_per_tok=2, layer_types=list(QWEN3_NEXT_LAYERS), max_position_embeddings=256,
+              rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5,
+                               "mrope_section": [1, 1, 0], "mrope_interleaved": True})
+    return Qwen3_5MoeTextConfig(**{**kw, **overrides})
 
 
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
@@ -94,6 +108,8 @@ def hf_model(family: str, seed: int = 0, **changes):
     torch.manual_seed(seed)
     if family == "qwen3_next":
         model = tf.Qwen3NextForCausalLM(qwen3_next_config(**changes))
+    elif family == "qwen3_5_moe":
+        model = tf.Qwen3_5MoeForCausalLM(qwen3_5_moe_config(**changes))
     elif family in TINY:
         name, fields = TINY[family]
         model = getattr(tf, name.replace("Config", "ForCausalLM"))(getattr(tf, name)(**{**fields, **changes}))
@@ -107,8 +123,9 @@ def hf_model(family: str, seed: int = 0, **changes):
 
 
 def zero_centered_norms(model) -> set[str]:
-    """HF parameter names of ``model``'s zero-centred RMSNorm weights (Qwen3-Next's ``Qwen3NextRMSNorm``)."""
-    return {f"{n}.weight" for n, m in model.named_modules() if type(m).__name__ == "Qwen3NextRMSNorm"}
+    """HF parameter names of ``model``'s zero-centred RMSNorm weights (``Qwen3NextRMSNorm``, ``Qwen3_5MoeRMSNorm``)."""
+    return {f"{n}.weight" for n, m in model.named_modules()
+            if type(m).__name__ in ("Qwen3NextRMSNorm", "Qwen3_5MoeRMSNorm")}
 
 
 @torch.no_grad()

@@ -16,7 +16,8 @@ import random
 from typing import Any
 
 # families drawn (Kimi-K2 is DeepSeek-V3's class; its values are one of DeepSeek-V3's draws)
-FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "olmoe", "minimax_m2", "qwen3_next")
+FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "olmoe", "minimax_m2", "qwen3_next",
+            "qwen3_5_moe")
 
 
 def _rope(r: random.Random, yarn: bool = True, partial: tuple[float, ...] = ()) -> dict[str, Any]:
@@ -134,4 +135,17 @@ def draw(family: str, seed: int) -> dict[str, Any]:
                     linear_num_key_heads=2, linear_num_value_heads=r.choice([2, 4]),
                     linear_key_head_dim=r.choice([8, 16]), linear_value_head_dim=r.choice([8, 16]),
                     linear_conv_kernel_dim=r.choice([2, 4]), rope_parameters=_rope(r, partial=(0.25, 0.5)))
+    if family == "qwen3_5_moe":   # Qwen3-Next's draw less its dense layers and renormalisation switch
+        layers = 4
+        types = [r.choice(["linear_attention", "full_attention"]) for _ in range(layers - 1)] + ["full_attention"]
+        types[r.randrange(layers - 1)] = "linear_attention"
+        rope = _rope(r, partial=(0.25, 0.5))
+        # multimodal RoPE's sections (a text sequence: the 1-D embedding whatever they are)
+        rope.update(mrope_section=r.choice([[1, 1, 0], [2, 1, 1]]), mrope_interleaved=r.random() < 0.5)
+        return dict(c, head_dim=r.choice([8, 16]), num_hidden_layers=layers, layer_types=types,
+                    moe_intermediate_size=r.choice([8, 16]), shared_expert_intermediate_size=r.choice([8, 24]),
+                    num_experts=experts, num_experts_per_tok=topk, attention_bias=r.random() < 0.3,
+                    linear_num_key_heads=2, linear_num_value_heads=r.choice([2, 4]),
+                    linear_key_head_dim=r.choice([8, 16]), linear_value_head_dim=r.choice([8, 16]),
+                    linear_conv_kernel_dim=r.choice([2, 4]), rope_parameters=rope)
     raise ValueError(family)

@@ -50,7 +50,7 @@ BATCH, SEQ = 4, 128   # 4 x 512 tokens: one draw's routing flips move its error 
 # Qwen3-Next routes as in fp32 only ~0.4% more often than HF's model (on average over 40 draws, in every MoE layer),
 # about the spread of 4 draws of 512 tokens (one set of 4 seeds in 10 fell below HF's): 4x the tokens per draw
 # keep that share above the noise (at 16 x 128, 10 sets of 4 seeds, 0-3 to 36-39: +0.22% to +0.75% over HF's)
-TOKENS = {"qwen3_next_tiny": (16, 128)}
+TOKENS = {"qwen3_next_tiny": (16, 128), "qwen3_5_moe_tiny": (16, 128)}   # Qwen3.5-MoE: the same stack
 HF_SLACK = 1.1    # the bound: moefold's mean logit error <= 1.1x HF's
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from moefold.models.hf.config_fields import INERT, INERT_BY_CLASS, PARTIAL_ROTARY, READ, REFUSED
 from moefold.models.hf.config_map import from_hf_config
-from tests.models.hf_tiny import TINY, VOCAB, qwen3_next_config
+from tests.models.hf_tiny import TINY, VOCAB, qwen3_5_moe_config, qwen3_next_config
 from tests.models.other_value import other_value
 
 transformers = pytest.importorskip("transformers")
@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 CLASSES = {"deepseek_v3": "DeepseekV3Config", "qwen3_moe": "Qwen3MoeConfig", "qwen3": "Qwen3Config",
            "mixtral": "MixtralConfig", "mistral": "MistralConfig", "gpt_oss": "GptOssConfig",
            "glm4_moe": "Glm4MoeConfig", "olmoe": "OlmoeConfig", "minimax_m2": "MiniMaxM2Config",
-           "qwen3_next": "Qwen3NextConfig"}
+           "qwen3_next": "Qwen3NextConfig", "qwen3_5_moe_text": "Qwen3_5MoeTextConfig"}
 _DENSE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
 # another value, where tests.models.other_value's does not fit
@@ -43,16 +43,18 @@ def _base(key: str) -> dict:
     cls = getattr(transformers, CLASSES[key])
     if key == "qwen3_next":
         config = qwen3_next_config()
+    elif key == "qwen3_5_moe_text":
+        config = qwen3_5_moe_config()
     elif key in TINY:
         config = cls(**TINY[key][1])
     else:
         config = cls(**_DENSE)
-    arch = CLASSES[key].replace("Config", "ForCausalLM")
+    arch = CLASSES[key].replace("TextConfig", "Config").replace("Config", "ForCausalLM")
     return {**config.to_dict(), "architectures": [arch]}
 
 
 def _other(key: str, field: str, value):
-    if key == "qwen3_next" and field == "layer_types":
+    if key in ("qwen3_next", "qwen3_5_moe_text") and field == "layer_types":
         return ["full_attention"] * len(value)
     if field == "layer_types" and value:
         return list(reversed(value)) if len(set(value)) > 1 else ["full_attention"] * (len(value) - 1) + \
@@ -117,3 +119,17 @@ def test_partial_rotary_is_refused_where_transformers_rotates_whole_heads(key):
             "partial_rotary_factor": 0.5}
     with pytest.raises(ValueError, match=rf"^{key}: partial_rotary_factor=0.5 is not supported"):
         from_hf_config({**base, "rope_parameters": rope})
+
+
+def test_multimodal_rope_keys_are_inert_for_text():
+    """Qwen3.5-MoE's ``mrope_section`` / ``mrope_interleaved`` (``ROPE_INERT``) leave the config as it was."""
+    from moefold.models.hf.config_fields import ROPE_INERT
+
+    base = _base("qwen3_5_moe_text")
+    ref = from_hf_config(base).with_(name="x")
+    rope = dict(base["rope_parameters"])
+    for key in ROPE_INERT["qwen3_5_moe_text"]:
+        rope.pop(key)
+    assert from_hf_config({**base, "rope_parameters": rope}).with_(name="x") == ref
+    other = {**rope, "mrope_section": [0, 1, 1], "mrope_interleaved": False}
+    assert from_hf_config({**base, "rope_parameters": other}).with_(name="x") == ref

@@ -1,4 +1,5 @@
-"""HF interop at world 1: import tiny random HF checkpoints (DeepSeek-V3, Qwen3-MoE, Mixtral, Qwen3-Next; the
+"""HF interop at world 1: import tiny random HF checkpoints (DeepSeek-V3, Qwen3-MoE, Mixtral, Qwen3-Next,
+Qwen3.5-MoE; the
 feature families in tests/models/test_families.py), logits parity,
 export back (per-expert and fused expert naming), HF reloads it with the same logits, bit-exact round trip.
 Qwen3-Next: each block's output from HF's own input, a sequence over two DeltaNet chunks, and a negative
@@ -182,6 +183,51 @@ def test_qwen3_next_config():
         to_hf_config(recipe.with_(attention_output_gate=False))
     with pytest.raises(ValueError, match=r"'norm_zero_centered_gamma': True"):
         to_hf_config(qwen3_next_80b_a3b().with_(family="qwen3_moe"))
+
+
+def test_qwen3_5_moe_published_config_and_count():
+    """Qwen3.5-35B-A3B's text config (transformers' ``Qwen3_5MoeTextConfig`` defaults, with the hub's rope theta,
+    context and multimodal RoPE sections) reads as the recipe, and moefold counts exactly the parameters of HF's
+    model of it; what HF Qwen3.5-MoE cannot express is refused in one line."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    from moefold.models.hf.config_map import from_hf_config, to_hf_config
+    from moefold.models.params import count_parameters
+    from moefold.models.recipes import qwen3_5_35b_a3b
+
+    recipe = qwen3_5_35b_a3b()
+    hub = Qwen3_5MoeTextConfig(max_position_embeddings=262144, rope_parameters={
+        "rope_type": "default", "rope_theta": 10_000_000, "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10], "mrope_interleaved": True}, architectures=["Qwen3_5MoeForCausalLM"])
+    published = from_hf_config(hub.to_dict(), name=recipe.name)
+    assert published == recipe
+    assert published.layer_types.count("linear_attention") == 30 and all(map(recipe.is_moe_layer, range(40)))
+    with torch.device("meta"):
+        hf = Qwen3_5MoeForCausalLM(hub)
+    assert count_parameters(recipe).total == sum(p.numel() for p in hf.parameters()) == 34_660_610_688
+    written = to_hf_config(published)
+    assert written["rope_parameters"] == hub.to_dict()["rope_parameters"]   # kept as read
+    assert "intermediate_size" not in written and "norm_topk_prob" not in written
+    assert written["model_type"] == "qwen3_5_moe_text"
+    for bad, what in ((dict(moe_layer_freq=(1, 0) * 20, ffn_hidden_size=64), "every layer must be MoE"),
+                      (dict(moe_shared_expert_ffn_size=0), "a shared expert is required"),
+                      (dict(moe_shared_expert_gate=False), "'moe_shared_expert_gate': True"),
+                      (dict(moe_norm_topk_prob=False), "'moe_norm_topk_prob': False")):
+        with pytest.raises(ValueError, match=what):
+            to_hf_config(recipe.with_(**bad))
+
+
+def test_qwen3_5_moe_split_projections_negative_control(tmp_path, monkeypatch):
+    """Qwen3.5-MoE's four DeltaNet projections regrouped per key head give HF's logits; concatenated as stored
+    (HF's all-heads-of-q-then-k-then-v order read as moefold's per-key-head one) they do not."""
+    from moefold.models.hf import qwen3_5_moe
+
+    hf = save_hf("qwen3_5_moe", tmp_path)
+    ids = tokens()
+    ref = hf_logits(hf, ids)
+    assert (import_hf(tmp_path).logits(ids) - ref).abs().max().item() <= TOL
+    monkeypatch.setattr(qwen3_5_moe.SplitLayout, "from_hf", lambda _self, parts, shape: torch.cat(parts).view(shape))
+    assert (import_hf(tmp_path).logits(ids) - ref).abs().max().item() > 1e-2
 
 
 def test_qwen3_next_blocks_and_two_chunks(tmp_path):

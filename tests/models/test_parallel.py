@@ -8,10 +8,12 @@
 - Qwen3-Next (Gated DeltaNet + gated attention) imported at tp2 x ep2 with and without SP, ep2, cp2 (DeltaNet's
   head-parallel all-to-all; attention's p2p ring and all-gather) and pp2 x tp2 x ep2 (stages joined by
   point-to-point): full logits equal HF's; tp2 x cp2, which its 2 key heads cannot split over, is refused in
-  one line.
+  one line. Qwen3.5-MoE (the same stack, DeltaNet's projections split in four HF tensors) at tp2 x ep2,
+  cp2 x ep2 x dp2 and pp2 x tp2 x ep2, each rank reading its slices of the split tensors.
 - Training loss and every parameter's gradient (DeepSeek-V3 tiny recipe with 2 MTP depths, all MoE
   losses on) at tp2 x cp2 x ep2 and tp2 x ep2 x dp2 equal world 1; so do Qwen3-Next's tiny recipe's at
-  tp2 x ep2 x dp2 (SP, DeltaNet's delta rule recomputed), cp2 x ep2 x dp2 and ep2 x dp4. Gradients are reduced by the
+  tp2 x ep2 x dp2 (SP, DeltaNet's delta rule recomputed), cp2 x ep2 x dp2 and ep2 x dp4, and Qwen3.5-MoE's at
+  cp2 x ep2 x dp2. Gradients are reduced by the
   trainer's ``GradSync`` (sequence-parallel ones over tp x cp x dp, dense ones over dp x cp, expert ones
   over edp, divided by dp: each dp rank runs its own micro-batch; world 1 averages them).
 """
@@ -28,7 +30,7 @@ from moefold.models.decoder import MoEDecoder
 from moefold.models.hf.exporter import export_hf
 from moefold.models.hf.importer import import_hf, load_config, load_hf_weights
 from moefold.models.options import ModelOptions
-from moefold.models.recipes import deepseek_v3_tiny, qwen3_next_tiny
+from moefold.models.recipes import deepseek_v3_tiny, qwen3_5_moe_tiny, qwen3_next_tiny
 from moefold.models.tensor_io import TensorReader
 from moefold.parallel.comm import gather_along_dim
 from moefold.parallel.dims import ParallelConfig, ParallelDims
@@ -112,7 +114,7 @@ def _rank(dirs: dict[str, str], refs: dict[str, torch.Tensor], ids: torch.Tensor
                ("tp2xcp2xep2", dict(tp=2, cp=2, ep=2), ModelOptions(), ("deepseek_v3",)),
                ("tp2xep2 no-SP", dict(tp=2, ep=2), ModelOptions(sequence_parallel=False), ("qwen3_moe", "qwen3_next")),
                ("ep2xdp4", dict(ep=2), ModelOptions(), ("qwen3_next",)),
-               ("cp2xep2xdp2", dict(cp=2, ep=2), ModelOptions(), ("qwen3_next",)),
+               ("cp2xep2xdp2", dict(cp=2, ep=2), ModelOptions(), ("qwen3_next", "qwen3_5_moe")),
                ("cp2xep4 all_gather", dict(cp=2, ep=4), ModelOptions(cp_comm="all_gather"), ("mixtral", "qwen3_next"))]
     for label, par, options, families in layouts:
         dims = dims_for(**par)
@@ -125,10 +127,11 @@ def _rank(dirs: dict[str, str], refs: dict[str, torch.Tensor], ids: torch.Tensor
             if label == "tp2xep2" and family == "deepseek_v3":
                 export_hf(model, out_dir + "/hf", max_shard_bytes=32 * 1024)
     # pipeline stages (DeltaNet and attention layers on both); a cp that DeltaNet's heads cannot split over
-    logits = _pipelined_logits(dirs["qwen3_next"], dims_for(pp=2, tp=2, ep=2), ids)
-    if logits is not None:
-        report["qwen3_next pp2xtp2xep2"] = diff = (logits - refs["qwen3_next"]).abs().max().item()
-        assert diff <= TOL, diff
+    for family in ("qwen3_next", "qwen3_5_moe"):
+        logits = _pipelined_logits(dirs[family], dims_for(pp=2, tp=2, ep=2), ids)
+        if logits is not None:
+            report[f"{family} pp2xtp2xep2"] = diff = (logits - refs[family]).abs().max().item()
+            assert diff <= TOL, (family, diff)
     try:
         import_hf(dirs["qwen3_next"], dims_for(tp=2, cp=2, ep=2))
     except ValueError as exc:
@@ -143,14 +146,17 @@ def _rank(dirs: dict[str, str], refs: dict[str, torch.Tensor], ids: torch.Tensor
     deepseek = deepseek_v3_tiny().with_(mtp_num_layers=2, num_layers=2, moe_aux_loss_coeff=0.01)
     # per-micro-batch aux loss: the recipe's global one counts over dp, which a world-1 micro-batch cannot see
     qwen3_next = qwen3_next_tiny().with_(moe_aux_loss_coeff=0.01, moe_load_balancing_type="aux_loss")
-    references = {id(deepseek): _reference_step(deepseek), id(qwen3_next): _reference_step(qwen3_next, 4)}
+    qwen3_5 = qwen3_5_moe_tiny().with_(moe_aux_loss_coeff=0.01, moe_load_balancing_type="aux_loss")
+    references = {id(deepseek): _reference_step(deepseek), id(qwen3_next): _reference_step(qwen3_next, 4),
+                  id(qwen3_5): _reference_step(qwen3_5)}
     for config, label, par, options in [
             (deepseek, "tp2xcp2xep2", dict(tp=2, cp=2, ep=2), ModelOptions()),
             (deepseek, "tp2xep2xdp2", dict(tp=2, ep=2), ModelOptions(recompute="full")),
             (deepseek, "cp2xdp2xep4", dict(cp=2, ep=4), ModelOptions(cp_comm="all_gather")),
             (qwen3_next, "qwen3_next tp2xep2xdp2", dict(tp=2, ep=2), ModelOptions(recompute="selective")),
             (qwen3_next, "qwen3_next cp2xep2xdp2", dict(cp=2, ep=2), ModelOptions()),
-            (qwen3_next, "qwen3_next ep2xdp4", dict(ep=2), ModelOptions())]:
+            (qwen3_next, "qwen3_next ep2xdp4", dict(ep=2), ModelOptions()),
+            (qwen3_5, "qwen3_5_moe cp2xep2xdp2", dict(cp=2, ep=2), ModelOptions())]:
         ref_losses, mb_grads, mb_grads64 = references[id(config)]
         dims = dims_for(**par)
         out, grads = _train_step(config, dims, options)
@@ -182,7 +188,8 @@ def test_parallel_layouts_equal_world1(tmp_path):
     reports = run_distributed(_rank, 4, dirs, refs, ids, out_dir, timeout=300)
     refused = reports[0].pop("qwen3_next tp2xcp2 refused", "")
     assert "num_key_heads=2 / tp=2 is not divisible by cp=2" in refused and "\n" not in refused, refused
-    assert "qwen3_next pp2xtp2xep2" in reports[2]   # the last stage's first rank checked the logits
+    # the last stage's first rank checked the logits
+    assert "qwen3_next pp2xtp2xep2" in reports[2] and "qwen3_5_moe pp2xtp2xep2" in reports[2]
     for report in reports:
         report.pop("qwen3_next tp2xcp2 refused", None)
     for key, value in {**reports[0], **reports[2]}.items():

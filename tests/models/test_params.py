@@ -42,6 +42,7 @@ PUBLISHED = {  # recipe: (total, active) in billions (a "T" suffix: trillions), 
     "olmoe_1b_7b": ("6.9", "1.3"),
     "minimax_m2": ("230", "10"),
     "qwen3_next_80b_a3b": ("80", "3"),
+    "qwen3_5_35b_a3b": ("35", "3"),   # the text model: 34.66B (exactly HF Qwen3_5MoeForCausalLM's, test_hf_interop)
 }
 # publishers whose active count leaves the input embedding out (see the module docstring)
 ACTIVE_WITHOUT_EMBEDDING = {"gpt_oss_120b", "gpt_oss_20b", "glm4_5", "glm4_5_air", "glm4_6", "minimax_m2"}

@@ -130,3 +130,29 @@ def test_qwen3_next_convert_and_inspect(tmp_path, capsys):
     assert cli(["inspect", "--hf", str(tmp_path / "hf")]) == 0
     out = capsys.readouterr().out
     assert "mixer" in out and "linear_attention" in out and "full_attention" in out
+
+
+def test_qwen3_5_moe_convert_and_inspect(tmp_path, capsys):
+    """Qwen3.5-MoE HF (DeltaNet's in_proj_qkv / _z / _b / _a) -> moefold (fused per key head) -> HF bit-exact; a
+    fresh recipe exported from scratch loads in transformers with moefold's logits."""
+    from transformers import Qwen3_5MoeForCausalLM
+
+    from moefold.models.hf.importer import import_hf
+
+    hf = save_hf("qwen3_5_moe", tmp_path / "hf")
+    assert cli(["convert", str(tmp_path / "hf"), str(tmp_path / "mf")]) == 0
+    with TensorReader(tmp_path / "mf") as r:   # 2 key heads x (q 16 + k 16 + 2 x (v 8 + z 8)); x (2 b + 2 a)
+        assert r.shape("layers.0.self_attn.in_proj_qkvz.weight") == (128, 32)
+        assert r.shape("layers.0.self_attn.in_proj_ba.weight") == (8, 32)
+    _back_to_hf_bit_exact(tmp_path, hf)
+    assert cli(["convert", "--recipe", "qwen3_5_moe_tiny", "--seed", "2", str(tmp_path / "recipe"), "--to", "hf"]) == 0
+    with TensorReader(tmp_path / "recipe") as r:
+        assert r.shape("model.layers.0.linear_attn.in_proj_qkv.weight") == (2 * 32 + 64, 64)
+        assert "model.layers.0.linear_attn.in_proj_qkvz.weight" not in r
+    exported = Qwen3_5MoeForCausalLM.from_pretrained(tmp_path / "recipe").eval()
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(hf_logits(exported, ids), import_hf(tmp_path / "recipe").logits(ids), atol=1e-5,
+                               rtol=0)
+    capsys.readouterr()
+    assert cli(["inspect", "--recipe", "qwen3_5_35b_a3b"]) == 0
+    assert "34.66" in capsys.readouterr().out

@@ -1,0 +1,110 @@
+"""Mamba-2 mixer (the ``mamba`` layers of Nemotron-H), world 1, in plain torch.
+
+transformers 5.25's ``NemotronHMamba2Mixer`` semantics, per token (``d = heads * head_dim``, ``g`` groups of
+B and C with state size ``n``)::
+
+    z, xBC, dt = in_proj(x)                         (widths d, d + 2 g n, heads)
+    xBC        = silu(causal_depthwise_conv(xBC))   (kernel ``conv_kernel``, with a bias when ``conv_bias``)
+    x, B, C    = xBC                                (widths d, g n, g n)
+    dt         = clamp(softplus(dt + dt_bias), time_step_limit);  A = -exp(A_log)
+    y          = ssd(x, dt, A, B, C) + D x          (``dense.ssd_scan``: chunked, fp32)
+    out        = out_proj(group_rms_norm(y * silu(z)) * norm.weight)   (the norm over each of the g groups)
+
+Parameter names are HF's under ``mixer.``: ``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``D``, ``norm``,
+``out_proj``. Activations are ``[S, B, H]`` (moefold's sequence-first layout). Tensor and context parallelism
+of this mixer, its decoding cache and the ``mamba_ssm`` kernels are not built: the module runs at world 1 only
+and takes no process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moefold.dense.ssd_scan import ssd_chunk_scan
+
+
+@dataclass(frozen=True)
+class Mamba2Config:
+    """Sizes of one Mamba-2 mixer (HF ``mamba_num_heads``, ``mamba_head_dim``, ``ssm_state_size``, ``n_groups``,
+    ``conv_kernel``, ``use_conv_bias``, ``mamba_proj_bias`` / ``use_bias``, ``chunk_size``, ``time_step_limit``,
+    ``layer_norm_epsilon``)."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    state_size: int
+    num_groups: int = 1
+    conv_kernel: int = 4
+    conv_bias: bool = True
+    proj_bias: bool = False
+    chunk_size: int = 128
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_heads", "head_dim", "state_size", "num_groups", "conv_kernel",
+                     "chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Mamba2Config.{name}={value!r} must be a positive integer")
+        if self.num_heads % self.num_groups:
+            raise ValueError(f"Mamba2Config: num_heads={self.num_heads} is not a multiple of "
+                             f"num_groups={self.num_groups}")
+        low, high = self.time_step_limit
+        if not 0.0 <= low <= high:
+            raise ValueError(f"Mamba2Config.time_step_limit={self.time_step_limit!r} must be (low, high) with "
+                             "0 <= low <= high")
+        if not self.norm_eps > 0:
+            raise ValueError(f"Mamba2Config.norm_eps={self.norm_eps!r} must be > 0")
+
+    @property
+    def inner_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        return self.inner_size + 2 * self.num_groups * self.state_size
+
+
+class Mamba2Mixer(nn.Module):
+    """``forward(x [S, B, H]) -> [S, B, H]`` (module docstring)."""
+
+    def __init__(self, config: Mamba2Config) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        self.in_proj = nn.Linear(c.hidden_size, c.inner_size + c.conv_channels + c.num_heads, bias=c.proj_bias)
+        self.conv1d = nn.Conv1d(c.conv_channels, c.conv_channels, c.conv_kernel, groups=c.conv_channels,
+                                padding=c.conv_kernel - 1, bias=c.conv_bias)
+        # Mamba-2's initialisation (transformers' and mamba_ssm's): A = 1 .. heads, D = 1, dt_bias = 1
+        self.dt_bias = nn.Parameter(torch.ones(c.num_heads))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, c.num_heads + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(c.num_heads))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(c.inner_size))
+        self.out_proj = nn.Linear(c.inner_size, c.hidden_size, bias=c.proj_bias)
+
+    def _gated_norm(self, y: Tensor, z: Tensor) -> Tensor:
+        """RMSNorm over each group of ``inner_size / groups`` channels of ``y * silu(z)`` (fp32), then the weight."""
+        c = self.config
+        h = (y.float() * F.silu(z.float())).unflatten(-1, (c.num_groups, -1))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + c.norm_eps)
+        return self.norm.weight * h.flatten(-2).to(y.dtype)
+
+    def forward(self, x_SBH: Tensor) -> Tensor:
+        c = self.config
+        S = x_SBH.shape[0]
+        x = x_SBH.transpose(0, 1)                                                 # [B, S, H]
+        z, xbc, dt = self.in_proj(x).split([c.inner_size, c.conv_channels, c.num_heads], dim=-1)
+        xbc = F.silu(self.conv1d(xbc.transpose(1, 2))[..., :S].transpose(1, 2))
+        xs, Bs, Cs = xbc.split([c.inner_size, c.num_groups * c.state_size, c.num_groups * c.state_size], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*c.time_step_limit)
+        y, _ = ssd_chunk_scan(xs.unflatten(-1, (c.num_heads, c.head_dim)), dt, -torch.exp(self.A_log.float()),
+                              Bs.unflatten(-1, (c.num_groups, c.state_size)),
+                              Cs.unflatten(-1, (c.num_groups, c.state_size)), c.chunk_size, D=self.D)
+        out = self.out_proj(self._gated_norm(y.flatten(-2), z).to(x.dtype))
+        return out.transpose(0, 1)
