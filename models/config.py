@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 FAMILIES: tuple[str, ...] = ("deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "olmoe", "minimax_m2",
-                             "qwen3_next")
+                             "qwen3_next", "deepseek_v32")
 ATTENTION_KINDS: tuple[str, ...] = ("gqa", "mla")
 MOE_SCORE_FUNCTIONS: tuple[str, ...] = ("softmax", "sigmoid")
 QK_NORM_SCOPES: tuple[str, ...] = ("head", "projection")   # must equal dense.attention_config.QK_NORM_SCOPES
@@ -53,6 +53,24 @@ class MLADims:
 
 
 @dataclass(frozen=True)
+class DSADims:
+    """DeepSeek Sparse Attention (DeepSeek-V3.2): the lightning indexer of every MLA layer (``dense.dsa_indexer``)."""
+
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 2048
+    relu: bool = True                 # relu on the indexer's per-head scores (DeepSeek-V3.2)
+    loss_coeff: float = 1.0           # weight of the indexer's KL loss (0: the indexer is not trained)
+
+    def __post_init__(self) -> None:
+        for name in ("index_n_heads", "index_head_dim", "index_topk"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"dsa.{name}={getattr(self, name)!r} must be a positive integer")
+        if not self.loss_coeff >= 0:
+            raise ValueError(f"dsa.loss_coeff={self.loss_coeff!r} must be >= 0")
+
+
+@dataclass(frozen=True)
 class LinearAttentionDims:
     """Gated DeltaNet sizes of the ``linear_attention`` layers (Qwen3-Next; HF ``linear_*``)."""
 
@@ -74,7 +92,8 @@ class ModelConfig:
     """
 
     name: str
-    family: Literal["deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "olmoe", "minimax_m2", "qwen3_next"]
+    family: Literal["deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "olmoe", "minimax_m2", "qwen3_next",
+                    "deepseek_v32"]
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -141,6 +160,8 @@ class ModelConfig:
     linear_attention: LinearAttentionDims | None = None   # sizes of the "linear_attention" layers
     attention_output_gate: bool = False          # sigmoid gate from q_proj on the attention output
     norm_zero_centered_gamma: bool = False       # every RMSNorm stores gamma - 1 (Megatron --apply-layernorm-1p)
+    # DeepSeek sparse attention (DeepSeek-V3.2): MLA with a lightning indexer picking each query's index_topk keys
+    dsa: DSADims | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -215,7 +236,15 @@ class ModelConfig:
         if not self.moe_swiglu_alpha > 0:
             raise ValueError(f"moe_swiglu_alpha={self.moe_swiglu_alpha} must be > 0")
 
+    def _check_dsa(self) -> None:
+        if isinstance(self.dsa, dict):   # from JSON
+            object.__setattr__(self, "dsa", DSADims(**self.dsa))
+        if self.dsa is not None and (self.attention != "mla" or self.mla is None or self.mla.q_lora_rank is None):
+            raise ValueError("dsa (DeepSeek sparse attention) needs attention='mla' with mla.q_lora_rank set (the "
+                             "indexer reads the query latent)")
+
     def _check_hybrid(self) -> None:
+        self._check_dsa()
         # JSON round trips (checkpoint meta, run configs) hand back a list and a dict: store what the fields promise
         if isinstance(self.layer_types, list):
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
@@ -287,7 +316,8 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown ModelConfig fields {unknown}")
         data = dict(data)
-        for name, kind in (("yarn", YarnScaling), ("mla", MLADims), ("linear_attention", LinearAttentionDims)):
+        for name, kind in (("yarn", YarnScaling), ("mla", MLADims), ("linear_attention", LinearAttentionDims),
+                           ("dsa", DSADims)):
             if isinstance(data.get(name), dict):
                 data[name] = kind(**data[name])
         for name in ("moe_layer_freq", "layer_types", "sliding_window_pattern"):

@@ -18,17 +18,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from moefold.models.config import MLADims, ModelConfig, YarnScaling
+from moefold.models.config import DSADims, MLADims, ModelConfig, YarnScaling
 from moefold.models.hf import config_families as more
 from moefold.models.hf import qwen3_next
 from moefold.models.hf.config_fields import READ, check_fields, config_class
 
-ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3", "Qwen3MoeForCausalLM": "qwen3_moe",
+ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV32ForCausalLM": "deepseek_v32",
+                 "Qwen3MoeForCausalLM": "qwen3_moe",
                  "MixtralForCausalLM": "mixtral", "Qwen3ForCausalLM": "qwen3_moe", "MistralForCausalLM": "mixtral",
                  qwen3_next.ARCHITECTURE: "qwen3_next", **more.ARCHITECTURES}
-MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "qwen3": "qwen3_moe",
+MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "deepseek_v32": "deepseek_v32",
+               "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "qwen3": "qwen3_moe",
                "mistral": "mixtral", "qwen3_next": "qwen3_next", **more.MODEL_TYPES}
-FAMILY_ARCH = {"deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+FAMILY_ARCH = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM",
+               "qwen3_moe": "Qwen3MoeForCausalLM",
                "mixtral": "MixtralForCausalLM", "qwen3_next": qwen3_next.ARCHITECTURE, **more.FAMILY_ARCH}
 # the dense model of a family (no experts): what upcycling turns into the family's MoE
 DENSE_ARCH = {"qwen3_moe": ("Qwen3ForCausalLM", "qwen3"), "mixtral": ("MistralForCausalLM", "mistral")}
@@ -103,7 +106,7 @@ def from_hf_config(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
         return more.from_hf(family, hf, common)
     if family == "qwen3_next":
         return qwen3_next.config_from_hf(hf, common)
-    if family == "deepseek_v3":
+    if family in ("deepseek_v3", "deepseek_v32"):
         kv_heads = hf.get("num_key_value_heads")
         if kv_heads is not None and int(kv_heads) != common["num_attention_heads"]:
             raise ValueError(f"deepseek_v3: num_key_value_heads={kv_heads} is not supported (MLA has a key and value "
@@ -115,7 +118,8 @@ def from_hf_config(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
             int(hf.get("moe_layer_freq", 1))
         moe_ffn = int(hf["moe_intermediate_size"])
         q_lora = hf.get("q_lora_rank")
-        return ModelConfig(
+        v32 = _deepseek_v32(hf, L) if family == "deepseek_v32" else {}
+        config = ModelConfig(
             **common, num_query_groups=None, attention="mla",
             mla=MLADims(q_lora_rank=None if q_lora is None else int(q_lora), kv_lora_rank=int(hf["kv_lora_rank"]),
                         qk_nope_head_dim=int(hf["qk_nope_head_dim"]), qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
@@ -130,6 +134,7 @@ def from_hf_config(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
             moe_layer_freq=_pattern(L, [i >= first_k and i % freq == 0 for i in range(L)]) if freq != 1 else 1,
             moe_aux_loss_coeff=float(hf.get("aux_loss_alpha", 1e-4)), moe_load_balancing_type="seq_aux_loss",
             mtp_num_layers=int(hf.get("num_nextn_predict_layers", 0)))
+        return config.with_(**v32) if v32 else config
     gqa = dict(num_query_groups=int(hf.get("num_key_value_heads", hf["num_attention_heads"])),
                head_dim=hf.get("head_dim"))
     dense = is_dense_hf(hf)
@@ -154,6 +159,28 @@ def from_hf_config(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
     return ModelConfig(  # mixtral / mistral
         **common, **gqa, **moe, sliding_window=hf.get("sliding_window"), moe_score_function="softmax",
         moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.02)), moe_load_balancing_type="aux_loss")
+
+
+def _deepseek_v32(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """What DeepSeek-V3.2 (transformers' ``DeepseekV32Config``) changes in the DeepSeek-V3 reading: the indexer of
+    every layer, ``mlp_layer_types`` (else ``first_k_dense_replace``), MLA's RoPE always interleaved (the class has no
+    ``rope_interleave``) and no MTP (transformers skips the checkpoint's layer 61)."""
+    types = hf.get("layer_types")
+    if types is not None and (len(types) != num_layers or set(types) != {"indexed_attention"}):
+        raise ValueError(f"deepseek_v32: layer_types={types} is not supported (every layer 'indexed_attention')")
+    if hf.get("q_lora_rank") is None:
+        raise ValueError("deepseek_v32: q_lora_rank=None is not supported (the indexer reads the query latent)")
+    out: dict[str, Any] = {
+        "dsa": DSADims(index_n_heads=int(hf.get("index_n_heads", 64)),
+                       index_head_dim=int(hf.get("index_head_dim", 128)), index_topk=int(hf.get("index_topk", 2048))),
+        "mtp_num_layers": 0}
+    mlp = hf.get("mlp_layer_types")
+    if mlp is not None:
+        if len(mlp) != num_layers or not set(mlp) <= {"dense", "sparse"}:
+            raise ValueError(f"deepseek_v32: mlp_layer_types={mlp} must hold 'dense' or 'sparse' for each of "
+                             f"{num_layers} layers")
+        out.update(first_k_dense_replace=0, moe_layer_freq=_pattern(num_layers, [t == "sparse" for t in mlp]))
+    return out
 
 
 def _rope_out(c: ModelConfig) -> dict[str, Any]:
@@ -183,6 +210,14 @@ def _check_exportable(c: ModelConfig) -> None:
                     "attention_bias": False},
         "qwen3_next": qwen3_next.required(c),
     }.get(c.family, {})
+    if c.family == "deepseek_v32":   # DeepSeek-V3's, an indexer with relu, interleaved MLA rope, no MTP
+        need = {**need, "attention": "mla", "moe_score_function": "sigmoid", "moe_expert_bias": True, "qk_norm": False,
+                "sliding_window": None, "moe_shared_expert_gate": False, "mtp_num_layers": 0}
+        if c.dsa is None or not c.dsa.relu or not c.mla.rope_interleave or c.mla.q_lora_rank is None:
+            raise ValueError(f"{c.name}: an HF DeepseekV32ForCausalLM config needs dsa with relu=True, "
+                             f"mla.rope_interleave=True and mla.q_lora_rank (got dsa={c.dsa}, mla={c.mla})")
+    elif c.dsa is not None:
+        raise ValueError(f"{c.name}: the {c.family} HF class has no sparse attention (dsa); family deepseek_v32 has")
     need = more.needs(c.family, need)   # + the families' features, off unless the family's HF class has them
     if c.family != "qwen3_next":   # the hybrid-stack features only Qwen3-Next's HF class has
         need.update(layer_types=c.layer_types if set(c.layer_types or ()) <= {"full_attention"} else None,
@@ -192,7 +227,7 @@ def _check_exportable(c: ModelConfig) -> None:
     bad = {k: getattr(c, k) for k, v in need.items() if getattr(c, k) != v}
     # HF ranks groups by the sum of their top 2 scores
     group_score = (c.moe_group_score_topk or c.moe_topk // c.moe_group_topk) if c.moe_num_groups else 2
-    if c.family == "deepseek_v3" and group_score != 2:
+    if c.family in ("deepseek_v3", "deepseek_v32") and group_score != 2:
         bad["moe_group_score_topk"] = c.moe_group_score_topk
     if c.attention == "mla" and c.mla.latent_norm_eps != 1e-6:   # q_a_layernorm / kv_a_layernorm: eps fixed at 1e-6
         bad["mla.latent_norm_eps"] = c.mla.latent_norm_eps
@@ -232,9 +267,11 @@ def _own_fields(c: ModelConfig, dtype: str) -> dict[str, Any]:
         more.to_hf(c, out)
         return out
     moe = [c.is_moe_layer(i) for i in range(c.num_layers)]
-    if c.family == "deepseek_v3":
+    if c.family in ("deepseek_v3", "deepseek_v32"):
         m = c.mla
-        first_k = more.first_k_dense(c, "DeepSeek-V3")   # HF: dense layers first, then MoE ones
+        # HF: dense layers first, then MoE ones (DeepSeek-V3.2: any pattern, through mlp_layer_types)
+        first_k = (moe.index(True) if any(moe) else c.num_layers) if c.family == "deepseek_v32" else \
+            more.first_k_dense(c, "DeepSeek-V3")
         out.update(num_key_value_heads=c.num_attention_heads, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
                    qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
                    head_dim=m.qk_rope_head_dim, rope_interleave=m.rope_interleave, attention_bias=c.attention_bias,
@@ -244,6 +281,11 @@ def _own_fields(c: ModelConfig, dtype: str) -> dict[str, Any]:
                    routed_scaling_factor=c.moe_topk_scaling_factor, n_group=c.moe_num_groups,
                    topk_group=c.moe_group_topk, norm_topk_prob=c.moe_norm_topk_prob, first_k_dense_replace=first_k,
                    num_nextn_predict_layers=c.mtp_num_layers, aux_loss_alpha=c.moe_aux_loss_coeff)
+        if c.family == "deepseek_v32":
+            for key in ("rope_interleave", "num_nextn_predict_layers", "aux_loss_alpha"):   # no such fields
+                out.pop(key)
+            out.update(index_n_heads=c.dsa.index_n_heads, index_head_dim=c.dsa.index_head_dim,
+                       index_topk=c.dsa.index_topk, mlp_layer_types=["sparse" if m else "dense" for m in moe])
     elif c.family == "qwen3_moe":
         out.update(num_key_value_heads=c.kv_heads, head_dim=c.attention_head_dim, attention_bias=c.attention_bias,
                    intermediate_size=c.ffn_hidden_size, use_sliding_window=c.sliding_window is not None,
