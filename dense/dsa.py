@@ -22,6 +22,8 @@ micro-batch, whatever the LM loss is scaled by, and it reaches only the indexer 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -66,6 +68,24 @@ def sparse_latent_attention(q: Tensor, kv_B: Tensor, idx: Tensor, valid: Tensor,
     return out, p.detach().sum(2)
 
 
+@dataclass
+class LatentCache:
+    """What generation keeps of a DSA layer's past tokens: latent keys ``[T, B, r + rope]``, indexer keys
+    ``[T, B, d]`` and their positions ``[T]`` (None before the first step)."""
+
+    kv: Tensor | None = None
+    index_keys: Tensor | None = None
+    positions: Tensor | None = None
+
+    def extend(self, kv: Tensor, index_keys: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Append this step's tokens; every token seen so far."""
+        if self.kv is not None:
+            kv, index_keys = torch.cat([self.kv, kv]), torch.cat([self.index_keys, index_keys])
+            positions = torch.cat([self.positions, positions])
+        self.kv, self.index_keys, self.positions = kv, index_keys, positions
+        return kv, index_keys, positions
+
+
 class DSAttention(MLAttention):
     """forward(x ``[S/tp, B, H]`` with SP else ``[S, B, H]``, position_ids ``[S]``) -> same shape as x.
 
@@ -83,6 +103,7 @@ class DSAttention(MLAttention):
         self.dsa, self.cp_group = dsa, cp_group
         self.indexer = LightningIndexer(dsa, config.hidden_size, config.q_lora_rank, config.qk_rope_head_dim,
                                         init_std=config.init_std, dtype=dtype, device=device)
+        self.cache: LatentCache | None = None   # set by generation (models.generate.kv_cache) only
 
     def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
         q_nope, q_rot, kv, k_pos, iq, iw, ik = self.regions.qkv_linear(self._project, x, position_ids)
@@ -127,6 +148,8 @@ class DSAttention(MLAttention):
     def _gather_keys(self, kv: Tensor, ik: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Every cp rank's latent and indexer keys, in global position order (identity without cp)."""
         cp = group_size(self.cp_group)
+        if self.cache is not None:   # generation (cp 1): the past tokens' keys, then this step's
+            return self.cache.extend(kv, ik, position_ids)
         if cp == 1:
             return kv, ik, position_ids
         positions = position_ids.new_empty(cp * position_ids.shape[0])

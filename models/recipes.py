@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from moefold.models.config import LinearAttentionDims, MLADims, ModelConfig, YarnScaling
+from moefold.models.config import DSADims, LinearAttentionDims, MLADims, ModelConfig, YarnScaling
 
 
 # ----------------------------------------------------------------------------- DeepSeek-V3
@@ -47,6 +47,24 @@ def deepseek_v3_tiny() -> ModelConfig:
 def deepseek_v3_proxy() -> ModelConfig:
     return deepseek_v3().with_(name="deepseek_v3_proxy", num_layers=4, first_k_dense_replace=1,
                                num_experts=16, mtp_num_layers=1)
+
+
+# ----------------------------------------------------------------------------- DeepSeek-V3.2
+def deepseek_v32() -> ModelConfig:
+    """DeepSeek-V3.2(-Exp): DeepSeek-V3 with DeepSeek sparse attention, a lightning indexer of 64 heads x 128 in
+    every layer keeping each query's 2048 best keys (MTP as transformers reads it: none)."""
+    return deepseek_v3().with_(name="deepseek_v32", family="deepseek_v32", mtp_num_layers=0,
+                               dsa=DSADims(index_n_heads=64, index_head_dim=128, index_topk=2048))
+
+
+def deepseek_v32_tiny() -> ModelConfig:
+    # index_topk 64: sparse from the 65th token of a sequence on
+    return deepseek_v3_tiny().with_(name="deepseek_v32_tiny", family="deepseek_v32", mtp_num_layers=0,
+                                    dsa=DSADims(index_n_heads=4, index_head_dim=16, index_topk=64))
+
+
+def deepseek_v32_proxy() -> ModelConfig:
+    return deepseek_v32().with_(name="deepseek_v32_proxy", num_layers=4, first_k_dense_replace=1, num_experts=16)
 
 
 # ----------------------------------------------------------------------------- Qwen3-MoE
@@ -287,7 +305,7 @@ def qwen3_next_proxy() -> ModelConfig:
 
 RECIPES: dict[str, Callable[[], ModelConfig]] = {
     fn.__name__: fn for fn in (
-        deepseek_v3, deepseek_v3_tiny, deepseek_v3_proxy,
+        deepseek_v3, deepseek_v3_tiny, deepseek_v3_proxy, deepseek_v32, deepseek_v32_tiny, deepseek_v32_proxy,
         qwen3_moe_30b_a3b, qwen3_moe_235b_a22b, qwen3_moe_tiny, qwen3_moe_proxy,
         mixtral_8x7b, mixtral_8x22b, mixtral_tiny, mixtral_proxy,
         gpt_oss_120b, gpt_oss_20b, gpt_oss_tiny, glm4_5, glm4_5_air, glm4_6, glm4_moe_tiny, kimi_k2, kimi_k2_tiny,

@@ -123,7 +123,9 @@ def from_hf_config(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
             **common, num_query_groups=None, attention="mla",
             mla=MLADims(q_lora_rank=None if q_lora is None else int(q_lora), kv_lora_rank=int(hf["kv_lora_rank"]),
                         qk_nope_head_dim=int(hf["qk_nope_head_dim"]), qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
-                        v_head_dim=int(hf["v_head_dim"]), rope_interleave=bool(hf.get("rope_interleave", True))),
+                        v_head_dim=int(hf["v_head_dim"]),
+                        # DeepSeek-V3.2's class has no rope_interleave: always interleaved
+                        rope_interleave=bool(hf.get("rope_interleave", True)) or family == "deepseek_v32"),
             ffn_hidden_size=int(hf["intermediate_size"]), num_experts=E, moe_ffn_hidden_size=moe_ffn,
             moe_topk=int(hf["num_experts_per_tok"]), moe_score_function="sigmoid",
             moe_norm_topk_prob=bool(hf.get("norm_topk_prob", True)),

@@ -8,7 +8,8 @@
   indexer's equals the gradient of an independent float64 reference of DeepSeek's KL loss built from transformers'
   own attention probabilities and modules;
 - layouts, in ONE 4-rank world: logits at tp2 (SP and not), ep2, pp2, cp2 and tp2 x cp2 x ep2; the loss and every
-  gradient (the indexer's included) equal world 1's at tp2, cp2 x dp2 and tp2 x cp2 x ep2.
+  gradient (the indexer's included) equal world 1's at tp2, cp2 x dp2 and tp2 x cp2 x ep2;
+- greedy generation through the latent caches equals transformers' ``generate``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from moefold.models.decoder import MoEDecoder
+from moefold.models.generate import generate
 from moefold.models.hf.exporter import export_hf, hf_tensors
 from moefold.models.hf.importer import import_hf, load_config
 from moefold.models.options import ModelOptions
@@ -180,3 +182,13 @@ def test_layouts_equal_transformers_and_world_1(tmp_path):
     for label, _, _ in LOGIT_LAYOUTS:
         assert report[label] <= TOL, (label, report[label])
     assert _batch(0)[0].shape == (2, 16)
+
+
+def test_greedy_generation_equals_transformers(tmp_path):
+    """Through the layers' latent caches (prompt of 5, then one token a step: past 5 tokens the indexer selects)."""
+    hf = save_hf(FAMILY, tmp_path)
+    hf.generation_config.eos_token_id = None   # random weights: compare the full length
+    ids = tokens(batch=2, seq=5, seed=11)
+    ref = hf.generate(ids, max_new_tokens=14, do_sample=False, pad_token_id=0)
+    out = generate(import_hf(tmp_path), ids, 14)
+    assert torch.equal(out, ref), (out.tolist(), ref.tolist())

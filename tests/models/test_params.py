@@ -128,3 +128,13 @@ def test_flops_follow_each_layers_window():
     all_windowed = c.with_(sliding_window_pattern=None)
     extra = 18 * 2 * c.num_attention_heads * 2 * c.attention_head_dim * ((S + 1) / 2 - 128)
     assert forward_flops_per_token(c, S) - forward_flops_per_token(all_windowed, S) == pytest.approx(extra)
+
+
+def test_deepseek_v32_counts_its_indexers_exactly():
+    """DeepSeek-V3.2 = DeepSeek-V3 (less its MTP layer, which transformers does not read) + one lightning indexer
+    per layer: wq_b [64*128, 1536], wk [128, 7168], k_norm weight and bias [128], weights_proj [64, 7168]."""
+    v3, v32 = _count("deepseek_v3"), _count("deepseek_v32")
+    indexer = 64 * 128 * 1536 + 128 * 7168 + 2 * 128 + 64 * 7168
+    assert indexer == 13_959_424
+    assert v32.total == v3.total + 61 * indexer and v32.active == v3.active + 61 * indexer
+    assert v32.mtp_total == 0 and round(v32.total / 1e9, 2) == 671.88
