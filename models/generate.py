@@ -11,8 +11,8 @@ appends the new keys/values to the layer's cache and attends the new queries to 
 sliding-window masks from the true positions). A Gated DeltaNet layer (``dense.gated_deltanet``) keeps a
 ``RecurrentCache`` instead: its convolution's last inputs and its delta-rule state, so each step costs the
 same however long the sequence is. A DeepSeek sparse attention layer (``dense.dsa``) keeps a ``LatentCache``: its
-latent and indexer keys, which its indexer scores and its queries gather from. The prompt runs through the model once (prefill), then one token per
-step; the output head runs on the last position only.
+latent and indexer keys, which its indexer scores and its queries gather from. The prompt runs through the model
+once (prefill), then one token per step; the output head runs on the last position only.
 
 Layouts: world 1, and any layout with pp = 1 and cp = 1: expert parallelism (tokens reach their
 experts through the usual dispatcher), tensor parallelism when the batch is divisible by tp (build the
