@@ -138,3 +138,19 @@ def test_deepseek_v32_counts_its_indexers_exactly():
     assert indexer == 13_959_424
     assert v32.total == v3.total + 61 * indexer and v32.active == v3.active + 61 * indexer
     assert v32.mtp_total == 0 and round(v32.total / 1e9, 2) == 671.88
+
+
+def test_deepseek_v32_flops_bound_the_attended_keys():
+    """Past index_topk (2048) keys a query's attention cost stops growing; only the indexer's n x (d + 1) per key
+    does (training.flops: MFU and the planner's count). At 128K tokens DeepSeek-V3.2's layer is far cheaper."""
+    from moefold.models.recipes import deepseek_v3, deepseek_v32
+    from moefold.training.observe.flops import attention_macs, dsa_macs
+
+    c = deepseek_v32()
+    attend = c.num_attention_heads * (2 * 512 + 64)
+    indexer = 1536 * 64 * 128 + 7168 * 128 + 7168 * 64 + 64 * 129 * (2048 + 1) / 2
+    assert dsa_macs(c, 2048) == pytest.approx(attend * 2049 / 2 + indexer + 64 * 129 * 2049 / 2)
+    S = 131072
+    grown = dsa_macs(c, 2 * S) - dsa_macs(c, S)
+    assert grown == pytest.approx(64 * 129 * S / 2, rel=0.02)   # the indexer; attention ~ constant at 2048 keys
+    assert attention_macs(c, S) < 0.5 * attention_macs(deepseek_v3(), S)
