@@ -60,12 +60,25 @@ def sparse_latent_attention(q: Tensor, kv_B: Tensor, idx: Tensor, valid: Tensor,
     """One block of queries: q ``[C, B, h, D]`` (absorbed nope part, then rope), latent keys kv_B ``[B, T, D]`` (their
     first ``value_dim`` channels are the values), idx/valid ``[B, C, K]`` -> (out ``[C, B, h, value_dim]``, the
     probabilities summed over the heads ``[B, C, K]`` fp32, detached). fp32 softmax."""
-    B = kv_B.shape[0]
-    sel = kv_B[torch.arange(B, device=idx.device)[:, None, None], idx]                 # [B, C, K, D]
-    s = torch.einsum("cbhd,bckd->bchk", q.float(), sel.float()) * scale
-    p = torch.softmax(s.masked_fill(~valid[:, :, None, :], float("-inf")), dim=-1)
-    out = torch.einsum("bchk,bckr->cbhr", p.to(sel.dtype), sel[..., :value_dim])
-    return out, p.detach().sum(2)
+    sel = gather_rows(kv_B, idx)                                                       # [B*C, K, D]
+    C, B, h, D = q.shape
+    q_ = q.transpose(0, 1).reshape(B * C, h, D)
+    # one small GEMM per query (batched), its K keys loaded once for all its heads, as MQA kernels do
+    # keys on the left: sel's gradient comes out contiguous (no transposed [K, D] copy to add)
+    s = torch.bmm(sel.float(), q_.float().transpose(1, 2)).transpose(1, 2) * scale     # [B*C, h, K]
+    p = torch.softmax(s.masked_fill(~valid.reshape(B * C, 1, -1), float("-inf")), dim=-1)
+    # the product with every channel, then the value ones: a slice of sel would cost a zero-filled copy of its
+    # gradient in the backward (the rope channels add rope / (r + rope) to this product's FLOPs)
+    out = torch.bmm(p.to(sel.dtype), sel)[..., :value_dim]                              # [B*C, h, r]
+    return out.reshape(B, C, h, value_dim).transpose(0, 1), p.detach().sum(1).view(B, C, -1)
+
+
+def gather_rows(t_BTD: Tensor, idx: Tensor) -> Tensor:
+    """``t[b, idx[b, c, k]]`` as ``[B*C, K, D]`` (``index_select`` on the flattened rows: its backward is one
+    ``index_add``, not advanced indexing's sorting ``index_put``)."""
+    B, T, D = t_BTD.shape
+    flat = (idx + torch.arange(B, device=idx.device).view(B, 1, 1) * T).reshape(-1)
+    return t_BTD.reshape(B * T, D).index_select(0, flat).view(-1, idx.shape[-1], D)
 
 
 @dataclass

@@ -127,12 +127,14 @@ class LightningIndexer(nn.Module):
     def selected_scores(self, q: Tensor, w: Tensor, k: Tensor, idx: Tensor) -> Tensor:
         """Differentiable index scores at the selected keys ``[B, S, K]`` (for the loss): q ``[B, S, n, d]``, w
         ``[B, S, n]``, k ``[T, B, d]``, idx ``[B, S, K]``. Gathers ``[B, S, K, d]`` keys."""
-        B = idx.shape[0]
-        k_sel = k.transpose(0, 1)[torch.arange(B, device=idx.device)[:, None, None], idx]   # [B, S, K, d]
-        s = torch.einsum("bsnd,bskd->bsnk", q.float(), k_sel.float()) * self.config.index_head_dim ** -0.5
+        B, S, K = idx.shape
+        n, d = self.config.index_n_heads, self.config.index_head_dim
+        flat = (idx + torch.arange(B, device=idx.device).view(B, 1, 1) * k.shape[0]).reshape(-1)
+        k_sel = k.transpose(0, 1).reshape(-1, d).index_select(0, flat).view(B * S, K, d)
+        s = torch.bmm(q.reshape(B * S, n, d).float(), k_sel.float().transpose(1, 2)) * d ** -0.5   # [B*S, n, K]
         if self.config.relu:
             s = torch.relu(s)
-        return torch.einsum("bsn,bsnk->bsk", w, s)
+        return torch.bmm(w.reshape(B * S, 1, n), s).view(B, S, K)
 
     def extra_repr(self) -> str:
         c = self.config
