@@ -124,10 +124,22 @@ class DSAttention(MLAttention):
         out, target = self.regions.core_attn(self._attend, q_nope, q_rot, kv, idx, valid)
         if self.dsa.loss_coeff > 0 and torch.is_grad_enabled():
             target = all_reduce_sum(target, self.tp_group)
-            rows = idx.shape[0] * idx.shape[1] * group_size(self.cp_group)
-            loss = indexer_kl_loss(self.indexer.selected_scores(iq, iw, ik, idx), target, valid, rows)
-            out = attach_loss(out, loss * self.dsa.loss_coeff)
+            out = attach_loss(out, self._indexer_loss(iq, iw, ik, idx, target, valid) * self.dsa.loss_coeff)
         return self.regions.attn_proj(self.o_proj, out)
+
+    def _indexer_loss(self, iq: Tensor, iw: Tensor, ik: Tensor, idx: Tensor, target: Tensor, valid: Tensor) -> Tensor:
+        """``indexer_kl_loss`` over this rank's queries, ``query_chunk`` at a time under a checkpoint: the gathered
+        ``[chunk, K, d]`` indexer keys are recomputed in the backward, not kept."""
+        rows = idx.shape[0] * idx.shape[1] * group_size(self.cp_group)
+        total = iq.new_zeros((), dtype=torch.float32)
+        for s0 in range(0, idx.shape[1], self.dsa.query_chunk):
+            sl = slice(s0, s0 + self.dsa.query_chunk)
+            total = total + checkpointed(self._chunk_loss, iq[:, sl], iw[:, sl], ik, idx[:, sl], target[:, sl],
+                                         valid[:, sl])
+        return total / rows
+
+    def _chunk_loss(self, iq: Tensor, iw: Tensor, ik: Tensor, idx: Tensor, target: Tensor, valid: Tensor) -> Tensor:
+        return indexer_kl_loss(self.indexer.selected_scores(iq, iw, ik, idx), target, valid, 1)
 
     def _enter_tp(self, t: Tensor) -> Tensor:
         return all_gather_sequence(t, self.tp_group, 0) if self.sequence_parallel else copy_to_region(t, self.tp_group)

@@ -5,9 +5,9 @@ For query ``t`` and key ``s`` the indexer's score is (HF ``DeepseekV32Indexer``,
     I[t, s] = sum_j w[t, j] * relu(q[t, j] . k[s] * d^-0.5),      w = weights_proj(x) * n^-0.5
 
 with ``n = index_n_heads`` query heads of ``d = index_head_dim`` (``q = wq_b(q_resid)``, from MLA's normalised query
-latent), one key head ``k = LayerNorm(wk(x))`` shared by every query head, and RoPE (half-split, not interleaved) on
-the first ``qk_rope_head_dim`` dims of each. Each query then attends to the ``index_topk`` keys of highest score
-among its causal past (all of them while it has fewer).
+latent), one key head ``k = LayerNorm(wk(x))`` shared by every query head, and RoPE (half-split, not interleaved;
+GLM-5: interleaved pairs) on the first ``qk_rope_head_dim`` dims of each. Each query then attends to the
+``index_topk`` keys of highest score among its causal past (all of them while it has fewer).
 
 Training (DeepSeek-V3.2 section 2.1, Megatron-Core's ``compute_dsa_indexer_loss``): the indexer reads detached
 inputs, so the language-model loss never reaches it, and it learns from its own loss, the KL divergence from the
@@ -39,7 +39,8 @@ def _positive_int(name: str, value: object) -> None:
 class DSAConfig:
     """The indexer's sizes (HF ``index_n_heads``, ``index_head_dim``, ``index_topk``) and its training loss.
 
-    ``relu``: scores through a ReLU before the head weights (DeepSeek-V3.2; Megatron-Core's GLM-5 path has none).
+    ``relu``: scores through a ReLU before the head weights (DeepSeek-V3.2 and transformers' GLM-5; Megatron-Core's
+    GLM-5 path has none). ``rope_interleave``: the indexer's RoPE on pairs (2i, 2i+1) (GLM-5), else half-split.
     ``loss_coeff``: weight of ``indexer_kl_loss`` (0: the indexer is not trained). ``query_chunk``: queries scored
     and attended per block, which bounds the transient ``[B, chunk, T]`` scores and ``[B, chunk, K, ...]`` gathers.
     """
@@ -48,6 +49,7 @@ class DSAConfig:
     index_head_dim: int
     index_topk: int
     relu: bool = True
+    rope_interleave: bool = False
     loss_coeff: float = 0.0
     query_chunk: int = 512
 
@@ -94,9 +96,9 @@ class LightningIndexer(nn.Module):
         return self._rope(k, cos, sin).squeeze(2)
 
     def _rope(self, t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        # rope on the first rope_dim dims, half-split (HF: the indexer is not interleaved, unlike MLA)
+        # rope on the first rope_dim dims: DeepSeek-V3.2's indexer half-split (unlike its MLA), GLM-5's interleaved
         rot, rest = t.split([self.rope_dim, t.shape[-1] - self.rope_dim], dim=-1)
-        return torch.cat([apply_rotary(rot, cos, sin), rest], dim=-1)
+        return torch.cat([apply_rotary(rot, cos, sin, interleaved=self.config.rope_interleave), rest], dim=-1)
 
     def scores(self, q: Tensor, w: Tensor, k_BdT: Tensor) -> Tensor:
         """Index scores ``[B, S, T]`` fp32 of q ``[B, S, n, d]``, w ``[B, S, n]`` against keys ``[B, 1, d, T]``:
@@ -138,7 +140,8 @@ class LightningIndexer(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.config
-        return f"heads={c.index_n_heads}, head_dim={c.index_head_dim}, topk={c.index_topk}, relu={c.relu}"
+        return (f"heads={c.index_n_heads}, head_dim={c.index_head_dim}, topk={c.index_topk}, relu={c.relu}, "
+                f"rope_interleave={c.rope_interleave}")
 
 
 def indexer_kl_loss(index_scores: Tensor, target: Tensor, valid: Tensor, rows: int) -> Tensor:

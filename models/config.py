@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 FAMILIES: tuple[str, ...] = ("deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "olmoe", "minimax_m2",
-                             "qwen3_next", "deepseek_v32")
+                             "qwen3_next", "deepseek_v32", "glm_moe_dsa")
 ATTENTION_KINDS: tuple[str, ...] = ("gqa", "mla")
 MOE_SCORE_FUNCTIONS: tuple[str, ...] = ("softmax", "sigmoid")
 QK_NORM_SCOPES: tuple[str, ...] = ("head", "projection")   # must equal dense.attention_config.QK_NORM_SCOPES
@@ -59,7 +59,8 @@ class DSADims:
     index_n_heads: int = 64
     index_head_dim: int = 128
     index_topk: int = 2048
-    relu: bool = True                 # relu on the indexer's per-head scores (DeepSeek-V3.2)
+    relu: bool = True                 # relu on the indexer's per-head scores (DeepSeek-V3.2, GLM-5)
+    rope_interleave: bool = False     # the indexer's RoPE on pairs (2i, 2i+1) (GLM-5), else half-split (DeepSeek-V3.2)
     loss_coeff: float = 1.0           # weight of the indexer's KL loss (0: the indexer is not trained)
 
     def __post_init__(self) -> None:
@@ -93,7 +94,7 @@ class ModelConfig:
 
     name: str
     family: Literal["deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "olmoe", "minimax_m2", "qwen3_next",
-                    "deepseek_v32"]
+                    "deepseek_v32", "glm_moe_dsa"]
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -160,7 +161,7 @@ class ModelConfig:
     linear_attention: LinearAttentionDims | None = None   # sizes of the "linear_attention" layers
     attention_output_gate: bool = False          # sigmoid gate from q_proj on the attention output
     norm_zero_centered_gamma: bool = False       # every RMSNorm stores gamma - 1 (Megatron --apply-layernorm-1p)
-    # DeepSeek sparse attention (DeepSeek-V3.2): MLA with a lightning indexer picking each query's index_topk keys
+    # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): MLA with a lightning indexer picking each query's top keys
     dsa: DSADims | None = None
     extra: dict = field(default_factory=dict, compare=False)
 

@@ -68,7 +68,8 @@ def dsa_config(config: ModelConfig) -> DSAConfig | None:
     """The lightning indexer of every MLA layer (DeepSeek-V3.2), or None."""
     d = config.dsa
     return None if d is None else DSAConfig(index_n_heads=d.index_n_heads, index_head_dim=d.index_head_dim,
-                                            index_topk=d.index_topk, relu=d.relu, loss_coeff=d.loss_coeff)
+                                            index_topk=d.index_topk, relu=d.relu, loss_coeff=d.loss_coeff,
+                                            rope_interleave=d.rope_interleave)
 
 
 def linear_attention_config(config: ModelConfig, options: ModelOptions) -> GatedDeltaNetConfig:

@@ -17,7 +17,7 @@ from typing import Any
 
 # families drawn (Kimi-K2 is DeepSeek-V3's class; its values are one of DeepSeek-V3's draws)
 FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "olmoe", "minimax_m2", "qwen3_next",
-            "deepseek_v32")
+            "deepseek_v32", "glm_moe_dsa")
 
 
 def _rope(r: random.Random, yarn: bool = True, partial: tuple[float, ...] = ()) -> dict[str, Any]:
@@ -82,7 +82,7 @@ def draw(family: str, seed: int) -> dict[str, Any]:
                     qk_nope_head_dim=r.choice([4, 8]), qk_rope_head_dim=r.choice([2, 4, 8]),
                     v_head_dim=r.choice([4, 8]),
                     rope_interleave=r.random() < 0.5, attention_bias=r.random() < 0.3, rope_parameters=_rope(r))
-    if family == "deepseek_v32":   # DeepSeek-V3's draw less rope_interleave and MTP, with the indexer
+    if family in ("deepseek_v32", "glm_moe_dsa"):   # DeepSeek-V3's draw less rope_interleave and MTP, the indexer
         groups, kept = _groups(r, experts, topk)
         layers = r.choice([2, 3])
         c.pop("head_dim")

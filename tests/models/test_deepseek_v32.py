@@ -1,9 +1,11 @@
-"""DeepSeek-V3.2 (``DeepseekV32ForCausalLM``): DeepSeek sparse attention against transformers.
+"""DeepSeek-V3.2 (``DeepseekV32ForCausalLM``) and GLM-5 (``GlmMoeDsaForCausalLM``: its indexer's RoPE interleaved):
+DeepSeek sparse attention against transformers, each test for both families.
 
-- world 1: logits of a tiny random checkpoint (5 of 16 tokens kept per query) equal transformers', the export is
-  bit-exact and reloads in transformers; negative controls: the same weights attending densely, or with the
-  indexer's keys unnormalised, give other logits (tests/models/test_random_configs.py draws configs at random over
-  the indexer's sizes and top-k, at world 1, tp2, ep2 and tp2 x ep2);
+- world 1: logits of a tiny random checkpoint (5 or 6 of 16 tokens kept per query) equal transformers', the export
+  is bit-exact and reloads in transformers; negative controls: the same weights attending densely, with the other
+  family's indexer RoPE, or with the indexer's keys unnormalised, give other logits
+  (tests/models/test_random_configs.py draws configs at random over the indexer's sizes and top-k, at world 1, tp2,
+  ep2 and tp2 x ep2);
 - every gradient but the indexer's equals transformers' autograd (its indexer is under ``no_grad``), and the
   indexer's equals the gradient of an independent float64 reference of DeepSeek's KL loss built from transformers'
   own attention probabilities and modules;
@@ -33,7 +35,7 @@ from tests.tolerance import assert_within_fp32_noise
 transformers = pytest.importorskip("transformers")
 
 TOL = 1e-5
-FAMILY = "deepseek_v32"
+FAMILIES = ("deepseek_v32", "glm_moe_dsa")
 
 
 def _tensors(path) -> dict[str, torch.Tensor]:
@@ -43,14 +45,22 @@ def _tensors(path) -> dict[str, torch.Tensor]:
         return {n: r.read(n) for n in r.names()}
 
 
-def test_world_1_parity_export_and_negative_controls(tmp_path):
+def _set_dsa(model, **changes) -> None:
+    """Change every DSA layer's indexer settings in place (a negative control)."""
+    for block in model.layers.values():
+        attn = block.self_attn
+        attn.dsa = attn.indexer.config = type(attn.dsa)(**{**vars(attn.dsa), **changes})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_world_1_parity_export_and_negative_controls(family, tmp_path):
     src, out = tmp_path / "hf", tmp_path / "out"
-    hf = save_hf(FAMILY, src)
+    hf = save_hf(family, src)
     ids = tokens()
     ref = hf_logits(hf, ids)
     model = import_hf(src)
     diff = (model.logits(ids) - ref).abs().max().item()
-    print(f"deepseek_v32 world 1: max |logits diff| = {diff:.3g}")
+    print(f"{family} world 1: max |logits diff| = {diff:.3g}")
     assert diff <= TOL
     export_hf(model, out)
     a, b = _tensors(src), _tensors(out)
@@ -58,26 +68,29 @@ def test_world_1_parity_export_and_negative_controls(tmp_path):
     assert all(torch.equal(a[n], b[n]) for n in a)
     reloaded = type(hf).from_pretrained(out).eval()
     torch.testing.assert_close(hf_logits(reloaded, ids), ref, atol=TOL, rtol=0)
-    # negative controls: every key attended (the selection matters), the indexer keys without their LayerNorm
-    config = model.config
-    dense = import_hf(src)
-    for block in dense.layers.values() if isinstance(dense.layers, torch.nn.ModuleDict) else dense.layers:
-        block.self_attn.dsa = type(block.self_attn.dsa)(**{**vars(block.self_attn.dsa), "index_topk": 16})
-        block.self_attn.indexer.config = block.self_attn.dsa
-    assert (dense.logits(ids) - ref).abs().max().item() > 1e-3
+    # negative controls: every key attended (the selection matters), the other family's indexer RoPE, the indexer
+    # keys without their LayerNorm
+    interleave = model.config.dsa.rope_interleave
+    assert interleave == (family == "glm_moe_dsa") and model.config.dsa.index_topk < 8
+    for changes in ({"index_topk": 16}, {"rope_interleave": not interleave}):
+        other = import_hf(src)
+        _set_dsa(other, **changes)
+        assert (other.logits(ids) - ref).abs().max().item() > 1e-3, changes
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("indexer.k_norm.weight"):
                 p.fill_(1.0)
     assert (model.logits(ids) - ref).abs().max().item() > 1e-3
-    assert config.dsa.index_topk == 5
 
 
 def _reference_indexer_loss(hf, ids: torch.Tensor) -> torch.Tensor:
     """DeepSeek-V3.2's indexer loss (sparse stage), summed over layers, from transformers' model in float64: the
     target is its eager attention's probabilities (over the keys its indexer kept) summed over heads and
     L1-normalised; the prediction a dense softmax of index scores recomputed here from the indexer's modules."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
     from transformers.models.deepseek_v32.modeling_deepseek_v32 import apply_rotary_pos_emb
+
+    rope = apply_rotary_pos_emb_interleave if type(hf).__name__.startswith("Glm") else apply_rotary_pos_emb
 
     hf.config._attn_implementation = "eager"
     out = hf(input_ids=ids, output_attentions=True, output_hidden_states=True)
@@ -95,7 +108,7 @@ def _reference_indexer_loss(hf, ids: torch.Tensor) -> torch.Tensor:
         n, d, r = idx_mod.n_heads, idx_mod.head_dim, idx_mod.qk_rope_head_dim
         q = idx_mod.wq_b(q_resid).view(B, S, n, d)
         k = idx_mod.k_norm(idx_mod.wk(x))[:, :, None]
-        q_rot, k_rot = apply_rotary_pos_emb(q[..., :r], k[..., :r], cos, sin, unsqueeze_dim=2)
+        q_rot, k_rot = rope(q[..., :r], k[..., :r], cos, sin, unsqueeze_dim=2)
         q, k = torch.cat([q_rot, q[..., r:]], -1), torch.cat([k_rot, k[..., r:]], -1)[:, :, 0]
         scores = torch.relu(torch.einsum("bsnd,btd->bsnt", q, k) * d ** -0.5)
         index = torch.einsum("bsn,bsnt->bst", idx_mod.weights_proj(x) * n ** -0.5, scores)
@@ -108,8 +121,9 @@ def _reference_indexer_loss(hf, ids: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def test_gradients_and_indexer_loss_equal_transformers(tmp_path):
-    hf = save_hf(FAMILY, tmp_path)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gradients_and_indexer_loss_equal_transformers(family, tmp_path):
+    hf = save_hf(family, tmp_path)
     hf.config._attn_implementation = "sdpa"
     ids, labels = tokens(seed=5), tokens(seed=6)
     logits = hf(input_ids=ids).logits
@@ -130,7 +144,7 @@ def test_gradients_and_indexer_loss_equal_transformers(tmp_path):
                 continue
             worst = max(worst, (grad - hf_grads[hf_name]).abs().max().item())
             torch.testing.assert_close(grad, hf_grads[hf_name], atol=1e-6, rtol=1e-4, msg=lambda m: f"{hf_name}: {m}")
-    print(f"deepseek_v32 world 1: max |grad diff| (all but the indexer) = {worst:.3g}")
+    print(f"{family} world 1: max |grad diff| (all but the indexer) = {worst:.3g}")
     assert len(indexer) == 5 * config.num_layers   # wq_b, wk, k_norm weight and bias, weights_proj
     # the indexer: its KL loss (coefficient 1) in an independent float64 reference
     hf64 = hf.double()
@@ -139,7 +153,7 @@ def test_gradients_and_indexer_loss_equal_transformers(tmp_path):
     _reference_indexer_loss(hf64, ids).backward()
     ref = {n: p.grad for n, p in hf64.named_parameters() if ".indexer." in n}
     worst = max(((indexer[n] - ref[n]).abs().max() / ref[n].abs().max()).item() for n in indexer)
-    print(f"deepseek_v32 world 1: indexer gradients, max relative diff to the float64 reference = {worst:.3g}")
+    print(f"{family} world 1: indexer gradients, max relative diff to the float64 reference = {worst:.3g}")
     assert worst <= 1e-4
 
 
@@ -149,44 +163,54 @@ LOGIT_LAYOUTS = [("tp2", dict(tp=2), {}), ("tp2 no-SP", dict(tp=2), dict(sequenc
 GRAD_LAYOUTS = [("tp2", dict(tp=2), {}), ("cp2xdp2", dict(cp=2), {}), ("tp2xcp2xep2", dict(tp=2, cp=2, ep=2), {})]
 
 
-def _rank(path: str, ref: torch.Tensor, ids: torch.Tensor):
-    report, start = {}, time.perf_counter()
-    for label, par, opts in LOGIT_LAYOUTS:
-        dims = ParallelDims.build(ParallelConfig(**par))
-        logits = _logits(path, dims, ModelOptions(**opts), ids)
-        if logits is not None:
-            report[label] = (logits - ref).abs().max().item()
-    ref_losses, mb_grads, mb_grads64 = _reference_grads(path, 4)
-    for label, par, opts in GRAD_LAYOUTS:
-        dims = ParallelDims.build(ParallelConfig(**par))
-        total, grads = _grads(path, dims, ModelOptions(**opts))
-        torch.testing.assert_close(total, ref_losses[dims.dp_rank], atol=1e-6, rtol=1e-6)
-        ref32, ref64 = ({n: sum(mb[r][n] for r in range(dims.dp)) / dims.dp for n in mb[0]}
-                        for mb in (mb_grads, mb_grads64))
-        assert any(".indexer." in n for n in grads)
-        report[f"grads {label}"] = assert_within_fp32_noise(grads, ref32, ref64, f"deepseek_v32 {label}")
+def _rank(paths: dict[str, str], refs: dict[str, torch.Tensor], ids: torch.Tensor):
+    report, start, cache = {}, time.perf_counter(), {}
+
+    def dims_for(par: dict) -> ParallelDims:
+        key = tuple(sorted(par.items()))
+        if key not in cache:
+            cache[key] = ParallelDims.build(ParallelConfig(**par))
+        return cache[key]
+
+    for family, path in paths.items():
+        for label, par, opts in LOGIT_LAYOUTS:
+            logits = _logits(path, dims_for(par), ModelOptions(**opts), ids)
+            if logits is not None:
+                report[f"{family} {label}"] = (logits - refs[family]).abs().max().item()
+        ref_losses, mb_grads, mb_grads64 = _reference_grads(path, 4)
+        for label, par, opts in GRAD_LAYOUTS:
+            dims = dims_for(par)
+            total, grads = _grads(path, dims, ModelOptions(**opts))
+            torch.testing.assert_close(total, ref_losses[dims.dp_rank], atol=1e-6, rtol=1e-6)
+            ref32, ref64 = ({n: sum(mb[r][n] for r in range(dims.dp)) / dims.dp for n in mb[0]}
+                            for mb in (mb_grads, mb_grads64))
+            assert any(".indexer." in n for n in grads)
+            report[f"{family} grads {label}"] = assert_within_fp32_noise(grads, ref32, ref64, f"{family} {label}")
     report["seconds"] = time.perf_counter() - start
     return report
 
 
 def test_layouts_equal_transformers_and_world_1(tmp_path):
     ids = tokens(seq=16)
-    ref = hf_logits(save_hf(FAMILY, tmp_path), ids)
-    reports = run_distributed(_rank, 4, str(tmp_path), ref, ids, timeout=600)
+    paths = {f: str(tmp_path / f) for f in FAMILIES}
+    refs = {f: hf_logits(save_hf(f, paths[f]), ids) for f in FAMILIES}
+    reports = run_distributed(_rank, 4, paths, refs, ids, timeout=600)
     report = {}
     for r in reports:
         for key, value in r.items():
             report[key] = max(report.get(key, 0.0), value)
     for key, value in report.items():
-        print(f"deepseek_v32 {key}: {value:.3g}")
-    for label, _, _ in LOGIT_LAYOUTS:
-        assert report[label] <= TOL, (label, report[label])
+        print(f"{key}: {value:.3g}")
+    for family in FAMILIES:
+        for label, _, _ in LOGIT_LAYOUTS:
+            assert report[f"{family} {label}"] <= TOL, (family, label)
     assert _batch(0)[0].shape == (2, 16)
 
 
-def test_greedy_generation_equals_transformers(tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generation_equals_transformers(family, tmp_path):
     """Through the layers' latent caches (prompt of 5, then one token a step: past 5 tokens the indexer selects)."""
-    hf = save_hf(FAMILY, tmp_path)
+    hf = save_hf(family, tmp_path)
     hf.generation_config.eos_token_id = None   # random weights: compare the full length
     ids = tokens(batch=2, seq=5, seed=11)
     ref = hf.generate(ids, max_new_tokens=14, do_sample=False, pad_token_id=0)
