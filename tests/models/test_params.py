@@ -42,9 +42,10 @@ PUBLISHED = {  # recipe: (total, active) in billions (a "T" suffix: trillions), 
     "olmoe_1b_7b": ("6.9", "1.3"),
     "minimax_m2": ("230", "10"),
     "qwen3_next_80b_a3b": ("80", "3"),
+    "glm5": ("744", "40"),
 }
 # publishers whose active count leaves the input embedding out (see the module docstring)
-ACTIVE_WITHOUT_EMBEDDING = {"gpt_oss_120b", "gpt_oss_20b", "glm4_5", "glm4_5_air", "glm4_6", "minimax_m2"}
+ACTIVE_WITHOUT_EMBEDDING = {"gpt_oss_120b", "gpt_oss_20b", "glm4_5", "glm4_5_air", "glm4_6", "minimax_m2", "glm5"}
 
 
 def _matches(count: int, printed: str) -> bool:
