@@ -13,7 +13,8 @@ indexer 8 heads x 64), batch 1, fp32, one torch thread, three rows per length:
 - ``dsa core``: the sparse attention alone (``sparse_latent_attention`` over the selected keys, the indexer's
   selection made beforehand and not timed): what the top-k bounds.
 
-Time: the median of ``--iters`` forward + backward steps after one warm-up. Memory: ``saved``, the bytes autograd
+Time: the median of ``--iters`` forward + backward steps after one warm-up, in the process's CPU time (one thread: the
+compute, whatever else loads the shared machine; ``--wall`` for wall-clock). Memory: ``saved``, the bytes autograd
 keeps for the backward (``torch.autograd.graph.saved_tensors_hooks``, deterministic); ``peak``, the process's
 resident-set high-water mark over the timed steps above the RSS after the warm-up (Linux ``VmHWM`` reset through
 ``/proc/self/clear_refs``), each row in a fresh process.
@@ -74,7 +75,7 @@ def _step_fn(kind: str, S: int, topk: int):
     return step
 
 
-def _measure(kind: str, S: int, topk: int, iters: int, out: mp.Queue) -> None:
+def _measure(kind: str, S: int, topk: int, iters: int, wall: bool, out: mp.Queue) -> None:
     torch.set_num_threads(1)
     step = _step_fn(kind, S, topk)
     saved = [0]
@@ -88,11 +89,12 @@ def _measure(kind: str, S: int, topk: int, iters: int, out: mp.Queue) -> None:
     base = _vm_kb("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+    clock = time.perf_counter if wall else time.process_time
     times = []
     for _ in range(iters):
-        start = time.perf_counter()
+        start = clock()
         step()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     out.put((statistics.median(times), saved[0], max(_vm_kb("VmHWM") - base, 0) * 1024))
 
 
@@ -101,6 +103,7 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--topk", type=int, default=512)
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--wall", action="store_true", help="wall-clock time (default: the process's CPU time)")
     parser.add_argument("--dense-max", type=int, default=4096,
                         help="longest sequence of the dense rows (its [h, S, S] scores: ~3 GiB at 4096, 4x a doubling)")
     args = parser.parse_args()
@@ -108,14 +111,14 @@ def main() -> None:
 
     print(describe_machine())
     print(f"# DSA vs dense MLA, forward + backward, fp32, batch 1, one thread, index_topk={args.topk}; {DIMS}")
-    print("| S | kind | time ms | saved for backward MiB | peak above inputs MiB |")
+    print(f"| S | kind | {'wall' if args.wall else 'CPU'} time ms | saved for backward MiB | peak above inputs MiB |")
     print("|---|---|---|---|---|")
     ctx = mp.get_context("spawn")
     for S in args.seqs:
         kinds = ("dense", "dsa", "dsa core")
         for kind in kinds if args.dense_max >= S else kinds[1:]:
             q = ctx.Queue()
-            p = ctx.Process(target=_measure, args=(kind, S, args.topk, args.iters, q))
+            p = ctx.Process(target=_measure, args=(kind, S, args.topk, args.iters, args.wall, q))
             p.start()
             seconds, saved, peak = q.get()
             p.join()

@@ -101,9 +101,10 @@ class LightningIndexer(nn.Module):
         return torch.cat([apply_rotary(rot, cos, sin, interleaved=self.config.rope_interleave), rest], dim=-1)
 
     def scores(self, q: Tensor, w: Tensor, k_BdT: Tensor) -> Tensor:
-        """Index scores ``[B, S, T]`` fp32 of q ``[B, S, n, d]``, w ``[B, S, n]`` against keys ``[B, 1, d, T]``:
-        HF's two products in HF's layout (one GEMM per (b, s)), so a row's bits do not depend on the rows beside it."""
-        s = torch.matmul(q.float(), k_BdT.float()) * self.config.index_head_dim ** -0.5
+        """Index scores ``[B, S, T]`` fp32 of q ``[B, S, n, d]``, w ``[B, S, n]`` against keys ``[B, 1, d, T]``: HF's
+        two products, the first as one GEMM of all the rows' heads (HF's broadcast copies the keys for every query)."""
+        B, S, n, d = q.shape
+        s = torch.matmul(q.float().reshape(B, S * n, d), k_BdT.float().squeeze(1)).view(B, S, n, -1) * d ** -0.5
         if self.config.relu:
             s = torch.relu(s)
         return torch.matmul(w.unsqueeze(-2), s).squeeze(-2)
