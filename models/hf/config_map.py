@@ -205,7 +205,11 @@ def _deepseek_v32(hf: dict[str, Any], num_layers: int, family: str) -> dict[str,
         if len(mlp) != num_layers or not set(mlp) <= {"dense", "sparse"}:
             raise ValueError(f"{family}: mlp_layer_types={mlp} must hold 'dense' or 'sparse' for each of "
                              f"{num_layers} layers")
-        out.update(first_k_dense_replace=0, moe_layer_freq=_pattern(num_layers, [t == "sparse" for t in mlp]))
+        k = mlp.index("sparse") if "sparse" in mlp else num_layers
+        if mlp == ["dense"] * k + ["sparse"] * (num_layers - k):   # what first_k_dense_replace=k makes
+            out.update(first_k_dense_replace=k, moe_layer_freq=1)
+        else:
+            out.update(first_k_dense_replace=0, moe_layer_freq=_pattern(num_layers, [t == "sparse" for t in mlp]))
     return out
 
 

@@ -216,3 +216,17 @@ def test_greedy_generation_equals_transformers(family, tmp_path):
     ref = hf.generate(ids, max_new_tokens=14, do_sample=False, pad_token_id=0)
     out = generate(import_hf(tmp_path), ids, 14)
     assert torch.equal(out, ref), (out.tolist(), ref.tolist())
+
+
+@pytest.mark.parametrize("name", ["deepseek_v32", "deepseek_v32_tiny", "deepseek_v32_proxy", "glm5", "glm5_tiny"])
+def test_recipes_roundtrip_through_hf_config(name):
+    from moefold.models.hf.config_map import from_hf_config, to_hf_config
+    from moefold.models.recipes import get_recipe
+
+    recipe = get_recipe(name)
+    hf = to_hf_config(recipe)
+    assert from_hf_config(hf, name=name) == recipe
+    # transformers' own config class takes the export and gives it back unchanged
+    cls = getattr(transformers, hf["architectures"][0].replace("ForCausalLM", "Config"))
+    own = cls(**{k: v for k, v in hf.items() if k not in ("architectures", "model_type")}).to_dict()
+    assert from_hf_config({**own, "architectures": hf["architectures"]}, name=name) == recipe
