@@ -13,11 +13,11 @@ indexer 8 heads x 64), batch 1, fp32, one torch thread, three rows per length:
 - ``dsa core``: the sparse attention alone (``sparse_latent_attention`` over the selected keys, the indexer's
   selection made beforehand and not timed): what the top-k bounds.
 
-Time: the median of ``--iters`` forward + backward steps after one warm-up, in the process's CPU time (one thread: the
-compute, whatever else loads the shared machine; ``--wall`` for wall-clock). Memory: ``saved``, the bytes autograd
-keeps for the backward (``torch.autograd.graph.saved_tensors_hooks``, deterministic); ``peak``, the process's
-resident-set high-water mark over the timed steps above the RSS after the warm-up (Linux ``VmHWM`` reset through
-``/proc/self/clear_refs``), each row in a fresh process.
+Time: the median of ``--iters`` forward + backward steps after one warm-up, in the process's CPU time (one thread:
+the compute, whatever else loads the shared machine; ``--wall`` for wall-clock). Memory: ``saved``, the bytes autograd
+keeps for the backward (``torch.autograd.graph.saved_tensors_hooks``, each storage once; deterministic); ``peak``, the
+process's resident-set high-water mark over the timed steps above the RSS after the warm-up (Linux ``VmHWM`` reset
+through ``/proc/self/clear_refs``), each row in a fresh process. ``--iters 0``: memory only (the warm-up step).
 """
 
 from __future__ import annotations
@@ -78,10 +78,10 @@ def _step_fn(kind: str, S: int, topk: int):
 def _measure(kind: str, S: int, topk: int, iters: int, wall: bool, out: mp.Queue) -> None:
     torch.set_num_threads(1)
     step = _step_fn(kind, S, topk)
-    saved = [0]
+    saved: dict[int, int] = {}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[0] += t.numel() * t.element_size()
+    def pack(t: torch.Tensor) -> torch.Tensor:   # each storage once (the chunks all save the same keys)
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -95,7 +95,8 @@ def _measure(kind: str, S: int, topk: int, iters: int, wall: bool, out: mp.Queue
         start = clock()
         step()
         times.append(clock() - start)
-    out.put((statistics.median(times), saved[0], max(_vm_kb("VmHWM") - base, 0) * 1024))
+    out.put((statistics.median(times) if times else float("nan"), sum(saved.values()),
+             max(_vm_kb("VmHWM") - base, 0) * 1024))
 
 
 def main() -> None:
