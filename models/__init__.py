@@ -11,6 +11,7 @@ if TYPE_CHECKING:
         ATTENTION_KINDS,
         FAMILIES,
         LAYER_TYPES,
+        DSADims,
         LinearAttentionDims,
         MLADims,
         ModelConfig,
@@ -53,8 +54,8 @@ if TYPE_CHECKING:
 # no more than it needs (torch only where a module computes)
 _LAZY = {
     **dict.fromkeys(["load_checkpoint", "save_checkpoint"], "moefold.models.checkpoint"),
-    **dict.fromkeys(["ATTENTION_KINDS", "FAMILIES", "LAYER_TYPES", "LinearAttentionDims", "MLADims", "ModelConfig",
-                     "YarnScaling"], "moefold.models.config"),
+    **dict.fromkeys(["ATTENTION_KINDS", "FAMILIES", "LAYER_TYPES", "LinearAttentionDims", "MLADims", "DSADims",
+                     "ModelConfig", "YarnScaling"], "moefold.models.config"),
     **dict.fromkeys(["IGNORE_INDEX", "ModelOutput", "MoEDecoder"], "moefold.models.decoder"),
     "generate": "moefold.models.generate",
     "export_hf": "moefold.models.hf.exporter",
@@ -81,7 +82,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "ModelConfig", "MLADims", "YarnScaling", "FAMILIES", "ATTENTION_KINDS", "ModelOptions", "RECIPES", "get_recipe",
+    "ModelConfig", "MLADims", "DSADims", "YarnScaling", "FAMILIES", "ATTENTION_KINDS", "ModelOptions", "RECIPES",
+    "get_recipe",
     "LinearAttentionDims", "LAYER_TYPES", "linear_attention_config", "ModelAttention", "ModelMoE", "ModelRouter",
     "ModelExperts", "ModelSharedExperts", "ModelMTP", "ModelHybrid",
     "MoEDecoder", "ModelOutput", "MTPModule", "IGNORE_INDEX",

@@ -24,6 +24,7 @@ from moefold.models.model_sections import LAYER_TYPES as LAYER_TYPES
 from moefold.models.model_sections import MOE_SCORE_FUNCTIONS as MOE_SCORE_FUNCTIONS
 from moefold.models.model_sections import QK_NORM_SCOPES as QK_NORM_SCOPES
 from moefold.models.model_sections import (
+    DSADims,
     LinearAttentionDims,
     MLADims,
     ModelAttention,
@@ -34,7 +35,7 @@ from moefold.models.model_sections import (
 )
 
 FAMILIES: tuple[str, ...] = ("deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "olmoe", "minimax_m2",
-                             "qwen3_next", "qwen3_5_moe")
+                             "qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa")
 
 
 def _norm_eps(current: Any, v: float) -> dict[str, Any]:
@@ -56,7 +57,7 @@ class ModelConfig:
 
     name: str
     family: Literal["deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "olmoe", "minimax_m2", "qwen3_next",
-                    "qwen3_5_moe"]
+                    "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa"]
     vocab_size: int
     hidden_size: int = model_flag(MISSING, "model width", "--hidden-size")
     num_layers: int = model_flag(MISSING, "decoder layers (without MTP)", "--num-layers")
@@ -173,4 +174,4 @@ class ModelConfig:
         return cls(**data)
 
 
-__all__ = ["FAMILIES", "LinearAttentionDims", "MLADims", "ModelConfig", "YarnScaling"]
+__all__ = ["DSADims", "FAMILIES", "LinearAttentionDims", "MLADims", "ModelConfig", "YarnScaling"]

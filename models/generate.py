@@ -10,8 +10,9 @@ projections, qk-norm and RoPE, for GQA and MLA alike) is swapped for ``CachedCor
 appends the new keys/values to the layer's cache and attends the new queries to all of them (causal and
 sliding-window masks from the true positions). A Gated DeltaNet layer (``dense.gated_deltanet``) keeps a
 ``RecurrentCache`` instead: its convolution's last inputs and its delta-rule state, so each step costs the
-same however long the sequence is. The prompt runs through the model once (prefill), then one token per
-step; the output head runs on the last position only.
+same however long the sequence is. A DeepSeek sparse attention layer (``dense.dsa``) keeps a ``LatentCache``: its
+latent and indexer keys, which its indexer scores and its queries gather from. The prompt runs through the model
+once (prefill), then one token per step; the output head runs on the last position only.
 
 Layouts: world 1, and any layout with pp = 1 and cp = 1: expert parallelism (tokens reach their
 experts through the usual dispatcher), tensor parallelism when the batch is divisible by tp (build the
@@ -30,6 +31,7 @@ from torch import Tensor, nn
 
 from moefold.dense.context_parallel import position_mask, sdpa
 from moefold.dense.core_attention import CoreAttention
+from moefold.dense.dsa import DSAttention, LatentCache
 from moefold.dense.gated_deltanet import GatedDeltaNet, RecurrentCache
 from moefold.models.decoder import MoEDecoder
 from moefold.parallel.comm import gather_along_dim
@@ -63,14 +65,17 @@ class CachedCoreAttention(nn.Module):
 
 
 @contextmanager
-def kv_cache(model: MoEDecoder) -> Iterator[list[CachedCoreAttention | RecurrentCache]]:
+def kv_cache(model: MoEDecoder) -> Iterator[list[CachedCoreAttention | RecurrentCache | LatentCache]]:
     """Swap every main layer's core attention for a fresh ``CachedCoreAttention``, give every Gated DeltaNet
-    layer a fresh ``RecurrentCache`` (both undone on exit)."""
+    layer a fresh ``RecurrentCache`` and every DeepSeek sparse attention layer a ``LatentCache`` (undone on exit)."""
     swapped, recurrent = [], []
     for block in model.layers.values():
         mixer = block.self_attn
         if isinstance(mixer, GatedDeltaNet):
             mixer.cache = RecurrentCache()
+            recurrent.append(mixer)
+        elif isinstance(mixer, DSAttention):   # its latent and indexer keys (it has no separate core attention)
+            mixer.cache = LatentCache()
             recurrent.append(mixer)
         else:
             swapped.append((mixer, mixer.core))

@@ -17,6 +17,8 @@ import torch
 from moefold.dense.attention import GQAAttention
 from moefold.dense.attention_config import AttentionConfig, MLAConfig
 from moefold.dense.block import TransformerBlock
+from moefold.dense.dsa import DSAttention
+from moefold.dense.dsa_indexer import DSAConfig
 from moefold.dense.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
 from moefold.dense.mla import MLAttention
 from moefold.dense.mlp import DenseMLP, MLPConfig
@@ -62,6 +64,14 @@ def attention_config(config: ModelConfig, options: ModelOptions, index: int = 0)
                            out_bias=a.out_bias, output_gate=a.output_gate,
                            zero_centered_gamma=config.norm_zero_centered_gamma, max_logit=o.max_attention_logit,
                            **common)
+
+
+def dsa_config(config: ModelConfig) -> DSAConfig | None:
+    """The lightning indexer of every MLA layer (DeepSeek-V3.2), or None."""
+    d = config.dsa
+    return None if d is None else DSAConfig(index_n_heads=d.index_n_heads, index_head_dim=d.index_head_dim,
+                                            index_topk=d.index_topk, relu=d.relu, loss_coeff=d.loss_coeff,
+                                            rope_interleave=d.rope_interleave)
 
 
 def linear_attention_config(config: ModelConfig, options: ModelOptions) -> GatedDeltaNetConfig:
@@ -114,12 +124,15 @@ def check_layout(config: ModelConfig, dims: ParallelDims, options: ModelOptions)
 
 
 def build_attention(config: ModelConfig, dims: ParallelDims, options: ModelOptions, index: int = 0,
-                    **kw: Any) -> GQAAttention | MLAttention | GatedDeltaNet:
+                    **kw: Any) -> GQAAttention | MLAttention | DSAttention | GatedDeltaNet:
     """The token mixer of layer ``index``, as ``config.layer_type(index)`` says (``kw``: dtype/device)."""
     if config.layer_type(index) == "linear_attention":
         return GatedDeltaNet(linear_attention_config(config, options), dims.tp_group, dims.cp_group,
                              sequence_parallel=_sp(options, dims), **kw)
     att = attention_config(config, options, index)
+    if config.dsa is not None:
+        return DSAttention(att, dsa_config(config), dims.tp_group, dims.cp_group, sequence_parallel=_sp(options, dims),
+                           **kw)
     cls = MLAttention if isinstance(att, MLAConfig) else GQAAttention
     return cls(att, dims.tp_group, dims.cp_group, sequence_parallel=_sp(options, dims), **kw)
 

@@ -110,6 +110,26 @@ def _from_json(owner: object, name: str, kind: type) -> None:
 
 
 @dataclass(frozen=True)
+class DSADims:
+    """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): the lightning indexer of every MLA layer
+    (``dense.dsa_indexer``)."""
+
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 2048
+    relu: bool = True                 # relu on the indexer's per-head scores (DeepSeek-V3.2, GLM-5)
+    rope_interleave: bool = False     # the indexer's RoPE on pairs (2i, 2i+1) (GLM-5), else half-split (DeepSeek-V3.2)
+    loss_coeff: float = 1.0           # weight of the indexer's KL loss (0: the indexer is not trained)
+
+    def __post_init__(self) -> None:
+        for name in ("index_n_heads", "index_head_dim", "index_topk"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"dsa.{name}={getattr(self, name)!r} must be a positive integer")
+        if not self.loss_coeff >= 0:
+            raise ValueError(f"dsa.loss_coeff={self.loss_coeff!r} must be >= 0")
+
+
+@dataclass(frozen=True)
 class ModelAttention:
     """The attention of every layer (``dense.attention_config``'s names; the flat names are HF's).
 
@@ -142,9 +162,15 @@ class ModelAttention:
     output_gate: bool = field(default=False, metadata={"flat": "attention_output_gate"})   # Qwen3-Next's gate
     rope_theta: float = model_flag(10000.0, "RoPE theta", "--rotary-base")
     yarn: YarnScaling | None = None
+    # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): MLA with a lightning indexer picking each query's top keys
+    dsa: DSADims | None = None
 
     def __post_init__(self) -> None:
         _from_json(self, "mla", MLADims)
+        _from_json(self, "dsa", DSADims)
+        if self.dsa is not None and (self.kind != "mla" or self.mla is None or self.mla.q_lora_rank is None):
+            raise ValueError("dsa (DeepSeek sparse attention) needs attention='mla' with mla.q_lora_rank set (the "
+                             "indexer reads the query latent)")
         _from_json(self, "yarn", YarnScaling)
         _from_json(self, "sliding_window_pattern", tuple)
         if self.num_attention_heads <= 0:
@@ -396,6 +422,7 @@ class ModelHybrid:
                              "linear_attention=LinearAttentionDims(...)")
 
 
-__all__ = ["ATTENTION_KINDS", "LAYER_TYPES", "MOE_SCORE_FUNCTIONS", "QK_NORM_SCOPES", "LinearAttentionDims", "MLADims",
+__all__ = ["ATTENTION_KINDS", "DSADims", "LAYER_TYPES", "MOE_SCORE_FUNCTIONS", "QK_NORM_SCOPES", "LinearAttentionDims",
+           "MLADims",
            "ModelAttention", "ModelExperts", "ModelHybrid", "ModelMTP", "ModelMoE", "ModelRouter",
            "ModelSharedExperts", "YarnScaling"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from moefold.models.config import LinearAttentionDims, MLADims, ModelConfig, YarnScaling
+from moefold.models.config import DSADims, LinearAttentionDims, MLADims, ModelConfig, YarnScaling
 
 
 # ----------------------------------------------------------------------------- DeepSeek-V3
@@ -47,6 +47,41 @@ def deepseek_v3_tiny() -> ModelConfig:
 def deepseek_v3_proxy() -> ModelConfig:
     return deepseek_v3().with_(name="deepseek_v3_proxy", num_layers=4, first_k_dense_replace=1,
                                num_experts=16, mtp_num_layers=1)
+
+
+# ----------------------------------------------------------------------------- DeepSeek-V3.2
+def deepseek_v32() -> ModelConfig:
+    """DeepSeek-V3.2(-Exp): DeepSeek-V3 with DeepSeek sparse attention, a lightning indexer of 64 heads x 128 in
+    every layer keeping each query's 2048 best keys (MTP as transformers reads it: none)."""
+    return deepseek_v3().with_(name="deepseek_v32", family="deepseek_v32", mtp_num_layers=0,
+                               dsa=DSADims(index_n_heads=64, index_head_dim=128, index_topk=2048))
+
+
+def deepseek_v32_tiny() -> ModelConfig:
+    # index_topk 64: sparse from the 65th token of a sequence on
+    return deepseek_v3_tiny().with_(name="deepseek_v32_tiny", family="deepseek_v32", mtp_num_layers=0,
+                                    dsa=DSADims(index_n_heads=4, index_head_dim=16, index_topk=64))
+
+
+def deepseek_v32_proxy() -> ModelConfig:
+    return deepseek_v32().with_(name="deepseek_v32_proxy", num_layers=4, first_k_dense_replace=1, num_experts=16)
+
+
+def glm5() -> ModelConfig:
+    """GLM-5 (744B total, 40B active without the embedding): DeepSeek-V3.2's architecture at transformers'
+    ``GlmMoeDsaConfig`` sizes (78 layers, 64 heads of 192 + 64, values 256, one expert group), its indexer of 32 heads
+    with interleaved RoPE. RoPE theta: the class default (10000); take a checkpoint's own with ``--load-hf``."""
+    return deepseek_v32().with_(
+        name="glm5", family="glm_moe_dsa", vocab_size=154880, hidden_size=6144, num_layers=78, num_attention_heads=64,
+        mla=MLADims(q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256),
+        yarn=None, max_position_embeddings=202752, norm_eps=1e-5, ffn_hidden_size=12288, moe_num_groups=1,
+        moe_group_topk=1, dsa=DSADims(index_n_heads=32, index_head_dim=128, index_topk=2048, rope_interleave=True))
+
+
+def glm5_tiny() -> ModelConfig:
+    indexer = DSADims(index_n_heads=4, index_head_dim=16, index_topk=64, rope_interleave=True)
+    return deepseek_v32_tiny().with_(name="glm5_tiny", family="glm_moe_dsa", norm_eps=1e-5, yarn=None,
+                                     rope_theta=1e6, moe_num_groups=1, moe_group_topk=1, dsa=indexer)
 
 
 # ----------------------------------------------------------------------------- Qwen3-MoE
@@ -306,7 +341,8 @@ def qwen3_5_moe_proxy() -> ModelConfig:
 
 RECIPES: dict[str, Callable[[], ModelConfig]] = {
     fn.__name__: fn for fn in (
-        deepseek_v3, deepseek_v3_tiny, deepseek_v3_proxy,
+        deepseek_v3, deepseek_v3_tiny, deepseek_v3_proxy, deepseek_v32, deepseek_v32_tiny, deepseek_v32_proxy,
+        glm5, glm5_tiny,
         qwen3_moe_30b_a3b, qwen3_moe_235b_a22b, qwen3_moe_tiny, qwen3_moe_proxy,
         mixtral_8x7b, mixtral_8x22b, mixtral_tiny, mixtral_proxy,
         gpt_oss_120b, gpt_oss_20b, gpt_oss_tiny, glm4_5, glm4_5_air, glm4_6, glm4_moe_tiny, kimi_k2, kimi_k2_tiny,

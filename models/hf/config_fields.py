@@ -20,7 +20,9 @@ from __future__ import annotations
 from typing import Any
 
 # the config class of an architecture (the dense relatives and Kimi-K2 have their own rows; Kimi-K2 is DeepSeek-V3's)
-CLASS_OF = {"DeepseekV3ForCausalLM": "deepseek_v3", "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen3ForCausalLM": "qwen3",
+CLASS_OF = {"DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV32ForCausalLM": "deepseek_v32",
+            "GlmMoeDsaForCausalLM": "glm_moe_dsa",
+            "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen3ForCausalLM": "qwen3",
             "MixtralForCausalLM": "mixtral", "MistralForCausalLM": "mistral", "GptOssForCausalLM": "gpt_oss",
             "Glm4MoeForCausalLM": "glm4_moe", "OlmoeForCausalLM": "olmoe", "MiniMaxM2ForCausalLM": "minimax_m2",
             "Qwen3NextForCausalLM": "qwen3_next", "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text"}
@@ -49,6 +51,16 @@ INERT_BY_CLASS: dict[str, dict[str, str]] = {
     "deepseek_v3": {"qk_head_dim": "recomputed by the class (qk_nope_head_dim + qk_rope_head_dim)",
                     "head_dim": "recomputed by the class (qk_rope_head_dim)",
                     "pretraining_tp": "not read by transformers' DeepSeek-V3"},
+    "deepseek_v32": {"qk_head_dim": "recomputed by the class (qk_nope_head_dim + qk_rope_head_dim)",
+                     "head_dim": "recomputed by the class (qk_rope_head_dim)",
+                     "mlp_bias": "not read by transformers' DeepSeek-V3.2 (its MLPs have no bias)",
+                     "rope_interleave": "not a field of DeepseekV32Config: MLA's RoPE is always interleaved",
+                     "num_nextn_predict_layers": "transformers' DeepSeek-V3.2 skips the MTP layer (layer 61)"},
+    "glm_moe_dsa": {"qk_head_dim": "recomputed by the class (qk_nope_head_dim + qk_rope_head_dim)",
+                     "head_dim": "recomputed by the class (qk_rope_head_dim)",
+                     "mlp_bias": "not read by transformers' GLM-5 (its MLPs have no bias)",
+                     "rope_interleave": "not a field of GlmMoeDsaConfig: MLA's RoPE is always interleaved",
+                     "num_nextn_predict_layers": "transformers' GLM-5 skips the MTP layer (layer 78)"},
     "gpt_oss": {"hidden_act": "not read by transformers' GPT-OSS (its activation is swiglu_alpha / swiglu_limit)"},
     "qwen3": {"sliding_window": "read only with use_sliding_window (refused)",
               "max_window_layers": "read only with use_sliding_window (refused)",
@@ -63,6 +75,16 @@ READ: dict[str, set[str]] = {
         "routed_scaling_factor", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim",
         "n_group", "topk_group", "num_experts_per_tok", "first_k_dense_replace", "norm_topk_prob", "rope_interleave",
         "attention_bias", "num_nextn_predict_layers"},
+    "deepseek_v32": _COMMON_READ | {
+        "num_key_value_heads", "intermediate_size", "moe_intermediate_size", "n_shared_experts", "n_routed_experts",
+        "routed_scaling_factor", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim",
+        "n_group", "topk_group", "num_experts_per_tok", "first_k_dense_replace", "norm_topk_prob", "attention_bias",
+        "mlp_layer_types", "layer_types", "index_topk", "index_head_dim", "index_n_heads"},
+    "glm_moe_dsa": _COMMON_READ | {
+        "num_key_value_heads", "intermediate_size", "moe_intermediate_size", "n_shared_experts", "n_routed_experts",
+        "routed_scaling_factor", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim",
+        "n_group", "topk_group", "num_experts_per_tok", "first_k_dense_replace", "norm_topk_prob", "attention_bias",
+        "mlp_layer_types", "layer_types", "index_topk", "index_head_dim", "index_n_heads", "indexer_types"},
     "qwen3_moe": _COMMON_READ | {
         "num_key_value_heads", "intermediate_size", "attention_bias", "use_sliding_window", "sliding_window",
         "decoder_sparse_step", "moe_intermediate_size", "num_experts_per_tok", "num_local_experts", "norm_topk_prob",

@@ -19,24 +19,32 @@ from __future__ import annotations
 
 from typing import Any
 
-from moefold.models.config import MLADims, ModelConfig, YarnScaling
+from moefold.models.config import DSADims, MLADims, ModelConfig, YarnScaling
 from moefold.models.hf import config_families as more
 from moefold.models.hf import qwen3_5_moe, qwen3_next
 from moefold.models.hf.config_fields import READ, check_fields, config_class
 
-ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3", "Qwen3MoeForCausalLM": "qwen3_moe",
+ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV32ForCausalLM": "deepseek_v32",
+                 "GlmMoeDsaForCausalLM": "glm_moe_dsa",
+                 "Qwen3MoeForCausalLM": "qwen3_moe",
                  "MixtralForCausalLM": "mixtral", "Qwen3ForCausalLM": "qwen3_moe", "MistralForCausalLM": "mixtral",
                  qwen3_next.ARCHITECTURE: "qwen3_next", qwen3_5_moe.ARCHITECTURE: "qwen3_5_moe", **more.ARCHITECTURES}
-MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "qwen3": "qwen3_moe",
+MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "deepseek_v32": "deepseek_v32", "glm_moe_dsa": "glm_moe_dsa",
+               "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "qwen3": "qwen3_moe",
                "mistral": "mixtral", "qwen3_next": "qwen3_next", qwen3_5_moe.MODEL_TYPE: "qwen3_5_moe",
                **more.MODEL_TYPES}
-FAMILY_ARCH = {"deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+FAMILY_ARCH = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM",
+               "glm_moe_dsa": "GlmMoeDsaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                "mixtral": "MixtralForCausalLM", "qwen3_next": qwen3_next.ARCHITECTURE,
                "qwen3_5_moe": qwen3_5_moe.ARCHITECTURE, **more.FAMILY_ARCH}
 FAMILY_MODEL_TYPE = {"qwen3_5_moe": qwen3_5_moe.MODEL_TYPE}   # where the HF model_type is not the family's name
 # the dense model of a family (no experts): what upcycling turns into the family's MoE
 DENSE_ARCH = {"qwen3_moe": ("Qwen3ForCausalLM", "qwen3"), "mixtral": ("MistralForCausalLM", "mistral")}
 DENSE_MODEL_TYPES = {"qwen3", "mistral"}
+# the DeepSeek sparse attention families (DeepSeek-V3.2's reading of DeepSeek-V3's fields, plus the indexer)
+DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa")
+# transformers' defaults of a GLM-5 config.json that leaves them out, where config_map's differ
+_DSA_DEFAULTS = {"glm_moe_dsa": {"rms_norm_eps": 1e-5, "index_n_heads": 32}}
 
 
 def is_dense_hf(hf: dict[str, Any]) -> bool:
@@ -94,6 +102,7 @@ def from_hf_config(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
     """``ModelConfig`` from a parsed HF ``config.json`` (kept in ``extra["hf_config"]`` for the export)."""
     family = family_of(hf)
     check_fields(hf)
+    original, hf = hf, {**_DSA_DEFAULTS.get(family, {}), **hf}
     theta, yarn = _rope(hf)
     L = int(hf["num_hidden_layers"])
     common = dict(name=name or hf.get("_name_or_path") or family, family=family, vocab_size=int(hf["vocab_size"]),
@@ -102,14 +111,14 @@ def from_hf_config(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
                   norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_word_embeddings=bool(hf.get("tie_word_embeddings",
                                                                                               False)),
                   attention_bias=bool(hf.get("attention_bias", False)) and "attention_bias" in READ.get(
-                      config_class(hf), ()), extra={"hf_config": dict(hf)})
+                      config_class(hf), ()), extra={"hf_config": dict(original)})
     if family in more.NEEDS:
         return more.from_hf(family, hf, common)
     if family == "qwen3_next":
         return qwen3_next.config_from_hf(hf, common)
     if family == "qwen3_5_moe":
         return qwen3_5_moe.config_from_hf(hf, common)
-    if family == "deepseek_v3":
+    if family == "deepseek_v3" or family in DSA_FAMILIES:
         kv_heads = hf.get("num_key_value_heads")
         if kv_heads is not None and int(kv_heads) != common["num_attention_heads"]:
             raise ValueError(f"deepseek_v3: num_key_value_heads={kv_heads} is not supported (MLA has a key and value "
@@ -121,11 +130,14 @@ def from_hf_config(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
             int(hf.get("moe_layer_freq", 1))
         moe_ffn = int(hf["moe_intermediate_size"])
         q_lora = hf.get("q_lora_rank")
-        return ModelConfig(
+        v32 = _deepseek_v32(hf, L, family) if family in DSA_FAMILIES else {}
+        config = ModelConfig(
             **common, num_query_groups=None, attention="mla",
             mla=MLADims(q_lora_rank=None if q_lora is None else int(q_lora), kv_lora_rank=int(hf["kv_lora_rank"]),
                         qk_nope_head_dim=int(hf["qk_nope_head_dim"]), qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
-                        v_head_dim=int(hf["v_head_dim"]), rope_interleave=bool(hf.get("rope_interleave", True))),
+                        v_head_dim=int(hf["v_head_dim"]),
+                        # DeepSeek-V3.2's class has no rope_interleave: always interleaved
+                        rope_interleave=bool(hf.get("rope_interleave", True)) or family in DSA_FAMILIES),
             ffn_hidden_size=int(hf["intermediate_size"]), num_experts=E, moe_ffn_hidden_size=moe_ffn,
             moe_topk=int(hf["num_experts_per_tok"]), moe_score_function="sigmoid",
             moe_norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
@@ -136,6 +148,7 @@ def from_hf_config(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
             moe_layer_freq=_pattern(L, [i >= first_k and i % freq == 0 for i in range(L)]) if freq != 1 else 1,
             moe_aux_loss_coeff=float(hf.get("aux_loss_alpha", 1e-4)), moe_load_balancing_type="seq_aux_loss",
             mtp_num_layers=int(hf.get("num_nextn_predict_layers", 0)))
+        return config.with_(**v32) if v32 else config
     gqa = dict(num_query_groups=int(hf.get("num_key_value_heads", hf["num_attention_heads"])),
                head_dim=hf.get("head_dim"))
     dense = is_dense_hf(hf)
@@ -160,6 +173,49 @@ def from_hf_config(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
     return ModelConfig(  # mixtral / mistral
         **common, **gqa, **moe, sliding_window=hf.get("sliding_window"), moe_score_function="softmax",
         moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.02)), moe_load_balancing_type="aux_loss")
+
+
+def _indexer_types(hf: dict[str, Any], num_layers: int) -> list[str]:
+    """GLM-5's ``indexer_types`` as transformers derives it: given, else from ``index_topk_pattern`` ("F"/"S"), else
+    from ``index_topk_freq`` / ``index_skip_topk_offset``."""
+    if hf.get("indexer_types") is not None:
+        return list(hf["indexer_types"])
+    pattern = hf.get("index_topk_pattern")
+    if pattern is not None:
+        return [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+    freq, offset = max(int(hf.get("index_topk_freq", 1)), 1), int(hf.get("index_skip_topk_offset", 2))
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
+
+
+def _deepseek_v32(hf: dict[str, Any], num_layers: int, family: str) -> dict[str, Any]:
+    """What DeepSeek-V3.2 (transformers' ``DeepseekV32Config``) and GLM-5 (``GlmMoeDsaConfig``, its subclass) change in
+    the DeepSeek-V3 reading: the indexer of every layer (GLM-5's with interleaved RoPE, every layer its own:
+    ``indexer_types`` all "full"), ``mlp_layer_types`` (else ``first_k_dense_replace``), MLA's RoPE always interleaved
+    (the classes have no ``rope_interleave``) and no MTP (transformers skips the checkpoint's last layer)."""
+    types = hf.get("layer_types")
+    if types is not None and (len(types) != num_layers or set(types) != {"indexed_attention"}):
+        raise ValueError(f"{family}: layer_types={types} is not supported (every layer 'indexed_attention')")
+    if hf.get("q_lora_rank") is None:
+        raise ValueError(f"{family}: q_lora_rank=None is not supported (the indexer reads the query latent)")
+    if family == "glm_moe_dsa" and set(_indexer_types(hf, num_layers)) != {"full"}:
+        raise ValueError(f"glm_moe_dsa: indexer_types={_indexer_types(hf, num_layers)} is not supported (a 'shared' "
+                         "layer reuses another layer's top-k; moefold runs every layer's own indexer: all 'full')")
+    out: dict[str, Any] = {
+        "dsa": DSADims(index_n_heads=int(hf.get("index_n_heads", 64)),
+                       index_head_dim=int(hf.get("index_head_dim", 128)), index_topk=int(hf.get("index_topk", 2048)),
+                       rope_interleave=family == "glm_moe_dsa"),
+        "mtp_num_layers": 0}
+    mlp = hf.get("mlp_layer_types")
+    if mlp is not None:
+        if len(mlp) != num_layers or not set(mlp) <= {"dense", "sparse"}:
+            raise ValueError(f"{family}: mlp_layer_types={mlp} must hold 'dense' or 'sparse' for each of "
+                             f"{num_layers} layers")
+        k = mlp.index("sparse") if "sparse" in mlp else num_layers
+        if mlp == ["dense"] * k + ["sparse"] * (num_layers - k):   # what first_k_dense_replace=k makes
+            out.update(first_k_dense_replace=k, moe_layer_freq=1)
+        else:
+            out.update(first_k_dense_replace=0, moe_layer_freq=_pattern(num_layers, [t == "sparse" for t in mlp]))
+    return out
 
 
 def _rope_out(c: ModelConfig) -> dict[str, Any]:
@@ -190,6 +246,18 @@ def _check_exportable(c: ModelConfig) -> None:
         "qwen3_next": qwen3_next.required(c),
         "qwen3_5_moe": qwen3_5_moe.required(c),
     }.get(c.family, {})
+    if c.family in DSA_FAMILIES:   # DeepSeek-V3's, an indexer with relu, interleaved MLA rope, no MTP
+        need = {**need, "attention": "mla", "moe_score_function": "sigmoid", "moe_expert_bias": True, "qk_norm": False,
+                "sliding_window": None, "moe_shared_expert_gate": False, "mtp_num_layers": 0}
+        glm = c.family == "glm_moe_dsa"   # GLM-5's indexer: interleaved RoPE
+        if c.dsa is None or not c.dsa.relu or c.dsa.rope_interleave != glm or not c.mla.rope_interleave or \
+                c.mla.q_lora_rank is None:
+            raise ValueError(f"{c.name}: an HF {FAMILY_ARCH[c.family]} config needs dsa with relu=True and "
+                             f"rope_interleave={glm}, mla.rope_interleave=True and mla.q_lora_rank (got dsa={c.dsa}, "
+                             f"mla={c.mla})")
+    elif c.dsa is not None:
+        raise ValueError(f"{c.name}: the {c.family} HF class has no sparse attention (dsa); families {DSA_FAMILIES} "
+                         "have")
     need = more.needs(c.family, need)   # + the families' features, off unless the family's HF class has them
     need.setdefault("moe_latent_size", None)   # no HF MoE class of these families projects to a latent width
     if c.family not in ("qwen3_next", "qwen3_5_moe"):   # the hybrid-stack features only these HF classes have
@@ -200,7 +268,7 @@ def _check_exportable(c: ModelConfig) -> None:
     bad = {k: getattr(c, k) for k, v in need.items() if getattr(c, k) != v}
     # HF ranks groups by the sum of their top 2 scores
     group_score = (c.moe_group_score_topk or c.moe_topk // c.moe_group_topk) if c.moe_num_groups else 2
-    if c.family == "deepseek_v3" and group_score != 2:
+    if (c.family == "deepseek_v3" or c.family in DSA_FAMILIES) and group_score != 2:
         bad["moe_group_score_topk"] = c.moe_group_score_topk
     if c.attention == "mla" and c.mla.latent_norm_eps != 1e-6:   # q_a_layernorm / kv_a_layernorm: eps fixed at 1e-6
         bad["mla.latent_norm_eps"] = c.mla.latent_norm_eps
@@ -244,9 +312,11 @@ def _own_fields(c: ModelConfig, dtype: str) -> dict[str, Any]:
         more.to_hf(c, out)
         return out
     moe = [c.is_moe_layer(i) for i in range(c.num_layers)]
-    if c.family == "deepseek_v3":
+    if c.family == "deepseek_v3" or c.family in DSA_FAMILIES:
         m = c.mla
-        first_k = more.first_k_dense(c, "DeepSeek-V3")   # HF: dense layers first, then MoE ones
+        # HF: dense layers first, then MoE ones (DeepSeek-V3.2: any pattern, through mlp_layer_types)
+        first_k = (moe.index(True) if any(moe) else c.num_layers) if c.family in DSA_FAMILIES else \
+            more.first_k_dense(c, "DeepSeek-V3")
         out.update(num_key_value_heads=c.num_attention_heads, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
                    qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
                    head_dim=m.qk_rope_head_dim, rope_interleave=m.rope_interleave, attention_bias=c.attention_bias,
@@ -256,6 +326,13 @@ def _own_fields(c: ModelConfig, dtype: str) -> dict[str, Any]:
                    routed_scaling_factor=c.moe_topk_scaling_factor, n_group=c.moe_num_groups,
                    topk_group=c.moe_group_topk, norm_topk_prob=c.moe_norm_topk_prob, first_k_dense_replace=first_k,
                    num_nextn_predict_layers=c.mtp_num_layers, aux_loss_alpha=c.moe_aux_loss_coeff)
+        if c.family in DSA_FAMILIES:
+            for key in ("rope_interleave", "num_nextn_predict_layers", "aux_loss_alpha"):   # no such fields
+                out.pop(key)
+            out.update(index_n_heads=c.dsa.index_n_heads, index_head_dim=c.dsa.index_head_dim,
+                       index_topk=c.dsa.index_topk, mlp_layer_types=["sparse" if m else "dense" for m in moe])
+            if c.family == "glm_moe_dsa":
+                out["indexer_types"] = ["full"] * c.num_layers
     elif c.family == "qwen3_moe":
         out.update(num_key_value_heads=c.kv_heads, head_dim=c.attention_head_dim, attention_bias=c.attention_bias,
                    intermediate_size=c.ffn_hidden_size, use_sliding_window=c.sliding_window is not None,

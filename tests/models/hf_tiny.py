@@ -69,6 +69,20 @@ TINY = {
         routed_scaling_factor=2.5, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
         v_head_dim=8, num_nextn_predict_layers=0,
         rope_parameters={**_YARN16, "rope_theta": 10000.0, "mscale": 1.0, "mscale_all_dim": 1.0})),
+    # DeepSeek-V3's tiny values (no MTP: transformers' V3.2 has none) and a lightning indexer keeping 5 of 16 tokens
+    "deepseek_v32": ("DeepseekV32Config", dict(
+        _COMMON, num_key_value_heads=4, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+        n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
+        v_head_dim=8, index_n_heads=4, index_head_dim=8, index_topk=5,
+        rope_parameters={**_YARN16, "rope_theta": 10000.0, "mscale": 1.0, "mscale_all_dim": 1.0})),
+    # GLM-5: DeepSeek-V3.2's class with an interleaved indexer RoPE (and GLM's defaults: eps 1e-5)
+    "glm_moe_dsa": ("GlmMoeDsaConfig", dict(
+        _COMMON, num_key_value_heads=4, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+        n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
+        v_head_dim=8, index_n_heads=2, index_head_dim=8, index_topk=6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
     "qwen3_moe": ("Qwen3MoeConfig", dict(
         _COMMON, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3, head_dim=8, num_experts=8,
         num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],

@@ -39,7 +39,28 @@ _GLM4_5 = {
     "use_qk_norm": True, "vocab_size": 151552,
 }
 
+# deepseek-ai/DeepSeek-V3.2-Exp: DeepSeek-V3's config.json with the indexer's three fields and its own class
+_DEEPSEEK_V32 = {
+    "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "attention_bias": False,
+    "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3,
+    "hidden_act": "silu", "hidden_size": 7168, "index_head_dim": 128, "index_n_heads": 64, "index_topk": 2048,
+    "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840,
+    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
+    "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "use_cache": True, "v_head_dim": 128,
+    "vocab_size": 129280,
+}
+
 PUBLISHED_CONFIGS: dict[str, dict] = {
+    "deepseek_v32": _DEEPSEEK_V32,
     "gpt_oss_120b": _gpt_oss(36, 128),                                   # openai/gpt-oss-120b
     "gpt_oss_20b": _gpt_oss(24, 32),                                     # openai/gpt-oss-20b
     "glm4_5": _GLM4_5,                                                   # zai-org/GLM-4.5

@@ -17,7 +17,7 @@ from typing import Any
 
 # families drawn (Kimi-K2 is DeepSeek-V3's class; its values are one of DeepSeek-V3's draws)
 FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "olmoe", "minimax_m2", "qwen3_next",
-            "qwen3_5_moe")
+            "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa")
 
 
 def _rope(r: random.Random, yarn: bool = True, partial: tuple[float, ...] = ()) -> dict[str, Any]:
@@ -82,6 +82,21 @@ def draw(family: str, seed: int) -> dict[str, Any]:
                     qk_nope_head_dim=r.choice([4, 8]), qk_rope_head_dim=r.choice([2, 4, 8]),
                     v_head_dim=r.choice([4, 8]),
                     rope_interleave=r.random() < 0.5, attention_bias=r.random() < 0.3, rope_parameters=_rope(r))
+    if family in ("deepseek_v32", "glm_moe_dsa"):   # DeepSeek-V3's draw less rope_interleave and MTP, the indexer
+        groups, kept = _groups(r, experts, topk)
+        layers = r.choice([2, 3])
+        c.pop("head_dim")
+        rope = r.choice([2, 4, 8])
+        return dict(c, num_key_value_heads=c["num_attention_heads"], num_hidden_layers=layers,
+                    intermediate_size=r.choice([24, 48]), moe_intermediate_size=r.choice([8, 16]),
+                    n_routed_experts=experts, num_experts_per_tok=topk, n_group=groups, topk_group=kept,
+                    n_shared_experts=r.choice([0, 1, 2]), routed_scaling_factor=round(r.uniform(0.5, 3.0), 3),
+                    norm_topk_prob=r.random() < 0.7, q_lora_rank=r.choice([8, 16]), kv_lora_rank=r.choice([8, 12]),
+                    qk_nope_head_dim=r.choice([4, 8]), qk_rope_head_dim=rope, v_head_dim=r.choice([4, 8]),
+                    attention_bias=r.random() < 0.3, rope_parameters=_rope(r),
+                    mlp_layer_types=[r.choice(["dense", "sparse"]) for _ in range(layers)],
+                    index_n_heads=r.choice([1, 2, 4]), index_head_dim=r.choice([h for h in (4, 8, 16) if h >= rope]),
+                    index_topk=r.choice([1, 2, 5, 9, 16]))
     if family == "qwen3_moe":
         layers = r.choice([2, 3])
         window = r.random() < 0.3

@@ -1,6 +1,7 @@
 """Generation with a KV cache: greedy output equals transformers' ``generate`` for the tiny families (Mixtral's
 sliding window, GPT-OSS's sinks with alternating windows, partial RoPE and projection qk-norm included; Qwen3-Next's
-DeltaNet layers through their recurrent state), sampling is seeded and top-p behaves, and ``moefold generate``
+DeltaNet layers through their recurrent state; DeepSeek-V3.2's and GLM-5's sparse attention through their latent
+caches), sampling is seeded and top-p behaves, and ``moefold generate``
 works from an HF directory and a moefold checkpoint with the model's tokenizer. tp2 x ep2:
 tests/training/test_train_from_hf.py."""
 
@@ -17,7 +18,7 @@ from tests.models.hf_tiny import FAMILIES, save_hf, save_tokenizer, tokens
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", (*FAMILIES, "deepseek_v32", "glm_moe_dsa"))   # + DeepSeek sparse attention
 def test_greedy_equals_transformers_generate(family, tmp_path):
     hf = save_hf(family, tmp_path)
     hf.generation_config.eos_token_id = None   # random weights: compare the full length

@@ -25,7 +25,8 @@ transformers = pytest.importorskip("transformers")
 CLASSES = {"deepseek_v3": "DeepseekV3Config", "qwen3_moe": "Qwen3MoeConfig", "qwen3": "Qwen3Config",
            "mixtral": "MixtralConfig", "mistral": "MistralConfig", "gpt_oss": "GptOssConfig",
            "glm4_moe": "Glm4MoeConfig", "olmoe": "OlmoeConfig", "minimax_m2": "MiniMaxM2Config",
-           "qwen3_next": "Qwen3NextConfig", "qwen3_5_moe_text": "Qwen3_5MoeTextConfig"}
+           "qwen3_next": "Qwen3NextConfig", "qwen3_5_moe_text": "Qwen3_5MoeTextConfig",
+           "deepseek_v32": "DeepseekV32Config", "glm_moe_dsa": "GlmMoeDsaConfig"}
 _DENSE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
 # another value, where tests.models.other_value's does not fit
@@ -35,7 +36,10 @@ _OTHER = {"rope_parameters": {"rope_type": "default", "rope_theta": 12345.0}, "m
           "_name_or_path": "elsewhere"}
 # fields read only beside another value
 _BESIDE = {("qwen3_moe", "sliding_window"): {"use_sliding_window": True},
-           ("qwen3_moe", "use_sliding_window"): {"sliding_window": 4}}
+           ("qwen3_moe", "use_sliding_window"): {"sliding_window": 4},
+           # DeepSeek-V3.2: first_k_dense_replace makes mlp_layer_types only where a config leaves it out
+           ("deepseek_v32", "first_k_dense_replace"): {"mlp_layer_types": None},
+           ("glm_moe_dsa", "first_k_dense_replace"): {"mlp_layer_types": None}}
 _IDENTITY = ("architectures", "model_type")   # they pick the family (test_hf_interop: unknown architectures)
 
 

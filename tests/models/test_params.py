@@ -43,9 +43,10 @@ PUBLISHED = {  # recipe: (total, active) in billions (a "T" suffix: trillions), 
     "minimax_m2": ("230", "10"),
     "qwen3_next_80b_a3b": ("80", "3"),
     "qwen3_5_35b_a3b": ("35", "3"),   # the text model: 34.66B (exactly HF Qwen3_5MoeForCausalLM's, test_hf_interop)
+    "glm5": ("744", "40"),
 }
 # publishers whose active count leaves the input embedding out (see the module docstring)
-ACTIVE_WITHOUT_EMBEDDING = {"gpt_oss_120b", "gpt_oss_20b", "glm4_5", "glm4_5_air", "glm4_6", "minimax_m2"}
+ACTIVE_WITHOUT_EMBEDDING = {"gpt_oss_120b", "gpt_oss_20b", "glm4_5", "glm4_5_air", "glm4_6", "minimax_m2", "glm5"}
 
 
 def _matches(count: int, printed: str) -> bool:
@@ -129,3 +130,29 @@ def test_flops_follow_each_layers_window():
     all_windowed = c.with_(sliding_window_pattern=None)
     extra = 18 * 2 * c.num_attention_heads * 2 * c.attention_head_dim * ((S + 1) / 2 - 128)
     assert forward_flops_per_token(c, S) - forward_flops_per_token(all_windowed, S) == pytest.approx(extra)
+
+
+def test_deepseek_v32_counts_its_indexers_exactly():
+    """DeepSeek-V3.2 = DeepSeek-V3 (less its MTP layer, which transformers does not read) + one lightning indexer
+    per layer: wq_b [64*128, 1536], wk [128, 7168], k_norm weight and bias [128], weights_proj [64, 7168]."""
+    v3, v32 = _count("deepseek_v3"), _count("deepseek_v32")
+    indexer = 64 * 128 * 1536 + 128 * 7168 + 2 * 128 + 64 * 7168
+    assert indexer == 13_959_424
+    assert v32.total == v3.total + 61 * indexer and v32.active == v3.active + 61 * indexer
+    assert v32.mtp_total == 0 and round(v32.total / 1e9, 2) == 671.88
+
+
+def test_deepseek_v32_flops_bound_the_attended_keys():
+    """Past index_topk (2048) keys a query's attention cost stops growing; only the indexer's n x (d + 1) per key
+    does (training.flops: MFU and the planner's count). At 128K tokens DeepSeek-V3.2's layer is far cheaper."""
+    from moefold.models.recipes import deepseek_v3, deepseek_v32
+    from moefold.training.observe.flops import attention_macs, dsa_macs
+
+    c = deepseek_v32()
+    attend = c.num_attention_heads * (2 * 512 + 64)
+    indexer = 1536 * 64 * 128 + 7168 * 128 + 7168 * 64 + 64 * 129 * (2048 + 1) / 2
+    assert dsa_macs(c, 2048) == pytest.approx(attend * 2049 / 2 + indexer + 64 * 129 * 2049 / 2)
+    S = 131072
+    grown = dsa_macs(c, 2 * S) - dsa_macs(c, S)
+    assert grown == pytest.approx(64 * 129 * S / 2, rel=0.02)   # the indexer; attention ~ constant at 2048 keys
+    assert attention_macs(c, S) < 0.5 * attention_macs(deepseek_v3(), S)

@@ -3,9 +3,10 @@
 Counts matrix multiplies only (2 FLOPs per multiply-add), forward + backward = 3 x forward (no
 recompute: MFU counts model FLOPs, not hardware FLOPs). Included: attention projections (GQA or
 MLA), the causal score and value products at the average context length (``seq_len / 2``, or the
-sliding window), Gated DeltaNet layers (projections, short convolution, the delta rule), dense SwiGLU
-MLPs, routers, only the ``topk`` active routed experts per token, shared experts, the output head and
-the multi-token-prediction modules.
+sliding window; DeepSeek sparse attention: the ``index_topk`` selected keys, in its absorbed form, plus its
+lightning indexer over the whole causal context), Gated DeltaNet layers (projections, short convolution, the delta
+rule), dense SwiGLU MLPs, routers, only the ``topk`` active routed experts per token, shared experts, the output
+head and the multi-token-prediction modules.
 """
 
 from __future__ import annotations
@@ -29,11 +30,30 @@ def attention_macs(c: ModelConfig, seq_len: int, index: int | None = None) -> fl
         q = H * nh * d * (2 if c.attention_output_gate else 1)   # gated attention: q_proj also yields the gate
         proj = q + 2 * H * c.kv_heads * d + nh * d * H
         dqk = dv = d
+    if c.dsa is not None:
+        return proj + dsa_macs(c, seq_len)
     context = (seq_len + 1) / 2
     window = c.sliding_window if index is None else c.layer_sliding_window(index)
     if window is not None:
         context = min(context, float(window))
     return proj + nh * (dqk + dv) * context
+
+
+def dsa_macs(c: ModelConfig, seq_len: int) -> float:
+    """DeepSeek sparse attention's multiply-adds for one token beyond MLA's projections (``dense.dsa``): each head
+    scores ``r + rope`` wide latent keys and sums ``r`` wide latent values over the selected keys (on average
+    ``min(position + 1, index_topk)``; ``kv_b_proj`` applied to queries and outputs instead of keys costs what MLA's
+    per-key up-projection costs, counted in the projections), and the lightning indexer: its projections, ``n x d``
+    per key of the whole causal context (``seq_len / 2`` on average: the indexer stays quadratic) plus the head
+    weights, and its loss's scores at the selected keys."""
+    m, d, H, nh = c.mla, c.dsa, c.hidden_size, c.num_attention_heads
+    K = min(d.index_topk, seq_len)
+    selected = (K * (K + 1) / 2 + (seq_len - K) * K) / seq_len   # mean of min(p + 1, K) over positions 0..S-1
+    attend = nh * (2 * m.kv_lora_rank + m.qk_rope_head_dim) * selected
+    n, dh = d.index_n_heads, d.index_head_dim
+    indexer = m.q_lora_rank * n * dh + H * dh + H * n + n * (dh + 1) * (seq_len + 1) / 2
+    loss = n * (dh + 1) * selected if d.loss_coeff > 0 else 0.0
+    return attend + indexer + loss
 
 
 def linear_attention_macs(c: ModelConfig) -> float:
