@@ -5,9 +5,10 @@ and ``blocks`` (the rows each expert occupies in the GEMM buffers, >= its count)
 
 - ``packed``:  blocks = counts. One GEMM per expert on its exact rows, no copies.
 - ``aligned``: each block rounded up to a multiple of ``ALIGN`` rows, the extra rows zero. The GEMM shapes
-               then repeat from call to call. This is what bf16 on CPU needs: oneDNN (torch's bf16 matmul
-               on AMX / AVX-512 BF16) JIT-compiles a kernel per new shape, ~7 ms each on this project's
-               Xeon, while the GEMM itself takes ~0.5 ms, and exact row counts are new shapes every step.
+               then repeat from call to call. This is what bf16 on an AMX CPU needs: oneDNN (torch's bf16
+               matmul) JIT-compiles an AMX kernel per new shape, ~7 ms each on the project's Xeon, while the
+               GEMM itself takes ~0.5 ms, and exact row counts are new shapes every step (without AMX, on
+               AVX-512 BF16, new shapes cost nothing measurable: issue 52).
 - ``uniform``: every block the same size, ``ALIGN`` x ceil(max count / ALIGN): the experts' GEMMs become
                one batched ``bmm`` per projection (many small experts: one call instead of 6 E).
 
@@ -15,7 +16,8 @@ Padded layouts cost a copy of the input rows into the blocks and of the output r
 ``unpad_rows``, both reused workspaces) plus the GEMM work on the padding rows; zero padding rows stay zero
 through the SwiGLU experts, so the gradients are exactly those of the packed layout.
 
-``moe.cpu.rows_gemm.choose_layout`` picks one by a fixed rule of the dtype (``auto``) or by timing the shape
+``moe.cpu.rows_gemm.choose_layout`` picks one by a fixed rule of the dtype and the CPU's kind (``auto``: packed,
+bf16 on an AMX CPU uniform) or by timing the shape
 (``measured``); ``ExpertsConfig.row_layout`` fixes it. Memory: the padded rows are activations (the padded
 input copy, the gate/up output and the product are saved for backward), so an automatic choice never holds
 more than ``max_auto_rows`` (``aligned``'s worst case, N + e(ALIGN - 1)): a ``uniform`` call over skewed counts

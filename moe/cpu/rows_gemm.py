@@ -16,8 +16,9 @@ The products are the ones autograd's ``grouped_mm`` backward computes (``x_i^T d
 buffer), so packed-layout results are bitwise those of the device-count path (``moe.grouped_linear``) on CPU.
 Local: nothing crosses ranks.
 
-``choose_layout`` decides the row layout of a call (``moe.cpu.expert_rows``): by a fixed rule of the dtype that
-follows the measurements (``auto``, reproducible), or by timing its shape (``measured``).
+``choose_layout`` decides the row layout of a call (``moe.cpu.expert_rows``): by a fixed rule of the dtype and the
+CPU's kind (AMX or not) that follows the measurements (``auto``, reproducible; ``describe_auto_layout`` states it
+at start-up), or by timing its shape (``measured``).
 """
 
 from __future__ import annotations
@@ -166,20 +167,44 @@ def _time_layout(kind: RowLayout, counts: tuple[int, ...], x_NK: Tensor, w_eMK: 
     return best
 
 
+def amx_tiles() -> bool:
+    """The CPU has AMX tiles (oneDNN's bf16 GEMMs then run AMX kernels compiled per GEMM shape)."""
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
 def _rule(dtype: torch.dtype) -> RowLayout:
-    """``auto``'s layout before the memory cap. fp32 (and wider): ``packed``, as fp32 GEMMs take any row count
-    at full speed; bf16 / fp16: ``uniform``, whose shapes repeat from call to call (oneDNN compiles a kernel per
-    new shape) and which batches the experts into one ``bmm``. What ``benchmarks/moe_layer.py`` measured fastest
-    (``--row-layout measured``; benchmarks/RESULTS.md)."""
-    return RowLayout.PACKED if dtype.itemsize >= 4 else RowLayout.UNIFORM
+    """``auto``'s layout before the memory cap, by the dtype and the CPU's kind:
+
+    - fp32 (and wider): ``packed``: fp32 GEMMs take any row count at full speed;
+    - bf16 / fp16 on a CPU with AMX: ``uniform``: oneDNN compiles an AMX kernel per new GEMM shape (~7 ms each
+      on the Intel Xeon, against ~0.5 ms for the GEMM), and exact row counts are new shapes every step; uniform
+      blocks repeat their shapes and batch the experts into one ``bmm`` (measured fastest there);
+    - bf16 / fp16 without AMX (AVX-512 BF16, AVX2): ``packed``: a new row count costs no compilation there
+      (per-expert GEMMs over fresh random counts each call as fast as over repeated ones, on the AMD EPYC), and
+      padding to the largest block adds GEMM work (uniform at E256 k8: blocks of ~192 rows for a mean of 128)
+      plus the padding copies: the whole bf16 layer ran 5-16% faster packed than uniform in 11 of 12 (run,
+      shape) pairs of four runs, the twelfth (E16) within 2% (``benchmarks/RESULTS.md``, issue 52).
+
+    A rule of the machine, never a timing: every rank of a run (one CPU kind) takes the same layout in every
+    run, so a run and its resumption are bitwise the same."""
+    if dtype.itemsize >= 4:
+        return RowLayout.PACKED
+    return RowLayout.UNIFORM if amx_tiles() else RowLayout.PACKED
+
+
+def describe_auto_layout() -> str:
+    """One line for start-up output: what ``auto`` lays out on this CPU, and why."""
+    low = _rule(torch.bfloat16)
+    why = "AMX: kernels compiled per GEMM shape" if low is RowLayout.UNIFORM else "no AMX: any row count runs at speed"
+    return f"expert rows (auto): fp32 {_rule(torch.float32)}, bf16/fp16 {low} ({why})"
 
 
 def choose_layout(counts: tuple[int, ...], x_NK: Tensor, w_eMK: Tensor,
                   forced: RowLayout = RowLayout.AUTO) -> ExpertRows:
     """The rows of this call. ``forced`` (``ExpertsConfig.row_layout``):
 
-    - ``auto``: ``_rule``'s layout for the dtype: the same on every rank and in every run, so a run and its
-      resumption are bitwise the same (the layouts' GEMMs differ in the last bits);
+    - ``auto``: ``_rule``'s layout for the dtype and the CPU's kind: the same on every rank and in every run, so a
+      run and its resumption are bitwise the same (the layouts' GEMMs differ in the last bits);
     - ``measured``: the fastest layout timed for the call's shape (device, dtype, experts, K, M, rows per
       expert rounded down to a power of two), once per process on the real weights, a padded layout kept only
       when >= 5% faster than packed: for a machine where the rule is wrong, at the price of run-to-run bits;
@@ -221,5 +246,5 @@ def chosen_layouts() -> dict[tuple, RowLayout]:
     return dict(_CHOSEN)
 
 
-__all__ = ["choose_layout", "chosen_layouts", "grouped_forward", "grouped_input_grad", "grouped_weight_grad",
-           "rows_linear"]
+__all__ = ["amx_tiles", "choose_layout", "chosen_layouts", "describe_auto_layout", "grouped_forward",
+           "grouped_input_grad", "grouped_weight_grad", "rows_linear"]

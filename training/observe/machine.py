@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moefold.moe.cpu.rows_gemm import describe_auto_layout
+
 CPU_FLAGS_BF16 = ("amx_bf16", "avx512_bf16", "bf16")  # x86 AMX, x86 AVX-512 BF16, Arm FEAT_BF16
 
 
@@ -96,8 +98,9 @@ def machine_info() -> MachineInfo:
 
 
 def describe_machine() -> str:
-    """One comment line naming the machine (benchmarks print it first)."""
-    return f"# machine: {machine_info().describe()}"
+    """One comment line naming the machine (benchmarks and ``moefold train`` on a CPU print it first), with the
+    experts' CPU row layout that ``auto`` takes on it (a rule of the CPU's kind: ``moe.cpu.rows_gemm``)."""
+    return f"# machine: {machine_info().describe()}; {describe_auto_layout()}"
 
 
 def bf16_matmul_speedup(n: int = 512, iters: int = 5) -> float:
