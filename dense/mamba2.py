@@ -71,22 +71,25 @@ class Mamba2Config:
 
 
 class Mamba2Mixer(nn.Module):
-    """``forward(x [S, B, H]) -> [S, B, H]`` (module docstring)."""
+    """``forward(x [S, B, H]) -> [S, B, H]`` (module docstring); ``dtype`` / ``device``: where its weights are made
+    (A_log stays fp32)."""
 
-    def __init__(self, config: Mamba2Config) -> None:
+    def __init__(self, config: Mamba2Config, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         c = config
         self.config = c
-        self.in_proj = nn.Linear(c.hidden_size, c.inner_size + c.conv_channels + c.num_heads, bias=c.proj_bias)
+        kw = {"dtype": dtype, "device": device}
+        self.in_proj = nn.Linear(c.hidden_size, c.inner_size + c.conv_channels + c.num_heads, bias=c.proj_bias, **kw)
         self.conv1d = nn.Conv1d(c.conv_channels, c.conv_channels, c.conv_kernel, groups=c.conv_channels,
-                                padding=c.conv_kernel - 1, bias=c.conv_bias)
+                                padding=c.conv_kernel - 1, bias=c.conv_bias, **kw)
         # Mamba-2's initialisation (transformers' and mamba_ssm's): A = 1 .. heads, D = 1, dt_bias = 1
-        self.dt_bias = nn.Parameter(torch.ones(c.num_heads))
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, c.num_heads + 1, dtype=torch.float32)))
-        self.D = nn.Parameter(torch.ones(c.num_heads))
+        self.dt_bias = nn.Parameter(torch.ones(c.num_heads, **kw))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, c.num_heads + 1, dtype=torch.float32, device=device)))
+        self.D = nn.Parameter(torch.ones(c.num_heads, **kw))
         self.norm = nn.Module()
-        self.norm.weight = nn.Parameter(torch.ones(c.inner_size))
-        self.out_proj = nn.Linear(c.inner_size, c.hidden_size, bias=c.proj_bias)
+        self.norm.weight = nn.Parameter(torch.ones(c.inner_size, **kw))
+        self.out_proj = nn.Linear(c.inner_size, c.hidden_size, bias=c.proj_bias, **kw)
 
     def _gated_norm(self, y: Tensor, z: Tensor) -> Tensor:
         """RMSNorm over each group of ``inner_size / groups`` channels of ``y * silu(z)`` (fp32), then the weight."""

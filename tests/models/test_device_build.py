@@ -49,7 +49,10 @@ from moefold.dense import (
     VocabParallelEmbedding,
     YarnConfig,
 )
+from moefold.dense.dsa import DSAttention
+from moefold.dense.dsa_indexer import DSAConfig, LightningIndexer
 from moefold.dense.gated_deltanet import CausalConv1d, GatedRMSNorm
+from moefold.dense.mamba2 import Mamba2Config, Mamba2Mixer
 from moefold.dense.workspace import MIN_BYTES, workspace
 from moefold.dispatch.config import DispatchConfig
 from moefold.execution import build_decoder
@@ -62,6 +65,7 @@ from moefold.models.recipes import RECIPES, get_recipe
 from moefold.moe.build import build_experts, build_moe_layer
 from moefold.moe.config import ExpertsConfig, MoEConfig, SharedExpertsConfig
 from moefold.moe.experts import GroupedExperts
+from moefold.moe.latent import LatentProjection
 from moefold.moe.layer import MoELayer
 from moefold.moe.router import Router
 from moefold.moe.router_config import RouterConfig
@@ -165,6 +169,7 @@ MLA = MLAConfig(hidden_size=H, num_heads=2, kv_lora_rank=8, qk_nope_head_dim=8, 
                 q_lora_rank=8, yarn=YarnConfig(factor=4.0, original_max_position_embeddings=4))
 DELTANET = GatedDeltaNetConfig(hidden_size=H, num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=8,
                                backend="torch")
+DSA = DSAConfig(index_n_heads=2, index_head_dim=8, index_topk=4, loss_coeff=1.0)
 MTP_RECIPE = "deepseek_v3_tiny"
 
 
@@ -222,6 +227,14 @@ CASES: tuple[Case, ...] = (
     Case(CachedCoreAttention, "CachedCoreAttention", lambda d: CachedCoreAttention(CoreAttention(0.5)),
          run=lambda m: m(meta(S, B, 4, 8), meta(S, B, 4, 8), meta(S, B, 4, 8), positions())),
     Case(Router, "Router", lambda d: Router(ROUTER, H, device=d), run=lambda m: m(meta(S * B, H))),
+    Case(LatentProjection, "LatentProjection", lambda d: LatentProjection(H, 8, 0.02, device=d),
+         run=lambda m: m(meta(S * B, H))),
+    Case(DSAttention, "DSAttention", lambda d: DSAttention(MLA, DSA, device=d), run=lambda m: m(meta(S, B, H),
+                                                                                                   positions())),
+    Case(LightningIndexer, "LightningIndexer", lambda d: LightningIndexer(DSA, H, 8, 4, device=d),
+         no_run="its queries, keys and selection run inside DSAttention's case"),
+    Case(Mamba2Mixer, "Mamba2Mixer", lambda d: Mamba2Mixer(Mamba2Config(H, 2, 8, 4, chunk_size=4), device=d),
+         run=lambda m: m(meta(S, B, H))),
     Case(SharedExperts, "SharedExperts", lambda d: SharedExperts(H, 8, gate=True, device=d),
          run=lambda m: m(meta(S, B, H))),
     _experts_case("grouped_mm", torch.bfloat16),
