@@ -35,6 +35,7 @@ from moefold.dense.kv_compression import (
     rope_cos_sin,
 )
 from moefold.dense.norm import RMSNorm
+from moefold.parallel.sharding import normal_init, set_init
 
 
 class V4AttentionKind(StrEnum):
@@ -102,7 +103,7 @@ class CompressedAttention(nn.Module):
         self.o_a_proj = nn.Linear(c.heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank, bias=False)
         self.o_b_proj = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden, bias=False)
         for lin in (self.q_a_proj, self.q_b_proj, self.kv_proj, self.o_a_proj, self.o_b_proj):
-            nn.init.normal_(lin.weight, std=std)
+            set_init(lin.weight, normal_init(std))
         self.sinks = nn.Parameter(torch.zeros(c.heads, dtype=torch.float32))
         rope = {"rope_dim": c.rope_dim, "rope_theta": c.compress_rope_theta, "norm_eps": c.norm_eps, "init_std": std}
         self.compressor: KVCompressor | None = None

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from moefold.dense.norm import RMSNorm
+from moefold.parallel.sharding import normal_init, set_init
 
 
 def rope_cos_sin(positions: Tensor, rope_dim: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -71,7 +72,7 @@ class KVCompressor(nn.Module):
         self.position_bias = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32))
         self.kv_norm = RMSNorm(head_dim, norm_eps)
         for lin in (self.kv_proj, self.gate_proj):
-            nn.init.normal_(lin.weight, std=init_std)
+            set_init(lin.weight, normal_init(init_std))
 
     def forward(self, x: Tensor) -> Tensor:
         b, s, _ = x.shape
@@ -100,7 +101,7 @@ class IndexScorer(nn.Module):
         super().__init__()
         self.softmax_scale, self.weights_scaling = head_dim ** -0.5, heads ** -0.5
         self.weights_proj = nn.Linear(hidden, heads, bias=False)
-        nn.init.normal_(self.weights_proj.weight, std=init_std)
+        set_init(self.weights_proj.weight, normal_init(init_std))
 
     def forward(self, q_BSNC: Tensor, keys_BTC: Tensor, x_BSH: Tensor) -> Tensor:
         scores = torch.matmul(q_BSNC.float(), keys_BTC.transpose(-1, -2).float().unsqueeze(1))   # [B, S, N, T]
@@ -123,7 +124,7 @@ class CompressedIndexer(KVCompressor):
             raise ValueError(f"CompressedIndexer: index_topk={topk!r} must be a positive integer")
         self.heads, self.topk = heads, topk
         self.q_b_proj = nn.Linear(q_rank, heads * head_dim, bias=False)
-        nn.init.normal_(self.q_b_proj.weight, std=init_std)
+        set_init(self.q_b_proj.weight, normal_init(init_std))
         self.scorer = IndexScorer(hidden, heads, head_dim, init_std)
 
     def select(self, x: Tensor, q_residual: Tensor) -> Tensor:

@@ -107,3 +107,16 @@ def test_refusals_name_the_value():
     attn = CompressedAttention(V4AttentionConfig(**base))
     with pytest.raises(ValueError, match=r"positions 0\.\.S-1"):
         attn(torch.zeros(3, 1, H), torch.tensor([1, 2, 3]))
+
+
+def test_init_parameters_draws_every_projection():
+    from moefold.parallel.sharding import init_parameters
+
+    cfg, _, _ = _hf("compressed_sparse_attention", 4, 2, 8, 3, 2, seed=1)
+    a, b = _ours(cfg, "compressed_sparse_attention"), _ours(cfg, "compressed_sparse_attention")
+    init_parameters(a, seed=3)
+    init_parameters(b, seed=3)
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
+        if name.endswith("proj.weight"):
+            assert 0.01 < float(p.std()) < 0.03, name   # normal(0, 0.02), not nn.Linear's default
