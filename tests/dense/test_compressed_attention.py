@@ -119,4 +119,4 @@ def test_init_parameters_draws_every_projection():
     for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         assert torch.equal(p, q), name
         if name.endswith("proj.weight"):
-            assert 0.01 < float(p.std()) < 0.03, name   # normal(0, 0.02), not nn.Linear's default
+            assert 0.01 < float(p.detach().std()) < 0.03, name   # normal(0, 0.02), not nn.Linear's default
