@@ -5,17 +5,23 @@
   gradients;
 - the block with ``hyper`` equals transformers' ``DeepseekV4DecoderLayer`` around the same attention and FFN
   (stand-ins: the real V4 sub-layers are tested on their own), outputs and gradients;
-- comb is doubly stochastic after enough Sinkhorn iterations; bad values are refused naming them.
+- comb is doubly stochastic after enough Sinkhorn iterations; bad values are refused naming them;
+- under sequence parallelism (tp2, a 2-rank world) the block on each sequence shard equals world 1's, and its
+  parameters' gradients summed over tp (each marked sequence-parallel) equal world 1's.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from moefold.dense.block import TransformerBlock
 from moefold.dense.hyper_connections import HyperConfig, HyperConnection, HyperHead, expand_streams
+from moefold.parallel.dims import ParallelConfig, ParallelDims
+from moefold.parallel.sharding import init_parameters, is_sequence_parallel, mark_sequence_parallel
+from tests.distributed import run_distributed
 
 H, S, B = 8, 5, 3
 CASES = [(4, 20, 1e-6), (2, 3, 1e-3), (3, 1, 0.0)]   # (n_hc, sinkhorn iterations, hc_eps)
@@ -136,3 +142,52 @@ def test_refusals_name_the_value():
         HyperHead(H, 2, hc_eps=-1)
     with pytest.raises(ValueError, match=r"expected \[S, B, 2, 8\]"):
         HyperConnection(H, 2)(torch.zeros(S, B, 3, H))
+
+
+# ------------------------------------------------------------------------------------ sequence parallel, one world
+class _TokenMix(nn.Module):
+    """A per-token stand-in for the attention and the FFN: replicated, so under SP its weight's gradient is a
+    partial sum over tp (marked as the norms' are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(H, H, bias=False)
+        mark_sequence_parallel(self.proj.weight)
+
+    def forward(self, h, *args):
+        return torch.tanh(self.proj(h))
+
+
+def _sp_block(sp: bool) -> TransformerBlock:
+    torch.manual_seed(0)
+    block = TransformerBlock(H, _TokenMix(), _TokenMix(), 1e-5, sequence_parallel=sp, hyper=HyperConfig(n_hc=3))
+    init_parameters(block, seed=4)
+    return block
+
+
+def _sp_world() -> list[str]:
+    dims = ParallelDims.build(ParallelConfig(tp=2))
+    g = torch.Generator().manual_seed(9)
+    x, gy = torch.randn(2 * S, B, 3, H, generator=g), torch.randn(2 * S, B, 3, H, generator=g)
+    ref = _sp_block(False)
+    want = ref(x, torch.arange(2 * S))[0]
+    (want * gy).sum().backward()
+    block = _sp_block(True)
+    shard = slice(dims.tp_rank * S, (dims.tp_rank + 1) * S)
+    got = block(x[shard], torch.arange(S))[0]
+    (got * gy[shard]).sum().backward()
+    failures = [] if torch.allclose(got, want[shard], atol=1e-5) else ["output"]
+    for (name, p), (_, q) in zip(block.named_parameters(), ref.named_parameters(), strict=True):
+        if not is_sequence_parallel(p):
+            failures.append(f"{name} is not marked sequence-parallel")
+            continue
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=dims.tp_group)
+        if not torch.allclose(grad, q.grad, atol=1e-5, rtol=1e-5):
+            failures.append(f"grad {name}: max err {(grad - q.grad).abs().max():.3g}")
+    return failures
+
+
+def test_sequence_parallel_block_equals_world1():
+    failures = sorted({f for per_rank in run_distributed(_sp_world, 2, timeout=120) for f in per_rank})
+    assert not failures, "\n".join(failures)
