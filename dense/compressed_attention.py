@@ -9,10 +9,10 @@ Per layer kind (``V4AttentionKind``; HF ``layer_types``):
 
 The rest as transformers' ``DeepseekV4Attention``: queries through a low-rank ``q_a_proj`` -> ``q_a_norm`` ->
 ``q_b_proj`` and an unweighted RMS norm per head; one KV head (``kv_proj`` -> ``kv_norm``) read as key and value;
-interleaved RoPE on each head's trailing ``rope_dim`` channels (the sliding layers at ``rope_theta``, the compressed
-ones at ``compress_rope_theta``), undone on the output at the query's position; a learned sink logit per head
-(``sinks``); a grouped output projection (``o_a_proj``: ``o_groups`` blocks to ``o_lora_rank`` each, then
-``o_b_proj``). Training form: the whole sequence, positions 0..S-1, no cache.
+interleaved RoPE on each head's trailing ``rope_dim`` channels (the sliding layers at ``rope_theta``, the
+compressed ones at ``compress_rope_theta`` with ``compress_yarn`` when set), undone on the output at the query's
+position; a learned sink logit per head (``sinks``); a grouped output projection (``o_a_proj``: ``o_groups`` blocks
+to ``o_lora_rank`` each, then ``o_b_proj``). Training form: the whole sequence, positions 0..S-1, no cache.
 
 ``forward(x [S, B, H], position_ids [S]) -> [S, B, H]``. One rank holds the whole sequence and every head:
 nothing crosses ranks (the model refuses tp and cp for this attention).
@@ -31,10 +31,11 @@ from moefold.dense.kv_compression import (
     CompressedIndexer,
     KVCompressor,
     entries_bias,
+    interleaved_cos_sin,
     interleaved_rope,
-    rope_cos_sin,
 )
 from moefold.dense.norm import RMSNorm
+from moefold.dense.rope import RotaryEmbedding, YarnConfig
 from moefold.parallel.sharding import normal_init, set_init
 
 
@@ -63,6 +64,7 @@ class V4AttentionConfig:
     rate: int = 1
     rope_theta: float = 10000.0
     compress_rope_theta: float = 160000.0
+    compress_yarn: YarnConfig | None = None   # YaRN of the compressed layers' rope (HF: only theirs)
     index_heads: int = 1
     index_head_dim: int = 2
     index_topk: int = 1
@@ -81,10 +83,6 @@ class V4AttentionConfig:
         if not 0 < self.rope_dim <= self.head_dim or self.rope_dim % 2:
             raise ValueError(f"V4AttentionConfig: the rotary dims {self.rope_dim} (head_dim x partial_rotary_factor)"
                              f" must be even and in (0, head_dim={self.head_dim}]")
-
-    @property
-    def layer_rope_theta(self) -> float:
-        return self.rope_theta if self.kind is V4AttentionKind.SLIDING else self.compress_rope_theta
 
 
 class CompressedAttention(nn.Module):
@@ -105,7 +103,11 @@ class CompressedAttention(nn.Module):
         for lin in (self.q_a_proj, self.q_b_proj, self.kv_proj, self.o_a_proj, self.o_b_proj):
             set_init(lin.weight, normal_init(std))
         self.sinks = nn.Parameter(torch.zeros(c.heads, dtype=torch.float32))
-        rope = {"rope_dim": c.rope_dim, "rope_theta": c.compress_rope_theta, "norm_eps": c.norm_eps, "init_std": std}
+        compressed = c.kind is not V4AttentionKind.SLIDING
+        self.rotary = RotaryEmbedding(c.rope_dim, c.compress_rope_theta if compressed else c.rope_theta,
+                                      c.compress_yarn if compressed else None)
+        rope = {"rope_dim": c.rope_dim, "rope_theta": c.compress_rope_theta, "yarn": c.compress_yarn,
+                "norm_eps": c.norm_eps, "init_std": std}
         self.compressor: KVCompressor | None = None
         if c.kind is not V4AttentionKind.SLIDING:
             self.compressor = KVCompressor(c.hidden, c.head_dim, c.rate,
@@ -121,7 +123,7 @@ class CompressedAttention(nn.Module):
             raise ValueError("CompressedAttention: the compressed windows need positions 0..S-1 (the whole "
                              "sequence on this rank, no packed documents)")
         x = x_SBH.transpose(0, 1)                                                # [B, S, H]
-        cos, sin = rope_cos_sin(torch.arange(s, device=x.device), c.rope_dim, c.layer_rope_theta)
+        cos, sin = interleaved_cos_sin(self.rotary, torch.arange(s, device=x.device))
         q_residual = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(q_residual).view(b, s, c.heads, c.head_dim).transpose(1, 2)   # [B, N, S, D]
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + c.norm_eps).to(q.dtype)

@@ -24,14 +24,15 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from moefold.dense.norm import RMSNorm
+from moefold.dense.rope import RotaryEmbedding, YarnConfig
 from moefold.parallel.sharding import normal_init, set_init
 
 
-def rope_cos_sin(positions: Tensor, rope_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    """cos, sin ``[..., rope_dim / 2]`` fp32 of the positions (one angle per interleaved pair)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32, device=positions.device) / rope_dim))
-    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
-    return freqs.cos(), freqs.sin()
+def interleaved_cos_sin(rotary: RotaryEmbedding, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """cos, sin ``[..., rope_dim / 2]`` fp32 (one angle per interleaved pair; YaRN's factor applied when set)."""
+    cos, sin = rotary(positions)
+    half = rotary.dim // 2
+    return cos[..., :half], sin[..., :half]
 
 
 def interleaved_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -58,14 +59,14 @@ class KVCompressor(nn.Module):
     ``forward(x [B, S, H], positions [S]) -> [B, S // rate, head_dim]`` (RoPE on the trailing ``rope_dim``)."""
 
     def __init__(self, hidden: int, head_dim: int, rate: int, *, overlap: bool, rope_dim: int, rope_theta: float,
-                 norm_eps: float = 1e-6, init_std: float = 0.02) -> None:
+                 yarn: YarnConfig | None = None, norm_eps: float = 1e-6, init_std: float = 0.02) -> None:
         super().__init__()
         if not isinstance(rate, int) or rate < 1:
             raise ValueError(f"KVCompressor: rate={rate!r} must be a positive integer")
         if not 0 < rope_dim <= head_dim or rope_dim % 2:
             raise ValueError(f"KVCompressor: rope_dim={rope_dim} must be even and in (0, head_dim={head_dim}]")
         self.head_dim, self.rate, self.overlap = head_dim, rate, overlap
-        self.rope_dim, self.rope_theta = rope_dim, float(rope_theta)
+        self.rotary = RotaryEmbedding(rope_dim, rope_theta, yarn)   # HF's "compress" rope (YaRN when set)
         width = (2 if overlap else 1) * head_dim
         self.kv_proj = nn.Linear(hidden, width, bias=False)
         self.gate_proj = nn.Linear(hidden, width, bias=False)
@@ -87,7 +88,7 @@ class KVCompressor(nn.Module):
             kv = torch.cat([first_kv, kv[..., d:]], dim=2)
             gate = torch.cat([first_gate, gate[..., d:]], dim=2)
         pooled = (kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2)
-        cos, sin = rope_cos_sin(torch.arange(n, device=x.device) * m, self.rope_dim, self.rope_theta)
+        cos, sin = interleaved_cos_sin(self.rotary, torch.arange(n, device=x.device) * m)
         return interleaved_rope(self.kv_norm(pooled), cos, sin)
 
     def extra_repr(self) -> str:
@@ -117,8 +118,9 @@ class CompressedIndexer(KVCompressor):
     entries are closed)."""
 
     def __init__(self, hidden: int, q_rank: int, heads: int, head_dim: int, rate: int, topk: int, *, rope_dim: int,
-                 rope_theta: float, norm_eps: float = 1e-6, init_std: float = 0.02) -> None:
-        super().__init__(hidden, head_dim, rate, overlap=True, rope_dim=rope_dim, rope_theta=rope_theta,
+                 rope_theta: float, yarn: YarnConfig | None = None, norm_eps: float = 1e-6,
+                 init_std: float = 0.02) -> None:
+        super().__init__(hidden, head_dim, rate, overlap=True, rope_dim=rope_dim, rope_theta=rope_theta, yarn=yarn,
                          norm_eps=norm_eps, init_std=init_std)
         if not isinstance(topk, int) or topk < 1:
             raise ValueError(f"CompressedIndexer: index_topk={topk!r} must be a positive integer")
@@ -130,7 +132,7 @@ class CompressedIndexer(KVCompressor):
     def select(self, x: Tensor, q_residual: Tensor) -> Tensor:
         b, s, _ = x.shape
         keys = self(x)
-        cos, sin = rope_cos_sin(torch.arange(s, device=x.device), self.rope_dim, self.rope_theta)
+        cos, sin = interleaved_cos_sin(self.rotary, torch.arange(s, device=x.device))
         q = interleaved_rope(self.q_b_proj(q_residual).view(b, s, self.heads, self.head_dim).transpose(1, 2),
                              cos, sin).transpose(1, 2)
         scores = self.scorer(q, keys, x)
@@ -155,4 +157,4 @@ def entries_bias(seq_len: int, entries: int, rate: int, selected: Tensor | None,
 
 
 __all__ = ["CompressedIndexer", "IndexScorer", "KVCompressor", "closed_entries", "entries_bias",
-           "interleaved_rope", "rope_cos_sin"]
+           "interleaved_cos_sin", "interleaved_rope"]

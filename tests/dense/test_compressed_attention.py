@@ -2,8 +2,8 @@
 
 - ``CompressedAttention`` equals ``DeepseekV4Attention`` (fp32, 1e-5; the mask from transformers' own sliding-window
   builder) for the three layer kinds over random weights and inputs, sequence lengths around the window and the
-  compression rates (no closed window, some, a ragged tail), index top-k below and above the entry count, and its
-  input gradient equals transformers';
+  compression rates (no closed window, some, a ragged tail), index top-k below and above the entry count, with and
+  without YaRN on the compressed layers' rope, and its input and parameter gradients equal transformers';
 - the indexer's picks are its scores' top-k over closed entries only; refusals name the value.
 """
 
@@ -14,6 +14,7 @@ import torch
 
 from moefold.dense.compressed_attention import CompressedAttention, V4AttentionConfig, V4AttentionKind
 from moefold.dense.kv_compression import closed_entries
+from moefold.dense.rope import YarnConfig
 
 H, HEADS, D, R = 16, 4, 8, 12
 KINDS = [kind.value for kind in V4AttentionKind]
@@ -24,7 +25,10 @@ CASES = [  # (seq_len, window, csa rate, hca rate, index_topk, o_groups)
 ]
 
 
-def _hf(kind: str, window: int, csa: int, hca: int, topk: int, groups: int, seed: int):
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4}
+
+
+def _hf(kind: str, window: int, csa: int, hca: int, topk: int, groups: int, seed: int, yarn: bool = False):
     from transformers import DeepseekV4Config
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention, DeepseekV4RotaryEmbedding
 
@@ -33,7 +37,7 @@ def _hf(kind: str, window: int, csa: int, hca: int, topk: int, groups: int, seed
                            index_topk=topk, sliding_window=window, partial_rotary_factor=0.5, rope_theta=100.0,
                            compress_rope_theta=1000.0, rms_norm_eps=1e-5, layer_types=[kind],
                            compress_rates={"compressed_sparse_attention": csa, "heavily_compressed_attention": hca},
-                           mlp_layer_types=["moe"])
+                           mlp_layer_types=["moe"], rope_parameters=dict(YARN) if yarn else None)
     cfg._attn_implementation = "eager"
     attn = DeepseekV4Attention(cfg, layer_idx=0)
     g = torch.Generator().manual_seed(seed)
@@ -45,20 +49,26 @@ def _hf(kind: str, window: int, csa: int, hca: int, topk: int, groups: int, seed
 
 def _ours(cfg, kind: str) -> CompressedAttention:
     rate = cfg.compress_rates.get(kind, 1)
+    compress = cfg.rope_parameters["compress"]
+    yarn = None
+    if compress["rope_type"] == "yarn":   # transformers' V4 reading: the compressed layers' YaRN, factor 1 on cos/sin
+        yarn = YarnConfig(factor=compress["factor"], beta_fast=32.0, beta_slow=1.0,
+                          original_max_position_embeddings=compress["original_max_position_embeddings"],
+                          attention_factor=compress["attention_factor"])
     return CompressedAttention(V4AttentionConfig(
         hidden=H, heads=HEADS, head_dim=D, q_lora_rank=R, o_groups=cfg.o_groups, o_lora_rank=cfg.o_lora_rank,
         rope_dim=cfg.qk_rope_head_dim, window=cfg.sliding_window, kind=kind, rate=rate, rope_theta=cfg.rope_theta,
-        compress_rope_theta=cfg.compress_rope_theta, index_heads=cfg.index_n_heads,
+        compress_rope_theta=cfg.compress_rope_theta, compress_yarn=yarn, index_heads=cfg.index_n_heads,
         index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk, norm_eps=cfg.rms_norm_eps))
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("case", CASES)
-def test_attention_equals_transformers(kind, case):
+@pytest.mark.parametrize("kind,case,yarn", [(k, c, False) for k in KINDS for c in CASES] +
+                         [(k, CASES[1], True) for k in KINDS])
+def test_attention_equals_transformers(kind, case, yarn):
     from transformers.masking_utils import create_sliding_window_causal_mask
 
     s, window, csa, hca, topk, groups = case
-    cfg, hf, rotary = _hf(kind, window, csa, hca, topk, groups, seed=s)
+    cfg, hf, rotary = _hf(kind, window, csa, hca, topk, groups, seed=s, yarn=yarn)
     ours = _ours(cfg, kind)
     ours.load_state_dict(hf.state_dict())
     b = 2
