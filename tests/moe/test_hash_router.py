@@ -1,13 +1,15 @@
 """Hash-routed MoE layers (moe.hash_router: DeepSeek-V4's ``hash_moe``, a frozen token-id -> expert table).
 
 - The layer with a hash router equals transformers' ``DeepseekV4HashRouter`` + ``DeepseekV4Experts`` (fp32, 1e-5)
-  over random tables, inputs and router options (score function, top-k, scaling, clamped SwiGLU);
+  over random tables, inputs and router options (score function, top-k, scaling, clamped SwiGLU), and the whole
+  ``DeepseekV4SparseMoeBlock`` (hash or top-k with the correction bias, shared expert with its clamp);
 - the selection is the table's whatever the gate weight, and the gate weight still learns (its gradient is that
   of the combine weights at the table's ids);
 - a fresh table gives each token distinct experts and each expert an equal share of the vocabulary;
 - refusals name the value: ids missing or given to a top-k layer, a wrong shape, selection options;
 - one 4-rank world: ep2, ep4, etp2, ep2 x etp2 (alltoall, allgather), tp2 with and without SP and flex (DeepEP
-  V2's stand-in) equal world 1 (outputs, input and parameter gradients): the ids are global expert ids.
+  V2's stand-in), with V4's clamped SwiGLU, equal world 1 (outputs, input and parameter gradients): the ids
+  are global expert ids.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def _config(dispatcher: str = "local", *, shared: bool = True, clamp: float | No
     rc = RouterConfig(num_experts=E, init_std=0.3, **{"topk": 2, "aux_loss_coeff": 0.01, **router})
     experts = ExpertsConfig(FFN, init_std=0.4, glu=GatedActivation(clamp=clamp))
     return MoEConfig(num_experts=E, router=rc, experts=experts, dispatch=DispatchConfig(dispatcher),
-                     shared=SharedExpertsConfig(FFN, init_std=0.4) if shared else None)
+                     shared=SharedExpertsConfig(FFN, init_std=0.4, clamp=clamp) if shared else None)
 
 
 def _build(cfg: MoEConfig, dims: ParallelDims | None = None, sp: bool = False, seed: int = 11,
@@ -103,6 +105,52 @@ def test_hash_layer_equals_transformers(scoring, topk, scale, limit):
         assert (gate_up.abs() > limit).any(), "the inputs must reach the SwiGLU clamp"
 
 
+@pytest.mark.parametrize("kind", ["hash_moe", "moe"])
+def test_the_v4_moe_block_equals_transformers(kind):
+    """The whole ``DeepseekV4SparseMoeBlock``: routed experts (hash table or top-k with the correction bias) plus
+    the shared expert, both with the SwiGLU clamp (``SharedExpertsConfig.clamp``)."""
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4SparseMoeBlock
+
+    limit, topk, scale = 0.8, 2, 1.5
+    hf_cfg = DeepseekV4Config(vocab_size=V, hidden_size=H, moe_intermediate_size=FFN, num_hidden_layers=1,
+                              n_routed_experts=E, num_experts_per_tok=topk, routed_scaling_factor=scale,
+                              swiglu_limit=limit, mlp_layer_types=[kind])
+    hf = DeepseekV4SparseMoeBlock(hf_cfg, layer_idx=0)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        if kind == "hash_moe":
+            hf.gate.tid2eid.copy_(torch.rand(V, E, generator=g).argsort(dim=-1)[:, :topk])
+        else:
+            hf.gate.e_score_correction_bias.copy_(torch.randn(E, generator=g))
+    hashed = kind == "hash_moe"
+    rc = RouterConfig(num_experts=E, topk=topk, score_function="sqrtsoftplus", topk_scaling_factor=scale,
+                      norm_topk_prob=True, enable_expert_bias=not hashed)
+    cfg = MoEConfig(num_experts=E, router=rc, experts=ExpertsConfig(FFN, glu=GatedActivation(clamp=limit)),
+                    shared=SharedExpertsConfig(FFN, clamp=limit))
+    layer = build_moe_layer(cfg, H, ParallelDims.single(), hash_vocab_size=V if hashed else None)
+    with torch.no_grad():
+        layer.router.weight.copy_(hf.gate.weight)
+        if hashed:
+            layer.router.tid2eid.copy_(hf.gate.tid2eid)
+        else:
+            layer.router.expert_bias.copy_(hf.gate.e_score_correction_bias)
+        layer.experts.w13.copy_(hf.experts.gate_up_proj.view(E, 2, FFN, H))
+        layer.experts.w2.copy_(hf.experts.down_proj)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(layer.shared_experts, name).weight.copy_(getattr(hf.shared_experts, name).weight)
+    x_BSH = torch.randn(B, S, H, generator=g) * 2.0
+    ids_BS = torch.randint(0, V, (B, S), generator=g)
+    with torch.no_grad():
+        want = hf(x_BSH, input_ids=ids_BS)
+        got, _ = layer(x_BSH.transpose(0, 1), token_ids_BS=ids_BS if hashed else None)
+    torch.testing.assert_close(got.transpose(0, 1), want, atol=1e-5, rtol=1e-5)
+    shared_in = x_BSH @ hf.shared_experts.up_proj.weight.T
+    assert (shared_in.abs() > limit).any(), "the shared expert's clamp must act"
+
+
 def test_the_table_selects_and_the_gate_still_learns():
     layer = _build(_config(shared=False, topk=2, score_function="sigmoid"))
     g = torch.Generator().manual_seed(1)
@@ -144,6 +192,8 @@ def test_refusals_name_the_value():
         topk_layer(x, token_ids_BS=torch.zeros(B, S, dtype=torch.int64))
     with pytest.raises(ValueError, match="enable_expert_bias, num_groups would change"):
         HashRouter(RouterConfig(num_experts=E, enable_expert_bias=True, num_groups=4, group_topk=2), H, V)
+    with pytest.raises(ValueError, match="clamp=0 must be > 0"):
+        SharedExpertsConfig(FFN, clamp=0)
     with pytest.raises(ValueError, match="vocab_size=0"):
         HashRouter(RouterConfig(num_experts=E), H, 0)
     with pytest.raises(ValueError, match=r"int32/int64, got torch\.float32"):
@@ -152,6 +202,7 @@ def test_refusals_name_the_value():
 
 # ------------------------------------------------------------------------------------------- layouts, one world
 DP = 4
+CLAMP = 0.5   # V4's SwiGLU clamp on the routed and the shared experts (acts at these weights: |pre-act| ~ 1.6)
 
 
 def _batch(dtype=torch.float32):
@@ -197,12 +248,12 @@ def _world() -> list[str]:
     for label, pc, dispatcher, sp in LAYOUTS:
         dims = ParallelDims.build(pc)
         if dims.dp not in refs:
-            refs[dims.dp] = _world1(_config(), dims.dp)
-        _check(label, dims, _config(dispatcher), sp, refs[dims.dp], failures)
+            refs[dims.dp] = _world1(_config(clamp=CLAMP), dims.dp)
+        _check(label, dims, _config(dispatcher, clamp=CLAMP), sp, refs[dims.dp], failures)
     sys.modules["deep_ep"] = deepep_elastic_standin.module()
     from moefold.dispatch.deepep_elastic import ELASTIC_BUFFERS
 
-    flex = dataclasses.replace(_config(), dispatch=DispatchConfig("flex", flex=FlexOptions(
+    flex = dataclasses.replace(_config(clamp=CLAMP), dispatch=DispatchConfig("flex", flex=FlexOptions(
         FlexBackend.DEEPEP, max_tokens_per_rank=S * DP)))
     local = dataclasses.replace(flex, dispatch=dataclasses.replace(flex.dispatch, kind=DispatcherKind.LOCAL))
     dims = ParallelDims.build(ParallelConfig(ep=2))
