@@ -15,11 +15,7 @@ import torch
 from moefold.dense.block import TransformerBlock
 from moefold.dense.compressed_attention import CompressedAttention, V4AttentionConfig
 from moefold.dense.hyper_connections import HyperConfig
-from moefold.moe.activation import GatedActivation
-from moefold.moe.build import build_moe_layer
-from moefold.moe.config import ExpertsConfig, MoEConfig, SharedExpertsConfig
-from moefold.moe.router_config import RouterConfig
-from moefold.parallel.dims import ParallelDims
+from tests.moe.hf_v4 import v4_moe_layer
 
 H, HEADS, D, R, E, FFN, V, N_HC, S, B = 16, 4, 8, 12, 8, 8, 40, 3, 10, 2
 LIMIT, TOPK, SCALE = 1.0, 2, 1.5
@@ -49,39 +45,22 @@ def _hf_layer(attn: str, mlp: str):
     return cfg, layer, DeepseekV4RotaryEmbedding(cfg)
 
 
-def _ours(cfg, attn: str, mlp: str) -> TransformerBlock:
+def _ours(cfg, attn: str, hf) -> TransformerBlock:
+    """The block holding ``hf``'s weights."""
     attention = CompressedAttention(V4AttentionConfig(
         hidden=H, heads=HEADS, head_dim=D, q_lora_rank=R, o_groups=cfg.o_groups, o_lora_rank=cfg.o_lora_rank,
         rope_dim=cfg.qk_rope_head_dim, window=cfg.sliding_window, kind=attn, rate=cfg.compress_rates.get(attn, 1),
         rope_theta=cfg.rope_theta, compress_rope_theta=cfg.compress_rope_theta, index_heads=cfg.index_n_heads,
         index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk, norm_eps=cfg.rms_norm_eps))
-    hashed = mlp == "hash_moe"
-    rc = RouterConfig(num_experts=E, topk=TOPK, score_function="sqrtsoftplus", topk_scaling_factor=SCALE,
-                      norm_topk_prob=True, enable_expert_bias=not hashed)
-    moe = build_moe_layer(MoEConfig(num_experts=E, router=rc, experts=ExpertsConfig(FFN, glu=GatedActivation(
-        clamp=LIMIT)), shared=SharedExpertsConfig(FFN, clamp=LIMIT)), H, ParallelDims.single(),
-        hash_vocab_size=V if hashed else None)
-    return TransformerBlock(H, attention, moe, cfg.rms_norm_eps,
-                            hyper=HyperConfig(n_hc=N_HC, sinkhorn_iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps))
-
-
-def _load(block: TransformerBlock, hf) -> None:
-    """HF's layer state into the block: the same names but the MoE layer's (router, w13/w2, expert_bias)."""
-    state = hf.state_dict()
+    moe = v4_moe_layer(hf.mlp, H, V, LIMIT, SCALE)
+    block = TransformerBlock(H, attention, moe, cfg.rms_norm_eps,
+                             hyper=HyperConfig(n_hc=N_HC, sinkhorn_iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps))
+    state = hf.state_dict()   # the same names but the MoE layer's (copied by v4_moe_layer)
     with torch.no_grad():
         for name, t in block.named_parameters():
             if not name.startswith("mlp."):
                 t.copy_(state[name])
-        moe, hf_mlp = block.mlp, hf.mlp
-        moe.router.weight.copy_(hf_mlp.gate.weight)
-        if hasattr(hf_mlp.gate, "tid2eid"):
-            moe.router.tid2eid.copy_(hf_mlp.gate.tid2eid)
-        else:
-            moe.router.expert_bias.copy_(hf_mlp.gate.e_score_correction_bias)
-        moe.experts.w13.copy_(hf_mlp.experts.gate_up_proj.view(E, 2, FFN, H))
-        moe.experts.w2.copy_(hf_mlp.experts.down_proj)
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            getattr(moe.shared_experts, name).weight.copy_(getattr(hf_mlp.shared_experts, name).weight)
+    return block
 
 
 @pytest.mark.parametrize("attn", ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"])
@@ -90,8 +69,7 @@ def test_decoder_layer_equals_transformers(attn, mlp):
     from transformers.masking_utils import create_sliding_window_causal_mask
 
     cfg, hf, rotary = _hf_layer(attn, mlp)
-    block = _ours(cfg, attn, mlp)
-    _load(block, hf)
+    block = _ours(cfg, attn, hf)
     g = torch.Generator().manual_seed(8)
     x = torch.randn(B, S, N_HC, H, generator=g, requires_grad=True)
     ids = torch.randint(0, V, (B, S), generator=g)

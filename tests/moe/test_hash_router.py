@@ -32,6 +32,7 @@ from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.parallel.sharding import init_parameters
 from tests.dispatch import deepep_elastic_standin
 from tests.distributed import run_distributed
+from tests.moe.hf_v4 import v4_moe_layer
 from tests.moe.layout_check import LAYOUTS, layer_failures
 
 E, H, FFN, S, B, V = 8, 16, 8, 4, 4, 50
@@ -126,21 +127,7 @@ def test_the_v4_moe_block_equals_transformers(kind):
         else:
             hf.gate.e_score_correction_bias.copy_(torch.randn(E, generator=g))
     hashed = kind == "hash_moe"
-    rc = RouterConfig(num_experts=E, topk=topk, score_function="sqrtsoftplus", topk_scaling_factor=scale,
-                      norm_topk_prob=True, enable_expert_bias=not hashed)
-    cfg = MoEConfig(num_experts=E, router=rc, experts=ExpertsConfig(FFN, glu=GatedActivation(clamp=limit)),
-                    shared=SharedExpertsConfig(FFN, clamp=limit))
-    layer = build_moe_layer(cfg, H, ParallelDims.single(), hash_vocab_size=V if hashed else None)
-    with torch.no_grad():
-        layer.router.weight.copy_(hf.gate.weight)
-        if hashed:
-            layer.router.tid2eid.copy_(hf.gate.tid2eid)
-        else:
-            layer.router.expert_bias.copy_(hf.gate.e_score_correction_bias)
-        layer.experts.w13.copy_(hf.experts.gate_up_proj.view(E, 2, FFN, H))
-        layer.experts.w2.copy_(hf.experts.down_proj)
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            getattr(layer.shared_experts, name).weight.copy_(getattr(hf.shared_experts, name).weight)
+    layer = v4_moe_layer(hf, H, V, limit, scale)
     x_BSH = torch.randn(B, S, H, generator=g) * 2.0
     ids_BS = torch.randint(0, V, (B, S), generator=g)
     with torch.no_grad():
