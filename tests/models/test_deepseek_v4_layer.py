@@ -86,3 +86,39 @@ def test_decoder_layer_equals_transformers(attn, mlp):
     (got * gy.transpose(0, 1)).sum().backward()
     torch.testing.assert_close(x_ours.grad.transpose(0, 1), x.grad, atol=1e-5, rtol=1e-5)
     assert info is not None and info.load_E.sum() == B * S * TOPK
+
+
+def test_a_stack_of_the_pieces_gives_transformers_logits():
+    """Embedding -> N streams -> layers of every kind -> ``HyperHead`` -> norm -> head equals
+    ``DeepseekV4ForCausalLM``'s logits: what the model (not built yet) will compose."""
+    from transformers import DeepseekV4ForCausalLM
+
+    from moefold.dense.hyper_connections import HyperHead, expand_streams
+    from moefold.dense.norm import RMSNorm
+
+    kinds = [("heavily_compressed_attention", "hash_moe"), ("compressed_sparse_attention", "hash_moe"),
+             ("sliding_attention", "moe")]
+    cfg, _, _ = _hf_layer(*kinds[0])
+    cfg.num_hidden_layers = len(kinds)
+    cfg.layer_types, cfg.mlp_layer_types = [a for a, _ in kinds], [m for _, m in kinds]
+    hf = DeepseekV4ForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.4)
+        for layer, (_, mlp) in zip(hf.model.layers, kinds, strict=True):
+            if mlp == "hash_moe":
+                layer.mlp.gate.tid2eid.copy_(torch.rand(V, E, generator=g).argsort(dim=-1)[:, :TOPK])
+    blocks = [_ours(cfg, attn, layer) for layer, (attn, _) in zip(hf.model.layers, kinds, strict=True)]
+    head = HyperHead(H, N_HC, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+    head.load_state_dict(hf.model.hc_head.state_dict())
+    norm = RMSNorm(H, cfg.rms_norm_eps)
+    norm.load_state_dict(hf.model.norm.state_dict())
+    ids = torch.randint(0, V, (B, S), generator=g)
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits
+        x = expand_streams(hf.model.embed_tokens(ids).transpose(0, 1), N_HC)
+        for block, (_, mlp) in zip(blocks, kinds, strict=True):
+            x, _ = block(x, torch.arange(S), token_ids_BS=ids if mlp == "hash_moe" else None)
+        got = hf.lm_head(norm(head(x))).transpose(0, 1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
