@@ -6,6 +6,9 @@ follow HF (``input_layernorm``, ``self_attn``, ``post_attention_layernorm``, ``m
 parallelism the block's input and output are this rank's sequence shard ``[S/tp, B, H]``; the norms are
 replicated with partial gradients (marked ``mark_sequence_parallel``), and the attention/FFN modules gather
 and reduce-scatter the sequence themselves.
+
+With ``hyper`` (``dense.hyper_connections``, DeepSeek-V4's mHC) the residual is N streams ``[S, B, N, H]``: each
+sub-layer reads their collapse and its output is mixed back by ``attn_hc`` / ``ffn_hc`` instead of added.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from torch import Tensor, nn
 
 from moefold.dense.choices import Recompute
 from moefold.dense.documents import Documents
+from moefold.dense.hyper_connections import HyperConfig, HyperConnection
 from moefold.dense.norm import RMSNorm
 from moefold.dense.recompute import check_recompute
 from moefold.dense.regions import (
@@ -63,7 +67,8 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, hidden: int, attention: nn.Module, ffn: nn.Module, norm_eps: float = 1e-6, *,
                  sequence_parallel: bool = False, recompute: str = "none", zero_centered_gamma: bool = False,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+                 hyper: HyperConfig | None = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         self.recompute = check_recompute(recompute, "TransformerBlock recompute")
         self.regions = BlockRegions(body=CHECKPOINT if self.recompute is Recompute.FULL else PLAIN)
@@ -74,6 +79,12 @@ class TransformerBlock(nn.Module):
         self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(hidden, norm_eps, **kw)
         self.mlp = ffn
+        self.hyper = hyper
+        if hyper is not None:   # HF's names; the coefficients are fp32 whatever the model dtype
+            hc = {"sinkhorn_iters": hyper.sinkhorn_iters, "hc_eps": hyper.eps, "norm_eps": norm_eps,
+                  "init_std": hyper.init_std, "sequence_parallel": sequence_parallel, "device": device}
+            self.attn_hc = HyperConnection(hidden, hyper.n_hc, **hc)
+            self.ffn_hc = HyperConnection(hidden, hyper.n_hc, **hc)
 
     def configure(self, **regions: Region | OutputRegion) -> None:
         """Install regions by name (``BlockRegions``); ValueError for an unknown name or a wrong kind."""
@@ -99,8 +110,13 @@ class TransformerBlock(nn.Module):
         # documents go to the mixer only when there are some: a mixer without packed-document support keeps its
         # (x, position_ids) signature
         args = (position_ids,) if documents is None else (position_ids, documents)
-        return x + self._after_norm(self.input_layernorm, x, lambda h: self.regions.attn(self.self_attn, h, *args),
-                                    self.regions.attn_norm)
+        if self.hyper is None:
+            return x + self._after_norm(self.input_layernorm, x, lambda h: self.regions.attn(self.self_attn, h, *args),
+                                        self.regions.attn_norm)
+        post, comb, collapsed = self.attn_hc(x)
+        out = self._after_norm(self.input_layernorm, collapsed, lambda h: self.regions.attn(self.self_attn, h, *args),
+                               self.regions.attn_norm)
+        return HyperConnection.mix(post, comb, out, x)
 
     def ffn_input(self, h: Tensor) -> tuple[Tensor, OpenedOutput]:
         """The FFN's input ``norm(h)``, run in the ``mlp_norm`` region, and that region's opened call: the caller
@@ -111,11 +127,14 @@ class TransformerBlock(nn.Module):
     def _body(self, x: Tensor, position_ids: Tensor, documents: Documents | None = None,
               **ffn_kwargs: Any) -> tuple[Tensor, Any]:
         x = self.attention_residual(x, position_ids, documents)
-        normed, opened = self.ffn_input(x)
+        mixing = self.ffn_hc(x) if self.hyper is not None else None
+        normed, opened = self.ffn_input(x if mixing is None else mixing[2])
         out = self._ffn(normed, **ffn_kwargs)
         opened.consumed(out[0] if isinstance(out, tuple) else out)
         out, extra = out if isinstance(out, tuple) else (out, None)
-        return x + out, extra
+        if mixing is None:
+            return x + out, extra
+        return HyperConnection.mix(mixing[0], mixing[1], out, x), extra
 
     def forward(self, x: Tensor, position_ids: Tensor, documents: Documents | None = None,
                 **ffn_kwargs: Any) -> tuple[Tensor, Any]:
@@ -126,6 +145,8 @@ class TransformerBlock(nn.Module):
 
     def extra_repr(self) -> str:
         parts = [f"hidden={self.hidden}", f"sp={self.sequence_parallel}", f"recompute={self.recompute}"]
+        if self.hyper is not None:
+            parts.append(f"n_hc={self.hyper.n_hc}")
         parts += [name for name, on in (("layernorm", recomputes(self.regions.mlp_norm)),
                                         ("ffn", recomputes(self.regions.ffn))) if on]
         return ", ".join(parts)

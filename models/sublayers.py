@@ -112,7 +112,8 @@ def block_pieces(block: TransformerBlock, index: int, position_ids: Tensor, ffn_
     """The pieces of block ``index`` (module docstring); ``ffn_kwargs`` go to the FFN (the MoE layer's
     ``global_state``), ``recompute``: full recompute of this block, piece by piece; ``documents``: the
     micro-batch's packed documents (``dense.documents``), or None."""
-    moe = block.mlp if isinstance(block.mlp, MoELayer) else None
+    # an mHC block (block.hyper) runs whole: its FFN residual is a stream mix, not the pieces' add
+    moe = block.mlp if isinstance(block.mlp, MoELayer) and block.hyper is None else None
     if moe is None:
         def whole(carry: LayerCarry) -> LayerCarry:
             hidden, info = block(carry.hidden, position_ids, documents, **ffn_kwargs)

@@ -22,6 +22,7 @@ from moefold.moe.expert_gemm import ExpertGemm, Fp8Gemm, GemmCall, GroupedMMGemm
 from moefold.moe.experts import GroupedExperts
 from moefold.moe.fp8_gemm import Float8GroupedGemm
 from moefold.moe.gemm import GemmBackend, check_gemm_backend
+from moefold.moe.hash_router import HashRouter
 from moefold.moe.latent import LatentProjection
 from moefold.moe.layer import MoELayer
 from moefold.moe.router import Router, RouterGroups
@@ -84,15 +85,19 @@ def build_experts(num_experts: int, hidden_size: int, config: ExpertsConfig, *, 
 
 
 def build_moe_layer(config: MoEConfig, hidden_size: int, dims: ParallelDims, *, sequence_parallel: bool = True,
-                    dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> MoELayer:
+                    dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                    hash_vocab_size: int | None = None) -> MoELayer:
     """The MoE layer ``config`` describes over the layout ``dims`` (attention tp for tokens, etp x ep for experts).
-    ``sequence_parallel``: the layer's input is the tp rank's sequence shard (only matters at tp > 1)."""
+    ``sequence_parallel``: the layer's input is the tp rank's sequence shard (only matters at tp > 1).
+    ``hash_vocab_size``: a hash-routed layer (``moe.hash_router``) whose table has that many token rows."""
     if not isinstance(hidden_size, int) or hidden_size < 1:
         raise ValueError(f"MoELayer: hidden_size={hidden_size!r} must be a positive integer")
     config.check_layout(tp=dims.tp, ep=dims.ep, etp=dims.etp)
     sp = sequence_parallel and dims.tp > 1
     # The router marks its weight sequence-parallel itself: every tp rank routes distinct tokens.
-    router = Router(config.router, hidden_size, RouterGroups.from_dims(dims), device=device)
+    groups = RouterGroups.from_dims(dims)
+    router = (Router(config.router, hidden_size, groups, device=device) if hash_vocab_size is None else
+              HashRouter(config.router, hidden_size, hash_vocab_size, groups, device=device))
     fp8 = config.experts.fp8_gemms
     width = config.latent_size or hidden_size   # what the exchange moves and the experts take
     dispatcher = build_dispatcher(config.dispatch, config.num_experts, dims, hidden_size=width,
@@ -110,7 +115,8 @@ def build_moe_layer(config: MoEConfig, hidden_size: int, dims: ParallelDims, *, 
     if config.shared is not None:
         s = config.shared
         shared = SharedExperts(hidden_size, s.ffn_size, tp_group=dims.tp_group, sequence_parallel=sp, gate=s.gate,
-                               init_std=s.init_std, output_init_std=s.output_init_std, dtype=dtype, device=device)
+                               init_std=s.init_std, output_init_std=s.output_init_std, clamp=s.clamp, dtype=dtype,
+                               device=device)
     return MoELayer(router, dispatcher, experts, shared, tp_group=dims.tp_group, sequence_parallel=sp,
                     apply_probs_on_input=config.apply_probs_on_input, pad_multiple=config.pad_multiple, latent=latent)
 

@@ -52,6 +52,7 @@ from moefold.dispatch.base import Dispatched, Dispatcher, DispatchHandle, Dispat
 from moefold.dispatch.token_exchange import exchange_with_grad
 from moefold.moe.balance_losses import GlobalLoadState
 from moefold.moe.experts import GroupedExperts
+from moefold.moe.hash_router import HashRouter
 from moefold.moe.latent import LatentProjection
 from moefold.moe.router import Router, RouterOutput
 from moefold.moe.router_stats import RouterStats
@@ -167,11 +168,14 @@ class MoELayer(nn.Module):
 
     # -- the layer's staged pieces: forward runs them, the overlap schedules run each as its own node ------------
     def route_and_prepare(self, x_SBH: Tensor, *, global_state: GlobalLoadState | None = None,
-                          generator: torch.Generator | None = None) -> MoEDispatchStart:
+                          generator: torch.Generator | None = None,
+                          token_ids_BS: Tensor | None = None) -> MoEDispatchStart:
         """Router and the dispatcher's local preparation (its split sizes: a host sync for dropless alltoall):
         everything before the dispatch exchange but the shared experts (``shared_step``).
-        ``global_state``/``generator`` go to the router (global_aux_loss, input jitter)."""
-        x_in_TH, routed, split_tokens = self._route(x_SBH, global_state, generator)
+        ``global_state``/``generator`` go to the router (global_aux_loss, input jitter); ``token_ids_BS``: the
+        tokens' vocabulary ids, int [B, S] over the tp group's sequence (the input's, or tp x the SP shard's),
+        which a hash router (``moe.hash_router``) selects by and any other router refuses."""
+        x_in_TH, routed, split_tokens = self._route(x_SBH, global_state, generator, token_ids_BS)
         if self.latent_down is not None:   # the exchange and the experts at the latent width
             x_in_TH = self.latent_down(x_in_TH)
         # the combine weights each returned copy by its prob, unless the probs were applied to the input
@@ -211,10 +215,12 @@ class MoELayer(nn.Module):
         return y_SBH.to(x_SBH_like.dtype)
 
     def forward(self, x_SBH: Tensor, *, global_state: GlobalLoadState | None = None,
-                generator: torch.Generator | None = None) -> tuple[Tensor, MoEOutputInfo]:
+                generator: torch.Generator | None = None,
+                token_ids_BS: Tensor | None = None) -> tuple[Tensor, MoEOutputInfo]:
         """x [S, B, H] (SP shard or replicated over tp) -> (y like x, MoEOutputInfo): the staged pieces in order,
-        the shared experts while the dispatch exchange is in flight."""
-        start = self.route_and_prepare(x_SBH, global_state=global_state, generator=generator)
+        the shared experts while the dispatch exchange is in flight. ``token_ids_BS``: ``route_and_prepare``'s."""
+        start = self.route_and_prepare(x_SBH, global_state=global_state, generator=generator,
+                                       token_ids_BS=token_ids_BS)
         flight = exchange_with_grad(self.dispatcher.dispatch_exchange(start.prep), *start.sent)
         shared_SBH = self.shared_step(x_SBH)
         arrival, received = flight.wait()
@@ -225,7 +231,7 @@ class MoELayer(nn.Module):
 
     # -- helpers of the pieces ---------------------------------------------------------------------------------
     def _route(self, x_SBH: Tensor, global_state: GlobalLoadState | None, generator: torch.Generator | None,
-               ) -> tuple[Tensor, RouterOutput, bool]:
+               token_ids_BS: Tensor | None = None) -> tuple[Tensor, RouterOutput, bool]:
         """Tokens to dispatch ``x_in_TH`` (this tp rank's), the router's output, whether tokens were split over tp."""
         S, B, H = x_SBH.shape
         if self.hidden_size != H:
@@ -246,6 +252,15 @@ class MoELayer(nn.Module):
             router_kw = {"seq_ids_T": seq_ids_T, "num_seqs": B}
         tap = self.regions.routing
         replayed_BSK = tap.replayed()
+        hashed = isinstance(self.router, HashRouter)
+        if hashed != (token_ids_BS is not None):
+            raise ValueError("MoELayer: a hash router selects by the tokens' ids, pass token_ids_BS" if hashed else
+                             "MoELayer: token_ids_BS given but the router is a top-k router (not hash-routed)")
+        if hashed:   # the table's ids are what any replay recorded, so they take the replayed ids' path
+            if tuple(token_ids_BS.shape) != (B, self._tp_sequence(S)):
+                raise ValueError(f"MoELayer: token_ids_BS has shape {tuple(token_ids_BS.shape)}, this call's tokens "
+                                 f"need [B, S] = {[B, self._tp_sequence(S)]} (S over the tp group)")
+            replayed_BSK = self.router.expert_ids(token_ids_BS)
         if replayed_BSK is not None:
             router_kw["replayed_ids_TK"] = self._replayed_ids(replayed_BSK, S, B, x_TH.device)
         routed = self.regions.router(self.router, x_TH, global_state=global_state, generator=generator,

@@ -18,7 +18,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from moefold.dense.recompute import checkpointed
 from moefold.dispatch.config import DispatchConfig, DispatcherKind, FlexOptions
@@ -26,14 +25,14 @@ from moefold.dispatch.flex_backend import FlexBackend
 from moefold.moe.build import build_moe_layer
 from moefold.moe.capacity import capacity_keep_mask, expert_capacity
 from moefold.moe.config import ExpertsConfig, MoEConfig, SharedExpertsConfig
-from moefold.moe.experts import is_expert
 from moefold.moe.layer import MoELayer
 from moefold.moe.router_config import RouterConfig
 from moefold.moe.routing_replay import LIVE_ROUTING, RoutingRecorder, RoutingReplayer
 from moefold.parallel.dims import ParallelConfig, ParallelDims
-from moefold.parallel.sharding import gather_full, init_parameters, is_sequence_parallel, shards_of
+from moefold.parallel.sharding import init_parameters
 from tests.dispatch import deepep_elastic_standin
 from tests.distributed import run_distributed
+from tests.moe.layout_check import LAYOUTS, layer_failures
 
 E, H, FFN, S, B = 8, 16, 8, 4, 4
 ROUTERS = {
@@ -208,15 +207,6 @@ def test_replay_errors_name_the_numbers():
 
 # ------------------------------------------------------------------------------------------- layouts, one world
 DP = 4   # every layout's dp ranks split the batch of DP * b samples: the reference replays each rank's share
-LAYOUTS = [  # (label, ParallelConfig, dispatcher, sequence parallel)
-    ("ep2 alltoall", ParallelConfig(ep=2), "alltoall", False),
-    ("ep4 alltoall", ParallelConfig(ep=4), "alltoall", False),
-    ("ep2 allgather", ParallelConfig(ep=2), "allgather", False),
-    ("etp2 alltoall", ParallelConfig(etp=2), "alltoall", False),
-    ("ep2xetp2 allgather", ParallelConfig(ep=2, etp=2), "allgather", False),
-    ("tp2 sp ep2", ParallelConfig(tp=2, ep=2), "alltoall", True),
-    ("tp2 no-sp", ParallelConfig(tp=2), "alltoall", False),
-]
 
 
 def _layout_batches(dp: int, dp_rank: int, dtype=torch.float32):
@@ -263,18 +253,8 @@ def _check(label, dims, cfg, sp, ref, failures, dtype=torch.float32, tol=1e-5):
     layer = _build(cfg, dims, sp=sp, dtype=dtype)
     got = _run(layer, [(x, gy)], RoutingReplayer([source_BSK[rows]]))
     y, dx = got["outs"][0][0], got["outs"][0][1]
-    for name, a, b in (("output", y, want_y), ("input grad", dx, want_dx)):
-        if not torch.allclose(a.float(), b.float(), atol=tol, rtol=tol):
-            failures.append(f"{label} {name}: max err {(a.float() - b.float()).abs().max():.3g}")
-    for name, p in layer.named_parameters():
-        grad = p.grad.float()
-        dist.all_reduce(grad, group=dims.edp_group if is_expert(p) else dims.dp_group)
-        if is_sequence_parallel(p) and not is_expert(p):
-            dist.all_reduce(grad, group=dims.tp_group)
-        full, ref_grad = gather_full(grad, shards_of(p)), want["grads"][name].float()
-        scale = max(1.0, float(ref_grad.abs().max()))
-        if not torch.allclose(full, ref_grad, atol=tol * scale, rtol=tol):
-            failures.append(f"{label} grad {name}: max err {(full - ref_grad).abs().max():.3g}")
+    failures += layer_failures(label, layer, dims, [("output", y, want_y), ("input grad", dx, want_dx)],
+                               want["grads"], tol)
 
 
 def _world() -> list[str]:
