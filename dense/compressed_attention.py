@@ -88,26 +88,27 @@ class V4AttentionConfig:
 class CompressedAttention(nn.Module):
     """One V4 attention layer (module docstring); parameter names as HF's (``compressor``, ``compressor.indexer``)."""
 
-    def __init__(self, config: V4AttentionConfig) -> None:
+    def __init__(self, config: V4AttentionConfig, *, device: torch.device | str | None = None) -> None:
         super().__init__()
         c = self.config = config
         std = c.init_std
-        self.q_a_proj = nn.Linear(c.hidden, c.q_lora_rank, bias=False)
-        self.q_a_norm = RMSNorm(c.q_lora_rank, c.norm_eps)
-        self.q_b_proj = nn.Linear(c.q_lora_rank, c.heads * c.head_dim, bias=False)
-        self.kv_proj = nn.Linear(c.hidden, c.head_dim, bias=False)
-        self.kv_norm = RMSNorm(c.head_dim, c.norm_eps)
+        self.q_a_proj = nn.Linear(c.hidden, c.q_lora_rank, bias=False, device=device)
+        self.q_a_norm = RMSNorm(c.q_lora_rank, c.norm_eps, device=device)
+        self.q_b_proj = nn.Linear(c.q_lora_rank, c.heads * c.head_dim, bias=False, device=device)
+        self.kv_proj = nn.Linear(c.hidden, c.head_dim, bias=False, device=device)
+        self.kv_norm = RMSNorm(c.head_dim, c.norm_eps, device=device)
         # grouped output projection: o_groups blocks [o_lora_rank, heads * head_dim / o_groups] stacked
-        self.o_a_proj = nn.Linear(c.heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank, bias=False)
-        self.o_b_proj = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden, bias=False)
+        self.o_a_proj = nn.Linear(c.heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank, bias=False,
+                                  device=device)
+        self.o_b_proj = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden, bias=False, device=device)
         for lin in (self.q_a_proj, self.q_b_proj, self.kv_proj, self.o_a_proj, self.o_b_proj):
             set_init(lin.weight, normal_init(std))
-        self.sinks = nn.Parameter(torch.zeros(c.heads, dtype=torch.float32))
+        self.sinks = nn.Parameter(torch.zeros(c.heads, dtype=torch.float32, device=device))
         compressed = c.kind is not V4AttentionKind.SLIDING
         self.rotary = RotaryEmbedding(c.rope_dim, c.compress_rope_theta if compressed else c.rope_theta,
-                                      c.compress_yarn if compressed else None)
+                                      c.compress_yarn if compressed else None, device=device)
         rope = {"rope_dim": c.rope_dim, "rope_theta": c.compress_rope_theta, "yarn": c.compress_yarn,
-                "norm_eps": c.norm_eps, "init_std": std}
+                "norm_eps": c.norm_eps, "init_std": std, "device": device}
         self.compressor: KVCompressor | None = None
         if c.kind is not V4AttentionKind.SLIDING:
             self.compressor = KVCompressor(c.hidden, c.head_dim, c.rate,

@@ -59,19 +59,21 @@ class KVCompressor(nn.Module):
     ``forward(x [B, S, H], positions [S]) -> [B, S // rate, head_dim]`` (RoPE on the trailing ``rope_dim``)."""
 
     def __init__(self, hidden: int, head_dim: int, rate: int, *, overlap: bool, rope_dim: int, rope_theta: float,
-                 yarn: YarnConfig | None = None, norm_eps: float = 1e-6, init_std: float = 0.02) -> None:
+                 yarn: YarnConfig | None = None, norm_eps: float = 1e-6, init_std: float = 0.02,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         if not isinstance(rate, int) or rate < 1:
             raise ValueError(f"KVCompressor: rate={rate!r} must be a positive integer")
         if not 0 < rope_dim <= head_dim or rope_dim % 2:
             raise ValueError(f"KVCompressor: rope_dim={rope_dim} must be even and in (0, head_dim={head_dim}]")
         self.head_dim, self.rate, self.overlap = head_dim, rate, overlap
-        self.rotary = RotaryEmbedding(rope_dim, rope_theta, yarn)   # HF's "compress" rope (YaRN when set)
+        # HF's "compress" rope (YaRN when set)
+        self.rotary = RotaryEmbedding(rope_dim, rope_theta, yarn, device=device)
         width = (2 if overlap else 1) * head_dim
-        self.kv_proj = nn.Linear(hidden, width, bias=False)
-        self.gate_proj = nn.Linear(hidden, width, bias=False)
-        self.position_bias = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32))
-        self.kv_norm = RMSNorm(head_dim, norm_eps)
+        self.kv_proj = nn.Linear(hidden, width, bias=False, device=device)
+        self.gate_proj = nn.Linear(hidden, width, bias=False, device=device)
+        self.position_bias = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32, device=device))
+        self.kv_norm = RMSNorm(head_dim, norm_eps, device=device)
         for lin in (self.kv_proj, self.gate_proj):
             set_init(lin.weight, normal_init(init_std))
 
@@ -98,10 +100,11 @@ class KVCompressor(nn.Module):
 class IndexScorer(nn.Module):
     """``sum_h w_{t,h} ReLU(q_{t,h} . k_s) / sqrt(c)``, ``w = weights_proj(x) / sqrt(heads)`` (HF's scorer)."""
 
-    def __init__(self, hidden: int, heads: int, head_dim: int, init_std: float = 0.02) -> None:
+    def __init__(self, hidden: int, heads: int, head_dim: int, init_std: float = 0.02, *,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         self.softmax_scale, self.weights_scaling = head_dim ** -0.5, heads ** -0.5
-        self.weights_proj = nn.Linear(hidden, heads, bias=False)
+        self.weights_proj = nn.Linear(hidden, heads, bias=False, device=device)
         set_init(self.weights_proj.weight, normal_init(init_std))
 
     def forward(self, q_BSNC: Tensor, keys_BTC: Tensor, x_BSH: Tensor) -> Tensor:
@@ -119,15 +122,15 @@ class CompressedIndexer(KVCompressor):
 
     def __init__(self, hidden: int, q_rank: int, heads: int, head_dim: int, rate: int, topk: int, *, rope_dim: int,
                  rope_theta: float, yarn: YarnConfig | None = None, norm_eps: float = 1e-6,
-                 init_std: float = 0.02) -> None:
+                 init_std: float = 0.02, device: torch.device | str | None = None) -> None:
         super().__init__(hidden, head_dim, rate, overlap=True, rope_dim=rope_dim, rope_theta=rope_theta, yarn=yarn,
-                         norm_eps=norm_eps, init_std=init_std)
+                         norm_eps=norm_eps, init_std=init_std, device=device)
         if not isinstance(topk, int) or topk < 1:
             raise ValueError(f"CompressedIndexer: index_topk={topk!r} must be a positive integer")
         self.heads, self.topk = heads, topk
-        self.q_b_proj = nn.Linear(q_rank, heads * head_dim, bias=False)
+        self.q_b_proj = nn.Linear(q_rank, heads * head_dim, bias=False, device=device)
         set_init(self.q_b_proj.weight, normal_init(init_std))
-        self.scorer = IndexScorer(hidden, heads, head_dim, init_std)
+        self.scorer = IndexScorer(hidden, heads, head_dim, init_std, device=device)
 
     def select(self, x: Tensor, q_residual: Tensor) -> Tensor:
         b, s, _ = x.shape

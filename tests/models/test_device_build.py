@@ -49,9 +49,12 @@ from moefold.dense import (
     VocabParallelEmbedding,
     YarnConfig,
 )
+from moefold.dense.compressed_attention import CompressedAttention, V4AttentionConfig, V4AttentionKind
 from moefold.dense.dsa import DSAttention
 from moefold.dense.dsa_indexer import DSAConfig, LightningIndexer
 from moefold.dense.gated_deltanet import CausalConv1d, GatedRMSNorm
+from moefold.dense.hyper_connections import HyperConnection, HyperHead
+from moefold.dense.kv_compression import CompressedIndexer, IndexScorer, KVCompressor
 from moefold.dense.mamba2 import Mamba2Config, Mamba2Mixer
 from moefold.dense.workspace import MIN_BYTES, workspace
 from moefold.dispatch.config import DispatchConfig
@@ -65,6 +68,7 @@ from moefold.models.recipes import RECIPES, get_recipe
 from moefold.moe.build import build_experts, build_moe_layer
 from moefold.moe.config import ExpertsConfig, MoEConfig, SharedExpertsConfig
 from moefold.moe.experts import GroupedExperts
+from moefold.moe.hash_router import HashRouter
 from moefold.moe.latent import LatentProjection
 from moefold.moe.layer import MoELayer
 from moefold.moe.router import Router
@@ -170,6 +174,8 @@ MLA = MLAConfig(hidden_size=H, num_heads=2, kv_lora_rank=8, qk_nope_head_dim=8, 
 DELTANET = GatedDeltaNetConfig(hidden_size=H, num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=8,
                                backend="torch")
 DSA = DSAConfig(index_n_heads=2, index_head_dim=8, index_topk=4, loss_coeff=1.0)
+V4 = V4AttentionConfig(hidden=H, heads=4, head_dim=8, q_lora_rank=8, o_groups=2, o_lora_rank=4, rope_dim=4, window=4,
+                       kind=V4AttentionKind.COMPRESSED_SPARSE, rate=2, index_heads=2, index_head_dim=8, index_topk=2)
 MTP_RECIPE = "deepseek_v3_tiny"
 
 
@@ -233,6 +239,21 @@ CASES: tuple[Case, ...] = (
                                                                                                    positions())),
     Case(LightningIndexer, "LightningIndexer", lambda d: LightningIndexer(DSA, H, 8, 4, device=d),
          no_run="its queries, keys and selection run inside DSAttention's case"),
+    Case(HashRouter, "HashRouter", lambda d: HashRouter(RouterConfig(num_experts=E, topk=2), H, 16, device=d),
+         run=lambda m: m(meta(S * B, H), token_ids_T=meta(S * B, dtype=torch.long))),
+    Case(HyperConnection, "HyperConnection", lambda d: HyperConnection(H, 2, device=d),
+         run=lambda m: m(meta(S, B, 2, H))),
+    Case(HyperHead, "HyperHead", lambda d: HyperHead(H, 2, device=d), run=lambda m: m(meta(S, B, 2, H))),
+    Case(CompressedAttention, "CompressedAttention", lambda d: CompressedAttention(V4, device=d),
+         no_run="it checks on the host that its positions are 0..S-1 (world 1 only), which meta cannot read"),
+    Case(KVCompressor, "KVCompressor", lambda d: KVCompressor(H, 8, 2, overlap=True, rope_dim=4, rope_theta=1e4,
+                                                              device=d), run=lambda m: m(meta(B, S, H))),
+    Case(IndexScorer, "IndexScorer", lambda d: IndexScorer(H, 2, 8, device=d),
+         run=lambda m: m(meta(B, S, 2, 8), meta(B, S // 2, 8), meta(B, S, H))),
+    Case(CompressedIndexer, "CompressedIndexer", lambda d: CompressedIndexer(H, 8, 2, 8, 2, 2, rope_dim=4,
+                                                                            rope_theta=1e4, device=d),
+         no_run="its selection reads closed entries built from the host's sequence length; KVCompressor and "
+                "IndexScorer run"),
     Case(Mamba2Mixer, "Mamba2Mixer", lambda d: Mamba2Mixer(Mamba2Config(H, 2, 8, 4, chunk_size=4), device=d),
          run=lambda m: m(meta(S, B, H))),
     Case(SharedExperts, "SharedExperts", lambda d: SharedExperts(H, 8, gate=True, device=d),
