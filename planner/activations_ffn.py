@@ -113,6 +113,7 @@ def _cpu_padded_rows(shape: ActivationShape, rows: int, local_experts: int) -> i
 def moe(shape: ActivationShape, dispatcher: str) -> Part:
     """``moe.layer.MoELayer`` with ``dispatcher`` ("local", "alltoall", "allgather" or "flex")."""
     m, a, H = shape.model, shape.a, shape.model.hidden_size
+    W = m.moe_latent_size or H   # the rows' width from the dispatch to the combine (latent experts: moe.latent)
     home, rows = moe_rows(shape, dispatcher)
     f = m.moe_ffn_hidden_size // shape.etp
     local_experts = m.num_experts // shape.ep
@@ -122,7 +123,7 @@ def moe(shape: ActivationShape, dispatcher: str) -> Part:
     inner.update(router(shape))
     inner["row map"] = 16 * home
     padded = _cpu_padded_rows(shape, rows, local_experts)   # P >= N_e: the GEMM buffers' rows
-    inner["expert input rows"] = a * padded * H                # the padded copy when P > N_e
+    inner["expert input rows"] = a * padded * W                # the padded copy when P > N_e
     if dispatcher in ("alltoall", "local") and (shape.etp > 1 or (shape.ep > 1 and not 1 < local_experts <= 8)):
         inner["row sort index"] = 8 * rows
     act = "moe_act" in shape.chosen
@@ -133,21 +134,23 @@ def moe(shape: ActivationShape, dispatcher: str) -> Part:
         inner["experts silu"] = a * padded * f
         inner["experts product (w2 input)"] = a * padded * f
     combine_rows = home if dispatcher in ("alltoall", "local") else rows
-    inner["combine rows (for the probs' gradient)"] = a * combine_rows * H
-    weights = local_experts * H * f
+    inner["combine rows (for the probs' gradient)"] = a * combine_rows * W
+    weights = local_experts * W * f
     # backward, in order: the combine's gradient rows (and their gather: dispatch.permutation's weighted-rows
     # backward holds, per block of at most 2**20 elements, the gathered token gradient and its product with the
     # rows in fp32, the combine's fp32 island); w2's input and weight gradients (the activation refilled first
     # under moe_act); w13's, once the combine rows and the activation are freed
-    combine_block = 2 * 4 * min(combine_rows * H, 2**20)
-    backward = max(a * home * H + a * combine_rows * H + combine_block,
+    combine_block = 2 * 4 * min(combine_rows * W, 2**20)
+    backward = max(a * home * W + a * combine_rows * W + combine_block,
                    a * padded * f + a * weights + (2 * a * padded * f if act else 0),
-                   2 * a * weights + a * padded * H - a * combine_rows * H)
-    forward = a * (home + rows) * H     # the exchange's send and receive buffers
+                   2 * a * weights + a * padded * W - a * combine_rows * W)
+    forward = a * (home + rows) * W     # the exchange's send and receive buffers
+    if W != H:   # latent: the combine's sum, kept as the up projection's input for its weight gradient
+        inner["latent up input"] = a * shape.T_r * W
     offload = {"expert input rows": ("expert_fc1",), "experts gate/up output": ("moe_act",),
                "experts silu": ("moe_act",)}
     if padded > rows:   # the packed rows beside their padded copy, then the padded w2 output beside its unpadding
-        forward = max(forward, a * (rows + padded) * H)
+        forward = max(forward, a * (rows + padded) * W)
     if m.moe_shared_expert_ffn_size:
         shared = mlp(shape, m.moe_shared_expert_ffn_size, name="shared experts", recompute="shared_experts",
                      two_gathers=True)

@@ -194,7 +194,8 @@ def _mlp(sh: _Shape, region: str, gathers: int = 1) -> list[Collective]:
 def _dispatch(sh: _Shape) -> list[Collective]:
     """The token dispatcher's collectives for this rank's routed tokens (module docstring)."""
     m, s = sh.config.model, sh.sizes
-    E, K, H, ep, etp = m.num_experts, m.moe_topk, m.hidden_size, s.ep, s.etp
+    # the rows' width (latent experts: the exchange moves moe_latent_size-wide rows, moe.latent)
+    E, K, H, ep, etp = m.num_experts, m.moe_topk, m.moe_latent_size or m.hidden_size, s.ep, s.etp
     W, e, T = ep * etp, E // ep, sh.routed
     kind = sh.options.resolved_dispatcher(ep, etp)
     fp8 = sh.options.fp8.dispatch
@@ -260,7 +261,7 @@ def _elastic(sh: _Shape, fp8: bool) -> list[Collective]:
     weights); backward: the combine of the gradients (weights reduced alongside) and the cached dispatch of the
     gradients (bf16). In hybrid mode across nodes a token crosses the network once per destination node."""
     m, s = sh.config.model, sh.sizes
-    E, K, H, ep, etp = m.num_experts, m.moe_topk, m.hidden_size, s.ep, s.etp
+    E, K, H, ep, etp = m.num_experts, m.moe_topk, m.moe_latent_size or m.hidden_size, s.ep, s.etp
     T, Kv = sh.routed, K * etp
     sent = T * etp * distinct_ranks(E, K, E // ep, ep)
     packs = H // BLOCK if H % BLOCK == 0 else 1    # dispatch.fp8_exchange's fp32 scales per row

@@ -88,8 +88,11 @@ def _ffn_gemms(c: ModelConfig, moe: bool, rows: float, sp_rows: float, sizes: Pa
     E, F = c.num_experts, c.moe_ffn_hidden_size
     local = max(1, E // sizes.ep)
     per_expert = sp_rows * c.moe_topk * sizes.ep * sizes.etp / E
+    W = c.moe_latent_size or H   # latent experts: the experts at width W, two projections around them
     out = [Gemm("moe", sp_rows, E, H, fp8_capable=False),
-           Gemm("moe", per_expert, 2 * F / sizes.etp, H, local), Gemm("moe", per_expert, H, F / sizes.etp, local)]
+           Gemm("moe", per_expert, 2 * F / sizes.etp, W, local), Gemm("moe", per_expert, W, F / sizes.etp, local)]
+    if W != H:
+        out += [Gemm("moe", sp_rows, W, H), Gemm("moe", sp_rows, H, W)]
     if c.moe_shared_expert_ffn_size:
         Fs = c.moe_shared_expert_ffn_size
         out += [Gemm("shared_experts", rows, 2 * Fs / tp, H), Gemm("shared_experts", rows, H, Fs / tp)]

@@ -146,7 +146,8 @@ def deepep_buffer_bytes(config: RunConfig, sizes: ParallelSizes, gpus_per_node: 
         return 0
     m, o = config.model, config.options
     if planned_backend(o) == "deepep-legacy":
-        return legacy_buffer_bytes(m.hidden_size, ranks, o.moe_deepep_num_sms or 20)
+        return legacy_buffer_bytes(m.moe_latent_size or m.hidden_size, ranks, o.moe_deepep_num_sms or 20)
     nvl = min(ranks, gpus_per_node)
-    return v2_buffer_bytes(m.hidden_size, routed_tokens(config, sizes), m.moe_topk * sizes.etp, ranks, nvl,
+    return v2_buffer_bytes(m.moe_latent_size or m.hidden_size, routed_tokens(config, sizes), m.moe_topk * sizes.etp,
+                           ranks, nvl,
                            hybrid=o.moe_deepep_mode == "hybrid")

@@ -205,6 +205,11 @@ def _layouts() -> dict[str, RunConfig]:
         "tp2 sp ep4 alltoall, padded capacity 2": _run_config(
             dataclasses.replace(qwen, moe_expert_capacity_factor=2.0, moe_pad_expert_input_to_capacity=True),
             ModelOptions(), tp=2, ep=4),
+        # latent experts: the dispatch moves moe_latent_size-wide rows (alltoall over tp2 x ep2, allgather over ep4)
+        "tp2 sp cp2 ep2 alltoall, latent 16": _run_config(dataclasses.replace(qwen_aux, moe_latent_size=16),
+                                                          ModelOptions(), tp=2, cp=2, ep=2),
+        "tp2 sp dp2 ep4 allgather, latent 8": _run_config(dataclasses.replace(qwen, moe_latent_size=8),
+                                                          ModelOptions(dispatcher="allgather"), tp=2, ep=4),
         # full recompute runs every forward collective of the block again in backward
         "tp2 sp cp2 ep2 alltoall, full recompute": _run_config(qwen_aux, ModelOptions(recompute="full"), tp=2, cp=2,
                                                                ep=2),

@@ -73,7 +73,8 @@ def ffn_macs(c: ModelConfig, moe: bool) -> float:
     H = c.hidden_size
     if not moe:
         return 3 * H * c.ffn_hidden_size
-    macs = H * c.num_experts + c.moe_topk * 3 * H * c.moe_ffn_hidden_size
+    W = c.moe_latent_size or H   # latent experts: at width W, with the projections H -> W -> H (moe.latent)
+    macs = H * c.num_experts + c.moe_topk * 3 * W * c.moe_ffn_hidden_size + (2 * H * W if W != H else 0)
     if c.moe_shared_expert_ffn_size:
         macs += 3 * H * c.moe_shared_expert_ffn_size + (H if c.moe_shared_expert_gate else 0)
     return macs
