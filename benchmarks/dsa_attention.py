@@ -100,7 +100,7 @@ def _measure(kind: str, S: int, topk: int, iters: int, wall: bool, out: mp.Queue
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--topk", type=int, default=512)
     parser.add_argument("--iters", type=int, default=3)
