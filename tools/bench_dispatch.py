@@ -31,20 +31,16 @@ import argparse
 import multiprocessing as mp
 import os
 import queue
-import statistics
 import sys
 import tempfile
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from moefold.dispatch.config import DispatchConfig, DispatcherKind, FlexOptions
-from moefold.parallel.comm import all_gather_single, reduce_scatter_single
+from moefold.tools.bench_dispatch_timing import PhaseTimes, median_max, raw_exchange, sum_ranks, time_round_trip
 
 PHASES = ("route", "permute", "communicate", "sort", "unpermute")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -100,29 +96,6 @@ def _validate(args: argparse.Namespace) -> None:
     _list(args.skew, SKEWS, "--skew")
 
 
-class PhaseTimes:
-    """``timer(phase)`` context managers that add synchronised wall time per phase."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.enabled = device, False
-        self.seconds: dict[str, float] = defaultdict(float)
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    @contextmanager
-    def __call__(self, phase: str) -> Iterator[None]:
-        if not self.enabled:
-            yield
-            return
-        self._sync()
-        t0 = time.perf_counter()
-        yield
-        self._sync()
-        self.seconds[phase] += time.perf_counter() - t0
-
-
 def _route(x, w_gate, bias, topk):
     from moefold.dispatch.permutation import count_keys
     from moefold.dispatch.routing import Routing
@@ -130,75 +103,6 @@ def _route(x, w_gate, bias, topk):
     logits = (x.float() @ w_gate) + bias
     probs, ids = torch.softmax(logits, -1).topk(topk, -1)
     return Routing(probs, ids, count_keys(ids.reshape(-1), w_gate.shape[1]))
-
-
-def _median_max(values: list[float], device: torch.device) -> float:
-    t = torch.tensor([statistics.median(values)], dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
-def _sum_ranks(value: float, device: torch.device) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t)
-    return float(t.item())
-
-
-def _raw_exchange(kind: str, handle, dims, T: int, K: int, H: int, dtype: torch.dtype, device: torch.device,
-                  gen: torch.Generator) -> tuple[str, Callable[[], None], int] | None:
-    """(name, one timed call of the collectives ``kind`` is built on with its token bytes, bytes sent per rank)."""
-    es = torch.finfo(dtype).bits // 8
-    if kind == "allgather":
-        group, W = dims.etp_ep_group, dims.ep * dims.etp
-        if W == 1:
-            return None
-        Tm = handle.max_tokens
-        x = torch.randn(Tm, H, generator=gen, device="cpu").to(device, dtype)   # gen is a CPU generator
-        partial = torch.randn(W * Tm, H, generator=gen, device="cpu").to(device, dtype)
-
-        def run() -> None:
-            out = torch.empty(W * Tm, H, dtype=dtype, device=device)
-            all_gather_single(out, x, group)
-            reduce_scatter_single(torch.empty(Tm, H, dtype=dtype, device=device), partial, group)
-
-        # ring algorithms: each rank sends (W-1)/W of the gathered / reduced buffer
-        return "all_gather + reduce_scatter", run, 2 * (W - 1) * Tm * H * es
-    if dims.ep == 1:
-        return None
-    if hasattr(handle, "plan"):
-        send, recv = list(handle.plan.send), list(handle.plan.recv)
-    else:  # flex: an even all-to-all of this rank's copies, what an ideal exchange would move
-        n = -(-T * K // dims.ep)
-        send = recv = [n] * dims.ep
-    buf = torch.randn(sum(send), H, generator=gen, device="cpu").to(device, dtype)
-    group = dims.ep_group
-
-    def run() -> None:
-        back = torch.empty(sum(recv), H, dtype=dtype, device=device)
-        dist.all_to_all_single(back, buf, recv, send, group=group)
-        home = torch.empty(sum(send), H, dtype=dtype, device=device)
-        dist.all_to_all_single(home, back, send, recv, group=group)
-
-    return "all_to_all_single x2", run, 2 * sum(n for r, n in enumerate(send) if r != dims.ep_rank) * H * es
-
-
-def time_round_trip(dispatcher, x: torch.Tensor, routing, sync: Callable[[], None], barrier: Callable[[], None],
-                    ) -> tuple[float, object]:
-    """(seconds of dispatch + combine with the rows passed straight back, the handle). Dispatch and combine
-    are each timed from a barrier, so one rank's skew in the untimed gap does not count."""
-    sync()
-    barrier()
-    t0 = time.perf_counter()
-    out = dispatcher.dispatch(x, routing)
-    sync()
-    t1 = time.perf_counter()
-    barrier()
-    t2 = time.perf_counter()
-    dispatcher.combine(out.tokens_NH, out.handle)
-    sync()
-    return (t1 - t0) + (time.perf_counter() - t2), out.handle
 
 
 def _bench_inputs(skew_name: str, args: argparse.Namespace, dims, device: torch.device):
@@ -238,7 +142,7 @@ def _latent_tokens(x: torch.Tensor, width: int, args: argparse.Namespace, device
             torch.cuda.synchronize(device)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
-    return (x @ down).contiguous(), _median_max(times, device)
+    return (x @ down).contiguous(), median_max(times, device)
 
 
 def _bench_one(kind: str, skew_name: str, args: argparse.Namespace, dims, device: torch.device,
@@ -287,7 +191,7 @@ def _bench_one(kind: str, skew_name: str, args: argparse.Namespace, dims, device
     for i in range(args.warmup + args.iters):
         routing = _route(x_route, w_gate, skew, K)
         seconds, handle = time_round_trip(plain, x, routing, sync, barrier)
-        exchange = _raw_exchange(kind, handle, dims, T, K, H, dtype, device, gen)
+        exchange = raw_exchange(kind, handle, dims, T, K, H, dtype, device, gen)
         if exchange is not None:
             raw_name, run_raw, raw_bytes = exchange
             sync()
@@ -322,12 +226,12 @@ def _bench_one(kind: str, skew_name: str, args: argparse.Namespace, dims, device
     remote = int(((ids // e_local) != dims.ep_rank).sum()) if dims.ep > 1 else 0
     es = torch.finfo(dtype).bits // 8
     world = max(1, dims.world_size)
-    ideal = _sum_ranks(2 * remote * H * es, device) / world
-    moved = _sum_ranks(raw_bytes, device) / world
-    t_e2e = _median_max(e2e, device)
-    return {"kind": kind, "skew": skew_name, "phases": {p: _median_max([v], device) for p, v in phase_ms.items()},
-            "e2e": t_e2e, "raw": _median_max(raw, device) if raw else None, "raw_name": raw_name,
-            "local": _median_max(local, device) if local else None, "ideal_bytes": ideal, "moved_bytes": moved,
+    ideal = sum_ranks(2 * remote * H * es, device) / world
+    moved = sum_ranks(raw_bytes, device) / world
+    t_e2e = median_max(e2e, device)
+    return {"kind": kind, "skew": skew_name, "phases": {p: median_max([v], device) for p, v in phase_ms.items()},
+            "e2e": t_e2e, "raw": median_max(raw, device) if raw else None, "raw_name": raw_name,
+            "local": median_max(local, device) if local else None, "ideal_bytes": ideal, "moved_bytes": moved,
             "remote_rows": remote, "width": H, "proj": proj}
 
 

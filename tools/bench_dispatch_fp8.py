@@ -19,7 +19,7 @@ from moefold.dispatch.config import DispatchConfig
 from moefold.dispatch.fp8_exchange import row_bytes
 from moefold.dispatch.routing import Routing
 from moefold.parallel.dims import ParallelDims
-from moefold.tools.bench_dispatch import _median_max, time_round_trip
+from moefold.tools.bench_dispatch_timing import median_max, time_round_trip
 
 
 def _mean_over_ranks(value: float, device: torch.device) -> float:
@@ -48,7 +48,7 @@ def report_fp8(config: DispatchConfig, args: argparse.Namespace, dims: ParallelD
         t, _ = time_round_trip(fp8, x, route(), sync, barrier)
         if i >= args.warmup:
             seconds.append(t)
-    t_fp8 = _median_max(seconds, device)
+    t_fp8 = median_max(seconds, device)
     hp_row = H * x.element_size()
     plain_bytes = _mean_over_ranks(2 * rows * hp_row, device)
     fp8_bytes = _mean_over_ranks(rows * (row_bytes(H) + hp_row), device)
