@@ -7,6 +7,7 @@
     ExecutionConfig   the pipeline schedule and split, the batch-level overlap, compile, grad-accumulation fusion
     CheckpointConfig  saving, loading, the starting weights, stopping early (with a save) and on bad steps
     LoggingConfig     the run directory and id, the logging interval, reports, Weights & Biases
+                      (these two in ``training.run_sections``; the shared value checks in ``training.section_checks``)
 
 Every field is also ``TrainConfig``'s flat name (``t.lr == t.schedule.lr``; ``models.composed``), the name of
 its Megatron-LM flag with ``-`` for ``_``. A field made with ``flag(default, help, ...)`` is that flag of ``moefold
@@ -18,7 +19,6 @@ import it when they run.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -28,35 +28,16 @@ from moefold.training.data.megatron_tokenizer import TOKENIZER_TYPES
 from moefold.training.optim.loss_scaler import LossScaler
 from moefold.training.optim.lr_schedule import DECAY_STYLES, WSD_STYLES, LRSchedule
 from moefold.training.optim.precision import DTYPES, OptimizerPrecision
+from moefold.training.run_sections import EXIT_SIGNALS, STOP_SIGNALS, CheckpointConfig, LoggingConfig
+from moefold.training.section_checks import finite_non_negative, positive_int_or_none, positive_ints
 
 if TYPE_CHECKING:
     from moefold.training.optim.muon import MuonOptions
 
-# the signals that stop a run after its current step, with a checkpoint (Megatron's --exit-signal-handler)
-EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
-STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")   # the ones --exit-signal takes
 DATA_ORDERS = ("moefold", "megatron")
 # Megatron-Core 0.18's CUDA graph flags (execution.cuda_graph's CudaGraphImpl / CudaGraphScope: the same names)
 CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")
 CUDA_GRAPH_MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess")
-
-
-def _positive_ints(owner: object, *names: str) -> None:
-    for name in names:
-        if not isinstance(getattr(owner, name), int) or getattr(owner, name) < 1:
-            raise ValueError(f"{name}={getattr(owner, name)!r} must be a positive integer")
-
-
-def _finite_non_negative(owner: object, *names: str) -> None:
-    for name in names:
-        value = getattr(owner, name)
-        if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"--{name.replace('_', '-')}={value!r} must be a finite number >= 0")
-
-
-def _positive_int_or_none(flag: str, value: object) -> None:
-    if value is not None and (not isinstance(value, int) or value < 1):
-        raise ValueError(f"{flag}={value!r} must be a positive integer")
 
 
 @dataclass(frozen=True)
@@ -110,8 +91,8 @@ class OptimizerConfig:
     qk_clip_alpha: float = flag(0.5, "q rows take eta^alpha, k rows eta^(1 - alpha)")
 
     def __post_init__(self) -> None:
-        _positive_ints(self, "bucket_numel")
-        _finite_non_negative(self, "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad")
+        positive_ints(self, "bucket_numel")
+        finite_non_negative(self, "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad")
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1 and self.adam_eps > 0):
             raise ValueError(f"need 0 <= --adam-beta1={self.adam_beta1}, --adam-beta2={self.adam_beta2} < 1 and "
                              f"--adam-eps={self.adam_eps} > 0")
@@ -173,8 +154,8 @@ class ScheduleConfig:
                                      "already learns", action="store_true")
 
     def __post_init__(self) -> None:
-        _positive_ints(self, "train_iters")
-        _finite_non_negative(self, "lr", "min_lr")
+        positive_ints(self, "train_iters")
+        finite_non_negative(self, "lr", "min_lr")
         if self.lr_decay_style not in DECAY_STYLES:
             raise ValueError(f"--lr-decay-style={self.lr_decay_style!r}; valid: {', '.join(DECAY_STYLES)}")
         if self.lr_wsd_decay_style not in WSD_STYLES:
@@ -249,11 +230,11 @@ class DataConfig:
     def __post_init__(self) -> None:
         for name in ("data_path", "valid_data_path"):   # a list after a JSON / YAML round trip
             object.__setattr__(self, name, tuple(getattr(self, name) or ()))
-        _positive_ints(self, "micro_batch_size", "global_batch_size", "seq_length")
+        positive_ints(self, "micro_batch_size", "global_batch_size", "seq_length")
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(f"--global-batch-size={self.global_batch_size} is not a multiple of "
                              f"--micro-batch-size={self.micro_batch_size}")
-        _positive_int_or_none("--eval-interval", self.eval_interval)
+        positive_int_or_none("--eval-interval", self.eval_interval)
         if not isinstance(self.eval_iters, int) or self.eval_iters < 1:
             raise ValueError(f"--eval-iters={self.eval_iters!r} must be a positive integer")
         if self.eval_interval is not None and not self.has_validation:
@@ -300,7 +281,7 @@ class PrecisionConfig:
     hysteresis: int = flag(2, "fp16 dynamic loss scaling: overflowing steps in a row before the scale halves")
 
     def __post_init__(self) -> None:
-        _positive_ints(self, "loss_scale_window", "hysteresis")
+        positive_ints(self, "loss_scale_window", "hysteresis")
         if self.fp16 and self.bf16:
             raise ValueError("--fp16 and --bf16 exclude each other; choose one")
         if self.fp16:
@@ -413,71 +394,6 @@ class ExecutionConfig:
             raise ValueError(f"--cuda-graph-impl {impl} cannot be combined with the batch-level overlap or a "
                              "zero-bubble schedule: several micro-batches' activations would share one graph's "
                              "static buffers, and split backward runs weight gradients outside it")
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    """Saving and loading, the starting weights, and when a run stops early (saving first)."""
-
-    save: str | None = flag(None, "checkpoint directory (default RUN_DIR/checkpoints)")
-    save_interval: int = flag(0, "steps between checkpoints (0: only at the end)")
-    keep_last: int = flag(2, "checkpoints kept (older ones are deleted)")
-    load: str | None = flag(None, "resume from the newest intact checkpoint in this directory (or this checkpoint); "
-                            "must exist unless it is also --save")
-    async_save: bool = flag(False, "write --save-interval checkpoints in the background "
-                            "(torch.distributed.checkpoint.async_save): training waits only for the copy to host "
-                            "memory; the final save waits", action="store_true")
-    # starting weights (train --load-hf): the architecture and weights of an HF (or moefold) directory
-    load_hf: str | None = flag(None, "start from an HF model directory (or a moefold checkpoint): its config.json is "
-                               "the model, its weights the starting point (each rank reads its slices); instead of "
-                               "--recipe", metavar="DIR")
-    moe_use_upcycling: bool = flag(False, "--load-hf holds a dense model (Qwen3, Mistral, a moefold dense "
-                                   "checkpoint): start from its MoE upcycling with --num-experts / --moe-router-topk "
-                                   "[/ --moe-ffn-hidden-size: granular]", action="store_true")
-    load_megatron: str | None = flag(None, "start from a Megatron-Core torch_dist checkpoint (a Megatron-LM --save "
-                                     "directory or one iter_N): its args are the model (or --recipe and model flags "
-                                     "when it stores none), every rank reads its slices; instead of --recipe",
-                                     metavar="DIR")
-    # stopping early, saving first (training.launch.signals)
-    exit_signals: tuple[str, ...] = EXIT_SIGNALS   # () : no handler (a signal ends the process as usual)
-    exit_duration_in_mins: float | None = flag(None, "stop (and save) after this many minutes of training; exit 0")
-    exit_interval: int | None = flag(None, "stop (and save) after the first step divisible by this; exit 0")
-    max_skipped_steps: int = flag(5, "stop after this many non-finite steps in a row")
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "exit_signals", tuple(self.exit_signals))   # a list after a JSON round trip
-        _positive_ints(self, "keep_last", "max_skipped_steps")
-        if self.save_interval < 0:
-            raise ValueError(f"--save-interval={self.save_interval} must be >= 0")
-        if self.load_hf and self.load_megatron:
-            raise ValueError("give either --load-hf or --load-megatron (the starting weights), not both")
-        if self.moe_use_upcycling and not self.load_hf:
-            raise ValueError("--moe-use-upcycling needs --load-hf DIR (the dense checkpoint to upcycle)")
-        bad = [s for s in self.exit_signals if s not in STOP_SIGNALS]
-        if bad:
-            raise ValueError(f"--exit-signal {' '.join(bad)}: valid: {', '.join(STOP_SIGNALS)}")
-        if self.exit_duration_in_mins is not None and not (isinstance(self.exit_duration_in_mins, (int, float))
-                                                           and 0 < self.exit_duration_in_mins < math.inf):
-            raise ValueError(f"--exit-duration-in-mins={self.exit_duration_in_mins!r} must be a positive number")
-        _positive_int_or_none("--exit-interval", self.exit_interval)
-
-
-@dataclass(frozen=True)
-class LoggingConfig:
-    """Where a run writes and what it reports."""
-
-    run_dir: str = "runs/moefold"
-    log_interval: int = flag(10, "steps per printed line and metrics record")
-    run_id: str | None = None                  # this run's id (training.checkpoint.identity; the CLI sets it)
-    balance_report: bool = True
-    # Weights & Biases (optional dependency; WANDB_MODE=offline works without network)
-    wandb_project: str | None = flag(None, "also log to Weights & Biases (pip install wandb; WANDB_MODE=offline works"
-                                     " without network)")
-    wandb_exp_name: str | None = flag(None, "W&B run name")
-    wandb_save_dir: str | None = flag(None, "W&B directory (default: the run directory)")
-
-    def __post_init__(self) -> None:
-        _positive_ints(self, "log_interval")
 
 
 __all__ = ["DATA_ORDERS", "EXIT_SIGNALS", "STOP_SIGNALS", "flag", "CheckpointConfig", "DataConfig",
