@@ -82,13 +82,13 @@ def quantile_route(logits_TE: Tensor, topk: int, beta_E: Tensor, group: Group,
 
 
 @torch.no_grad()
-def update_quantile_biases(routers: Iterable[nn.Module], group: Group, ema: float | None = None) -> None:
+def update_quantile_biases(routers: Iterable[nn.Module], group: Group) -> None:
     """Once per global batch: each router's ``qb_beta`` from the quantiles its micro-batches accumulated.
 
     ``routers``: this rank's routers with quantile balancing (their ``qb_beta``, ``qb_beta_accum``,
     ``qb_beta_count`` buffers); ``group``: tp x cp x dp, every rank that saw different tokens of the step (the
-    routers of one pipeline stage are the same on all of them). One all-reduce of [n_routers, E + 1]. ``ema``
-    defaults to each router config's ``quantile_balancing_ema``. Resets the accumulators."""
+    routers of one pipeline stage are the same on all of them). One all-reduce of [n_routers, E + 1]; each bias
+    keeps its router config's ``quantile_balancing_ema`` of the last one. Resets the accumulators."""
     routers = list(routers)
     if not routers:
         return
@@ -96,7 +96,7 @@ def update_quantile_biases(routers: Iterable[nn.Module], group: Group, ema: floa
                           for r in routers])
     packed = all_reduce_sum(packed, group)
     for r, row in zip(routers, packed):
-        decay = r.config.quantile_balancing_ema if ema is None else ema
+        decay = r.config.quantile_balancing_ema
         mean_q = row[:-1] / row[-1].clamp(min=1.0)
         beta = decay * r.qb_beta.to(torch.float32) + (1.0 - decay) * mean_q
         beta = beta - beta.mean()

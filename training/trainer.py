@@ -106,6 +106,8 @@ class Trainer(TrainerCheckpoints):
         self.step_graph = self.execution.step_graph   # --cuda-graph-impl full_iteration (execution.step_graph)
         self.overlap = OverlapConfig(t.delay_wgrad_compute, self.weight_store) if overlap else None
         self.routers = moe_routers(self.model)
+        # quantile balancing's routers: their biases are set once per global batch (update_quantile_biases)
+        self.qb_routers = [r for r in self.routers.values() if r.qb_beta is not None]
         # every MoE layer of the model (all stages) in logging order; this stage fills its own rows
         m = config.model
         self.moe_layers = [i for i in range(m.num_layers + m.mtp_num_layers) if m.num_experts and is_moe_block(m, i)]
@@ -334,9 +336,8 @@ class Trainer(TrainerCheckpoints):
                 if router is not None and getattr(router, "expert_bias", None) is not None:
                     update_expert_bias(router, loads[j, :E].to(torch.float32), group=None)
         # quantile balancing: once per global batch, skipped step or not (Megatron: finalize_model_grads)
-        qb_routers = [r for r in self.routers.values() if getattr(r, "qb_beta", None) is not None]
-        if qb_routers:
-            update_quantile_biases(qb_routers, qb_routers[0].groups.tp_cp_dp)
+        if self.qb_routers:
+            update_quantile_biases(self.qb_routers, self.qb_routers[0].groups.tp_cp_dp)
         self.iteration += 1
         t = self.config.train
         self.consumed_samples += t.global_batch_size
