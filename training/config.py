@@ -102,6 +102,11 @@ class RunConfig:
                    "MLA attention (its q_pe/k_pe split)" if self.model.attention == "mla" else
                    "qk-norm (the norms undo a clip of the projections)")
             raise ValueError(f"--qk-clip is implemented for GQA attention without qk-norm, not with {why}")
+        if t.fp16 and self.model.dsa is not None:
+            raise ValueError("--fp16 cannot train DeepSeek sparse attention (the model's dsa): the indexer's loss "
+                             "joins the backward with gradient 1, unscaled (as Megatron-Core's "
+                             "DSAIndexerLossAutoScaler), so the loss scale's unscaling would shrink the indexer's "
+                             "gradients by the scale; use --bf16")
         if t.seq_length > self.model.max_position_embeddings:
             raise ValueError(f"--seq-length={t.seq_length} exceeds the model's max_position_embeddings="
                              f"{self.model.max_position_embeddings}")

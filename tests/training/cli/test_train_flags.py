@@ -98,3 +98,8 @@ def test_fp16_loss_scaling_flags_and_refusals(capsys, monkeypatch, tmp_path):
         assert cli([*base, *flags]) == 2, flags
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1 and err.startswith("moefold train: error:"), err
+    # DeepSeek sparse attention's indexer loss is not loss-scaled (Megatron's DSAIndexerLossAutoScaler): fp16 refused
+    dsa = ["train", "--recipe", "deepseek_v32_tiny", "--run-dir", str(tmp_path), "--no-save", "--train-iters", "1"]
+    assert cli([*dsa, "--fp16"]) == 2
+    err = capsys.readouterr().err
+    assert "--fp16 cannot train DeepSeek sparse attention" in err and err.count("\n") == 1, err
