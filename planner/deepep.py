@@ -133,10 +133,8 @@ def routed_tokens(config: RunConfig, sizes: ParallelSizes) -> int:
 
 
 def sync_free(options: ModelOptions, fp8_gemms: bool) -> bool:
-    """V2's dispatch runs without the CPU sync (``dispatch.config.FlexOptions.cpu_sync_for``'s rule)."""
-    if options.moe_deepep_cpu_sync is not None:
-        return not options.moe_deepep_cpu_sync
-    return not (options.gemm_backend.needs_host_counts or fp8_gemms)
+    """V2's dispatch runs without the CPU sync (``dispatch.config.FlexOptions.cpu_sync_for``, the one rule)."""
+    return not options.flex.cpu_sync_for(options.gemm_backend.needs_host_counts or fp8_gemms)
 
 
 def deepep_buffer_bytes(config: RunConfig, sizes: ParallelSizes, gpus_per_node: int = NVL_PEERS) -> int:
