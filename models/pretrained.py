@@ -43,7 +43,7 @@ def open_pretrained(path: str | os.PathLike) -> Iterator[tuple[ModelConfig, Tens
     """(config, tensor reader, whether the tensors use HF names) of ``path``; the reader closes on exit. The
     config must describe the tensors there (``models.hf.bounds``: checked before anything is allocated)."""
     kind = pretrained_kind(path)
-    with TensorReader(path) as reader:
+    with importer.open_hf_tensors(path) if kind == "hf" else TensorReader(path) as reader:
         if kind == "hf":
             config = importer.load_config(path, reader)
             importer.check_quantization(config)

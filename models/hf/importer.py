@@ -37,6 +37,7 @@ from moefold.models.hf.mapping import (
     ignored_hf_names,
     is_ignorable,
 )
+from moefold.models.hf.multimodal import TextModelReader, text_config, text_reader
 from moefold.models.options import ModelOptions
 from moefold.models.tensor_io import TensorReader
 from moefold.parallel.dims import ParallelDims
@@ -52,11 +53,22 @@ def local_box(shape: tuple[int, ...], shards: tuple[Shard, ...]) -> tuple[slice,
     return tuple(slice(a, a + b) for a, b in zip(starts, sizes))
 
 
-def read_hf_config(path: str | os.PathLike) -> dict:
+def raw_hf_config(path: str | os.PathLike) -> dict:
+    """The directory's config.json as stored."""
     file = Path(path) / "config.json"
     if not file.is_file():
         raise ValueError(f"{path}: no config.json (not an HF checkpoint directory)")
     return json.loads(file.read_text())
+
+
+def read_hf_config(path: str | os.PathLike) -> dict:
+    """The config.json of the model moefold reads: a multimodal directory's text model (``models.hf.multimodal``)."""
+    return text_config(raw_hf_config(path))
+
+
+def open_hf_tensors(path: str | os.PathLike) -> TensorReader | TextModelReader:
+    """The directory's tensors under the names of the model ``read_hf_config`` describes; close it after use."""
+    return text_reader(TensorReader(path), raw_hf_config(path))
 
 
 def load_config(path: str | os.PathLike, reader: TensorReader | None = None) -> ModelConfig:
@@ -64,7 +76,7 @@ def load_config(path: str | os.PathLike, reader: TensorReader | None = None) -> 
     ``save_pretrained`` does not write: without their tensors the config gets ``mtp_num_layers=0``."""
     config = from_hf_config(read_hf_config(path), name=Path(path).name)
     if config.mtp_num_layers:
-        own = reader or TensorReader(path)
+        own = reader or open_hf_tensors(path)
         try:
             if f"model.layers.{config.num_layers}.eh_proj.weight" not in own:
                 config = config.with_(mtp_num_layers=0)
@@ -89,7 +101,7 @@ def import_hf(path: str | os.PathLike, dims: ParallelDims | None = None, options
     """Build the model an HF directory describes over ``dims`` and load its weights."""
     from moefold.models.hf.bounds import check_weights_match_config
 
-    with TensorReader(path) as reader:
+    with open_hf_tensors(path) as reader:
         config = load_config(path, reader)
         check_weights_match_config(path, config, reader, read_hf_config(path))
         model = MoEDecoder(config, dims, options)
@@ -98,7 +110,7 @@ def import_hf(path: str | os.PathLike, dims: ParallelDims | None = None, options
 
 
 def load_hf_weights(model: MoEDecoder, path: str | os.PathLike, strict: bool = True) -> None:
-    with TensorReader(path) as reader:
+    with open_hf_tensors(path) as reader:
         load_weights(model, reader, strict=strict)
 
 

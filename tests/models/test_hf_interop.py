@@ -303,3 +303,48 @@ def test_qwen3_next_negative_controls(tmp_path):
     print({k: f"{v:.3g}" for k, v in off.items()})
     for feature, diff in off.items():
         assert diff > 1e-2, (feature, diff)
+
+
+def test_qwen3_5_moe_published_multimodal_directory(tmp_path, capsys):
+    """A ``Qwen3_5MoeForConditionalGeneration`` directory (the form Qwen3.5-MoE is published in: ``text_config``,
+    ``model.language_model.*``, a vision tower) reads as its text model: logits equal the multimodal class's on
+    text, ``moefold inspect`` says what it leaves out, the export is the text model HF reloads with the same
+    logits; a nested ``tie_word_embeddings`` that contradicts the top level is refused in one line."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    from moefold.training.cli import main as cli
+    from tests.models.hf_tiny import qwen3_5_moe_config
+
+    torch.manual_seed(0)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=2,
+                  temporal_patch_size=2, spatial_merge_size=2)
+    hf = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=qwen3_5_moe_config().to_dict(),
+                                                              vision_config=vision)).eval()
+    src, out = tmp_path / "mm", tmp_path / "text"
+    hf.save_pretrained(src)
+    assert any(n.startswith("model.visual.") for n in _tensors(src))
+    ids = tokens()
+    ref = hf_logits(hf, ids)
+    model = import_hf(src)
+    diff = (model.logits(ids) - ref).abs().max().item()
+    print(f"qwen3_5_moe (ConditionalGeneration directory): world-1 max |logits diff| = {diff:.3g}")
+    assert diff <= TOL
+    # the vision tower's tensors hold no text weight: reading the directory as an unwrapped one would miss them all
+    visual = [n for n in _tensors(src) if n.startswith("model.visual.")]
+    assert cli(["inspect", "--hf", str(src)]) == 0
+    assert f"its {len(visual)} vision-tower tensors are not read" in capsys.readouterr().out
+
+    export_hf(model, out)
+    text = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(text).__name__ == "Qwen3_5MoeForCausalLM"
+    torch.testing.assert_close(hf_logits(text, ids), ref, atol=TOL, rtol=0)
+    written = {n: t for n, t in _tensors(out).items()}
+    for name, t in _tensors(src).items():
+        if name.startswith("model.language_model."):
+            assert torch.equal(written["model." + name[len("model.language_model."):]], t), name
+
+    config = json.loads((src / "config.json").read_text())
+    config["text_config"]["tie_word_embeddings"] = True
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"text_config.tie_word_embeddings=True disagrees with the top level's False"):
+        import_hf(src)

@@ -35,14 +35,13 @@ def describe_hf_dir(path: str | Path):
     """(ModelConfig of what the directory holds, lines describing its contents)."""
     from moefold.models.hf.assets import present_assets
     from moefold.models.hf.config_map import from_hf_config
-    from moefold.models.hf.importer import load_config, read_hf_config
-    from moefold.models.tensor_io import TensorReader
+    from moefold.models.hf.importer import load_config, open_hf_tensors, raw_hf_config, read_hf_config
 
     path = Path(path)
     announced = from_hf_config(read_hf_config(path), name=path.name)
     lines = []
     try:
-        reader = TensorReader(path)
+        reader = open_hf_tensors(path)
     except ValueError:
         lines.append(f"  {path}: config.json only, no weights (the counts are the config's)")
         config = announced
@@ -53,6 +52,9 @@ def describe_hf_dir(path: str | Path):
             dtypes = sorted({reader.dtype(n) for n in reader.names()})
             lines.append(f"  {path}: {len(reader.names())} tensors in {len(files)} safetensors file(s), "
                          f"{size / 2**30:.2f} GiB, dtype {', '.join(dtypes)}")
+            if getattr(reader, "skipped", None):   # a multimodal directory read as its text model
+                lines.append(f"  the text model of {raw_hf_config(path)['architectures'][0]}: its "
+                             f"{len(reader.skipped)} vision-tower tensors are not read")
             config = load_config(path, reader)
             from moefold.models.hf.bounds import (
                 SLACK,
