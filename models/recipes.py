@@ -70,12 +70,13 @@ def deepseek_v32_proxy() -> ModelConfig:
 def glm5() -> ModelConfig:
     """GLM-5 (744B total, 40B active without the embedding): DeepSeek-V3.2's architecture at transformers'
     ``GlmMoeDsaConfig`` sizes (78 layers, 64 heads of 192 + 64, values 256, one expert group), its indexer of 32 heads
-    with interleaved RoPE. RoPE theta: the class default (10000); take a checkpoint's own with ``--load-hf``."""
+    with interleaved RoPE. RoPE theta 1e6 (GLM-5's published config.json, ``rope_parameters``: default RoPE, no
+    YaRN, as GLM-4.5's; transformers' class default is 10000); ``--load-hf`` takes a checkpoint's own."""
     return deepseek_v32().with_(
         name="glm5", family="glm_moe_dsa", vocab_size=154880, hidden_size=6144, num_layers=78, num_attention_heads=64,
         mla=MLADims(q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256),
-        yarn=None, max_position_embeddings=202752, norm_eps=1e-5, ffn_hidden_size=12288, moe_num_groups=1,
-        moe_group_topk=1, dsa=DSADims(index_n_heads=32, index_head_dim=128, index_topk=2048, rope_interleave=True))
+        yarn=None, rope_theta=1e6, max_position_embeddings=202752, norm_eps=1e-5, ffn_hidden_size=12288,
+        moe_num_groups=1, moe_group_topk=1, dsa=DSADims(index_n_heads=32, index_head_dim=128, index_topk=2048, rope_interleave=True))
 
 
 def glm5_tiny() -> ModelConfig:

@@ -213,6 +213,8 @@ def test_recipes_roundtrip_through_hf_config(name):
     from moefold.models.recipes import get_recipe
 
     recipe = get_recipe(name)
+    if name == "glm5":   # GLM-5's published config.json: default RoPE at theta 1e6 (the HF class's default is 1e4)
+        assert (recipe.rope_theta, recipe.yarn) == (1e6, None)
     hf = to_hf_config(recipe)
     assert from_hf_config(hf, name=name) == recipe
     # transformers' own config class takes the export and gives it back unchanged
