@@ -76,7 +76,8 @@ def glm5() -> ModelConfig:
         name="glm5", family="glm_moe_dsa", vocab_size=154880, hidden_size=6144, num_layers=78, num_attention_heads=64,
         mla=MLADims(q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256),
         yarn=None, rope_theta=1e6, max_position_embeddings=202752, norm_eps=1e-5, ffn_hidden_size=12288,
-        moe_num_groups=1, moe_group_topk=1, dsa=DSADims(index_n_heads=32, index_head_dim=128, index_topk=2048, rope_interleave=True))
+        moe_num_groups=1, moe_group_topk=1,
+        dsa=DSADims(index_n_heads=32, index_head_dim=128, index_topk=2048, rope_interleave=True))
 
 
 def glm5_tiny() -> ModelConfig:
