@@ -96,7 +96,7 @@ def moe_config(config: ModelConfig, options: ModelOptions, dims: ParallelDims) -
     c, o = config.moe, options
     experts = c.experts.component(gemm_backend=o.gemm_backend, init_std=o.init_std, fp8=o.fp8)
     return MoEConfig(num_experts=c.num_experts, router=router_config(config, o), experts=experts,
-                     dispatch=DispatchConfig(o.dispatcher, o.flex, fp8=o.fp8.dispatch),
+                     dispatch=o.dispatch,
                      shared=c.shared.component(o.init_std), apply_probs_on_input=c.apply_probs_on_input,
                      latent_size=c.latent_size)
 

@@ -18,6 +18,7 @@ from moefold.models.recipes import get_recipe
 from moefold.parallel.dims import ParallelDims
 from moefold.training.cli.option_flags import OPTION_FLAGS, options_from_args
 from moefold.training.cli.train import add_arguments, config_from_args
+from moefold.training.config import RunConfig
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,7 +56,9 @@ def test_the_flags_land_in_their_fields():
 def test_auto_reaches_the_dispatchers_builder_unchanged():
     o = ModelOptions()
     assert o.dispatcher is None and ModelOptions(dispatcher="auto") == o   # a saved run's / YAML's "auto"
-    assert json.loads(json.dumps(dataclasses.asdict(o)))["dispatcher"] is None
+    assert json.loads(json.dumps(dataclasses.asdict(o)))["dispatch"]["kind"] is None   # the nested form
+    saved = RunConfig(model=get_recipe("qwen3_moe_tiny")).to_dict()["options"]
+    assert saved["dispatcher"] == "auto" and "dispatch" not in saved   # the flat form, which base 16fae2e reads
     moe = moe_config(get_recipe("qwen3_moe_tiny"), o, ParallelDims.single())
     assert moe.dispatch.kind is None and moe.dispatch.flex is o.flex
     assert isinstance(build_dispatcher(moe.dispatch, 4), LocalDispatcher)   # ep = etp = 1: nothing travels
