@@ -17,11 +17,12 @@ flat name of the composite (names must not clash). A field's flat name is its ow
 gives (``field(..., metadata={"flat": "moe_topk"})`` on a section's field ``topk``). A section that is itself
 ``composed`` lends its flat names, so sections nest (``ModelConfig.moe.router.topk`` is ``moe_topk``). ``aliases``
 adds flat names that are not a field's (an earlier flat field kept for its readers): ``{flat: (section, field,
-to_field, from_field)}``, where the two functions convert a flat value to the section's and back; ``field`` may
-be a dotted path into the section (``"flex.num_sms"``: the section's field ``flex``, itself a dataclass). A section's
-default is its field's ``default_factory()`` (which may be a function returning the section's dataclass). ``flat_dict()`` is
-the flat form (what earlier moefold saved, and what readers of a saved config's flat keys expect); the constructor
-reads either form (sections given as mappings: JSON / YAML), or a mix, the flat names winning.
+to_field, from_field)}``, where the two functions convert a flat value to the section's and back;
+``field`` may be a dotted path into the section (``"flex.num_sms"``: the section's field ``flex``, itself a
+dataclass). A section's default is its field's ``default_factory()`` (a function may return the section's
+dataclass). ``flat_dict()`` is the flat form (what earlier moefold saved, and what readers of a saved config's
+flat keys expect); the constructor reads either form (sections given as mappings: JSON / YAML), or a mix, the
+flat names winning.
 """
 
 from __future__ import annotations

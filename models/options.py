@@ -7,7 +7,6 @@ with a different dispatcher, recompute mode or CP exchange.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -54,7 +53,7 @@ def _same(value: object) -> object:
 
 
 def auto_dispatch() -> DispatchConfig:
-    """``ModelOptions.dispatch``'s default: the dispatcher chosen by the layout (``--moe-token-dispatcher-type auto``)."""
+    """``ModelOptions.dispatch``'s default: the dispatcher the layout chooses (``--moe-token-dispatcher-type auto``)."""
     return DispatchConfig(kind=None)
 
 
@@ -90,9 +89,10 @@ class ModelOptions:
     dispatch:          what the MoE layers' dispatcher needs (``dispatch.config.DispatchConfig``), handed to it
                        unchanged: ``kind`` (--moe-token-dispatcher-type; None, "auto" as the flag and saved configs
                        spell it: "local" when ep*etp == 1, else "alltoall", chosen where the dispatcher is built),
-                       ``flex`` (the flex dispatcher's ``FlexOptions``), ``fp8`` (always ``fp8.dispatch``, which
-                       --moe-fp8-dispatch sets: made equal here). Also given and read by the earlier flat names
-                       ``dispatcher`` (the kind), ``flex`` and the flex options' flag names:
+                       ``flex`` (the flex dispatcher's ``FlexOptions``); its ``fp8`` stays False: FP8 dispatch is
+                       ``fp8.dispatch`` (--moe-fp8-dispatch), put in by ``models.layer_factory.moe_config``, where
+                       the combination is checked (DeepEP legacy refuses it). Also given and read by the
+                       earlier flat names ``dispatcher`` (the kind), ``flex`` and the flex options' flag names:
                        moe_flex_dispatcher_backend (``FlexBackend``),
                        moe_deepep_num_sms (0: DeepEP V2's analytic count, legacy's 20), moe_deepep_mode ("hybrid":
                        RDMA once per node, NVLink forwarding | "direct"), moe_deepep_cpu_sync (None: on when the expert
@@ -145,8 +145,9 @@ class ModelOptions:
     def __post_init__(self) -> None:
         if isinstance(self.fp8, dict):  # from a saved RunConfig (JSON)
             object.__setattr__(self, "fp8", FP8Config(**self.fp8))
-        if self.dispatch.fp8 != self.fp8.dispatch:   # --moe-fp8-dispatch is fp8.dispatch; the dispatcher reads its own
-            object.__setattr__(self, "dispatch", dataclasses.replace(self.dispatch, fp8=self.fp8.dispatch))
+        if self.dispatch.fp8:   # one place for the switch: the layer's DispatchConfig takes it from fp8.dispatch
+            raise ValueError("ModelOptions.dispatch.fp8=True: FP8 dispatch is fp8.dispatch (--moe-fp8-dispatch, "
+                             "FP8Config(dispatch=True)); leave dispatch.fp8 False")
         if self.cp_comm not in CP_COMM_MODES:
             raise ValueError(f"ModelOptions.cp_comm={self.cp_comm!r} is not one of {CP_COMM_MODES}")
         if self.recompute not in RECOMPUTE_MODES:
