@@ -18,6 +18,7 @@ from moefold.dense.choices import (
     RECOMPUTE_METHODS,
     RECOMPUTE_MODES,
     RECOMPUTE_MODULES,
+    CPComm,
     DeltaRuleBackend,
     Recompute,
     RecomputeMethod,
@@ -112,7 +113,7 @@ class ModelOptions:
 
     sequence_parallel: bool = flag(True, "shard activations along the sequence between TP regions (tp > 1 only; "
                                    "--seq-length must then divide by tp)", action="optional")
-    cp_comm: str = flag("p2p", "context-parallel K/V exchange: p2p (ring, overlapped) or all_gather",
+    cp_comm: CPComm = flag("p2p", "context-parallel K/V exchange: p2p (ring, overlapped) or all_gather",
                         choices=CP_COMM_MODES, name="--cp-comm-type")
     recompute: Recompute = flag(
         Recompute.NONE, "activation recomputation: selective (--recompute-modules) or full (whole layers)",
@@ -150,6 +151,7 @@ class ModelOptions:
                              "FP8Config(dispatch=True)); leave dispatch.fp8 False")
         if self.cp_comm not in CP_COMM_MODES:
             raise ValueError(f"ModelOptions.cp_comm={self.cp_comm!r} is not one of {CP_COMM_MODES}")
+        object.__setattr__(self, "cp_comm", CPComm(self.cp_comm))
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"ModelOptions.recompute={self.recompute!r} is not one of {RECOMPUTE_MODES}")
         object.__setattr__(self, "recompute", Recompute(self.recompute))   # the layers compare the enum
