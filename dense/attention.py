@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from moefold.dense.attention_config import AttentionConfig
+from moefold.dense.attention_config import AttentionConfig, QKNormScope
 from moefold.dense.choices import Recompute
 from moefold.dense.core_attention import CoreAttention
 from moefold.dense.documents import Documents
@@ -98,7 +98,7 @@ class GQAAttention(nn.Module):
         self.v_proj = ColumnParallelLinear(c.hidden_size, g * d, kv_group, **kw)
         self.o_proj = RowParallelLinear(c.num_heads * d, c.hidden_size, tp_group, sequence_parallel=sequence_parallel,
                                         **{**kw, "bias": c.out_bias_resolved})
-        self.projection_norm = c.qk_norm and c.qk_norm_scope == "projection"
+        self.projection_norm = c.qk_norm and c.qk_norm_scope is QKNormScope.PROJECTION
         if c.qk_norm:
             q_dim, k_dim = (c.num_heads * d, g * d) if self.projection_norm else (d, d)
             norm_kw = {"zero_centered_gamma": c.zero_centered_gamma, "dtype": dtype, "device": device}
@@ -236,7 +236,7 @@ class GQAAttention(nn.Module):
     def extra_repr(self) -> str:
         return (f"heads={self.local_heads}/{self.config.num_heads}, kv_heads={self.local_kv_heads}/"
                 f"{self.config.kv_heads}{' (replicated)' if self.kv_replicated else ''}, head_dim={self.head_dim}, "
-                f"qk_norm={self.config.qk_norm and self.config.qk_norm_scope}, "
+                f"qk_norm={self.config.qk_norm and self.config.qk_norm_scope.value}, "
                 f"sliding_window={self.config.sliding_window}, sinks={self.config.sinks}, "
                 f"{'output_gate, ' if self.config.output_gate else ''}"
                 f"rotary_dim={self.config.rotary_dim_resolved}, "

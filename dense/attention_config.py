@@ -11,13 +11,22 @@ modules call it at construction).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from enum import StrEnum
 
+from moefold.dense.choices import CPComm
 from moefold.dense.context_parallel import CP_COMM_MODES, check_context_parallel_seq_length
 from moefold.dense.recompute import check_recompute
 from moefold.dense.rope import YarnConfig
 
-QK_NORM_SCOPES: tuple[str, ...] = ("head", "projection")
+
+class QKNormScope(StrEnum):
+    """Where the q/k RMSNorm's weights apply: per head (Qwen3) or over the whole projection (OLMoE, MiniMax-M2)."""
+
+    HEAD = "head"
+    PROJECTION = "projection"
+
+
+QK_NORM_SCOPES: tuple[str, ...] = tuple(s.value for s in QKNormScope)
 
 
 def _positive_int(cls: str, name: str, value: object) -> None:
@@ -36,6 +45,7 @@ def _check_common(cls: str, cfg: AttentionConfig | MLAConfig) -> None:
         raise ValueError(f"{cls}.yarn must be a dense.rope.YarnConfig or None, got {type(cfg.yarn).__name__}")
     if cfg.cp_comm not in CP_COMM_MODES:
         raise ValueError(f"{cls}.cp_comm={cfg.cp_comm!r} is not one of {CP_COMM_MODES}")
+    object.__setattr__(cfg, "cp_comm", CPComm(cfg.cp_comm))   # the layers compare the enum
     # "selective": the attention module checkpoints its core attention; "full": TransformerBlock
     # checkpoints the whole block and the attention module does nothing extra
     object.__setattr__(cfg, "recompute", check_recompute(cfg.recompute, f"{cls}.recompute"))
@@ -73,7 +83,7 @@ class AttentionConfig:
     num_query_groups: int | None = None
     head_dim: int | None = None
     qk_norm: bool = False
-    qk_norm_scope: Literal["head", "projection"] = "head"
+    qk_norm_scope: QKNormScope = QKNormScope.HEAD
     norm_eps: float = 1e-6
     sliding_window: int | None = None
     sinks: bool = False
@@ -82,7 +92,7 @@ class AttentionConfig:
     out_bias: bool | None = None
     rope_theta: float = 10000.0
     yarn: YarnConfig | None = None
-    cp_comm: str = "p2p"
+    cp_comm: CPComm = CPComm.P2P
     recompute: str = "none"
     init_std: float = 0.02
     seq_length: int | None = None
@@ -111,6 +121,7 @@ class AttentionConfig:
             _positive_int("AttentionConfig", "sliding_window", self.sliding_window)
         if self.qk_norm_scope not in QK_NORM_SCOPES:
             raise ValueError(f"AttentionConfig.qk_norm_scope={self.qk_norm_scope!r} is not one of {QK_NORM_SCOPES}")
+        object.__setattr__(self, "qk_norm_scope", QKNormScope(self.qk_norm_scope))
         if self.rotary_dim is not None:
             _positive_int("AttentionConfig", "rotary_dim", self.rotary_dim)
             if self.rotary_dim % 2 or self.rotary_dim > self.head_dim_resolved:
@@ -170,7 +181,7 @@ class MLAConfig:
     bias: bool = False
     rope_theta: float = 10000.0
     yarn: YarnConfig | None = None
-    cp_comm: str = "p2p"
+    cp_comm: CPComm = CPComm.P2P
     recompute: str = "none"
     init_std: float = 0.02
     seq_length: int | None = None

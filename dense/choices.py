@@ -9,7 +9,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from enum import StrEnum
 
-CP_COMM_MODES = ("p2p", "all_gather")                                   # context-parallel K/V exchange
+
+class CPComm(StrEnum):
+    """--cp-comm-type: the context-parallel K/V exchange (``dense.context_parallel``): a ring of point-to-point
+    steps overlapped with attention, or one all-gather. The configs that take it store the enum."""
+
+    P2P = "p2p"
+    ALL_GATHER = "all_gather"
+
+    @classmethod
+    def _missing_(cls, value: object) -> CPComm:
+        raise ValueError(f"cp_comm={value!r} is not one of {', '.join(cls)}")
+
+
+CP_COMM_MODES: tuple[str, ...] = tuple(m.value for m in CPComm)   # context-parallel K/V exchange
 
 
 
@@ -103,7 +116,7 @@ def check_offload(modules: Sequence[str], recompute: str, recompute_modules: Seq
                              "offloaded, not both; drop one of them")
 
 
-__all__ = ["DeltaRuleBackend", "Recompute", "RecomputeMethod",
+__all__ = ["CPComm", "DeltaRuleBackend", "Recompute", "RecomputeMethod",
            "CP_COMM_MODES", "DEFAULT_RECOMPUTE_MODULES", "GATED_DELTA_RULE_BACKENDS", "MIN_OFFLOADED_TENSOR_SIZE",
            "OFFLOAD_MODULES", "RECOMPUTE_CONFLICTS", "RECOMPUTE_METHODS", "RECOMPUTE_MODES", "RECOMPUTE_MODULES",
            "check_offload", "check_offload_modules", "check_recompute", "check_recompute_modules"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from moefold.dense.choices import CPComm
 from moefold.dense.context_parallel import CP_COMM_MODES, cp_attention_impl, position_mask, sdpa
 from moefold.dense.cp_fused import fused_local_attention
 from moefold.dense.document_attention import document_attention
@@ -62,14 +63,14 @@ class CoreAttention(nn.Module):
     """
 
     def __init__(self, scale: float, *, sliding_window: int | None = None, cp_group: Group = None,
-                 cp_comm: str = "p2p", recompute: bool = False, fused: bool = True) -> None:
+                 cp_comm: CPComm = CPComm.P2P, recompute: bool = False, fused: bool = True) -> None:
         super().__init__()
         if cp_comm not in CP_COMM_MODES:
             raise ValueError(f"cp_comm={cp_comm!r} is not one of {CP_COMM_MODES}")
         if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
             raise ValueError(f"sliding_window={sliding_window!r} must be a positive integer or None")
         self.scale, self.sliding_window = float(scale), sliding_window
-        self.cp_group, self.cp_comm, self.recompute, self.fused = cp_group, cp_comm, recompute, fused
+        self.cp_group, self.cp_comm, self.recompute, self.fused = cp_group, CPComm(cp_comm), recompute, fused
         # the exchange and its implementation are chosen once here, not by comparing strings in every forward
         self._cp_attention = cp_attention_impl(cp_comm, fused=fused) if group_size(cp_group) > 1 else None
 

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from moefold.dense.attention_kernels import CAUSAL, FULL, Window, attention_kernel, pad_head_dims
+from moefold.dense.choices import CPComm
 from moefold.dense.cp_exchange import rank_order_to_global
 from moefold.dense.cp_fused import BlockCall, blocks_attention, ring_attention_blocks
 from moefold.dense.documents import Documents
@@ -134,7 +135,7 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, documents: Documents, cp
     d_v = v.shape[-1]
     kernel = attention_kernel(q.device.type, q.dtype, max(q.shape[-1], d_v))
     q, k, v = pad_head_dims(q, k, v, kernel)
-    if cp > 1 and cp_comm == "p2p":
+    if cp > 1 and CPComm(cp_comm) is CPComm.P2P:   # a CPComm (the configs'), or its word
         step_calls = tuple(document_calls(documents.starts, S, rank, cp, (rank - step) % cp, sliding_window)
                            for step in range(cp))
         return ring_attention_blocks(q, k, v, cp_group, step_calls, kernel, scale, sinks)[..., :d_v]

@@ -8,6 +8,7 @@ region entry shared by gate and up, and one reduce-scatter (SP) or all-reduce af
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +18,16 @@ from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
 from moefold.parallel.comm import all_gather_sequence, copy_to_region
 from moefold.parallel.groups import Group, group_size
 
-MLP_ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
+
+class Activation(StrEnum):
+    """The MLP's activation (its values: the configs' words, kept in YAML, JSON and checkpoints)."""
+
+    SWIGLU = "swiglu"
+    GELU = "gelu"
+    GELU_TANH = "gelu_tanh"
+
+
+MLP_ACTIVATIONS: tuple[str, ...] = tuple(a.value for a in Activation)
 
 
 @dataclass(frozen=True)
@@ -27,7 +37,7 @@ class MLPConfig:
 
     hidden_size: int
     ffn_hidden_size: int
-    activation: str = "swiglu"
+    activation: Activation = Activation.SWIGLU
     bias: bool = False
     init_std: float = 0.02
 
@@ -38,6 +48,7 @@ class MLPConfig:
                 raise ValueError(f"MLPConfig.{name}={value!r} must be a positive integer")
         if self.activation not in MLP_ACTIVATIONS:
             raise ValueError(f"MLPConfig.activation={self.activation!r} is not one of {MLP_ACTIVATIONS}")
+        object.__setattr__(self, "activation", Activation(self.activation))
         if not self.init_std > 0:
             raise ValueError(f"MLPConfig.init_std={self.init_std!r} must be > 0")
 
@@ -59,14 +70,14 @@ class DenseMLP(nn.Module):
         self.config, self.tp_group, self.sequence_parallel = config, tp_group, sequence_parallel
         c = config
         kw = {"bias": c.bias, "init_std": c.init_std, "dtype": dtype, "device": device}
-        if c.activation == "swiglu":
+        if c.activation is Activation.SWIGLU:
             self.gate_proj = ColumnParallelLinear(c.hidden_size, c.ffn_hidden_size, tp_group, **kw)
         else:
             self.gate_proj = None
         self.up_proj = ColumnParallelLinear(c.hidden_size, c.ffn_hidden_size, tp_group, **kw)
         self.down_proj = RowParallelLinear(c.ffn_hidden_size, c.hidden_size, tp_group,
                                            sequence_parallel=sequence_parallel, **kw)
-        self._gelu_approximate = "tanh" if c.activation == "gelu_tanh" else "none"  # F.gelu's argument
+        self._gelu_approximate = "tanh" if c.activation is Activation.GELU_TANH else "none"  # F.gelu's argument
 
     def forward(self, x: Tensor) -> Tensor:
         # one all-gather (SP) / region entry feeds both gate and up
@@ -79,4 +90,4 @@ class DenseMLP(nn.Module):
         return self.down_proj(h)
 
     def extra_repr(self) -> str:
-        return f"activation={self.config.activation}, tp={group_size(self.tp_group)}, sp={self.sequence_parallel}"
+        return f"activation={self.config.activation.value}, tp={group_size(self.tp_group)}, sp={self.sequence_parallel}"

@@ -31,6 +31,19 @@ class DispatcherKind(StrEnum):
                          f"valid kinds are {', '.join(cls)}")
 
 
+AUTO = "auto"   # --moe-token-dispatcher-type's (and YAML's, a saved config's) word for kind None: by the layout
+
+
+def dispatcher_kind(value: DispatcherKind | str | None) -> DispatcherKind | None:
+    """A dispatcher kind from its text (a flag's, YAML's, JSON's): None for ``auto``; ValueError naming the valid."""
+    return None if value in (None, AUTO) else DispatcherKind(value)
+
+
+def dispatcher_text(kind: DispatcherKind | None) -> str:
+    """``kind`` as the flag and saved configs spell it (``auto`` for None)."""
+    return AUTO if kind is None else kind.value
+
+
 def kind_for_layout(kind: DispatcherKind | None, ep: int, etp: int) -> DispatcherKind:
     """``kind``, or for None (``--moe-token-dispatcher-type auto``) the layout's: local when ep*etp == 1 (nothing
     travels), else alltoall."""
@@ -112,10 +125,11 @@ class FlexOptions:
 
 @dataclass(frozen=True)
 class DispatchConfig:
-    """How an MoE layer's token copies travel.
+    """How an MoE layer's token copies travel; ``ModelOptions.dispatch`` holds the run's, handed to every MoE layer's
+    dispatcher unchanged (``models.options.auto_dispatch`` its default: kind None).
 
-    kind:                the dispatcher (``--moe-token-dispatcher-type``); None: chosen by the layout when it is
-                         built (``kind_for_layout``: local at ep*etp == 1, else alltoall)
+    kind:                the dispatcher (``--moe-token-dispatcher-type``; ``auto`` given is None); None: chosen by
+                         the layout when it is built (``kind_for_layout``: local at ep*etp == 1, else alltoall)
     flex:                the flex dispatcher's options (read only by it)
     fp8:                 FP8 token dispatch (``--moe-fp8-dispatch``: e4m3 rows with per-128-channel scales,
                          ``dispatch.fp8_exchange``)
@@ -123,14 +137,19 @@ class DispatchConfig:
                          (rows land expert-major), else one exchange and a sort; 0: never chunked
     """
 
-    kind: DispatcherKind | None = DispatcherKind.ALLTOALL
+    kind: DispatcherKind | None = _flag(   # noqa: RUF009 (a dataclasses.Field, as field() gives)
+        DispatcherKind.ALLTOALL, "--moe-token-dispatcher-type", from_field=dispatcher_text,
+        choices=(AUTO, *(k.value for k in DispatcherKind)),
+        help="how tokens reach their experts: auto (local without ep/etp, else alltoall), allgather, alltoall, flex "
+             "(DeepEP, CUDA)")
     flex: FlexOptions = field(default_factory=FlexOptions)
     fp8: bool = False
     max_chunked_experts: int = 8
 
     def __post_init__(self) -> None:
-        if self.kind is not None:
-            object.__setattr__(self, "kind", DispatcherKind(self.kind))
+        object.__setattr__(self, "kind", dispatcher_kind(self.kind))
+        if isinstance(self.flex, dict):   # the nested form read back from JSON / YAML
+            object.__setattr__(self, "flex", FlexOptions(**self.flex))
         if not isinstance(self.max_chunked_experts, int) or self.max_chunked_experts < 0:
             raise ValueError(f"max_chunked_experts={self.max_chunked_experts!r} must be >= 0 (0 disables chunking)")
         if self.kind is not DispatcherKind.FLEX or self.flex.backend is not FlexBackend.DEEPEP_LEGACY:
@@ -153,5 +172,5 @@ class DispatchConfig:
                              "'alltoall'")
 
 
-__all__ = ["DispatchConfig", "DispatcherKind", "FlexOptions", "kind_for_layout", "DEEPEP_MODES", "deepep_hybrid",
-           "deepep_mode"]
+__all__ = ["AUTO", "DispatchConfig", "DispatcherKind", "FlexOptions", "kind_for_layout", "DEEPEP_MODES",
+           "deepep_hybrid", "deepep_mode", "dispatcher_kind", "dispatcher_text"]

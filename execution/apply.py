@@ -102,8 +102,8 @@ class ExecutionPlan:
             (self.grad_accumulation_fusion, "--gradient-accumulation-fusion: the fused weight-gradient GEMMs choose "
                                             "on the host whether to write or add each micro-batch, state a replay "
                                             "does not update (pass --no-gradient-accumulation-fusion)"),
-            (o.recompute != "none", f"--recompute-granularity {o.recompute}: checkpointed regions save and restore "
-                                    "the RNG state on the host"),
+            (o.recompute is not Recompute.NONE, f"--recompute-granularity {o.recompute}: checkpointed regions save "
+                                                "and restore the RNG state on the host"),
             (bool(o.offload_modules), "--fine-grained-activation-offloading: its copies are driven by host-side "
                                       "bookkeeping per micro-batch"),
             (o.fp8.backend is FP8Backend.TE and (o.fp8.format is not None or o.fp8.fp4 is not None),

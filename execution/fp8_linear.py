@@ -45,7 +45,7 @@ from moefold.execution.grad_accumulation import fused_linear
 from moefold.parallel.groups import Group, group_size
 from moefold.parallel.sharding import is_sequence_parallel
 from moefold.precision.block_linear import BlockScaledLinearGemm
-from moefold.precision.fp8 import FP8Config
+from moefold.precision.fp8 import FP8Backend, FP8Config
 from moefold.precision.fp8_cast import Float8Recipe, quantize, scaled_mm
 from moefold.precision.fp8_param import mark_fp8_param
 from moefold.precision.te_linear import TELinearGemm
@@ -140,7 +140,7 @@ def convert_linears_to_fp8(model: nn.Module, config: FP8Config, tp_group: Group 
     if not config.enabled:
         return []
     block = config.block_scaled
-    recipe = Float8Recipe.from_config(config) if config.backend == "torchao" and not block else None
+    recipe = Float8Recipe.from_config(config) if config.backend is FP8Backend.TORCHAO and not block else None
     converted = []
     for name, module in model.named_modules():
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
@@ -148,7 +148,7 @@ def convert_linears_to_fp8(model: nn.Module, config: FP8Config, tp_group: Group 
         if any(fragment in name for fragment in config.exclude_modules):
             continue
         w = module.weight
-        if config.backend == "te":
+        if config.backend is FP8Backend.TE:
             module.configure(gemm=TELinearGemm(w.shape[1], w.shape[0], w.dtype, config))
             converted.append(name)
             continue

@@ -17,9 +17,12 @@ flat name of the composite (names must not clash). A field's flat name is its ow
 gives (``field(..., metadata={"flat": "moe_topk"})`` on a section's field ``topk``). A section that is itself
 ``composed`` lends its flat names, so sections nest (``ModelConfig.moe.router.topk`` is ``moe_topk``). ``aliases``
 adds flat names that are not a field's (an earlier flat field kept for its readers): ``{flat: (section, field,
-to_field, from_field)}``, where the two functions convert a flat value to the section's and back. ``flat_dict()`` is
-the flat form (what earlier moefold saved, and what readers of a saved config's flat keys expect); the constructor
-reads either form (sections given as mappings: JSON / YAML), or a mix, the flat names winning.
+to_field, from_field)}``, where the two functions convert a flat value to the section's and back;
+``field`` may be a dotted path into the section (``"flex.num_sms"``: the section's field ``flex``, itself a
+dataclass). A section's default is its field's ``default_factory()`` (a function may return the section's
+dataclass). ``flat_dict()`` is the flat form (what earlier moefold saved, and what readers of a saved config's
+flat keys expect); the constructor reads either form (sections given as mappings: JSON / YAML), or a mix, the
+flat names winning.
 """
 
 from __future__ import annotations
@@ -47,7 +50,41 @@ class _Flat:
         if obj is None:
             return self.default
         holder = obj if self.section is None else obj.__dict__[self.section]
-        return self.read(getattr(holder, self.name))
+        return self.read(_get(holder, self.name))
+
+
+def _get(holder: Any, path: str) -> Any:
+    """``holder``'s value at the dotted ``path``."""
+    for name in path.split("."):
+        holder = getattr(holder, name)
+    return holder
+
+
+def _nest(values: dict[str, Any]) -> dict[str, Any]:
+    """``{"flex.num_sms": 8, "kind": k}`` -> ``{"flex": {"num_sms": 8}, "kind": k}``."""
+    out: dict[str, Any] = {}
+    for path, value in values.items():
+        *parents, name = path.split(".")
+        holder = out
+        for parent in parents:
+            holder = holder.setdefault(parent, {})
+        holder[name] = value
+    return out
+
+
+def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for name, value in changes.items():
+        out[name] = _merge(out[name], value) if isinstance(value, dict) and isinstance(out.get(name), dict) else value
+    return out
+
+
+def _replace(obj: Any, values: dict[str, Any]) -> Any:
+    """``obj`` with ``values`` (nested mappings: the dataclass-valued fields' own values, JSON / YAML's form)."""
+    changes = {name: _replace(getattr(obj, name), value)
+               if isinstance(value, dict) and dataclasses.is_dataclass(getattr(obj, name)) else value
+               for name, value in values.items()}
+    return dataclasses.replace(obj, **changes)
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -76,7 +113,9 @@ def composed(cls: type | None = None, *, sections: tuple[str, ...] | None = None
         return functools.partial(composed, sections=sections, aliases=aliases)
     aliases = dict(aliases or {})
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    kinds = {name: f.default_factory for name, f in fields.items() if dataclasses.is_dataclass(f.default_factory)}
+    factories = {name: f.default_factory for name, f in fields.items() if f.default_factory is not dataclasses.MISSING}
+    kinds = {name: make if isinstance(make, type) else type(make()) for name, make in factories.items()
+             if dataclasses.is_dataclass(make) or dataclasses.is_dataclass(make())}
     nested = {name: kinds[name] for name in (kinds if sections is None else sections)}
     sections = {name: kinds[name] for name in {**nested, **{a[0]: None for a in aliases.values()}}}
     flat: dict[str, tuple[str | None, str, Callable[[Any], Any]]] = {}   # flat name -> (section, field, to_field)
@@ -96,8 +135,16 @@ def composed(cls: type | None = None, *, sections: tuple[str, ...] | None = None
         for name, attribute in section_names(kind).items():
             lift(name, section, attribute,
                  getattr(kind, name) if hasattr(kind, "FLAT_NAMES") else _default(defaults[attribute]))
+    def build(section: str, values: dict[str, Any]) -> Any:
+        # a section class takes its values (the required ones among them); a factory function gives the default
+        # that the values change, nested mappings included
+        make = factories[section]
+        return make(**values) if isinstance(make, type) else _replace(make(), values)
+
     for name, (section, field, to_field, from_field) in aliases.items():
-        default = from_field(_default(next(f for f in dataclasses.fields(sections[section]) if f.name == field)))
+        make = factories[section]
+        default = from_field(_get(make(), field) if "." in field or not isinstance(make, type) else
+                             _default(next(f for f in dataclasses.fields(make) if f.name == field)))
         flat[name] = (section, field, to_field)
         setattr(cls, name, _Flat(section, field, default, from_field))
     init = cls.__init__
@@ -112,16 +159,14 @@ def composed(cls: type | None = None, *, sections: tuple[str, ...] | None = None
             else:
                 changes.setdefault(section, {})[field] = to_field(kw.pop(name))
         for section, values in changes.items():
-            given = kw.get(section)
+            given, values = kw.get(section), _nest(values)
             if isinstance(given, dict):
-                kw[section] = {**given, **values}
-            elif given is None:
-                kw[section] = sections[section](**values)
+                kw[section] = _merge(given, values)
             else:
-                kw[section] = dataclasses.replace(given, **values)
-        for section, kind in sections.items():
+                kw[section] = build(section, values) if given is None else _replace(given, values)
+        for section in sections:
             if isinstance(kw.get(section), dict):   # the nested form, read back from JSON / YAML
-                kw[section] = kind(**kw[section])
+                kw[section] = build(section, kw[section])
         init(self, *args, **kw)
 
     cls.__init__ = __init__

@@ -96,9 +96,16 @@ def moe_config(config: ModelConfig, options: ModelOptions, dims: ParallelDims) -
     c, o = config.moe, options
     experts = c.experts.component(gemm_backend=o.gemm_backend, init_std=o.init_std, fp8=o.fp8)
     return MoEConfig(num_experts=c.num_experts, router=router_config(config, o), experts=experts,
-                     dispatch=DispatchConfig(o.dispatcher, o.flex, fp8=o.fp8.dispatch),
+                     dispatch=dispatch_config(o),
                      shared=c.shared.component(o.init_std), apply_probs_on_input=c.apply_probs_on_input,
                      latent_size=c.latent_size)
+
+
+def dispatch_config(options: ModelOptions) -> DispatchConfig:
+    """The MoE layers' dispatcher config: the run's ``options.dispatch`` as it is, with FP8 dispatch
+    (``--moe-fp8-dispatch``, ``FP8Config.dispatch``) put in when on (``DispatchConfig`` then checks the pair)."""
+    d = options.dispatch
+    return dataclasses.replace(d, fp8=True) if options.fp8.dispatch else d
 
 
 def mlp_config(config: ModelConfig, options: ModelOptions) -> MLPConfig:

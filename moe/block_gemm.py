@@ -37,7 +37,7 @@ from torch import Tensor
 from moefold.moe.gemm import GemmBackend, grouped_gemm, no_rows
 from moefold.parallel.groups import Group, group_size
 from moefold.precision.block_cast import FORMATS, quantize
-from moefold.precision.fp8 import FP8Config, FP8Format
+from moefold.precision.fp8 import FP8Config, FP8Format, FP8Recipe
 from moefold.precision.fp8_cast import E5M2, reduce_max
 
 
@@ -156,16 +156,17 @@ class BlockScaledGroupedGemm:
 
 
 @functools.cache
-def _torchao_grouped(recipe: str, capability: tuple[int, int], padded: bool):
+def _torchao_grouped(recipe: FP8Recipe, capability: tuple[int, int], padded: bool):
+    recipe = FP8Recipe(recipe)   # its word too (the format's name is the enum)
     try:
-        if recipe == "blockwise" and capability >= (9, 0):
+        if recipe is FP8Recipe.BLOCKWISE and capability >= (9, 0):
             from torchao.prototype.moe_training.blockwise_fp8.grouped_mm import (
                 _to_fp8_blockwise_then_scaled_grouped_mm,
             )
 
             return lambda x, w_t, offs: _to_fp8_blockwise_then_scaled_grouped_mm(
                 x, w_t, offs, torch.bfloat16, pad_token_groups_for_grouped_mm=not padded)
-        if recipe == "mxfp8" and capability[0] == 10:
+        if recipe is FP8Recipe.MXFP8 and capability[0] == 10:
             from torchao.prototype.moe_training.mxfp8_grouped_mm import _to_mxfp8_then_scaled_grouped_mm
 
             return lambda x, w_t, offs: _to_mxfp8_then_scaled_grouped_mm(

@@ -20,6 +20,7 @@ import math
 import torch
 from torch import Tensor
 
+from moefold.moe.router_config import DropPolicy
 from moefold.parallel.comm import all_gather_single
 from moefold.parallel.groups import Group, group_rank, group_size
 
@@ -32,7 +33,7 @@ def expert_capacity(num_tokens: int, topk: int, num_experts: int, capacity_facto
 
 
 def capacity_keep_mask(probs_TK: Tensor, expert_ids_TK: Tensor, num_experts: int, capacity: int | Tensor,
-                       policy: str) -> Tensor:
+                       policy: DropPolicy) -> Tensor:
     """bool [T, K]: which routed copies fit in their expert's ``capacity`` (one int, or int64 [num_experts]: each
     expert's own; ``expert_ids_TK`` may be any grouping of the copies, e.g. their destination rank).
 
@@ -43,12 +44,10 @@ def capacity_keep_mask(probs_TK: Tensor, expert_ids_TK: Tensor, num_experts: int
     T, K = expert_ids_TK.shape
     ids_N = expert_ids_TK.reshape(-1)
     n = ids_N.numel()
-    if policy == "probs":
+    if DropPolicy(policy) is DropPolicy.PROBS:   # a DropPolicy (RouterConfig's), or its word
         order = torch.sort(probs_TK.detach().reshape(-1), descending=True, stable=True).indices
-    elif policy == "position":
-        order = torch.arange(n, device=ids_N.device)
     else:
-        raise ValueError(f"token drop policy={policy!r}; valid: probs, position")
+        order = torch.arange(n, device=ids_N.device)
     # stable sort by expert keeps the policy's priority order inside each expert's run
     by_expert = order[torch.sort(ids_N[order], stable=True).indices]
     sorted_ids = ids_N[by_expert]
@@ -63,7 +62,7 @@ def capacity_keep_mask(probs_TK: Tensor, expert_ids_TK: Tensor, num_experts: int
 
 
 def rank_capacity_keep_mask(probs_TK: Tensor, expert_ids_TK: Tensor, sent_E: Tensor, num_experts: int, ep: int,
-                            factor: float, policy: str, group: Group, keep_TK: Tensor | None = None) -> Tensor:
+                            factor: float, policy: DropPolicy, group: Group, keep_TK: Tensor | None = None) -> Tensor:
     """bool [T, K]: which of this rank's copies its destination's rank capacity keeps (module docstring).
 
     ``sent_E``: this rank's copies per expert (those ``keep_TK`` kept, if given); ``group``: the dispatch group

@@ -32,7 +32,7 @@ from moefold.moe.balance_losses import (
 )
 from moefold.moe.capacity import capacity_keep_mask, expert_capacity, rank_capacity_keep_mask
 from moefold.moe.quantile_balancing import quantile_route
-from moefold.moe.router_config import RouterConfig
+from moefold.moe.router_config import AuxLossCounts, RouterConfig
 from moefold.moe.router_stats import RouterStats, compute_router_stats, router_entropy_sum
 from moefold.moe.scoring import count_per_expert, gating_logits, route_scores, router_dtype, scores_for_aux_loss
 from moefold.parallel.comm import all_reduce_sum
@@ -195,7 +195,7 @@ class Router(nn.Module):
 
         aux_probs_TE = scores_for_aux_loss(scores_TE, cfg.score_function)
         aux_ids_TK, aux_load_E = ids_TK, load_E
-        if cfg.aux_loss_counts == "topk" and self._loss_coeffs and (replayed_ids_TK is not None or
+        if cfg.aux_loss_counts is AuxLossCounts.TOPK and self._loss_coeffs and (replayed_ids_TK is not None or
                 bias_E is not None or cfg.num_groups is not None or cfg.force_load_balancing):
             # Megatron-Core (router.py -> compute_routing_scores_for_aux_loss): the losses count a plain top-k of
             # the scores; it differs from the dispatched selection only with bias, group limit, forced routing or

@@ -8,15 +8,53 @@ names the offending value and what would be valid.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
-SCORE_FUNCTIONS: tuple[str, ...] = ("softmax", "sigmoid", "sqrtsoftplus")
+
+# The router's modes, as enums whose values are the flags' words (so configs, YAML, JSON and checkpoints keep their
+# spelling): RouterConfig converts its strings once, in __post_init__; the router compares the members.
+class _Mode(StrEnum):
+    @classmethod
+    def _missing_(cls, value: object) -> StrEnum:
+        raise ValueError(f"{cls.__name__} {value!r} is unknown; valid: {', '.join(cls)}")
+
+
+class ScoreFunction(_Mode):
+    """--moe-router-score-function (``moe.scoring.score_all``)."""
+
+    SOFTMAX = "softmax"
+    SIGMOID = "sigmoid"
+    SQRTSOFTPLUS = "sqrtsoftplus"
+
+
+class RouterDtype(_Mode):
+    """--moe-router-dtype: what the gating GEMM and the scores compute in."""
+
+    FP32 = "fp32"
+    FP64 = "fp64"
+
+
+class DropPolicy(_Mode):
+    """--moe-token-drop-policy: which copies a full expert drops (``moe.capacity``)."""
+
+    PROBS = "probs"
+    POSITION = "position"
+
+
+class AuxLossCounts(_Mode):
+    """Which token counts the balancing losses use: TOPK (Megatron-Core; the DeepSeek-V3 report's indicator): a
+    fresh plain top-k of the scores, without the expert bias and the group limit; DISPATCHED: the routing the tokens
+    are dispatched with (moefold's earlier convention: the loss then balances what the experts receive)."""
+
+    TOPK = "topk"
+    DISPATCHED = "dispatched"
+
+
+SCORE_FUNCTIONS: tuple[str, ...] = tuple(f.value for f in ScoreFunction)
 LOAD_BALANCING_TYPES: tuple[str, ...] = ("aux_loss", "seq_aux_loss", "global_aux_loss", "quantile_balancing", "none")
-DROP_POLICIES: tuple[str, ...] = ("probs", "position")
-ROUTER_DTYPES: tuple[str, ...] = ("fp32", "fp64")
-# Which token counts the balancing losses use: "topk" (Megatron-Core; the DeepSeek-V3 report's indicator): a
-# fresh plain top-k of the scores, without the expert bias and the group limit; "dispatched": the routing the
-# tokens are dispatched with (moefold's earlier convention: the loss then balances what the experts receive).
-AUX_LOSS_COUNTS: tuple[str, ...] = ("topk", "dispatched")
+DROP_POLICIES: tuple[str, ...] = tuple(p.value for p in DropPolicy)
+ROUTER_DTYPES: tuple[str, ...] = tuple(d.value for d in RouterDtype)
+AUX_LOSS_COUNTS: tuple[str, ...] = tuple(c.value for c in AuxLossCounts)
 
 
 def _err(msg: str) -> ValueError:
@@ -39,7 +77,7 @@ class RouterConfig:
 
     num_experts: int                                  # --num-experts
     topk: int = 2                                     # --moe-router-topk
-    score_function: str = "softmax"                   # --moe-router-score-function (SCORE_FUNCTIONS)
+    score_function: ScoreFunction = ScoreFunction.SOFTMAX   # --moe-router-score-function (SCORE_FUNCTIONS)
     pre_softmax: bool = False                         # --moe-router-pre-softmax (softmax over all E, no renorm)
     # Renormalise the k selected probs to sum 1 (HF ``norm_topk_prob``; moefold). None: the
     # natural default: softmax post-top-k -> True (by definition), pre-softmax -> False,
@@ -53,10 +91,10 @@ class RouterConfig:
     group_score_topk: int | None = None
     load_balancing_type: tuple[str, ...] | str = ("aux_loss",)  # --moe-router-load-balancing-type
     aux_loss_coeff: tuple[float, ...] | float = (0.0,)          # --moe-aux-loss-coeff (one per type)
-    aux_loss_counts: str = "topk"                     # --moe-aux-loss-counts (moefold): topk | dispatched
+    aux_loss_counts: AuxLossCounts = AuxLossCounts.TOPK   # --moe-aux-loss-counts (moefold): topk | dispatched
     z_loss_coeff: float | None = None                 # --moe-z-loss-coeff
     input_jitter_eps: float | None = None             # --moe-input-jitter-eps (training only)
-    router_dtype: str = "fp32"                        # --moe-router-dtype: fp32 | fp64 (gating GEMM + scores)
+    router_dtype: RouterDtype = RouterDtype.FP32      # --moe-router-dtype: fp32 | fp64 (gating GEMM + scores)
     enable_expert_bias: bool = False                  # --moe-router-enable-expert-bias (aux-loss-free)
     bias_update_rate: float = 1e-3                    # --moe-router-bias-update-rate
     bias_update_center: bool = False                  # moefold: subtract the mean of each bias update
@@ -67,7 +105,7 @@ class RouterConfig:
     # --moe-expert-rank-capacity-factor: copies an expert-parallel rank receives, at most C x its share (the
     # dispatch group's copies / ep); copies are dropped only where a rank's load exceeds that (moe.capacity)
     expert_rank_capacity_factor: float | None = None
-    token_drop_policy: str = "probs"                  # --moe-token-drop-policy: probs | position
+    token_drop_policy: DropPolicy = DropPolicy.PROBS  # --moe-token-drop-policy: probs | position
     pad_expert_input_to_capacity: bool = False        # --moe-pad-expert-input-to-capacity
     force_load_balancing: bool = False                # --moe-router-force-load-balancing (benchmarks)
     init_std: float = 0.02                            # --init-method-std (router weight)
@@ -80,9 +118,10 @@ class RouterConfig:
             raise _err(f"topk={self.topk} exceeds num_experts={self.num_experts}; valid: 1..{self.num_experts}")
         if self.score_function not in SCORE_FUNCTIONS:
             raise _err(f"score_function={self.score_function!r} is unknown; valid: {', '.join(SCORE_FUNCTIONS)}")
-        if self.pre_softmax and self.score_function != "softmax":
-            raise _err(f"pre_softmax=True needs score_function='softmax', got {self.score_function!r}")
-        if self.norm_topk_prob is False and self.score_function == "softmax" and not self.pre_softmax:
+        object.__setattr__(self, "score_function", ScoreFunction(self.score_function))
+        if self.pre_softmax and self.score_function is not ScoreFunction.SOFTMAX:
+            raise _err(f"pre_softmax=True needs score_function='softmax', got {self.score_function.value!r}")
+        if self.norm_topk_prob is False and self.score_function is ScoreFunction.SOFTMAX and not self.pre_softmax:
             raise _err("norm_topk_prob=False with post-top-k softmax (pre_softmax=False) is contradictory: "
                        "softmax over the k selected logits always sums to 1; use pre_softmax=True for "
                        "unnormalised probabilities (Qwen3 norm_topk_prob=False)")
@@ -92,12 +131,14 @@ class RouterConfig:
         self._check_balancing()
         if self.aux_loss_counts not in AUX_LOSS_COUNTS:
             raise _err(f"aux_loss_counts={self.aux_loss_counts!r} is unknown; valid: {', '.join(AUX_LOSS_COUNTS)}")
+        object.__setattr__(self, "aux_loss_counts", AuxLossCounts(self.aux_loss_counts))
         if self.z_loss_coeff is not None and not self.z_loss_coeff >= 0:
             raise _err(f"z_loss_coeff={self.z_loss_coeff} must be >= 0 (or None)")
         if self.input_jitter_eps is not None and not 0 < self.input_jitter_eps < 1:
             raise _err(f"input_jitter_eps={self.input_jitter_eps} must be in (0, 1) (or None)")
         if self.router_dtype not in ROUTER_DTYPES:
             raise _err(f"router_dtype={self.router_dtype!r} is unknown; valid: {', '.join(ROUTER_DTYPES)}")
+        object.__setattr__(self, "router_dtype", RouterDtype(self.router_dtype))
         if not self.bias_update_rate >= 0:
             raise _err(f"bias_update_rate={self.bias_update_rate} must be >= 0")
         self._check_capacity()
@@ -177,6 +218,7 @@ class RouterConfig:
                        "dropless)")
         if self.token_drop_policy not in DROP_POLICIES:
             raise _err(f"token_drop_policy={self.token_drop_policy!r} is unknown; valid: {', '.join(DROP_POLICIES)}")
+        object.__setattr__(self, "token_drop_policy", DropPolicy(self.token_drop_policy))
         if self.pad_expert_input_to_capacity and self.expert_capacity_factor is None:
             raise _err("pad_expert_input_to_capacity=True needs expert_capacity_factor (dropless has no capacity)")
 
@@ -185,7 +227,7 @@ class RouterConfig:
     def resolved_norm_topk_prob(self) -> bool:
         if self.norm_topk_prob is not None:
             return self.norm_topk_prob
-        if self.score_function == "softmax":
+        if self.score_function is ScoreFunction.SOFTMAX:
             return not self.pre_softmax
         return self.topk > 1
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moefold.moe.router_config import RouterConfig
+from moefold.moe.router_config import RouterConfig, RouterDtype, ScoreFunction
 
 _NORM_EPS = 1e-20  # as DeepSeek-V3 / HF / Megatron: guards a sum of k sigmoids underflowing to 0
 
@@ -29,7 +29,7 @@ def router_dtype(config: RouterConfig) -> torch.dtype:
     weight.to(router_dtype).t()``, then softmax/sigmoid and top-k on those logits). HF's Mixtral and Qwen3-MoE
     routers run their GEMM in the model dtype (only the softmax in fp32); its DeepSeek-V3 router in fp32.
     """
-    return torch.float64 if config.router_dtype == "fp64" else torch.float32
+    return torch.float64 if config.router_dtype is RouterDtype.FP64 else torch.float32
 
 
 def gating_logits(x_TH: Tensor, weight_EH: Tensor, dtype: torch.dtype, bias_E: Tensor | None = None) -> Tensor:
@@ -38,24 +38,25 @@ def gating_logits(x_TH: Tensor, weight_EH: Tensor, dtype: torch.dtype, bias_E: T
     return torch.nn.functional.linear(x_TH.to(dtype), weight_EH.to(dtype), None if bias_E is None else bias_E.to(dtype))
 
 
-def score_all(logits_TE: Tensor, score_function: str) -> Tensor:
+_SCORES = {
+    ScoreFunction.SOFTMAX: lambda logits_TE: torch.softmax(logits_TE, dim=-1),
+    ScoreFunction.SIGMOID: torch.sigmoid,
+    ScoreFunction.SQRTSOFTPLUS: lambda logits_TE: torch.nn.functional.softplus(logits_TE).sqrt(),
+}
+
+
+def score_all(logits_TE: Tensor, score_function: ScoreFunction) -> Tensor:
     """Scores over all experts [T, E]: softmax (sums to 1), element-wise sigmoid, or element-wise
     sqrt(softplus(l)) (Megatron-Core 0.18's ``sqrtsoftplus``: positive, unbounded, ~sqrt(l) for large l)."""
-    if score_function == "softmax":
-        return torch.softmax(logits_TE, dim=-1)
-    if score_function == "sigmoid":
-        return torch.sigmoid(logits_TE)
-    if score_function == "sqrtsoftplus":
-        return torch.nn.functional.softplus(logits_TE).sqrt()
-    raise ValueError(f"score_function={score_function!r}; valid: softmax, sigmoid, sqrtsoftplus")
+    return _SCORES[ScoreFunction(score_function)](logits_TE)
 
 
-def scores_for_aux_loss(scores_TE: Tensor, score_function: str) -> Tensor:
+def scores_for_aux_loss(scores_TE: Tensor, score_function: ScoreFunction) -> Tensor:
     """Per-token distribution over experts used by the balance losses (rows sum to 1).
 
     Softmax scores already sum to 1; sigmoid and sqrtsoftplus scores are normalised (DeepSeek-V3's s'_{i,t}).
     """
-    if score_function in ("sigmoid", "sqrtsoftplus"):
+    if ScoreFunction(score_function) is not ScoreFunction.SOFTMAX:
         return scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + _NORM_EPS)
     return scores_TE
 

@@ -16,11 +16,8 @@ import dataclasses
 import sys
 
 from moefold.dense.activation_offload import OFFLOAD_MODULES
-from moefold.dense.context_parallel import CP_COMM_MODES
 from moefold.dense.recompute import RECOMPUTE_METHODS, RECOMPUTE_MODES, RECOMPUTE_MODULES
-from moefold.dispatch.config import DispatcherKind
-from moefold.dispatch.flex_backend import FlexBackend
-from moefold.models.options import DEEPEP_MODES, ModelOptions
+from moefold.models.options import ModelOptions
 from moefold.models.params import count_parameters
 from moefold.models.recipes import RECIPES
 from moefold.pipeline.schedules import SCHEDULES
@@ -32,6 +29,7 @@ from moefold.planner.search import HEADROOM, evaluate, recompute_ladder, search,
 from moefold.planner.step_time import EFFICIENCY
 from moefold.training.cli.fp8_flags import add_fp8_arguments, fp8_config_from_args
 from moefold.training.cli.model_flags import MODEL_FLAGS, add_model_arguments
+from moefold.training.cli.option_flags import add_option_flags
 from moefold.training.cli.train import model_from_args
 from moefold.training.config import RunConfig, TrainConfig
 from moefold.training.optim.precision import DTYPES
@@ -100,22 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-moe-expert-parallel-comm", dest="overlap", action=argparse.BooleanOptionalAction,
                    default=None, help="fix the batch-level overlap on or off (default: searched where ep > 1; on "
                                       "comes with --delay-wgrad-compute)")
-    g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
-                   help="shard activations along the sequence between TP regions (tp > 1)")
-    g.add_argument("--cp-comm-type", default=ModelOptions.cp_comm, choices=CP_COMM_MODES,
-                   help="context-parallel K/V exchange")
-    g.add_argument("--moe-token-dispatcher-type", default="auto", choices=("auto", *(k.value for k in DispatcherKind)),
-                   help="the dispatcher to plan for (flex: DeepEP's buffers are counted)")
-    g.add_argument("--moe-deepep-num-sms", type=int, default=ModelOptions.moe_deepep_num_sms,
-                   help="SMs DeepEP's kernels take (flex dispatcher; 0: DeepEP V2's estimate, 20 with deepep-legacy)")
-    g.add_argument("--moe-flex-dispatcher-backend", default=ModelOptions.moe_flex_dispatcher_backend.value,
-                   choices=[b.value for b in FlexBackend],
-                   help="flex: the DeepEP whose buffer and exchange are planned (auto: deepep, V2)")
-    g.add_argument("--moe-deepep-mode", default=ModelOptions.moe_deepep_mode, choices=DEEPEP_MODES,
-                   help="DeepEP V2 across nodes: hybrid (RDMA once per node, NVLink forwarding) or direct")
-    g.add_argument("--moe-deepep-cpu-sync", action=argparse.BooleanOptionalAction, default=None,
-                   help="DeepEP V2: exact receive buffers (a host wait per dispatch) instead of worst-case ones; "
-                   "default: on when the expert GEMMs take host counts")
+    # the run-time flags, made from the fields they set (ModelOptions, its dispatch), as moefold train's
+    add_option_flags(g, ("sequence_parallel", "cp_comm", "dispatcher", "flex.num_sms", "flex.backend",
+                         "flex.hybrid", "flex.cpu_sync"))
     g.add_argument("--recompute-granularity", default=None, choices=RECOMPUTE_MODES,
                    help="fix the recompute setting; default: the least recompute that fits, per layout")
     g.add_argument("--recompute-modules", nargs="+", default=["core_attn"], choices=RECOMPUTE_MODULES,

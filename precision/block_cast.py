@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from moefold.parallel.groups import Group, group_size
-from moefold.precision.fp8 import import_torchao
+from moefold.precision.fp8 import FP8Recipe, import_torchao
 from moefold.precision.fp8_cast import E4M3, _float8_utils, amax_to_scale, reduce_max
 
 FP4_MAX, E4M3_MAX = 6.0, 448.0
@@ -60,14 +60,14 @@ class BlockFormat:
     activations and gradients (``act``, along the contraction dim) and of its weights (``weight``: 2-D
     blocks used by both GEMMs; None: like activations, along each GEMM's contraction dim)."""
 
-    name: str
+    name: FP8Recipe
     elem: torch.dtype
     act: int
     weight: tuple[int, int] | None
 
     @property
     def two_level(self) -> bool:
-        return self.name == "nvfp4"
+        return self.name is FP8Recipe.NVFP4
 
     def operand_block(self, is_weight: bool, contract: int) -> tuple[int, int]:
         """Block of a 2-D operand contracted over dim ``contract`` (1: its columns, 0: its rows)."""
@@ -76,10 +76,10 @@ class BlockFormat:
         return (1, self.act) if contract == 1 else (self.act, 1)
 
 
-FORMATS: dict[str, BlockFormat] = {
-    "blockwise": BlockFormat("blockwise", E4M3, 128, (128, 128)),
-    "mxfp8": BlockFormat("mxfp8", E4M3, 32, None),
-    "nvfp4": BlockFormat("nvfp4", torch.uint8, 16, (16, 16)),
+FORMATS: dict[FP8Recipe, BlockFormat] = {   # keyed by the recipe (a StrEnum: its word finds it too)
+    FP8Recipe.BLOCKWISE: BlockFormat(FP8Recipe.BLOCKWISE, E4M3, 128, (128, 128)),
+    FP8Recipe.MXFP8: BlockFormat(FP8Recipe.MXFP8, E4M3, 32, None),
+    FP8Recipe.NVFP4: BlockFormat(FP8Recipe.NVFP4, torch.uint8, 16, (16, 16)),
 }
 
 
@@ -179,13 +179,13 @@ def quantize(t: Tensor, fmt: BlockFormat, block: tuple[int, int], split: Sequenc
     ``tensor_amax(t)``)."""
     amax, ids = block_amax(t, block, split, row_counts)
     x = t.float()
-    if fmt.name == "blockwise":
+    if fmt.name is FP8Recipe.BLOCKWISE:
         elem = dtype or fmt.elem
         scale = amax_to_scale(amax, elem, False)
         data = _float8_utils().to_fp8_saturated(x * _expand(scale, ids, t.shape, block), elem)
         inv = scale.reciprocal()
         return Cast(data.float() * _expand(inv, ids, t.shape, block), data, inv, None)
-    if fmt.name == "mxfp8":
+    if fmt.name is FP8Recipe.MXFP8:
         mx = _mx()
         elem = dtype or fmt.elem
         max_pos = mx.F8E4M3_MAX if elem == E4M3 else mx.F8E5M2_MAX

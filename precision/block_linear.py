@@ -34,7 +34,7 @@ from torch import Tensor
 
 from moefold.parallel.groups import Group, group_size
 from moefold.precision.block_cast import FORMATS, BlockFormat, check_split, quantize, tensor_amax
-from moefold.precision.fp8 import FP8Config, FP8Format
+from moefold.precision.fp8 import FP8Config, FP8Format, FP8Recipe
 from moefold.precision.fp8_cast import E5M2
 
 
@@ -125,14 +125,15 @@ class BlockScaledLinearGemm:
 
 
 @functools.cache
-def _torchao_linear(recipe: str, capability: tuple[int, int]):
+def _torchao_linear(recipe: FP8Recipe, capability: tuple[int, int]):
     """torchao's linear autograd function for ``recipe`` on a GPU of ``capability`` (None when it has none)."""
+    recipe = FP8Recipe(recipe)   # its word too (the format's name is the enum)
     try:
-        if recipe == "blockwise" and capability >= (9, 0):
+        if recipe is FP8Recipe.BLOCKWISE and capability >= (9, 0):
             from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
 
             return lambda x, w: fp8_blockwise_mm.apply(x, w, 128, torch.bfloat16, True)
-        if recipe == "mxfp8" and capability[0] == 10:
+        if recipe is FP8Recipe.MXFP8 and capability[0] == 10:
             from torchao.prototype.moe_training.mxfp8_linear import _to_mxfp8_then_scaled_mm
             from torchao.prototype.mx_formats.config import ScaleCalculationMode
             from torchao.quantization.quantize_.common import KernelPreference

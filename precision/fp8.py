@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
@@ -103,21 +103,53 @@ TE_INSTALL = "pip install --no-build-isolation transformer-engine[pytorch] (need
 TORCHAO_INSTALL = 'pip install torchao==0.18.0 (or pip install -e ".[fp8]")'
 
 
+def _flag(default: object, flag: str, help: str, **meta: object) -> object:
+    # a field that is a flag of ``moefold train`` (the metadata ``models.flag_field.flag`` writes, without importing
+    # models/ from below it): training.cli.fp8_flags makes the flag from it (name, help, default, choices)
+    return field(default=default, metadata={"flag": flag, "help": help, **meta})
+
+
 @dataclass(frozen=True)
 class FP8Config:
     """format: None (FP8 GEMMs off) or one of ``FP8_FORMATS``; recipe: one of the backend's
     ``BACKEND_RECIPES`` (None: its default, filled in when the format is set); backend: one of
     ``FP8_BACKENDS``; exclude_modules: name fragments of modules kept in high precision;
-    dispatch: FP8 token dispatch (works with or without FP8 GEMMs)."""
+    dispatch: FP8 token dispatch (works with or without FP8 GEMMs). Each field is its flag of ``moefold train``
+    (metadata: Megatron-LM's name where it has one, help, choices; ``training.cli.fp8_flags``); ``recipe`` also
+    takes ``--fp4-recipe`` with ``--fp4-format``."""
 
-    format: FP8Format | None = None
-    recipe: FP8Recipe | None = None
-    backend: FP8Backend = FP8Backend.TORCHAO
-    exclude_modules: tuple[str, ...] = DEFAULT_EXCLUDE
-    dispatch: bool = False
-    fp4: str | None = None            # --fp4-format (e2m1): NVFP4 GEMMs instead of FP8 ones
-    param_gather: bool = False        # --fp8-param-gather: FP8 primary weights, all-gathered as FP8
-    router_padding: bool = False      # --moe-router-padding-for-quantization
+    format: FP8Format | None = _flag(   # noqa: RUF009
+        None, "--fp8-format", choices=FP8_FORMATS,
+        help="FP8 GEMMs in the linears and the experts: e4m3, or hybrid (e4m3 forward, e5m2 gradients); default off")
+    recipe: FP8Recipe | None = _flag(   # noqa: RUF009
+        None, "--fp8-recipe", choices=FP8_RECIPES,
+        help="FP8 scaling; torchao: tensorwise (default) | rowwise | blockwise (DeepSeek-V3: 1x128 activations, "
+             "128x128 weights) | mxfp8 (32-element e8m0 blocks); te: delayed (default) | tensorwise | blockwise "
+             "(Hopper) | mxfp8 (Blackwell). CPU: emulated")
+    backend: FP8Backend = _flag(   # noqa: RUF009
+        FP8Backend.TORCHAO, "--fp8-backend", choices=FP8_BACKENDS,
+        help="torchao (default; CPU and CUDA) or te (Transformer Engine, CUDA; the experts need "
+             "--moe-grouped-gemm-backend te)")
+    exclude_modules: tuple[str, ...] = _flag(
+        DEFAULT_EXCLUDE, "--fp8-exclude-modules", nargs="*", metavar="NAME",
+        help="modules whose qualified name contains one of these keep high-precision GEMMs "
+             f"(default: {' '.join(DEFAULT_EXCLUDE)}; e.g. add layers.0. for the first layer)")
+    dispatch: bool = _flag(
+        False, "--moe-fp8-dispatch", action="store_true",
+        help="send routed tokens to their experts as e4m3 with per-128-channel scales (alltoall, allgather and flex "
+             "on DeepEP V2)")
+    fp4: str | None = _flag(   # e2m1: NVFP4 GEMMs instead of FP8 ones
+        None, "--fp4-format", choices=FP4_FORMATS,
+        help="FP4 GEMMs instead of FP8: e2m1 (NVFP4: 16-element blocks, e4m3 scales, an fp32 per-tensor scale; "
+             "Blackwell, emulated on CPU); nvfp4 is the same")
+    param_gather: bool = _flag(   # FP8 primary weights, all-gathered as FP8
+        False, "--fp8-param-gather", action="store_true",
+        help="FP8 primary weights: the distributed optimizer all-gathers the updated weights as FP8 (1 byte per "
+             "element) from fp32 masters (torchao tensorwise or blockwise)")
+    router_padding: bool = _flag(
+        False, "--moe-router-padding-for-quantization", action="store_true",
+        help="pad each expert's token count to the FP8/FP4 grouped GEMM's multiple (16, 32 MXFP8, 128 NVFP4 / "
+             "torchao blockwise) in the dispatch's row map (zero rows, no extra copy)")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "exclude_modules", tuple(self.exclude_modules))  # a list from JSON

@@ -8,10 +8,10 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from moefold.dispatch.config import DispatcherKind
+from moefold.dispatch.config import DispatcherKind, dispatcher_text
 from moefold.models.composed import composed
 from moefold.models.config import ModelConfig
-from moefold.models.options import FLEX_FLAGS, ModelOptions
+from moefold.models.options import DISPATCH_ALIASES, FLEX_FLAGS, ModelOptions, auto_dispatch
 from moefold.parallel.sizes import ParallelConfig, ParallelSizes
 from moefold.training.optim.loss_scaler import LossScaler
 from moefold.training.optim.lr_schedule import LRSchedule
@@ -274,9 +274,14 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         """The JSON form a checkpoint and metrics.jsonl record: the model and the train config flat (their sections'
         fields by their flat names, as ``training.checkpoint.resume`` reads them and earlier moefold wrote them), the
-        options' flex dispatcher options by their flag names likewise."""
-        options = {k: v for k, v in dataclasses.asdict(self.options).items() if k != "flex"}
+        options' dispatcher by its earlier flat names likewise (``dispatcher``: ``auto`` for the layout's, and the flex
+        options' flag names), which moefold before ``ModelOptions.dispatch`` reads."""
+        options = {k: v for k, v in dataclasses.asdict(self.options).items() if k != "dispatch"}
+        options["dispatcher"] = dispatcher_text(self.options.dispatch.kind)
         options.update({name: getattr(self.options, name) for name in FLEX_FLAGS})   # by their flag names
+        chunked = self.options.dispatch.max_chunked_experts
+        if chunked != auto_dispatch().max_chunked_experts:   # no flag sets it: written only when changed
+            options["dispatch"] = {"max_chunked_experts": chunked}
         return {**dataclasses.asdict(self), "model": self.model.to_dict(), "options": options,
                 "train": self.train.flat_dict()}
 
@@ -293,5 +298,5 @@ def _part_names() -> dict[str, frozenset[str]]:
     """The flat names ``RunConfig.with_`` routes, by the part that holds them."""
     return {"model": frozenset(ModelConfig.FLAT_NAMES) | frozenset(ModelConfig.SECTIONS),
             "parallel": frozenset(f.name for f in dataclasses.fields(ParallelConfig)),
-            "options": frozenset(f.name for f in dataclasses.fields(ModelOptions)) | frozenset(FLEX_FLAGS),
+            "options": frozenset(f.name for f in dataclasses.fields(ModelOptions)) | frozenset(DISPATCH_ALIASES),
             "train": frozenset(TrainConfig.FLAT_NAMES) | frozenset(TrainConfig.SECTIONS)}

@@ -1,62 +1,52 @@
 """The FP8/FP4 flags of ``moefold train`` (Megatron-LM's names where it has them) and the ``FP8Config`` they give.
 
-The only definitions of these flags; their choices and defaults are ``precision.fp8``'s, so a new backend or
-recipe added there shows up here.
+Each flag is a field of ``precision.fp8.FP8Config`` (its name, help, default and choices are the field's metadata,
+made into the flag by ``training.cli.field_flags.add_flag``, as the other flags), so a new backend or recipe added
+there shows up here. One flag has no field of its own: ``--fp4-recipe`` gives ``FP8Config.recipe`` when
+``--fp4-format`` is set (``--fp8-recipe`` gives it otherwise); its one choice is ``FP4_RECIPES``'.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
-from moefold.precision.fp8 import (
-    DEFAULT_EXCLUDE,
-    FP4_FORMATS,
-    FP4_RECIPES,
-    FP8_BACKENDS,
-    FP8_FORMATS,
-    FP8_RECIPES,
-    FP8Config,
-)
+from moefold.precision.fp8 import FP4_RECIPES, FP8Config
+from moefold.training.cli.field_flags import add_flag
+
+FP4_RECIPE = "fp4_recipe"   # the flag that is not a field (module docstring)
+# the flags in --help order: FP8Config's fields by name, and --fp4-recipe
+FLAG_ORDER = ("format", "recipe", "fp4", FP4_RECIPE, "param_gather", "router_padding", "backend", "exclude_modules",
+              "dispatch")
+_FIELDS = {f.name: f for f in dataclasses.fields(FP8Config)}
+_DEFAULTS = FP8Config()
+
+
+def _dest(f: dataclasses.Field) -> str:
+    return f.metadata["flag"][2:].replace("-", "_")   # --fp8-format -> args.fp8_format
 
 
 def add_fp8_arguments(parser: argparse.ArgumentParser | Any) -> None:
     """The FP8 flags (Megatron-LM's names where it has them) on ``parser`` (a parser or an argument group)."""
-    parser.add_argument("--fp8-format", default=None, choices=FP8_FORMATS,
-                        help="FP8 GEMMs in the linears and the experts: e4m3, or hybrid (e4m3 forward, e5m2 "
-                             "gradients); default off")
-    parser.add_argument("--fp8-recipe", default=None, choices=FP8_RECIPES,
-                        help="FP8 scaling; torchao: tensorwise (default) | rowwise | blockwise (DeepSeek-V3: 1x128 "
-                             "activations, 128x128 weights) | mxfp8 (32-element e8m0 blocks); te: delayed (default) | "
-                             "tensorwise | blockwise (Hopper) | mxfp8 (Blackwell). CPU: emulated")
-    parser.add_argument("--fp4-format", default=None, choices=FP4_FORMATS,
-                        help="FP4 GEMMs instead of FP8: e2m1 (NVFP4: 16-element blocks, e4m3 scales, an fp32 "
-                             "per-tensor scale; Blackwell, emulated on CPU); nvfp4 is the same")
-    parser.add_argument("--fp4-recipe", default="nvfp4", choices=FP4_RECIPES,
-                        help="FP4 scaling recipe (nvfp4: TE NVFP4BlockScaling / moefold's torchao-numerics NVFP4)")
-    parser.add_argument("--fp8-param-gather", action="store_true",
-                        help="FP8 primary weights: the distributed optimizer all-gathers the updated weights as FP8 "
-                             "(1 byte per element) from fp32 masters (torchao tensorwise or blockwise)")
-    parser.add_argument("--moe-router-padding-for-quantization", action="store_true",
-                        help="pad each expert's token count to the FP8/FP4 grouped GEMM's multiple (16, 32 MXFP8, "
-                             "128 NVFP4 / torchao blockwise) in the dispatch's row map (zero rows, no extra copy)")
-    parser.add_argument("--fp8-backend", default="torchao", choices=FP8_BACKENDS,
-                        help="torchao (default; CPU and CUDA) or te (Transformer Engine, CUDA; the experts need "
-                             "--moe-grouped-gemm-backend te)")
-    parser.add_argument("--fp8-exclude-modules", nargs="*", default=list(DEFAULT_EXCLUDE), metavar="NAME",
-                        help="modules whose qualified name contains one of these keep high-precision GEMMs "
-                             f"(default: {' '.join(DEFAULT_EXCLUDE)}; e.g. add layers.0. for the first layer)")
-    parser.add_argument("--moe-fp8-dispatch", action="store_true",
-                        help="send routed tokens to their experts as e4m3 with per-128-channel scales "
-                             "(alltoall, allgather and flex on DeepEP V2)")
+    for name in FLAG_ORDER:
+        if name == FP4_RECIPE:
+            parser.add_argument("--fp4-recipe", default=FP4_RECIPES[0].value, choices=FP4_RECIPES,
+                                help="FP4 scaling recipe (nvfp4: TE NVFP4BlockScaling / moefold's torchao-numerics "
+                                     "NVFP4)")
+            continue
+        f = _FIELDS[name]
+        add_flag(parser, f, getattr(_DEFAULTS, name), _dest(f))
 
 
 def fp8_config_from_args(args: argparse.Namespace) -> FP8Config:
-    fp4 = getattr(args, "fp4_format", None)
-    return FP8Config(format=args.fp8_format, recipe=args.fp4_recipe if fp4 else args.fp8_recipe,
-                     backend=args.fp8_backend, exclude_modules=tuple(args.fp8_exclude_modules),
-                     dispatch=args.moe_fp8_dispatch, fp4=fp4, param_gather=getattr(args, "fp8_param_gather", False),
-                     router_padding=getattr(args, "moe_router_padding_for_quantization", False))
+    """The ``FP8Config`` of the parsed flags (a flag not on the parser: the field's default); ValueError from
+    ``FP8Config`` naming a bad combination."""
+    values = {name: getattr(args, _dest(f), getattr(_DEFAULTS, name)) for name, f in _FIELDS.items()}
+    values["exclude_modules"] = tuple(values["exclude_modules"])
+    if values["fp4"]:
+        values["recipe"] = getattr(args, FP4_RECIPE, FP4_RECIPES[0])
+    return FP8Config(**values)
 
 
-__all__ = ["add_fp8_arguments", "fp8_config_from_args"]
+__all__ = ["FLAG_ORDER", "add_fp8_arguments", "fp8_config_from_args"]
