@@ -184,9 +184,9 @@ def combine_dtype(dtype: torch.dtype) -> torch.dtype:
 # threshold is a fresh mapping, page-faulted on every call (bf16, T 4096, K 8, H 512, one thread: the combine's
 # forward 56 ms in one 2**24-element block, 9 ms in reused 2**20-element workspaces; with its backward and the
 # permute's, 202 ms profiled with a fresh fp32 tensor per block, 81 ms reused; 2**16-2**19 element blocks were no
-# faster). On a GPU a block only costs kernel launches (128 blocks of five kernels each at Qwen3-30B-A3B's shape kept the H200 waiting on
-# the host: 25 ms a layer against 14.5 in one block): 2**24 elements (the forward, 64 MiB fp32) and 2**27 (the
-# backward, 512 MiB fp32) there. Blocks and workspaces never change a bit of the result.
+# faster). On a GPU a block only costs kernel launches (128 blocks of five kernels each at Qwen3-30B-A3B's shape kept
+# the H200 waiting on the host: 25 ms a layer against 14.5 in one block): 2**24 elements (the forward, 64 MiB fp32)
+# and 2**27 (the backward, 512 MiB fp32) there. Blocks and workspaces never change a bit of the result.
 _COMBINE_BLOCK_ELEMS_CPU = 2**20
 _COMBINE_BLOCK_ELEMS_GPU = 2**24
 _BACKWARD_BLOCK_ELEMS_CPU = 2**20
