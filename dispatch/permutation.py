@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from moefold.dense.workspace import workspace
+
 
 @dataclass(frozen=True)
 class RowMap:
@@ -153,7 +155,8 @@ def build_padded_row_map(key: Tensor, num_tokens: int, topk: int, num_groups: in
 def _gather_rows(x_TH: Tensor, token_N: Tensor, padded: bool) -> Tensor:
     if padded:  # padding rows point at token T: an appended zero row
         x_TH = torch.cat([x_TH, x_TH.new_zeros((1, *x_TH.shape[1:]))])
-    return x_TH.index_select(0, token_N)
+    out = workspace(x_TH.device).empty((token_N.shape[0], *x_TH.shape[1:]), x_TH.dtype)   # reused on a CPU
+    return torch.index_select(x_TH, 0, token_N, out=out)
 
 
 def _row_of_slot(slot_N: Tensor, num_rows: int, num_tokens: int, topk: int,
@@ -179,15 +182,25 @@ def combine_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-# Low-precision rows are upcast a block of tokens at a time, so the fp32 copy never holds all N rows at once:
-# about 2**24 elements (64 MiB fp32) per block, a handful of blocks for a large layer's combine.
-_COMBINE_BLOCK_ELEMS = 2**24
-# The combine's backward gathers the token gradients a block of rows at a time. On a CPU a million elements per
-# block: a larger buffer is a fresh mmap, page-faulted on every call, while small blocks reuse cached memory. On a
-# GPU the blocks only cost kernel launches (128 blocks of five kernels each at Qwen3-30B-A3B's shape kept the H200
-# waiting on the host: 25 ms a layer against 14.5 in one block), so there they are 2**27 elements (512 MiB fp32).
+# Low-precision rows are upcast a block at a time, through workspaces reused by every block (and, from
+# ``dense.workspace``'s pool, by the next call on a CPU, as the permute's rows and the row gradients are), so no
+# fp32 copy of all N rows is made. On a CPU the reuse is what matters: a fresh buffer above glibc's mmap
+# threshold is a fresh mapping, page-faulted on every call (bf16, T 4096, K 8, H 512, one thread: the combine's
+# forward 56 ms in one 2**24-element block, 9 ms in reused 2**20-element workspaces; with its backward and the
+# permute's, 202 ms profiled with a fresh fp32 tensor per block, 81 ms reused; 2**16-2**19 element blocks were no
+# faster). On a GPU a block only costs kernel launches (128 blocks of five kernels each at Qwen3-30B-A3B's shape kept
+# the H200 waiting on the host: 25 ms a layer against 14.5 in one block): 2**24 elements (the forward, 64 MiB fp32)
+# and 2**27 (the backward, 512 MiB fp32) there. Blocks and workspaces never change a bit of the result.
+_COMBINE_BLOCK_ELEMS_CPU = 2**20
+_COMBINE_BLOCK_ELEMS_GPU = 2**24
 _BACKWARD_BLOCK_ELEMS_CPU = 2**20
 _BACKWARD_BLOCK_ELEMS_GPU = 2**27
+
+
+def combine_block_elems(device: torch.device) -> int:
+    """Elements per block of ``_sum_copies`` for low-precision rows on ``device``. Blocks never change the result:
+    every token is computed on its own."""
+    return _COMBINE_BLOCK_ELEMS_CPU if device.type == "cpu" else _COMBINE_BLOCK_ELEMS_GPU
 
 
 def backward_block_elems(device: torch.device) -> int:
@@ -223,11 +236,16 @@ def _sum_copies(rows_NH: Tensor, slot_N: Tensor, num_tokens: int, topk: int, pad
     D = rows_2d.shape[1]
     rows_of_token = row_of_slot.view(T, K)
     w_TK = torch.ones(T, K, dtype=acc, device=rows_2d.device) if w is None else w.view(T, K)
-    y = torch.empty(T, D, dtype=acc, device=rows_2d.device)
-    step = max(1, _COMBINE_BLOCK_ELEMS // max(1, K * D))
+    pool = workspace(rows_2d.device)
+    y = pool.empty((T, D), acc)
+    step = min(T, max(1, combine_block_elems(rows_2d.device) // max(1, K * D)))
+    picked = pool.empty((step * K, D), rows_2d.dtype)                            # one block's copies, reused
+    wide = pool.empty((step * K, D), acc)                                        # ... and upcast
     for t in range(0, T, step):
-        copies = rows_2d.index_select(0, rows_of_token[t:t + step].reshape(-1)).view(-1, K, D).to(acc)
-        torch.bmm(w_TK[t:t + step].unsqueeze(1), copies, out=y[t:t + step].unsqueeze(1))
+        n = min(step, T - t)
+        torch.index_select(rows_2d, 0, rows_of_token[t:t + n].reshape(-1), out=picked[:n * K])
+        copies = wide[:n * K].copy_(picked[:n * K]).view(n, K, D)
+        torch.bmm(w_TK[t:t + n].unsqueeze(1), copies, out=y[t:t + n].unsqueeze(1))
     return y.view(T, *rest)
 
 
@@ -281,16 +299,27 @@ def _weighted_rows_backward(grad_TH: Tensor, rows_NH: Tensor, probs_TK: Tensor, 
     if padded:  # padding rows point at token T: an appended zero row
         grad_src = torch.cat([grad_src, grad_src.new_zeros((1, *grad_src.shape[1:]))])
     p_N = _probs_of_rows(probs_TK, slot_N, padded).to(acc)
-    grad_rows = torch.empty_like(rows_NH) if need_rows else None
+    pool = workspace(rows_NH.device)
+    grad_rows = pool.empty(rows_NH.shape, rows_NH.dtype) if need_rows else None
     dots_N = torch.empty(N, dtype=torch.float32, device=rows_NH.device) if need_probs else None
     width = max(1, rows_NH[0].numel() if N else 1)
-    step = max(1, (block_elems or backward_block_elems(rows_NH.device)) // width)
+    step = max(1, min(N, (block_elems or backward_block_elems(rows_NH.device)) // width))
+    # workspaces for one block, reused by every block (see _BACKWARD_BLOCK_ELEMS_CPU)
+    shape = (step, *rows_NH.shape[1:])
+    picked = pool.empty(shape, grad_src.dtype)
+    wide = picked if grad_src.dtype == acc else pool.empty(shape, acc)
+    rows_wide = pool.empty(shape, acc) if need_probs and rows_NH.dtype != acc else None
+    prod = pool.empty(shape, acc) if need_probs else None
     for i in range(0, N, step):
-        g = grad_src.index_select(0, token_N[i:i + step]).to(acc)
+        n = min(step, N - i)
+        g = torch.index_select(grad_src, 0, token_N[i:i + n], out=picked[:n])
+        if wide is not picked:
+            g = wide[:n].copy_(g)
         if need_probs:
-            torch.sum((g * rows_NH[i:i + step].to(acc)).flatten(1), -1, dtype=torch.float32, out=dots_N[i:i + step])
+            r = rows_NH[i:i + n] if rows_wide is None else rows_wide[:n].copy_(rows_NH[i:i + n])
+            torch.sum(torch.mul(g, r, out=prod[:n]).flatten(1), -1, dtype=torch.float32, out=dots_N[i:i + n])
         if need_rows:
-            grad_rows[i:i + step] = g.mul_(p_N[i:i + step].view(-1, *([1] * (g.dim() - 1))))
+            grad_rows[i:i + n] = g.mul_(p_N[i:i + n].view(-1, *([1] * (g.dim() - 1))))
     grad_probs = None
     if need_probs:
         # padding rows all write the sink slot T*K, which is dropped

@@ -246,7 +246,7 @@ def test_the_combine_backward_runs_in_one_block_on_the_gpu_path():
             self.count = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.count += func is torch.ops.aten.index_select.default
+            self.count += func in (torch.ops.aten.index_select.default, torch.ops.aten.index_select.out)
             return func(*args, **(kwargs or {}))
 
     gen = torch.Generator().manual_seed(0)
@@ -267,3 +267,24 @@ def test_the_combine_backward_runs_in_one_block_on_the_gpu_path():
         counts.append(gathers.count)
     assert counts == [1 + 4, 1 + 1], counts   # the probs of the rows, then one gather per block
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.parametrize("probs", [False, True])
+def test_the_combine_in_blocks_equals_one_block(probs):
+    """bf16 rows are summed a block of tokens at a time through reused workspaces (``combine_block_elems``): the
+    result, and the permute's backward (the same sum), are bitwise those of one block."""
+    from moefold.dispatch import permutation
+
+    gen = torch.Generator().manual_seed(0)
+    T, K, E, Hd = 301, 3, 8, 24   # blocks of 7 tokens (the last one short)
+    ids = torch.rand(T, E, generator=gen).argsort(1)[:, :K]
+    rm = build_row_map(mask_groups(ids, E), T, K, E, capacity=100)   # some copies dropped, padding rows
+    rows = torch.randn(rm.num_rows, Hd, generator=gen, dtype=torch.bfloat16)
+    p = torch.rand(T, K, generator=gen) if probs else None
+    results = []
+    for elems in (2**24, 7 * K * Hd):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(permutation, "combine_block_elems", lambda device, elems=elems: elems)
+            results.append(unpermute(rows, rm, p))
+    assert results[0].dtype == torch.float32
+    assert torch.equal(*results)
