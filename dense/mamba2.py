@@ -12,8 +12,9 @@ B and C with state size ``n``)::
 
 Parameter names are HF's under ``mixer.``: ``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``D``, ``norm``,
 ``out_proj``. Activations are ``[S, B, H]`` (moefold's sequence-first layout). Tensor and context parallelism
-of this mixer, its decoding cache and the ``mamba_ssm`` kernels are not built: the module runs at world 1 only
-and takes no process group.
+of this mixer, its decoding cache and the ``mamba_ssm`` kernels are not built: the module runs at tp = cp = 1 only
+and takes no process group (``models.layer_factory.check_layout`` refuses other layouts); in a decoder it sits in
+the block's token-mixer slot, ``forward(x, position_ids)`` (a state-space scan reads no positions).
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moefold.dense.ssd_scan import ssd_chunk_scan
+from moefold.parallel.sharding import normal_init, set_init
+
+
+def _zeros(t: Tensor, gen: torch.Generator) -> None:
+    t.zero_()
 
 
 @dataclass(frozen=True)
@@ -74,7 +80,7 @@ class Mamba2Mixer(nn.Module):
     """``forward(x [S, B, H]) -> [S, B, H]`` (module docstring); ``dtype`` / ``device``: where its weights are made
     (A_log stays fp32)."""
 
-    def __init__(self, config: Mamba2Config, *, dtype: torch.dtype | None = None,
+    def __init__(self, config: Mamba2Config, *, init_std: float = 0.02, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         c = config
@@ -90,6 +96,12 @@ class Mamba2Mixer(nn.Module):
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(c.inner_size, **kw))
         self.out_proj = nn.Linear(c.inner_size, c.hidden_size, bias=c.proj_bias, **kw)
+        # layout-independent init (parallel.sharding.init_parameters): the projections and the convolution drawn
+        # normal, biases zero; A_log, D and dt_bias keep Mamba-2's constructor values
+        for lin in (self.in_proj, self.out_proj, self.conv1d):
+            set_init(lin.weight, normal_init(init_std))
+            if lin.bias is not None:
+                set_init(lin.bias, _zeros)
 
     def _gated_norm(self, y: Tensor, z: Tensor) -> Tensor:
         """RMSNorm over each group of ``inner_size / groups`` channels of ``y * silu(z)`` (fp32), then the weight."""
@@ -98,7 +110,8 @@ class Mamba2Mixer(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + c.norm_eps)
         return self.norm.weight * h.flatten(-2).to(y.dtype)
 
-    def forward(self, x_SBH: Tensor) -> Tensor:
+    def forward(self, x_SBH: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        """``position_ids``: the block's token-mixer call passes them; the scan reads none."""
         c = self.config
         S = x_SBH.shape[0]
         x = x_SBH.transpose(0, 1)                                                 # [B, S, H]

@@ -17,13 +17,14 @@ from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
 from moefold.parallel.comm import all_gather_sequence, copy_to_region
 from moefold.parallel.groups import Group, group_size
 
-MLP_ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
+MLP_ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh", "relu2")
 
 
 @dataclass(frozen=True)
 class MLPConfig:
     """``activation``: "swiglu" (``down(silu(gate(x)) * up(x))``, HF LlamaMLP), "gelu" or "gelu_tanh"
-    (``down(gelu(up(x)))``, exact or tanh-approximated). ``bias``: biases on every projection."""
+    (``down(gelu(up(x)))``, exact or tanh-approximated), "relu2" (``down(relu(up(x))^2)``, Nemotron-H). ``bias``:
+    biases on every projection."""
 
     hidden_size: int
     ffn_hidden_size: int
@@ -74,6 +75,8 @@ class DenseMLP(nn.Module):
         up = self.up_proj.forward_local(x)
         if self.gate_proj is not None:
             h = F.silu(self.gate_proj.forward_local(x)) * up
+        elif self.config.activation == "relu2":
+            h = torch.square(F.relu(up))
         else:
             h = F.gelu(up, approximate=self._gelu_approximate)
         return self.down_proj(h)
