@@ -78,7 +78,10 @@ INERT_BY_CLASS: dict[str, dict[str, str]] = {
         "num_nextn_predict_layers": "transformers' NemotronH builds no MTP layers (ignores mtp.* tensors)",
         "mtp_layers_block_type": "transformers' NemotronH builds no MTP layers",
         "hybrid_override_pattern": "the older spelling of layers_block_type (read when that is absent)",
-        "mtp_hybrid_override_pattern": "transformers' NemotronH builds no MTP layers"},
+        "mtp_hybrid_override_pattern": "transformers' NemotronH builds no MTP layers",
+        "norm_eps": "not a NemotronHConfig field (the published configs carry it; layer_norm_epsilon is read)",
+        "rope_theta": "not read: NemotronH's attention has no positional encoding",
+        "partial_rotary_factor": "not read: NemotronH's attention has no positional encoding"},
     "gpt_oss": {"hidden_act": "not read by transformers' GPT-OSS (its activation is swiglu_alpha / swiglu_limit)"},
     "qwen3": {"sliding_window": "read only with use_sliding_window (refused)",
               "max_window_layers": "read only with use_sliding_window (refused)",
@@ -174,7 +177,7 @@ def check_fields(hf: dict[str, Any]) -> None:
     for field, (default, what) in REFUSED[key].items():
         if hf.get(field) not in (default, None):
             raise _refuse(key, field, hf[field], what)
-    if key not in PARTIAL_ROTARY:
+    if key not in PARTIAL_ROTARY and key != "nemotron_h":   # NemotronH: no positional encoding to rotate
         for source in (hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}, hf):
             factor = source.get("partial_rotary_factor")
             if factor not in (None, 1, 1.0):

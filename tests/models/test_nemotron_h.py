@@ -1,0 +1,94 @@
+"""Nemotron-H (issue 51) at world 1: tiny random ``NemotronHForCausalLM`` checkpoints, drawn over the fields that
+change the computation (``nemotron_h_tiny.draw``), import with logits equal to transformers' (fp32, within fp32's
+own error measured against float64: ``tests/tolerance``), export back bit-exact in the hub's naming (``backbone.``,
+per expert) with the same config.json, and transformers reloads the export with the same logits; a negative
+control (RoPE switched on in moefold: the logits differ); the published Nano 30B-A3B config reads as the recipe
+with its published parameter counts; refusals name the field and value."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moefold.models.decoder import MoEDecoder
+from moefold.models.hf.config_map import from_hf_config
+from moefold.models.hf.exporter import export_hf
+from moefold.models.hf.importer import import_hf, load_config
+from moefold.models.params import count_parameters
+from moefold.models.recipes import get_recipe
+from moefold.models.tensor_io import TensorReader
+from tests.models.hf_tiny import hf_logits, hf_logits_and_bound, tokens
+from tests.models.nemotron_h_tiny import hf_model
+from tests.models.published_nemotron_h import NEMOTRON_3_NANO_30B_A3B
+
+transformers = pytest.importorskip("transformers")
+
+
+def _tensors(path) -> dict[str, torch.Tensor]:
+    with TensorReader(path) as r:
+        return {n: r.read(n) for n in r.names()}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_logits_equal_transformers(seed, tmp_path):
+    hf = hf_model(seed)
+    hf.save_pretrained(tmp_path / "hf")
+    ids = tokens()
+    ref, bound = hf_logits_and_bound(hf, ids)
+    model = import_hf(tmp_path / "hf")
+    diff = (model.logits(ids) - ref).abs().max().item()
+    print(f"nemotron_h seed {seed}: world-1 max |logits diff| = {diff:.3g} (fp32 bound {bound:.3g})")
+    assert diff <= max(bound, 1e-6)
+    if seed < 2:   # export: the same tensors and config.json; transformers reads it back to the same logits
+        export_hf(model, tmp_path / "out")
+        a, b = _tensors(tmp_path / "hf"), _tensors(tmp_path / "out")
+        assert sorted(a) == sorted(b)
+        assert all(torch.equal(a[n], b[n]) for n in a)
+        written = json.loads((tmp_path / "out" / "config.json").read_text())
+        assert from_hf_config(written, name="hf") == load_config(tmp_path / "hf")
+        reloaded = transformers.NemotronHForCausalLM.from_pretrained(tmp_path / "out").eval()
+        torch.testing.assert_close(hf_logits(reloaded, ids), ref, atol=1e-5, rtol=0)
+
+
+def test_rope_switched_on_differs(tmp_path):
+    """Negative control: the same weights with RoPE on the attention layers (NemotronH has none) move the logits."""
+    hf = hf_model(1)
+    hf.save_pretrained(tmp_path)
+    ref = hf_logits(hf, tokens())
+    model = MoEDecoder(load_config(tmp_path).with_(partial_rotary_factor=1.0))
+    model.load_state_dict(import_hf(tmp_path).state_dict())
+    assert (model.logits(tokens()) - ref).abs().max().item() > 1e-3
+
+
+def test_published_nano_reads_as_recipe_with_its_counts():
+    config = from_hf_config(NEMOTRON_3_NANO_30B_A3B)
+    recipe = get_recipe("nemotron_3_nano_30b_a3b")
+    assert config.with_(name=recipe.name, extra={}) == recipe.with_(extra={})
+    report = count_parameters(recipe)
+    # NVIDIA: 31.6B total, 3.2B active (3.6B with the embeddings); exactly, as moefold inspect prints them
+    assert report.total == 31_577_937_344
+    assert report.active_without_embedding == 3_227_751_872 and report.active == 3_580_073_408
+    assert [layer.mixer for layer in report.layers].count("mamba") == 23
+    assert [layer.mixer for layer in report.layers].count("full_attention") == 6
+
+
+@pytest.mark.parametrize("field, value", [("mlp_hidden_act", "silu"), ("mamba_hidden_act", "gelu"),
+                                          ("mlp_bias", True), ("sliding_window", 128)])
+def test_refused_fields_named(field, value):
+    with pytest.raises(ValueError, match=f"nemotron_h: {field}={value!r} is not supported"):
+        from_hf_config({**NEMOTRON_3_NANO_30B_A3B, field: value})
+
+
+def test_layouts_mamba_refuses_tp_and_cp():
+    """The Mamba-2 mixer is not split over tp nor cp: such a layout is refused at start-up in one line."""
+    from types import SimpleNamespace
+
+    from moefold.models.layer_factory import check_layout
+    from moefold.models.options import ModelOptions
+
+    config = get_recipe("nemotron_h_tiny")
+    for tp, cp in ((2, 1), (1, 2)):
+        with pytest.raises(ValueError, match=rf"Mamba-2 layers run at tp=1 and cp=1 only \(got tp={tp}, cp={cp}\)"):
+            check_layout(config, SimpleNamespace(tp=tp, cp=cp, ep=1, etp=1), ModelOptions())
