@@ -93,10 +93,12 @@ def mamba_config(config: ModelConfig) -> Mamba2Config:
     m = config.mamba
     if m is None:
         raise ValueError(f"{config.name}: no mamba sizes (MambaDims)")
+    low, high = m.time_step_limit
     return Mamba2Config(hidden_size=config.hidden_size, num_heads=m.num_heads, head_dim=m.head_dim,
                         state_size=m.state_size, num_groups=m.num_groups, conv_kernel=m.conv_kernel,
                         conv_bias=m.conv_bias, proj_bias=m.proj_bias, chunk_size=m.chunk_size,
-                        time_step_limit=tuple(m.time_step_limit), norm_eps=config.norm_eps)
+                        time_step_limit=(low, float("inf") if high is None else high),
+                        norm_eps=config.norm_eps)
 
 
 def router_config(config: ModelConfig, options: ModelOptions) -> RouterConfig:

@@ -8,7 +8,6 @@ model's width and norm eps. Names follow HF ``NemotronHConfig`` (``mamba_num_hea
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 
@@ -24,11 +23,14 @@ class MambaDims:
     conv_bias: bool = True
     proj_bias: bool = False
     chunk_size: int = 128
-    time_step_limit: tuple[float, float] = (0.0, math.inf)
+    # the clamp of dt: (low, high), high None for none (JSON has no infinity: run configs and checkpoints stay JSON)
+    time_step_limit: tuple[float, float | None] = (0.0, None)
 
     def __post_init__(self) -> None:
         if isinstance(self.time_step_limit, list):   # a JSON round trip hands back a list
-            object.__setattr__(self, "time_step_limit", tuple(float(v) for v in self.time_step_limit))
+            object.__setattr__(self, "time_step_limit", tuple(self.time_step_limit))
+        if len(self.time_step_limit) == 2 and self.time_step_limit[1] == float("inf"):
+            object.__setattr__(self, "time_step_limit", (self.time_step_limit[0], None))
         for name in ("num_heads", "head_dim", "state_size", "num_groups", "conv_kernel", "chunk_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -37,7 +39,7 @@ class MambaDims:
             raise ValueError(f"mamba.num_heads={self.num_heads} is not a multiple of mamba.num_groups="
                              f"{self.num_groups}")
         low, high = self.time_step_limit
-        if not 0.0 <= low <= high:
+        if not 0.0 <= low <= (float("inf") if high is None else high):
             raise ValueError(f"mamba.time_step_limit={self.time_step_limit!r} must be (low, high), 0 <= low <= high")
 
     @property

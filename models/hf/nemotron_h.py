@@ -148,7 +148,7 @@ def to_hf_config(c: ModelConfig, dtype: str) -> dict[str, Any]:
         "mamba_num_heads": m.num_heads, "mamba_head_dim": m.head_dim, "ssm_state_size": m.state_size,
         "n_groups": m.num_groups, "conv_kernel": m.conv_kernel, "use_conv_bias": m.conv_bias,
         "use_bias": m.proj_bias, "chunk_size": m.chunk_size,
-        "time_step_limit": [_json_float(v) for v in m.time_step_limit],
+        "time_step_limit": [_json_float(math.inf if v is None else v) for v in m.time_step_limit],
         "dtype": dtype}
     if c.num_experts:
         out.update(n_routed_experts=c.num_experts, num_experts_per_tok=c.moe_topk,
