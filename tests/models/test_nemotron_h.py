@@ -19,6 +19,7 @@ from moefold.models.hf.importer import import_hf, load_config
 from moefold.models.params import count_parameters
 from moefold.models.recipes import get_recipe
 from moefold.models.tensor_io import TensorReader
+from moefold.parallel.dims import ParallelDims
 from tests.models.hf_tiny import hf_logits, hf_logits_and_bound, tokens
 from tests.models.nemotron_h_tiny import hf_model
 from tests.models.published_nemotron_h import NEMOTRON_3_NANO_30B_A3B
@@ -92,3 +93,24 @@ def test_layouts_mamba_refuses_tp_and_cp():
     for tp, cp in ((2, 1), (1, 2)):
         with pytest.raises(ValueError, match=rf"Mamba-2 layers run at tp=1 and cp=1 only \(got tp={tp}, cp={cp}\)"):
             check_layout(config, SimpleNamespace(tp=tp, cp=cp, ep=1, etp=1), ModelOptions())
+
+
+def test_flops_count_mamba_and_relu2_layers():
+    """MFU's model FLOPs (training.observe.flops): a Mamba-2 layer's projections are its in/out weights, its scan
+    two head_dim x state products per head; an ungated relu2 MLP reads two matrices, not SwiGLU's three; one-sublayer
+    layers count their one sublayer only."""
+    from moefold.models.layer_factory import build_block
+    from moefold.models.options import ModelOptions
+    from moefold.training.observe.flops import ffn_macs, forward_flops_per_token, mamba_macs
+
+    c = get_recipe("nemotron_h_tiny")
+    blocks = {i: build_block(c, i, ParallelDims.single(), ModelOptions()) for i in range(c.num_layers)}
+    m = c.mamba
+    mixer = blocks[0].self_attn
+    assert mamba_macs(c) == mixer.in_proj.weight.numel() + mixer.out_proj.weight.numel() + \
+        m.conv_channels * m.conv_kernel + 2 * m.num_heads * m.head_dim * m.state_size
+    mlp = blocks[c.layer_types.index("mlp")].mlp
+    assert ffn_macs(c, moe=False) == mlp.up_proj.weight.numel() + mlp.down_proj.weight.numel()
+    assert blocks[0].mlp is None and blocks[1].self_attn is None
+    swiglu = forward_flops_per_token(c.with_(ffn_activation="swiglu"), 64)
+    assert forward_flops_per_token(c, 64) < swiglu
