@@ -12,9 +12,11 @@ B and C with state size ``n``)::
 
 Parameter names are HF's under ``mixer.``: ``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``D``, ``norm``,
 ``out_proj``. Activations are ``[S, B, H]`` (moefold's sequence-first layout). Tensor and context parallelism
-of this mixer, its decoding cache and the ``mamba_ssm`` kernels are not built: the module runs at tp = cp = 1 only
+of this mixer and its decoding cache are not built: the module runs at tp = cp = 1 only
 and takes no process group (``models.layer_factory.check_layout`` refuses other layouts); in a decoder it sits in
-the block's token-mixer slot, ``forward(x, position_ids)`` (a state-space scan reads no positions).
+the block's token-mixer slot, ``forward(x, position_ids)`` (a state-space scan reads no positions). ``backend``
+``mamba_ssm`` runs the convolution and the scan in ``causal_conv1d`` / ``mamba_ssm``'s CUDA kernels
+(``dense.mamba2_kernels``), the rest (projections, gated norm) as here.
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moefold.dense.mamba2_kernels import (
+    MambaBackend,
+    check_kernel_inputs,
+    kernel_conv,
+    kernel_scan,
+    require_mamba_ssm,
+)
 from moefold.dense.ssd_scan import ssd_chunk_scan
 from moefold.parallel.sharding import normal_init, set_init
 
@@ -50,8 +59,12 @@ class Mamba2Config:
     chunk_size: int = 128
     time_step_limit: tuple[float, float] = (0.0, float("inf"))
     norm_eps: float = 1e-5
+    backend: MambaBackend = MambaBackend.TORCH
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "backend", MambaBackend(self.backend))
+        if self.backend is MambaBackend.MAMBA_SSM:
+            require_mamba_ssm()
         for name in ("hidden_size", "num_heads", "head_dim", "state_size", "num_groups", "conv_kernel",
                      "chunk_size"):
             value = getattr(self, name)
@@ -116,6 +129,8 @@ class Mamba2Mixer(nn.Module):
         S = x_SBH.shape[0]
         x = x_SBH.transpose(0, 1)                                                 # [B, S, H]
         z, xbc, dt = self.in_proj(x).split([c.inner_size, c.conv_channels, c.num_heads], dim=-1)
+        if c.backend is MambaBackend.MAMBA_SSM:
+            return self._kernel_forward(x, z, xbc, dt).transpose(0, 1)
         xbc = F.silu(self.conv1d(xbc.transpose(1, 2))[..., :S].transpose(1, 2))
         xs, Bs, Cs = xbc.split([c.inner_size, c.num_groups * c.state_size, c.num_groups * c.state_size], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*c.time_step_limit)
@@ -124,3 +139,20 @@ class Mamba2Mixer(nn.Module):
                               Cs.unflatten(-1, (c.num_groups, c.state_size)), c.chunk_size, D=self.D)
         out = self.out_proj(self._gated_norm(y.flatten(-2), z).to(x.dtype))
         return out.transpose(0, 1)
+
+    def _split_heads(self, xbc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, S, h, p], B and C [B, S, g, n] of the convolution's channels."""
+        c = self.config
+        xs, Bs, Cs = xbc.split([c.inner_size, c.num_groups * c.state_size, c.num_groups * c.state_size], dim=-1)
+        return (xs.unflatten(-1, (c.num_heads, c.head_dim)), Bs.unflatten(-1, (c.num_groups, c.state_size)),
+                Cs.unflatten(-1, (c.num_groups, c.state_size)))
+
+    def _kernel_forward(self, x: Tensor, z: Tensor, xbc: Tensor, dt: Tensor) -> Tensor:
+        """The ``mamba_ssm`` backend from the input projection's parts: [B, S, H] out. The inputs are checked
+        against what the kernels refuse before either runs."""
+        c = self.config
+        A = -torch.exp(self.A_log.float())
+        check_kernel_inputs(*self._split_heads(xbc)[:1], dt, A, *self._split_heads(xbc)[1:], self.conv1d.weight)
+        xs, Bs, Cs = self._split_heads(kernel_conv(xbc, self.conv1d.weight, self.conv1d.bias))
+        y = kernel_scan(xs, dt, A, Bs, Cs, c.chunk_size, self.D, self.dt_bias, tuple(c.time_step_limit))
+        return self.out_proj(self._gated_norm(y.flatten(-2), z).to(x.dtype))

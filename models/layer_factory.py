@@ -88,7 +88,7 @@ def linear_attention_config(config: ModelConfig, options: ModelOptions) -> Gated
                                recompute=options.recompute, init_std=options.init_std)
 
 
-def mamba_config(config: ModelConfig) -> Mamba2Config:
+def mamba_config(config: ModelConfig, options: ModelOptions | None = None) -> Mamba2Config:
     """The Mamba-2 mixer of the ``mamba`` layers (Nemotron-H)."""
     m = config.mamba
     if m is None:
@@ -98,7 +98,7 @@ def mamba_config(config: ModelConfig) -> Mamba2Config:
                         state_size=m.state_size, num_groups=m.num_groups, conv_kernel=m.conv_kernel,
                         conv_bias=m.conv_bias, proj_bias=m.proj_bias, chunk_size=m.chunk_size,
                         time_step_limit=(low, float("inf") if high is None else high),
-                        norm_eps=config.norm_eps)
+                        norm_eps=config.norm_eps, backend=options.mamba_backend if options else "torch")
 
 
 def router_config(config: ModelConfig, options: ModelOptions) -> RouterConfig:
@@ -132,6 +132,8 @@ def check_layout(config: ModelConfig, dims: ParallelDims, options: ModelOptions)
     if "mamba" in (config.layer_types or ()) and (dims.tp > 1 or dims.cp > 1):
         raise ValueError(f"{config.name}: Mamba-2 layers run at tp=1 and cp=1 only (got tp={dims.tp}, cp={dims.cp}): "
                          "the mixer's head split and the SSM state's hand-over between sequence chunks are not built")
+    if "mamba" in (config.layer_types or ()):
+        mamba_config(config, options)   # --mamba-backend mamba_ssm without its packages: refused here, in one line
     if "linear_attention" in (config.layer_types or ()):   # the layout does not depend on the kernel backend
         layout_only = dataclasses.replace(options, linear_attention_backend="torch")
         linear_attention_config(config, layout_only).check_parallel(dims.tp, dims.cp)
@@ -150,7 +152,7 @@ def build_attention(config: ModelConfig, dims: ParallelDims, options: ModelOptio
                     **kw: Any) -> GQAAttention | MLAttention | DSAttention | GatedDeltaNet | Mamba2Mixer:
     """The token mixer of layer ``index``, as ``config.layer_type(index)`` says (``kw``: dtype/device)."""
     if config.layer_type(index) == "mamba":
-        return Mamba2Mixer(mamba_config(config), init_std=options.init_std, **kw)
+        return Mamba2Mixer(mamba_config(config, options), init_std=options.init_std, **kw)
     if config.layer_type(index) == "linear_attention":
         return GatedDeltaNet(linear_attention_config(config, options), dims.tp_group, dims.cp_group,
                              sequence_parallel=_sp(options, dims), **kw)
