@@ -11,10 +11,11 @@ B and C with state size ``n``)::
     out        = out_proj(group_rms_norm(y * silu(z)) * norm.weight)   (the norm over each of the g groups)
 
 Parameter names are HF's under ``mixer.``: ``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``D``, ``norm``,
-``out_proj``. Activations are ``[S, B, H]`` (moefold's sequence-first layout). Tensor and context parallelism
-of this mixer and its decoding cache are not built: the module runs at tp = cp = 1 only
-and takes no process group (``models.layer_factory.check_layout`` refuses other layouts); in a decoder it sits in
-the block's token-mixer slot, ``forward(x, position_ids)`` (a state-space scan reads no positions). ``backend``
+``out_proj``, with ``in_proj``'s rows and the convolution's channels group-major (``dense.mamba2_layout``: what a
+tensor-parallel shard of whole groups needs). Activations are ``[S, B, H]`` (moefold's sequence-first layout).
+Context parallelism (the SSM state and the convolution's last ``k - 1`` tokens handed from one sequence chunk to
+the next) and a decoding cache are not built: ``models.layer_factory.check_layout`` refuses cp > 1. In a decoder it
+sits in the block's token-mixer slot, ``forward(x, position_ids)`` (a state-space scan reads no positions). ``backend``
 ``mamba_ssm`` runs the convolution and the scan in ``causal_conv1d`` / ``mamba_ssm``'s CUDA kernels
 (``dense.mamba2_kernels``), the rest (projections, gated norm) as here.
 """
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
 from moefold.dense.mamba2_kernels import (
     MambaBackend,
     check_kernel_inputs,
@@ -34,8 +36,10 @@ from moefold.dense.mamba2_kernels import (
     kernel_scan,
     require_mamba_ssm,
 )
+from moefold.dense.mamba2_layout import in_proj_layout
 from moefold.dense.ssd_scan import ssd_chunk_scan
-from moefold.parallel.sharding import normal_init, set_init
+from moefold.parallel.groups import Group, group_rank, group_size
+from moefold.parallel.sharding import Shard, mark_sharded, normal_init, set_init
 
 
 def _zeros(t: Tensor, gen: torch.Generator) -> None:
@@ -80,6 +84,11 @@ class Mamba2Config:
         if not self.norm_eps > 0:
             raise ValueError(f"Mamba2Config.norm_eps={self.norm_eps!r} must be > 0")
 
+    def check_parallel(self, tp: int) -> None:
+        """Tensor parallelism splits whole B/C groups (and their heads)."""
+        if self.num_groups % tp:
+            raise ValueError(f"Mamba2Config: num_groups={self.num_groups} (n_groups) is not divisible by tp={tp}")
+
     @property
     def inner_size(self) -> int:
         return self.num_heads * self.head_dim
@@ -90,69 +99,94 @@ class Mamba2Config:
 
 
 class Mamba2Mixer(nn.Module):
-    """``forward(x [S, B, H]) -> [S, B, H]`` (module docstring); ``dtype`` / ``device``: where its weights are made
-    (A_log stays fp32)."""
+    """``forward(x [S, B, H]) -> [S, B, H]`` (module docstring; under ``sequence_parallel`` ``[S/tp, B, H]`` in and
+    out); ``dtype`` / ``device``: where its weights are made (A_log stays fp32).
 
-    def __init__(self, config: Mamba2Config, *, init_std: float = 0.02, dtype: torch.dtype | None = None,
+    Tensor parallelism splits the B/C groups (and their heads) over ``tp_group``: ``in_proj`` column-parallel and
+    ``out_proj`` row-parallel, ``in_proj`` and the convolution in the group-major row order of
+    ``dense.mamba2_layout`` (a rank's block is whole groups), the per-head tensors and the gated norm's weight
+    split along their one dim. Crosses ranks: the input's all-gather (SP) or region entry, the output's
+    reduce-scatter (SP) or all-reduce; the scan and the norm are per group, local."""
+
+    def __init__(self, config: Mamba2Config, tp_group: Group = None, *, sequence_parallel: bool = False,
+                 init_std: float = 0.02, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         c = config
-        self.config = c
+        tp, rank = group_size(tp_group), group_rank(tp_group)
+        c.check_parallel(tp)
+        self.config, self.tp_group, self.sequence_parallel = c, tp_group, sequence_parallel
+        self.local_groups, self.local_heads = c.num_groups // tp, c.num_heads // tp
         kw = {"dtype": dtype, "device": device}
-        self.in_proj = nn.Linear(c.hidden_size, c.inner_size + c.conv_channels + c.num_heads, bias=c.proj_bias, **kw)
-        self.conv1d = nn.Conv1d(c.conv_channels, c.conv_channels, c.conv_kernel, groups=c.conv_channels,
-                                padding=c.conv_kernel - 1, bias=c.conv_bias, **kw)
+        rows = in_proj_layout(c.num_heads, c.head_dim, c.state_size, c.num_groups)
+        self.in_proj = ColumnParallelLinear(c.hidden_size, c.num_groups * sum(rows.widths), tp_group,
+                                            bias=c.proj_bias, sequence_parallel=sequence_parallel,
+                                            init_std=init_std, **kw)
+        channels = c.conv_channels // tp
+        self.conv1d = nn.Conv1d(channels, channels, c.conv_kernel, groups=channels, padding=c.conv_kernel - 1,
+                                bias=c.conv_bias, **kw)
         # Mamba-2's initialisation (transformers' and mamba_ssm's): A = 1 .. heads, D = 1, dt_bias = 1
-        self.dt_bias = nn.Parameter(torch.ones(c.num_heads, **kw))
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, c.num_heads + 1, dtype=torch.float32, device=device)))
-        self.D = nn.Parameter(torch.ones(c.num_heads, **kw))
+        heads = torch.arange(rank * self.local_heads + 1, (rank + 1) * self.local_heads + 1, dtype=torch.float32,
+                             device=device)
+        self.dt_bias = nn.Parameter(torch.ones(self.local_heads, **kw))
+        self.A_log = nn.Parameter(torch.log(heads))
+        self.D = nn.Parameter(torch.ones(self.local_heads, **kw))
         self.norm = nn.Module()
-        self.norm.weight = nn.Parameter(torch.ones(c.inner_size, **kw))
-        self.out_proj = nn.Linear(c.inner_size, c.hidden_size, bias=c.proj_bias, **kw)
-        # layout-independent init (parallel.sharding.init_parameters): the projections and the convolution drawn
-        # normal, biases zero; A_log, D and dt_bias keep Mamba-2's constructor values
-        for lin in (self.in_proj, self.out_proj, self.conv1d):
-            set_init(lin.weight, normal_init(init_std))
-            if lin.bias is not None:
-                set_init(lin.bias, _zeros)
+        self.norm.weight = nn.Parameter(torch.ones(self.local_heads * c.head_dim, **kw))
+        self.out_proj = RowParallelLinear(c.inner_size, c.hidden_size, tp_group, bias=c.proj_bias,
+                                          sequence_parallel=sequence_parallel, init_std=init_std, **kw)
+        for p in (self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log, self.D, self.norm.weight):
+            if p is not None:
+                mark_sharded(p, Shard.over(tp_group, 0))
+        # layout-independent init (parallel.sharding.init_parameters): the convolution drawn normal, its bias zero;
+        # A_log, D and dt_bias keep Mamba-2's constructor values (the projections' init is their layers')
+        set_init(self.conv1d.weight, normal_init(init_std))
+        if self.conv1d.bias is not None:
+            set_init(self.conv1d.bias, _zeros)
 
     def _gated_norm(self, y: Tensor, z: Tensor) -> Tensor:
         """RMSNorm over each group of ``inner_size / groups`` channels of ``y * silu(z)`` (fp32), then the weight."""
-        c = self.config
-        h = (y.float() * F.silu(z.float())).unflatten(-1, (c.num_groups, -1))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + c.norm_eps)
+        h = (y.float() * F.silu(z.float())).unflatten(-1, (self.local_groups, -1))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.config.norm_eps)
         return self.norm.weight * h.flatten(-2).to(y.dtype)
+
+    def _parts(self, x_SBH: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """in_proj's z [B, S, h p], the convolution's input [B, S, c] (group-major) and dt [B, S, h] (local)."""
+        c = self.config
+        r = c.num_heads // c.num_groups
+        h = self.in_proj(x_SBH).transpose(0, 1).unflatten(-1, (self.local_groups, -1))
+        z, xs, Bs, Cs, dt = h.split([r * c.head_dim, r * c.head_dim, c.state_size, c.state_size, r], dim=-1)
+        return z.flatten(-2), torch.cat([xs, Bs, Cs], dim=-1).flatten(-2), dt.flatten(-2)
+
+    def _split_heads(self, xbc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, S, h, p], B and C [B, S, g, n] of the convolution's (group-major) channels."""
+        c = self.config
+        r = c.num_heads // c.num_groups
+        xs, Bs, Cs = xbc.unflatten(-1, (self.local_groups, -1)).split([r * c.head_dim, c.state_size, c.state_size],
+                                                                       dim=-1)
+        return xs.reshape(*xs.shape[:2], self.local_heads, c.head_dim), Bs, Cs
 
     def forward(self, x_SBH: Tensor, position_ids: Tensor | None = None) -> Tensor:
         """``position_ids``: the block's token-mixer call passes them; the scan reads none."""
         c = self.config
-        S = x_SBH.shape[0]
-        x = x_SBH.transpose(0, 1)                                                 # [B, S, H]
-        z, xbc, dt = self.in_proj(x).split([c.inner_size, c.conv_channels, c.num_heads], dim=-1)
+        z, xbc, dt = self._parts(x_SBH)
         if c.backend is MambaBackend.MAMBA_SSM:
-            return self._kernel_forward(x, z, xbc, dt).transpose(0, 1)
-        xbc = F.silu(self.conv1d(xbc.transpose(1, 2))[..., :S].transpose(1, 2))
-        xs, Bs, Cs = xbc.split([c.inner_size, c.num_groups * c.state_size, c.num_groups * c.state_size], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*c.time_step_limit)
-        y, _ = ssd_chunk_scan(xs.unflatten(-1, (c.num_heads, c.head_dim)), dt, -torch.exp(self.A_log.float()),
-                              Bs.unflatten(-1, (c.num_groups, c.state_size)),
-                              Cs.unflatten(-1, (c.num_groups, c.state_size)), c.chunk_size, D=self.D)
-        out = self.out_proj(self._gated_norm(y.flatten(-2), z).to(x.dtype))
-        return out.transpose(0, 1)
+            y = self._kernel_scan(xbc, dt)
+        else:
+            S = xbc.shape[1]
+            xbc = F.silu(self.conv1d(xbc.transpose(1, 2))[..., :S].transpose(1, 2))
+            dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*c.time_step_limit)
+            xs, Bs, Cs = self._split_heads(xbc)
+            y, _ = ssd_chunk_scan(xs, dt, -torch.exp(self.A_log.float()), Bs, Cs, c.chunk_size, D=self.D)
+        out = self._gated_norm(y.flatten(-2), z).to(x_SBH.dtype)
+        return self.out_proj(out.transpose(0, 1))
 
-    def _split_heads(self, xbc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x [B, S, h, p], B and C [B, S, g, n] of the convolution's channels."""
-        c = self.config
-        xs, Bs, Cs = xbc.split([c.inner_size, c.num_groups * c.state_size, c.num_groups * c.state_size], dim=-1)
-        return (xs.unflatten(-1, (c.num_heads, c.head_dim)), Bs.unflatten(-1, (c.num_groups, c.state_size)),
-                Cs.unflatten(-1, (c.num_groups, c.state_size)))
-
-    def _kernel_forward(self, x: Tensor, z: Tensor, xbc: Tensor, dt: Tensor) -> Tensor:
-        """The ``mamba_ssm`` backend from the input projection's parts: [B, S, H] out. The inputs are checked
-        against what the kernels refuse before either runs."""
+    def _kernel_scan(self, xbc: Tensor, dt: Tensor) -> Tensor:
+        """The ``mamba_ssm`` backend's convolution and scan: y [B, S, h, p]. The inputs are checked against what
+        the kernels refuse before either runs."""
         c = self.config
         A = -torch.exp(self.A_log.float())
-        check_kernel_inputs(*self._split_heads(xbc)[:1], dt, A, *self._split_heads(xbc)[1:], self.conv1d.weight)
+        xs, Bs, Cs = self._split_heads(xbc)
+        check_kernel_inputs(xs, dt, A, Bs, Cs, self.conv1d.weight)
         xs, Bs, Cs = self._split_heads(kernel_conv(xbc, self.conv1d.weight, self.conv1d.bias))
-        y = kernel_scan(xs, dt, A, Bs, Cs, c.chunk_size, self.D, self.dt_bias, tuple(c.time_step_limit))
-        return self.out_proj(self._gated_norm(y.flatten(-2), z).to(x.dtype))
+        return kernel_scan(xs, dt, A, Bs, Cs, c.chunk_size, self.D, self.dt_bias, tuple(c.time_step_limit))

@@ -157,12 +157,13 @@ class OneTensor:
         return self.layout.from_hf(tensors[0], shape)
 
 
-def hf_layout(name: str, config: ModelConfig) -> OneTensor | qwen3_5_moe.SplitLayout | nemotron_h.ExpertStack | None:
+def hf_layout(name: str, config: ModelConfig) -> OneTensor | qwen3_5_moe.SplitLayout | nemotron_h.ExpertStack | \
+        nemotron_h.OneTensor | None:
     """How moefold entry ``name`` is stored differently in HF: ``hf_parts(shape)`` (the HF tensors' names and
     full shapes), ``to_hf(full)`` (those tensors), ``from_hf(tensors, shape)`` (the full moefold tensor); None
     when it is the one HF tensor ``hf_names(name)[0]`` of the same full shape."""
     if config.family == "nemotron_h":   # its routed experts, per expert
-        return nemotron_h.expert_layout(name)
+        return nemotron_h.expert_layout(name, config)
     if config.family not in HYBRID_FAMILIES:
         return None
     conv = qwen3_next.conv_layout(name, config)

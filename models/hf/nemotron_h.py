@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from moefold.dense.mamba2_layout import GroupMajor, conv_layout, in_proj_layout
 from moefold.models.config import ModelConfig
 from moefold.models.mamba_dims import MambaDims
 
@@ -194,6 +195,23 @@ def hf_names(name: str) -> list[str]:
 
 
 @dataclass(frozen=True)
+class OneTensor:
+    """A moefold entry stored as one HF tensor ``hf_name`` in another row order (``GroupMajor``)."""
+
+    hf_name: str
+    layout: GroupMajor
+
+    def hf_parts(self, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+        return [(self.hf_name, self.layout.hf_shape(shape))]
+
+    def to_hf(self, full: Tensor) -> list[Tensor]:
+        return [self.layout.to_hf(full)]
+
+    def from_hf(self, tensors: list[Tensor], shape: tuple[int, ...]) -> Tensor:
+        return self.layout.from_hf(tensors[0], shape)
+
+
+@dataclass(frozen=True)
 class ExpertStack:
     """moefold's ``w13 [E, 1, F, L]`` / ``w2 [E, L, F]`` <-> the hub's per-expert ``experts.e.up_proj.weight
     [F, L]`` / ``experts.e.down_proj.weight [L, F]`` (read whole, stacked)."""
@@ -212,8 +230,14 @@ class ExpertStack:
         return torch.stack(tensors).reshape(shape)
 
 
-def expert_layout(name: str) -> ExpertStack | None:
-    """The per-expert layout of ``layers.i.mlp.experts.w13`` / ``w2``; None for any other entry."""
+def expert_layout(name: str, config: ModelConfig) -> ExpertStack | OneTensor | None:
+    """How ``name`` is stored differently in HF: the routed experts per expert (``layers.i.mlp.experts.w13`` /
+    ``w2``), a Mamba-2 layer's ``in_proj`` and convolution part-major (``dense.mamba2_layout``); None otherwise."""
+    mixer = re.fullmatch(r"layers\.(\d+)\.self_attn\.(in_proj|conv1d)\.(weight|bias)", name)
+    if mixer is not None and config.layer_type(int(mixer.group(1))) == "mamba":
+        m = config.mamba
+        make = in_proj_layout if mixer.group(2) == "in_proj" else conv_layout
+        return OneTensor(hf_names(name)[0], make(m.num_heads, m.head_dim, m.state_size, m.num_groups))
     m = re.fullmatch(r"layers\.(\d+)\.mlp\.experts\.(w13|w2)", name)
     if m is None:
         return None

@@ -82,17 +82,21 @@ def test_refused_fields_named(field, value):
         from_hf_config({**NEMOTRON_3_NANO_30B_A3B, field: value})
 
 
-def test_layouts_mamba_refuses_tp_and_cp():
-    """The Mamba-2 mixer is not split over tp nor cp: such a layout is refused at start-up in one line."""
+def test_layouts_mamba_refuses_cp_and_tp_past_its_groups():
+    """The Mamba-2 mixer splits whole B/C groups over tp and is not split over cp: other layouts are refused at
+    start-up in one line."""
     from types import SimpleNamespace
 
     from moefold.models.layer_factory import check_layout
     from moefold.models.options import ModelOptions
 
-    config = get_recipe("nemotron_h_tiny")
-    for tp, cp in ((2, 1), (1, 2)):
-        with pytest.raises(ValueError, match=rf"Mamba-2 layers run at tp=1 and cp=1 only \(got tp={tp}, cp={cp}\)"):
-            check_layout(config, SimpleNamespace(tp=tp, cp=cp, ep=1, etp=1), ModelOptions())
+    config = get_recipe("nemotron_h_tiny")   # 2 groups
+    check_layout(config, SimpleNamespace(tp=2, cp=1, ep=1, etp=1), ModelOptions())
+    with pytest.raises(ValueError, match=r"Mamba-2 layers run at cp=1 only \(got cp=2\)"):
+        check_layout(config, SimpleNamespace(tp=1, cp=2, ep=1, etp=1), ModelOptions())
+    with pytest.raises(ValueError, match=r"num_groups=2 \(n_groups\) is not divisible by tp=4"):
+        check_layout(config.with_(num_attention_heads=8, num_query_groups=4), SimpleNamespace(tp=4, cp=1, ep=1, etp=1),
+                     ModelOptions())
 
 
 def test_flops_count_mamba_and_relu2_layers():
