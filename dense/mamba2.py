@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moefold.dense.gated_deltanet import heads_to_sequence, sequence_to_heads
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
 from moefold.dense.mamba2_kernels import (
     MambaBackend,
@@ -84,10 +85,13 @@ class Mamba2Config:
         if not self.norm_eps > 0:
             raise ValueError(f"Mamba2Config.norm_eps={self.norm_eps!r} must be > 0")
 
-    def check_parallel(self, tp: int) -> None:
-        """Tensor parallelism splits whole B/C groups (and their heads)."""
+    def check_parallel(self, tp: int, cp: int = 1) -> None:
+        """Tensor parallelism splits whole B/C groups (and their heads), context parallelism a tp rank's groups."""
         if self.num_groups % tp:
             raise ValueError(f"Mamba2Config: num_groups={self.num_groups} (n_groups) is not divisible by tp={tp}")
+        if (self.num_groups // tp) % cp:
+            raise ValueError(f"Mamba-2 under context parallelism runs each cp rank on the whole sequence for 1/cp of "
+                             f"its B/C groups: num_groups={self.num_groups} / tp={tp} is not divisible by cp={cp}")
 
     @property
     def inner_size(self) -> int:
@@ -108,15 +112,22 @@ class Mamba2Mixer(nn.Module):
     split along their one dim. Crosses ranks: the input's all-gather (SP) or region entry, the output's
     reduce-scatter (SP) or all-reduce; the scan and the norm are per group, local."""
 
-    def __init__(self, config: Mamba2Config, tp_group: Group = None, *, sequence_parallel: bool = False,
-                 init_std: float = 0.02, dtype: torch.dtype | None = None,
+    def __init__(self, config: Mamba2Config, tp_group: Group = None, cp_group: Group = None, *,
+                 sequence_parallel: bool = False, init_std: float = 0.02, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         c = config
         tp, rank = group_size(tp_group), group_rank(tp_group)
-        c.check_parallel(tp)
+        self.cp_group, self.cp, self.cp_rank = cp_group, group_size(cp_group), group_rank(cp_group)
+        c.check_parallel(tp, self.cp)
         self.config, self.tp_group, self.sequence_parallel = c, tp_group, sequence_parallel
         self.local_groups, self.local_heads = c.num_groups // tp, c.num_heads // tp
+        # under cp this rank scans 1/cp of its groups over the whole sequence: their heads, channels and weights
+        self.scan_groups, self.scan_heads = self.local_groups // self.cp, self.local_heads // self.cp
+        r, width = c.num_heads // c.num_groups, c.conv_channels // c.num_groups
+        g0 = self.cp_rank * self.scan_groups
+        self._heads = slice(g0 * r, (g0 + self.scan_groups) * r)
+        self._channels = slice(g0 * width, (g0 + self.scan_groups) * width)
         kw = {"dtype": dtype, "device": device}
         rows = in_proj_layout(c.num_heads, c.head_dim, c.state_size, c.num_groups)
         self.in_proj = ColumnParallelLinear(c.hidden_size, c.num_groups * sum(rows.widths), tp_group,
@@ -146,15 +157,20 @@ class Mamba2Mixer(nn.Module):
 
     def _gated_norm(self, y: Tensor, z: Tensor) -> Tensor:
         """RMSNorm over each group of ``inner_size / groups`` channels of ``y * silu(z)`` (fp32), then the weight."""
-        h = (y.float() * F.silu(z.float())).unflatten(-1, (self.local_groups, -1))
+        h = (y.float() * F.silu(z.float())).unflatten(-1, (self.scan_groups, -1))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.config.norm_eps)
-        return self.norm.weight * h.flatten(-2).to(y.dtype)
+        p = self.config.head_dim
+        return self.norm.weight[self._heads.start * p:self._heads.stop * p] * h.flatten(-2).to(y.dtype)
 
     def _parts(self, x_SBH: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """in_proj's z [B, S, h p], the convolution's input [B, S, c] (group-major) and dt [B, S, h] (local)."""
+        """in_proj's z [B, S, h p], the convolution's input [B, S, c] (group-major) and dt [B, S, h], for the groups
+        this rank scans (under cp: the whole sequence, ``1/cp`` of its groups, one all-to-all)."""
         c = self.config
         r = c.num_heads // c.num_groups
-        h = self.in_proj(x_SBH).transpose(0, 1).unflatten(-1, (self.local_groups, -1))
+        h = self.in_proj(x_SBH).unflatten(-1, (self.local_groups, -1))
+        if self.cp > 1:
+            h = heads_to_sequence(h, self.cp_group)
+        h = h.transpose(0, 1)
         z, xs, Bs, Cs, dt = h.split([r * c.head_dim, r * c.head_dim, c.state_size, c.state_size, r], dim=-1)
         return z.flatten(-2), torch.cat([xs, Bs, Cs], dim=-1).flatten(-2), dt.flatten(-2)
 
@@ -162,9 +178,14 @@ class Mamba2Mixer(nn.Module):
         """x [B, S, h, p], B and C [B, S, g, n] of the convolution's (group-major) channels."""
         c = self.config
         r = c.num_heads // c.num_groups
-        xs, Bs, Cs = xbc.unflatten(-1, (self.local_groups, -1)).split([r * c.head_dim, c.state_size, c.state_size],
-                                                                       dim=-1)
-        return xs.reshape(*xs.shape[:2], self.local_heads, c.head_dim), Bs, Cs
+        xs, Bs, Cs = xbc.unflatten(-1, (self.scan_groups, -1)).split([r * c.head_dim, c.state_size, c.state_size],
+                                                                      dim=-1)
+        return xs.reshape(*xs.shape[:2], self.scan_heads, c.head_dim), Bs, Cs
+
+    def _conv_weights(self) -> tuple[Tensor, Tensor | None]:
+        """The convolution's weight and bias of the channels this rank scans."""
+        bias = self.conv1d.bias
+        return self.conv1d.weight[self._channels], None if bias is None else bias[self._channels]
 
     def forward(self, x_SBH: Tensor, position_ids: Tensor | None = None) -> Tensor:
         """``position_ids``: the block's token-mixer call passes them; the scan reads none."""
@@ -174,19 +195,26 @@ class Mamba2Mixer(nn.Module):
             y = self._kernel_scan(xbc, dt)
         else:
             S = xbc.shape[1]
-            xbc = F.silu(self.conv1d(xbc.transpose(1, 2))[..., :S].transpose(1, 2))
-            dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*c.time_step_limit)
+            weight, bias = self._conv_weights()
+            xbc = F.silu(F.conv1d(xbc.transpose(1, 2), weight, bias, padding=c.conv_kernel - 1,
+                                  groups=weight.shape[0])[..., :S].transpose(1, 2))
+            dt = F.softplus(dt.float() + self.dt_bias[self._heads].float()).clamp(*c.time_step_limit)
             xs, Bs, Cs = self._split_heads(xbc)
-            y, _ = ssd_chunk_scan(xs, dt, -torch.exp(self.A_log.float()), Bs, Cs, c.chunk_size, D=self.D)
-        out = self._gated_norm(y.flatten(-2), z).to(x_SBH.dtype)
-        return self.out_proj(out.transpose(0, 1))
+            y, _ = ssd_chunk_scan(xs, dt, -torch.exp(self.A_log[self._heads].float()), Bs, Cs, c.chunk_size,
+                                  D=self.D[self._heads])
+        out = self._gated_norm(y.flatten(-2), z).to(x_SBH.dtype).transpose(0, 1)   # [S, B, scanned heads p]
+        if self.cp > 1:   # back to this rank's tokens, every group of its tp rank
+            out = sequence_to_heads(out.unflatten(-1, (self.scan_groups, -1)), self.cp_group).flatten(-2)
+        return self.out_proj(out)
 
     def _kernel_scan(self, xbc: Tensor, dt: Tensor) -> Tensor:
         """The ``mamba_ssm`` backend's convolution and scan: y [B, S, h, p]. The inputs are checked against what
         the kernels refuse before either runs."""
         c = self.config
-        A = -torch.exp(self.A_log.float())
+        A = -torch.exp(self.A_log[self._heads].float())
+        weight, bias = self._conv_weights()
         xs, Bs, Cs = self._split_heads(xbc)
-        check_kernel_inputs(xs, dt, A, Bs, Cs, self.conv1d.weight)
-        xs, Bs, Cs = self._split_heads(kernel_conv(xbc, self.conv1d.weight, self.conv1d.bias))
-        return kernel_scan(xs, dt, A, Bs, Cs, c.chunk_size, self.D, self.dt_bias, tuple(c.time_step_limit))
+        check_kernel_inputs(xs, dt, A, Bs, Cs, weight)
+        xs, Bs, Cs = self._split_heads(kernel_conv(xbc, weight, bias))
+        return kernel_scan(xs, dt, A, Bs, Cs, c.chunk_size, self.D[self._heads], self.dt_bias[self._heads],
+                           tuple(c.time_step_limit))

@@ -130,11 +130,8 @@ def check_layout(config: ModelConfig, dims: ParallelDims, options: ModelOptions)
     """Fail early, naming the numbers, when ``config`` cannot be split over ``dims``."""
     attention_config(config, options).check_parallel(dims.tp, dims.cp)
     if "mamba" in (config.layer_types or ()):
-        if dims.cp > 1:
-            raise ValueError(f"{config.name}: Mamba-2 layers run at cp=1 only (got cp={dims.cp}): the SSM state's and "
-                             "the convolution's hand-over from one sequence chunk to the next is not built")
-        # --mamba-backend mamba_ssm without its packages, or groups tp cannot split: refused here, in one line
-        mamba_config(config, options).check_parallel(dims.tp)
+        # --mamba-backend mamba_ssm without its packages, or groups tp and cp cannot split: refused here, in one line
+        mamba_config(config, options).check_parallel(dims.tp, dims.cp)
     if "linear_attention" in (config.layer_types or ()):   # the layout does not depend on the kernel backend
         layout_only = dataclasses.replace(options, linear_attention_backend="torch")
         linear_attention_config(config, layout_only).check_parallel(dims.tp, dims.cp)
@@ -153,8 +150,8 @@ def build_attention(config: ModelConfig, dims: ParallelDims, options: ModelOptio
                     **kw: Any) -> GQAAttention | MLAttention | DSAttention | GatedDeltaNet | Mamba2Mixer:
     """The token mixer of layer ``index``, as ``config.layer_type(index)`` says (``kw``: dtype/device)."""
     if config.layer_type(index) == "mamba":
-        return Mamba2Mixer(mamba_config(config, options), dims.tp_group, sequence_parallel=_sp(options, dims),
-                           init_std=options.init_std, **kw)
+        return Mamba2Mixer(mamba_config(config, options), dims.tp_group, dims.cp_group,
+                           sequence_parallel=_sp(options, dims), init_std=options.init_std, **kw)
     if config.layer_type(index) == "linear_attention":
         return GatedDeltaNet(linear_attention_config(config, options), dims.tp_group, dims.cp_group,
                              sequence_parallel=_sp(options, dims), **kw)

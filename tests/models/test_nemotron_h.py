@@ -82,9 +82,9 @@ def test_refused_fields_named(field, value):
         from_hf_config({**NEMOTRON_3_NANO_30B_A3B, field: value})
 
 
-def test_layouts_mamba_refuses_cp_and_tp_past_its_groups():
-    """The Mamba-2 mixer splits whole B/C groups over tp and is not split over cp: other layouts are refused at
-    start-up in one line."""
+def test_layouts_mamba_refuses_tp_and_cp_past_its_groups():
+    """The Mamba-2 mixer splits whole B/C groups over tp, then a tp rank's groups over cp: other layouts are refused
+    at start-up in one line."""
     from types import SimpleNamespace
 
     from moefold.models.layer_factory import check_layout
@@ -92,8 +92,9 @@ def test_layouts_mamba_refuses_cp_and_tp_past_its_groups():
 
     config = get_recipe("nemotron_h_tiny")   # 2 groups
     check_layout(config, SimpleNamespace(tp=2, cp=1, ep=1, etp=1), ModelOptions())
-    with pytest.raises(ValueError, match=r"Mamba-2 layers run at cp=1 only \(got cp=2\)"):
-        check_layout(config, SimpleNamespace(tp=1, cp=2, ep=1, etp=1), ModelOptions())
+    check_layout(config, SimpleNamespace(tp=1, cp=2, ep=1, etp=1), ModelOptions())
+    with pytest.raises(ValueError, match=r"num_groups=2 / tp=2 is not divisible by cp=2"):
+        check_layout(config, SimpleNamespace(tp=2, cp=2, ep=1, etp=1), ModelOptions())
     with pytest.raises(ValueError, match=r"num_groups=2 \(n_groups\) is not divisible by tp=4"):
         check_layout(config.with_(num_attention_heads=8, num_query_groups=4), SimpleNamespace(tp=4, cp=1, ep=1, etp=1),
                      ModelOptions())

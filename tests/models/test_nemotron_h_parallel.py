@@ -1,8 +1,9 @@
 """Nemotron-H (issue 51) at parallel layouts, in ONE 4-rank world: logits of two tiny random ``NemotronHForCausalLM``
 checkpoints equal transformers' at tp2 (SP and not; the Mamba-2 groups split), ep2, ep4, pp2 (Mamba-2, attention
-and MoE layers on both stages), tp2 x ep2 and pp2 x tp2, and the loss and every gradient equal world 1's at tp2 x
-dp2, ep2 x dp2, ep4 and tp2 x ep2. cp is refused at start-up for the Mamba-2 layers
-(tests/models/test_nemotron_h.py): the SSM state is not handed from one sequence chunk to the next."""
+and MoE layers on both stages), tp2 x ep2, pp2 x tp2, cp2 (p2p and all_gather; the Mamba-2 layers head-parallel:
+each cp rank scans the whole sequence for half its groups) and cp2 x ep2, and the loss and every gradient equal
+world 1's at tp2 x dp2, ep2 x dp2, ep4, tp2 x ep2, cp2 x dp2 and cp2 x ep2. A tp x cp the groups cannot split over
+is refused at start-up (tests/models/test_nemotron_h.py)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,10 @@ SEEDS = (0, 9)
 GRAD_SEEDS = (9,)
 LOGIT_LAYOUTS = [("tp2", dict(tp=2), {}), ("tp2 no-SP", dict(tp=2), dict(sequence_parallel=False)),
                  ("ep2", dict(ep=2), {}), ("ep4", dict(ep=4), {}), ("pp2", dict(pp=2), {}),
-                 ("tp2xep2", dict(tp=2, ep=2), {}), ("pp2xtp2", dict(pp=2, tp=2), {})]
-GRAD_LAYOUTS = [("tp2", dict(tp=2)), ("ep2", dict(ep=2)), ("ep4", dict(ep=4)), ("tp2xep2", dict(tp=2, ep=2))]
+                 ("tp2xep2", dict(tp=2, ep=2), {}), ("pp2xtp2", dict(pp=2, tp=2), {}), ("cp2", dict(cp=2), {}),
+                 ("cp2 all_gather", dict(cp=2), dict(cp_comm="all_gather")), ("cp2xep2", dict(cp=2, ep=2), {})]
+GRAD_LAYOUTS = [("tp2", dict(tp=2)), ("ep2", dict(ep=2)), ("ep4", dict(ep=4)), ("tp2xep2", dict(tp=2, ep=2)),
+                ("cp2", dict(cp=2)), ("cp2xep2", dict(cp=2, ep=2))]
 
 
 def _rank(paths: dict[int, str], refs: dict[int, torch.Tensor], ids: torch.Tensor):

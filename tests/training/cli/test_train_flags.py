@@ -101,7 +101,7 @@ def test_fp16_loss_scaling_flags_and_refusals(capsys, monkeypatch, tmp_path):
 
 
 def test_mamba_backend_flag_and_refusals(capsys, monkeypatch, tmp_path):
-    """--mamba-backend reaches the options; a Nemotron-H layout splitting its Mamba-2 layers over cp, and the
+    """--mamba-backend reaches the options; a Nemotron-H layout its Mamba-2 groups cannot split over, and the
     mamba_ssm backend without its packages, fail in one line before any rank starts."""
     from moefold.dense.mamba2_kernels import mamba_ssm_available
     from moefold.training.cli import main as cli
@@ -110,7 +110,8 @@ def test_mamba_backend_flag_and_refusals(capsys, monkeypatch, tmp_path):
     assert _config().options.mamba_backend == "torch"
     monkeypatch.setattr("moefold.training.cli.train.run_ranks", lambda *_a, **_k: pytest.fail("a rank was started"))
     base = ["train", "--recipe", "nemotron_h_tiny", "--run-dir", str(tmp_path), "--no-save", "--train-iters", "1"]
-    cases = [(["--nproc", "2", "--context-parallel-size", "2"], "Mamba-2 layers run at cp=1 only")]
+    cases = [(["--nproc", "4", "--tensor-model-parallel-size", "2", "--context-parallel-size", "2"],
+              "num_groups=2 / tp=2 is not divisible by cp=2")]
     if not mamba_ssm_available():
         cases.append((["--mamba-backend", "mamba_ssm"], "needs the mamba-ssm and causal-conv1d packages"))
     for flags, message in cases:
