@@ -116,7 +116,9 @@ class GQAAttention(nn.Module):
                              "supported: a rank's queries see keys of other ranks")
         # max_logit: [h/tp] fp32, each local head's largest logit of the training forwards since the last reset
         self.max_logits: Tensor | None = None
-        self.rotary = RotaryEmbedding(c.rotary_dim_resolved, c.rope_theta, c.yarn, device=device)
+        # rotary_dim 0: no positional encoding at all (Nemotron-H's attention layers)
+        self.rotary = (RotaryEmbedding(c.rotary_dim_resolved, c.rope_theta, c.yarn, device=device)
+                       if c.rotary_dim_resolved else None)
         self.core = CoreAttention(d ** -0.5, sliding_window=c.sliding_window, cp_group=cp_group, cp_comm=c.cp_comm)
         # selective recompute of core attention by default (``config.recompute``); moefold.execution reconfigures it
         self.regions = AttentionRegions(core_attn=CHECKPOINT if c.recompute is Recompute.SELECTIVE else PLAIN)
@@ -190,8 +192,9 @@ class GQAAttention(nn.Module):
                              "(one global position per token of this rank's sequence, before the SP split)")
         q, gate, k = self._qk(x, S, B)
         v = self._project_kv(self.v_proj, x).view(S, B, self.local_kv_heads, self.head_dim)
-        cos, sin = self.rotary(position_ids if documents is None else documents.rope_positions(position_ids, B))
-        q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
+        if self.rotary is not None:
+            cos, sin = self.rotary(position_ids if documents is None else documents.rope_positions(position_ids, B))
+            q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
         if self.config.max_logit and self.training:   # a recompute records the same values again: max is idempotent
             self._record_max_logits(q, k, position_ids, documents)
         return q, gate, k, v

@@ -72,7 +72,8 @@ class AttentionConfig:
     ``bias``: bias on q/k/v/o projections (HF ``attention_bias``). ``seq_length``: when set, the
     training sequence length, checked against ``2*cp`` at construction.
 
-    ``rotary_dim``: RoPE on the first ``rotary_dim`` dims of each head, the rest passes through (None: all).
+    ``rotary_dim``: RoPE on the first ``rotary_dim`` dims of each head, the rest passes through (None: all; 0: no
+    positional encoding, Nemotron-H).
     Qwen3-Next's gated attention: ``output_gate`` (q_proj also yields a per-head gate, the attention output
     is multiplied by its sigmoid before o_proj), ``zero_centered_gamma`` (q/k norms store ``gamma - 1``,
     ``dense.norm.RMSNorm``).
@@ -123,7 +124,8 @@ class AttentionConfig:
             raise ValueError(f"AttentionConfig.qk_norm_scope={self.qk_norm_scope!r} is not one of {QK_NORM_SCOPES}")
         object.__setattr__(self, "qk_norm_scope", QKNormScope(self.qk_norm_scope))
         if self.rotary_dim is not None:
-            _positive_int("AttentionConfig", "rotary_dim", self.rotary_dim)
+            if self.rotary_dim != 0:   # 0: no positional encoding (NoPE: Nemotron-H's attention layers)
+                _positive_int("AttentionConfig", "rotary_dim", self.rotary_dim)
             if self.rotary_dim % 2 or self.rotary_dim > self.head_dim_resolved:
                 raise ValueError(f"AttentionConfig: rotary_dim={self.rotary_dim} must be even and at most "
                                  f"head_dim={self.head_dim_resolved}")

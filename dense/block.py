@@ -7,6 +7,9 @@ parallelism the block's input and output are this rank's sequence shard ``[S/tp,
 replicated with partial gradients (marked ``mark_sequence_parallel``), and the attention/FFN modules gather
 and reduce-scatter the sequence themselves.
 
+A block may hold one half only (Nemotron-H: each layer is one pre-norm mixer, a Mamba-2 or attention layer or an
+MoE or MLP layer): ``attention=None`` drops the first norm and residual, ``ffn=None`` the second.
+
 With ``hyper`` (``dense.hyper_connections``, DeepSeek-V4's mHC) the residual is N streams ``[S, B, N, H]``: each
 sub-layer reads their collapse and its output is mixed back by ``attn_hc`` / ``ffn_hc`` instead of added.
 """
@@ -65,7 +68,7 @@ class TransformerBlock(nn.Module):
     runs twice).
     """
 
-    def __init__(self, hidden: int, attention: nn.Module, ffn: nn.Module, norm_eps: float = 1e-6, *,
+    def __init__(self, hidden: int, attention: nn.Module | None, ffn: nn.Module | None, norm_eps: float = 1e-6, *,
                  sequence_parallel: bool = False, recompute: str = "none", zero_centered_gamma: bool = False,
                  hyper: HyperConfig | None = None, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
@@ -75,9 +78,13 @@ class TransformerBlock(nn.Module):
         self.hidden, self.sequence_parallel = hidden, sequence_parallel
         kw = {"sequence_parallel": sequence_parallel, "zero_centered_gamma": zero_centered_gamma, "dtype": dtype,
               "device": device}
-        self.input_layernorm = RMSNorm(hidden, norm_eps, **kw)
+        if attention is None and ffn is None:
+            raise ValueError("TransformerBlock: needs an attention (token mixer), an FFN or both")
+        if hyper is not None and (attention is None or ffn is None):
+            raise ValueError("TransformerBlock: hyper-connections need both halves (attention and FFN)")
+        self.input_layernorm = RMSNorm(hidden, norm_eps, **kw) if attention is not None else None
         self.self_attn = attention
-        self.post_attention_layernorm = RMSNorm(hidden, norm_eps, **kw)
+        self.post_attention_layernorm = RMSNorm(hidden, norm_eps, **kw) if ffn is not None else None
         self.mlp = ffn
         self.hyper = hyper
         if hyper is not None:   # HF's names; the coefficients are fp32 whatever the model dtype
@@ -109,6 +116,8 @@ class TransformerBlock(nn.Module):
         # activations' dtype) and HF do; the norms read it in fp32 (dense.norm.rms_norm).
         # documents go to the mixer only when there are some: a mixer without packed-document support keeps its
         # (x, position_ids) signature
+        if self.self_attn is None:   # an FFN-only block (Nemotron-H's MoE / MLP layers)
+            return x
         args = (position_ids,) if documents is None else (position_ids, documents)
         if self.hyper is None:
             return x + self._after_norm(self.input_layernorm, x, lambda h: self.regions.attn(self.self_attn, h, *args),
@@ -127,6 +136,8 @@ class TransformerBlock(nn.Module):
     def _body(self, x: Tensor, position_ids: Tensor, documents: Documents | None = None,
               **ffn_kwargs: Any) -> tuple[Tensor, Any]:
         x = self.attention_residual(x, position_ids, documents)
+        if self.mlp is None:   # a mixer-only block (Nemotron-H's Mamba-2 / attention layers)
+            return x, None
         mixing = self.ffn_hc(x) if self.hyper is not None else None
         normed, opened = self.ffn_input(x if mixing is None else mixing[2])
         out = self._ffn(normed, **ffn_kwargs)

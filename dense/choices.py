@@ -62,6 +62,21 @@ DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
 GATED_DELTA_RULE_BACKENDS: tuple[str, ...] = tuple(b.value for b in DeltaRuleBackend)
 
 
+class MambaBackend(StrEnum):
+    """Mamba-2's scan and convolution (``--mamba-backend``, ``dense.mamba2_kernels``): the torch chunked form (any
+    device) or the ``mamba_ssm`` / ``causal_conv1d`` CUDA kernels."""
+
+    TORCH = "torch"
+    MAMBA_SSM = "mamba_ssm"
+
+    @classmethod
+    def _missing_(cls, value: object) -> MambaBackend:
+        raise ValueError(f"mamba backend {value!r} is not one of {', '.join(m.value for m in cls)}")
+
+
+MAMBA_BACKENDS: tuple[str, ...] = tuple(b.value for b in MambaBackend)
+
+
 def check_recompute(mode: str, where: str = "recompute") -> Recompute:
     """``mode`` as a ``Recompute`` if it is one of ``RECOMPUTE_MODES``, else raise a ValueError naming it."""
     if mode not in RECOMPUTE_MODES:
@@ -116,7 +131,7 @@ def check_offload(modules: Sequence[str], recompute: str, recompute_modules: Seq
                              "offloaded, not both; drop one of them")
 
 
-__all__ = ["CPComm", "DeltaRuleBackend", "Recompute", "RecomputeMethod",
+__all__ = ["CPComm", "DeltaRuleBackend", "MAMBA_BACKENDS", "MambaBackend", "Recompute", "RecomputeMethod",
            "CP_COMM_MODES", "DEFAULT_RECOMPUTE_MODULES", "GATED_DELTA_RULE_BACKENDS", "MIN_OFFLOADED_TENSOR_SIZE",
            "OFFLOAD_MODULES", "RECOMPUTE_CONFLICTS", "RECOMPUTE_METHODS", "RECOMPUTE_MODES", "RECOMPUTE_MODULES",
            "check_offload", "check_offload_modules", "check_recompute", "check_recompute_modules"]

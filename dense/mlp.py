@@ -25,6 +25,7 @@ class Activation(StrEnum):
     SWIGLU = "swiglu"
     GELU = "gelu"
     GELU_TANH = "gelu_tanh"
+    RELU2 = "relu2"
 
 
 MLP_ACTIVATIONS: tuple[str, ...] = tuple(a.value for a in Activation)
@@ -33,7 +34,8 @@ MLP_ACTIVATIONS: tuple[str, ...] = tuple(a.value for a in Activation)
 @dataclass(frozen=True)
 class MLPConfig:
     """``activation``: "swiglu" (``down(silu(gate(x)) * up(x))``, HF LlamaMLP), "gelu" or "gelu_tanh"
-    (``down(gelu(up(x)))``, exact or tanh-approximated). ``bias``: biases on every projection."""
+    (``down(gelu(up(x)))``, exact or tanh-approximated), "relu2" (``down(relu(up(x))^2)``, Nemotron-H). ``bias``:
+    biases on every projection."""
 
     hidden_size: int
     ffn_hidden_size: int
@@ -85,6 +87,8 @@ class DenseMLP(nn.Module):
         up = self.up_proj.forward_local(x)
         if self.gate_proj is not None:
             h = F.silu(self.gate_proj.forward_local(x)) * up
+        elif self.config.activation is Activation.RELU2:
+            h = torch.square(F.relu(up))
         else:
             h = F.gelu(up, approximate=self._gelu_approximate)
         return self.down_proj(h)

@@ -20,10 +20,8 @@ from typing import Any, Literal
 from moefold.models.composed import composed
 from moefold.models.flag_field import model_flag
 from moefold.models.model_sections import ATTENTION_KINDS as ATTENTION_KINDS
-from moefold.models.model_sections import LAYER_TYPES as LAYER_TYPES
-from moefold.models.model_sections import MOE_SCORE_FUNCTIONS as MOE_SCORE_FUNCTIONS
-from moefold.models.model_sections import QK_NORM_SCOPES as QK_NORM_SCOPES
 from moefold.models.model_sections import (
+    FFN_LAYER_TYPES,
     DSADims,
     LinearAttentionDims,
     MLADims,
@@ -33,9 +31,14 @@ from moefold.models.model_sections import (
     ModelMTP,
     YarnScaling,
 )
+from moefold.models.model_sections import LAYER_TYPES as LAYER_TYPES
+from moefold.models.model_sections import MOE_SCORE_FUNCTIONS as MOE_SCORE_FUNCTIONS
+from moefold.models.model_sections import QK_NORM_SCOPES as QK_NORM_SCOPES
 
 FAMILIES: tuple[str, ...] = ("deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "olmoe", "minimax_m2",
-                             "qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa")
+                             "qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa", "nemotron_h")
+# the FFNs' activation (dense MLP, shared and routed experts): SwiGLU, or Nemotron-H's ungated squared ReLU
+FFN_ACTIVATIONS: tuple[str, ...] = ("swiglu", "relu2")
 
 
 def _norm_eps(current: Any, v: float) -> dict[str, Any]:
@@ -57,13 +60,14 @@ class ModelConfig:
 
     name: str
     family: Literal["deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "olmoe", "minimax_m2", "qwen3_next",
-                    "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa"]
+                    "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa", "nemotron_h"]
     vocab_size: int
     hidden_size: int = model_flag(MISSING, "model width", "--hidden-size")
     num_layers: int = model_flag(MISSING, "decoder layers (without MTP)", "--num-layers")
     ffn_hidden_size: int = model_flag(0, "dense MLP size", "--ffn-hidden-size")   # the dense MLP layers
     norm_eps: float = model_flag(1e-6, "RMSNorm epsilon", "--norm-epsilon", apply=_norm_eps)
     norm_zero_centered_gamma: bool = False       # every RMSNorm stores gamma - 1 (Megatron --apply-layernorm-1p)
+    ffn_activation: str = "swiglu"               # FFN_ACTIVATIONS: of the dense MLP, shared and routed experts
     tie_word_embeddings: bool = model_flag(False, "separate output head (--no-untie-...: tied)",
                                            "--untie-embeddings-and-output-weights",
                                            apply=lambda c, v: {"tie_word_embeddings": not v})
@@ -91,7 +95,14 @@ class ModelConfig:
         if not 0 <= self.first_k_dense_replace <= self.num_layers:
             raise ValueError(f"first_k_dense_replace={self.first_k_dense_replace} must be in [0, "
                              f"num_layers={self.num_layers}]")
-        dense = [i for i in range(self.num_layers) if not self.is_moe_layer(i)]
+        if self.ffn_activation not in FFN_ACTIVATIONS:
+            raise ValueError(f"ffn_activation={self.ffn_activation!r} is not one of {FFN_ACTIVATIONS}")
+        if self.hybrid.one_sublayer:
+            wrong = [i for i in range(self.num_layers) if self.is_moe_layer(i) != (self.layer_type(i) == "moe")]
+            if wrong:
+                raise ValueError(f"layers {wrong[:8]}: in a stack of one-sublayer layers the MoE layers are exactly "
+                                 "the layer_types 'moe' ones (set moe_layer_freq to that pattern)")
+        dense = [i for i in range(self.num_layers) if not self.is_moe_layer(i) and self.has_ffn(i)]
         if dense and self.ffn_hidden_size <= 0:
             raise ValueError(f"layers {dense[:8]}{'...' if len(dense) > 8 else ''} are dense and need "
                              f"ffn_hidden_size > 0, got {self.ffn_hidden_size}")
@@ -114,6 +125,14 @@ class ModelConfig:
         if pattern is not None and (len(pattern) != self.num_layers or any(p not in (0, 1) for p in pattern)):
             raise ValueError(f"sliding_window_pattern={pattern} must hold one 0 (full) or 1 (sliding window) "
                              f"per layer, num_layers={self.num_layers}")
+
+    def has_mixer(self, index: int) -> bool:
+        """Layer ``index`` has a token mixer (all but the FFN-only layers of a one-sublayer stack)."""
+        return self.layer_type(index) not in FFN_LAYER_TYPES
+
+    def has_ffn(self, index: int) -> bool:
+        """Layer ``index`` has an FFN (all but the mixer-only layers of a one-sublayer stack; MTP blocks do)."""
+        return index >= self.num_layers or not self.hybrid.one_sublayer or self.layer_type(index) in FFN_LAYER_TYPES
 
     def layer_type(self, index: int) -> str:
         """The token mixer of layer ``index`` (MTP blocks, ``index >= num_layers``, are attention)."""
@@ -174,4 +193,4 @@ class ModelConfig:
         return cls(**data)
 
 
-__all__ = ["DSADims", "FAMILIES", "LinearAttentionDims", "MLADims", "ModelConfig", "YarnScaling"]
+__all__ = ["DSADims", "FAMILIES", "FFN_ACTIVATIONS", "LinearAttentionDims", "MLADims", "ModelConfig", "YarnScaling"]

@@ -3,8 +3,9 @@
 ``attention_config``/``linear_attention_config``/``router_config``/``moe_config``/``mlp_config`` give the
 typed component configs (the MoE sections by name: ``ModelRouter.component`` ...), with the run's choices of how
 they compute (``ModelOptions``); ``build_block(config, index, dims, options)`` builds transformer block ``index``
-(GQA or MLA attention, or Gated DeltaNet as ``config.layer_type(index)`` says; dense MLP or MoE FFN as
-``config.is_moe_layer(index)`` says).
+(GQA or MLA attention, Gated DeltaNet or Mamba-2 as ``config.layer_type(index)`` says; dense MLP or MoE FFN as
+``config.is_moe_layer(index)`` says; in a stack of one-sublayer layers, Nemotron-H's, a block holds only its mixer
+or only its FFN: ``ModelConfig.has_mixer`` / ``has_ffn``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from moefold.dense.block import TransformerBlock
 from moefold.dense.dsa import DSAttention
 from moefold.dense.dsa_indexer import DSAConfig
 from moefold.dense.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
+from moefold.dense.mamba2 import Mamba2Config, Mamba2Mixer
 from moefold.dense.mla import MLAttention
 from moefold.dense.mlp import DenseMLP, MLPConfig
 from moefold.dense.rope import YarnConfig
@@ -86,6 +88,19 @@ def linear_attention_config(config: ModelConfig, options: ModelOptions) -> Gated
                                recompute=options.recompute, init_std=options.init_std)
 
 
+def mamba_config(config: ModelConfig, options: ModelOptions | None = None) -> Mamba2Config:
+    """The Mamba-2 mixer of the ``mamba`` layers (Nemotron-H)."""
+    m = config.mamba
+    if m is None:
+        raise ValueError(f"{config.name}: no mamba sizes (MambaDims)")
+    low, high = m.time_step_limit
+    return Mamba2Config(hidden_size=config.hidden_size, num_heads=m.num_heads, head_dim=m.head_dim,
+                        state_size=m.state_size, num_groups=m.num_groups, conv_kernel=m.conv_kernel,
+                        conv_bias=m.conv_bias, proj_bias=m.proj_bias, chunk_size=m.chunk_size,
+                        time_step_limit=(low, float("inf") if high is None else high),
+                        norm_eps=config.norm_eps, backend=options.mamba_backend if options else "torch")
+
+
 def router_config(config: ModelConfig, options: ModelOptions) -> RouterConfig:
     """The router of every MoE layer: the model's router section (``ModelRouter.component``)."""
     return config.moe.router.component(config.num_experts, options.init_std)
@@ -94,10 +109,15 @@ def router_config(config: ModelConfig, options: ModelOptions) -> RouterConfig:
 def moe_config(config: ModelConfig, options: ModelOptions, dims: ParallelDims) -> MoEConfig:
     """The MoE layers' config: the model's MoE sections, each handed on by name, with how they run (``options``)."""
     c, o = config.moe, options
-    experts = c.experts.component(gemm_backend=o.gemm_backend, init_std=o.init_std, fp8=o.fp8)
+    relu2 = config.ffn_activation == "relu2"   # Nemotron-H: ungated squared-ReLU experts and shared expert
+    experts = c.experts.component(gemm_backend=o.gemm_backend, init_std=o.init_std, fp8=o.fp8,
+                                  **({"activation": "relu2"} if relu2 else {}))
+    shared = c.shared.component(o.init_std)
+    if shared is not None and relu2:
+        shared = dataclasses.replace(shared, relu2=True)
     return MoEConfig(num_experts=c.num_experts, router=router_config(config, o), experts=experts,
                      dispatch=dispatch_config(o),
-                     shared=c.shared.component(o.init_std), apply_probs_on_input=c.apply_probs_on_input,
+                     shared=shared, apply_probs_on_input=c.apply_probs_on_input,
                      latent_size=c.latent_size)
 
 
@@ -110,18 +130,21 @@ def dispatch_config(options: ModelOptions) -> DispatchConfig:
 
 def mlp_config(config: ModelConfig, options: ModelOptions) -> MLPConfig:
     return MLPConfig(hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size,
-                     init_std=options.init_std)
+                     activation=config.ffn_activation, init_std=options.init_std)
 
 
 def check_layout(config: ModelConfig, dims: ParallelDims, options: ModelOptions) -> None:
     """Fail early, naming the numbers, when ``config`` cannot be split over ``dims``."""
     attention_config(config, options).check_parallel(dims.tp, dims.cp)
+    if "mamba" in (config.layer_types or ()):
+        # --mamba-backend mamba_ssm without its packages, or groups tp and cp cannot split: refused here, in one line
+        mamba_config(config, options).check_parallel(dims.tp, dims.cp)
     if "linear_attention" in (config.layer_types or ()):   # the layout does not depend on the kernel backend
         layout_only = dataclasses.replace(options, linear_attention_backend="torch")
         linear_attention_config(config, layout_only).check_parallel(dims.tp, dims.cp)
     if config.vocab_size % dims.tp:
         raise ValueError(f"vocab_size={config.vocab_size} is not divisible by tp={dims.tp}")
-    if any(not config.is_moe_layer(i) for i in range(config.num_layers)):
+    if any(not config.is_moe_layer(i) and config.has_ffn(i) for i in range(config.num_layers)):
         mlp_config(config, options).check_parallel(dims.tp)
     if config.num_experts:
         moe = moe_config(config, options, dims)
@@ -131,8 +154,11 @@ def check_layout(config: ModelConfig, dims: ParallelDims, options: ModelOptions)
 
 
 def build_attention(config: ModelConfig, dims: ParallelDims, options: ModelOptions, index: int = 0,
-                    **kw: Any) -> GQAAttention | MLAttention | DSAttention | GatedDeltaNet:
+                    **kw: Any) -> GQAAttention | MLAttention | DSAttention | GatedDeltaNet | Mamba2Mixer:
     """The token mixer of layer ``index``, as ``config.layer_type(index)`` says (``kw``: dtype/device)."""
+    if config.layer_type(index) == "mamba":
+        return Mamba2Mixer(mamba_config(config, options), dims.tp_group, dims.cp_group,
+                           sequence_parallel=_sp(options, dims), init_std=options.init_std, **kw)
     if config.layer_type(index) == "linear_attention":
         return GatedDeltaNet(linear_attention_config(config, options), dims.tp_group, dims.cp_group,
                              sequence_parallel=_sp(options, dims), **kw)
@@ -167,8 +193,9 @@ def build_block(config: ModelConfig, index: int, dims: ParallelDims, options: Mo
     main layers) for this rank's layout. Parameters and buffers go to ``device`` (None: the default device;
     ``device="meta"`` builds without memory)."""
     kw = {"dtype": options.torch_dtype, "device": device}
-    return TransformerBlock(config.hidden_size, build_attention(config, dims, options, index, **kw),
-                            build_ffn(config, is_moe_block(config, index), dims, options, **kw), config.norm_eps,
+    mixer = build_attention(config, dims, options, index, **kw) if config.has_mixer(index) else None
+    ffn = build_ffn(config, is_moe_block(config, index), dims, options, **kw) if config.has_ffn(index) else None
+    return TransformerBlock(config.hidden_size, mixer, ffn, config.norm_eps,
                             sequence_parallel=_sp(options, dims), recompute=options.recompute,
                             zero_centered_gamma=config.norm_zero_centered_gamma, **kw)
 

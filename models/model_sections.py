@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from moefold.models.composed import composed
 from moefold.models.flag_field import GQA_ONLY, MLA_ONLY, model_flag
 from moefold.models.flag_values import NONE, int_or_none, layer_pattern, skip_freq_pattern, softmax_type, window
+from moefold.models.mamba_dims import MambaDims
 from moefold.moe.router_config import (
     AUX_LOSS_COUNTS,
     DROP_POLICIES,
@@ -42,8 +43,10 @@ if TYPE_CHECKING:   # they import torch; a model's description does not
 ATTENTION_KINDS: tuple[str, ...] = ("gqa", "mla")
 MOE_SCORE_FUNCTIONS: tuple[str, ...] = SCORE_FUNCTIONS
 QK_NORM_SCOPES: tuple[str, ...] = ("head", "projection")   # must equal dense.attention_config.QK_NORM_SCOPES
-# the token mixer of a layer (HF ``layer_types``): attention (GQA or MLA) or Gated DeltaNet
-LAYER_TYPES: tuple[str, ...] = ("full_attention", "linear_attention")
+# what a layer is (HF ``layer_types``): attention (GQA or MLA), Gated DeltaNet or Mamba-2 (a token mixer, followed
+# by the FFN), or, in a stack of one-sublayer layers (Nemotron-H: any "moe" or "mlp"), a mixer alone or an FFN alone
+LAYER_TYPES: tuple[str, ...] = ("full_attention", "linear_attention", "mamba", "moe", "mlp")
+FFN_LAYER_TYPES: tuple[str, ...] = ("moe", "mlp")
 
 
 @dataclass(frozen=True)
@@ -186,8 +189,8 @@ class ModelAttention:
             raise ValueError("attention='mla' needs mla=MLADims(...)")
         if self.qk_norm_scope not in QK_NORM_SCOPES:
             raise ValueError(f"qk_norm_scope={self.qk_norm_scope!r} is not one of {QK_NORM_SCOPES}")
-        if not 0 < self.partial_rotary_factor <= 1:
-            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1]")
+        if not 0 <= self.partial_rotary_factor <= 1:
+            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} must be in [0, 1] (0: no RoPE)")
         if self.sliding_window_pattern is not None and self.sliding_window is None:
             raise ValueError("sliding_window_pattern needs sliding_window (the window of its layers marked 1)")
 
@@ -408,10 +411,12 @@ class ModelHybrid:
 
     layer_types: tuple[str, ...] | None = None
     linear_attention: LinearAttentionDims | None = None
+    mamba: MambaDims | None = None   # the ``mamba`` layers' Mamba-2 sizes (Nemotron-H)
 
     def __post_init__(self) -> None:
         _from_json(self, "layer_types", tuple)
         _from_json(self, "linear_attention", LinearAttentionDims)
+        _from_json(self, "mamba", MambaDims)
         if self.layer_types is None:
             return
         bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
@@ -420,9 +425,17 @@ class ModelHybrid:
         if "linear_attention" in self.layer_types and self.linear_attention is None:
             raise ValueError("layer_types has linear_attention layers: they need "
                              "linear_attention=LinearAttentionDims(...)")
+        if "mamba" in self.layer_types and self.mamba is None:
+            raise ValueError("layer_types has mamba layers: they need mamba=MambaDims(...)")
+
+    @property
+    def one_sublayer(self) -> bool:
+        """Each layer is one pre-norm sublayer, a token mixer or an FFN (Nemotron-H's blocks)."""
+        return self.layer_types is not None and any(t in FFN_LAYER_TYPES for t in self.layer_types)
 
 
-__all__ = ["ATTENTION_KINDS", "DSADims", "LAYER_TYPES", "MOE_SCORE_FUNCTIONS", "QK_NORM_SCOPES", "LinearAttentionDims",
+__all__ = ["ATTENTION_KINDS", "DSADims", "FFN_LAYER_TYPES", "LAYER_TYPES", "MambaDims", "MOE_SCORE_FUNCTIONS",
+           "QK_NORM_SCOPES", "LinearAttentionDims",
            "MLADims",
            "ModelAttention", "ModelExperts", "ModelHybrid", "ModelMTP", "ModelMoE", "ModelRouter",
            "ModelSharedExperts", "YarnScaling"]

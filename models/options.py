@@ -14,12 +14,14 @@ from moefold.dense.choices import (
     CP_COMM_MODES,
     DEFAULT_RECOMPUTE_MODULES,
     GATED_DELTA_RULE_BACKENDS,
+    MAMBA_BACKENDS,
     MIN_OFFLOADED_TENSOR_SIZE,
     RECOMPUTE_METHODS,
     RECOMPUTE_MODES,
     RECOMPUTE_MODULES,
     CPComm,
     DeltaRuleBackend,
+    MambaBackend,
     Recompute,
     RecomputeMethod,
     check_offload,
@@ -108,6 +110,7 @@ class ModelOptions:
                        the modules whose saved tensors wait in host memory (``dense.activation_offload``); () = off
     min_offloaded_tensor_size: saved tensors with fewer elements stay on the device (--min-offloaded-tensor-size)
     linear_attention_backend: Gated DeltaNet kernel, "auto" | "torch" | "fla" (``dense.gated_delta_rule``)
+    mamba_backend: Mamba-2's scan and convolution, "torch" | "mamba_ssm" (``dense.mamba2_kernels``)
     max_attention_logit: GQA layers record each head's largest attention logit (``--qk-clip``, MuonClip)
     """
 
@@ -141,6 +144,9 @@ class ModelOptions:
         DeltaRuleBackend.AUTO, "Gated DeltaNet kernel (Qwen3-Next's linear_attention layers): torch (chunked, any "
         "device), fla (flash-linear-attention, CUDA), auto (fla on CUDA when installed)",
         choices=GATED_DELTA_RULE_BACKENDS)
+    mamba_backend: MambaBackend = flag(
+        MambaBackend.TORCH, "Mamba-2 kernels (Nemotron-H's mamba layers): torch (chunked SSD scan, any device) or "
+        "mamba_ssm (mamba-ssm + causal-conv1d, CUDA)", choices=MAMBA_BACKENDS)
     max_attention_logit: bool = False   # set by the trainer for --qk-clip
 
     def __post_init__(self) -> None:
@@ -177,6 +183,7 @@ class ModelOptions:
             raise ValueError(f"ModelOptions.linear_attention_backend={self.linear_attention_backend!r}; valid: "
                              f"{', '.join(GATED_DELTA_RULE_BACKENDS)}")
         object.__setattr__(self, "linear_attention_backend", DeltaRuleBackend(self.linear_attention_backend))
+        object.__setattr__(self, "mamba_backend", MambaBackend(self.mamba_backend))
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -25,7 +25,7 @@ class LayerParams:
     """One block: parameters per category; ``active`` counts topk/E of the routed experts."""
 
     index: int
-    kind: str                      # "dense" | "moe" | "mtp"
+    kind: str                      # "dense" | "moe" | "mtp" | "mixer" (a mixer-only layer: Nemotron-H)
     counts: dict[str, int]
     active: int
     mixer: str = "full_attention"  # the token mixer (ModelConfig.layer_type): "attention" counts it either way
@@ -113,8 +113,8 @@ def count_parameters(config: ModelConfig, options: ModelOptions | None = None) -
         i = int(idx)
         active = sum(counts.values()) - counts["routed_experts"] + round(counts["routed_experts"] * fraction)
         if head == "layers":
-            layers.append(LayerParams(i, "moe" if config.is_moe_layer(i) else "dense", counts, active,
-                                      config.layer_type(i)))
+            kind = "moe" if config.is_moe_layer(i) else "dense" if config.has_ffn(i) else "mixer"   # Nemotron-H
+            layers.append(LayerParams(i, kind, counts, active, config.layer_type(i)))
         else:
             mtp.append(LayerParams(config.num_layers + i, "mtp", counts, active))
     return ParamReport(config.name, top["embedding"], top["head"], top["final_norm"],

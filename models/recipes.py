@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from moefold.models.config import DSADims, LinearAttentionDims, MLADims, ModelConfig, YarnScaling
+from moefold.models.recipes_nemotron_h import RECIPES as NEMOTRON_H_RECIPES
 
 
 # ----------------------------------------------------------------------------- DeepSeek-V3
@@ -351,6 +352,7 @@ RECIPES: dict[str, Callable[[], ModelConfig]] = {
         olmoe_1b_7b, olmoe_tiny, minimax_m2, minimax_m2_tiny,
         qwen3_next_80b_a3b, qwen3_next_tiny, qwen3_next_proxy,
         qwen3_5_35b_a3b, qwen3_5_moe_tiny, qwen3_5_moe_proxy,
+        *NEMOTRON_H_RECIPES,   # models/recipes_nemotron_h.py
     )
 }
 

@@ -25,10 +25,12 @@ from torch import Tensor
 
 
 class ExpertActivation(StrEnum):
-    """The experts' activation: gated SiLU on the gate/up halves of one projection, or GELU of one projection."""
+    """The experts' activation: gated SiLU on the gate/up halves of one projection, or GELU or squared ReLU
+    (Nemotron-H's ``relu2``) of one projection."""
 
     SWIGLU = "swiglu"
     GELU = "gelu"
+    RELU2 = "relu2"
 
     @classmethod
     def _missing_(cls, value: object) -> ExpertActivation:
@@ -73,10 +75,18 @@ class GatedActivation:
         return act_Nf * (up_Nf + self.linear_offset) if self.linear_offset else act_Nf * up_Nf
 
 
+def relu2(h_Nf: Tensor) -> Tensor:
+    """Squared ReLU, ``relu(h)^2`` (Nemotron-H's ``relu2``, Megatron's ``squared_relu``)."""
+    return torch.square(F.relu(h_Nf))
+
+
 def eager_activation(activation: ExpertActivation, glu: GatedActivation) -> Callable[[Tensor], Tensor]:
-    """The activation as autograd computes it: ``swiglu`` (plain SwiGLU), ``glu`` (its other parameters), or GELU."""
+    """The activation as autograd computes it: ``swiglu`` (plain SwiGLU), ``glu`` (its other parameters), GELU or
+    squared ReLU."""
     if activation is ExpertActivation.GELU:
         return F.gelu
+    if activation is ExpertActivation.RELU2:
+        return relu2
     return swiglu if glu.is_swiglu else glu
 
 

@@ -92,17 +92,22 @@ class SharedExpertsConfig:
     """The shared experts (``moe.shared_experts.SharedExperts``): ``ffn_size`` of the *combined* shared experts
     (DeepSeek's ``n_shared_experts * moe_intermediate_size``, Qwen2-MoE's ``shared_expert_intermediate_size``,
     Megatron's ``moe_shared_expert_intermediate_size``); ``gate``: Qwen2-MoE's ``y *= sigmoid(x @ w_gate)``;
-    ``clamp``: DeepSeek-V4's ``swiglu_limit`` (gate clamped to ``<= clamp``, up to ``[-clamp, clamp]``), or None."""
+    ``clamp``: DeepSeek-V4's ``swiglu_limit`` (gate clamped to ``<= clamp``, up to ``[-clamp, clamp]``), or None.
+    ``relu2``: Nemotron-H's ungated squared-ReLU MLP instead of SwiGLU."""
 
     ffn_size: int
     gate: bool = False
     init_std: float = 0.02
     output_init_std: float | None = None
     clamp: float | None = None
+    relu2: bool = False
 
     def __post_init__(self) -> None:
         if self.clamp is not None and not self.clamp > 0:
             raise ValueError(f"SharedExpertsConfig: clamp={self.clamp!r} must be > 0 (or None)")
+        if self.clamp is not None and self.relu2:
+            raise ValueError(f"SharedExpertsConfig: clamp={self.clamp!r} clamps SwiGLU's gate and up; relu2 has "
+                             "no gate")
         if self.gate and self.ffn_size == 0:
             raise ValueError("SharedExpertsConfig: shared_expert_gate=True needs shared experts "
                              "(shared_expert_ffn_size > 0)")

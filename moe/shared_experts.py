@@ -1,4 +1,5 @@
-"""Shared experts: a SwiGLU MLP every token goes through, optionally scaled by a sigmoid gate.
+"""Shared experts: a SwiGLU (or squared-ReLU, Nemotron-H) MLP every token goes through, optionally scaled by a
+sigmoid gate.
 
 ``y_shared = MLP(x)`` (DeepSeek) or ``sigmoid(x @ w_gate^T) * MLP(x)`` (Qwen2-MoE
 ``shared_expert_gate``). Under attention tensor parallelism it is split exactly like the dense
@@ -28,12 +29,13 @@ class SharedExperts(nn.Module):
 
     def __init__(self, hidden_size: int, ffn_size: int, *, tp_group: Group = None, sequence_parallel: bool = False,
                  gate: bool = False, init_std: float = 0.02, output_init_std: float | None = None,
-                 clamp: float | None = None, dtype: torch.dtype | None = None,
+                 clamp: float | None = None, relu2: bool = False, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         self.clamp = clamp   # DeepSeek-V4's swiglu_limit on the gate and up projections (None: unclamped)
         kw = {"tp_group": tp_group, "sequence_parallel": sequence_parallel, "dtype": dtype, "device": device}
-        self.gate_proj = ColumnParallelLinear(hidden_size, ffn_size, init_std=init_std, **kw)
+        # relu2: Nemotron-H's ungated ``down(relu(up(x))^2)``, no gate_proj
+        self.gate_proj = None if relu2 else ColumnParallelLinear(hidden_size, ffn_size, init_std=init_std, **kw)
         self.up_proj = ColumnParallelLinear(hidden_size, ffn_size, init_std=init_std, **kw)
         self.down_proj = RowParallelLinear(ffn_size, hidden_size, init_std=output_init_std or init_std, **kw)
         if gate:
@@ -49,10 +51,13 @@ class SharedExperts(nn.Module):
     def forward(self, x_SBH: Tensor) -> Tensor:
         # Both column-parallel layers gather the sequence; a fused [2F] layer would gather once,
         # but two keep the weights in HF's shape (and the all-gather is cheap next to the GEMMs).
-        gate, up = self.gate_proj(x_SBH), self.up_proj(x_SBH)
-        if self.clamp is not None:   # elementwise, so each tp shard clamps its own columns as world 1 does
-            gate, up = gate.clamp(max=self.clamp), up.clamp(-self.clamp, self.clamp)
-        y = self.down_proj(F.silu(gate) * up)
+        if self.gate_proj is None:
+            y = self.down_proj(torch.square(F.relu(self.up_proj(x_SBH))))
+        else:
+            gate, up = self.gate_proj(x_SBH), self.up_proj(x_SBH)
+            if self.clamp is not None:   # elementwise, so each tp shard clamps its own columns as world 1 does
+                gate, up = gate.clamp(max=self.clamp), up.clamp(-self.clamp, self.clamp)
+            y = self.down_proj(F.silu(gate) * up)
         if self.gate is not None:
             y = torch.sigmoid(F.linear(x_SBH, self.gate)) * y
         return y

@@ -48,7 +48,10 @@ def floor_numel(config: ModelConfig) -> int:
     mlps = [2 * h * config.ffn_hidden_size] if config.ffn_hidden_size else []
     if config.num_experts:
         mlps.append(2 * h * config.moe_ffn_hidden_size * config.num_experts)
-    return config.vocab_size * h + config.num_layers * (2 * h + min(mlps, default=0))
+    # Nemotron-H's one-sublayer layers: one norm each, an MLP only in its FFN layers
+    ffn_layers = sum(map(config.has_ffn, range(config.num_layers)))
+    norms = 1 if config.hybrid.one_sublayer else 2
+    return config.vocab_size * h + config.num_layers * norms * h + ffn_layers * min(mlps, default=0)
 
 
 def held_numel(reader: Any, config: ModelConfig) -> int:

@@ -25,7 +25,8 @@ CLASS_OF = {"DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV32ForCausalLM": "d
             "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen3ForCausalLM": "qwen3",
             "MixtralForCausalLM": "mixtral", "MistralForCausalLM": "mistral", "GptOssForCausalLM": "gpt_oss",
             "Glm4MoeForCausalLM": "glm4_moe", "OlmoeForCausalLM": "olmoe", "MiniMaxM2ForCausalLM": "minimax_m2",
-            "Qwen3NextForCausalLM": "qwen3_next", "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text"}
+            "Qwen3NextForCausalLM": "qwen3_next", "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+            "NemotronHForCausalLM": "nemotron_h"}
 _MODEL_TYPE_CLASS = {"kimi_k2": "deepseek_v3"}
 # rope_parameters keys a class reads that config_map does not (the key: why they do not change the function)
 ROPE_INERT = {"qwen3_5_moe_text": {
@@ -61,6 +62,26 @@ INERT_BY_CLASS: dict[str, dict[str, str]] = {
                      "mlp_bias": "not read by transformers' GLM-5 (its MLPs have no bias)",
                      "rope_interleave": "not a field of GlmMoeDsaConfig: MLA's RoPE is always interleaved",
                      "num_nextn_predict_layers": "transformers' GLM-5 skips the MTP layer (layer 78)"},
+    "nemotron_h": {
+        "tie_word_embeddings": "not read by transformers' NemotronH (_tied_weights_keys = {}: lm_head is its own)",
+        "num_hidden_layers": "deprecated in NemotronHConfig: the layer count is len(layers_block_type)",
+        "attention_bias": "not read by transformers' NemotronH (its attention has no biases)",
+        "mamba_proj_bias": "not read by transformers' NemotronH (the Mamba projections' bias is use_bias)",
+        "n_shared_experts": "not read by transformers' NemotronH (one shared expert of "
+                            "moe_shared_expert_intermediate_size)",
+        "expand": "not read by the mixer (its width is mamba_num_heads * mamba_head_dim)",
+        "time_step_min": "initialisation of dt_bias", "time_step_max": "initialisation of dt_bias",
+        "time_step_floor": "initialisation of dt_bias", "rescale_prenorm_residual": "initialisation of out_proj",
+        "residual_in_fp32": "not read by transformers' NemotronH", "use_mamba_kernels": "deprecated, no effect",
+        "mamba_ssm_cache_dtype": "generation's cache", "num_logits_to_keep": "generation",
+        "moe_shared_expert_overlap": "scheduling of the shared expert, not its value",
+        "num_nextn_predict_layers": "transformers' NemotronH builds no MTP layers (ignores mtp.* tensors)",
+        "mtp_layers_block_type": "transformers' NemotronH builds no MTP layers",
+        "hybrid_override_pattern": "the older spelling of layers_block_type (read when that is absent)",
+        "mtp_hybrid_override_pattern": "transformers' NemotronH builds no MTP layers",
+        "norm_eps": "not a NemotronHConfig field (the published configs carry it; layer_norm_epsilon is read)",
+        "rope_theta": "not read: NemotronH's attention has no positional encoding",
+        "partial_rotary_factor": "not read: NemotronH's attention has no positional encoding"},
     "gpt_oss": {"hidden_act": "not read by transformers' GPT-OSS (its activation is swiglu_alpha / swiglu_limit)"},
     "qwen3": {"sliding_window": "read only with use_sliding_window (refused)",
               "max_window_layers": "read only with use_sliding_window (refused)",
@@ -110,6 +131,14 @@ READ: dict[str, set[str]] = {
         "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
         "decoder_sparse_step", "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts_per_tok",
         "num_experts", "norm_topk_prob", "router_aux_loss_coef", "mlp_only_layers", "layer_types"},
+    "nemotron_h": {
+        "vocab_size", "hidden_size", "max_position_embeddings", "layers_block_type",
+        "num_attention_heads", "num_key_value_heads", "head_dim", "layer_norm_epsilon", "intermediate_size",
+        "mlp_hidden_act", "mlp_bias", "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups",
+        "conv_kernel", "use_conv_bias", "use_bias", "chunk_size", "time_step_limit", "mamba_hidden_act",
+        "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "moe_shared_expert_intermediate_size",
+        "moe_latent_size", "routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob", "hidden_dropout",
+        "sliding_window"},
     "qwen3_5_moe_text": _COMMON_READ | {
         "num_key_value_heads", "head_dim", "attention_bias", "linear_conv_kernel_dim", "linear_key_head_dim",
         "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "moe_intermediate_size",
@@ -148,7 +177,7 @@ def check_fields(hf: dict[str, Any]) -> None:
     for field, (default, what) in REFUSED[key].items():
         if hf.get(field) not in (default, None):
             raise _refuse(key, field, hf[field], what)
-    if key not in PARTIAL_ROTARY:
+    if key not in PARTIAL_ROTARY and key != "nemotron_h":   # NemotronH: no positional encoding to rotate
         for source in (hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}, hf):
             factor = source.get("partial_rotary_factor")
             if factor not in (None, 1, 1.0):

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from moefold.models.config import ModelConfig
-from moefold.models.hf import qwen3_5_moe, qwen3_next
+from moefold.models.hf import nemotron_h, qwen3_5_moe, qwen3_next
 
 EXPERT_FORMATS = ("per_expert", "fused")
 
@@ -109,6 +109,8 @@ def _layer_prefix(name: str, config: ModelConfig) -> tuple[str, str] | None:
 
 def hf_names(name: str, config: ModelConfig, expert_format: str = "per_expert") -> list[str]:
     """Candidate HF names of a plain (non-expert) moefold entry; the first is the one written on export."""
+    if config.family == "nemotron_h":
+        return nemotron_h.hf_names(name)
     if name == "embed_tokens.weight":
         return ["model.embed_tokens.weight"]
     if name == "norm.weight":
@@ -155,10 +157,13 @@ class OneTensor:
         return self.layout.from_hf(tensors[0], shape)
 
 
-def hf_layout(name: str, config: ModelConfig) -> OneTensor | qwen3_5_moe.SplitLayout | None:
+def hf_layout(name: str, config: ModelConfig) -> OneTensor | qwen3_5_moe.SplitLayout | nemotron_h.ExpertStack | \
+        nemotron_h.OneTensor | None:
     """How moefold entry ``name`` is stored differently in HF: ``hf_parts(shape)`` (the HF tensors' names and
     full shapes), ``to_hf(full)`` (those tensors), ``from_hf(tensors, shape)`` (the full moefold tensor); None
     when it is the one HF tensor ``hf_names(name)[0]`` of the same full shape."""
+    if config.family == "nemotron_h":   # its routed experts, per expert
+        return nemotron_h.expert_layout(name, config)
     if config.family not in HYBRID_FAMILIES:
         return None
     conv = qwen3_next.conv_layout(name, config)
@@ -173,8 +178,8 @@ def hf_layout(name: str, config: ModelConfig) -> OneTensor | qwen3_5_moe.SplitLa
 def expert_names(name: str, config: ModelConfig) -> ExpertNames | None:
     """HF names for ``...mlp.experts.w13`` / ``w2`` (and GPT-OSS's ``w13_bias`` / ``w2_bias``); None for any
     other entry."""
-    if not re.search(r"\.mlp\.experts\.w(13|2)(_bias)?$", name):
-        return None
+    if not re.search(r"\.mlp\.experts\.w(13|2)(_bias)?$", name) or config.family == "nemotron_h":
+        return None   # Nemotron-H's ungated experts: nemotron_h.ExpertStack (hf_layout)
     prefix, _ = _layer_prefix(name, config)
     if config.family == "gpt_oss":
         return ExpertNames((), "", "", "", f"{prefix}mlp.experts", gpt_oss=True)
@@ -199,5 +204,7 @@ def is_ignorable(hf_name: str, config: ModelConfig | None = None) -> bool:
     """Non-weights some checkpoints carry (rotary caches), and what transformers does not model either
     (Qwen3-Next's ``mtp.*``)."""
     if config is not None and config.family in HYBRID_FAMILIES and qwen3_next.is_ignorable(hf_name):
+        return True
+    if config is not None and config.family == "nemotron_h" and nemotron_h.is_ignorable(hf_name):
         return True
     return hf_name.endswith("rotary_emb.inv_freq")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moefold.dense.mamba2 import Mamba2Config, Mamba2Mixer
+from moefold.dense.mamba2_layout import conv_layout, in_proj_layout
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,7 +44,13 @@ def test_equals_transformers_mixer(seed):
         conv_bias=fields["use_conv_bias"], chunk_size=fields["chunk_size"], time_step_limit=fields["time_step_limit"],
         norm_eps=fields["layer_norm_epsilon"]))
     assert sorted(n for n, _ in ours.named_parameters()) == sorted(n for n, _ in hf.named_parameters())
-    ours.load_state_dict(hf.state_dict())
+    # in_proj's rows and the convolution's channels are group-major in moefold (dense.mamba2_layout)
+    sizes = (fields["mamba_num_heads"], fields["mamba_head_dim"], fields["ssm_state_size"], fields["n_groups"])
+    state = hf.state_dict()
+    for name, layout in (("in_proj.", in_proj_layout(*sizes)), ("conv1d.", conv_layout(*sizes))):
+        for key in [k for k in state if k.startswith(name)]:
+            state[key] = layout.from_hf(state[key], tuple(state[key].shape))
+    ours.load_state_dict(state)
     x = torch.randn(2, 19, 32, generator=gen)
     with torch.no_grad():
         ref = hf(x)

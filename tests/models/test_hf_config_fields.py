@@ -26,7 +26,7 @@ CLASSES = {"deepseek_v3": "DeepseekV3Config", "qwen3_moe": "Qwen3MoeConfig", "qw
            "mixtral": "MixtralConfig", "mistral": "MistralConfig", "gpt_oss": "GptOssConfig",
            "glm4_moe": "Glm4MoeConfig", "olmoe": "OlmoeConfig", "minimax_m2": "MiniMaxM2Config",
            "qwen3_next": "Qwen3NextConfig", "qwen3_5_moe_text": "Qwen3_5MoeTextConfig",
-           "deepseek_v32": "DeepseekV32Config", "glm_moe_dsa": "GlmMoeDsaConfig"}
+           "deepseek_v32": "DeepseekV32Config", "glm_moe_dsa": "GlmMoeDsaConfig", "nemotron_h": "NemotronHConfig"}
 _DENSE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
 # another value, where tests.models.other_value's does not fit
@@ -49,6 +49,10 @@ def _base(key: str) -> dict:
         config = qwen3_next_config()
     elif key == "qwen3_5_moe_text":
         config = qwen3_5_moe_config()
+    elif key == "nemotron_h":
+        from tests.models.nemotron_h_tiny import draw
+
+        config = cls(**draw(0))
     elif key in TINY:
         config = cls(**TINY[key][1])
     else:
@@ -60,6 +64,10 @@ def _base(key: str) -> dict:
 def _other(key: str, field: str, value):
     if key in ("qwen3_next", "qwen3_5_moe_text") and field == "layer_types":
         return ["full_attention"] * len(value)
+    if key == "nemotron_h" and field == "layers_block_type":
+        return list(reversed(value))
+    if key == "nemotron_h" and field == "moe_latent_size":
+        return 8 if value is None else None
     if field == "layer_types" and value:
         return list(reversed(value)) if len(set(value)) > 1 else ["full_attention"] * (len(value) - 1) + \
             ["sliding_attention"]
@@ -116,7 +124,7 @@ def test_refused_fields_are_named_with_their_value(key):
             from_hf_config({**base, field: value})
 
 
-@pytest.mark.parametrize("key", sorted(set(CLASSES) - PARTIAL_ROTARY))
+@pytest.mark.parametrize("key", sorted(set(CLASSES) - PARTIAL_ROTARY - {"nemotron_h"}))   # NemotronH: no RoPE
 def test_partial_rotary_is_refused_where_transformers_rotates_whole_heads(key):
     base = _base(key)
     rope = {**(base.get("rope_parameters") or {"rope_type": "default", "rope_theta": 1e4}),

@@ -88,6 +88,10 @@ def check_backends(config: RunConfig, ep: int, etp: int) -> None:
             resolve_flex_backend(o.moe_flex_dispatcher_backend)
     if o.linear_attention_backend == "fla" and "linear_attention" in (config.model.layer_types or ()):
         require_fla()
+    if o.mamba_backend == "mamba_ssm" and "mamba" in (config.model.layer_types or ()):
+        from moefold.dense.mamba2_kernels import require_mamba_ssm
+
+        require_mamba_ssm()
     o.fp8.check_available()
 
 

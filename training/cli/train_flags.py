@@ -51,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_pretrained_arguments(p)
     m = p.add_argument_group(GROUPS["router"])
     add_flags(m, "router")   # ModelConfig's router fields (models.model_sections)
-    add_option_flags(m, ("init_std", "dispatcher", "gemm_backend", "linear_attention_backend", "recompute",
+    add_option_flags(m, ("init_std", "dispatcher", "gemm_backend", "linear_attention_backend", "mamba_backend",
+                         "recompute",
                          "recompute_modules", "recompute_method", "recompute_num_layers"))
     add_memory_arguments(p)
     gpu = p.add_argument_group("GPU backends: DeepEP, FP8 (torchao, Transformer Engine)")

@@ -5,7 +5,8 @@ recompute: MFU counts model FLOPs, not hardware FLOPs). Included: attention proj
 MLA), the causal score and value products at the average context length (``seq_len / 2``, or the
 sliding window; DeepSeek sparse attention: the ``index_topk`` selected keys, in its absorbed form, plus its
 lightning indexer over the whole causal context), Gated DeltaNet layers (projections, short convolution, the delta
-rule), dense SwiGLU MLPs, routers, only the ``topk`` active routed experts per token, shared experts, the output
+rule), Mamba-2 layers (projections, short convolution, the state-space scan), dense SwiGLU (or squared-ReLU: two
+projections, not three) MLPs, routers, only the ``topk`` active routed experts per token, shared experts, the output
 head and the multi-token-prediction modules.
 """
 
@@ -67,16 +68,37 @@ def linear_attention_macs(c: ModelConfig) -> float:
         la.value_head_dim
 
 
+def mamba_macs(c: ModelConfig) -> float:
+    """Multiply-adds of one Mamba-2 layer for one token: ``in_proj`` (z, x, B, C, dt), the depthwise convolution
+    over x, B and C, ``out_proj`` and the scan counted in its recurrent form (per head two ``head_dim x state``
+    products: the state update ``dt x B^T`` and the read-out ``H C``; the chunked form trades some of them for the
+    intra-chunk products)."""
+    m, H = c.mamba, c.hidden_size
+    proj = H * (m.inner_size + m.conv_channels + m.num_heads) + m.inner_size * H
+    return proj + m.conv_channels * m.conv_kernel + 2 * m.num_heads * m.head_dim * m.state_size
+
+
+def mixer_macs(c: ModelConfig, seq_len: int, index: int) -> float:
+    """The token mixer of layer ``index`` (0 for an FFN-only layer of a one-sublayer stack, Nemotron-H's)."""
+    kind = c.layer_type(index)
+    if not c.has_mixer(index):
+        return 0.0
+    if kind == "linear_attention":
+        return linear_attention_macs(c)
+    return mamba_macs(c) if kind == "mamba" else attention_macs(c, seq_len, index)
+
+
 def ffn_macs(c: ModelConfig, moe: bool) -> float:
     """Multiply-adds of one dense MLP (``moe`` False) or MoE layer (router, top-k routed and shared experts)
     for one token."""
     H = c.hidden_size
+    mats = 2 if c.ffn_activation == "relu2" else 3   # ungated squared ReLU: up and down only
     if not moe:
-        return 3 * H * c.ffn_hidden_size
+        return mats * H * c.ffn_hidden_size
     W = c.moe_latent_size or H   # latent experts: at width W, with the projections H -> W -> H (moe.latent)
-    macs = H * c.num_experts + c.moe_topk * 3 * W * c.moe_ffn_hidden_size + (2 * H * W if W != H else 0)
+    macs = H * c.num_experts + c.moe_topk * mats * W * c.moe_ffn_hidden_size + (2 * H * W if W != H else 0)
     if c.moe_shared_expert_ffn_size:
-        macs += 3 * H * c.moe_shared_expert_ffn_size + (H if c.moe_shared_expert_gate else 0)
+        macs += mats * H * c.moe_shared_expert_ffn_size + (H if c.moe_shared_expert_gate else 0)
     return macs
 
 
@@ -84,8 +106,7 @@ def forward_flops_per_token(c: ModelConfig, seq_len: int) -> float:
     """Forward FLOPs of one token through the whole model (all layers, head, MTP)."""
     macs = 0.0
     for i in range(c.num_layers):
-        mixer = linear_attention_macs(c) if c.layer_type(i) == "linear_attention" else attention_macs(c, seq_len, i)
-        macs += mixer + ffn_macs(c, c.is_moe_layer(i))
+        macs += mixer_macs(c, seq_len, i) + (ffn_macs(c, c.is_moe_layer(i)) if c.has_ffn(i) else 0.0)
     head = c.hidden_size * c.vocab_size
     macs += head
     for k in range(c.mtp_num_layers):

@@ -103,3 +103,23 @@ def test_fp16_loss_scaling_flags_and_refusals(capsys, monkeypatch, tmp_path):
     assert cli([*dsa, "--fp16"]) == 2
     err = capsys.readouterr().err
     assert "--fp16 cannot train DeepSeek sparse attention" in err and err.count("\n") == 1, err
+
+
+def test_mamba_backend_flag_and_refusals(capsys, monkeypatch, tmp_path):
+    """--mamba-backend reaches the options; a Nemotron-H layout its Mamba-2 groups cannot split over, and the
+    mamba_ssm backend without its packages, fail in one line before any rank starts."""
+    from moefold.dense.mamba2_kernels import mamba_ssm_available
+    from moefold.training.cli import main as cli
+
+    assert _config("--mamba-backend", "mamba_ssm").options.mamba_backend == "mamba_ssm"
+    assert _config().options.mamba_backend == "torch"
+    monkeypatch.setattr("moefold.training.cli.train.run_ranks", lambda *_a, **_k: pytest.fail("a rank was started"))
+    base = ["train", "--recipe", "nemotron_h_tiny", "--run-dir", str(tmp_path), "--no-save", "--train-iters", "1"]
+    cases = [(["--nproc", "4", "--tensor-model-parallel-size", "2", "--context-parallel-size", "2"],
+              "num_groups=2 / tp=2 is not divisible by cp=2")]
+    if not mamba_ssm_available():
+        cases.append((["--mamba-backend", "mamba_ssm"], "needs the mamba-ssm and causal-conv1d packages"))
+    for flags, message in cases:
+        assert cli([*base, *flags]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1 and err.startswith("moefold train: error:"), err
