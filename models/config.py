@@ -35,7 +35,7 @@ from moefold.models.model_sections import (
 )
 
 FAMILIES: tuple[str, ...] = ("deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "olmoe", "minimax_m2",
-                             "qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa")
+                             "qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa", "deepseek_v4")
 
 
 def _norm_eps(current: Any, v: float) -> dict[str, Any]:
@@ -57,7 +57,7 @@ class ModelConfig:
 
     name: str
     family: Literal["deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "olmoe", "minimax_m2", "qwen3_next",
-                    "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa"]
+                    "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa", "deepseek_v4"]
     vocab_size: int
     hidden_size: int = model_flag(MISSING, "model width", "--hidden-size")
     num_layers: int = model_flag(MISSING, "decoder layers (without MTP)", "--num-layers")
@@ -96,6 +96,10 @@ class ModelConfig:
             raise ValueError(f"layers {dense[:8]}{'...' if len(dense) > 8 else ''} are dense and need "
                              f"ffn_hidden_size > 0, got {self.ffn_hidden_size}")
         self._check_attention_features()
+        if self.v4 is not None or self.family == "deepseek_v4":
+            from moefold.models.v4_dims import check_v4_model
+
+            check_v4_model(self)
 
     def _check_attention_features(self) -> None:
         if self.attention == "mla":
