@@ -36,9 +36,9 @@ from moefold.moe.router_config import (
 )
 
 if TYPE_CHECKING:   # they import torch; a model's description does not
+    from moefold.models.v4_dims import V4Dims
     from moefold.moe.activation import GatedActivation
     from moefold.moe.config import ExpertsConfig, SharedExpertsConfig
-    from moefold.models.v4_dims import V4Dims
 
 ATTENTION_KINDS: tuple[str, ...] = ("gqa", "mla")
 MOE_SCORE_FUNCTIONS: tuple[str, ...] = SCORE_FUNCTIONS
@@ -171,7 +171,7 @@ class ModelAttention:
     def __post_init__(self) -> None:
         _from_json(self, "mla", MLADims)
         if isinstance(self.v4, dict):
-            from moefold.models.v4_dims import V4Dims   # it imports this file's YarnScaling
+            from moefold.models.v4_dims import V4Dims  # it imports this file's YarnScaling
 
             object.__setattr__(self, "v4", V4Dims(**self.v4))
         _from_json(self, "dsa", DSADims)

@@ -80,7 +80,8 @@ class V4Dims:
     def rate(self, index: int) -> int:
         """Compression rate of layer ``index`` (1 for a sliding layer: nothing compressed)."""
         kind = self.attention_kinds[index]
-        return {"compressed_sparse_attention": self.csa_rate, "heavily_compressed_attention": self.hca_rate}.get(kind, 1)
+        rates = {"compressed_sparse_attention": self.csa_rate, "heavily_compressed_attention": self.hca_rate}
+        return rates.get(kind, 1)
 
     def is_hash_layer(self, index: int) -> bool:
         return index < self.num_hash_layers

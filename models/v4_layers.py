@@ -57,7 +57,7 @@ def v4_attention_config(config: ModelConfig, options: ModelOptions, index: int) 
 def v4_moe_config(config: ModelConfig, options: ModelOptions, hashed: bool) -> MoEConfig:
     """The MoE config of a hash-routed (no correction bias) or a top-k layer; the shared expert clamped as the
     routed ones."""
-    from moefold.models.layer_factory import moe_config   # the layer factory imports this module
+    from moefold.models.layer_factory import moe_config  # the layer factory imports this module
 
     base = moe_config(config, options, ParallelDims.single())
     router = dataclasses.replace(base.router, enable_expert_bias=base.router.enable_expert_bias and not hashed)

@@ -12,6 +12,7 @@ loaded by transformers either), so a V4 model here has ``mtp_num_layers=0``.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from torch import Tensor
@@ -25,7 +26,8 @@ MODEL_TYPE = "deepseek_v4"
 
 # every DeepseekV4Config field: read into the config / checked to hold the HF class's only value / inert (why)
 READ = ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-        "q_lora_rank", "num_experts_per_tok", "n_routed_experts", "scoring_func", "routed_scaling_factor", "max_position_embeddings", "rope_theta", "layer_types",
+        "q_lora_rank", "num_experts_per_tok", "n_routed_experts", "scoring_func", "routed_scaling_factor",
+        "max_position_embeddings", "rope_theta", "layer_types",
         "compress_rates", "compress_rope_theta", "hc_mult", "hc_sinkhorn_iters", "hc_eps", "mlp_layer_types",
         "swiglu_limit", "sliding_window", "o_groups", "o_lora_rank", "index_n_heads", "index_head_dim",
         "index_topk", "rms_norm_eps", "rope_parameters", "partial_rotary_factor", "qk_rope_head_dim",
@@ -38,7 +40,8 @@ SCORE_FUNCTIONS = ("sqrtsoftplus", "sigmoid")   # HF applies ACT2FN[scoring_func
 INERT = {"output_router_logits": "inference output switch", "initializer_range": "init of new weights only",
          "use_cache": "inference cache", "pad_token_id": "tokenizer id", "bos_token_id": "tokenizer id",
          "eos_token_id": "tokenizer id", "transformers_version": "writer's version", "model_type": "this module's",
-         "architectures": "this module's", "torch_dtype": "the weights' storage dtype",
+         "architectures": "this module's", "_name_or_path": "where it was read from",
+         "torch_dtype": "the weights' storage dtype",
          "dtype": "the weights' storage dtype", "quantization_config": "the weights' storage format (dequantized by "
          "the loader before they reach moefold)", "expert_dtype": "the weights' storage format",
          "router_aux_loss_coef": "HF's loss only with output_router_logits; moefold's balancing is its own flags"}
@@ -61,7 +64,7 @@ def _yarn(rope: dict[str, Any]) -> YarnScaling | None:
 def config_from_hf(hf: dict[str, Any], name: str = "deepseek_v4") -> ModelConfig:
     """``ModelConfig`` of a DeepSeek-V4 ``config.json`` (``hf``: its mapping; HF's defaults where a key is absent,
     the legacy ``compress_ratios`` / ``num_hash_layers`` spellings folded in as transformers folds them)."""
-    from transformers import DeepseekV4Config   # its defaults and legacy folding are the reference
+    from transformers import DeepseekV4Config  # its defaults and legacy folding are the reference
 
     unknown = sorted(set(hf) - set(READ) - set(FIXED) - set(INERT) - {"compress_ratios", "compress_rate_csa",
                                                                      "compress_rate_hca", "num_hash_layers"})
@@ -123,7 +126,8 @@ def hf_config(c: ModelConfig) -> dict[str, Any]:
         "hidden_size": c.hidden_size, "moe_intermediate_size": c.moe_ffn_hidden_size,
         "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_attention_heads, "num_key_value_heads": 1,
         "head_dim": c.head_dim, "q_lora_rank": v4.q_lora_rank, "num_experts_per_tok": c.moe_topk,
-        "n_routed_experts": c.num_experts, "scoring_func": c.moe_score_function, "routed_scaling_factor": c.moe_topk_scaling_factor,
+        "n_routed_experts": c.num_experts, "scoring_func": c.moe_score_function,
+        "routed_scaling_factor": c.moe_topk_scaling_factor,
         "max_position_embeddings": c.max_position_embeddings, "rope_theta": c.rope_theta,
         "layer_types": list(v4.attention_kinds),
         "compress_rates": {"compressed_sparse_attention": v4.csa_rate, "heavily_compressed_attention": v4.hca_rate},
@@ -139,8 +143,50 @@ def hf_config(c: ModelConfig) -> dict[str, Any]:
         **FIXED}
 
 
+# moefold's names -> the checkpoint's (DeepSeek's, which transformers' conversion_mapping renames on load and
+# save_pretrained writes back): applied in order to the name's part after ``layers.i.``
+_DISK = ((r"^self_attn\.compressor\.indexer\.scorer\.", "attn.indexer."),
+         (r"^self_attn\.compressor\.indexer\.q_b_proj\.", "attn.indexer.wq_b."),
+         (r"^self_attn\.compressor\.indexer\.", "attn.indexer.compressor."),
+         (r"^self_attn\.", "attn."), (r"^input_layernorm\.", "attn_norm."), (r"^post_attention_layernorm\.", "ffn_norm."),
+         (r"^attn_hc\.", "hc_attn_"), (r"^ffn_hc\.", "hc_ffn_"), (r"^mlp\.router\.expert_bias$", "ffn.gate.bias"),
+         (r"^mlp\.router\.", "ffn.gate."), (r"^mlp\.shared_experts\.gate_proj\.", "ffn.shared_experts.w1."),
+         (r"^mlp\.shared_experts\.up_proj\.", "ffn.shared_experts.w3."),
+         (r"^mlp\.shared_experts\.down_proj\.", "ffn.shared_experts.w2."),
+         (r"\.sinks$", ".attn_sink"), (r"\.q_a_proj\.", ".wq_a."), (r"\.q_b_proj\.", ".wq_b."),
+         (r"\.q_a_norm\.", ".q_norm."), (r"\.kv_proj\.", ".wkv."), (r"\.kv_norm\.", ".norm."),
+         (r"\.gate_proj\.", ".wgate."), (r"\.o_a_proj\.", ".wo_a."), (r"\.o_b_proj\.", ".wo_b."),
+         (r"\.position_bias$", ".ape"))
+_DISK_TOP = {"embed_tokens.weight": "embed.weight", "output_head.proj.weight": "head.weight",
+             "norm.weight": "norm.weight", "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base",
+             "hc_head.hc_scale": "hc_head_scale"}
+
+
+def disk_names(name: str) -> list[str]:
+    """Candidate checkpoint names of moefold's (non-expert) ``name``: DeepSeek's (written on export), the
+    ``model.``-prefixed spelling transformers' ``save_pretrained`` writes, and (for the tensors outside the layers,
+    whose anchored renames ``save_pretrained`` does not undo) the HF module's name."""
+    if name in _DISK_TOP:
+        out = _DISK_TOP[name]
+        return [out, "model." + out, hf_name(name)]
+    else:
+        m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+        if m is None:
+            raise ValueError(f"no DeepSeek-V4 checkpoint name for moefold tensor {name!r}")
+        rest = m.group(2)
+        for pattern, repl in _DISK:
+            rest = re.sub(pattern, repl, rest)
+        out = f"layers.{m.group(1)}.{rest}"
+    return [out, "model." + out]
+
+
+def expert_prefixes(layer: int) -> tuple[str, str]:
+    """The checkpoint's per-expert prefixes of layer ``layer`` (``.E.w1/w3/w2.weight`` follow)."""
+    return f"layers.{layer}.ffn.experts", f"model.layers.{layer}.ffn.experts"
+
+
 def hf_name(name: str) -> str:
-    """moefold's parameter name -> HF's."""
+    """moefold's parameter name -> the HF module tree's (``DeepseekV4ForCausalLM.state_dict()``)."""
     if name == "output_head.proj.weight":
         return "lm_head.weight"
     for ours, theirs in ((".mlp.router.expert_bias", ".mlp.gate.e_score_correction_bias"),
@@ -160,4 +206,5 @@ def from_hf_tensor(name: str, t: Tensor, like: Tensor) -> Tensor:
     return t.view(like.shape) if name.endswith(".mlp.experts.w13") else t
 
 
-__all__ = ["ARCHITECTURE", "MODEL_TYPE", "config_from_hf", "from_hf_tensor", "hf_config", "hf_name", "to_hf_tensor"]
+__all__ = ["ARCHITECTURE", "MODEL_TYPE", "config_from_hf", "disk_names", "expert_prefixes", "from_hf_tensor",
+           "hf_config", "hf_name", "to_hf_tensor"]
