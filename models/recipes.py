@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from moefold.models.config import DSADims, LinearAttentionDims, MLADims, ModelConfig, YarnScaling
+from moefold.models.recipes_v4 import V4_RECIPES
 
 
 # ----------------------------------------------------------------------------- DeepSeek-V3
@@ -351,6 +352,7 @@ RECIPES: dict[str, Callable[[], ModelConfig]] = {
         qwen3_5_35b_a3b, qwen3_5_moe_tiny, qwen3_5_moe_proxy,
     )
 }
+RECIPES.update({fn.__name__: fn for fn in V4_RECIPES})   # DeepSeek-V4 (models.recipes_v4)
 
 
 def get_recipe(name: str) -> ModelConfig:

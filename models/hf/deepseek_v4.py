@@ -36,6 +36,8 @@ FIXED = {"num_key_value_heads": 1, "router_jitter_noise": 0.0, "hidden_act": "si
          "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
          # the HF class always renormalises the k weights and builds one shared expert of moe_intermediate_size
          "norm_topk_prob": True, "n_shared_experts": 1}
+# DeepSeek's spellings (the published config.json's) that transformers folds into the fields above
+LEGACY = ("compress_ratios", "compress_rate_csa", "compress_rate_hca", "num_hash_layers", "rope_scaling")
 SCORE_FUNCTIONS = ("sqrtsoftplus", "sigmoid")   # HF applies ACT2FN[scoring_func] elementwise
 INERT = {"output_router_logits": "inference output switch", "initializer_range": "init of new weights only",
          "use_cache": "inference cache", "pad_token_id": "tokenizer id", "bos_token_id": "tokenizer id",
@@ -66,13 +68,15 @@ def config_from_hf(hf: dict[str, Any], name: str = "deepseek_v4") -> ModelConfig
     the legacy ``compress_ratios`` / ``num_hash_layers`` spellings folded in as transformers folds them)."""
     from transformers import DeepseekV4Config  # its defaults and legacy folding are the reference
 
-    unknown = sorted(set(hf) - set(READ) - set(FIXED) - set(INERT) - {"compress_ratios", "compress_rate_csa",
-                                                                     "compress_rate_hca", "num_hash_layers"})
+    unknown = sorted(set(hf) - set(READ) - set(FIXED) - set(INERT) - set(LEGACY) - {"topk_method"})
     if unknown:
         raise ValueError(f"{name}: DeepSeek-V4 config fields {unknown} are not read by moefold (known: "
-                         f"{sorted(READ + tuple(FIXED) + tuple(INERT))})")
+                         f"{sorted(READ + tuple(FIXED) + tuple(INERT) + LEGACY + ('topk_method',))})")
+    if hf.get("topk_method", "noaux_tc") != "noaux_tc":   # DeepSeek's name for the bias-corrected top-k HF computes
+        raise ValueError(f"{name}: topk_method={hf['topk_method']!r}; DeepseekV4ForCausalLM selects with the "
+                         "correction bias (noaux_tc)")
     cfg = DeepseekV4Config(**{k: v for k, v in hf.items() if k not in ("transformers_version", "model_type",
-                                                                        "architectures", "qk_rope_head_dim")})
+                                                                        "architectures", "topk_method")})
     for key, want in FIXED.items():
         if getattr(cfg, key) != want:
             raise ValueError(f"{name}: {key}={getattr(cfg, key)!r}; DeepseekV4ForCausalLM computes with {want!r}")

@@ -67,7 +67,7 @@ def _pair(seed: int):
     return hf_dict, config, hf, ours
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("seed", [0, 3, 5, 6])   # every attention kind, 0-3 hash layers, 1-3 streams
 def test_logits_equal_transformers(seed):
     _, config, hf, ours = _pair(seed)
     ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(seed + 100))
