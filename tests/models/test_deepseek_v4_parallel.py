@@ -3,7 +3,8 @@
 - logits of a tiny HF checkpoint (``save_pretrained`` of ``DeepseekV4ForCausalLM``: every attention kind, a
   hash-routed and two top-k MoE layers, 3 mHC streams) equal transformers' at ep2, ep4, etp2 x ep2 (alltoall and
   allgather dispatchers), pp2 (the streams ``[S, B, N, H]`` and the token ids crossing stages) and pp2 x ep2;
-- loss and every gradient equal world 1's at ep2, ep4 and etp2 x ep2 (dp on the other ranks);
+- loss and every gradient equal world 1's at ep2, ep4 and etp2 x ep2 (dp on the other ranks), and through the
+  pipeline schedules (``DecoderStage``: 1F1B at pp2, GPipe at pp2 x ep2, two micro-batches);
 - tp and cp are refused at start-up in one line (the compressed attention holds every head and the whole sequence).
 """
 
@@ -17,7 +18,9 @@ from moefold.models.hf.importer import import_hf, load_config, load_hf_weights
 from moefold.models.options import ModelOptions
 from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.parallel.sharding import gather_full, shards_of
-from moefold.pipeline.decoder_stage import DecoderStage, build_stage_model
+from moefold.pipeline.decoder_stage import DecoderStage, build_stage_model, decoder_microbatches
+from moefold.pipeline.executor import run_schedule
+from moefold.pipeline.schedules import build_schedule
 from moefold.pipeline.p2p import recv_forward, send_forward
 from moefold.pipeline.stages import StageLayout
 from moefold.training.optim.grad_sync import GradSync
@@ -32,6 +35,7 @@ LOGIT_LAYOUTS = [("ep2", dict(ep=2), {}), ("ep4", dict(ep=4), {}), ("etp2xep2", 
                  ("etp2xep2 allgather", dict(ep=2, etp=2), dict(dispatcher="allgather")), ("pp2", dict(pp=2), {}),
                  ("pp2xep2", dict(pp=2, ep=2), {})]
 GRAD_LAYOUTS = [("ep2", dict(ep=2)), ("ep4", dict(ep=4)), ("etp2xep2", dict(ep=2, etp=2))]
+SCHEDULES = [("pp2 1f1b", dict(pp=2), "1f1b"), ("pp2xep2 gpipe", dict(pp=2, ep=2), "gpipe")]   # 2 micro-batches
 
 
 def _batch(dp_rank: int):
@@ -92,6 +96,31 @@ def _reference(path: str, dp: int):
     return losses, out[0], out[1]
 
 
+def _scheduled(path: str, dims: ParallelDims, schedule: str):
+    """One pipelined step (``DecoderStage`` under ``schedule``, 2 micro-batches of this dp rank's batch) against
+    world 1 over the same micro-batches: (this stage's gradients, world 1's)."""
+    config = load_config(path)
+    layout = StageLayout(config.num_layers, dims.pp)
+    model = build_stage_model(config, dims, ModelOptions(), layout)
+    load_hf_weights(model, path)
+    stage = DecoderStage(model, layout, dims.pp_rank)
+    ids, labels, mask = (torch.cat([t, t.flip(0)]) for t in _batch(dims.dp_rank))   # 4 sequences: 2 x 2
+    microbatches = decoder_microbatches(ids, labels, mask, 2)
+    sync = GradSync(model.named_parameters(), dims)
+    sync.start_step(2)
+    run_schedule(stage, build_schedule(schedule, dims.pp, 2, 1), microbatches, stage.loss_fn, dims.pp_group,
+                 stage.activation_spec(2, S))
+    sync.finish()
+    params = dict(model.named_parameters())
+    grads = {n: gather_full(g, shards_of(params[n])) for n, g in sync.gathered_grads().items()}
+    ref = import_hf(path)
+    for r in range(dims.dp):
+        rids, rlabels, rmask = (torch.cat([t, t.flip(0)]) for t in _batch(r))
+        for mb in decoder_microbatches(rids, rlabels, rmask, 2):
+            (ref(mb["input_ids"], mb["labels"], mb["loss_mask"]).loss / (2 * dims.dp)).backward()
+    return grads, {n: p.grad for n, p in ref.named_parameters() if n in grads and p.grad is not None}
+
+
 def _rank(path: str, want: torch.Tensor, ids: torch.Tensor):
     report, cache = {}, {}
 
@@ -116,6 +145,12 @@ def _rank(path: str, want: torch.Tensor, ids: torch.Tensor):
         grads = {n: g for n, g in grads.items() if n in ref}
         assert set(grads) == set(ref), label
         report[f"grads {label}"] = assert_within_fp32_noise(grads, ref, ref64, label)
+    for label, par, schedule in SCHEDULES:
+        grads, ref = _scheduled(path, dims_for(par), schedule)
+        grads = {n: g for n, g in grads.items() if n in ref}
+        assert grads and set(grads) == set(ref), label
+        report[f"grads {label}"] = max((grads[n] - ref[n]).abs().max().item() for n in ref)
+        assert report[f"grads {label}"] <= 1e-6, (label, report[f"grads {label}"])
     return report
 
 
