@@ -26,7 +26,10 @@ def _hf_config(seed: int) -> dict:
     layers = r.randint(2, 4)
     kinds = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
     heads = r.choice([2, 4])
-    return {"vocab_size": V, "hidden_size": 16, "num_hidden_layers": layers, "num_attention_heads": heads,
+    # odd seeds: the compressed layers' RoPE with YaRN (the published config's form: a top-level rope_scaling)
+    yarn = {"rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 8, "beta_fast": 32,
+                             "beta_slow": 1}, "max_position_embeddings": 32} if seed % 2 else {}
+    return {**yarn,"vocab_size": V, "hidden_size": 16, "num_hidden_layers": layers, "num_attention_heads": heads,
             "head_dim": 8, "q_lora_rank": r.choice([6, 12]), "o_groups": r.choice([1, 2]), "o_lora_rank": 6,
             "index_n_heads": r.choice([1, 3]), "index_head_dim": 4, "index_topk": r.choice([1, 2, 3]),
             "sliding_window": r.choice([3, 5]), "partial_rotary_factor": r.choice([0.25, 0.5]),
@@ -55,7 +58,8 @@ def _pair(seed: int):
             p.copy_(torch.randn(p.shape, generator=g) * 0.4)
         for name, b in hf.named_buffers():
             if name.endswith("tid2eid"):
-                b.copy_(torch.rand(V, b.shape[1] if b.dim() > 1 else 1, generator=g).argsort(-1)[:, :b.shape[-1]])
+                # a random table: each token's k distinct experts of all E
+                b.copy_(torch.rand(V, hf_dict["n_routed_experts"], generator=g).argsort(-1)[:, :b.shape[-1]])
             elif name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=g) * 0.3)
     config = hf_v4.config_from_hf(hf_dict)
@@ -67,7 +71,7 @@ def _pair(seed: int):
     return hf_dict, config, hf, ours
 
 
-@pytest.mark.parametrize("seed", [0, 3, 5, 6])   # every attention kind, 0-3 hash layers, 1-3 streams
+@pytest.mark.parametrize("seed", [0, 3, 5, 6])   # every attention kind, 0-3 hash layers, 1-3 streams, YaRN or not
 def test_logits_equal_transformers(seed):
     _, config, hf, ours = _pair(seed)
     ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(seed + 100))

@@ -20,8 +20,8 @@ from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.parallel.sharding import gather_full, shards_of
 from moefold.pipeline.decoder_stage import DecoderStage, build_stage_model, decoder_microbatches
 from moefold.pipeline.executor import run_schedule
-from moefold.pipeline.schedules import build_schedule
 from moefold.pipeline.p2p import recv_forward, send_forward
+from moefold.pipeline.schedules import build_schedule
 from moefold.pipeline.stages import StageLayout
 from moefold.training.optim.grad_sync import GradSync
 from tests.distributed import run_distributed
