@@ -57,3 +57,48 @@ def test_published_config_reads_as_the_recipe_and_counts_what_transformers_holds
 def test_recipes_round_trip_through_the_hf_config(name):
     recipe = get_recipe(name)
     assert from_hf_config(to_hf_config(recipe), name=name).with_(extra={}) == recipe
+
+
+def test_every_config_field_is_read_fixed_or_inert():
+    """Each field of ``DeepseekV4Config().to_dict()`` is in exactly one of ``READ`` / ``FIXED`` / ``INERT``; another
+    value of a read field changes the ``ModelConfig``, of a fixed one is refused naming it, of an inert one changes
+    nothing."""
+    from transformers import DeepseekV4Config
+
+    from moefold.models.hf import deepseek_v4 as v4
+
+    base = {**DeepseekV4Config(num_hidden_layers=4).to_dict(), "architectures": [v4.ARCHITECTURE]}
+    groups = [set(v4.READ), set(v4.FIXED), set(v4.INERT)]
+    for key in base:
+        assert sum(key in g for g in groups) == 1, key
+    ref = v4.config_from_hf(base)
+    other = {"layer_types": ["sliding_attention"] * 4, "mlp_layer_types": ["moe"] * 4, "scoring_func": "sigmoid",
+             "compress_rates": {"compressed_sparse_attention": 8, "heavily_compressed_attention": 64},
+             "rope_parameters": {"main": {"rope_type": "default", "rope_theta": 5.0, "partial_rotary_factor": 0.25},
+                                 "compress": {"rope_type": "default", "rope_theta": 7.0,
+                                              "partial_rotary_factor": 0.25}},
+             "partial_rotary_factor": 0.25, "qk_rope_head_dim": 128, "num_nextn_predict_layers": 0}
+    for key in v4.READ:
+        if key == "num_nextn_predict_layers":   # read and dropped: the HF class builds no MTP
+            continue
+        value = other[key] if key in other else base[key] * 2
+        changed = {**base, key: value}
+        if key == "num_hidden_layers":
+            changed.update(layer_types=base["layer_types"] * 2, mlp_layer_types=base["mlp_layer_types"] + ["moe"] * 4)
+        if key in ("partial_rotary_factor", "qk_rope_head_dim", "rope_theta", "compress_rope_theta"):
+            changed.pop("rope_parameters")   # transformers reads these where rope_parameters is not nested yet
+        if key == "qk_rope_head_dim":    # DeepSeek's spelling, read where partial_rotary_factor is absent
+            changed.pop("partial_rotary_factor")
+        assert v4.config_from_hf(changed) != ref, key
+    for key, value in v4.FIXED.items():
+        bad = (not value) if isinstance(value, bool) else {1: 2, 0.0: 0.5, "silu": "gelu"}[value]
+        with pytest.raises(ValueError, match=key):
+            v4.config_from_hf({**base, key: bad})
+    inert_other = {"id2label": {0: "a"}, "label2id": {"a": 0}, "problem_type": "regression", "dtype": "float16",
+                   "torch_dtype": "float16", "model_type": "deepseek_v4", "architectures": [v4.ARCHITECTURE]}
+    for key in v4.INERT:
+        if key in base:
+            v = base[key]
+            value = (inert_other[key] if key in inert_other else (not v) if isinstance(v, bool) else
+                     "x" if isinstance(v, str) else v * 2 if v else 7)
+            assert v4.config_from_hf({**base, key: value}) == ref, key
