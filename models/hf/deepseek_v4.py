@@ -40,7 +40,8 @@ FIXED = {"num_key_value_heads": 1, "router_jitter_noise": 0.0, "hidden_act": "si
 # DeepSeek's spellings (the published config.json's) that transformers folds into the fields above
 LEGACY = ("compress_ratios", "compress_rate_csa", "compress_rate_hca", "num_hash_layers", "rope_scaling")
 SCORE_FUNCTIONS = ("sqrtsoftplus", "sigmoid")   # HF applies ACT2FN[scoring_func] elementwise
-INERT = {**COMMON_INERT, "output_router_logits": "inference output switch", "initializer_range": "init of new weights only",
+INERT = {**COMMON_INERT, "output_router_logits": "inference output switch",
+         "initializer_range": "init of new weights only",
          "use_cache": "inference cache", "pad_token_id": "tokenizer id", "bos_token_id": "tokenizer id",
          "eos_token_id": "tokenizer id", "transformers_version": "writer's version", "model_type": "this module's",
          "architectures": "this module's", "_name_or_path": "where it was read from",
