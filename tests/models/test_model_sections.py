@@ -33,7 +33,7 @@ EARLIER_FIELDS = (
     "moe_activation_clamp", "moe_glu_linear_offset", "layer_types", "linear_attention", "attention_output_gate",
     "norm_zero_centered_gamma", "extra")
 # added since (issue 50): quantile balancing's EMA, latent experts
-ADDED_FIELDS = ("moe_router_quantile_balancing_ema", "moe_latent_size", "dsa")
+ADDED_FIELDS = ("moe_router_quantile_balancing_ema", "moe_latent_size", "dsa", "v4")   # v4: DeepSeek-V4 (issue 51)
 
 
 def _earlier_router(c: ModelConfig, init_std: float) -> RouterConfig:
