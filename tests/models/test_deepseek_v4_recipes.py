@@ -102,3 +102,27 @@ def test_every_config_field_is_read_fixed_or_inert():
             value = (inert_other[key] if key in inert_other else (not v) if isinstance(v, bool) else
                      "x" if isinstance(v, str) else v * 2 if v else 7)
             assert v4.config_from_hf({**base, key: value}) == ref, key
+
+
+def test_flops_count_every_weight_once_and_the_entries_each_query_reads():
+    """At one token each layer's count is its attention's and mHC maps' weights (each read once) plus one key of
+    core attention and the mHC collapse / mix; the core attention grows with the window and the entries read."""
+    from torch import nn
+
+    from moefold.models.decoder import MoEDecoder
+    from moefold.training.observe.flops_v4 import v4_attention_macs, v4_score_macs
+
+    c = get_recipe("deepseek_v4_tiny")
+    model = MoEDecoder(c, device="meta")
+    N, H = c.v4.hc_mult, c.hidden_size
+    for i in range(c.num_layers):
+        block = model.layers[str(i)]
+        weights = sum(m.weight.numel() for m in block.self_attn.modules() if isinstance(m, nn.Linear))
+        weights += block.attn_hc.fn.numel() + block.ffn_hc.fn.numel()
+        mixing = 2 * (2 * N * H + N * N * H)
+        assert v4_attention_macs(c, 1, i) == weights + c.num_attention_heads * 2 * c.head_dim + mixing, i
+    S, W = 256, c.v4.sliding_window
+    sliding, hca = v4_score_macs(c, S, 1), v4_score_macs(c, S, 0)   # tiny: layer 1 sliding, layer 0 heavily c.
+    per_key = c.num_attention_heads * 2 * c.head_dim
+    assert sliding == per_key * (W * (W + 1) / 2 + (S - W) * W) / S
+    assert hca == sliding + per_key * sum((p + 1) // c.v4.hca_rate for p in range(S)) / S

@@ -6,17 +6,20 @@ MLA), the causal score and value products at the average context length (``seq_l
 sliding window; DeepSeek sparse attention: the ``index_topk`` selected keys, in its absorbed form, plus its
 lightning indexer over the whole causal context), Gated DeltaNet layers (projections, short convolution, the delta
 rule), dense SwiGLU MLPs, routers, only the ``topk`` active routed experts per token, shared experts, the output
-head and the multi-token-prediction modules.
+head and the multi-token-prediction modules; DeepSeek-V4's layers as ``training.observe.flops_v4`` counts them.
 """
 
 from __future__ import annotations
 
 from moefold.models.config import ModelConfig
+from moefold.training.observe.flops_v4 import v4_attention_macs, v4_head_macs
 
 
 def attention_macs(c: ModelConfig, seq_len: int, index: int | None = None) -> float:
     """Multiply-adds of one attention layer (layer ``index``: its sliding window; None: ``c.sliding_window``)
     for one token."""
+    if c.v4 is not None:   # DeepSeek-V4: compressed attentions and the block's mHC (training.observe.flops_v4)
+        return v4_attention_macs(c, seq_len, 0 if index is None else index)
     H, nh = c.hidden_size, c.num_attention_heads
     if c.attention == "mla":
         m = c.mla
@@ -87,7 +90,7 @@ def forward_flops_per_token(c: ModelConfig, seq_len: int) -> float:
         mixer = linear_attention_macs(c) if c.layer_type(i) == "linear_attention" else attention_macs(c, seq_len, i)
         macs += mixer + ffn_macs(c, c.is_moe_layer(i))
     head = c.hidden_size * c.vocab_size
-    macs += head
+    macs += head + (v4_head_macs(c) if c.v4 is not None else 0.0)
     for k in range(c.mtp_num_layers):
         macs += 2 * c.hidden_size * c.hidden_size + attention_macs(c, seq_len, c.num_layers + k) + \
             ffn_macs(c, c.num_experts > 0)
