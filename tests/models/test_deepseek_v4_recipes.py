@@ -126,3 +126,12 @@ def test_flops_count_every_weight_once_and_the_entries_each_query_reads():
     per_key = c.num_attention_heads * 2 * c.head_dim
     assert sliding == per_key * (W * (W + 1) / 2 + (S - W) * W) / S
     assert hca == sliding + per_key * sum((p + 1) // c.v4.hca_rate for p in range(S)) / S
+
+
+def test_the_overlap_pieces_refuse_mhc_blocks():
+    from moefold.models.decoder import MoEDecoder
+    from moefold.models.sublayers import check_overlap
+
+    model = MoEDecoder(get_recipe("deepseek_v4_tiny"), device="meta")
+    with pytest.raises(ValueError, match="block 0 has mHC streams"):
+        check_overlap(model.layers["0"], 0)
