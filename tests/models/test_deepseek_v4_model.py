@@ -119,3 +119,20 @@ def test_hf_checkpoint_round_trip(tmp_path):
     back = DeepseekV4ForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
         torch.testing.assert_close(back(input_ids=ids).logits, want, atol=1e-5, rtol=1e-5)
+
+
+def test_cli_convert_round_trip(tmp_path):
+    """``moefold convert`` HF -> moefold -> HF keeps every tensor (DeepSeek's names both ways)."""
+    from moefold.models.tensor_io import TensorReader
+    from moefold.training.cli import main as cli
+
+    _, _, hf, _ = _pair(0)
+    hf.save_pretrained(tmp_path / "hf")
+    assert cli(["convert", str(tmp_path / "hf"), str(tmp_path / "mf")]) == 0
+    assert cli(["convert", str(tmp_path / "mf"), str(tmp_path / "back")]) == 0
+    state = hf.state_dict()
+    with TensorReader(tmp_path / "back") as r:
+        assert r.names() and all(not n.startswith("model.layers") for n in r.names())
+        assert torch.equal(r.read("layers.0.attn.wq_a.weight"), state["model.layers.0.self_attn.q_a_proj.weight"])
+        w1 = r.read("layers.0.ffn.experts.3.w1.weight")
+        assert torch.equal(w1, state["model.layers.0.mlp.experts.gate_up_proj"][3, :w1.shape[0]])
