@@ -120,7 +120,8 @@ class CompressedAttention(nn.Module):
     def forward(self, x_SBH: Tensor, position_ids: Tensor) -> Tensor:
         c = self.config
         s, b, _ = x_SBH.shape
-        if not torch.equal(position_ids.cpu(), torch.arange(s)):
+        # (a meta build, which the device-build checks run, has no values to check)
+        if position_ids.device.type != "meta" and not torch.equal(position_ids.cpu(), torch.arange(s)):
             raise ValueError("CompressedAttention: the compressed windows need positions 0..S-1 (the whole "
                              "sequence on this rank, no packed documents)")
         x = x_SBH.transpose(0, 1)                                                # [B, S, H]

@@ -36,7 +36,8 @@ from moefold.models.model_sections import MOE_SCORE_FUNCTIONS as MOE_SCORE_FUNCT
 from moefold.models.model_sections import QK_NORM_SCOPES as QK_NORM_SCOPES
 
 FAMILIES: tuple[str, ...] = ("deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "olmoe", "minimax_m2",
-                             "qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa", "nemotron_h")
+                             "qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa", "nemotron_h",
+                             "deepseek_v4")
 # the FFNs' activation (dense MLP, shared and routed experts): SwiGLU, or Nemotron-H's ungated squared ReLU
 FFN_ACTIVATIONS: tuple[str, ...] = ("swiglu", "relu2")
 
@@ -60,7 +61,8 @@ class ModelConfig:
 
     name: str
     family: Literal["deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "olmoe", "minimax_m2", "qwen3_next",
-                    "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa", "nemotron_h"]
+                    "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa", "nemotron_h",
+                    "deepseek_v4"]
     vocab_size: int
     hidden_size: int = model_flag(MISSING, "model width", "--hidden-size")
     num_layers: int = model_flag(MISSING, "decoder layers (without MTP)", "--num-layers")
@@ -107,6 +109,10 @@ class ModelConfig:
             raise ValueError(f"layers {dense[:8]}{'...' if len(dense) > 8 else ''} are dense and need "
                              f"ffn_hidden_size > 0, got {self.ffn_hidden_size}")
         self._check_attention_features()
+        if self.v4 is not None or self.family == "deepseek_v4":
+            from moefold.models.v4_dims import check_v4_model
+
+            check_v4_model(self)
 
     def _check_attention_features(self) -> None:
         if self.attention == "mla":

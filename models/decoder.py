@@ -43,6 +43,7 @@ from moefold.dense.context_parallel import context_parallel_positions, gather_fr
 from moefold.dense.cross_entropy import vocab_parallel_cross_entropy
 from moefold.dense.documents import Documents
 from moefold.dense.embedding import OutputHead, VocabParallelEmbedding
+from moefold.dense.hyper_connections import HyperHead, expand_streams
 from moefold.dense.norm import RMSNorm
 from moefold.dense.recompute import checkpointed
 from moefold.dense.regions import replace_regions
@@ -182,6 +183,11 @@ class MoEDecoder(nn.Module):
         if with_head if with_norm is None else with_norm:
             self.norm = RMSNorm(config.hidden_size, config.norm_eps,
                                 zero_centered_gamma=config.norm_zero_centered_gamma, **kw)
+        # DeepSeek-V4: the mHC streams collapse once more before the final norm (HF ``hc_head``)
+        self.hc_head = None
+        if self.norm is not None and config.v4 is not None:
+            self.hc_head = HyperHead(config.hidden_size, config.v4.hc_mult, hc_eps=config.v4.hc_eps,
+                                     norm_eps=config.norm_eps, device=device)
         if with_head or with_mtp:
             self.output_head = OutputHead(config.hidden_size, config.vocab_size, dims.tp_group,
                                           tied_to=self.embed_tokens if tied else None, init_std=options.init_std,
@@ -227,13 +233,20 @@ class MoEDecoder(nn.Module):
         if self.sequence_parallel and S % self.dims.tp:
             raise ValueError(f"sequence length {S} (this rank's) is not divisible by tp={self.dims.tp} "
                              "(sequence parallelism)")
-        return self.embed_tokens(input_ids_BS.t().contiguous())
+        hidden = self.embed_tokens(input_ids_BS.t().contiguous())
+        # DeepSeek-V4's residual is hc_mult streams [S, B, N, H], each starting as the embedding
+        return hidden if self.config.v4 is None else expand_streams(hidden, self.config.v4.hc_mult)
+
+    def final_norm(self, hidden: Tensor) -> Tensor:
+        """The final norm (after DeepSeek-V4's stream collapse ``hc_head``: ``[S, B, N, H]`` -> ``[S, B, H]``)."""
+        return self.norm(hidden if self.hc_head is None else self.hc_head(hidden))
 
     def run_layers(self, hidden: Tensor, position_ids: Tensor, layer_ids: Iterable[int] | None = None,
                    global_states: dict[int, GlobalLoadState] | None = None, documents: Documents | None = None,
-                   ) -> tuple[Tensor, dict[int, MoEOutputInfo]]:
+                   token_ids_BS: Tensor | None = None) -> tuple[Tensor, dict[int, MoEOutputInfo]]:
         """Blocks ``layer_ids`` (default: all of this stage's, in order) -> (hidden, {layer: MoEOutputInfo}).
-        ``documents``: the packed documents of the micro-batch (``dense.documents``), or None.
+        ``documents``: the packed documents of the micro-batch (``dense.documents``), or None. ``token_ids_BS``: the
+        micro-batch's input ids, which hash-routed MoE layers (DeepSeek-V4) select their experts by.
 
         The layers run in the groups of the ``layers`` region (one checkpoint per checkpointed group: full
         recompute, ``execution.recompute``), which also brackets the chunk (activation offloading)."""
@@ -243,23 +256,24 @@ class MoEDecoder(nn.Module):
         run.begin_chunk()   # this micro-batch's offloaded tensors in these layers go together
         for group, recompute in run.groups(ids):
             hidden, group_infos = checkpointed(self._run_group, hidden, position_ids, group, global_states,
-                                               documents, enabled=recompute)
+                                               documents, token_ids_BS, enabled=recompute)
             infos.update(group_infos)
         return run.end_chunk(hidden), infos
 
     def _run_group(self, hidden: Tensor, position_ids: Tensor, layer_ids: list[int],
                    global_states: dict[int, GlobalLoadState] | None, documents: Documents | None = None,
-                   ) -> tuple[Tensor, dict[int, MoEOutputInfo]]:
+                   token_ids_BS: Tensor | None = None) -> tuple[Tensor, dict[int, MoEOutputInfo]]:
         infos = {}
         for i in layer_ids:
-            hidden, extra = self.layers[str(i)](hidden, position_ids, documents, **self._ffn_kwargs(i, global_states))
+            hidden, extra = self.layers[str(i)](hidden, position_ids, documents,
+                                                **self._ffn_kwargs(i, global_states, token_ids_BS))
             if extra is not None:
                 infos[i] = extra
         return hidden, infos
 
     def head_logits(self, hidden: Tensor) -> Tensor:
         """Final norm and output head: hidden -> logits ``[S, B, V/tp]`` (sequence gathered under SP)."""
-        return self.output_head(self.norm(hidden))
+        return self.output_head(self.final_norm(hidden))
 
     def head_loss(self, hidden: Tensor, labels_BS: Tensor, loss_mask_BS: Tensor | None = None,
                   input_ids_BS: Tensor | None = None, position_ids: Tensor | None = None,
@@ -279,7 +293,7 @@ class MoEDecoder(nn.Module):
         mask = mask * (labels != IGNORE_INDEX)  # ignored labels count as masked tokens
         # the main head's input, and MTP depth 1's (Megatron-Core's convention); already normalised where the
         # final norm lives on an earlier stage (with MTP: the one holding the last decoder layer)
-        normed = hidden if normalised else self.norm(hidden)
+        normed = hidden if normalised else self.final_norm(hidden)
         loss, logs, infos = None, {}, {}
         if self.with_lm:
             lm = self._token_loss(self.output_head(normed), labels, mask)
@@ -312,7 +326,7 @@ class MoEDecoder(nn.Module):
             position_ids = self.position_ids(input_ids.shape[1], input_ids.device)
         with self.fp8_region():
             hidden, infos = self.run_layers(self.embed(input_ids), position_ids, global_states=global_states,
-                                            documents=documents)
+                                            documents=documents, token_ids_BS=input_ids)
             head_loss, logs, mtp_infos = self.head_loss(hidden, labels, loss_mask, input_ids, position_ids,
                                                         global_states, documents=documents)
         infos.update(mtp_infos)
@@ -338,14 +352,21 @@ class MoEDecoder(nn.Module):
         if position_ids is None:
             position_ids = self.position_ids(input_ids.shape[1], input_ids.device)
         with self.fp8_region():
-            hidden, _ = self.run_layers(self.embed(input_ids), position_ids, documents=documents)
+            hidden, _ = self.run_layers(self.embed(input_ids), position_ids, documents=documents,
+                                        token_ids_BS=input_ids)
             logits = gather_along_dim(self.head_logits(hidden).float(), self.dims.tp_group, dim=-1)
         if gather_sequence:
             logits = gather_from_context_parallel(logits, self.dims.cp_group, 0)
         return logits.transpose(0, 1).contiguous()
 
     # ------------------------------------------------------------------------------------ internals
-    def _ffn_kwargs(self, index: int, global_states: dict[int, GlobalLoadState] | None) -> dict:
+    def _ffn_kwargs(self, index: int, global_states: dict[int, GlobalLoadState] | None,
+                    token_ids_BS: Tensor | None = None) -> dict:
+        v4 = self.config.v4
+        if v4 is not None and index < self.config.num_layers and v4.is_hash_layer(index):
+            if token_ids_BS is None:
+                raise ValueError(f"layer {index} is hash-routed (DeepSeek-V4): run_layers needs token_ids_BS")
+            return {"token_ids_BS": token_ids_BS}
         if (global_states is None or "global_aux_loss" not in self.config.moe_load_balancing_type
                 or not is_moe_block(self.config, index)):   # dense FFNs take no load state
             return {}

@@ -135,6 +135,10 @@ def mlp_config(config: ModelConfig, options: ModelOptions) -> MLPConfig:
 
 def check_layout(config: ModelConfig, dims: ParallelDims, options: ModelOptions) -> None:
     """Fail early, naming the numbers, when ``config`` cannot be split over ``dims``."""
+    if config.v4 is not None:
+        from moefold.models.v4_layers import check_v4_layout
+
+        check_v4_layout(config, dims)
     attention_config(config, options).check_parallel(dims.tp, dims.cp)
     if "mamba" in (config.layer_types or ()):
         # --mamba-backend mamba_ssm without its packages, or groups tp and cp cannot split: refused here, in one line
@@ -192,6 +196,10 @@ def build_block(config: ModelConfig, index: int, dims: ParallelDims, options: Mo
     """Transformer block ``index`` (0-based global layer index; MTP blocks continue after the
     main layers) for this rank's layout. Parameters and buffers go to ``device`` (None: the default device;
     ``device="meta"`` builds without memory)."""
+    if config.v4 is not None:   # DeepSeek-V4: compressed attentions, hash/top-k MoE, mHC streams
+        from moefold.models.v4_layers import build_v4_block
+
+        return build_v4_block(config, index, dims, options, device=device)
     kw = {"dtype": options.torch_dtype, "device": device}
     mixer = build_attention(config, dims, options, index, **kw) if config.has_mixer(index) else None
     ffn = build_ffn(config, is_moe_block(config, index), dims, options, **kw) if config.has_ffn(index) else None

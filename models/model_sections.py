@@ -37,6 +37,7 @@ from moefold.moe.router_config import (
 )
 
 if TYPE_CHECKING:   # they import torch; a model's description does not
+    from moefold.models.v4_dims import V4Dims
     from moefold.moe.activation import GatedActivation
     from moefold.moe.config import ExpertsConfig, SharedExpertsConfig
 
@@ -167,9 +168,15 @@ class ModelAttention:
     yarn: YarnScaling | None = None
     # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): MLA with a lightning indexer picking each query's top keys
     dsa: DSADims | None = None
+    # DeepSeek-V4: compressed attentions, hash-routed layers, mHC streams (models.v4_dims)
+    v4: V4Dims | None = None
 
     def __post_init__(self) -> None:
         _from_json(self, "mla", MLADims)
+        if isinstance(self.v4, dict):
+            from moefold.models.v4_dims import V4Dims  # it imports this file's YarnScaling
+
+            object.__setattr__(self, "v4", V4Dims(**self.v4))
         _from_json(self, "dsa", DSADims)
         if self.dsa is not None and (self.kind != "mla" or self.mla is None or self.mla.q_lora_rank is None):
             raise ValueError("dsa (DeepSeek sparse attention) needs attention='mla' with mla.q_lora_rank set (the "

@@ -17,7 +17,8 @@ from moefold.models.config import ModelConfig
 from moefold.models.options import ModelOptions
 from moefold.parallel.dims import ParallelDims
 
-CATEGORIES = ("attention", "norms", "mlp", "router", "shared_experts", "routed_experts", "mtp_proj")
+CATEGORIES = ("attention", "norms", "mlp", "router", "shared_experts", "routed_experts", "mtp_proj",
+              "hyper_connections")
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,8 @@ def _category(rest: str) -> str:
         return "shared_experts"
     if rest.startswith("eh_proj."):
         return "mtp_proj"
+    if rest.startswith(("attn_hc.", "ffn_hc.")):   # DeepSeek-V4's mHC coefficient maps
+        return "hyper_connections"
     return "mlp"
 
 
@@ -98,7 +101,7 @@ def count_parameters(config: ModelConfig, options: ModelOptions | None = None) -
             top["embedding"] += n
         elif name.startswith("output_head."):
             top["head"] += n
-        elif name == "norm.weight":
+        elif name == "norm.weight" or name.startswith("hc_head."):   # (DeepSeek-V4: the streams' collapse first)
             top["final_norm"] += n
         else:
             head, _, rest = name.partition(".")
@@ -114,7 +117,8 @@ def count_parameters(config: ModelConfig, options: ModelOptions | None = None) -
         active = sum(counts.values()) - counts["routed_experts"] + round(counts["routed_experts"] * fraction)
         if head == "layers":
             kind = "moe" if config.is_moe_layer(i) else "dense" if config.has_ffn(i) else "mixer"   # Nemotron-H
-            layers.append(LayerParams(i, kind, counts, active, config.layer_type(i)))
+            mixer = config.layer_type(i) if config.v4 is None else config.v4.attention_kinds[i]
+            layers.append(LayerParams(i, kind, counts, active, mixer))
         else:
             mtp.append(LayerParams(config.num_layers + i, "mtp", counts, active))
     return ParamReport(config.name, top["embedding"], top["head"], top["final_norm"],
@@ -138,7 +142,8 @@ def format_report(report: ParamReport, per_layer: bool = True) -> str:
     if per_layer:
         cols = [c for c in CATEGORIES if any(layer.counts[c] for layer in report.layers + report.mtp)]
         hybrid = any(layer.mixer != "full_attention" for layer in report.layers)
-        lines.append("  " + f"{'layers':<10}{'kind':<7}" + (f"{'mixer':<18}" if hybrid else "")
+        w = max([18] + [len(layer.mixer) + 2 for layer in report.layers])
+        lines.append("  " + f"{'layers':<10}{'kind':<7}" + (f"{'mixer':<{w}}" if hybrid else "")
                      + "".join(f"{c:>16}" for c in cols) + f"{'total':>14}{'active':>14}")
         rows = list(report.layers) + list(report.mtp)
         start = 0
@@ -149,7 +154,7 @@ def format_report(report: ParamReport, per_layer: bool = True) -> str:
                 end += 1
             r = rows[start]
             span = f"{r.index}" if end == start else f"{r.index}-{rows[end].index}"
-            lines.append("  " + f"{span:<10}{r.kind:<7}" + (f"{r.mixer:<18}" if hybrid else "")
+            lines.append("  " + f"{span:<10}{r.kind:<7}" + (f"{r.mixer:<{w}}" if hybrid else "")
                          + "".join(f"{fmt_count(r.counts[c]):>16}" for c in cols)
                          + f"{fmt_count(r.total):>14}{fmt_count(r.active):>14}"
                          + (f"  x{end - start + 1}" if end > start else ""))

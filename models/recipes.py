@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from moefold.models.config import DSADims, LinearAttentionDims, MLADims, ModelConfig, YarnScaling
 from moefold.models.recipes_nemotron_h import RECIPES as NEMOTRON_H_RECIPES
+from moefold.models.recipes_v4 import V4_RECIPES
 
 
 # ----------------------------------------------------------------------------- DeepSeek-V3
@@ -355,6 +356,7 @@ RECIPES: dict[str, Callable[[], ModelConfig]] = {
         *NEMOTRON_H_RECIPES,   # models/recipes_nemotron_h.py
     )
 }
+RECIPES.update({fn.__name__: fn for fn in V4_RECIPES})   # DeepSeek-V4 (models.recipes_v4)
 
 
 def get_recipe(name: str) -> ModelConfig:

@@ -154,6 +154,9 @@ def block_pieces(block: TransformerBlock, index: int, position_ids: Tensor, ffn_
 
 def check_overlap(block: TransformerBlock, index: int) -> None:
     """ValueError naming the flag when block ``index`` cannot run as pieces with the overlap schedules."""
+    if block.hyper is not None:
+        raise ValueError(f"--overlap-moe-expert-parallel-comm: block {index} has mHC streams (DeepSeek-V4's "
+                         "hyper-connections), which the overlap's pieces do not run yet; leave the flag off")
     if isinstance(block.mlp, MoELayer):
         kind = block.mlp.dispatcher.kind
         if kind is DispatcherKind.ALLGATHER:

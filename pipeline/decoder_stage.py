@@ -125,8 +125,10 @@ class DecoderStage:
         if device is None:
             device = next(self.model.parameters()).device
         s = seq_len // self.model.dims.tp if self.model.sequence_parallel else seq_len
-        return TensorSpec((s, micro_batch_size, self.model.config.hidden_size), self.model.options.torch_dtype,
-                          device)
+        v4 = self.model.config.v4   # DeepSeek-V4's residual: hc_mult streams [S, B, N, H]
+        streams = () if v4 is None else (v4.hc_mult,)
+        return TensorSpec((s, micro_batch_size, *streams, self.model.config.hidden_size),
+                          self.model.options.torch_dtype, device)
 
     @staticmethod
     def loss_fn(output: Tensor, microbatch: dict) -> Tensor:
@@ -156,9 +158,9 @@ class DecoderStage:
             if spec.has_embedding:
                 hidden = model.embed(ids)
             hidden, infos = model.run_layers(hidden, position_ids, spec.layers, self._global_states or None,
-                                             microbatch.get("documents"))
+                                             microbatch.get("documents"), token_ids_BS=ids)
             if spec.has_final_norm:
-                hidden = model.norm(hidden)
+                hidden = model.final_norm(hidden)
             share = None
             if spec.has_head or (spec.has_mtp and len(model.mtp)):
                 share, logs, mtp_infos = model.head_loss(hidden, microbatch["labels"], microbatch.get("loss_mask"),

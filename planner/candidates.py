@@ -119,6 +119,8 @@ def candidates(config: RunConfig, world: int, gpus_per_node: int, fixed: Fixed) 
     """Every layout of ``world`` GPUs to consider (not yet validated), at the lowest recompute setting."""
     m, t = config.model, config.train
     experts = max(m.num_experts, 1)
+    if m.v4 is not None and fixed.overlap is None:   # DeepSeek-V4's mHC blocks do not run as overlap pieces
+        fixed = dataclasses.replace(fixed, overlap=False)
     for tp in [fixed.tp] if fixed.tp else _divisors(world, gpus_per_node):
         for cp in [fixed.cp] if fixed.cp else _divisors(world // tp, 16):
             for pp in [fixed.pp] if fixed.pp else _divisors(world // (tp * cp), min(MAX_PP, m.num_layers)):

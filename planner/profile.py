@@ -31,6 +31,7 @@ from moefold.pipeline.actions import ActionKind, is_local, model_chunk, split_ba
 from moefold.pipeline.schedules import Schedule, build_schedule
 from moefold.planner.activations import NOT_OFFLOADED, ActivationMemory, ActivationShape, Part, activation_shape
 from moefold.planner.activations_ffn import mlp, moe
+from moefold.planner.activations_v4 import v4_attention, v4_hyper
 from moefold.planner.inflight import held_states, most_held, peak_bytes
 from moefold.planner.static import layout_of
 from moefold.training.config import RunConfig
@@ -49,7 +50,9 @@ def block(shape: ActivationShape, index: int, dispatcher: str) -> tuple[Part, ..
         # layernorm recompute keeps only the norm's input (the block's input, or the attention's residual sum)
         return {f"{name} input": a * Tx * H} if discard else shape.norm(Tx, H, name)
 
-    attention = shape.mla() if m.attention == "mla" else shape.gqa()
+    # DeepSeek-V4: compressed attention, mHC streams (planner.activations_v4)
+    attention = (v4_attention(shape, index) if m.v4 is not None else
+                 shape.mla() if m.attention == "mla" else shape.gqa())
     ffn = moe(shape, dispatcher) if is_moe else mlp(shape, m.ffn_hidden_size)
     if is_moe:   # who keeps the post-attention norm's output itself (no all-gather in between)
         shared = bool(m.moe_shared_expert_ffn_size)
@@ -70,6 +73,10 @@ def block(shape: ActivationShape, index: int, dispatcher: str) -> tuple[Part, ..
     second.update({f"{ffn.name}: {k}": v for k, v in ffn.saved.items()})
     second_offload.update({f"{ffn.name}: {k}": v for k, v in ffn.offload.items()})
     gradient = a * Tx * H   # the residual stream's gradient
+    if m.v4 is not None:   # the mHC around each sub-layer; the residual is hc_mult streams wide
+        first.update(v4_hyper(shape, "attn_hc"))
+        second.update(v4_hyper(shape, "ffn_hc"))
+        gradient *= m.v4.hc_mult
     kind = "moe layer" if is_moe else "dense layer"
     return (Part(kind, first, fwd_extra=attention.fwd_extra, bwd_extra=attention.bwd_extra + gradient,
                  offload=first_offload, layer=index),

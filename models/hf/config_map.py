@@ -21,7 +21,7 @@ from typing import Any
 
 from moefold.models.config import DSADims, MLADims, ModelConfig, YarnScaling
 from moefold.models.hf import config_families as more
-from moefold.models.hf import nemotron_h, qwen3_5_moe, qwen3_next
+from moefold.models.hf import deepseek_v4, nemotron_h, qwen3_5_moe, qwen3_next
 from moefold.models.hf.config_fields import READ, check_fields, config_class
 
 ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV32ForCausalLM": "deepseek_v32",
@@ -29,15 +29,18 @@ ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV32ForCausalLM
                  "Qwen3MoeForCausalLM": "qwen3_moe",
                  "MixtralForCausalLM": "mixtral", "Qwen3ForCausalLM": "qwen3_moe", "MistralForCausalLM": "mixtral",
                  qwen3_next.ARCHITECTURE: "qwen3_next", qwen3_5_moe.ARCHITECTURE: "qwen3_5_moe",
-                 nemotron_h.ARCHITECTURE: "nemotron_h", **more.ARCHITECTURES}
+                 nemotron_h.ARCHITECTURE: "nemotron_h", **more.ARCHITECTURES,
+                 deepseek_v4.ARCHITECTURE: "deepseek_v4"}
 MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "deepseek_v32": "deepseek_v32", "glm_moe_dsa": "glm_moe_dsa",
                "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "qwen3": "qwen3_moe",
                "mistral": "mixtral", "qwen3_next": "qwen3_next", qwen3_5_moe.MODEL_TYPE: "qwen3_5_moe",
-               nemotron_h.MODEL_TYPE: "nemotron_h", **more.MODEL_TYPES}
+               nemotron_h.MODEL_TYPE: "nemotron_h", **more.MODEL_TYPES,
+               deepseek_v4.MODEL_TYPE: "deepseek_v4"}
 FAMILY_ARCH = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM",
                "glm_moe_dsa": "GlmMoeDsaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                "mixtral": "MixtralForCausalLM", "qwen3_next": qwen3_next.ARCHITECTURE,
-               "qwen3_5_moe": qwen3_5_moe.ARCHITECTURE, "nemotron_h": nemotron_h.ARCHITECTURE, **more.FAMILY_ARCH}
+               "qwen3_5_moe": qwen3_5_moe.ARCHITECTURE, "nemotron_h": nemotron_h.ARCHITECTURE, **more.FAMILY_ARCH,
+               "deepseek_v4": deepseek_v4.ARCHITECTURE}
 FAMILY_MODEL_TYPE = {"qwen3_5_moe": qwen3_5_moe.MODEL_TYPE}   # where the HF model_type is not the family's name
 # the dense model of a family (no experts): what upcycling turns into the family's MoE
 DENSE_ARCH = {"qwen3_moe": ("Qwen3ForCausalLM", "qwen3"), "mixtral": ("MistralForCausalLM", "mistral")}
@@ -102,6 +105,9 @@ def _pattern(num_layers: int, moe: list[bool]) -> int | tuple[int, ...]:
 def from_hf_config(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
     """``ModelConfig`` from a parsed HF ``config.json`` (kept in ``extra["hf_config"]`` for the export)."""
     family = family_of(hf)
+    if family == "deepseek_v4":   # its own reading of every field (models.hf.deepseek_v4)
+        config = deepseek_v4.config_from_hf(hf, name or hf.get("_name_or_path") or family)
+        return config.with_(extra={"hf_config": dict(hf)})
     check_fields(hf)
     if family == "nemotron_h":   # its own reading: one-sublayer layers, no num_hidden_layers needed
         return nemotron_h.config_from_hf(hf, name or hf.get("_name_or_path") or family)
@@ -427,8 +433,10 @@ def to_hf_config(c: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     """
     if c.family == "nemotron_h":
         return nemotron_h.to_hf_config(c, dtype)
-    own = _own_fields(c, dtype)
     original = c.extra.get("hf_config") if c.extra else None
+    if c.family == "deepseek_v4":   # every field it models is written; the rest of the imported config kept
+        return {**(original or {}), **deepseek_v4.hf_config(c), "dtype": dtype}
+    own = _own_fields(c, dtype)
     if not original:
         return own
     return {**original, **_respell(own, original, c)}

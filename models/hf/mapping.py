@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from moefold.models.config import ModelConfig
-from moefold.models.hf import nemotron_h, qwen3_5_moe, qwen3_next
+from moefold.models.hf import deepseek_v4, nemotron_h, qwen3_5_moe, qwen3_next
 
 EXPERT_FORMATS = ("per_expert", "fused")
 
@@ -111,6 +111,8 @@ def hf_names(name: str, config: ModelConfig, expert_format: str = "per_expert") 
     """Candidate HF names of a plain (non-expert) moefold entry; the first is the one written on export."""
     if config.family == "nemotron_h":
         return nemotron_h.hf_names(name)
+    if config.family == "deepseek_v4":   # DeepSeek's checkpoint names (models.hf.deepseek_v4)
+        return deepseek_v4.disk_names(name)
     if name == "embed_tokens.weight":
         return ["model.embed_tokens.weight"]
     if name == "norm.weight":
@@ -185,6 +187,9 @@ def expert_names(name: str, config: ModelConfig) -> ExpertNames | None:
         return ExpertNames((), "", "", "", f"{prefix}mlp.experts", gpt_oss=True)
     if name.endswith("_bias"):
         raise ValueError(f"no HF name for {name!r}: expert biases exist in HF GPT-OSS only, not {config.family}")
+    if config.family == "deepseek_v4":   # DeepSeek's w1 (gate), w3 (up), w2 (down); fused: the HF module's names
+        return ExpertNames(deepseek_v4.expert_prefixes(int(prefix.split(".")[2])), "w1", "w3", "w2",
+                           f"{prefix}mlp.experts")
     if config.family in ("mixtral", "minimax_m2"):
         return ExpertNames((f"{prefix}block_sparse_moe.experts", f"{prefix}mlp.experts"), "w1", "w3", "w2",
                            f"{prefix}mlp.experts")

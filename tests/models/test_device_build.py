@@ -117,6 +117,9 @@ def _recipe(name: str) -> object:
     n = min(c.num_layers, LAYERS)
     per_layer = {name: v[:n] for name, v in c.flat_dict().items()   # every section's value by its flat name
                  if isinstance(v, tuple) and len(v) == c.num_layers}
+    if c.v4 is not None:   # DeepSeek-V4's per-layer attention kinds live in its v4 section
+        per_layer["v4"] = dataclasses.replace(c.v4, attention_kinds=c.v4.attention_kinds[:n],
+                                              num_hash_layers=min(c.v4.num_hash_layers, n))
     return c.with_(num_layers=n, **per_layer)
 
 

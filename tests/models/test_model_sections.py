@@ -33,7 +33,8 @@ EARLIER_FIELDS = (
     "moe_activation_clamp", "moe_glu_linear_offset", "layer_types", "linear_attention", "attention_output_gate",
     "norm_zero_centered_gamma", "extra")
 # added since (issue 50): quantile balancing's EMA, latent experts
-ADDED_FIELDS = ("moe_router_quantile_balancing_ema", "moe_latent_size", "dsa", "ffn_activation", "mamba")
+ADDED_FIELDS = ("moe_router_quantile_balancing_ema", "moe_latent_size", "dsa", "ffn_activation", "mamba",
+                "v4")   # issue 51: Nemotron-H (ffn_activation, mamba), DeepSeek-V4 (v4)
 
 
 def _earlier_router(c: ModelConfig, init_std: float) -> RouterConfig:

@@ -7,17 +7,20 @@ sliding window; DeepSeek sparse attention: the ``index_topk`` selected keys, in 
 lightning indexer over the whole causal context), Gated DeltaNet layers (projections, short convolution, the delta
 rule), Mamba-2 layers (projections, short convolution, the state-space scan), dense SwiGLU (or squared-ReLU: two
 projections, not three) MLPs, routers, only the ``topk`` active routed experts per token, shared experts, the output
-head and the multi-token-prediction modules.
+head and the multi-token-prediction modules; DeepSeek-V4's layers as ``training.observe.flops_v4`` counts them.
 """
 
 from __future__ import annotations
 
 from moefold.models.config import ModelConfig
+from moefold.training.observe.flops_v4 import v4_attention_macs, v4_head_macs
 
 
 def attention_macs(c: ModelConfig, seq_len: int, index: int | None = None) -> float:
     """Multiply-adds of one attention layer (layer ``index``: its sliding window; None: ``c.sliding_window``)
     for one token."""
+    if c.v4 is not None:   # DeepSeek-V4: compressed attentions and the block's mHC (training.observe.flops_v4)
+        return v4_attention_macs(c, seq_len, 0 if index is None else index)
     H, nh = c.hidden_size, c.num_attention_heads
     if c.attention == "mla":
         m = c.mla
@@ -108,7 +111,7 @@ def forward_flops_per_token(c: ModelConfig, seq_len: int) -> float:
     for i in range(c.num_layers):
         macs += mixer_macs(c, seq_len, i) + (ffn_macs(c, c.is_moe_layer(i)) if c.has_ffn(i) else 0.0)
     head = c.hidden_size * c.vocab_size
-    macs += head
+    macs += head + (v4_head_macs(c) if c.v4 is not None else 0.0)
     for k in range(c.mtp_num_layers):
         macs += 2 * c.hidden_size * c.hidden_size + attention_macs(c, seq_len, c.num_layers + k) + \
             ffn_macs(c, c.num_experts > 0)
