@@ -1,7 +1,9 @@
 """DeepSeek-V4 (HF ``deepseek_v4``, ``DeepseekV4ForCausalLM``, transformers 5.25) <-> moefold.
 
-``config_from_hf`` reads every field of a ``DeepseekV4Config`` (``FIELDS``: each either becomes a ``ModelConfig`` /
-``V4Dims`` value, is checked to hold the one value the HF class computes with, or is named inert and why);
+``config_from_hf`` reads every field of a ``DeepseekV4Config`` (``READ`` / ``FIXED`` / ``INERT``: each either becomes a
+``ModelConfig`` / ``V4Dims`` value, is checked to hold the one value the HF class computes with, or is named inert
+and why) without importing transformers (not a runtime dependency): ``read_fields`` transcribes the class's
+defaults and its folding of DeepSeek's legacy field names;
 ``hf_config`` writes one back. ``hf_name`` maps moefold's parameter names to HF's (the same tree but for the
 ``model.`` prefix, the router's name ``gate``, the correction bias, the fused expert tensors and the head), and
 ``to_hf_tensor`` / ``from_hf_tensor`` convert the experts' ``[E, 2F, H]`` <-> moefold's ``[E, 2, F, H]``.
@@ -12,7 +14,9 @@ loaded by transformers either), so a V4 model here has ``mtp_num_layers=0``.
 
 from __future__ import annotations
 
+import copy
 import re
+from types import SimpleNamespace
 from typing import Any
 
 from torch import Tensor
@@ -65,11 +69,111 @@ def _yarn(rope: dict[str, Any]) -> YarnScaling | None:
         attention_factor=float(rope.get("attention_factor", 1.0)))
 
 
-def config_from_hf(hf: dict[str, Any], name: str = "deepseek_v4") -> ModelConfig:
-    """``ModelConfig`` of a DeepSeek-V4 ``config.json`` (``hf``: its mapping; HF's defaults where a key is absent,
-    the legacy ``compress_ratios`` / ``num_hash_layers`` spellings folded in as transformers folds them)."""
-    from transformers import DeepseekV4Config  # its defaults and legacy folding are the reference
+# DeepseekV4Config's defaults (transformers 5.25, models/deepseek_v4/configuration_deepseek_v4.py: its dataclass
+# fields) of the fields read or fixed here; layer_types, mlp_layer_types, compress_rates, partial_rotary_factor and
+# rope_parameters are derived in ``read_fields`` as its ``__post_init__`` derives them
+DEFAULTS: dict[str, Any] = {
+    "vocab_size": 129280, "hidden_size": 4096, "moe_intermediate_size": 2048, "num_hidden_layers": 43,
+    "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512, "q_lora_rank": 1024,
+    "num_experts_per_tok": 6, "n_routed_experts": 256, "n_shared_experts": 1, "scoring_func": "sqrtsoftplus",
+    "norm_topk_prob": True, "routed_scaling_factor": 1.5, "max_position_embeddings": 1048576, "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1.0e-6, "swiglu_limit": 10.0,
+    "sliding_window": 128, "o_groups": 8, "o_lora_rank": 1024, "index_n_heads": 64, "index_head_dim": 128,
+    "index_topk": 512, "num_nextn_predict_layers": 1, "router_jitter_noise": 0.0, "hidden_act": "silu",
+    "rms_norm_eps": 1.0e-6, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+    "attention_dropout": 0.0}
+_DEFAULT_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+_DEFAULT_HASH_LAYERS = 3
+_DEFAULT_ROTARY = 64 / 512   # DeepSeek-V4's qk_rope_head_dim / head_dim
+_MLP_KINDS = ("hash_moe", "moe")
 
+
+def _rope_parameters(hf: dict[str, Any], f: SimpleNamespace) -> dict[str, dict[str, Any]]:
+    """``{"main", "compress"}`` RoPE parameters as transformers 5.25 builds them: ``PreTrainedConfig``'s
+    ``convert_rope_params_to_dict`` + ``standardize_rope_params`` (modeling_rope_utils.py: a legacy ``rope_scaling``
+    replaces ``rope_parameters``; ``rope_theta`` / a given ``partial_rotary_factor`` / YaRN's
+    ``original_max_position_embeddings`` filled in where absent), then ``DeepseekV4Config.__post_init__`` (a flat
+    dict is YaRN for the compressed layers only, with ``attention_factor`` 1.0; the sliding layers' RoPE is plain).
+    ``f.partial_rotary_factor`` is the final one; ``given_rotary`` the field as given (``None`` when absent)."""
+    rp = copy.deepcopy(hf.get("rope_scaling") or hf.get("rope_parameters")) or {}
+    nested = [key for key in rp if key in ("main", "compress")]
+    for params in [rp[key] for key in nested] or [rp]:
+        if params is None:
+            continue
+        params.setdefault("rope_theta", f.rope_theta)
+        if f.given_rotary is not None:
+            params.setdefault("partial_rotary_factor", f.given_rotary)
+        params.setdefault("rope_type", params.get("type", "default"))
+        if params["rope_type"] in ("llama3", "yarn", "longrope"):
+            params.setdefault("original_max_position_embeddings", f.max_position_embeddings)
+    if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+        return {"main": rp["main"], "compress": rp["compress"]}
+    yarn = {k: v for k, v in rp.items() if k not in ("main", "compress")}
+    main = {"rope_type": "default", "rope_theta": f.rope_theta, "partial_rotary_factor": f.partial_rotary_factor}
+    compress = {**yarn, "rope_theta": f.compress_rope_theta, "partial_rotary_factor": f.partial_rotary_factor}
+    compress.setdefault("rope_type", "default")
+    if compress["rope_type"] == "yarn":
+        compress.setdefault("attention_factor", 1.0)
+    return {"main": main, "compress": compress}
+
+
+def read_fields(hf: dict[str, Any], name: str = "deepseek_v4") -> SimpleNamespace:
+    """The fields of ``DeepseekV4Config(**hf)`` that moefold reads (same names, same values), without transformers:
+    the defaults of ``DEFAULTS`` where a key is absent, DeepSeek's legacy spellings (``compress_ratios``,
+    ``compress_rate_csa`` / ``_hca``, ``num_hash_layers``, ``qk_rope_head_dim``, a top-level ``rope_scaling``)
+    folded in as ``DeepseekV4Config.__post_init__`` (transformers 5.25) folds them. ``hf`` is not modified."""
+    f = SimpleNamespace(**{key: hf.get(key, default) for key, default in DEFAULTS.items()})
+    n = f.num_hidden_layers
+    rates = hf.get("compress_rates")
+    f.compress_rates = dict(_DEFAULT_RATES if rates is None else rates)
+    for legacy, kind in (("compress_rate_csa", "compressed_sparse_attention"),
+                         ("compress_rate_hca", "heavily_compressed_attention")):
+        if hf.get(legacy) is not None:
+            f.compress_rates[kind] = hf[legacy]
+    for kind in _DEFAULT_RATES:
+        if kind not in f.compress_rates:
+            raise ValueError(f"{name}: compress_rates={f.compress_rates} has no rate for {kind!r}")
+    kinds = hf.get("layer_types")
+    if kinds is None and hf.get("compress_ratios") is not None:
+        bad = [r for r in hf["compress_ratios"] if r not in _KIND_RATE]
+        if bad:
+            raise ValueError(f"{name}: compress_ratios entries {bad}; each is one of {sorted(_KIND_RATE)}")
+        kinds = [_KIND_RATE[r] for r in hf["compress_ratios"]]
+    if kinds is None:   # DeepSeek-V4-Pro's: two HCA layers, then HCA / CSA alternating
+        kinds = ["heavily_compressed_attention"] * min(n, 2) + [
+            "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(n - 2, 0))]
+    f.layer_types = list(kinds[:n])
+    mlp = hf.get("mlp_layer_types")
+    if mlp is None:
+        n_hash = hf.get("num_hash_layers")
+        n_hash = _DEFAULT_HASH_LAYERS if n_hash is None else n_hash
+        mlp = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
+    f.mlp_layer_types = list(mlp[:n])
+    for key, types, allowed in (("layer_types", f.layer_types, tuple(_KIND_RATE.values())),
+                                ("mlp_layer_types", f.mlp_layer_types, _MLP_KINDS)):
+        if len(types) != n:
+            raise ValueError(f"{name}: num_hidden_layers={n} but {key} has {len(types)} entries")
+        bad = [t for t in types if t not in allowed]
+        if bad:
+            raise ValueError(f"{name}: {key} entries {bad}; each is one of {allowed}")
+    f.given_rotary = hf.get("partial_rotary_factor")
+    f.partial_rotary_factor = f.given_rotary
+    if f.partial_rotary_factor is None:
+        legacy = hf.get("qk_rope_head_dim")
+        f.partial_rotary_factor = legacy / f.head_dim if legacy is not None else _DEFAULT_ROTARY
+    f.rope_parameters = _rope_parameters(hf, f)
+    for label, params in f.rope_parameters.items():   # DeepseekV4Config.validate_rope names the type of each
+        params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+        if params["rope_type"] == "yarn" and "factor" not in params:
+            raise ValueError(f"{name}: rope_parameters.{label}={params} is YaRN without a factor")
+    del f.given_rotary
+    return f
+
+
+def config_from_hf(hf: dict[str, Any], name: str = "deepseek_v4") -> ModelConfig:
+    """``ModelConfig`` of a DeepSeek-V4 ``config.json`` (``hf``: its mapping; ``read_fields`` gives HF's defaults
+    where a key is absent and folds the legacy ``compress_ratios`` / ``num_hash_layers`` spellings in as
+    transformers does; transformers is not imported)."""
     unknown = sorted(set(hf) - set(READ) - set(FIXED) - set(INERT) - set(LEGACY) - {"topk_method"})
     if unknown:
         raise ValueError(f"{name}: DeepSeek-V4 config fields {unknown} are not read by moefold (known: "
@@ -77,8 +181,11 @@ def config_from_hf(hf: dict[str, Any], name: str = "deepseek_v4") -> ModelConfig
     if hf.get("topk_method", "noaux_tc") != "noaux_tc":   # DeepSeek's name for the bias-corrected top-k HF computes
         raise ValueError(f"{name}: topk_method={hf['topk_method']!r}; DeepseekV4ForCausalLM selects with the "
                          "correction bias (noaux_tc)")
-    cfg = DeepseekV4Config(**{k: v for k, v in hf.items() if k not in ("transformers_version", "model_type",
-                                                                        "architectures", "topk_method")})
+    return model_config(read_fields(hf, name), name)
+
+
+def model_config(cfg: Any, name: str) -> ModelConfig:
+    """``ModelConfig`` of ``cfg``: ``read_fields``' namespace (or, in the tests, a ``DeepseekV4Config``)."""
     for key, want in FIXED.items():
         if getattr(cfg, key) != want:
             raise ValueError(f"{name}: {key}={getattr(cfg, key)!r}; DeepseekV4ForCausalLM computes with {want!r}")
@@ -213,5 +320,5 @@ def from_hf_tensor(name: str, t: Tensor, like: Tensor) -> Tensor:
     return t.view(like.shape) if name.endswith(".mlp.experts.w13") else t
 
 
-__all__ = ["ARCHITECTURE", "MODEL_TYPE", "config_from_hf", "disk_names", "expert_prefixes", "from_hf_tensor",
-           "hf_config", "hf_name", "to_hf_tensor"]
+__all__ = ["ARCHITECTURE", "DEFAULTS", "MODEL_TYPE", "config_from_hf", "disk_names", "expert_prefixes",
+           "from_hf_tensor", "hf_config", "hf_name", "model_config", "read_fields", "to_hf_tensor"]
