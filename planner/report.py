@@ -198,13 +198,21 @@ def needs(plan: Plan) -> str:
     return ", ".join(out) or "nothing"
 
 
+def unranked(result: SearchResult) -> str:
+    """The valid layouts the search did not plan (branch and bound), in words; empty when it planned them all."""
+    if not result.unranked:
+        return ""
+    return (f"; {result.unranked} not planned: their compute alone takes longer than the step of each layout "
+            "printed")
+
+
 def render(result: SearchResult, config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, memory: int,
            params: tuple[int, int], model_flags: list[str], usable: int) -> str:
     """The whole report of a search."""
     lines = [heading(config, world, cluster, gpus_per_node, usable, memory, params),
              f"layouts: {result.considered} considered, {result.valid} valid for moefold train, {result.fitting} fit "
              f"(each with the fastest of the least activation savings it needs under ZeRO-1, FSDP2 and optimizer "
-             f"offload); ranked by tokens/s/GPU", ""]
+             f"offload){unranked(result)}; ranked by tokens/s/GPU", ""]
     if not result.plans:
         lines.append("no layout fits.")
         if result.closest is not None:

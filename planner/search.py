@@ -35,6 +35,7 @@ backwards or the batch-level overlap, activation offloading with the overlap) is
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import multiprocessing
 import os
@@ -51,6 +52,7 @@ from moefold.planner.cluster import Cluster
 from moefold.planner.deepep import deepep_buffer_bytes
 from moefold.planner.profile import activation_memories
 from moefold.planner.static import StaticMemory, exact_static, layout_of, static_lower_bound
+from moefold.planner.step_bound import step_lower_bound
 from moefold.planner.step_terms import StepTime
 from moefold.planner.step_time import estimate_step_time
 from moefold.training.cli.train import validate_layout
@@ -206,8 +208,9 @@ def evaluate(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int
 
 @dataclass
 class SearchResult:
-    """The fitting plans, fastest first; the counts of what was considered; the best non-fitting plan
-    (the one needing the least memory) when nothing fits."""
+    """The fitting plans, fastest first; the counts of what was considered (``fitting``: of the layouts planned;
+    ``unranked`` valid layouts were not planned, branch and bound); the best non-fitting plan (the one needing the
+    least memory) when nothing fits."""
 
     plans: list[Plan]
     considered: int = 0
@@ -215,27 +218,46 @@ class SearchResult:
     fitting: int = 0
     closest: Plan | None = None
     rejected: dict[str, int] = field(default_factory=dict)
+    unranked: int = 0   # valid layouts not planned: their compute alone is slower than the steps of those printed
 
 
 def _least_recompute(candidate: RunConfig, sizes: ParallelSizes, num_micro: int, ladder: dict[str, dict],
                      usable: int, gpus_per_node: int, host_usable: int | None = None, walk: bool = True,
-                     ) -> tuple[Plan | None, Plan | None]:
+                     shared: dict | None = None) -> tuple[Plan | None, Plan | None]:
     """(the plan with the least activation saving of ``ladder`` that fits, or None; the leanest plan, None when
     ``moefold train`` refuses every rung with this layout). The leanest is tried first: when it does not fit,
     nothing does (host memory aside: the offload rung may be the only one that does not fit there). A rung
     ``moefold train`` refuses with the candidate's schedule (the offload rung with the batch-level overlap) is
-    skipped."""
-    def planned(name: str) -> RunConfig:
-        return dataclasses.replace(candidate, options=dataclasses.replace(candidate.options, **ladder[name]))
+    skipped. ``shared``: what one layout's shardings share (each rung's options and activations: the activations
+    do not depend on what shards the static memory, ``profile.activation_memories``; DeepEP's buffer), filled here;
+    the static bytes do not depend on the rung, so they are counted once per sharding."""
+    shared = {} if shared is None else shared
+    configs: dict[str, RunConfig] = {}
 
-    def plan_of(name: str) -> Plan:
-        return Plan(planned(name), sizes, num_micro, name,
-                    _memory(planned(name), sizes, num_micro, False, gpus_per_node, walk), usable,
-                    host_usable=host_usable)
+    def planned(name: str) -> RunConfig:
+        if name not in configs:
+            if ("options", name) not in shared:
+                shared[("options", name)] = dataclasses.replace(candidate.options, **ladder[name])
+            configs[name] = dataclasses.replace(candidate, options=shared[("options", name)])
+        return configs[name]
 
     names = [name for name in ladder if not planned(name).memory_saver_conflict(sizes.pp)]
     if not names:
         return None, None
+    static = static_lower_bound(candidate, sizes)
+    if "deepep" not in shared:
+        flex = candidate.options.resolved_dispatcher(sizes.ep, sizes.etp) == "flex"
+        shared["deepep"] = deepep_buffer_bytes(candidate, sizes, gpus_per_node) if flex else 0
+
+    def plan_of(name: str) -> Plan:
+        config = planned(name)
+        if ("activations", name) not in shared:
+            shared[("activations", name)] = activation_memories(config, sizes, num_micro, exact=walk)
+        activations = shared[("activations", name)]
+        memory = max((RankMemory(r, static[r], activations[r], shared["deepep"]) for r in range(sizes.pp)),
+                     key=lambda m: m.total)
+        return Plan(config, sizes, num_micro, name, memory, usable, host_usable=host_usable)
+
     leanest = plan_of(names[-1])
     if not leanest.fits_gpu:
         return None, leanest
@@ -265,11 +287,13 @@ def _least_saving(candidate: RunConfig, sizes: ParallelSizes, num_micro: int, la
     """The plans worth timing for one layout (module docstring) and its leanest plan (the closest when none fits)."""
     rungs = list(ladder)
     plans, closest, best = [], None, len(rungs)
+    shared: dict = {}
     for name in shardings:
         config = candidate if name == sharding_of(candidate) else _with_sharding(candidate, name, world)
         if config is None or config.memory_saver_conflict(sizes.pp):
             continue
-        fits, leanest = _least_recompute(config, sizes, num_micro, ladder, usable, gpus_per_node, host_usable, walk)
+        fits, leanest = _least_recompute(config, sizes, num_micro, ladder, usable, gpus_per_node, host_usable, walk,
+                                         shared)
         if leanest is not None and (closest is None or leanest.memory.total < closest.memory.total):
             closest = leanest
         # a saver is worth timing when it needs no more activation saving than the best so far (ZeRO-1 first: with
@@ -322,7 +346,6 @@ def search(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, 
     usable = int((memory_bytes or cluster.memory_bytes) * (1 - headroom))
     host_usable = int(cluster.host_memory_bytes * (1 - headroom))
     result = SearchResult(plans=[])
-    fitting: list[list[Plan]] = []
     last = time.monotonic()
 
     def report(phase: str, done: int, total: int) -> None:
@@ -332,9 +355,10 @@ def search(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, 
             progress(phase, done, total)
 
     layouts = list(candidates(config, world, gpus_per_node, fixed))
+    valid = []
     for candidate in layouts:
         result.considered += 1
-        report("memory", result.considered, len(layouts))
+        report("layouts", result.considered, len(layouts))
         try:
             sizes = validate_layout(candidate, world)
             _, num_micro = candidate.resolve(world)
@@ -343,20 +367,37 @@ def search(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, 
             reason = reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS - 3] + "..."
             result.rejected[reason] = result.rejected.get(reason, 0) + 1
             continue
-        result.valid += 1
+        # a lower bound on the step of every way this layout may fit: its first rung (the least recompute) and any
+        # sharding (``planner.step_bound``)
+        fastest = dataclasses.replace(candidate, options=dataclasses.replace(candidate.options,
+                                                                            **next(iter(ladder.values()))))
+        valid.append((step_lower_bound(fastest, sizes, cluster, num_micro, efficiency), candidate, sizes, num_micro))
+    result.valid = len(valid)
+    # branch and bound: plan the layouts in the order of their bounds; once a layout's bound is above the
+    # ``needed``-th fastest step planned so far, neither it nor any after it can rank
+    needed = max(SIMULATED_PER_TOP * top, 24) if exact else top
+    valid.sort(key=lambda v: v[0])
+    timed: list[list[Plan]] = []
+    steps: list[float] = []   # each fitting layout's fastest step, ascending
+    for n, (bound, candidate, sizes, num_micro) in enumerate(valid):
+        report("memory and step times", n + 1, len(valid))
+        if len(steps) >= needed and bound > steps[needed - 1]:
+            result.unranked = len(valid) - n
+            report("memory and step times", len(valid), len(valid))
+            break
         plans, leanest = _least_saving(candidate, sizes, num_micro, ladder, usable, host_usable, world, shardings,
                                        gpus_per_node, walk=False)
-        if plans:
-            fitting.append(plans)
-        elif leanest is not None and (result.closest is None or leanest.memory.total < result.closest.memory.total):
-            result.closest = leanest
-    result.fitting = len(fitting)
-    timed = []
-    for n, plans in enumerate(fitting):
-        report("step times", n + 1, len(fitting))
-        timed.append(sorted((dataclasses.replace(p, time=estimate_step_time(p.config, p.sizes, cluster, gpus_per_node,
-                                                                              efficiency, simulate=False))
-                             for p in plans), key=lambda p: -p.time.tokens_per_s_per_gpu))
+        if not plans:
+            if leanest is not None and (result.closest is None or
+                                        leanest.memory.total < result.closest.memory.total):
+                result.closest = leanest
+            continue
+        ways = sorted((dataclasses.replace(p, time=estimate_step_time(p.config, p.sizes, cluster, gpus_per_node,
+                                                                      efficiency, simulate=False))
+                       for p in plans), key=lambda p: -p.time.tokens_per_s_per_gpu)
+        timed.append(ways)
+        bisect.insort(steps, ways[0].time.total)
+    result.fitting = len(timed)
     # each layout's ways to fit, fastest first; the layouts by their fastest
     timed.sort(key=lambda ways: (-ways[0].time.tokens_per_s_per_gpu, ways[0].memory.total))
     if not exact:

@@ -59,6 +59,7 @@ from moefold.parallel.dims import ParallelSizes
 from moefold.pipeline.schedules import V_SCHEDULES
 from moefold.pipeline.stages import ChunkSpec
 from moefold.planner import comm
+from moefold.planner.chunk_cache import cached_actions
 from moefold.planner.cluster import Cluster
 from moefold.planner.collective import GROUP_DIMS, Collective, link_factor
 from moefold.planner.compute_time import ELEMENTWISE_SHARE, block_compute, head_compute
@@ -194,7 +195,6 @@ def _copied(pair: tuple[_Action, _Action]) -> tuple[_Action, _Action]:
     return tuple(_Action(dict(a.terms), a.weight, a.routed) for a in pair)
 
 
-@lru_cache(maxsize=8192)
 def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, links: _Links, cluster: Cluster,
                    flop_s: float | None, last_model_chunk: int, exchange_overlap: float) -> tuple[_Action, _Action]:
     """(forward, backward) of one micro-batch through ``chunk``: compute (``planner.compute_time``; the flat
@@ -392,7 +392,8 @@ def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster
     vpp = layout_of(config, sizes.pp).vpp if sizes.pp > 1 else 1
     last = sizes.pp * vpp - 1
     shared = _actions_key(config)
-    actions = [[_copied(_chunk_actions(shared, sizes, c, links, cluster, flop_s, last, exchange_overlap))
+    actions = [[_copied(cached_actions(_chunk_actions, shared, sizes, c, links, cluster, flop_s, last,
+                                       exchange_overlap))
                 for c in rank_chunks(config, sizes, r)] for r in range(sizes.pp)]
     cal = (CALIBRATION if calibration is None else calibration) if efficiency is None else UNCALIBRATED
     if cal != UNCALIBRATED:

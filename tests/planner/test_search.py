@@ -146,7 +146,7 @@ def test_cli_search_prints_table_and_plot(tmp_path, capsys) -> None:
     assert code == 0, out
     assert "tok/s/GPU" in out and "#1: moefold train --nproc 8 --recipe qwen3_moe_30b_a3b" in out
     # the status lines go to stderr (a search over thousands of GPUs takes minutes), the table to stdout
-    assert "moefold plan: memory: " in captured.err and "moefold plan: step times: " in captured.err
+    assert "moefold plan: layouts: " in captured.err and "moefold plan: memory and step times: " in captured.err
     assert "moefold plan: memory" not in out
     assert png.stat().st_size > 10_000
 
