@@ -182,9 +182,8 @@ def combine_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-# Low-precision rows are upcast a block at a time, through workspaces reused by every block (and, from
-# ``dense.workspace``'s pool, by the next call on a CPU, as the permute's rows and the row gradients are), so no
-# fp32 copy of all N rows is made. On a CPU the reuse is what matters: a fresh buffer above glibc's mmap
+# Low-precision rows are upcast a block at a time, through workspaces allocated once per call and reused by every
+# block, so no fp32 copy of all N rows is made. On a CPU the reuse is what matters: a fresh buffer above glibc's mmap
 # threshold is a fresh mapping, page-faulted on every call (bf16, T 4096, K 8, H 512, one thread: the combine's
 # forward 56 ms in one 2**24-element block, 9 ms in reused 2**20-element workspaces; with its backward and the
 # permute's, 202 ms profiled with a fresh fp32 tensor per block, 81 ms reused; 2**16-2**19 element blocks were no
