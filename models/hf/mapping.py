@@ -44,6 +44,7 @@ from torch import Tensor
 
 from moefold.models.config import ModelConfig
 from moefold.models.hf import deepseek_v4, nemotron_h, qwen3_5_moe, qwen3_next
+from moefold.models.hf.one_tensor import OneTensor
 
 EXPERT_FORMATS = ("per_expert", "fused")
 
@@ -142,25 +143,7 @@ def hf_names(name: str, config: ModelConfig, expert_format: str = "per_expert") 
 HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe")   # Qwen3-Next's naming of DeltaNet and the shared expert
 
 
-@dataclass(frozen=True)
-class OneTensor:
-    """A moefold entry stored as one HF tensor ``hf_name`` in another layout (``qwen3_next.ConvLayout``)."""
-
-    hf_name: str
-    layout: qwen3_next.ConvLayout
-
-    def hf_parts(self, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
-        return [(self.hf_name, self.layout.hf_shape(shape))]
-
-    def to_hf(self, full: Tensor) -> list[Tensor]:
-        return [self.layout.to_hf(full)]
-
-    def from_hf(self, tensors: list[Tensor], shape: tuple[int, ...]) -> Tensor:
-        return self.layout.from_hf(tensors[0], shape)
-
-
-def hf_layout(name: str, config: ModelConfig) -> OneTensor | qwen3_5_moe.SplitLayout | nemotron_h.ExpertStack | \
-        nemotron_h.OneTensor | None:
+def hf_layout(name: str, config: ModelConfig) -> OneTensor | qwen3_5_moe.SplitLayout | nemotron_h.ExpertStack | None:
     """How moefold entry ``name`` is stored differently in HF: ``hf_parts(shape)`` (the HF tensors' names and
     full shapes), ``to_hf(full)`` (those tensors), ``from_hf(tensors, shape)`` (the full moefold tensor); None
     when it is the one HF tensor ``hf_names(name)[0]`` of the same full shape."""

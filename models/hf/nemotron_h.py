@@ -26,8 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from moefold.dense.mamba2_layout import GroupMajor, conv_layout, in_proj_layout
+from moefold.dense.mamba2_layout import conv_layout, in_proj_layout
 from moefold.models.config import ModelConfig
+from moefold.models.hf.one_tensor import OneTensor
 from moefold.models.mamba_dims import MambaDims
 
 ARCHITECTURE = "NemotronHForCausalLM"
@@ -192,23 +193,6 @@ def hf_names(name: str) -> list[str]:
             if rest.startswith(slot):
                 rest = "mixer." + rest[len(slot):]
     return [f"backbone.layers.{i}.{rest}", f"model.layers.{i}.{rest}"]
-
-
-@dataclass(frozen=True)
-class OneTensor:
-    """A moefold entry stored as one HF tensor ``hf_name`` in another row order (``GroupMajor``)."""
-
-    hf_name: str
-    layout: GroupMajor
-
-    def hf_parts(self, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
-        return [(self.hf_name, self.layout.hf_shape(shape))]
-
-    def to_hf(self, full: Tensor) -> list[Tensor]:
-        return [self.layout.to_hf(full)]
-
-    def from_hf(self, tensors: list[Tensor], shape: tuple[int, ...]) -> Tensor:
-        return self.layout.from_hf(tensors[0], shape)
 
 
 @dataclass(frozen=True)
