@@ -29,6 +29,7 @@ from moefold.dispatch.config import DispatchConfig, DispatcherKind
 from moefold.dispatch.deepep import check_flex_topk
 from moefold.models.config import ModelConfig
 from moefold.models.options import ModelOptions
+from moefold.moe.activation import ExpertActivation
 from moefold.moe.build import build_moe_layer
 from moefold.moe.config import MoEConfig
 from moefold.moe.layer import MoELayer
@@ -109,12 +110,12 @@ def router_config(config: ModelConfig, options: ModelOptions) -> RouterConfig:
 def moe_config(config: ModelConfig, options: ModelOptions, dims: ParallelDims) -> MoEConfig:
     """The MoE layers' config: the model's MoE sections, each handed on by name, with how they run (``options``)."""
     c, o = config.moe, options
-    relu2 = config.ffn_activation == "relu2"   # Nemotron-H: ungated squared-ReLU experts and shared expert
-    experts = c.experts.component(gemm_backend=o.gemm_backend, init_std=o.init_std, fp8=o.fp8,
-                                  **({"activation": "relu2"} if relu2 else {}))
+    # the model's FFN activation: SwiGLU, or Nemotron-H's ungated squared ReLU for routed and shared experts alike
+    activation = ExpertActivation(config.ffn_activation)
+    experts = c.experts.component(gemm_backend=o.gemm_backend, init_std=o.init_std, fp8=o.fp8, activation=activation)
     shared = c.shared.component(o.init_std)
-    if shared is not None and relu2:
-        shared = dataclasses.replace(shared, relu2=True)
+    if shared is not None:
+        shared = dataclasses.replace(shared, activation=activation)
     return MoEConfig(num_experts=c.num_experts, router=router_config(config, o), experts=experts,
                      dispatch=dispatch_config(o),
                      shared=shared, apply_probs_on_input=c.apply_probs_on_input,

@@ -115,9 +115,8 @@ def build_moe_layer(config: MoEConfig, hidden_size: int, dims: ParallelDims, *, 
     if config.shared is not None:
         s = config.shared
         shared = SharedExperts(hidden_size, s.ffn_size, tp_group=dims.tp_group, sequence_parallel=sp, gate=s.gate,
-                               init_std=s.init_std, output_init_std=s.output_init_std, clamp=s.clamp, relu2=s.relu2,
-                               dtype=dtype,
-                               device=device)
+                               init_std=s.init_std, output_init_std=s.output_init_std, clamp=s.clamp,
+                               activation=s.activation, dtype=dtype, device=device)
     return MoELayer(router, dispatcher, experts, shared, tp_group=dims.tp_group, sequence_parallel=sp,
                     apply_probs_on_input=config.apply_probs_on_input, pad_multiple=config.pad_multiple, latent=latent)
 

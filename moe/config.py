@@ -93,21 +93,25 @@ class SharedExpertsConfig:
     (DeepSeek's ``n_shared_experts * moe_intermediate_size``, Qwen2-MoE's ``shared_expert_intermediate_size``,
     Megatron's ``moe_shared_expert_intermediate_size``); ``gate``: Qwen2-MoE's ``y *= sigmoid(x @ w_gate)``;
     ``clamp``: DeepSeek-V4's ``swiglu_limit`` (gate clamped to ``<= clamp``, up to ``[-clamp, clamp]``), or None.
-    ``relu2``: Nemotron-H's ungated squared-ReLU MLP instead of SwiGLU."""
+    ``activation``: SwiGLU, or Nemotron-H's ungated squared ReLU (``relu2``), as the routed experts'."""
 
     ffn_size: int
     gate: bool = False
     init_std: float = 0.02
     output_init_std: float | None = None
     clamp: float | None = None
-    relu2: bool = False
+    activation: ExpertActivation = ExpertActivation.SWIGLU
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "activation", ExpertActivation(self.activation))
+        if self.activation is ExpertActivation.GELU:
+            raise ValueError("SharedExpertsConfig: activation='gelu' has no shared-expert form; use "
+                             f"'{ExpertActivation.SWIGLU}' or '{ExpertActivation.RELU2}'")
         if self.clamp is not None and not self.clamp > 0:
             raise ValueError(f"SharedExpertsConfig: clamp={self.clamp!r} must be > 0 (or None)")
-        if self.clamp is not None and self.relu2:
-            raise ValueError(f"SharedExpertsConfig: clamp={self.clamp!r} clamps SwiGLU's gate and up; relu2 has "
-                             "no gate")
+        if self.clamp is not None and self.activation is not ExpertActivation.SWIGLU:
+            raise ValueError(f"SharedExpertsConfig: clamp={self.clamp!r} clamps SwiGLU's gate and up; "
+                             f"activation='{self.activation}' has no gate")
         if self.gate and self.ffn_size == 0:
             raise ValueError("SharedExpertsConfig: shared_expert_gate=True needs shared experts "
                              "(shared_expert_ffn_size > 0)")

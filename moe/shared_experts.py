@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
+from moefold.moe.activation import ExpertActivation
 from moefold.parallel.groups import Group
 from moefold.parallel.sharding import mark_sequence_parallel, normal_init, set_init
 
@@ -29,12 +30,14 @@ class SharedExperts(nn.Module):
 
     def __init__(self, hidden_size: int, ffn_size: int, *, tp_group: Group = None, sequence_parallel: bool = False,
                  gate: bool = False, init_std: float = 0.02, output_init_std: float | None = None,
-                 clamp: float | None = None, relu2: bool = False, dtype: torch.dtype | None = None,
+                 clamp: float | None = None,
+                 activation: ExpertActivation = ExpertActivation.SWIGLU, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         self.clamp = clamp   # DeepSeek-V4's swiglu_limit on the gate and up projections (None: unclamped)
         kw = {"tp_group": tp_group, "sequence_parallel": sequence_parallel, "dtype": dtype, "device": device}
         # relu2: Nemotron-H's ungated ``down(relu(up(x))^2)``, no gate_proj
+        relu2 = ExpertActivation(activation) is ExpertActivation.RELU2
         self.gate_proj = None if relu2 else ColumnParallelLinear(hidden_size, ffn_size, init_std=init_std, **kw)
         self.up_proj = ColumnParallelLinear(hidden_size, ffn_size, init_std=init_std, **kw)
         self.down_proj = RowParallelLinear(ffn_size, hidden_size, init_std=output_init_std or init_std, **kw)

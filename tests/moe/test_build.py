@@ -130,6 +130,10 @@ def test_choices_are_checked_once_in_their_config():
         ExpertsConfig(F, gemm_backend="te", bias=True)
     with pytest.raises(ValueError, match="shared_expert_gate=True needs shared experts"):
         SharedExpertsConfig(0, gate=True)
+    with pytest.raises(ValueError, match="activation='gelu' has no shared-expert form"):
+        SharedExpertsConfig(F, activation="gelu")
+    with pytest.raises(ValueError, match="activation='relu2' has no gate"):
+        SharedExpertsConfig(F, clamp=7.0, activation="relu2")
     router = RouterConfig(num_experts=E, topk=2)
     padding = ExpertsConfig(F, fp8=FP8Config("e4m3", router_padding=True))
     with pytest.raises(ValueError, match=r"the flex \(DeepEP\) dispatcher does not take it"):
