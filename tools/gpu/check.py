@@ -12,7 +12,8 @@ Each step is a subprocess in its own process group with its own timeout inside o
 1. environment: GPUs, driver, torch, CUDA, ``moefold env``;
 2. torch API: every torch name moefold calls resolves in this machine's torch and takes moefold's keywords
    (``tools.gpu.torch_api``; the declared minimum is older than this machine's torch may be);
-3. correct on CUDA: qwen3_moe, deepseek_v3 (MLA, MTP) and qwen3_next tiny models, forward + backward in fp32 with
+3. correct on CUDA: qwen3_moe, deepseek_v3 (MLA, MTP), qwen3_next, deepseek_v32 (DSA), nemotron_h (Mamba-2)
+   and deepseek_v4 (compressed attention, mHC) tiny models, forward + backward in fp32 with
    TF32 off, equal the CPU's (logits, loss, every gradient), and a bf16 step's loss the fp32 one's
    (``tools.gpu.parity``: the tolerances derived there);
 4. host syncs per MoE layer and per training step of the proxy model under CUDA's sync debug mode next to
