@@ -146,16 +146,17 @@ class _Action:
 
     terms: dict[str, float]
     weight: float = 0.0
-    routed: float = 0.0    # routed token copies x hidden elements through this action's MoE layers (forward)
+    blocks: int = 0        # transformer blocks (MTP ones included) this action runs: the host-bound time's count
 
     @property
     def total(self) -> float:
         return sum(self.terms.values())
 
-    def calibrate(self, cal: Calibration, hbm_bytes_s: float, backward: bool) -> None:
-        """Scale compute and communication and add the routing kernels' traffic (``Calibration``)."""
-        routing = (2 if backward else 1) * self.routed * cal.routed_bytes / hbm_bytes_s
-        self.terms["compute"] = self.terms.get("compute", 0.0) * cal.compute + routing
+    def calibrate(self, cal: Calibration, backward: bool, host_bound: bool) -> None:
+        """Scale compute and communication and add the host-bound time per block (``Calibration``; only where
+        ``host_bound``: ``host_waits``)."""
+        host = (2 if backward else 1) / 3 * self.blocks * cal.layer_seconds if host_bound else 0.0
+        self.terms["compute"] = self.terms.get("compute", 0.0) * cal.compute + host
         self.weight *= cal.compute
         for term in COMM_TERMS:
             if term in self.terms:
@@ -165,6 +166,20 @@ class _Action:
     def hideable(self) -> tuple[float, float]:
         """(the expert exchange another micro-batch's compute can hide, the compute that can hide another's)."""
         return self.terms.get("ep", 0.0), self.terms.get("compute", 0.0)
+
+
+def host_waits(config: RunConfig) -> bool:
+    """Whether the host's kernel launches stay on the step's critical path (``Calibration.layer_seconds``): yes unless
+    CUDA graphs replay the part of each layer where the host would wait on the device. An MoE layer's dispatcher
+    reads its per-expert token counts on the host (a device-to-host sync) before it sizes the exchange; while the host
+    waits the GPU drains its queue, and every kernel launched after it costs its launch time in full. Graphing the
+    router and the dispatcher's preprocess (``--cuda-graph-modules moe_preprocess``, or ``moe``, the whole layer, a
+    full-iteration graph) removes that wait, and the host runs ahead of the GPU again."""
+    t = config.train
+    if t.cuda_graph_impl == "none":
+        return True
+    modules = set(t.cuda_graph_modules)
+    return t.cuda_graph_impl != "full_iteration" and bool(modules) and not modules & {"moe", "moe_preprocess"}
 
 
 def rank_chunks(config: RunConfig, sizes: ParallelSizes, pp_rank: int) -> list[ChunkSpec]:
@@ -192,7 +207,7 @@ def _actions_key(config: RunConfig) -> RunConfig:
 
 def _copied(pair: tuple[_Action, _Action]) -> tuple[_Action, _Action]:
     """Fresh copies of a cached (forward, backward) (the step calibrates them in place)."""
-    return tuple(_Action(dict(a.terms), a.weight, a.routed) for a in pair)
+    return tuple(_Action(dict(a.terms), a.weight, a.blocks) for a in pair)
 
 
 def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, links: _Links, cluster: Cluster,
@@ -269,11 +284,8 @@ def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, li
         for phase, out in (("forward", fwd), ("backward", bwd)):
             seconds, units = _fsdp_seconds(config, sizes, chunk, links, phase)
             out["dp"] += max(seconds / max(units, 1), seconds - out["compute"])
-    # routed copies of this rank's tokens (the sequence-parallel shard) through the chunk's MoE layers
-    moe_blocks = sum(is_moe_block(m, i) for i, _, _ in blocks)
-    routed = moe_blocks * t.micro_batch_size * t.seq_length / (sizes.tp * sizes.cp) * m.moe_topk * m.hidden_size
     # the weight-gradient GEMMs of the backward take what the forward's GEMMs take (dw = dy^T x per y = x w^T)
-    return _Action(dict(fwd), routed=routed), _Action(dict(bwd), weight=fwd["compute"], routed=routed)
+    return _Action(dict(fwd), blocks=len(blocks)), _Action(dict(bwd), weight=fwd["compute"], blocks=len(blocks))
 
 
 def _offloaded_bytes(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, last_model_chunk: int) -> int:
@@ -397,10 +409,11 @@ def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster
                 for c in rank_chunks(config, sizes, r)] for r in range(sizes.pp)]
     cal = (CALIBRATION if calibration is None else calibration) if efficiency is None else UNCALIBRATED
     if cal != UNCALIBRATED:
+        host_bound = host_waits(config)
         for rank in actions:
             for f, b in rank:
-                f.calibrate(cal, cluster.hbm_gbps * 1e9, backward=False)
-                b.calibrate(cal, cluster.hbm_gbps * 1e9, backward=True)
+                f.calibrate(cal, backward=False, host_bound=host_bound)
+                b.calibrate(cal, backward=True, host_bound=host_bound)
     if compute_share < 1:
         for rank in actions:
             for action in (a for pair in rank for a in pair):
