@@ -15,6 +15,7 @@ held-out estimate within ``HELD_OUT_BOUND`` of its measurement and checks the co
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 
@@ -267,9 +268,15 @@ def _fmt(metric: str, value: float) -> str:
 
 
 def _dominant(run: PublishedRun) -> str:
+    """The step's largest term and its share; for compute, the share of it that is host-bound
+    (``Calibration.layer_seconds``)."""
     st = run.step_time()
     term = max(st.terms, key=st.terms.get)
-    return f"{term} {100 * st.terms[term] / st.total:.0f}%"
+    out = f"{term} {100 * st.terms[term] / st.total:.0f}%"
+    if term == "compute":
+        host = st.total - run.step_time(dataclasses.replace(CALIBRATION, layer_seconds=0.0)).total
+        out += f" (host-bound {100 * host / st.total:.0f}%)"
+    return out
 
 
 def render_table(rows: list[tuple[PublishedRun, float]]) -> str:

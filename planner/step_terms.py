@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moefold.planner.cluster import Cluster
+from moefold.training.config import RunConfig
 
 TERMS = ("compute", "tp", "cp", "ep", "pp", "dp", "offload", "bubble")
 OVERLAP = {
@@ -91,4 +92,18 @@ UNCALIBRATED = Calibration()
 COMM_TERMS = ("tp", "cp", "ep", "pp", "dp")
 
 
-__all__ = ["CALIBRATION", "COMM_TERMS", "OVERLAP", "TERMS", "UNCALIBRATED", "Calibration", "StepTime"]
+def host_waits(config: RunConfig) -> bool:
+    """Whether the host's kernel launches stay on the step's critical path (``Calibration.layer_seconds``): yes unless
+    CUDA graphs replay the part of each layer where the host would wait on the device. An MoE layer's dispatcher
+    reads its per-expert token counts on the host (a device-to-host sync) before it sizes the exchange; while the host
+    waits the GPU drains its queue, and every kernel launched after it costs its launch time in full. Graphing the
+    router and the dispatcher's preprocess (``--cuda-graph-modules moe_preprocess``, or ``moe``, the whole layer, a
+    full-iteration graph) removes that wait, and the host runs ahead of the GPU again."""
+    t = config.train
+    if t.cuda_graph_impl == "none":
+        return True
+    modules = set(t.cuda_graph_modules)
+    return t.cuda_graph_impl != "full_iteration" and bool(modules) and not modules & {"moe", "moe_preprocess"}
+
+
+__all__ = ["CALIBRATION", "COMM_TERMS", "OVERLAP", "TERMS", "UNCALIBRATED", "Calibration", "StepTime", "host_waits"]

@@ -58,7 +58,7 @@ from moefold.models.layer_factory import is_moe_block
 from moefold.parallel.dims import ParallelSizes
 from moefold.pipeline.schedules import V_SCHEDULES
 from moefold.pipeline.stages import ChunkSpec
-from moefold.planner import comm
+from moefold.planner import comm, step_terms
 from moefold.planner.chunk_cache import cached_actions
 from moefold.planner.cluster import Cluster
 from moefold.planner.collective import GROUP_DIMS, Collective, link_factor
@@ -66,7 +66,7 @@ from moefold.planner.compute_time import ELEMENTWISE_SHARE, block_compute, head_
 from moefold.planner.grid import group_members, ranks_per_node, spans_nodes
 from moefold.planner.pipeline_clock import formula_makespan, step_makespan
 from moefold.planner.static import layout_of, stage_numel
-from moefold.planner.step_terms import CALIBRATION, COMM_TERMS, OVERLAP, TERMS, UNCALIBRATED, Calibration, StepTime
+from moefold.planner.step_terms import COMM_TERMS, OVERLAP, TERMS, UNCALIBRATED, Calibration, StepTime, host_waits
 from moefold.training.config import RunConfig
 from moefold.training.observe.flops import train_flops_per_token
 from moefold.training.observe.flops_v4 import v4_score_macs
@@ -166,20 +166,6 @@ class _Action:
     def hideable(self) -> tuple[float, float]:
         """(the expert exchange another micro-batch's compute can hide, the compute that can hide another's)."""
         return self.terms.get("ep", 0.0), self.terms.get("compute", 0.0)
-
-
-def host_waits(config: RunConfig) -> bool:
-    """Whether the host's kernel launches stay on the step's critical path (``Calibration.layer_seconds``): yes unless
-    CUDA graphs replay the part of each layer where the host would wait on the device. An MoE layer's dispatcher
-    reads its per-expert token counts on the host (a device-to-host sync) before it sizes the exchange; while the host
-    waits the GPU drains its queue, and every kernel launched after it costs its launch time in full. Graphing the
-    router and the dispatcher's preprocess (``--cuda-graph-modules moe_preprocess``, or ``moe``, the whole layer, a
-    full-iteration graph) removes that wait, and the host runs ahead of the GPU again."""
-    t = config.train
-    if t.cuda_graph_impl == "none":
-        return True
-    modules = set(t.cuda_graph_modules)
-    return t.cuda_graph_impl != "full_iteration" and bool(modules) and not modules & {"moe", "moe_preprocess"}
 
 
 def rank_chunks(config: RunConfig, sizes: ParallelSizes, pp_rank: int) -> list[ChunkSpec]:
@@ -407,7 +393,7 @@ def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster
     actions = [[_copied(cached_actions(_chunk_actions, shared, sizes, c, links, cluster, flop_s, last,
                                        exchange_overlap))
                 for c in rank_chunks(config, sizes, r)] for r in range(sizes.pp)]
-    cal = (CALIBRATION if calibration is None else calibration) if efficiency is None else UNCALIBRATED
+    cal = (step_terms.CALIBRATION if calibration is None else calibration) if efficiency is None else UNCALIBRATED
     if cal != UNCALIBRATED:
         host_bound = host_waits(config)
         for rank in actions:

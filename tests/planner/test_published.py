@@ -8,8 +8,7 @@ import pytest
 
 from moefold.planner import calibration
 from moefold.planner.published import HELD_OUT_BOUND, PUBLISHED_RUNS, error, render_table
-from moefold.planner.step_terms import CALIBRATION, Calibration
-from moefold.planner.step_time import host_waits
+from moefold.planner.step_terms import CALIBRATION, Calibration, host_waits
 
 
 def test_table_has_every_field_and_at_most_half_fitted() -> None:
