@@ -16,6 +16,7 @@ another machine::
     host_memory_gbps = 75      # optional: host memory bandwidth per GPU (the CPU AdamW of optimizer offload)
     fp8_tflops = 1979          # dense FP8 peak; 0 or absent: no FP8 tensor cores (FP8 GEMMs at the bf16 rate)
     hbm_gbps = 3350            # memory bandwidth (bounds thin GEMMs and the elementwise kernels)
+    arch = "sm_90"             # sm_80 (Ampere), sm_90 (Hopper) or sm_100 (Blackwell): whose GEMM rates apply
     source = "where the figures come from"
 
 Sizes are decimal unless they say otherwise (``parse_bytes``: GB = 1e9 bytes, GiB = 2**30).
@@ -40,6 +41,7 @@ IB_HDR_PER_GPU = 25.0   # 8 x 200 Gb/s ConnectX-6 per node (DGX A100): 25 GB/s p
 PCIE_GEN5_PER_GPU, PCIE_GEN4_PER_GPU = 50.0, 25.0
 HOST_MEMORY_PER_GPU = 256 * 10**9
 DDR5_NODE_PER_GPU, DDR4_NODE_PER_GPU = 77.0, 51.0
+ARCHS = ("sm_80", "sm_90", "sm_100")   # CUDA compute capabilities with their own GEMM fits
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class Cluster:
     host_memory_gbps: float = DDR5_NODE_PER_GPU     # the node's host memory bandwidth over its GPUs
     fp8_tflops: float = 0.0  # dense FP8 tensor-core peak; 0: none (FP8 GEMMs run at the bf16 rate)
     hbm_gbps: float = 3350.0  # HBM bandwidth (default: an H100 SXM's 3.35 TB/s)
+    arch: str = "sm_90"       # the GPU architecture whose measured GEMM rates time the GEMMs (planner.gemm_efficiency)
 
     def __post_init__(self) -> None:
         if not isinstance(self.memory_bytes, int) or self.memory_bytes < 1:
@@ -69,6 +72,9 @@ class Cluster:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"cluster {self.name!r}: {name}={value!r} must be a positive number")
+        if self.arch not in ARCHS:
+            raise ValueError(f"cluster {self.name!r}: arch={self.arch!r} must be one of {', '.join(ARCHS)} (Ampere, "
+                             "Hopper, Blackwell)")
         value = self.fp8_tflops
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ValueError(f"cluster {self.name!r}: fp8_tflops={value!r} must be a number >= 0 (0: no FP8 units)")
@@ -100,20 +106,21 @@ CLUSTERS: dict[str, Cluster] = {c.name: c for c in (
             "bidirectional = 300 per direction; network: 8 x 200 Gb/s HDR InfiniBand per node (DGX A100) "
             "= 25 GB/s per GPU; no FP8 tensor cores; HBM2e 2.04 TB/s; host: PCIe Gen4 x16, 2 TB and 2 x 8 "
             "DDR4-3200 channels per node",
-            pcie_gbps=PCIE_GEN4_PER_GPU, host_memory_gbps=DDR4_NODE_PER_GPU, fp8_tflops=0.0, hbm_gbps=2039.0),
+            pcie_gbps=PCIE_GEN4_PER_GPU, host_memory_gbps=DDR4_NODE_PER_GPU, fp8_tflops=0.0, hbm_gbps=2039.0,
+            arch="sm_80"),
     Cluster("b200", 180 * 10**9, 2250.0, 900.0, IB_NDR_PER_GPU,
             "NVIDIA DGX B200 datasheet: 8 B200, 1,440 GB HBM3e = 180 GB per GPU, 72 PFLOPS FP8 training with sparsity "
             "per node = 4,500 dense FP8 TFLOP/s per GPU, dense BF16 half that (2,250); HBM3e 8 TB/s, "
             "NVLink 5 1.8 TB/s bidirectional = 900 per direction; network: 8 x 400 Gb/s ConnectX-7 = 50 GB/s per "
             "GPU; host: PCIe Gen5 x16, 4 TB (2 TB assumed usable as on DGX H100) and 2 x 8 DDR5 channels per node",
-            fp8_tflops=4500.0, hbm_gbps=8000.0),
+            fp8_tflops=4500.0, hbm_gbps=8000.0, arch="sm_100"),
     Cluster("gb200", 186 * 10**9, 2500.0, 900.0, IB_NDR_PER_GPU,
             "NVIDIA GB200 NVL72 datasheet: 72 Blackwell GPUs, 13.4 TB HBM3e = 186 GB per GPU, FP8 720 PFLOPS with "
             "sparsity = 5,000 dense per GPU, BF16 360 PFLOPS with sparsity = 2,500 dense per GPU, HBM3e 8 TB/s per "
             "GPU, NVLink 5 1.8 TB/s bidirectional = 900 per direction across the 72-GPU NVLink domain (plan with "
             "--gpus-per-node 72, or the domain a job gets); network: one 400 Gb/s ConnectX-7 per GPU = 50 GB/s; "
             "host: Grace, 480 GB LPDDR5X per 2 GPUs = 240 GB, NVLink-C2C 900 GB/s per Grace (450 per GPU) "
-            "serving as the host link", fp8_tflops=5000.0, hbm_gbps=8000.0, pcie_gbps=450.0,
+            "serving as the host link", fp8_tflops=5000.0, hbm_gbps=8000.0, pcie_gbps=450.0, arch="sm_100",
             host_memory_bytes=240 * 10**9, host_memory_gbps=256.0),
 )}
 # GB300 NVL72: GB200's NVLink domain and dense peaks, with Blackwell Ultra's memory and ConnectX-8
@@ -145,7 +152,7 @@ def parse_bytes(text: str) -> int:
 
 
 _TOML_KEYS = {"name", "memory", "memory_bytes", "bf16_tflops", "nvlink_gbps", "internode_gbps", "source", "pcie_gbps",
-              "host_memory", "host_memory_gbps", "fp8_tflops", "hbm_gbps"}
+              "host_memory", "host_memory_gbps", "fp8_tflops", "hbm_gbps", "arch"}
 
 
 def load_cluster(spec: str) -> Cluster:
@@ -181,4 +188,4 @@ def load_cluster(spec: str) -> Cluster:
     return Cluster(name=str(data.get("name", path.stem)), memory_bytes=memory, bf16_tflops=data["bf16_tflops"],
                    nvlink_gbps=data["nvlink_gbps"], internode_gbps=data["internode_gbps"],
                    source=str(data.get("source", f"{path} (no source given)")), fp8_tflops=data.get("fp8_tflops", 0.0),
-                   hbm_gbps=data.get("hbm_gbps", Cluster.hbm_gbps), **host)
+                   hbm_gbps=data.get("hbm_gbps", Cluster.hbm_gbps), arch=str(data.get("arch", Cluster.arch)), **host)

@@ -86,6 +86,16 @@ BF16 = GemmModel("bf16", compute_share=0.83, memory_share=0.84, overlap=0.25, la
 FP8 = GemmModel("fp8", compute_share=0.74, memory_share=1.0, overlap=0.75, launch_s=2e-6, input_bytes=1,
                 output_bytes=2)
 MODELS = {"bf16": BF16, "fp8": FP8}
+# Blackwell (sm_100: B200, GB200; GB300's sm_103 has the same bf16 / FP8 tensor cores): fitted to OpenXLA's sm_100
+# table (``BF16_B200``, ``FP8_B200``; ``fit_model``): -10% .. +26% of its bf16 points, -9% .. +21% of its FP8 ones.
+# The Hopper fits put the same FP8 shapes at a median +51% of what the B200 reaches: Blackwell's GEMMs reach a
+# smaller share of its larger datasheet peaks, and thin ones are bound by the launch and HBM sooner.
+BF16_SM100 = GemmModel("bf16", compute_share=0.71, memory_share=0.7, overlap=0.25, launch_s=6e-6, input_bytes=2,
+                       output_bytes=2)
+FP8_SM100 = GemmModel("fp8", compute_share=0.75, memory_share=0.7, overlap=0.25, launch_s=6e-6, input_bytes=1,
+                      output_bytes=2)
+# the models of each GPU architecture (``Cluster.arch``); Ampere (no FP8) uses Hopper's bf16 fit at its own peaks
+ARCH_MODELS = {"sm_80": MODELS, "sm_90": MODELS, "sm_100": {"bf16": BF16_SM100, "fp8": FP8_SM100}}
 # the peaks and HBM bandwidth of the GPUs the points were measured on (datasheets)
 H100_PEAKS = (989.0, 3350.0)
 H800_FP8_PEAKS = (1979.0, 3350.0)
@@ -111,6 +121,26 @@ FP8_H800: tuple[GemmPoint, ...] = tuple(GemmPoint(m, n, k, t, g) for g, m, n, k,
     (4, 8192, 4096, 7168, 1346), (4, 8192, 7168, 2048, 1214), (8, 4096, 4096, 7168, 1346),
     (8, 4096, 7168, 2048, 1214), (1, 1024, 4096, 7168, 1233), (1, 1024, 7168, 2048, 925),
     (2, 512, 4096, 7168, 1040), (2, 512, 7168, 2048, 916), (4, 256, 4096, 7168, 932), (4, 256, 7168, 2048, 815)))
+
+
+# OpenXLA's default matmul table, key ``sm_100`` (a B200: ``xla/backends/gpu/cost_model/matmul_interpolator_data.h``,
+# ``kDefaultMatmulPTable``, batch 1): (m, n, k, bf16xbf16->bf16 TFLOP/s, f8e4m3fnxf8e4m3fn->bf16 TFLOP/s), the points
+# of at least 1 GFLOP at m = 4096 and the largest at m = 2048 and 256. At 4096^3 cuBLAS reaches 1,417 bf16 and 2,765
+# FP8 TFLOP/s there: 63% and 61% of the DGX B200 peaks (2,250 and 4,500), where the H100 reaches 79% (783 of 989).
+_SM100 = (
+    (4096, 1024, 256, 271.1, 225.6), (4096, 2048, 256, 403.6, 487.1), (4096, 4096, 256, 514.7, 666.9),
+    (4096, 512, 512, 287.9, 322.6), (4096, 1024, 512, 465.2, 538.9), (4096, 2048, 512, 652.3, 871.3),
+    (4096, 4096, 512, 805.3, 1172.1), (4096, 256, 1024, 283.7, 312.8), (4096, 512, 1024, 490.6, 510.3),
+    (4096, 1024, 1024, 715.6, 850.8), (4096, 2048, 1024, 913.8, 1332.2), (4096, 4096, 1024, 1075.6, 1895.4),
+    (4096, 256, 2048, 458.8, 471.8), (4096, 512, 2048, 762.4, 979.5), (4096, 1024, 2048, 990.3, 1462.6),
+    (4096, 2048, 2048, 1170.0, 1833.5), (4096, 4096, 2048, 1277.8, 2485.0), (4096, 256, 4096, 645.1, 861.8),
+    (4096, 512, 4096, 991.5, 1485.0), (4096, 1024, 4096, 1204.9, 1951.8), (4096, 2048, 4096, 1343.5, 2499.4),
+    (4096, 4096, 4096, 1416.9, 2765.0), (2048, 2048, 4096, 1208.5, 1955.8), (2048, 4096, 4096, 1342.5, 2491.3),
+    (256, 1024, 4096, 205.9, 260.6), (256, 2048, 4096, 394.1, 488.9), (256, 4096, 2048, 464.4, 566.2),
+    (256, 4096, 4096, 651.4, 930.5))
+BF16_B200: tuple[GemmPoint, ...] = tuple(GemmPoint(m, n, k, t) for m, n, k, t, _ in _SM100)
+FP8_B200: tuple[GemmPoint, ...] = tuple(GemmPoint(m, n, k, t) for m, n, k, _, t in _SM100)
+B200_PEAKS, B200_FP8_PEAKS = (2250.0, 8000.0), (4500.0, 8000.0)
 
 
 def model_errors(model: GemmModel, points: Iterable[GemmPoint], peaks: tuple[float, float]) -> list[float]:
@@ -140,9 +170,10 @@ def fit_model(dtype: str, points: Sequence[GemmPoint], peaks: tuple[float, float
 
 def gemm_seconds(cluster: Cluster, dtype: str, m: float, n: float, k: float, groups: int = 1) -> float:
     """Seconds of ``groups`` x ``[m, k] @ [k, n]`` on one GPU of ``cluster`` in ``dtype`` ("bf16" or "fp8")."""
+    models = ARCH_MODELS[cluster.arch]
     if dtype == "fp8" and cluster.fp8_tflops > 0:
-        return FP8.seconds_at(cluster.fp8_tflops, cluster.hbm_gbps, m, n, k, groups)
-    return BF16.seconds_at(cluster.bf16_tflops, cluster.hbm_gbps, m, n, k, groups)
+        return models["fp8"].seconds_at(cluster.fp8_tflops, cluster.hbm_gbps, m, n, k, groups)
+    return models["bf16"].seconds_at(cluster.bf16_tflops, cluster.hbm_gbps, m, n, k, groups)
 
 
 def attention_seconds(cluster: Cluster, flops: float, backward: bool) -> float:
@@ -150,5 +181,6 @@ def attention_seconds(cluster: Cluster, flops: float, backward: bool) -> float:
     return flops / (ATTENTION_SHARE[1 if backward else 0] * cluster.bf16_tflops * 1e12)
 
 
-__all__ = ["ATTENTION_SHARE", "BF16", "BF16_H100", "FP8", "FP8_H800", "H100_PEAKS", "H800_FP8_PEAKS", "MODELS",
+__all__ = ["ARCH_MODELS", "ATTENTION_SHARE", "B200_FP8_PEAKS", "B200_PEAKS", "BF16", "BF16_B200", "BF16_H100",
+           "BF16_SM100", "FP8", "FP8_B200", "FP8_H800", "FP8_SM100", "H100_PEAKS", "H800_FP8_PEAKS", "MODELS",
            "GemmModel", "GemmPoint", "attention_seconds", "fit_model", "gemm_seconds", "model_errors"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moefold.planner.cluster import Cluster
+from moefold.training.config import RunConfig
 
 TERMS = ("compute", "tp", "cp", "ep", "pp", "dp", "offload", "bubble")
 OVERLAP = {
@@ -62,28 +63,47 @@ class StepTime:
 @dataclass(frozen=True)
 class Calibration:
     """What the roofline model leaves out, fitted end to end on published runs (``planner.calibration``):
-    ``compute`` multiplies every action's compute (kernels between the GEMMs, launch gaps, imbalance the model
-    does not see), ``communication`` every exposed collective (the share of a link's bandwidth NCCL / DeepEP
-    reach), and ``routed_bytes`` adds HBM traffic per routed token copy per hidden element in each MoE layer's
-    forward (twice in its backward): the permutation, padding and un-permutation kernels around the grouped GEMMs."""
+    ``compute`` multiplies every action's compute (kernels between the GEMMs, imbalance the model does not see),
+    ``communication`` every exposed collective (the share of a link's bandwidth NCCL / DeepEP reach), and
+    ``layer_seconds`` adds host-bound time per transformer block per micro-batch (a third in its forward, two thirds
+    in its backward): the kernel launches the host issues one by one and the waits on the device (an MoE layer's
+    dispatcher reads its per-expert token counts on the host before it can size the exchange), which the GPU does
+    not hide when its kernels are short. That time is per block whatever its tokens, so it weighs on small models
+    at small micro-batches; CUDA graphs (Megatron-Bridge's ``cuda_graph_scope`` attn / moe_router / moe_preprocess,
+    docs/training/cuda-graphs.md: "launch-bound training steps ... smaller models or high step rates benefit
+    most") remove part of it."""
 
     compute: float = 1.0
     communication: float = 1.0
-    routed_bytes: float = 0.0
+    layer_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("compute", "communication"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Calibration.{name}={getattr(self, name)!r} must be positive")
-        if not self.routed_bytes >= 0:
-            raise ValueError(f"Calibration.routed_bytes={self.routed_bytes!r} must be >= 0")
+        if not self.layer_seconds >= 0:
+            raise ValueError(f"Calibration.layer_seconds={self.layer_seconds!r} must be >= 0")
 
 
 # Fitted by ``python -m moefold.planner.calibration`` on the rows of ``planner.published`` marked ``fitted``
 # (at most half of the table); the other rows' errors are what the model is worth on runs it was not tuned on.
-CALIBRATION = Calibration(compute=1.79, communication=1.14, routed_bytes=0.0)
+CALIBRATION = Calibration(compute=1.66, communication=1.14, layer_seconds=0.0029)
 UNCALIBRATED = Calibration()
 COMM_TERMS = ("tp", "cp", "ep", "pp", "dp")
 
 
-__all__ = ["CALIBRATION", "COMM_TERMS", "OVERLAP", "TERMS", "UNCALIBRATED", "Calibration", "StepTime"]
+def host_waits(config: RunConfig) -> bool:
+    """Whether the host's kernel launches stay on the step's critical path (``Calibration.layer_seconds``): yes unless
+    CUDA graphs replay the part of each layer where the host would wait on the device. An MoE layer's dispatcher
+    reads its per-expert token counts on the host (a device-to-host sync) before it sizes the exchange; while the host
+    waits the GPU drains its queue, and every kernel launched after it costs its launch time in full. Graphing the
+    router and the dispatcher's preprocess (``--cuda-graph-modules moe_preprocess``, or ``moe``, the whole layer, a
+    full-iteration graph) removes that wait, and the host runs ahead of the GPU again."""
+    t = config.train
+    if t.cuda_graph_impl == "none":
+        return True
+    modules = set(t.cuda_graph_modules)
+    return t.cuda_graph_impl != "full_iteration" and bool(modules) and not modules & {"moe", "moe_preprocess"}
+
+
+__all__ = ["CALIBRATION", "COMM_TERMS", "OVERLAP", "TERMS", "UNCALIBRATED", "Calibration", "StepTime", "host_waits"]

@@ -58,7 +58,7 @@ from moefold.models.layer_factory import is_moe_block
 from moefold.parallel.dims import ParallelSizes
 from moefold.pipeline.schedules import V_SCHEDULES
 from moefold.pipeline.stages import ChunkSpec
-from moefold.planner import comm
+from moefold.planner import comm, step_terms
 from moefold.planner.chunk_cache import cached_actions
 from moefold.planner.cluster import Cluster
 from moefold.planner.collective import GROUP_DIMS, Collective, link_factor
@@ -66,7 +66,7 @@ from moefold.planner.compute_time import ELEMENTWISE_SHARE, block_compute, head_
 from moefold.planner.grid import group_members, ranks_per_node, spans_nodes
 from moefold.planner.pipeline_clock import formula_makespan, step_makespan
 from moefold.planner.static import layout_of, stage_numel
-from moefold.planner.step_terms import CALIBRATION, COMM_TERMS, OVERLAP, TERMS, UNCALIBRATED, Calibration, StepTime
+from moefold.planner.step_terms import COMM_TERMS, OVERLAP, TERMS, UNCALIBRATED, Calibration, StepTime, host_waits
 from moefold.training.config import RunConfig
 from moefold.training.observe.flops import train_flops_per_token
 from moefold.training.observe.flops_v4 import v4_score_macs
@@ -146,16 +146,17 @@ class _Action:
 
     terms: dict[str, float]
     weight: float = 0.0
-    routed: float = 0.0    # routed token copies x hidden elements through this action's MoE layers (forward)
+    blocks: int = 0        # transformer blocks (MTP ones included) this action runs: the host-bound time's count
 
     @property
     def total(self) -> float:
         return sum(self.terms.values())
 
-    def calibrate(self, cal: Calibration, hbm_bytes_s: float, backward: bool) -> None:
-        """Scale compute and communication and add the routing kernels' traffic (``Calibration``)."""
-        routing = (2 if backward else 1) * self.routed * cal.routed_bytes / hbm_bytes_s
-        self.terms["compute"] = self.terms.get("compute", 0.0) * cal.compute + routing
+    def calibrate(self, cal: Calibration, backward: bool, host_bound: bool) -> None:
+        """Scale compute and communication and add the host-bound time per block (``Calibration``; only where
+        ``host_bound``: ``host_waits``)."""
+        host = (2 if backward else 1) / 3 * self.blocks * cal.layer_seconds if host_bound else 0.0
+        self.terms["compute"] = self.terms.get("compute", 0.0) * cal.compute + host
         self.weight *= cal.compute
         for term in COMM_TERMS:
             if term in self.terms:
@@ -192,7 +193,7 @@ def _actions_key(config: RunConfig) -> RunConfig:
 
 def _copied(pair: tuple[_Action, _Action]) -> tuple[_Action, _Action]:
     """Fresh copies of a cached (forward, backward) (the step calibrates them in place)."""
-    return tuple(_Action(dict(a.terms), a.weight, a.routed) for a in pair)
+    return tuple(_Action(dict(a.terms), a.weight, a.blocks) for a in pair)
 
 
 def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, links: _Links, cluster: Cluster,
@@ -269,11 +270,8 @@ def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, li
         for phase, out in (("forward", fwd), ("backward", bwd)):
             seconds, units = _fsdp_seconds(config, sizes, chunk, links, phase)
             out["dp"] += max(seconds / max(units, 1), seconds - out["compute"])
-    # routed copies of this rank's tokens (the sequence-parallel shard) through the chunk's MoE layers
-    moe_blocks = sum(is_moe_block(m, i) for i, _, _ in blocks)
-    routed = moe_blocks * t.micro_batch_size * t.seq_length / (sizes.tp * sizes.cp) * m.moe_topk * m.hidden_size
     # the weight-gradient GEMMs of the backward take what the forward's GEMMs take (dw = dy^T x per y = x w^T)
-    return _Action(dict(fwd), routed=routed), _Action(dict(bwd), weight=fwd["compute"], routed=routed)
+    return _Action(dict(fwd), blocks=len(blocks)), _Action(dict(bwd), weight=fwd["compute"], blocks=len(blocks))
 
 
 def _offloaded_bytes(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, last_model_chunk: int) -> int:
@@ -395,12 +393,13 @@ def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster
     actions = [[_copied(cached_actions(_chunk_actions, shared, sizes, c, links, cluster, flop_s, last,
                                        exchange_overlap))
                 for c in rank_chunks(config, sizes, r)] for r in range(sizes.pp)]
-    cal = (CALIBRATION if calibration is None else calibration) if efficiency is None else UNCALIBRATED
+    cal = (step_terms.CALIBRATION if calibration is None else calibration) if efficiency is None else UNCALIBRATED
     if cal != UNCALIBRATED:
+        host_bound = host_waits(config)
         for rank in actions:
             for f, b in rank:
-                f.calibrate(cal, cluster.hbm_gbps * 1e9, backward=False)
-                b.calibrate(cal, cluster.hbm_gbps * 1e9, backward=True)
+                f.calibrate(cal, backward=False, host_bound=host_bound)
+                b.calibrate(cal, backward=True, host_bound=host_bound)
     if compute_share < 1:
         for rank in actions:
             for action in (a for pair in rank for a in pair):

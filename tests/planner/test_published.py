@@ -8,7 +8,7 @@ import pytest
 
 from moefold.planner import calibration
 from moefold.planner.published import HELD_OUT_BOUND, PUBLISHED_RUNS, error, render_table
-from moefold.planner.step_terms import CALIBRATION
+from moefold.planner.step_terms import CALIBRATION, Calibration, host_waits
 
 
 def test_table_has_every_field_and_at_most_half_fitted() -> None:
@@ -32,3 +32,17 @@ def test_held_out_rows_within_bound() -> None:
 def test_calibration_is_the_fit() -> None:
     """The constants in step_terms are what the fit on the marked rows gives (re-fit after changing either)."""
     assert calibration.fit() == CALIBRATION
+
+
+def test_host_time_only_where_the_host_waits() -> None:
+    """``Calibration.layer_seconds`` adds host-bound time per block and micro-batch, except where CUDA graphs replay
+    the MoE preprocess (the device-to-host sync the host would wait on)."""
+    eager = next(r for r in PUBLISHED_RUNS if r.name.startswith("Qwen3-30B-A3B, 16 DGX-H100") and r.fitted)
+    graphed = next(r for r in PUBLISHED_RUNS if r.name.startswith("Qwen3-30B-A3B, 8 DGX-B200"))
+    assert host_waits(eager.config()) and not host_waits(graphed.config())
+    for run, adds in ((eager, True), (graphed, False)):
+        plain = run.step_time(Calibration()).total
+        host = run.step_time(Calibration(layer_seconds=1e-3)).total
+        assert (host > plain * (1 + 1e-3)) == adds
+    attn_only = dataclasses.replace(graphed.config().train, cuda_graph_modules=("attn",))
+    assert host_waits(dataclasses.replace(graphed.config(), train=attn_only))

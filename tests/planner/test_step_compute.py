@@ -13,10 +13,16 @@ from moefold.parallel.dims import ParallelConfig
 from moefold.planner.cluster import load_cluster
 from moefold.planner.compute_time import block_gemms
 from moefold.planner.gemm_efficiency import (
+    B200_FP8_PEAKS,
+    B200_PEAKS,
     BF16,
+    BF16_B200,
     BF16_H100,
+    BF16_SM100,
     FP8,
+    FP8_B200,
     FP8_H800,
+    FP8_SM100,
     H100_PEAKS,
     H800_FP8_PEAKS,
     fit_model,
@@ -40,6 +46,23 @@ def test_gemm_model_within_its_stated_error_of_the_published_points():
     assert min(fp8) >= -0.18 and max(fp8) <= 0.235
     # the constants are what the fit gives (the fit benchmarks/gemm_efficiency.py runs on measured points)
     assert fit_model("fp8", FP8_H800, H800_FP8_PEAKS, 1, 2) == FP8
+
+
+def test_blackwell_gemms_from_their_own_points():
+    """sm_100 clusters time GEMMs with the fit to OpenXLA's B200 table, within its stated error; Hopper's FP8 fit
+    would put the same shapes well above what the B200 reaches."""
+    assert fit_model("bf16", BF16_B200, B200_PEAKS, 2, 2) == BF16_SM100
+    assert fit_model("fp8", FP8_B200, B200_FP8_PEAKS, 1, 2) == FP8_SM100
+    bf16, fp8 = model_errors(BF16_SM100, BF16_B200, B200_PEAKS), model_errors(FP8_SM100, FP8_B200, B200_FP8_PEAKS)
+    assert min(bf16) >= -0.10 and max(bf16) <= 0.26 and min(fp8) >= -0.10 and max(fp8) <= 0.21
+    hopper = sorted(model_errors(FP8, FP8_B200, B200_FP8_PEAKS))
+    assert hopper[len(hopper) // 2] > 0.4
+    b200 = load_cluster("b200")
+    assert b200.arch == "sm_100" and load_cluster("gb300").arch == "sm_100" and load_cluster("h100").arch == "sm_90"
+    as_hopper = dataclasses.replace(b200, arch="sm_90")
+    assert gemm_seconds(b200, "fp8", 256, 2048, 4096) > 1.3 * gemm_seconds(as_hopper, "fp8", 256, 2048, 4096)
+    with pytest.raises(ValueError, match="arch='sm_75' must be one of"):
+        dataclasses.replace(b200, arch="sm_75")
 
 
 def test_gemm_seconds_by_shape_and_dtype():
