@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from moefold.dense.workspace import workspace
+
 
 @dataclass(frozen=True)
 class RowMap:
@@ -153,7 +155,8 @@ def build_padded_row_map(key: Tensor, num_tokens: int, topk: int, num_groups: in
 def _gather_rows(x_TH: Tensor, token_N: Tensor, padded: bool) -> Tensor:
     if padded:  # padding rows point at token T: an appended zero row
         x_TH = torch.cat([x_TH, x_TH.new_zeros((1, *x_TH.shape[1:]))])
-    return x_TH.index_select(0, token_N)
+    out = workspace(x_TH.device).empty((token_N.shape[0], *x_TH.shape[1:]), x_TH.dtype)   # reused on a CPU
+    return torch.index_select(x_TH, 0, token_N, out=out)
 
 
 def _row_of_slot(slot_N: Tensor, num_rows: int, num_tokens: int, topk: int,
@@ -232,10 +235,11 @@ def _sum_copies(rows_NH: Tensor, slot_N: Tensor, num_tokens: int, topk: int, pad
     D = rows_2d.shape[1]
     rows_of_token = row_of_slot.view(T, K)
     w_TK = torch.ones(T, K, dtype=acc, device=rows_2d.device) if w is None else w.view(T, K)
-    y = torch.empty(T, D, dtype=acc, device=rows_2d.device)
+    pool = workspace(rows_2d.device)
+    y = pool.empty((T, D), acc)
     step = min(T, max(1, combine_block_elems(rows_2d.device) // max(1, K * D)))
-    picked = rows_2d.new_empty((step * K, D))                                    # one block's copies, reused
-    wide = torch.empty((step * K, D), dtype=acc, device=rows_2d.device)          # ... and upcast
+    picked = pool.empty((step * K, D), rows_2d.dtype)                            # one block's copies, reused
+    wide = pool.empty((step * K, D), acc)                                        # ... and upcast
     for t in range(0, T, step):
         n = min(step, T - t)
         torch.index_select(rows_2d, 0, rows_of_token[t:t + n].reshape(-1), out=picked[:n * K])
@@ -294,16 +298,17 @@ def _weighted_rows_backward(grad_TH: Tensor, rows_NH: Tensor, probs_TK: Tensor, 
     if padded:  # padding rows point at token T: an appended zero row
         grad_src = torch.cat([grad_src, grad_src.new_zeros((1, *grad_src.shape[1:]))])
     p_N = _probs_of_rows(probs_TK, slot_N, padded).to(acc)
-    grad_rows = torch.empty_like(rows_NH) if need_rows else None
+    pool = workspace(rows_NH.device)
+    grad_rows = pool.empty(rows_NH.shape, rows_NH.dtype) if need_rows else None
     dots_N = torch.empty(N, dtype=torch.float32, device=rows_NH.device) if need_probs else None
     width = max(1, rows_NH[0].numel() if N else 1)
     step = max(1, min(N, (block_elems or backward_block_elems(rows_NH.device)) // width))
     # workspaces for one block, reused by every block (see _BACKWARD_BLOCK_ELEMS_CPU)
-    shape, dev = (step, *rows_NH.shape[1:]), rows_NH.device
-    picked = torch.empty(shape, dtype=grad_src.dtype, device=dev)
-    wide = picked if grad_src.dtype == acc else torch.empty(shape, dtype=acc, device=dev)
-    rows_wide = torch.empty(shape, dtype=acc, device=dev) if need_probs and rows_NH.dtype != acc else None
-    prod = torch.empty(shape, dtype=acc, device=dev) if need_probs else None
+    shape = (step, *rows_NH.shape[1:])
+    picked = pool.empty(shape, grad_src.dtype)
+    wide = picked if grad_src.dtype == acc else pool.empty(shape, acc)
+    rows_wide = pool.empty(shape, acc) if need_probs and rows_NH.dtype != acc else None
+    prod = pool.empty(shape, acc) if need_probs else None
     for i in range(0, N, step):
         n = min(step, N - i)
         g = torch.index_select(grad_src, 0, token_N[i:i + n], out=picked[:n])
