@@ -1,6 +1,7 @@
 """End-to-end training throughput against a plain HF ``transformers`` loop with the same shapes (world 1).
 
     python benchmarks/train_step.py                       # the 57.7M MoE, batch 4 x 256 tokens, fp32, 1 thread
+    python benchmarks/train_step.py --model tiny --cpu-time --iters 15   # qwen3_moe_tiny's shapes
     python benchmarks/train_step.py --iters 7 --threads 2 --seq 512
     python benchmarks/train_step.py --cpu-time --hf-experts eager   # process CPU time; HF's per-expert loop
     python benchmarks/train_step.py --cpu-time --bf16 --profile 12  # bf16 both sides, top ops of a moefold step
@@ -11,7 +12,8 @@ aux loss, gradient sync, norm, clip, distributed AdamW, expert statistics). Refe
 ``transformers``, its default attention and experts implementations, router aux loss on, the same aux
 coefficient) + ``clip_grad_norm_`` + ``torch.optim.AdamW(fused=True)`` + ``zero_grad``. The same shapes:
 hidden 512, 4 layers, 8 heads of 64 (4 kv groups) with qk-norm, 16 experts top-2 of FFN 512, vocabulary 4096,
-57.7M parameters. The two alternate step by step; medians of tokens/s and their ratio are printed with the
+57.7M parameters; ``--model tiny``: ``qwen3_moe_tiny``'s shapes instead (hidden 64, 2 layers, vocabulary 512).
+The two alternate step by step; medians of tokens/s and their ratio are printed with the
 machine (the machine may be shared: the load average is printed too). ``--bf16``: moefold's ``--bf16`` (bf16
 parameters and compute, fp32 master weights and main grads) against the HF model cast to bf16 with fused AdamW
 over its bf16 parameters (HF's plain bf16 loop, no master copy). ``--micro-batches N``: N micro-batches of
@@ -31,6 +33,7 @@ import time
 import torch
 
 from moefold.models.options import ModelOptions
+from moefold.models.recipes import get_recipe
 from moefold.parallel.dims import ParallelDims
 from moefold.training.config import RunConfig, TrainConfig
 from moefold.training.observe.machine import describe_machine
@@ -65,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--model", default="57m", choices=("57m", "tiny"), help="57m (default) or tiny (qwen3_moe_tiny)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--cpu-time", action="store_true", help="time with this process's CPU time (a shared machine)")
     p.add_argument("--batch", type=int, default=4)
@@ -85,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.cpu_time else time.perf_counter
     torch.manual_seed(0)
-    model_config = config_57m()
+    model_config = config_57m() if args.model == "57m" else get_recipe("qwen3_moe_tiny")
     train = TrainConfig(micro_batch_size=args.batch, global_batch_size=args.batch * n_micro, seq_length=args.seq,
                         train_iters=args.iters + 1, lr=1e-4, min_lr=1e-5, lr_warmup_iters=0, log_interval=1,
                         bf16=args.bf16)

@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from moefold.dense.workspace import workspace
+
 
 @dataclass(frozen=True)
 class RowMap:
@@ -153,7 +155,8 @@ def build_padded_row_map(key: Tensor, num_tokens: int, topk: int, num_groups: in
 def _gather_rows(x_TH: Tensor, token_N: Tensor, padded: bool) -> Tensor:
     if padded:  # padding rows point at token T: an appended zero row
         x_TH = torch.cat([x_TH, x_TH.new_zeros((1, *x_TH.shape[1:]))])
-    return x_TH.index_select(0, token_N)
+    out = workspace(x_TH.device).empty((token_N.shape[0], *x_TH.shape[1:]), x_TH.dtype)   # reused on a CPU
+    return torch.index_select(x_TH, 0, token_N, out=out)
 
 
 def _row_of_slot(slot_N: Tensor, num_rows: int, num_tokens: int, topk: int,
@@ -187,6 +190,11 @@ def combine_dtype(dtype: torch.dtype) -> torch.dtype:
 # faster). On a GPU a block only costs kernel launches (128 blocks of five kernels each at Qwen3-30B-A3B's shape kept
 # the H200 waiting on the host: 25 ms a layer against 14.5 in one block): 2**24 elements (the forward, 64 MiB fp32)
 # and 2**27 (the backward, 512 MiB fp32) there. Blocks and workspaces never change a bit of the result.
+# The call's large outputs (the permuted rows, the row gradients, the fp32 sums) come from ``dense.workspace``'s pool,
+# reused by the next call on a CPU (a fresh [N, H] output above glibc's 32 MiB mmap ceiling is page-faulted on every
+# call: bf16 layer at E64/E256 k8 ~10% faster). The block workspaces do not: they live for one call only, and at
+# 2-4 MiB glibc's heap already reuses them; pooled, they would stay held as free buffers through the rest of the
+# backward, raising the process's real peak (the pool's free buffers count: ``training.observe.memory``).
 _COMBINE_BLOCK_ELEMS_CPU = 2**20
 _COMBINE_BLOCK_ELEMS_GPU = 2**24
 _BACKWARD_BLOCK_ELEMS_CPU = 2**20
@@ -232,7 +240,7 @@ def _sum_copies(rows_NH: Tensor, slot_N: Tensor, num_tokens: int, topk: int, pad
     D = rows_2d.shape[1]
     rows_of_token = row_of_slot.view(T, K)
     w_TK = torch.ones(T, K, dtype=acc, device=rows_2d.device) if w is None else w.view(T, K)
-    y = torch.empty(T, D, dtype=acc, device=rows_2d.device)
+    y = workspace(rows_2d.device).empty((T, D), acc)
     step = min(T, max(1, combine_block_elems(rows_2d.device) // max(1, K * D)))
     picked = rows_2d.new_empty((step * K, D))                                    # one block's copies, reused
     wide = torch.empty((step * K, D), dtype=acc, device=rows_2d.device)          # ... and upcast
@@ -294,7 +302,7 @@ def _weighted_rows_backward(grad_TH: Tensor, rows_NH: Tensor, probs_TK: Tensor, 
     if padded:  # padding rows point at token T: an appended zero row
         grad_src = torch.cat([grad_src, grad_src.new_zeros((1, *grad_src.shape[1:]))])
     p_N = _probs_of_rows(probs_TK, slot_N, padded).to(acc)
-    grad_rows = torch.empty_like(rows_NH) if need_rows else None
+    grad_rows = workspace(rows_NH.device).empty(rows_NH.shape, rows_NH.dtype) if need_rows else None
     dots_N = torch.empty(N, dtype=torch.float32, device=rows_NH.device) if need_probs else None
     width = max(1, rows_NH[0].numel() if N else 1)
     step = max(1, min(N, (block_elems or backward_block_elems(rows_NH.device)) // width))

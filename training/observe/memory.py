@@ -15,7 +15,10 @@ Peaks are measured (``measure_peak``), one phase at a time (e.g. one forward + b
   down (a Python call per operator): a measurement tool, not for every training step. The CPU workspace
   pool (``dense.workspace``) drops its free buffers first: a buffer made before the phase and reused in
   it would go unseen, one made in it counts while the pool holds it (memory the process really keeps), so
-  the phase's figure no longer depends on what ran before it.
+  the phase's figure no longer depends on what ran before it. The pool's free buffers count as held, not net of
+  the free list: they are resident pages the process keeps (glibc would have unmapped buffers that large), so a
+  user's peak includes them; a pooled buffer that lives for one call only would be paid for through the whole
+  backward (``dispatch.permutation`` pools only its outputs for that reason, issue 52).
 
 The metrics line uses the cheap per-interval peaks of ``interval_peak``: CUDA max allocated since the last
 call, or on CPU the process's peak resident set (Linux ``VmHWM``, reset through ``/proc/self/clear_refs``;

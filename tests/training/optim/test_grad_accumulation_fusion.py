@@ -18,8 +18,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moefold.dense.grad_accumulation import widen_into
+from moefold.dense.grad_accumulation import mm_into, widen_into
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
+from moefold.execution.grad_accumulation import _weight_grad_into
 from moefold.moe.experts import GroupedExperts
 from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.training.trainer import Trainer
@@ -179,6 +180,23 @@ def test_widen_into_equals_mixed_add(src_dtype):
                 widen_into(out, src, accumulate)
                 ref.add_(src) if accumulate else ref.copy_(src)
                 assert torch.equal(out, ref), (rows, transposed, accumulate)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_weight_grad_equals_mm_into_the_transposed_buffer(dtype):
+    """The fused linear's weight gradient (``_weight_grad_into``: on CPU the bf16 product transposed into a
+    workspace, then widened contiguously) is bit for bit ``mm_into`` straight into the transposed fp32 buffer, first
+    write and accumulation, above and below the workspace's 1 MiB minimum."""
+    gen = torch.Generator().manual_seed(5)
+    for M, K, N in ((512, 256, 1024), (9, 24, 40)):
+        x = torch.randn(M, K, generator=gen).to(dtype)
+        dy = torch.randn(M, N, generator=gen).to(dtype)
+        for accumulate in (False, True):
+            out = torch.randn(N, K, generator=gen)
+            ref = out.clone()
+            _weight_grad_into(out, x, dy, accumulate)
+            mm_into(ref.t(), x.t(), dy, accumulate)
+            assert torch.equal(out, ref), (M, accumulate)
 
 
 def test_unused_parameter_gets_zero_gradient():
