@@ -20,7 +20,10 @@ the routers, MTP's ``eh_proj`` / ``shared_head`` and ``modules_to_not_convert`` 
 ``scale_inv`` is recomputed from its dequantised block (``fp32(max|q| * s) / 448``), which gives back ``s`` bit
 for bit when the block's largest |q| is 448 (every block this convention writes) except where that fp32
 product rounds by an ulp (tests/models/test_hf_fp8.py: none of 154 did). A checkpoint from a quantiser whose
-blocks do not reach 448 gets the larger scale ``amax / 448`` (the values stay those of the FP8 grid).
+blocks do not reach 448 gets the larger scale ``amax / 448`` (the values stay those of the FP8 grid). A
+DeepSeek-V4 model is written in V4-Flash's published form (``quantized_tensors(..., v4=True)``, ``V4_CONFIG``):
+ue8m0 ``X.scale`` partners and FP4 routed experts; read back, every value is kept (a power-of-two scale recomputed
+from a block whose largest |q| rounded to the grid's half may halve, with the codes doubled to the same values).
 
 DeepSeek-V4's published form (``models.hf.fp4_experts``) reads through the same reader: ``scale_fmt: "ue8m0"``
 (scales stored as float8_e8m0fnu powers of two, or their ``uint8`` exponent bytes), partners named ``X.scale``
@@ -50,7 +53,9 @@ from moefold.models.hf.fp4_experts import (
     check_fp4_shapes,
     dequantize_fp4,
     fp4_read_boxes,
+    quantize_fp4,
     scale_to_fp32,
+    ue8m0_scale,
 )
 
 E4M3 = torch.float8_e4m3fn
@@ -59,8 +64,9 @@ SCALE_SUFFIX = "_scale_inv"
 V4_SCALE_SUFFIX = ".scale"     # DeepSeek-V4's spelling: X.scale beside X.weight
 FP8_DTYPES = ("F8_E4M3",)
 HUB_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
-# HF module names never stored in FP8 by the hub checkpoints (and by --hf-fp8)
-_KEEP = re.compile(r"(^|\.)(embed_tokens|lm_head|norm|[a-z_]*layernorm|[a-z_]*_norm|gate|router|eh_proj|"
+V4_CONFIG = {**HUB_CONFIG, "scale_fmt": "ue8m0"}   # DeepSeek-V4-Flash's (with "expert_dtype": "fp4" top-level)
+# HF module names never stored in FP8 by the hub checkpoints (and by --hf-fp8); embed / head: DeepSeek-V4's names
+_KEEP = re.compile(r"(^|\.)(embed_tokens|lm_head|embed|head|norm|[a-z_]*layernorm|[a-z_]*_norm|gate|router|eh_proj|"
                    r"shared_head\.head|e_score_correction_bias)(\.|$)")
 
 
@@ -155,18 +161,20 @@ def dequantize_block(q: Tensor, scale_inv: Tensor, block: tuple[int, int], box: 
     return out * s
 
 
-def quantize_block(w: Tensor, block: tuple[int, int] = (128, 128)) -> tuple[Tensor, Tensor]:
-    """(e4m3 ``q``, fp32 ``scale_inv`` per block) of ``w [..., N, K]`` with ``scale_inv = amax / 448``."""
+def quantize_block(w: Tensor, block: tuple[int, int] = (128, 128), ue8m0: bool = False) -> tuple[Tensor, Tensor]:
+    """(e4m3 ``q``, fp32 ``scale_inv`` per block) of ``w [..., N, K]`` with ``scale_inv = amax / 448``; ``ue8m0``:
+    ``scale_inv = 2 ** ceil(log2(amax / 448))`` stored as float8_e8m0fnu (DeepSeek-V4, transformers'
+    ``Fp8Quantize`` with ``scale_fmt="ue8m0"``)."""
     *lead, N, K = w.shape
     br, bc = block
     nr, nc = -(-N // br), -(-K // bc)
     x = torch.nn.functional.pad(w.float(), (0, nc * bc - K, 0, nr * br - N))
     blocks = x.reshape(*lead, nr, br, nc, bc)
-    amax = blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12)
-    scale_inv = amax / FP8_MAX
+    amax = blocks.abs().amax(dim=(-3, -1))
+    scale_inv = ue8m0_scale(amax, FP8_MAX) if ue8m0 else amax.clamp(min=1e-12) / FP8_MAX
     s = scale_inv.repeat_interleave(br, dim=-2).repeat_interleave(bc, dim=-1)[..., :N, :K]
     q = (w.float() / s).clamp(-FP8_MAX, FP8_MAX).to(E4M3)
-    return q, scale_inv
+    return q, scale_inv.to(torch.float8_e8m0fnu) if ue8m0 else scale_inv
 
 
 def stored_in_fp8(hf_name: str, tensor: Tensor, modules_to_not_convert: list[str] | None = None) -> bool:
@@ -179,6 +187,22 @@ def stored_in_fp8(hf_name: str, tensor: Tensor, modules_to_not_convert: list[str
         return False
     return not any(m and (fnmatch.fnmatch(module, m) or fnmatch.fnmatch(module, m + ".*"))
                    for m in modules_to_not_convert or ())
+
+
+def quantized_tensors(hf_name: str, value: Tensor, routed_expert: bool, v4: bool = False,
+                      modules_to_not_convert: list[str] | None = None) -> list[tuple[str, Tensor]]:
+    """The tensors ``--hf-fp8`` writes for one HF tensor: itself (``stored_in_fp8`` says no), e4m3 blocks and their
+    fp32 ``X.weight_scale_inv`` (DeepSeek-V3's form), or with ``v4`` DeepSeek-V4's published form: e4m3 blocks with
+    a float8_e8m0fnu ``X.scale`` and, for a routed expert's weight, packed FP4 with its ``X.scale``."""
+    block = tuple(HUB_CONFIG["weight_block_size"])
+    scale_name = hf_name[: -len(".weight")] + V4_SCALE_SUFFIX if v4 else hf_name + SCALE_SUFFIX
+    if v4 and routed_expert:
+        q, s = quantize_fp4(value)
+    elif stored_in_fp8(hf_name, value, modules_to_not_convert):
+        q, s = quantize_block(value, block, ue8m0=v4)
+    else:
+        return [(hf_name, value)]
+    return [(hf_name, q), (scale_name, s)]
 
 
 _DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", E4M3: "F8_E4M3",
@@ -294,5 +318,5 @@ def fp8_reader(reader: Any, hf_config: dict[str, Any] | None) -> Any:
     return reader if fmt is None else Fp8BlockReader(reader, fmt)
 
 
-__all__ = ["HUB_CONFIG", "ExpertDtype", "Fp8BlockReader", "QuantFormat", "ScaleFormat", "block_size",
-           "dequantize_block", "fp8_reader", "quant_format", "quantize_block", "stored_in_fp8"]
+__all__ = ["HUB_CONFIG", "V4_CONFIG", "ExpertDtype", "Fp8BlockReader", "QuantFormat", "ScaleFormat", "block_size",
+           "dequantize_block", "fp8_reader", "quant_format", "quantize_block", "quantized_tensors", "stored_in_fp8"]

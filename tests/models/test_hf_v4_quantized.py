@@ -168,3 +168,39 @@ def test_fp4_weights_under_expert_dtype_fp8_are_refused(tmp_path):
     save_file({"e.weight": q, "e.scale": s}, str(tmp_path / "model.safetensors"))
     with TensorReader(tmp_path) as raw, pytest.raises(ValueError, match=r"packed FP4 .* expert_dtype='fp8'"):
         Fp8BlockReader(raw, quant_format({"quantization_config": QUANT}))
+
+
+def test_hf_fp8_export_writes_the_published_form(tmp_path):
+    """``--hf-fp8`` of a DeepSeek-V4 model writes V4-Flash's form (ue8m0 ``.scale`` partners, FP4 routed experts,
+    ``expert_dtype`` top-level): read back by moefold every value is the imported one, bit for bit (the grid's
+    values survive a recomputed power-of-two scale), and transformers' dequantising load gives the same logits.
+    At these sizes every dim is one 128x128 block (transformers infers blocks from the grid)."""
+    from transformers import DeepseekV4ForCausalLM, FineGrainedFP8Config
+
+    from moefold.models.hf.exporter import export_hf
+
+    _, path, _ = _checkpoint(tmp_path, v41=True)
+    ours = import_hf(path)
+    export_hf(ours, tmp_path / "out", fp8=True)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["expert_dtype"] == "fp4" and config["quantization_config"] == {**QUANT, "weight_block_size": [
+        128, 128]}
+    with TensorReader(tmp_path / "out") as r:
+        dtypes = {n: r.dtype(n) for n in r.names()}
+    assert dtypes["layers.1.ffn.experts.7.w2.weight"] == "I8" and dtypes["layers.1.ffn.experts.7.w2.scale"] == (
+        "F8_E8M0")
+    assert dtypes["layers.2.attn.wq_a.weight"] == "F8_E4M3" and dtypes["layers.2.attn.wq_a.scale"] == "F8_E8M0"
+    assert dtypes["embed.weight"] == dtypes["head.weight"] == dtypes["layers.1.ffn.gate.weight"] == "F32"
+    again = import_hf(tmp_path / "out")
+    for (name, a), b in zip(ours.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), name
+    theirs = DeepseekV4ForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32, quantization_config=(
+        FineGrainedFP8Config(dequantize=True))).eval()
+    ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = theirs(input_ids=ids).logits
+    assert (ours.logits(ids) - want).abs().max().item() <= TOL
+    # without --hf-fp8: unquantised, and no expert_dtype left to tell DeepSeek's loader the experts are FP4
+    export_hf(ours, tmp_path / "plain")
+    plain = json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert "expert_dtype" not in plain and "quantization_config" not in plain
