@@ -299,6 +299,12 @@ def expert_prefixes(layer: int) -> tuple[str, str]:
     return f"layers.{layer}.ffn.experts", f"model.layers.{layer}.ffn.experts"
 
 
+def is_ignorable(hf_name: str) -> bool:
+    """DeepSeek's MTP layer (``mtp.0.*``, published beside the model): transformers' V4 class builds none and loads
+    none of it, and neither does moefold (``mtp_num_layers=0``)."""
+    return hf_name.startswith(("mtp.", "model.mtp."))
+
+
 def hf_name(name: str) -> str:
     """moefold's parameter name -> the HF module tree's (``DeepseekV4ForCausalLM.state_dict()``)."""
     if name == "output_head.proj.weight":
@@ -321,4 +327,4 @@ def from_hf_tensor(name: str, t: Tensor, like: Tensor) -> Tensor:
 
 
 __all__ = ["ARCHITECTURE", "DEFAULTS", "MODEL_TYPE", "config_from_hf", "disk_names", "expert_prefixes",
-           "from_hf_tensor", "hf_config", "hf_name", "model_config", "read_fields", "to_hf_tensor"]
+           "from_hf_tensor", "hf_config", "hf_name", "is_ignorable", "model_config", "read_fields", "to_hf_tensor"]

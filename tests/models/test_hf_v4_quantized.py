@@ -79,6 +79,10 @@ def _checkpoint(tmp_path, v41: bool):
             stored[name] = w
         if v41 and scale in stored:   # V4.1 / MXFP8 style: the scales' exponent bytes
             stored[scale] = stored[scale].view(torch.uint8)
+    # DeepSeek's MTP layer is published beside the model; transformers' V4 class loads none of it, nor does moefold
+    stored["mtp.0.e_proj.weight"], stored["mtp.0.e_proj.scale"] = _fp8_ue8m0(torch.randn(64, 64, generator=g))
+    stored["mtp.0.ffn.experts.0.w1.weight"], stored["mtp.0.ffn.experts.0.w1.scale"] = quantize_fp4(
+        torch.randn(32, 64, generator=g))
     path = tmp_path / ("v4.1" if v41 else "v4")
     path.mkdir()
     save_file(stored, str(path / "model.safetensors"), metadata={"format": "pt"})
@@ -96,8 +100,8 @@ def _checkpoint(tmp_path, v41: bool):
 @pytest.mark.parametrize("v41", [False, True], ids=["v4-flash", "v4.1"])
 def test_published_forms_read_as_transformers_dequantises_them(tmp_path, v41):
     theirs, path, stored = _checkpoint(tmp_path, v41)
-    assert sum(n.endswith(".scale") and ".experts." in n for n in stored) == 3 * 8 * 3
-    assert sum(n.endswith(".scale") and ".experts." not in n for n in stored) > 20
+    assert sum(n.endswith(".scale") and n.startswith("model.layers") and ".experts." in n for n in stored) == 72
+    assert sum(n.endswith(".scale") and n.startswith("model.layers") and ".experts." not in n for n in stored) > 20
     ours = import_hf(path)
     state = theirs.state_dict()
     for name, t in ours.state_dict().items():   # every tensor bit for bit: the same fp32 products
@@ -143,7 +147,8 @@ def test_inspect_counts_the_unpacked_parameters(tmp_path, capsys):
     assert cli(["inspect", "--hf", str(path), "--no-layers"]) == 0
     out = capsys.readouterr().out
     assert "do not belong together" not in out, out
-    assert "routed experts packed FP4 (e2m1, a ue8m0 scale per row and 32 values): 72 tensors" in out, out
+    # 72 + MTP's
+    assert "routed experts packed FP4 (e2m1, a ue8m0 scale per row and 32 values): 73 tensors" in out, out
     assert "FP8 e4m3 in 32x32 blocks (ue8m0 scales)" in out, out
 
 
