@@ -50,8 +50,9 @@ INERT = {**COMMON_INERT, "output_router_logits": "inference output switch",
          "eos_token_id": "tokenizer id", "transformers_version": "writer's version", "model_type": "this module's",
          "architectures": "this module's", "_name_or_path": "where it was read from",
          "torch_dtype": "the weights' storage dtype",
-         "dtype": "the weights' storage dtype", "quantization_config": "the weights' storage format (the importer's "
-         "check_quantization decides what it reads)", "expert_dtype": "the weights' storage format",
+         "dtype": "the weights' storage dtype", "quantization_config": "the weights' storage format (read by "
+         "models.hf.fp8_blocks.quant_format)", "expert_dtype": "the routed experts' storage format (read by "
+         "models.hf.fp8_blocks.quant_format, as transformers folds it into quantization_config)",
          "router_aux_loss_coef": "HF's loss only with output_router_logits; moefold's balancing is its own flags"}
 _KIND_RATE = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 

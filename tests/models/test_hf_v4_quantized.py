@@ -11,6 +11,10 @@
   (float4_e2m1fn_x2) stored weight reads as its int8 twin;
 - ``inspect`` counts the logical (unpacked) parameters: the published V4-Flash config with its quantization fields
   still counts 284,332,230,231, and the tiny checkpoint's headers hold what its config implies;
+- ``--load-hf`` at ep4 and ep2 x etp2 reads each rank's slice (etp: half an FP4 scale block of ``w2``'s K);
+- DeepSeek's ``mtp.*`` tensors published beside the model are ignored (transformers loads none either);
+- ``convert --to hf --hf-fp8`` writes the same published form, read back to the same values by moefold and
+  transformers;
 - every ``quantization_config`` field is read or refused in one line.
 """
 
@@ -150,6 +154,11 @@ def test_inspect_counts_the_unpacked_parameters(tmp_path, capsys):
     # 72 + MTP's
     assert "routed experts packed FP4 (e2m1, a ue8m0 scale per row and 32 values): 73 tensors" in out, out
     assert "FP8 e4m3 in 32x32 blocks (ue8m0 scales)" in out, out
+    # convert HF -> moefold -> HF (--hf-fp8): the CLI reads the published form and writes it back
+    assert cli(["convert", str(path), str(tmp_path / "mf")]) == 0
+    assert cli(["convert", str(tmp_path / "mf"), str(tmp_path / "back"), "--to", "hf", "--hf-fp8"]) == 0
+    for a, b in zip(import_hf(path).state_dict().values(), import_hf(tmp_path / "back").state_dict().values()):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("change, match", [
@@ -209,3 +218,28 @@ def test_hf_fp8_export_writes_the_published_form(tmp_path):
     export_hf(ours, tmp_path / "plain")
     plain = json.loads((tmp_path / "plain" / "config.json").read_text())
     assert "expert_dtype" not in plain and "quantization_config" not in plain
+
+
+def _load_rank(path: str) -> list[str]:
+    """``--load-hf``'s loading at ep4 and ep2 x etp2 (etp splits ``w2``'s K: half an FP4 scale block per rank):
+    every gathered tensor equals the world-1 import; the names that differ."""
+    from moefold.models.decoder import MoEDecoder
+    from moefold.models.pretrained import load_pretrained_weights, pretrained_config
+    from moefold.parallel.dims import ParallelConfig, ParallelDims
+    from moefold.parallel.sharding import gather_full, shards_of
+
+    whole = import_hf(path).state_dict()
+    bad = []
+    for label, layout in (("ep4", dict(ep=4)), ("ep2xetp2", dict(ep=2, etp=2))):
+        model = MoEDecoder(pretrained_config(path), ParallelDims.build(ParallelConfig(**layout)))
+        load_pretrained_weights(model, path)
+        bad += [f"{label}: {n}" for n, t in model.state_dict(keep_vars=True).items()
+                if not torch.equal(gather_full(t, shards_of(t)), whole[n])]
+    return bad
+
+
+def test_load_hf_reads_each_ranks_slice(tmp_path):
+    from tests.distributed import run_distributed
+
+    _, path, _ = _checkpoint(tmp_path, v41=False)
+    assert run_distributed(_load_rank, 4, str(path), timeout=300) == [[]] * 4
