@@ -73,7 +73,11 @@ class TensorReader:
         return list(self.weight_map)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._open(self.weight_map[name]).get_slice(name).get_shape())
+        """The stored shape; an "F4" tensor's (two e2m1 values per byte) is its bytes' (the last dim halved), the
+        shape torch gives it, which ``read`` slices."""
+        sl = self._open(self.weight_map[name]).get_slice(name)
+        shape = tuple(sl.get_shape())
+        return (*shape[:-1], shape[-1] // 2) if str(sl.get_dtype()) == "F4" else shape
 
     def dtype(self, name: str) -> str:
         """The stored dtype of ``name`` as safetensors names it ("F32", "BF16", ...)."""
@@ -83,7 +87,11 @@ class TensorReader:
         """Tensor ``name``, or only ``box`` (one slice per leading dim) of it."""
         if name not in self.weight_map:
             raise KeyError(name)
-        sl = self._open(self.weight_map[name]).get_slice(name)
+        handle = self._open(self.weight_map[name])
+        sl = handle.get_slice(name)
+        if str(sl.get_dtype()) == "F4":   # safetensors 0.8 cannot slice packed FP4: read it whole, as int8 bytes
+            t = handle.get_tensor(name).view(torch.int8)
+            return t if box is None else t[box]
         return sl[:] if box is None else sl[box]
 
     def close(self) -> None:

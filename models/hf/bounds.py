@@ -57,7 +57,7 @@ def floor_numel(config: ModelConfig) -> int:
 def held_numel(reader: Any, config: ModelConfig) -> int:
     """Elements of the tensors in ``reader``'s headers that a model of ``config`` reads."""
     skip = set(ignored_hf_names(config))
-    return sum(math.prod(reader.shape(n)) for n in reader.names() if n not in skip and not is_ignorable(n))
+    return sum(math.prod(reader.shape(n)) for n in reader.names() if n not in skip and not is_ignorable(n, config))
 
 
 def _fmt(n: int) -> str:

@@ -50,8 +50,9 @@ INERT = {**COMMON_INERT, "output_router_logits": "inference output switch",
          "eos_token_id": "tokenizer id", "transformers_version": "writer's version", "model_type": "this module's",
          "architectures": "this module's", "_name_or_path": "where it was read from",
          "torch_dtype": "the weights' storage dtype",
-         "dtype": "the weights' storage dtype", "quantization_config": "the weights' storage format (the importer's "
-         "check_quantization decides what it reads)", "expert_dtype": "the weights' storage format",
+         "dtype": "the weights' storage dtype", "quantization_config": "the weights' storage format (read by "
+         "models.hf.fp8_blocks.quant_format)", "expert_dtype": "the routed experts' storage format (read by "
+         "models.hf.fp8_blocks.quant_format, as transformers folds it into quantization_config)",
          "router_aux_loss_coef": "HF's loss only with output_router_logits; moefold's balancing is its own flags"}
 _KIND_RATE = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 
@@ -299,6 +300,12 @@ def expert_prefixes(layer: int) -> tuple[str, str]:
     return f"layers.{layer}.ffn.experts", f"model.layers.{layer}.ffn.experts"
 
 
+def is_ignorable(hf_name: str) -> bool:
+    """DeepSeek's MTP layer (``mtp.0.*``, published beside the model): transformers' V4 class builds none and loads
+    none of it, and neither does moefold (``mtp_num_layers=0``)."""
+    return hf_name.startswith(("mtp.", "model.mtp."))
+
+
 def hf_name(name: str) -> str:
     """moefold's parameter name -> the HF module tree's (``DeepseekV4ForCausalLM.state_dict()``)."""
     if name == "output_head.proj.weight":
@@ -321,4 +328,4 @@ def from_hf_tensor(name: str, t: Tensor, like: Tensor) -> Tensor:
 
 
 __all__ = ["ARCHITECTURE", "DEFAULTS", "MODEL_TYPE", "config_from_hf", "disk_names", "expert_prefixes",
-           "from_hf_tensor", "hf_config", "hf_name", "model_config", "read_fields", "to_hf_tensor"]
+           "from_hf_tensor", "hf_config", "hf_name", "is_ignorable", "model_config", "read_fields", "to_hf_tensor"]

@@ -25,7 +25,7 @@ from moefold.models.config import ModelConfig
 from moefold.models.decoder import MoEDecoder
 from moefold.models.hf.assets import copy_assets
 from moefold.models.hf.config_map import to_hf_config
-from moefold.models.hf.fp8_blocks import HUB_CONFIG, SCALE_SUFFIX, quantize_block, stored_in_fp8
+from moefold.models.hf.fp8_blocks import HUB_CONFIG, V4_CONFIG, quantized_tensors
 from moefold.models.hf.mapping import (
     EXPERT_FORMATS,
     expert_names,
@@ -78,7 +78,8 @@ def export_hf(model: MoEDecoder, out_dir: str | os.PathLike, expert_format: str 
     ``config.json`` keeps every field of the config the model was imported from (``models.hf.config_map``);
     ``assets_from``: a directory whose ``generation_config.json`` and tokenizer files are copied along.
     ``fp8``: the linear weights as e4m3 with a ``weight_scale_inv`` per 128x128 block and the hub's
-    ``quantization_config`` (``models.hf.fp8_blocks``); else every tensor unquantized (and no
+    ``quantization_config`` (``models.hf.fp8_blocks``; a DeepSeek-V4 model in V4-Flash's form: ue8m0 ``.scale``
+    partners, routed experts packed FP4, ``expert_dtype: "fp4"``); else every tensor unquantized (and no
     ``quantization_config``, even when the model was read from an FP8 checkpoint)."""
     if expert_format not in EXPERT_FORMATS:
         raise ValueError(f"expert_format={expert_format!r}; valid: {', '.join(EXPERT_FORMATS)}")
@@ -90,6 +91,7 @@ def export_hf(model: MoEDecoder, out_dir: str | os.PathLike, expert_format: str 
     config = model.config
     source_quant = ((config.extra or {}).get("hf_config") or {}).get("quantization_config") or {}
     keep = list(source_quant.get("modules_to_not_convert") or []) if isinstance(source_quant, dict) else []
+    v4 = fp8 and config.family == "deepseek_v4"   # DeepSeek-V4's published form: ue8m0 scales, FP4 routed experts
     rank = dist.get_rank() if dist.is_initialized() else 0
     writer = ShardedWriter(out_dir, max_shard_bytes) if rank == writer_rank else None
     shared: dict[str, Tensor] = {}
@@ -102,13 +104,10 @@ def export_hf(model: MoEDecoder, out_dir: str | os.PathLike, expert_format: str 
             shared[name] = full
         if dtype is None and torch.is_floating_point(full) and full.dim() > 1:
             dtype = full.dtype
+        routed = expert_names(name, config) is not None
         for hf_name, value in hf_tensors(name, full, config, expert_format):
-            if fp8 and stored_in_fp8(hf_name, value, keep):
-                q, scale_inv = quantize_block(value, tuple(HUB_CONFIG["weight_block_size"]))
-                writer.add(hf_name, q)
-                writer.add(hf_name + SCALE_SUFFIX, scale_inv)
-            else:
-                writer.add(hf_name, value)
+            for out_name, out in (quantized_tensors(hf_name, value, routed, v4, keep) if fp8 else [(hf_name, value)]):
+                writer.add(out_name, out)
     if writer is not None:
         # DeepSeek checkpoints carry each MTP layer's copy of the shared embedding and head
         head = shared.get("output_head.proj.weight", shared.get("embed_tokens.weight"))
@@ -119,8 +118,12 @@ def export_hf(model: MoEDecoder, out_dir: str | os.PathLike, expert_format: str 
         writer.finish()
         hf_config = to_hf_config(config, dtype=dtype_name(dtype or torch.float32))
         hf_config.pop("quantization_config", None)   # the tensors written are what decides it
+        hf_config.pop("expert_dtype", None)          # DeepSeek-V4's, kept from an imported config.json
         if fp8:
-            hf_config["quantization_config"] = {**HUB_CONFIG, **({"modules_to_not_convert": keep} if keep else {})}
+            hf_config["quantization_config"] = {**(V4_CONFIG if v4 else HUB_CONFIG),
+                                                **({"modules_to_not_convert": keep} if keep else {})}
+            if v4:   # where DeepSeek-V4-Flash's config.json has it (transformers folds it into quantization_config)
+                hf_config["expert_dtype"] = "fp4"
         (Path(out_dir) / "config.json").write_text(json.dumps(hf_config, indent=2))
         if assets_from is not None:
             copy_assets(assets_from, out_dir)

@@ -87,9 +87,10 @@ def load_config(path: str | os.PathLike, reader: TensorReader | None = None) -> 
 
 
 def check_quantization(config: ModelConfig) -> tuple[int, int] | None:
-    """The FP8 weight block of a checkpoint stored in FP8 blocks (DeepSeek-V3, Kimi-K2, MiniMax-M2: read
-    dequantised, ``models.hf.fp8_blocks``), None for an unquantized one; one-line ValueError naming the config
-    for a quantization moefold does not read (GPT-OSS's MXFP4, ...). The config alone reads fine either way."""
+    """The FP8 weight block of a checkpoint stored in FP8 blocks (DeepSeek-V3 / V4, Kimi-K2, MiniMax-M2: read
+    dequantised, ``models.hf.fp8_blocks``; V4's FP4 experts: ``models.hf.fp4_experts``), None for an unquantized
+    one; one-line ValueError naming the config for a quantization moefold does not read (GPT-OSS's MXFP4, ...) or a
+    ``quantization_config`` field it does not know. The config alone reads fine either way."""
     try:
         return block_size((config.extra or {}).get("hf_config"))
     except ValueError as exc:
@@ -103,9 +104,11 @@ def import_hf(path: str | os.PathLike, dims: ParallelDims | None = None, options
 
     with open_hf_tensors(path) as reader:
         config = load_config(path, reader)
-        check_weights_match_config(path, config, reader, read_hf_config(path))
+        check_quantization(config)
+        weights = fp8_reader(reader, (config.extra or {}).get("hf_config"))   # logical shapes: FP4 counts whole
+        check_weights_match_config(path, config, weights, read_hf_config(path))
         model = MoEDecoder(config, dims, options)
-        load_weights(model, reader, strict=strict)
+        load_weights(model, weights, strict=strict)
     return model
 
 

@@ -190,9 +190,11 @@ def ignored_hf_names(config: ModelConfig) -> list[str]:
 
 def is_ignorable(hf_name: str, config: ModelConfig | None = None) -> bool:
     """Non-weights some checkpoints carry (rotary caches), and what transformers does not model either
-    (Qwen3-Next's ``mtp.*``)."""
+    (Qwen3-Next's and DeepSeek-V4's ``mtp.*``)."""
     if config is not None and config.family in HYBRID_FAMILIES and qwen3_next.is_ignorable(hf_name):
         return True
     if config is not None and config.family == "nemotron_h" and nemotron_h.is_ignorable(hf_name):
+        return True
+    if config is not None and config.family == "deepseek_v4" and deepseek_v4.is_ignorable(hf_name):
         return True
     return hf_name.endswith("rotary_emb.inv_freq")

@@ -83,18 +83,25 @@ def describe_hf_dir(path: str | Path):
 
 
 def _fp8_lines(reader, config) -> list[str]:
-    """An FP8 block checkpoint: how many tensors are FP8, their block (or the one-line refusal of a format moefold
-    does not read)."""
-    from moefold.models.hf.fp8_blocks import fp8_reader
+    """A block-quantised checkpoint: how many tensors are FP8 (their block and scale format) and packed FP4
+    (DeepSeek-V4's experts), or the one-line refusal of a format moefold does not read."""
+    from moefold.models.hf.fp8_blocks import ScaleFormat, fp8_reader
     from moefold.models.hf.importer import check_quantization
 
     block = check_quantization(config)
     if block is None:
         return []
     fp8 = fp8_reader(reader, (config.extra or {}).get("hf_config"))
-    n = sum(fp8.is_fp8(name) for name in fp8.names())
-    return [f"  quantization_config: FP8 e4m3 in {block[0]}x{block[1]} blocks (weight_scale_inv): {n} of "
-            f"{len(fp8.names())} tensors; read dequantised (w_fp8 * scale_inv)"]
+    names = fp8.names()
+    n4 = sum(map(fp8.is_fp4, names))
+    n8 = sum(map(fp8.is_fp8, names)) - n4
+    scales = "weight_scale_inv" if fp8.format.scale_fmt is ScaleFormat.FLOAT else "ue8m0 scales"
+    lines = [f"  quantization_config: FP8 e4m3 in {block[0]}x{block[1]} blocks ({scales}): {n8} of {len(names)} "
+             "tensors; read dequantised (w_fp8 * scale_inv)"]
+    if n4:
+        lines.append(f"  routed experts packed FP4 (e2m1, a ue8m0 scale per row and 32 values): {n4} tensors; read "
+                     "dequantised")
+    return lines
 
 
 @one_line_errors("inspect")
