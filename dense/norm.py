@@ -25,6 +25,11 @@ from torch import Tensor, nn
 from moefold.parallel.sharding import mark_sequence_parallel
 
 
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """fp32, or the input's own dtype where it is wider (float64: the tests' exact references)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 class _RMSNormFunction(torch.autograd.Function):
     """``rms_norm``'s forward and backward, saving the input (its own dtype) and the fp32 inverse RMS ``[..., 1]``.
 
@@ -40,21 +45,23 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool) -> Tensor:
-        x32 = x.to(torch.float32)
+        c = _compute_dtype(x)
+        x32 = x.to(c)
         rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
         ctx.zero_centered_gamma = zero_centered_gamma
         if zero_centered_gamma:
-            return ((x32 * rstd) * (1.0 + weight.float())).to(x.dtype)
-        return (weight.to(torch.float32) * (x32 * rstd)).to(x.dtype)
+            return ((x32 * rstd) * (1.0 + weight.to(c))).to(x.dtype)
+        return (weight.to(c) * (x32 * rstd)).to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
         x, weight, rstd = ctx.saved_tensors
-        x32 = x.to(torch.float32)
+        c = _compute_dtype(x)
+        x32 = x.to(c)
         n = x32 * rstd
-        g = dy.to(torch.float32)
-        w32 = 1.0 + weight.float() if ctx.zero_centered_gamma else weight.to(torch.float32)
+        g = dy.to(c)
+        w32 = 1.0 + weight.to(c) if ctx.zero_centered_gamma else weight.to(c)
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dn = g * w32
@@ -69,7 +76,7 @@ class _RMSNormFunction(torch.autograd.Function):
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, *, zero_centered_gamma: bool = False) -> Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim (``(1 + weight) * ...`` with
-    ``zero_centered_gamma``), computed in fp32 and rounded once to ``x.dtype``.
+    ``zero_centered_gamma``), computed in fp32 (float64 inputs: in float64) and rounded once to ``x.dtype``.
 
     x ``[..., hidden]``, weight ``[hidden]`` (any float dtypes). The fp32 island of every norm in the model
     (see the module docstring); for the backward it keeps ``x`` and the fp32 inverse RMS only

@@ -279,8 +279,8 @@ def render_table(rows: list[tuple[PublishedRun, float]]) -> str:
     lines += ["", f"{sum(r.fitted for r, _ in rows)} of {len(rows)} rows fitted (``planner.calibration``: "
               f"{CALIBRATION}); held out: {min(error(*r) for r in held):+.0%} .. {max(error(*r) for r in held):+.0%}, "
               f"worst {worst.name} at {error(worst, worst_est):+.0%} (largest term: {_dominant(worst)}). "
-              f"{sum(m.total <= r.gpu_memory() for (r, _), m in zip(rows, memories))} of {len(rows)} rows fit their "
-              "GPU's memory in the plan.", ""]
+              f"Memory: the plans of {sum(m.total <= r.gpu_memory() for (r, _), m in zip(rows, memories))} of "
+              f"{len(rows)} runs fit their GPU's.", ""]
     for i, (run, _) in enumerate(rows, 1):
         lines.append(f"{i}. {run.name}: {run.source}. Assumed: {run.assumptions}.")
     return "\n".join(lines)
