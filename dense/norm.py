@@ -48,20 +48,21 @@ class _RMSNormFunction(torch.autograd.Function):
         c = _compute_dtype(x)
         x32 = x.to(c)
         rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-        ctx.save_for_backward(x, weight, rstd)
-        ctx.zero_centered_gamma = zero_centered_gamma
+        # the weight in the compute dtype (a [hidden] vector), kept so that the backward casts no weight again
+        w32 = 1.0 + weight.to(c) if zero_centered_gamma else weight.to(c)
+        ctx.save_for_backward(x, w32, rstd)
+        ctx.weight_dtype = weight.dtype
         if zero_centered_gamma:
-            return ((x32 * rstd) * (1.0 + weight.to(c))).to(x.dtype)
-        return (weight.to(c) * (x32 * rstd)).to(x.dtype)
+            return ((x32 * rstd) * w32).to(x.dtype)
+        return (w32 * (x32 * rstd)).to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
-        x, weight, rstd = ctx.saved_tensors
+        x, w32, rstd = ctx.saved_tensors
         c = _compute_dtype(x)
         x32 = x.to(c)
         n = x32 * rstd
         g = dy.to(c)
-        w32 = 1.0 + weight.to(c) if ctx.zero_centered_gamma else weight.to(c)
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dn = g * w32
@@ -70,7 +71,7 @@ class _RMSNormFunction(torch.autograd.Function):
             dp = dm.expand_as(x32) / x32.shape[-1]                 # mean
             dx = (dn * rstd + dp * (2.0 * x32.pow(1.0))).to(x.dtype)   # mul's grad to x, plus pow's
         if ctx.needs_input_grad[1]:
-            dw = (g * n).sum_to_size(weight.shape).to(weight.dtype)
+            dw = (g * n).sum_to_size(w32.shape).to(ctx.weight_dtype)
         return dx, dw, None, None
 
 
