@@ -25,18 +25,65 @@ from torch import Tensor, nn
 from moefold.parallel.sharding import mark_sequence_parallel
 
 
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """fp32, or the input's own dtype where it is wider (float64: the tests' exact references)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """``rms_norm``'s forward and backward, saving the input (its own dtype) and the fp32 inverse RMS ``[..., 1]``.
+
+    Autograd through the fp32 ops would keep an fp32 copy of a bf16 input and the fp32 normalised value (10 bytes
+    per element beyond the input); this keeps 0 beyond the input (and 4 bytes per row), as Transformer Engine's
+    RMSNorm does (``transformer_engine/pytorch/ops/basic/rmsnorm.py``: ``ctx.save_for_backward(x, rstdevs)``).
+    The backward recomputes the normalised value ``n = x * r`` from them in fp32 and runs autograd's own formulas in
+    autograd's order (``derivatives.yaml``: mul, rsqrt, mean, pow), so gradients are bit for bit those of autograd
+    through the forward's ops (and of HF's norms in fp32)::
+
+        dn = g * w,   dw = sum_to_size(g * n),   ds = -0.5 * sum(dn * x) * r^3,   dx = dn * r + (ds / H) * 2x
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool) -> Tensor:
+        c = _compute_dtype(x)
+        x32 = x.to(c)
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        # the weight in the compute dtype (a [hidden] vector), kept so that the backward casts no weight again
+        w32 = 1.0 + weight.to(c) if zero_centered_gamma else weight.to(c)
+        ctx.save_for_backward(x, w32, rstd)
+        ctx.weight_dtype = weight.dtype
+        if zero_centered_gamma:
+            return ((x32 * rstd) * w32).to(x.dtype)
+        return (w32 * (x32 * rstd)).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
+        x, w32, rstd = ctx.saved_tensors
+        c = _compute_dtype(x)
+        x32 = x.to(c)
+        n = x32 * rstd
+        g = dy.to(c)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dn = g * w32
+            dr = (dn * x32).sum(-1, keepdim=True)                  # mul's grad to its broadcast operand r
+            dm = -0.5 * dr * rstd.pow(3)                           # rsqrt: -0.5 * grad * result^3
+            dp = dm.expand_as(x32) / x32.shape[-1]                 # mean
+            dx = (dn * rstd + dp * (2.0 * x32.pow(1.0))).to(x.dtype)   # mul's grad to x, plus pow's
+        if ctx.needs_input_grad[1]:
+            dw = (g * n).sum_to_size(w32.shape).to(ctx.weight_dtype)
+        return dx, dw, None, None
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float, *, zero_centered_gamma: bool = False) -> Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim (``(1 + weight) * ...`` with
-    ``zero_centered_gamma``), computed in fp32 and rounded once to ``x.dtype``.
+    ``zero_centered_gamma``), computed in fp32 (float64 inputs: in float64) and rounded once to ``x.dtype``.
 
     x ``[..., hidden]``, weight ``[hidden]`` (any float dtypes). The fp32 island of every norm in the model
-    (see the module docstring); nothing crosses ranks.
+    (see the module docstring); for the backward it keeps ``x`` and the fp32 inverse RMS only
+    (``_RMSNormFunction``). Nothing crosses ranks.
     """
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    if zero_centered_gamma:
-        return (x32 * (1.0 + weight.float())).to(x.dtype)
-    return (weight.to(torch.float32) * x32).to(x.dtype)
+    return _RMSNormFunction.apply(x, weight, eps, zero_centered_gamma)
 
 
 class RMSNorm(nn.Module):

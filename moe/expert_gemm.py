@@ -207,6 +207,11 @@ class Fp8Gemm(GemmBase[GemmCall]):
                 slot: MainGradSlot | None) -> Tensor:
         return self.gemms[which](x, w_eMK, call.counts_e, trans_w=True, counts_host=call.host)
 
+    def activation(self, eager: Activation) -> Activation:
+        # the down GEMM saves SwiGLU's output (its input) in bf16 anyway: ``swiglu_rows`` keeps only the gate/up
+        # rows beside it, where autograd's SwiGLU would also keep silu(gate) (bit for bit the same values)
+        return swiglu_rows if eager is swiglu else eager
+
     def with_weight_grad_store(self, store: WeightGradStore) -> ExpertGemm[GemmCall]:
         fc1, fc2 = self.gemms
         if isinstance(fc1, Float8GroupedGemm) and isinstance(fc2, Float8GroupedGemm):   # they defer their casts too

@@ -162,8 +162,9 @@ class Router(nn.Module):
             raise ValueError(f"Router: x_TH has shape {tuple(x_TH.shape)}, expected [T, {self.hidden_size}]")
         T, E, K = x_TH.shape[0], cfg.num_experts, cfg.topk
         dtype = router_dtype(cfg)
-        x = x_TH.to(dtype)
+        x = x_TH   # cast to the router dtype inside the gating GEMM, which keeps x as it is for its backward
         if self.training and cfg.input_jitter_eps is not None:
+            x = x.to(dtype)
             # multiplicative uniform noise on the router input only (Switch Transformer, Megatron)
             eps = cfg.input_jitter_eps
             x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps, generator=generator)

@@ -32,10 +32,39 @@ def router_dtype(config: RouterConfig) -> torch.dtype:
     return torch.float64 if config.router_dtype is RouterDtype.FP64 else torch.float32
 
 
+class _GatingLinear(torch.autograd.Function):
+    """``x @ W^T (+ b)`` in ``dtype``, keeping ``x`` for the backward in its own dtype and casting it again there,
+    as Megatron-Core's ``RouterGatingLinearFunction`` does (``moe/moe_utils.py``: the cast inside,
+    ``ctx.save_for_backward(inp, weight, bias)``): autograd through ``x.to(dtype)`` would keep an fp32 copy of a
+    bf16 input (the router's input is the norm output, which the experts' dispatch holds anyway). The backward
+    runs autograd's own formulas for ``linear`` (``addmm``/``mm``: ``g @ W``, ``g^T @ x``, ``sum(g)``), so the
+    gradients are bit for bit autograd's."""
+
+    @staticmethod
+    def forward(ctx, x_TH: Tensor, weight_EH: Tensor, bias_E: Tensor | None, dtype: torch.dtype) -> Tensor:
+        ctx.save_for_backward(x_TH, weight_EH, bias_E)
+        ctx.dtype = dtype
+        return torch.nn.functional.linear(x_TH.to(dtype), weight_EH.to(dtype),
+                                          None if bias_E is None else bias_E.to(dtype))
+
+    @staticmethod
+    def backward(ctx, g_TE: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None, None]:
+        x_TH, weight_EH, bias_E = ctx.saved_tensors
+        dtype = ctx.dtype
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = g_TE.mm(weight_EH.to(dtype)).to(x_TH.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = g_TE.t().mm(x_TH.to(dtype)).to(weight_EH.dtype)
+        if bias_E is not None and ctx.needs_input_grad[2]:
+            db = g_TE.sum(0).to(bias_E.dtype)
+        return dx, dw, db, None
+
+
 def gating_logits(x_TH: Tensor, weight_EH: Tensor, dtype: torch.dtype, bias_E: Tensor | None = None) -> Tensor:
     """logits [T, E] = x @ W^T (+ b, GPT-OSS's router bias) computed in ``dtype`` (``router_dtype``: fp32/fp64)
-    whatever the model dtype."""
-    return torch.nn.functional.linear(x_TH.to(dtype), weight_EH.to(dtype), None if bias_E is None else bias_E.to(dtype))
+    whatever the model dtype; ``x_TH`` [T, H] is kept for the backward as it is (``_GatingLinear``)."""
+    return _GatingLinear.apply(x_TH, weight_EH, bias_E, dtype)
 
 
 _SCORES = {

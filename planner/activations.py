@@ -12,10 +12,10 @@ Every figure here lists what moefold's modules keep for the backward (what autog
     T_r = T_c / tp if tp > 1     tokens this rank routes (the SP shard; without SP a 1/tp slice)
     a                            bytes of the model dtype (fp32 4, bf16 2)
 
-RMSNorm keeps its input in fp32 (the input itself for an fp32 model, a copy for bf16), the fp32 normalised value
-(``dense.norm.rms_norm`` multiplies the weight in fp32) and the fp32 inverse RMS. A norm's output is kept only by
-consumers that save their input directly (no all-gather in between), and ``layernorm`` recompute frees it
-(Megatron's output-discarding checkpoint).
+RMSNorm keeps its input (in its own dtype; a view keeps its whole base alive) and the fp32 inverse RMS per row,
+and recomputes the normalised value in its backward (``dense.norm._RMSNormFunction``, as Transformer Engine's
+RMSNorm saves ``x`` and ``rstdevs``). A norm's output is kept only by consumers that save their input directly
+(no all-gather in between), and ``layernorm`` recompute frees it (Megatron's output-discarding checkpoint).
 
 Core attention: a fused kernel (CUDA's FlashAttention-2 / memory-efficient kernel; on CPU
 ``_scaled_dot_product_flash_attention_for_cpu`` when q/k and v share a head dim) keeps q, k, v, its output and
@@ -142,9 +142,8 @@ class ActivationShape:
 
     # ------------------------------------------------------------------------------------ shared pieces
     def norm(self, tokens: int, width: int, prefix: str) -> dict[str, int]:
-        """An RMSNorm's own tensors (its output is its consumers' to keep)."""
-        return {f"{prefix} fp32 input": 4 * tokens * width, f"{prefix} fp32 normalised": 4 * tokens * width,
-                f"{prefix} rsqrt": 4 * tokens}
+        """An RMSNorm's own tensors: its input and the fp32 inverse RMS (its output is its consumers' to keep)."""
+        return {f"{prefix} input": self.a * tokens * width, f"{prefix} rsqrt": 4 * tokens}
 
     def gemm_backward(self, rows: int, d_in: int, d_out: int, weight: int) -> int:
         """A linear layer's backward: output gradient, input gradient, weight gradient (``weight`` elements)."""
@@ -263,6 +262,9 @@ class ActivationShape:
         latents = [("kv", c.kv_lora_rank)] + ([("q", c.q_lora_rank)] if c.q_lora_rank else [])
         for name, rank in latents:
             saved.update(self.norm(Tx, rank, f"{name}_a_layernorm"))
+        # kv_a_layernorm's input is the latent view of kv_a_proj's output: keeping it keeps the rope key beside it
+        saved["kv_a_layernorm input"] = a * Tx * (c.kv_lora_rank + c.qk_rope_head_dim)
+        for name, rank in latents:
             if up:   # the region keeps its (shard) inputs; the gathers happen inside it
                 saved[f"{name} latent"] = a * Tx * rank
             else:
@@ -272,9 +274,6 @@ class ActivationShape:
         if self.sp and up:
             saved["rope key (gathered)"] = a * T * c.qk_rope_head_dim
         saved["rope cos/sin"] = 2 * 4 * self.S_c * c.qk_rope_head_dim
-        if a == 4 or (up and not self.sp):   # the rope key view keeps kv_a_proj's whole output alive
-            saved["kv_a_proj output"] = a * Tx * c.qk_rope_head_dim if a == 4 else a * Tx * (c.kv_lora_rank +
-                                                                                            c.qk_rope_head_dim)
         offload = dict.fromkeys(saved, ("qkv_linear",))
         core = self.core_attention(heads, heads, d_qk, d_v, qkv_discarded=up)
         saved.update(core.saved)

@@ -82,21 +82,23 @@ def moe_rows(shape: ActivationShape, dispatcher: str = "alltoall") -> tuple[int,
 
 
 def router(shape: ActivationShape) -> dict[str, int]:
-    """``moe.router.Router``: fp32 input copy (bf16 models), scores (sigmoid routing keeps a second, normalised
-    copy for its balancing loss), the top-k ids and probs."""
+    """``moe.router.Router``: scores (sigmoid routing keeps a second, normalised copy for its balancing loss), the
+    top-k ids and probs. Its gating GEMM keeps its input as it is (``moe.scoring._GatingLinear``, the fp32 cast
+    inside, as Megatron's ``RouterGatingLinearFunction``): the norm output the block counts."""
     m, T = shape.model, shape.T_r
-    out = {"router fp32 input": 4 * T * m.hidden_size} if shape.a != 4 else {}
-    out["router scores"] = 4 * T * m.num_experts * (2 if m.moe_score_function == "sigmoid" else 1)
+    out = {"router scores": 4 * T * m.num_experts * (2 if m.moe_score_function == "sigmoid" else 1)}
     out["router top-k"] = 12 * T * m.moe_topk + 16 * T
     return out
 
 
 def _own_swiglu(shape: ActivationShape) -> bool:
-    """The experts run ``moe.swiglu`` (default grouped_mm GEMMs, no FP8, plain SwiGLU), which saves only its
-    input; autograd's activation (FP8, TE, GPT-OSS's clamped variant) also keeps ``silu(gate)``."""
+    """The experts run ``moe.swiglu`` (plain SwiGLU on the default grouped_mm GEMMs, or on torchao's FP8 GEMMs:
+    ``moe.expert_gemm``'s ``GroupedMMGemm`` and ``Fp8Gemm``), which saves only its input; autograd's activation
+    (TE's GEMMs, GPT-OSS's clamped variant) also keeps ``silu(gate)``."""
     m, o = shape.model, shape.options
-    return (o.gemm_backend == "grouped_mm" and not o.fp8.enabled and m.moe_swiglu_alpha in (None, 1.0)
-            and m.moe_activation_clamp is None and not m.moe_glu_linear_offset)
+    plain = m.moe_swiglu_alpha in (None, 1.0) and m.moe_activation_clamp is None and not m.moe_glu_linear_offset
+    fp8 = o.fp8.enabled
+    return plain and (o.fp8.backend == "torchao" if fp8 else o.gemm_backend == "grouped_mm")
 
 
 def _cpu_padded_rows(shape: ActivationShape, rows: int, local_experts: int) -> int:
@@ -118,8 +120,9 @@ def moe(shape: ActivationShape, dispatcher: str) -> Part:
     f = m.moe_ffn_hidden_size // shape.etp
     local_experts = m.num_experts // shape.ep
     inner: dict[str, int] = {}
-    if shape.tp > 1 and not shape.sp and a == 4:   # the router keeps the 1/tp slice it routes
-        inner["router input (token slice)"] = a * shape.T_r * H
+    if shape.tp > 1 and not shape.sp:   # the router keeps the 1/tp slice it routes: a view of the rows
+        # (parallel.comm._split), which keeps the whole norm output's storage alive
+        inner["router input (token slice)"] = a * shape.T_c * H
     inner.update(router(shape))
     inner["row map"] = 16 * home
     padded = _cpu_padded_rows(shape, rows, local_experts)   # P >= N_e: the GEMM buffers' rows

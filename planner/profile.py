@@ -56,7 +56,7 @@ def block(shape: ActivationShape, index: int, dispatcher: str) -> tuple[Part, ..
     ffn = moe(shape, dispatcher) if is_moe else mlp(shape, m.ffn_hidden_size)
     if is_moe:   # who keeps the post-attention norm's output itself (no all-gather in between)
         shared = bool(m.moe_shared_expert_ffn_size)
-        kept_by_ffn = ("moe" in shape.chosen or (a == 4 and (shape.sp or shape.tp == 1))
+        kept_by_ffn = ("moe" in shape.chosen or shape.sp or shape.tp == 1   # the router's gating GEMM keeps it
                        or (shared and (not shape.sp or "shared_experts" in shape.chosen)))
     else:
         kept_by_ffn = not shape.sp or "mlp" in shape.chosen
@@ -173,15 +173,15 @@ def chunk_parts(shape: ActivationShape, layers: list[int], first: bool, last: bo
     a, Tx, H = shape.a, shape.T_x, shape.model.hidden_size
     parts = [embedding(shape)] if first else []
     if received:   # the executor holds the received activation for the backward; the first block's input norm
-        # keeps that same tensor when it saves its input (an fp32 model, or layernorm recompute)
+        # keeps that same tensor (dense.norm keeps its input; layernorm recompute keeps it too)
         groups = full_recompute_groups(layers, shape.options)
-        norm_keeps_it = bool(groups) and not groups[0][1] and (a == 4 or "layernorm" in shape.chosen)
+        norm_keeps_it = bool(groups) and not groups[0][1]
         parts.append(Part("pipeline", {"received activation": 0 if norm_keeps_it else a * Tx * H}))
     for g, (group, checkpointed) in enumerate(full_recompute_groups(layers, shape.options)):
         if not checkpointed:
             blocks = [p for i in group for p in block(shape, i, dispatcher)]
-            if received and g == 0 and a == 4:   # the first norm's fp32 input is the executor's received tensor
-                offload = {k: v for k, v in blocks[0].offload.items() if k != "input_layernorm fp32 input"}
+            if received and g == 0 and blocks:   # the first norm's input is the executor's received tensor
+                offload = {k: v for k, v in blocks[0].offload.items() if k != "input_layernorm input"}
                 blocks[0] = dataclasses.replace(blocks[0], offload=offload)
             parts += blocks
             continue

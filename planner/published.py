@@ -24,6 +24,7 @@ from moefold.models.recipes import get_recipe
 from moefold.parallel.dims import ParallelConfig
 from moefold.pipeline.layout import format_layout, standard_layouts
 from moefold.planner.cluster import load_cluster
+from moefold.planner.search import RankMemory, evaluate, stage_memory
 from moefold.planner.step_terms import CALIBRATION, Calibration, StepTime
 from moefold.planner.step_time import estimate_step_time
 from moefold.precision.fp8 import FP8Config
@@ -83,6 +84,18 @@ class PublishedRun:
     def cluster_peak_flops(self) -> float:
         """The dense bf16 peak (FLOP/s) the run's MFU is a share of."""
         return load_cluster(self.cluster).bf16_tflops * 1e12
+
+    def memory(self) -> RankMemory:
+        """The planner's memory per GPU of the run's fullest pipeline stage, from the search's formulas
+        (``search.stage_memory(exact=False)``: static bytes per layer kind, activations held as the schedule's
+        warm-up counts say; ``tests/planner/test_formula.py`` bounds them by the meta build), under ZeRO-1 as the
+        run's recipe shards. (Not the meta build: moefold refuses row 7's MXFP8 with --delay-wgrad-compute.)"""
+        plan = evaluate(self.config(), self.gpus, load_cluster(self.cluster), self.gpus_per_node, with_time=False)
+        return max(stage_memory(plan, exact=False), key=lambda m: m.total)
+
+    def gpu_memory(self) -> int:
+        """Bytes of memory of one of the run's GPUs."""
+        return load_cluster(self.cluster).memory_bytes
 
     def estimate(self, calibration: Calibration | None = None) -> float:
         """The model's figure in this run's ``metric``."""
@@ -279,21 +292,33 @@ def _dominant(run: PublishedRun) -> str:
     return out
 
 
+def memory_cell(run: PublishedRun, mem: RankMemory) -> str:
+    """The planned memory per GPU (``mem``: ``run.memory()``) against the GPU's: "peak / GPU GB (largest part GB)"."""
+    return (f"{mem.total / 1e9:.0f} / {run.gpu_memory() / 1e9:.0f} GB "
+            f"({mem.largest} {mem.components[mem.largest] / 1e9:.0f})")
+
+
 def render_table(rows: list[tuple[PublishedRun, float]]) -> str:
     """The markdown table: each run (fitted ones marked), its hardware, precision and layout, the published figure,
-    the estimate, the error and the step's largest term; the held-out summary; each run's source and assumptions."""
-    lines = ["| | run | hardware | precision | layout | published | `moefold plan` | error | largest term |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for run, est in rows:
+    the estimate, the error and the step's largest term, the planned memory per GPU against the GPU's (the fullest
+    stage, its largest part); the held-out summary; each run's source and assumptions."""
+    lines = ["| | run | hardware | precision | layout | published | `moefold plan` | error | largest term | "
+             "memory per GPU |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    memories = [run.memory() for run, _ in rows]
+    for (run, est), mem in zip(rows, memories):
         lines.append(f"| {'fitted' if run.fitted else 'held out'} | {run.name.split(',')[0]} | "
                      f"{run.gpus} x {run.system or run.cluster.upper()} | {run.precision or '-'} | "
                      f"{run.layout or '-'} | {_fmt(run.metric, run.measured)} {run.metric} | "
-                     f"{_fmt(run.metric, est)} | {100 * error(run, est):+.0f}% | {_dominant(run)} |")
+                     f"{_fmt(run.metric, est)} | {100 * error(run, est):+.0f}% | {_dominant(run)} | "
+                     f"{memory_cell(run, mem)} |")
     held = [(run, est) for run, est in rows if not run.fitted]
     worst, worst_est = max(held, key=lambda r: abs(error(*r)))
     lines += ["", f"{sum(r.fitted for r, _ in rows)} of {len(rows)} rows fitted (``planner.calibration``: "
               f"{CALIBRATION}); held out: {min(error(*r) for r in held):+.0%} .. {max(error(*r) for r in held):+.0%}, "
-              f"worst {worst.name} at {error(worst, worst_est):+.0%} (largest term: {_dominant(worst)}).", ""]
+              f"worst {worst.name} at {error(worst, worst_est):+.0%} (largest term: {_dominant(worst)}). "
+              f"Memory: the plans of {sum(m.total <= r.gpu_memory() for (r, _), m in zip(rows, memories))} of "
+              f"{len(rows)} runs fit their GPU's.", ""]
     for i, (run, _) in enumerate(rows, 1):
         lines.append(f"{i}. {run.name}: {run.source}. Assumed: {run.assumptions}.")
     return "\n".join(lines)

@@ -11,8 +11,9 @@ action lists) against the peak one step's forward + backward (all its micro-batc
 ``_forward_backward`` / pipeline executor) allocates above the static memory, measured with
 ``training.observe.memory.measure_peak`` (on CPU: ``TensorMemoryTracker``, "tensor_tracker", the trainer's measurement),
 for DeepSeek-V3 tiny widened to hidden 256 at seq 512 (MLA, dense + MoE layers, shared experts, MTP), within
-15% for every recompute setting: at world 1 (fp32 and bf16) and, in one 4-rank world, at tp2 x ep2 (sequence
-parallel, all-to-all dispatch; dp2) and pp2 x cp2 with 2 virtual stages (interleaved 1F1B, 4 micro-batches).
+15% for every recompute setting: at world 1 (fp32, bf16, and bf16 with torchao's FP8 GEMMs) and, in one 4-rank
+world, at tp2 x ep2 (sequence parallel, all-to-all dispatch; dp2) and pp2 x cp2 with 2 virtual stages
+(interleaved 1F1B, 4 micro-batches).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from moefold.models.recipes import get_recipe
 from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.planner.profile import activation_memory
 from moefold.planner.static import exact_static, static_lower_bound
+from moefold.precision.fp8 import FP8Config
 from moefold.training.config import RunConfig, TrainConfig
 from moefold.training.observe.expert_counts import ROUTER_SUMS
 from moefold.training.observe.memory import measure_peak, static_bytes
@@ -154,6 +156,17 @@ def predicted_activations(config: RunConfig, world: int, pp_rank: int) -> int:
 def test_activation_peak_world1(setting: str, bf16: bool) -> None:
     options = {**RECOMPUTE, **SINGLE_MODULES, **FULL_BLOCK}[setting]
     config = activation_config(options, bf16=bf16)
+    measured = measured_activations(config, ParallelDims.single())
+    predicted = predicted_activations(config, 1, 0)
+    assert predicted == pytest.approx(measured, rel=ACTIVATION_RTOL), f"{predicted / measured - 1:+.1%}"
+
+
+@pytest.mark.parametrize("setting", ["none", "selective"])
+def test_activation_peak_world1_fp8(setting: str) -> None:
+    """bf16 with torchao's FP8 GEMMs (tensorwise, per-expert kernels on CPU): the experts run ``swiglu_rows`` on
+    the FP8 GEMMs too (gate/up rows kept, not silu), the router keeps its bf16 input, the norms theirs."""
+    fp8 = FP8Config(format="e4m3", backend="torchao", recipe="tensorwise")
+    config = activation_config(dataclasses.replace(RECOMPUTE[setting], fp8=fp8), bf16=True)
     measured = measured_activations(config, ParallelDims.single())
     predicted = predicted_activations(config, 1, 0)
     assert predicted == pytest.approx(measured, rel=ACTIVATION_RTOL), f"{predicted / measured - 1:+.1%}"

@@ -46,3 +46,48 @@ def test_host_time_only_where_the_host_waits() -> None:
         assert (host > plain * (1 + 1e-3)) == adds
     attn_only = dataclasses.replace(graphed.config().train, cuda_graph_modules=("attn",))
     assert host_waits(dataclasses.replace(graphed.config(), train=attn_only))
+
+
+# Rows whose planned memory is still above their GPU's: what moefold's modules keep for the backward and
+# Megatron-Core + Transformer Engine do not (docs/planner.md, "Memory of the published runs"): bf16 copies of the
+# FP8 GEMMs' inputs (TE keeps them in FP8), the routed rows the combine keeps for the probs' gradient (Megatron
+# weights the probs inside the SwiGLU), the shared experts' two gathered inputs under SP, the fp32 softmax of the
+# cross-entropy (TE's fused loss keeps the bf16 logits' gradient). Strict: a row that starts to fit fails here,
+# to be taken off the list.
+NOT_FITTING_YET = {1, 2, 6, 7, 8, 10, 11, 14, 15, 17}
+
+
+@pytest.mark.parametrize("row", range(1, len(PUBLISHED_RUNS) + 1))
+def test_published_row_fits_its_gpu(row: int, request: pytest.FixtureRequest) -> None:
+    """A published run is proof its layout fit: the plan's fullest stage needs at most the GPU's memory."""
+    if row in NOT_FITTING_YET:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="moefold's modules keep more than Megatron's"))
+    run = PUBLISHED_RUNS[row - 1]
+    memory = run.memory()
+    assert memory.total <= run.gpu_memory(), (f"{run.name}: {memory.total / 1e9:.1f} GB of "
+                                             f"{run.gpu_memory() / 1e9:.0f} GB, largest {memory.largest}")
+
+
+def test_interleaved_rows_hold_megatrons_warmup() -> None:
+    """The in-flight (micro-batch, chunk) pairs of every interleaved published row are Megatron-Core 0.16.1's
+    (``schedules.get_pp_rank_microbatches``): ``(pp - rank - 1) * 2 + (vp - 1) * pp`` warm-up forwards (+1 with
+    ``overlap_moe_expert_parallel_comm``), then the steady step's forward: that many plus one held."""
+    from moefold.planner.inflight import held_states, most_held
+    from moefold.planner.static import layout_of
+    from moefold.training.cli.train import validate_layout
+
+    checked = 0
+    for run in PUBLISHED_RUNS:
+        config = run.config()
+        sizes = validate_layout(config, run.gpus)
+        vpp = layout_of(config, sizes.pp).vpp if sizes.pp > 1 else 1
+        if vpp == 1:
+            continue
+        _, m = config.resolve(run.gpus)
+        overlap = config.train.overlap_moe_expert_parallel_comm
+        for rank in range(sizes.pp):
+            warmup = min((sizes.pp - rank - 1) * 2 + (vpp - 1) * sizes.pp + int(overlap), m * vpp)
+            states = held_states(config.schedule_name(vpp), sizes.pp, vpp, m, rank, overlap)
+            assert most_held(states) == warmup + 1, (run.name, rank)
+        checked += 1
+    assert checked >= 5
