@@ -123,6 +123,10 @@ BRIDGE_DDP = {"main_grads_dtype": "bf16", "overlap_param_gather": True}
 _V041 = "Megatron-Bridge v0.4.1 scripts/performance/configs/"
 # GPT-OSS-120B's presets recompute the norms and the expert activation on every GPU (recompute_modules)
 GPT_OSS_RECOMPUTE = {"recompute": "selective", "recompute_modules": ("layernorm", "moe_act")}
+# HybridEP in eager bf16 (no CUDA graph of the MoE preprocess): a dropless dispatch whose received row count is not
+# fixed ahead waits for it on the host and allocates what arrived, not DeepEP's sync-free worst case (every rank's
+# tokens, planner.deepep.v2_receive_rows); the FP8 rows sync already (their GEMMs read the counts on the host)
+HYBRIDEP_EAGER = {"dispatcher": "flex", "moe_deepep_cpu_sync": True}
 # DeepSeek-V3's 61 layers over 16 virtual stages, as Megatron-Bridge's Blackwell recipes split them
 DSV3_16 = "Et*4|(tttt|)*14tmL"
 
@@ -193,7 +197,7 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
         "MXFP8, all-to-all dispatcher, no recompute, no overlap (qwen3_235b_a22b b200 fp8mx recipe); 94 layers "
         "over 8 stages as moefold's even split places them"),
     _mb("26.04.01", "DGX-B200", "GPT-OSS-120B", "BF16", 13568, "gpt_oss_120b", "b200", 64, 1280, 4, 1, 1, "n/a", 8,
-        {"dispatcher": "flex", **GPT_OSS_RECOMPUTE},
+        {**HYBRIDEP_EAGER, **GPT_OSS_RECOMPUTE},
         f"HybridEP flex dispatcher, recompute of the norms and the expert activation, no overlap ({_V041}gpt_oss/"
         f"gpt_oss_workload_base_configs.py GPT_OSS_120B_PRETRAIN_CONFIG_B200_BF16_V2)", fitted=True),
     # ------------------------------------------------------------------ GB200 / GB300 (NVL72)
@@ -211,7 +215,7 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
         "even split places them; NVLink domains of 64 GPUs",
         train={"num_virtual_stages": 3, **GRAPHS_ATTN_ROUTER}, gpus_per_node=64, fitted=True),
     _mb("26.04.01", "DGX-GB200", "GPT-OSS-120B", "BF16", 16640, "gpt_oss_120b", "gb200", 64, 1280, 4, 1, 1, "n/a",
-        64, {"dispatcher": "flex", **GPT_OSS_RECOMPUTE},
+        64, {**HYBRIDEP_EAGER, **GPT_OSS_RECOMPUTE},
         f"HybridEP flex dispatcher over the NVLink domain with the batch-level overlap (moe_a2a_overlap), recompute "
         f"of the norms and the expert activation ({_V041}gpt_oss/gpt_oss_workload_base_configs.py "
         f"GPT_OSS_120B_PRETRAIN_CONFIG_GB200_BF16_V2); 64 GPUs in one NVLink domain",
