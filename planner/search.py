@@ -218,7 +218,7 @@ class SearchResult:
     fitting: int = 0
     closest: Plan | None = None
     rejected: dict[str, int] = field(default_factory=dict)
-    unranked: int = 0   # valid layouts not planned: their compute alone is slower than the steps of those printed
+    unranked: int = 0   # valid layouts not planned: their step's lower bound is above the steps of those printed
 
 
 def _least_recompute(candidate: RunConfig, sizes: ParallelSizes, num_micro: int, ladder: dict[str, dict],
@@ -356,22 +356,26 @@ def search(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, 
 
     layouts = list(candidates(config, world, gpus_per_node, fixed))
     valid = []
+    first_rung: dict[int, tuple] = {}   # id(options) -> (options, options at the ladder's first rung)
     for candidate in layouts:
         result.considered += 1
         report("layouts", result.considered, len(layouts))
         try:
-            sizes = validate_layout(candidate, world)
-            _, num_micro = candidate.resolve(world)
+            sizes = validate_layout(candidate, world)   # (it resolves the layout: the micro-batches per step follow)
+            num_micro = candidate.train.global_batch_size // (candidate.train.micro_batch_size * sizes.dp)
         except ValueError as exc:
             reason = str(exc).split(" (")[0].split(":")[0]
             reason = reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS - 3] + "..."
             result.rejected[reason] = result.rejected.get(reason, 0) + 1
             continue
         # a lower bound on the step of every way this layout may fit: its first rung (the least recompute) and any
-        # sharding (``planner.step_bound``)
-        fastest = dataclasses.replace(candidate, options=dataclasses.replace(candidate.options,
-                                                                            **next(iter(ladder.values()))))
-        valid.append((step_lower_bound(fastest, sizes, cluster, num_micro, efficiency), candidate, sizes, num_micro))
+        # sharding (``planner.step_bound``: the busiest rank's block compute and unhidden TP/EP communication)
+        if id(candidate.options) not in first_rung:   # the candidates share one options object: one replace
+            first_rung[id(candidate.options)] = (candidate.options, dataclasses.replace(
+                candidate.options, **next(iter(ladder.values()))))
+        fastest = dataclasses.replace(candidate, options=first_rung[id(candidate.options)][1])
+        valid.append((step_lower_bound(fastest, sizes, cluster, num_micro, efficiency, gpus_per_node), candidate, sizes,
+                      num_micro))
     result.valid = len(valid)
     # branch and bound: plan the layouts in the order of their bounds; once a layout's bound is above the
     # ``needed``-th fastest step planned so far, neither it nor any after it can rank

@@ -265,11 +265,17 @@ _STATIC_FIELDS = ("bf16", "main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype
                   "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "pipeline_schedule")
 
 
+def _static_key(config: RunConfig, sizes: ParallelSizes) -> tuple:
+    """What a layout's static bytes depend on: the model, the options but how activations are saved, the sizes and
+    ``_STATIC_FIELDS``."""
+    options = tuple(v for k, v in vars(config.options).items() if k not in _ACTIVATION_OPTIONS)
+    return (config.model, options, sizes, *(getattr(config.train, f) for f in _STATIC_FIELDS))
+
+
 def static_lower_bound(config: RunConfig, sizes: ParallelSizes) -> dict[int, StaticMemory]:
     """{pipeline rank: a lower bound of its static bytes}: the exact count without bucket padding (computed once per
     model, options, layout and the train fields it depends on: the search asks for it per rung of every layout)."""
-    options = tuple(v for k, v in vars(config.options).items() if k not in _ACTIVATION_OPTIONS)
-    key = (config.model, options, sizes, *(getattr(config.train, f) for f in _STATIC_FIELDS))
+    key = _static_key(config, sizes)
     if key not in _BOUNDS:
         if len(_BOUNDS) > 8192:
             _BOUNDS.clear()
@@ -308,10 +314,19 @@ def _static_lower_bound(config: RunConfig, sizes: ParallelSizes) -> dict[int, St
     return out
 
 
+_NUMEL: dict[tuple, dict[tuple[str, str], int]] = {}
+
+
 def stage_numel(config: RunConfig, sizes: ParallelSizes, pp_rank: int) -> dict[tuple[str, str], int]:
-    """Elements per (reduction kind, dtype) on ``pp_rank``'s ranks, from the blocks built on the meta device."""
-    counts = param_counts(_model_key(config), sizes.tp, sizes.ep, sizes.etp)
-    return _signature_numel(counts, stage_signature(config, sizes.pp, pp_rank))
+    """Elements per (reduction kind, dtype) on ``pp_rank``'s ranks, from the blocks built on the meta device (once per
+    ``static_lower_bound``'s key and rank: the step-time model asks for it per chunk and term of every layout)."""
+    key = (_static_key(config, sizes), pp_rank)
+    if key not in _NUMEL:
+        if len(_NUMEL) > 1 << 16:
+            _NUMEL.clear()
+        counts = param_counts(_model_key(config), sizes.tp, sizes.ep, sizes.etp)
+        _NUMEL[key] = _signature_numel(counts, stage_signature(config, sizes.pp, pp_rank))
+    return dict(_NUMEL[key])
 
 
 def _signature_numel(counts: ParamCounts, signature: tuple) -> dict[tuple[str, str], int]:
