@@ -265,6 +265,7 @@ def activation_memories(config: RunConfig, sizes: ParallelSizes, num_micro: int,
 
 _SHAPES: dict[tuple, tuple[ActivationShape, dict]] = {}
 _MOE_FLAGS: dict[int, tuple] = {}
+_TRAIN_KEY: list = [None, None]   # (the train config last keyed, its key)
 
 
 def _moe_flags(model) -> tuple[bool, ...]:
@@ -283,9 +284,11 @@ _ACTIVATIONS: dict[tuple, tuple[ActivationMemory, ...]] = {}
 def _activations_key(config: RunConfig) -> tuple:
     """``config`` less what shards or moves the static memory (``SAVER_FIELDS``), as a key: hashing these tuples of
     the sections' fields is cheaper than making a config without the savers."""
-    train = tuple(tuple(v for k, v in vars(section).items() if k not in SAVER_FIELDS)
-                  if dataclasses.is_dataclass(section) else section for section in vars(config.train).values())
-    return config.model, config.options, train
+    t = config.train
+    if _TRAIN_KEY[0] is not t:   # a layout's rungs share one train object
+        _TRAIN_KEY[:] = [t, tuple(tuple(v for k, v in vars(section).items() if k not in SAVER_FIELDS)
+                                  if dataclasses.is_dataclass(section) else section for section in vars(t).values())]
+    return config.model, config.options, _TRAIN_KEY[1]
 
 
 def _activation_memories(config: RunConfig, sizes: ParallelSizes, num_micro: int, device_type: str,

@@ -228,17 +228,15 @@ def _least_recompute(candidate: RunConfig, sizes: ParallelSizes, num_micro: int,
     ``moefold train`` refuses every rung with this layout). The leanest is tried first: when it does not fit,
     nothing does (host memory aside: the offload rung may be the only one that does not fit there). A rung
     ``moefold train`` refuses with the candidate's schedule (the offload rung with the batch-level overlap) is
-    skipped. ``shared``: what one layout's shardings share (each rung's options and activations: the activations
-    do not depend on what shards the static memory, ``profile.activation_memories``; DeepEP's buffer), filled here;
+    skipped. ``shared``: what one layout's shardings share (each rung's activations: they do not depend on what
+    shards the static memory, ``profile.activation_memories``; DeepEP's buffer), filled here;
     the static bytes do not depend on the rung, so they are counted once per sharding."""
     shared = {} if shared is None else shared
     configs: dict[str, RunConfig] = {}
 
     def planned(name: str) -> RunConfig:
         if name not in configs:
-            if ("options", name) not in shared:
-                shared[("options", name)] = dataclasses.replace(candidate.options, **ladder[name])
-            configs[name] = dataclasses.replace(candidate, options=shared[("options", name)])
+            configs[name] = dataclasses.replace(candidate, options=_rung_options(candidate.options, name, ladder))
         return configs[name]
 
     names = [name for name in ladder if not planned(name).memory_saver_conflict(sizes.pp)]
@@ -266,6 +264,21 @@ def _least_recompute(candidate: RunConfig, sizes: ParallelSizes, num_micro: int,
         if plan.fits_gpu and plan.fits_host:
             return plan, leanest
     return (leanest, leanest) if leanest.fits_host else (None, leanest)
+
+
+_RUNGS: dict[tuple, tuple] = {}   # (id(options), rung, ladder's fields) -> (options, options at that rung)
+
+
+def _rung_options(options, name: str, ladder: dict[str, dict]):
+    """``options`` at the ladder's rung ``name``, made once per options object and rung (a search's candidates share
+    one options object: each rung's options are made once per search, not once per layout)."""
+    key = (id(options), name, tuple(ladder[name].items()))
+    entry = _RUNGS.get(key)
+    if entry is None or entry[0] is not options:
+        if len(_RUNGS) > 4096:
+            _RUNGS.clear()
+        entry = _RUNGS[key] = (options, dataclasses.replace(options, **ladder[name]))
+    return entry[1]
 
 
 def _with_sharding(candidate: RunConfig, name: str, world: int) -> RunConfig | None:

@@ -117,8 +117,32 @@ def _key(config: RunConfig) -> RunConfig:
     return dataclasses.replace(config, train=t, options=options, parallel=ParallelConfig())
 
 
+# what ``_model_key`` normalises (``_key``'s and its own): a config differing only in these has the same model key
+_MODEL_KEY_OPTIONS = frozenset({"recompute", "dispatcher", "offload_modules", "recompute_modules"})
+_MODEL_KEY_TRAIN = frozenset({"micro_batch_size", "global_batch_size", "train_iters", "lr_warmup_iters",
+                              "lr_decay_iters", "lr_wsd_decay_iters", "seq_length", "moe_max_load_ratio",
+                              "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
+                              "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout",
+                              "pipeline_schedule", "use_torch_fsdp2", "optimizer_cpu_offload",
+                              "optimizer_offload_fraction"})
+_MODEL_KEYS: dict[tuple, RunConfig] = {}
+
+
 def _model_key(config: RunConfig) -> RunConfig:
-    """``_key`` without the pipeline split either: what the blocks' parameters depend on."""
+    """``_key`` without the pipeline split either: what the blocks' parameters depend on (made once per what it
+    keeps: the search asks for it per layout, rung and sharding)."""
+    options = tuple(v for k, v in vars(config.options).items() if k not in _MODEL_KEY_OPTIONS)
+    train = tuple(tuple(v for k, v in vars(section).items() if k not in _MODEL_KEY_TRAIN)
+                  if dataclasses.is_dataclass(section) else section for section in vars(config.train).values())
+    key = (config.model, options, train, config.recipe)
+    if key not in _MODEL_KEYS:
+        if len(_MODEL_KEYS) > 4096:
+            _MODEL_KEYS.clear()
+        _MODEL_KEYS[key] = _make_model_key(config)
+    return _MODEL_KEYS[key]
+
+
+def _make_model_key(config: RunConfig) -> RunConfig:
     key = _key(config)
     train = dataclasses.replace(key.train, num_layers_per_virtual_pipeline_stage=None,
                                 decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,

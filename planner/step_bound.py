@@ -1,5 +1,6 @@
 """A lower bound on a layout's step time from its blocks' compute (and, for the search, their unhidden communication
-and the pipeline's textbook bubble), so that the search times only the layouts that can still rank among those it prints (branch and bound: ``planner.search``). Why it is a bound on
+and the pipeline's textbook bubble), so that the search times only the layouts that can still rank among those it
+prints (branch and bound: ``planner.search``). Why it is a bound on
 ``step_time.estimate_step_time``'s total: the step's terms are the critical rank's (the rank busiest in the pipeline
 clock) plus the bubble, the data-parallel sync, the optimizer and offload terms, all >= 0. The critical rank's terms
 less the expert exchange the batch-level overlap hides are its busy time (the overlap hides ``min(exchange,
