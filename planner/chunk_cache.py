@@ -47,13 +47,13 @@ def context_key(config: RunConfig) -> tuple:
     """What ``step_time._chunk_actions`` reads of ``config`` besides the chunk's signature: everything but the
     pipeline's split (which layers a chunk holds is the signature's), unless FSDP2 is on (a chunk's gathered
     parameters are its whole stage's, ``step_time._stage_numel_per_layer``); the schedule stays (the V placement)."""
-    from moefold.planner.step_bound import compute_key
+    from moefold.planner.step_bound import compute_token
 
     if _LAST[0] is not config:
         e = config.train.execution
         split = (e.num_layers_per_virtual_pipeline_stage, e.decoder_first_pipeline_num_layers,
                  e.decoder_last_pipeline_num_layers, e.pipeline_model_parallel_layout)
-        _LAST[:] = [config, (compute_key(config), e.pipeline_schedule, e.overlap_moe_expert_parallel_comm,
+        _LAST[:] = [config, (compute_token(config), e.pipeline_schedule, e.overlap_moe_expert_parallel_comm,
                              e.delay_wgrad_compute, split if config.train.use_torch_fsdp2 else None)]
     return _LAST[1]
 

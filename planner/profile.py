@@ -293,10 +293,10 @@ def _activations_key(config: RunConfig) -> tuple:
 
 def _activation_memories(config: RunConfig, sizes: ParallelSizes, num_micro: int, device_type: str,
                          exact: bool) -> tuple[ActivationMemory, ...]:
-    from moefold.planner.step_bound import compute_key
+    from moefold.planner.step_bound import compute_token
 
     # the shape reads no pipeline split (``activations.activation_shape``): one per search's sizes and options
-    shape_key = (compute_key(config), config.parallel, sizes, device_type)
+    shape_key = (compute_token(config), config.parallel, sizes, device_type)
     if shape_key not in _SHAPES:
         if len(_SHAPES) > MAX_LAYOUTS:
             _SHAPES.clear()

@@ -25,6 +25,7 @@ pipeline split's count of block kinds per rank (the layout parsed once per split
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 from moefold.dense.recompute import recomputed_modules
@@ -42,7 +43,8 @@ PIPELINE_FIELDS = frozenset({"pipeline_schedule", "overlap_moe_expert_parallel_c
                              "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout"})
 MAX_ENTRIES = 1 << 16   # per cache; cleared when full (a search needs a few thousand)
 _COSTS: dict[tuple, dict[tuple, float]] = {}   # context -> {block kind: seconds}
-_RANK_KINDS: dict[tuple, tuple[tuple[tuple[tuple, int], ...], ...]] = {}
+_RANK_KINDS: dict[tuple, tuple] = {}   # -> (model, per rank ((block kind, how many), ...))
+_PIPELINE_ORDER = tuple(sorted(PIPELINE_FIELDS))
 _LAYER_KINDS: dict[tuple, tuple[tuple, ...]] = {}
 _EXPOSED: dict[tuple, dict[tuple, float]] = {}
 _COLLECTIVES: dict[tuple, list] = {}
@@ -56,6 +58,25 @@ def compute_key(config: RunConfig) -> tuple:
     train = tuple(v for k, v in vars(t).items() if k != "execution")
     execution = tuple(v for k, v in vars(t.execution).items() if k not in PIPELINE_FIELDS)
     return config.model, config.options, train, execution
+
+
+_TOKENS: dict[tuple, int] = {}
+_NEXT_TOKEN = itertools.count()
+_LAST_TOKEN: list = [None, -1]   # (the config last asked about, its token)
+
+
+def compute_token(config: RunConfig) -> int:
+    """A small integer standing for ``compute_key(config)`` (equal keys, equal tokens; a token is never reused), so
+    that the caches keyed by it hash an int rather than the model, options and train sections each time."""
+    if _LAST_TOKEN[0] is not config:
+        key = compute_key(config)
+        token = _TOKENS.get(key)
+        if token is None:
+            if len(_TOKENS) > MAX_ENTRIES:
+                _TOKENS.clear()
+            token = _TOKENS[key] = next(_NEXT_TOKEN)
+        _LAST_TOKEN[:] = [config, token]
+    return _LAST_TOKEN[1]
 
 
 def _layer_kinds(model: ModelConfig, seq: int) -> tuple[tuple, ...]:
@@ -77,8 +98,9 @@ def rank_block_kinds(config: RunConfig, sizes: ParallelSizes) -> tuple[tuple[tup
 
     m, t = config.model, config.train
     e = t.execution
-    key = (m, t.seq_length, sizes.pp, *(getattr(e, f) for f in sorted(PIPELINE_FIELDS)))
-    if key not in _RANK_KINDS:
+    key = (id(m), t.seq_length, sizes.pp, *(getattr(e, f) for f in _PIPELINE_ORDER))
+    entry = _RANK_KINDS.get(key)
+    if entry is None or entry[0] is not m:   # (the model kept with its entry: its id is not reused meanwhile)
         if len(_RANK_KINDS) > MAX_ENTRIES:
             _RANK_KINDS.clear()
         kinds = _layer_kinds(m, t.seq_length)
@@ -90,8 +112,8 @@ def rank_block_kinds(config: RunConfig, sizes: ParallelSizes) -> tuple[tuple[tup
                 if chunk.has_mtp:
                     count.update(kinds[m.num_layers + d] for d in range(m.mtp_num_layers))
             out.append(tuple(count.items()))
-        _RANK_KINDS[key] = tuple(out)
-    return _RANK_KINDS[key]
+        entry = _RANK_KINDS[key] = (m, tuple(out))
+    return entry[1]
 
 
 def step_lower_bound(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, micro_batches: int,
@@ -106,7 +128,7 @@ def step_lower_bound(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, 
 
     flop_s = None if efficiency is None else cluster.bf16_tflops * 1e12 * efficiency
     # a block's GEMMs are sized by tp, cp, ep and etp (``compute_time._gemms``), not by pp or dp
-    context = (compute_key(config), sizes.tp, sizes.cp, sizes.ep, sizes.etp, cluster, flop_s)
+    context = (compute_token(config), sizes.tp, sizes.cp, sizes.ep, sizes.etp, cluster, flop_s)
     costs = _COSTS.get(context)
     if costs is None:
         if len(_COSTS) > MAX_ENTRIES:
@@ -153,7 +175,7 @@ def _exposed(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, gpus_per
 
     overlap = config.train.overlap_moe_expert_parallel_comm
     terms = ("tp",) if overlap else ("tp", "ep")
-    key = compute_key(config)
+    key = compute_token(config)
     context = (key, sizes, cluster, gpus_per_node, terms)
     if context not in _EXPOSED:
         if len(_EXPOSED) > MAX_ENTRIES:
@@ -175,4 +197,4 @@ def _exposed(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, gpus_per
     return _EXPOSED[context]
 
 
-__all__ = ["PIPELINE_FIELDS", "compute_key", "rank_block_kinds", "step_lower_bound"]
+__all__ = ["PIPELINE_FIELDS", "compute_key", "compute_token", "rank_block_kinds", "step_lower_bound"]
