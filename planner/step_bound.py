@@ -41,6 +41,7 @@ from moefold.training.config import RunConfig
 PIPELINE_FIELDS = frozenset({"pipeline_schedule", "overlap_moe_expert_parallel_comm", "delay_wgrad_compute",
                              "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
                              "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout"})
+INNER_GROUPS = frozenset({"tp", "tp_cp", "ep", "etp", "etp_ep"})   # the tp and ep terms' groups that skip dp and pp
 MAX_ENTRIES = 1 << 16   # per cache; cleared when full (a search needs a few thousand)
 _COSTS: dict[tuple, dict[tuple, float]] = {}   # context -> {block kind: seconds}
 _RANK_KINDS: dict[tuple, tuple] = {}   # -> (model, per rank ((block kind, how many), ...))
@@ -169,14 +170,17 @@ def _exposed(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, gpus_per
     """{(MoE?, MTP?): seconds} of a decoder block's collectives that nothing hides, forward and backward, before
     calibration: the ``tp`` term (no TP overlap in moefold) and, without the batch-level overlap, the ``ep`` term (the
     exchanges that may hide behind the shared experts excluded): ``step_time._chunk_actions`` adds at least these to
-    the block's actions (recompute's collectives, cp, pp and the MTP blocks' only add more)."""
+    the block's actions (recompute's collectives, cp, pp, the collectives over tp x cp x dp and the MTP blocks' only
+    add more)."""
     from moefold.planner.comm import block_collectives
     from moefold.planner.step_time import _actions_key, _by_term, _Links
 
     overlap = config.train.overlap_moe_expert_parallel_comm
     terms = ("tp",) if overlap else ("tp", "ep")
     key = compute_token(config)
-    context = (key, sizes, cluster, gpus_per_node, terms)
+    # rank 0's groups inside the pipeline and data-parallel dims (tp-cp-dp-pp, etp-ep-edp-pp rank order) are the same
+    # whatever pp and dp are: one entry per tp, cp, ep, etp (the collectives over tp x cp x dp are left out)
+    context = (key, sizes.tp, sizes.cp, sizes.ep, sizes.etp, cluster, gpus_per_node, terms)
     if context not in _EXPOSED:
         if len(_EXPOSED) > MAX_ENTRIES:
             _EXPOSED.clear()
@@ -190,7 +194,8 @@ def _exposed(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, gpus_per
                 if len(_COLLECTIVES) > MAX_ENTRIES:
                     _COLLECTIVES.clear()
                 shared = shared or _actions_key(config)
-                _COLLECTIVES[which] = [c for c in block_collectives(shared, sizes, moe) if not c.overlaps]
+                _COLLECTIVES[which] = [c for c in block_collectives(shared, sizes, moe)
+                                       if not c.overlaps and c.group in INNER_GROUPS]
             out[(moe, False)] = sum(_by_term(links, _COLLECTIVES[which], phase).get(term, 0.0)
                                     for phase in ("forward", "backward") for term in terms)
         _EXPOSED[context] = out
