@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from moefold.parallel.dims import ParallelConfig
-from moefold.training.config import RunConfig
+from moefold.training.config import RunConfig, TrainConfig
 
 MAX_PP = 64
 
@@ -119,6 +119,7 @@ def candidates(config: RunConfig, world: int, gpus_per_node: int, fixed: Fixed) 
     """Every layout of ``world`` GPUs to consider (not yet validated), at the lowest recompute setting."""
     m, t = config.model, config.train
     experts = max(m.num_experts, 1)
+    trains: dict[tuple, TrainConfig] = {}   # the layouts of one split and schedule share their TrainConfig
     if m.v4 is not None and fixed.overlap is None:   # DeepSeek-V4's mHC blocks do not run as overlap pieces
         fixed = dataclasses.replace(fixed, overlap=False)
     for tp in [fixed.tp] if fixed.tp else _divisors(world, gpus_per_node):
@@ -136,6 +137,9 @@ def candidates(config: RunConfig, world: int, gpus_per_node: int, fixed: Fixed) 
                                                 "decoder_first_pipeline_num_layers": None,
                                                 "decoder_last_pipeline_num_layers": None,
                                                 "pipeline_model_parallel_layout": None, **split, **schedule}
-                                    train = dataclasses.replace(t, micro_batch_size=mbs, **pipeline)
+                                    key = (mbs, tuple(pipeline.items()))
+                                    if key not in trains:   # one per split, schedule and micro-batch size
+                                        trains[key] = dataclasses.replace(t, micro_batch_size=mbs, **pipeline)
+                                    train = trains[key]
                                     yield dataclasses.replace(config, parallel=ParallelConfig(
                                         tp=tp, cp=cp, pp=pp, ep=ep, etp=etp), train=train)

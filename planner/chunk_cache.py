@@ -40,11 +40,29 @@ def signature(config: RunConfig, chunk: ChunkSpec, last_model_chunk: int) -> tup
             chunk.pp_rank if config.train.use_torch_fsdp2 else None)
 
 
+_LAST: list = [None, None]   # (the config last asked about, its context key): a step's chunks share one config
+
+
+def context_key(config: RunConfig) -> tuple:
+    """What ``step_time._chunk_actions`` reads of ``config`` besides the chunk's signature: everything but the
+    pipeline's split (which layers a chunk holds is the signature's), unless FSDP2 is on (a chunk's gathered
+    parameters are its whole stage's, ``step_time._stage_numel_per_layer``); the schedule stays (the V placement)."""
+    from moefold.planner.step_bound import compute_token
+
+    if _LAST[0] is not config:
+        e = config.train.execution
+        split = (e.num_layers_per_virtual_pipeline_stage, e.decoder_first_pipeline_num_layers,
+                 e.decoder_last_pipeline_num_layers, e.pipeline_model_parallel_layout)
+        _LAST[:] = [config, (compute_token(config), e.pipeline_schedule, e.overlap_moe_expert_parallel_comm,
+                             e.delay_wgrad_compute, split if config.train.use_torch_fsdp2 else None)]
+    return _LAST[1]
+
+
 def cached_actions(actions: Callable[..., tuple], config: RunConfig, sizes, chunk: ChunkSpec, *rest) -> tuple:
-    """``actions(config, sizes, chunk, *rest)``, computed once per (config, sizes, rest) and chunk signature;
-    ``rest`` = (links, cluster, flop_s, last_model_chunk, exchange_overlap) as ``step_time._chunk_actions`` takes
-    them."""
-    context = (config, sizes, *rest)
+    """``actions(config, sizes, chunk, *rest)``, computed once per (``context_key(config)``, sizes, rest) and chunk
+    signature; ``rest`` = (links, cluster, flop_s, last_model_chunk, exchange_overlap) as
+    ``step_time._chunk_actions`` takes them."""
+    context = (context_key(config), sizes, *rest)
     cache = _CONTEXTS.get(context)
     if cache is None:
         cache = _CONTEXTS[context] = {}

@@ -202,8 +202,8 @@ def unranked(result: SearchResult) -> str:
     """The valid layouts the search did not plan (branch and bound), in words; empty when it planned them all."""
     if not result.unranked:
         return ""
-    return (f"; {result.unranked} not planned: their compute alone takes longer than the step of each layout "
-            "printed")
+    return (f"; {result.unranked} not planned: a lower bound of their step (compute, unhidden TP/EP communication, "
+            "bubble) is above the step of each layout printed")
 
 
 def render(result: SearchResult, config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, memory: int,

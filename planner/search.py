@@ -218,7 +218,7 @@ class SearchResult:
     fitting: int = 0
     closest: Plan | None = None
     rejected: dict[str, int] = field(default_factory=dict)
-    unranked: int = 0   # valid layouts not planned: their compute alone is slower than the steps of those printed
+    unranked: int = 0   # valid layouts not planned: their step's lower bound is above the steps of those printed
 
 
 def _least_recompute(candidate: RunConfig, sizes: ParallelSizes, num_micro: int, ladder: dict[str, dict],
@@ -228,17 +228,15 @@ def _least_recompute(candidate: RunConfig, sizes: ParallelSizes, num_micro: int,
     ``moefold train`` refuses every rung with this layout). The leanest is tried first: when it does not fit,
     nothing does (host memory aside: the offload rung may be the only one that does not fit there). A rung
     ``moefold train`` refuses with the candidate's schedule (the offload rung with the batch-level overlap) is
-    skipped. ``shared``: what one layout's shardings share (each rung's options and activations: the activations
-    do not depend on what shards the static memory, ``profile.activation_memories``; DeepEP's buffer), filled here;
+    skipped. ``shared``: what one layout's shardings share (each rung's activations: they do not depend on what
+    shards the static memory, ``profile.activation_memories``; DeepEP's buffer), filled here;
     the static bytes do not depend on the rung, so they are counted once per sharding."""
     shared = {} if shared is None else shared
     configs: dict[str, RunConfig] = {}
 
     def planned(name: str) -> RunConfig:
         if name not in configs:
-            if ("options", name) not in shared:
-                shared[("options", name)] = dataclasses.replace(candidate.options, **ladder[name])
-            configs[name] = dataclasses.replace(candidate, options=shared[("options", name)])
+            configs[name] = dataclasses.replace(candidate, options=_rung_options(candidate.options, name, ladder))
         return configs[name]
 
     names = [name for name in ladder if not planned(name).memory_saver_conflict(sizes.pp)]
@@ -266,6 +264,21 @@ def _least_recompute(candidate: RunConfig, sizes: ParallelSizes, num_micro: int,
         if plan.fits_gpu and plan.fits_host:
             return plan, leanest
     return (leanest, leanest) if leanest.fits_host else (None, leanest)
+
+
+_RUNGS: dict[tuple, tuple] = {}   # (id(options), rung, ladder's fields) -> (options, options at that rung)
+
+
+def _rung_options(options, name: str, ladder: dict[str, dict]):
+    """``options`` at the ladder's rung ``name``, made once per options object and rung (a search's candidates share
+    one options object: each rung's options are made once per search, not once per layout)."""
+    key = (id(options), name, tuple(ladder[name].items()))
+    entry = _RUNGS.get(key)
+    if entry is None or entry[0] is not options:
+        if len(_RUNGS) > 4096:
+            _RUNGS.clear()
+        entry = _RUNGS[key] = (options, dataclasses.replace(options, **ladder[name]))
+    return entry[1]
 
 
 def _with_sharding(candidate: RunConfig, name: str, world: int) -> RunConfig | None:
@@ -356,22 +369,26 @@ def search(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, 
 
     layouts = list(candidates(config, world, gpus_per_node, fixed))
     valid = []
+    first_rung: dict[int, tuple] = {}   # id(options) -> (options, options at the ladder's first rung)
     for candidate in layouts:
         result.considered += 1
         report("layouts", result.considered, len(layouts))
         try:
-            sizes = validate_layout(candidate, world)
-            _, num_micro = candidate.resolve(world)
+            sizes = validate_layout(candidate, world)   # (it resolves the layout: the micro-batches per step follow)
+            num_micro = candidate.train.global_batch_size // (candidate.train.micro_batch_size * sizes.dp)
         except ValueError as exc:
             reason = str(exc).split(" (")[0].split(":")[0]
             reason = reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS - 3] + "..."
             result.rejected[reason] = result.rejected.get(reason, 0) + 1
             continue
         # a lower bound on the step of every way this layout may fit: its first rung (the least recompute) and any
-        # sharding (``planner.step_bound``)
-        fastest = dataclasses.replace(candidate, options=dataclasses.replace(candidate.options,
-                                                                            **next(iter(ladder.values()))))
-        valid.append((step_lower_bound(fastest, sizes, cluster, num_micro, efficiency), candidate, sizes, num_micro))
+        # sharding (``planner.step_bound``: the busiest rank's block compute and unhidden TP/EP communication)
+        if id(candidate.options) not in first_rung:   # the candidates share one options object: one replace
+            first_rung[id(candidate.options)] = (candidate.options, dataclasses.replace(
+                candidate.options, **next(iter(ladder.values()))))
+        fastest = dataclasses.replace(candidate, options=first_rung[id(candidate.options)][1])
+        valid.append((step_lower_bound(fastest, sizes, cluster, num_micro, efficiency, gpus_per_node), candidate, sizes,
+                      num_micro))
     result.valid = len(valid)
     # branch and bound: plan the layouts in the order of their bounds; once a layout's bound is above the
     # ``needed``-th fastest step planned so far, neither it nor any after it can rank

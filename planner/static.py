@@ -117,8 +117,32 @@ def _key(config: RunConfig) -> RunConfig:
     return dataclasses.replace(config, train=t, options=options, parallel=ParallelConfig())
 
 
+# what ``_model_key`` normalises (``_key``'s and its own): a config differing only in these has the same model key
+_MODEL_KEY_OPTIONS = frozenset({"recompute", "dispatcher", "offload_modules", "recompute_modules"})
+_MODEL_KEY_TRAIN = frozenset({"micro_batch_size", "global_batch_size", "train_iters", "lr_warmup_iters",
+                              "lr_decay_iters", "lr_wsd_decay_iters", "seq_length", "moe_max_load_ratio",
+                              "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
+                              "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout",
+                              "pipeline_schedule", "use_torch_fsdp2", "optimizer_cpu_offload",
+                              "optimizer_offload_fraction"})
+_MODEL_KEYS: dict[tuple, RunConfig] = {}
+
+
 def _model_key(config: RunConfig) -> RunConfig:
-    """``_key`` without the pipeline split either: what the blocks' parameters depend on."""
+    """``_key`` without the pipeline split either: what the blocks' parameters depend on (made once per what it
+    keeps: the search asks for it per layout, rung and sharding)."""
+    options = tuple(v for k, v in vars(config.options).items() if k not in _MODEL_KEY_OPTIONS)
+    train = tuple(tuple(v for k, v in vars(section).items() if k not in _MODEL_KEY_TRAIN)
+                  if dataclasses.is_dataclass(section) else section for section in vars(config.train).values())
+    key = (config.model, options, train, config.recipe)
+    if key not in _MODEL_KEYS:
+        if len(_MODEL_KEYS) > 4096:
+            _MODEL_KEYS.clear()
+        _MODEL_KEYS[key] = _make_model_key(config)
+    return _MODEL_KEYS[key]
+
+
+def _make_model_key(config: RunConfig) -> RunConfig:
     key = _key(config)
     train = dataclasses.replace(key.train, num_layers_per_virtual_pipeline_stage=None,
                                 decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
@@ -265,11 +289,17 @@ _STATIC_FIELDS = ("bf16", "main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype
                   "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "pipeline_schedule")
 
 
+def _static_key(config: RunConfig, sizes: ParallelSizes) -> tuple:
+    """What a layout's static bytes depend on: the model, the options but how activations are saved, the sizes and
+    ``_STATIC_FIELDS``."""
+    options = tuple(v for k, v in vars(config.options).items() if k not in _ACTIVATION_OPTIONS)
+    return (config.model, options, sizes, *(getattr(config.train, f) for f in _STATIC_FIELDS))
+
+
 def static_lower_bound(config: RunConfig, sizes: ParallelSizes) -> dict[int, StaticMemory]:
     """{pipeline rank: a lower bound of its static bytes}: the exact count without bucket padding (computed once per
     model, options, layout and the train fields it depends on: the search asks for it per rung of every layout)."""
-    options = tuple(v for k, v in vars(config.options).items() if k not in _ACTIVATION_OPTIONS)
-    key = (config.model, options, sizes, *(getattr(config.train, f) for f in _STATIC_FIELDS))
+    key = _static_key(config, sizes)
     if key not in _BOUNDS:
         if len(_BOUNDS) > 8192:
             _BOUNDS.clear()
@@ -308,10 +338,19 @@ def _static_lower_bound(config: RunConfig, sizes: ParallelSizes) -> dict[int, St
     return out
 
 
+_NUMEL: dict[tuple, dict[tuple[str, str], int]] = {}
+
+
 def stage_numel(config: RunConfig, sizes: ParallelSizes, pp_rank: int) -> dict[tuple[str, str], int]:
-    """Elements per (reduction kind, dtype) on ``pp_rank``'s ranks, from the blocks built on the meta device."""
-    counts = param_counts(_model_key(config), sizes.tp, sizes.ep, sizes.etp)
-    return _signature_numel(counts, stage_signature(config, sizes.pp, pp_rank))
+    """Elements per (reduction kind, dtype) on ``pp_rank``'s ranks, from the blocks built on the meta device (once per
+    ``static_lower_bound``'s key and rank: the step-time model asks for it per chunk and term of every layout)."""
+    key = (_static_key(config, sizes), pp_rank)
+    if key not in _NUMEL:
+        if len(_NUMEL) > 1 << 16:
+            _NUMEL.clear()
+        counts = param_counts(_model_key(config), sizes.tp, sizes.ep, sizes.etp)
+        _NUMEL[key] = _signature_numel(counts, stage_signature(config, sizes.pp, pp_rank))
+    return dict(_NUMEL[key])
 
 
 def _signature_numel(counts: ParamCounts, signature: tuple) -> dict[tuple[str, str], int]:

@@ -1,5 +1,6 @@
-"""A lower bound on a layout's step time from its blocks' compute alone, so that the search times only the layouts that
-can still rank among those it prints (branch and bound: ``planner.search``). Why it is a bound on
+"""A lower bound on a layout's step time from its blocks' compute (and, for the search, their unhidden communication
+and the pipeline's textbook bubble), so that the search times only the layouts that can still rank among those it
+prints (branch and bound: ``planner.search``). Why it is a bound on
 ``step_time.estimate_step_time``'s total: the step's terms are the critical rank's (the rank busiest in the pipeline
 clock) plus the bubble, the data-parallel sync, the optimizer and offload terms, all >= 0. The critical rank's terms
 less the expert exchange the batch-level overlap hides are its busy time (the overlap hides ``min(exchange,
@@ -9,11 +10,26 @@ block's forward, backward and at least its selective recompute (full recompute r
 is more); the bound is the busiest rank's. Every action's compute is scaled by the calibration's ``compute``
 (``step_terms.Calibration``; the flat model of ``--efficiency`` is not calibrated), and the routing kernels'
 traffic, the head, the embedding and every communication term only add to it.
+
+The search's bound (``gpus_per_node`` given) is tighter, and holds for the closed-form clock the search ranks by:
+the busy time also counts each block's collectives that nothing hides (TP's, never overlapped in moefold; the expert
+exchange where the schedule has no batch-level overlap to hide it), scaled by the calibration's ``communication``
+as the actions are, and the closed form adds ``busy x f / (1 - f)`` of idle time to it for 1F1B, interleaved 1F1B,
+GPipe and ZB-H1 (``f``: ``pipeline.schedules.expected_bubble_fraction``), so the total is at least ``busy / (1 - f)``.
+
+The search bounds every valid layout (tens of thousands for DeepSeek-V3 on 1,024 GPUs), so the bound is assembled
+from two caches: each block kind's seconds (``compute_time.block_compute``, called once per kind and per what it
+reads: the model, the options, the train fields but the pipeline's split and schedule, tp, cp, ep and etp) and each
+pipeline split's count of block kinds per rank (the layout parsed once per split).
 """
 
 from __future__ import annotations
 
+import itertools
+from collections import Counter
+
 from moefold.dense.recompute import recomputed_modules
+from moefold.models.config import ModelConfig
 from moefold.models.layer_factory import is_moe_block
 from moefold.parallel.dims import ParallelSizes
 from moefold.planner.cluster import Cluster
@@ -21,38 +37,169 @@ from moefold.planner.compute_time import block_compute
 from moefold.planner.step_terms import CALIBRATION
 from moefold.training.config import RunConfig
 
+# execution fields that place layers on pipeline ranks or order the actions: no block's compute reads them
+PIPELINE_FIELDS = frozenset({"pipeline_schedule", "overlap_moe_expert_parallel_comm", "delay_wgrad_compute",
+                             "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
+                             "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout"})
+INNER_GROUPS = frozenset({"tp", "tp_cp", "ep", "etp", "etp_ep"})   # the tp and ep terms' groups that skip dp and pp
+MAX_ENTRIES = 1 << 16   # per cache; cleared when full (a search needs a few thousand)
+_COSTS: dict[tuple, dict[tuple, float]] = {}   # context -> {block kind: seconds}
+_RANK_KINDS: dict[tuple, tuple] = {}   # -> (model, per rank ((block kind, how many), ...))
+_PIPELINE_ORDER = tuple(sorted(PIPELINE_FIELDS))
+_LAYER_KINDS: dict[tuple, tuple[tuple, ...]] = {}
+_EXPOSED: dict[tuple, dict[tuple, float]] = {}
+_COLLECTIVES: dict[tuple, list] = {}
+
+
+def compute_key(config: RunConfig) -> tuple:
+    """What a block's compute may depend on in ``config``: everything but the pipeline's split and schedule
+    (``PIPELINE_FIELDS``) and the memory savers of the optimizer (ZeRO-1 / FSDP2 / offload change no block's
+    compute, ``step_time._actions_key``'s own normalisation, which ``block_compute`` is called under)."""
+    t = config.train
+    train = tuple(v for k, v in vars(t).items() if k != "execution")
+    execution = tuple(v for k, v in vars(t.execution).items() if k not in PIPELINE_FIELDS)
+    return config.model, config.options, train, execution
+
+
+_TOKENS: dict[tuple, int] = {}
+_NEXT_TOKEN = itertools.count()
+_LAST_TOKEN: list = [None, -1]   # (the config last asked about, its token)
+
+
+def compute_token(config: RunConfig) -> int:
+    """A small integer standing for ``compute_key(config)`` (equal keys, equal tokens; a token is never reused), so
+    that the caches keyed by it hash an int rather than the model, options and train sections each time."""
+    if _LAST_TOKEN[0] is not config:
+        key = compute_key(config)
+        token = _TOKENS.get(key)
+        if token is None:
+            if len(_TOKENS) > MAX_ENTRIES:
+                _TOKENS.clear()
+            token = _TOKENS[key] = next(_NEXT_TOKEN)
+        _LAST_TOKEN[:] = [config, token]
+    return _LAST_TOKEN[1]
+
+
+def _layer_kinds(model: ModelConfig, seq: int) -> tuple[tuple, ...]:
+    """Per block index (decoder layers, then MTP depths): (MoE?, MTP?, core attention's multiply-adds per token)."""
+    from moefold.planner.step_time import _score_macs
+
+    key = (model, seq)
+    if key not in _LAYER_KINDS:
+        n = model.num_layers + model.mtp_num_layers
+        _LAYER_KINDS[key] = tuple((is_moe_block(model, i), i >= model.num_layers, _score_macs(model, seq, i))
+                                  for i in range(n))
+    return _LAYER_KINDS[key]
+
+
+def rank_block_kinds(config: RunConfig, sizes: ParallelSizes) -> tuple[tuple[tuple[tuple, int], ...], ...]:
+    """Per pipeline rank, ((block kind, how many), ...) of the blocks it runs per micro-batch (its chunks' decoder
+    layers and MTP depths), computed once per model, sequence length and pipeline split."""
+    from moefold.planner.step_time import rank_chunks
+
+    m, t = config.model, config.train
+    e = t.execution
+    key = (id(m), t.seq_length, sizes.pp, *(getattr(e, f) for f in _PIPELINE_ORDER))
+    entry = _RANK_KINDS.get(key)
+    if entry is None or entry[0] is not m:   # (the model kept with its entry: its id is not reused meanwhile)
+        if len(_RANK_KINDS) > MAX_ENTRIES:
+            _RANK_KINDS.clear()
+        kinds = _layer_kinds(m, t.seq_length)
+        out = []
+        for rank in range(sizes.pp):
+            count: Counter = Counter()
+            for chunk in rank_chunks(config, sizes, rank):
+                count.update(kinds[i] for i in chunk.layers)
+                if chunk.has_mtp:
+                    count.update(kinds[m.num_layers + d] for d in range(m.mtp_num_layers))
+            out.append(tuple(count.items()))
+        entry = _RANK_KINDS[key] = (m, tuple(out))
+    return entry[1]
+
 
 def step_lower_bound(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, micro_batches: int,
-                     efficiency: float | None = None) -> float:
+                     efficiency: float | None = None, gpus_per_node: int | None = None) -> float:
     """Seconds: at most ``estimate_step_time(config, sizes, cluster, ..., efficiency)``'s total (module docstring),
     for the default ``exchange_overlap``, ``compute_share`` and ``calibration``; ``micro_batches``: per step and
-    pipeline (``RunConfig.resolve``)."""
-    from moefold.planner.step_time import _actions_key, _score_macs, rank_chunks
+    pipeline (``RunConfig.resolve``). With ``gpus_per_node``, a tighter bound on the closed-form clock's total
+    (``simulate=False``, what the search ranks by): the busiest rank's blocks' unhidden communication is added
+    (``_exposed``), and the busy time is divided by ``1 - f`` for the schedules ``pipeline_clock.formula_makespan``
+    gives the textbook bubble fraction ``f`` (its idle time is ``busy x f / (1 - f)`` of the busiest rank)."""
+    from moefold.planner.step_time import _actions_key
 
-    m, seq = config.model, config.train.seq_length
-    shared = _actions_key(config)
-    o = shared.options
-    chosen = recomputed_modules(o.recompute, o.recompute_modules)
     flop_s = None if efficiency is None else cluster.bf16_tflops * 1e12 * efficiency
-    costs: dict[tuple, float] = {}
+    # a block's GEMMs are sized by tp, cp, ep and etp (``compute_time._gemms``), not by pp or dp
+    context = (compute_token(config), sizes.tp, sizes.cp, sizes.ep, sizes.etp, cluster, flop_s)
+    costs = _COSTS.get(context)
+    if costs is None:
+        if len(_COSTS) > MAX_ENTRIES:
+            _COSTS.clear()
+        costs = _COSTS[context] = {}
+    shared: RunConfig | None = None
 
-    def block(index: int) -> float:
-        key = (is_moe_block(m, index), index >= m.num_layers, _score_macs(m, seq, index))
-        if key not in costs:
-            cost = block_compute(shared, sizes, index, cluster, key[2], chosen, flop_s)
-            costs[key] = cost.forward + cost.backward + cost.recompute
-        return costs[key]
+    def seconds(kind: tuple) -> float:
+        nonlocal shared
+        if kind not in costs:
+            shared = shared or _actions_key(config)
+            o = shared.options
+            index = _layer_kinds(config.model, config.train.seq_length).index(kind)
+            cost = block_compute(shared, sizes, index, cluster, kind[2],
+                                 recomputed_modules(o.recompute, o.recompute_modules), flop_s)
+            costs[kind] = cost.forward + cost.backward + cost.recompute
+        return costs[kind]
 
-    busiest = 0.0
-    for rank in range(sizes.pp):
-        seconds = 0.0
-        for chunk in rank_chunks(config, sizes, rank):
-            seconds += sum(block(i) for i in chunk.layers)
-            if chunk.has_mtp:
-                seconds += sum(block(m.num_layers + d) for d in range(m.mtp_num_layers))
-        busiest = max(busiest, seconds)
     scale = 1.0 if efficiency is not None else CALIBRATION.compute
-    return scale * micro_batches * busiest
+    exposed = {} if gpus_per_node is None else _exposed(config, sizes, cluster, gpus_per_node, efficiency)
+    comm = 1.0 if efficiency is not None else CALIBRATION.communication
+    busiest = max(sum(n * (scale * seconds(kind) + comm * exposed.get(kind[:2], 0.0)) for kind, n in rank)
+                  for rank in rank_block_kinds(config, sizes))
+    bound = micro_batches * busiest
+    if gpus_per_node is not None and sizes.pp > 1:   # the closed-form clock's idle time: busy x f / (1 - f)
+        from moefold.pipeline.schedules import V_SCHEDULES, expected_bubble_fraction
+        from moefold.planner.static import layout_of
+
+        vpp = layout_of(config, sizes.pp).vpp
+        name = config.schedule_name(vpp)
+        if name not in V_SCHEDULES:
+            bound /= 1 - expected_bubble_fraction(name, sizes.pp, micro_batches, vpp)
+    return bound
 
 
-__all__ = ["step_lower_bound"]
+def _exposed(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, gpus_per_node: int,
+             efficiency: float | None) -> dict[tuple, float]:
+    """{(MoE?, MTP?): seconds} of a decoder block's collectives that nothing hides, forward and backward, before
+    calibration: the ``tp`` term (no TP overlap in moefold) and, without the batch-level overlap, the ``ep`` term (the
+    exchanges that may hide behind the shared experts excluded): ``step_time._chunk_actions`` adds at least these to
+    the block's actions (recompute's collectives, cp, pp, the collectives over tp x cp x dp and the MTP blocks' only
+    add more)."""
+    from moefold.planner.comm import block_collectives
+    from moefold.planner.step_time import _actions_key, _by_term, _Links
+
+    overlap = config.train.overlap_moe_expert_parallel_comm
+    terms = ("tp",) if overlap else ("tp", "ep")
+    key = compute_token(config)
+    # rank 0's groups inside the pipeline and data-parallel dims (tp-cp-dp-pp, etp-ep-edp-pp rank order) are the same
+    # whatever pp and dp are: one entry per tp, cp, ep, etp (the collectives over tp x cp x dp are left out)
+    context = (key, sizes.tp, sizes.cp, sizes.ep, sizes.etp, cluster, gpus_per_node, terms)
+    if context not in _EXPOSED:
+        if len(_EXPOSED) > MAX_ENTRIES:
+            _EXPOSED.clear()
+        links, shared = _Links(sizes, cluster, gpus_per_node), None
+        out = {}
+        for moe in {kind[0] for kind in _layer_kinds(config.model, config.train.seq_length) if not kind[1]}:
+            # a block's collectives are sized by tp, cp, ep and etp (``comm.block_collectives``); their seconds
+            # depend on where the groups' ranks sit (``_Links``: every size)
+            which = (key, sizes.tp, sizes.cp, sizes.ep, sizes.etp, moe)
+            if which not in _COLLECTIVES:
+                if len(_COLLECTIVES) > MAX_ENTRIES:
+                    _COLLECTIVES.clear()
+                shared = shared or _actions_key(config)
+                _COLLECTIVES[which] = [c for c in block_collectives(shared, sizes, moe)
+                                       if not c.overlaps and c.group in INNER_GROUPS]
+            out[(moe, False)] = sum(_by_term(links, _COLLECTIVES[which], phase).get(term, 0.0)
+                                    for phase in ("forward", "backward") for term in terms)
+        _EXPOSED[context] = out
+    return _EXPOSED[context]
+
+
+__all__ = ["PIPELINE_FIELDS", "compute_key", "compute_token", "rank_block_kinds", "step_lower_bound"]

@@ -44,6 +44,9 @@ def test_the_bound_is_below_every_step(deepseek_search) -> None:
     for n, plan in enumerate(result.plans):
         bound = step_lower_bound(plan.config, plan.sizes, H100, plan.num_micro)
         assert 0 < bound <= plan.time.total
+        # the search's bound (unhidden TP/EP communication, the closed form's bubble) on the closed-form clock's step
+        tighter = step_lower_bound(plan.config, plan.sizes, H100, plan.num_micro, gpus_per_node=8)
+        assert bound <= tighter * (1 + 1e-12) and tighter <= plan.time.total * (1 + 1e-9)
         if n == 0:   # the simulated clock (--exact) too, on the fastest
             assert bound <= estimate_step_time(plan.config, plan.sizes, H100, 8).total * (1 + 1e-9)
         flat = estimate_step_time(plan.config, plan.sizes, H100, 8, efficiency=0.5, simulate=False)

@@ -12,6 +12,8 @@ head and the multi-token-prediction modules; DeepSeek-V4's layers as ``training.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from moefold.models.config import ModelConfig
 from moefold.training.observe.flops_v4 import v4_attention_macs, v4_head_macs
 
@@ -105,6 +107,7 @@ def ffn_macs(c: ModelConfig, moe: bool) -> float:
     return macs
 
 
+@lru_cache(maxsize=64)   # a frozen config: the planner asks for it per layout it times
 def forward_flops_per_token(c: ModelConfig, seq_len: int) -> float:
     """Forward FLOPs of one token through the whole model (all layers, head, MTP)."""
     macs = 0.0
