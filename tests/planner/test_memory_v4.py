@@ -1,8 +1,8 @@
 """``moefold plan``'s activation model for DeepSeek-V4 (``planner.activations_v4``) against the trainer's measured
 peak at world 1 (``tests/planner/test_memory.py``'s measurement: the tensor tracker over one forward + backward).
 
-The compressed attention computes its scores densely over the window and the entries and masks them, so its
-probabilities grow with S x (S + S / rate): the model must count them, and the mHC streams' tensors."""
+The compressed attention keeps no scores (each block of queries recomputes its band and entries' scores in the
+backward): the model counts its transient block scores, the indexer's picks, and the mHC streams' tensors."""
 
 from __future__ import annotations
 
@@ -25,3 +25,10 @@ def test_v4_activation_peak_world1(bf16: bool) -> None:
     measured = measured_activations(config, ParallelDims.single())
     predicted = predicted_activations(config, 1, 0)
     assert predicted == pytest.approx(measured, rel=ACTIVATION_RTOL), f"{predicted / measured - 1:+.1%}"
+
+
+def test_the_planner_blocks_queries_as_the_attention_does() -> None:
+    from moefold.dense.compressed_attention import V4AttentionConfig
+    from moefold.planner.activations_v4 import V4_QUERY_CHUNK
+
+    assert V4AttentionConfig.__dataclass_fields__["query_chunk"].default == V4_QUERY_CHUNK
