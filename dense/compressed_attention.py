@@ -160,7 +160,7 @@ class CompressedAttention(nn.Module):
         Scores ``[B, N, C, C + window - 1 + (T or k) + 1]``: O(S * (window + k)) for the sequence, O(S * S / rate)
         for HCA, as the published kernels; never ``[S, S]``."""
         c = self.config
-        b, n, chunk, _ = q.shape
+        b, _, chunk, _ = q.shape
         scale = c.head_dim ** -0.5
         lo, hi = max(0, s0 - c.window + 1), s0 + chunk
         t = torch.arange(s0, hi, device=q.device).view(-1, 1)                   # query positions

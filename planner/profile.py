@@ -31,6 +31,7 @@ from moefold.pipeline.actions import ActionKind, is_local, model_chunk, split_ba
 from moefold.pipeline.schedules import Schedule, build_schedule
 from moefold.planner.activations import NOT_OFFLOADED, ActivationMemory, ActivationShape, Part, activation_shape
 from moefold.planner.activations_ffn import mlp, moe
+from moefold.planner.activations_mamba import block_kind, hybrid_block, representative
 from moefold.planner.activations_v4 import v4_attention, v4_hyper
 from moefold.planner.inflight import held_states, most_held, peak_bytes
 from moefold.planner.static import layout_of
@@ -43,6 +44,8 @@ def block(shape: ActivationShape, index: int, dispatcher: str) -> tuple[Part, ..
     parts in forward order: input norm + attention, then post-attention norm + FFN (with the norm output the FFN
     keeps directly). Its backward frees the FFN's part before the attention's."""
     m, a, Tx, H = shape.model, shape.a, shape.T_x, shape.model.hidden_size
+    if m.hybrid.one_sublayer and index < m.num_layers:   # Nemotron-H: one norm, one sub-layer
+        return (hybrid_block(shape, index, dispatcher),)
     is_moe = is_moe_block(m, index)
     discard = "layernorm" in shape.chosen
 
@@ -199,14 +202,12 @@ def chunk_parts(shape: ActivationShape, layers: list[int], first: bool, last: bo
 
 
 @lru_cache(maxsize=4096)
-def chunk_profile(shape: ActivationShape, kinds: tuple[bool, ...], first: bool, last: bool, dispatcher: str,
+def chunk_profile(shape: ActivationShape, kinds: tuple[bool | str, ...], first: bool, last: bool, dispatcher: str,
                   received: bool, sent: bool) -> ChunkProfile:
-    """``profile`` of a chunk whose layers are MoE or dense as ``kinds`` says: a block's tensors depend only on
-    its kind, so chunks of equal kinds (any stage, any layout with the same shape) share one profile."""
-    m = shape.model
-    dense = next((i for i in range(m.num_layers) if not is_moe_block(m, i)), 0)
-    moe_id = next((i for i in range(m.num_layers) if is_moe_block(m, i)), 0)
-    layers = [moe_id if k else dense for k in kinds]
+    """``profile`` of a chunk whose layers are MoE or dense (or a one-sublayer stack's layer types) as ``kinds``
+    says (``activations_mamba.block_kind``): a block's tensors depend only on its kind, so chunks of equal kinds
+    (any stage, any layout with the same shape) share one profile."""
+    layers = [representative(shape.model, k) for k in kinds]
     parts = chunk_parts(shape, layers, first, last, dispatcher, received, sent)
     return profile(parts, received, sent, frozenset(shape.options.offload_modules))
 
@@ -417,7 +418,7 @@ def _activation_memories(config: RunConfig, sizes: ParallelSizes, num_micro: int
             chunks = [(list(c.layers), c.has_embedding, (c.has_head, c.has_mtp), c.model_chunk > 0,
                        c.model_chunk < last) for c in layout.rank_chunks(pp_rank)]
             schedule = (config.schedule_name(layout.vpp), sizes.pp, num_micro, layout.vpp, overlap)
-        profiles = [chunk_profile(shape, tuple(is_moe_block(m, i) for i in layers), first, last_chunk, dispatcher,
+        profiles = [chunk_profile(shape, tuple(block_kind(m, i) for i in layers), first, last_chunk, dispatcher,
                                   received, sent) for layers, first, last_chunk, received, sent in chunks]
         host = max((p.offloaded for p in profiles), default=0)
         if not exact:

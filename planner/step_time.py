@@ -283,7 +283,9 @@ def _offloaded_bytes(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, 
     m = config.model
     shape = activation_shape(config, sizes)
     dispatcher = config.options.resolved_dispatcher(sizes.ep, sizes.etp)
-    kinds = tuple(is_moe_block(m, i) for i in chunk.layers)
+    from moefold.planner.activations_mamba import block_kind
+
+    kinds = tuple(block_kind(m, i) for i in chunk.layers)
     received, sent = chunk.model_chunk > 0, chunk.model_chunk < last_model_chunk
     return chunk_profile(shape, kinds, chunk.has_embedding, chunk.has_head, dispatcher, received, sent).offloaded
 
