@@ -148,7 +148,7 @@ def main() -> None:
     rows = []
     for S in args.seqs:
         for kind in args.kinds:
-            if kind in DENSE and S > args.dense_max:
+            if kind in DENSE and args.dense_max < S:
                 continue
             q = ctx.Queue()
             p = ctx.Process(target=_measure, args=(kind, S, args.topk, args.iters, q))

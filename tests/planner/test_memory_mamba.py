@@ -94,3 +94,19 @@ def test_plan_nemotron_nano(capsys) -> None:
     out = capsys.readouterr()
     assert code == 0, out.err
     assert "nemotron_3_nano_30b_a3b" in out.out and "tok/s/GPU" in out.out, out.out
+
+
+@pytest.mark.parametrize("pp,ep", [(1, 2), (2, 1)])
+def test_static_lower_bound_stays_below_the_meta_build(pp: int, ep: int) -> None:
+    """A one-sublayer stack's non-MoE layers (Mamba-2, attention, MLP) differ in size: the bound takes the smallest,
+    and the exact count builds each stage with its own layer types (``stage_signature``)."""
+    from moefold.planner.static import exact_static, static_lower_bound
+
+    model = get_recipe("nemotron_h_tiny")
+    train = TrainConfig(micro_batch_size=1, global_batch_size=4, seq_length=64, train_iters=1, lr_warmup_iters=0)
+    config = RunConfig(model=model, parallel=ParallelConfig(pp=pp, ep=ep), options=ModelOptions(), train=train,
+                       recipe=model.name)
+    sizes, _ = config.resolve(4)
+    exact, bound = exact_static(config, sizes), static_lower_bound(config, sizes)
+    for rank, memory in exact.items():
+        assert 0.5 * memory.params <= bound[rank].params <= memory.params, (rank, bound[rank], memory)
