@@ -30,6 +30,7 @@ from moefold.parallel.dims import ParallelSizes
 from moefold.pipeline.actions import ActionKind, is_local, model_chunk, split_batches
 from moefold.pipeline.schedules import Schedule, build_schedule
 from moefold.planner.activations import NOT_OFFLOADED, ActivationMemory, ActivationShape, Part, activation_shape
+from moefold.planner.activations_dsa import dsa_attention
 from moefold.planner.activations_ffn import mlp, moe
 from moefold.planner.activations_mamba import block_kind, hybrid_block, representative
 from moefold.planner.activations_v4 import v4_attention, v4_hyper
@@ -53,8 +54,9 @@ def block(shape: ActivationShape, index: int, dispatcher: str) -> tuple[Part, ..
         # layernorm recompute keeps only the norm's input (the block's input, or the attention's residual sum)
         return {f"{name} input": a * Tx * H} if discard else shape.norm(Tx, H, name)
 
-    # DeepSeek-V4: compressed attention, mHC streams (planner.activations_v4)
-    attention = (v4_attention(shape, index) if m.v4 is not None else
+    # DeepSeek-V4: compressed attention, mHC streams (planner.activations_v4); DeepSeek sparse attention
+    # (planner.activations_dsa)
+    attention = (v4_attention(shape, index) if m.v4 is not None else dsa_attention(shape) if m.dsa is not None else
                  shape.mla() if m.attention == "mla" else shape.gqa())
     ffn = moe(shape, dispatcher) if is_moe else mlp(shape, m.ffn_hidden_size)
     if is_moe:   # who keeps the post-attention norm's output itself (no all-gather in between)
