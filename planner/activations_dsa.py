@@ -17,7 +17,8 @@ off its code and the tensors a built layer saves (the whole peak against the tra
 
 Transient: one block's gathered latents, scores and probabilities (forward; again with their gradients in the
 backward, with the loss's gathered indexer keys ``[chunk, K, d]``), and the indexer's fp32 scores of a block
-against every key ``[chunk, n, S]`` and their ReLU. Selective recompute's modules are not applied to this layer's counts.
+against every key ``[chunk, n, S]`` and their ReLU. Selective recompute's modules are not applied to this layer's
+counts.
 """
 
 from __future__ import annotations
