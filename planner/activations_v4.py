@@ -57,6 +57,11 @@ def v4_attention(shape: ActivationShape, index: int) -> Part:
     return Part("attention", saved, fwd_extra=fwd, bwd_extra=grads, offload=dict.fromkeys(saved, ("core_attn",)))
 
 
+def v4_streams(model) -> int:
+    """The residual streams a block hands on (and a pipeline stage sends): ``hc_mult`` for V4, else 1."""
+    return model.v4.hc_mult if model.v4 is not None else 1
+
+
 def v4_hyper(shape: ActivationShape, prefix: str) -> dict[str, int]:
     """One ``HyperConnection`` and its mix-back (module docstring)."""
     m, a, T = shape.model, shape.a, shape.T_c
@@ -66,4 +71,4 @@ def v4_hyper(shape: ActivationShape, prefix: str) -> dict[str, int]:
             f"{prefix} mix streams": a * T * N * H, f"{prefix} mix sub-layer output": a * T * H}
 
 
-__all__ = ["v4_attention", "v4_hyper"]
+__all__ = ["V4_QUERY_CHUNK", "v4_attention", "v4_hyper", "v4_streams"]

@@ -33,7 +33,7 @@ from moefold.planner.activations import NOT_OFFLOADED, ActivationMemory, Activat
 from moefold.planner.activations_dsa import dsa_attention
 from moefold.planner.activations_ffn import mlp, moe
 from moefold.planner.activations_mamba import block_kind, hybrid_block, representative
-from moefold.planner.activations_v4 import v4_attention, v4_hyper
+from moefold.planner.activations_v4 import v4_attention, v4_hyper, v4_streams
 from moefold.planner.inflight import held_states, most_held, peak_bytes
 from moefold.planner.static import layout_of
 from moefold.training.config import RunConfig
@@ -176,6 +176,7 @@ def chunk_parts(shape: ActivationShape, layers: list[int], first: bool, last: bo
     """The parts of a chunk holding ``layers``, the embedding (``first``) and the head and MTP (``last``).
     ``received``/``sent``: its input comes from / its output goes to another pipeline stage."""
     a, Tx, H = shape.a, shape.T_x, shape.model.hidden_size
+    H *= v4_streams(shape.model)   # DeepSeek-V4 hands its n_hc residual streams from stage to stage
     parts = [embedding(shape)] if first else []
     if received:   # the executor holds the received activation for the backward; the first block's input norm
         # keeps that same tensor when it saves its input (an fp32 model, or layernorm recompute)
@@ -407,7 +408,7 @@ def _activation_memories(config: RunConfig, sizes: ParallelSizes, num_micro: int
     dispatcher = config.options.resolved_dispatcher(sizes.ep, sizes.etp)
     m = config.model
     overlap = config.train.overlap_moe_expert_parallel_comm
-    message = shape.a * shape.T_x * m.hidden_size
+    message = shape.a * shape.T_x * m.hidden_size * v4_streams(m)
     out = []
     for pp_rank in range(sizes.pp):
         if sizes.pp == 1:
