@@ -14,8 +14,13 @@ compressed ones at ``compress_rope_theta`` with ``compress_yarn`` when set), und
 position; a learned sink logit per head (``sinks``); a grouped output projection (``o_a_proj``: ``o_groups`` blocks
 to ``o_lora_rank`` each, then ``o_b_proj``). Training form: the whole sequence, positions 0..S-1, no cache.
 
+Cost as the published design bounds it: ``query_chunk`` queries at a time under a checkpoint, each block scoring
+only the band of ``chunk + window - 1`` keys that holds its windows and the entries it may read (HCA: the closed
+ones; CSA: each query's gathered picks), one softmax over both and the sink. Nothing of size ``[S, S]`` exists; the
+blocks' scores are recomputed in the backward, so what is kept is O(S) (CSA: plus the ``[B, S, k]`` picks).
+
 ``forward(x [S, B, H], position_ids [S]) -> [S, B, H]``. One rank holds the whole sequence and every head:
-nothing crosses ranks (the model refuses tp and cp for this attention).
+nothing crosses ranks (the model refuses tp and cp for this attention, and packed documents at start-up).
 """
 
 from __future__ import annotations
