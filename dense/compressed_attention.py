@@ -14,8 +14,13 @@ compressed ones at ``compress_rope_theta`` with ``compress_yarn`` when set), und
 position; a learned sink logit per head (``sinks``); a grouped output projection (``o_a_proj``: ``o_groups`` blocks
 to ``o_lora_rank`` each, then ``o_b_proj``). Training form: the whole sequence, positions 0..S-1, no cache.
 
+Cost as the published design bounds it: ``query_chunk`` queries at a time under a checkpoint, each block scoring
+only the band of ``chunk + window - 1`` keys that holds its windows and the entries it may read (HCA: the closed
+ones; CSA: each query's gathered picks), one softmax over both and the sink. Nothing of size ``[S, S]`` exists; the
+blocks' scores are recomputed in the backward, so what is kept is O(S) (CSA: plus the ``[B, S, k]`` picks).
+
 ``forward(x [S, B, H], position_ids [S]) -> [S, B, H]``. One rank holds the whole sequence and every head:
-nothing crosses ranks (the model refuses tp and cp for this attention).
+nothing crosses ranks (the model refuses tp and cp for this attention, and packed documents at start-up).
 """
 
 from __future__ import annotations
@@ -30,11 +35,11 @@ from torch.nn import functional as F
 from moefold.dense.kv_compression import (
     CompressedIndexer,
     KVCompressor,
-    entries_bias,
     interleaved_cos_sin,
     interleaved_rope,
 )
 from moefold.dense.norm import RMSNorm
+from moefold.dense.recompute import checkpointed
 from moefold.dense.rope import RotaryEmbedding, YarnConfig
 from moefold.parallel.sharding import normal_init, set_init
 
@@ -70,10 +75,12 @@ class V4AttentionConfig:
     index_topk: int = 1
     norm_eps: float = 1e-6
     init_std: float = 0.02
+    query_chunk: int = 512   # queries per checkpointed block: bounds the transient scores (not a model value)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", V4AttentionKind(self.kind))
-        for name in ("hidden", "heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "window", "rate"):
+        for name in ("hidden", "heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "window", "rate",
+                     "query_chunk"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"V4AttentionConfig: {name}={value!r} must be a positive integer")
@@ -120,10 +127,11 @@ class CompressedAttention(nn.Module):
     def forward(self, x_SBH: Tensor, position_ids: Tensor) -> Tensor:
         c = self.config
         s, b, _ = x_SBH.shape
-        # (a meta build, which the device-build checks run, has no values to check)
-        if position_ids.device.type != "meta" and not torch.equal(position_ids.cpu(), torch.arange(s)):
-            raise ValueError("CompressedAttention: the compressed windows need positions 0..S-1 (the whole "
-                             "sequence on this rank, no packed documents)")
+        # positions are 0..S-1 by construction: cp is refused (``check_v4_layout``) and so are packed documents'
+        # restarted positions (``RunConfig.resolve``); only the shape is checked here (no device-to-host sync)
+        if tuple(position_ids.shape) != (s,):
+            raise ValueError(f"CompressedAttention: position_ids {tuple(position_ids.shape)} must be [{s}], the "
+                             "positions 0..S-1 of the whole sequence")
         x = x_SBH.transpose(0, 1)                                                # [B, S, H]
         cos, sin = interleaved_cos_sin(self.rotary, torch.arange(s, device=x.device))
         q_residual = self.q_a_norm(self.q_a_proj(x))
@@ -131,35 +139,74 @@ class CompressedAttention(nn.Module):
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + c.norm_eps).to(q.dtype)
         q = interleaved_rope(q, cos, sin)
         kv = interleaved_rope(self.kv_norm(self.kv_proj(x)), cos, sin)          # [B, S, D]
-        bias = _sliding_bias(s, c.window, x.device, q.dtype).expand(b, s, s)
+        entries = selected = None
         if self.compressor is not None:
-            entries = self.compressor(x)                                         # [B, T, D]
+            entries = self.compressor(x)                                         # [B, S / rate, D]
             indexer = getattr(self.compressor, "indexer", None)
-            selected = indexer.select(x, q_residual) if indexer is not None else None
-            kv = torch.cat([kv, entries], dim=1)
-            bias = torch.cat([bias, entries_bias(s, entries.shape[1], c.rate, selected, x.device,
-                                                 q.dtype).expand(b, s, -1)], dim=-1)
-        logits = torch.matmul(q, kv.unsqueeze(1).transpose(-1, -2)) * c.head_dim ** -0.5 + bias.unsqueeze(1)
-        sinks = self.sinks.to(logits.dtype).view(1, -1, 1, 1).expand(b, -1, s, 1)
-        logits = torch.cat([logits, sinks], dim=-1)
-        probs = F.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
-        out = torch.matmul(probs.to(kv.dtype), kv.unsqueeze(1))                 # [B, N, S, D]
-        out = interleaved_rope(out, cos, -sin).transpose(1, 2)                  # [B, S, N, D]: undo the V rotation
+            if indexer is not None:
+                selected = indexer.select(x, q_residual, c.query_chunk)          # [B, S, k], -1: none
+        outs = []
+        for s0 in range(0, s, c.query_chunk):
+            s1 = min(s0 + c.query_chunk, s)
+            picks = None if selected is None else selected[:, s0:s1]
+            outs.append(checkpointed(self._attend, q[:, :, s0:s1], kv, entries, picks, s0))
+        out = interleaved_rope(torch.cat(outs, dim=2), cos, -sin).transpose(1, 2)   # [B, S, N, D]: undo V's rotation
         grouped = out.reshape(b, s, c.o_groups, -1)
         w = self.o_a_proj.weight.view(c.o_groups, c.o_lora_rank, -1)
         mixed = torch.einsum("bsgi,goi->bsgo", grouped, w).flatten(2)
         return self.o_b_proj(mixed).transpose(0, 1)
+
+    def _attend(self, q: Tensor, kv: Tensor, entries: Tensor | None, picks: Tensor | None, s0: int) -> Tensor:
+        """Queries ``s0 .. s0 + C - 1``: q ``[B, N, C, D]``, the sequence's KV ``[B, S, D]``, the compressed entries
+        ``[B, T, D]`` (None: sliding), the indexer's picks ``[B, C, k]`` (None: every closed entry) -> ``[B, N, C, D]``.
+
+        Reads only what the queries may see: the band of ``C + window - 1`` keys ending at the chunk's last query,
+        then the closed entries (HCA) or each query's gathered picks (CSA); one softmax over both and the sink.
+        Scores ``[B, N, C, C + window - 1 + (T or k) + 1]``: O(S * (window + k)) for the sequence, O(S * S / rate)
+        for HCA, as the published kernels; never ``[S, S]``."""
+        c = self.config
+        b, _, chunk, _ = q.shape
+        scale = c.head_dim ** -0.5
+        lo, hi = max(0, s0 - c.window + 1), s0 + chunk
+        t = torch.arange(s0, hi, device=q.device).view(-1, 1)                   # query positions
+        j = torch.arange(lo, hi, device=q.device).view(1, -1)                   # band key positions
+        band = kv[:, lo:hi]                                                      # [B, L, D]
+        logits = [torch.matmul(q, band.unsqueeze(1).transpose(-1, -2)).mul(scale)
+                  .masked_fill((j > t) | (j <= t - c.window), float("-inf"))]   # [B, N, C, L]
+        keys = None
+        if entries is not None and picks is None:   # HCA: every entry closed for some query of the chunk
+            keys = entries[:, :hi // c.rate]                                     # [B, E, D]
+            hidden = torch.arange(keys.shape[1], device=q.device).view(1, -1) >= (t + 1) // c.rate
+            logits.append(torch.matmul(q, keys.unsqueeze(1).transpose(-1, -2)).mul(scale).masked_fill(
+                hidden, float("-inf")))
+        elif picks is not None:                     # CSA: each query's own k picks, shared by its heads
+            keys = _gather_entries(entries, picks)                              # [B, C, k, D]
+            scores = torch.matmul(q.transpose(1, 2), keys.transpose(-1, -2))    # [B, C, N, k]
+            logits.append(scores.transpose(1, 2).mul(scale).masked_fill((picks < 0).unsqueeze(1), float("-inf")))
+        logits.append(self.sinks.to(q.dtype).view(1, -1, 1, 1).expand(b, -1, chunk, 1))
+        full = torch.cat(logits, dim=-1)
+        probs = F.softmax(full - full.max(dim=-1, keepdim=True).values, dim=-1).to(kv.dtype)
+        p_band, p_entries = probs[..., :band.shape[1]], probs[..., band.shape[1]:-1]
+        out = torch.matmul(p_band, band.unsqueeze(1))                           # [B, N, C, D]
+        if keys is not None and picks is None:
+            out = out + torch.matmul(p_entries, keys.unsqueeze(1))
+        elif keys is not None:
+            out = out + torch.matmul(p_entries.transpose(1, 2), keys).transpose(1, 2)
+        return out
 
     def extra_repr(self) -> str:
         c = self.config
         return f"kind={c.kind.value}, heads={c.heads}, head_dim={c.head_dim}, window={c.window}, rate={c.rate}"
 
 
-def _sliding_bias(seq_len: int, window: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """[1, S, S]: 0 where ``t - window < j <= t``, -inf elsewhere."""
-    t = torch.arange(seq_len, device=device)
-    visible = (t.view(1, -1) <= t.view(-1, 1)) & (t.view(1, -1) > t.view(-1, 1) - window)
-    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(~visible, float("-inf")).unsqueeze(0)
+def _gather_entries(entries: Tensor, picks: Tensor) -> Tensor:
+    """``entries[b, picks[b, c, k]]`` as ``[B, C, k, D]`` (a -1 pick reads entry 0, masked by the caller);
+    ``index_select`` on the flattened rows, whose backward is one ``index_add``."""
+    b, e, d = entries.shape
+    if e == 0:
+        return entries.new_zeros(*picks.shape, d)
+    rows = picks.clamp(min=0) + torch.arange(b, device=picks.device).view(b, 1, 1) * e
+    return entries.reshape(b * e, d).index_select(0, rows.reshape(-1)).view(*picks.shape, d)
 
 
 __all__ = ["CompressedAttention", "V4AttentionConfig", "V4AttentionKind"]

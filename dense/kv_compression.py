@@ -10,7 +10,7 @@ interleaved RoPE at the window's first position. Query t sees entry w only once 
 - compressed sparse attention (CSA, ``overlap=True``, rate m = 4): each token projects two series; entry w mixes
   window w-1's first series with window w's second (``2 * rate`` slots, stride ``rate``; window 0's missing half
   has weight 0), and a ``CompressedIndexer`` (the lightning indexer, on its own smaller compressor) keeps each
-  query's ``topk`` best closed entries: the others are masked.
+  query's ``topk`` best closed entries: the attention reads only those.
 
 The math is transformers' ``DeepseekV4HCACompressor`` / ``DeepseekV4CSACompressor`` / ``DeepseekV4Indexer`` in
 training form (the whole sequence at once, no cache). Tensors are batch-first ``[B, S, ...]`` here; nothing
@@ -132,32 +132,27 @@ class CompressedIndexer(KVCompressor):
         set_init(self.q_b_proj.weight, normal_init(init_std))
         self.scorer = IndexScorer(hidden, heads, head_dim, init_std, device=device)
 
-    def select(self, x: Tensor, q_residual: Tensor) -> Tensor:
+    @torch.no_grad()
+    def select(self, x: Tensor, q_residual: Tensor, query_chunk: int = 512) -> Tensor:
+        """Each query's picks; without autograd (the top-k passes no gradient, as in transformers) and
+        ``query_chunk`` queries at a time, so the scores are ``[B, chunk, heads, T]``, never ``[B, S, heads, T]``."""
         b, s, _ = x.shape
         keys = self(x)
-        cos, sin = interleaved_cos_sin(self.rotary, torch.arange(s, device=x.device))
-        q = interleaved_rope(self.q_b_proj(q_residual).view(b, s, self.heads, self.head_dim).transpose(1, 2),
-                             cos, sin).transpose(1, 2)
-        scores = self.scorer(q, keys, x)
         t = keys.shape[1]
+        cos, sin = interleaved_cos_sin(self.rotary, torch.arange(s, device=x.device))
         closed = closed_entries(s, self.rate, x.device).view(1, s, 1)
-        scores = scores.masked_fill(torch.arange(t, device=x.device).view(1, 1, t) >= closed, float("-inf"))
-        ids = scores.topk(min(self.topk, t), dim=-1).indices
-        return torch.where(ids >= closed, torch.full_like(ids, -1), ids)
+        picks = []
+        for s0 in range(0, s, query_chunk):
+            sl = slice(s0, s0 + query_chunk)
+            q = self.q_b_proj(q_residual[:, sl]).view(b, -1, self.heads, self.head_dim).transpose(1, 2)
+            q = interleaved_rope(q, cos[sl], sin[sl]).transpose(1, 2)           # [B, C, n, c]
+            scores = self.scorer(q, keys, x[:, sl])
+            scores = scores.masked_fill(torch.arange(t, device=x.device).view(1, 1, t) >= closed[:, sl],
+                                        float("-inf"))
+            ids = scores.topk(min(self.topk, t), dim=-1).indices
+            picks.append(torch.where(ids >= closed[:, sl], torch.full_like(ids, -1), ids))
+        return torch.cat(picks, dim=1)
 
 
-def entries_bias(seq_len: int, entries: int, rate: int, selected: Tensor | None, device: torch.device,
-                 dtype: torch.dtype) -> Tensor:
-    """Additive bias over the compressed entries ``[B or 1, S, T]``: 0 where query t may attend, -inf elsewhere:
-    the closed entries (HCA, ``selected`` None) or the indexer's valid picks ``selected`` [B, S, k] (CSA)."""
-    if selected is None:
-        closed = closed_entries(seq_len, rate, device).view(1, seq_len, 1)
-        visible = torch.arange(entries, device=device).view(1, 1, entries) < closed
-        return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(~visible, float("-inf"))
-    safe = torch.where(selected >= 0, selected, torch.full_like(selected, entries))
-    bias = torch.full((*selected.shape[:2], entries + 1), float("-inf"), dtype=dtype, device=device)
-    return bias.scatter(-1, safe, 0.0)[..., :entries]
-
-
-__all__ = ["CompressedIndexer", "IndexScorer", "KVCompressor", "closed_entries", "entries_bias",
+__all__ = ["CompressedIndexer", "IndexScorer", "KVCompressor", "closed_entries",
            "interleaved_cos_sin", "interleaved_rope"]

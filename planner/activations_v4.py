@@ -6,9 +6,12 @@ and every head on the rank: V4 refuses tp and cp), read off its code:
 - the low-rank query: ``q_a_proj``'s output (the ``q_a_norm`` input, fp32 norm tensors), ``q_b_proj``'s output and
   the per-head RMS and its rotated result; the one KV head: ``kv_proj``'s output, its norm, the rotated ``[T, D]``;
 - a compressed layer's compressor: its KV / gate projections (twice as wide for the overlapping compressed sparse
-  one) and the ``[B, S / rate, D]`` entries (the lightning indexer keeps nothing: its top-k passes no gradient);
-- the scores: computed densely over the window and every entry and masked, so the ``[B, heads, S, S + S / rate + 1]``
-  probabilities (the masked softmax's output, which the value product keeps too; the additive mask is not kept);
+  one) and the ``[B, S / rate, D]`` entries; a compressed sparse layer's int64 picks ``[B, S, k]`` (the lightning
+  indexer runs without autograd, ``query_chunk`` queries at a time: its scores are transient);
+- the scores: none kept. The core attention runs ``query_chunk`` (C) queries at a time under a checkpoint, each
+  block reading the band of ``C + window - 1`` keys and its entries (compressed sparse: each query's k picks,
+  gathered ``[B, C, k, D]``; heavily compressed: the closed entries): its ``[B, heads, C, band + entries + 1]``
+  scores live only inside the block, in the forward and again in the backward's recompute;
 - the output: its rotated-back ``[T, heads, D]``, the grouped projection's input and ``o_b_proj``'s input.
 
 Each ``HyperConnection`` (two per block) keeps the flattened fp32 streams ``[T, N H]``, their RMS, the map's
@@ -19,6 +22,8 @@ streams ``[T, N, H]`` and the sub-layer's output; the residual's gradient is ``N
 from __future__ import annotations
 
 from moefold.planner.activations import ActivationShape, Part
+
+V4_QUERY_CHUNK = 512   # dense.compressed_attention.V4AttentionConfig.query_chunk's default (torch-free here)
 
 
 def v4_attention(shape: ActivationShape, index: int) -> Part:
@@ -32,14 +37,29 @@ def v4_attention(shape: ActivationShape, index: int) -> Part:
              **shape.norm(T, v4.q_lora_rank, "q_a_norm"), "q_b_proj output": a * T * nh * D,
              "q rms": 4 * T * nh, "q rotated": a * T * nh * D, "kv_proj output": a * T * D,
              **shape.norm(T, D, "kv_norm"), "kv rotated": a * T * D, "rope cos/sin": 2 * 4 * S * v4.rope_head_dim,
-             "attention probabilities": a * B * nh * S * (S + entries + 1),
              "attention output (rotated back)": a * T * nh * D, "o_b_proj input": a * T * v4.o_groups * v4.o_lora_rank}
+    chunk = min(V4_QUERY_CHUNK, S)
+    read = entries                         # heavily compressed: the last block reads every closed entry
+    gathered = 0
+    if kind == "compressed_sparse_attention":
+        read = min(v4.index_topk, entries)
+        gathered = a * B * chunk * read * D
+        saved["indexer picks (int64)"] = 8 * B * S * read
     if entries:
         width = 2 * D * (2 if kind == "compressed_sparse_attention" else 1)
         saved.update({"compressor projections": a * T * width, "compressed entries": a * B * entries * D})
-    scores = a * B * nh * S * (S + entries + 1)   # the logits beside their softmax
-    grads = 2 * scores + a * T * nh * D * 3
-    return Part("attention", saved, fwd_extra=scores, bwd_extra=grads, offload=dict.fromkeys(saved, ("core_attn",)))
+    # one block's scores: forward, the masked logits, their concatenation and its shifted copy beside the softmax;
+    # backward, the recomputed probabilities (softmax keeps only its output) and two gradients of that size, the
+    # gathered entries and their gradient
+    scores = a * B * nh * chunk * (min(chunk + v4.sliding_window - 1, S) + read + 1)
+    fwd = 3 * scores + gathered
+    grads = 3 * scores + 2 * gathered + a * T * nh * D * 3
+    return Part("attention", saved, fwd_extra=fwd, bwd_extra=grads, offload=dict.fromkeys(saved, ("core_attn",)))
+
+
+def v4_streams(model) -> int:
+    """The residual streams a block hands on (and a pipeline stage sends): ``hc_mult`` for V4, else 1."""
+    return model.v4.hc_mult if model.v4 is not None else 1
 
 
 def v4_hyper(shape: ActivationShape, prefix: str) -> dict[str, int]:
@@ -51,4 +71,4 @@ def v4_hyper(shape: ActivationShape, prefix: str) -> dict[str, int]:
             f"{prefix} mix streams": a * T * N * H, f"{prefix} mix sub-layer output": a * T * H}
 
 
-__all__ = ["v4_attention", "v4_hyper"]
+__all__ = ["V4_QUERY_CHUNK", "v4_attention", "v4_hyper", "v4_streams"]

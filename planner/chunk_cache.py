@@ -25,11 +25,12 @@ _KINDS: dict[tuple[int, int, int, int], tuple[ModelConfig, tuple]] = {}
 
 
 def _layer_kinds(model: ModelConfig, layers: range) -> tuple:
-    """(MoE?, attention window) of each layer of ``layers``, computed once per model object and range."""
+    """(MoE?, attention window, mixer type) of each layer of ``layers``, computed once per model object and range."""
     key = (id(model), layers.start, layers.stop, layers.step)
     entry = _KINDS.get(key)
     if entry is None or entry[0] is not model:
-        entry = _KINDS[key] = (model, tuple((is_moe_block(model, i), model.layer_sliding_window(i)) for i in layers))
+        entry = _KINDS[key] = (model, tuple((is_moe_block(model, i), model.layer_sliding_window(i),
+                                                         model.layer_type(i)) for i in layers))
     return entry[1]
 
 

@@ -224,10 +224,6 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             raise ValueError(f"{config.model.name} has Gated DeltaNet (linear_attention) layers, which the planner's "
                              "activation-memory and step-time models do not describe; plan a model of attention "
                              "layers only")
-        if config.model.hybrid.one_sublayer or "mamba" in (config.model.layer_types or ()):
-            raise ValueError(f"{config.model.name} has Mamba-2 / one-sublayer (Nemotron-H) layers, whose SSM state and "
-                             "activations the planner's memory and step-time models do not describe yet; plan a "
-                             "model of attention layers only")
     except ValueError as exc:
         print(f"moefold plan: {exc}", file=sys.stderr)
         return 2

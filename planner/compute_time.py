@@ -165,6 +165,10 @@ def block_compute(config: RunConfig, sizes: ParallelSizes, index: int, cluster: 
     """Seconds of block ``index`` (module docstring). ``score_macs``: core attention's multiply-adds per token;
     ``recompute``: the selectively recomputed modules; ``flops_only``: FLOP/s of the flat model, or None."""
     m = config.model
+    if m.hybrid.one_sublayer and index < m.num_layers:   # Nemotron-H: one sub-layer per layer
+        from moefold.planner.compute_hybrid import hybrid_block_compute
+
+        return hybrid_block_compute(config, sizes, m.layer_type(index), cluster, score_macs, recompute, flops_only)
     return _block_compute(config, sizes, is_moe_block(m, index), index >= m.num_layers, cluster, score_macs,
                           recompute, flops_only)
 

@@ -29,8 +29,10 @@ from moefold.execution.recompute import full_recompute_groups
 from moefold.models.layer_factory import is_moe_block
 from moefold.parallel.dims import ParallelSizes
 from moefold.planner.activations import NOT_OFFLOADED, ActivationMemory, ActivationShape, Part, activation_shape
+from moefold.planner.activations_dsa import dsa_attention
 from moefold.planner.activations_ffn import mlp, moe
-from moefold.planner.activations_v4 import v4_attention, v4_hyper
+from moefold.planner.activations_mamba import block_kind, hybrid_block, representative
+from moefold.planner.activations_v4 import v4_attention, v4_hyper, v4_streams
 from moefold.planner.inflight import held_states, most_held, peak_bytes
 from moefold.planner.schedule_walk import _events, schedule_peak, steady_schedule
 from moefold.planner.static import layout_of
@@ -43,6 +45,8 @@ def block(shape: ActivationShape, index: int, dispatcher: str) -> tuple[Part, ..
     parts in forward order: input norm + attention, then post-attention norm + FFN (with the norm output the FFN
     keeps directly). Its backward frees the FFN's part before the attention's."""
     m, a, Tx, H = shape.model, shape.a, shape.T_x, shape.model.hidden_size
+    if m.hybrid.one_sublayer and index < m.num_layers:   # Nemotron-H: one norm, one sub-layer
+        return (hybrid_block(shape, index, dispatcher),)
     is_moe = is_moe_block(m, index)
     discard = "layernorm" in shape.chosen
 
@@ -50,8 +54,9 @@ def block(shape: ActivationShape, index: int, dispatcher: str) -> tuple[Part, ..
         # layernorm recompute keeps only the norm's input (the block's input, or the attention's residual sum)
         return {f"{name} input": a * Tx * H} if discard else shape.norm(Tx, H, name)
 
-    # DeepSeek-V4: compressed attention, mHC streams (planner.activations_v4)
-    attention = (v4_attention(shape, index) if m.v4 is not None else
+    # DeepSeek-V4: compressed attention, mHC streams (planner.activations_v4); DeepSeek sparse attention
+    # (planner.activations_dsa)
+    attention = (v4_attention(shape, index) if m.v4 is not None else dsa_attention(shape) if m.dsa is not None else
                  shape.mla() if m.attention == "mla" else shape.gqa())
     ffn = moe(shape, dispatcher) if is_moe else mlp(shape, m.ffn_hidden_size)
     if is_moe:   # who keeps the post-attention norm's output itself (no all-gather in between)
@@ -171,6 +176,7 @@ def chunk_parts(shape: ActivationShape, layers: list[int], first: bool, last: bo
     """The parts of a chunk holding ``layers``, the embedding (``first``) and the head and MTP (``last``).
     ``received``/``sent``: its input comes from / its output goes to another pipeline stage."""
     a, Tx, H = shape.a, shape.T_x, shape.model.hidden_size
+    H *= v4_streams(shape.model)   # DeepSeek-V4 hands its n_hc residual streams from stage to stage
     parts = [embedding(shape)] if first else []
     if received:   # the executor holds the received activation for the backward; the first block's input norm
         # keeps that same tensor (dense.norm keeps its input; layernorm recompute keeps it too)
@@ -199,14 +205,12 @@ def chunk_parts(shape: ActivationShape, layers: list[int], first: bool, last: bo
 
 
 @lru_cache(maxsize=4096)
-def chunk_profile(shape: ActivationShape, kinds: tuple[bool, ...], first: bool, last: bool, dispatcher: str,
+def chunk_profile(shape: ActivationShape, kinds: tuple[bool | str, ...], first: bool, last: bool, dispatcher: str,
                   received: bool, sent: bool) -> ChunkProfile:
-    """``profile`` of a chunk whose layers are MoE or dense as ``kinds`` says: a block's tensors depend only on
-    its kind, so chunks of equal kinds (any stage, any layout with the same shape) share one profile."""
-    m = shape.model
-    dense = next((i for i in range(m.num_layers) if not is_moe_block(m, i)), 0)
-    moe_id = next((i for i in range(m.num_layers) if is_moe_block(m, i)), 0)
-    layers = [moe_id if k else dense for k in kinds]
+    """``profile`` of a chunk whose layers are MoE or dense (or a one-sublayer stack's layer types) as ``kinds``
+    says (``activations_mamba.block_kind``): a block's tensors depend only on its kind, so chunks of equal kinds
+    (any stage, any layout with the same shape) share one profile."""
+    layers = [representative(shape.model, k) for k in kinds]
     parts = chunk_parts(shape, layers, first, last, dispatcher, received, sent)
     return profile(parts, received, sent, frozenset(shape.options.offload_modules))
 
@@ -264,15 +268,16 @@ def activation_memories(config: RunConfig, sizes: ParallelSizes, num_micro: int,
 
 
 _SHAPES: dict[tuple, tuple[ActivationShape, dict]] = {}
-_MOE_FLAGS: dict[int, tuple] = {}
+_BLOCK_KINDS: dict[int, tuple] = {}
 _TRAIN_KEY: list = [None, None]   # (the train config last keyed, its key)
 
 
-def _moe_flags(model) -> tuple[bool, ...]:
-    """``is_moe_block`` of each decoder layer, once per model object."""
-    entry = _MOE_FLAGS.get(id(model))
+def _block_kinds(model) -> tuple[bool | str, ...]:
+    """``activations_mamba.block_kind`` of each decoder layer (MoE or dense, or a one-sublayer stack's layer
+    type), once per model object."""
+    entry = _BLOCK_KINDS.get(id(model))
     if entry is None or entry[0] is not model:
-        entry = _MOE_FLAGS[id(model)] = (model, tuple(is_moe_block(model, i) for i in range(model.num_layers)))
+        entry = _BLOCK_KINDS[id(model)] = (model, tuple(block_kind(model, i) for i in range(model.num_layers)))
     return entry[1]
 
 
@@ -305,9 +310,9 @@ def _activation_memories(config: RunConfig, sizes: ParallelSizes, num_micro: int
     shape, profile_of = _SHAPES[shape_key]   # profile_of: chunk_profile's, keyed without the shape
     dispatcher = config.options.resolved_dispatcher(sizes.ep, sizes.etp)
     m = config.model
-    moe_flags = _moe_flags(m)
+    kinds = _block_kinds(m)
     overlap = config.train.overlap_moe_expert_parallel_comm
-    message = shape.a * shape.T_x * m.hidden_size
+    message = shape.a * shape.T_x * m.hidden_size * v4_streams(m)
     out = []
     for pp_rank in range(sizes.pp):
         if sizes.pp == 1:
@@ -322,7 +327,7 @@ def _activation_memories(config: RunConfig, sizes: ParallelSizes, num_micro: int
             schedule = (config.schedule_name(layout.vpp), sizes.pp, num_micro, layout.vpp, overlap)
         profiles = []
         for layers, first, last_chunk, received, sent in chunks:
-            key = (tuple(moe_flags[i] for i in layers), first, last_chunk, dispatcher, received, sent)
+            key = (tuple(kinds[i] for i in layers), first, last_chunk, dispatcher, received, sent)
             if key not in profile_of:
                 profile_of[key] = chunk_profile(shape, *key)
             profiles.append(profile_of[key])

@@ -86,12 +86,14 @@ def layout_of(config: RunConfig, pp: int) -> StageLayout:
 
 def stage_signature(config: RunConfig, pp: int, pp_rank: int) -> tuple:
     """What decides a stage's parameters: per chunk, the kind of each layer, the embedding and the head."""
+    m = config.model
+    types = m.layer_type if m.hybrid.one_sublayer else (lambda _i: None)   # a Mamba-2 layer is not an attention one
     if pp == 1:
-        chunks = [(tuple(config.model.is_moe_layer(i) for i in range(config.model.num_layers)), True, True, True)]
-        return tuple(chunks)
+        layers = range(m.num_layers)
+        return ((tuple(m.is_moe_layer(i) for i in layers), True, True, True, tuple(types(i) for i in layers)),)
     layout = layout_of(config, pp)
-    return tuple((tuple(config.model.is_moe_layer(i) for i in c.layers), c.has_embedding, c.has_head, c.has_mtp)
-                 for c in layout.rank_chunks(pp_rank))
+    return tuple((tuple(m.is_moe_layer(i) for i in c.layers), c.has_embedding, c.has_head, c.has_mtp,
+                  tuple(types(i) for i in c.layers)) for c in layout.rank_chunks(pp_rank))
 
 
 def stage_groups(config: RunConfig, pp: int) -> dict[tuple, list[int]]:
@@ -264,7 +266,11 @@ def _built_counts(config: RunConfig, tp: int, ep: int, etp: int) -> ParamCounts:
     moe_ids = [i for i in range(model.num_layers) if model.is_moe_layer(i)]
     with planning_world(world, 0), torch.device("meta"):
         dims = rank_dims(sizes, 0)
-        dense = _counts(build_block(model, dense_ids[0], dims, options).parameters()) if dense_ids else ()
+        # a one-sublayer stack's non-MoE layers differ (Mamba-2, attention, MLP): the smallest bounds them all
+        kinds = {model.layer_type(i): i for i in reversed(dense_ids)} if model.hybrid.one_sublayer else {
+            None: dense_ids[0]} if dense_ids else {}
+        dense = min((_counts(build_block(model, i, dims, options).parameters()) for i in kinds.values()),
+                    key=lambda c: sum(n for _, n in c), default=())
         moe = _counts(build_block(model, moe_ids[0], dims, options).parameters()) if moe_ids else ()
         embed = MoEDecoder(model, dims, options, layer_ids=[], with_embedding=True, with_head=False)
         # without the final norm (H elements), which a layout with MTP puts with the last decoder layer

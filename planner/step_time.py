@@ -68,7 +68,7 @@ from moefold.planner.pipeline_clock import formula_makespan, step_makespan
 from moefold.planner.static import layout_of, stage_numel
 from moefold.planner.step_terms import COMM_TERMS, OVERLAP, TERMS, UNCALIBRATED, Calibration, StepTime, host_waits
 from moefold.training.config import RunConfig
-from moefold.training.observe.flops import train_flops_per_token
+from moefold.training.observe.flops import dsa_macs, train_flops_per_token
 from moefold.training.observe.flops_v4 import v4_score_macs
 
 # The flat model's share of the dense bf16 peak (``--efficiency``; ``estimate_step_time(efficiency=...)``): every
@@ -130,6 +130,8 @@ def _score_macs(m: ModelConfig, seq: int, index: int) -> float:
     repeats)."""
     if m.v4 is not None:   # DeepSeek-V4: the window and the compressed entries each query reads
         return v4_score_macs(m, seq, index)
+    if m.dsa is not None:   # DeepSeek sparse attention: the top-k keys, the (quadratic) indexer and its loss
+        return dsa_macs(m, seq)
     if m.attention == "mla":
         dqk, dv = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim
     else:
@@ -281,7 +283,9 @@ def _offloaded_bytes(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, 
     m = config.model
     shape = activation_shape(config, sizes)
     dispatcher = config.options.resolved_dispatcher(sizes.ep, sizes.etp)
-    kinds = tuple(is_moe_block(m, i) for i in chunk.layers)
+    from moefold.planner.activations_mamba import block_kind
+
+    kinds = tuple(block_kind(m, i) for i in chunk.layers)
     received, sent = chunk.model_chunk > 0, chunk.model_chunk < last_model_chunk
     return chunk_profile(shape, kinds, chunk.has_embedding, chunk.has_head, dispatcher, received, sent).offloaded
 

@@ -107,6 +107,10 @@ class RunConfig:
                              "joins the backward with gradient 1, unscaled (as Megatron-Core's "
                              "DSAIndexerLossAutoScaler), so the loss scale's unscaling would shrink the indexer's "
                              "gradients by the scale; use --bf16")
+        if self.model.v4 is not None and (t.reset_position_ids or t.reset_attention_mask):
+            raise ValueError("--reset-position-ids / --reset-attention-mask pack documents, which DeepSeek-V4 cannot "
+                             "take: its compressed attention's windows and indexer read each sample from position 0 "
+                             "(--eod-mask-loss alone is accepted)")
         if t.seq_length > self.model.max_position_embeddings:
             raise ValueError(f"--seq-length={t.seq_length} exceeds the model's max_position_embeddings="
                              f"{self.model.max_position_embeddings}")

@@ -3,7 +3,9 @@
 - ``CompressedAttention`` equals ``DeepseekV4Attention`` (fp32, 1e-5; the mask from transformers' own sliding-window
   builder) for the three layer kinds over random weights and inputs, sequence lengths around the window and the
   compression rates (no closed window, some, a ragged tail), index top-k below and above the entry count, with and
-  without YaRN on the compressed layers' rope, and its input and parameter gradients equal transformers';
+  without YaRN on the compressed layers' rope, in one block of queries and in blocks of 3 (the sparse path: the
+  window's band and each query's entries gathered per block), and its input and parameter gradients equal
+  transformers';
 - the indexer's picks are its scores' top-k over closed entries only; refusals name the value.
 """
 
@@ -47,7 +49,7 @@ def _hf(kind: str, window: int, csa: int, hca: int, topk: int, groups: int, seed
     return cfg, attn, DeepseekV4RotaryEmbedding(cfg)
 
 
-def _ours(cfg, kind: str) -> CompressedAttention:
+def _ours(cfg, kind: str, query_chunk: int = 512) -> CompressedAttention:
     rate = cfg.compress_rates.get(kind, 1)
     compress = cfg.rope_parameters["compress"]
     yarn = None
@@ -59,17 +61,20 @@ def _ours(cfg, kind: str) -> CompressedAttention:
         hidden=H, heads=HEADS, head_dim=D, q_lora_rank=R, o_groups=cfg.o_groups, o_lora_rank=cfg.o_lora_rank,
         rope_dim=cfg.qk_rope_head_dim, window=cfg.sliding_window, kind=kind, rate=rate, rope_theta=cfg.rope_theta,
         compress_rope_theta=cfg.compress_rope_theta, compress_yarn=yarn, index_heads=cfg.index_n_heads,
-        index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk, norm_eps=cfg.rms_norm_eps))
+        index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk, norm_eps=cfg.rms_norm_eps,
+        query_chunk=query_chunk))
 
 
-@pytest.mark.parametrize("kind,case,yarn", [(k, c, False) for k in KINDS for c in CASES] +
-                         [(k, CASES[1], True) for k in KINDS])
-def test_attention_equals_transformers(kind, case, yarn):
+# query_chunk 3: blocks that start inside a window and an entry, the band and the picks read per block
+@pytest.mark.parametrize("kind,case,yarn,chunk", [(k, c, False, 512) for k in KINDS for c in CASES] +
+                         [(k, CASES[1], True, 512) for k in KINDS] + [(k, c, False, 3) for k in KINDS
+                                                                      for c in CASES[1:]])
+def test_attention_equals_transformers(kind, case, yarn, chunk):
     from transformers.masking_utils import create_sliding_window_causal_mask
 
     s, window, csa, hca, topk, groups = case
     cfg, hf, rotary = _hf(kind, window, csa, hca, topk, groups, seed=s, yarn=yarn)
-    ours = _ours(cfg, kind)
+    ours = _ours(cfg, kind, chunk)
     ours.load_state_dict(hf.state_dict())
     b = 2
     x = torch.randn(b, s, H, generator=torch.Generator().manual_seed(5), requires_grad=True)
@@ -115,8 +120,10 @@ def test_refusals_name_the_value():
     with pytest.raises(ValueError, match="'dense_attention' is not a valid V4AttentionKind"):
         V4AttentionConfig(**base, kind="dense_attention")
     attn = CompressedAttention(V4AttentionConfig(**base))
-    with pytest.raises(ValueError, match=r"positions 0\.\.S-1"):
-        attn(torch.zeros(3, 1, H), torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match=r"position_ids \(1, 3\) must be \[3\]"):
+        attn(torch.zeros(3, 1, H), torch.tensor([[0, 1, 2]]))
+    with pytest.raises(ValueError, match="query_chunk=0"):
+        V4AttentionConfig(**base, query_chunk=0)
 
 
 def test_init_parameters_draws_every_projection():

@@ -105,6 +105,19 @@ def test_fp16_loss_scaling_flags_and_refusals(capsys, monkeypatch, tmp_path):
     assert "--fp16 cannot train DeepSeek sparse attention" in err and err.count("\n") == 1, err
 
 
+def test_v4_refuses_packed_documents(capsys, monkeypatch, tmp_path):
+    """DeepSeek-V4's compressed attention reads each sample from position 0: restarted positions and documents'
+    attention are refused in one line before any rank starts (the attention then checks no positions per step)."""
+    from moefold.training.cli import main as cli
+
+    monkeypatch.setattr("moefold.training.cli.train.run_ranks", lambda *_a, **_k: pytest.fail("a rank was started"))
+    v4 = ["train", "--recipe", "deepseek_v4_tiny", "--run-dir", str(tmp_path), "--no-save", "--train-iters", "1"]
+    for flag in ("--reset-position-ids", "--reset-attention-mask"):
+        assert cli([*v4, flag]) == 2
+        err = capsys.readouterr().err
+        assert "pack documents, which DeepSeek-V4 cannot take" in err and err.count("\n") == 1, err
+
+
 def test_mamba_backend_flag_and_refusals(capsys, monkeypatch, tmp_path):
     """--mamba-backend reaches the options; a Nemotron-H layout its Mamba-2 groups cannot split over, and the
     mamba_ssm backend without its packages, fail in one line before any rank starts."""

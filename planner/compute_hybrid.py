@@ -1,0 +1,114 @@
+"""Compute seconds of one layer of a one-sublayer stack (Nemotron-H): a Mamba-2 mixer, GQA attention, an MoE layer
+or a dense MLP, each alone (``planner.compute_time.block_compute`` hands those layers here).
+
+GEMM by GEMM as ``compute_time`` times them, with the shapes one rank sees:
+
+- Mamba-2: ``in_proj`` ``[rows, (inner + conv_channels + heads) / tp]`` (z, x, B, C, dt; column-parallel over whole
+  groups) and ``out_proj`` ``[rows, H]`` from ``inner / tp`` (row-parallel); the depthwise convolution is
+  elementwise; the chunked scan (``dense.ssd_scan``) is core work at attention's efficiency: per token and local
+  head the two ``head_dim x state`` products of the state's update and read-out, plus the chunk's causal products
+  (``C . B`` over ``state`` and its weighted sum over ``head_dim``, on average ``(chunk + 1) / 2`` earlier tokens);
+- attention: ``compute_time``'s GQA GEMMs and ``score_macs`` core products;
+- MoE and dense MLP: ``compute_time``'s, with squared-ReLU's one up projection (``[rows, f]``, not SwiGLU's
+  ``[rows, 2f]``) when ``ffn_activation`` is ``relu2``.
+
+Elementwise kernels: one norm and one residual add over ``H`` per layer, the mixer's or FFN's activations (the
+SiLU over the convolution's channels, the gated norm over ``inner``; the FFN's as ``compute_time`` counts them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import lru_cache
+
+from moefold.models.config import ModelConfig
+from moefold.parallel.dims import ParallelSizes
+from moefold.planner.cluster import Cluster
+from moefold.planner.compute_time import (
+    ELEMENTWISE_SHARE,
+    BlockCompute,
+    Gemm,
+    _attention_gemms,
+    _ffn_gemms,
+    _fp8,
+    _seconds,
+)
+from moefold.planner.gemm_efficiency import attention_seconds
+from moefold.training.config import RunConfig
+
+
+def mamba_scan_macs(m: ModelConfig, tp: int) -> float:
+    """Per token, on one rank: the chunked scan's multiply-adds (module docstring)."""
+    d = m.hybrid.mamba
+    heads = d.num_heads / tp
+    return heads * (2 * d.head_dim * d.state_size + (d.chunk_size + 1) / 2 * (d.state_size + d.head_dim))
+
+
+def _layer_gemms(config: RunConfig, sizes: ParallelSizes, kind: str) -> tuple[list[Gemm], float]:
+    """(the GEMMs, elementwise bytes per token) of a ``kind`` layer for one micro-batch on one rank."""
+    m, t = config.model, config.train
+    H, tp = m.hidden_size, sizes.tp
+    rows = t.micro_batch_size * t.seq_length / sizes.cp
+    elementwise = 2 * (4 * H) + 6 * H   # one norm (read, write), one residual add
+    if kind == "mamba":
+        d = m.hybrid.mamba
+        gemms = [Gemm("mamba", rows, (d.inner_size + d.conv_channels + d.num_heads) / tp, H),
+                 Gemm("mamba", rows, H, d.inner_size / tp)]
+        return gemms, elementwise + (6 * d.conv_channels + 8 * d.inner_size) / tp
+    if kind == "full_attention":
+        return _attention_gemms(m, rows, tp), elementwise
+    moe = kind == "moe"
+    gemms = _ffn_gemms(m, moe, rows, rows / tp, sizes)
+    if m.ffn_activation == "relu2":
+        gemms = [dataclasses.replace(g, n=g.n / 2) if i in _up_indices(m, moe) else g for i, g in enumerate(gemms)]
+    F = m.moe_ffn_hidden_size * m.moe_topk + m.moe_shared_expert_ffn_size if moe else m.ffn_hidden_size
+    return gemms, elementwise + 6 * F
+
+
+def _up_indices(m: ModelConfig, moe: bool) -> tuple[int, ...]:
+    """Positions of the gate + up GEMMs in ``compute_time._ffn_gemms``' list: the MLP's first; the experts' first
+    projection after the router and, with a shared expert, the shared expert's first (after the latent pair)."""
+    if not moe:
+        return (0,)
+    latent = 2 if (m.moe_latent_size or m.hidden_size) != m.hidden_size else 0
+    return (1,) + ((3 + latent,) if m.moe_shared_expert_ffn_size else ())
+
+
+@lru_cache(maxsize=1024)
+def hybrid_block_compute(config: RunConfig, sizes: ParallelSizes, kind: str, cluster: Cluster, score_macs: float,
+                         recompute: frozenset[str], flops_only: float | None) -> BlockCompute:
+    """Seconds of one ``kind`` layer (``ModelConfig.layer_type``) for one micro-batch on one rank."""
+    m, t = config.model, config.train
+    tokens = t.micro_batch_size * t.seq_length / (sizes.tp * sizes.cp)
+    gemms, elementwise = _layer_gemms(config, sizes, kind)
+    core_macs = 0.0
+    if kind == "mamba":
+        core_macs = mamba_scan_macs(m, sizes.tp) * t.micro_batch_size * t.seq_length / sizes.cp
+    elif kind == "full_attention":
+        core_macs = score_macs * tokens
+    fwd = bwd = again = shared = 0.0
+    for g in gemms:
+        if flops_only:
+            f, b = g.flops / flops_only, 2 * g.flops / flops_only
+        else:
+            f, b = _seconds(cluster, g, "fp8" if _fp8(config, g.module, g) else "bf16")
+        fwd, bwd = fwd + f, bwd + b
+        if g.module in recompute or ("moe" in recompute and g.module == "shared_experts"):
+            again += f
+        if g.module == "shared_experts":
+            shared += f
+    if flops_only:
+        core = 2 * core_macs / flops_only
+        core_bwd = 2 * core
+    else:
+        core = attention_seconds(cluster, 2 * core_macs, False)
+        core_bwd = attention_seconds(cluster, 2 * core_macs, True)
+        ew_s = elementwise * tokens / (ELEMENTWISE_SHARE * cluster.hbm_gbps * 1e9)
+        fwd, bwd = fwd + ew_s, bwd + 2 * ew_s
+    if "core_attn" in recompute and kind == "full_attention":
+        again += core
+    return BlockCompute(forward=fwd + core, backward=bwd + core_bwd, recompute=again,
+                        core_attention=core if kind == "full_attention" else 0.0, shared_experts=shared)
+
+
+__all__ = ["hybrid_block_compute", "mamba_scan_macs"]
