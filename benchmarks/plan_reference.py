@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
     from moefold.planner.search import search
 
     out, argv = argv[0], argv[1:]
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     add_arguments(p)
     args = p.parse_args(argv)
     cluster = load_cluster(args.cluster)

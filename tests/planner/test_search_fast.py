@@ -31,7 +31,7 @@ def _search(argv: list[str]) -> list[dict]:
     from moefold.planner.cluster import load_cluster, parse_bytes
     from moefold.planner.search import search
 
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     add_arguments(p)
     args = p.parse_args(argv)
     cluster = load_cluster(args.cluster)
