@@ -241,7 +241,14 @@ class ActivationShape:
         core = self.core_attention(heads, kv_heads, d, d)
         saved.update(core.saved)
         offload.update(core.offload)
-        if ALIASED_OUTPUT not in saved:
+        if m.attention_output_gate:   # gated attention (``dense.attention.output_gate``, an fp32 island)
+            saved["output gate sigmoid (fp32)"] = 4 * T * heads * d
+            if a != 4:   # the core output's fp32 copy (in fp32 the product reads the core output itself)
+                saved["output gate core output (fp32)"] = 4 * T * heads * d
+            saved["o_proj input (gated)"] = a * T * heads * d
+            offload.update(dict.fromkeys(("output gate sigmoid (fp32)", "output gate core output (fp32)",
+                                          "o_proj input (gated)"), ("attn_proj",)))
+        elif ALIASED_OUTPUT not in saved:
             saved["o_proj input"] = a * T * heads * d
             offload["o_proj input"] = ("core_attn", "attn_proj")
         projections = self.gemm_backward(T, H, heads * d, heads * d * H)

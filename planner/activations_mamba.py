@@ -34,10 +34,13 @@ from moefold.planner.activations_ffn import mlp, moe
 
 
 def block_kind(model: ModelConfig, index: int) -> bool | str:
-    """What decides block ``index``'s tensors: MoE or not, and in a one-sublayer stack its layer type (a Mamba-2
-    and an attention layer are both "not MoE")."""
+    """What decides block ``index``'s tensors: MoE or not, in a one-sublayer stack its layer type (a Mamba-2
+    and an attention layer are both "not MoE"), and for a Gated DeltaNet layer (Qwen3-Next) its mixer with MoE or
+    not ("linear_attention moe")."""
     if model.hybrid.one_sublayer and index < model.num_layers:
         return model.layer_type(index)
+    if model.layer_type(index) == "linear_attention":
+        return f"linear_attention {'moe' if is_moe_block(model, index) else 'dense'}"
     return is_moe_block(model, index)
 
 

@@ -220,10 +220,6 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         memory = parse_bytes(args.gpu_memory) if args.gpu_memory else cluster.memory_bytes
         config, fixed = config_from_args(args)
         _check_pipeline_flags(config, fixed)
-        if "linear_attention" in (config.model.layer_types or ()):
-            raise ValueError(f"{config.model.name} has Gated DeltaNet (linear_attention) layers, which the planner's "
-                             "activation-memory and step-time models do not describe; plan a model of attention "
-                             "layers only")
     except ValueError as exc:
         print(f"moefold plan: {exc}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
 """Compute seconds of one layer of a one-sublayer stack (Nemotron-H): a Mamba-2 mixer, GQA attention, an MoE layer
-or a dense MLP, each alone (``planner.compute_time.block_compute`` hands those layers here).
+or a dense MLP, each alone; and of a Gated DeltaNet block (Qwen3-Next, Qwen3.5-MoE) (``planner.compute_time.
+block_compute`` hands those layers here).
 
 GEMM by GEMM as ``compute_time`` times them, with the shapes one rank sees:
 
@@ -9,6 +10,14 @@ GEMM by GEMM as ``compute_time`` times them, with the shapes one rank sees:
   head the two ``head_dim x state`` products of the state's update and read-out, plus the chunk's causal products
   (``C . B`` over ``state`` and its weighted sum over ``head_dim``, on average ``(chunk + 1) / 2`` earlier tokens);
 - attention: ``compute_time``'s GQA GEMMs and ``score_macs`` core products;
+- Gated DeltaNet (Qwen3-Next's ``linear_attention`` layers, two-part blocks: kind ``"linear_attention moe"`` or
+  ``"linear_attention dense"``, the mixer and the block's FFN): ``in_proj_qkvz`` ``[rows, hk (2 dk + 2 r dv) / tp]``,
+  ``in_proj_ba`` ``[rows, 2 hv / tp]`` (column-parallel) and ``out_proj`` ``[rows, H]`` from ``hv dv / tp``
+  (row-parallel); the chunked delta rule (``dense.gated_delta_rule``, fla's kernel the same algorithm) at
+  attention's efficiency: per token and local value head the three ``dk x dv`` state products (the keys' and the
+  queries' reads, the write) and the chunk's causal products over on average ``(chunk + 1) / 2`` earlier tokens
+  (``k_beta k^T`` and ``q k^T`` over ``dk``, the two triangular solves over ``dk`` and ``dv``, the intra-chunk
+  output over ``dv``);
 - MoE and dense MLP: ``compute_time``'s, with squared-ReLU's one up projection (``[rows, f]``, not SwiGLU's
   ``[rows, 2f]``) when ``ffn_activation`` is ``relu2``.
 
@@ -32,7 +41,9 @@ from moefold.planner.compute_time import (
     _ffn_gemms,
     _fp8,
     _seconds,
+    elementwise_bytes,
 )
+from moefold.planner.activations_deltanet import CHUNK
 from moefold.planner.gemm_efficiency import attention_seconds
 from moefold.training.config import RunConfig
 
@@ -42,6 +53,23 @@ def mamba_scan_macs(m: ModelConfig, tp: int) -> float:
     d = m.hybrid.mamba
     heads = d.num_heads / tp
     return heads * (2 * d.head_dim * d.state_size + (d.chunk_size + 1) / 2 * (d.state_size + d.head_dim))
+
+
+def deltanet_rule_macs(m: ModelConfig, tp: int) -> float:
+    """Per token, on one rank: the chunked delta rule's multiply-adds (module docstring)."""
+    la = m.linear_attention
+    dk, dv = la.key_head_dim, la.value_head_dim
+    return la.num_value_heads / tp * (3 * dk * dv + (CHUNK + 1) / 2 * (3 * dk + 2 * dv))
+
+
+def _deltanet_gemms(m: ModelConfig, rows: float, tp: int) -> tuple[list[Gemm], float]:
+    """(the mixer's GEMMs, its elementwise bytes per token): the convolution and its SiLU over the convolved
+    channels, the gated norm over the values."""
+    la, H = m.linear_attention, m.hidden_size
+    keys, values = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim
+    gemms = [Gemm("deltanet", rows, (2 * keys + 2 * values) / tp, H),
+             Gemm("deltanet", rows, 2 * la.num_value_heads / tp, H), Gemm("deltanet", rows, H, values / tp)]
+    return gemms, (6 * (2 * keys + values) + 8 * values) / tp
 
 
 def _layer_gemms(config: RunConfig, sizes: ParallelSizes, kind: str) -> tuple[list[Gemm], float]:
@@ -57,6 +85,12 @@ def _layer_gemms(config: RunConfig, sizes: ParallelSizes, kind: str) -> tuple[li
         return gemms, elementwise + (6 * d.conv_channels + 8 * d.inner_size) / tp
     if kind == "full_attention":
         return _attention_gemms(m, rows, tp), elementwise
+    if kind.startswith("linear_attention"):   # a two-part block: the mixer, then the block's FFN
+        mixer, mixer_bytes = _deltanet_gemms(m, rows, tp)
+        moe = kind.endswith("moe")
+        heads = m.num_attention_heads * m.attention_head_dim   # no RoPE in a DeltaNet layer
+        block_bytes = elementwise_bytes(m, moe, config.options.fp8.enabled) - 2 * (4 * heads)
+        return mixer + _ffn_gemms(m, moe, rows, rows / tp, sizes), block_bytes + mixer_bytes
     moe = kind == "moe"
     gemms = _ffn_gemms(m, moe, rows, rows / tp, sizes)
     if m.ffn_activation == "relu2":
@@ -84,6 +118,8 @@ def hybrid_block_compute(config: RunConfig, sizes: ParallelSizes, kind: str, clu
     core_macs = 0.0
     if kind == "mamba":
         core_macs = mamba_scan_macs(m, sizes.tp) * t.micro_batch_size * t.seq_length / sizes.cp
+    elif kind.startswith("linear_attention"):
+        core_macs = deltanet_rule_macs(m, sizes.tp) * t.micro_batch_size * t.seq_length / sizes.cp
     elif kind == "full_attention":
         core_macs = score_macs * tokens
     fwd = bwd = again = shared = 0.0
@@ -105,10 +141,11 @@ def hybrid_block_compute(config: RunConfig, sizes: ParallelSizes, kind: str, clu
         core_bwd = attention_seconds(cluster, 2 * core_macs, True)
         ew_s = elementwise * tokens / (ELEMENTWISE_SHARE * cluster.hbm_gbps * 1e9)
         fwd, bwd = fwd + ew_s, bwd + 2 * ew_s
-    if "core_attn" in recompute and kind == "full_attention":
+    mixer_core = kind == "full_attention" or kind.startswith("linear_attention")   # what core_attn recomputes
+    if "core_attn" in recompute and mixer_core:
         again += core
     return BlockCompute(forward=fwd + core, backward=bwd + core_bwd, recompute=again,
-                        core_attention=core if kind == "full_attention" else 0.0, shared_experts=shared)
+                        core_attention=core if mixer_core else 0.0, shared_experts=shared)
 
 
-__all__ = ["hybrid_block_compute", "mamba_scan_macs"]
+__all__ = ["deltanet_rule_macs", "hybrid_block_compute", "mamba_scan_macs"]

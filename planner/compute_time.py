@@ -169,6 +169,11 @@ def block_compute(config: RunConfig, sizes: ParallelSizes, index: int, cluster: 
         from moefold.planner.compute_hybrid import hybrid_block_compute
 
         return hybrid_block_compute(config, sizes, m.layer_type(index), cluster, score_macs, recompute, flops_only)
+    if m.layer_type(index) == "linear_attention":   # Qwen3-Next: a Gated DeltaNet mixer, then the FFN
+        from moefold.planner.activations_mamba import block_kind
+        from moefold.planner.compute_hybrid import hybrid_block_compute
+
+        return hybrid_block_compute(config, sizes, block_kind(m, index), cluster, score_macs, recompute, flops_only)
     return _block_compute(config, sizes, is_moe_block(m, index), index >= m.num_layers, cluster, score_macs,
                           recompute, flops_only)
 

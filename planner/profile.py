@@ -29,6 +29,7 @@ from moefold.execution.recompute import full_recompute_groups
 from moefold.models.layer_factory import is_moe_block
 from moefold.parallel.dims import ParallelSizes
 from moefold.planner.activations import NOT_OFFLOADED, ActivationMemory, ActivationShape, Part, activation_shape
+from moefold.planner.activations_deltanet import deltanet_mixer
 from moefold.planner.activations_dsa import dsa_attention
 from moefold.planner.activations_ffn import mlp, moe
 from moefold.planner.activations_mamba import block_kind, hybrid_block, representative
@@ -55,8 +56,9 @@ def block(shape: ActivationShape, index: int, dispatcher: str) -> tuple[Part, ..
         return {f"{name} input": a * Tx * H} if discard else shape.norm(Tx, H, name)
 
     # DeepSeek-V4: compressed attention, mHC streams (planner.activations_v4); DeepSeek sparse attention
-    # (planner.activations_dsa)
+    # (planner.activations_dsa); Gated DeltaNet (planner.activations_deltanet)
     attention = (v4_attention(shape, index) if m.v4 is not None else dsa_attention(shape) if m.dsa is not None else
+                 deltanet_mixer(shape) if m.layer_type(index) == "linear_attention" else
                  shape.mla() if m.attention == "mla" else shape.gqa())
     ffn = moe(shape, dispatcher) if is_moe else mlp(shape, m.ffn_hidden_size)
     if is_moe:   # who keeps the post-attention norm's output itself (no all-gather in between)

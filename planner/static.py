@@ -87,7 +87,8 @@ def layout_of(config: RunConfig, pp: int) -> StageLayout:
 def stage_signature(config: RunConfig, pp: int, pp_rank: int) -> tuple:
     """What decides a stage's parameters: per chunk, the kind of each layer, the embedding and the head."""
     m = config.model
-    types = m.layer_type if m.hybrid.one_sublayer else (lambda _i: None)   # a Mamba-2 layer is not an attention one
+    # a Mamba-2 or Gated DeltaNet layer is not an attention one
+    types = m.layer_type if m.layer_types is not None else (lambda _i: None)
     if pp == 1:
         layers = range(m.num_layers)
         return ((tuple(m.is_moe_layer(i) for i in layers), True, True, True, tuple(types(i) for i in layers)),)
@@ -271,7 +272,10 @@ def _built_counts(config: RunConfig, tp: int, ep: int, etp: int) -> ParamCounts:
             None: dense_ids[0]} if dense_ids else {}
         dense = min((_counts(build_block(model, i, dims, options).parameters()) for i in kinds.values()),
                     key=lambda c: sum(n for _, n in c), default=())
-        moe = _counts(build_block(model, moe_ids[0], dims, options).parameters()) if moe_ids else ()
+        # MoE layers with different mixers (Qwen3-Next's Gated DeltaNet and attention): the smallest bounds them all
+        mixers = {model.layer_type(i): i for i in reversed(moe_ids)}
+        moe = min((_counts(build_block(model, i, dims, options).parameters()) for i in mixers.values()),
+                  key=lambda c: sum(n for _, n in c), default=())
         embed = MoEDecoder(model, dims, options, layer_ids=[], with_embedding=True, with_head=False)
         # without the final norm (H elements), which a layout with MTP puts with the last decoder layer
         head = MoEDecoder(model, dims, options, layer_ids=[], with_embedding=False, with_head=True, with_mtp=False,

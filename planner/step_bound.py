@@ -81,14 +81,15 @@ def compute_token(config: RunConfig) -> int:
 
 
 def _layer_kinds(model: ModelConfig, seq: int) -> tuple[tuple, ...]:
-    """Per block index (decoder layers, then MTP depths): (MoE?, MTP?, core attention's multiply-adds per token)."""
+    """Per block index (decoder layers, then MTP depths): (MoE?, MTP?, core attention's multiply-adds per token,
+    the layer's mixer: a Gated DeltaNet or Mamba-2 block is timed apart from an attention one)."""
     from moefold.planner.step_time import _score_macs
 
     key = (model, seq)
     if key not in _LAYER_KINDS:
         n = model.num_layers + model.mtp_num_layers
-        _LAYER_KINDS[key] = tuple((is_moe_block(model, i), i >= model.num_layers, _score_macs(model, seq, i))
-                                  for i in range(n))
+        _LAYER_KINDS[key] = tuple((is_moe_block(model, i), i >= model.num_layers, _score_macs(model, seq, i),
+                                   model.layer_type(i)) for i in range(n))
     return _LAYER_KINDS[key]
 
 

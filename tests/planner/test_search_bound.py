@@ -25,8 +25,7 @@ H100 = CLUSTERS["h100"]
 EVERYTHING = 10 ** 6   # a top that no search reaches: every fitting layout is planned and timed
 SPLIT_BACKWARD = ("zb-h1", "zbv", "dualpipev")   # their backward's W is an action of its own
 
-FULL_SIZE = sorted(name for name in RECIPES if not name.endswith(("_tiny", "_proxy"))
-                   and "linear_attention" not in (get_recipe(name).layer_types or ()))
+FULL_SIZE = sorted(name for name in RECIPES if not name.endswith(("_tiny", "_proxy")))
 
 
 @pytest.fixture(scope="module")
