@@ -51,7 +51,7 @@ def deltanet_mixer(shape: ActivationShape) -> Part:
     c = hk * (2 * dk + r * dv)
     B, cp = shape.micro_batch, shape.cp
     S = shape.S_c * cp                       # the mixer's sequence: the whole one under CP, for 1/cp of the heads
-    hk_m, hv_m, c_m = hk // cp, hv // cp, c // cp
+    hv_m, c_m = hv // cp, c // cp
     padded = -(-S // L) * L * B              # the rule's tokens, the last chunk zero-padded
     chunks = padded // L
     saved = {"in_proj input (gathered)" if shape.sp else "in_proj input": a * T * H,

@@ -32,6 +32,7 @@ from functools import lru_cache
 
 from moefold.models.config import ModelConfig
 from moefold.parallel.dims import ParallelSizes
+from moefold.planner.activations_deltanet import CHUNK
 from moefold.planner.cluster import Cluster
 from moefold.planner.compute_time import (
     ELEMENTWISE_SHARE,
@@ -43,7 +44,6 @@ from moefold.planner.compute_time import (
     _seconds,
     elementwise_bytes,
 )
-from moefold.planner.activations_deltanet import CHUNK
 from moefold.planner.gemm_efficiency import attention_seconds
 from moefold.training.config import RunConfig
 

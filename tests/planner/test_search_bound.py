@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from moefold.models.recipes import RECIPES, get_recipe
+from moefold.models.recipes import RECIPES
 from moefold.parallel.dims import ParallelConfig
 from moefold.planner.candidates import Fixed
 from moefold.planner.cluster import CLUSTERS
