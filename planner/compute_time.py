@@ -123,6 +123,11 @@ def block_gemms(config: RunConfig, sizes: ParallelSizes, index: int) -> list[Gem
     """The GEMMs of block ``index`` (an MTP block past ``num_layers``: with its 2H -> H projection) for one
     micro-batch on one rank."""
     m = config.model
+    if m.layer_type(index) == "linear_attention" and not m.hybrid.one_sublayer:   # a Gated DeltaNet block
+        from moefold.planner.activations_mamba import block_kind
+        from moefold.planner.compute_hybrid import _layer_gemms
+
+        return _layer_gemms(config, sizes, block_kind(m, index))[0]
     return list(_gemms(config, sizes, is_moe_block(m, index), index >= m.num_layers))
 
 
