@@ -34,7 +34,7 @@ from moefold.models.layer_factory import is_moe_block
 from moefold.parallel.dims import ParallelSizes
 from moefold.planner.cluster import Cluster
 from moefold.planner.compute_time import block_compute
-from moefold.planner.step_terms import CALIBRATION
+from moefold.planner.step_terms import CALIBRATION, host_waits
 from moefold.training.config import RunConfig
 
 # execution fields that place layers on pipeline ranks or order the actions: no block's compute reads them
@@ -152,7 +152,9 @@ def step_lower_bound(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, 
     scale = 1.0 if efficiency is not None else CALIBRATION.compute
     exposed = {} if gpus_per_node is None else _exposed(config, sizes, cluster, gpus_per_node, efficiency)
     comm = 1.0 if efficiency is not None else CALIBRATION.communication
-    busiest = max(sum(n * (scale * seconds(kind) + comm * exposed.get(kind[:2], 0.0)) for kind, n in rank)
+    # the host-bound seconds the calibration adds to every block's compute (``_Action.calibrate``): on the busy path
+    host = CALIBRATION.layer_seconds if efficiency is None and host_waits(config) else 0.0
+    busiest = max(sum(n * (scale * seconds(kind) + host + comm * exposed.get(kind[:2], 0.0)) for kind, n in rank)
                   for rank in rank_block_kinds(config, sizes))
     bound = micro_batches * busiest
     if gpus_per_node is not None and sizes.pp > 1:   # the closed-form clock's idle time: busy x f / (1 - f)
