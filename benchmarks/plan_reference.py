@@ -25,20 +25,25 @@ def plan_record(plan) -> dict:
             "tokens_per_s_per_gpu": plan.time.tokens_per_s_per_gpu}
 
 
-def main(argv: list[str]) -> int:
+def search_result(argv: list[str]):
+    """``moefold plan argv``'s search result (``planner.search.search``), without printing."""
     from moefold.planner.cli import add_arguments, config_from_args
     from moefold.planner.cluster import load_cluster, parse_bytes
     from moefold.planner.search import search
 
-    out, argv = argv[0], argv[1:]
     p = argparse.ArgumentParser(allow_abbrev=False)
     add_arguments(p)
     args = p.parse_args(argv)
     cluster = load_cluster(args.cluster)
     memory = parse_bytes(args.gpu_memory) if args.gpu_memory else cluster.memory_bytes
     config, fixed = config_from_args(args)
-    result = search(config, args.gpus, cluster, args.gpus_per_node, memory, fixed=fixed, top=args.top,
-                    headroom=args.memory_headroom, efficiency=args.efficiency, exact=args.exact)
+    return search(config, args.gpus, cluster, args.gpus_per_node, memory, fixed=fixed, top=args.top,
+                  headroom=args.memory_headroom, efficiency=args.efficiency, exact=args.exact)
+
+
+def main(argv: list[str]) -> int:
+    out, argv = argv[0], argv[1:]
+    result = search_result(argv)
     record = {"argv": argv, "valid": result.valid, "considered": result.considered,
               "plans": [plan_record(p) for p in result.plans]}
     with open(out, "w") as f:

@@ -40,9 +40,8 @@ from moefold.planner.compute_time import (
     Gemm,
     _attention_gemms,
     _ffn_gemms,
-    _fp8,
-    _seconds,
     elementwise_bytes,
+    gemm_seconds_sum,
 )
 from moefold.planner.gemm_efficiency import attention_seconds
 from moefold.training.config import RunConfig
@@ -122,17 +121,7 @@ def hybrid_block_compute(config: RunConfig, sizes: ParallelSizes, kind: str, clu
         core_macs = deltanet_rule_macs(m, sizes.tp) * t.micro_batch_size * t.seq_length / sizes.cp
     elif kind == "full_attention":
         core_macs = score_macs * tokens
-    fwd = bwd = again = shared = 0.0
-    for g in gemms:
-        if flops_only:
-            f, b = g.flops / flops_only, 2 * g.flops / flops_only
-        else:
-            f, b = _seconds(cluster, g, "fp8" if _fp8(config, g.module, g) else "bf16")
-        fwd, bwd = fwd + f, bwd + b
-        if g.module in recompute or ("moe" in recompute and g.module == "shared_experts"):
-            again += f
-        if g.module == "shared_experts":
-            shared += f
+    fwd, bwd, again, shared = gemm_seconds_sum(config, gemms, cluster, recompute, flops_only)
     if flops_only:
         core = 2 * core_macs / flops_only
         core_bwd = 2 * core

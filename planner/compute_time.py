@@ -154,6 +154,24 @@ def _seconds(cluster: Cluster, g: Gemm, dtype: str) -> tuple[float, float]:
     return fwd, bwd
 
 
+def gemm_seconds_sum(config: RunConfig, gemms, cluster: Cluster, recompute: frozenset[str],
+                     flops_only: float | None) -> tuple[float, float, float, float]:
+    """(forward, backward, recomputed forward, shared experts' forward) seconds of a block's ``gemms``: each at its
+    dtype's roofline (FP8 where the recipe covers its module), or at ``flops_only`` FLOP/s."""
+    fwd = bwd = again = shared = 0.0
+    for g in gemms:
+        if flops_only:
+            f, b = g.flops / flops_only, 2 * g.flops / flops_only
+        else:
+            f, b = _seconds(cluster, g, "fp8" if _fp8(config, g.module, g) else "bf16")
+        fwd, bwd = fwd + f, bwd + b
+        if g.module in recompute or ("moe" in recompute and g.module == "shared_experts"):
+            again += f
+        if g.module == "shared_experts":
+            shared += f
+    return fwd, bwd, again, shared
+
+
 def head_compute(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, flops_only: float | None) -> tuple[float,
                                                                                                              float]:
     """(forward, backward) seconds of the output head for one micro-batch (kept in bf16 unless the FP8 recipe's
@@ -189,17 +207,8 @@ def _block_compute(config: RunConfig, sizes: ParallelSizes, moe: bool, mtp: bool
     m, t = config.model, config.train
     tokens = t.micro_batch_size * t.seq_length / (sizes.tp * sizes.cp)
     core_flops = 2 * score_macs * tokens
-    fwd = bwd = again = shared = 0.0
-    for g in _gemms(config, sizes, moe, mtp):
-        if flops_only:
-            f, b = g.flops / flops_only, 2 * g.flops / flops_only
-        else:
-            f, b = _seconds(cluster, g, "fp8" if _fp8(config, g.module, g) else "bf16")
-        fwd, bwd = fwd + f, bwd + b
-        if g.module in recompute or ("moe" in recompute and g.module == "shared_experts"):
-            again += f
-        if g.module == "shared_experts":
-            shared += f
+    gemms = _gemms(config, sizes, moe, mtp)
+    fwd, bwd, again, shared = gemm_seconds_sum(config, gemms, cluster, recompute, flops_only)
     if flops_only:
         core = core_flops / flops_only
         core_bwd = 2 * core
@@ -215,4 +224,4 @@ def _block_compute(config: RunConfig, sizes: ParallelSizes, moe: bool, mtp: bool
 
 
 __all__ = ["ELEMENTWISE_SHARE", "BlockCompute", "Gemm", "block_compute", "block_gemms", "elementwise_bytes",
-           "head_compute"]
+           "gemm_seconds_sum", "head_compute"]

@@ -14,7 +14,6 @@ slow (10-40 s of CPU each).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
@@ -27,18 +26,8 @@ REL = 1e-9   # the caches add the same terms in another order at most: float rou
 
 def _search(argv: list[str]) -> list[dict]:
     import benchmarks.plan_reference as reference
-    from moefold.planner.cli import add_arguments, config_from_args
-    from moefold.planner.cluster import load_cluster, parse_bytes
-    from moefold.planner.search import search
 
-    p = argparse.ArgumentParser(allow_abbrev=False)
-    add_arguments(p)
-    args = p.parse_args(argv)
-    cluster = load_cluster(args.cluster)
-    memory = parse_bytes(args.gpu_memory) if args.gpu_memory else cluster.memory_bytes
-    config, fixed = config_from_args(args)
-    result = search(config, args.gpus, cluster, args.gpus_per_node, memory, fixed=fixed, top=args.top)
-    return [reference.plan_record(plan) for plan in result.plans]
+    return [reference.plan_record(plan) for plan in reference.search_result(argv).plans]
 
 
 def _same(got: dict, want: dict) -> list[str]:
