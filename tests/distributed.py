@@ -121,3 +121,21 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                 p.join()
         tmpdir.cleanup()
     return [done[r] for r in range(world_size)]
+
+
+class LayoutDims:
+    """``ParallelDims.build`` of each layout once per spawned world: building one creates its process groups, which
+    every rank must do in the same order, so a test walking many layouts (and revisiting some) asks here.
+    ``dims(par)`` or ``dims(**par)``: the ``ParallelConfig`` fields."""
+
+    def __init__(self) -> None:
+        self._built: dict[tuple, Any] = {}
+
+    def __call__(self, par: dict | None = None, **fields: int) -> Any:
+        from moefold.parallel.dims import ParallelConfig, ParallelDims
+
+        par = {**(par or {}), **fields}
+        key = tuple(sorted(par.items()))
+        if key not in self._built:
+            self._built[key] = ParallelDims.build(ParallelConfig(**par))
+        return self._built[key]

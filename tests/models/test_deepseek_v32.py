@@ -26,8 +26,7 @@ from moefold.models.decoder import MoEDecoder
 from moefold.models.hf.exporter import export_hf, hf_tensors
 from moefold.models.hf.importer import import_hf, load_config
 from moefold.models.options import ModelOptions
-from moefold.parallel.dims import ParallelConfig, ParallelDims
-from tests.distributed import run_distributed
+from tests.distributed import LayoutDims, run_distributed
 from tests.models.hf_tiny import hf_logits, save_hf, tokens
 from tests.models.test_families_parallel import _batch, _grads, _logits, _reference_grads
 from tests.tolerance import assert_within_fp32_noise
@@ -164,13 +163,8 @@ GRAD_LAYOUTS = [("tp2", dict(tp=2), {}), ("cp2xdp2", dict(cp=2), {}), ("tp2xcp2x
 
 
 def _rank(paths: dict[str, str], refs: dict[str, torch.Tensor], ids: torch.Tensor):
-    report, start, cache = {}, time.perf_counter(), {}
+    report, start, dims_for = {}, time.perf_counter(), LayoutDims()
 
-    def dims_for(par: dict) -> ParallelDims:
-        key = tuple(sorted(par.items()))
-        if key not in cache:
-            cache[key] = ParallelDims.build(ParallelConfig(**par))
-        return cache[key]
 
     for family, path in paths.items():
         for label, par, opts in LOGIT_LAYOUTS:

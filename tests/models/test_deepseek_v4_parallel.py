@@ -24,7 +24,7 @@ from moefold.pipeline.p2p import recv_forward, send_forward
 from moefold.pipeline.schedules import build_schedule
 from moefold.pipeline.stages import StageLayout
 from moefold.training.optim.grad_sync import GradSync
-from tests.distributed import run_distributed
+from tests.distributed import LayoutDims, run_distributed
 from tests.models.test_deepseek_v4_model import _pair
 from tests.tolerance import assert_within_fp32_noise
 
@@ -122,13 +122,8 @@ def _scheduled(path: str, dims: ParallelDims, schedule: str):
 
 
 def _rank(path: str, want: torch.Tensor, ids: torch.Tensor):
-    report, cache = {}, {}
+    report, dims_for = {}, LayoutDims()
 
-    def dims_for(par: dict) -> ParallelDims:
-        key = tuple(sorted(par.items()))
-        if key not in cache:
-            cache[key] = ParallelDims.build(ParallelConfig(**par))
-        return cache[key]
 
     for label, par, opts in LOGIT_LAYOUTS:
         dims, options = dims_for(par), ModelOptions(**opts)

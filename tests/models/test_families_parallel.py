@@ -30,13 +30,13 @@ from moefold.models.hf.importer import import_hf, load_config, load_hf_weights
 from moefold.models.options import ModelOptions
 from moefold.models.tensor_io import TensorReader
 from moefold.parallel.comm import gather_along_dim
-from moefold.parallel.dims import ParallelConfig, ParallelDims
+from moefold.parallel.dims import ParallelDims
 from moefold.parallel.sharding import gather_full, shards_of
 from moefold.pipeline.decoder_stage import DecoderStage, build_stage_model
 from moefold.pipeline.p2p import recv_forward, send_forward
 from moefold.pipeline.stages import StageLayout
 from moefold.training.optim.grad_sync import GradSync
-from tests.distributed import run_distributed
+from tests.distributed import LayoutDims, run_distributed
 from tests.models.hf_tiny import FEATURE_FAMILIES, VOCAB, save_all, tokens
 from tests.tolerance import assert_within_fp32_noise, reference_steps
 
@@ -131,13 +131,8 @@ def _reference_grads(path: str, dp: int):
 
 
 def _rank(dirs: dict[str, str], refs: dict[str, torch.Tensor], ids: torch.Tensor, out_dir: str):
-    report, cache, seconds = {}, {}, {}
+    report, dims_for, seconds = {}, LayoutDims(), {}
 
-    def dims_for(par: dict) -> ParallelDims:
-        key = tuple(sorted(par.items()))
-        if key not in cache:
-            cache[key] = ParallelDims.build(ParallelConfig(**par))
-        return cache[key]
 
     for label, par, opts, families in LOGIT_LAYOUTS:
         dims, options = dims_for(par), ModelOptions(**opts)

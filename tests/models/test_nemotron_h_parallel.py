@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from moefold.models.options import ModelOptions
-from moefold.parallel.dims import ParallelConfig, ParallelDims
-from tests.distributed import run_distributed
+from tests.distributed import LayoutDims, run_distributed
 from tests.models.hf_tiny import hf_logits, tokens
 from tests.models.nemotron_h_tiny import hf_model
 from tests.tolerance import assert_within_fp32_noise
@@ -38,13 +37,8 @@ GRAD_LAYOUTS = [("tp2", dict(tp=2)), ("ep2", dict(ep=2)), ("ep4", dict(ep=4)), (
 def _rank(paths: dict[int, str], refs: dict[int, torch.Tensor], ids: torch.Tensor):
     from tests.models.test_families_parallel import _grads, _logits, _reference_grads
 
-    report, cache = {}, {}
+    report, dims_for = {}, LayoutDims()
 
-    def dims_for(par: dict) -> ParallelDims:
-        key = tuple(sorted(par.items()))
-        if key not in cache:
-            cache[key] = ParallelDims.build(ParallelConfig(**par))
-        return cache[key]
 
     for label, par, opts in LOGIT_LAYOUTS:
         for seed in SEEDS:

@@ -33,13 +33,13 @@ from moefold.models.options import ModelOptions
 from moefold.models.recipes import deepseek_v3_tiny, qwen3_5_moe_tiny, qwen3_next_tiny
 from moefold.models.tensor_io import TensorReader
 from moefold.parallel.comm import gather_along_dim
-from moefold.parallel.dims import ParallelConfig, ParallelDims
+from moefold.parallel.dims import ParallelDims
 from moefold.parallel.sharding import gather_full, shards_of
 from moefold.pipeline.decoder_stage import build_stage_model
 from moefold.pipeline.p2p import TensorSpec, recv_forward, send_forward
 from moefold.pipeline.stages import StageLayout
 from moefold.training.optim.grad_sync import GradSync
-from tests.distributed import run_distributed
+from tests.distributed import LayoutDims, run_distributed
 from tests.models.hf_tiny import FAMILIES, FEATURE_FAMILIES, save_all, tokens
 from tests.tolerance import assert_within_fp32_noise, reference_steps
 
@@ -101,13 +101,8 @@ def _pipelined_logits(path: str, dims: ParallelDims, ids: torch.Tensor) -> torch
 
 
 def _rank(dirs: dict[str, str], refs: dict[str, torch.Tensor], ids: torch.Tensor, out_dir: str):
-    report, cache = {}, {}
+    report, dims_for = {}, LayoutDims()
 
-    def dims_for(**kw):
-        key = tuple(sorted(kw.items()))
-        if key not in cache:
-            cache[key] = ParallelDims.build(ParallelConfig(**kw))
-        return cache[key]
 
     # 1. logits parity with HF at parallel layouts
     layouts = [("tp2xep2", dict(tp=2, ep=2), ModelOptions(), FAMILIES_HERE),
