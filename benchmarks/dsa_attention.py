@@ -26,6 +26,7 @@ import argparse
 import multiprocessing as mp
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -75,9 +76,9 @@ def _step_fn(kind: str, S: int, topk: int):
     return step
 
 
-def _measure(kind: str, S: int, topk: int, iters: int, wall: bool, out: mp.Queue) -> None:
-    torch.set_num_threads(1)
-    step = _step_fn(kind, S, topk)
+def measure_step(step: Callable[[], None], iters: int, wall: bool = False) -> tuple[float, int, int]:
+    """(the median seconds of ``iters`` calls of ``step`` after one warm-up, the bytes autograd saved for the
+    warm-up's backward (each storage once), the resident-set high-water mark above the RSS after the warm-up)."""
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:   # each storage once (the chunks all save the same keys)
@@ -95,8 +96,13 @@ def _measure(kind: str, S: int, topk: int, iters: int, wall: bool, out: mp.Queue
         start = clock()
         step()
         times.append(clock() - start)
-    out.put((statistics.median(times) if times else float("nan"), sum(saved.values()),
-             max(_vm_kb("VmHWM") - base, 0) * 1024))
+    return (statistics.median(times) if times else float("nan"), sum(saved.values()),
+            max(_vm_kb("VmHWM") - base, 0) * 1024)
+
+
+def _measure(kind: str, S: int, topk: int, iters: int, wall: bool, out: mp.Queue) -> None:
+    torch.set_num_threads(1)
+    out.put(measure_step(_step_fn(kind, S, topk), iters, wall))
 
 
 def main() -> None:

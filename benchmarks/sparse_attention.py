@@ -31,10 +31,13 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dsa_attention import measure_step  # the DSA-only benchmark's time and memory measurement
 
 MLA = dict(hidden_size=256, num_heads=8, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
            q_lora_rank=128)
@@ -42,11 +45,6 @@ V4 = dict(hidden=256, heads=8, head_dim=64, q_lora_rank=128, o_groups=2, o_lora_
           index_heads=4, index_head_dim=32)
 KINDS = ("mla dense", "dsa", "v4 dense", "v4 sliding", "v4 csa", "v4 hca")
 DENSE = ("mla dense", "v4 dense")
-
-
-def _vm_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
 def _layer(kind: str, S: int, topk: int) -> tuple[torch.nn.Module, int]:
@@ -82,24 +80,7 @@ def _measure(kind: str, S: int, topk: int, iters: int, out: mp.Queue) -> None:
     def step() -> None:
         layer(x, pos).sum().backward()
 
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:   # each storage once
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        step()   # warm-up, and the saved bytes of one step
-    base = _vm_kb("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    times = []
-    for _ in range(iters):
-        start = time.process_time()
-        step()
-        times.append(time.process_time() - start)
-    out.put((statistics.median(times) if times else float("nan"), sum(saved.values()),
-             max(_vm_kb("VmHWM") - base, 0) * 1024))
+    out.put(measure_step(step, iters))
 
 
 def _plot(rows: list[tuple[int, str, float, int, int]], path: str, topk: int) -> None:
