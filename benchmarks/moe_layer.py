@@ -1,4 +1,4 @@
-"""One MoE layer, forward + backward, against the dense-GEMM ceiling and Megatron-Core's layer (world 1).
+"""One MoE layer, forward + backward, against the dense-GEMM ceiling, Megatron-Core's and TorchTitan's layers (world 1).
 
     python benchmarks/moe_layer.py      # T=4096 H=512, fp32 + bf16, E/k/F 16/2/1024, 64/8/256, 256/8/256, 2 allocators
     python benchmarks/moe_layer.py --dtypes fp32 --configs 16,2,1024 --rounds 7 --allocators default --profile 12
@@ -15,11 +15,19 @@ the order shifted by one per round; medians reported):
 - experts:  moefold's grouped experts alone on already-permuted rows;
 - megatron: Megatron-Core's ``MoELayer`` with ``SequentialMLP`` experts (its local, non-Transformer-Engine
             spec: TopKRouter in fp32, allgather dispatcher; ``megatron-core`` installed, else skipped), fwd + bwd
-            with its parameters' ``.grad`` reset each call (Megatron's fused wgrad kernel is CUDA-only).
+            with its parameters' ``.grad`` reset each call (Megatron's fused wgrad kernel is CUDA-only);
+- titan:    TorchTitan 0.3's ``MoE`` (``torchtitan.models.common.moe``: ``TokenChoiceTopKRouter`` softmax top-k
+            renormalised, ``LocalTokenDispatcher``, ``GroupedExperts`` on ``torch._grouped_mm``, which on a CPU
+            loops over the experts with ``mm``), bf16 parameters and ``.grad`` (no main grads), fwd + bwd, the
+            scores applied to the experts' outputs as in the other two; bf16 rows only (its experts cast their
+            inputs and weights to bf16 whatever the parameters' dtype); ``torchtitan`` installed
+            (``pip install --no-deps torchtitan==0.3.0 spmd-types==0.3.1 tyro==1.0.17`` and tyro's
+            ``docstring-parser typeguard``), else skipped with the reason.
 
 GFLOP/s count the expert GEMMs only (3 projections x (fwd + 2 bwd) x 2*N*H*F). The figures of merit are
-moefold / ceiling and megatron time / moefold time, both from the same rounds. Routing is near-uniform
-(random router weights, dropless). ``--profile N`` prints the N top ops (self CPU time) of one moefold step.
+moefold / ceiling and megatron (titan) time / moefold time, all from the same rounds. Routing is near-uniform
+(random router weights, dropless). ``--profile N`` prints the N top ops (self CPU time) of one step of moefold
+and of each peer.
 
 The first line names the machine (CPU, bf16 matmul units, threads, allocator). ``--allocators default,tuned``
 (the default) runs the whole table twice, the second time in a child process started with glibc's
@@ -206,6 +214,72 @@ def megatron_step(T: int, H: int, E: int, k: int, F: int, dtype: torch.dtype) ->
     return step
 
 
+def titan_available() -> str | None:
+    """None when TorchTitan 0.3's MoE layer can be imported here, else why not."""
+    try:
+        _titan_modules()
+    except ImportError as err:
+        return (f"torchtitan 0.3 is not importable ({err}; pip install --no-deps torchtitan==0.3.0 "
+                "spmd-types==0.3.1 tyro==1.0.17 docstring-parser typeguard)")
+    return None
+
+
+def _titan_modules():
+    """TorchTitan 0.3's ``moe`` module, its ``Linear`` and ``LocalTokenDispatcher``. Its token dispatcher module
+    imports the expert-parallel Triton kernels (``distributed.minimal_async_ep.kernels``) at load; without
+    triton (a CPU machine) that one module is stood in by one whose every kernel raises if called: the local
+    dispatcher (world 1) calls none of them."""
+    import importlib.util
+    import types
+
+    kernels = "torchtitan.distributed.minimal_async_ep.kernels"
+    if importlib.util.find_spec("torchtitan") is None:
+        raise ImportError("torchtitan is not installed")
+    if importlib.util.find_spec("triton") is None and kernels not in sys.modules:
+        def kernel(name: str):
+            if name.startswith("__"):
+                raise AttributeError(name)
+
+            def refuse(*args, **kwargs):
+                raise RuntimeError(f"{name} is TorchTitan's Triton kernel (expert parallelism on a GPU)")
+            return refuse
+        stand_in = types.ModuleType(kernels)
+        stand_in.__getattr__ = kernel
+        sys.modules[kernels] = stand_in
+    with _quiet():
+        from torchtitan.models.common import moe
+        from torchtitan.models.common.linear import Linear
+        from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+    return moe, Linear, LocalTokenDispatcher
+
+
+def titan_step(T: int, H: int, E: int, k: int, F: int, dtype: torch.dtype) -> Callable[[], None]:
+    """TorchTitan 0.3's MoE layer (softmax top-k renormalised, as moefold's and Megatron's routers), fwd + bwd."""
+    moe, Linear, LocalTokenDispatcher = _titan_modules()
+    experts = moe.RoutedExperts.Config(inner_experts=moe.GroupedExperts.Config(dim=H, hidden_dim=F, num_experts=E),
+                                       token_dispatcher=LocalTokenDispatcher.Config(num_experts=E, top_k=k))
+    router = moe.TokenChoiceTopKRouter.Config(num_experts=E, gate=Linear.Config(in_features=H, out_features=E),
+                                              top_k=k, score_func="softmax", route_norm=True)
+    layer = moe.MoE.Config(num_experts=E, routed_experts=experts, router=router, load_balance_coeff=None).build()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.02)
+    layer = layer.to(dtype).train()
+    x = torch.randn(1, T, H, dtype=dtype, requires_grad=True)
+    gy = torch.randn(1, T, H, dtype=dtype)
+    params = list(layer.parameters())
+
+    def step() -> None:
+        for p in params:
+            p.grad = None
+        x.grad = None
+        with _quiet():   # its router asks CPU autocast for fp32, which warns and runs the gate in bf16
+            y = layer(x)
+        y.backward(gy)
+
+    return step
+
+
 def profile_top(step: Callable[[], None], top: int) -> None:
     from torch.profiler import profile
 
@@ -230,11 +304,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--compile", action="store_true", help="add rows with the layer compiled as --compile does")
     p.add_argument("--no-megatron", action="store_true", help="skip the Megatron-Core peer")
+    p.add_argument("--no-torchtitan", action="store_true", help="skip the TorchTitan peer")
     p.add_argument("--row-layout", default="auto",
                    help="the experts' CPU row layout (moe.cpu.rows_gemm.choose_layout; measured: timed per shape); "
                         "comma-separated layouts run side by side in the same rounds, one row each; valid: "
                         + ", ".join(RowLayout))
-    p.add_argument("--profile", type=int, default=0, metavar="N", help="print the N top ops of one moefold step")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="print the N top ops of one step of moefold and of each peer")
     p.add_argument("--allocators", default="default,tuned",
                    help="default: this process's allocator settings; tuned: again in a child process with "
                         "glibc's mmap and trim thresholds at 4 GiB")
@@ -277,12 +353,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"# compiled rows skipped: {reason}")
     peer = None if a.no_megatron else megatron_available()
+    titan = None if a.no_torchtitan else titan_available()
     print(describe_machine())
     print(f"# clock: {'process CPU' if a.cpu_time else 'wall'}; T={T} H={H}; medians of {a.rounds} rotated rounds; "
-          f"GFLOP/s count expert GEMMs only; megatron: {'skipped' if a.no_megatron else peer or 'megatron-core'}")
+          f"GFLOP/s count expert GEMMs only; megatron: {'skipped' if a.no_megatron else peer or 'megatron-core'}; "
+          f"titan: {'skipped' if a.no_torchtitan else titan or 'torchtitan 0.3'}")
     mw = 8 if len(layouts) == 1 else 9 + max(len(v) for v in layouts)   # "compiled/<layout>"
     print(f"{'dtype':5} {'E':>3} {'k':>2} {'F':>5} {'mode':{mw}} {'ceil GF/s':>9} {'layer ms':>9} {'layer/ceil':>10} "
-          f"{'experts/ceil':>12} {'megatron ms':>11} {'megatron/moefold':>16}")
+          f"{'experts/ceil':>12} {'megatron ms':>11} {'megatron/moefold':>16} {'titan ms':>9} {'titan/moefold':>13}")
     for dname in a.dtypes.split(","):
         dtype = DTYPES[dname]
         skip = bf16_skip_reason() if dtype == torch.bfloat16 else None
@@ -300,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                                         compiled, lay)
                 if not compiled and peer is None and not a.no_megatron:
                     steps["megatron"] = megatron_step(T, H, E, k, F, dtype)
+                if not compiled and titan is None and not a.no_torchtitan and dtype == torch.bfloat16:
+                    steps["titan"] = titan_step(T, H, E, k, F, dtype)
                 t = rotated_medians(steps, a.rounds, clock)
                 ceil = flops / t["ceiling"] / 1e9
                 for lay in layouts:
@@ -307,10 +387,15 @@ def main(argv: list[str] | None = None) -> int:
                     ours = t[f"moefold {lay}"]
                     meg = (f"{t['megatron'] * 1e3:>11.1f} {t['megatron'] / ours:>16.2f}" if "megatron" in t
                            else f"{'-':>11} {'-':>16}")
+                    meg += (f" {t['titan'] * 1e3:>9.1f} {t['titan'] / ours:>13.2f}" if "titan" in t
+                            else f" {'-':>9} {'-':>13}")
                     print(f"{dname:5} {E:>3} {k:>2} {F:>5} {mode:{mw}} {ceil:>9.0f} {ours * 1e3:>9.1f} "
                           f"{t['ceiling'] / ours:>10.2f} {t['ceiling'] / t[f'experts {lay}']:>12.2f} {meg}", flush=True)
                 if a.profile and not compiled:
-                    profile_top(steps[f"moefold {layouts[0]}"], a.profile)
+                    for name in (f"moefold {layouts[0]}", "megatron", "titan"):
+                        if name in steps:
+                            print(f"#   {name}:")
+                            profile_top(steps[name], a.profile)
                 del steps
     measured = {f"{k[1]} E{k[2]} {k[3]}x{k[4]} ~{k[5]} rows": v for k, v in chosen_layouts().items()}
     if measured:
