@@ -21,8 +21,8 @@ the order shifted by one per round; medians reported):
             loops over the experts with ``mm``), bf16 parameters and ``.grad`` (no main grads), fwd + bwd, the
             scores applied to the experts' outputs as in the other two; bf16 rows only (its experts cast their
             inputs and weights to bf16 whatever the parameters' dtype); ``torchtitan`` installed
-            (``pip install --no-deps torchtitan==0.3.0 spmd-types==0.3.1 tyro==1.0.17`` and tyro's
-            ``docstring-parser typeguard``), else skipped with the reason.
+            (``pip install --no-deps torchtitan==0.3.0 spmd-types==0.3.1 tyro==1.0.17 docstring-parser==0.18.0
+            typeguard==4.6.1``: docs/benchmarks.md), else skipped with the reason.
 
 GFLOP/s count the expert GEMMs only (3 projections x (fwd + 2 bwd) x 2*N*H*F). The figures of merit are
 moefold / ceiling and megatron (titan) time / moefold time, all from the same rounds. Routing is near-uniform
@@ -220,7 +220,7 @@ def titan_available() -> str | None:
         _titan_modules()
     except ImportError as err:
         return (f"torchtitan 0.3 is not importable ({err}; pip install --no-deps torchtitan==0.3.0 "
-                "spmd-types==0.3.1 tyro==1.0.17 docstring-parser typeguard)")
+                "spmd-types==0.3.1 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1)")
     return None
 
 
