@@ -138,8 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     a, b = tokens / statistics.median(mine), tokens / statistics.median(ref)
     print(f"moefold Trainer.train_step              {a:9.0f} tokens/s ({statistics.median(mine) * 1e3:.0f} ms/step)")
     print(f"HF Qwen3MoeForCausalLM + AdamW(fused)   {b:9.0f} tokens/s ({statistics.median(ref) * 1e3:.0f} ms/step)")
-    print(f"ratio moefold / HF: {a / b:.2f}x (target >= {1.0 if args.bf16 else 1.15}x); load average at end "
-          f"{os.getloadavg()[0]:.1f}")
+    target = 1.15 if args.model == "57m" else 1.0   # issue 52's goals, fp32 and bf16 alike
+    print(f"ratio moefold / HF: {a / b:.2f}x (target >= {target}x); load average at end {os.getloadavg()[0]:.1f}")
     if args.profile:
         print("# moefold:")
         profile_top(lambda: moefold_step(batches[1]), args.profile)
