@@ -33,7 +33,7 @@ from moefold.training.config import RunConfig, TrainConfig
 
 # every held-out row's estimate is within this share of its published figure (tests/planner/test_published.py);
 # the goal is 0.15 (docs/planner.md says what keeps the model from it)
-HELD_OUT_BOUND = 0.41
+HELD_OUT_BOUND = 0.37
 # DeepSeek's FP8 GEMMs scale 1x128 tiles and 128x128 blocks: torchao's rowwise recipe is moefold's nearest
 FINE_GRAINED_FP8 = FP8Config(format="e4m3", backend="torchao", recipe="rowwise")
 
@@ -302,9 +302,14 @@ def _dominant(run: PublishedRun) -> str:
     term = max(st.terms, key=st.terms.get)
     out = f"{term} {100 * st.terms[term] / st.total:.0f}%"
     if term == "compute":
-        host = st.total - run.step_time(dataclasses.replace(CALIBRATION, layer_seconds=0.0)).total
-        out += f" (host-bound {100 * host / st.total:.0f}%)"
+        out += f" (host-bound {100 * _host_seconds(run, st) / st.total:.0f}%)"
     return out
+
+
+def _host_seconds(run: PublishedRun, st: StepTime) -> float:
+    """The host-bound seconds in ``st``'s compute term: what ``Calibration.layer_seconds`` adds to it (the compute
+    term, not the step: with the batch-level overlap a longer compute also hides more of the exchange)."""
+    return st.terms["compute"] - run.step_time(dataclasses.replace(CALIBRATION, layer_seconds=0.0)).terms["compute"]
 
 
 def compute_split(run: PublishedRun) -> dict[str, float]:
@@ -314,8 +319,13 @@ def compute_split(run: PublishedRun) -> dict[str, float]:
     (``Calibration.layer_seconds``). They add up to the compute term's share of the step."""
     from moefold.dense.recompute import recomputed_modules
     from moefold.models.layer_factory import is_moe_block
-    from moefold.planner.compute_time import ELEMENTWISE_SHARE, block_gemms, elementwise_bytes, gemm_seconds_sum
-    from moefold.planner.gemm_efficiency import attention_seconds
+    from moefold.planner.compute_time import (
+        ELEMENTWISE_SHARE,
+        block_gemms,
+        core_attention_seconds,
+        elementwise_bytes,
+        gemm_seconds_sum,
+    )
     from moefold.planner.step_time import _score_macs
 
     config = run.config()
@@ -328,12 +338,12 @@ def compute_split(run: PublishedRun) -> dict[str, float]:
         f, b, again, _ = gemm_seconds_sum(config, block_gemms(config, sizes, i), cluster, chosen, None)
         gemm += f + b + again
         core = 2 * _score_macs(m, t.seq_length, i) * tokens
-        attention += (attention_seconds(cluster, core, False) * (2 if "core_attn" in chosen else 1)
-                      + attention_seconds(cluster, core, True))
+        fwd, bwd = core_attention_seconds(m, cluster, core)
+        attention += fwd * (2 if "core_attn" in chosen else 1) + bwd
         bytes_ = 3 * elementwise_bytes(m, is_moe_block(m, i), o.fp8.enabled) * tokens
         elementwise += bytes_ / (ELEMENTWISE_SHARE * cluster.hbm_gbps * 1e9)
     st = run.step_time()
-    host = st.total - run.step_time(dataclasses.replace(CALIBRATION, layer_seconds=0.0)).total
+    host = _host_seconds(run, st)
     kernels = (st.terms["compute"] - host) / st.total
     whole = gemm + attention + elementwise
     return {"GEMMs": kernels * gemm / whole, "core attention": kernels * attention / whole,
