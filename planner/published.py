@@ -162,7 +162,8 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
         "Et|(tt|)*30mL, recompute of MLA up-projections and MLP, DeepEP flex dispatcher with the batch-level overlap "
         f"and delayed weight gradients, as the release that measured it ran: {_V010_RUN} (h100: enable_deepep, "
         "A2A_1F1B sets overlap_moe_expert_parallel_comm and delay_wgrad_compute; the same in v0.2.0's "
-        "DEEPSEEK_V3_H100_BASE_CONFIG, moe_a2a_overlap=True)",
+        "DEEPSEEK_V3_H100_BASE_CONFIG, moe_a2a_overlap=True, and the Megatron-MoE-ModelZoo's H100 guide, "
+        "best_practice/DeepSeekV3/readme.md: 'Enable EP A2A overlapping')",
         train={"pipeline_model_parallel_layout": "Et|(tt|)*30mL", "overlap_moe_expert_parallel_comm": True,
                "delay_wgrad_compute": True}),
     _mb("26.04.01", "DGX-H100", "Qwen3-235B-A22B", "FP8", 1712, "qwen3_moe_235b_a22b", "h100", 256, 8192, 1, 2, 8,
