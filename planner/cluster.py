@@ -17,6 +17,7 @@ another machine::
     fp8_tflops = 1979          # dense FP8 peak; 0 or absent: no FP8 tensor cores (FP8 GEMMs at the bf16 rate)
     hbm_gbps = 3350            # memory bandwidth (bounds thin GEMMs and the elementwise kernels)
     arch = "sm_90"             # sm_80 (Ampere), sm_90 (Hopper) or sm_100 (Blackwell): whose GEMM rates apply
+    exp_tops = 4.18            # optional: exponentials per second, 1e12 (softmax attention's special-function units)
     source = "where the figures come from"
 
 Sizes are decimal unless they say otherwise (``parse_bytes``: GB = 1e9 bytes, GiB = 2**30).
@@ -42,6 +43,15 @@ PCIE_GEN5_PER_GPU, PCIE_GEN4_PER_GPU = 50.0, 25.0
 HOST_MEMORY_PER_GPU = 256 * 10**9
 DDR5_NODE_PER_GPU, DDR4_NODE_PER_GPU = 77.0, 51.0
 ARCHS = ("sm_80", "sm_90", "sm_100")   # CUDA compute capabilities with their own GEMM fits
+# Exponentials per second per GPU (1e12), what softmax attention's special-function units sustain
+# (planner.gemm_efficiency.softmax_attention_seconds): the CUDA C++ Programming Guide's arithmetic-instruction
+# throughput table gives 16 exp2 per clock per SM on compute capability 8.0, 9.0 and 10.0, times the SMs and the
+# boost clock: H100
+# SXM 132 SMs at 1.98 GHz, A100 108 at 1.41 GHz, B200 148 at about 1.965 GHz ("the SFU count ... remains unchanged"
+# from H100, the FlashAttention-4 write-up); Blackwell Ultra (GB300) doubles it ("NVIDIA Blackwell Ultra alleviates
+# this bottleneck by doubling SFU throughput over the standard NVIDIA Blackwell architecture", NVIDIA technical blog
+# "Making Softmax More Efficient with NVIDIA Blackwell Ultra", MUFU.EX2)
+EXP_H100, EXP_A100, EXP_B200 = 16 * 132 * 1.98e-3, 16 * 108 * 1.41e-3, 16 * 148 * 1.965e-3
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,7 @@ class Cluster:
     fp8_tflops: float = 0.0  # dense FP8 tensor-core peak; 0: none (FP8 GEMMs run at the bf16 rate)
     hbm_gbps: float = 3350.0  # HBM bandwidth (default: an H100 SXM's 3.35 TB/s)
     arch: str = "sm_90"       # the GPU architecture whose measured GEMM rates time the GEMMs (planner.gemm_efficiency)
+    exp_tops: float = EXP_H100  # exponentials per second, 1e12 (softmax attention: EXP_H100's comment)
 
     def __post_init__(self) -> None:
         if not isinstance(self.memory_bytes, int) or self.memory_bytes < 1:
@@ -68,7 +79,7 @@ class Cluster:
             raise ValueError(f"cluster {self.name!r}: host_memory_bytes={self.host_memory_bytes!r} must be a positive "
                              "integer")
         for name in ("bf16_tflops", "nvlink_gbps", "internode_gbps", "pcie_gbps", "host_memory_gbps",
-                     "hbm_gbps"):
+                     "hbm_gbps", "exp_tops"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"cluster {self.name!r}: {name}={value!r} must be a positive number")
@@ -107,13 +118,13 @@ CLUSTERS: dict[str, Cluster] = {c.name: c for c in (
             "= 25 GB/s per GPU; no FP8 tensor cores; HBM2e 2.04 TB/s; host: PCIe Gen4 x16, 2 TB and 2 x 8 "
             "DDR4-3200 channels per node",
             pcie_gbps=PCIE_GEN4_PER_GPU, host_memory_gbps=DDR4_NODE_PER_GPU, fp8_tflops=0.0, hbm_gbps=2039.0,
-            arch="sm_80"),
+            arch="sm_80", exp_tops=EXP_A100),
     Cluster("b200", 180 * 10**9, 2250.0, 900.0, IB_NDR_PER_GPU,
             "NVIDIA DGX B200 datasheet: 8 B200, 1,440 GB HBM3e = 180 GB per GPU, 72 PFLOPS FP8 training with sparsity "
             "per node = 4,500 dense FP8 TFLOP/s per GPU, dense BF16 half that (2,250); HBM3e 8 TB/s, "
             "NVLink 5 1.8 TB/s bidirectional = 900 per direction; network: 8 x 400 Gb/s ConnectX-7 = 50 GB/s per "
             "GPU; host: PCIe Gen5 x16, 4 TB (2 TB assumed usable as on DGX H100) and 2 x 8 DDR5 channels per node",
-            fp8_tflops=4500.0, hbm_gbps=8000.0, arch="sm_100"),
+            fp8_tflops=4500.0, hbm_gbps=8000.0, arch="sm_100", exp_tops=EXP_B200),
     Cluster("gb200", 186 * 10**9, 2500.0, 900.0, IB_NDR_PER_GPU,
             "NVIDIA GB200 NVL72 datasheet: 72 Blackwell GPUs, 13.4 TB HBM3e = 186 GB per GPU, FP8 720 PFLOPS with "
             "sparsity = 5,000 dense per GPU, BF16 360 PFLOPS with sparsity = 2,500 dense per GPU, HBM3e 8 TB/s per "
@@ -121,16 +132,20 @@ CLUSTERS: dict[str, Cluster] = {c.name: c for c in (
             "--gpus-per-node 72, or the domain a job gets); network: one 400 Gb/s ConnectX-7 per GPU = 50 GB/s; "
             "host: Grace, 480 GB LPDDR5X per 2 GPUs = 240 GB, NVLink-C2C 900 GB/s per Grace (450 per GPU) "
             "serving as the host link", fp8_tflops=5000.0, hbm_gbps=8000.0, pcie_gbps=450.0, arch="sm_100",
+            exp_tops=EXP_B200,
             host_memory_bytes=240 * 10**9, host_memory_gbps=256.0),
 )}
-# GB300 NVL72: GB200's NVLink domain and dense peaks, with Blackwell Ultra's memory and ConnectX-8
+# GB300 NVL72: GB200's NVLink domain and dense peaks, with Blackwell Ultra's memory, ConnectX-8 and twice the
+# exponentials (EXP_H100's comment)
 CLUSTERS["gb300"] = dataclasses.replace(
-    CLUSTERS["gb200"], name="gb300", memory_bytes=288 * 10**9, internode_gbps=100.0,
+    CLUSTERS["gb200"], name="gb300", memory_bytes=288 * 10**9, internode_gbps=100.0, exp_tops=2 * EXP_B200,
     source="NVIDIA GB300 NVL72 datasheet: 72 Blackwell Ultra GPUs, 20.7 TB HBM3e = 288 GB per GPU, FP8 720 PFLOPS "
            "with sparsity = 5,000 dense per GPU, BF16 360 PFLOPS with sparsity = 2,500 dense per GPU, HBM3e 8 TB/s, "
            "NVLink 5 1.8 TB/s bidirectional = 900 per direction across the 72-GPU NVLink domain; network: one "
            "800 Gb/s ConnectX-8 per GPU = 100 GB/s; host: Grace, 480 GB LPDDR5X per 2 GPUs = 240 GB, NVLink-C2C "
-           "900 GB/s per Grace (450 per GPU) serving as the host link")
+           "900 GB/s per Grace (450 per GPU) serving as the host link; Blackwell Ultra's special-function units: "
+           "twice Blackwell's exponentials (NVIDIA technical blog, Making Softmax More Efficient with NVIDIA "
+           "Blackwell Ultra)")
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -152,7 +167,7 @@ def parse_bytes(text: str) -> int:
 
 
 _TOML_KEYS = {"name", "memory", "memory_bytes", "bf16_tflops", "nvlink_gbps", "internode_gbps", "source", "pcie_gbps",
-              "host_memory", "host_memory_gbps", "fp8_tflops", "hbm_gbps", "arch"}
+              "host_memory", "host_memory_gbps", "fp8_tflops", "hbm_gbps", "arch", "exp_tops"}
 
 
 def load_cluster(spec: str) -> Cluster:
@@ -188,4 +203,5 @@ def load_cluster(spec: str) -> Cluster:
     return Cluster(name=str(data.get("name", path.stem)), memory_bytes=memory, bf16_tflops=data["bf16_tflops"],
                    nvlink_gbps=data["nvlink_gbps"], internode_gbps=data["internode_gbps"],
                    source=str(data.get("source", f"{path} (no source given)")), fp8_tflops=data.get("fp8_tflops", 0.0),
-                   hbm_gbps=data.get("hbm_gbps", Cluster.hbm_gbps), arch=str(data.get("arch", Cluster.arch)), **host)
+                   hbm_gbps=data.get("hbm_gbps", Cluster.hbm_gbps), arch=str(data.get("arch", Cluster.arch)),
+                   exp_tops=data.get("exp_tops", Cluster.exp_tops), **host)

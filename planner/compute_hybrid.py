@@ -40,6 +40,7 @@ from moefold.planner.compute_time import (
     Gemm,
     _attention_gemms,
     _ffn_gemms,
+    core_attention_seconds,
     elementwise_bytes,
     gemm_seconds_sum,
 )
@@ -126,8 +127,11 @@ def hybrid_block_compute(config: RunConfig, sizes: ParallelSizes, kind: str, clu
         core = 2 * core_macs / flops_only
         core_bwd = 2 * core
     else:
-        core = attention_seconds(cluster, 2 * core_macs, False)
-        core_bwd = attention_seconds(cluster, 2 * core_macs, True)
+        if kind == "full_attention":   # softmax attention: its tensor cores' part and its exponentials
+            core, core_bwd = core_attention_seconds(m, cluster, 2 * core_macs)
+        else:
+            core = attention_seconds(cluster, 2 * core_macs, False)
+            core_bwd = attention_seconds(cluster, 2 * core_macs, True)
         ew_s = elementwise * tokens / (ELEMENTWISE_SHARE * cluster.hbm_gbps * 1e9)
         fwd, bwd = fwd + ew_s, bwd + 2 * ew_s
     mixer_core = kind == "full_attention" or kind.startswith("linear_attention")   # what core_attn recomputes

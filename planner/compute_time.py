@@ -12,7 +12,8 @@ gradient ``[n, m] @ [m, k]`` of every GEMM, each with its own shape. Shapes per 
   down-projections (``q_a``, ``kv_a``) are replicated over tp as in Megatron;
 - routed experts: balanced routing, ``E / ep`` local experts of ``tokens x topk x ep x etp / E`` rows each (the
   rows of the ep x etp ranks' tokens that pick the expert), ``F / etp`` features, one grouped GEMM per projection;
-- core attention (scores and values): ``gemm_efficiency.attention_seconds``;
+- core attention (scores and values): ``gemm_efficiency.softmax_attention_seconds`` at the heads' width
+  (``head_dims``: d_qk + d_v), the tensor cores' part and the exponentials';
 - the elementwise kernels (norms, residual adds, RoPE, the SwiGLU activation, permutation, FP8 casts): HBM-bound,
   ``ELEMENTWISE_BYTES`` per token, at ``ELEMENTWISE_SHARE`` of the HBM bandwidth; backward twice the forward.
 
@@ -29,7 +30,7 @@ from moefold.models.config import ModelConfig
 from moefold.models.layer_factory import is_moe_block
 from moefold.parallel.dims import ParallelSizes
 from moefold.planner.cluster import Cluster
-from moefold.planner.gemm_efficiency import attention_seconds, gemm_seconds
+from moefold.planner.gemm_efficiency import gemm_seconds, softmax_attention_seconds
 from moefold.training.config import RunConfig
 
 ELEMENTWISE_SHARE = 0.7   # of the HBM bandwidth: fused elementwise kernels on Hopper reach 70-90%
@@ -97,6 +98,21 @@ def _ffn_gemms(c: ModelConfig, moe: bool, rows: float, sp_rows: float, sizes: Pa
         Fs = c.moe_shared_expert_ffn_size
         out += [Gemm("shared_experts", rows, 2 * Fs / tp, H), Gemm("shared_experts", rows, H, Fs / tp)]
     return out
+
+
+def head_dims(c: ModelConfig) -> float:
+    """d_qk + d_v of one attention head: what one score costs the tensor cores, over two FLOPs, forward (MLA's query
+    and key carry the rope part)."""
+    if c.attention == "mla":
+        return c.mla.qk_nope_head_dim + c.mla.qk_rope_head_dim + c.mla.v_head_dim
+    return 2.0 * c.attention_head_dim
+
+
+def core_attention_seconds(c: ModelConfig, cluster: Cluster, flops: float) -> tuple[float, float]:
+    """(forward, backward) seconds of softmax attention whose forward is ``flops``."""
+    dims = head_dims(c)
+    return (softmax_attention_seconds(cluster, flops, dims, False),
+            softmax_attention_seconds(cluster, flops, dims, True))
 
 
 def elementwise_bytes(c: ModelConfig, moe: bool, fp8: bool) -> float:
@@ -213,7 +229,7 @@ def _block_compute(config: RunConfig, sizes: ParallelSizes, moe: bool, mtp: bool
         core = core_flops / flops_only
         core_bwd = 2 * core
     else:
-        core, core_bwd = attention_seconds(cluster, core_flops, False), attention_seconds(cluster, core_flops, True)
+        core, core_bwd = core_attention_seconds(m, cluster, core_flops)
         ew_s = elementwise_bytes(m, moe, config.options.fp8.enabled) * tokens / (ELEMENTWISE_SHARE * cluster.hbm_gbps
                                                                                  * 1e9)
         fwd, bwd = fwd + ew_s, bwd + 2 * ew_s
@@ -223,5 +239,5 @@ def _block_compute(config: RunConfig, sizes: ParallelSizes, moe: bool, mtp: bool
                         shared_experts=shared)
 
 
-__all__ = ["ELEMENTWISE_SHARE", "BlockCompute", "Gemm", "block_compute", "block_gemms", "elementwise_bytes",
-           "gemm_seconds_sum", "head_compute"]
+__all__ = ["ELEMENTWISE_SHARE", "BlockCompute", "Gemm", "block_compute", "block_gemms", "core_attention_seconds",
+           "elementwise_bytes", "gemm_seconds_sum", "head_compute", "head_dims"]

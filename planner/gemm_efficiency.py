@@ -28,8 +28,10 @@ Weight-gradient GEMMs (``k`` = the tokens) and input-gradient GEMMs use the same
 Core attention is not a GEMM here: ``ATTENTION_SHARE`` (FlashAttention-3, arXiv 2407.08608: causal, head
 dim 128, seq 4k on H100, about 600 TFLOP/s forward in bf16 and 1.5-1.75x FlashAttention-2's backward, whose
 ~300 TFLOP/s puts FlashAttention-3's near 450-500; cuDNN's fused attention, which Transformer Engine
-uses, is in the same range). ``benchmarks/gemm_efficiency.py`` measures these points on the device it runs
-on and fits the same model, which is how the constants should be replaced once a GPU is measured.
+uses, is in the same range), and ``softmax_attention_seconds`` splits it into the tensor cores' part and the
+exponentials' (``Cluster.exp_tops``), which sets its rate at other head dimensions and on other GPUs.
+``benchmarks/gemm_efficiency.py`` measures these points on the device it runs on and fits the same model, which
+is how the constants should be replaced once a GPU is measured.
 """
 
 from __future__ import annotations
@@ -40,8 +42,24 @@ from dataclasses import dataclass
 
 from moefold.planner.cluster import Cluster
 
-# (forward, backward) share of the bf16 peak that core attention sustains (module docstring)
+# (forward, backward) share of the bf16 peak that core attention sustains (module docstring): FlashAttention's TFLOP/s,
+# the backward counted as 2.5 x the forward's FLOPs; what ``softmax_attention_seconds`` reproduces on an H100 at head
+# dim 128, and what times the other cores (Mamba-2 scans, Gated DeltaNet rules: ``attention_seconds``)
 ATTENTION_SHARE = (0.60, 0.47)
+# Softmax attention (FlashAttention, cuDNN's fused attention): per score (one query-key product of one head) the tensor
+# cores run 2 (d_qk + d_v) FLOPs forward and ATTENTION_BACKWARD_FLOPS times that backward (FlashAttention-2, arXiv
+# 2307.08691: five score-sized GEMMs against two), and the special-function units one exponential each way (forward
+# exp(S - max), backward P again from the saved log-sum-exp). The exponentials do not scale with the tensor cores
+# (``Cluster.exp_tops``: the CUDA C++ Programming Guide's 16 exp2 per clock per SM on cc 9.0 and 10.0; the
+# FlashAttention-4 write-up, together.ai/blog/flashattention-4: from H100 to B200 "BF16 tensor core throughput increases
+# from 1 to 2.25 PFLOPs, while both the SFU count and shared memory bandwidth remains unchanged", and the forward is
+# bound by the exponential), and the kernels overlap the two only in part, so the time is the MMA time plus the
+# exponentials': MMA FLOPs / (ATTENTION_MMA_SHARE x bf16 peak) + scores / exp rate. The shares are what gives an H100
+# (989 TFLOP/s, 4.18 T exp/s) at head dim 128 ATTENTION_SHARE's rates; at head dim 64 the model gives it 465 forward and
+# 428 backward TFLOP/s, where the FlashAttention-3 paper (arXiv 2407.08608, H100, bf16, seq 4k) measures 476 / 453 for
+# FlashAttention-3 and 408 / 417 for cuDNN. A narrow head pays the same exponentials for half the MMA work.
+ATTENTION_BACKWARD_FLOPS = 2.5
+ATTENTION_MMA_SHARE = (0.830, 0.515)
 
 
 @dataclass(frozen=True)
@@ -177,10 +195,21 @@ def gemm_seconds(cluster: Cluster, dtype: str, m: float, n: float, k: float, gro
 
 
 def attention_seconds(cluster: Cluster, flops: float, backward: bool) -> float:
-    """Seconds of ``flops`` of core attention (scores and values) forward, or its backward."""
+    """Seconds of ``flops`` of a core that is not softmax attention (a Mamba-2 scan, a Gated DeltaNet rule) forward,
+    or its backward, at ``ATTENTION_SHARE`` of the bf16 peak."""
     return flops / (ATTENTION_SHARE[1 if backward else 0] * cluster.bf16_tflops * 1e12)
 
 
-__all__ = ["ARCH_MODELS", "ATTENTION_SHARE", "B200_FP8_PEAKS", "B200_PEAKS", "BF16", "BF16_B200", "BF16_H100",
-           "BF16_SM100", "FP8", "FP8_B200", "FP8_H800", "FP8_SM100", "H100_PEAKS", "H800_FP8_PEAKS", "MODELS",
-           "GemmModel", "GemmPoint", "attention_seconds", "fit_model", "gemm_seconds", "model_errors"]
+def softmax_attention_seconds(cluster: Cluster, flops: float, head_dims: float, backward: bool) -> float:
+    """Seconds of softmax attention whose forward is ``flops`` (scores and values: 2 x scores x ``head_dims``, with
+    ``head_dims`` = d_qk + d_v of a head) forward, or its backward (``ATTENTION_MMA_SHARE``)."""
+    scores = flops / (2.0 * head_dims)
+    mma = flops * (ATTENTION_BACKWARD_FLOPS if backward else 1.0)
+    return mma / (ATTENTION_MMA_SHARE[1 if backward else 0] * cluster.bf16_tflops * 1e12) + scores / (
+        cluster.exp_tops * 1e12)
+
+
+__all__ = ["ARCH_MODELS", "ATTENTION_BACKWARD_FLOPS", "ATTENTION_MMA_SHARE", "ATTENTION_SHARE", "B200_FP8_PEAKS",
+           "B200_PEAKS", "BF16", "BF16_B200", "BF16_H100", "BF16_SM100", "FP8", "FP8_B200", "FP8_H800", "FP8_SM100",
+           "H100_PEAKS", "H800_FP8_PEAKS", "MODELS", "GemmModel", "GemmPoint", "attention_seconds", "fit_model",
+           "gemm_seconds", "model_errors", "softmax_attention_seconds"]
