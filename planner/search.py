@@ -409,12 +409,18 @@ def search(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, 
                                         leanest.memory.total < result.closest.memory.total):
                 result.closest = leanest
             continue
+        result.fitting += 1
+        if len(steps) >= needed:   # a way to fit whose own bound (its rung and sharding) is above the needed-th step
+            # cannot rank: it is not timed (the layout's bound above was its first rung's, the least of its rungs')
+            plans = [p for p in plans if step_lower_bound(p.config, sizes, cluster, num_micro, efficiency,
+                                                          gpus_per_node) <= steps[needed - 1]]
+            if not plans:
+                continue
         ways = sorted((dataclasses.replace(p, time=estimate_step_time(p.config, p.sizes, cluster, gpus_per_node,
                                                                       efficiency, simulate=False))
                        for p in plans), key=lambda p: -p.time.tokens_per_s_per_gpu)
         timed.append(ways)
         bisect.insort(steps, ways[0].time.total)
-    result.fitting = len(timed)
     # each layout's ways to fit, fastest first; the layouts by their fastest
     timed.sort(key=lambda ways: (-ways[0].time.tokens_per_s_per_gpu, ways[0].memory.total))
     if not exact:

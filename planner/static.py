@@ -68,20 +68,17 @@ class StaticMemory:
         return self.params + self.grads + self.optimizer
 
 
-_LAYOUTS: dict[tuple, StageLayout] = {}
+_LAST_LAYOUT: list = [None, None, None, None]   # (train, model, pp, its layout): the last asked for
 
 
 def layout_of(config: RunConfig, pp: int) -> StageLayout:
     """``config.pipeline_layout(pp)``, parsed once per model and pipeline flags (the search asks for it per rung,
     rank and saver of every layout)."""
-    t = config.train
-    key = (config.model, pp, t.pipeline_model_parallel_layout, t.num_layers_per_virtual_pipeline_stage,
-           t.decoder_first_pipeline_num_layers, t.decoder_last_pipeline_num_layers, t.pipeline_schedule)
-    if key not in _LAYOUTS:
-        if len(_LAYOUTS) > 4096:
-            _LAYOUTS.clear()
-        _LAYOUTS[key] = config.pipeline_layout(pp)
-    return _LAYOUTS[key]
+    last = _LAST_LAYOUT
+    if last[0] is not config.train or last[1] is not config.model or last[2] != pp:
+        # a layout's rungs, ranks and savers share one train object; ``RunConfig.pipeline_layout`` is memoised
+        last[:] = [config.train, config.model, pp, config.pipeline_layout(pp)]
+    return last[3]
 
 
 def stage_signature(config: RunConfig, pp: int, pp_rank: int) -> tuple:

@@ -146,7 +146,9 @@ def step_lower_bound(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, 
             index = _layer_kinds(config.model, config.train.seq_length).index(kind)
             cost = block_compute(shared, sizes, index, cluster, kind[2],
                                  recomputed_modules(o.recompute, o.recompute_modules), flop_s)
-            costs[kind] = cost.forward + cost.backward + cost.recompute
+            # uniform full recompute checkpoints every block (decoder and MTP): its backward runs its forward again
+            every = o.recompute == "full" and o.recompute_method == "uniform"
+            costs[kind] = cost.forward + cost.backward + (cost.forward if every else cost.recompute)
         return costs[kind]
 
     scale = 1.0 if efficiency is not None else CALIBRATION.compute
