@@ -212,9 +212,22 @@ def chunk_profile(shape: ActivationShape, kinds: tuple[bool | str, ...], first: 
     """``profile`` of a chunk whose layers are MoE or dense (or a one-sublayer stack's layer types) as ``kinds``
     says (``activations_mamba.block_kind``): a block's tensors depend only on its kind, so chunks of equal kinds
     (any stage, any layout with the same shape) share one profile."""
-    layers = [representative(shape.model, k) for k in kinds]
+    layers = [_representative(shape.model, k) for k in kinds]
     parts = chunk_parts(shape, layers, first, last, dispatcher, received, sent)
     return profile(parts, received, sent, frozenset(shape.options.offload_modules))
+
+
+_REPRESENTATIVES: dict[tuple, tuple] = {}
+
+
+def _representative(model, kind: bool | str) -> int:
+    """``activations_mamba.representative``, once per model object and kind."""
+    entry = _REPRESENTATIVES.get((id(model), kind))
+    if entry is None or entry[0] is not model:
+        if len(_REPRESENTATIVES) > 4096:
+            _REPRESENTATIVES.clear()
+        entry = _REPRESENTATIVES[(id(model), kind)] = (model, representative(model, kind))
+    return entry[1]
 
 
 def profile(parts: list[Part], received: bool = False, sent: bool = False,

@@ -94,12 +94,24 @@ def stage_signature(config: RunConfig, pp: int, pp_rank: int) -> tuple:
                   tuple(types(i) for i in c.layers)) for c in layout.rank_chunks(pp_rank))
 
 
+_GROUPS: dict[tuple, tuple] = {}
+
+
 def stage_groups(config: RunConfig, pp: int) -> dict[tuple, list[int]]:
-    """{stage signature: the pipeline ranks with it}, in pipeline order."""
-    out: dict[tuple, list[int]] = {}
-    for r in range(pp):
-        out.setdefault(stage_signature(config, pp, r), []).append(r)
-    return out
+    """{stage signature: the pipeline ranks with it}, in pipeline order (once per model and pipeline split)."""
+    t = config.train
+    key = (id(config.model), pp, t.pipeline_schedule, t.pipeline_model_parallel_layout,
+           t.num_layers_per_virtual_pipeline_stage, t.decoder_first_pipeline_num_layers,
+           t.decoder_last_pipeline_num_layers)
+    entry = _GROUPS.get(key)
+    if entry is None or entry[0] is not config.model:   # (the model kept with its entry: its id is not reused)
+        if len(_GROUPS) > 4096:
+            _GROUPS.clear()
+        out: dict[tuple, list[int]] = {}
+        for r in range(pp):
+            out.setdefault(stage_signature(config, pp, r), []).append(r)
+        entry = _GROUPS[key] = (config.model, out)
+    return {signature: list(ranks) for signature, ranks in entry[1].items()}
 
 
 def exact_static(config: RunConfig, sizes: ParallelSizes) -> dict[int, StaticMemory]:
@@ -299,8 +311,10 @@ _STATIC_FIELDS = ("bf16", "main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype
 def _static_key(config: RunConfig, sizes: ParallelSizes) -> tuple:
     """What a layout's static bytes depend on: the model, the options but how activations are saved, the sizes and
     ``_STATIC_FIELDS``."""
+    from moefold.planner.step_bound import value_token
+
     options = tuple(v for k, v in vars(config.options).items() if k not in _ACTIVATION_OPTIONS)
-    return (config.model, options, sizes, *(getattr(config.train, f) for f in _STATIC_FIELDS))
+    return (value_token(config.model), options, sizes, *(getattr(config.train, f) for f in _STATIC_FIELDS))
 
 
 def static_lower_bound(config: RunConfig, sizes: ParallelSizes) -> dict[int, StaticMemory]:

@@ -25,6 +25,7 @@ pipeline split's count of block kinds per rank (the layout parsed once per split
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import Counter
 
@@ -56,9 +57,31 @@ def compute_key(config: RunConfig) -> tuple:
     (``PIPELINE_FIELDS``) and the memory savers of the optimizer (ZeRO-1 / FSDP2 / offload change no block's
     compute, ``step_time._actions_key``'s own normalisation, which ``block_compute`` is called under)."""
     t = config.train
-    train = tuple(v for k, v in vars(t).items() if k != "execution")
+    # the model, the options and the train sections as ``value_token``s: hashing them field by field for every
+    # layout, rung and saver was a good share of the search
+    train = tuple(value_token(v) if dataclasses.is_dataclass(v) else v for k, v in vars(t).items()
+                  if k != "execution")
     execution = tuple(v for k, v in vars(t.execution).items() if k not in PIPELINE_FIELDS)
-    return config.model, config.options, train, execution
+    return value_token(config.model), value_token(config.options), train, execution
+
+
+_OBJECTS: dict[int, tuple[object, int]] = {}   # id -> (the object, kept so that its id is not reused; its token)
+_VALUES: dict[object, int] = {}
+
+
+def value_token(obj: object) -> int:
+    """A small integer standing for the value of the hashable ``obj`` (equal values, equal tokens; a token is never
+    reused), hashed once per object rather than at every lookup (a frozen config's hash walks all its fields)."""
+    entry = _OBJECTS.get(id(obj))
+    if entry is None or entry[0] is not obj:
+        if len(_OBJECTS) > MAX_ENTRIES:
+            _OBJECTS.clear()
+            _VALUES.clear()
+        token = _VALUES.get(obj)
+        if token is None:
+            token = _VALUES[obj] = next(_NEXT_TOKEN)
+        entry = _OBJECTS[id(obj)] = (obj, token)
+    return entry[1]
 
 
 _TOKENS: dict[tuple, int] = {}
@@ -130,7 +153,7 @@ def step_lower_bound(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, 
 
     flop_s = None if efficiency is None else cluster.bf16_tflops * 1e12 * efficiency
     # a block's GEMMs are sized by tp, cp, ep and etp (``compute_time._gemms``), not by pp or dp
-    context = (compute_token(config), sizes.tp, sizes.cp, sizes.ep, sizes.etp, cluster, flop_s)
+    context = (compute_token(config), sizes.tp, sizes.cp, sizes.ep, sizes.etp, value_token(cluster), flop_s)
     costs = _COSTS.get(context)
     if costs is None:
         if len(_COSTS) > MAX_ENTRIES:
@@ -185,7 +208,7 @@ def _exposed(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, gpus_per
     key = compute_token(config)
     # rank 0's groups inside the pipeline and data-parallel dims (tp-cp-dp-pp, etp-ep-edp-pp rank order) are the same
     # whatever pp and dp are: one entry per tp, cp, ep, etp (the collectives over tp x cp x dp are left out)
-    context = (key, sizes.tp, sizes.cp, sizes.ep, sizes.etp, cluster, gpus_per_node, terms)
+    context = (key, sizes.tp, sizes.cp, sizes.ep, sizes.etp, value_token(cluster), gpus_per_node, terms)
     if context not in _EXPOSED:
         if len(_EXPOSED) > MAX_ENTRIES:
             _EXPOSED.clear()
@@ -207,4 +230,4 @@ def _exposed(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, gpus_per
     return _EXPOSED[context]
 
 
-__all__ = ["PIPELINE_FIELDS", "compute_key", "compute_token", "rank_block_kinds", "step_lower_bound"]
+__all__ = ["PIPELINE_FIELDS", "compute_key", "compute_token", "value_token", "rank_block_kinds", "step_lower_bound"]
