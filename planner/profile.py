@@ -36,7 +36,7 @@ from moefold.planner.activations_mamba import block_kind, hybrid_block, represen
 from moefold.planner.activations_v4 import v4_attention, v4_hyper, v4_streams
 from moefold.planner.inflight import held_states, most_held, peak_bytes
 from moefold.planner.schedule_walk import _events, schedule_peak, steady_schedule
-from moefold.planner.static import layout_of
+from moefold.planner.static import layout_of, per_split
 from moefold.training.config import RunConfig
 
 
@@ -318,6 +318,13 @@ def _split_chunks(config: RunConfig, pp: int) -> tuple[tuple, str, int]:
     """(per pipeline rank, its chunks as (the block kinds of their layers, first?, (head?, MTP?), received?, sent?);
     the schedule's name; vpp), once per model and pipeline split (the search plans each split with many sizes and
     every rung and saver)."""
+    return per_split(_SPLITS_BY_TRAIN, config, pp, lambda: _split_chunks_by_flags(config, pp))
+
+
+_SPLITS_BY_TRAIN: dict[tuple, tuple] = {}
+
+
+def _split_chunks_by_flags(config: RunConfig, pp: int) -> tuple[tuple, str, int]:
     m, t = config.model, config.train
     key = (id(m), pp, t.pipeline_schedule, t.pipeline_model_parallel_layout, t.num_layers_per_virtual_pipeline_stage,
            t.decoder_first_pipeline_num_layers, t.decoder_last_pipeline_num_layers)

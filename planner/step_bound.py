@@ -42,7 +42,7 @@ from moefold.training.config import RunConfig
 PIPELINE_FIELDS = frozenset({"pipeline_schedule", "overlap_moe_expert_parallel_comm", "delay_wgrad_compute",
                              "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
                              "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout"})
-INNER_GROUPS = frozenset({"tp", "tp_cp", "ep", "etp", "etp_ep"})   # the tp and ep terms' groups that skip dp and pp
+INNER_GROUPS = frozenset({"tp", "tp_cp", "cp", "ep", "etp", "etp_ep"})   # the tp, cp, ep terms' groups (skip dp, pp)
 MAX_ENTRIES = 1 << 16   # per cache; cleared when full (a search needs a few thousand)
 _COSTS: dict[tuple, dict[tuple, float]] = {}   # context -> {block kind: seconds}
 _RANK_KINDS: dict[tuple, tuple] = {}   # -> (model, per rank ((block kind, how many), ...))
@@ -119,6 +119,15 @@ def _layer_kinds(model: ModelConfig, seq: int) -> tuple[tuple, ...]:
 def rank_block_kinds(config: RunConfig, sizes: ParallelSizes) -> tuple[tuple[tuple[tuple, int], ...], ...]:
     """Per pipeline rank, ((block kind, how many), ...) of the blocks it runs per micro-batch (its chunks' decoder
     layers and MTP depths), computed once per model, sequence length and pipeline split."""
+    from moefold.planner.static import per_split
+
+    return per_split(_RANK_KINDS_BY_TRAIN, config, sizes.pp, lambda: _rank_block_kinds(config, sizes))
+
+
+_RANK_KINDS_BY_TRAIN: dict[tuple, tuple] = {}
+
+
+def _rank_block_kinds(config: RunConfig, sizes: ParallelSizes) -> tuple[tuple[tuple[tuple, int], ...], ...]:
     from moefold.planner.step_time import rank_chunks
 
     m, t = config.model, config.train
@@ -171,16 +180,27 @@ def step_lower_bound(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, 
                                  recomputed_modules(o.recompute, o.recompute_modules), flop_s)
             # uniform full recompute checkpoints every block (decoder and MTP): its backward runs its forward again
             every = o.recompute == "full" and o.recompute_method == "uniform"
-            costs[kind] = cost.forward + cost.backward + (cost.forward if every else cost.recompute)
-        return costs[kind]
+            costs[kind] = (cost.forward + cost.backward + (cost.forward if every else cost.recompute),
+                           cost.core_attention)
+        return costs[kind][0]
+
+    def cp_seconds(kind: tuple) -> float:
+        """A decoder block's cp exchange left exposed: with ``p2p`` what its core attention does not hide (forward
+        behind the forward's, backward behind twice that), as ``step_time._chunk_actions`` exposes it."""
+        forward, backward = cp.get(kind[:2], (0.0, 0.0))
+        if not forward and not backward:
+            return 0.0
+        seconds(kind)
+        hidden = costs[kind][1] if config.options.cp_comm == "p2p" else 0.0
+        return max(0.0, forward - hidden) + max(0.0, backward - 2 * hidden)
 
     scale = 1.0 if efficiency is not None else CALIBRATION.compute
-    exposed = {} if gpus_per_node is None else _exposed(config, sizes, cluster, gpus_per_node, efficiency)
+    exposed, cp = ({}, {}) if gpus_per_node is None else _exposed(config, sizes, cluster, gpus_per_node, efficiency)
     comm = 1.0 if efficiency is not None else CALIBRATION.communication
     # the host-bound seconds the calibration adds to every block's compute (``_Action.calibrate``): on the busy path
     host = CALIBRATION.layer_seconds if efficiency is None and host_waits(config) else 0.0
-    busiest = max(sum(n * (scale * seconds(kind) + host + comm * exposed.get(kind[:2], 0.0)) for kind, n in rank)
-                  for rank in rank_block_kinds(config, sizes))
+    busiest = max(sum(n * (scale * seconds(kind) + host + comm * (exposed.get(kind[:2], 0.0) + cp_seconds(kind)))
+                      for kind, n in rank) for rank in rank_block_kinds(config, sizes))
     bound = micro_batches * busiest
     if gpus_per_node is not None and sizes.pp > 1:   # the closed-form clock's idle time: busy x f / (1 - f)
         from moefold.pipeline.schedules import V_SCHEDULES, expected_bubble_fraction
@@ -194,12 +214,13 @@ def step_lower_bound(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, 
 
 
 def _exposed(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, gpus_per_node: int,
-             efficiency: float | None) -> dict[tuple, float]:
-    """{(MoE?, MTP?): seconds} of a decoder block's collectives that nothing hides, forward and backward, before
+             efficiency: float | None) -> tuple[dict[tuple, float], dict[tuple, tuple[float, float]]]:
+    """({(MoE?, MTP?): seconds} of a decoder block's collectives that nothing hides, forward and backward, before
     calibration: the ``tp`` term (no TP overlap in moefold) and, without the batch-level overlap, the ``ep`` term (the
-    exchanges that may hide behind the shared experts excluded): ``step_time._chunk_actions`` adds at least these to
-    the block's actions (recompute's collectives, cp, pp, the collectives over tp x cp x dp and the MTP blocks' only
-    add more)."""
+    exchanges that may hide behind the shared experts excluded); {(MoE?, MTP?): (forward, backward) seconds of its
+    ``cp`` term} before core attention hides any of it (``step_bound`` subtracts that per block kind)):
+    ``step_time._chunk_actions`` adds at least these to the block's actions (recompute's collectives, pp, the
+    collectives over tp x cp x dp and the MTP blocks' only add more)."""
     from moefold.planner.comm import block_collectives
     from moefold.planner.step_time import _actions_key, _by_term, _Links
 
@@ -213,7 +234,7 @@ def _exposed(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, gpus_per
         if len(_EXPOSED) > MAX_ENTRIES:
             _EXPOSED.clear()
         links, shared = _Links(sizes, cluster, gpus_per_node), None
-        out = {}
+        out, cp = {}, {}
         for moe in {kind[0] for kind in _layer_kinds(config.model, config.train.seq_length) if not kind[1]}:
             # a block's collectives are sized by tp, cp, ep and etp (``comm.block_collectives``); their seconds
             # depend on where the groups' ranks sit (``_Links``: every size)
@@ -226,7 +247,9 @@ def _exposed(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, gpus_per
                                        if not c.overlaps and c.group in INNER_GROUPS]
             out[(moe, False)] = sum(_by_term(links, _COLLECTIVES[which], phase).get(term, 0.0)
                                     for phase in ("forward", "backward") for term in terms)
-        _EXPOSED[context] = out
+            cp[(moe, False)] = tuple(_by_term(links, _COLLECTIVES[which], phase).get("cp", 0.0)
+                                     for phase in ("forward", "backward"))
+        _EXPOSED[context] = out, cp
     return _EXPOSED[context]
 
 
