@@ -11,11 +11,16 @@ is more); the bound is the busiest rank's. Every action's compute is scaled by t
 (``step_terms.Calibration``; the flat model of ``--efficiency`` is not calibrated), and the routing kernels'
 traffic, the head, the embedding and every communication term only add to it.
 
+Uniform full recompute checkpoints every block, so a block's backward runs its forward again: that forward is in the
+bound (block-method full recompute and selective recompute count ``recompute``, what selective recompute repeats).
+
 The search's bound (``gpus_per_node`` given) is tighter, and holds for the closed-form clock the search ranks by:
 the busy time also counts each block's collectives that nothing hides (TP's, never overlapped in moefold; the expert
-exchange where the schedule has no batch-level overlap to hide it), scaled by the calibration's ``communication``
-as the actions are, and the closed form adds ``busy x f / (1 - f)`` of idle time to it for 1F1B, interleaved 1F1B,
-GPipe and ZB-H1 (``f``: ``pipeline.schedules.expected_bubble_fraction``), so the total is at least ``busy / (1 - f)``.
+exchange where the schedule has no batch-level overlap to hide it; the cp exchange but what core attention hides of
+it with ``p2p``, forward behind the forward's and backward behind twice that), scaled by the calibration's
+``communication`` as the actions are, and the closed form adds ``busy x f / (1 - f)`` of idle time to it for 1F1B,
+interleaved 1F1B, GPipe and ZB-H1 (``f``: ``pipeline.schedules.expected_bubble_fraction``), so the total is at least
+``busy / (1 - f)``.
 
 The search bounds every valid layout (tens of thousands for DeepSeek-V3 on 1,024 GPUs), so the bound is assembled
 from two caches: each block kind's seconds (``compute_time.block_compute``, called once per kind and per what it
