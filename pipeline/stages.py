@@ -233,7 +233,13 @@ class StageLayout:
 
     def rank_chunks(self, pp_rank: int) -> list[ChunkSpec]:
         """The ``vpp`` chunks of one rank, in virtual-chunk order."""
-        return [self.chunk_spec(pp_rank, c) for c in range(self.vpp)]
+        self._check(pp_rank, 0)
+        return list(self._rank_chunks[pp_rank])
+
+    @cached_property
+    def _rank_chunks(self) -> tuple[tuple[ChunkSpec, ...], ...]:
+        # made once per layout: the planner asks for every rank's chunks per layout it plans (the specs are frozen)
+        return tuple(tuple(self.chunk_spec(r, c) for c in range(self.vpp)) for r in range(self.pp))
 
     def rank_layers(self, pp_rank: int) -> list[int]:
         """Every global layer index held by ``pp_rank`` (all its chunks)."""

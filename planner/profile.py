@@ -36,7 +36,7 @@ from moefold.planner.activations_mamba import block_kind, hybrid_block, represen
 from moefold.planner.activations_v4 import v4_attention, v4_hyper, v4_streams
 from moefold.planner.inflight import held_states, most_held, peak_bytes
 from moefold.planner.schedule_walk import _events, schedule_peak, steady_schedule
-from moefold.planner.static import layout_of
+from moefold.planner.static import layout_of, per_split
 from moefold.training.config import RunConfig
 
 
@@ -212,9 +212,22 @@ def chunk_profile(shape: ActivationShape, kinds: tuple[bool | str, ...], first: 
     """``profile`` of a chunk whose layers are MoE or dense (or a one-sublayer stack's layer types) as ``kinds``
     says (``activations_mamba.block_kind``): a block's tensors depend only on its kind, so chunks of equal kinds
     (any stage, any layout with the same shape) share one profile."""
-    layers = [representative(shape.model, k) for k in kinds]
+    layers = [_representative(shape.model, k) for k in kinds]
     parts = chunk_parts(shape, layers, first, last, dispatcher, received, sent)
     return profile(parts, received, sent, frozenset(shape.options.offload_modules))
+
+
+_REPRESENTATIVES: dict[tuple, tuple] = {}
+
+
+def _representative(model, kind: bool | str) -> int:
+    """``activations_mamba.representative``, once per model object and kind."""
+    entry = _REPRESENTATIVES.get((id(model), kind))
+    if entry is None or entry[0] is not model:
+        if len(_REPRESENTATIVES) > 4096:
+            _REPRESENTATIVES.clear()
+        entry = _REPRESENTATIVES[(id(model), kind)] = (model, representative(model, kind))
+    return entry[1]
 
 
 def profile(parts: list[Part], received: bool = False, sent: bool = False,
@@ -298,12 +311,51 @@ def _activations_key(config: RunConfig) -> tuple:
     return config.model, config.options, _TRAIN_KEY[1]
 
 
+_SPLITS: dict[tuple, tuple] = {}
+
+
+def _split_chunks(config: RunConfig, pp: int) -> tuple[tuple, str, int]:
+    """(per pipeline rank, its chunks as (the block kinds of their layers, first?, (head?, MTP?), received?, sent?);
+    the schedule's name; vpp), once per model and pipeline split (the search plans each split with many sizes and
+    every rung and saver)."""
+    return per_split(_SPLITS_BY_TRAIN, config, pp, lambda: _split_chunks_by_flags(config, pp))
+
+
+_SPLITS_BY_TRAIN: dict[tuple, tuple] = {}
+
+
+def _split_chunks_by_flags(config: RunConfig, pp: int) -> tuple[tuple, str, int]:
+    m, t = config.model, config.train
+    key = (id(m), pp, t.pipeline_schedule, t.pipeline_model_parallel_layout, t.num_layers_per_virtual_pipeline_stage,
+           t.decoder_first_pipeline_num_layers, t.decoder_last_pipeline_num_layers)
+    entry = _SPLITS.get(key)
+    if entry is None or entry[0] is not m:   # (the model kept with its entry: its id is not reused meanwhile)
+        if len(_SPLITS) > MAX_LAYOUTS:
+            _SPLITS.clear()
+        kinds = _block_kinds(m)
+        if pp == 1:
+            split = (((kinds, True, (True, True), False, False),),)
+            name, vpp = "1f1b", 1
+        else:
+            layout = layout_of(config, pp)
+            last = layout.num_model_chunks - 1
+            split = tuple(tuple((tuple(kinds[i] for i in c.layers), c.has_embedding, (c.has_head, c.has_mtp),
+                                 c.model_chunk > 0, c.model_chunk < last) for c in layout.rank_chunks(r))
+                          for r in range(pp))
+            name, vpp = config.schedule_name(layout.vpp), layout.vpp
+        entry = _SPLITS[key] = (m, (split, name, vpp))
+    return entry[1]
+
+
 def _activation_memories(config: RunConfig, sizes: ParallelSizes, num_micro: int, device_type: str,
                          exact: bool) -> tuple[ActivationMemory, ...]:
     from moefold.planner.step_bound import compute_token
 
-    # the shape reads no pipeline split (``activations.activation_shape``): one per search's sizes and options
-    shape_key = (compute_token(config), config.parallel, sizes, device_type)
+    # the shape reads tp, cp, ep and etp, not the pipeline (``activations.activation_shape``; the options it makes
+    # read the flags' tp and cp, ``training.build.model_options``): one per search's options and those sizes, whatever
+    # pp and dp are (chunks alike in layouts of different pp share their profiles)
+    shape_key = (compute_token(config), config.parallel.tp, config.parallel.cp, sizes.tp, sizes.cp, sizes.ep,
+                 sizes.etp, device_type)
     if shape_key not in _SHAPES:
         if len(_SHAPES) > MAX_LAYOUTS:
             _SHAPES.clear()
@@ -312,24 +364,19 @@ def _activation_memories(config: RunConfig, sizes: ParallelSizes, num_micro: int
     shape, profile_of = _SHAPES[shape_key]   # profile_of: chunk_profile's, keyed without the shape
     dispatcher = config.options.resolved_dispatcher(sizes.ep, sizes.etp)
     m = config.model
-    kinds = _block_kinds(m)
     overlap = config.train.overlap_moe_expert_parallel_comm
     message = shape.a * shape.T_x * m.hidden_size * v4_streams(m)
+    split, name, vpp = _split_chunks(config, sizes.pp)
     out = []
     for pp_rank in range(sizes.pp):
         if sizes.pp == 1:
-            chunks = [(list(range(m.num_layers)), True, (True, True), False, False)]
             # with the overlap two micro-batches are in flight (F0, FB(1, 0), ...)
             schedule = ("1f1b", 1, num_micro, 1, True) if overlap else None
         else:
-            layout = layout_of(config, sizes.pp)
-            last = layout.num_model_chunks - 1
-            chunks = [(list(c.layers), c.has_embedding, (c.has_head, c.has_mtp), c.model_chunk > 0,
-                       c.model_chunk < last) for c in layout.rank_chunks(pp_rank)]
-            schedule = (config.schedule_name(layout.vpp), sizes.pp, num_micro, layout.vpp, overlap)
+            schedule = (name, sizes.pp, num_micro, vpp, overlap)
         profiles = []
-        for layers, first, last_chunk, received, sent in chunks:
-            key = (tuple(kinds[i] for i in layers), first, last_chunk, dispatcher, received, sent)
+        for kinds, first, last_chunk, received, sent in split[pp_rank]:
+            key = (kinds, first, last_chunk, dispatcher, received, sent)
             if key not in profile_of:
                 profile_of[key] = chunk_profile(shape, *key)
             profiles.append(profile_of[key])

@@ -202,7 +202,7 @@ def unranked(result: SearchResult) -> str:
     """The valid layouts the search did not plan (branch and bound), in words; empty when it planned them all."""
     if not result.unranked:
         return ""
-    return (f"; {result.unranked} not planned: a lower bound of their step (compute, unhidden TP/EP communication, "
+    return (f"; {result.unranked} not planned: a lower bound of their step (compute, unhidden TP/CP/EP communication, "
             "bubble) is above the step of each layout printed")
 
 

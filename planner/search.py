@@ -21,7 +21,10 @@ leading layouts with the meta build, the walked action lists and the simulated c
 etp, the micro-batch size, the pipeline schedule with or without the batch-level overlap, and the recompute
 setting) that ``moefold train`` would accept (``validate_layout``), keeping what the user fixed; for each layout
 it takes the least activation saving that fits (``recompute_ladder``: more recompute never runs faster), and ranks
-what fits by tokens/s/GPU. The layouts and schedules tried: ``planner.candidates``.
+what fits by tokens/s/GPU. Branch and bound: layouts are planned in the order of a lower bound of their step
+(``planner.step_bound``, at the first rung: the least of the rungs'); once the ``top`` fastest steps are known, a
+layout whose bound is above them is not planned, and a fitting way (rung and saver) whose own bound is above them is
+not timed. The layouts and schedules tried: ``planner.candidates``.
 
 Memory savers past ZeRO-1 are choices of the search too (``SHARDING``): FSDP2 (``--use-torch-fsdp2``) and optimizer
 offload (``--optimizer-cpu-offload``, fraction 1). A layout that fits with no activation saving under ZeRO-1 is
@@ -382,7 +385,7 @@ def search(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, 
             result.rejected[reason] = result.rejected.get(reason, 0) + 1
             continue
         # a lower bound on the step of every way this layout may fit: its first rung (the least recompute) and any
-        # sharding (``planner.step_bound``: the busiest rank's block compute and unhidden TP/EP communication)
+        # sharding (``planner.step_bound``: the busiest rank's block compute and unhidden TP/CP/EP communication)
         if id(candidate.options) not in first_rung:   # the candidates share one options object: one replace
             first_rung[id(candidate.options)] = (candidate.options, dataclasses.replace(
                 candidate.options, **next(iter(ladder.values()))))
@@ -409,12 +412,17 @@ def search(config: RunConfig, world: int, cluster: Cluster, gpus_per_node: int, 
                                         leanest.memory.total < result.closest.memory.total):
                 result.closest = leanest
             continue
+        result.fitting += 1
+        if len(steps) >= needed:   # a way whose own bound (rung and saver) is above the needed-th step is not timed
+            plans = [p for p in plans if step_lower_bound(p.config, sizes, cluster, num_micro, efficiency,
+                                                          gpus_per_node) <= steps[needed - 1]]
+            if not plans:
+                continue
         ways = sorted((dataclasses.replace(p, time=estimate_step_time(p.config, p.sizes, cluster, gpus_per_node,
                                                                       efficiency, simulate=False))
                        for p in plans), key=lambda p: -p.time.tokens_per_s_per_gpu)
         timed.append(ways)
         bisect.insort(steps, ways[0].time.total)
-    result.fitting = len(timed)
     # each layout's ways to fit, fastest first; the layouts by their fastest
     timed.sort(key=lambda ways: (-ways[0].time.tokens_per_s_per_gpu, ways[0].memory.total))
     if not exact:

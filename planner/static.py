@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import torch
 
@@ -68,20 +70,28 @@ class StaticMemory:
         return self.params + self.grads + self.optimizer
 
 
-_LAYOUTS: dict[tuple, StageLayout] = {}
+def per_split(cache: dict, config: RunConfig, pp: int, make: Callable[[], Any]) -> Any:
+    """``make()``, once per train object, model object and ``pp`` in ``cache``: what depends on the pipeline split
+    only. The search's layouts of one split, schedule and micro-batch size share one train object (and every
+    layout one model), so an identity key finds them without reading the split's flags through the train config's
+    flat names, which the search did tens of thousands of times. The objects are kept with their entry (their ids
+    are not reused meanwhile)."""
+    key = (id(config.train), id(config.model), pp)
+    entry = cache.get(key)
+    if entry is None or entry[0] is not config.train or entry[1] is not config.model:
+        if len(cache) > 4096:
+            cache.clear()
+        entry = cache[key] = (config.train, config.model, make())
+    return entry[2]
+
+
+_LAYOUTS: dict[tuple, tuple] = {}
 
 
 def layout_of(config: RunConfig, pp: int) -> StageLayout:
     """``config.pipeline_layout(pp)``, parsed once per model and pipeline flags (the search asks for it per rung,
-    rank and saver of every layout)."""
-    t = config.train
-    key = (config.model, pp, t.pipeline_model_parallel_layout, t.num_layers_per_virtual_pipeline_stage,
-           t.decoder_first_pipeline_num_layers, t.decoder_last_pipeline_num_layers, t.pipeline_schedule)
-    if key not in _LAYOUTS:
-        if len(_LAYOUTS) > 4096:
-            _LAYOUTS.clear()
-        _LAYOUTS[key] = config.pipeline_layout(pp)
-    return _LAYOUTS[key]
+    rank and saver of every layout; ``RunConfig.pipeline_layout`` is memoised by those flags too)."""
+    return per_split(_LAYOUTS, config, pp, lambda: config.pipeline_layout(pp))
 
 
 def stage_signature(config: RunConfig, pp: int, pp_rank: int) -> tuple:
@@ -97,12 +107,28 @@ def stage_signature(config: RunConfig, pp: int, pp_rank: int) -> tuple:
                   tuple(types(i) for i in c.layers)) for c in layout.rank_chunks(pp_rank))
 
 
+_GROUPS: dict[tuple, tuple] = {}
+_GROUPS_BY_SPLIT: dict[tuple, tuple] = {}
+
+
 def stage_groups(config: RunConfig, pp: int) -> dict[tuple, list[int]]:
-    """{stage signature: the pipeline ranks with it}, in pipeline order."""
-    out: dict[tuple, list[int]] = {}
-    for r in range(pp):
-        out.setdefault(stage_signature(config, pp, r), []).append(r)
-    return out
+    """{stage signature: the pipeline ranks with it}, in pipeline order (once per model and pipeline split)."""
+    def make() -> dict[tuple, list[int]]:   # once per model and split flags (the savers' train objects share it)
+        t = config.train
+        key = (id(config.model), pp, t.pipeline_schedule, t.pipeline_model_parallel_layout,
+               t.num_layers_per_virtual_pipeline_stage, t.decoder_first_pipeline_num_layers,
+               t.decoder_last_pipeline_num_layers)
+        entry = _GROUPS_BY_SPLIT.get(key)
+        if entry is None or entry[0] is not config.model:
+            if len(_GROUPS_BY_SPLIT) > 4096:
+                _GROUPS_BY_SPLIT.clear()
+            out: dict[tuple, list[int]] = {}
+            for r in range(pp):
+                out.setdefault(stage_signature(config, pp, r), []).append(r)
+            entry = _GROUPS_BY_SPLIT[key] = (config.model, out)
+        return entry[1]
+
+    return {signature: list(ranks) for signature, ranks in per_split(_GROUPS, config, pp, make).items()}
 
 
 def exact_static(config: RunConfig, sizes: ParallelSizes) -> dict[int, StaticMemory]:
@@ -302,8 +328,10 @@ _STATIC_FIELDS = ("bf16", "main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype
 def _static_key(config: RunConfig, sizes: ParallelSizes) -> tuple:
     """What a layout's static bytes depend on: the model, the options but how activations are saved, the sizes and
     ``_STATIC_FIELDS``."""
+    from moefold.planner.step_bound import value_token
+
     options = tuple(v for k, v in vars(config.options).items() if k not in _ACTIVATION_OPTIONS)
-    return (config.model, options, sizes, *(getattr(config.train, f) for f in _STATIC_FIELDS))
+    return (value_token(config.model), options, sizes, *(getattr(config.train, f) for f in _STATIC_FIELDS))
 
 
 def static_lower_bound(config: RunConfig, sizes: ParallelSizes) -> dict[int, StaticMemory]:

@@ -11,11 +11,16 @@ is more); the bound is the busiest rank's. Every action's compute is scaled by t
 (``step_terms.Calibration``; the flat model of ``--efficiency`` is not calibrated), and the routing kernels'
 traffic, the head, the embedding and every communication term only add to it.
 
+Uniform full recompute checkpoints every block, so a block's backward runs its forward again: that forward is in the
+bound (block-method full recompute and selective recompute count ``recompute``, what selective recompute repeats).
+
 The search's bound (``gpus_per_node`` given) is tighter, and holds for the closed-form clock the search ranks by:
 the busy time also counts each block's collectives that nothing hides (TP's, never overlapped in moefold; the expert
-exchange where the schedule has no batch-level overlap to hide it), scaled by the calibration's ``communication``
-as the actions are, and the closed form adds ``busy x f / (1 - f)`` of idle time to it for 1F1B, interleaved 1F1B,
-GPipe and ZB-H1 (``f``: ``pipeline.schedules.expected_bubble_fraction``), so the total is at least ``busy / (1 - f)``.
+exchange where the schedule has no batch-level overlap to hide it; the cp exchange but what core attention hides of
+it with ``p2p``, forward behind the forward's and backward behind twice that), scaled by the calibration's
+``communication`` as the actions are, and the closed form adds ``busy x f / (1 - f)`` of idle time to it for 1F1B,
+interleaved 1F1B, GPipe and ZB-H1 (``f``: ``pipeline.schedules.expected_bubble_fraction``), so the total is at least
+``busy / (1 - f)``.
 
 The search bounds every valid layout (tens of thousands for DeepSeek-V3 on 1,024 GPUs), so the bound is assembled
 from two caches: each block kind's seconds (``compute_time.block_compute``, called once per kind and per what it
@@ -25,6 +30,7 @@ pipeline split's count of block kinds per rank (the layout parsed once per split
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import Counter
 
@@ -41,7 +47,7 @@ from moefold.training.config import RunConfig
 PIPELINE_FIELDS = frozenset({"pipeline_schedule", "overlap_moe_expert_parallel_comm", "delay_wgrad_compute",
                              "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
                              "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout"})
-INNER_GROUPS = frozenset({"tp", "tp_cp", "ep", "etp", "etp_ep"})   # the tp and ep terms' groups that skip dp and pp
+INNER_GROUPS = frozenset({"tp", "tp_cp", "cp", "ep", "etp", "etp_ep"})   # the tp, cp, ep terms' groups (skip dp, pp)
 MAX_ENTRIES = 1 << 16   # per cache; cleared when full (a search needs a few thousand)
 _COSTS: dict[tuple, dict[tuple, float]] = {}   # context -> {block kind: seconds}
 _RANK_KINDS: dict[tuple, tuple] = {}   # -> (model, per rank ((block kind, how many), ...))
@@ -56,9 +62,31 @@ def compute_key(config: RunConfig) -> tuple:
     (``PIPELINE_FIELDS``) and the memory savers of the optimizer (ZeRO-1 / FSDP2 / offload change no block's
     compute, ``step_time._actions_key``'s own normalisation, which ``block_compute`` is called under)."""
     t = config.train
-    train = tuple(v for k, v in vars(t).items() if k != "execution")
+    # the model, the options and the train sections as ``value_token``s: hashing them field by field for every
+    # layout, rung and saver was a good share of the search
+    train = tuple(value_token(v) if dataclasses.is_dataclass(v) else v for k, v in vars(t).items()
+                  if k != "execution")
     execution = tuple(v for k, v in vars(t.execution).items() if k not in PIPELINE_FIELDS)
-    return config.model, config.options, train, execution
+    return value_token(config.model), value_token(config.options), train, execution
+
+
+_OBJECTS: dict[int, tuple[object, int]] = {}   # id -> (the object, kept so that its id is not reused; its token)
+_VALUES: dict[object, int] = {}
+
+
+def value_token(obj: object) -> int:
+    """A small integer standing for the value of the hashable ``obj`` (equal values, equal tokens; a token is never
+    reused), hashed once per object rather than at every lookup (a frozen config's hash walks all its fields)."""
+    entry = _OBJECTS.get(id(obj))
+    if entry is None or entry[0] is not obj:
+        if len(_OBJECTS) > MAX_ENTRIES:
+            _OBJECTS.clear()
+            _VALUES.clear()
+        token = _VALUES.get(obj)
+        if token is None:
+            token = _VALUES[obj] = next(_NEXT_TOKEN)
+        entry = _OBJECTS[id(obj)] = (obj, token)
+    return entry[1]
 
 
 _TOKENS: dict[tuple, int] = {}
@@ -96,6 +124,15 @@ def _layer_kinds(model: ModelConfig, seq: int) -> tuple[tuple, ...]:
 def rank_block_kinds(config: RunConfig, sizes: ParallelSizes) -> tuple[tuple[tuple[tuple, int], ...], ...]:
     """Per pipeline rank, ((block kind, how many), ...) of the blocks it runs per micro-batch (its chunks' decoder
     layers and MTP depths), computed once per model, sequence length and pipeline split."""
+    from moefold.planner.static import per_split
+
+    return per_split(_RANK_KINDS_BY_TRAIN, config, sizes.pp, lambda: _rank_block_kinds(config, sizes))
+
+
+_RANK_KINDS_BY_TRAIN: dict[tuple, tuple] = {}
+
+
+def _rank_block_kinds(config: RunConfig, sizes: ParallelSizes) -> tuple[tuple[tuple[tuple, int], ...], ...]:
     from moefold.planner.step_time import rank_chunks
 
     m, t = config.model, config.train
@@ -130,7 +167,7 @@ def step_lower_bound(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, 
 
     flop_s = None if efficiency is None else cluster.bf16_tflops * 1e12 * efficiency
     # a block's GEMMs are sized by tp, cp, ep and etp (``compute_time._gemms``), not by pp or dp
-    context = (compute_token(config), sizes.tp, sizes.cp, sizes.ep, sizes.etp, cluster, flop_s)
+    context = (compute_token(config), sizes.tp, sizes.cp, sizes.ep, sizes.etp, value_token(cluster), flop_s)
     costs = _COSTS.get(context)
     if costs is None:
         if len(_COSTS) > MAX_ENTRIES:
@@ -146,16 +183,29 @@ def step_lower_bound(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, 
             index = _layer_kinds(config.model, config.train.seq_length).index(kind)
             cost = block_compute(shared, sizes, index, cluster, kind[2],
                                  recomputed_modules(o.recompute, o.recompute_modules), flop_s)
-            costs[kind] = cost.forward + cost.backward + cost.recompute
-        return costs[kind]
+            # uniform full recompute checkpoints every block (decoder and MTP): its backward runs its forward again
+            every = o.recompute == "full" and o.recompute_method == "uniform"
+            costs[kind] = (cost.forward + cost.backward + (cost.forward if every else cost.recompute),
+                           cost.core_attention)
+        return costs[kind][0]
+
+    def cp_seconds(kind: tuple) -> float:
+        """A decoder block's cp exchange left exposed: with ``p2p`` what its core attention does not hide (forward
+        behind the forward's, backward behind twice that), as ``step_time._chunk_actions`` exposes it."""
+        forward, backward = cp.get(kind[:2], (0.0, 0.0))
+        if not forward and not backward:
+            return 0.0
+        seconds(kind)
+        hidden = costs[kind][1] if config.options.cp_comm == "p2p" else 0.0
+        return max(0.0, forward - hidden) + max(0.0, backward - 2 * hidden)
 
     scale = 1.0 if efficiency is not None else CALIBRATION.compute
-    exposed = {} if gpus_per_node is None else _exposed(config, sizes, cluster, gpus_per_node, efficiency)
+    exposed, cp = ({}, {}) if gpus_per_node is None else _exposed(config, sizes, cluster, gpus_per_node, efficiency)
     comm = 1.0 if efficiency is not None else CALIBRATION.communication
     # the host-bound seconds the calibration adds to every block's compute (``_Action.calibrate``): on the busy path
     host = CALIBRATION.layer_seconds if efficiency is None and host_waits(config) else 0.0
-    busiest = max(sum(n * (scale * seconds(kind) + host + comm * exposed.get(kind[:2], 0.0)) for kind, n in rank)
-                  for rank in rank_block_kinds(config, sizes))
+    busiest = max(sum(n * (scale * seconds(kind) + host + comm * (exposed.get(kind[:2], 0.0) + cp_seconds(kind)))
+                      for kind, n in rank) for rank in rank_block_kinds(config, sizes))
     bound = micro_batches * busiest
     if gpus_per_node is not None and sizes.pp > 1:   # the closed-form clock's idle time: busy x f / (1 - f)
         from moefold.pipeline.schedules import V_SCHEDULES, expected_bubble_fraction
@@ -169,12 +219,13 @@ def step_lower_bound(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, 
 
 
 def _exposed(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, gpus_per_node: int,
-             efficiency: float | None) -> dict[tuple, float]:
-    """{(MoE?, MTP?): seconds} of a decoder block's collectives that nothing hides, forward and backward, before
+             efficiency: float | None) -> tuple[dict[tuple, float], dict[tuple, tuple[float, float]]]:
+    """({(MoE?, MTP?): seconds} of a decoder block's collectives that nothing hides, forward and backward, before
     calibration: the ``tp`` term (no TP overlap in moefold) and, without the batch-level overlap, the ``ep`` term (the
-    exchanges that may hide behind the shared experts excluded): ``step_time._chunk_actions`` adds at least these to
-    the block's actions (recompute's collectives, cp, pp, the collectives over tp x cp x dp and the MTP blocks' only
-    add more)."""
+    exchanges that may hide behind the shared experts excluded); {(MoE?, MTP?): (forward, backward) seconds of its
+    ``cp`` term} before core attention hides any of it (``step_bound`` subtracts that per block kind)):
+    ``step_time._chunk_actions`` adds at least these to the block's actions (recompute's collectives, pp, the
+    collectives over tp x cp x dp and the MTP blocks' only add more)."""
     from moefold.planner.comm import block_collectives
     from moefold.planner.step_time import _actions_key, _by_term, _Links
 
@@ -183,12 +234,12 @@ def _exposed(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, gpus_per
     key = compute_token(config)
     # rank 0's groups inside the pipeline and data-parallel dims (tp-cp-dp-pp, etp-ep-edp-pp rank order) are the same
     # whatever pp and dp are: one entry per tp, cp, ep, etp (the collectives over tp x cp x dp are left out)
-    context = (key, sizes.tp, sizes.cp, sizes.ep, sizes.etp, cluster, gpus_per_node, terms)
+    context = (key, sizes.tp, sizes.cp, sizes.ep, sizes.etp, value_token(cluster), gpus_per_node, terms)
     if context not in _EXPOSED:
         if len(_EXPOSED) > MAX_ENTRIES:
             _EXPOSED.clear()
         links, shared = _Links(sizes, cluster, gpus_per_node), None
-        out = {}
+        out, cp = {}, {}
         for moe in {kind[0] for kind in _layer_kinds(config.model, config.train.seq_length) if not kind[1]}:
             # a block's collectives are sized by tp, cp, ep and etp (``comm.block_collectives``); their seconds
             # depend on where the groups' ranks sit (``_Links``: every size)
@@ -201,8 +252,10 @@ def _exposed(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, gpus_per
                                        if not c.overlaps and c.group in INNER_GROUPS]
             out[(moe, False)] = sum(_by_term(links, _COLLECTIVES[which], phase).get(term, 0.0)
                                     for phase in ("forward", "backward") for term in terms)
-        _EXPOSED[context] = out
+            cp[(moe, False)] = tuple(_by_term(links, _COLLECTIVES[which], phase).get("cp", 0.0)
+                                     for phase in ("forward", "backward"))
+        _EXPOSED[context] = out, cp
     return _EXPOSED[context]
 
 
-__all__ = ["PIPELINE_FIELDS", "compute_key", "compute_token", "rank_block_kinds", "step_lower_bound"]
+__all__ = ["PIPELINE_FIELDS", "compute_key", "compute_token", "value_token", "rank_block_kinds", "step_lower_bound"]

@@ -73,6 +73,9 @@ class TrainConfig:
         return self.schedule.lr_schedule()
 
 
+_LAYOUTS: dict[tuple, Any] = {}   # RunConfig.pipeline_layout's, by the fields it reads and by (train, model, pp)
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Everything a run needs: the model, its layout, how it is computed, how it is trained."""
@@ -199,7 +202,26 @@ class RunConfig:
 
     def pipeline_layout(self, pp: int) -> StageLayout:
         """The split of the decoder's layers over ``pp`` stages (x virtual stages) that the flags describe;
-        ValueError naming the flags for an impossible one."""
+        ValueError naming the flags for an impossible one. Made once per what it reads (``moefold plan`` validates
+        tens of thousands of layouts that share a few hundred splits; a ``StageLayout`` is frozen)."""
+        t, m = self.train, self.model
+        mine = _LAYOUTS.get((id(t), id(m), pp))   # the same train and model objects: no flag read again
+        if mine is not None and mine[0] is t and mine[1] is m:
+            return mine[2]
+        key = (m.num_layers, m.mtp_num_layers, pp, t.pipeline_schedule, t.pipeline_model_parallel_layout,
+               t.num_layers_per_virtual_pipeline_stage, t.decoder_first_pipeline_num_layers,
+               t.decoder_last_pipeline_num_layers)
+        if not isinstance(t.pipeline_model_parallel_layout, (str, type(None))):   # a list of lists: not hashable
+            return self._pipeline_layout(pp)
+        layout = _LAYOUTS.get(key)
+        if layout is None:
+            if len(_LAYOUTS) > 1 << 14:
+                _LAYOUTS.clear()
+            layout = _LAYOUTS[key] = self._pipeline_layout(pp)
+        _LAYOUTS[(id(t), id(m), pp)] = (t, m, layout)   # (the objects kept: their ids are not reused meanwhile)
+        return layout
+
+    def _pipeline_layout(self, pp: int) -> StageLayout:
         from moefold.pipeline.schedules import placement_of
         from moefold.pipeline.stages import StageLayout, vpp_from_layers_per_virtual_stage
 

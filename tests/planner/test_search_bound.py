@@ -52,6 +52,23 @@ def test_the_bound_is_below_every_step(deepseek_search) -> None:
         assert step_lower_bound(plan.config, plan.sizes, H100, plan.num_micro, 0.5) <= flat.total * (1 + 1e-9)
 
 
+@pytest.mark.parametrize("recompute", [{"recompute": "none"},
+                                       {"recompute": "full", "recompute_method": "uniform", "recompute_num_layers": 1}])
+def test_the_bound_with_cp_and_full_recompute_is_below_every_step(recompute: dict) -> None:
+    """The search's bound counts each block's cp exchange that core attention does not hide (p2p) and uniform full
+    recompute's second forward: still below the closed-form step of every layout at cp 8 (every pp, split and
+    schedule)."""
+    from moefold.planner.search import search
+
+    config = run_config("deepseek_v3", ParallelConfig(), 256)
+    fixed = Fixed(tp=2, cp=8, etp=1, ep=16, sharding="zero1", recompute=recompute)   # cp over nodes
+    result = search(config, 256, H100, 8, 4 * 10 ** 12, fixed=fixed, top=EVERYTHING)
+    assert len(result.plans) >= 10
+    ratios = [plan.time.total / step_lower_bound(plan.config, plan.sizes, H100, plan.num_micro, gpus_per_node=8)
+              for plan in result.plans]
+    assert min(ratios) >= 1 - 1e-9
+
+
 @pytest.mark.parametrize("top", [1, 5])
 def test_bounded_search_ranks_as_the_full_one(deepseek_search, top: int) -> None:
     from moefold.planner.search import search

@@ -59,13 +59,28 @@ def validate_layout(config: RunConfig, world_size: int, source: str | None = Non
     from moefold.training.optim.fsdp import check_fsdp
 
     check_fsdp(config.train, config.options, world_size)
-    try:
-        check_layout(config.model, ParallelDims(sizes=sizes), config.options)
-    except ValueError as exc:
+    # check_layout reads the model, the options and tp, cp, ep, etp: once per those (``moefold plan`` validates
+    # tens of thousands of layouts that share one model and options object and a few hundred such sizes)
+    key = (id(config.model), id(config.options), sizes.tp, sizes.cp, sizes.ep, sizes.etp)
+    entry = _CHECKED.get(key)
+    if entry is None or entry[0] is not config.model or entry[1] is not config.options:
+        error = None
+        try:
+            check_layout(config.model, ParallelDims(sizes=sizes), config.options)
+        except ValueError as exc:
+            error = exc
+        if len(_CHECKED) > 4096:
+            _CHECKED.clear()
+        entry = _CHECKED[key] = (config.model, config.options, error)   # (the objects kept: their ids stay theirs)
+    if entry[2] is not None:
+        exc = entry[2]
         raise ValueError(f"{exc} (--tensor-model-parallel-size={sizes.tp}, --context-parallel-size={sizes.cp}, "
                          f"--expert-model-parallel-size={sizes.ep}, --expert-tensor-parallel-size={sizes.etp})"
                          ) from exc
     return sizes
+
+
+_CHECKED: dict[tuple, tuple] = {}   # validate_layout's check_layout outcomes: (model, options, its ValueError or None)
 
 
 def check_backends(config: RunConfig, ep: int, etp: int) -> None:
