@@ -189,7 +189,13 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     _mb("25.11", "DGX-H100", "GPT-OSS-120B", "BF16", 5630, "gpt_oss_120b", "h100", 64, 512, 4, 1, 4, "1", 8,
         {"dispatcher": "alltoall", **GPT_OSS_RECOMPUTE},
         f"all-to-all dispatcher, recompute of the norms and the expert activation, no overlap ({_V041}gpt_oss/"
-        f"gpt_oss_workload_base_configs.py GPT_OSS_120B_PRETRAIN_CONFIG_H100_BF16_V1); 36 layers 9 per stage"),
+        f"gpt_oss_workload_base_configs.py GPT_OSS_120B_PRETRAIN_CONFIG_H100_BF16_V1); 36 layers 9 per stage; "
+        "micro-batch 1, not the table's 4: the table's own GA column (2) contradicts MBS 4 at DP 16 "
+        "(4 x 16 x 2 = 128, not GBS 512; it is the B200 row's MBS 4 and GA 2 at DP 64), and the recipe the "
+        "25.11 release ran sets none for H100, so BASE_GPT_OSS_120B_CONFIG's micro_batch_size=1 holds "
+        "(scripts/performance/configs/gpt_oss/workload_base_configs.py at Megatron-Bridge cb62f8620, "
+        "2025-11-21: GB300/GB200/B200 set micro_batch_size=4, H100 only pipeline_model_parallel_size=4)",
+        train={"micro_batch_size": 1}),
     # ------------------------------------------------------------------ B200
     _mb("26.04.01", "DGX-B200", "DeepSeek-V3", "MXFP8", 3328, "deepseek_v3", "b200", 256, 4096, 1, 1, 8, "2", 32,
         {"fp8": MXFP8, "dispatcher": "flex", "recompute": "selective", "recompute_modules": ("mla_up_proj", "mlp")},
