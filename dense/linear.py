@@ -2,10 +2,12 @@
 
 Activations are sequence-first ``[S, B, H]`` everywhere in moefold. With sequence parallelism
 (SP) the activations between tensor-parallel regions are the sequence shard ``[S/tp, B, H]``:
-the column-parallel layer all-gathers the sequence before its GEMM (backward: reduce-scatter)
-and the row-parallel layer reduce-scatters its partial sums back to a shard (backward:
-all-gather). Without SP the input is replicated across TP (``copy_to_region``: identity
-forward, all-reduce backward) and the row-parallel output is all-reduced.
+the column-parallel layer all-gathers the sequence before its GEMM (backward: reduce-scatter;
+the GEMM keeps the shard, not the gathered sequence, and gathers it again in backward, as
+Megatron's and TE's column-parallel layers do: ``tp_input``) and the row-parallel layer
+reduce-scatters its partial sums back to a shard (backward: all-gather). Without SP the input
+is replicated across TP (``copy_to_region``: identity forward, all-reduce backward) and the
+row-parallel output is all-reduced.
 
 Weights are marked with their shards (``parallel.sharding``) and carry an init function, so
 ``init_parameters(module, seed)`` gives the same full weight at every tp.
@@ -21,13 +23,13 @@ the trainer's main-grad buffer (``execution.grad_accumulation``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moefold.parallel.comm import (
-    all_gather_sequence,
     copy_to_region,
     gather_along_dim,
     reduce_from_region,
@@ -35,10 +37,23 @@ from moefold.parallel.comm import (
     scatter_along_dim,
 )
 from moefold.parallel.groups import Group, group_size
+from moefold.parallel.sequence_input import SequenceParallelInput
 from moefold.parallel.sharding import Shard, mark_sequence_parallel, mark_sharded, normal_init, set_init
 
 # (x [..., in], weight [out, in], bias [out] | None) -> [..., out]
 LocalGemm = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
+
+
+def tp_input(x: Tensor, tp_group: Group, sequence_parallel: bool) -> AbstractContextManager[Tensor]:
+    """The input of column-parallel GEMMs, as a context: ``with tp_input(x, tp, sp) as x_in: ...forward_local(x_in)``.
+
+    With SP: the sequence all-gather (backward: reduce-scatter), and the GEMMs run inside keep the shard for
+    their backward, all-gathering it again there (``parallel.sequence_input``; Megatron's and TE's column-parallel
+    save). Otherwise ``copy_to_region`` (identity forward, all-reduce backward); the GEMMs keep what they keep.
+    """
+    if sequence_parallel:
+        return SequenceParallelInput(x, tp_group, 0)
+    return nullcontext(copy_to_region(x, tp_group))
 
 
 def _check_divisible(name: str, value: int, tp: int, layer: str) -> None:
@@ -54,7 +69,8 @@ class ColumnParallelLinear(nn.Module):
     Local weight ``[out/tp, in]`` (``Shard(dim=0)``), local bias ``[out/tp]`` (``Shard(dim=0)``).
 
     forward(x): ``x [..., in]`` replicated across TP, or with ``sequence_parallel`` the sequence
-    shard ``[S/tp, ..., in]`` (all-gathered along dim 0 first). Returns ``[..., out/tp]``, or
+    shard ``[S/tp, ..., in]`` (all-gathered along dim 0 first; the GEMM keeps the shard for its weight
+    gradient and gathers it again in backward: ``tp_input``). Returns ``[..., out/tp]``, or
     the full ``[..., out]`` (all-gathered along the last dim) with ``gather_output``.
     """
 
@@ -83,8 +99,8 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         # SP: the GEMM needs the whole sequence; its backward reduce-scatters the input gradient.
         # Otherwise x is replicated and each rank's input gradient is partial: all-reduced backward.
-        x = all_gather_sequence(x, self.tp_group, dim=0) if self.sequence_parallel else copy_to_region(x, self.tp_group)
-        y = self.forward_local(x)
+        with tp_input(x, self.tp_group, self.sequence_parallel) as x_in:
+            y = self.forward_local(x_in)
         if self.gather_output:
             y = gather_along_dim(y, self.tp_group, dim=-1)
         return y

@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
-from moefold.parallel.comm import all_gather_sequence, copy_to_region
+from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear, tp_input
 from moefold.parallel.groups import Group, group_size
 
 
@@ -82,11 +81,12 @@ class DenseMLP(nn.Module):
         self._gelu_approximate = "tanh" if c.activation is Activation.GELU_TANH else "none"  # F.gelu's argument
 
     def forward(self, x: Tensor) -> Tensor:
-        # one all-gather (SP) / region entry feeds both gate and up
-        x = all_gather_sequence(x, self.tp_group, 0) if self.sequence_parallel else copy_to_region(x, self.tp_group)
-        up = self.up_proj.forward_local(x)
-        if self.gate_proj is not None:
-            h = F.silu(self.gate_proj.forward_local(x)) * up
+        # one all-gather (SP) / region entry feeds both gate and up (SP: both keep the shard, dense.linear.tp_input)
+        with tp_input(x, self.tp_group, self.sequence_parallel) as x_in:
+            up = self.up_proj.forward_local(x_in)
+            gate = None if self.gate_proj is None else self.gate_proj.forward_local(x_in)
+        if gate is not None:
+            h = F.silu(gate) * up
         elif self.config.activation is Activation.RELU2:
             h = torch.square(F.relu(up))
         else:

@@ -7,8 +7,9 @@ and gives every linear whose qualified name contains none of ``config.exclude_mo
 - ``Float8LinearGemm`` (``--fp8-backend torchao``): torchao's recipe (``precision.fp8_cast``) in one
   autograd function: forward ``y = q(x) q(w)^T``, backward ``dx = q(dy) q(w)``, ``dw = q(dy)^T q(x)``,
   each operand cast along that GEMM's contraction dim (rowwise) or as a whole (tensorwise), the
-  gradient in e5m2 with ``hybrid``. It saves the high-precision ``x`` and ``w`` (as torchao does) and
-  casts them again in backward; the bias is added in high precision.
+  gradient in e5m2 with ``hybrid``. It saves ``w`` (a parameter) and ``x`` as the weight gradient's GEMM
+  takes it, quantised in forward (1 byte an element and its scales, as Transformer Engine keeps its input;
+  ``save_original_input``: ``x`` itself); the bias is added in high precision.
 - ``precision.te_linear.TELinearGemm`` (``--fp8-backend te``): a persistent ``te.Linear`` run on the layer's
   weight inside the TE autocast region the model entered for the whole stage forward;
 - ``precision.block_linear.BlockScaledLinearGemm`` (block-scaled recipes: blockwise, mxfp8, nvfp4).
@@ -43,6 +44,7 @@ from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
 from moefold.dense.split_backward import SplitWeights, WeightGradStore, accumulate_or_defer, weight_inputs
 from moefold.execution.grad_accumulation import fused_linear
 from moefold.parallel.groups import Group, group_size
+from moefold.parallel.sequence_input import keep_rows_as_shard
 from moefold.parallel.sharding import is_sequence_parallel
 from moefold.precision.block_linear import BlockScaledLinearGemm
 from moefold.precision.fp8 import FP8Backend, FP8Config
@@ -52,21 +54,37 @@ from moefold.precision.te_linear import TELinearGemm
 
 
 class _Float8Linear(torch.autograd.Function):
-    """``x [M, K] @ w[N, K]^T`` with every GEMM operand cast by ``gemm``'s recipe (module docstring)."""
+    """``x [M, K] @ w[N, K]^T`` with every GEMM operand cast by ``gemm``'s recipe (module docstring).
+
+    Saved for backward: the weight (a parameter, kept anyway) and, for the weight gradient, ``x`` already cast
+    as that GEMM takes it (contracted over the tokens M: the forward's own cast under tensorwise scales, a second
+    cast under rowwise ones), as Transformer Engine keeps its input quantised (``gemm.save_original_input``: ``x``
+    itself, cast again in backward, for an input kept anyway by another consumer). The backward multiplies the
+    same values either way."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, gemm: Float8LinearGemm, split: SplitWeights | None,
                 _anchor: Tensor | None) -> Tensor:
-        ctx.save_for_backward(x, w)
-        ctx.gemm, ctx.split = gemm, split   # split backward: w detached (dense.split_backward.weight_inputs)
+        ctx.gemm, ctx.split, ctx.x_dtype = gemm, split, x.dtype   # split backward: w detached (weight_inputs)
         r = gemm.recipe
         qx, sx = gemm.cast(x, r.input, contract=1, sharded=(gemm.token_group, gemm.in_group))
         qw, sw = gemm.cast(w, r.weight, contract=1, sharded=(gemm.out_group, gemm.in_group))
-        return scaled_mm(qx, sx, qw.t(), sw.t(), x.dtype, r.fast_accum_forward)
+        y = scaled_mm(qx, sx, qw.t(), sw.t(), x.dtype, r.fast_accum_forward)
+        ctx.original = gemm.save_original_input
+        if not (split is not None or ctx.needs_input_grad[1]):   # no weight gradient: x is not needed
+            ctx.save_for_backward(None, None, w)
+        elif ctx.original:
+            ctx.save_for_backward(x, None, w)
+        else:
+            if r.input.rowwise:   # dw's cast: scales over the tokens (tensorwise: one scale, the forward's cast)
+                qx, sx = gemm.cast(x, r.input, contract=0, sharded=(gemm.token_group, gemm.in_group))
+            keep_rows_as_shard(qx, x)   # under SP: this rank's rows of it (parallel.sequence_input)
+            ctx.save_for_backward(qx, sx, w)
+        return y
 
     @staticmethod
     def backward(ctx, gy: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:
-        x, w = ctx.saved_tensors
+        x_saved, sx_saved, w = ctx.saved_tensors
         gemm: Float8LinearGemm = ctx.gemm
         r = gemm.recipe
         gy = gy.contiguous()
@@ -75,12 +93,16 @@ class _Float8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:  # dx = dy @ w: contracts N
             q_dy = gemm.cast(gy, r.grad_output, contract=1, sharded=gy_sharded)
             qw, sw = gemm.cast(w, r.weight, contract=0, sharded=(gemm.out_group, gemm.in_group))
-            gx = scaled_mm(*q_dy, qw, sw, x.dtype)
+            gx = scaled_mm(*q_dy, qw, sw, ctx.x_dtype)
         reuse = q_dy if q_dy is not None and not r.grad_output.rowwise else None
+        original = ctx.original
 
         def weight_grad() -> tuple[Tensor]:  # dw = dy^T @ x: contracts the tokens M (a tensorwise cast is the same)
             qg, sg = reuse if reuse is not None else gemm.cast(gy, r.grad_output, contract=0, sharded=gy_sharded)
-            qx, sx = gemm.cast(x, r.input, contract=0, sharded=(gemm.token_group, gemm.in_group))
+            if original:
+                qx, sx = gemm.cast(x_saved, r.input, contract=0, sharded=(gemm.token_group, gemm.in_group))
+            else:
+                qx, sx = x_saved, sx_saved
             return (scaled_mm(qg.t(), sg.t(), qx, sx, w.dtype),)
 
         if ctx.split is not None:   # split backward: now or deferred (its casts too)
@@ -103,6 +125,9 @@ class Float8LinearGemm:
         self.recipe = recipe
         self.in_group, self.out_group, self.token_group = in_group, out_group, token_group
         self.store: WeightGradStore | None = None   # split backward (dense.split_backward)
+        # keep the high-precision input for backward (and cast it there) instead of its quantised copy: where the
+        # input is kept anyway (Megatron's ``set_save_original_input``; execution.fp8_linear.original_input_linears)
+        self.save_original_input = False
 
     def use_weight_grad_store(self, store: WeightGradStore) -> None:
         """Split backward: defer the weight gradient GEMM (its casts too) while ``store`` defers."""

@@ -1,0 +1,104 @@
+"""What the FP8 GEMMs keep for backward: the weight gradient's input operand already quantised, bit for bit the
+backward of the high-precision input.
+
+Transformer Engine's ``Linear`` / ``GroupedLinear`` keep their input quantised (the column-wise copy the weight
+gradient takes) unless ``save_original_input`` asks for the input itself. moefold's four FP8 autograd functions
+(linear: ``Float8LinearGemm``, ``BlockScaledLinearGemm``; grouped experts: ``Float8GroupedGemm``,
+``BlockScaledGroupedGemm``) do the same. ``save_original_input=True`` is the earlier behaviour (the bf16 input
+kept and cast in backward); every recipe's output and gradients are equal to it to the last bit (the same cast of
+the same tensor, made earlier), and the bytes autograd keeps (counted by ``saved_tensors_hooks``, the weight left
+out: a parameter is kept anyway) drop from 2 an element (bf16) to 1 and the scales.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moefold.execution.fp8_linear import Float8LinearGemm
+from moefold.moe.block_gemm import BlockScaledGroupedGemm
+from moefold.moe.fp8_gemm import Float8GroupedGemm
+from moefold.precision.block_linear import BlockScaledLinearGemm
+from moefold.precision.fp8 import FP8Config
+from moefold.precision.fp8_cast import Float8Recipe
+
+pytest.importorskip("torchao")
+
+CONFIGS = {"tensorwise": FP8Config("hybrid", "tensorwise"), "rowwise": FP8Config("e4m3", "rowwise"),
+           "blockwise": FP8Config("e4m3", "blockwise"), "mxfp8": FP8Config("e4m3", "mxfp8"),
+           "nvfp4": FP8Config(fp4="e2m1")}
+BLOCK = ("blockwise", "mxfp8", "nvfp4")
+M, K, N, E = 256, 128, 128, 4
+
+
+def _linear_gemm(recipe: str):
+    config = CONFIGS[recipe]
+    return BlockScaledLinearGemm(config) if recipe in BLOCK else Float8LinearGemm(Float8Recipe.from_config(config))
+
+
+def _grouped_gemm(recipe: str):
+    config = CONFIGS[recipe]
+    return BlockScaledGroupedGemm(config) if recipe in BLOCK else Float8GroupedGemm(config, grouped=False)
+
+
+def _run(call, x: torch.Tensor, w: torch.Tensor, gy: torch.Tensor) -> tuple[list[torch.Tensor], int]:
+    """(output and both gradients, bytes autograd kept that are not the weight)."""
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    kept = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() != w.data_ptr():
+            kept.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = call(x, w)
+    y.backward(gy)
+    return [y.detach(), x.grad, w.grad], sum(kept)
+
+
+def _check(make, args: tuple[torch.Tensor, ...], call) -> tuple[int, int]:
+    results = {}
+    for original in (True, False):
+        gemm = make()
+        gemm.save_original_input = original
+        results[original] = _run(lambda x, w, g=gemm: call(g, x, w), *args)
+    (want, bytes_original), (got, bytes_quantised) = results[True], results[False]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    return bytes_original, bytes_quantised
+
+
+@pytest.mark.parametrize("recipe", list(CONFIGS))
+def test_linear_keeps_its_input_quantised_and_backward_is_unchanged(recipe):
+    torch.manual_seed(0)
+    x, w, gy = torch.randn(M, K) * 3, torch.randn(N, K) * 0.1, torch.randn(M, N)
+    args = tuple(t.to(torch.bfloat16) for t in (x, w, gy))
+    original, quantised = _check(lambda: _linear_gemm(recipe), args, lambda g, x, w: g(x, w))
+    assert original == M * K * 2
+    # one byte an element (nvfp4's e2m1 codes unpacked), scales at most 1/16 more
+    assert M * K <= quantised <= M * K * (1 + 1 / 16 * 4 + 1 / 16) + 64
+
+
+@pytest.mark.parametrize("recipe", list(CONFIGS))
+def test_grouped_experts_keep_their_input_quantised_and_backward_is_unchanged(recipe):
+    torch.manual_seed(1)
+    counts = torch.tensor([96, 0, 32, 128])
+    x, w, gy = torch.randn(M, K) * 3, torch.randn(E, N, K) * 0.1, torch.randn(M, N)
+    args = tuple(t.to(torch.bfloat16) for t in (x, w, gy))
+    original, quantised = _check(lambda: _grouped_gemm(recipe), args,
+                                 lambda g, x, w: g(x, w, counts, counts_host=counts.tolist()))
+    counts_bytes = counts.numel() * counts.element_size()
+    assert original == M * K * 2 + counts_bytes
+    assert M * K + counts_bytes <= quantised <= M * K * (1 + 1 / 16 * 4 + 1 / 16) + 4 * (E + 1) * K + 64
+
+
+def test_no_weight_gradient_keeps_no_input():
+    torch.manual_seed(2)
+    gemm = _linear_gemm("rowwise")
+    x = torch.randn(M, K, requires_grad=True)
+    w = torch.randn(N, K)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        gemm(x, w).sum().backward()
+    assert all(t.data_ptr() == w.data_ptr() for t in kept)
