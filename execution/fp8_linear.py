@@ -48,7 +48,7 @@ from moefold.parallel.sequence_input import keep_rows_as_shard
 from moefold.parallel.sharding import is_sequence_parallel
 from moefold.precision.block_linear import BlockScaledLinearGemm
 from moefold.precision.fp8 import FP8Backend, FP8Config
-from moefold.precision.fp8_cast import Float8Recipe, quantize, scaled_mm
+from moefold.precision.fp8_cast import Float8Recipe, quantize, scaled_mm, shared_cast
 from moefold.precision.fp8_param import mark_fp8_param
 from moefold.precision.te_linear import TELinearGemm
 
@@ -67,7 +67,9 @@ class _Float8Linear(torch.autograd.Function):
                 _anchor: Tensor | None) -> Tensor:
         ctx.gemm, ctx.split, ctx.x_dtype = gemm, split, x.dtype   # split backward: w detached (weight_inputs)
         r = gemm.recipe
-        qx, sx = gemm.cast(x, r.input, contract=1, sharded=(gemm.token_group, gemm.in_group))
+        x_sharded = (gemm.token_group, gemm.in_group)
+        qx, sx = shared_cast(x, ("fp8 fwd", r.input, r.pow2_scales, x_sharded),
+                             lambda: gemm.cast(x, r.input, contract=1, sharded=x_sharded))
         qw, sw = gemm.cast(w, r.weight, contract=1, sharded=(gemm.out_group, gemm.in_group))
         y = scaled_mm(qx, sx, qw.t(), sw.t(), x.dtype, r.fast_accum_forward)
         ctx.original = gemm.save_original_input
@@ -76,8 +78,11 @@ class _Float8Linear(torch.autograd.Function):
         elif ctx.original:
             ctx.save_for_backward(x, None, w)
         else:
-            if r.input.rowwise:   # dw's cast: scales over the tokens (tensorwise: one scale, the forward's cast)
-                qx, sx = gemm.cast(x, r.input, contract=0, sharded=(gemm.token_group, gemm.in_group))
+            if r.input.rowwise:   # dw's cast: scales over the tokens (tensorwise: one scale, the forward's cast);
+                # one copy for every GEMM on this input (q, k, v; gate, up)
+                sharded = (gemm.token_group, gemm.in_group)
+                qx, sx = shared_cast(x, ("fp8 dw", r.input, r.pow2_scales, sharded),
+                                     lambda: gemm.cast(x, r.input, contract=0, sharded=sharded))
             keep_rows_as_shard(qx, x)   # under SP: this rank's rows of it (parallel.sequence_input)
             ctx.save_for_backward(qx, sx, w)
         return y

@@ -212,6 +212,12 @@ class Fp8Gemm(GemmBase[GemmCall]):
         # rows beside it, where autograd's SwiGLU would also keep silu(gate) (bit for bit the same values)
         return swiglu_rows if eager is swiglu else eager
 
+    def saving_original_input(self, which: Projection) -> None:
+        """The ``which`` GEMM keeps its high-precision input for backward instead of the quantised copy: where the
+        input is kept anyway, or freed and refilled by an output-discarding recompute (``moe_act`` recompute: the
+        down GEMM's input; Megatron's ``set_save_original_input(linear_fc2)``)."""
+        self.gemms[which].save_original_input = True
+
     def with_weight_grad_store(self, store: WeightGradStore) -> ExpertGemm[GemmCall]:
         fc1, fc2 = self.gemms
         if isinstance(fc1, Float8GroupedGemm) and isinstance(fc2, Float8GroupedGemm):   # they defer their casts too

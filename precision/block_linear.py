@@ -37,7 +37,7 @@ from moefold.parallel.groups import Group, group_size
 from moefold.parallel.sequence_input import keep_rows_as_shard
 from moefold.precision.block_cast import FORMATS, BlockFormat, Cast, check_split, dequantize, quantize, tensor_amax
 from moefold.precision.fp8 import FP8Config, FP8Format, FP8Recipe
-from moefold.precision.fp8_cast import E5M2
+from moefold.precision.fp8_cast import E5M2, shared_cast
 
 
 class _BlockScaledLinear(torch.autograd.Function):
@@ -59,7 +59,9 @@ class _BlockScaledLinear(torch.autograd.Function):
         elif ctx.original:
             ctx.save_for_backward(w, x, None, None)
         else:   # dw's operand: b x 1 tiles along the tokens M
-            c = gemm.cast_compact(x, False, contract=0, split=(gemm.token_group, gemm.in_group), role="input")
+            split = (gemm.token_group, gemm.in_group)   # one copy for every GEMM on this input (q, k, v; gate, up)
+            c = shared_cast(x, ("block dw", gemm.config, split),
+                            lambda: gemm.cast_compact(x, False, contract=0, split=split, role="input"))
             keep_rows_as_shard(c.data, x)   # under SP: this rank's rows of it (parallel.sequence_input)
             ctx.save_for_backward(w, c.data, c.scale, c.tensor_scale)
         return y

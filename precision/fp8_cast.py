@@ -29,7 +29,8 @@ bf16 only: an fp32 model's row-wise GEMM outputs are bf16-rounded on CUDA, not o
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -177,6 +178,30 @@ def scaled_mm(a: Tensor, inv_a: Tensor, b: Tensor, inv_b: Tensor, out_dtype: tor
     return out.to(out_dtype)
 
 
+# id(a tensor's base) -> {(what, the view's geometry, version): a cast}, dropped with the base: ``shared_cast``
+# (ids, not a WeakKeyDictionary: that compares its keys with ==, elementwise for tensors)
+_SHARED_CASTS: dict[int, dict[tuple, Any]] = {}
+
+
+def shared_cast(x: Tensor, key: tuple, make: Callable[[], Any]) -> Any:
+    """``make()``, the cast ``key`` of ``x``, made once for every GEMM whose input is the same view of the same
+    tensor (q, k and v projections of one norm output; gate and up): they keep one quantised copy for backward,
+    as one fused projection would (Megatron's ``linear_qkv``, ``linear_fc1``). The entry lives as long as ``x``'s
+    base tensor; an in-place change (its version) makes a new one. Casts are deterministic: sharing one changes
+    no value."""
+    if torch.compiler.is_compiling():
+        return make()
+    base = x._base if x._base is not None else x
+    entry = _SHARED_CASTS.get(id(base))
+    if entry is None:
+        entry = _SHARED_CASTS[id(base)] = {}
+        weakref.finalize(base, _SHARED_CASTS.pop, id(base), None)
+    k = (key, tuple(x.shape), x.stride(), x.storage_offset(), base._version)
+    if k not in entry:
+        entry[k] = make()
+    return entry[k]
+
+
 @functools.cache
 def _cpu_kernel_takes_row_scales() -> bool:
     """torch's CPU ``_scaled_mm`` accepts row-wise scales (torch 2.11's asserts per-tensor scales)."""
@@ -190,4 +215,4 @@ def _cpu_kernel_takes_row_scales() -> bool:
 
 
 __all__ = ["E4M3", "E5M2", "Cast", "Float8Recipe", "amax", "amax_to_scale", "dequantize", "quantize", "reduce_max",
-           "scaled_mm", "to_float8"]
+           "scaled_mm", "shared_cast", "to_float8"]

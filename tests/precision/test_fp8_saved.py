@@ -102,3 +102,42 @@ def test_no_weight_gradient_keeps_no_input():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
         gemm(x, w).sum().backward()
     assert all(t.data_ptr() == w.data_ptr() for t in kept)
+
+
+def test_moe_act_recompute_keeps_no_fp8_copy_of_the_activation():
+    """Under ``moe_act`` recompute the down GEMM keeps the activation itself, freed and refilled by the recompute
+    (Megatron's ``set_save_original_input(linear_fc2)``), not an FP8 copy that would stay; values unchanged."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from moefold.execution.recompute import apply_recompute
+    from moefold.moe.build import build_experts
+    from moefold.moe.config import ExpertsConfig
+    from moefold.parallel.sharding import init_parameters
+
+    counts = (40, 0, 24)
+    results = {}
+    for chosen in ((), ("moe_act",)):
+        experts = build_experts(3, 32, ExpertsConfig(64, gemm_backend="grouped_mm", fp8=FP8Config("e4m3", "rowwise")))
+        init_parameters(experts, seed=3)
+        apply_recompute(experts, nn.ModuleDict(), SimpleNamespace(
+            recompute="selective" if chosen else "none", recompute_modules=chosen, recompute_method="uniform",
+            recompute_num_layers=1))
+        x = torch.randn(64, 32, generator=torch.Generator().manual_seed(4)).requires_grad_()
+        fp8 = []
+
+        def pack(t: torch.Tensor, fp8=fp8) -> torch.Tensor:
+            if t.dtype == torch.float8_e4m3fn:
+                fp8.append(t.shape)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = experts(x, torch.tensor(counts), counts)
+        y.square().sum().backward()
+        results[chosen] = (fp8, [y.detach(), x.grad, experts.w13.grad, experts.w2.grad])
+    (fp8_plain, plain), (fp8_act, act) = results[()], results[("moe_act",)]
+    assert (64, 64) in fp8_plain and (64, 64) not in fp8_act   # the [N, f] activation's FP8 copy
+    assert (64, 32) in fp8_act                                  # the input rows' copy stays
+    for a, b in zip(plain, act):
+        assert torch.equal(a, b)
