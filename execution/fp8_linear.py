@@ -40,7 +40,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moefold.dense.attention import GQAAttention
+from moefold.dense.block import TransformerBlock
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
+from moefold.dense.mla import MLAttention
+from moefold.dense.regions import recomputes
 from moefold.dense.split_backward import SplitWeights, WeightGradStore, accumulate_or_defer, weight_inputs
 from moefold.execution.grad_accumulation import fused_linear
 from moefold.parallel.groups import Group, group_size
@@ -161,6 +165,36 @@ def _dtype(dtype: torch.dtype) -> str:
     return {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}.get(dtype, str(dtype))
 
 
+def original_input_linears(model: nn.Module) -> set[int]:
+    """ids of the linears whose FP8 GEMM keeps its high-precision input for backward, not a quantised copy: where
+    that input is kept anyway or freed and refilled by a recompute (Megatron-Core's ``set_save_original_input``):
+
+    - an attention's output projection without an output gate: its input is the core attention's output, which
+      the fused attention kernels keep (Megatron: ``linear_proj`` under FP8, attention.py / multi_latent_attention.py);
+    - under ``layernorm`` recompute, the linears that take the discarded norm output (those of the block's attention
+      and FFN whose input is the hidden size, other than the output projection: q/k/v or MLA's down projections,
+      gate/up, the shared experts' gate/up; Megatron's ``set_for_recompute_input_layernorm`` and
+      ``linear_fc1`` / ``set_for_recompute_pre_mlp_layernorm``).
+    """
+    keep: set[int] = set()
+    for block in model.modules():
+        if not isinstance(block, TransformerBlock):
+            continue
+        attn, ffn = block.self_attn, block.mlp
+        out = getattr(attn, "o_proj", None)
+        if isinstance(attn, (GQAAttention, MLAttention)) and isinstance(out, RowParallelLinear) and not getattr(
+                getattr(attn, "config", None), "output_gate", False):
+            keep.add(id(out))
+        for part, region in ((attn, block.regions.attn_norm), (ffn, block.regions.mlp_norm)):
+            if part is None or not recomputes(region):
+                continue
+            for module in part.modules():
+                if (isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module is not out
+                        and module.in_features == block.hidden):
+                    keep.add(id(module))
+    return keep
+
+
 def convert_linears_to_fp8(model: nn.Module, config: FP8Config, tp_group: Group = None) -> list[str]:
     """Give every column/row-parallel linear of ``model`` not excluded by ``config`` an FP8 GEMM.
 
@@ -172,6 +206,7 @@ def convert_linears_to_fp8(model: nn.Module, config: FP8Config, tp_group: Group 
     block = config.block_scaled
     recipe = Float8Recipe.from_config(config) if config.backend is FP8Backend.TORCHAO and not block else None
     converted = []
+    originals = original_input_linears(model)
     for name, module in model.named_modules():
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             continue
@@ -191,9 +226,10 @@ def convert_linears_to_fp8(model: nn.Module, config: FP8Config, tp_group: Group 
         if block:
             gemm = BlockScaledLinearGemm(config, **groups)
             gemm.check_shapes(name, w.shape[1], w.shape[0])
-            module.configure(gemm=gemm)
         else:
-            module.configure(gemm=Float8LinearGemm(recipe, **groups))
+            gemm = Float8LinearGemm(recipe, **groups)
+        gemm.save_original_input = id(module) in originals
+        module.configure(gemm=gemm)
         if config.param_gather:
             mark_fp8_param(w, config, groups)
         converted.append(name)
@@ -209,4 +245,4 @@ def fp8_linear_names(model: nn.Module) -> tuple[list[str], list[str]]:
     return fp8, high
 
 
-__all__ = ["Float8LinearGemm", "convert_linears_to_fp8", "fp8_linear_names"]
+__all__ = ["Float8LinearGemm", "convert_linears_to_fp8", "fp8_linear_names", "original_input_linears"]

@@ -141,3 +141,27 @@ def test_moe_act_recompute_keeps_no_fp8_copy_of_the_activation():
     assert (64, 32) in fp8_act                                  # the input rows' copy stays
     for a, b in zip(plain, act):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("layernorm", [False, True])
+def test_linears_keep_the_original_input_where_it_is_kept_anyway(layernorm):
+    """Attention output projections keep their input (the core attention's output, kept by the fused kernels);
+    under ``layernorm`` recompute so do the norms' consumers (their input is freed and refilled); the rest keep
+    the quantised copy (Megatron-Core's ``set_save_original_input`` choices)."""
+    from moefold.execution.apply import build_decoder
+    from moefold.models.options import ModelOptions
+    from moefold.models.recipes import deepseek_v3_tiny
+
+    modules = ("layernorm",) if layernorm else ()
+    options = ModelOptions(fp8=FP8Config("hybrid"), recompute="selective" if layernorm else "none",
+                           recompute_modules=modules or ("core_attn",))
+    model = build_decoder(deepseek_v3_tiny().with_(num_layers=2), options=options)
+    originals = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                 if getattr(getattr(m, "local_gemm", None), "save_original_input", False)}
+    quantised = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                 if getattr(getattr(m, "local_gemm", None), "save_original_input", True) is False}
+    # MLA's down projections, the dense MLP's and the shared experts' gate/up take the norm output
+    norm_consumers = {"q_a_proj", "kv_a_proj_with_mqa", "gate_proj", "up_proj"}
+    assert originals == ({"o_proj"} | (norm_consumers if layernorm else set())), originals
+    assert quantised == ({"down_proj", "q_b_proj", "kv_b_proj", "eh_proj"} | (set() if layernorm else norm_consumers)
+                         ), quantised
