@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moefold.dense.linear import ColumnParallelLinear, tp_input
+from moefold.dense.linear import ColumnParallelLinear, on_tp_input
 from moefold.parallel.comm import reduce_from_region, reduce_scatter_sequence
 from moefold.parallel.groups import Group, group_rank, group_size
 from moefold.parallel.sharding import Shard, mark_sharded, normal_init, set_init
@@ -122,8 +122,8 @@ class OutputHead(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.proj is not None:
             return self.proj(x)
-        with tp_input(x, self.tp_group, self.sequence_parallel) as x_in:   # SP: the GEMM keeps the shard
-            return F.linear(x_in, self._tied[0].weight)
+        weight = self._tied[0].weight   # SP: the GEMM keeps the shard (dense.linear.on_tp_input)
+        return on_tp_input(x, self.tp_group, self.sequence_parallel, lambda x_in: F.linear(x_in, weight))
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, vocab={self.vocab_size}, tied={self.tied}, sp={self.sequence_parallel}"

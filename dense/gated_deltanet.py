@@ -57,7 +57,7 @@ from moefold.dense.gated_delta_rule import (
     recurrent_gated_delta_rule,
     require_fla,
 )
-from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear, tp_input
+from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear, on_tp_input
 from moefold.dense.recompute import check_recompute
 from moefold.dense.regions import CHECKPOINT, PLAIN, Region, recomputes, replace_regions
 from moefold.parallel.comm import all_to_all, copy_to_region
@@ -356,9 +356,11 @@ class GatedDeltaNet(nn.Module):
                                      for s0, s1 in documents.segments(b)], dim=0)
                           for b in range(documents.batch)], dim=1)
 
+    def _in_projections(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.in_proj_qkvz.forward_local(x), self.in_proj_ba.forward_local(x)
+
     def forward(self, x: Tensor, position_ids: Tensor, documents: Documents | None = None) -> Tensor:
-        with tp_input(x, self.tp_group, self.sequence_parallel) as x_in:   # SP: the projections keep the shard
-            qkvz, ba = self.in_proj_qkvz.forward_local(x_in), self.in_proj_ba.forward_local(x_in)
+        qkvz, ba = on_tp_input(x, self.tp_group, self.sequence_parallel, self._in_projections)   # SP: keep the shard
         S, B = qkvz.shape[:2]
         if position_ids.shape != (S,):
             raise ValueError(f"GatedDeltaNet: position_ids {tuple(position_ids.shape)} must be [{S}] (one position "

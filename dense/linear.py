@@ -4,7 +4,7 @@ Activations are sequence-first ``[S, B, H]`` everywhere in moefold. With sequenc
 (SP) the activations between tensor-parallel regions are the sequence shard ``[S/tp, B, H]``:
 the column-parallel layer all-gathers the sequence before its GEMM (backward: reduce-scatter;
 the GEMM keeps the shard, not the gathered sequence, and gathers it again in backward, as
-Megatron's and TE's column-parallel layers do: ``tp_input``) and the row-parallel layer
+Megatron's and TE's column-parallel layers do: ``on_tp_input``) and the row-parallel layer
 reduce-scatters its partial sums back to a shard (backward: all-gather). Without SP the input
 is replicated across TP (``copy_to_region``: identity forward, all-reduce backward) and the
 row-parallel output is all-reduced.
@@ -23,13 +23,14 @@ the trainer's main-grad buffer (``execution.grad_accumulation``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moefold.parallel.comm import (
+    all_gather_sequence,
     copy_to_region,
     gather_along_dim,
     reduce_from_region,
@@ -42,18 +43,24 @@ from moefold.parallel.sharding import Shard, mark_sequence_parallel, mark_sharde
 
 # (x [..., in], weight [out, in], bias [out] | None) -> [..., out]
 LocalGemm = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
+R = TypeVar("R")
 
 
-def tp_input(x: Tensor, tp_group: Group, sequence_parallel: bool) -> AbstractContextManager[Tensor]:
-    """The input of column-parallel GEMMs, as a context: ``with tp_input(x, tp, sp) as x_in: ...forward_local(x_in)``.
+def on_tp_input(x: Tensor, tp_group: Group, sequence_parallel: bool, fn: Callable[[Tensor], R]) -> R:
+    """``fn(x_in)`` on the input of column-parallel GEMMs (``fn`` runs their ``forward_local``).
 
-    With SP: the sequence all-gather (backward: reduce-scatter), and the GEMMs run inside keep the shard for
-    their backward, all-gathering it again there (``parallel.sequence_input``; Megatron's and TE's column-parallel
-    save). Otherwise ``copy_to_region`` (identity forward, all-reduce backward); the GEMMs keep what they keep.
+    With SP ``x_in`` is the sequence all-gather (backward: reduce-scatter), and the GEMMs ``fn`` runs keep the shard
+    for their backward, all-gathering it again there (``parallel.sequence_input``; Megatron's and TE's
+    column-parallel save); inside a compiled graph, the plain gather (its partitioner decides what is kept).
+    Otherwise ``copy_to_region`` (identity forward, all-reduce backward); the GEMMs keep what they keep.
+    A call, not a context manager, so that ``torch.compile`` traces the replicated path straight through.
     """
-    if sequence_parallel:
-        return SequenceParallelInput(x, tp_group, 0)
-    return nullcontext(copy_to_region(x, tp_group))
+    if not sequence_parallel:
+        return fn(copy_to_region(x, tp_group))
+    if torch.compiler.is_compiling():
+        return fn(all_gather_sequence(x, tp_group, 0))
+    with SequenceParallelInput(x, tp_group, 0) as x_full:
+        return fn(x_full)
 
 
 def _check_divisible(name: str, value: int, tp: int, layer: str) -> None:
@@ -70,7 +77,7 @@ class ColumnParallelLinear(nn.Module):
 
     forward(x): ``x [..., in]`` replicated across TP, or with ``sequence_parallel`` the sequence
     shard ``[S/tp, ..., in]`` (all-gathered along dim 0 first; the GEMM keeps the shard for its weight
-    gradient and gathers it again in backward: ``tp_input``). Returns ``[..., out/tp]``, or
+    gradient and gathers it again in backward: ``on_tp_input``). Returns ``[..., out/tp]``, or
     the full ``[..., out]`` (all-gathered along the last dim) with ``gather_output``.
     """
 
@@ -99,8 +106,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         # SP: the GEMM needs the whole sequence; its backward reduce-scatters the input gradient.
         # Otherwise x is replicated and each rank's input gradient is partial: all-reduced backward.
-        with tp_input(x, self.tp_group, self.sequence_parallel) as x_in:
-            y = self.forward_local(x_in)
+        y = on_tp_input(x, self.tp_group, self.sequence_parallel, self.forward_local)
         if self.gather_output:
             y = gather_along_dim(y, self.tp_group, dim=-1)
         return y

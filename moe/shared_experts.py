@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear, tp_input
+from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear, on_tp_input
 from moefold.moe.activation import ExpertActivation
 from moefold.parallel.groups import Group
 from moefold.parallel.sharding import mark_sequence_parallel, normal_init, set_init
@@ -53,10 +53,8 @@ class SharedExperts(nn.Module):
 
     def forward(self, x_SBH: Tensor) -> Tensor:
         # one all-gather (SP) / region entry feeds gate and up (two layers keep the weights in HF's shape); under
-        # SP both keep the shard for their weight gradients, not the gathered sequence (dense.linear.tp_input)
-        with tp_input(x_SBH, self.up_proj.tp_group, self.up_proj.sequence_parallel) as x_in:
-            up = self.up_proj.forward_local(x_in)
-            gate = None if self.gate_proj is None else self.gate_proj.forward_local(x_in)
+        # SP both keep the shard for their weight gradients, not the gathered sequence (dense.linear.on_tp_input)
+        up, gate = on_tp_input(x_SBH, self.up_proj.tp_group, self.up_proj.sequence_parallel, self._gate_up)
         if gate is None:
             y = self.down_proj(torch.square(F.relu(up)))
         else:
@@ -66,3 +64,6 @@ class SharedExperts(nn.Module):
         if self.gate is not None:
             y = torch.sigmoid(F.linear(x_SBH, self.gate)) * y
         return y
+
+    def _gate_up(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        return self.up_proj.forward_local(x), None if self.gate_proj is None else self.gate_proj.forward_local(x)
