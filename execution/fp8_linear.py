@@ -47,6 +47,7 @@ from moefold.dense.mla import MLAttention
 from moefold.dense.regions import recomputes
 from moefold.dense.split_backward import SplitWeights, WeightGradStore, accumulate_or_defer, weight_inputs
 from moefold.execution.grad_accumulation import fused_linear
+from moefold.moe.layer import MoELayer
 from moefold.parallel.groups import Group, group_size
 from moefold.parallel.sequence_input import keep_rows_as_shard
 from moefold.parallel.sharding import is_sequence_parallel
@@ -171,6 +172,8 @@ def original_input_linears(model: nn.Module) -> set[int]:
 
     - an attention's output projection without an output gate: its input is the core attention's output, which
       the fused attention kernels keep (Megatron: ``linear_proj`` under FP8, attention.py / multi_latent_attention.py);
+    - the shared experts' gate/up: their input, the post-attention norm's output, is kept by the router's gating
+      GEMM (a view of it without SP at tp > 1);
     - under ``layernorm`` recompute, the linears that take the discarded norm output (those of the block's attention
       and FFN whose input is the hidden size, other than the output projection: q/k/v or MLA's down projections,
       gate/up, the shared experts' gate/up; Megatron's ``set_for_recompute_input_layernorm`` and
@@ -185,6 +188,9 @@ def original_input_linears(model: nn.Module) -> set[int]:
         if isinstance(attn, (GQAAttention, MLAttention)) and isinstance(out, RowParallelLinear) and not getattr(
                 getattr(attn, "config", None), "output_gate", False):
             keep.add(id(out))
+        shared = getattr(ffn, "shared_experts", None)
+        if isinstance(ffn, MoELayer) and shared is not None:
+            keep.update(id(m) for m in (shared.gate_proj, shared.up_proj) if m is not None)
         for part, region in ((attn, block.regions.attn_norm), (ffn, block.regions.mlp_norm)):
             if part is None or not recomputes(region):
                 continue

@@ -160,8 +160,12 @@ def test_linears_keep_the_original_input_where_it_is_kept_anyway(layernorm):
                  if getattr(getattr(m, "local_gemm", None), "save_original_input", False)}
     quantised = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
                  if getattr(getattr(m, "local_gemm", None), "save_original_input", True) is False}
-    # MLA's down projections, the dense MLP's and the shared experts' gate/up take the norm output
+    # MLA's down projections and the dense MLP's gate/up take the norm output; the shared experts' gate/up too,
+    # which the router keeps anyway
+    names = {name: m for name, m in model.named_modules() if hasattr(m, "local_gemm")}
+    shared = {n for n, m in names.items() if ".shared_experts." in n and m.local_gemm.save_original_input}
+    assert shared == {n for n in names if ".shared_experts.gate_proj" in n or ".shared_experts.up_proj" in n}, shared
     norm_consumers = {"q_a_proj", "kv_a_proj_with_mqa", "gate_proj", "up_proj"}
-    assert originals == ({"o_proj"} | (norm_consumers if layernorm else set())), originals
+    assert originals == ({"o_proj", "gate_proj", "up_proj"} | (norm_consumers if layernorm else set())), originals
     assert quantised == ({"down_proj", "q_b_proj", "kv_b_proj", "eh_proj"} | (set() if layernorm else norm_consumers)
                          ), quantised
