@@ -60,8 +60,8 @@ class _BlockScaledLinear(torch.autograd.Function):
             ctx.save_for_backward(w, x, None, None)
         else:   # dw's operand: b x 1 tiles along the tokens M
             split = (gemm.token_group, gemm.in_group)   # one copy for every GEMM on this input (q, k, v; gate, up)
-            c = shared_cast(x, ("block dw", gemm.config, split),
-                            lambda: gemm.cast_compact(x, False, contract=0, split=split, role="input"))
+            c = shared_cast(x, ("block dw", gemm.config, split), lambda: gemm.cast_compact(
+                x, False, contract=0, split=split, role="input")._replace(dq=None))   # (not its fp32 values)
             keep_rows_as_shard(c.data, x)   # under SP: this rank's rows of it (parallel.sequence_input)
             ctx.save_for_backward(w, c.data, c.scale, c.tensor_scale)
         return y

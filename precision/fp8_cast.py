@@ -183,12 +183,13 @@ def scaled_mm(a: Tensor, inv_a: Tensor, b: Tensor, inv_b: Tensor, out_dtype: tor
 _SHARED_CASTS: dict[int, dict[tuple, Any]] = {}
 
 
-def shared_cast(x: Tensor, key: tuple, make: Callable[[], Any]) -> Any:
-    """``make()``, the cast ``key`` of ``x``, made once for every GEMM whose input is the same view of the same
-    tensor (q, k and v projections of one norm output; gate and up): they keep one quantised copy for backward,
-    as one fused projection would (Megatron's ``linear_qkv``, ``linear_fc1``). The entry lives as long as ``x``'s
-    base tensor; an in-place change (its version) makes a new one. Casts are deterministic: sharing one changes
-    no value."""
+def shared_cast(x: Tensor, key: tuple, make: Callable[[], tuple]) -> tuple:
+    """``make()``, the cast ``key`` of ``x`` (a tuple of tensors or None), made once for every GEMM whose input is
+    the same view of the same tensor (q, k and v projections of one norm output; gate and up): they keep one
+    quantised copy for backward, as one fused projection would (Megatron's ``linear_qkv``, ``linear_fc1``).
+    The cache holds the cast weakly: it is shared while a GEMM keeps it (saved for its backward) and never kept
+    alive by the cache (a checkpoint's forward, which saves nothing, makes it again for each GEMM). An in-place
+    change of ``x`` (its version) makes a new one. Casts are deterministic: sharing one changes no value."""
     if torch.compiler.is_compiling():
         return make()
     base = x._base if x._base is not None else x
@@ -197,9 +198,15 @@ def shared_cast(x: Tensor, key: tuple, make: Callable[[], Any]) -> Any:
         entry = _SHARED_CASTS[id(base)] = {}
         weakref.finalize(base, _SHARED_CASTS.pop, id(base), None)
     k = (key, tuple(x.shape), x.stride(), x.storage_offset(), base._version)
-    if k not in entry:
-        entry[k] = make()
-    return entry[k]
+    held = entry.get(k)
+    if held is not None:
+        kind, refs = held
+        items = [None if r is None else r() for r in refs]
+        if all(item is not None for item, r in zip(items, refs) if r is not None):
+            return kind(*items) if hasattr(kind, "_fields") else kind(items)
+    cast = make()
+    entry[k] = (type(cast), [None if t is None else weakref.ref(t) for t in cast])
+    return cast
 
 
 @functools.cache
