@@ -208,8 +208,9 @@ class Fp8Gemm(GemmBase[GemmCall]):
         return self.gemms[which](x, w_eMK, call.counts_e, trans_w=True, counts_host=call.host)
 
     def activation(self, eager: Activation) -> Activation:
-        # the down GEMM saves SwiGLU's output (its input) in bf16 anyway: ``swiglu_rows`` keeps only the gate/up
-        # rows beside it, where autograd's SwiGLU would also keep silu(gate) (bit for bit the same values)
+        # the down GEMM keeps SwiGLU's output (its input) itself (its quantised copy, or the output under moe_act
+        # recompute): ``swiglu_rows`` keeps only the gate/up rows for its own backward, where autograd's SwiGLU would
+        # also keep silu(gate) (bit for bit the same values)
         return swiglu_rows if eager is swiglu else eager
 
     def saving_original_input(self, which: Projection) -> None:
