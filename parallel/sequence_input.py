@@ -63,7 +63,7 @@ class SequenceParallelInput:
         self.x, self.group, self.dim = x, group, dim % max(x.dim(), 1)
         self.full: Tensor | None = None
         self._rows: list[Tensor] = []
-        self._packed_rows: dict[tuple, tuple[Any, ...]] = {}
+        self._own_rows: dict[tuple, Tensor] = {}
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._token: contextvars.Token | None = None
         self._outer: tuple[Callable[[Tensor], Any], Callable[[Any], Tensor]] | None = None
@@ -83,7 +83,7 @@ class SequenceParallelInput:
             _ACTIVE.reset(self._token)
             self._hooks.__exit__(*exc)
         # the hooks stay referenced by what they packed: they keep the group only (the shard is in each pack)
-        self._hooks, self._rows, self._packed_rows, self.full, self.x = None, [], {}, None, None
+        self._hooks, self._rows, self._own_rows, self.full, self.x = None, [], {}, None, None
 
     # -- what a GEMM inside may declare ------------------------------------------------------------------------
     def holds(self, t: Tensor) -> bool:
@@ -104,12 +104,13 @@ class SequenceParallelInput:
         full = self.full
         if full is not None and t.device == full.device and _storage_ptr(t) == _storage_ptr(full):
             return ("view", self._outer_pack(self.x), tuple(t.shape), t.stride(), t.storage_offset())
-        if full is not None and self._registered(t):   # one shard for every GEMM keeping the same tensor
+        if full is not None and self._registered(t):
+            # one copy of this rank's rows for every GEMM keeping the same tensor; each pack goes to the outer hooks
+            # on its own (a checkpoint's holder is unpacked once)
             key = (t.data_ptr(), tuple(t.shape), t.dtype)
-            if key not in self._packed_rows:
-                own = t.chunk(group_size(self.group), 0)[group_rank(self.group)].clone()
-                self._packed_rows[key] = ("rows", self._outer_pack(own))
-            return self._packed_rows[key]
+            if key not in self._own_rows:
+                self._own_rows[key] = t.chunk(group_size(self.group), 0)[group_rank(self.group)].clone()
+            return ("rows", self._outer_pack(self._own_rows[key]))
         return ("other", self._outer_pack(t))
 
     def _unpack(self, packed: tuple[Any, ...]) -> Tensor:

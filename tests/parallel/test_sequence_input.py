@@ -44,11 +44,11 @@ def _run(tp_group: Group, sp: bool, kind: str, fp8: bool):
     x = torch.randn(S, B, H, generator=gen)
     x_local = seq_shard(x, tp_group, sp).requires_grad_()
     params = {p.data_ptr() for p in model.parameters()}
-    kept: list[tuple[tuple[int, ...], torch.dtype]] = []
+    kept: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}   # by storage: one tensor saved twice counts once
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if t.data_ptr() not in params:
-            kept.append((tuple(t.shape), t.dtype))
+            kept[t.data_ptr()] = (tuple(t.shape), t.dtype)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -56,7 +56,7 @@ def _run(tp_group: Group, sp: bool, kind: str, fp8: bool):
     out = y if kind == "linear" else seq_gather(y, tp_group, sp)
     dy = torch.randn(out.shape, generator=gen)
     y.backward(dy if kind == "linear" else seq_shard(dy, tp_group, sp))
-    return out.detach(), seq_gather(x_local.grad, tp_group, sp), full_grads(model, tp_group), kept
+    return out.detach(), seq_gather(x_local.grad, tp_group, sp), full_grads(model, tp_group), list(kept.values())
 
 
 def _gathered_rows(kept) -> list:
@@ -86,3 +86,36 @@ def test_sp_column_parallel_keeps_the_shard(fp8):
             assert g_kept.count(((S * B // 2, H), torch.float8_e4m3fn)) == 1, g_kept
         else:     # the shard itself
             assert ((S // 2, B, H), torch.float32) in g_kept, g_kept
+
+
+def _run_checkpointed(tp_group: Group, sp: bool, kind: str, fp8: bool):
+    """``_run`` inside torch's non-reentrant checkpoint: the region's shards go to its holders (one per saved
+    tensor: a holder is unpacked once) and come back from the recomputation."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = _model(kind, tp_group, sp)
+    init_parameters(model, seed=3)
+    if fp8:
+        convert_linears_to_fp8(model, FP8Config("e4m3", "tensorwise"), tp_group)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(S, B, H, generator=gen)
+    x_local = seq_shard(x, tp_group, sp).requires_grad_()
+    y = checkpoint(model, x_local, use_reentrant=False)
+    out = seq_gather(y, tp_group, sp)
+    y.backward(seq_shard(torch.randn(out.shape, generator=gen), tp_group, sp))
+    return out.detach(), seq_gather(x_local.grad, tp_group, sp), full_grads(model, tp_group)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-path", "fp8"])
+def test_sp_input_under_a_checkpoint_equals_world1(fp8):
+    def body(kind):
+        import torch.distributed as dist
+
+        tp = dist.new_group([0, 1])
+        return _run_checkpointed(None, False, kind, fp8), _run_checkpointed(tp, True, kind, fp8)
+
+    for kind in ("mlp", "shared"):
+        (w_y, w_dx, w_grads), (g_y, g_dx, g_grads) = run_distributed(body, 2, kind)[0]
+        assert torch.allclose(g_y, w_y, atol=1e-5, rtol=1e-5), kind
+        assert torch.allclose(g_dx, w_dx, atol=1e-5, rtol=1e-5), kind
+        assert_all_close(g_grads, w_grads, f"{kind} grads")
