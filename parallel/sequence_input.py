@@ -24,7 +24,9 @@ While it is open, a ``torch.autograd.graph.saved_tensors_hooks`` pair sees every
   non-reentrant checkpoint), which also receive the shards above: offload moves the shard, recompute replays it.
 
 A group of size 1 (or no grad) makes the region the plain gather (the input itself). Crosses ranks: one
-all-gather in forward, one per unpacked saved tensor in backward, in the same order on every rank (autograd's).
+all-gather in forward; in backward one per kept tensor (the shard, or the FP8 rows), made when the first GEMM
+that kept it unpacks it and held until the last has (q, k and v share one, as Megatron's fused ``linear_qkv``
+gathers once), in the same order on every rank (autograd's).
 """
 
 from __future__ import annotations
@@ -67,6 +69,9 @@ class SequenceParallelInput:
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._token: contextvars.Token | None = None
         self._outer: tuple[Callable[[Tensor], Any], Callable[[Any], Tensor]] | None = None
+        # backward: one all-gather per kept tensor, shared by the GEMMs that kept it (q, k, v; gate, up) as a fused
+        # projection's one gather is: key -> [packs, unpacks so far, the gathered tensor while some are to come]
+        self._gathers: dict[object, list] = {}
 
     def __enter__(self) -> Tensor:
         self.full = all_gather_sequence(self.x, self.group, self.dim)
@@ -100,26 +105,43 @@ class SequenceParallelInput:
     def _outer_unpack(self, packed: Any) -> Tensor:
         return packed if self._outer is None else self._outer[1](packed)
 
+    def _counted(self, key: object) -> object:
+        self._gathers.setdefault(key, [0, 0, None])[0] += 1
+        return key
+
     def _pack(self, t: Tensor) -> tuple[Any, ...]:
         full = self.full
         if full is not None and t.device == full.device and _storage_ptr(t) == _storage_ptr(full):
-            return ("view", self._outer_pack(self.x), tuple(t.shape), t.stride(), t.storage_offset())
+            return ("view", self._outer_pack(self.x), self._counted("view"), tuple(t.shape), t.stride(),
+                    t.storage_offset())
         if full is not None and self._registered(t):
             # one copy of this rank's rows for every GEMM keeping the same tensor; each pack goes to the outer hooks
             # on its own (a checkpoint's holder is unpacked once)
             key = (t.data_ptr(), tuple(t.shape), t.dtype)
             if key not in self._own_rows:
                 self._own_rows[key] = t.chunk(group_size(self.group), 0)[group_rank(self.group)].clone()
-            return ("rows", self._outer_pack(self._own_rows[key]))
+            return ("rows", self._outer_pack(self._own_rows[key]), self._counted(key))
         return ("other", self._outer_pack(t))
+
+    def _gathered(self, key: object, inner: Tensor, gather: Callable[[Tensor], Tensor]) -> Tensor:
+        """The all-gather of ``inner`` for the kept tensor ``key``: made at its first unpack, held until its last
+        (then a new backward, with a retained graph, gathers again)."""
+        entry = self._gathers[key]
+        out = entry[2] if entry[2] is not None else gather(inner)
+        entry[1] += 1
+        entry[2] = None if entry[1] == entry[0] else out
+        if entry[1] == entry[0]:
+            entry[1] = 0
+        return out
 
     def _unpack(self, packed: tuple[Any, ...]) -> Tensor:
         kind, inner = packed[0], self._outer_unpack(packed[1])
         if kind == "view":
-            size, stride, offset = packed[2:]
-            return _all_gather(inner.contiguous(), self.group, 0).as_strided(size, stride, offset)
+            size, stride, offset = packed[3:]
+            full = self._gathered("view", inner, lambda t: _all_gather(t.contiguous(), self.group, 0))
+            return full.as_strided(size, stride, offset)
         if kind == "rows":
-            return _gather_rows(inner, self.group)
+            return self._gathered(packed[2], inner, lambda t: _gather_rows(t, self.group))
         return inner
 
 
