@@ -41,11 +41,11 @@ from moefold.dense.attention_config import AttentionConfig, QKNormScope
 from moefold.dense.choices import Recompute
 from moefold.dense.core_attention import CoreAttention
 from moefold.dense.documents import Documents
-from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
+from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear, on_tp_input
 from moefold.dense.norm import RMSNorm
 from moefold.dense.regions import CHECKPOINT, PLAIN, Region, recomputes, replace_regions
 from moefold.dense.rope import RotaryEmbedding, apply_partial_rotary
-from moefold.parallel.comm import all_gather_sequence, copy_to_region, reduce_from_region
+from moefold.parallel.comm import copy_to_region, reduce_from_region
 from moefold.parallel.groups import Group, group_rank, group_size
 from moefold.parallel.sharding import Shard, mark_sharded
 
@@ -181,17 +181,23 @@ class GQAAttention(nn.Module):
         k_all = self._projection_norm(self.k_norm, k_all.view(S, B, self.config.kv_heads, d), 0, False)
         return q, gate, k_all[:, :, self.kv_head_index:self.kv_head_index + 1]
 
-    def _project_in(self, x: Tensor, position_ids: Tensor, documents: Documents | None = None,
-                    ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
-        """The ``qkv_linear`` part: (q, output gate, k, v), q and k with RoPE."""
-        # one all-gather (SP) or one region entry for q, k and v together; see ColumnParallelLinear
-        x = all_gather_sequence(x, self.tp_group, 0) if self.sequence_parallel else copy_to_region(x, self.tp_group)
+    def _qkv(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+        """q, the output gate, k and v of the gathered / replicated input ``x [S, B, H]``."""
         S, B = x.shape[:2]
         if position_ids.shape != (S,):
             raise ValueError(f"GQAAttention: position_ids {tuple(position_ids.shape)} must be [{S}] "
                              "(one global position per token of this rank's sequence, before the SP split)")
         q, gate, k = self._qk(x, S, B)
-        v = self._project_kv(self.v_proj, x).view(S, B, self.local_kv_heads, self.head_dim)
+        return q, gate, k, self._project_kv(self.v_proj, x).view(S, B, self.local_kv_heads, self.head_dim)
+
+    def _project_in(self, x: Tensor, position_ids: Tensor, documents: Documents | None = None,
+                    ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+        """The ``qkv_linear`` part: (q, output gate, k, v), q and k with RoPE."""
+        # one all-gather (SP) or one region entry for q, k and v together; under SP their GEMMs keep the shard
+        # (dense.linear.on_tp_input)
+        q, gate, k, v = on_tp_input(x, self.tp_group, self.sequence_parallel,
+                                    lambda x_in: self._qkv(x_in, position_ids))
+        B = q.shape[1]
         if self.rotary is not None:
             cos, sin = self.rotary(position_ids if documents is None else documents.rope_positions(position_ids, B))
             q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)

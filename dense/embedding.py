@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moefold.dense.linear import ColumnParallelLinear
-from moefold.parallel.comm import all_gather_sequence, copy_to_region, reduce_from_region, reduce_scatter_sequence
+from moefold.dense.linear import ColumnParallelLinear, on_tp_input
+from moefold.parallel.comm import reduce_from_region, reduce_scatter_sequence
 from moefold.parallel.groups import Group, group_rank, group_size
 from moefold.parallel.sharding import Shard, mark_sharded, normal_init, set_init
 
@@ -122,8 +122,8 @@ class OutputHead(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.proj is not None:
             return self.proj(x)
-        x = all_gather_sequence(x, self.tp_group, dim=0) if self.sequence_parallel else copy_to_region(x, self.tp_group)
-        return F.linear(x, self._tied[0].weight)
+        weight = self._tied[0].weight   # SP: the GEMM keeps the shard (dense.linear.on_tp_input)
+        return on_tp_input(x, self.tp_group, self.sequence_parallel, lambda x_in: F.linear(x_in, weight))
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, vocab={self.vocab_size}, tied={self.tied}, sp={self.sequence_parallel}"

@@ -57,10 +57,10 @@ from moefold.dense.gated_delta_rule import (
     recurrent_gated_delta_rule,
     require_fla,
 )
-from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
+from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear, on_tp_input
 from moefold.dense.recompute import check_recompute
 from moefold.dense.regions import CHECKPOINT, PLAIN, Region, recomputes, replace_regions
-from moefold.parallel.comm import all_gather_sequence, all_to_all, copy_to_region
+from moefold.parallel.comm import all_to_all, copy_to_region
 from moefold.parallel.groups import Group, group_rank, group_size
 from moefold.parallel.sharding import InitFn, Shard, mark_sharded, set_init
 
@@ -356,16 +356,19 @@ class GatedDeltaNet(nn.Module):
                                      for s0, s1 in documents.segments(b)], dim=0)
                           for b in range(documents.batch)], dim=1)
 
+    def _in_projections(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.in_proj_qkvz.forward_local(x), self.in_proj_ba.forward_local(x)
+
     def forward(self, x: Tensor, position_ids: Tensor, documents: Documents | None = None) -> Tensor:
-        x = all_gather_sequence(x, self.tp_group, 0) if self.sequence_parallel else copy_to_region(x, self.tp_group)
-        S, B = x.shape[:2]
+        qkvz, ba = on_tp_input(x, self.tp_group, self.sequence_parallel, self._in_projections)   # SP: keep the shard
+        S, B = qkvz.shape[:2]
         if position_ids.shape != (S,):
             raise ValueError(f"GatedDeltaNet: position_ids {tuple(position_ids.shape)} must be [{S}] (one position "
                              "per token of this rank's sequence, before the SP split)")
         c, hk, hv = self.config, self.local_key_heads, self.local_value_heads
         r, dk, dv = c.value_heads_per_key_head, c.key_head_dim, c.value_head_dim
-        qkv, z = self.in_proj_qkvz.forward_local(x).view(S, B, hk, -1).split([c.conv_group_channels, r * dv], -1)
-        ba = self.in_proj_ba.forward_local(x).view(S, B, hk, 2 * r)
+        qkv, z = qkvz.view(S, B, hk, -1).split([c.conv_group_channels, r * dv], -1)
+        ba = ba.view(S, B, hk, 2 * r)
         key_heads = value_heads = slice(None)
         if self.cp > 1:   # the whole sequence for 1/cp of the heads
             qkv, ba = heads_to_sequence(torch.cat([qkv, ba], dim=-1), self.cp_group).split([qkv.shape[-1], 2 * r], -1)

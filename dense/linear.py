@@ -2,10 +2,12 @@
 
 Activations are sequence-first ``[S, B, H]`` everywhere in moefold. With sequence parallelism
 (SP) the activations between tensor-parallel regions are the sequence shard ``[S/tp, B, H]``:
-the column-parallel layer all-gathers the sequence before its GEMM (backward: reduce-scatter)
-and the row-parallel layer reduce-scatters its partial sums back to a shard (backward:
-all-gather). Without SP the input is replicated across TP (``copy_to_region``: identity
-forward, all-reduce backward) and the row-parallel output is all-reduced.
+the column-parallel layer all-gathers the sequence before its GEMM (backward: reduce-scatter;
+the GEMM keeps the shard, not the gathered sequence, and gathers it again in backward, as
+Megatron's and TE's column-parallel layers do: ``on_tp_input``) and the row-parallel layer
+reduce-scatters its partial sums back to a shard (backward: all-gather). Without SP the input
+is replicated across TP (``copy_to_region``: identity forward, all-reduce backward) and the
+row-parallel output is all-reduced.
 
 Weights are marked with their shards (``parallel.sharding``) and carry an init function, so
 ``init_parameters(module, seed)`` gives the same full weight at every tp.
@@ -21,6 +23,7 @@ the trainer's main-grad buffer (``execution.grad_accumulation``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -35,10 +38,29 @@ from moefold.parallel.comm import (
     scatter_along_dim,
 )
 from moefold.parallel.groups import Group, group_size
+from moefold.parallel.sequence_input import SequenceParallelInput
 from moefold.parallel.sharding import Shard, mark_sequence_parallel, mark_sharded, normal_init, set_init
 
 # (x [..., in], weight [out, in], bias [out] | None) -> [..., out]
 LocalGemm = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
+R = TypeVar("R")
+
+
+def on_tp_input(x: Tensor, tp_group: Group, sequence_parallel: bool, fn: Callable[[Tensor], R]) -> R:
+    """``fn(x_in)`` on the input of column-parallel GEMMs (``fn`` runs their ``forward_local``).
+
+    With SP ``x_in`` is the sequence all-gather (backward: reduce-scatter), and the GEMMs ``fn`` runs keep the shard
+    for their backward, all-gathering it again there (``parallel.sequence_input``; Megatron's and TE's
+    column-parallel save); inside a compiled graph, the plain gather (its partitioner decides what is kept).
+    Otherwise ``copy_to_region`` (identity forward, all-reduce backward); the GEMMs keep what they keep.
+    A call, not a context manager, so that ``torch.compile`` traces the replicated path straight through.
+    """
+    if not sequence_parallel:
+        return fn(copy_to_region(x, tp_group))
+    if torch.compiler.is_compiling():
+        return fn(all_gather_sequence(x, tp_group, 0))
+    with SequenceParallelInput(x, tp_group, 0) as x_full:
+        return fn(x_full)
 
 
 def _check_divisible(name: str, value: int, tp: int, layer: str) -> None:
@@ -54,7 +76,8 @@ class ColumnParallelLinear(nn.Module):
     Local weight ``[out/tp, in]`` (``Shard(dim=0)``), local bias ``[out/tp]`` (``Shard(dim=0)``).
 
     forward(x): ``x [..., in]`` replicated across TP, or with ``sequence_parallel`` the sequence
-    shard ``[S/tp, ..., in]`` (all-gathered along dim 0 first). Returns ``[..., out/tp]``, or
+    shard ``[S/tp, ..., in]`` (all-gathered along dim 0 first; the GEMM keeps the shard for its weight
+    gradient and gathers it again in backward: ``on_tp_input``). Returns ``[..., out/tp]``, or
     the full ``[..., out]`` (all-gathered along the last dim) with ``gather_output``.
     """
 
@@ -83,8 +106,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         # SP: the GEMM needs the whole sequence; its backward reduce-scatters the input gradient.
         # Otherwise x is replicated and each rank's input gradient is partial: all-reduced backward.
-        x = all_gather_sequence(x, self.tp_group, dim=0) if self.sequence_parallel else copy_to_region(x, self.tp_group)
-        y = self.forward_local(x)
+        y = on_tp_input(x, self.tp_group, self.sequence_parallel, self.forward_local)
         if self.gather_output:
             y = gather_along_dim(y, self.tp_group, dim=-1)
         return y

@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
-from moefold.parallel.comm import all_gather_sequence, copy_to_region
+from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear, on_tp_input
 from moefold.parallel.groups import Group, group_size
 
 
@@ -82,16 +81,18 @@ class DenseMLP(nn.Module):
         self._gelu_approximate = "tanh" if c.activation is Activation.GELU_TANH else "none"  # F.gelu's argument
 
     def forward(self, x: Tensor) -> Tensor:
-        # one all-gather (SP) / region entry feeds both gate and up
-        x = all_gather_sequence(x, self.tp_group, 0) if self.sequence_parallel else copy_to_region(x, self.tp_group)
-        up = self.up_proj.forward_local(x)
-        if self.gate_proj is not None:
-            h = F.silu(self.gate_proj.forward_local(x)) * up
+        # one all-gather (SP) / region entry feeds both gate and up (SP: both keep the shard, dense.linear.on_tp_input)
+        up, gate = on_tp_input(x, self.tp_group, self.sequence_parallel, self._gate_up)
+        if gate is not None:
+            h = F.silu(gate) * up
         elif self.config.activation is Activation.RELU2:
             h = torch.square(F.relu(up))
         else:
             h = F.gelu(up, approximate=self._gelu_approximate)
         return self.down_proj(h)
+
+    def _gate_up(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        return self.up_proj.forward_local(x), None if self.gate_proj is None else self.gate_proj.forward_local(x)
 
     def extra_repr(self) -> str:
         return f"activation={self.config.activation.value}, tp={group_size(self.tp_group)}, sp={self.sequence_parallel}"

@@ -7,8 +7,9 @@ and gives every linear whose qualified name contains none of ``config.exclude_mo
 - ``Float8LinearGemm`` (``--fp8-backend torchao``): torchao's recipe (``precision.fp8_cast``) in one
   autograd function: forward ``y = q(x) q(w)^T``, backward ``dx = q(dy) q(w)``, ``dw = q(dy)^T q(x)``,
   each operand cast along that GEMM's contraction dim (rowwise) or as a whole (tensorwise), the
-  gradient in e5m2 with ``hybrid``. It saves the high-precision ``x`` and ``w`` (as torchao does) and
-  casts them again in backward; the bias is added in high precision.
+  gradient in e5m2 with ``hybrid``. It saves ``w`` (a parameter) and ``x`` as the weight gradient's GEMM
+  takes it, quantised in forward (1 byte an element and its scales, as Transformer Engine keeps its input;
+  ``save_original_input``: ``x`` itself); the bias is added in high precision.
 - ``precision.te_linear.TELinearGemm`` (``--fp8-backend te``): a persistent ``te.Linear`` run on the layer's
   weight inside the TE autocast region the model entered for the whole stage forward;
 - ``precision.block_linear.BlockScaledLinearGemm`` (block-scaled recipes: blockwise, mxfp8, nvfp4).
@@ -39,34 +40,61 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moefold.dense.attention import GQAAttention
+from moefold.dense.block import TransformerBlock
 from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
+from moefold.dense.mla import MLAttention
+from moefold.dense.regions import recomputes
 from moefold.dense.split_backward import SplitWeights, WeightGradStore, accumulate_or_defer, weight_inputs
 from moefold.execution.grad_accumulation import fused_linear
+from moefold.moe.layer import MoELayer
 from moefold.parallel.groups import Group, group_size
+from moefold.parallel.sequence_input import keep_rows_as_shard
 from moefold.parallel.sharding import is_sequence_parallel
 from moefold.precision.block_linear import BlockScaledLinearGemm
 from moefold.precision.fp8 import FP8Backend, FP8Config
-from moefold.precision.fp8_cast import Float8Recipe, quantize, scaled_mm
+from moefold.precision.fp8_cast import Float8Recipe, quantize, scaled_mm, shared_cast
 from moefold.precision.fp8_param import mark_fp8_param
 from moefold.precision.te_linear import TELinearGemm
 
 
 class _Float8Linear(torch.autograd.Function):
-    """``x [M, K] @ w[N, K]^T`` with every GEMM operand cast by ``gemm``'s recipe (module docstring)."""
+    """``x [M, K] @ w[N, K]^T`` with every GEMM operand cast by ``gemm``'s recipe (module docstring).
+
+    Saved for backward: the weight (a parameter, kept anyway) and, for the weight gradient, ``x`` already cast
+    as that GEMM takes it (contracted over the tokens M: the forward's own cast under tensorwise scales, a second
+    cast under rowwise ones), as Transformer Engine keeps its input quantised (``gemm.save_original_input``: ``x``
+    itself, cast again in backward, for an input kept anyway by another consumer). The backward multiplies the
+    same values either way."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, gemm: Float8LinearGemm, split: SplitWeights | None,
                 _anchor: Tensor | None) -> Tensor:
-        ctx.save_for_backward(x, w)
-        ctx.gemm, ctx.split = gemm, split   # split backward: w detached (dense.split_backward.weight_inputs)
+        ctx.gemm, ctx.split, ctx.x_dtype = gemm, split, x.dtype   # split backward: w detached (weight_inputs)
         r = gemm.recipe
-        qx, sx = gemm.cast(x, r.input, contract=1, sharded=(gemm.token_group, gemm.in_group))
+        x_sharded = (gemm.token_group, gemm.in_group)
+        qx, sx = shared_cast(x, ("fp8 fwd", r.input, r.pow2_scales, x_sharded),
+                             lambda: gemm.cast(x, r.input, contract=1, sharded=x_sharded))
         qw, sw = gemm.cast(w, r.weight, contract=1, sharded=(gemm.out_group, gemm.in_group))
-        return scaled_mm(qx, sx, qw.t(), sw.t(), x.dtype, r.fast_accum_forward)
+        y = scaled_mm(qx, sx, qw.t(), sw.t(), x.dtype, r.fast_accum_forward)
+        ctx.original = gemm.save_original_input
+        if not (split is not None or ctx.needs_input_grad[1]):   # no weight gradient: x is not needed
+            ctx.save_for_backward(None, None, w)
+        elif ctx.original:
+            ctx.save_for_backward(x, None, w)
+        else:
+            if r.input.rowwise:   # dw's cast: scales over the tokens (tensorwise: one scale, the forward's cast);
+                # one copy for every GEMM on this input (q, k, v; gate, up)
+                sharded = (gemm.token_group, gemm.in_group)
+                qx, sx = shared_cast(x, ("fp8 dw", r.input, r.pow2_scales, sharded),
+                                     lambda: gemm.cast(x, r.input, contract=0, sharded=sharded))
+            keep_rows_as_shard(qx, x)   # under SP: this rank's rows of it (parallel.sequence_input)
+            ctx.save_for_backward(qx, sx, w)
+        return y
 
     @staticmethod
     def backward(ctx, gy: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:
-        x, w = ctx.saved_tensors
+        x_saved, sx_saved, w = ctx.saved_tensors
         gemm: Float8LinearGemm = ctx.gemm
         r = gemm.recipe
         gy = gy.contiguous()
@@ -75,12 +103,16 @@ class _Float8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:  # dx = dy @ w: contracts N
             q_dy = gemm.cast(gy, r.grad_output, contract=1, sharded=gy_sharded)
             qw, sw = gemm.cast(w, r.weight, contract=0, sharded=(gemm.out_group, gemm.in_group))
-            gx = scaled_mm(*q_dy, qw, sw, x.dtype)
+            gx = scaled_mm(*q_dy, qw, sw, ctx.x_dtype)
         reuse = q_dy if q_dy is not None and not r.grad_output.rowwise else None
+        original = ctx.original
 
         def weight_grad() -> tuple[Tensor]:  # dw = dy^T @ x: contracts the tokens M (a tensorwise cast is the same)
             qg, sg = reuse if reuse is not None else gemm.cast(gy, r.grad_output, contract=0, sharded=gy_sharded)
-            qx, sx = gemm.cast(x, r.input, contract=0, sharded=(gemm.token_group, gemm.in_group))
+            if original:
+                qx, sx = gemm.cast(x_saved, r.input, contract=0, sharded=(gemm.token_group, gemm.in_group))
+            else:
+                qx, sx = x_saved, sx_saved
             return (scaled_mm(qg.t(), sg.t(), qx, sx, w.dtype),)
 
         if ctx.split is not None:   # split backward: now or deferred (its casts too)
@@ -103,6 +135,9 @@ class Float8LinearGemm:
         self.recipe = recipe
         self.in_group, self.out_group, self.token_group = in_group, out_group, token_group
         self.store: WeightGradStore | None = None   # split backward (dense.split_backward)
+        # keep the high-precision input for backward (and cast it there) instead of its quantised copy: where the
+        # input is kept anyway (Megatron's ``set_save_original_input``; execution.fp8_linear.original_input_linears)
+        self.save_original_input = False
 
     def use_weight_grad_store(self, store: WeightGradStore) -> None:
         """Split backward: defer the weight gradient GEMM (its casts too) while ``store`` defers."""
@@ -131,6 +166,41 @@ def _dtype(dtype: torch.dtype) -> str:
     return {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}.get(dtype, str(dtype))
 
 
+def original_input_linears(model: nn.Module) -> set[int]:
+    """ids of the linears whose FP8 GEMM keeps its high-precision input for backward, not a quantised copy: where
+    that input is kept anyway or freed and refilled by a recompute (Megatron-Core's ``set_save_original_input``):
+
+    - an attention's output projection without an output gate: its input is the core attention's output, which
+      the fused attention kernels keep (Megatron: ``linear_proj`` under FP8, attention.py / multi_latent_attention.py);
+    - the shared experts' gate/up: their input, the post-attention norm's output, is kept by the router's gating
+      GEMM (a view of it without SP at tp > 1);
+    - under ``layernorm`` recompute, the linears that take the discarded norm output (those of the block's attention
+      and FFN whose input is the hidden size, other than the output projection: q/k/v or MLA's down projections,
+      gate/up, the shared experts' gate/up; Megatron's ``set_for_recompute_input_layernorm`` and
+      ``linear_fc1`` / ``set_for_recompute_pre_mlp_layernorm``).
+    """
+    keep: set[int] = set()
+    for block in model.modules():
+        if not isinstance(block, TransformerBlock):
+            continue
+        attn, ffn = block.self_attn, block.mlp
+        out = getattr(attn, "o_proj", None)
+        if isinstance(attn, (GQAAttention, MLAttention)) and isinstance(out, RowParallelLinear) and not getattr(
+                getattr(attn, "config", None), "output_gate", False):
+            keep.add(id(out))
+        shared = getattr(ffn, "shared_experts", None)
+        if isinstance(ffn, MoELayer) and shared is not None:
+            keep.update(id(m) for m in (shared.gate_proj, shared.up_proj) if m is not None)
+        for part, region in ((attn, block.regions.attn_norm), (ffn, block.regions.mlp_norm)):
+            if part is None or not recomputes(region):
+                continue
+            for module in part.modules():
+                if (isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module is not out
+                        and module.in_features == block.hidden):
+                    keep.add(id(module))
+    return keep
+
+
 def convert_linears_to_fp8(model: nn.Module, config: FP8Config, tp_group: Group = None) -> list[str]:
     """Give every column/row-parallel linear of ``model`` not excluded by ``config`` an FP8 GEMM.
 
@@ -142,6 +212,7 @@ def convert_linears_to_fp8(model: nn.Module, config: FP8Config, tp_group: Group 
     block = config.block_scaled
     recipe = Float8Recipe.from_config(config) if config.backend is FP8Backend.TORCHAO and not block else None
     converted = []
+    originals = original_input_linears(model)
     for name, module in model.named_modules():
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             continue
@@ -161,9 +232,10 @@ def convert_linears_to_fp8(model: nn.Module, config: FP8Config, tp_group: Group 
         if block:
             gemm = BlockScaledLinearGemm(config, **groups)
             gemm.check_shapes(name, w.shape[1], w.shape[0])
-            module.configure(gemm=gemm)
         else:
-            module.configure(gemm=Float8LinearGemm(recipe, **groups))
+            gemm = Float8LinearGemm(recipe, **groups)
+        gemm.save_original_input = id(module) in originals
+        module.configure(gemm=gemm)
         if config.param_gather:
             mark_fp8_param(w, config, groups)
         converted.append(name)
@@ -179,4 +251,4 @@ def fp8_linear_names(model: nn.Module) -> tuple[list[str], list[str]]:
     return fp8, high
 
 
-__all__ = ["Float8LinearGemm", "convert_linears_to_fp8", "fp8_linear_names"]
+__all__ = ["Float8LinearGemm", "convert_linears_to_fp8", "fp8_linear_names", "original_input_linears"]

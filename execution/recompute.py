@@ -37,6 +37,7 @@ from moefold.dense.mla import MLAttention
 from moefold.dense.recompute import CheckpointWithoutOutput, recomputed_modules
 from moefold.dense.regions import CHECKPOINT, KEEP_OUTPUT, PLAIN
 from moefold.models.decoder import ALL_LAYERS, LayerRun
+from moefold.moe.expert_gemm import Fp8Gemm, Projection
 from moefold.moe.experts import GroupedExperts
 from moefold.moe.layer import MoELayer
 
@@ -101,6 +102,10 @@ def apply_recompute(model: nn.Module, layers: nn.ModuleDict, choice: RecomputeCh
             module.configure(shared_experts=checkpoint_if("shared_experts"))
         elif isinstance(module, GroupedExperts):
             module.configure(moe_act=discard_if("moe_act"))
+            if "moe_act" in chosen and isinstance(module.gemm, Fp8Gemm):
+                # the down GEMM keeps the activation itself (freed and refilled by the recompute), not an FP8 copy
+                # that would stay: Megatron's set_save_original_input(linear_fc2) under moe_act recompute
+                module.gemm.saving_original_input(Projection.FC2)
     for block in layers.values():
         block.configure(body=PLAIN)
 

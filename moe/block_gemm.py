@@ -36,7 +36,7 @@ from torch import Tensor
 
 from moefold.moe.gemm import GemmBackend, grouped_gemm, no_rows
 from moefold.parallel.groups import Group, group_size
-from moefold.precision.block_cast import FORMATS, quantize
+from moefold.precision.block_cast import FORMATS, Cast, dequantize, quantize
 from moefold.precision.fp8 import FP8Config, FP8Format, FP8Recipe
 from moefold.precision.fp8_cast import E5M2, reduce_max
 
@@ -51,28 +51,44 @@ def _expert_amax(t: Tensor, counts_e: Tensor, groups: Sequence[Group]) -> Tensor
 
 
 class _BlockScaledGroupedMM(torch.autograd.Function):
+    """Saved: ``w`` (a parameter), the counts, and ``x`` cast in forward as ``dw`` takes it (b x 1 tiles along each
+    expert's rows: its elements and block scales, TE's column-wise quantised input), or ``x`` itself with
+    ``gemm.save_original_input``; the backward dequantises the same values (``block_cast.dequantize``)."""
+
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, counts_e: Tensor, counts_host: list[int] | None,
                 gemm: BlockScaledGroupedGemm) -> Tensor:
-        ctx.save_for_backward(x, w, counts_e)
-        ctx.gemm, ctx.counts_host = gemm, counts_host
+        ctx.gemm, ctx.counts_host, ctx.x_dtype = gemm, counts_host, x.dtype
         qx = gemm.cast_rows(x, counts_e, contract=1, col_group=gemm.k_group, grad=False)
         qw = gemm.cast_weight(w, contract=1)
-        return grouped_gemm(qx, qw, counts_e, GemmBackend.GROUPED_MM, trans_w=True).to(x.dtype)
+        y = grouped_gemm(qx, qw, counts_e, GemmBackend.GROUPED_MM, trans_w=True).to(x.dtype)
+        ctx.original = gemm.save_original_input
+        if not ctx.needs_input_grad[1]:
+            ctx.save_for_backward(w, counts_e, None, None, None)
+        elif ctx.original:
+            ctx.save_for_backward(w, counts_e, x, None, None)
+        else:
+            c = gemm.cast_rows_compact(x, counts_e, contract=0, col_group=gemm.k_group, grad=False)
+            ctx.save_for_backward(w, counts_e, c.data, c.scale, c.tensor_scale)
+        return y
 
     @staticmethod
     def backward(ctx, dy: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:
-        x, w, counts_e = ctx.saved_tensors
+        w, counts_e, x_saved, scale, tensor_scale = ctx.saved_tensors
         gemm: BlockScaledGroupedGemm = ctx.gemm
         dy = dy.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
             q_dy = gemm.cast_rows(dy, counts_e, contract=1, col_group=gemm.m_group, grad=True)
-            dx = grouped_gemm(q_dy, gemm.cast_weight(w, contract=0), counts_e, GemmBackend.GROUPED_MM).to(x.dtype)
+            dx = grouped_gemm(q_dy, gemm.cast_weight(w, contract=0), counts_e, GemmBackend.GROUPED_MM
+                              ).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             counts = ctx.counts_host if ctx.counts_host is not None else counts_e.tolist()
             q_dy = gemm.cast_rows(dy, counts_e, contract=0, col_group=gemm.m_group, grad=True)
-            q_x = gemm.cast_rows(x, counts_e, contract=0, col_group=gemm.k_group, grad=False)
+            if ctx.original:
+                q_x = gemm.cast_rows(x_saved, counts_e, contract=0, col_group=gemm.k_group, grad=False)
+            else:
+                q_x = dequantize(gemm.fmt, x_saved, scale, tensor_scale, gemm.fmt.operand_block(False, 0), counts_e)
             dw = torch.zeros_like(w)
             start = 0
             for i, m in enumerate(counts):
@@ -96,6 +112,8 @@ class BlockScaledGroupedGemm:
         self.config, self.fmt, self.grouped = config, FORMATS[config.recipe], grouped
         self.k_group, self.m_group, self.token_group = k_group, m_group, token_group
         self.grad_dtype = E5M2 if config.format is FP8Format.HYBRID else None
+        # keep x itself for backward instead of its quantised copy, where x is kept anyway (Fp8Gemm.saving_original)
+        self.save_original_input = False
 
     def __call__(self, x_NK: Tensor, w: Tensor, tokens_per_expert_e: Tensor, *, trans_w: bool = True,
                  counts_host: Sequence[int] | None = None) -> Tensor:
@@ -118,11 +136,15 @@ class BlockScaledGroupedGemm:
     def cast_rows(self, t: Tensor, counts_e: Tensor, contract: int, col_group: Group, grad: bool) -> Tensor:
         """Token rows ``t [N, C]``: 1 x b tiles along C (``contract=1``) or b x 1 tiles along each expert's rows
         (0) -> the dequantised fp32 values."""
+        return self.cast_rows_compact(t, counts_e, contract, col_group, grad).dq
+
+    def cast_rows_compact(self, t: Tensor, counts_e: Tensor, contract: int, col_group: Group, grad: bool) -> Cast:
+        """``cast_rows`` with its elements and scales (``block_cast.Cast``)."""
         f = self.fmt
         amax_t = _expert_amax(t, counts_e, (col_group, self.token_group)) if f.two_level else None
         block = f.operand_block(False, contract)
         return quantize(t, f, block, (None, col_group), row_counts=counts_e, dtype=self.grad_dtype if grad else None,
-                        amax_t=amax_t).dq
+                        amax_t=amax_t)
 
     def cast_weight(self, w: Tensor, contract: int) -> Tensor:
         """``w [e, M, K]`` for the GEMM contracting its dim ``contract + 1`` (1: K, forward; 0: M, dx), per expert

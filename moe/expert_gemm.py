@@ -208,9 +208,16 @@ class Fp8Gemm(GemmBase[GemmCall]):
         return self.gemms[which](x, w_eMK, call.counts_e, trans_w=True, counts_host=call.host)
 
     def activation(self, eager: Activation) -> Activation:
-        # the down GEMM saves SwiGLU's output (its input) in bf16 anyway: ``swiglu_rows`` keeps only the gate/up
-        # rows beside it, where autograd's SwiGLU would also keep silu(gate) (bit for bit the same values)
+        # the down GEMM keeps SwiGLU's output (its input) itself (its quantised copy, or the output under moe_act
+        # recompute): ``swiglu_rows`` keeps only the gate/up rows for its own backward, where autograd's SwiGLU would
+        # also keep silu(gate) (bit for bit the same values)
         return swiglu_rows if eager is swiglu else eager
+
+    def saving_original_input(self, which: Projection) -> None:
+        """The ``which`` GEMM keeps its high-precision input for backward instead of the quantised copy: where the
+        input is kept anyway, or freed and refilled by an output-discarding recompute (``moe_act`` recompute: the
+        down GEMM's input; Megatron's ``set_save_original_input(linear_fc2)``)."""
+        self.gemms[which].save_original_input = True
 
     def with_weight_grad_store(self, store: WeightGradStore) -> ExpertGemm[GemmCall]:
         fc1, fc2 = self.gemms

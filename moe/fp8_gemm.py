@@ -93,35 +93,53 @@ class _Operands:
 
 
 class _Float8GroupedMM(torch.autograd.Function):
+    """Saved for backward: ``w`` (a parameter), the counts, and ``x`` as the weight gradient's GEMMs take it (per
+    expert, contracted over its rows: ``cast_per_expert_columns``), cast in forward as Transformer Engine's
+    ``GroupedLinear`` keeps its column-wise quantised inputs; or ``x`` itself with ``gemm.save_original_input``
+    (the down GEMM's input under ``moe_act`` recompute: Megatron's ``set_save_original_input``). The backward
+    multiplies the same values either way."""
+
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, counts_e: Tensor, counts_host: list[int] | None,
                 gemm: Float8GroupedGemm, split: SplitWeights | None, _anchor: Tensor | None) -> Tensor:
-        ctx.save_for_backward(x, w, counts_e)
         ctx.gemm, ctx.counts_host, ctx.split = gemm, counts_host, split   # split backward: w detached
+        ctx.x_dtype, ctx.rows = x.dtype, x.shape[0]
         gid = _group_ids(counts_e, x.shape[0])
         ops = _Operands(*gemm.cast_rows(x, gemm.recipe.input, gid, w.shape[0], gemm.k_group),
                         *gemm.cast_weight(w, contract=2))
         y, ctx.counts_host = gemm.rows_gemm(ops, counts_e, counts_host, x.dtype)
+        ctx.original = gemm.save_original_input
+        if not (split is not None or ctx.needs_input_grad[1]):
+            ctx.save_for_backward(w, counts_e, None, None)
+        elif ctx.original:
+            ctx.save_for_backward(w, counts_e, x, None)
+        else:   # dw's operand, per (expert, column) or per expert over that expert's rows
+            ctx.save_for_backward(w, counts_e, *gemm.cast_per_expert_columns(x, gemm.recipe.input, gid, w.shape[0],
+                                                                              gemm.k_group))
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None, None, None]:
-        x, w, counts_e = ctx.saved_tensors
+        w, counts_e, x_saved, sx_saved = ctx.saved_tensors
         gemm: Float8GroupedGemm = ctx.gemm
         r, e = gemm.recipe, w.shape[0]
         dy = dy.contiguous()
-        gid = _group_ids(counts_e, x.shape[0])
+        gid = _group_ids(counts_e, ctx.rows)
         counts_host = ctx.counts_host
         dx = dw = None
         if ctx.needs_input_grad[0]:
             ops = _Operands(*gemm.cast_rows(dy, r.grad_output, gid, e, gemm.m_group), *gemm.cast_weight(w, contract=1))
-            dx, counts_host = gemm.rows_gemm(ops, counts_e, counts_host, x.dtype)
+            dx, counts_host = gemm.rows_gemm(ops, counts_e, counts_host, ctx.x_dtype)
         counts = counts_host
+        original = ctx.original
 
         def weight_grad() -> tuple[Tensor]:
             host = counts if counts is not None else counts_e.tolist()
             q_dy, s_dy = gemm.cast_per_expert_columns(dy, r.grad_output, gid, e, gemm.m_group)
-            q_x, s_x = gemm.cast_per_expert_columns(x, r.input, gid, e, gemm.k_group)
+            if original:
+                q_x, s_x = gemm.cast_per_expert_columns(x_saved, r.input, gid, e, gemm.k_group)
+            else:
+                q_x, s_x = x_saved, sx_saved
             grad = torch.zeros_like(w)
             start = 0
             for i, m in enumerate(host):
@@ -170,11 +188,15 @@ class Float8GroupedGemm:
         self.config, self.recipe = config, Float8Recipe.from_config(config)
         self.grouped, self.k_group, self.m_group, self.token_group = grouped, k_group, m_group, token_group
         self.store = store
+        # keep x itself for backward instead of its quantised copy, where x is kept anyway (Fp8Gemm.saving_original)
+        self.save_original_input = False
 
     def with_weight_grad_store(self, store: WeightGradStore) -> Float8GroupedGemm:
         """This GEMM with a split backward: its weight gradient (its casts too) deferred while ``store`` defers."""
-        return Float8GroupedGemm(self.config, grouped=self.grouped, k_group=self.k_group, m_group=self.m_group,
+        gemm = Float8GroupedGemm(self.config, grouped=self.grouped, k_group=self.k_group, m_group=self.m_group,
                                  token_group=self.token_group, store=store)
+        gemm.save_original_input = self.save_original_input
+        return gemm
 
     def __call__(self, x_NK: Tensor, w: Tensor, tokens_per_expert_e: Tensor, *, trans_w: bool = True,
                  counts_host: Sequence[int] | None = None) -> Tensor:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear
+from moefold.dense.linear import ColumnParallelLinear, RowParallelLinear, on_tp_input
 from moefold.moe.activation import ExpertActivation
 from moefold.parallel.groups import Group
 from moefold.parallel.sharding import mark_sequence_parallel, normal_init, set_init
@@ -52,15 +52,18 @@ class SharedExperts(nn.Module):
             self.register_parameter("gate", None)
 
     def forward(self, x_SBH: Tensor) -> Tensor:
-        # Both column-parallel layers gather the sequence; a fused [2F] layer would gather once,
-        # but two keep the weights in HF's shape (and the all-gather is cheap next to the GEMMs).
-        if self.gate_proj is None:
-            y = self.down_proj(torch.square(F.relu(self.up_proj(x_SBH))))
+        # one all-gather (SP) / region entry feeds gate and up (two layers keep the weights in HF's shape); under
+        # SP both keep the shard for their weight gradients, not the gathered sequence (dense.linear.on_tp_input)
+        up, gate = on_tp_input(x_SBH, self.up_proj.tp_group, self.up_proj.sequence_parallel, self._gate_up)
+        if gate is None:
+            y = self.down_proj(torch.square(F.relu(up)))
         else:
-            gate, up = self.gate_proj(x_SBH), self.up_proj(x_SBH)
             if self.clamp is not None:   # elementwise, so each tp shard clamps its own columns as world 1 does
                 gate, up = gate.clamp(max=self.clamp), up.clamp(-self.clamp, self.clamp)
             y = self.down_proj(F.silu(gate) * up)
         if self.gate is not None:
             y = torch.sigmoid(F.linear(x_SBH, self.gate)) * y
         return y
+
+    def _gate_up(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        return self.up_proj.forward_local(x), None if self.gate_proj is None else self.gate_proj.forward_local(x)

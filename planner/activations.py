@@ -140,7 +140,37 @@ class ActivationShape:
         """Selective recompute's modules (``dense.recompute.recomputed_modules``)."""
         return recomputed_modules(self.options.recompute, self.options.recompute_modules)
 
+    @cached_property
+    def fp8(self) -> bool:
+        """FP8 / FP4 GEMMs in the linears and experts: they keep their inputs as quantised copies (``quantised``)."""
+        return self.options.fp8.enabled
+
     # ------------------------------------------------------------------------------------ shared pieces
+    def quantised(self, rows: int, cols: int, scale_rows: int | None = None, groups: int = 1) -> int:
+        """Bytes of the quantised copy of a GEMM's ``[rows, cols]`` input that its FP8 GEMM keeps for the weight
+        gradient (``execution.fp8_linear``, ``precision.block_linear``, ``moe.fp8_gemm``, ``moe.block_gemm``;
+        Transformer Engine's column-wise copy): 1 byte an element (NVFP4's e2m1: half a byte packed by TE, 1 as
+        torchao's codes), and its scales, over the tokens: one per tensor (tensorwise, delayed), one fp32 per
+        column (rowwise), one per b x 1 tile (blockwise 128: fp32; mxfp8 32: e8m0; nvfp4 16: e4m3, and an fp32
+        tensor scale). ``scale_rows``: the rows the scales cover (an SP shard's copy keeps the gathered rows'
+        scales), default ``rows``; ``groups``: the experts with scales of their own (each expert's tiles restart
+        at its first row)."""
+        f = self.options.fp8
+        recipe = str(f.recipe)
+        r = scale_rows or rows
+        tiles = {"blockwise": (128, 4), "mxfp8": (32, 1), "nvfp4": (16, 1)}
+        if recipe in tiles:
+            b, scale_bytes = tiles[recipe]
+            scales = scale_bytes * (-(-r // b) + groups - 1) * cols + (4 * groups if recipe == "nvfp4" else 0)
+        else:
+            scales = 4 * groups * (cols if recipe == "rowwise" else 1)
+        packed = recipe == "nvfp4" and str(f.backend) == "te"
+        return (rows * cols // 2 if packed else rows * cols) + scales
+
+    def gemm_input(self, rows: int, cols: int, scale_rows: int | None = None) -> int:
+        """What a linear keeps of its ``[rows, cols]`` input: the model dtype, or the quantised copy under FP8."""
+        return self.quantised(rows, cols, scale_rows) if self.fp8 else self.a * rows * cols
+
     def norm(self, tokens: int, width: int, prefix: str) -> dict[str, int]:
         """An RMSNorm's own tensors: its input and the fp32 inverse RMS (its output is its consumers' to keep)."""
         return {f"{prefix} input": self.a * tokens * width, f"{prefix} rsqrt": 4 * tokens}
@@ -227,10 +257,11 @@ class ActivationShape:
         heads = m.num_attention_heads // self.tp
         kv_heads = max(m.kv_heads // self.tp, 1)
         saved: dict[str, int] = {}
-        if self.sp:
-            saved["attention input (gathered)"] = a * T * H
-        elif "layernorm" not in self.chosen:
-            saved["attention input (norm output)"] = a * T * H
+        # q, k and v keep the norm output (under SP the shard, gathered again in backward: parallel.sequence_input),
+        # or under FP8 one quantised copy for the three of them; layernorm recompute frees it (their original input)
+        if "layernorm" not in self.chosen:
+            saved["attention input (norm output)" if not self.fp8 else "attention input (fp8 copy)"] = \
+                self.gemm_input(self.T_x, H, T)
         if m.qk_norm:
             saved.update(self.norm(T, heads * d, "q_norm"))
             saved.update(self.norm(T, kv_heads * d, "k_norm"))
@@ -264,8 +295,9 @@ class ActivationShape:
         d_qk, d_v = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
         up = "mla_up_proj" in self.chosen
         saved: dict[str, int] = {}
-        if "layernorm" not in self.chosen:
-            saved["attention input (norm output)"] = a * Tx * H
+        if "layernorm" not in self.chosen:   # the down projections' input (one quantised copy for both under FP8)
+            saved["attention input (norm output)" if not self.fp8 else "attention input (fp8 copy)"] = \
+                self.gemm_input(Tx, H)
         latents = [("kv", c.kv_lora_rank)] + ([("q", c.q_lora_rank)] if c.q_lora_rank else [])
         for name, rank in latents:
             saved.update(self.norm(Tx, rank, f"{name}_a_layernorm"))
@@ -274,10 +306,10 @@ class ActivationShape:
         for name, rank in latents:
             if up:   # the region keeps its (shard) inputs; the gathers happen inside it
                 saved[f"{name} latent"] = a * Tx * rank
-            else:
-                saved[f"{name} latent{' (gathered)' if self.sp else ''}"] = a * T * rank
-        if not c.q_lora_rank and self.sp and not up:
-            saved["q_proj input (gathered)"] = a * T * H
+            else:    # the up projection keeps the shard (SP) or its quantised rows (FP8)
+                saved[f"{name} latent{' (fp8 copy)' if self.fp8 else ''}"] = self.gemm_input(Tx, rank, T)
+        if not c.q_lora_rank and self.fp8 and not up and "layernorm" not in self.chosen:
+            saved["q_proj input (fp8 copy)"] = self.quantised(Tx, H, T)   # a copy of its own (the gathered rows')
         if self.sp and up:
             saved["rope key (gathered)"] = a * T * c.qk_rope_head_dim
         saved["rope cos/sin"] = 2 * 4 * self.S_c * c.qk_rope_head_dim

@@ -5,7 +5,8 @@ puts ``deltanet_mixer`` where the attention goes. What ``dense.gated_deltanet.Ga
 backward, per rank (``hk = key heads / tp``, ``hv = value heads / tp``, ``r = hv / hk``, ``c = hk (2 dk + r dv)``
 convolved channels; under CP the mixer holds the whole sequence for ``1/cp`` of those heads, the same bytes):
 
-- ``in_proj``'s input (the norm output; all-gathered under SP), the convolution's left-padded input ``[B, c,
+- ``in_proj``'s input (the norm output; under SP the shard, gathered again in
+  backward; FP8: its quantised copy), the convolution's left-padded input ``[B, c,
   S + K - 1]`` (``causal_conv_silu`` keeps its input and recomputes the fp32 island), ``sigmoid(b)`` ``[T, hv]``,
   softplus's input and output for the decay ``[T, hv]`` (fp32);
 - the delta rule. On CPU (or ``--linear-attention-backend torch``) the chunked form in plain torch
@@ -54,7 +55,7 @@ def deltanet_mixer(shape: ActivationShape) -> Part:
     hv_m, c_m = hv // cp, c // cp
     padded = -(-S // L) * L * B              # the rule's tokens, the last chunk zero-padded
     chunks = padded // L
-    saved = {"in_proj input (gathered)" if shape.sp else "in_proj input": a * T * H,
+    saved = {"in_proj input": shape.gemm_input(shape.T_x, H, T),   # SP: the shard (parallel.sequence_input)
              "conv input (left-padded)": a * B * (S + K - 1) * c_m, "beta (sigmoid output)": a * T * hv,
              "decay softplus input, output (fp32)": 2 * f32 * T * hv, "decay A (fp32)": 2 * f32 * hv_m}
     rule_inner: dict[str, int] = {}

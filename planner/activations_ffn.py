@@ -20,7 +20,7 @@ its silu too (``f = ffn / etp``; ``moe.swiglu`` on the default GEMM path saves o
 recompute keeps only the gate/up output); the rows that come home for the weighted combine
 (``dispatch.permutation.unpermute`` keeps them to give the routing probs their gradient: ``N_h`` rows with
 alltoall, the experts' own output rows with allgather and flex, whose combine weights on the expert side); the
-shared experts like a dense MLP (two gathers under SP: its gate and up projections gather separately). The
+shared experts like a dense MLP (one gather under SP for gate and up, whose GEMMs keep the shard). The
 all-to-all's send and receive buffers are freed once the rows are permuted and live only in the forward
 (``fwd_extra``). ``moe`` recompute keeps the layer's input only.
 
@@ -41,14 +41,18 @@ from moefold.planner.deepep import planned_backend, sync_free, v2_receive_rows
 
 
 def mlp(shape: ActivationShape, ffn: int, *, name: str = "mlp", recompute: str = "mlp",
-        two_gathers: bool = False) -> Part:
-    """``dense.mlp.DenseMLP`` (or the shared experts, ``two_gathers``) on this rank's ``ffn / tp`` units."""
+        input_kept: bool = False) -> Part:
+    """``dense.mlp.DenseMLP`` (or the shared experts) on this rank's ``ffn / tp`` units. Its input (the norm output;
+    under SP the shard, gathered again in backward) is the block's to count (``planner.profile.block``); under FP8
+    gate and up keep one quantised copy of it instead, unless it is kept anyway (``input_kept``: the shared experts,
+    whose input the router keeps) or ``layernorm`` recompute frees it."""
     a, T, H = shape.a, shape.T_c, shape.model.hidden_size
     F = ffn // shape.tp
     inner: dict[str, int] = {}
-    if shape.sp:
-        inner[f"{name} input (gathered)"] = a * T * H * (2 if two_gathers else 1)
-    inner[f"{name} gate, silu, up, product"] = 4 * a * T * F
+    if shape.fp8 and not input_kept and "layernorm" not in shape.chosen:
+        inner[f"{name} input (fp8 copy)"] = shape.quantised(shape.T_x, H, T)
+    # gate, silu(gate), up (the activation's), the product: down_proj's input, quantised under FP8
+    inner[f"{name} gate, silu, up, product"] = 3 * a * T * F + shape.gemm_input(T, F)
     backward = max(shape.gemm_backward(T, H, F, H * F), shape.gemm_backward(T, F, H, H * F)) + a * T * F
     if recompute in shape.chosen:   # one checkpoint: its input (the norm output) only, counted by the block
         total = sum(inner.values())
@@ -126,16 +130,20 @@ def moe(shape: ActivationShape, dispatcher: str) -> Part:
     inner.update(router(shape))
     inner["row map"] = 16 * home
     padded = _cpu_padded_rows(shape, rows, local_experts)   # P >= N_e: the GEMM buffers' rows
-    inner["expert input rows"] = a * padded * W                # the padded copy when P > N_e
+    # the padded copy when P > N_e; under FP8 the GEMM's quantised copy (per-expert scales)
+    inner["expert input rows"] = shape.quantised(padded, W, groups=local_experts + 1) if shape.fp8 else a * padded * W
     if dispatcher in ("alltoall", "local") and (shape.etp > 1 or (shape.ep > 1 and not 1 < local_experts <= 8)):
         inner["row sort index"] = 8 * rows
     act = "moe_act" in shape.chosen
     inner["experts gate/up output"] = a * padded * 2 * f
+    # w2's input: the product, or its quantised copy under FP8 (moe_act recompute: the product itself, freed and
+    # refilled, as Megatron's set_save_original_input(linear_fc2))
+    product = shape.quantised(padded, f, groups=local_experts + 1) if shape.fp8 else a * padded * f
     if not act and _own_swiglu(shape):
-        inner["experts product (w2 input)"] = a * padded * f
+        inner["experts product (w2 input)"] = product
     elif not act:
         inner["experts silu"] = a * padded * f
-        inner["experts product (w2 input)"] = a * padded * f
+        inner["experts product (w2 input)"] = product
     combine_rows = home if dispatcher in ("alltoall", "local") else rows
     inner["combine rows (for the probs' gradient)"] = a * combine_rows * W
     weights = local_experts * W * f
@@ -156,7 +164,7 @@ def moe(shape: ActivationShape, dispatcher: str) -> Part:
         forward = max(forward, a * (rows + padded) * W)
     if m.moe_shared_expert_ffn_size:
         shared = mlp(shape, m.moe_shared_expert_ffn_size, name="shared experts", recompute="shared_experts",
-                     two_gathers=True)
+                     input_kept=True)
         inner.update(shared.saved)
         offload.update(shared.offload)
         forward += shared.fwd_extra

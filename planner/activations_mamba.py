@@ -9,7 +9,8 @@ What ``dense.mamba2.Mamba2Mixer`` keeps for its backward on the plain-torch path
 heads of ``p`` channels, ``g = groups / tp`` groups of state ``n``, ``c = h p + 2 g n`` convolution channels,
 chunks of ``L`` tokens; everything from the scan on in fp32):
 
-- ``in_proj``'s input (the norm output; all-gathered under SP), the convolution's input ``[T, c]`` (the
+- ``in_proj``'s input (the norm output; under SP the shard, gathered again in
+  backward; FP8: its quantised copy), the convolution's input ``[T, c]`` (the
   concatenated x, B, C) and its output (SiLU's input), softplus's input and output for the time step ``[T, h]``;
 - the chunked scan (``dense.ssd_scan.ssd_chunk_scan``): the padded x and dt, B and C repeated to every head
   ``[T, h, n]`` each, the input ``dt x``, the cumulative decay; inside each chunk the decay, the ``C . B`` products
@@ -58,7 +59,7 @@ def mamba_mixer(shape: ActivationShape) -> Part:
     padded = -(-shape.S_c // L) * L * shape.micro_batch   # the scan's tokens, the last chunk zero-padded
     chunks = padded // L
     f32 = 4
-    saved = {"in_proj input (gathered)" if shape.sp else "in_proj input": a * T * H,
+    saved = {"in_proj input": shape.gemm_input(shape.T_x, H, T),   # SP: the shard (parallel.sequence_input)
              "conv input": a * T * c, "conv output (silu input)": a * T * c,
              "dt softplus input, output (fp32)": 2 * f32 * T * h,
              "scan x, dt padded": f32 * padded * (h * p + h), "scan B, C per head": 2 * f32 * padded * h * n,
@@ -117,7 +118,7 @@ def hybrid_block(shape: ActivationShape, index: int, dispatcher: str) -> Part:
         part = mlp(shape, m.ffn_hidden_size)
         if m.ffn_activation == "relu2":
             part = _relu2_ffn(part, False)
-        if not shape.sp and not discard:
+        if (not shape.fp8 or "mlp" in shape.chosen) and not discard:   # gate/up keep it (SP: the shard)
             saved["ffn input (norm output)"] = a * Tx * H
     saved.update({f"{part.name}: {k}": v for k, v in part.saved.items()})
     offload.update({f"{part.name}: {k}": v for k, v in part.offload.items()})

@@ -4,7 +4,8 @@ group, operation, bytes and phase), read off the code paths that make them.
 Per micro-batch, per transformer block (``block_collectives``), following:
 
 - ``dense.linear``/``attention``/``mla``/``mlp``/``moe.shared_experts``: with sequence parallelism the block's
-  input is all-gathered along the sequence before the column-parallel GEMMs (backward: reduce-scatter) and the
+  input is all-gathered along the sequence before the column-parallel GEMMs (backward: reduce-scatter, and the
+  shard they kept all-gathered again for their weight gradients) and the
   row-parallel output reduce-scattered (backward: all-gather); without it the input enters through
   ``copy_to_region`` (backward all-reduce) and the output is all-reduced. MLA gathers only its latents and the
   rope key; GQA with fewer kv heads than tp all-reduces the k/v weight gradients, qk-norm the norm weights'.
@@ -97,13 +98,19 @@ def _fwd_bwd(group: str, fwd: str, bwd: str, nbytes: int, region: str, what: str
     return out
 
 
-def _enter_tp(sh: _Shape, width: int, region: str, what: str) -> list[Collective]:
-    """A TP region's input ``[tokens, width]``: SP all-gather (backward reduce-scatter), else ``copy_to_region``."""
+def _enter_tp(sh: _Shape, width: int, region: str, what: str, original: bool = False) -> list[Collective]:
+    """A TP region's input ``[tokens, width]``: SP all-gather (backward reduce-scatter, and one all-gather of what
+    the GEMMs kept, their shard, for the weight gradients: ``parallel.sequence_input``; under FP8 their quantised
+    rows, 1 byte an element, unless they keep the ``original`` input), else ``copy_to_region``."""
     if sh.sizes.tp == 1:
         return []
     nbytes = sh.tokens * width * sh.a
     if sh.sp:
-        return _fwd_bwd("tp", "all_gather", "reduce_scatter", nbytes, region, what)
+        chosen = recomputed_modules(sh.options.recompute, sh.options.recompute_modules)
+        quantised = sh.options.fp8.enabled and not original and "layernorm" not in chosen
+        kept = sh.tokens * width if quantised else nbytes
+        again = Collective("tp", "all_gather", kept, "backward", region, f"{what} again (weight gradient)")
+        return [*_fwd_bwd("tp", "all_gather", "reduce_scatter", nbytes, region, what), again]
     return _fwd_bwd("tp", None, "all_reduce", nbytes, region, what)
 
 
@@ -179,14 +186,12 @@ def attention_collectives(config: RunConfig, sizes: ParallelSizes, device_type: 
 
 
 # ----------------------------------------------------------------------------------------------- FFNs
-def _mlp(sh: _Shape, region: str, gathers: int = 1) -> list[Collective]:
-    """A TP MLP: ``gathers`` column-parallel entries (the dense MLP shares one, the shared experts take two).
-    The down-projection's output collective ends the dense MLP (and its block); the shared experts' runs before
-    the MoE layer's combine."""
+def _mlp(sh: _Shape, region: str, original: bool = False) -> list[Collective]:
+    """A TP MLP: one column-parallel entry shared by gate and up (``original``: they keep their input itself, the
+    shared experts' under FP8). The down-projection's output collective ends the dense MLP (and its block); the
+    shared experts' runs before the MoE layer's combine."""
     H = sh.config.model.hidden_size
-    out = []
-    for _ in range(gathers):
-        out += _enter_tp(sh, H, region, "input")
+    out = _enter_tp(sh, H, region, "input", original)
     trails = ("mlp", "block") if region == "mlp" else ("shared_experts",)
     return out + _leave_tp(sh, H, region, "down_proj output", trails)
 
@@ -308,7 +313,7 @@ def moe_collectives(config: RunConfig, sizes: ParallelSizes, device_type: str = 
         e = config.model.num_experts // sizes.ep
         out.append(Collective("etp", "all_reduce", e * H * sh.a, "backward", "moe", "expert down-projection bias"))
     if config.model.moe_shared_expert_ffn_size:
-        out += _mlp(sh, "shared_experts", gathers=2)
+        out += _mlp(sh, "shared_experts", original=True)
     return out
 
 

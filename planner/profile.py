@@ -65,8 +65,8 @@ def block(shape: ActivationShape, index: int, dispatcher: str) -> tuple[Part, ..
         shared = bool(m.moe_shared_expert_ffn_size)
         kept_by_ffn = ("moe" in shape.chosen or shape.sp or shape.tp == 1   # the router's gating GEMM keeps it
                        or (shared and (not shape.sp or "shared_experts" in shape.chosen)))
-    else:
-        kept_by_ffn = not shape.sp or "mlp" in shape.chosen
+    else:   # gate/up keep it (under SP the shard: parallel.sequence_input), or their FP8 copy instead
+        kept_by_ffn = not shape.fp8 or "mlp" in shape.chosen
     first = norm("input_layernorm")
     first_offload = {} if discard else dict.fromkeys(first, ("attn_norm",))
     first.update({f"attention: {k}": v for k, v in attention.saved.items()})
@@ -105,7 +105,7 @@ def head(shape: ActivationShape, name: str = "head") -> Part:
     m, a, T, Tx, H = shape.model, shape.a, shape.T_c, shape.T_x, shape.model.hidden_size
     V = m.vocab_size // shape.tp
     saved = shape.norm(Tx, H, "final norm")
-    saved["head input"] = a * T * H
+    saved["head input"] = a * Tx * H   # under SP the shard, gathered again in backward (parallel.sequence_input)
     saved["softmax (fp32)"] = 4 * T * V
     saved["labels, mask"] = 17 * T
     upcast = 4 * T * V if a != 4 else 0

@@ -214,6 +214,20 @@ def quantize(t: Tensor, fmt: BlockFormat, block: tuple[int, int], split: Sequenc
     return Cast(dq, codes, s_e4m3, tscale_c)
 
 
+def dequantize(fmt: BlockFormat, data: Tensor, scale: Tensor, tensor_scale: Tensor | None, block: tuple[int, int],
+               row_counts: Tensor | None = None) -> Tensor:
+    """The fp32 values ``quantize(...)`` returned as ``dq``, from its compact ``data``, ``scale`` and ``tensor_scale``
+    (what a GEMM keeps for its backward: 1 byte an element and the block scales, not 4 bytes an element); the
+    same ``block`` and ``row_counts``. The same products of the same numbers: bit for bit ``quantize``'s ``dq``."""
+    shape = tuple(data.shape)
+    ids, _ = _row_blocks(shape[0], block[0], row_counts, data.device)
+    if fmt.name is FP8Recipe.BLOCKWISE:
+        return data.float() * _expand(scale, ids, shape, block)
+    if fmt.name is FP8Recipe.MXFP8:
+        return data.float() * _mx().get_fp_scale(_expand(scale, ids, shape, block))
+    return _fp4().f4_unpacked_to_f32(data) * _expand(scale.float() * tensor_scale, ids, shape, block)
+
+
 def _compact_of(per_element: Tensor, shape: tuple[int, int], ids: Tensor | None, block: tuple[int, int]) -> Tensor:
     """Back from a per-element copy of a per-block value to ``[nR, nC]`` (first element of each block)."""
     nR = shape[0]
@@ -224,4 +238,4 @@ def _compact_of(per_element: Tensor, shape: tuple[int, int], ids: Tensor | None,
     return out.index_copy_(0, ids, x)
 
 
-__all__ = ["FORMATS", "BlockFormat", "Cast", "block_amax", "check_split", "quantize", "tensor_amax"]
+__all__ = ["FORMATS", "BlockFormat", "Cast", "block_amax", "check_split", "dequantize", "quantize", "tensor_amax"]

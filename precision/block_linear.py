@@ -9,8 +9,9 @@ it) computing, with every operand cast by ``precision.block_cast`` in its recipe
              dw = q(dy)^T q(x)          dy, x: b x 1 tiles along the tokens M
 
 (b = 128 blockwise, 32 mxfp8, 16 nvfp4), as torchao's ``fp8_blockwise_mm`` / ``mx_mm`` define them. The
-saved tensors are the high-precision ``x`` and ``w`` (cast again in backward, as torchao does); the bias is
-added in high precision.
+saved tensors are ``w`` (a parameter) and ``x`` cast in forward for ``dw`` (its elements, 1 byte each (nvfp4's
+e2m1 codes unpacked), and block scales: what Transformer Engine keeps, the column-wise quantised input), or
+``x`` itself with ``save_original_input``; the bias is added in high precision.
 
 Where it runs: the casts are torch ops on the operands' device; the GEMM multiplies the dequantised
 operands in fp32 (``torch.mm``) and writes the activation dtype. On a CPU that is the emulation (the exact
@@ -33,35 +34,54 @@ import torch
 from torch import Tensor
 
 from moefold.parallel.groups import Group, group_size
-from moefold.precision.block_cast import FORMATS, BlockFormat, check_split, quantize, tensor_amax
+from moefold.parallel.sequence_input import keep_rows_as_shard
+from moefold.precision.block_cast import FORMATS, BlockFormat, Cast, check_split, dequantize, quantize, tensor_amax
 from moefold.precision.fp8 import FP8Config, FP8Format, FP8Recipe
-from moefold.precision.fp8_cast import E5M2
+from moefold.precision.fp8_cast import E5M2, shared_cast
 
 
 class _BlockScaledLinear(torch.autograd.Function):
-    """``x [M, K] @ w [N, K]^T`` with every GEMM operand block-cast by ``gemm`` (module docstring)."""
+    """``x [M, K] @ w [N, K]^T`` with every GEMM operand block-cast by ``gemm`` (module docstring).
+
+    Saved: ``w`` (a parameter) and ``x`` as the weight gradient's GEMM takes it, cast in forward in b x 1 tiles
+    along the tokens (its elements and block scales: TE's column-wise quantised input), or ``x`` itself with
+    ``gemm.save_original_input``; the backward dequantises (``block_cast.dequantize``) the same values."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, gemm: BlockScaledLinearGemm) -> Tensor:
-        ctx.save_for_backward(x, w)
-        ctx.gemm = gemm
+        ctx.gemm, ctx.x_dtype = gemm, x.dtype
         qx = gemm.cast(x, False, contract=1, split=(gemm.token_group, gemm.in_group), role="input")
         qw = gemm.cast(w, True, contract=1, split=(gemm.out_group, gemm.in_group), role="weight")
-        return gemm.mm(qx, qw.t(), x.dtype)
+        y = gemm.mm(qx, qw.t(), x.dtype)
+        ctx.original = gemm.save_original_input
+        if not ctx.needs_input_grad[1]:
+            ctx.save_for_backward(w, None, None, None)
+        elif ctx.original:
+            ctx.save_for_backward(w, x, None, None)
+        else:   # dw's operand: b x 1 tiles along the tokens M
+            split = (gemm.token_group, gemm.in_group)   # one copy for every GEMM on this input (q, k, v; gate, up)
+            c = shared_cast(x, ("block dw", gemm.config, split), lambda: gemm.cast_compact(
+                x, False, contract=0, split=split, role="input")._replace(dq=None))   # (not its fp32 values)
+            keep_rows_as_shard(c.data, x)   # under SP: this rank's rows of it (parallel.sequence_input)
+            ctx.save_for_backward(w, c.data, c.scale, c.tensor_scale)
+        return y
 
     @staticmethod
     def backward(ctx, gy: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
-        x, w = ctx.saved_tensors
+        w, x_saved, scale, tensor_scale = ctx.saved_tensors
         gemm: BlockScaledLinearGemm = ctx.gemm
         gy = gy.contiguous()
         gx = gw = None
         if ctx.needs_input_grad[0]:   # dx = dy @ w: contracts N
             q_dy = gemm.cast(gy, False, contract=1, split=(gemm.token_group, gemm.out_group), role="grad")
             qw = gemm.cast(w, True, contract=0, split=(gemm.out_group, gemm.in_group), role="weight")
-            gx = gemm.mm(q_dy, qw, x.dtype)
+            gx = gemm.mm(q_dy, qw, ctx.x_dtype)
         if ctx.needs_input_grad[1]:   # dw = dy^T @ x: contracts the tokens M
             q_dy = gemm.cast(gy, False, contract=0, split=(gemm.token_group, gemm.out_group), role="grad")
-            qx = gemm.cast(x, False, contract=0, split=(gemm.token_group, gemm.in_group), role="input")
+            if ctx.original:
+                qx = gemm.cast(x_saved, False, contract=0, split=(gemm.token_group, gemm.in_group), role="input")
+            else:
+                qx = dequantize(gemm.fmt, x_saved, scale, tensor_scale, gemm.fmt.operand_block(False, 0))
             gw = gemm.mm(q_dy.t(), qx, w.dtype)
         return gx, gw, None
 
@@ -81,6 +101,7 @@ class BlockScaledLinearGemm:
         self.in_group, self.out_group, self.token_group = in_group, out_group, token_group
         # FP8 element types: hybrid gives e5m2 gradients (only TE allows it with block recipes; kept general)
         self.grad_dtype = E5M2 if config.format is FP8Format.HYBRID else None
+        self.save_original_input = False   # keep x itself for backward (execution.fp8_linear.original_input_linears)
 
     def check_shapes(self, name: str, in_local: int, out_local: int) -> None:
         """ValueError when this layer's shards would cut through the recipe's blocks (see ``precision.block_cast``)."""
@@ -91,10 +112,15 @@ class BlockScaledLinearGemm:
 
     def cast(self, t: Tensor, is_weight: bool, contract: int, split: tuple[Group, Group], role: str) -> Tensor:
         """The dequantised fp32 values the GEMM multiplies (``role``: input | weight | grad)."""
+        return self.cast_compact(t, is_weight, contract, split, role).dq
+
+    def cast_compact(self, t: Tensor, is_weight: bool, contract: int, split: tuple[Group, Group], role: str
+                     ) -> Cast:
+        """``t`` cast for a GEMM contracting its dim ``contract``: its values, elements and scales (``Cast``)."""
         f: BlockFormat = self.fmt
         amax_t = tensor_amax(t, split) if f.two_level else None
         dtype = self.grad_dtype if role == "grad" else None
-        return quantize(t, f, f.operand_block(is_weight, contract), split, dtype=dtype, amax_t=amax_t).dq
+        return quantize(t, f, f.operand_block(is_weight, contract), split, dtype=dtype, amax_t=amax_t)
 
     @staticmethod
     def mm(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:

@@ -29,7 +29,8 @@ bf16 only: an fp32 model's row-wise GEMM outputs are bf16-rounded on CUDA, not o
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -177,6 +178,37 @@ def scaled_mm(a: Tensor, inv_a: Tensor, b: Tensor, inv_b: Tensor, out_dtype: tor
     return out.to(out_dtype)
 
 
+# id(a tensor's base) -> {(what, the view's geometry, version): a cast}, dropped with the base: ``shared_cast``
+# (ids, not a WeakKeyDictionary: that compares its keys with ==, elementwise for tensors)
+_SHARED_CASTS: dict[int, dict[tuple, Any]] = {}
+
+
+def shared_cast(x: Tensor, key: tuple, make: Callable[[], tuple]) -> tuple:
+    """``make()``, the cast ``key`` of ``x`` (a tuple of tensors or None), made once for every GEMM whose input is
+    the same view of the same tensor (q, k and v projections of one norm output; gate and up): they keep one
+    quantised copy for backward, as one fused projection would (Megatron's ``linear_qkv``, ``linear_fc1``).
+    The cache holds the cast weakly: it is shared while a GEMM keeps it (saved for its backward) and never kept
+    alive by the cache (a checkpoint's forward, which saves nothing, makes it again for each GEMM). An in-place
+    change of ``x`` (its version) makes a new one. Casts are deterministic: sharing one changes no value."""
+    if torch.compiler.is_compiling():
+        return make()
+    base = x._base if x._base is not None else x
+    entry = _SHARED_CASTS.get(id(base))
+    if entry is None:
+        entry = _SHARED_CASTS[id(base)] = {}
+        weakref.finalize(base, _SHARED_CASTS.pop, id(base), None)
+    k = (key, tuple(x.shape), x.stride(), x.storage_offset(), base._version)
+    held = entry.get(k)
+    if held is not None:
+        kind, refs = held
+        items = [None if r is None else r() for r in refs]
+        if all(item is not None for item, r in zip(items, refs) if r is not None):
+            return kind(*items) if hasattr(kind, "_fields") else kind(items)
+    cast = make()
+    entry[k] = (type(cast), [None if t is None else weakref.ref(t) for t in cast])
+    return cast
+
+
 @functools.cache
 def _cpu_kernel_takes_row_scales() -> bool:
     """torch's CPU ``_scaled_mm`` accepts row-wise scales (torch 2.11's asserts per-tensor scales)."""
@@ -190,4 +222,4 @@ def _cpu_kernel_takes_row_scales() -> bool:
 
 
 __all__ = ["E4M3", "E5M2", "Cast", "Float8Recipe", "amax", "amax_to_scale", "dequantize", "quantize", "reduce_max",
-           "scaled_mm", "to_float8"]
+           "scaled_mm", "shared_cast", "to_float8"]

