@@ -11,8 +11,7 @@ Here forward is three passes into one workspace (``silu`` out, ``mul_`` up, ``mu
 halves of one workspace ``dh`` directly, recomputing ``a = silu(gate) * up`` for the probs' gradient (as
 Megatron's fused ``weighted_swiglu`` does)::
 
-    g      = d_out widened to fp32 (the product's dtype)
-    d_p    = sum_f g * a
+    d_p    = sum_f g * a                (g: d_out widened to fp32, the product's dtype)
     d_act  = (g * p) rounded to h's dtype
     d_up   = silu(gate) * d_act
     d_gate = silu'(gate) * (up * d_act)        (aten's silu_backward, in place)
@@ -57,11 +56,12 @@ class _SwiGLU(torch.autograd.Function):
         d_p = None
         d_act = d_out
         if probs_N is not None:
-            g = d_out.to(torch.promote_types(h_NGf.dtype, probs_N.dtype))
-            if ctx.needs_input_grad[1]:   # a = silu(gate) * up, recomputed
-                d_p = torch.mul(g, torch.mul(d_up, up)).sum(1)
-            d_act = torch.mul(g, probs_N.unsqueeze(1)).to(h_NGf.dtype) if g is d_out else \
-                torch.mul(g, probs_N.unsqueeze(1), out=workspace(h_NGf.device).empty((N, f), h_NGf.dtype))
+            if ctx.needs_input_grad[1]:   # sum_f g * a, g the output gradient widened, a = silu(gate) * up recomputed
+                g = d_out.to(torch.promote_types(h_NGf.dtype, probs_N.dtype), copy=True)
+                d_p = g.mul_(torch.mul(d_up, up)).sum(1)
+                del g
+            # (g * p) rounded to h's dtype: the product in fp32 (type promotion), rounded on the store
+            d_act = torch.mul(d_out, probs_N.unsqueeze(1), out=workspace(h_NGf.device).empty((N, f), h_NGf.dtype))
         d_up.mul_(d_act)
         torch.mul(up, d_act, out=d_gate)
         torch.ops.aten.silu_backward.grad_input(d_gate, gate, grad_input=d_gate)
