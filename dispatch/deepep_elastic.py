@@ -228,7 +228,7 @@ class ElasticDispatchExchange(TokenExchange[ElasticArrival]):
     fp8: bool = False
 
     def start(self, *tensors: Tensor) -> InFlight[Arrival[ElasticArrival]]:
-        """``(x [T, H] bf16, weights [T, K] fp32)`` or ``(x,)`` (unweighted combine) -> at ``wait()``:
+        """``(x [T, H] bf16, weights [T, K] fp32)`` or ``(x,)`` (no probs: unweighted experts) -> at ``wait()``:
         ``Arrival((rows [N, H] in x's dtype[, weights [N]]), ElasticArrival)``."""
         x, *weights = tensors
         c = self.call
