@@ -18,10 +18,10 @@ Per micro-batch, per transformer block (``block_collectives``), following:
   over etp, and mirrors it in the combine; each row's fp32 prob travels beside it by the same collectives
   (the experts apply it; unless ``--moe-apply-probs-on-input``), its gradient back. allgather gathers tokens,
   expert ids and probs in one packed all-gather over etp x ep and reduce-scatters the partial outputs. flex
-  (DeepEP) sends a token once per destination rank with its top-k ids and weights (the expected number of ranks its k experts live on
-  under uniform routing), on DeepEP V2 in its ``ElasticBuffer`` token slot (``_elastic``), FP8 rows with FP8
-  dispatch, and in hybrid mode once per destination node over the network (``NodeDedup``); on the legacy backend
-  with int64 ids; DeepEP's own kernels, and so these bytes, cannot run on a CPU: the only volume here that
+  (DeepEP) sends a token once per destination rank with its top-k ids and weights (the expected number of
+  ranks its k experts live on under uniform routing), on DeepEP V2 in its ``ElasticBuffer`` token slot
+  (``_elastic``), FP8 rows with FP8 dispatch, and in hybrid mode once per destination node over the network
+  (``NodeDedup``); on the legacy backend with int64 ids; DeepEP's own kernels, and so these bytes, cannot run on a CPU: the only volume here that
   tests/planner/test_comm.py does not measure. The router's loss statistics are small all-reduces.
 - recompute (``recompute_collectives``): a checkpointed region runs its forward collectives again in backward.
 - the embedding (vocab-parallel: all-reduce, or reduce-scatter under SP), the output head (like a column-parallel
