@@ -21,8 +21,9 @@ Per micro-batch, per transformer block (``block_collectives``), following:
   (DeepEP) sends a token once per destination rank with its top-k ids and weights (the expected number of
   ranks its k experts live on under uniform routing), on DeepEP V2 in its ``ElasticBuffer`` token slot
   (``_elastic``), FP8 rows with FP8 dispatch, and in hybrid mode once per destination node over the network
-  (``NodeDedup``); on the legacy backend with int64 ids; DeepEP's own kernels, and so these bytes, cannot run on a CPU: the only volume here that
-  tests/planner/test_comm.py does not measure. The router's loss statistics are small all-reduces.
+  (``NodeDedup``); on the legacy backend with int64 ids; DeepEP's own kernels, and so these bytes, cannot run on a
+  CPU: the only volume here that tests/planner/test_comm.py does not measure. The router's loss statistics are
+  small all-reduces.
 - recompute (``recompute_collectives``): a checkpointed region runs its forward collectives again in backward.
 - the embedding (vocab-parallel: all-reduce, or reduce-scatter under SP), the output head (like a column-parallel
   layer) and the vocab-parallel cross-entropy (three fp32 all-reduces of one value per token, one over cp); each
