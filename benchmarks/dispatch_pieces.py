@@ -9,9 +9,8 @@ drift hits all alike); the slowest rank's time per iteration is kept and the med
   preallocated / allocated per call
 - chunked: the dispatcher's chunked exchange alone (one all-to-all per local expert, both ways)
 - counts: the count all-gather and its ``.tolist()`` host sync
-- local: permute + weighted unpermute (argsort, row map, gather, embedding_bag with the probs as
-  per-sample weights), no communication
-- e2e: dispatch + combine (rows passed straight back; the probs applied in the combine)
+- local: permute + unpermute (argsort, row map, gather, the per-token sum), no communication
+- e2e: dispatch + combine (rows passed straight back; the probs travel with them, the combine sums)
 - overlap: the raw exchange launched asynchronously while permuting, then unpermute under the
   return exchange (does overlapping local work with gloo's exchange pay on this machine?)
 """
@@ -78,7 +77,7 @@ def _rank(iters: int) -> dict[str, float]:
 
     def local():
         rm = row_map()
-        unpermute(permute(x, rm), rm, routing.probs_TK)
+        unpermute(permute(x, rm), rm)
 
     def e2e():
         d = disp.dispatch(x, routing)

@@ -136,7 +136,7 @@ def moefold_steps(T: int, H: int, E: int, k: int, F: int, dtype: torch.dtype, co
     def experts_step() -> None:
         sync.start_step(1)
         rows.grad = None
-        layer.experts(rows, d.tokens_per_expert_e).backward(g_rows)
+        layer.experts(rows, d.tokens_per_expert_e, None, d.probs_N).backward(g_rows)   # weighted, as in the layer
         sync.finish()
 
     return layer_step, experts_step, layer

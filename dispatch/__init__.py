@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         group_counts,
         mask_groups,
         permute,
+        permute_probs,
         sort_chunks,
         unpermute,
     )
@@ -49,7 +50,7 @@ _LAZY = {
     "FlexBackend": "moefold.dispatch.flex_backend",
     "LocalDispatcher": "moefold.dispatch.local",
     **dict.fromkeys(["RowMap", "build_row_map", "chunk_sort_index", "group_counts", "mask_groups", "permute",
-                     "sort_chunks", "unpermute"], "moefold.dispatch.permutation"),
+                     "permute_probs", "sort_chunks", "unpermute"], "moefold.dispatch.permutation"),
     "Routing": "moefold.dispatch.routing",
     **dict.fromkeys(["AllToAllExchange", "Arrival", "InFlight", "TokenExchange", "exchange_with_grad"],
                     "moefold.dispatch.token_exchange"),
@@ -69,6 +70,6 @@ __all__ = [
     "ExchangePlan", "exchange_tokens", "return_tokens",
     "TokenExchange", "AllToAllExchange", "InFlight", "Arrival", "exchange_with_grad",
     "build_dispatcher",
-    "RowMap", "mask_groups", "group_counts", "build_row_map", "permute", "unpermute",
+    "RowMap", "mask_groups", "group_counts", "build_row_map", "permute", "permute_probs", "unpermute",
     "chunk_sort_index", "sort_chunks",
 ]

@@ -2,16 +2,15 @@
 
 Dispatch: all-gather (over ``etp_ep_group``, W = etp * ep ranks) the tokens, padded to the largest
 T in the group, together with their expert ids and probs, all in ONE all-gather (packed as bytes);
-permute the copies whose expert is local. Combine: unpermute into [W * T_max, H] partial outputs
-(only local experts' copies, each weighted by its prob, partial FFN sums under etp) and
-reduce-scatter them back, which adds up every expert's and every etp shard's part.
+permute the copies whose expert is local, and their probs (``Dispatched.probs_N``: the experts weight each
+row by it inside their activation, as Megatron-Core's allgather dispatcher hands its ``local_probs`` to the
+experts). Combine: unpermute into [W * T_max, H] partial outputs (only local experts' copies, already
+weighted, partial FFN sums under etp) and reduce-scatter them back, which adds up every expert's and every
+etp shard's part.
 
-Why the probs travel here (unlike alltoall): the reduce-scatter adds up each token's copies on
-the expert side, so the per-copy weights must be applied before it; weighting on the home rank
-would need every copy sent back separately (k times the combine's bytes). They ride the
-all-gather that the routing needs anyway (4 bytes per copy next to the token's H * element
-size), and their gradient the token gradient's reduce-scatter (one collective when both are fp32).
-The collectives per layer are then those of the raw pattern (an all-gather of the tokens and a
+The probs ride the all-gather that the routing needs anyway (4 bytes per copy next to the token's
+H * element size), and their gradient the token gradient's reduce-scatter (one collective when both are
+fp32). The collectives per layer are then those of the raw pattern (an all-gather of the tokens and a
 reduce-scatter of the outputs, forward; the reverse in backward) plus the tiny count header.
 
 With ``pad_to_capacity`` every (local expert, source rank) chunk is padded to the largest capacity
@@ -21,7 +20,7 @@ uneven T, even T = 0, costs nothing extra).
 Stages (``dispatch.base.Dispatcher``): ``prepare_dispatch`` gathers the header (counts, T and capacity of every
 rank: the one host synchronisation per MoE layer, in every mode) and pads to T_max; the dispatch exchange is the
 one gather of tokens, ids and probs (``AllGatherExchange``: the ids arrive as its ``meta``); ``finish_dispatch``
-permutes the local experts' copies. ``prepare_combine`` weights and sums them into the partial outputs, the
+permutes the local experts' copies and their probs. ``prepare_combine`` sums them into the partial outputs, the
 combine exchange reduce-scatters them (``ReduceScatterExchange``), ``finish_combine`` keeps this rank's T rows.
 The gather runs when its exchange starts, so nothing overlaps it.
 
@@ -49,6 +48,7 @@ from moefold.dispatch.permutation import (
     mask_groups,
     pad_counts,
     permute,
+    permute_probs,
     unpermute,
 )
 from moefold.dispatch.routing import Routing
@@ -105,7 +105,8 @@ class AllGatherExchange(TokenExchange[GatheredIds]):
     fp8: bool = False
 
     def start(self, *tensors: Tensor) -> InFlight[Arrival[GatheredIds]]:
-        """``(x [T, H], probs [T, K] fp32)`` or ``(x,)`` (unweighted combine) -> (x_g[, probs_g]), GatheredIds."""
+        """``(x [T, H], probs [T, K] fp32)`` or ``(x,)`` (no probs: the experts run unweighted) -> (x_g[, probs_g]),
+        GatheredIds."""
         x, *probs = tensors
         if group_size(self.group) == 1:
             x_g = x
@@ -179,11 +180,9 @@ class AllGatherPrep(DispatchPrep):
 
 @dataclass(frozen=True)
 class AllGatherHandle(DispatchHandle):
-    """row_map over the gathered [W * max_tokens] tokens; probs_g: their gathered probs [W * max_tokens, K]
-    (None: unweighted combine); max_tokens: the per-rank padding length."""
+    """row_map over the gathered [W * max_tokens] tokens; max_tokens: the per-rank padding length."""
 
     row_map: RowMap
-    probs_g: Tensor | None
     max_tokens: int
 
 
@@ -206,7 +205,7 @@ class AllGatherDispatcher(TokenDispatcher):
         self.fp8 = fp8
 
     # -- dispatch: prepare (the header's gather: the one host sync; padding) -> exchange (the one gather) -> finish
-    def prepare_dispatch(self, x_TH: Tensor, routing: Routing, *, weighted_combine: bool = True,
+    def prepare_dispatch(self, x_TH: Tensor, routing: Routing, *, with_probs: bool = True,
                          ) -> tuple[tuple[Tensor, ...], AllGatherPrep]:
         self._check(x_TH, routing)
         T = routing.num_tokens
@@ -227,7 +226,7 @@ class AllGatherDispatcher(TokenDispatcher):
             host = all_header.tolist()  # the dispatch's one host synchronisation
             max_tokens = max(h[E] for h in host)
             sent = (_pad_rows(x_TH, max_tokens),)
-            if weighted_combine:
+            if with_probs:
                 sent += (_pad_rows(routing.probs_TK.float(), max_tokens),)
             exchange = AllGatherExchange(_pad_rows(ids.to(torch.int32), max_tokens, -1), self.group, self.fp8)
         prep = AllGatherPrep(num_tokens=T, exchange=exchange, host=host, header_WE=all_header, max_tokens=max_tokens,
@@ -275,17 +274,18 @@ class AllGatherDispatcher(TokenDispatcher):
                 per_expert = prep.header_WE[:, local].sum(0)
                 per_expert_host = tuple(sum(h[g] for h in host) for g in range(local.start, local.stop))
             tokens = permute(xg, row_map)
+            probs_N = permute_probs(probs[0], row_map) if probs else None
         handle = AllGatherHandle(num_tokens=prep.num_tokens, num_rows=tokens.shape[0], row_map=row_map,
-                                 probs_g=probs[0] if probs else None, max_tokens=max_tokens)
-        return Dispatched(tokens, per_expert, handle, per_expert_host)
+                                 max_tokens=max_tokens)
+        return Dispatched(tokens, per_expert, handle, per_expert_host, probs_N=probs_N)
 
-    # -- combine: prepare (weight and sum the local copies) -> exchange (the reduce-scatter) -> finish (T rows) ---
+    # -- combine: prepare (sum the local copies) -> exchange (the reduce-scatter) -> finish (T rows) ------------
     def prepare_combine(self, expert_out_NH: Tensor, handle: AllGatherHandle) -> tuple[Tensor, ...]:
         self._check_combine(expert_out_NH, handle, AllGatherHandle)
         with self._phase("unpermute"):
-            # each rank weights and sums the copies of its experts: [W * max_tokens, H] partial outputs, fp32 for
+            # each rank sums the (weighted) copies of its experts: [W * max_tokens, H] partial outputs, fp32 for
             # bf16 rows (combine_dtype), so the reduce-scatter adds them up in fp32 as Megatron-Core's does
-            return (unpermute(expert_out_NH, handle.row_map, handle.probs_g),)
+            return (unpermute(expert_out_NH, handle.row_map),)
 
     def combine_exchange(self, handle: AllGatherHandle) -> ReduceScatterExchange:
         return ReduceScatterExchange(self.group)

@@ -12,12 +12,14 @@ Dispatch on rank (etp t, ep r):
 4. etp gather:  every etp rank receives every other's rows -> [etp src, ep src, e_local] chunks
 5. sort:        regroup chunks to [e_local, etp src, ep src] (expert-major)
 
-Only tokens travel: the routing probs stay on the token's home rank. Combine runs the mirror
-image: unsort, reduce-scatter over etp (sums the experts' partial FFN outputs; in fp32 for bf16 rows),
-reverse all-to-all (``return_tokens``), then unpermute: each token's k returned copies weighted by their
-probs and summed in fp32 (``dispatch.permutation.combine_dtype``), on the home rank; the probs' gradient
-is the dot product of the token's output gradient with each returned copy, computed there too. For bf16
-tokens ``combine`` returns that fp32 sum (the MoE layer rounds it once).
+The routing probs travel with the rows (as in Megatron-Core's alltoall dispatcher): permuted with them
+(``permute_probs``), exchanged by a second all-to-all of [N] fp32 with the same splits, gathered over etp
+and sorted like them: ``Dispatched.probs_N``, which the experts apply inside their activation; the probs'
+gradient returns the same way in backward. Combine runs the mirror image: unsort, reduce-scatter over etp
+(sums the experts' partial FFN outputs; in fp32 for bf16 rows), reverse all-to-all (``return_tokens``),
+then unpermute: each token's k returned (already weighted) copies summed in fp32
+(``dispatch.permutation.combine_dtype``) on the home rank. For bf16 tokens ``combine`` returns that fp32
+sum (the MoE layer rounds it once).
 
 Host synchronisations per MoE layer (forward and backward together, proved by
 tests/dispatch/test_host_sync.py): dropless or unpadded capacity mode exactly one (the split
@@ -52,6 +54,7 @@ from moefold.dispatch.permutation import (
     mask_groups,
     pad_counts,
     permute,
+    permute_probs,
     sort_chunks,
     unpermute,
 )
@@ -140,12 +143,10 @@ def return_tokens(rows_NH: Tensor, plan: ExchangePlan, group: Group) -> Tensor:
 
 @dataclass(frozen=True)
 class AllToAllHandle(DispatchHandle):
-    """row_map: this rank's permutation; probs_TK: this rank's routing weights, applied in combine
-    (None: sum the copies unweighted); plan: the ep exchange's split sizes; etp_sizes: rows each etp
+    """row_map: this rank's permutation; plan: the ep exchange's split sizes; etp_sizes: rows each etp
     rank contributed to the gather; chunk_counts: [etp*ep, e_local] chunk sizes (device)."""
 
     row_map: RowMap
-    probs_TK: Tensor | None
     plan: ExchangePlan
     etp_sizes: tuple[int, ...]
     chunk_counts: Tensor
@@ -157,7 +158,6 @@ class AllToAllPrep(DispatchPrep):
     [etp][ep src][e_local] (None when nothing was exchanged)."""
 
     row_map: RowMap
-    probs_TK: Tensor | None
     plan: ExchangePlan
     etp_sizes: tuple[int, ...]
     chunk_counts: Tensor
@@ -207,7 +207,7 @@ class AllToAllDispatcher(TokenDispatcher):
         return ExchangePlan(send, recv_splits, chunk_send, chunk_recv), etp_sizes
 
     # -- dispatch: prepare (counts, permute) -> exchange (all-to-all over ep) -> finish (etp gather, sort) ------
-    def prepare_dispatch(self, x_TH: Tensor, routing: Routing, *, weighted_combine: bool = True,
+    def prepare_dispatch(self, x_TH: Tensor, routing: Routing, *, with_probs: bool = True,
                          ) -> tuple[tuple[Tensor, ...], AllToAllPrep]:
         self._check(x_TH, routing)
         T, K = routing.probs_TK.shape
@@ -265,9 +265,13 @@ class AllToAllDispatcher(TokenDispatcher):
             plan, etp_sizes = ExchangePlan((row_map.num_rows,), (row_map.num_rows,)), (row_map.num_rows,)
         else:
             plan, etp_sizes = self._plan(mine, recv)
-        prep = AllToAllPrep(row_map=row_map, probs_TK=routing.probs_TK if weighted_combine else None, plan=plan,
-                            etp_sizes=etp_sizes, chunk_counts=chunk_counts, recv=recv, num_tokens=T)
-        return (rows,), prep
+        prep = AllToAllPrep(row_map=row_map, plan=plan, etp_sizes=etp_sizes, chunk_counts=chunk_counts, recv=recv,
+                            num_tokens=T)
+        if not with_probs:
+            return (rows,), prep
+        with self._phase("permute"):   # each row's prob travels beside it ([N], fp32 from the router)
+            probs_N = permute_probs(routing.probs_TK, row_map)
+        return (rows, probs_N), prep
 
     def dispatch_exchange(self, prep: AllToAllPrep) -> AllToAllExchange:
         return prep.plan.exchange(self.ep_group, self.fp8)
@@ -276,17 +280,17 @@ class AllToAllDispatcher(TokenDispatcher):
                         ) -> Dispatched[AllToAllHandle]:
         e, ep, etp, recv = self.num_local_experts, self.ep, self.etp, prep.recv
         with self._phase("communicate"):
-            got = all_gather_uneven(received[0], list(prep.etp_sizes), self.etp_group)
+            got = [all_gather_uneven(t, list(prep.etp_sizes), self.etp_group) for t in received]
         with self._phase("sort"):
             if not self.chunked:  # chunked: rows arrive expert-major already
-                got = sort_chunks(got, prep.chunk_counts)
+                got = [sort_chunks(t, prep.chunk_counts) for t in got]
             per_expert = prep.chunk_counts.sum(0)
             per_expert_host = None if recv is None else tuple(
                 sum(recv[t][src][j] for t in range(etp) for src in range(ep)) for j in range(e))
-        handle = AllToAllHandle(num_tokens=prep.num_tokens, num_rows=got.shape[0], row_map=prep.row_map,
-                                probs_TK=prep.probs_TK, plan=prep.plan, etp_sizes=prep.etp_sizes,
-                                chunk_counts=prep.chunk_counts)
-        return Dispatched(got, per_expert, handle, per_expert_host)
+        rows, *probs = got
+        handle = AllToAllHandle(num_tokens=prep.num_tokens, num_rows=rows.shape[0], row_map=prep.row_map,
+                                plan=prep.plan, etp_sizes=prep.etp_sizes, chunk_counts=prep.chunk_counts)
+        return Dispatched(rows, per_expert, handle, per_expert_host, probs_N=probs[0] if probs else None)
 
     # -- combine: prepare (unsort, etp reduce-scatter) -> exchange (all-to-all back) -> finish (unpermute) ----
     def prepare_combine(self, expert_out_NH: Tensor, handle: AllToAllHandle) -> tuple[Tensor, ...]:
@@ -309,6 +313,6 @@ class AllToAllDispatcher(TokenDispatcher):
 
     def finish_combine(self, received: tuple[Tensor, ...], handle: AllToAllHandle) -> Tensor:
         with self._phase("unpermute"):
-            # the probs never left this rank: each token's k returned copies are weighted and summed here
-            return unpermute(received[0], handle.row_map, handle.probs_TK)
+            # each token's k returned copies, weighted by the experts, summed here
+            return unpermute(received[0], handle.row_map)
 

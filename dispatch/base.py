@@ -5,14 +5,15 @@ Every dispatcher moves each kept copy of this rank's T tokens to the rank(s) hol
 same rows) and brings the expert outputs back. Dispatchers are stateless between steps:
 everything ``combine`` needs travels in the frozen handle.
 
-The routing weights: the experts compute plain ``FFN_g(x)``; ``combine`` returns
-``y[t] = sum_k probs[t, k] * FFN_{g_tk}(x_t)``. Where the probs are applied is the dispatcher's
-business: local and alltoall apply them on the token's home rank, in the unpermute that sums the
-k returned copies (the probs never travel); allgather and flex, whose combine adds up each
-token's copies on the expert side before anything comes home (a reduce-scatter; DeepEP's normal
-combine kernels, which add without weights), move them with the routing they must send anyway
-and apply them there. ``weighted_combine=False`` sums the copies unweighted (the caller applied
-the probs to the input: Megatron's ``--moe-apply-probs-on-input``).
+The routing weights: ``dispatch`` hands each row to the experts with its routing prob (``Dispatched.probs_N``),
+the experts return ``p * FFN_g(x)`` (they apply the prob inside their activation, ``moe.activation``, as
+Megatron-Core 0.16.1's experts do) and ``combine`` sums a token's returned copies unweighted:
+``y[t] = sum_k probs[t, k] * FFN_{g_tk}(x_t)``. So the probs travel with the rows, as Megatron's dispatchers carry
+them: local and alltoall permute them with the rows and exchange them beside the tokens (a second, [N] fp32,
+all-to-all), allgather gathers them with the tokens and the routing, flex receives them in DeepEP's dispatch
+message (``topk_weights``), and their gradient (computed by the experts' activation) returns by each exchange's
+backward. The combine keeps nothing of the rows for backward. ``with_probs=False`` hands no probs (the caller
+applied them to the input: Megatron's ``--moe-apply-probs-on-input``), and the experts run unweighted.
 
 Stages (``Dispatcher``, a typed ``Protocol``): a dispatch is ``prepare_dispatch`` (local) -> ``dispatch_exchange``
 (the one exchange over the expert group, ``dispatch.token_exchange``) -> ``finish_dispatch`` (local); a combine
@@ -23,7 +24,7 @@ schedules run exactly these stages, the layer with the exchanges chained by auto
 the schedules with each exchange as its own node. ``TokenDispatcher.dispatch_start`` / ``dispatch`` / ``combine``
 chain the same stages for tests and benchmarks.
 
-Precision: the weighted sum of a token's copies (and any reduction of partial outputs over ranks on
+Precision: the sum of a token's copies (and any reduction of partial outputs over ranks on
 the way home) accumulates in fp32 for bf16/fp16 tokens (``dispatch.permutation.combine_dtype``), and
 ``combine`` may return it in fp32 (local, alltoall, allgather; flex hands DeepEP bf16): the caller rounds.
 """
@@ -84,6 +85,9 @@ class Dispatched(Generic[HandleT]):
                             GEMM backends that take host split sizes use them instead of a sync
     received_e:             [e_local] int32 copies each local expert received (padding excluded), as the
                             exchange counted them (DeepEP V2's ``cumulative_local_expert_recv_stats``), or None
+    probs_N:                [N] fp32 routing prob of each row (0 for padding rows), on the autograd graph of
+                            ``routing.probs_TK`` (the experts weight their rows by it); None when dispatched with
+                            ``with_probs=False``
 
     Rows past ``sum(tokens_per_expert_e)``: a sync-free dispatcher that allocates for the worst case (the V2 flex
     dispatcher) hands over more rows than its experts' blocks cover; those carry no token (their values are
@@ -95,6 +99,7 @@ class Dispatched(Generic[HandleT]):
     handle: HandleT
     tokens_per_expert_host: tuple[int, ...] | None = None
     received_e: Tensor | None = None
+    probs_N: Tensor | None = None
 
 
 @runtime_checkable
@@ -112,11 +117,11 @@ class Dispatcher(Protocol[PrepT, MetaT, HandleT]):
     num_local_experts: int
     local_expert_offset: int
 
-    def prepare_dispatch(self, x_TH: Tensor, routing: Routing, *, weighted_combine: bool = True,
+    def prepare_dispatch(self, x_TH: Tensor, routing: Routing, *, with_probs: bool = True,
                          ) -> tuple[tuple[Tensor, ...], PrepT]:
         """Local work before the exchange: (the tensors to send, on the graph of ``x_TH``; the frozen ``prep``).
-        ``weighted_combine``: the combine weights each copy by ``routing.probs_TK`` (False: plain sum). May
-        synchronise with the host (split sizes)."""
+        ``with_probs``: the probs travel with the rows (``Dispatched.probs_N``; False: none, the experts run
+        unweighted). May synchronise with the host (split sizes)."""
         ...
 
     def dispatch_exchange(self, prep: PrepT) -> TokenExchange[MetaT]:
@@ -128,8 +133,8 @@ class Dispatcher(Protocol[PrepT, MetaT, HandleT]):
         ...
 
     def prepare_combine(self, expert_out_NH: Tensor, handle: HandleT) -> tuple[Tensor, ...]:
-        """Local work on the experts' output (not weighted; partial sums over etp) before the exchange back: the
-        tensors to send."""
+        """Local work on the experts' output (weighted by the experts; partial sums over etp) before the exchange
+        back: the tensors to send."""
         ...
 
     def combine_exchange(self, handle: HandleT) -> TokenExchange[None]:
@@ -137,8 +142,8 @@ class Dispatcher(Protocol[PrepT, MetaT, HandleT]):
         ...
 
     def finish_combine(self, received: tuple[Tensor, ...], handle: HandleT) -> Tensor:
-        """Local work on the returned tensors -> y [T, H], each token's copies weighted by its routing probs (unless
-        dispatched with ``weighted_combine=False``) and summed (in fp32 for bf16 rows: see the module docstring)."""
+        """Local work on the returned tensors -> y [T, H], each token's copies summed (in fp32 for bf16 rows: see the
+        module docstring)."""
         ...
 
 
@@ -197,11 +202,11 @@ class TokenDispatcher:
 
     # -- the stages chained (tests, benchmarks): the MoE layer runs the same stages itself (moe.layer) ---------------
     def dispatch_start(self: Dispatcher[PrepT, MetaT, HandleT], x_TH: Tensor, routing: Routing, *,
-                       weighted_combine: bool = True) -> InFlight[Dispatched[HandleT]]:
+                       with_probs: bool = True) -> InFlight[Dispatched[HandleT]]:
         """``prepare_dispatch``, then the exchange started; ``wait()`` waits for it and runs ``finish_dispatch``. Work
         between the two overlaps the exchange as far as the dispatcher leaves it in flight (alltoall's all-to-all,
         flex's DeepEP kernel; allgather's gather has finished when its exchange starts)."""
-        sent, prep = self.prepare_dispatch(x_TH, routing, weighted_combine=weighted_combine)
+        sent, prep = self.prepare_dispatch(x_TH, routing, with_probs=with_probs)
         with self._phase("communicate"):
             flight = exchange_with_grad(self.dispatch_exchange(prep), *sent)
 
@@ -213,9 +218,9 @@ class TokenDispatcher:
         return InFlight(finish)
 
     def dispatch(self: Dispatcher[PrepT, MetaT, HandleT], x_TH: Tensor, routing: Routing, *,
-                 weighted_combine: bool = True) -> Dispatched[HandleT]:
+                 with_probs: bool = True) -> Dispatched[HandleT]:
         """``dispatch_start(x, routing).wait()``."""
-        return self.dispatch_start(x_TH, routing, weighted_combine=weighted_combine).wait()
+        return self.dispatch_start(x_TH, routing, with_probs=with_probs).wait()
 
     def combine(self: Dispatcher[PrepT, MetaT, HandleT], expert_out_NH: Tensor, handle: HandleT) -> Tensor:
         """``prepare_combine``, the exchange back, ``finish_combine``: [N, H] expert outputs -> y [T, H]."""

@@ -36,18 +36,18 @@ like the other dispatchers, so the experts see the same ``Dispatched`` contract.
 dispatch's backward is DeepEP's combine of the gradients (the top-k weight gradients reduced
 alongside) and combine's backward is a cached-layout dispatch, as in DeepEP's README.
 
-Where the routing weights are applied: **on the expert rank, not the home rank**. DeepEP's
-normal (intranode / internode) ``Buffer.combine`` adds the rows it brings home *without
-weights* (its docstring: "addition **without** weights"; ``intranode.cu``'s combine kernel sums
-the ``num_topk_ranks`` received rows per token, and reduces any ``topk_weights`` passed to it by
-the same plain sum): it returns one row per (token, source rank), already the sum of that rank's
-copies, so the per-copy weights must be applied before that sum, on the expert rank. They get
-there inside DeepEP's dispatch message (``topk_weights``, 4 bytes per top-k entry, written by the
-same kernel as the token: no separate exchange), and the combine's unpermute weights each copy
-with them (``unpermute(rows, row_map, recv_weights)``); their gradient returns in the backward
-combine that carries the token gradients. Only DeepEP's low-latency mode
-(``low_latency_combine(x, topk_idx, topk_weights, handle)``, "reduce **with weights**") weights
-on the home rank; it needs IBGDA and a per-expert ``[e, max_tokens * ranks, H]`` layout, and
+Where the routing weights are applied: **on the expert rank, inside the experts** (as everywhere:
+``dispatch.base``). DeepEP's normal (intranode / internode) ``Buffer.combine`` adds the rows it brings
+home *without weights* (its docstring: "addition **without** weights"; ``intranode.cu``'s combine kernel
+sums the ``num_topk_ranks`` received rows per token): it returns one row per (token, source rank),
+already the sum of that rank's copies, so each copy is weighted before that sum, on the expert rank. The
+weights get there inside DeepEP's dispatch message (``topk_weights``, 4 bytes per top-k entry, written by
+the same kernel as the token: no separate exchange, as Megatron-Core's flex dispatcher receives its
+``dispatched_probs``); the local permutation lays them out as the rows (``Dispatched.probs_N``), the
+experts apply them inside their activation, and the combine's unpermute only sums each received token's
+copies. Their gradient returns in the backward combine that carries the token gradients. Only DeepEP's
+low-latency mode (``low_latency_combine(x, topk_idx, topk_weights, handle)``, "reduce **with weights**")
+weights on the home rank; it needs IBGDA and a per-expert ``[e, max_tokens * ranks, H]`` layout, and
 moefold does not use it.
 
 Expert tensor parallelism (etp > 1) works as with the alltoall dispatcher, the way Megatron's
@@ -74,7 +74,7 @@ from torch import Tensor
 from moefold.dispatch import deepep_nccl
 from moefold.dispatch.base import Dispatched, DispatchHandle, DispatchPrep, PhaseTimer, TokenDispatcher
 from moefold.dispatch.config import DispatcherKind, FlexOptions
-from moefold.dispatch.permutation import RowMap, build_row_map, mask_groups, permute, unpermute
+from moefold.dispatch.permutation import RowMap, build_row_map, mask_groups, permute, permute_probs, unpermute
 from moefold.dispatch.routing import Routing
 from moefold.dispatch.token_exchange import Arrival, InFlight, TokenExchange, after_event
 from moefold.parallel.groups import Group
@@ -261,22 +261,21 @@ class FlexCombineExchange(TokenExchange[None]):
 
 @dataclass(frozen=True)
 class FlexPrep(DispatchPrep):
-    """``prepare_dispatch``'s findings: the exchange, the routing's capacity mode and the weighting."""
+    """``prepare_dispatch``'s findings: the exchange, the routing's capacity mode and whether the experts get the
+    probs."""
 
     exchange: FlexDispatchExchange
     pad_to_capacity: bool
     capacity: int | None
-    weighted_combine: bool
+    with_probs: bool
 
 
 @dataclass(frozen=True)
 class FlexHandle(DispatchHandle):
-    """row_map: the local permutation of received tokens; recv_weights: their [R, K] top-k weights as
-    DeepEP delivered them (0 for experts held elsewhere; None: unweighted combine); deep_ep_handle:
-    DeepEP's layout for combine; buffer: the DeepEP buffer the dispatch used (combine must use it)."""
+    """row_map: the local permutation of received tokens; deep_ep_handle: DeepEP's layout for combine; buffer:
+    the DeepEP buffer the dispatch used (combine must use it)."""
 
     row_map: RowMap
-    recv_weights: Tensor | None
     deep_ep_handle: Any
     buffer: Any
 
@@ -314,7 +313,7 @@ class FlexDispatcher(TokenDispatcher):
     def _virtual(self, ids_TK: Tensor, probs_TK: Tensor) -> tuple[Tensor, Tensor]:
         return virtual_experts(ids_TK, probs_TK, self.num_local_experts, self.etp)
 
-    def prepare_dispatch(self, x_TH: Tensor, routing: Routing, *, weighted_combine: bool = True,
+    def prepare_dispatch(self, x_TH: Tensor, routing: Routing, *, with_probs: bool = True,
                          ) -> tuple[tuple[Tensor, ...], FlexPrep]:
         self._check(x_TH, routing)
         if x_TH.dtype != torch.bfloat16:
@@ -333,7 +332,7 @@ class FlexDispatcher(TokenDispatcher):
         buffer = self.buffers.get(self._deep_ep, self.group, H * x_TH.element_size(), self.num_sms)
         exchange = FlexDispatchExchange(buffer, topk_idx.contiguous(), self.num_virtual_experts)
         prep = FlexPrep(num_tokens=x_TH.shape[0], exchange=exchange, pad_to_capacity=routing.pad_to_capacity,
-                        capacity=routing.capacity, weighted_combine=weighted_combine)
+                        capacity=routing.capacity, with_probs=with_probs)
         return (x_TH, probs_TK), prep
 
     def dispatch_exchange(self, prep: FlexPrep) -> FlexDispatchExchange:
@@ -363,18 +362,20 @@ class FlexDispatcher(TokenDispatcher):
                 row_map = build_row_map(key, R, Kv, e, num_rows=sum(per_expert))
                 counts_host = tuple(per_expert)
             tokens = permute(recv_x, row_map)
+            # each row's weight from its received token's [R, Kv] top-k weights (0 for padding rows)
+            probs_N = permute_probs(recv_w, row_map) if prep.with_probs else None
         handle = FlexHandle(num_tokens=T, num_rows=tokens.shape[0], row_map=row_map,
-                            recv_weights=recv_w if prep.weighted_combine else None,
                             deep_ep_handle=meta.deep_ep_handle, buffer=prep.exchange.buffer)
-        return Dispatched(tokens, row_map.counts_G, handle, counts_host)
+        return Dispatched(tokens, row_map.counts_G, handle, counts_host, probs_N=probs_N)
 
     def prepare_combine(self, expert_out_NH: Tensor, handle: FlexHandle) -> tuple[Tensor, ...]:
         self._check_combine(expert_out_NH, handle, FlexHandle)
         with self._phase("unpermute"):
-            # weighted here, on the expert rank: DeepEP's normal combine adds rows without weights. The weighted
-            # sum is fp32 (combine_dtype) and rounded to bf16 for DeepEP, whose combine kernel adds the ranks'
-            # rows in fp32 registers (v1.2.1 csrc/kernels/intranode.cu: float values[])
-            return (unpermute(expert_out_NH, handle.row_map, handle.recv_weights).to(torch.bfloat16),)
+            # the received token's copies (weighted by the experts) summed here, on the expert rank: DeepEP's normal
+            # combine adds the rows it brings home without weights. The sum is fp32 (combine_dtype) and rounded to
+            # bf16 for DeepEP, whose combine kernel adds the ranks' rows in fp32 registers (v1.2.1
+            # csrc/kernels/intranode.cu: float values[])
+            return (unpermute(expert_out_NH, handle.row_map).to(torch.bfloat16),)
 
     def combine_exchange(self, handle: FlexHandle) -> FlexCombineExchange:
         return FlexCombineExchange(handle.buffer, handle.deep_ep_handle)

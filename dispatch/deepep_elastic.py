@@ -55,7 +55,9 @@ aligned by ``expert_alignment``; padding an expert's block to its capacity would
 
 Routing weights: DeepEP's combine adds the rows it brings home without weights (its test's reference,
 ``deep_ep/utils/refs.py`` ``combine``), so each row is weighted on the expert rank before the combine, with the
-weight that arrived with it; its gradient returns in the backward combine. Expert tensor parallelism works as in
+weight that arrived with it (one per row, in DeepEP's expanded layout: ``Dispatched.probs_N``), by the experts
+inside their activation (``moe.activation``, as Megatron-Core's flex dispatcher hands its ``dispatched_probs`` to
+the experts); its gradient returns in the backward combine. Expert tensor parallelism works as in
 the legacy backend (``dispatch.deepep``): etp virtual experts per expert over the etp x ep group, the etp partial
 sums added by the combine.
 
@@ -226,7 +228,7 @@ class ElasticDispatchExchange(TokenExchange[ElasticArrival]):
     fp8: bool = False
 
     def start(self, *tensors: Tensor) -> InFlight[Arrival[ElasticArrival]]:
-        """``(x [T, H] bf16, weights [T, K] fp32)`` or ``(x,)`` (unweighted combine) -> at ``wait()``:
+        """``(x [T, H] bf16, weights [T, K] fp32)`` or ``(x,)`` (no probs: unweighted experts) -> at ``wait()``:
         ``Arrival((rows [N, H] in x's dtype[, weights [N]]), ElasticArrival)``."""
         x, *weights = tensors
         c = self.call
@@ -286,17 +288,15 @@ class ElasticCombineExchange(TokenExchange[None]):
 @dataclass(frozen=True)
 class ElasticPrep(DispatchPrep):
     """``prepare_dispatch``'s frozen result: the dispatch exchange (it holds the call's settings). Whether the
-    combine weights the rows is what arrives: the weights travel only when it does."""
+    experts weight the rows is what arrives: the weights travel only when they do."""
 
     exchange: ElasticDispatchExchange
 
 
 @dataclass(frozen=True)
 class ElasticHandle(DispatchHandle):
-    """recv_weights: the [N] weight of each row as DeepEP delivered it (None: unweighted combine); exchange: the
-    combine's exchange (DeepEP's buffer and handle)."""
+    """exchange: the combine's exchange (DeepEP's buffer and handle)."""
 
-    recv_weights: Tensor | None
     exchange: ElasticCombineExchange
 
 
@@ -351,7 +351,7 @@ class ElasticFlexDispatcher(TokenDispatcher):
                              self.hybrid, self.fp8)
 
     # -- dispatch: prepare (checks, virtual experts, the buffer) -> exchange (DeepEP's dispatch) -> finish ------
-    def prepare_dispatch(self, x_TH: Tensor, routing: Routing, *, weighted_combine: bool = True,
+    def prepare_dispatch(self, x_TH: Tensor, routing: Routing, *, with_probs: bool = True,
                          ) -> tuple[tuple[Tensor, ...], ElasticPrep]:
         self._check(x_TH, routing)
         if x_TH.dtype != torch.bfloat16:
@@ -376,7 +376,7 @@ class ElasticFlexDispatcher(TokenDispatcher):
         call = ElasticCall(self.num_virtual_experts, self.max_tokens_per_rank, self.expert_alignment, num_sms,
                            self.cpu_sync)
         exchange = ElasticDispatchExchange(buffer, topk_idx.contiguous(), call, self.fp8)
-        sent = (x_TH, probs_TK) if weighted_combine else (x_TH,)
+        sent = (x_TH, probs_TK) if with_probs else (x_TH,)
         return sent, ElasticPrep(num_tokens=num_tokens, exchange=exchange)
 
     def dispatch_exchange(self, prep: ElasticPrep) -> ElasticDispatchExchange:
@@ -389,18 +389,17 @@ class ElasticFlexDispatcher(TokenDispatcher):
         counts = aligned_counts(ep_handle.psum_num_recv_tokens_per_expert, call.expert_alignment)
         host = tuple(int(c) for c in ep_handle.num_recv_tokens_per_expert_list) if call.cpu_sync else None
         handle = ElasticHandle(num_tokens=prep.num_tokens, num_rows=rows.shape[0],
-                               recv_weights=weights[0] if weights else None,
                                exchange=ElasticCombineExchange(prep.exchange.buffer, ep_handle, call))
-        return Dispatched(rows, counts, handle, host, received_e=meta.received_e)
+        # the [N] weight of each row as DeepEP delivered it (the experts apply it), or None
+        return Dispatched(rows, counts, handle, host, received_e=meta.received_e,
+                          probs_N=weights[0] if weights else None)
 
-    # -- combine: prepare (weight each row) -> exchange (DeepEP's combine) -> finish (nothing left) -------------
+    # -- combine: prepare (the rows as DeepEP takes them) -> exchange (DeepEP's combine) -> finish (nothing left) -
     def prepare_combine(self, expert_out_NH: Tensor, handle: ElasticHandle) -> tuple[Tensor, ...]:
         self._check_combine(expert_out_NH, handle, ElasticHandle)
         with self._phase("unpermute"):
-            # weighted here, on the expert rank: DeepEP's combine adds rows without weights; the product in fp32
-            # (the weights are fp32), rounded once to the bf16 DeepEP moves
-            rows = expert_out_NH if handle.recv_weights is None else expert_out_NH * handle.recv_weights.unsqueeze(1)
-            return (rows.to(torch.bfloat16),)
+            # weighted by the experts already; DeepEP's combine adds them up without weights, in bf16 rows
+            return (expert_out_NH.to(torch.bfloat16),)
 
     def combine_exchange(self, handle: ElasticHandle) -> ElasticCombineExchange:
         return handle.exchange

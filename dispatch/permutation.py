@@ -14,19 +14,19 @@ row count as ``repeat_interleave``'s ``output_size``. Proved by tests/dispatch/t
 ``RowMap`` records where each row came from; ``permute`` / ``unpermute`` are an adjoint pair
 (each one's backward is the other), and ``sort_chunks`` regroups a buffer of [A x B] chunks
 into [B x A] order (received [source rank x local expert] -> [local expert x source rank]).
-``unpermute(rows, row_map, probs_TK)`` is the combine's weighted sum: each copy times its routing
-prob, summed per token; its backward returns the rows' gradient (token gradient times prob) and the
-probs' (token gradient . row) from one gather.
+``permute_probs`` lays the routing probs out as the rows (the experts weight each row by its prob
+inside their activation, ``moe.activation``, as Megatron-Core 0.16.1 does), so ``unpermute`` is the
+combine's plain sum of each token's returned copies: nothing of the rows is kept for backward (its
+backward gathers the token gradients), where weighting in the combine kept the rows [N, H] for the
+probs' gradient.
 
-An fp32 island of the bf16 path (``combine_dtype``): a token's copies are weighted by their fp32 probs
-and summed in fp32, and ``unpermute`` returns that fp32 sum for bf16/fp16 rows (the MoE layer rounds
-once, after adding the shared experts; the allgather dispatcher reduce-scatters it in fp32 first).
-Megatron-Core 0.16.1 multiplies by the probs in fp32 as well (``experts.py`` ``activation_func_with_probs``
-and ``moe_utils.unpermute``: ``permuted_tokens * permuted_probs`` promotes to the fp32 probs; its fused
-unpermute accumulates in fp32) and reduce-scatters the combine's partial sums in the probs' fp32
-(``token_dispatcher.py``: ``hidden_states.to(self.probs.dtype)``). The gradients of a token's copies in the
-permute's backward are summed in fp32 too. fp32 rows take the same ``embedding_bag`` pass as before, so
-fp32 results are unchanged.
+An fp32 island of the bf16 path (``combine_dtype``): a token's copies are summed in fp32, and ``unpermute``
+returns that fp32 sum for bf16/fp16 rows (the MoE layer rounds once, after adding the shared experts; the
+allgather dispatcher reduce-scatters it in fp32 first). Megatron-Core 0.16.1's fused unpermute (TE's
+``moe_unpermute``, ``--moe-permute-fusion``) accumulates a token's copies in fp32 as well, and it
+reduce-scatters the combine's partial sums in the probs' fp32 (``token_dispatcher.py``:
+``hidden_states.to(self.probs.dtype)``). The gradients of a token's copies in the permute's backward are
+summed in fp32 too. fp32 rows take one ``embedding_bag`` pass.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def combine_dtype(dtype: torch.dtype) -> torch.dtype:
 # permute's, 202 ms profiled with a fresh fp32 tensor per block, 81 ms reused; 2**16-2**19 element blocks were no
 # faster). On a GPU a block only costs kernel launches (128 blocks of five kernels each at Qwen3-30B-A3B's shape kept
 # the H200 waiting on the host: 25 ms a layer against 14.5 in one block): 2**24 elements (the forward, 64 MiB fp32)
-# and 2**27 (the backward, 512 MiB fp32) there. Blocks and workspaces never change a bit of the result.
+# there. Blocks and workspaces never change a bit of the result.
 # The call's large outputs (the permuted rows, the row gradients, the fp32 sums) come from ``dense.workspace``'s pool,
 # reused by the next call on a CPU (a fresh [N, H] output above glibc's 32 MiB mmap ceiling is page-faulted on every
 # call: bf16 layer at E64/E256 k8 ~10% faster). The block workspaces do not: they live for one call only, and at
@@ -197,8 +197,6 @@ def combine_dtype(dtype: torch.dtype) -> torch.dtype:
 # backward, raising the process's real peak (the pool's free buffers count: ``training.observe.memory``).
 _COMBINE_BLOCK_ELEMS_CPU = 2**20
 _COMBINE_BLOCK_ELEMS_GPU = 2**24
-_BACKWARD_BLOCK_ELEMS_CPU = 2**20
-_BACKWARD_BLOCK_ELEMS_GPU = 2**27
 
 
 def combine_block_elems(device: torch.device) -> int:
@@ -207,21 +205,14 @@ def combine_block_elems(device: torch.device) -> int:
     return _COMBINE_BLOCK_ELEMS_CPU if device.type == "cpu" else _COMBINE_BLOCK_ELEMS_GPU
 
 
-def backward_block_elems(device: torch.device) -> int:
-    """Elements per block of ``_weighted_rows_backward`` for rows on ``device``. Blocks never change the result:
-    every row is computed on its own."""
-    return _BACKWARD_BLOCK_ELEMS_CPU if device.type == "cpu" else _BACKWARD_BLOCK_ELEMS_GPU
+def _sum_copies(rows_NH: Tensor, slot_N: Tensor, num_tokens: int, topk: int, padded: bool) -> Tensor:
+    """y[t] = sum_k rows[row of slot (t, k)], a slot without a row adding zero, in ``combine_dtype(rows.dtype)``.
+    Deterministic.
 
-
-def _sum_copies(rows_NH: Tensor, slot_N: Tensor, num_tokens: int, topk: int, padded: bool,
-                weights_TK: Tensor | None = None) -> Tensor:
-    """y[t] = sum_k w[t, k] * rows[row of slot (t, k)] (w = 1 without weights), a slot without a row
-    adding zero, in ``combine_dtype(rows.dtype)``. Deterministic.
-
-    Rows in that dtype already: one ``embedding_bag`` pass gathers and sums each token's K rows, weighting
-    each by its ``per_sample_weights`` (no scatter-add, no [T*K, H] intermediate). Lower-precision rows:
-    each block of tokens' K rows is gathered, upcast and reduced with its fp32 weights by one batched
-    ``[1, K] x [K, H]`` product.
+    Rows in that dtype already: one ``embedding_bag`` pass gathers and sums each token's K rows (slots without a
+    row masked by a zero ``per_sample_weights``; no scatter-add, no [T*K, H] intermediate). Lower-precision rows:
+    each block of tokens' K rows is gathered, upcast and reduced by one batched ``[1, K] x [K, H]`` product with
+    the fp32 mask (ones where every slot has a row).
     """
     T, K, N = num_tokens, topk, rows_NH.shape[0]
     rest = rows_NH.shape[1:]
@@ -230,9 +221,7 @@ def _sum_copies(rows_NH: Tensor, slot_N: Tensor, num_tokens: int, topk: int, pad
         return rows_NH.new_zeros((T, *rest), dtype=acc)
     rows_2d = rows_NH.reshape(N, -1)
     row_of_slot, valid = _row_of_slot(slot_N, N, T, K, padded)
-    w = None if weights_TK is None else weights_TK.reshape(-1).to(acc)
-    if valid is not None:
-        w = valid.to(acc) if w is None else w.masked_fill(~valid, 0)
+    w = None if valid is None else valid.to(acc)
     if rows_2d.dtype == acc:
         y = F.embedding_bag(row_of_slot.view(T, K), rows_2d, mode="sum",
                             per_sample_weights=None if w is None else w.view(T, K))
@@ -282,75 +271,8 @@ class _Unpermute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         (token_N,) = ctx.saved_tensors
-        return _gather_rows(grad.contiguous(), token_N, ctx.padded).to(ctx.rows_dtype), None, None, None, None, None
-
-
-def _weighted_rows_backward(grad_TH: Tensor, rows_NH: Tensor, probs_TK: Tensor, token_N: Tensor, slot_N: Tensor,
-                            padded: bool, need_rows: bool, need_probs: bool,
-                            block_elems: int | None = None) -> tuple[Tensor | None, Tensor | None]:
-    """The weighted combine's backward from one gather of the token gradients, in blocks of rows.
-
-    Row n of token t with prob p: its gradient ``p * grad[t]`` (computed in ``combine_dtype``, returned in
-    the rows' dtype) and ``grad[t] . row`` for p (an [N] fp32 dot product, products in ``combine_dtype``).
-    Blocks of ``block_elems`` (default ``backward_block_elems``: small on a CPU, large on a GPU).
-    Returns (grad_rows [N, H] or None, grad_probs [T, K] in the probs' dtype or None).
-    """
-    T, K = probs_TK.shape
-    N = rows_NH.shape[0]
-    acc = combine_dtype(torch.promote_types(grad_TH.dtype, rows_NH.dtype))
-    grad_src = grad_TH.contiguous()
-    if padded:  # padding rows point at token T: an appended zero row
-        grad_src = torch.cat([grad_src, grad_src.new_zeros((1, *grad_src.shape[1:]))])
-    p_N = _probs_of_rows(probs_TK, slot_N, padded).to(acc)
-    grad_rows = workspace(rows_NH.device).empty(rows_NH.shape, rows_NH.dtype) if need_rows else None
-    dots_N = torch.empty(N, dtype=torch.float32, device=rows_NH.device) if need_probs else None
-    width = max(1, rows_NH[0].numel() if N else 1)
-    step = max(1, min(N, (block_elems or backward_block_elems(rows_NH.device)) // width))
-    # workspaces for one block, reused by every block (see _BACKWARD_BLOCK_ELEMS_CPU)
-    shape, dev = (step, *rows_NH.shape[1:]), rows_NH.device
-    picked = torch.empty(shape, dtype=grad_src.dtype, device=dev)
-    wide = picked if grad_src.dtype == acc else torch.empty(shape, dtype=acc, device=dev)
-    rows_wide = torch.empty(shape, dtype=acc, device=dev) if need_probs and rows_NH.dtype != acc else None
-    prod = torch.empty(shape, dtype=acc, device=dev) if need_probs else None
-    for i in range(0, N, step):
-        n = min(step, N - i)
-        g = torch.index_select(grad_src, 0, token_N[i:i + n], out=picked[:n])
-        if wide is not picked:
-            g = wide[:n].copy_(g)
-        if need_probs:
-            r = rows_NH[i:i + n] if rows_wide is None else rows_wide[:n].copy_(rows_NH[i:i + n])
-            torch.sum(torch.mul(g, r, out=prod[:n]).flatten(1), -1, dtype=torch.float32, out=dots_N[i:i + n])
-        if need_rows:
-            grad_rows[i:i + n] = g.mul_(p_N[i:i + n].view(-1, *([1] * (g.dim() - 1))))
-    grad_probs = None
-    if need_probs:
-        # padding rows all write the sink slot T*K, which is dropped
-        grad_probs = dots_N.new_zeros(T * K + 1).scatter_(0, slot_N, dots_N)[:T * K].view(T, K).to(probs_TK.dtype)
-    return grad_rows, grad_probs
-
-
-class _WeightedUnpermute(torch.autograd.Function):
-    """Forward: y[t] = sum_k p[t, k] * (row of copy (t, k)), on the tokens' home rank, in ``combine_dtype``.
-
-    Backward: each row's gradient is its token's gradient times the row's prob, and each prob's
-    gradient the dot product of its token's gradient with the row (the expert output that came
-    back): both from one gather of the token gradients. Saves the rows (needed for the probs'
-    gradient, in their own dtype) and the probs.
-    """
-
-    @staticmethod
-    def forward(ctx, rows: Tensor, probs_TK: Tensor, token_N: Tensor, slot_N: Tensor, padded: bool) -> Tensor:
-        ctx.save_for_backward(rows, probs_TK, token_N, slot_N)
-        ctx.padded = padded
-        T, K = probs_TK.shape
-        return _sum_copies(rows.contiguous(), slot_N, T, K, padded, probs_TK)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        rows, probs_TK, token_N, slot_N = ctx.saved_tensors
-        grad_rows, grad_probs = _weighted_rows_backward(grad, rows, probs_TK, token_N, slot_N, ctx.padded,
-                                                        ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        return grad_rows, grad_probs, None, None, None
+        # rounded to the rows' dtype before the gather (the same values): no [N, H] copy in the sum's fp32
+        return _gather_rows(grad.to(ctx.rows_dtype).contiguous(), token_N, ctx.padded), None, None, None, None, None
 
 
 def permute(x_TH: Tensor, row_map: RowMap) -> Tensor:
@@ -360,23 +282,25 @@ def permute(x_TH: Tensor, row_map: RowMap) -> Tensor:
     return _Permute.apply(x_TH, row_map.token_of_row_N, row_map.slot_of_row_N, row_map.topk, row_map.padded)
 
 
-def unpermute(rows_NH: Tensor, row_map: RowMap, probs_TK: Tensor | None = None) -> Tensor:
-    """[N, H] rows -> [T, H] in ``combine_dtype(rows.dtype)`` (fp32 for bf16 rows): each token's copies
-    summed, weighted by ``probs_TK`` [T, K] when given.
+def unpermute(rows_NH: Tensor, row_map: RowMap) -> Tensor:
+    """[N, H] rows -> [T, H] in ``combine_dtype(rows.dtype)`` (fp32 for bf16 rows): each token's copies summed.
 
-    Copies not dispatched (dropped, or padding rows) add zero. With ``probs_TK`` the weights are
-    applied here, on the rank that holds them, and their gradient is computed from the rows.
+    The rows come back weighted already (the experts apply the routing probs inside their activation,
+    ``moe.activation``); copies not dispatched (dropped, or padding rows) add zero.
     """
     if rows_NH.shape[0] != row_map.num_rows:
         raise ValueError(f"unpermute: got {rows_NH.shape[0]} rows but the row map has {row_map.num_rows}")
-    if probs_TK is None:
-        return _Unpermute.apply(rows_NH, row_map.token_of_row_N, row_map.slot_of_row_N, row_map.num_tokens,
-                                row_map.topk, row_map.padded)
+    return _Unpermute.apply(rows_NH, row_map.token_of_row_N, row_map.slot_of_row_N, row_map.num_tokens,
+                            row_map.topk, row_map.padded)
+
+
+def permute_probs(probs_TK: Tensor, row_map: RowMap) -> Tensor:
+    """[T, K] routing probs -> [N] prob of each dispatched row (0 for padding rows), in the probs' dtype, with
+    autograd (backward: each row's gradient back to its copy slot; padding rows' to a dropped sink). Local."""
     if tuple(probs_TK.shape) != (row_map.num_tokens, row_map.topk):
-        raise ValueError(f"unpermute: probs have shape {tuple(probs_TK.shape)}, the row map is for "
+        raise ValueError(f"permute_probs: probs have shape {tuple(probs_TK.shape)}, the row map is for "
                          f"[{row_map.num_tokens}, {row_map.topk}] copies")
-    return _WeightedUnpermute.apply(rows_NH, probs_TK, row_map.token_of_row_N, row_map.slot_of_row_N,
-                                    row_map.padded)
+    return _probs_of_rows(probs_TK, row_map.slot_of_row_N, row_map.padded)
 
 
 def _probs_of_rows(probs_TK: Tensor, slot_N: Tensor, padded: bool) -> Tensor:

@@ -18,8 +18,9 @@ gloo's threads and ``wait()`` blocks the caller until it is done. DeepEP's excha
 ``dispatch.deepep_elastic``) run on DeepEP's communication stream and wait on its event (``after_event``).
 
 ``AllToAllExchange``: the alltoall dispatcher's uneven all-to-all over ep (one collective, or one per
-local expert when chunked), optionally FP8 (rows leave as e4m3 with their scales, arrive dequantised;
-gradients return in the rows' dtype, the cast counting as the identity).
+local expert when chunked; the rows' routing probs beside them by the same splits), optionally FP8
+(rows leave as e4m3 with their scales, arrive dequantised; gradients return in the rows' dtype, the
+cast counting as the identity).
 """
 
 from __future__ import annotations
@@ -182,21 +183,24 @@ class AllToAllExchange(TokenExchange[None]):
         return AllToAllExchange(self.recv, self.send, self.group)
 
     def start(self, *tensors: Tensor) -> InFlight[Arrival[None]]:
-        (rows,) = tensors
+        """``(rows [N, ...],)`` or ``(rows, probs [N])``: each tensor by the same splits (the probs in their own
+        dtype, one more all-to-all, as Megatron-Core's alltoall dispatcher moves its permuted probs)."""
+        rows, *rest = tensors
+        others = [_all_to_all(t, self.recv, self.send, self.group) for t in rest]
         if not self.fp8:
             flight = _all_to_all(rows, self.recv, self.send, self.group)
-            return InFlight(lambda: Arrival((flight.wait(),), None))
+            return InFlight(lambda: Arrival((flight.wait(), *(f.wait() for f in others)), None))
         if rows.dim() != 2:
             raise ValueError(f"FP8 dispatch sends token rows [N, H], got shape {tuple(rows.shape)}")
         with torch.no_grad():   # every row is cast, also those a rank keeps: the same values at every layout
             flight = _all_to_all(pack(*quantize_rows(rows)), self.recv, self.send, self.group)
         H, dtype = rows.shape[1], rows.dtype
-        return InFlight(lambda: Arrival((dequantize_rows(*unpack(flight.wait(), H), dtype),), None))
+        return InFlight(lambda: Arrival((dequantize_rows(*unpack(flight.wait(), H), dtype),
+                                         *(f.wait() for f in others)), None))
 
     def start_backward(self, grads: Sequence[Tensor], meta: None) -> InFlight[tuple[Tensor, ...]]:
-        (grad,) = grads
-        flight = _all_to_all(grad, self.send, self.recv, self.group)
-        return InFlight(lambda: (flight.wait(),))
+        flights = [_all_to_all(g, self.send, self.recv, self.group) for g in grads]
+        return InFlight(lambda: tuple(f.wait() for f in flights))
 
 
 __all__ = ["AllToAllExchange", "Arrival", "InFlight", "StreamEvent", "TokenExchange", "after_event", "arrive",

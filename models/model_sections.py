@@ -358,7 +358,7 @@ class ModelSharedExperts:
 class ModelMoE:
     """Which layers are MoE and of what: layer ``i`` is an MoE layer when ``num_experts > 0``, ``i >=
     first_k_dense_replace`` and ``layer_freq`` (every N-th layer, or a 0/1 pattern per layer) selects it.
-    ``apply_probs_on_input``: top-1: x * prob before the expert (default: in the combine)."""
+    ``apply_probs_on_input``: top-1: x * prob before the expert (default: inside the expert's activation)."""
 
     num_experts: int = model_flag(0, "routed experts per MoE layer (0: a dense model)", "--num-experts")
     first_k_dense_replace: int = 0
@@ -367,7 +367,8 @@ class ModelMoE:
         parse=layer_pattern, flat="moe_layer_freq",
         apply=lambda c, v: {"moe_layer_freq": v, "first_k_dense_replace": 0})
     apply_probs_on_input: bool = model_flag(False, "top-1: scale the token by its probability before the expert (off: "
-                                            "the expert's output, in the combine)", "--moe-apply-probs-on-input",
+                                            "inside the expert, its activation times the probability)",
+                                            "--moe-apply-probs-on-input",
                                             group="router", override=True, flat="moe_apply_probs_on_input")
     latent_size: int | None = model_flag(None, "latent experts: the exchange and the routed experts at this width, "
                                          "projected down from and back up to the hidden size (unset: off)",

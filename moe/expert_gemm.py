@@ -4,8 +4,9 @@
 
     host = gemm.host_counts(x, counts_e, counts_host)        # the counts as host ints, where the backend reads them
     x_in, call = gemm.enter(x, counts_e, host, w13, packed)  # the rows as the GEMMs take them, the call's counts
+    p_in = gemm.enter_probs(probs, call)                     # each row's routing prob, laid out as the rows
     h = gemm.project(Projection.FC1, x_in, w13, call, slot)  # gate/up (or the one input) projection
-    act = gemm.activation(eager)(h)                          # the backend's implementation of the activation
+    act = gemm.activation(eager)(h, p_in)                    # the backend's weighted activation (moe.activation)
     y = gemm.project(Projection.FC2, act, w2, call, slot)    # down projection
     out = gemm.leave(y, call)                                # back in the dispatcher's row order
 
@@ -38,7 +39,7 @@ from torch import Tensor
 
 from moefold.dense.grad_accumulation import MainGradSlot, grad_slot
 from moefold.dense.split_backward import WeightGradStore
-from moefold.moe.activation import Activation, swiglu
+from moefold.moe.activation import Weighted, WeightedActivation, swiglu
 from moefold.moe.block_gemm import BlockScaledGroupedGemm
 from moefold.moe.fp8_gemm import Float8GroupedGemm
 from moefold.moe.gemm import GemmBackend, grouped_gemm
@@ -108,12 +109,17 @@ class ExpertGemm(Protocol[CallT]):
         """``x[rows_i] @ w[i]^T`` for every local expert i; ``slot``: ``w``'s main-grad slot (fusion), or None."""
         ...
 
+    def enter_probs(self, probs_N: Tensor | None, call: CallT) -> Tensor | None:
+        """Each row's routing prob (``[N]`` fp32, or None) laid out as ``enter`` laid out the rows (zero for the
+        rows it added)."""
+        ...
+
     def leave(self, out: Tensor, call: CallT) -> Tensor:
         """The second projection's output back in the rows ``enter`` was given."""
         ...
 
-    def activation(self, eager: Activation) -> Activation:
-        """This backend's implementation of the activation whose autograd form is ``eager``."""
+    def activation(self, eager: Weighted) -> WeightedActivation:
+        """This backend's implementation of the weighted activation whose eager form is ``eager``."""
         ...
 
     def with_weight_grad_store(self, store: WeightGradStore) -> ExpertGemm[GemmCall]:
@@ -140,10 +146,13 @@ class GemmBase(Generic[CallT]):
               packed: bool) -> tuple[Tensor, GemmCall]:
         return x_NH, GemmCall(counts_e, host)
 
+    def enter_probs(self, probs_N: Tensor | None, call: CallT) -> Tensor | None:
+        return probs_N
+
     def leave(self, out: Tensor, call: CallT) -> Tensor:
         return out
 
-    def activation(self, eager: Activation) -> Activation:
+    def activation(self, eager: Weighted) -> WeightedActivation:
         return eager
 
     def with_weight_grad_store(self, store: WeightGradStore) -> ExpertGemm[GemmCall]:
@@ -161,8 +170,8 @@ class GroupedMMGemm(GemmBase[GemmCall]):
                 slot: MainGradSlot | None) -> Tensor:
         return grouped_linear(x, w_eMK, call.counts_e, slot)
 
-    def activation(self, eager: Activation) -> Activation:
-        return swiglu_rows if eager is swiglu else eager
+    def activation(self, eager: Weighted) -> WeightedActivation:
+        return swiglu_rows if eager.act is swiglu else eager
 
 
 class HostCountsGemm(GemmBase[GemmCall]):
@@ -207,11 +216,11 @@ class Fp8Gemm(GemmBase[GemmCall]):
                 slot: MainGradSlot | None) -> Tensor:
         return self.gemms[which](x, w_eMK, call.counts_e, trans_w=True, counts_host=call.host)
 
-    def activation(self, eager: Activation) -> Activation:
+    def activation(self, eager: Weighted) -> WeightedActivation:
         # the down GEMM keeps SwiGLU's output (its input) itself (its quantised copy, or the output under moe_act
-        # recompute): ``swiglu_rows`` keeps only the gate/up rows for its own backward, where autograd's SwiGLU would
-        # also keep silu(gate) (bit for bit the same values)
-        return swiglu_rows if eager is swiglu else eager
+        # recompute): ``swiglu_rows`` keeps only the gate/up rows and the probs beside it, where autograd's SwiGLU
+        # would also keep silu(gate) and the unweighted product (bit for bit the same values)
+        return swiglu_rows if eager.act is swiglu else eager
 
     def saving_original_input(self, which: Projection) -> None:
         """The ``which`` GEMM keeps its high-precision input for backward instead of the quantised copy: where the

@@ -12,8 +12,9 @@ Weights (``nn.Linear`` ``[out, in]`` layout per expert, so HF checkpoints map wi
   expert. ``w2_bias`` is replicated over etp and added on etp rank 0 only (the outputs are partial sums
   over etp); it enters through ``copy_to_region`` over etp, so its gradient is all-reduced there.
 
-The activation is SwiGLU or GELU (``moe.activation``: ``GatedActivation`` shapes the gated one, GPT-OSS's clamped
-SwiGLU among them).
+The activation is SwiGLU, GELU or squared ReLU (``moe.activation``: ``GatedActivation`` shapes the gated one, GPT-OSS's
+clamped SwiGLU among them), weighted by each row's routing prob (``moe.activation.Weighted``): the experts return
+``p * FFN(x)`` and the dispatcher's combine only sums a token's copies (Megatron-Core 0.16.1's order).
 
 Sharding: the expert dim over ``ep`` (rank ``ep_rank`` holds experts ``[ep_rank*e, (ep_rank+1)*e)``),
 the FFN dim ``F`` over ``etp`` (each etp rank holds a slice of every expert's hidden units, so its
@@ -47,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moefold.dense.regions import KEEP_OUTPUT, OUTPUT_KIND, PLAIN, OutputRegion, Region, recomputes, replace_regions
-from moefold.moe.activation import BACKEND_ACTIVATION, Activation, ActivationKernel, eager_activation
+from moefold.moe.activation import BACKEND_ACTIVATION, ActivationKernel, Weighted, eager_activation
 from moefold.moe.config import ExpertsConfig
 from moefold.moe.expert_gemm import ExpertGemm, GemmCall, Projection, WeightGrads
 from moefold.moe.gemm import flops_per_token, row_experts
@@ -80,10 +81,12 @@ class ExpertsRegions:
 class GroupedExperts(nn.Module):
     """The ``e = num_experts / ep`` local experts of one MoE layer.
 
-    forward(tokens_NH, tokens_per_expert_e, tokens_per_expert_host=None) -> out_NH: rows
+    forward(tokens_NH, tokens_per_expert_e, tokens_per_expert_host=None, probs_N=None) -> out_NH: rows
     expert-major (the first ``tokens_per_expert_e[0]`` rows go to local expert 0, ...),
-    ``out = FFN_i(tokens)``, a partial sum over etp (no communication here: the dispatcher
-    reduces it in combine and applies the routing probs there). ``tokens_per_expert_host``: the
+    ``out = p * FFN_i(tokens)`` with ``p = probs_N`` [N] fp32, each row's routing prob (``Dispatched.probs_N``),
+    applied inside the activation (``w2``'s input is ``(act(h) * p).to(dtype)``, as Megatron-Core's experts; the
+    ``w2`` bias weighted too), or plain ``FFN_i(tokens)`` without probs; a partial sum over etp (no communication
+    here: the dispatcher's combine sums the copies and reduces over etp). ``tokens_per_expert_host``: the
     counts as host ints when the dispatcher has them; backends that need host counts (``te``,
     ``grouped_gemm``, ``loop``) otherwise read them from the device (one host synchronisation).
 
@@ -103,7 +106,7 @@ class GroupedExperts(nn.Module):
         self.num_local_experts = e
         self.local_expert_offset = group_rank(ep_group) * e
         self.gated = config.activation.gates == 2
-        self._eager_activation: Activation = eager_activation(config.activation, config.glu)
+        self._eager_activation: Weighted = eager_activation(config.activation, config.glu)
         self.regions = ExpertsRegions()
         self.gemm: ExpertGemm[GemmCall] = self._checked_gemm(gemm)
         self.weight_grads = WeightGrads.AUTOGRAD
@@ -189,15 +192,21 @@ class GroupedExperts(nn.Module):
         self._activation = self.activation_kernel.kept(eager, self.gemm.activation(eager))
         self._recomputable_activation = self.activation_kernel.recomputed(eager)
 
-    def _add_w2_bias(self, out_NH: Tensor, rows_e: Tensor | None) -> Tensor:
+    def _add_w2_bias(self, out_NH: Tensor, rows_e: Tensor | None, probs_N: Tensor | None) -> Tensor:
         if self.w2_bias is None:
             return out_NH
         # every etp rank takes the bias through the region (its backward is a collective), rank 0 adds it
         b2_eH = _with_zero_row(copy_to_region(self.w2_bias, self.etp_group))
-        return out_NH + (b2_eH[rows_e] if self._adds_w2_bias else 0.0 * b2_eH[rows_e])
+        b2_NH = b2_eH[rows_e] if self._adds_w2_bias else 0.0 * b2_eH[rows_e]
+        if probs_N is None:
+            return out_NH + b2_NH
+        # the bias is part of the weighted output p * FFN(x): Megatron's ``_apply_bias`` ``(t + b * p).to(t.dtype)``
+        return (out_NH + b2_NH * probs_N.unsqueeze(1)).to(out_NH.dtype)
 
     def forward(self, tokens_NH: Tensor, tokens_per_expert_e: Tensor,
-                tokens_per_expert_host: Sequence[int] | None = None) -> Tensor:
+                tokens_per_expert_host: Sequence[int] | None = None, probs_N: Tensor | None = None) -> Tensor:
+        if probs_N is not None and tuple(probs_N.shape) != (tokens_NH.shape[0],):
+            raise ValueError(f"GroupedExperts: probs of shape {tuple(probs_N.shape)} for {tokens_NH.shape[0]} rows")
         host = self.gemm.host_counts(tokens_NH, tokens_per_expert_e, tokens_per_expert_host)
         N = tokens_NH.shape[0]
         if host is not None and sum(host) != N:
@@ -206,25 +215,28 @@ class GroupedExperts(nn.Module):
                 raise ValueError(f"GroupedExperts: the counts {list(host)} cover {n} rows, there are {N}")
             # a sync-free dispatcher's worst-case rows past the last expert's (dispatch.base.Dispatched): skipped,
             # their outputs zero (never read)
-            out = self._forward(tokens_NH[:n], tokens_per_expert_e, host)
+            out = self._forward(tokens_NH[:n], tokens_per_expert_e, host, None if probs_N is None else probs_N[:n])
             return F.pad(out, (0, 0, 0, N - n))
-        return self._forward(tokens_NH, tokens_per_expert_e, host)
+        return self._forward(tokens_NH, tokens_per_expert_e, host, probs_N)
 
-    def _forward(self, tokens_NH: Tensor, tokens_per_expert_e: Tensor, host: tuple[int, ...] | None) -> Tensor:
+    def _forward(self, tokens_NH: Tensor, tokens_per_expert_e: Tensor, host: tuple[int, ...] | None,
+                 probs_N: Tensor | None) -> Tensor:
         e, gates, f, H = self.w13.shape
         # [e, G, f, H] -> [e, G*f, H]: gate and up projections in a single grouped GEMM.
         w13 = self.w13.reshape(e, gates * f, H)
         gemm = self.gemm
         call, h_NGf, rows_e = self.regions.expert_fc1(self._fc1, tokens_NH, tokens_per_expert_e, host, w13)
         act_region = self.regions.moe_act
-        # a region that frees the activation's output and recomputes it (moe_act recompute) needs autograd's fresh
-        # tensor, not the backend's (which may write a reused workspace)
+        # a region that frees the activation's output and recomputes it (moe_act recompute) needs a fresh tensor,
+        # not the backend's (which may write a reused workspace)
         activation = self._recomputable_activation if recomputes(act_region) else self._activation
         opened = act_region.open()
-        act_Nf = opened.run(activation, h_NGf)
+        # the routing probs weight each row here, inside the activation (moe.activation): (act(h) * p).to(dtype)
+        p_in = gemm.enter_probs(probs_N, call)
+        act_Nf = opened.run(activation, h_NGf) if p_in is None else opened.run(activation, h_NGf, p_in)
         out_NH = gemm.project(Projection.FC2, act_Nf, self.w2, call, self.weight_grads.slot(self.w2))
         opened.consumed(out_NH)   # the down GEMM has saved the activation
-        return self._add_w2_bias(gemm.leave(out_NH, call), rows_e)
+        return self._add_w2_bias(gemm.leave(out_NH, call), rows_e, probs_N)
 
     def _fc1(self, tokens_NH: Tensor, tokens_per_expert_e: Tensor, host: tuple[int, ...] | None, w13: Tensor,
              ) -> tuple[GemmCall, Tensor, Tensor | None]:

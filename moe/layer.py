@@ -20,10 +20,10 @@ or padded; 1 in unpadded capacity mode), alltoall 1 (dropless or unpadded capaci
 allgather 1, flex on DeepEP V2 0 (sync-free: the received counts stay on the device), flex on the legacy
 DeepEP 1 (its dispatch waits on the host for the received counts) (tests/dispatch/test_host_sync.py).
 
-Routing probs: applied in the combine, ``y[t] = sum_k p[t, k] * FFN_k(x_t)`` (on the token's home
-rank for local/alltoall: they never travel; see ``dispatch.base``), or, with
-``apply_probs_on_input`` (top-1), to the token before the experts (Megatron's
-``--moe-apply-probs-on-input``).
+Routing probs: ``y[t] = sum_k p[t, k] * FFN_k(x_t)``, applied inside the experts' activation (each dispatched row
+carries its prob, ``Dispatched.probs_N``; the down projection's input is ``(act(h) * p).to(dtype)``, Megatron-Core
+0.16.1's order; see ``dispatch.base`` and ``moe.activation``) so that the combine only sums a token's copies, or,
+with ``apply_probs_on_input`` (top-1), to the token before the experts (Megatron's ``--moe-apply-probs-on-input``).
 
 Drops into the transformer block's FFN slot: ``forward(x [S, B, H]) -> (y [S, B, H], MoEOutputInfo)``.
 
@@ -178,9 +178,9 @@ class MoELayer(nn.Module):
         x_in_TH, routed, split_tokens = self._route(x_SBH, global_state, generator, token_ids_BS)
         if self.latent_down is not None:   # the exchange and the experts at the latent width
             x_in_TH = self.latent_down(x_in_TH)
-        # the combine weights each returned copy by its prob, unless the probs were applied to the input
+        # the probs travel with the rows to the experts, unless they were applied to the input
         sent, prep = self.regions.preprocess(self.dispatcher.prepare_dispatch, x_in_TH, routed.routing,
-                                             weighted_combine=not self.apply_probs_on_input)
+                                             with_probs=not self.apply_probs_on_input)
         return MoEDispatchStart(sent=sent, prep=prep, info=self._info(routed), split_tokens=split_tokens)
 
     def shared_step(self, x_SBH: Tensor) -> Tensor | None:
@@ -190,21 +190,22 @@ class MoELayer(nn.Module):
         return self.regions.shared_experts(self.shared_experts, x_SBH)
 
     def experts_step(self, received: tuple[Tensor, ...], meta: object, prep: DispatchPrep) -> MoEExpertsOut:
-        """Between the two exchanges: the dispatch's local finish, the routed experts (plain ``FFN_g(rows)``,
-        partial sums over etp), the combine's local start."""
+        """Between the two exchanges: the dispatch's local finish, the routed experts (``p * FFN_g(rows)``, each
+        row's prob applied inside the activation; partial sums over etp), the combine's local start."""
         dispatched: Dispatched[DispatchHandle] = self.dispatcher.finish_dispatch(received, meta, prep)
-        out_NH = self.experts(dispatched.tokens_NH, dispatched.tokens_per_expert_e, dispatched.tokens_per_expert_host)
+        out_NH = self.experts(dispatched.tokens_NH, dispatched.tokens_per_expert_e, dispatched.tokens_per_expert_host,
+                              dispatched.probs_N)
         return MoEExpertsOut(self.dispatcher.prepare_combine(out_NH, dispatched.handle), dispatched.handle,
                              self._received(dispatched.received_e))
 
     def combine_finish(self, received: tuple[Tensor, ...], handle: DispatchHandle, x_SBH_like: Tensor,
                        split_tokens: bool, shared_SBH: Tensor | None) -> Tensor:
-        """After the combine exchange: each token's copies summed (with their probs), the shared experts added.
+        """After the combine exchange: each token's (weighted) copies summed, the shared experts added.
         ``x_SBH_like``: a tensor of the layer input's shape and dtype."""
         y_TH = self.dispatcher.finish_combine(received, handle)
         if self.latent_up is not None:   # the combine's sum (fp32 for bf16 tokens) back to the hidden size
             y_TH = self.latent_up(y_TH)
-        # For bf16 tokens the combine returns its fp32 sum of the k weighted copies (``dispatch.base``): the
+        # For bf16 tokens the combine returns its fp32 sum of the k (weighted) copies (``dispatch.base``): the
         # shared experts' output is added to it in fp32 and the layer's output rounded once (Megatron-Core
         # rounds the combine's sum first, then adds the shared experts in bf16)
         if split_tokens:   # rounded before the gather, which then moves model-dtype bytes

@@ -1,20 +1,27 @@
-"""SwiGLU ``silu(gate) * up`` over the halves of one GEMM's output, in reused buffers and without a ``cat``.
+"""SwiGLU ``silu(gate) * up``, weighted by each row's routing prob, over the halves of one GEMM's output, in reused
+buffers and without a ``cat``.
 
-``swiglu_rows(h_NGf)``: ``h [N, 2f]`` (gate ``h[:, :f]``, up ``h[:, f:]``, as the experts' single input
-projection writes them) -> ``act [N, f]``. Autograd's version allocates ``silu(gate)``, the product, and in
-backward four more ``[N, f]`` tensors and a ``cat`` into a fresh ``[N, 2f]`` gradient: on CPU each is a new,
-page-faulted buffer per call (the ``cat`` alone took 43 ms on 64 MB in the issue's profile). Here forward is
-two passes into one workspace (``silu`` out, ``mul_``), backward four passes that write the two halves of
-one workspace ``dh`` directly::
+``swiglu_rows(h_NGf, probs_N)``: ``h [N, 2f]`` (gate ``h[:, :f]``, up ``h[:, f:]``, as the experts' single input
+projection writes them), ``probs_N [N]`` fp32 (or None) -> ``act [N, f] = (silu(gate) * up * p).to(h.dtype)``: the
+weighted activation of ``moe.activation`` (Megatron-Core's ``activation_func_with_probs``; the product with the fp32
+prob rounded once). Autograd's version allocates ``silu(gate)``, the products, and in backward more ``[N, f]``
+tensors and a ``cat`` into a fresh ``[N, 2f]`` gradient: on CPU each is a new, page-faulted buffer per call (the
+``cat`` alone took 43 ms on 64 MB in the issue's profile), and it saves ``silu(gate) * up`` for the probs' gradient.
+Here forward is three passes into one workspace (``silu`` out, ``mul_`` up, ``mul_`` p); backward writes the two
+halves of one workspace ``dh`` directly, recomputing ``a = silu(gate) * up`` for the probs' gradient (as
+Megatron's fused ``weighted_swiglu`` does)::
 
+    d_p    = sum_f g * a                (g: d_out widened to fp32, the product's dtype)
+    d_act  = (g * p) rounded to h's dtype
     d_up   = silu(gate) * d_act
     d_gate = silu'(gate) * (up * d_act)        (aten's silu_backward, in place)
 
-Saves only ``h`` (autograd saves ``h``'s halves and ``silu(gate)``). The kernels are aten's own (``silu``,
-``mul``, ``silu_backward``), so the values equal autograd's bit for bit. On CUDA the workspace is the
-caching allocator. ``--compile`` fuses the same math into one generated kernel per direction instead
-(``moe.activation.fused_activation``); under selective recompute of the activation (which frees its output's
-storage) the experts use autograd's version (a workspace must never be freed under the pool).
+Saves only ``h`` and ``p``. The kernels are aten's own (``silu``, ``mul``, ``silu_backward``, ``sum``), in the
+order autograd runs them for ``(F.silu(gate) * up * p[:, None]).to(h.dtype)``, so the values equal autograd's bit
+for bit. On CUDA the workspace is the caching allocator. ``--compile`` fuses the same math into one generated kernel
+per direction instead (``moe.activation.fused_weighted_activation``); under selective recompute of the activation
+(which frees its output's storage) the experts use ``moe.activation.Weighted`` (a workspace must never be freed
+under the pool).
 """
 
 from __future__ import annotations
@@ -27,34 +34,48 @@ from moefold.dense.workspace import workspace
 
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_NGf: Tensor) -> Tensor:
+    def forward(ctx, h_NGf: Tensor, probs_N: Tensor | None) -> Tensor:
         N, f = h_NGf.shape[0], h_NGf.shape[1] // 2
         gate, up = h_NGf[:, :f], h_NGf[:, f:]
         act = workspace(h_NGf.device).empty((N, f), h_NGf.dtype)
         torch.ops.aten.silu.out(gate, out=act)
         act.mul_(up)
-        ctx.save_for_backward(h_NGf)
+        if probs_N is not None:   # in the fp32 of the probs, rounded once to h's dtype on the store
+            act.mul_(probs_N.unsqueeze(1))
+        ctx.save_for_backward(h_NGf, probs_N)
         return act
 
     @staticmethod
-    def backward(ctx, d_act: Tensor) -> Tensor:
-        (h_NGf,) = ctx.saved_tensors
+    def backward(ctx, d_out: Tensor) -> tuple[Tensor, Tensor | None]:
+        h_NGf, probs_N = ctx.saved_tensors
         N, f = h_NGf.shape[0], h_NGf.shape[1] // 2
         gate, up = h_NGf[:, :f], h_NGf[:, f:]
         dh = workspace(h_NGf.device).empty((N, 2 * f), h_NGf.dtype)
         d_gate, d_up = dh[:, :f], dh[:, f:]
         torch.ops.aten.silu.out(gate, out=d_up)
+        d_p = None
+        d_act = d_out
+        if probs_N is not None:
+            if ctx.needs_input_grad[1]:   # sum_f g * a, g the output gradient widened, a = silu(gate) * up recomputed
+                g = d_out.to(torch.promote_types(h_NGf.dtype, probs_N.dtype), copy=True)
+                d_p = g.mul_(torch.mul(d_up, up)).sum(1)
+                del g
+            # (g * p) rounded to h's dtype: the product in fp32 (type promotion), rounded on the store
+            d_act = torch.mul(d_out, probs_N.unsqueeze(1), out=workspace(h_NGf.device).empty((N, f), h_NGf.dtype))
         d_up.mul_(d_act)
         torch.mul(up, d_act, out=d_gate)
         torch.ops.aten.silu_backward.grad_input(d_gate, gate, grad_input=d_gate)
-        return dh
+        return dh, d_p
 
 
-def swiglu_rows(h_NGf: Tensor) -> Tensor:
-    """[N, 2f] (gate, up) -> [N, f] ``silu(gate) * up`` (module docstring)."""
+def swiglu_rows(h_NGf: Tensor, probs_N: Tensor | None = None, /) -> Tensor:
+    """[N, 2f] (gate, up), [N] fp32 probs or None -> [N, f] ``(silu(gate) * up * p).to(h.dtype)`` (module
+    docstring)."""
     if h_NGf.dim() != 2 or h_NGf.shape[1] % 2:
         raise ValueError(f"swiglu_rows expects [N, 2f], got {tuple(h_NGf.shape)}")
-    return _SwiGLU.apply(h_NGf.contiguous())
+    if probs_N is not None and tuple(probs_N.shape) != (h_NGf.shape[0],):
+        raise ValueError(f"swiglu_rows: probs of shape {tuple(probs_N.shape)} for {h_NGf.shape[0]} rows")
+    return _SwiGLU.apply(h_NGf.contiguous(), probs_N)
 
 
 __all__ = ["swiglu_rows"]

@@ -109,6 +109,14 @@ class TEExpertGemms(GemmBase[TECall]):
         return x_pad, TECall(counts_e, host, padded)
 
     @torch.compiler.disable
+    def enter_probs(self, probs_N: Tensor | None, call: TECall) -> Tensor | None:
+        # FP8: padded like the rows (zero probs on the padding rows), as Megatron's TEGroupedMLP pads
+        # ``permuted_probs.unsqueeze(-1)`` with the same ``Fp8Padding``
+        if probs_N is None or self.pad is None:
+            return probs_N
+        return self.pad(probs_N.unsqueeze(-1), [int(m) for m in call.host or ()])[0].squeeze(-1)
+
+    @torch.compiler.disable
     def project(self, which: Projection, x: Tensor, w_eMK: Tensor, call: TECall, slot: MainGradSlot | None) -> Tensor:
         return (self.fc1 if which is Projection.FC1 else self.fc2)(x, w_eMK, call.splits)
 

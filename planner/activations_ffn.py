@@ -15,11 +15,14 @@ rows (unchanged at ep = 1: all experts are local, dropless, whatever the skew); 
 (``--moe-expert-rank-capacity-factor C``) bounds that by ``C * N_e``.
 
 What it keeps: the router's fp32 scores; the row map (int64 per copy); the experts' input rows (the GEMM keeps
-them), the ``[N_e, 2f]`` gate/up output, SwiGLU's product (w2's input) and, where autograd runs the activation,
-its silu too (``f = ffn / etp``; ``moe.swiglu`` on the default GEMM path saves only the gate/up output; ``moe_act``
-recompute keeps only the gate/up output); the rows that come home for the weighted combine
-(``dispatch.permutation.unpermute`` keeps them to give the routing probs their gradient: ``N_h`` rows with
-alltoall, the experts' own output rows with allgather and flex, whose combine weights on the expert side); the
+them), the ``[N_e, 2f]`` gate/up output, each row's fp32 routing prob and the weighted product
+``(act * p).to(dtype)`` (w2's input; under FP8 its quantised copy) (``f = ffn / etp``). The routing probs are
+applied inside the activation, as Megatron-Core 0.16.1's experts apply them (``moe.activation``): the weighted
+activation saves only its input and the probs (``moe.swiglu`` on the default GEMM path, ``moe.activation.Weighted``
+elsewhere, recomputing the activation in backward), and the combine only sums a token's returned copies, keeping
+nothing of them (it used to weight them and kept the ``[N, W]`` rows for the probs' gradient). With
+``--moe-apply-probs-on-input`` (no probs in the experts) autograd's activation also keeps its silu where it runs
+(TE's GEMMs, GPT-OSS's clamped variant). ``moe_act`` recompute keeps only the gate/up output (and the probs). The
 shared experts like a dense MLP (one gather under SP for gate and up, whose GEMMs keep the shard). The
 all-to-all's send and receive buffers are freed once the rows are permuted and live only in the forward
 (``fwd_extra``). ``moe`` recompute keeps the layer's input only.
@@ -135,26 +138,27 @@ def moe(shape: ActivationShape, dispatcher: str) -> Part:
     if dispatcher in ("alltoall", "local") and (shape.etp > 1 or (shape.ep > 1 and not 1 < local_experts <= 8)):
         inner["row sort index"] = 8 * rows
     act = "moe_act" in shape.chosen
+    weighted = not m.moe_apply_probs_on_input   # the probs applied inside the experts' activation (moe.activation)
     inner["experts gate/up output"] = a * padded * 2 * f
     # w2's input: the product, or its quantised copy under FP8 (moe_act recompute: the product itself, freed and
     # refilled, as Megatron's set_save_original_input(linear_fc2))
     product = shape.quantised(padded, f, groups=local_experts + 1) if shape.fp8 else a * padded * f
-    if not act and _own_swiglu(shape):
+    if weighted:
+        inner["experts row probs"] = 4 * padded   # fp32, saved by the weighted activation
+    if not act and (weighted or _own_swiglu(shape)):
         inner["experts product (w2 input)"] = product
     elif not act:
         inner["experts silu"] = a * padded * f
         inner["experts product (w2 input)"] = product
-    combine_rows = home if dispatcher in ("alltoall", "local") else rows
-    inner["combine rows (for the probs' gradient)"] = a * combine_rows * W
     weights = local_experts * W * f
-    # backward, in order: the combine's gradient rows (and their gather: dispatch.permutation's weighted-rows
-    # backward holds, per block of at most 2**20 elements, the gathered token gradient and its product with the
-    # rows in fp32, the combine's fp32 island); w2's input and weight gradients (the activation refilled first
-    # under moe_act); w13's, once the combine rows and the activation are freed
-    combine_block = 2 * 4 * min(combine_rows * W, 2**20)
-    backward = max(a * home * W + a * combine_rows * W + combine_block,
-                   a * padded * f + a * weights + (2 * a * padded * f if act else 0),
-                   2 * a * weights + a * padded * W - a * combine_rows * W)
+    # backward, in order: the combine's (unweighted) backward, the token gradients rounded to the rows' dtype and
+    # gathered into rows; w2's input and weight gradients (the activation refilled first under moe_act), beside the
+    # weighted activation's backward (its recomputed product and the fp32 output gradient and product for the
+    # probs' gradient); w13's, once the activation is freed
+    recompute_bwd = (4 + 4 + a) * padded * f if weighted else 0
+    backward = max(a * (shape.T_r + home) * W,
+                   a * padded * f + a * weights + (2 * a * padded * f if act else 0) + recompute_bwd,
+                   2 * a * weights + a * padded * W)
     forward = a * (home + rows) * W     # the exchange's send and receive buffers
     if W != H:   # latent: the combine's sum, kept as the up projection's input for its weight gradient
         inner["latent up input"] = a * shape.T_r * W

@@ -16,13 +16,15 @@ Per micro-batch, per transformer block (``block_collectives``), following:
   ``--moe-router-force-load-balancing`` makes exact): alltoall gathers the per-expert counts over etp x ep,
   exchanges the T*K token rows over ep (one call, or one per local expert when chunked; FP8 dispatch sends
   ``fp8_exchange.row_bytes`` per row forward, gradients return in the activations' dtype), all-gathers them
-  over etp, and mirrors it in the combine; the probs stay home. allgather gathers tokens, expert ids and probs
-  in one packed all-gather over etp x ep and reduce-scatters the partial outputs. flex (DeepEP) sends a token
-  once per destination rank with its top-k ids and weights (the expected number of ranks its k experts live on
-  under uniform routing), on DeepEP V2 in its ``ElasticBuffer`` token slot (``_elastic``), FP8 rows with FP8
-  dispatch, and in hybrid mode once per destination node over the network (``NodeDedup``); on the legacy backend
-  with int64 ids; DeepEP's own kernels, and so these bytes, cannot run on a CPU: the only volume here that
-  tests/planner/test_comm.py does not measure. The router's loss statistics are small all-reduces.
+  over etp, and mirrors it in the combine; each row's fp32 prob travels beside it by the same collectives
+  (the experts apply it; unless ``--moe-apply-probs-on-input``), its gradient back. allgather gathers tokens,
+  expert ids and probs in one packed all-gather over etp x ep and reduce-scatters the partial outputs. flex
+  (DeepEP) sends a token once per destination rank with its top-k ids and weights (the expected number of
+  ranks its k experts live on under uniform routing), on DeepEP V2 in its ``ElasticBuffer`` token slot
+  (``_elastic``), FP8 rows with FP8 dispatch, and in hybrid mode once per destination node over the network
+  (``NodeDedup``); on the legacy backend with int64 ids; DeepEP's own kernels, and so these bytes, cannot run on a
+  CPU: the only volume here that tests/planner/test_comm.py does not measure. The router's loss statistics are
+  small all-reduces.
 - recompute (``recompute_collectives``): a checkpointed region runs its forward collectives again in backward.
 - the embedding (vocab-parallel: all-reduce, or reduce-scatter under SP), the output head (like a column-parallel
   layer) and the vocab-parallel cross-entropy (three fp32 all-reduces of one value per token, one over cp); each
@@ -253,8 +255,12 @@ def _dispatch(sh: _Shape) -> list[Collective]:
             out += _fwd_bwd("ep", "all_to_all", "all_to_all", rows // chunks * H * sh.a, "dispatch", "outputs home")
             out.append(Collective("ep", "all_to_all", rows // chunks * H * sh.a, "backward", "dispatch",
                                   "token gradients"))
+            if weighted:   # each row's fp32 prob beside it (the experts apply it), its gradient back
+                out += _fwd_bwd("ep", "all_to_all", "all_to_all", rows // chunks * FP32, "dispatch", "row probs")
     if etp > 1:
         out += _fwd_bwd("etp", "all_gather", "reduce_scatter", etp * rows * H * sh.a, "dispatch", "rows over etp")
+        if weighted:
+            out += _fwd_bwd("etp", "all_gather", "reduce_scatter", etp * rows * FP32, "dispatch", "row probs over etp")
         out += _fwd_bwd("etp", "reduce_scatter", "all_gather", etp * rows * H * sh.a, "dispatch", "partial outputs")
     return out
 

@@ -200,9 +200,10 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     _mb("26.04.01", "DGX-B200", "DeepSeek-V3", "MXFP8", 3328, "deepseek_v3", "b200", 256, 4096, 1, 1, 8, "2", 32,
         {"fp8": MXFP8, "dispatcher": "flex", "recompute": "selective", "recompute_modules": ("mla_up_proj", "mlp")},
         "MXFP8, DeepEP flex dispatcher with the batch-level overlap, recompute of MLA up-projections and MLP "
-        f"(deepseek_v3_pretrain_256gpu_b200_fp8mx_config); layout {DSV3_16} assumed (the recipe's default map)",
-        train={"pipeline_model_parallel_layout": DSV3_16, "overlap_moe_expert_parallel_comm": True,
-               "delay_wgrad_compute": True}, fitted=True),
+        f"(deepseek_v3_pretrain_256gpu_b200_fp8mx_config); layout {DSV3_16} assumed (the recipe's default map); "
+        "planned without the recipe's delayed weight gradients: moefold's block-scaled (MXFP8) linears cannot defer "
+        "theirs (execution.split_backward refuses them), so `moefold train` would refuse --delay-wgrad-compute here",
+        train={"pipeline_model_parallel_layout": DSV3_16, "overlap_moe_expert_parallel_comm": True}, fitted=True),
     _mb("26.04.01", "DGX-B200", "Qwen3-30B-A3B", "MXFP8", 27136, "qwen3_moe_30b_a3b", "b200", 8, 512, 4, 1, 1, "n/a",
         8, {"fp8": MXFP8, "dispatcher": "flex", **NO_RECOMPUTE},
         f"MXFP8, HybridEP flex dispatcher, no recompute, no overlap, CUDA graphs of attention, router and "

@@ -6,14 +6,14 @@ dispatcher and skew given (comma-separated lists: one command, one world, every 
 
 * phases: route, permute, communicate, sort, unpermute (with a per-phase timer that
   synchronises the device, on separate iterations so the end-to-end figure is not disturbed);
-* end to end: dispatch + combine (probs applied in the combine), median over ``--iters`` after
+* end to end: dispatch + combine (the probs travel with the rows; the combine sums), median over ``--iters`` after
   ``--warmup``;
 * raw: the collectives the dispatcher is built on, moving exactly its token bytes, measured in
   the same run the same way (after a barrier, receive buffers allocated inside the timed region
   as the dispatcher's are): ``all_to_all_single`` there and back with the dispatch's split sizes
   (alltoall; flex against an even one of the same copies), an all-gather of the (padded) tokens
   and a reduce-scatter of the outputs over the etp x ep group (allgather);
-* local: the dispatcher's permute + weighted unpermute of the same rows alone (what it does
+* local: the dispatcher's permute + unpermute of the same rows alone (what it does
   besides communicating), so that the ratio can be split into local work and exchange overhead;
 * bytes: what the dispatcher's token collectives send per rank (dispatch + combine) against the
   ideal: the copies whose expert lives on another rank, there and back;
@@ -202,15 +202,13 @@ def _bench_one(kind: str, skew_name: str, args: argparse.Namespace, dims, device
             raw.append(time.perf_counter() - t2)
         row_map = getattr(handle, "row_map", None)
         if kind != "flex" and row_map is not None and row_map.num_tokens % max(T, 1) == 0 and T:
-            # permute + weighted unpermute of the same rows, no communication (allgather: over the
-            # gathered tokens, stood in for by copies of this rank's; flex's map is over received tokens)
+            # permute + unpermute of the same rows, no communication (allgather: over the gathered tokens,
+            # stood in for by copies of this rank's; flex's map is over received tokens); the combine's sum is
+            # unweighted (the experts apply the probs)
             xs = x.repeat(row_map.num_tokens // T, 1)
-            probs = getattr(handle, "probs_TK", None)
-            if probs is None:
-                probs = getattr(handle, "probs_g", None)
             barrier()
             t4 = time.perf_counter()
-            unpermute(permute(xs, row_map), row_map, probs)
+            unpermute(permute(xs, row_map), row_map)
             sync()
             local.append(time.perf_counter() - t4)
         if i >= args.warmup:

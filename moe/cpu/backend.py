@@ -49,6 +49,11 @@ class CpuRowsGemm(GroupedMMGemm):
         rows = choose_layout(host, x_NH, w13_eMK, RowLayout.PACKED if packed else self.row_layout)
         return pad_rows(x_NH, rows), RowsCall(counts_e, host, rows)
 
+    def enter_probs(self, probs_N: Tensor | None, call: GemmCall) -> Tensor | None:
+        if probs_N is None or not isinstance(call, RowsCall) or call.rows is None:
+            return probs_N
+        return pad_rows(probs_N, call.rows)   # zero for the padding rows, as their inputs
+
     def project(self, which: Projection, x: Tensor, w_eMK: Tensor, call: GemmCall,
                 slot: MainGradSlot | None) -> Tensor:
         if not isinstance(call, RowsCall) or call.rows is None:

@@ -17,15 +17,20 @@ def expert_weights(num_experts: int, seed: int = 7, hidden: int = H) -> tuple[Te
 
 
 def run_experts(tokens_NH: Tensor, per_expert: list[int], offset: int, w1: Tensor, w2: Tensor,
-                etp: int = 1, etp_rank: int = 0) -> Tensor:
-    """Expert g: tanh(x W1_g^T) W2_g^T (not weighted: the combine applies the probs); with etp > 1 only
+                etp: int = 1, etp_rank: int = 0, probs_N: Tensor | None = None) -> Tensor:
+    """Expert g: (tanh(x W1_g^T) * p) W2_g^T, each row weighted by its prob ``probs_N`` (``Dispatched.probs_N``)
+    inside, as the MoE experts weight it (the combine only sums); unweighted without probs. With etp > 1 only
     this rank's F slice (a partial sum)."""
     f = F // etp
     fs = slice(etp_rank * f, (etp_rank + 1) * f)
     outs = []
-    for j, rows in enumerate(tokens_NH.split(per_expert)):
+    probs = [None] * len(per_expert) if probs_N is None else probs_N.split(per_expert)
+    for j, (rows, p) in enumerate(zip(tokens_NH.split(per_expert), probs)):
         g = offset + j
-        outs.append(torch.tanh(rows @ w1[g, fs].t()) @ w2[g][:, fs].t())
+        act = torch.tanh(rows @ w1[g, fs].t())
+        if p is not None:
+            act = (act * p.unsqueeze(1)).to(act.dtype)
+        outs.append(act @ w2[g][:, fs].t())
     return torch.cat(outs) if outs else tokens_NH.new_zeros(0, w2.shape[1])
 
 

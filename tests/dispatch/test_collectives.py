@@ -2,8 +2,9 @@
 
 Every ``torch.distributed`` collective is recorded (name, per-row shape, dtype, bytes) while a
 dispatcher moves tokens whose routing probs require gradients. The alltoall dispatcher must move
-only token rows (``[*, H]`` in the tokens' dtype) plus ONE tiny all-gather of the split sizes per
-layer (the etp x ep group's ``[E]`` counts), in every layout: the probs stay on their home rank.
+only token rows (``[*, H]`` in the tokens' dtype), their probs beside them (``[*]`` fp32, by the same
+collective with the same splits as a token exchange: the experts apply them) plus ONE tiny all-gather
+of the split sizes per layer (the etp x ep group's ``[E]`` counts), in every layout.
 The allgather dispatcher moves exactly its raw pattern (one all-gather forward, one
 reduce-scatter in combine, and their reverses in backward) plus the count header.
 """
@@ -65,8 +66,8 @@ def _one_layer(d, dims, mode: str):
     with recorded_collectives() as calls:
         out = d.dispatch(x, routing)
         per = out.tokens_per_expert_e.tolist()
-        y = d.combine(run_experts(out.tokens_NH, per, d.local_expert_offset, w1, w2, d.etp, dims.etp_rank),
-                      out.handle)
+        y = d.combine(run_experts(out.tokens_NH, per, d.local_expert_offset, w1, w2, d.etp, dims.etp_rank,
+                                  probs_N=out.probs_N), out.handle)
         y.square().sum().backward()
     assert probs.grad is not None and probs.grad.abs().sum() > 0 and x.grad is not None
     return calls
@@ -81,13 +82,24 @@ def _world(layouts):
             d = build_dispatcher(DispatchConfig(DispatcherKind.ALLTOALL, max_chunked_experts=chunks), E, dims)
             calls = _one_layer(d, dims, mode)
             rows = [c for c in calls if c[1][1:] == (H,) and c[2] == torch.float32]
-            other = [c for c in calls if c not in rows]
+            probs = [c for c in calls if len(c[1]) == 1 and c[2] == torch.float32]
+            other = [c for c in calls if c not in rows and c not in probs]
             counts = [c for c in other if c[0] in ("all_gather_into_tensor", "all_gather_single")
                       and c[2] == torch.int64 and c[1] == (E,)]
             want_counts = 0 if mode == "padded" else 1
             if len(counts) != want_counts or len(other) != want_counts:
-                failures.append(f"{tag}: besides token rows {other}; expected {want_counts} count all-gather of "
-                                f"[{E}] int64 and nothing else (no probs)")
+                failures.append(f"{tag}: besides token rows and probs {other}; expected {want_counts} count "
+                                f"all-gather of [{E}] int64 and nothing else")
+            # each probs exchange rides a token exchange of the same rows (same collective, same row count)
+            unmatched = [c for c in rows]
+            for name, (n,), _, _ in probs:
+                match = next((c for c in unmatched if c[0] == name and c[1][0] == n), None)
+                if match is None:
+                    failures.append(f"{tag}: a probs {name} of {n} rows without a token exchange of the same rows")
+                else:
+                    unmatched.remove(match)
+            if dims.ep * dims.etp > 1 and not probs:
+                failures.append(f"{tag}: the probs did not travel with the rows")
             if not rows:
                 failures.append(f"{tag}: no token exchange recorded")
         # allgather: the raw pattern plus the header

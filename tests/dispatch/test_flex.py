@@ -109,7 +109,7 @@ def _flex_world(layouts):
                         with counter.paused():  # the test's own read
                             per = out.tokens_per_expert_e.tolist()
                         expert_out = run_experts(out.tokens_NH.float(), per, d.local_expert_offset, w1, w2, etp,
-                                                 dims.etp_rank)
+                                                 dims.etp_rank, probs_N=out.probs_N)
                         y = d.combine(expert_out.to(torch.bfloat16), out.handle)
                         (y.float() * g[mine]).sum().backward()
                     if not in_flight or waits != 1 or dispatch_event.event.waits != 1:

@@ -35,7 +35,7 @@ def _experts(out, offset: int, w1, w2, etp: int, etp_rank: int) -> torch.Tensor:
     per = out.tokens_per_expert_e.tolist()
     n = sum(per)
     rows = out.tokens_NH.float()
-    got = run_experts(rows[:n], per, offset, w1, w2, etp, etp_rank)
+    got = run_experts(rows[:n], per, offset, w1, w2, etp, etp_rank, probs_N=out.probs_N[:n])
     return torch.cat([got, torch.full((rows.shape[0] - n, H), float("nan"))]).to(torch.bfloat16)
 
 

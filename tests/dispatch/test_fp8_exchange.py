@@ -86,7 +86,7 @@ def _check_all() -> list[str]:
                 failures.append(f"{tag}: dispatched tokens are not the e4m3 casts of the plain ones")
             per = got.tokens_per_expert_e.tolist()
             expert_out = run_experts(got.tokens_NH, per, fp8.local_expert_offset, w1, w2,
-                                     etp=dims.etp, etp_rank=dims.etp_rank)
+                                     etp=dims.etp, etp_rank=dims.etp_rank, probs_N=got.probs_N)
             y = fp8.combine(expert_out, got.handle)
             (y * g[mine]).sum().backward()
             checks = (("y", y.detach(), y_ref.detach()[mine]), ("dx", x_l.grad, xq.grad[mine]),

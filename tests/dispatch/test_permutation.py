@@ -13,6 +13,7 @@ from moefold.dispatch import (
     build_row_map,
     mask_groups,
     permute,
+    permute_probs,
     sort_chunks,
     unpermute,
 )
@@ -48,8 +49,10 @@ def test_padded_rows_and_truncation():
     probs = torch.tensor([[0.1, 0.2], [0.3, 0.4], [0.5, 0.6]], requires_grad=True)
     rows = permute(x, rm)
     assert rows.squeeze(1).tolist() == [1, 2, 1, 3, 2, 0]
-    # the probs are applied in the unpermute: token 2's copy of expert 0 was truncated (weight unused)
-    y = unpermute(rows, rm, probs)
+    # each row's prob (0 for the padding row): token 2's copy of expert 0 was truncated (weight unused)
+    p_N = permute_probs(probs, rm)
+    assert torch.equal(p_N, torch.tensor([0.1, 0.3, 0.2, 0.6, 0.4, 0.0]))
+    y = unpermute(rows * p_N[:, None], rm)   # the experts weight the rows, the combine sums them
     assert torch.allclose(y.squeeze(1), torch.tensor([0.3, 0.6 + 0.8, 3 * 0.6]))
     y.sum().backward()
     assert torch.allclose(x.grad.squeeze(1), torch.tensor([0.3, 0.7, 0.6]))
@@ -68,8 +71,9 @@ def test_permute_unpermute_adjoint_gradients():
 
 
 @pytest.mark.parametrize("variant", ["complete", "dropped", "padded"])
-def test_weighted_unpermute_gradients(variant):
-    """y[t] = sum_k p[t, k] * row(t, k): gradients of the rows AND the probs (computed from the rows)."""
+def test_weighted_rows_unpermute_gradients(variant):
+    """y[t] = sum_k p[t, k] * row(t, k) with the probs laid out as the rows (``permute_probs``, what the experts
+    weight by) and the rows summed: gradients of the rows AND the probs."""
     torch.manual_seed(0)
     T, K, E = 6, 3, 4
     ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
@@ -77,15 +81,18 @@ def test_weighted_unpermute_gradients(variant):
     rm = build_row_map(mask_groups(ids, E, keep), T, K, E, capacity=T if variant == "padded" else None)
     rows = torch.randn(rm.num_rows, 5, dtype=torch.float64, requires_grad=True)
     probs = torch.rand(T, K, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda r, p: unpermute(r, rm, p), (rows, probs))
+    def weighted(r, p):
+        return unpermute(r * permute_probs(p, rm)[:, None], rm)
+
+    assert torch.autograd.gradcheck(weighted, (rows, probs))
     # against the definition, one copy at a time
     want = torch.zeros(T, 5, dtype=torch.float64)
     for n, slot in enumerate(rm.slot_of_row_N.tolist()):
         if slot < T * K:
             want[slot // K] += probs.view(-1)[slot] * rows[n]
-    torch.testing.assert_close(unpermute(rows, rm, probs), want)
+    torch.testing.assert_close(weighted(rows, probs), want)
     with pytest.raises(ValueError, match=r"probs have shape \(6, 2\)"):
-        unpermute(rows, rm, probs[:, :2])
+        permute_probs(probs[:, :2], rm)
 
 
 def test_zero_tokens():
@@ -124,7 +131,7 @@ def test_local_dispatcher_matches_reference(case, mode):
     assert sum(per) == out.tokens_NH.shape[0]
     if mode == "padded":
         assert per == [3] * E
-    y = d.combine(run_experts(out.tokens_NH, per, 0, w1, w2), out.handle)
+    y = d.combine(run_experts(out.tokens_NH, per, 0, w1, w2, probs_N=out.probs_N), out.handle)
     g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
     (y * g).sum().backward()
     gx, gp = xr.grad, probs.grad.clone()
@@ -195,9 +202,10 @@ def test_dispatch_is_deterministic():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", ["complete", "padded"])
 def test_large_rows_equal_the_formulas(dtype, variant):
-    """Rows of several blocks (the combine's backward works in blocks of about 2**20 elements), repeated calls:
-    the values are the formulas' bit for bit: rows = x[token], grad_rows = p * grad[token] (one product in fp32,
-    then rounded), grad_p = sum(grad[token] * row)."""
+    """Rows of several blocks (the combine sums bf16 rows in blocks of about 2**20 elements), repeated calls
+    (reused workspaces): the values are the formulas' bit for bit: rows = x[token], the combine's backward
+    grad_rows = grad[token] (rounded to the rows' dtype), the probs' rows p[slot] and their gradient back to the
+    slots."""
     from moefold.dense.workspace import MIN_BYTES
 
     gen = torch.Generator().manual_seed(3)
@@ -209,68 +217,28 @@ def test_large_rows_equal_the_formulas(dtype, variant):
     x = torch.randn(T, Hd, generator=gen).to(dtype)
     probs = torch.rand(T, K, generator=gen)
     gy = torch.randn(T, Hd, generator=gen)
+    g_p = torch.randn(rm.num_rows, generator=gen)
     expert_out = torch.randn(rm.num_rows, Hd, generator=gen).to(dtype)
     for _ in range(3):
         xr, pr = x.clone().requires_grad_(), probs.clone().requires_grad_()
         rows = permute(xr, rm)
+        p_N = permute_probs(pr, rm)
         out = (rows * 0 + expert_out).detach().requires_grad_()   # the experts' output, a leaf
-        unpermute(out, rm, pr).backward(gy)
-        got = (rows.detach().clone(), out.grad.clone(), pr.grad.clone())
+        torch.autograd.backward([unpermute(out, rm), p_N], [gy, g_p])
+        got = (rows.detach().clone(), out.grad.clone(), p_N.detach().clone(), pr.grad.clone())
         del rows, out
     token = rm.token_of_row_N
     src = torch.cat([x, x.new_zeros(1, Hd)]) if rm.padded else x
     g = torch.cat([gy, gy.new_zeros(1, Hd)])[token] if rm.padded else gy[token]
     p_row = torch.cat([probs.reshape(-1), probs.new_zeros(1)])[rm.slot_of_row_N]
     assert torch.equal(got[0], src[token])
-    assert torch.equal(got[1], (g * p_row[:, None]).to(dtype))
-    dots = (g * expert_out.float()).sum(-1)
-    want_p = dots.new_zeros(T * K + 1).scatter_(0, rm.slot_of_row_N, dots)[:T * K].view(T, K)
-    assert torch.equal(got[2], want_p)
+    assert torch.equal(got[1], g.to(dtype))
+    assert torch.equal(got[2], p_row)
+    want_p = g_p.new_zeros(T * K + 1).scatter_(0, rm.slot_of_row_N, g_p)[:T * K].view(T, K)
+    assert torch.equal(got[3], want_p)
 
 
-def test_the_combine_backward_runs_in_one_block_on_the_gpu_path():
-    """The combine's backward works in blocks of rows: about 2**20 elements on a CPU (a memory measure there), and
-    2**27 on a GPU, where each block only costs kernel launches (at Qwen3-30B-A3B's shape the CPU blocks made an
-    H200 wait on the host: 25 ms a layer against 14.5 ms in one block). Counted by the gathers the backward
-    issues, on this CPU and with the blocks a GPU device's rows get; the values are the same either way."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from moefold.dispatch import permutation
-
-    gpu_blocks = permutation.backward_block_elems(torch.device("cuda"))
-    assert permutation.backward_block_elems(torch.device("cpu")) < gpu_blocks
-
-    class Gathers(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.count += func in (torch.ops.aten.index_select.default, torch.ops.aten.index_select.out)
-            return func(*args, **(kwargs or {}))
-
-    gen = torch.Generator().manual_seed(0)
-    T, K, E, Hd = 2048, 4, 8, 512   # 8192 rows x 512: 4 CPU blocks
-    ids = torch.rand(T, E, generator=gen).argsort(1)[:, :K]
-    rm = build_row_map(mask_groups(ids, E), T, K, E, num_rows=T * K)
-    rows = torch.randn(T * K, Hd, generator=gen, dtype=torch.bfloat16)
-    probs, gy = torch.rand(T, K, generator=gen), torch.randn(T, Hd, generator=gen)
-    results, counts = [], []
-    for gpu in (False, True):
-        r, p = rows.clone().requires_grad_(), probs.clone().requires_grad_()
-        y = unpermute(r, rm, p)
-        with pytest.MonkeyPatch.context() as patch, Gathers() as gathers:
-            if gpu:   # this CPU's rows in a GPU's blocks
-                patch.setattr(permutation, "backward_block_elems", lambda device: gpu_blocks)
-            y.backward(gy)
-        results.append((r.grad, p.grad))
-        counts.append(gathers.count)
-    assert counts == [1 + 4, 1 + 1], counts   # the probs of the rows, then one gather per block
-    assert all(torch.equal(a, b) for a, b in zip(*results))
-
-
-@pytest.mark.parametrize("probs", [False, True])
-def test_the_combine_in_blocks_equals_one_block(probs):
+def test_the_combine_in_blocks_equals_one_block():
     """bf16 rows are summed a block of tokens at a time through reused workspaces (``combine_block_elems``): the
     result, and the permute's backward (the same sum), are bitwise those of one block."""
     from moefold.dispatch import permutation
@@ -280,11 +248,10 @@ def test_the_combine_in_blocks_equals_one_block(probs):
     ids = torch.rand(T, E, generator=gen).argsort(1)[:, :K]
     rm = build_row_map(mask_groups(ids, E), T, K, E, capacity=100)   # some copies dropped, padding rows
     rows = torch.randn(rm.num_rows, Hd, generator=gen, dtype=torch.bfloat16)
-    p = torch.rand(T, K, generator=gen) if probs else None
     results = []
     for elems in (2**24, 7 * K * Hd):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(permutation, "combine_block_elems", lambda device, elems=elems: elems)
-            results.append(unpermute(rows, rm, p))
+            results.append(unpermute(rows, rm))
     assert results[0].dtype == torch.float32
     assert torch.equal(*results)

@@ -61,7 +61,8 @@ def _check_all(layouts):
                         continue
                     if mode == "padded" and per != [CAPACITY * ep * etp] * (E // ep):
                         failures.append(f"{tag}: padded tokens_per_expert {per}")
-                    expert_out = run_experts(out.tokens_NH, per, d.local_expert_offset, w1, w2, etp, dims.etp_rank)
+                    expert_out = run_experts(out.tokens_NH, per, d.local_expert_offset, w1, w2, etp, dims.etp_rank,
+                                             probs_N=out.probs_N)
                     y = d.combine(expert_out, out.handle)
                     (y * g[mine]).sum().backward()
                     for name, got, want in (("y", y, y_ref[mine]), ("grad x", x_l.grad, xr.grad[mine]),

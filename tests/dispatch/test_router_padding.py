@@ -65,7 +65,8 @@ def _check(layouts):
                         out.tokens_per_expert_host is not None and list(out.tokens_per_expert_host) != per):
                     failures.append(f"{tag}: counts {per} (host {out.tokens_per_expert_host})")
                     continue
-                expert_out = run_experts(out.tokens_NH, per, d.local_expert_offset, w1, w2, etp, dims.etp_rank)
+                expert_out = run_experts(out.tokens_NH, per, d.local_expert_offset, w1, w2, etp, dims.etp_rank,
+                                             probs_N=out.probs_N)
                 y = d.combine(expert_out, out.handle)
                 (y * g[mine]).sum().backward()
                 for name, got, want in (("y", y, y_ref[mine]), ("grad x", x_l.grad, xr.grad[mine]),

@@ -87,7 +87,8 @@ def _compare(backend: str, mode: str, fp8: bool, alignment: int, device_type: st
                 torch.cuda.set_sync_debug_mode("default")
         per = out.tokens_per_expert_e.tolist()
         n = sum(per)
-        rows = run_experts(out.tokens_NH[:n].float(), per, d.local_expert_offset, w1, w2)
+        rows = run_experts(out.tokens_NH[:n].float(), per, d.local_expert_offset, w1, w2,
+                           probs_N=out.probs_N[:n].float())   # the probs weight the rows inside the experts
         rows = torch.cat([rows, rows.new_zeros(out.tokens_NH.shape[0] - n, H)])   # rows past the blocks: unread
         y = d.combine(rows.to(torch.bfloat16), out.handle)
         y.float().square().sum().backward()

@@ -102,15 +102,16 @@ def test_te_experts_fp8_cuda(recipe, device, monkeypatch):
                         dtype=torch.bfloat16, device=device)
     fp8.load_state_dict(ref.state_dict())
     g = torch.randn(x.shape, device=device, dtype=torch.bfloat16)
+    probs = torch.rand(sum(counts), device=device)   # each row's routing prob: padded with the rows under FP8
     for step in range(3):  # delayed scaling needs a step of amax history
         results = []
         for m in (ref, fp8):
-            xi = x.clone().requires_grad_()
+            xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
             with fp8_autocast(m.config.fp8_gemms):   # the region a model enters once per forward (precision.fp8_region)
-                y = m(xi, torch.tensor(counts, device=device), counts)
-            results.append((y, *torch.autograd.grad(y, (xi, m.w13, m.w2), g)))
+                y = m(xi, torch.tensor(counts, device=device), counts, pi)
+            results.append((y, *torch.autograd.grad(y, (xi, pi, m.w13, m.w2), g)))
         if step == 0:
             continue
-        for name, want, got in zip(("out", "grad_x", "grad_w13", "grad_w2"), *results):
+        for name, want, got in zip(("out", "grad_x", "grad_probs", "grad_w13", "grad_w2"), *results):
             rel = (got.float() - want.float()).norm() / want.float().norm()
             assert rel < 0.1, f"{recipe} step {step} {name}: relative error {rel:.3f}"

@@ -26,7 +26,10 @@ from tests.models.test_fp8_parallel import _batch, worst_grad_error
 # Since main's fp32 combine / probs-on-input changes (merged 2026-12-01) blockwise tp2 x ep2 and ep2 give
 # 9e-5 on the MTP experts' w13 gradient (everything else <= 1e-5): consistent with one value rounding across
 # an FP8 boundary under the new summation order, not diagnosed further; still 400x below FP8's own error (4e-2).
-GRAD_TOL = 2e-4
+# Since the routing probs are applied inside the experts (issue 46: the w2 input is (act * p) cast to FP8, not act)
+# the same layout gives 3.85e-4 (o_proj's gradient; every other recipe and layout <= 3e-7, as before): 100x below
+# FP8's own error.
+GRAD_TOL = 5e-4
 LAYOUTS = [("tp2xep2", dict(tp=2, ep=2)), ("ep2", dict(ep=2)), ("ep2xetp2", dict(ep=2, etp=2))]
 # NVFP4's 16-row tiles are smaller than an expert's rows here: its weight gradients' tiles line up with
 # world 1's only when every source's chunk of an expert's rows starts on a tile and world 1 tiles the same

@@ -145,7 +145,8 @@ def test_te_experts_own_persistent_grouped_linears(monkeypatch, activation):
 def test_te_fp8_autocast_and_padding(monkeypatch, fmt, recipe):
     """Protocol (stand-in TE): the experts run in the caller's TE autocast region (precision.fp8_region) with the
     recipe the flags ask for, and refuse to run outside one; rows padded to FP8's per-group alignment once around
-    both GEMMs, results unchanged by padding."""
+    both GEMMs (each row's routing prob padded with it, as Megatron's TEGroupedMLP pads its probs), results and
+    the probs' gradient unchanged by padding."""
     from tests.moe.te_standin import DelayedScaling, Float8CurrentScaling, Format, _State
 
     config = FP8Config(fmt, recipe, backend="te")
@@ -154,9 +155,11 @@ def test_te_fp8_autocast_and_padding(monkeypatch, fmt, recipe):
     with pytest.raises(RuntimeError, match=r"must run inside precision\.fp8_region\.fp8_autocast"):
         mod(x, torch.tensor(COUNTS), tuple(COUNTS))   # outside a region TE would silently run bf16
     xi, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    probs = torch.rand(x.shape[0], generator=torch.Generator().manual_seed(5))   # padded with the rows (zero)
+    pi, pr = probs.clone().requires_grad_(), probs.clone().requires_grad_()
     with fp8_autocast(config):
-        y = mod(xi, torch.tensor(COUNTS), tuple(COUNTS))
-    y_ref = ref(xr, torch.tensor(COUNTS))
+        y = mod(xi, torch.tensor(COUNTS), tuple(COUNTS), pi)
+    y_ref = ref(xr, torch.tensor(COUNTS), None, pr)
     want_recipe = (DelayedScaling if recipe == "delayed" else Float8CurrentScaling)(
         fp8_format=Format.HYBRID if fmt == "hybrid" else Format.E4M3)
     assert _State.entered == [want_recipe], _State.entered
@@ -169,6 +172,7 @@ def test_te_fp8_autocast_and_padding(monkeypatch, fmt, recipe):
     y_ref.backward(grad)
     torch.testing.assert_close(xi.grad, xr.grad, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(mod.w13.grad, ref.w13.grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(pi.grad, pr.grad, atol=1e-6, rtol=1e-5)
     assert "fp8 " + fmt in repr(mod)
 
 

@@ -2,7 +2,7 @@
 
 Outputs, input gradients and every parameter gradient, at ep2 (x edp2), ep4 and ep2 x etp2 in one 4-rank world, with
 and without FP8 dispatch and with ``expert_alignment`` 1 and 16 (the FP8 GEMMs' multiple), in dropless and capacity
-mode, with ``--moe-apply-probs-on-input`` (an unweighted combine), and with GPT-OSS's expert biases (the rows past
+mode, with ``--moe-apply-probs-on-input`` (unweighted experts), and with GPT-OSS's expert biases (the rows past
 the experts' blocks, which sync-free dispatch allocates for the worst case, must not reach a bias gradient). The
 reference is each dp rank's micro-batch through the world-1 layer with the local dispatcher (FP8 dispatch there is
 the same cast round trip); DeepEP moves bf16, so both run in bf16 and compare at bf16's tolerance. Also: one DeepEP

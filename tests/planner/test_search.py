@@ -62,9 +62,10 @@ def test_deepseek_v3_report_layout_fits_80gb() -> None:
     assert (plan.sizes.tp, plan.sizes.pp, plan.sizes.ep, plan.sizes.dp, plan.sizes.edp) == (1, 16, 64, 128, 2)
     assert plan.fits and plan.memory.static.exact, why_not(plan)
     assert plan.memory.total <= GB80
-    # the fullest stage is the last (head, fp32 logits, MTP), where 1F1B holds one micro-batch at a time;
-    # stage 1 holds pp - 1
-    assert (plan.memory.pp_rank, plan.memory.activations.in_flight) == (15, 1)
+    # the fullest stage is the first (the embedding and 3 layers), where 1F1B holds pp micro-batches; stage 1 holds
+    # pp - 1. (Before the routing probs moved into the experts' activation, issue 46, the MoE layers kept their
+    # routed rows once more and the last stage, head, fp32 logits and MTP with one micro-batch held, was the fullest.)
+    assert (plan.memory.pp_rank, plan.memory.activations.in_flight) == (0, 16)
     assert activation_memory(plan.config, plan.sizes, 1, plan.num_micro).in_flight == 15
     assert plan.time is not None and plan.time.tokens_per_s_per_gpu > 0
     # ZeRO-1 over DP: the optimizer state is sharded (dense over dp 128, experts over edp 2)
