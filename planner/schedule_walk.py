@@ -149,6 +149,8 @@ def _events(schedule: tuple[str, int, int, int, bool], pp_rank: int) -> tuple[np
         kinds.append({ActionKind.F: 1, ActionKind.B: 2, ActionKind.I: 2, ActionKind.W: 3, ActionKind.FB: 4}[item.kind])
         chunks.append(item.chunk)
         partners.append(item.b_chunk if item.kind is ActionKind.FB else -1)
+        if item.kind is ActionKind.FB:   # its two pairs, each in part
+            most = max(most, sum(live) + 1)
         for what, part in after:
             c = part.chunk
             if what == "hold":
