@@ -13,7 +13,6 @@ import numpy as np
 
 from moefold.pipeline.actions import ActionKind, is_local, model_chunk, split_batches
 from moefold.pipeline.schedules import Schedule, build_schedule
-
 from moefold.planner.inflight import fb_matrix
 
 if TYPE_CHECKING:
