@@ -17,16 +17,23 @@ exactly (the ``--exact`` mode and the tests' oracle); here they come from each s
   ``r + 1``, together at most ``min(2 pp, m + r + 1)`` (DualPipeV's last rank one more); which mix is held at the
   peak is not tracked, so both extreme mixes are states (an upper bound by at most one chunk's difference).
 
-With the batch-level overlap an FB step runs a forward while its backward's pair is still held: one pair more.
+With the batch-level overlap an FB step runs the forward of one pair and the backward of another in turns, layer by
+layer (``pipeline.overlap``): the backward releases its pair's blocks while the forward takes its own, so the step
+holds, beyond the other pairs, ``fb_peak`` of the two chunks (about one pair and a block, not two pairs).
 ``planner.profile.schedule_peak(..., steady=...)`` is the walk these are tested against
 (``tests/planner/test_formula.py``: every schedule, pp up to 8, every rank, short and long steps).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from moefold.planner.profile import ChunkProfile
 
 MESSAGES = 3   # point-to-point buffers a pipelined rank holds at its peak (a received input, a gradient, a send)
 
@@ -48,9 +55,10 @@ def _forwards_on(n: np.ndarray, chunk: int, pp: int, vpp: int) -> np.ndarray:
 @lru_cache(maxsize=4096)
 def held_states(name: str, pp: int, vpp: int, m: int, rank: int, overlap: bool) -> tuple[tuple[int, ...], ...]:
     """The distinct per-chunk held-pair counts of ``rank`` that its peak is a maximum over (the running action's
-    own pair included; with the overlap, the FB step's second pair too). ``name``: ``pipeline.schedules``' name."""
+    own pair included; with the overlap, an FB step's backward pair is not: ``peak_bytes``' ``fb`` counts the two
+    pairs of the step). ``name``: ``pipeline.schedules``' name."""
     if pp == 1:
-        return ((2 if overlap else 1,),)
+        return ((1,),)
     if name == "gpipe":
         states = np.array([[m]])
     elif name == "1f1b" and vpp == 1:
@@ -68,20 +76,61 @@ def held_states(name: str, pp: int, vpp: int, m: int, rank: int, overlap: bool) 
         forwards = np.minimum(warmup + steps + 1, total)
         states = np.stack([_forwards_on(forwards, c, pp, vpp) - _forwards_on(steps, vpp - 1 - c, pp, vpp)
                            for c in range(vpp)], axis=1)
-    if overlap:   # an FB step: the backward's pair is still held while the forward runs
-        states = np.concatenate([states + np.eye(states.shape[1], dtype=states.dtype)[c] for c in
-                                 range(states.shape[1])])
     return tuple(sorted({tuple(int(x) for x in row) for row in states}))
 
 
 def peak_bytes(states: tuple[tuple[int, ...], ...], kept: list[int], peaks: list[int], message: int,
-               pipelined: bool) -> int:
+               pipelined: bool, fb: Sequence[Sequence[int]] | None = None) -> int:
     """A rank's activation peak from its held states: the fullest state's kept bytes, plus the largest transient
     of one action beyond its own kept bytes (``peaks[c]``: chunk c's forward or backward peak for one micro-batch),
-    plus ``MESSAGES`` point-to-point buffers of ``message`` bytes when pipelined."""
+    plus ``MESSAGES`` point-to-point buffers of ``message`` bytes when pipelined. ``fb`` (the overlap,
+    ``fb_matrix``): any state may run an FB step whose forward is one of its pairs, on chunk c, and whose backward
+    is a pair of any chunk c' not in the state: the state less that pair, plus ``fb[c][c']``."""
     held = max(sum(n * k for n, k in zip(state, kept)) for state in states)
     transient = max(p - k for p, k in zip(peaks, kept))
-    return int(held + max(transient, 0) + (MESSAGES * message if pipelined else 0))
+    peak = held + max(transient, 0)
+    if fb is not None:
+        peak = max([peak] + [sum(n * k for n, k in zip(state, kept)) - kept[c] + max(fb[c])
+                             for state in states for c in range(len(state)) if state[c] > 0])
+    return int(peak + (MESSAGES * message if pipelined else 0))
+
+
+def fb_peak(forward: ChunkProfile, backward: ChunkProfile) -> int:
+    """The most an FB step holds of its two pairs: ``forward``'s chunk running forward while ``backward``'s runs
+    backward, in turns that end where a side has started a token exchange (``pipeline.overlap.run_overlapped``,
+    the backward first). Each side's blocks (``ChunkProfile.units``) are placed on those turns: the forward holds a
+    block from the turn it starts in, the backward frees one after the turn it ends in; the peak is the fullest
+    turn, with the transient of the blocks running then. Chunks without parts: both pairs whole, the larger
+    transient (the bound before the turns were modelled)."""
+    if not forward.units or not backward.units:
+        return forward.kept + backward.kept + max(forward.peak - forward.kept, backward.peak - backward.kept, 0)
+    f_start, f_kept, f_extra, f_end = _turns(forward.units, 1)
+    b_start, b_kept, b_extra, b_end = _turns(backward.units[::-1], 2)   # in the order the backward runs them
+    turns = int(max(f_end.max(), b_end.max())) + 1
+    best = 0
+    for t in range(turns):
+        running_b = (b_start <= t) & (t <= b_end)
+        held_b = b_kept[b_end >= t].sum() + f_kept[f_start <= t - 1].sum()
+        best = max(best, held_b + (b_extra[running_b].max() if running_b.any() else 0))
+        running_f = (f_start <= t) & (t <= f_end)
+        held_f = f_kept[f_start <= t].sum() + b_kept[b_end > t].sum()
+        best = max(best, held_f + (f_extra[running_f].max() if running_f.any() else 0))
+    return int(best)
+
+
+def _turns(units: tuple[tuple[int, int, int, int], ...], transient: int) -> tuple[np.ndarray, ...]:
+    """(first turn, kept bytes, transient, last turn) of each unit of a side, in its running order; ``transient``:
+    the units' field to take (1 the forward's, 2 the backward's), none below zero."""
+    exchanges = np.array([u[3] for u in units])
+    start = np.concatenate([[0], np.cumsum(exchanges)[:-1]])
+    kept = np.array([u[0] for u in units], dtype=np.float64)
+    extra = np.maximum(np.array([u[transient] for u in units], dtype=np.float64), 0)
+    return start, kept, extra, start + exchanges
+
+
+def fb_matrix(profiles: Sequence[ChunkProfile]) -> list[list[int]]:
+    """``fb_peak`` of every (forward chunk, backward chunk) pair of a rank's chunks."""
+    return [[fb_peak(f, b) for b in profiles] for f in profiles]
 
 
 def most_held(states: tuple[tuple[int, ...], ...]) -> int:

@@ -34,7 +34,7 @@ from moefold.planner.activations_dsa import dsa_attention
 from moefold.planner.activations_ffn import mlp, moe
 from moefold.planner.activations_mamba import block_kind, hybrid_block, representative
 from moefold.planner.activations_v4 import v4_attention, v4_hyper, v4_streams
-from moefold.planner.inflight import held_states, most_held, peak_bytes
+from moefold.planner.inflight import fb_matrix, held_states, most_held, peak_bytes
 from moefold.planner.schedule_walk import _events, schedule_peak, steady_schedule
 from moefold.planner.static import layout_of, per_split
 from moefold.training.config import RunConfig
@@ -163,6 +163,26 @@ class ChunkProfile:
     @property
     def peak(self) -> int:   # of its forward or its backward
         return max(self.fwd_peak, self.bwd_peak)
+
+    @cached_property
+    def units(self) -> tuple[tuple[int, int, int, int], ...]:
+        """The chunk as the batch-level overlap runs it (``pipeline.overlap``): per block (a part without a block:
+        on its own), in forward order, (kept bytes, forward transient, backward transient, token exchanges): an MoE
+        block's FFN is a dispatch and a combine (``models.sublayers``), each a turn of the other micro-batch."""
+        out: list[list[int]] = []
+        layer = None
+        for p in self.parts:
+            moe = any(k.startswith("moe: ") for k in p.saved) or (p.layer is None and p.name == "moe layer")
+            # blocks of one kind share their representative's index: an MoE block ends with its exchanges
+            if p.layer is None or p.layer != layer or not out or out[-1][3]:
+                out.append([0, 0, 0, 0])
+            unit = out[-1]
+            unit[1] = max(unit[1], unit[0] + p.saved_bytes + p.fwd_extra)
+            unit[0] += p.saved_bytes
+            unit[2] = max(unit[2], unit[0] + p.bwd_extra)
+            unit[3] = 2 if moe else unit[3]
+            layer = p.layer
+        return tuple((k, f - k, b - k, x) for k, f, b, x in out)
 
     @cached_property
     def by_kind(self) -> dict[str, int]:   # kept bytes per part kind (dense, moe layer, embedding, head, mtp, ...)
@@ -384,8 +404,9 @@ def _activation_memories(config: RunConfig, sizes: ParallelSizes, num_micro: int
         if not exact:
             name, pp, micro, vpp, overlapped = schedule or ("1f1b", 1, num_micro, 1, False)
             states = held_states(name, pp, vpp, micro, pp_rank, overlapped)
-            peak = peak_bytes(states, [p.kept for p in profiles], [p.peak for p in profiles], message, pp > 1)
-            in_flight = most_held(states)
+            fb = fb_matrix(profiles) if overlapped else None
+            peak = peak_bytes(states, [p.kept for p in profiles], [p.peak for p in profiles], message, pp > 1, fb)
+            in_flight = most_held(states) + int(overlapped)   # an FB step's two pairs, each in part
             host = max(sum(n * p.offloaded for n, p in zip(state, profiles)) for state in states) if host else 0
         else:
             peak, in_flight = schedule_peak(schedule, profiles, pp_rank, message)

@@ -13,6 +13,7 @@ import numpy as np
 
 from moefold.pipeline.actions import ActionKind, is_local, model_chunk, split_batches
 from moefold.pipeline.schedules import Schedule, build_schedule
+from moefold.planner.inflight import fb_matrix
 
 if TYPE_CHECKING:
     from moefold.planner.profile import ChunkProfile
@@ -27,12 +28,15 @@ def schedule_peak(schedule: tuple[str, int, int, int, bool] | None, profiles: li
     if schedule is None:
         return profiles[0].peak, 1
     walked = steady_schedule(schedule, pp_rank) if steady else schedule
-    live, messages, kinds, chunks, most = _events(walked, pp_rank)
+    live, messages, kinds, chunks, most, partners = _events(walked, pp_rank)
     kept = np.array([p.kept for p in profiles], dtype=np.float64)
     transient = np.zeros(len(kinds))
-    fwd, bwd = (kinds == 1) | (kinds == 4), kinds == 2
+    fwd, bwd, fb = kinds == 1, kinds == 2, kinds == 4
     transient[fwd] = np.array([p.fwd_peak for p in profiles], dtype=np.float64)[chunks[fwd]]
     transient[bwd] = np.array([p.bwd_peak for p in profiles], dtype=np.float64)[chunks[bwd]]
+    if fb.any():   # the row holds the backward's pair whole: the step's two pairs are fb_peak instead
+        pairs = np.array(fb_matrix(profiles), dtype=np.float64)
+        transient[fb] = pairs[chunks[fb], partners[fb]] - kept[partners[fb]]
     return int((live @ kept + messages * float(message) + transient).max()), most
 
 STEADY_PROBES = (6, 8)   # x pp micro-batches: the two short steps whose states stand for a long one's
@@ -59,21 +63,22 @@ def steady_schedule(schedule: tuple[str, int, int, int, bool], pp_rank: int) -> 
 
 def _states(schedule: tuple[str, int, int, int, bool], pp_rank: int) -> tuple[frozenset, int]:
     """The distinct states of ``_events`` (what any peak is a maximum over) and the most pairs held."""
-    live, messages, kinds, chunks, most = _events(schedule, pp_rank)
-    return frozenset(zip(map(tuple, live.tolist()), messages.tolist(), kinds.tolist(), chunks.tolist())), most
+    live, messages, kinds, chunks, most, partners = _events(schedule, pp_rank)
+    return frozenset(zip(map(tuple, live.tolist()), messages.tolist(), kinds.tolist(), chunks.tolist(),
+                         partners.tolist())), most
 
 
 @lru_cache(maxsize=1024)
 def _events(schedule: tuple[str, int, int, int, bool], pp_rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray,
-                                                                                np.ndarray, int]:
+                                                                                np.ndarray, int, np.ndarray]:
     """``pipeline.executor.run_schedule``'s buffers, action by action, as counts: for each posted batch and compute
     of ``pp_rank``, the (micro-batch, chunk) pairs of each chunk held then (a backward's own pair already released)
     and the point-to-point messages held; plus the event kind (0 a batch posted, 1 forward, 2 backward or I, 3 W,
-    4 an FB), its chunk (an FB's: its forward's), and the most pairs held at once. A rank holds, before an action,
-    the ``kept`` bytes of each held pair plus that many messages plus the action's own transient
-    (``schedule_peak``): a forward's (an FB's: its forward half's, while its backward half still holds its pair:
-    an upper bound, the backward releasing layer by layer) or a backward's. An I keeps its pair until its W (the
-    weight gradients read the saved inputs).
+    4 an FB), its chunk (an FB's: its forward's), the most pairs held at once and, last, an FB's backward chunk
+    (-1 for other events). A rank holds, before an action, the ``kept`` bytes of each held pair plus that many
+    messages plus the action's own transient (``schedule_peak``): a forward's or a backward's; an FB's row holds its
+    backward's pair, and its two pairs together hold ``planner.inflight.fb_peak`` (the backward releasing its blocks
+    while the forward takes its own). An I keeps its pair until its W (the weight gradients read the saved inputs).
 
     Messages, as the executor holds them: a receive buffer from its posting until its consumer ran (a received
     activation is then its chunk's input, in ``kept``; a received gradient is freed after its backward); an input
@@ -85,7 +90,7 @@ def _events(schedule: tuple[str, int, int, int, bool], pp_rank: int) -> tuple[np
     placement = built.placement
     last = pp * vpp - 1
     live = [0] * vpp
-    rows, messages, kinds, chunks = [], [], [], []
+    rows, messages, kinds, chunks, partners = [], [], [], [], []
     receiving = gradients = most = 0   # receive buffers not yet consumed; input gradients not yet posted
     unwaited: dict[int, tuple[int, list[tuple[int, int]]]] = {}   # batch -> (input gradients, outputs) it sends
     batch_of: dict[tuple[str, int, int], int] = {}               # a posted receive -> its batch
@@ -120,6 +125,7 @@ def _events(schedule: tuple[str, int, int, int, bool], pp_rank: int) -> tuple[np
             messages.append(held())
             kinds.append(0)
             chunks.append(item[0].chunk)
+            partners.append(-1)
             continue
         after = []   # what each part does once the action ran
         for part in item.parts():
@@ -141,6 +147,9 @@ def _events(schedule: tuple[str, int, int, int, bool], pp_rank: int) -> tuple[np
         messages.append(held())
         kinds.append({ActionKind.F: 1, ActionKind.B: 2, ActionKind.I: 2, ActionKind.W: 3, ActionKind.FB: 4}[item.kind])
         chunks.append(item.chunk)
+        partners.append(item.b_chunk if item.kind is ActionKind.FB else -1)
+        if item.kind is ActionKind.FB:   # its two pairs, each in part
+            most = max(most, sum(live) + 1)
         for what, part in after:
             c = part.chunk
             if what == "hold":
@@ -155,7 +164,7 @@ def _events(schedule: tuple[str, int, int, int, bool], pp_rank: int) -> tuple[np
                 live[c] -= 1
         most = max(most, sum(live))
     return (np.array(rows, dtype=np.float64), np.array(messages, dtype=np.float64), np.array(kinds),
-            np.array(chunks), most)
+            np.array(chunks), most, np.array(partners))
 
 
 @lru_cache(maxsize=256)

@@ -24,8 +24,9 @@ import pytest
 from moefold.models.options import ModelOptions
 from moefold.models.recipes import get_recipe
 from moefold.parallel.dims import ParallelConfig
-from moefold.planner.inflight import MESSAGES, held_states, peak_bytes
-from moefold.planner.profile import ChunkProfile, schedule_peak
+from moefold.planner.activations import Part
+from moefold.planner.inflight import MESSAGES, fb_matrix, fb_peak, held_states, peak_bytes
+from moefold.planner.profile import ChunkProfile, profile, schedule_peak
 from moefold.planner.static import exact_static, static_lower_bound
 from moefold.training.cli.train import validate_layout
 from moefold.training.config import RunConfig, TrainConfig
@@ -101,3 +102,44 @@ def test_held_pairs_formula_equals_the_walk(name: str, vpp: int, overlap: bool) 
                 assert abs(formula - walked) <= tolerance, (pp, m, rank, formula, walked, tolerance)
                 checked += 1
     assert checked >= 30
+
+
+def _blocks(n: int, block: int, moe: bool = True, extra: int = 0) -> ChunkProfile:
+    """A chunk of ``n`` blocks of ``block`` bytes (two parts each, an MoE FFN: two exchanges), a head of 5 bytes."""
+    ffn = {"moe: expert input rows": block // 2} if moe else {"mlp: input": block // 2}
+    parts = [p for i in range(n) for p in (Part("moe layer", {"attention": block - block // 2}, fwd_extra=extra,
+                                                 layer=i),
+                                            Part("moe layer", ffn, bwd_extra=extra, layer=i))]
+    return profile([*parts, Part("head", {"logits": 5})])
+
+
+def test_fb_step_holds_one_pair_and_a_block():
+    """An FB step of two chunks of MoE blocks holds the larger pair and about a block (``inflight.fb_peak``): the
+    backward's blocks end a turn before the forward's next start; without exchanges the backward runs whole first."""
+    one, two = _blocks(6, 100), _blocks(6, 100, extra=7)
+    # the forward's blocks 0..k while the backward still holds 0..n-1-k (its head, first, already freed)
+    assert fb_peak(one, one) == 6 * 100 + 100
+    assert 700 <= fb_peak(two, two) <= 700 + 7
+    assert fb_peak(_blocks(3, 100), _blocks(9, 100)) <= 900 + 5 + 100
+    dense = _blocks(6, 100, moe=False)
+    assert fb_peak(dense, dense) == dense.kept   # no exchange: one turn each, the backward's first
+    assert fb_peak(ChunkProfile((), 50, 60, 70), ChunkProfile((), 40, 45, 41)) == 50 + 40 + 20   # no parts: both
+
+
+@pytest.mark.parametrize("name,vpp", [("interleaved", 2), ("dualpipev", 2)])
+def test_fb_formula_equals_the_walk_with_blocks(name: str, vpp: int) -> None:
+    """With the overlap and chunks of blocks, the formula's FB steps (any held pair as the forward, any chunk as
+    the backward) against the walk's (each FB's own two chunks): within the formula's usual slack."""
+    rng = random.Random(name)
+    for pp in (2, 4):
+        for m in (2 * pp, 4 * pp):
+            for rank in range(pp):
+                profiles = [_blocks(rng.randint(2, 6), rng.randint(20, 60), extra=rng.randint(0, 9))
+                            for _ in range(vpp)]
+                kept = [p.kept for p in profiles]
+                walked, _ = schedule_peak((name, pp, m, vpp, True), profiles, rank, 7, steady=False)
+                formula = peak_bytes(held_states(name, pp, vpp, m, rank, True), kept, [p.peak for p in profiles], 7,
+                                     True, fb_matrix(profiles))
+                tolerance = max(kept) + max(p.peak - p.kept for p in profiles) + (pp + 1 + MESSAGES) * 7
+                assert abs(formula - walked) <= tolerance, (pp, m, rank, formula, walked)
+                assert walked < sum(kept) * (m + 1)   # sanity: a finite walk

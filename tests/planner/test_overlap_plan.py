@@ -3,8 +3,8 @@
 - Step time (DeepSeek-V3, 16 layers, ep8): in every FB step the exchange hides behind the other micro-batch's
   compute, so the exposed ``ep`` term and the step fall, never below what there is to hide behind; at pp = 1 too.
   ZB-H1's bubble is below 1F1B's; DualPipeV's FB pairs only hide the exchange with the overlap on.
-- Activations: the overlap at pp = 1 holds two micro-batches during its FB steps; DualPipeV's busiest rank holds
-  2 pp + 1 chunk-micro-batches (the published PP + 1).
+- Activations: the overlap at pp = 1 holds one micro-batch and about a block more in its FB steps (not two);
+  DualPipeV's busiest rank holds 2 pp + 1 chunk-micro-batches (the published PP + 1).
 - The search tries the new schedules and the overlap, the report names them, and the printed flags parse back
   into the same run.
 """
@@ -67,7 +67,9 @@ def test_activation_memory_of_the_overlap_and_dualpipev():
     _, m = plain.resolve(WORLD)
     a, b = activation_memory(plain, sizes, 0, m), activation_memory(overlap, sizes, 0, m)
     assert b.per_microbatch == a.per_microbatch
-    assert b.peak > a.peak and b.peak >= a.per_microbatch[0] + 0.9 * a.peak   # two micro-batches in an FB step
+    # an FB step holds one micro-batch and about a block more (its backward frees its blocks as its forward takes
+    # its own; tests/planner/test_memory.py measures it), not two micro-batches (was: >= kept + 0.9 x plain peak)
+    assert a.peak < b.peak <= a.peak + a.per_microbatch[0] / 4 and b.in_flight == 2
     v = _config(4, pipeline_schedule="dualpipev", num_layers_per_virtual_pipeline_stage=2)
     sizes = validate_layout(v, WORLD)
     _, m = v.resolve(WORLD)

@@ -60,12 +60,12 @@ def test_host_time_only_where_the_host_waits() -> None:
     assert host_waits(dataclasses.replace(graphed.config(), train=attn_only))
 
 
-# Rows whose planned memory is still above their GPU's (docs/planner.md, "Memory of the published runs"): the two
-# GPT-OSS-120B runs at MBS 4, where the cross-entropy's fp32 softmax over the 201k vocabulary (TE's fused loss keeps
-# the bf16 logits' gradient) and, on GB200, the batch-level overlap's step counted as holding both micro-batches
-# whole (its backward half frees layers while its forward half takes them) weigh most. Strict: a row that starts to
-# fit fails here, to be taken off the list.
-NOT_FITTING_YET = {10, 13}
+# Rows whose planned memory is still above their GPU's (docs/planner.md, "Memory of the published runs"): the
+# GPT-OSS-120B run at MBS 4 on B200, where the cross-entropy's fp32 softmax over the 201k vocabulary (TE's fused loss
+# keeps the bf16 logits' gradient) weighs most. (Row 13, on GB200, fits since the batch-level overlap's FB step is
+# planned as one micro-batch and about a block, ``planner.inflight.fb_peak``, not two whole micro-batches.) Strict:
+# a row that starts to fit fails here, to be taken off the list.
+NOT_FITTING_YET = {10}
 
 
 @pytest.mark.parametrize("row", range(1, len(PUBLISHED_RUNS) + 1))
@@ -99,6 +99,7 @@ def test_interleaved_rows_hold_megatrons_warmup() -> None:
         for rank in range(sizes.pp):
             warmup = min((sizes.pp - rank - 1) * 2 + (vpp - 1) * sizes.pp + int(overlap), m * vpp)
             states = held_states(config.schedule_name(vpp), sizes.pp, vpp, m, rank, overlap)
-            assert most_held(states) == warmup + 1, (run.name, rank)
+            # the states count an FB step's forward pair; its backward pair is the + int(overlap)
+            assert most_held(states) + int(overlap) == warmup + 1, (run.name, rank)
         checked += 1
     assert checked >= 5
