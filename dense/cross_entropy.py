@@ -49,7 +49,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits32 = upcast_logits(logits)
         max_logit = logits32.max(dim=-1).values
         _all_reduce_(max_logit, group, dist.ReduceOp.MAX)
-        shifted = logits32 - max_logit.unsqueeze(-1)
+        recompute = logits.element_size() < 4   # bf16, fp16: their own bytes are fewer than the softmax's
+        # A bf16/fp16 upcast is a copy of its own: shifted in place (the same subtraction, one [T, V/tp] fp32
+        # buffer fewer); fp32 logits are the caller's tensor.
+        shifted = logits32.sub_(max_logit.unsqueeze(-1)) if recompute else logits32 - max_logit.unsqueeze(-1)
 
         outside = (labels < start) | (labels >= start + v_local)
         local_labels = (labels - start).masked_fill(outside, 0)
@@ -61,8 +64,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         _all_reduce_(sum_exp, group, dist.ReduceOp.SUM)
         loss = sum_exp.log() - target_logit
 
-        ctx.recompute = logits.element_size() < 4   # bf16, fp16: their own bytes are fewer than the softmax's
-        if ctx.recompute:   # keep the logits (their dtype) and two fp32 scalars per token; exp is freed here
+        ctx.recompute = recompute
+        if recompute:   # keep the logits (their dtype) and two fp32 scalars per token; exp is freed here
             ctx.save_for_backward(logits, max_logit, sum_exp, local_labels, outside)
         else:
             softmax = exp.div_(sum_exp.unsqueeze(-1))
@@ -78,8 +81,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # the consumed buffer and is refused; recomputed (lower-precision logits), each backward has its own.
         if ctx.recompute:
             logits, max_logit, sum_exp, local_labels, outside = ctx.saved_tensors
-            # The forward's operations in its order (upcast, subtract the max, exp, divide): the same bits.
-            softmax = (upcast_logits(logits) - max_logit.unsqueeze(-1)).exp_().div_(sum_exp.unsqueeze(-1))
+            # The forward's operations in its order (upcast, subtract the max, exp, divide): the same bits, in one
+            # fp32 buffer (the upcast's copy) that becomes the gradient.
+            softmax = upcast_logits(logits).sub_(max_logit.unsqueeze(-1)).exp_().div_(sum_exp.unsqueeze(-1))
         else:
             if ctx.consumed:
                 raise RuntimeError("vocab_parallel_cross_entropy: a second backward through the same loss "
