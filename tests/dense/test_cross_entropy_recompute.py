@@ -152,3 +152,20 @@ def test_second_backward_recomputes_for_bf16_and_is_refused_for_fp32():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="second backward"):
         loss.backward()
+
+
+def test_bf16_peak_is_one_fp32_copy_and_the_gradient():
+    """Forward and backward of the loss over bf16 logits allocate at most one fp32 ``[tokens, V]`` buffer (the
+    upcast, shifted, exponentiated and divided in place, in backward the gradient) beside the bf16 gradient: 6 bytes
+    per logit plus per-token terms, as ``planner.profile.head`` counts them (two fp32 buffers would be 8)."""
+    from moefold.training.observe.memory import measure_peak
+
+    logits, labels, mask = _data(torch.bfloat16, None, (32, 4, 2048))
+    logits.requires_grad_()
+
+    def step():
+        vocab_parallel_cross_entropy(logits, labels, None, loss_mask=mask).sum().backward()
+
+    _, peak = measure_peak(step)
+    per_logit = logits.numel()
+    assert 6 * per_logit <= peak.bytes <= 6 * per_logit + 64 * labels.numel(), peak.bytes / per_logit
