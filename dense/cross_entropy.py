@@ -9,6 +9,14 @@ An fp32 island of the bf16 path: bf16 logits are upcast (``upcast_logits``) befo
 exponentials and their sum, as Megatron-Core's ``VocabParallelCrossEntropy`` does
 (``calculate_logits_max``: ``vocab_parallel_logits.float()``) and HF's ``ForCausalLMLoss``
 (``logits.float()``); only the logits' gradient returns in their dtype.
+
+What the backward keeps: for fp32 logits the softmax ``[..., V/tp]`` (4 bytes per logit, the buffer the
+forward computed it in: recomputing would save nothing). For lower-precision logits the logits themselves
+(2 bytes per logit for bf16/fp16) plus the per-token fp32 max and sum of exponentials (8 bytes per token),
+as Transformer Engine's fused loss keeps its input: the backward recomputes the softmax with the forward's
+own operations in the same order (upcast, subtract the max, exp, divide by the sum), so the gradient is
+bit-identical to keeping the fp32 softmax (the GPT-OSS vocabulary of 201k makes that softmax 13 GB per
+micro-batch of 16k tokens).
 """
 
 from __future__ import annotations
@@ -41,7 +49,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits32 = upcast_logits(logits)
         max_logit = logits32.max(dim=-1).values
         _all_reduce_(max_logit, group, dist.ReduceOp.MAX)
-        shifted = logits32 - max_logit.unsqueeze(-1)
+        recompute = logits.element_size() < 4   # bf16, fp16: their own bytes are fewer than the softmax's
+        # A bf16/fp16 upcast is a copy of its own: shifted in place (the same subtraction, one [T, V/tp] fp32
+        # buffer fewer); fp32 logits are the caller's tensor.
+        shifted = logits32.sub_(max_logit.unsqueeze(-1)) if recompute else logits32 - max_logit.unsqueeze(-1)
 
         outside = (labels < start) | (labels >= start + v_local)
         local_labels = (labels - start).masked_fill(outside, 0)
@@ -53,22 +64,33 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         _all_reduce_(sum_exp, group, dist.ReduceOp.SUM)
         loss = sum_exp.log() - target_logit
 
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_labels, outside)
+        ctx.recompute = recompute
+        if recompute:   # keep the logits (their dtype) and two fp32 scalars per token; exp is freed here
+            ctx.save_for_backward(logits, max_logit, sum_exp, local_labels, outside)
+        else:
+            softmax = exp.div_(sum_exp.unsqueeze(-1))
+            ctx.save_for_backward(softmax, local_labels, outside)
         ctx.logits_dtype, ctx.consumed = logits.dtype, False
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor):
-        # The gradient is built in the saved softmax's own buffer, as Megatron-Core's VocabParallelCrossEntropy
+        # The gradient is built in the softmax's own buffer, as Megatron-Core's VocabParallelCrossEntropy
         # does: a [tokens, V/tp] fp32 clone per step is a freshly page-faulted buffer on CPU (9 ms of the 57.7M
-        # bf16 step). The same operations in the same order, so the same values; a second backward through the
-        # same graph (retain_graph) would read the consumed buffer and is refused.
-        if ctx.consumed:
-            raise RuntimeError("vocab_parallel_cross_entropy: a second backward through the same loss "
-                               "(retain_graph=True); its softmax was consumed by the first (compute the loss again)")
-        ctx.consumed = True
-        softmax, local_labels, outside = ctx.saved_tensors
+        # bf16 step). Kept (fp32 logits), a second backward through the same graph (retain_graph) would read
+        # the consumed buffer and is refused; recomputed (lower-precision logits), each backward has its own.
+        if ctx.recompute:
+            logits, max_logit, sum_exp, local_labels, outside = ctx.saved_tensors
+            # The forward's operations in its order (upcast, subtract the max, exp, divide): the same bits, in one
+            # fp32 buffer (the upcast's copy) that becomes the gradient.
+            softmax = upcast_logits(logits).sub_(max_logit.unsqueeze(-1)).exp_().div_(sum_exp.unsqueeze(-1))
+        else:
+            if ctx.consumed:
+                raise RuntimeError("vocab_parallel_cross_entropy: a second backward through the same loss "
+                                   "(retain_graph=True) with fp32 logits; its softmax was consumed by the first "
+                                   "(compute the loss again)")
+            ctx.consumed = True
+            softmax, local_labels, outside = ctx.saved_tensors
         grad = softmax
         grad.scatter_add_(-1, local_labels.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
         grad.mul_(grad_loss.unsqueeze(-1))

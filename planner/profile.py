@@ -100,19 +100,25 @@ def embedding(shape: ActivationShape) -> Part:
 
 
 def head(shape: ActivationShape, name: str = "head") -> Part:
-    """Final norm, output head and vocab-parallel cross-entropy: the head's input and the fp32 softmax
-    ``[T_c, V/tp]`` it keeps (``dense.cross_entropy``); forward: the logits and their fp32 copy (bf16)."""
+    """Final norm, output head and vocab-parallel cross-entropy (``dense.cross_entropy``): the head's input and
+    what the loss keeps for its backward. fp32 logits: their softmax ``[T_c, V/tp]`` (forward: the logits). bf16
+    logits: the logits themselves plus the fp32 max and sum of exponentials per token, the softmax recomputed in
+    backward (forward and backward: one fp32 copy of the logits, shifted, exponentiated and divided in place)."""
     m, a, T, Tx, H = shape.model, shape.a, shape.T_c, shape.T_x, shape.model.hidden_size
     V = m.vocab_size // shape.tp
     saved = shape.norm(Tx, H, "final norm")
     saved["head input"] = a * Tx * H   # under SP the shard, gathered again in backward (parallel.sequence_input)
-    saved["softmax (fp32)"] = 4 * T * V
     saved["labels, mask"] = 17 * T
-    upcast = 4 * T * V if a != 4 else 0
-    forward = a * T * V + upcast
-    backward = max(4 * T * V + (a * T * V if a != 4 else 0),               # the softmax's gradient
-                   shape.gemm_backward(T, H, V, V * H) - 4 * T * V)       # the head's GEMMs (softmax freed)
-    return Part(name, saved, fwd_extra=forward, bwd_extra=backward)
+    if a == 4:
+        saved["softmax (fp32)"] = 4 * T * V
+        return Part(name, saved, fwd_extra=a * T * V,
+                    bwd_extra=max(4 * T * V,                                         # the softmax's gradient
+                                  shape.gemm_backward(T, H, V, V * H) - 4 * T * V))  # the head's GEMMs (softmax freed)
+    saved["logits"] = a * T * V
+    saved["max, sum of exponentials (fp32)"] = 8 * T
+    backward = max(4 * T * V + a * T * V,                         # the recomputed softmax, its gradient in bf16
+                   shape.gemm_backward(T, H, V, V * H) - a * T * V)  # the head's GEMMs (the logits freed)
+    return Part(name, saved, fwd_extra=4 * T * V, bwd_extra=backward)
 
 
 def mtp(shape: ActivationShape, depth: int, dispatcher: str) -> list[Part]:

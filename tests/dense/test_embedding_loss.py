@@ -137,17 +137,15 @@ def _softmax_then_clone_grad(logits: torch.Tensor, labels: torch.Tensor, weights
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cross_entropy_backward_in_place_equals_clone(dtype):
     """The backward builds the gradient in the saved softmax's buffer (Megatron-Core's way, no [tokens, V] clone):
-    bit for bit the gradient of the clone-based backward, fp32 and bf16 logits, ignored labels included; a second
-    backward through the same graph is refused instead of reading the consumed buffer."""
+    bit for bit the gradient of the clone-based backward, fp32 and bf16 logits (whose softmax is recomputed in
+    backward), ignored labels included (the second backward: tests/dense/test_cross_entropy_recompute.py)."""
     logits, labels, mask = _ce_data()
     local = logits.to(dtype).requires_grad_()
     loss = vocab_parallel_cross_entropy(local, labels, None, loss_mask=mask)
     weights = torch.rand(S, B, generator=torch.Generator().manual_seed(1))
-    loss.backward(weights, retain_graph=True)
+    loss.backward(weights)
     expected = _softmax_then_clone_grad(logits.to(dtype), labels, weights * mask)
     assert local.grad.dtype == dtype and torch.equal(local.grad, expected)
-    with pytest.raises(RuntimeError, match="second backward"):
-        loss.backward(weights)
 
 
 def test_bad_inputs():

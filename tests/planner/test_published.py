@@ -60,19 +60,9 @@ def test_host_time_only_where_the_host_waits() -> None:
     assert host_waits(dataclasses.replace(graphed.config(), train=attn_only))
 
 
-# Rows whose planned memory is still above their GPU's (docs/planner.md, "Memory of the published runs"): the
-# GPT-OSS-120B run at MBS 4 on B200, where the cross-entropy's fp32 softmax over the 201k vocabulary (TE's fused loss
-# keeps the bf16 logits' gradient) weighs most. (Row 13, on GB200, fits since the batch-level overlap's FB step is
-# planned as one micro-batch and about a block, ``planner.inflight.fb_peak``, not two whole micro-batches.) Strict:
-# a row that starts to fit fails here, to be taken off the list.
-NOT_FITTING_YET = {10}
-
-
 @pytest.mark.parametrize("row", range(1, len(PUBLISHED_RUNS) + 1))
-def test_published_row_fits_its_gpu(row: int, request: pytest.FixtureRequest) -> None:
+def test_published_row_fits_its_gpu(row: int) -> None:
     """A published run is proof its layout fit: the plan's fullest stage needs at most the GPU's memory."""
-    if row in NOT_FITTING_YET:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="moefold's modules keep more than Megatron's"))
     run = PUBLISHED_RUNS[row - 1]
     memory = run.memory()
     assert memory.total <= run.gpu_memory(), (f"{run.name}: {memory.total / 1e9:.1f} GB of "
