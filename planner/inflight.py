@@ -104,18 +104,27 @@ def fb_peak(forward: ChunkProfile, backward: ChunkProfile) -> int:
     transient (the bound before the turns were modelled)."""
     if not forward.units or not backward.units:
         return forward.kept + backward.kept + max(forward.peak - forward.kept, backward.peak - backward.kept, 0)
+    key = (id(forward), id(backward))
+    hit = _FB_PEAKS.get(key)
+    if hit is not None and hit[0] is forward and hit[1] is backward:
+        return hit[2]
     f_start, f_kept, f_extra, f_end = _turns(forward.units, 1)
     b_start, b_kept, b_extra, b_end = _turns(backward.units[::-1], 2)   # in the order the backward runs them
-    turns = int(max(f_end.max(), b_end.max())) + 1
-    best = 0
-    for t in range(turns):
-        running_b = (b_start <= t) & (t <= b_end)
-        held_b = b_kept[b_end >= t].sum() + f_kept[f_start <= t - 1].sum()
-        best = max(best, held_b + (b_extra[running_b].max() if running_b.any() else 0))
-        running_f = (f_start <= t) & (t <= f_end)
-        held_f = f_kept[f_start <= t].sum() + b_kept[b_end > t].sum()
-        best = max(best, held_f + (f_extra[running_f].max() if running_f.any() else 0))
-    return int(best)
+    t = np.arange(int(max(f_end.max(), b_end.max())) + 1)[:, None]   # every turn at once: [turns, units]
+    # the backward's turn t: its blocks not yet freed and the forward's started before t, the running blocks' transient
+    held_b = (b_kept * (b_end >= t)).sum(1) + (f_kept * (f_start <= t - 1)).sum(1)
+    run_b = np.where((b_start <= t) & (t <= b_end), b_extra, 0.0).max(1)
+    # the forward's turn t: its blocks started by t and the backward's freed after t
+    held_f = (f_kept * (f_start <= t)).sum(1) + (b_kept * (b_end > t)).sum(1)
+    run_f = np.where((f_start <= t) & (t <= f_end), f_extra, 0.0).max(1)
+    best = int(max((held_b + run_b).max(), (held_f + run_f).max(), 0))
+    if len(_FB_PEAKS) > 4096:
+        _FB_PEAKS.clear()
+    _FB_PEAKS[key] = (forward, backward, best)   # the profiles are cached objects, reused across layouts
+    return best
+
+
+_FB_PEAKS: dict[tuple[int, int], tuple[ChunkProfile, ChunkProfile, int]] = {}
 
 
 def _turns(units: tuple[tuple[int, int, int, int], ...], transient: int) -> tuple[np.ndarray, ...]:
