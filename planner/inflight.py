@@ -118,13 +118,14 @@ def fb_peak(forward: ChunkProfile, backward: ChunkProfile) -> int:
     held_f = (f_kept * (f_start <= t)).sum(1) + (b_kept * (b_end > t)).sum(1)
     run_f = np.where((f_start <= t) & (t <= f_end), f_extra, 0.0).max(1)
     best = int(max((held_b + run_b).max(), (held_f + run_f).max(), 0))
-    if len(_FB_PEAKS) > 4096:
+    if len(_FB_PEAKS) > _CACHE:
         _FB_PEAKS.clear()
     _FB_PEAKS[key] = (forward, backward, best)   # the profiles are cached objects, reused across layouts
     return best
 
 
 _FB_PEAKS: dict[tuple[int, int], tuple[ChunkProfile, ChunkProfile, int]] = {}
+_CACHE = 1 << 16   # entries per cache (each holds its profiles alive: bounded, then cleared)
 
 
 def _turns(units: tuple[tuple[int, int, int, int], ...], transient: int) -> tuple[np.ndarray, ...]:
@@ -138,8 +139,20 @@ def _turns(units: tuple[tuple[int, int, int, int], ...], transient: int) -> tupl
 
 
 def fb_matrix(profiles: Sequence[ChunkProfile]) -> list[list[int]]:
-    """``fb_peak`` of every (forward chunk, backward chunk) pair of a rank's chunks."""
-    return [[fb_peak(f, b) for b in profiles] for f in profiles]
+    """``fb_peak`` of every (forward chunk, backward chunk) pair of a rank's chunks (cached per list of profile
+    objects: a search's ranks of many layouts share their chunks' profiles)."""
+    key = tuple(id(p) for p in profiles)
+    hit = _FB_MATRICES.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], profiles)):
+        return hit[1]
+    matrix = [[fb_peak(f, b) for b in profiles] for f in profiles]
+    if len(_FB_MATRICES) > _CACHE:
+        _FB_MATRICES.clear()
+    _FB_MATRICES[key] = (tuple(profiles), matrix)
+    return matrix
+
+
+_FB_MATRICES: dict[tuple[int, ...], tuple[tuple[ChunkProfile, ...], list[list[int]]]] = {}
 
 
 def most_held(states: tuple[tuple[int, ...], ...]) -> int:
