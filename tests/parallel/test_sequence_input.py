@@ -35,14 +35,19 @@ def _model(kind: str, tp_group: Group, sp: bool) -> nn.Module:
     return ColumnParallelLinear(H, F, tp_group, sequence_parallel=sp, gather_output=True)
 
 
-def _run(tp_group: Group, sp: bool, kind: str, fp8: bool):
+def _setup(tp_group: Group, sp: bool, kind: str, fp8: bool) -> tuple[nn.Module, torch.Generator, torch.Tensor]:
+    """The model (FP8 linears if ``fp8``), the generator after the input, and this rank's input shard."""
     model = _model(kind, tp_group, sp)
     init_parameters(model, seed=3)
     if fp8:
         convert_linears_to_fp8(model, FP8Config("e4m3", "tensorwise"), tp_group)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(S, B, H, generator=gen)
-    x_local = seq_shard(x, tp_group, sp).requires_grad_()
+    return model, gen, seq_shard(x, tp_group, sp).requires_grad_()
+
+
+def _run(tp_group: Group, sp: bool, kind: str, fp8: bool):
+    model, gen, x_local = _setup(tp_group, sp, kind, fp8)
     params = {p.data_ptr() for p in model.parameters()}
     kept: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}   # by storage: one tensor saved twice counts once
 
@@ -93,13 +98,7 @@ def _run_checkpointed(tp_group: Group, sp: bool, kind: str, fp8: bool):
     tensor: a holder is unpacked once) and come back from the recomputation."""
     from torch.utils.checkpoint import checkpoint
 
-    model = _model(kind, tp_group, sp)
-    init_parameters(model, seed=3)
-    if fp8:
-        convert_linears_to_fp8(model, FP8Config("e4m3", "tensorwise"), tp_group)
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(S, B, H, generator=gen)
-    x_local = seq_shard(x, tp_group, sp).requires_grad_()
+    model, gen, x_local = _setup(tp_group, sp, kind, fp8)
     y = checkpoint(model, x_local, use_reentrant=False)
     out = seq_gather(y, tp_group, sp)
     y.backward(seq_shard(torch.randn(out.shape, generator=gen), tp_group, sp))
