@@ -124,7 +124,7 @@ class _WeightedActivation(torch.autograd.Function):
     def forward(ctx, h_NGf: Tensor, probs_N: Tensor, act: Activation) -> Tensor:
         ctx.act = act
         ctx.save_for_backward(h_NGf, probs_N)
-        return (act(h_NGf) * probs_N.unsqueeze(1)).to(h_NGf.dtype)
+        return weighted_product(act, h_NGf, probs_N.unsqueeze(1))
 
     @staticmethod
     def backward(ctx, grad: Tensor):

@@ -53,10 +53,10 @@ def _forwards_on(n: np.ndarray, chunk: int, pp: int, vpp: int) -> np.ndarray:
 
 
 @lru_cache(maxsize=4096)
-def held_states(name: str, pp: int, vpp: int, m: int, rank: int, overlap: bool) -> tuple[tuple[int, ...], ...]:
+def held_states(name: str, pp: int, vpp: int, m: int, rank: int) -> tuple[tuple[int, ...], ...]:
     """The distinct per-chunk held-pair counts of ``rank`` that its peak is a maximum over (the running action's
-    own pair included; with the overlap, an FB step's backward pair is not: ``peak_bytes``' ``fb`` counts the two
-    pairs of the step). ``name``: ``pipeline.schedules``' name."""
+    own pair included; the batch-level overlap changes none of them: an FB step's two pairs are ``peak_bytes``'
+    ``fb``). ``name``: ``pipeline.schedules``' name."""
     if pp == 1:
         return ((1,),)
     if name == "gpipe":

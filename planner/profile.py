@@ -409,7 +409,7 @@ def _activation_memories(config: RunConfig, sizes: ParallelSizes, num_micro: int
         host = max((p.offloaded for p in profiles), default=0)
         if not exact:
             name, pp, micro, vpp, overlapped = schedule or ("1f1b", 1, num_micro, 1, False)
-            states = held_states(name, pp, vpp, micro, pp_rank, overlapped)
+            states = held_states(name, pp, vpp, micro, pp_rank)
             fb = fb_matrix(profiles) if overlapped else None
             peak = peak_bytes(states, [p.kept for p in profiles], [p.peak for p in profiles], message, pp > 1, fb)
             in_flight = most_held(states) + int(overlapped)   # an FB step's two pairs, each in part

@@ -96,7 +96,7 @@ def test_held_pairs_formula_equals_the_walk(name: str, vpp: int, overlap: bool) 
                     walked, _ = schedule_peak((name, pp, m, vpp, overlap), profiles, rank, message, steady=False)
                 except ValueError:   # a step this schedule refuses (DualPipeV below 2 pp micro-batches)
                     continue
-                formula = peak_bytes(held_states(name, pp, vpp, m, rank, overlap), kept,
+                formula = peak_bytes(held_states(name, pp, vpp, m, rank), kept,
                                      [p.peak for p in profiles], message, True)
                 tolerance = max(kept) + max(p.peak - p.kept for p in profiles) + (pp + 1 + MESSAGES) * message
                 assert abs(formula - walked) <= tolerance, (pp, m, rank, formula, walked, tolerance)
@@ -138,7 +138,7 @@ def test_fb_formula_equals_the_walk_with_blocks(name: str, vpp: int) -> None:
                             for _ in range(vpp)]
                 kept = [p.kept for p in profiles]
                 walked, _ = schedule_peak((name, pp, m, vpp, True), profiles, rank, 7, steady=False)
-                formula = peak_bytes(held_states(name, pp, vpp, m, rank, True), kept, [p.peak for p in profiles], 7,
+                formula = peak_bytes(held_states(name, pp, vpp, m, rank), kept, [p.peak for p in profiles], 7,
                                      True, fb_matrix(profiles))
                 tolerance = max(kept) + max(p.peak - p.kept for p in profiles) + (pp + 1 + MESSAGES) * 7
                 assert abs(formula - walked) <= tolerance, (pp, m, rank, formula, walked)

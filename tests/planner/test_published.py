@@ -88,7 +88,7 @@ def test_interleaved_rows_hold_megatrons_warmup() -> None:
         overlap = config.train.overlap_moe_expert_parallel_comm
         for rank in range(sizes.pp):
             warmup = min((sizes.pp - rank - 1) * 2 + (vpp - 1) * sizes.pp + int(overlap), m * vpp)
-            states = held_states(config.schedule_name(vpp), sizes.pp, vpp, m, rank, overlap)
+            states = held_states(config.schedule_name(vpp), sizes.pp, vpp, m, rank)
             # the states count an FB step's forward pair; its backward pair is the + int(overlap)
             assert most_held(states) + int(overlap) == warmup + 1, (run.name, rank)
         checked += 1
