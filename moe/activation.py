@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from moefold.moe.prob_rows import prob_grads, scale_rows_
+
 
 class ExpertActivation(StrEnum):
     """The experts' activation: gated SiLU on the gate/up halves of one projection, or GELU or squared ReLU
@@ -124,7 +126,7 @@ class _WeightedActivation(torch.autograd.Function):
     def forward(ctx, h_NGf: Tensor, probs_N: Tensor, act: Activation) -> Tensor:
         ctx.act = act
         ctx.save_for_backward(h_NGf, probs_N)
-        return weighted_product(act, h_NGf, probs_N.unsqueeze(1))
+        return scale_rows_(act(h_NGf), probs_N)   # act's output is a new tensor: weighted in place
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -132,11 +134,10 @@ class _WeightedActivation(torch.autograd.Function):
         with torch.enable_grad():
             h = h_NGf.detach().requires_grad_(ctx.needs_input_grad[0])
             a_Nf = ctx.act(h)
-        g = grad.to(torch.promote_types(a_Nf.dtype, probs_N.dtype))
-        grad_p = (g * a_Nf.detach()).sum(1).to(probs_N.dtype) if ctx.needs_input_grad[1] else None
+        d_a, grad_p = prob_grads(grad, probs_N, a_Nf.detach() if ctx.needs_input_grad[1] else None)
         grad_h = None
         if ctx.needs_input_grad[0]:
-            (grad_h,) = torch.autograd.grad(a_Nf, h, (g * probs_N.unsqueeze(1)).to(a_Nf.dtype))
+            (grad_h,) = torch.autograd.grad(a_Nf, h, d_a)
         return grad_h, grad_p, None
 
 

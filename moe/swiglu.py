@@ -7,8 +7,8 @@ weighted activation of ``moe.activation`` (Megatron-Core's ``activation_func_wit
 prob rounded once). Autograd's version allocates ``silu(gate)``, the products, and in backward more ``[N, f]``
 tensors and a ``cat`` into a fresh ``[N, 2f]`` gradient: on CPU each is a new, page-faulted buffer per call (the
 ``cat`` alone took 43 ms on 64 MB in the issue's profile), and it saves ``silu(gate) * up`` for the probs' gradient.
-Here forward is three passes into one workspace (``silu`` out, ``mul_`` up, ``mul_`` p); backward writes the two
-halves of one workspace ``dh`` directly, recomputing ``a = silu(gate) * up`` for the probs' gradient (as
+Here forward is three passes into one workspace (``silu`` out, ``mul_`` up, the probs' product); backward writes
+the two halves of one workspace ``dh`` directly, recomputing ``a = silu(gate) * up`` for the probs' gradient (as
 Megatron's fused ``weighted_swiglu`` does)::
 
     d_p    = sum_f g * a                (g: d_out widened to fp32, the product's dtype)
@@ -16,6 +16,8 @@ Megatron's fused ``weighted_swiglu`` does)::
     d_up   = silu(gate) * d_act
     d_gate = silu'(gate) * (up * d_act)        (aten's silu_backward, in place)
 
+The products with the fp32 probs run in cache-sized row blocks (``moe.prob_rows``): aten's CPU type promotion
+would widen whole bf16 operands into fresh fp32 tensors, which tripled this op's time.
 Saves only ``h`` and ``p``. The kernels are aten's own (``silu``, ``mul``, ``silu_backward``, ``sum``), in the
 order autograd runs them for ``(F.silu(gate) * up * p[:, None]).to(h.dtype)``, so the values equal autograd's bit
 for bit. On CUDA the workspace is the caching allocator. ``--compile`` fuses the same math into one generated kernel
@@ -30,6 +32,7 @@ import torch
 from torch import Tensor
 
 from moefold.dense.workspace import workspace
+from moefold.moe.prob_rows import prob_grads, scale_rows_
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -41,7 +44,7 @@ class _SwiGLU(torch.autograd.Function):
         torch.ops.aten.silu.out(gate, out=act)
         act.mul_(up)
         if probs_N is not None:   # in the fp32 of the probs, rounded once to h's dtype on the store
-            act.mul_(probs_N.unsqueeze(1))
+            scale_rows_(act, probs_N)
         ctx.save_for_backward(h_NGf, probs_N)
         return act
 
@@ -50,18 +53,16 @@ class _SwiGLU(torch.autograd.Function):
         h_NGf, probs_N = ctx.saved_tensors
         N, f = h_NGf.shape[0], h_NGf.shape[1] // 2
         gate, up = h_NGf[:, :f], h_NGf[:, f:]
-        dh = workspace(h_NGf.device).empty((N, 2 * f), h_NGf.dtype)
+        pool = workspace(h_NGf.device)
+        dh = pool.empty((N, 2 * f), h_NGf.dtype)
         d_gate, d_up = dh[:, :f], dh[:, f:]
         torch.ops.aten.silu.out(gate, out=d_up)
         d_p = None
         d_act = d_out
-        if probs_N is not None:
-            if ctx.needs_input_grad[1]:   # sum_f g * a, g the output gradient widened, a = silu(gate) * up recomputed
-                g = d_out.to(torch.promote_types(h_NGf.dtype, probs_N.dtype), copy=True)
-                d_p = g.mul_(torch.mul(d_up, up)).sum(1)
-                del g
-            # (g * p) rounded to h's dtype: the product in fp32 (type promotion), rounded on the store
-            d_act = torch.mul(d_out, probs_N.unsqueeze(1), out=workspace(h_NGf.device).empty((N, f), h_NGf.dtype))
+        if probs_N is not None:   # a = silu(gate) * up recomputed for d_p; d_act = (g * p) rounded to h's dtype
+            a = torch.mul(d_up, up, out=pool.empty((N, f), h_NGf.dtype)) if ctx.needs_input_grad[1] else None
+            d_act, d_p = prob_grads(d_out, probs_N, a, out=pool.empty((N, f), h_NGf.dtype))
+            del a
         d_up.mul_(d_act)
         torch.mul(up, d_act, out=d_gate)
         torch.ops.aten.silu_backward.grad_input(d_gate, gate, grad_input=d_gate)

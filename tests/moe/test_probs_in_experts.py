@@ -250,3 +250,40 @@ def test_weighted_activation_is_the_product_formula_bit_for_bit(name, dtype):
                                                                pw.untyped_storage().data_ptr()}, \
         [tuple(t.shape) for t in saved]
     assert torch.equal(fn(h), act(h))   # without probs: the plain activation
+
+
+@pytest.mark.parametrize("blocks", [True, False], ids=["cpu_blocks", "cuda_path"])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(ACTIVATIONS))
+def test_weighted_activation_blocks_are_the_product_formula_bit_for_bit(name, dtype, threads, blocks, monkeypatch):
+    """The probs' fp32 products run in row blocks (``moe.prob_rows.CHUNK_ELEMENTS``) through explicit widenings
+    instead of aten's type promotion: with many blocks, a ragged last one, and blocks large enough for aten to split
+    each block's row sums over two threads, forward and both gradients stay autograd's of the product formula; so
+    does the unblocked path a GPU runs."""
+    import moefold.moe.prob_rows as prob_rows
+
+    monkeypatch.setattr(prob_rows, "CHUNK_ELEMENTS", 1 << 15)   # 64-row blocks of 512: 301 rows -> 5, the last 45
+    if not blocks:
+        monkeypatch.setattr(prob_rows, "_in_blocks", lambda x, dtype: False)
+    fn, act = ACTIVATIONS[name]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(5)
+        h = (3 * torch.randn(301, 1024 if act in (swiglu, GPT_OSS) else 512, generator=gen)).to(dtype)
+        p = torch.rand(301, generator=gen)
+        g = torch.randn(301, 512, generator=gen).to(dtype)
+        hr, pr = h.clone().requires_grad_(), p.clone().requires_grad_()
+        ref = weighted_product(act, hr, pr.unsqueeze(1))
+        ref_grads = torch.autograd.grad(ref, (hr, pr), g)
+        hw, pw = h.clone().requires_grad_(), p.clone().requires_grad_()
+        out = fn(hw, pw)
+        grads = torch.autograd.grad(out, (hw, pw), g)
+        hx = h.clone().requires_grad_()   # the probs' gradient not asked for: the blocks skip it
+        (grad_h,) = torch.autograd.grad(fn(hx, p), hx, g)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(out, ref)
+    assert torch.equal(grads[0], ref_grads[0]) and torch.equal(grads[1], ref_grads[1])
+    assert torch.equal(grad_h, ref_grads[0])

@@ -1,0 +1,80 @@
+"""The routing probs' products with the experts' rows, in the probs' fp32, in row blocks.
+
+The weighted activation (``moe.activation``) multiplies bf16 (or fp16) rows by fp32 probs and rounds once
+(Megatron-Core's ``(act(h) * probs).to(dtype)``). aten runs such a mixed-dtype op on CPU by widening each narrow
+operand into a new tensor of the whole operand's size and writing the result into another before rounding it
+back (TensorIterator's CPU type promotion; CUDA casts inside the kernel instead). At T = 4096 those are
+32-128 MB fp32 tensors, fresh ``mmap``s that the kernel page-faults and zeroes on every call: with them the
+probs tripled the bf16 SwiGLU's time (``benchmarks/RESULTS.md``). Here each mixed product is an explicit widening
+of one row block into a small fp32 scratch, reused across blocks and warm in cache, and one rounding store.
+
+The values are aten's: a widening is exact, an fp32 product is correctly rounded whichever way it is vectorised,
+the store rounds to nearest-even once, and each row's sum over ``f`` runs in the same order (blocks hold no fewer
+rows than threads, so aten splits a block's row sums over rows as it splits the whole tensor's).
+
+    scale_rows_(a_Nf, p_N)                     # a <- (a * p[:, None]) rounded to a's dtype
+    d_act_Nf, d_p_N = prob_grads(g_Nf, p_N, a_Nf)   # (g * p) rounded to g's dtype; sum_f g * a in fp32
+
+Nothing crosses ranks; fp32 rows take the same path (the widenings are then copies).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+CHUNK_ELEMENTS = 1 << 16
+"""Elements of one row block: its fp32 scratch (256 KB) stays in cache from the widening to the store."""
+
+
+def _block_rows(N: int, f: int) -> int:
+    """Rows per block: ``CHUNK_ELEMENTS`` worth, at least one row and no fewer than the threads (module docstring)."""
+    return max(1, CHUNK_ELEMENTS // max(f, 1), torch.get_num_threads())
+
+
+def _in_blocks(x: Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``x``'s products in ``dtype`` run in blocks: on CPU, where aten would widen ``x`` whole. CUDA widens
+    inside its kernels: there one product over all rows is one launch (no block loop on a GPU's path)."""
+    return x.device.type == "cpu" and x.dtype != dtype
+
+
+def scale_rows_(a_Nf: Tensor, p_N: Tensor) -> Tensor:
+    """``a [N, f] <- (a * p[:, None])``, the product in the promoted dtype (fp32), rounded once to ``a``'s."""
+    dtype = torch.promote_types(a_Nf.dtype, p_N.dtype)
+    if not _in_blocks(a_Nf, dtype):
+        return a_Nf.mul_(p_N.unsqueeze(1))
+    N, f = a_Nf.shape
+    step = _block_rows(N, f)
+    wide = torch.empty((min(N, step), f), dtype=dtype, device=a_Nf.device)
+    for r in range(0, N, step):
+        a = a_Nf[r:r + step]
+        a.copy_(wide[: a.shape[0]].copy_(a).mul_(p_N[r:r + step, None]))
+    return a_Nf
+
+
+def prob_grads(g_Nf: Tensor, p_N: Tensor, a_Nf: Tensor | None, out: Tensor | None = None
+               ) -> tuple[Tensor, Tensor | None]:
+    """The gradients of ``(a * p[:, None]).to(a.dtype)`` for the output gradient ``g [N, f]``: ``d_a = (g * p)``
+    rounded to ``g``'s dtype ``[N, f]`` (into ``out`` when given), and, when ``a`` is given, ``d_p = sum_f g * a``
+    ``[N]`` in ``p``'s dtype (autograd's values: ``g`` widened to the product's dtype first)."""
+    dtype = torch.promote_types(g_Nf.dtype, p_N.dtype)
+    if not _in_blocks(g_Nf, dtype):   # autograd's own ops
+        g = g_Nf.to(dtype)
+        d_p = (g * a_Nf).sum(1).to(p_N.dtype) if a_Nf is not None else None
+        d_a = torch.mul(g, p_N.unsqueeze(1), out=torch.empty_like(g_Nf) if out is None else out)
+        return d_a, d_p
+    N, f = g_Nf.shape
+    step = _block_rows(N, f)
+    wide = torch.empty((min(N, step), f), dtype=dtype, device=g_Nf.device)
+    wide_a = torch.empty_like(wide) if a_Nf is not None else None
+    d_a = torch.empty_like(g_Nf) if out is None else out
+    d_p = torch.empty((N,), dtype=wide.dtype, device=g_Nf.device) if a_Nf is not None else None
+    for r in range(0, N, step):
+        g = wide[: min(step, N - r)].copy_(g_Nf[r:r + step])
+        if a_Nf is not None:
+            torch.sum(wide_a[: g.shape[0]].copy_(a_Nf[r:r + step]).mul_(g), 1, out=d_p[r:r + step])
+        d_a[r:r + step].copy_(g.mul_(p_N[r:r + step, None]))
+    return d_a, (d_p.to(p_N.dtype) if d_p is not None else None)
+
+
+__all__ = ["CHUNK_ELEMENTS", "prob_grads", "scale_rows_"]
