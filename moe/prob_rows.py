@@ -15,7 +15,8 @@ rows than threads, so aten splits a block's row sums over rows as it splits the 
     scale_rows_(a_Nf, p_N)                     # a <- (a * p[:, None]) rounded to a's dtype
     d_act_Nf, d_p_N = prob_grads(g_Nf, p_N, a_Nf)   # (g * p) rounded to g's dtype; sum_f g * a in fp32
 
-Nothing crosses ranks; fp32 rows take the same path (the widenings are then copies).
+Nothing crosses ranks. fp32 rows are weighted in place and their gradients' products run in the same blocks
+(``g * a`` would still be a whole temporary); on a GPU both functions are autograd's own ops.
 """
 
 from __future__ import annotations
@@ -32,16 +33,17 @@ def _block_rows(N: int, f: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(f, 1), torch.get_num_threads())
 
 
-def _in_blocks(x: Tensor, dtype: torch.dtype) -> bool:
-    """Whether ``x``'s products in ``dtype`` run in blocks: on CPU, where aten would widen ``x`` whole. CUDA widens
-    inside its kernels: there one product over all rows is one launch (no block loop on a GPU's path)."""
-    return x.device.type == "cpu" and x.dtype != dtype
+def _in_blocks(x: Tensor) -> bool:
+    """Whether products with ``x`` run in row blocks: on CPU, where aten would allocate whole temporaries. CUDA
+    widens inside its kernels and its allocator caches: there one product over all rows is one launch (no block
+    loop on a GPU's path)."""
+    return x.device.type == "cpu"
 
 
 def scale_rows_(a_Nf: Tensor, p_N: Tensor) -> Tensor:
     """``a [N, f] <- (a * p[:, None])``, the product in the promoted dtype (fp32), rounded once to ``a``'s."""
     dtype = torch.promote_types(a_Nf.dtype, p_N.dtype)
-    if not _in_blocks(a_Nf, dtype):
+    if a_Nf.dtype == dtype or not _in_blocks(a_Nf):   # nothing to widen, or widened inside the kernel
         return a_Nf.mul_(p_N.unsqueeze(1))
     N, f = a_Nf.shape
     step = _block_rows(N, f)
@@ -56,24 +58,30 @@ def prob_grads(g_Nf: Tensor, p_N: Tensor, a_Nf: Tensor | None, out: Tensor | Non
                ) -> tuple[Tensor, Tensor | None]:
     """The gradients of ``(a * p[:, None]).to(a.dtype)`` for the output gradient ``g [N, f]``: ``d_a = (g * p)``
     rounded to ``g``'s dtype ``[N, f]`` (into ``out`` when given), and, when ``a`` is given, ``d_p = sum_f g * a``
-    ``[N]`` in ``p``'s dtype (autograd's values: ``g`` widened to the product's dtype first)."""
+    ``[N]`` in ``p``'s dtype (autograd's values: ``g`` widened to the product's dtype first). On CPU in row blocks
+    whatever the dtype: ``g * a`` is a temporary as large as ``g`` even in fp32."""
     dtype = torch.promote_types(g_Nf.dtype, p_N.dtype)
-    if not _in_blocks(g_Nf, dtype):   # autograd's own ops
+    d_a = torch.empty_like(g_Nf) if out is None else out
+    if not _in_blocks(g_Nf):   # autograd's own ops
         g = g_Nf.to(dtype)
         d_p = (g * a_Nf).sum(1).to(p_N.dtype) if a_Nf is not None else None
-        d_a = torch.mul(g, p_N.unsqueeze(1), out=torch.empty_like(g_Nf) if out is None else out)
-        return d_a, d_p
+        return torch.mul(g, p_N.unsqueeze(1), out=d_a), d_p
     N, f = g_Nf.shape
     step = _block_rows(N, f)
-    wide = torch.empty((min(N, step), f), dtype=dtype, device=g_Nf.device)
-    wide_a = torch.empty_like(wide) if a_Nf is not None else None
-    d_a = torch.empty_like(g_Nf) if out is None else out
-    d_p = torch.empty((N,), dtype=wide.dtype, device=g_Nf.device) if a_Nf is not None else None
+    widen = g_Nf.dtype != dtype
+    wide = torch.empty((min(N, step), f), dtype=dtype, device=g_Nf.device) if widen else None
+    prod = torch.empty((min(N, step), f), dtype=dtype, device=g_Nf.device) if a_Nf is not None else None
+    d_p = torch.empty((N,), dtype=dtype, device=g_Nf.device) if a_Nf is not None else None
     for r in range(0, N, step):
-        g = wide[: min(step, N - r)].copy_(g_Nf[r:r + step])
+        s = slice(r, r + step)
+        g = wide[: min(step, N - r)].copy_(g_Nf[s]) if widen else g_Nf[s]
         if a_Nf is not None:
-            torch.sum(wide_a[: g.shape[0]].copy_(a_Nf[r:r + step]).mul_(g), 1, out=d_p[r:r + step])
-        d_a[r:r + step].copy_(g.mul_(p_N[r:r + step, None]))
+            a = prod[: g.shape[0]]
+            torch.sum(a.copy_(a_Nf[s]).mul_(g) if widen else torch.mul(g, a_Nf[s], out=a), 1, out=d_p[s])
+        if widen:
+            d_a[s].copy_(g.mul_(p_N[s, None]))
+        else:
+            torch.mul(g, p_N[s, None], out=d_a[s])
     return d_a, (d_p.to(p_N.dtype) if d_p is not None else None)
 
 

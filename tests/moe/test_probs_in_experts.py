@@ -265,7 +265,7 @@ def test_weighted_activation_blocks_are_the_product_formula_bit_for_bit(name, dt
 
     monkeypatch.setattr(prob_rows, "CHUNK_ELEMENTS", 1 << 15)   # 64-row blocks of 512: 301 rows -> 5, the last 45
     if not blocks:
-        monkeypatch.setattr(prob_rows, "_in_blocks", lambda x, dtype: False)
+        monkeypatch.setattr(prob_rows, "_in_blocks", lambda x: False)
     fn, act = ACTIVATIONS[name]
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
