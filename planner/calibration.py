@@ -2,14 +2,16 @@
 
     python -m moefold.planner.calibration     # fit on the rows marked ``fitted``, print the constants
 
-The fit takes each fitted row of ``planner.published`` apart once: its step as the uncalibrated model times it
-(compute with the bubble, exposed communication) and the seconds one second of ``Calibration.layer_seconds`` adds
-(the critical rank's blocks times its micro-batches, with what the bubble grows by); the measured step is
-``tokens per step / (measured tokens/s/GPU x GPUs)`` (an MFU row scales the same way). It then takes the constants
-whose predicted steps ``compute x C + communication x K + host x L`` have the least sum of squared log errors, on a
-grid (``GRID``). The linear split is the
-surrogate the fit searches; the errors ``python -m moefold.planner.published`` prints are those of the full model
-with the constants applied (the pipeline clock re-simulated).
+The fit takes each fitted row of ``planner.published`` apart once: its step as the uncalibrated model times it, in
+the parts each constant scales (the single GEMMs, which no constant scales; the grouped expert GEMMs; the rest of the
+compute; exposed communication; each with what the bubble grows by) and the seconds one second of
+``Calibration.layer_seconds`` adds (the critical rank's blocks times its micro-batches); the measured step is
+``tokens per step / (measured tokens/s/GPU x GPUs)`` (an MFU row scales the same way). A part is what doubling its
+constant adds to the uncalibrated step. The fit then takes the constants whose predicted steps
+``single + grouped x G + other x O + communication x K + host x L`` have the least sum of squared log errors, on a
+grid refined once around its best point (``GRIDS``). The linear split is the surrogate the fit searches; the errors
+``python -m moefold.planner.published`` prints are those of the full model with the constants applied (the pipeline
+clock re-simulated).
 
 Only the rows marked ``fitted`` (at most half of the table: ``MAX_FITTED_SHARE``) enter the fit; every other row is
 held out, and its error is what the model is worth on a run it was not tuned on.
@@ -24,33 +26,62 @@ from dataclasses import dataclass
 import numpy as np
 
 from moefold.planner.published import PUBLISHED_RUNS, PublishedRun
-from moefold.planner.step_terms import COMM_TERMS, UNCALIBRATED, Calibration
+from moefold.planner.step_terms import UNCALIBRATED, Calibration
 
 MAX_FITTED_SHARE = 0.5
-# the grid searched: (compute, communication, layer_seconds)
-GRID = (np.arange(0.50, 3.0001, 0.01), np.arange(0.20, 4.0001, 0.02), np.arange(0.0, 0.0100001, 0.0001))
+# (grouped, other, communication, layer_seconds): the coarse grid (low, high, step), then a finer one centred on its
+# best point (half-width, step) per constant; the constants are rounded to the finest steps
+GRIDS = (((0.3, 6.0, 0.1), (0.3, 3.0, 0.1), (0.2, 4.0, 0.1), (0.0, 0.01, 0.0005)),
+         ((0.1, 0.01), (0.1, 0.01), (0.1, 0.02), (0.0005, 0.0001)))
 
 
 @dataclass(frozen=True)
 class Split:
-    """One run's step in the surrogate's terms: seconds of compute (with the bubble), of exposed communication, of
-    host-bound time per second of ``layer_seconds``, and the measured step."""
+    """One run's step in the surrogate's terms: seconds of single GEMMs (with the bubble they cause and everything no
+    constant scales), of grouped expert GEMMs, of the rest of the compute, of exposed communication, of host-bound
+    time per second of ``layer_seconds``, and the measured step."""
 
-    compute: float
+    single: float
+    grouped: float
+    other: float
     communication: float
     host: float
     measured: float
+
+    def predicted(self, grouped: float, other: float, communication: float, layer_seconds: float) -> float:
+        return (self.single + grouped * self.grouped + other * self.other + communication * self.communication
+                + layer_seconds * self.host)
 
 
 def split(run: PublishedRun) -> Split:
     """``run``'s uncalibrated step, taken apart (module docstring)."""
     plain = run.step_time(calibration=UNCALIBRATED)
+    grouped = run.step_time(calibration=Calibration(grouped=2.0)).total - plain.total
+    other = run.step_time(calibration=Calibration(other=2.0)).total - plain.total
+    comm = run.step_time(calibration=Calibration(communication=2.0)).total - plain.total
     unit = run.step_time(calibration=Calibration(layer_seconds=1e-3))
-    comm = sum(plain.terms[t] for t in COMM_TERMS)
     estimate = plain.tokens_per_s_per_gpu if run.metric != "MFU" else plain.flops_per_gpu / plain.total
     measured_rate = run.measured if run.metric != "MFU" else run.measured * run.cluster_peak_flops()
-    return Split(compute=plain.total - comm, communication=comm, host=max(unit.total - plain.total, 0.0) / 1e-3,
-                 measured=plain.total * estimate / measured_rate)
+    return Split(single=plain.total - grouped - other - comm, grouped=grouped, other=other, communication=comm,
+                 host=max(unit.total - plain.total, 0.0) / 1e-3, measured=plain.total * estimate / measured_rate)
+
+
+def _best(parts: list[Split], axes: list[np.ndarray]) -> tuple[float, ...]:
+    """The grid point (one value per constant from ``axes``) of least squared log error over ``parts``."""
+    cols = np.array([[p.single, p.grouped, p.other, p.communication, p.host] for p in parts])   # [rows, 5]
+    y = np.log(np.array([p.measured for p in parts]))
+    g, o, k, d = (a.reshape(shape) for a, shape in zip(axes, ((-1, 1, 1, 1), (1, -1, 1, 1), (1, 1, -1, 1),
+                                                             (1, 1, 1, -1))))
+    best, best_cost = None, math.inf
+    for row_g in g:   # one grouped value at a time keeps the arrays small
+        pred = (cols[:, 0] + row_g[..., None] * cols[:, 1] + o[..., None] * cols[:, 2] + k[..., None] * cols[:, 3]
+                + d[..., None] * cols[:, 4])
+        cost = ((np.log(np.maximum(pred, 1e-12)) - y) ** 2).sum(axis=-1)
+        i = np.unravel_index(np.argmin(cost), cost.shape)
+        if cost[i] < best_cost:
+            best_cost = float(cost[i])
+            best = (float(row_g.ravel()[0]), float(o.ravel()[i[1]]), float(k.ravel()[i[2]]), float(d.ravel()[i[3]]))
+    return best
 
 
 def fit(runs: tuple[PublishedRun, ...] = PUBLISHED_RUNS) -> Calibration:
@@ -60,24 +91,19 @@ def fit(runs: tuple[PublishedRun, ...] = PUBLISHED_RUNS) -> Calibration:
         raise ValueError(f"{len(fitted)} of {len(runs)} published rows are marked fitted: mark between 1 and "
                          f"{int(MAX_FITTED_SHARE * len(runs))}")
     parts = [split(r) for r in fitted]
-    c = np.array([p.compute for p in parts])
-    k = np.array([p.communication for p in parts])
-    r = np.array([p.host for p in parts])
-    y = np.log(np.array([p.measured for p in parts]))
-    a, b, d = GRID
-    base = a[:, None, None] * c + b[None, :, None] * k          # [A, B, rows]
-    best, best_cost = (1.0, 1.0, 0.0), math.inf
-    for dv in d:
-        cost = ((np.log(base + dv * r) - y) ** 2).sum(axis=-1)
-        i, j = np.unravel_index(np.argmin(cost), cost.shape)
-        if cost[i, j] < best_cost:
-            best, best_cost = (float(a[i]), float(b[j]), float(dv)), float(cost[i, j])
-    return Calibration(compute=round(best[0], 2), communication=round(best[1], 2), layer_seconds=round(best[2], 4))
+    coarse, *finer = GRIDS
+    best = _best(parts, [np.arange(lo, hi + step / 2, step) for lo, hi, step in coarse])
+    for grid in finer:
+        best = _best(parts, [np.arange(max(step, c - half), c + half + step / 2, step) if i < 3 else
+                             np.arange(max(0.0, c - half), c + half + step / 2, step)
+                             for i, (c, (half, step)) in enumerate(zip(best, grid))])
+    g, o, k, d = best
+    return Calibration(grouped=round(g, 2), other=round(o, 2), communication=round(k, 2), layer_seconds=round(d, 4))
 
 
 def main() -> int:
     cal = fit()
-    print(f"CALIBRATION = Calibration(compute={cal.compute}, communication={cal.communication}, "
+    print(f"CALIBRATION = Calibration(grouped={cal.grouped}, other={cal.other}, communication={cal.communication}, "
           f"layer_seconds={cal.layer_seconds})")
     return 0
 

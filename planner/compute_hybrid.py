@@ -42,6 +42,7 @@ from moefold.planner.compute_time import (
     _ffn_gemms,
     core_attention_seconds,
     elementwise_bytes,
+    gemm_parts,
     gemm_seconds_sum,
 )
 from moefold.planner.gemm_efficiency import attention_seconds
@@ -137,8 +138,9 @@ def hybrid_block_compute(config: RunConfig, sizes: ParallelSizes, kind: str, clu
     mixer_core = kind == "full_attention" or kind.startswith("linear_attention")   # what core_attn recomputes
     if "core_attn" in recompute and mixer_core:
         again += core
+    gemm, grouped = gemm_parts(config, gemms, cluster, recompute, flops_only)
     return BlockCompute(forward=fwd + core, backward=bwd + core_bwd, recompute=again,
-                        core_attention=core if mixer_core else 0.0, shared_experts=shared)
+                        core_attention=core if mixer_core else 0.0, shared_experts=shared, gemm=gemm, grouped=grouped)
 
 
 __all__ = ["deltanet_rule_macs", "hybrid_block_compute", "mamba_scan_macs"]

@@ -61,6 +61,10 @@ class BlockCompute:
     recompute: float        # what selective recompute runs again in backward (chosen modules)
     core_attention: float   # forward core attention (what cp's p2p exchange hides behind)
     shared_experts: float   # forward shared experts (what the expert exchange hides behind)
+    # of (forward, backward, recompute): the GEMMs' seconds, and of those the grouped expert GEMMs' (``groups > 1``),
+    # which ``step_terms.Calibration`` scales apart from the rest (zero in the flat model, which is not calibrated)
+    gemm: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    grouped: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
 
 def _attention_gemms(c: ModelConfig, rows: float, tp: int) -> list[Gemm]:
@@ -188,6 +192,17 @@ def gemm_seconds_sum(config: RunConfig, gemms, cluster: Cluster, recompute: froz
     return fwd, bwd, again, shared
 
 
+def gemm_parts(config: RunConfig, gemms, cluster: Cluster, recompute: frozenset[str],
+               flops_only: float | None) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """((forward, backward, recomputed forward) seconds of all of ``gemms``, the same of their grouped expert GEMMs
+    (``groups > 1``)): what ``BlockCompute.gemm`` and ``BlockCompute.grouped`` hold; zeros in the flat model."""
+    if flops_only:
+        return (0.0, 0.0, 0.0), (0.0, 0.0, 0.0)
+    f, b, again, _ = gemm_seconds_sum(config, gemms, cluster, recompute, None)
+    gf, gb, gagain, _ = gemm_seconds_sum(config, [g for g in gemms if g.groups > 1], cluster, recompute, None)
+    return (f, b, again), (gf, gb, gagain)
+
+
 def head_compute(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, flops_only: float | None) -> tuple[float,
                                                                                                              float]:
     """(forward, backward) seconds of the output head for one micro-batch (kept in bf16 unless the FP8 recipe's
@@ -235,9 +250,10 @@ def _block_compute(config: RunConfig, sizes: ParallelSizes, moe: bool, mtp: bool
         fwd, bwd = fwd + ew_s, bwd + 2 * ew_s
     if "core_attn" in recompute:
         again += core
+    gemm, grouped = gemm_parts(config, gemms, cluster, recompute, flops_only)
     return BlockCompute(forward=fwd + core, backward=bwd + core_bwd, recompute=again, core_attention=core,
-                        shared_experts=shared)
+                        shared_experts=shared, gemm=gemm, grouped=grouped)
 
 
 __all__ = ["ELEMENTWISE_SHARE", "BlockCompute", "Gemm", "block_compute", "block_gemms", "core_attention_seconds",
-           "elementwise_bytes", "gemm_seconds_sum", "head_compute", "head_dims"]
+           "elementwise_bytes", "gemm_parts", "gemm_seconds_sum", "head_compute", "head_dims"]

@@ -15,7 +15,6 @@ held-out estimate within ``HELD_OUT_BOUND`` of its measurement and checks the co
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from dataclasses import dataclass
 
@@ -31,9 +30,10 @@ from moefold.precision.fp8 import FP8Config
 from moefold.training.cli.train import validate_layout
 from moefold.training.config import RunConfig, TrainConfig
 
-# every held-out row's estimate is within this share of its published figure (tests/planner/test_published.py);
-# the goal is 0.15 (docs/planner.md says what keeps the model from it)
-HELD_OUT_BOUND = 0.37
+# every held-out row's estimate is within this share of its published figure (tests/planner/test_published.py):
+# the worst held-out error (+20.5%, Qwen3-30B-A3B on 8 B200) rounded up; the goal is 0.15 (docs/planner.md says what
+# keeps the model from it)
+HELD_OUT_BOUND = 0.21
 # DeepSeek's FP8 GEMMs scale 1x128 tiles and 128x128 blocks: torchao's rowwise recipe is moefold's nearest
 FINE_GRAINED_FP8 = FP8Config(format="e4m3", backend="torchao", recipe="rowwise")
 
@@ -320,55 +320,15 @@ def _dominant(run: PublishedRun) -> str:
     term = max(st.terms, key=st.terms.get)
     out = f"{term} {100 * st.terms[term] / st.total:.0f}%"
     if term == "compute":
-        out += f" (host-bound {100 * _host_seconds(run, st) / st.total:.0f}%)"
+        from moefold.planner.breakdown import host_seconds
+
+        out += f" (host-bound {100 * host_seconds(run, st) / st.total:.0f}%)"
     return out
 
 
-def _host_seconds(run: PublishedRun, st: StepTime) -> float:
-    """The host-bound seconds in ``st``'s compute term: what ``Calibration.layer_seconds`` adds to it (the compute
-    term, not the step: with the batch-level overlap a longer compute also hides more of the exchange)."""
-    return st.terms["compute"] - run.step_time(dataclasses.replace(CALIBRATION, layer_seconds=0.0)).terms["compute"]
-
-
-def compute_split(run: PublishedRun) -> dict[str, float]:
-    """Shares of the run's step (calibrated) that its compute term spends, by kind: the GEMMs, core attention and
-    the HBM-bound elementwise kernels (``planner.compute_time``, in the proportions of the model's blocks for one
-    micro-batch, recompute included; the optimizer step counted as elementwise), and the host-bound time
-    (``Calibration.layer_seconds``). They add up to the compute term's share of the step."""
-    from moefold.dense.recompute import recomputed_modules
-    from moefold.models.layer_factory import is_moe_block
-    from moefold.planner.compute_time import (
-        ELEMENTWISE_SHARE,
-        block_gemms,
-        core_attention_seconds,
-        elementwise_bytes,
-        gemm_seconds_sum,
-    )
-    from moefold.planner.step_time import _score_macs
-
-    config = run.config()
-    sizes, cluster = validate_layout(config, run.gpus), load_cluster(run.cluster)
-    m, t, o = config.model, config.train, config.options
-    chosen = recomputed_modules(o.recompute, o.recompute_modules)
-    tokens = t.micro_batch_size * t.seq_length / (sizes.tp * sizes.cp)
-    gemm = attention = elementwise = 0.0
-    for i in range(m.num_layers):
-        f, b, again, _ = gemm_seconds_sum(config, block_gemms(config, sizes, i), cluster, chosen, None)
-        gemm += f + b + again
-        core = 2 * _score_macs(m, t.seq_length, i) * tokens
-        fwd, bwd = core_attention_seconds(m, cluster, core)
-        attention += fwd * (2 if "core_attn" in chosen else 1) + bwd
-        bytes_ = 3 * elementwise_bytes(m, is_moe_block(m, i), o.fp8.enabled) * tokens
-        elementwise += bytes_ / (ELEMENTWISE_SHARE * cluster.hbm_gbps * 1e9)
-    st = run.step_time()
-    host = _host_seconds(run, st)
-    kernels = (st.terms["compute"] - host) / st.total
-    whole = gemm + attention + elementwise
-    return {"GEMMs": kernels * gemm / whole, "core attention": kernels * attention / whole,
-            "elementwise": kernels * elementwise / whole, "host-bound": host / st.total}
-
-
 def _split_text(run: PublishedRun) -> str:
+    from moefold.planner.breakdown import compute_split  # breakdown reads this module's table
+
     return ", ".join(f"{kind} {100 * share:.0f}%" for kind, share in compute_split(run).items())
 
 

@@ -7,9 +7,11 @@ less the expert exchange the batch-level overlap hides are its busy time (the ov
 compute)`` of the exchange, never compute), and its busy time is at least any other rank's. So the total is at least
 every rank's busy time, which is at least that rank's compute: ``m`` micro-batches through its chunks' blocks, each
 block's forward, backward and at least its selective recompute (full recompute runs the whole forward again, which
-is more); the bound is the busiest rank's. Every action's compute is scaled by the calibration's ``compute``
-(``step_terms.Calibration``; the flat model of ``--efficiency`` is not calibrated), and the routing kernels'
-traffic, the head, the embedding and every communication term only add to it.
+is more); the bound is the busiest rank's. Every block's compute is calibrated as
+the actions' is (``step_terms.Calibration.compute_seconds``: single GEMMs as timed, grouped expert GEMMs and the
+rest each by its constant, all positive, so a block's selective recompute stays at most its full forward; the flat
+model of ``--efficiency`` is not calibrated), and the routing kernels' traffic, the head, the embedding and every
+communication term only add to it.
 
 Uniform full recompute checkpoints every block, so a block's backward runs its forward again: that forward is in the
 bound (block-method full recompute and selective recompute count ``recompute``, what selective recompute repeats).
@@ -40,7 +42,7 @@ from moefold.models.layer_factory import is_moe_block
 from moefold.parallel.dims import ParallelSizes
 from moefold.planner.cluster import Cluster
 from moefold.planner.compute_time import block_compute
-from moefold.planner.step_terms import CALIBRATION, host_waits
+from moefold.planner.step_terms import CALIBRATION, UNCALIBRATED, host_waits
 from moefold.training.config import RunConfig
 
 # execution fields that place layers on pipeline ranks or order the actions: no block's compute reads them
@@ -185,8 +187,11 @@ def step_lower_bound(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, 
                                  recomputed_modules(o.recompute, o.recompute_modules), flop_s)
             # uniform full recompute checkpoints every block (decoder and MTP): its backward runs its forward again
             every = o.recompute == "full" and o.recompute_method == "uniform"
-            costs[kind] = (cost.forward + cost.backward + (cost.forward if every else cost.recompute),
-                           cost.core_attention)
+            total = cost.forward + cost.backward + (cost.forward if every else cost.recompute)
+            gemm, grouped = (p[0] + p[1] + (p[0] if every else p[2]) for p in (cost.gemm, cost.grouped))
+            # calibrated as ``_Action.calibrate`` does (the flat model is not: its parts are zero, ``other`` is 1)
+            cal = CALIBRATION if efficiency is None else UNCALIBRATED
+            costs[kind] = (cal.compute_seconds(total, gemm, grouped), cost.core_attention)
         return costs[kind][0]
 
     def cp_seconds(kind: tuple) -> float:
@@ -199,12 +204,11 @@ def step_lower_bound(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, 
         hidden = costs[kind][1] if config.options.cp_comm == "p2p" else 0.0
         return max(0.0, forward - hidden) + max(0.0, backward - 2 * hidden)
 
-    scale = 1.0 if efficiency is not None else CALIBRATION.compute
     exposed, cp = ({}, {}) if gpus_per_node is None else _exposed(config, sizes, cluster, gpus_per_node, efficiency)
     comm = 1.0 if efficiency is not None else CALIBRATION.communication
     # the host-bound seconds the calibration adds to every block's compute (``_Action.calibrate``): on the busy path
     host = CALIBRATION.layer_seconds if efficiency is None and host_waits(config) else 0.0
-    busiest = max(sum(n * (scale * seconds(kind) + host + comm * (exposed.get(kind[:2], 0.0) + cp_seconds(kind)))
+    busiest = max(sum(n * (seconds(kind) + host + comm * (exposed.get(kind[:2], 0.0) + cp_seconds(kind)))
                       for kind, n in rank) for rank in rank_block_kinds(config, sizes))
     bound = micro_batches * busiest
     if gpus_per_node is not None and sizes.pp > 1:   # the closed-form clock's idle time: busy x f / (1 - f)

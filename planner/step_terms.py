@@ -62,32 +62,47 @@ class StepTime:
 
 @dataclass(frozen=True)
 class Calibration:
-    """What the roofline model leaves out, fitted end to end on published runs (``planner.calibration``):
-    ``compute`` multiplies every action's compute (kernels between the GEMMs, imbalance the model does not see),
-    ``communication`` every exposed collective (the share of a link's bandwidth NCCL / DeepEP reach), and
-    ``layer_seconds`` adds host-bound time per transformer block per micro-batch (a third in its forward, two thirds
-    in its backward): the kernel launches the host issues one by one and the waits on the device (an MoE layer's
-    dispatcher reads its per-expert token counts on the host before it can size the exchange), which the GPU does
-    not hide when its kernels are short. That time is per block whatever its tokens, so it weighs on small models
-    at small micro-batches; CUDA graphs (Megatron-Bridge's ``cuda_graph_scope`` attn / moe_router / moe_preprocess,
-    docs/training/cuda-graphs.md: "launch-bound training steps ... smaller models or high step rates benefit
-    most") remove part of it."""
+    """What the roofline model leaves out, fitted end to end on published runs (``planner.calibration``).
 
-    compute: float = 1.0
+    A GEMM of one problem (attention and dense projections, the output head, an expert GEMM when a rank holds one
+    expert) keeps the time ``planner.gemm_efficiency`` gives its shape: those tables are cuBLAS / DeepGEMM
+    measurements of that shape, tile and wave quantisation included, and nothing is added to them. ``grouped``
+    multiplies the grouped expert GEMMs (``Gemm.groups > 1``: a rank's several local experts in one layer), which
+    the tables time as ``groups`` back-to-back GEMMs of the per-expert shape: in a run they also pay what happens
+    per expert and per routed row around them (per-expert FP8 quantisation and transposes, the multi-stream loop of
+    Transformer Engine's GroupedLinear on Hopper, the routed rows' permutation). ``other`` multiplies the rest of
+    the blocks' compute (core attention, the HBM-bound elementwise kernels; the optimizer step stays as timed).
+    ``communication`` multiplies every exposed collective (the share of a link's bandwidth NCCL / DeepEP reach).
+    ``layer_seconds`` adds host-bound time per transformer block per micro-batch (a third in its forward, two
+    thirds in its backward): the kernel launches the host issues one by one and the waits on the device (an MoE
+    layer's dispatcher reads its per-expert token counts on the host before it can size the exchange), which the
+    GPU does not hide when its kernels are short. That time is per block whatever its tokens, so it weighs on small
+    models at small micro-batches; CUDA graphs (Megatron-Bridge's ``cuda_graph_scope`` attn / moe_router /
+    moe_preprocess, docs/training/cuda-graphs.md: "launch-bound training steps ... smaller models or high step
+    rates benefit most") remove part of it."""
+
+    grouped: float = 1.0
+    other: float = 1.0
     communication: float = 1.0
     layer_seconds: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("compute", "communication"):
+        for name in ("grouped", "other", "communication"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Calibration.{name}={getattr(self, name)!r} must be positive")
         if not self.layer_seconds >= 0:
             raise ValueError(f"Calibration.layer_seconds={self.layer_seconds!r} must be >= 0")
 
+    def compute_seconds(self, total: float, gemm: float, grouped: float) -> float:
+        """Calibrated seconds of compute that the roofline times at ``total``, of which ``gemm`` are GEMMs and
+        ``grouped`` of those grouped expert GEMMs: single GEMMs as timed, grouped ones x ``grouped``, the rest
+        x ``other``."""
+        return (gemm - grouped) + self.grouped * grouped + self.other * (total - gemm)
+
 
 # Fitted by ``python -m moefold.planner.calibration`` on the rows of ``planner.published`` marked ``fitted``
 # (at most half of the table); the other rows' errors are what the model is worth on runs it was not tuned on.
-CALIBRATION = Calibration(compute=1.47, communication=1.28, layer_seconds=0.0031)
+CALIBRATION = Calibration(grouped=3.16, other=0.75, communication=1.38, layer_seconds=0.0022)
 UNCALIBRATED = Calibration()
 COMM_TERMS = ("tp", "cp", "ep", "pp", "dp")
 

@@ -144,22 +144,28 @@ def _score_macs(m: ModelConfig, seq: int, index: int) -> float:
 @dataclass
 class _Action:
     """Seconds of one (rank, chunk) forward or backward of one micro-batch, by term; ``weight``: of a backward's
-    compute, the weight-gradient GEMMs (a split backward's W)."""
+    compute, the weight-gradient GEMMs (a split backward's W); ``gemm`` and ``grouped``: of the compute, the GEMMs'
+    seconds and of those the grouped expert GEMMs' (``Calibration.compute_seconds`` scales them apart);
+    ``weight_parts``: the same two of ``weight`` (the forward's)."""
 
     terms: dict[str, float]
     weight: float = 0.0
     blocks: int = 0        # transformer blocks (MTP ones included) this action runs: the host-bound time's count
+    gemm: float = 0.0
+    grouped: float = 0.0
+    weight_parts: tuple[float, float] = (0.0, 0.0)
 
     @property
     def total(self) -> float:
         return sum(self.terms.values())
 
     def calibrate(self, cal: Calibration, backward: bool, host_bound: bool) -> None:
-        """Scale compute and communication and add the host-bound time per block (``Calibration``; only where
-        ``host_bound``: ``host_waits``)."""
+        """Scale compute (``Calibration.compute_seconds``) and communication and add the host-bound time per block
+        (``Calibration``; only where ``host_bound``: ``host_waits``); the weight-gradient GEMMs as the forward's compute
+        they take the time of (``weight_parts``)."""
         host = (2 if backward else 1) / 3 * self.blocks * cal.layer_seconds if host_bound else 0.0
-        self.terms["compute"] = self.terms.get("compute", 0.0) * cal.compute + host
-        self.weight *= cal.compute
+        self.terms["compute"] = cal.compute_seconds(self.terms.get("compute", 0.0), self.gemm, self.grouped) + host
+        self.weight = cal.compute_seconds(self.weight, *self.weight_parts)
         for term in COMM_TERMS:
             if term in self.terms:
                 self.terms[term] *= cal.communication
@@ -195,7 +201,7 @@ def _actions_key(config: RunConfig) -> RunConfig:
 
 def _copied(pair: tuple[_Action, _Action]) -> tuple[_Action, _Action]:
     """Fresh copies of a cached (forward, backward) (the step calibrates them in place)."""
-    return tuple(_Action(dict(a.terms), a.weight, a.blocks) for a in pair)
+    return tuple(_Action(dict(a.terms), a.weight, a.blocks, a.gemm, a.grouped, a.weight_parts) for a in pair)
 
 
 def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, links: _Links, cluster: Cluster,
@@ -206,6 +212,8 @@ def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, li
     chosen = recomputed_modules(o.recompute, o.recompute_modules)
     fwd: dict[str, float] = defaultdict(float)
     bwd: dict[str, float] = defaultdict(float)
+    gemm = [0.0, 0.0]      # of the (forward, backward) compute: GEMM seconds
+    grouped = [0.0, 0.0]   # of those: the grouped expert GEMMs'
     # (block, inside a full-recompute checkpoint, the last block of that checkpoint)
     blocks = [(i, ckpt, j == len(ids) - 1) for ids, ckpt in full_recompute_groups(list(chunk.layers), o)
               for j, i in enumerate(ids)]
@@ -233,11 +241,16 @@ def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, li
         cost = block_compute(config, sizes, index, cluster, _score_macs(m, t.seq_length, index), chosen, flop_s)
         fwd["compute"] += cost.forward
         bwd["compute"] += cost.backward + (cost.forward if recompute_all else cost.recompute)
+        for parts, seconds in ((gemm, cost.gemm), (grouped, cost.grouped)):
+            parts[0] += seconds[0]
+            parts[1] += seconds[1] + (seconds[0] if recompute_all else seconds[2])
         if index >= m.num_layers:   # an MTP block, with its embedding, head and loss
             collectives = comm.mtp_collectives(config, sizes)
             head_f, head_b = head_compute(config, sizes, cluster, flop_s)
             fwd["compute"] += head_f
             bwd["compute"] += head_b
+            if flop_s is None:
+                gemm[0], gemm[1] = gemm[0] + head_f, gemm[1] + head_b
         else:
             # equal blocks expose equal communication: each kind is worked out once per chunk
             key = (moe, recompute_all, last_in_checkpoint, cost.shared_experts, cost.core_attention)
@@ -262,6 +275,8 @@ def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, li
         head_f, head_b = head_compute(config, sizes, cluster, flop_s)
         fwd["compute"] += head_f
         bwd["compute"] += head_b
+        if flop_s is None:
+            gemm[0], gemm[1] = gemm[0] + head_f, gemm[1] + head_b
     for c in comm.pipeline_collectives(config, sizes, chunk.model_chunk, last_model_chunk + 1):
         (fwd if c.phase == "forward" else bwd)["pp"] += links.seconds(c)
     if o.offload_modules:   # the chunk's offloaded bytes, out in its forward and back in its backward
@@ -273,7 +288,9 @@ def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, li
             seconds, units = _fsdp_seconds(config, sizes, chunk, links, phase)
             out["dp"] += max(seconds / max(units, 1), seconds - out["compute"])
     # the weight-gradient GEMMs of the backward take what the forward's GEMMs take (dw = dy^T x per y = x w^T)
-    return _Action(dict(fwd), blocks=len(blocks)), _Action(dict(bwd), weight=fwd["compute"], blocks=len(blocks))
+    return (_Action(dict(fwd), blocks=len(blocks), gemm=gemm[0], grouped=grouped[0]),
+            _Action(dict(bwd), weight=fwd["compute"], blocks=len(blocks), gemm=gemm[1], grouped=grouped[1],
+                    weight_parts=(gemm[0], grouped[0])))
 
 
 def _offloaded_bytes(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, last_model_chunk: int) -> int:

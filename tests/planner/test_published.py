@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from moefold.planner import calibration
-from moefold.planner.published import HELD_OUT_BOUND, PUBLISHED_RUNS, compute_split, error, render_table
+from moefold.planner.breakdown import KINDS, breakdown_row, compute_split
+from moefold.planner.published import HELD_OUT_BOUND, PUBLISHED_RUNS, error, render_table
 from moefold.planner.step_terms import CALIBRATION, Calibration, host_waits
 
 
@@ -30,15 +31,20 @@ def test_held_out_rows_within_bound() -> None:
 
 
 def test_compute_split_adds_up_to_the_compute_term() -> None:
-    """The worst row's split (GEMMs, core attention, elementwise, host-bound) is the compute term's share of the step,
-    and only the eager row has host-bound time."""
+    """A row's split (single and grouped GEMMs, core attention, elementwise, host-bound) is the compute term's share
+    of the step, only the eager row has host-bound time, and the breakdown's seconds add up to the model's step."""
     for run in (PUBLISHED_RUNS[2], PUBLISHED_RUNS[7]):   # Qwen3-30B-A3B on 16 H100 eager, on 8 B200 with CUDA graphs
         st = run.step_time()
         split = compute_split(run)
-        assert min(split.values()) >= 0
+        assert tuple(split) == KINDS and min(split.values()) >= 0
         assert sum(split.values()) == pytest.approx(st.terms["compute"] / st.total, rel=1e-9)
         assert (split["host-bound"] > 0) == host_waits(run.config())
-        assert split["GEMMs"] > split["core attention"] > 0 and split["elementwise"] > 0
+        assert split["grouped GEMMs"] > split["core attention"] > 0 and split["elementwise"] > 0
+        assert split["single GEMMs"] > 0
+        row = breakdown_row(run)
+        parts = sum(row[k] for k in (*KINDS, "communication", "bubble", "offload"))
+        assert parts == pytest.approx(row["model"], rel=1e-9)
+        assert row["error"] == pytest.approx(row["measured"] / row["model"] - 1, rel=1e-9)
 
 
 def test_calibration_is_the_fit() -> None:
