@@ -4,7 +4,7 @@
 that the distributed optimizer (``training.optim.fp8_param_gather``) can all-gather the FP8 bytes instead of
 the parameter dtype and dequantise them into the parameter: every replica then holds the FP8 values, and the
 GEMM's own weight cast of them gives back the same FP8 values (its scale, re-derived, to the last bit), so
-numerics are those of the run without ``--fp8-param-gather`` to fp32 rounding.
+numerics are those of the run without ``--fp8-param-gather`` bit for bit (fp32 parameters).
 
 Only recipes with ONE quantisation of a weight for both its GEMMs qualify (``FP8Config._check_param_gather``):
 ``tensorwise`` (one scale per weight matrix; per expert for the experts) and ``blockwise`` (one per 128x128

@@ -13,9 +13,9 @@ optimizer updated this rank's chunk of such a bucket (fp32 masters), the bucket'
     dequantise into the parameters: param = q * (1 / scale), in the parameters' dtype
 
 so every replica holds the FP8 weight the GEMMs multiply; the GEMM's own cast of it (its scale re-derived from
-the amax of these values) gives back the same FP8 values, so the numerics are those of the run without the
-flag to fp32 rounding (a re-derived scale can differ in its last bit; tests/training/optim/test_fp8_param_gather.py:
-fp32 runs agree to ~1e-8 after 3 steps). The collectives per bucket: the
+the amax of these values) gives back the same FP8 values with the same scale, so the numerics are those of the run
+without the flag bit for bit (fp32 parameters; ``_dequantize`` keeps each block's amax the masters' to the last bit:
+tests/training/optim/test_fp8_param_gather.py). The collectives per bucket: the
 amax all-reduce (a few floats per weight: one per matrix or per 128x128 block), and the byte all-gather.
 
 Megatron keeps the parameters themselves as FP8 tensors (TE ``Float8Tensor``), saving their memory too; here
@@ -37,6 +37,8 @@ from moefold.precision.fp8_param import FP8ParamSpec, fp8_param_spec
 from moefold.training.optim.buffers import Bucket, FlatGroup
 from moefold.training.optim.grad_sync import all_gather_into
 
+E4M3_MAX = torch.finfo(E4M3).max
+
 
 def _block_ids(spec: FP8ParamSpec, lo: int, hi: int, device: torch.device) -> tuple[Tensor, int]:
     """(block of each flat element ``[lo, hi)`` of the weight, blocks per weight)."""
@@ -49,19 +51,28 @@ def _block_ids(spec: FP8ParamSpec, lo: int, hi: int, device: torch.device) -> tu
     return m * (nbr * nbc) + (r // br) * nbc + c // bc, nbr * nbc
 
 
-def _dequantize(q_MRC: Tensor, inv: Tensor, spec: FP8ParamSpec) -> Tensor:
+def _dequantize(q_MRC: Tensor, inv: Tensor, amax: Tensor, spec: FP8ParamSpec) -> Tensor:
     """fp32 ``q * inv`` of ``q_MRC`` (``M`` matrices of ``spec``'s ``rows x cols``), ``inv`` one inverse scale per
-    matrix or per block (row-major over each matrix's blocks, a ragged last block included)."""
+    matrix or per block (row-major over each matrix's blocks, a ragged last block included), except that an element
+    at the format's maximum (448) becomes its block's ``amax`` (signed): the block's amax is then the masters' to the
+    last bit, so the GEMM's cast re-derives the very scale it was quantised with (``448 * inv`` is the amax only to
+    fp32 rounding; a scale off in its last bit moves every GEMM output by ~1e-7, enough to flip an activation's FP8
+    rounding downstream). That element's FP8 value is unchanged: ``amax * scale`` rounds to 448."""
     M, R, C = q_MRC.shape
     x = q_MRC.float()
     if spec.block is None:
-        return x * inv.view(M, 1, 1)
-    br, bc = spec.block
-    nbr, nbc = -(-R // br), -(-C // bc)
-    s = inv.view(M, nbr, nbc)
-    if R % br == 0 and C % bc == 0:
-        return (x.view(M, nbr, br, nbc, bc) * s[:, :, None, :, None]).view(M, R, C)
-    return x * s.repeat_interleave(br, dim=1)[:, :R].repeat_interleave(bc, dim=2)[:, :, :C]
+        s, a = inv.view(M, 1, 1), amax.view(M, 1, 1)
+    else:
+        br, bc = spec.block
+        nbr, nbc = -(-R // br), -(-C // bc)
+        s, a = inv.view(M, nbr, nbc), amax.view(M, nbr, nbc)
+        if R % br == 0 and C % bc == 0:
+            x = x.view(M, nbr, br, nbc, bc)
+            s, a = s[:, :, None, :, None], a[:, :, None, :, None]
+        else:
+            s, a = (t.repeat_interleave(br, dim=1)[:, :R].repeat_interleave(bc, dim=2)[:, :, :C] for t in (s, a))
+    out = torch.where(x.abs() == E4M3_MAX, a.expand_as(x).copysign(x), x * s)
+    return out.view(M, R, C)
 
 
 def _reduce_groups(spec: FP8ParamSpec) -> list:
@@ -120,6 +131,7 @@ class FP8BucketGather:
                 at += n
         scale = amax_to_scale(amax, E4M3, False)
         inv = torch.cat([scale.reciprocal(), scale.new_zeros(1)])
+        amax = torch.cat([amax, amax.new_zeros(1)])
         scale = torch.cat([scale, scale.new_zeros(1)])
         q = _float8_utils().to_fp8_saturated(master.detach().float() * scale[ids_chunk], E4M3)
         gathered = torch.empty(b.end - b.start, dtype=torch.uint8, device=device)
@@ -131,7 +143,7 @@ class FP8BucketGather:
             for i, spec, off, n in self.items:   # per weight: its scales broadcast over its blocks, no index tensor
                 lo, numel = g.offsets[i], g.params[i].numel()
                 q = data[lo - b.start:lo - b.start + numel].view(-1, spec.rows, spec.cols)
-                g.param_data[lo:lo + numel].view_as(q).copy_(_dequantize(q, inv[off:off + n], spec))
+                g.param_data[lo:lo + numel].view_as(q).copy_(_dequantize(q, inv[off:off + n], amax[off:off + n], spec))
         return finish
 
     def _pieces(self):
