@@ -15,6 +15,7 @@ import pytest
 from moefold.models.hf.bounds import check_weights_match_config, held_numel, implied_numel
 from moefold.models.hf.importer import load_config
 from moefold.models.tensor_io import TensorReader
+from tests.load import communicate
 from tests.models.hf_tiny import FAMILIES, save_hf
 
 transformers = pytest.importorskip("transformers")
@@ -25,9 +26,9 @@ def _limited() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (LIMIT, LIMIT))
 
 
-def _moefold(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moefold.training.cli", *argv], capture_output=True, text=True,
-                          preexec_fn=_limited, timeout=300)
+def _moefold(*argv: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "moefold.training.cli", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_limited)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -49,13 +50,16 @@ def test_a_config_that_does_not_fit_its_weights_is_refused_before_allocating(tmp
     config = json.loads((hf / "config.json").read_text())
     config[field] = value
     (hf / "config.json").write_text(json.dumps(config))
-    for argv in (["convert", str(hf), str(tmp_path / "out")],
-                 ["generate", "--hf", str(hf), "--prompt-ids", "1", "2"],
-                 ["train", "--load-hf", str(hf), "--data-path", str(tmp_path / "none"), "--device", "cpu"]):
-        done = _moefold(*argv)
-        assert done.returncode == 2, (argv[0], done.stderr[-2000:])
-        lines = done.stderr.strip().splitlines()
-        assert len(lines) == 1 and f"{hf / 'config.json'}: {named}" in lines[0], (argv[0], done.stderr[-2000:])
+    # the three commands run at once (each child's start-up, importing torch, is most of its time)
+    runs = [(argv[0], _moefold(*argv)) for argv in (
+        ["convert", str(hf), str(tmp_path / "out")],
+        ["generate", "--hf", str(hf), "--prompt-ids", "1", "2"],
+        ["train", "--load-hf", str(hf), "--data-path", str(tmp_path / "none"), "--device", "cpu"])]
+    for command, proc in runs:
+        _, stderr = communicate(proc, 300)
+        assert proc.returncode == 2, (command, stderr[-2000:])
+        lines = stderr.strip().splitlines()
+        assert len(lines) == 1 and f"{hf / 'config.json'}: {named}" in lines[0], (command, stderr[-2000:])
         assert "refusing to allocate it" in lines[0]
     assert not (tmp_path / "out").exists()
     from moefold.models.hf.importer import import_hf

@@ -25,7 +25,7 @@ from moefold.moe.experts import is_expert
 from moefold.moe.layer import MoELayer
 from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelConfig, ParallelDims
-from moefold.parallel.sharding import gather_full, init_parameters, is_sequence_parallel, shards_of
+from moefold.parallel.sharding import init_parameters, is_sequence_parallel, local_slice, shards_of
 from tests.distributed import run_distributed
 
 H, FFN, SHARED, S, B = 16, 8, 8, 4, 8   # B = dp * b: every dp rank gets B / dp sequences
@@ -90,11 +90,8 @@ def _reference(cfg, scenario, dp):
     return outs, {n: p.grad for n, p in layer.named_parameters()}
 
 
-def _check_layout(cfg, scenario, dims, sp, ref_cache, label):
-    key = (cfg, scenario, dims.dp)
-    if key not in ref_cache:
-        ref_cache[key] = _reference(cfg, scenario, dims.dp)
-    ref_out, ref_grads = ref_cache[key]
+def _check_layout(cfg, scenario, dims, sp, refs, label):
+    ref_out, ref_grads = refs[(cfg, scenario, dims.dp)]
     xd, gd = _micro_batch(scenario, dims.dp, dims.dp_rank)
     expect, expect_dx = ref_out[dims.dp_rank]
     if sp and dims.tp > 1:  # this rank's sequence shard
@@ -106,28 +103,39 @@ def _check_layout(cfg, scenario, dims, sp, ref_cache, label):
     # Without SP, y and the loss are replicated over tp, as in the dense stack (no rescaling).
     ((y * gd).sum() + info.aux_loss).backward()
     torch.testing.assert_close(xd.grad, expect_dx, atol=1e-5, rtol=1e-5, msg=lambda m: f"{label} input grad: {m}")
-    for name, p in layer.named_parameters():
-        grad = p.grad.clone()
-        if is_expert(p):
-            dist.all_reduce(grad, group=dims.edp_group)
-        else:
-            dist.all_reduce(grad, group=dims.dp_group)
-            if is_sequence_parallel(p):  # replicated over tp, each tp rank saw its own tokens
-                dist.all_reduce(grad, group=dims.tp_group)
-        full = gather_full(grad, shards_of(p))
+    # Reduced the way the trainer does (expert params over edp, others over dp, sequence-parallel ones also over tp,
+    # each tp rank having seen its own tokens), one flat all-reduce per group: per-parameter collectives of 8 ranks on
+    # 2 cores took most of the world's time. Each rank compares its own shard (every shard is some rank's).
+    params = dict(layer.named_parameters())
+    grads = {name: p.grad.clone() for name, p in params.items()}
+    _all_reduce_flat([grads[n] for n, p in params.items() if is_expert(p)], dims.edp_group)
+    _all_reduce_flat([grads[n] for n, p in params.items() if not is_expert(p)], dims.dp_group)
+    _all_reduce_flat([grads[n] for n, p in params.items() if not is_expert(p) and is_sequence_parallel(p)],
+                     dims.tp_group)
+    for name, p in params.items():
+        want = local_slice(ref_grads[name], shards_of(p))
         # A gradient summed over dp micro-batches whose terms are much larger than the sum (router
         # weights in capacity mode: terms of +-20 summing to 0.13) carries fp32 rounding of the terms'
         # size whatever the summation order, so the absolute tolerance scales with the largest entry.
         atol = max(1e-5, 2e-6 * ref_grads[name].abs().max().item())
-        torch.testing.assert_close(full, ref_grads[name], atol=atol, rtol=1e-5,
+        torch.testing.assert_close(grads[name], want, atol=atol, rtol=1e-5,
                                    msg=lambda m: f"{label} grad {name}: {m}")
 
 
-def _world8():
-    torch.manual_seed(0)
-    ref_cache, checked = {}, 0
+def _all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
+    """Sum ``tensors`` in place over ``group`` with one all-reduce."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(part.view_as(t))
+
+
+def _cases8():
+    """(layout, config, scenario, sp, label) of the 8-rank world, in the order every rank checks them."""
     for ep, etp in ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2)):
-        dims = ParallelDims.build(ParallelConfig(ep=ep, etp=etp))
+        pc = ParallelConfig(ep=ep, etp=etp)
         for dispatcher in ("allgather", "alltoall"):
             cases = [(s, "dropless") for s in SCENARIOS] + [
                 ("random", "capacity"), ("one_expert", "capacity"), ("random", "padded"), ("empty_rank", "capacity")]
@@ -136,48 +144,62 @@ def _world8():
                 # shapes need equal capacities over etp x ep (see dispatch/alltoall.py)
                 cases.append(("empty_rank", "padded"))
             for scenario, mode in cases:
-                cfg = _config(scenario, mode, dispatcher)
-                _check_layout(cfg, scenario, dims, True, ref_cache, f"{dispatcher} ep{ep} etp{etp} {scenario} {mode}")
-                checked += 1
+                yield (pc, _config(scenario, mode, dispatcher), scenario, True,
+                       f"{dispatcher} ep{ep} etp{etp} {scenario} {mode}")
             if (ep, etp) in ((4, 1), (2, 2)):  # latent experts (--moe-latent-size): exchange and experts at 8 < H
                 for scenario, mode in (("random", "dropless"), ("random", "capacity")):
-                    cfg = _config(scenario, mode, dispatcher, latent=LATENT)
-                    _check_layout(cfg, scenario, dims, True, ref_cache, f"{dispatcher} ep{ep} etp{etp} latent {mode}")
-                    checked += 1
+                    yield (pc, _config(scenario, mode, dispatcher, latent=LATENT), scenario, True,
+                           f"{dispatcher} ep{ep} etp{etp} latent {mode}")
             if (ep, etp) in ((4, 1), (2, 2)):  # Megatron's --moe-apply-probs-on-input (top-1)
-                cfg = _config("one_expert", "dropless", dispatcher, probs_on_input=True)
-                _check_layout(cfg, "one_expert", dims, True, ref_cache, f"{dispatcher} ep{ep} etp{etp} probs on input")
-                checked += 1
+                yield (pc, _config("one_expert", "dropless", dispatcher, probs_on_input=True), "one_expert", True,
+                       f"{dispatcher} ep{ep} etp{etp} probs on input")
     # attention tp2 (SP) with experts folded over the same 8 ranks
     for ep, etp in ((4, 1), (2, 2)):
-        dims = ParallelDims.build(ParallelConfig(tp=2, ep=ep, etp=etp))
+        pc = ParallelConfig(tp=2, ep=ep, etp=etp)
         for scenario in ("random", "half_off"):
-            cfg = _config(scenario, "dropless", "alltoall")
-            _check_layout(cfg, scenario, dims, True, ref_cache, f"tp2 sp ep{ep} etp{etp} {scenario}")
-            checked += 1
-    return checked
+            yield pc, _config(scenario, "dropless", "alltoall"), scenario, True, f"tp2 sp ep{ep} etp{etp} {scenario}"
 
 
-def _world4_folding():
-    ref_cache, checked = {}, 0
+def _cases4_folding():
+    """Folding over 4 ranks: attention tp2 with experts etp1/ep4 and etp2/ep1, with and without SP."""
     for ep, etp in ((4, 1), (1, 2)):
-        dims = ParallelDims.build(ParallelConfig(tp=2, ep=ep, etp=etp))
+        pc = ParallelConfig(tp=2, ep=ep, etp=etp)
         for sp in (True, False):
             for dispatcher in ("allgather", "alltoall"):
-                cfg = _config("random", "dropless", dispatcher)
-                _check_layout(cfg, "random", dims, sp, ref_cache, f"fold tp2 sp={sp} ep{ep} etp{etp} {dispatcher}")
-                checked += 1
+                yield (pc, _config("random", "dropless", dispatcher), "random", sp,
+                       f"fold tp2 sp={sp} ep{ep} etp{etp} {dispatcher}")
             # latent projections replicated over tp, each rank projecting its own tokens (SP shard or slice)
-            cfg = _config("random", "dropless", "alltoall", latent=LATENT)
-            _check_layout(cfg, "random", dims, sp, ref_cache, f"fold tp2 sp={sp} ep{ep} etp{etp} latent")
-            checked += 1
-    return checked
+            yield (pc, _config("random", "dropless", "alltoall", latent=LATENT), "random", sp,
+                   f"fold tp2 sp={sp} ep{ep} etp{etp} latent")
 
 
-@pytest.mark.parametrize("world, fn", [(8, _world8), (4, _world4_folding)], ids=["world8", "world4_folding"])
-def test_layouts_equal_world1(world, fn):
-    checked = run_distributed(fn, world, timeout=400)
-    assert checked[0] > 0 and len(set(checked)) == 1
+def _references(cases: list, world: int) -> dict:
+    """The world-1 references of ``cases``, computed once here rather than again on every rank (they are the
+    same on all of them; on 2 cores, 8 ranks each recomputing them took most of the world's time)."""
+    refs: dict = {}
+    for pc, cfg, scenario, _, _ in cases:
+        key = (cfg, scenario, pc.resolve(world).dp)
+        if key not in refs:
+            refs[key] = _reference(*key)
+    return refs
+
+
+def _check_cases(cases: list, refs: dict) -> int:
+    """Every case on this rank, a layout's process groups built once, in the same order on every rank."""
+    torch.manual_seed(0)
+    dims, built = None, None
+    for pc, cfg, scenario, sp, label in cases:
+        if pc != built:
+            dims, built = ParallelDims.build(pc), pc
+        _check_layout(cfg, scenario, dims, sp, refs, label)
+    return len(cases)
+
+
+@pytest.mark.parametrize("world, cases", [(8, _cases8), (4, _cases4_folding)], ids=["world8", "world4_folding"])
+def test_layouts_equal_world1(world, cases):
+    cases = list(cases())
+    checked = run_distributed(_check_cases, world, cases, _references(cases, world), timeout=400)
+    assert checked == [len(cases)] * world
 
 
 def test_world1_shapes_and_info():
