@@ -274,16 +274,22 @@ def test_weighted_activation_blocks_are_the_product_formula_bit_for_bit(name, dt
         h = (3 * torch.randn(301, 1024 if act in (swiglu, GPT_OSS) else 512, generator=gen)).to(dtype)
         p = torch.rand(301, generator=gen)
         g = torch.randn(301, 512, generator=gen).to(dtype)
-        hr, pr = h.clone().requires_grad_(), p.clone().requires_grad_()
-        ref = weighted_product(act, hr, pr.unsqueeze(1))
-        ref_grads = torch.autograd.grad(ref, (hr, pr), g)
-        hw, pw = h.clone().requires_grad_(), p.clone().requires_grad_()
-        out = fn(hw, pw)
-        grads = torch.autograd.grad(out, (hw, pw), g)
-        hx = h.clone().requires_grad_()   # the probs' gradient not asked for: the blocks skip it
-        (grad_h,) = torch.autograd.grad(fn(hx, p), hx, g)
+        assert_weighted_is_the_formula(fn, act, h, p, g)
     finally:
         torch.set_num_threads(previous)
-    assert torch.equal(out, ref)
-    assert torch.equal(grads[0], ref_grads[0]) and torch.equal(grads[1], ref_grads[1])
-    assert torch.equal(grad_h, ref_grads[0])
+
+
+def assert_weighted_is_the_formula(fn, act, h: torch.Tensor, p: torch.Tensor, g: torch.Tensor) -> None:
+    """``fn(h, p)`` (a weighted activation of ``act``) equals autograd's ``weighted_product(act, h, p)`` bit for bit:
+    the output, both gradients for the output gradient ``g``, and ``h``'s gradient where ``p``'s is not asked for."""
+    hr, pr = h.clone().requires_grad_(), p.clone().requires_grad_()
+    ref = weighted_product(act, hr, pr.unsqueeze(1))
+    ref_grads = torch.autograd.grad(ref, (hr, pr), g)
+    hw, pw = h.clone().requires_grad_(), p.clone().requires_grad_()
+    out = fn(hw, pw)
+    grads = torch.autograd.grad(out, (hw, pw), g)
+    hx = h.clone().requires_grad_()   # the probs' gradient not asked for: skipped
+    (grad_h,) = torch.autograd.grad(fn(hx, p), hx, g)
+    assert out.dtype == h.dtype and torch.equal(out, ref), "output"
+    assert torch.equal(grads[0], ref_grads[0]) and torch.equal(grad_h, ref_grads[0]), "d_h"
+    assert torch.equal(grads[1], ref_grads[1]), "d_p"
