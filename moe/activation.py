@@ -134,7 +134,8 @@ class _WeightedActivation(torch.autograd.Function):
         with torch.enable_grad():
             h = h_NGf.detach().requires_grad_(ctx.needs_input_grad[0])
             a_Nf = ctx.act(h)
-        d_a, grad_p = prob_grads(grad, probs_N, a_Nf.detach() if ctx.needs_input_grad[1] else None)
+        a = a_Nf.detach()
+        d_a, grad_p = prob_grads(grad, probs_N, (lambda rows: a[rows]) if ctx.needs_input_grad[1] else None)
         grad_h = None
         if ctx.needs_input_grad[0]:
             (grad_h,) = torch.autograd.grad(a_Nf, h, d_a)

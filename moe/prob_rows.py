@@ -13,13 +13,15 @@ the store rounds to nearest-even once, and each row's sum over ``f`` runs in the
 rows than threads, so aten splits a block's row sums over rows as it splits the whole tensor's).
 
     scale_rows_(a_Nf, p_N)                     # a <- (a * p[:, None]) rounded to a's dtype
-    d_act_Nf, d_p_N = prob_grads(g_Nf, p_N, a_Nf)   # (g * p) rounded to g's dtype; sum_f g * a in fp32
+    d_act_Nf, d_p_N = prob_grads(g_Nf, p_N, lambda rows: a_Nf[rows])   # (g * p) rounded; sum_f g * a in fp32
 
 Nothing crosses ranks. fp32 rows are weighted in place and their gradients' products run in the same blocks
 (``g * a`` would still be a whole temporary); on a GPU both functions are autograd's own ops.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -54,34 +56,42 @@ def scale_rows_(a_Nf: Tensor, p_N: Tensor) -> Tensor:
     return a_Nf
 
 
-def prob_grads(g_Nf: Tensor, p_N: Tensor, a_Nf: Tensor | None, out: Tensor | None = None
-               ) -> tuple[Tensor, Tensor | None]:
+def prob_grads(g_Nf: Tensor, p_N: Tensor, a_of: Callable[[slice], Tensor] | None, out: Tensor | None = None,
+               then: Callable[[slice, Tensor], None] | None = None) -> tuple[Tensor, Tensor | None]:
     """The gradients of ``(a * p[:, None]).to(a.dtype)`` for the output gradient ``g [N, f]``: ``d_a = (g * p)``
-    rounded to ``g``'s dtype ``[N, f]`` (into ``out`` when given), and, when ``a`` is given, ``d_p = sum_f g * a``
-    ``[N]`` in ``p``'s dtype (autograd's values: ``g`` widened to the product's dtype first). On CPU in row blocks
-    whatever the dtype: ``g * a`` is a temporary as large as ``g`` even in fp32."""
+    rounded to ``g``'s dtype ``[N, f]`` (into ``out`` when given), and, when ``a_of`` is given, ``d_p = sum_f g * a``
+    ``[N]`` in ``p``'s dtype (autograd's values: ``g`` widened to the product's dtype first). ``a_of(rows)`` gives
+    ``a``'s rows (a block, or all of them), computed when needed; ``then(rows, d_a[rows])`` runs after each block's
+    ``d_a``, while it is in cache (once over all rows on a GPU). On CPU in row blocks whatever the dtype: ``g * a``
+    is a temporary as large as ``g`` even in fp32."""
     dtype = torch.promote_types(g_Nf.dtype, p_N.dtype)
     d_a = torch.empty_like(g_Nf) if out is None else out
     if not _in_blocks(g_Nf):   # autograd's own ops
+        every = slice(None)
         g = g_Nf.to(dtype)
-        d_p = (g * a_Nf).sum(1).to(p_N.dtype) if a_Nf is not None else None
-        return torch.mul(g, p_N.unsqueeze(1), out=d_a), d_p
+        d_p = (g * a_of(every)).sum(1).to(p_N.dtype) if a_of is not None else None
+        torch.mul(g, p_N.unsqueeze(1), out=d_a)
+        if then is not None:
+            then(every, d_a)
+        return d_a, d_p
     N, f = g_Nf.shape
     step = _block_rows(N, f)
     widen = g_Nf.dtype != dtype
     wide = torch.empty((min(N, step), f), dtype=dtype, device=g_Nf.device) if widen else None
-    prod = torch.empty((min(N, step), f), dtype=dtype, device=g_Nf.device) if a_Nf is not None else None
-    d_p = torch.empty((N,), dtype=dtype, device=g_Nf.device) if a_Nf is not None else None
+    prod = torch.empty((min(N, step), f), dtype=dtype, device=g_Nf.device) if a_of is not None else None
+    d_p = torch.empty((N,), dtype=dtype, device=g_Nf.device) if a_of is not None else None
     for r in range(0, N, step):
         s = slice(r, r + step)
         g = wide[: min(step, N - r)].copy_(g_Nf[s]) if widen else g_Nf[s]
-        if a_Nf is not None:
+        if a_of is not None:
             a = prod[: g.shape[0]]
-            torch.sum(a.copy_(a_Nf[s]).mul_(g) if widen else torch.mul(g, a_Nf[s], out=a), 1, out=d_p[s])
+            torch.sum(a.copy_(a_of(s)).mul_(g) if widen else torch.mul(g, a_of(s), out=a), 1, out=d_p[s])
         if widen:
             d_a[s].copy_(g.mul_(p_N[s, None]))
         else:
             torch.mul(g, p_N[s, None], out=d_a[s])
+        if then is not None:
+            then(s, d_a[s])
     return d_a, (d_p.to(p_N.dtype) if d_p is not None else None)
 
 

@@ -17,7 +17,8 @@ Megatron's fused ``weighted_swiglu`` does)::
     d_gate = silu'(gate) * (up * d_act)        (aten's silu_backward, in place)
 
 The products with the fp32 probs run in cache-sized row blocks (``moe.prob_rows``): aten's CPU type promotion
-would widen whole bf16 operands into fresh fp32 tensors, which tripled this op's time.
+would widen whole bf16 operands into fresh fp32 tensors, which tripled this op's time; ``a`` and the two products
+that take ``d_act`` run in the same blocks, while ``d_act`` is in cache.
 Saves only ``h`` and ``p``. The kernels are aten's own (``silu``, ``mul``, ``silu_backward``, ``sum``), in the
 order autograd runs them for ``(F.silu(gate) * up * p[:, None]).to(h.dtype)``, so the values equal autograd's bit
 for bit. On CUDA the workspace is the caching allocator. ``--compile`` fuses the same math into one generated kernel
@@ -57,14 +58,16 @@ class _SwiGLU(torch.autograd.Function):
         dh = pool.empty((N, 2 * f), h_NGf.dtype)
         d_gate, d_up = dh[:, :f], dh[:, f:]
         torch.ops.aten.silu.out(gate, out=d_up)
+        def products(rows: slice, d_act: Tensor) -> None:   # d_up = silu(gate) * d_act, d_gate = up * d_act
+            d_up[rows].mul_(d_act)
+            torch.mul(up[rows], d_act, out=d_gate[rows])
+
         d_p = None
-        d_act = d_out
-        if probs_N is not None:   # a = silu(gate) * up recomputed for d_p; d_act = (g * p) rounded to h's dtype
-            a = torch.mul(d_up, up, out=pool.empty((N, f), h_NGf.dtype)) if ctx.needs_input_grad[1] else None
-            d_act, d_p = prob_grads(d_out, probs_N, a, out=pool.empty((N, f), h_NGf.dtype))
-            del a
-        d_up.mul_(d_act)
-        torch.mul(up, d_act, out=d_gate)
+        if probs_N is None:
+            products(slice(None), d_out)
+        else:   # per row block: a = silu(gate) * up recomputed for d_p, d_act = (g * p) rounded, then the products
+            a_of = (lambda rows: d_up[rows] * up[rows]) if ctx.needs_input_grad[1] else None
+            _, d_p = prob_grads(d_out, probs_N, a_of, out=pool.empty((N, f), h_NGf.dtype), then=products)
         torch.ops.aten.silu_backward.grad_input(d_gate, gate, grad_input=d_gate)
         return dh, d_p
 
