@@ -231,7 +231,8 @@ def _exposed(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, gpus_per
     ``step_time._chunk_actions`` adds at least these to the block's actions (recompute's collectives, pp, the
     collectives over tp x cp x dp and the MTP blocks' only add more)."""
     from moefold.planner.comm import block_collectives
-    from moefold.planner.step_time import _actions_key, _by_term, _Links
+    from moefold.planner.links import Links, by_term
+    from moefold.planner.step_time import _actions_key
 
     overlap = config.train.overlap_moe_expert_parallel_comm
     terms = ("tp",) if overlap else ("tp", "ep")
@@ -242,11 +243,11 @@ def _exposed(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, gpus_per
     if context not in _EXPOSED:
         if len(_EXPOSED) > MAX_ENTRIES:
             _EXPOSED.clear()
-        links, shared = _Links(sizes, cluster, gpus_per_node), None
+        links, shared = Links(sizes, cluster, gpus_per_node), None
         out, cp = {}, {}
         for moe in {kind[0] for kind in _layer_kinds(config.model, config.train.seq_length) if not kind[1]}:
             # a block's collectives are sized by tp, cp, ep and etp (``comm.block_collectives``); their seconds
-            # depend on where the groups' ranks sit (``_Links``: every size)
+            # depend on where the groups' ranks sit (``Links``: every size)
             which = (key, sizes.tp, sizes.cp, sizes.ep, sizes.etp, moe)
             if which not in _COLLECTIVES:
                 if len(_COLLECTIVES) > MAX_ENTRIES:
@@ -254,9 +255,9 @@ def _exposed(config: RunConfig, sizes: ParallelSizes, cluster: Cluster, gpus_per
                 shared = shared or _actions_key(config)
                 _COLLECTIVES[which] = [c for c in block_collectives(shared, sizes, moe)
                                        if not c.overlaps and c.group in INNER_GROUPS]
-            out[(moe, False)] = sum(_by_term(links, _COLLECTIVES[which], phase).get(term, 0.0)
+            out[(moe, False)] = sum(by_term(links, _COLLECTIVES[which], phase).get(term, 0.0)
                                     for phase in ("forward", "backward") for term in terms)
-            cp[(moe, False)] = tuple(_by_term(links, _COLLECTIVES[which], phase).get("cp", 0.0)
+            cp[(moe, False)] = tuple(by_term(links, _COLLECTIVES[which], phase).get("cp", 0.0)
                                      for phase in ("forward", "backward"))
         _EXPOSED[context] = out, cp
     return _EXPOSED[context]

@@ -9,11 +9,11 @@ chosen modules). ``efficiency=`` (``moefold plan --efficiency``) instead puts ev
 ``training.observe.flops`` at that share of the dense bf16 peak (the flat model).
 
 Communication: the collectives of ``planner.comm`` (the bytes the code passes to torch.distributed), each
-over the link its group uses: NVLink when the group's ranks share a node, else the network (rank order of
-``parallel.dims``, consecutive ranks ``gpus_per_node`` to a node: ``planner.grid``). Ring algorithms move
-(n-1)/n of the buffer per rank (twice for an all-reduce), a uniform all-to-all (n-1)/n, its intra-node share over
-NVLink and the rest over the network at the same time. What is hidden behind compute is stated per term in
-``StepTime.exposed_notes`` (``OVERLAP``).
+timed by ``planner.links`` over the link its group uses: NVLink when the group's ranks share a node, else the
+network (rank order of ``parallel.dims``, consecutive ranks ``gpus_per_node`` to a node: ``planner.grid``).
+Ring algorithms move (n-1)/n of the buffer per rank (twice for an all-reduce), a uniform all-to-all (n-1)/n, its
+intra-node share over NVLink and the rest over the network at the same time. What is hidden behind compute is
+stated per term in ``StepTime.exposed_notes`` (``OVERLAP``).
 
 Pipeline: each (rank, virtual chunk) forward and backward takes its compute plus its exposed communication; the
 schedule's action lists run on ``pipeline.simulator``'s clock with those durations (``planner.pipeline_clock``),
@@ -61,9 +61,10 @@ from moefold.pipeline.stages import ChunkSpec
 from moefold.planner import comm, step_terms
 from moefold.planner.chunk_cache import cached_actions
 from moefold.planner.cluster import Cluster
-from moefold.planner.collective import GROUP_DIMS, Collective, link_factor
+from moefold.planner.collective import GROUP_DIMS, Collective
 from moefold.planner.compute_time import ELEMENTWISE_SHARE, block_compute, head_compute
-from moefold.planner.grid import group_members, ranks_per_node, spans_nodes
+from moefold.planner.grid import spans_nodes
+from moefold.planner.links import Links, by_term, group_ranks
 from moefold.planner.pipeline_clock import formula_makespan, step_makespan
 from moefold.planner.static import layout_of, stage_numel
 from moefold.planner.step_terms import COMM_TERMS, OVERLAP, TERMS, UNCALIBRATED, Calibration, StepTime, host_waits
@@ -78,50 +79,9 @@ EFFICIENCY = 0.5
 # write param, exp_avg, exp_avg_sq (12 B) and the bf16 model copy (2 B).
 OPTIMIZER_BYTES = 30
 
-_TERM_OF_GROUP = {"tp": "tp", "tp_cp": "tp", "tp_cp_dp": "tp", "cp": "cp", "ep": "ep", "etp": "ep", "etp_ep": "ep",
-                  "pp": "pp", "dp_cp": "dp", "edp": "dp"}
-
-
-# ----------------------------------------------------------------------------------------------- links
-@dataclass(frozen=True)
-class _Links:
-    sizes: ParallelSizes
-    cluster: Cluster
-    gpus_per_node: int
-
-    def seconds(self, c: Collective) -> float:
-        """Time of one collective over its group's link (module docstring)."""
-        members = _members(self.sizes, c.group)
-        n = len(members)
-        nvlink, network = self.cluster.nvlink_gbps * 1e9, self.cluster.internode_gbps * 1e9
-        if not spans_nodes(members, self.gpus_per_node):
-            return c.bytes * link_factor(c.op, n) / nvlink
-        if c.op == "all_to_all" and c.hybrid is not None:   # DeepEP V2 hybrid: once per node, then NVLink
-            k = ranks_per_node(members, self.gpus_per_node)
-            return max(c.bytes * (k - 1) / k / nvlink, c.hybrid.network_bytes(n // k) / network)
-        if c.op == "all_to_all":
-            k = ranks_per_node(members, self.gpus_per_node)
-            return max(c.bytes * (k - 1) / n / nvlink, c.bytes * (n - k) / n / network)
-        return c.bytes * link_factor(c.op, n) / network
-
-
-@lru_cache(maxsize=4096)
-def _members(sizes: ParallelSizes, group: str) -> list[int]:
-    """Rank 0's group ``group``: every group of a kind has the same shape in the rank grid."""
-    return group_members(sizes, 0, GROUP_DIMS[group])
-
-
 @lru_cache(maxsize=1024)
 def _block(config: RunConfig, sizes: ParallelSizes, moe: bool) -> tuple[Collective, ...]:
     return tuple(comm.block_collectives(config, sizes, moe))
-
-
-def _by_term(links: _Links, collectives: list[Collective], phase: str) -> dict[str, float]:
-    out: dict[str, float] = defaultdict(float)
-    for c in collectives:
-        if c.phase == phase:
-            out[_TERM_OF_GROUP[c.group]] += links.seconds(c)
-    return out
 
 
 # ----------------------------------------------------------------------------------------------- compute
@@ -204,7 +164,7 @@ def _copied(pair: tuple[_Action, _Action]) -> tuple[_Action, _Action]:
     return tuple(_Action(dict(a.terms), a.weight, a.blocks, a.gemm, a.grouped, a.weight_parts) for a in pair)
 
 
-def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, links: _Links, cluster: Cluster,
+def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, links: Links, cluster: Cluster,
                    flop_s: float | None, last_model_chunk: int, exchange_overlap: float) -> tuple[_Action, _Action]:
     """(forward, backward) of one micro-batch through ``chunk``: compute (``planner.compute_time``; the flat
     model at ``flop_s`` when given) and exposed communication by term."""
@@ -230,7 +190,7 @@ def _chunk_actions(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, li
             if hideable:
                 out["ep"] += (1 - exchange_overlap) * max(0.0, sum(links.seconds(c) for c in hideable)
                                                           - shared_experts)
-            for term, seconds in _by_term(links, rest, phase).items():
+            for term, seconds in by_term(links, rest, phase).items():
                 if term == "cp" and o.cp_comm == "p2p":
                     seconds = max(0.0, seconds - cp_hidden)
                 out[term] += (1 - exchange_overlap) * seconds if term == "ep" else seconds
@@ -307,7 +267,7 @@ def _offloaded_bytes(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, 
     return chunk_profile(shape, kinds, chunk.has_embedding, chunk.has_head, dispatcher, received, sent).offloaded
 
 
-def _fsdp_seconds(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, links: _Links, phase: str,
+def _fsdp_seconds(config: RunConfig, sizes: ParallelSizes, chunk: ChunkSpec, links: Links, phase: str,
                   ) -> tuple[float, int]:
     """(seconds of FSDP2's collectives for one micro-batch through ``chunk`` in ``phase``, units in the chunk): the
     parameters' all-gather (again in backward without pipelining) and the gradients' reduce-scatter."""
@@ -335,7 +295,7 @@ def _stage_numel_per_layer(config: RunConfig, sizes: ParallelSizes, chunk: Chunk
 
 
 # ----------------------------------------------------------------------------------------------- data parallel
-def _cpu_adam_seconds(config: RunConfig, sizes: ParallelSizes, pp_rank: int, links: _Links,
+def _cpu_adam_seconds(config: RunConfig, sizes: ParallelSizes, pp_rank: int, links: Links,
                       fwd_window: float) -> float:
     """Optimizer offload's exposed seconds per step (module docstring)."""
     t = config.train
@@ -348,7 +308,7 @@ def _cpu_adam_seconds(config: RunConfig, sizes: ParallelSizes, pp_rank: int, lin
     return max(0.0, host - (1 - t.optimizer_offload_fraction) * fwd_window)
 
 
-def _dp_seconds(config: RunConfig, sizes: ParallelSizes, pp_rank: int, links: _Links, fwd_window: float,
+def _dp_seconds(config: RunConfig, sizes: ParallelSizes, pp_rank: int, links: Links, fwd_window: float,
                 bwd_window: float) -> float:
     t = config.train
     if t.use_torch_fsdp2:   # FSDP's collectives are the actions' own (per micro-batch)
@@ -406,7 +366,7 @@ def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster
     if not isinstance(gpus_per_node, int) or gpus_per_node < 1:
         raise ValueError(f"--gpus-per-node={gpus_per_node!r} must be a positive integer")
     _, m = config.resolve(sizes.world_size)
-    links = _Links(sizes, cluster, gpus_per_node)
+    links = Links(sizes, cluster, gpus_per_node)
     flop_s = None if efficiency is None else cluster.bf16_tflops * 1e12 * efficiency
     vpp = layout_of(config, sizes.pp).vpp if sizes.pp > 1 else 1
     last = sizes.pp * vpp - 1
@@ -458,7 +418,7 @@ def estimate_step_time(config: RunConfig, sizes: ParallelSizes, cluster: Cluster
     flops = train_flops_per_token(config.model, config.train.seq_length) * tokens / sizes.world_size
     links = {}
     for group in GROUP_DIMS:
-        members = _members(sizes, group)
+        members = group_ranks(sizes, group)
         if len(members) > 1:
             links[group] = "network" if spans_nodes(members, gpus_per_node) else "NVLink"
     return StepTime(terms=terms, exposed_notes=dict(OVERLAP), flops_per_gpu=flops, tokens_per_step=tokens,
