@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -46,7 +47,7 @@ def _megatron_weighted_swiglu():
     return weighted_bias_swiglu_impl
 
 
-def steps(N: int, F: int, dtype: torch.dtype) -> dict[str, callable]:
+def steps(N: int, F: int, dtype: torch.dtype) -> dict[str, Callable[[], None]]:
     """Each way's fwd + bwd on the same ``h``, ``p`` and output gradient."""
     gen = torch.Generator().manual_seed(0)
     h = (3 * torch.randn(N, 2 * F, generator=gen)).to(dtype).requires_grad_()
@@ -54,7 +55,7 @@ def steps(N: int, F: int, dtype: torch.dtype) -> dict[str, callable]:
     g = torch.randn(N, F, generator=gen).to(dtype)
     p1 = p.detach().unsqueeze(1).requires_grad_()
 
-    def run(fn, *args) -> callable:
+    def run(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> Callable[[], None]:
         def step() -> None:
             torch.autograd.grad(fn(*args), [a for a in args if a.requires_grad], g)
         return step
