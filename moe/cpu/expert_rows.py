@@ -125,21 +125,20 @@ class ExpertRows:
             self._index[key] = idx.to(device)
         return self._index[key]
 
-    def pad_rows_index(self, device: torch.device) -> Tensor:
-        """[total - num_rows] int64: the buffer rows that are padding."""
-        key = ("pad", device)
-        if key not in self._index:
-            idx = [torch.arange(s + c, s + b) for s, c, b in zip(self.starts, self.counts, self.blocks) if b > c]
-            self._index[key] = (torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long)).to(device)
-        return self._index[key]
-
 
 def _scatter_rows(x_NH: Tensor, rows: ExpertRows) -> Tensor:
-    """Packed rows -> the blocks of ``rows`` (padding rows zero), in a workspace."""
+    """Packed rows -> the blocks of ``rows`` (padding rows zero), in a workspace: one ``cat`` of each expert's rows
+    and its padding (aten's ``index_copy_`` copies element by element on CPU: 9.2 against 2.7 ms for 32,768 rows
+    of 512 bf16 over 64 experts)."""
+    pad = max(b - c for b, c in zip(rows.blocks, rows.counts))
+    zeros = x_NH.new_zeros((pad, *x_NH.shape[1:]))
+    pieces: list[Tensor] = []
+    for x_i, c, b in zip(x_NH.split(rows.counts), rows.counts, rows.blocks):
+        pieces.append(x_i)
+        if b > c:
+            pieces.append(zeros[: b - c])
     out = workspace(x_NH.device).empty((rows.total, *x_NH.shape[1:]), x_NH.dtype)
-    out.index_fill_(0, rows.pad_rows_index(x_NH.device), 0)
-    out.index_copy_(0, rows.real_rows(x_NH.device), x_NH)
-    return out
+    return torch.cat(pieces, out=out)
 
 
 def _gather_rows(x_PH: Tensor, rows: ExpertRows) -> Tensor:

@@ -56,6 +56,31 @@ def test_grouped_linear_layouts_equal_the_per_expert_reference(kind):
     assert dw[1].abs().max() == 0   # the expert without rows
 
 
+@pytest.mark.parametrize("kind", ["aligned", "uniform"])
+def test_pad_rows_puts_each_expert_at_its_block_and_zeros_the_padding(kind):
+    """The padded buffer holds each expert's rows at its block's start and exact zeros after them, even in a reused
+    workspace that held NaNs (the padding rows go through the GEMMs: a stale value there reaches the weight
+    gradient), and ``unpad_rows`` and both backward passes give the rows back unchanged."""
+    counts = (300, 0, 515, 97, 1, 64)
+    x = torch.randn(sum(counts), 512, generator=torch.Generator().manual_seed(3), dtype=torch.float32)
+    assert x.numel() * x.element_size() >= MIN_BYTES   # large enough for the workspace pool to reuse buffers
+    rows = ExpertRows.build(counts, kind)
+    stale = pad_rows(torch.full_like(x, float("nan")), ExpertRows.build(counts[::-1], kind))
+    del stale   # its buffer, full of NaNs, goes back to the pool for the next call
+    xr = x.clone().requires_grad_()
+    padded = pad_rows(xr, rows)
+    expected = torch.zeros(rows.total, 512)
+    s = 0
+    for start, c in zip(rows.starts, counts):
+        expected[start:start + c] = x[s:s + c]
+        s += c
+    assert torch.equal(padded, expected)
+    back = unpad_rows(padded, rows)
+    assert torch.equal(back, x)
+    (grad,) = torch.autograd.grad(back, xr, x)
+    assert torch.equal(grad, x)
+
+
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_uniform_bf16_weight_grad_into_contiguous_and_strided_targets(accumulate):
     """The batched weight gradient (uniform layout) in bf16, into the [e, M, K] target and a strided one."""

@@ -252,15 +252,17 @@ def test_weighted_activation_is_the_product_formula_bit_for_bit(name, dtype):
     assert torch.equal(fn(h), act(h))   # without probs: the plain activation
 
 
+@pytest.mark.parametrize("f", [512, 100])
 @pytest.mark.parametrize("blocks", [True, False], ids=["cpu_blocks", "cuda_path"])
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(ACTIVATIONS))
-def test_weighted_activation_blocks_are_the_product_formula_bit_for_bit(name, dtype, threads, blocks, monkeypatch):
-    """The probs' fp32 products run in row blocks (``moe.prob_rows.CHUNK_ELEMENTS``) through explicit widenings
-    instead of aten's type promotion: with many blocks, a ragged last one, and blocks large enough for aten to split
-    each block's row sums over two threads, forward and both gradients stay autograd's of the product formula; so
-    does the unblocked path a GPU runs."""
+def test_weighted_activation_blocks_are_the_product_formula_bit_for_bit(name, dtype, threads, blocks, f, monkeypatch):
+    """The probs' fp32 products (and SwiGLU's every pass) run in row blocks (``moe.prob_rows.CHUNK_ELEMENTS``)
+    through explicit widenings instead of aten's type promotion: with many blocks, a ragged last one, rows that are
+    not whole vector widths (f 100), and blocks large enough for aten to split each block over two and three
+    threads, forward and both gradients stay autograd's of the product formula; so does the unblocked path a GPU
+    runs."""
     import moefold.moe.prob_rows as prob_rows
 
     monkeypatch.setattr(prob_rows, "CHUNK_ELEMENTS", 1 << 15)   # 64-row blocks of 512: 301 rows -> 5, the last 45
@@ -271,9 +273,9 @@ def test_weighted_activation_blocks_are_the_product_formula_bit_for_bit(name, dt
     torch.set_num_threads(threads)
     try:
         gen = torch.Generator().manual_seed(5)
-        h = (3 * torch.randn(301, 1024 if act in (swiglu, GPT_OSS) else 512, generator=gen)).to(dtype)
+        h = (3 * torch.randn(301, 2 * f if act in (swiglu, GPT_OSS) else f, generator=gen)).to(dtype)
         p = torch.rand(301, generator=gen)
-        g = torch.randn(301, 512, generator=gen).to(dtype)
+        g = torch.randn(301, f, generator=gen).to(dtype)
         assert_weighted_is_the_formula(fn, act, h, p, g)
     finally:
         torch.set_num_threads(previous)
