@@ -28,13 +28,16 @@ def _ds_config(rope_dim: int, yarn: dict | None, theta: float) -> DeepseekV3Conf
                             vocab_size=64, num_hidden_layers=1, rope_parameters=rope)
 
 
-def test_rmsnorm_matches_hf_in_fp32():
+@pytest.mark.parametrize("hidden", [32, 96, 1000])
+def test_rmsnorm_matches_hf_in_fp32(hidden):
+    """Values and both gradients bit for bit HF's (autograd through the fp32 ops), rows of several widths (the
+    backward's per-row ``2 * (ds / H)`` against autograd's per-element ``(ds / H) * 2x``)."""
     torch.manual_seed(0)
-    ours, ref = RMSNorm(32, eps=1e-5), hf_qwen3.Qwen3RMSNorm(32, eps=1e-5)
-    w = torch.randn(32)
+    ours, ref = RMSNorm(hidden, eps=1e-5), hf_qwen3.Qwen3RMSNorm(hidden, eps=1e-5)
+    w = torch.randn(hidden)
     ours.weight.data.copy_(w)
     ref.weight.data.copy_(w)
-    x = (torch.randn(5, 3, 32) * 3).requires_grad_()
+    x = (torch.randn(5, 3, hidden) * 3).requires_grad_()
     x_ref = x.detach().clone().requires_grad_()
     y, y_ref = ours(x), ref(x_ref)
     torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
