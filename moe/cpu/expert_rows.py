@@ -17,7 +17,7 @@ Padded layouts cost a copy of the input rows into the blocks and of the output r
 through the SwiGLU experts, so the gradients are exactly those of the packed layout.
 
 ``moe.cpu.rows_gemm.choose_layout`` picks one by a fixed rule of the dtype and the CPU's kind (``auto``: packed,
-bf16 on an AMX CPU uniform) or by timing the shape
+bf16 on an AMX CPU aligned) or by timing the shape
 (``measured``); ``ExpertsConfig.row_layout`` fixes it. Memory: the padded rows are activations (the padded
 input copy, the gate/up output and the product are saved for backward), so an automatic choice never holds
 more than ``max_auto_rows`` (``aligned``'s worst case, N + e(ALIGN - 1)): a ``uniform`` call over skewed counts

@@ -176,9 +176,13 @@ def _rule(dtype: torch.dtype) -> RowLayout:
     """``auto``'s layout before the memory cap, by the dtype and the CPU's kind:
 
     - fp32 (and wider): ``packed``: fp32 GEMMs take any row count at full speed;
-    - bf16 / fp16 on a CPU with AMX: ``uniform``: oneDNN compiles an AMX kernel per new GEMM shape (~7 ms each
-      on the Intel Xeon, against ~0.5 ms for the GEMM), and exact row counts are new shapes every step; uniform
-      blocks repeat their shapes and batch the experts into one ``bmm`` (measured fastest there);
+    - bf16 / fp16 on a CPU with AMX: ``aligned``: oneDNN compiles an AMX kernel per new GEMM shape (~6-7 ms each
+      on the Intel Xeon, against ~1 ms for the GEMM), and exact row counts are new shapes every step; blocks of
+      whole 32-row tiles repeat their shapes. With a new routing every step (``benchmarks/row_layouts.py``, as
+      training runs) the layer ran packed 225 / 363 / 460 ms, uniform 223-227 / 302 / 475-483, aligned
+      211-220 / 302 / 475 at E16 / E64 / E256 (after the first steps' compilations; packed only catches up at
+      E256, whose few distinct row counts fill the kernel cache): aligned is level with or ahead of uniform,
+      and pads less (``max_auto_rows`` bounds both);
     - bf16 / fp16 without AMX (AVX-512 BF16, AVX2): ``packed``: a new row count costs no compilation there
       (per-expert GEMMs over fresh random counts each call as fast as over repeated ones, on the AMD EPYC), and
       padding to the largest block adds GEMM work (uniform at E256 k8: blocks of ~192 rows for a mean of 128)
@@ -189,13 +193,13 @@ def _rule(dtype: torch.dtype) -> RowLayout:
     run, so a run and its resumption are bitwise the same."""
     if dtype.itemsize >= 4:
         return RowLayout.PACKED
-    return RowLayout.UNIFORM if amx_tiles() else RowLayout.PACKED
+    return RowLayout.ALIGNED if amx_tiles() else RowLayout.PACKED
 
 
 def describe_auto_layout() -> str:
     """One line for start-up output: what ``auto`` lays out on this CPU, and why."""
     low = _rule(torch.bfloat16)
-    why = "AMX: kernels compiled per GEMM shape" if low is RowLayout.UNIFORM else "no AMX: any row count runs at speed"
+    why = "AMX: kernels compiled per GEMM shape" if low is RowLayout.ALIGNED else "no AMX: any row count runs at speed"
     return f"expert rows (auto): fp32 {_rule(torch.float32)}, bf16/fp16 {low} ({why})"
 
 

@@ -110,8 +110,8 @@ def test_swiglu_rows_equals_autograd_bit_for_bit():
 @pytest.mark.parametrize("amx", [True, False])
 def test_auto_layout_is_a_rule_of_the_dtype_and_cpu_kind_never_a_timing(monkeypatch, amx):
     """``auto`` is reproducible: the same layout in every run and on every rank (no timing: a resumed run and the
-    uninterrupted one take the same GEMMs, so their bits agree); fp32 packed; bf16 uniform on an AMX CPU (skewed
-    bf16 aligned there), packed on one without AMX; the rule is stated in one line."""
+    uninterrupted one take the same GEMMs, so their bits agree); fp32 packed; bf16 aligned on an AMX CPU, packed on
+    one without AMX; the rule is stated in one line."""
     def no_timing(*_):
         raise AssertionError("auto timed a layout")
 
@@ -119,13 +119,13 @@ def test_auto_layout_is_a_rule_of_the_dtype_and_cpu_kind_never_a_timing(monkeypa
     monkeypatch.setattr(rows_gemm, "amx_tiles", lambda: amx)
     x, w = torch.randn(256, 16), torch.randn(8, 24, 16)
     assert choose_layout((32,) * 8, x, w).kind == "packed"
-    assert ("bf16/fp16 uniform" if amx else "bf16/fp16 packed") in rows_gemm.describe_auto_layout()
+    assert ("bf16/fp16 aligned" if amx else "bf16/fp16 packed") in rows_gemm.describe_auto_layout()
     if not amx:
         assert choose_layout((32,) * 8, x.bfloat16(), w.bfloat16()).kind == "packed"
         assert choose_layout((200,) + (8,) * 7, x.bfloat16(), w.bfloat16()).kind == "packed"
         return
-    assert choose_layout((32,) * 8, x.bfloat16(), w.bfloat16()).kind == "uniform"
-    assert choose_layout((200,) + (8,) * 7, x.bfloat16(), w.bfloat16()).kind == "aligned"   # uniform: 8 x 224 rows
+    assert choose_layout((32,) * 8, x.bfloat16(), w.bfloat16()).kind == "aligned"
+    assert choose_layout((200,) + (8,) * 7, x.bfloat16(), w.bfloat16()).kind == "aligned"
     assert choose_layout((32,) * 8, x, w, forced="uniform").kind == "uniform"
     assert choose_layout((256,), x[:, :16].bfloat16(), w[:1].bfloat16()).kind == "packed"   # one expert
     assert choose_layout((32,) * 8, x.to("meta"), w.to("meta")).kind == "packed"   # off the CPU
