@@ -42,7 +42,7 @@ class _RMSNormFunction(torch.autograd.Function):
 
         dn = g * w,   dw = sum_to_size(g * n),   ds = -0.5 * sum(dn * x) * r^3,   dx = dn * r + (ds / H) * 2x
 
-    (``(ds / H) * 2x`` as ``x * (2 * (ds / H))`` on ``[..., 1]``: the same bits, two passes over the input fewer.)
+    (``(ds / H) * 2x`` as ``x * (2 * (ds / H))`` on ``[..., 1]``: the same bits, three passes over the input fewer.)
     """
 
     @staticmethod
