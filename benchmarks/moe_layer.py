@@ -105,9 +105,10 @@ def dense_ceiling(N: int, H: int, F: int, dtype: torch.dtype) -> Callable[[], No
     return step
 
 
-def moefold_steps(T: int, H: int, E: int, k: int, F: int, dtype: torch.dtype, compiled: bool,
-                  row_layout: str = "auto") -> tuple[Callable[[], None], Callable[[], None], MoELayer]:
-    """(layer step, experts-only step, layer): the trainer's path (GradSync with gradient-accumulation fusion)."""
+def trainer_layer(H: int, E: int, k: int, F: int, dtype: torch.dtype, compiled: bool = False,
+                  row_layout: str = "auto") -> tuple[MoELayer, GradSync, Callable[[torch.Tensor, torch.Tensor], None]]:
+    """(layer, its GradSync, step): a world-1 MoE layer on the trainer's path (GradSync main grads with
+    gradient-accumulation fusion); ``step(x [T, 1, H], gy)`` runs its fwd + bwd on ``x`` (a leaf needing grad)."""
     router = RouterConfig(num_experts=E, topk=k, load_balancing_type="none")
     cfg = MoEConfig(num_experts=E, router=router, experts=ExpertsConfig(F, row_layout=RowLayout(row_layout)),
                     dispatch=DispatchConfig(DispatcherKind.LOCAL))
@@ -117,15 +118,26 @@ def moefold_steps(T: int, H: int, E: int, k: int, F: int, dtype: torch.dtype, co
         compile_moe_layer(layer)
     sync = GradSync(layer.named_parameters(), ParallelDims.single(), overlap=False)
     enable_grad_accumulation_fusion(layer)
-    x = torch.randn(T, 1, H, dtype=dtype, requires_grad=True)
-    gy = torch.randn(T, 1, H, dtype=dtype)
 
-    def layer_step() -> None:
+    def step(x: torch.Tensor, gy: torch.Tensor) -> None:
         sync.start_step(1)
         x.grad = None
         y, _ = layer(x)
         y.backward(gy)
         sync.finish()
+
+    return layer, sync, step
+
+
+def moefold_steps(T: int, H: int, E: int, k: int, F: int, dtype: torch.dtype, compiled: bool,
+                  row_layout: str = "auto") -> tuple[Callable[[], None], Callable[[], None], MoELayer]:
+    """(layer step, experts-only step, layer): the trainer's path (``trainer_layer``) on one fixed input."""
+    layer, sync, step = trainer_layer(H, E, k, F, dtype, compiled, row_layout)
+    x = torch.randn(T, 1, H, dtype=dtype, requires_grad=True)
+    gy = torch.randn(T, 1, H, dtype=dtype)
+
+    def layer_step() -> None:
+        step(x, gy)
 
     with torch.no_grad():
         routed = layer.router(x.view(T, H))

@@ -27,51 +27,26 @@ from collections.abc import Callable
 
 import torch
 
-from moefold.dispatch.config import DispatchConfig, DispatcherKind
-from moefold.execution.grad_accumulation import enable_grad_accumulation_fusion
-from moefold.moe.build import build_moe_layer
-from moefold.moe.config import ExpertsConfig, MoEConfig
 from moefold.moe.cpu.expert_rows import RowLayout
-from moefold.moe.router_config import RouterConfig
-from moefold.parallel.dims import ParallelDims
-from moefold.parallel.sharding import init_parameters
 from moefold.training.observe.machine import describe_machine
-from moefold.training.optim.grad_sync import GradSync
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def layer_step(T: int, H: int, E: int, k: int, F: int, dtype: torch.dtype, layout: str,
-               ) -> Callable[[torch.Tensor], None]:
-    """fwd + bwd of a fresh MoE layer with rows in ``layout`` on a given input ``x [T, 1, H]`` (the trainer's path)."""
-    router = RouterConfig(num_experts=E, topk=k, load_balancing_type="none")
-    cfg = MoEConfig(num_experts=E, router=router, experts=ExpertsConfig(F, row_layout=RowLayout(layout)),
-                    dispatch=DispatchConfig(DispatcherKind.LOCAL))
-    layer = build_moe_layer(cfg, H, ParallelDims.single(), dtype=dtype)
-    init_parameters(layer, seed=0)
-    sync = GradSync(layer.named_parameters(), ParallelDims.single(), overlap=False)
-    enable_grad_accumulation_fusion(layer)
-    gy = torch.randn(T, 1, H, dtype=dtype, generator=torch.Generator().manual_seed(1))
-
-    def step(x: torch.Tensor) -> None:
-        sync.start_step(1)
-        y, _ = layer(x.requires_grad_())
-        y.backward(gy)
-        sync.finish()
-
-    return step
+try:
+    from benchmarks.moe_layer import DTYPES, trainer_layer
+except ImportError:   # run as a script: benchmarks/ itself is on sys.path
+    from moe_layer import DTYPES, trainer_layer
 
 
 def run(T: int, H: int, E: int, k: int, F: int, dtype: torch.dtype, layout: str, steps: int,
         clock: Callable[[], float]) -> list[float]:
     """Seconds of each of ``steps`` steps, each on a new input (new routing)."""
-    step = layer_step(T, H, E, k, F, dtype, layout)
+    _, _, step = trainer_layer(H, E, k, F, dtype, row_layout=layout)
     gen = torch.Generator().manual_seed(2)
+    gy = torch.randn(T, 1, H, dtype=dtype, generator=gen)
     times = []
     for s in range(steps):
-        x = torch.randn(T, 1, H, generator=gen, dtype=dtype)
+        x = torch.randn(T, 1, H, generator=gen, dtype=dtype).requires_grad_()
         t0 = clock()
-        step(x)
+        step(x, gy)
         times.append(clock() - t0)
         if sys.stderr.isatty():
             print(f"\r  {layout}: step {s + 1}/{steps}", end="", file=sys.stderr, flush=True)

@@ -258,11 +258,10 @@ def test_weighted_activation_is_the_product_formula_bit_for_bit(name, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(ACTIVATIONS))
 def test_weighted_activation_blocks_are_the_product_formula_bit_for_bit(name, dtype, threads, blocks, f, monkeypatch):
-    """The probs' fp32 products (and SwiGLU's every pass) run in row blocks (``moe.prob_rows.CHUNK_ELEMENTS``)
-    through explicit widenings instead of aten's type promotion: with many blocks, a ragged last one, rows that are
-    not whole vector widths (f 100), and blocks large enough for aten to split each block over two and three
-    threads, forward and both gradients stay autograd's of the product formula; so does the unblocked path a GPU
-    runs."""
+    """The probs' fp32 products run in row blocks (``moe.prob_rows.CHUNK_ELEMENTS``) through explicit widenings
+    instead of aten's type promotion: with many blocks, a ragged last one, rows that are not whole vector widths
+    (f 100), and blocks large enough for aten to split each block over two and three threads, forward and both
+    gradients stay autograd's of the product formula; so does the unblocked path a GPU runs."""
     import moefold.moe.prob_rows as prob_rows
 
     monkeypatch.setattr(prob_rows, "CHUNK_ELEMENTS", 1 << 15)   # 64-row blocks of 512: 301 rows -> 5, the last 45

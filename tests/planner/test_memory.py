@@ -206,8 +206,8 @@ def _activation_world() -> dict[tuple[str, str], tuple[int, int]]:
 
 @pytest.fixture(scope="module")
 def measured_layouts() -> list[dict[tuple[str, str], tuple[int, int]]]:
-    # 275 s on an idle 2-core Intel Xeon (2026-12-06, with and without this session's changes): the emulated
-    # FP8 and bf16 layouts of every recompute setting in one world; the limit leaves room for a loaded machine
+    # 275 s on an idle 2-core Intel Xeon (2026-12-06; nearly all of it torch._scaled_mm's CPU kernel under the
+    # FP8 layouts): every layout and recompute setting in one world; the limit leaves room for a loaded machine
     return run_distributed(_activation_world, WORLD, timeout=900)
 
 
