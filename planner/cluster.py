@@ -18,6 +18,7 @@ another machine::
     hbm_gbps = 3350            # memory bandwidth (bounds thin GEMMs and the elementwise kernels)
     arch = "sm_90"             # sm_80 (Ampere), sm_90 (Hopper) or sm_100 (Blackwell): whose GEMM rates apply
     exp_tops = 4.18            # optional: exponentials per second, 1e12 (softmax attention's special-function units)
+    board_watts = 700          # optional: the GPU's configured board power (W); sets its sustained GEMM rate
     source = "where the figures come from"
 
 Sizes are decimal unless they say otherwise (``parse_bytes``: GB = 1e9 bytes, GiB = 2**30).
@@ -71,6 +72,9 @@ class Cluster:
     hbm_gbps: float = 3350.0  # HBM bandwidth (default: an H100 SXM's 3.35 TB/s)
     arch: str = "sm_90"       # the GPU architecture whose measured GEMM rates time the GEMMs (planner.gemm_efficiency)
     exp_tops: float = EXP_H100  # exponentials per second, 1e12 (softmax attention: EXP_H100's comment)
+    # the board power the GPU is configured to (W): a GEMM that fills the tensor cores runs at that limit, so its
+    # sustained rate is set by it (planner.gemm_efficiency.tensor_tflops); 0: unknown, rates scale with the peaks
+    board_watts: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.memory_bytes, int) or self.memory_bytes < 1:
@@ -86,6 +90,10 @@ class Cluster:
         if self.arch not in ARCHS:
             raise ValueError(f"cluster {self.name!r}: arch={self.arch!r} must be one of {', '.join(ARCHS)} (Ampere, "
                              "Hopper, Blackwell)")
+        value = self.board_watts
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"cluster {self.name!r}: board_watts={value!r} must be a number >= 0 (the GPU's board "
+                             "power in W, e.g. 700 for an H100 SXM; 0: unknown)")
         value = self.fp8_tflops
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ValueError(f"cluster {self.name!r}: fp8_tflops={value!r} must be a number >= 0 (0: no FP8 units)")
@@ -100,52 +108,55 @@ CLUSTERS: dict[str, Cluster] = {c.name: c for c in (
             "NVIDIA H100 SXM5 datasheet: 80 GB HBM3, BF16 tensor core 1,979 TFLOP/s with sparsity = 989 dense, "
             "NVLink 900 GB/s bidirectional = 450 per direction; network: 8 x 400 Gb/s NDR InfiniBand per node "
             "(DGX H100) = 50 GB/s per GPU; FP8 3,958 with sparsity = 1,979 dense; HBM3 3.35 TB/s; host: PCIe Gen5 "
-            "x16, 2 TB and 2 x 8 DDR5-4800 channels per node", fp8_tflops=1979.0, hbm_gbps=3350.0),
+            "x16, 2 TB and 2 x 8 DDR5-4800 channels per node; 700 W", fp8_tflops=1979.0, hbm_gbps=3350.0,
+            board_watts=700.0),
     Cluster("h200", 141 * 10**9, 989.0, 450.0, IB_NDR_PER_GPU,
             "NVIDIA H200 SXM datasheet: 141 GB HBM3e, BF16 1,979 TFLOP/s with sparsity = 989 dense, NVLink "
             "900 GB/s bidirectional = 450 per direction; network: 8 x 400 Gb/s NDR InfiniBand per node "
             "(DGX H200) = 50 GB/s per GPU; FP8 1,979 dense; HBM3e 4.8 TB/s; host: PCIe Gen5 x16, 2 TB and 2 x 8 "
-            "DDR5-4800 channels per node", fp8_tflops=1979.0, hbm_gbps=4800.0),
+            "DDR5-4800 channels per node; 700 W", fp8_tflops=1979.0, hbm_gbps=4800.0, board_watts=700.0),
     Cluster("h800", 80 * 10**9, 989.0, 200.0, IB_NDR_PER_GPU,
             "NVIDIA H800 SXM5 = H100 SXM5 with NVLink cut to 400 GB/s bidirectional = 200 per direction "
             "(80 GB, 989 dense BF16 TFLOP/s); network: 8 x 400 Gb/s InfiniBand per node = 50 GB/s per GPU, "
             "as the DeepSeek-V3 technical report describes its H800 cluster; FP8 1,979 dense, HBM3 3.35 TB/s; host "
-            "(assumed, as DGX H100): PCIe Gen5 x16, 2 TB and 2 x 8 DDR5-4800 channels per node",
-            fp8_tflops=1979.0, hbm_gbps=3350.0),
+            "(assumed, as DGX H100): PCIe Gen5 x16, 2 TB and 2 x 8 DDR5-4800 channels per node; 700 W",
+            fp8_tflops=1979.0, hbm_gbps=3350.0, board_watts=700.0),
     Cluster("a100", 80 * 10**9, 312.0, 300.0, IB_HDR_PER_GPU,
             "NVIDIA A100 SXM4 80GB datasheet: 80 GB HBM2e, BF16 tensor core 312 TFLOP/s dense, NVLink 600 GB/s "
             "bidirectional = 300 per direction; network: 8 x 200 Gb/s HDR InfiniBand per node (DGX A100) "
             "= 25 GB/s per GPU; no FP8 tensor cores; HBM2e 2.04 TB/s; host: PCIe Gen4 x16, 2 TB and 2 x 8 "
-            "DDR4-3200 channels per node",
+            "DDR4-3200 channels per node; 400 W",
             pcie_gbps=PCIE_GEN4_PER_GPU, host_memory_gbps=DDR4_NODE_PER_GPU, fp8_tflops=0.0, hbm_gbps=2039.0,
-            arch="sm_80", exp_tops=EXP_A100),
+            arch="sm_80", exp_tops=EXP_A100, board_watts=400.0),
     Cluster("b200", 180 * 10**9, 2250.0, 900.0, IB_NDR_PER_GPU,
             "NVIDIA DGX B200 datasheet: 8 B200, 1,440 GB HBM3e = 180 GB per GPU, 72 PFLOPS FP8 training with sparsity "
             "per node = 4,500 dense FP8 TFLOP/s per GPU, dense BF16 half that (2,250); HBM3e 8 TB/s, "
             "NVLink 5 1.8 TB/s bidirectional = 900 per direction; network: 8 x 400 Gb/s ConnectX-7 = 50 GB/s per "
-            "GPU; host: PCIe Gen5 x16, 4 TB (2 TB assumed usable as on DGX H100) and 2 x 8 DDR5 channels per node",
-            fp8_tflops=4500.0, hbm_gbps=8000.0, arch="sm_100", exp_tops=EXP_B200),
+            "GPU; host: PCIe Gen5 x16, 4 TB (2 TB assumed usable as on DGX H100) and 2 x 8 DDR5 channels per node; "
+            "the B200 configured at 1,000 W", fp8_tflops=4500.0, hbm_gbps=8000.0, arch="sm_100", exp_tops=EXP_B200,
+            board_watts=1000.0),
     Cluster("gb200", 186 * 10**9, 2500.0, 900.0, IB_NDR_PER_GPU,
             "NVIDIA GB200 NVL72 datasheet: 72 Blackwell GPUs, 13.4 TB HBM3e = 186 GB per GPU, FP8 720 PFLOPS with "
             "sparsity = 5,000 dense per GPU, BF16 360 PFLOPS with sparsity = 2,500 dense per GPU, HBM3e 8 TB/s per "
             "GPU, NVLink 5 1.8 TB/s bidirectional = 900 per direction across the 72-GPU NVLink domain (plan with "
             "--gpus-per-node 72, or the domain a job gets); network: one 400 Gb/s ConnectX-7 per GPU = 50 GB/s; "
             "host: Grace, 480 GB LPDDR5X per 2 GPUs = 240 GB, NVLink-C2C 900 GB/s per Grace (450 per GPU) "
-            "serving as the host link", fp8_tflops=5000.0, hbm_gbps=8000.0, pcie_gbps=450.0, arch="sm_100",
-            exp_tops=EXP_B200,
-            host_memory_bytes=240 * 10**9, host_memory_gbps=256.0),
+            "serving as the host link; the same B200 configured at 1,200 W, which is what raises its peaks over DGX "
+            "B200's", fp8_tflops=5000.0, hbm_gbps=8000.0, pcie_gbps=450.0, arch="sm_100", exp_tops=EXP_B200,
+            host_memory_bytes=240 * 10**9, host_memory_gbps=256.0, board_watts=1200.0),
 )}
-# GB300 NVL72: GB200's NVLink domain and dense peaks, with Blackwell Ultra's memory, ConnectX-8 and twice the
-# exponentials (EXP_H100's comment)
+# GB300 NVL72: GB200's NVLink domain and dense peaks, with Blackwell Ultra's memory, ConnectX-8, twice the
+# exponentials (EXP_H100's comment) and 1,400 W per GPU
 CLUSTERS["gb300"] = dataclasses.replace(
     CLUSTERS["gb200"], name="gb300", memory_bytes=288 * 10**9, internode_gbps=100.0, exp_tops=2 * EXP_B200,
+    board_watts=1400.0,
     source="NVIDIA GB300 NVL72 datasheet: 72 Blackwell Ultra GPUs, 20.7 TB HBM3e = 288 GB per GPU, FP8 720 PFLOPS "
            "with sparsity = 5,000 dense per GPU, BF16 360 PFLOPS with sparsity = 2,500 dense per GPU, HBM3e 8 TB/s, "
            "NVLink 5 1.8 TB/s bidirectional = 900 per direction across the 72-GPU NVLink domain; network: one "
            "800 Gb/s ConnectX-8 per GPU = 100 GB/s; host: Grace, 480 GB LPDDR5X per 2 GPUs = 240 GB, NVLink-C2C "
            "900 GB/s per Grace (450 per GPU) serving as the host link; Blackwell Ultra's special-function units: "
            "twice Blackwell's exponentials (NVIDIA technical blog, Making Softmax More Efficient with NVIDIA "
-           "Blackwell Ultra)")
+           "Blackwell Ultra); 1,400 W per GPU (GB200's 1,200)")
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -167,7 +178,7 @@ def parse_bytes(text: str) -> int:
 
 
 _TOML_KEYS = {"name", "memory", "memory_bytes", "bf16_tflops", "nvlink_gbps", "internode_gbps", "source", "pcie_gbps",
-              "host_memory", "host_memory_gbps", "fp8_tflops", "hbm_gbps", "arch", "exp_tops"}
+              "host_memory", "host_memory_gbps", "fp8_tflops", "hbm_gbps", "arch", "exp_tops", "board_watts"}
 
 
 def load_cluster(spec: str) -> Cluster:
@@ -204,4 +215,5 @@ def load_cluster(spec: str) -> Cluster:
                    nvlink_gbps=data["nvlink_gbps"], internode_gbps=data["internode_gbps"],
                    source=str(data.get("source", f"{path} (no source given)")), fp8_tflops=data.get("fp8_tflops", 0.0),
                    hbm_gbps=data.get("hbm_gbps", Cluster.hbm_gbps), arch=str(data.get("arch", Cluster.arch)),
-                   exp_tops=data.get("exp_tops", Cluster.exp_tops), **host)
+                   exp_tops=data.get("exp_tops", Cluster.exp_tops),
+                   board_watts=data.get("board_watts", Cluster.board_watts), **host)

@@ -160,6 +160,18 @@ BF16_B200: tuple[GemmPoint, ...] = tuple(GemmPoint(m, n, k, t) for m, n, k, t, _
 FP8_B200: tuple[GemmPoint, ...] = tuple(GemmPoint(m, n, k, t) for m, n, k, _, t in _SM100)
 B200_PEAKS, B200_FP8_PEAKS = (2250.0, 8000.0), (4500.0, 8000.0)
 
+# The GPU each architecture's fit was measured on, per architecture: its dense bf16 and FP8 peaks (TFLOP/s) and its
+# board power (W): Hopper's tables are an H100 SXM's and an H800 SXM's (700 W both), Blackwell's a B200 at 1,000 W
+# (OpenXLA's sm_100 table; at 63% of the DGX B200 peak for 4096^3 against the H100's 79%: a GEMM that fills
+# Blackwell's tensor cores runs at the board's power limit, below its boost clock). The same B200 silicon is
+# configured to 1,200 W in a GB200 (2,500 dense bf16 TFLOP/s on its datasheet against 2,250 at 1,000 W) and Blackwell
+# Ultra to 1,400 W in a GB300. At a fixed voltage a chip's switching power is proportional to its clock, so a GEMM at
+# the power limit sustains a rate in proportion to the board power (POWER_EXPONENT = 1, the top of the physical range;
+# voltage scaling would make it smaller). ``planner.calibration`` fits the other constants with this law; its
+# docstring gives the fitted rows' error at other exponents. Ampere (no fit of its own) keeps the datasheet peaks.
+FIT_GPU = {"sm_90": (989.0, 1979.0, 700.0), "sm_100": (2250.0, 4500.0, 1000.0)}
+POWER_EXPONENT = 1.0
+
 
 def model_errors(model: GemmModel, points: Iterable[GemmPoint], peaks: tuple[float, float]) -> list[float]:
     """Relative error of ``model`` at each point: modelled TFLOP/s / measured - 1."""
@@ -186,18 +198,33 @@ def fit_model(dtype: str, points: Sequence[GemmPoint], peaks: tuple[float, float
     return best
 
 
+def tensor_tflops(cluster: Cluster, dtype: str, share: float) -> float:
+    """The peak (TFLOP/s) that a kernel reaching ``share`` of it runs ``dtype`` at on ``cluster``: the datasheet peak,
+    or, where the cluster states its board power and its architecture's fit was measured on a GPU of known power
+    (``FIT_GPU``), that GPU's peak x (board power / its power) ** ``POWER_EXPONENT``; never beyond what puts the
+    kernel above the datasheet peak. (A ``dtype`` without tensor cores of its own, FP8 on Ampere, runs at bf16's.)"""
+    fp8 = dtype == "fp8" and cluster.fp8_tflops > 0
+    datasheet = cluster.fp8_tflops if fp8 else cluster.bf16_tflops
+    fit = FIT_GPU.get(cluster.arch)
+    if not cluster.board_watts or fit is None:
+        return datasheet
+    sustained = fit[1 if fp8 else 0] * (cluster.board_watts / fit[2]) ** POWER_EXPONENT
+    return min(sustained, datasheet / share)
+
+
 def gemm_seconds(cluster: Cluster, dtype: str, m: float, n: float, k: float, groups: int = 1) -> float:
     """Seconds of ``groups`` x ``[m, k] @ [k, n]`` on one GPU of ``cluster`` in ``dtype`` ("bf16" or "fp8")."""
     models = ARCH_MODELS[cluster.arch]
-    if dtype == "fp8" and cluster.fp8_tflops > 0:
-        return models["fp8"].seconds_at(cluster.fp8_tflops, cluster.hbm_gbps, m, n, k, groups)
-    return models["bf16"].seconds_at(cluster.bf16_tflops, cluster.hbm_gbps, m, n, k, groups)
+    model = models["fp8"] if dtype == "fp8" and cluster.fp8_tflops > 0 else models["bf16"]
+    return model.seconds_at(tensor_tflops(cluster, model.dtype, model.compute_share), cluster.hbm_gbps, m, n, k,
+                            groups)
 
 
 def attention_seconds(cluster: Cluster, flops: float, backward: bool) -> float:
     """Seconds of ``flops`` of a core that is not softmax attention (a Mamba-2 scan, a Gated DeltaNet rule) forward,
-    or its backward, at ``ATTENTION_SHARE`` of the bf16 peak."""
-    return flops / (ATTENTION_SHARE[1 if backward else 0] * cluster.bf16_tflops * 1e12)
+    or its backward, at ``ATTENTION_SHARE`` of the bf16 peak (``tensor_tflops``)."""
+    share = ATTENTION_SHARE[1 if backward else 0]
+    return flops / (share * tensor_tflops(cluster, "bf16", share) * 1e12)
 
 
 def softmax_attention_seconds(cluster: Cluster, flops: float, head_dims: float, backward: bool) -> float:
@@ -205,11 +232,12 @@ def softmax_attention_seconds(cluster: Cluster, flops: float, head_dims: float, 
     ``head_dims`` = d_qk + d_v of a head) forward, or its backward (``ATTENTION_MMA_SHARE``)."""
     scores = flops / (2.0 * head_dims)
     mma = flops * (ATTENTION_BACKWARD_FLOPS if backward else 1.0)
-    return mma / (ATTENTION_MMA_SHARE[1 if backward else 0] * cluster.bf16_tflops * 1e12) + scores / (
-        cluster.exp_tops * 1e12)
+    share = ATTENTION_MMA_SHARE[1 if backward else 0]
+    return mma / (share * tensor_tflops(cluster, "bf16", share) * 1e12) + scores / (cluster.exp_tops * 1e12)
 
 
 __all__ = ["ARCH_MODELS", "ATTENTION_BACKWARD_FLOPS", "ATTENTION_MMA_SHARE", "ATTENTION_SHARE", "B200_FP8_PEAKS",
-           "B200_PEAKS", "BF16", "BF16_B200", "BF16_H100", "BF16_SM100", "FP8", "FP8_B200", "FP8_H800", "FP8_SM100",
-           "H100_PEAKS", "H800_FP8_PEAKS", "MODELS", "GemmModel", "GemmPoint", "attention_seconds", "fit_model",
-           "gemm_seconds", "model_errors", "softmax_attention_seconds"]
+           "B200_PEAKS", "BF16", "BF16_B200", "BF16_H100", "BF16_SM100", "FIT_GPU", "FP8", "FP8_B200", "FP8_H800",
+           "FP8_SM100", "H100_PEAKS", "H800_FP8_PEAKS", "MODELS", "POWER_EXPONENT", "GemmModel", "GemmPoint",
+           "attention_seconds", "fit_model", "gemm_seconds", "model_errors", "softmax_attention_seconds",
+           "tensor_tflops"]

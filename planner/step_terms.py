@@ -102,7 +102,7 @@ class Calibration:
 
 # Fitted by ``python -m moefold.planner.calibration`` on the rows of ``planner.published`` marked ``fitted``
 # (at most half of the table); the other rows' errors are what the model is worth on runs it was not tuned on.
-CALIBRATION = Calibration(grouped=3.16, other=0.75, communication=1.38, layer_seconds=0.0022)
+CALIBRATION = Calibration(grouped=3.29, other=0.99, communication=1.38, layer_seconds=0.0016)
 UNCALIBRATED = Calibration()
 COMM_TERMS = ("tp", "cp", "ep", "pp", "dp")
 
