@@ -149,16 +149,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="also fit with these exponents of the board-power law and print each fit's error on the "
                              "fitted rows (e.g. 0,0.58,1)")
     args = parser.parse_args(argv)
+    try:
+        exponents = tuple(float(x) for x in args.power_exponents.split(",")) if args.power_exponents else ()
+    except ValueError:
+        parser.error(f"--power-exponents {args.power_exponents!r}: give numbers separated by commas, e.g. 0,0.58,1")
     cal = fit()
     print(f"CALIBRATION = Calibration(grouped={cal.grouped}, other={cal.other}, communication={cal.communication}, "
           f"layer_seconds={cal.layer_seconds})")
-    if args.power_exponents:
-        try:
-            exponents = tuple(float(x) for x in args.power_exponents.split(","))
-        except ValueError:
-            parser.error(f"--power-exponents {args.power_exponents!r}: give numbers separated by commas, e.g. 0,0.58,1")
-        for exponent, (c, rms) in power_exponent_fits(exponents).items():
-            print(f"power exponent {exponent:g}: rms log error of the fitted rows {rms:.4f} with {c}")
+    for exponent, (c, rms) in power_exponent_fits(exponents).items():
+        print(f"power exponent {exponent:g}: rms log error of the fitted rows {rms:.4f} with {c}")
     return 0
 
 

@@ -64,3 +64,11 @@ def test_cluster_file_takes_board_watts(tmp_path) -> None:
     path.write_text(base + "board_watts = -5\n")
     with pytest.raises(ValueError, match="board_watts=-5 must be a number >= 0"):
         load_cluster(str(path))
+
+
+def test_calibration_refuses_a_bad_exponent_list_before_fitting(capsys) -> None:
+    from moefold.planner import calibration
+
+    with pytest.raises(SystemExit) as exc:
+        calibration.main(["--power-exponents", "0,x"])
+    assert exc.value.code == 2 and "give numbers separated by commas" in capsys.readouterr().err
