@@ -144,7 +144,8 @@ def power_exponent_fits(exponents: tuple[float, ...],
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moefold.planner.calibration", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m moefold.planner.calibration", allow_abbrev=False,
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--power-exponents", default="", metavar="A,B,...",
                         help="also fit with these exponents of the board-power law and print each fit's error on the "
                              "fitted rows (e.g. 0,0.58,1)")

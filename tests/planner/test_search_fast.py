@@ -3,10 +3,11 @@ term) equal those of the search before them (6c9499b: every bound, memory and st
 saved in ``tests/planner/data/search_*.json`` by ``benchmarks/plan_reference.py`` (the ``moefold plan`` flags are in
 each file). The caches were held to 6c9499b's files; the files were written again on the merge that changed the
 memory and step-time models on purpose (issue 46: norms, router and FP8 SwiGLU activations; Blackwell GEMM fit,
-host-bound time; the board-power law's refit): rerun ``benchmarks/plan_reference.py`` with each file's flags after such a change, never to make a
-cache pass. What they cache: per block kind the compute and the unhidden communication of the step-time
-bound (``planner.step_bound``), per context the chunks' actions (``planner.chunk_cache``), per layout the activations
-whatever shards the static memory (``planner.profile``), per stage the parameter counts (``planner.static``).
+host-bound time; the board-power law's refit): rerun ``benchmarks/plan_reference.py`` with each file's flags after
+such a change, never to make a cache pass. What they cache: per block kind the compute and the unhidden
+communication of the step-time bound (``planner.step_bound``), per context the chunks' actions
+(``planner.chunk_cache``), per layout the activations whatever shards the static memory (``planner.profile``), per
+stage the parameter counts (``planner.static``).
 
 Qwen3-30B-A3B on 8 GPUs runs in the default suite (a few seconds); on 64 GPUs and DeepSeek-V3 on 256 they are marked
 slow (10-40 s of CPU each).
