@@ -27,7 +27,7 @@ the order shifted by one per round; medians reported):
 GFLOP/s count the expert GEMMs only (3 projections x (fwd + 2 bwd) x 2*N*H*F). The figures of merit are
 moefold / ceiling and megatron (titan) time / moefold time, all from the same rounds. Routing is near-uniform
 (random router weights, dropless). ``--profile N`` prints the N top ops (self CPU time) of one step of moefold
-and of each peer.
+and of each peer, and the rate of its ``aten::mm`` calls (GFLOP/s from their shapes).
 
 The first line names the machine (CPU, bf16 matmul units, threads, allocator). ``--allocators default,tuned``
 (the default) runs the whole table twice, the second time in a child process started with glibc's
@@ -295,7 +295,7 @@ def titan_step(T: int, H: int, E: int, k: int, F: int, dtype: torch.dtype) -> Ca
 def profile_top(step: Callable[[], None], top: int) -> None:
     from torch.profiler import profile
 
-    with profile() as prof:
+    with profile(record_shapes=True) as prof:
         step()
     events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     total = sum(e.self_cpu_time_total for e in events) or 1
@@ -303,6 +303,12 @@ def profile_top(step: Callable[[], None], top: int) -> None:
     for e in events[:top]:
         share = 100 * e.self_cpu_time_total / total
         print(f"#     {e.key[:44]:44} {e.self_cpu_time_total / 1e3:8.1f} ms {share:5.1f}% x{e.count}")
+    # the GEMMs' own rate: every aten::mm's 2*m*k*n over its time (equal calls on two sides should run equally)
+    mms = [e for e in prof.events() if e.name == "aten::mm" and len(e.input_shapes) >= 2]
+    mm_us = sum(e.cpu_time_total for e in mms)
+    if mm_us:
+        flop = sum(2 * e.input_shapes[0][0] * e.input_shapes[0][1] * e.input_shapes[1][1] for e in mms)
+        print(f"#   aten::mm: {mm_us / 1e3:.1f} ms in {len(mms)} calls, {flop / mm_us / 1e3:.1f} GFLOP/s")
 
 
 def main(argv: list[str] | None = None) -> int:

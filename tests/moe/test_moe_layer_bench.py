@@ -3,6 +3,7 @@ tests/execution/test_compile.py). In a child process: the Megatron-Core peer set
 Megatron's CUDA-only helpers at the CPU, which must not leak into other tests."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,4 +39,7 @@ def test_moe_layer_benchmark_prints_the_machine_and_every_row():
     # one profile of moefold and one of each peer that ran, per (dtype, config)
     peers = (megatron is None) * (1 + bool(bf16_rows)) + (titan is None) * bool(bf16_rows)
     assert out.count("top ops of one step") == 2 * (1 + bool(bf16_rows)) + 2 * peers, out
+    # each profile ends with its GEMMs' rate, from the calls' shapes
+    rates = re.findall(r"aten::mm: [0-9.]+ ms in (\d+) calls, ([0-9.]+) GFLOP/s", out)
+    assert len(rates) == out.count("top ops of one step") and all(int(n) > 0 and float(r) > 0 for n, r in rates), out
     assert "expert row layouts measured" in out
