@@ -90,13 +90,11 @@ class Cluster:
         if self.arch not in ARCHS:
             raise ValueError(f"cluster {self.name!r}: arch={self.arch!r} must be one of {', '.join(ARCHS)} (Ampere, "
                              "Hopper, Blackwell)")
-        value = self.board_watts
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"cluster {self.name!r}: board_watts={value!r} must be a number >= 0 (the GPU's board "
-                             "power in W, e.g. 700 for an H100 SXM; 0: unknown)")
-        value = self.fp8_tflops
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"cluster {self.name!r}: fp8_tflops={value!r} must be a number >= 0 (0: no FP8 units)")
+        for name, zero in (("board_watts", "the GPU's board power in W, e.g. 700 for an H100 SXM; 0: unknown"),
+                           ("fp8_tflops", "0: no FP8 units")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"cluster {self.name!r}: {name}={value!r} must be a number >= 0 ({zero})")
 
     def link_gbps(self, spans_nodes: bool) -> float:
         """Bandwidth per GPU of a group that stays in one node (NVLink) or spans nodes (network)."""

@@ -64,6 +64,9 @@ def test_cluster_file_takes_board_watts(tmp_path) -> None:
     path.write_text(base + "board_watts = -5\n")
     with pytest.raises(ValueError, match="board_watts=-5 must be a number >= 0"):
         load_cluster(str(path))
+    path.write_text(base + "fp8_tflops = -1\n")
+    with pytest.raises(ValueError, match=r"fp8_tflops=-1 must be a number >= 0 \(0: no FP8 units\)"):
+        load_cluster(str(path))
 
 
 def test_calibration_refuses_a_bad_exponent_list_before_fitting(capsys) -> None:
