@@ -27,7 +27,8 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -121,6 +122,25 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                 p.join()
         tmpdir.cleanup()
     return [done[r] for r in range(world_size)]
+
+
+@contextmanager
+def own_groups() -> Iterator[None]:
+    """Destroy, on leaving, every process group created inside: in a world that walks many layouts, around each.
+
+    Collective: every rank enters and leaves together; a barrier over the world comes first, so no rank shuts a
+    group down while a peer still uses it. Left on an exception without either: the failing rank reports at once
+    and the world ends. Why: each gloo group keeps its own TCP event loop (woken every 10 ms) and worker threads;
+    a 4-rank world walking 24 trainer layouts kept 260 live groups a rank, ``perf`` put 35% of the two cores'
+    samples in gloo's loop threads, and shutting each layout's groups down when it is done took that world from
+    80 s to 62 s (test_overlap_modes, on a 2-core AMD EPYC without AVX-512).
+    """
+    live = dist.distributed_c10d._world.pg_map   # torch has no public list of the live groups
+    before = set(live)
+    yield
+    dist.barrier()
+    for group in [g for g in live if g not in before]:
+        dist.destroy_process_group(group)
 
 
 class LayoutDims:

@@ -3,9 +3,10 @@
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from tests.distributed import RankFailure, run_distributed
+from tests.distributed import RankFailure, own_groups, run_distributed
 from tests.load import scaled
 
 
@@ -26,6 +27,21 @@ def _rank_one_hangs() -> None:
 
 def test_results_in_rank_order():
     assert run_distributed(_rank_times, 4, 10) == [0, 10, 20, 30]
+
+
+def _groups_inside_and_after() -> tuple[int, int, int, float]:
+    live = dist.distributed_c10d._world.pg_map
+    before = len(live)
+    with own_groups():
+        group, t = dist.new_group([0, 1]), torch.ones(1)
+        dist.all_reduce(t, group=group)
+        inside = len(live)
+    return before, inside, len(live), float(t)
+
+
+def test_own_groups_destroys_the_groups_made_inside():
+    for before, inside, after, total in run_distributed(_groups_inside_and_after, 2):
+        assert (inside, after, total) == (before + 1, before, 2.0)
 
 
 def test_failing_rank_reraises_its_traceback():

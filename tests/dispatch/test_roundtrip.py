@@ -12,7 +12,7 @@ import torch
 from moefold.dispatch import DispatchConfig, DispatcherKind, build_dispatcher
 from moefold.parallel import ParallelConfig, ParallelDims
 from tests.dispatch.common import expert_weights, make_case, make_routing, reference, run_experts
-from tests.distributed import run_distributed
+from tests.distributed import own_groups, run_distributed
 
 E = 8
 TOKENS = [5, 0, 7, 3, 6, 2, 4, 8]  # per rank; rank 1 has none
@@ -26,51 +26,52 @@ def _check_all(layouts):
     w1, w2 = expert_weights(E)
     failures = []
     for ep, etp in layouts:
-        dims = ParallelDims.build(ParallelConfig(ep=ep, etp=etp))
-        kinds = ["allgather", "alltoall"] + (["alltoall_sorted"] if etp == 1 and ep > 1 else [])
-        for kind in kinds:
-            # alltoall_sorted: one exchange + sort_chunks instead of the per-expert chunked exchange
-            d = (build_dispatcher(DispatchConfig(DispatcherKind.ALLTOALL, max_chunked_experts=0), E, dims)
-                 if kind == "alltoall_sorted"
-                 else build_dispatcher(DispatchConfig(kind), E, dims))
-            assert kind != "alltoall" or d.chunked == (etp == 1 and ep > 1)
-            for case in ("random", "one_expert", "topk_all"):
-                for mode in ("dropless", "drop", "padded"):
-                    x, ids, probs = make_case(case, TOKENS, E)
-                    # capacity is per source rank: each rank's keep mask from its own tokens
-                    routings = [make_routing(probs[sum(TOKENS[:r]):sum(TOKENS[:r + 1])], ids[sum(TOKENS[:r]):
-                                             sum(TOKENS[:r + 1])], E, mode, CAPACITY) for r in range(8)]
-                    keep = None if mode == "dropless" else torch.cat([r.keep_TK for r in routings])
-                    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
-                    xr = x.clone().requires_grad_()
-                    pr = probs.clone().requires_grad_()
-                    (reference(xr, pr, ids, keep, w1, w2) * g).sum().backward()
-                    y_ref = reference(x, probs, ids, keep, w1, w2)
+        with own_groups():   # this layout's groups, closed before the next one's
+            dims = ParallelDims.build(ParallelConfig(ep=ep, etp=etp))
+            kinds = ["allgather", "alltoall"] + (["alltoall_sorted"] if etp == 1 and ep > 1 else [])
+            for kind in kinds:
+                # alltoall_sorted: one exchange + sort_chunks instead of the per-expert chunked exchange
+                d = (build_dispatcher(DispatchConfig(DispatcherKind.ALLTOALL, max_chunked_experts=0), E, dims)
+                     if kind == "alltoall_sorted"
+                     else build_dispatcher(DispatchConfig(kind), E, dims))
+                assert kind != "alltoall" or d.chunked == (etp == 1 and ep > 1)
+                for case in ("random", "one_expert", "topk_all"):
+                    for mode in ("dropless", "drop", "padded"):
+                        x, ids, probs = make_case(case, TOKENS, E)
+                        # capacity is per source rank: each rank's keep mask from its own tokens
+                        routings = [make_routing(probs[sum(TOKENS[:r]):sum(TOKENS[:r + 1])], ids[sum(TOKENS[:r]):
+                                                 sum(TOKENS[:r + 1])], E, mode, CAPACITY) for r in range(8)]
+                        keep = None if mode == "dropless" else torch.cat([r.keep_TK for r in routings])
+                        g = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
+                        xr = x.clone().requires_grad_()
+                        pr = probs.clone().requires_grad_()
+                        (reference(xr, pr, ids, keep, w1, w2) * g).sum().backward()
+                        y_ref = reference(x, probs, ids, keep, w1, w2)
 
-                    x_l = x[mine].clone().requires_grad_()
-                    p_l = probs[mine].clone().requires_grad_()
-                    r = routings[rank]
-                    routing = type(r)(p_l, r.expert_ids_TK, r.tokens_per_expert_E, r.keep_TK, r.capacity,
-                                      r.pad_to_capacity)
-                    pending = d.dispatch_start(x_l, routing)
-                    out = pending.wait()
-                    per = out.tokens_per_expert_e.tolist()
-                    tag = f"{kind} ep{ep} etp{etp} {case} {mode}"
-                    if sum(per) != out.tokens_NH.shape[0]:
-                        failures.append(f"{tag}: tokens_per_expert {per} vs {out.tokens_NH.shape[0]} rows")
-                        continue
-                    if mode == "padded" and per != [CAPACITY * ep * etp] * (E // ep):
-                        failures.append(f"{tag}: padded tokens_per_expert {per}")
-                    expert_out = run_experts(out.tokens_NH, per, d.local_expert_offset, w1, w2, etp, dims.etp_rank,
-                                             probs_N=out.probs_N)
-                    y = d.combine(expert_out, out.handle)
-                    (y * g[mine]).sum().backward()
-                    for name, got, want in (("y", y, y_ref[mine]), ("grad x", x_l.grad, xr.grad[mine]),
-                                            ("grad probs", p_l.grad, pr.grad[mine])):
-                        if got is None or got.shape != want.shape or not torch.allclose(got, want, atol=1e-5,
-                                                                                        rtol=0):
-                            err = None if got is None or got.shape != want.shape else (got - want).abs().max()
-                            failures.append(f"{tag}: {name} differs (max err {err})")
+                        x_l = x[mine].clone().requires_grad_()
+                        p_l = probs[mine].clone().requires_grad_()
+                        r = routings[rank]
+                        routing = type(r)(p_l, r.expert_ids_TK, r.tokens_per_expert_E, r.keep_TK, r.capacity,
+                                          r.pad_to_capacity)
+                        pending = d.dispatch_start(x_l, routing)
+                        out = pending.wait()
+                        per = out.tokens_per_expert_e.tolist()
+                        tag = f"{kind} ep{ep} etp{etp} {case} {mode}"
+                        if sum(per) != out.tokens_NH.shape[0]:
+                            failures.append(f"{tag}: tokens_per_expert {per} vs {out.tokens_NH.shape[0]} rows")
+                            continue
+                        if mode == "padded" and per != [CAPACITY * ep * etp] * (E // ep):
+                            failures.append(f"{tag}: padded tokens_per_expert {per}")
+                        expert_out = run_experts(out.tokens_NH, per, d.local_expert_offset, w1, w2, etp, dims.etp_rank,
+                                                 probs_N=out.probs_N)
+                        y = d.combine(expert_out, out.handle)
+                        (y * g[mine]).sum().backward()
+                        for name, got, want in (("y", y, y_ref[mine]), ("grad x", x_l.grad, xr.grad[mine]),
+                                                ("grad probs", p_l.grad, pr.grad[mine])):
+                            if got is None or got.shape != want.shape or not torch.allclose(got, want, atol=1e-5,
+                                                                                            rtol=0):
+                                err = None if got is None or got.shape != want.shape else (got - want).abs().max()
+                                failures.append(f"{tag}: {name} differs (max err {err})")
     return failures
 
 

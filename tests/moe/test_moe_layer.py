@@ -14,6 +14,8 @@ ones also over tp) and gathered to full shape.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,7 +28,7 @@ from moefold.moe.layer import MoELayer
 from moefold.moe.router_config import RouterConfig
 from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.parallel.sharding import init_parameters, is_sequence_parallel, local_slice, shards_of
-from tests.distributed import run_distributed
+from tests.distributed import own_groups, run_distributed
 
 H, FFN, SHARED, S, B = 16, 8, 8, 4, 8   # B = dp * b: every dp rank gets B / dp sequences
 SCENARIOS = {  # name: (num_experts, topk, router weight edit)
@@ -187,11 +189,11 @@ def _references(cases: list, world: int) -> dict:
 def _check_cases(cases: list, refs: dict) -> int:
     """Every case on this rank, a layout's process groups built once, in the same order on every rank."""
     torch.manual_seed(0)
-    dims, built = None, None
-    for pc, cfg, scenario, sp, label in cases:
-        if pc != built:
-            dims, built = ParallelDims.build(pc), pc
-        _check_layout(cfg, scenario, dims, sp, refs, label)
+    for pc, same_layout in itertools.groupby(cases, key=lambda case: case[0]):
+        with own_groups():
+            dims = ParallelDims.build(pc)
+            for _, cfg, scenario, sp, label in same_layout:
+                _check_layout(cfg, scenario, dims, sp, refs, label)
     return len(cases)
 
 

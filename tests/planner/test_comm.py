@@ -36,7 +36,7 @@ from moefold.training.optim import grad_sync, param_sync
 from moefold.training.optim.buffers import ALIGN
 from moefold.training.optim.grad_sync import GradSync
 from moefold.training.optim.param_sync import ParamSync
-from tests.distributed import run_distributed
+from tests.distributed import own_groups, run_distributed
 
 WORLD = 4
 B, S = 2, 16
@@ -225,39 +225,42 @@ def _measure(layouts: dict[str, RunConfig]) -> list[tuple[str, str, Counter, Cou
     the head; the collectives they call against those ``planner.comm`` predicts."""
     rank, out = dist.get_rank(), []
     for name, config in layouts.items():
-        dims = ParallelDims.build(config.parallel)
-        sizes, options, model = dims.sizes, model_options(config), config.model
-        for index in (0, 1):   # first_k_dense_replace=1: block 0 dense, block 1 MoE
-            moe = model.is_moe_layer(index)
-            torch.manual_seed(index)
-            block = build_block(model, index, dims, options)
-            s = S // sizes.cp
-            local = s // sizes.tp if options.sequence_parallel and sizes.tp > 1 else s
-            x = torch.randn(local, B, model.hidden_size, requires_grad=True)
-            positions = context_parallel_positions(S, dims.cp_rank, sizes.cp)
-            if options.recompute == "selective":
-                apply_recompute(block, nn.ModuleDict(), options)
+        with own_groups():
+            dims = ParallelDims.build(config.parallel)
+            sizes, options, model = dims.sizes, model_options(config), config.model
+            for index in (0, 1):   # first_k_dense_replace=1: block 0 dense, block 1 MoE
+                moe = model.is_moe_layer(index)
+                torch.manual_seed(index)
+                block = build_block(model, index, dims, options)
+                s = S // sizes.cp
+                local = s // sizes.tp if options.sequence_parallel and sizes.tp > 1 else s
+                x = torch.randn(local, B, model.hidden_size, requires_grad=True)
+                positions = context_parallel_positions(S, dims.cp_rank, sizes.cp)
+                if options.recompute == "selective":
+                    apply_recompute(block, nn.ModuleDict(), options)
+                log = CollectiveLog()
+                with log.installed():
+                    y, extra = block(x, positions)
+                    loss = y.square().sum() + (extra.aux_loss if extra is not None else 0)
+                    log.phase = "backward"
+                    loss.backward()
+                collectives = comm.block_collectives(config, sizes, moe, device_type="cpu")
+                collectives += comm.recompute_collectives(collectives, options, full=options.recompute == "full",
+                                                          moe=moe)
+                out.append((name, "MoE block" if moe else "dense block", log.calls,
+                            _predicted(collectives, sizes, rank)))
+            # the embedding and the output head with its vocab-parallel loss (and the MTP depths): no decoder layers
+            decoder = build_decoder(model, dims, options, layer_ids=[])
+            ids = torch.randint(0, model.vocab_size, (B, S // sizes.cp))
             log = CollectiveLog()
             with log.installed():
-                y, extra = block(x, positions)
-                loss = y.square().sum() + (extra.aux_loss if extra is not None else 0)
+                loss = decoder(ids, ids).loss
                 log.phase = "backward"
                 loss.backward()
-            collectives = comm.block_collectives(config, sizes, moe, device_type="cpu")
-            collectives += comm.recompute_collectives(collectives, options, full=options.recompute == "full", moe=moe)
-            out.append((name, "MoE block" if moe else "dense block", log.calls, _predicted(collectives, sizes, rank)))
-        # the embedding and the output head with its vocab-parallel loss (and the MTP depths): no decoder layers
-        decoder = build_decoder(model, dims, options, layer_ids=[])
-        ids = torch.randint(0, model.vocab_size, (B, S // sizes.cp))
-        log = CollectiveLog()
-        with log.installed():
-            loss = decoder(ids, ids).loss
-            log.phase = "backward"
-            loss.backward()
-        collectives = comm.embedding_collectives(config, sizes) + comm.head_collectives(config, sizes)
-        for _ in range(model.mtp_num_layers):
-            collectives += comm.mtp_collectives(config, sizes, device_type="cpu")
-        out.append((name, "embedding, head and MTP", log.calls, _predicted(collectives, sizes, rank)))
+            collectives = comm.embedding_collectives(config, sizes) + comm.head_collectives(config, sizes)
+            for _ in range(model.mtp_num_layers):
+                collectives += comm.mtp_collectives(config, sizes, device_type="cpu")
+            out.append((name, "embedding, head and MTP", log.calls, _predicted(collectives, sizes, rank)))
     return out
 
 

@@ -37,7 +37,7 @@ from moefold.training.config import RunConfig, TrainConfig
 from moefold.training.observe.expert_counts import ROUTER_SUMS
 from moefold.training.observe.memory import measure_peak, static_bytes
 from moefold.training.trainer import Trainer
-from tests.distributed import run_distributed
+from tests.distributed import own_groups, run_distributed
 from tests.training.trainer_common import tiny_config
 
 WORLD = 4
@@ -77,9 +77,10 @@ def _trainer_bytes() -> dict[str, tuple[int, dict[str, int]]]:
     out = {}
     for name in LAYOUTS:
         config = config_of(name)
-        dims = ParallelDims.build(config.parallel)
-        trainer = Trainer(config, dims, log=lambda _m: None)
-        out[name] = (dims.pp_rank, static_bytes(trainer.sync, trainer.optimizer))
+        with own_groups():
+            dims = ParallelDims.build(config.parallel)
+            trainer = Trainer(config, dims, log=lambda _m: None)
+            out[name] = (dims.pp_rank, static_bytes(trainer.sync, trainer.optimizer))
     return out
 
 
@@ -195,12 +196,13 @@ def test_activation_peak_world1_fp8(setting: str, recipe: str) -> None:
 def _activation_world() -> dict[tuple[str, str], tuple[int, int]]:
     out = {}
     for name, (pc, layers, extra) in ACTIVATION_LAYOUTS.items():
-        dims = ParallelDims.build(pc)
-        for setting in RECOMPUTE:
-            if (name, setting) in UNCHECKED:
-                continue
-            config = activation_config(_layout_options(name, setting), pc, layers, WORLD, **extra)
-            out[(name, setting)] = (dims.pp_rank, measured_activations(config, dims))
+        with own_groups():
+            dims = ParallelDims.build(pc)
+            for setting in RECOMPUTE:
+                if (name, setting) in UNCHECKED:
+                    continue
+                config = activation_config(_layout_options(name, setting), pc, layers, WORLD, **extra)
+                out[(name, setting)] = (dims.pp_rank, measured_activations(config, dims))
     return out
 
 

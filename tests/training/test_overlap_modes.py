@@ -21,7 +21,7 @@ import torch
 from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.pipeline.overlap import Trace
 from moefold.precision.fp8 import FP8Config
-from tests.distributed import run_distributed
+from tests.distributed import own_groups, run_distributed
 from tests.training.test_trainer_layouts import _merged_grads, _run_observed
 from tests.training.trainer_common import run, tiny_config
 
@@ -92,8 +92,9 @@ def _summary(record: dict, dims: ParallelDims) -> dict:
 def _world() -> dict:
     out = {}
     for name, (pc, kwargs, options, _, _) in RUNS.items():
-        dims = ParallelDims.build(pc)
-        out[name] = _summary(_run_observed(_config(pc, kwargs, options), dims), dims)
+        with own_groups():
+            dims = ParallelDims.build(pc)
+            out[name] = _summary(_run_observed(_config(pc, kwargs, options), dims), dims)
     # the executed order of one step at ep2 with the overlap (gloo's asynchronous all-to-all)
     pc, kwargs, options, _, _ = RUNS["ep2.overlap"]
     trace = Trace()

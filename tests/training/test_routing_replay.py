@@ -25,7 +25,7 @@ from moefold.parallel.dims import ParallelConfig, ParallelDims
 from moefold.training.routing_file import FORMAT, RoutingFile, RoutingRecording, load_routing
 from moefold.training.routing_replay import micro_batch_rows, record_routing, trainer_rows
 from moefold.training.trainer import Trainer
-from tests.distributed import run_distributed
+from tests.distributed import own_groups, run_distributed
 from tests.training.trainer_common import observe, tiny_config, tiny_data
 
 SOURCE_SEED = 99   # the recording's weights: not the trained model's, so the replayed ids are not its live ones
@@ -214,24 +214,25 @@ def _world(references: dict, files: dict) -> list[str]:
     failures = []
     for name, (pc, kwargs, options) in LAYOUTS.items():
         ref = references[_reference_key(kwargs)]
-        dims = ParallelDims.build(pc)
-        config = _layout_config(pc, kwargs, options)
-        recording = _record(config, dims)
-        agree = {i: float((recording.ids[i] == t).all(-1).float().mean()) for i, t in ref["recording"].ids.items()}
-        # near-ties of two experts' scores may resolve otherwise at another layout (other summation orders); a
-        # token order assembled wrongly disagrees almost everywhere
-        if recording.layers != ref["recording"].layers or min(agree.values()) < 0.97:
-            failures.append(f"{name}: recording agrees with world 1's on {agree} of the tokens")
-        got = _replayed(config, files[_reference_key(kwargs)], dims)
-        if abs(got["losses"][0] - ref["replayed"]["losses"][0]) > TOL:
-            failures.append(f"{name}: replayed loss {got['losses'][0]} vs world 1 {ref['replayed']['losses'][0]}")
-        for pname, want in ref["replayed"]["grads"][0].items():
-            have = got["grads"][0].get(pname)
-            if have is None:
-                continue   # another pipeline stage's parameter
-            atol = GRAD_RTOL * max(float(want.abs().max()), 1e-12)
-            if not torch.allclose(have, want, atol=atol, rtol=0):
-                failures.append(f"{name}: grad {pname} max err {(have - want).abs().max():.3g} (atol {atol:.3g})")
+        with own_groups():
+            dims = ParallelDims.build(pc)
+            config = _layout_config(pc, kwargs, options)
+            recording = _record(config, dims)
+            agree = {i: float((recording.ids[i] == t).all(-1).float().mean()) for i, t in ref["recording"].ids.items()}
+            # near-ties of two experts' scores may resolve otherwise at another layout (other summation orders); a
+            # token order assembled wrongly disagrees almost everywhere
+            if recording.layers != ref["recording"].layers or min(agree.values()) < 0.97:
+                failures.append(f"{name}: recording agrees with world 1's on {agree} of the tokens")
+            got = _replayed(config, files[_reference_key(kwargs)], dims)
+            if abs(got["losses"][0] - ref["replayed"]["losses"][0]) > TOL:
+                failures.append(f"{name}: replayed loss {got['losses'][0]} vs world 1 {ref['replayed']['losses'][0]}")
+            for pname, want in ref["replayed"]["grads"][0].items():
+                have = got["grads"][0].get(pname)
+                if have is None:
+                    continue   # another pipeline stage's parameter
+                atol = GRAD_RTOL * max(float(want.abs().max()), 1e-12)
+                if not torch.allclose(have, want, atol=atol, rtol=0):
+                    failures.append(f"{name}: grad {pname} max err {(have - want).abs().max():.3g} (atol {atol:.3g})")
     return failures
 
 

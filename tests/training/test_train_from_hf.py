@@ -39,7 +39,7 @@ from moefold.training.evaluate import evaluate
 from moefold.training.observe.metrics import METRICS_FILE, read_metrics
 from moefold.training.run import build_dataset
 from moefold.training.trainer import Trainer
-from tests.distributed import run_distributed
+from tests.distributed import own_groups, run_distributed
 from tests.models.hf_tiny import (
     FAMILIES,
     FEATURE_FAMILIES,
@@ -76,13 +76,15 @@ def _rank(train_configs: dict[str, dict], eval_configs: dict[str, dict], qwen_di
     out = {}
     for name, config in train_configs.items():
         losses: list[float] = []
-        train(RunConfig.from_dict(config), "cpu", on_step=lambda r: losses.append(r.loss_lm))
+        with own_groups():
+            train(RunConfig.from_dict(config), "cpu", on_step=lambda r: losses.append(r.loss_lm))
         out[name] = losses
     for name, d in eval_configs.items():   # validation before any training step, at each layout
         config = RunConfig.from_dict(d)
-        dims = ParallelDims.build(config.parallel)
-        trainer = Trainer(config, dims, log=lambda _m: None)
-        out[name] = evaluate(trainer, build_dataset(config, dims, part="valid"), config.train.eval_iters).loss_lm
+        with own_groups():
+            dims = ParallelDims.build(config.parallel)
+            trainer = Trainer(config, dims, log=lambda _m: None)
+            out[name] = evaluate(trainer, build_dataset(config, dims, part="valid"), config.train.eval_iters).loss_lm
     dims = ParallelDims.build(ParallelConfig(tp=2, ep=2))
     model = import_hf(qwen_dir, dims, ModelOptions(sequence_parallel=False))
     out["generated"] = generate(model, ids, 10)

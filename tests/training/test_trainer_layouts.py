@@ -35,7 +35,7 @@ from moefold.training.observe.metrics import METRICS_FILE, read_metrics
 from moefold.training.optim import grad_sync
 from moefold.training.optim.buffers import ALIGN
 from moefold.training.optim.optimizer import decays
-from tests.distributed import run_distributed
+from tests.distributed import own_groups, run_distributed
 from tests.training.trainer_common import observe, run, tiny_config
 
 STEPS = 3
@@ -97,14 +97,16 @@ def _run_observed(config, dims=None, **kw) -> dict:
 
 
 def _layout_run(name: str, pc: ParallelConfig, kwargs: dict, run_root: str, stop_at: int | None = None) -> dict:
-    dims = ParallelDims.build(pc)
-    run_dir = f"{run_root}/{name}" if pc.pp > 1 and stop_at is None else None
-    r = _run_observed(tiny_config(pc, steps=STEPS, **kwargs), dims, run_dir=run_dir, stop_at=stop_at)
-    trainer = r.pop("trainer")
-    opt = trainer.optimizer
-    return {**r, "state_bytes": opt.state_bytes(), "owned": sum(p.hi - p.lo for s in opt.slices for p in s.pieces),
-            "buckets": sum(len(g.buckets) for g in trainer.sync.groups), "overlapped": trainer.overlapped_buckets,
-            "pp_rank": dims.pp_rank, "moe_layers_here": sorted(trainer.routers)}
+    with own_groups():
+        dims = ParallelDims.build(pc)
+        run_dir = f"{run_root}/{name}" if pc.pp > 1 and stop_at is None else None
+        r = _run_observed(tiny_config(pc, steps=STEPS, **kwargs), dims, run_dir=run_dir, stop_at=stop_at)
+        trainer = r.pop("trainer")
+        opt = trainer.optimizer
+        return {**r, "state_bytes": opt.state_bytes(),
+                "owned": sum(p.hi - p.lo for s in opt.slices for p in s.pieces),
+                "buckets": sum(len(g.buckets) for g in trainer.sync.groups), "overlapped": trainer.overlapped_buckets,
+                "pp_rank": dims.pp_rank, "moe_layers_here": sorted(trainer.routers)}
 
 
 def _world(run_root: str) -> dict:
@@ -121,9 +123,12 @@ def _world(run_root: str) -> dict:
     # NaN in the loss of micro-batch 0 of step 2 (made on the last stage only): every stage skips that step
     pc = ParallelConfig(pp=2, tp=2)
     nan_at_step_1 = lambda step, micro, loss: loss * float("nan") if step == 1 and micro == 0 else loss
-    _, params, trainer = run(tiny_config(pc, steps=2), ParallelDims.build(pc), hook=nan_at_step_1)
-    out["nan"] = {"optimizer_steps": trainer.optimizer.step_count, "iteration": trainer.iteration, "params": params}
-    _, params, _ = run(tiny_config(pc, steps=1), ParallelDims.build(pc))
+    with own_groups():
+        _, params, trainer = run(tiny_config(pc, steps=2), ParallelDims.build(pc), hook=nan_at_step_1)
+        out["nan"] = {"optimizer_steps": trainer.optimizer.step_count, "iteration": trainer.iteration,
+                      "params": params}
+    with own_groups():
+        _, params, _ = run(tiny_config(pc, steps=1), ParallelDims.build(pc))
     out["one_step"] = params
     return out
 
