@@ -34,6 +34,21 @@ def run_experts(tokens_NH: Tensor, per_expert: list[int], offset: int, w1: Tenso
     return torch.cat(outs) if outs else tokens_NH.new_zeros(0, w2.shape[1])
 
 
+def combine_and_compare(d, out, w1: Tensor, w2: Tensor, etp: int, etp_rank: int, g: Tensor, x: Tensor,
+                        probs: Tensor, want: dict[str, Tensor], tag: str, failures: list[str]) -> None:
+    """Run this rank's experts on what dispatcher ``d`` delivered (``out``), combine, backpropagate ``g`` into the
+    leaves ``x`` and ``probs``; append to ``failures`` each of ``want`` ("y", "grad x", "grad probs": this rank's
+    rows of the reference) that the round trip misses by more than 1e-5."""
+    expert_out = run_experts(out.tokens_NH, out.tokens_per_expert_e.tolist(), d.local_expert_offset, w1, w2, etp,
+                             etp_rank, probs_N=out.probs_N)
+    y = d.combine(expert_out, out.handle)
+    (y * g).sum().backward()
+    for name, got in (("y", y), ("grad x", x.grad), ("grad probs", probs.grad)):
+        if got is None or got.shape != want[name].shape or not torch.allclose(got, want[name], atol=1e-5, rtol=0):
+            err = None if got is None or got.shape != want[name].shape else (got - want[name]).abs().max()
+            failures.append(f"{tag}: {name} differs (max err {err})")
+
+
 def reference(x: Tensor, probs: Tensor, ids: Tensor, keep: Tensor | None, w1: Tensor, w2: Tensor) -> Tensor:
     """y[t] = sum_k keep * p_tk * expert_{ids_tk}(x_t), one token at a time."""
     y = x.new_zeros(x.shape)

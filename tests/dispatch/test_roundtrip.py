@@ -11,7 +11,7 @@ import torch
 
 from moefold.dispatch import DispatchConfig, DispatcherKind, build_dispatcher
 from moefold.parallel import ParallelConfig, ParallelDims
-from tests.dispatch.common import expert_weights, make_case, make_routing, reference, run_experts
+from tests.dispatch.common import combine_and_compare, expert_weights, make_case, make_routing, reference
 from tests.distributed import own_groups, run_distributed
 
 E = 8
@@ -62,16 +62,9 @@ def _check_all(layouts):
                             continue
                         if mode == "padded" and per != [CAPACITY * ep * etp] * (E // ep):
                             failures.append(f"{tag}: padded tokens_per_expert {per}")
-                        expert_out = run_experts(out.tokens_NH, per, d.local_expert_offset, w1, w2, etp, dims.etp_rank,
-                                                 probs_N=out.probs_N)
-                        y = d.combine(expert_out, out.handle)
-                        (y * g[mine]).sum().backward()
-                        for name, got, want in (("y", y, y_ref[mine]), ("grad x", x_l.grad, xr.grad[mine]),
-                                                ("grad probs", p_l.grad, pr.grad[mine])):
-                            if got is None or got.shape != want.shape or not torch.allclose(got, want, atol=1e-5,
-                                                                                            rtol=0):
-                                err = None if got is None or got.shape != want.shape else (got - want).abs().max()
-                                failures.append(f"{tag}: {name} differs (max err {err})")
+                        want = {"y": y_ref[mine], "grad x": xr.grad[mine], "grad probs": pr.grad[mine]}
+                        combine_and_compare(d, out, w1, w2, etp, dims.etp_rank, g[mine], x_l, p_l, want, tag,
+                                            failures)
     return failures
 
 

@@ -13,7 +13,7 @@ import torch
 from moefold.dispatch import DispatchConfig, DispatcherKind, build_dispatcher
 from moefold.dispatch.permutation import build_padded_row_map, mask_groups, permute, unpermute
 from moefold.parallel import ParallelConfig, ParallelDims
-from tests.dispatch.common import expert_weights, make_case, make_routing, reference, run_experts
+from tests.dispatch.common import combine_and_compare, expert_weights, make_case, make_routing, reference
 from tests.distributed import run_distributed
 
 E, PAD = 8, 4
@@ -65,14 +65,8 @@ def _check(layouts):
                         out.tokens_per_expert_host is not None and list(out.tokens_per_expert_host) != per):
                     failures.append(f"{tag}: counts {per} (host {out.tokens_per_expert_host})")
                     continue
-                expert_out = run_experts(out.tokens_NH, per, d.local_expert_offset, w1, w2, etp, dims.etp_rank,
-                                             probs_N=out.probs_N)
-                y = d.combine(expert_out, out.handle)
-                (y * g[mine]).sum().backward()
-                for name, got, want in (("y", y, y_ref[mine]), ("grad x", x_l.grad, xr.grad[mine]),
-                                        ("grad probs", p_l.grad, pr.grad[mine])):
-                    if got is None or not torch.allclose(got, want, atol=1e-5, rtol=0):
-                        failures.append(f"{tag}: {name} differs")
+                want = {"y": y_ref[mine], "grad x": xr.grad[mine], "grad probs": pr.grad[mine]}
+                combine_and_compare(d, out, w1, w2, etp, dims.etp_rank, g[mine], x_l, p_l, want, tag, failures)
     return failures
 
 
